@@ -1,0 +1,265 @@
+"""PEFT integration: DoRAFP8Linear (a PEFT LoRA Linear on an FP8Linear base), conversion, and registration.
+
+DoRAFP8Linear subclasses PEFT's own `lora.Linear`, so everything PEFT does around a layer keeps working:
+adapter state_dict keys (`lora_A.<name>.weight`, `lora_B.<name>.weight`, `lora_magnitude_vector.<name>.weight`),
+save_pretrained/load_adapter, set_adapter, disable_adapter, several adapters per layer. Only three things change:
+the base layer is an FP8Linear, the DoRA magnitude is initialised from the fp8 weight, and the forward of the usual
+case (one active DoRA adapter) is one fused dorafp8 call instead of PEFT's dense [N, K] temporaries.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from peft.tuners.lora import layer as lora_layer
+from peft.tuners.lora.dora import DoraLinearLayer
+from peft.tuners.lora.model import LoraModel
+from peft.tuners.lora.variants import DoraLinearVariant
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+from .backends import check_backend_name
+from .fp8_linear import FP8Linear
+from .ops import dora_fp8_linear, fp8_linear, weight_norm
+
+_MERGE_ERROR = (
+    "merging a DoRA adapter into an fp8 base would re-quantize the merged weight and lose precision, so "
+    "DoRAFP8Linear does not merge. Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
+    "original-precision base model, and merge there (merge_and_unload)."
+)
+
+
+class DoraFP8Variant(DoraLinearVariant):
+    """PEFT's DoRA variant on an FP8Linear base: magnitude from the fp8 weight, no dense [N, K] temporaries."""
+
+    @staticmethod
+    def init(module: "DoRAFP8Linear", adapter_name: str, **kwargs: Any) -> None:
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        lora_A = module.lora_A[adapter_name].weight
+        n = module.dora_weight_norm(adapter_name, use_cache=False)
+        dora_layer = DoraLinearLayer(fan_in_fan_out=False)
+        dora_layer.weight = nn.Parameter(n.to(lora_A.dtype), requires_grad=True)
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def merge_safe(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def merge_unsafe(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def unmerge(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def forward(module: "DoRAFP8Linear", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        # The general path (several active adapters, or a LoRA bias): PEFT's exact composition, where `result`
+        # already holds the base output plus the adapters before this one.
+        lora_A = module.lora_A[active_adapter]
+        lora_B = module.lora_B[active_adapter]
+        dropout = module.lora_dropout[active_adapter]
+        scaling = module.scaling[active_adapter]
+        base = module.get_base_layer()
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result if base.bias is None else result - base.bias
+        else:
+            x = dropout(x)
+            base_result = fp8_linear(x, base.weight, base.scale, None, backend=base.backend)
+        n = module.dora_weight_norm(active_adapter)
+        mag_norm_scale = (module.lora_magnitude_vector[active_adapter].weight / n).view(1, -1)
+        lora_result = lora_B(lora_A(x))
+        return result + (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
+
+
+class DoRAFP8Linear(lora_layer.Linear):
+    """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
+
+    Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
+    PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these.
+    The weight norm is cached per adapter, keyed on the adapter tensors' version counters, so it is computed once
+    per optimizer step (shared by forward, backward and gradient-accumulation micro-batches) and never stale after
+    an in-place update (optimizer.step, load_state_dict). Writes through `.data` bypass version counters: call
+    `clear_weight_norm_cache()` after such writes.
+    """
+
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        self._dorafp8_norm_cache: dict[str, tuple] = {}
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+        self.fan_in_fan_out = False  # the FP8Linear weight is always [out, in]
+
+    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
+
+    def _get_in_out_features(self, module):
+        if isinstance(module, FP8Linear):
+            return module.in_features, module.out_features
+        return super()._get_in_out_features(module)
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        # PEFT casts new adapters to the base weight's dtype: that must be the original dtype, never fp8.
+        if isinstance(base_layer, FP8Linear):
+            return base_layer.weight.device, base_layer.orig_dtype
+        return super()._get_base_layer_device_and_dtype(base_layer)
+
+    @property
+    def lora_variants(self):
+        return {(): None, ("use_dora",): DoraFP8Variant}
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        raise NotImplementedError(_MERGE_ERROR)
+
+    def get_delta_weight(self, adapter) -> torch.Tensor:
+        raise NotImplementedError(_MERGE_ERROR)
+
+    # ---- dorafp8 -------------------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        return self.get_base_layer().backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.get_base_layer().backend = check_backend_name(name)
+        self.clear_weight_norm_cache()
+
+    def clear_weight_norm_cache(self) -> None:
+        self._dorafp8_norm_cache.clear()
+
+    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
+        """The detached fp32 row norm ||W0 + s B A|| of `adapter`, cached until A, B or the base change."""
+        base = self.get_base_layer()
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        s = self.scaling[adapter]
+        if not use_cache or torch.compiler.is_compiling():
+            return weight_norm(base.weight, base.scale, A, B, s, backend=base.backend)
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
+        key += (s, base.backend)
+        hit = self._dorafp8_norm_cache.get(adapter)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        n = weight_norm(base.weight, base.scale, A, B, s, backend=base.backend)
+        self._dorafp8_norm_cache[adapter] = (key, n)
+        return n
+
+    def _fused_adapter(self) -> str | None:
+        """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        a = active[0]
+        if not isinstance(self.lora_variant.get(a), DoraFP8Variant) or self.lora_B[a].bias is not None:
+            return None
+        return a
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        a = None
+        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
+            a = self._fused_adapter()
+        if a is None:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        base = self.get_base_layer()
+        dropout = self.lora_dropout[a]
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        return dora_fp8_linear(
+            x, base.weight, base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
+            self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
+            dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a))
+
+    def extra_repr(self) -> str:
+        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, r={{{ranks}}}, "
+                f"backend={self.backend}")
+
+    def __repr__(self) -> str:
+        return nn.Module.__repr__(self)
+
+    # ---- conversion ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
+                  per_row_scale: bool = False) -> "DoRAFP8Linear":
+        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), with the base quantized to fp8.
+
+        The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
+        shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded.
+        """
+        if not isinstance(layer, lora_layer.Linear):
+            raise TypeError(f"layer must be a peft LoRA Linear (peft.tuners.lora.layer.Linear), "
+                            f"got {type(layer).__name__}")
+        if layer.merged:
+            raise ValueError("layer has merged adapters; unmerge them first (layer.unmerge())")
+        for name, variant in layer.lora_variant.items():
+            if type(variant) not in (DoraLinearVariant, DoraFP8Variant):
+                raise ValueError(f"adapter {name!r} uses the LoRA variant {type(variant).__name__}, which dorafp8 "
+                                 f"does not support (only plain LoRA and DoRA)")
+        base = layer.get_base_layer()
+        fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(
+            base, per_row_scale=per_row_scale, backend=backend)
+        fp8.backend = check_backend_name(backend)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._dorafp8_norm_cache = {}
+        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
+                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled", "is_target_conv_1d_layer"):
+            if hasattr(layer, attr):
+                setattr(new, attr, getattr(layer, attr))
+        if "adapter_layer_names" in layer.__dict__:
+            new.adapter_layer_names = layer.adapter_layer_names
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector"):
+            setattr(new, attr, getattr(layer, attr))
+        for dora in new.lora_magnitude_vector.values():
+            dora.fan_in_fan_out = False
+        new.fan_in_fan_out = False
+        new.lora_variant = {name: DoraFP8Variant() for name in layer.lora_variant}
+        new.train(layer.training)
+        return new
+
+
+def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
+    """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear,
+    quantizing its base weight to fp8, in place. Returns how many layers were swapped."""
+    check_backend_name(backend)
+    names = [name for name, mod in peft_model.named_modules()
+             if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
+             and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = peft_model.get_submodule(parent_name) if parent_name else peft_model
+        setattr(parent, child, DoRAFP8Linear.from_peft(getattr(parent, child), backend=backend,
+                                                       per_row_scale=per_row_scale))
+    if not names:
+        warnings.warn("convert_peft_model found no PEFT DoRA Linear layer to convert (use_dora=True?)")
+    return len(names)
+
+
+_ORIG_CREATE_NEW_MODULE = None
+
+
+def register_with_peft() -> None:
+    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer.
+
+    PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module; this wraps
+    that static method so FP8Linear targets come here first. Idempotent; called on `import dorafp8`.
+    """
+    global _ORIG_CREATE_NEW_MODULE
+    if _ORIG_CREATE_NEW_MODULE is not None:
+        return
+    _ORIG_CREATE_NEW_MODULE = LoraModel._create_new_module
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, FP8Linear):
+            kwargs.pop("fan_in_fan_out", None)
+            return DoRAFP8Linear(target, adapter_name, config=lora_config, **kwargs)
+        return _ORIG_CREATE_NEW_MODULE(lora_config, adapter_name, target, **kwargs)
+
+    LoraModel._create_new_module = staticmethod(_create_new_module)

@@ -1,0 +1,126 @@
+"""Build script for dorafp8.
+
+The pure-Python package (dorafp8/, plus triton_kernels/ installed as `dorafp8.triton_kernels` so that it never
+collides with the `triton_kernels` package shipped by Triton and vLLM) always installs. The CUDA C++ extension
+`dorafp8._C` (csrc/) is optional:
+
+  DORAFP8_SKIP_CUDA_BUILD=1   never build it
+  DORAFP8_FORCE_CUDA_BUILD=1  build it even when no GPU is visible (CI: nvcc present, no GPU)
+  DORAFP8_CUDA_ARCHS="89;90a" target architectures (default: sm_89 and sm_90a, plus PTX of the newest)
+  MAX_JOBS                    parallel nvcc jobs (default: sized from free memory and cores)
+
+Without torch in the build environment (an isolated `pip install`), without nvcc, or without a GPU (unless forced)
+the extension is skipped with a one-line message and the package falls back to its Triton/reference backends.
+"""
+
+import os
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _say(msg):
+    print(f"dorafp8 setup: {msg}", file=sys.stderr)
+
+
+def _default_max_jobs():
+    # nvcc on torch headers peaks around 2-3 GiB per job; never oversubscribe memory.
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        by_mem = max(1, avail_kb // (3 * 1024 * 1024))
+    except (OSError, StopIteration, ValueError):
+        by_mem = 1
+    return str(max(1, min(os.cpu_count() or 1, by_mem)))
+
+
+def _cuda_extension():
+    """Returns (ext_modules, cmdclass) for dorafp8._C, or ([], {}) with a one-line reason."""
+    if os.environ.get("DORAFP8_SKIP_CUDA_BUILD", "0") == "1":
+        _say("DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        _say("torch not importable at build time (isolated build?): skipping the CUDA extension; "
+             "to build it: pip install -e . --no-build-isolation")
+        return [], {}
+    if os.environ.get("CUDA_HOME") is None and os.path.isdir("/usr/local/cuda"):
+        # nvcc on PATH may be a wrapper script, which makes torch guess CUDA_HOME wrong.
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+        import torch.utils.cpp_extension as ce
+        ce.CUDA_HOME = "/usr/local/cuda"
+        CUDA_HOME = ce.CUDA_HOME
+    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        _say("nvcc not found (set CUDA_HOME): skipping the CUDA extension")
+        return [], {}
+    if torch.version.cuda is None:
+        _say(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
+        return [], {}
+    forced = os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
+    if not forced and not torch.cuda.is_available():
+        _say("no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)")
+        return [], {}
+    sources = [os.path.join("csrc", f) for f in ("binding.cpp", "dora_fp8.cu")]
+    if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
+        _say("csrc/ sources missing: skipping the CUDA extension")
+        return [], {}
+
+    archs = os.environ.get("DORAFP8_CUDA_ARCHS", "89;90a").replace(",", ";").split(";")
+    archs = [a.strip() for a in archs if a.strip()]
+    gencode = []
+    for a in archs:
+        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    # PTX of the newest arch so that newer GPUs can JIT it.
+    newest = archs[-1]
+    gencode += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    os.environ.setdefault("MAX_JOBS", _default_max_jobs())
+    # torch's CUDAContext.h pulls cusparse.h, which the bare toolkit here lacks; the nvidia pip wheels ship it.
+    include_dirs = [os.path.join(HERE, "csrc")]
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            cand = os.path.join(root, "cu13", "include")
+            if os.path.isdir(cand):
+                include_dirs.append(cand)
+    except ImportError:
+        pass
+    ext = CUDAExtension(
+        name="dorafp8._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
+        },
+    )
+    _say(f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}")
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _cuda_extension()
+
+setup(
+    name="dorafp8",
+    version="0.1.0",
+    description="Fused DoRA on FP8 e4m3 base weights: Triton and CUDA kernels, a drop-in for PEFT's DoRA layer",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["dorafp8", "dorafp8.triton_kernels"],
+    package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels"},
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "peft": ["peft>=0.21", "transformers>=4.50"],
+        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "ninja", "pybind11"],
+        "bench": ["matplotlib", "tqdm"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

@@ -1,0 +1,221 @@
+"""dora_fp8_linear / fp8_linear / weight_norm end to end (autograd included) against fp64, every backend here."""
+
+import itertools
+
+import pytest
+import torch
+
+import dorafp8
+from dorafp8 import ops
+from _ref import TOL, assert_close, dora_fp64
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CASES = [(d, b) for d in DEVICES for b in dorafp8.available_backends(d)]
+
+
+def _problem(M, K, N, r, dtype=torch.float32, device="cpu", per_row=False, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=g) / K ** 0.5
+    w8, scale = dorafp8.quantize_e4m3(W, per_row=per_row)
+    A = torch.randn(r, K, generator=g) / K ** 0.5
+    B = torch.randn(N, r, generator=g) / r ** 0.5
+    m = torch.rand(N, generator=g) + 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(M, K, generator=g)
+    mv = lambda t: None if t is None else t.to(device)
+    return (mv(x).to(dtype), mv(w8), mv(scale), mv(A), mv(B), mv(m), mv(b))
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("shape", [(1, 16, 16, 1), (37, 50, 70, 3), (8, 64, 32, 16)])
+@pytest.mark.parametrize("per_row,bias", [(False, True), (True, False)])
+def test_dora_forward_backward_fp32(device, backend, shape, per_row, bias):
+    M, K, N, r = shape
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device, per_row=per_row, bias=bias)
+    s = 0.75
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, b, backend=backend)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    yr, leaves = dora_fp64(x, W0, A, B, m, s, b)
+    yr.backward(gy.double())
+    tol = TOL[torch.float32]
+    assert_close(y, yr, tol, "y")
+    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
+        assert_close(got, ref.grad, tol, name)
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_dora_dropout_matches_peft_semantics(device, backend):
+    M, K, N, r, p, s = 24, 40, 30, 4, 0.3, 2.0
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device)
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    torch.manual_seed(123)
+    y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, b, dropout_p=p, training=True, backend=backend)
+    torch.manual_seed(123)
+    _, keep = ops._dropout_with_mask(x, p)  # the mask the call above drew
+    assert 0 < keep.sum() < keep.numel()
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=(keep, p))
+    yr.backward(gy.double())
+    assert_close(y, yr, TOL[torch.float32], "y")
+    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
+        assert_close(got, ref.grad, TOL[torch.float32], name)
+    # eval mode ignores dropout entirely
+    y_eval = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s, b, dropout_p=p, training=False, backend=backend)
+    yr_eval, _ = dora_fp64(x, W0, A, B, m, s, b)
+    assert_close(y_eval, yr_eval, TOL[torch.float32], "y_eval")
+
+
+def test_dropout_mask_is_torch_dropout():
+    x = torch.randn(64, 33)
+    torch.manual_seed(7)
+    ref = torch.nn.functional.dropout(x, 0.25, True)
+    torch.manual_seed(7)
+    xd, keep = ops._dropout_with_mask(x, 0.25)
+    assert torch.equal(xd, ref) and torch.equal(keep, ref != 0)
+
+
+_DT = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("x_dtype,ad_dtype,autocast", [
+    (xd, ad, ac) for xd, ad, ac in itertools.product(_DT, _DT, [None, torch.bfloat16, torch.float16])])
+def test_dtype_matrix(x_dtype, ad_dtype, autocast):
+    """Every activation x adapter x autocast combination runs forward and backward, the output has the compute
+    dtype (x's, or autocast's), gradients have their parameter's dtype, and all match fp64 to the precision of the
+    lowest dtype involved."""
+    M, K, N, r, s = 9, 48, 24, 4, 0.5
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r)
+    xl = x.to(x_dtype).requires_grad_()
+    Al, Bl, ml = (t.to(ad_dtype).requires_grad_() for t in (A, B, m))
+    bl = b.to(ad_dtype)
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, bl)
+    cdt = autocast or x_dtype
+    assert y.dtype == cdt
+    gy = torch.randn(y.shape)
+    y.backward(gy.to(y.dtype))
+    for t in (xl, Al, Bl, ml):
+        assert t.grad is not None and t.grad.dtype == t.dtype
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    # The reference sees the inputs as rounded to their dtypes (that rounding is the user's, not ours).
+    yr, leaves = dora_fp64(xl.detach(), W0, Al.detach(), Bl.detach(), ml.detach(), s, bl.detach())
+    yr.backward(gy.double())
+    worst = max((x_dtype, ad_dtype, cdt), key=lambda d: TOL[d])
+    tol = TOL[worst]
+    assert_close(y, yr, tol, "y")
+    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
+        assert_close(got, ref.grad, 2 * tol, name)
+
+
+def test_fp8_linear_matches_fp64():
+    x, w8, scale, _, _, _, b = _problem(13, 40, 24, 2, per_row=True)
+    xl = x.clone().requires_grad_()
+    y = dorafp8.fp8_linear(xl, w8, scale, b)
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    x64 = x.double().requires_grad_()
+    yr = x64 @ W0.T + b.double()
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    yr.backward(gy.double())
+    assert_close(y, yr, TOL[torch.float32], "y")
+    assert_close(xl.grad, x64.grad, TOL[torch.float32], "dx")
+
+
+def test_weight_norm_fp64():
+    _, w8, scale, A, B, _, _ = _problem(1, 70, 50, 3, per_row=True)
+    n = dorafp8.weight_norm(w8, scale, A, B, 1.5)
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    ref = (W0 + 1.5 * B.double() @ A.double()).norm(dim=1)
+    assert n.dtype == torch.float32 and not n.requires_grad
+    assert_close(n, ref, 1e-6, "n")
+
+
+def test_leading_dims_noncontiguous_and_empty():
+    M, K, N, r = 6, 32, 16, 2
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r)
+    x3 = torch.randn(K, 3, 5).permute(1, 2, 0)  # [3, 5, K], last dim strided
+    assert not x3.is_contiguous()
+    y3 = dorafp8.dora_fp8_linear(x3, w8, scale, A, B, m, 0.5, b)
+    y3_ref = dorafp8.dora_fp8_linear(x3.contiguous(), w8, scale, A, B, m, 0.5, b)
+    assert y3.shape == (3, 5, N) and torch.equal(y3, y3_ref)
+    # empty batch: output [0, N], gradients are zeros of the right shapes
+    Al, Bl, ml = (t.clone().requires_grad_() for t in (A, B, m))
+    x0 = torch.empty(0, 4, K, requires_grad=True)
+    y0 = dorafp8.dora_fp8_linear(x0, w8, scale, Al, Bl, ml, 0.5, b)
+    assert y0.shape == (0, 4, N)
+    y0.sum().backward()
+    assert x0.grad.shape == x0.shape
+    for t in (Al, Bl, ml):
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_nan_row_stays_in_its_row():
+    x, w8, scale, A, B, m, b = _problem(5, 24, 12, 2)
+    x[2, 3] = float("nan")
+    y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 0.5, b)
+    assert torch.isnan(y[2]).all()
+    assert torch.isfinite(y[[0, 1, 3, 4]]).all()
+
+
+def test_input_errors_name_the_argument():
+    x, w8, scale, A, B, m, b = _problem(4, 24, 12, 2)
+    f = dorafp8.dora_fp8_linear
+    with pytest.raises(ValueError, match=r"in_features=24"):
+        f(torch.randn(4, 23), w8, scale, A, B, m, 0.5)
+    with pytest.raises(TypeError, match=r"x must be float32, bfloat16 or float16"):
+        f(x.double(), w8, scale, A, B, m, 0.5)
+    with pytest.raises(TypeError, match=r"w8 must be a torch.float8_e4m3fn"):
+        f(x, w8.float(), scale, A, B, m, 0.5)
+    with pytest.raises(ValueError, match=r"w8 must be 2-D"):
+        f(x, w8[None], scale, A, B, m, 0.5)
+    with pytest.raises(ValueError, match=r"magnitude must have shape \[12\]"):
+        f(x, w8, scale, A, B, m[:-1], 0.5)
+    with pytest.raises(ValueError, match=r"lora_B must have shape \[12, 2\]"):
+        f(x, w8, scale, A, B.T, m, 0.5)
+    with pytest.raises(ValueError, match=r"scale must have one element \(per tensor\) or shape \[12\]"):
+        f(x, w8, torch.ones(3), A, B, m, 0.5)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        f(x, w8, scale, A, B, m, 0.5, dropout_p=1.0)
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'reference', 'triton', 'cuda'\]"):
+        f(x, w8, scale, A, B, m, 0.5, backend="tpu")
+
+
+def test_backend_selection(monkeypatch):
+    from dorafp8 import backends
+
+    assert backends.resolve("auto", torch.device("cpu")) == "reference"
+    monkeypatch.setenv("DORAFP8_BACKEND", "reference")
+    assert backends.resolve("auto", torch.device("cpu")) == "reference"
+    monkeypatch.setenv("DORAFP8_BACKEND", "nope")
+    with pytest.raises(ValueError, match="DORAFP8_BACKEND must be one of"):
+        backends.resolve("auto", torch.device("cpu"))
+    monkeypatch.delenv("DORAFP8_BACKEND")
+    # cuda on CPU tensors: asked for by name, it is an error that says why
+    with pytest.raises(RuntimeError, match="backend 'cuda' cannot run on cpu"):
+        backends.resolve("cuda", torch.device("cpu"))
+
+
+def test_quantize_recipe():
+    W = torch.randn(33, 17) * 3
+    w8, scale = dorafp8.quantize_e4m3(W)
+    assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.dim() == 0
+    assert scale.item() == pytest.approx(W.abs().max().item() / 448, rel=1e-7)
+    ref = (W / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(w8.view(torch.uint8), ref.view(torch.uint8))
+    # the quantization error is at most half an e4m3 step (3 mantissa bits: 2^-4 relative), plus subnormals
+    err = (dorafp8.dequantize_e4m3(w8, scale) - W).abs()
+    assert (err <= W.abs() * 2 ** -4 + scale * 2 ** -10).all()
+    w8z, sz = dorafp8.quantize_e4m3(torch.zeros(4, 4))
+    assert sz.item() == 1.0 and not w8z.float().any()
+    w8r, sr = dorafp8.quantize_e4m3(W, per_row=True)
+    assert sr.shape == (33,)
+    assert torch.allclose(sr, W.abs().amax(1) / 448)
+    bad = W.clone()
+    bad[5, 2] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        dorafp8.quantize_e4m3(bad)
