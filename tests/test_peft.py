@@ -1,0 +1,260 @@
+"""Parity with PEFT's own DoRA on LLaMA-style (nn.Linear) and GPT-2-style (Conv1D, fan_in_fan_out) models built from
+configs, and PEFT's machinery (state_dict keys, save/load, disable/set adapter, several adapters) around the layer."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
+
+import dorafp8  # noqa: E402
+from dorafp8 import DoRAFP8Linear, FP8Linear  # noqa: E402
+from _ref import assert_close  # noqa: E402
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
+
+
+def _base_model(kind):
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                       mlp_bias=True, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    return model.float().eval()
+
+
+def _lora_config(kind, **kw):
+    kw.setdefault("r", 8)
+    kw.setdefault("lora_alpha", 16)
+    return LoraConfig(use_dora=True, target_modules=LLAMA_TARGETS if kind == "llama" else GPT2_TARGETS,
+                      fan_in_fan_out=(kind == "gpt2"), **kw)
+
+
+def _randomize_adapters(model, adapter="default", seed=1):
+    """PEFT initialises B = 0 (DoRA = base): give every adapter tensor a non-trivial value, deterministically."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if f".{adapter}." in name + "." and ("lora_B" in name or "lora_A" in name):
+            p.data = torch.randn(p.shape, generator=g).to(p.dtype) * 0.2
+        elif f"lora_magnitude_vector.{adapter}" in name:
+            p.data = p.data * (1 + 0.2 * torch.randn(p.shape, generator=g)).to(p.dtype)
+
+
+def _dequantize_bases_in_place(model):
+    """Replaces each DoRA layer's base weight by its fp8 round trip: the plain-PEFT twin of a converted model."""
+    for mod in model.modules():
+        if isinstance(mod, LoraLinear) and not isinstance(mod, DoRAFP8Linear):
+            base = mod.get_base_layer()
+            w = base.weight.data.T if mod.fan_in_fan_out else base.weight.data
+            w8, scale = dorafp8.quantize_e4m3(w)
+            wq = dorafp8.dequantize_e4m3(w8, scale, w.dtype)
+            base.weight.data = (wq.T if mod.fan_in_fan_out else wq).contiguous()
+
+
+def _pair(kind, **cfg_kw):
+    """(plain PEFT model on the dequantized fp8 base, the same model converted to dorafp8)."""
+    model = get_peft_model(_base_model(kind), _lora_config(kind, **cfg_kw))
+    _randomize_adapters(model)
+    ours = copy.deepcopy(model)
+    n = dorafp8.convert_peft_model(ours)
+    assert n == (14 if kind == "llama" else 8)
+    _dequantize_bases_in_place(model)
+    return model, ours
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _run(model, ids, seed=5):
+    torch.manual_seed(seed)
+    out = model(input_ids=ids).logits
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    return out
+
+
+IDS = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("cfg_kw", [{}, {"use_rslora": True, "lora_dropout": 0.1}])
+@pytest.mark.parametrize("train", [False, True])
+def test_parity_with_peft(kind, cfg_kw, train):
+    peft_model, ours = _pair(kind, **cfg_kw)
+    for mdl in (peft_model, ours):
+        mdl.train(train)
+    ref = _run(peft_model, IDS)
+    got = _run(ours, IDS)
+    assert_close(got, ref, 1e-5, "logits")
+    g_ref, g_got = _grads(peft_model), _grads(ours)
+    assert g_ref.keys() == g_got.keys() and len(g_ref) == (42 if kind == "llama" else 24)
+    for name in g_ref:
+        assert_close(g_got[name], g_ref[name], 1e-4, name)
+
+
+def test_converted_layers_and_repr():
+    _, ours = _pair("gpt2")
+    layer = ours.base_model.model.transformer.h[0].attn.c_attn
+    assert isinstance(layer, DoRAFP8Linear) and isinstance(layer.base_layer, FP8Linear)
+    assert layer.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert (layer.in_features, layer.out_features) == (64, 192)
+    text = repr(layer)
+    for piece in ("in_features=64", "out_features=192", "r={default=8}", "backend=auto", "float8_e4m3fn"):
+        assert piece in text, text
+
+
+def test_adapter_state_dict_keys_match_peft():
+    peft_model, ours = _pair("llama")
+    k_ref = set(peft.get_peft_model_state_dict(peft_model).keys())
+    k_got = set(peft.get_peft_model_state_dict(ours).keys())
+    assert k_ref == k_got
+    assert any(k.endswith("lora_magnitude_vector") for k in k_got)
+
+
+def test_save_pretrained_loads_in_plain_peft(tmp_path):
+    """The adapter saved from a dorafp8 model loads onto the original-precision base with plain PEFT and gives the
+    outputs of the original (pre-conversion) PEFT model with the same adapter."""
+    model = get_peft_model(_base_model("llama"), _lora_config("llama"))
+    _randomize_adapters(model)
+    original = copy.deepcopy(model)
+    dorafp8.convert_peft_model(model)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(_base_model("llama"), tmp_path).eval()
+    with torch.no_grad():
+        assert_close(loaded(input_ids=IDS).logits, original(input_ids=IDS).logits, 1e-6, "logits")
+
+
+def test_disable_set_and_multiple_adapters():
+    peft_model, ours = _pair("llama")
+    with torch.no_grad():
+        with peft_model.disable_adapter(), ours.disable_adapter():
+            assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "disabled")
+        for mdl in (peft_model, ours):
+            torch.manual_seed(11)
+            mdl.add_adapter("other", _lora_config("llama", r=4, lora_alpha=8))
+            _randomize_adapters(mdl, "other", seed=2)
+            mdl.set_adapter("other")
+        layer = ours.base_model.model.model.layers[0].self_attn.q_proj
+        assert set(layer.lora_A) == {"default", "other"} and layer.active_adapters == ["other"]
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "other")
+        # two active adapters at once: PEFT's composition (the second sees the first's output as its base)
+        for mdl in (peft_model, ours):
+            mdl.base_model.set_adapter(["default", "other"])
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "both")
+        for mdl in (peft_model, ours):
+            mdl.set_adapter("default")
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "default")
+
+
+def test_merge_raises_clear_error():
+    _, ours = _pair("llama")
+    with pytest.raises(NotImplementedError, match="merge there"):
+        ours.merge_and_unload()
+
+
+def test_fp8_first_workflow():
+    """quantize_model then get_peft_model builds DoRAFP8Linear layers whose magnitude is the fp8 weight's norm."""
+    model = _base_model("llama")
+    twin = copy.deepcopy(model)
+    for name, mod in twin.named_modules():  # the plain twin: same fp8 round trip, in full precision
+        if name.split(".")[-1] in LLAMA_TARGETS:
+            mod.weight.data = dorafp8.dequantize_e4m3(*dorafp8.quantize_e4m3(mod.weight.data))
+    assert dorafp8.quantize_model(model, LLAMA_TARGETS) == 14
+    torch.manual_seed(4)
+    pm = get_peft_model(model, _lora_config("llama"))
+    layers = [m for m in pm.modules() if isinstance(m, LoraLinear)]
+    assert len(layers) == 14 and all(isinstance(m, DoRAFP8Linear) for m in layers)
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_A["default"].weight.dtype == torch.float32
+    expected = dorafp8.dequantize_e4m3(q.base_layer.weight, q.base_layer.scale).norm(dim=1)
+    assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 1e-6, "magnitude")
+    # and it computes what plain PEFT computes on the dequantized base with the same adapter
+    torch.manual_seed(4)
+    plain = get_peft_model(twin, _lora_config("llama"))
+    for mdl in (pm, plain):
+        _randomize_adapters(mdl)
+    ref, got = _run(plain, IDS), _run(pm, IDS)
+    assert_close(got, ref, 1e-5, "logits")
+
+
+def test_weight_norm_cache_reuse_and_invalidation():
+    _, ours = _pair("llama")
+    ours.train()
+    layer = ours.base_model.model.model.layers[0].mlp.up_proj
+    calls = []
+    orig = dorafp8.peft_integration.weight_norm
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    dorafp8.peft_integration.weight_norm = counting
+    try:
+        opt = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
+        for _ in range(3):  # gradient accumulation: one norm for the three micro-batches, forward and backward
+            ours(input_ids=IDS).logits.sum().backward()
+        assert len(calls) == 14
+        n_before = layer.dora_weight_norm("default").clone()
+        opt.step()  # in-place update bumps the version counters: the next forward recomputes
+        ours(input_ids=IDS)
+        assert len(calls) == 28
+        n_after = layer.dora_weight_norm("default")
+        fresh = dorafp8.weight_norm(layer.base_layer.weight, layer.base_layer.scale, layer.lora_A["default"].weight,
+                                    layer.lora_B["default"].weight, layer.scaling["default"])
+        assert torch.equal(n_after, fresh) and not torch.equal(n_before, n_after)
+        # load_state_dict copies in place: not stale either
+        sd = {k: v.clone() for k, v in ours.state_dict().items()}
+        with torch.no_grad():
+            for p in ours.parameters():
+                if p.requires_grad:
+                    p.mul_(0.5)
+        ours.load_state_dict(sd)
+        assert torch.equal(layer.dora_weight_norm("default"), fresh)
+    finally:
+        dorafp8.peft_integration.weight_norm = orig
+
+
+def test_state_dict_round_trip_bit_exact(tmp_path):
+    _, ours = _pair("gpt2")
+    buf = io.BytesIO()
+    torch.save(ours.state_dict(), buf)
+    buf.seek(0)
+    loaded_sd = torch.load(buf)
+    _, fresh = _pair("gpt2")
+    with torch.no_grad():  # scramble, then load: every fp8 byte and scale must come back exactly
+        for mod in fresh.modules():
+            if isinstance(mod, FP8Linear):
+                mod.weight.data = torch.zeros_like(mod.weight)
+                mod.scale.fill_(3.0)
+    fresh.load_state_dict(loaded_sd)
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), fresh.state_dict().items()):
+        assert k == k2 and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
+
+
+def test_fp8linear_survives_dtype_casts_and_rejects_float_weights():
+    lin = nn.Linear(40, 24)
+    f = FP8Linear.from_float(lin)
+    w, s = f.weight.detach().clone(), f.scale.clone()
+    f.to(torch.bfloat16)
+    assert f.weight.dtype == torch.float8_e4m3fn and f.scale.dtype == torch.float32
+    assert torch.equal(f.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(f.scale, s)
+    assert f.bias.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="FP8Linear expects a float8_e4m3fn weight"):
+        f.load_state_dict(lin.state_dict())
