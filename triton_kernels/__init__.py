@@ -1,0 +1,50 @@
+"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends.py.
+
+    weight_norm  -> weight_norm.py  _dora_weight_norm_kernel
+    forward      -> forward.py      _dora_fwd_kernel
+    dgrad        -> dgrad.py        _dora_dgrad_kernel
+
+Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
+without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from .dgrad import dgrad
+    from .forward import forward
+    from .weight_norm import weight_norm
+
+    _IMPORT_ERROR = None
+except ImportError as e:  # triton missing or too old
+    _IMPORT_ERROR = f"triton could not be imported ({type(e).__name__}: {e}); pip install 'triton>=3.0'"
+
+    def _missing(*args, **kwargs):
+        raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
+
+    weight_norm = forward = dgrad = _missing
+
+__all__ = ["unavailable_reason", "weight_norm", "forward", "dgrad"]
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None if the kernels can run on tensors on `device`, else why not."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"needs an sm_80 or newer GPU (bf16 and fp8 conversions), found sm_{major}x"
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return "Triton kernels need a CUDA GPU; on CPU they run only under the interpreter (TRITON_INTERPRET=1)"
+    return f"Triton kernels do not run on {device.type} devices"

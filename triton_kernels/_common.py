@@ -1,0 +1,182 @@
+"""Pieces shared by the three Triton kernels: the dot helper, launch-time choices and the autotune configs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Rank chunk of the rank-r epilogues (u B^T, v A, B A). The interpreter uses 16 so that the tests cross a chunk
+# with r = 20; on a GPU 64 keeps the [BLOCK_M, BLOCK_R] and [BLOCK_R, BLOCK_N] tiles small enough for registers
+# while r = 128 or 256 simply loops 2 or 4 times.
+_MAX_BLOCK_R_GPU = 64
+_MAX_BLOCK_R_INTERP = 16
+# tl.dot needs every dimension >= 16 on tensor cores; smaller ranks are zero-padded with masks.
+_DOT_MIN = 16
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def poison_outputs() -> bool:
+    """DORAFP8_POISON=1 (tests) fills every output with NaN before the launch so an unwritten tile cannot pass."""
+    return os.environ.get("DORAFP8_POISON") == "1"
+
+
+def alloc(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_outputs():
+        out.fill_(float("nan"))
+    return out
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(*dtypes: torch.dtype):
+    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (then input_precision
+    "ieee": no tf32, fp32 results must be fp32-accurate). Mixed or non-16-bit dtypes compute in fp32. Under the
+    interpreter bf16 tl.dot multiplies raw bit patterns (triton #11584), so bf16 tiles go through fp32 there,
+    which is exact (bf16 x bf16 products fit fp32)."""
+    dt = dtypes[0]
+    if any(d != dt for d in dtypes) or dt not in (torch.float16, torch.bfloat16):
+        return tl.float32, True
+    if dt == torch.bfloat16 and interpreting():
+        return tl.float32, True
+    return _TL_DTYPES[dt], False
+
+
+def block_r(r: int) -> int:
+    cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_GPU
+    return max(_DOT_MIN, min(cap, triton.next_power_of_2(r)))
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for M: a power of two, so that every sequence length does not retune."""
+    return min(max(triton.next_power_of_2(m), 16), 8192)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # fp32 operands: full-precision FMA path (tf32 would lose 13 mantissa bits); 16-bit operands: tensor cores.
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Autotune configs. The GEMM kernels tile [BLOCK_M, B_OUT] outputs (forward: B_OUT = BLOCK_N, reduction BLOCK_K;
+# dgrad: B_OUT = BLOCK_K, reduction BLOCK_N); rows below are (BLOCK_M, B_OUT, B_RED, stages, warps). Both kernels
+# compute the transposed tile (out^T = W-tile @ act^T), so on Hopper B_OUT is wgmma's M (64 per warpgroup: 64 with
+# 4 warps, 128 with 8) and BLOCK_M its N, which may be as small as 16 for short batches.
+# sm_90 (Hopper): 228 KB shared memory; stage = BLOCK_M * B_RED * 2 bytes (activations) + B_OUT * B_RED (fp8).
+# sm_89 (Ada): ~99 KB shared memory per block, so fewer stages / smaller tiles; mma.sync takes both operands from
+# registers there, so the orientation costs nothing.
+# Small M (decode, short batches) is weight-bandwidth bound: narrow BLOCK_M, B_OUT 64 for more programs, long B_RED.
+# Configs that exceed a GPU's shared memory fail to compile and the autotuner skips them.
+# ----------------------------------------------------------------------------------------------------------------------
+
+def _arch(device: torch.device) -> str:
+    if interpreting() or device.type != "cuda":
+        return "interp"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm90"
+    if (major, minor) == (8, 9):
+        return "sm89"
+    return "sm90" if major >= 10 else "sm89"  # Blackwell has Hopper-sized shared memory; Ampere/others: Ada's set
+
+
+_GEMM_TABLE = {
+    # arch: (large-M single-accumulator, large-M two accumulators (dropout), small M <= 64)
+    "sm90": (
+        [(128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (128, 256, 64, 3, 8), (128, 128, 128, 3, 8),
+         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4)],
+        [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 3, 4), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4)],
+    ),
+    "sm89": (
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)],
+        [(64, 128, 64, 3, 4), (128, 64, 64, 3, 4), (64, 64, 64, 4, 4), (128, 128, 32, 3, 8)],
+        [(16, 64, 128, 4, 4), (16, 128, 128, 3, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
+    ),
+}
+# fp32 compute (input_precision="ieee": CUDA-core FMA, no tensor cores) stages 4-byte activation tiles; big tiles buy
+# nothing there and overflow Ada's shared memory, so it gets its own small list on every GPU.
+_FP32_GEMM = (
+    [(64, 64, 32, 2, 4), (64, 128, 32, 2, 8), (128, 64, 32, 2, 8), (32, 64, 64, 2, 4)],
+    [(16, 64, 64, 2, 4), (32, 64, 32, 2, 4), (16, 128, 32, 2, 4)],
+)
+# One small config under the interpreter (it would run every config otherwise); small enough that the tests'
+# shapes (N = 70, K = 50, M = 37) cross several blocks in every dimension.
+_INTERP_GEMM = (16, 32, 32, 1, 4)
+
+
+def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
+    """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
+    arch = _arch(device)
+    if arch == "interp":
+        rows = [_INTERP_GEMM]
+    elif fp32:
+        rows = _FP32_GEMM[1] if m <= 64 else _FP32_GEMM[0]
+    else:
+        big, big2, small = _GEMM_TABLE[arch]
+        rows = small if m <= 64 else (big2 if two_acc else big)
+    group_m = 2 if arch == "interp" else 8
+    return [
+        triton.Config({"BLOCK_M": bm, out_name: bo, red_name: br, "GROUP_M": group_m}, num_stages=st, num_warps=w)
+        for bm, bo, br, st, w in rows
+    ]
+
+
+def weight_norm_configs(device):
+    arch = _arch(device)
+    if arch == "interp":
+        rows = [(32, 32, 1, 4)]
+    elif arch == "sm90":
+        rows = [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)]
+    else:
+        rows = [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 64, 4, 4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w) for bn, bk, st, w in rows]
+
+
+_TUNERS: dict = {}
+
+
+def autotuned(kernel, tag, configs, key, outputs):
+    """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
+    (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the
+    outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
+    that wrote it."""
+    poison = poison_outputs()
+    k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
+    tuner = _TUNERS.get(k)
+    if tuner is None:
+        tuner = triton.autotune(configs=configs, key=key, restore_value=list(outputs) if poison else None)(kernel)
+        _TUNERS[k] = tuner
+    return tuner
+
+
+def check_weight(w8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale; returns (flat scale, per-row?)."""
+    if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
+        raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
+    if w8.stride(1) != 1:
+        raise ValueError("w8 must have unit stride in its last dim")
+    if scale.dtype != torch.float32 or scale.numel() not in (1, w8.shape[0]):
+        raise ValueError(f"scale must be fp32 with 1 or N={w8.shape[0]} elements, got {scale.dtype} {tuple(scale.shape)}")
+    if scale.device != w8.device:
+        raise ValueError("scale and w8 must be on the same device")
+    return scale.reshape(-1).contiguous(), scale.numel() != 1
+
+
+def last_dim_unit(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows may have any stride, but the kernels read the last dim contiguously; copy only if it is not."""
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()

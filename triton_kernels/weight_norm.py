@@ -1,0 +1,106 @@
+"""DoRA weight norm n_j = || scale_j * W8[j, :] + s * (B A)[j, :] ||_2 in one pass over the fp8 weight."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import _dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
+
+
+@triton.jit
+def _dora_weight_norm_kernel(
+    # Pointers
+    w_ptr, scale_ptr, a_ptr, b_ptr, n_ptr,
+    # Sizes
+    N, K, R,
+    # Strides
+    stride_w_n, stride_a_r, stride_a_k, stride_b_n, stride_b_r,
+    # Scalars
+    s,
+    # Meta-parameters
+    ROW_SCALE: tl.constexpr,    # scale has N entries (else one)
+    DOT_DT: tl.constexpr,       # dtype of the B A tl.dot operands
+    IEEE: tl.constexpr,         # DOT_DT is fp32: no tf32
+    ONE_R_CHUNK: tl.constexpr,  # r <= BLOCK_R: the B tile is loaded once, outside the K loop
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Each program owns BLOCK_N rows and walks all of K, so the row norms need no cross-program reduction and W8 is
+    # read exactly once overall.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_n = offs_n.to(tl.int64)  # N * K can exceed 2^31
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+
+    if ROW_SCALE:
+        sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+    else:
+        sc = tl.load(scale_ptr)
+
+    if ONE_R_CHUNK:
+        b_tile = tl.load(
+            b_ptr + rows_n[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
+            mask=mask_n[:, None] & (offs_r[None, :] < R), other=0.0,
+        ).to(DOT_DT)
+
+    w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
+    # Squares accumulate elementwise in fp32 and are reduced once at the end (one tl.sum per program, not per step).
+    sq = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * sc
+        # Masked rows/columns load zeros in W8, A and B, so they add exactly 0 to the squares.
+        ba = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if ONE_R_CHUNK:
+            a_tile = tl.load(
+                a_ptr + offs_r[:, None] * stride_a_r + (k0 + offs_k[None, :]).to(tl.int64) * stride_a_k,
+                mask=(offs_r[:, None] < R) & k_ok[None, :], other=0.0,
+            ).to(DOT_DT)
+            ba = _dot(b_tile, a_tile, ba, IEEE)
+        else:
+            for r0 in range(0, R, BLOCK_R):
+                r_ok = r0 + offs_r < R
+                b_chunk = tl.load(
+                    b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
+                    mask=mask_n[:, None] & r_ok[None, :], other=0.0,
+                ).to(DOT_DT)
+                a_chunk = tl.load(
+                    a_ptr + (r0 + offs_r[:, None]) * stride_a_r + (k0 + offs_k[None, :]).to(tl.int64) * stride_a_k,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0,
+                ).to(DOT_DT)
+                ba = _dot(b_chunk, a_chunk, ba, IEEE)
+        v = w + s * ba
+        sq += v * v
+        w_ptrs += BLOCK_K
+
+    n = tl.sqrt(tl.sum(sq, axis=1))
+    tl.store(n_ptr + offs_n, n, mask=mask_n)
+
+
+def weight_norm(w8: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float) -> torch.Tensor:
+    """n [N] fp32; see dorafp8/backends.py. A [r, K], B [N, r] in any float dtype (any strides)."""
+    scale, row = check_weight(w8, scale)
+    N, K = w8.shape
+    r = A.shape[0]
+    if A.dim() != 2 or A.shape[1] != K or B.dim() != 2 or tuple(B.shape) != (N, r):
+        raise ValueError(f"A must be [r, {K}] and B [{N}, r], got {tuple(A.shape)} and {tuple(B.shape)}")
+    n = alloc((N,), torch.float32, w8.device)
+    if N == 0:
+        return n
+    dot_dt, ieee = dot_dtype(A.dtype, B.dtype)
+    br = block_r(r)
+    kernel = autotuned(_dora_weight_norm_kernel, "wn", weight_norm_configs(w8.device), ["N", "K", "R"], ["n_ptr"])
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)
+    kernel[grid](
+        w8, scale, A, B, n,
+        N, K, r,
+        w8.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        float(s),
+        ROW_SCALE=row, DOT_DT=dot_dt, IEEE=ieee, ONE_R_CHUNK=r <= br, BLOCK_R=br,
+    )
+    return n
