@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import _dot, _grouped_tile, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
 
 
 @triton.jit
@@ -37,17 +37,8 @@ def _dora_dgrad_kernel(
     BLOCK_N: tl.constexpr,      # reduction chunk (the N of y)
     GROUP_M: tl.constexpr,
 ):
-    # Same grouped order as the forward, over the [M, K] output: neighbouring programs share W8 column-blocks.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    num_pid_in_group = GROUP_M * num_pid_k
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_k = (pid % num_pid_in_group) // group_size_m
-
+    # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
+    pid_m, pid_k = _grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)

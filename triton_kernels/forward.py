@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import _dot, _grouped_tile, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
 
 
 @triton.jit
@@ -39,18 +39,7 @@ def _dora_fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row-blocks of x sweep the same W8 column-blocks together, so W8 tiles are
-    # reused from L2 instead of being re-read from memory once per row-block.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
