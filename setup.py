@@ -6,7 +6,7 @@ collides with the `triton_kernels` package shipped by Triton and vLLM) always in
 
   DORAFP8_SKIP_CUDA_BUILD=1   never build it
   DORAFP8_FORCE_CUDA_BUILD=1  build it even when no GPU is visible (CI: nvcc present, no GPU)
-  DORAFP8_CUDA_ARCHS="89;90a" target architectures (default: sm_89 and sm_90a, plus PTX of the newest)
+  DORAFP8_CUDA_ARCHS="89;90a" target architectures (default: sm_89 and sm_90a, plus PTX of the newest portable one)
   MAX_JOBS                    parallel nvcc jobs (default: sized from free memory and cores)
 
 Without torch in the build environment (an isolated `pip install`), without nvcc, or without a GPU (unless forced)
@@ -71,12 +71,14 @@ def _cuda_extension():
 
     archs = os.environ.get("DORAFP8_CUDA_ARCHS", "89;90a").replace(",", ";").split(";")
     archs = [a.strip() for a in archs if a.strip()]
+    # PTX of the newest portable arch so that newer GPUs can JIT it: arch-specific targets ("90a", "100f") make PTX
+    # that runs on that arch only, so the PTX comes from the newest plain one (here 89), from the same compile pass.
+    portable = [a for a in archs if a[-1].isdigit()]
+    ptx_arch = portable[-1] if portable else archs[-1]
     gencode = []
     for a in archs:
-        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    # PTX of the newest arch so that newer GPUs can JIT it.
-    newest = archs[-1]
-    gencode += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+        code = f"[sm_{a},compute_{a}]" if a == ptx_arch else f"sm_{a}"
+        gencode += ["-gencode", f"arch=compute_{a},code={code}"]
     os.environ.setdefault("MAX_JOBS", _default_max_jobs())
     # torch's CUDAContext.h pulls cusparse.h, which the bare toolkit here lacks; the nvidia pip wheels ship it.
     include_dirs = [os.path.join(HERE, "csrc")]
@@ -93,9 +95,10 @@ def _cuda_extension():
         name="dorafp8._C",
         sources=sources,
         include_dirs=include_dirs,
+        # C++20: torch's own headers require it from 2.10 on (and older torch builds fine with it).
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
-            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
+            "cxx": ["-O3", "-std=c++20"],
+            "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
         },
     )
     _say(f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}")

@@ -1,0 +1,97 @@
+// dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and csrc/dora_fp8.cu
+// (kernels, launchers). Plain C++ with raw pointers so that the binding never sees CUDA's fp types and the .cu file
+// never sees torch's headers (each translation unit stays cheap to compile).
+//
+// The math is the backend contract of dorafp8/backends.py (see shared/docs/DORA_MATH.md):
+//   weight_norm: n[j] = || scale_j * w8[j, :] + s * (B A)[j, :] ||_2                        (fp32 [N])
+//   forward:     c == nullptr: y = x W0^T + bias
+//                no dropout:   y = c * (x W0^T + s u B^T) + bias,              z = x W0^T + s u B^T
+//                dropout:      y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T,   z = xd W0^T + s u B^T
+//   dgrad:       c == nullptr: dx = g W0
+//                no dropout:   dx = (g * c) W0 + s v A
+//                dropout:      dx = g W0 + mask / (1 - p) * ((g * (c - 1)) W0 + s v A)
+// with W0 = scale * w8 (scale fp32, one value or one per row).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dorafp8 {
+
+// The compute dtype ("cdt"): x, xd, u, B, bias, y, z in forward; g, v, A, dx in dgrad.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct WeightNormParams {
+  // Pointers
+  const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
+  const float* scale;    // [1] or [N]
+  const void* A;         // [r, K] contiguous, dtype adapter_dtype
+  const void* B;         // [N, r] contiguous, dtype adapter_dtype
+  float* partial;        // [splits, N] fp32 workspace (sum of squares per K split); unused when splits == 1
+  float* n;              // [N] fp32 output
+  // Sizes
+  int64_t N, K;
+  int r;
+  int splits;            // from weight_norm_splits(N, K)
+  // Scalars and flags
+  float s;
+  bool scale_per_row;
+  DType adapter_dtype;
+};
+
+struct ForwardParams {
+  // Pointers (cdt unless noted)
+  const void* x;         // [M, K], row stride ldx, unit stride in K
+  const void* xd;        // [M, K], row stride ldxd, or nullptr (no dropout)
+  const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
+  const float* scale;    // [1] or [N] fp32
+  const void* bias;      // [N] or nullptr
+  const float* c;        // [N] fp32, or nullptr (plain FP8 linear)
+  const void* u;         // [M, r] contiguous (= xd A^T), or nullptr when c == nullptr
+  const void* B;         // [N, r] contiguous, or nullptr when c == nullptr
+  void* y;               // [M, N] contiguous output
+  void* z;               // [M, N] contiguous output, or nullptr (not needed)
+  // Sizes and strides (elements)
+  int64_t M, N, K;
+  int64_t ldx, ldxd;
+  int r;
+  // Scalars and flags
+  float s;
+  bool scale_per_row;
+};
+
+struct DgradParams {
+  // Pointers (cdt unless noted)
+  const void* g;         // [M, N], row stride ldg, unit stride in N
+  const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
+  const float* scale;    // [1] or [N] fp32
+  const float* scale_ref;  // [1] fp32: max |scale| for per-row scales (the factor kept out of the 16-bit operand)
+  const float* c;        // [N] fp32, or nullptr (plain FP8 linear)
+  const void* v;         // [M, r] contiguous (= (g * c) B), or nullptr when c == nullptr
+  const void* A;         // [r, K] contiguous, or nullptr when c == nullptr
+  const uint8_t* mask;   // [M, K] bool, row stride ldmask, unit stride in K; nullptr: no dropout
+  void* dx;              // [M, K] contiguous output
+  // Sizes and strides (elements)
+  int64_t M, N, K;
+  int64_t ldg, ldmask;
+  int r;
+  // Scalars and flags
+  float s;
+  float inv_keep;        // 1 / (1 - p), used with mask
+  bool scale_per_row;
+};
+
+// Number of K splits weight_norm uses for this shape on the current device (the workspace is [splits, N] fp32).
+int weight_norm_splits(int64_t N, int64_t K);
+
+// Each launcher enqueues its kernels on `stream` and returns cudaGetLastError() (cudaSuccess when all launched).
+cudaError_t weight_norm(const WeightNormParams& p, cudaStream_t stream);
+cudaError_t forward(const ForwardParams& p, DType dtype, cudaStream_t stream);
+cudaError_t dgrad(const DgradParams& p, DType dtype, cudaStream_t stream);
+
+// Empty string when this build has kernel code that runs on the current device, else the CUDA error's text
+// (e.g. "no kernel image is available for execution on the device" for an architecture that was not built).
+const char* kernel_image_error();
+
+}  // namespace dorafp8
