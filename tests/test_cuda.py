@@ -15,7 +15,8 @@ import torch
 
 import dorafp8.cuda_backend as cb
 import dorafp8.reference as reference
-from dorafp8 import backends
+from dorafp8 import backends, quantize_e4m3
+from _kernel_ref import P, S, assert_close, d, dgrad_64, forward_64, make_problem, shape_id, tol, weight_norm_64, w0_64
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda"
@@ -41,123 +42,13 @@ SHAPES = [
     (4, 4096, 1024, 8, False),
 ]
 
-S = 1.75  # lora scaling
-P = 0.25  # dropout probability
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
-def tol(dtype: torch.dtype) -> float:
-    """Allowed error, relative to |ref| + max|ref| (the output scale): fp32 is accumulation-order noise; fp16 and
-    bf16 are a few roundings of the output (2^-11, 2^-8) plus the rounding of g * c to the compute dtype in dgrad."""
-    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str):
-    """|out - ref| <= rel * (|ref| + max|ref|) elementwise; NaN (an unwritten, poisoned element) always fails.
-    Reports the first mismatching index."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o = out.detach().double().cpu()
-    r = ref.detach().double().cpu()
-    err = (o - r).abs()
-    allowed = rel * (r.abs() + r.abs().max())
-    bad = ~(err <= allowed)
-    if bad.any():
-        first = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())}/{bad.numel()} mismatches; first at {first}: got {o[first].item()!r}, "
-            f"expected {r[first].item()!r} (allowed {allowed[first].item():.3g}); max err "
-            f"{err.nan_to_num(float('inf')).max().item():.3g}, output scale {r.abs().max().item():.3g}")
-
-
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setenv("DORAFP8_POISON", "1")
-
-
-def quantize(w: torch.Tensor, row_wise: bool):
-    """The FP8 recipe of DORA_MATH.md: sigma = amax / 448 (per tensor or per row), W8 = round(W / sigma)."""
-    amax = w.abs().amax(dim=1, keepdim=True) if row_wise else w.abs().amax().reshape(1, 1)
-    sigma = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float()
-    w8 = (w / sigma).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return w8, (sigma.reshape(-1) if row_wise else sigma.reshape(()))
-
-
-def act(t: torch.Tensor, dtype, strided: bool) -> torch.Tensor:
-    """t in `dtype` on DEVICE; with strided=True a view into a wider buffer (row stride = width + 7)."""
-    t = t.to(dtype)
-    if not strided:
-        return t.to(DEVICE)
-    buf = torch.full((t.shape[0], t.shape[1] + 7), float("nan"), dtype=dtype, device=DEVICE)
-    buf[:, : t.shape[1]] = t
-    return buf[:, : t.shape[1]]
-
-
-def make_problem(M, K, N, r, dtype, row_wise, strided, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    # Rows of different magnitudes, so that per-row scales differ by up to 30x.
-    w8, sigma = quantize(rnd(N, K) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None], row_wise)
-    x = rnd(M, K)
-    mask = torch.rand(M, K, generator=gen) >= P
-    xd = x * mask / (1 - P)
-    A = rnd(r, K) / K ** 0.5
-    B = rnd(N, r) * 0.1
-    c = (0.5 + torch.rand(N, generator=gen)).float()
-    c[::5] = 1.0  # DoRA's init: c == 1 exactly, where (c - 1) must be exactly 0
-    p = dict(w8=w8.to(DEVICE), sigma=sigma.to(DEVICE), mask=mask.to(DEVICE), c=c.to(DEVICE))
-    p["x"] = act(x, dtype, strided)
-    p["xd"] = act(xd, dtype, strided)
-    p["A"] = A.to(dtype).to(DEVICE)
-    p["B"] = B.to(dtype).to(DEVICE)
-    p["bias"] = (rnd(N) * 0.1).to(dtype).to(DEVICE)
-    p["g"] = act(rnd(M, N), dtype, strided)
-    # u and v as the autograd layer computes them (in the compute dtype); the formulas below use these same values.
-    p["u"] = act(d(p["xd"]) @ d(p["A"]).T, dtype, strided)
-    p["u_nodrop"] = act(d(p["x"]) @ d(p["A"]).T, dtype, strided)
-    p["v"] = act((d(p["g"]) * c.double()) @ d(p["B"]), dtype, strided)
-    return p
-
-
-# fp64 evaluations of the formulas of DORA_MATH.md, from the exact (already rounded) inputs the kernels see.
-def d(t):
-    return t.detach().double().cpu()
-
-
-def w0_64(w8, sigma):
-    return d(w8) * d(sigma).reshape(-1, 1)
-
-
-def weight_norm_64(w8, sigma, A, B, s):
-    return torch.linalg.vector_norm(w0_64(w8, sigma) + s * d(B) @ d(A), dim=1)
-
-
-def forward_64(x, w8, sigma, bias, c, u, B, s, xd):
-    W0 = w0_64(w8, sigma)
-    b = d(bias) if bias is not None else 0.0
-    if c is None:
-        return d(x) @ W0.T + b, None
-    lora = s * d(u) @ d(B).T
-    if xd is None:
-        z = d(x) @ W0.T + lora
-        return d(c) * z + b, z
-    z = d(xd) @ W0.T + lora
-    return d(x) @ W0.T + b + (d(c) - 1) * (d(xd) @ W0.T) + d(c) * lora, z
-
-
-def dgrad_64(g, w8, sigma, c, v, A, s, mask, p):
-    W0 = w0_64(w8, sigma)
-    if c is None:
-        return d(g) @ W0
-    lora = s * d(v) @ d(A)
-    if mask is None:
-        return (d(g) * d(c)) @ W0 + lora
-    return d(g) @ W0 + d(mask) / (1 - p) * ((d(g) * (d(c) - 1)) @ W0 + lora)
-
-
-def shape_id(sh):
-    M, K, N, r, strided = sh
-    return f"M{M}-K{K}-N{N}-r{r}" + ("-strided" if strided else "")
 
 
 # ------------------------------------------------------------------------------------------------------ CPU tests
@@ -223,7 +114,7 @@ def test_available_on_gpu():
 @pytest.mark.parametrize("adapter_dtype", DTYPES, ids=str)
 def test_weight_norm(shape, row_wise, adapter_dtype):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, adapter_dtype, row_wise, strided)
+    p = make_problem(M, K, N, r, adapter_dtype, DEVICE, row_wise, strided)
     A, B = p["A"], p["B"]
     if strided:  # adapters may come with any strides (the wrapper makes them contiguous)
         B = B.T.contiguous().T
@@ -236,7 +127,7 @@ def test_weight_norm(shape, row_wise, adapter_dtype):
 
 @gpu
 def test_weight_norm_mixed_adapter_dtypes():
-    p = make_problem(3, 96, 40, 5, torch.float32, False, False)
+    p = make_problem(3, 96, 40, 5, torch.float32, DEVICE, False, False)
     A, B = p["A"], p["B"].to(torch.bfloat16)
     n = cb.weight_norm(p["w8"], p["sigma"], A, B, S)
     assert_close(n, weight_norm_64(p["w8"], p["sigma"], A, B, S), tol(torch.float32), "weight_norm fp32 A, bf16 B")
@@ -250,7 +141,7 @@ def test_weight_norm_mixed_adapter_dtypes():
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
 def test_forward(shape, dtype, mode, row_wise, has_bias):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, dtype, row_wise, strided)
+    p = make_problem(M, K, N, r, dtype, DEVICE, row_wise, strided)
     bias = p["bias"] if has_bias else None
     if mode == "plain":
         args = (p["x"], p["w8"], p["sigma"], bias, None, None, None, S, None, False)
@@ -276,7 +167,7 @@ def test_forward(shape, dtype, mode, row_wise, has_bias):
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_without_z(mode, dtype):
-    p = make_problem(5, 40, 36, 3, dtype, False, False)
+    p = make_problem(5, 40, 36, 3, dtype, DEVICE, False, False)
     xd = p["xd"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
     y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xd, False)
@@ -292,7 +183,7 @@ def test_forward_without_z(mode, dtype):
 @pytest.mark.parametrize("row_wise", [False, True], ids=["tensor-scale", "row-scale"])
 def test_dgrad(shape, dtype, mode, row_wise):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, dtype, row_wise, strided)
+    p = make_problem(M, K, N, r, dtype, DEVICE, row_wise, strided)
     if mode == "plain":
         args = (p["g"], p["w8"], p["sigma"], None, None, None, S, None, P)
     elif mode == "nodrop":
@@ -314,7 +205,7 @@ def test_int64_offsets(op):
     if torch.cuda.mem_get_info()[0] < need:
         pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
     gen = torch.Generator().manual_seed(1)
-    w8, sigma = quantize(torch.randn(N, K, generator=gen) * 0.05, False)
+    w8, sigma = quantize_e4m3(torch.randn(N, K, generator=gen) * 0.05)
     w8, sigma = w8.to(DEVICE), sigma.to(DEVICE)
     tail = slice(M - 40, M)
     if op == "forward":
@@ -331,7 +222,7 @@ def test_int64_offsets(op):
 
 @gpu
 def test_rejects_bad_arguments():
-    p = make_problem(2, 32, 16, 1, torch.float32, False, False)
+    p = make_problem(2, 32, 16, 1, torch.float32, DEVICE, False, False)
     y = torch.empty(2, 16, device=DEVICE)
     with pytest.raises(RuntimeError, match="w8 must be"):
         cb._C.forward(p["x"], p["w8"].float(), p["sigma"].reshape(1), None, None, None, None, S, None, y, None)
