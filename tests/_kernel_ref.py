@@ -3,6 +3,7 @@ fp64 evaluations of the backend contract's formulas (DORA_MATH.md) and the dtype
 
 import torch
 
+import dorafp8.reference as reference
 from dorafp8 import quantize_e4m3
 
 S = 1.75  # lora scaling
@@ -109,3 +110,44 @@ def dgrad_64(g, w8, sigma, c, v, A, s, mask, p):
 def shape_id(sh):
     M, K, N, r, strided = sh
     return f"M{M}-K{K}-N{N}-r{r}" + ("-strided" if strided else "")
+
+
+# ---- one backend's op against fp64 and the reference backend (the body of each backend's kernel tests)
+
+def check_forward(forward, p, mode, has_bias, dtype):
+    """forward(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p."""
+    M, N = p["x"].shape[0], p["w8"].shape[0]
+    bias = p["bias"] if has_bias else None
+    if mode == "plain":
+        args = (p["x"], p["w8"], p["sigma"], bias, None, None, None, S, None, False)
+    elif mode == "nodrop":
+        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u_nodrop"], p["B"], S, None, True)
+    else:
+        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u"], p["B"], S, p["xd"], True)
+    y, z = forward(*args)
+    y64, z64 = forward_64(*args[:-1])
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert_close(y, y64, tol(dtype), f"forward[{mode}] y vs fp64")
+    y_ref, z_ref = reference.forward(*args)
+    assert_close(y, y_ref, 2 * tol(dtype), f"forward[{mode}] y vs reference")
+    if mode == "plain":
+        assert z is None
+    else:
+        assert z.dtype == dtype and z.shape == (M, N)
+        assert_close(z, z64, tol(dtype), f"forward[{mode}] z vs fp64")
+        assert_close(z, z_ref, 2 * tol(dtype), f"forward[{mode}] z vs reference")
+
+
+def check_dgrad(dgrad, p, mode, dtype):
+    """dgrad(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p."""
+    M, K = p["g"].shape[0], p["w8"].shape[1]
+    if mode == "plain":
+        args = (p["g"], p["w8"], p["sigma"], None, None, None, S, None, P)
+    elif mode == "nodrop":
+        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, None, P)
+    else:
+        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, p["mask"], P)
+    dx = dgrad(*args)
+    assert dx.dtype == dtype and dx.shape == (M, K)
+    assert_close(dx, dgrad_64(*args), tol(dtype), f"dgrad[{mode}] vs fp64")
+    assert_close(dx, reference.dgrad(*args), 2 * tol(dtype), f"dgrad[{mode}] vs reference")

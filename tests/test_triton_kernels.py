@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
 import dorafp8.reference as reference  # noqa: E402
-from _kernel_ref import P, S, assert_close, dgrad_64, forward_64, make_problem, shape_id, tol, weight_norm_64  # noqa: E402
+from _kernel_ref import P, S, assert_close, check_dgrad, check_forward, forward_64, make_problem, shape_id, tol, weight_norm_64  # noqa: E402
 
 tk = pytest.importorskip("dorafp8.triton_kernels")
 
@@ -83,25 +83,7 @@ def test_weight_norm(device, shape, row_wise, adapter_dtype):
 def test_forward(device, shape, dtype, mode, row_wise, has_bias):
     M, K, N, r, strided = shape
     p = make_problem(M, K, N, r, dtype, device, row_wise, strided)
-    bias = p["bias"] if has_bias else None
-    if mode == "plain":
-        args = (p["x"], p["w8"], p["sigma"], bias, None, None, None, S, None, False)
-    elif mode == "nodrop":
-        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u_nodrop"], p["B"], S, None, True)
-    else:
-        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u"], p["B"], S, p["xd"], True)
-    y, z = tk.forward(*args)
-    y64, z64 = forward_64(*args[:-1])
-    assert y.dtype == dtype and y.shape == (M, N)
-    assert_close(y, y64, tol(dtype), f"forward[{mode}] y vs fp64")
-    y_ref, z_ref = reference.forward(*args)
-    assert_close(y, y_ref, 2 * tol(dtype), f"forward[{mode}] y vs reference")
-    if mode == "plain":
-        assert z is None
-    else:
-        assert z.dtype == dtype and z.shape == (M, N)
-        assert_close(z, z64, tol(dtype), f"forward[{mode}] z vs fp64")
-        assert_close(z, z_ref, 2 * tol(dtype), f"forward[{mode}] z vs reference")
+    check_forward(tk.forward, p, mode, has_bias, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,16 +106,7 @@ def test_forward_without_z(device, mode):
 def test_dgrad(device, shape, dtype, mode, row_wise):
     M, K, N, r, strided = shape
     p = make_problem(M, K, N, r, dtype, device, row_wise, strided)
-    if mode == "plain":
-        args = (p["g"], p["w8"], p["sigma"], None, None, None, S, None, P)
-    elif mode == "nodrop":
-        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, None, P)
-    else:
-        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, p["mask"], P)
-    dx = tk.dgrad(*args)
-    assert dx.dtype == dtype and dx.shape == (M, K)
-    assert_close(dx, dgrad_64(*args), tol(dtype), f"dgrad[{mode}] vs fp64")
-    assert_close(dx, reference.dgrad(*args), 2 * tol(dtype), f"dgrad[{mode}] vs reference")
+    check_dgrad(tk.dgrad, p, mode, dtype)
 
 
 def test_unavailable_reason(monkeypatch):
