@@ -188,6 +188,15 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, b
     return scale.reshape(-1).contiguous(), scale.numel() != 1
 
 
+def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:
+    """Validates a 2-D activation [M, width] in a compute dtype; returns it with unit stride in its last dim."""
+    if t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(f"{name} must be [M, {width}], got {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"compute dtype must be fp32, fp16 or bf16, got {t.dtype}")
+    return last_dim_unit(t)
+
+
 def last_dim_unit(t: torch.Tensor | None) -> torch.Tensor | None:
     """Rows may have any stride, but the kernels read the last dim contiguously; copy only if it is not."""
     if t is None or t.stride(-1) == 1:

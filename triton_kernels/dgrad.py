@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _grouped_tile, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import _dot, _grouped_tile, alloc, check_activation, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
 
 
 @triton.jit
@@ -114,13 +114,8 @@ def dgrad(g, w8, scale, c, v, A, s, mask, p):
     """dx [M, K]; see dorafp8/backends.py. g [M, N], v [M, r] may have any row stride."""
     scale, row = check_weight(w8, scale)
     N, K = w8.shape
-    if g.dim() != 2 or g.shape[1] != N:
-        raise ValueError(f"g must be [M, {N}], got {tuple(g.shape)}")
-    M = g.shape[0]
-    cdt = g.dtype
-    if cdt not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"compute dtype must be fp32, fp16 or bf16, got {cdt}")
-    g = last_dim_unit(g)
+    g = check_activation(g, "g", N)
+    M, cdt = g.shape[0], g.dtype
     has_adapter = c is not None
     has_dropout = has_adapter and mask is not None
     inv_keep = 1.0

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _grouped_tile, alloc, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import _dot, _grouped_tile, alloc, check_activation, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
 
 
 @triton.jit
@@ -117,13 +117,8 @@ def forward(x, w8, scale, bias, c, u, B, s, xd, need_z):
     """(y, z); see dorafp8/backends.py. x, xd [M, K], u [M, r] may have any row stride."""
     scale, row = check_weight(w8, scale)
     N, K = w8.shape
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
-    M = x.shape[0]
-    cdt = x.dtype
-    if cdt not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"compute dtype must be fp32, fp16 or bf16, got {cdt}")
-    x = last_dim_unit(x)
+    x = check_activation(x, "x", K)
+    M, cdt = x.shape[0], x.dtype
     has_adapter = c is not None
     has_dropout = has_adapter and xd is not None
     if has_adapter:
