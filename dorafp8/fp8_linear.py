@@ -9,7 +9,7 @@ from torch import nn
 
 from .backends import check_backend_name
 from .ops import fp8_linear
-from .quant import E4M3, check_scale, quantize_e4m3
+from .quant import E4M3, check_scale, dequantize_e4m3, quantize_e4m3
 
 
 def _conv1d_cls():
@@ -70,8 +70,7 @@ class FP8Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
-        scale = self.scale if self.scale.dim() == 0 else self.scale[:, None]
-        return (self.weight.float() * scale).to(dtype)
+        return dequantize_e4m3(self.weight, self.scale, dtype)
 
     def _apply(self, fn, recurse=True):
         # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
