@@ -4,14 +4,18 @@ Public API:
     quantize_e4m3, dequantize_e4m3        the FP8 recipe (per-tensor fp32 scale; per-row optional)
     dora_fp8_linear, fp8_linear, weight_norm   functional ops (autograd-capable), dispatched to a backend
     FP8Linear, quantize_model             frozen fp8 linear layer, and swapping nn.Linear for it
-    DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft): the fp8 DoRA layer, and converting a
-                                          PEFT DoRA model in place
+    DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
+                                          and converting a PEFT DoRA model in place
     BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
 
 Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
-(dorafp8/backends.py lists them) -> the kernel.
+(dorafp8/backends.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
+
+PEFT and transformers are not imported here (they take seconds to import): the PEFT integration is loaded when one
+of its names is used, and PEFT learns about FP8Linear as soon as peft itself is imported (dorafp8/_peft_hook.py).
 """
 
+from . import _peft_hook
 from .backends import BACKENDS, available_backends
 from .fp8_linear import FP8Linear, quantize_model
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
@@ -24,14 +28,22 @@ __all__ = [
     "weight_norm", "FP8Linear", "quantize_model", "DoRAFP8Linear", "convert_peft_model", "register_with_peft",
 ]
 
-try:  # PEFT is optional; with it installed, get_peft_model builds dorafp8 layers on FP8Linear bases.
-    from .peft_integration import DoRAFP8Linear, convert_peft_model, register_with_peft
-except ImportError as _e:
-    _PEFT_ERROR = _e
+_PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
 
-    def __getattr__(name):
-        if name in ("DoRAFP8Linear", "convert_peft_model", "register_with_peft"):
-            raise ImportError(f"dorafp8.{name} needs peft (pip install 'dorafp8[peft]'): {_PEFT_ERROR}")
-        raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
-else:
-    register_with_peft()
+
+def __getattr__(name):
+    if name in _PEFT_NAMES:
+        from ._deps import require
+
+        require("peft", "transformers", what=f"dorafp8.{name}")
+        from . import peft_integration
+
+        return getattr(peft_integration, name)
+    raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PEFT_NAMES))
+
+
+_peft_hook.install()

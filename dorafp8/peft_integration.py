@@ -19,7 +19,9 @@ from peft.tuners.lora import layer as lora_layer
 from peft.tuners.lora.dora import DoraLinearLayer
 from peft.tuners.lora.model import LoraModel
 from peft.tuners.lora.variants import DoraLinearVariant
+from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from .backends import check_backend_name
 from .fp8_linear import FP8Linear
@@ -242,18 +244,36 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
 
 
 _ORIG_CREATE_NEW_MODULE = None
+_ORIG_ALL_LINEAR = None
+
+
+def _fp8_all_linear_names(model: nn.Module) -> set[str]:
+    """The FP8Linear layers that PEFT's "all-linear" shorthand means, with PEFT's own exclusions: the output
+    embedding (lm_head) and anything inside an existing tuner layer."""
+    names = {name for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    for name, mod in model.named_modules():
+        if out is not None and mod is out:
+            names.discard(name)
+        if isinstance(mod, BaseTunerLayer):
+            names -= {f"{name}.{sub}" for sub, _ in mod.named_modules() if sub}
+    return names
 
 
 def register_with_peft() -> None:
-    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer.
+    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer, and makes
+    `target_modules="all-linear"` include FP8Linear layers.
 
-    PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module; this wraps
-    that static method so FP8Linear targets come here first. Idempotent; called on `import dorafp8`.
+    PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
+    "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
+    so FP8Linear counts as the linear layer it is. Idempotent; runs when peft is imported (see dorafp8/_peft_hook.py).
     """
-    global _ORIG_CREATE_NEW_MODULE
+    global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:
         return
     _ORIG_CREATE_NEW_MODULE = LoraModel._create_new_module
+    _ORIG_ALL_LINEAR = tuners_utils._maybe_include_all_linear_layers
 
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
@@ -262,4 +282,13 @@ def register_with_peft() -> None:
             return DoRAFP8Linear(target, adapter_name, config=lora_config, **kwargs)
         return _ORIG_CREATE_NEW_MODULE(lora_config, adapter_name, target, **kwargs)
 
+    def _maybe_include_all_linear_layers(peft_config, model):
+        target = getattr(peft_config, "target_modules", None)
+        all_linear = isinstance(target, str) and target.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
+        peft_config = _ORIG_ALL_LINEAR(peft_config, model)
+        if all_linear:
+            peft_config.target_modules = set(peft_config.target_modules) | _fp8_all_linear_names(model)
+        return peft_config
+
     LoraModel._create_new_module = staticmethod(_create_new_module)
+    tuners_utils._maybe_include_all_linear_layers = _maybe_include_all_linear_layers
