@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -9,7 +11,7 @@ from torch import nn
 
 from .backends import check_backend_name
 from .ops import fp8_linear
-from .quant import E4M3, check_scale, dequantize_e4m3, quantize_e4m3
+from .quant import E4M3, check_fp8_weight, check_scale, dequantize_e4m3, quantize_e4m3
 
 
 def _conv1d_cls():
@@ -45,8 +47,13 @@ class FP8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, backend: str = "auto") -> "FP8Linear":
-        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear."""
+    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, backend: str = "auto",
+                   name: str | None = None) -> "FP8Linear":
+        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear.
+
+        A weight that is already float8_e4m3fn (a model cast to fp8, as OneTrainer and others store it) is kept
+        byte for byte with scale 1: re-quantizing it would move it. `name` is used in warnings and errors.
+        """
         conv1d = _conv1d_cls()
         if isinstance(module, nn.Linear):
             weight = module.weight
@@ -54,15 +61,32 @@ class FP8Linear(nn.Module):
             weight = module.weight.T  # Conv1D stores [in_features, out_features]: transpose once, here
         else:
             raise TypeError(f"module must be an nn.Linear or transformers Conv1D, got {type(module).__name__}")
-        out_features, in_features = weight.shape
         bias = module.bias
-        new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype,
-                  per_row_scale=per_row_scale, backend=backend)
-        w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale)
+        if weight.dtype == E4M3:
+            bias_dtype = bias.dtype if bias is not None and bias.is_floating_point() and bias.dtype != E4M3 \
+                else torch.float32
+            return cls.from_fp8(weight.detach().contiguous(), torch.ones((), device=weight.device),
+                                None if bias is None else bias.detach().to(bias_dtype), backend=backend)
+        w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, name=name)
+        return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
+                            dtype=weight.dtype)
+
+    @classmethod
+    def from_fp8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 backend: str = "auto", dtype: Optional[torch.dtype] = None) -> "FP8Linear":
+        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([] or [out]).
+        `dtype`: the weight's original precision, used for the adapters PEFT creates on this layer (default: the
+        bias's dtype, else float32)."""
+        check_fp8_weight(w8, "w8")
+        out_features, in_features = w8.shape
+        scale = check_scale(scale, out_features)
+        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
+        new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
+                  per_row_scale=scale.dim() == 1, backend=backend)
         new.weight = nn.Parameter(w8, requires_grad=False)
-        new.scale = scale
+        new.scale = scale.to(w8.device)
         if bias is not None:
-            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)  # its own dtype, as in nn.Linear
+            new.bias = nn.Parameter(bias, requires_grad=False)  # its own dtype, as in nn.Linear
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,30 +134,64 @@ class FP8Linear(nn.Module):
                 f"weight=float8_e4m3fn, scale={kind}, backend={self.backend}")
 
 
+def _tuner_layer_cls():
+    """PEFT's BaseTunerLayer if peft is loaded (a model cannot contain PEFT layers otherwise), else None."""
+    mod = sys.modules.get("peft.tuners.tuners_utils")
+    return getattr(mod, "BaseTunerLayer", None)
+
+
 def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = None, *,
                    per_row_scale: bool = False, backend: str = "auto") -> int:
     """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, in place.
 
     target_modules: names (or name suffixes, like PEFT's target_modules) of the layers to quantize; None quantizes
-    every nn.Linear/Conv1D except those named like an output head (`lm_head`). Returns how many were swapped.
+    every nn.Linear/Conv1D except those named like an output head (`lm_head`). Explicit targets that match no layer
+    are an error. Layers whose weight is already float8_e4m3fn are wrapped losslessly (scale 1).
+    PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
+    touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model.
+    Returns how many layers were swapped.
     """
+    check_backend_name(backend)
     conv1d = _conv1d_cls()
     kinds = (nn.Linear,) + ((conv1d,) if conv1d is not None else ())
     targets = None if target_modules is None else (
         [target_modules] if isinstance(target_modules, str) else list(target_modules))
-    swaps = []
+    tuner = _tuner_layer_cls()
+    inside_tuner = set()
+    if tuner is not None:
+        for name, mod in model.named_modules():
+            if isinstance(mod, tuner):
+                inside_tuner |= {f"{name}.{sub}" if name else sub for sub, _ in mod.named_modules() if sub}
+    swaps, skipped, candidates = [], [], []
     for name, mod in model.named_modules():
         if not isinstance(mod, kinds):
             continue
+        candidates.append(name)
         if targets is None:
             if name.split(".")[-1] == "lm_head":
                 continue
         elif not any(name == t or name.endswith("." + t) for t in targets):
             continue
-        swaps.append(name)
+        (skipped if name in inside_tuner else swaps).append(name)
+    if skipped:
+        warnings.warn(
+            f"quantize_model left {len(skipped)} layers inside PEFT adapter layers as they are (e.g. {skipped[0]!r}): "
+            f"quantizing them would turn the trainable lora_A/lora_B into frozen fp8. Quantize before get_peft_model, "
+            f"or use dorafp8.convert_peft_model(model) to put the base weights of PEFT DoRA layers in fp8",
+            stacklevel=2)
+    if targets is not None and not swaps and not skipped:
+        peft_hits = [n for n, m in model.named_modules() if tuner is not None and isinstance(m, tuner)
+                     and any(n == t or n.endswith("." + t) for t in targets)]
+        if peft_hits:
+            raise ValueError(f"target_modules={targets!r} matched only PEFT adapter layers (e.g. {peft_hits[0]!r}); "
+                             f"quantize before get_peft_model, or use dorafp8.convert_peft_model(model) to put the "
+                             f"base weights of PEFT DoRA layers in fp8")
+        shown = ", ".join(repr(n) for n in candidates[:8]) + (", ..." if len(candidates) > 8 else "")
+        raise ValueError(f"target_modules={targets!r} matched no nn.Linear/Conv1D layer of the model; its linear "
+                         f"layers are: {shown or 'none'}")
     for name in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP8Linear.from_float(getattr(parent, child), per_row_scale=per_row_scale,
-                                                    backend=backend))
+                                                    backend=backend, name=name))
     return len(swaps)
