@@ -13,6 +13,7 @@ Without torch in the build environment (an isolated `pip install`), without nvcc
 the extension is skipped with a one-line message and the package falls back to its Triton/reference backends.
 """
 
+import json
 import os
 import sys
 
@@ -23,6 +24,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _say(msg):
     print(f"dorafp8 setup: {msg}", file=sys.stderr)
+
+
+def _record(note):
+    """Writes what was decided about the CUDA extension where the package can read it at run time: pip hides this
+    script's output unless run with -v, so `python -m dorafp8` and the CUDA backend's error message repeat it."""
+    with open(os.path.join(HERE, "dorafp8", "_build_info.json"), "w") as f:
+        json.dump({"cuda_extension": note}, f)
+        f.write("\n")
 
 
 def _default_max_jobs():
@@ -37,17 +46,15 @@ def _default_max_jobs():
 
 
 def _cuda_extension():
-    """Returns (ext_modules, cmdclass) for dorafp8._C, or ([], {}) with a one-line reason."""
+    """Returns (ext_modules, cmdclass, note) for dorafp8._C, or ([], {}, why it is skipped)."""
     if os.environ.get("DORAFP8_SKIP_CUDA_BUILD", "0") == "1":
-        _say("DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension")
-        return [], {}
+        return [], {}, "DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension"
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        _say("torch not importable at build time (isolated build?): skipping the CUDA extension; "
-             "to build it: pip install -e . --no-build-isolation")
-        return [], {}
+        return [], {}, ("torch not importable at build time (isolated build?): skipping the CUDA extension; "
+                        "to build it: pip install -e . --no-build-isolation")
     if os.environ.get("CUDA_HOME") is None and os.path.isdir("/usr/local/cuda"):
         # nvcc on PATH may be a wrapper script, which makes torch guess CUDA_HOME wrong.
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
@@ -55,19 +62,15 @@ def _cuda_extension():
         ce.CUDA_HOME = "/usr/local/cuda"
         CUDA_HOME = ce.CUDA_HOME
     if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        _say("nvcc not found (set CUDA_HOME): skipping the CUDA extension")
-        return [], {}
+        return [], {}, "nvcc not found (set CUDA_HOME): skipping the CUDA extension"
     if torch.version.cuda is None:
-        _say(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
-        return [], {}
+        return [], {}, f"torch {torch.__version__} is a CPU build: skipping the CUDA extension"
     forced = os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
     if not forced and not torch.cuda.is_available():
-        _say("no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)")
-        return [], {}
+        return [], {}, "no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)"
     sources = [os.path.join("csrc", f) for f in ("binding.cpp", "dora_fp8.cu")]
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
-        _say("csrc/ sources missing: skipping the CUDA extension")
-        return [], {}
+        return [], {}, "csrc/ sources missing: skipping the CUDA extension"
 
     archs = os.environ.get("DORAFP8_CUDA_ARCHS", "89;90a").replace(",", ";").split(";")
     archs = [a.strip() for a in archs if a.strip()]
@@ -101,11 +104,14 @@ def _cuda_extension():
             "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
         },
     )
+    note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     _say(f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}")
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, note
 
 
-ext_modules, cmdclass = _cuda_extension()
+ext_modules, cmdclass, _note = _cuda_extension()
+_say(_note)
+_record(_note)
 
 setup(
     name="dorafp8",
@@ -115,6 +121,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=["dorafp8", "dorafp8.triton_kernels"],
+    package_data={"dorafp8": ["_build_info.json"]},
     package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={

@@ -13,6 +13,7 @@ The extension is optional: it is built by `DORAFP8_FORCE_CUDA_BUILD=1 pip instal
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -32,13 +33,24 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
 
 
+def build_note() -> str:
+    """What setup.py decided about the extension at install time (written to dorafp8/_build_info.json)."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "_build_info.json")) as f:
+            return json.load(f).get("cuda_extension", "")
+    except (OSError, ValueError):
+        return ""
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     device = torch.device(device)
-    if _C is None:
-        return (f"the CUDA extension dorafp8._C is not available ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
-                f"build it from the source tree with: {BUILD_COMMAND}")
+    # The device first: on CPU tensors no build could help, so do not send the user off to build one.
     if device.type != "cuda":
-        return f"the CUDA backend runs on CUDA devices only, got a {device.type} device"
+        return f"the CUDA backend runs on CUDA devices only, got a {device.type} device (use 'reference' or 'auto')"
+    if _C is None:
+        note = build_note()
+        return (f"the CUDA extension dorafp8._C is not available ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
+                f"{'; at install: ' + note if note else ''}); build it from the source tree with: {BUILD_COMMAND}")
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     index = device.index if device.index is not None else torch.cuda.current_device()
