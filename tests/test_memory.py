@@ -1,63 +1,15 @@
 """The reference backend never materializes the whole dequantized weight: its temporaries are bounded row blocks.
 
-Memory on CPU is measured with a TorchDispatchMode that sees every aten op: each output with a storage none of the
-op's inputs had is a new allocation, counted until its tensor dies. That gives the peak of live temporaries made
-inside the measured call (inputs that existed before it are not counted).
+Memory on CPU is measured with dorafp8._memory.PeakTemporaries, a TorchDispatchMode that sees every aten op (and
+opens dorafp8's custom ops): each output with a storage none of the op's inputs had is a new allocation, counted until
+its tensor dies. That gives the peak of live temporaries made inside the measured call (inputs that existed before
+it are not counted).
 """
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import dorafp8
-from dorafp8 import backends
-
-MiB = 1024 * 1024
-
-
-def _open_custom_op(func, args):
-    *rest, backend = args
-    mod = backends.module(backend)
-    name = func._schema.name.split("::")[1]
-    if name == "forward":
-        y, z = mod.forward(*rest)
-        return y, (z if z is not None else y.new_empty(0))
-    return getattr(mod, name)(*rest)
-
-
-class PeakTemporaries(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
-
-    def _free(self, key):
-        self.cur -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "dorafp8":
-            # A dorafp8 custom op is one opaque op to dispatch modes: run its backend implementation under this
-            # mode instead, so that the temporaries it makes inside are seen too.
-            with self:
-                out = _open_custom_op(func, args)
-        else:
-            out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in seen or key in self.live or st.nbytes() == 0:
-                continue
-            self.live[key] = st.nbytes()
-            self.cur += st.nbytes()
-            self.peak = max(self.peak, self.cur)
-            self.largest = max(self.largest, st.nbytes())
-            weakref.finalize(t, self._free, key)
-        return out
+from dorafp8._memory import MiB, PeakTemporaries
 
 
 def _big(N=8192, K=8192, r=16, seed=0):

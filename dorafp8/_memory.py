@@ -1,0 +1,91 @@
+"""Measuring the memory a piece of code allocates, on CPU as well as on GPU (for the demo, bench and tests).
+
+On CUDA the caching allocator keeps the numbers: the peak of `torch.cuda.max_memory_allocated` above what was
+allocated when the measurement started. On CPU nothing does, so `PeakTemporaries` watches every aten op through a
+TorchDispatchMode: each output whose storage none of the op's inputs had is a new allocation, counted until its
+tensor dies. dorafp8's custom ops are one opaque op each to a dispatch mode, so the mode runs their backend
+implementation under itself instead, to see the temporaries made inside them too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MiB = 1024 * 1024
+
+
+def _open_custom_op(func, args):
+    from . import backends
+
+    *rest, backend = args
+    mod = backends.module(backend)
+    name = func._schema.name.split("::")[1]
+    out = getattr(mod, name)(*rest)
+    if name == "forward":  # the op returns an empty placeholder where the backend returns None
+        y, z = out
+        return y, (z if z is not None else y.new_empty(0))
+    return out
+
+
+class PeakTemporaries(TorchDispatchMode):
+    """CPU: `with PeakTemporaries() as m: ...` then m.peak (bytes of the most tensors alive at once that were made
+    inside the block) and m.largest (the largest single one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
+
+    def _free(self, key):
+        self.cur -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "dorafp8":
+            with self:
+                out = _open_custom_op(func, args)
+        else:
+            out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key in seen or key in self.live or st.nbytes() == 0:
+                continue
+            self.live[key] = st.nbytes()
+            self.cur += st.nbytes()
+            self.peak = max(self.peak, self.cur)
+            self.largest = max(self.largest, st.nbytes())
+            weakref.finalize(t, self._free, key)
+        return out
+
+
+def peak_extra_bytes(fn, device: torch.device | str) -> int:
+    """Runs fn() and returns the peak memory it allocated on top of what existed before (bytes, measured)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with PeakTemporaries() as mode:
+        fn()
+    return mode.peak
+
+
+def tensor_bytes(module: torch.nn.Module, predicate=lambda name, t: True) -> int:
+    """Bytes held by a module's parameters and buffers (each storage counted once)."""
+    seen, total = set(), 0
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        st = t.untyped_storage()
+        if predicate(name, t) and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
