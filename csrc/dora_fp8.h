@@ -2,7 +2,7 @@
 // (kernels, launchers). Plain C++ with raw pointers so that the binding never sees CUDA's fp types and the .cu file
 // never sees torch's headers (each translation unit stays cheap to compile).
 //
-// The math is the backend contract of dorafp8/backends.py (see shared/docs/DORA_MATH.md):
+// The math is the backend contract of dorafp8/backends.py (see docs/DORA_MATH.md):
 //   weight_norm: n[j] = || scale_j * w8[j, :] + s * (B A)[j, :] ||_2                        (fp32 [N])
 //   forward:     c == nullptr: y = x W0^T + bias
 //                no dropout:   y = c * (x W0^T + s u B^T) + bias,              z = x W0^T + s u B^T

@@ -5,7 +5,7 @@ Hops from the public API to a kernel:
     dm/dA/dB)  ->  torch.ops.dorafp8.{forward,dgrad,weight_norm} (custom ops, opaque to torch.compile)  ->
     backend module (dorafp8.reference / dorafp8.triton_kernels / dorafp8.cuda_backend)  ->  kernel.
 
-The formulas are those of shared/docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in
+The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in
 dorafp8/backends.py.
 
 Dtype policy: the compute dtype is the autocast dtype when autocast is on for x's device, else x's dtype

@@ -1,0 +1,256 @@
+"""What a new user meets first: the README's promises, the import, PEFT's shorthands, quantize_model's guards and
+warnings, the demo, and the messages for missing extras. Things that depend on a fresh interpreter (import cost,
+import order) run in subprocesses."""
+
+import copy
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dorafp8
+from dorafp8 import FP8Linear
+from dorafp8.quant import QuantizationWarning
+
+ROOT = Path(__file__).resolve().parents[1]
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _run_python(code: str, timeout=240) -> str:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=ROOT)
+    assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    return out.stdout
+
+
+def _llama(hidden=64, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+# ---------------------------------------------------------------------------------------------------- import
+
+def test_import_does_not_load_peft_transformers_or_triton():
+    """`import dorafp8` costs about `import torch`: the heavy optional modules load only when used."""
+    out = _run_python("import sys, dorafp8; print(sorted(m for m in ('peft', 'transformers', 'triton') "
+                      "if m in sys.modules))")
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("order", ["dorafp8-first", "peft-first"])
+def test_fp8_first_get_peft_model_needs_no_other_import(order):
+    """quantize_model then get_peft_model builds DoRAFP8Linear layers whichever of peft and dorafp8 is imported
+    first, without the user importing dorafp8's PEFT integration."""
+    imports = "import dorafp8\nimport peft" if order == "dorafp8-first" else "import peft\nimport dorafp8"
+    out = _run_python(f"""{imports}
+import torch
+net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+dorafp8.quantize_model(net)
+pm = peft.get_peft_model(net, peft.LoraConfig(r=2, use_dora=True, target_modules=["0", "2"]))
+print(sorted(type(m).__name__ for m in pm.modules() if type(m).__name__ == "DoRAFP8Linear"))
+pm(torch.randn(3, 16)).sum().backward()
+""")
+    assert out.strip() == "['DoRAFP8Linear', 'DoRAFP8Linear']", out
+
+
+def test_missing_extra_names_it():
+    """Without peft/transformers, the PEFT names and the demo say which extra to install."""
+    out = _run_python("""
+import sys
+sys.modules['peft'] = sys.modules['transformers'] = None  # what an interpreter without them sees
+import dorafp8, dorafp8.demo
+for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.demo.main([])):
+    try:
+        f()
+    except ImportError as e:
+        print(e)
+""")
+    lines = out.strip().splitlines()
+    assert len(lines) == 2, out
+    assert "dorafp8.DoRAFP8Linear needs peft" in lines[0] and "pip install 'dorafp8[peft]'" in lines[0]
+    assert "the demo" in lines[1] and "pip install 'dorafp8[peft]'" in lines[1]
+
+
+def test_environment_report():
+    out = _run_python("import runpy; runpy.run_module('dorafp8', run_name='__main__')")
+    assert "backends on cpu: auto -> reference" in out and "CUDA extension dorafp8._C:" in out
+
+
+# ---------------------------------------------------------------------------------------------------- all-linear
+
+@pytest.mark.parametrize("quantize", ["all", "some"])
+def test_all_linear_covers_fp8_layers(quantize):
+    model = _llama()
+    targets = None if quantize == "all" else ["q_proj", "down_proj"]
+    n = dorafp8.quantize_model(model, targets)
+    assert n == (14 if quantize == "all" else 4)
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    dora_fp8 = {name for name, m in pm.named_modules() if isinstance(m, dorafp8.DoRAFP8Linear)}
+    lora = {name for name, m in pm.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")}
+    assert len(dora_fp8) == n
+    assert len(lora) == 14 - n  # the rest: plain PEFT DoRA on the nn.Linear layers that were not quantized
+    assert not any("lm_head" in name for name in dora_fp8 | lora)
+
+
+# ---------------------------------------------------------------------------------------------------- quantize_model
+
+def test_quantize_model_leaves_peft_layers_alone():
+    pm = get_peft_model(_llama(), LoraConfig(r=4, use_dora=True, target_modules=LLAMA_TARGETS))
+    trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    with pytest.warns(UserWarning, match="convert_peft_model"):
+        n = dorafp8.quantize_model(pm)
+    assert n == 0  # every linear layer but lm_head is inside a PEFT layer here
+    assert sum(p.numel() for p in pm.parameters() if p.requires_grad) == trainable
+    assert not any(isinstance(m, FP8Linear) for m in pm.modules())
+    pm(input_ids=torch.randint(0, 97, (1, 5)))  # and the model still runs
+    with pytest.raises(ValueError, match="matched only PEFT adapter layers.*convert_peft_model"):
+        dorafp8.quantize_model(pm, ["q_proj"])
+
+
+def test_quantize_model_explicit_targets_must_match():
+    model = _llama()
+    with pytest.raises(ValueError, match=r"target_modules=\['qproj'\] matched no nn.Linear.*'model.layers.0"):
+        dorafp8.quantize_model(model, ["qproj"])
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_lossy_per_tensor_quantization_warns_and_per_row_fixes_it():
+    """One outlier (1e4 among weights of 0.02) sets the per-tensor scale: most other weights flush to zero, and
+    quantize_model says so and names per_row_scale=True, which confines the loss to the outlier's own row."""
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[3, 5] = 1e4
+    others = w != 1e4
+
+    def rel_err_others(w8, scale):  # the error of everything but the outlier (which dominates the whole norm)
+        return ((dorafp8.dequantize_e4m3(w8, scale) - w)[others].norm() / w[others].norm()).item()
+
+    model = nn.Sequential(nn.Linear(256, 256))
+    model[0].weight.data = w.clone()
+    with pytest.warns(QuantizationWarning, match=r"weight of '0'.*became 0.*per_row_scale=True") as rec:
+        dorafp8.quantize_model(model)
+    flushed = float(re.search(r"([\d.]+)% of its non-zero values became 0", str(rec[0].message)).group(1))
+    assert flushed > 50
+    assert rel_err_others(model[0].weight, model[0].scale) > 0.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantizationWarning)
+        w8, scale = dorafp8.quantize_e4m3(w, per_row=True)
+        assert rel_err_others(w8, scale) < 0.06  # only the outlier's own row still loses its small weights
+        rest = torch.arange(256) != 3
+        assert ((dorafp8.dequantize_e4m3(w8, scale) - w)[rest].norm() / w[rest].norm()).item() < 0.03
+        dorafp8.quantize_e4m3(torch.randn(512, 512))  # ordinary weights do not warn
+
+
+def test_non_finite_weight_error_names_the_module():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight.data[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"weight of '1' has non-finite values \(first in row 2\)"):
+        dorafp8.quantize_model(model)
+
+
+def test_fp8_weights_are_taken_losslessly():
+    lin = nn.Linear(32, 16)
+    w8 = (torch.randn(16, 32) * 40).to(torch.float8_e4m3fn)
+    lin.weight.data = w8.clone()
+    model = nn.Sequential(lin)
+    assert dorafp8.quantize_model(model) == 1
+    f = model[0]
+    assert isinstance(f, FP8Linear) and f.scale.item() == 1.0
+    assert torch.equal(f.weight.view(torch.uint8), w8.view(torch.uint8))
+    assert f.bias.dtype == torch.float32
+    scale = torch.rand(16) + 0.5
+    g = FP8Linear.from_fp8(w8, scale, dtype=torch.bfloat16)
+    assert torch.equal(g.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(g.scale, scale)
+    assert g.orig_dtype == torch.bfloat16 and g.bias is None
+    x = torch.randn(3, 32)
+    ref = x.double() @ (w8.double() * scale.double()[:, None]).T
+    assert ((g(x).double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
+
+
+# ---------------------------------------------------------------------------------------------------- README claims
+
+def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
+    """README, "Accuracy": onto the dequantized fp8 base the saved adapter is exact; onto the original-precision
+    model the outputs move by about the fp8 error of the base."""
+    base = _llama(hidden=64)
+    original = copy.deepcopy(base.state_dict())
+    dorafp8.quantize_model(base, LLAMA_TARGETS)
+    pm = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, use_dora=True, target_modules=LLAMA_TARGETS))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 97, (4, 32), generator=g) for _ in range(2)]
+    pm.train()
+    for i in range(10):
+        pm(input_ids=data[i % 2], labels=data[i % 2]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    pm.eval()
+    test = torch.randint(0, 97, (8, 32), generator=g)
+    with torch.no_grad():
+        ref = pm(input_ids=test).logits
+    fp8 = {n.replace("base_model.model.", "").replace(".base_layer", ""): m
+           for n, m in pm.named_modules() if isinstance(m, FP8Linear)}
+    with tempfile.TemporaryDirectory() as d:
+        pm.save_pretrained(d)
+        outs = {}
+        for kind in ("original", "dequantized"):
+            model = _llama(hidden=64)
+            model.load_state_dict(original)
+            if kind == "dequantized":
+                for name, mod in model.named_modules():
+                    if name in fp8:
+                        mod.weight.data = fp8[name].dequantize()
+            with torch.no_grad():
+                outs[kind] = PeftModel.from_pretrained(model, d).eval()(input_ids=test).logits
+    rel = {k: ((v - ref).norm() / ref.norm()).item() for k, v in outs.items()}
+    agree = {k: (v.argmax(-1) == ref.argmax(-1)).float().mean().item() for k, v in outs.items()}
+    assert rel["dequantized"] < 1e-5 and agree["dequantized"] == 1.0, (rel, agree)
+    assert 1e-3 < rel["original"] < 1e-1 and agree["original"] > 0.8, (rel, agree)
+
+
+def test_demo_prints_what_a_user_decides_on():
+    out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3'])")
+    assert "backends on cpu: auto -> reference" in out
+    assert "dorafp8 backend: reference" in out
+    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out  # the loss table, three curves
+    assert "NOT speed claims" in out
+    mem = re.search(r"one 4096 x 4096 layer: peak of a step, 8 tokens\s+([\d.]+) MiB\s+([\d.]+) MiB", out)
+    assert mem, out
+    peft_mib, ours_mib = map(float, mem.groups())
+    assert ours_mib < peft_mib / 4, out  # measured: PEFT forms dense [4096, 4096] temporaries, dorafp8 does not
+
+
+def test_project_refers_to_nothing_outside_its_tree():
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    offenders = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in {".py", ".md", ".sh", ".cu", ".cpp", ".h", ".toml", ".txt"} or name == ".ci/run":
+            text = path.read_text(errors="ignore")
+            if "../shared" in text or "shared/docs" in text:
+                offenders.append(name)
+    assert offenders == [], offenders
+
+
+def test_readme_opens_with_two_commands_that_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    assert len(block) == 2 and "dorafp8.demo" in block[0] and "pytest tests" in block[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in ci and "-W ignore" not in ci and "DORAFP8_REQUIRE_CUDA_EXT=1" in ci
