@@ -4,6 +4,7 @@ Public API:
     quantize_e4m3, dequantize_e4m3        the FP8 recipe (per-tensor fp32 scale; per-row optional)
     dora_fp8_linear, fp8_linear, weight_norm   functional ops (autograd-capable), dispatched to a backend
     FP8Linear, quantize_model             frozen fp8 linear layer, and swapping nn.Linear for it
+    set_act_quant                         switch a model's fp8 layers between W8A16 (default) and W8A8 ("rowwise")
     DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
                                           and converting a PEFT DoRA model in place
     BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
@@ -17,7 +18,7 @@ of its names is used, and PEFT learns about FP8Linear as soon as peft itself is 
 
 from . import _peft_hook
 from .backends import BACKENDS, available_backends
-from .fp8_linear import FP8Linear, quantize_model
+from .fp8_linear import FP8Linear, quantize_model, set_act_quant
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
 
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
-    "weight_norm", "FP8Linear", "quantize_model", "DoRAFP8Linear", "convert_peft_model", "register_with_peft",
+    "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model", "register_with_peft",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")

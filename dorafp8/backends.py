@@ -1,38 +1,71 @@
-"""Backend registry: which implementation of the three DoRA-FP8 kernels runs.
+"""Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module exposing the same three functions (the contract below) plus
-`unavailable_reason(device) -> str | None`. The autograd Functions in `dorafp8.ops` do everything else
-(dropout, the rank-r skinny GEMMs, dm/dA/dB) in PyTorch, identically for all backends, so a backend is
-exactly the work that touches the [N, K] fp8 weight.
+Every backend is a module exposing the functions of the contract below plus `unavailable_reason(device) -> str | None`.
+The autograd Functions in `dorafp8.ops` do the rest (dropout masks, c = m / n, the final scalings of dm, dB, dA) in
+PyTorch, identically for all backends.
 
-Backend contract (shapes: x [M, K], w8 [N, K], rank r; "cdt" = the compute dtype, one of fp32/bf16/fp16,
-which x, u, v, g, A, B and bias already have; all accumulation in fp32):
+Names: x [M, K]; w8 [N, K] float8_e4m3fn; rank r; "cdt" = the compute dtype of the activations (fp32/bf16/fp16);
+"rdt" = the rank dtype of the low-rank path (u, v, A, B; fp32/bf16/fp16, see docs/DORA_MATH.md "Dtype policy").
+All accumulation is fp32.
 
-  weight_norm(w8, scale, A, B, s) -> n
-      n[j] = || scale_j * w8[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float
-      dtype (upcast in-kernel). Never materializes [N, K].
+Weight scale (`scale`, fp32, with `block` an int): W0 = scale * w8 where scale is
+    []                      per tensor                                  (block ignored)
+    [N]                     per output row                              (block ignored)
+    [ceil(N/b), ceil(K/b)]  per b x b block, b = block: W0[j, k] = scale[j // b, k // b] * w8[j, k]
+Block scales are applied per block of the reduction in fp32 (acc += scale_blk * partial), never rounded into an
+operand.
 
-  forward(x, w8, scale, bias, c, u, B, s, xd, need_z) -> (y, z)
+act_quant: "" (W8A16: activations in cdt, exact up to cdt) or "rowwise" (W8A8: the left operand of each base GEMM is
+quantized per row to e4m3 with an fp32 scale amax / 448 (1 for an all-zero row), and the base GEMM multiplies e4m3 by
+e4m3 with fp32 accumulation; see docs/DORA_MATH.md).
+
+The contract (every backend computes exactly this; the reference backend is the twin the others are tested against):
+
+  weight_norm(w8, scale, block, A, B, s) -> n
+      n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float dtype (upcast
+      in-kernel). Never materializes [N, K] in full.
+
+  project(a, b, out_dtype) -> a @ b^T                     (u = xd A^T in the forward)
+      a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in out_dtype, fp32 accumulation of the exact products.
+
+  project_grad(v, a) -> v^T @ a                            (dA / s in the backward)
+      v [M, r] (rdt), a [M, K] (cdt): fp32 [r, K].
+
+  forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant) -> (y, z)
       c is None: plain FP8 linear, y = x W0^T + bias, z is None (u, B, xd are None).
-      c [N] fp32, u [M, r] cdt (= xd A^T), B [N, r] cdt:
+      c [N] fp32, u [M, r] rdt (= xd A^T), B [N, r] rdt:
         no dropout (xd is None): y = c * (x W0^T + s u B^T) + bias
         dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
-      z = xd W0^T + s u B^T (xd = x without dropout) if need_z else None. y, z are [M, N] cdt.
+      z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N] cdt.
 
-  dgrad(g, w8, scale, c, v, A, s, mask, p) -> dx
-      c is None: dx = g W0 (v, A, mask are None).
-      v [M, r] cdt (= (g * c) B), A [r, K] cdt:
-        no dropout (mask is None): dx = (g * c) W0 + s v A
-        dropout (mask bool [M, K], keep prob 1 - p): dx = g W0 + mask / (1 - p) * ((g * (c - 1)) W0 + s v A)
-      dx is [M, K] cdt.
+  backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB) -> (gl, rl, gb, rb, v, dm, db, dB)
+      One pass over g [M, N] (and z) that prepares everything the backward needs from them, in fp32:
+        gl, rl: the dgrad's left operand and its scalar: gl = g * f / rl in cdt with f = c * srow (no dropout) or
+                (c - 1) * srow (dropout), rl = max|f| (fp32 0-dim, >= tiny), so that |gl| <= |g|: it cannot overflow
+                fp16 where g does not; srow is the per-row weight scale [N], or None (ones) for tensor/block scales.
+        gb, rb: with dropout, the operand of the plain base term: g * srow / rb (or g itself and rb = 1 when srow is
+                None); (None, None) without dropout.
+        v  = (g * c) B                          [M, r] rdt (fp32 products)
+        dm = sum_i g[i, :] * z[i, :]            [N] fp32 (None unless need_dm; the caller divides by n)
+        db = sum_i g[i, :]                      [N] fp32
+        dB = g^T u                              [N, r] fp32 (None unless need_dB; the caller scales by s * c)
+      c is None (a plain FP8Linear): only gl, rl (f = srow; gl = g and rl = 1 when srow is None) and db.
 
-  where W0 = scale * w8 (scale fp32, shape [] / [1] per tensor or [N] per row), bias [N] cdt or None,
-  and M >= 1 (the caller handles empty batches). x, xd, g have unit stride in their last dim (any row stride).
+  dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant) -> dx
+      With base(t, r) = r * (t @ W0') where W0' = w8 with block scales applied in fp32 per block (per-tensor and
+      per-row scales are already in rl / gl):
+        v is None:                  dx = base(gl, rl) * scale_t
+        no dropout (mask is None):  dx = base(gl, rl) * scale_t + s v A
+        dropout (mask bool [M, K]): dx = base(gb, rb) * scale_t + mask / (1 - p) * (base(gl, rl) * scale_t + s v A)
+      with scale_t the per-tensor scale (1 for per-row and block scales). dx is [M, K] cdt; v [M, r], A [r, K] rdt.
+
+  M >= 1 (the caller handles empty batches). x, xd, g, gl, gb have unit stride in their last dim (any row stride).
 
 Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the fastest backend that can run on the
 tensors' device: triton > cuda > reference on a GPU (triton first until GPU measurements say otherwise;
-see bench/results/), reference on CPU. A backend asked for by name (argument or
-environment) that cannot run raises with the reason; under "auto" an unavailable backend is skipped quietly.
+see bench/results/), reference on CPU. A backend asked for by name (argument or environment) that cannot run raises
+with the reason; under "auto" an unavailable backend is skipped quietly. `cublas` (dequantize one layer into a
+transient buffer, cuBLAS for the base GEMMs, fused epilogues) is never picked by "auto" until measured.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from .backends import check_backend_name
-from .ops import fp8_linear
-from .quant import E4M3, check_fp8_weight, check_scale, dequantize_e4m3, quantize_e4m3
+from .ops import check_act_quant, fp8_linear
+from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
+                    quantize_e4m3, scale_kind)
 
 
 def _conv1d_cls():
@@ -25,31 +26,54 @@ def _conv1d_cls():
 class FP8Linear(nn.Module):
     """y = x (scale * weight)^T + bias, weight float8_e4m3fn [out_features, in_features], frozen.
 
-    state_dict keys: `weight` (fp8 bytes), `scale` (fp32, [] per tensor or [out_features] per row), `bias`.
+    state_dict keys: `weight` (fp8 bytes), `scale` (fp32: [] per tensor, [out_features] per row, or
+    [ceil(out/b), ceil(in/b)] per b x b block with b = `block_size`), `bias`.
     Casting the module (`.to(torch.bfloat16)`, `.half()`) moves it but keeps the fp8 weight and fp32 scale.
+    `act_quant = "rowwise"` runs its base GEMMs W8A8 (activations quantized per row to e4m3; see docs/DORA_MATH.md),
+    `None` (the default) W8A16. `backend` picks the kernels ("auto" by default).
     """
 
+    block_size = DEFAULT_BLOCK  # class defaults: modules pickled before these attributes existed still load
+    _act_quant = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
-                 dtype: torch.dtype = torch.float32, per_row_scale: bool = False, backend: str = "auto"):
+                 dtype: torch.dtype = torch.float32, per_row_scale: bool = False, block_size: Optional[int] = None,
+                 backend: str = "auto", act_quant: Optional[str] = None):
         super().__init__()
         # The dtype the weight had before quantization: the bias keeps it, and PEFT creates adapters in it.
         self.orig_dtype = dtype
         self.in_features = in_features
         self.out_features = out_features
         self.backend = check_backend_name(backend)
+        self.act_quant = act_quant
+        self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=E4M3, device=device),
                                    requires_grad=False)
-        scale_shape = (out_features,) if per_row_scale else ()
+        if per_row_scale:
+            scale_shape = (out_features,)
+        elif block_size is not None:
+            scale_shape = (-(-out_features // block_size), -(-in_features // block_size))
+        else:
+            scale_shape = ()
         self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def act_quant(self) -> Optional[str]:
+        return self._act_quant
+
+    @act_quant.setter
+    def act_quant(self, mode: Optional[str]) -> None:
+        self._act_quant = check_act_quant(mode) or None
+
     @classmethod
-    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, backend: str = "auto",
-                   name: str | None = None) -> "FP8Linear":
-        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear.
+    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
+                   backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> "FP8Linear":
+        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one
+        scale per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
 
         A weight that is already float8_e4m3fn (a model cast to fp8, as OneTrainer and others store it) is kept
         byte for byte with scale 1: re-quantizing it would move it. `name` is used in warnings and errors.
@@ -66,23 +90,26 @@ class FP8Linear(nn.Module):
             bias_dtype = bias.dtype if bias is not None and bias.is_floating_point() and bias.dtype != E4M3 \
                 else torch.float32
             return cls.from_fp8(weight.detach().contiguous(), torch.ones((), device=weight.device),
-                                None if bias is None else bias.detach().to(bias_dtype), backend=backend)
-        w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, name=name)
+                                None if bias is None else bias.detach().to(bias_dtype), backend=backend,
+                                act_quant=act_quant)
+        w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, block_size=block_size, name=name)
         return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
-                            dtype=weight.dtype)
+                            dtype=weight.dtype, block_size=block_size, act_quant=act_quant)
 
     @classmethod
     def from_fp8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                 backend: str = "auto", dtype: Optional[torch.dtype] = None) -> "FP8Linear":
-        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([] or [out]).
-        `dtype`: the weight's original precision, used for the adapters PEFT creates on this layer (default: the
-        bias's dtype, else float32)."""
+                 backend: str = "auto", dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
+                 act_quant: Optional[str] = None) -> "FP8Linear":
+        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([], [out], [out, 1]
+        or [ceil(out/b), ceil(in/b)] with b = block_size, default 128). `dtype`: the weight's original precision,
+        used for the adapters PEFT creates on this layer (default: the bias's dtype, else float32)."""
         check_fp8_weight(w8, "w8")
         out_features, in_features = w8.shape
-        scale = check_scale(scale, out_features)
+        block = block_size or DEFAULT_BLOCK
+        scale = check_scale(scale, out_features, in_features, block)
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
-                  per_row_scale=scale.dim() == 1, backend=backend)
+                  block_size=block, backend=backend, act_quant=act_quant)
         new.weight = nn.Parameter(w8, requires_grad=False)
         new.scale = scale.to(w8.device)
         if bias is not None:
@@ -90,11 +117,12 @@ class FP8Linear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.bias, backend=self.backend)
+        return fp8_linear(x, self.weight, self.scale, self.bias, backend=self.backend, block_size=self.block_size,
+                          act_quant=self.act_quant)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
-        return dequantize_e4m3(self.weight, self.scale, dtype)
+        return dequantize_e4m3(self.weight, self.scale, dtype, block_size=self.block_size)
 
     def _apply(self, fn, recurse=True):
         # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
@@ -119,19 +147,21 @@ class FP8Linear(nn.Module):
         sc = state_dict.get(prefix + "scale")
         if sc is not None:
             try:
-                check_scale(sc, self.out_features, name=prefix + "scale")
+                sc = check_scale(sc, self.out_features, self.in_features, self.block_size, name=prefix + "scale")
             except (TypeError, ValueError) as e:
                 error_msgs.append(str(e))
                 return
-            if sc.shape != self.scale.shape:  # per-row vs per-tensor: take the checkpoint's layout
+            state_dict[prefix + "scale"] = sc  # normalized ([N, 1] -> [N], [1] -> [])
+            if sc.shape != self.scale.shape:  # per-tensor / per-row / per-block: take the checkpoint's layout
                 self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def extra_repr(self) -> str:
-        kind = "per-row" if self.scale.dim() == 1 else "per-tensor"
+        kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block"}
+        quant = f", act_quant={self.act_quant}" if self.act_quant else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight=float8_e4m3fn, scale={kind}, backend={self.backend}")
+                f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}")
 
 
 def _tuner_layer_cls():
@@ -141,17 +171,21 @@ def _tuner_layer_cls():
 
 
 def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = None, *,
-                   per_row_scale: bool = False, backend: str = "auto") -> int:
+                   per_row_scale: bool = False, block_size: Optional[int] = None, backend: str = "auto",
+                   act_quant: Optional[str] = None) -> int:
     """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, in place.
 
     target_modules: names (or name suffixes, like PEFT's target_modules) of the layers to quantize; None quantizes
     every nn.Linear/Conv1D except those named like an output head (`lm_head`). Explicit targets that match no layer
-    are an error. Layers whose weight is already float8_e4m3fn are wrapped losslessly (scale 1).
+    are an error. per_row_scale / block_size choose the scale (default: one per tensor); act_quant="rowwise" makes the
+    layers' base GEMMs W8A8 (set_act_quant changes it later). Layers whose weight is already float8_e4m3fn are
+    wrapped losslessly (scale 1).
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model.
     Returns how many layers were swapped.
     """
     check_backend_name(backend)
+    check_act_quant(act_quant)
     conv1d = _conv1d_cls()
     kinds = (nn.Linear,) + ((conv1d,) if conv1d is not None else ())
     targets = None if target_modules is None else (
@@ -193,5 +227,16 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP8Linear.from_float(getattr(parent, child), per_row_scale=per_row_scale,
-                                                    backend=backend, name=name))
+                                                    block_size=block_size, backend=backend, act_quant=act_quant,
+                                                    name=name))
     return len(swaps)
+
+
+def set_act_quant(model: nn.Module, mode: Optional[str]) -> int:
+    """Sets the activation quantization of every FP8Linear in `model` (PEFT layers on them included): "rowwise"
+    (W8A8 base GEMMs) or None (W8A16). Saved adapters are unaffected. Returns how many layers were set."""
+    check_act_quant(mode)
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in layers:
+        m.act_quant = mode
+    return len(layers)

@@ -1,16 +1,18 @@
-"""DoRA on an FP8 base as autograd Functions over three backend kernels.
+"""DoRA on an FP8 base as autograd Functions over the backend kernels.
 
 Hops from the public API to a kernel:
-    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout, rank-r GEMMs,
-    dm/dA/dB)  ->  torch.ops.dorafp8.{forward,dgrad,weight_norm} (custom ops, opaque to torch.compile)  ->
-    backend module (dorafp8.reference / dorafp8.triton_kernels / dorafp8.cuda_backend)  ->  kernel.
+    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask, c = m / n,
+    the final scalings of dm/dA/dB)  ->  torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
+    backend module (dorafp8.reference / dorafp8.triton_kernels / dorafp8.cuda_backend / dorafp8.cublas_backend)
+    ->  kernel.
 
-The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in
-dorafp8/backends.py.
+The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends.py.
 
-Dtype policy: the compute dtype is the autocast dtype when autocast is on for x's device, else x's dtype
-(fp32, bf16 or fp16). x, lora_A, lora_B and bias are cast to it (autograd casts the gradients back to each
-parameter's dtype); the weight norm, c = m / n and every accumulation are fp32; the output has the compute dtype.
+Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
+autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
+the adapter gradients) is the autocast dtype under autocast, else the adapters' own dtype, as in PEFT (which casts x to
+lora_A's dtype): fp32 adapters on bf16 activations get an fp32 low-rank path and fp32-accurate gradients. The weight
+norm, c = m / n and every accumulation are fp32; the output has the compute dtype.
 """
 
 from __future__ import annotations
@@ -22,50 +24,100 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .quant import check_fp8_weight, check_scale
+from .quant import DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, scale_kind
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_EMPTY = torch.empty(0)  # placeholder a custom op returns for "no tensor" (custom ops cannot return None)
+# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
+# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
+# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
+NORM_EPS = 1e-12
+ACT_QUANT_MODES = ("", "rowwise")
 
 # ----------------------------------------------------------------------------------------------------------------
-# Custom ops: one per backend kernel. Registering them makes the autograd Functions below traceable by
-# torch.compile (the kernels stay opaque, with shapes given by the fake implementations).
+# Custom ops: one per backend function. Registering them makes the autograd Functions below traceable by
+# torch.compile (the kernels stay opaque, with shapes given by the fake implementations). Custom ops cannot return
+# None or an input, so an absent output is an empty placeholder and the Python side knows which it is.
 # ----------------------------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("dorafp8::weight_norm", mutates_args=())
-def _weight_norm_op(w8: Tensor, scale: Tensor, A: Tensor, B: Tensor, s: float, backend: str) -> Tensor:
-    return backends.module(backend).weight_norm(w8, scale, A, B, s)
+def _weight_norm_op(w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float, backend: str) -> Tensor:
+    return backends.module(backend).weight_norm(w8, scale, block, A, B, s)
 
 
 @_weight_norm_op.register_fake
-def _(w8, scale, A, B, s, backend):
+def _(w8, scale, block, A, B, s, backend):
     return w8.new_empty(w8.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("dorafp8::project", mutates_args=())
+def _project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
+    return backends.module(backend).project(a, b, out_dtype)
+
+
+@_project_op.register_fake
+def _(a, b, out_dtype, backend):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("dorafp8::project_grad", mutates_args=())
+def _project_grad_op(v: Tensor, a: Tensor, backend: str) -> Tensor:
+    return backends.module(backend).project_grad(v, a)
+
+
+@_project_grad_op.register_fake
+def _(v, a, backend):
+    return a.new_empty(v.shape[1], a.shape[1], dtype=torch.float32)
+
+
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
-def _forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], c: Optional[Tensor],
+def _forward_op(x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
                 u: Optional[Tensor], B: Optional[Tensor], s: float, xd: Optional[Tensor], need_z: bool,
-                backend: str) -> tuple[Tensor, Tensor]:
-    y, z = backends.module(backend).forward(x, w8, scale, bias, c, u, B, s, xd, need_z)
+                z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
+    y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant)
     return y, (z if z is not None else x.new_empty(0))
 
 
 @_forward_op.register_fake
-def _(x, w8, scale, bias, c, u, B, s, xd, need_z, backend):
+def _(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant, backend):
     y = x.new_empty(x.shape[0], w8.shape[0])
-    return y, (x.new_empty(x.shape[0], w8.shape[0]) if need_z else x.new_empty(0))
+    want_z = need_z and c is not None
+    return y, (x.new_empty(x.shape[0], w8.shape[0], dtype=z_dtype) if want_z else x.new_empty(0))
+
+
+@torch.library.custom_op("dorafp8::backward_pass", mutates_args=())
+def _backward_pass_op(g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
+                      B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool,
+                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = backends.module(backend).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
+    # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
+    return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
+
+
+@_backward_pass_op.register_fake
+def _(g, z, c, srow, B, u, dropout, need_dm, need_dB, backend):
+    M, N = g.shape
+    f32 = dict(dtype=torch.float32)
+    adapter = c is not None
+    gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
+    gb = g.new_empty(M, N) if (adapter and dropout and srow is not None) else g.new_empty(0)
+    rb = g.new_empty((), **f32) if (adapter and dropout) else g.new_empty(0)
+    v = g.new_empty(M, B.shape[1], dtype=B.dtype) if adapter else g.new_empty(0)
+    dm = g.new_empty(N, **f32) if (adapter and need_dm) else g.new_empty(0)
+    dB = g.new_empty(N, B.shape[1], **f32) if (adapter and need_dB) else g.new_empty(0)
+    return gl, g.new_empty((), **f32), gb, rb, v, dm, g.new_empty(N, **f32), dB
 
 
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())
-def _dgrad_op(g: Tensor, w8: Tensor, scale: Tensor, c: Optional[Tensor], v: Optional[Tensor], A: Optional[Tensor],
-              s: float, mask: Optional[Tensor], p: float, backend: str) -> Tensor:
-    return backends.module(backend).dgrad(g, w8, scale, c, v, A, s, mask, p)
+def _dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
+              A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
+              rb: Optional[Tensor], act_quant: str, backend: str) -> Tensor:
+    return backends.module(backend).dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
 
 
 @_dgrad_op.register_fake
-def _(g, w8, scale, c, v, A, s, mask, p, backend):
-    return g.new_empty(g.shape[0], w8.shape[1])
+def _(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant, backend):
+    return gl.new_empty(gl.shape[0], w8.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,20 +140,33 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _colsum_prod(g: Tensor, z: Tensor) -> Tensor:
-    """sum_i g[i, j] * z[i, j] in fp32, in row chunks so that the fp32 temporaries stay bounded."""
-    out = torch.zeros(g.shape[1], dtype=torch.float32, device=g.device)
-    step = max(1, (1 << 22) // max(g.shape[1], 1))
-    for i0 in range(0, g.shape[0], step):
-        out += (g[i0:i0 + step].float() * z[i0:i0 + step].float()).sum(0)
-    return out
-
-
 def compute_dtype(x: Tensor) -> torch.dtype:
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+def rank_dtype(x: Tensor, A: Tensor, B: Tensor) -> torch.dtype:
+    """The dtype of the low-rank path: autocast's under autocast, else the adapters' (as PEFT computes it)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    rdt = torch.promote_types(A.dtype, B.dtype)
+    if rdt not in _ACT_DTYPES:
+        raise TypeError(f"lora_A / lora_B must be float32, bfloat16 or float16, got {A.dtype} / {B.dtype}")
+    return rdt
+
+
+def _row_scale(scale: Tensor) -> Optional[Tensor]:
+    return scale if scale_kind(scale) == "row" else None
+
+
+def check_act_quant(act_quant) -> str:
+    mode = "" if act_quant in (None, "", "none") else act_quant
+    if mode not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be None or 'rowwise', got {act_quant!r}")
+    return mode
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,27 +175,29 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 class DoRAFP8Function(torch.autograd.Function):
-    """y = DoRA(x) on a frozen fp8 base; x2d, A, B, bias already in the compute dtype, n a detached fp32 norm."""
+    """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, n a detached
+    fp32 norm."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, backend):
+    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block, act_quant, backend):
         M, N = x.shape[0], w8.shape[0]
+        n = n.clamp_min(NORM_EPS)
         c = m.float() / n
         dropout = p > 0.0
+        need_z = ctx.needs_input_grad[6]
+        z_dtype = torch.promote_types(x.dtype, A.dtype)  # fp32 adapters keep z (hence dm) fp32-accurate
         with torch.autocast(x.device.type, enabled=False):
-            if dropout:
-                xd, mask = _dropout_with_mask(x, p)
-            else:
-                xd, mask = x, None
-            need_z = ctx.needs_input_grad[6]
+            xd, mask = _dropout_with_mask(x, p) if dropout else (x, None)
             if M == 0:
-                y, z = x.new_empty(0, N), x.new_empty(0, N)
-                u = x.new_empty(0, A.shape[0])
+                y, z = x.new_empty(0, N), x.new_empty(0, N, dtype=z_dtype)
+                u = x.new_empty(0, A.shape[0], dtype=A.dtype)
             else:
-                u = xd @ A.T
-                y, z = _forward_op(x, w8, scale, bias, c, u, B, s, xd if dropout else None, need_z, backend)
+                u = _project_op(xd, A, A.dtype, backend)
+                y, z = _forward_op(x, w8, scale, block, bias, c, u, B, s, xd if dropout else None, need_z, z_dtype,
+                                   act_quant, backend)
         ctx.save_for_backward(xd, mask, u, z if need_z else None, w8, scale, A, B, c, n)
-        ctx.s, ctx.p, ctx.backend, ctx.m_dtype = s, p, backend, m.dtype
+        ctx.s, ctx.p, ctx.block, ctx.act_quant, ctx.backend = s, p, block, act_quant, backend
+        ctx.m_dtype = m.dtype
         return y
 
     @staticmethod
@@ -139,37 +206,47 @@ class DoRAFP8Function(torch.autograd.Function):
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
         g = _rows(gy)
-        cdt = g.dtype
+        M, N, K = g.shape[0], w8.shape[0], w8.shape[1]
         dx = dA = dB = dm = db = None
+        if M == 0:  # an empty batch: zero gradients of the right shapes
+            zeros = lambda t: torch.zeros_like(t)  # noqa: E731
+            return (g.new_empty(0, K) if need_dx else None, None, None, g.new_zeros(N) if need_db else None,
+                    zeros(A) if need_dA else None, zeros(B) if need_dB else None,
+                    torch.zeros(N, dtype=ctx.m_dtype, device=g.device) if need_dm else None,
+                    None, None, None, None, None, None)
+        srow = _row_scale(scale)
         with torch.autocast(g.device.type, enabled=False):
-            if need_dx or need_dA:
-                v = g @ (c[:, None] * B.float()).to(cdt)  # (g * c) B without forming g * c
+            gl, rl, gb, rb, v, dm_sum, db_sum, dB_sum = _backward_pass_op(
+                g, z if need_dm else None, c, srow, B, u if need_dB else None, mask is not None,
+                bool(need_dm), bool(need_dB), ctx.backend)
             if need_dx:
-                if g.shape[0] == 0:
-                    dx = g.new_empty(0, w8.shape[1])
-                else:
-                    dx = _dgrad_op(g, w8, scale, c, v, A, s, mask, p, ctx.backend)
+                if mask is None:
+                    gb = rb = None
+                elif srow is None:
+                    gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
+                dx = _dgrad_op(gl, rl, w8, scale, ctx.block, v, A, s, mask, p, gb, rb, ctx.act_quant, ctx.backend)
             if need_dA:
-                dA = (s * (v.T @ xd)).to(cdt)
+                dA = (s * _project_grad_op(v, xd, ctx.backend)).to(A.dtype)
             if need_dB:
-                dB = (s * c[:, None] * (g.T @ u).float()).to(cdt)
+                dB = (s * c[:, None] * dB_sum).to(B.dtype)
             if need_dm:
-                dm = (_colsum_prod(g, z) / n).to(ctx.m_dtype)
+                dm = (dm_sum / n).to(ctx.m_dtype)
             if need_db:
-                db = g.sum(0, dtype=torch.float32).to(cdt)
-        return dx, None, None, db, dA, dB, dm, None, None, None, None
+                db = db_sum.to(g.dtype)
+        return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
 
 
 class FP8LinearFunction(torch.autograd.Function):
-    """y = x (scale * w8)^T + bias with a frozen fp8 weight: the backward is the input gradient (and bias')."""
+    """y = x W0^T + bias with a frozen fp8 weight: the backward is the input gradient (and bias')."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, backend):
+    def forward(ctx, x, w8, scale, bias, block, act_quant, backend):
         ctx.save_for_backward(w8, scale)
-        ctx.backend = backend
+        ctx.block, ctx.act_quant, ctx.backend = block, act_quant, backend
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
-        y, _ = _forward_op(x, w8, scale, bias, None, None, None, 0.0, None, False, backend)
+        y, _ = _forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, False, x.dtype, act_quant,
+                           backend)
         return y
 
     @staticmethod
@@ -177,14 +254,23 @@ class FP8LinearFunction(torch.autograd.Function):
         w8, scale = ctx.saved_tensors
         g = _rows(gy)
         dx = db = None
+        if g.shape[0] == 0:
+            return (g.new_empty(0, w8.shape[1]) if ctx.needs_input_grad[0] else None, None, None,
+                    g.new_zeros(w8.shape[0]) if ctx.needs_input_grad[3] else None, None, None, None)
+        srow = _row_scale(scale)
+        if srow is None:  # nothing to scale in g: no pass over it unless the bias wants its gradient
+            gl, rl = g, torch.ones((), dtype=torch.float32, device=g.device)
+            if ctx.needs_input_grad[3]:
+                db = g.sum(0, dtype=torch.float32).to(g.dtype)
+        else:
+            gl, rl, _, _, _, _, db_sum, _ = _backward_pass_op(g, None, None, srow, None, None, False, False, False,
+                                                              ctx.backend)
+            if ctx.needs_input_grad[3]:
+                db = db_sum.to(g.dtype)
         if ctx.needs_input_grad[0]:
-            if g.shape[0] == 0:
-                dx = g.new_empty(0, w8.shape[1])
-            else:
-                dx = _dgrad_op(g, w8, scale, None, None, None, 0.0, None, 0.0, ctx.backend)
-        if ctx.needs_input_grad[3]:
-            db = g.sum(0, dtype=torch.float32).to(g.dtype)
-        return dx, None, None, db, None
+            dx = _dgrad_op(gl, rl, w8, scale, ctx.block, None, None, 0.0, None, 0.0, None, None, ctx.act_quant,
+                           ctx.backend)
+        return dx, None, None, db, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -216,12 +302,20 @@ def _check_device(ref: Tensor, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
-def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
-                backend: str | None = "auto") -> Tensor:
-    """n_j = || scale * w8[j] + scaling * (lora_B @ lora_A)[j] ||_2 as fp32 [N], detached, never forming [N, K]."""
+def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor, int]:
     check_fp8_weight(w8)
     N, K = w8.shape
-    scale = check_scale(scale, N)
+    check_block_size(block_size)
+    return N, K, check_scale(scale, N, K, block_size), block_size
+
+
+def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
+                backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
+    """n_j = || W0[j] + scaling * (lora_B @ lora_A)[j] ||_2 as fp32 [N], detached, never forming [N, K].
+
+    W0 = scale * w8 with scale [] (per tensor), [N] (per row) or [ceil(N/b), ceil(K/b)] (per b x b block,
+    b = block_size)."""
+    N, K, scale, block = _check_weight(w8, scale, block_size)
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2 or lora_A.shape[1] != K:
         raise ValueError(f"lora_A must have shape [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
     _check_float(lora_A, "lora_A", (lora_A.shape[0], K))
@@ -229,43 +323,47 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
     name = backends.resolve(backend, w8.device)
     with torch.no_grad():
-        return _weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        return _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *,
-               backend: str | None = "auto") -> Tensor:
-    """x (scale * w8)^T + bias without dequantizing w8 to memory; differentiable in x (and bias)."""
-    check_fp8_weight(w8)
-    N, K = w8.shape
+               backend: str | None = "auto", block_size: int = DEFAULT_BLOCK, act_quant: str | None = None) -> Tensor:
+    """x W0^T + bias without dequantizing w8 to memory; differentiable in x (and bias).
+
+    act_quant="rowwise" quantizes x (and the gradient, in the backward) per row to e4m3 for the base GEMM (W8A8,
+    fp8 tensor cores; see docs/DORA_MATH.md for its accuracy); the default keeps activations in the compute dtype."""
+    N, K, scale, block = _check_weight(w8, scale, block_size)
     _check_x(x, K)
-    scale = check_scale(scale, N)
     if bias is not None:
         _check_float(bias, "bias", (N,))
     _check_device(x, w8=w8, scale=scale, bias=bias)
+    mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
     name = backends.resolve(backend, x.device)
     x2d = _rows(x.reshape(-1, K).to(cdt))
-    y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), name)
+    y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block, mode, name)
     return y.reshape(*x.shape[:-1], N)
 
 
 def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, magnitude: Tensor,
                     scaling: float, bias: Optional[Tensor] = None, *, dropout_p: float = 0.0, training: bool = False,
-                    backend: str | None = "auto", weight_norm: Optional[Tensor] = None) -> Tensor:
+                    backend: str | None = "auto", weight_norm: Optional[Tensor] = None,
+                    block_size: int = DEFAULT_BLOCK, act_quant: str | None = None) -> Tensor:
     """PEFT's DoRA Linear on an fp8 base:  y = m / ||W0 + s B A||_row * (x W0^T + s (x A^T) B^T) + bias.
 
-    x [..., K] (fp32/bf16/fp16); w8 [N, K] float8_e4m3fn with scale (fp32, per tensor or [N]); lora_A [r, K];
-    lora_B [N, r]; magnitude [N]; scaling = lora_alpha / r (or / sqrt(r)). With training=True and dropout_p > 0,
-    PEFT's dropout semantics: the base term sees x, the DoRA terms see dropout(x).
+    x [..., K] (fp32/bf16/fp16); w8 [N, K] float8_e4m3fn with its fp32 scale ([] per tensor, [N] per row, or
+    [ceil(N/b), ceil(K/b)] per b x b block with b = block_size); lora_A [r, K]; lora_B [N, r]; magnitude [N];
+    scaling = lora_alpha / r (or / sqrt(r)). With training=True and dropout_p > 0, PEFT's dropout semantics: the base
+    term sees x, the DoRA terms see dropout(x).
     weight_norm: a precomputed detached norm (fp32 [N]) to reuse, e.g. across gradient-accumulation steps; it must
     equal dorafp8.weight_norm(w8, scale, lora_A, lora_B, scaling) for the current adapter weights.
+    act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs on fp8 tensor cores; the low-rank path, the
+    norm and every gradient of A, B, m stay in their dtypes).
     Returns [..., N] in the compute dtype (see the module docstring). Gradients flow to x, lora_A, lora_B,
     magnitude (and bias if it requires grad); w8 and scale are frozen.
     """
-    check_fp8_weight(w8)
-    N, K = w8.shape
+    N, K, scale, block = _check_weight(w8, scale, block_size)
     _check_x(x, K)
-    scale = check_scale(scale, N)
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
         raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
     r = lora_A.shape[0]
@@ -278,18 +376,20 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    mode = check_act_quant(act_quant)
     _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias)
     name = backends.resolve(backend, x.device)
     if weight_norm is None:
-        n = _weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        n = _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
     else:
         if not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,):
             raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
                              f"{list(getattr(weight_norm, 'shape', []))}")
         n = weight_norm.detach().float()
     cdt = compute_dtype(x)
+    rdt = rank_dtype(x, lora_A, lora_B)
     x2d = _rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0
-    y = DoRAFP8Function.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(cdt),
-                              lora_B.to(cdt), magnitude, n, float(scaling), p, name)
+    y = DoRAFP8Function.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(rdt),
+                              lora_B.to(rdt), magnitude, n, float(scaling), p, block, mode, name)
     return y.reshape(*x.shape[:-1], N)

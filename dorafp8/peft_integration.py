@@ -25,7 +25,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from .backends import check_backend_name
 from .fp8_linear import FP8Linear
-from .ops import dora_fp8_linear, fp8_linear, weight_norm
+from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
 _MERGE_ERROR = (
     "merging a DoRA adapter into an fp8 base would re-quantize the merged weight and lose precision, so "
@@ -73,8 +73,9 @@ class DoraFP8Variant(DoraLinearVariant):
             base_result = result if base.bias is None else result - base.bias
         else:
             x = dropout(x)
-            base_result = fp8_linear(x, base.weight, base.scale, None, backend=base.backend)
-        n = module.dora_weight_norm(active_adapter)
+            base_result = fp8_linear(x, base.weight, base.scale, None, backend=base.backend,
+                                     block_size=base.block_size, act_quant=base.act_quant)
+        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
         mag_norm_scale = (module.lora_magnitude_vector[active_adapter].weight / n).view(1, -1)
         lora_result = lora_B(lora_A(x))
         return result + (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
@@ -139,13 +140,13 @@ class DoRAFP8Linear(lora_layer.Linear):
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
         if not use_cache or torch.compiler.is_compiling():
-            return weight_norm(base.weight, base.scale, A, B, s, backend=base.backend)
+            return weight_norm(base.weight, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
         key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
         key += (s, base.backend)
         hit = self._dorafp8_norm_cache.get(adapter)
         if hit is not None and hit[0] == key:
             return hit[1]
-        n = weight_norm(base.weight, base.scale, A, B, s, backend=base.backend)
+        n = weight_norm(base.weight, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
         self._dorafp8_norm_cache[adapter] = (key, n)
         return n
 
@@ -172,7 +173,8 @@ class DoRAFP8Linear(lora_layer.Linear):
         return dora_fp8_linear(
             x, base.weight, base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
-            dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a))
+            dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
+            block_size=base.block_size, act_quant=base.act_quant)
 
     def extra_repr(self) -> str:
         ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())

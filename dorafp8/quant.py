@@ -1,5 +1,13 @@
-"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 recipe"), interoperable with fp8 checkpoints of OneTrainer, ComfyUI and
-compressed-tensors: one fp32 scale per tensor, sigma = amax|W| / 448, W8 = clamp(W / sigma) rounded to nearest even."""
+"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
+ComfyUI, compressed-tensors and the fine-grained (DeepSeek-V3 / Qwen3-FP8) format: W0 = scale * W8 with an fp32 scale
+per tensor, per output row, or per b x b block; scale = amax|W| / 448 over what it covers, W8 = clamp(W / scale)
+rounded to nearest even.
+
+Scale shapes (`check_scale` normalizes to one of these):
+    []                      per tensor
+    [N]                     per output row (a checkpoint's [N, 1] is accepted)
+    [ceil(N/b), ceil(K/b)]  per block of b x b, b = block_size (128 by default, as in fine-grained fp8 checkpoints)
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
 
 # Rows quantized per block, so that the fp32 temporaries stay small for large weights.
 _QUANT_BLOCK_ELEMS = 4 * 1024 * 1024
+DEFAULT_BLOCK = 128
 
 
 class QuantizationWarning(UserWarning):
@@ -25,14 +34,14 @@ LOSSY_FLUSHED_FRACTION = 0.01   # more than 1% of the non-zero weights became 0
 LOSSY_REL_ERROR = 0.05          # relative Frobenius error above 5% (twice e4m3's usual)
 
 
-def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False,
+def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,
                   name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a float weight [N, K] to (w8 float8_e4m3fn [N, K], scale fp32).
 
-    scale is a 0-dim tensor (per-tensor, the default) or [N] with per_row=True. An all-zero tensor (or row) gets
-    scale 1. Non-finite values are a ValueError: they would silently become NaN or saturate. A per-tensor
-    quantization that loses much more than usual (see LOSSY_*) emits a QuantizationWarning naming per_row=True.
-    `name` (e.g. the module's name) is used in those messages.
+    scale is a 0-dim tensor (per tensor, the default), [N] with per_row=True, or [ceil(N/b), ceil(K/b)] with
+    block_size=b. An all-zero tensor (row, block) gets scale 1. Non-finite values are a ValueError: they would
+    silently become NaN or saturate. A per-tensor quantization that loses much more than usual (see LOSSY_*) emits a
+    QuantizationWarning naming per_row=True. `name` (e.g. the module's name) is used in those messages.
     """
     what = f"weight of {name!r}" if name else "weight"
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dtype == E4M3:
@@ -42,15 +51,31 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False,
         raise ValueError(f"{what} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if weight.numel() == 0:
         raise ValueError(f"{what} must not be empty, got shape {tuple(weight.shape)}")
+    if per_row and block_size is not None:
+        raise ValueError("per_row and block_size are exclusive: a scale is per tensor, per row or per block")
     N, K = weight.shape
-    rows = max(1, _QUANT_BLOCK_ELEMS // K)
-    amax = torch.empty(N, dtype=torch.float32, device=weight.device)
+    if block_size is not None:
+        check_block_size(block_size)
+        rows = block_size * max(1, _QUANT_BLOCK_ELEMS // (K * block_size))  # whole blocks of rows at a time
+    else:
+        rows = max(1, _QUANT_BLOCK_ELEMS // K)
+    if block_size is not None:
+        amax = torch.empty(-(-N // block_size), -(-K // block_size), dtype=torch.float32, device=weight.device)
+    else:
+        amax = torch.empty(N, dtype=torch.float32, device=weight.device)
     for j0 in range(0, N, rows):
-        amax[j0:j0 + rows] = weight[j0:j0 + rows].detach().abs().amax(dim=1).float()
+        blk = weight[j0:j0 + rows].detach().abs()
+        if block_size is not None:
+            bam = _block_amax(blk, block_size)
+            amax[j0 // block_size:j0 // block_size + bam.shape[0]] = bam
+        else:
+            amax[j0:j0 + rows] = blk.amax(dim=1).float()
     if not torch.isfinite(amax).all():
-        bad = (~torch.isfinite(amax)).nonzero()[0].item()
-        raise ValueError(f"{what} has non-finite values (first in row {bad}); refusing to quantize them to fp8")
-    if not per_row:
+        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
+        where = f"row {bad[0]}" if block_size is None else f"block {bad} (rows from {bad[0] * block_size})"
+        raise ValueError(f"{what} has non-finite values (first in {where}); refusing to quantize them to fp8")
+    per_tensor = not per_row and block_size is None
+    if per_tensor:
         amax = amax.amax()
     scale = amax / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -59,20 +84,28 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False,
     stats = torch.zeros(4, dtype=torch.float64, device=weight.device)
     lost_rows = torch.zeros((), dtype=torch.int64, device=weight.device)
     for j0 in range(0, N, rows):
-        s = scale if not per_row else scale[j0:j0 + rows, None]
         blk = weight[j0:j0 + rows].detach().float()
+        s = scale_rows(scale, block_size or DEFAULT_BLOCK, j0, j0 + blk.shape[0], K)
         q = (blk / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
         w8[j0:j0 + rows] = q
-        if not per_row:
+        if per_tensor:
             back = q.float() * s
             nz = blk != 0
             flushed = nz & (back == 0)
             stats += torch.stack([nz.sum(), flushed.sum(), (back - blk).double().square().sum(),
                                   blk.double().square().sum()]).to(stats.dtype)
             lost_rows += (nz.any(1) & ~(back != 0).any(1)).sum()
-    if not per_row:
+    if per_tensor:
         _warn_if_lossy(stats.tolist(), int(lost_rows), what)
     return w8, scale
+
+
+def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
+    """amax over b x b blocks of a [n, K] tensor (n a multiple of b, or the last rows), as fp32 [ceil(n/b), ceil(K/b)]."""
+    n, K = a.shape
+    pad_n, pad_k = -n % b, -K % b
+    a = torch.nn.functional.pad(a.float(), (0, pad_k, 0, pad_n))  # zeros never raise an amax
+    return a.reshape((n + pad_n) // b, b, (K + pad_k) // b, b).amax(dim=(1, 3))
 
 
 def _warn_if_lossy(stats, lost_rows: int, what: str) -> None:
@@ -88,13 +121,38 @@ def _warn_if_lossy(stats, lost_rows: int, what: str) -> None:
             QuantizationWarning, stacklevel=3)
 
 
-def dequantize_e4m3(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_e4m3(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+                    block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
     """scale * w8 as a dense tensor of `dtype` (computed in fp32). Materializes the whole weight: for checking and
     for exporting, not for the training path."""
     check_fp8_weight(w8)
-    scale = check_scale(scale, w8.shape[0])
-    s = scale if scale.dim() == 0 else scale[:, None]
-    return (w8.float() * s).to(dtype)
+    N, K = w8.shape
+    scale = check_scale(scale, N, K, block_size)
+    return (w8.float() * scale_rows(scale, block_size, 0, N, K)).to(dtype)
+
+
+def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -> torch.Tensor:
+    """The fp32 factor that dequantizes rows j0:j1 of a [N, K] weight, broadcastable against [j1 - j0, K]: [1, 1]
+    per tensor, [j1 - j0, 1] per row, [j1 - j0, K] for block scales (a temporary of the rows' size)."""
+    scale = scale.float()
+    if scale.dim() == 0:
+        return scale.reshape(1, 1)
+    if scale.dim() == 1:
+        return scale[j0:j1].reshape(-1, 1)
+    rows = scale[j0 // block_size: -(-j1 // block_size)].repeat_interleave(block_size, dim=0)
+    off = j0 - (j0 // block_size) * block_size
+    return rows[off:off + (j1 - j0)].repeat_interleave(block_size, dim=1)[:, :K]
+
+
+def scale_kind(scale: torch.Tensor) -> str:
+    """"tensor", "row" or "block" for a scale normalized by check_scale."""
+    return ("tensor", "row", "block")[scale.dim()]
+
+
+def check_block_size(block_size) -> int:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return block_size
 
 
 def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
@@ -105,14 +163,25 @@ def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
         raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(w8.shape)}")
 
 
-def check_scale(scale, n_rows: int, name: str = "scale") -> torch.Tensor:
-    """Returns scale as fp32, 0-dim (per tensor) or [n_rows] (per row)."""
+def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int = DEFAULT_BLOCK,
+                name: str = "scale") -> torch.Tensor:
+    """Returns scale as fp32: 0-dim (per tensor), [n_rows] (per row; [n_rows, 1] is accepted) or
+    [ceil(n_rows / b), ceil(n_cols / b)] (per b x b block, b = block_size)."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype == E4M3:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}")
-    if scale.numel() == 1:
+    if scale.numel() == 1 and not (scale.dim() == 2 and n_rows > block_size):
         return scale.reshape(()).float()
     if scale.dim() == 1 and scale.shape[0] == n_rows:
         return scale.float()
-    raise ValueError(f"{name} must have one element (per tensor) or shape [{n_rows}] (per row), "
-                     f"got shape {tuple(scale.shape)}")
+    if scale.dim() == 2 and tuple(scale.shape) == (n_rows, 1):
+        return scale.reshape(n_rows).float()
+    blocks = None
+    if n_cols is not None:
+        check_block_size(block_size)
+        blocks = (-(-n_rows // block_size), -(-n_cols // block_size))
+        if scale.dim() == 2 and tuple(scale.shape) == blocks:
+            return scale.float()
+    raise ValueError(f"{name} must have one element (per tensor), shape [{n_rows}] (per row)"
+                     + (f" or [{blocks[0]}, {blocks[1]}] (per {block_size} x {block_size} block)" if blocks else "")
+                     + f", got shape {tuple(scale.shape)}")

@@ -1,15 +1,19 @@
-"""Reference backend: the backend contract (see dorafp8/backends.py) in plain PyTorch.
+"""Reference backend: the backend contract (dorafp8/backends.py) in plain PyTorch.
 
-It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never
-holds a dequantized copy of the whole weight: the fp8 weight is walked in blocks of rows, each block dequantized
-into a temporary of at most `_BLOCK_BYTES`, so the peak extra memory is a few such blocks whatever N x K is.
+It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds
+a dequantized copy of the whole weight, nor an fp32 copy of a whole [M, N] or [M, K] activation: the fp8 weight is
+walked in blocks of rows and the activations in blocks of rows, each block at most `_BLOCK_BYTES` in fp32, so the
+peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The loops live inside the custom
+ops (dorafp8/ops.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Size of one dequantized fp32 block of weight rows. Three such temporaries are alive at once at most.
+from .quant import E4M3_MAX, scale_kind, scale_rows
+
+# Size of one fp32 block (of weight rows or activation rows). A few such temporaries are alive at once at most.
 _BLOCK_BYTES = 16 * 1024 * 1024
 
 
@@ -17,82 +21,166 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None  # runs wherever PyTorch runs
 
 
-def _row_blocks(n_rows: int, k: int):
-    rows = max(1, _BLOCK_BYTES // (4 * max(k, 1)))
+def _blocks(n_rows: int, width: int, block: int = 1):
+    """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block` rows."""
+    rows = max(1, _BLOCK_BYTES // (4 * max(width, 1)))
+    rows = max(block, rows - rows % block)
     for j0 in range(0, n_rows, rows):
         yield j0, min(n_rows, j0 + rows)
 
 
-def _scale_rows(scale: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
-    """The fp32 scale of rows j0:j1 as a column [j1 - j0, 1] (or a [1, 1] per-tensor scale)."""
-    scale = scale.reshape(-1).float()
-    return (scale if scale.numel() == 1 else scale[j0:j1]).reshape(-1, 1)
+def _w0_rows(w8, scale, block, j0, j1):
+    """W0[j0:j1] in fp32 (a temporary of the block's size)."""
+    return w8[j0:j1].float().mul_(scale_rows(scale, block, j0, j1, w8.shape[1]))
 
 
-def weight_norm(w8, scale, A, B, s):
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation recipe in fp32: (t8 as fp32 values, sigma [M] fp32) with t ~= t8 * sigma[:, None], sigma =
+    amax of the row / 448 (1 for an all-zero row), t8 = e4m3(t / sigma) rounded to nearest even."""
+    t = t.float()
+    amax = t.abs().amax(dim=1)
+    sigma = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    t8 = (t / sigma[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return t8, sigma
+
+
+def weight_norm(w8, scale, block, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in _row_blocks(N, K):
-        v = w8[j0:j1].float()
-        v.mul_(_scale_rows(scale, j0, j1))
+    for j0, j1 in _blocks(N, K, block if scale_kind(scale) == "block" else 1):
+        v = _w0_rows(w8, scale, block, j0, j1)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
     return n
 
 
-def _base_gemm(x32: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x32 @ (scale * w8)^T in fp32, dequantizing one block of rows at a time."""
-    M = x32.shape[0]
-    N, K = w8.shape
-    out = torch.empty(M, N, dtype=torch.float32, device=x32.device)
-    for j0, j1 in _row_blocks(N, K):
-        out[:, j0:j1] = x32 @ w8[j0:j1].float().T
-        out[:, j0:j1] *= _scale_rows(scale, j0, j1).reshape(1, -1)
+def project(a, b, out_dtype):
+    out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    b32 = b.float()
+    for i0, i1 in _blocks(a.shape[0], a.shape[1]):
+        out[i0:i1] = a[i0:i1].float() @ b32.T
     return out
 
 
-def forward(x, w8, scale, bias, c, u, B, s, xd, need_z):
+def project_grad(v, a):
+    out = torch.zeros(v.shape[1], a.shape[1], dtype=torch.float32, device=a.device)
+    for i0, i1 in _blocks(a.shape[0], a.shape[1]):
+        out.addmm_(v[i0:i1].float().T, a[i0:i1].float())
+    return out
+
+
+def _base_gemm(x, w8, scale, block, act_quant):
+    """x @ W0^T in fp32 [M, N] (x quantized per row first under W8A8), one block of weight rows at a time."""
+    M = x.shape[0]
+    N, K = w8.shape
+    x32, sx = quantize_rows(x) if act_quant else (x.float(), None)
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    for j0, j1 in _blocks(N, K, block if scale_kind(scale) == "block" else 1):
+        out[:, j0:j1] = x32 @ _w0_rows(w8, scale, block, j0, j1).T
+    if sx is not None:
+        out *= sx[:, None]
+    return out
+
+
+def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant):
     cdt = x.dtype
-    base = _base_gemm(x.float(), w8, scale)
-    if c is None:
-        if bias is not None:
-            base += bias.float()
-        return base.to(cdt), None
-    lora = s * (u.float() @ B.float().T)
-    if xd is None:
-        z = base.add_(lora)
-        y = z * c
+    M, N = x.shape[0], w8.shape[0]
+    y = torch.empty(M, N, dtype=cdt, device=x.device)
+    z = torch.empty(M, N, dtype=z_dtype, device=x.device) if (c is not None and need_z) else None
+    b32 = None if bias is None else bias.float()
+    B32 = None if B is None else B.float()
+    # Blocks of activation rows: the fp32 [rows, N] temporaries stay bounded.
+    for i0, i1 in _blocks(M, max(N, x.shape[1])):
+        base = _base_gemm(x[i0:i1], w8, scale, block, act_quant)
+        if c is None:
+            yb = base
+        else:
+            lora = (u[i0:i1].float() @ B32.T).mul_(s)
+            if xd is None:
+                zb = base.add_(lora)
+                yb = zb * c
+            else:
+                zb = _base_gemm(xd[i0:i1], w8, scale, block, act_quant).add_(lora)
+                # x W0^T + (c - 1) * (xd W0^T) + c * s u B^T  ==  base + (c - 1) * z + lora
+                yb = base.add_((c - 1) * zb).add_(lora)
+            if z is not None:
+                z[i0:i1] = zb
+        if b32 is not None:
+            yb += b32
+        y[i0:i1] = yb
+    return y, z
+
+
+def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
+    M, N = g.shape
+    cdt = g.dtype
+    adapter = c is not None
+    ones = torch.ones(N, dtype=torch.float32, device=g.device)
+    sr = ones if srow is None else srow.float()
+    f = sr if not adapter else (c - 1) * sr if dropout else c * sr
+    if not adapter and srow is None:
+        gl, rl = g, torch.ones((), dtype=torch.float32, device=g.device)
     else:
-        z = _base_gemm(xd.float(), w8, scale).add_(lora)
-        # x W0^T + (c - 1) * (xd W0^T) + c * s u B^T  ==  x W0^T + c * z - (xd W0^T)  ==  base + c*z - (z - lora)
-        y = base + (c - 1) * z + lora
-    if bias is not None:
-        y += bias.float()
-    return y.to(cdt), (z.to(cdt) if need_z else None)
+        rl = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+        gl = torch.empty_like(g)
+    gb = rb = None
+    if adapter and dropout:
+        if srow is None:
+            gb, rb = g, torch.ones((), dtype=torch.float32, device=g.device)
+        else:
+            rb = sr.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+            gb = torch.empty_like(g)
+    v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
+    dm = torch.zeros(N, dtype=torch.float32, device=g.device) if (adapter and need_dm) else None
+    dB = torch.zeros(N, B.shape[1], dtype=torch.float32, device=g.device) if (adapter and need_dB) else None
+    db = torch.zeros(N, dtype=torch.float32, device=g.device)
+    B32 = B.float() if adapter else None
+    for i0, i1 in _blocks(M, N):
+        g32 = g[i0:i1].float()
+        db += g32.sum(0)
+        if gl is not g:
+            gl[i0:i1] = (g32 * (f / rl)).to(cdt)
+        if gb is not None and gb is not g:
+            gb[i0:i1] = (g32 * (sr / rb)).to(cdt)
+        if not adapter:
+            continue
+        v[i0:i1] = (g32 * c) @ B32
+        if dm is not None:
+            dm += (g32 * z[i0:i1].float()).sum(0)
+        if dB is not None:
+            dB.addmm_(g32.T, u[i0:i1].float())
+    return gl, rl, gb, rb, v, dm, db, dB
 
 
-def _dgrad_gemm(g32: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """g32 @ (scale * w8) in fp32, one block of weight rows (= one slice of the reduction) at a time."""
-    M = g32.shape[0]
+def _dgrad_gemm(t, w8, scale, block, act_quant):
+    """t @ W0' in fp32 [M, K], W0' = w8 with block scales applied (per-tensor and per-row scales are the caller's),
+    t quantized per row first under W8A8; one block of weight rows (= one slice of the reduction) at a time."""
     N, K = w8.shape
-    out = torch.zeros(M, K, dtype=torch.float32, device=g32.device)
-    for j0, j1 in _row_blocks(N, K):
-        gs = g32[:, j0:j1] * _scale_rows(scale, j0, j1).reshape(1, -1)
-        out.addmm_(gs, w8[j0:j1].float())
+    t32, st = quantize_rows(t) if act_quant else (t.float(), None)
+    out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)
+    blocked = scale_kind(scale) == "block"
+    for j0, j1 in _blocks(N, K, block if blocked else 1):
+        w = _w0_rows(w8, scale, block, j0, j1) if blocked else w8[j0:j1].float()
+        out.addmm_(t32[:, j0:j1], w)
+    if st is not None:
+        out *= st[:, None]
     return out
 
 
-def dgrad(g, w8, scale, c, v, A, s, mask, p):
-    cdt = g.dtype
-    g32 = g.float()
-    if c is None:
-        return _dgrad_gemm(g32, w8, scale).to(cdt)
-    lora = s * (v.float() @ A.float())
-    if mask is None:
-        dx = _dgrad_gemm(g32 * c, w8, scale).add_(lora)
-    else:
-        inner = _dgrad_gemm(g32 * (c - 1), w8, scale).add_(lora)
-        dx = _dgrad_gemm(g32, w8, scale).add_(inner * mask * (1.0 / (1.0 - p)))
-    return dx.to(cdt)
+def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+    cdt = gl.dtype
+    M, K = gl.shape[0], w8.shape[1]
+    st = scale.float() if scale_kind(scale) == "tensor" else 1.0
+    dx = torch.empty(M, K, dtype=cdt, device=gl.device)
+    A32 = None if A is None else A.float()
+    for i0, i1 in _blocks(M, max(K, w8.shape[0])):
+        out = _dgrad_gemm(gl[i0:i1], w8, scale, block, act_quant).mul_(rl * st)
+        if v is not None:
+            out.addmm_(v[i0:i1].float(), A32, alpha=s)
+            if mask is not None:
+                out.mul_(mask[i0:i1]).mul_(1.0 / (1.0 - p))
+                out.add_(_dgrad_gemm(gb[i0:i1], w8, scale, block, act_quant).mul_(rb * st))
+        dx[i0:i1] = out
+    return dx

@@ -1,18 +1,22 @@
-"""Shared by the kernel tests of every backend (tests/test_triton_kernels.py, tests/test_cuda.py): problem setup,
-fp64 evaluations of the backend contract's formulas (DORA_MATH.md) and the dtype-following tolerance check."""
+"""Shared by the kernel tests of every backend (test_triton_kernels.py, test_cuda.py, test_cuda_emulated.py,
+test_cublas.py): problem setup, float64 evaluations of the backend contract (dorafp8/backends.py, docs/DORA_MATH.md)
+and the dtype-following tolerance check. Each check runs one backend function and compares it with the fp64
+formula evaluated on the exact (already rounded) inputs the backend saw, and with dorafp8.reference."""
 
 import torch
 
 import dorafp8.reference as reference
 from dorafp8 import quantize_e4m3
+from dorafp8.quant import scale_rows
 
 S = 1.75  # lora scaling
 P = 0.25  # dropout probability
+BLOCK = 16  # block size of block scales in the tests: small shapes still cross several blocks
 
 
 def tol(dtype: torch.dtype) -> float:
     """Allowed error, relative to |ref| + max|ref| (the output scale): fp32 is accumulation-order noise; fp16 and
-    bf16 are a few roundings of the output (2^-11, 2^-8) plus the rounding of g * c to the compute dtype in dgrad."""
+    bf16 are a few roundings of the output (2^-11, 2^-8) plus the rounding of an operand to the compute dtype."""
     return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
 
 
@@ -29,8 +33,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str):
         first = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise AssertionError(
             f"{what}: {int(bad.sum())}/{bad.numel()} mismatches; first at {first}: got {o[first].item()!r}, "
-            f"expected {r[first].item()!r} (allowed {allowed[first].item():.3g}); max err {err.nan_to_num(float('inf')).max().item():.3g}, "
-            f"output scale {r.abs().max().item():.3g}")
+            f"expected {r[first].item()!r} (allowed {allowed[first].item():.3g}); max err "
+            f"{err.nan_to_num(float('inf')).max().item():.3g}, output scale {r.abs().max().item():.3g}")
 
 
 def act(t: torch.Tensor, dtype, device, strided: bool) -> torch.Tensor:
@@ -43,68 +47,84 @@ def act(t: torch.Tensor, dtype, device, strided: bool) -> torch.Tensor:
     return buf[:, : t.shape[1]]
 
 
-def make_problem(M, K, N, r, dtype, device, row_wise, strided, seed=0):
+def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dtype=None):
+    """A problem in compute dtype `dtype` with the low-rank path in `rank_dtype` (default: the same), the weight
+    scale per "tensor", "row" or "block" (BLOCK x BLOCK)."""
+    rdt = rank_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    # Rows of different magnitudes, so that per-row scales differ by up to 30x.
-    w8, sigma = quantize_e4m3(rnd(N, K) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None], per_row=row_wise)
+    # Rows of different magnitudes, so that per-row and per-block scales differ by up to 30x.
+    W = rnd(N, K) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
+    w8, sigma = quantize_e4m3(W, per_row=scale_kind == "row", block_size=BLOCK if scale_kind == "block" else None)
     x = rnd(M, K)
     mask = torch.rand(M, K, generator=gen) >= P
     xd = x * mask / (1 - P)
-    A = rnd(r, K) / K ** 0.5
-    B = rnd(N, r) * 0.1
     c = (0.5 + torch.rand(N, generator=gen)).float()
     c[::5] = 1.0  # DoRA's init: c == 1 exactly, where (c - 1) must be exactly 0
-    bias = rnd(N) * 0.1
-    g = rnd(M, N)
-    p = dict(w8=w8.to(device), sigma=sigma.to(device), mask=mask.to(device), c=c.to(device), dtype=dtype)
+    p = dict(w8=w8.to(device), sigma=sigma.to(device), block=BLOCK, mask=mask.to(device), c=c.to(device),
+             dtype=dtype, rdt=rdt, scale_kind=scale_kind)
     p["x"] = act(x, dtype, device, strided)
     p["xd"] = act(xd, dtype, device, strided)
-    p["A"] = A.to(dtype).to(device)
-    p["B"] = B.to(dtype).to(device)
-    p["bias"] = bias.to(dtype).to(device)
-    p["g"] = act(g, dtype, device, strided)
-    # u and v as the autograd layer computes them (in the compute dtype); the formulas below use these same values.
-    p["u"] = act(p["xd"].double().cpu() @ p["A"].double().cpu().T, dtype, device, strided)
-    p["u_nodrop"] = act(p["x"].double().cpu() @ p["A"].double().cpu().T, dtype, device, strided)
-    p["v"] = act((p["g"].double().cpu() * c.double()) @ p["B"].double().cpu(), dtype, device, strided)
+    p["A"] = (rnd(r, K) / K ** 0.5).to(rdt).to(device)
+    p["B"] = (rnd(N, r) * 0.1).to(rdt).to(device)
+    p["bias"] = (rnd(N) * 0.1).to(dtype).to(device)
+    p["g"] = act(rnd(M, N), dtype, device, strided)
+    # u as the autograd layer computes it (in the rank dtype); the formulas below use these same values.
+    p["u"] = act(d(p["xd"]) @ d(p["A"]).T, rdt, device, strided)
+    p["u_nodrop"] = act(d(p["x"]) @ d(p["A"]).T, rdt, device, strided)
+    p["z_dtype"] = torch.promote_types(dtype, rdt)
     return p
 
 
-# fp64 evaluations of the formulas of DORA_MATH.md, from the exact (already rounded) inputs the kernels see.
+# fp64 evaluations of the contract, from the exact (already rounded) inputs the kernels see.
 def d(t):
     return t.detach().double().cpu()
 
 
-def w0_64(w8, sigma):
-    return d(w8) * d(sigma).reshape(-1, 1)
+def w0_64(w8, sigma, block=BLOCK):
+    return d(w8) * d(scale_rows(sigma.cpu(), block, 0, w8.shape[0], w8.shape[1]))
+
+
+def w8_blocks_64(w8, sigma, block=BLOCK):
+    """W8' of the dgrad contract: w8 with block scales applied, per-tensor / per-row scales left out."""
+    return w0_64(w8, sigma, block) if sigma.dim() == 2 else d(w8)
+
+
+def quant_rows_64(t):
+    """W8A8's activation recipe (reference.quantize_rows) as fp64 values t8 * sigma."""
+    t8, sig = reference.quantize_rows(t.detach().cpu())
+    return d(t8) * d(sig)[:, None]
 
 
 def weight_norm_64(w8, sigma, A, B, s):
     return torch.linalg.vector_norm(w0_64(w8, sigma) + s * d(B) @ d(A), dim=1)
 
 
-def forward_64(x, w8, sigma, bias, c, u, B, s, xd):
+def forward_64(x, w8, sigma, bias, c, u, B, s, xd, act_quant=""):
+    q = quant_rows_64 if act_quant else d
     W0 = w0_64(w8, sigma)
     b = d(bias) if bias is not None else 0.0
     if c is None:
-        return d(x) @ W0.T + b, None
+        return q(x) @ W0.T + b, None
     lora = s * d(u) @ d(B).T
     if xd is None:
-        z = d(x) @ W0.T + lora
+        z = q(x) @ W0.T + lora
         return d(c) * z + b, z
-    z = d(xd) @ W0.T + lora
-    return d(x) @ W0.T + b + (d(c) - 1) * (d(xd) @ W0.T) + d(c) * lora, z
+    z = q(xd) @ W0.T + lora
+    return q(x) @ W0.T + b + (d(c) - 1) * (q(xd) @ W0.T) + d(c) * lora, z
 
 
-def dgrad_64(g, w8, sigma, c, v, A, s, mask, p):
-    W0 = w0_64(w8, sigma)
-    if c is None:
-        return d(g) @ W0
-    lora = s * d(v) @ d(A)
+def dgrad_64(gl, rl, w8, sigma, v, A, s, mask, p, gb, rb, act_quant=""):
+    q = quant_rows_64 if act_quant else d
+    W = w8_blocks_64(w8, sigma)
+    st = d(sigma).item() if sigma.dim() == 0 else 1.0
+    out = d(rl).item() * st * (q(gl) @ W)
+    if v is None:
+        return out
+    out = out + s * d(v) @ d(A)
     if mask is None:
-        return (d(g) * d(c)) @ W0 + lora
-    return d(g) @ W0 + d(mask) / (1 - p) * ((d(g) * (d(c) - 1)) @ W0 + lora)
+        return out
+    return d(rb).item() * st * (q(gb) @ W) + d(mask) / (1 - p) * out
 
 
 def shape_id(sh):
@@ -112,42 +132,111 @@ def shape_id(sh):
     return f"M{M}-K{K}-N{N}-r{r}" + ("-strided" if strided else "")
 
 
-# ---- one backend's op against fp64 and the reference backend (the body of each backend's kernel tests)
+# ---- one backend function against fp64 and the reference backend (the body of each backend's kernel tests)
 
-def check_forward(forward, p, mode, has_bias, dtype):
-    """forward(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p."""
-    M, N = p["x"].shape[0], p["w8"].shape[0]
+def check_weight_norm(weight_norm, p):
+    A, B = p["A"], p["B"]
+    n = weight_norm(p["w8"], p["sigma"], p["block"], A, B, S)
+    assert n.dtype == torch.float32 and n.shape == (p["w8"].shape[0],)
+    # fp32 whatever the adapter dtype (16-bit products are exact, accumulation is fp32).
+    assert_close(n, weight_norm_64(p["w8"], p["sigma"], A, B, S), tol(torch.float32), "weight_norm vs fp64")
+    assert_close(n, reference.weight_norm(p["w8"], p["sigma"], p["block"], A, B, S), 2 * tol(torch.float32),
+                 "weight_norm vs reference")
+
+
+def check_project(project, project_grad, p):
+    u = project(p["xd"], p["A"], p["rdt"])
+    assert u.dtype == p["rdt"]
+    assert_close(u, d(p["xd"]) @ d(p["A"]).T, tol(p["rdt"]), "project vs fp64")
+    v = p["u"]  # any [M, r] operand in the rank dtype will do
+    dA = project_grad(v, p["xd"])
+    assert dA.dtype == torch.float32
+    assert_close(dA, d(v).T @ d(p["xd"]), tol(torch.float32), "project_grad vs fp64")
+
+
+def _forward_args(p, mode, has_bias):
     bias = p["bias"] if has_bias else None
     if mode == "plain":
-        args = (p["x"], p["w8"], p["sigma"], bias, None, None, None, S, None, False)
-    elif mode == "nodrop":
-        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u_nodrop"], p["B"], S, None, True)
-    else:
-        args = (p["x"], p["w8"], p["sigma"], bias, p["c"], p["u"], p["B"], S, p["xd"], True)
-    y, z = forward(*args)
-    y64, z64 = forward_64(*args[:-1])
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, None, None, None, S, None, False, p["dtype"])
+    if mode == "nodrop":
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u_nodrop"], p["B"], S, None, True,
+                p["z_dtype"])
+    return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u"], p["B"], S, p["xd"], True, p["z_dtype"])
+
+
+def check_forward(forward, p, mode, has_bias, act_quant=""):
+    """forward(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p."""
+    dtype = p["dtype"]
+    M, N = p["x"].shape[0], p["w8"].shape[0]
+    args = _forward_args(p, mode, has_bias)
+    y, z = forward(*args, act_quant)
+    x, w8, sigma, _, bias, c, u, B, s, xd, _, z_dtype = args
+    y64, z64 = forward_64(x, w8, sigma, bias, c, u, B, s, xd, act_quant)
     assert y.dtype == dtype and y.shape == (M, N)
-    assert_close(y, y64, tol(dtype), f"forward[{mode}] y vs fp64")
-    y_ref, z_ref = reference.forward(*args)
-    assert_close(y, y_ref, 2 * tol(dtype), f"forward[{mode}] y vs reference")
+    what = f"forward[{mode}{', ' + act_quant if act_quant else ''}]"
+    assert_close(y, y64, tol(dtype), f"{what} y vs fp64")
+    y_ref, z_ref = reference.forward(*args, act_quant)
+    assert_close(y, y_ref, 2 * tol(dtype), f"{what} y vs reference")
     if mode == "plain":
         assert z is None
     else:
-        assert z.dtype == dtype and z.shape == (M, N)
-        assert_close(z, z64, tol(dtype), f"forward[{mode}] z vs fp64")
-        assert_close(z, z_ref, 2 * tol(dtype), f"forward[{mode}] z vs reference")
+        assert z.dtype == z_dtype and z.shape == (M, N)
+        assert_close(z, z64, tol(z_dtype), f"{what} z vs fp64")
+        assert_close(z, z_ref, 2 * tol(z_dtype), f"{what} z vs reference")
 
 
-def check_dgrad(dgrad, p, mode, dtype):
-    """dgrad(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p."""
-    M, K = p["g"].shape[0], p["w8"].shape[1]
+def _row_scale(p):
+    return p["sigma"] if p["sigma"].dim() == 1 else None
+
+
+def check_backward_pass(backward_pass, p, mode):
+    """backward_pass(...) in `mode`: "plain" (a plain FP8Linear: c is None), "nodrop" or "dropout"."""
+    dtype, g, c = p["dtype"], p["g"], p["c"]
+    srow = _row_scale(p)
     if mode == "plain":
-        args = (p["g"], p["w8"], p["sigma"], None, None, None, S, None, P)
-    elif mode == "nodrop":
-        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, None, P)
+        gl, rl, gb, rb, v, dm, db, dB = backward_pass(g, None, None, srow, None, None, False, False, False)
+        f = d(srow) if srow is not None else torch.ones(g.shape[1], dtype=torch.float64)
+        assert v is None and dm is None and dB is None and gb is None
     else:
-        args = (p["g"], p["w8"], p["sigma"], p["c"], p["v"], p["A"], S, p["mask"], P)
-    dx = dgrad(*args)
+        dropout = mode == "dropout"
+        z = act(torch.randn(g.shape, generator=torch.Generator().manual_seed(5)), p["z_dtype"], g.device, False)
+        u = p["u"] if dropout else p["u_nodrop"]
+        gl, rl, gb, rb, v, dm, db, dB = backward_pass(g, z, c, srow, p["B"], u, dropout, True, True)
+        f = (d(c) - 1 if dropout else d(c)) * (d(srow) if srow is not None else 1.0)
+        assert v.dtype == p["rdt"] and dm.dtype == torch.float32 and dB.dtype == torch.float32
+        assert_close(v, (d(g) * d(c)) @ d(p["B"]), tol(p["rdt"]), f"backward_pass[{mode}] v vs fp64")
+        assert_close(dm, (d(g) * d(z)).sum(0), tol(torch.float32), f"backward_pass[{mode}] dm vs fp64")
+        assert_close(dB, d(g).T @ d(u), tol(torch.float32), f"backward_pass[{mode}] dB vs fp64")
+        if dropout:
+            sr = d(srow) if srow is not None else 1.0
+            assert gb.dtype == dtype and rb.dim() == 0
+            assert_close(gb.double() * d(rb).item(), d(g) * sr, tol(dtype), f"backward_pass[{mode}] gb * rb vs fp64")
+            assert d(gb).abs().max() <= d(g).abs().max()  # |gb| <= |g|: no fp16 overflow where g has none
+        else:
+            assert gb is None and rb is None
+    assert gl.dtype == dtype and rl.dtype == torch.float32 and rl.dim() == 0
+    assert_close(gl.double() * d(rl).item(), d(g) * f, tol(dtype), f"backward_pass[{mode}] gl * rl vs fp64")
+    assert d(gl).abs().max() <= d(g).abs().max()  # |gl| <= |g|: no fp16 overflow where g has none
+    assert_close(db, d(g).sum(0), tol(torch.float32), f"backward_pass[{mode}] db vs fp64")
+
+
+def check_dgrad(dgrad, p, mode, act_quant=""):
+    """dgrad(...) of a backend module in `mode` ("plain", "nodrop", "dropout") on problem p, its left operands
+    prepared by the reference backend's backward_pass."""
+    dtype, g = p["dtype"], p["g"]
+    M, K = g.shape[0], p["w8"].shape[1]
+    srow = _row_scale(p)
+    if mode == "plain":
+        gl, rl, *_ = reference.backward_pass(g, None, None, srow, None, None, False, False, False)
+        args = (gl, rl, p["w8"], p["sigma"], p["block"], None, None, S, None, P, None, None)
+    else:
+        dropout = mode == "dropout"
+        gl, rl, gb, rb, v, *_ = reference.backward_pass(g, None, p["c"], srow, p["B"], None, dropout, False, False)
+        args = (gl, rl, p["w8"], p["sigma"], p["block"], v, p["A"], S, p["mask"] if dropout else None, P, gb, rb)
+    dx = dgrad(*args, act_quant)
     assert dx.dtype == dtype and dx.shape == (M, K)
-    assert_close(dx, dgrad_64(*args), tol(dtype), f"dgrad[{mode}] vs fp64")
-    assert_close(dx, reference.dgrad(*args), 2 * tol(dtype), f"dgrad[{mode}] vs reference")
+    what = f"dgrad[{mode}{', ' + act_quant if act_quant else ''}]"
+    gl_, rl_, w8, sigma, _, v_, A_, s_, mask_, p_, gb_, rb_ = args
+    assert_close(dx, dgrad_64(gl_, rl_, w8, sigma, v_, A_, s_, mask_, p_, gb_, rb_, act_quant), tol(dtype),
+                 f"{what} vs fp64")
+    assert_close(dx, reference.dgrad(*args, act_quant), 2 * tol(dtype), f"{what} vs reference")

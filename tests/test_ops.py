@@ -177,7 +177,7 @@ def test_input_errors_name_the_argument():
         f(x, w8, scale, A, B, m[:-1], 0.5)
     with pytest.raises(ValueError, match=r"lora_B must have shape \[12, 2\]"):
         f(x, w8, scale, A, B.T, m, 0.5)
-    with pytest.raises(ValueError, match=r"scale must have one element \(per tensor\) or shape \[12\]"):
+    with pytest.raises(ValueError, match=r"scale must have one element \(per tensor\), shape \[12\] \(per row\) or \[1, 1\]"):
         f(x, w8, torch.ones(3), A, B, m, 0.5)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         f(x, w8, scale, A, B, m, 0.5, dropout_p=1.0)

@@ -1,8 +1,11 @@
 """Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends.py.
 
-    weight_norm  -> weight_norm.py  _dora_weight_norm_kernel
-    forward      -> forward.py      _dora_fwd_kernel
-    dgrad        -> dgrad.py        _dora_dgrad_kernel
+    weight_norm   -> weight_norm.py  _dora_weight_norm_kernel
+    project       -> lowrank.py      _project_kernel          (u = xd A^T)
+    project_grad  -> lowrank.py      _project_grad_kernel     (dA)
+    forward       -> forward.py      _dora_fwd_kernel         (W8A8: quant.py _rowwise_quant_kernel first)
+    backward_pass -> backward.py     _dora_bwd_pass_kernel
+    dgrad         -> dgrad.py        _dora_dgrad_kernel       (W8A8: quant.py first)
 
 Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
 without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.
@@ -15,8 +18,10 @@ import os
 import torch
 
 try:
+    from .backward import backward_pass
     from .dgrad import dgrad
     from .forward import forward
+    from .lowrank import project, project_grad
     from .weight_norm import weight_norm
 
     _IMPORT_ERROR = None
@@ -26,9 +31,9 @@ except ImportError as e:  # triton missing or too old
     def _missing(*args, **kwargs):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
-    weight_norm = forward = dgrad = _missing
+    weight_norm = forward = dgrad = backward_pass = project = project_grad = _missing
 
-__all__ = ["unavailable_reason", "weight_norm", "forward", "dgrad"]
+__all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad"]
 
 
 def unavailable_reason(device: torch.device) -> str | None:

@@ -175,17 +175,52 @@ def autotuned(kernel, tag, configs, key, outputs):
     return tuner
 
 
-def check_weight(w8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale; returns (flat scale, per-row?)."""
+# How the weight scale is applied (the kernels' SCALE_MODE): one fp32 value, one per output row, or one per b x b block.
+SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
+
+
+def check_weight(w8: torch.Tensor, scale: torch.Tensor, block: int = 128,
+                 any_block: bool = False) -> tuple[torch.Tensor, int]:
+    """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)]);
+    returns (the scale, contiguous, and its SCALE_MODE). The GEMMs step through the reduction in blocks that must
+    fit in a scale block, so they need b to be a multiple of 16 (any_block=False)."""
     if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
         raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
     if w8.stride(1) != 1:
         raise ValueError("w8 must have unit stride in its last dim")
-    if scale.dtype != torch.float32 or scale.numel() not in (1, w8.shape[0]):
-        raise ValueError(f"scale must be fp32 with 1 or N={w8.shape[0]} elements, got {scale.dtype} {tuple(scale.shape)}")
+    N, K = w8.shape
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale must be fp32, got {scale.dtype}")
     if scale.device != w8.device:
         raise ValueError("scale and w8 must be on the same device")
-    return scale.reshape(-1).contiguous(), scale.numel() != 1
+    if scale.dim() == 0 or (scale.dim() == 1 and scale.numel() == 1):
+        return scale.reshape(1).contiguous(), SCALE_TENSOR
+    if scale.dim() == 1 and scale.numel() == N:
+        return scale.contiguous(), SCALE_ROW
+    if scale.dim() == 2 and tuple(scale.shape) == (triton.cdiv(N, block), triton.cdiv(K, block)):
+        if block % _DOT_MIN and not any_block:
+            raise ValueError(f"the triton backend needs block scales whose block size is a multiple of {_DOT_MIN}, "
+                             f"got {block} (use the reference backend)")
+        return scale.contiguous(), SCALE_BLOCK
+    raise ValueError(f"scale must be fp32 [], [{N}] or [{triton.cdiv(N, block)}, {triton.cdiv(K, block)}] "
+                     f"(block {block}), got {tuple(scale.shape)}")
+
+
+def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int):
+    """With block scales, one reduction step must stay inside one scale block (the kernel scales each step's partial
+    product by its block's scale): keep the configs whose reduction block divides `block`, or shrink it to do so."""
+    if scale_mode != SCALE_BLOCK:
+        return configs
+    out, seen = [], set()
+    for cfg in configs:
+        kw = dict(cfg.kwargs)
+        while block % kw[red_name]:
+            kw[red_name] //= 2
+        key = tuple(sorted(kw.items())) + (cfg.num_stages, cfg.num_warps)
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config(kw, num_stages=cfg.num_stages, num_warps=cfg.num_warps))
+    return out
 
 
 def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:

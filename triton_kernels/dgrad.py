@@ -1,8 +1,21 @@
 """DoRA input gradient: one dgrad GEMM over the fp8 weight with the rank-r term s v A in its epilogue.
 
-    no dropout: dx = (g * c) W0 + s v A
-    dropout:    dx = g W0 + mask / (1 - p) * ((g * (c - 1)) W0 + s v A)
-    plain:      dx = g W0                                                 (c is None)
+The left operands come prepared by the backward pass (triton_kernels/backward.py): gl = g * f / rl with f = c * srow
+(no dropout) or (c - 1) * srow (dropout), and gb = g * srow / rb, so the GEMM only multiplies (contract:
+dorafp8/backends.py, `dgrad`):
+
+    plain:      dx = rl * st * (gl W8')
+    no dropout: dx = rl * st * (gl W8') + s v A
+    dropout:    dx = rb * st * (gb W8') + mask / (1 - p) * (rl * st * (gl W8') + s v A)
+
+with st the per-tensor scale (1 otherwise) and W8' = w8 with block scales applied per block of the reduction, in fp32.
+The W8 tile is converted fp8 -> compute dtype and nothing else before the dot (on Hopper it is wgmma's register
+operand); nothing per column of W8 is folded into it.
+
+W8A8 (act_quant="rowwise"): gl (and gb) are quantized per row to e4m3 and multiplied by the transposed weight W8^T
+[K, N], made contiguous once per call, because fp8 MMA wants both operands K-major and the reduction here runs along
+N, W8's strided dimension. That transient copy costs N * K bytes of memory and one read + write of W8 per call.
+`_dgrad_epilogue` also serves the cuBLAS strategy (`_dgrad_epilogue_kernel`).
 """
 
 from __future__ import annotations
@@ -11,26 +24,73 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _grouped_tile, alloc, check_activation, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_r, check_activation,
+                      check_weight, dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+
+
+@triton.jit
+def _dgrad_epilogue(
+    acc, acc_b,  # fp32 [BLOCK_K, BLOCK_M]: (gl W8')^T and (gb W8')^T
+    offs_m, offs_k, mask_m, mask_k,
+    sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr,
+    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Everything after the dgrad GEMM, in fp32, on the TRANSPOSED tile [BLOCK_K, BLOCK_M]."""
+    rows_m = offs_m.to(tl.int64)
+    st = 1.0
+    if SCALE_MODE == 0:  # SCALE_TENSOR
+        st = tl.load(scale_ptr)
+    dx = acc * (tl.load(rl_ptr) * st)
+    if ACT_QUANT:
+        dx = dx * tl.load(sgl_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+    if HAS_ADAPTER:
+        # (s v A)^T = s A^T v^T for this tile, r in chunks of BLOCK_R.
+        lora = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+        offs_r = tl.arange(0, BLOCK_R)
+        for r0 in range(0, R, BLOCK_R):
+            r_ok = r0 + offs_r < R
+            at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
+                         mask=mask_k[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+            vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
+                         mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
+            lora = _dot(at, vt, lora, LORA_IEEE)
+        dx += lora * s
+        if HAS_DROPOUT:
+            keep = tl.load(mask_ptr + rows_m[None, :] * stride_mask_m + offs_k[:, None],
+                           mask=mask_k[:, None] & mask_m[None, :], other=0)
+            base = acc_b * (tl.load(rb_ptr) * st)
+            if ACT_QUANT:
+                base = base * tl.load(sgb_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+            dx = base + tl.where(keep != 0, dx * inv_keep, 0.0)
+    dx_ptrs = dx_ptr + rows_m[None, :] * stride_dx_m + offs_k[:, None]
+    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_m[None, :])
 
 
 @triton.jit
 def _dora_dgrad_kernel(
     # Pointers
-    g_ptr, w_ptr, scale_ptr, scale_out_ptr, c_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
-    # Strides (g, dx, mask, w8 have unit stride in their last dim)
-    stride_g_m, stride_w_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m,
+    # Strides (gl, gb, dx, mask have unit stride in their last dim; W8 [N, K] or W8^T [K, N] in its rows)
+    stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
+    stride_mask_m, stride_dx_m,
     # Scalars
     s, inv_keep,
     # Meta-parameters
-    HAS_ADAPTER: tl.constexpr,  # c, v, A given (else plain dx = g W0)
-    HAS_DROPOUT: tl.constexpr,  # mask given: a second accumulator g ((c - 1) W0) shares every g tile
-    ROW_SCALE: tl.constexpr,    # scale_ptr holds scale / max(scale) per row, scale_out_ptr max(scale)
+    HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
+    HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
+    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (already in gl) / SCALE_BLOCK (inside the N loop)
+    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_N divides it
+    ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
     DOT_DT: tl.constexpr,
     IEEE: tl.constexpr,
+    LORA_DT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,      # output columns (the K of x)
@@ -46,116 +106,173 @@ def _dora_dgrad_kernel(
     mask_k = offs_k < K
     rows_m = offs_m.to(tl.int64)  # M * K and M * N reach 2^31
 
-    # Transposed tile, as in the forward ("swap AB"): dx^T [BLOCK_K, BLOCK_M] = W0'^T [BLOCK_K, BLOCK_N] @ g^T.
-    # gc W0 == g (diag(c) W0): c (and the per-row scale) scale W8's rows, so they fold into the W8 tile that is
-    # converted in registers anyway and feeds wgmma from registers, while g streams to shared memory untouched.
-    # (Folding c into g instead would need a registers -> shared memory round trip of g every step.)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w_n + offs_k[:, None]
-    gt_ptrs = g_ptr + rows_m[None, :] * stride_g_m + offs_n[:, None]
+    # Transposed tile, as in the forward ("swap AB"): dx^T [BLOCK_K, BLOCK_M] = W8'^T [BLOCK_K, BLOCK_N] @ gl^T. The
+    # W8 tile is the A operand (converted in registers, W8A16) and gl^T streams to shared memory untouched.
+    if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
+        w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
+    else:  # W8 [N, K]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
+    gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
 
     acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-    acc_m = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
+    acc_b = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
     for n0 in range(0, N, BLOCK_N):
         n_ok = offs_n < N - n0
         wt = tl.load(w_ptrs, mask=mask_k[:, None] & n_ok[None, :], other=0.0)
-        gt = tl.load(gt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
-        if ROW_SCALE:
-            # Relative scales (max 1); the max is applied in the fp32 epilogue, which keeps w8 * scale * (c - 1)
-            # out of fp16's subnormal range (absolute scales ~1e-5..1e-3 times c - 1 ~ 1e-3 would fall into it).
-            sc_n = tl.load(scale_ptr + n0 + offs_n, mask=n_ok, other=0.0)[None, :]
-        else:
-            sc_n = 1.0  # the per-tensor scale is applied in the fp32 epilogue
-        if HAS_ADAPTER:
-            c = tl.load(c_ptr + n0 + offs_n, mask=n_ok, other=0.0)[None, :]
-            w32 = wt.to(tl.float32)
-            if HAS_DROPOUT:
-                acc = _dot((w32 * sc_n).to(DOT_DT), gt, acc, IEEE)
-                # (c - 1) W0 directly, never (g * c) W0 - g W0: c == 1 at DoRA's init would cancel to noise.
-                acc_m = _dot((w32 * ((c - 1.0) * sc_n)).to(DOT_DT), gt, acc_m, IEEE)
-            else:
-                acc = _dot((w32 * (c * sc_n)).to(DOT_DT), gt, acc, IEEE)
-        else:
-            if ROW_SCALE:
-                acc = _dot((wt.to(tl.float32) * sc_n).to(DOT_DT), gt, acc, IEEE)
-            else:
-                acc = _dot(wt.to(DOT_DT), gt, acc, IEEE)  # exact conversion
-        gt_ptrs += BLOCK_N
-        w_ptrs += BLOCK_N * stride_w_n
-
-    sc = tl.load(scale_out_ptr)
-    dx = acc * sc
-    if HAS_ADAPTER:
-        # (s v A)^T = s A^T v^T for this tile, r in chunks of BLOCK_R.
-        lora = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = r0 + offs_r < R
-            at = tl.load(
-                a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
-                mask=mask_k[:, None] & r_ok[None, :], other=0.0,
-            ).to(DOT_DT)
-            vt = tl.load(
-                v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
-                mask=r_ok[:, None] & mask_m[None, :], other=0.0,
-            ).to(DOT_DT)
-            lora = _dot(at, vt, lora, IEEE)
-        lora = lora * s
+        glt = tl.load(glt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0)
+        if not ACT_QUANT:
+            wt = wt.to(DOT_DT)  # exact; nothing else touches the tile
+            glt = glt.to(DOT_DT)
         if HAS_DROPOUT:
-            keep = tl.load(mask_ptr + rows_m[None, :] * stride_mask_m + offs_k[:, None],
-                           mask=mask_k[:, None] & mask_m[None, :], other=0)
-            dx += tl.where(keep != 0, (acc_m * sc + lora) * inv_keep, 0.0)
+            gbt = tl.load(gbt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0)
+            if not ACT_QUANT:
+                gbt = gbt.to(DOT_DT)
+        if SCALE_MODE == 2:  # SCALE_BLOCK
+            # This N step lies in one row of scale blocks: scale its partial product per output column, in fp32.
+            sblk = tl.load(scale_ptr + (n0 // QBLOCK) * stride_scale_n + offs_k // QBLOCK, mask=mask_k,
+                           other=0.0)[:, None]
+            acc += _dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            if HAS_DROPOUT:
+                acc_b += _dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         else:
-            dx += lora
-    dx_ptrs = dx_ptr + rows_m[None, :] * stride_dx_m + offs_k[:, None]
-    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_m[None, :])
+            acc = _dot(wt, glt, acc, IEEE)
+            if HAS_DROPOUT:
+                acc_b = _dot(wt, gbt, acc_b, IEEE)
+        glt_ptrs += BLOCK_N
+        if HAS_DROPOUT:
+            gbt_ptrs += BLOCK_N
+        if ACT_QUANT:
+            w_ptrs += BLOCK_N
+        else:
+            w_ptrs += BLOCK_N * stride_w
+
+    _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
+                    sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+                    R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, ACT_QUANT, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M, BLOCK_K)
 
 
-def dgrad(g, w8, scale, c, v, A, s, mask, p):
-    """dx [M, K]; see dorafp8/backends.py. g [M, N], v [M, r] may have any row stride."""
-    scale, row = check_weight(w8, scale)
-    N, K = w8.shape
-    g = check_activation(g, "g", N)
-    M, cdt = g.shape[0], g.dtype
-    has_adapter = c is not None
+@triton.jit
+def _dgrad_epilogue_kernel(
+    # Pointers: tl = gl W8' and tb = gb W8' computed elsewhere (cuBLAS), [M, K] in any float dtype
+    tl_ptr, tb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    M, K, R,
+    stride_tl_m, stride_tb_m, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m,
+    s, inv_keep,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr,
+    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_k = offs_k < K
+    rows_m = offs_m.to(tl.int64)
+    tile = mask_k[:, None] & mask_m[None, :]
+    acc = tl.load(tl_ptr + rows_m[None, :] * stride_tl_m + offs_k[:, None], mask=tile, other=0.0).to(tl.float32)
+    acc_b = acc
+    if HAS_DROPOUT:
+        acc_b = tl.load(tb_ptr + rows_m[None, :] * stride_tb_m + offs_k[:, None], mask=tile, other=0.0).to(tl.float32)
+    _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
+                    rl_ptr, rl_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+                    R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, False, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M, BLOCK_K)
+
+
+def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
+    """Checks the epilogue's operands; returns (r, v, A, mask, inv_keep, rb, dx) with placeholders for absent ones."""
+    has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
     inv_keep = 1.0
     if has_adapter:
         r = v.shape[1]
-        if tuple(v.shape) != (M, r) or tuple(A.shape) != (r, K) or c.numel() != N:
-            raise ValueError(f"v must be [{M}, r], A [r, {K}], c [{N}]; got {tuple(v.shape)}, {tuple(A.shape)}, "
-                             f"{tuple(c.shape)}")
-        c = c.reshape(-1).float().contiguous()
+        if tuple(v.shape) != (M, r) or tuple(A.shape) != (r, K):
+            raise ValueError(f"v must be [{M}, r] and A [r, {K}]; got {tuple(v.shape)}, {tuple(A.shape)}")
         if has_dropout:
             if tuple(mask.shape) != (M, K) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be bool [{M}, {K}], got {mask.dtype} {tuple(mask.shape)}")
+            if gb is None or rb is None:
+                raise ValueError("dropout needs gb and rb (the plain base term's operand and its scalar)")
             # bool and uint8 share the byte layout; the view avoids int1 pointer quirks across Triton versions.
             mask = last_dim_unit(mask).view(torch.uint8)
             inv_keep = 1.0 / (1.0 - p) if p < 1.0 else 0.0  # p = 1 keeps nothing: mask is all False
-        else:
-            mask = g
     else:
-        r, v, A, c, mask = 1, g, g, scale, g  # placeholders, never read
-    dx = alloc((M, K), cdt, g.device)
+        r, v, A = 1, rl.reshape(1, 1), rl.reshape(1, 1)  # placeholders, never read
+    if not has_dropout:
+        mask, rb = rl.reshape(1, 1), rl
+    dx = alloc((M, K), cdt, device)
+    return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
+
+
+def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+    """dx [M, K]; see dorafp8/backends.py. gl, gb [M, N], v [M, r] may have any row stride."""
+    scale, mode = check_weight(w8, scale, block)
+    N, K = w8.shape
+    gl = check_activation(gl, "gl", N)
+    M, cdt = gl.shape[0], gl.dtype
+    has_adapter = v is not None
+    has_dropout = has_adapter and mask is not None
+    r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, gl.device, v, A, mask, p, gb, rb, rl)
+    gb = check_activation(gb, "gb", N) if has_dropout else gl
+    rl = rl.reshape(1).float()
     if M == 0 or K == 0:
         return dx
 
-    if row:
-        # Per-row scales enter the kernel relative to their max (see the kernel); the max is applied in fp32.
-        scale_out = scale.abs().amax().clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-        scale = scale / scale_out
+    quant = bool(act_quant)
+    if quant:
+        from .quant import rowwise_quant
+
+        gl, sgl = rowwise_quant(gl)
+        gb, sgb = rowwise_quant(gb) if has_dropout else (gl, sgl)
+        w = w8.t().contiguous()  # W8^T [K, N]: transient, this call only (see the module docstring)
     else:
-        scale_out = scale
+        sgl = sgb = rl  # placeholders, never read
+        w = w8
     dot_dt, ieee = dot_dtype(cdt)
-    configs = gemm_configs(g.device, "BLOCK_K", "BLOCK_N", has_dropout, M, cdt == torch.float32)
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, cdt == torch.float32)
+    ieee = ieee and not quant
+    fp32_tiles = cdt == torch.float32 and not quant
+    lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
+    configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
+                                  "BLOCK_N", block, mode)
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
     kernel = autotuned(_dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
     kernel[grid](
-        g, w8, scale, scale_out, c, v, A, mask, dx,
+        gl, gb, sgl, sgb, rl, rb, w, scale, v, A, mask, dx,
         M, N, K, r, m_bucket(M),
-        g.stride(0), w8.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
+        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, v.stride(0),
+        v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, ROW_SCALE=row,
-        DOT_DT=dot_dt, IEEE=ieee, BLOCK_R=block_r(r),
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode,
+        QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt,
+        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+    )
+    return dx
+
+
+def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
+    """The dgrad epilogue alone, on products computed elsewhere (the cuBLAS strategy): t = gl W8' and tb = gb W8'
+    (None without dropout), [M, K] in any float dtype with unit last stride."""
+    scale, mode = check_weight(w8, scale, block)
+    M, K = t.shape
+    has_adapter = v is not None
+    has_dropout = has_adapter and mask is not None
+    r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, t.device, v, A, mask, p, tb, rb, rl)
+    rl = rl.reshape(1).float()
+    if M == 0 or K == 0:
+        return dx
+    tb = tb if has_dropout else t
+    lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
+    bm, bk = 32, 64
+    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    _dgrad_epilogue_kernel[grid](
+        t, tb, rl, rb, scale, v, A, mask, dx,
+        M, K, r,
+        t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
+        float(s), float(inv_keep),
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode, LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
+        BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_K=bk,
     )
     return dx

@@ -3,6 +3,12 @@
     no dropout: y = c * (x W0^T + s u B^T) + bias                      z = x W0^T + s u B^T
     dropout:    y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T  z = xd W0^T + s u B^T
     plain:      y = x W0^T + bias                                      (c is None)
+
+W8A16 (default): W8 tiles are converted to the compute dtype in registers (exact) and multiplied by x tiles.
+W8A8 (act_quant="rowwise"): x (and xd) are first quantized per row to e4m3 (triton_kernels/quant.py) and the GEMM
+multiplies e4m3 by e4m3 on fp8 tensor cores; the row scales of x join the weight scale in the epilogue.
+The same epilogue (`_fwd_epilogue`) also serves the cuBLAS strategy (dorafp8/cublas_backend.py), where the base
+product comes from cuBLAS and `_fwd_epilogue_kernel` applies the rest.
 """
 
 from __future__ import annotations
@@ -11,18 +17,76 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, _grouped_tile, alloc, check_activation, autotuned, block_r, check_weight, dot_dtype, gemm_configs, last_dim_unit, m_bucket
+from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
+                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+
+
+@triton.jit
+def _fwd_epilogue(
+    acc, acc_d,  # fp32 [BLOCK_N, BLOCK_M]: (x W8'^T)^T and (xd W8'^T)^T, W8' = w8 with block scales applied
+    offs_m, offs_n, mask_m, mask_n,
+    sx_ptr, sxd_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
+    SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
+    (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns."""
+    rows_m = offs_m.to(tl.int64)
+    rows_n = offs_n.to(tl.int64)
+    if SCALE_MODE == 0:  # SCALE_TENSOR
+        sc = tl.load(scale_ptr)
+    elif SCALE_MODE == 1:  # SCALE_ROW: a column vector of the transposed tile
+        sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+    else:  # SCALE_BLOCK: applied inside the K loop already
+        sc = 1.0
+    base = acc * sc
+    if ACT_QUANT:
+        base = base * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+    y = base
+    if HAS_ADAPTER:
+        # (s u B^T)^T = s B u^T for this tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with masks).
+        lora = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        offs_r = tl.arange(0, BLOCK_R)
+        for r0 in range(0, R, BLOCK_R):
+            r_ok = r0 + offs_r < R
+            b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
+                          mask=mask_n[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+            ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
+                         mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
+            lora = _dot(b_t, ut, lora, LORA_IEEE)
+        lora = lora * s
+        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        if HAS_DROPOUT:
+            base_d = acc_d * sc
+            if ACT_QUANT:
+                base_d = base_d * tl.load(sxd_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+            z = base_d + lora
+            # (c - 1) * (xd W0^T) rather than c * z - xd W0^T: no cancellation when c is close to 1.
+            y = y + (c - 1.0) * base_d + c * lora
+        else:
+            z = y + lora
+            y = c * z
+        if NEED_Z:
+            z_ptrs = z_ptr + rows_m[None, :] * stride_z_m + offs_n[:, None]
+            tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rows_m[None, :] * stride_y_m + offs_n[:, None]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
 def _dora_fwd_kernel(
     # Pointers
-    x_ptr, xd_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, xd_ptr, sx_ptr, sxd_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
     # Strides (x, xd, y, z, w8 have unit stride in their last dim)
-    stride_x_m, stride_xd_m, stride_w_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
+    stride_x_m, stride_xd_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
+    stride_y_m, stride_z_m,
     # Scalars
     s,
     # Meta-parameters
@@ -30,9 +94,13 @@ def _dora_fwd_kernel(
     HAS_DROPOUT: tl.constexpr,  # xd given: a second accumulator xd W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
-    DOT_DT: tl.constexpr,       # dtype both tl.dot operands are converted to in registers
+    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (epilogue) / SCALE_BLOCK (inside the K loop)
+    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_K divides it
+    ACT_QUANT: tl.constexpr,    # x, xd are e4m3 with row scales sx, sxd (W8A8); else in the compute dtype
+    DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
     IEEE: tl.constexpr,
+    LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
+    LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,10 +118,10 @@ def _dora_fwd_kernel(
     rows_n = offs_n.to(tl.int64)
 
     # The program computes the TRANSPOSED tile y^T [BLOCK_N, BLOCK_M] = W8 [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
-    # ("swap AB"): the W8 tile, which must be converted in registers anyway, is then the A operand, which Hopper's
-    # wgmma reads straight from registers, while x^T streams to shared memory untouched (async copies, overlapped
-    # wgmma). With W8 as the B operand it would take a registers -> shared memory round trip every K step. It also
-    # lets BLOCK_M be 16 for small batches (wgmma's N may be small, its M must be 64).
+    # ("swap AB"): the W8 tile, which must be converted in registers anyway (W8A16), is then the A operand, which
+    # Hopper's wgmma reads straight from registers, while x^T streams to shared memory untouched (async copies,
+    # overlapped wgmma). It also lets BLOCK_M be 16 for small batches (wgmma's N may be small, its M must be 64).
+    # Under W8A8 both operands are e4m3 and both K-major (W8 rows and x rows are contiguous in K), as fp8 MMA wants.
     w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
     xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
     xdt_ptrs = xd_ptr + rows_m[None, :] * stride_xd_m + offs_k[:, None]
@@ -62,97 +130,159 @@ def _dora_fwd_kernel(
     acc_d = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16); the scale waits for the fp32 epilogue.
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(DOT_DT)
-        xt = tl.load(xt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
-        acc = _dot(w, xt, acc, IEEE)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(xt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
+        if not ACT_QUANT:
+            # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16); the scale waits for fp32.
+            w = w.to(DOT_DT)
+            xt = xt.to(DOT_DT)
         if HAS_DROPOUT:
-            xdt = tl.load(xdt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
-            acc_d = _dot(w, xdt, acc_d, IEEE)
+            xdt = tl.load(xdt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
+            if not ACT_QUANT:
+                xdt = xdt.to(DOT_DT)
+        if SCALE_MODE == 2:  # SCALE_BLOCK
+            # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
+            sblk = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64) * stride_scale_n + k0 // QBLOCK,
+                           mask=mask_n, other=0.0)[:, None]
+            acc += _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            if HAS_DROPOUT:
+                acc_d += _dot(w, xdt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+        else:
+            acc = _dot(w, xt, acc, IEEE)
+            if HAS_DROPOUT:
+                acc_d = _dot(w, xdt, acc_d, IEEE)
+        if HAS_DROPOUT:
             xdt_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    # Epilogue, all in fp32, on the transposed tile: per-output-column vectors (scale, c, bias) index its rows.
-    if ROW_SCALE:
-        sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-    else:
-        sc = tl.load(scale_ptr)
-    y = acc * sc
-    if HAS_ADAPTER:
-        # (s u B^T)^T = s B u^T for this tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with masks).
-        lora = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = r0 + offs_r < R
-            b_t = tl.load(
-                b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
-                mask=mask_n[:, None] & r_ok[None, :], other=0.0,
-            ).to(DOT_DT)
-            ut = tl.load(
-                u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
-                mask=r_ok[:, None] & mask_m[None, :], other=0.0,
-            ).to(DOT_DT)
-            lora = _dot(b_t, ut, lora, IEEE)
-        lora = lora * s
-        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-        if HAS_DROPOUT:
-            base_d = acc_d * sc
-            z = base_d + lora
-            # (c - 1) * (xd W0^T) rather than c * z - xd W0^T: no cancellation when c is close to 1.
-            y = y + (c - 1.0) * base_d + c * lora
-        else:
-            z = y + lora
-            y = c * z
-        if NEED_Z:
-            z_ptrs = z_ptr + rows_m[None, :] * stride_z_m + offs_n[:, None]
-            tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rows_m[None, :] * stride_y_m + offs_n[:, None]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
+                  sx_ptr, sxd_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, ACT_QUANT, LORA_DT, LORA_IEEE,
+                  BLOCK_R, BLOCK_M, BLOCK_N)
 
 
-def forward(x, w8, scale, bias, c, u, B, s, xd, need_z):
-    """(y, z); see dorafp8/backends.py. x, xd [M, K], u [M, r] may have any row stride."""
-    scale, row = check_weight(w8, scale)
-    N, K = w8.shape
-    x = check_activation(x, "x", K)
-    M, cdt = x.shape[0], x.dtype
+@triton.jit
+def _fwd_epilogue_kernel(
+    # Pointers: base = x W8'^T and base_d = xd W8'^T computed elsewhere (cuBLAS), [M, N] in any float dtype
+    base_ptr, based_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    M, N, R,
+    stride_base_m, stride_based_m, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
+    s,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
+    SCALE_MODE: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    tile = mask_n[:, None] & mask_m[None, :]
+    acc = tl.load(base_ptr + rows_m[None, :] * stride_base_m + offs_n[:, None], mask=tile, other=0.0).to(tl.float32)
+    acc_d = acc
+    if HAS_DROPOUT:
+        acc_d = tl.load(based_ptr + rows_m[None, :] * stride_based_m + offs_n[:, None], mask=tile,
+                        other=0.0).to(tl.float32)
+    _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
+                  scale_ptr, scale_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, False, LORA_DT, LORA_IEEE,
+                  BLOCK_R, BLOCK_M, BLOCK_N)
+
+
+def _epilogue_args(M, N, cdt, device, bias, c, u, B, need_z, z_dtype, scale):
+    """Checks the epilogue's operands; returns (r, u, B, c, bias_t, y, z, want_z) with placeholders for absent ones."""
     has_adapter = c is not None
-    has_dropout = has_adapter and xd is not None
     if has_adapter:
         r = u.shape[1]
         if tuple(u.shape) != (M, r) or tuple(B.shape) != (N, r) or c.numel() != N:
             raise ValueError(f"u must be [{M}, r], B [{N}, r], c [{N}]; got {tuple(u.shape)}, {tuple(B.shape)}, "
                              f"{tuple(c.shape)}")
-        if has_dropout and tuple(xd.shape) != (M, K):
-            raise ValueError(f"xd must be [{M}, {K}], got {tuple(xd.shape)}")
         c = c.reshape(-1).float().contiguous()
-        xd = last_dim_unit(xd) if has_dropout else x
     else:
-        r, u, B, c, xd = 1, x, x, scale, x  # placeholders, never read
+        ph = scale.reshape(-1)[:1].reshape(1, 1)
+        r, u, B, c = 1, ph, ph, scale  # placeholders, never read
     if bias is not None and bias.numel() != N:
         raise ValueError(f"bias must have {N} elements, got {tuple(bias.shape)}")
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scale
-    y = alloc((M, N), cdt, x.device)
+    y = alloc((M, N), cdt, device)
     want_z = has_adapter and bool(need_z)
-    z = alloc((M, N), cdt, x.device) if want_z else y
+    z = alloc((M, N), z_dtype, device) if want_z else y
+    return r, u, B, c, bias_t, y, z, want_z
+
+
+def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant):
+    """(y, z); see dorafp8/backends.py. x, xd [M, K], u [M, r] may have any row stride."""
+    scale, mode = check_weight(w8, scale, block)
+    N, K = w8.shape
+    x = check_activation(x, "x", K)
+    M, cdt = x.shape[0], x.dtype
+    has_adapter = c is not None
+    has_dropout = has_adapter and xd is not None
+    if has_dropout:
+        xd = check_activation(xd, "xd", K)
+        if xd.shape[0] != M:
+            raise ValueError(f"xd must be [{M}, {K}], got {list(xd.shape)}")
+    else:
+        xd = x
+    r, u, B, c, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, x.device, bias, c, u, B, need_z, z_dtype, scale)
     if M == 0 or N == 0:
         return y, (z if want_z else None)
 
+    quant = bool(act_quant)
+    if quant:
+        from .quant import rowwise_quant
+
+        x, sx = rowwise_quant(x)
+        xd, sxd = rowwise_quant(xd) if has_dropout else (x, sx)
+    else:
+        sx = sxd = scale  # placeholders, never read
     dot_dt, ieee = dot_dtype(cdt)
-    configs = gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, cdt == torch.float32)
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, cdt == torch.float32)
+    ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
+    fp32_tiles = cdt == torch.float32 and not quant
+    lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
+    configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
+                                  "BLOCK_K", block, mode)
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
     kernel = autotuned(_dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
-        x, xd, w8, scale, bias_t, c, u, B, y, z,
+        x, xd, sx, sxd, w8, scale, bias_t, c, u, B, y, z,
         M, N, K, r, m_bucket(M),
-        x.stride(0), xd.stride(0), w8.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1),
-        y.stride(0), z.stride(0),
+        x.stride(0), xd.stride(0), w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, u.stride(0),
+        u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
         float(s),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        ROW_SCALE=row, DOT_DT=dot_dt, IEEE=ieee, BLOCK_R=block_r(r),
+        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, DOT_DT=dot_dt, IEEE=ieee,
+        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+    )
+    return y, (z if want_z else None)
+
+
+def forward_epilogue(base, base_d, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, cdt):
+    """The forward epilogue alone, on base products computed elsewhere (the cuBLAS strategy): base = x W8'^T and
+    base_d = xd W8'^T (None without dropout), [M, N] in any float dtype with unit last stride, W8' = w8 with block
+    scales already applied (per-tensor and per-row scales are applied here)."""
+    scale, mode = check_weight(w8, scale, block)
+    M, N = base.shape
+    has_adapter = c is not None
+    has_dropout = has_adapter and base_d is not None
+    r, u, B, c, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, base.device, bias, c, u, B, need_z, z_dtype, scale)
+    if M == 0 or N == 0:
+        return y, (z if want_z else None)
+    base_d = base_d if has_dropout else base
+    lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
+    bm, bn = 32, 64
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _fwd_epilogue_kernel[grid](
+        base, base_d, scale, bias_t, c, u, B, y, z,
+        M, N, r,
+        base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
+        z.stride(0), float(s),
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
+        SCALE_MODE=mode, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_N=bn,
     )
     return y, (z if want_z else None)

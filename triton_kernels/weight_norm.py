@@ -1,4 +1,5 @@
-"""DoRA weight norm n_j = || scale_j * W8[j, :] + s * (B A)[j, :] ||_2 in one pass over the fp8 weight."""
+"""DoRA weight norm n_j = || W0[j, :] + s * (B A)[j, :] ||_2 in one pass over the fp8 weight (W0 = scale * W8 with a
+per-tensor, per-row or per-block scale)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
+from ._common import SCALE_BLOCK, _dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
 
 
 @triton.jit
@@ -16,11 +17,12 @@ def _dora_weight_norm_kernel(
     # Sizes
     N, K, R,
     # Strides
-    stride_w_n, stride_a_r, stride_a_k, stride_b_n, stride_b_r,
+    stride_w_n, stride_scale_n, stride_a_r, stride_a_k, stride_b_n, stride_b_r,
     # Scalars
     s,
     # Meta-parameters
-    ROW_SCALE: tl.constexpr,    # scale has N entries (else one)
+    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR (one value), SCALE_ROW ([N]), SCALE_BLOCK ([ceil(N/b), ceil(K/b)])
+    QBLOCK: tl.constexpr,       # b for block scales
     DOT_DT: tl.constexpr,       # dtype of the B A tl.dot operands
     IEEE: tl.constexpr,         # DOT_DT is fp32: no tf32
     ONE_R_CHUNK: tl.constexpr,  # r <= BLOCK_R: the B tile is loaded once, outside the K loop
@@ -37,9 +39,9 @@ def _dora_weight_norm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
 
-    if ROW_SCALE:
+    if SCALE_MODE == 1:  # SCALE_ROW
         sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-    else:
+    elif SCALE_MODE == 0:  # SCALE_TENSOR
         sc = tl.load(scale_ptr)
 
     if ONE_R_CHUNK:
@@ -53,7 +55,11 @@ def _dora_weight_norm_kernel(
     sq = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * sc
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if SCALE_MODE == 2:  # SCALE_BLOCK: each element's block scale, gathered (the tile may span blocks)
+            sc = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64)[:, None] * stride_scale_n
+                         + (k0 + offs_k[None, :]) // QBLOCK, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+        w = w * sc
         # Masked rows/columns load zeros in W8, A and B, so they add exactly 0 to the squares.
         ba = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if ONE_R_CHUNK:
@@ -82,9 +88,10 @@ def _dora_weight_norm_kernel(
     tl.store(n_ptr + offs_n, n, mask=mask_n)
 
 
-def weight_norm(w8: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float) -> torch.Tensor:
+def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tensor, B: torch.Tensor,
+                s: float) -> torch.Tensor:
     """n [N] fp32; see dorafp8/backends.py. A [r, K], B [N, r] in any float dtype (any strides)."""
-    scale, row = check_weight(w8, scale)
+    scale, mode = check_weight(w8, scale, block, any_block=True)  # scales are gathered per element: any b works
     N, K = w8.shape
     r = A.shape[0]
     if A.dim() != 2 or A.shape[1] != K or B.dim() != 2 or tuple(B.shape) != (N, r):
@@ -99,8 +106,10 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, B: torch
     kernel[grid](
         w8, scale, A, B, n,
         N, K, r,
-        w8.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, A.stride(0), A.stride(1), B.stride(0),
+        B.stride(1),
         float(s),
-        ROW_SCALE=row, DOT_DT=dot_dt, IEEE=ieee, ONE_R_CHUNK=r <= br, BLOCK_R=br,
+        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, DOT_DT=dot_dt, IEEE=ieee,
+        ONE_R_CHUNK=r <= br, BLOCK_R=br,
     )
     return n

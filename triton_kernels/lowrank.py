@@ -1,0 +1,116 @@
+"""The skinny GEMMs of the rank-r path, with mixed dtypes and fp32 accumulation:
+
+    project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward
+    project_grad(v, a)  v [M, r]^T @ a [M, K] -> [r, K]     dA / s in the backward (fp32)
+
+The activations (a) are in the compute dtype, the adapter side in the rank dtype, which may be wider: fp32 adapters
+on bf16 activations compute in fp32 from the exact bf16 values, as PEFT does (it casts x to lora_A's dtype), without
+an fp32 copy of the activation in memory. Equal 16-bit dtypes use the tensor cores.
+project_grad reduces over M, which is long: programs split M and write fp32 partials that torch sums in a fixed order
+(deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import _dot, alloc, block_r, check_activation, dot_dtype, interpreting
+
+
+@triton.jit
+def _project_kernel(
+    a_ptr, b_ptr, out_ptr,
+    M, K, R,
+    stride_a_m, stride_b_r, stride_b_k, stride_out_m,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_m, pid_r = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_r = offs_r < R
+    rows = offs_m.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + offs_k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_a_m + k0 + offs_k[None, :], mask=mask_m[:, None] & k_ok[None, :],
+                    other=0.0).to(DOT_DT)
+        bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
+                     mask=k_ok[:, None] & mask_r[None, :], other=0.0).to(DOT_DT)
+        acc = _dot(a, bt, acc, IEEE)
+    tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _project_grad_kernel(
+    v_ptr, a_ptr, part_ptr,
+    M, K, R, ROWS_PER_SPLIT,
+    stride_v_m, stride_v_r, stride_a_m,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_k, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_k = offs_k < K
+    mask_r = offs_r < R
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    m_start = pid_s * ROWS_PER_SPLIT
+    for m0 in range(m_start, m_start + ROWS_PER_SPLIT, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        rows = offs_m.to(tl.int64)
+        vt = tl.load(v_ptr + rows[None, :] * stride_v_m + offs_r[:, None] * stride_v_r,
+                     mask=mask_r[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
+        a = tl.load(a_ptr + rows[:, None] * stride_a_m + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0).to(DOT_DT)
+        acc = _dot(vt, a, acc, IEEE)
+    part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
+    tl.store(part, acc, mask=mask_r[:, None] & mask_k[None, :])
+
+
+def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T, [M, r] in out_dtype; see the module docstring."""
+    K = b.shape[1]
+    a = check_activation(a, "a", K)
+    M, R = a.shape[0], b.shape[0]
+    out = alloc((M, R), out_dtype, a.device)
+    if M == 0 or R == 0:
+        return out
+    dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
+    bm, bk = (16, 32) if interpreting() else (64, 128)
+    br = block_r(R)
+    _project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
+        a, b, out, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+    return out
+
+
+def project_grad(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """v^T @ a in fp32 [r, K]; see the module docstring."""
+    M, K = a.shape
+    a = check_activation(a, "a", K)
+    R = v.shape[1]
+    if M == 0:
+        return torch.zeros(R, K, dtype=torch.float32, device=a.device)
+    dot_dt, ieee = dot_dtype(a.dtype, v.dtype)
+    br = block_r(R)
+    if interpreting():
+        bm, bk, splits = 16, 32, 2
+    else:
+        bm, bk = 64, 128
+        programs = triton.cdiv(K, bk) * triton.cdiv(R, br)
+        target = 4 * torch.cuda.get_device_properties(a.device).multi_processor_count
+        splits = max(1, min(triton.cdiv(M, bm * 4), triton.cdiv(target, programs)))
+    rows = triton.cdiv(triton.cdiv(M, splits), bm) * bm
+    splits = triton.cdiv(M, rows)
+    part = torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
+    _project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
+        v, a, part, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0),
+        DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+    return part.sum(0)

@@ -1,0 +1,72 @@
+"""Per-row (per-token) e4m3 quantization of an activation, for the W8A8 mode:
+
+    sigma_i = max_k |t_ik| / 448   (1 for an all-zero row)        t8_ik = e4m3(t_ik / sigma_i), round to nearest even
+
+One program owns BLOCK_M rows and reads them twice (amax, then quantize): the second read mostly hits L2, and the
+whole pass moves 3 bytes per element (16-bit in, fp8 out), a small fraction of the GEMM that follows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import alloc, interpreting
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v rounded to the nearest e4m3 value (ties to even), as fp32. Only for Triton's interpreter, whose fp32 -> e4m3
+    cast gets it wrong when rounding carries into the exponent (124.6 becomes 64 instead of 128): the cast of a value
+    that is already on the e4m3 grid is exact there."""
+    bits = v.to(tl.int32, bitcast=True)
+    # normal range: round the 23-bit mantissa to 3 bits, ties to even; a carry moves into the exponent as it should
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # subnormal range (|v| < 2^-6): multiples of 2^-9; 24576 = 1.5 * 2^14 has an fp32 ulp of 2^-9
+    sub = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def _rowwise_quant_kernel(
+    t_ptr, q_ptr, s_ptr,
+    M, K,
+    stride_t_m, stride_q_m,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows = offs_m.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ok = mask_m[:, None] & (k0 + offs_k[None, :] < K)
+        t = tl.load(t_ptr + rows[:, None] * stride_t_m + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(t), axis=1))
+    sigma = tl.where(amax > 0, amax / E4M3_MAX, 1.0)
+    tl.store(s_ptr + offs_m, sigma, mask=mask_m)
+    for k0 in range(0, K, BLOCK_K):
+        ok = mask_m[:, None] & (k0 + offs_k[None, :] < K)
+        t = tl.load(t_ptr + rows[:, None] * stride_t_m + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        # div_rn: the correctly rounded quotient (plain '/' is approximate on GPUs), so that ties round as in torch.
+        q = tl.clamp(tl.math.div_rn(t, sigma[:, None]), -E4M3_MAX, E4M3_MAX)
+        if INTERPRET:
+            q = _round_to_e4m3(q)
+        tl.store(q_ptr + rows[:, None] * stride_q_m + k0 + offs_k[None, :], q.to(tl.float8e4nv), mask=ok)
+
+
+def rowwise_quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t8 float8_e4m3fn [M, K], sigma fp32 [M]) with t ~= t8 * sigma[:, None]; t [M, K] with unit last stride."""
+    M, K = t.shape
+    q = alloc((M, K), torch.float8_e4m3fn, t.device)
+    sigma = alloc((M,), torch.float32, t.device)
+    if M == 0:
+        return q, sigma
+    bm, bk = (4, 32) if interpreting() else (8, 512)
+    _rowwise_quant_kernel[(triton.cdiv(M, bm),)](t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
+                                                 BLOCK_K=bk, INTERPRET=interpreting(), num_warps=4)
+    return q, sigma
