@@ -13,6 +13,7 @@ Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.doraf
 """
 
 from .backends import BACKENDS, available_backends
+from .distributed import install_ddp_support
 from .fp8_linear import FP8Linear, quantize_model
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
@@ -22,7 +23,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
     "weight_norm", "FP8Linear", "quantize_model", "DoRAFP8Linear", "convert_peft_model", "register_with_peft",
+    "install_ddp_support",
 ]
+
+install_ddp_support()  # DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py); idempotent
 
 try:  # PEFT is optional; with it installed, get_peft_model builds dorafp8 layers on FP8Linear bases.
     from .peft_integration import DoRAFP8Linear, convert_peft_model, register_with_peft

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .backends import check_backend_name
+from .distributed import recover_fp8_weight
 from .ops import fp8_linear
 from .quant import E4M3, check_scale, dequantize_e4m3, quantize_e4m3
 
@@ -66,7 +67,13 @@ class FP8Linear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.bias, backend=self.backend)
+        return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend)
+
+    def fp8_weight(self) -> torch.Tensor:
+        """The weight for the kernels: `weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the
+        forward an unsharded weight cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
+        w = self.weight
+        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
