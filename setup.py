@@ -127,7 +127,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "peft": ["peft>=0.21", "transformers>=4.50"],
-        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "ninja", "pybind11", "matplotlib"],
+        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

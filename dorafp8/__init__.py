@@ -18,6 +18,7 @@ of its names is used, and PEFT learns about FP8Linear as soon as peft itself is 
 
 from . import _peft_hook
 from .backends import BACKENDS, available_backends
+from .distributed import install_ddp_support
 from .fp8_linear import FP8Linear, quantize_model, set_act_quant
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
@@ -26,7 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
-    "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model", "register_with_peft",
+    "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
+    "register_with_peft", "install_ddp_support",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
@@ -48,3 +50,4 @@ def __dir__():
 
 
 _peft_hook.install()
+install_ddp_support()  # DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py); idempotent

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .backends import check_backend_name
+from .distributed import recover_fp8_weight
 from .ops import check_act_quant, fp8_linear
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                     quantize_e4m3, scale_kind)
@@ -117,8 +118,14 @@ class FP8Linear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.bias, backend=self.backend, block_size=self.block_size,
-                          act_quant=self.act_quant)
+        return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend,
+                          block_size=self.block_size, act_quant=self.act_quant)
+
+    def fp8_weight(self) -> torch.Tensor:
+        """The weight for the kernels: `weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the
+        forward an unsharded weight cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
+        w = self.weight
+        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""

@@ -24,6 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from .backends import check_backend_name
+from .distributed import params_are_sharded
 from .fp8_linear import FP8Linear
 from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
@@ -73,7 +74,7 @@ class DoraFP8Variant(DoraLinearVariant):
             base_result = result if base.bias is None else result - base.bias
         else:
             x = dropout(x)
-            base_result = fp8_linear(x, base.weight, base.scale, None, backend=base.backend,
+            base_result = fp8_linear(x, base.fp8_weight(), base.scale, None, backend=base.backend,
                                      block_size=base.block_size, act_quant=base.act_quant)
         n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
         mag_norm_scale = (module.lora_magnitude_vector[active_adapter].weight / n).view(1, -1)
@@ -139,14 +140,16 @@ class DoRAFP8Linear(lora_layer.Linear):
         base = self.get_base_layer()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
-        if not use_cache or torch.compiler.is_compiling():
-            return weight_norm(base.weight, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
+        w8 = base.fp8_weight()
+        # Under FSDP/ZeRO-3 the version/data_ptr key cannot see new values (dorafp8/distributed.py): no cache there.
+        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
+            return weight_norm(w8, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
         key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
         key += (s, base.backend)
         hit = self._dorafp8_norm_cache.get(adapter)
         if hit is not None and hit[0] == key:
             return hit[1]
-        n = weight_norm(base.weight, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
+        n = weight_norm(w8, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
         self._dorafp8_norm_cache[adapter] = (key, n)
         return n
 
@@ -171,7 +174,7 @@ class DoRAFP8Linear(lora_layer.Linear):
         dropout = self.lora_dropout[a]
         p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
         return dora_fp8_linear(
-            x, base.weight, base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
+            x, base.fp8_weight(), base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
             dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
             block_size=base.block_size, act_quant=base.act_quant)

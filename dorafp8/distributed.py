@@ -1,0 +1,160 @@
+"""Multi-process training on fp8 bases: DDP (and so accelerate and the HF Trainer), FSDP2, and what DeepSpeed sees.
+
+Nothing here has to be called: `import dorafp8` installs the DDP support, and the layers detect sharding themselves.
+docs/MULTI_GPU.md is the user-facing account; this docstring is the why.
+
+DDP. `DistributedDataParallel(model)` broadcasts every parameter (and, with broadcast_buffers=True, every buffer)
+from rank 0 when it wraps the model, through `_sync_module_states` (torch/distributed/utils.py), which DDP calls from
+__init__ and from Join's final sync. gloo has no fp8 types (`RuntimeError: Invalid scalar type`); NCCL broadcasts
+fp8 (as ncclFloat8e4m3, or as ncclUint8 before NCCL 2.24). DDP skips only the names listed on the *root* module it
+is given (`_ddp_params_and_buffers_to_ignore`, root-relative names; the per-tensor `_ddp_ignored` flag is read by
+DDP's mixed precision and by Dynamo, not by this sync), and that root (a PeftModel, accelerate's or the Trainer's
+model) does not exist yet when quantize_model or PEFT make the layers, so no list made then has the right names.
+So `install_ddp_support()` wraps that one function, in DDP's module namespace only: the fp8 tensors among what would
+be broadcast go as their raw bytes (uint8 views of the same storage, written in place), the rest goes to the
+original function unchanged. Rank 0's fp8 bytes win, as any other parameter's would; FP8Linear's `scale` goes with
+its weight even with broadcast_buffers=False (the pair is one tensor). The per-step buffer broadcast
+(broadcast_buffers=True) moves buffers only: the small fp32 `scale`, never the fp8 weights, which are parameters.
+
+FSDP2. `fully_shard` shards the fp8 weight like any parameter (dim 0, so each rank holds whole rows); a group
+mixing dtypes is all-gathered as uint8 bytes, so gloo never sees fp8 there (a group of fp8 parameters only would be
+gathered as fp8: fine on NCCL, not on gloo). Inside the forward the weight, lora_A and lora_B are the unsharded
+full tensors, so the DoRA weight norm is computed from the full weight after the all-gather: no extra collective,
+and exactly the single-process norm. The norm cache cannot be trusted there: FSDP2 refills the same unsharded
+parameter objects in place on every all-gather without bumping their version counters
+(torch.autograd._unsafe_preserve_version_counter in its copy-out) and re-allocates their freed storage, which may
+come back at the same address, so a (version, data_ptr) key can match across an optimizer step and return a stale
+norm. Layers under FSDP (1 or 2; `_is_fsdp_managed_module`, which fully_shard sets on every module it manages) or
+DeepSpeed ZeRO-3 (parameters with `ds_id`) therefore compute the norm on every forward (`params_are_sharded`).
+With MixedPrecisionPolicy(param_dtype=bf16) FSDP2 casts the fp8 weight to bf16 for the all-gather;
+`recover_fp8_weight` casts it back (exact: every e4m3 value is a bf16/fp16/fp32 value) and warns once about the
+doubled traffic and memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import torch
+
+FP8_DTYPES = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_DTYPES
+
+
+# ---- DDP ---------------------------------------------------------------------------------------------------------
+
+
+def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
+    """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
+    synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
+    from .fp8_linear import FP8Linear
+
+    names, tensors = [], []
+    for name, p in module.named_parameters():
+        if name not in ignore and is_fp8(p):
+            names.append(name)
+            tensors.append(p.detach())
+    if broadcast_buffers:
+        for name, b in module.named_buffers():
+            if name not in ignore and is_fp8(b):
+                names.append(name)
+                tensors.append(b.detach())
+    extra = []
+    if not broadcast_buffers:
+        synced = set(names)
+        for mod_name, mod in module.named_modules():
+            prefix = mod_name + "." if mod_name else ""
+            if isinstance(mod, FP8Linear) and prefix + "weight" in synced and prefix + "scale" not in ignore:
+                extra.append(mod.scale.detach())
+    return names, tensors, extra
+
+
+def _wrap_sync_module_states(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def _sync_module_states(*args, **kwargs):
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:  # a torch whose signature we do not know: leave it alone
+            return orig(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        names, fp8, extra = _fp8_states_to_sync(a["module"], a["params_and_buffers_to_ignore"],
+                                                a.get("broadcast_buffers", True))
+        if fp8:
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                # In place: a uint8 view shares the fp8 tensor's storage, so the received bytes land in it.
+                dist._broadcast_coalesced(a["process_group"], [t.view(torch.uint8) for t in fp8] + extra,
+                                          a["broadcast_bucket_size"], a["src"])
+            a["params_and_buffers_to_ignore"] = set(a["params_and_buffers_to_ignore"]) | set(names)
+        return orig(*bound.args, **bound.kwargs)
+
+    _sync_module_states._dorafp8_orig = orig
+    return _sync_module_states
+
+
+def install_ddp_support() -> bool:
+    """Makes DistributedDataParallel's initial broadcast send fp8 parameters/buffers as raw bytes (uint8 views), so
+    that it works on gloo too. Wraps `torch.nn.parallel.distributed._sync_module_states` (the name DDP calls; the
+    function in torch.distributed.utils is left as it is). Idempotent; called on `import dorafp8`. Returns whether
+    the support is installed (False where torch.distributed is unavailable or DDP no longer has that function)."""
+    if not torch.distributed.is_available():
+        return False
+    import torch.nn.parallel.distributed as ddp_module
+
+    cur = getattr(ddp_module, "_sync_module_states", None)
+    if cur is None:
+        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states; DDP over gloo "
+                      "cannot broadcast fp8 weights (NCCL can). See docs/MULTI_GPU.md.")
+        return False
+    if not hasattr(cur, "_dorafp8_orig"):
+        ddp_module._sync_module_states = _wrap_sync_module_states(cur)
+    return True
+
+
+def uninstall_ddp_support() -> None:
+    """Puts back DDP's own `_sync_module_states` (for tests and for debugging)."""
+    if not torch.distributed.is_available():
+        return
+    import torch.nn.parallel.distributed as ddp_module
+
+    cur = getattr(ddp_module, "_sync_module_states", None)
+    if cur is not None and hasattr(cur, "_dorafp8_orig"):
+        ddp_module._sync_module_states = cur._dorafp8_orig
+
+
+# ---- FSDP / ZeRO-3 -----------------------------------------------------------------------------------------------
+
+
+def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
+    parameters in place between steps without bumping their version counters (see the module docstring)."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
+
+
+_WARNED_RECAST = False
+
+
+def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
+    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it)."""
+    global _WARNED_RECAST
+    if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return w
+    if not _WARNED_RECAST:
+        _WARNED_RECAST = True
+        warnings.warn(
+            f"dorafp8: FSDP's MixedPrecisionPolicy(param_dtype={w.dtype}) casts the frozen fp8 weights to {w.dtype} "
+            f"for the all-gather (2x the traffic and the unsharded memory of fp8); dorafp8 casts them back exactly. "
+            f"To all-gather them as fp8, leave param_dtype unset for the groups that hold FP8Linear weights "
+            f"(see docs/MULTI_GPU.md).", stacklevel=3)
+    return w.to(torch.float8_e4m3fn)

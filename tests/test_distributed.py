@@ -1,0 +1,273 @@
+"""Issue #13: DDP, FSDP2, accelerate and the HF Trainer on an fp8 base, with 2 CPU processes over gloo.
+
+Each engine runs one 2-process job (tests/_dist_worker.py under torch.distributed.run, 127.0.0.1, a free port, a
+time limit): 3 SGD steps of the tiny LLaMA-style DoRA model of tests/_dist_common.py, each rank on half of each
+global batch. The losses, the adapter weights and the saved adapter must equal the single-process run on the full
+batch (fp32, relative 1e-5), and the saved adapter must load with plain PEFT onto the plain (dequantized) base.
+The first tests are single-process checks of the pieces (no spawn).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from peft import PeftModel  # noqa: E402
+
+import _dist_common as C  # noqa: E402
+import dorafp8  # noqa: E402
+from _ref import assert_close  # noqa: E402
+from dorafp8.distributed import install_ddp_support, params_are_sharded, recover_fp8_weight  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+JOB_TIMEOUT_S = 300  # one 2-process job takes 15-30 s on 2 cores
+TOL = 1e-5
+PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+
+
+# ---- single-process checks ---------------------------------------------------------------------------------------
+
+
+def test_ddp_support_is_installed_on_import_and_idempotent():
+    import torch.nn.parallel.distributed as ddp_module
+
+    from dorafp8.distributed import uninstall_ddp_support
+
+    wrapped = ddp_module._sync_module_states
+    assert hasattr(wrapped, "_dorafp8_orig"), "import dorafp8 must install the DDP support"
+    assert install_ddp_support() and ddp_module._sync_module_states is wrapped  # idempotent
+    uninstall_ddp_support()
+    try:
+        assert ddp_module._sync_module_states is wrapped._dorafp8_orig
+        import torch.distributed.utils as dist_utils
+
+        assert dist_utils._sync_module_states is wrapped._dorafp8_orig  # torch's own function is never replaced
+    finally:
+        install_ddp_support()
+    assert hasattr(ddp_module._sync_module_states, "_dorafp8_orig")
+
+
+def _one_layer_model():
+    pm = C.build_model(0)
+    pm.train()
+    return pm, pm.base_model.model.model.layers[0].self_attn.q_proj
+
+
+def test_norm_cache_not_stale_when_fsdp_refills_params_in_place():
+    """FSDP2 refills the same unsharded parameter in place on each all-gather, under
+    torch.autograd._unsafe_preserve_version_counter, and its storage may come back at the same address: the cache key
+    (version, data_ptr) then cannot see the new values. Emulated here exactly so (same tensor, same version, same
+    address, new values): a layer that fully_shard manages (`_is_fsdp_managed_module`) must not serve the old norm.
+    The control (no flag) shows the hazard is real: the version/data_ptr cache returns the stale norm."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for managed in (False, True):
+        _, layer = _one_layer_model()
+        if managed:
+            layer._is_fsdp_managed_module = True  # what fully_shard sets on every module it manages
+        assert params_are_sharded(layer) == managed
+        B = layer.lora_B["default"].weight
+        base = layer.get_base_layer()
+        layer(x)
+        n_old = layer.dora_weight_norm("default")
+        ptr, ver = B.data_ptr(), B._version
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(B):
+            B.mul_(3.0)  # an optimizer step seen through FSDP's refill
+        assert (B.data_ptr(), B._version) == (ptr, ver)
+        fresh = dorafp8.weight_norm(base.weight, base.scale, layer.lora_A["default"].weight, B,
+                                    layer.scaling["default"], backend=base.backend)
+        got = layer.dora_weight_norm("default")
+        if managed:
+            assert_close(got, fresh, 0.0, "norm under FSDP")
+            assert not torch.allclose(fresh, n_old)
+        else:
+            assert torch.equal(got, n_old), "control: the unsharded cache is expected to be fooled here"
+
+
+def test_recover_fp8_weight_is_exact_and_only_under_fsdp():
+    every = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~torch.isnan(every.float())
+    _, layer = _one_layer_model()
+    base = layer.get_base_layer()
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        wide = every.to(dt)
+        assert recover_fp8_weight(base, wide) is wide  # not FSDP-managed: left alone (the ops then reject it)
+    base._is_fsdp_managed_module = True
+    dorafp8.distributed._WARNED_RECAST = False
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        with pytest.warns(UserWarning, match="MixedPrecisionPolicy") if dt == torch.bfloat16 else _no_warning():
+            back = recover_fp8_weight(base, every.to(dt))
+        assert back.dtype == torch.float8_e4m3fn
+        assert torch.equal(back.view(torch.uint8)[finite], every.view(torch.uint8)[finite]), dt
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+# ---- 2-process jobs ----------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(engine: str, out) -> list:
+    """Runs the 2-process job for `engine`; returns the two ranks' results."""
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
+    if os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.WORLD), "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           os.path.join(HERE, "_dist_worker.py"), engine, str(out)]
+    log_path = os.path.join(out, "log.txt")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its two workers: the group this test started
+            proc.wait()
+            rc = "timeout"
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-6000:]
+        pytest.fail(f"{engine} job failed (rc={rc}):\n{tail}")
+    res = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(C.WORLD)]
+    for r in res:  # the children ran this checkout's dorafp8
+        assert os.path.dirname(os.path.abspath(r["dorafp8_file"])) == os.path.join(REPO, "dorafp8")
+    return res
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single_process") / "adapter"
+    losses, state, logits = C.train_single_process(d)
+    return {"losses": losses, "adapter": state, "logits": logits, "dir": str(d)}
+
+
+def _check_training(res, ref, ranks_with_adapter=(0, 1)):
+    for r in res:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), TOL, f"rank {r['rank']} losses")
+    for rank in ranks_with_adapter:
+        got = res[rank]["adapter"]
+        assert got.keys() == ref["adapter"].keys() and len(got) == 42
+        for k in got:
+            assert got[k].dtype == ref["adapter"][k].dtype
+            assert_close(got[k], ref["adapter"][k], TOL, f"rank {rank} {k}")
+
+
+def _check_saved_adapter(path, ref, extra_files=()):
+    from safetensors.torch import load_file
+
+    assert set(os.listdir(path)) == PEFT_FILES | set(extra_files)
+    with open(os.path.join(path, "adapter_config.json")) as f, \
+            open(os.path.join(ref["dir"], "adapter_config.json")) as g:
+        got_cfg, want_cfg = json.load(f), json.load(g)
+    for cfg in (got_cfg, want_cfg):  # PEFT writes this set in the process's (hash-seeded) set order
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    assert got_cfg == want_cfg
+    got = load_file(os.path.join(path, "adapter_model.safetensors"))
+    want = load_file(os.path.join(ref["dir"], "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and len(got) == 42
+    for k in got:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert_close(got[k], want[k], TOL, k)
+    # plain PEFT (nn.Linear base holding the dequantized fp8 weights) computes what the trained dorafp8 model does
+    loaded = PeftModel.from_pretrained(C.build_plain_base(0), path).eval()
+    assert not any(isinstance(m, dorafp8.DoRAFP8Linear) for m in loaded.modules())
+    with torch.no_grad():
+        assert_close(loaded(input_ids=C.probe_ids()).logits, ref["logits"], TOL, "logits of plain PEFT")
+
+
+def test_ddp(tmp_path, reference):
+    res = _launch("ddp", tmp_path)
+    r0, r1 = res
+    # the failure of issue #13 without dorafp8's support, so that this job exercises it
+    assert all(r["plain_ddp_error"] and "Invalid scalar type" in r["plain_ddp_error"] for r in res)
+    # rank 1 loaded other weights; after wrapping, rank 0's fp8 bytes and scales are on both ranks
+    assert r0["fingerprints_differ_before"] and r0["fingerprints_equal_after"] and r1["fingerprints_equal_after"]
+    assert r0["rank0_fingerprint"] == C_fingerprint_of_seed0()
+    for r in res:
+        init = [c for phase, c in r["broadcasts"] if phase == "init"]
+        train = [c for phase, c in r["broadcasts"] if phase == "train"]
+        # at wrap time the 14 fp8 weights went once, as their bytes
+        fp8_sent = [t for c in init for t in c if t[0] == "torch.uint8"]
+        assert len(fp8_sent) == r["n_fp8_weights"] == 14 and sum(n for _, n in fp8_sent) == r["fp8_weight_bytes"]
+        # every forward (broadcast_buffers=True) re-sends buffers only: 14 scalar fp32 scales + 2 rotary tables
+        assert len(train) == C.STEPS
+        for c in train:
+            assert all(dt == "torch.float32" for dt, _ in c) and sum(n for _, n in c) == 14 + 2 * 8
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def C_fingerprint_of_seed0():
+    return C.fp8_fingerprint(C.build_model(0))
+
+
+def test_fsdp2(tmp_path, reference):
+    res = _launch("fsdp2", tmp_path)
+    for r in res:
+        # the fp8 weights are sharded DTensors and each rank holds half of their bytes (all row counts are even)
+        assert r["fp8_all_dtensor"]
+        assert r["fp8_local_bytes"] * C.WORLD == r["fp8_full_bytes"] == 67584
+        assert r["fp8_local_storage_bytes"] == r["fp8_local_bytes"]  # the local shard is its own, not a view
+        assert r["layers_detected_sharded"]
+        # one norm per layer and forward, from the full (all-gathered) fp8 weight: [out, in], not a shard
+        assert len(r["norm_calls"]) == 14 * C.STEPS
+        full_rows = {64, 32, 112}
+        assert all(kind == "Parameter" and shape[0] in full_rows for kind, shape in r["norm_calls"])
+        # MixedPrecisionPolicy(param_dtype=bf16): still runs (fp8 weights cast back, with a warning), the weights
+        # stay sharded fp8; the recipe of docs/MULTI_GPU.md keeps them fp8 without the warning. bf16 tolerance.
+        assert r["bf16_all"]["warned"] and not r["bf16_dora_groups"]["warned"]
+        for recipe in ("bf16_all", "bf16_dora_groups"):
+            rr = r[recipe]
+            assert rr["grads_finite"] and rr["still_fp8_sharded"]
+            assert abs(rr["loss"] - reference["losses"][0]) < 2e-2 * reference["losses"][0]
+    _check_training(res, reference, ranks_with_adapter=(0,))
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_accelerate(tmp_path, reference):
+    pytest.importorskip("accelerate")
+    res = _launch("accelerate", tmp_path)
+    for r in res:
+        assert r["distributed_type"].endswith("MULTI_CPU") and r["num_processes"] == 2
+        assert r["wrapped_in"] == "DistributedDataParallel" and r["fingerprints_equal_after"]
+    assert res[0]["rank0_fingerprint"] == C_fingerprint_of_seed0()  # rank 1 had built other weights
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_hf_trainer(tmp_path, reference):
+    pytest.importorskip("accelerate")
+    res = _launch("trainer", tmp_path)
+    for r in res:
+        assert r["wrapped_in"] == "DistributedDataParallel" and r["world_size"] == 2
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference, extra_files=("training_args.bin",))
