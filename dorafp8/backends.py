@@ -76,13 +76,14 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("reference", "triton", "cuda")
+BACKENDS = ("reference", "triton", "cuda", "cublas")
 _CHOICES = ("auto",) + BACKENDS
 # Which module implements each backend (imported lazily: triton and the CUDA extension are optional).
 _MODULES = {
     "reference": "dorafp8.reference",
     "triton": "dorafp8.triton_kernels",
     "cuda": "dorafp8.cuda_backend",
+    "cublas": "dorafp8.cublas_backend",
 }
 _loaded: dict[str, ModuleType | str] = {}
 
