@@ -181,7 +181,7 @@ def test_input_errors_name_the_argument():
         f(x, w8, torch.ones(3), A, B, m, 0.5)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         f(x, w8, scale, A, B, m, 0.5, dropout_p=1.0)
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'reference', 'triton', 'cuda'\]"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'reference', 'triton', 'cuda', 'cublas'\]"):
         f(x, w8, scale, A, B, m, 0.5, backend="tpu")
 
 
