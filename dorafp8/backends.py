@@ -25,17 +25,21 @@ The contract (every backend computes exactly this; the reference backend is the 
       n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float dtype (upcast
       in-kernel). Never materializes [N, K] in full.
 
-  project(a, b, out_dtype) -> a @ b^T                     (u = xd A^T in the forward)
+  project(a, b, out_dtype, mask, p) -> a' @ b^T            (u = xd A^T in the forward)
       a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in out_dtype, fp32 accumulation of the exact products.
+      a' = a, or a * mask / (1 - p) computed in fp32 when a dropout mask (bool [M, K]) is given: the dropped-out
+      activation as PEFT forms it (in the adapters' dtype), without materializing it.
 
-  project_grad(v, a) -> v^T @ a                            (dA / s in the backward)
-      v [M, r] (rdt), a [M, K] (cdt): fp32 [r, K].
+  project_grad(v, a, mask, p) -> v^T @ a'                  (dA / s in the backward)
+      v [M, r] (rdt), a [M, K] (cdt), a' as in project: fp32 [r, K].
 
-  forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant) -> (y, z)
-      c is None: plain FP8 linear, y = x W0^T + bias, z is None (u, B, xd are None).
+  forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant) -> (y, z)
+      c is None: plain FP8 linear, y = x W0^T + bias, z is None (u, B, xm are None).
       c [N] fp32, u [M, r] rdt (= xd A^T), B [N, r] rdt:
-        no dropout (xd is None): y = c * (x W0^T + s u B^T) + bias
+        no dropout (xm is None): y = c * (x W0^T + s u B^T) + bias
         dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
+      with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in cdt:
+      the 1 / (1 - p) of dropout would round xd in cdt, so it is applied to the fp32 product instead).
       z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N] cdt.
 
   backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB) -> (gl, rl, gb, rb, v, dm, db, dB)
@@ -59,7 +63,7 @@ The contract (every backend computes exactly this; the reference backend is the 
         dropout (mask bool [M, K]): dx = base(gb, rb) * scale_t + mask / (1 - p) * (base(gl, rl) * scale_t + s v A)
       with scale_t the per-tensor scale (1 for per-row and block scales). dx is [M, K] cdt; v [M, r], A [r, K] rdt.
 
-  M >= 1 (the caller handles empty batches). x, xd, g, gl, gb have unit stride in their last dim (any row stride).
+  M >= 1 (the caller handles empty batches). x, xm, g, gl, gb have unit stride in their last dim (any row stride).
 
 Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the fastest backend that can run on the
 tensors' device: triton > cuda > reference on a GPU (triton first until GPU measurements say otherwise;

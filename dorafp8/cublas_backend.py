@@ -7,8 +7,11 @@ GEMMs through torch.matmul (cuBLAS on a GPU), and applies the DoRA epilogues wit
 rank-r GEMMs and the weight norm are the Triton backend's. It is the yardstick the fused kernels must beat, and
 `backend="auto"` never picks it until a GPU measurement says it wins (see bench/).
 
-Per-tensor and per-row scales stay out of the transient (w8 -> compute dtype is exact; the scales are applied in
-fp32 in the epilogues); block scales are applied while dequantizing, so W0 is rounded once to the compute dtype.
+The base products come back from the matmul in the compute dtype, so z (hence dm) carries that rounding, as PEFT's
+16-bit base layer does; the fused kernels keep the base product in fp32 up to their epilogue.
+The transient holds W8 times its scale, rounded once to the compute dtype (per row: times the largest row scale, the
+rows' ratios applied in fp32 by the epilogue), as a user would dequantize it: W8 alone reaches 448, and products with
+it could overflow fp16 where the result does not.
 W8A8 is not offered here: the fused Triton kernels and bench's `linear-fp8-rowwise` (torch._scaled_mm) cover it.
 It runs wherever the Triton backend runs (on CPU under TRITON_INTERPRET=1, with CPU matmuls, for the tests).
 """
@@ -34,17 +37,21 @@ project_grad = _tk.project_grad
 backward_pass = _tk.backward_pass
 
 
-def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """W8 in the compute dtype, with block scales applied (others are the epilogue's): one layer's transient."""
-    if scale_kind(scale) != "block":
-        return w8.to(dtype)
+def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype):
+    """(W, kappa): one layer's transient W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes
+    it (so a 16-bit product stays in range: W8 alone reaches 448), and the per-tensor factor kappa it folded in
+    (per tensor: the scale; per row: the largest row scale, the rows' ratios are left to the epilogue; per block:
+    the scales themselves, elementwise)."""
     N, K = w8.shape
+    kind = scale_kind(scale)
+    kappa = scale if kind == "tensor" else scale.abs().amax() if kind == "row" else None
     out = torch.empty(N, K, dtype=dtype, device=w8.device)
     rows = max(block, (4 * 1024 * 1024 // K) // block * block)  # fp32 temporaries of at most ~16 MiB
     for j0 in range(0, N, rows):
         j1 = min(N, j0 + rows)
-        out[j0:j1] = w8[j0:j1].float() * scale_rows(scale, block, j0, j1, K)
-    return out
+        f = scale_rows(scale, block, j0, j1, K) if kind == "block" else kappa
+        out[j0:j1] = w8[j0:j1].float() * f
+    return out, kappa
 
 
 def _not_w8a8(act_quant):
@@ -53,19 +60,27 @@ def _not_w8a8(act_quant):
                          "torch._scaled_mm without the fused epilogue); use backend='triton' or 'reference'")
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     _not_w8a8(act_quant)
-    w = _transient_weight(w8, scale, block, x.dtype)
+    w, kappa = _transient_weight(w8, scale, block, x.dtype)
     base = x @ w.T
-    base_d = xd @ w.T if (c is not None and xd is not None) else None
+    base_d = xm @ w.T if (c is not None and xm is not None) else None
     del w
-    return forward_epilogue(base, base_d, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, x.dtype)
+    # What is left of the scale for the epilogue: per tensor nothing (1), per row the ratios to kappa; a block scale
+    # tells the epilogue that the scales were applied already.
+    kind = scale_kind(scale)
+    rest = torch.ones((), device=x.device) if kind == "tensor" else scale / kappa if kind == "row" else scale
+    return forward_epilogue(base, base_d, p, w8, rest, block, bias, c, u, B, s, need_z, z_dtype, x.dtype)
 
 
 def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     _not_w8a8(act_quant)
-    w = _transient_weight(w8, scale, block, gl.dtype)
+    w, kappa = _transient_weight(w8, scale, block, gl.dtype)
     t = gl @ w
     tb = gb @ w if (v is not None and mask is not None) else None
     del w
-    return dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, gl.dtype)
+    # The contract's st (per-tensor scale, applied in the epilogue) is now in w: per tensor the epilogue multiplies by
+    # 1; per row (scales in gl already) it divides the kappa out again; block scales are in w.
+    kind = scale_kind(scale)
+    st = torch.ones((), device=gl.device) if kind == "tensor" else 1.0 / kappa if kind == "row" else scale
+    return dgrad_epilogue(t, tb, rl, w8, st, block, v, A, s, mask, p, rb, gl.dtype)

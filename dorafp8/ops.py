@@ -51,35 +51,37 @@ def _(w8, scale, block, A, B, s, backend):
 
 
 @torch.library.custom_op("dorafp8::project", mutates_args=())
-def _project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, backend: str) -> Tensor:
-    return backends.module(backend).project(a, b, out_dtype)
+def _project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
+                backend: str) -> Tensor:
+    return backends.module(backend).project(a, b, out_dtype, mask, p)
 
 
 @_project_op.register_fake
-def _(a, b, out_dtype, backend):
+def _(a, b, out_dtype, mask, p, backend):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op("dorafp8::project_grad", mutates_args=())
-def _project_grad_op(v: Tensor, a: Tensor, backend: str) -> Tensor:
-    return backends.module(backend).project_grad(v, a)
+def _project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, backend: str) -> Tensor:
+    return backends.module(backend).project_grad(v, a, mask, p)
 
 
 @_project_grad_op.register_fake
-def _(v, a, backend):
+def _(v, a, mask, p, backend):
     return a.new_empty(v.shape[1], a.shape[1], dtype=torch.float32)
 
 
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
 def _forward_op(x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
-                u: Optional[Tensor], B: Optional[Tensor], s: float, xd: Optional[Tensor], need_z: bool,
+                u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
                 z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
-    y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant)
+    y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype,
+                                            act_quant)
     return y, (z if z is not None else x.new_empty(0))
 
 
 @_forward_op.register_fake
-def _(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant, backend):
+def _(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant, backend):
     y = x.new_empty(x.shape[0], w8.shape[0])
     want_z = need_z and c is not None
     return y, (x.new_empty(x.shape[0], w8.shape[0], dtype=z_dtype) if want_z else x.new_empty(0))
@@ -125,14 +127,12 @@ def _(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant, backend):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _dropout_with_mask(x: Tensor, p: float) -> tuple[Tensor, Tensor]:
-    """(dropout(x), keep mask), drawing exactly the random numbers torch.nn.functional.dropout draws, so that a
-    seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU it is this recipe)."""
+def dropout_mask(x: Tensor, p: float) -> Tensor:
+    """The keep mask of torch.nn.functional.dropout(x, p, training=True), drawing exactly the random numbers it draws,
+    so that a seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU this recipe)."""
     if x.device.type != "cpu":
-        return torch.native_dropout(x, p, True)
-    noise = torch.empty_like(x).bernoulli_(1 - p)
-    noise.div_(1 - p)
-    return x * noise, noise != 0
+        return torch.native_dropout(x, p, True)[1]
+    return torch.empty_like(x).bernoulli_(1 - p) != 0
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -187,22 +187,26 @@ class DoRAFP8Function(torch.autograd.Function):
         need_z = ctx.needs_input_grad[6]
         z_dtype = torch.promote_types(x.dtype, A.dtype)  # fp32 adapters keep z (hence dm) fp32-accurate
         with torch.autocast(x.device.type, enabled=False):
-            xd, mask = _dropout_with_mask(x, p) if dropout else (x, None)
+            # The kept part of x, unscaled: exact in the compute dtype; the kernels apply 1 / (1 - p) in fp32.
+            mask = dropout_mask(x, p) if dropout else None
+            xm = x * mask if dropout else None
             if M == 0:
                 y, z = x.new_empty(0, N), x.new_empty(0, N, dtype=z_dtype)
                 u = x.new_empty(0, A.shape[0], dtype=A.dtype)
             else:
-                u = _project_op(xd, A, A.dtype, backend)
-                y, z = _forward_op(x, w8, scale, block, bias, c, u, B, s, xd if dropout else None, need_z, z_dtype,
-                                   act_quant, backend)
-        ctx.save_for_backward(xd, mask, u, z if need_z else None, w8, scale, A, B, c, n)
+                # The low-rank path takes x and the mask: it forms x * mask / (1 - p) in the rank dtype, as PEFT
+                # does (exact for fp32 adapters on 16-bit activations).
+                u = _project_op(x, A, A.dtype, mask, p, backend)
+                y, z = _forward_op(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant,
+                                   backend)
+        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, c, n)
         ctx.s, ctx.p, ctx.block, ctx.act_quant, ctx.backend = s, p, block, act_quant, backend
         ctx.m_dtype = m.dtype
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xd, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
+        x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
         g = _rows(gy)
@@ -226,7 +230,7 @@ class DoRAFP8Function(torch.autograd.Function):
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
                 dx = _dgrad_op(gl, rl, w8, scale, ctx.block, v, A, s, mask, p, gb, rb, ctx.act_quant, ctx.backend)
             if need_dA:
-                dA = (s * _project_grad_op(v, xd, ctx.backend)).to(A.dtype)
+                dA = (s * _project_grad_op(v, x, mask, p, ctx.backend)).to(A.dtype)
             if need_dB:
                 dB = (s * c[:, None] * dB_sum).to(B.dtype)
             if need_dm:
@@ -245,7 +249,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.block, ctx.act_quant, ctx.backend = block, act_quant, backend
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
-        y, _ = _forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, False, x.dtype, act_quant,
+        y, _ = _forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, 0.0, False, x.dtype, act_quant,
                            backend)
         return y
 

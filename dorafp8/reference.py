@@ -56,18 +56,24 @@ def weight_norm(w8, scale, block, A, B, s):
     return n
 
 
-def project(a, b, out_dtype):
+def _dropped(a, mask, p, i0, i1):
+    """Rows i0:i1 of a, times mask / (1 - p) when a dropout mask is given, in fp32 (exact up to that product)."""
+    a32 = a[i0:i1].float()  # may be a itself (fp32): never modified in place
+    return a32 if mask is None else a32 * mask[i0:i1] * (1.0 / (1.0 - p))
+
+
+def project(a, b, out_dtype, mask, p):
     out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     b32 = b.float()
     for i0, i1 in _blocks(a.shape[0], a.shape[1]):
-        out[i0:i1] = a[i0:i1].float() @ b32.T
+        out[i0:i1] = _dropped(a, mask, p, i0, i1) @ b32.T
     return out
 
 
-def project_grad(v, a):
+def project_grad(v, a, mask, p):
     out = torch.zeros(v.shape[1], a.shape[1], dtype=torch.float32, device=a.device)
     for i0, i1 in _blocks(a.shape[0], a.shape[1]):
-        out.addmm_(v[i0:i1].float().T, a[i0:i1].float())
+        out.addmm_(v[i0:i1].float().T, _dropped(a, mask, p, i0, i1))
     return out
 
 
@@ -84,7 +90,7 @@ def _base_gemm(x, w8, scale, block, act_quant):
     return out
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     cdt = x.dtype
     M, N = x.shape[0], w8.shape[0]
     y = torch.empty(M, N, dtype=cdt, device=x.device)
@@ -98,11 +104,11 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quan
             yb = base
         else:
             lora = (u[i0:i1].float() @ B32.T).mul_(s)
-            if xd is None:
+            if xm is None:
                 zb = base.add_(lora)
                 yb = zb * c
             else:
-                zb = _base_gemm(xd[i0:i1], w8, scale, block, act_quant).add_(lora)
+                zb = _base_gemm(xm[i0:i1], w8, scale, block, act_quant).mul_(1.0 / (1.0 - p)).add_(lora)
                 # x W0^T + (c - 1) * (xd W0^T) + c * s u B^T  ==  base + (c - 1) * z + lora
                 yb = base.add_((c - 1) * zb).add_(lora)
             if z is not None:

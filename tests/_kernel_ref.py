@@ -58,19 +58,18 @@ def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dt
     w8, sigma = quantize_e4m3(W, per_row=scale_kind == "row", block_size=BLOCK if scale_kind == "block" else None)
     x = rnd(M, K)
     mask = torch.rand(M, K, generator=gen) >= P
-    xd = x * mask / (1 - P)
     c = (0.5 + torch.rand(N, generator=gen)).float()
     c[::5] = 1.0  # DoRA's init: c == 1 exactly, where (c - 1) must be exactly 0
     p = dict(w8=w8.to(device), sigma=sigma.to(device), block=BLOCK, mask=mask.to(device), c=c.to(device),
              dtype=dtype, rdt=rdt, scale_kind=scale_kind)
     p["x"] = act(x, dtype, device, strided)
-    p["xd"] = act(xd, dtype, device, strided)
+    p["xm"] = act(x * mask, dtype, device, strided)  # the kept part of x, unscaled (what forward takes)
     p["A"] = (rnd(r, K) / K ** 0.5).to(rdt).to(device)
     p["B"] = (rnd(N, r) * 0.1).to(rdt).to(device)
     p["bias"] = (rnd(N) * 0.1).to(dtype).to(device)
     p["g"] = act(rnd(M, N), dtype, device, strided)
     # u as the autograd layer computes it (in the rank dtype); the formulas below use these same values.
-    p["u"] = act(d(p["xd"]) @ d(p["A"]).T, rdt, device, strided)
+    p["u"] = act(d(p["xm"]) / (1 - P) @ d(p["A"]).T, rdt, device, strided)
     p["u_nodrop"] = act(d(p["x"]) @ d(p["A"]).T, rdt, device, strided)
     p["z_dtype"] = torch.promote_types(dtype, rdt)
     return p
@@ -100,18 +99,18 @@ def weight_norm_64(w8, sigma, A, B, s):
     return torch.linalg.vector_norm(w0_64(w8, sigma) + s * d(B) @ d(A), dim=1)
 
 
-def forward_64(x, w8, sigma, bias, c, u, B, s, xd, act_quant=""):
+def forward_64(x, w8, sigma, bias, c, u, B, s, xm, p, act_quant=""):
     q = quant_rows_64 if act_quant else d
     W0 = w0_64(w8, sigma)
     b = d(bias) if bias is not None else 0.0
     if c is None:
         return q(x) @ W0.T + b, None
     lora = s * d(u) @ d(B).T
-    if xd is None:
+    if xm is None:
         z = q(x) @ W0.T + lora
         return d(c) * z + b, z
-    z = q(xd) @ W0.T + lora
-    return q(x) @ W0.T + b + (d(c) - 1) * (q(xd) @ W0.T) + d(c) * lora, z
+    base_d = q(xm) @ W0.T / (1 - p)  # xd W0^T
+    return q(x) @ W0.T + b + (d(c) - 1) * base_d + d(c) * lora, base_d + lora
 
 
 def dgrad_64(gl, rl, w8, sigma, v, A, s, mask, p, gb, rb, act_quant=""):
@@ -145,23 +144,29 @@ def check_weight_norm(weight_norm, p):
 
 
 def check_project(project, project_grad, p):
-    u = project(p["xd"], p["A"], p["rdt"])
-    assert u.dtype == p["rdt"]
-    assert_close(u, d(p["xd"]) @ d(p["A"]).T, tol(p["rdt"]), "project vs fp64")
-    v = p["u"]  # any [M, r] operand in the rank dtype will do
-    dA = project_grad(v, p["xd"])
-    assert dA.dtype == torch.float32
-    assert_close(dA, d(v).T @ d(p["xd"]), tol(torch.float32), "project_grad vs fp64")
+    """u = x' A^T and dA / s = v^T x', x' = x or (with the dropout mask) x * mask / (1 - P) formed in fp32."""
+    for mask in (None, p["mask"]):
+        x = d(p["x"]) if mask is None else d(p["xm"]) / (1 - P)
+        what = "" if mask is None else " with the dropout mask"
+        u = project(p["x"], p["A"], p["rdt"], mask, P)
+        assert u.dtype == p["rdt"]
+        assert_close(u, x @ d(p["A"]).T, tol(p["rdt"]), f"project{what} vs fp64")
+        v = p["u"]  # any [M, r] operand in the rank dtype will do
+        dA = project_grad(v, p["x"], mask, P)
+        assert dA.dtype == torch.float32
+        # x * mask / (1 - P) is formed in fp32, then rounded to the rank dtype like PEFT's dropout in that dtype
+        assert_close(dA, d(v).T @ x, tol(torch.float32 if mask is None else p["rdt"]), f"project_grad{what} vs fp64")
 
 
 def _forward_args(p, mode, has_bias):
     bias = p["bias"] if has_bias else None
     if mode == "plain":
-        return (p["x"], p["w8"], p["sigma"], p["block"], bias, None, None, None, S, None, False, p["dtype"])
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, None, None, None, S, None, P, False, p["dtype"])
     if mode == "nodrop":
-        return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u_nodrop"], p["B"], S, None, True,
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u_nodrop"], p["B"], S, None, P, True,
                 p["z_dtype"])
-    return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u"], p["B"], S, p["xd"], True, p["z_dtype"])
+    return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u"], p["B"], S, p["xm"], P, True,
+            p["z_dtype"])
 
 
 def check_forward(forward, p, mode, has_bias, act_quant=""):
@@ -170,8 +175,8 @@ def check_forward(forward, p, mode, has_bias, act_quant=""):
     M, N = p["x"].shape[0], p["w8"].shape[0]
     args = _forward_args(p, mode, has_bias)
     y, z = forward(*args, act_quant)
-    x, w8, sigma, _, bias, c, u, B, s, xd, _, z_dtype = args
-    y64, z64 = forward_64(x, w8, sigma, bias, c, u, B, s, xd, act_quant)
+    x, w8, sigma, _, bias, c, u, B, s, xm, p_, _, z_dtype = args
+    y64, z64 = forward_64(x, w8, sigma, bias, c, u, B, s, xm, p_, act_quant)
     assert y.dtype == dtype and y.shape == (M, N)
     what = f"forward[{mode}{', ' + act_quant if act_quant else ''}]"
     assert_close(y, y64, tol(dtype), f"{what} y vs fp64")

@@ -48,3 +48,39 @@ def test_compile_fullgraph_training_with_dropout():
     y.sum().backward()
     assert y.shape == (7, 16) and torch.isfinite(y).all()
     assert all(p.grad is not None for p in pm.parameters() if p.requires_grad)
+
+
+def test_compiled_training_step_does_not_pin_the_token_count():
+    """Bucketed training (a new sequence length / image resolution per batch) must not recompile per length: the
+    backward's loops live inside the custom ops, so after one recompile to a dynamic M a compiled step serves every
+    token count. 10 different token counts, at most 2 compilations."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+    pm = get_peft_model(net, LoraConfig(r=4, use_dora=True, target_modules=["0", "2"], lora_dropout=0.1))
+    assert dorafp8.convert_peft_model(pm) == 2
+    pm.train()
+    frames = []
+
+    def counting_backend(gm, example_inputs):
+        frames.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.01)
+
+    @torch.compile(backend=counting_backend, fullgraph=True)
+    def step(x):
+        return pm(x).square().mean()
+
+    for tokens in (7, 9, 13, 21, 33, 40, 57, 64, 100, 129):
+        loss = step(torch.randn(tokens, 32))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.isfinite(loss)
+    assert 1 <= len(frames) <= 2, f"{len(frames)} compilations for 10 token counts"

@@ -58,3 +58,23 @@ def test_forward_backward_temporaries_bounded_8192():
         y.sum().backward()
     assert mode.largest <= 16 * MiB, f"largest temporary {mode.largest / MiB:.1f} MiB"
     assert mode.peak <= 64 * MiB, f"peak {mode.peak / MiB:.1f} MiB"
+
+
+def test_backward_temporaries_bounded_many_tokens():
+    """The backward (the pass over g and z, dgrad, dA) in bounded row blocks too: with 8192 tokens no fp32 [M, N]
+    or [M, K] temporary (32 MiB here) appears; the largest allocations are the bf16 outputs (dx) themselves."""
+    M, N, K = 8192, 1024, 1024
+    w8, scale, A, B = _big(N, K)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).requires_grad_()
+    Al, Bl = A.clone().requires_grad_(), B.clone().requires_grad_()  # fp32 adapters: the fp32 rank path
+    ml = (torch.rand(N, generator=g) + 0.5).requires_grad_()
+    y = dorafp8.dora_fp8_linear(x, w8, scale, Al, Bl, ml, 2.0, dropout_p=0.1, training=True, backend="reference")
+    gy = torch.randn(M, N, generator=g).to(torch.bfloat16)
+    with PeakTemporaries() as mode:
+        y.backward(gy)
+    fp32_activation = M * N * 4
+    assert mode.largest < fp32_activation, f"largest temporary {mode.largest / MiB:.1f} MiB"
+    assert mode.largest <= M * K * 2, f"largest temporary {mode.largest / MiB:.1f} MiB"
+    assert mode.peak <= 128 * MiB, f"peak {mode.peak / MiB:.1f} MiB"
+    assert x.grad.dtype == torch.bfloat16 and Al.grad.dtype == torch.float32

@@ -54,7 +54,7 @@ def test_dora_dropout_matches_peft_semantics(device, backend):
     torch.manual_seed(123)
     y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, b, dropout_p=p, training=True, backend=backend)
     torch.manual_seed(123)
-    _, keep = ops._dropout_with_mask(x, p)  # the mask the call above drew
+    keep = ops.dropout_mask(x, p)  # the mask the call above drew
     assert 0 < keep.sum() < keep.numel()
     gy = torch.randn_like(y)
     y.backward(gy)
@@ -75,8 +75,9 @@ def test_dropout_mask_is_torch_dropout():
     torch.manual_seed(7)
     ref = torch.nn.functional.dropout(x, 0.25, True)
     torch.manual_seed(7)
-    xd, keep = ops._dropout_with_mask(x, 0.25)
-    assert torch.equal(xd, ref) and torch.equal(keep, ref != 0)
+    keep = ops.dropout_mask(x, 0.25)
+    assert torch.equal(keep, ref != 0)
+    torch.testing.assert_close(x * keep / 0.75, ref, rtol=0, atol=1e-6)
 
 
 _DT = [torch.float32, torch.bfloat16, torch.float16]
@@ -219,3 +220,60 @@ def test_quantize_recipe():
     bad[5, 2] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
         dorafp8.quantize_e4m3(bad)
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fp32_adapters_on_bf16_activations_get_fp32_gradients(device, backend, dropout):
+    """PEFT computes the low-rank path in the adapters' dtype (it casts x to lora_A's): with bf16 activations and
+    fp32 adapters, dA, dB and dm must be fp32-accurate (here: against fp64 of the same bf16 inputs), not rounded
+    through bf16 (2^-9)."""
+    M, K, N, r, s = 24, 48, 40, 4, 0.75
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r, dtype=torch.bfloat16, device=device)
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    torch.manual_seed(9)
+    y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, b.to(torch.bfloat16), dropout_p=dropout,
+                                training=True, backend=backend)
+    assert y.dtype == torch.bfloat16
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(device)
+    y.backward(gy)
+    torch.manual_seed(9)
+    keep = ops.dropout_mask(x, dropout) if dropout else None
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    yr, leaves = dora_fp64(x, W0, A, B, m, s, b.to(torch.bfloat16), xd=None if keep is None else (keep, dropout))
+    yr.backward(gy.double())
+    assert_close(y, yr, TOL[torch.bfloat16], "y")
+    assert_close(xl.grad, leaves[0].grad, TOL[torch.bfloat16], "dx")
+    for name, got, ref in zip(("dA", "dB", "dm"), (Al.grad, Bl.grad, ml.grad), leaves[1:]):
+        assert got.dtype == torch.float32
+        # cublas: the platform GEMM returns x W0^T rounded to bf16 before the epilogue (as PEFT's bf16 base layer
+        # does), and dm = sum g * z sees that rounding; dA and dB do not depend on it.
+        assert_close(got, ref.grad, 4e-3 if (backend == "cublas" and name == "dm") else 1e-5, name)
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_fp16_large_magnitude_does_not_overflow(device, backend):
+    """c = m / n of 500 in fp16: g * c or c * W8 (448 * 500) in an fp16 operand would overflow where the fp64
+    result is far inside fp16's range; the dgrad operand is g * c / max|c| instead."""
+    M, K, N, r, s = 9, 40, 24, 2, 0.5
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(N, K, generator=g) * 1e-4
+    w8, scale = dorafp8.quantize_e4m3(W)
+    A = torch.randn(r, K, generator=g) * 1e-4
+    B = torch.randn(N, r, generator=g) * 1e-4
+    n = dorafp8.weight_norm(w8, scale, A, B, s)
+    m = (500 * n).half()
+    x = torch.randn(M, K, generator=g).half()
+    gy = (torch.randn(M, N, generator=g) * 1000).half()
+    xl, ml = x.to(device).requires_grad_(), m.to(device).requires_grad_()
+    y = dorafp8.dora_fp8_linear(xl, w8.to(device), scale.to(device), A.half().to(device), B.half().to(device), ml,
+                                s, backend=backend)
+    y.backward(gy.to(device))
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    yr, leaves = dora_fp64(x, W0, A.half(), B.half(), m, s)
+    yr.backward(gy.double())
+    assert (gy.double() * (m.double() / n.double())).abs().max() > 65504  # g * c would overflow fp16
+    assert leaves[0].grad.abs().max() < 65504 / 4  # ... while dx is well inside it
+    assert torch.isfinite(xl.grad).all()
+    assert_close(y, yr, TOL[torch.float16], "y")
+    assert_close(xl.grad, leaves[0].grad, TOL[torch.float16], "dx")

@@ -2,7 +2,7 @@
 
     gl = g * fl           the dgrad's left operand (fl = f / rl, f = c * srow, or (c - 1) * srow with dropout)
     gb = g * fb           with dropout and per-row scales: the plain base term's operand (fb = srow / rb)
-    v  = (g * c) B        [M, r], fp32 products
+    v  = (g * c) B        [M, r], fp32 products (the 16-bit dot takes g * c / max|c|, rescaled in fp32: no overflow)
     dm = sum_i g * z      [N]      (the caller divides by n)
     db = sum_i g          [N]
     dB = g^T u            [N, r]   (the caller scales by s * c)
@@ -26,7 +26,7 @@ from ._common import alloc, check_activation, dot_dtype, interpreting
 @triton.jit
 def _dora_bwd_pass_kernel(
     # Pointers
-    g_ptr, z_ptr, c_ptr, fl_ptr, fb_ptr, b_ptr, u_ptr,
+    g_ptr, z_ptr, c_ptr, rhoc_ptr, fl_ptr, fb_ptr, b_ptr, u_ptr,
     gl_ptr, gb_ptr, vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr,
     # Sizes
     M, N, R, STEPS,
@@ -54,7 +54,7 @@ def _dora_bwd_pass_kernel(
     if WRITE_GB:
         fb = tl.load(fb_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_ADAPTER:
-        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[None, :]  # c / rho_c: |g * c| <= |g|
         b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
                          mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(V_DT)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -81,7 +81,7 @@ def _dora_bwd_pass_kernel(
             else:
                 v = tl.dot((g * c).to(V_DT), b_tile, v)
             vp = vpart_ptr + (pid_n * M + rows[:, None]) * R + offs_r[None, :]
-            tl.store(vp, v, mask=mask_m[:, None] & mask_r[None, :])
+            tl.store(vp, v * tl.load(rhoc_ptr), mask=mask_m[:, None] & mask_r[None, :])
             if NEED_DM:
                 z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
                 dm_acc += tl.sum(g * z.to(tl.float32), axis=0)
@@ -125,9 +125,11 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     adapter = c is not None
     tiny = torch.finfo(torch.float32).tiny
     f32 = dict(dtype=torch.float32, device=dev)
+    rho_c = None
     if adapter:
         c = c.reshape(-1).float().contiguous()
         f = (c - 1.0) if dropout else c
+        rho_c = c.abs().amax().clamp_min(tiny)
         if srow is not None:
             f = f * srow
     else:
@@ -162,7 +164,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
     ph = dbpart  # placeholder for pointers a variant never reads
     _dora_bwd_pass_kernel[(pm, pn)](
-        g, z if need_dm else ph, c if adapter else ph, fl if write_gl else ph, fb if write_gb else ph,
+        g, z if need_dm else ph, (c / rho_c).contiguous() if adapter else ph, rho_c.reshape(1) if adapter else ph, fl if write_gl else ph, fb if write_gb else ph,
         B if adapter else ph, u if need_dB else ph,
         gl if write_gl else ph, gb if write_gb else ph, vpart if adapter else ph, dmpart if need_dm else ph, dbpart,
         dBpart if need_dB else ph,

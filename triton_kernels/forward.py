@@ -4,8 +4,11 @@
     dropout:    y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T  z = xd W0^T + s u B^T
     plain:      y = x W0^T + bias                                      (c is None)
 
+where xd W0^T = (xm W0^T) / (1 - p): the kernel multiplies xm = x * mask (exact in the compute dtype) and scales the
+fp32 product, so the dropout scaling never rounds an operand.
+
 W8A16 (default): W8 tiles are converted to the compute dtype in registers (exact) and multiplied by x tiles.
-W8A8 (act_quant="rowwise"): x (and xd) are first quantized per row to e4m3 (triton_kernels/quant.py) and the GEMM
+W8A8 (act_quant="rowwise"): x (and xm) are first quantized per row to e4m3 (triton_kernels/quant.py) and the GEMM
 multiplies e4m3 by e4m3 on fp8 tensor cores; the row scales of x join the weight scale in the epilogue.
 The same epilogue (`_fwd_epilogue`) also serves the cuBLAS strategy (dorafp8/cublas_backend.py), where the base
 product comes from cuBLAS and `_fwd_epilogue_kernel` applies the rest.
@@ -23,10 +26,10 @@ from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_
 
 @triton.jit
 def _fwd_epilogue(
-    acc, acc_d,  # fp32 [BLOCK_N, BLOCK_M]: (x W8'^T)^T and (xd W8'^T)^T, W8' = w8 with block scales applied
+    acc, acc_d,  # fp32 [BLOCK_N, BLOCK_M]: (x W8'^T)^T and (xm W8'^T)^T, W8' = w8 with block scales applied
     offs_m, offs_n, mask_m, mask_n,
-    sx_ptr, sxd_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
-    R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+    sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -59,9 +62,9 @@ def _fwd_epilogue(
         lora = lora * s
         c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
         if HAS_DROPOUT:
-            base_d = acc_d * sc
+            base_d = acc_d * (sc * inv_keep)  # xd W0^T = (xm W0^T) / (1 - p)
             if ACT_QUANT:
-                base_d = base_d * tl.load(sxd_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+                base_d = base_d * tl.load(sxm_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
             z = base_d + lora
             # (c - 1) * (xd W0^T) rather than c * z - xd W0^T: no cancellation when c is close to 1.
             y = y + (c - 1.0) * base_d + c * lora
@@ -80,23 +83,23 @@ def _fwd_epilogue(
 @triton.jit
 def _dora_fwd_kernel(
     # Pointers
-    x_ptr, xd_ptr, sx_ptr, sxd_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
-    # Strides (x, xd, y, z, w8 have unit stride in their last dim)
-    stride_x_m, stride_xd_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
+    # Strides (x, xm, y, z, w8 have unit stride in their last dim)
+    stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
     stride_y_m, stride_z_m,
     # Scalars
-    s,
+    s, inv_keep,
     # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # c, u, B given (else plain FP8 linear)
-    HAS_DROPOUT: tl.constexpr,  # xd given: a second accumulator xd W8^T shares every W8 tile
+    HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
     SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (epilogue) / SCALE_BLOCK (inside the K loop)
     QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_K divides it
-    ACT_QUANT: tl.constexpr,    # x, xd are e4m3 with row scales sx, sxd (W8A8); else in the compute dtype
+    ACT_QUANT: tl.constexpr,    # x, xm are e4m3 with row scales sx, sxm (W8A8); else in the compute dtype
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
     IEEE: tl.constexpr,
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
@@ -124,7 +127,7 @@ def _dora_fwd_kernel(
     # Under W8A8 both operands are e4m3 and both K-major (W8 rows and x rows are contiguous in K), as fp8 MMA wants.
     w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
     xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
-    xdt_ptrs = xd_ptr + rows_m[None, :] * stride_xd_m + offs_k[:, None]
+    xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_d = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
@@ -137,39 +140,39 @@ def _dora_fwd_kernel(
             w = w.to(DOT_DT)
             xt = xt.to(DOT_DT)
         if HAS_DROPOUT:
-            xdt = tl.load(xdt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
+            xmt = tl.load(xmt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
             if not ACT_QUANT:
-                xdt = xdt.to(DOT_DT)
+                xmt = xmt.to(DOT_DT)
         if SCALE_MODE == 2:  # SCALE_BLOCK
             # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
             sblk = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64) * stride_scale_n + k0 // QBLOCK,
                            mask=mask_n, other=0.0)[:, None]
             acc += _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
-                acc_d += _dot(w, xdt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+                acc_d += _dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         else:
             acc = _dot(w, xt, acc, IEEE)
             if HAS_DROPOUT:
-                acc_d = _dot(w, xdt, acc_d, IEEE)
+                acc_d = _dot(w, xmt, acc_d, IEEE)
         if HAS_DROPOUT:
-            xdt_ptrs += BLOCK_K
+            xmt_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
-                  sx_ptr, sxd_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
-                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+                  sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, ACT_QUANT, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _fwd_epilogue_kernel(
-    # Pointers: base = x W8'^T and base_d = xd W8'^T computed elsewhere (cuBLAS), [M, N] in any float dtype
+    # Pointers: base = x W8'^T and base_d = xm W8'^T computed elsewhere (cuBLAS), [M, N] in any float dtype
     base_ptr, based_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     M, N, R,
     stride_base_m, stride_based_m, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
-    s,
+    s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_MODE: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -188,7 +191,7 @@ def _fwd_epilogue_kernel(
                         other=0.0).to(tl.float32)
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
-                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s,
+                  R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, False, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
@@ -214,20 +217,24 @@ def _epilogue_args(M, N, cdt, device, bias, c, u, B, need_z, z_dtype, scale):
     return r, u, B, c, bias_t, y, z, want_z
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quant):
-    """(y, z); see dorafp8/backends.py. x, xd [M, K], u [M, r] may have any row stride."""
+def _inv_keep(p: float) -> float:
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+    """(y, z); see dorafp8/backends.py. x, xm [M, K], u [M, r] may have any row stride."""
     scale, mode = check_weight(w8, scale, block)
     N, K = w8.shape
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype
     has_adapter = c is not None
-    has_dropout = has_adapter and xd is not None
+    has_dropout = has_adapter and xm is not None
     if has_dropout:
-        xd = check_activation(xd, "xd", K)
-        if xd.shape[0] != M:
-            raise ValueError(f"xd must be [{M}, {K}], got {list(xd.shape)}")
+        xm = check_activation(xm, "xm", K)
+        if xm.shape[0] != M:
+            raise ValueError(f"xm must be [{M}, {K}], got {list(xm.shape)}")
     else:
-        xd = x
+        xm = x
     r, u, B, c, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, x.device, bias, c, u, B, need_z, z_dtype, scale)
     if M == 0 or N == 0:
         return y, (z if want_z else None)
@@ -237,9 +244,9 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quan
         from .quant import rowwise_quant
 
         x, sx = rowwise_quant(x)
-        xd, sxd = rowwise_quant(xd) if has_dropout else (x, sx)
+        xm, sxm = rowwise_quant(xm) if has_dropout else (x, sx)
     else:
-        sx = sxd = scale  # placeholders, never read
+        sx = sxm = scale  # placeholders, never read
     dot_dt, ieee = dot_dtype(cdt)
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
@@ -250,11 +257,11 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quan
     kernel = autotuned(_dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
-        x, xd, sx, sxd, w8, scale, bias_t, c, u, B, y, z,
+        x, xm, sx, sxm, w8, scale, bias_t, c, u, B, y, z,
         M, N, K, r, m_bucket(M),
-        x.stride(0), xd.stride(0), w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, u.stride(0),
+        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, u.stride(0),
         u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
-        float(s),
+        float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, DOT_DT=dot_dt, IEEE=ieee,
         LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
@@ -262,10 +269,10 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xd, need_z, z_dtype, act_quan
     return y, (z if want_z else None)
 
 
-def forward_epilogue(base, base_d, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, cdt):
+def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, cdt):
     """The forward epilogue alone, on base products computed elsewhere (the cuBLAS strategy): base = x W8'^T and
-    base_d = xd W8'^T (None without dropout), [M, N] in any float dtype with unit last stride, W8' = w8 with block
-    scales already applied (per-tensor and per-row scales are applied here)."""
+    base_d = xm W8'^T (None without dropout; p the dropout probability), [M, N] in any float dtype with unit last
+    stride, W8' = w8 with block scales already applied (per-tensor and per-row scales are applied here)."""
     scale, mode = check_weight(w8, scale, block)
     M, N = base.shape
     has_adapter = c is not None
@@ -281,7 +288,7 @@ def forward_epilogue(base, base_d, w8, scale, block, bias, c, u, B, s, need_z, z
         base, base_d, scale, bias_t, c, u, B, y, z,
         M, N, r,
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
-        z.stride(0), float(s),
+        z.stride(0), float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_MODE=mode, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_N=bn,
     )

@@ -3,6 +3,9 @@
     project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward
     project_grad(v, a)  v [M, r]^T @ a [M, K] -> [r, K]     dA / s in the backward (fp32)
 
+With a dropout mask, a is x and the kernels form xd = x * mask / (1 - p) in fp32 as they load it, as PEFT forms the
+dropped-out input in the adapters' dtype: exact for fp32 adapters, and no xd to store between forward and backward.
+
 The activations (a) are in the compute dtype, the adapter side in the rank dtype, which may be wider: fp32 adapters
 on bf16 activations compute in fp32 from the exact bf16 values, as PEFT does (it casts x to lora_A's dtype), without
 an fp32 copy of the activation in memory. Equal 16-bit dtypes use the tensor cores.
@@ -16,15 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, alloc, block_r, check_activation, dot_dtype, interpreting
+from ._common import _dot, alloc, block_r, check_activation, dot_dtype, interpreting, last_dim_unit
 
 
 @triton.jit
 def _project_kernel(
-    a_ptr, b_ptr, out_ptr,
+    a_ptr, b_ptr, out_ptr, mask_ptr,
     M, K, R,
-    stride_a_m, stride_b_r, stride_b_k, stride_out_m,
-    DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    stride_a_m, stride_b_r, stride_b_k, stride_out_m, stride_mask_m,
+    inv_keep,
+    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_m, pid_r = tl.program_id(0), tl.program_id(1)
@@ -38,7 +42,12 @@ def _project_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_a_m + k0 + offs_k[None, :], mask=mask_m[:, None] & k_ok[None, :],
-                    other=0.0).to(DOT_DT)
+                    other=0.0)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + k0 + offs_k[None, :],
+                           mask=mask_m[:, None] & k_ok[None, :], other=0)
+            a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+        a = a.to(DOT_DT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0).to(DOT_DT)
         acc = _dot(a, bt, acc, IEEE)
@@ -48,10 +57,11 @@ def _project_kernel(
 
 @triton.jit
 def _project_grad_kernel(
-    v_ptr, a_ptr, part_ptr,
+    v_ptr, a_ptr, part_ptr, mask_ptr,
     M, K, R, ROWS_PER_SPLIT,
-    stride_v_m, stride_v_r, stride_a_m,
-    DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    stride_v_m, stride_v_r, stride_a_m, stride_mask_m,
+    inv_keep,
+    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_k, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -68,36 +78,52 @@ def _project_grad_kernel(
         vt = tl.load(v_ptr + rows[None, :] * stride_v_m + offs_r[:, None] * stride_v_r,
                      mask=mask_r[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
         a = tl.load(a_ptr + rows[:, None] * stride_a_m + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(DOT_DT)
-        acc = _dot(vt, a, acc, IEEE)
+                    other=0.0)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + offs_k[None, :],
+                           mask=mask_m[:, None] & mask_k[None, :], other=0)
+            a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+        acc = _dot(vt, a.to(DOT_DT), acc, IEEE)
     part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
     tl.store(part, acc, mask=mask_r[:, None] & mask_k[None, :])
 
 
-def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b^T, [M, r] in out_dtype; see the module docstring."""
+def _mask_args(mask, p, a):
+    """(mask as uint8 with unit last stride, its row stride, 1 / (1 - p)) or placeholders without a mask."""
+    if mask is None:
+        return a, 0, 1.0
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(a.shape):
+        raise ValueError(f"mask must be bool {list(a.shape)}, got {mask.dtype} {list(mask.shape)}")
+    mask = last_dim_unit(mask).view(torch.uint8)  # bool and uint8 share the byte layout
+    return mask, mask.stride(0), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
+
+
+def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None, p: float = 0.0) -> torch.Tensor:
+    """a' @ b^T, [M, r] in out_dtype (a' = a * mask / (1 - p) with a mask); see the module docstring."""
     K = b.shape[1]
     a = check_activation(a, "a", K)
     M, R = a.shape[0], b.shape[0]
     out = alloc((M, R), out_dtype, a.device)
     if M == 0 or R == 0:
         return out
+    mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
     bm, bk = (16, 32) if interpreting() else (64, 128)
     br = block_r(R)
     _project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
-        a, b, out, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+        a, b, out, mk, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, inv_keep,
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
     return out
 
 
-def project_grad(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """v^T @ a in fp32 [r, K]; see the module docstring."""
+def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0) -> torch.Tensor:
+    """v^T @ a' in fp32 [r, K] (a' = a * mask / (1 - p) with a mask); see the module docstring."""
     M, K = a.shape
     a = check_activation(a, "a", K)
     R = v.shape[1]
     if M == 0:
         return torch.zeros(R, K, dtype=torch.float32, device=a.device)
+    mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, v.dtype)
     br = block_r(R)
     if interpreting():
@@ -111,6 +137,6 @@ def project_grad(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(M, rows)
     part = torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
     _project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
-        v, a, part, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0),
-        DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+        v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep,
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
     return part.sum(0)
