@@ -332,7 +332,7 @@ def _variant_configs(mod, spec, arch: str, variant, all_configs: bool):
     if not all_configs:
         return [(c, True) for c in own.values()]
     union = dict(own)
-    for other, (table, _) in mod.ARCHS.items():
+    for table, _ in mod.ARCHS.values():
         for v in spec.variants(table):
             if (v.name, v.dtype) == (variant.name, variant.dtype):
                 for c in v.configs:
@@ -401,8 +401,9 @@ def _compile_triton(job: dict) -> dict:
                                   options=options.__dict__)
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
 
-        # ptxas -v on Triton's PTX with the flags CUDABackend.make_cubin uses (Triton 3.9), so the numbers are
-        # those of the cubin Triton built; Triton keeps its own ptxas log only in debug modes.
+        # ptxas -v on Triton's PTX with the ptxas and flags CUDABackend.make_cubin uses (Triton 3.9), so the numbers
+        # are those of the cubin Triton built (checked against cuobjdump -res-usage of it). Triton prints its own
+        # log only with knobs.nvidia.dump_ptxas_log, and only when it compiles rather than reads its cache.
         gpu = sm_arch_from_capability(cap)
         fmad = [] if compiled.metadata.enable_fp_fusion else ["--fmad=false"]
         with tempfile.TemporaryDirectory() as tmp:
