@@ -503,16 +503,16 @@ _DEMANGLED = re.compile(r"^(?:void\s+)?dorafp8::detail::(\w+)(?:<(.*)>)?\(.*\)$"
 def match_cuda_kernels(demangled: dict[str, str], rows: list[dict]) -> dict[str, dict]:
     """{mangled name: its spec row}; raises SpecError unless the compiled kernels and the rows are the same set."""
     by_key = {(r["kernel"], r["targs"]): r for r in rows}
-    out, extra = {}, []
+    out, extra, found = {}, [], set()
     for mangled, name in demangled.items():
         m = _DEMANGLED.match(name)
         key = (m.group(1), m.group(2)) if m else (name, None)
         if key in by_key:
             out[mangled] = by_key[key]
+            found.add(key)
         else:
             extra.append(name)
-    missing = [f"{k}<{t}>" if t else k for k, t in by_key if (k, t) not in {(r["kernel"], r["targs"])
-                                                                              for r in out.values()}]
+    missing = [f"{k}<{t}>" if t else k for k, t in by_key if (k, t) not in found]
     if extra or missing:
         raise SpecError("csrc/dora_fp8.cu and csrc/inspect_spec.py disagree:\n"
                         + "".join(f"  compiled, not in the spec: {n}\n" for n in extra)
