@@ -132,7 +132,12 @@ _INTERP_GEMM = (16, 32, 32, 1, 4)
 
 def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
     """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
-    arch = _arch(device)
+    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32)
+
+
+def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
+    """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
+    reach it through gemm_configs, `python -m dorafp8.inspect` directly (it compiles for GPUs it does not have)."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -147,15 +152,21 @@ def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp
     ]
 
 
+_WEIGHT_NORM_TABLE = {  # arch: [(BLOCK_N, BLOCK_K, stages, warps)]
+    "interp": [(32, 32, 1, 4)],
+    "sm90": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
+    "sm89": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 64, 4, 4)],
+}
+
+
 def weight_norm_configs(device):
-    arch = _arch(device)
-    if arch == "interp":
-        rows = [(32, 32, 1, 4)]
-    elif arch == "sm90":
-        rows = [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)]
-    else:
-        rows = [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 64, 4, 4)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w) for bn, bk, st, w in rows]
+    return weight_norm_configs_for(_arch(device))
+
+
+def weight_norm_configs_for(arch: str):
+    """weight_norm_configs for an arch named as _arch names it, without a device (see gemm_configs_for)."""
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
+            for bn, bk, st, w in _WEIGHT_NORM_TABLE[arch]]
 
 
 _TUNERS: dict = {}

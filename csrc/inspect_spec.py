@@ -1,0 +1,35 @@
+"""Every kernel that csrc/dora_fp8.cu instantiates, for `python -m dorafp8.inspect --backend cuda` (docs/INSPECT.md).
+
+Update this table together with dora_fp8.cu. The tool compiles dora_fp8.cu for sm_89 and sm_90a with setup.py's nvcc
+flags, and fails (it does not skip) when the kernels in the compiled code and the rows below differ.
+
+One row per kernel instantiation:
+  kernel   the kernel's name in namespace dorafp8::detail
+  targs    its template arguments as the demangler spells them ("__nv_bfloat16, 64, true"), None if not a template
+  variant  which launcher path runs it; dtype: the compute dtype (weight_norm: the dtype of A and B)
+  config   its tile shape, for the table
+  smem     the dynamic shared memory its launcher asks for, as a C++ expression evaluated in host code inside
+           namespace dorafp8::detail (ptxas reports only static shared memory; the tool adds the two)
+"""
+
+_16BIT = {"bf16": "__nv_bfloat16", "fp16": "__half"}
+# (BM, DROP, variant): launch_forward / launch_dgrad pick BM = 64 with dropout or M <= 64, else 128.
+_MMA_PATHS = [(64, "true", "adapter+dropout"), (64, "false", "M<=64"), (128, "false", "M>64")]
+
+
+def _row(kernel, targs, variant, dtype, config, smem):
+    return dict(kernel=kernel, targs=targs, variant=variant, dtype=dtype, config=config, smem=smem)
+
+
+KERNELS = [
+    *[_row("weight_norm_kernel", t, "K split", d, "32 rows x BK 128", "kWnSmem")
+      for d, t in (("fp32", "float"), ("bf16", "__nv_bfloat16"), ("fp16", "__half"))],
+    _row("weight_norm_finalize_kernel", None, "K splits > 1", "fp32", "256 rows", "0"),
+    *[_row("forward_mma_kernel", f"{t}, {bm}, {drop}", v, d, f"BM={bm},BN=128,BK=32", f"FwdCfg<{bm}, {drop}>::kSmem")
+      for d, t in _16BIT.items() for bm, drop, v in _MMA_PATHS],
+    *[_row("dgrad_mma_kernel", f"{t}, {bm}, {drop}", v, d, f"BM={bm},BK=128,BN=32", f"DgradCfg<{bm}, {drop}>::kSmem")
+      for d, t in _16BIT.items() for bm, drop, v in _MMA_PATHS],
+    *[_row(k, drop, "adapter+dropout" if drop == "true" else "no dropout", "fp32", "64x64 tile",
+           f"simt_smem({2 if drop == 'true' else 1})")
+      for k in ("forward_simt_kernel", "dgrad_simt_kernel") for drop in ("true", "false")],
+]

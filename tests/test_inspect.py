@@ -1,0 +1,271 @@
+"""Static inspection of the GPU kernels (python -m dorafp8.inspect, docs/INSPECT.md): no GPU needed, only the
+compilers (Triton with its NVIDIA backend; nvcc and ptxas for the CUDA kernels).
+
+The checks are the properties the kernels are designed for, on every config the launchers' autotuner can pick:
+  sm_90a  wgmma with the fp8 weight tile (W8) fed from registers in forward and dgrad (the "swap AB" design),
+          no spills, no serialized wgmma, shared memory within H100's 227 KB per block;
+  sm_89   mma.sync on 16-bit operands, no spills, shared memory within Ada's 99 KB per block;
+  fp32    no tensor cores at all (input_precision="ieee": tf32 would lose 13 mantissa bits);
+  CUDA    the same for csrc/dora_fp8.cu's kernels.
+
+Budget (2-core CI machine, cold Triton cache): about 3 minutes. So the Triton set is a representative subset (see
+SUBSET): every config of every config list of forward and dgrad, on both archs, each under the heaviest variant
+that uses that list (the most accumulators and the largest epilogue), in bf16 with per-row scales (in dgrad c and the
+row scale are multiplied into the W8 tile before the dot, the path under suspicion); fp16 and fp32 under the small-M
+list; weight_norm in its largest variant on Ada. `python -m dorafp8.inspect` runs everything.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import dorafp8.inspect as insp
+
+pytestmark = pytest.mark.skipif(
+    bool(insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()),
+    reason=f"compilers missing: {insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()}")
+
+GEMMS = ("forward", "dgrad")
+MMA_TYPES = {"bf16": "bf16.bf16->f32", "fp16": "f16.f16->f32"}
+
+# (kernel, dtype, variant, archs): see the module docstring. Each variant gets all the configs its list has.
+BOTH = insp.ARCHS
+SUBSET = [
+    *[(k, "bf16", v, BOTH) for k in GEMMS for v in (
+        "adapter,row-scale,M>64",           # large-M list, one accumulator, rank-r epilogue
+        "adapter+dropout,row-scale,M>64",   # large-M list for two accumulators
+        "adapter+dropout,row-scale,M<=64",  # small-M list, under its heaviest variant
+    )],
+    *[(k, "fp16", "adapter,tensor-scale,M<=64", BOTH) for k in GEMMS],
+    *[(k, "fp32", "adapter,tensor-scale,M<=64", BOTH) for k in GEMMS],
+    ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
+]
+_WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs}
+
+
+def _in_subset(job):
+    return job["backend"] == "cuda" or (job["kernel"], job["dtype"], job["variant"], job["arch"]) in _WANTED
+
+
+@pytest.fixture(scope="module")
+def records():
+    t0 = time.time()
+    recs = insp.run(select=_in_subset, jobs=2)
+    print(f"\ninspected {len(recs)} kernel x variant x config x arch in {time.time() - t0:.0f} s")
+    return recs
+
+
+def _rows(recs):
+    """The records as the tool's table, for failure messages that say exactly which kernels fail and why."""
+    return "\n" + insp.format_table(recs)
+
+
+def _none_of(bad, what, extra=""):
+    """Fails listing the offending records (kernel, variant, config, arch, and the numbers) as the tool's table."""
+    if bad:
+        pytest.fail(f"{len(bad)} kernel x variant x config x arch {what}:{_rows(bad)}{extra}", pytrace=False)
+
+
+def _select(recs, backend=None, kernels=None, arch=None, dtypes=None):
+    return [r for r in recs if (backend is None or r["backend"] == backend)
+            and (kernels is None or insp.kernel_matches(r["kernel"], kernels))
+            and (arch is None or r["arch"] == arch) and (dtypes is None or r["dtype"] in dtypes)]
+
+
+def test_everything_in_the_subset_compiled(records):
+    # Each (kernel, dtype, variant) of SUBSET on both archs with all the configs its list has, and the CUDA kernels.
+    _none_of([r for r in records if r["error"]], "did not compile")
+    seen = {(r["kernel"], r["dtype"], r["variant"], r["arch"]) for r in records if r["backend"] == "triton"}
+    assert seen == _WANTED
+    assert all(r["autotune_pick"] for r in records)
+    for arch in insp.ARCHS:
+        assert len(_select(records, backend="cuda", arch=arch)) == len(insp.load_cuda_spec())
+
+
+def test_sm90_gemms_use_wgmma(records):
+    recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
+    assert recs
+    _none_of([r for r in recs if r["mma"] != f"wgmma {MMA_TYPES[r['dtype']]}"], "do not use wgmma on their dtype")
+
+
+def test_sm90_w8_feeds_wgmma_from_registers(records):
+    # The W8 tile is converted in registers anyway; as wgmma's A operand it needs no trip through shared memory.
+    recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
+    assert recs
+    _none_of([r for r in recs if (r["w_operand"], r["w8_side"]) != ("registers", "A")],
+             "do not feed the W8 tile to wgmma from registers as the A operand")
+
+
+def test_sm90_wgmma_not_serialized(records):
+    # ptxas serializes wgmma (C7512) when registers run out: the async overlap the kernels are built around is lost.
+    recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
+    assert recs
+    bad = [r for r in recs if any("C7512" in n or "serialized" in n for n in r["ptxas_notes"])]
+    _none_of(bad, "have wgmma serialized by ptxas",
+             "\nptxas says:\n" + "\n".join(sorted({re.sub(r" in line \d+$", "", n) for r in bad for n in r["ptxas_notes"]})))
+
+
+def test_sm89_gemms_use_mma_sync_from_registers(records):
+    recs = _select(records, "triton", GEMMS, "sm_89", MMA_TYPES)
+    assert recs
+    _none_of([r for r in recs if (r["mma"], r["w_operand"]) != (f"mma.sync {MMA_TYPES[r['dtype']]}", "registers")],
+             "do not use mma.sync on their dtype with W8 from registers")
+
+
+def test_fp32_compute_uses_no_tensor_cores(records):
+    recs = _select(records, "triton", GEMMS, dtypes=("fp32",))
+    assert recs
+    _none_of([r for r in recs if (r["mma"], r["w_operand"]) != ("fma", None)], "use tensor cores for fp32")
+
+
+def test_no_spills(records):
+    _none_of([r for r in records if not r["error"] and r["spill_bytes"]], "spill registers")
+
+
+def test_shared_memory_within_the_device_limit(records):
+    assert insp.SMEM_LIMIT == {"sm_90a": 232448, "sm_89": 101376}
+    _none_of([r for r in records if not r["error"] and r["smem_bytes"] > r["smem_limit"]],
+             "need more shared memory than a block can have (the autotuner would skip them on this GPU)")
+
+
+def test_cuda_kernels(records):
+    for r in _select(records, backend="cuda"):
+        if "_mma_" in r["kernel"]:
+            assert (r["mma"], r["w_operand"]) == (f"mma.sync {MMA_TYPES[r['dtype']]}", "registers"), _rows([r])
+            assert r["mma_shapes"] == ["m16n8k16"], _rows([r])
+        else:  # weight_norm (fp32 FMA by design), finalize, the fp32 SIMT GEMMs
+            assert r["mma"] in ("fma", "none") and r["w_operand"] is None, _rows([r])
+        assert r["smem_bytes"] > 0 or r["kernel"] == "weight_norm_finalize_kernel", _rows([r])
+
+
+def test_table(records):
+    table = insp.format_table(records)
+    lines = table.splitlines()
+    assert lines[0].split()[:6] == ["backend", "kernel", "arch", "dtype", "variant", "config"]
+    assert len(lines) >= len(records) + 3 and f"{len(records)} compiled" in table
+
+
+def test_json_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "dorafp8.inspect", "--json", "--backend", "triton", "--kernel", "weight_norm",
+         "--arch", "sm_89", "--dtype", "fp16", "--variant", "tensor-scale,r=16", "--config", "BLOCK_N=64,BLOCK_K=64",
+         "--jobs", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = json.loads(out.stdout)
+    assert len(recs) == 1
+    rec = recs[0]
+    assert list(rec) == list(insp.FIELDS)
+    assert rec["config"] == "BLOCK_N=64,BLOCK_K=64,w4,s4"
+    assert (rec["backend"], rec["kernel"], rec["arch"], rec["dtype"]) == ("triton", "weight_norm", "sm_89", "fp16")
+    assert rec["mma"] == "mma.sync f16.f16->f32" and rec["w_operand"] is None  # B A on tensor cores, W8 not in a dot
+    assert isinstance(rec["regs"], int) and rec["regs"] > 0
+    assert rec["spill_bytes"] == rec["spill_stores"] + rec["spill_loads"]
+    assert rec["smem_bytes"] > 0 and rec["smem_limit"] == 101376
+
+
+# --- the tool itself: it must tell W8-from-shared apart, and fail loudly on a stale spec -------------------------------
+
+_W8_AS_B = '''
+import torch
+import triton
+import triton.language as tl
+
+from dorafp8.triton_kernels._inspect import ARCHS, SPECS as _SPECS, KernelSpec, Variant
+
+
+@triton.jit
+def _w8_as_b_kernel(x_ptr, w_ptr, y_ptr, K, stride_x_m, stride_w_n, stride_y_m,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y = x W^T with W8 as the B operand (not swapped): wgmma can only read B from shared memory.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x_m + (k0 + offs_k)[None, :])
+        w = tl.load(w_ptr + offs_n[None, :] * stride_w_n + (k0 + offs_k)[:, None]).to(tl.bfloat16)
+        acc = tl.dot(x, w, acc)
+    tl.store(y_ptr + offs_m[:, None] * stride_y_m + offs_n[None, :], acc.to(tl.bfloat16))
+
+
+def _variants(arch):
+    args = dict(x_ptr=torch.bfloat16, w_ptr=torch.float8_e4m3fn, y_ptr=torch.bfloat16, K=4096, stride_x_m=4096,
+                stride_w_n=4096, stride_y_m=4096)
+    return [Variant("w8-as-B", "bf16", args, {}, [triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+                                                                num_warps=4, num_stages=3)])]
+
+
+SPECS = _SPECS + [KernelSpec("w8_as_b", _w8_as_b_kernel, _variants)]
+'''
+
+_STALE = '''
+from dorafp8.triton_kernels import _inspect as base
+from dorafp8.triton_kernels._inspect import ARCHS, KernelSpec, Variant
+
+
+def _weight_norm_without_a_parameter(arch):
+    out = []
+    for v in base._weight_norm_variants(arch):
+        args = dict(v.args)
+        del args["stride_a_k"]
+        out.append(Variant(v.name, v.dtype, args, v.constexprs, v.configs))
+    return out
+
+
+# weight_norm's spec lost a parameter, and dgrad has no spec at all.
+SPECS = [KernelSpec("weight_norm", base._dora_weight_norm_kernel, _weight_norm_without_a_parameter),
+         KernelSpec("forward", base._dora_fwd_kernel, base._forward_variants)]
+'''
+
+
+@pytest.fixture
+def spec_module(tmp_path, monkeypatch):
+    """Writes a spec module where the inspection workers (which inherit the environment) can import it."""
+    def write(name, source):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+        return name
+    return write
+
+
+def test_w8_from_shared_memory_is_reported(spec_module):
+    # The counter-example the forward and dgrad checks rely on: the reader must be able to say "shared".
+    mod = spec_module("inspect_w8_as_b", _W8_AS_B)
+    recs = insp.run(archs=["sm_90a"], backends=["triton"], select=lambda j: j["kernel"] == "w8_as_b", jobs=1,
+                    spec_module=mod)
+    assert len(recs) == 1 and not recs[0]["error"], recs
+    r = recs[0]
+    assert (r["mma"], r["w_operand"], r["w8_side"], r["w8_dots"]) == ("wgmma bf16.bf16->f32", "shared", "B", 1), r
+    assert r["wgmma_a_smem"] > 0 and r["wgmma_a_regs"] == 0
+
+
+def test_stale_spec_fails_loudly(spec_module):
+    mod = spec_module("inspect_stale_spec", _STALE)
+    with pytest.raises(insp.SpecError) as err:
+        insp.run(archs=["sm_89"], backends=["triton"], jobs=1, spec_module=mod)
+    msg = str(err.value)
+    assert "weight_norm: parameters not given by the spec: ['stride_a_k']" in msg
+    assert "dorafp8.triton_kernels.dgrad._dora_dgrad_kernel has no KernelSpec" in msg
+
+
+def test_cuda_kernel_list_must_match_the_spec():
+    rows = insp.load_cuda_spec()
+    names = {f"m{i}": f"void dorafp8::detail::{r['kernel']}" + (f"<{r['targs']}>" if r["targs"] else "")
+             + "(dorafp8::ForwardParams)" for i, r in enumerate(rows)}
+    assert len(insp.match_cuda_kernels(names, rows)) == len(rows)
+    with pytest.raises(insp.SpecError, match="compiled, not in the spec: void dorafp8::detail::new_kernel"):
+        insp.match_cuda_kernels({**names, "x": "void dorafp8::detail::new_kernel<float>(int)"}, rows)
+    with pytest.raises(insp.SpecError, match="in the spec, not compiled: forward_mma_kernel<__half, 128, false>"):
+        insp.match_cuda_kernels({k: v for k, v in names.items() if "__half, 128, false" not in v
+                                 or "forward_mma" not in v}, rows)
+
+
+def test_cuda_build_flags_come_from_setup_py():
+    flags = insp.setup_nvcc_flags()
+    assert "-O3" in flags and "--use_fast_math" in flags and not any("gencode" in f for f in flags)
