@@ -419,8 +419,10 @@ def _compile_triton(job: dict) -> dict:
             raise RuntimeError(f"no ptxas -v entry for {compiled.metadata.name}:\n{proc.stderr[-2000:]}")
 
         mma = classify_mma(ptx)
-        w8 = w8_operand(ttgir_dots(ttgir, spec.weight_arg))
-        if mma["mma"] in ("fma", "none"):
+        # Kernels without the fp8 weight (weight_arg None: the backward pass, the rank-r GEMMs, the quantizer, the
+        # epilogues) have no W8 operand to trace.
+        w8 = w8_operand(ttgir_dots(ttgir, spec.weight_arg) if spec.weight_arg else [])
+        if mma["mma"] in ("fma", "none") or not spec.weight_arg:
             w8["w_operand"] = None  # no tensor-core instruction: the question does not apply
         elif w8["w_operand"] == "registers" and mma["wgmma_a_smem"] and not mma["wgmma_a_regs"]:
             raise RuntimeError("TTGIR says the W8 tile feeds wgmma from registers but no wgmma in the PTX takes A "

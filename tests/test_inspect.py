@@ -44,8 +44,17 @@ SUBSET = [
     )],
     *[(k, "fp16", "adapter,tensor-scale,M<=64", BOTH) for k in GEMMS],
     *[(k, "fp32", "adapter,tensor-scale,M<=64", BOTH) for k in GEMMS],
+    # W8A8 (e4m3 x e4m3) and block scales (a scaled partial product per reduction step), large-M lists
+    *[(k, "bf16", "adapter+dropout,tensor-scale,w8a8,M>64", BOTH) for k in GEMMS],
+    *[(k, "bf16", "adapter,block-scale,M>64", BOTH) for k in GEMMS],
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
+    # the kernels around the GEMMs, in their heaviest variant: one launch config each
+    ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
+    ("project", "bf16", "dropout,fp32-rank", BOTH),
+    ("project_grad", "bf16", "dropout,fp32-rank", BOTH),
+    ("rowwise_quant", "bf16", "rowwise", BOTH),
 ]
+W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs}
 
 
@@ -88,15 +97,34 @@ def test_everything_in_the_subset_compiled(records):
         assert len(_select(records, backend="cuda", arch=arch)) == len(insp.load_cuda_spec())
 
 
+def _w8a16(recs):
+    return [r for r in recs if W8A8 not in r["variant"]]
+
+
+def _w8a8(recs):
+    return [r for r in recs if W8A8 in r["variant"]]
+
+
 def test_sm90_gemms_use_wgmma(records):
-    recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
+    recs = _w8a16(_select(records, "triton", GEMMS, "sm_90a", MMA_TYPES))
     assert recs
     _none_of([r for r in recs if r["mma"] != f"wgmma {MMA_TYPES[r['dtype']]}"], "do not use wgmma on their dtype")
 
 
+def test_w8a8_gemms_multiply_fp8_on_tensor_cores(records):
+    """W8A8: the base GEMM is e4m3 x e4m3 on fp8 wgmma (sm_90a) and fp8 mma.sync (sm_89); the rank-r epilogue's
+    small dot stays in the activations' dtype. (The W8 tile is fp8 as stored, so no conversion decides where it is
+    read from: wgmma reads both fp8 operands from shared memory.)"""
+    for arch, kind in (("sm_90a", "wgmma"), ("sm_89", "mma.sync")):
+        recs = _w8a8(_select(records, "triton", GEMMS, arch))
+        assert recs
+        _none_of([r for r in recs if f"{kind} e4m3.e4m3->f32" not in r["mma"].split(" + ")],
+                 f"do not use fp8 {kind} on {arch}")
+
+
 def test_sm90_w8_feeds_wgmma_from_registers(records):
     # The W8 tile is converted in registers anyway; as wgmma's A operand it needs no trip through shared memory.
-    recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
+    recs = _w8a16(_select(records, "triton", GEMMS, "sm_90a", MMA_TYPES))
     assert recs
     _none_of([r for r in recs if (r["w_operand"], r["w8_side"]) != ("registers", "A")],
              "do not feed the W8 tile to wgmma from registers as the A operand")
@@ -112,7 +140,7 @@ def test_sm90_wgmma_not_serialized(records):
 
 
 def test_sm89_gemms_use_mma_sync_from_registers(records):
-    recs = _select(records, "triton", GEMMS, "sm_89", MMA_TYPES)
+    recs = _w8a16(_select(records, "triton", GEMMS, "sm_89", MMA_TYPES))
     assert recs
     _none_of([r for r in recs if (r["mma"], r["w_operand"]) != (f"mma.sync {MMA_TYPES[r['dtype']]}", "registers")],
              "do not use mma.sync on their dtype with W8 from registers")

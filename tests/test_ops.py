@@ -277,3 +277,25 @@ def test_fp16_large_magnitude_does_not_overflow(device, backend):
     assert torch.isfinite(xl.grad).all()
     assert_close(y, yr, TOL[torch.float16], "y")
     assert_close(xl.grad, leaves[0].grad, TOL[torch.float16], "dx")
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_zero_scaling(device, backend, dropout):
+    """scaling = lora_alpha / r = 0 (lora_alpha=0): the rank-r term vanishes, the magnitude still applies. The fused
+    epilogues fold the rank-r term into the accumulator as base / s + u B^T, so s = 0 takes their other path."""
+    M, K, N, r = 11, 40, 30, 3
+    x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device)
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    torch.manual_seed(3)
+    y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, 0.0, b, dropout_p=dropout, training=True, backend=backend)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    torch.manual_seed(3)
+    keep = ops.dropout_mask(x, dropout) if dropout else None
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+    yr, leaves = dora_fp64(x, W0, A, B, m, 0.0, b, xd=None if keep is None else (keep, dropout))
+    yr.backward(gy.double())
+    assert_close(y, yr, TOL[torch.float32], "y")
+    for name, got, ref in zip(("dx", "dm"), (xl.grad, ml.grad), (leaves[0], leaves[3])):
+        assert_close(got, ref.grad, TOL[torch.float32], name)

@@ -106,17 +106,22 @@ def _arch(device: torch.device) -> str:
 
 
 _GEMM_TABLE = {
-    # arch: (large-M single-accumulator, large-M two accumulators (dropout), small M <= 64)
+    # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators).
+    # Pruned by what `python -m dorafp8.inspect` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
+    # registers (spills, serialized wgmma) and every BLOCK of 128 in the reduction made ptxas serialize the wgmma
+    # (C7515), so the reduction block is 64 and small M gets more stages instead; on sm_89 one accumulator tile
+    # per 4 warps of 64 x 128 (and two with dropout) spilled, so those tiles use 8 warps.
     "sm90": (
-        [(128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (128, 256, 64, 3, 8), (128, 128, 128, 3, 8),
-         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
-        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4)],
-        [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 3, 4), (32, 128, 128, 4, 4), (64, 128, 64, 4, 4)],
+        [(128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
+        [(16, 64, 64, 6, 4), (16, 128, 64, 5, 4), (32, 64, 64, 6, 4), (32, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
+        [(16, 64, 64, 5, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
     ),
     "sm89": (
-        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)],
-        [(64, 128, 64, 3, 4), (128, 64, 64, 3, 4), (64, 64, 64, 4, 4), (128, 128, 32, 3, 8)],
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)],
+        [(64, 128, 64, 3, 8), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)],
         [(16, 64, 128, 4, 4), (16, 128, 128, 3, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
+        [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)],
     ),
 }
 # fp32 compute (input_precision="ieee": CUDA-core FMA, no tensor cores) stages 4-byte activation tiles; big tiles buy
@@ -143,8 +148,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
     elif fp32:
         rows = _FP32_GEMM[1] if m <= 64 else _FP32_GEMM[0]
     else:
-        big, big2, small = _GEMM_TABLE[arch]
-        rows = small if m <= 64 else (big2 if two_acc else big)
+        big, big2, small, small2 = _GEMM_TABLE[arch]
+        rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
     group_m = 2 if arch == "interp" else 8
     return [
         triton.Config({"BLOCK_M": bm, out_name: bo, red_name: br, "GROUP_M": group_m}, num_stages=st, num_warps=w)
@@ -155,18 +160,21 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
 _WEIGHT_NORM_TABLE = {  # arch: [(BLOCK_N, BLOCK_K, stages, warps)]
     "interp": [(32, 32, 1, 4)],
     "sm90": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
-    "sm89": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 64, 4, 4)],
+    "sm89": [(64, 128, 3, 4), (128, 64, 3, 8), (64, 64, 4, 4)],
 }
+# fp32 adapters: B A on CUDA cores (ieee), whose [BLOCK_N, BLOCK_K] fp32 product and operands spilled at
+# BLOCK_K >= 128 with 4 warps (inspect); smaller tiles, more warps.
+_WEIGHT_NORM_FP32 = [(32, 64, 3, 4), (64, 64, 3, 8), (32, 128, 2, 8)]
 
 
-def weight_norm_configs(device):
-    return weight_norm_configs_for(_arch(device))
+def weight_norm_configs(device, fp32: bool = False):
+    return weight_norm_configs_for(_arch(device), fp32)
 
 
-def weight_norm_configs_for(arch: str):
+def weight_norm_configs_for(arch: str, fp32: bool = False):
     """weight_norm_configs for an arch named as _arch names it, without a device (see gemm_configs_for)."""
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w)
-            for bn, bk, st, w in _WEIGHT_NORM_TABLE[arch]]
+    rows = _WEIGHT_NORM_FP32 if fp32 and arch != "interp" else _WEIGHT_NORM_TABLE[arch]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w) for bn, bk, st, w in rows]
 
 
 _TUNERS: dict = {}

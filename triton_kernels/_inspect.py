@@ -14,8 +14,9 @@ are computed with the launchers' own helpers (dot_dtype, block_r, m_bucket) so t
 
 Pinned, to keep the variant count sane (each is one compile per config per arch): a representative problem
 N = K = 4096, rank 64 (BLOCK_R = 64, the largest rank chunk, the most registers in the epilogues), bias present and
-z wanted whenever the launcher can produce it (the fuller epilogues). Everything that changes the main loop or picks
-a different config list varies.
+z wanted whenever the launcher can produce it (the fuller epilogues), block scales of 128 x 128. Everything that
+changes the main loop or picks a different config list varies: adapter / dropout, the scale kind, W8A8, small M.
+Kernels that are not autotuned list their one launch config (the launcher's block sizes and warps).
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ from typing import Any, Callable
 
 import torch
 
-from ._common import block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
-from .dgrad import _dora_dgrad_kernel
-from .forward import _dora_fwd_kernel
-from .weight_norm import _dora_weight_norm_kernel
+import triton
+
+from ._common import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
+from .backward import _dora_bwd_pass_kernel, bwd_pass_blocks
+from .dgrad import _dgrad_epilogue_kernel, _dora_dgrad_kernel
+from .forward import _dora_fwd_kernel, _fwd_epilogue_kernel
+from .lowrank import _project_grad_kernel, _project_kernel, launch_blocks
+from .quant import QUANT_BLOCKS, _rowwise_quant_kernel
+from .weight_norm import _dora_weight_norm_kernel, weight_norm_block_r
 
 # Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, compute capability
 # for triton.compile; Triton compiles capability 90 for sm_90a, the arch-specific target wgmma needs).
@@ -38,8 +44,9 @@ ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 N, K, RANK = 4096, 4096, 64
+QBLOCK = 128  # block size of block scales (fine-grained fp8 checkpoints)
 LARGE_M, SMALL_M = 4096, 32  # one M on each side of the launchers' small-M switch (m <= 64)
-FP8, F32 = torch.float8_e4m3fn, torch.float32
+FP8, F32, U8 = torch.float8_e4m3fn, torch.float32, torch.uint8
 
 
 @dataclass(frozen=True)
@@ -64,69 +71,220 @@ def _adapter_modes():
     return [(False, False, "plain"), (True, False, "adapter"), (True, True, "adapter+dropout")]
 
 
+_SCALE_NAMES = {SCALE_TENSOR: "tensor-scale", SCALE_ROW: "row-scale", SCALE_BLOCK: "block-scale"}
+
+
+def _gemm_modes():
+    """(dtype name, scale mode, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales and W8A8
+    in bf16 (they change the main loop, not the dtype handling), W8A8 with per-tensor and block scales."""
+    out = [(dt, sm, False) for dt in DTYPES for sm in (SCALE_TENSOR, SCALE_ROW)]
+    out += [("bf16", SCALE_BLOCK, False), ("bf16", SCALE_TENSOR, True), ("bf16", SCALE_BLOCK, True)]
+    return out
+
+
+def _variant_name(mode, scale_mode, quant, m):
+    return (f"{mode},{_SCALE_NAMES[scale_mode]}{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}")
+
+
+def _configs(configs, red_name, scale_mode):
+    from ._common import fit_reduction_block
+
+    return fit_reduction_block(configs, red_name, QBLOCK, scale_mode)
+
+
 def _weight_norm_variants(arch: str) -> list[Variant]:
     out = []
-    for (dt_name, dt), row, r in itertools.product(DTYPES.items(), (False, True), (16, 128)):
+    for (dt_name, dt), sm, r in itertools.product(DTYPES.items(), _SCALE_NAMES, (16, 128)):
         dot_dt, ieee = dot_dtype(dt, dt)
-        br = block_r(r)
+        br = weight_norm_block_r(r, ieee)
         args = dict(
             w_ptr=FP8, scale_ptr=F32, a_ptr=dt, b_ptr=dt, n_ptr=F32,
             N=N, K=K, R=r,
-            stride_w_n=K, stride_a_r=K, stride_a_k=1, stride_b_n=r, stride_b_r=1,
+            stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0, stride_a_r=K, stride_a_k=1,
+            stride_b_n=r, stride_b_r=1,
             s=0.5,
         )
-        constexprs = dict(ROW_SCALE=row, DOT_DT=dot_dt, IEEE=ieee, ONE_R_CHUNK=r <= br, BLOCK_R=br)
-        name = f"{'row-scale' if row else 'tensor-scale'},r={r}"
-        out.append(Variant(name, dt_name, args, constexprs, weight_norm_configs_for(arch)))
+        constexprs = dict(SCALE_MODE=sm, QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, DOT_DT=dot_dt, IEEE=ieee,
+                          ONE_R_CHUNK=r <= br, BLOCK_R=br)
+        out.append(Variant(f"{_SCALE_NAMES[sm]},r={r}", dt_name, args, constexprs,
+                           weight_norm_configs_for(arch, fp32=ieee)))
     return out
 
 
 def _forward_variants(arch: str) -> list[Variant]:
     out = []
-    for (dt_name, dt), (adapter, dropout, mode), row, m in itertools.product(
-            DTYPES.items(), _adapter_modes(), (False, True), (LARGE_M, SMALL_M)):
+    for (dt_name, sm, quant), (adapter, dropout, mode), m in itertools.product(
+            _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
+        dt = DTYPES[dt_name]
+        act = FP8 if quant else dt
         dot_dt, ieee = dot_dtype(dt)
-        r = RANK if adapter else 1  # without an adapter the launcher passes r = 1 and x for u, B (never read)
+        r = RANK if adapter else 1  # without an adapter the launcher passes r = 1 and placeholders (never read)
         args = dict(
-            x_ptr=dt, xd_ptr=dt, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
+            x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
+            u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
             M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-            stride_x_m=K, stride_xd_m=K, stride_w_n=K,
-            stride_u_m=r if adapter else K, stride_u_r=1, stride_b_n=r if adapter else K, stride_b_r=1,
+            stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+            stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
             stride_y_m=N, stride_z_m=N,
-            s=0.5,
+            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter, ROW_SCALE=row,
-                          DOT_DT=dot_dt, IEEE=ieee, BLOCK_R=block_r(r))
-        configs = gemm_configs_for(arch, "BLOCK_N", "BLOCK_K", dropout, m, dt == torch.float32)
-        name = f"{mode},{'row-scale' if row else 'tensor-scale'},{'M<=64' if m <= 64 else 'M>64'}"
-        out.append(Variant(name, dt_name, args, constexprs, configs))
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter, SCALE_MODE=sm,
+                          QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
+                          IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+        fp32_tiles = dt == torch.float32 and not quant
+        configs = _configs(gemm_configs_for(arch, "BLOCK_N", "BLOCK_K", dropout, m, fp32_tiles), "BLOCK_K", sm)
+        out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
     return out
 
 
 def _dgrad_variants(arch: str) -> list[Variant]:
     out = []
-    for (dt_name, dt), (adapter, dropout, mode), row, m in itertools.product(
-            DTYPES.items(), _adapter_modes(), (False, True), (LARGE_M, SMALL_M)):
+    for (dt_name, sm, quant), (adapter, dropout, mode), m in itertools.product(
+            _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
+        dt = DTYPES[dt_name]
+        act = FP8 if quant else dt
         dot_dt, ieee = dot_dtype(dt)
-        r = RANK if adapter else 1  # without an adapter: r = 1 and g for v, A, mask (never read)
+        r = RANK if adapter else 1  # without an adapter: r = 1 and placeholders for v, A, mask (never read)
         args = dict(
-            g_ptr=dt, w_ptr=FP8, scale_ptr=F32, scale_out_ptr=F32, c_ptr=F32, v_ptr=dt, a_ptr=dt,
-            mask_ptr=torch.uint8 if dropout else dt, dx_ptr=dt,
+            gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
+            v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
             M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-            stride_g_m=N, stride_w_n=K, stride_v_m=r if adapter else N, stride_v_r=1,
-            stride_a_r=K if adapter else N, stride_a_k=1, stride_mask_m=K if dropout else N, stride_dx_m=K,
+            stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
+            stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+            stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
+            stride_mask_m=K if dropout else 1, stride_dx_m=K,
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, ROW_SCALE=row, DOT_DT=dot_dt, IEEE=ieee,
-                          BLOCK_R=block_r(r))
-        configs = gemm_configs_for(arch, "BLOCK_K", "BLOCK_N", dropout, m, dt == torch.float32)
-        name = f"{mode},{'row-scale' if row else 'tensor-scale'},{'M<=64' if m <= 64 else 'M>64'}"
-        out.append(Variant(name, dt_name, args, constexprs, configs))
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_MODE=sm,
+                          QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
+                          IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+        fp32_tiles = dt == torch.float32 and not quant
+        configs = _configs(gemm_configs_for(arch, "BLOCK_K", "BLOCK_N", dropout, m, fp32_tiles), "BLOCK_N", sm)
+        out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
     return out
+
+
+def _fixed(num_warps=4, num_stages=3, **blocks):
+    """The one launch config of a kernel that is not autotuned (the launchers' warps and stages; Triton's default
+    stages are 3)."""
+    return [triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)]
+
+
+def _fwd_epilogue_variants(arch: str) -> list[Variant]:
+    out = []
+    for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
+        dot_dt, ieee = dot_dtype(dt)
+        r = RANK if adapter else 1
+        args = dict(
+            base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, c_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
+            M=LARGE_M, N=N, R=r,
+            stride_base_m=N, stride_based_m=N, stride_u_m=r if adapter else 1, stride_u_r=1,
+            stride_b_n=r if adapter else 1, stride_b_r=1, stride_y_m=N, stride_z_m=N,
+            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+        )
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
+                          SCALE_MODE=SCALE_ROW, HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=32, BLOCK_N=64)))
+    return out
+
+
+def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
+    out = []
+    for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
+        dot_dt, ieee = dot_dtype(dt)
+        r = RANK if adapter else 1
+        args = dict(
+            tl_ptr=dt, tb_ptr=dt, rl_ptr=F32, rb_ptr=F32, scale_ptr=F32, v_ptr=dt, a_ptr=dt,
+            mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+            M=LARGE_M, K=K, R=r,
+            stride_tl_m=K, stride_tb_m=K, stride_v_m=r if adapter else 1, stride_v_r=1,
+            stride_a_r=K if adapter else 1, stride_a_k=1, stride_mask_m=K if dropout else 1, stride_dx_m=K,
+            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+        )
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_MODE=SCALE_TENSOR, HAS_LORA=True,
+                          LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=32, BLOCK_K=64)))
+    return out
+
+
+def _bwd_pass_variants(arch: str) -> list[Variant]:
+    out = []
+    modes = [(False, False, True, "plain,row-scale"), (True, False, False, "adapter"),
+             (True, True, False, "adapter+dropout"), (True, True, True, "adapter+dropout,row-scale")]
+    for (dt_name, dt), rdt_name, (adapter, dropout, srow, mode), r in itertools.product(
+            DTYPES.items(), ("same", "fp32"), modes, (16, 128)):
+        rdt = dt if rdt_name == "same" else torch.float32
+        if rdt_name == "fp32" and dt == torch.float32:
+            continue
+        v_dt, v_ieee = dot_dtype(dt, rdt)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, v_ieee)
+        args = dict(
+            g_ptr=dt, z_ptr=rdt if dt != rdt else dt, c_ptr=F32, rhoc_ptr=F32, fl_ptr=F32, fb_ptr=F32, b_ptr=rdt,
+            u_ptr=rdt, gl_ptr=dt, gb_ptr=dt, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
+            M=LARGE_M, N=N, R=r, STEPS=8,
+            stride_g_m=N, stride_z_m=N, stride_b_n=r, stride_b_r=1, stride_u_m=r, stride_u_r=1, stride_gl_m=N,
+            stride_gb_m=N,
+        )
+        constexprs = dict(HAS_ADAPTER=adapter, WRITE_GL=adapter or srow, WRITE_GB=dropout and srow,
+                          NEED_DM=adapter, NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
+                          BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn)
+        name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
+        out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))
+    return out
+
+
+def _project_variants(arch: str) -> list[Variant]:
+    out = []
+    for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
+        rdt = dt if rdt_name == "same" else torch.float32
+        if rdt_name == "fp32" and dt == torch.float32:
+            continue
+        dot_dt, ieee = dot_dtype(dt, rdt)
+        bm, bk, br, stages = launch_blocks(ieee, RANK)
+        args = dict(a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt,
+                    M=LARGE_M, K=K, R=RANK, stride_a_m=K, stride_b_r=K, stride_b_k=1, stride_out_m=RANK,
+                    stride_mask_m=K if mask else 0, inv_keep=1.0 / 0.9 if mask else 1.0)
+        constexprs = dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee)
+        name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
+        out.append(Variant(name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+                                                                   num_stages=stages)))
+    return out
+
+
+def _project_grad_variants(arch: str) -> list[Variant]:
+    out = []
+    for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
+        rdt = dt if rdt_name == "same" else torch.float32
+        if rdt_name == "fp32" and dt == torch.float32:
+            continue
+        dot_dt, ieee = dot_dtype(dt, rdt)
+        bm, bk, br, stages = launch_blocks(ieee, RANK)
+        args = dict(v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt,
+                    M=LARGE_M, K=K, R=RANK, ROWS_PER_SPLIT=512, stride_v_m=RANK, stride_v_r=1, stride_a_m=K,
+                    stride_mask_m=K if mask else 0, inv_keep=1.0 / 0.9 if mask else 1.0)
+        constexprs = dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee)
+        name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
+        out.append(Variant(name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+                                                                   num_stages=stages)))
+    return out
+
+
+def _rowwise_quant_variants(arch: str) -> list[Variant]:
+    bm, bk = QUANT_BLOCKS
+    return [Variant("rowwise", dt_name, dict(t_ptr=dt, q_ptr=FP8, s_ptr=F32, M=LARGE_M, K=K, stride_t_m=K,
+                                             stride_q_m=K),
+                    dict(INTERPRET=False), _fixed(BLOCK_M=bm, BLOCK_K=bk))
+            for dt_name, dt in DTYPES.items()]
 
 
 SPECS = [
     KernelSpec("weight_norm", _dora_weight_norm_kernel, _weight_norm_variants),
     KernelSpec("forward", _dora_fwd_kernel, _forward_variants),
     KernelSpec("dgrad", _dora_dgrad_kernel, _dgrad_variants),
+    KernelSpec("backward_pass", _dora_bwd_pass_kernel, _bwd_pass_variants, weight_arg=None),
+    KernelSpec("project", _project_kernel, _project_variants, weight_arg=None),
+    KernelSpec("project_grad", _project_grad_kernel, _project_grad_variants, weight_arg=None),
+    KernelSpec("rowwise_quant", _rowwise_quant_kernel, _rowwise_quant_variants, weight_arg=None),
+    KernelSpec("forward_epilogue", _fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
+    KernelSpec("dgrad_epilogue", _dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
 ]

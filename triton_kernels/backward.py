@@ -101,20 +101,31 @@ def _dora_bwd_pass_kernel(
             tl.store(dBpart_ptr + part[:, None] * R + offs_r[None, :], dB_acc, mask=mask_n[:, None] & mask_r[None, :])
 
 
-def _grid_shape(M: int, N: int, r: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, BLOCK_R, STEPS, programs along M, programs along N)."""
-    br = max(16, triton.next_power_of_2(r))  # all of r at once: dB accumulates in registers over the rows
+def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once (dB accumulates in registers over
+    the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 16K values (64 per thread at 8 warps), or 2K with
+    fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
+    Two stages: the pass streams g and z once, and three overflowed Ada's shared memory."""
+    br = max(16, triton.next_power_of_2(r))
+    if ieee:
+        return 16, max(16, min(128, 2048 // br)), br, 4, 2
+    bn = max(16, min(256, 16384 // br))
+    return 32, bn, br, 4 if bn * br <= 4096 else 8, 2
+
+
+def _grid_shape(M: int, N: int, r: int, ieee: bool, device: torch.device):
+    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages, STEPS, programs along M, programs along N)."""
     if interpreting():
-        bm, bn, target = 16, 32, 8
+        bm, bn, br, warps, stages = 16, 32, max(16, triton.next_power_of_2(r)), 4, 1
+        target = 8
     else:
-        # The dB accumulator is BLOCK_N x BLOCK_R fp32 in registers: at most 16K of them (64 per thread, 8 warps).
-        bm, bn = 32, max(16, min(256, 16384 // br))
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee)
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     pn = triton.cdiv(N, bn)
     pm = max(1, min(triton.cdiv(M, bm), triton.cdiv(target, pn)))
     steps = triton.cdiv(triton.cdiv(M, pm), bm)
     pm = triton.cdiv(M, steps * bm)
-    return bm, bn, br, steps, pm, pn
+    return bm, bn, br, warps, stages, steps, pm, pn
 
 
 def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
@@ -153,15 +164,15 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     need_dm = adapter and need_dm
     need_dB = adapter and need_dB
     r = B.shape[1] if adapter else 1
-    bm, bn, br, steps, pm, pn = _grid_shape(M, N, r, dev)
+    v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
+    db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
+    bm, bn, br, warps, stages, steps, pm, pn = _grid_shape(M, N, r, v_ieee or db_ieee, dev)
     vpart = torch.empty(pn, M, r, **f32) if adapter else None
     dbpart = torch.empty(pm, N, **f32)
     dmpart = torch.empty(pm, N, **f32) if need_dm else None
     dBpart = torch.empty(pm, N, r, **f32) if need_dB else None
     if need_dm:
         z = check_activation(z, "z", N)
-    v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
-    db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
     ph = dbpart  # placeholder for pointers a variant never reads
     _dora_bwd_pass_kernel[(pm, pn)](
         g, z if need_dm else ph, (c / rho_c).contiguous() if adapter else ph, rho_c.reshape(1) if adapter else ph, fl if write_gl else ph, fb if write_gb else ph,
@@ -174,7 +185,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
         gb.stride(0) if write_gb else 0,
         HAS_ADAPTER=adapter, WRITE_GL=write_gl, WRITE_GB=write_gb, NEED_DM=need_dm, NEED_DBB=need_dB,
         V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=4 if bn * br <= 4096 else 8,
+        num_warps=warps, num_stages=stages,
     )
     v = vpart.sum(0).to(B.dtype) if adapter else None
     return (gl, rl, gb, rb, v, dmpart.sum(0) if need_dm else None, dbpart.sum(0),

@@ -35,29 +35,32 @@ def _dgrad_epilogue(
     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr,
-    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Everything after the dgrad GEMM, in fp32, on the TRANSPOSED tile [BLOCK_K, BLOCK_M]."""
+    """Everything after the dgrad GEMM, in fp32, on the TRANSPOSED tile [BLOCK_K, BLOCK_M]. The rank-r term goes into
+    the accumulator's own registers (t = base / s + A^T v^T, then times s), as in the forward epilogue."""
     rows_m = offs_m.to(tl.int64)
     st = 1.0
     if SCALE_MODE == 0:  # SCALE_TENSOR
         st = tl.load(scale_ptr)
-    dx = acc * (tl.load(rl_ptr) * st)
+    f = tl.load(rl_ptr) * st
+    if HAS_ADAPTER and HAS_LORA:
+        f = f / s
+    dx = acc * f
     if ACT_QUANT:
         dx = dx * tl.load(sgl_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
     if HAS_ADAPTER:
-        # (s v A)^T = s A^T v^T for this tile, r in chunks of BLOCK_R.
-        lora = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = r0 + offs_r < R
-            at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
-                         mask=mask_k[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
-            vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
-                         mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-            lora = _dot(at, vt, lora, LORA_IEEE)
-        dx += lora * s
+        if HAS_LORA:
+            offs_r = tl.arange(0, BLOCK_R)
+            for r0 in range(0, R, BLOCK_R):
+                r_ok = r0 + offs_r < R
+                at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
+                             mask=mask_k[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+                vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
+                             mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
+                dx = _dot(at, vt, dx, LORA_IEEE)
+            dx = dx * s
         if HAS_DROPOUT:
             keep = tl.load(mask_ptr + rows_m[None, :] * stride_mask_m + offs_k[:, None],
                            mask=mask_k[:, None] & mask_m[None, :], other=0)
@@ -87,6 +90,7 @@ def _dora_dgrad_kernel(
     SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (already in gl) / SCALE_BLOCK (inside the N loop)
     QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
+    HAS_LORA: tl.constexpr,     # s != 0
     DOT_DT: tl.constexpr,
     IEEE: tl.constexpr,
     LORA_DT: tl.constexpr,
@@ -150,7 +154,8 @@ def _dora_dgrad_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, ACT_QUANT, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M, BLOCK_K)
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
+                    BLOCK_K)
 
 
 @triton.jit
@@ -160,7 +165,7 @@ def _dgrad_epilogue_kernel(
     M, K, R,
     stride_tl_m, stride_tb_m, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m,
     s, inv_keep,
-    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_LORA: tl.constexpr,
     LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -178,7 +183,8 @@ def _dgrad_epilogue_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     rl_ptr, rl_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, False, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M, BLOCK_K)
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, False, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
+                    BLOCK_K)
 
 
 def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
@@ -246,8 +252,8 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
         v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode,
-        QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt,
-        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
+        IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return dx
 
@@ -272,7 +278,7 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
         M, K, r,
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode, LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
-        BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_K=bk,
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode, HAS_LORA=float(s) != 0.0,
+        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_K=bk,
     )
     return dx

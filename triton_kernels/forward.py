@@ -25,55 +25,78 @@ from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_
 
 
 @triton.jit
+def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
+               LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """t + (u B^T)^T = t + B u^T on the transposed tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with
+    masks), accumulated into t's own registers: no second [BLOCK_N, BLOCK_M] fp32 tile."""
+    rows_m = offs_m.to(tl.int64)
+    rows_n = offs_n.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    for r0 in range(0, R, BLOCK_R):
+        r_ok = r0 + offs_r < R
+        b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
+                      mask=mask_n[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+        ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
+                     mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
+        t = _dot(b_t, ut, t, LORA_IEEE)
+    return t
+
+
+@triton.jit
 def _fwd_epilogue(
     acc, acc_d,  # fp32 [BLOCK_N, BLOCK_M]: (x W8'^T)^T and (xm W8'^T)^T, W8' = w8 with block scales applied
     offs_m, offs_n, mask_m, mask_n,
     sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
-    SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
+    LORA_IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
-    (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns."""
+    (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns.
+
+    The rank-r term is accumulated into the base accumulator itself, as t = base / s + u B^T, then times s (HAS_LORA:
+    s != 0; with s == 0 the term vanishes): one fp32 tile of registers, not two. With dropout both accumulators get it
+    (y = s * (base / s + u B^T) + (c - 1) * z, z = s * (base_d / s + u B^T)), which is the DoRA formula
+    y = base + (c - 1) base_d + c s u B^T rearranged, without a third tile."""
     rows_m = offs_m.to(tl.int64)
-    rows_n = offs_n.to(tl.int64)
     if SCALE_MODE == 0:  # SCALE_TENSOR
         sc = tl.load(scale_ptr)
     elif SCALE_MODE == 1:  # SCALE_ROW: a column vector of the transposed tile
         sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
     else:  # SCALE_BLOCK: applied inside the K loop already
         sc = 1.0
-    base = acc * sc
-    if ACT_QUANT:
-        base = base * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
-    y = base
     if HAS_ADAPTER:
-        # (s u B^T)^T = s B u^T for this tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with masks).
-        lora = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        for r0 in range(0, R, BLOCK_R):
-            r_ok = r0 + offs_r < R
-            b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
-                          mask=mask_n[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
-            ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
-                         mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-            lora = _dot(b_t, ut, lora, LORA_IEEE)
-        lora = lora * s
+        if HAS_LORA:
+            s_mul = s
+        else:
+            s_mul = 1.0
+        t = acc * (sc / s_mul)
+        if ACT_QUANT:
+            t = t * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+        if HAS_LORA:
+            t = _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n,
+                           stride_b_r, LORA_DT, LORA_IEEE, BLOCK_R)
         c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
         if HAS_DROPOUT:
-            base_d = acc_d * (sc * inv_keep)  # xd W0^T = (xm W0^T) / (1 - p)
+            t_d = acc_d * (sc * inv_keep / s_mul)  # xd W0^T = (xm W0^T) / (1 - p)
             if ACT_QUANT:
-                base_d = base_d * tl.load(sxm_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
-            z = base_d + lora
-            # (c - 1) * (xd W0^T) rather than c * z - xd W0^T: no cancellation when c is close to 1.
-            y = y + (c - 1.0) * base_d + c * lora
+                t_d = t_d * tl.load(sxm_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
+            if HAS_LORA:
+                t_d = _lora_into(t_d, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r,
+                                 stride_b_n, stride_b_r, LORA_DT, LORA_IEEE, BLOCK_R)
+            z = t_d * s_mul
+            y = t * s_mul + (c - 1.0) * z
         else:
-            z = y + lora
+            z = t * s_mul
             y = c * z
         if NEED_Z:
             z_ptrs = z_ptr + rows_m[None, :] * stride_z_m + offs_n[:, None]
             tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        y = acc * sc
+        if ACT_QUANT:
+            y = y * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rows_m[None, :] * stride_y_m + offs_n[:, None]
@@ -100,6 +123,7 @@ def _dora_fwd_kernel(
     SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (epilogue) / SCALE_BLOCK (inside the K loop)
     QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_K divides it
     ACT_QUANT: tl.constexpr,    # x, xm are e4m3 with row scales sx, sxm (W8A8); else in the compute dtype
+    HAS_LORA: tl.constexpr,     # s != 0: the rank-r term is there
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
     IEEE: tl.constexpr,
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
@@ -162,7 +186,7 @@ def _dora_fwd_kernel(
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, ACT_QUANT, LORA_DT, LORA_IEEE,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
@@ -174,7 +198,7 @@ def _fwd_epilogue_kernel(
     stride_base_m, stride_based_m, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
     s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
-    SCALE_MODE: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -192,7 +216,7 @@ def _fwd_epilogue_kernel(
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, False, LORA_DT, LORA_IEEE,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, False, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
@@ -263,8 +287,8 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
         u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, DOT_DT=dot_dt, IEEE=ieee,
-        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0,
+        DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return y, (z if want_z else None)
 
@@ -290,6 +314,7 @@ def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
         z.stride(0), float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_MODE=mode, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_N=bn,
+        SCALE_MODE=mode, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        BLOCK_M=bm, BLOCK_N=bn,
     )
     return y, (z if want_z else None)

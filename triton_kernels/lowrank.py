@@ -22,6 +22,15 @@ import triton.language as tl
 from ._common import _dot, alloc, block_r, check_activation, dot_dtype, interpreting, last_dim_unit
 
 
+def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, BLOCK_R, num_stages) on a GPU, for both kernels. fp32 operands (ieee) multiply on CUDA
+    cores with both tiles in registers: at 64 x 128 x 64 they spilled and overflowed Ada's shared memory (inspect),
+    so they get smaller tiles, a rank chunk of at most 32 and two stages."""
+    if ieee:
+        return 32, 64, min(block_r(R), 32), 2
+    return 64, 128, block_r(R), 3
+
+
 @triton.jit
 def _project_kernel(
     a_ptr, b_ptr, out_ptr, mask_ptr,
@@ -108,11 +117,11 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
         return out
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
-    bm, bk = (16, 32) if interpreting() else (64, 128)
-    br = block_r(R)
+    bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
     _project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
         a, b, out, mk, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, inv_keep,
-        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
+        num_stages=stages)
     return out
 
 
@@ -125,11 +134,10 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0) ->
         return torch.zeros(R, K, dtype=torch.float32, device=a.device)
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, v.dtype)
-    br = block_r(R)
     if interpreting():
-        bm, bk, splits = 16, 32, 2
+        bm, bk, br, stages, splits = 16, 32, block_r(R), 1, 2
     else:
-        bm, bk = 64, 128
+        bm, bk, br, stages = launch_blocks(ieee, R)
         programs = triton.cdiv(K, bk) * triton.cdiv(R, br)
         target = 4 * torch.cuda.get_device_properties(a.device).multi_processor_count
         splits = max(1, min(triton.cdiv(M, bm * 4), triton.cdiv(target, programs)))
@@ -138,5 +146,6 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0) ->
     part = torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
     _project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
         v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep,
-        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4)
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
+        num_stages=stages)
     return part.sum(0)

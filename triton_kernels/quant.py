@@ -14,7 +14,8 @@ import triton.language as tl
 
 from ._common import alloc, interpreting
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)  # a constexpr: the only kind of global a compiled kernel may read
+QUANT_BLOCKS = (8, 512)  # (BLOCK_M, BLOCK_K) on a GPU
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def rowwise_quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sigma = alloc((M,), torch.float32, t.device)
     if M == 0:
         return q, sigma
-    bm, bk = (4, 32) if interpreting() else (8, 512)
+    bm, bk = (4, 32) if interpreting() else QUANT_BLOCKS
     _rowwise_quant_kernel[(triton.cdiv(M, bm),)](t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
                                                  BLOCK_K=bk, INTERPRET=interpreting(), num_warps=4)
     return q, sigma

@@ -88,6 +88,12 @@ def _dora_weight_norm_kernel(
     tl.store(n_ptr + offs_n, n, mask=mask_n)
 
 
+def weight_norm_block_r(r: int, ieee: bool) -> int:
+    """The rank chunk of B A: fp32 adapters multiply on CUDA cores with both chunks in registers, which spilled at 64
+    on Ada (inspect), so they take 16 at a time."""
+    return min(block_r(r), 16) if ieee else block_r(r)
+
+
 def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tensor, B: torch.Tensor,
                 s: float) -> torch.Tensor:
     """n [N] fp32; see dorafp8/backends.py. A [r, K], B [N, r] in any float dtype (any strides)."""
@@ -100,8 +106,9 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tens
     if N == 0:
         return n
     dot_dt, ieee = dot_dtype(A.dtype, B.dtype)
-    br = block_r(r)
-    kernel = autotuned(_dora_weight_norm_kernel, "wn", weight_norm_configs(w8.device), ["N", "K", "R"], ["n_ptr"])
+    br = weight_norm_block_r(r, ieee)
+    configs = weight_norm_configs(w8.device, fp32=ieee)
+    kernel = autotuned(_dora_weight_norm_kernel, ("wn", ieee), configs, ["N", "K", "R"], ["n_ptr"])
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
         w8, scale, A, B, n,
