@@ -105,6 +105,10 @@ class _Source:
     """Keys, dtypes and shapes of a checkpoint without reading its data; then the data, one shard at a time."""
 
     def __init__(self, src):
+        if not isinstance(src, Mapping):
+            from ._deps import require
+
+            require("safetensors", what="reading fp8 checkpoint files")
         self.state_dict = None
         self.config = None
         self.metadata: dict = {}
@@ -977,6 +981,9 @@ def _layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: dict) -> torch.Te
 
 def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_names, granularity, block_size,
            max_shard_size, prefix, metadata, verbose) -> ExportReport:
+    from ._deps import require
+
+    require("safetensors", what="writing fp8 checkpoints")
     t0 = time.time()
     path = os.fspath(path)
     src = _source_of(model)
@@ -1018,6 +1025,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     unmerged_adapters = []
     layer_groups: dict[str, list] = {}
     static_act: dict[str, bool] = {}
+    ragged: list[str] = []
 
     if fmt == "comfyui":
         markers = src.get("marker_tensors") if same else None
@@ -1119,6 +1127,8 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
             raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
                              f"(the adapter seems to be broken); nothing usable can be written")
         entry["granularity"] = (f"per-{bsz}x{bsz}-block" if g == "block" else _GRAN_NAMES[g])
+        if fmt == "fine-grained" and (N % bsz or K % bsz):
+            ragged.append(name)
         report.layers[name] = entry
         layer_groups.setdefault(g, []).append(name)
         writer.add(key_of(f"{name}.weight"), w8n)
@@ -1144,6 +1154,11 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         del w8n, sn
     report.files = writer.close()
     report.tensors, report.bytes = writer.count, writer.total
+    if ragged:
+        report.notes.append(f"{len(ragged)} layers have a dimension that is not a multiple of the block size "
+                            f"{bsz} (e.g. {ragged[0]}): their scales cover partial blocks (ceil), as DeepSeek-V3's do "
+                            f"and as transformers' FP8Linear reads them; transformers' dequantize-while-loading path "
+                            f"(used without a GPU) assumes whole blocks and misreads them (transformers 5.23)")
     if unmerged_adapters and not merge:
         report.notes.append(f"{len(unmerged_adapters)} layers have adapters that were not written (save them with "
                             f"save_pretrained, or use export_merged): e.g. {unmerged_adapters[0]}")
