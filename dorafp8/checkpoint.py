@@ -87,6 +87,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _GRAN_NAMES = {"tensor": "per-tensor", "row": "per-row", "block": "per-block"}
+_PROGRESS_EVERY_S = 10.0  # a progress line at least this often while loading
 
 
 def _canonical_format(fmt: str, allowed=FORMATS) -> str:
@@ -468,6 +469,9 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     layout = LAYOUTS[fmt]
     cfg_block = _config_block(source, fmt)
     model_dtype = dtype or _model_dtype(model)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):  # accelerate's init_empty_weights re-creates parameters and so unties them (lm_head / embeddings)
+        tie()
     model_t = _model_tensors(model)
     info = source.info
     report = LoadReport(fmt, evidence, source.name, shards=len(source.shards))
@@ -503,7 +507,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     errors = []
     for k, mod_name in layer_of.items():
         lay = _layer(k)
-        N, K = info[k][1] if len(info[k][1]) == 2 else (None, None)
+        shape_w = info[k][1]
+        N, K = (shape_w[0], int(torch.Size(shape_w[1:]).numel())) if len(shape_w) >= 2 else (None, None)
         p = fp8_layers[mod_name]
         mod = p["module"]
         if p["linear"] and (N, K) != (mod.out_features, mod.in_features):
@@ -529,6 +534,10 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                                      else "; pass block_size="))
                     continue
             p["block"] = block
+            if block is not None and not p["linear"]:
+                errors.append(f"{scale_key}: block scales on {type(mod).__name__} {mod_name!r}, which is not a linear "
+                              f"layer (only per-tensor or per-row scales can be dequantized into it)")
+                continue
             if info[scale_key][0] not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                 errors.append(f"{scale_key}: dtype {info[scale_key][0]} (only fp32/bf16/fp16 scales are read)")
                 continue
@@ -581,8 +590,11 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
             unexpected.append(k)
     if errors:
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8]))
-    for mod_name, p in fp8_layers.items():
-        covered |= {n for n in model_t if n.startswith(mod_name + ".") and "." not in n[len(mod_name) + 1:]}
+    by_module: dict[str, list[str]] = {}
+    for n in model_t:
+        by_module.setdefault(n.rpartition(".")[0], []).append(n)
+    for mod_name, p in fp8_layers.items():  # the layer's own tensors (weight, scales) but its bias: that one is loaded
+        covered |= {n for n in by_module.get(mod_name, []) if not n.endswith(".bias")}
     for m in plain.values():
         covered |= set(tied.get(m, [m]))
     missing = sorted(n for n in model_t if n not in covered)
@@ -639,6 +651,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
             if verbose:
                 print(msg, flush=True)
 
+    last_note, n_done = time.time(), 0
     for k, t in source.read(want, device):
         if current is not None and shard_of[k] != current:
             shard_done(current)
@@ -647,7 +660,15 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         nbytes = t.numel() * t.element_size()
         report.bytes_read += nbytes
         n_in_shard += 1
+        n_done += 1
         b_in_shard += nbytes
+        if time.time() - last_note > _PROGRESS_EVERY_S:  # a long shard (single-file checkpoints): a line now and then
+            last_note = time.time()
+            msg = (f"dorafp8: ... {n_done}/{len(want)} tensors, {report.bytes_read / 2**30:.2f} GiB read, "
+                   f"{last_note - t0:.0f} s")
+            logger.info(msg)
+            if verbose:
+                print(msg, flush=True)
         if k in layer_of:
             mod_name = layer_of[k]
             p = fp8_layers[mod_name]
@@ -1012,7 +1033,8 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         return strip + (name[len(add):] if add and name.startswith(add) else name)
 
     tuner_cls = _tuner_cls()
-    is_diffusers = hasattr(base, "save_config") and not hasattr(base, "generation_config")
+    is_diffusers = any(c.__name__ == "ModelMixin" and c.__module__.startswith("diffusers")
+                       for c in type(base).__mro__)
     stem = "diffusion_pytorch_model" if is_diffusers else "model"
     meta_out = dict(src.get("metadata") or {}) if same else {"format": "pt"}
     meta_out.update(metadata or {})
@@ -1173,7 +1195,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
 
 def _write_config(base, path, fmt, src, report, groups, dense_linears, static_act, bsz, same) -> None:
     cfg_obj = getattr(base, "config", None)
-    if hasattr(base, "save_config") and not hasattr(cfg_obj, "to_dict"):  # diffusers
+    if callable(getattr(base, "save_config", None)) and not hasattr(cfg_obj, "to_dict"):  # diffusers
         base.save_config(path)
         return
     if hasattr(cfg_obj, "to_dict"):

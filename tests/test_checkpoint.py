@@ -366,6 +366,60 @@ def test_load_from_a_state_dict_and_with_a_key_map(ckpt):
     assert rep.format == "comfyui" and len(rep.fp8_layers) == 14 and rep.prefix == ""
 
 
+def test_tied_embeddings(tmp_path):
+    """tie_word_embeddings: transformers writes no lm_head.weight; accelerate's init_empty_weights unties the meta
+    model's parameters; the loader ties them again, and saving writes the shared tensor once, as the file had it."""
+    orig = F.original_model(tie_word_embeddings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = F.write_fine_grained(orig, str(tmp_path / "tied"))
+    assert not any(k.startswith("lm_head") for k in F.read_all(path))
+    model = F.meta_model(F.llama_config(tie_word_embeddings=True))
+    dorafp8.load_fp8_checkpoint(model, path, verbose=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, orig.lm_head.weight)
+    dorafp8.save_fp8_checkpoint(model, tmp_path / "rt", verbose=False)
+    a, b = F.read_all(path), F.read_all(str(tmp_path / "rt"))
+    assert sorted(a) == sorted(b) and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
+
+
+def test_fp8_tensors_of_non_linear_modules_are_dequantized():
+    """A ComfyUI-style file may hold fp8 convolution or embedding weights (with a scale): they go into the model's
+    own modules, dequantized (FP8Linear is for linear layers); the linear layer becomes an FP8Linear."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.emb, self.lin = torch.nn.Conv2d(3, 8, 3), torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4)
+
+    torch.manual_seed(0)
+    net = Net()
+    sd = {"scaled_fp8": torch.tensor([], dtype=E4M3)}
+    for k, v in net.state_dict().items():
+        if k.endswith("weight"):
+            s = (v.abs().amax() / 448).float()
+            sd[k], sd[k[:-len("weight")] + "scale_weight"] = (v / s).to(E4M3), s
+        else:
+            sd[k] = v
+    with torch.device("meta"):
+        model = Net()
+    report = dorafp8.load_fp8_checkpoint(model, sd, verbose=False)
+    assert report.format == "comfyui" and sorted(report.dequantized) == ["conv.weight", "emb.weight"]
+    assert isinstance(model.lin, FP8Linear) and type(model.conv) is torch.nn.Conv2d
+    for name in ("conv", "emb"):
+        want = sd[f"{name}.weight"].float() * sd[f"{name}.scale_weight"]
+        assert torch.equal(getattr(model, name).weight, want)
+
+
+def test_progress_lines_on_a_long_single_file(ckpt, capsys, monkeypatch):
+    import dorafp8.checkpoint as C
+
+    monkeypatch.setattr(C, "_PROGRESS_EVERY_S", 0.0)
+    dorafp8.load_fp8_checkpoint(F.meta_model(), ckpt("comfyui"))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dorafp8: ...")]
+    n = len(F.read_all(ckpt("comfyui"))) - 1  # all but the marker
+    assert lines and lines[-1].startswith(f"dorafp8: ... {n}/{n} tensors")
+
+
 # ---- clear errors ------------------------------------------------------------------------------------------------
 
 
