@@ -1,15 +1,15 @@
 """fp8 checkpoints as people have them: load them into FP8Linear layers, write them back, export merged DoRA models.
 
 Layouts (`format=`; docs/CHECKPOINTS.md has where each comes from and how it was checked). In every one of them the
-dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in]:
+dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`:
 
-    name                 weight scale key                 scale shape                          also in the file
-    comfyui              <layer>.scale_weight             ()                 per tensor        `scaled_fp8` marker, <layer>.scale_input
-    comfyui-quant        <layer>.weight_scale             ()                 per tensor        <layer>.comfy_quant (JSON bytes), <layer>.input_scale
-    compressed-tensors   <layer>.weight_scale             [1] / [out, 1] / [ceil(out/b), ceil(in/b)]   <layer>.input_scale (static)
-    fine-grained         <layer>.weight_scale_inv         [ceil(out/b), ceil(in/b)] (b = 128), or ()   <layer>.activation_scale
-    dorafp8              <layer>.scale                    [] / [out] / blocks (FP8Linear's own state_dict)
-    fp8-cast             none (scale 1)                   a model cast to float8_e4m3fn, as OneTrainer stores it
+    name                 weight scale                scale shape                        also in the file
+    comfyui              <layer>.scale_weight        ()                                 `scaled_fp8` marker, scale_input
+    comfyui-quant        <layer>.weight_scale        ()                                 <layer>.comfy_quant, input_scale
+    compressed-tensors   <layer>.weight_scale        [1], [out, 1] or [ceil(out/b), ceil(in/b)]   input_scale (static)
+    fine-grained         <layer>.weight_scale_inv    [ceil(out/b), ceil(in/b)], b = 128; or ()   activation_scale
+    dorafp8              <layer>.scale               [], [out] or blocks (FP8Linear's own state_dict)
+    fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer stores it
 
 Public API:
     load_fp8_checkpoint(model, path_or_state_dict, format="auto")  -> LoadReport
@@ -31,10 +31,9 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -445,7 +444,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
         (ComfyUI's 'model.diffusion_model.', ...) is found and stripped automatically.
     strict: model tensors that the checkpoint lacks, or checkpoint tensors that fit nothing, are an error (checked
-        before any data is read). With strict=False they are reported (missing ones stay as they were).
+        before any data is read). With strict=False they are reported; missing ones stay as they were (on the meta
+        device: initialized by the model's own initializer, transformers' _init_weights, where it has one).
     backend, act_quant: given to the FP8Linear layers (see FP8Linear).
     verbose: print the report (and a line per shard for sharded checkpoints); it is always logged on the "dorafp8"
         logger.

@@ -4,7 +4,6 @@ within the merge error they report. Checkpoints are written by each layout's own
 (tests/_ckpt_fixtures.py says how), on a LLaMA-style model of hidden size 64; nothing is downloaded."""
 
 import copy
-import json
 import os
 import warnings
 from unittest import mock
@@ -191,8 +190,9 @@ EXPORTS = ["compressed-tensors", "comfyui", "comfyui-quant", "fine-grained", "do
 @pytest.mark.parametrize("fmt", EXPORTS)
 def test_export_then_reload_within_reported_merge_error(fmt, trained, tmp_path):
     """export_merged -> load_fp8_checkpoint (from_pretrained for bf16): each layer's output on random inputs is off
-    the unmerged DoRA layer's by about the relative error the export reported for that layer (for isotropic inputs
-    E||x E^T||^2 / E||x W^T||^2 = ||E||_F^2 / ||W||_F^2; 25% slack for the sampling)."""
+    the unmerged DoRA layer's by the relative error the export reported for that layer (for isotropic inputs
+    E||x E^T||^2 / E||x W^T||^2 = ||E||_F^2 / ||W||_F^2; 25% either way for the sampling), so the report is neither
+    optimistic nor pessimistic."""
     kw = dict(block_size=32) if fmt == "fine-grained" else {}
     out = tmp_path / "exp"
     rep = dorafp8.export_merged(trained, out, format=fmt, verbose=False, **kw)
@@ -216,7 +216,7 @@ def test_export_then_reload_within_reported_merge_error(fmt, trained, tmp_path):
             y_dora = dora_layer(x).float()
             y_back = reloaded.get_submodule(name)(x).float()
         rel = ((y_back - y_dora).norm() / y_dora.norm()).item()
-        assert rel <= 1.25 * e + 1e-6, (name, rel, e)
+        assert 0.75 * e - 1e-6 <= rel <= 1.25 * e + 1e-6, (name, rel, e)
     with torch.no_grad():
         a, b = reloaded(input_ids=IDS).logits.float(), trained(input_ids=IDS).logits.float()
     assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()) < 10 * rep.worst[1]
@@ -304,7 +304,8 @@ def test_diffusers_model_from_a_comfyui_file(tmp_path):
     twin = copy.deepcopy(orig)
     dorafp8.quantize_model(twin, target_modules=sorted(linears))
     g = torch.Generator().manual_seed(0)
-    inp = dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+    inp = dict(hidden_states=torch.randn(1, 16, 4, generator=g),
+               encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
     with torch.no_grad():
