@@ -127,7 +127,12 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "peft": ["peft>=0.21", "transformers>=4.50"],
-        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib"],
+        # fp8 checkpoints (dorafp8.load_fp8_checkpoint / export_merged): safetensors with float8 dtypes
+        "checkpoint": ["safetensors>=0.4.3"],
+        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib",
+                 "safetensors>=0.4.3",
+                 # writes the compressed-tensors fp8 test checkpoints with the format's own library
+                 "compressed-tensors>=0.15; python_version >= '3.11'"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

@@ -8,6 +8,10 @@ Public API:
     DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
                                           and converting a PEFT DoRA model in place
     BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
+    load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format
+                                          fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
+                                          FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint.py)
+    from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
 
 Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
 (dorafp8/backends.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
@@ -18,17 +22,20 @@ of its names is used, and PEFT learns about FP8Linear as soon as peft itself is 
 
 from . import _peft_hook
 from .backends import BACKENDS, available_backends
+from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
 from .distributed import install_ddp_support
 from .fp8_linear import FP8Linear, quantize_model, set_act_quant
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
+from .transformers_fp8 import from_transformers_fp8
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
     "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
-    "register_with_peft", "install_ddp_support",
+    "register_with_peft", "install_ddp_support", "load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged",
+    "detect_format", "from_transformers_fp8",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")

@@ -10,7 +10,7 @@ EXTRAS = {
     "transformers": "peft",
     "triton": "triton",
     "matplotlib": "bench",
-    "safetensors": "peft",
+    "safetensors": "checkpoint",
 }
 
 

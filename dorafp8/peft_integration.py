@@ -29,9 +29,13 @@ from .fp8_linear import FP8Linear
 from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
 _MERGE_ERROR = (
-    "merging a DoRA adapter into an fp8 base would re-quantize the merged weight and lose precision, so "
-    "DoRAFP8Linear does not merge. Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
-    "original-precision base model, and merge there (merge_and_unload)."
+    "DoraFP8Variant does not merge into a dense weight: the base weight is fp8. DoRAFP8Linear.merge (and PEFT's "
+    "merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and re-quantizes to e4m3."
+)
+_MERGE_WARNING = (
+    "merging DoRA adapters into an fp8 base re-quantizes the merged weight to e4m3 ({} scales; "
+    "DoRAFP8Linear.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
+    "deploy and reports the error of every layer"
 )
 
 
@@ -44,8 +48,13 @@ class DoraFP8Variant(DoraLinearVariant):
             module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
         lora_A = module.lora_A[adapter_name].weight
         n = module.dora_weight_norm(adapter_name, use_cache=False)
+        m = n.to(lora_A.dtype)
+        if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow adapter dtype may not be
+            raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
+                             f"{float(n.max()):.4g}) overflows {lora_A.dtype}; create the adapters in float32 (PEFT's "
+                             f"autocast_adapter_dtype=True, the default, does)")
         dora_layer = DoraLinearLayer(fan_in_fan_out=False)
-        dora_layer.weight = nn.Parameter(n.to(lora_A.dtype), requires_grad=True)
+        dora_layer.weight = nn.Parameter(m, requires_grad=True)
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
     @staticmethod
@@ -115,11 +124,70 @@ class DoRAFP8Linear(lora_layer.Linear):
     def lora_variants(self):
         return {(): None, ("use_dora",): DoraFP8Variant}
 
+    # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
+    merge_granularity = "row"
+
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise NotImplementedError(_MERGE_ERROR)
+        """Merges the active (or the named) adapters into the fp8 base: W' = m / max(||V||, NORM_EPS) * V with
+        V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), in fp32 row blocks, re-quantized to e4m3
+        with `merge_granularity` scales (warns that it re-quantizes). The pre-merge fp8 weight is kept, so unmerge()
+        restores it exactly. Non-finite merged values are an error whatever safe_merge says (they cannot be
+        stored in e4m3). The relative error of the re-quantization is `last_merge_error`."""
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        from .merge import adapter_terms, merged_rows, requantize
+        from .quant import scale_kind
+
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        w8, scale, block = base.fp8_weight(), base.scale, base.block_size
+        gran = self.merge_granularity if self.merge_granularity != "keep" else scale_kind(scale)
+        terms = adapter_terms(self, adapter_names)
+        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w8, scale, block, terms, j0, j1),
+                                              w8.shape[0], w8.shape[1], gran, block_size=block, device=w8.device)
+        if stats.nonfinite:
+            raise ValueError(f"NaNs detected in the merged weights ({stats.nonfinite} non-finite values). The "
+                             f"adapter {adapter_names} seems to be broken")
+        bias = base.bias
+        for a in adapter_names:
+            if self.lora_bias.get(a):
+                if bias is None:
+                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has "
+                                       "no bias.")
+                bias = nn.Parameter((bias.float() + self.lora_B[a].bias.float() * self.scaling[a]).to(bias.dtype),
+                                    requires_grad=False)
+        warnings.warn(_MERGE_WARNING.format(f"per-{gran}"), stacklevel=2)
+        self.__dict__.setdefault("_dorafp8_premerge", []).append((base.weight, base.scale, base.bias))
+        base.weight = nn.Parameter(new_w8, requires_grad=False)
+        base.scale = new_scale.to(w8.device)
+        if bias is not base.bias:
+            base.bias = bias
+        self.last_merge_error = stats.rel_error
+        self.merged_adapters.extend(adapter_names)
+        self.clear_weight_norm_cache()
+
+    def unmerge(self) -> None:
+        """Restores the fp8 base as it was before merge() (exactly: the pre-merge bytes were kept)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        stash = self.__dict__.get("_dorafp8_premerge") or []
+        if not stash:
+            raise RuntimeError("this layer's fp8 base was merged without keeping the original (loaded merged?); "
+                               "reload the base checkpoint to unmerge")
+        base = self.get_base_layer()
+        base.weight, base.scale, base.bias = stash[0]
+        stash.clear()
+        self.merged_adapters.clear()
+        self.clear_weight_norm_cache()
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
-        raise NotImplementedError(_MERGE_ERROR)
+        """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition; DoRA's merge
+        also rescales rows, see merge)."""
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        return ((B.float() @ A.float()) * self.scaling[adapter]).to(B.dtype)
 
     # ---- dorafp8 -------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,145 @@
+"""Merging adapters into an fp8 base, one block of rows at a time, and re-quantizing the result.
+
+A DoRA adapter changes row j of the weight to  W'_j = m_j / max(||V_j||, NORM_EPS) * V_j  with V = W0 + s B A
+(PEFT's merge, docs/DORA_MATH.md; the clamp is dorafp8's, ops.NORM_EPS, so that an all-zero row merges to zeros
+instead of 0/0 = NaN). A plain LoRA adapter adds s B A. Every one of these is row-local, so a merged weight can be
+computed in fp32 blocks of rows and never exists as a dense fp32 copy of the layer, let alone of the model; several
+adapters merge in sequence within each block, as PEFT merges them one after the other.
+
+`requantize` turns a row-block producer into (e4m3 bytes, scale) with one scale per tensor, per row or per
+b x b block, by the recipe of dorafp8/quant.py, and measures the relative error of what it wrote against the fp32
+rows (||Wq - W'||_F / ||W'||_F): the "merge error" that export_merged and merge_and_unload report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .ops import NORM_EPS
+from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, scale_kind, scale_rows
+
+GRANULARITIES = ("tensor", "row", "block")
+
+# fp32 elements per row block (16 MiB): the largest temporaries a merge holds, a few at a time.
+_MERGE_BLOCK_ELEMS = 4 * 1024 * 1024
+
+RowFn = Callable[[int, int], torch.Tensor]
+
+
+@dataclass
+class RequantStats:
+    """Accumulated over the row blocks of one layer: sum (Wq - W')^2, sum W'^2, non-finite values seen."""
+    err2: float = 0.0
+    ref2: float = 0.0
+    nonfinite: int = 0
+
+    @property
+    def rel_error(self) -> float:
+        if self.ref2 > 0:
+            return (self.err2 / self.ref2) ** 0.5
+        return 0.0 if self.err2 == 0 else float("inf")
+
+
+def row_blocks(n_rows: int, n_cols: int, multiple: int = 1) -> Iterable[tuple[int, int]]:
+    """(j0, j1) blocks of rows of at most _MERGE_BLOCK_ELEMS fp32 elements, each a whole multiple of `multiple` rows."""
+    rows = max(1, _MERGE_BLOCK_ELEMS // max(n_cols, 1))
+    rows = max(multiple, rows - rows % multiple)
+    for j0 in range(0, n_rows, rows):
+        yield j0, min(n_rows, j0 + rows)
+
+
+def base_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, j0: int, j1: int) -> torch.Tensor:
+    """W0[j0:j1] = scale * w8 in fp32."""
+    return w8[j0:j1].float().mul_(scale_rows(scale, block_size, j0, j1, w8.shape[1]))
+
+
+def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
+    """(A fp32 [r, K], B [N, r], s, magnitude [N] or None for plain LoRA, name) for each adapter of a PEFT LoRA layer
+    (dorafp8's DoRAFP8Linear), in merge order."""
+    terms = []
+    for a in adapter_names:
+        if a not in layer.lora_A:
+            continue
+        mag = layer.lora_magnitude_vector[a].weight if a in getattr(layer, "lora_magnitude_vector", {}) else None
+        terms.append((layer.lora_A[a].weight.detach().float(), layer.lora_B[a].weight.detach(), float(layer.scaling[a]),
+                      None if mag is None else mag.detach(), a))
+    return terms
+
+
+def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int) -> torch.Tensor:
+    """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32."""
+    w = base_rows(w8, scale, block_size, j0, j1)
+    for A, B, s, mag, _ in terms:
+        w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A
+        if mag is not None:  # DoRA: W' = m / ||V|| * V, the norm clamped like the forward's
+            n = torch.linalg.vector_norm(w, dim=1).clamp_min_(NORM_EPS)
+            w.mul_((mag[j0:j1].float() / n)[:, None])
+    return w
+
+
+def _quantize_with_scale(rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """quant.py's rounding with a given scale (broadcastable against rows)."""
+    return (rows / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, block_size: int = DEFAULT_BLOCK,
+               device=None, dense_dtype: Optional[torch.dtype] = None):
+    """Quantizes the weight that rows_fn(j0, j1) -> fp32 [j1 - j0, n_cols] produces, one block of rows at a time.
+
+    granularity "tensor" / "row" / "block" (b x b, b = block_size) gives (w8 [N, K] e4m3, scale fp32, stats);
+    "tensor" takes two passes over the rows (the amax first), so rows_fn is called twice per block.
+    With dense_dtype (e.g. torch.bfloat16) the rows are rounded to that dtype instead: (dense [N, K], None, stats).
+    stats.rel_error is ||written - rows||_F / ||rows||_F, accumulated in fp64.
+    """
+    if granularity not in GRANULARITIES and dense_dtype is None:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    mult = check_block_size(block_size) if (granularity == "block" and dense_dtype is None) else 1
+    stats = RequantStats()
+    tensor_scale = None
+    if dense_dtype is None and granularity == "tensor":
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        for j0, j1 in row_blocks(n_rows, n_cols):
+            r = rows_fn(j0, j1)
+            amax = torch.maximum(amax.to(r.device), torch.where(torch.isfinite(r), r.abs(), 0).amax())
+            del r
+        tensor_scale = amax / E4M3_MAX  # non-finite values are left out here, counted below; the caller decides
+        tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
+    out = None
+    scales = []
+    for j0, j1 in row_blocks(n_rows, n_cols, mult):
+        r = rows_fn(j0, j1)
+        if out is None:
+            out = torch.empty(n_rows, n_cols, dtype=dense_dtype or E4M3, device=r.device)
+        bad = ~torch.isfinite(r)
+        if bad.any():
+            stats.nonfinite += int(bad.sum())
+            r = torch.where(bad, torch.zeros_like(r), r)
+        if dense_dtype is not None:
+            q = r.to(dense_dtype)
+            back = q.float()
+        elif granularity == "tensor":
+            q = _quantize_with_scale(r, tensor_scale)
+            back = q.float().mul_(tensor_scale)
+        else:
+            q, s = quantize_e4m3(r, per_row=(granularity == "row"),
+                                 block_size=block_size if granularity == "block" else None)
+            scales.append(s)
+            back = q.float().mul_(scale_rows(s, block_size, 0, j1 - j0, n_cols))
+        out[j0:j1] = q
+        del q
+        # row sums of squares in fp32, their total in fp64: no fp64 copy of the block
+        stats.ref2 += float(torch.linalg.vector_norm(r, dim=1).double().square().sum())
+        stats.err2 += float(torch.linalg.vector_norm(back.sub_(r), dim=1).double().square().sum())
+        del r, back
+    if dense_dtype is not None:
+        return out, None, stats
+    scale = tensor_scale if granularity == "tensor" else torch.cat(scales, dim=0)
+    return out, scale, stats
+
+
+def granularity_of(scale: torch.Tensor) -> str:
+    """"tensor", "row" or "block" for a normalized scale (quant.check_scale)."""
+    return scale_kind(scale)

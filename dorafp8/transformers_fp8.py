@@ -1,0 +1,168 @@
+"""transformers models loaded with an fp8 quantization config, turned into dorafp8 FP8Linear layers.
+
+`from_pretrained` builds fp8 layers that have no backward through the weight's scale and cannot take a DoRA adapter:
+  - FineGrainedFP8Config (quant_method "fp8": DeepSeek-V3, Qwen3-FP8): transformers.integrations.finegrained_fp8's
+    FP8Linear, weight e4m3 [out, in] + `weight_scale_inv` [ceil(out/b), ceil(in/b)] (or () per tensor),
+    `block_size` (b, b);
+  - compressed-tensors float-quantized (Neural Magic / Red Hat FP8): a plain nn.Linear carrying a
+    `quantization_scheme`, weight e4m3 + `weight_scale` [1] / [out, 1] / blocks (compressed state, with a
+    decompress-on-first-forward hook on the model), or transformers' CompressedTensorsFP8Linear (`weight_scale`
+    [1, out], its optimized inference path on recent GPUs).
+from_transformers_fp8 swaps each of them for a dorafp8 FP8Linear holding the same bytes and the same scale (fp32),
+so that get_peft_model(..., LoraConfig(use_dora=True)) builds DoRAFP8Linear layers and the Trainer can train.
+
+On a machine without a GPU transformers dequantizes FineGrainedFP8 checkpoints to bf16 while loading (the fp8 bytes
+are gone before this function could see them): build the model from its config on the meta device and use
+dorafp8.load_fp8_checkpoint instead (docs/CHECKPOINTS.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .fp8_linear import FP8Linear
+from .quant import DEFAULT_BLOCK, E4M3, check_scale
+
+
+def _finegrained_cls():
+    mod = sys.modules.get("transformers.integrations.finegrained_fp8")
+    return getattr(mod, "FP8Linear", None), getattr(mod, "FP8Experts", None)
+
+
+def _ct_fp8_linear_cls():
+    mod = sys.modules.get("transformers.integrations.compressed_tensors")
+    return getattr(mod, "CompressedTensorsFP8Linear", None)
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block: int, fmt: str, extras: dict, backend,
+          act_quant, dtype) -> FP8Linear:
+    bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
+    new = FP8Linear.from_fp8(w8.detach(), scale.detach().float(), bias, backend=backend, dtype=dtype,
+                             block_size=block, act_quant=act_quant)
+    new._dorafp8_source = {"format": fmt, "scale_dtype": scale.dtype, "scale_shape": tuple(scale.shape),
+                           "extras": extras}
+    return new
+
+
+def _saved_quantization_config(model) -> Optional[dict]:
+    """The quantization_config of the checkpoint the model was loaded from (transformers drops it from the model's
+    config when it dequantizes while loading), if that checkpoint is a local directory."""
+    import json
+    import os
+
+    where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    path = os.path.join(str(where), "config.json") if where else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+
+
+def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
+                          dtype: Optional[torch.dtype] = None) -> int:
+    """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
+    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many.
+
+    dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
+    weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
+    warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The model
+    remembers the layout, so dorafp8.save_fp8_checkpoint / export_merged write it back in that layout."""
+    fg_linear, fg_experts = _finegrained_cls()
+    ct_linear = _ct_fp8_linear_cls()
+    cfg = getattr(model, "config", None)
+    mdtype = dtype or getattr(model, "dtype", None) or torch.float32
+    if mdtype in (E4M3, torch.float8_e5m2):
+        mdtype = torch.bfloat16
+    swaps, dense, experts = [], [], []
+    for name, mod in model.named_modules():
+        if fg_experts is not None and isinstance(mod, fg_experts):
+            experts.append(name)
+            continue
+        if fg_linear is not None and isinstance(mod, fg_linear):
+            if mod.weight.dtype != E4M3:
+                dense.append(name)
+                continue
+            bs = mod.block_size
+            if bs is not None and (len(set(bs)) != 1):
+                raise ValueError(f"{name}: block size {list(bs)} is not square; FP8Linear holds b x b blocks")
+            scale = mod.weight_scale_inv
+            if not scale.is_floating_point() or scale.element_size() < 2:
+                raise ValueError(f"{name}: weight_scale_inv of dtype {scale.dtype} (ue8m0?) is not supported")
+            block = bs[0] if bs is not None else DEFAULT_BLOCK
+            extras = {} if getattr(mod, "activation_scale", None) is None else {
+                "activation_scale": mod.activation_scale.detach()}
+            swaps.append((name, _make(mod, mod.weight, scale, block, "fine-grained", extras, backend, act_quant,
+                                      mdtype)))
+        elif ct_linear is not None and isinstance(mod, ct_linear):
+            s = mod.weight_scale.detach().reshape(-1)
+            if s.numel() == mod.out_features and bool((s == s[0]).all()):
+                s = s[:1]  # the kernel layout broadcasts per-tensor scales to [1, out]
+            scale = s.reshape(()) if s.numel() == 1 else s
+            swaps.append((name, _make(mod, mod.weight, scale, DEFAULT_BLOCK, "compressed-tensors", {}, backend,
+                                      act_quant, mdtype)))
+        elif isinstance(mod, nn.Linear) and getattr(mod, "quantization_scheme", None) is not None \
+                and hasattr(mod, "weight_scale"):
+            scheme = mod.quantization_scheme
+            w = getattr(scheme, "weights", None)
+            if w is None or str(getattr(w, "type", "")).split(".")[-1].lower() != "float" or w.num_bits != 8:
+                continue
+            if mod.weight.dtype != E4M3:
+                dense.append(name)
+                continue
+            zp = getattr(mod, "weight_zero_point", None)
+            if zp is not None and bool((zp.float() != 0).any()):
+                raise ValueError(f"{name}: non-zero weight_zero_point (asymmetric fp8) is not supported")
+            block = DEFAULT_BLOCK
+            if getattr(w, "block_structure", None):
+                bs = list(w.block_structure)
+                if len(set(bs)) != 1:
+                    raise ValueError(f"{name}: block structure {bs} is not square")
+                block = bs[0]
+            scale = mod.weight_scale
+            check_scale(scale.detach().float(), mod.out_features, mod.in_features, block, name=f"{name}.weight_scale")
+            extras = {} if getattr(mod, "input_scale", None) is None else {"input_scale": mod.input_scale.detach()}
+            swaps.append((name, _make(mod, mod.weight, scale, block, "compressed-tensors", extras, backend, act_quant,
+                                      mdtype)))
+    for name, new in swaps:
+        _swap(model, name, new)
+    if swaps:
+        # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more.
+        quantizer = getattr(model, "hf_quantizer", None)
+        compressor = getattr(quantizer, "compressor", None)
+        if compressor is not None and hasattr(compressor, "remove_decompression_hook"):
+            compressor.remove_decompression_hook(model)
+        fmt = swaps[0][1]._dorafp8_source["format"]
+        src = getattr(model, "_dorafp8_source", None) or {}
+        src.update(format=fmt, config=cfg.to_dict() if hasattr(cfg, "to_dict") else None, strip="", add="")
+        model._dorafp8_source = src
+    if dense:
+        warnings.warn(f"from_transformers_fp8: {len(dense)} fp8 layers of the config hold dense weights already "
+                      f"(e.g. {dense[0]!r}: dequantized while loading, as transformers does without a GPU, or "
+                      f"decompressed by a forward pass); they stay dense. To keep the fp8 bytes, build the model on "
+                      f"the meta device and use dorafp8.load_fp8_checkpoint", stacklevel=2)
+    qc = getattr(cfg, "quantization_config", None) or _saved_quantization_config(model)
+    if not swaps and not dense and qc is not None:
+        qd = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else {})
+        warnings.warn(f"from_transformers_fp8 found no fp8 linear layer although the config has a quantization_config "
+                      f"(quant_method={qd.get('quant_method')!r}, dequantize={qd.get('dequantize')!r}): transformers "
+                      f"dequantized the weights while loading (it does so for FineGrainedFP8 without a GPU). Build the "
+                      f"model on the meta device and use dorafp8.load_fp8_checkpoint to keep the fp8 bytes",
+                      stacklevel=2)
+    if experts:
+        warnings.warn(f"from_transformers_fp8: {len(experts)} fp8 MoE expert blocks (e.g. {experts[0]!r}) are left "
+                      f"as they are: dorafp8 has no fp8 expert module", stacklevel=2)
+    return len(swaps)
