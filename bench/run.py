@@ -506,7 +506,8 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     if not env["speed_claims"]:
         print("NOTE: CPU run: times are perf_counter medians (NO SPEED CLAIMS)"
-              + ("; dorafp8-triton runs under the Triton interpreter" if env["triton_interpret"] else "") + ".")
+              + (f"; {', '.join(interpreted)} run under the Triton interpreter" if env["triton_interpret"] and
+                 interpreted else "") + ".")
     runner = Runner(args, device, env)
     for prov in providers:
         try:
