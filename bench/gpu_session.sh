@@ -157,13 +157,15 @@ if has_step bench; then
   t0=$(date +%s)
   T=$(cap 90 250)
   if [ "$T" -gt 0 ]; then
+    # BENCH_ARGS: extra run.py options, appended (argparse keeps the last), e.g. to narrow the grid
     run_to "$T" "$STAGE/bench.log" $PY bench/run.py --preset headline --device cuda --out "$STAGE/bench" \
-      --warmup "$WARMUP_MS" --rep "$REP_MS"
+      --warmup "$WARMUP_MS" --rep "$REP_MS" ${BENCH_ARGS:-}
     rc=$?
-    if [ $rc -ne 0 ] && [ -f "$STAGE/bench/results.json" ]; then  # cut short: draw what was measured
+    msg=$(grep -E 'cases measured' "$STAGE/bench.log" | tail -n 1 | sed 's/; wrote.*//' | cut -c1-160)
+    if [ $rc -ne 0 ] && [ -f "$STAGE/bench/results.json" ]; then  # cut short or failed: draw what was measured
+      msg="stopped (rc $rc; see bench.log) after $($PY -c "import json; r = json.load(open('$STAGE/bench/results.json'))['records']; print(sum(x['status'] == 'ok' for x in r), 'measured of', len(r), 'recorded')" 2>&1 | tail -n 1); $(last_line "$STAGE/bench.log" | cut -c1-80)"
       $PY bench/plot.py "$STAGE/bench/results.json" >> "$STAGE/bench.log" 2>&1
     fi
-    msg=$(grep -E 'cases measured' "$STAGE/bench.log" | tail -n 1 | sed 's/; wrote.*//' | cut -c1-160)
     note bench $rc "$t0" "headline: ${msg:-$(last_line "$STAGE/bench.log")}"
   else
     note bench skip "$t0" "not enough time left"
