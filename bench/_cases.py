@@ -18,14 +18,36 @@ from dataclasses import dataclass
 PROVIDERS = (
     "dorafp8-triton",
     "dorafp8-cuda",
+    "dorafp8-cublas",  # one layer dequantized to a transient, torch.matmul (cuBLAS), fused Triton epilogues
+    "dorafp8-triton-w8a8",  # act_quant="rowwise": x and the gradient quantized per token, fp8 x fp8 base GEMMs
     "dorafp8-reference",
     "peft-dora",  # PEFT's default configuration: fp32 adapters (autocast_adapter_dtype=True)
     "peft-dora-lowp",  # PEFT with adapters in the activation dtype (bf16/fp16)
     "peft-dora-fp8-dequant",  # fp8 storage, dequantized to the activation dtype per forward, then PEFT
     "linear-bf16",  # plain nn.Linear forward + input gradient: the floor
+    "linear-fp8-rowwise",  # per-token e4m3 x, per-row e4m3 W, torch._scaled_mm forward + input gradient: W8A8 floor
 )
+# dorafp8 provider -> (backend, act_quant) of dorafp8.dora_fp8_linear
+DORAFP8_BACKENDS = {
+    "dorafp8-triton": ("triton", None),
+    "dorafp8-cuda": ("cuda", None),
+    "dorafp8-cublas": ("cublas", None),
+    "dorafp8-triton-w8a8": ("triton", "rowwise"),
+    "dorafp8-reference": ("reference", None),
+}
 DORAFP8_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("dorafp8-"))
 PEFT_PROVIDERS = ("peft-dora", "peft-dora-lowp", "peft-dora-fp8-dequant")
+# The yardsticks without DoRA: no weight norm, no rank, no dropout (one record per shape, M, dtype and mode).
+FLOOR_PROVIDERS = ("linear-bf16", "linear-fp8-rowwise")
+# Providers whose base GEMMs multiply e4m3 by e4m3 (fp8 tensor-core rate in the roofline).
+W8A8_PROVIDERS = ("dorafp8-triton-w8a8", "linear-fp8-rowwise")
+
+
+def floor_provider(provider: str) -> str:
+    """The floor a provider is set against in results.md: the W8A8 ones the fp8 GEMM, the others the bf16 one."""
+    return "linear-fp8-rowwise" if provider in W8A8_PROVIDERS else "linear-bf16"
+
+
 # *-cachednorm: the forward is given the weight norm computed earlier (dora_fp8_linear(weight_norm=...)), which is
 # what every gradient-accumulation micro-batch after the first costs; dorafp8 only (PEFT recomputes it every call).
 CACHED_MODES = ("fwd-cachednorm", "fwd+bwd-cachednorm")
@@ -63,8 +85,23 @@ QUICK = dict(
     ranks="16,64",
     dtypes="bf16",
 )
+# The headline grid of the GPU issue (#14): what bench/gpu_session.sh runs first. Two LLaMA-3-8B shapes (attention
+# projection and MLP up/gate), a short and a long batch, r = 16, bf16, PEFT's two dropout settings, every way of
+# running DoRA on an fp8 base and both floors. 156 cases (bench/run.py --preset headline --dry-run lists them).
+HEADLINE = dict(
+    FULL,
+    shapes="4096x4096,4096x14336",
+    tokens="256,8192",
+    ranks="16",
+    dtypes="bf16",
+    dropouts="0,0.05",
+    providers="dorafp8-triton,dorafp8-cuda,dorafp8-cublas,dorafp8-triton-w8a8,peft-dora,peft-dora-fp8-dequant,"
+              "linear-bf16,linear-fp8-rowwise",
+    modes="norm,fwd,fwd+bwd,fwd+bwd-cachednorm",
+)
 SMOKE = dict(
     # Tiny enough for the Triton interpreter and the fp32-accumulating reference backend on 2 CPU cores.
+    # K and N are multiples of 16: torch._scaled_mm (linear-fp8-rowwise) requires it on CUDA.
     shapes="64x96",
     tokens="16,32",
     ranks="8",
@@ -74,7 +111,7 @@ SMOKE = dict(
     modes=",".join(MODES),
     model="hidden=64,intermediate=128,layers=2,heads=4,kv_heads=2,vocab=256,seq=32,rank=8",
 )
-PRESETS = {"full": FULL, "quick": QUICK, "smoke": SMOKE}
+PRESETS = {"full": FULL, "quick": QUICK, "headline": HEADLINE, "smoke": SMOKE}
 
 
 @dataclass(frozen=True)
@@ -147,51 +184,65 @@ def dtype_bytes(name: str) -> int:
 
 def weight_storage(provider: str, dtype: str) -> str:
     """Dtype the provider keeps the frozen base weight in."""
-    if provider.startswith("dorafp8-") or provider == "peft-dora-fp8-dequant":
+    if provider.startswith("dorafp8-") or provider in ("peft-dora-fp8-dequant", "linear-fp8-rowwise"):
         return "fp8"
     return dtype
 
 
 def adapter_dtype(provider: str, dtype: str) -> str:
     """Dtype of A, B and the magnitude: PEFT's default upcasts adapters to fp32 (autocast_adapter_dtype)."""
-    if provider == "linear-bf16":
+    if provider in FLOOR_PROVIDERS:
         return "none"
     return dtype if provider == "peft-dora-lowp" else "fp32"
 
 
 def work(case: Case) -> tuple[int | None, int | None]:
     """(useful FLOPs, minimum bytes) of one call of `case`, or None where not defined (the model step)."""
-    if case.mode == "step":
+    split = work_split(case)
+    if split is None:
         return None, None
+    base, other, nbytes = split
+    return base + other, nbytes
+
+
+def work_split(case: Case) -> tuple[int, int, int] | None:
+    """(base-GEMM FLOPs, other FLOPs, minimum bytes) of one call of `case`; None where not defined (the model step,
+    a floor's norm). Base = the products with the [N, K] weight (2 M N K per direction, twice with dropout); other =
+    the weight norm's B A and squares, the rank-r products and the dm reduction, which run in the adapters' dtype."""
+    if case.mode == "step":
+        return None
     K, N, r = case.in_features, case.out_features, case.rank
     e = dtype_bytes(case.dtype)
     wb = dtype_bytes(weight_storage(case.provider, case.dtype))
     w_bytes = N * K * wb
-    if case.provider == "linear-bf16":
+    if case.provider in FLOOR_PROVIDERS:
         if case.mode == "norm":
-            return None, None
+            return None
         M = case.tokens
-        fwd = (2 * M * N * K, w_bytes + M * K * e + M * N * e)
-        bwd = (2 * M * N * K, w_bytes + M * N * e + M * K * e)
+        # x, W in, y out; then g, W in, dx out (both floors read and write activations in the activation dtype:
+        # the W8A8 floor's per-token quantization is counted as if fused into the GEMM's operand load)
+        fwd = (2 * M * N * K, 0, w_bytes + M * K * e + M * N * e)
+        bwd = (2 * M * N * K, 0, w_bytes + M * N * e + M * K * e)
         return _combine(case.mode, fwd, bwd)
 
     ab = dtype_bytes(adapter_dtype(case.provider, case.dtype))
     adapter_bytes = (r * K + N * r + N) * ab
     # The norm: B A on a tile (2 N K r), then add to the scaled weight and accumulate squares (2 N K).
-    norm = (2 * N * K * r + 2 * N * K, w_bytes + adapter_bytes + 4 * N)
+    norm = (0, 2 * N * K * r + 2 * N * K, w_bytes + adapter_bytes + 4 * N)
     if case.mode == "norm":
         return norm
     M = case.tokens
     n_base = 2 if case.dropout > 0 else 1  # with dropout the base GEMM runs on x and on dropout(x)
     rank_fwd = 2 * M * r * (K + N)  # x A^T, u B^T
     # x, W, A, B, m, n in; y out (and z, saved for backward's dm)
-    fwd = (n_base * 2 * M * N * K + rank_fwd, w_bytes + adapter_bytes + 4 * N + M * K * e + 2 * M * N * e)
+    fwd = (n_base * 2 * M * N * K, rank_fwd, w_bytes + adapter_bytes + 4 * N + M * K * e + 2 * M * N * e)
     if not case.mode.endswith("-cachednorm"):
-        fwd = (fwd[0] + norm[0], fwd[1] + norm[1])
+        fwd = tuple(a + b for a, b in zip(fwd, norm))
     # dgrad only (W frozen), once per base GEMM; rank part: g c B, v A, dA, dB; dm is an [M, N] reduction.
     rank_bwd = 4 * M * r * (K + N) + 2 * M * N
     bwd = (
-        n_base * 2 * M * N * K + rank_bwd,
+        n_base * 2 * M * N * K,
+        rank_bwd,
         w_bytes + adapter_bytes + 2 * M * N * e + 2 * M * K * e,  # g, saved z in; x in, dx out
     )
     return _combine(case.mode, fwd, bwd)
@@ -203,14 +254,76 @@ def _combine(mode, fwd, bwd):
         return fwd
     if mode == "bwd":
         return bwd
-    return fwd[0] + bwd[0], fwd[1] + bwd[1]
+    return tuple(a + b for a, b in zip(fwd, bwd))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Roofline: the floor time of a case on a device from its FLOP and byte counts and the device's datasheet peaks.
+#
+# Peaks (sources and caveats in bench/README.md): dense tensor-core TFLOP/s with fp32 accumulation (no 2:4
+# sparsity), fp32 non-tensor TFLOP/s (an FMA counts 2), DRAM bandwidth in GB/s (1e9 bytes/s).
+PEAKS = {
+    "h100-sxm": dict(name="H100 SXM5", bf16=989.4, fp16=989.4, fp8=1978.9, fp32=66.9, gbps=3350.0),
+    "h200": dict(name="H200 SXM", bf16=989.4, fp16=989.4, fp8=1978.9, fp32=66.9, gbps=4800.0),
+    "rtx4090": dict(name="RTX 4090", bf16=165.2, fp16=165.2, fp8=330.3, fp32=82.6, gbps=1008.0),
+}
+
+
+def base_rate(provider: str, dtype: str) -> str:
+    """Which peak the base GEMMs run at: fp8 tensor cores for the W8A8 providers, else the activation dtype's
+    (fp32 activations: no tensor cores; dorafp8 and PEFT both multiply fp32 exactly, without tf32)."""
+    return "fp8" if provider in W8A8_PROVIDERS else dtype
+
+
+def other_rate(provider: str, dtype: str) -> str:
+    """Which peak the norm and rank-r products run at: the adapters' dtype (fp32 adapters: fp32 non-tensor)."""
+    ad = adapter_dtype(provider, dtype)
+    return dtype if ad == "none" else ad
+
+
+def roofline(case: Case, device: str) -> tuple[float, str] | None:
+    """(floor ms, binding resource) of `case` on PEAKS[device], or None where the case has no counts.
+
+    One time per hardware resource: the tensor cores (the FLOPs at fp8/bf16/fp16 rates, summed: one unit), the fp32
+    pipes (the FLOPs at the fp32 rate) and DRAM (the minimum bytes); they can overlap, so the floor is the largest."""
+    split = work_split(case)
+    if split is None:
+        return None
+    base, other, nbytes = split
+    pk = PEAKS[device]
+    t = {"tensor": 0.0, "fp32": 0.0}
+    for flops, rate in ((base, base_rate(case.provider, case.dtype)), (other, other_rate(case.provider, case.dtype))):
+        t["fp32" if rate == "fp32" else "tensor"] += flops / (pk[rate] * 1e12)
+    t["memory"] = nbytes / (pk["gbps"] * 1e9)
+    bound = max(t, key=t.get)
+    return t[bound] * 1e3, bound
+
+
+def device_slug(name: str) -> str:
+    """Folder name for a device: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3" (bench/results/<slug>/)."""
+    return "".join(ch if ch.isalnum() else "-" for ch in name.split("(")[0].strip()).strip("-").lower() or "device"
+
+
+def peak_key(device_name: str) -> str | None:
+    """The PEAKS entry of a torch device name, or None (PCIe / NVL variants have other clocks and bandwidth)."""
+    n = device_name.lower()
+    if any(v in n for v in ("pcie", "nvl")):
+        return None
+    if "h100" in n:
+        return "h100-sxm"  # "NVIDIA H100 80GB HBM3": the SXM5 board
+    if "h200" in n:
+        return "h200"
+    if "rtx 4090" in n and "4090 d" not in n:
+        return "rtx4090"
+    return None
 
 
 def weight_bytes(provider: str, K: int, N: int, r: int, dtype: str) -> int:
     """Persistent bytes of one layer's weights: frozen base (+ fp32 scale) and trainable adapters."""
     ws = weight_storage(provider, dtype)
-    base = N * K * dtype_bytes(ws) + (4 if ws == "fp8" else 0)
-    if provider == "linear-bf16":
+    # fp8 scales: one fp32 per tensor (dorafp8, PEFT fp8-dequant), one per output row (linear-fp8-rowwise)
+    base = N * K * dtype_bytes(ws) + ((4 * N if provider == "linear-fp8-rowwise" else 4) if ws == "fp8" else 0)
+    if provider in FLOOR_PROVIDERS:
         return base
     return base + (r * K + N * r + N) * dtype_bytes(adapter_dtype(provider, dtype))
 
@@ -223,9 +336,9 @@ def layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> li
             for dt in dtypes:
                 for p in dropouts:
                     for prov in providers:
-                        if prov == "linear-bf16" and (p > 0 or r != ranks[0]):
+                        if prov in FLOOR_PROVIDERS and (p > 0 or r != ranks[0]):
                             continue  # no dropout, no rank in a plain linear: its one row per M is the floor
-                        if "norm" in modes and p == 0 and prov != "linear-bf16":
+                        if "norm" in modes and p == 0 and prov not in FLOOR_PROVIDERS:
                             cases.append(Case(prov, "norm", K, N, None, r, dt, 0.0))
                         for M in tokens:
                             for mode in modes:
@@ -241,7 +354,7 @@ def step_cases(spec: ModelSpec, dtypes, dropouts, providers) -> list[Case]:
     for dt in dtypes:
         for p in dropouts:
             for prov in providers:
-                if prov == "linear-bf16" and p > 0:
+                if prov in FLOOR_PROVIDERS and p > 0:
                     continue
                 cases.append(Case(prov, "step", spec.hidden, spec.intermediate, spec.seq, spec.rank, dt, p))
     return cases

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _cases import LLAMA_TARGETS, LORA_ALPHA, ModelSpec, adapter_dtype, weight_bytes, weight_storage
+from _cases import (DORAFP8_BACKENDS, LLAMA_TARGETS, LORA_ALPHA, ModelSpec, adapter_dtype, weight_bytes,
+                    weight_storage)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -30,8 +31,9 @@ def _dorafp8():
 
 
 def _check_backend(provider: str, device: torch.device):
+    """(dorafp8, backend, act_quant) for a dorafp8 provider, or Skip with the reason it cannot run here."""
     d8 = _dorafp8()
-    backend = provider.split("-", 1)[1]
+    backend, act_quant = DORAFP8_BACKENDS[provider]
     backends = getattr(d8, "backends", None)
     if backends is None or not hasattr(backends, "available_backends"):
         raise Skip("dorafp8.backends.available_backends missing")
@@ -40,13 +42,27 @@ def _check_backend(provider: str, device: torch.device):
         if hasattr(backends, "unavailable_reason"):
             reason = backends.unavailable_reason(backend, device)
         raise Skip(f"backend {backend!r} unavailable on {device.type}: {reason or 'not in available_backends'}")
-    return d8, backend
+    if act_quant:
+        import inspect
+
+        if "act_quant" not in inspect.signature(d8.dora_fp8_linear).parameters:
+            raise Skip("this dorafp8 has no act_quant (W8A8) mode")
+        _need_fp8_mma(device, "W8A8")
+    return d8, backend, act_quant
+
+
+def _need_fp8_mma(device: torch.device, what: str) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise Skip(f"{what} needs fp8 tensor cores (sm_89 or newer), this GPU is sm_{major}{minor}")
 
 
 def check(provider: str, device: torch.device) -> None:
     """Raises Skip if `provider` cannot run on `device` at all (cheap; called once per provider)."""
     if provider.startswith("dorafp8-"):
         _check_backend(provider, device)
+    elif provider == "linear-fp8-rowwise":
+        _check_scaled_mm(device, torch.bfloat16)
     elif provider.startswith("peft-"):
         try:
             import peft  # noqa: F401
@@ -73,6 +89,92 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
         return dorafp8.dequantize_e4m3(w8, scale, dtype=dtype)
     except (ImportError, AttributeError):
         return (w8.float() * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# linear-fp8-rowwise: the unfused W8A8 yardstick, torch._scaled_mm with row-wise scales.
+#
+# torch._scaled_mm(a, b, scale_a, scale_b, out_dtype) computes (a * scale_a) @ (b * scale_b) for e4m3 a [M, K] and
+# b [K, N] with fp32 accumulation. Row-wise scaling (torch 2.5+; torch/_meta_registrations.py
+# _check_scaled_mm_sizes, aten/src/ATen/native/cuda/ScaledBlas.cpp): scale_a fp32 [M, 1] and scale_b fp32 [1, N],
+# both contiguous; on CUDA a must be row-major and b column-major (stride (1, K)), K and N multiples of 16. On sm_90
+# with cuBLAS >= 12.9 (torch 2.9+ cu129/cu130 wheels) cuBLAS runs it with bf16, fp16 or fp32 output; with older cuBLAS
+# or on sm_89 torch falls back to a CUTLASS kernel that writes bf16 only (fp16 too from torch 2.9). On CPU (torch
+# 2.15) it runs too, any layout and output dtype. A combination the installed torch refuses is skipped with its error.
+#
+# Forward:  y  = _scaled_mm(x8, W8^T, sx [M,1], sw [1,N])          W8^T is a free view of W8 [N, K]: column-major
+# Backward: dx = _scaled_mm(h8, W8,   sh [M,1], 1  [1,K])          h = g * sw (the weight's row scale runs along the
+#           reduction here, so it is folded into g before g is quantized per token). The right operand W8 [N, K] must
+#           be column-major, i.e. W8^T made contiguous: a transient N*K-byte copy per backward (one read + one write of
+#           the weight), the same copy dorafp8's W8A8 dgrad makes. Keeping it instead would double the weight memory.
+# Quantization is eager PyTorch, as in an unfused implementation: amax (one read of t), t / scale in fp32 (read t,
+# write fp32), cast to e4m3 (read fp32, write fp8): ~13 bytes per element against the 3 a fused kernel moves.
+
+E4M3_MAX = 448.0
+
+
+def _quant_rows(t: torch.Tensor):
+    """(e4m3 [M, K], fp32 scale [M, 1]) with t ~= q * scale; scale = amax / 448 per row (1 for a zero row), the
+    recipe of dorafp8's W8A8 (so both quantize x to the same bits). |t / scale| <= 448 up to fp32 rounding, far from
+    464 where the e4m3fn cast would overflow to NaN, so no clamp is needed."""
+    # the inf-norm in t's own dtype: one read of t, no upcast copy (a max of bf16 values is exact in bf16)
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (t / scale).to(torch.float8_e4m3fn), scale
+
+
+class _Fp8RowwiseLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w8, sw_row, ones_k):
+        x8, sx = _quant_rows(x)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw_row, out_dtype=x.dtype)
+        ctx.save_for_backward(w8, sw_row, ones_k)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        w8, sw_row, ones_k = ctx.saved_tensors
+        g8, sg = _quant_rows(g * sw_row)  # fp32 [M, N]: g scaled by each output row's weight scale
+        w_cm = w8.t().contiguous().t()  # [N, K] column-major: the transient transposed copy
+        dx = torch._scaled_mm(g8, w_cm, scale_a=sg, scale_b=ones_k, out_dtype=g.dtype)
+        return dx, None, None, None
+
+
+class Fp8RowwiseLinear(nn.Module):
+    """A frozen nn.Linear as e4m3 with one fp32 scale per output row, run by torch._scaled_mm (W8A8)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        amax = w.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        self.register_buffer("w8", (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+        self.register_buffer("sw_row", scale.reshape(1, -1).contiguous())  # [1, N]
+        self.register_buffer("ones_k", torch.ones(1, w.shape[1], device=w.device))  # [1, K]
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
+            x2 = x2.contiguous()
+        y = _Fp8RowwiseLinearFn.apply(x2, self.w8, self.sw_row, self.ones_k)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _check_scaled_mm(device: torch.device, dtype: torch.dtype, K: int = 32, N: int = 32) -> None:
+    """Skip unless torch._scaled_mm with row-wise scales runs here with `dtype` output (and K, N fit its rules)."""
+    if not hasattr(torch, "_scaled_mm"):
+        raise Skip(f"torch {torch.__version__} has no torch._scaled_mm")
+    _need_fp8_mma(device, "torch._scaled_mm")
+    if device.type == "cuda" and (K % 16 or N % 16):
+        raise Skip(f"torch._scaled_mm needs K and N divisible by 16 on CUDA, got K={K}, N={N}")
+    try:
+        lin = Fp8RowwiseLinear(torch.randn(32, 32, device=device))
+        x = torch.randn(16, 32, dtype=dtype, device=device, requires_grad=True)
+        lin(x).backward(torch.randn(16, 32, dtype=dtype, device=device))
+    except Exception as e:  # RuntimeError / ValueError from torch's checks
+        msg = str(e).strip().splitlines()
+        raise Skip(f"torch._scaled_mm row-wise, {dtype} output, refused on {device.type}: "
+                   f"{type(e).__name__}: {msg[0][:200] if msg else ''}") from None
 
 
 class Layer:
@@ -156,8 +258,15 @@ def build_layer(provider, K, N, r, dtype_name, dropout, device) -> Layer:
         w = torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K)
         return Layer(lambda x: F.linear(x, w), None, [], wbytes, note=f"nn.Linear weight in {dtype_name}")
 
+    if provider == "linear-fp8-rowwise":
+        _check_scaled_mm(device, dtype, K, N)
+        lin = Fp8RowwiseLinear(torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K))
+        return Layer(lin, None, [], wbytes,
+                     note="torch._scaled_mm, x and g e4m3 per token (eager), W e4m3 per row; dgrad copies W8^T")
+
     if provider.startswith("dorafp8-"):
-        d8, backend = _check_backend(provider, device)
+        d8, backend, act_quant = _check_backend(provider, device)
+        aq = {"act_quant": act_quant} if act_quant else {}
         w = torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K)
         w8, scale = d8.quantize_e4m3(w)
         del w
@@ -167,7 +276,8 @@ def build_layer(provider, K, N, r, dtype_name, dropout, device) -> Layer:
             m = d8.weight_norm(w8, scale, A, B, s, backend=backend).clone().requires_grad_()
 
         def forward(x):
-            return d8.dora_fp8_linear(x, w8, scale, A, B, m, s, dropout_p=dropout, training=True, backend=backend)
+            return d8.dora_fp8_linear(x, w8, scale, A, B, m, s, dropout_p=dropout, training=True, backend=backend,
+                                      **aq)
 
         def norm():
             return d8.weight_norm(w8, scale, A, B, s, backend=backend)
@@ -176,10 +286,12 @@ def build_layer(provider, K, N, r, dtype_name, dropout, device) -> Layer:
 
         def forward_cached(x):
             return d8.dora_fp8_linear(x, w8, scale, A, B, m, s, dropout_p=dropout, training=True, backend=backend,
-                                      weight_norm=n_cached)
+                                      weight_norm=n_cached, **aq)
 
         note = "adapters fp32 (as converted from PEFT's default)"
-        if backend == "triton" and device.type == "cpu":
+        if act_quant:
+            note += f"; act_quant={act_quant!r} (W8A8 base GEMMs)"
+        if backend in ("triton", "cublas") and device.type == "cpu":
             note += "; Triton interpreter (TRITON_INTERPRET=1)"
         return Layer(forward, norm, [A, B, m], wbytes, note=note, forward_cached=forward_cached)
 
@@ -230,9 +342,13 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if provider.startswith("dorafp8-"):
-        d8, backend = _check_backend(provider, device)
+        d8, backend, act_quant = _check_backend(provider, device)
         if not hasattr(d8, "convert_peft_model"):
             raise Skip("dorafp8.convert_peft_model missing")
+        if act_quant and not hasattr(d8, "set_act_quant"):
+            raise Skip("dorafp8.set_act_quant missing")
+    if provider == "linear-fp8-rowwise":
+        _check_scaled_mm(device, TORCH_DTYPES[dtype_name])
     dtype = TORCH_DTYPES[dtype_name]
     cfg = LlamaConfig(
         hidden_size=spec.hidden,
@@ -251,8 +367,17 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
     ids = torch.randint(0, spec.vocab, (1, spec.seq), device=device)
     lin_bytes = sum(weight_bytes(provider, K, N, spec.rank, dtype_name) for K, N in spec.linear_shapes())
 
-    if provider == "linear-bf16":
+    if provider in ("linear-bf16", "linear-fp8-rowwise"):
         # The floor: the same frozen model, forward + input gradients only (no adapters, no optimizer).
+        note = "frozen model, input gradients only (no adapters)"
+        if provider == "linear-fp8-rowwise":
+            n = 0
+            for name, mod in list(model.named_modules()):
+                for child, sub in list(mod.named_children()):
+                    if child in LLAMA_TARGETS and isinstance(sub, nn.Linear):
+                        setattr(mod, child, Fp8RowwiseLinear(sub.weight))
+                        n += 1
+            note += f"; {n} adapted linears as torch._scaled_mm row-wise fp8"
         for p in model.parameters():
             p.requires_grad_(False)
         emb = model.get_input_embeddings()
@@ -261,7 +386,7 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
             h = emb(ids).detach().requires_grad_()
             model(inputs_embeds=h, labels=ids).loss.backward()
 
-        return Step(run, [], lin_bytes, note="frozen model, input gradients only (no adapters)")
+        return Step(run, [], lin_bytes, note=note)
 
     from peft import LoraConfig, get_peft_model
 
@@ -273,6 +398,9 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
     if provider.startswith("dorafp8-"):
         n = d8.convert_peft_model(peft_model, backend=backend)
         note += f"; convert_peft_model replaced {n} layers"
+        if act_quant:
+            d8.set_act_quant(peft_model, act_quant)
+            note += f"; act_quant={act_quant!r}"
     elif provider == "peft-dora-fp8-dequant":
         from peft.tuners.lora import Linear as LoraLinear
 

@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _cases import CACHED_MODES, DORAFP8_PROVIDERS, PEFT_PROVIDERS, PROVIDERS, base_mode  # noqa: E402
+from _cases import (CACHED_MODES, DORAFP8_PROVIDERS, FLOOR_PROVIDERS, PEAKS, PEFT_PROVIDERS, PROVIDERS,  # noqa: E402
+                    base_mode, floor_provider)
 
 TIMED_MODES = ("fwd", "bwd", "fwd+bwd") + CACHED_MODES
 NO_CLAIMS = "CPU run: times are perf_counter medians of tiny shapes, NO SPEED CLAIMS"
@@ -65,8 +66,24 @@ def _layer_key(r):
 
 
 def _floor_key(r):
-    # linear-bf16 has neither rank nor dropout: one floor per (shape, M, dtype, mode).
-    return (r["shape"], r["tokens"], r["dtype"], r["mode"])
+    # The floors (linear-bf16, linear-fp8-rowwise) have neither rank nor dropout: one per (shape, M, dtype, mode).
+    return (r["provider"], r["shape"], r["tokens"], r["dtype"], r["mode"])
+
+
+def _roof_device(meta):
+    """(PEAKS key, label) whose floor results.md shows beside each time: this GPU's, else the H100 SXM's."""
+    dev = meta.get("roofline_device")
+    if dev in PEAKS:
+        return dev, PEAKS[dev]["name"]
+    return "h100-sxm", PEAKS["h100-sxm"]["name"] + " (not this device)"
+
+
+def _us(ms):
+    return "-" if ms is None else (f"{ms * 1e3:.3g}" if ms * 1e3 < 1000 else f"{ms * 1e3:.0f}")
+
+
+def _x(r):
+    return "-" if r.get("x_roofline") is None else f"{r['x_roofline']:.2f}x"
 
 
 def _table(header, rows):
@@ -86,10 +103,11 @@ def write_md(results, path, png_note=None):
     by_key = {}
     floors = {}
     for r in layer:
-        if r["provider"] == "linear-bf16":
+        if r["provider"] in FLOOR_PROVIDERS:
             floors[_floor_key(r)] = r
         else:
             by_key.setdefault(_layer_key(r), {})[r["provider"]] = r
+    roof_dev, roof_label = _roof_device(meta)
     d8 = [p for p in DORAFP8_PROVIDERS if any(r["provider"] == p for r in layer)]
     peft = [p for p in PEFT_PROVIDERS if any(r["provider"] == p for r in layer)]
 
@@ -103,8 +121,13 @@ def write_md(results, path, png_note=None):
         f"- commit {meta['commit']}, {meta['date']}, wall {meta.get('wall_s', '?')} s",
         f"- timing: {meta['timing']}" + ("; triton under TRITON_INTERPRET=1" if meta.get("triton_interpret") else ""),
     ]
+    if meta.get("driver"):
+        out.append(f"- driver {meta['driver']}, compute capability {meta.get('capability')}, {meta.get('sms')} SMs")
     if meta.get("copy_gbps"):
         out.append(f"- measured copy bandwidth (large D2D copy, read + write): {meta['copy_gbps']:.0f} GB/s")
+    pk = PEAKS[roof_dev]
+    out.append(f"- roofline floors on {roof_label} datasheet peaks: bf16/fp16 {pk['bf16']:g}, fp8 {pk['fp8']:g}, "
+               f"fp32 (no tensor cores) {pk['fp32']:g} TFLOP/s dense, DRAM {pk['gbps']:g} GB/s (bench/README.md)")
     out += [
         "- FLOPs are the useful work of the DoRA math (the same for every DoRA provider of a case); bytes the minimum",
         "  traffic with the base weight in the provider's storage dtype. Shapes are KxN = in x out features, M tokens.",
@@ -114,8 +137,13 @@ def write_md(results, path, png_note=None):
     def case_order(k):  # M varies fastest, so a block of rows reads like a curve
         return (_shape_key(k[0]), k[2], k[3], TIMED_MODES.index(k[4]) if k[4] in TIMED_MODES else -1, k[5], k[1] or 0)
 
-    def floor_of(key):
-        return floors.get((key[0], key[1], key[3], base_mode(key[4]))) if key[4] in TIMED_MODES else None
+    def floor_rec(key, fprov):  # the floor provider's record for this case (its full call for *-cachednorm)
+        if key[4] not in TIMED_MODES:
+            return None
+        return floors.get((fprov, key[0], key[1], key[3], base_mode(key[4])))
+
+    def floor_of(key, prov):  # the floor a provider is compared with
+        return floor_rec(key, floor_provider(prov))
 
     def peft_of(key):  # PEFT has no cached-norm forward: a cached dorafp8 call is compared with PEFT's full call
         return by_key.get(key[:4] + (base_mode(key[4]),) + key[5:], {})
@@ -126,44 +154,74 @@ def write_md(results, path, png_note=None):
     rows = []
     for key in keys:
         provs = by_key[key]
-        floor = floor_of(key)
         theirs = peft_of(key)
         for p in d8:
             if p not in provs:
                 continue
             mine = provs[p]
+            floor = floor_of(key, p)
             rows.append(
                 [key[0], "-" if key[1] is None else key[1], key[2], key[3], key[4], f"{key[5]:g}", p, _ms(mine["ms"]),
                  "-" if mine["tflops"] is None else f"{mine['tflops']:.3g}"]
                 + [_ratio(theirs[q]["ms"], mine["ms"]) if q in theirs else "-" for q in peft]
-                + [_ratio(mine["ms"], floor["ms"]) if floor else "-"]
+                + [_ratio(mine["ms"], floor["ms"]) if floor else "-",
+                   _us((mine.get("roofline_ms") or {}).get(roof_dev)), _x(mine)]
             )
     out += ["## dorafp8 vs PEFT DoRA and vs the floor", "",
             "vs PEFT = PEFT ms / dorafp8 ms (above 1: dorafp8 is faster). x floor = dorafp8 ms / plain linear ms "
-            "(forward + input gradient through cuBLAS, no dropout, no rank: 1.00x would be free DoRA). "
+            "(forward + input gradient, no dropout, no rank: 1.00x would be free DoRA): linear-bf16 (cuBLAS) for "
+            "the W8A16 providers, linear-fp8-rowwise (torch._scaled_mm) for dorafp8-triton-w8a8. "
             "norm = the weight norm alone. *-cachednorm = the call given the weight norm computed earlier (every "
             "gradient-accumulation micro-batch after the first), compared with PEFT's and the floor's full call. "
-            "TFLOP/s of the useful DoRA work.", ""]
+            f"TFLOP/s of the useful DoRA work. roofline us = the case's floor on {roof_label} (see Roofline below); "
+            "x roofline = measured / that floor (on a GPU with known peaks only).", ""]
     if rows:
         out.append(_table(["shape", "M", "r", "dtype", "mode", "p", "dorafp8", "ms", "TFLOP/s"]
-                          + [f"vs {q}" for q in peft] + ["x floor"], rows))
+                          + [f"vs {q}" for q in peft] + ["x floor", "roofline us", "x roofline"], rows))
     else:
         out.append("_no dorafp8 results_")
     out.append("")
 
     # Every provider's median ms, one row per case.
-    provs_all = [p for p in _provider_order(layer) if p != "linear-bf16"]
+    provs_all = [p for p in _provider_order(layer) if p not in FLOOR_PROVIDERS]
+    floor_provs = [p for p in FLOOR_PROVIDERS if any(r["provider"] == p for r in layer)]
     rows = []
     for key in keys:
-        floor = floor_of(key)
         rows.append([key[0], "-" if key[1] is None else key[1], key[2], key[3], key[4], f"{key[5]:g}"]
                     + [_ms(by_key[key][p]["ms"]) if p in by_key[key] else "-" for p in provs_all]
-                    + [_ms(floor["ms"]) if floor else "-"])
+                    + [_ms(floor_rec(key, f)["ms"]) if floor_rec(key, f) else "-" for f in floor_provs])
     out += ["## All median times (ms)", "",
-            "linear-bf16 is the floor: a plain nn.Linear in the activation dtype (no rank, no dropout).", ""]
-    out.append(_table(["shape", "M", "r", "dtype", "mode", "p"] + provs_all + ["linear-bf16"], rows)
+            "The floors: linear-bf16, a plain nn.Linear in the activation dtype, and linear-fp8-rowwise, "
+            "torch._scaled_mm on per-token e4m3 activations and a per-row e4m3 weight (no rank, no dropout; their "
+            "cached-norm rows repeat the full call).", ""]
+    out.append(_table(["shape", "M", "r", "dtype", "mode", "p"] + provs_all + floor_provs, rows)
                if rows else "_no results_")
     out.append("")
+
+    # Roofline: every measured layer case against its floor on each device's datasheet peaks.
+    roof = [r for r in records if r["mode"] != "step" and r.get("roofline_ms")
+            and any(v is not None for v in r["roofline_ms"].values())]
+    if roof:
+        devs = list(PEAKS)
+        order = _provider_order(roof)
+        roof.sort(key=lambda r: (_shape_key(r["shape"]), r["rank"], r["dtype"],
+                                 TIMED_MODES.index(r["mode"]) if r["mode"] in TIMED_MODES else -1, r["dropout"],
+                                 r["tokens"] or 0, order.index(r["provider"])))
+        rows = [[r["shape"], "-" if r["tokens"] is None else r["tokens"], r["rank"], r["dtype"], r["mode"],
+                 f"{r['dropout']:g}", r["provider"]]
+                + [_us(r["roofline_ms"].get(d)) + f" ({(r.get('roofline_bound') or {}).get(d) or '-'})" for d in devs]
+                + [_ms(r["ms"]) if r["status"] == "ok" else r["status"], _x(r)]
+                for r in roof]
+        out += ["## Roofline", "",
+                "Floor = the largest of three times: the base-GEMM FLOPs at the tensor-core rate of the provider "
+                "(fp8 for the W8A8 providers, else the activation dtype's; fp32 activations: the fp32 non-tensor "
+                "rate) plus the norm and rank-r FLOPs at their adapters' rate (fp32 adapters: the fp32 non-tensor "
+                "rate), each unit's work summed; and the minimum bytes at the DRAM bandwidth. In brackets the "
+                "resource that sets it (tensor, fp32, memory). Datasheet peaks: dense, boost clock; measured "
+                "matrix rates and copy bandwidth reach ~80% and ~90% of them. x roofline = measured ms / this "
+                "device's floor (written on a GPU with known peaks only: on a CPU, only the floors).", "",
+                _table(["shape", "M", "r", "dtype", "mode", "p", "provider"]
+                       + [f"{PEAKS[d]['name']} us" for d in devs] + ["measured ms", "x roofline"], rows), ""]
 
     # the norm
     norms = [r for r in layer if r["mode"] == "norm"]
@@ -205,8 +263,8 @@ def write_md(results, path, png_note=None):
                 for r in sorted(steps, key=lambda r: (r["dtype"], r["dropout"],
                                                       _provider_order(steps).index(r["provider"])))]
         out += ["## One training step of a small LLaMA-style model", "",
-                "forward + loss + backward + AdamW step over all adapters (q,k,v,o,gate,up,down). linear-bf16: the "
-                "frozen model's forward + input gradients only. weight = the adapted linears' weights.", "",
+                "forward + loss + backward + AdamW step over all adapters (q,k,v,o,gate,up,down). linear-bf16 / "
+                "linear-fp8-rowwise: the frozen model's forward + input gradients only (no adapters). weight = the adapted linears' weights.", "",
                 _table(["model", "tokens", "r", "dtype", "p", "provider", "ms", "vs peft-dora", "tokens/s",
                         "weight MiB", "peak MiB"], rows), ""]
 
@@ -249,7 +307,7 @@ def write_pngs(results, out_dir, rank=16, dtype="bf16"):
         want = mode if r["provider"].startswith("dorafp8-") else base_mode(mode)
         if r["mode"] != want or r["dtype"] != dtype:
             return False
-        if r["provider"] == "linear-bf16":  # the floor: no rank, no dropout
+        if r["provider"] in FLOOR_PROVIDERS:  # the floors: no rank, no dropout
             return True
         return r["rank"] == rank and (p is None or r["dropout"] == p)
 
@@ -264,7 +322,8 @@ def write_pngs(results, out_dir, rank=16, dtype="bf16"):
                 for prov in _provider_order(rs):
                     pts = sorted((r["tokens"], r["ms"]) for r in rs if r["shape"] == shape and r["provider"] == prov)
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", label=prov, linestyle="--" if prov == "linear-bf16" else "-")
+                        ax.plot(*zip(*pts), marker="o", label=prov,
+                                linestyle="--" if prov in FLOOR_PROVIDERS else "-")
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
                 ax.set_title(f"{shape} (KxN)", fontsize=9)

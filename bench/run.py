@@ -39,7 +39,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(C.PRESETS), default="full",
                     help="default grid: full (all of the issue's cases: hours on a GPU), quick (LLaMA-3-8B shapes, "
-                         "M 2048/8192, r 16/64, bf16; sized for one 10-minute GPU call, not yet timed on one), smoke (tiny, CPU)")
+                         "M 2048/8192, r 16/64, bf16; not yet timed on a GPU), headline (the GPU issue's 156 cases: "
+                         "what bench/gpu_session.sh runs), smoke (tiny, CPU)")
     ap.add_argument("--smoke", action="store_true", help="same as --preset smoke: the tiny CPU check (CI)")
     ap.add_argument("--shapes", help=f"KxN list (in x out features); default {C.FULL['shapes']}")
     ap.add_argument("--tokens", help=f"M list; default {C.FULL['tokens']}")
@@ -53,8 +54,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", help="cuda or cpu (default: cuda if available; cpu with --smoke)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (GPU)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (GPU)")
-    ap.add_argument("--cpu-reps", type=int, default=None, help="timed calls per case on CPU (default 3 smoke, 5 else)")
+    ap.add_argument("--cpu-reps", type=int, default=None,
+                    help="timed calls per case on CPU, at least (more, up to 50, until 50 ms are covered); default 1 "
+                         "with --smoke (a Triton-interpreter call takes far longer than 50 ms), 5 else")
     ap.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    ap.add_argument("--interpreter-steps", action="store_true",
+                    help="on CPU, also run the model step of the providers that run under the Triton interpreter "
+                         "(tens of seconds per step; skipped by default, with that reason)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
@@ -64,7 +70,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.cpu_reps is None:
-        args.cpu_reps = 3 if args.smoke else 5
+        args.cpu_reps = 1 if args.smoke else 5
     return args
 
 
@@ -73,6 +79,11 @@ def parse_args(argv=None):
 
 
 def _git_commit() -> str:
+    """HEAD (+dirty) of this checkout; where there is no git (a copied tree, as on a lent GPU machine), whatever
+    $DORAFP8_COMMIT says (bench/gpu_session.sh's caller puts the commit there), else "unknown"."""
+    env = os.environ.get("DORAFP8_COMMIT")
+    if env:
+        return env
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
@@ -95,19 +106,36 @@ def _version(mod):
         return None
 
 
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0].strip() if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name = props.name
         l2 = getattr(props, "L2_cache_size", None)
         timing = "triton.testing.do_bench median (CUDA events)"
+        extra = dict(driver=_driver_version(), capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+                     sms=props.multi_processor_count, memory_bytes=props.total_memory)
     else:
         name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores visible)"
         l2 = None
         timing = "time.perf_counter median on CPU: no speed claims"
+        extra = dict(driver=None)
+    # The datasheet peaks the measured times are set against (None: no known peaks for this device, or a CPU).
+    peak = C.peak_key(name) if device.type == "cuda" else None
     return dict(
         device=name,
         device_type=device.type,
+        **extra,
+        roofline_device=peak,
+        peaks=C.PEAKS,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         triton=_version("triton"),
@@ -123,8 +151,7 @@ def environment(device: torch.device) -> dict:
     )
 
 
-def device_slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in name.split("(")[0].strip()).strip("-").lower() or "device"
+device_slug = C.device_slug
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,12 +239,16 @@ class Runner:
         self.timer = Timer(device, args)
         self.records: list[dict] = []
         self.skipped: dict[str, str] = {}  # provider -> reason (whole provider cannot run here)
+        self.step_skipped: dict[str, str] = {}  # provider -> reason its model step is not run
         self._t_case = time.perf_counter()
         self._say = print
 
     # -- records --------------------------------------------------------------------------------------------
     def record(self, case: C.Case, status, *, ms=None, peak=None, extra=None, wbytes=None, note="", **more):
         flops, nbytes = C.work(case)
+        roof = {dev: C.roofline(case, dev) for dev in C.PEAKS}
+        roof_ms = {dev: (None if v is None else v[0]) for dev, v in roof.items()}
+        here = self.env.get("roofline_device")
         rec = dict(
             device=self.env["device"],
             torch=self.env["torch"],
@@ -241,6 +272,11 @@ class Runner:
             bytes=nbytes,
             tflops=(flops / (ms * 1e-3) / 1e12) if (ms and flops) else None,
             gbps=(nbytes / (ms * 1e-3) / 1e9) if (ms and nbytes) else None,
+            # The floor of this case on each device's datasheet peaks, the resource that sets it, and measured /
+            # floor on this device (a GPU with known peaks only; on CPU only the floors are written).
+            roofline_ms=roof_ms,
+            roofline_bound={dev: (None if v is None else v[1]) for dev, v in roof.items()},
+            x_roofline=(ms / roof_ms[here]) if (ms and here and roof_ms.get(here)) else None,
             peak_mem_bytes=peak,
             peak_extra_bytes=extra,
             weight_bytes=wbytes,
@@ -366,8 +402,9 @@ class Runner:
 
         pbar.set_postfix_str(case.label)
         self._t_case = time.perf_counter()
-        if case.provider in self.skipped:
-            self.record(case, "skipped", note=self.skipped[case.provider], model=spec.label)
+        why = self.skipped.get(case.provider) or self.step_skipped.get(case.provider)
+        if why:
+            self.record(case, "skipped", note=why, model=spec.label)
             return pbar.update(1)
         step = None
         try:
@@ -443,7 +480,8 @@ def main(argv=None):
             sys.exit(f"unknown dtype {d!r}; choose from {', '.join(C.DTYPES)}")
     if device.type == "cpu" and args.smoke:
         torch.set_num_threads(1)  # tiny shapes: threads only add overhead (and load on a shared machine)
-    if device.type == "cpu" and "dorafp8-triton" in providers:
+    interpreted = [p for p in providers if C.DORAFP8_BACKENDS.get(p, ("",))[0] in ("triton", "cublas")]
+    if device.type == "cpu" and interpreted:
         # Triton reads this when kernels are defined, i.e. when dorafp8 is first imported (lazily, below).
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -468,7 +506,8 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     if not env["speed_claims"]:
         print("NOTE: CPU run: times are perf_counter medians (NO SPEED CLAIMS)"
-              + ("; dorafp8-triton runs under the Triton interpreter" if env["triton_interpret"] else "") + ".")
+              + (f"; {', '.join(interpreted)} run under the Triton interpreter" if env["triton_interpret"] and
+                 interpreted else "") + ".")
     runner = Runner(args, device, env)
     for prov in providers:
         try:
@@ -476,6 +515,11 @@ def main(argv=None):
         except P.Skip as e:
             runner.skipped[prov] = str(e)
             print(f"skip {prov}: {e}")
+    if device.type == "cpu" and not args.interpreter_steps:
+        for prov in interpreted:
+            runner.step_skipped.setdefault(
+                prov, "model step not run on CPU for providers under the Triton interpreter (tens of seconds per "
+                      "step; the layer cases above and tests/test_peft.py cover them; --interpreter-steps runs it)")
 
     t0 = time.perf_counter()
     env["copy_gbps"] = copy_bandwidth(device, runner.timer)
