@@ -1,8 +1,9 @@
 """python -m dorafp8.demo: PEFT's DoRA vs dorafp8 side by side, with what a user decides on (CPU: about a minute).
 
 1. Trains a LLaMA-style model built from a config (no download) for a few AdamW steps on the same synthetic batches,
-   three ways: PEFT's DoRA on the original-precision base, PEFT's DoRA on the fp8 base dequantized to full precision
-   (the exact twin of dorafp8's math), and dorafp8 on the fp8 weights themselves. Prints the three loss curves.
+   four ways: PEFT's DoRA on the original-precision base, PEFT's DoRA on the fp8 base dequantized to full precision
+   (the exact twin of dorafp8's math), dorafp8 on the fp8 weights themselves, and dorafp8 with the activations in fp8
+   too (W8A8, act_quant="rowwise"). Prints the loss curves.
 2. Measures memory: the bytes the base weights of the DoRA layers occupy, and the peak memory a training step
    allocates on top of the model, for the model and for one 4096 x 4096 layer (a 7B-class projection).
    On CPU the allocations are tracked op by op (dorafp8._memory); on a GPU by torch.cuda.max_memory_allocated.
@@ -39,7 +40,10 @@ def _models(args, transformers, peft, dorafp8):
     for name, mod in twin.named_modules():
         if name in fp8:
             mod.weight.data = fp8[name].dequantize(mod.weight.dtype)
-    return cfg, n, {"PEFT, original base": original, "PEFT, dequantized fp8 base": twin, "dorafp8, fp8 base": ours}
+    w8a8 = copy.deepcopy(ours)
+    dorafp8.set_act_quant(w8a8, "rowwise")
+    return cfg, n, {"PEFT, original base": original, "PEFT, dequantized fp8 base": twin, "dorafp8, fp8 base": ours,
+                    "dorafp8 W8A8": w8a8}
 
 
 def _train(model, batches, device):
@@ -131,9 +135,11 @@ def main(argv=None) -> None:
         print(f"{i:>4}  " + "  ".join(f"{results[k][0][i]:>26.5f}" for k in names))
     twin, ours = results["PEFT, dequantized fp8 base"][0], results["dorafp8, fp8 base"][0]
     orig = results["PEFT, original base"][0]
+    w8a8 = results["dorafp8 W8A8"][0]
     print(f"max |loss difference|: dorafp8 vs PEFT on the same (dequantized fp8) weights "
           f"{max(abs(a - b) for a, b in zip(ours, twin)):.1e} (the same math); dorafp8 vs PEFT on the original "
-          f"weights {max(abs(a - b) for a, b in zip(ours, orig)):.1e} (the fp8 rounding of the base)")
+          f"weights {max(abs(a - b) for a, b in zip(ours, orig)):.1e} (the fp8 rounding of the base); W8A8 vs "
+          f"W8A16 {max(abs(a - b) for a, b in zip(w8a8, ours)):.1e} (activations rounded to e4m3 as well)")
 
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "allocations tracked op by op"
     fp8_layers = lambda name, t: "base_layer" in name  # noqa: E731

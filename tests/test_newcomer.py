@@ -226,7 +226,8 @@ def test_demo_prints_what_a_user_decides_on():
     out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3'])")
     assert "backends on cpu: auto -> reference" in out
     assert "dorafp8 backend: reference" in out
-    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out  # the loss table, three curves
+    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out  # the loss table: 4 curves
+    assert "W8A8 vs W8A16" in out
     assert "NOT speed claims" in out
     mem = re.search(r"one 4096 x 4096 layer: peak of a step, 8 tokens\s+([\d.]+) MiB\s+([\d.]+) MiB", out)
     assert mem, out
