@@ -39,7 +39,8 @@ dorafp8::DType compute_dtype(const at::Tensor& t, const char* name) {
   return dorafp8::DType::kFloat32;  // unreachable
 }
 
-// The fp8 weight and its scale; returns whether the scale is per row.
+// The fp8 weight and its scale (0-dim: per tensor; [N]: per row, even when N == 1, since dgrad's operands carry a
+// per-row scale already and must not see it twice); returns whether the scale is per row.
 bool check_weight(const at::Tensor& w8, const at::Tensor& scale, const at::Tensor& ref) {
   CHECK_CUDA(w8);
   CHECK_SAME_DEVICE(w8, ref);
@@ -50,9 +51,24 @@ bool check_weight(const at::Tensor& w8, const at::Tensor& scale, const at::Tenso
   CHECK_DTYPE(scale, at::kFloat);
   CHECK_CONTIGUOUS(scale);
   const int64_t N = w8.size(0);
-  TORCH_CHECK(scale.numel() == 1 || (scale.dim() == 1 && scale.size(0) == N),
-              "scale must have one element or shape [", N, "], got shape ", scale.sizes());
-  return scale.numel() != 1;
+  TORCH_CHECK(scale.dim() == 0 || (scale.dim() == 1 && scale.size(0) == N),
+              "scale must be 0-dim (per tensor) or have shape [", N, "] (per row), got shape ", scale.sizes());
+  return scale.dim() == 1;
+}
+
+// A rank-r operand (u, B, v, A) or z: the compute dtype of `ref`, or fp32 (fp32 adapters on 16-bit activations).
+// Returns whether it is fp32 while the compute dtype is not.
+bool check_rank_dtype(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type() || t.scalar_type() == at::kFloat, name, " must be ",
+              ref.scalar_type(), " (the compute dtype) or float32, got ", t.scalar_type());
+  return t.scalar_type() != ref.scalar_type();
+}
+
+// A one-element fp32 scalar on the device (rl, rb).
+void check_scalar(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but gl is on ", ref.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == 1, name, " must have one element, got shape ", t.sizes());
 }
 
 const void* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
@@ -105,6 +121,7 @@ void weight_norm(const at::Tensor& w8, const at::Tensor& scale, const at::Tensor
 // ------------------------------------------------------------------------------------------------ forward
 
 // y (and z) of the contract, written into the given outputs. c None: plain FP8 linear (u, B, xd, z must be None).
+// u, B: the compute dtype or both fp32; z: the compute dtype or fp32.
 void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale, const std::optional<at::Tensor>& bias_,
              const std::optional<at::Tensor>& c_, const std::optional<at::Tensor>& u_,
              const std::optional<at::Tensor>& B_, double s, const std::optional<at::Tensor>& xd_, at::Tensor& y,
@@ -127,6 +144,7 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
     CHECK_CONTIGUOUS(bias);
   }
   int64_t r = 0;
+  bool rank_f32 = false, z_f32 = false;
   if (c_.has_value()) {
     const at::Tensor& c = *c_;
     CHECK_SAME_DEVICE(c, x);
@@ -140,10 +158,10 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
     r = u.size(1);
     TORCH_CHECK(r <= INT32_MAX, "u: rank too large");
     CHECK_SAME_DEVICE(u, x);
-    CHECK_DTYPE(u, x.scalar_type());
+    rank_f32 = check_rank_dtype(u, x, "u");
     CHECK_CONTIGUOUS(u);
     CHECK_SAME_DEVICE(B, x);
-    CHECK_DTYPE(B, x.scalar_type());
+    CHECK_DTYPE(B, u.scalar_type());
     CHECK_SHAPE(B, N, r);
     CHECK_CONTIGUOUS(B);
     if (xd_.has_value()) {
@@ -156,7 +174,7 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
     if (z_.has_value()) {
       const at::Tensor& z = *z_;
       CHECK_SAME_DEVICE(z, x);
-      CHECK_DTYPE(z, x.scalar_type());
+      z_f32 = check_rank_dtype(z, x, "z");
       CHECK_SHAPE(z, M, N);
       CHECK_CONTIGUOUS(z);
     }
@@ -186,70 +204,78 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
   p.r = static_cast<int>(r);
   p.s = static_cast<float>(s);
   p.scale_per_row = per_row;
+  p.rank_f32 = rank_f32;
+  p.z_f32 = z_f32;
   CHECK_LAUNCH(dorafp8::forward(p, dt, stream), "forward");
 }
 
 // ------------------------------------------------------------------------------------------------ dgrad
 
-// dx of the contract, written into dx. scale_ref: fp32 [1], max |scale| when scale is per row (else ignored).
-void dgrad(const at::Tensor& g, const at::Tensor& w8, const at::Tensor& scale, const at::Tensor& scale_ref,
-           const std::optional<at::Tensor>& c_, const std::optional<at::Tensor>& v_,
-           const std::optional<at::Tensor>& A_, double s, const std::optional<at::Tensor>& mask_, double p_drop,
-           at::Tensor& dx) {
-  CHECK_CUDA(g);
-  CHECK_ROWS(g);
-  const dorafp8::DType dt = compute_dtype(g, "g");
-  const bool per_row = check_weight(w8, scale, g);
-  const int64_t M = g.size(0), N = w8.size(0), K = w8.size(1);
-  TORCH_CHECK(g.size(1) == N, "g must have ", N, " columns (w8 is [", N, ", ", K, "]), got shape ", g.sizes());
-  CHECK_SAME_DEVICE(scale_ref, g);
-  CHECK_DTYPE(scale_ref, at::kFloat);
-  TORCH_CHECK(scale_ref.numel() == 1, "scale_ref must have one element, got shape ", scale_ref.sizes());
-  CHECK_SAME_DEVICE(dx, g);
-  CHECK_DTYPE(dx, g.scalar_type());
+// dx of the contract from the prepared operands, written into dx. gl (and gb) carry per-row scales already; rl, rb:
+// fp32 one-element scalars. v None: plain FP8 linear (A, mask, gb, rb must be None); mask given: dropout (gb, rb
+// required).
+void dgrad(const at::Tensor& gl, const at::Tensor& rl, const at::Tensor& w8, const at::Tensor& scale,
+           const std::optional<at::Tensor>& v_, const std::optional<at::Tensor>& A_, double s,
+           const std::optional<at::Tensor>& mask_, double p_drop, const std::optional<at::Tensor>& gb_,
+           const std::optional<at::Tensor>& rb_, at::Tensor& dx) {
+  CHECK_CUDA(gl);
+  CHECK_ROWS(gl);
+  const dorafp8::DType dt = compute_dtype(gl, "gl");
+  const bool per_row = check_weight(w8, scale, gl);
+  const int64_t M = gl.size(0), N = w8.size(0), K = w8.size(1);
+  TORCH_CHECK(gl.size(1) == N, "gl must have ", N, " columns (w8 is [", N, ", ", K, "]), got shape ", gl.sizes());
+  check_scalar(rl, gl, "rl");
+  CHECK_SAME_DEVICE(dx, gl);
+  CHECK_DTYPE(dx, gl.scalar_type());
   CHECK_SHAPE(dx, M, K);
   CHECK_CONTIGUOUS(dx);
   int64_t r = 0;
-  if (c_.has_value()) {
-    const at::Tensor& c = *c_;
-    CHECK_SAME_DEVICE(c, g);
-    CHECK_DTYPE(c, at::kFloat);
-    CHECK_SHAPE(c, N);
-    CHECK_CONTIGUOUS(c);
-    TORCH_CHECK(v_.has_value() && A_.has_value(), "v and A are required when c is given");
+  bool rank_f32 = false;
+  if (v_.has_value()) {
+    TORCH_CHECK(A_.has_value(), "A is required when v is given");
     const at::Tensor& v = *v_;
     const at::Tensor& A = *A_;
     TORCH_CHECK(v.dim() == 2 && v.size(0) == M, "v must have shape [", M, ", r], got ", v.sizes());
     r = v.size(1);
     TORCH_CHECK(r <= INT32_MAX, "v: rank too large");
-    CHECK_SAME_DEVICE(v, g);
-    CHECK_DTYPE(v, g.scalar_type());
+    CHECK_SAME_DEVICE(v, gl);
+    rank_f32 = check_rank_dtype(v, gl, "v");
     CHECK_CONTIGUOUS(v);
-    CHECK_SAME_DEVICE(A, g);
-    CHECK_DTYPE(A, g.scalar_type());
+    CHECK_SAME_DEVICE(A, gl);
+    CHECK_DTYPE(A, v.scalar_type());
     CHECK_SHAPE(A, r, K);
     CHECK_CONTIGUOUS(A);
     if (mask_.has_value()) {
       const at::Tensor& mask = *mask_;
-      CHECK_SAME_DEVICE(mask, g);
+      CHECK_SAME_DEVICE(mask, gl);
       CHECK_DTYPE(mask, at::kBool);
       CHECK_ROWS(mask);
       CHECK_SHAPE(mask, M, K);
       TORCH_CHECK(p_drop >= 0.0 && p_drop < 1.0, "p must be in [0, 1) with a mask, got ", p_drop);
+      TORCH_CHECK(gb_.has_value() && rb_.has_value(), "gb and rb are required with a mask (dropout)");
+      const at::Tensor& gb = *gb_;
+      CHECK_SAME_DEVICE(gb, gl);
+      CHECK_DTYPE(gb, gl.scalar_type());
+      CHECK_ROWS(gb);
+      CHECK_SHAPE(gb, M, N);
+      check_scalar(*rb_, gl, "rb");
+    } else {
+      TORCH_CHECK(!gb_.has_value() && !rb_.has_value(), "gb and rb must be None without a mask (no dropout)");
     }
   } else {
-    TORCH_CHECK(!v_.has_value() && !A_.has_value() && !mask_.has_value(),
-                "v, A and mask must be None when c is None (plain FP8 linear)");
+    TORCH_CHECK(!A_.has_value() && !mask_.has_value() && !gb_.has_value() && !rb_.has_value(),
+                "A, mask, gb and rb must be None when v is None (plain FP8 linear)");
   }
 
-  const c10::cuda::CUDAGuard guard(g.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(g.device().index()).stream();
+  const c10::cuda::CUDAGuard guard(gl.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(gl.device().index()).stream();
   dorafp8::DgradParams p{};
-  p.g = g.data_ptr();
+  p.gl = gl.data_ptr();
+  p.gb = opt_ptr(gb_);
+  p.rl = rl.data_ptr<float>();
+  p.rb = rb_.has_value() ? rb_->data_ptr<float>() : nullptr;
   p.w8 = static_cast<const uint8_t*>(w8.data_ptr());
   p.scale = scale.data_ptr<float>();
-  p.scale_ref = scale_ref.data_ptr<float>();
-  p.c = c_.has_value() ? c_->data_ptr<float>() : nullptr;
   p.v = opt_ptr(v_);
   p.A = opt_ptr(A_);
   p.mask = mask_.has_value() ? static_cast<const uint8_t*>(mask_->data_ptr()) : nullptr;
@@ -257,12 +283,14 @@ void dgrad(const at::Tensor& g, const at::Tensor& w8, const at::Tensor& scale, c
   p.M = M;
   p.N = N;
   p.K = K;
-  p.ldg = g.stride(0);
+  p.ldgl = gl.stride(0);
+  p.ldgb = gb_.has_value() ? gb_->stride(0) : 0;
   p.ldmask = mask_.has_value() ? mask_->stride(0) : 0;
   p.r = static_cast<int>(r);
   p.s = static_cast<float>(s);
   p.inv_keep = static_cast<float>(mask_.has_value() ? 1.0 / (1.0 - p_drop) : 1.0);
   p.scale_per_row = per_row;
+  p.rank_f32 = rank_f32;
   CHECK_LAUNCH(dorafp8::dgrad(p, dt, stream), "dgrad");
 }
 
@@ -281,9 +309,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "DoRA / plain FP8 linear forward into y (and z)", py::arg("x"), py::arg("w8"),
         py::arg("scale"), py::arg("bias"), py::arg("c"), py::arg("u"), py::arg("B"), py::arg("s"), py::arg("xd"),
         py::arg("y"), py::arg("z"));
-  m.def("dgrad", &dgrad, "DoRA / plain FP8 linear input gradient into dx", py::arg("g"), py::arg("w8"),
-        py::arg("scale"), py::arg("scale_ref"), py::arg("c"), py::arg("v"), py::arg("A"), py::arg("s"),
-        py::arg("mask"), py::arg("p"), py::arg("dx"));
+  m.def("dgrad", &dgrad, "DoRA / plain FP8 linear input gradient from the prepared operands, into dx",
+        py::arg("gl"), py::arg("rl"), py::arg("w8"), py::arg("scale"), py::arg("v"), py::arg("A"), py::arg("s"),
+        py::arg("mask"), py::arg("p"), py::arg("gb"), py::arg("rb"), py::arg("dx"));
   m.def("kernel_image_error", &kernel_image_error,
         "'' when this build has kernel code for the given CUDA device, else why not", py::arg("device_index"));
 }

@@ -1,6 +1,7 @@
 // dorafp8 CUDA kernels: DoRA straight from an FP8 e4m3 base weight (the contract of dorafp8/backends.py).
 //
-// Three kernels touch the [N, K] fp8 weight; everything rank-r outside them is PyTorch (dorafp8/ops.py).
+// Three kernels touch the [N, K] fp8 weight (per-tensor or per-row scales); the rank-r GEMMs outside them and the
+// backward pass are the Triton backend's (dorafp8/cuda_backend.py).
 //
 // weight_norm  n[j] = || scale_j w8[j,:] + s (B A)[j,:] ||. Block = 32 rows x the K tiles of one K split (tiles of
 //              128), 256 threads, each thread a 4-row x 4-column micro-tile. W8 comes in 16 bytes per thread into
@@ -22,15 +23,21 @@
 //              the rank-r term u B^T is accumulated by more mma steps into the same accumulators after they are
 //              scaled by scale_j / s (acc * scale_j / s + u B^T, times s, = x W0^T + s u B^T: no extra registers).
 //
-// dgrad        dx = g' W0 where the reduction runs over N, the contiguous dim of nothing in W8's layout: ldmatrix.trans
-//              on the fp8 tile (viewed as 16-bit) gives lane (g, t) rows 2t, 2t+1 x byte columns 2g, 2g+1; one byte
-//              permute splits them into the B fragments of two n8 tiles, the even and the odd output columns. So the
-//              accumulators of a 16-column group hold columns 16c + 2j (+1), and a lane ends up with 4 consecutive
-//              output columns. Block tile BM x 128 output columns x 32 reduction rows, same warps and pipeline. The
-//              per-row factors c_n (and scale_n / max scale for per-row scales) multiply g's fragments in registers
-//              (rounded once to the 16-bit type; the per-tensor scale stays out of the 16-bit operand so fp16 g never
-//              underflows). s v A is accumulated like forward's rank-r term; its A tile is stored with the same
-//              even/odd column interleave.
+// dgrad        dx from the operands the backward pass prepared (gl = g * f / rl, gb = g * srow / rb; per-row scales and
+//              c are already in them): the GEMMs gl W8 (and gb W8 with dropout) where the reduction runs over N, the
+//              contiguous dim of nothing in W8's layout: ldmatrix.trans on the fp8 tile (viewed as 16-bit) gives lane
+//              (g, t) rows 2t, 2t+1 x byte columns 2g, 2g+1; one byte permute splits them into the B fragments of two
+//              n8 tiles, the even and the odd output columns. So the accumulators of a 16-column group hold columns
+//              16c + 2j (+1), and a lane ends up with 4 consecutive output columns. Block tile BM x 128 output
+//              columns x 32 reduction rows, same warps and pipeline. The converted W8 fragments are the only thing
+//              the main loop computes on besides the mma: gl and gb go from shared memory to the mma untouched, and
+//              with dropout both accumulators (gl W8, gb W8) share each converted fragment. The epilogue applies the
+//              scalars (rl st, rb st), accumulates s v A like forward's rank-r term (its A tile is stored with the
+//              same even/odd column interleave) and combines dropout's two terms with the mask.
+//
+// Rank-r terms with fp32 adapters on 16-bit activations (rank_f32): u B^T and v A run as fp32 FMA on the lane's own
+//              accumulator positions (u/B or v/A chunks of 32 in shared memory), so the fp32 adapters are never
+//              rounded to 16 bits; forward then also writes z in fp32 (z_f32).
 //
 // fp32 compute dtype: a plain SIMT path (64 x 64 tiles, 4 x 4 per thread, FMA), fp32-accurate, no tf32.
 //
@@ -205,6 +212,8 @@ __device__ __forceinline__ int64_t clamp_valid(int64_t remaining, int64_t width)
 constexpr int kThreads = 256;  // 8 warps in every kernel
 constexpr int kStages = 4;     // cp.async pipeline depth of the tensor-core GEMMs
 constexpr int kRankChunk = 32; // rank-r epilogues run over r in chunks of 32 (zero padded)
+constexpr int kRankPitchF = kRankChunk + 1;  // fp32 rank tiles [rows][33]: column reads of 8 rows hit 8 banks
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // Shared-memory tiles of 16-bit matrices with 32 columns (64-byte rows, four 16-byte chunks). Two swizzles of the
 // chunk index, each conflict-free for the way its tile is read:
@@ -240,6 +249,20 @@ __device__ __forceinline__ void load_tile32(uint8_t* tile, const uint16_t* __res
       for (int j = 0; j < 8; ++j) v[j] = j < valid ? src[gr * ld + gk + j] : uint16_t(0);
       sst<uint4>(dst, bits_as<uint4>(v));
     }
+  }
+}
+
+// Rows [r0, r0 + ROWS) x columns [c0, c0 + COLS) of a row-major fp32 matrix (rows x cols, row stride ld) into a
+// [ROWS][PITCH] fp32 tile, zeros outside the matrix (the fp32 rank-r operands: u, B, v, A with fp32 adapters).
+template <int ROWS, int COLS, int PITCH>
+__device__ __forceinline__ void load_tile_f32(float* tile, const float* __restrict__ src, int64_t ld, int64_t rows,
+                                              int64_t cols, int64_t r0, int64_t c0, int tid) {
+  static_assert((ROWS * COLS) % kThreads == 0, "load_tile_f32: whole elements per thread");
+#pragma unroll 4
+  for (int it = 0; it < ROWS * COLS / kThreads; ++it) {
+    const int e = tid + it * kThreads, row = e / COLS, col = e % COLS;
+    const int64_t gr = r0 + row, gc = c0 + col;
+    sst<float>(tile + row * PITCH + col, (gr < rows && gc < cols) ? src[gr * ld + gc] : 0.f);
   }
 }
 
@@ -410,8 +433,9 @@ struct FwdCfg {
   static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xd)
   static constexpr int kWBytes = BN * BK;                  // one fp8 tile
   static constexpr int kStageBytes = (DROP ? 2 : 1) * kXBytes + kWBytes;
-  static constexpr int kLoraBytes = BM * kRankChunk * 2 + BN * kRankChunk * 2;
-  static constexpr int kSmem = kStages * kStageBytes > kLoraBytes ? kStages * kStageBytes : kLoraBytes;
+  static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + BN * kRankChunk * 2,   // 16-bit u, B chunks
+                                         (BM + BN) * kRankPitchF * 4);                 // fp32 u, B chunks
+  static constexpr int kSmem = cmax(kStages * kStageBytes, kLoraBytes);
 };
 
 // Per-column epilogue of forward (the contract's formulas). a1, a2: the final accumulators (see the kernel).
@@ -551,7 +575,40 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
           acc2[DROP ? mt : 0][nt][e] *= pre;
         }
       }
-  if (lora) {
+  if (lora && p.rank_f32) {
+    // fp32 u, B: FMA on the lane's own accumulator positions (rows g, g + 8; columns 2t, 2t + 1 of each n8 tile).
+    const float* __restrict__ u = static_cast<const float*>(p.u);
+    const float* __restrict__ Bm = static_cast<const float*>(p.B);
+    float* su = reinterpret_cast<float*>(smem);     // [BM][kRankPitchF] u chunk
+    float* sb = su + BM * kRankPitchF;              // [BN][kRankPitchF] B chunk (rows = output columns)
+    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
+      block_sync();  // everyone is done with the previous contents of shared memory
+      load_tile_f32<BM, kRankChunk, kRankPitchF>(su, u, p.r, M, p.r, m0, q0, tid);
+      load_tile_f32<BN, kRankChunk, kRankPitchF>(sb, Bm, p.r, N, p.r, n0, q0, tid);
+      block_sync();
+#pragma unroll 4
+      for (int q = 0; q < kRankChunk; ++q) {
+        float ua[MT][2], bv[NT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) ua[mt][h] = sld<float>(su + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) bv[nt][e] = sld<float>(sb + (wn0 + nt * 8 + 2 * t + e) * kRankPitchF + q);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float& a = DROP ? acc2[DROP ? mt : 0][nt][e] : acc[mt][nt][e];
+              a = fmaf(ua[mt][e >> 1], bv[nt][e & 1], a);
+            }
+      }
+    }
+  } else if (lora) {
     const uint16_t* __restrict__ u = static_cast<const uint16_t*>(p.u);
     const uint16_t* __restrict__ Bm = static_cast<const uint16_t*>(p.B);
     uint8_t* su = smem;                                 // [BM][32] u chunk
@@ -583,7 +640,8 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
   // ---- store: lane (g, t) holds rows g, g + 8 x columns 2t, 2t + 1 of each m16 x n8 tile
   const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
   T* __restrict__ y = static_cast<T*>(p.y);
-  T* __restrict__ z = static_cast<T*>(p.z);
+  T* __restrict__ z = p.z_f32 ? nullptr : static_cast<T*>(p.z);
+  float* __restrict__ z32 = p.z_f32 ? static_cast<float*>(p.z) : nullptr;  // fp32 z (fp32 adapters)
   const T* __restrict__ bias = static_cast<const T*>(p.bias);
   const bool pair_ok = (N & 1) == 0 && reinterpret_cast<uintptr_t>(y) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(z) % 4 == 0;  // 4-byte aligned pair stores
@@ -617,6 +675,10 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
             if (z != nullptr) z[o + 1] = from_f32<T>(zv[1]);
           }
         }
+        if (z32 != nullptr) {
+          z32[o] = zv[0];
+          if (j + 1 < N) z32[o + 1] = zv[1];
+        }
       }
     }
 }
@@ -627,31 +689,17 @@ template <int BM, bool DROP>
 struct DgradCfg {
   static constexpr int BK = 128, BR = 32;                  // output columns (of K) x reduction rows (of N) per tile
   static constexpr int WM = BM / 2, MT = WM / 16, NT = 4;  // warp tile WM x 32 columns = 2 groups x (even, odd) n8
-  static constexpr int kGBytes = BM * BR * 2;              // g tile [BM][32] 16-bit
+  static constexpr int kGBytes = BM * BR * 2;              // one left-operand tile (gl, or gb) [BM][32] 16-bit
   static constexpr int kWBytes = BR * BK;                  // fp8 tile [32][128 bytes]
-  static constexpr int kFBytes = (DROP ? 2 : 1) * BR * 4;  // per-row factors of g (fp32)
-  static constexpr int kStageBytes = kGBytes + kWBytes + kFBytes;
-  static constexpr int kLoraBytes = BM * kRankChunk * 2 + kRankChunk * BK * 2;
-  static constexpr int kSmem = kStages * kStageBytes > kLoraBytes ? kStages * kStageBytes : kLoraBytes;
-  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+  static constexpr int kStageBytes = (DROP ? 2 : 1) * kGBytes + kWBytes;
+  static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + kRankChunk * BK * 2,          // 16-bit v, A chunks
+                                         (BM * kRankPitchF + kRankChunk * BK) * 4);         // fp32 v, A chunks
+  static constexpr int kSmem = cmax(kStages * kStageBytes, kLoraBytes);
+  static_assert(kStageBytes % 16 == 0 && (BM * kRankPitchF * 4) % 16 == 0, "tiles must stay 16-byte aligned");
 };
 
-// g fragment times per-k factors (fa for k = 2t, 2t+1; fb for k = 2t+8, 2t+9), rounded once to T.
-template <typename T>
-__device__ __forceinline__ void scale_frag(uint32_t (&out)[4], const uint32_t (&in)[4], float2 fa, float2 fb) {
-  float2 v = Pair<T>::unpack(in[0]);
-  out[0] = Pair<T>::pack(v.x * fa.x, v.y * fa.y);
-  v = Pair<T>::unpack(in[1]);
-  out[1] = Pair<T>::pack(v.x * fa.x, v.y * fa.y);
-  v = Pair<T>::unpack(in[2]);
-  out[2] = Pair<T>::pack(v.x * fb.x, v.y * fb.y);
-  v = Pair<T>::unpack(in[3]);
-  out[3] = Pair<T>::pack(v.x * fb.x, v.y * fb.y);
-}
-
 template <typename T, int BM, bool DROP>
-__global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w,
-                                                             bool scale_a1) {
+__global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w) {
   using Cfg = DgradCfg<BM, DROP>;
   constexpr int BK = Cfg::BK, BR = Cfg::BR, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
   DORA_SMEM(smem);
@@ -661,11 +709,10 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
   const int g = lane >> 2, t = lane & 3;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM, k0 = static_cast<int64_t>(blockIdx.y) * BK;
-  const uint16_t* __restrict__ gp = static_cast<const uint16_t*>(p.g);
-  // The scale kept out of the 16-bit operand: the per-tensor scale, or max |scale| of per-row scales (then the
-  // factors carry scale_n / max, at most 1 in magnitude).
-  const float sref = p.scale_per_row ? p.scale_ref[0] : p.scale[0];
+  const uint16_t* __restrict__ gl = static_cast<const uint16_t*>(p.gl);
+  const uint16_t* __restrict__ gb = static_cast<const uint16_t*>(p.gb);
 
+  // acc: gl W8 (the adapter term); acc2: gb W8 (dropout's plain base term). Both share every converted W8 fragment.
   float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -681,11 +728,12 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
   auto load_stage = [&](int s, int rt) {
     uint8_t* base = stage_ptr(s);
     const int64_t r0 = static_cast<int64_t>(rt) * BR;
-    load_tile32<BM, kSwzLdsm>(base, gp, p.ldg, M, N, m0, r0, vec_g, tid);
+    load_tile32<BM, kSwzLdsm>(base, gl, p.ldgl, M, N, m0, r0, vec_g, tid);
+    if (DROP) load_tile32<BM, kSwzLdsm>(base + Cfg::kGBytes, gb, p.ldgb, M, N, m0, r0, vec_g, tid);
     // fp8 tile [32 rows of N][128 bytes of K]: one 16-byte piece per thread, chunk ^ (row & 7) for ldmatrix.trans.
     static_assert(BR * BK / 16 == kThreads, "dgrad: one 16-byte fp8 piece per thread");
     {
-      uint8_t* sw = base + Cfg::kGBytes;
+      uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kGBytes;
       const int row = tid >> 3, ch = tid & 7;
       const int64_t gn = r0 + row, gk = k0 + ch * 16;
       uint8_t* dst = sw + row * BK + ((ch ^ (row & 7)) << 4);
@@ -700,27 +748,16 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
         sst<uint4>(dst, bits_as<uint4>(b));
       }
     }
-    if (tid < BR) {  // factors of g's columns n: f1 (c_n or 1) and, with dropout, f2 = c_n - 1; times scale_n / sref
-      float* sf = reinterpret_cast<float*>(base + Cfg::kGBytes + Cfg::kWBytes);
-      const int64_t n = r0 + tid;
-      float sig = 0.f, cn = 1.f;
-      if (n < N) {
-        sig = p.scale_per_row ? (sref != 0.f ? div_rn(p.scale[n], sref) : 0.f) : 1.f;
-        if (p.c != nullptr) cn = p.c[n];
-      }
-      sst<float>(sf + tid, DROP ? sig : cn * sig);
-      if (DROP) sst<float>(sf + BR + tid, (cn - 1.f) * sig);
-    }
   };
   auto compute_stage = [&](int s) {
     const uint8_t* sg = stage_ptr(s);
-    const uint8_t* sw = sg + Cfg::kGBytes;
-    const float* sf = reinterpret_cast<const float*>(sw + Cfg::kWBytes);
+    const uint8_t* sw = sg + (DROP ? 2 : 1) * Cfg::kGBytes;
 #pragma unroll
     for (int kk = 0; kk < BR / 16; ++kk) {
       // B: ldmatrix.x4.trans of rows kk*16 + {0..7, 8..15} x the warp's two 16-byte column groups. Lane (g, t) gets
       // bytes {w[2t][2g], w[2t][2g+1], w[2t+1][2g], w[2t+1][2g+1]}; byte_perm 0x3120 makes (w[2t][2g], w[2t+1][2g])
-      // the low half (output column 2g: the even n8 tile) and the odd column's pair the high half.
+      // the low half (output column 2g: the even n8 tile) and the odd column's pair the high half. The converted
+      // fragments are used as they are: nothing per row of W8 (column of gl) is folded into any operand.
       uint32_t bfr[NT][2];
       {
         uint32_t d[4];
@@ -735,21 +772,17 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
           bfr[2 * c2 + 1][1] = e4m3x2_to<T>(hi >> 16);
         }
       }
-      const float2 f1a = sld<float2>(sf + kk * 16 + 2 * t), f1b = sld<float2>(sf + kk * 16 + 8 + 2 * t);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         uint32_t afr[4];
         frag_a_ldsm(afr, sg, wm0 + mt * 16, kk, lane);
-        if (DROP) {
-          const float2 f2a = sld<float2>(sf + BR + kk * 16 + 2 * t), f2b = sld<float2>(sf + BR + kk * 16 + 8 + 2 * t);
-          uint32_t a2[4];
-          scale_frag<T>(a2, afr, f2a, f2b);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], a2, bfr[nt]);
-        }
-        if (scale_a1) scale_frag<T>(afr, afr, f1a, f1b);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
+        if (DROP) {
+          frag_a_ldsm(afr, sg + Cfg::kGBytes, wm0 + mt * 16, kk, lane);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
+        }
       }
     }
   };
@@ -771,23 +804,54 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
   }
   cp_async_wait<0>();
 
-  // ---- epilogue: apply sref; accumulate s v A (scaled by 1 / s) into the accumulator it belongs to
-  const bool lora = p.c != nullptr && p.s != 0.f && p.r > 0;
-  const float pre = lora ? div_rn(sref, p.s) : sref;
+  // ---- epilogue: acc = rl st (gl W8) / s, then s v A accumulated into it (times s at the store)
+  const float st = p.scale_per_row ? 1.f : p.scale[0];  // per-row scales are already in gl, gb
+  const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
+  const float al = p.rl[0] * st;
+  const float pre = lora ? div_rn(al, p.s) : al;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (!DROP) {
-          acc[mt][nt][e] *= pre;
-        } else {
-          acc[mt][nt][e] *= sref;
-          acc2[DROP ? mt : 0][nt][e] *= pre;
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= pre;
+  if (lora && p.rank_f32) {
+    // fp32 v, A: FMA on the lane's own accumulator positions (rows g, g + 8; columns 16 c2 + 4t + e).
+    const float* __restrict__ v = static_cast<const float*>(p.v);
+    const float* __restrict__ Am = static_cast<const float*>(p.A);
+    float* sv = reinterpret_cast<float*>(smem);       // [BM][kRankPitchF] v chunk
+    float* sa = sv + BM * kRankPitchF;                // [32][BK] A chunk
+    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
+      block_sync();
+      load_tile_f32<BM, kRankChunk, kRankPitchF>(sv, v, p.r, M, p.r, m0, q0, tid);
+      load_tile_f32<kRankChunk, BK, BK>(sa, Am, K, p.r, K, q0, k0, tid);
+      block_sync();
+#pragma unroll 4
+      for (int q = 0; q < kRankChunk; ++q) {
+        float va[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) va[mt][h] = sld<float>(sv + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
+        float av[2][4];
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const float4 a4 = sld<float4>(sa + q * BK + wk0 + 16 * c2 + 4 * t);
+          av[c2][0] = a4.x;
+          av[c2][1] = a4.y;
+          av[c2][2] = a4.z;
+          av[c2][3] = a4.w;
         }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int el = 0; el < 4; ++el)  // column 16 (nt >> 1) + 4t + e with e = (nt & 1) + 2 (el & 1)
+              acc[mt][nt][el] = fmaf(va[mt][el >> 1], av[nt >> 1][(nt & 1) | ((el & 1) << 1)], acc[mt][nt][el]);
       }
-  if (lora) {
+    }
+  } else if (lora) {
     const uint16_t* __restrict__ v = static_cast<const uint16_t*>(p.v);
     const uint16_t* __restrict__ Am = static_cast<const uint16_t*>(p.A);
     uint8_t* sv = smem;                         // [BM][32] v chunk
@@ -825,10 +889,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
           uint32_t afr[4];
           frag_a_ldsm(afr, sv, wm0 + mt * 16, kk, lane);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            if (DROP) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
-            else mma16816<T>(acc[mt][nt], afr, bfr[nt]);
-          }
+          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
         }
       }
     }
@@ -836,6 +897,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
 
   // ---- store: lane (g, t) holds rows g, g + 8 x columns 16c + 4t .. 16c + 4t + 3 of each 16-column group c
   const float post = lora ? p.s : 1.f;
+  const float ab = DROP ? p.rb[0] * st : 0.f;  // gb's factor
   T* __restrict__ dx = static_cast<T*>(p.dx);
   const bool quad_ok = (K & 3) == 0 && reinterpret_cast<uintptr_t>(dx) % 8 == 0;  // 8-byte aligned stores of 4
 #pragma unroll
@@ -854,9 +916,10 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
           const int nt = 2 * c2 + (e & 1), el = 2 * h + (e >> 1);
           if (!DROP) {
             out[e] = post * acc[mt][nt][el];
-          } else {
+          } else {  // rb st (gb W8) + mask / (1 - p) * (rl st (gl W8) + s v A)
+            const float base = ab * acc2[DROP ? mt : 0][nt][el];
             const bool keep = col + e < K && p.mask[i * p.ldmask + col + e] != 0;
-            out[e] = keep ? fmaf(p.inv_keep * post, acc2[DROP ? mt : 0][nt][el], acc[mt][nt][el]) : acc[mt][nt][el];
+            out[e] = keep ? fmaf(p.inv_keep * post, acc[mt][nt][el], base) : base;
           }
         }
         T* o = dx + i * K + col;
@@ -1012,15 +1075,15 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
 
 template <bool DROP>
 __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams p) {
-  constexpr int NA = DROP ? 2 : 1;
+  constexpr int NA = DROP ? 2 : 1;  // acc[0]: gl W8 (the adapter term); acc[1]: gb W8 (dropout's base term)
   DORA_SMEM(smem);
   float* sA = reinterpret_cast<float*>(smem);
   float* sB = sA + NA * kSimtR * kSimtPitch;
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, k0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-  const float* __restrict__ gp = static_cast<const float*>(p.g);
-  const float sref = p.scale_per_row ? p.scale_ref[0] : p.scale[0];
+  const float* __restrict__ gl = static_cast<const float*>(p.gl);
+  const float* __restrict__ gb = static_cast<const float*>(p.gb);
 
   float acc[NA][4][4];
 #pragma unroll
@@ -1034,14 +1097,9 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
       acc, N, false,
       [&](int row, int64_t n, float* v) {
         const int64_t i = m0 + row;
-        float gv = 0.f, sig = 0.f, cn = 1.f;
-        if (i < M && n < N) {
-          gv = gp[i * p.ldg + n];
-          sig = p.scale_per_row ? (sref != 0.f ? div_rn(p.scale[n], sref) : 0.f) : 1.f;
-          if (p.c != nullptr) cn = p.c[n];
-        }
-        v[0] = gv * (DROP ? sig : cn * sig);
-        if (DROP) v[NA - 1] = gv * ((cn - 1.f) * sig);
+        const bool ok = i < M && n < N;
+        v[0] = ok ? gl[i * p.ldgl + n] : 0.f;
+        if (DROP) v[NA - 1] = ok ? gb[i * p.ldgb + n] : 0.f;
       },
       [&](int64_t n, int col) {
         const int64_t k = k0 + col;
@@ -1049,24 +1107,19 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
       },
       sA, sB, tid);
 
-  const bool lora = p.c != nullptr && p.s != 0.f && p.r > 0;
-  const float pre = lora ? div_rn(sref, p.s) : sref;
+  const float st = p.scale_per_row ? 1.f : p.scale[0];
+  const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
+  const float al = p.rl[0] * st;
+  const float pre = lora ? div_rn(al, p.s) : al;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (!DROP) {
-        acc[0][i][j] *= pre;
-      } else {
-        acc[0][i][j] *= sref;
-        acc[NA - 1][i][j] *= pre;
-      }
-    }
+    for (int j = 0; j < 4; ++j) acc[0][i][j] *= pre;
   if (lora) {
     const float* __restrict__ v = static_cast<const float*>(p.v);
     const float* __restrict__ Am = static_cast<const float*>(p.A);
     const int r = p.r;
-    simt_gemm<NA - 1, 1>(
+    simt_gemm<0, 1>(
         acc, r, false,
         [&](int row, int64_t q, float* out) {
           const int64_t i = m0 + row;
@@ -1080,6 +1133,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   }
 
   const float post = lora ? p.s : 1.f;
+  const float ab = DROP ? p.rb[0] * st : 0.f;
   float* __restrict__ dx = static_cast<float*>(p.dx);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -1091,8 +1145,8 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
       if (kk >= K) continue;
       float out = post * acc[0][i][j];
       if (DROP) {
-        out = acc[0][i][j];
-        if (p.mask[ii * p.ldmask + kk] != 0) out = fmaf(p.inv_keep * post, acc[NA - 1][i][j], out);
+        const float base = ab * acc[NA - 1][i][j];
+        out = p.mask[ii * p.ldmask + kk] != 0 ? fmaf(p.inv_keep * post, acc[0][i][j], base) : base;
       }
       dx[ii * K + kk] = out;
     }
@@ -1150,10 +1204,9 @@ template <typename T, int BM, bool DROP>
 cudaError_t launch_dgrad_mma(const DgradParams& p, cudaStream_t stream) {
   using Cfg = DgradCfg<BM, DROP>;
   const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_g = p.ldg % 8 == 0 && aligned16(p.g);
-  const bool scale_a1 = p.scale_per_row || (p.c != nullptr && !DROP);
+  const bool vec_g = p.ldgl % 8 == 0 && aligned16(p.gl) && (!DROP || (p.ldgb % 8 == 0 && aligned16(p.gb)));
   return launch(dgrad_mma_kernel<T, BM, DROP>, ceil_div(p.M, BM), ceil_div(p.K, Cfg::BK), Cfg::kSmem, stream, p,
-                vec_g, vec_w, scale_a1);
+                vec_g, vec_w);
 }
 
 template <typename T>

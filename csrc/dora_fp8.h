@@ -2,15 +2,20 @@
 // (kernels, launchers). Plain C++ with raw pointers so that the binding never sees CUDA's fp types and the .cu file
 // never sees torch's headers (each translation unit stays cheap to compile).
 //
-// The math is the backend contract of dorafp8/backends.py (see docs/DORA_MATH.md):
+// The math is the backend contract of dorafp8/backends.py (see docs/DORA_MATH.md), for per-tensor and per-row
+// weight scales (W0 = scale * w8 with scale fp32, one value or one per row; block scales and W8A8 are not offered
+// here, dorafp8/cuda_backend.py refuses them):
 //   weight_norm: n[j] = || scale_j * w8[j, :] + s * (B A)[j, :] ||_2                        (fp32 [N])
 //   forward:     c == nullptr: y = x W0^T + bias
 //                no dropout:   y = c * (x W0^T + s u B^T) + bias,              z = x W0^T + s u B^T
 //                dropout:      y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T,   z = xd W0^T + s u B^T
-//   dgrad:       c == nullptr: dx = g W0
-//                no dropout:   dx = (g * c) W0 + s v A
-//                dropout:      dx = g W0 + mask / (1 - p) * ((g * (c - 1)) W0 + s v A)
-// with W0 = scale * w8 (scale fp32, one value or one per row).
+//   dgrad:       on the operands prepared by the backward pass (gl = g * f / rl, gb = g * srow / rb: per-row scales
+//                are already in them), with st = scale[0] for a per-tensor scale and 1 for per-row scales:
+//                v == nullptr: dx = rl * st * (gl W8)
+//                no dropout:   dx = rl * st * (gl W8) + s v A
+//                dropout:      dx = rb * st * (gb W8) + mask / (1 - p) * (rl * st * (gl W8) + s v A)
+// The rank-r operands (u, B in forward; v, A in dgrad) are in the compute dtype or, with rank_f32, in fp32 (the
+// adapters' fp32 on 16-bit activations: the rank-r products then run in fp32 FMA, never rounded to 16 bits).
 #pragma once
 
 #include <cstdint>
@@ -19,7 +24,8 @@
 
 namespace dorafp8 {
 
-// The compute dtype ("cdt"): x, xd, u, B, bias, y, z in forward; g, v, A, dx in dgrad.
+// The compute dtype ("cdt"): x, xd, bias, y (and u, B, z unless rank_f32 / z_f32) in forward; gl, gb, dx (and v, A
+// unless rank_f32) in dgrad.
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct WeightNormParams {
@@ -48,10 +54,10 @@ struct ForwardParams {
   const float* scale;    // [1] or [N] fp32
   const void* bias;      // [N] or nullptr
   const float* c;        // [N] fp32, or nullptr (plain FP8 linear)
-  const void* u;         // [M, r] contiguous (= xd A^T), or nullptr when c == nullptr
-  const void* B;         // [N, r] contiguous, or nullptr when c == nullptr
+  const void* u;         // [M, r] contiguous (= xd A^T), or nullptr when c == nullptr; fp32 if rank_f32
+  const void* B;         // [N, r] contiguous, or nullptr when c == nullptr; fp32 if rank_f32
   void* y;               // [M, N] contiguous output
-  void* z;               // [M, N] contiguous output, or nullptr (not needed)
+  void* z;               // [M, N] contiguous output (fp32 if z_f32), or nullptr (not needed)
   // Sizes and strides (elements)
   int64_t M, N, K;
   int64_t ldx, ldxd;
@@ -59,27 +65,31 @@ struct ForwardParams {
   // Scalars and flags
   float s;
   bool scale_per_row;
+  bool rank_f32;         // u and B are fp32 (else cdt)
+  bool z_f32;            // z is fp32 (else cdt)
 };
 
 struct DgradParams {
   // Pointers (cdt unless noted)
-  const void* g;         // [M, N], row stride ldg, unit stride in N
+  const void* gl;        // [M, N] (= g * f / rl), row stride ldgl, unit stride in N
+  const void* gb;        // [M, N] (= g * srow / rb), row stride ldgb; only with mask (dropout), else nullptr
+  const float* rl;       // [1] fp32: gl's scalar
+  const float* rb;       // [1] fp32: gb's scalar; only with mask
   const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
-  const float* scale;    // [1] or [N] fp32
-  const float* scale_ref;  // [1] fp32: max |scale| for per-row scales (the factor kept out of the 16-bit operand)
-  const float* c;        // [N] fp32, or nullptr (plain FP8 linear)
-  const void* v;         // [M, r] contiguous (= (g * c) B), or nullptr when c == nullptr
-  const void* A;         // [r, K] contiguous, or nullptr when c == nullptr
-  const uint8_t* mask;   // [M, K] bool, row stride ldmask, unit stride in K; nullptr: no dropout
+  const float* scale;    // [1] (per tensor: st = scale[0]) or [N] (per row: already in gl, gb; st = 1) fp32
+  const void* v;         // [M, r] contiguous (= (g * c) B), or nullptr (plain FP8 linear); fp32 if rank_f32
+  const void* A;         // [r, K] contiguous, or nullptr when v == nullptr; fp32 if rank_f32
+  const uint8_t* mask;   // [M, K] bool, row stride ldmask, unit stride in K; nullptr: no dropout (needs v)
   void* dx;              // [M, K] contiguous output
   // Sizes and strides (elements)
   int64_t M, N, K;
-  int64_t ldg, ldmask;
+  int64_t ldgl, ldgb, ldmask;
   int r;
   // Scalars and flags
   float s;
   float inv_keep;        // 1 / (1 - p), used with mask
   bool scale_per_row;
+  bool rank_f32;         // v and A are fp32 (else cdt)
 };
 
 // Number of K splits weight_norm uses for this shape on the current device (the workspace is [splits, N] fp32).

@@ -58,9 +58,10 @@ extern "C" long emu_weight_norm(const uint8_t* w8, const float* scale, int per_r
 
 extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, int64_t ldxd, const uint8_t* w8,
                             const float* scale, int per_row, const void* bias, const float* c, const void* u,
-                            const void* B, int64_t M, int64_t N, int64_t K, int r, float s, void* y, void* z) {
+                            const void* B, int rank_f32, int64_t M, int64_t N, int64_t K, int r, float s, void* y,
+                            void* z, int z_f32) {
   const long e0 = emu::g_errors.load();
-  const size_t es = esize(dt);
+  const size_t es = esize(dt), rs = rank_f32 ? 4 : es, zs = z_f32 ? 4 : es;
   Owned o;
   dorafp8::ForwardParams p{};
   p.x = o.in(static_cast<const uint8_t*>(x), extent(M, K, ldx) * es);
@@ -69,36 +70,38 @@ extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, 
   p.scale = o.in(scale, (per_row ? N : 1) * 4);
   p.bias = o.in(static_cast<const uint8_t*>(bias), N * es);
   p.c = o.in(c, N * 4);
-  p.u = o.in(static_cast<const uint8_t*>(u), (size_t)M * r * es);
-  p.B = o.in(static_cast<const uint8_t*>(B), (size_t)N * r * es);
+  p.u = o.in(static_cast<const uint8_t*>(u), (size_t)M * r * rs);
+  p.B = o.in(static_cast<const uint8_t*>(B), (size_t)N * r * rs);
   p.y = o.out(M * N * es);
-  p.z = z ? o.out(M * N * es) : nullptr;
+  p.z = z ? o.out(M * N * zs) : nullptr;
   p.M = M; p.N = N; p.K = K; p.ldx = ldx; p.ldxd = ldxd; p.r = r; p.s = s; p.scale_per_row = per_row != 0;
+  p.rank_f32 = rank_f32 != 0; p.z_f32 = z_f32 != 0;
   if (dorafp8::forward(p, static_cast<dorafp8::DType>(dt), nullptr) != cudaSuccess) return -1;
   std::memcpy(y, p.y, M * N * es);
-  if (z) std::memcpy(z, p.z, M * N * es);
+  if (z) std::memcpy(z, p.z, M * N * zs);
   return emu::g_errors.load() - e0;
 }
 
-extern "C" long emu_dgrad(int dt, const void* g, int64_t ldg, const uint8_t* w8, const float* scale,
-                          const float* scale_ref, int per_row, const float* c, const void* v, const void* A,
-                          const uint8_t* mask, int64_t ldmask, int64_t M, int64_t N, int64_t K, int r, float s,
-                          float inv_keep, void* dx) {
+extern "C" long emu_dgrad(int dt, const void* gl, int64_t ldgl, const void* gb, int64_t ldgb, const float* rl,
+                          const float* rb, const uint8_t* w8, const float* scale, int per_row, const void* v,
+                          const void* A, int rank_f32, const uint8_t* mask, int64_t ldmask, int64_t M, int64_t N,
+                          int64_t K, int r, float s, float inv_keep, void* dx) {
   const long e0 = emu::g_errors.load();
-  const size_t es = esize(dt);
+  const size_t es = esize(dt), rs = rank_f32 ? 4 : es;
   Owned o;
   dorafp8::DgradParams p{};
-  p.g = o.in(static_cast<const uint8_t*>(g), extent(M, N, ldg) * es);
+  p.gl = o.in(static_cast<const uint8_t*>(gl), extent(M, N, ldgl) * es);
+  p.gb = o.in(static_cast<const uint8_t*>(gb), extent(M, N, ldgb) * es);
+  p.rl = o.in(rl, 4);
+  p.rb = o.in(rb, 4);
   p.w8 = o.in(w8, N * K);
   p.scale = o.in(scale, (per_row ? N : 1) * 4);
-  p.scale_ref = o.in(scale_ref, 4);
-  p.c = o.in(c, N * 4);
-  p.v = o.in(static_cast<const uint8_t*>(v), (size_t)M * r * es);
-  p.A = o.in(static_cast<const uint8_t*>(A), (size_t)r * K * es);
+  p.v = o.in(static_cast<const uint8_t*>(v), (size_t)M * r * rs);
+  p.A = o.in(static_cast<const uint8_t*>(A), (size_t)r * K * rs);
   p.mask = o.in(mask, extent(M, K, ldmask));
   p.dx = o.out(M * K * es);
-  p.M = M; p.N = N; p.K = K; p.ldg = ldg; p.ldmask = ldmask; p.r = r; p.s = s; p.inv_keep = inv_keep;
-  p.scale_per_row = per_row != 0;
+  p.M = M; p.N = N; p.K = K; p.ldgl = ldgl; p.ldgb = ldgb; p.ldmask = ldmask; p.r = r; p.s = s;
+  p.inv_keep = inv_keep; p.scale_per_row = per_row != 0; p.rank_f32 = rank_f32 != 0;
   if (dorafp8::dgrad(p, static_cast<dorafp8::DType>(dt), nullptr) != cudaSuccess) return -1;
   std::memcpy(dx, p.dx, M * K * es);
   return emu::g_errors.load() - e0;
