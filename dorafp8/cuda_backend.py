@@ -1,10 +1,25 @@
 """CUDA C++ backend: the backend contract of dorafp8/backends.py on the kernels of csrc/ (module dorafp8._C).
 
-This wrapper turns the contract's Optional arguments into what the binding takes, casts the small operands (c, u, B,
-v, A, bias) to the dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests
-set) and makes an activation contiguous only when its last dim is strided (the kernels take any row stride). The
-binding (csrc/binding.cpp) checks every tensor again and launches on the current CUDA stream; the kernels and their
-design notes are in csrc/dora_fp8.cu.
+One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
+(`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
+are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/test_cuda_emulated.py) build the same class on the
+emulator's launchers, which run csrc/dora_fp8.cu on CPU, so the operand preparation below is tested without a GPU.
+The adapter turns the contract's Optional arguments into what the launcher takes, casts the small operands to the
+dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests set) and makes an
+activation contiguous only when its last dim is strided (the kernels take any row stride). The binding checks every
+tensor again and launches on the current CUDA stream; the kernels and their design notes are in csrc/dora_fp8.cu.
+
+What the CUDA kernels cover, and what they do not:
+  * Weight scales per tensor ([]) and per row ([N]). Block scales ([ceil(N/b), ceil(K/b)]) raise a ValueError naming
+    the `scale` argument: use backend='triton' or 'reference'.
+  * W8A16 only: act_quant='rowwise' (W8A8) raises a ValueError, same advice.
+  * The rank dtype: u, B (forward) and v, A (dgrad) are read in the compute dtype when they have it, else in fp32 (an
+    exact upcast: fp32 adapters on bf16/fp16 activations keep their fp32 values, and the rank-r products run as fp32
+    FMA). Nothing of the low-rank path is rounded to 16 bits.
+  * z: the kernel writes it in the compute dtype, or in fp32 when z_dtype is not the compute dtype; any z_dtype
+    other than those two is the fp32 result rounded once to it.
+  * project, project_grad, backward_pass (rank-r GEMMs and the one pass over g) are not CUDA C++ kernels: they are
+    the Triton backend's when Triton can run on the device, else the reference's (`rank_ops`).
 
 The extension is optional: it is built by `DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation`
 (or by a plain install on a machine with a GPU and nvcc); without it this backend reports why in
@@ -15,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -30,6 +46,7 @@ else:
 
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OTHER_BACKENDS = "use backend='triton' or 'reference'"
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
 
 
@@ -63,6 +80,14 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def rank_ops(device: torch.device) -> ModuleType:
+    """The backend module whose project, project_grad and backward_pass the CUDA backend uses on `device`: the
+    Triton backend's when Triton can run there, else the reference's."""
+    from . import backends
+
+    return backends.module("triton" if backends.unavailable_reason("triton", device) is None else "reference")
+
+
 # ---------------------------------------------------------------------------------------------------------- helpers
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -84,50 +109,114 @@ def _small(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if t is None else t.to(dtype).contiguous()
 
 
-def _scale(scale: Tensor) -> Tensor:
-    return scale.reshape(-1).to(torch.float32).contiguous()
+def _rank_dtype(cdt: torch.dtype, *ts: Tensor) -> torch.dtype:
+    """The dtype the kernels read the rank-r operands in: the compute dtype if they all have it, else fp32 (exact)."""
+    return cdt if all(t.dtype == cdt for t in ts) else torch.float32
+
+
+def _scalar(t: Tensor) -> Tensor:
+    """A contract scalar (rl, rb: fp32 0-dim) as the one-element fp32 tensor the kernels read on the device."""
+    return t.reshape(1).to(torch.float32).contiguous()
+
+
+def _weight_scale(scale: Tensor) -> Tensor:
+    """The scale as the kernels read it: fp32, 0-dim (per tensor) or [N] (per row). Block scales are refused."""
+    if scale.dim() == 2:
+        raise ValueError(f"block weight scales (scale of shape {list(scale.shape)}) are not supported by the cuda "
+                         f"backend; {_OTHER_BACKENDS}")
+    return scale.to(torch.float32).contiguous()
+
+
+def _check_act_quant(act_quant: str) -> None:
+    if act_quant:
+        raise ValueError(f"act_quant={act_quant!r} (W8A8) is not supported by the cuda backend (its kernels are "
+                         f"W8A16); {_OTHER_BACKENDS}")
 
 
 # ---------------------------------------------------------------------------------------------------------- contract
 
-def weight_norm(w8: Tensor, scale: Tensor, A: Tensor, B: Tensor, s: float) -> Tensor:
-    N = w8.shape[0]
-    adt = torch.promote_types(A.dtype, B.dtype)  # the kernel reads one adapter dtype; promotion is exact
-    if adt not in _KERNEL_DTYPES:
-        adt = torch.float32
-    n = _empty(N, torch.float32, w8.device)
-    _C.weight_norm(w8.contiguous(), _scale(scale), _small(A, adt), _small(B, adt), float(s), n)
-    return n
+class CudaBackend:
+    """The backend contract (dorafp8/backends.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
+    `forward` and `dgrad` (same arguments, outputs written into the tensors passed)."""
 
+    def __init__(self, launcher):
+        self.launcher = launcher
 
-def forward(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], c: Optional[Tensor], u: Optional[Tensor],
-            B: Optional[Tensor], s: float, xd: Optional[Tensor], need_z: bool) -> tuple[Tensor, Optional[Tensor]]:
-    x = _rows(x)
-    cdt = x.dtype
-    M, N = x.shape[0], w8.shape[0]
-    y = _empty((M, N), cdt, x.device)
-    if c is None:  # plain FP8 linear
-        _C.forward(x, w8.contiguous(), _scale(scale), _small(bias, cdt), None, None, None, 0.0, None, y, None)
-        return y, None
-    z = _empty((M, N), cdt, x.device) if need_z else None
-    _C.forward(x, w8.contiguous(), _scale(scale), _small(bias, cdt), _small(c, torch.float32), _small(u, cdt),
-               _small(B, cdt), float(s), None if xd is None else _rows(xd), y, z)
-    return y, z
+    def _launch(self):
+        if self.launcher is None:
+            raise RuntimeError(unavailable_reason(torch.device("cuda")) or "dorafp8._C is not available")
+        return self.launcher
 
+    # Not CUDA C++ kernels: see rank_ops.
+    def project(self, a, b, out_dtype):
+        return rank_ops(a.device).project(a, b, out_dtype)
 
-def dgrad(g: Tensor, w8: Tensor, scale: Tensor, c: Optional[Tensor], v: Optional[Tensor], A: Optional[Tensor],
-          s: float, mask: Optional[Tensor], p: float) -> Tensor:
-    g = _rows(g)
-    cdt = g.dtype
-    M, K = g.shape[0], w8.shape[1]
-    sc = _scale(scale)
-    # With per-row scales the kernel keeps max |scale| out of the 16-bit g operand (fp16 g times a small scale would
-    # underflow) and folds only scale_n / max into it.
-    scale_ref = sc.abs().amax().reshape(1) if sc.numel() > 1 else sc
-    dx = _empty((M, K), cdt, g.device)
-    if c is None:
-        _C.dgrad(g, w8.contiguous(), sc, scale_ref, None, None, None, 0.0, None, 0.0, dx)
+    def project_grad(self, v, a):
+        return rank_ops(a.device).project_grad(v, a)
+
+    def backward_pass(self, g, z, c, srow, B, u, dropout, need_dm, need_dB):
+        return rank_ops(g.device).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
+
+    def weight_norm(self, w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float) -> Tensor:
+        sc = _weight_scale(scale)
+        N = w8.shape[0]
+        adt = torch.promote_types(A.dtype, B.dtype)  # the kernel reads one adapter dtype; promotion is exact
+        if adt not in _KERNEL_DTYPES:
+            adt = torch.float32
+        n = _empty(N, torch.float32, w8.device)
+        self._launch().weight_norm(w8.contiguous(), sc, _small(A, adt), _small(B, adt), float(s), n)
+        return n
+
+    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
+                u: Optional[Tensor], B: Optional[Tensor], s: float, xd: Optional[Tensor], need_z: bool,
+                z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
+        sc = _weight_scale(scale)
+        _check_act_quant(act_quant)
+        x = _rows(x)
+        cdt = x.dtype
+        M, N = x.shape[0], w8.shape[0]
+        y = _empty((M, N), cdt, x.device)
+        if c is None:  # plain FP8 linear
+            self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), None, None, None, 0.0, None, y, None)
+            return y, None
+        rdt = _rank_dtype(cdt, u, B)
+        # z straight from the kernel in the compute dtype or fp32; another z_dtype is the fp32 z rounded once.
+        zdt = cdt if z_dtype == cdt else torch.float32
+        z = _empty((M, N), zdt, x.device) if need_z else None
+        self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), _small(c, torch.float32), _small(u, rdt),
+                               _small(B, rdt), float(s), None if xd is None else _rows(xd), y, z)
+        if z is not None and z.dtype != z_dtype:
+            z = z.to(z_dtype)
+        return y, z
+
+    def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
+              A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
+              rb: Optional[Tensor], act_quant: str) -> Tensor:
+        sc = _weight_scale(scale)
+        _check_act_quant(act_quant)
+        gl = _rows(gl)
+        cdt = gl.dtype
+        M, K = gl.shape[0], w8.shape[1]
+        dx = _empty((M, K), cdt, gl.device)
+        if v is None:  # plain FP8 linear
+            self._launch().dgrad(gl, _scalar(rl), w8.contiguous(), sc, None, None, 0.0, None, 0.0, None, None, dx)
+            return dx
+        rdt = _rank_dtype(cdt, v, A)
+        if mask is None:
+            gb = rb = None
+        else:
+            if gb is None or rb is None:
+                raise ValueError("dropout (a mask) needs gb and rb, the plain base term's operand and its scalar")
+            mask, gb, rb = _rows(mask.to(torch.bool)), _rows(gb.to(cdt)), _scalar(rb)
+        self._launch().dgrad(gl, _scalar(rl), w8.contiguous(), sc, _small(v, rdt), _small(A, rdt), float(s), mask,
+                             float(p), gb, rb, dx)
         return dx
-    _C.dgrad(g, w8.contiguous(), sc, scale_ref, _small(c, torch.float32), _small(v, cdt), _small(A, cdt), float(s),
-             None if mask is None else _rows(mask.to(torch.bool)), float(p), dx)
-    return dx
+
+
+_backend = CudaBackend(_C)
+weight_norm = _backend.weight_norm
+project = _backend.project
+project_grad = _backend.project_grad
+forward = _backend.forward
+backward_pass = _backend.backward_pass
+dgrad = _backend.dgrad
