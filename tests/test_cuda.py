@@ -1,11 +1,14 @@
-"""CUDA C++ backend (csrc/ -> dorafp8._C, wrapped by dorafp8.cuda_backend) against fp64 evaluations of DORA_MATH.md
-and against dorafp8.reference.
+"""CUDA C++ backend (csrc/ -> dorafp8._C, wrapped by dorafp8.cuda_backend) against fp64 evaluations of the backend
+contract and against dorafp8.reference, with the shared checks of tests/_kernel_ref.py.
 
 On a machine without a GPU only the build is checked: if the extension is built it must import and its binding's
 argument checks must answer (without it these tests skip with the reason, unless DORAFP8_REQUIRE_CUDA_EXT=1, which
-.ci/run sets after force-building it), and the backend must say why it cannot run on CPU. The kernel tests need a CUDA GPU: every op in bf16,
-fp16 and fp32, odd shapes (M = 1, 37; N = 70, 129; K = 50, 4096; r = 1 .. 256), bias, dropout, per-row scales, strided
-activations, and outputs that start as NaN (DORAFP8_POISON=1) so that a tile the kernel never writes fails.
+.ci/run sets after force-building it), and the backend must say why it cannot run on CPU. The kernel tests need a CUDA
+GPU: every op in bf16, fp16 and fp32 (and fp32 adapters on 16-bit activations), odd shapes (M = 1, 37; N = 70, 129;
+K = 50, 4096; r = 1 .. 256), bias, the three modes (plain, no dropout, dropout), per-tensor and per-row scales, strided
+activations, and outputs that start as NaN (DORAFP8_POISON=1) so that a tile the kernel never writes fails. Block
+scales and W8A8 are refused with a ValueError (the Triton and reference backends have them). The same adapter runs
+the same kernel source on CPU under an emulator in tests/test_cuda_emulated.py.
 """
 
 import os
@@ -14,9 +17,9 @@ import pytest
 import torch
 
 import dorafp8.cuda_backend as cb
-import dorafp8.reference as reference
 from dorafp8 import backends, quantize_e4m3
-from _kernel_ref import S, assert_close, check_dgrad, check_forward, d, forward_64, make_problem, shape_id, tol, weight_norm_64, w0_64
+from _kernel_ref import (S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
+                         check_weight_norm, d, forward_64, make_problem, shape_id, tol, w0_64)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda"
@@ -76,12 +79,30 @@ def test_binding_checks_device():
     C = _require_extension()
     w8 = torch.zeros(4, 16).to(torch.float8_e4m3fn)
     x, scale, y = torch.zeros(2, 16), torch.ones(()), torch.empty(2, 4)
+    rl = torch.ones(1)
     with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
         C.forward(x, w8, scale, None, None, None, None, 0.0, None, y, None)
-    with pytest.raises(RuntimeError, match="g must be a CUDA tensor"):
-        C.dgrad(torch.zeros(2, 4), w8, scale, scale, None, None, None, 0.0, None, 0.0, torch.empty(2, 16))
+    with pytest.raises(RuntimeError, match="gl must be a CUDA tensor"):
+        C.dgrad(torch.zeros(2, 4), rl, w8, scale, None, None, 0.0, None, 0.0, None, None, torch.empty(2, 16))
     with pytest.raises(RuntimeError, match="w8 must be a CUDA tensor"):
         C.weight_norm(w8, scale, torch.zeros(1, 16), torch.zeros(4, 1), 1.0, torch.empty(4))
+
+
+def test_contract_refusals_need_no_gpu():
+    """Block scales and W8A8 are refused by the adapter with the way out, before anything reaches the binding."""
+    p = make_problem(4, 32, 20, 2, torch.bfloat16, "cpu", "block", False)
+    with pytest.raises(ValueError, match="block weight scales .* not supported by the cuda backend; use "
+                                         "backend='triton' or 'reference'"):
+        cb.weight_norm(p["w8"], p["sigma"], p["block"], p["A"], p["B"], S)
+    with pytest.raises(ValueError, match="block weight scales"):
+        check_forward(cb.forward, p, "dropout", True)
+    with pytest.raises(ValueError, match="block weight scales"):
+        check_dgrad(cb.dgrad, p, "nodrop")
+    p = make_problem(4, 32, 20, 2, torch.bfloat16, "cpu", "tensor", False)
+    with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the cuda backend"):
+        check_forward(cb.forward, p, "plain", True, act_quant="rowwise")
+    with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the cuda backend"):
+        check_dgrad(cb.dgrad, p, "dropout", act_quant="rowwise")
 
 
 def test_unavailable_reason_cpu(monkeypatch):
@@ -105,6 +126,11 @@ def test_registry_on_cpu():
 
 # ------------------------------------------------------------------------------------------------------ GPU tests
 
+SCALES = ["tensor", "row"]
+# (compute dtype, rank dtype): the rank dtype is the compute dtype, or fp32 adapters on 16-bit activations.
+DTYPE_PAIRS = [(dt, dt) for dt in DTYPES] + [(torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+
+
 @gpu
 def test_available_on_gpu():
     assert cb.unavailable_reason(torch.device("cuda")) is None, cb.unavailable_reason(torch.device("cuda"))
@@ -113,49 +139,43 @@ def test_available_on_gpu():
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("row_wise", [False, True], ids=["tensor-scale", "row-scale"])
+@pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("adapter_dtype", DTYPES, ids=str)
-def test_weight_norm(shape, row_wise, adapter_dtype):
+def test_weight_norm(shape, scale, adapter_dtype):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, adapter_dtype, DEVICE, row_wise, strided)
-    A, B = p["A"], p["B"]
+    p = make_problem(M, K, N, r, adapter_dtype, DEVICE, scale, strided)
     if strided:  # adapters may come with any strides (the wrapper makes them contiguous)
-        B = B.T.contiguous().T
-    n = cb.weight_norm(p["w8"], p["sigma"], A, B, S)
-    assert n.dtype == torch.float32 and n.shape == (N,)
-    assert_close(n, weight_norm_64(p["w8"], p["sigma"], A, B, S), tol(torch.float32), "weight_norm vs fp64")
-    assert_close(n, reference.weight_norm(p["w8"], p["sigma"], A, B, S), 2 * tol(torch.float32),
-                 "weight_norm vs reference")
+        p["B"] = p["B"].T.contiguous().T
+    check_weight_norm(cb.weight_norm, p)
 
 
 @gpu
 def test_weight_norm_mixed_adapter_dtypes():
-    p = make_problem(3, 96, 40, 5, torch.float32, DEVICE, False, False)
-    A, B = p["A"], p["B"].to(torch.bfloat16)
-    n = cb.weight_norm(p["w8"], p["sigma"], A, B, S)
-    assert_close(n, weight_norm_64(p["w8"], p["sigma"], A, B, S), tol(torch.float32), "weight_norm fp32 A, bf16 B")
+    p = make_problem(3, 96, 40, 5, torch.float32, DEVICE, "tensor", False)
+    p["B"] = p["B"].to(torch.bfloat16)
+    check_weight_norm(cb.weight_norm, p)
 
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,rank_dtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
-@pytest.mark.parametrize("row_wise", [False, True], ids=["tensor-scale", "row-scale"])
+@pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
-def test_forward(shape, dtype, mode, row_wise, has_bias):
+def test_forward(shape, dtype, rank_dtype, mode, scale, has_bias):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, dtype, DEVICE, row_wise, strided)
-    check_forward(cb.forward, p, mode, has_bias, dtype)
+    p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided, rank_dtype=rank_dtype)
+    check_forward(cb.forward, p, mode, has_bias)
 
 
 @gpu
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_without_z(mode, dtype):
-    p = make_problem(5, 40, 36, 3, dtype, DEVICE, False, False)
+    p = make_problem(5, 40, 36, 3, dtype, DEVICE, "tensor", False)
     xd = p["xd"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xd, False)
+    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xd, False, dtype, "")
     assert z is None
     y64, _ = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xd)
     assert_close(y, y64, tol(dtype), f"forward[{mode}, need_z=False] y vs fp64")
@@ -163,13 +183,23 @@ def test_forward_without_z(mode, dtype):
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,rank_dtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
-@pytest.mark.parametrize("row_wise", [False, True], ids=["tensor-scale", "row-scale"])
-def test_dgrad(shape, dtype, mode, row_wise):
+@pytest.mark.parametrize("scale", SCALES)
+def test_dgrad(shape, dtype, rank_dtype, mode, scale):
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, dtype, DEVICE, row_wise, strided)
-    check_dgrad(cb.dgrad, p, mode, dtype)
+    p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided, rank_dtype=rank_dtype)
+    check_dgrad(cb.dgrad, p, mode)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,rank_dtype", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
+def test_rank_ops(dtype, rank_dtype, mode):
+    """project, project_grad, backward_pass: the Triton backend's on a GPU (reference where Triton cannot run)."""
+    p = make_problem(37, 96, 70, 16, dtype, DEVICE, "row", True, rank_dtype=rank_dtype)
+    check_project(cb.project, cb.project_grad, p)
+    check_backward_pass(cb.backward_pass, p, mode)
 
 
 @gpu
@@ -187,24 +217,37 @@ def test_int64_offsets(op):
     if op == "forward":
         x = torch.zeros(M, K, dtype=torch.bfloat16, device=DEVICE)
         x[tail] = torch.randn(40, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-        y, _ = cb.forward(x, w8, sigma, None, None, None, None, S, None, False)
+        y, _ = cb.forward(x, w8, sigma, 128, None, None, None, None, S, None, False, torch.bfloat16, "")
         assert_close(y[tail], d(x[tail]) @ w0_64(w8, sigma).T, tol(torch.bfloat16), "forward, last rows")
         assert not torch.isnan(y[: M - 40]).any()
     else:
         g = torch.randn(M, N, generator=gen).to(torch.bfloat16).to(DEVICE)
-        dx = cb.dgrad(g, w8, sigma, None, None, None, S, None, 0.0)
+        rl = torch.ones((), device=DEVICE)
+        dx = cb.dgrad(g, rl, w8, sigma, 128, None, None, S, None, 0.0, None, None, "")
         assert_close(dx[tail], d(g[tail]) @ w0_64(w8, sigma), tol(torch.bfloat16), "dgrad, last rows")
 
 
 @gpu
 def test_rejects_bad_arguments():
-    p = make_problem(2, 32, 16, 1, torch.float32, DEVICE, False, False)
+    p = make_problem(2, 32, 16, 1, torch.float32, DEVICE, "tensor", False)
     y = torch.empty(2, 16, device=DEVICE)
+    sc = p["sigma"]
     with pytest.raises(RuntimeError, match="w8 must be"):
-        cb._C.forward(p["x"], p["w8"].float(), p["sigma"].reshape(1), None, None, None, None, S, None, y, None)
-    with pytest.raises(RuntimeError, match="scale must have one element"):
+        cb._C.forward(p["x"], p["w8"].float(), sc, None, None, None, None, S, None, y, None)
+    with pytest.raises(RuntimeError, match="scale must be 0-dim"):
         cb._C.forward(p["x"], p["w8"], torch.ones(3, device=DEVICE), None, None, None, None, S, None, y, None)
     with pytest.raises(RuntimeError, match="y must have shape"):
-        cb._C.forward(p["x"], p["w8"], p["sigma"].reshape(1), None, None, None, None, S, None, y[:1], None)
+        cb._C.forward(p["x"], p["w8"], sc, None, None, None, None, S, None, y[:1], None)
     with pytest.raises(RuntimeError, match="u and B are required"):
-        cb._C.forward(p["x"], p["w8"], p["sigma"].reshape(1), None, p["c"], None, None, S, None, y, None)
+        cb._C.forward(p["x"], p["w8"], sc, None, p["c"], None, None, S, None, y, None)
+    u16 = torch.zeros(2, 1, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(RuntimeError, match="u must be .* or float32"):
+        cb._C.forward(p["x"].half(), p["w8"], sc, None, p["c"], u16.bfloat16(), u16.bfloat16(), S, None, y.half(),
+                      None)
+    g, dx, rl = torch.zeros(2, 16, device=DEVICE), torch.empty(2, 32, device=DEVICE), torch.ones(1, device=DEVICE)
+    v, A = torch.zeros(2, 1, device=DEVICE), torch.zeros(1, 32, device=DEVICE)
+    mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(RuntimeError, match="gb and rb are required"):
+        cb._C.dgrad(g, rl, p["w8"], sc, v, A, S, mask, 0.25, None, None, dx)
+    with pytest.raises(RuntimeError, match="rl must have one element"):
+        cb._C.dgrad(g, torch.ones(2, device=DEVICE), p["w8"], sc, None, None, S, None, 0.0, None, None, dx)
