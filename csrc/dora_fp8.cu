@@ -11,10 +11,20 @@
 //              optimizer step (its result is cached across micro-batches). Splits of K write fp32 partial sums of
 //              squares that a second kernel adds in a fixed order (deterministic), then sqrt.
 //
-// forward      y = x W0^T with the DoRA epilogue. Block tile BM (64 or 128) x BN 128 x BK 32, 8 warps as 2 (M) x 4
-//              (N), warp tile (BM/2) x 32, mma.sync m16n8k16 (bf16 or fp16 operands, fp32 accumulators), a 4-stage
-//              cp.async pipeline. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage); ldmatrix reads it
-//              as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k slice, which
+// tiles        forward and dgrad: 8 warps, each a warp tile of WM rows x 32 output columns (mma.sync m16n8k16, bf16
+//              or fp16 operands, fp32 accumulators), a 4-stage cp.async pipeline over the reduction in steps of 32.
+//              Up to 64 rows of activations: 64 x 128 block tiles, warps 2 (M) x 4 (columns), so that W8, whose read
+//              dominates at small M, is spread over twice as many blocks. More rows: 64 x 256 (32 x 256 with
+//              dropout's two accumulators), warps 1 x 8: the same warp tile, bytes per stage and mma count as
+//              128 x 128 (64 x 128) with 2 x 4 warps, but each converted W8 fragment serves one warp instead of being
+//              converted by both warps of its column (half the conversions per mma; for bf16 one conversion is
+//              four instructions per register). Blocks run in grouped order (grouped_tile): 8 row-blocks sweep the
+//              column-blocks together, so that their activation rows and W8 tiles are re-read from L2, not DRAM.
+//              (Both choices follow from instruction and byte counts; no GPU timing has checked them yet.)
+//
+// forward      y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
+//              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
+//              slice, which
 //              cvt.rn.f16x2.e4m3x2 turns into the two B registers (exact: every e4m3 value is an fp16 and a bf16).
 //              That puts k = 4t..4t+3 where the mma expects k = {2t, 2t+1, 2t+8, 2t+9}: a fixed permutation of the
 //              16 k of each step, harmless as long as A uses the same one, so the x fragments are read with two 8-byte
@@ -28,8 +38,8 @@
 //              contiguous dim of nothing in W8's layout: ldmatrix.trans on the fp8 tile (viewed as 16-bit) gives lane
 //              (g, t) rows 2t, 2t+1 x byte columns 2g, 2g+1; one byte permute splits them into the B fragments of two
 //              n8 tiles, the even and the odd output columns. So the accumulators of a 16-column group hold columns
-//              16c + 2j (+1), and a lane ends up with 4 consecutive output columns. Block tile BM x 128 output
-//              columns x 32 reduction rows, same warps and pipeline. The converted W8 fragments are the only thing
+//              16c + 2j (+1), and a lane ends up with 4 consecutive output columns. Block tiles as above (output
+//              columns of K; 32 reduction rows of N per step). The converted W8 fragments are the only thing
 //              the main loop computes on besides the mma: gl and gb go from shared memory to the mma untouched, and
 //              with dropout both accumulators (gl W8, gb W8) share each converted fragment. The epilogue applies the
 //              scalars (rl st, rb st), accumulates s v A like forward's rank-r term (its A tile is stored with the
@@ -214,6 +224,26 @@ constexpr int kStages = 4;     // cp.async pipeline depth of the tensor-core GEM
 constexpr int kRankChunk = 32; // rank-r epilogues run over r in chunks of 32 (zero padded)
 constexpr int kRankPitchF = kRankChunk + 1;  // fp32 rank tiles [rows][33]: column reads of 8 rows hit 8 banks
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int kGroupM = 8;     // row-blocks per group of the grouped launch order (grouped_tile)
+
+// The tile (bm, bn) that linear block `pid` of a tiles_m x tiles_n grid computes, in grouped order: `group`
+// consecutive row-blocks (of x or g) sweep the column-blocks (of W8) together, row-blocks fastest. While a group
+// runs, its activation rows and the W8 column-blocks it visits are shared by many resident blocks and stay in L2,
+// instead of the activations being streamed from DRAM once per column-block (row-fastest order over all of M) or W8
+// once per row-block (column-fastest order). The last group has tiles_m % group row-blocks. 32-bit arithmetic (the
+// launch has at most 2^31 - 1 blocks): a 64-bit division would be a call, with a stack frame and spills around it.
+// group: p.group_m (the tests' override) or kGroupM when 0; clamped to tiles_m, so group * tiles_n fits 32 bits too.
+__device__ __forceinline__ void grouped_tile(uint32_t pid, uint32_t tiles_m, uint32_t tiles_n, int group_m,
+                                             int64_t& bm, int64_t& bn) {
+  uint32_t group = group_m > 0 ? static_cast<uint32_t>(group_m) : kGroupM;
+  if (group > tiles_m) group = tiles_m;
+  const uint32_t per_group = group * tiles_n;
+  const uint32_t first = (pid / per_group) * group;
+  const uint32_t rows = tiles_m - first < group ? tiles_m - first : group;
+  const uint32_t in = pid % per_group;
+  bm = in % rows + first;
+  bn = in / rows;
+}
 
 // Shared-memory tiles of 16-bit matrices with 32 columns (64-byte rows, four 16-byte chunks). Two swizzles of the
 // chunk index, each conflict-free for the way its tile is read:
@@ -232,10 +262,12 @@ __device__ __forceinline__ int tile32_offset(int row, int chunk) {
 template <int ROWS, int SWZ>
 __device__ __forceinline__ void load_tile32(uint8_t* tile, const uint16_t* __restrict__ src, int64_t ld, int64_t rows,
                                             int64_t cols, int64_t r0, int64_t k0, bool vec, int tid) {
-  static_assert((ROWS * 4) % kThreads == 0, "load_tile32: whole 16-byte pieces per thread");
+  constexpr int kPieces = ROWS * 4;  // 16-byte pieces
+  static_assert(kPieces % kThreads == 0 || kThreads % kPieces == 0, "load_tile32: pieces and threads must tile");
 #pragma unroll
-  for (int it = 0; it < ROWS * 4 / kThreads; ++it) {
+  for (int it = 0; it < (kPieces + kThreads - 1) / kThreads; ++it) {
     const int e = tid + it * kThreads;
+    if (kPieces < kThreads && e >= kPieces) break;  // fewer pieces than threads (32-row tiles)
     const int row = e >> 2, ch = e & 3;
     const int64_t gr = r0 + row, gk = k0 + ch * 8;
     uint8_t* dst = tile + tile32_offset<SWZ>(row, ch);
@@ -426,10 +458,14 @@ __global__ void __launch_bounds__(kThreads) weight_norm_finalize_kernel(const fl
 
 // ================================================================================================ forward (mma)
 
-template <int BM, bool DROP>
+template <int BM, int BN_, bool DROP>
 struct FwdCfg {
-  static constexpr int BN = 128, BK = 32;
-  static constexpr int WM = BM / 2, MT = WM / 16, NT = 4;  // warp tile WM x 32: MT m16 tiles x NT n8 tiles
+  static constexpr int BN = BN_, BK = 32;
+  // 8 warps as WARPS_M x WARPS_N; warp tile WM x 32 columns: MT m16 tiles x NT n8 tiles. With BN = 256 (1 x 8) each
+  // W8 fragment is converted by one warp; with BN = 128 (2 x 4) the two warps of a column convert it both.
+  static constexpr int WARPS_N = BN / 32, WARPS_M = (kThreads / 32) / WARPS_N;
+  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
+  static_assert(WARPS_M * WARPS_N == kThreads / 32 && WM % 16 == 0, "forward: warp layout");
   static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xd)
   static constexpr int kWBytes = BN * BK;                  // one fp8 tile
   static constexpr int kStageBytes = (DROP ? 2 : 1) * kXBytes + kWBytes;
@@ -456,17 +492,23 @@ struct FwdEpilogue {
   }
 };
 
-template <typename T, int BM, bool DROP>
-__global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
-  using Cfg = FwdCfg<BM, DROP>;
+// Two blocks per SM (at most 128 registers a thread): without the bound ptxas may take a few more and halve that.
+template <typename T, int BM, int BN_, bool DROP>
+__global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
+  using Cfg = FwdCfg<BM, BN_, DROP>;
   constexpr int BN = Cfg::BN, BK = Cfg::BK, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
   DORA_SMEM(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm0 = (warp >> 2) * WM, wn0 = (warp & 3) * 32;
+  // Unsigned: a power-of-two division stays a shift (signed / and % cost registers: 128 -> 171 in ptxas here).
+  const int wm0 = static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_N) * WM;
+  const int wn0 = static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_N) * 32;
   const int g = lane >> 2, t = lane & 3;
   const int64_t M = p.M, N = p.N, K = p.K;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM, n0 = static_cast<int64_t>(blockIdx.y) * BN;
+  int64_t bm, bn;
+  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + BM - 1) / BM), static_cast<uint32_t>((N + BN - 1) / BN),
+               p.group_m, bm, bn);
+  const int64_t m0 = bm * BM, n0 = bn * BN;
   const uint16_t* __restrict__ x = static_cast<const uint16_t*>(p.x);
   const uint16_t* __restrict__ xd = static_cast<const uint16_t*>(p.xd);
 
@@ -488,10 +530,12 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
     load_tile32<BM, kSwzPairs>(base, x, p.ldx, M, K, m0, k0, vec_x, tid);
     if (DROP) load_tile32<BM, kSwzPairs>(base + Cfg::kXBytes, xd, p.ldxd, M, K, m0, k0, vec_x, tid);
     uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kXBytes;
-    // fp8 tile [BN][32 bytes]: one 16-byte piece per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix conflict-free.
-    static_assert(BN * 2 == kThreads, "forward: one 16-byte fp8 piece per thread");
-    {
-      const int row = tid >> 1, ch = tid & 1;
+    // fp8 tile [BN][32 bytes]: 16-byte pieces, BN * 2 / 256 per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix
+    // conflict-free.
+    static_assert((BN * 2) % kThreads == 0, "forward: whole 16-byte fp8 pieces per thread");
+#pragma unroll
+    for (int it = 0; it < BN * 2 / kThreads; ++it) {
+      const int e = tid + it * kThreads, row = e >> 1, ch = e & 1;
       const int64_t gn = n0 + row, gk = k0 + ch * 16;
       uint8_t* dst = sw + row * 32 + ((ch ^ ((row >> 2) & 1)) << 4);
       const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
@@ -685,10 +729,14 @@ __global__ void __launch_bounds__(kThreads) forward_mma_kernel(const ForwardPara
 
 // ================================================================================================ dgrad (mma)
 
-template <int BM, bool DROP>
+template <int BM, int BK_, bool DROP>
 struct DgradCfg {
-  static constexpr int BK = 128, BR = 32;                  // output columns (of K) x reduction rows (of N) per tile
-  static constexpr int WM = BM / 2, MT = WM / 16, NT = 4;  // warp tile WM x 32 columns = 2 groups x (even, odd) n8
+  static constexpr int BK = BK_, BR = 32;                  // output columns (of K) x reduction rows (of N) per tile
+  // 8 warps as WARPS_M x WARPS_K; warp tile WM x 32 columns = 2 groups x (even, odd) n8. With BK = 256 (1 x 8) each
+  // W8 fragment is converted by one warp; with BK = 128 (2 x 4) the two warps of a column convert it both.
+  static constexpr int WARPS_K = BK / 32, WARPS_M = (kThreads / 32) / WARPS_K;
+  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
+  static_assert(WARPS_M * WARPS_K == kThreads / 32 && WM % 16 == 0, "dgrad: warp layout");
   static constexpr int kGBytes = BM * BR * 2;              // one left-operand tile (gl, or gb) [BM][32] 16-bit
   static constexpr int kWBytes = BR * BK;                  // fp8 tile [32][128 bytes]
   static constexpr int kStageBytes = (DROP ? 2 : 1) * kGBytes + kWBytes;
@@ -698,17 +746,21 @@ struct DgradCfg {
   static_assert(kStageBytes % 16 == 0 && (BM * kRankPitchF * 4) % 16 == 0, "tiles must stay 16-byte aligned");
 };
 
-template <typename T, int BM, bool DROP>
-__global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w) {
-  using Cfg = DgradCfg<BM, DROP>;
+template <typename T, int BM, int BK_, bool DROP>  // two blocks per SM, as forward
+__global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w) {
+  using Cfg = DgradCfg<BM, BK_, DROP>;
   constexpr int BK = Cfg::BK, BR = Cfg::BR, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
   DORA_SMEM(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm0 = (warp >> 2) * WM, wk0 = (warp & 3) * 32;
+  const int wm0 = static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_K) * WM;  // unsigned: see forward
+  const int wk0 = static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_K) * 32;
   const int g = lane >> 2, t = lane & 3;
   const int64_t M = p.M, N = p.N, K = p.K;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM, k0 = static_cast<int64_t>(blockIdx.y) * BK;
+  int64_t bm, bk;
+  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + BM - 1) / BM), static_cast<uint32_t>((K + BK - 1) / BK),
+               p.group_m, bm, bk);
+  const int64_t m0 = bm * BM, k0 = bk * BK;
   const uint16_t* __restrict__ gl = static_cast<const uint16_t*>(p.gl);
   const uint16_t* __restrict__ gb = static_cast<const uint16_t*>(p.gb);
 
@@ -730,11 +782,13 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
     const int64_t r0 = static_cast<int64_t>(rt) * BR;
     load_tile32<BM, kSwzLdsm>(base, gl, p.ldgl, M, N, m0, r0, vec_g, tid);
     if (DROP) load_tile32<BM, kSwzLdsm>(base + Cfg::kGBytes, gb, p.ldgb, M, N, m0, r0, vec_g, tid);
-    // fp8 tile [32 rows of N][128 bytes of K]: one 16-byte piece per thread, chunk ^ (row & 7) for ldmatrix.trans.
-    static_assert(BR * BK / 16 == kThreads, "dgrad: one 16-byte fp8 piece per thread");
-    {
-      uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kGBytes;
-      const int row = tid >> 3, ch = tid & 7;
+    // fp8 tile [32 rows of N][BK bytes of K]: 16-byte pieces, BR * BK / 16 / 256 per thread, chunk ^ (row & 7)
+    // for ldmatrix.trans (conflict-free: 8 consecutive rows hit 8 distinct chunks of one 128-byte window).
+    static_assert((BR * BK / 16) % kThreads == 0, "dgrad: whole 16-byte fp8 pieces per thread");
+    uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kGBytes;
+#pragma unroll
+    for (int it = 0; it < BR * BK / 16 / kThreads; ++it) {
+      const int e = tid + it * kThreads, row = e / (BK / 16), ch = e % (BK / 16);
       const int64_t gn = r0 + row, gk = k0 + ch * 16;
       uint8_t* dst = sw + row * BK + ((ch ^ (row & 7)) << 4);
       const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
@@ -855,7 +909,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
     const uint16_t* __restrict__ v = static_cast<const uint16_t*>(p.v);
     const uint16_t* __restrict__ Am = static_cast<const uint16_t*>(p.A);
     uint8_t* sv = smem;                         // [BM][32] v chunk
-    uint8_t* sa = smem + BM * kRankChunk * 2;   // [32][128] A chunk, 256-byte rows, columns interleaved
+    uint8_t* sa = smem + BM * kRankChunk * 2;   // [32][BK] A chunk, 2 BK-byte rows, columns interleaved
     for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
       block_sync();
       load_tile32_scalar<BM, kSwzLdsm>(sv, v, p.r, M, p.r, m0, q0, tid);
@@ -863,7 +917,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_mma_kernel(const DgradParams p
       // 16c..16c+7 (16c+8..16c+15) gives the even (odd) n8 tile, matching the accumulators' column order.
 #pragma unroll 4
       for (int it = 0; it < kRankChunk * BK / kThreads; ++it) {
-        const int e = tid + it * kThreads, q = e >> 7, col = e & 127;
+        const int e = tid + it * kThreads, q = e / BK, col = e % BK;
         const int64_t gq = q0 + q, gk = k0 + col;
         const uint16_t val = (gq < p.r && gk < K) ? Am[gq * K + gk] : uint16_t(0);
         const int pos = (col & ~15) + ((col & 1) << 3) + ((col & 15) >> 1);
@@ -1184,36 +1238,46 @@ cudaError_t launch_weight_norm(const WeightNormParams& p, cudaStream_t stream) {
                 static_cast<const float*>(p.partial), p.n, p.N, splits);
 }
 
-template <typename T, int BM, bool DROP>
+template <typename T, int BM, int BN, bool DROP>
 cudaError_t launch_forward_mma(const ForwardParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<BM, DROP>;
+  using Cfg = FwdCfg<BM, BN, DROP>;
   const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
   const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxd % 8 == 0 && aligned16(p.xd)));
-  return launch(forward_mma_kernel<T, BM, DROP>, ceil_div(p.M, BM), ceil_div(p.N, Cfg::BN), Cfg::kSmem, stream, p,
-                vec_x, vec_w);
+  return launch(forward_mma_kernel<T, BM, BN, DROP>, ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, Cfg::kSmem, stream,
+                p, vec_x, vec_w);
 }
 
 template <typename T>
 cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
-  if (p.xd != nullptr) return launch_forward_mma<T, 64, true>(p, stream);
-  if (p.M <= 64) return launch_forward_mma<T, 64, false>(p, stream);
-  return launch_forward_mma<T, 128, false>(p, stream);
+  // Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs.
+  // More rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile,
+  // bytes per stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
+  if (p.M <= 64) {
+    return p.xd != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
+                           : launch_forward_mma<T, 64, 128, false>(p, stream);
+  }
+  return p.xd != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
+                         : launch_forward_mma<T, 64, 256, false>(p, stream);
 }
 
-template <typename T, int BM, bool DROP>
+template <typename T, int BM, int BK, bool DROP>
 cudaError_t launch_dgrad_mma(const DgradParams& p, cudaStream_t stream) {
-  using Cfg = DgradCfg<BM, DROP>;
+  using Cfg = DgradCfg<BM, BK, DROP>;
   const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
   const bool vec_g = p.ldgl % 8 == 0 && aligned16(p.gl) && (!DROP || (p.ldgb % 8 == 0 && aligned16(p.gb)));
-  return launch(dgrad_mma_kernel<T, BM, DROP>, ceil_div(p.M, BM), ceil_div(p.K, Cfg::BK), Cfg::kSmem, stream, p,
+  return launch(dgrad_mma_kernel<T, BM, BK, DROP>, ceil_div(p.M, BM) * ceil_div(p.K, BK), 1, Cfg::kSmem, stream, p,
                 vec_g, vec_w);
 }
 
 template <typename T>
 cudaError_t launch_dgrad(const DgradParams& p, cudaStream_t stream) {
-  if (p.mask != nullptr) return launch_dgrad_mma<T, 64, true>(p, stream);
-  if (p.M <= 64) return launch_dgrad_mma<T, 64, false>(p, stream);
-  return launch_dgrad_mma<T, 128, false>(p, stream);
+  // Tiles as in launch_forward: 64 x 128 (2 x 4 warps) up to 64 rows, else 64 x 256 / 32 x 256 (1 x 8 warps).
+  if (p.M <= 64) {
+    return p.mask != nullptr ? launch_dgrad_mma<T, 64, 128, true>(p, stream)
+                             : launch_dgrad_mma<T, 64, 128, false>(p, stream);
+  }
+  return p.mask != nullptr ? launch_dgrad_mma<T, 32, 256, true>(p, stream)
+                           : launch_dgrad_mma<T, 64, 256, false>(p, stream);
 }
 
 }  // namespace detail

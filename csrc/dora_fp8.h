@@ -67,6 +67,7 @@ struct ForwardParams {
   bool scale_per_row;
   bool rank_f32;         // u and B are fp32 (else cdt)
   bool z_f32;            // z is fp32 (else cdt)
+  int group_m;           // row-blocks per group of the launch order; 0 (the binding's): the default
 };
 
 struct DgradParams {
@@ -90,6 +91,7 @@ struct DgradParams {
   float inv_keep;        // 1 / (1 - p), used with mask
   bool scale_per_row;
   bool rank_f32;         // v and A are fp32 (else cdt)
+  int group_m;           // row-blocks per group of the launch order; 0 (the binding's): the default
 };
 
 // Number of K splits weight_norm uses for this shape on the current device (the workspace is [splits, N] fp32).

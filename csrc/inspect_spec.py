@@ -13,8 +13,10 @@ One row per kernel instantiation:
 """
 
 _16BIT = {"bf16": "__nv_bfloat16", "fp16": "__half"}
-# (BM, DROP, variant): launch_forward / launch_dgrad pick BM = 64 with dropout or M <= 64, else 128.
-_MMA_PATHS = [(64, "true", "adapter+dropout"), (64, "false", "M<=64"), (128, "false", "M>64")]
+# (BM, BN, DROP, variant): launch_forward / launch_dgrad pick 64 x 128 tiles (2 x 4 warps) for M <= 64, else 64 x 256
+# without dropout and 32 x 256 with it (1 x 8 warps). BN is the output-column width (dgrad: BK, columns of K).
+_MMA_PATHS = [(64, 128, "true", "adapter+dropout, M<=64"), (64, 128, "false", "M<=64"),
+              (32, 256, "true", "adapter+dropout, M>64"), (64, 256, "false", "M>64")]
 
 
 def _row(kernel, targs, variant, dtype, config, smem):
@@ -25,10 +27,12 @@ KERNELS = [
     *[_row("weight_norm_kernel", t, "K split", d, "32 rows x BK 128", "kWnSmem")
       for d, t in (("fp32", "float"), ("bf16", "__nv_bfloat16"), ("fp16", "__half"))],
     _row("weight_norm_finalize_kernel", None, "K splits > 1", "fp32", "256 rows", "0"),
-    *[_row("forward_mma_kernel", f"{t}, {bm}, {drop}", v, d, f"BM={bm},BN=128,BK=32", f"FwdCfg<{bm}, {drop}>::kSmem")
-      for d, t in _16BIT.items() for bm, drop, v in _MMA_PATHS],
-    *[_row("dgrad_mma_kernel", f"{t}, {bm}, {drop}", v, d, f"BM={bm},BK=128,BN=32", f"DgradCfg<{bm}, {drop}>::kSmem")
-      for d, t in _16BIT.items() for bm, drop, v in _MMA_PATHS],
+    *[_row("forward_mma_kernel", f"{t}, {bm}, {bn}, {drop}", v, d, f"BM={bm},BN={bn},BK=32",
+           f"FwdCfg<{bm}, {bn}, {drop}>::kSmem")
+      for d, t in _16BIT.items() for bm, bn, drop, v in _MMA_PATHS],
+    *[_row("dgrad_mma_kernel", f"{t}, {bm}, {bk}, {drop}", v, d, f"BM={bm},BK={bk},BN=32",
+           f"DgradCfg<{bm}, {bk}, {drop}>::kSmem")
+      for d, t in _16BIT.items() for bm, bk, drop, v in _MMA_PATHS],
     *[_row(k, drop, "adapter+dropout" if drop == "true" else "no dropout", "fp32", "64x64 tile",
            f"simt_smem({2 if drop == 'true' else 1})")
       for k in ("forward_simt_kernel", "dgrad_simt_kernel") for drop in ("true", "false")],

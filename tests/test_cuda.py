@@ -28,9 +28,10 @@ REQUIRE_EXT = os.environ.get("DORAFP8_REQUIRE_CUDA_EXT") == "1"
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# (M, K, N, r, strided). M = 1 and 37 (one ragged 64-row tile), 65 and 130 (the 128-row tiles, ragged), 300 (several);
+# (M, K, N, r, strided). M = 1 and 37 (one ragged 64-row tile, 128-wide tiles), 65, 129, 130 and 300 (the 256-wide
+# tiles: 64 rows, 32 with dropout; several row-blocks, ragged, more than one launch-order group at 300 with dropout);
 # K = 50 and 257 (not a multiple of 16: byte-wise fp8 copies), 64/96/128/1000/4096 (16-byte copies, long pipelines);
-# N = 70, 129 (odd: no paired stores), 383, 700, 1024 (several 128-column tiles); r = 1, 3, 8, 16, 40, 72, 128, 256
+# N = 70, 129 (odd: no paired stores), 383, 700, 1024 (several column-blocks); r = 1, 3, 8, 16, 40, 72, 128, 256
 # (one to eight rank chunks of 32); `strided` puts the activations in wider buffers (row stride = width + 7, which
 # also makes them unaligned for 16-byte copies).
 SHAPES = [

@@ -48,11 +48,13 @@ def lib(tmp_path_factory):
     L.emu_weight_norm.argtypes = [PTR, PTR, I32, PTR, PTR, I32, I64, I64, I32, F32, PTR, I32]
     L.emu_weight_norm.restype = ctypes.c_long
     L.emu_forward.argtypes = [I32, PTR, I64, PTR, I64, PTR, PTR, I32, PTR, PTR, PTR, PTR, I32, I64, I64, I64, I32,
-                              F32, PTR, PTR, I32]
+                              F32, PTR, PTR, I32, I32]
     L.emu_forward.restype = ctypes.c_long
     L.emu_dgrad.argtypes = [I32, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I32, PTR, PTR, I32, PTR, I64, I64, I64, I64,
-                            I32, F32, F32, PTR]
+                            I32, F32, F32, PTR, I32]
     L.emu_dgrad.restype = ctypes.c_long
+    L.emu_grouped_tiles.argtypes = [I64, I64, I32, I64, I64, PTR, PTR]
+    L.emu_grouped_tiles.restype = None
     return L
 
 
@@ -73,10 +75,13 @@ def _contig(name, t, dtype=None, shape=None):
 class EmulatedLaunchers:
     """dorafp8._C's entry points on the emulated launchers: the binding's arguments, outputs written into the tensors
     passed. The preconditions the binding checks on a GPU are asserted here (an adapter bug the binding would refuse
-    fails here too), and every call asserts that the emulator saw no race or misuse."""
+    fails here too), and every call asserts that the emulator saw no race or misuse. group_m: row-blocks per group of
+    the kernels' launch order (0: the kernels' default, as the binding passes); the tests use 2, so that their shapes
+    (3 to 5 row-blocks) cross groups and end with a ragged one."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, group_m=2):
         self.lib = lib
+        self.group_m = group_m
 
     @staticmethod
     def _ok(errors, what):
@@ -129,7 +134,8 @@ class EmulatedLaunchers:
                 _contig("z", z, shape=(M, N))
         self._ok(self.lib.emu_forward(
             DT[x.dtype], ptr(x), x.stride(0), ptr(xd), 0 if xd is None else xd.stride(0), ptr(w8), ptr(scale),
-            per_row, ptr(bias), ptr(c), ptr(u), ptr(B), rank_f32, M, N, K, r, s, ptr(y), ptr(z), z_f32), "forward")
+            per_row, ptr(bias), ptr(c), ptr(u), ptr(B), rank_f32, M, N, K, r, s, ptr(y), ptr(z), z_f32, self.group_m),
+            "forward")
 
     def dgrad(self, gl, rl, w8, scale, v, A, s, mask, p, gb, rb, dx):
         per_row = self._weight(w8, scale)
@@ -156,7 +162,7 @@ class EmulatedLaunchers:
         self._ok(self.lib.emu_dgrad(
             DT[gl.dtype], ptr(gl), gl.stride(0), ptr(gb), 0 if gb is None else gb.stride(0), ptr(rl), ptr(rb),
             ptr(w8), ptr(scale), per_row, ptr(v), ptr(A), rank_f32, ptr(mask), 0 if mask is None else mask.stride(0),
-            M, N, K, r, s, 1.0 / (1.0 - p), ptr(dx)), "dgrad")
+            M, N, K, r, s, 1.0 / (1.0 - p), ptr(dx), self.group_m), "dgrad")
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +173,21 @@ def emu(lib):
 
 BF, F16, F32_ = torch.bfloat16, torch.float16, torch.float32
 # (M, K, N, r, dtype, rank dtype, scale kind, strided, bias). Each case runs weight_norm, forward and dgrad in the three
-# modes (plain, nodrop, dropout) on the emulated kernels.
+# modes (plain, nodrop, dropout) on the emulated kernels. Tiles: up to 64 rows 64 x 128 (2 x 4 warps), beyond that
+# 64 x 256 without dropout and 32 x 256 with it (1 x 8 warps), in groups of 2 row-blocks (EmulatedLaunchers).
 CASES = (
     [(1, 50, 70, 1, dt, dt, "tensor", False, True) for dt in (BF, F16, F32_)]  # M = 1, ragged everything, r = 1
     + [(37, 50, 70, 3, dt, dt, "row", True, False) for dt in (BF, F16, F32_)]  # per-row, strided, no bias
-    + [(37, 64, 48, 16, dt, dt, "tensor", False, True) for dt in (BF, F16, F32_)]  # 16-byte fp8 copies, one chunk
-    + [(130, 96, 200, 40, BF, BF, "tensor", False, True),  # 128-row tiles, two rank chunks
-       (130, 96, 200, 40, F32_, F32_, "row", True, True),
-       (65, 128, 129, 1, BF, BF, "row", False, False),  # odd N: no paired stores
-       (65, 128, 129, 1, F16, F16, "tensor", True, True),
+    + [(37, 64, 48, 16, dt, dt, "tensor", False, True) for dt in (BF, F16)]  # 16-byte fp8 copies, one rank chunk
+    + [(37, 160, 150, 1, F16, F16, "tensor", True, True),  # two column-blocks of the 128-wide tiles, strided
+       # 256-wide tiles: 2 (3 with dropout: a ragged group) row-blocks, forward's two column-blocks (odd N: no paired
+       # stores), dgrad's columns past 128, five K steps (forward) and nine N steps (dgrad), two rank chunks
+       (65, 136, 263, 40, BF, BF, "row", False, True),
+       (130, 96, 200, 40, F32_, F32_, "row", True, True),  # fp32: the SIMT kernels, several 64 x 64 tiles
        # fp32 adapters on 16-bit activations: the fp32 rank path, z in fp32
        (37, 64, 48, 3, BF, F32_, "row", True, True),
-       (65, 64, 70, 40, F16, F32_, "tensor", False, True),  # 128-row tiles, two fp32 rank chunks
+       # 256-wide tiles with dgrad's two column-blocks (K > 256, byte-wise fp8 copies), two fp32 rank chunks
+       (65, 264, 40, 40, F16, F32_, "tensor", False, True),
        (20, 50, 33, 5, BF, F16, "tensor", False, False)]  # mixed 16-bit dtypes: fp32 rank path as well
 )
 
@@ -198,6 +207,24 @@ def test_cuda_kernels_emulated(emu, case):
     for mode in ("plain", "nodrop", "dropout"):
         check_forward(emu.forward, p, mode, has_bias)
         check_dgrad(emu.dgrad, p, mode)
+
+
+def test_grouped_launch_order(lib):
+    """The kernels' grouped launch order maps the linear blocks onto every tile exactly once, for any group size and
+    ragged last group, and runs row-blocks fastest within a group."""
+    for tiles_m, tiles_n, group in [(1, 1, 8), (3, 5, 2), (5, 3, 2), (17, 4, 8), (8, 8, 8), (9, 1, 8), (2, 7, 3),
+                                    (40, 11, 8), (1000, 3, 8)]:
+        n = tiles_m * tiles_n
+        bm, bn = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        lib.emu_grouped_tiles(tiles_m, tiles_n, group, 0, n, ptr(bm), ptr(bn))
+        assert bm.min() >= 0 and bm.max() < tiles_m and bn.min() >= 0 and bn.max() < tiles_n
+        assert torch.unique(bm * tiles_n + bn).numel() == n, (tiles_m, tiles_n, group)
+        assert bm[0] == 0 and bn[0] == 0 and (tiles_m == 1 or bm[1] == 1)
+    # One row-block and 2^29 + 1 column-blocks: 8 * tiles_n wraps around 32 bits unless the group is clamped to 1.
+    tiles_n = (1 << 29) + 1
+    bm, bn = torch.empty(4, dtype=torch.int64), torch.empty(4, dtype=torch.int64)
+    lib.emu_grouped_tiles(1, tiles_n, 8, tiles_n - 4, 4, ptr(bm), ptr(bn))
+    assert bm.tolist() == [0] * 4 and bn.tolist() == list(range(tiles_n - 4, tiles_n))
 
 
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])

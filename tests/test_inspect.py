@@ -289,8 +289,8 @@ def test_cuda_kernel_list_must_match_the_spec():
     assert len(insp.match_cuda_kernels(names, rows)) == len(rows)
     with pytest.raises(insp.SpecError, match="compiled, not in the spec: void dorafp8::detail::new_kernel"):
         insp.match_cuda_kernels({**names, "x": "void dorafp8::detail::new_kernel<float>(int)"}, rows)
-    with pytest.raises(insp.SpecError, match="in the spec, not compiled: forward_mma_kernel<__half, 128, false>"):
-        insp.match_cuda_kernels({k: v for k, v in names.items() if "__half, 128, false" not in v
+    with pytest.raises(insp.SpecError, match="in the spec, not compiled: forward_mma_kernel<__half, 64, 256, false>"):
+        insp.match_cuda_kernels({k: v for k, v in names.items() if "__half, 64, 256, false" not in v
                                  or "forward_mma" not in v}, rows)
 
 

@@ -59,7 +59,7 @@ extern "C" long emu_weight_norm(const uint8_t* w8, const float* scale, int per_r
 extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, int64_t ldxd, const uint8_t* w8,
                             const float* scale, int per_row, const void* bias, const float* c, const void* u,
                             const void* B, int rank_f32, int64_t M, int64_t N, int64_t K, int r, float s, void* y,
-                            void* z, int z_f32) {
+                            void* z, int z_f32, int group_m) {
   const long e0 = emu::g_errors.load();
   const size_t es = esize(dt), rs = rank_f32 ? 4 : es, zs = z_f32 ? 4 : es;
   Owned o;
@@ -75,7 +75,7 @@ extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, 
   p.y = o.out(M * N * es);
   p.z = z ? o.out(M * N * zs) : nullptr;
   p.M = M; p.N = N; p.K = K; p.ldx = ldx; p.ldxd = ldxd; p.r = r; p.s = s; p.scale_per_row = per_row != 0;
-  p.rank_f32 = rank_f32 != 0; p.z_f32 = z_f32 != 0;
+  p.rank_f32 = rank_f32 != 0; p.z_f32 = z_f32 != 0; p.group_m = group_m;
   if (dorafp8::forward(p, static_cast<dorafp8::DType>(dt), nullptr) != cudaSuccess) return -1;
   std::memcpy(y, p.y, M * N * es);
   if (z) std::memcpy(z, p.z, M * N * zs);
@@ -85,7 +85,7 @@ extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, 
 extern "C" long emu_dgrad(int dt, const void* gl, int64_t ldgl, const void* gb, int64_t ldgb, const float* rl,
                           const float* rb, const uint8_t* w8, const float* scale, int per_row, const void* v,
                           const void* A, int rank_f32, const uint8_t* mask, int64_t ldmask, int64_t M, int64_t N,
-                          int64_t K, int r, float s, float inv_keep, void* dx) {
+                          int64_t K, int r, float s, float inv_keep, void* dx, int group_m) {
   const long e0 = emu::g_errors.load();
   const size_t es = esize(dt), rs = rank_f32 ? 4 : es;
   Owned o;
@@ -101,8 +101,16 @@ extern "C" long emu_dgrad(int dt, const void* gl, int64_t ldgl, const void* gb, 
   p.mask = o.in(mask, extent(M, K, ldmask));
   p.dx = o.out(M * K * es);
   p.M = M; p.N = N; p.K = K; p.ldgl = ldgl; p.ldgb = ldgb; p.ldmask = ldmask; p.r = r; p.s = s;
-  p.inv_keep = inv_keep; p.scale_per_row = per_row != 0; p.rank_f32 = rank_f32 != 0;
+  p.inv_keep = inv_keep; p.scale_per_row = per_row != 0; p.rank_f32 = rank_f32 != 0; p.group_m = group_m;
   if (dorafp8::dgrad(p, static_cast<dorafp8::DType>(dt), nullptr) != cudaSuccess) return -1;
   std::memcpy(dx, p.dx, M * K * es);
   return emu::g_errors.load() - e0;
+}
+
+// The grouped launch order's tile of linear blocks pid0 .. pid0 + count - 1, for a direct check that it is a bijection.
+extern "C" void emu_grouped_tiles(int64_t tiles_m, int64_t tiles_n, int group, int64_t pid0, int64_t count,
+                                  int64_t* bm, int64_t* bn) {
+  for (int64_t i = 0; i < count; ++i)
+    dorafp8::detail::grouped_tile(static_cast<uint32_t>(pid0 + i), static_cast<uint32_t>(tiles_m),
+                                  static_cast<uint32_t>(tiles_n), group, bm[i], bn[i]);
 }
