@@ -120,12 +120,13 @@ void weight_norm(const at::Tensor& w8, const at::Tensor& scale, const at::Tensor
 
 // ------------------------------------------------------------------------------------------------ forward
 
-// y (and z) of the contract, written into the given outputs. c None: plain FP8 linear (u, B, xd, z must be None).
+// y (and z) of the contract, written into the given outputs. c None: plain FP8 linear (u, B, xm, z must be None).
+// xm: x * mask (dropout's kept part of x, unscaled) with p the dropout probability, or None (no dropout).
 // u, B: the compute dtype or both fp32; z: the compute dtype or fp32.
 void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale, const std::optional<at::Tensor>& bias_,
              const std::optional<at::Tensor>& c_, const std::optional<at::Tensor>& u_,
-             const std::optional<at::Tensor>& B_, double s, const std::optional<at::Tensor>& xd_, at::Tensor& y,
-             const std::optional<at::Tensor>& z_) {
+             const std::optional<at::Tensor>& B_, double s, const std::optional<at::Tensor>& xm_, double p_drop,
+             at::Tensor& y, const std::optional<at::Tensor>& z_) {
   CHECK_CUDA(x);
   CHECK_ROWS(x);
   const dorafp8::DType dt = compute_dtype(x, "x");
@@ -164,12 +165,13 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
     CHECK_DTYPE(B, u.scalar_type());
     CHECK_SHAPE(B, N, r);
     CHECK_CONTIGUOUS(B);
-    if (xd_.has_value()) {
-      const at::Tensor& xd = *xd_;
-      CHECK_SAME_DEVICE(xd, x);
-      CHECK_DTYPE(xd, x.scalar_type());
-      CHECK_ROWS(xd);
-      CHECK_SHAPE(xd, M, K);
+    if (xm_.has_value()) {
+      const at::Tensor& xm = *xm_;
+      CHECK_SAME_DEVICE(xm, x);
+      CHECK_DTYPE(xm, x.scalar_type());
+      CHECK_ROWS(xm);
+      CHECK_SHAPE(xm, M, K);
+      TORCH_CHECK(p_drop >= 0.0 && p_drop < 1.0, "p must be in [0, 1) with xm, got ", p_drop);
     }
     if (z_.has_value()) {
       const at::Tensor& z = *z_;
@@ -179,15 +181,15 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
       CHECK_CONTIGUOUS(z);
     }
   } else {
-    TORCH_CHECK(!u_.has_value() && !B_.has_value() && !xd_.has_value() && !z_.has_value(),
-                "u, B, xd and z must be None when c is None (plain FP8 linear)");
+    TORCH_CHECK(!u_.has_value() && !B_.has_value() && !xm_.has_value() && !z_.has_value(),
+                "u, B, xm and z must be None when c is None (plain FP8 linear)");
   }
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   dorafp8::ForwardParams p{};
   p.x = x.data_ptr();
-  p.xd = opt_ptr(xd_);
+  p.xm = opt_ptr(xm_);
   p.w8 = static_cast<const uint8_t*>(w8.data_ptr());
   p.scale = scale.data_ptr<float>();
   p.bias = opt_ptr(bias_);
@@ -200,9 +202,10 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
   p.N = N;
   p.K = K;
   p.ldx = x.stride(0);
-  p.ldxd = xd_.has_value() ? xd_->stride(0) : 0;
+  p.ldxm = xm_.has_value() ? xm_->stride(0) : 0;
   p.r = static_cast<int>(r);
   p.s = static_cast<float>(s);
+  p.inv_keep = static_cast<float>(xm_.has_value() ? 1.0 / (1.0 - p_drop) : 1.0);
   p.scale_per_row = per_row;
   p.rank_f32 = rank_f32;
   p.z_f32 = z_f32;
@@ -307,8 +310,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_norm", &weight_norm, "n = ||scale * w8 + s * B @ A|| per row, into n (fp32 [N])", py::arg("w8"),
         py::arg("scale"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("n"));
   m.def("forward", &forward, "DoRA / plain FP8 linear forward into y (and z)", py::arg("x"), py::arg("w8"),
-        py::arg("scale"), py::arg("bias"), py::arg("c"), py::arg("u"), py::arg("B"), py::arg("s"), py::arg("xd"),
-        py::arg("y"), py::arg("z"));
+        py::arg("scale"), py::arg("bias"), py::arg("c"), py::arg("u"), py::arg("B"), py::arg("s"), py::arg("xm"),
+        py::arg("p"), py::arg("y"), py::arg("z"));
   m.def("dgrad", &dgrad, "DoRA / plain FP8 linear input gradient from the prepared operands, into dx",
         py::arg("gl"), py::arg("rl"), py::arg("w8"), py::arg("scale"), py::arg("v"), py::arg("A"), py::arg("s"),
         py::arg("mask"), py::arg("p"), py::arg("gb"), py::arg("rb"), py::arg("dx"));

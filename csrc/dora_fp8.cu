@@ -24,14 +24,15 @@
 //
 // forward      y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
 //              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
-//              slice, which
-//              cvt.rn.f16x2.e4m3x2 turns into the two B registers (exact: every e4m3 value is an fp16 and a bf16).
-//              That puts k = 4t..4t+3 where the mma expects k = {2t, 2t+1, 2t+8, 2t+9}: a fixed permutation of the
-//              16 k of each step, harmless as long as A uses the same one, so the x fragments are read with two 8-byte
-//              loads (x[g][4t..4t+3], x[g+8][4t..4t+3]) instead of ldmatrix. Dropout runs the x and xd tiles against
-//              the same converted W8 fragments into two accumulators. The epilogue folds scale (per column), then
-//              the rank-r term u B^T is accumulated by more mma steps into the same accumulators after they are
-//              scaled by scale_j / s (acc * scale_j / s + u B^T, times s, = x W0^T + s u B^T: no extra registers).
+//              slice, which cvt.rn.f16x2.e4m3x2 turns into the two B registers (exact: every e4m3 value is an fp16
+//              and a bf16). That puts k = 4t..4t+3 where the mma expects k = {2t, 2t+1, 2t+8, 2t+9}: a fixed
+//              permutation of the 16 k of each step, harmless as long as A uses the same one, so the x fragments are
+//              read with two 8-byte loads (x[g][4t..4t+3], x[g+8][4t..4t+3]) instead of ldmatrix. Dropout runs the x
+//              and xm tiles (xm = x * mask, exact in the compute dtype) against the same converted W8 fragments into
+//              two accumulators; the 1 / (1 - p) of dropout multiplies the fp32 xm product in the epilogue. The
+//              epilogue folds scale (per column), then the rank-r term u B^T is accumulated by more mma steps into
+//              the same accumulators after they are scaled by scale_j / s (acc * scale_j / s + u B^T, times s,
+//              = x W0^T + s u B^T: no extra registers).
 //
 // dgrad        dx from the operands the backward pass prepared (gl = g * f / rl, gb = g * srow / rb; per-row scales and
 //              c are already in them): the GEMMs gl W8 (and gb W8 with dropout) where the reduction runs over N, the
@@ -466,7 +467,7 @@ struct FwdCfg {
   static constexpr int WARPS_N = BN / 32, WARPS_M = (kThreads / 32) / WARPS_N;
   static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
   static_assert(WARPS_M * WARPS_N == kThreads / 32 && WM % 16 == 0, "forward: warp layout");
-  static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xd)
+  static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xm)
   static constexpr int kWBytes = BN * BK;                  // one fp8 tile
   static constexpr int kStageBytes = (DROP ? 2 : 1) * kXBytes + kWBytes;
   static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + BN * kRankChunk * 2,   // 16-bit u, B chunks
@@ -510,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
                p.group_m, bm, bn);
   const int64_t m0 = bm * BM, n0 = bn * BN;
   const uint16_t* __restrict__ x = static_cast<const uint16_t*>(p.x);
-  const uint16_t* __restrict__ xd = static_cast<const uint16_t*>(p.xd);
+  const uint16_t* __restrict__ xm = static_cast<const uint16_t*>(p.xm);
 
   float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
 #pragma unroll
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
     uint8_t* base = stage_ptr(s);
     const int64_t k0 = static_cast<int64_t>(kt) * BK;
     load_tile32<BM, kSwzPairs>(base, x, p.ldx, M, K, m0, k0, vec_x, tid);
-    if (DROP) load_tile32<BM, kSwzPairs>(base + Cfg::kXBytes, xd, p.ldxd, M, K, m0, k0, vec_x, tid);
+    if (DROP) load_tile32<BM, kSwzPairs>(base + Cfg::kXBytes, xm, p.ldxm, M, K, m0, k0, vec_x, tid);
     uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kXBytes;
     // fp8 tile [BN][32 bytes]: 16-byte pieces, BN * 2 / 256 per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix
     // conflict-free.
@@ -552,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
   };
   auto compute_stage = [&](int s) {
     const uint8_t* sx = stage_ptr(s);
-    const uint8_t* sxd = sx + Cfg::kXBytes;
+    const uint8_t* sxm = sx + Cfg::kXBytes;
     const uint8_t* sw = sx + (DROP ? 2 : 1) * Cfg::kXBytes;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
@@ -575,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
         if (DROP) {
-          frag_a_pairs(afr, sxd, wm0 + mt * 16, kk, lane);
+          frag_a_pairs(afr, sxm, wm0 + mt * 16, kk, lane);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
         }
@@ -615,8 +616,9 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
         if (!DROP) {
           acc[mt][nt][e] *= pre;
         } else {
-          acc[mt][nt][e] = sig * (acc[mt][nt][e] - acc2[DROP ? mt : 0][nt][e]);
-          acc2[DROP ? mt : 0][nt][e] *= pre;
+          // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
+          acc[mt][nt][e] = sig * fmaf(-p.inv_keep, acc2[DROP ? mt : 0][nt][e], acc[mt][nt][e]);
+          acc2[DROP ? mt : 0][nt][e] *= pre * p.inv_keep;
         }
       }
   if (lora && p.rank_f32) {
@@ -1049,7 +1051,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, n0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
   const float* __restrict__ x = static_cast<const float*>(p.x);
-  const float* __restrict__ xd = static_cast<const float*>(p.xd);
+  const float* __restrict__ xm = static_cast<const float*>(p.xm);
 
   float acc[NA][4][4];
 #pragma unroll
@@ -1065,7 +1067,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
         const int64_t i = m0 + row;
         const bool ok = i < M && k < K;
         v[0] = ok ? x[i * p.ldx + k] : 0.f;
-        if (DROP) v[NA - 1] = ok ? xd[i * p.ldxd + k] : 0.f;
+        if (DROP) v[NA - 1] = ok ? xm[i * p.ldxm + k] : 0.f;
       },
       [&](int64_t k, int col) {
         const int64_t j = n0 + col;
@@ -1085,8 +1087,8 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
       if (!DROP) {
         acc[0][i][j] *= pre;
       } else {
-        acc[0][i][j] = sig * (acc[0][i][j] - acc[NA - 1][i][j]);
-        acc[NA - 1][i][j] *= pre;
+        acc[0][i][j] = sig * fmaf(-p.inv_keep, acc[NA - 1][i][j], acc[0][i][j]);  // as forward_mma_kernel
+        acc[NA - 1][i][j] *= pre * p.inv_keep;
       }
     }
   }
@@ -1242,7 +1244,7 @@ template <typename T, int BM, int BN, bool DROP>
 cudaError_t launch_forward_mma(const ForwardParams& p, cudaStream_t stream) {
   using Cfg = FwdCfg<BM, BN, DROP>;
   const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxd % 8 == 0 && aligned16(p.xd)));
+  const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxm % 8 == 0 && aligned16(p.xm)));
   return launch(forward_mma_kernel<T, BM, BN, DROP>, ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, Cfg::kSmem, stream,
                 p, vec_x, vec_w);
 }
@@ -1253,10 +1255,10 @@ cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
   // More rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile,
   // bytes per stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
   if (p.M <= 64) {
-    return p.xd != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
+    return p.xm != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
                            : launch_forward_mma<T, 64, 128, false>(p, stream);
   }
-  return p.xd != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
+  return p.xm != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
                          : launch_forward_mma<T, 64, 256, false>(p, stream);
 }
 
@@ -1315,7 +1317,7 @@ cudaError_t forward(const ForwardParams& p, DType dtype, cudaStream_t stream) {
   if (p.M <= 0 || p.N <= 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
-      return p.xd != nullptr
+      return p.xm != nullptr
                  ? detail::launch(detail::forward_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
                                   detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(2), stream, p)
                  : detail::launch(detail::forward_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),

@@ -9,6 +9,7 @@
 //   forward:     c == nullptr: y = x W0^T + bias
 //                no dropout:   y = c * (x W0^T + s u B^T) + bias,              z = x W0^T + s u B^T
 //                dropout:      y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T,   z = xd W0^T + s u B^T
+//                              with xd W0^T = (xm W0^T) / (1 - p) in fp32, xm = x * mask (the kept part of x)
 //   dgrad:       on the operands prepared by the backward pass (gl = g * f / rl, gb = g * srow / rb: per-row scales
 //                are already in them), with st = scale[0] for a per-tensor scale and 1 for per-row scales:
 //                v == nullptr: dx = rl * st * (gl W8)
@@ -24,7 +25,7 @@
 
 namespace dorafp8 {
 
-// The compute dtype ("cdt"): x, xd, bias, y (and u, B, z unless rank_f32 / z_f32) in forward; gl, gb, dx (and v, A
+// The compute dtype ("cdt"): x, xm, bias, y (and u, B, z unless rank_f32 / z_f32) in forward; gl, gb, dx (and v, A
 // unless rank_f32) in dgrad.
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -49,7 +50,7 @@ struct WeightNormParams {
 struct ForwardParams {
   // Pointers (cdt unless noted)
   const void* x;         // [M, K], row stride ldx, unit stride in K
-  const void* xd;        // [M, K], row stride ldxd, or nullptr (no dropout)
+  const void* xm;        // [M, K] (= x * mask, unscaled), row stride ldxm, or nullptr (no dropout)
   const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
   const float* scale;    // [1] or [N] fp32
   const void* bias;      // [N] or nullptr
@@ -60,10 +61,11 @@ struct ForwardParams {
   void* z;               // [M, N] contiguous output (fp32 if z_f32), or nullptr (not needed)
   // Sizes and strides (elements)
   int64_t M, N, K;
-  int64_t ldx, ldxd;
+  int64_t ldx, ldxm;
   int r;
   // Scalars and flags
   float s;
+  float inv_keep;        // 1 / (1 - p), used with xm
   bool scale_per_row;
   bool rank_f32;         // u and B are fp32 (else cdt)
   bool z_f32;            // z is fp32 (else cdt)

@@ -148,11 +148,11 @@ class CudaBackend:
         return self.launcher
 
     # Not CUDA C++ kernels: see rank_ops.
-    def project(self, a, b, out_dtype):
-        return rank_ops(a.device).project(a, b, out_dtype)
+    def project(self, a, b, out_dtype, mask, p):
+        return rank_ops(a.device).project(a, b, out_dtype, mask, p)
 
-    def project_grad(self, v, a):
-        return rank_ops(a.device).project_grad(v, a)
+    def project_grad(self, v, a, mask, p):
+        return rank_ops(a.device).project_grad(v, a, mask, p)
 
     def backward_pass(self, g, z, c, srow, B, u, dropout, need_dm, need_dB):
         return rank_ops(g.device).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
@@ -168,7 +168,7 @@ class CudaBackend:
         return n
 
     def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
-                u: Optional[Tensor], B: Optional[Tensor], s: float, xd: Optional[Tensor], need_z: bool,
+                u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
                 z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
         sc = _weight_scale(scale)
         _check_act_quant(act_quant)
@@ -177,14 +177,16 @@ class CudaBackend:
         M, N = x.shape[0], w8.shape[0]
         y = _empty((M, N), cdt, x.device)
         if c is None:  # plain FP8 linear
-            self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), None, None, None, 0.0, None, y, None)
+            self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), None, None, None, 0.0, None, 0.0, y,
+                                   None)
             return y, None
         rdt = _rank_dtype(cdt, u, B)
         # z straight from the kernel in the compute dtype or fp32; another z_dtype is the fp32 z rounded once.
         zdt = cdt if z_dtype == cdt else torch.float32
         z = _empty((M, N), zdt, x.device) if need_z else None
         self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), _small(c, torch.float32), _small(u, rdt),
-                               _small(B, rdt), float(s), None if xd is None else _rows(xd), y, z)
+                               _small(B, rdt), float(s), None if xm is None else _rows(xm.to(cdt)),
+                               float(p) if xm is not None else 0.0, y, z)
         if z is not None and z.dtype != z_dtype:
             z = z.to(z_dtype)
         return y, z

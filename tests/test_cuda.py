@@ -18,7 +18,7 @@ import torch
 
 import dorafp8.cuda_backend as cb
 from dorafp8 import backends, quantize_e4m3
-from _kernel_ref import (S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
+from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
                          check_weight_norm, d, forward_64, make_problem, shape_id, tol, w0_64)
 
 HAS_CUDA = torch.cuda.is_available()
@@ -82,7 +82,7 @@ def test_binding_checks_device():
     x, scale, y = torch.zeros(2, 16), torch.ones(()), torch.empty(2, 4)
     rl = torch.ones(1)
     with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
-        C.forward(x, w8, scale, None, None, None, None, 0.0, None, y, None)
+        C.forward(x, w8, scale, None, None, None, None, 0.0, None, 0.0, y, None)
     with pytest.raises(RuntimeError, match="gl must be a CUDA tensor"):
         C.dgrad(torch.zeros(2, 4), rl, w8, scale, None, None, 0.0, None, 0.0, None, None, torch.empty(2, 16))
     with pytest.raises(RuntimeError, match="w8 must be a CUDA tensor"):
@@ -174,11 +174,12 @@ def test_forward(shape, dtype, rank_dtype, mode, scale, has_bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_without_z(mode, dtype):
     p = make_problem(5, 40, 36, 3, dtype, DEVICE, "tensor", False)
-    xd = p["xd"] if mode == "dropout" else None
+    xm = p["xm"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xd, False, dtype, "")
+    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xm, P, False, dtype,
+                      "")
     assert z is None
-    y64, _ = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xd)
+    y64, _ = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xm, P)
     assert_close(y, y64, tol(dtype), f"forward[{mode}, need_z=False] y vs fp64")
 
 
@@ -218,7 +219,7 @@ def test_int64_offsets(op):
     if op == "forward":
         x = torch.zeros(M, K, dtype=torch.bfloat16, device=DEVICE)
         x[tail] = torch.randn(40, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-        y, _ = cb.forward(x, w8, sigma, 128, None, None, None, None, S, None, False, torch.bfloat16, "")
+        y, _ = cb.forward(x, w8, sigma, 128, None, None, None, None, S, None, 0.0, False, torch.bfloat16, "")
         assert_close(y[tail], d(x[tail]) @ w0_64(w8, sigma).T, tol(torch.bfloat16), "forward, last rows")
         assert not torch.isnan(y[: M - 40]).any()
     else:
@@ -234,17 +235,18 @@ def test_rejects_bad_arguments():
     y = torch.empty(2, 16, device=DEVICE)
     sc = p["sigma"]
     with pytest.raises(RuntimeError, match="w8 must be"):
-        cb._C.forward(p["x"], p["w8"].float(), sc, None, None, None, None, S, None, y, None)
+        cb._C.forward(p["x"], p["w8"].float(), sc, None, None, None, None, S, None, 0.0, y, None)
     with pytest.raises(RuntimeError, match="scale must be 0-dim"):
-        cb._C.forward(p["x"], p["w8"], torch.ones(3, device=DEVICE), None, None, None, None, S, None, y, None)
+        cb._C.forward(p["x"], p["w8"], torch.ones(3, device=DEVICE), None, None, None, None, S, None, 0.0, y,
+                      None)
     with pytest.raises(RuntimeError, match="y must have shape"):
-        cb._C.forward(p["x"], p["w8"], sc, None, None, None, None, S, None, y[:1], None)
+        cb._C.forward(p["x"], p["w8"], sc, None, None, None, None, S, None, 0.0, y[:1], None)
     with pytest.raises(RuntimeError, match="u and B are required"):
-        cb._C.forward(p["x"], p["w8"], sc, None, p["c"], None, None, S, None, y, None)
+        cb._C.forward(p["x"], p["w8"], sc, None, p["c"], None, None, S, None, 0.0, y, None)
     u16 = torch.zeros(2, 1, dtype=torch.float16, device=DEVICE)
     with pytest.raises(RuntimeError, match="u must be .* or float32"):
-        cb._C.forward(p["x"].half(), p["w8"], sc, None, p["c"], u16.bfloat16(), u16.bfloat16(), S, None, y.half(),
-                      None)
+        cb._C.forward(p["x"].half(), p["w8"], sc, None, p["c"], u16.bfloat16(), u16.bfloat16(), S, None, 0.0,
+                      y.half(), None)
     g, dx, rl = torch.zeros(2, 16, device=DEVICE), torch.empty(2, 32, device=DEVICE), torch.ones(1, device=DEVICE)
     v, A = torch.zeros(2, 1, device=DEVICE), torch.zeros(1, 32, device=DEVICE)
     mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)

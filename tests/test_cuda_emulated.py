@@ -48,7 +48,7 @@ def lib(tmp_path_factory):
     L.emu_weight_norm.argtypes = [PTR, PTR, I32, PTR, PTR, I32, I64, I64, I32, F32, PTR, I32]
     L.emu_weight_norm.restype = ctypes.c_long
     L.emu_forward.argtypes = [I32, PTR, I64, PTR, I64, PTR, PTR, I32, PTR, PTR, PTR, PTR, I32, I64, I64, I64, I32,
-                              F32, PTR, PTR, I32, I32]
+                              F32, F32, PTR, PTR, I32, I32]
     L.emu_forward.restype = ctypes.c_long
     L.emu_dgrad.argtypes = [I32, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I32, PTR, PTR, I32, PTR, I64, I64, I64, I64,
                             I32, F32, F32, PTR, I32]
@@ -110,7 +110,7 @@ class EmulatedLaunchers:
         self._ok(self.lib.emu_weight_norm(ptr(w8), ptr(scale), per_row, ptr(A), ptr(B), DT[A.dtype], N, K, r, s,
                                           ptr(n), 132), "weight_norm")
 
-    def forward(self, x, w8, scale, bias, c, u, B, s, xd, y, z):
+    def forward(self, x, w8, scale, bias, c, u, B, s, xm, p, y, z):
         per_row = self._weight(w8, scale)
         _rows_ok(x, "x")
         (M, K), N = x.shape, w8.shape[0]
@@ -119,22 +119,23 @@ class EmulatedLaunchers:
             _contig("bias", bias, x.dtype, (N,))
         r, rank_f32, z_f32 = 0, 0, 0
         if c is None:
-            assert u is None and B is None and xd is None and z is None
+            assert u is None and B is None and xm is None and z is None
         else:
             _contig("c", c, torch.float32, (N,))
             r = u.shape[1]
             rank_f32 = self._rank(u, x, "u")
             _contig("u", u, shape=(M, r))
             _contig("B", B, u.dtype, (N, r))
-            if xd is not None:
-                _rows_ok(xd, "xd")
-                assert xd.dtype == x.dtype and xd.shape == x.shape
+            if xm is not None:
+                _rows_ok(xm, "xm")
+                assert xm.dtype == x.dtype and xm.shape == x.shape and 0 <= p < 1
             if z is not None:
                 z_f32 = self._rank(z, x, "z")
                 _contig("z", z, shape=(M, N))
         self._ok(self.lib.emu_forward(
-            DT[x.dtype], ptr(x), x.stride(0), ptr(xd), 0 if xd is None else xd.stride(0), ptr(w8), ptr(scale),
-            per_row, ptr(bias), ptr(c), ptr(u), ptr(B), rank_f32, M, N, K, r, s, ptr(y), ptr(z), z_f32, self.group_m),
+            DT[x.dtype], ptr(x), x.stride(0), ptr(xm), 0 if xm is None else xm.stride(0), ptr(w8), ptr(scale),
+            per_row, ptr(bias), ptr(c), ptr(u), ptr(B), rank_f32, M, N, K, r, s, 1.0 / (1.0 - p) if xm is not None
+            else 1.0, ptr(y), ptr(z), z_f32, self.group_m),
             "forward")
 
     def dgrad(self, gl, rl, w8, scale, v, A, s, mask, p, gb, rb, dx):
@@ -231,9 +232,9 @@ def test_grouped_launch_order(lib):
 def test_forward_without_z_and_other_z_dtype(emu, mode):
     """need_z=False writes no z; a z_dtype that is neither the compute dtype nor fp32 is the fp32 z rounded once."""
     p = make_problem(5, 40, 36, 3, torch.bfloat16, "cpu", "tensor", False)
-    xd = p["xd"] if mode == "dropout" else None
+    xm = p["xm"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    args = (p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xd)
+    args = (p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xm, P)
     y, z = emu.forward(*args, False, torch.bfloat16, "")
     assert z is None
     y_ref, _ = reference.forward(*args, False, torch.bfloat16, "")

@@ -56,16 +56,16 @@ extern "C" long emu_weight_norm(const uint8_t* w8, const float* scale, int per_r
   return emu::g_errors.load() - e0;
 }
 
-extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, int64_t ldxd, const uint8_t* w8,
+extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xm, int64_t ldxm, const uint8_t* w8,
                             const float* scale, int per_row, const void* bias, const float* c, const void* u,
-                            const void* B, int rank_f32, int64_t M, int64_t N, int64_t K, int r, float s, void* y,
-                            void* z, int z_f32, int group_m) {
+                            const void* B, int rank_f32, int64_t M, int64_t N, int64_t K, int r, float s,
+                            float inv_keep, void* y, void* z, int z_f32, int group_m) {
   const long e0 = emu::g_errors.load();
   const size_t es = esize(dt), rs = rank_f32 ? 4 : es, zs = z_f32 ? 4 : es;
   Owned o;
   dorafp8::ForwardParams p{};
   p.x = o.in(static_cast<const uint8_t*>(x), extent(M, K, ldx) * es);
-  p.xd = o.in(static_cast<const uint8_t*>(xd), extent(M, K, ldxd) * es);
+  p.xm = o.in(static_cast<const uint8_t*>(xm), extent(M, K, ldxm) * es);
   p.w8 = o.in(w8, N * K);
   p.scale = o.in(scale, (per_row ? N : 1) * 4);
   p.bias = o.in(static_cast<const uint8_t*>(bias), N * es);
@@ -74,7 +74,8 @@ extern "C" long emu_forward(int dt, const void* x, int64_t ldx, const void* xd, 
   p.B = o.in(static_cast<const uint8_t*>(B), (size_t)N * r * rs);
   p.y = o.out(M * N * es);
   p.z = z ? o.out(M * N * zs) : nullptr;
-  p.M = M; p.N = N; p.K = K; p.ldx = ldx; p.ldxd = ldxd; p.r = r; p.s = s; p.scale_per_row = per_row != 0;
+  p.M = M; p.N = N; p.K = K; p.ldx = ldx; p.ldxm = ldxm; p.r = r; p.s = s; p.inv_keep = inv_keep;
+  p.scale_per_row = per_row != 0;
   p.rank_f32 = rank_f32 != 0; p.z_f32 = z_f32 != 0; p.group_m = group_m;
   if (dorafp8::forward(p, static_cast<dorafp8::DType>(dt), nullptr) != cudaSuccess) return -1;
   std::memcpy(y, p.y, M * N * es);
