@@ -15,7 +15,7 @@ What the CUDA kernels cover, and what they do not:
   * W8A16 only: act_quant='rowwise' (W8A8) raises a ValueError, same advice.
   * The rank dtype: u, B (forward) and v, A (dgrad) are read in the compute dtype when they have it, else in fp32 (an
     exact upcast: fp32 adapters on bf16/fp16 activations keep their fp32 values, and the rank-r products run as fp32
-    FMA). Nothing of the low-rank path is rounded to 16 bits.
+    FMA). The kernels never round the low-rank path below its rank dtype.
   * z: the kernel writes it in the compute dtype, or in fp32 when z_dtype is not the compute dtype; any z_dtype
     other than those two is the fp32 result rounded once to it.
   * project, project_grad, backward_pass (rank-r GEMMs and the one pass over g) are not CUDA C++ kernels: they are
