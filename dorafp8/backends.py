@@ -118,8 +118,20 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
     return mod.unavailable_reason(torch.device(device))
 
 
-def resolve(name: str | None, device: torch.device) -> str:
-    """Resolves a backend name ("auto", None or one of BACKENDS) to the concrete backend that runs on `device`."""
+# What a backend computes beyond per-tensor / per-row scales in W8A16 (a module may narrow it with `SUPPORTS`):
+# "block" (block scales), "w8a8" (act_quant="rowwise").
+FEATURES = frozenset({"block", "w8a8"})
+
+
+def supports(name: str) -> frozenset:
+    mod = _load(name)
+    return FEATURES if isinstance(mod, str) else frozenset(getattr(mod, "SUPPORTS", FEATURES))
+
+
+def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
+    """Resolves a backend name ("auto", None or one of BACKENDS) to the concrete backend that runs on `device`.
+    Under "auto" a backend that cannot compute what the call `needs` (see FEATURES) is passed over; a backend named
+    explicitly is used as named (and raises its own clear error if it cannot)."""
     name = check_backend_name(name)
     if name == "auto":
         env = os.environ.get("DORAFP8_BACKEND")
@@ -134,7 +146,7 @@ def resolve(name: str | None, device: torch.device) -> str:
         return name
     # No GPU measurement has ranked triton against cuda yet; triton's kernels are autotuned, so it goes first.
     for cand in ("triton", "cuda"):
-        if device.type == "cuda" and unavailable_reason(cand, device) is None:
+        if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand):
             return cand
     return "reference"
 

@@ -26,6 +26,9 @@ from .triton_kernels.dgrad import dgrad_epilogue
 from .triton_kernels.forward import forward_epilogue
 
 
+SUPPORTS = frozenset({"block"})  # no W8A8 (see the module docstring)
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     why = _tk.unavailable_reason(device)
     return None if why is None else f"the cuBLAS strategy's epilogues are Triton kernels: {why}"

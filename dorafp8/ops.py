@@ -162,6 +162,11 @@ def _row_scale(scale: Tensor) -> Optional[Tensor]:
     return scale if scale_kind(scale) == "row" else None
 
 
+def _needs(scale: Tensor, act_quant: str) -> frozenset:
+    """What a call asks of its backend beyond W8A16 with a per-tensor or per-row scale (backends.FEATURES)."""
+    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({"w8a8"} if act_quant else ())
+
+
 def check_act_quant(act_quant) -> str:
     mode = "" if act_quant in (None, "", "none") else act_quant
     if mode not in ACT_QUANT_MODES:
@@ -325,7 +330,7 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_float(lora_A, "lora_A", (lora_A.shape[0], K))
     _check_float(lora_B, "lora_B", (N, lora_A.shape[0]))
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
-    name = backends.resolve(backend, w8.device)
+    name = backends.resolve(backend, w8.device, _needs(scale, ""))
     with torch.no_grad():
         return _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
 
@@ -343,7 +348,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     _check_device(x, w8=w8, scale=scale, bias=bias)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
-    name = backends.resolve(backend, x.device)
+    name = backends.resolve(backend, x.device, _needs(scale, mode))
     x2d = _rows(x.reshape(-1, K).to(cdt))
     y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block, mode, name)
     return y.reshape(*x.shape[:-1], N)
@@ -382,7 +387,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     mode = check_act_quant(act_quant)
     _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias)
-    name = backends.resolve(backend, x.device)
+    name = backends.resolve(backend, x.device, _needs(scale, mode))
     if weight_norm is None:
         n = _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
     else:

@@ -299,3 +299,18 @@ def test_zero_scaling(device, backend, dropout):
     assert_close(y, yr, TOL[torch.float32], "y")
     for name, got, ref in zip(("dx", "dm"), (xl.grad, ml.grad), (leaves[0], leaves[3])):
         assert_close(got, ref.grad, TOL[torch.float32], name)
+
+
+def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
+    """Under "auto" a backend without block scales or W8A8 (cuda: SUPPORTS is empty) is skipped for such calls, not
+    picked and then refused."""
+    from dorafp8 import backends
+
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name, dev: None if name in ("cuda", "reference") else "not here")
+    gpu = torch.device("cuda")
+    assert backends.resolve("auto", gpu) == "cuda"
+    assert backends.resolve("auto", gpu, frozenset({"block"})) == "reference"
+    assert backends.resolve("auto", gpu, frozenset({"w8a8"})) == "reference"
+    assert backends.supports("cuda") == frozenset() and backends.supports("cublas") == frozenset({"block"})
+    assert backends.supports("triton") == backends.FEATURES == backends.supports("reference")
