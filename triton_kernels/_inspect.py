@@ -233,40 +233,33 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
     return out
 
 
-def _project_variants(arch: str) -> list[Variant]:
-    out = []
-    for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
-        rdt = dt if rdt_name == "same" else torch.float32
-        if rdt_name == "fp32" and dt == torch.float32:
-            continue
-        dot_dt, ieee = dot_dtype(dt, rdt)
-        bm, bk, br, stages = launch_blocks(ieee, RANK)
-        args = dict(a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt,
-                    M=LARGE_M, K=K, R=RANK, stride_a_m=K, stride_b_r=K, stride_b_k=1, stride_out_m=RANK,
-                    stride_mask_m=K if mask else 0, inv_keep=1.0 / 0.9 if mask else 1.0)
-        constexprs = dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee)
-        name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
-        out.append(Variant(name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
-                                                                   num_stages=stages)))
-    return out
+def _rank_gemm_variants(kernel_args):
+    """Variants of the rank-r GEMMs (project, project_grad): activations in each dtype, the rank path in the same dtype
+    or fp32 (fp32 adapters on 16-bit activations), with and without the dropout mask; `kernel_args(dt, rdt, mask)`
+    gives the kernel's runtime arguments."""
+    def variants(arch: str) -> list[Variant]:
+        out = []
+        for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
+            rdt = dt if rdt_name == "same" else torch.float32
+            if rdt_name == "fp32" and dt == torch.float32:
+                continue
+            dot_dt, ieee = dot_dtype(dt, rdt)
+            bm, bk, br, stages = launch_blocks(ieee, RANK)
+            args = dict(kernel_args(dt, rdt, mask), M=LARGE_M, K=K, R=RANK, stride_mask_m=K if mask else 0,
+                        inv_keep=1.0 / 0.9 if mask else 1.0)
+            name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
+            out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee),
+                               _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_stages=stages)))
+        return out
+    return variants
 
 
-def _project_grad_variants(arch: str) -> list[Variant]:
-    out = []
-    for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
-        rdt = dt if rdt_name == "same" else torch.float32
-        if rdt_name == "fp32" and dt == torch.float32:
-            continue
-        dot_dt, ieee = dot_dtype(dt, rdt)
-        bm, bk, br, stages = launch_blocks(ieee, RANK)
-        args = dict(v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt,
-                    M=LARGE_M, K=K, R=RANK, ROWS_PER_SPLIT=512, stride_v_m=RANK, stride_v_r=1, stride_a_m=K,
-                    stride_mask_m=K if mask else 0, inv_keep=1.0 / 0.9 if mask else 1.0)
-        constexprs = dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee)
-        name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
-        out.append(Variant(name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
-                                                                   num_stages=stages)))
-    return out
+_project_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
+    a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt, stride_a_m=K, stride_b_r=K, stride_b_k=1,
+    stride_out_m=RANK))
+_project_grad_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
+    v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt, ROWS_PER_SPLIT=512, stride_v_m=RANK,
+    stride_v_r=1, stride_a_m=K))
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
