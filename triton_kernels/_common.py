@@ -109,12 +109,13 @@ _GEMM_TABLE = {
     # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators).
     # Pruned by what `python -m dorafp8.inspect` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
     # registers (spills, serialized wgmma) and every BLOCK of 128 in the reduction made ptxas serialize the wgmma
-    # (C7515), so the reduction block is 64 and small M gets more stages instead; on sm_89 one accumulator tile
-    # per 4 warps of 64 x 128 (and two with dropout) spilled, so those tiles use 8 warps.
+    # (C7515), so the reduction block is 64 and small M gets more stages instead, and an output block of 128
+    # (two wgmma M-halves) on 4 warps serialized too, so those use 8 warps (one warpgroup per half); on sm_89 one
+    # accumulator tile per 4 warps of 64 x 128 (and two with dropout) spilled, so those tiles use 8 warps.
     "sm90": (
-        [(128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+        [(128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4)],
         [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
-        [(16, 64, 64, 6, 4), (16, 128, 64, 5, 4), (32, 64, 64, 6, 4), (32, 128, 64, 4, 4), (64, 128, 64, 4, 4)],
+        [(16, 64, 64, 6, 4), (32, 64, 64, 6, 4), (32, 128, 64, 4, 8), (64, 128, 64, 4, 8)],
         [(16, 64, 64, 5, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
     ),
     "sm89": (
@@ -127,8 +128,13 @@ _GEMM_TABLE = {
 # fp32 compute (input_precision="ieee": CUDA-core FMA, no tensor cores) stages 4-byte activation tiles; big tiles buy
 # nothing there and overflow Ada's shared memory, so it gets its own small list on every GPU.
 _FP32_GEMM = (
-    [(64, 64, 32, 2, 4), (64, 128, 32, 2, 8), (128, 64, 32, 2, 8), (32, 64, 64, 2, 4)],
+    [(64, 64, 32, 2, 4), (64, 128, 32, 2, 8), (32, 64, 64, 2, 4)],
     [(16, 64, 64, 2, 4), (32, 64, 32, 2, 4), (16, 128, 32, 2, 4)],
+)
+# Two fp32 accumulators (dropout) spilled 2 KB and more on every tile above (inspect): smaller ones.
+_FP32_GEMM_TWO_ACC = (
+    [(32, 32, 32, 2, 4), (16, 64, 32, 2, 4), (16, 32, 64, 2, 4)],
+    [(16, 32, 32, 2, 4), (16, 64, 32, 2, 4), (16, 32, 64, 2, 4)],
 )
 # One small config under the interpreter (it would run every config otherwise); small enough that the tests'
 # shapes (N = 70, K = 50, M = 37) cross several blocks in every dimension.
@@ -146,7 +152,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
-        rows = _FP32_GEMM[1] if m <= 64 else _FP32_GEMM[0]
+        table = _FP32_GEMM_TWO_ACC if two_acc else _FP32_GEMM
+        rows = table[1] if m <= 64 else table[0]
     else:
         big, big2, small, small2 = _GEMM_TABLE[arch]
         rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
@@ -159,8 +166,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
 
 _WEIGHT_NORM_TABLE = {  # arch: [(BLOCK_N, BLOCK_K, stages, warps)]
     "interp": [(32, 32, 1, 4)],
-    "sm90": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 256, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
-    "sm89": [(64, 128, 3, 4), (128, 64, 3, 8), (64, 64, 4, 4)],
+    "sm90": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 128, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
+    "sm89": [(64, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (32, 128, 3, 4)],
 }
 # fp32 adapters: B A on CUDA cores (ieee), whose [BLOCK_N, BLOCK_K] fp32 product and operands spilled at
 # BLOCK_K >= 128 with 4 warps (inspect); smaller tiles, more warps.
@@ -225,9 +232,11 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block: int = 128,
                      f"(block {block}), got {tuple(scale.shape)}")
 
 
-def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int):
+def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int, out_name: str = "", n_acc: int = 1):
     """With block scales, one reduction step must stay inside one scale block (the kernel scales each step's partial
-    product by its block's scale): keep the configs whose reduction block divides `block`, or shrink it to do so."""
+    product by its block's scale): keep the configs whose reduction block divides `block`, or shrink it to do so.
+    Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit about
+    96 registers per thread (larger ones spilled, inspect)."""
     if scale_mode != SCALE_BLOCK:
         return configs
     out, seen = [], set()
@@ -235,6 +244,9 @@ def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int):
         kw = dict(cfg.kwargs)
         while block % kw[red_name]:
             kw[red_name] //= 2
+        # shrink the tile until the accumulators and their partial-product twins fit ~96 fp32 registers a thread
+        while out_name and 2 * n_acc * kw["BLOCK_M"] * kw[out_name] > 96 * 32 * cfg.num_warps and kw["BLOCK_M"] > 16:
+            kw["BLOCK_M"] //= 2
         key = tuple(sorted(kw.items())) + (cfg.num_stages, cfg.num_warps)
         if key not in seen:
             seen.add(key)

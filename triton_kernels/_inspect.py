@@ -32,7 +32,7 @@ import triton
 from ._common import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
 from .backward import _dora_bwd_pass_kernel, bwd_pass_blocks
 from .dgrad import _dgrad_epilogue_kernel, _dora_dgrad_kernel
-from .forward import _dora_fwd_kernel, _fwd_epilogue_kernel
+from .forward import _dora_fwd_kernel, _fwd_epilogue_kernel, epilogue_blocks
 from .lowrank import _project_grad_kernel, _project_kernel, launch_blocks
 from .quant import QUANT_BLOCKS, _rowwise_quant_kernel
 from .weight_norm import _dora_weight_norm_kernel, weight_norm_block_r
@@ -86,10 +86,10 @@ def _variant_name(mode, scale_mode, quant, m):
     return (f"{mode},{_SCALE_NAMES[scale_mode]}{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}")
 
 
-def _configs(configs, red_name, scale_mode):
+def _configs(configs, red_name, scale_mode, out_name, dropout):
     from ._common import fit_reduction_block
 
-    return fit_reduction_block(configs, red_name, QBLOCK, scale_mode)
+    return fit_reduction_block(configs, red_name, QBLOCK, scale_mode, out_name, 2 if dropout else 1)
 
 
 def _weight_norm_variants(arch: str) -> list[Variant]:
@@ -132,7 +132,8 @@ def _forward_variants(arch: str) -> list[Variant]:
                           QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
                           IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, "BLOCK_N", "BLOCK_K", dropout, m, fp32_tiles), "BLOCK_K", sm)
+        configs = _configs(gemm_configs_for(arch, "BLOCK_N", "BLOCK_K", dropout, m, fp32_tiles), "BLOCK_K", sm,
+                           "BLOCK_N", dropout)
         out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
     return out
 
@@ -159,7 +160,8 @@ def _dgrad_variants(arch: str) -> list[Variant]:
                           QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
                           IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, "BLOCK_K", "BLOCK_N", dropout, m, fp32_tiles), "BLOCK_N", sm)
+        configs = _configs(gemm_configs_for(arch, "BLOCK_K", "BLOCK_N", dropout, m, fp32_tiles), "BLOCK_N", sm,
+                           "BLOCK_K", dropout)
         out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
     return out
 
@@ -184,7 +186,8 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
                           SCALE_MODE=SCALE_ROW, HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
-        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=32, BLOCK_N=64)))
+        bm, bn = epilogue_blocks(ieee)
+        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
     return out
 
 
@@ -203,7 +206,8 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_MODE=SCALE_TENSOR, HAS_LORA=True,
                           LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
-        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=32, BLOCK_K=64)))
+        bm, bk = epilogue_blocks(ieee)
+        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))
     return out
 
 
@@ -217,7 +221,7 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         if rdt_name == "fp32" and dt == torch.float32:
             continue
         v_dt, v_ieee = dot_dtype(dt, rdt)
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, v_ieee)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
         args = dict(
             g_ptr=dt, z_ptr=rdt if dt != rdt else dt, c_ptr=F32, rhoc_ptr=F32, fl_ptr=F32, fb_ptr=F32, b_ptr=rdt,
             u_ptr=rdt, gl_ptr=dt, gb_ptr=dt, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,

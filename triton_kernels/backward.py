@@ -103,14 +103,14 @@ def _dora_bwd_pass_kernel(
 
 def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once (dB accumulates in registers over
-    the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 16K values (64 per thread at 8 warps), or 2K with
-    fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
+    the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 8K values (32 per thread at 8 warps; the g and z
+    tiles need the rest: 256 columns spilled, inspect), or 2K with fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
     Two stages: the pass streams g and z once, and three overflowed Ada's shared memory."""
     br = max(16, triton.next_power_of_2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
-    bn = max(16, min(256, 16384 // br))
-    return 32, bn, br, 4 if bn * br <= 4096 else 8, 2
+    bn = max(16, min(128, 8192 // br))
+    return 32, bn, br, 4 if bn * br <= 2048 else 8, 2
 
 
 def _grid_shape(M: int, N: int, r: int, ieee: bool, device: torch.device):
@@ -166,7 +166,9 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     r = B.shape[1] if adapter else 1
     v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
     db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
-    bm, bn, br, warps, stages, steps, pm, pn = _grid_shape(M, N, r, v_ieee or db_ieee, dev)
+    # fp32 (ieee) dots pick smaller tiles; a plain pass (no adapter, no dot) streams g only
+    ieee = (adapter and v_ieee) or (need_dB and db_ieee)
+    bm, bn, br, warps, stages, steps, pm, pn = _grid_shape(M, N, r, ieee, dev)
     vpart = torch.empty(pn, M, r, **f32) if adapter else None
     dbpart = torch.empty(pm, N, **f32)
     dmpart = torch.empty(pm, N, **f32) if need_dm else None

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_r, check_activation,
                       check_weight, dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+from .forward import epilogue_blocks
 
 
 @triton.jit
@@ -241,7 +242,7 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
-                                  "BLOCK_N", block, mode)
+                                  "BLOCK_N", block, mode, "BLOCK_K", 2 if has_dropout else 1)
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
     kernel = autotuned(_dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
@@ -271,7 +272,7 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
         return dx
     tb = tb if has_dropout else t
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
-    bm, bk = 32, 64
+    bm, bk = epilogue_blocks(lora_ieee)
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
     _dgrad_epilogue_kernel[grid](
         t, tb, rl, rb, scale, v, A, mask, dx,

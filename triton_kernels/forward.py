@@ -220,6 +220,12 @@ def _fwd_epilogue_kernel(
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
+def epilogue_blocks(ieee: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the stand-alone epilogue kernels: fp32 rank-r dots (CUDA cores, both tiles in registers)
+    spilled at 32 x 64 with dropout (inspect)."""
+    return (16, 64) if ieee else (32, 64)
+
+
 def _epilogue_args(M, N, cdt, device, bias, c, u, B, need_z, z_dtype, scale):
     """Checks the epilogue's operands; returns (r, u, B, c, bias_t, y, z, want_z) with placeholders for absent ones."""
     has_adapter = c is not None
@@ -276,7 +282,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
-                                  "BLOCK_K", block, mode)
+                                  "BLOCK_K", block, mode, "BLOCK_N", 2 if has_dropout else 1)
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
     kernel = autotuned(_dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -306,7 +312,7 @@ def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z
         return y, (z if want_z else None)
     base_d = base_d if has_dropout else base
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
-    bm, bn = 32, 64
+    bm, bn = epilogue_blocks(lora_ieee)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _fwd_epilogue_kernel[grid](
         base, base_d, scale, bias_t, c, u, B, y, z,

@@ -51,8 +51,9 @@ def _dora_weight_norm_kernel(
         ).to(DOT_DT)
 
     w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
-    # Squares accumulate elementwise in fp32 and are reduced once at the end (one tl.sum per program, not per step).
-    sq = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Squares are summed along K at every step into one fp32 value per row: a [BLOCK_N, BLOCK_K] accumulator next to
+    # the W8 tile and the B A tile spilled at BLOCK_K = 256 (inspect), and the kernel is bound by reading W8 anyway.
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -81,10 +82,10 @@ def _dora_weight_norm_kernel(
                 ).to(DOT_DT)
                 ba = _dot(b_chunk, a_chunk, ba, IEEE)
         v = w + s * ba
-        sq += v * v
+        sq += tl.sum(v * v, axis=1)
         w_ptrs += BLOCK_K
 
-    n = tl.sqrt(tl.sum(sq, axis=1))
+    n = tl.sqrt(sq)
     tl.store(n_ptr + offs_n, n, mask=mask_n)
 
 
