@@ -157,6 +157,10 @@ def _launch(engine: str, out) -> list:
         with open(log_path) as f:
             tail = f.read()[-6000:]
         pytest.fail(f"{engine} job failed (rc={rc}):\n{tail}")
+    with open(log_path) as f:
+        log_text = f.read()
+    for r in range(C.WORLD):  # each rank got through its final barrier and destroy_process_group
+        assert f"rank {r}: done" in log_text, f"{engine}: rank {r} did not finish cleanly:\n{log_text[-6000:]}"
     res = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(C.WORLD)]
     for r in res:  # the children ran this checkout's dorafp8
         assert os.path.dirname(os.path.abspath(r["dorafp8_file"])) == os.path.join(REPO, "dorafp8")
