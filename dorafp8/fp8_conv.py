@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._fp8_cast import e4m3_scaled_fp32
+from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from .backends import check_backend_name
 from .distributed import recover_fp8_weight
 from .ops import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
@@ -44,6 +44,8 @@ _NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 def _tuple(v, nd: int, name: str) -> tuple:
+    if type(v) is tuple and len(v) == nd and all(type(i) is int for i in v):
+        return v
     if isinstance(v, numbers.Integral) and not isinstance(v, bool):
         return (int(v),) * nd
     if isinstance(v, Sequence) and len(v) == nd and all(isinstance(i, numbers.Integral) for i in v):
@@ -58,8 +60,8 @@ def dequantize_transient(w8: Tensor, scale: Tensor, block: int, dtype: torch.dty
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
     kind = scale_kind(scale)
-    if kind == "tensor" and dtype == torch.float32:
-        return e4m3_scaled_fp32(w8, scale)  # the fp32 copy is the transient itself
+    if kind == "tensor" and (dtype == torch.float32 or w8.numel() * 4 <= _DEQUANT_BLOCK_BYTES):
+        return e4m3_scaled(w8, scale, dtype)  # one rounding into dtype; fp32 temporaries at most a block's size
     out = torch.empty(w8.shape, dtype=dtype, device=w8.device)
     o2 = out.view(C, K)
     rows = max(1, _DEQUANT_BLOCK_BYTES // (4 * K))
@@ -90,10 +92,18 @@ def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool,
 def _lora_input(x: Tensor, mask: Optional[Tensor], p: float, rdt: torch.dtype) -> Tensor:
     """The lora path's input as PEFT forms it: x cast to the adapters' dtype, then dropout(x) = x * (mask / (1 - p))
     in that dtype (the noise tensor F.dropout multiplies by)."""
-    xr = x.to(rdt)
+    xr = _as(x, rdt)
     if mask is None:
         return xr
     return xr * mask.to(rdt).div_(1.0 - p)
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _chan(t: Tensor, nd: int) -> Tensor:
@@ -174,7 +184,7 @@ class FP8ConvFunction(torch.autograd.Function):
             dx, _ = _conv_backward(gy, ctx.x_shape, w, stride, padding, dilation, groups, True, False)
             del w
         if ctx.needs_input_grad[3]:
-            db = _sum_but_channels(gy.float()).to(gy.dtype)
+            db = _as(_sum_but_channels(_f32(gy)), gy.dtype)
         return dx, None, None, db, None, None, None, None, None
 
 
@@ -195,7 +205,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         stride, padding, dilation, groups = geom
         nd = x.dim() - 2
         n = n.clamp_min(NORM_EPS)
-        c = m.detach().reshape(-1).float() / n
+        c = _f32(m.reshape(-1)) / n
         cv = _chan(c, nd)
         dropout = p > 0.0
         need_z = ctx.needs_input_grad[6]
@@ -213,7 +223,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         del w
         # The epilogue in fp32, each result rounded once into its dtype.
         # z = conv(xd, W0) + s lora (a copy when base_d is fp32 and still needed, by the dropout formula)
-        z32 = (base_d.clone() if dropout else base_d.float()).add_(lora, alpha=s)
+        z32 = (base_d.clone() if dropout else _f32(base_d)).add_(lora, alpha=s)
         del lora
         y = torch.empty(z32.shape, dtype=cdt, device=x.device)
         if dropout:  # conv(x, W0) + (c - 1) conv(xd, W0) + c s lora  ==  conv(x, W0) - conv(xd, W0) + c z
@@ -225,10 +235,9 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         elif bias is None:
             torch.mul(z32, cv, out=y)
         else:
-            torch.addcmul(_chan(bias.float(), nd), z32, cv, out=y)
+            torch.addcmul(_chan(_f32(bias), nd), z32, cv, out=y)
         del base_d, base_x
-        z = (z32 if z32.dtype == torch.promote_types(cdt, rdt) else z32.to(torch.promote_types(cdt, rdt))) \
-            if need_z else None
+        z = _as(z32, torch.promote_types(cdt, rdt)) if need_z else None
         del z32
         ctx.save_for_backward(x, mask, u, z, w8, scale, A, B, c, n)
         ctx.s, ctx.p, ctx.block, ctx.geom, ctx.lora_geom = s, p, block, geom, lora_geom
@@ -245,12 +254,12 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         nd = gy.dim() - 2
         cdt, rdt = gy.dtype, A.dtype
         cv = _chan(c, nd)
-        g32 = gy.float()
+        g32 = _f32(gy)
         dx = dA = dB = dm = db = None
         if need_db:
-            db = _sum_but_channels(g32).to(cdt)
+            db = _as(_sum_but_channels(g32), cdt)
         if need_dm:
-            dm = (_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape).to(ctx.m_dtype)
+            dm = _as((_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape), ctx.m_dtype)
         # g * c in the compute dtype: the output gradient of the lora path (times s, applied to its small results
         # below) and, without dropout, of the base conv. fp16: scaled by 1 / max|c| so that it cannot overflow
         # where g does not (the transposed conv's result is scaled back in fp32).
@@ -264,14 +273,14 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
             du, dB_ = _conv_backward(gl, u, B, [1] * nd, [0] * nd, [1] * nd, groups, need_dx or need_dA,
                                      bool(need_dB))
             if need_dB:
-                dB = (dB_ * s).to(B.dtype)
+                dB = _as(dB_ * s, B.dtype)
             if need_dx or need_dA:
                 du = du * s
                 xd = _lora_input(x, mask, p, rdt) if need_dA else x.shape
                 dx_lora, dA_ = _conv_backward(du, xd, A, *ctx.lora_geom, 1, bool(need_dx), bool(need_dA))
                 del xd
                 if need_dA:
-                    dA = dA_.to(A.dtype)
+                    dA = _as(dA_, A.dtype)
         if need_dx:
             w = dequantize_transient(w8, scale, ctx.block, cdt)
             geom = (stride, padding, dilation, groups)
@@ -295,7 +304,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
                     ddrop.add_(dx_lora)
                 dx = ddrop.mul_(mask).mul_(1.0 / (1.0 - p)).add_(dplain)
             del w
-            dx = dx.to(cdt)
+            dx = _as(dx, cdt)
         return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
 
 
@@ -339,9 +348,9 @@ def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"))
     cdt = compute_dtype(x)
     unbatched = x.dim() == nd + 1
-    xx = (x.unsqueeze(0) if unbatched else x).to(cdt)
+    xx = _as(x.unsqueeze(0) if unbatched else x, cdt)
     with torch.autocast(x.device.type, enabled=False):
-        y = FP8ConvFunction.apply(xx, w8, scale, None if bias is None else bias.to(cdt), block_size, *geom, groups)
+        y = FP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), block_size, *geom, groups)
     return y.squeeze(0) if unbatched else y
 
 
@@ -396,15 +405,15 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
         if not isinstance(weight_norm, torch.Tensor) or weight_norm.numel() != C:
             raise ValueError(f"weight_norm must be an fp32 tensor with {C} elements, got "
                              f"{list(getattr(weight_norm, 'shape', []))}")
-        n = weight_norm.detach().float().reshape(C)
+        n = _f32(weight_norm.detach() if weight_norm.requires_grad else weight_norm).reshape(C)
     cdt = compute_dtype(x)
     rdt = rank_dtype(x, lora_A, lora_B)
     unbatched = x.dim() == nd + 1
-    xx = (x.unsqueeze(0) if unbatched else x).to(cdt)
+    xx = _as(x.unsqueeze(0) if unbatched else x, cdt)
     p = float(dropout_p) if training else 0.0
     with torch.autocast(x.device.type, enabled=False):
-        y = DoRAFP8ConvFunction.apply(xx, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(rdt),
-                                      lora_B.to(rdt), magnitude, n, float(scaling), p, block_size, geom, lora_geom)
+        y = DoRAFP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), _as(lora_A, rdt),
+                                      _as(lora_B, rdt), magnitude, n, float(scaling), p, block_size, geom, lora_geom)
     return y.squeeze(0) if unbatched else y
 
 

@@ -31,7 +31,7 @@ import itertools
 import torch
 
 from . import reference as _ref
-from ._fp8_cast import e4m3_scaled_fp32, e4m3_to
+from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
 from .quant import scale_kind, scale_rows
 
 project_grad = _ref.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
@@ -65,28 +65,41 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None  # runs wherever PyTorch runs
 
 
+def _f32(t):
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _row_parts(M, width):
+    """One function per block of activation rows (_ref._blocks), taking that block of a tensor: the tensor itself
+    when one block covers all rows (small layers: no slicing ops at all)."""
+    blocks = list(_ref._blocks(M, width))
+    if len(blocks) == 1:
+        return [lambda t: t]
+    return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
+
+
 def _weight_blocks(w8, scale, block, dtype):
     """(j0, j1, W'[j0:j1]) over blocks of weight rows, W' = w8 in `dtype` with block scales applied (per-tensor and
     per-row scales are left to the caller: w8 -> dtype is then exact)."""
     N, K = w8.shape
     blocked = scale_kind(scale) == "block"
     for j0, j1 in _ref._blocks(N, K, block if blocked else 1):
+        rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
         if blocked:
-            w = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block, j0, j1, K)).to(dtype)
+            w = e4m3_scaled(rows, scale_rows(scale, block, j0, j1, K), dtype)
         else:
-            w = e4m3_to(w8[j0:j1], dtype)
+            w = e4m3_to(rows, dtype)
         yield j0, j1, w
-
-
-# _reference_cases: two cases go to the reference: W8A8 (act_quant="rowwise"; on CPU an emulation either way) and
-# fp16 compute (rare on CPU): an fp16 product of x or g with the unscaled W8 (|W8| <= 448) can overflow where the
-# fp32 result is far inside fp16's range.
 
 
 def _out_scale(scale):
     """The fp32 factor of the base product's columns (per tensor: a scalar, per row: [N]; block: already applied)."""
     kind = scale_kind(scale)
-    return None if kind == "block" else scale.float()
+    return None if kind == "block" else _f32(scale)
 
 
 def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
@@ -114,42 +127,47 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     scd = None  # the factor of the dropout term's product: the scale and 1 / (1 - p)
     if two:
         scd = (sc if sc is not None else torch.ones((), dtype=torch.float32, device=x.device)) * (1.0 / (1.0 - p))
+    parts = _row_parts(M, N)
     y = torch.empty(M, N, dtype=cdt, device=x.device)
-    z = torch.empty(M, N, dtype=z_dtype, device=x.device) if (c is not None and need_z) else None
-    b32 = None if bias is None else bias.float()
-    Bs = None if B is None else (B.float() * s).T  # s B^T [r, N]: lora = u (s B^T)
+    z = None
+    if c is not None and need_z and len(parts) > 1:
+        z = torch.empty(M, N, dtype=z_dtype, device=x.device)
+    Bs = None if B is None else (_f32(B) * s).T  # s B^T [r, N]: lora = u (s B^T)
     # The fp32 epilogue over blocks of activation rows, each result written once into its dtype (out=: computed in
-    # fp32, rounded once).
-    for i0, i1 in _ref._blocks(M, N):
-        bx = base[i0:i1]
+    # fp32, rounded once; the bias is added in fp32 as it is).
+    for sl in parts:
+        bx, yb = sl(base), sl(y)
         if c is None:
-            if sc is None and b32 is None:
-                y[i0:i1] = bx
-            elif b32 is None:
-                torch.mul(bx, sc, out=y[i0:i1])
+            if sc is None and bias is None:
+                yb.copy_(bx)
+            elif bias is None:
+                torch.mul(bx, sc, out=yb)
             elif sc is None:
-                torch.add(bx, b32, out=y[i0:i1])
+                torch.add(_f32(bx), bias, out=yb)
             else:
-                torch.addcmul(b32, bx, sc, out=y[i0:i1])
+                torch.addcmul(_f32(bias), bx, sc, out=yb)
             continue
-        zb = u[i0:i1].float() @ Bs  # s u B^T, fp32
-        _add_scaled(zb, base_d[i0:i1] if two else bx, scd if two else sc)  # z = xd W0^T + s u B^T
-        if z is not None:
-            z[i0:i1] = zb
-        if not two:  # y = c z + b
-            if b32 is None:
-                torch.mul(zb, c, out=y[i0:i1])
+        zb = _f32(sl(u)) @ Bs  # s u B^T, fp32
+        _add_scaled(zb, sl(base_d) if two else bx, scd if two else sc)  # z = xd W0^T + s u B^T
+        if need_z:
+            if z is None:  # one block: z is this block's result, in its dtype
+                z = _as(zb, z_dtype)
             else:
-                torch.addcmul(b32, zb, c, out=y[i0:i1])
+                sl(z).copy_(zb)
+        if not two:  # y = c z + b
+            if bias is None:
+                torch.mul(zb, c, out=yb)
+            else:
+                torch.addcmul(_f32(bias), zb, c, out=yb)
         else:  # y = x W0^T + b + (c - 1) xd W0^T + c s u B^T  ==  (x - xd) W0^T + c z + b
             t = bx.float() if bx.dtype != torch.float32 else bx.clone()
             if sc is not None:
                 t.mul_(sc)
-            t.addcmul_(base_d[i0:i1], scd, value=-1.0)
+            t.addcmul_(sl(base_d), scd, value=-1.0)
             t.addcmul_(zb, c)
-            if b32 is not None:
-                t.add_(b32)
-            y[i0:i1] = t
+            if bias is not None:
+                t.add_(bias)
+            yb.copy_(t)
     return y, z
 
 
@@ -163,11 +181,11 @@ def _add_scaled(acc, t, sc):
 
 def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     """The reference's backward_pass (same outputs, fp32 throughout), with fewer passes over g: (g c) B as g (c B),
-    the scaled copies of g written straight into their dtype."""
+    the scaled copies of g written straight into their dtype, no accumulators when one block covers g."""
     M, N = g.shape
     adapter = c is not None
     f32 = dict(dtype=torch.float32, device=g.device)
-    sr = None if srow is None else srow.float()
+    sr = None if srow is None else _f32(srow)
     if adapter:
         f = (c - 1) if dropout else c
         f = f if sr is None else f * sr
@@ -187,39 +205,34 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
             rb = sr.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
             gb = torch.empty_like(g)
             sb = sr / rb
-    Bc = (B.float() * c[:, None]) if adapter else None  # (g c) B == g (c B)
-    blocks = list(_ref._blocks(M, N))
-    if len(blocks) == 1:  # small problems: each result in one op, no accumulators
-        g32 = g.float()
-        db = g32.sum(0)
+    Bc = (_f32(B) * c[:, None]) if adapter else None  # (g c) B == g (c B)
+    parts = _row_parts(M, N)
+    one = len(parts) == 1
+    v = dm = dB = db = None
+    if not one:
+        v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
+        dm = torch.zeros(N, **f32) if (adapter and need_dm) else None
+        dB = torch.zeros(N, B.shape[1], **f32) if (adapter and need_dB) else None
+        db = torch.zeros(N, **f32)
+    for sl in parts:
+        g32 = _f32(sl(g))
+        db = g32.sum(0) if one else db.add_(g32.sum(0))
         if gl is not g:
-            torch.mul(g32, fr, out=gl)
+            torch.mul(g32, fr, out=sl(gl))
         if gb is not None and gb is not g:
-            torch.mul(g32, sb, out=gb)
-        if not adapter:
-            return gl, rl, gb, rb, None, None, db, None
-        v = (g32 @ Bc).to(B.dtype)
-        dm = (g32 * z).sum(0) if need_dm else None
-        dB = g32.T @ u.float() if need_dB else None
-        return gl, rl, gb, rb, v, dm, db, dB
-    v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
-    dm = torch.zeros(N, **f32) if (adapter and need_dm) else None
-    dB = torch.zeros(N, B.shape[1], **f32) if (adapter and need_dB) else None
-    db = torch.zeros(N, **f32)
-    for i0, i1 in blocks:
-        g32 = g[i0:i1].float()
-        db += g32.sum(0)
-        if gl is not g:
-            torch.mul(g32, fr, out=gl[i0:i1])
-        if gb is not None and gb is not g:
-            torch.mul(g32, sb, out=gb[i0:i1])
+            torch.mul(g32, sb, out=sl(gb))
         if not adapter:
             continue
-        v[i0:i1] = g32 @ Bc
-        if dm is not None:
-            dm += (g32 * z[i0:i1]).sum(0)
-        if dB is not None:
-            dB.addmm_(g32.T, u[i0:i1].float())
+        if one:
+            v = _as(g32 @ Bc, B.dtype)
+            dm = (g32 * z).sum(0) if need_dm else None
+            dB = g32.T @ _f32(u) if need_dB else None
+        else:
+            sl(v).copy_(g32 @ Bc)
+            if dm is not None:
+                dm += (g32 * sl(z)).sum(0)
+            if dB is not None:
+                dB.addmm_(g32.T, _f32(sl(u)))
     return gl, rl, gb, rb, v, dm, db, dB
 
 
@@ -227,37 +240,36 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     if act_quant or gl.dtype == torch.float16:  # see _reference_cases
         return _ref.dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
     cdt = gl.dtype
-    M, K = gl.shape[0], w8.shape[1]
-    st = scale.float() if scale_kind(scale) == "tensor" else 1.0
+    M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
+    st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0
     two = v is not None and mask is not None
     # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
     # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
     t = tb = None
     for j0, j1, w in _weight_blocks(w8, scale, block, cdt):
-        pt = gl[:, j0:j1] @ w
-        t = pt if t is None else (t.float() if t.dtype != torch.float32 else t).add_(pt)
+        whole = j0 == 0 and j1 == N
+        pt = (gl if whole else gl[:, j0:j1]) @ w
+        t = pt if t is None else _f32(t).add_(pt)
         if two:
-            pb = gb[:, j0:j1] @ w
-            tb = pb if tb is None else (tb.float() if tb.dtype != torch.float32 else tb).add_(pb)
+            pb = (gb if whole else gb[:, j0:j1]) @ w
+            tb = pb if tb is None else _f32(tb).add_(pb)
         del w
     dx = torch.empty(M, K, dtype=cdt, device=gl.device)
     k = rl * st  # the base term's fp32 factor
     if v is None:
-        for i0, i1 in _ref._blocks(M, K):
-            torch.mul(t[i0:i1], k, out=dx[i0:i1])
+        for sl in _row_parts(M, K):
+            torch.mul(sl(t), k, out=sl(dx))
         return dx
     inv = 1.0 / (1.0 - p) if mask is not None else 1.0
-    As = A.float() * (s * inv)  # s A (/ (1 - p) with dropout)
+    As = _f32(A) * (s * inv)  # s A (/ (1 - p) with dropout)
     if mask is not None:
         k = k * inv
         kb = rb * st
-    for i0, i1 in _ref._blocks(M, max(K, w8.shape[0])):
-        out = v[i0:i1].float() @ As
-        out.addcmul_(t[i0:i1], k)
-        if mask is None:
-            dx[i0:i1] = out
-        else:  # dx = tb rb st + mask / (1 - p) (t rl st + s v A)
-            out.mul_(mask[i0:i1])
-            out.addcmul_(tb[i0:i1], kb)
-            dx[i0:i1] = out
+    for sl in _row_parts(M, max(K, N)):
+        out = _f32(sl(v)) @ As
+        out.addcmul_(sl(t), k)
+        if mask is not None:  # dx = tb rb st + mask / (1 - p) (t rl st + s v A)
+            out.mul_(sl(mask))
+            out.addcmul_(sl(tb), kb)
+        sl(dx).copy_(out)
     return dx

@@ -70,3 +70,18 @@ def test_fast_fp8_conversion_is_exact():
     for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
         got, ref = e4m3_scaled_fp32(w8, factor), w8.float() * factor
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("n", [1000, 20000, 300000])  # PyTorch's conversion, the lookup table, the integer passes
+def test_fp8_conversion_paths_are_exact(n):
+    from dorafp8._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w8 = torch.cat([every, (torch.randn(n - 256) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)]).reshape(-1, 8)
+    same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())  # noqa
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert same(e4m3_to(w8, dtype), w8.to(dtype))
+        for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5):
+            assert same(e4m3_scaled(w8, factor, dtype), (w8.float() * factor).to(dtype))
+    for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
+        assert same(e4m3_scaled_fp32(w8, factor), w8.float() * factor)
