@@ -152,9 +152,13 @@ def test_end_to_end_fp8_base_dora_on_attention_ff_and_conv(kind, tmp_path):
         for base_kind, base in (("dequantized", _dequantized_copy(original, pm_ours)),
                                 ("original", copy.deepcopy(original))):
             outs[base_kind] = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(**kw).sample
+        # the fp8 error of the base itself, without adapters: the original model against its fp8 round trip
+        base_fp8 = _dequantized_copy(original, pm_ours).eval()(**kw).sample
+        base_err = ((original.eval()(**kw).sample - base_fp8).norm() / base_fp8.norm()).item()
     rel = {k: ((v - ref).norm() / ref.norm()).item() for k, v in outs.items()}
     assert rel["dequantized"] < 1e-5, rel
-    assert 1e-3 < rel["original"] < 0.1, rel
+    # measured: 0.076 (UNet) and 0.033 (DiT), each within 1% of its base's own fp8 error (0.075, 0.033)
+    assert 0.5 * base_err < rel["original"] < 1.25 * base_err, (rel, base_err)
 
 
 def test_unet_weight_and_training_step_memory():
