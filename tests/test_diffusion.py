@@ -181,3 +181,21 @@ def test_unet_weight_and_training_step_memory():
           f"training-step peak of temporaries {peak['ours'] / MiB:.2f} MiB vs {peak['peft'] / MiB:.2f} MiB")
     assert weights["ours"] < 0.45 * weights["peft"]
     assert peak["ours"] <= peak["peft"]
+
+
+def test_diffusers_add_adapter_builds_fp8_layers():
+    """diffusers' own PEFT entry point (ModelMixin.add_adapter, inject_adapter_in_model) builds the dorafp8 layers too,
+    and get_peft_model_state_dict gives PEFT's keys."""
+    from peft.utils import get_peft_model_state_dict
+
+    unet = small_unet()
+    dorafp8.quantize_model(unet, include_conv=True)
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, use_dora=True, target_modules=UNET_TARGETS))
+    kinds = [type(m).__name__ for m in unet.modules()]
+    assert kinds.count("DoRAFP8Conv2d") == 24 and kinds.count("DoRAFP8Linear") == 60
+    sd = get_peft_model_state_dict(unet)
+    assert "down_blocks.0.resnets.0.conv1.lora_magnitude_vector" in sd
+    assert sd["down_blocks.0.resnets.0.conv1.lora_magnitude_vector"].shape == (1, 32, 1, 1)
+    kw, target = _batches("unet", 1)[0]
+    _loss(unet, kw, target).backward()
+    assert all(p.grad is not None for n, p in unet.named_parameters() if p.requires_grad)
