@@ -3,7 +3,7 @@ base (every Linear and Conv2d), bf16 autocast, AdamW, DoRA on attention + feed-f
 
     python bench/diffusion_cpu.py                       # the tests' small UNet (1.1 M parameters)
     python bench/diffusion_cpu.py --size medium         # block_out_channels (64, 128), 32 x 32 latents, batch 4
-    python bench/diffusion_cpu.py --size large          # block_out_channels (160, 320) (SD's first widths / 2)
+    python bench/diffusion_cpu.py --size large          # block_out_channels (160, 320): SD 1.x's first two halved
     python bench/diffusion_cpu.py --backend reference   # dorafp8's exact fp32 twin instead of auto (native on CPU)
 
 The two models step in turn (interleaved), so that load from other processes hits both alike; the median of

@@ -28,8 +28,8 @@ from .fp8_conv import (FP8Conv1d, FP8Conv2d, FP8Conv3d, _FP8ConvNd, conv_weight_
 from .ops import NORM_EPS
 
 _MERGE_ERROR = (
-    "merging a DoRA adapter into an fp8 base would re-quantize the merged weight and lose precision, so dorafp8 "
-    "layers do not merge. Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
+    "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
+    "re-quantizing them). Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
     "original-precision base model, and merge there (merge_and_unload)."
 )
 _PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant)
