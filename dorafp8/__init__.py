@@ -3,7 +3,10 @@
 Public API:
     quantize_e4m3, dequantize_e4m3        the FP8 recipe (per-tensor fp32 scale; per-row optional)
     dora_fp8_linear, fp8_linear, weight_norm   functional ops (autograd-capable), dispatched to a backend
-    FP8Linear, quantize_model             frozen fp8 linear layer, and swapping nn.Linear for it
+    FP8Linear, quantize_model             frozen fp8 linear layer, and swapping nn.Linear (and, with
+                                          include_conv=True or named targets, nn.ConvNd) for it
+    FP8Conv1d, FP8Conv2d, FP8Conv3d       frozen fp8 convolutions (dorafp8/fp8_conv.py); dora_fp8_conv, fp8_conv
+    DoRAFP8Conv2d (1d, 3d)                PEFT's DoRA conv layer on them (needs peft; loaded on first use)
     set_act_quant                         switch a model's fp8 layers between W8A16 (default) and W8A8 ("rowwise")
     DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
                                           and converting a PEFT DoRA model in place
@@ -24,6 +27,7 @@ from . import _peft_hook
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
 from .distributed import install_ddp_support
+from .fp8_conv import FP8Conv1d, FP8Conv2d, FP8Conv3d, dora_fp8_conv, fp8_conv
 from .fp8_linear import FP8Linear, quantize_model, set_act_quant
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
@@ -36,24 +40,27 @@ __all__ = [
     "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
     "register_with_peft", "install_ddp_support", "load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged",
     "detect_format", "from_transformers_fp8",
+    "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
+    "DoRAFP8Conv3d",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
+_PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
 
 
 def __getattr__(name):
-    if name in _PEFT_NAMES:
+    if name in _PEFT_NAMES + _PEFT_CONV_NAMES:
         from ._deps import require
 
         require("peft", "transformers", what=f"dorafp8.{name}")
-        from . import peft_integration
+        from . import peft_conv, peft_integration
 
-        return getattr(peft_integration, name)
+        return getattr(peft_conv if name in _PEFT_CONV_NAMES else peft_integration, name)
     raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PEFT_NAMES))
+    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES))
 
 
 _peft_hook.install()

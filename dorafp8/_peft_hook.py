@@ -36,6 +36,7 @@ class _RunAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
+        uninstall()  # peft is loaded: nothing left to watch
         try:
             _register()
         except Exception as e:  # never break the user's `import peft` because of dorafp8
@@ -51,11 +52,14 @@ class _PeftImportHook(importlib.abc.MetaPathFinder):
         if fullname != _WATCHED:
             return None
         # Ask the other finders for the real spec (without this hook, so it cannot recurse), then wrap its loader.
-        sys.meta_path.remove(self)
+        # The hook stays installed until that loader has run: a bare importlib.util.find_spec("peft") -- diffusers
+        # and transformers probe optional packages that way before importing them -- only looks, and the import
+        # that follows must find the hook again (it used to be gone by then, and PEFT never learnt of FP8Linear).
+        uninstall()
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            uninstall()  # one shot: after peft is imported there is nothing left to watch
+            install()
         if spec is None or spec.loader is None:
             return None
         spec.loader = _RunAfterExec(spec.loader)

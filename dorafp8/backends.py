@@ -67,7 +67,8 @@ The contract (every backend computes exactly this; the reference backend is the 
 
 Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the fastest backend that can run on the
 tensors' device: triton > cuda > reference on a GPU (triton first until GPU measurements say otherwise;
-see bench/results/), reference on CPU. A backend asked for by name (argument or environment) that cannot run raises
+see bench/results/), native on CPU (dorafp8/native_backend.py: the reference with its base GEMMs in the compute
+dtype; the reference itself stays the exact fp32 twin every backend is tested against). A backend asked for by name (argument or environment) that cannot run raises
 with the reason; under "auto" an unavailable backend is skipped quietly. `cublas` (dequantize one layer into a
 transient buffer, cuBLAS for the base GEMMs, fused epilogues) is never picked by "auto" until measured.
 """
@@ -80,7 +81,7 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("reference", "triton", "cuda", "cublas")
+BACKENDS = ("reference", "triton", "cuda", "cublas", "native")
 _CHOICES = ("auto",) + BACKENDS
 # Which module implements each backend (imported lazily: triton and the CUDA extension are optional).
 _MODULES = {
@@ -88,6 +89,7 @@ _MODULES = {
     "triton": "dorafp8.triton_kernels",
     "cuda": "dorafp8.cuda_backend",
     "cublas": "dorafp8.cublas_backend",
+    "native": "dorafp8.native_backend",
 }
 _loaded: dict[str, ModuleType | str] = {}
 
@@ -148,7 +150,10 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     for cand in ("triton", "cuda"):
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand):
             return cand
-    return "reference"
+    # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
+    # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32
+    # twin stays one name away: backend="reference" / DORAFP8_BACKEND=reference. Elsewhere the reference, as before.
+    return "native" if device.type == "cpu" else "reference"
 
 
 def module(name: str) -> ModuleType:

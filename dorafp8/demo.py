@@ -164,9 +164,12 @@ def main(argv=None) -> None:
         print(f"PEFT {1e3 * t_peft:.1f} ms, dorafp8 {1e3 * t_ours:.1f} ms: dorafp8 is {t_peft / t_ours:.2f}x PEFT's "
               f"speed on {torch.cuda.get_device_name(device)} (a small model: see bench/ for the kernels at scale)")
     else:
+        what = {"native": "plain PyTorch: the platform's matmul in the compute dtype, one block of weight rows at a "
+                          "time",
+                "reference": "plain PyTorch, fp32, in row blocks; the correctness twin of the GPU kernels"}
         print(f"PEFT {1e3 * t_peft:.0f} ms, dorafp8 {1e3 * t_ours:.0f} ms on CPU. These CPU timings are NOT speed "
-              f"claims: on CPU dorafp8 runs its '{backend}' backend (plain PyTorch, fp32, in row blocks; the "
-              f"correctness twin of the GPU kernels), on a toy model. Speed is measured on a GPU with bench/.")
+              f"claims: on CPU dorafp8 runs its '{backend}' backend ({what.get(backend, 'see dorafp8/backends.py')}), "
+              f"on a toy model. Speed is measured on a GPU with bench/.")
 
 
 if __name__ == "__main__":

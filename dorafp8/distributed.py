@@ -53,6 +53,7 @@ def is_fp8(t: torch.Tensor) -> bool:
 def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
     """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
     synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
+    from .fp8_conv import _FP8ConvNd
     from .fp8_linear import FP8Linear
 
     names, tensors = [], []
@@ -70,7 +71,8 @@ def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
         synced = set(names)
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
-            if isinstance(mod, FP8Linear) and prefix + "weight" in synced and prefix + "scale" not in ignore:
+            if isinstance(mod, (FP8Linear, _FP8ConvNd)) and prefix + "weight" in synced \
+                    and prefix + "scale" not in ignore:
                 extra.append(mod.scale.detach())
     return names, tensors, extra
 

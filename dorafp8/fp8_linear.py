@@ -11,6 +11,7 @@ from torch import nn
 
 from .backends import check_backend_name
 from .distributed import recover_fp8_weight
+from .fp8_conv import fp8_conv_class
 from .ops import check_act_quant, fp8_linear
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                     quantize_e4m3, scale_kind)
@@ -179,14 +180,17 @@ def _tuner_layer_cls():
 
 def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = None, *,
                    per_row_scale: bool = False, block_size: Optional[int] = None, backend: str = "auto",
-                   act_quant: Optional[str] = None) -> int:
-    """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, in place.
+                   act_quant: Optional[str] = None, include_conv: bool = False) -> int:
+    """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, and nn.Conv1d/2d/3d layers by
+    FP8Conv1d/2d/3d (dorafp8/fp8_conv.py), in place.
 
-    target_modules: names (or name suffixes, like PEFT's target_modules) of the layers to quantize; None quantizes
-    every nn.Linear/Conv1D except those named like an output head (`lm_head`). Explicit targets that match no layer
-    are an error. per_row_scale / block_size choose the scale (default: one per tensor); act_quant="rowwise" makes the
-    layers' base GEMMs W8A8 (set_act_quant changes it later). Layers whose weight is already float8_e4m3fn are
-    wrapped losslessly (scale 1).
+    target_modules: names (or name suffixes, like PEFT's target_modules) of the layers to quantize, linear or conv;
+    None quantizes every nn.Linear/Conv1D except those named like an output head (`lm_head`), plus every
+    nn.Conv1d/2d/3d if include_conv=True (default False: a None-target call quantizes what it always did; diffusion
+    models want include_conv=True, see docs/DIFFUSION.md). Explicit targets that match no layer are an error.
+    per_row_scale / block_size choose the scale (default: one per tensor; for convs per_row_scale means one per
+    output channel); act_quant="rowwise" makes the linear layers' base GEMMs W8A8 (set_act_quant changes it later;
+    conv layers always run W8A16). Layers whose weight is already float8_e4m3fn are wrapped losslessly (scale 1).
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model.
     Returns how many layers were swapped.
@@ -195,6 +199,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     check_act_quant(act_quant)
     conv1d = _conv1d_cls()
     kinds = (nn.Linear,) + ((conv1d,) if conv1d is not None else ())
+    conv_kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     targets = None if target_modules is None else (
         [target_modules] if isinstance(target_modules, str) else list(target_modules))
     tuner = _tuner_layer_cls()
@@ -205,11 +210,12 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                 inside_tuner |= {f"{name}.{sub}" if name else sub for sub, _ in mod.named_modules() if sub}
     swaps, skipped, candidates = [], [], []
     for name, mod in model.named_modules():
-        if not isinstance(mod, kinds):
+        is_conv = isinstance(mod, conv_kinds)
+        if not (isinstance(mod, kinds) or is_conv):
             continue
         candidates.append(name)
         if targets is None:
-            if name.split(".")[-1] == "lm_head":
+            if name.split(".")[-1] == "lm_head" or (is_conv and not include_conv):
                 continue
         elif not any(name == t or name.endswith("." + t) for t in targets):
             continue
@@ -228,14 +234,20 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                              f"quantize before get_peft_model, or use dorafp8.convert_peft_model(model) to put the "
                              f"base weights of PEFT DoRA layers in fp8")
         shown = ", ".join(repr(n) for n in candidates[:8]) + (", ..." if len(candidates) > 8 else "")
-        raise ValueError(f"target_modules={targets!r} matched no nn.Linear/Conv1D layer of the model; its linear "
-                         f"layers are: {shown or 'none'}")
+        raise ValueError(f"target_modules={targets!r} matched no nn.Linear/Conv1D/Conv1d/Conv2d/Conv3d layer of the "
+                         f"model; its linear and conv layers are: {shown or 'none'}")
     for name in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_float(getattr(parent, child), per_row_scale=per_row_scale,
-                                                    block_size=block_size, backend=backend, act_quant=act_quant,
-                                                    name=name))
+        mod = getattr(parent, child)
+        conv_cls = fp8_conv_class(mod)
+        if conv_cls is not None:
+            new = conv_cls.from_float(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                      name=name)
+        else:
+            new = FP8Linear.from_float(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                       act_quant=act_quant, name=name)
+        setattr(parent, child, new)
     return len(swaps)
 
 

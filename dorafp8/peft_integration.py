@@ -25,6 +25,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from .backends import check_backend_name
 from .distributed import params_are_sharded
+from .fp8_conv import _FP8ConvNd
 from .fp8_linear import FP8Linear
 from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
@@ -300,20 +301,24 @@ class DoRAFP8Linear(lora_layer.Linear):
 
 
 def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
-    """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear,
-    quantizing its base weight to fp8, in place. Returns how many layers were swapped."""
+    """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear, and
+    every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft_conv.py), quantizing its base weight to fp8,
+    in place. Returns how many layers were swapped."""
+    from . import peft_conv
+
     check_backend_name(backend)
     names = [name for name, mod in peft_model.named_modules()
              if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
              and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
-    for name in names:
+    conv_names = set(peft_conv.convertible_conv_layers(peft_model))
+    for name in names + sorted(conv_names):
         parent_name, _, child = name.rpartition(".")
         parent = peft_model.get_submodule(parent_name) if parent_name else peft_model
-        setattr(parent, child, DoRAFP8Linear.from_peft(getattr(parent, child), backend=backend,
-                                                       per_row_scale=per_row_scale))
-    if not names:
-        warnings.warn("convert_peft_model found no PEFT DoRA Linear layer to convert (use_dora=True?)")
-    return len(names)
+        convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
+        setattr(parent, child, convert(getattr(parent, child), backend=backend, per_row_scale=per_row_scale))
+    if not names and not conv_names:
+        warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
+    return len(names) + len(conv_names)
 
 
 _ORIG_CREATE_NEW_MODULE = None
@@ -335,7 +340,8 @@ def _fp8_all_linear_names(model: nn.Module) -> set[str]:
 
 
 def register_with_peft() -> None:
-    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer, and makes
+    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer (and a
+    DoRAFP8Conv1d/2d/3d for every targeted FP8 conv layer), and makes
     `target_modules="all-linear"` include FP8Linear layers.
 
     PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
@@ -353,6 +359,10 @@ def register_with_peft() -> None:
         if isinstance(base, FP8Linear):
             kwargs.pop("fan_in_fan_out", None)
             return DoRAFP8Linear(target, adapter_name, config=lora_config, **kwargs)
+        if isinstance(base, _FP8ConvNd):  # FP8Conv1d/2d/3d -> DoRAFP8Conv1d/2d/3d (dorafp8/peft_conv.py)
+            from .peft_conv import create_conv_module
+
+            return create_conv_module(base, target, adapter_name, lora_config, **kwargs)
         return _ORIG_CREATE_NEW_MODULE(lora_config, adapter_name, target, **kwargs)
 
     def _maybe_include_all_linear_layers(peft_config, model):

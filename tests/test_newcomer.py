@@ -88,7 +88,7 @@ for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.demo.main([])):
 
 def test_environment_report():
     out = _run_python("import runpy; runpy.run_module('dorafp8', run_name='__main__')")
-    assert "backends on cpu: auto -> reference" in out and "CUDA extension dorafp8._C:" in out
+    assert "backends on cpu: auto -> native" in out and "CUDA extension dorafp8._C:" in out
 
 
 # ---------------------------------------------------------------------------------------------------- all-linear
@@ -224,8 +224,8 @@ def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
 
 def test_demo_prints_what_a_user_decides_on():
     out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3'])")
-    assert "backends on cpu: auto -> reference" in out
-    assert "dorafp8 backend: reference" in out
+    assert "backends on cpu: auto -> native" in out
+    assert "dorafp8 backend: native" in out
     assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out  # the loss table: 4 curves
     assert "W8A8 vs W8A16" in out
     assert "NOT speed claims" in out

@@ -1,0 +1,655 @@
+"""FP8 convolutions: FP8Conv1d / FP8Conv2d / FP8Conv3d (a frozen float8_e4m3fn weight with an fp32 scale) and DoRA on
+them (PEFT's `DoraConv2dLayer` semantics; docs/DORA_MATH.md, "Convolutions").
+
+The weight [C_out, C_in/groups, *kernel] is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale
+of dorafp8.quant applies: per tensor (default), per output channel (= per row of the view, `per_row_scale=True`), or
+per b x b block of the view.
+
+How a call runs (any device): the layer's weight is dequantized into a transient tensor in the compute dtype (one
+layer at a time, in fp32 row blocks of at most 16 MiB, so there is never an fp32 copy of a whole large weight; the
+transient is freed when the call returns) and the platform's convolution runs on it (oneDNN on CPU, cuDNN on a GPU).
+Nothing dequantized is kept between the forward and the backward: the backward dequantizes again and takes the input
+gradient with convolution_backward (the transposed convolution). The DoRA weight norm is the backend's `weight_norm`
+op on the 2-D view of the fp8 weight (it never forms [N, K] in full either). The DoRA scalars (c = m / n) and the
+epilogue are fp32; the output has the compute dtype (autocast's, else x's), as in dorafp8.ops.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
+from .backends import check_backend_name
+from .distributed import recover_fp8_weight
+from .ops import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
+from .ops import weight_norm as _linear_weight_norm
+from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_scale, dequantize_e4m3, quantize_e4m3, scale_kind,
+                    scale_rows)
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# fp32 rows dequantized at a time into the transient (bytes): bounds the fp32 temporary whatever the weight's size.
+_DEQUANT_BLOCK_BYTES = 16 * 1024 * 1024
+_NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _tuple(v, nd: int, name: str) -> tuple:
+    if type(v) is tuple and len(v) == nd and all(type(i) is int for i in v):
+        return v
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return (int(v),) * nd
+    if isinstance(v, Sequence) and len(v) == nd and all(isinstance(i, numbers.Integral) for i in v):
+        return tuple(int(i) for i in v)
+    raise ValueError(f"{name} must be an int or a sequence of {nd} ints, got {v!r}")
+
+
+def dequantize_transient(w8: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over row
+    blocks of the [C_out, rest] view (at most _DEQUANT_BLOCK_BYTES of fp32 at once) and rounded once into `dtype`."""
+    C = w8.shape[0]
+    w2 = w8.reshape(C, -1)
+    K = w2.shape[1]
+    kind = scale_kind(scale)
+    if kind == "tensor" and (dtype == torch.float32 or w8.numel() * 4 <= _DEQUANT_BLOCK_BYTES):
+        return e4m3_scaled(w8, scale, dtype)  # one rounding into dtype; fp32 temporaries at most a block's size
+    out = torch.empty(w8.shape, dtype=dtype, device=w8.device)
+    o2 = out.view(C, K)
+    rows = max(1, _DEQUANT_BLOCK_BYTES // (4 * K))
+    if kind == "block":
+        rows = max(block, rows - rows % block)
+    for j0 in range(0, C, rows):
+        j1 = min(C, j0 + rows)
+        o2[j0:j1] = e4m3_scaled_fp32(w2[j0:j1], scale_rows(scale, block, j0, j1, K))
+    return out
+
+
+def _conv(x, w, b, stride, padding, dilation, groups):
+    return torch.convolution(x, w, b, stride, padding, dilation, False, [0] * (x.dim() - 2), groups)
+
+
+def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool, need_weight: bool):
+    """(d input, d weight) of _conv for the output gradient g; x may be a torch.Size when only the input gradient is
+    wanted (the transposed convolution needs its shape, not its values)."""
+    if not (need_input or need_weight):
+        return None, None
+    if isinstance(x, torch.Size):
+        x = g.new_empty(1).expand(x)
+    gi, gw, _ = torch.ops.aten.convolution_backward(g, x, w, None, stride, padding, dilation, False,
+                                                    [0] * (g.dim() - 2), groups, [need_input, need_weight, False])
+    return gi, gw
+
+
+def _lora_input(x: Tensor, mask: Optional[Tensor], p: float, rdt: torch.dtype) -> Tensor:
+    """The lora path's input as PEFT forms it: x cast to the adapters' dtype, then dropout(x) = x * (mask / (1 - p))
+    in that dtype (the noise tensor F.dropout multiplies by)."""
+    xr = _as(x, rdt)
+    if mask is None:
+        return xr
+    return xr * mask.to(rdt).div_(1.0 - p)
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _chan(t: Tensor, nd: int) -> Tensor:
+    """A per-channel [C] tensor as [1, C, 1, ...] against [M, C, *spatial]."""
+    return t.reshape((1, -1) + (1,) * nd)
+
+
+def _sum_but_channels(t: Tensor) -> Tensor:
+    return t.sum(dim=[0] + list(range(2, t.dim())))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The weight norm: PEFT's _DoraConvNdLayer.get_weight_norm on the fp8 weight, through the backend's weight_norm op
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, groups: int = 1, *,
+                     backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
+    """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
+    the dense weight. L is PEFT 0.21's lora weight in the conv layout: (lora_B.view(-1, r) @ lora_A.view(r, -1))
+    reshaped to W0's shape. With groups = 1 that is B A on the [C_out, C_in * prod(kernel)] view; with groups = g
+    PEFT's reshape makes row o of the view (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]), so the norm is
+    g calls of the op over the rows o = t (mod g).
+
+    w8 [C_out, C_in/g, *k] float8_e4m3fn; scale per tensor, per output channel [C_out], or per block of the 2-D view
+    (groups = 1 only); lora_A [r, C_in, *k]; lora_B [C_out, r/g, 1, ...]."""
+    C = w8.shape[0]
+    r = lora_A.shape[0]
+    if lora_A.numel() % r or lora_B.numel() % r:
+        raise ValueError(f"lora_A {list(lora_A.shape)} / lora_B {list(lora_B.shape)} do not share a rank")
+    w2 = w8.reshape(C, -1)
+    A2 = lora_A.detach().reshape(r, -1)
+    B2 = lora_B.detach().reshape(-1, r)
+    if groups == 1:
+        return _linear_weight_norm(w2, scale, A2, B2, scaling, backend=backend, block_size=block_size)
+    if scale_kind(check_scale(scale, C, w2.shape[1], block_size)) == "block":
+        raise ValueError("block scales are not supported on grouped convolutions (groups > 1); use a per-tensor or "
+                         "per-output-channel scale")
+    Kg = w2.shape[1]
+    if C % groups or A2.shape[1] != groups * Kg or B2.shape[0] * groups != C:
+        raise ValueError(f"lora_A {list(lora_A.shape)} / lora_B {list(lora_B.shape)} do not fit a grouped conv "
+                         f"weight {list(w8.shape)} with groups={groups}")
+    A3 = A2.reshape(r, groups, Kg)
+    n = torch.empty(C, dtype=torch.float32, device=w8.device)
+    for t in range(groups):
+        sc = scale if scale.dim() == 0 else scale.reshape(-1)[t::groups]
+        n[t::groups] = _linear_weight_norm(w2[t::groups].contiguous(), sc, A3[:, t].contiguous(), B2, scaling,
+                                           backend=backend, block_size=block_size)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd Functions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class FP8ConvFunction(torch.autograd.Function):
+    """y = conv(x, scale * w8) + bias with a frozen fp8 weight; x and bias in the compute dtype. The backward
+    re-dequantizes the weight and returns the input (and bias) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w8, scale, bias, block, stride, padding, dilation, groups):
+        w = dequantize_transient(w8, scale, block, x.dtype)
+        y = _conv(x, w, bias, stride, padding, dilation, groups)
+        del w
+        ctx.save_for_backward(w8, scale)
+        ctx.geom = (block, stride, padding, dilation, groups)
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        w8, scale = ctx.saved_tensors
+        block, stride, padding, dilation, groups = ctx.geom
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            w = dequantize_transient(w8, scale, block, gy.dtype)
+            dx, _ = _conv_backward(gy, ctx.x_shape, w, stride, padding, dilation, groups, True, False)
+            del w
+        if ctx.needs_input_grad[3]:
+            db = _as(_sum_but_channels(_f32(gy)), gy.dtype)
+        return dx, None, None, db, None, None, None, None, None
+
+
+class DoRAFP8ConvFunction(torch.autograd.Function):
+    """PEFT's DoRA on a conv layer with a frozen fp8 weight (docs/DORA_MATH.md, "Convolutions"):
+
+        no dropout:  y = c * (conv(x, W0) + s * lora_B(lora_A(x))) + b
+        dropout:     y = conv(x, W0) + b + (c - 1) * conv(xd, W0) + c * s * lora_B(lora_A(xd))
+
+    with c = m / max(n, NORM_EPS) per output channel (fp32) and xd = dropout(x) (PEFT's mask). x, bias in the compute
+    dtype; A, B in the rank dtype; the lora path runs in the rank dtype on xd formed there as PEFT forms it; the base
+    conv of the dropout term runs on xm = x * mask (exact in the compute dtype) and its 1 / (1 - p) is applied in fp32,
+    as in dorafp8.ops; the epilogue is fp32. Saves x and the mask, u = lora_A(xd), z = conv(xd, W0) + s * lora_B(u)
+    (for dm), never a dequantized weight."""
+
+    @staticmethod
+    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block, geom, lora_geom):
+        stride, padding, dilation, groups = geom
+        nd = x.dim() - 2
+        n = n.clamp_min(NORM_EPS)
+        c = _f32(m.reshape(-1)) / n
+        cv = _chan(c, nd)
+        dropout = p > 0.0
+        need_z = ctx.needs_input_grad[6]
+        cdt, rdt = x.dtype, A.dtype
+        mask = dropout_mask(x, p) if dropout else None
+        u = _conv(_lora_input(x, mask, p, rdt), A, None, *lora_geom, 1)
+        lora = _conv(u, B, None, [1] * nd, [0] * nd, [1] * nd, groups)
+        w = dequantize_transient(w8, scale, block, cdt)
+        if dropout:
+            base_x = _conv(x, w, None, stride, padding, dilation, groups)
+            # conv(xd, W0) = conv(x * mask, W0) / (1 - p): the kept part of x is exact in cdt, the factor is fp32
+            base_d = _conv(x * mask, w, None, stride, padding, dilation, groups).float().mul_(1.0 / (1.0 - p))
+        else:
+            base_x, base_d = None, _conv(x, w, None, stride, padding, dilation, groups)
+        del w
+        # The epilogue in fp32, each result rounded once into its dtype.
+        # z = conv(xd, W0) + s lora (a copy when base_d is fp32 and still needed, by the dropout formula)
+        z32 = (base_d.clone() if dropout else _f32(base_d)).add_(lora, alpha=s)
+        del lora
+        y = torch.empty(z32.shape, dtype=cdt, device=x.device)
+        if dropout:  # conv(x, W0) + (c - 1) conv(xd, W0) + c s lora  ==  conv(x, W0) - conv(xd, W0) + c z
+            t = base_x.float().sub_(base_d).addcmul_(z32, cv)
+            if bias is not None:
+                t.add_(_chan(bias, nd))
+            y.copy_(t)
+            del t
+        elif bias is None:
+            torch.mul(z32, cv, out=y)
+        else:
+            torch.addcmul(_chan(_f32(bias), nd), z32, cv, out=y)
+        del base_d, base_x
+        z = _as(z32, torch.promote_types(cdt, rdt)) if need_z else None
+        del z32
+        ctx.save_for_backward(x, mask, u, z, w8, scale, A, B, c, n)
+        ctx.s, ctx.p, ctx.block, ctx.geom, ctx.lora_geom = s, p, block, geom, lora_geom
+        ctx.m_shape, ctx.m_dtype = m.shape, m.dtype
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
+        need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
+        stride, padding, dilation, groups = ctx.geom
+        s, p = ctx.s, ctx.p
+        nd = gy.dim() - 2
+        cdt, rdt = gy.dtype, A.dtype
+        cv = _chan(c, nd)
+        g32 = _f32(gy)
+        dx = dA = dB = dm = db = None
+        if need_db:
+            db = _as(_sum_but_channels(g32), cdt)
+        if need_dm:
+            dm = _as((_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape), ctx.m_dtype)
+        # g * c in the compute dtype: the output gradient of the lora path (times s, applied to its small results
+        # below) and, without dropout, of the base conv. fp16: scaled by 1 / max|c| so that it cannot overflow
+        # where g does not (the transposed conv's result is scaled back in fp32).
+        rc = c.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) if cdt == torch.float16 else None
+        gc = torch.empty(gy.shape, dtype=cdt, device=gy.device)
+        torch.mul(g32, cv if rc is None else cv / rc, out=gc)
+        dx_lora = None
+        if need_dx or need_dA or need_dB:
+            # d y / d lora = s c: the transposed convs take g c, their (small, rank-r) results are scaled by s
+            gl = gc if (rc is None and rdt == cdt) else (g32 * cv).to(rdt)
+            du, dB_ = _conv_backward(gl, u, B, [1] * nd, [0] * nd, [1] * nd, groups, need_dx or need_dA,
+                                     bool(need_dB))
+            if need_dB:
+                dB = _as(dB_ * s, B.dtype)
+            if need_dx or need_dA:
+                du = du * s
+                xd = _lora_input(x, mask, p, rdt) if need_dA else x.shape
+                dx_lora, dA_ = _conv_backward(du, xd, A, *ctx.lora_geom, 1, bool(need_dx), bool(need_dA))
+                del xd
+                if need_dA:
+                    dA = _as(dA_, A.dtype)
+        if need_dx:
+            w = dequantize_transient(w8, scale, ctx.block, cdt)
+            geom = (stride, padding, dilation, groups)
+            if mask is None:  # dx = conv_input(g c) + lora path
+                dx, _ = _conv_backward(gc, ctx.x_shape, w, *geom, True, False)
+                if rc is not None:
+                    dx = dx.float().mul_(rc)
+                if dx_lora is not None:
+                    dx = dx.add_(dx_lora)  # bf16 + bf16 rounded once, as in fp32
+            else:  # dx = conv_input(g) + mask / (1 - p) * (conv_input(g (c - 1)) + lora path)
+                del gc
+                dplain, _ = _conv_backward(gy, ctx.x_shape, w, *geom, True, False)
+                cm1 = cv - 1.0  # 0 at DoRA's init, small after; fp16: scaled as above
+                r1 = cm1.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) if cdt == torch.float16 else None
+                gd = (g32 * (cm1 if r1 is None else cm1 / r1)).to(cdt)
+                ddrop, _ = _conv_backward(gd, ctx.x_shape, w, *geom, True, False)
+                ddrop = ddrop.float()
+                if r1 is not None:
+                    ddrop.mul_(r1)
+                if dx_lora is not None:
+                    ddrop.add_(dx_lora)
+                dx = ddrop.mul_(mask).mul_(1.0 / (1.0 - p)).add_(dplain)
+            del w
+            dx = _as(dx, cdt)
+        return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Functional API
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_conv_args(x, w8, scale, block_size, groups):
+    if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3:
+        raise TypeError(f"w8 must be a torch.float8_e4m3fn tensor, got "
+                        f"{w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__}")
+    nd = w8.dim() - 2
+    if nd not in (1, 2, 3):
+        raise ValueError(f"w8 must be a conv weight [C_out, C_in/groups, *kernel] with 1 to 3 kernel dims, got shape "
+                         f"{list(w8.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() not in (nd + 1, nd + 2):
+        raise ValueError(f"x must be [batch, C_in, *spatial] ({nd + 2}-D) or unbatched ({nd + 1}-D), got shape "
+                         f"{list(x.shape)}")
+    if x.shape[-nd - 1] != w8.shape[1] * groups:
+        raise ValueError(f"x has {x.shape[-nd - 1]} channels, the weight expects {w8.shape[1] * groups} "
+                         f"(C_in/groups={w8.shape[1]}, groups={groups})")
+    check_block_size(block_size)
+    C = w8.shape[0]
+    scale = check_scale(scale, C, math.prod(w8.shape[1:]), block_size)
+    for name, t in (("w8", w8), ("scale", scale)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    return nd, scale
+
+
+def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0, dilation=1,
+             groups: int = 1, *, block_size: int = DEFAULT_BLOCK) -> Tensor:
+    """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics, zero padding given as ints), differentiable in x and bias.
+    w8 [C_out, C_in/groups, *kernel] float8_e4m3fn; scale per tensor, per output channel or per block of the 2-D view.
+    Output in the compute dtype (autocast's, else x's)."""
+    nd, scale = _check_conv_args(x, w8, scale, block_size, groups)
+    geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"))
+    cdt = compute_dtype(x)
+    unbatched = x.dim() == nd + 1
+    xx = _as(x.unsqueeze(0) if unbatched else x, cdt)
+    with torch.autocast(x.device.type, enabled=False):
+        y = FP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), block_size, *geom, groups)
+    return y.squeeze(0) if unbatched else y
+
+
+def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, magnitude: Tensor,
+                  scaling: float, bias: Optional[Tensor] = None, stride=1, padding=0, dilation=1, groups: int = 1, *,
+                  lora_stride=None, lora_padding=None, lora_dilation=None, dropout_p: float = 0.0,
+                  training: bool = False, backend: str | None = "auto", weight_norm: Optional[Tensor] = None,
+                  block_size: int = DEFAULT_BLOCK) -> Tensor:
+    """PEFT's DoRA conv (DoraConv1d/2d/3dLayer) on an fp8 base:
+
+        y = m / ||W0 + s L||_channel * (conv(x, W0) + s * conv1x1(conv(x, lora_A), lora_B)) + bias
+
+    x [batch, C_in, *spatial]; w8 [C_out, C_in/groups, *kernel] float8_e4m3fn with its fp32 scale; lora_A
+    [r, C_in, *kernel]; lora_B [C_out, r/groups, 1, ...]; magnitude with C_out elements (PEFT stores [1, C_out, 1, 1]);
+    scaling = lora_alpha / r. The base conv uses stride/padding/dilation/groups (zero padding, ints); lora_A uses
+    lora_stride/lora_padding/lora_dilation (default: the base's; PEFT 0.21's lora_A takes the base's stride and
+    padding and dilation 1), groups 1; lora_B is 1x1 with the base's groups. training and dropout_p > 0: PEFT's dropout
+    semantics (the base term sees x, the DoRA terms see dropout(x)). weight_norm: a precomputed detached norm (fp32
+    [C_out]) to reuse. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires grad)."""
+    nd, scale = _check_conv_args(x, w8, scale, block_size, groups)
+    C = w8.shape[0]
+    r = lora_A.shape[0] if isinstance(lora_A, torch.Tensor) and lora_A.dim() == nd + 2 else None
+    if r is None or tuple(lora_A.shape[1:]) != (w8.shape[1] * groups,) + tuple(w8.shape[2:]):
+        raise ValueError(f"lora_A must have shape [r, {w8.shape[1] * groups}, {', '.join(map(str, w8.shape[2:]))}], "
+                         f"got {list(getattr(lora_A, 'shape', []))}")
+    if r % groups or not isinstance(lora_B, torch.Tensor) or tuple(lora_B.shape) != (C, r // groups) + (1,) * nd:
+        raise ValueError(f"lora_B must have shape [{C}, {r // groups if r % groups == 0 else 'r/groups'}"
+                         f"{', 1' * nd}] (rank {r} divisible by groups={groups}), got "
+                         f"{list(getattr(lora_B, 'shape', []))}")
+    for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in _ACT_DTYPES:
+            raise TypeError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    if magnitude.numel() != C or (bias is not None and bias.numel() != C):
+        raise ValueError(f"magnitude and bias must have {C} elements (one per output channel)")
+    if not isinstance(scaling, numbers.Real):
+        raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"), groups)
+    lora_geom = (_tuple(geom[0] if lora_stride is None else lora_stride, nd, "lora_stride"),
+                 _tuple(geom[1] if lora_padding is None else lora_padding, nd, "lora_padding"),
+                 _tuple(geom[2] if lora_dilation is None else lora_dilation, nd, "lora_dilation"))
+    if weight_norm is None:
+        n = conv_weight_norm(w8, scale, lora_A, lora_B, float(scaling), groups, backend=backend,
+                             block_size=block_size)
+    else:
+        if not isinstance(weight_norm, torch.Tensor) or weight_norm.numel() != C:
+            raise ValueError(f"weight_norm must be an fp32 tensor with {C} elements, got "
+                             f"{list(getattr(weight_norm, 'shape', []))}")
+        n = _f32(weight_norm.detach() if weight_norm.requires_grad else weight_norm).reshape(C)
+    cdt = compute_dtype(x)
+    rdt = rank_dtype(x, lora_A, lora_B)
+    unbatched = x.dim() == nd + 1
+    xx = _as(x.unsqueeze(0) if unbatched else x, cdt)
+    p = float(dropout_p) if training else 0.0
+    with torch.autocast(x.device.type, enabled=False):
+        y = DoRAFP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), _as(lora_A, rdt),
+                                      _as(lora_B, rdt), magnitude, n, float(scaling), p, block_size, geom, lora_geom)
+    return y.squeeze(0) if unbatched else y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _FP8ConvNd(nn.Module):
+    """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per
+    tensor, [C_out] per output channel, or [ceil(C_out/b), ceil(C_in/groups*prod(kernel)/b)] per b x b block of the
+    2-D view. Keeps nn.ConvNd's attributes (in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+    padding_mode); state_dict keys `weight`, `scale`, `bias`. `.to(dtype)` / `.half()` keep the fp8 weight and fp32
+    scale. `backend` picks the kernels of the DoRA weight norm; the convolutions are the platform's (see the module
+    docstring)."""
+
+    _nd = 2
+    block_size = DEFAULT_BLOCK
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", *, device=None,
+                 dtype: torch.dtype = torch.float32, per_row_scale: bool = False, block_size: Optional[int] = None,
+                 backend: str = "auto"):
+        super().__init__()
+        nd = self._nd
+        # nn.ConvNd on the meta device validates the geometry and works out what torch derives from it
+        # (the tuples, 'same'/'valid' padding, the padding for non-zero padding modes), at no cost.
+        proto = _NN_CONV[nd](in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                             padding_mode, device="meta")
+        for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+                     "padding_mode", "_reversed_padding_repeated_twice", "transposed", "output_padding"):
+            setattr(self, attr, getattr(proto, attr))
+        self.orig_dtype = dtype  # the weight's dtype before quantization: PEFT creates adapters in it
+        self.backend = check_backend_name(backend)
+        self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
+        shape = tuple(proto.weight.shape)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=E4M3, device=device), requires_grad=False)
+        K = math.prod(shape[1:])
+        if per_row_scale:
+            scale_shape = (out_channels,)
+        elif block_size is not None:
+            scale_shape = (-(-out_channels // block_size), -(-K // block_size))
+        else:
+            scale_shape = ()
+        self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_channels, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    # ---- construction --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
+                   backend: str = "auto", name: str | None = None):
+        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor
+        (default), per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view.
+        A weight that is already float8_e4m3fn (a model cast to fp8, as OneTrainer stores it) is kept byte for byte
+        with scale 1. `name` is used in warnings and errors."""
+        want = _NN_CONV[cls._nd]
+        if not isinstance(module, want):
+            raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")
+        w = module.weight.detach()
+        bias = module.bias
+        if w.dtype == E4M3:
+            bias_dtype = bias.dtype if bias is not None and bias.is_floating_point() and bias.dtype != E4M3 \
+                else torch.float32
+            w8, scale, dtype = w.contiguous(), torch.ones((), device=w.device), None
+            bias = None if bias is None else bias.detach().to(bias_dtype)
+            block_size = None
+        else:
+            w2, scale = quantize_e4m3(w.reshape(w.shape[0], -1), per_row=per_row_scale, block_size=block_size,
+                                      name=name)
+            w8, dtype = w2.view(w.shape), w.dtype
+            bias = None if bias is None else bias.detach().clone()
+        return cls.from_fp8(w8, scale, bias, stride=module.stride, padding=module.padding, dilation=module.dilation,
+                            groups=module.groups, padding_mode=module.padding_mode, backend=backend, dtype=dtype,
+                            block_size=block_size)
+
+    @classmethod
+    def from_fp8(cls, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *, stride=1, padding=0, dilation=1,
+                 groups: int = 1, padding_mode: str = "zeros", backend: str = "auto",
+                 dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None):
+        """An FP8 conv holding `w8` (float8_e4m3fn [C_out, C_in/groups, *kernel], kept as is) and its fp32 `scale`
+        ([], [C_out] (or [C_out, 1, ...]), or per block of the 2-D view with b = block_size, default 128). `dtype`:
+        the weight's original precision, for the adapters PEFT creates (default: the bias's dtype, else float32)."""
+        nd = cls._nd
+        if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3 or w8.dim() != nd + 2:
+            raise TypeError(f"w8 must be a float8_e4m3fn tensor [C_out, C_in/groups, *kernel] with {nd} kernel dims, "
+                            f"got {w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__} "
+                            f"{list(getattr(w8, 'shape', []))}")
+        C_out = w8.shape[0]
+        block = block_size or DEFAULT_BLOCK
+        scale = check_scale(_squeeze_channel_scale(scale, C_out), C_out, math.prod(w8.shape[1:]), block)
+        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
+        new = cls(w8.shape[1] * groups, C_out, tuple(w8.shape[2:]), stride, padding, dilation, groups,
+                  bias is not None, padding_mode, device="meta", dtype=dtype, block_size=block, backend=backend)
+        new.weight = nn.Parameter(w8, requires_grad=False)
+        new.scale = scale.to(w8.device)
+        if bias is not None:
+            new.bias = nn.Parameter(bias, requires_grad=False)
+        return new
+
+    # ---- what a call uses ----------------------------------------------------------------------------------------
+
+    def fp8_weight(self) -> Tensor:
+        """`weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the forward an unsharded weight
+        cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
+        w = self.weight
+        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
+
+    def conv_padding(self) -> Optional[tuple]:
+        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else
+        None: padding_mode 'reflect'/'replicate'/'circular', or an asymmetric padding='same'; those pad x first
+        (pad_input)."""
+        if self.padding_mode != "zeros":
+            return None
+        if isinstance(self.padding, str):
+            if self.padding == "valid":
+                return (0,) * self._nd
+            rp = self._reversed_padding_repeated_twice  # ('same') [left, right] pairs, last dim first
+            lefts, rights = rp[0::2], rp[1::2]
+            return tuple(reversed(lefts)) if list(lefts) == list(rights) else None
+        return tuple(self.padding)
+
+    def pad_input(self, x: Tensor) -> Tensor:
+        """x padded as nn.ConvNd pads it for a padding_mode other than zeros (or an asymmetric 'same')."""
+        mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+        return F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x, self.bias)
+
+    def conv(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """This layer's convolution of x with `bias` (the layer's own, or None)."""
+        pad = self.conv_padding()
+        if pad is None:
+            x, pad = self.pad_input(x), 0
+        return fp8_conv(x, self.fp8_weight(), self.scale, bias, self.stride, pad, self.dilation, self.groups,
+                        block_size=self.block_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The dense weight scale * w8 in the conv layout (for export and checking; materializes the whole weight)."""
+        C = self.weight.shape[0]
+        return dequantize_e4m3(self.weight.reshape(C, -1), self.scale, dtype,
+                               block_size=self.block_size).view(self.weight.shape)
+
+    def to_float(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
+        """An nn.ConvNd with the dequantized weight (in `dtype`, default the original dtype) and the same geometry."""
+        dtype = dtype or self.orig_dtype
+        conv = _NN_CONV[self._nd](self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                                  self.dilation, self.groups, self.bias is not None, self.padding_mode,
+                                  device="meta")
+        conv.weight = nn.Parameter(self.dequantize(dtype), requires_grad=False)
+        if self.bias is not None:
+            conv.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return conv
+
+    # ---- nn.Module plumbing (as FP8Linear) -----------------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype)/.half() would cast the fp8 weight and the fp32 scale: put back the storage dtypes (the fp8 round
+        # trip through a wider float is exact; the scale is taken from the original, as a cast scale is not).
+        scale = self.scale
+        super()._apply(fn, recurse)
+        if self.weight.dtype != E4M3:
+            self.weight = nn.Parameter(self.weight.data.to(E4M3), requires_grad=False)
+        if self.scale.dtype != torch.float32:
+            self.scale = scale.to(self.scale.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        w = state_dict.get(prefix + "weight")
+        if w is not None and w.dtype != E4M3:
+            error_msgs.append(f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its "
+                              f"'{prefix}scale', got {w.dtype}; load it into nn.{_NN_CONV[self._nd].__name__} and use "
+                              f"{type(self).__name__}.from_float")
+            return
+        sc = state_dict.get(prefix + "scale")
+        if sc is not None:
+            C = self.out_channels
+            try:
+                sc = check_scale(_squeeze_channel_scale(sc, C), C, math.prod(self.weight.shape[1:]),
+                                 self.block_size, name=prefix + "scale")
+            except (TypeError, ValueError) as e:
+                error_msgs.append(str(e))
+                return
+            state_dict[prefix + "scale"] = sc
+            if sc.shape != self.scale.shape:
+                self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        kind = {"tensor": "per-tensor", "row": "per-channel", "block": f"per-{self.block_size}x{self.block_size}-block"}
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+             f"padding={self.padding}")
+        if self.dilation != (1,) * self._nd:
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode}"
+        return s + (f", bias={self.bias is not None}, weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}, "
+                    f"backend={self.backend}")
+
+
+def _squeeze_channel_scale(scale, C: int):
+    """A per-channel scale stored as [C, 1, 1, 1] (the weight's rank) -> [C]."""
+    if isinstance(scale, torch.Tensor) and scale.dim() > 2 and scale.shape[0] == C and scale.numel() == C:
+        return scale.reshape(C)
+    return scale
+
+
+class FP8Conv1d(_FP8ConvNd):
+    __doc__ = _FP8ConvNd.__doc__
+    _nd = 1
+
+
+class FP8Conv2d(_FP8ConvNd):
+    __doc__ = _FP8ConvNd.__doc__
+    _nd = 2
+
+
+class FP8Conv3d(_FP8ConvNd):
+    __doc__ = _FP8ConvNd.__doc__
+    _nd = 3
+
+
+FP8_CONV_CLASSES = {nn.Conv1d: FP8Conv1d, nn.Conv2d: FP8Conv2d, nn.Conv3d: FP8Conv3d}
+
+
+def fp8_conv_class(module: nn.Module):
+    """The FP8 conv class for an nn.Conv1d/2d/3d (exact type or subclass), else None."""
+    for base, cls in FP8_CONV_CLASSES.items():
+        if isinstance(module, base):
+            return cls
+    return None

@@ -1,0 +1,275 @@
+"""Native backend: the backend contract (dorafp8/backends.py) in PyTorch, with the base GEMMs done by the platform's
+matmul in the compute dtype (oneDNN/MKL on CPU: bf16 and fp16 products accumulate in fp32 there too).
+
+It is the reference backend (dorafp8/reference.py) with one change: where the reference upcasts x and the weight
+rows to fp32 and multiplies in fp32, this backend dequantizes a block of weight rows into the compute dtype (w8 ->
+bf16/fp16/fp32 is exact; per-tensor and per-row scales stay out of it and are applied in the fp32 epilogue, block
+scales are applied while dequantizing, so such a W0 is rounded once into the compute dtype) and multiplies x by it in
+the compute dtype. The product comes back rounded to the compute dtype once, before the fp32 epilogue (the reference
+keeps it in fp32 until the output is rounded). That is what PEFT does under autocast, and what the cublas strategy
+does on a GPU; on a CPU with bf16 units it is several times faster than the fp32 GEMMs. In fp32 it is the reference
+up to the order of the fp32 accumulation. The weight norm is the reference's with a faster exact fp8 -> fp32 conversion on CPU
+(dorafp8/_fp8_cast.py: PyTorch converts float8 element by element there); the rank-r products and W8A8 are the
+reference's own code;
+the epilogues and the backward pass over g compute the reference's fp32 formulas with fewer passes over memory
+(fused multiply-adds written straight into their output dtype).
+
+Memory: as the reference, bounded blocks: a transient of at most one block of weight rows (16 MiB of fp32 worth of
+elements) in the compute dtype, and fp32 epilogue temporaries over blocks of activation rows; plus, when the weight
+spans several blocks, the [M, N] base product in the compute dtype (an output-sized tensor).
+
+W8A8 and fp16 compute run the reference's code (see _reference_cases below).
+
+`backend="auto"` uses this backend on CPU (exact twin on request: backend="reference" or DORAFP8_BACKEND=reference;
+the kernel tests compare every backend with the reference, this one included: tests/test_native_backend.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from . import reference as _ref
+from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+from .quant import scale_kind, scale_rows
+
+project_grad = _ref.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
+
+
+def weight_norm(w8, scale, block, A, B, s):
+    """The reference's weight_norm (fp32, blocks of rows), with the fast exact fp8 -> fp32 conversion."""
+    N, K = w8.shape
+    A32 = A.float()
+    n = torch.empty(N, dtype=torch.float32, device=w8.device)
+    for j0, j1 in _ref._blocks(N, K, block if scale_kind(scale) == "block" else 1):
+        v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block, j0, j1, K))
+        v.addmm_(B[j0:j1].float(), A32, alpha=s)
+        n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
+        del v
+    return n
+
+
+def project(a, b, out_dtype, mask, p):
+    """a' b^T in out_dtype. When a, b and out_dtype are one dtype (bf16 under autocast): the platform's matmul in that
+    dtype, which accumulates in fp32 and rounds once, as the reference does, on a' = a * (mask / (1 - p)) formed in
+    that dtype as PEFT's dropout forms it; otherwise the reference's (a' in fp32)."""
+    if a.dtype == b.dtype == out_dtype:
+        if mask is not None:
+            a = a * mask.to(a.dtype).div_(1.0 - p)
+        return a @ b.T
+    return _ref.project(a, b, out_dtype, mask, p)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    return None  # runs wherever PyTorch runs
+
+
+def _f32(t):
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _row_parts(M, width):
+    """One function per block of activation rows (_ref._blocks), taking that block of a tensor: the tensor itself
+    when one block covers all rows (small layers: no slicing ops at all)."""
+    blocks = list(_ref._blocks(M, width))
+    if len(blocks) == 1:
+        return [lambda t: t]
+    return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
+
+
+def _weight_blocks(w8, scale, block, dtype):
+    """(j0, j1, W'[j0:j1]) over blocks of weight rows, W' = w8 in `dtype` with block scales applied (per-tensor and
+    per-row scales are left to the caller: w8 -> dtype is then exact)."""
+    N, K = w8.shape
+    blocked = scale_kind(scale) == "block"
+    for j0, j1 in _ref._blocks(N, K, block if blocked else 1):
+        rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
+        if blocked:
+            w = e4m3_scaled(rows, scale_rows(scale, block, j0, j1, K), dtype)
+        else:
+            w = e4m3_to(rows, dtype)
+        yield j0, j1, w
+
+
+def _out_scale(scale):
+    """The fp32 factor of the base product's columns (per tensor: a scalar, per row: [N]; block: already applied)."""
+    kind = scale_kind(scale)
+    return None if kind == "block" else _f32(scale)
+
+
+def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+    if act_quant or x.dtype == torch.float16:  # see _reference_cases
+        return _ref.forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
+    cdt = x.dtype
+    M, N = x.shape[0], w8.shape[0]
+    two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
+    # The base products in the compute dtype, one block of weight rows (one transient) at a time.
+    blocks = _weight_blocks(w8, scale, block, cdt)
+    first = next(blocks)
+    if first[1] == N:  # the whole weight is one block (small layers): no copies
+        w = first[2]
+        base = x @ w.T
+        base_d = xm @ w.T if two else None
+    else:
+        base = torch.empty(M, N, dtype=cdt, device=x.device)
+        base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
+        for j0, j1, w in itertools.chain([first], blocks):
+            base[:, j0:j1] = x @ w.T
+            if two:
+                base_d[:, j0:j1] = xm @ w.T
+    del w, first
+    sc = _out_scale(scale)
+    scd = None  # the factor of the dropout term's product: the scale and 1 / (1 - p)
+    if two:
+        scd = (sc if sc is not None else torch.ones((), dtype=torch.float32, device=x.device)) * (1.0 / (1.0 - p))
+    parts = _row_parts(M, N)
+    y = torch.empty(M, N, dtype=cdt, device=x.device)
+    z = None
+    if c is not None and need_z and len(parts) > 1:
+        z = torch.empty(M, N, dtype=z_dtype, device=x.device)
+    Bs = None if B is None else (_f32(B) * s).T  # s B^T [r, N]: lora = u (s B^T)
+    # The fp32 epilogue over blocks of activation rows, each result written once into its dtype (out=: computed in
+    # fp32, rounded once; the bias is added in fp32 as it is).
+    for sl in parts:
+        bx, yb = sl(base), sl(y)
+        if c is None:
+            if sc is None and bias is None:
+                yb.copy_(bx)
+            elif bias is None:
+                torch.mul(bx, sc, out=yb)
+            elif sc is None:
+                torch.add(_f32(bx), bias, out=yb)
+            else:
+                torch.addcmul(_f32(bias), bx, sc, out=yb)
+            continue
+        zb = _f32(sl(u)) @ Bs  # s u B^T, fp32
+        _add_scaled(zb, sl(base_d) if two else bx, scd if two else sc)  # z = xd W0^T + s u B^T
+        if need_z:
+            if z is None:  # one block: z is this block's result, in its dtype
+                z = _as(zb, z_dtype)
+            else:
+                sl(z).copy_(zb)
+        if not two:  # y = c z + b
+            if bias is None:
+                torch.mul(zb, c, out=yb)
+            else:
+                torch.addcmul(_f32(bias), zb, c, out=yb)
+        else:  # y = x W0^T + b + (c - 1) xd W0^T + c s u B^T  ==  (x - xd) W0^T + c z + b
+            t = bx.float() if bx.dtype != torch.float32 else bx.clone()
+            if sc is not None:
+                t.mul_(sc)
+            t.addcmul_(sl(base_d), scd, value=-1.0)
+            t.addcmul_(zb, c)
+            if bias is not None:
+                t.add_(bias)
+            yb.copy_(t)
+    return y, z
+
+
+def _add_scaled(acc, t, sc):
+    """acc += t * sc in fp32 (t in any dtype; sc a 0-dim or [N] fp32 tensor, or None for 1)."""
+    if sc is None:
+        acc.add_(t)
+    else:
+        acc.addcmul_(t, sc)
+
+
+def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
+    """The reference's backward_pass (same outputs, fp32 throughout), with fewer passes over g: (g c) B as g (c B),
+    the scaled copies of g written straight into their dtype, no accumulators when one block covers g."""
+    M, N = g.shape
+    adapter = c is not None
+    f32 = dict(dtype=torch.float32, device=g.device)
+    sr = None if srow is None else _f32(srow)
+    if adapter:
+        f = (c - 1) if dropout else c
+        f = f if sr is None else f * sr
+    else:
+        f = sr
+    if f is None:
+        gl, rl = g, torch.ones((), **f32)
+    else:
+        rl = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+        gl = torch.empty_like(g)
+        fr = f / rl
+    gb = rb = None
+    if adapter and dropout:
+        if sr is None:
+            gb, rb = g, torch.ones((), **f32)
+        else:
+            rb = sr.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+            gb = torch.empty_like(g)
+            sb = sr / rb
+    Bc = (_f32(B) * c[:, None]) if adapter else None  # (g c) B == g (c B)
+    parts = _row_parts(M, N)
+    one = len(parts) == 1
+    v = dm = dB = db = None
+    if not one:
+        v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
+        dm = torch.zeros(N, **f32) if (adapter and need_dm) else None
+        dB = torch.zeros(N, B.shape[1], **f32) if (adapter and need_dB) else None
+        db = torch.zeros(N, **f32)
+    for sl in parts:
+        g32 = _f32(sl(g))
+        db = g32.sum(0) if one else db.add_(g32.sum(0))
+        if gl is not g:
+            torch.mul(g32, fr, out=sl(gl))
+        if gb is not None and gb is not g:
+            torch.mul(g32, sb, out=sl(gb))
+        if not adapter:
+            continue
+        if one:
+            v = _as(g32 @ Bc, B.dtype)
+            dm = (g32 * z).sum(0) if need_dm else None
+            dB = g32.T @ _f32(u) if need_dB else None
+        else:
+            sl(v).copy_(g32 @ Bc)
+            if dm is not None:
+                dm += (g32 * sl(z)).sum(0)
+            if dB is not None:
+                dB.addmm_(g32.T, _f32(sl(u)))
+    return gl, rl, gb, rb, v, dm, db, dB
+
+
+def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+    if act_quant or gl.dtype == torch.float16:  # see _reference_cases
+        return _ref.dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
+    cdt = gl.dtype
+    M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
+    st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0
+    two = v is not None and mask is not None
+    # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
+    # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
+    t = tb = None
+    for j0, j1, w in _weight_blocks(w8, scale, block, cdt):
+        whole = j0 == 0 and j1 == N
+        pt = (gl if whole else gl[:, j0:j1]) @ w
+        t = pt if t is None else _f32(t).add_(pt)
+        if two:
+            pb = (gb if whole else gb[:, j0:j1]) @ w
+            tb = pb if tb is None else _f32(tb).add_(pb)
+        del w
+    dx = torch.empty(M, K, dtype=cdt, device=gl.device)
+    k = rl * st  # the base term's fp32 factor
+    if v is None:
+        for sl in _row_parts(M, K):
+            torch.mul(sl(t), k, out=sl(dx))
+        return dx
+    inv = 1.0 / (1.0 - p) if mask is not None else 1.0
+    As = _f32(A) * (s * inv)  # s A (/ (1 - p) with dropout)
+    if mask is not None:
+        k = k * inv
+        kb = rb * st
+    for sl in _row_parts(M, max(K, N)):
+        out = _f32(sl(v)) @ As
+        out.addcmul_(sl(t), k)
+        if mask is not None:  # dx = tb rb st + mask / (1 - p) (t rl st + s v A)
+            out.mul_(sl(mask))
+            out.addcmul_(sl(tb), kb)
+        sl(dx).copy_(out)
+    return dx

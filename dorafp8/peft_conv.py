@@ -1,0 +1,314 @@
+"""PEFT integration for convolutions: DoRAFP8Conv1d / DoRAFP8Conv2d / DoRAFP8Conv3d, PEFT's own `lora.Conv1d/2d/3d`
+on an FP8 conv base (dorafp8/fp8_conv.py).
+
+Everything PEFT does around a conv LoRA layer keeps working, with PEFT 0.21's exact layout: lora_A is an nn.ConvNd
+[r, C_in, *kernel] with the base's stride and padding (PEFT gives it dilation 1 and groups 1), lora_B a 1 x 1 nn.ConvNd
+[C_out, r/groups, 1, ...] with the base's groups, the DoRA magnitude `lora_magnitude_vector.<name>.weight` has shape
+[1, C_out, 1, ...] (PEFT's DoraConvNdLayer), so the adapter files are PEFT's. What changes: the base is an FP8 conv,
+the magnitude starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero
+padding) is one dorafp8 call (dorafp8.fp8_conv.dora_fp8_conv): no dense B A, no dense W0 + s B A, no dequantized
+weight kept for the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from peft.tuners.lora import layer as lora_layer
+from peft.tuners.lora.dora import DoraConv1dLayer, DoraConv2dLayer, DoraConv3dLayer
+from peft.tuners.lora.variants import DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant, _DoraConvNdVariant
+
+from .backends import check_backend_name
+from .distributed import params_are_sharded
+from .fp8_conv import (FP8Conv1d, FP8Conv2d, FP8Conv3d, _FP8ConvNd, conv_weight_norm, dora_fp8_conv,
+                       fp8_conv_class)
+from .ops import NORM_EPS
+
+_MERGE_ERROR = (
+    "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
+    "re-quantizing them). Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
+    "original-precision base model, and merge there (merge_and_unload)."
+)
+_PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant)
+_DORA_LAYER = {1: DoraConv1dLayer, 2: DoraConv2dLayer, 3: DoraConv3dLayer}
+
+
+class DoraFP8ConvVariant(_DoraConvNdVariant):
+    """PEFT's DoRA conv variant on an FP8 conv base: magnitude from the fp8 weight, no dense temporaries."""
+
+    @staticmethod
+    def init(module: "_DoRAFP8ConvMixin", adapter_name: str, **kwargs: Any) -> None:
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        lora_A = module.lora_A[adapter_name].weight
+        n = module.dora_weight_norm(adapter_name, use_cache=False)
+        nd = module._kernel_dim - 2
+        dora_layer = _DORA_LAYER[nd](fan_in_fan_out=False)
+        dora_layer.weight = nn.Parameter(n.reshape((1, -1) + (1,) * nd).to(lora_A.dtype), requires_grad=True)
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def merge_safe(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def merge_unsafe(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def unmerge(module, active_adapter, orig_weight):
+        raise NotImplementedError(_MERGE_ERROR)
+
+    @staticmethod
+    def forward(module: "_DoRAFP8ConvMixin", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        # The general path (several active adapters, a LoRA bias, a padding mode other than zeros): PEFT's
+        # _DoraConvNdLayer composition, where `result` already holds the base output plus the adapters before this.
+        lora_A = module.lora_A[active_adapter]
+        lora_B = module.lora_B[active_adapter]
+        dropout = module.lora_dropout[active_adapter]
+        scaling = module.scaling[active_adapter]
+        base = module._fp8_base()
+        nd = module._kernel_dim - 2
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result if base.bias is None else result - base.bias.reshape((1, -1) + (1,) * nd)
+        else:
+            x = dropout(x)
+            base_result = base.conv(x, None)
+        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
+        mag = module.lora_magnitude_vector[active_adapter].weight
+        c = (mag.reshape(-1) / n).reshape((1, -1) + (1,) * nd)
+        return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
+
+
+class _DoRAFP8ConvMixin:
+    """What DoRAFP8Conv1d/2d/3d add to PEFT's lora.Conv1d/2d/3d (see the module docstring)."""
+
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        self._dorafp8_norm_cache: dict[str, tuple] = {}
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+
+    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
+
+    def _fp8_base(self) -> _FP8ConvNd:
+        """The FP8 conv base (also while update_layer shows PEFT a geometry shell, see there)."""
+        layer = self
+        while hasattr(layer, "base_layer"):
+            layer = layer.base_layer
+        return layer
+
+    def get_base_layer(self):
+        shell = self.__dict__.get("_dorafp8_geometry_shell")
+        return shell if shell is not None else super().get_base_layer()
+
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        # PEFT 0.21's _ConvNd.update_layer builds lora_A / lora_B as `type(base_layer)(...)`, which for an FP8 conv
+        # base would be two frozen fp8 convs. While it runs, get_base_layer() returns a shell: an nn.ConvNd of the
+        # same geometry on the meta device (no memory), so PEFT builds the plain nn.ConvNd adapters it builds for
+        # any conv, with its own initialisation. Device and dtype come from the real base
+        # (_get_base_layer_device_and_dtype), and the DoRA variant reads the real base (_fp8_base).
+        shell = _geometry_shell(self._fp8_base())
+        self.__dict__["_dorafp8_geometry_shell"] = shell
+        try:
+            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        finally:
+            self.__dict__.pop("_dorafp8_geometry_shell", None)
+        self.clear_weight_norm_cache()
+
+    def _get_in_out_features(self, module):
+        if isinstance(module, _FP8ConvNd):
+            return module.in_channels, module.out_channels
+        return super()._get_in_out_features(module)
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        # New adapters get the base weight's original dtype, never fp8 (nor the meta device of the shell).
+        real = self._fp8_base()
+        if base_layer is real or base_layer is self.__dict__.get("_dorafp8_geometry_shell"):
+            return real.weight.device, real.orig_dtype
+        return super()._get_base_layer_device_and_dtype(base_layer)
+
+    @property
+    def lora_variants(self):
+        return {(): None, ("use_dora",): DoraFP8ConvVariant}
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        raise NotImplementedError(_MERGE_ERROR)
+
+    def get_delta_weight(self, adapter) -> torch.Tensor:
+        raise NotImplementedError(_MERGE_ERROR)
+
+    # ---- dorafp8 -------------------------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        return self._fp8_base().backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._fp8_base().backend = check_backend_name(name)
+        self.clear_weight_norm_cache()
+
+    def clear_weight_norm_cache(self) -> None:
+        self._dorafp8_norm_cache.clear()
+
+    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
+        """The detached fp32 per-output-channel norm ||W0 + s L|| of `adapter` ([C_out]), cached until A, B or the
+        base change (as DoRAFP8Linear.dora_weight_norm)."""
+        base = self._fp8_base()
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        s = self.scaling[adapter]
+        w8 = base.fp8_weight()
+
+        def compute():
+            return conv_weight_norm(w8, base.scale, A, B, s, base.groups, backend=base.backend,
+                                    block_size=base.block_size)
+
+        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
+            return compute()
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
+        key += (s, base.backend)
+        hit = self._dorafp8_norm_cache.get(adapter)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        n = compute()
+        self._dorafp8_norm_cache[adapter] = (key, n)
+        return n
+
+    def _fused_adapter(self) -> str | None:
+        """The adapter the fused path serves: one active DoRA adapter, no LoRA bias, zero padding everywhere."""
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        a = active[0]
+        if not isinstance(self.lora_variant.get(a), DoraFP8ConvVariant) or self.lora_B[a].bias is not None:
+            return None
+        if self._fp8_base().conv_padding() is None or _lora_padding(self.lora_A[a]) is None:
+            return None
+        return a
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        a = None
+        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
+            a = self._fused_adapter()
+        if a is None:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        base = self._fp8_base()
+        lora_A = self.lora_A[a]
+        dropout = self.lora_dropout[a]
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        return dora_fp8_conv(
+            x, base.fp8_weight(), base.scale, lora_A.weight, self.lora_B[a].weight,
+            self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias, base.stride, base.conv_padding(),
+            base.dilation, base.groups, lora_stride=lora_A.stride, lora_padding=_lora_padding(lora_A),
+            lora_dilation=lora_A.dilation, dropout_p=p, training=self.training, backend=base.backend,
+            weight_norm=self.dora_weight_norm(a), block_size=base.block_size)
+
+    def extra_repr(self) -> str:
+        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
+        return (f"in_channels={self.in_features}, out_channels={self.out_features}, r={{{ranks}}}, "
+                f"backend={self.backend}")
+
+    def __repr__(self) -> str:
+        return nn.Module.__repr__(self)
+
+    # ---- conversion ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_peft(cls, layer: lora_layer._ConvNd, *, backend: str = "auto", per_row_scale: bool = False):
+        """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8.
+
+        The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
+        shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded."""
+        peft_cls = cls.__mro__[2]  # lora.Conv1d / Conv2d / Conv3d
+        if not isinstance(layer, peft_cls):
+            raise TypeError(f"layer must be a peft LoRA {peft_cls.__name__}, got {type(layer).__name__}")
+        if layer.merged:
+            raise ValueError("layer has merged adapters; unmerge them first (layer.unmerge())")
+        for name, variant in layer.lora_variant.items():
+            if not isinstance(variant, _PEFT_DORA_CONV_VARIANTS + (DoraFP8ConvVariant,)):
+                raise ValueError(f"adapter {name!r} uses the LoRA variant {type(variant).__name__}, which dorafp8 "
+                                 f"does not support (only plain LoRA and DoRA)")
+        base = layer.get_base_layer()
+        if isinstance(base, _FP8ConvNd):
+            fp8 = base
+        else:
+            fp8 = fp8_conv_class(base).from_float(base, per_row_scale=per_row_scale, backend=backend)
+        fp8.backend = check_backend_name(backend)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._dorafp8_norm_cache = {}
+        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
+                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled", "_kernel_dim", "conv_fn"):
+            if hasattr(layer, attr):
+                setattr(new, attr, getattr(layer, attr))
+        if "adapter_layer_names" in layer.__dict__:
+            new.adapter_layer_names = layer.adapter_layer_names
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector"):
+            setattr(new, attr, getattr(layer, attr))
+        new.lora_variant = {name: DoraFP8ConvVariant() for name in layer.lora_variant}
+        new.train(layer.training)
+        return new
+
+
+def _lora_padding(conv: nn.Module):
+    """lora_A's padding as ints, or None if it is not plain symmetric zero padding."""
+    if conv.padding_mode != "zeros":
+        return None
+    if isinstance(conv.padding, str):
+        if conv.padding == "valid":
+            return (0,) * len(conv.kernel_size)
+        rp = conv._reversed_padding_repeated_twice
+        lefts, rights = rp[0::2], rp[1::2]
+        return tuple(reversed(lefts)) if list(lefts) == list(rights) else None
+    return tuple(conv.padding)
+
+
+def _geometry_shell(base: _FP8ConvNd) -> nn.Module:
+    """An nn.ConvNd with `base`'s geometry on the meta device (no memory): what PEFT's update_layer looks at."""
+    conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[base._nd]
+    return conv_cls(base.in_channels, base.out_channels, base.kernel_size, base.stride, base.padding, base.dilation,
+                    base.groups, base.bias is not None, base.padding_mode, device="meta")
+
+
+class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
+    """PEFT's LoRA/DoRA Conv1d on an FP8Conv1d base (see dorafp8/peft_conv.py)."""
+
+
+class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (see dorafp8/peft_conv.py). Build it with get_peft_model on a
+    model whose convs are FP8Conv2d (dorafp8.quantize_model(model, include_conv=True)), or convert a PEFT DoRA model
+    with dorafp8.convert_peft_model."""
+
+
+class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):
+    """PEFT's LoRA/DoRA Conv3d on an FP8Conv3d base (see dorafp8/peft_conv.py)."""
+
+
+DORA_FP8_CONV_CLASSES = {FP8Conv1d: DoRAFP8Conv1d, FP8Conv2d: DoRAFP8Conv2d, FP8Conv3d: DoRAFP8Conv3d}
+_PEFT_TO_FP8 = {lora_layer.Conv1d: DoRAFP8Conv1d, lora_layer.Conv2d: DoRAFP8Conv2d, lora_layer.Conv3d: DoRAFP8Conv3d}
+
+
+def create_conv_module(base: nn.Module, target, adapter_name: str, lora_config, **kwargs):
+    """The dorafp8 LoRA layer for an FP8 conv base (register_with_peft's dispatch), or None for any other base."""
+    cls = DORA_FP8_CONV_CLASSES.get(type(base))
+    if cls is None:
+        return None
+    kwargs.pop("fan_in_fan_out", None)
+    return cls(target, adapter_name, config=lora_config, **kwargs)
+
+
+def convertible_conv_layers(model: nn.Module) -> list[str]:
+    """Names of the PEFT DoRA conv layers (lora.Conv1d/2d/3d with a DoRA adapter) that convert_peft_model swaps."""
+    return [name for name, mod in model.named_modules()
+            if type(mod) in _PEFT_TO_FP8
+            and any(isinstance(v, _PEFT_DORA_CONV_VARIANTS) for v in mod.lora_variant.values())]
+
+
+def convert_conv_layer(layer: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> nn.Module:
+    return _PEFT_TO_FP8[type(layer)].from_peft(layer, backend=backend, per_row_scale=per_row_scale)

@@ -1,0 +1,201 @@
+"""Diffusion models end to end (issue #11): fp8 bases for every Linear and Conv2d of a diffusers UNet and of a small
+DiT, DoRA on attention + feed-forward + convolutions, bf16 autocast training, parity with PEFT, save and reload with
+plain PEFT."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_peft_registration_survives_a_find_spec_probe():
+    """diffusers (and transformers) probe optional packages with importlib.util.find_spec before importing them; the
+    post-import hook that registers dorafp8 with PEFT must still fire on the import that follows."""
+    code = ("import importlib.util, dorafp8\n"
+            "assert importlib.util.find_spec('peft') is not None\n"
+            "import peft\n"
+            "from dorafp8 import peft_integration as pi\n"
+            "print('registered' if pi._ORIG_CREATE_NEW_MODULE is not None else 'NOT registered')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "registered"
+
+
+# ------------------------------------------------------------------------------------------ end to end, diffusers
+
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+import dorafp8  # noqa: E402
+from dorafp8 import FP8Conv2d, FP8Linear  # noqa: E402
+from dorafp8._memory import MiB, peak_extra_bytes, tensor_bytes  # noqa: E402
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2"]
+DIT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+               "ff.net.0.proj", "ff.net.2", "pos_embed.proj"]
+STEPS = 4
+
+
+def small_unet():
+    """A small SD-style UNet (1.1 M parameters): ResNet blocks with conv1/conv2, cross-attention transformer blocks."""
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32).float()
+
+
+def small_dit():
+    """A small SD3-style MMDiT (joint attention, a Conv2d patch embedding)."""
+    torch.manual_seed(0)
+    return diffusers.SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16).float()
+
+
+def _batches(kind, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(2, 4, 16, 16, generator=g)
+        t = torch.randint(0, 1000, (2,), generator=g)
+        target = torch.randn(2, 4, 16, 16, generator=g)
+        if kind == "unet":
+            kw = dict(sample=x, timestep=t, encoder_hidden_states=torch.randn(2, 8, 32, generator=g))
+        else:
+            kw = dict(hidden_states=x, timestep=t, encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
+                      pooled_projections=torch.randn(2, 16, generator=g))
+        out.append((kw, target))
+    return out
+
+
+def _loss(model, kw, target):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**kw).sample
+    return (out.float() - target).square().mean()
+
+
+def _dense_layers(model):
+    return {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+
+
+def _fp8_layers(model):
+    return {n.replace("base_model.model.", "").replace(".base_layer", ""): m for n, m in model.named_modules()
+            if isinstance(m, (FP8Linear, FP8Conv2d))}
+
+
+def _dequantized_copy(original, fp8_model):
+    """The original model with every quantized layer's weight replaced by its fp8 round trip (plain PEFT's twin)."""
+    twin = copy.deepcopy(original)
+    fp8 = _fp8_layers(fp8_model)
+    for name, mod in twin.named_modules():
+        if name in fp8:
+            mod.weight.data = fp8[name].dequantize(mod.weight.dtype)
+    return twin
+
+
+def _train(model, batches):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    losses = []
+    model.train()
+    for kw, target in batches:
+        loss = _loss(model, kw, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["unet", "dit"])
+def test_end_to_end_fp8_base_dora_on_attention_ff_and_conv(kind, tmp_path):
+    original = small_unet() if kind == "unet" else small_dit()
+    targets = UNET_TARGETS if kind == "unet" else DIT_TARGETS
+    dense = _dense_layers(original)
+    ours = copy.deepcopy(original)
+    # fp8 base for every Linear and Conv2d (diffusion models have no lm_head; include_conv takes the convs)
+    assert dorafp8.quantize_model(ours, include_conv=True) == len(dense)
+    assert not _dense_layers(ours) and set(_fp8_layers(ours)) == dense
+    twin = _dequantized_copy(original, ours)
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
+    pm_ours = get_peft_model(ours, cfg)
+    pm_peft = get_peft_model(twin, copy.deepcopy(cfg))
+    kinds = {type(m).__name__ for m in pm_ours.modules()}
+    assert {"DoRAFP8Linear", "DoRAFP8Conv2d"} <= kinds
+    assert not {n for n in _dense_layers(pm_ours) if ".lora_" not in n}  # dense layers: only the adapters'
+    n_conv = sum(type(m).__name__ == "DoRAFP8Conv2d" for m in pm_ours.modules())
+    assert n_conv == (24 if kind == "unet" else 1)
+    assert {k for k in pm_ours.state_dict() if "lora_" in k} == {k for k in pm_peft.state_dict() if "lora_" in k}
+
+    # bf16 autocast training: the same losses as PEFT's DoRA on the dequantized base (bf16 rounding apart)
+    batches = _batches(kind, STEPS)
+    l_ours, l_peft = _train(pm_ours, batches), _train(pm_peft, batches)
+    rel = [abs(a - b) / b for a, b in zip(l_ours, l_peft)]
+    assert max(rel) < 1e-2, (l_ours, l_peft)
+    assert l_ours[-1] < l_ours[0]
+
+    # save, then load with plain PEFT onto the dequantized fp8 base (same outputs) and onto the original base
+    pm_ours.save_pretrained(tmp_path / "adapter")
+    pm_ours.eval()
+    kw, _ = _batches(kind, 1, seed=7)[0]
+    with torch.no_grad():
+        ref = pm_ours(**kw).sample
+        outs = {}
+        for base_kind, base in (("dequantized", _dequantized_copy(original, pm_ours)),
+                                ("original", copy.deepcopy(original))):
+            outs[base_kind] = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(**kw).sample
+        # the fp8 error of the base itself, without adapters: the original model against its fp8 round trip
+        base_fp8 = _dequantized_copy(original, pm_ours).eval()(**kw).sample
+        base_err = ((original.eval()(**kw).sample - base_fp8).norm() / base_fp8.norm()).item()
+    rel = {k: ((v - ref).norm() / ref.norm()).item() for k, v in outs.items()}
+    assert rel["dequantized"] < 1e-5, rel
+    # measured: 0.076 (UNet) and 0.033 (DiT), each within 1% of its base's own fp8 error (0.075, 0.033)
+    assert 0.5 * base_err < rel["original"] < 1.25 * base_err, (rel, base_err)
+
+
+def test_unet_weight_and_training_step_memory():
+    """Measured (CPU, dorafp8._memory): base weights 1 byte each instead of 4, and the training step's peak of
+    temporaries no higher than PEFT's on the original fp32 UNet under bf16 autocast."""
+    original = small_unet()
+    ours = copy.deepcopy(original)
+    dorafp8.quantize_model(ours, include_conv=True)
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=UNET_TARGETS)
+    pm_ours, pm_peft = get_peft_model(ours, cfg), get_peft_model(copy.deepcopy(original), copy.deepcopy(cfg))
+    weights = {k: tensor_bytes(m) for k, m in (("ours", pm_ours), ("peft", pm_peft))}
+    kw, target = _batches("unet", 1)[0]
+    peak = {}
+    for k, m in (("ours", pm_ours), ("peft", pm_peft)):
+        _loss(m, kw, target).backward()  # warm-up (lazy state), then measure one forward + backward
+        m.zero_grad(set_to_none=True)
+        peak[k] = peak_extra_bytes(lambda m=m: _loss(m, kw, target).backward(), "cpu")
+    print(f"\nsmall UNet, DoRA r=4 on attention/ff/conv1/conv2, batch 2 x 4 x 16 x 16, bf16 autocast: "
+          f"weights {weights['ours'] / MiB:.2f} MiB (dorafp8) vs {weights['peft'] / MiB:.2f} MiB (PEFT, fp32 base); "
+          f"training-step peak of temporaries {peak['ours'] / MiB:.2f} MiB vs {peak['peft'] / MiB:.2f} MiB")
+    assert weights["ours"] < 0.45 * weights["peft"]
+    assert peak["ours"] <= peak["peft"]
+
+
+def test_diffusers_add_adapter_builds_fp8_layers():
+    """diffusers' own PEFT entry point (ModelMixin.add_adapter, inject_adapter_in_model) builds the dorafp8 layers too,
+    and get_peft_model_state_dict gives PEFT's keys."""
+    from peft.utils import get_peft_model_state_dict
+
+    unet = small_unet()
+    dorafp8.quantize_model(unet, include_conv=True)
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, use_dora=True, target_modules=UNET_TARGETS))
+    kinds = [type(m).__name__ for m in unet.modules()]
+    assert kinds.count("DoRAFP8Conv2d") == 24 and kinds.count("DoRAFP8Linear") == 60
+    sd = get_peft_model_state_dict(unet)
+    assert "down_blocks.0.resnets.0.conv1.lora_magnitude_vector" in sd
+    assert sd["down_blocks.0.resnets.0.conv1.lora_magnitude_vector"].shape == (1, 32, 1, 1)
+    kw, target = _batches("unet", 1)[0]
+    _loss(unet, kw, target).backward()
+    assert all(p.grad is not None for n, p in unet.named_parameters() if p.requires_grad)

@@ -1,0 +1,87 @@
+"""The native backend (dorafp8/native_backend.py: the reference with its base GEMMs in the compute dtype on the
+platform's matmul; what backend="auto" runs on CPU). Checked with the same fp64 / reference checks and the same
+tolerances as every other backend (tests/_kernel_ref.py)."""
+
+import pytest
+import torch
+
+from _kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project, check_weight_norm,
+                         make_problem, shape_id)
+
+from dorafp8 import backends
+
+nb = backends.module("native")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHAPES = [(1, 50, 70, 1, False), (37, 50, 70, 3, True), (20, 33, 17, 20, True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_forward_backward_pass_dgrad(device, shape, dtype, mode, scale):
+    M, K, N, r, strided = shape
+    p = make_problem(M, K, N, r, dtype, device, scale, strided)
+    check_forward(nb.forward, p, mode, has_bias=mode != "plain")
+    check_forward(nb.forward, p, mode, has_bias=mode == "plain")
+    check_backward_pass(nb.backward_pass, p, mode)
+    check_dgrad(nb.dgrad, p, mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_norm_project_w8a8(dtype):
+    p = make_problem(19, 40, 24, 4, dtype, "cpu", "row", False)
+    check_weight_norm(nb.weight_norm, p)
+    check_project(nb.project, nb.project_grad, p)
+    check_forward(nb.forward, p, "nodrop", has_bias=True, act_quant="rowwise")
+    check_dgrad(nb.dgrad, p, "dropout", act_quant="rowwise")
+
+
+def test_weights_spanning_several_blocks(monkeypatch):
+    """Weights larger than one row block (the transient is made block by block, dgrad sums the blocks in fp32)."""
+    import dorafp8.reference as reference
+
+    monkeypatch.setattr(reference, "_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows of K = 40 per block
+    for scale in ("tensor", "row", "block"):
+        p = make_problem(23, 40, 50, 3, torch.bfloat16, "cpu", scale, True)
+        for mode in ("nodrop", "dropout", "plain"):
+            check_forward(nb.forward, p, mode, has_bias=True)
+            check_dgrad(nb.dgrad, p, mode)
+            check_backward_pass(nb.backward_pass, p, mode)
+
+
+def test_auto_is_native_on_cpu_and_reference_stays_exact(monkeypatch):
+    monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
+    assert backends.resolve("auto", torch.device("cpu")) == "native"
+    monkeypatch.setenv("DORAFP8_BACKEND", "reference")
+    assert backends.resolve("auto", torch.device("cpu")) == "reference"
+
+
+def test_fast_fp8_conversion_is_exact():
+    from dorafp8._fp8_cast import e4m3_scaled_fp32, e4m3_to
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # all 256 codes: subnormals, +-0, NaN
+    w8 = torch.cat([every, (torch.randn(64 * 1024) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)]).reshape(-1, 16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got, ref = e4m3_to(w8, dtype), w8.to(dtype)
+        assert got.dtype == dtype and torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+    for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
+        got, ref = e4m3_scaled_fp32(w8, factor), w8.float() * factor
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("n", [1000, 20000, 300000])  # PyTorch's conversion, the lookup table, the integer passes
+def test_fp8_conversion_paths_are_exact(n):
+    from dorafp8._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w8 = torch.cat([every, (torch.randn(n - 256) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)]).reshape(-1, 8)
+    same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())  # noqa
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert same(e4m3_to(w8, dtype), w8.to(dtype))
+        for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5):
+            assert same(e4m3_scaled(w8, factor, dtype), (w8.float() * factor).to(dtype))
+    for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
+        assert same(e4m3_scaled_fp32(w8, factor), w8.float() * factor)
