@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from .fp8_conv import _FP8ConvNd, fp8_conv_class
 from .fp8_linear import FP8Linear
 from .merge import adapter_terms, base_rows, merged_rows, requantize
 from .quant import DEFAULT_BLOCK, E4M3, check_scale, scale_kind
@@ -499,8 +500,11 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         except AttributeError:
             continue
         layer_of[k] = mod_name
-        fp8_layers[mod_name] = {"key": k, "module": mod, "linear": isinstance(mod, (nn.Linear, FP8Linear))
-                                and not _is_conv1d(mod)}
+        linear = isinstance(mod, (nn.Linear, FP8Linear)) and not _is_conv1d(mod)
+        conv = isinstance(mod, _FP8ConvNd) or fp8_conv_class(mod) is not None
+        # "fp8": the layer keeps the checkpoint's e4m3 bytes and scale (FP8Linear, FP8Conv1d/2d/3d); any other
+        # module holding an fp8 tensor (embedding, GPT-2's Conv1D) gets it dequantized
+        fp8_layers[mod_name] = {"key": k, "module": mod, "linear": linear, "conv": conv, "fp8": linear or conv}
 
     consumed: dict[str, str] = {}  # ckpt key -> how it was used
     plan_scale: dict[str, tuple] = {}  # scale key -> (module name, N, K, block, linear)
@@ -514,6 +518,10 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         if p["linear"] and (N, K) != (mod.out_features, mod.in_features):
             errors.append(f"{k}: shape {list(info[k][1])} in the checkpoint, [{mod.out_features}, "
                           f"{mod.in_features}] in the model's {mod_name!r}")
+            continue
+        if p["conv"] and tuple(shape_w) != tuple(mod.weight.shape):
+            errors.append(f"{k}: shape {list(shape_w)} in the checkpoint, {list(mod.weight.shape)} in the model's "
+                          f"{mod_name!r}")
             continue
         scale_key = f"{lay}.{layout.scale_key}" if layout.scale_key else None
         if scale_key is None or scale_key not in info:
@@ -534,9 +542,9 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                                      else "; pass block_size="))
                     continue
             p["block"] = block
-            if block is not None and not p["linear"]:
+            if block is not None and not p["fp8"]:
                 errors.append(f"{scale_key}: block scales on {type(mod).__name__} {mod_name!r}, which is not a linear "
-                              f"layer (only per-tensor or per-row scales can be dequantized into it)")
+                              f"or conv layer (only per-tensor or per-row scales can be dequantized into it)")
                 continue
             if info[scale_key][0] not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                 errors.append(f"{scale_key}: dtype {info[scale_key][0]} (only fp32/bf16/fp16 scales are read)")
@@ -546,7 +554,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
             except (TypeError, ValueError) as e:
                 errors.append(str(e))
                 continue
-            plan_scale[scale_key] = (mod_name, N, K, block or DEFAULT_BLOCK, p["linear"])
+            plan_scale[scale_key] = (mod_name, N, K, block or DEFAULT_BLOCK, p["fp8"])
             consumed[scale_key] = "scale"
         for extra in (layout.act_scale_key, "comfy_quant", "weight_zero_point", "input_zero_point"):
             ek = f"{lay}.{extra}" if extra else None
@@ -576,7 +584,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
             report.kept[k] = "skipped by key_map"
             continue
         lay_name = m.rpartition(".")[0]
-        if lay_name in fp8_layers and fp8_layers[lay_name]["linear"] and m.endswith(".bias"):
+        if lay_name in fp8_layers and fp8_layers[lay_name]["fp8"] and m.endswith(".bias"):
             plain[k] = m
             continue
         if m in model_t:
@@ -611,28 +619,35 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         raise CheckpointFormatError(f"{source.name} ({fmt}) does not fit the model{hint}: " + "; ".join(msg)
                                     + ". Pass key_map= to rename keys, or strict=False to load what fits")
 
-    # ---- build the FP8Linear layers (on meta; filled below) -------------------------------------------------
+    # ---- build the FP8Linear / FP8ConvNd layers (on meta; filled below) -------------------------------------
     for mod_name, p in fp8_layers.items():
-        if not p["linear"]:
+        if not p["fp8"]:
             continue
         mod = p["module"]
         bias = getattr(mod, "bias", None)
         bias_dtype = bias.dtype if bias is not None and bias.dtype not in (E4M3, E5M2) else model_dtype
-        orig = getattr(mod, "orig_dtype", None) if isinstance(mod, FP8Linear) else mod.weight.dtype
+        orig = getattr(mod, "orig_dtype", None) if isinstance(mod, (FP8Linear, _FP8ConvNd)) else mod.weight.dtype
         if orig is None or orig in (E4M3, E5M2) or dtype is not None:
             orig = model_dtype
-        new = FP8Linear(mod.in_features, mod.out_features, bias=bias is not None, device="meta", dtype=orig,
-                        block_size=p.get("block") or None, backend=backend, act_quant=act_quant)
+        if p["conv"]:
+            cls = type(mod) if isinstance(mod, _FP8ConvNd) else fp8_conv_class(mod)
+            new = cls(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding, mod.dilation,
+                      mod.groups, bias is not None, mod.padding_mode, device="meta", dtype=orig,
+                      block_size=p.get("block") or None, backend=backend)
+            n_out = mod.out_channels
+        else:
+            new = FP8Linear(mod.in_features, mod.out_features, bias=bias is not None, device="meta", dtype=orig,
+                            block_size=p.get("block") or None, backend=backend, act_quant=act_quant)
+            n_out = mod.out_features
         if bias is not None:
-            new.bias = nn.Parameter(torch.empty(mod.out_features, dtype=bias_dtype, device="meta"),
-                                    requires_grad=False)
+            new.bias = nn.Parameter(torch.empty(n_out, dtype=bias_dtype, device="meta"), requires_grad=False)
         new._dorafp8_source = {"format": fmt, "extras": {}}
         _swap_module(model, mod_name, new)
         p["module"] = new
 
     # ---- read, one tensor at a time --------------------------------------------------------------------------
     dequant_scales = {}
-    need_scale_first = [p["scale_key"] for p in fp8_layers.values() if not p["linear"] and p.get("scale_key")]
+    need_scale_first = [p["scale_key"] for p in fp8_layers.values() if not p["fp8"] and p.get("scale_key")]
     for k, t in source.read(need_scale_first, device):
         dequant_scales[k] = t.float()
         report.bytes_read += t.numel() * t.element_size()
@@ -672,12 +687,12 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         if k in layer_of:
             mod_name = layer_of[k]
             p = fp8_layers[mod_name]
-            if p["linear"]:
+            if p["fp8"]:
                 _set_tensor(model, f"{mod_name}.weight", t.contiguous(), param=True)
                 if p["scale_key"] is None:
                     _set_tensor(model, f"{mod_name}.scale", torch.ones((), device=t.device), param=False)
                     report.fp8_layers[mod_name] = "scale 1"
-            else:  # an fp8 tensor in a module that is not linear (conv, embedding, Conv1D): dequantized
+            else:  # an fp8 tensor in a module that is not linear or conv (embedding, Conv1D): dequantized
                 sk = p.get("scale_key")
                 s = dequant_scales[sk] if sk else torch.ones((), device=t.device)
                 w = t.float() * (s if s.numel() == 1 else s.reshape(-1, *([1] * (t.dim() - 1))))
@@ -688,8 +703,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                 if sk:
                     plan_scale.pop(sk, None)
         elif k in plan_scale:
-            mod_name, N, K, block, linear = plan_scale[k]
-            if not linear:
+            mod_name, N, K, block, keeps_fp8 = plan_scale[k]
+            if not keeps_fp8:
                 continue
             mod = model.get_submodule(mod_name)
             sc = check_scale(t.float(), N, K, block, name=k)
@@ -713,7 +728,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                 report.dequantized.append(m)
             value = t.to(tdt)
             if isinstance(target, nn.Parameter) or m.rpartition(".")[0] in fp8_layers:
-                lin = m.rpartition(".")[0] in fp8_layers and fp8_layers[m.rpartition(".")[0]]["linear"]
+                lin = m.rpartition(".")[0] in fp8_layers and fp8_layers[m.rpartition(".")[0]]["fp8"]
                 value = nn.Parameter(value, requires_grad=(not lin) and target.requires_grad
                                      and value.is_floating_point())
             for alias in tied.get(m, [m]):
@@ -731,7 +746,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                     raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
                                                 f"loads float8_e4m3fn only")
             mod = model.get_submodule(mod_name) if mod_name else None
-            if isinstance(mod, FP8Linear):
+            if isinstance(mod, (FP8Linear, _FP8ConvNd)):
                 mod._dorafp8_source["extras"][k.rpartition(".")[2]] = t
             report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
                               "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
@@ -947,10 +962,11 @@ def _source_of(model: nn.Module) -> dict:
 
 
 def _walk(mod: nn.Module, prefix: str, tuner_cls):
-    """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear or DoRAFP8Linear), ("tuner", name,
-    other PEFT layer), ("tensor", key, tensor)."""
-    if isinstance(mod, FP8Linear) or (tuner_cls is not None and isinstance(mod, tuner_cls)
-                                      and isinstance(_get_base(mod), FP8Linear)):
+    """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear / FP8ConvNd or the PEFT layer on
+    one), ("tuner", name, other PEFT layer), ("tensor", key, tensor)."""
+    fp8_types = (FP8Linear, _FP8ConvNd)
+    if isinstance(mod, fp8_types) or (tuner_cls is not None and isinstance(mod, tuner_cls)
+                                      and isinstance(_get_base(mod), fp8_types)):
         yield "fp8", prefix[:-1], mod
         return
     if tuner_cls is not None and isinstance(mod, tuner_cls):
@@ -1044,6 +1060,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     src_dtypes = src.get("dtypes", {}) if same else {}
     comfy_meta_layers = "_quantization_metadata" in meta_out
     dense_linears = []
+    conv_layers = []  # fp8 conv layers written (the compressed-tensors config then names its targets)
     unmerged_adapters = []
     layer_groups: dict[str, list] = {}
     static_act: dict[str, bool] = {}
@@ -1095,12 +1112,19 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         tuner = obj if (tuner_cls is not None and isinstance(obj, tuner_cls)) else None
         fp8 = _get_base(obj)
         w8, scale, bs = fp8.fp8_weight(), fp8.scale, fp8.block_size
+        w_shape = w8.shape  # a conv weight [C_out, C_in/groups, *kernel] is handled as its 2-D view, written as is
+        w8 = w8.reshape(w_shape[0], -1)
         N, K = w8.shape
         names_ = []
         if tuner is not None:
             if merge:
                 names_ = list(adapter_names) if adapter_names is not None else \
                     [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
+                if names_ and isinstance(fp8, _FP8ConvNd):
+                    raise NotImplementedError(
+                        f"{name}: merging a DoRA adapter into an fp8 conv layer is not implemented (dorafp8 merges "
+                        f"into FP8Linear layers only). Write the base with save_fp8_checkpoint and the adapter with "
+                        f"save_pretrained, or merge with plain PEFT on the original-precision model")
             elif any(a not in tuner.merged_adapters for a in tuner.active_adapters):
                 unmerged_adapters.append(name)
         terms = adapter_terms(tuner, names_) if names_ else []
@@ -1121,7 +1145,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
             entry.update(action="merged" if terms else "dequantized", granularity=str(dense_dtype).replace(
                 "torch.", ""), rel_error=st.rel_error)
             report.layers[name] = entry
-            writer.add(key_of(f"{name}.weight"), W)
+            writer.add(key_of(f"{name}.weight"), W.reshape(w_shape))
             if bias is not None:
                 writer.add(key_of(f"{name}.bias"), bias.to(dense_dtype))
             del W
@@ -1153,7 +1177,9 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
             ragged.append(name)
         report.layers[name] = entry
         layer_groups.setdefault(g, []).append(name)
-        writer.add(key_of(f"{name}.weight"), w8n)
+        if isinstance(fp8, _FP8ConvNd):
+            conv_layers.append(name)
+        writer.add(key_of(f"{name}.weight"), w8n.reshape(w_shape))
         if fmt == "fp8-cast":
             if not bool((sn == 1).all()):
                 raise ValueError(f"{name}: the fp8-cast layout has no scale, but this layer's is not 1; write "
@@ -1185,7 +1211,8 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         report.notes.append(f"{len(unmerged_adapters)} layers have adapters that were not written (save them with "
                             f"save_pretrained, or use export_merged): e.g. {unmerged_adapters[0]}")
     if not path.endswith(".safetensors"):
-        _write_config(base, path, fmt, src, report, layer_groups, dense_linears, static_act, bsz, same)
+        _write_config(base, path, fmt, src, report, layer_groups, dense_linears, static_act, bsz, same,
+                      bool(conv_layers))
     report.seconds = time.time() - t0
     logger.info(str(report))
     if verbose:
@@ -1193,7 +1220,8 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     return report
 
 
-def _write_config(base, path, fmt, src, report, groups, dense_linears, static_act, bsz, same) -> None:
+def _write_config(base, path, fmt, src, report, groups, dense_linears, static_act, bsz, same,
+                  has_conv=False) -> None:
     cfg_obj = getattr(base, "config", None)
     if callable(getattr(base, "save_config", None)) and not hasattr(cfg_obj, "to_dict"):  # diffusers
         base.save_config(path)
@@ -1231,7 +1259,8 @@ def _write_config(base, path, fmt, src, report, groups, dense_linears, static_ac
                         "group_size": bsz}
             else:
                 acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
-            targets = ["Linear"] if len(groups) == 1 else [f"re:^{re.escape(n)}$" for n in names]
+            # "Linear" covers every layer of a single group, unless fp8 conv layers are in it: then by name
+            targets = ["Linear"] if len(groups) == 1 and not has_conv else [f"re:^{re.escape(n)}$" for n in names]
             cg[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": acts,
                                 "output_activations": None, "format": "float-quantized"}
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",

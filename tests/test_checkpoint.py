@@ -384,9 +384,12 @@ def test_tied_embeddings(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
 
 
-def test_fp8_tensors_of_non_linear_modules_are_dequantized():
-    """A ComfyUI-style file may hold fp8 convolution or embedding weights (with a scale): they go into the model's
-    own modules, dequantized (FP8Linear is for linear layers); the linear layer becomes an FP8Linear."""
+def test_fp8_conv_weights_stay_fp8_and_other_modules_are_dequantized():
+    """A ComfyUI-style file may hold fp8 convolution or embedding weights (with a scale): a conv becomes an FP8Conv2d
+    with the file's bytes and scale, like a linear layer becomes an FP8Linear; an embedding gets its weight
+    dequantized (no fp8 embedding module)."""
+    from dorafp8 import FP8Conv2d
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -404,11 +407,14 @@ def test_fp8_tensors_of_non_linear_modules_are_dequantized():
     with torch.device("meta"):
         model = Net()
     report = dorafp8.load_fp8_checkpoint(model, sd, verbose=False)
-    assert report.format == "comfyui" and sorted(report.dequantized) == ["conv.weight", "emb.weight"]
-    assert isinstance(model.lin, FP8Linear) and type(model.conv) is torch.nn.Conv2d
-    for name in ("conv", "emb"):
-        want = sd[f"{name}.weight"].float() * sd[f"{name}.scale_weight"]
-        assert torch.equal(getattr(model, name).weight, want)
+    assert report.format == "comfyui" and report.dequantized == ["emb.weight"]
+    assert isinstance(model.lin, FP8Linear) and type(model.conv) is FP8Conv2d
+    assert torch.equal(model.conv.weight.view(torch.uint8), sd["conv.weight"].view(torch.uint8))
+    assert torch.equal(model.conv.scale, sd["conv.scale_weight"]) and torch.equal(model.conv.bias, sd["conv.bias"])
+    assert torch.equal(model.emb.weight, sd["emb.weight"].float() * sd["emb.scale_weight"])
+    x = torch.randn(2, 3, 6, 6)
+    want = torch.nn.functional.conv2d(x, sd["conv.weight"].float() * sd["conv.scale_weight"], sd["conv.bias"])
+    torch.testing.assert_close(model.conv(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_progress_lines_on_a_long_single_file(ckpt, capsys, monkeypatch):
