@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from .backends import check_backend_name
-from .distributed import recover_fp8_weight
+from ._fp8_module import FP8WeightModule
 from .ops import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
 from .ops import weight_norm as _linear_weight_norm
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_scale, dequantize_e4m3, quantize_e4m3, scale_kind,
@@ -422,7 +422,7 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class _FP8ConvNd(nn.Module):
+class _FP8ConvNd(FP8WeightModule):
     """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per
     tensor, [C_out] per output channel, or [ceil(C_out/b), ceil(C_in/groups*prod(kernel)/b)] per b x b block of the
     2-D view. Keeps nn.ConvNd's attributes (in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
@@ -519,12 +519,6 @@ class _FP8ConvNd(nn.Module):
 
     # ---- what a call uses ----------------------------------------------------------------------------------------
 
-    def fp8_weight(self) -> Tensor:
-        """`weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the forward an unsharded weight
-        cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
-        w = self.weight
-        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
-
     def conv_padding(self) -> Optional[tuple]:
         """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else
         None: padding_mode 'reflect'/'replicate'/'circular', or an asymmetric padding='same'; those pad x first
@@ -573,17 +567,6 @@ class _FP8ConvNd(nn.Module):
         return conv
 
     # ---- nn.Module plumbing (as FP8Linear) -----------------------------------------------------------------------
-
-    def _apply(self, fn, recurse=True):
-        # .to(dtype)/.half() would cast the fp8 weight and the fp32 scale: put back the storage dtypes (the fp8 round
-        # trip through a wider float is exact; the scale is taken from the original, as a cast scale is not).
-        scale = self.scale
-        super()._apply(fn, recurse)
-        if self.weight.dtype != E4M3:
-            self.weight = nn.Parameter(self.weight.data.to(E4M3), requires_grad=False)
-        if self.scale.dtype != torch.float32:
-            self.scale = scale.to(self.scale.device)
-        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .backends import check_backend_name
-from .distributed import recover_fp8_weight
+from ._fp8_module import FP8WeightModule
 from .fp8_conv import fp8_conv_class
 from .ops import check_act_quant, fp8_linear
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
@@ -25,7 +25,7 @@ def _conv1d_cls():
     return Conv1D
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(FP8WeightModule):
     """y = x (scale * weight)^T + bias, weight float8_e4m3fn [out_features, in_features], frozen.
 
     state_dict keys: `weight` (fp8 bytes), `scale` (fp32: [] per tensor, [out_features] per row, or
@@ -122,27 +122,9 @@ class FP8Linear(nn.Module):
         return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend,
                           block_size=self.block_size, act_quant=self.act_quant)
 
-    def fp8_weight(self) -> torch.Tensor:
-        """The weight for the kernels: `weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the
-        forward an unsharded weight cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
-        w = self.weight
-        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
         return dequantize_e4m3(self.weight, self.scale, dtype, block_size=self.block_size)
-
-    def _apply(self, fn, recurse=True):
-        # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
-        # round trip through a wider float is exact, but a scale cast to bf16/fp16 is not: put back the storage
-        # dtypes, taking the scale from the original.
-        scale = self.scale
-        super()._apply(fn, recurse)
-        if self.weight.dtype != E4M3:
-            self.weight = nn.Parameter(self.weight.data.to(E4M3), requires_grad=False)
-        if self.scale.dtype != torch.float32:
-            self.scale = scale.to(self.scale.device)
-        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

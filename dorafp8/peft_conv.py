@@ -22,10 +22,10 @@ from peft.tuners.lora.dora import DoraConv1dLayer, DoraConv2dLayer, DoraConv3dLa
 from peft.tuners.lora.variants import DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant, _DoraConvNdVariant
 
 from .backends import check_backend_name
-from .distributed import params_are_sharded
 from .fp8_conv import (FP8Conv1d, FP8Conv2d, FP8Conv3d, _FP8ConvNd, conv_weight_norm, dora_fp8_conv,
                        fp8_conv_class)
 from .ops import NORM_EPS
+from .peft_integration import _WeightNormCache
 
 _MERGE_ERROR = (
     "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
@@ -84,7 +84,7 @@ class DoraFP8ConvVariant(_DoraConvNdVariant):
         return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
 
 
-class _DoRAFP8ConvMixin:
+class _DoRAFP8ConvMixin(_WeightNormCache):
     """What DoRAFP8Conv1d/2d/3d add to PEFT's lora.Conv1d/2d/3d (see the module docstring)."""
 
     def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
@@ -142,40 +142,11 @@ class _DoRAFP8ConvMixin:
 
     # ---- dorafp8 -------------------------------------------------------------------------------------------------
 
-    @property
-    def backend(self) -> str:
-        return self._fp8_base().backend
-
-    @backend.setter
-    def backend(self, name: str) -> None:
-        self._fp8_base().backend = check_backend_name(name)
-        self.clear_weight_norm_cache()
-
-    def clear_weight_norm_cache(self) -> None:
-        self._dorafp8_norm_cache.clear()
-
-    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
-        """The detached fp32 per-output-channel norm ||W0 + s L|| of `adapter` ([C_out]), cached until A, B or the
-        base change (as DoRAFP8Linear.dora_weight_norm)."""
-        base = self._fp8_base()
-        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        s = self.scaling[adapter]
-        w8 = base.fp8_weight()
-
-        def compute():
-            return conv_weight_norm(w8, base.scale, A, B, s, base.groups, backend=base.backend,
-                                    block_size=base.block_size)
-
-        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
-            return compute()
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
-        key += (s, base.backend)
-        hit = self._dorafp8_norm_cache.get(adapter)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        n = compute()
-        self._dorafp8_norm_cache[adapter] = (key, n)
-        return n
+    @staticmethod
+    def _weight_norm(base, A, B, s):
+        """The per-output-channel norm ||W0 + s L|| ([C_out]) in the conv layout (dora_weight_norm caches it)."""
+        return conv_weight_norm(base.fp8_weight(), base.scale, A, B, s, base.groups, backend=base.backend,
+                                block_size=base.block_size)
 
     def _fused_adapter(self) -> str | None:
         """The adapter the fused path serves: one active DoRA adapter, no LoRA bias, zero padding everywhere."""
@@ -223,7 +194,8 @@ class _DoRAFP8ConvMixin:
 
         The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
         shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded."""
-        peft_cls = cls.__mro__[2]  # lora.Conv1d / Conv2d / Conv3d
+        peft_cls = next(c for c in cls.__mro__ if issubclass(c, lora_layer._ConvNd) and not issubclass(
+            c, _DoRAFP8ConvMixin))  # lora.Conv1d / Conv2d / Conv3d
         if not isinstance(layer, peft_cls):
             raise TypeError(f"layer must be a peft LoRA {peft_cls.__name__}, got {type(layer).__name__}")
         if layer.merged:

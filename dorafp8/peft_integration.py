@@ -92,7 +92,45 @@ class DoraFP8Variant(DoraLinearVariant):
         return result + (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
 
 
-class DoRAFP8Linear(lora_layer.Linear):
+class _WeightNormCache:
+    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch and the per-adapter
+    weight-norm cache. A layer gives `_fp8_base()` (its FP8Linear / FP8ConvNd) and `_weight_norm(base, A, B, s)`."""
+
+    def _fp8_base(self):
+        return self.get_base_layer()
+
+    @property
+    def backend(self) -> str:
+        return self._fp8_base().backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._fp8_base().backend = check_backend_name(name)
+        self.clear_weight_norm_cache()
+
+    def clear_weight_norm_cache(self) -> None:
+        self._dorafp8_norm_cache.clear()
+
+    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
+        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), cached until A, B or the base
+        change."""
+        base = self._fp8_base()
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        s = self.scaling[adapter]
+        # Under FSDP/ZeRO-3 the version/data_ptr key cannot see new values (dorafp8/distributed.py): no cache there.
+        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
+            return self._weight_norm(base, A, B, s)
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
+        key += (s, base.backend)
+        hit = self._dorafp8_norm_cache.get(adapter)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        n = self._weight_norm(base, A, B, s)
+        self._dorafp8_norm_cache[adapter] = (key, n)
+        return n
+
+
+class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
     """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
 
     Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
@@ -192,35 +230,9 @@ class DoRAFP8Linear(lora_layer.Linear):
 
     # ---- dorafp8 -------------------------------------------------------------------------------------------------
 
-    @property
-    def backend(self) -> str:
-        return self.get_base_layer().backend
-
-    @backend.setter
-    def backend(self, name: str) -> None:
-        self.get_base_layer().backend = check_backend_name(name)
-        self.clear_weight_norm_cache()
-
-    def clear_weight_norm_cache(self) -> None:
-        self._dorafp8_norm_cache.clear()
-
-    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
-        """The detached fp32 row norm ||W0 + s B A|| of `adapter`, cached until A, B or the base change."""
-        base = self.get_base_layer()
-        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        s = self.scaling[adapter]
-        w8 = base.fp8_weight()
-        # Under FSDP/ZeRO-3 the version/data_ptr key cannot see new values (dorafp8/distributed.py): no cache there.
-        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
-            return weight_norm(w8, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
-        key += (s, base.backend)
-        hit = self._dorafp8_norm_cache.get(adapter)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        n = weight_norm(w8, base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
-        self._dorafp8_norm_cache[adapter] = (key, n)
-        return n
+    @staticmethod
+    def _weight_norm(base, A, B, s):
+        return weight_norm(base.fp8_weight(), base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
 
     def _fused_adapter(self) -> str | None:
         """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
