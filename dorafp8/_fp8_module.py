@@ -11,6 +11,24 @@ from .quant import E4M3
 
 
 class FP8WeightModule(nn.Module):
+    def _init_fp8_storage(self, weight_shape: tuple, K: int, bias: bool, dtype: torch.dtype, device,
+                          per_row_scale: bool, block_size) -> None:
+        """Zero `weight` (e4m3, `weight_shape`, K columns in its 2-D view), a ones `scale` of the requested granularity
+        (per tensor, per output row, or per block_size x block_size block of the view) and an optional bias."""
+        N = weight_shape[0]
+        self.weight = nn.Parameter(torch.zeros(weight_shape, dtype=E4M3, device=device), requires_grad=False)
+        if per_row_scale:
+            scale_shape = (N,)
+        elif block_size is not None:
+            scale_shape = (-(-N // block_size), -(-K // block_size))
+        else:
+            scale_shape = ()
+        self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(N, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
     def fp8_weight(self) -> torch.Tensor:
         """The weight for the kernels: `weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the
         forward an unsharded weight cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""

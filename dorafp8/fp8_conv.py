@@ -450,19 +450,7 @@ class _FP8ConvNd(FP8WeightModule):
         self.backend = check_backend_name(backend)
         self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
         shape = tuple(proto.weight.shape)
-        self.weight = nn.Parameter(torch.zeros(shape, dtype=E4M3, device=device), requires_grad=False)
-        K = math.prod(shape[1:])
-        if per_row_scale:
-            scale_shape = (out_channels,)
-        elif block_size is not None:
-            scale_shape = (-(-out_channels // block_size), -(-K // block_size))
-        else:
-            scale_shape = ()
-        self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_channels, dtype=dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        self._init_fp8_storage(shape, math.prod(shape[1:]), bias, dtype, device, per_row_scale, block_size)
 
     # ---- construction --------------------------------------------------------------------------------------------
 

@@ -49,19 +49,8 @@ class FP8Linear(FP8WeightModule):
         self.backend = check_backend_name(backend)
         self.act_quant = act_quant
         self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=E4M3, device=device),
-                                   requires_grad=False)
-        if per_row_scale:
-            scale_shape = (out_features,)
-        elif block_size is not None:
-            scale_shape = (-(-out_features // block_size), -(-in_features // block_size))
-        else:
-            scale_shape = ()
-        self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        self._init_fp8_storage((out_features, in_features), in_features, bias, dtype, device, per_row_scale,
+                               block_size)
 
     @property
     def act_quant(self) -> Optional[str]:

@@ -21,11 +21,9 @@ from peft.tuners.lora import layer as lora_layer
 from peft.tuners.lora.dora import DoraConv1dLayer, DoraConv2dLayer, DoraConv3dLayer
 from peft.tuners.lora.variants import DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant, _DoraConvNdVariant
 
-from .backends import check_backend_name
 from .fp8_conv import (FP8Conv1d, FP8Conv2d, FP8Conv3d, _FP8ConvNd, conv_weight_norm, dora_fp8_conv,
                        fp8_conv_class)
-from .ops import NORM_EPS
-from .peft_integration import _WeightNormCache
+from .peft_integration import _DoRAFP8Layer, _FP8DoraVariantMixin
 
 _MERGE_ERROR = (
     "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
@@ -36,8 +34,10 @@ _PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVari
 _DORA_LAYER = {1: DoraConv1dLayer, 2: DoraConv2dLayer, 3: DoraConv3dLayer}
 
 
-class DoraFP8ConvVariant(_DoraConvNdVariant):
+class DoraFP8ConvVariant(_FP8DoraVariantMixin, _DoraConvNdVariant):
     """PEFT's DoRA conv variant on an FP8 conv base: magnitude from the fp8 weight, no dense temporaries."""
+
+    _merge_error = _MERGE_ERROR
 
     @staticmethod
     def init(module: "_DoRAFP8ConvMixin", adapter_name: str, **kwargs: Any) -> None:
@@ -45,51 +45,16 @@ class DoraFP8ConvVariant(_DoraConvNdVariant):
             module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
         lora_A = module.lora_A[adapter_name].weight
         n = module.dora_weight_norm(adapter_name, use_cache=False)
-        nd = module._kernel_dim - 2
-        dora_layer = _DORA_LAYER[nd](fan_in_fan_out=False)
-        dora_layer.weight = nn.Parameter(n.reshape((1, -1) + (1,) * nd).to(lora_A.dtype), requires_grad=True)
+        dora_layer = _DORA_LAYER[module._kernel_dim - 2](fan_in_fan_out=False)
+        dora_layer.weight = nn.Parameter(module._per_channel(n).to(lora_A.dtype), requires_grad=True)
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
-    @staticmethod
-    def merge_safe(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
 
-    @staticmethod
-    def merge_unsafe(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
-
-    @staticmethod
-    def unmerge(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
-
-    @staticmethod
-    def forward(module: "_DoRAFP8ConvMixin", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
-                **kwargs) -> torch.Tensor:
-        # The general path (several active adapters, a LoRA bias, a padding mode other than zeros): PEFT's
-        # _DoraConvNdLayer composition, where `result` already holds the base output plus the adapters before this.
-        lora_A = module.lora_A[active_adapter]
-        lora_B = module.lora_B[active_adapter]
-        dropout = module.lora_dropout[active_adapter]
-        scaling = module.scaling[active_adapter]
-        base = module._fp8_base()
-        nd = module._kernel_dim - 2
-        if isinstance(dropout, nn.Identity) or not module.training:
-            base_result = result if base.bias is None else result - base.bias.reshape((1, -1) + (1,) * nd)
-        else:
-            x = dropout(x)
-            base_result = base.conv(x, None)
-        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
-        mag = module.lora_magnitude_vector[active_adapter].weight
-        c = (mag.reshape(-1) / n).reshape((1, -1) + (1,) * nd)
-        return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
-
-
-class _DoRAFP8ConvMixin(_WeightNormCache):
+class _DoRAFP8ConvMixin(_DoRAFP8Layer):
     """What DoRAFP8Conv1d/2d/3d add to PEFT's lora.Conv1d/2d/3d (see the module docstring)."""
 
-    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
-        self._dorafp8_norm_cache: dict[str, tuple] = {}
-        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+    _dora_variant = DoraFP8ConvVariant
+    _io_names = ("in_channels", "out_channels")
 
     # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
 
@@ -130,10 +95,6 @@ class _DoRAFP8ConvMixin(_WeightNormCache):
             return real.weight.device, real.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
 
-    @property
-    def lora_variants(self):
-        return {(): None, ("use_dora",): DoraFP8ConvVariant}
-
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         raise NotImplementedError(_MERGE_ERROR)
 
@@ -148,43 +109,29 @@ class _DoRAFP8ConvMixin(_WeightNormCache):
         return conv_weight_norm(base.fp8_weight(), base.scale, A, B, s, base.groups, backend=base.backend,
                                 block_size=base.block_size)
 
+    def _per_channel(self, v: torch.Tensor) -> torch.Tensor:
+        return v.reshape((1, -1) + (1,) * (self._kernel_dim - 2))
+
+    @staticmethod
+    def _base_product(base: _FP8ConvNd, x: torch.Tensor) -> torch.Tensor:
+        return base.conv(x, None)
+
     def _fused_adapter(self) -> str | None:
         """The adapter the fused path serves: one active DoRA adapter, no LoRA bias, zero padding everywhere."""
-        active = [a for a in self.active_adapters if a in self.lora_A]
-        if len(active) != 1:
-            return None
-        a = active[0]
-        if not isinstance(self.lora_variant.get(a), DoraFP8ConvVariant) or self.lora_B[a].bias is not None:
-            return None
-        if self._fp8_base().conv_padding() is None or _lora_padding(self.lora_A[a]) is None:
+        a = super()._fused_adapter()
+        if a is None or self._fp8_base().conv_padding() is None or _lora_padding(self.lora_A[a]) is None:
             return None
         return a
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        a = None
-        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
-            a = self._fused_adapter()
-        if a is None:
-            return super().forward(x, *args, **kwargs)
-        self._check_forward_args(x, *args, **kwargs)
+    def _fused_call(self, x: torch.Tensor, a: str, p: float) -> torch.Tensor:
         base = self._fp8_base()
         lora_A = self.lora_A[a]
-        dropout = self.lora_dropout[a]
-        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
         return dora_fp8_conv(
             x, base.fp8_weight(), base.scale, lora_A.weight, self.lora_B[a].weight,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias, base.stride, base.conv_padding(),
             base.dilation, base.groups, lora_stride=lora_A.stride, lora_padding=_lora_padding(lora_A),
             lora_dilation=lora_A.dilation, dropout_p=p, training=self.training, backend=base.backend,
             weight_norm=self.dora_weight_norm(a), block_size=base.block_size)
-
-    def extra_repr(self) -> str:
-        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
-        return (f"in_channels={self.in_features}, out_channels={self.out_features}, r={{{ranks}}}, "
-                f"backend={self.backend}")
-
-    def __repr__(self) -> str:
-        return nn.Module.__repr__(self)
 
     # ---- conversion ----------------------------------------------------------------------------------------------
 
@@ -209,23 +156,7 @@ class _DoRAFP8ConvMixin(_WeightNormCache):
             fp8 = base
         else:
             fp8 = fp8_conv_class(base).from_float(base, per_row_scale=per_row_scale, backend=backend)
-        fp8.backend = check_backend_name(backend)
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new._dorafp8_norm_cache = {}
-        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
-        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
-                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled", "_kernel_dim", "conv_fn"):
-            if hasattr(layer, attr):
-                setattr(new, attr, getattr(layer, attr))
-        if "adapter_layer_names" in layer.__dict__:
-            new.adapter_layer_names = layer.adapter_layer_names
-        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
-                     "lora_magnitude_vector"):
-            setattr(new, attr, getattr(layer, attr))
-        new.lora_variant = {name: DoraFP8ConvVariant() for name in layer.lora_variant}
-        new.train(layer.training)
-        return new
+        return cls._adopt(layer, fp8, backend, ("_kernel_dim", "conv_fn"))
 
 
 def _lora_padding(conv: nn.Module):

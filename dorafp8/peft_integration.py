@@ -40,8 +40,48 @@ _MERGE_WARNING = (
 )
 
 
-class DoraFP8Variant(DoraLinearVariant):
+class _FP8DoraVariantMixin:
+    """What the DoRA variants on fp8 bases share: no merge into a dense weight (`_merge_error` says what to do
+    instead), and PEFT's general-path composition with the base product taken from the fp8 layer."""
+
+    _merge_error: str
+
+    @classmethod
+    def merge_safe(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def merge_unsafe(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def unmerge(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @staticmethod
+    def forward(module: "_DoRAFP8Layer", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        # The general path (several active adapters, a LoRA bias, for convs a padding mode other than zeros): PEFT's
+        # exact composition, where `result` already holds the base output plus the adapters before this one.
+        lora_A = module.lora_A[active_adapter]
+        lora_B = module.lora_B[active_adapter]
+        dropout = module.lora_dropout[active_adapter]
+        scaling = module.scaling[active_adapter]
+        base = module._fp8_base()
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result if base.bias is None else result - module._per_channel(base.bias)
+        else:
+            x = dropout(x)
+            base_result = module._base_product(base, x)
+        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
+        c = module._per_channel(module.lora_magnitude_vector[active_adapter].weight.reshape(-1) / n)
+        return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
+
+
+class DoraFP8Variant(_FP8DoraVariantMixin, DoraLinearVariant):
     """PEFT's DoRA variant on an FP8Linear base: magnitude from the fp8 weight, no dense [N, K] temporaries."""
+
+    _merge_error = _MERGE_ERROR
 
     @staticmethod
     def init(module: "DoRAFP8Linear", adapter_name: str, **kwargs: Any) -> None:
@@ -58,46 +98,27 @@ class DoraFP8Variant(DoraLinearVariant):
         dora_layer.weight = nn.Parameter(m, requires_grad=True)
         module.lora_magnitude_vector[adapter_name] = dora_layer
 
-    @staticmethod
-    def merge_safe(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
 
-    @staticmethod
-    def merge_unsafe(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
+class _DoRAFP8Layer:
+    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the per-adapter
+    weight-norm cache, the dispatch to the fused op, and the conversion from a PEFT layer. A layer class gives
+    `_dora_variant`, `_fp8_base()` (its FP8Linear / FP8ConvNd), `_weight_norm(base, A, B, s)`, `_per_channel(v)`
+    (a per-output-channel vector shaped to broadcast over outputs), `_base_product(base, x)` (the base without bias)
+    and `_fused_call(x, adapter, dropout_p)`."""
 
-    @staticmethod
-    def unmerge(module, active_adapter, orig_weight):
-        raise NotImplementedError(_MERGE_ERROR)
+    _dora_variant: type
+    _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
 
-    @staticmethod
-    def forward(module: "DoRAFP8Linear", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
-                **kwargs) -> torch.Tensor:
-        # The general path (several active adapters, or a LoRA bias): PEFT's exact composition, where `result`
-        # already holds the base output plus the adapters before this one.
-        lora_A = module.lora_A[active_adapter]
-        lora_B = module.lora_B[active_adapter]
-        dropout = module.lora_dropout[active_adapter]
-        scaling = module.scaling[active_adapter]
-        base = module.get_base_layer()
-        if isinstance(dropout, nn.Identity) or not module.training:
-            base_result = result if base.bias is None else result - base.bias
-        else:
-            x = dropout(x)
-            base_result = fp8_linear(x, base.fp8_weight(), base.scale, None, backend=base.backend,
-                                     block_size=base.block_size, act_quant=base.act_quant)
-        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
-        mag_norm_scale = (module.lora_magnitude_vector[active_adapter].weight / n).view(1, -1)
-        lora_result = lora_B(lora_A(x))
-        return result + (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
-
-
-class _WeightNormCache:
-    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch and the per-adapter
-    weight-norm cache. A layer gives `_fp8_base()` (its FP8Linear / FP8ConvNd) and `_weight_norm(base, A, B, s)`."""
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        self._dorafp8_norm_cache: dict[str, tuple] = {}
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
 
     def _fp8_base(self):
         return self.get_base_layer()
+
+    @property
+    def lora_variants(self):
+        return {(): None, ("use_dora",): self._dora_variant}
 
     @property
     def backend(self) -> str:
@@ -129,8 +150,58 @@ class _WeightNormCache:
         self._dorafp8_norm_cache[adapter] = (key, n)
         return n
 
+    def _fused_adapter(self) -> str | None:
+        """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        a = active[0]
+        if not isinstance(self.lora_variant.get(a), self._dora_variant) or self.lora_B[a].bias is not None:
+            return None
+        return a
 
-class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        a = None
+        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
+            a = self._fused_adapter()
+        if a is None:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        dropout = self.lora_dropout[a]
+        return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
+
+    def extra_repr(self) -> str:
+        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
+        i, o = self._io_names
+        return f"{i}={self.in_features}, {o}={self.out_features}, r={{{ranks}}}, backend={self.backend}"
+
+    def __repr__(self) -> str:
+        return nn.Module.__repr__(self)
+
+    @classmethod
+    def _adopt(cls, layer: lora_layer.LoraLayer, fp8: nn.Module, backend: str, attrs: tuple[str, ...]):
+        """A layer of this class on the fp8 base `fp8` that takes over the PEFT layer `layer`: its adapter modules
+        (shared, not copied), its LoraLayer state and the extra attributes `attrs`."""
+        fp8.backend = check_backend_name(backend)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._dorafp8_norm_cache = {}
+        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
+                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled") + attrs:
+            if hasattr(layer, attr):
+                setattr(new, attr, getattr(layer, attr))
+        if "adapter_layer_names" in layer.__dict__:
+            new.adapter_layer_names = layer.adapter_layer_names
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector"):
+            setattr(new, attr, getattr(layer, attr))
+        new.lora_variant = {name: cls._dora_variant() for name in layer.lora_variant}
+        new.train(layer.training)
+        return new
+
+
+class DoRAFP8Linear(_DoRAFP8Layer, lora_layer.Linear):
     """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
 
     Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
@@ -141,8 +212,9 @@ class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
     `clear_weight_norm_cache()` after such writes.
     """
 
+    _dora_variant = DoraFP8Variant
+
     def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
-        self._dorafp8_norm_cache: dict[str, tuple] = {}
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self.fan_in_fan_out = False  # the FP8Linear weight is always [out, in]
 
@@ -158,10 +230,6 @@ class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
         if isinstance(base_layer, FP8Linear):
             return base_layer.weight.device, base_layer.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
-
-    @property
-    def lora_variants(self):
-        return {(): None, ("use_dora",): DoraFP8Variant}
 
     # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
     merge_granularity = "row"
@@ -234,39 +302,22 @@ class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
     def _weight_norm(base, A, B, s):
         return weight_norm(base.fp8_weight(), base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
 
-    def _fused_adapter(self) -> str | None:
-        """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
-        active = [a for a in self.active_adapters if a in self.lora_A]
-        if len(active) != 1:
-            return None
-        a = active[0]
-        if not isinstance(self.lora_variant.get(a), DoraFP8Variant) or self.lora_B[a].bias is not None:
-            return None
-        return a
+    @staticmethod
+    def _per_channel(v: torch.Tensor) -> torch.Tensor:
+        return v.view(1, -1)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        a = None
-        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
-            a = self._fused_adapter()
-        if a is None:
-            return super().forward(x, *args, **kwargs)
-        self._check_forward_args(x, *args, **kwargs)
+    @staticmethod
+    def _base_product(base: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, base.fp8_weight(), base.scale, None, backend=base.backend, block_size=base.block_size,
+                          act_quant=base.act_quant)
+
+    def _fused_call(self, x: torch.Tensor, a: str, p: float) -> torch.Tensor:
         base = self.get_base_layer()
-        dropout = self.lora_dropout[a]
-        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
         return dora_fp8_linear(
             x, base.fp8_weight(), base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
             dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
             block_size=base.block_size, act_quant=base.act_quant)
-
-    def extra_repr(self) -> str:
-        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
-        return (f"in_features={self.in_features}, out_features={self.out_features}, r={{{ranks}}}, "
-                f"backend={self.backend}")
-
-    def __repr__(self) -> str:
-        return nn.Module.__repr__(self)
 
     # ---- conversion ----------------------------------------------------------------------------------------------
 
@@ -290,25 +341,10 @@ class DoRAFP8Linear(_WeightNormCache, lora_layer.Linear):
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(
             base, per_row_scale=per_row_scale, backend=backend)
-        fp8.backend = check_backend_name(backend)
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new._dorafp8_norm_cache = {}
-        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
-        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
-                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled", "is_target_conv_1d_layer"):
-            if hasattr(layer, attr):
-                setattr(new, attr, getattr(layer, attr))
-        if "adapter_layer_names" in layer.__dict__:
-            new.adapter_layer_names = layer.adapter_layer_names
-        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
-                     "lora_magnitude_vector"):
-            setattr(new, attr, getattr(layer, attr))
+        new = cls._adopt(layer, fp8, backend, ("is_target_conv_1d_layer",))
         for dora in new.lora_magnitude_vector.values():
             dora.fan_in_fan_out = False
         new.fan_in_fan_out = False
-        new.lora_variant = {name: DoraFP8Variant() for name in layer.lora_variant}
-        new.train(layer.training)
         return new
 
 
