@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from .distributed import recover_fp8_weight
-from .quant import E4M3
+from .quant import E4M3, check_scale
 
 
 class FP8WeightModule(nn.Module):
@@ -46,3 +48,32 @@ class FP8WeightModule(nn.Module):
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(self.scale.device)
         return self
+
+    # ---- loading ---------------------------------------------------------------------------------------------------
+
+    _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
+
+    def _check_loaded_scale(self, scale, name: str) -> torch.Tensor:
+        """A state_dict's scale, checked against this weight's 2-D view and normalized ([N, 1] -> [N], [1] -> [])."""
+        w = self.weight
+        return check_scale(scale, w.shape[0], math.prod(w.shape[1:]), self.block_size, name=name)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        w = state_dict.get(prefix + "weight")
+        if w is not None and w.dtype != E4M3:
+            error_msgs.append(f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its "
+                              f"'{prefix}scale', got {w.dtype}; {self._float_weight_hint}")
+            return
+        sc = state_dict.get(prefix + "scale")
+        if sc is not None:
+            try:
+                sc = self._check_loaded_scale(sc, prefix + "scale")
+            except (TypeError, ValueError) as e:
+                error_msgs.append(str(e))
+                return
+            state_dict[prefix + "scale"] = sc
+            if sc.shape != self.scale.shape:  # per-tensor / per-row / per-block: take the checkpoint's layout
+                self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

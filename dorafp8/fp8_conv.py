@@ -556,28 +556,12 @@ class _FP8ConvNd(FP8WeightModule):
 
     # ---- nn.Module plumbing (as FP8Linear) -----------------------------------------------------------------------
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        w = state_dict.get(prefix + "weight")
-        if w is not None and w.dtype != E4M3:
-            error_msgs.append(f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its "
-                              f"'{prefix}scale', got {w.dtype}; load it into nn.{_NN_CONV[self._nd].__name__} and use "
-                              f"{type(self).__name__}.from_float")
-            return
-        sc = state_dict.get(prefix + "scale")
-        if sc is not None:
-            C = self.out_channels
-            try:
-                sc = check_scale(_squeeze_channel_scale(sc, C), C, math.prod(self.weight.shape[1:]),
-                                 self.block_size, name=prefix + "scale")
-            except (TypeError, ValueError) as e:
-                error_msgs.append(str(e))
-                return
-            state_dict[prefix + "scale"] = sc
-            if sc.shape != self.scale.shape:
-                self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+    @property
+    def _float_weight_hint(self) -> str:
+        return f"load it into nn.{_NN_CONV[self._nd].__name__} and use {type(self).__name__}.from_float"
+
+    def _check_loaded_scale(self, scale, name: str) -> torch.Tensor:
+        return super()._check_loaded_scale(_squeeze_channel_scale(scale, self.out_channels), name)
 
     def extra_repr(self) -> str:
         kind = {"tensor": "per-tensor", "row": "per-channel", "block": f"per-{self.block_size}x{self.block_size}-block"}

@@ -111,30 +111,12 @@ class FP8Linear(FP8WeightModule):
         return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend,
                           block_size=self.block_size, act_quant=self.act_quant)
 
+    _float_weight_hint = ("quantize it with dorafp8.quantize_e4m3 (or load it into nn.Linear and use "
+                          "FP8Linear.from_float)")
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
         return dequantize_e4m3(self.weight, self.scale, dtype, block_size=self.block_size)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        w = state_dict.get(prefix + "weight")
-        if w is not None and w.dtype != E4M3:
-            error_msgs.append(f"{prefix}weight: FP8Linear expects a float8_e4m3fn weight with its '{prefix}scale', "
-                              f"got {w.dtype}; quantize it with dorafp8.quantize_e4m3 (or load it into nn.Linear "
-                              f"and use FP8Linear.from_float)")
-            return
-        sc = state_dict.get(prefix + "scale")
-        if sc is not None:
-            try:
-                sc = check_scale(sc, self.out_features, self.in_features, self.block_size, name=prefix + "scale")
-            except (TypeError, ValueError) as e:
-                error_msgs.append(str(e))
-                return
-            state_dict[prefix + "scale"] = sc  # normalized ([N, 1] -> [N], [1] -> [])
-            if sc.shape != self.scale.shape:  # per-tensor / per-row / per-block: take the checkpoint's layout
-                self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def extra_repr(self) -> str:
         kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block"}
