@@ -3,15 +3,14 @@
 On CUDA the caching allocator keeps the numbers: the peak of `torch.cuda.max_memory_allocated` above what was
 allocated when the measurement started. On CPU nothing does, so `PeakTemporaries` watches every aten op through a
 TorchDispatchMode: each output whose storage none of the op's inputs had is a new allocation, counted until its
-tensor dies. dorafp8's custom ops are one opaque op each to a dispatch mode, so the mode runs their backend
+storage dies. dorafp8's custom ops are one opaque op each to a dispatch mode, so the mode runs their backend
 implementation under itself instead, to see the temporaries made inside them too.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -33,14 +32,20 @@ def _open_custom_op(func, args):
 
 class PeakTemporaries(TorchDispatchMode):
     """CPU: `with PeakTemporaries() as m: ...` then m.peak (bytes of the most tensors alive at once that were made
-    inside the block) and m.largest (the largest single one)."""
+    inside the block) and m.largest (the largest single one).
+
+    An allocation is counted until its storage dies, not its first tensor: aten ops often return a view of a fresh
+    result (linear on a 3-D input is mm then _unsafe_view), and the view, or autograd's saved copy of it, keeps the
+    storage alive after the tensor the allocation was first seen in is gone."""
 
     def __init__(self):
         super().__init__()
         self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
 
-    def _free(self, key):
-        self.cur -= self.live.pop(key, 0)
+    def _sweep(self) -> None:
+        dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
+        for key in dead:
+            self.cur -= self.live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":
@@ -50,18 +55,23 @@ class PeakTemporaries(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                 if isinstance(t, torch.Tensor)}
+        swept = False
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
             key = st.data_ptr()
-            if key in seen or key in self.live or st.nbytes() == 0:
+            if key in seen or st.nbytes() == 0:
                 continue
-            self.live[key] = st.nbytes()
+            if not swept:  # a dead storage's address may be handed out again: forget the dead ones first
+                self._sweep()
+                swept = True
+            if key in self.live:
+                continue
+            self.live[key] = (StorageWeakRef(st), st.nbytes())
             self.cur += st.nbytes()
             self.peak = max(self.peak, self.cur)
             self.largest = max(self.largest, st.nbytes())
-            weakref.finalize(t, self._free, key)
         return out
 
 

@@ -2,7 +2,7 @@
 
 Memory on CPU is measured with dorafp8._memory.PeakTemporaries, a TorchDispatchMode that sees every aten op (and
 opens dorafp8's custom ops): each output with a storage none of the op's inputs had is a new allocation, counted until
-its tensor dies. That gives the peak of live temporaries made inside the measured call (inputs that existed before
+its storage dies. That gives the peak of live temporaries made inside the measured call (inputs that existed before
 it are not counted).
 """
 
@@ -31,6 +31,22 @@ def test_tracker_sees_a_dense_temporary():
     with PeakTemporaries() as mode:  # 1024 x 1024 fits one 16 MiB row block: one dense fp32 block inside the op
         dorafp8.weight_norm(w8, scale, A, B, 2.0, backend="reference")
     assert mode.largest >= 1024 * 1024 * 4
+
+
+def test_tracker_counts_a_storage_until_its_last_view_dies():
+    """linear on a 3-D input is mm then _unsafe_view: the mm result's tensor dies at once, its storage lives on in the
+    view (and in what autograd saves). The tracker must count the storage, not the first tensor it was seen in."""
+    w = torch.randn(512, 512, requires_grad=True)
+    x = torch.randn(4, 256, 512)
+    with PeakTemporaries() as mode:
+        y = torch.nn.functional.linear(x, w)  # [1024, 512] fp32: 2 MiB
+        (y * 2).sum()  # allocates again (the tracker sweeps dead storages only when something new is allocated)
+        live_with_y = mode.cur
+        del y
+        torch.ones(1)
+        live_without_y = mode.cur
+    assert live_with_y >= 2 * MiB, f"{live_with_y / MiB:.2f} MiB live while y is"
+    assert live_without_y < 2 * MiB, f"{live_without_y / MiB:.2f} MiB live after y died"
 
 
 def test_weight_norm_peak_memory_8192():
