@@ -26,8 +26,6 @@ the kernel tests compare every backend with the reference, this one included: te
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from . import reference as _ref
@@ -82,18 +80,20 @@ def _row_parts(M, width):
     return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
 
 
-def _weight_blocks(w8, scale, block, dtype):
-    """(j0, j1, W'[j0:j1]) over blocks of weight rows, W' = w8 in `dtype` with block scales applied (per-tensor and
-    per-row scales are left to the caller: w8 -> dtype is then exact)."""
+def _weight_spans(w8, scale, block) -> list[tuple[int, int]]:
+    """The blocks of weight rows [j0, j1) the base products take one at a time (_ref._blocks; whole scale blocks)."""
     N, K = w8.shape
-    blocked = scale_kind(scale) == "block"
-    for j0, j1 in _ref._blocks(N, K, block if blocked else 1):
-        rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
-        if blocked:
-            w = e4m3_scaled(rows, scale_rows(scale, block, j0, j1, K), dtype)
-        else:
-            w = e4m3_to(rows, dtype)
-        yield j0, j1, w
+    return list(_ref._blocks(N, K, block if scale_kind(scale) == "block" else 1))
+
+
+def _weight_block(w8, scale, block, dtype, j0, j1):
+    """W'[j0:j1] in `dtype`, with block scales applied (per-tensor and per-row scales are left to the caller:
+    w8 -> dtype is then exact). A transient: callers drop it before making the next."""
+    N, K = w8.shape
+    rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
+    if scale_kind(scale) == "block":
+        return e4m3_scaled(rows, scale_rows(scale, block, j0, j1, K), dtype)
+    return e4m3_to(rows, dtype)
 
 
 def _out_scale(scale):
@@ -109,20 +109,21 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     M, N = x.shape[0], w8.shape[0]
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
     # The base products in the compute dtype, one block of weight rows (one transient) at a time.
-    blocks = _weight_blocks(w8, scale, block, cdt)
-    first = next(blocks)
-    if first[1] == N:  # the whole weight is one block (small layers): no copies
-        w = first[2]
+    spans = _weight_spans(w8, scale, block)
+    if len(spans) == 1:  # the whole weight is one block (small layers): no copies
+        w = _weight_block(w8, scale, block, cdt, 0, N)
         base = x @ w.T
         base_d = xm @ w.T if two else None
+        del w
     else:
         base = torch.empty(M, N, dtype=cdt, device=x.device)
         base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
-        for j0, j1, w in itertools.chain([first], blocks):
+        for j0, j1 in spans:
+            w = _weight_block(w8, scale, block, cdt, j0, j1)
             base[:, j0:j1] = x @ w.T
             if two:
                 base_d[:, j0:j1] = xm @ w.T
-    del w, first
+            del w  # before the next block is made
     sc = _out_scale(scale)
     scd = None  # the factor of the dropout term's product: the scale and 1 / (1 - p)
     if two:
@@ -246,7 +247,8 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
     # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
     t = tb = None
-    for j0, j1, w in _weight_blocks(w8, scale, block, cdt):
+    for j0, j1 in _weight_spans(w8, scale, block):
+        w = _weight_block(w8, scale, block, cdt, j0, j1)
         whole = j0 == 0 and j1 == N
         pt = (gl if whole else gl[:, j0:j1]) @ w
         t = pt if t is None else _f32(t).add_(pt)

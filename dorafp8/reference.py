@@ -170,6 +170,7 @@ def _dgrad_gemm(t, w8, scale, block, act_quant):
     for j0, j1 in _blocks(N, K, block if blocked else 1):
         w = _w0_rows(w8, scale, block, j0, j1) if blocked else w8[j0:j1].float()
         out.addmm_(t32[:, j0:j1], w)
+        del w  # before the next block is made
     if st is not None:
         out *= st[:, None]
     return out
