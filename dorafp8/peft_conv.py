@@ -12,8 +12,6 @@ weight kept for the backward.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -40,14 +38,8 @@ class DoraFP8ConvVariant(_FP8DoraVariantMixin, _DoraConvNdVariant):
     _merge_error = _MERGE_ERROR
 
     @staticmethod
-    def init(module: "_DoRAFP8ConvMixin", adapter_name: str, **kwargs: Any) -> None:
-        if not module.lora_magnitude_vector:
-            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
-        lora_A = module.lora_A[adapter_name].weight
-        n = module.dora_weight_norm(adapter_name, use_cache=False)
-        dora_layer = _DORA_LAYER[module._kernel_dim - 2](fan_in_fan_out=False)
-        dora_layer.weight = nn.Parameter(module._per_channel(n).to(lora_A.dtype), requires_grad=True)
-        module.lora_magnitude_vector[adapter_name] = dora_layer
+    def _magnitude(module: "_DoRAFP8ConvMixin", m: torch.Tensor):
+        return _DORA_LAYER[module._kernel_dim - 2], module._per_channel(m)
 
 
 class _DoRAFP8ConvMixin(_DoRAFP8Layer):

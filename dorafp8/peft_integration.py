@@ -41,8 +41,10 @@ _MERGE_WARNING = (
 
 
 class _FP8DoraVariantMixin:
-    """What the DoRA variants on fp8 bases share: no merge into a dense weight (`_merge_error` says what to do
-    instead), and PEFT's general-path composition with the base product taken from the fp8 layer."""
+    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
+    dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product
+    taken from the fp8 layer. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class for the layer
+    type and the magnitude m [N] in the shape it holds."""
 
     _merge_error: str
 
@@ -57,6 +59,23 @@ class _FP8DoraVariantMixin:
     @classmethod
     def unmerge(cls, module, active_adapter, orig_weight):
         raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def init(cls, module: "_DoRAFP8Layer", adapter_name: str, **kwargs: Any) -> None:
+        # PEFT's DoRA init, with the magnitude (the row norms of W0 + s B A) computed from the fp8 weight.
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        dtype = module.lora_A[adapter_name].weight.dtype
+        n = module.dora_weight_norm(adapter_name, use_cache=False)
+        m = n.to(dtype)
+        if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow adapter dtype may not be
+            raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
+                             f"{float(n.max()):.4g}) overflows {dtype}; create the adapters in float32 (PEFT's "
+                             f"autocast_adapter_dtype=True, the default, does)")
+        holder, m = cls._magnitude(module, m)
+        dora_layer = holder(fan_in_fan_out=False)
+        dora_layer.weight = nn.Parameter(m, requires_grad=True)
+        module.lora_magnitude_vector[adapter_name] = dora_layer
 
     @staticmethod
     def forward(module: "_DoRAFP8Layer", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
@@ -84,19 +103,8 @@ class DoraFP8Variant(_FP8DoraVariantMixin, DoraLinearVariant):
     _merge_error = _MERGE_ERROR
 
     @staticmethod
-    def init(module: "DoRAFP8Linear", adapter_name: str, **kwargs: Any) -> None:
-        if not module.lora_magnitude_vector:
-            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
-        lora_A = module.lora_A[adapter_name].weight
-        n = module.dora_weight_norm(adapter_name, use_cache=False)
-        m = n.to(lora_A.dtype)
-        if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow adapter dtype may not be
-            raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
-                             f"{float(n.max()):.4g}) overflows {lora_A.dtype}; create the adapters in float32 (PEFT's "
-                             f"autocast_adapter_dtype=True, the default, does)")
-        dora_layer = DoraLinearLayer(fan_in_fan_out=False)
-        dora_layer.weight = nn.Parameter(m, requires_grad=True)
-        module.lora_magnitude_vector[adapter_name] = dora_layer
+    def _magnitude(module: "DoRAFP8Linear", m: torch.Tensor):
+        return DoraLinearLayer, m
 
 
 class _DoRAFP8Layer:

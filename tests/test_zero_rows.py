@@ -138,14 +138,18 @@ def test_peft_model_trains_without_nan_and_zero_rows_stay_zero(per_row):
     assert torch.isfinite(w.dequantize()).all() and (w.weight.float()[dead] == 0).all()
 
 
-def test_dora_init_refuses_a_magnitude_that_overflows_the_adapter_dtype():
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+def test_dora_init_refuses_a_magnitude_that_overflows_the_adapter_dtype(kind):
     """fp16 adapters (autocast_adapter_dtype=False) on rows whose norm exceeds fp16's max: an error that says so,
     not an inf magnitude."""
-    lin = torch.nn.Linear(64, 32).half()
+    if kind == "linear":
+        layer, fp8 = torch.nn.Linear(64, 32).half(), dorafp8.FP8Linear
+    else:
+        layer, fp8 = torch.nn.Conv2d(16, 32, 3).half(), dorafp8.FP8Conv2d
     with torch.no_grad():
-        lin.weight.normal_(0, 1e4)
+        layer.weight.normal_(0, 1e4)
     model = torch.nn.Sequential()
-    model.add_module("proj", dorafp8.FP8Linear.from_float(lin))
+    model.add_module("proj", fp8.from_float(layer))
     with pytest.raises(ValueError, match="overflows torch.float16.*float32"):
         peft.get_peft_model(model, peft.LoraConfig(r=4, use_dora=True, target_modules=["proj"]),
                             autocast_adapter_dtype=False)
