@@ -186,26 +186,9 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     M, N = g.shape
     adapter = c is not None
     f32 = dict(dtype=torch.float32, device=g.device)
-    sr = None if srow is None else _f32(srow)
-    if adapter:
-        f = (c - 1) if dropout else c
-        f = f if sr is None else f * sr
-    else:
-        f = sr
-    if f is None:
-        gl, rl = g, torch.ones((), **f32)
-    else:
-        rl = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-        gl = torch.empty_like(g)
-        fr = f / rl
-    gb = rb = None
-    if adapter and dropout:
-        if sr is None:
-            gb, rb = g, torch.ones((), **f32)
-        else:
-            rb = sr.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-            gb = torch.empty_like(g)
-            sb = sr / rb
+    fl, rl, fb, rb = _ref.grad_factors(c, srow, dropout, g.device)
+    gl = g if fl is None else torch.empty_like(g)
+    gb = None if rb is None else g if fb is None else torch.empty_like(g)
     Bc = (_f32(B) * c[:, None]) if adapter else None  # (g c) B == g (c B)
     parts = _row_parts(M, N)
     one = len(parts) == 1
@@ -218,10 +201,10 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     for sl in parts:
         g32 = _f32(sl(g))
         db = g32.sum(0) if one else db.add_(g32.sum(0))
-        if gl is not g:
-            torch.mul(g32, fr, out=sl(gl))
-        if gb is not None and gb is not g:
-            torch.mul(g32, sb, out=sl(gb))
+        if fl is not None:
+            torch.mul(g32, fl, out=sl(gl))
+        if fb is not None:
+            torch.mul(g32, fb, out=sl(gb))
         if not adapter:
             continue
         if one:

@@ -119,25 +119,37 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     return y, z
 
 
+def _normalized(f, device):
+    """(f / r, r) with r = max|f| (fp32 0-dim, >= tiny), so that g * (f / r) cannot overflow where g does not;
+    f None (a factor of ones): (None, 1)."""
+    if f is None:
+        return None, torch.ones((), dtype=torch.float32, device=device)
+    r = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
+    return f / r, r
+
+
+def grad_factors(c, srow, dropout, device):
+    """The per-column factors of backward_pass's scaled copies of g, each with its scalar as _normalized gives them:
+    (fl, rl) for gl = g * fl (fl None: gl is g itself), and, with an adapter and dropout, (fb, rb) for gb = g * fb
+    (fb None: gb is g itself); (None, None) without."""
+    sr = None if srow is None else srow.float()
+    if c is None:
+        f = sr
+    else:
+        f = (c - 1) if dropout else c
+        f = f if sr is None else f * sr
+    fl, rl = _normalized(f, device)
+    fb, rb = _normalized(sr, device) if (c is not None and dropout) else (None, None)
+    return fl, rl, fb, rb
+
+
 def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     M, N = g.shape
     cdt = g.dtype
     adapter = c is not None
-    ones = torch.ones(N, dtype=torch.float32, device=g.device)
-    sr = ones if srow is None else srow.float()
-    f = sr if not adapter else (c - 1) * sr if dropout else c * sr
-    if not adapter and srow is None:
-        gl, rl = g, torch.ones((), dtype=torch.float32, device=g.device)
-    else:
-        rl = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-        gl = torch.empty_like(g)
-    gb = rb = None
-    if adapter and dropout:
-        if srow is None:
-            gb, rb = g, torch.ones((), dtype=torch.float32, device=g.device)
-        else:
-            rb = sr.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-            gb = torch.empty_like(g)
+    fl, rl, fb, rb = grad_factors(c, srow, dropout, g.device)
+    gl = g if fl is None else torch.empty_like(g)
+    gb = None if rb is None else g if fb is None else torch.empty_like(g)
     v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
     dm = torch.zeros(N, dtype=torch.float32, device=g.device) if (adapter and need_dm) else None
     dB = torch.zeros(N, B.shape[1], dtype=torch.float32, device=g.device) if (adapter and need_dB) else None
@@ -146,10 +158,10 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     for i0, i1 in _blocks(M, N):
         g32 = g[i0:i1].float()
         db += g32.sum(0)
-        if gl is not g:
-            gl[i0:i1] = (g32 * (f / rl)).to(cdt)
-        if gb is not None and gb is not g:
-            gb[i0:i1] = (g32 * (sr / rb)).to(cdt)
+        if fl is not None:
+            gl[i0:i1] = (g32 * fl).to(cdt)
+        if fb is not None:
+            gb[i0:i1] = (g32 * fb).to(cdt)
         if not adapter:
             continue
         v[i0:i1] = (g32 * c) @ B32
