@@ -111,59 +111,60 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
-def _forward_variants(arch: str) -> list[Variant]:
+def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list[Variant]:
+    """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
+    kernel_args(dt, act, m, r, adapter, dropout, sm, quant) -> (its runtime args, its constexprs beyond the shared
+    ones)."""
     out = []
     for (dt_name, sm, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
         dt = DTYPES[dt_name]
-        act = FP8 if quant else dt
         dot_dt, ieee = dot_dtype(dt)
-        r = RANK if adapter else 1  # without an adapter the launcher passes r = 1 and placeholders (never read)
-        args = dict(
-            x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
-            u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
-            M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-            stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
-            stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
-            stride_y_m=N, stride_z_m=N,
-            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
-        )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter, SCALE_MODE=sm,
+        r = RANK if adapter else 1  # without an adapter the launchers pass r = 1 and placeholders (never read)
+        args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, sm, quant)
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_MODE=sm,
                           QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
                           IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, "BLOCK_N", "BLOCK_K", dropout, m, fp32_tiles), "BLOCK_K", sm,
-                           "BLOCK_N", dropout)
+        configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, sm,
+                           out_name, dropout)
         out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
     return out
+
+
+def _forward_args(dt, act, m, r, adapter, dropout, sm, quant):
+    args = dict(
+        x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
+        u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
+        M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
+        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+        stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
+        stride_y_m=N, stride_z_m=N,
+        s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+    )
+    return args, dict(HAS_BIAS=True, NEED_Z=adapter)
+
+
+def _dgrad_args(dt, act, m, r, adapter, dropout, sm, quant):
+    args = dict(
+        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
+        v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+        M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
+        stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
+        stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+        stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
+        stride_mask_m=K if dropout else 1, stride_dx_m=K,
+        s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+    )
+    return args, {}
+
+
+def _forward_variants(arch: str) -> list[Variant]:
+    return _gemm_variants(arch, "BLOCK_N", "BLOCK_K", _forward_args)
 
 
 def _dgrad_variants(arch: str) -> list[Variant]:
-    out = []
-    for (dt_name, sm, quant), (adapter, dropout, mode), m in itertools.product(
-            _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
-        dt = DTYPES[dt_name]
-        act = FP8 if quant else dt
-        dot_dt, ieee = dot_dtype(dt)
-        r = RANK if adapter else 1  # without an adapter: r = 1 and placeholders for v, A, mask (never read)
-        args = dict(
-            gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
-            v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
-            M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-            stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
-            stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
-            stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
-            stride_mask_m=K if dropout else 1, stride_dx_m=K,
-            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
-        )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_MODE=sm,
-                          QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
-                          IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
-        fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, "BLOCK_K", "BLOCK_N", dropout, m, fp32_tiles), "BLOCK_N", sm,
-                           "BLOCK_K", dropout)
-        out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
-    return out
+    return _gemm_variants(arch, "BLOCK_K", "BLOCK_N", _dgrad_args)
 
 
 def _fixed(num_warps=4, num_stages=3, **blocks):
