@@ -168,6 +168,20 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ f16 from_f32<f16>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
 
+// Zeroes a register accumulator (fully unrolled, so that it stays in registers).
+template <int X, int Y>
+__device__ __forceinline__ void zero(float (&a)[X][Y]) {
+#pragma unroll
+  for (int i = 0; i < X; ++i)
+#pragma unroll
+    for (int j = 0; j < Y; ++j) a[i][j] = 0.f;
+}
+template <int X, int Y, int Z>
+__device__ __forceinline__ void zero(float (&a)[X][Y][Z]) {
+#pragma unroll
+  for (int i = 0; i < X; ++i) zero(a[i]);
+}
+
 // Two 16-bit values packed in a 32-bit register, the lower-indexed element in the low half (mma's convention).
 template <typename T> struct Pair;
 template <> struct Pair<bf16> {
@@ -374,10 +388,7 @@ __global__ void __launch_bounds__(kThreads) weight_norm_kernel(const WeightNormP
   for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
     const int64_t k0 = kt * kWnBK;
     float ba[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) ba[i][j] = 0.f;
+    zero(ba);
 
     for (int q0 = 0; q0 < (r > 0 ? r : 1); q0 += kWnRQ) {
       block_sync();  // the previous chunk's (or tile's) readers are done with sA, sB, sW
@@ -514,15 +525,8 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
   const uint16_t* __restrict__ xm = static_cast<const uint16_t*>(p.xm);
 
   float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[i][j][e] = 0.f;
-        if (DROP) acc2[i][j][e] = 0.f;
-      }
+  zero(acc);
+  if (DROP) zero(acc2);
 
   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto load_stage = [&](int s, int kt) {
@@ -768,15 +772,8 @@ __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParam
 
   // acc: gl W8 (the adapter term); acc2: gb W8 (dropout's plain base term). Both share every converted W8 fragment.
   float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[i][j][e] = 0.f;
-        if (DROP) acc2[i][j][e] = 0.f;
-      }
+  zero(acc);
+  if (DROP) zero(acc2);
 
   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto load_stage = [&](int s, int rt) {
@@ -1054,12 +1051,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   const float* __restrict__ xm = static_cast<const float*>(p.xm);
 
   float acc[NA][4][4];
-#pragma unroll
-  for (int a = 0; a < NA; ++a)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[a][i][j] = 0.f;
+  zero(acc);
 
   simt_gemm<0, NA>(
       acc, K, true,
@@ -1142,12 +1134,7 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   const float* __restrict__ gb = static_cast<const float*>(p.gb);
 
   float acc[NA][4][4];
-#pragma unroll
-  for (int a = 0; a < NA; ++a)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[a][i][j] = 0.f;
+  zero(acc);
 
   simt_gemm<0, NA>(
       acc, N, false,
