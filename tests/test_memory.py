@@ -64,14 +64,20 @@ def test_weight_norm_peak_memory_8192():
     assert torch.allclose(n.double(), ref, rtol=1e-5)
 
 
-def test_forward_backward_temporaries_bounded_8192():
-    w8, scale, A, B = _big()
-    m = torch.rand(8192) + 0.5
-    x = torch.randn(4, 8192, requires_grad=True)
+def _training_step(n, tokens, backend):
+    """The temporaries of one forward and backward through an n x n layer (fp32 activations and adapters)."""
+    w8, scale, A, B = _big(n, n)
+    m = torch.rand(n) + 0.5
+    x = torch.randn(tokens, n, requires_grad=True)
     Al, Bl, ml = (t.clone().requires_grad_() for t in (A, B, m))
     with PeakTemporaries() as mode:
-        y = dorafp8.dora_fp8_linear(x, w8, scale, Al, Bl, ml, 2.0, backend="reference")
+        y = dorafp8.dora_fp8_linear(x, w8, scale, Al, Bl, ml, 2.0, backend=backend)
         y.sum().backward()
+    return mode
+
+
+def test_forward_backward_temporaries_bounded_8192():
+    mode = _training_step(8192, 4, "reference")
     assert mode.largest <= 16 * MiB, f"largest temporary {mode.largest / MiB:.1f} MiB"
     assert mode.peak <= 64 * MiB, f"peak {mode.peak / MiB:.1f} MiB"
 
@@ -100,11 +106,5 @@ def test_native_backend_keeps_one_weight_block_alive_at_a_time():
     """The native backend dequantizes the weight one 16 MiB block of rows at a time in forward and dgrad: each block
     must be dropped before the next is made (the fast fp8 conversion itself takes 6 bytes an element of int16
     scratch, 24 MiB for a 16 MiB fp32 block). Two blocks alive at once would reach 40 MiB."""
-    w8, scale, A, B = _big(4096, 4096)
-    m = torch.rand(4096) + 0.5
-    x = torch.randn(8, 4096, requires_grad=True)
-    Al, Bl, ml = (t.clone().requires_grad_() for t in (A, B, m))
-    with PeakTemporaries() as mode:
-        y = dorafp8.dora_fp8_linear(x, w8, scale, Al, Bl, ml, 2.0, backend="native")
-        y.sum().backward()
+    mode = _training_step(4096, 8, "native")
     assert mode.peak <= 30 * MiB, f"peak {mode.peak / MiB:.1f} MiB"
