@@ -40,8 +40,9 @@ from torch import nn
 
 from .fp8_conv import _FP8ConvNd, fp8_conv_class
 from .fp8_linear import FP8Linear
-from .merge import adapter_terms, base_rows, merged_rows, requantize
+from .merge import adapter_terms, merged_rows, requantize
 from .quant import DEFAULT_BLOCK, E4M3, check_scale, scale_kind
+from .reference import w0_rows
 
 logger = logging.getLogger("dorafp8")
 
@@ -1167,7 +1168,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
             entry.update(action="kept", rel_error=0.0)
         else:
             g = granularity or (allowed[0] if cur not in allowed else cur)
-            w8n, sn, st = requantize(lambda j0, j1: base_rows(w8, scale, bs, j0, j1), N, K, g, block_size=bsz)
+            w8n, sn, st = requantize(lambda j0, j1: w0_rows(w8, scale, bs, j0, j1), N, K, g, block_size=bsz)
             entry.update(action="requantized", rel_error=st.rel_error)
         if terms and st.nonfinite:
             raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "

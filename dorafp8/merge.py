@@ -19,12 +19,12 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .ops import NORM_EPS
-from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, scale_kind, scale_rows
+from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, scale_rows
+# Row blocks of at most 16 MiB in fp32 (the largest temporaries a merge holds, a few at a time), and W0's rows in
+# them: the reference backend's.
+from .reference import row_blocks, w0_rows
 
 GRANULARITIES = ("tensor", "row", "block")
-
-# fp32 elements per row block (16 MiB): the largest temporaries a merge holds, a few at a time.
-_MERGE_BLOCK_ELEMS = 4 * 1024 * 1024
 
 RowFn = Callable[[int, int], torch.Tensor]
 
@@ -43,19 +43,6 @@ class RequantStats:
         return 0.0 if self.err2 == 0 else float("inf")
 
 
-def row_blocks(n_rows: int, n_cols: int, multiple: int = 1) -> Iterable[tuple[int, int]]:
-    """(j0, j1) blocks of rows of at most _MERGE_BLOCK_ELEMS fp32 elements, each a whole multiple of `multiple` rows."""
-    rows = max(1, _MERGE_BLOCK_ELEMS // max(n_cols, 1))
-    rows = max(multiple, rows - rows % multiple)
-    for j0 in range(0, n_rows, rows):
-        yield j0, min(n_rows, j0 + rows)
-
-
-def base_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, j0: int, j1: int) -> torch.Tensor:
-    """W0[j0:j1] = scale * w8 in fp32."""
-    return w8[j0:j1].float().mul_(scale_rows(scale, block_size, j0, j1, w8.shape[1]))
-
-
 def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
     """(A fp32 [r, K], B [N, r], s, magnitude [N] or None for plain LoRA, name) for each adapter of a PEFT LoRA layer
     (dorafp8's DoRAFP8Linear), in merge order."""
@@ -71,7 +58,7 @@ def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
 
 def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int) -> torch.Tensor:
     """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32."""
-    w = base_rows(w8, scale, block_size, j0, j1)
+    w = w0_rows(w8, scale, block_size, j0, j1)
     for A, B, s, mag, _ in terms:
         w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A
         if mag is not None:  # DoRA: W' = m / ||V|| * V, the norm clamped like the forward's
@@ -138,8 +125,3 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
         return out, None, stats
     scale = tensor_scale if granularity == "tensor" else torch.cat(scales, dim=0)
     return out, scale, stats
-
-
-def granularity_of(scale: torch.Tensor) -> str:
-    """"tensor", "row" or "block" for a normalized scale (quant.check_scale)."""
-    return scale_kind(scale)

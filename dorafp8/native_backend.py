@@ -40,7 +40,7 @@ def weight_norm(w8, scale, block, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in _ref._blocks(N, K, block if scale_kind(scale) == "block" else 1):
+    for j0, j1 in _ref.row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
         v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block, j0, j1, K))
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
@@ -72,18 +72,18 @@ def _as(t, dtype):
 
 
 def _row_parts(M, width):
-    """One function per block of activation rows (_ref._blocks), taking that block of a tensor: the tensor itself
+    """One function per block of activation rows (_ref.row_blocks), taking that block of a tensor: the tensor itself
     when one block covers all rows (small layers: no slicing ops at all)."""
-    blocks = list(_ref._blocks(M, width))
+    blocks = list(_ref.row_blocks(M, width))
     if len(blocks) == 1:
         return [lambda t: t]
     return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
 
 
 def _weight_spans(w8, scale, block) -> list[tuple[int, int]]:
-    """The blocks of weight rows [j0, j1) the base products take one at a time (_ref._blocks; whole scale blocks)."""
+    """The blocks of weight rows [j0, j1) the base products take one at a time (_ref.row_blocks; whole scale blocks)."""
     N, K = w8.shape
-    return list(_ref._blocks(N, K, block if scale_kind(scale) == "block" else 1))
+    return list(_ref.row_blocks(N, K, block if scale_kind(scale) == "block" else 1))
 
 
 def _weight_block(w8, scale, block, dtype, j0, j1):

@@ -21,7 +21,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None  # runs wherever PyTorch runs
 
 
-def _blocks(n_rows: int, width: int, block: int = 1):
+def row_blocks(n_rows: int, width: int, block: int = 1):
     """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block` rows."""
     rows = max(1, _BLOCK_BYTES // (4 * max(width, 1)))
     rows = max(block, rows - rows % block)
@@ -29,7 +29,7 @@ def _blocks(n_rows: int, width: int, block: int = 1):
         yield j0, min(n_rows, j0 + rows)
 
 
-def _w0_rows(w8, scale, block, j0, j1):
+def w0_rows(w8, scale, block, j0, j1):
     """W0[j0:j1] in fp32 (a temporary of the block's size)."""
     return w8[j0:j1].float().mul_(scale_rows(scale, block, j0, j1, w8.shape[1]))
 
@@ -48,8 +48,8 @@ def weight_norm(w8, scale, block, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in _blocks(N, K, block if scale_kind(scale) == "block" else 1):
-        v = _w0_rows(w8, scale, block, j0, j1)
+    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
+        v = w0_rows(w8, scale, block, j0, j1)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
@@ -65,14 +65,14 @@ def _dropped(a, mask, p, i0, i1):
 def project(a, b, out_dtype, mask, p):
     out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     b32 = b.float()
-    for i0, i1 in _blocks(a.shape[0], a.shape[1]):
+    for i0, i1 in row_blocks(a.shape[0], a.shape[1]):
         out[i0:i1] = _dropped(a, mask, p, i0, i1) @ b32.T
     return out
 
 
 def project_grad(v, a, mask, p):
     out = torch.zeros(v.shape[1], a.shape[1], dtype=torch.float32, device=a.device)
-    for i0, i1 in _blocks(a.shape[0], a.shape[1]):
+    for i0, i1 in row_blocks(a.shape[0], a.shape[1]):
         out.addmm_(v[i0:i1].float().T, _dropped(a, mask, p, i0, i1))
     return out
 
@@ -83,8 +83,8 @@ def _base_gemm(x, w8, scale, block, act_quant):
     N, K = w8.shape
     x32, sx = quantize_rows(x) if act_quant else (x.float(), None)
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    for j0, j1 in _blocks(N, K, block if scale_kind(scale) == "block" else 1):
-        out[:, j0:j1] = x32 @ _w0_rows(w8, scale, block, j0, j1).T
+    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
+        out[:, j0:j1] = x32 @ w0_rows(w8, scale, block, j0, j1).T
     if sx is not None:
         out *= sx[:, None]
     return out
@@ -98,7 +98,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     b32 = None if bias is None else bias.float()
     B32 = None if B is None else B.float()
     # Blocks of activation rows: the fp32 [rows, N] temporaries stay bounded.
-    for i0, i1 in _blocks(M, max(N, x.shape[1])):
+    for i0, i1 in row_blocks(M, max(N, x.shape[1])):
         base = _base_gemm(x[i0:i1], w8, scale, block, act_quant)
         if c is None:
             yb = base
@@ -155,7 +155,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     dB = torch.zeros(N, B.shape[1], dtype=torch.float32, device=g.device) if (adapter and need_dB) else None
     db = torch.zeros(N, dtype=torch.float32, device=g.device)
     B32 = B.float() if adapter else None
-    for i0, i1 in _blocks(M, N):
+    for i0, i1 in row_blocks(M, N):
         g32 = g[i0:i1].float()
         db += g32.sum(0)
         if fl is not None:
@@ -179,8 +179,8 @@ def _dgrad_gemm(t, w8, scale, block, act_quant):
     t32, st = quantize_rows(t) if act_quant else (t.float(), None)
     out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)
     blocked = scale_kind(scale) == "block"
-    for j0, j1 in _blocks(N, K, block if blocked else 1):
-        w = _w0_rows(w8, scale, block, j0, j1) if blocked else w8[j0:j1].float()
+    for j0, j1 in row_blocks(N, K, block if blocked else 1):
+        w = w0_rows(w8, scale, block, j0, j1) if blocked else w8[j0:j1].float()
         out.addmm_(t32[:, j0:j1], w)
         del w  # before the next block is made
     if st is not None:
@@ -194,7 +194,7 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     st = scale.float() if scale_kind(scale) == "tensor" else 1.0
     dx = torch.empty(M, K, dtype=cdt, device=gl.device)
     A32 = None if A is None else A.float()
-    for i0, i1 in _blocks(M, max(K, w8.shape[0])):
+    for i0, i1 in row_blocks(M, max(K, w8.shape[0])):
         out = _dgrad_gemm(gl[i0:i1], w8, scale, block, act_quant).mul_(rl * st)
         if v is not None:
             out.addmm_(v[i0:i1].float(), A32, alpha=s)
