@@ -22,6 +22,7 @@ import torch
 
 from . import triton_kernels as _tk
 from .quant import scale_kind, scale_rows
+from .reference import row_blocks
 from .triton_kernels.dgrad import dgrad_epilogue
 from .triton_kernels.forward import forward_epilogue
 
@@ -49,9 +50,7 @@ def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: 
     kind = scale_kind(scale)
     kappa = scale if kind == "tensor" else scale.abs().amax() if kind == "row" else None
     out = torch.empty(N, K, dtype=dtype, device=w8.device)
-    rows = max(block, (4 * 1024 * 1024 // K) // block * block)  # fp32 temporaries of at most ~16 MiB
-    for j0 in range(0, N, rows):
-        j1 = min(N, j0 + rows)
+    for j0, j1 in row_blocks(N, K, block):  # fp32 temporaries of at most ~16 MiB
         f = scale_rows(scale, block, j0, j1, K) if kind == "block" else kappa
         out[j0:j1] = w8[j0:j1].float() * f
     return out, kappa

@@ -31,10 +31,9 @@ from .ops import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
 from .ops import weight_norm as _linear_weight_norm
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_scale, dequantize_e4m3, quantize_e4m3, scale_kind,
                     scale_rows)
+from .reference import row_blocks
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# fp32 rows dequantized at a time into the transient (bytes): bounds the fp32 temporary whatever the weight's size.
-_DEQUANT_BLOCK_BYTES = 16 * 1024 * 1024
 _NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
@@ -54,21 +53,19 @@ def _tuple(v, nd: int, name: str) -> tuple:
 
 
 def dequantize_transient(w8: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
-    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over row
-    blocks of the [C_out, rest] view (at most _DEQUANT_BLOCK_BYTES of fp32 at once) and rounded once into `dtype`."""
+    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over the
+    reference's row blocks of the [C_out, rest] view (fp32 temporaries of at most a block) and rounded once into
+    `dtype`."""
     C = w8.shape[0]
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
     kind = scale_kind(scale)
-    if kind == "tensor" and (dtype == torch.float32 or w8.numel() * 4 <= _DEQUANT_BLOCK_BYTES):
+    blocks = list(row_blocks(C, K, block if kind == "block" else 1))
+    if kind == "tensor" and (dtype == torch.float32 or len(blocks) == 1):
         return e4m3_scaled(w8, scale, dtype)  # one rounding into dtype; fp32 temporaries at most a block's size
     out = torch.empty(w8.shape, dtype=dtype, device=w8.device)
     o2 = out.view(C, K)
-    rows = max(1, _DEQUANT_BLOCK_BYTES // (4 * K))
-    if kind == "block":
-        rows = max(block, rows - rows % block)
-    for j0 in range(0, C, rows):
-        j1 = min(C, j0 + rows)
+    for j0, j1 in blocks:
         o2[j0:j1] = e4m3_scaled_fp32(w2[j0:j1], scale_rows(scale, block, j0, j1, K))
     return out
 

@@ -401,13 +401,10 @@ def test_backward_keeps_no_dequantized_weight():
 def test_peak_memory_has_no_fp32_copy_of_the_weight(monkeypatch):
     """Under bf16 autocast the largest allocation is the bf16 transient; fp32 temporaries are row blocks (made
     small here, 256 KiB, so that a 2.4 MB weight spans several)."""
-    import importlib
-
+    import dorafp8.reference
     from dorafp8._memory import PeakTemporaries
 
-    # (dorafp8.fp8_conv is the function; the module is dorafp8/fp8_conv.py, as fp8_linear)
-    monkeypatch.setattr(importlib.import_module("dorafp8.fp8_conv"), "_DEQUANT_BLOCK_BYTES", 256 * 1024)
-    monkeypatch.setattr(importlib.import_module("dorafp8.reference"), "_BLOCK_BYTES", 256 * 1024)
+    monkeypatch.setattr(dorafp8.reference, "_BLOCK_BYTES", 256 * 1024)
     C = 256
     w = nn.Conv2d(C, C, 3, padding=1, bias=False)
     fp8 = FP8Conv2d.from_float(w)
