@@ -26,6 +26,22 @@ namespace {
 #define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
 #define CHECK_ROWS(x) \
   TORCH_CHECK((x).dim() == 2 && ((x).size(1) <= 1 || (x).stride(1) == 1), #x " must be 2-D with unit stride in its last dim")
+// An operand or output: on ref's device, of dtype dt and the given shape, and either contiguous (CHECK_DENSE) or
+// 2-D with unit stride in its last dim (CHECK_ROW_OPERAND: the kernels take its row stride).
+#define CHECK_DENSE(x, ref, dt, ...) \
+  do {                               \
+    CHECK_SAME_DEVICE(x, ref);       \
+    CHECK_DTYPE(x, dt);              \
+    CHECK_SHAPE(x, __VA_ARGS__);     \
+    CHECK_CONTIGUOUS(x);             \
+  } while (0)
+#define CHECK_ROW_OPERAND(x, ref, dt, ...) \
+  do {                                     \
+    CHECK_SAME_DEVICE(x, ref);             \
+    CHECK_DTYPE(x, dt);                    \
+    CHECK_ROWS(x);                         \
+    CHECK_SHAPE(x, __VA_ARGS__);           \
+  } while (0)
 #define CHECK_LAUNCH(err, what) \
   TORCH_CHECK((err) == cudaSuccess, "dorafp8._C." what ": kernel launch failed: ", cudaGetErrorString(err))
 
@@ -81,19 +97,13 @@ void weight_norm(const at::Tensor& w8, const at::Tensor& scale, const at::Tensor
   const bool per_row = check_weight(w8, scale, w8);
   const int64_t N = w8.size(0), K = w8.size(1);
   CHECK_SAME_DEVICE(A, w8);
-  CHECK_SAME_DEVICE(B, w8);
-  CHECK_SAME_DEVICE(n, w8);
   TORCH_CHECK(A.dim() == 2 && A.size(1) == K, "A must have shape [r, ", K, "], got ", A.sizes());
   const int64_t r = A.size(0);
-  CHECK_SHAPE(B, N, r);
-  const dorafp8::DType adt = compute_dtype(A, "A");
-  CHECK_DTYPE(B, A.scalar_type());
-  CHECK_CONTIGUOUS(A);
-  CHECK_CONTIGUOUS(B);
-  CHECK_DTYPE(n, at::kFloat);
-  CHECK_SHAPE(n, N);
-  CHECK_CONTIGUOUS(n);
   TORCH_CHECK(r <= INT32_MAX, "A: rank too large");
+  const dorafp8::DType adt = compute_dtype(A, "A");
+  CHECK_CONTIGUOUS(A);
+  CHECK_DENSE(B, w8, A.scalar_type(), N, r);
+  CHECK_DENSE(n, w8, at::kFloat, N);
 
   const c10::cuda::CUDAGuard guard(w8.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(w8.device().index()).stream();
@@ -133,25 +143,16 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
   const bool per_row = check_weight(w8, scale, x);
   const int64_t M = x.size(0), N = w8.size(0), K = w8.size(1);
   TORCH_CHECK(x.size(1) == K, "x must have ", K, " columns (w8 is [", N, ", ", K, "]), got shape ", x.sizes());
-  CHECK_SAME_DEVICE(y, x);
-  CHECK_DTYPE(y, x.scalar_type());
-  CHECK_SHAPE(y, M, N);
-  CHECK_CONTIGUOUS(y);
+  CHECK_DENSE(y, x, x.scalar_type(), M, N);
   if (bias_.has_value()) {
     const at::Tensor& bias = *bias_;
-    CHECK_SAME_DEVICE(bias, x);
-    CHECK_DTYPE(bias, x.scalar_type());
-    CHECK_SHAPE(bias, N);
-    CHECK_CONTIGUOUS(bias);
+    CHECK_DENSE(bias, x, x.scalar_type(), N);
   }
   int64_t r = 0;
   bool rank_f32 = false, z_f32 = false;
   if (c_.has_value()) {
     const at::Tensor& c = *c_;
-    CHECK_SAME_DEVICE(c, x);
-    CHECK_DTYPE(c, at::kFloat);
-    CHECK_SHAPE(c, N);
-    CHECK_CONTIGUOUS(c);
+    CHECK_DENSE(c, x, at::kFloat, N);
     TORCH_CHECK(u_.has_value() && B_.has_value(), "u and B are required when c is given");
     const at::Tensor& u = *u_;
     const at::Tensor& B = *B_;
@@ -161,16 +162,10 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
     CHECK_SAME_DEVICE(u, x);
     rank_f32 = check_rank_dtype(u, x, "u");
     CHECK_CONTIGUOUS(u);
-    CHECK_SAME_DEVICE(B, x);
-    CHECK_DTYPE(B, u.scalar_type());
-    CHECK_SHAPE(B, N, r);
-    CHECK_CONTIGUOUS(B);
+    CHECK_DENSE(B, x, u.scalar_type(), N, r);
     if (xm_.has_value()) {
       const at::Tensor& xm = *xm_;
-      CHECK_SAME_DEVICE(xm, x);
-      CHECK_DTYPE(xm, x.scalar_type());
-      CHECK_ROWS(xm);
-      CHECK_SHAPE(xm, M, K);
+      CHECK_ROW_OPERAND(xm, x, x.scalar_type(), M, K);
       TORCH_CHECK(p_drop >= 0.0 && p_drop < 1.0, "p must be in [0, 1) with xm, got ", p_drop);
     }
     if (z_.has_value()) {
@@ -228,10 +223,7 @@ void dgrad(const at::Tensor& gl, const at::Tensor& rl, const at::Tensor& w8, con
   const int64_t M = gl.size(0), N = w8.size(0), K = w8.size(1);
   TORCH_CHECK(gl.size(1) == N, "gl must have ", N, " columns (w8 is [", N, ", ", K, "]), got shape ", gl.sizes());
   check_scalar(rl, gl, "rl");
-  CHECK_SAME_DEVICE(dx, gl);
-  CHECK_DTYPE(dx, gl.scalar_type());
-  CHECK_SHAPE(dx, M, K);
-  CHECK_CONTIGUOUS(dx);
+  CHECK_DENSE(dx, gl, gl.scalar_type(), M, K);
   int64_t r = 0;
   bool rank_f32 = false;
   if (v_.has_value()) {
@@ -244,23 +236,14 @@ void dgrad(const at::Tensor& gl, const at::Tensor& rl, const at::Tensor& w8, con
     CHECK_SAME_DEVICE(v, gl);
     rank_f32 = check_rank_dtype(v, gl, "v");
     CHECK_CONTIGUOUS(v);
-    CHECK_SAME_DEVICE(A, gl);
-    CHECK_DTYPE(A, v.scalar_type());
-    CHECK_SHAPE(A, r, K);
-    CHECK_CONTIGUOUS(A);
+    CHECK_DENSE(A, gl, v.scalar_type(), r, K);
     if (mask_.has_value()) {
       const at::Tensor& mask = *mask_;
-      CHECK_SAME_DEVICE(mask, gl);
-      CHECK_DTYPE(mask, at::kBool);
-      CHECK_ROWS(mask);
-      CHECK_SHAPE(mask, M, K);
+      CHECK_ROW_OPERAND(mask, gl, at::kBool, M, K);
       TORCH_CHECK(p_drop >= 0.0 && p_drop < 1.0, "p must be in [0, 1) with a mask, got ", p_drop);
       TORCH_CHECK(gb_.has_value() && rb_.has_value(), "gb and rb are required with a mask (dropout)");
       const at::Tensor& gb = *gb_;
-      CHECK_SAME_DEVICE(gb, gl);
-      CHECK_DTYPE(gb, gl.scalar_type());
-      CHECK_ROWS(gb);
-      CHECK_SHAPE(gb, M, N);
+      CHECK_ROW_OPERAND(gb, gl, gl.scalar_type(), M, N);
       check_scalar(*rb_, gl, "rb");
     } else {
       TORCH_CHECK(!gb_.has_value() && !rb_.has_value(), "gb and rb must be None without a mask (no dropout)");
