@@ -128,10 +128,15 @@ def _weight_scale(scale: Tensor) -> Tensor:
     return scale.to(torch.float32).contiguous()
 
 
-def _check_act_quant(act_quant: str) -> None:
+def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The GEMM's dense operand (forward's x, dgrad's gl) as 2-D rows, the scale as the kernels read it, and the
+    output [rows, out_cols] in the operand's dtype. W8A8 is refused: the kernels are W8A16."""
+    sc = _weight_scale(scale)
     if act_quant:
         raise ValueError(f"act_quant={act_quant!r} (W8A8) is not supported by the cuda backend (its kernels are "
                          f"W8A16); {_OTHER_BACKENDS}")
+    a = _rows(a)
+    return a, sc, _empty((a.shape[0], out_cols), a.dtype, a.device)
 
 
 # ---------------------------------------------------------------------------------------------------------- contract
@@ -171,12 +176,8 @@ class CudaBackend:
     def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
                 u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
                 z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
-        sc = _weight_scale(scale)
-        _check_act_quant(act_quant)
-        x = _rows(x)
+        x, sc, y = _gemm_operands(x, scale, act_quant, w8.shape[0])
         cdt = x.dtype
-        M, N = x.shape[0], w8.shape[0]
-        y = _empty((M, N), cdt, x.device)
         if c is None:  # plain FP8 linear
             self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), None, None, None, 0.0, None, 0.0, y,
                                    None)
@@ -184,7 +185,7 @@ class CudaBackend:
         rdt = _rank_dtype(cdt, u, B)
         # z straight from the kernel in the compute dtype or fp32; another z_dtype is the fp32 z rounded once.
         zdt = cdt if z_dtype == cdt else torch.float32
-        z = _empty((M, N), zdt, x.device) if need_z else None
+        z = _empty(y.shape, zdt, x.device) if need_z else None
         self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), _small(c, torch.float32), _small(u, rdt),
                                _small(B, rdt), float(s), None if xm is None else _rows(xm.to(cdt)),
                                float(p) if xm is not None else 0.0, y, z)
@@ -195,12 +196,8 @@ class CudaBackend:
     def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
               A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
               rb: Optional[Tensor], act_quant: str) -> Tensor:
-        sc = _weight_scale(scale)
-        _check_act_quant(act_quant)
-        gl = _rows(gl)
+        gl, sc, dx = _gemm_operands(gl, scale, act_quant, w8.shape[1])
         cdt = gl.dtype
-        M, K = gl.shape[0], w8.shape[1]
-        dx = _empty((M, K), cdt, gl.device)
         if v is None:  # plain FP8 linear
             self._launch().dgrad(gl, _scalar(rl), w8.contiguous(), sc, None, None, 0.0, None, 0.0, None, None, dx)
             return dx
