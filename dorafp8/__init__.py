@@ -15,6 +15,8 @@ Public API:
                                           fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
                                           FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint.py)
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
+    reuse_weight_norms                    a context in which DoRA layers on a GPU may reuse their weight norms
+                                          (on the CPU they do whenever the adapters are unchanged; norm_cache.py)
 
 Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
 (dorafp8/backends.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
@@ -29,6 +31,7 @@ from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_
 from .distributed import install_ddp_support
 from .fp8_conv import FP8Conv1d, FP8Conv2d, FP8Conv3d, dora_fp8_conv, fp8_conv
 from .fp8_linear import FP8Linear, quantize_model, set_act_quant
+from .norm_cache import reuse_weight_norms
 from .ops import dora_fp8_linear, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
 from .transformers_fp8 import from_transformers_fp8
@@ -39,7 +42,7 @@ __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
     "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
     "register_with_peft", "install_ddp_support", "load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged",
-    "detect_format", "from_transformers_fp8",
+    "detect_format", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
     "DoRAFP8Conv3d",
 ]

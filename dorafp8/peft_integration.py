@@ -27,6 +27,7 @@ from .backends import check_backend_name
 from .distributed import params_are_sharded
 from .fp8_conv import _FP8ConvNd
 from .fp8_linear import FP8Linear
+from .norm_cache import WeightNormCache
 from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
 _MERGE_ERROR = (
@@ -118,7 +119,7 @@ class _DoRAFP8Layer:
     _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
 
     def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
-        self._dorafp8_norm_cache: dict[str, tuple] = {}
+        self._dorafp8_norm_cache = WeightNormCache()
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
 
     def _fp8_base(self):
@@ -141,22 +142,20 @@ class _DoRAFP8Layer:
         self._dorafp8_norm_cache.clear()
 
     def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
-        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), cached until A, B or the base
-        change."""
+        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
+        equals the norm of the current tensors (dorafp8/norm_cache.py says where: always on the CPU, inside
+        `dorafp8.reuse_weight_norms()` on a GPU)."""
         base = self._fp8_base()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
-        # Under FSDP/ZeRO-3 the version/data_ptr key cannot see new values (dorafp8/distributed.py): no cache there.
-        if not use_cache or torch.compiler.is_compiling() or params_are_sharded(self, A, B):
+
+        def compute():
             return self._weight_norm(base, A, B, s)
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in (A, B, base.weight, base.scale))
-        key += (s, base.backend)
-        hit = self._dorafp8_norm_cache.get(adapter)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        n = self._weight_norm(base, A, B, s)
-        self._dorafp8_norm_cache[adapter] = (key, n)
-        return n
+
+        if not use_cache:
+            return compute()
+        return self._dorafp8_norm_cache.norm(adapter, compute, A, B, base.weight, base.scale, (s, base.backend),
+                                             sharded=params_are_sharded(self, A, B))
 
     def _fused_adapter(self) -> str | None:
         """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
@@ -193,7 +192,7 @@ class _DoRAFP8Layer:
         fp8.backend = check_backend_name(backend)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new._dorafp8_norm_cache = {}
+        new._dorafp8_norm_cache = WeightNormCache()
         lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
         for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
                      "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled") + attrs:
@@ -214,10 +213,10 @@ class DoRAFP8Linear(_DoRAFP8Layer, lora_layer.Linear):
 
     Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
     PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these.
-    The weight norm is cached per adapter, keyed on the adapter tensors' version counters, so it is computed once
-    per optimizer step (shared by forward, backward and gradient-accumulation micro-batches) and never stale after
-    an in-place update (optimizer.step, load_state_dict). Writes through `.data` bypass version counters: call
-    `clear_weight_norm_cache()` after such writes.
+    The weight norm is computed once per forward and reused by its backward. Across calls it is reused only where it
+    provably equals the norm of the current adapters, whatever wrote them (fused or 8-bit optimizers, `.data`): on
+    the CPU by comparing the adapters with copies, on a GPU inside `dorafp8.reuse_weight_norms()`
+    (dorafp8/norm_cache.py).
     """
 
     _dora_variant = DoraFP8Variant

@@ -1,0 +1,113 @@
+"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it.
+
+n depends on the adapters A and B, which every optimizer step changes. PyTorch's version counters do not see every
+write: torch's fused AdamW and SGD (`adamw_torch_fused`, the HF Trainer's default), bitsandbytes' 8-bit and paged
+optimizers, Prodigy, and anything written through `.data` change a parameter without bumping its `_version`. A
+cache keyed on version counters therefore reused the step-0 norm for a whole run. So a norm is reused only where it
+is provably the norm of the current values:
+
+- On the CPU, a cached norm is reused when the adapters (and the weight scale) still equal the copies taken when it
+  was computed. The comparison is exact whatever wrote the tensors, reads 2 r (N + K) values where the norm reads the
+  N K fp8 weight and does 2 N K r multiply-adds, and costs no host synchronisation. It keeps the norm across the
+  micro-batches of a gradient-accumulation step and across evaluation batches, as before.
+- On a GPU the same comparison would need a host sync per layer call, which stalls the launch queue and costs more
+  than the norm itself (one pass over the fp8 weight: N K bytes and 2 N K r FLOPs, small next to the forward's
+  2 M N K; docs/DORA_MATH.md, "The weight-norm cache", has the numbers). So there the norm is recomputed on every
+  call, as PEFT does, unless the caller opens `reuse_weight_norms()`, promising that while it is open nothing but
+  optimizer steps and in-place tensor ops (which the key below sees) writes the adapters.
+- Never under torch.compile (the compiled graph recomputes) or on sharded parameters (FSDP, ZeRO-3:
+  dorafp8/distributed.py), where the tensors are refilled in place.
+
+Every key also holds the count of optimizer steps taken in this process (a global step hook on
+torch.optim.Optimizer, which bitsandbytes, Prodigy, schedule-free, Lion, transformers' Adafactor and DeepSpeed's
+optimizers all subclass; it is what invalidates the cache inside `reuse_weight_norms()`), the version counter,
+address, dtype, device and shape of A, B, the fp8 weight and its scale, the scaling and the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Hashable, Optional
+
+import torch
+
+_optimizer_steps = 0
+_step_hooks = None
+_local = threading.local()
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Counts every torch.optim.Optimizer step, before and after it (so that a step that raises half-way still
+    counts). Registered once, on the first cached norm."""
+    global _step_hooks
+    if _step_hooks is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _step_hooks = (register_optimizer_step_pre_hook(_count_step), register_optimizer_step_post_hook(_count_step))
+
+
+@contextlib.contextmanager
+def reuse_weight_norms():
+    """Lets DoRA layers on a GPU reuse their weight norms while the context is open (on the CPU they always may).
+
+    Inside it a layer recomputes its norm only after an optimizer step (any torch.optim.Optimizer, fused or not) or an
+    in-place op on its tensors; a write that neither sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom
+    CUDA kernel outside an optimizer) must not happen while it is open. Use it around the micro-batches of a
+    gradient-accumulation step or around generation; it saves one pass over each fp8 weight per call. Nests; per
+    thread."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _reuse_promised() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape)
+
+
+class WeightNormCache:
+    """One layer's cached norms, one entry per adapter: (key, n, copies of the tensors the key cannot vouch for)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple] = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def norm(self, adapter: str, compute: Callable[[], torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+             weight: torch.Tensor, scale: torch.Tensor, extra: Hashable = (), sharded: bool = False) -> torch.Tensor:
+        """`compute()` (the norm of the current tensors), or the cached norm where it provably equals it."""
+        on_cpu = A.device.type == "cpu"
+        if sharded or torch.compiler.is_compiling() or not (on_cpu or _reuse_promised()):
+            self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
+            return compute()
+        _watch_optimizer_steps()
+        key = (_optimizer_steps, extra) + tuple(_identity(t) for t in (A, B, weight, scale))
+        hit = self._entries.get(adapter)
+        if hit is not None and hit[0] == key and _same_values(hit[2], (A, B, scale)):
+            return hit[1]
+        n = compute()
+        # On the CPU the values themselves are the proof (see the module docstring); the fp8 weight is frozen and
+        # written only by dorafp8's own module methods (load, merge), which replace or copy_ it: the key sees those.
+        copies = tuple(t.detach().clone() for t in (A, B, scale)) if on_cpu else None
+        self._entries[adapter] = (key, n, copies)
+        return n
+
+
+def _same_values(copies: Optional[tuple], tensors: tuple) -> bool:
+    # torch.equal is False for NaN, so a NaN adapter recomputes every call (and n is NaN there anyway).
+    return copies is None or all(torch.equal(c, t) for c, t in zip(copies, tensors))
