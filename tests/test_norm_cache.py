@@ -241,3 +241,25 @@ def test_sharded_parameters_never_use_the_cache():
     for _ in range(2):
         cache.norm("a", _meta_norm(calls), A, B, w, scale, sharded=True)
     assert len(calls) == 2 and len(cache) == 0
+
+
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "prodigy", "manual-data"])
+def test_conv_losses_equal_peft(opt_name):
+    """The conv DoRA layers (a diffusion UNet's) share the cache: the same check on a small conv net."""
+    from test_conv import X, _pair as conv_pair
+
+    peft_model, ours = conv_pair()
+    losses = {}
+    for name, model in (("peft", peft_model), ("dorafp8", ours)):
+        model.train()
+        opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad])
+        losses[name] = []
+        for step in range(STEPS):
+            loss = model(X * (1 + 0.1 * step)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    assert losses["peft"][0] != losses["peft"][-1]
+    for step, (a, b) in enumerate(zip(losses["dorafp8"], losses["peft"])):
+        assert abs(a - b) <= REL_TOL * abs(b), f"step {step}: dorafp8 {a:.7f} vs PEFT {b:.7f} ({opt_name})"
