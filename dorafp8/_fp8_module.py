@@ -1,5 +1,6 @@
 """The nn.Module plumbing every dorafp8 fp8 layer (FP8Linear, FP8Conv1d/2d/3d) shares: a frozen float8_e4m3fn
-`weight` parameter and an fp32 `scale` buffer that keep their storage dtypes."""
+`weight` parameter and an fp32 `scale` buffer that keep their storage dtypes, and how a plain layer whose weight was
+already cast to fp8 becomes one (`fp8_cast_parts`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,46 @@ import math
 import torch
 from torch import nn
 
-from .distributed import recover_fp8_weight
+from .distributed import is_fp8, recover_fp8_weight
 from .quant import E4M3, check_scale
+
+
+# diffusers.hooks.layerwise_casting._LAYERWISE_CASTING_HOOK: the name ModelMixin.enable_layerwise_casting registers
+# its per-layer hook under (read by duck typing, so that diffusers is never imported here)
+_LAYERWISE_CASTING_HOOK = "layerwise_casting"
+
+
+def layerwise_compute_dtype(module: nn.Module):
+    """The dtype diffusers' layerwise casting (`enable_layerwise_casting`) upcasts `module`'s stored weight to around
+    each forward (its hook's compute_dtype), or None if the module has no such hook."""
+    registry = getattr(module, "_diffusers_hook", None)
+    get_hook = getattr(registry, "get_hook", None)
+    hook = get_hook(_LAYERWISE_CASTING_HOOK) if callable(get_hook) else None
+    return getattr(hook, "compute_dtype", None)
+
+
+def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
+    """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
+    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8.
+
+    The weight is kept byte for byte (scale 1 is exact; re-quantizing it would move it). The original precision is
+    gone from such a layer, so `dtype` (the bias's storage dtype, and the dtype PEFT creates adapters in) is the dtype
+    the layer computes in: the layerwise-casting hook's compute_dtype, else the bias's dtype if it is not fp8, else
+    float32. The bias is never kept in fp8: it is converted to `dtype`, exactly (every e4m3 value is a bf16/fp16
+    value). Another fp8 format (e5m2, ...) is a TypeError: converting it to e4m3 is not exact."""
+    if not is_fp8(weight):
+        return None
+    what = f"weight of {name!r}" if name else "weight"
+    if weight.dtype != E4M3:
+        raise TypeError(f"the {what} is {weight.dtype}; dorafp8 takes float8_e4m3fn weights as they are (scale 1) and "
+                        f"quantizes wider ones, but converting {weight.dtype} to e4m3 would move its values. Load the "
+                        f"layer in bf16/fp32 (or enable_layerwise_casting with storage_dtype=torch.float8_e4m3fn) and "
+                        f"quantize it with dorafp8.quantize_model")
+    bias = module.bias
+    dtype = layerwise_compute_dtype(module)
+    if dtype is None:
+        dtype = bias.dtype if bias is not None and bias.is_floating_point() and not is_fp8(bias) else torch.float32
+    return weight.detach().contiguous(), None if bias is None else bias.detach().to(dtype), dtype
 
 
 class FP8WeightModule(nn.Module):

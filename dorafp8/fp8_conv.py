@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from .backends import check_backend_name
-from ._fp8_module import FP8WeightModule
+from ._fp8_module import FP8WeightModule, fp8_cast_parts
 from .ops import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
 from .ops import weight_norm as _linear_weight_norm
 from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_scale, dequantize_e4m3, quantize_e4m3, scale_kind,
@@ -456,19 +456,18 @@ class _FP8ConvNd(FP8WeightModule):
                    backend: str = "auto", name: str | None = None):
         """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor
         (default), per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view.
-        A weight that is already float8_e4m3fn (a model cast to fp8, as OneTrainer stores it) is kept byte for byte
-        with scale 1. `name` is used in warnings and errors."""
+        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer
+        stores it) is kept byte for byte with scale 1; its bias and the adapter dtype are then the layer's compute
+        dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and errors."""
         want = _NN_CONV[cls._nd]
         if not isinstance(module, want):
             raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")
         w = module.weight.detach()
         bias = module.bias
-        if w.dtype == E4M3:
-            bias_dtype = bias.dtype if bias is not None and bias.is_floating_point() and bias.dtype != E4M3 \
-                else torch.float32
-            w8, scale, dtype = w.contiguous(), torch.ones((), device=w.device), None
-            bias = None if bias is None else bias.detach().to(bias_dtype)
-            block_size = None
+        cast = fp8_cast_parts(module, w, name)
+        if cast is not None:
+            w8, bias, dtype = cast
+            scale, block_size = torch.ones((), device=w8.device), None
         else:
             w2, scale = quantize_e4m3(w.reshape(w.shape[0], -1), per_row=per_row_scale, block_size=block_size,
                                       name=name)

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from .backends import check_backend_name
-from ._fp8_module import FP8WeightModule
+from ._fp8_module import FP8WeightModule, fp8_cast_parts
+from .distributed import is_fp8
 from .fp8_conv import fp8_conv_class
 from .ops import check_act_quant, fp8_linear
-from .quant import (DEFAULT_BLOCK, E4M3, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
+from .quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                     quantize_e4m3, scale_kind)
 
 
@@ -66,8 +67,10 @@ class FP8Linear(FP8WeightModule):
         """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one
         scale per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
 
-        A weight that is already float8_e4m3fn (a model cast to fp8, as OneTrainer and others store it) is kept
-        byte for byte with scale 1: re-quantizing it would move it. `name` is used in warnings and errors.
+        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer and
+        others store it) is kept byte for byte with scale 1: re-quantizing it would move it. Its bias and the adapter
+        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and
+        errors.
         """
         conv1d = _conv1d_cls()
         if isinstance(module, nn.Linear):
@@ -77,11 +80,10 @@ class FP8Linear(FP8WeightModule):
         else:
             raise TypeError(f"module must be an nn.Linear or transformers Conv1D, got {type(module).__name__}")
         bias = module.bias
-        if weight.dtype == E4M3:
-            bias_dtype = bias.dtype if bias is not None and bias.is_floating_point() and bias.dtype != E4M3 \
-                else torch.float32
-            return cls.from_fp8(weight.detach().contiguous(), torch.ones((), device=weight.device),
-                                None if bias is None else bias.detach().to(bias_dtype), backend=backend,
+        cast = fp8_cast_parts(module, weight, name)
+        if cast is not None:
+            w8, bias, dtype = cast
+            return cls.from_fp8(w8, torch.ones((), device=w8.device), bias, backend=backend, dtype=dtype,
                                 act_quant=act_quant)
         w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, block_size=block_size, name=name)
         return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
@@ -125,6 +127,34 @@ class FP8Linear(FP8WeightModule):
                 f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}")
 
 
+_CONV_KINDS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _linear_kinds() -> tuple:
+    conv1d = _conv1d_cls()
+    return (nn.Linear,) + ((conv1d,) if conv1d is not None else ())
+
+
+def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
+                 backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> nn.Module:
+    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (an
+    FP8Conv1d/2d/3d; act_quant does not apply): its weight quantized, or kept as it is when it is already
+    float8_e4m3fn (scale 1)."""
+    conv_cls = fp8_conv_class(module)
+    if conv_cls is not None:
+        return conv_cls.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                   name=name)
+    return FP8Linear.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                act_quant=act_quant, name=name)
+
+
+def is_fp8_cast_layer(module: nn.Module) -> bool:
+    """Whether `module` is a plain nn.Linear / Conv1D / ConvNd whose weight is an fp8 tensor without a scale
+    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts): to_fp8_layer takes it as it is."""
+    weight = getattr(module, "weight", None)
+    return isinstance(module, _linear_kinds() + _CONV_KINDS) and isinstance(weight, torch.Tensor) and is_fp8(weight)
+
+
 def _tuner_layer_cls():
     """PEFT's BaseTunerLayer if peft is loaded (a model cannot contain PEFT layers otherwise), else None."""
     mod = sys.modules.get("peft.tuners.tuners_utils")
@@ -143,16 +173,17 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     models want include_conv=True, see docs/DIFFUSION.md). Explicit targets that match no layer are an error.
     per_row_scale / block_size choose the scale (default: one per tensor; for convs per_row_scale means one per
     output channel); act_quant="rowwise" makes the linear layers' base GEMMs W8A8 (set_act_quant changes it later;
-    conv layers always run W8A16). Layers whose weight is already float8_e4m3fn are wrapped losslessly (scale 1).
+    conv layers always run W8A16). Layers whose weight is already float8_e4m3fn (diffusers' enable_layerwise_casting,
+    kohya's and OneTrainer's fp8 casts) are wrapped losslessly, scale 1, with the bias in the layer's compute dtype
+    (docs/DORA_MATH.md, "Dtype policy"); on a layerwise-casting model the layers diffusers left in high precision (its
+    skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model.
     Returns how many layers were swapped.
     """
     check_backend_name(backend)
     check_act_quant(act_quant)
-    conv1d = _conv1d_cls()
-    kinds = (nn.Linear,) + ((conv1d,) if conv1d is not None else ())
-    conv_kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    kinds = _linear_kinds()
     targets = None if target_modules is None else (
         [target_modules] if isinstance(target_modules, str) else list(target_modules))
     tuner = _tuner_layer_cls()
@@ -163,7 +194,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                 inside_tuner |= {f"{name}.{sub}" if name else sub for sub, _ in mod.named_modules() if sub}
     swaps, skipped, candidates = [], [], []
     for name, mod in model.named_modules():
-        is_conv = isinstance(mod, conv_kinds)
+        is_conv = isinstance(mod, _CONV_KINDS)
         if not (isinstance(mod, kinds) or is_conv):
             continue
         candidates.append(name)
@@ -192,15 +223,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     for name in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        mod = getattr(parent, child)
-        conv_cls = fp8_conv_class(mod)
-        if conv_cls is not None:
-            new = conv_cls.from_float(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
-                                      name=name)
-        else:
-            new = FP8Linear.from_float(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
-                                       act_quant=act_quant, name=name)
-        setattr(parent, child, new)
+        setattr(parent, child, to_fp8_layer(getattr(parent, child), per_row_scale=per_row_scale,
+                                            block_size=block_size, backend=backend, act_quant=act_quant, name=name))
     return len(swaps)
 
 

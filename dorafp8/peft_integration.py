@@ -26,7 +26,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 from .backends import check_backend_name
 from .distributed import params_are_sharded
 from .fp8_conv import _FP8ConvNd
-from .fp8_linear import FP8Linear
+from .fp8_linear import FP8Linear, is_fp8_cast_layer, to_fp8_layer
 from .norm_cache import WeightNormCache
 from .ops import NORM_EPS, dora_fp8_linear, fp8_linear, weight_norm
 
@@ -394,10 +394,28 @@ def _fp8_all_linear_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.Module:
+    """The FP8Linear / FP8ConvNd that DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
+    (diffusers' enable_layerwise_casting, kohya's and OneTrainer's fp8 casts; PEFT's DoRA init fails on it).
+
+    Its e4m3 bytes with scale 1 are the values the model computes with (a layerwise-casting hook upcasts them
+    exactly), so this is exact. The new layer has no hook: it reads the fp8 weight itself, while the model's other,
+    non-targeted layers keep theirs and compute as before."""
+    if target is not base:  # the base of another adapter layer: swapping it would change that layer under it
+        kind = f"{type(target).__module__}.{type(target).__qualname__}"
+        raise ValueError(f"{name!r} is a {type(base).__name__} with a {base.weight.dtype} weight inside the adapter "
+                         f"layer {kind}; PEFT's DoRA cannot initialise on an fp8 weight. Call "
+                         f"dorafp8.quantize_model(model) (include_conv=True for convs) before adding the first "
+                         f"adapter: it wraps fp8 weights losslessly")
+    return to_fp8_layer(base, name=name)
+
+
 def register_with_peft() -> None:
     """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer (and a
     DoRAFP8Conv1d/2d/3d for every targeted FP8 conv layer), and makes
-    `target_modules="all-linear"` include FP8Linear layers.
+    `target_modules="all-linear"` include FP8Linear layers. A DoRA adapter on a plain nn.Linear / Conv1D / ConvNd
+    whose weight is already float8_e4m3fn gets the dorafp8 layer too, on the same bytes with scale 1
+    (_fp8_cast_base); plain LoRA on such a layer is left to PEFT.
 
     PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
     "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
@@ -411,6 +429,8 @@ def register_with_peft() -> None:
 
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if getattr(lora_config, "use_dora", False) and is_fp8_cast_layer(base):
+            base = target = _fp8_cast_base(target, base, kwargs.get("target_name"))
         if isinstance(base, FP8Linear):
             kwargs.pop("fan_in_fan_out", None)
             return DoRAFP8Linear(target, adapter_name, config=lora_config, **kwargs)

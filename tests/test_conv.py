@@ -494,17 +494,24 @@ def test_quantize_model_conv_warnings_errors_and_fp8_weights():
 
 
 def test_onetrainer_style_fp8_conv_with_dora():
-    """The issue's failure: a model whose conv weights are already fp8 fails in PEFT's DoRA init; after
-    quantize_model (lossless) get_peft_model builds dorafp8 layers that train."""
+    """The issue's failure: PEFT's DoRA init fails on conv weights that are already fp8. get_peft_model now builds
+    dorafp8 layers on them directly (the same bytes, scale 1), the same layers quantize_model (lossless) then
+    get_peft_model builds; both train. tests/test_fp8_layers.py checks them against PEFT on the dequantized weights."""
     torch.manual_seed(0)
     net = Net()
     for name in ("conv1", "conv2"):
         getattr(net, name).weight.data = getattr(net, name).weight.data.to(torch.float8_e4m3fn)
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        get_peft_model(copy.deepcopy(net), LoraConfig(r=2, use_dora=True, target_modules=["conv1", "conv2"]))
-    dorafp8.quantize_model(net, ["conv1", "conv2"])
-    pm = get_peft_model(net, LoraConfig(r=2, use_dora=True, target_modules=["conv1", "conv2"]))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = pm(X).float().square().mean()
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pm.parameters() if p.requires_grad)
+    cfg = LoraConfig(r=2, use_dora=True, target_modules=["conv1", "conv2"])
+    quantized = copy.deepcopy(net)
+    dorafp8.quantize_model(quantized, ["conv1", "conv2"])
+    outs = []
+    for model in (net, quantized):
+        torch.manual_seed(1)
+        pm = get_peft_model(model, copy.deepcopy(cfg))
+        assert {type(pm.base_model.model.get_submodule(n)).__name__ for n in ("conv1", "conv2")} == {"DoRAFP8Conv2d"}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pm(X)
+        out.float().square().mean().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pm.parameters() if p.requires_grad)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
