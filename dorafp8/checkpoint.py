@@ -914,6 +914,7 @@ class _ShardWriter(_TensorSink):
         super().__init__()
         self.single = path.endswith(".safetensors")
         self.dir = os.path.dirname(path) if self.single else path
+        self.made_dir = bool(self.dir) and not os.path.isdir(self.dir)
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
         self.path, self.stem, self.max, self.metadata = path, stem, max_bytes, metadata
@@ -935,6 +936,14 @@ class _ShardWriter(_TensorSink):
         save_file(self.cur, tmp, metadata=self.metadata)
         self.parts.append((tmp, list(self.cur)))
         self.cur, self.cur_bytes = {}, 0
+
+    def discard(self) -> None:
+        """A write that failed half-way leaves nothing behind: its temporary shards, and the directory it made."""
+        for tmp, _ in self.parts:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if self.made_dir and not os.listdir(self.dir):
+            os.rmdir(self.dir)
 
     def close(self) -> list[str]:
         if self.cur or not self.parts:
@@ -1094,13 +1103,14 @@ def _resolve(model: nn.Module, fmt: Optional[str], granularity, block_size, pref
                    "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
 
 
-def _fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
-    """name -> FP8Linear / FP8ConvNd, PEFT's wrappers looked through (names are the state dict's, base_layer dropped)."""
+def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
+    """name -> FP8Linear / FP8ConvNd, inside PEFT's layers too (named as in the state dict, base_layer dropped)."""
     return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, (FP8Linear, _FP8ConvNd))}
 
 
 def _writes_block(t: _Target, m: nn.Module) -> bool:
-    """Whether the layer is written with block scales (the writer's choice below, without merging anything)."""
+    """Whether the layer is written with block scales (the writer's choice below for a layer it does not merge;
+    a merged one takes granularity, else the layout's first kind: conservative where the two differ)."""
     return t.fmt == "fine-grained" or t.granularity == "block" or (t.granularity is None and
                                                                    scale_kind(m.scale) == "block")
 
@@ -1108,7 +1118,7 @@ def _writes_block(t: _Target, m: nn.Module) -> bool:
 def _transformers_problem(t: _Target, why: str) -> Optional[str]:
     """Why transformers' from_pretrained would not read this fp8 checkpoint correctly on its own (None if it would).
     `why` says where the fix would go. Checked before anything is written."""
-    layers = _fp8_modules(t.base)
+    layers = fp8_modules(t.base)
     convs = [n for n, m in layers.items() if isinstance(m, _FP8ConvNd)]
     if convs and t.fmt != "fp8-cast":  # fp8-cast has no scales: a plain cast reads it right
         return (f"{len(convs)} fp8 conv layers (e.g. {convs[0]!r}): transformers reads fp8 convolutions in no layout "
@@ -1122,10 +1132,8 @@ def _transformers_problem(t: _Target, why: str) -> Optional[str]:
         n, N, K = ragged[0]
         return (f"{len(ragged)} layers have a dimension that is not a multiple of the block size {b} (e.g. {n!r}, "
                 f"[{N}, {K}]): compressed-tensors (and vLLM) read whole blocks only, and transformers fails to load "
-                f"them. {why}, format='fine-grained' (partial blocks the DeepSeek-V3 way), or granularity='row'")
-    # transformers' CPU path derives the block from the scale grid: where the grid divides the weight it silently
-    # uses another block size (N=96, b=64: grid 2, block 48); where it does not, it raises
-    wrong = [(n, N, K) for n, N, K in ragged if not (N % -(-N // b) or K % -(-K // b))]
+                f"them. {why}, or write format='fine-grained' (partial blocks the DeepSeek-V3 way) or granularity='row'")
+    wrong = [(n, N, K) for n, N, K in ragged if _cpu_fine_grained_read(N, K, b) == "wrong"]
     if wrong and t.fmt == "fine-grained":
         n, N, K = wrong[0]
         return (f"{len(wrong)} layers cover partial {b} x {b} blocks whose count divides the weight (e.g. {n!r}, "
@@ -1134,14 +1142,25 @@ def _transformers_problem(t: _Target, why: str) -> Optional[str]:
     return None
 
 
+def _cpu_fine_grained_read(N: int, K: int, b: int) -> str:
+    """How transformers' dequantize-while-loading path (fine-grained FP8 without a GPU, transformers 5.23) reads an
+    [N, K] weight with b x b block scales, partial blocks counted (ceil): it takes the block from the scale grid,
+    N / ceil(N / b). "ok" where that is b or the grid is one block; "raises" where the grid does not divide the
+    weight; "wrong" where it divides it into other blocks (N = 96, b = 64: grid 2, blocks of 48 rows, silently)."""
+    dims = [(n, -(-n // b)) for n in (N, K)]
+    if any(n % g for n, g in dims):
+        return "raises"
+    return "ok" if all(g == 1 or n // g == b for n, g in dims) else "wrong"
+
+
 def _check_destination(t: _Target, path: str, defaulted: bool) -> None:
     """A directory that gets a transformers config.json looks like a model transformers loads: refuse to write one
     transformers would load wrong (before anything is written)."""
     if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
         return
-    file_hint = (f"Write it to a single file instead (a path ending in .safetensors, no config.json), or to "
-                 f"format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
-                 f"load_fp8_checkpoint too)")
+    file_hint = ("Write it to a single file instead (a path ending in .safetensors, no config.json), or to "
+                 "format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
+                 "load_fp8_checkpoint too)")
     if t.fmt not in TRANSFORMERS_FORMATS:
         how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
         raise ValueError(f"{path}: {how}, into a directory with a transformers config.json: transformers' "
@@ -1289,7 +1308,7 @@ def _emit(t: _Target, sink: _TensorSink, report: "ExportReport", *, merge: bool,
             raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
                              f"(the adapter seems to be broken); nothing usable can be written")
         entry["granularity"] = (f"per-{bsz}x{bsz}-block" if g == "block" else _GRAN_NAMES[g])
-        if fmt == "fine-grained" and (N % bsz or K % bsz):
+        if fmt == "fine-grained" and _cpu_fine_grained_read(N, K, bsz) != "ok":
             out.ragged.append(name)
         report.layers[name] = entry
         if isinstance(fp8, _FP8ConvNd):
@@ -1329,15 +1348,19 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     _check_destination(t, path, defaulted=fmt is None)
     writer = _ShardWriter(path, t.stem, _parse_size(max_shard_size), t.metadata)
     report = ExportReport(t.fmt, path)
-    out = _emit(t, writer, report, merge=merge, adapter_names=adapter_names)
+    try:
+        out = _emit(t, writer, report, merge=merge, adapter_names=adapter_names)
+    except BaseException:
+        writer.discard()
+        raise
     report.files = writer.close()
     report.tensors, report.bytes = writer.count, writer.total
     if out.ragged:
         report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
                             f"{t.bsz} (e.g. {out.ragged[0]}): their scales cover partial blocks (ceil), as "
                             f"DeepSeek-V3's do and as transformers' FP8Linear (GPU) reads them; transformers' "
-                            f"dequantize-while-loading path (used without a GPU) assumes whole blocks and refuses "
-                            f"them (transformers 5.23)")
+                            f"dequantize-while-loading path (used without a GPU) takes the block size from the scale "
+                            f"grid and refuses or misreads them (transformers 5.23)")
     if out.unmerged and not merge:
         report.notes.append(f"{len(out.unmerged)} layers have adapters that were not written (save them with "
                             f"save_pretrained, or use export_merged): e.g. {out.unmerged[0]}")
@@ -1367,13 +1390,13 @@ def _quantization_config(t: _Target, report: "ExportReport", out: _Written) -> O
     for i, ((g, act), names) in enumerate(sorted(out.groups.items())):
         weights = {**fp8_args, "dynamic": False, "strategy": strategies[g], "group_size": None,
                    "block_structure": [bsz, bsz] if g == "block" else None}
+        # the activations as the model computes them: transformers + compressed-tensors then reproduce its outputs
+        # (to 2e-7, measured), and vLLM runs weight-only layers as CompressedTensorsW8A16Fp8
         if act == "static":
             acts = {**fp8_args, "dynamic": False, "strategy": "tensor"}
-        elif act == "dynamic" and g == "block":  # FP8_BLOCK's 1 x b activation groups
-            acts = {**fp8_args, "dynamic": True, "strategy": "group", "group_size": bsz}
-        elif act == "dynamic":
+        elif act == "dynamic":  # act_quant="rowwise": one scale per row (token), whatever the weight's scales
             acts = {**fp8_args, "dynamic": True, "strategy": "token"}
-        else:  # weight-only (W8A16), what the model computes: vLLM runs it as CompressedTensorsW8A16Fp8
+        else:  # W8A16: weight-only
             acts = None
         # "Linear" covers every layer of a single group, unless fp8 conv layers are in it: then by name
         targets = ["Linear"] if len(out.groups) == 1 and not out.conv_layers else \
@@ -1449,7 +1472,7 @@ def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, "ExportReport"]
                          f"dorafp8.export_merged(peft_model, path), or save the adapter alone with the PeftModel's "
                          f"save_pretrained")
     t = _resolve(model, "fine-grained", None, None, "")
-    layers = _fp8_modules(t.base).values()
+    layers = fp8_modules(t.base).values()
     if not (t.same and all(isinstance(m, FP8Linear) and (scale_kind(m.scale) == "tensor" or (
             scale_kind(m.scale) == "block" and m.block_size == t.bsz)) for m in layers)
             and _transformers_problem(t, "") is None):
