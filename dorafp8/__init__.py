@@ -17,15 +17,25 @@ Public API:
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
     reuse_weight_norms                    a context in which DoRA layers on a GPU may reuse their weight norms
                                           (on the CPU they do whenever the adapters are unchanged; norm_cache.py)
+    DoRAFP8Config                         from_pretrained(path, quantization_config=DoRAFP8Config(...)) quantizes a
+                                          dense checkpoint into FP8Linear layers (needs transformers; loaded on first
+                                          use; dorafp8/hf_quantizer.py)
 
 Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
 (dorafp8/backends.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
 
-PEFT and transformers are not imported here (they take seconds to import): the PEFT integration is loaded when one
-of its names is used, and PEFT learns about FP8Linear as soon as peft itself is imported (dorafp8/_peft_hook.py).
+Saving: transformers' save_pretrained of a model with fp8 layers (the base, or after PEFT's merge_and_unload) writes
+compressed-tensors (fine-grained FP8 for a model loaded from it), which from_pretrained and vLLM read without dorafp8;
+diffusers' save_pretrained of one refuses, naming save_fp8_checkpoint / export_merged. Which loader reads what each
+save path writes: docs/CHECKPOINTS.md.
+
+PEFT, transformers and diffusers are not imported here (they take seconds to import): the PEFT integration and
+DoRAFP8Config are loaded when one of their names is used, and each library learns about dorafp8's fp8 layers as soon as
+it is imported (PEFT: FP8Linear layers; transformers and diffusers: save_pretrained, the quantizer registry;
+dorafp8/_import_hooks.py).
 """
 
-from . import _peft_hook
+from . import _import_hooks
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
 from .distributed import install_ddp_support
@@ -44,27 +54,34 @@ __all__ = [
     "register_with_peft", "install_ddp_support", "load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged",
     "detect_format", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
-    "DoRAFP8Conv3d",
+    "DoRAFP8Conv3d", "DoRAFP8Config",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
 _PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
+_TRANSFORMERS_NAMES = ("DoRAFP8Config",)
 
 
 def __getattr__(name):
-    if name in _PEFT_NAMES + _PEFT_CONV_NAMES:
-        from ._deps import require
+    from ._deps import require
 
+    if name in _PEFT_NAMES + _PEFT_CONV_NAMES:
         require("peft", "transformers", what=f"dorafp8.{name}")
         from . import peft_conv, peft_integration
 
         return getattr(peft_conv if name in _PEFT_CONV_NAMES else peft_integration, name)
+    if name in _TRANSFORMERS_NAMES:
+        require("transformers", what=f"dorafp8.{name}")
+        from . import hf_quantizer
+
+        hf_quantizer.register()
+        return getattr(hf_quantizer, name)
     raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES))
+    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES))
 
 
-_peft_hook.install()
+_import_hooks.install()  # PEFT, transformers and diffusers learn of the fp8 layers when they are imported
 install_ddp_support()  # DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py); idempotent

@@ -890,30 +890,44 @@ def _parse_size(size) -> int:
     return int(float(m.group(1)) * mult)
 
 
-class _ShardWriter:
+class _TensorSink:
+    """Where the writer puts its tensors: in a dict, in order (the state dict handed to transformers' save_pretrained,
+    which shards and writes it itself). _ShardWriter writes them to safetensors files instead."""
+
+    def __init__(self):
+        self.cur: dict = {}
+        self.keys: set = set()
+        self.total = 0
+        self.count = 0
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        if key in self.keys:
+            raise ValueError(f"two tensors would be written under {key!r}")
+        self.keys.add(key)
+        self.cur[key] = t.detach()
+        self.total += t.numel() * t.element_size()
+        self.count += 1
+
+
+class _ShardWriter(_TensorSink):
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
+        super().__init__()
         self.single = path.endswith(".safetensors")
         self.dir = os.path.dirname(path) if self.single else path
+        self.made_dir = bool(self.dir) and not os.path.isdir(self.dir)
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
         self.path, self.stem, self.max, self.metadata = path, stem, max_bytes, metadata
-        self.cur: dict = {}
         self.cur_bytes = 0
         self.parts: list[tuple[str, list[str]]] = []
-        self.total = 0
-        self.count = 0
 
     def add(self, key: str, t: torch.Tensor) -> None:
         t = t.detach().to("cpu").contiguous()
         n = t.numel() * t.element_size()
         if self.cur and not self.single and self.cur_bytes + n > self.max:
             self._flush()
-        if key in self.cur or any(key in keys for _, keys in self.parts):
-            raise ValueError(f"two tensors would be written under {key!r}")
-        self.cur[key] = t
+        super().add(key, t)
         self.cur_bytes += n
-        self.total += n
-        self.count += 1
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
@@ -922,6 +936,14 @@ class _ShardWriter:
         save_file(self.cur, tmp, metadata=self.metadata)
         self.parts.append((tmp, list(self.cur)))
         self.cur, self.cur_bytes = {}, 0
+
+    def discard(self) -> None:
+        """A write that failed half-way leaves nothing behind: its temporary shards, and the directory it made."""
+        for tmp, _ in self.parts:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if self.made_dir and not os.listdir(self.dir):
+            os.rmdir(self.dir)
 
     def close(self) -> list[str]:
         if self.cur or not self.parts:
@@ -1017,13 +1039,35 @@ def _layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: dict) -> torch.Te
     return out
 
 
-def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_names, granularity, block_size,
-           max_shard_size, prefix, metadata, verbose) -> ExportReport:
-    from ._deps import require
+# The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads
+# correctly on its own (compressed-tensors also needs the compressed-tensors package, and says so). In the others the
+# fp8 weights sit under `<layer>.weight` with their scale under a key transformers does not know, and from_pretrained
+# loads the raw e4m3 values into the model without a word (the scale keys are only listed as UNEXPECTED).
+TRANSFORMERS_FORMATS = ("compressed-tensors", "fine-grained", "fp8-cast") + tuple(DENSE_FORMATS)
 
-    require("safetensors", what="writing fp8 checkpoints")
-    t0 = time.time()
-    path = os.fspath(path)
+
+@dataclass
+class _Target:
+    """What a write produces, resolved from the model and the arguments before anything is written."""
+    fmt: str
+    layout: Optional[Layout]               # None for the dense formats
+    dense_dtype: Optional[torch.dtype]
+    granularity: Optional[str]
+    bsz: int                               # the one block size of the file
+    strip: str
+    add: str
+    src: dict                              # what the model was loaded from (_source_of)
+    same: bool                             # writing the layout the model was loaded from
+    base: nn.Module
+    stem: str                              # "model" or diffusers' "diffusion_pytorch_model"
+    config_kind: Optional[str]             # the config.json a directory gets: "transformers", "diffusers" or None
+    metadata: dict                         # safetensors metadata
+
+    def key_of(self, name: str) -> str:
+        return self.strip + (name[len(self.add):] if self.add and name.startswith(self.add) else name)
+
+
+def _resolve(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> _Target:
     src = _source_of(model)
     if fmt is None:
         fmt = src.get("format") or "compressed-tensors"
@@ -1043,52 +1087,142 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     if block_size is None:  # one block size for the file (configs have one): the model's, else the source's, else 128
         sizes = Counter(m.block_size for m in base.modules() if isinstance(m, FP8Linear) and m.scale.dim() == 2)
         block_size = sizes.most_common(1)[0][0] if sizes else (src.get("block") if same else None)
-    bsz = block_size or DEFAULT_BLOCK
     strip, add = (src.get("strip", ""), src.get("add", "")) if prefix is None else (prefix, "")
-
-    def key_of(name: str) -> str:
-        return strip + (name[len(add):] if add and name.startswith(add) else name)
-
-    tuner_cls = _tuner_cls()
     is_diffusers = any(c.__name__ == "ModelMixin" and c.__module__.startswith("diffusers")
                        for c in type(base).__mro__)
-    stem = "diffusion_pytorch_model" if is_diffusers else "model"
+    cfg_obj = getattr(base, "config", None)
+    if callable(getattr(base, "save_config", None)) and not hasattr(cfg_obj, "to_dict"):
+        config_kind = "diffusers"
+    elif hasattr(cfg_obj, "to_dict") or src.get("config"):
+        config_kind = "transformers"
+    else:
+        config_kind = None
     meta_out = dict(src.get("metadata") or {}) if same else {"format": "pt"}
     meta_out.update(metadata or {})
-    writer = _ShardWriter(path, stem, _parse_size(max_shard_size), meta_out)
-    report = ExportReport(fmt, path)
+    return _Target(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
+                   "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
+
+
+def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
+    """name -> FP8Linear / FP8ConvNd, inside PEFT's layers too (named as in the state dict, base_layer dropped)."""
+    return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, (FP8Linear, _FP8ConvNd))}
+
+
+def _writes_block(t: _Target, m: nn.Module) -> bool:
+    """Whether the layer is written with block scales (the writer's choice below for a layer it does not merge;
+    a merged one takes granularity, else the layout's first kind: conservative where the two differ)."""
+    return t.fmt == "fine-grained" or t.granularity == "block" or (t.granularity is None and
+                                                                   scale_kind(m.scale) == "block")
+
+
+def _transformers_problem(t: _Target, why: str) -> Optional[str]:
+    """Why transformers' from_pretrained would not read this fp8 checkpoint correctly on its own (None if it would).
+    `why` says where the fix would go. Checked before anything is written."""
+    layers = fp8_modules(t.base)
+    convs = [n for n, m in layers.items() if isinstance(m, _FP8ConvNd)]
+    if convs and t.fmt != "fp8-cast":  # fp8-cast has no scales: a plain cast reads it right
+        return (f"{len(convs)} fp8 conv layers (e.g. {convs[0]!r}): transformers reads fp8 convolutions in no layout "
+                f"(compressed-tensors' loader leaves their scales out and loads the raw e4m3 values). {why}, or a "
+                f"dense format (bf16, fp16, fp32), or keep the convolutions unquantized (quantize_model without "
+                f"include_conv)")
+    b = t.bsz
+    ragged = [(n, m.weight.shape[0], m.weight[0].numel()) for n, m in layers.items()
+              if _writes_block(t, m) and (m.weight.shape[0] % b or m.weight[0].numel() % b)]
+    if ragged and t.fmt == "compressed-tensors":
+        n, N, K = ragged[0]
+        return (f"{len(ragged)} layers have a dimension that is not a multiple of the block size {b} (e.g. {n!r}, "
+                f"[{N}, {K}]): compressed-tensors (and vLLM) read whole blocks only, and transformers fails to load "
+                f"them. {why}, or write format='fine-grained' (partial blocks the DeepSeek-V3 way) or granularity='row'")
+    wrong = [(n, N, K) for n, N, K in ragged if _cpu_fine_grained_read(N, K, b) == "wrong"]
+    if wrong and t.fmt == "fine-grained":
+        n, N, K = wrong[0]
+        return (f"{len(wrong)} layers cover partial {b} x {b} blocks whose count divides the weight (e.g. {n!r}, "
+                f"[{N}, {K}]): transformers' dequantizing loader (used without a GPU) takes the block size from "
+                f"that count and misreads them. {why}, or granularity='row' with format='compressed-tensors'")
+    return None
+
+
+def _cpu_fine_grained_read(N: int, K: int, b: int) -> str:
+    """How transformers' dequantize-while-loading path (fine-grained FP8 without a GPU, transformers 5.23) reads an
+    [N, K] weight with b x b block scales, partial blocks counted (ceil): it takes the block from the scale grid,
+    N / ceil(N / b). "ok" where that is b or the grid is one block; "raises" where the grid does not divide the
+    weight; "wrong" where it divides it into other blocks (N = 96, b = 64: grid 2, blocks of 48 rows, silently)."""
+    dims = [(n, -(-n // b)) for n in (N, K)]
+    if any(n % g for n, g in dims):
+        return "raises"
+    return "ok" if all(g == 1 or n // g == b for n, g in dims) else "wrong"
+
+
+def _check_destination(t: _Target, path: str, defaulted: bool) -> None:
+    """A directory that gets a transformers config.json looks like a model transformers loads: refuse to write one
+    transformers would load wrong (before anything is written)."""
+    if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
+        return
+    file_hint = ("Write it to a single file instead (a path ending in .safetensors, no config.json), or to "
+                 "format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
+                 "load_fp8_checkpoint too)")
+    if t.fmt not in TRANSFORMERS_FORMATS:
+        how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
+        raise ValueError(f"{path}: {how}, into a directory with a transformers config.json: transformers' "
+                         f"from_pretrained would load the raw e4m3 values without their scales ('<layer>."
+                         f"{t.layout.scale_key}'), silently wrong. {file_hint}")
+    problem = _transformers_problem(t, "Write a single .safetensors file instead")
+    if problem:
+        raise ValueError(f"{path}: {t.fmt} into a directory with a transformers config.json: {problem}")
+
+
+@dataclass
+class _Written:
+    """What _emit wrote that the config needs."""
+    dense_linears: list = field(default_factory=list)
+    conv_layers: list = field(default_factory=list)
+    unmerged: list = field(default_factory=list)
+    groups: dict = field(default_factory=dict)     # (granularity, activations) -> layer names
+    ragged: list = field(default_factory=list)
+
+
+def _act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
+    """How the layer's activations are quantized, for compressed-tensors' input_activations: "static" where the
+    checkpoint it came from had a static scale (kept for the deployment it was made for), "dynamic" for W8A8 layers
+    (act_quant="rowwise", per token), "none" for W8A16 (the default: weight-only)."""
+    if layout.act_scale_key and layout.act_scale_key in extras:
+        return "static"
+    return "dynamic" if getattr(fp8, "act_quant", None) else "none"
+
+
+def _emit(t: _Target, sink: _TensorSink, report: "ExportReport", *, merge: bool, adapter_names) -> _Written:
+    """Walks the model and puts every tensor of the checkpoint into `sink`, fp8 layers in t's layout (merged with
+    their adapters if `merge`); fills report.layers."""
+    fmt, layout, dense_dtype, granularity, bsz = t.fmt, t.layout, t.dense_dtype, t.granularity, t.bsz
+    key_of, src = t.key_of, t.src
+    tuner_cls = _tuner_cls()
     written_ids: dict[int, str] = {}
-    src_dtypes = src.get("dtypes", {}) if same else {}
-    comfy_meta_layers = "_quantization_metadata" in meta_out
-    dense_linears = []
-    conv_layers = []  # fp8 conv layers written (the compressed-tensors config then names its targets)
-    unmerged_adapters = []
-    layer_groups: dict[str, list] = {}
-    static_act: dict[str, bool] = {}
-    ragged: list[str] = []
+    src_dtypes = src.get("dtypes", {}) if t.same else {}
+    comfy_meta_layers = "_quantization_metadata" in t.metadata
+    out = _Written()
 
     if fmt == "comfyui":
-        markers = src.get("marker_tensors") if same else None
-        for k, t in (markers or {f"{strip}scaled_fp8": torch.tensor([], dtype=E4M3)}).items():
-            writer.add(k, t)
+        markers = src.get("marker_tensors") if t.same else None
+        for k, v in (markers or {f"{t.strip}scaled_fp8": torch.tensor([], dtype=E4M3)}).items():
+            sink.add(k, v)
 
-    def put_tensor(key, t):
-        if id(t) in written_ids:
-            report.notes.append(f"{key} is the same tensor as {written_ids[id(t)]} (tied): written once")
+    def put_tensor(key, v):
+        if id(v) in written_ids:
+            report.notes.append(f"{key} is the same tensor as {written_ids[id(v)]} (tied): written once")
             return
-        written_ids[id(t)] = key
-        v = t.detach()
+        written_ids[id(v)] = key
+        v = v.detach()
         if dense_dtype is not None and v.is_floating_point():
             v = v.float().to(dense_dtype) if v.dtype in (E4M3, E5M2) else v.to(dense_dtype)
         else:
             sd = src_dtypes.get(key)
             if sd is not None and sd != v.dtype and v.is_floating_point() and torch.equal(v.to(sd).to(v.dtype), v):
                 v = v.to(sd)
-        writer.add(key_of(key), v)
+        sink.add(key_of(key), v)
 
-    for kind, name, obj in _walk(base, "", tuner_cls):
+    for kind, name, obj in _walk(t.base, "", tuner_cls):
         if kind == "linear":
-            dense_linears.append(name)
+            out.dense_linears.append(name)
             continue
         if kind == "tensor":
             put_tensor(name, obj)
@@ -1102,10 +1236,10 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
                 inner = layer.get_base_layer()
             else:
                 inner = obj.get_base_layer()
-                unmerged_adapters.append(name)
+                out.unmerged.append(name)
             for k2, n2, o2 in _walk(inner, name + ".", tuner_cls):
                 if k2 == "linear":
-                    dense_linears.append(name)
+                    out.dense_linears.append(name)
                 elif k2 == "tensor":
                     put_tensor(n2, o2)
             continue
@@ -1127,10 +1261,10 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
                         f"into FP8Linear layers only). Write the base with save_fp8_checkpoint and the adapter with "
                         f"save_pretrained, or merge with plain PEFT on the original-precision model")
             elif any(a not in tuner.merged_adapters for a in tuner.active_adapters):
-                unmerged_adapters.append(name)
+                out.unmerged.append(name)
         terms = adapter_terms(tuner, names_) if names_ else []
         bias = fp8.bias.detach() if fp8.bias is not None else None
-        for a in (t[4] for t in terms):
+        for a in (term[4] for term in terms):
             if tuner.lora_bias.get(a) and tuner.lora_B[a].bias is not None:
                 if bias is None:
                     raise RuntimeError(f"{name}: cannot merge lora_bias of adapter {a!r}: the base layer has no bias")
@@ -1139,16 +1273,16 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         def rows(j0, j1, _w8=w8, _s=scale, _bs=bs, _t=terms):
             return merged_rows(_w8, _s, _bs, _t, j0, j1)
         cur = scale_kind(scale)
-        entry = {"adapters": [t[4] for t in terms]}
+        entry = {"adapters": [term[4] for term in terms]}
         fmeta = getattr(fp8, "_dorafp8_source", {}) or {}
         if dense_dtype is not None:
             W, _, st = requantize(rows, N, K, "row", dense_dtype=dense_dtype)
             entry.update(action="merged" if terms else "dequantized", granularity=str(dense_dtype).replace(
                 "torch.", ""), rel_error=st.rel_error)
             report.layers[name] = entry
-            writer.add(key_of(f"{name}.weight"), W.reshape(w_shape))
+            sink.add(key_of(f"{name}.weight"), W.reshape(w_shape))
             if bias is not None:
-                writer.add(key_of(f"{name}.bias"), bias.to(dense_dtype))
+                sink.add(key_of(f"{name}.bias"), bias.to(dense_dtype))
             del W
             continue
         allowed = layout.write_granularities
@@ -1174,46 +1308,64 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
             raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
                              f"(the adapter seems to be broken); nothing usable can be written")
         entry["granularity"] = (f"per-{bsz}x{bsz}-block" if g == "block" else _GRAN_NAMES[g])
-        if fmt == "fine-grained" and (N % bsz or K % bsz):
-            ragged.append(name)
+        if fmt == "fine-grained" and _cpu_fine_grained_read(N, K, bsz) != "ok":
+            out.ragged.append(name)
         report.layers[name] = entry
-        layer_groups.setdefault(g, []).append(name)
         if isinstance(fp8, _FP8ConvNd):
-            conv_layers.append(name)
-        writer.add(key_of(f"{name}.weight"), w8n.reshape(w_shape))
+            out.conv_layers.append(name)
+        sink.add(key_of(f"{name}.weight"), w8n.reshape(w_shape))
         if fmt == "fp8-cast":
             if not bool((sn == 1).all()):
                 raise ValueError(f"{name}: the fp8-cast layout has no scale, but this layer's is not 1; write "
                                  f"another format (compressed-tensors keeps per-row scales)")
         else:
-            writer.add(key_of(f"{name}.{layout.scale_key}"), _layout_scale(fmt, sn, N, fmeta))
+            sink.add(key_of(f"{name}.{layout.scale_key}"), _layout_scale(fmt, sn, N, fmeta))
         if bias is not None:
             bt = bias.to(fp8.bias.dtype) if fp8.bias is not None else bias
             sd = src_dtypes.get(f"{name}.bias")
             if sd is not None and sd != bt.dtype and torch.equal(bt.to(sd).to(bt.dtype), bt):
                 bt = bt.to(sd)
-            writer.add(key_of(f"{name}.bias"), bt)
+            sink.add(key_of(f"{name}.bias"), bt)
         extras = dict(fmeta.get("extras", {})) if fmeta.get("format") == fmt else {}
         if fmt == "comfyui-quant" and not comfy_meta_layers and "comfy_quant" not in extras:
             extras["comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
                                                  dtype=torch.uint8)
-        static_act[name] = bool(layout.act_scale_key and layout.act_scale_key in extras)
+        out.groups.setdefault((g, _act_mode(fp8, layout, extras)), []).append(name)
         for ek, ev in extras.items():
-            writer.add(key_of(f"{name}.{ek}"), ev)
+            sink.add(key_of(f"{name}.{ek}"), ev)
         del w8n, sn
+    return out
+
+
+def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_names, granularity, block_size,
+           max_shard_size, prefix, metadata, verbose) -> ExportReport:
+    from ._deps import require
+
+    require("safetensors", what="writing fp8 checkpoints")
+    t0 = time.time()
+    path = os.fspath(path)
+    t = _resolve(model, fmt, granularity, block_size, prefix, metadata)
+    _check_destination(t, path, defaulted=fmt is None)
+    writer = _ShardWriter(path, t.stem, _parse_size(max_shard_size), t.metadata)
+    report = ExportReport(t.fmt, path)
+    try:
+        out = _emit(t, writer, report, merge=merge, adapter_names=adapter_names)
+    except BaseException:
+        writer.discard()
+        raise
     report.files = writer.close()
     report.tensors, report.bytes = writer.count, writer.total
-    if ragged:
-        report.notes.append(f"{len(ragged)} layers have a dimension that is not a multiple of the block size "
-                            f"{bsz} (e.g. {ragged[0]}): their scales cover partial blocks (ceil), as DeepSeek-V3's do "
-                            f"and as transformers' FP8Linear reads them; transformers' dequantize-while-loading path "
-                            f"(used without a GPU) assumes whole blocks and misreads them (transformers 5.23)")
-    if unmerged_adapters and not merge:
-        report.notes.append(f"{len(unmerged_adapters)} layers have adapters that were not written (save them with "
-                            f"save_pretrained, or use export_merged): e.g. {unmerged_adapters[0]}")
+    if out.ragged:
+        report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
+                            f"{t.bsz} (e.g. {out.ragged[0]}): their scales cover partial blocks (ceil), as "
+                            f"DeepSeek-V3's do and as transformers' FP8Linear (GPU) reads them; transformers' "
+                            f"dequantize-while-loading path (used without a GPU) takes the block size from the scale "
+                            f"grid and refuses or misreads them (transformers 5.23)")
+    if out.unmerged and not merge:
+        report.notes.append(f"{len(out.unmerged)} layers have adapters that were not written (save them with "
+                            f"save_pretrained, or use export_merged): e.g. {out.unmerged[0]}")
     if not path.endswith(".safetensors"):
-        _write_config(base, path, fmt, src, report, layer_groups, dense_linears, static_act, bsz, same,
-                      bool(conv_layers))
+        _write_config(t, path, report, out)
     report.seconds = time.time() - t0
     logger.info(str(report))
     if verbose:
@@ -1221,55 +1373,119 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     return report
 
 
-def _write_config(base, path, fmt, src, report, groups, dense_linears, static_act, bsz, same,
-                  has_conv=False) -> None:
-    cfg_obj = getattr(base, "config", None)
-    if callable(getattr(base, "save_config", None)) and not hasattr(cfg_obj, "to_dict"):  # diffusers
-        base.save_config(path)
+def _quantization_config(t: _Target, report: "ExportReport", out: _Written) -> Optional[dict]:
+    """config.json's quantization_config for the fp8 layouts transformers reads (None for the others)."""
+    old_q = (t.src.get("config") or {}).get("quantization_config") if t.same else None
+    if old_q and all(d["action"] == "kept" for d in report.layers.values()):
+        return old_q
+    bsz, ignore = t.bsz, sorted(set(out.dense_linears))
+    if t.fmt == "fine-grained":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [bsz, bsz],
+                "modules_to_not_convert": ignore or None, "scale_fmt": "float"}
+    if t.fmt != "compressed-tensors":
+        return None
+    strategies = {"tensor": "tensor", "row": "channel", "block": "block"}
+    fp8_args = {"num_bits": 8, "type": "float", "symmetric": True}
+    cg = {}
+    for i, ((g, act), names) in enumerate(sorted(out.groups.items())):
+        weights = {**fp8_args, "dynamic": False, "strategy": strategies[g], "group_size": None,
+                   "block_structure": [bsz, bsz] if g == "block" else None}
+        # the activations as the model computes them: transformers + compressed-tensors then reproduce its outputs
+        # (to 2e-7, measured), and vLLM runs weight-only layers as CompressedTensorsW8A16Fp8
+        if act == "static":
+            acts = {**fp8_args, "dynamic": False, "strategy": "tensor"}
+        elif act == "dynamic":  # act_quant="rowwise": one scale per row (token), whatever the weight's scales
+            acts = {**fp8_args, "dynamic": True, "strategy": "token"}
+        else:  # W8A16: weight-only
+            acts = None
+        # "Linear" covers every layer of a single group, unless fp8 conv layers are in it: then by name
+        targets = ["Linear"] if len(out.groups) == 1 and not out.conv_layers else \
+            [f"re:^{re.escape(n)}$" for n in names]
+        cg[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": acts,
+                            "output_activations": None, "format": "float-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": cg, "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}}
+
+
+# diffusers reads no fp8 layout with scales: a directory written for a diffusers model carries this in config.json, so
+# that diffusers' from_pretrained refuses it ("Unknown quantization type, got dorafp8"; with dorafp8 imported, the
+# error below) instead of loading the raw e4m3 values without their scales
+DIFFUSERS_LOAD_HINT = ("build the model on the meta device (with accelerate.init_empty_weights(): model = "
+                       "ModelClass.from_config(ModelClass.load_config(path))) and call dorafp8.load_fp8_checkpoint("
+                       "model, path)")
+
+
+def diffusers_guard(fmt: str) -> dict:
+    return {"quant_method": "dorafp8", "layout": fmt,
+            "note": f"fp8 weights in the {fmt} layout, written by dorafp8; diffusers' from_pretrained cannot read "
+                    f"their scales: {DIFFUSERS_LOAD_HINT}"}
+
+
+def _write_config(t: _Target, path: str, report: "ExportReport", out: _Written) -> None:
+    if t.config_kind == "diffusers":
+        t.base.save_config(path)
+        if t.layout is not None:
+            cfg_path = os.path.join(path, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"] = diffusers_guard(t.fmt)
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
         return
-    if hasattr(cfg_obj, "to_dict"):
-        cfg = cfg_obj.to_dict()
-    elif src.get("config"):
-        cfg = dict(src["config"])
-    else:
+    if t.config_kind is None:
         return
-    ignore = sorted(set(dense_linears))
-    old_q = (src.get("config") or {}).get("quantization_config") if same else None
-    all_kept = all(d["action"] == "kept" for d in report.layers.values())
+    cfg_obj = getattr(t.base, "config", None)
+    cfg = cfg_obj.to_dict() if hasattr(cfg_obj, "to_dict") else dict(t.src["config"])
     cfg.pop("quantization_config", None)
-    if fmt in DENSE_FORMATS:
-        cfg["torch_dtype"] = cfg["dtype"] = str(DENSE_FORMATS[fmt]).replace("torch.", "")
-    elif old_q and all_kept:
-        cfg["quantization_config"] = old_q
-    elif fmt == "fine-grained":
-        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                      "weight_block_size": [bsz, bsz], "modules_to_not_convert": ignore or None,
-                                      "scale_fmt": "float"}
-    elif fmt == "compressed-tensors":
-        strategies = {"tensor": "tensor", "row": "channel", "block": "block"}
-        cg = {}
-        for i, (g, names) in enumerate(sorted(groups.items())):
-            static = all(static_act.get(n) for n in names)
-            weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                       "strategy": strategies[g], "group_size": None,
-                       "block_structure": [bsz, bsz] if g == "block" else None}
-            if static:
-                acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
-            elif g == "block":
-                acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
-                        "group_size": bsz}
-            else:
-                acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
-            # "Linear" covers every layer of a single group, unless fp8 conv layers are in it: then by name
-            targets = ["Linear"] if len(groups) == 1 and not has_conv else [f"re:^{re.escape(n)}$" for n in names]
-            cg[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": acts,
-                                "output_activations": None, "format": "float-quantized"}
-        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                      "quantization_status": "compressed", "config_groups": cg, "ignore": ignore,
-                                      "kv_cache_scheme": None, "global_compression_ratio": None,
-                                      "sparsity_config": {}, "transform_config": {}}
+    if t.dense_dtype is not None:
+        cfg["torch_dtype"] = cfg["dtype"] = str(t.dense_dtype).replace("torch.", "")
+    else:
+        qc = _quantization_config(t, report, out)
+        if qc is not None:
+            cfg["quantization_config"] = qc
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True, default=str)
+
+
+def _unmerged_adapter_layers(base: nn.Module) -> list[str]:
+    tuner_cls = _tuner_cls()
+    if tuner_cls is None:
+        return []
+    return [n for n, m in base.named_modules() if isinstance(m, tuner_cls) and not getattr(m, "disable_adapters", False)
+            and any(a not in m.merged_adapters for a in m.active_adapters)]
+
+
+def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, "ExportReport"]:
+    """(state dict, quantization_config, report) for transformers' save_pretrained of a model holding dorafp8 fp8
+    layers (dorafp8/_save_hooks.py hands them to it): the fp8 layers in a layout transformers and vLLM read on their
+    own, keeping every layer's bytes and scales. fine-grained if the model was loaded from it and every layer still
+    fits it as is (per-tensor, or blocks of its size), else compressed-tensors (per-tensor, per-row and block scales,
+    any mix). Raises ValueError naming the fix where no such layout can hold the model: unmerged PEFT adapters (they
+    would be dropped), fp8 conv layers, blocks that do not divide a layer."""
+    base = _base_model(model)
+    unmerged = _unmerged_adapter_layers(base)
+    if unmerged:
+        raise ValueError(f"{type(base).__name__}.save_pretrained: {len(unmerged)} layers carry PEFT adapters that are "
+                         f"not merged (e.g. {unmerged[0]!r}); the checkpoint would hold the base without them. Merge "
+                         f"them first (model = peft_model.merge_and_unload()), write a merged checkpoint with "
+                         f"dorafp8.export_merged(peft_model, path), or save the adapter alone with the PeftModel's "
+                         f"save_pretrained")
+    t = _resolve(model, "fine-grained", None, None, "")
+    layers = fp8_modules(t.base).values()
+    if not (t.same and all(isinstance(m, FP8Linear) and (scale_kind(m.scale) == "tensor" or (
+            scale_kind(m.scale) == "block" and m.block_size == t.bsz)) for m in layers)
+            and _transformers_problem(t, "") is None):
+        t = _resolve(model, "compressed-tensors", None, None, "")
+    problem = _transformers_problem(t, "Write it with dorafp8.save_fp8_checkpoint(model, 'path.safetensors')")
+    if problem:
+        raise ValueError(f"{type(base).__name__}.save_pretrained cannot write this fp8 model in a layout transformers "
+                         f"reads: {problem}")
+    sink = _TensorSink()
+    report = ExportReport(t.fmt, "save_pretrained")
+    out = _emit(t, sink, report, merge=False, adapter_names=None)
+    report.tensors, report.bytes = sink.count, sink.total
+    return sink.cur, _quantization_config(t, report, out), report
 
 
 def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *, granularity: Optional[str] = None,

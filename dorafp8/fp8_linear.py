@@ -161,9 +161,19 @@ def _tuner_layer_cls():
     return getattr(mod, "BaseTunerLayer", None)
 
 
+def _name_list(arg) -> Optional[list]:
+    return None if arg is None else ([arg] if isinstance(arg, str) else list(arg))
+
+
+def _matches(name: str, patterns: list) -> bool:
+    """`name` is one of `patterns` or ends with '.' + one (PEFT's target_modules rule)."""
+    return any(name == t or name.endswith("." + t) for t in patterns)
+
+
 def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = None, *,
                    per_row_scale: bool = False, block_size: Optional[int] = None, backend: str = "auto",
-                   act_quant: Optional[str] = None, include_conv: bool = False) -> int:
+                   act_quant: Optional[str] = None, include_conv: bool = False,
+                   exclude_modules: Optional[Iterable[str]] = None) -> int:
     """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, and nn.Conv1d/2d/3d layers by
     FP8Conv1d/2d/3d (dorafp8/fp8_conv.py), in place.
 
@@ -171,6 +181,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     None quantizes every nn.Linear/Conv1D except those named like an output head (`lm_head`), plus every
     nn.Conv1d/2d/3d if include_conv=True (default False: a None-target call quantizes what it always did; diffusion
     models want include_conv=True, see docs/DIFFUSION.md). Explicit targets that match no layer are an error.
+    exclude_modules: names (or name suffixes) of layers left as they are, whatever target_modules says.
     per_row_scale / block_size choose the scale (default: one per tensor; for convs per_row_scale means one per
     output channel); act_quant="rowwise" makes the linear layers' base GEMMs W8A8 (set_act_quant changes it later;
     conv layers always run W8A16). Layers whose weight is already float8_e4m3fn (diffusers' enable_layerwise_casting,
@@ -184,8 +195,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     check_backend_name(backend)
     check_act_quant(act_quant)
     kinds = _linear_kinds()
-    targets = None if target_modules is None else (
-        [target_modules] if isinstance(target_modules, str) else list(target_modules))
+    targets, excluded = _name_list(target_modules), _name_list(exclude_modules) or []
     tuner = _tuner_layer_cls()
     inside_tuner = set()
     if tuner is not None:
@@ -201,7 +211,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         if targets is None:
             if name.split(".")[-1] == "lm_head" or (is_conv and not include_conv):
                 continue
-        elif not any(name == t or name.endswith("." + t) for t in targets):
+        elif not _matches(name, targets):
+            continue
+        if _matches(name, excluded):
             continue
         (skipped if name in inside_tuner else swaps).append(name)
     if skipped:
@@ -212,7 +224,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             stacklevel=2)
     if targets is not None and not swaps and not skipped:
         peft_hits = [n for n, m in model.named_modules() if tuner is not None and isinstance(m, tuner)
-                     and any(n == t or n.endswith("." + t) for t in targets)]
+                     and _matches(n, targets)]
         if peft_hits:
             raise ValueError(f"target_modules={targets!r} matched only PEFT adapter layers (e.g. {peft_hits[0]!r}); "
                              f"quantize before get_peft_model, or use dorafp8.convert_peft_model(model) to put the "

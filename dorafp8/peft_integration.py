@@ -419,7 +419,7 @@ def register_with_peft() -> None:
 
     PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
     "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
-    so FP8Linear counts as the linear layer it is. Idempotent; runs when peft is imported (see dorafp8/_peft_hook.py).
+    so FP8Linear counts as the linear layer it is. Idempotent; runs when peft is imported (dorafp8/_import_hooks.py).
     """
     global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:

@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Linear  # noqa: E402
-from dorafp8.checkpoint import CheckpointFormatError  # noqa: E402
+from dorafp8.checkpoint import TRANSFORMERS_FORMATS, CheckpointFormatError  # noqa: E402
 import _ckpt_fixtures as F  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -104,7 +104,9 @@ def test_round_trip_is_bit_exact(case, ckpt, tmp_path):
     and for single files the same safetensors metadata."""
     path = ckpt(case)
     model, _ = _load(path)
-    out = str(tmp_path / ("rt.safetensors" if path.endswith(".safetensors") else "rt"))
+    # a layout transformers cannot read goes to a single file (a directory would get a transformers config.json)
+    single = path.endswith(".safetensors") or CASES[case][1] not in TRANSFORMERS_FORMATS
+    out = str(tmp_path / ("rt.safetensors" if single else "rt"))
     rep = dorafp8.save_fp8_checkpoint(model, out, verbose=False)
     assert rep.format == CASES[case][1] and all(d["action"] == "kept" for d in rep.layers.values())
     a, b = F.read_all(path), F.read_all(out)
@@ -194,7 +196,7 @@ def test_export_then_reload_within_reported_merge_error(fmt, trained, tmp_path):
     E||x E^T||^2 / E||x W^T||^2 = ||E||_F^2 / ||W||_F^2; 25% either way for the sampling), so the report is neither
     optimistic nor pessimistic."""
     kw = dict(block_size=32) if fmt == "fine-grained" else {}
-    out = tmp_path / "exp"
+    out = tmp_path / ("exp" if fmt in TRANSFORMERS_FORMATS else "exp.safetensors")  # see test_round_trip_is_bit_exact
     rep = dorafp8.export_merged(trained, out, format=fmt, verbose=False, **kw)
     assert len(rep.layers) == 14 and all(d["action"] == "merged" for d in rep.layers.values())
     errs = rep.errors("merged")
@@ -231,10 +233,10 @@ def test_export_default_scales_and_unmerged_layers_keep_their_bytes(trained, tmp
     rep = dorafp8.export_merged(trained, tmp_path / "b", format="compressed-tensors", granularity="tensor",
                                 verbose=False)
     assert {d["granularity"] for d in rep.layers.values()} == {"per-tensor"}
-    rep = dorafp8.save_fp8_checkpoint(trained, tmp_path / "c", format="dorafp8", verbose=False)
+    rep = dorafp8.save_fp8_checkpoint(trained, tmp_path / "c.safetensors", format="dorafp8", verbose=False)
     assert all(d["action"] == "kept" for d in rep.layers.values())
     assert any("not written" in n for n in rep.notes)
-    sd = F.read_all(str(tmp_path / "c"))
+    sd = F.read_all(str(tmp_path / "c.safetensors"))
     for name, m in _fp8_layers(trained).items():
         key = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
         assert torch.equal(sd[key + ".weight"].view(torch.uint8), m.weight.view(torch.uint8))
@@ -319,7 +321,8 @@ def test_diffusers_model_from_a_comfyui_file(tmp_path):
 
 def test_sharded_directory_streams_one_shard_and_tensor_at_a_time(ckpt, tmp_path, capsys, monkeypatch):
     model, _ = _load(ckpt("dorafp8"))
-    rep = dorafp8.save_fp8_checkpoint(model, tmp_path / "sh", max_shard_size="40KB", verbose=False)
+    rep = dorafp8.save_fp8_checkpoint(model, tmp_path / "sh", "compressed-tensors", max_shard_size="40KB",
+                                      verbose=False)
     assert len(rep.files) > 2 and (tmp_path / "sh" / "model.safetensors.index.json").exists()
     import safetensors
 

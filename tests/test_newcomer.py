@@ -55,7 +55,8 @@ def test_import_does_not_load_peft_transformers_or_triton():
 @pytest.mark.parametrize("order", ["dorafp8-first", "peft-first"])
 def test_fp8_first_get_peft_model_needs_no_other_import(order):
     """quantize_model then get_peft_model builds DoRAFP8Linear layers whichever of peft and dorafp8 is imported
-    first, without the user importing dorafp8's PEFT integration."""
+    first, without the user importing dorafp8's PEFT integration; and transformers' save_pretrained (which peft
+    imports) is hooked either way (tests/test_save_paths.py)."""
     imports = "import dorafp8\nimport peft" if order == "dorafp8-first" else "import peft\nimport dorafp8"
     out = _run_python(f"""{imports}
 import torch
@@ -64,26 +65,29 @@ dorafp8.quantize_model(net)
 pm = peft.get_peft_model(net, peft.LoraConfig(r=2, use_dora=True, target_modules=["0", "2"]))
 print(sorted(type(m).__name__ for m in pm.modules() if type(m).__name__ == "DoRAFP8Linear"))
 pm(torch.randn(3, 16)).sum().backward()
+import transformers
+print(getattr(transformers.PreTrainedModel.save_pretrained, "_dorafp8", False))
 """)
-    assert out.strip() == "['DoRAFP8Linear', 'DoRAFP8Linear']", out
+    assert out.split("\n")[:2] == ["['DoRAFP8Linear', 'DoRAFP8Linear']", "True"], out
 
 
 def test_missing_extra_names_it():
-    """Without peft/transformers, the PEFT names and the demo say which extra to install."""
+    """Without peft/transformers, the PEFT names, DoRAFP8Config and the demo say which extra to install."""
     out = _run_python("""
 import sys
 sys.modules['peft'] = sys.modules['transformers'] = None  # what an interpreter without them sees
 import dorafp8, dorafp8.demo
-for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.demo.main([])):
+for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.DoRAFP8Config, lambda: dorafp8.demo.main([])):
     try:
         f()
     except ImportError as e:
         print(e)
 """)
     lines = out.strip().splitlines()
-    assert len(lines) == 2, out
+    assert len(lines) == 3, out
     assert "dorafp8.DoRAFP8Linear needs peft" in lines[0] and "pip install 'dorafp8[peft]'" in lines[0]
-    assert "the demo" in lines[1] and "pip install 'dorafp8[peft]'" in lines[1]
+    assert "dorafp8.DoRAFP8Config needs transformers" in lines[1] and "pip install 'dorafp8[peft]'" in lines[1]
+    assert "the demo" in lines[2] and "pip install 'dorafp8[peft]'" in lines[2]
 
 
 def test_environment_report():

@@ -1,0 +1,126 @@
+"""Teaches PEFT, transformers and diffusers about dorafp8 without importing them.
+
+Importing peft, transformers or diffusers takes seconds, so `import dorafp8` must not do it. But each needs to know
+about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
+
+- peft: `quantize_model(model)` then `get_peft_model(model, LoraConfig(use_dora=True, ...))` must build
+  DoRAFP8Linear layers (dorafp8.peft_integration.register_with_peft);
+- transformers: `save_pretrained` of a model holding fp8 layers must write a checkpoint `from_pretrained` reads
+  correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
+  quantizer registry (dorafp8/_save_hooks.py, dorafp8/hf_quantizer.py);
+- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers (dorafp8/_save_hooks.py).
+
+So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
+loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
+transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
+PreTrainedModel and ModelMixin, not the packages.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+
+def _peft() -> None:
+    from .peft_integration import register_with_peft
+
+    register_with_peft()
+
+
+def _transformers() -> None:
+    from . import _save_hooks, hf_quantizer
+
+    _save_hooks.patch_transformers()
+    hf_quantizer.register()
+
+
+def _diffusers() -> None:
+    from . import _save_hooks
+
+    _save_hooks.patch_diffusers()
+
+
+# module -> (its hook, what breaks if the hook fails: said in the warning)
+_WATCHED = {
+    "peft": (_peft, "get_peft_model will not build DoRAFP8Linear layers"),
+    "transformers.modeling_utils": (_transformers, "save_pretrained of fp8 models writes unscaled e4m3 weights, and "
+                                                   "DoRAFP8Config is not registered"),
+    "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
+}
+_pending: set = set()
+
+
+def _run(name: str) -> None:
+    hook, consequence = _WATCHED[name]
+    try:
+        hook()
+    except Exception as e:  # never break the user's import because of dorafp8
+        warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
+                      RuntimeWarning, stacklevel=3)
+
+
+class _RunAfterExec(importlib.abc.Loader):
+    """Wraps the real loader of a watched module: executes the module, then runs its hook."""
+
+    def __init__(self, loader, name: str):
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _pending.discard(self._name)
+        if not _pending:
+            uninstall()  # everything watched is loaded
+        _run(self._name)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, get_source, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _pending:
+            return None
+        # Ask the other finders for the real spec (without this hook, so it cannot recurse), then wrap its loader.
+        # The hook stays installed until that loader has run: a bare importlib.util.find_spec("peft") -- diffusers
+        # and transformers probe optional packages that way before importing them -- only looks, and the import
+        # that follows must find the hook again (it used to be gone by then, and PEFT never learnt of FP8Linear).
+        uninstall()
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            install_finder()
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _RunAfterExec(spec.loader, fullname)
+        return spec
+
+
+_HOOK = _ImportHook()
+
+
+def uninstall() -> None:
+    while _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+
+
+def install_finder() -> None:
+    if _pending and _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+
+
+def install() -> None:
+    """Runs the hook of every watched module that is loaded, and watches for the others. Idempotent (each hook is)."""
+    for name in _WATCHED:
+        if sys.modules.get(name) is not None:
+            _pending.discard(name)
+            _run(name)
+        else:
+            _pending.add(name)
+    install_finder()

@@ -1,0 +1,138 @@
+"""save_pretrained of a transformers or diffusers model that holds dorafp8 fp8 layers (issue 24).
+
+Left alone, both libraries write the state dict: each fp8 weight's raw e4m3 values under `<layer>.weight` and its
+scale under `<layer>.scale`, a key their `from_pretrained` does not know. Loading that checkpoint puts the unscaled
+values into the model (a LLaMA's logits were off by a relative 1.41, 0% argmax agreement), and the only sign is the
+scales among transformers' UNEXPECTED keys. So dorafp8/_import_hooks.py wraps both methods as soon as the libraries
+define them:
+
+- transformers: the fp8 layers are written in a layout transformers (and vLLM) read on their own, compressed-tensors
+  or fine-grained FP8, with its quantization_config in config.json (checkpoint.save_pretrained_state picks it);
+  everything else save_pretrained does (config, generation config, sharding, hub upload) is left to it;
+- diffusers: no layout diffusers reads covers fp8 weights with scales (its one fp8 scheme, BFL's fp8r, is per-row
+  linear layers read by from_single_file), so save_pretrained refuses, naming dorafp8's writers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import warnings
+
+from torch import nn
+
+from .checkpoint import fp8_modules
+
+
+@contextlib.contextmanager
+def _config_says(model: nn.Module, quantization_config: dict):
+    """config.quantization_config = the written layout's, for the save only. A model that DoRAFP8Config quantized
+    also has an hf_quantizer, whose state dict transformers' save_pretrained would take instead of the one it is
+    given (transformers 5): hidden for the save too."""
+    cfg = model.config
+    had = hasattr(cfg, "quantization_config")
+    old = getattr(cfg, "quantization_config", None)
+    quantizer = getattr(model, "hf_quantizer", None)
+    cfg.quantization_config = quantization_config
+    if quantizer is not None:
+        model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        if had:
+            cfg.quantization_config = old
+        else:
+            del cfg.quantization_config
+        if quantizer is not None:
+            model.hf_quantizer = quantizer
+
+
+def _transformers_save_pretrained(orig):
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def save_pretrained(self, *args, **kwargs):
+        fp8 = list(fp8_modules(self))
+        # transformers' own PEFT integration (add_adapter / load_adapter) saves the adapter alone: nothing fp8 in it
+        if not fp8 or getattr(self, "_hf_peft_config_loaded", False):
+            return orig(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("state_dict") is not None:
+            raise ValueError(f"{type(self).__name__}.save_pretrained(state_dict=...): the model holds {len(fp8)} "
+                             f"dorafp8 fp8 layers (e.g. {fp8[0]!r}), and a state dict of it has their raw e4m3 "
+                             f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
+                             f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
+                             f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
+        from .checkpoint import save_pretrained_state
+
+        state_dict, quantization_config, report = save_pretrained_state(self)
+        requantized = report.errors("requantized")
+        if requantized:
+            worst = max(requantized.items(), key=lambda kv: kv[1])
+            warnings.warn(f"save_pretrained: {len(requantized)} fp8 layers do not fit {report.format} as they are "
+                          f"and were re-quantized (worst relative error {worst[1]:.2e}, {worst[0]}); "
+                          f"dorafp8.save_fp8_checkpoint(model, path, format=...) chooses the layout", stacklevel=2)
+        bound.arguments["state_dict"] = state_dict
+        with _config_says(self, quantization_config):
+            return orig(*bound.args, **bound.kwargs)
+
+    save_pretrained._dorafp8 = True
+    return save_pretrained
+
+
+def _diffusers_save_pretrained(orig):
+    @functools.wraps(orig)
+    def save_pretrained(self, *args, **kwargs):
+        fp8 = list(fp8_modules(self))
+        if fp8:
+            from .checkpoint import DIFFUSERS_LOAD_HINT
+
+            raise ValueError(f"{type(self).__name__}.save_pretrained: the model holds {len(fp8)} dorafp8 fp8 layers "
+                             f"(e.g. {fp8[0]!r}); diffusers would write their raw e4m3 values, which its "
+                             f"from_pretrained loads without their scales, and diffusers reads no fp8 layout that "
+                             f"holds them. Save with dorafp8.save_fp8_checkpoint(model, path) (to load it back, "
+                             f"{DIFFUSERS_LOAD_HINT}), or write a dense checkpoint diffusers loads with "
+                             f"dorafp8.export_merged(model, path, format='bf16')")
+        return orig(self, *args, **kwargs)
+
+    save_pretrained._dorafp8 = True
+    return save_pretrained
+
+
+def _wrap(cls, make) -> None:
+    if not getattr(cls.save_pretrained, "_dorafp8", False):  # idempotent: install() may run again
+        cls.save_pretrained = make(cls.save_pretrained)
+
+
+def patch_transformers() -> None:
+    from transformers.modeling_utils import PreTrainedModel
+
+    _wrap(PreTrainedModel, _transformers_save_pretrained)
+
+
+class _DiffusersDoRAFP8Checkpoint:
+    """What diffusers' quantizer registry finds for quant_method 'dorafp8', the marker dorafp8's writers put in the
+    config.json of a diffusers directory: an error saying how to load it (without dorafp8 imported, diffusers says
+    "Unknown quantization type, got dorafp8")."""
+
+    @classmethod
+    def from_dict(cls, config: dict, *args, **kwargs):
+        from .checkpoint import DIFFUSERS_LOAD_HINT
+
+        raise ValueError(f"this diffusers checkpoint holds fp8 weights in the {config.get('layout')!r} layout, "
+                         f"written by dorafp8; diffusers' from_pretrained cannot read their scales. Load it with "
+                         f"dorafp8: {DIFFUSERS_LOAD_HINT}")
+
+
+def patch_diffusers() -> None:
+    from diffusers.models.modeling_utils import ModelMixin
+
+    _wrap(ModelMixin, _diffusers_save_pretrained)
+    try:  # diffusers has no public registry: its own "Unknown quantization type" error stands where this is missing
+        from diffusers.quantizers import auto
+    except ImportError:
+        return
+    mapping = getattr(auto, "AUTO_QUANTIZATION_CONFIG_MAPPING", None)
+    if isinstance(mapping, dict):
+        mapping.setdefault("dorafp8", _DiffusersDoRAFP8Checkpoint)

@@ -1,0 +1,488 @@
+"""Issue 24: every way to save an fp8 model writes a checkpoint that plain transformers / diffusers load correctly, or
+fails with an error that names the dorafp8 writer to use. No path loads garbage.
+
+The save paths: transformers' and diffusers' save_pretrained (the fp8 base, and merged with PEFT's merge_and_unload),
+dorafp8.save_fp8_checkpoint and dorafp8.export_merged in every format they offer, on a tiny LLaMA and a tiny diffusers
+UNet built from configs (nothing is downloaded). Each checkpoint is reloaded with the library's own from_pretrained
+(transformers 5.x on CPU: compressed-tensors stays fp8 until the first forward pass decompresses it, fine-grained FP8
+is dequantized while loading) and compared with the model that was saved:
+
+- a layer written as it is (its e4m3 bytes and scale) must come back as exactly its weight, and the outputs must equal
+  the saved model's to float32 rounding (torch.testing.assert_close's float32 tolerances);
+- a layer the save re-quantizes (merged adapters, a layout without the layer's kind of scale, a dense format) must be
+  within the unit roundoff u of what it is stored in, ||W_loaded - W||_F <= u ||W||_F (every stored value is within
+  u |w| of the exact one: e4m3 u = 2^-4, bf16 2^-8, fp16 2^-11; float32 is compared with assert_close, since the
+  reference W is itself computed in float32), and the outputs within u of e4m3, the fp8 quantization error bound.
+
+A subprocess reloads the transformers checkpoints with no dorafp8 imported at all.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("accelerate")
+peft = pytest.importorskip("peft")
+diffusers = pytest.importorskip("diffusers")
+if __import__("importlib").util.find_spec("compressed_tensors") is None:
+    pytest.skip("transformers reads compressed-tensors checkpoints through the compressed-tensors package",
+                allow_module_level=True)
+
+import dorafp8  # noqa: E402
+from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear  # noqa: E402
+from dorafp8.checkpoint import DENSE_FORMATS, FORMATS, TRANSFORMERS_FORMATS  # noqa: E402
+from dorafp8.ops import NORM_EPS  # noqa: E402
+
+import _ckpt_fixtures as F  # noqa: E402
+from test_diffusion import _batches, small_unet  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+E4M3 = torch.float8_e4m3fn
+IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+GRANULARITIES = {"tensor": {}, "row": dict(per_row_scale=True), "block": dict(block_size=32)}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+U_FP8 = unit_roundoff(E4M3)  # 2^-4
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _dora_weight(layer, a="default") -> torch.Tensor:
+    """PEFT's merged DoRA weight m / ||V||_row * V, V = W0 + s B A, in fp32 from the unmerged layer (what the trained
+    model computes with)."""
+    V = layer.get_base_layer().dequantize() + layer.scaling[a] * (
+        layer.lora_B[a].weight.float() @ layer.lora_A[a].weight.float())
+    m = layer.lora_magnitude_vector[a].weight.float()
+    return (m / V.norm(dim=1).clamp_min(NORM_EPS))[:, None] * V
+
+
+def _saved_weights(model) -> dict:
+    """fp32 weight of every fp8 layer of the saved model, by state dict name: the dequantized fp8 weight, or the
+    merged DoRA weight where a DoRA adapter sits on it."""
+    out = {}
+    for name, m in model.named_modules():
+        key = name.replace("base_model.model.", "", 1)
+        if isinstance(m, dorafp8.DoRAFP8Linear):
+            out[key] = _dora_weight(m)
+        elif isinstance(m, (FP8Linear, FP8Conv1d, FP8Conv2d, FP8Conv3d)) and not name.endswith(".base_layer"):
+            out[key] = m.dequantize()
+    assert out
+    return out
+
+
+def _llama_out(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+_UNET_KW = {k: v[:1] for k, v in _batches("unet", 1)[0][0].items()}  # one sample: the UNet's forward is the cost
+
+
+def _unet_out(model):
+    with torch.no_grad():
+        return model(**_UNET_KW).sample.float()
+
+
+_saved_outputs = weakref.WeakKeyDictionary()  # the module-scope models are saved many times: one forward each
+
+
+def assert_reloads(saved, reloaded, run, stored=None):
+    """`reloaded` is the model `saved` was: stored=None for checkpoints that hold every fp8 layer as it is, else the
+    dtype the layers were re-quantized into (see the module docstring)."""
+    if saved not in _saved_outputs:
+        _saved_outputs[saved] = run(saved)
+    ref = _saved_outputs[saved]
+    out = run(reloaded)  # first: compressed-tensors decompresses the weights on the first forward pass
+    for name, W in _saved_weights(saved).items():
+        got = _weight(reloaded.get_submodule(name)).float().reshape(W.shape)
+        if stored is None:
+            assert torch.equal(got, W), (name, _rel(got, W))
+        elif stored == torch.float32:
+            torch.testing.assert_close(got, W, msg=name)
+        else:
+            assert _rel(got, W) <= unit_roundoff(stored), (name, _rel(got, W), unit_roundoff(stored))
+    if stored is None:
+        torch.testing.assert_close(out, ref)
+    else:
+        assert _rel(out, ref) <= U_FP8, (_rel(out, ref), U_FP8)
+
+
+def _weight(module) -> torch.Tensor:
+    """The weight a reloaded layer computes with: a dorafp8 layer's dequantized, a plain layer's own (never its raw
+    e4m3 values: that is what loading without the scales looks like)."""
+    if isinstance(module, (FP8Linear, FP8Conv1d, FP8Conv2d, FP8Conv3d)):
+        return module.dequantize()
+    assert module.weight.dtype != E4M3, module
+    return module.weight.detach()
+
+
+def _hf_load(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _llama(**quant):
+    m = F.original_model()
+    dorafp8.quantize_model(m, **quant)
+    return m.eval()
+
+
+def _perturb_dora(pm, seed=1):
+    """Moves every DoRA adapter off its init (B = 0, m = ||W0||), so that merging changes every layer."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in pm.modules():
+            if isinstance(m, dorafp8.DoRAFP8Linear):
+                B, mag = m.lora_B["default"].weight, m.lora_magnitude_vector["default"].weight
+                B.copy_(0.05 * torch.randn(B.shape, generator=g))
+                mag.mul_(1 + 0.1 * torch.randn(mag.shape, generator=g))
+    return pm.eval()
+
+
+@pytest.fixture(scope="module")
+def dora():
+    """PEFT DoRA on every linear layer of a per-row fp8 LLaMA."""
+    pm = peft.get_peft_model(_llama(per_row_scale=True),
+                             peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    return _perturb_dora(pm)
+
+
+# ---------------------------------------------------------------------------------------------------- transformers
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_save_pretrained_base_reloads_with_plain_transformers(granularity, tmp_path):
+    """quantize_model(llama); llama.save_pretrained(d); from_pretrained(d): compressed-tensors with its
+    quantization_config, the same weights, the same logits (before: raw e4m3 values without scales, logits off by a
+    relative 1.41)."""
+    model = _llama(**GRANULARITIES[granularity])
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert not hasattr(model.config, "quantization_config")  # the in-memory model is as it was
+    assert_reloads(model, _hf_load(tmp_path), _llama_out)
+
+
+def test_save_pretrained_after_merge_and_unload(dora, tmp_path):
+    merged = copy.deepcopy(dora)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merging re-quantizes: the warning is tested in test_checkpoint
+        merged = merged.merge_and_unload()
+    merged.save_pretrained(tmp_path)
+    reloaded = _hf_load(tmp_path)
+    assert_reloads(merged, reloaded, _llama_out)  # the merged bytes, as they are
+    assert_reloads(dora, reloaded, _llama_out, stored=E4M3)  # and they are the DoRA model, within one e4m3 rounding
+
+
+def test_save_pretrained_keeps_a_fine_grained_source(tmp_path):
+    """A model loaded from a fine-grained FP8 checkpoint is saved as one (byte for byte), which transformers
+    dequantizes on CPU to exactly the weights."""
+    src = F.write_fine_grained(F.original_model(), str(tmp_path / "src"), block=32)
+    model = F.meta_model()
+    dorafp8.load_fp8_checkpoint(model, src, verbose=False)
+    model.save_pretrained(tmp_path / "out")
+    a, b = F.read_all(src), F.read_all(str(tmp_path / "out"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8) if a[k].dtype == E4M3 else a[k],
+                                                      b[k].view(torch.uint8) if b[k].dtype == E4M3 else b[k])
+                                          for k in a)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert_reloads(model.eval(), _hf_load(tmp_path / "out"), _llama_out)
+
+
+def test_save_pretrained_refuses_what_it_cannot_write(dora, tmp_path):
+    # unmerged adapters would be dropped
+    with pytest.raises(ValueError, match=r"not merged.*merge_and_unload.*dorafp8\.export_merged"):
+        dora.base_model.model.save_pretrained(tmp_path / "a")
+    model = _llama()
+    with pytest.raises(ValueError, match=r"without state_dict.*dorafp8\.save_fp8_checkpoint"):
+        model.save_pretrained(tmp_path / "b", state_dict=model.state_dict())
+    # blocks that do not divide a layer: compressed-tensors reads whole blocks only
+    with pytest.raises(ValueError, match=r"block size 48.*save_fp8_checkpoint\(model, 'path\.safetensors'\)"):
+        _llama(block_size=48).save_pretrained(tmp_path / "c")
+    # fp8 convolutions: transformers reads them in no layout
+    model.model.conv = FP8Conv2d.from_float(torch.nn.Conv2d(4, 4, 1))
+    with pytest.raises(ValueError, match=r"fp8 conv layers.*'model\.conv'.*save_fp8_checkpoint"):
+        model.save_pretrained(tmp_path / "d")
+    assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abcd")
+
+
+# what each format does with a per-row fp8 LLaMA (save_fp8_checkpoint) or a DoRA model on one (export_merged):
+# None: every layer written as it is; a dtype: re-quantized into it; a string: the error, naming the fix
+_NOT_HF = r"from_pretrained would load the raw e4m3 values.*\.safetensors.*compressed-tensors"
+_NO_SCALE = r"fp8-cast layout has no scale.*compressed-tensors"
+SAVE_EXPECT = {"compressed-tensors": None, "fine-grained": E4M3, "fp8-cast": _NO_SCALE, "comfyui": _NOT_HF,
+               "comfyui-quant": _NOT_HF, "dorafp8": _NOT_HF, **DENSE_FORMATS}
+EXPORT_EXPECT = {**SAVE_EXPECT, "compressed-tensors": E4M3}
+
+
+def _save_or_refuse(write, model, fmt, expect, path, **kw):
+    """Writes with `write`; if `expect` is an error pattern, checks that the directory write raises it, and that
+    the single file it names instead is no checkpoint transformers loads (it raises, it does not load wrong)."""
+    if not isinstance(expect, str):
+        rep = write(model, path, format=fmt, verbose=False, **kw)
+        assert rep.format == fmt
+        return True
+    with pytest.raises(ValueError, match=expect):
+        write(model, path, format=fmt, verbose=False, **kw)
+    assert not path.exists()
+    if fmt not in TRANSFORMERS_FORMATS:
+        write(model, path.with_suffix(".safetensors"), format=fmt, verbose=False, **kw)
+        with pytest.raises(OSError):
+            transformers.AutoModelForCausalLM.from_pretrained(path.with_suffix(".safetensors"))
+    return False
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_save_fp8_checkpoint_every_format(fmt, tmp_path):
+    model = _llama(per_row_scale=True)
+    expect = SAVE_EXPECT[fmt]
+    if _save_or_refuse(dorafp8.save_fp8_checkpoint, model, fmt, expect, tmp_path / "ckpt"):
+        assert_reloads(model, _hf_load(tmp_path / "ckpt"), _llama_out, stored=expect)
+
+
+def test_save_fp8_checkpoint_fp8_cast_of_a_cast_model(tmp_path):
+    """fp8-cast (scale 1) is a plain cast: transformers reads it right."""
+    model = F.original_model()
+    for name, m in model.named_modules():
+        if name.split(".")[-1] in F.LINEARS:
+            m.weight.data = m.weight.data.to(E4M3)
+    dorafp8.quantize_model(model)
+    dorafp8.save_fp8_checkpoint(model, tmp_path, format="fp8-cast", verbose=False)
+    assert_reloads(model.eval(), _hf_load(tmp_path), _llama_out)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_export_merged_every_format(fmt, dora, tmp_path):
+    expect = EXPORT_EXPECT[fmt]
+    kw = dict(block_size=32) if fmt == "fine-grained" else {}
+    if _save_or_refuse(dorafp8.export_merged, dora, fmt, expect, tmp_path / "ckpt", **kw):
+        assert_reloads(dora, _hf_load(tmp_path / "ckpt"), _llama_out, stored=expect)
+
+
+def test_fine_grained_blocks_transformers_would_misread_are_refused(tmp_path):
+    """transformers' CPU loader takes the block size from the scale grid: a 64-row layer with 48-row blocks has a
+    grid of 2, which it would read as blocks of 32 (silently)."""
+    with pytest.raises(ValueError, match=r"partial 48 x 48 blocks.*misreads them.*\.safetensors"):
+        dorafp8.save_fp8_checkpoint(_llama(block_size=48), tmp_path / "fg", format="fine-grained", verbose=False)
+
+
+# ---------------------------------------------------------------------------------------------------- DoRAFP8Config
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dense")
+    F.original_model().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_dorafp8config_quantizes_on_load_and_saves_a_plain_checkpoint(granularity, dense_dir, tmp_path):
+    """from_pretrained(dense, quantization_config=DoRAFP8Config(...)) gives the FP8Linear layers quantize_model
+    gives; DoRA trains on them; save_pretrained writes what from_pretrained(path) alone reloads."""
+    qkw = dict(block_size=32) if granularity == "block" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        dense_dir, quantization_config=dorafp8.DoRAFP8Config(granularity, modules_to_not_convert=["down_proj"],
+                                                             **qkw)).eval()
+    twin = F.original_model()
+    dorafp8.quantize_model(twin, exclude_modules=["down_proj"], **GRANULARITIES[granularity])
+    ours = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    theirs = {n: m for n, m in twin.named_modules() if isinstance(m, FP8Linear)}
+    assert ours.keys() == theirs.keys() and len(ours) == 12  # 14 linear layers but the two down_proj
+    for n in ours:
+        assert torch.equal(ours[n].weight.view(torch.uint8), theirs[n].weight.view(torch.uint8)), n
+        assert torch.equal(ours[n].scale, theirs[n].scale), n
+    model.save_pretrained(tmp_path)
+    assert isinstance(model.config.quantization_config, dorafp8.DoRAFP8Config)  # in memory, as it was
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "compressed-tensors" and saved["ignore"] == [
+        "lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert_reloads(model, _hf_load(tmp_path), _llama_out)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    assert sum(isinstance(m, dorafp8.DoRAFP8Linear) for m in pm.modules()) == 12
+    pm.train()
+    pm(input_ids=IDS, labels=IDS).loss.backward()
+
+
+def test_dorafp8config_w8a8_is_written_as_w8a8(dense_dir, tmp_path):
+    """act_quant='rowwise' is compressed-tensors' dynamic per-token activations: transformers reproduces the
+    W8A8 outputs."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        dense_dir, quantization_config=dorafp8.DoRAFP8Config("row", act_quant="rowwise")).eval()
+    assert all(m.act_quant == "rowwise" for m in model.modules() if isinstance(m, FP8Linear))
+    model.save_pretrained(tmp_path)
+    acts = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "input_activations"]
+    assert acts["dynamic"] and acts["strategy"] == "token"
+    assert_reloads(model, _hf_load(tmp_path), _llama_out)
+
+
+def test_dorafp8config_errors(dense_dir, tmp_path):
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        dorafp8.DoRAFP8Config("channel")
+    with pytest.raises(ValueError, match="block_size=64 needs granularity='block'"):
+        dorafp8.DoRAFP8Config(block_size=64)
+    with pytest.raises(ValueError, match="act_quant must be None or 'rowwise'"):
+        dorafp8.DoRAFP8Config(act_quant="per-tensor")
+    # a config.json that claims quant_method "dorafp8" (dorafp8 never writes one) is refused, not skipped
+    import shutil
+
+    shutil.copytree(dense_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = dorafp8.DoRAFP8Config().to_dict()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="never writes.*load_fp8_checkpoint"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    # an fp8 checkpoint keeps its own quantization config (transformers refuses the mix; docs/CHECKPOINTS.md)
+    _llama().save_pretrained(tmp_path / "fp8")
+    with pytest.raises(ValueError, match="quantized with CompressedTensorsConfig but you are passing a DoRAFP8Config"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", quantization_config=dorafp8.DoRAFP8Config())
+    # weights that are not in memory (offloaded) cannot be quantized in place
+    from dorafp8.hf_quantizer import DoRAFP8HfQuantizer
+
+    with pytest.raises(ValueError, match="not in memory.*load without offloading"):
+        DoRAFP8HfQuantizer(dorafp8.DoRAFP8Config(), pre_quantized=False)._process_model_after_weight_loading(
+            F.meta_model(how="meta"))
+
+
+# ---------------------------------------------------------------------------------------------------- diffusers
+
+
+@pytest.fixture(scope="module")
+def unet():
+    unet = small_unet()
+    dorafp8.quantize_model(unet, include_conv=True)
+    return unet.eval()
+
+
+@pytest.fixture(scope="module")
+def dora_unet(unet):
+    """DoRA on the attention projections of the fp8 UNet (dorafp8 merges into FP8Linear layers, not fp8 convs)."""
+    pm = peft.get_peft_model(copy.deepcopy(unet), peft.LoraConfig(r=2, lora_alpha=4, use_dora=True,
+                                                                  target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    return _perturb_dora(pm)
+
+
+def test_unet_save_pretrained_refuses(unet, tmp_path):
+    with pytest.raises(ValueError, match=r"UNet2DConditionModel\.save_pretrained.*fp8 layers.*"
+                                         r"dorafp8\.save_fp8_checkpoint.*dorafp8\.export_merged"):
+        unet.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def _diffusers_load(path):
+    return diffusers.UNet2DConditionModel.from_pretrained(path).eval()
+
+
+def _load_as_the_error_says(path):
+    from accelerate import init_empty_weights
+
+    cls = diffusers.UNet2DConditionModel
+    with init_empty_weights():
+        model = cls.from_config(cls.load_config(path))
+    dorafp8.load_fp8_checkpoint(model, path, verbose=False)
+    return model.eval()
+
+
+def _unet_case(write, model, fmt, path):
+    """A dense format loads in plain diffusers; an fp8 one is refused by diffusers' from_pretrained with the way to
+    load it, which works; fp8-cast needs scale 1 and says so."""
+    if fmt == "fp8-cast":
+        with pytest.raises(ValueError, match=_NO_SCALE):
+            write(model, path, format=fmt, verbose=False)
+        return
+    write(model, path, format=fmt, verbose=False)
+    if fmt in DENSE_FORMATS:
+        assert_reloads(model, _diffusers_load(path), _unet_out, stored=DENSE_FORMATS[fmt])
+        return
+    with pytest.raises(ValueError, match=r"written by dorafp8.*dorafp8\.load_fp8_checkpoint\(model, path\)"):
+        _diffusers_load(path)
+    return _load_as_the_error_says(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unet_save_fp8_checkpoint_every_format(fmt, unet, tmp_path):
+    loaded = _unet_case(dorafp8.save_fp8_checkpoint, unet, fmt, tmp_path / "ckpt")
+    if loaded is not None:
+        assert_reloads(unet, loaded, _unet_out)  # the per-tensor layers fit every fp8 layout as they are
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unet_export_merged(fmt, dora_unet, tmp_path):
+    loaded = _unet_case(dorafp8.export_merged, dora_unet, fmt, tmp_path / "ckpt")
+    if loaded is not None:
+        assert_reloads(dora_unet, loaded, _unet_out, stored=E4M3)
+
+
+# ---------------------------------------------------------------------------------------------------- no dorafp8
+
+
+def _run_python(code: str, *args) -> str:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=ROOT)
+    assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    return out.stdout
+
+
+def test_plain_libraries_without_dorafp8(dora, unet, tmp_path):
+    """In an interpreter that has not imported dorafp8: transformers reloads what save_pretrained wrote (base and
+    merged) with the saved model's logits, and diffusers refuses a dorafp8 directory by its quant_method. Then
+    dorafp8, imported after them, still hooks their save_pretrained and registers DoRAFP8Config (imported before
+    them, the hooks run when they load: the tests above)."""
+    cases = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merging re-quantizes (warns)
+        merged = copy.deepcopy(dora).merge_and_unload()
+    for name, model in (("base", _llama(block_size=32)), ("merged", merged)):
+        model.save_pretrained(tmp_path / name)
+        torch.save(_llama_out(model), tmp_path / f"{name}.pt")
+        cases[name] = str(tmp_path / name)
+    dorafp8.save_fp8_checkpoint(unet, tmp_path / "unet", verbose=False)
+    out = _run_python("""
+import json, sys, warnings
+import torch, transformers, diffusers
+warnings.simplefilter("ignore")
+cases = json.loads(sys.argv[1])
+ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+for name, path in cases.items():
+    with torch.no_grad():
+        out = transformers.AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits.float()
+    torch.testing.assert_close(out, torch.load(path + ".pt"))  # the same weights: float32 rounding
+    print(name, "ok")
+try:
+    diffusers.UNet2DConditionModel.from_pretrained(sys.argv[2])
+except ValueError as e:
+    print("diffusers:", e)
+print("dorafp8 imported:", any(m.startswith("dorafp8") for m in sys.modules))
+import dorafp8
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+print("hooks:", transformers.PreTrainedModel.save_pretrained._dorafp8, diffusers.ModelMixin.save_pretrained._dorafp8,
+      AUTO_QUANTIZATION_CONFIG_MAPPING["dorafp8"].__name__, AUTO_QUANTIZER_MAPPING["dorafp8"].__name__)
+""", json.dumps(cases), str(tmp_path / "unet"))
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert all(lines[name] == "ok" for name in cases), out
+    assert "Unknown quantization type, got dorafp8" in lines["diffusers:"], out
+    assert lines["dorafp8"] == "imported: False", out
+    assert lines["hooks:"] == "True True DoRAFP8Config DoRAFP8HfQuantizer", out
