@@ -21,6 +21,12 @@ from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# The CUDA kernel files in csrc/, one translation unit per kernel family, so that ninja builds them (and binding.cpp)
+# in parallel, MAX_JOBS at a time. The one list of them: the kernel inspector (dorafp8/inspect.py) and the CPU
+# emulator's build (tests/test_cuda_emulated.py) read it from here, and tests/test_inspect.py checks that it names
+# every .cu file in csrc/. A literal, so that they can read it without running this script.
+CUDA_SOURCES = ["weight_norm.cu", "forward.cu", "dgrad.cu"]
+
 
 def _say(msg):
     print(f"dorafp8 setup: {msg}", file=sys.stderr)
@@ -68,7 +74,7 @@ def _cuda_extension():
     forced = os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
     if not forced and not torch.cuda.is_available():
         return [], {}, "no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)"
-    sources = [os.path.join("csrc", f) for f in ("binding.cpp", "dora_fp8.cu")]
+    sources = [os.path.join("csrc", f) for f in ["binding.cpp", *CUDA_SOURCES]]
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
         return [], {}, "csrc/ sources missing: skipping the CUDA extension"
 

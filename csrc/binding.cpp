@@ -1,7 +1,7 @@
 // Python binding of the dorafp8 CUDA kernels (module dorafp8._C). Checks every tensor (device, dtype, shape,
 // layout) naming the argument in the error, takes the current CUDA stream, launches, checks the launch. No math:
-// the kernels and their launchers are in dora_fp8.cu, the contract in dorafp8/backends.py, and the Python wrapper
-// that allocates the outputs is dorafp8/cuda_backend.py.
+// the kernels and their launchers are in weight_norm.cu, forward.cu and dgrad.cu (through dora_fp8.h), the contract
+// in dorafp8/backends.py, and the Python wrapper that allocates the outputs is dorafp8/cuda_backend.py.
 //
 // Only c10/cuda headers on purpose: ATen/cuda/CUDAContext.h pulls cusparse.h, which a bare CUDA toolkit may lack.
 

@@ -1,6 +1,12 @@
-// dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and csrc/dora_fp8.cu
-// (kernels, launchers). Plain C++ with raw pointers so that the binding never sees CUDA's fp types and the .cu file
-// never sees torch's headers (each translation unit stays cheap to compile).
+// dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and the kernel files (kernels,
+// launchers), one per kernel family: weight_norm.cu, forward.cu, dgrad.cu (the fp32 SIMT kernels live in forward.cu
+// and dgrad.cu beside the tensor-core ones, with the entry point that picks between them), their shared device code
+// in common/ (primitives, conversions, tiles, launch helpers, the SIMT GEMM loop). Plain C++ with raw pointers so
+// that the binding never sees CUDA's fp types and the .cu files never see torch's headers (each translation unit
+// stays cheap to compile, and setup.py's CUDA_SOURCES lets ninja build them side by side).
+//
+// Three kernels touch the [N, K] fp8 weight (per-tensor or per-row scales); the rank-r GEMMs outside them and the
+// backward pass are the Triton backend's (dorafp8/cuda_backend.py).
 //
 // The math is the backend contract of dorafp8/backends.py (see docs/DORA_MATH.md), for per-tensor and per-row
 // weight scales (W0 = scale * w8 with scale fp32, one value or one per row; block scales and W8A8 are not offered

@@ -1,9 +1,12 @@
-"""Every kernel that csrc/dora_fp8.cu instantiates, for `python -m dorafp8.inspect --backend cuda` (docs/INSPECT.md).
+"""Every kernel that the CUDA files of csrc/ instantiate, for `python -m dorafp8.inspect --backend cuda`
+(docs/INSPECT.md).
 
-Update this table together with dora_fp8.cu. The tool compiles dora_fp8.cu for sm_89 and sm_90a with setup.py's nvcc
-flags, and fails (it does not skip) when the kernels in the compiled code and the rows below differ.
+Update this table together with the kernels. The tool compiles each file of setup.py's CUDA_SOURCES on its own for
+sm_89 and sm_90a with setup.py's nvcc flags, and fails (it does not skip) when the kernels compiled from a file and
+the rows of that file below differ.
 
 One row per kernel instantiation:
+  source   the file in csrc/ that defines it (its smem expression is evaluated in that file's translation unit)
   kernel   the kernel's name in namespace dorafp8::detail
   targs    its template arguments as the demangler spells them ("__nv_bfloat16, 64, true"), None if not a template
   variant  which launcher path runs it; dtype: the compute dtype (weight_norm: the dtype of A and B)
@@ -19,21 +22,21 @@ _MMA_PATHS = [(64, 128, "true", "adapter+dropout, M<=64"), (64, 128, "false", "M
               (32, 256, "true", "adapter+dropout, M>64"), (64, 256, "false", "M>64")]
 
 
-def _row(kernel, targs, variant, dtype, config, smem):
-    return dict(kernel=kernel, targs=targs, variant=variant, dtype=dtype, config=config, smem=smem)
+def _row(source, kernel, targs, variant, dtype, config, smem):
+    return dict(source=source, kernel=kernel, targs=targs, variant=variant, dtype=dtype, config=config, smem=smem)
 
 
 KERNELS = [
-    *[_row("weight_norm_kernel", t, "K split", d, "32 rows x BK 128", "kWnSmem")
+    *[_row("weight_norm.cu", "weight_norm_kernel", t, "K split", d, "32 rows x BK 128", "kWnSmem")
       for d, t in (("fp32", "float"), ("bf16", "__nv_bfloat16"), ("fp16", "__half"))],
-    _row("weight_norm_finalize_kernel", None, "K splits > 1", "fp32", "256 rows", "0"),
-    *[_row("forward_mma_kernel", f"{t}, {bm}, {bn}, {drop}", v, d, f"BM={bm},BN={bn},BK=32",
+    _row("weight_norm.cu", "weight_norm_finalize_kernel", None, "K splits > 1", "fp32", "256 rows", "0"),
+    *[_row("forward.cu", "forward_mma_kernel", f"{t}, {bm}, {bn}, {drop}", v, d, f"BM={bm},BN={bn},BK=32",
            f"FwdCfg<{bm}, {bn}, {drop}>::kSmem")
       for d, t in _16BIT.items() for bm, bn, drop, v in _MMA_PATHS],
-    *[_row("dgrad_mma_kernel", f"{t}, {bm}, {bk}, {drop}", v, d, f"BM={bm},BK={bk},BN=32",
+    *[_row("dgrad.cu", "dgrad_mma_kernel", f"{t}, {bm}, {bk}, {drop}", v, d, f"BM={bm},BK={bk},BN=32",
            f"DgradCfg<{bm}, {bk}, {drop}>::kSmem")
       for d, t in _16BIT.items() for bm, bk, drop, v in _MMA_PATHS],
-    *[_row(k, drop, "adapter+dropout" if drop == "true" else "no dropout", "fp32", "64x64 tile",
-           f"simt_smem({2 if drop == 'true' else 1})")
-      for k in ("forward_simt_kernel", "dgrad_simt_kernel") for drop in ("true", "false")],
+    *[_row(f"{k}.cu", f"{k}_simt_kernel", drop, "adapter+dropout" if drop == "true" else "no dropout", "fp32",
+           "64x64 tile", f"simt_smem({2 if drop == 'true' else 1})")
+      for k in ("forward", "dgrad") for drop in ("true", "false")],
 ]

@@ -3,11 +3,12 @@
 One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
 (`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
 are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/test_cuda_emulated.py) build the same class on the
-emulator's launchers, which run csrc/dora_fp8.cu on CPU, so the operand preparation below is tested without a GPU.
+emulator's launchers, which run the kernels of csrc/ on CPU, so the operand preparation below is tested without a GPU.
 The adapter turns the contract's Optional arguments into what the launcher takes, casts the small operands to the
 dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests set) and makes an
 activation contiguous only when its last dim is strided (the kernels take any row stride). The binding checks every
-tensor again and launches on the current CUDA stream; the kernels and their design notes are in csrc/dora_fp8.cu.
+tensor again and launches on the current CUDA stream; the kernels and their design notes are in csrc/weight_norm.cu,
+forward.cu and dgrad.cu (shared device code in csrc/common/).
 
 What the CUDA kernels cover, and what they do not:
   * Weight scales per tensor ([]) and per row ([N]). Block scales ([ceil(N/b), ceil(K/b)]) raise a ValueError naming

@@ -1,10 +1,11 @@
 """python -m dorafp8.inspect: what the compilers make of dorafp8's GPU kernels, read statically, without a GPU.
 
 Compiles every Triton kernel (in every variant its launcher can produce, under every autotune config the launcher
-can pick; the variants are listed in triton_kernels/_inspect.py) and the CUDA C++ kernels of csrc/dora_fp8.cu (listed
-in csrc/inspect_spec.py) for sm_90a and sm_89, and reports per kernel x variant x config x arch: registers per thread,
-spill bytes and shared memory from ptxas -v, which matrix instruction the kernel uses (wgmma / mma.sync / none), and
-whether the fp8 weight tile feeds it from registers or from shared memory. See docs/INSPECT.md.
+can pick; the variants are listed in triton_kernels/_inspect.py) and the CUDA C++ kernels of csrc/ (the files of
+setup.py's CUDA_SOURCES, each compiled on its own; the kernels are listed in csrc/inspect_spec.py) for sm_90a and
+sm_89, and reports per kernel x variant x config x arch: registers per thread, spill bytes and shared memory from
+ptxas -v, which matrix instruction the kernel uses (wgmma / mma.sync / none), and whether the fp8 weight tile feeds
+it from registers or from shared memory. See docs/INSPECT.md.
 
     python -m dorafp8.inspect                       # everything, as a table (long: several hundred compiles)
     python -m dorafp8.inspect --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2
@@ -437,7 +438,7 @@ def _compile_triton(job: dict) -> dict:
 
 
 # ======================================================================================================================
-# CUDA C++ (csrc/dora_fp8.cu)
+# CUDA C++ (csrc/*.cu: setup.py's CUDA_SOURCES)
 # ======================================================================================================================
 
 def _cuda_home() -> Optional[Path]:
@@ -463,8 +464,8 @@ def cuda_unavailable_reason() -> Optional[str]:
         return "nvcc not found (set CUDA_HOME)"
     if not (home / "bin" / "ptxas").exists():
         return f"ptxas not found in {home / 'bin'}"
-    if not (CSRC / "dora_fp8.cu").exists():
-        return f"{CSRC / 'dora_fp8.cu'} not found (the CUDA sources are in the repository, not in installed wheels)"
+    if not (REPO / "setup.py").exists() or not all((CSRC / f).exists() for f in setup_cuda_sources()):
+        return f"the CUDA sources in {CSRC} not found (they are in the repository, not in installed wheels)"
     if _demangler() is None:
         return "neither cu++filt nor c++filt found (needed to match kernel names with csrc/inspect_spec.py)"
     return None
@@ -492,6 +493,15 @@ def setup_nvcc_flags() -> list[str]:
                     "dorafp8/inspect.py:setup_nvcc_flags")
 
 
+def setup_cuda_sources() -> list[str]:
+    """The CUDA kernel files (names in csrc/) setup.py builds dorafp8._C from: its CUDA_SOURCES, the one list of them
+    (read from setup.py without running it; the CPU emulator's build in tests/test_cuda_emulated.py uses it too)."""
+    for node in ast.parse((REPO / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CUDA_SOURCES"]:
+            return list(ast.literal_eval(node.value))
+    raise SpecError("setup.py has no literal CUDA_SOURCES list any more: update dorafp8/inspect.py:setup_cuda_sources")
+
+
 def load_cuda_spec(path: Path = CUDA_SPEC) -> list[dict]:
     spec = importlib.util.spec_from_file_location("dorafp8_cuda_inspect_spec", path)
     mod = importlib.util.module_from_spec(spec)
@@ -502,8 +512,9 @@ def load_cuda_spec(path: Path = CUDA_SPEC) -> list[dict]:
 _DEMANGLED = re.compile(r"^(?:void\s+)?dorafp8::detail::(\w+)(?:<(.*)>)?\(.*\)$")
 
 
-def match_cuda_kernels(demangled: dict[str, str], rows: list[dict]) -> dict[str, dict]:
-    """{mangled name: its spec row}; raises SpecError unless the compiled kernels and the rows are the same set."""
+def match_cuda_kernels(demangled: dict[str, str], rows: list[dict], source: str = "*.cu") -> dict[str, dict]:
+    """{mangled name: its spec row}; raises SpecError unless the compiled kernels (of csrc/`source`) and the rows (of
+    that source) are the same set."""
     by_key = {(r["kernel"], r["targs"]): r for r in rows}
     out, extra, found = {}, [], set()
     for mangled, name in demangled.items():
@@ -516,25 +527,35 @@ def match_cuda_kernels(demangled: dict[str, str], rows: list[dict]) -> dict[str,
             extra.append(name)
     missing = [f"{k}<{t}>" if t else k for k, t in by_key if (k, t) not in found]
     if extra or missing:
-        raise SpecError("csrc/dora_fp8.cu and csrc/inspect_spec.py disagree:\n"
+        raise SpecError(f"csrc/{source} and csrc/inspect_spec.py disagree:\n"
                         + "".join(f"  compiled, not in the spec: {n}\n" for n in extra)
                         + "".join(f"  in the spec, not compiled: {n}\n" for n in missing))
     return out
 
 
-def _compile_cuda(job: dict) -> list[dict]:
-    """Compiles csrc/dora_fp8.cu for one arch with setup.py's flags; one record per kernel instantiation.
+def cuda_spec_by_source(rows: list[dict]) -> dict[str, list[int]]:
+    """{each of setup.py's CUDA_SOURCES: the indices of its rows in the spec}; SpecError for a row of another file."""
+    sources = setup_cuda_sources()
+    if stray := sorted({r["source"] for r in rows} - set(sources)):
+        raise SpecError(f"csrc/inspect_spec.py has rows of {stray}, which are not in setup.py's CUDA_SOURCES {sources}")
+    return {src: [i for i, r in enumerate(rows) if r["source"] == src] for src in sources}
 
-    One nvcc run builds a small host program that #includes dora_fp8.cu (so the device code is exactly the
-    extension's) and prints the dynamic shared memory of every kernel from the launchers' own constants; the same
-    run keeps the PTX (-keep) and prints ptxas -v."""
-    arch = job["arch"]
+
+def _compile_cuda(job: dict) -> list[dict]:
+    """Compiles one file of csrc/ (job["source"], as the extension build does: each kernel file is a translation unit
+    of its own) for one arch with setup.py's flags; one record per kernel instantiation, in the spec's order.
+
+    One nvcc run builds a small host program that #includes the file (so the device code is exactly the extension's)
+    and prints the dynamic shared memory of each of its kernels from the launchers' own constants; the same run keeps
+    the PTX (-keep) and prints ptxas -v."""
+    arch, source = job["arch"], job["source"]
     code = arch.removeprefix("sm_")  # "90a"
-    rows = load_cuda_spec(Path(job.get("cuda_spec") or CUDA_SPEC))
+    spec = load_cuda_spec(Path(job.get("cuda_spec") or CUDA_SPEC))
+    rows = [spec[i] for i in cuda_spec_by_source(spec)[source]]
     home = _cuda_home()
     lines = "\n".join(f'  std::printf("{i} %lld\\n", static_cast<long long>({r["smem"]}));'
                       for i, r in enumerate(rows))
-    probe = ('#include "dora_fp8.cu"\n#include <cstdio>\nnamespace dorafp8 { namespace detail {\n'
+    probe = (f'#include "{source}"\n' '#include <cstdio>\nnamespace dorafp8 { namespace detail {\n'
              f"int print_smem() {{\n{lines}\n  return 0;\n}}\n}} }}\n"
              "int main() { return dorafp8::detail::print_smem(); }\n")
     t0 = time.time()
@@ -554,7 +575,7 @@ def _compile_cuda(job: dict) -> list[dict]:
     names = list(usage)
     filt = subprocess.run([_demangler()], input="\n".join(names) + "\n", capture_output=True, text=True, check=True)
     demangled = dict(zip(names, filt.stdout.splitlines()))
-    rows_of = match_cuda_kernels(demangled, rows)
+    rows_of = match_cuda_kernels(demangled, rows, source)
     funcs = ptx_functions(ptx)
     elapsed = round(time.time() - t0, 2)
     mangled_of = {id(row): mangled for mangled, row in rows_of.items()}
@@ -682,18 +703,28 @@ def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select
             raise RuntimeError(f"cannot inspect the {b} kernels here: {why}")
     workers = [_Worker() for _ in range(max(1, jobs))]
     try:
-        todo = [dict(op="cuda", arch=a) for a in archs] if "cuda" in backends else []  # the long ones first
+        # the long ones first; one job per kernel file and arch, as the extension build compiles them
+        todo = [dict(op="cuda", arch=a, source=f) for a in archs for f in setup_cuda_sources()] \
+            if "cuda" in backends else []
         if "triton" in backends:
             listed = workers[0].call(dict(op="list", archs=archs, all_configs=all_configs,
                                           spec_module=spec_module))["jobs"]
             todo += [j for j in listed if select(dict(j, backend="triton"))]
-        return _run_jobs(workers, todo, select, progress)
+        per_job = _run_jobs(workers, todo, progress)
     finally:
         for w in workers:
             w.close()
+    # The CUDA records in the spec's order within each arch (as one job per arch gave them), whatever file they are in.
+    by_source = cuda_spec_by_source(load_cuda_spec()) if "cuda" in backends else {}
+    cuda = {(archs.index(job["arch"]), i): rec for job, recs in zip(todo, per_job) if job["op"] == "cuda"
+            for i, rec in zip(by_source[job["source"]], recs)}
+    records = [cuda[k] for k in sorted(cuda)] + [r for job, recs in zip(todo, per_job) if job["op"] != "cuda"
+                                                  for r in recs]
+    return [r for r in records if r["backend"] == "triton" or select(r)]
 
 
-def _run_jobs(workers, todo, select, progress) -> list[dict]:
+def _run_jobs(workers, todo, progress) -> list[list[dict]]:
+    """Each job's records, in the order of todo."""
     q: queue.Queue = queue.Queue()
     for i, job in enumerate(todo):
         q.put((i, job))
@@ -716,7 +747,7 @@ def _run_jobs(workers, todo, select, progress) -> list[dict]:
             with lock:
                 results[i] = recs
                 if progress:
-                    what = (f"cuda {job['arch']} ({len(recs)} kernels)" if job["op"] == "cuda" else
+                    what = (f"cuda {job['source']} {job['arch']} ({len(recs)} kernels)" if job["op"] == "cuda" else
                             f"{job['kernel']} {job['arch']} {job['dtype']} {job['variant']} {job['config']}")
                     bad = " ERROR" if any(r["error"] for r in recs) else ""
                     progress(f"[{len(results)}/{len(todo)} {time.time() - t0:.0f}s] {what}{bad}")
@@ -728,8 +759,7 @@ def _run_jobs(workers, todo, select, progress) -> list[dict]:
         t.join()
     if failures:
         raise failures[0]
-    records = [r for i in sorted(results) for r in results[i]]
-    return [r for r in records if r["backend"] == "triton" or select(r)]
+    return [results[i] for i in range(len(todo))]
 
 
 # ======================================================================================================================

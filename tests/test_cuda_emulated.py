@@ -1,12 +1,13 @@
-"""The CUDA kernels of csrc/dora_fp8.cu run on CPU under an emulator (tests/cuda_emu/), through the CUDA backend's own
-contract adapter (dorafp8.cuda_backend.CudaBackend), against fp64 evaluations of the contract and dorafp8.reference
-(the shared checks of tests/_kernel_ref.py). This is how CI, which has no GPU, executes the real kernel source.
+"""The CUDA kernels of csrc/ run on CPU under an emulator (tests/cuda_emu/), through the CUDA backend's own contract
+adapter (dorafp8.cuda_backend.CudaBackend), against fp64 evaluations of the contract and dorafp8.reference (the shared
+checks of tests/_kernel_ref.py). This is how CI, which has no GPU, executes the real kernel source.
 
-The emulator (tests/cuda_emu/emu_cuda.h) compiles dora_fp8.cu with g++ (-DDORA_EMULATE): one OS thread per CUDA
-thread; warp collectives (ldmatrix, mma.m16n8k16, shuffles) computed from the PTX ISA fragment layouts, written
-independently of the kernels; cp.async copies landing at wait_group time; a shared-memory race checker (same-barrier
-conflicts, reads of in-flight cp.async data), whose findings count as failures. Inputs are copied into exactly
-sized buffers and outputs start as NaN bytes. It shares its reading of the PTX ISA with the kernels' author, so it
+The emulator (tests/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation unit
+of its own, as in the extension build) with g++ (-DDORA_EMULATE): one OS thread per CUDA thread; warp collectives
+(ldmatrix, mma.m16n8k16, shuffles) computed from the PTX ISA fragment layouts, written independently of the kernels;
+cp.async copies landing at wait_group time; a shared-memory race checker (same-barrier conflicts, reads of in-flight
+cp.async data), whose findings count as failures. Inputs are copied into exactly sized buffers and outputs start as
+NaN bytes. It shares its reading of the PTX ISA with the kernels' author, so it
 does not replace a GPU run (tests/test_cuda.py); it does catch indexing, masking, pipelining and epilogue bugs.
 """
 
@@ -26,6 +27,7 @@ import dorafp8
 import dorafp8.reference as reference
 from dorafp8 import backends, cuda_backend
 from dorafp8.cuda_backend import CudaBackend
+from dorafp8.inspect import setup_cuda_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
@@ -40,10 +42,15 @@ DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     so = str(tmp_path_factory.mktemp("emu") / "libdoraemu.so")
-    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", f"-I{CUDA_INCLUDE}",
-           f"-I{os.path.join(ROOT, 'tests', 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}",
-           os.path.join(ROOT, "tests", "cuda_emu", "emu_api.cpp"), "-o", so, "-lpthread"]
-    subprocess.run(cmd, check=True)
+    cxx = ["g++", "-std=c++20", "-O1", "-fPIC", "-DDORA_EMULATE", f"-I{CUDA_INCLUDE}",
+           f"-I{os.path.join(ROOT, 'tests', 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
+    # Each kernel file a translation unit of its own, as in the extension build; compiled side by side.
+    sources = [os.path.join(ROOT, "tests", "cuda_emu", "emu_api.cpp"),
+               *[os.path.join(ROOT, "csrc", f) for f in setup_cuda_sources()]]
+    objects = [f"{so}.{i}.o" for i in range(len(sources))]
+    procs = [subprocess.Popen([*cxx, "-c", src, "-o", obj]) for src, obj in zip(sources, objects)]
+    assert all(p.wait() == 0 for p in procs), "building the emulator failed (g++'s messages above)"
+    subprocess.run(["g++", "-shared", "-Wl,-Bsymbolic", *objects, "-o", so, "-lpthread"], check=True)
     L = ctypes.CDLL(so)
     L.emu_weight_norm.argtypes = [PTR, PTR, I32, PTR, PTR, I32, I64, I64, I32, F32, PTR, I32]
     L.emu_weight_norm.restype = ctypes.c_long

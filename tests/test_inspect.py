@@ -6,7 +6,7 @@ The checks are the properties the kernels are designed for, on every config the 
           no spills, no serialized wgmma, shared memory within H100's 227 KB per block;
   sm_89   mma.sync on 16-bit operands, no spills, shared memory within Ada's 99 KB per block;
   fp32    no tensor cores at all (input_precision="ieee": tf32 would lose 13 mantissa bits);
-  CUDA    the same for csrc/dora_fp8.cu's kernels.
+  CUDA    the same for the kernels of csrc/ (weight_norm.cu, forward.cu, dgrad.cu).
 
 Budget (2-core CI machine, cold Triton cache): about 3 minutes. So the Triton set is a representative subset (see
 SUBSET): every config of every config list of forward and dgrad, on both archs, each under the heaviest variant
@@ -289,11 +289,23 @@ def test_cuda_kernel_list_must_match_the_spec():
     assert len(insp.match_cuda_kernels(names, rows)) == len(rows)
     with pytest.raises(insp.SpecError, match="compiled, not in the spec: void dorafp8::detail::new_kernel"):
         insp.match_cuda_kernels({**names, "x": "void dorafp8::detail::new_kernel<float>(int)"}, rows)
-    with pytest.raises(insp.SpecError, match="in the spec, not compiled: forward_mma_kernel<__half, 64, 256, false>"):
+    with pytest.raises(insp.SpecError, match="(?s)csrc/forward.cu and csrc/inspect_spec.py disagree:.*"
+                                             "in the spec, not compiled: forward_mma_kernel<__half, 64, 256, false>"):
         insp.match_cuda_kernels({k: v for k, v in names.items() if "__half, 64, 256, false" not in v
-                                 or "forward_mma" not in v}, rows)
+                                 or "forward_mma" not in v}, rows, "forward.cu")
 
 
 def test_cuda_build_flags_come_from_setup_py():
     flags = insp.setup_nvcc_flags()
     assert "-O3" in flags and "--use_fast_math" in flags and not any("gencode" in f for f in flags)
+
+
+def test_cuda_sources_come_from_setup_py():
+    # setup.py's CUDA_SOURCES is the one list of the kernel files, which the build, this tool and the CPU emulator
+    # compile: a .cu file left out of it would be built by none of them.
+    sources = insp.setup_cuda_sources()
+    assert sorted(sources) == sorted(p.name for p in insp.CSRC.glob("*.cu"))
+    by_source = insp.cuda_spec_by_source(insp.load_cuda_spec())
+    assert sorted(i for rows in by_source.values() for i in rows) == list(range(len(insp.load_cuda_spec())))
+    with pytest.raises(insp.SpecError, match=r"rows of \['old.cu'\], which are not in setup.py's CUDA_SOURCES"):
+        insp.cuda_spec_by_source([dict(insp.load_cuda_spec()[0], source="old.cu")])

@@ -1,7 +1,9 @@
-// CPU emulation of the handful of CUDA primitives dora_fp8.cu uses, so the real kernel source can run (slowly) on a
-// machine without a GPU. One OS thread per CUDA thread, blocks one after another. Warp collectives (ldmatrix, mma,
-// shuffles) exchange operands through per-warp scratch + a warp barrier, and compute their results from the PTX ISA's
-// fragment layouts, written here independently of the kernels. Shared memory accesses are checked for races:
+// CPU emulation of the handful of CUDA primitives the kernels use (csrc/common/primitives.cuh includes this file in
+// their place under DORA_EMULATE), so the real kernel source can run (slowly) on a machine without a GPU. Every
+// definition is inline: each kernel file includes it in a translation unit of its own. One OS thread per CUDA
+// thread, blocks one after another. Warp collectives (ldmatrix, mma, shuffles) exchange operands through per-warp
+// scratch + a warp barrier, and compute their results from the PTX ISA's fragment layouts, written here
+// independently of the kernels. Shared memory accesses are checked for races:
 // a byte written by one thread and accessed by another between the same two __syncthreads, a cp.async destination
 // read before its wait_group (by anyone) or touched by another thread in the epoch it was issued, are errors.
 // cp.async copies land at wait_group time (the latest legal moment).

@@ -1,0 +1,423 @@
+// dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends.py): forward_mma_kernel for
+// the 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), forward_simt_kernel
+// for fp32 (common/simt.cuh), their launchers and the entry point dorafp8::forward.
+//
+// forward:     y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
+//              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
+//              slice, which cvt.rn.f16x2.e4m3x2 turns into the two B registers (exact: every e4m3 value is an fp16
+//              and a bf16). That puts k = 4t..4t+3 where the mma expects k = {2t, 2t+1, 2t+8, 2t+9}: a fixed
+//              permutation of the 16 k of each step, harmless as long as A uses the same one, so the x fragments are
+//              read with two 8-byte loads (x[g][4t..4t+3], x[g+8][4t..4t+3]) instead of ldmatrix. Dropout runs the x
+//              and xm tiles (xm = x * mask, exact in the compute dtype) against the same converted W8 fragments into
+//              two accumulators; the 1 / (1 - p) of dropout multiplies the fp32 xm product in the epilogue. The
+//              epilogue folds scale (per column), then the rank-r term u B^T is accumulated by more mma steps into
+//              the same accumulators after they are scaled by scale_j / s (acc * scale_j / s + u B^T, times s,
+//              = x W0^T + s u B^T: no extra registers).
+//
+// Rank-r term with fp32 adapters on 16-bit activations (rank_f32): u B^T runs as fp32 FMA on the lane's own
+//              accumulator positions (u/B chunks of 32 in shared memory), so the fp32 adapters are never rounded to
+//              16 bits; forward then also writes z in fp32 (z_f32).
+
+#include "dora_fp8.h"
+
+#include "common/launch.cuh"
+#include "common/simt.cuh"
+#include "common/tiles.cuh"
+
+namespace dorafp8 {
+namespace detail {
+
+// ================================================================================================ forward (mma)
+
+template <int BM, int BN_, bool DROP>
+struct FwdCfg {
+  static constexpr int BN = BN_, BK = 32;
+  // 8 warps as WARPS_M x WARPS_N; warp tile WM x 32 columns: MT m16 tiles x NT n8 tiles. With BN = 256 (1 x 8) each
+  // W8 fragment is converted by one warp; with BN = 128 (2 x 4) the two warps of a column convert it both.
+  static constexpr int WARPS_N = BN / 32, WARPS_M = (kThreads / 32) / WARPS_N;
+  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
+  static_assert(WARPS_M * WARPS_N == kThreads / 32 && WM % 16 == 0, "forward: warp layout");
+  static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xm)
+  static constexpr int kWBytes = BN * BK;                  // one fp8 tile
+  static constexpr int kStageBytes = (DROP ? 2 : 1) * kXBytes + kWBytes;
+  static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + BN * kRankChunk * 2,   // 16-bit u, B chunks
+                                         (BM + BN) * kRankPitchF * 4);                 // fp32 u, B chunks
+  static constexpr int kSmem = cmax(kStages * kStageBytes, kLoraBytes);
+};
+
+// Per-column epilogue of forward (the contract's formulas). a1, a2: the final accumulators (see the kernel).
+struct FwdEpilogue {
+  bool dora, drop;
+  float post;  // s if the rank-r term was accumulated (acc was scaled by scale / s), else 1
+  __device__ __forceinline__ void operator()(float a1, float a2, float cj, float bj, float& y, float& z) const {
+    if (!dora) {
+      y = a1 + bj;
+      z = 0.f;
+    } else if (!drop) {
+      z = post * a1;
+      y = fmaf(cj, z, bj);
+    } else {  // a1 = scale (x - xd) W8^T, z = xd W0^T + s u B^T:  y = x W0^T + (c - 1) xd W0^T + c s u B^T + b
+      z = post * a2;
+      y = fmaf(cj, z, a1) + bj;
+    }
+  }
+};
+
+// Two blocks per SM (at most 128 registers a thread): without the bound ptxas may take a few more and halve that.
+template <typename T, int BM, int BN_, bool DROP>
+__global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
+  using Cfg = FwdCfg<BM, BN_, DROP>;
+  constexpr int BN = Cfg::BN, BK = Cfg::BK, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
+  DORA_SMEM(smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Unsigned: a power-of-two division stays a shift (signed / and % cost registers: 128 -> 171 in ptxas here).
+  const int wm0 = static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_N) * WM;
+  const int wn0 = static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_N) * 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t M = p.M, N = p.N, K = p.K;
+  int64_t bm, bn;
+  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + BM - 1) / BM), static_cast<uint32_t>((N + BN - 1) / BN),
+               p.group_m, bm, bn);
+  const int64_t m0 = bm * BM, n0 = bn * BN;
+  const uint16_t* __restrict__ x = static_cast<const uint16_t*>(p.x);
+  const uint16_t* __restrict__ xm = static_cast<const uint16_t*>(p.xm);
+
+  float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
+  zero(acc);
+  if (DROP) zero(acc2);
+
+  auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
+  auto load_stage = [&](int s, int kt) {
+    uint8_t* base = stage_ptr(s);
+    const int64_t k0 = static_cast<int64_t>(kt) * BK;
+    load_tile32<BM, kSwzPairs>(base, x, p.ldx, M, K, m0, k0, vec_x, tid);
+    if (DROP) load_tile32<BM, kSwzPairs>(base + Cfg::kXBytes, xm, p.ldxm, M, K, m0, k0, vec_x, tid);
+    uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kXBytes;
+    // fp8 tile [BN][32 bytes]: 16-byte pieces, BN * 2 / 256 per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix
+    // conflict-free.
+    static_assert((BN * 2) % kThreads == 0, "forward: whole 16-byte fp8 pieces per thread");
+#pragma unroll
+    for (int it = 0; it < BN * 2 / kThreads; ++it) {
+      const int e = tid + it * kThreads, row = e >> 1, ch = e & 1;
+      const int64_t gn = n0 + row, gk = k0 + ch * 16;
+      uint8_t* dst = sw + row * 32 + ((ch ^ ((row >> 2) & 1)) << 4);
+      const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
+      if (vec_w) {
+        cp_async_16(dst, valid > 0 ? static_cast<const void*>(p.w8 + gn * K + gk) : static_cast<const void*>(p.w8),
+                    valid);
+      } else {
+        uint8_t b[16];
+#pragma unroll
+        for (int q = 0; q < 16; ++q) b[q] = q < valid ? p.w8[gn * K + gk + q] : uint8_t(0);
+        sst<uint4>(dst, bits_as<uint4>(b));
+      }
+    }
+  };
+  auto compute_stage = [&](int s) {
+    const uint8_t* sx = stage_ptr(s);
+    const uint8_t* sxm = sx + Cfg::kXBytes;
+    const uint8_t* sw = sx + (DROP ? 2 : 1) * Cfg::kXBytes;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      // B: one ldmatrix.x4 = 4 n8 tiles x 16 k bytes; lane (g, t) gets w8[n][4t..4t+3] for n = wn0 + 8i + g.
+      uint32_t bfr[NT][2];
+      {
+        uint32_t d[4];
+        const int n = wn0 + 8 * (lane >> 3) + (lane & 7);
+        ldsm_x4(d, sw + n * 32 + ((kk ^ ((n >> 2) & 1)) << 4));
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          bfr[i][0] = e4m3x2_to<T>(d[i] & 0xffffu);
+          bfr[i][1] = e4m3x2_to<T>(d[i] >> 16);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t afr[4];
+        frag_a_pairs(afr, sx, wm0 + mt * 16, kk, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
+        if (DROP) {
+          frag_a_pairs(afr, sxm, wm0 + mt * 16, kk, lane);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
+        }
+      }
+    }
+  };
+
+  // ---- main loop: multistage cp.async pipeline over K
+  const int KT = static_cast<int>((K + BK - 1) / BK);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kStages - 2>();
+    block_sync();  // tile kt visible to all; everyone is done with the stage about to be refilled
+    const int nk = kt + kStages - 1;
+    if (nk < KT) load_stage(nk % kStages, nk);
+    cp_async_commit();
+    compute_stage(kt % kStages);
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: fold scale; accumulate s u B^T into the same registers
+  const bool dora = p.c != nullptr;
+  const bool lora = dora && p.s != 0.f && p.r > 0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = n0 + wn0 + nt * 8 + 2 * t + (e & 1);
+        const float sig = j < N ? p.scale[p.scale_per_row ? j : 0] : 0.f;
+        const float pre = lora ? div_rn(sig, p.s) : sig;
+        if (!DROP) {
+          acc[mt][nt][e] *= pre;
+        } else {
+          // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
+          acc[mt][nt][e] = sig * fmaf(-p.inv_keep, acc2[DROP ? mt : 0][nt][e], acc[mt][nt][e]);
+          acc2[DROP ? mt : 0][nt][e] *= pre * p.inv_keep;
+        }
+      }
+  if (lora && p.rank_f32) {
+    // fp32 u, B: FMA on the lane's own accumulator positions (rows g, g + 8; columns 2t, 2t + 1 of each n8 tile).
+    const float* __restrict__ u = static_cast<const float*>(p.u);
+    const float* __restrict__ Bm = static_cast<const float*>(p.B);
+    float* su = reinterpret_cast<float*>(smem);     // [BM][kRankPitchF] u chunk
+    float* sb = su + BM * kRankPitchF;              // [BN][kRankPitchF] B chunk (rows = output columns)
+    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
+      block_sync();  // everyone is done with the previous contents of shared memory
+      load_tile_f32<BM, kRankChunk, kRankPitchF>(su, u, p.r, M, p.r, m0, q0, tid);
+      load_tile_f32<BN, kRankChunk, kRankPitchF>(sb, Bm, p.r, N, p.r, n0, q0, tid);
+      block_sync();
+#pragma unroll 4
+      for (int q = 0; q < kRankChunk; ++q) {
+        float ua[MT][2], bv[NT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) ua[mt][h] = sld<float>(su + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) bv[nt][e] = sld<float>(sb + (wn0 + nt * 8 + 2 * t + e) * kRankPitchF + q);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float& a = DROP ? acc2[DROP ? mt : 0][nt][e] : acc[mt][nt][e];
+              a = fmaf(ua[mt][e >> 1], bv[nt][e & 1], a);
+            }
+      }
+    }
+  } else if (lora) {
+    const uint16_t* __restrict__ u = static_cast<const uint16_t*>(p.u);
+    const uint16_t* __restrict__ Bm = static_cast<const uint16_t*>(p.B);
+    uint8_t* su = smem;                                 // [BM][32] u chunk
+    uint8_t* sb = smem + BM * kRankChunk * 2;           // [BN][32] B chunk (rows = output columns)
+    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
+      block_sync();  // everyone is done with the previous contents of shared memory
+      load_tile32_scalar<BM, kSwzPairs>(su, u, p.r, M, p.r, m0, q0, tid);
+      load_tile32_scalar<BN, kSwzPairs>(sb, Bm, p.r, N, p.r, n0, q0, tid);
+      block_sync();
+#pragma unroll
+      for (int kk = 0; kk < kRankChunk / 16; ++kk) {
+        uint32_t bfr[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) frag_b_pairs(bfr[nt], sb, wn0 + nt * 8, kk, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t afr[4];
+          frag_a_pairs(afr, su, wm0 + mt * 16, kk, lane);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if (DROP) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
+            else mma16816<T>(acc[mt][nt], afr, bfr[nt]);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- store: lane (g, t) holds rows g, g + 8 x columns 2t, 2t + 1 of each m16 x n8 tile
+  const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
+  T* __restrict__ y = static_cast<T*>(p.y);
+  T* __restrict__ z = p.z_f32 ? nullptr : static_cast<T*>(p.z);
+  float* __restrict__ z32 = p.z_f32 ? static_cast<float*>(p.z) : nullptr;  // fp32 z (fp32 adapters)
+  const T* __restrict__ bias = static_cast<const T*>(p.bias);
+  const bool pair_ok = (N & 1) == 0 && reinterpret_cast<uintptr_t>(y) % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(z) % 4 == 0;  // 4-byte aligned pair stores
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = m0 + wm0 + mt * 16 + g + 8 * h;
+      if (i >= M) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int64_t j = n0 + wn0 + nt * 8 + 2 * t;
+        if (j >= N) continue;
+        float yv[2], zv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t jj = j + e < N ? j + e : j;
+          const float cj = dora ? p.c[jj] : 1.f;
+          const float bj = bias != nullptr ? to_f32(bias[jj]) : 0.f;
+          epi(acc[mt][nt][2 * h + e], DROP ? acc2[DROP ? mt : 0][nt][2 * h + e] : 0.f, cj, bj, yv[e], zv[e]);
+        }
+        const int64_t o = i * N + j;
+        if (pair_ok && j + 1 < N) {
+          store_pair<T>(y + o, yv[0], yv[1]);
+          if (z != nullptr) store_pair<T>(z + o, zv[0], zv[1]);
+        } else {
+          y[o] = from_f32<T>(yv[0]);
+          if (z != nullptr) z[o] = from_f32<T>(zv[0]);
+          if (j + 1 < N) {
+            y[o + 1] = from_f32<T>(yv[1]);
+            if (z != nullptr) z[o + 1] = from_f32<T>(zv[1]);
+          }
+        }
+        if (z32 != nullptr) {
+          z32[o] = zv[0];
+          if (j + 1 < N) z32[o + 1] = zv[1];
+        }
+      }
+    }
+}
+
+// ================================================================================================ fp32 (SIMT)
+
+template <bool DROP>
+__global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardParams p) {
+  constexpr int NA = DROP ? 2 : 1;
+  DORA_SMEM(smem);
+  float* sA = reinterpret_cast<float*>(smem);
+  float* sB = sA + NA * kSimtR * kSimtPitch;
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int64_t M = p.M, N = p.N, K = p.K;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, n0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
+  const float* __restrict__ x = static_cast<const float*>(p.x);
+  const float* __restrict__ xm = static_cast<const float*>(p.xm);
+
+  float acc[NA][4][4];
+  zero(acc);
+
+  simt_gemm<0, NA>(
+      acc, K, true,
+      [&](int row, int64_t k, float* v) {
+        const int64_t i = m0 + row;
+        const bool ok = i < M && k < K;
+        v[0] = ok ? x[i * p.ldx + k] : 0.f;
+        if (DROP) v[NA - 1] = ok ? xm[i * p.ldxm + k] : 0.f;
+      },
+      [&](int64_t k, int col) {
+        const int64_t j = n0 + col;
+        return (j < N && k < K) ? e4m3_to_f32(p.w8[j * K + k]) : 0.f;
+      },
+      sA, sB, tid);
+
+  const bool dora = p.c != nullptr;
+  const bool lora = dora && p.s != 0.f && p.r > 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t jj = n0 + tx + 16 * j;
+    const float sig = jj < N ? p.scale[p.scale_per_row ? jj : 0] : 0.f;
+    const float pre = lora ? div_rn(sig, p.s) : sig;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (!DROP) {
+        acc[0][i][j] *= pre;
+      } else {
+        acc[0][i][j] = sig * fmaf(-p.inv_keep, acc[NA - 1][i][j], acc[0][i][j]);  // as forward_mma_kernel
+        acc[NA - 1][i][j] *= pre * p.inv_keep;
+      }
+    }
+  }
+  if (lora) {
+    const float* __restrict__ u = static_cast<const float*>(p.u);
+    const float* __restrict__ Bm = static_cast<const float*>(p.B);
+    const int r = p.r;
+    simt_gemm<NA - 1, 1>(
+        acc, r, true,
+        [&](int row, int64_t q, float* v) {
+          const int64_t i = m0 + row;
+          v[0] = (i < M && q < r) ? u[i * r + q] : 0.f;
+        },
+        [&](int64_t q, int col) {
+          const int64_t j = n0 + col;
+          return (j < N && q < r) ? Bm[j * r + q] : 0.f;
+        },
+        sA, sB, tid);
+  }
+
+  const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
+  float* __restrict__ y = static_cast<float*>(p.y);
+  float* __restrict__ z = static_cast<float*>(p.z);
+  const float* __restrict__ bias = static_cast<const float*>(p.bias);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t ii = m0 + ty + 16 * i;
+    if (ii >= M) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t jj = n0 + tx + 16 * j;
+      if (jj >= N) continue;
+      float yv, zv;
+      epi(acc[0][i][j], acc[NA - 1][i][j], dora ? p.c[jj] : 1.f, bias != nullptr ? bias[jj] : 0.f, yv, zv);
+      y[ii * N + jj] = yv;
+      if (z != nullptr) z[ii * N + jj] = zv;
+    }
+  }
+}
+
+// ================================================================================================ launchers
+
+template <typename T, int BM, int BN, bool DROP>
+cudaError_t launch_forward_mma(const ForwardParams& p, cudaStream_t stream) {
+  using Cfg = FwdCfg<BM, BN, DROP>;
+  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
+  const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxm % 8 == 0 && aligned16(p.xm)));
+  return launch(forward_mma_kernel<T, BM, BN, DROP>, ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, Cfg::kSmem, stream,
+                p, vec_x, vec_w);
+}
+
+template <typename T>
+cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
+  // Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs.
+  // More rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile,
+  // bytes per stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
+  if (p.M <= 64) {
+    return p.xm != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
+                           : launch_forward_mma<T, 64, 128, false>(p, stream);
+  }
+  return p.xm != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
+                         : launch_forward_mma<T, 64, 256, false>(p, stream);
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------ public interface
+
+cudaError_t forward(const ForwardParams& p, DType dtype, cudaStream_t stream) {
+  if (p.M <= 0 || p.N <= 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+      return p.xm != nullptr
+                 ? detail::launch(detail::forward_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
+                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(2), stream, p)
+                 : detail::launch(detail::forward_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),
+                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(1), stream, p);
+    case DType::kBFloat16: return detail::launch_forward<detail::bf16>(p, stream);
+    case DType::kFloat16: return detail::launch_forward<detail::f16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dorafp8
