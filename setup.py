@@ -126,7 +126,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["dorafp8", "dorafp8.triton_kernels"],
+    packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels"],
     package_data={"dorafp8": ["_build_info.json"]},
     package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels"},
     install_requires=["torch>=2.4", "numpy"],

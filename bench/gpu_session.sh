@@ -148,7 +148,7 @@ if [ -n "$BUILD_PID" ]; then
   BUILD_PID=""
   rc=$(cat "$STAGE/build.rc" 2>/dev/null || echo "?")
   cp -f dorafp8/_build_info.json "$STAGE/build_info.json" 2>/dev/null
-  ok=$($PY -c "import dorafp8.cuda_backend as c, torch; print(c.unavailable_reason(torch.device('cuda')) or 'dorafp8._C imports and runs here')" 2>&1 | tail -n 1)
+  ok=$($PY -c "import dorafp8.backends.cuda as c, torch; print(c.unavailable_reason(torch.device('cuda')) or 'dorafp8._C imports and runs here')" 2>&1 | tail -n 1)
   note build "$rc" "$BUILD_T0" "sm_$ARCH: $(last_line "$STAGE/build.log" | cut -c1-80); $ok"
 fi
 

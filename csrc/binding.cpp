@@ -1,7 +1,7 @@
 // Python binding of the dorafp8 CUDA kernels (module dorafp8._C). Checks every tensor (device, dtype, shape,
 // layout) naming the argument in the error, takes the current CUDA stream, launches, checks the launch. No math:
 // the kernels and their launchers are in weight_norm.cu, forward.cu and dgrad.cu (through dora_fp8.h), the contract
-// in dorafp8/backends.py, and the Python wrapper that allocates the outputs is dorafp8/cuda_backend.py.
+// in dorafp8/backends/__init__.py, and the Python wrapper that allocates the outputs is dorafp8/backends/cuda.py.
 //
 // Only c10/cuda headers on purpose: ATen/cuda/CUDAContext.h pulls cusparse.h, which a bare CUDA toolkit may lack.
 
@@ -289,7 +289,7 @@ std::string kernel_image_error(int64_t device_index) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "dorafp8 CUDA kernels: DoRA on FP8 e4m3 base weights (see dorafp8/backends.py for the contract)";
+  m.doc() = "dorafp8 CUDA kernels: DoRA on FP8 e4m3 base weights (see dorafp8/backends/__init__.py for the contract)";
   m.def("weight_norm", &weight_norm, "n = ||scale * w8 + s * B @ A|| per row, into n (fp32 [N])", py::arg("w8"),
         py::arg("scale"), py::arg("A"), py::arg("B"), py::arg("s"), py::arg("n"));
   m.def("forward", &forward, "DoRA / plain FP8 linear forward into y (and z)", py::arg("x"), py::arg("w8"),

@@ -1,4 +1,4 @@
-// dorafp8 CUDA kernels, dgrad family (the contract: csrc/dora_fp8.h, dorafp8/backends.py): dgrad_mma_kernel for the
+// dorafp8 CUDA kernels, dgrad family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): dgrad_mma_kernel for the
 // 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), dgrad_simt_kernel for
 // fp32 (common/simt.cuh), their launchers and the entry point dorafp8::dgrad.
 //

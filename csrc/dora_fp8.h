@@ -6,11 +6,11 @@
 // stays cheap to compile, and setup.py's CUDA_SOURCES lets ninja build them side by side).
 //
 // Three kernels touch the [N, K] fp8 weight (per-tensor or per-row scales); the rank-r GEMMs outside them and the
-// backward pass are the Triton backend's (dorafp8/cuda_backend.py).
+// backward pass are the Triton backend's (dorafp8/backends/cuda.py).
 //
-// The math is the backend contract of dorafp8/backends.py (see docs/DORA_MATH.md), for per-tensor and per-row
+// The math is the backend contract of dorafp8/backends/__init__.py (see docs/DORA_MATH.md), for per-tensor and per-row
 // weight scales (W0 = scale * w8 with scale fp32, one value or one per row; block scales and W8A8 are not offered
-// here, dorafp8/cuda_backend.py refuses them):
+// here, dorafp8/backends/cuda.py refuses them):
 //   weight_norm: n[j] = || scale_j * w8[j, :] + s * (B A)[j, :] ||_2                        (fp32 [N])
 //   forward:     c == nullptr: y = x W0^T + bias
 //                no dropout:   y = c * (x W0^T + s u B^T) + bias,              z = x W0^T + s u B^T

@@ -1,4 +1,4 @@
-// dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends.py): forward_mma_kernel for
+// dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
 // the 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), forward_simt_kernel
 // for fp32 (common/simt.cuh), their launchers and the entry point dorafp8::forward.
 //

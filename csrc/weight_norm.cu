@@ -1,4 +1,4 @@
-// dorafp8 CUDA kernels, weight_norm family (the contract: csrc/dora_fp8.h, dorafp8/backends.py): weight_norm_kernel,
+// dorafp8 CUDA kernels, weight_norm family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): weight_norm_kernel,
 // weight_norm_finalize_kernel, their launcher and the entry points dorafp8::weight_norm_splits and weight_norm.
 //
 // weight_norm: n[j] = || scale_j w8[j,:] + s (B A)[j,:] ||. Block = 32 rows x the K tiles of one K split (tiles of

@@ -5,7 +5,7 @@ Public API:
     dora_fp8_linear, fp8_linear, weight_norm   functional ops (autograd-capable), dispatched to a backend
     FP8Linear, quantize_model             frozen fp8 linear layer, and swapping nn.Linear (and, with
                                           include_conv=True or named targets, nn.ConvNd) for it
-    FP8Conv1d, FP8Conv2d, FP8Conv3d       frozen fp8 convolutions (dorafp8/fp8_conv.py); dora_fp8_conv, fp8_conv
+    FP8Conv1d, FP8Conv2d, FP8Conv3d       frozen fp8 convolutions (dorafp8/nn/conv.py); dora_fp8_conv, fp8_conv
     DoRAFP8Conv2d (1d, 3d)                PEFT's DoRA conv layer on them (needs peft; loaded on first use)
     set_act_quant                         switch a model's fp8 layers between W8A16 (default) and W8A8 ("rowwise")
     DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
@@ -21,8 +21,8 @@ Public API:
                                           dense checkpoint into FP8Linear layers (needs transformers; loaded on first
                                           use; dorafp8/hf_quantizer.py)
 
-Dispatch: dora_fp8_linear (dorafp8/ops.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
-(dorafp8/backends.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
+Dispatch: dora_fp8_linear (dorafp8/ops/linear.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
+(dorafp8/backends/__init__.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
 
 Saving: transformers' save_pretrained of a model with fp8 layers (the base, or after PEFT's merge_and_unload) writes
 compressed-tensors (fine-grained FP8 for a model loaded from it), which from_pretrained and vLLM read without dorafp8;
@@ -32,17 +32,16 @@ save path writes: docs/CHECKPOINTS.md.
 PEFT, transformers and diffusers are not imported here (they take seconds to import): the PEFT integration and
 DoRAFP8Config are loaded when one of their names is used, and each library learns about dorafp8's fp8 layers as soon as
 it is imported (PEFT: FP8Linear layers; transformers and diffusers: save_pretrained, the quantizer registry;
-dorafp8/_import_hooks.py).
+dorafp8/_install.py).
 """
 
-from . import _import_hooks
+from . import _install
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
 from .distributed import install_ddp_support
-from .fp8_conv import FP8Conv1d, FP8Conv2d, FP8Conv3d, dora_fp8_conv, fp8_conv
-from .fp8_linear import FP8Linear, quantize_model, set_act_quant
+from .nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear, quantize_model, set_act_quant
 from .norm_cache import reuse_weight_norms
-from .ops import dora_fp8_linear, fp8_linear, weight_norm
+from .ops import dora_fp8_conv, dora_fp8_linear, fp8_conv, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
 from .transformers_fp8 import from_transformers_fp8
 
@@ -67,9 +66,9 @@ def __getattr__(name):
 
     if name in _PEFT_NAMES + _PEFT_CONV_NAMES:
         require("peft", "transformers", what=f"dorafp8.{name}")
-        from . import peft_conv, peft_integration
+        from . import peft
 
-        return getattr(peft_conv if name in _PEFT_CONV_NAMES else peft_integration, name)
+        return getattr(peft, name)
     if name in _TRANSFORMERS_NAMES:
         require("transformers", what=f"dorafp8.{name}")
         from . import hf_quantizer
@@ -83,5 +82,4 @@ def __dir__():
     return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES))
 
 
-_import_hooks.install()  # PEFT, transformers and diffusers learn of the fp8 layers when they are imported
-install_ddp_support()  # DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py); idempotent
+_install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers learn of fp8 layers on import (opt-out inside)

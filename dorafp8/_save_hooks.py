@@ -3,7 +3,7 @@
 Left alone, both libraries write the state dict: each fp8 weight's raw e4m3 values under `<layer>.weight` and its
 scale under `<layer>.scale`, a key their `from_pretrained` does not know. Loading that checkpoint puts the unscaled
 values into the model (a LLaMA's logits were off by a relative 1.41, 0% argmax agreement), and the only sign is the
-scales among transformers' UNEXPECTED keys. So dorafp8/_import_hooks.py wraps both methods as soon as the libraries
+scales among transformers' UNEXPECTED keys. So dorafp8/_install.py wraps both methods as soon as the libraries
 define them:
 
 - transformers: the fp8 layers are written in a layout transformers (and vLLM) read on their own, compressed-tensors

@@ -38,11 +38,9 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from .fp8_conv import _FP8ConvNd, fp8_conv_class
-from .fp8_linear import FP8Linear
+from .nn import FP8ConvNd, FP8Linear, fp8_conv_class
 from .merge import adapter_terms, merged_rows, requantize
-from .quant import DEFAULT_BLOCK, E4M3, check_scale, scale_kind
-from .reference import w0_rows
+from .quant import DEFAULT_BLOCK, E4M3, check_scale, scale_kind, w0_rows
 
 logger = logging.getLogger("dorafp8")
 
@@ -502,7 +500,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
             continue
         layer_of[k] = mod_name
         linear = isinstance(mod, (nn.Linear, FP8Linear)) and not _is_conv1d(mod)
-        conv = isinstance(mod, _FP8ConvNd) or fp8_conv_class(mod) is not None
+        conv = isinstance(mod, FP8ConvNd) or fp8_conv_class(mod) is not None
         # "fp8": the layer keeps the checkpoint's e4m3 bytes and scale (FP8Linear, FP8Conv1d/2d/3d); any other
         # module holding an fp8 tensor (embedding, GPT-2's Conv1D) gets it dequantized
         fp8_layers[mod_name] = {"key": k, "module": mod, "linear": linear, "conv": conv, "fp8": linear or conv}
@@ -627,11 +625,11 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         mod = p["module"]
         bias = getattr(mod, "bias", None)
         bias_dtype = bias.dtype if bias is not None and bias.dtype not in (E4M3, E5M2) else model_dtype
-        orig = getattr(mod, "orig_dtype", None) if isinstance(mod, (FP8Linear, _FP8ConvNd)) else mod.weight.dtype
+        orig = getattr(mod, "orig_dtype", None) if isinstance(mod, (FP8Linear, FP8ConvNd)) else mod.weight.dtype
         if orig is None or orig in (E4M3, E5M2) or dtype is not None:
             orig = model_dtype
         if p["conv"]:
-            cls = type(mod) if isinstance(mod, _FP8ConvNd) else fp8_conv_class(mod)
+            cls = type(mod) if isinstance(mod, FP8ConvNd) else fp8_conv_class(mod)
             new = cls(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding, mod.dilation,
                       mod.groups, bias is not None, mod.padding_mode, device="meta", dtype=orig,
                       block_size=p.get("block") or None, backend=backend)
@@ -747,7 +745,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                     raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
                                                 f"loads float8_e4m3fn only")
             mod = model.get_submodule(mod_name) if mod_name else None
-            if isinstance(mod, (FP8Linear, _FP8ConvNd)):
+            if isinstance(mod, (FP8Linear, FP8ConvNd)):
                 mod._dorafp8_source["extras"][k.rpartition(".")[2]] = t
             report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
                               "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
@@ -987,7 +985,7 @@ def _source_of(model: nn.Module) -> dict:
 def _walk(mod: nn.Module, prefix: str, tuner_cls):
     """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear / FP8ConvNd or the PEFT layer on
     one), ("tuner", name, other PEFT layer), ("tensor", key, tensor)."""
-    fp8_types = (FP8Linear, _FP8ConvNd)
+    fp8_types = (FP8Linear, FP8ConvNd)
     if isinstance(mod, fp8_types) or (tuner_cls is not None and isinstance(mod, tuner_cls)
                                       and isinstance(_get_base(mod), fp8_types)):
         yield "fp8", prefix[:-1], mod
@@ -1105,7 +1103,7 @@ def _resolve(model: nn.Module, fmt: Optional[str], granularity, block_size, pref
 
 def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
     """name -> FP8Linear / FP8ConvNd, inside PEFT's layers too (named as in the state dict, base_layer dropped)."""
-    return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, (FP8Linear, _FP8ConvNd))}
+    return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, (FP8Linear, FP8ConvNd))}
 
 
 def _writes_block(t: _Target, m: nn.Module) -> bool:
@@ -1119,7 +1117,7 @@ def _transformers_problem(t: _Target, why: str) -> Optional[str]:
     """Why transformers' from_pretrained would not read this fp8 checkpoint correctly on its own (None if it would).
     `why` says where the fix would go. Checked before anything is written."""
     layers = fp8_modules(t.base)
-    convs = [n for n, m in layers.items() if isinstance(m, _FP8ConvNd)]
+    convs = [n for n, m in layers.items() if isinstance(m, FP8ConvNd)]
     if convs and t.fmt != "fp8-cast":  # fp8-cast has no scales: a plain cast reads it right
         return (f"{len(convs)} fp8 conv layers (e.g. {convs[0]!r}): transformers reads fp8 convolutions in no layout "
                 f"(compressed-tensors' loader leaves their scales out and loads the raw e4m3 values). {why}, or a "
@@ -1255,7 +1253,7 @@ def _emit(t: _Target, sink: _TensorSink, report: "ExportReport", *, merge: bool,
             if merge:
                 names_ = list(adapter_names) if adapter_names is not None else \
                     [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
-                if names_ and isinstance(fp8, _FP8ConvNd):
+                if names_ and isinstance(fp8, FP8ConvNd):
                     raise NotImplementedError(
                         f"{name}: merging a DoRA adapter into an fp8 conv layer is not implemented (dorafp8 merges "
                         f"into FP8Linear layers only). Write the base with save_fp8_checkpoint and the adapter with "
@@ -1311,7 +1309,7 @@ def _emit(t: _Target, sink: _TensorSink, report: "ExportReport", *, merge: bool,
         if fmt == "fine-grained" and _cpu_fine_grained_read(N, K, bsz) != "ok":
             out.ragged.append(name)
         report.layers[name] = entry
-        if isinstance(fp8, _FP8ConvNd):
+        if isinstance(fp8, FP8ConvNd):
             out.conv_layers.append(name)
         sink.add(key_of(f"{name}.weight"), w8n.reshape(w_shape))
         if fmt == "fp8-cast":

@@ -168,7 +168,7 @@ def main(argv=None) -> None:
                           "time",
                 "reference": "plain PyTorch, fp32, in row blocks; the correctness twin of the GPU kernels"}
         print(f"PEFT {1e3 * t_peft:.0f} ms, dorafp8 {1e3 * t_ours:.0f} ms on CPU. These CPU timings are NOT speed "
-              f"claims: on CPU dorafp8 runs its '{backend}' backend ({what.get(backend, 'see dorafp8/backends.py')}), "
+              f"claims: on CPU dorafp8 runs its '{backend}' backend ({what.get(backend, 'see dorafp8/backends/__init__.py')}), "
               f"on a toy model. Speed is measured on a GPU with bench/.")
 
 

@@ -39,13 +39,10 @@ import warnings
 
 import torch
 
-FP8_DTYPES = frozenset(getattr(torch, name) for name in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
-
-
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype in FP8_DTYPES
-
+# The FSDP / ZeRO-3 helpers this docstring explains live with the fp8 module base, which needs them; and the fp8 dtype
+# facts with the recipe. Both are named here too, where the distributed story is told.
+from .nn import FP8ConvNd, FP8Linear, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
+from .quant import FP8_DTYPES, is_fp8  # noqa: F401
 
 # ---- DDP ---------------------------------------------------------------------------------------------------------
 
@@ -53,9 +50,6 @@ def is_fp8(t: torch.Tensor) -> bool:
 def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
     """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
     synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
-    from .fp8_conv import _FP8ConvNd
-    from .fp8_linear import FP8Linear
-
     names, tensors = [], []
     for name, p in module.named_parameters():
         if name not in ignore and is_fp8(p):
@@ -71,7 +65,7 @@ def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
         synced = set(names)
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
-            if isinstance(mod, (FP8Linear, _FP8ConvNd)) and prefix + "weight" in synced \
+            if isinstance(mod, (FP8Linear, FP8ConvNd)) and prefix + "weight" in synced \
                     and prefix + "scale" not in ignore:
                 extra.append(mod.scale.detach())
     return names, tensors, extra
@@ -132,31 +126,3 @@ def uninstall_ddp_support() -> None:
     cur = getattr(ddp_module, "_sync_module_states", None)
     if cur is not None and hasattr(cur, "_dorafp8_orig"):
         ddp_module._sync_module_states = cur._dorafp8_orig
-
-
-# ---- FSDP / ZeRO-3 -----------------------------------------------------------------------------------------------
-
-
-def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
-    parameters in place between steps without bumping their version counters (see the module docstring)."""
-    return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
-
-
-_WARNED_RECAST = False
-
-
-def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
-    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it)."""
-    global _WARNED_RECAST
-    if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-        return w
-    if not _WARNED_RECAST:
-        _WARNED_RECAST = True
-        warnings.warn(
-            f"dorafp8: FSDP's MixedPrecisionPolicy(param_dtype={w.dtype}) casts the frozen fp8 weights to {w.dtype} "
-            f"for the all-gather (2x the traffic and the unsharded memory of fp8); dorafp8 casts them back exactly. "
-            f"To all-gather them as fp8, leave param_dtype unset for the groups that hold FP8Linear weights "
-            f"(see docs/MULTI_GPU.md).", stacklevel=3)
-    return w.to(torch.float8_e4m3fn)

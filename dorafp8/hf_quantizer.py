@@ -12,7 +12,7 @@ with `from_pretrained(path)` alone, without dorafp8 (dorafp8/_save_hooks.py). "d
 checkpoint's quant_method: transformers skips a quant_method it does not know with a warning and would load the raw
 e4m3 values, so a checkpoint that needed dorafp8 imported would load wrong wherever it is not.
 
-This module imports transformers; dorafp8/_import_hooks.py registers it once transformers defines its models, and
+This module imports transformers; dorafp8/_install.py registers it once transformers defines its models, and
 `dorafp8.DoRAFP8Config` imports it on first use.
 """
 
@@ -24,7 +24,8 @@ from transformers.quantizers import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .backends import check_backend_name
-from .fp8_linear import _name_list, quantize_model
+from .nn import quantize_model
+from .nn.convert import name_list
 from .ops import check_act_quant
 from .quant import DEFAULT_BLOCK, check_block_size
 
@@ -61,8 +62,8 @@ class DoRAFP8Config(QuantizationConfigMixin):
         self.granularity = granularity
         self.block_size = check_block_size(block_size or DEFAULT_BLOCK) if granularity == "block" else None
         self.act_quant = check_act_quant(act_quant) or None
-        self.target_modules = _name_list(target_modules)
-        self.modules_to_not_convert = _name_list(modules_to_not_convert)
+        self.target_modules = name_list(target_modules)
+        self.modules_to_not_convert = name_list(modules_to_not_convert)
         self.backend = check_backend_name(backend)
 
 

@@ -19,10 +19,9 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .ops import NORM_EPS
-from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, scale_rows
+from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, row_blocks, scale_rows, w0_rows
 # Row blocks of at most 16 MiB in fp32 (the largest temporaries a merge holds, a few at a time), and W0's rows in
 # them: the reference backend's.
-from .reference import row_blocks, w0_rows
 
 GRANULARITIES = ("tensor", "row", "block")
 

@@ -185,3 +185,29 @@ def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int =
     raise ValueError(f"{name} must have one element (per tensor), shape [{n_rows}] (per row)"
                      + (f" or [{blocks[0]}, {blocks[1]}] (per {block_size} x {block_size} block)" if blocks else "")
                      + f", got shape {tuple(scale.shape)}")
+
+
+# Size of one fp32 block (of weight rows or activation rows). A few such temporaries are alive at once at most.
+_BLOCK_BYTES = 16 * 1024 * 1024
+
+
+def row_blocks(n_rows: int, width: int, block: int = 1):
+    """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block` rows."""
+    rows = max(1, _BLOCK_BYTES // (4 * max(width, 1)))
+    rows = max(block, rows - rows % block)
+    for j0 in range(0, n_rows, rows):
+        yield j0, min(n_rows, j0 + rows)
+
+
+def w0_rows(w8, scale, block, j0, j1):
+    """W0[j0:j1] in fp32 (a temporary of the block's size)."""
+    return w8[j0:j1].float().mul_(scale_rows(scale, block, j0, j1, w8.shape[1]))
+
+
+# Every float8 dtype this torch has: what a weight "already in fp8" may be.
+FP8_DTYPES = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_DTYPES

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .fp8_linear import FP8Linear
+from .nn import FP8Linear
 from .quant import DEFAULT_BLOCK, E4M3, check_scale
 
 

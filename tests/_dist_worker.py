@@ -123,16 +123,16 @@ def run_fsdp2(out):
 
     # The norm is computed from the full (all-gathered) weight on every forward: count the calls.
     norm_calls = []
-    orig_norm = dorafp8.peft_integration.weight_norm
+    orig_norm = dorafp8.peft.linear.weight_norm
 
     def counting_norm(w8, *a, **k):
         norm_calls.append((type(w8).__name__, tuple(w8.shape)))
         return orig_norm(w8, *a, **k)
 
-    dorafp8.peft_integration.weight_norm = counting_norm
+    dorafp8.peft.linear.weight_norm = counting_norm
     opt = torch.optim.SGD(trainable(pm), lr=C.LR)
     res["losses"] = sgd_steps(pm, opt)
-    dorafp8.peft_integration.weight_norm = orig_norm
+    dorafp8.peft.linear.weight_norm = orig_norm
     res["norm_calls"] = norm_calls
 
     # The full adapter state dict, the FSDP2 way: only the trainable (adapter) parameters are gathered, never the

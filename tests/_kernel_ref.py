@@ -1,11 +1,11 @@
 """Shared by the kernel tests of every backend (test_triton_kernels.py, test_cuda.py, test_cuda_emulated.py,
 test_cublas.py): problem setup, float64 evaluations of the backend contract (dorafp8/backends.py, docs/DORA_MATH.md)
 and the dtype-following tolerance check. Each check runs one backend function and compares it with the fp64
-formula evaluated on the exact (already rounded) inputs the backend saw, and with dorafp8.reference."""
+formula evaluated on the exact (already rounded) inputs the backend saw, and with dorafp8.backends.reference."""
 
 import torch
 
-import dorafp8.reference as reference
+import dorafp8.backends.reference as reference
 from dorafp8 import quantize_e4m3
 from dorafp8.quant import scale_rows
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import dorafp8
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d
-from dorafp8.fp8_conv import conv_weight_norm, dequantize_transient
+from dorafp8.ops.conv import conv_weight_norm, dequantize_transient
 from dorafp8.quant import QuantizationWarning
 from _ref import TOL, assert_close
 
@@ -401,10 +401,10 @@ def test_backward_keeps_no_dequantized_weight():
 def test_peak_memory_has_no_fp32_copy_of_the_weight(monkeypatch):
     """Under bf16 autocast the largest allocation is the bf16 transient; fp32 temporaries are row blocks (made
     small here, 256 KiB, so that a 2.4 MB weight spans several)."""
-    import dorafp8.reference
+    import dorafp8.quant
     from dorafp8._memory import PeakTemporaries
 
-    monkeypatch.setattr(dorafp8.reference, "_BLOCK_BYTES", 256 * 1024)
+    monkeypatch.setattr(dorafp8.quant, "_BLOCK_BYTES", 256 * 1024)
     C = 256
     w = nn.Conv2d(C, C, 3, padding=1, bias=False)
     fp8 = FP8Conv2d.from_float(w)

@@ -1,5 +1,5 @@
-"""CUDA C++ backend (csrc/ -> dorafp8._C, wrapped by dorafp8.cuda_backend) against fp64 evaluations of the backend
-contract and against dorafp8.reference, with the shared checks of tests/_kernel_ref.py.
+"""CUDA C++ backend (csrc/ -> dorafp8._C, wrapped by dorafp8.backends.cuda) against fp64 evaluations of the backend
+contract and against dorafp8.backends.reference, with the shared checks of tests/_kernel_ref.py.
 
 On a machine without a GPU only the build is checked: if the extension is built it must import and its binding's
 argument checks must answer (without it these tests skip with the reason, unless DORAFP8_REQUIRE_CUDA_EXT=1, which
@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-import dorafp8.cuda_backend as cb
+import dorafp8.backends.cuda as cb
 from dorafp8 import backends, quantize_e4m3
 from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
                          check_weight_norm, d, forward_64, make_problem, shape_id, tol, w0_64)

@@ -1,5 +1,5 @@
 """The CUDA kernels of csrc/ run on CPU under an emulator (tests/cuda_emu/), through the CUDA backend's own contract
-adapter (dorafp8.cuda_backend.CudaBackend), against fp64 evaluations of the contract and dorafp8.reference (the shared
+adapter (dorafp8.backends.cuda.CudaBackend), against fp64 evaluations of the contract and dorafp8.backends.reference (the shared
 checks of tests/_kernel_ref.py). This is how CI, which has no GPU, executes the real kernel source.
 
 The emulator (tests/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation unit
@@ -24,9 +24,10 @@ from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, c
                          check_weight_norm, forward_64, make_problem, tol)
 
 import dorafp8
-import dorafp8.reference as reference
-from dorafp8 import backends, cuda_backend
-from dorafp8.cuda_backend import CudaBackend
+import dorafp8.backends.reference as reference
+from dorafp8 import backends
+from dorafp8.backends import cuda as cuda_backend
+from dorafp8.backends.cuda import CudaBackend
 from dorafp8.inspect import setup_cuda_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ def test_weight_norm_project_w8a8(dtype):
 
 def test_weights_spanning_several_blocks(monkeypatch):
     """Weights larger than one row block (the transient is made block by block, dgrad sums the blocks in fp32)."""
-    import dorafp8.reference as reference
+    import dorafp8.backends.reference as reference
 
     monkeypatch.setattr(reference, "_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows of K = 40 per block
     for scale in ("tensor", "row", "block"):

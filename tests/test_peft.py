@@ -199,13 +199,13 @@ def test_weight_norm_cache_reuse_and_invalidation():
     ours.train()
     layer = ours.base_model.model.model.layers[0].mlp.up_proj
     calls = []
-    orig = dorafp8.peft_integration.weight_norm
+    orig = dorafp8.peft.linear.weight_norm
 
     def counting(*a, **k):
         calls.append(1)
         return orig(*a, **k)
 
-    dorafp8.peft_integration.weight_norm = counting
+    dorafp8.peft.linear.weight_norm = counting
     try:
         opt = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
         for _ in range(3):  # gradient accumulation: one norm for the three micro-batches, forward and backward
@@ -228,7 +228,7 @@ def test_weight_norm_cache_reuse_and_invalidation():
         ours.load_state_dict(sd)
         assert torch.equal(layer.dora_weight_norm("default"), fresh)
     finally:
-        dorafp8.peft_integration.weight_norm = orig
+        dorafp8.peft.linear.weight_norm = orig
 
 
 def test_state_dict_round_trip_bit_exact(tmp_path):

@@ -1,5 +1,5 @@
 """Triton backend (dorafp8.triton_kernels) against fp64 evaluations of the backend contract and against
-dorafp8.reference.
+dorafp8.backends.reference.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (slow: shapes stay tiny, a few tens per dim,
 yet cross every block edge of the interpreter's single 16 x 32 x 32 config). With a GPU the same tests run on cuda,
@@ -138,7 +138,7 @@ def test_dgrad(device, shape, dtype, mode, scale, act_quant):
 def test_rowwise_quant(device):
     """The W8A8 activation recipe: equal to the reference's, an all-zero row gets scale 1, an outlier row keeps its
     small values only as far as e4m3 can."""
-    import dorafp8.reference as reference
+    import dorafp8.backends.reference as reference
     from dorafp8.triton_kernels.quant import rowwise_quant
 
     t = torch.randn(9, 70, generator=torch.Generator().manual_seed(3))

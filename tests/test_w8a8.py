@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dorafp8
-import dorafp8.reference as reference
+import dorafp8.backends.reference as reference
 from dorafp8 import backends
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,11 +1,11 @@
-"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends.py.
+"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/__init__.py.
 
-    weight_norm   -> weight_norm.py  _dora_weight_norm_kernel
-    project       -> lowrank.py      _project_kernel          (u = xd A^T)
-    project_grad  -> lowrank.py      _project_grad_kernel     (dA)
-    forward       -> forward.py      _dora_fwd_kernel         (W8A8: quant.py _rowwise_quant_kernel first)
-    backward_pass -> backward.py     _dora_bwd_pass_kernel
-    dgrad         -> dgrad.py        _dora_dgrad_kernel       (W8A8: quant.py first)
+    weight_norm   -> weight_norm.py  dora_weight_norm_kernel
+    project       -> lowrank.py      project_kernel          (u = xd A^T)
+    project_grad  -> lowrank.py      project_grad_kernel     (dA)
+    forward       -> forward.py      dora_fwd_kernel         (W8A8: quant.py rowwise_quant_kernel first)
+    backward_pass -> backward.py     dora_bwd_pass_kernel
+    dgrad         -> dgrad.py        dora_dgrad_kernel       (W8A8: quant.py first)
 
 Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
 without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.

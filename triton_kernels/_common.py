@@ -60,7 +60,7 @@ def m_bucket(m: int) -> int:
 
 
 @triton.jit
-def _grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of this program in grouped launch order: GROUP_M row-blocks sweep the same column-blocks
     together, so the W8 tiles they share are reused from L2 instead of being re-read once per row-block."""
     pid = tl.program_id(0)
@@ -73,7 +73,7 @@ def _grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def dot(a, b, acc, IEEE: tl.constexpr):
     # fp32 operands: full-precision FMA path (tf32 would lose 13 mantissa bits); 16-bit operands: tensor cores.
     if IEEE:
         acc = tl.dot(a, b, acc, input_precision="ieee")

@@ -30,12 +30,12 @@ import torch
 import triton
 
 from ._common import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
-from .backward import _dora_bwd_pass_kernel, bwd_pass_blocks
-from .dgrad import _dgrad_epilogue_kernel, _dora_dgrad_kernel
-from .forward import _dora_fwd_kernel, _fwd_epilogue_kernel, epilogue_blocks
-from .lowrank import _project_grad_kernel, _project_kernel, launch_blocks
-from .quant import QUANT_BLOCKS, _rowwise_quant_kernel
-from .weight_norm import _dora_weight_norm_kernel, weight_norm_block_r
+from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
+from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
+from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
+from .lowrank import project_grad_kernel, project_kernel, launch_blocks
+from .quant import QUANT_BLOCKS, rowwise_quant_kernel
+from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
 # Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, compute capability
 # for triton.compile; Triton compiles capability 90 for sm_90a, the arch-specific target wgmma needs).
@@ -276,13 +276,13 @@ def _rowwise_quant_variants(arch: str) -> list[Variant]:
 
 
 SPECS = [
-    KernelSpec("weight_norm", _dora_weight_norm_kernel, _weight_norm_variants),
-    KernelSpec("forward", _dora_fwd_kernel, _forward_variants),
-    KernelSpec("dgrad", _dora_dgrad_kernel, _dgrad_variants),
-    KernelSpec("backward_pass", _dora_bwd_pass_kernel, _bwd_pass_variants, weight_arg=None),
-    KernelSpec("project", _project_kernel, _project_variants, weight_arg=None),
-    KernelSpec("project_grad", _project_grad_kernel, _project_grad_variants, weight_arg=None),
-    KernelSpec("rowwise_quant", _rowwise_quant_kernel, _rowwise_quant_variants, weight_arg=None),
-    KernelSpec("forward_epilogue", _fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
-    KernelSpec("dgrad_epilogue", _dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
+    KernelSpec("weight_norm", dora_weight_norm_kernel, _weight_norm_variants),
+    KernelSpec("forward", dora_fwd_kernel, _forward_variants),
+    KernelSpec("dgrad", dora_dgrad_kernel, _dgrad_variants),
+    KernelSpec("backward_pass", dora_bwd_pass_kernel, _bwd_pass_variants, weight_arg=None),
+    KernelSpec("project", project_kernel, _project_variants, weight_arg=None),
+    KernelSpec("project_grad", project_grad_kernel, _project_grad_variants, weight_arg=None),
+    KernelSpec("rowwise_quant", rowwise_quant_kernel, _rowwise_quant_variants, weight_arg=None),
+    KernelSpec("forward_epilogue", fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
+    KernelSpec("dgrad_epilogue", dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
 ]

@@ -24,7 +24,7 @@ from ._common import alloc, check_activation, dot_dtype, interpreting
 
 
 @triton.jit
-def _dora_bwd_pass_kernel(
+def dora_bwd_pass_kernel(
     # Pointers
     g_ptr, z_ptr, c_ptr, rhoc_ptr, fl_ptr, fb_ptr, b_ptr, u_ptr,
     gl_ptr, gb_ptr, vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr,
@@ -129,7 +129,7 @@ def _grid_shape(M: int, N: int, r: int, ieee: bool, device: torch.device):
 
 
 def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
-    """See dorafp8/backends.py. g [M, N] (any row stride), z [M, N] (any float dtype), c / srow [N] fp32."""
+    """See dorafp8/backends/__init__.py. g [M, N] (any row stride), z [M, N] (any float dtype), c / srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device
@@ -176,7 +176,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     if need_dm:
         z = check_activation(z, "z", N)
     ph = dbpart  # placeholder for pointers a variant never reads
-    _dora_bwd_pass_kernel[(pm, pn)](
+    dora_bwd_pass_kernel[(pm, pn)](
         g, z if need_dm else ph, (c / rho_c).contiguous() if adapter else ph, rho_c.reshape(1) if adapter else ph, fl if write_gl else ph, fb if write_gb else ph,
         B if adapter else ph, u if need_dB else ph,
         gl if write_gl else ph, gb if write_gb else ph, vpart if adapter else ph, dmpart if need_dm else ph, dbpart,

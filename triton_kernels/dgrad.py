@@ -2,7 +2,7 @@
 
 The left operands come prepared by the backward pass (triton_kernels/backward.py): gl = g * f / rl with f = c * srow
 (no dropout) or (c - 1) * srow (dropout), and gb = g * srow / rb, so the GEMM only multiplies (contract:
-dorafp8/backends.py, `dgrad`):
+dorafp8/backends/__init__.py, `dgrad`):
 
     plain:      dx = rl * st * (gl W8')
     no dropout: dx = rl * st * (gl W8') + s v A
@@ -15,7 +15,7 @@ operand); nothing per column of W8 is folded into it.
 W8A8 (act_quant="rowwise"): gl (and gb) are quantized per row to e4m3 and multiplied by the transposed weight W8^T
 [K, N], made contiguous once per call, because fp8 MMA wants both operands K-major and the reduction here runs along
 N, W8's strided dimension. That transient copy costs N * K bytes of memory and one read + write of W8 per call.
-`_dgrad_epilogue` also serves the cuBLAS strategy (`_dgrad_epilogue_kernel`).
+`_dgrad_epilogue` also serves the cuBLAS strategy (`dgrad_epilogue_kernel`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_r, check_activation,
+from ._common import (SCALE_BLOCK, dot, grouped_tile, alloc, autotuned, block_r, check_activation,
                       check_weight, dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
 from .forward import epilogue_blocks
 
@@ -60,7 +60,7 @@ def _dgrad_epilogue(
                              mask=mask_k[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
                 vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
                              mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-                dx = _dot(at, vt, dx, LORA_IEEE)
+                dx = dot(at, vt, dx, LORA_IEEE)
             dx = dx * s
         if HAS_DROPOUT:
             keep = tl.load(mask_ptr + rows_m[None, :] * stride_mask_m + offs_k[:, None],
@@ -74,7 +74,7 @@ def _dgrad_epilogue(
 
 
 @triton.jit
-def _dora_dgrad_kernel(
+def dora_dgrad_kernel(
     # Pointers
     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     # Sizes
@@ -103,7 +103,7 @@ def _dora_dgrad_kernel(
     GROUP_M: tl.constexpr,
 ):
     # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
-    pid_m, pid_k = _grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    pid_m, pid_k = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
@@ -137,13 +137,13 @@ def _dora_dgrad_kernel(
             # This N step lies in one row of scale blocks: scale its partial product per output column, in fp32.
             sblk = tl.load(scale_ptr + (n0 // QBLOCK) * stride_scale_n + offs_k // QBLOCK, mask=mask_k,
                            other=0.0)[:, None]
-            acc += _dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            acc += dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
-                acc_b += _dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+                acc_b += dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         else:
-            acc = _dot(wt, glt, acc, IEEE)
+            acc = dot(wt, glt, acc, IEEE)
             if HAS_DROPOUT:
-                acc_b = _dot(wt, gbt, acc_b, IEEE)
+                acc_b = dot(wt, gbt, acc_b, IEEE)
         glt_ptrs += BLOCK_N
         if HAS_DROPOUT:
             gbt_ptrs += BLOCK_N
@@ -160,7 +160,7 @@ def _dora_dgrad_kernel(
 
 
 @triton.jit
-def _dgrad_epilogue_kernel(
+def dgrad_epilogue_kernel(
     # Pointers: tl = gl W8' and tb = gb W8' computed elsewhere (cuBLAS), [M, K] in any float dtype
     tl_ptr, tb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     M, K, R,
@@ -214,7 +214,7 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
 
 
 def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
-    """dx [M, K]; see dorafp8/backends.py. gl, gb [M, N], v [M, r] may have any row stride."""
+    """dx [M, K]; see dorafp8/backends/__init__.py. gl, gb [M, N], v [M, r] may have any row stride."""
     scale, mode = check_weight(w8, scale, block)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
@@ -244,7 +244,7 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
                                   "BLOCK_N", block, mode, "BLOCK_K", 2 if has_dropout else 1)
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
-    kernel = autotuned(_dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
+    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
     kernel[grid](
         gl, gb, sgl, sgb, rl, rb, w, scale, v, A, mask, dx,
@@ -274,7 +274,7 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     bm, bk = epilogue_blocks(lora_ieee)
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-    _dgrad_epilogue_kernel[grid](
+    dgrad_epilogue_kernel[grid](
         t, tb, rl, rb, scale, v, A, mask, dx,
         M, K, r,
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),

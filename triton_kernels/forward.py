@@ -10,8 +10,8 @@ fp32 product, so the dropout scaling never rounds an operand.
 W8A16 (default): W8 tiles are converted to the compute dtype in registers (exact) and multiplied by x tiles.
 W8A8 (act_quant="rowwise"): x (and xm) are first quantized per row to e4m3 (triton_kernels/quant.py) and the GEMM
 multiplies e4m3 by e4m3 on fp8 tensor cores; the row scales of x join the weight scale in the epilogue.
-The same epilogue (`_fwd_epilogue`) also serves the cuBLAS strategy (dorafp8/cublas_backend.py), where the base
-product comes from cuBLAS and `_fwd_epilogue_kernel` applies the rest.
+The same epilogue (`_fwd_epilogue`) also serves the cuBLAS strategy (dorafp8/backends/cublas.py), where the base
+product comes from cuBLAS and `fwd_epilogue_kernel` applies the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (SCALE_BLOCK, _dot, _grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
+from ._common import (SCALE_BLOCK, dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
                       dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
 
 
@@ -38,7 +38,7 @@ def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, s
                       mask=mask_n[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
         ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
                      mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-        t = _dot(b_t, ut, t, LORA_IEEE)
+        t = dot(b_t, ut, t, LORA_IEEE)
     return t
 
 
@@ -104,7 +104,7 @@ def _fwd_epilogue(
 
 
 @triton.jit
-def _dora_fwd_kernel(
+def dora_fwd_kernel(
     # Pointers
     x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     # Sizes
@@ -134,7 +134,7 @@ def _dora_fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -171,13 +171,13 @@ def _dora_fwd_kernel(
             # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
             sblk = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64) * stride_scale_n + k0 // QBLOCK,
                            mask=mask_n, other=0.0)[:, None]
-            acc += _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            acc += dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
-                acc_d += _dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+                acc_d += dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         else:
-            acc = _dot(w, xt, acc, IEEE)
+            acc = dot(w, xt, acc, IEEE)
             if HAS_DROPOUT:
-                acc_d = _dot(w, xmt, acc_d, IEEE)
+                acc_d = dot(w, xmt, acc_d, IEEE)
         if HAS_DROPOUT:
             xmt_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
@@ -191,7 +191,7 @@ def _dora_fwd_kernel(
 
 
 @triton.jit
-def _fwd_epilogue_kernel(
+def fwd_epilogue_kernel(
     # Pointers: base = x W8'^T and base_d = xm W8'^T computed elsewhere (cuBLAS), [M, N] in any float dtype
     base_ptr, based_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     M, N, R,
@@ -252,7 +252,7 @@ def _inv_keep(p: float) -> float:
 
 
 def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
-    """(y, z); see dorafp8/backends.py. x, xm [M, K], u [M, r] may have any row stride."""
+    """(y, z); see dorafp8/backends/__init__.py. x, xm [M, K], u [M, r] may have any row stride."""
     scale, mode = check_weight(w8, scale, block)
     N, K = w8.shape
     x = check_activation(x, "x", K)
@@ -284,7 +284,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
                                   "BLOCK_K", block, mode, "BLOCK_N", 2 if has_dropout else 1)
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
-    kernel = autotuned(_dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
+    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
         x, xm, sx, sxm, w8, scale, bias_t, c, u, B, y, z,
@@ -314,7 +314,7 @@ def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     bm, bn = epilogue_blocks(lora_ieee)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _fwd_epilogue_kernel[grid](
+    fwd_epilogue_kernel[grid](
         base, base_d, scale, bias_t, c, u, B, y, z,
         M, N, r,
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _dot, alloc, block_r, check_activation, dot_dtype, interpreting, last_dim_unit
+from ._common import dot, alloc, block_r, check_activation, dot_dtype, interpreting, last_dim_unit
 
 
 def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
@@ -32,7 +32,7 @@ def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _project_kernel(
+def project_kernel(
     a_ptr, b_ptr, out_ptr, mask_ptr,
     M, K, R,
     stride_a_m, stride_b_r, stride_b_k, stride_out_m, stride_mask_m,
@@ -59,13 +59,13 @@ def _project_kernel(
         a = a.to(DOT_DT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0).to(DOT_DT)
-        acc = _dot(a, bt, acc, IEEE)
+        acc = dot(a, bt, acc, IEEE)
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
-def _project_grad_kernel(
+def project_grad_kernel(
     v_ptr, a_ptr, part_ptr, mask_ptr,
     M, K, R, ROWS_PER_SPLIT,
     stride_v_m, stride_v_r, stride_a_m, stride_mask_m,
@@ -92,7 +92,7 @@ def _project_grad_kernel(
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + offs_k[None, :],
                            mask=mask_m[:, None] & mask_k[None, :], other=0)
             a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
-        acc = _dot(vt, a.to(DOT_DT), acc, IEEE)
+        acc = dot(vt, a.to(DOT_DT), acc, IEEE)
     part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
     tl.store(part, acc, mask=mask_r[:, None] & mask_k[None, :])
 
@@ -118,7 +118,7 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
     bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
-    _project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
+    project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
         a, b, out, mk, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, inv_keep,
         HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
         num_stages=stages)
@@ -144,7 +144,7 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0) ->
     rows = triton.cdiv(triton.cdiv(M, splits), bm) * bm
     splits = triton.cdiv(M, rows)
     part = torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
-    _project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
+    project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
         v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep,
         HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
         num_stages=stages)

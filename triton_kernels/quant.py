@@ -32,7 +32,7 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _rowwise_quant_kernel(
+def rowwise_quant_kernel(
     t_ptr, q_ptr, s_ptr,
     M, K,
     stride_t_m, stride_q_m,
@@ -68,6 +68,6 @@ def rowwise_quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M == 0:
         return q, sigma
     bm, bk = (4, 32) if interpreting() else QUANT_BLOCKS
-    _rowwise_quant_kernel[(triton.cdiv(M, bm),)](t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
+    rowwise_quant_kernel[(triton.cdiv(M, bm),)](t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
                                                  BLOCK_K=bk, INTERPRET=interpreting(), num_warps=4)
     return q, sigma

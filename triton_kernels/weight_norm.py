@@ -7,11 +7,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SCALE_BLOCK, _dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
+from ._common import SCALE_BLOCK, dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
 
 
 @triton.jit
-def _dora_weight_norm_kernel(
+def dora_weight_norm_kernel(
     # Pointers
     w_ptr, scale_ptr, a_ptr, b_ptr, n_ptr,
     # Sizes
@@ -68,7 +68,7 @@ def _dora_weight_norm_kernel(
                 a_ptr + offs_r[:, None] * stride_a_r + (k0 + offs_k[None, :]).to(tl.int64) * stride_a_k,
                 mask=(offs_r[:, None] < R) & k_ok[None, :], other=0.0,
             ).to(DOT_DT)
-            ba = _dot(b_tile, a_tile, ba, IEEE)
+            ba = dot(b_tile, a_tile, ba, IEEE)
         else:
             for r0 in range(0, R, BLOCK_R):
                 r_ok = r0 + offs_r < R
@@ -80,7 +80,7 @@ def _dora_weight_norm_kernel(
                     a_ptr + (r0 + offs_r[:, None]) * stride_a_r + (k0 + offs_k[None, :]).to(tl.int64) * stride_a_k,
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0,
                 ).to(DOT_DT)
-                ba = _dot(b_chunk, a_chunk, ba, IEEE)
+                ba = dot(b_chunk, a_chunk, ba, IEEE)
         v = w + s * ba
         sq += tl.sum(v * v, axis=1)
         w_ptrs += BLOCK_K
@@ -97,7 +97,7 @@ def weight_norm_block_r(r: int, ieee: bool) -> int:
 
 def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tensor, B: torch.Tensor,
                 s: float) -> torch.Tensor:
-    """n [N] fp32; see dorafp8/backends.py. A [r, K], B [N, r] in any float dtype (any strides)."""
+    """n [N] fp32; see dorafp8/backends/__init__.py. A [r, K], B [N, r] in any float dtype (any strides)."""
     scale, mode = check_weight(w8, scale, block, any_block=True)  # scales are gathered per element: any b works
     N, K = w8.shape
     r = A.shape[0]
@@ -109,7 +109,7 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tens
     dot_dt, ieee = dot_dtype(A.dtype, B.dtype)
     br = weight_norm_block_r(r, ieee)
     configs = weight_norm_configs(w8.device, fp32=ieee)
-    kernel = autotuned(_dora_weight_norm_kernel, ("wn", ieee), configs, ["N", "K", "R"], ["n_ptr"])
+    kernel = autotuned(dora_weight_norm_kernel, ("wn", ieee), configs, ["N", "K", "R"], ["n_ptr"])
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
         w8, scale, A, B, n,

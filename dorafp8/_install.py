@@ -1,10 +1,16 @@
-"""Teaches PEFT, transformers and diffusers about dorafp8 without importing them.
+"""Everything `import dorafp8` changes outside dorafp8, in one place, with one opt-out: DORAFP8_NO_PATCHES=1.
+
+1. DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py explains why; idempotent).
+2. PEFT, transformers and diffusers learn about dorafp8 without being imported (below).
+
+With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft() and dorafp8.install_ddp_support()
+yourself where you need them (save_pretrained of fp8 models is then transformers' own, which loses the scales).
 
 Importing peft, transformers or diffusers takes seconds, so `import dorafp8` must not do it. But each needs to know
 about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
 
 - peft: `quantize_model(model)` then `get_peft_model(model, LoraConfig(use_dora=True, ...))` must build
-  DoRAFP8Linear layers (dorafp8.peft_integration.register_with_peft);
+  DoRAFP8Linear layers (dorafp8.peft.register_with_peft);
 - transformers: `save_pretrained` of a model holding fp8 layers must write a checkpoint `from_pretrained` reads
   correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
   quantizer registry (dorafp8/_save_hooks.py, dorafp8/hf_quantizer.py);
@@ -20,14 +26,17 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 import warnings
 
+from .distributed import install_ddp_support
+
 
 def _peft() -> None:
-    from .peft_integration import register_with_peft
-
-    register_with_peft()
+    # Importing dorafp8.peft registers (its __init__ ends with register_with_peft()). When peft itself is being
+    # imported by dorafp8.peft, that package is still half-initialised here: it registers when it finishes.
+    from . import peft  # noqa: F401
 
 
 def _transformers() -> None:
@@ -116,6 +125,14 @@ def install_finder() -> None:
 
 
 def install() -> None:
+    """What `import dorafp8` does outside dorafp8 (the module docstring), unless DORAFP8_NO_PATCHES=1. Idempotent."""
+    if os.environ.get("DORAFP8_NO_PATCHES") == "1":
+        return
+    install_ddp_support()
+    watch_imports()
+
+
+def watch_imports() -> None:
     """Runs the hook of every watched module that is loaded, and watches for the others. Idempotent (each hook is)."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:

@@ -1,4 +1,4 @@
-"""CUDA C++ backend: the backend contract of dorafp8/backends.py on the kernels of csrc/ (module dorafp8._C).
+"""CUDA C++ backend: the backend contract of dorafp8/backends/__init__.py on the kernels of csrc/ (module dorafp8._C).
 
 One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
 (`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
@@ -55,7 +55,7 @@ _image_error: dict[int, str] = {}  # per device index: "" if the build has kerne
 def build_note() -> str:
     """What setup.py decided about the extension at install time (written to dorafp8/_build_info.json)."""
     try:
-        with open(os.path.join(os.path.dirname(__file__), "_build_info.json")) as f:
+        with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_info.json")) as f:
             return json.load(f).get("cuda_extension", "")
     except (OSError, ValueError):
         return ""
@@ -85,9 +85,14 @@ def unavailable_reason(device: torch.device) -> str | None:
 def rank_ops(device: torch.device) -> ModuleType:
     """The backend module whose project, project_grad and backward_pass the CUDA backend uses on `device`: the
     Triton backend's when Triton can run there, else the reference's."""
-    from . import backends
+    # Chosen here, not through the registry (the package this module belongs to), so that imports only go down.
+    from . import reference
 
-    return backends.module("triton" if backends.unavailable_reason("triton", device) is None else "reference")
+    try:
+        from .. import triton_kernels
+    except Exception:  # triton missing, or failing to initialise: the registry treats both as unavailable
+        return reference
+    return triton_kernels if triton_kernels.unavailable_reason(device) is None else reference
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -143,7 +148,7 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
 # ---------------------------------------------------------------------------------------------------------- contract
 
 class CudaBackend:
-    """The backend contract (dorafp8/backends.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
+    """The backend contract (dorafp8/backends/__init__.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
     `forward` and `dgrad` (same arguments, outputs written into the tensors passed)."""
 
     def __init__(self, launcher):

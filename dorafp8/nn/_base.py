@@ -5,12 +5,12 @@ already cast to fp8 becomes one (`fp8_cast_parts`)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
-from .distributed import is_fp8, recover_fp8_weight
-from .quant import E4M3, check_scale
+from ..quant import E4M3, check_scale, is_fp8
 
 
 # diffusers.hooks.layerwise_casting._LAYERWISE_CASTING_HOOK: the name ModelMixin.enable_layerwise_casting registers
@@ -116,3 +116,31 @@ class FP8WeightModule(nn.Module):
                 self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+# ---- FSDP / ZeRO-3 (why: dorafp8/distributed.py's docstring) -----------------------------------------------------------------------------------------------
+
+
+def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
+    parameters in place between steps without bumping their version counters (see the module docstring)."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
+
+
+_WARNED_RECAST = False
+
+
+def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
+    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it)."""
+    global _WARNED_RECAST
+    if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return w
+    if not _WARNED_RECAST:
+        _WARNED_RECAST = True
+        warnings.warn(
+            f"dorafp8: FSDP's MixedPrecisionPolicy(param_dtype={w.dtype}) casts the frozen fp8 weights to {w.dtype} "
+            f"for the all-gather (2x the traffic and the unsharded memory of fp8); dorafp8 casts them back exactly. "
+            f"To all-gather them as fp8, leave param_dtype unset for the groups that hold FP8Linear weights "
+            f"(see docs/MULTI_GPU.md).", stacklevel=3)
+    return w.to(torch.float8_e4m3fn)

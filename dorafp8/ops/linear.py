@@ -3,10 +3,10 @@
 Hops from the public API to a kernel:
     dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask, c = m / n,
     the final scalings of dm/dA/dB)  ->  torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
-    backend module (dorafp8.reference / dorafp8.triton_kernels / dorafp8.cuda_backend / dorafp8.cublas_backend)
+    backend module (dorafp8.backends.reference / dorafp8.triton_kernels / dorafp8.backends.cuda / dorafp8.backends.cublas)
     ->  kernel.
 
-The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends.py.
+The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends/__init__.py.
 
 Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
 autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
@@ -23,182 +23,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
-from .quant import DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, scale_kind
-
-_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
-# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
-# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
-NORM_EPS = 1e-12
-ACT_QUANT_MODES = ("", "rowwise")
-
-# ----------------------------------------------------------------------------------------------------------------
-# Custom ops: one per backend function. Registering them makes the autograd Functions below traceable by
-# torch.compile (the kernels stay opaque, with shapes given by the fake implementations). Custom ops cannot return
-# None or an input, so an absent output is an empty placeholder and the Python side knows which it is.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("dorafp8::weight_norm", mutates_args=())
-def _weight_norm_op(w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float, backend: str) -> Tensor:
-    return backends.module(backend).weight_norm(w8, scale, block, A, B, s)
-
-
-@_weight_norm_op.register_fake
-def _(w8, scale, block, A, B, s, backend):
-    return w8.new_empty(w8.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("dorafp8::project", mutates_args=())
-def _project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
-                backend: str) -> Tensor:
-    return backends.module(backend).project(a, b, out_dtype, mask, p)
-
-
-@_project_op.register_fake
-def _(a, b, out_dtype, mask, p, backend):
-    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
-
-
-@torch.library.custom_op("dorafp8::project_grad", mutates_args=())
-def _project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, backend: str) -> Tensor:
-    return backends.module(backend).project_grad(v, a, mask, p)
-
-
-@_project_grad_op.register_fake
-def _(v, a, mask, p, backend):
-    return a.new_empty(v.shape[1], a.shape[1], dtype=torch.float32)
-
-
-@torch.library.custom_op("dorafp8::forward", mutates_args=())
-def _forward_op(x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
-                u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
-                z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
-    y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype,
-                                            act_quant)
-    return y, (z if z is not None else x.new_empty(0))
-
-
-@_forward_op.register_fake
-def _(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant, backend):
-    y = x.new_empty(x.shape[0], w8.shape[0])
-    want_z = need_z and c is not None
-    return y, (x.new_empty(x.shape[0], w8.shape[0], dtype=z_dtype) if want_z else x.new_empty(0))
-
-
-@torch.library.custom_op("dorafp8::backward_pass", mutates_args=())
-def _backward_pass_op(g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
-                      B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool,
-                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = backends.module(backend).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
-    # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
-    return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
-
-
-@_backward_pass_op.register_fake
-def _(g, z, c, srow, B, u, dropout, need_dm, need_dB, backend):
-    M, N = g.shape
-    f32 = dict(dtype=torch.float32)
-    adapter = c is not None
-    gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
-    gb = g.new_empty(M, N) if (adapter and dropout and srow is not None) else g.new_empty(0)
-    rb = g.new_empty((), **f32) if (adapter and dropout) else g.new_empty(0)
-    v = g.new_empty(M, B.shape[1], dtype=B.dtype) if adapter else g.new_empty(0)
-    dm = g.new_empty(N, **f32) if (adapter and need_dm) else g.new_empty(0)
-    dB = g.new_empty(N, B.shape[1], **f32) if (adapter and need_dB) else g.new_empty(0)
-    return gl, g.new_empty((), **f32), gb, rb, v, dm, g.new_empty(N, **f32), dB
-
-
-@torch.library.custom_op("dorafp8::dgrad", mutates_args=())
-def _dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
-              A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
-              rb: Optional[Tensor], act_quant: str, backend: str) -> Tensor:
-    return backends.module(backend).dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
-
-
-@_dgrad_op.register_fake
-def _(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant, backend):
-    return gl.new_empty(gl.shape[0], w8.shape[1])
-
-
-# Eager fast path. A call through a torch.library custom op costs tens of microseconds of Python dispatch (measured
-# on CPU: ~390 calls, 24 ms of a 160 ms bf16 training step of a small diffusers UNet; bench/diffusion_cpu.py). Outside
-# torch.compile, with no TorchDispatchMode active and plain tensors, the op's own implementation (the decorated
-# function above: same code, same placeholders) is called directly. Under torch.compile, which needs the opaque op in
-# its graph, under a dispatch mode (FakeTensorMode, dorafp8._memory.PeakTemporaries) or with tensor subclasses, the
-# custom op is called as before.
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
-def _eager_fast_path(op):
-    impl = op._init_fn  # torch.library.custom_op keeps the decorated function here
-
-    def call(*args):
-        if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or any(isinstance(a, Tensor) and type(a) not in _PLAIN_TENSORS for a in args)):
-            return op(*args)
-        return impl(*args)
-
-    call.op = op
-    return call
-
-
-_weight_norm_op, _project_op, _project_grad_op, _forward_op, _backward_pass_op, _dgrad_op = map(
-    _eager_fast_path, (_weight_norm_op, _project_op, _project_grad_op, _forward_op, _backward_pass_op, _dgrad_op))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def dropout_mask(x: Tensor, p: float) -> Tensor:
-    """The keep mask of torch.nn.functional.dropout(x, p, training=True), drawing exactly the random numbers it draws,
-    so that a seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU this recipe)."""
-    if x.device.type != "cpu":
-        return torch.native_dropout(x, p, True)[1]
-    return torch.empty_like(x).bernoulli_(1 - p) != 0
-
-
-def _rows(t: Tensor) -> Tensor:
-    """t with unit stride in its last dim (what the kernels need; any row stride is fine)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
-
-
-def rank_dtype(x: Tensor, A: Tensor, B: Tensor) -> torch.dtype:
-    """The dtype of the low-rank path: autocast's under autocast, else the adapters' (as PEFT computes it)."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    rdt = torch.promote_types(A.dtype, B.dtype)
-    if rdt not in _ACT_DTYPES:
-        raise TypeError(f"lora_A / lora_B must be float32, bfloat16 or float16, got {A.dtype} / {B.dtype}")
-    return rdt
-
-
-def _row_scale(scale: Tensor) -> Optional[Tensor]:
-    return scale if scale_kind(scale) == "row" else None
-
-
-def _needs(scale: Tensor, act_quant: str) -> frozenset:
-    """What a call asks of its backend beyond W8A16 with a per-tensor or per-row scale (backends.FEATURES)."""
-    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({"w8a8"} if act_quant else ())
-
-
-def check_act_quant(act_quant) -> str:
-    mode = "" if act_quant in (None, "", "none") else act_quant
-    if mode not in ACT_QUANT_MODES:
-        raise ValueError(f"act_quant must be None or 'rowwise', got {act_quant!r}")
-    return mode
-
+from .. import backends
+from ..quant import DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale
+from . import _custom_ops as _ops
+from ._policy import (ACT_DTYPES, NORM_EPS, backend_needs, check_act_quant, compute_dtype, dropout_mask, rank_dtype,
+                      row_scale, rows)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd Functions
@@ -227,8 +56,8 @@ class DoRAFP8Function(torch.autograd.Function):
             else:
                 # The low-rank path takes x and the mask: it forms x * mask / (1 - p) in the rank dtype, as PEFT
                 # does (exact for fp32 adapters on 16-bit activations).
-                u = _project_op(x, A, A.dtype, mask, p, backend)
-                y, z = _forward_op(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant,
+                u = _ops.project_op(x, A, A.dtype, mask, p, backend)
+                y, z = _ops.forward_op(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant,
                                    backend)
         ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, c, n)
         ctx.s, ctx.p, ctx.block, ctx.act_quant, ctx.backend = s, p, block, act_quant, backend
@@ -240,7 +69,7 @@ class DoRAFP8Function(torch.autograd.Function):
         x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
-        g = _rows(gy)
+        g = rows(gy)
         M, N, K = g.shape[0], w8.shape[0], w8.shape[1]
         dx = dA = dB = dm = db = None
         if M == 0:  # an empty batch: zero gradients of the right shapes
@@ -249,9 +78,9 @@ class DoRAFP8Function(torch.autograd.Function):
                     zeros(A) if need_dA else None, zeros(B) if need_dB else None,
                     torch.zeros(N, dtype=ctx.m_dtype, device=g.device) if need_dm else None,
                     None, None, None, None, None, None)
-        srow = _row_scale(scale)
+        srow = row_scale(scale)
         with torch.autocast(g.device.type, enabled=False):
-            gl, rl, gb, rb, v, dm_sum, db_sum, dB_sum = _backward_pass_op(
+            gl, rl, gb, rb, v, dm_sum, db_sum, dB_sum = _ops.backward_pass_op(
                 g, z if need_dm else None, c, srow, B, u if need_dB else None, mask is not None,
                 bool(need_dm), bool(need_dB), ctx.backend)
             if need_dx:
@@ -259,9 +88,9 @@ class DoRAFP8Function(torch.autograd.Function):
                     gb = rb = None
                 elif srow is None:
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
-                dx = _dgrad_op(gl, rl, w8, scale, ctx.block, v, A, s, mask, p, gb, rb, ctx.act_quant, ctx.backend)
+                dx = _ops.dgrad_op(gl, rl, w8, scale, ctx.block, v, A, s, mask, p, gb, rb, ctx.act_quant, ctx.backend)
             if need_dA:
-                dA = (s * _project_grad_op(v, x, mask, p, ctx.backend)).to(A.dtype)
+                dA = (s * _ops.project_grad_op(v, x, mask, p, ctx.backend)).to(A.dtype)
             if need_dB:
                 dB = (s * c[:, None] * dB_sum).to(B.dtype)
             if need_dm:
@@ -280,30 +109,30 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.block, ctx.act_quant, ctx.backend = block, act_quant, backend
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
-        y, _ = _forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, 0.0, False, x.dtype, act_quant,
+        y, _ = _ops.forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, 0.0, False, x.dtype, act_quant,
                            backend)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
-        g = _rows(gy)
+        g = rows(gy)
         dx = db = None
         if g.shape[0] == 0:
             return (g.new_empty(0, w8.shape[1]) if ctx.needs_input_grad[0] else None, None, None,
                     g.new_zeros(w8.shape[0]) if ctx.needs_input_grad[3] else None, None, None, None)
-        srow = _row_scale(scale)
+        srow = row_scale(scale)
         if srow is None:  # nothing to scale in g: no pass over it unless the bias wants its gradient
             gl, rl = g, torch.ones((), dtype=torch.float32, device=g.device)
             if ctx.needs_input_grad[3]:
                 db = g.sum(0, dtype=torch.float32).to(g.dtype)
         else:
-            gl, rl, _, _, _, _, db_sum, _ = _backward_pass_op(g, None, None, srow, None, None, False, False, False,
+            gl, rl, _, _, _, _, db_sum, _ = _ops.backward_pass_op(g, None, None, srow, None, None, False, False, False,
                                                               ctx.backend)
             if ctx.needs_input_grad[3]:
                 db = db_sum.to(g.dtype)
         if ctx.needs_input_grad[0]:
-            dx = _dgrad_op(gl, rl, w8, scale, ctx.block, None, None, 0.0, None, 0.0, None, None, ctx.act_quant,
+            dx = _ops.dgrad_op(gl, rl, w8, scale, ctx.block, None, None, 0.0, None, 0.0, None, None, ctx.act_quant,
                            ctx.backend)
         return dx, None, None, db, None, None, None
 
@@ -325,7 +154,7 @@ def _check_float(t, name: str, shape: tuple) -> None:
 def _check_x(x, K: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _ACT_DTYPES:
+    if x.dtype not in ACT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x must have in_features={K} as its last dimension, got shape {list(x.shape)}")
@@ -356,9 +185,9 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_float(lora_A, "lora_A", (lora_A.shape[0], K))
     _check_float(lora_B, "lora_B", (N, lora_A.shape[0]))
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
-    name = backends.resolve(backend, w8.device, _needs(scale, ""))
+    name = backends.resolve(backend, w8.device, backend_needs(scale, ""))
     with torch.no_grad():
-        return _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        return _ops.weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *,
@@ -374,8 +203,8 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     _check_device(x, w8=w8, scale=scale, bias=bias)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
-    name = backends.resolve(backend, x.device, _needs(scale, mode))
-    x2d = _rows(x.reshape(-1, K).to(cdt))
+    name = backends.resolve(backend, x.device, backend_needs(scale, mode))
+    x2d = rows(x.reshape(-1, K).to(cdt))
     y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block, mode, name)
     return y.reshape(*x.shape[:-1], N)
 
@@ -413,9 +242,9 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     mode = check_act_quant(act_quant)
     _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias)
-    name = backends.resolve(backend, x.device, _needs(scale, mode))
+    name = backends.resolve(backend, x.device, backend_needs(scale, mode))
     if weight_norm is None:
-        n = _weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        n = _ops.weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
     else:
         if not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,):
             raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
@@ -423,7 +252,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         n = weight_norm.detach().float()
     cdt = compute_dtype(x)
     rdt = rank_dtype(x, lora_A, lora_B)
-    x2d = _rows(x.reshape(-1, K).to(cdt))
+    x2d = rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0
     y = DoRAFP8Function.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(rdt),
                               lora_B.to(rdt), magnitude, n, float(scaling), p, block, mode, name)

@@ -1,7 +1,7 @@
-"""Native backend: the backend contract (dorafp8/backends.py) in PyTorch, with the base GEMMs done by the platform's
+"""Native backend: the backend contract (dorafp8/backends/__init__.py) in PyTorch, with the base GEMMs done by the platform's
 matmul in the compute dtype (oneDNN/MKL on CPU: bf16 and fp16 products accumulate in fp32 there too).
 
-It is the reference backend (dorafp8/reference.py) with one change: where the reference upcasts x and the weight
+It is the reference backend (dorafp8/backends/reference.py) with one change: where the reference upcasts x and the weight
 rows to fp32 and multiplies in fp32, this backend dequantizes a block of weight rows into the compute dtype (w8 ->
 bf16/fp16/fp32 is exact; per-tensor and per-row scales stay out of it and are applied in the fp32 epilogue, block
 scales are applied while dequantizing, so such a W0 is rounded once into the compute dtype) and multiplies x by it in
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from . import reference as _ref
-from ._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
-from .quant import scale_kind, scale_rows
+from . import reference
+from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+from ..quant import row_blocks, scale_kind, scale_rows
 
-project_grad = _ref.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
+project_grad = reference.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
 
 
 def weight_norm(w8, scale, block, A, B, s):
@@ -40,7 +40,7 @@ def weight_norm(w8, scale, block, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in _ref.row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
+    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
         v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block, j0, j1, K))
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
@@ -56,7 +56,7 @@ def project(a, b, out_dtype, mask, p):
         if mask is not None:
             a = a * mask.to(a.dtype).div_(1.0 - p)
         return a @ b.T
-    return _ref.project(a, b, out_dtype, mask, p)
+    return reference.project(a, b, out_dtype, mask, p)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -72,18 +72,18 @@ def _as(t, dtype):
 
 
 def _row_parts(M, width):
-    """One function per block of activation rows (_ref.row_blocks), taking that block of a tensor: the tensor itself
+    """One function per block of activation rows (reference.row_blocks), taking that block of a tensor: the tensor itself
     when one block covers all rows (small layers: no slicing ops at all)."""
-    blocks = list(_ref.row_blocks(M, width))
+    blocks = list(row_blocks(M, width))
     if len(blocks) == 1:
         return [lambda t: t]
     return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
 
 
 def _weight_spans(w8, scale, block) -> list[tuple[int, int]]:
-    """The blocks of weight rows [j0, j1) the base products take one at a time (_ref.row_blocks; whole scale blocks)."""
+    """The blocks of weight rows [j0, j1) the base products take one at a time (reference.row_blocks; whole scale blocks)."""
     N, K = w8.shape
-    return list(_ref.row_blocks(N, K, block if scale_kind(scale) == "block" else 1))
+    return list(row_blocks(N, K, block if scale_kind(scale) == "block" else 1))
 
 
 def _weight_block(w8, scale, block, dtype, j0, j1):
@@ -104,7 +104,7 @@ def _out_scale(scale):
 
 def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     if act_quant or x.dtype == torch.float16:  # see _reference_cases
-        return _ref.forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
+        return reference.forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
     cdt = x.dtype
     M, N = x.shape[0], w8.shape[0]
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
@@ -186,7 +186,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     M, N = g.shape
     adapter = c is not None
     f32 = dict(dtype=torch.float32, device=g.device)
-    fl, rl, fb, rb = _ref.grad_factors(c, srow, dropout, g.device)
+    fl, rl, fb, rb = reference.grad_factors(c, srow, dropout, g.device)
     gl = g if fl is None else torch.empty_like(g)
     gb = None if rb is None else g if fb is None else torch.empty_like(g)
     Bc = (_f32(B) * c[:, None]) if adapter else None  # (g c) B == g (c B)
@@ -222,7 +222,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
 
 def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     if act_quant or gl.dtype == torch.float16:  # see _reference_cases
-        return _ref.dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
+        return reference.dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
     cdt = gl.dtype
     M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
     st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0

@@ -1,37 +1,22 @@
-"""Reference backend: the backend contract (dorafp8/backends.py) in plain PyTorch.
+"""Reference backend: the backend contract (dorafp8/backends/__init__.py) in plain PyTorch.
 
 It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds
 a dequantized copy of the whole weight, nor an fp32 copy of a whole [M, N] or [M, K] activation: the fp8 weight is
 walked in blocks of rows and the activations in blocks of rows, each block at most `_BLOCK_BYTES` in fp32, so the
 peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The loops live inside the custom
-ops (dorafp8/ops.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
+ops (dorafp8/ops/linear.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .quant import E4M3_MAX, scale_kind, scale_rows
+from ..quant import E4M3_MAX, row_blocks, scale_kind, w0_rows
 
-# Size of one fp32 block (of weight rows or activation rows). A few such temporaries are alive at once at most.
-_BLOCK_BYTES = 16 * 1024 * 1024
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     return None  # runs wherever PyTorch runs
-
-
-def row_blocks(n_rows: int, width: int, block: int = 1):
-    """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block` rows."""
-    rows = max(1, _BLOCK_BYTES // (4 * max(width, 1)))
-    rows = max(block, rows - rows % block)
-    for j0 in range(0, n_rows, rows):
-        yield j0, min(n_rows, j0 + rows)
-
-
-def w0_rows(w8, scale, block, j0, j1):
-    """W0[j0:j1] in fp32 (a temporary of the block's size)."""
-    return w8[j0:j1].float().mul_(scale_rows(scale, block, j0, j1, w8.shape[1]))
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

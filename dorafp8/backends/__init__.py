@@ -67,7 +67,7 @@ The contract (every backend computes exactly this; the reference backend is the 
 
 Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the fastest backend that can run on the
 tensors' device: triton > cuda > reference on a GPU (triton first until GPU measurements say otherwise;
-see bench/results/), native on CPU (dorafp8/native_backend.py: the reference with its base GEMMs in the compute
+see bench/results/), native on CPU (dorafp8/backends/native.py: the reference with its base GEMMs in the compute
 dtype; the reference itself stays the exact fp32 twin every backend is tested against). A backend asked for by name (argument or environment) that cannot run raises
 with the reason; under "auto" an unavailable backend is skipped quietly. `cublas` (dequantize one layer into a
 transient buffer, cuBLAS for the base GEMMs, fused epilogues) is never picked by "auto" until measured.
@@ -85,11 +85,11 @@ BACKENDS = ("reference", "triton", "cuda", "cublas", "native")
 _CHOICES = ("auto",) + BACKENDS
 # Which module implements each backend (imported lazily: triton and the CUDA extension are optional).
 _MODULES = {
-    "reference": "dorafp8.reference",
+    "reference": "dorafp8.backends.reference",
     "triton": "dorafp8.triton_kernels",
-    "cuda": "dorafp8.cuda_backend",
-    "cublas": "dorafp8.cublas_backend",
-    "native": "dorafp8.native_backend",
+    "cuda": "dorafp8.backends.cuda",
+    "cublas": "dorafp8.backends.cublas",
+    "native": "dorafp8.backends.native",
 }
 _loaded: dict[str, ModuleType | str] = {}
 

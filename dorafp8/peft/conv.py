@@ -1,12 +1,12 @@
 """PEFT integration for convolutions: DoRAFP8Conv1d / DoRAFP8Conv2d / DoRAFP8Conv3d, PEFT's own `lora.Conv1d/2d/3d`
-on an FP8 conv base (dorafp8/fp8_conv.py).
+on an FP8 conv base (dorafp8/nn/conv.py).
 
 Everything PEFT does around a conv LoRA layer keeps working, with PEFT 0.21's exact layout: lora_A is an nn.ConvNd
 [r, C_in, *kernel] with the base's stride and padding (PEFT gives it dilation 1 and groups 1), lora_B a 1 x 1 nn.ConvNd
 [C_out, r/groups, 1, ...] with the base's groups, the DoRA magnitude `lora_magnitude_vector.<name>.weight` has shape
 [1, C_out, 1, ...] (PEFT's DoraConvNdLayer), so the adapter files are PEFT's. What changes: the base is an FP8 conv,
 the magnitude starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero
-padding) is one dorafp8 call (dorafp8.fp8_conv.dora_fp8_conv): no dense B A, no dense W0 + s B A, no dequantized
+padding) is one dorafp8 call (dorafp8.nn.conv.dora_fp8_conv): no dense B A, no dense W0 + s B A, no dequantized
 weight kept for the backward.
 """
 
@@ -19,9 +19,10 @@ from peft.tuners.lora import layer as lora_layer
 from peft.tuners.lora.dora import DoraConv1dLayer, DoraConv2dLayer, DoraConv3dLayer
 from peft.tuners.lora.variants import DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant, _DoraConvNdVariant
 
-from .fp8_conv import (FP8Conv1d, FP8Conv2d, FP8Conv3d, _FP8ConvNd, conv_weight_norm, dora_fp8_conv,
-                       fp8_conv_class)
-from .peft_integration import _DoRAFP8Layer, _FP8DoraVariantMixin
+from ..nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8ConvNd
+from ..nn.conv import fp8_conv_class
+from ..ops.conv import conv_weight_norm, dora_fp8_conv
+from .layer import DoRAFP8Layer, FP8DoraVariantMixin
 
 _MERGE_ERROR = (
     "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
@@ -32,7 +33,7 @@ _PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVari
 _DORA_LAYER = {1: DoraConv1dLayer, 2: DoraConv2dLayer, 3: DoraConv3dLayer}
 
 
-class DoraFP8ConvVariant(_FP8DoraVariantMixin, _DoraConvNdVariant):
+class DoraFP8ConvVariant(FP8DoraVariantMixin, _DoraConvNdVariant):
     """PEFT's DoRA conv variant on an FP8 conv base: magnitude from the fp8 weight, no dense temporaries."""
 
     _merge_error = _MERGE_ERROR
@@ -42,7 +43,7 @@ class DoraFP8ConvVariant(_FP8DoraVariantMixin, _DoraConvNdVariant):
         return _DORA_LAYER[module._kernel_dim - 2], module._per_channel(m)
 
 
-class _DoRAFP8ConvMixin(_DoRAFP8Layer):
+class _DoRAFP8ConvMixin(DoRAFP8Layer):
     """What DoRAFP8Conv1d/2d/3d add to PEFT's lora.Conv1d/2d/3d (see the module docstring)."""
 
     _dora_variant = DoraFP8ConvVariant
@@ -50,7 +51,7 @@ class _DoRAFP8ConvMixin(_DoRAFP8Layer):
 
     # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
 
-    def _fp8_base(self) -> _FP8ConvNd:
+    def _fp8_base(self) -> FP8ConvNd:
         """The FP8 conv base (also while update_layer shows PEFT a geometry shell, see there)."""
         layer = self
         while hasattr(layer, "base_layer"):
@@ -76,7 +77,7 @@ class _DoRAFP8ConvMixin(_DoRAFP8Layer):
         self.clear_weight_norm_cache()
 
     def _get_in_out_features(self, module):
-        if isinstance(module, _FP8ConvNd):
+        if isinstance(module, FP8ConvNd):
             return module.in_channels, module.out_channels
         return super()._get_in_out_features(module)
 
@@ -105,7 +106,7 @@ class _DoRAFP8ConvMixin(_DoRAFP8Layer):
         return v.reshape((1, -1) + (1,) * (self._kernel_dim - 2))
 
     @staticmethod
-    def _base_product(base: _FP8ConvNd, x: torch.Tensor) -> torch.Tensor:
+    def _base_product(base: FP8ConvNd, x: torch.Tensor) -> torch.Tensor:
         return base.conv(x, None)
 
     def _fused_adapter(self) -> str | None:
@@ -144,7 +145,7 @@ class _DoRAFP8ConvMixin(_DoRAFP8Layer):
                 raise ValueError(f"adapter {name!r} uses the LoRA variant {type(variant).__name__}, which dorafp8 "
                                  f"does not support (only plain LoRA and DoRA)")
         base = layer.get_base_layer()
-        if isinstance(base, _FP8ConvNd):
+        if isinstance(base, FP8ConvNd):
             fp8 = base
         else:
             fp8 = fp8_conv_class(base).from_float(base, per_row_scale=per_row_scale, backend=backend)
@@ -164,7 +165,7 @@ def _lora_padding(conv: nn.Module):
     return tuple(conv.padding)
 
 
-def _geometry_shell(base: _FP8ConvNd) -> nn.Module:
+def _geometry_shell(base: FP8ConvNd) -> nn.Module:
     """An nn.ConvNd with `base`'s geometry on the meta device (no memory): what PEFT's update_layer looks at."""
     conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[base._nd]
     return conv_cls(base.in_channels, base.out_channels, base.kernel_size, base.stride, base.padding, base.dilation,
@@ -172,17 +173,17 @@ def _geometry_shell(base: _FP8ConvNd) -> nn.Module:
 
 
 class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
-    """PEFT's LoRA/DoRA Conv1d on an FP8Conv1d base (see dorafp8/peft_conv.py)."""
+    """PEFT's LoRA/DoRA Conv1d on an FP8Conv1d base (see dorafp8/peft/conv.py)."""
 
 
 class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
-    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (see dorafp8/peft_conv.py). Build it with get_peft_model on a
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (see dorafp8/peft/conv.py). Build it with get_peft_model on a
     model whose convs are FP8Conv2d (dorafp8.quantize_model(model, include_conv=True)), or convert a PEFT DoRA model
     with dorafp8.convert_peft_model."""
 
 
 class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):
-    """PEFT's LoRA/DoRA Conv3d on an FP8Conv3d base (see dorafp8/peft_conv.py)."""
+    """PEFT's LoRA/DoRA Conv3d on an FP8Conv3d base (see dorafp8/peft/conv.py)."""
 
 
 DORA_FP8_CONV_CLASSES = {FP8Conv1d: DoRAFP8Conv1d, FP8Conv2d: DoRAFP8Conv2d, FP8Conv3d: DoRAFP8Conv3d}

@@ -1,9 +1,9 @@
-"""cuBLAS strategy: the backend contract (dorafp8/backends.py) with the base GEMMs done by the platform's matmul.
+"""cuBLAS strategy: the backend contract (dorafp8/backends/__init__.py) with the base GEMMs done by the platform's matmul.
 
 What a user who dequantizes would do, done as well as that can be done: each call dequantizes the layer's W8 into a
 transient buffer in the compute dtype (one layer at a time, freed when the call returns, never kept), runs the base
 GEMMs through torch.matmul (cuBLAS on a GPU), and applies the DoRA epilogues with the fused Triton kernels
-(triton_kernels/forward.py `_fwd_epilogue_kernel`, dgrad.py `_dgrad_epilogue_kernel`). The backward pass, the
+(triton_kernels/forward.py `fwd_epilogue_kernel`, dgrad.py `dgrad_epilogue_kernel`). The backward pass, the
 rank-r GEMMs and the weight norm are the Triton backend's. It is the yardstick the fused kernels must beat, and
 `backend="auto"` never picks it until a GPU measurement says it wins (see bench/).
 
@@ -20,25 +20,24 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_kernels as _tk
-from .quant import scale_kind, scale_rows
-from .reference import row_blocks
-from .triton_kernels.dgrad import dgrad_epilogue
-from .triton_kernels.forward import forward_epilogue
+from .. import triton_kernels as tk
+from ..quant import row_blocks, scale_kind, scale_rows
+from ..triton_kernels.dgrad import dgrad_epilogue
+from ..triton_kernels.forward import forward_epilogue
 
 
 SUPPORTS = frozenset({"block"})  # no W8A8 (see the module docstring)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    why = _tk.unavailable_reason(device)
+    why = tk.unavailable_reason(device)
     return None if why is None else f"the cuBLAS strategy's epilogues are Triton kernels: {why}"
 
 
-weight_norm = _tk.weight_norm
-project = _tk.project
-project_grad = _tk.project_grad
-backward_pass = _tk.backward_pass
+weight_norm = tk.weight_norm
+project = tk.project
+project_grad = tk.project_grad
+backward_pass = tk.backward_pass
 
 
 def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype):

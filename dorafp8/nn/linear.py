@@ -1,0 +1,123 @@
+"""FP8Linear: a frozen linear layer whose weight is held in FP8 e4m3 with an fp32 scale, and quantize_model."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..backends import check_backend_name
+from ..ops import check_act_quant, fp8_linear
+from ..quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
+                     quantize_e4m3, scale_kind)
+from ._base import FP8WeightModule, fp8_cast_parts
+
+
+def conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+class FP8Linear(FP8WeightModule):
+    """y = x (scale * weight)^T + bias, weight float8_e4m3fn [out_features, in_features], frozen.
+
+    state_dict keys: `weight` (fp8 bytes), `scale` (fp32: [] per tensor, [out_features] per row, or
+    [ceil(out/b), ceil(in/b)] per b x b block with b = `block_size`), `bias`.
+    Casting the module (`.to(torch.bfloat16)`, `.half()`) moves it but keeps the fp8 weight and fp32 scale.
+    `act_quant = "rowwise"` runs its base GEMMs W8A8 (activations quantized per row to e4m3; see docs/DORA_MATH.md),
+    `None` (the default) W8A16. `backend` picks the kernels ("auto" by default).
+    """
+
+    block_size = DEFAULT_BLOCK  # class defaults: modules pickled before these attributes existed still load
+    _act_quant = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
+                 dtype: torch.dtype = torch.float32, per_row_scale: bool = False, block_size: Optional[int] = None,
+                 backend: str = "auto", act_quant: Optional[str] = None):
+        super().__init__()
+        # The dtype the weight had before quantization: the bias keeps it, and PEFT creates adapters in it.
+        self.orig_dtype = dtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.backend = check_backend_name(backend)
+        self.act_quant = act_quant
+        self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
+        self._init_fp8_storage((out_features, in_features), in_features, bias, dtype, device, per_row_scale,
+                               block_size)
+
+    @property
+    def act_quant(self) -> Optional[str]:
+        return self._act_quant
+
+    @act_quant.setter
+    def act_quant(self, mode: Optional[str]) -> None:
+        self._act_quant = check_act_quant(mode) or None
+
+    @classmethod
+    def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
+                   backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> "FP8Linear":
+        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one
+        scale per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
+
+        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer and
+        others store it) is kept byte for byte with scale 1: re-quantizing it would move it. Its bias and the adapter
+        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and
+        errors.
+        """
+        conv1d = conv1d_class()
+        if isinstance(module, nn.Linear):
+            weight = module.weight
+        elif conv1d is not None and isinstance(module, conv1d):
+            weight = module.weight.T  # Conv1D stores [in_features, out_features]: transpose once, here
+        else:
+            raise TypeError(f"module must be an nn.Linear or transformers Conv1D, got {type(module).__name__}")
+        bias = module.bias
+        cast = fp8_cast_parts(module, weight, name)
+        if cast is not None:
+            w8, bias, dtype = cast
+            return cls.from_fp8(w8, torch.ones((), device=w8.device), bias, backend=backend, dtype=dtype,
+                                act_quant=act_quant)
+        w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, block_size=block_size, name=name)
+        return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
+                            dtype=weight.dtype, block_size=block_size, act_quant=act_quant)
+
+    @classmethod
+    def from_fp8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 backend: str = "auto", dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
+                 act_quant: Optional[str] = None) -> "FP8Linear":
+        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([], [out], [out, 1]
+        or [ceil(out/b), ceil(in/b)] with b = block_size, default 128). `dtype`: the weight's original precision,
+        used for the adapters PEFT creates on this layer (default: the bias's dtype, else float32)."""
+        check_fp8_weight(w8, "w8")
+        out_features, in_features = w8.shape
+        block = block_size or DEFAULT_BLOCK
+        scale = check_scale(scale, out_features, in_features, block)
+        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
+        new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
+                  block_size=block, backend=backend, act_quant=act_quant)
+        new.weight = nn.Parameter(w8, requires_grad=False)
+        new.scale = scale.to(w8.device)
+        if bias is not None:
+            new.bias = nn.Parameter(bias, requires_grad=False)  # its own dtype, as in nn.Linear
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend,
+                          block_size=self.block_size, act_quant=self.act_quant)
+
+    _float_weight_hint = ("quantize it with dorafp8.quantize_e4m3 (or load it into nn.Linear and use "
+                          "FP8Linear.from_float)")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
+        return dequantize_e4m3(self.weight, self.scale, dtype, block_size=self.block_size)
+
+    def extra_repr(self) -> str:
+        kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block"}
+        quant = f", act_quant={self.act_quant}" if self.act_quant else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}")

@@ -1,0 +1,16 @@
+"""The functional ops (autograd-capable, dispatched to a backend): the DoRA and plain fp8 linear and conv, the weight
+norm, and the policy every op follows.
+
+Hops from the public API to a kernel:
+    dora_fp8_linear (ops/linear.py: checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask,
+    c = m / n, the final scalings of dm/dA/dB)  ->  torch.ops.dorafp8.* (ops/_custom_ops.py, opaque to torch.compile)
+    ->  backend module (dorafp8/backends/: reference, native, cuda, cublas; or dorafp8.triton_kernels)  ->  kernel.
+"""
+
+from ._policy import ACT_QUANT_MODES, NORM_EPS, check_act_quant, compute_dtype, dropout_mask, rank_dtype
+from .conv import conv_weight_norm, dequantize_transient, dora_fp8_conv, fp8_conv
+from .linear import DoRAFP8Function, FP8LinearFunction, dora_fp8_linear, fp8_linear, weight_norm
+
+__all__ = ["ACT_QUANT_MODES", "NORM_EPS", "check_act_quant", "compute_dtype", "dropout_mask", "rank_dtype",
+           "conv_weight_norm", "dequantize_transient", "dora_fp8_conv", "fp8_conv", "DoRAFP8Function",
+           "FP8LinearFunction", "dora_fp8_linear", "fp8_linear", "weight_norm"]

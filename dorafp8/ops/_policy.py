@@ -1,0 +1,70 @@
+"""The dtype, dropout, norm-clamp and act_quant rules every op follows (docs/DORA_MATH.md, "Dtype policy").
+
+The compute dtype (cdt) of the base path is the autocast dtype when autocast is on for x's device, else x's dtype. The
+rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and the adapter gradients) is the autocast dtype under
+autocast, else the adapters' own dtype, as in PEFT (which casts x to lora_A's dtype): fp32 adapters on bf16
+activations get an fp32 low-rank path and fp32-accurate gradients. The weight norm, c = m / n and every accumulation
+are fp32; the output has the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..quant import scale_kind
+
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
+# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
+# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
+NORM_EPS = 1e-12
+ACT_QUANT_MODES = ("", "rowwise")
+
+def dropout_mask(x: Tensor, p: float) -> Tensor:
+    """The keep mask of torch.nn.functional.dropout(x, p, training=True), drawing exactly the random numbers it draws,
+    so that a seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU this recipe)."""
+    if x.device.type != "cpu":
+        return torch.native_dropout(x, p, True)[1]
+    return torch.empty_like(x).bernoulli_(1 - p) != 0
+
+
+def rows(t: Tensor) -> Tensor:
+    """t with unit stride in its last dim (what the kernels need; any row stride is fine)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def rank_dtype(x: Tensor, A: Tensor, B: Tensor) -> torch.dtype:
+    """The dtype of the low-rank path: autocast's under autocast, else the adapters' (as PEFT computes it)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    rdt = torch.promote_types(A.dtype, B.dtype)
+    if rdt not in ACT_DTYPES:
+        raise TypeError(f"lora_A / lora_B must be float32, bfloat16 or float16, got {A.dtype} / {B.dtype}")
+    return rdt
+
+
+def row_scale(scale: Tensor) -> Optional[Tensor]:
+    return scale if scale_kind(scale) == "row" else None
+
+
+def backend_needs(scale: Tensor, act_quant: str) -> frozenset:
+    """What a call asks of its backend beyond W8A16 with a per-tensor or per-row scale (backends.FEATURES)."""
+    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({"w8a8"} if act_quant else ())
+
+
+def check_act_quant(act_quant) -> str:
+    mode = "" if act_quant in (None, "", "none") else act_quant
+    if mode not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be None or 'rowwise', got {act_quant!r}")
+    return mode

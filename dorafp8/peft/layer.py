@@ -1,0 +1,173 @@
+"""What dorafp8's PEFT layers share, linear and conv: the DoRA variant mixin (magnitude from the fp8 weight, no dense
+merge, PEFT's general-path composition) and the layer base (backend switch, weight-norm cache, fused dispatch,
+conversion from a PEFT layer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from peft.tuners.lora import layer as lora_layer
+
+from ..backends import check_backend_name
+from ..nn import params_are_sharded
+from ..norm_cache import WeightNormCache
+from ..ops import NORM_EPS
+
+class FP8DoraVariantMixin:
+    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
+    dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product
+    taken from the fp8 layer. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class for the layer
+    type and the magnitude m [N] in the shape it holds."""
+
+    _merge_error: str
+
+    @classmethod
+    def merge_safe(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def merge_unsafe(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def unmerge(cls, module, active_adapter, orig_weight):
+        raise NotImplementedError(cls._merge_error)
+
+    @classmethod
+    def init(cls, module: "DoRAFP8Layer", adapter_name: str, **kwargs: Any) -> None:
+        # PEFT's DoRA init, with the magnitude (the row norms of W0 + s B A) computed from the fp8 weight.
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        dtype = module.lora_A[adapter_name].weight.dtype
+        n = module.dora_weight_norm(adapter_name, use_cache=False)
+        m = n.to(dtype)
+        if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow adapter dtype may not be
+            raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
+                             f"{float(n.max()):.4g}) overflows {dtype}; create the adapters in float32 (PEFT's "
+                             f"autocast_adapter_dtype=True, the default, does)")
+        holder, m = cls._magnitude(module, m)
+        dora_layer = holder(fan_in_fan_out=False)
+        dora_layer.weight = nn.Parameter(m, requires_grad=True)
+        module.lora_magnitude_vector[adapter_name] = dora_layer
+
+    @staticmethod
+    def forward(module: "DoRAFP8Layer", active_adapter: str, x: torch.Tensor, result: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        # The general path (several active adapters, a LoRA bias, for convs a padding mode other than zeros): PEFT's
+        # exact composition, where `result` already holds the base output plus the adapters before this one.
+        lora_A = module.lora_A[active_adapter]
+        lora_B = module.lora_B[active_adapter]
+        dropout = module.lora_dropout[active_adapter]
+        scaling = module.scaling[active_adapter]
+        base = module._fp8_base()
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result if base.bias is None else result - module._per_channel(base.bias)
+        else:
+            x = dropout(x)
+            base_result = module._base_product(base, x)
+        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
+        c = module._per_channel(module.lora_magnitude_vector[active_adapter].weight.reshape(-1) / n)
+        return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
+
+
+class DoRAFP8Layer:
+    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the per-adapter
+    weight-norm cache, the dispatch to the fused op, and the conversion from a PEFT layer. A layer class gives
+    `_dora_variant`, `_fp8_base()` (its FP8Linear / FP8ConvNd), `_weight_norm(base, A, B, s)`, `_per_channel(v)`
+    (a per-output-channel vector shaped to broadcast over outputs), `_base_product(base, x)` (the base without bias)
+    and `_fused_call(x, adapter, dropout_p)`."""
+
+    _dora_variant: type
+    _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
+
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        self._dorafp8_norm_cache = WeightNormCache()
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+
+    def _fp8_base(self):
+        return self.get_base_layer()
+
+    @property
+    def lora_variants(self):
+        return {(): None, ("use_dora",): self._dora_variant}
+
+    @property
+    def backend(self) -> str:
+        return self._fp8_base().backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._fp8_base().backend = check_backend_name(name)
+        self.clear_weight_norm_cache()
+
+    def clear_weight_norm_cache(self) -> None:
+        self._dorafp8_norm_cache.clear()
+
+    def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
+        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
+        equals the norm of the current tensors (dorafp8/norm_cache.py says where: always on the CPU, inside
+        `dorafp8.reuse_weight_norms()` on a GPU)."""
+        base = self._fp8_base()
+        A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        s = self.scaling[adapter]
+
+        def compute():
+            return self._weight_norm(base, A, B, s)
+
+        if not use_cache:
+            return compute()
+        return self._dorafp8_norm_cache.norm(adapter, compute, A, B, base.weight, base.scale, (s, base.backend),
+                                             sharded=params_are_sharded(self, A, B))
+
+    def _fused_adapter(self) -> str | None:
+        """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        a = active[0]
+        if not isinstance(self.lora_variant.get(a), self._dora_variant) or self.lora_B[a].bias is not None:
+            return None
+        return a
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        a = None
+        if not (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None):
+            a = self._fused_adapter()
+        if a is None:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x, *args, **kwargs)
+        dropout = self.lora_dropout[a]
+        return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
+
+    def extra_repr(self) -> str:
+        ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())
+        i, o = self._io_names
+        return f"{i}={self.in_features}, {o}={self.out_features}, r={{{ranks}}}, backend={self.backend}"
+
+    def __repr__(self) -> str:
+        return nn.Module.__repr__(self)
+
+    @classmethod
+    def _adopt(cls, layer: lora_layer.LoraLayer, fp8: nn.Module, backend: str, attrs: tuple[str, ...]):
+        """A layer of this class on the fp8 base `fp8` that takes over the PEFT layer `layer`: its adapter modules
+        (shared, not copied), its LoraLayer state and the extra attributes `attrs`."""
+        fp8.backend = check_backend_name(backend)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._dorafp8_norm_cache = WeightNormCache()
+        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
+                     "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled") + attrs:
+            if hasattr(layer, attr):
+                setattr(new, attr, getattr(layer, attr))
+        if "adapter_layer_names" in layer.__dict__:
+            new.adapter_layer_names = layer.adapter_layer_names
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector"):
+            setattr(new, attr, getattr(layer, attr))
+        new.lora_variant = {name: cls._dora_variant() for name in layer.lora_variant}
+        new.train(layer.training)
+        return new

@@ -1,0 +1,113 @@
+"""Teaching PEFT about dorafp8's layers (register_with_peft, run when peft is imported) and converting an existing PEFT
+DoRA model in place (convert_peft_model)."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from peft.tuners import tuners_utils
+from peft.tuners.lora import layer as lora_layer
+from peft.tuners.lora.model import LoraModel
+from peft.tuners.lora.variants import DoraLinearVariant
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+from ..backends import check_backend_name
+from ..nn import FP8ConvNd, FP8Linear
+from ..nn.convert import is_fp8_cast_layer, to_fp8_layer
+from . import conv as peft_conv
+from .linear import DoRAFP8Linear
+
+def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
+    """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear, and
+    every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py), quantizing its base weight to fp8,
+    in place. Returns how many layers were swapped."""
+    check_backend_name(backend)
+    names = [name for name, mod in peft_model.named_modules()
+             if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
+             and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
+    conv_names = set(peft_conv.convertible_conv_layers(peft_model))
+    for name in names + sorted(conv_names):
+        parent_name, _, child = name.rpartition(".")
+        parent = peft_model.get_submodule(parent_name) if parent_name else peft_model
+        convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
+        setattr(parent, child, convert(getattr(parent, child), backend=backend, per_row_scale=per_row_scale))
+    if not names and not conv_names:
+        warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
+    return len(names) + len(conv_names)
+
+
+_ORIG_CREATE_NEW_MODULE = None
+_ORIG_ALL_LINEAR = None
+
+
+def _fp8_all_linear_names(model: nn.Module) -> set[str]:
+    """The FP8Linear layers that PEFT's "all-linear" shorthand means, with PEFT's own exclusions: the output
+    embedding (lm_head) and anything inside an existing tuner layer."""
+    names = {name for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    for name, mod in model.named_modules():
+        if out is not None and mod is out:
+            names.discard(name)
+        if isinstance(mod, BaseTunerLayer):
+            names -= {f"{name}.{sub}" for sub, _ in mod.named_modules() if sub}
+    return names
+
+
+def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.Module:
+    """The FP8Linear / FP8ConvNd that DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
+    (diffusers' enable_layerwise_casting, kohya's and OneTrainer's fp8 casts; PEFT's DoRA init fails on it).
+
+    Its e4m3 bytes with scale 1 are the values the model computes with (a layerwise-casting hook upcasts them
+    exactly), so this is exact. The new layer has no hook: it reads the fp8 weight itself, while the model's other,
+    non-targeted layers keep theirs and compute as before."""
+    if target is not base:  # the base of another adapter layer: swapping it would change that layer under it
+        kind = f"{type(target).__module__}.{type(target).__qualname__}"
+        raise ValueError(f"{name!r} is a {type(base).__name__} with a {base.weight.dtype} weight inside the adapter "
+                         f"layer {kind}; PEFT's DoRA cannot initialise on an fp8 weight. Call "
+                         f"dorafp8.quantize_model(model) (include_conv=True for convs) before adding the first "
+                         f"adapter: it wraps fp8 weights losslessly")
+    return to_fp8_layer(base, name=name)
+
+
+def register_with_peft() -> None:
+    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer (and a
+    DoRAFP8Conv1d/2d/3d for every targeted FP8 conv layer), and makes
+    `target_modules="all-linear"` include FP8Linear layers. A DoRA adapter on a plain nn.Linear / Conv1D / ConvNd
+    whose weight is already float8_e4m3fn gets the dorafp8 layer too, on the same bytes with scale 1
+    (_fp8_cast_base); plain LoRA on such a layer is left to PEFT.
+
+    PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
+    "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
+    so FP8Linear counts as the linear layer it is. Idempotent; runs when peft is imported (dorafp8/_install.py).
+    """
+    global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
+    if _ORIG_CREATE_NEW_MODULE is not None:
+        return
+    _ORIG_CREATE_NEW_MODULE = LoraModel._create_new_module
+    _ORIG_ALL_LINEAR = tuners_utils._maybe_include_all_linear_layers
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if getattr(lora_config, "use_dora", False) and is_fp8_cast_layer(base):
+            base = target = _fp8_cast_base(target, base, kwargs.get("target_name"))
+        if isinstance(base, FP8Linear):
+            kwargs.pop("fan_in_fan_out", None)
+            return DoRAFP8Linear(target, adapter_name, config=lora_config, **kwargs)
+        if isinstance(base, FP8ConvNd):  # FP8Conv1d/2d/3d -> DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py)
+            return peft_conv.create_conv_module(base, target, adapter_name, lora_config, **kwargs)
+        return _ORIG_CREATE_NEW_MODULE(lora_config, adapter_name, target, **kwargs)
+
+    def _maybe_include_all_linear_layers(peft_config, model):
+        target = getattr(peft_config, "target_modules", None)
+        all_linear = isinstance(target, str) and target.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
+        peft_config = _ORIG_ALL_LINEAR(peft_config, model)
+        if all_linear:
+            peft_config.target_modules = set(peft_config.target_modules) | _fp8_all_linear_names(model)
+        return peft_config
+
+    LoraModel._create_new_module = staticmethod(_create_new_module)
+    tuners_utils._maybe_include_all_linear_layers = _maybe_include_all_linear_layers

@@ -1,0 +1,213 @@
+"""The package's architecture, checked (docs/ARCHITECTURE.md): every module imports on its own, imports go one way down
+the layers (so there is no cycle), and no module takes a private name from another module or a private module of
+another package.
+
+The import graph is read from the source (every `import` / `from ... import`, also those inside functions: a lazy
+import is still a dependency), so the check costs no import and sees code paths the tests do not run."""
+
+import ast
+import concurrent.futures
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "dorafp8"
+
+# The layers, bottom up (docs/ARCHITECTURE.md). A module may import modules of its own layer (the graph must still be
+# acyclic) and of the layers below; never above. Subpackages are named by their prefix.
+LAYERS = [
+    ("recipe", ["dorafp8._deps", "dorafp8.quant", "dorafp8._fp8_cast"]),
+    ("backends", ["dorafp8.backends", "dorafp8.triton_kernels"]),
+    ("ops", ["dorafp8.ops"]),
+    ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
+    ("peft", ["dorafp8.peft"]),
+    ("files", ["dorafp8.checkpoint", "dorafp8.transformers_fp8", "dorafp8.hf_quantizer", "dorafp8._save_hooks"]),
+    ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8._memory", "dorafp8.demo", "dorafp8.inspect",
+                     "dorafp8.__main__", "dorafp8"]),
+]
+
+
+def _modules() -> dict[str, Path]:
+    """module name -> file, for dorafp8/ and triton_kernels/ (installed as dorafp8.triton_kernels)."""
+    out = {}
+    for base, prefix in ((PKG, "dorafp8"), (ROOT / "triton_kernels", "dorafp8.triton_kernels")):
+        for f in sorted(base.rglob("*.py")):
+            parts = list(f.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix] + parts)] = f
+    return out
+
+
+MODULES = _modules()
+EXTENSIONS = {"dorafp8._C"}  # compiled (csrc/), imports nothing of dorafp8
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _resolve(importer: str, level: int, module: str | None) -> str:
+    base = importer.split(".")
+    if not _is_package(importer):
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _imports(name: str):
+    """(target module, imported name or None, line) for every dorafp8 import in module `name`."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("dorafp8"):
+                    yield a.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, node.level, node.module) if node.level else (node.module or "")
+            if not target.startswith("dorafp8"):
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if sub in EXTENSIONS:
+                    continue
+                if sub in MODULES:  # `from . import reference`: the submodule itself
+                    yield sub, None, node.lineno
+                else:
+                    yield target, a.name, node.lineno
+
+
+def _owner(target: str) -> str:
+    """The module a dotted import target names (a module, or a name inside the nearest module)."""
+    while target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _layer(name: str) -> int:
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    assert best is not None, f"{name} is in no layer of tests/test_layout.py (and docs/ARCHITECTURE.md): add it"
+    return best
+
+
+def _graph() -> dict[str, set]:
+    g = {m: set() for m in MODULES}
+    for m in MODULES:
+        for target, _, _ in _imports(m):
+            dep = _owner(target)
+            if dep != m:
+                g[m].add(dep)
+    return g
+
+
+def test_imports_go_down_the_layers():
+    up = []
+    for m in MODULES:
+        for target, _, line in _imports(m):
+            dep = _owner(target)
+            if dep != m and _layer(dep) > _layer(m):
+                up.append(f"{m} (layer {LAYERS[_layer(m)][0]}) imports {dep} (layer {LAYERS[_layer(dep)][0]}), "
+                          f"line {line}")
+    assert not up, "imports that reach up a layer:\n" + "\n".join(up)
+
+
+def test_no_import_cycle():
+    g = _graph()
+    # A package imports its own submodules (to re-export them), and they import siblings, never their package: an
+    # edge from a module to a package that contains it would be the cycle this test exists to catch.
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(g[m]):
+            if state.get(d) == "open":
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def _package_of(name: str) -> str:
+    return name if _is_package(name) else name.rpartition(".")[0]
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for m in MODULES:
+        for target, imported, line in _imports(m):
+            dep = _owner(target)
+            if dep == m:
+                continue
+            if imported is not None and imported.startswith("_") and not imported.startswith("__"):
+                bad.append(f"{m}:{line} imports the private name {imported} of {dep}")
+            # A private module (_x) is internal to the package that holds it: usable from that package and below.
+            leaf = dep.rpartition(".")[2]
+            if leaf.startswith("_") and not leaf.startswith("__"):
+                holder = dep.rpartition(".")[0]
+                if not (m == holder or m.startswith(holder + ".")):
+                    bad.append(f"{m}:{line} imports {dep}, private to {holder}")
+    assert not bad, "\n".join(bad)
+
+
+def _import_alone(name: str) -> tuple[str, str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, env=env, timeout=600)
+    return name, "" if r.returncode == 0 else r.stderr.strip().splitlines()[-1]
+
+
+def test_every_module_imports_on_its_own():
+    """Each module in a fresh interpreter, first thing: an import that only works after another module was imported
+    (an order dependence, or a cycle broken by luck) fails here. Modules whose optional dependency is missing are
+    said so by name, not skipped silently."""
+    optional = {"dorafp8.peft": "peft", "dorafp8.hf_quantizer": "transformers", "dorafp8.triton_kernels": "triton"}
+    names = []
+    for m in MODULES:
+        need = next((dep for p, dep in optional.items() if m == p or m.startswith(p + ".")), None)
+        if need is not None and __import__("importlib").util.find_spec(need) is None:
+            continue
+        if m.endswith("__main__") or m == "dorafp8.demo":
+            continue  # run as programs (tests/test_newcomer.py runs both)
+        names.append(m)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        failed = [f"{n}: {err}" for n, err in pool.map(_import_alone, names) if err]
+    assert not failed, "modules that do not import on their own:\n" + "\n".join(failed)
+    assert len(names) >= 30
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size(name):
+    """No file over about 500 lines without a reason written at its top (a line starting `Long because`)."""
+    text = MODULES[name].read_text()
+    n = text.count("\n")
+    if n > 520:
+        head = text[:3000]
+        assert "Long because" in head, f"{MODULES[name].relative_to(ROOT)} has {n} lines and no 'Long because' reason"
+
+
+def test_setup_py_ships_every_package():
+    """A subpackage missing from setup.py's `packages` works in an editable install and is absent from a wheel."""
+    text = (ROOT / "setup.py").read_text()
+    tree = ast.parse(text)
+    listed = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "packages":
+            listed = set(ast.literal_eval(node.value))
+    assert listed is not None, "setup.py has no literal packages=[...]"
+    packages = {m for m in MODULES if _is_package(m)}
+    assert packages == listed, f"missing from setup.py: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
