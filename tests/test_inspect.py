@@ -313,3 +313,16 @@ def test_cuda_sources_are_the_extensions():
     assert sorted(i for rows in by_source.values() for i in rows) == list(range(len(insp.load_cuda_spec())))
     with pytest.raises(insp.SpecError, match=r"rows of \['old.cu'\], which are not in build_spec.py's CUDA_SOURCES"):
         insp.cuda_spec_by_source([dict(insp.load_cuda_spec()[0], source="old.cu")])
+
+
+def test_missing_cuda_sources_say_where_they_were_looked_for(tmp_path, monkeypatch):
+    # An install without the sources (neither dorafp8/csrc/ package data nor a checkout's csrc/) names both places and
+    # how to get them, instead of failing on a path deep in a compile.
+    from dorafp8.kernel_report import cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "PACKAGE_DIR", tmp_path / "site-packages" / "dorafp8")
+    why = cuda_driver.cuda_dir_missing_reason()
+    assert str(tmp_path / "site-packages" / "dorafp8" / "csrc") in why and str(tmp_path / "site-packages" / "csrc") in why
+    assert "pip install -e ." in why
+    with pytest.raises(FileNotFoundError, match="installed package data"):
+        cuda_driver.cuda_dir()
