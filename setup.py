@@ -15,17 +15,18 @@ the extension is skipped with a one-line message and the package falls back to i
 
 import json
 import os
+import runpy
 import sys
 
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The CUDA kernel files in csrc/, one translation unit per kernel family, so that ninja builds them (and binding.cpp)
-# in parallel, MAX_JOBS at a time. The one list of them: the kernel inspector (dorafp8/inspect.py) and the CPU
-# emulator's build (tests/test_cuda_emulated.py) read it from here, and tests/test_inspect.py checks that it names
-# every .cu file in csrc/. A literal, so that they can read it without running this script.
-CUDA_SOURCES = ["weight_norm.cu", "forward.cu", "dgrad.cu"]
+# The CUDA kernel files in csrc/ and the flags they are built with: csrc/build_spec.py, read by path (it imports
+# nothing), the one copy of them; the kernel report (python -m dorafp8.kernel_report) and the CPU emulator's build
+# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (package_data below).
+BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
+CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 
 
 def _say(msg):
@@ -104,11 +105,7 @@ def _cuda_extension():
         name="dorafp8._C",
         sources=sources,
         include_dirs=include_dirs,
-        # C++20: torch's own headers require it from 2.10 on (and older torch builds fine with it).
-        extra_compile_args={
-            "cxx": ["-O3", "-std=c++20"],
-            "nvcc": ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
-        },
+        extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"], "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     _say(f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}")
@@ -126,9 +123,12 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels"],
-    package_data={"dorafp8": ["_build_info.json"]},
-    package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels"},
+    packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels",
+              "dorafp8.kernel_report", "dorafp8.csrc"],
+    # csrc/ ships as dorafp8/csrc/ (a data directory, no __init__.py) for the kernel report, which compiles the CUDA
+    # kernels with nvcc from these sources; build_spec.py and inspect_spec.py come with it as its .py files.
+    package_data={"dorafp8": ["_build_info.json"], "dorafp8.csrc": ["*.cu", "*.h", "common/*.cuh"]},
+    package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels", "dorafp8.csrc": "csrc"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "triton": ["triton>=3.0"],

@@ -17,7 +17,7 @@
 #   ncu        only with NCU=1: find the slowest dorafp8 kernel of one headline call, profile it alone (cap 150 s)
 #   tests      the GPU tests, pytest-xdist: cuda, cublas, ops, peft, compile, memory, then the Triton kernels
 #              (the longest: every variant compiles and autotunes) with what is left; distributed/newcomer skipped
-#   inspect    python -m dorafp8.inspect --json, if this checkout has it (static: registers, spills, mma kind)
+#   inspect    python -m dorafp8.kernel_report --json, if this checkout has it (static: registers, spills, mma kind)
 #
 # Everything is written as it happens into a staging folder (STAGE, default a fresh folder under /tmp), and packed
 # into $OUT every 20 s and at the end, so that a call killed at its time limit still returns what was done. $OUT
@@ -270,17 +270,19 @@ fi
 # -------------------------------------------------------------------------------------------------------- inspect
 if has_step inspect; then
   t0=$(date +%s)
-  if ! $PY -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('dorafp8.inspect') else 3)" 2>/dev/null; then
-    note inspect skip "$t0" "python -m dorafp8.inspect is not in this checkout"
+  # dorafp8.kernel_report; dorafp8.inspect in checkouts from before it was renamed
+  INSPECT_MOD=$($PY -c "import importlib.util as u; print(next((m for m in ('dorafp8.kernel_report', 'dorafp8.inspect') if u.find_spec(m)), ''))" 2>/dev/null)
+  if [ -z "$INSPECT_MOD" ]; then
+    note inspect skip "$t0" "python -m dorafp8.kernel_report is not in this checkout"
   else
     T=$(cap 30 120)
     if [ "$T" -gt 0 ]; then
       ARGS="--json"
-      HELP=$($PY -m dorafp8.inspect --help 2>&1)
+      HELP=$($PY -m $INSPECT_MOD --help 2>&1)
       case "$HELP" in *--arch*) ARGS="$ARGS --arch sm_${ARCH}" ;; esac
       case "$HELP" in *--jobs*) ARGS="$ARGS --jobs 12" ;; esac
-      run_to "$T" "$STAGE/inspect.json" $PY -m dorafp8.inspect $ARGS
-      note inspect $? "$t0" "python -m dorafp8.inspect $ARGS -> inspect.json ($(wc -c < "$STAGE/inspect.json") bytes)"
+      run_to "$T" "$STAGE/inspect.json" $PY -m $INSPECT_MOD $ARGS
+      note inspect $? "$t0" "python -m $INSPECT_MOD $ARGS -> inspect.json ($(wc -c < "$STAGE/inspect.json") bytes)"
     else
       note inspect skip "$t0" "not enough time left"
     fi

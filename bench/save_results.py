@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                 "- session.md: each step of the session (rc, seconds, outcome); logs/: their logs (tails)\n"
                 "- tests_summary.txt, sanitizer_*_summary.txt: the GPU tests and compute-sanitizer\n"
                 "- ncu_*: Nsight Compute on the slowest dorafp8 kernel (if the session ran with NCU=1); "
-                "inspect.json: python -m dorafp8.inspect (if present)\n\n"
+                "inspect.json: python -m dorafp8.kernel_report (if present)\n\n"
                 "## Session\n\n" + session_md + "\n")
         written.append("README.md")
     print(f"wrote {dest}/: " + ", ".join(written))

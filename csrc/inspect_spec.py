@@ -1,8 +1,8 @@
-"""Every kernel that the CUDA files of csrc/ instantiate, for `python -m dorafp8.inspect --backend cuda`
+"""Every kernel that the CUDA files of csrc/ instantiate, for `python -m dorafp8.kernel_report --backend cuda`
 (docs/INSPECT.md).
 
-Update this table together with the kernels. The tool compiles each file of setup.py's CUDA_SOURCES on its own for
-sm_89 and sm_90a with setup.py's nvcc flags, and fails (it does not skip) when the kernels compiled from a file and
+Update this table together with the kernels. The tool compiles each file of build_spec.py's CUDA_SOURCES on its own for
+sm_89 and sm_90a with build_spec.py's nvcc flags, and fails (it does not skip) when the kernels compiled from a file and
 the rows of that file below differ.
 
 One row per kernel instantiation:

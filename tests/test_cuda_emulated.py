@@ -28,7 +28,7 @@ import dorafp8.backends.reference as reference
 from dorafp8 import backends
 from dorafp8.backends import cuda as cuda_backend
 from dorafp8.backends.cuda import CudaBackend
-from dorafp8.inspect import setup_cuda_sources
+from dorafp8.kernel_report import cuda_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
@@ -47,7 +47,7 @@ def lib(tmp_path_factory):
            f"-I{os.path.join(ROOT, 'tests', 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
     # Each kernel file a translation unit of its own, as in the extension build; compiled side by side.
     sources = [os.path.join(ROOT, "tests", "cuda_emu", "emu_api.cpp"),
-               *[os.path.join(ROOT, "csrc", f) for f in setup_cuda_sources()]]
+               *[os.path.join(ROOT, "csrc", f) for f in cuda_sources()]]
     objects = [f"{so}.{i}.o" for i in range(len(sources))]
     procs = [subprocess.Popen([*cxx, "-c", src, "-o", obj]) for src, obj in zip(sources, objects)]
     assert all(p.wait() == 0 for p in procs), "building the emulator failed (g++'s messages above)"

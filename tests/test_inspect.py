@@ -1,4 +1,4 @@
-"""Static inspection of the GPU kernels (python -m dorafp8.inspect, docs/INSPECT.md): no GPU needed, only the
+"""Static inspection of the GPU kernels (python -m dorafp8.kernel_report, docs/INSPECT.md): no GPU needed, only the
 compilers (Triton with its NVIDIA backend; nvcc and ptxas for the CUDA kernels).
 
 The checks are the properties the kernels are designed for, on every config the launchers' autotuner can pick:
@@ -12,7 +12,7 @@ Budget (2-core CI machine, cold Triton cache): about 3 minutes. So the Triton se
 SUBSET): every config of every config list of forward and dgrad, on both archs, each under the heaviest variant
 that uses that list (the most accumulators and the largest epilogue), in bf16 with per-row scales (in dgrad c and the
 row scale are multiplied into the W8 tile before the dot, the path under suspicion); fp16 and fp32 under the small-M
-list; weight_norm in its largest variant on Ada. `python -m dorafp8.inspect` runs everything.
+list; weight_norm in its largest variant on Ada. `python -m dorafp8.kernel_report` runs everything.
 """
 
 import json
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-import dorafp8.inspect as insp
+import dorafp8.kernel_report as insp
 
 pytestmark = pytest.mark.skipif(
     bool(insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()),
@@ -181,7 +181,7 @@ def test_table(records):
 
 def test_json_cli():
     out = subprocess.run(
-        [sys.executable, "-m", "dorafp8.inspect", "--json", "--backend", "triton", "--kernel", "weight_norm",
+        [sys.executable, "-m", "dorafp8.kernel_report", "--json", "--backend", "triton", "--kernel", "weight_norm",
          "--arch", "sm_89", "--dtype", "fp16", "--variant", "tensor-scale,r=16", "--config", "BLOCK_N=64,BLOCK_K=64",
          "--jobs", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -204,7 +204,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dorafp8.triton_kernels._inspect import ARCHS, SPECS as _SPECS, KernelSpec, Variant
+from dorafp8.triton_kernels.inspect_spec import ARCHS, SPECS as BASE_SPECS, KernelSpec, Variant
 
 
 @triton.jit
@@ -229,17 +229,19 @@ def _variants(arch):
                                                                 num_warps=4, num_stages=3)])]
 
 
-SPECS = _SPECS + [KernelSpec("w8_as_b", _w8_as_b_kernel, _variants)]
+SPECS = BASE_SPECS + [KernelSpec("w8_as_b", _w8_as_b_kernel, _variants)]
 '''
 
 _STALE = '''
-from dorafp8.triton_kernels import _inspect as base
-from dorafp8.triton_kernels._inspect import ARCHS, KernelSpec, Variant
+from dorafp8.triton_kernels import inspect_spec as base
+from dorafp8.triton_kernels.inspect_spec import ARCHS, KernelSpec, Variant
+
+BASE = {s.name: s for s in base.SPECS}
 
 
 def _weight_norm_without_a_parameter(arch):
     out = []
-    for v in base._weight_norm_variants(arch):
+    for v in BASE["weight_norm"].variants(arch):
         args = dict(v.args)
         del args["stride_a_k"]
         out.append(Variant(v.name, v.dtype, args, v.constexprs, v.configs))
@@ -247,8 +249,7 @@ def _weight_norm_without_a_parameter(arch):
 
 
 # weight_norm's spec lost a parameter, and dgrad has no spec at all.
-SPECS = [KernelSpec("weight_norm", base.dora_weight_norm_kernel, _weight_norm_without_a_parameter),
-         KernelSpec("forward", base.dora_fwd_kernel, base._forward_variants)]
+SPECS = [KernelSpec("weight_norm", BASE["weight_norm"].fn, _weight_norm_without_a_parameter), BASE["forward"]]
 '''
 
 
@@ -295,17 +296,33 @@ def test_cuda_kernel_list_must_match_the_spec():
                                  or "forward_mma" not in v}, rows, "forward.cu")
 
 
-def test_cuda_build_flags_come_from_setup_py():
-    flags = insp.setup_nvcc_flags()
+def test_cuda_build_flags_are_the_extensions():
+    # csrc/build_spec.py holds the flags setup.py builds dorafp8._C with; the report compiles with the same ones.
+    flags = insp.nvcc_flags()
     assert "-O3" in flags and "--use_fast_math" in flags and not any("gencode" in f for f in flags)
+    setup_py = (insp.cuda_dir().parent / "setup.py").read_text()
+    assert 'BUILD_SPEC["NVCC_FLAGS"] + gencode' in setup_py and "--use_fast_math" not in setup_py
 
 
-def test_cuda_sources_come_from_setup_py():
-    # setup.py's CUDA_SOURCES is the one list of the kernel files, which the build, this tool and the CPU emulator
-    # compile: a .cu file left out of it would be built by none of them.
-    sources = insp.setup_cuda_sources()
-    assert sorted(sources) == sorted(p.name for p in insp.CSRC.glob("*.cu"))
+def test_cuda_sources_are_the_extensions():
+    # csrc/build_spec.py's CUDA_SOURCES is the one list of the kernel files, which the build (setup.py), this tool
+    # and the CPU emulator compile: a .cu file left out of it would be built by none of them.
+    sources = insp.cuda_sources()
+    assert sorted(sources) == sorted(p.name for p in insp.cuda_dir().glob("*.cu"))
     by_source = insp.cuda_spec_by_source(insp.load_cuda_spec())
     assert sorted(i for rows in by_source.values() for i in rows) == list(range(len(insp.load_cuda_spec())))
-    with pytest.raises(insp.SpecError, match=r"rows of \['old.cu'\], which are not in setup.py's CUDA_SOURCES"):
+    with pytest.raises(insp.SpecError, match=r"rows of \['old.cu'\], which are not in build_spec.py's CUDA_SOURCES"):
         insp.cuda_spec_by_source([dict(insp.load_cuda_spec()[0], source="old.cu")])
+
+
+def test_missing_cuda_sources_say_where_they_were_looked_for(tmp_path, monkeypatch):
+    # An install without the sources (neither dorafp8/csrc/ package data nor a checkout's csrc/) names both places and
+    # how to get them, instead of failing on a path deep in a compile.
+    from dorafp8.kernel_report import cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "PACKAGE_DIR", tmp_path / "site-packages" / "dorafp8")
+    why = cuda_driver.cuda_dir_missing_reason()
+    assert str(tmp_path / "site-packages" / "dorafp8" / "csrc") in why and str(tmp_path / "site-packages" / "csrc") in why
+    assert "pip install -e ." in why
+    with pytest.raises(FileNotFoundError, match="installed package data"):
+        cuda_driver.cuda_dir()

@@ -107,7 +107,7 @@ def _arch(device: torch.device) -> str:
 
 _GEMM_TABLE = {
     # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators).
-    # Pruned by what `python -m dorafp8.inspect` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
+    # Pruned by what `python -m dorafp8.kernel_report` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
     # registers (spills, serialized wgmma) and every BLOCK of 128 in the reduction made ptxas serialize the wgmma
     # (C7515), so the reduction block is 64 and small M gets more stages instead, and an output block of 128
     # (two wgmma M-halves) on 4 warps serialized too, so those use 8 warps (one warpgroup per half); on sm_89 one
@@ -148,7 +148,7 @@ def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
     """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
-    reach it through gemm_configs, `python -m dorafp8.inspect` directly (it compiles for GPUs it does not have)."""
+    reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have)."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:

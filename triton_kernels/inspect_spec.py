@@ -1,4 +1,5 @@
-"""The variants of every Triton kernel in this package, for `python -m dorafp8.inspect` (docs/INSPECT.md).
+"""The variants of every Triton kernel in this package, for `python -m dorafp8.kernel_report`
+(docs/INSPECT.md).
 
 THIS is the one place to update when a kernel is added, or a kernel parameter, a constexpr or a launcher's choice
 changes. The tool compiles every Variant below under every config in its `configs`, ahead of time for GPUs it does

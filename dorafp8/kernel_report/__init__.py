@@ -1,0 +1,30 @@
+"""The kernel report: dorafp8's GPU kernels compiled ahead of time for sm_90a / sm_89 and read statically
+(registers, spills, shared memory, matrix instructions, where the fp8 weight tile comes from), without a GPU.
+
+    python -m dorafp8.kernel_report --help          (docs/INSPECT.md)
+
+The parts, each importable on its own (none imports this file's names, so there is no cycle):
+  records.py        targets, record fields, SpecError
+  parsers.py        ptxas -v, PTX and TTGIR readers (plain text)
+  triton_driver.py  Triton ahead-of-time compiles (the code that reaches into Triton's internals)
+  cuda_driver.py    nvcc compiles of csrc/, and where those sources are
+  pool.py           worker processes and run()
+  cli.py            the table and the command line
+
+The names below are the public API (what tests/test_inspect.py and tests/test_cuda_emulated.py use).
+"""
+
+from .cli import format_table, main, problems_of
+from .cuda_driver import (cuda_dir, cuda_sources, cuda_spec_by_source, cuda_unavailable_reason, load_cuda_spec,
+                          match_cuda_kernels, nvcc_flags)
+from .parsers import check_variant, classify_mma, config_str, parse_ptxas_log, ptx_functions, ttgir_dots, w8_operand
+from .pool import run
+from .records import ARCHS, BACKENDS, FIELDS, SMEM_LIMIT, SpecError, kernel_matches, new_record
+from .triton_driver import SPEC_MODULE, triton_unavailable_reason
+
+__all__ = [
+    "ARCHS", "BACKENDS", "FIELDS", "SMEM_LIMIT", "SPEC_MODULE", "SpecError", "check_variant", "classify_mma",
+    "config_str", "cuda_dir", "cuda_sources", "cuda_spec_by_source", "cuda_unavailable_reason", "format_table",
+    "kernel_matches", "load_cuda_spec", "main", "match_cuda_kernels", "new_record", "nvcc_flags", "parse_ptxas_log",
+    "problems_of", "ptx_functions", "run", "triton_unavailable_reason", "ttgir_dots", "w8_operand",
+]

@@ -1,0 +1,120 @@
+"""python -m dorafp8.kernel_report: what the compilers make of dorafp8's GPU kernels, read statically, without a GPU.
+
+Compiles every Triton kernel (in every variant its launcher can produce, under every autotune config the launcher
+can pick; the variants are listed in triton_kernels/inspect_spec.py) and the CUDA C++ kernels of csrc/ (the files of
+csrc/build_spec.py's CUDA_SOURCES, each compiled on its own; the kernels are listed in csrc/inspect_spec.py) for
+sm_90a and sm_89, and reports per kernel x variant x config x arch: registers per thread, spill bytes and shared
+memory from ptxas -v, which matrix instruction the kernel uses (wgmma / mma.sync / none), and whether the fp8 weight
+tile feeds it from registers or from shared memory. See docs/INSPECT.md.
+
+    python -m dorafp8.kernel_report                       # everything, as a table (several hundred compiles)
+    python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2
+    python -m dorafp8.kernel_report --backend cuda --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .cuda_driver import cuda_unavailable_reason
+from .pool import run
+from .records import ARCHS, BACKENDS, SpecError, kernel_matches
+from .triton_driver import SPEC_MODULE
+
+PROG = "python -m dorafp8.kernel_report"
+
+
+_COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dtype", "dtype"),
+            ("variant", "variant"), ("config", "config"), ("regs", "regs"), ("spill_bytes", "spill"),
+            ("smem_bytes", "smem"), ("mma", "mma"), ("w_operand", "W8 from"), ("autotune_pick", "pick")]
+
+
+def problems_of(rec: dict) -> list[str]:
+    """What the table flags in a record: errors, spills, shared memory over the arch's limit."""
+    if rec["error"]:
+        return ["ERROR"]
+    out = []
+    if rec["spill_bytes"]:
+        out.append("SPILLS")
+    if rec["smem_bytes"] > rec["smem_limit"]:
+        out.append("SMEM>LIMIT")
+    if any("C7512" in n or "serialized" in n for n in rec["ptxas_notes"]):
+        out.append("WGMMA-SERIALIZED")
+    elif rec["ptxas_notes"]:
+        out.append("PTXAS-NOTE")
+    return out
+
+
+def format_table(records: list[dict]) -> str:
+    def cell(rec, key):
+        v = rec[key]
+        if key == "autotune_pick":
+            return "yes" if v else "no"
+        return "-" if v is None else str(v)
+
+    heads = [h for _, h in _COLUMNS] + ["!"]
+    rows = [[cell(r, k) for k, _ in _COLUMNS] + [" ".join(problems_of(r))] for r in records]
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
+    numeric = {"regs", "spill", "smem"}
+    fmt = lambda row: "  ".join(x.rjust(w) if h in numeric else x.ljust(w)
+                                for x, w, h in zip(row, widths, heads)).rstrip()
+    lines = [fmt(heads), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    errors = [r for r in records if r["error"]]
+    lines.append("")
+    lines.append(f"{len(records)} compiled: {sum(bool(r['spill_bytes']) for r in records if not r['error'])} with "
+                 f"spills, {sum(r['smem_bytes'] > r['smem_limit'] for r in records if not r['error'])} over the "
+                 f"shared-memory limit, {len(errors)} errors")
+    for r in errors:
+        lines.append(f"ERROR {r['backend']} {r['kernel']} {r['arch']} {r['dtype']} {r['variant']} {r['config']}: "
+                     f"{r['error']}")
+    return "\n".join(lines)
+
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable; default: all)")
+    p.add_argument("--kernel", action="append",
+                   help="kernel name or prefix: weight_norm, forward, dgrad, forward_mma_kernel, ... (repeatable)")
+    p.add_argument("--backend", choices=("triton", "cuda", "all"), default="all")
+    p.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32"), help="compute dtype (repeatable)")
+    p.add_argument("--variant", action="append",
+                   help="keep variants whose name contains this text, e.g. 'adapter+dropout' or 'M<=64' (repeatable: "
+                        "any of them)")
+    p.add_argument("--config", action="append",
+                   help="keep configs whose string contains this text, e.g. 'BLOCK_M=128,' or 'w8,s3' (repeatable)")
+    p.add_argument("--all-configs", action="store_true",
+                   help="also compile each variant under the configs other archs' lists have (autotune_pick=false)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of records instead of the table")
+    p.add_argument("--spec-module", default=SPEC_MODULE,
+                   help="module with the Triton kernel specs (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    backends = list(BACKENDS) if args.backend == "all" else [args.backend]
+    if args.backend == "all" and (why := cuda_unavailable_reason()):
+        print(f"{PROG}: skipping the CUDA kernels: {why}", file=sys.stderr)
+        backends.remove("cuda")
+
+    def select(job):
+        return ((not args.kernel or kernel_matches(job["kernel"], args.kernel))
+                and (not args.dtype or job["dtype"] in args.dtype)
+                and (not args.variant or any(v in job["variant"] for v in args.variant))
+                and (not args.config or any(c in job["config"] for c in args.config)))
+
+    try:
+        records = run(archs=args.arch or ARCHS, backends=backends, select=select, jobs=args.jobs,
+                      all_configs=args.all_configs, spec_module=args.spec_module,
+                      progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except SpecError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(records, indent=1) if args.json else format_table(records))
+    return 1 if any(r["error"] for r in records) else 0
+

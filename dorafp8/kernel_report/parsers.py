@@ -1,0 +1,239 @@
+"""Readers of what the compilers print (ptxas -v, PTX, TTGIR) and of Triton configs: plain text in, plain data out.
+
+No Triton, no torch and no subprocess here, so that these can be tested on any machine and imported by both drivers
+(triton_driver.py, cuda_driver.py) without dragging in the other's toolchain.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Iterable
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
+_PTXAS_PROPS = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+_PTXAS_NOTE = re.compile(r"ptxas\S*\s+(?:info|warning)\s*:\s*(\(C\d+\).*|.*[Ww]arning.*)$")
+_PTXAS_NOTE_FN = re.compile(r"function '([^']+)'")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict]:
+    """{entry function (mangled name): regs, spill_stores, spill_loads, stack_bytes, smem_static, ptxas_notes} from
+    ptxas -v.
+
+    ptxas prints, per entry: "Compiling entry function 'X'", "Function properties for X" followed by the stack and
+    spill line, then "Used N registers, ..., M bytes smem" (static shared memory only). Properties of non-inlined
+    callees (.func) are printed under their own names and are not added to the entry's. Warnings and numbered
+    advisories such as "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized ..." go to
+    ptxas_notes of the function they name (of every entry if they name none)."""
+    out: dict[str, dict] = {}
+    notes: list[str] = []
+    current = props_for = None
+    for line in log.splitlines():
+        if m := _PTXAS_NOTE.search(line):
+            notes.append(m.group(1).strip())
+        elif m := _PTXAS_ENTRY.search(line):
+            current = m.group(1)
+            out[current] = dict(regs=None, spill_stores=0, spill_loads=0, stack_bytes=0, smem_static=0,
+                                ptxas_notes=[])
+        elif m := _PTXAS_PROPS.search(line):
+            props_for = m.group(1)
+        elif m := _PTXAS_SPILL.search(line):
+            if props_for in out:
+                out[props_for].update(stack_bytes=int(m.group(1)), spill_stores=int(m.group(2)),
+                                      spill_loads=int(m.group(3)))
+        elif (m := _PTXAS_REGS.search(line)) and current is not None:
+            out[current]["regs"] = int(m.group(1))
+            if s := _PTXAS_SMEM.search(line):
+                out[current]["smem_static"] = int(s.group(1))
+    for note in notes:
+        named = _PTXAS_NOTE_FN.search(note)
+        for name, entry in out.items():
+            if named is None or named.group(1) == name:
+                entry["ptxas_notes"].append(note)
+    return out
+
+
+_PTX_FUNC = re.compile(r"^[ \t]*(?:\.visible[ \t]+|\.weak[ \t]+)*\.(?:entry|func)[ \t]+(?:\([^)]*\)[ \t]*)?([\w$]+)",
+                       re.M)
+
+
+def ptx_functions(ptx: str) -> dict[str, str]:
+    """{function name: its text} for every .entry and .func of a PTX module."""
+    heads = list(_PTX_FUNC.finditer(ptx))
+    return {m.group(1): ptx[m.start():(heads[i + 1].start() if i + 1 < len(heads) else len(ptx))]
+            for i, m in enumerate(heads)}
+
+
+_WGMMA = re.compile(r"wgmma\.mma_async(?:\.sp)?\.sync\.aligned\.(m\d+n\d+k\d+)\.(\w+)\.(\w+)\.(\w+)")
+# wgmma's A operand follows the accumulator list: a register list {..} or a 64-bit shared-memory descriptor %rd.
+_WGMMA_A = re.compile(r"wgmma\.mma_async\S*\s+\{[^}]*\}\s*,\s*(\{|%)")
+_MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)((?:\.[\w:]+)+)")
+_MMA_LAYOUT = {"row", "col", "satfinite"}
+_FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
+
+
+def classify_mma(ptx: str) -> dict:
+    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", several joined by
+    " + ", "fma" when there are none but fp32 FMAs, else "none"), their shapes, and how many wgmma take A from
+    registers and how many from a shared-memory descriptor."""
+    kinds, shapes = set(), set()
+    for shape, d, a, b in _WGMMA.findall(ptx):
+        kinds.add(f"wgmma {a}.{b}->{d}")
+        shapes.add(shape)
+    for shape, suffix in _MMA_SYNC.findall(ptx):
+        types = [t for t in suffix.strip(".").split(".") if t not in _MMA_LAYOUT and "::" not in t]
+        if len(types) == 4:  # d, a, b, c
+            kinds.add(f"mma.sync {types[1]}.{types[2]}->{types[0]}")
+        else:
+            kinds.add(f"mma.sync {'.'.join(types)}")
+        shapes.add(shape)
+    a_ops = _WGMMA_A.findall(ptx)
+    if kinds:
+        mma = " + ".join(sorted(kinds))
+    else:
+        mma = "fma" if _FMA.search(ptx) else "none"
+    return dict(mma=mma, mma_shapes=sorted(shapes), wgmma_a_regs=a_ops.count("{"), wgmma_a_smem=a_ops.count("%"))
+
+
+# --- TTGIR: which dot does the fp8 weight tile feed, and from where ----------------------------------------------------
+
+_T_DEF = re.compile(r"^\s*(%[\w$.-]+(?::\d+)?(?:\s*,\s*%[\w$.-]+(?::\d+)?)*)\s*=\s*([\w.]+)(.*)$")
+_T_RESULT = re.compile(r"%[\w$.-]+")     # the names in "%a, %b" or "%acc:3" (whose uses are %acc#0 ...)
+_T_USE = re.compile(r"%[\w$.-]+")          # a use may carry a result index (%x#2): the match stops before it
+_T_ATTRS = re.compile(r"\{[^{}]*\}")        # attribute dicts and encodings; region braces stay unbalanced
+_T_TOKEN = re.compile(r"\btoken\s+%[\w$.-]+(?:#\d+)?")
+_T_ITER_ARGS = re.compile(r"iter_args\((.*?)\)\s*->")
+_T_PAIR = re.compile(r"(%[\w$.-]+)\s*=\s*(%[\w$.-]+)")
+_T_LOC = re.compile(r"\s+loc\(.*\)\s*$")
+_DOT_OPS = ("ttng.warp_group_dot", "tt.dot")
+# Ops that write into a shared-memory buffer: (op, index of the destination among its operands).
+_T_WRITES = {"ttg.async_copy_global_to_local": 1, "ttg.local_store": 1}
+_T_VIEWS = ("ttg.memdesc_index", "ttg.memdesc_subslice", "ttg.memdesc_trans", "ttg.memdesc_reshape",
+            "ttg.memdesc_reinterpret")
+
+
+def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
+    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "w8": which operands ("A",
+    "B", "AB" or "") are computed from `weight_arg` (the fp8 weight pointer parameter, e.g. "w_ptr")}; "a"/"b": "registers"
+    (a tensor: wgmma reads it from registers; mma.sync always does) or "shared" (a memdesc: wgmma reads it from shared
+    memory).
+
+    The W8 operand is found by data flow, not by names: a backward slice over the SSA def-use graph from each operand,
+    through loop-carried values (scf.for iter_args: to their initial value) and shared-memory buffers (a buffer is
+    computed from whatever is copied or stored into it), reaching the kernel parameter `%weight_arg`. Async tokens are
+    not followed (they only order copies) and loop results are not entered."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    dots = []
+    scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)
+    depth = 0
+
+    def resolve(name: str) -> str:  # block args (%argN) repeat across sibling loops: make them unique per loop
+        for _, args in reversed(scopes):
+            if name in args:
+                return args[name]
+        return name
+
+    view_src: dict[str, str] = {}  # a view of a buffer (memdesc_index, ...) -> the memdesc it views
+
+    def root_buffer(view: str) -> str:
+        while view in view_src:
+            view = view_src[view]
+        return view
+
+    for lineno, raw in enumerate(ttgir.splitlines()):
+        code = _T_TOKEN.sub("", _T_ATTRS.sub("", _T_LOC.sub("", raw)))
+        opens = raw.count("{") - raw.count("}")  # attribute braces pair up on their line; regions span lines
+        if " scf.for " in code and "iter_args(" in code:
+            pairs = _T_PAIR.findall(_T_ITER_ARGS.search(code).group(1))
+            keys = {arg: f"{arg}@{lineno}" for arg, _ in pairs}
+            for arg, init in pairs:
+                edges[keys[arg]].add(resolve(init))
+            scopes.append((depth, keys))
+        elif m := _T_DEF.match(code):
+            results, op, rest = m.groups()
+            operands = [resolve(u) for u in _T_USE.findall(rest)]
+            for result in _T_RESULT.findall(results):
+                edges[result].update(operands)
+                if op in _T_VIEWS and operands:
+                    view_src[result] = operands[0]
+            if op in _T_WRITES and len(operands) > _T_WRITES[op]:
+                dst = operands[_T_WRITES[op]]
+                edges[root_buffer(dst)].update(o for i, o in enumerate(operands) if i != _T_WRITES[op])
+            if op in _DOT_OPS:
+                star = code.index(" * ")
+                a_type = code[code.rindex(" : ", 0, star) + 3:star].strip()
+                b_type = code[star + 3:code.index(" -> ", star)].strip()
+                dots.append(dict(op=op, operands=operands[:2],
+                                 kinds=["shared" if t.startswith("!ttg.memdesc") else "registers"
+                                        for t in (a_type, b_type)]))
+        elif (m := re.match(r"^\s*([\w.]+)\s+(.*)$", code)) and m.group(1) in _T_WRITES:
+            operands = [resolve(u) for u in _T_USE.findall(m.group(2))]
+            idx = _T_WRITES[m.group(1)]
+            if len(operands) > idx:
+                edges[root_buffer(operands[idx])].update(o for i, o in enumerate(operands) if i != idx)
+        depth += opens
+        while scopes and depth <= scopes[-1][0]:
+            scopes.pop()
+
+    target = "%" + weight_arg
+
+    def reaches_weight(value: str) -> bool:
+        seen, todo = set(), [value]
+        while todo:
+            v = todo.pop()
+            if v == target:
+                return True
+            if v not in seen:
+                seen.add(v)
+                todo.extend(edges.get(v, ()))
+        return False
+
+    return [dict(op=d["op"], a=d["kinds"][0], b=d["kinds"][1],
+                 w8="".join(side for side, v in zip("AB", d["operands"]) if reaches_weight(v)))
+            for d in dots]
+
+
+def w8_operand(dots: list[dict]) -> dict:
+    """From ttgir_dots: w_operand ("registers" | "shared" | "mixed" | None: where the dots the weight tile feeds read
+    it from), w8_dots (how many dots it feeds) and w8_side ("A", "B", "AB" if both operands come from it, or None)."""
+    kinds = {d[side.lower()] for d in dots for side in d["w8"]}
+    sides = "".join(sorted({side for d in dots for side in d["w8"]}))
+    return dict(w_operand=(kinds.pop() if len(kinds) == 1 else "mixed") if kinds else None,
+                w8_dots=sum(bool(d["w8"]) for d in dots), w8_side=sides or None)
+
+
+def config_str(cfg) -> str:
+    """A triton.Config as "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w8,s4" (w: warps, s: stages)."""
+    parts = [f"{k}={v}" for k, v in cfg.kwargs.items()] + [f"w{cfg.num_warps}", f"s{cfg.num_stages}"]
+    if getattr(cfg, "num_ctas", 1) not in (1, None):
+        parts.append(f"ctas{cfg.num_ctas}")
+    if getattr(cfg, "maxnreg", None):
+        parts.append(f"maxnreg{cfg.maxnreg}")
+    return ",".join(parts)
+
+
+
+def check_variant(kernel: str, param_names: list[str], constexpr_names: set[str], args: dict, constexprs: dict,
+                  tuned: Iterable[str]) -> list[str]:
+    """Problems (empty if none) between a kernel's parameters and what its spec variant passes: every parameter
+    given exactly once, runtime parameters in `args`, tl.constexpr ones in `constexprs` or the autotune config."""
+    tuned = set(tuned)
+    given_rt, given_ce = set(args), set(constexprs) | tuned
+    params = set(param_names)
+    problems = []
+    if missing := [p for p in param_names if p not in given_rt | given_ce]:
+        problems.append(f"{kernel}: parameters not given by the spec: {missing}")
+    if unknown := sorted((given_rt | given_ce) - params):
+        problems.append(f"{kernel}: the spec gives arguments the kernel does not have: {unknown}")
+    if wrong := sorted(given_rt & constexpr_names):
+        problems.append(f"{kernel}: tl.constexpr parameters given as runtime args: {wrong}")
+    if wrong := sorted((given_ce & params) - constexpr_names):
+        problems.append(f"{kernel}: runtime parameters given as constexprs: {wrong}")
+    if both := sorted(set(constexprs) & tuned):
+        problems.append(f"{kernel}: autotuned parameters also pinned by the spec: {both}")
+    return problems

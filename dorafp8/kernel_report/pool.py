@@ -1,0 +1,173 @@
+"""The worker processes that compile, and run(): the one entry point that compiles and reads the kernels.
+
+Compiling happens in workers, never in the calling process (see Worker), a few at a time (--jobs); the jobs are
+handed out from one queue by one thread per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Callable, Iterable, Optional
+
+from . import cuda_driver, triton_driver
+from .records import ARCHS, BACKENDS, SpecError
+
+def worker_main() -> None:
+    """Serves one JSON request per stdin line with one JSON reply per line.
+
+    Anything the compilers print goes to stderr: fd 1 is pointed at fd 2 and the replies use a private copy of the
+    original stdout, so a chatty ptxas or Triton cannot break the protocol."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "list":
+                reply = dict(ok=True, jobs=triton_driver.list_jobs(req))
+            elif req["op"] == "triton":
+                reply = dict(ok=True, records=[triton_driver.compile_job(req)])
+            elif req["op"] == "cuda":
+                reply = dict(ok=True, records=cuda_driver.compile_job(req))
+            else:
+                raise ValueError(f"unknown request {req['op']!r}")
+        except SpecError as e:
+            reply = dict(ok=False, spec_error=True, error=str(e))
+        except Exception:
+            reply = dict(ok=False, spec_error=False, error=traceback.format_exc())
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+# A worker imports the kernel report and the kernel modules without running dorafp8/__init__.py, which imports peft and
+# transformers (5-10 s per process, for nothing the worker uses): the package module is created from its spec but not
+# executed, so that its submodules (found through its __path__, or the editable-install finder) import as usual.
+_WORKER_BOOT = """
+import importlib.util, sys
+pkg = importlib.util.module_from_spec(importlib.util.find_spec("dorafp8"))
+sys.modules["dorafp8"] = pkg
+from dorafp8.kernel_report.pool import worker_main
+worker_main()
+"""
+
+
+class Worker:
+    """One worker process (worker_main).
+
+    Compiling happens in workers, never in the calling process, because TRITON_INTERPRET=1 (the tests set it when
+    there is no GPU) makes @triton.jit return interpreter objects that cannot be compiled, and it takes effect when
+    the kernel modules are imported: the workers start without it, whatever the caller has already imported."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def call(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"kernel report worker died (exit {self.proc.wait()}); its stderr ends with:\n"
+                               f"{self.log.read()[-4000:]}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise (SpecError if reply["spec_error"] else RuntimeError)(reply["error"])
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+        self.log.close()
+
+
+Select = Callable[[dict], bool]
+
+
+def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Optional[Select] = None,
+        jobs: int = 2, all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE,
+        progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Compiles and reads the kernels; returns one record per kernel x variant x config x arch (FIELDS).
+
+    select(job) -> bool filters Triton jobs before compiling and CUDA records after (job: a dict with backend,
+    kernel, variant, dtype, arch, config). Raises SpecError if a spec and its kernels disagree, RuntimeError if a
+    backend cannot run here (see cuda_unavailable_reason / triton_unavailable_reason)."""
+    archs, backends = list(archs), list(backends)
+    select = select or (lambda job: True)
+    if unknown := set(archs) - set(ARCHS):
+        raise ValueError(f"unknown arch {sorted(unknown)}; known: {ARCHS}")
+    for b, why in (("cuda", cuda_driver.cuda_unavailable_reason()),
+                   ("triton", triton_driver.triton_unavailable_reason())):
+        if b in backends and why:
+            raise RuntimeError(f"cannot inspect the {b} kernels here: {why}")
+    workers = [Worker() for _ in range(max(1, jobs))]
+    try:
+        # the long ones first; one job per kernel file and arch, as the extension build compiles them
+        todo = [dict(op="cuda", arch=a, source=f) for a in archs for f in cuda_driver.cuda_sources()] \
+            if "cuda" in backends else []
+        if "triton" in backends:
+            listed = workers[0].call(dict(op="list", archs=archs, all_configs=all_configs,
+                                          spec_module=spec_module))["jobs"]
+            todo += [j for j in listed if select(dict(j, backend="triton"))]
+        per_job = _run_jobs(workers, todo, progress)
+    finally:
+        for w in workers:
+            w.close()
+    # The CUDA records in the spec's order within each arch (as one job per arch gave them), whatever file they are in.
+    by_source = cuda_driver.cuda_spec_by_source(cuda_driver.load_cuda_spec()) if "cuda" in backends else {}
+    cuda = {(archs.index(job["arch"]), i): rec for job, recs in zip(todo, per_job) if job["op"] == "cuda"
+            for i, rec in zip(by_source[job["source"]], recs)}
+    records = [cuda[k] for k in sorted(cuda)] + [r for job, recs in zip(todo, per_job) if job["op"] != "cuda"
+                                                  for r in recs]
+    return [r for r in records if r["backend"] == "triton" or select(r)]
+
+
+def _run_jobs(workers, todo, progress) -> list[list[dict]]:
+    """Each job's records, in the order of todo."""
+    q: queue.Queue = queue.Queue()
+    for i, job in enumerate(todo):
+        q.put((i, job))
+    results: dict[int, list[dict]] = {}
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    t0 = time.time()
+
+    def serve(worker):
+        while not failures:
+            try:
+                i, job = q.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                recs = worker.call(job)["records"]
+            except BaseException as e:
+                failures.append(e)
+                return
+            with lock:
+                results[i] = recs
+                if progress:
+                    what = (f"cuda {job['source']} {job['arch']} ({len(recs)} kernels)" if job["op"] == "cuda" else
+                            f"{job['kernel']} {job['arch']} {job['dtype']} {job['variant']} {job['config']}")
+                    bad = " ERROR" if any(r["error"] for r in recs) else ""
+                    progress(f"[{len(results)}/{len(todo)} {time.time() - t0:.0f}s] {what}{bad}")
+
+    threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return [results[i] for i in range(len(todo))]
+
