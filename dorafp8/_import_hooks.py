@@ -8,7 +8,8 @@ about dorafp8's fp8 layers before the user's next line runs, with nothing more i
 - transformers: `save_pretrained` of a model holding fp8 layers must write a checkpoint `from_pretrained` reads
   correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
   quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
-- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers (dorafp8/checkpoint/save_hooks.py).
+- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
+  (dorafp8/checkpoint/save_hooks.py).
 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.

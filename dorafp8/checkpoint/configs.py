@@ -42,7 +42,8 @@ def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
         n, N, K = ragged[0]
         return (f"{len(ragged)} layers have a dimension that is not a multiple of the block size {b} (e.g. {n!r}, "
                 f"[{N}, {K}]): compressed-tensors (and vLLM) read whole blocks only, and transformers fails to load "
-                f"them. {why}, or write format='fine-grained' (partial blocks the DeepSeek-V3 way) or granularity='row'")
+                f"them. {why}, or write format='fine-grained' (partial blocks the DeepSeek-V3 way) or "
+                f"granularity='row'")
     wrong = [(n, N, K) for n, N, K in ragged if cpu_fine_grained_read(N, K, b) == "wrong"]
     if wrong and t.fmt == "fine-grained":
         n, N, K = wrong[0]

@@ -115,7 +115,8 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
         if granularity not in ("tensor", "row", "block"):
             raise ValueError(f"granularity must be 'tensor', 'row' or 'block', got {granularity!r}")
         if granularity not in layout.write_granularities:
-            raise ValueError(f"{fmt} stores {', '.join(GRANULARITY_NAMES[g] for g in layout.write_granularities)} scales, "
+            kinds = ", ".join(GRANULARITY_NAMES[g] for g in layout.write_granularities)
+            raise ValueError(f"{fmt} stores {kinds} scales, "
                              f"not {GRANULARITY_NAMES[granularity]} ones")
     same = src.format == fmt
     base = base_model(model)
@@ -142,7 +143,8 @@ def unmerged_adapter_layers(base: nn.Module) -> list[str]:
     tuner_type = tuner_cls()
     if tuner_type is None:
         return []
-    return [n for n, m in base.named_modules() if isinstance(m, tuner_type) and not getattr(m, "disable_adapters", False)
+    return [n for n, m in base.named_modules()
+            if isinstance(m, tuner_type) and not getattr(m, "disable_adapters", False)
             and any(a not in m.merged_adapters for a in m.active_adapters)]
 
 
