@@ -124,7 +124,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels",
-              "dorafp8.kernel_report", "dorafp8.csrc"],
+              "dorafp8.checkpoint", "dorafp8.kernel_report", "dorafp8.csrc"],
     # csrc/ ships as dorafp8/csrc/ (a data directory, no __init__.py) for the kernel report, which compiles the CUDA
     # kernels with nvcc from these sources; build_spec.py and inspect_spec.py come with it as its .py files.
     package_data={"dorafp8": ["_build_info.json"], "dorafp8.csrc": ["*.cu", "*.h", "common/*.cuh"]},

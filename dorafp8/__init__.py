@@ -13,13 +13,13 @@ Public API:
     BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
     load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format
                                           fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
-                                          FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint.py)
+                                          FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint/)
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
     reuse_weight_norms                    a context in which DoRA layers on a GPU may reuse their weight norms
                                           (on the CPU they do whenever the adapters are unchanged; norm_cache.py)
     DoRAFP8Config                         from_pretrained(path, quantization_config=DoRAFP8Config(...)) quantizes a
                                           dense checkpoint into FP8Linear layers (needs transformers; loaded on first
-                                          use; dorafp8/hf_quantizer.py)
+                                          use; dorafp8/checkpoint/hf_quantizer.py)
 
 Dispatch: dora_fp8_linear (dorafp8/ops/linear.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
 (dorafp8/backends/__init__.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
@@ -43,7 +43,7 @@ from .nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear, quantize_model, set_
 from .norm_cache import reuse_weight_norms
 from .ops import dora_fp8_conv, dora_fp8_linear, fp8_conv, fp8_linear, weight_norm
 from .quant import dequantize_e4m3, quantize_e4m3
-from .transformers_fp8 import from_transformers_fp8
+from .checkpoint.from_transformers import from_transformers_fp8
 
 __version__ = "0.1.0"
 
@@ -71,7 +71,7 @@ def __getattr__(name):
         return getattr(peft, name)
     if name in _TRANSFORMERS_NAMES:
         require("transformers", what=f"dorafp8.{name}")
-        from . import hf_quantizer
+        from .checkpoint import hf_quantizer
 
         hf_quantizer.register()
         return getattr(hf_quantizer, name)

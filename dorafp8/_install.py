@@ -13,8 +13,9 @@ about dorafp8's fp8 layers before the user's next line runs, with nothing more i
   DoRAFP8Linear layers (dorafp8.peft.register_with_peft);
 - transformers: `save_pretrained` of a model holding fp8 layers must write a checkpoint `from_pretrained` reads
   correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
-  quantizer registry (dorafp8/_save_hooks.py, dorafp8/hf_quantizer.py);
-- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers (dorafp8/_save_hooks.py).
+  quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
+- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
+  (dorafp8/checkpoint/save_hooks.py).
 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
@@ -40,16 +41,16 @@ def _peft() -> None:
 
 
 def _transformers() -> None:
-    from . import _save_hooks, hf_quantizer
+    from .checkpoint import hf_quantizer, save_hooks
 
-    _save_hooks.patch_transformers()
+    save_hooks.patch_transformers()
     hf_quantizer.register()
 
 
 def _diffusers() -> None:
-    from . import _save_hooks
+    from .checkpoint import save_hooks
 
-    _save_hooks.patch_diffusers()
+    save_hooks.patch_diffusers()
 
 
 # module -> (its hook, what breaks if the hook fails: said in the warning)

@@ -421,9 +421,9 @@ def test_fp8_conv_weights_stay_fp8_and_other_modules_are_dequantized():
 
 
 def test_progress_lines_on_a_long_single_file(ckpt, capsys, monkeypatch):
-    import dorafp8.checkpoint as C
+    import dorafp8.checkpoint.load as L
 
-    monkeypatch.setattr(C, "_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(L, "_PROGRESS_EVERY_S", 0.0)
     dorafp8.load_fp8_checkpoint(F.meta_model(), ckpt("comfyui"))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dorafp8: ...")]
     n = len(F.read_all(ckpt("comfyui"))) - 1  # all but the marker

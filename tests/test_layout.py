@@ -25,7 +25,7 @@ LAYERS = [
     ("ops", ["dorafp8.ops"]),
     ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
     ("peft", ["dorafp8.peft"]),
-    ("files", ["dorafp8.checkpoint", "dorafp8.transformers_fp8", "dorafp8.hf_quantizer", "dorafp8._save_hooks"]),
+    ("files", ["dorafp8.checkpoint"]),
     ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8._memory", "dorafp8.demo", "dorafp8.kernel_report",
                      "dorafp8.__main__", "dorafp8"]),
 ]
@@ -212,3 +212,18 @@ def test_setup_py_ships_every_package():
     packages = {m for m in MODULES if _is_package(m)}
     listed -= {"dorafp8.csrc"}  # csrc/ shipped as data for the kernel report (no Python package)
     assert packages == listed, f"missing from setup.py: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
+
+
+def test_one_opt_out_for_what_import_changes_outside_dorafp8():
+    """DORAFP8_NO_PATCHES=1: `import dorafp8` leaves DDP and PEFT as they are (dorafp8/_install.py); without it both are
+    patched."""
+    pytest.importorskip("peft")
+    code = ("import dorafp8, peft, torch.nn.parallel.distributed as d\n"
+            "from peft.tuners.lora.model import LoraModel\n"
+            "print(LoraModel._create_new_module.__module__.startswith('dorafp8'),"
+            " hasattr(d._sync_module_states, '_dorafp8_orig'))\n")
+    for opt_out, want in (("1", "False False"), ("0", "True True")):
+        env = dict(os.environ, DORAFP8_NO_PATCHES=opt_out, PYTHONWARNINGS="ignore")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == want, (opt_out, r.stdout)

@@ -359,7 +359,7 @@ def test_dorafp8config_errors(dense_dir, tmp_path):
     with pytest.raises(ValueError, match="quantized with CompressedTensorsConfig but you are passing a DoRAFP8Config"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", quantization_config=dorafp8.DoRAFP8Config())
     # weights that are not in memory (offloaded) cannot be quantized in place
-    from dorafp8.hf_quantizer import DoRAFP8HfQuantizer
+    from dorafp8.checkpoint.hf_quantizer import DoRAFP8HfQuantizer
 
     with pytest.raises(ValueError, match="not in memory.*load without offloading"):
         DoRAFP8HfQuantizer(dorafp8.DoRAFP8Config(), pre_quantized=False)._process_model_after_weight_loading(

@@ -25,8 +25,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .nn import FP8Linear
-from .quant import DEFAULT_BLOCK, E4M3, check_scale
+from ..nn import FP8Linear
+from ..quant import DEFAULT_BLOCK, E4M3, check_scale
+from .modules import swap_module
+from .plan import LayerSource, SourceInfo
 
 
 def _finegrained_cls():
@@ -39,19 +41,12 @@ def _ct_fp8_linear_cls():
     return getattr(mod, "CompressedTensorsFP8Linear", None)
 
 
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block: int, fmt: str, extras: dict, backend,
           act_quant, dtype) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
     new = FP8Linear.from_fp8(w8.detach(), scale.detach().float(), bias, backend=backend, dtype=dtype,
                              block_size=block, act_quant=act_quant)
-    new._dorafp8_source = {"format": fmt, "scale_dtype": scale.dtype, "scale_shape": tuple(scale.shape),
-                           "extras": extras}
+    new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape))
     return new
 
 
@@ -138,16 +133,17 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             swaps.append((name, _make(mod, mod.weight, scale, block, "compressed-tensors", extras, backend, act_quant,
                                       mdtype)))
     for name, new in swaps:
-        _swap(model, name, new)
+        swap_module(model, name, new)
     if swaps:
         # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more.
         quantizer = getattr(model, "hf_quantizer", None)
         compressor = getattr(quantizer, "compressor", None)
         if compressor is not None and hasattr(compressor, "remove_decompression_hook"):
             compressor.remove_decompression_hook(model)
-        fmt = swaps[0][1]._dorafp8_source["format"]
-        src = getattr(model, "_dorafp8_source", None) or {}
-        src.update(format=fmt, config=cfg.to_dict() if hasattr(cfg, "to_dict") else None, strip="", add="")
+        src = getattr(model, "_dorafp8_source", None) or SourceInfo()
+        src.format = swaps[0][1]._dorafp8_source.format
+        src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+        src.strip = src.add = ""
         model._dorafp8_source = src
     if dense:
         warnings.warn(f"from_transformers_fp8: {len(dense)} fp8 layers of the config hold dense weights already "

@@ -7,7 +7,7 @@ scales among transformers' UNEXPECTED keys. So dorafp8/_install.py wraps both me
 define them:
 
 - transformers: the fp8 layers are written in a layout transformers (and vLLM) read on their own, compressed-tensors
-  or fine-grained FP8, with its quantization_config in config.json (checkpoint.save_pretrained_state picks it);
+  or fine-grained FP8, with its quantization_config in config.json (write.save_pretrained_state picks it);
   everything else save_pretrained does (config, generation config, sharding, hub upload) is left to it;
 - diffusers: no layout diffusers reads covers fp8 weights with scales (its one fp8 scheme, BFL's fp8r, is per-row
   linear layers read by from_single_file), so save_pretrained refuses, naming dorafp8's writers.
@@ -22,7 +22,9 @@ import warnings
 
 from torch import nn
 
-from .checkpoint import fp8_modules
+from .configs import DIFFUSERS_LOAD_HINT
+from .modules import fp8_modules
+from .write import save_pretrained_state
 
 
 @contextlib.contextmanager
@@ -64,8 +66,6 @@ def _transformers_save_pretrained(orig):
                              f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
                              f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
                              f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
-        from .checkpoint import save_pretrained_state
-
         state_dict, quantization_config, report = save_pretrained_state(self)
         requantized = report.errors("requantized")
         if requantized:
@@ -86,8 +86,6 @@ def _diffusers_save_pretrained(orig):
     def save_pretrained(self, *args, **kwargs):
         fp8 = list(fp8_modules(self))
         if fp8:
-            from .checkpoint import DIFFUSERS_LOAD_HINT
-
             raise ValueError(f"{type(self).__name__}.save_pretrained: the model holds {len(fp8)} dorafp8 fp8 layers "
                              f"(e.g. {fp8[0]!r}); diffusers would write their raw e4m3 values, which its "
                              f"from_pretrained loads without their scales, and diffusers reads no fp8 layout that "
@@ -118,8 +116,6 @@ class _DiffusersDoRAFP8Checkpoint:
 
     @classmethod
     def from_dict(cls, config: dict, *args, **kwargs):
-        from .checkpoint import DIFFUSERS_LOAD_HINT
-
         raise ValueError(f"this diffusers checkpoint holds fp8 weights in the {config.get('layout')!r} layout, "
                          f"written by dorafp8; diffusers' from_pretrained cannot read their scales. Load it with "
                          f"dorafp8: {DIFFUSERS_LOAD_HINT}")

@@ -8,7 +8,7 @@ after a plain from_pretrained), ready for get_peft_model(..., LoraConfig(use_dor
 after they are loaded, so loading peaks at the dense model in `dtype`, as quantize_model after from_pretrained does.
 
 Saving: `model.save_pretrained(path)` writes compressed-tensors (or fine-grained FP8), which transformers and vLLM load
-with `from_pretrained(path)` alone, without dorafp8 (dorafp8/_save_hooks.py). "dorafp8" is never written as a
+with `from_pretrained(path)` alone, without dorafp8 (dorafp8/checkpoint/save_hooks.py). "dorafp8" is never written as a
 checkpoint's quant_method: transformers skips a quant_method it does not know with a warning and would load the raw
 e4m3 values, so a checkpoint that needed dorafp8 imported would load wrong wherever it is not.
 
@@ -23,11 +23,11 @@ from typing import Iterable, Optional
 from transformers.quantizers import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .backends import check_backend_name
-from .nn import quantize_model
-from .nn.convert import name_list
-from .ops import check_act_quant
-from .quant import DEFAULT_BLOCK, check_block_size
+from ..backends import check_backend_name
+from ..nn import quantize_model
+from ..nn.convert import name_list
+from ..ops import check_act_quant
+from ..quant import DEFAULT_BLOCK, check_block_size
 
 QUANT_METHOD = "dorafp8"
 _GRANULARITIES = ("tensor", "row", "block")
@@ -96,7 +96,7 @@ class DoRAFP8HfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, *args, **kwargs):
-        return True  # save_pretrained writes a layout transformers reads (dorafp8/_save_hooks.py)
+        return True  # save_pretrained writes a layout transformers reads (dorafp8/checkpoint/save_hooks.py)
 
     @property
     def is_trainable(self):

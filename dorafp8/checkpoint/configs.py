@@ -1,0 +1,146 @@
+"""The config.json of a written directory, and the checks that it loads right: a transformers directory gets the
+quantization_config transformers reads (compressed-tensors or fine-grained FP8) and is refused in a layout
+transformers would load wrong; a diffusers one gets a guard that makes diffusers' from_pretrained refuse it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+from torch import nn
+
+from ..quant import scale_kind
+from .layouts import TRANSFORMERS_FORMATS, cpu_fine_grained_read
+from .modules import FP8_CONV_TYPES, fp8_modules
+from .plan import WriteTarget, Written
+from .reports import ExportReport
+
+
+def _writes_block(t: WriteTarget, m: nn.Module) -> bool:
+    """Whether the layer is written with block scales (the writer's choice below for a layer it does not merge;
+    a merged one takes granularity, else the layout's first kind: conservative where the two differ)."""
+    return t.fmt == "fine-grained" or t.granularity == "block" or (t.granularity is None and
+                                                                   scale_kind(m.scale) == "block")
+
+
+def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
+    """Why transformers' from_pretrained would not read this fp8 checkpoint correctly on its own (None if it would).
+    `why` says where the fix would go. Checked before anything is written."""
+    layers = fp8_modules(t.base)
+    convs = [n for n, m in layers.items() if isinstance(m, FP8_CONV_TYPES)]
+    if convs and t.fmt != "fp8-cast":  # fp8-cast has no scales: a plain cast reads it right
+        return (f"{len(convs)} fp8 conv layers (e.g. {convs[0]!r}): transformers reads fp8 convolutions in no layout "
+                f"(compressed-tensors' loader leaves their scales out and loads the raw e4m3 values). {why}, or a "
+                f"dense format (bf16, fp16, fp32), or keep the convolutions unquantized (quantize_model without "
+                f"include_conv)")
+    b = t.bsz
+    ragged = [(n, m.weight.shape[0], m.weight[0].numel()) for n, m in layers.items()
+              if _writes_block(t, m) and (m.weight.shape[0] % b or m.weight[0].numel() % b)]
+    if ragged and t.fmt == "compressed-tensors":
+        n, N, K = ragged[0]
+        return (f"{len(ragged)} layers have a dimension that is not a multiple of the block size {b} (e.g. {n!r}, "
+                f"[{N}, {K}]): compressed-tensors (and vLLM) read whole blocks only, and transformers fails to load "
+                f"them. {why}, or write format='fine-grained' (partial blocks the DeepSeek-V3 way) or "
+                f"granularity='row'")
+    wrong = [(n, N, K) for n, N, K in ragged if cpu_fine_grained_read(N, K, b) == "wrong"]
+    if wrong and t.fmt == "fine-grained":
+        n, N, K = wrong[0]
+        return (f"{len(wrong)} layers cover partial {b} x {b} blocks whose count divides the weight (e.g. {n!r}, "
+                f"[{N}, {K}]): transformers' dequantizing loader (used without a GPU) takes the block size from "
+                f"that count and misreads them. {why}, or granularity='row' with format='compressed-tensors'")
+    return None
+
+
+def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
+    """A directory that gets a transformers config.json looks like a model transformers loads: refuse to write one
+    transformers would load wrong (before anything is written)."""
+    if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
+        return
+    file_hint = ("Write it to a single file instead (a path ending in .safetensors, no config.json), or to "
+                 "format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
+                 "load_fp8_checkpoint too)")
+    if t.fmt not in TRANSFORMERS_FORMATS:
+        how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
+        raise ValueError(f"{path}: {how}, into a directory with a transformers config.json: transformers' "
+                         f"from_pretrained would load the raw e4m3 values without their scales ('<layer>."
+                         f"{t.layout.scale_key}'), silently wrong. {file_hint}")
+    problem = transformers_problem(t, "Write a single .safetensors file instead")
+    if problem:
+        raise ValueError(f"{path}: {t.fmt} into a directory with a transformers config.json: {problem}")
+
+
+def quantization_config(t: WriteTarget, report: ExportReport, out: Written) -> Optional[dict]:
+    """config.json's quantization_config for the fp8 layouts transformers reads (None for the others)."""
+    old_q = (t.src.config or {}).get("quantization_config") if t.same else None
+    if old_q and all(d["action"] == "kept" for d in report.layers.values()):
+        return old_q
+    bsz, ignore = t.bsz, sorted(set(out.dense_linears))
+    if t.fmt == "fine-grained":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [bsz, bsz],
+                "modules_to_not_convert": ignore or None, "scale_fmt": "float"}
+    if t.fmt != "compressed-tensors":
+        return None
+    strategies = {"tensor": "tensor", "row": "channel", "block": "block"}
+    fp8_args = {"num_bits": 8, "type": "float", "symmetric": True}
+    cg = {}
+    for i, ((g, act), names) in enumerate(sorted(out.groups.items())):
+        weights = {**fp8_args, "dynamic": False, "strategy": strategies[g], "group_size": None,
+                   "block_structure": [bsz, bsz] if g == "block" else None}
+        # the activations as the model computes them: transformers + compressed-tensors then reproduce its outputs
+        # (to 2e-7, measured), and vLLM runs weight-only layers as CompressedTensorsW8A16Fp8
+        if act == "static":
+            acts = {**fp8_args, "dynamic": False, "strategy": "tensor"}
+        elif act == "dynamic":  # act_quant="rowwise": one scale per row (token), whatever the weight's scales
+            acts = {**fp8_args, "dynamic": True, "strategy": "token"}
+        else:  # W8A16: weight-only
+            acts = None
+        # "Linear" covers every layer of a single group, unless fp8 conv layers are in it: then by name
+        targets = ["Linear"] if len(out.groups) == 1 and not out.conv_layers else \
+            [f"re:^{re.escape(n)}$" for n in names]
+        cg[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": acts,
+                            "output_activations": None, "format": "float-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": cg, "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}}
+
+
+# diffusers reads no fp8 layout with scales: a directory written for a diffusers model carries this in config.json, so
+# that diffusers' from_pretrained refuses it ("Unknown quantization type, got dorafp8"; with dorafp8 imported, the
+# error below) instead of loading the raw e4m3 values without their scales
+DIFFUSERS_LOAD_HINT = ("build the model on the meta device (with accelerate.init_empty_weights(): model = "
+                       "ModelClass.from_config(ModelClass.load_config(path))) and call dorafp8.load_fp8_checkpoint("
+                       "model, path)")
+
+
+def diffusers_guard(fmt: str) -> dict:
+    return {"quant_method": "dorafp8", "layout": fmt,
+            "note": f"fp8 weights in the {fmt} layout, written by dorafp8; diffusers' from_pretrained cannot read "
+                    f"their scales: {DIFFUSERS_LOAD_HINT}"}
+
+
+def write_config(t: WriteTarget, path: str, report: ExportReport, out: Written) -> None:
+    if t.config_kind == "diffusers":
+        t.base.save_config(path)
+        if t.layout is not None:
+            cfg_path = os.path.join(path, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"] = diffusers_guard(t.fmt)
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
+        return
+    if t.config_kind is None:
+        return
+    cfg_obj = getattr(t.base, "config", None)
+    cfg = cfg_obj.to_dict() if hasattr(cfg_obj, "to_dict") else dict(t.src.config)
+    cfg.pop("quantization_config", None)
+    if t.dense_dtype is not None:
+        cfg["torch_dtype"] = cfg["dtype"] = str(t.dense_dtype).replace("torch.", "")
+    else:
+        qc = quantization_config(t, report, out)
+        if qc is not None:
+            cfg["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,238 @@
+"""The writers' common core: walk a model (through PEFT's layers) and put every tensor of the checkpoint into a
+sink, each fp8 layer in the target layout: its bytes and scale kept where the layout holds them, else re-quantized,
+or merged with its adapters first (export_merged)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..merge import adapter_terms, merged_rows, requantize
+from ..quant import E4M3, scale_kind
+from ..quant import w0_rows
+from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
+from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_cls
+from .plan import LayerSource, WriteTarget, Written, layer_source_of
+from .reports import ExportReport
+from .sink import TensorSink
+
+
+def walk_model(mod: nn.Module, prefix: str, tuner_cls):
+    """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear / FP8ConvNd or the PEFT layer on
+    one), ("tuner", name, other PEFT layer), ("tensor", key, tensor)."""
+    fp8_types = FP8_LAYER_TYPES
+    if isinstance(mod, fp8_types) or (tuner_cls is not None and isinstance(mod, tuner_cls)
+                                      and isinstance(base_layer(mod), fp8_types)):
+        yield "fp8", prefix[:-1], mod
+        return
+    if tuner_cls is not None and isinstance(mod, tuner_cls):
+        yield "tuner", prefix[:-1], mod
+        return
+    if hasattr(mod, "modules_to_save") and hasattr(mod, "original_module"):  # PEFT's ModulesToSaveWrapper
+        active = getattr(mod, "active_adapter", None)
+        active = active[0] if isinstance(active, (list, tuple)) and active else active
+        inner = mod.modules_to_save[active] if (active in mod.modules_to_save and not getattr(
+            mod, "disable_adapters", False)) else mod.original_module
+        yield from walk_model(inner, prefix, tuner_cls)
+        return
+    if type(mod) is nn.Linear:
+        yield "linear", prefix[:-1], mod
+    for n, p in mod._parameters.items():
+        if p is not None:
+            yield "tensor", prefix + n, p
+    for n, b in mod._buffers.items():
+        if b is not None and n not in mod._non_persistent_buffers_set:
+            yield "tensor", prefix + n, b
+    for n, child in mod._modules.items():
+        if child is not None:
+            yield from walk_model(child, f"{prefix}{n}.", tuner_cls)
+
+
+def layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: Optional[LayerSource]) -> torch.Tensor:
+    """A normalized fp32 scale in the shape and dtype the layout stores (the loaded file's, on a round trip)."""
+    g = scale_kind(scale)
+    if fmt == "compressed-tensors":
+        shape = {"tensor": (1,), "row": (N, 1)}.get(g, tuple(scale.shape))
+    elif fmt in ("comfyui", "comfyui-quant"):
+        shape = ()
+    else:
+        shape = tuple(scale.shape)
+    same = meta is not None and meta.format == fmt
+    src_shape = meta.scale_shape if same else None
+    if src_shape is not None and torch.Size(src_shape).numel() == scale.numel():
+        shape = tuple(src_shape)
+    out = scale.float().reshape(shape)
+    dt = meta.scale_dtype if same else None
+    if dt is not None and dt != torch.float32 and torch.equal(out.to(dt).float(), out):
+        out = out.to(dt)
+    return out
+
+
+def act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
+    """How the layer's activations are quantized, for compressed-tensors' input_activations: "static" where the
+    checkpoint it came from had a static scale (kept for the deployment it was made for), "dynamic" for W8A8 layers
+    (act_quant="rowwise", per token), "none" for W8A16 (the default: weight-only)."""
+    if layout.act_scale_key and layout.act_scale_key in extras:
+        return "static"
+    return "dynamic" if getattr(fp8, "act_quant", None) else "none"
+
+
+def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool, adapter_names) -> Written:
+    """Walks the model and puts every tensor of the checkpoint into `sink`, fp8 layers in t's layout (merged with
+    their adapters if `merge`); fills report.layers."""
+    tuner_type = tuner_cls()
+    out = Written()
+    put_tensor = _TensorPutter(t, sink, report)
+    if t.fmt == "comfyui":
+        markers = t.src.marker_tensors if t.same else None
+        for k, v in (markers or {f"{t.strip}scaled_fp8": torch.tensor([], dtype=E4M3)}).items():
+            sink.add(k, v)
+    for kind, name, obj in walk_model(t.base, "", tuner_type):
+        if kind == "linear":
+            out.dense_linears.append(name)
+        elif kind == "tensor":
+            put_tensor(name, obj)
+        elif kind == "tuner":  # a PEFT layer on a module that is not fp8: its base layer's tensors (merged if asked)
+            if merge:
+                layer = copy.deepcopy(obj)
+                layer.merge(adapter_names=adapter_names)
+                inner = layer.get_base_layer()
+            else:
+                inner = obj.get_base_layer()
+                out.unmerged.append(name)
+            for k2, n2, o2 in walk_model(inner, name + ".", tuner_type):
+                if k2 == "linear":
+                    out.dense_linears.append(name)
+                elif k2 == "tensor":
+                    put_tensor(n2, o2)
+        else:
+            _emit_fp8_layer(t, sink, report, out, name, obj, tuner_type, merge=merge, adapter_names=adapter_names)
+    return out
+
+
+class _TensorPutter:
+    """Writes a tensor that is not an fp8 layer's: once per tied group; cast to the dense format, or back to its
+    dtype in the file it was loaded from where that loses nothing."""
+
+    def __init__(self, t: WriteTarget, sink: TensorSink, report: ExportReport):
+        self.t, self.sink, self.report = t, sink, report
+        self.written_ids: dict[int, str] = {}
+        self.src_dtypes = t.src.dtypes if t.same else {}
+
+    def __call__(self, key: str, v) -> None:
+        if id(v) in self.written_ids:
+            self.report.notes.append(f"{key} is the same tensor as {self.written_ids[id(v)]} (tied): written once")
+            return
+        self.written_ids[id(v)] = key
+        v = v.detach()
+        dense_dtype = self.t.dense_dtype
+        if dense_dtype is not None and v.is_floating_point():
+            v = v.float().to(dense_dtype) if v.dtype in (E4M3, E5M2) else v.to(dense_dtype)
+        else:
+            sd = self.src_dtypes.get(key)
+            if sd is not None and sd != v.dtype and v.is_floating_point() and torch.equal(v.to(sd).to(v.dtype), v):
+                v = v.to(sd)
+        self.sink.add(self.t.key_of(key), v)
+
+
+def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str, obj: nn.Module,
+                    tuner_type, *, merge: bool, adapter_names) -> None:
+    """One fp8 layer (or the PEFT layer on it): its weight, scale, bias and extras in t's layout."""
+    fmt, layout, dense_dtype, granularity, bsz = t.fmt, t.layout, t.dense_dtype, t.granularity, t.bsz
+    key_of = t.key_of
+    src_dtypes = t.src.dtypes if t.same else {}
+    comfy_meta_layers = "_quantization_metadata" in t.metadata
+    tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
+    fp8 = base_layer(obj)
+    w8, scale, bs = fp8.fp8_weight(), fp8.scale, fp8.block_size
+    w_shape = w8.shape  # a conv weight [C_out, C_in/groups, *kernel] is handled as its 2-D view, written as is
+    w8 = w8.reshape(w_shape[0], -1)
+    N, K = w8.shape
+    names_ = []
+    if tuner is not None:
+        if merge:
+            names_ = list(adapter_names) if adapter_names is not None else \
+                [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
+            if names_ and isinstance(fp8, FP8_CONV_TYPES):
+                raise NotImplementedError(
+                    f"{name}: merging a DoRA adapter into an fp8 conv layer is not implemented (dorafp8 merges "
+                    f"into FP8Linear layers only). Write the base with save_fp8_checkpoint and the adapter with "
+                    f"save_pretrained, or merge with plain PEFT on the original-precision model")
+        elif any(a not in tuner.merged_adapters for a in tuner.active_adapters):
+            out.unmerged.append(name)
+    terms = adapter_terms(tuner, names_) if names_ else []
+    bias = fp8.bias.detach() if fp8.bias is not None else None
+    for a in (term[4] for term in terms):
+        if tuner.lora_bias.get(a) and tuner.lora_B[a].bias is not None:
+            if bias is None:
+                raise RuntimeError(f"{name}: cannot merge lora_bias of adapter {a!r}: the base layer has no bias")
+            bias = bias.float() + tuner.lora_B[a].bias.detach().float() * tuner.scaling[a]
+
+    def rows(j0, j1, _w8=w8, _s=scale, _bs=bs, _t=terms):
+        return merged_rows(_w8, _s, _bs, _t, j0, j1)
+    cur = scale_kind(scale)
+    entry = {"adapters": [term[4] for term in terms]}
+    fmeta = layer_source_of(fp8)
+    if dense_dtype is not None:
+        W, _, st = requantize(rows, N, K, "row", dense_dtype=dense_dtype)
+        entry.update(action="merged" if terms else "dequantized", granularity=str(dense_dtype).replace(
+            "torch.", ""), rel_error=st.rel_error)
+        report.layers[name] = entry
+        sink.add(key_of(f"{name}.weight"), W.reshape(w_shape))
+        if bias is not None:
+            sink.add(key_of(f"{name}.bias"), bias.to(dense_dtype))
+        del W
+        return
+    allowed = layout.write_granularities
+    keep_ok = cur in allowed and granularity in (None, cur) and not (cur == "block" and bs != bsz)
+    if terms:
+        g = granularity or allowed[0]
+        w8n, sn, st = requantize(rows, N, K, g, block_size=bsz)
+        entry.update(action="merged", rel_error=st.rel_error)
+    elif keep_ok:
+        w8n, sn = w8, scale
+        g = cur
+        entry.update(action="kept", rel_error=0.0)
+    elif cur == "tensor" and (granularity or allowed[0]) in ("row", "block"):
+        g = granularity or allowed[0]
+        sn = scale.reshape(1).expand(N) if g == "row" else scale.reshape(1, 1).expand(-(-N // bsz), -(-K // bsz))
+        w8n = w8
+        entry.update(action="kept", rel_error=0.0)
+    else:
+        g = granularity or (allowed[0] if cur not in allowed else cur)
+        w8n, sn, st = requantize(lambda j0, j1: w0_rows(w8, scale, bs, j0, j1), N, K, g, block_size=bsz)
+        entry.update(action="requantized", rel_error=st.rel_error)
+    if terms and st.nonfinite:
+        raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
+                         f"(the adapter seems to be broken); nothing usable can be written")
+    entry["granularity"] = granularity_name(g, bsz)
+    if fmt == "fine-grained" and cpu_fine_grained_read(N, K, bsz) != "ok":
+        out.ragged.append(name)
+    report.layers[name] = entry
+    if isinstance(fp8, FP8_CONV_TYPES):
+        out.conv_layers.append(name)
+    sink.add(key_of(f"{name}.weight"), w8n.reshape(w_shape))
+    if fmt == "fp8-cast":
+        if not bool((sn == 1).all()):
+            raise ValueError(f"{name}: the fp8-cast layout has no scale, but this layer's is not 1; write "
+                             f"another format (compressed-tensors keeps per-row scales)")
+    else:
+        sink.add(key_of(f"{name}.{layout.scale_key}"), layout_scale(fmt, sn, N, fmeta))
+    if bias is not None:
+        bt = bias.to(fp8.bias.dtype) if fp8.bias is not None else bias
+        sd = src_dtypes.get(f"{name}.bias")
+        if sd is not None and sd != bt.dtype and torch.equal(bt.to(sd).to(bt.dtype), bt):
+            bt = bt.to(sd)
+        sink.add(key_of(f"{name}.bias"), bt)
+    extras = dict(fmeta.extras) if fmeta is not None and fmeta.format == fmt else {}
+    if fmt == "comfyui-quant" and not comfy_meta_layers and "comfy_quant" not in extras:
+        extras["comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                             dtype=torch.uint8)
+    out.groups.setdefault((g, act_mode(fp8, layout, extras)), []).append(name)
+    for ek, ev in extras.items():
+        sink.add(key_of(f"{name}.{ek}"), ev)
+    del w8n, sn

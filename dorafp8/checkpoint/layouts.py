@@ -1,0 +1,95 @@
+"""The fp8 layouts dorafp8 reads and writes, their names and aliases, and the dense formats it writes.
+
+In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`:
+
+    name                 weight scale                scale shape                        also in the file
+    comfyui              <layer>.scale_weight        ()                                 `scaled_fp8` marker, scale_input
+    comfyui-quant        <layer>.weight_scale        ()                                 <layer>.comfy_quant, input_scale
+    compressed-tensors   <layer>.weight_scale        [1], [out, 1] or [ceil(out/b), ceil(in/b)]   input_scale (static)
+    fine-grained         <layer>.weight_scale_inv    [ceil(out/b), ceil(in/b)], b = 128; or ()   activation_scale
+    dorafp8              <layer>.scale               [], [out] or blocks (FP8Linear's own state_dict)
+    fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer stores it
+
+docs/CHECKPOINTS.md has where each comes from and how it was checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..quant import E4M3
+
+E5M2 = torch.float8_e5m2
+
+
+class CheckpointFormatError(ValueError):
+    """The checkpoint is not in a layout dorafp8 can load, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    scale_key: Optional[str]          # "<layer>.<scale_key>" holds the weight scale
+    act_scale_key: Optional[str]      # static activation scale, kept for writing back, unused by dorafp8
+    write_granularities: tuple        # what a layer can be written as, first = the default for re-quantized layers
+    description: str
+
+
+LAYOUTS = {
+    "comfyui": Layout("comfyui", "scale_weight", "scale_input", ("tensor",),
+                      "ComfyUI scaled fp8 (`scaled_fp8` marker, per-tensor `scale_weight`)"),
+    "comfyui-quant": Layout("comfyui-quant", "weight_scale", "input_scale", ("tensor",),
+                            "ComfyUI mixed precision (`comfy_quant` per layer, per-tensor `weight_scale`)"),
+    "compressed-tensors": Layout("compressed-tensors", "weight_scale", "input_scale", ("row", "tensor", "block"),
+                                 "compressed-tensors float-quantized (`weight_scale` per tensor / channel / block)"),
+    "fine-grained": Layout("fine-grained", "weight_scale_inv", "activation_scale", ("block",),
+                           "transformers fine-grained FP8 (`weight_scale_inv` per 128 x 128 block; DeepSeek-V3, "
+                           "Qwen3-FP8)"),
+    "dorafp8": Layout("dorafp8", "scale", None, ("row", "tensor", "block"),
+                      "dorafp8 FP8Linear state_dict (`scale` per tensor / row / block)"),
+    "fp8-cast": Layout("fp8-cast", None, None, ("tensor",),
+                       "weights cast to float8_e4m3fn without a scale (scale 1)"),
+}
+DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ALIASES = {"comfy": "comfyui", "scaled_fp8": "comfyui", "comfy_quant": "comfyui-quant", "ct": "compressed-tensors",
+           "compressed_tensors": "compressed-tensors", "finegrained": "fine-grained", "fine_grained": "fine-grained",
+           "fp8": "fine-grained", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+FORMATS = tuple(LAYOUTS) + tuple(DENSE_FORMATS)
+
+# The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads
+# correctly on its own (compressed-tensors also needs the compressed-tensors package, and says so). In the others the
+# fp8 weights sit under `<layer>.weight` with their scale under a key transformers does not know, and from_pretrained
+# loads the raw e4m3 values into the model without a word (the scale keys are only listed as UNEXPECTED).
+TRANSFORMERS_FORMATS = ("compressed-tensors", "fine-grained", "fp8-cast") + tuple(DENSE_FORMATS)
+
+# safetensors' dtype names (safe_open's get_slice().get_dtype()), for reading a file's header without its data
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": E4M3, "F8_E5M2": E5M2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+GRANULARITY_NAMES = {"tensor": "per-tensor", "row": "per-row", "block": "per-block"}
+
+
+def canonical_format(fmt: str, allowed=FORMATS) -> str:
+    name = ALIASES.get(str(fmt).lower(), str(fmt).lower())
+    if name not in allowed:
+        raise ValueError(f"format must be one of {', '.join(allowed)} (or 'auto'), got {fmt!r}")
+    return name
+
+
+def granularity_name(g: str, block: int) -> str:
+    """How reports name a layer's scale: "per-tensor", "per-row", "per-128x128-block"."""
+    return f"per-{block}x{block}-block" if g == "block" else GRANULARITY_NAMES[g]
+
+
+def cpu_fine_grained_read(N: int, K: int, b: int) -> str:
+    """How transformers' dequantize-while-loading path (fine-grained FP8 without a GPU, transformers 5.23) reads an
+    [N, K] weight with b x b block scales, partial blocks counted (ceil): it takes the block from the scale grid,
+    N / ceil(N / b). "ok" where that is b or the grid is one block; "raises" where the grid does not divide the
+    weight; "wrong" where it divides it into other blocks (N = 96, b = 64: grid 2, blocks of 48 rows, silently)."""
+    dims = [(n, -(-n // b)) for n in (N, K)]
+    if any(n % g for n, g in dims):
+        return "raises"
+    return "ok" if all(g == 1 or n // g == b for n, g in dims) else "wrong"

@@ -1,0 +1,325 @@
+"""load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored.
+
+Loading never re-quantizes: the e4m3 bytes of every fp8 weight go into an FP8Linear as they are, with the scale
+converted to fp32 exactly. Everything is planned and checked from the checkpoint's keys, dtypes and shapes before any
+data is read (load_plan.py); then the fp8 layers are built on the meta
+device (_build_fp8_modules) and filled as the tensors are read, one shard and one tensor at a time (_TensorLoader),
+so a model built on the meta device only ever holds its own weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..nn import fp8_conv_class
+from ..nn import FP8Linear
+from ..quant import E4M3, check_scale, scale_kind
+from .layouts import E5M2, CheckpointFormatError, granularity_name
+from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, model_dtype, model_tensors, set_tensor, swap_module, tied_groups
+from .load_plan import plan_load, resolve_format
+from .plan import LayerSource, LoadPlan, SourceInfo
+from .reports import LoadReport
+from .source import CheckpointSource, config_block_size, layer_key
+
+logger = logging.getLogger("dorafp8")
+
+_PROGRESS_EVERY_S = 10.0  # a progress line at least this often while loading
+
+
+def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "auto", *, device="cpu",
+                        dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
+                        key_map: Optional[Callable[[str], Optional[str]]] = None, strict: bool = True,
+                        backend: str = "auto", act_quant: Optional[str] = None,
+                        verbose: bool = True) -> LoadReport:
+    """Loads an fp8 checkpoint into `model`, in place: every linear layer whose checkpoint weight is float8_e4m3fn
+    becomes an FP8Linear holding those bytes and their scale (converted to fp32 exactly); everything else (norms,
+    embeddings, lm_head, biases) is loaded into the model's own tensors, cast to their dtype.
+
+    model: an nn.Module, typically built on the meta device (`with accelerate.init_empty_weights():
+        AutoModelForCausalLM.from_config(cfg)`, `with torch.device("meta"): ...`, a diffusers model built the same
+        way); its tensors are materialized on `device` as they are read. A model with real weights works too.
+    path_or_state_dict: a .safetensors file, a directory (sharded with model.safetensors.index.json, or not), or a
+        dict of tensors. Shards are read one at a time, one tensor at a time.
+    format: "auto" (detected from the keys, dtypes and config.json; an error names what it saw if it cannot tell)
+        or one of LAYOUTS: comfyui, comfyui-quant, compressed-tensors, fine-grained, dorafp8, fp8-cast.
+    dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
+    block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
+    key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
+        (ComfyUI's 'model.diffusion_model.', ...) is found and stripped automatically.
+    strict: model tensors that the checkpoint lacks, or checkpoint tensors that fit nothing, are an error (checked
+        before any data is read). With strict=False they are reported; missing ones stay as they were (on the meta
+        device: initialized by the model's own initializer, transformers' _init_weights, where it has one).
+    backend, act_quant: given to the FP8Linear layers (see FP8Linear).
+    verbose: print the report (and a line per shard for sharded checkpoints); it is always logged on the "dorafp8"
+        logger.
+    Returns a LoadReport; `model.dorafp8_checkpoint` keeps it (save_fp8_checkpoint uses it to write the same layout
+    back).
+    """
+    t0 = time.time()
+    source = CheckpointSource(path_or_state_dict)
+    fmt, evidence = resolve_format(source, format)
+    cfg_block = config_block_size(source, fmt)
+    mdtype = dtype or model_dtype(model)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):  # accelerate's init_empty_weights re-creates parameters and so unties them (lm_head / embeddings)
+        tie()
+    model_t = model_tensors(model)
+    report = LoadReport(fmt, evidence, source.name, shards=len(source.shards))
+
+    tied = tied_groups(model)
+    plan = plan_load(model, source, fmt, model_t, tied, report, key_map=key_map, block_hint=block_size or cfg_block,
+                     strict=strict)
+    keys = plan.keys
+    _build_fp8_modules(model, plan, mdtype, dtype, backend, act_quant)
+    loader = _TensorLoader(model, plan, model_t, tied, report, dtype, mdtype)
+    loader.read(source, device, _Progress(source, report, t0, verbose))
+
+    for k in keys.marker_keys:
+        report.kept[k] = "the scaled_fp8 marker"
+    _materialize_leftovers(model, device, report, strict)
+    info = source.info
+    source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block=cfg_block, metadata=source.metadata,
+                             dtypes=loader.src_dtypes, markers={k: info[k] for k in keys.marker_keys},
+                             config=source.config)
+    if keys.marker_keys:
+        source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
+    report.seconds = time.time() - t0
+    try:
+        model.dorafp8_checkpoint = report
+        model._dorafp8_source = source_info
+    except (AttributeError, TypeError):
+        pass
+    logger.info(str(report))
+    if verbose:
+        print(str(report), flush=True)
+    return report
+
+
+# ---- building and filling the layers ----------------------------------------------------------------------------
+
+
+def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dtype: Optional[torch.dtype],
+                       backend: str, act_quant: Optional[str]) -> None:
+    """Swaps each module that keeps fp8 bytes for an FP8Linear / FP8ConvNd on the meta device (filled as read)."""
+    for mod_name, p in plan.layers.items():
+        if not p.fp8:
+            continue
+        mod = p.module
+        bias = getattr(mod, "bias", None)
+        bias_dtype = bias.dtype if bias is not None and bias.dtype not in (E4M3, E5M2) else mdtype
+        orig = getattr(mod, "orig_dtype", None) if isinstance(mod, FP8_LAYER_TYPES) else mod.weight.dtype
+        if orig is None or orig in (E4M3, E5M2) or dtype is not None:
+            orig = mdtype
+        if p.conv:
+            cls = type(mod) if isinstance(mod, FP8_CONV_TYPES) else fp8_conv_class(mod)
+            new = cls(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding, mod.dilation,
+                      mod.groups, bias is not None, mod.padding_mode, device="meta", dtype=orig,
+                      block_size=p.block or None, backend=backend)
+            n_out = mod.out_channels
+        else:
+            new = FP8Linear(mod.in_features, mod.out_features, bias=bias is not None, device="meta", dtype=orig,
+                            block_size=p.block or None, backend=backend, act_quant=act_quant)
+            n_out = mod.out_features
+        if bias is not None:
+            new.bias = nn.Parameter(torch.empty(n_out, dtype=bias_dtype, device="meta"), requires_grad=False)
+        new._dorafp8_source = LayerSource(plan.fmt)
+        swap_module(model, mod_name, new)
+        p.module = new
+
+
+class _Progress:
+    """The lines a load prints while it reads: one per shard of a sharded checkpoint, and one at least every
+    _PROGRESS_EVERY_S seconds (a long single-file checkpoint). Counts report.bytes_read."""
+
+    def __init__(self, source: CheckpointSource, report: LoadReport, t0: float, verbose: bool):
+        self.shards, self.report, self.t0, self.verbose = source.shards, report, t0, verbose
+        self.total = 0
+        self.current, self.t_shard, self.n_in_shard, self.b_in_shard = None, time.time(), 0, 0
+        self.last_note, self.n_done = time.time(), 0
+
+    def _say(self, msg: str) -> None:
+        logger.info(msg)
+        if self.verbose:
+            print(msg, flush=True)
+
+    def tensor(self, shard: int, nbytes: int) -> None:
+        if self.current is not None and shard != self.current:
+            self.shard_done()
+            self.t_shard, self.n_in_shard, self.b_in_shard = time.time(), 0, 0
+        self.current = shard
+        self.report.bytes_read += nbytes
+        self.n_in_shard += 1
+        self.n_done += 1
+        self.b_in_shard += nbytes
+        # a long shard (single-file checkpoints): a line now and then
+        if time.time() - self.last_note > _PROGRESS_EVERY_S:
+            self.last_note = time.time()
+            self._say(f"dorafp8: ... {self.n_done}/{self.total} tensors, {self.report.bytes_read / 2**30:.2f} GiB "
+                      f"read, {self.last_note - self.t0:.0f} s")
+
+    def shard_done(self) -> None:
+        if self.current is not None and len(self.shards) > 1:
+            self._say(f"dorafp8: shard {self.current + 1}/{len(self.shards)} "
+                      f"({os.path.basename(self.shards[self.current])}): {self.n_in_shard} tensors, "
+                      f"{self.b_in_shard / 2**20:.1f} MiB, {time.time() - self.t_shard:.1f} s")
+
+
+class _TensorLoader:
+    """Reads the planned tensors, one at a time, into the model: fp8 weights and scales into the fp8 layers, fp8
+    tensors of other modules dequantized, the other tensors cast, extras kept on their layer."""
+
+    def __init__(self, model: nn.Module, plan: LoadPlan, model_t: dict, tied: dict, report: LoadReport,
+                 dtype: Optional[torch.dtype], mdtype: torch.dtype):
+        self.model, self.plan, self.model_t, self.tied, self.report = model, plan, model_t, tied, report
+        self.dtype, self.mdtype = dtype, mdtype
+        self.dequant_scales: dict[str, torch.Tensor] = {}
+        self.src_dtypes: dict[str, torch.dtype] = {}  # model name -> dtype in the file (written back on save)
+
+    def read(self, source: CheckpointSource, device, progress: _Progress) -> None:
+        plan, info = self.plan, source.info
+        # the scales of fp8 tensors that get dequantized are needed before their tensor
+        need_scale_first = [p.scale_key for p in plan.layers.values() if not p.fp8 and p.scale_key]
+        for k, t in source.read(need_scale_first, device):
+            self.dequant_scales[k] = t.float()
+            self.report.bytes_read += t.numel() * t.element_size()
+        want = list(plan.layer_of) + [k for k in plan.scales if k not in self.dequant_scales] + list(plan.plain) + \
+            [e for p in plan.layers.values() for e in p.extras]
+        progress.total = len(want)
+        for k, t in source.read(want, device):
+            progress.tensor(info[k][2], t.numel() * t.element_size())
+            if k in plan.layer_of:
+                self._weight(k, t)
+            elif k in plan.scales:
+                self._scale(k, t)
+            elif k in plan.plain:
+                self._plain(k, t)
+            else:
+                self._extra(k, t)
+        progress.shard_done()
+
+    def _weight(self, k: str, t: torch.Tensor) -> None:
+        mod_name = self.plan.layer_of[k]
+        p = self.plan.layers[mod_name]
+        if p.fp8:
+            set_tensor(self.model, f"{mod_name}.weight", t.contiguous(), param=True)
+            if p.scale_key is None:
+                set_tensor(self.model, f"{mod_name}.scale", torch.ones((), device=t.device), param=False)
+                self.report.fp8_layers[mod_name] = "scale 1"
+            return
+        # an fp8 tensor in a module that is not linear or conv (embedding, Conv1D): dequantized
+        name = self.plan.keys.names[k]
+        sk = p.scale_key
+        s = self.dequant_scales[sk] if sk else torch.ones((), device=t.device)
+        w = t.float() * (s if s.numel() == 1 else s.reshape(-1, *([1] * (t.dim() - 1))))
+        target = self.model_t[name]
+        tdt = self.mdtype if (self.dtype is not None or target.dtype in (E4M3, E5M2)) else target.dtype
+        set_tensor(self.model, name, w.to(tdt), requires_grad=True)
+        self.report.dequantized.append(name)
+        if sk:
+            self.plan.scales.pop(sk, None)
+
+    def _scale(self, k: str, t: torch.Tensor) -> None:
+        sp = self.plan.scales[k]
+        if not sp.keeps_fp8:
+            return
+        mod = self.model.get_submodule(sp.module)
+        sc = check_scale(t.float(), sp.N, sp.K, sp.block, name=k)
+        set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
+        mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
+        self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block)
+
+    def _plain(self, k: str, t: torch.Tensor) -> None:
+        m = self.plan.plain[k]
+        layers = self.plan.layers
+        target = self.model_t.get(m)
+        if target is None:  # the bias of a layer swapped for an FP8Linear
+            target = self.model.get_submodule(m.rpartition(".")[0]).bias
+        if not t.is_floating_point():
+            tdt = t.dtype
+        elif self.dtype is not None or target.dtype in (E4M3, E5M2) or not target.is_floating_point():
+            tdt = self.mdtype
+        else:
+            tdt = target.dtype
+        if t.dtype in (E4M3, E5M2):
+            t = t.float()
+            self.report.dequantized.append(m)
+        value = t.to(tdt)
+        if isinstance(target, nn.Parameter) or m.rpartition(".")[0] in layers:
+            lin = m.rpartition(".")[0] in layers and layers[m.rpartition(".")[0]].fp8
+            value = nn.Parameter(value, requires_grad=(not lin) and target.requires_grad
+                                 and value.is_floating_point())
+        for alias in self.tied.get(m, [m]):
+            set_tensor(self.model, alias, value, param=isinstance(value, nn.Parameter))
+        self.src_dtypes[m] = t.dtype
+        self.report.loaded.append(m)
+
+    def _extra(self, k: str, t: torch.Tensor) -> None:
+        """Extras of an fp8 layer: static activation scales, comfy_quant, zero points."""
+        mod_name = self.plan.layer_of.get(f"{layer_key(k)}.weight")
+        if k.endswith("_zero_point") and bool((t.float() != 0).any()):
+            raise CheckpointFormatError(f"{k}: non-zero zero point (asymmetric quantization) is not supported")
+        if k.endswith(".comfy_quant"):
+            conf = json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8"))
+            if conf.get("format") != "float8_e4m3fn":
+                raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
+                                            f"loads float8_e4m3fn only")
+        mod = self.model.get_submodule(mod_name) if mod_name else None
+        if isinstance(mod, FP8_LAYER_TYPES):
+            mod._dorafp8_source.extras[k.rpartition(".")[2]] = t
+        self.report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
+                               "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
+                               "zero)"}.get(k.rpartition(".")[2], "static activation scales (unused by dorafp8; "
+                                                                   "written back on save)")
+
+
+def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
+    """Tensors still on the meta device after loading. A module all of whose own tensors are left (a rotary
+    embedding's inv_freq, a layer missing from the checkpoint under strict=False) is materialized and initialized by
+    the model's own initializer (transformers' _init_weights) when there is one; otherwise it is an error under
+    strict (zeros and a report line without)."""
+    left: dict[str, tuple] = {}
+    for mname, mod in model.named_modules():
+        own = [(n, t) for n, t in list(mod._parameters.items()) + list(mod._buffers.items()) if t is not None]
+        meta = [n for n, t in own if t.is_meta]
+        if meta:
+            left[mname] = (mod, meta, len(meta) == len(own))
+    if not left:
+        return
+    inits = {n: m for n, m in model.named_modules()
+             if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")}
+    stuck = []
+    for mname, (mod, meta, whole) in left.items():
+        for n in meta:
+            t = mod._parameters.get(n)
+            if t is not None:
+                mod._parameters[n] = nn.Parameter(torch.zeros_like(t, device=device), requires_grad=t.requires_grad)
+            else:
+                mod._buffers[n] = torch.zeros_like(mod._buffers[n], device=device)
+            full = f"{mname}.{n}" if mname else n
+            if n in mod._non_persistent_buffers_set:
+                report.initialized.append(full)
+            elif full not in report.missing:
+                report.missing.append(full)
+        owner = max((o for o in inits if o == "" or mname == o or mname.startswith(o + ".")), key=len, default=None)
+        if not whole or owner is None:
+            stuck += [f"{mname}.{n}" if mname else n for n in meta]
+            continue
+        try:
+            with torch.no_grad():
+                inits[owner]._init_weights(mod)
+        except Exception as e:  # noqa: BLE001 - a model's own initializer failed: say where
+            raise RuntimeError(f"computing {mname!r} (not in the checkpoint) with {type(inits[owner]).__name__}."
+                               f"_init_weights failed: {e}; build the model with accelerate.init_empty_weights() "
+                               f"(which keeps buffers real) instead") from e
+    if stuck and strict:
+        raise CheckpointFormatError(f"tensors left on the meta device that the checkpoint does not have and nothing "
+                                    f"can compute: {', '.join(stuck[:6])}; build the model with "
+                                    f"accelerate.init_empty_weights() (which keeps buffers real), or pass strict=False "
+                                    f"(they become zeros)")

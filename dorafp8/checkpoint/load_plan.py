@@ -1,0 +1,242 @@
+"""Planning a load from the checkpoint's keys, dtypes and shapes alone, before any data is read: which checkpoint
+key goes to which model tensor, which modules get fp8 layers and with which scales; every mismatch is found here and
+raised together (CheckpointFormatError), so a failed load has read nothing and changed nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn import fp8_conv_class
+from ..nn import FP8Linear
+from ..quant import DEFAULT_BLOCK, E4M3, check_scale
+from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
+from .modules import FP8_CONV_TYPES, is_conv1d
+from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
+from .reports import LoadReport
+from .source import CheckpointSource, detect, layer_key
+
+
+def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
+              key_map, block_hint: Optional[int], strict: bool) -> LoadPlan:
+    """Where every checkpoint tensor goes. Fills report.prefix, kept, missing and unexpected; raises
+    CheckpointFormatError on what does not fit (under strict: also on what is missing or left over)."""
+    keys = _map_keys(source, model_t, key_map, report)
+    plan = _plan_layers(model, source, fmt, keys)
+    _plan_scales(plan, source, block_hint, report)
+    _plan_other_tensors(plan, source, model_t, tied, report, strict)
+    return plan
+
+
+def resolve_format(source: CheckpointSource, format: str) -> tuple[str, str]:
+    """(format, evidence): detected for "auto"; a given format is checked against what detection sees."""
+    if format == "auto":
+        return detect(source)
+    fmt = canonical_format(format, tuple(LAYOUTS))
+    detected = None
+    try:
+        detected, evidence = detect(source)
+    except CheckpointFormatError:
+        evidence = "format given"
+    if detected not in (None, fmt) and not (fmt == "fp8-cast"):
+        raise CheckpointFormatError(f"format={fmt!r} but the checkpoint looks like {detected} ({evidence})")
+    return fmt, "format given"
+
+
+def _map_keys(source: CheckpointSource, model_t: dict, key_map, report: LoadReport) -> KeyMap:
+    """Checkpoint keys -> model names: by key_map, else by the common prefix that matches most model keys."""
+    info = source.info
+    marker_keys = {k for k in info if k == "scaled_fp8" or k.endswith(".scaled_fp8")}
+    ckpt_keys = [k for k in info if k not in marker_keys]
+    strip = add = ""
+    if key_map is None:
+        strip, add = _find_prefix([k for k in ckpt_keys if not k.endswith(".comfy_quant")], set(model_t))
+        report.prefix = strip or add
+
+        def key_map(k):  # noqa: F811
+            return add + (k[len(strip):] if strip and k.startswith(strip) else k)
+    return KeyMap({k: key_map(k) for k in ckpt_keys}, ckpt_keys, marker_keys, strip, add)
+
+
+def _find_prefix(ckpt_keys: list[str], model_keys: set[str]) -> tuple[str, str]:
+    """(strip, add): the key prefix to remove from checkpoint keys and the one to put in front of them, chosen to
+    match the most model keys (ComfyUI files carry 'model.diffusion_model.', some exports 'model.' and so on)."""
+    direct = sum(k in model_keys for k in ckpt_keys)
+    if direct == len(ckpt_keys) or not ckpt_keys:
+        return "", ""
+    cands = Counter()
+    sample = [k for k in ckpt_keys if k not in model_keys][:50]
+    for k in sample:
+        for m in model_keys:
+            if k.endswith(m) and k != m and k[len(k) - len(m) - 1] == ".":
+                cands[("strip", k[:len(k) - len(m)])] += 1
+            elif m.endswith(k) and m[len(m) - len(k) - 1] == ".":
+                cands[("add", m[:len(m) - len(k)])] += 1
+    best, best_n = ("", ""), direct
+    for (kind, p), _ in cands.most_common(8):
+        if kind == "strip":
+            n = sum((k[len(p):] if k.startswith(p) else k) in model_keys for k in ckpt_keys)
+            pair = (p, "")
+        else:
+            n = sum((p + k) in model_keys for k in ckpt_keys)
+            pair = ("", p)
+        if n > best_n:
+            best, best_n = pair, n
+    return best
+
+
+def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: KeyMap) -> LoadPlan:
+    """The model modules that get an fp8 weight of the checkpoint."""
+    info = source.info
+    layer_of = {}  # fp8 weight key -> module name in the model
+    layers: dict[str, LayerPlan] = {}
+    for k in keys.ckpt_keys:
+        m = keys.names[k]
+        if m is None or not k.endswith(".weight") or info[k][0] != E4M3:
+            continue
+        mod_name = m[:-len(".weight")]
+        try:
+            mod = model.get_submodule(mod_name)
+        except AttributeError:
+            continue
+        layer_of[k] = mod_name
+        linear = isinstance(mod, (nn.Linear, FP8Linear)) and not is_conv1d(mod)
+        conv = isinstance(mod, FP8_CONV_TYPES) or fp8_conv_class(mod) is not None
+        layers[mod_name] = LayerPlan(k, mod, linear, conv, fp8=linear or conv)
+    return LoadPlan(fmt, LAYOUTS[fmt], keys, layer_of, layers)
+
+
+def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[int], report: LoadReport) -> None:
+    """Each fp8 weight's scale (and its kind: per tensor, row or block) and extras; the shapes checked."""
+    info, layout, fmt = source.info, plan.layout, plan.fmt
+    errors = []
+    for k, mod_name in plan.layer_of.items():
+        lay = layer_key(k)
+        shape_w = info[k][1]
+        N, K = (shape_w[0], int(torch.Size(shape_w[1:]).numel())) if len(shape_w) >= 2 else (None, None)
+        p = plan.layers[mod_name]
+        mod = p.module
+        if p.linear and (N, K) != (mod.out_features, mod.in_features):
+            errors.append(f"{k}: shape {list(info[k][1])} in the checkpoint, [{mod.out_features}, "
+                          f"{mod.in_features}] in the model's {mod_name!r}")
+            continue
+        if p.conv and tuple(shape_w) != tuple(mod.weight.shape):
+            errors.append(f"{k}: shape {list(shape_w)} in the checkpoint, {list(mod.weight.shape)} in the model's "
+                          f"{mod_name!r}")
+            continue
+        scale_key = f"{lay}.{layout.scale_key}" if layout.scale_key else None
+        if scale_key is None or scale_key not in info:
+            if layout.scale_key is not None and fmt != "comfyui":
+                errors.append(f"{k} is float8_e4m3fn but {scale_key!r} (its scale) is missing")
+                continue
+            p.scale_key = None  # fp8-cast, or ComfyUI's own reading of a missing scale_weight: scale 1
+        else:
+            p.scale_key = scale_key
+            shape = info[scale_key][1]
+            block = None
+            if len(shape) == 2 and N is not None and shape != (N, 1) and int(torch.Size(shape).numel()) != 1:
+                block = _infer_block(N, K, shape, block_hint)
+                if block is None:
+                    errors.append(f"{scale_key}: shape {list(shape)} is neither per tensor, per row [{N}, 1] nor "
+                                  f"per b x b block of the [{N}, {K}] weight for any block size"
+                                  + (f" (block size {block_hint} given)" if block_hint else "; pass block_size="))
+                    continue
+            p.block = block
+            if block is not None and not p.fp8:
+                errors.append(f"{scale_key}: block scales on {type(mod).__name__} {mod_name!r}, which is not a linear "
+                              f"or conv layer (only per-tensor or per-row scales can be dequantized into it)")
+                continue
+            if info[scale_key][0] not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                errors.append(f"{scale_key}: dtype {info[scale_key][0]} (only fp32/bf16/fp16 scales are read)")
+                continue
+            try:
+                check_scale(torch.empty(shape, device="meta"), N, K, block or DEFAULT_BLOCK, name=scale_key)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+                continue
+            plan.scales[scale_key] = ScalePlan(mod_name, N, K, block or DEFAULT_BLOCK, p.fp8)
+            plan.consumed[scale_key] = "scale"
+        for extra in (layout.act_scale_key, "comfy_quant", "weight_zero_point", "input_zero_point"):
+            ek = f"{lay}.{extra}" if extra else None
+            if ek and ek in info:
+                plan.consumed[ek] = "extra"
+                p.extras.append(ek)
+    for k in plan.keys.ckpt_keys:  # scales of weights that are not fp8 (transformers writes some): the weight is dense
+        if k not in plan.consumed and layout.scale_key and k.endswith("." + layout.scale_key):
+            w = f"{layer_key(k)}.weight"
+            if w in info and info[w][0] != E4M3:
+                plan.consumed[k] = "ignored"
+                report.kept[k] = "scales of weights that are not fp8 (ignored, as the writer's own loader does)"
+    if errors:
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8])
+                                    + (f"; and {len(errors) - 8} more" if len(errors) > 8 else ""))
+
+
+def _infer_block(n: int, k: int, shape: tuple, hint: Optional[int]) -> Optional[int]:
+    """The square block size b with scale shape [ceil(n/b), ceil(k/b)]: `hint` if it fits, else 128, else the only
+    power of two that fits; None if none does."""
+    def fits(b):
+        return b >= 1 and shape == (-(-n // b), -(-k // b))
+    if len(shape) != 2:
+        return None
+    if hint is not None:
+        return hint if fits(hint) else None
+    if fits(DEFAULT_BLOCK):
+        return DEFAULT_BLOCK
+    ok = [b for b in (2 ** i for i in range(0, 14)) if fits(b)]
+    return ok[0] if len(ok) == 1 else None
+
+
+def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict, tied: dict, report: LoadReport,
+                        strict: bool) -> None:
+    """The tensors loaded as they are (cast to the model's dtype); what the model lacks and what fits nothing,
+    an error under strict."""
+    info, fmt, names = source.info, plan.fmt, plan.keys.names
+    errors = []
+    unexpected = []
+    for k in plan.keys.ckpt_keys:
+        if k in plan.consumed or k in plan.layer_of:
+            continue
+        m = names[k]
+        if m is None:
+            report.kept[k] = "skipped by key_map"
+            continue
+        lay_name = m.rpartition(".")[0]
+        if lay_name in plan.layers and plan.layers[lay_name].fp8 and m.endswith(".bias"):
+            plan.plain[k] = m
+            continue
+        if m in model_t:
+            if tuple(model_t[m].shape) != info[k][1]:
+                errors.append(f"{k}: shape {list(info[k][1])} in the checkpoint, {list(model_t[m].shape)} in the "
+                              f"model's {m!r}")
+            plan.plain[k] = m
+        elif k.endswith("rotary_emb.inv_freq"):
+            report.kept[k] = "rotary inv_freq (computed by the model)"
+        else:
+            unexpected.append(k)
+    if errors:
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8]))
+    by_module: dict[str, list[str]] = {}
+    for n in model_t:
+        by_module.setdefault(n.rpartition(".")[0], []).append(n)
+    covered = set()
+    for mod_name in plan.layers:  # the layer's own tensors (weight, scales) but its bias: that one is loaded
+        covered |= {n for n in by_module.get(mod_name, []) if not n.endswith(".bias")}
+    for m in plan.plain.values():
+        covered |= set(tied.get(m, [m]))
+    missing = sorted(n for n in model_t if n not in covered)
+    report.missing, report.unexpected = missing, unexpected
+    if strict and (missing or unexpected):
+        msg = []
+        if missing:
+            msg.append(f"{len(missing)} model tensors are not in the checkpoint: {', '.join(missing[:6])}"
+                       + (" ..." if len(missing) > 6 else ""))
+        if unexpected:
+            msg.append(f"{len(unexpected)} checkpoint tensors fit nothing in the model: {', '.join(unexpected[:6])}"
+                       + (" ..." if len(unexpected) > 6 else ""))
+        hint = f" (key prefix {report.prefix!r} was applied)" if report.prefix else ""
+        raise CheckpointFormatError(f"{source.name} ({fmt}) does not fit the model{hint}: " + "; ".join(msg)
+                                    + ". Pass key_map= to rename keys, or strict=False to load what fits")

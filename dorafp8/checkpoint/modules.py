@@ -1,0 +1,89 @@
+"""What the loader and the writers need to know about a model: its tensors by name, its fp8 layers (inside PEFT's
+layers too), and how to put a tensor or a module in place."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn import FP8Conv1d, FP8Conv2d, FP8Conv3d
+from ..nn import FP8Linear
+from ..quant import E4M3
+from .layouts import E5M2
+
+FP8_CONV_TYPES = (FP8Conv1d, FP8Conv2d, FP8Conv3d)
+FP8_LAYER_TYPES = (FP8Linear,) + FP8_CONV_TYPES
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent parameters and buffers by name, tied ones under each of their names."""
+    out = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        pre = f"{mname}." if mname else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                out[pre + n] = p
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                out[pre + n] = b
+    return out
+
+
+def tied_groups(model: nn.Module) -> dict[str, list[str]]:
+    """name -> every name of the same tensor, for the tensors that have several."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in model_tensors(model).items():
+        by_id.setdefault(id(t), []).append(name)
+    return {n: names for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The most common floating dtype of the model's parameters that are not fp8 (fp32 if none)."""
+    counts = Counter(p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype not in (E4M3, E5M2))
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def set_tensor(model: nn.Module, name: str, value, *, param: Optional[bool] = None, requires_grad=False):
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters or param:
+        if not isinstance(value, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point())
+        mod._parameters[attr] = value
+    else:
+        mod._buffers[attr] = value
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def is_conv1d(mod) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer with its weight transposed, which FP8Linear does not hold."""
+    return type(mod).__name__ == "Conv1D" and not isinstance(mod, nn.Linear)
+
+
+def tuner_cls():
+    """PEFT's BaseTunerLayer if peft is loaded (a model cannot hold PEFT layers otherwise)."""
+    return getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def base_layer(layer):
+    get = getattr(layer, "get_base_layer", None)
+    return get() if callable(get) else layer
+
+
+def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
+    """name -> FP8Linear / FP8ConvNd, inside PEFT's layers too (named as in the state dict, base_layer dropped)."""
+    return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, FP8_LAYER_TYPES)}

@@ -1,0 +1,143 @@
+"""The typed records that loading and writing pass around.
+
+Two of them live on the model between a load and a save, as the attribute `_dorafp8_source`:
+- SourceInfo on the model: where it was loaded from (load_fp8_checkpoint, from_transformers_fp8), so that
+  save_fp8_checkpoint / export_merged write the same layout, key prefix, metadata and dtypes back;
+- LayerSource on each fp8 layer: the layout, scale dtype and shape and extra tensors (static activation scales,
+  comfy_quant) it was loaded with, so that a layer written back unchanged gives back the same tensors.
+The others carry one load's or one write's decisions from one step to the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .layouts import Layout
+from .modules import base_model
+
+SOURCE_ATTR = "_dorafp8_source"  # the attribute of a model / fp8 layer holding its SourceInfo / LayerSource
+
+
+@dataclass
+class SourceInfo:
+    """What a model was loaded from."""
+    format: Optional[str] = None
+    strip: str = ""                                   # key prefix stripped from the checkpoint's keys
+    add: str = ""                                     # key prefix put in front of them
+    block: Optional[int] = None                       # the block size config.json gave
+    metadata: dict = field(default_factory=dict)      # the safetensors metadata
+    dtypes: dict = field(default_factory=dict)        # model name -> dtype in the file, of the tensors loaded as is
+    markers: dict = field(default_factory=dict)       # the scaled_fp8 marker keys -> (dtype, shape, shard)
+    marker_tensors: Optional[dict] = None             # and their tensors
+    config: Optional[dict] = None                     # config.json
+
+
+@dataclass
+class LayerSource:
+    """What one fp8 layer was loaded from."""
+    format: str
+    extras: dict = field(default_factory=dict)        # suffix -> tensor ("input_scale", "comfy_quant", ...)
+    scale_dtype: Optional[torch.dtype] = None
+    scale_shape: Optional[tuple] = None
+
+
+def source_of(model: nn.Module) -> SourceInfo:
+    """The SourceInfo of the model (or of the base model of a PEFT model); an empty one if it has none."""
+    for m in (model, base_model(model)):
+        src = getattr(m, SOURCE_ATTR, None)
+        if src:
+            return src
+    return SourceInfo()
+
+
+def layer_source_of(layer: nn.Module) -> Optional[LayerSource]:
+    return getattr(layer, SOURCE_ATTR, None)
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerPlan:
+    """A model module whose checkpoint weight is fp8."""
+    key: str                          # the checkpoint key of its weight
+    module: nn.Module                 # the model's module (the FP8Linear / FP8ConvNd once built)
+    linear: bool
+    conv: bool
+    # the layer keeps the checkpoint's e4m3 bytes and scale (FP8Linear, FP8Conv1d/2d/3d); any other module holding
+    # an fp8 tensor (embedding, GPT-2's Conv1D) gets it dequantized
+    fp8: bool
+    scale_key: Optional[str] = None
+    block: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
+    extras: list = field(default_factory=list)  # checkpoint keys kept with the layer (activation scales, ...)
+
+
+@dataclass
+class ScalePlan:
+    """A checkpoint scale and the layer it belongs to."""
+    module: str
+    N: int
+    K: int
+    block: int
+    keeps_fp8: bool
+
+
+@dataclass
+class KeyMap:
+    """Checkpoint keys -> model names."""
+    names: dict                       # checkpoint key -> model name (None: skipped by key_map)
+    ckpt_keys: list                   # every key but the scaled_fp8 markers
+    marker_keys: set
+    strip: str = ""
+    add: str = ""
+
+
+@dataclass
+class LoadPlan:
+    """Where every checkpoint tensor goes, decided (and checked) before any data is read."""
+    fmt: str
+    layout: Layout
+    keys: KeyMap
+    layer_of: dict                    # fp8 weight key -> module name
+    layers: dict                      # module name -> LayerPlan
+    scales: dict = field(default_factory=dict)    # scale key -> ScalePlan
+    consumed: dict = field(default_factory=dict)  # checkpoint key -> how it is used ("scale", "extra", "ignored")
+    plain: dict = field(default_factory=dict)     # checkpoint key -> model name, for tensors loaded as they are (cast)
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WriteTarget:
+    """What a write produces, resolved from the model and the arguments before anything is written."""
+    fmt: str
+    layout: Optional[Layout]               # None for the dense formats
+    dense_dtype: Optional[torch.dtype]
+    granularity: Optional[str]
+    bsz: int                               # the one block size of the file
+    strip: str
+    add: str
+    src: SourceInfo                        # what the model was loaded from
+    same: bool                             # writing the layout the model was loaded from
+    base: nn.Module
+    stem: str                              # "model" or diffusers' "diffusion_pytorch_model"
+    config_kind: Optional[str]             # the config.json a directory gets: "transformers", "diffusers" or None
+    metadata: dict                         # safetensors metadata
+
+    def key_of(self, name: str) -> str:
+        return self.strip + (name[len(self.add):] if self.add and name.startswith(self.add) else name)
+
+
+@dataclass
+class Written:
+    """What emit wrote that the config needs."""
+    dense_linears: list = field(default_factory=list)
+    conv_layers: list = field(default_factory=list)
+    unmerged: list = field(default_factory=list)
+    groups: dict = field(default_factory=dict)     # (granularity, activations) -> layer names
+    ragged: list = field(default_factory=list)

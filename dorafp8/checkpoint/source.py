@@ -1,0 +1,214 @@
+"""Reading a checkpoint: a dict of tensors, a .safetensors file, or a directory (sharded with an index, or not);
+what layout it is in (detect_format), from its keys, dtypes and config.json, without reading tensor data."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+from ..quant import E4M3
+from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
+
+INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sources: a dict, a .safetensors file, or a directory (sharded with an index, or not)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointSource:
+    """Keys, dtypes and shapes of a checkpoint without reading its data; then the data, one shard at a time."""
+
+    def __init__(self, src):
+        if not isinstance(src, Mapping):
+            from .._deps import require
+
+            require("safetensors", what="reading fp8 checkpoint files")
+        self.state_dict = None
+        self.config = None
+        self.metadata: dict = {}
+        self.info: dict[str, tuple] = {}  # key -> (dtype or None, shape, shard index)
+        if isinstance(src, Mapping):
+            self.name = "state dict"
+            self.state_dict = src
+            self.shards = [None]
+            for k, t in src.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"state dict value {k!r} is a {type(t).__name__}, not a tensor")
+                self.info[k] = (t.dtype, tuple(t.shape), 0)
+            return
+        path = os.fspath(src)
+        self.name = path
+        if os.path.isdir(path):
+            index = next((os.path.join(path, n) for n in INDEX_NAMES if os.path.exists(os.path.join(path, n))), None)
+            if index is not None:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                self.shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+            else:
+                self.shards = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not self.shards:
+                others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
+                raise FileNotFoundError(f"no .safetensors file in {path}" + (
+                    f" (found {', '.join(others[:3])}: only safetensors checkpoints are read; load other formats "
+                    f"yourself and pass the state dict)" if others else ""))
+            cfg = os.path.join(path, "config.json")
+            if os.path.exists(cfg):
+                with open(cfg) as f:
+                    self.config = json.load(f)
+        elif os.path.isfile(path):
+            if not path.endswith(".safetensors"):
+                raise CheckpointFormatError(f"{path} is not a .safetensors file; load it yourself (torch.load) and "
+                                            f"pass the state dict")
+            self.shards = [path]
+        else:
+            raise FileNotFoundError(f"no such file or directory: {path}")
+        from safetensors import safe_open
+
+        for i, shard in enumerate(self.shards):
+            with safe_open(shard, framework="pt") as f:
+                if i == 0:
+                    self.metadata = dict(f.metadata() or {})
+                for k in f.keys():
+                    sl = f.get_slice(k)
+                    if k in self.info:
+                        raise CheckpointFormatError(f"{k!r} is in two shards ({self.shards[self.info[k][2]]} and "
+                                                    f"{shard})")
+                    self.info[k] = (SAFETENSORS_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()), i)
+
+    def quant_config(self) -> dict:
+        return (self.config or {}).get("quantization_config") or {}
+
+    def read(self, keys: Iterable[str], device) -> Iterable[tuple[str, torch.Tensor]]:
+        """(key, tensor) for `keys`, shard by shard, one tensor at a time."""
+        by_shard: dict[int, list[str]] = {}
+        for k in keys:
+            by_shard.setdefault(self.info[k][2], []).append(k)
+        if self.state_dict is not None:
+            for k in by_shard.get(0, []):
+                yield k, self.state_dict[k].to(device)
+            return
+        from safetensors import safe_open
+
+        dev = str(torch.device(device))
+        for i in sorted(by_shard):
+            with safe_open(self.shards[i], framework="pt", device=dev) as f:
+                for k in by_shard[i]:
+                    yield k, f.get_tensor(k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Detection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def layer_key(key: str) -> str:
+    """'<layer>.weight' -> '<layer>'."""
+    return key.rpartition(".")[0]
+
+
+def detect(source: CheckpointSource) -> tuple[str, str]:
+    """(format, evidence); raises CheckpointFormatError naming what it saw."""
+    info = source.info
+    keys = list(info)
+    fp8_w = [k for k in keys if info[k][0] == E4M3 and k.endswith("weight")]
+    e5m2 = [k for k in keys if info[k][0] == E5M2]
+    suffix = Counter(k.rpartition(".")[2] for k in keys)
+    seen = ", ".join(f"{n} x .{s}" for s, n in suffix.most_common() if s not in ("weight", "bias"))[:300]
+    dtypes = Counter(str(info[k][0]).replace("torch.", "") for k in keys)
+    what = (f"{len(keys)} tensors ({', '.join(f'{n} {d}' for d, n in dtypes.most_common())}); keys other than "
+            f".weight/.bias: {seen or 'none'}")
+    if e5m2:
+        raise CheckpointFormatError(f"{source.name}: float8_e5m2 tensors (e.g. {e5m2[0]!r}); dorafp8 holds "
+                                    f"float8_e4m3fn weights only. Saw {what}")
+    unsupported = {"weight_packed": "packed int4/fp4 weights (compressed-tensors pack-quantized / nvfp4-pack)",
+                   "weight_scale_2": "NVFP4 (two-level scales)", "weight_global_scale": "NVFP4 / tensor-group scales",
+                   "qweight": "GPTQ/AWQ int4", "SCB": "bitsandbytes int8", "absmax": "bitsandbytes 4-bit"}
+    for s, why in unsupported.items():
+        if suffix.get(s):
+            raise CheckpointFormatError(f"{source.name}: {why} (keys like '<layer>.{s}'); dorafp8 loads fp8 e4m3 "
+                                        f"checkpoints only. Saw {what}")
+    int8_scaled = [k for k in keys if info[k][0] == torch.int8 and k.endswith(".weight")
+                   and (layer_key(k) + ".weight_scale") in info]
+    if int8_scaled:
+        raise CheckpointFormatError(f"{source.name}: int8 weights with scales (e.g. {int8_scaled[0]!r}: "
+                                    f"compressed-tensors int-quantized / W8A8-INT8); dorafp8 loads fp8 e4m3 only")
+    signals = {}
+    if suffix.get("comfy_quant") or "_quantization_metadata" in source.metadata:
+        signals["comfyui-quant"] = "'<layer>.comfy_quant' entries" if suffix.get("comfy_quant") else \
+            "'_quantization_metadata' in the safetensors metadata"
+    if suffix.get("scale_weight") or any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in keys):
+        signals["comfyui"] = "'scaled_fp8' / '<layer>.scale_weight'"
+    if suffix.get("weight_scale_inv"):
+        signals["fine-grained"] = "'<layer>.weight_scale_inv'"
+    if suffix.get("weight_scale") and "comfyui-quant" not in signals:
+        signals["compressed-tensors"] = "'<layer>.weight_scale'"
+    if any((layer_key(k) + ".scale") in info for k in fp8_w):
+        signals["dorafp8"] = "fp8 '<layer>.weight' with '<layer>.scale'"
+    qc = source.quant_config()
+    method = qc.get("quant_method")
+    if len(signals) > 1:
+        raise CheckpointFormatError(f"{source.name}: the keys match several fp8 layouts at once "
+                                    f"({'; '.join(f'{n}: {s}' for n, s in signals.items())}); pass format= to pick "
+                                    f"one. Saw {what}")
+    if signals:
+        name, evidence = next(iter(signals.items()))
+    elif fp8_w:
+        name, evidence = "fp8-cast", f"float8_e4m3fn weights (e.g. {fp8_w[0]!r}) and no scale keys"
+    else:
+        raise CheckpointFormatError(
+            f"{source.name}: no float8_e4m3fn weight, so this is not an fp8 checkpoint dorafp8 knows "
+            f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. An unquantized checkpoint loads the usual way "
+            f"(from_pretrained / load_state_dict); then dorafp8.quantize_model(model) puts it in fp8")
+    expected = {"fp8": "fine-grained", "compressed-tensors": "compressed-tensors"}.get(method)
+    if expected and expected != name:
+        raise CheckpointFormatError(f"{source.name}: config.json says quant_method={method!r} ({expected}) but the "
+                                    f"keys look like {name} ({evidence}). Saw {what}")
+    if not fp8_w and name != "comfyui-quant":
+        raise CheckpointFormatError(f"{source.name}: looks like {LAYOUTS[name].description} ({evidence}) but holds "
+                                    f"no float8_e4m3fn weight. Saw {what}")
+    return name, evidence
+
+
+def detect_format(path_or_state_dict) -> tuple[str, str]:
+    """(format, the evidence) of a checkpoint, from its keys, dtypes and config.json, without reading tensor data.
+    Raises CheckpointFormatError naming what it saw when the layout is not one of LAYOUTS."""
+    return detect(CheckpointSource(path_or_state_dict))
+
+
+def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
+    """The block size of block scales that config.json gives (None if it gives none); refuses configs of
+    quantizations dorafp8 does not read (ue8m0 scales, non-fp8 compressed-tensors)."""
+    qc = source.quant_config()
+    if fmt == "fine-grained":
+        if qc.get("scale_fmt", "float") not in (None, "float"):
+            raise CheckpointFormatError(f"{source.name}: scale_fmt={qc.get('scale_fmt')!r} (ue8m0 scales) is not "
+                                        f"supported; dorafp8 reads fp32/bf16/fp16 scales")
+        bs = qc.get("weight_block_size")
+    elif fmt == "compressed-tensors":
+        if qc.get("format") not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
+            raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is not "
+                                        f"float-quantized fp8")
+        bs = None
+        for g in (qc.get("config_groups") or {}).values():
+            w = (g or {}).get("weights") or {}
+            if w and (w.get("type") != "float" or w.get("num_bits") != 8):
+                raise CheckpointFormatError(f"{source.name}: compressed-tensors weights of type {w.get('type')!r} "
+                                            f"with {w.get('num_bits')} bits: dorafp8 loads 8-bit float (fp8) only")
+            if w.get("strategy") == "block":
+                bs = w.get("block_structure")
+    else:
+        return None
+    if bs is None:
+        return None
+    if isinstance(bs, (list, tuple)):
+        if len(set(bs)) != 1:
+            raise CheckpointFormatError(f"{source.name}: block size {list(bs)} is not square; FP8Linear holds square "
+                                        f"b x b blocks")
+        bs = bs[0]
+    return int(bs)
