@@ -14,7 +14,6 @@ import torch
 from ..quant import E4M3_MAX, row_blocks, scale_kind, w0_rows
 
 
-
 def unavailable_reason(device: torch.device) -> str | None:
     return None  # runs wherever PyTorch runs
 

@@ -22,6 +22,7 @@ from ._base import FP8WeightModule, fp8_cast_parts
 
 NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
+
 class FP8ConvNd(FP8WeightModule):
     """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per
     tensor, [C_out] per output channel, or [ceil(C_out/b), ceil(C_in/groups*prod(kernel)/b)] per b x b block of the
@@ -42,7 +43,7 @@ class FP8ConvNd(FP8WeightModule):
         # nn.ConvNd on the meta device validates the geometry and works out what torch derives from it
         # (the tuples, 'same'/'valid' padding, the padding for non-zero padding modes), at no cost.
         proto = NN_CONV[nd](in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                             padding_mode, device="meta")
+                            padding_mode, device="meta")
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
                      "padding_mode", "_reversed_padding_repeated_twice", "transposed", "output_padding"):
             setattr(self, attr, getattr(proto, attr))
@@ -146,8 +147,8 @@ class FP8ConvNd(FP8WeightModule):
         """An nn.ConvNd with the dequantized weight (in `dtype`, default the original dtype) and the same geometry."""
         dtype = dtype or self.orig_dtype
         conv = NN_CONV[self._nd](self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
-                                  self.dilation, self.groups, self.bias is not None, self.padding_mode,
-                                  device="meta")
+                                 self.dilation, self.groups, self.bias is not None, self.padding_mode,
+                                 device="meta")
         conv.weight = nn.Parameter(self.dequantize(dtype), requires_grad=False)
         if self.bias is not None:
             conv.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)

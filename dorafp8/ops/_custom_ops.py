@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import backends
 
+
 @torch.library.custom_op("dorafp8::weight_norm", mutates_args=())
 def weight_norm_op(w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float, backend: str) -> Tensor:
     return backends.module(backend).weight_norm(w8, scale, block, A, B, s)
@@ -26,7 +27,7 @@ def _(w8, scale, block, A, B, s, backend):
 
 @torch.library.custom_op("dorafp8::project", mutates_args=())
 def project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
-                backend: str) -> Tensor:
+               backend: str) -> Tensor:
     return backends.module(backend).project(a, b, out_dtype, mask, p)
 
 
@@ -47,8 +48,8 @@ def _(v, a, mask, p, backend):
 
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
 def forward_op(x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
-                u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
-                z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
+               u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
+               z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
     y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype,
                                             act_quant)
     return y, (z if z is not None else x.new_empty(0))
@@ -63,8 +64,8 @@ def _(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant, 
 
 @torch.library.custom_op("dorafp8::backward_pass", mutates_args=())
 def backward_pass_op(g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
-                      B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool,
-                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool,
+                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     out = backends.module(backend).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
     # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
     return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
@@ -86,8 +87,8 @@ def _(g, z, c, srow, B, u, dropout, need_dm, need_dB, backend):
 
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())
 def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
-              A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
-              rb: Optional[Tensor], act_quant: str, backend: str) -> Tensor:
+             A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
+             rb: Optional[Tensor], act_quant: str, backend: str) -> Tensor:
     return backends.module(backend).dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
 
 

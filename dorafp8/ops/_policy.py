@@ -23,6 +23,7 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORM_EPS = 1e-12
 ACT_QUANT_MODES = ("", "rowwise")
 
+
 def dropout_mask(x: Tensor, p: float) -> Tensor:
     """The keep mask of torch.nn.functional.dropout(x, p, training=True), drawing exactly the random numbers it draws,
     so that a seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU this recipe)."""

@@ -140,7 +140,7 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
     for t in range(groups):
         sc = scale if scale.dim() == 0 else scale.reshape(-1)[t::groups]
         n[t::groups] = linear_weight_norm(w2[t::groups].contiguous(), sc, A3[:, t].contiguous(), B2, scaling,
-                                           backend=backend, block_size=block_size)
+                                          backend=backend, block_size=block_size)
     return n
 
 

@@ -58,7 +58,7 @@ class DoRAFP8Function(torch.autograd.Function):
                 # does (exact for fp32 adapters on 16-bit activations).
                 u = _ops.project_op(x, A, A.dtype, mask, p, backend)
                 y, z = _ops.forward_op(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant,
-                                   backend)
+                                       backend)
         ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, c, n)
         ctx.s, ctx.p, ctx.block, ctx.act_quant, ctx.backend = s, p, block, act_quant, backend
         ctx.m_dtype = m.dtype
@@ -110,7 +110,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
         y, _ = _ops.forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, 0.0, False, x.dtype, act_quant,
-                           backend)
+                               backend)
         return y
 
     @staticmethod
@@ -128,12 +128,12 @@ class FP8LinearFunction(torch.autograd.Function):
                 db = g.sum(0, dtype=torch.float32).to(g.dtype)
         else:
             gl, rl, _, _, _, _, db_sum, _ = _ops.backward_pass_op(g, None, None, srow, None, None, False, False, False,
-                                                              ctx.backend)
+                                                                  ctx.backend)
             if ctx.needs_input_grad[3]:
                 db = db_sum.to(g.dtype)
         if ctx.needs_input_grad[0]:
             dx = _ops.dgrad_op(gl, rl, w8, scale, ctx.block, None, None, 0.0, None, 0.0, None, None, ctx.act_quant,
-                           ctx.backend)
+                               ctx.backend)
         return dx, None, None, db, None, None, None
 
 

@@ -16,6 +16,7 @@ from ..nn import params_are_sharded
 from ..norm_cache import WeightNormCache
 from ..ops import NORM_EPS
 
+
 class FP8DoraVariantMixin:
     """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
     dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product

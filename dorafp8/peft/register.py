@@ -20,6 +20,7 @@ from ..nn.convert import is_fp8_cast_layer, to_fp8_layer
 from . import conv as peft_conv
 from .linear import DoRAFP8Linear
 
+
 def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
     """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear, and
     every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py), quantizing its base weight to fp8,
