@@ -183,6 +183,8 @@ def test_every_module_imports_on_its_own():
         need = next((dep for p, dep in optional.items() if m == p or m.startswith(p + ".")), None)
         if need is not None and __import__("importlib").util.find_spec(need) is None:
             continue
+        if m.endswith(".__main__") and m != "dorafp8.__main__":
+            continue  # a program: importing it runs it (python -m dorafp8.kernel_report compiles every kernel)
         names.append(m)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         failed = [f"{n}: {err}" for n, err in pool.map(_import_alone, names) if err]
