@@ -40,9 +40,9 @@ def test_weight_norm_project_w8a8(dtype):
 
 def test_weights_spanning_several_blocks(monkeypatch):
     """Weights larger than one row block (the transient is made block by block, dgrad sums the blocks in fp32)."""
-    import dorafp8.backends.reference as reference
+    import dorafp8.quant as quant
 
-    monkeypatch.setattr(reference, "_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows of K = 40 per block
+    monkeypatch.setattr(quant, "_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows of K = 40 per block
     for scale in ("tensor", "row", "block"):
         p = make_problem(23, 40, 50, 3, torch.bfloat16, "cpu", scale, True)
         for mode in ("nodrop", "dropout", "plain"):
