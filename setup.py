@@ -29,6 +29,15 @@ BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 
 
+def _version():
+    """The version, from dorafp8/__init__.py (its one home: `dorafp8.__version__`), read as text so that building never
+    imports the package."""
+    import re
+
+    with open(os.path.join(HERE, "dorafp8", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 def _say(msg):
     print(f"dorafp8 setup: {msg}", file=sys.stderr)
 
@@ -118,7 +127,7 @@ _record(_note)
 
 setup(
     name="dorafp8",
-    version="0.1.0",
+    version=_version(),
     description="Fused DoRA on FP8 e4m3 base weights: Triton and CUDA kernels, a drop-in for PEFT's DoRA layer",
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",

@@ -229,3 +229,13 @@ def test_one_opt_out_for_what_import_changes_outside_dorafp8():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == want, (opt_out, r.stdout)
+
+
+def test_the_version_has_one_home():
+    """setup.py reads dorafp8.__version__ as text: the installed metadata says the same."""
+    import importlib.metadata
+
+    import dorafp8
+
+    assert importlib.metadata.version("dorafp8") == dorafp8.__version__
+    assert '__version__ = "' not in (ROOT / "setup.py").read_text()
