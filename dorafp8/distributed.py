@@ -41,7 +41,7 @@ import torch
 
 # The FSDP / ZeRO-3 helpers this docstring explains live with the fp8 module base, which needs them; and the fp8 dtype
 # facts with the recipe. Both are named here too, where the distributed story is told.
-from .nn import FP8ConvNd, FP8Linear, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
+from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
 from .quant import FP8_DTYPES, is_fp8  # noqa: F401
 
 # ---- DDP ---------------------------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
         synced = set(names)
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
-            if isinstance(mod, (FP8Linear, FP8ConvNd)) and prefix + "weight" in synced \
+            if isinstance(mod, FP8WeightModule) and prefix + "weight" in synced \
                     and prefix + "scale" not in ignore:
                 extra.append(mod.scale.detach())
     return names, tensors, extra

@@ -15,7 +15,7 @@ from ..merge import adapter_terms, merged_rows, requantize
 from ..quant import E4M3, scale_kind
 from ..quant import w0_rows
 from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
-from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_cls
+from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_layer_class
 from .plan import LayerSource, WriteTarget, Written, layer_source_of
 from .reports import ExportReport
 from .sink import TensorSink
@@ -84,7 +84,7 @@ def act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
 def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool, adapter_names) -> Written:
     """Walks the model and puts every tensor of the checkpoint into `sink`, fp8 layers in t's layout (merged with
     their adapters if `merge`); fills report.layers."""
-    tuner_type = tuner_cls()
+    tuner_type = tuner_layer_class()
     out = Written()
     put_tensor = _TensorPutter(t, sink, report)
     if t.fmt == "comfyui":

@@ -3,20 +3,19 @@ layers too), and how to put a tensor or a module in place."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ..nn import FP8Conv1d, FP8Conv2d, FP8Conv3d
-from ..nn import FP8Linear
+from ..nn import FP8ConvNd, FP8Linear
+from ..nn.convert import swap_module, tuner_layer_class  # noqa: F401 (shared with the loader and the writers)
 from ..quant import E4M3
 from .layouts import E5M2
 
-FP8_CONV_TYPES = (FP8Conv1d, FP8Conv2d, FP8Conv3d)
-FP8_LAYER_TYPES = (FP8Linear,) + FP8_CONV_TYPES
+FP8_CONV_TYPES = FP8ConvNd  # the base of FP8Conv1d/2d/3d
+FP8_LAYER_TYPES = (FP8Linear, FP8ConvNd)
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -58,20 +57,9 @@ def set_tensor(model: nn.Module, name: str, value, *, param: Optional[bool] = No
         mod._buffers[attr] = value
 
 
-def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 def is_conv1d(mod) -> bool:
     """transformers' Conv1D (GPT-2): a linear layer with its weight transposed, which FP8Linear does not hold."""
     return type(mod).__name__ == "Conv1D" and not isinstance(mod, nn.Linear)
-
-
-def tuner_cls():
-    """PEFT's BaseTunerLayer if peft is loaded (a model cannot hold PEFT layers otherwise)."""
-    return getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ from ..quant import DEFAULT_BLOCK, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
 from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
-from .modules import base_model, fp8_modules, tuner_cls
+from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size
@@ -140,7 +140,7 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
 
 
 def unmerged_adapter_layers(base: nn.Module) -> list[str]:
-    tuner_type = tuner_cls()
+    tuner_type = tuner_layer_class()
     if tuner_type is None:
         return []
     return [n for n, m in base.named_modules()

@@ -118,7 +118,7 @@ class FP8WeightModule(nn.Module):
                                       error_msgs)
 
 
-# ---- FSDP / ZeRO-3 (why: dorafp8/distributed.py's docstring) -----------------------------------------------------------------------------------------------
+# ---- FSDP / ZeRO-3 (why: dorafp8/distributed.py's docstring) ---------------------------------------------------------
 
 
 def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:

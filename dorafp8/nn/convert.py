@@ -44,10 +44,17 @@ def is_fp8_cast_layer(module: nn.Module) -> bool:
     return isinstance(module, _linear_kinds() + _CONV_KINDS) and isinstance(weight, torch.Tensor) and is_fp8(weight)
 
 
-def _tuner_layer_cls():
+def tuner_layer_class():
     """PEFT's BaseTunerLayer if peft is loaded (a model cannot contain PEFT layers otherwise), else None."""
     mod = sys.modules.get("peft.tuners.tuners_utils")
     return getattr(mod, "BaseTunerLayer", None)
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts `new` in place of the submodule `name` of `model`."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
 
 
 def name_list(arg) -> Optional[list]:
@@ -85,7 +92,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     check_act_quant(act_quant)
     kinds = _linear_kinds()
     targets, excluded = name_list(target_modules), name_list(exclude_modules) or []
-    tuner = _tuner_layer_cls()
+    tuner = tuner_layer_class()
     inside_tuner = set()
     if tuner is not None:
         for name, mod in model.named_modules():
@@ -122,10 +129,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         raise ValueError(f"target_modules={targets!r} matched no nn.Linear/Conv1D/Conv1d/Conv2d/Conv3d layer of the "
                          f"model; its linear and conv layers are: {shown or 'none'}")
     for name in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, to_fp8_layer(getattr(parent, child), per_row_scale=per_row_scale,
-                                            block_size=block_size, backend=backend, act_quant=act_quant, name=name))
+        swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
+                                              block_size=block_size, backend=backend, act_quant=act_quant, name=name))
     return len(swaps)
 
 

@@ -16,7 +16,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from ..backends import check_backend_name
 from ..nn import FP8ConvNd, FP8Linear
-from ..nn.convert import is_fp8_cast_layer, to_fp8_layer
+from ..nn.convert import is_fp8_cast_layer, swap_module, to_fp8_layer
 from . import conv as peft_conv
 from .linear import DoRAFP8Linear
 
@@ -31,10 +31,9 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
              and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
     conv_names = set(peft_conv.convertible_conv_layers(peft_model))
     for name in names + sorted(conv_names):
-        parent_name, _, child = name.rpartition(".")
-        parent = peft_model.get_submodule(parent_name) if parent_name else peft_model
         convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
-        setattr(parent, child, convert(getattr(parent, child), backend=backend, per_row_scale=per_row_scale))
+        swap_module(peft_model, name, convert(peft_model.get_submodule(name), backend=backend,
+                                              per_row_scale=per_row_scale))
     if not names and not conv_names:
         warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
     return len(names) + len(conv_names)
