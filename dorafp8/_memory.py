@@ -17,17 +17,12 @@ from torch.utils._pytree import tree_flatten
 MiB = 1024 * 1024
 
 
-def _open_custom_op(func, args):
-    from . import backends
+def _open_custom_op(func, args, kwargs):
+    """Runs a dorafp8 custom op's own implementation (the function torch.library wraps) on its arguments."""
+    from .ops import custom_op_implementation
 
-    *rest, backend = args
-    mod = backends.module(backend)
-    name = func._schema.name.split("::")[1]
-    out = getattr(mod, name)(*rest)
-    if name == "forward":  # the op returns an empty placeholder where the backend returns None
-        y, z = out
-        return y, (z if z is not None else y.new_empty(0))
-    return out
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **(kwargs or {}))
+    return custom_op_implementation(func._schema.name.split("::")[1])(**bound)
 
 
 class PeakTemporaries(TorchDispatchMode):
@@ -50,7 +45,7 @@ class PeakTemporaries(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":
             with self:
-                out = _open_custom_op(func, args)
+                out = _open_custom_op(func, args, kwargs)
         else:
             out = func(*args, **(kwargs or {}))
         seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]

@@ -19,11 +19,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .ops import NORM_EPS
-from .quant import DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, quantize_e4m3, row_blocks, scale_rows, w0_rows
-# Row blocks of at most 16 MiB in fp32 (the largest temporaries a merge holds, a few at a time), and W0's rows in
-# them: the reference backend's.
-
-GRANULARITIES = ("tensor", "row", "block")
+from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, quantize_e4m3, row_blocks,
+                    scale_rows, w0_rows)
 
 RowFn = Callable[[int, int], torch.Tensor]
 
@@ -80,8 +77,8 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
     With dense_dtype (e.g. torch.bfloat16) the rows are rounded to that dtype instead: (dense [N, K], None, stats).
     stats.rel_error is ||written - rows||_F / ||rows||_F, accumulated in fp64.
     """
-    if granularity not in GRANULARITIES and dense_dtype is None:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if dense_dtype is None:
+        check_scale_kind(granularity)
     mult = check_block_size(block_size) if (granularity == "block" and dense_dtype is None) else 1
     stats = RequantStats()
     tensor_scale = None

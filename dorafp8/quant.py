@@ -12,10 +12,15 @@ Scale shapes (`check_scale` normalizes to one of these):
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 
 E4M3 = torch.float8_e4m3fn
+# A scale's granularity, spelled the same everywhere (scale_kind(), the granularity= arguments, the reports, the
+# Triton kernels' SCALE_KIND constexpr): one fp32 value per "tensor", per output "row", or per b x b "block".
+ScaleKind = Literal["tensor", "row", "block"]
+SCALE_KINDS: tuple[ScaleKind, ...] = ("tensor", "row", "block")
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
 
 # Rows quantized per block, so that the fp32 temporaries stay small for large weights.
@@ -144,9 +149,28 @@ def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -
     return rows[off:off + (j1 - j0)].repeat_interleave(block_size, dim=1)[:, :K]
 
 
-def scale_kind(scale: torch.Tensor) -> str:
+def scale_kind(scale: torch.Tensor) -> ScaleKind:
     """"tensor", "row" or "block" for a scale normalized by check_scale."""
-    return ("tensor", "row", "block")[scale.dim()]
+    return SCALE_KINDS[scale.dim()]
+
+
+def check_scale_kind(kind, name: str = "granularity") -> ScaleKind:
+    if kind not in SCALE_KINDS:
+        raise ValueError(f"{name} must be one of {list(SCALE_KINDS)}, got {kind!r}")
+    return kind
+
+
+# act_quant, the activation recipe of the base GEMMs: "" (W8A16, activations in the compute dtype) or "rowwise" (W8A8:
+# activations quantized per row to e4m3). The public API spells the default None; check_act_quant is the one place
+# that validates and normalizes it (None / "" / "none" -> "").
+ACT_QUANT_MODES = ("", "rowwise")
+
+
+def check_act_quant(act_quant) -> str:
+    mode = "" if act_quant in (None, "", "none") else act_quant
+    if not isinstance(mode, str) or mode not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be None or 'rowwise', got {act_quant!r}")
+    return mode
 
 
 def check_block_size(block_size) -> int:
@@ -191,17 +215,17 @@ def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int =
 _BLOCK_BYTES = 16 * 1024 * 1024
 
 
-def row_blocks(n_rows: int, width: int, block: int = 1):
-    """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block` rows."""
+def row_blocks(n_rows: int, width: int, block_size: int = 1):
+    """(start, end) of row blocks of at most _BLOCK_BYTES in fp32, whole multiples of `block_size` rows."""
     rows = max(1, _BLOCK_BYTES // (4 * max(width, 1)))
-    rows = max(block, rows - rows % block)
+    rows = max(block_size, rows - rows % block_size)
     for j0 in range(0, n_rows, rows):
         yield j0, min(n_rows, j0 + rows)
 
 
-def w0_rows(w8, scale, block, j0, j1):
+def w0_rows(w8, scale, block_size, j0, j1):
     """W0[j0:j1] in fp32 (a temporary of the block's size)."""
-    return w8[j0:j1].float().mul_(scale_rows(scale, block, j0, j1, w8.shape[1]))
+    return w8[j0:j1].float().mul_(scale_rows(scale, block_size, j0, j1, w8.shape[1]))
 
 
 # Every float8 dtype this torch has: what a weight "already in fp8" may be.

@@ -311,6 +311,6 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     gpu = torch.device("cuda")
     assert backends.resolve("auto", gpu) == "cuda"
     assert backends.resolve("auto", gpu, frozenset({"block"})) == "reference"
-    assert backends.resolve("auto", gpu, frozenset({"w8a8"})) == "reference"
+    assert backends.resolve("auto", gpu, frozenset({"rowwise"})) == "reference"
     assert backends.supports("cuda") == frozenset() and backends.supports("cublas") == frozenset({"block"})
     assert backends.supports("triton") == backends.FEATURES == backends.supports("reference")

@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 
 from .. import triton_kernels as tk
+from .base import not_supported
 from ..quant import row_blocks, scale_kind, scale_rows
 from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
 
-SUPPORTS = frozenset({"block"})  # no W8A8 (see the module docstring)
+SUPPORTS = frozenset({"block"})  # no W8A8 (act_quant="rowwise") (see the module docstring)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -40,7 +41,7 @@ project_grad = tk.project_grad
 backward_pass = tk.backward_pass
 
 
-def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype):
+def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
     """(W, kappa): one layer's transient W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes
     it (so a 16-bit product stays in range: W8 alone reaches 448), and the per-tensor factor kappa it folded in
     (per tensor: the scale; per row: the largest row scale, the rows' ratios are left to the epilogue; per block:
@@ -49,21 +50,20 @@ def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block: int, dtype: 
     kind = scale_kind(scale)
     kappa = scale if kind == "tensor" else scale.abs().amax() if kind == "row" else None
     out = torch.empty(N, K, dtype=dtype, device=w8.device)
-    for j0, j1 in row_blocks(N, K, block):  # fp32 temporaries of at most ~16 MiB
-        f = scale_rows(scale, block, j0, j1, K) if kind == "block" else kappa
+    for j0, j1 in row_blocks(N, K, block_size):  # fp32 temporaries of at most ~16 MiB
+        f = scale_rows(scale, block_size, j0, j1, K) if kind == "block" else kappa
         out[j0:j1] = w8[j0:j1].float() * f
     return out, kappa
 
 
 def _not_w8a8(act_quant):
     if act_quant:
-        raise ValueError("act_quant='rowwise' is not supported by the cublas backend (it would be "
-                         "torch._scaled_mm without the fused epilogue); use backend='triton' or 'reference'")
+        raise not_supported("cublas", "rowwise", alternatives=("triton", "reference"))  # _scaled_mm, no fused epilogue
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     _not_w8a8(act_quant)
-    w, kappa = _transient_weight(w8, scale, block, x.dtype)
+    w, kappa = _transient_weight(w8, scale, block_size, x.dtype)
     base = x @ w.T
     base_d = xm @ w.T if (c is not None and xm is not None) else None
     del w
@@ -71,12 +71,12 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     # tells the epilogue that the scales were applied already.
     kind = scale_kind(scale)
     rest = torch.ones((), device=x.device) if kind == "tensor" else scale / kappa if kind == "row" else scale
-    return forward_epilogue(base, base_d, p, w8, rest, block, bias, c, u, B, s, need_z, z_dtype, x.dtype)
+    return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, c, u, B, s, need_z, z_dtype, x.dtype)
 
 
-def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     _not_w8a8(act_quant)
-    w, kappa = _transient_weight(w8, scale, block, gl.dtype)
+    w, kappa = _transient_weight(w8, scale, block_size, gl.dtype)
     t = gl @ w
     tb = gb @ w if (v is not None and mask is not None) else None
     del w
@@ -84,4 +84,4 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     # 1; per row (scales in gl already) it divides the kappa out again; block scales are in w.
     kind = scale_kind(scale)
     st = torch.ones((), device=gl.device) if kind == "tensor" else 1.0 / kappa if kind == "row" else scale
-    return dgrad_epilogue(t, tb, rl, w8, st, block, v, A, s, mask, p, rb, gl.dtype)
+    return dgrad_epilogue(t, tb, rl, w8, st, block_size, v, A, s, mask, p, rb, gl.dtype)

@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .base import not_supported
+
 try:
     from dorafp8 import _C
 except ImportError as e:  # not built (CPU-only install, isolated build) or built against another torch
@@ -48,7 +50,7 @@ else:
 SUPPORTS = frozenset()  # neither block scales nor W8A8: backend="auto" passes over it for those calls
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_OTHER_BACKENDS = "use backend='triton' or 'reference'"
+_OTHER_BACKENDS = ("triton", "reference")
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
 
 
@@ -129,8 +131,7 @@ def _scalar(t: Tensor) -> Tensor:
 def _weight_scale(scale: Tensor) -> Tensor:
     """The scale as the kernels read it: fp32, 0-dim (per tensor) or [N] (per row). Block scales are refused."""
     if scale.dim() == 2:
-        raise ValueError(f"block weight scales (scale of shape {list(scale.shape)}) are not supported by the cuda "
-                         f"backend; {_OTHER_BACKENDS}")
+        raise not_supported("cuda", "block", f" (scale of shape {list(scale.shape)})", _OTHER_BACKENDS)
     return scale.to(torch.float32).contiguous()
 
 
@@ -139,8 +140,7 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
     output [rows, out_cols] in the operand's dtype. W8A8 is refused: the kernels are W8A16."""
     sc = _weight_scale(scale)
     if act_quant:
-        raise ValueError(f"act_quant={act_quant!r} (W8A8) is not supported by the cuda backend (its kernels are "
-                         f"W8A16); {_OTHER_BACKENDS}")
+        raise not_supported("cuda", "rowwise", alternatives=_OTHER_BACKENDS)  # its kernels are W8A16
     a = _rows(a)
     return a, sc, _empty((a.shape[0], out_cols), a.dtype, a.device)
 
@@ -169,7 +169,7 @@ class CudaBackend:
     def backward_pass(self, g, z, c, srow, B, u, dropout, need_dm, need_dB):
         return rank_ops(g.device).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
 
-    def weight_norm(self, w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float) -> Tensor:
+    def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
         sc = _weight_scale(scale)
         N = w8.shape[0]
         adt = torch.promote_types(A.dtype, B.dtype)  # the kernel reads one adapter dtype; promotion is exact
@@ -179,7 +179,7 @@ class CudaBackend:
         self._launch().weight_norm(w8.contiguous(), sc, _small(A, adt), _small(B, adt), float(s), n)
         return n
 
-    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
+    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor], c: Optional[Tensor],
                 u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
                 z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
         x, sc, y = _gemm_operands(x, scale, act_quant, w8.shape[0])
@@ -199,7 +199,7 @@ class CudaBackend:
             z = z.to(z_dtype)
         return y, z
 
-    def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
+    def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, v: Optional[Tensor],
               A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
               rb: Optional[Tensor], act_quant: str) -> Tensor:
         gl, sc, dx = _gemm_operands(gl, scale, act_quant, w8.shape[1])

@@ -35,13 +35,13 @@ from ..quant import row_blocks, scale_kind, scale_rows
 project_grad = reference.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
 
 
-def weight_norm(w8, scale, block, A, B, s):
+def weight_norm(w8, scale, block_size, A, B, s):
     """The reference's weight_norm (fp32, blocks of rows), with the fast exact fp8 -> fp32 conversion."""
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
-        v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block, j0, j1, K))
+    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+        v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block_size, j0, j1, K))
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
@@ -80,19 +80,19 @@ def _row_parts(M, width):
     return [lambda t, a=i0, b=i1: t[a:b] for i0, i1 in blocks]
 
 
-def _weight_spans(w8, scale, block) -> list[tuple[int, int]]:
+def _weight_spans(w8, scale, block_size) -> list[tuple[int, int]]:
     """The blocks of weight rows [j0, j1) the base products take one at a time (reference.row_blocks; whole scale blocks)."""
     N, K = w8.shape
-    return list(row_blocks(N, K, block if scale_kind(scale) == "block" else 1))
+    return list(row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1))
 
 
-def _weight_block(w8, scale, block, dtype, j0, j1):
+def _weight_block(w8, scale, block_size, dtype, j0, j1):
     """W'[j0:j1] in `dtype`, with block scales applied (per-tensor and per-row scales are left to the caller:
     w8 -> dtype is then exact). A transient: callers drop it before making the next."""
     N, K = w8.shape
     rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
     if scale_kind(scale) == "block":
-        return e4m3_scaled(rows, scale_rows(scale, block, j0, j1, K), dtype)
+        return e4m3_scaled(rows, scale_rows(scale, block_size, j0, j1, K), dtype)
     return e4m3_to(rows, dtype)
 
 
@@ -102,16 +102,16 @@ def _out_scale(scale):
     return None if kind == "block" else _f32(scale)
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     if act_quant or x.dtype == torch.float16:  # see _reference_cases
-        return reference.forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
+        return reference.forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
     cdt = x.dtype
     M, N = x.shape[0], w8.shape[0]
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
     # The base products in the compute dtype, one block of weight rows (one transient) at a time.
-    spans = _weight_spans(w8, scale, block)
+    spans = _weight_spans(w8, scale, block_size)
     if len(spans) == 1:  # the whole weight is one block (small layers): no copies
-        w = _weight_block(w8, scale, block, cdt, 0, N)
+        w = _weight_block(w8, scale, block_size, cdt, 0, N)
         base = x @ w.T
         base_d = xm @ w.T if two else None
         del w
@@ -119,7 +119,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
         base = torch.empty(M, N, dtype=cdt, device=x.device)
         base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
         for j0, j1 in spans:
-            w = _weight_block(w8, scale, block, cdt, j0, j1)
+            w = _weight_block(w8, scale, block_size, cdt, j0, j1)
             base[:, j0:j1] = x @ w.T
             if two:
                 base_d[:, j0:j1] = xm @ w.T
@@ -220,9 +220,9 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     return gl, rl, gb, rb, v, dm, db, dB
 
 
-def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     if act_quant or gl.dtype == torch.float16:  # see _reference_cases
-        return reference.dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
+        return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
     cdt = gl.dtype
     M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
     st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0
@@ -230,8 +230,8 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
     # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
     t = tb = None
-    for j0, j1 in _weight_spans(w8, scale, block):
-        w = _weight_block(w8, scale, block, cdt, j0, j1)
+    for j0, j1 in _weight_spans(w8, scale, block_size):
+        w = _weight_block(w8, scale, block_size, cdt, j0, j1)
         whole = j0 == 0 and j1 == N
         pt = (gl if whole else gl[:, j0:j1]) @ w
         t = pt if t is None else _f32(t).add_(pt)

@@ -28,12 +28,12 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t8, sigma
 
 
-def weight_norm(w8, scale, block, A, B, s):
+def weight_norm(w8, scale, block_size, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
-        v = w0_rows(w8, scale, block, j0, j1)
+    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+        v = w0_rows(w8, scale, block_size, j0, j1)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
@@ -61,20 +61,20 @@ def project_grad(v, a, mask, p):
     return out
 
 
-def _base_gemm(x, w8, scale, block, act_quant):
+def _base_gemm(x, w8, scale, block_size, act_quant):
     """x @ W0^T in fp32 [M, N] (x quantized per row first under W8A8), one block of weight rows at a time."""
     M = x.shape[0]
     N, K = w8.shape
     x32, sx = quantize_rows(x) if act_quant else (x.float(), None)
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    for j0, j1 in row_blocks(N, K, block if scale_kind(scale) == "block" else 1):
-        out[:, j0:j1] = x32 @ w0_rows(w8, scale, block, j0, j1).T
+    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+        out[:, j0:j1] = x32 @ w0_rows(w8, scale, block_size, j0, j1).T
     if sx is not None:
         out *= sx[:, None]
     return out
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     cdt = x.dtype
     M, N = x.shape[0], w8.shape[0]
     y = torch.empty(M, N, dtype=cdt, device=x.device)
@@ -83,7 +83,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     B32 = None if B is None else B.float()
     # Blocks of activation rows: the fp32 [rows, N] temporaries stay bounded.
     for i0, i1 in row_blocks(M, max(N, x.shape[1])):
-        base = _base_gemm(x[i0:i1], w8, scale, block, act_quant)
+        base = _base_gemm(x[i0:i1], w8, scale, block_size, act_quant)
         if c is None:
             yb = base
         else:
@@ -92,7 +92,7 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
                 zb = base.add_(lora)
                 yb = zb * c
             else:
-                zb = _base_gemm(xm[i0:i1], w8, scale, block, act_quant).mul_(1.0 / (1.0 - p)).add_(lora)
+                zb = _base_gemm(xm[i0:i1], w8, scale, block_size, act_quant).mul_(1.0 / (1.0 - p)).add_(lora)
                 # x W0^T + (c - 1) * (xd W0^T) + c * s u B^T  ==  base + (c - 1) * z + lora
                 yb = base.add_((c - 1) * zb).add_(lora)
             if z is not None:
@@ -156,15 +156,15 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
     return gl, rl, gb, rb, v, dm, db, dB
 
 
-def _dgrad_gemm(t, w8, scale, block, act_quant):
+def _dgrad_gemm(t, w8, scale, block_size, act_quant):
     """t @ W0' in fp32 [M, K], W0' = w8 with block scales applied (per-tensor and per-row scales are the caller's),
     t quantized per row first under W8A8; one block of weight rows (= one slice of the reduction) at a time."""
     N, K = w8.shape
     t32, st = quantize_rows(t) if act_quant else (t.float(), None)
     out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)
     blocked = scale_kind(scale) == "block"
-    for j0, j1 in row_blocks(N, K, block if blocked else 1):
-        w = w0_rows(w8, scale, block, j0, j1) if blocked else w8[j0:j1].float()
+    for j0, j1 in row_blocks(N, K, block_size if blocked else 1):
+        w = w0_rows(w8, scale, block_size, j0, j1) if blocked else w8[j0:j1].float()
         out.addmm_(t32[:, j0:j1], w)
         del w  # before the next block is made
     if st is not None:
@@ -172,18 +172,18 @@ def _dgrad_gemm(t, w8, scale, block, act_quant):
     return out
 
 
-def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     cdt = gl.dtype
     M, K = gl.shape[0], w8.shape[1]
     st = scale.float() if scale_kind(scale) == "tensor" else 1.0
     dx = torch.empty(M, K, dtype=cdt, device=gl.device)
     A32 = None if A is None else A.float()
     for i0, i1 in row_blocks(M, max(K, w8.shape[0])):
-        out = _dgrad_gemm(gl[i0:i1], w8, scale, block, act_quant).mul_(rl * st)
+        out = _dgrad_gemm(gl[i0:i1], w8, scale, block_size, act_quant).mul_(rl * st)
         if v is not None:
             out.addmm_(v[i0:i1].float(), A32, alpha=s)
             if mask is not None:
                 out.mul_(mask[i0:i1]).mul_(1.0 / (1.0 - p))
-                out.add_(_dgrad_gemm(gb[i0:i1], w8, scale, block, act_quant).mul_(rb * st))
+                out.add_(_dgrad_gemm(gb[i0:i1], w8, scale, block_size, act_quant).mul_(rb * st))
         dx[i0:i1] = out
     return dx

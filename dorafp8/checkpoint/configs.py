@@ -35,7 +35,7 @@ def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
                 f"(compressed-tensors' loader leaves their scales out and loads the raw e4m3 values). {why}, or a "
                 f"dense format (bf16, fp16, fp32), or keep the convolutions unquantized (quantize_model without "
                 f"include_conv)")
-    b = t.bsz
+    b = t.block_size
     ragged = [(n, m.weight.shape[0], m.weight[0].numel()) for n, m in layers.items()
               if _writes_block(t, m) and (m.weight.shape[0] % b or m.weight[0].numel() % b)]
     if ragged and t.fmt == "compressed-tensors":
@@ -76,9 +76,9 @@ def quantization_config(t: WriteTarget, report: ExportReport, out: Written) -> O
     old_q = (t.src.config or {}).get("quantization_config") if t.same else None
     if old_q and all(d["action"] == "kept" for d in report.layers.values()):
         return old_q
-    bsz, ignore = t.bsz, sorted(set(out.dense_linears))
+    block_size, ignore = t.block_size, sorted(set(out.dense_linears))
     if t.fmt == "fine-grained":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [bsz, bsz],
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block_size, block_size],
                 "modules_to_not_convert": ignore or None, "scale_fmt": "float"}
     if t.fmt != "compressed-tensors":
         return None
@@ -87,7 +87,7 @@ def quantization_config(t: WriteTarget, report: ExportReport, out: Written) -> O
     cg = {}
     for i, ((g, act), names) in enumerate(sorted(out.groups.items())):
         weights = {**fp8_args, "dynamic": False, "strategy": strategies[g], "group_size": None,
-                   "block_structure": [bsz, bsz] if g == "block" else None}
+                   "block_structure": [block_size, block_size] if g == "block" else None}
         # the activations as the model computes them: transformers + compressed-tensors then reproduce its outputs
         # (to 2e-7, measured), and vLLM runs weight-only layers as CompressedTensorsW8A16Fp8
         if act == "static":

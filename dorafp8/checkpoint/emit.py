@@ -142,13 +142,13 @@ class _TensorPutter:
 def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str, obj: nn.Module,
                     tuner_type, *, merge: bool, adapter_names) -> None:
     """One fp8 layer (or the PEFT layer on it): its weight, scale, bias and extras in t's layout."""
-    fmt, layout, dense_dtype, granularity, bsz = t.fmt, t.layout, t.dense_dtype, t.granularity, t.bsz
+    fmt, layout, dense_dtype, granularity, block_size = t.fmt, t.layout, t.dense_dtype, t.granularity, t.block_size
     key_of = t.key_of
     src_dtypes = t.src.dtypes if t.same else {}
     comfy_meta_layers = "_quantization_metadata" in t.metadata
     tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
     fp8 = base_layer(obj)
-    w8, scale, bs = fp8.fp8_weight(), fp8.scale, fp8.block_size
+    w8, scale, layer_block_size = fp8.fp8_weight(), fp8.scale, fp8.block_size
     w_shape = w8.shape  # a conv weight [C_out, C_in/groups, *kernel] is handled as its 2-D view, written as is
     w8 = w8.reshape(w_shape[0], -1)
     N, K = w8.shape
@@ -172,8 +172,8 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
                 raise RuntimeError(f"{name}: cannot merge lora_bias of adapter {a!r}: the base layer has no bias")
             bias = bias.float() + tuner.lora_B[a].bias.detach().float() * tuner.scaling[a]
 
-    def rows(j0, j1, _w8=w8, _s=scale, _bs=bs, _t=terms):
-        return merged_rows(_w8, _s, _bs, _t, j0, j1)
+    def rows(j0, j1, _w8=w8, _s=scale, _layer_block_size=layer_block_size, _t=terms):
+        return merged_rows(_w8, _s, _layer_block_size, _t, j0, j1)
     cur = scale_kind(scale)
     entry = {"adapters": [term[4] for term in terms]}
     fmeta = layer_source_of(fp8)
@@ -188,10 +188,10 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         del W
         return
     allowed = layout.write_granularities
-    keep_ok = cur in allowed and granularity in (None, cur) and not (cur == "block" and bs != bsz)
+    keep_ok = cur in allowed and granularity in (None, cur) and not (cur == "block" and layer_block_size != block_size)
     if terms:
         g = granularity or allowed[0]
-        w8n, sn, st = requantize(rows, N, K, g, block_size=bsz)
+        w8n, sn, st = requantize(rows, N, K, g, block_size=block_size)
         entry.update(action="merged", rel_error=st.rel_error)
     elif keep_ok:
         w8n, sn = w8, scale
@@ -199,18 +199,18 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         entry.update(action="kept", rel_error=0.0)
     elif cur == "tensor" and (granularity or allowed[0]) in ("row", "block"):
         g = granularity or allowed[0]
-        sn = scale.reshape(1).expand(N) if g == "row" else scale.reshape(1, 1).expand(-(-N // bsz), -(-K // bsz))
+        sn = scale.reshape(1).expand(N) if g == "row" else scale.reshape(1, 1).expand(-(-N // block_size), -(-K // block_size))
         w8n = w8
         entry.update(action="kept", rel_error=0.0)
     else:
         g = granularity or (allowed[0] if cur not in allowed else cur)
-        w8n, sn, st = requantize(lambda j0, j1: w0_rows(w8, scale, bs, j0, j1), N, K, g, block_size=bsz)
+        w8n, sn, st = requantize(lambda j0, j1: w0_rows(w8, scale, layer_block_size, j0, j1), N, K, g, block_size=block_size)
         entry.update(action="requantized", rel_error=st.rel_error)
     if terms and st.nonfinite:
         raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
                          f"(the adapter seems to be broken); nothing usable can be written")
-    entry["granularity"] = granularity_name(g, bsz)
-    if fmt == "fine-grained" and cpu_fine_grained_read(N, K, bsz) != "ok":
+    entry["granularity"] = granularity_name(g, block_size)
+    if fmt == "fine-grained" and cpu_fine_grained_read(N, K, block_size) != "ok":
         out.ragged.append(name)
     report.layers[name] = entry
     if isinstance(fp8, FP8_CONV_TYPES):

@@ -41,11 +41,11 @@ def _ct_fp8_linear_cls():
     return getattr(mod, "CompressedTensorsFP8Linear", None)
 
 
-def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block: int, fmt: str, extras: dict, backend,
+def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
           act_quant, dtype) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
     new = FP8Linear.from_fp8(w8.detach(), scale.detach().float(), bias, backend=backend, dtype=dtype,
-                             block_size=block, act_quant=act_quant)
+                             block_size=block_size, act_quant=act_quant)
     new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape))
     return new
 
@@ -91,16 +91,16 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             if mod.weight.dtype != E4M3:
                 dense.append(name)
                 continue
-            bs = mod.block_size
-            if bs is not None and (len(set(bs)) != 1):
-                raise ValueError(f"{name}: block size {list(bs)} is not square; FP8Linear holds b x b blocks")
+            block_shape = mod.block_size
+            if block_shape is not None and (len(set(block_shape)) != 1):
+                raise ValueError(f"{name}: block size {list(block_shape)} is not square; FP8Linear holds b x b blocks")
             scale = mod.weight_scale_inv
             if not scale.is_floating_point() or scale.element_size() < 2:
                 raise ValueError(f"{name}: weight_scale_inv of dtype {scale.dtype} (ue8m0?) is not supported")
-            block = bs[0] if bs is not None else DEFAULT_BLOCK
+            block_size = block_shape[0] if block_shape is not None else DEFAULT_BLOCK
             extras = {} if getattr(mod, "activation_scale", None) is None else {
                 "activation_scale": mod.activation_scale.detach()}
-            swaps.append((name, _make(mod, mod.weight, scale, block, "fine-grained", extras, backend, act_quant,
+            swaps.append((name, _make(mod, mod.weight, scale, block_size, "fine-grained", extras, backend, act_quant,
                                       mdtype)))
         elif ct_linear is not None and isinstance(mod, ct_linear):
             s = mod.weight_scale.detach().reshape(-1)
@@ -121,16 +121,16 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             zp = getattr(mod, "weight_zero_point", None)
             if zp is not None and bool((zp.float() != 0).any()):
                 raise ValueError(f"{name}: non-zero weight_zero_point (asymmetric fp8) is not supported")
-            block = DEFAULT_BLOCK
+            block_size = DEFAULT_BLOCK
             if getattr(w, "block_structure", None):
-                bs = list(w.block_structure)
-                if len(set(bs)) != 1:
-                    raise ValueError(f"{name}: block structure {bs} is not square")
-                block = bs[0]
+                block_shape = list(w.block_structure)
+                if len(set(block_shape)) != 1:
+                    raise ValueError(f"{name}: block structure {block_shape} is not square")
+                block_size = block_shape[0]
             scale = mod.weight_scale
-            check_scale(scale.detach().float(), mod.out_features, mod.in_features, block, name=f"{name}.weight_scale")
+            check_scale(scale.detach().float(), mod.out_features, mod.in_features, block_size, name=f"{name}.weight_scale")
             extras = {} if getattr(mod, "input_scale", None) is None else {"input_scale": mod.input_scale.detach()}
-            swaps.append((name, _make(mod, mod.weight, scale, block, "compressed-tensors", extras, backend, act_quant,
+            swaps.append((name, _make(mod, mod.weight, scale, block_size, "compressed-tensors", extras, backend, act_quant,
                                       mdtype)))
     for name, new in swaps:
         swap_module(model, name, new)

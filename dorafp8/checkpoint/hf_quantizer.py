@@ -26,11 +26,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..backends import check_backend_name
 from ..nn import quantize_model
 from ..nn.convert import name_list
-from ..ops import check_act_quant
-from ..quant import DEFAULT_BLOCK, check_block_size
+from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_scale_kind
 
 QUANT_METHOD = "dorafp8"
-_GRANULARITIES = ("tensor", "row", "block")
 
 
 class DoRAFP8Config(QuantizationConfigMixin):
@@ -54,8 +52,7 @@ class DoRAFP8Config(QuantizationConfigMixin):
         if kwargs:
             raise TypeError(f"DoRAFP8Config got unexpected arguments {sorted(kwargs)}; it takes granularity, "
                             f"block_size, act_quant, target_modules, modules_to_not_convert, backend")
-        if granularity not in _GRANULARITIES:
-            raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+        check_scale_kind(granularity)
         if block_size is not None and granularity != "block":
             raise ValueError(f"block_size={block_size} needs granularity='block' (got {granularity!r})")
         self.quant_method = QUANT_METHOD

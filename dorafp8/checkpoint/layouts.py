@@ -79,9 +79,9 @@ def canonical_format(fmt: str, allowed=FORMATS) -> str:
     return name
 
 
-def granularity_name(g: str, block: int) -> str:
+def granularity_name(g: str, block_size: int) -> str:
     """How reports name a layer's scale: "per-tensor", "per-row", "per-128x128-block"."""
-    return f"per-{block}x{block}-block" if g == "block" else GRANULARITY_NAMES[g]
+    return f"per-{block_size}x{block_size}-block" if g == "block" else GRANULARITY_NAMES[g]
 
 
 def cpu_fine_grained_read(N: int, K: int, b: int) -> str:

@@ -85,7 +85,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         report.kept[k] = "the scaled_fp8 marker"
     _materialize_leftovers(model, device, report, strict)
     info = source.info
-    source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block=cfg_block, metadata=source.metadata,
+    source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block, metadata=source.metadata,
                              dtypes=loader.src_dtypes, markers={k: info[k] for k in keys.marker_keys},
                              config=source.config)
     if keys.marker_keys:
@@ -121,11 +121,11 @@ def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dt
             cls = type(mod) if isinstance(mod, FP8_CONV_TYPES) else fp8_conv_class(mod)
             new = cls(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding, mod.dilation,
                       mod.groups, bias is not None, mod.padding_mode, device="meta", dtype=orig,
-                      block_size=p.block or None, backend=backend)
+                      block_size=p.block_size or None, backend=backend)
             n_out = mod.out_channels
         else:
             new = FP8Linear(mod.in_features, mod.out_features, bias=bias is not None, device="meta", dtype=orig,
-                            block_size=p.block or None, backend=backend, act_quant=act_quant)
+                            block_size=p.block_size or None, backend=backend, act_quant=act_quant)
             n_out = mod.out_features
         if bias is not None:
             new.bias = nn.Parameter(torch.empty(n_out, dtype=bias_dtype, device="meta"), requires_grad=False)
@@ -230,10 +230,10 @@ class _TensorLoader:
         if not sp.keeps_fp8:
             return
         mod = self.model.get_submodule(sp.module)
-        sc = check_scale(t.float(), sp.N, sp.K, sp.block, name=k)
+        sc = check_scale(t.float(), sp.N, sp.K, sp.block_size, name=k)
         set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
         mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
-        self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block)
+        self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block_size)
 
     def _plain(self, k: str, t: torch.Tensor) -> None:
         m = self.plan.plain[k]

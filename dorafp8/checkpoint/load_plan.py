@@ -136,16 +136,16 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         else:
             p.scale_key = scale_key
             shape = info[scale_key][1]
-            block = None
+            block_size = None
             if len(shape) == 2 and N is not None and shape != (N, 1) and int(torch.Size(shape).numel()) != 1:
-                block = _infer_block(N, K, shape, block_hint)
-                if block is None:
+                block_size = _infer_block(N, K, shape, block_hint)
+                if block_size is None:
                     errors.append(f"{scale_key}: shape {list(shape)} is neither per tensor, per row [{N}, 1] nor "
                                   f"per b x b block of the [{N}, {K}] weight for any block size"
                                   + (f" (block size {block_hint} given)" if block_hint else "; pass block_size="))
                     continue
-            p.block = block
-            if block is not None and not p.fp8:
+            p.block_size = block_size
+            if block_size is not None and not p.fp8:
                 errors.append(f"{scale_key}: block scales on {type(mod).__name__} {mod_name!r}, which is not a linear "
                               f"or conv layer (only per-tensor or per-row scales can be dequantized into it)")
                 continue
@@ -153,11 +153,11 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
                 errors.append(f"{scale_key}: dtype {info[scale_key][0]} (only fp32/bf16/fp16 scales are read)")
                 continue
             try:
-                check_scale(torch.empty(shape, device="meta"), N, K, block or DEFAULT_BLOCK, name=scale_key)
+                check_scale(torch.empty(shape, device="meta"), N, K, block_size or DEFAULT_BLOCK, name=scale_key)
             except (TypeError, ValueError) as e:
                 errors.append(str(e))
                 continue
-            plan.scales[scale_key] = ScalePlan(mod_name, N, K, block or DEFAULT_BLOCK, p.fp8)
+            plan.scales[scale_key] = ScalePlan(mod_name, N, K, block_size or DEFAULT_BLOCK, p.fp8)
             plan.consumed[scale_key] = "scale"
         for extra in (layout.act_scale_key, "comfy_quant", "weight_zero_point", "input_zero_point"):
             ek = f"{lay}.{extra}" if extra else None

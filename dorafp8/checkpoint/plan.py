@@ -28,7 +28,7 @@ class SourceInfo:
     format: Optional[str] = None
     strip: str = ""                                   # key prefix stripped from the checkpoint's keys
     add: str = ""                                     # key prefix put in front of them
-    block: Optional[int] = None                       # the block size config.json gave
+    block_size: Optional[int] = None                       # the block size config.json gave
     metadata: dict = field(default_factory=dict)      # the safetensors metadata
     dtypes: dict = field(default_factory=dict)        # model name -> dtype in the file, of the tensors loaded as is
     markers: dict = field(default_factory=dict)       # the scaled_fp8 marker keys -> (dtype, shape, shard)
@@ -72,7 +72,7 @@ class LayerPlan:
     # an fp8 tensor (embedding, GPT-2's Conv1D) gets it dequantized
     fp8: bool
     scale_key: Optional[str] = None
-    block: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
+    block_size: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
     extras: list = field(default_factory=list)  # checkpoint keys kept with the layer (activation scales, ...)
 
 
@@ -82,7 +82,7 @@ class ScalePlan:
     module: str
     N: int
     K: int
-    block: int
+    block_size: int
     keeps_fp8: bool
 
 
@@ -119,7 +119,7 @@ class WriteTarget:
     layout: Optional[Layout]               # None for the dense formats
     dense_dtype: Optional[torch.dtype]
     granularity: Optional[str]
-    bsz: int                               # the one block size of the file
+    block_size: int                               # the one block size of the file
     strip: str
     add: str
     src: SourceInfo                        # what the model was loaded from

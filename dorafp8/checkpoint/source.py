@@ -189,26 +189,26 @@ def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
         if qc.get("scale_fmt", "float") not in (None, "float"):
             raise CheckpointFormatError(f"{source.name}: scale_fmt={qc.get('scale_fmt')!r} (ue8m0 scales) is not "
                                         f"supported; dorafp8 reads fp32/bf16/fp16 scales")
-        bs = qc.get("weight_block_size")
+        block_shape = qc.get("weight_block_size")
     elif fmt == "compressed-tensors":
         if qc.get("format") not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
             raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is not "
                                         f"float-quantized fp8")
-        bs = None
+        block_shape = None
         for g in (qc.get("config_groups") or {}).values():
             w = (g or {}).get("weights") or {}
             if w and (w.get("type") != "float" or w.get("num_bits") != 8):
                 raise CheckpointFormatError(f"{source.name}: compressed-tensors weights of type {w.get('type')!r} "
                                             f"with {w.get('num_bits')} bits: dorafp8 loads 8-bit float (fp8) only")
             if w.get("strategy") == "block":
-                bs = w.get("block_structure")
+                block_shape = w.get("block_structure")
     else:
         return None
-    if bs is None:
+    if block_shape is None:
         return None
-    if isinstance(bs, (list, tuple)):
-        if len(set(bs)) != 1:
-            raise CheckpointFormatError(f"{source.name}: block size {list(bs)} is not square; FP8Linear holds square "
+    if isinstance(block_shape, (list, tuple)):
+        if len(set(block_shape)) != 1:
+            raise CheckpointFormatError(f"{source.name}: block size {list(block_shape)} is not square; FP8Linear holds square "
                                         f"b x b blocks")
-        bs = bs[0]
-    return int(bs)
+        block_shape = block_shape[0]
+    return int(block_shape)

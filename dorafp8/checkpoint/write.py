@@ -17,7 +17,7 @@ from typing import Optional
 from torch import nn
 
 from ..nn import FP8Linear
-from ..quant import DEFAULT_BLOCK, scale_kind
+from ..quant import DEFAULT_BLOCK, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
 from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
@@ -86,7 +86,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     report.tensors, report.bytes = writer.count, writer.total
     if out.ragged:
         report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
-                            f"{t.bsz} (e.g. {out.ragged[0]}): their scales cover partial blocks (ceil), as "
+                            f"{t.block_size} (e.g. {out.ragged[0]}): their scales cover partial blocks (ceil), as "
                             f"DeepSeek-V3's do and as transformers' FP8Linear (GPU) reads them; transformers' "
                             f"dequantize-while-loading path (used without a GPU) takes the block size from the scale "
                             f"grid and refuses or misreads them (transformers 5.23)")
@@ -112,8 +112,7 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
     if granularity is not None:
         if dense_dtype is not None:
             raise ValueError(f"granularity= applies to fp8 formats, not {fmt}")
-        if granularity not in ("tensor", "row", "block"):
-            raise ValueError(f"granularity must be 'tensor', 'row' or 'block', got {granularity!r}")
+        check_scale_kind(granularity)
         if granularity not in layout.write_granularities:
             kinds = ", ".join(GRANULARITY_NAMES[g] for g in layout.write_granularities)
             raise ValueError(f"{fmt} stores {kinds} scales, "
@@ -122,7 +121,7 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
     base = base_model(model)
     if block_size is None:  # one block size for the file (configs have one): the model's, else the source's, else 128
         sizes = Counter(m.block_size for m in base.modules() if isinstance(m, FP8Linear) and m.scale.dim() == 2)
-        block_size = sizes.most_common(1)[0][0] if sizes else (src.block if same else None)
+        block_size = sizes.most_common(1)[0][0] if sizes else (src.block_size if same else None)
     strip, add = (src.strip, src.add) if prefix is None else (prefix, "")
     is_diffusers = any(c.__name__ == "ModelMixin" and c.__module__.startswith("diffusers")
                        for c in type(base).__mro__)
@@ -166,7 +165,7 @@ def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, ExportReport]:
     t = resolve_target(model, "fine-grained", None, None, "")
     layers = fp8_modules(t.base).values()
     if not (t.same and all(isinstance(m, FP8Linear) and (scale_kind(m.scale) == "tensor" or (
-            scale_kind(m.scale) == "block" and m.block_size == t.bsz)) for m in layers)
+            scale_kind(m.scale) == "block" and m.block_size == t.block_size)) for m in layers)
             and transformers_problem(t, "") is None):
         t = resolve_target(model, "compressed-tensors", None, None, "")
     problem = transformers_problem(t, "Write it with dorafp8.save_fp8_checkpoint(model, 'path.safetensors')")

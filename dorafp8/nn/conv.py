@@ -94,11 +94,11 @@ class FP8ConvNd(FP8WeightModule):
                             f"got {w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__} "
                             f"{list(getattr(w8, 'shape', []))}")
         C_out = w8.shape[0]
-        block = block_size or DEFAULT_BLOCK
-        scale = check_scale(_squeeze_channel_scale(scale, C_out), C_out, math.prod(w8.shape[1:]), block)
+        block_size = block_size or DEFAULT_BLOCK
+        scale = check_scale(_squeeze_channel_scale(scale, C_out), C_out, math.prod(w8.shape[1:]), block_size)
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(w8.shape[1] * groups, C_out, tuple(w8.shape[2:]), stride, padding, dilation, groups,
-                  bias is not None, padding_mode, device="meta", dtype=dtype, block_size=block, backend=backend)
+                  bias is not None, padding_mode, device="meta", dtype=dtype, block_size=block_size, backend=backend)
         new.weight = nn.Parameter(w8, requires_grad=False)
         new.scale = scale.to(w8.device)
         if bias is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..backends import check_backend_name
-from ..ops import check_act_quant
+from ..quant import check_act_quant
 from ..quant import is_fp8
 from .conv import fp8_conv_class
 from .linear import FP8Linear, conv1d_class

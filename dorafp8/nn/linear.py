@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..backends import check_backend_name
-from ..ops import check_act_quant, fp8_linear
+from ..ops import fp8_linear
+from ..quant import check_act_quant
 from ..quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                      quantize_e4m3, scale_kind)
 from ._base import FP8WeightModule, fp8_cast_parts
@@ -94,11 +95,11 @@ class FP8Linear(FP8WeightModule):
         used for the adapters PEFT creates on this layer (default: the bias's dtype, else float32)."""
         check_fp8_weight(w8, "w8")
         out_features, in_features = w8.shape
-        block = block_size or DEFAULT_BLOCK
-        scale = check_scale(scale, out_features, in_features, block)
+        block_size = block_size or DEFAULT_BLOCK
+        scale = check_scale(scale, out_features, in_features, block_size)
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
-                  block_size=block, backend=backend, act_quant=act_quant)
+                  block_size=block_size, backend=backend, act_quant=act_quant)
         new.weight = nn.Parameter(w8, requires_grad=False)
         new.scale = scale.to(w8.device)
         if bias is not None:

@@ -7,10 +7,11 @@ Hops from the public API to a kernel:
     ->  backend module (dorafp8/backends/: reference, native, cuda, cublas; or dorafp8.triton_kernels)  ->  kernel.
 """
 
-from ._policy import ACT_QUANT_MODES, NORM_EPS, check_act_quant, compute_dtype, dropout_mask, rank_dtype
+from ._custom_ops import custom_op_implementation
+from ._policy import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
 from .conv import conv_weight_norm, dequantize_transient, dora_fp8_conv, fp8_conv
 from .linear import DoRAFP8Function, FP8LinearFunction, dora_fp8_linear, fp8_linear, weight_norm
 
-__all__ = ["ACT_QUANT_MODES", "NORM_EPS", "check_act_quant", "compute_dtype", "dropout_mask", "rank_dtype",
-           "conv_weight_norm", "dequantize_transient", "dora_fp8_conv", "fp8_conv", "DoRAFP8Function",
+__all__ = ["NORM_EPS", "compute_dtype", "dropout_mask", "rank_dtype",
+           "custom_op_implementation", "conv_weight_norm", "dequantize_transient", "dora_fp8_conv", "fp8_conv", "DoRAFP8Function",
            "FP8LinearFunction", "dora_fp8_linear", "fp8_linear", "weight_norm"]

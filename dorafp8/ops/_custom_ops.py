@@ -1,8 +1,9 @@
-"""The torch.library custom ops, one per backend function of the contract (dorafp8/backends/__init__.py).
+"""The torch.library custom ops, one per backend function of the contract (dorafp8/backends/base.py).
 
 Registering them makes the autograd Functions in ops/linear.py traceable by torch.compile (the kernels stay opaque, with
 shapes given by the fake implementations). Custom ops cannot return None or an input, so an absent output is an empty
-placeholder and the Python side knows which it is.
+placeholder and the Python side knows which it is. The backends are called with keyword arguments (the Protocol's
+names); the ops' arguments that only a DoRA call uses have defaults, so that a plain FP8 linear names none of them.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from .. import backends
 
 
 @torch.library.custom_op("dorafp8::weight_norm", mutates_args=())
-def weight_norm_op(w8: Tensor, scale: Tensor, block: int, A: Tensor, B: Tensor, s: float, backend: str) -> Tensor:
-    return backends.module(backend).weight_norm(w8, scale, block, A, B, s)
+def weight_norm_op(w8: Tensor, scale: Tensor, A: Tensor, B: Tensor, s: float, block_size: int, backend: str) -> Tensor:
+    return backends.module(backend).weight_norm(w8=w8, scale=scale, block_size=block_size, A=A, B=B, s=s)
 
 
 @weight_norm_op.register_fake
-def _(w8, scale, block, A, B, s, backend):
+def _(w8, scale, A, B, s, block_size, backend):
     return w8.new_empty(w8.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("dorafp8::project", mutates_args=())
 def project_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
                backend: str) -> Tensor:
-    return backends.module(backend).project(a, b, out_dtype, mask, p)
+    return backends.module(backend).project(a=a, b=b, out_dtype=out_dtype, mask=mask, p=p)
 
 
 @project_op.register_fake
@@ -38,7 +39,7 @@ def _(a, b, out_dtype, mask, p, backend):
 
 @torch.library.custom_op("dorafp8::project_grad", mutates_args=())
 def project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, backend: str) -> Tensor:
-    return backends.module(backend).project_grad(v, a, mask, p)
+    return backends.module(backend).project_grad(v=v, a=a, mask=mask, p=p)
 
 
 @project_grad_op.register_fake
@@ -47,32 +48,39 @@ def _(v, a, mask, p, backend):
 
 
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
-def forward_op(x: Tensor, w8: Tensor, scale: Tensor, block: int, bias: Optional[Tensor], c: Optional[Tensor],
-               u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
-               z_dtype: torch.dtype, act_quant: str, backend: str) -> tuple[Tensor, Tensor]:
-    y, z = backends.module(backend).forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype,
-                                            act_quant)
+def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], block_size: int, act_quant: str,
+               backend: str, c: Optional[Tensor] = None, u: Optional[Tensor] = None, B: Optional[Tensor] = None,
+               s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0, need_z: bool = False,
+               z_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """The plain FP8 linear leaves the DoRA arguments (c, u, B, s, xm, p, need_z, z_dtype) at their defaults."""
+    y, z = backends.module(backend).forward(
+        x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, c=c, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
+        z_dtype=x.dtype if z_dtype is None else z_dtype, act_quant=act_quant)
     return y, (z if z is not None else x.new_empty(0))
 
 
 @forward_op.register_fake
-def _(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant, backend):
+def _(x, w8, scale, bias, block_size, act_quant, backend, c=None, u=None, B=None, s=0.0, xm=None, p=0.0,
+      need_z=False, z_dtype=None):
     y = x.new_empty(x.shape[0], w8.shape[0])
     want_z = need_z and c is not None
     return y, (x.new_empty(x.shape[0], w8.shape[0], dtype=z_dtype) if want_z else x.new_empty(0))
 
 
 @torch.library.custom_op("dorafp8::backward_pass", mutates_args=())
-def backward_pass_op(g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
-                     B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool,
-                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = backends.module(backend).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
+def backward_pass_op(g: Tensor, srow: Optional[Tensor], backend: str, z: Optional[Tensor] = None,
+                     c: Optional[Tensor] = None, B: Optional[Tensor] = None, u: Optional[Tensor] = None,
+                     dropout: bool = False, need_dm: bool = False, need_dB: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The plain FP8 linear leaves the DoRA arguments (z, c, B, u, dropout, need_dm, need_dB) at their defaults."""
+    out = backends.module(backend).backward_pass(g=g, z=z, c=c, srow=srow, B=B, u=u, dropout=dropout,
+                                                 need_dm=need_dm, need_dB=need_dB)
     # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
     return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
 
 
 @backward_pass_op.register_fake
-def _(g, z, c, srow, B, u, dropout, need_dm, need_dB, backend):
+def _(g, srow, backend, z=None, c=None, B=None, u=None, dropout=False, need_dm=False, need_dB=False):
     M, N = g.shape
     f32 = dict(dtype=torch.float32)
     adapter = c is not None
@@ -86,14 +94,16 @@ def _(g, z, c, srow, B, u, dropout, need_dm, need_dB, backend):
 
 
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())
-def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block: int, v: Optional[Tensor],
-             A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
-             rb: Optional[Tensor], act_quant: str, backend: str) -> Tensor:
-    return backends.module(backend).dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant)
+def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, act_quant: str, backend: str,
+             v: Optional[Tensor] = None, A: Optional[Tensor] = None, s: float = 0.0, mask: Optional[Tensor] = None,
+             p: float = 0.0, gb: Optional[Tensor] = None, rb: Optional[Tensor] = None) -> Tensor:
+    """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults."""
+    return backends.module(backend).dgrad(gl=gl, rl=rl, w8=w8, scale=scale, block_size=block_size, v=v, A=A, s=s,
+                                          mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant)
 
 
 @dgrad_op.register_fake
-def _(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant, backend):
+def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, mask=None, p=0.0, gb=None, rb=None):
     return gl.new_empty(gl.shape[0], w8.shape[1])
 
 
@@ -109,15 +119,23 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 def eager_fast_path(op):
     impl = op._init_fn  # torch.library.custom_op keeps the decorated function here
 
-    def call(*args):
+    def call(*args, **kwargs):
         if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or any(isinstance(a, Tensor) and type(a) not in _PLAIN_TENSORS for a in args)):
-            return op(*args)
-        return impl(*args)
+                or any(isinstance(a, Tensor) and type(a) not in _PLAIN_TENSORS
+                       for a in (*args, *kwargs.values()))):
+            return op(*args, **kwargs)
+        return impl(*args, **kwargs)
 
     call.op = op
     return call
 
 
-weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op = map(
-    eager_fast_path, (weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op))
+_OPS = (weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op)
+
+
+def custom_op_implementation(name: str):
+    """The Python implementation of custom op dorafp8::<name> (what a dispatch mode that opens the ops runs)."""
+    return {op._name: op._init_fn for op in _OPS}[name]
+
+
+weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op = map(eager_fast_path, _OPS)

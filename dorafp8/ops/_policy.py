@@ -1,4 +1,4 @@
-"""The dtype, dropout, norm-clamp and act_quant rules every op follows (docs/DORA_MATH.md, "Dtype policy").
+"""The dtype, dropout and norm-clamp rules every op follows (docs/DORA_MATH.md, "Dtype policy").
 
 The compute dtype (cdt) of the base path is the autocast dtype when autocast is on for x's device, else x's dtype. The
 rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and the adapter gradients) is the autocast dtype under
@@ -21,7 +21,6 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
 # clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
 NORM_EPS = 1e-12
-ACT_QUANT_MODES = ("", "rowwise")
 
 
 def dropout_mask(x: Tensor, p: float) -> Tensor:
@@ -61,11 +60,4 @@ def row_scale(scale: Tensor) -> Optional[Tensor]:
 
 def backend_needs(scale: Tensor, act_quant: str) -> frozenset:
     """What a call asks of its backend beyond W8A16 with a per-tensor or per-row scale (backends.FEATURES)."""
-    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({"w8a8"} if act_quant else ())
-
-
-def check_act_quant(act_quant) -> str:
-    mode = "" if act_quant in (None, "", "none") else act_quant
-    if mode not in ACT_QUANT_MODES:
-        raise ValueError(f"act_quant must be None or 'rowwise', got {act_quant!r}")
-    return mode
+    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({act_quant} if act_quant else ())

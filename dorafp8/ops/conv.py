@@ -44,7 +44,7 @@ def _tuple(v, nd: int, name: str) -> tuple:
     raise ValueError(f"{name} must be an int or a sequence of {nd} ints, got {v!r}")
 
 
-def dequantize_transient(w8: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
+def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
     """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over the
     reference's row blocks of the [C_out, rest] view (fp32 temporaries of at most a block) and rounded once into
     `dtype`."""
@@ -52,13 +52,13 @@ def dequantize_transient(w8: Tensor, scale: Tensor, block: int, dtype: torch.dty
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
     kind = scale_kind(scale)
-    blocks = list(row_blocks(C, K, block if kind == "block" else 1))
+    blocks = list(row_blocks(C, K, block_size if kind == "block" else 1))
     if kind == "tensor" and (dtype == torch.float32 or len(blocks) == 1):
         return e4m3_scaled(w8, scale, dtype)  # one rounding into dtype; fp32 temporaries at most a block's size
     out = torch.empty(w8.shape, dtype=dtype, device=w8.device)
     o2 = out.view(C, K)
     for j0, j1 in blocks:
-        o2[j0:j1] = e4m3_scaled_fp32(w2[j0:j1], scale_rows(scale, block, j0, j1, K))
+        o2[j0:j1] = e4m3_scaled_fp32(w2[j0:j1], scale_rows(scale, block_size, j0, j1, K))
     return out
 
 
@@ -154,22 +154,22 @@ class FP8ConvFunction(torch.autograd.Function):
     re-dequantizes the weight and returns the input (and bias) gradient."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, block, stride, padding, dilation, groups):
-        w = dequantize_transient(w8, scale, block, x.dtype)
+    def forward(ctx, x, w8, scale, bias, block_size, stride, padding, dilation, groups):
+        w = dequantize_transient(w8, scale, block_size, x.dtype)
         y = _conv(x, w, bias, stride, padding, dilation, groups)
         del w
         ctx.save_for_backward(w8, scale)
-        ctx.geom = (block, stride, padding, dilation, groups)
+        ctx.geom = (block_size, stride, padding, dilation, groups)
         ctx.x_shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
-        block, stride, padding, dilation, groups = ctx.geom
+        block_size, stride, padding, dilation, groups = ctx.geom
         dx = db = None
         if ctx.needs_input_grad[0]:
-            w = dequantize_transient(w8, scale, block, gy.dtype)
+            w = dequantize_transient(w8, scale, block_size, gy.dtype)
             dx, _ = _conv_backward(gy, ctx.x_shape, w, stride, padding, dilation, groups, True, False)
             del w
         if ctx.needs_input_grad[3]:
@@ -190,7 +190,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
     (for dm), never a dequantized weight."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block, geom, lora_geom):
+    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, geom, lora_geom):
         stride, padding, dilation, groups = geom
         nd = x.dim() - 2
         n = n.clamp_min(NORM_EPS)
@@ -202,7 +202,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         mask = dropout_mask(x, p) if dropout else None
         u = _conv(_lora_input(x, mask, p, rdt), A, None, *lora_geom, 1)
         lora = _conv(u, B, None, [1] * nd, [0] * nd, [1] * nd, groups)
-        w = dequantize_transient(w8, scale, block, cdt)
+        w = dequantize_transient(w8, scale, block_size, cdt)
         if dropout:
             base_x = _conv(x, w, None, stride, padding, dilation, groups)
             # conv(xd, W0) = conv(x * mask, W0) / (1 - p): the kept part of x is exact in cdt, the factor is fp32
@@ -229,7 +229,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         z = _as(z32, torch.promote_types(cdt, rdt)) if need_z else None
         del z32
         ctx.save_for_backward(x, mask, u, z, w8, scale, A, B, c, n)
-        ctx.s, ctx.p, ctx.block, ctx.geom, ctx.lora_geom = s, p, block, geom, lora_geom
+        ctx.s, ctx.p, ctx.block_size, ctx.geom, ctx.lora_geom = s, p, block_size, geom, lora_geom
         ctx.m_shape, ctx.m_dtype = m.shape, m.dtype
         ctx.x_shape = x.shape
         return y
@@ -271,7 +271,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
                 if need_dA:
                     dA = _as(dA_, A.dtype)
         if need_dx:
-            w = dequantize_transient(w8, scale, ctx.block, cdt)
+            w = dequantize_transient(w8, scale, ctx.block_size, cdt)
             geom = (stride, padding, dilation, groups)
             if mask is None:  # dx = conv_input(g c) + lora path
                 dx, _ = _conv_backward(gc, ctx.x_shape, w, *geom, True, False)

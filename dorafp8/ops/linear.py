@@ -6,7 +6,7 @@ Hops from the public API to a kernel:
     backend module (dorafp8.backends.reference / dorafp8.triton_kernels / dorafp8.backends.cuda / dorafp8.backends.cublas)
     ->  kernel.
 
-The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends/__init__.py.
+The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends/base.py.
 
 Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
 autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..quant import DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale
+from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale
 from . import _custom_ops as _ops
-from ._policy import (ACT_DTYPES, NORM_EPS, backend_needs, check_act_quant, compute_dtype, dropout_mask, rank_dtype,
+from ._policy import (ACT_DTYPES, NORM_EPS, backend_needs, compute_dtype, dropout_mask, rank_dtype,
                       row_scale, rows)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ class DoRAFP8Function(torch.autograd.Function):
     fp32 norm."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block, act_quant, backend):
+    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend):
         M, N = x.shape[0], w8.shape[0]
         n = n.clamp_min(NORM_EPS)
         c = m.float() / n
@@ -56,11 +56,12 @@ class DoRAFP8Function(torch.autograd.Function):
             else:
                 # The low-rank path takes x and the mask: it forms x * mask / (1 - p) in the rank dtype, as PEFT
                 # does (exact for fp32 adapters on 16-bit activations).
-                u = _ops.project_op(x, A, A.dtype, mask, p, backend)
-                y, z = _ops.forward_op(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant,
-                                       backend)
+                u = _ops.project_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
+                y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
+                                       backend=backend, c=c, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
+                                       z_dtype=z_dtype)
         ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, c, n)
-        ctx.s, ctx.p, ctx.block, ctx.act_quant, ctx.backend = s, p, block, act_quant, backend
+        ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
         ctx.m_dtype = m.dtype
         return y
 
@@ -81,16 +82,17 @@ class DoRAFP8Function(torch.autograd.Function):
         srow = row_scale(scale)
         with torch.autocast(g.device.type, enabled=False):
             gl, rl, gb, rb, v, dm_sum, db_sum, dB_sum = _ops.backward_pass_op(
-                g, z if need_dm else None, c, srow, B, u if need_dB else None, mask is not None,
-                bool(need_dm), bool(need_dB), ctx.backend)
+                g, srow, backend=ctx.backend, z=z if need_dm else None, c=c, B=B, u=u if need_dB else None,
+                dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB))
             if need_dx:
                 if mask is None:
                     gb = rb = None
                 elif srow is None:
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
-                dx = _ops.dgrad_op(gl, rl, w8, scale, ctx.block, v, A, s, mask, p, gb, rb, ctx.act_quant, ctx.backend)
+                dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
+                                   backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb)
             if need_dA:
-                dA = (s * _ops.project_grad_op(v, x, mask, p, ctx.backend)).to(A.dtype)
+                dA = (s * _ops.project_grad_op(v, x, mask=mask, p=p, backend=ctx.backend)).to(A.dtype)
             if need_dB:
                 dB = (s * c[:, None] * dB_sum).to(B.dtype)
             if need_dm:
@@ -104,13 +106,12 @@ class FP8LinearFunction(torch.autograd.Function):
     """y = x W0^T + bias with a frozen fp8 weight: the backward is the input gradient (and bias')."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, block, act_quant, backend):
+    def forward(ctx, x, w8, scale, bias, block_size, act_quant, backend):
         ctx.save_for_backward(w8, scale)
-        ctx.block, ctx.act_quant, ctx.backend = block, act_quant, backend
+        ctx.block_size, ctx.act_quant, ctx.backend = block_size, act_quant, backend
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
-        y, _ = _ops.forward_op(x, w8, scale, block, bias, None, None, None, 0.0, None, 0.0, False, x.dtype, act_quant,
-                               backend)
+        y, _ = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant, backend=backend)
         return y
 
     @staticmethod
@@ -127,13 +128,12 @@ class FP8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 db = g.sum(0, dtype=torch.float32).to(g.dtype)
         else:
-            gl, rl, _, _, _, _, db_sum, _ = _ops.backward_pass_op(g, None, None, srow, None, None, False, False, False,
-                                                                  ctx.backend)
+            gl, rl, _, _, _, _, db_sum, _ = _ops.backward_pass_op(g, srow, backend=ctx.backend)
             if ctx.needs_input_grad[3]:
                 db = db_sum.to(g.dtype)
         if ctx.needs_input_grad[0]:
-            dx = _ops.dgrad_op(gl, rl, w8, scale, ctx.block, None, None, 0.0, None, 0.0, None, None, ctx.act_quant,
-                               ctx.backend)
+            dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
+                               backend=ctx.backend)
         return dx, None, None, db, None, None, None
 
 
@@ -166,11 +166,11 @@ def _check_device(ref: Tensor, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
-def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor, int]:
+def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor]:
     check_fp8_weight(w8)
     N, K = w8.shape
     check_block_size(block_size)
-    return N, K, check_scale(scale, N, K, block_size), block_size
+    return N, K, check_scale(scale, N, K, block_size)
 
 
 def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
@@ -179,7 +179,7 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
 
     W0 = scale * w8 with scale [] (per tensor), [N] (per row) or [ceil(N/b), ceil(K/b)] (per b x b block,
     b = block_size)."""
-    N, K, scale, block = _check_weight(w8, scale, block_size)
+    N, K, scale = _check_weight(w8, scale, block_size)
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2 or lora_A.shape[1] != K:
         raise ValueError(f"lora_A must have shape [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
     _check_float(lora_A, "lora_A", (lora_A.shape[0], K))
@@ -187,7 +187,8 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
     name = backends.resolve(backend, w8.device, backend_needs(scale, ""))
     with torch.no_grad():
-        return _ops.weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        return _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling),
+                                   block_size=block_size, backend=name)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *,
@@ -196,7 +197,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
 
     act_quant="rowwise" quantizes x (and the gradient, in the backward) per row to e4m3 for the base GEMM (W8A8,
     fp8 tensor cores; see docs/DORA_MATH.md for its accuracy); the default keeps activations in the compute dtype."""
-    N, K, scale, block = _check_weight(w8, scale, block_size)
+    N, K, scale = _check_weight(w8, scale, block_size)
     _check_x(x, K)
     if bias is not None:
         _check_float(bias, "bias", (N,))
@@ -205,7 +206,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     cdt = compute_dtype(x)
     name = backends.resolve(backend, x.device, backend_needs(scale, mode))
     x2d = rows(x.reshape(-1, K).to(cdt))
-    y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block, mode, name)
+    y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block_size, mode, name)
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -226,7 +227,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     Returns [..., N] in the compute dtype (see the module docstring). Gradients flow to x, lora_A, lora_B,
     magnitude (and bias if it requires grad); w8 and scale are frozen.
     """
-    N, K, scale, block = _check_weight(w8, scale, block_size)
+    N, K, scale = _check_weight(w8, scale, block_size)
     _check_x(x, K)
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
         raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
@@ -244,7 +245,8 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias)
     name = backends.resolve(backend, x.device, backend_needs(scale, mode))
     if weight_norm is None:
-        n = _ops.weight_norm_op(w8, scale, block, lora_A.detach(), lora_B.detach(), float(scaling), name)
+        n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling), block_size=block_size,
+                                backend=name)
     else:
         if not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,):
             raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
@@ -255,5 +257,5 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     x2d = rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0
     y = DoRAFP8Function.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(rdt),
-                              lora_B.to(rdt), magnitude, n, float(scaling), p, block, mode, name)
+                              lora_B.to(rdt), magnitude, n, float(scaling), p, block_size, mode, name)
     return y.reshape(*x.shape[:-1], N)

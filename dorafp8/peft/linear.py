@@ -91,11 +91,11 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         if not adapter_names:
             return
         base = self.get_base_layer()
-        w8, scale, block = base.fp8_weight(), base.scale, base.block_size
+        w8, scale, block_size = base.fp8_weight(), base.scale, base.block_size
         gran = self.merge_granularity if self.merge_granularity != "keep" else scale_kind(scale)
         terms = adapter_terms(self, adapter_names)
-        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w8, scale, block, terms, j0, j1),
-                                              w8.shape[0], w8.shape[1], gran, block_size=block, device=w8.device)
+        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w8, scale, block_size, terms, j0, j1),
+                                              w8.shape[0], w8.shape[1], gran, block_size=block_size, device=w8.device)
         if stats.nonfinite:
             raise ValueError(f"NaNs detected in the merged weights ({stats.nonfinite} non-finite values). The "
                              f"adapter {adapter_names} seems to be broken")

@@ -1,0 +1,129 @@
+"""The backend contract: what every implementation of the DoRA-FP8 kernels computes, as a typed Protocol.
+
+A backend is a module (or an object) with the six functions of `Backend` below, the parameters named as there, plus
+`unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (the FEATURES it computes; all by default).
+The custom ops (dorafp8/ops/_custom_ops.py) call these functions with keyword arguments only, so a backend's
+parameter order is free but its parameter names are not: tests/test_layout.py checks every backend against this
+Protocol. The autograd Functions in dorafp8/ops do the rest (dropout masks, c = m / n, the final scalings of dm, dB,
+dA) in PyTorch, identically for all backends. The reference backend (reference.py) is the twin every other one is
+tested against.
+
+Names: x [M, K]; w8 [N, K] float8_e4m3fn; rank r; "cdt" = the compute dtype of the activations (fp32/bf16/fp16);
+"rdt" = the rank dtype of the low-rank path (u, v, A, B; fp32/bf16/fp16, see docs/DORA_MATH.md "Dtype policy").
+All accumulation is fp32.
+
+Weight scale (`scale`, fp32, with `block_size` an int; its kind is dorafp8.quant.scale_kind(scale)):
+W0 = scale * w8 where scale is
+    []                      "tensor": per tensor                         (block_size ignored)
+    [N]                     "row":    per output row                     (block_size ignored)
+    [ceil(N/b), ceil(K/b)]  "block":  per b x b block, b = block_size: W0[j, k] = scale[j // b, k // b] * w8[j, k]
+Block scales are applied per block of the reduction in fp32 (acc += scale_blk * partial), never rounded into an
+operand.
+
+act_quant: "" (W8A16: activations in cdt, exact up to cdt) or "rowwise" (W8A8: the left operand of each base GEMM is
+quantized per row to e4m3 with an fp32 scale amax / 448 (1 for an all-zero row), and the base GEMM multiplies e4m3 by
+e4m3 with fp32 accumulation; see docs/DORA_MATH.md). dorafp8.quant.check_act_quant is the one place that spells it.
+
+M >= 1 (the caller handles empty batches). x, xm, g, gl, gb have unit stride in their last dim (any row stride).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+# What a backend may compute beyond W8A16 with per-tensor / per-row scales, named by the values that ask for it (the
+# scale kind "block", the act_quant mode "rowwise"), and how a refusal names it. A backend
+# narrows it with a module-level `SUPPORTS`; the registry passes over a backend that lacks what a call needs under
+# backend="auto", and refuses with not_supported() when the backend is named.
+FEATURES = {
+    "block": "block weight scales",
+    "rowwise": "act_quant='rowwise' (W8A8)",
+}
+
+
+def not_supported(backend: str, feature: str, detail: str = "", alternatives: tuple[str, ...] = ()) -> ValueError:
+    """The one refusal every backend and the registry raise for a feature the backend does not compute."""
+    verb = "are" if feature == "block" else "is"
+    alt = f"backend='auto' or {' / '.join(repr(a) for a in alternatives)}" if alternatives else "backend='auto'"
+    return ValueError(f"{FEATURES[feature]}{detail} {verb} not supported by the {backend} backend; use {alt}")
+
+
+class Backend(Protocol):
+    """The six functions of the contract. Every backend computes exactly this."""
+
+    def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
+        """n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float dtype (upcast
+        in-kernel). Never materializes [N, K] in full."""
+
+    def project(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float) -> Tensor:
+        """a' @ b^T (u = xd A^T in the forward). a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in
+        out_dtype, fp32 accumulation of the exact products. a' = a, or a * mask / (1 - p) computed in fp32 when a
+        dropout mask (bool [M, K]) is given: the dropped-out activation as PEFT forms it (in the adapters' dtype),
+        without materializing it."""
+
+    def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float) -> Tensor:
+        """v^T @ a' (dA / s in the backward): v [M, r] (rdt), a [M, K] (cdt), a' as in project: fp32 [r, K]."""
+
+    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor],
+                c: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor],
+                p: float, need_z: bool, z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
+        """(y, z).
+        c is None: plain FP8 linear, y = x W0^T + bias, z is None (u, B, xm are None).
+        c [N] fp32, u [M, r] rdt (= xd A^T), B [N, r] rdt:
+          no dropout (xm is None): y = c * (x W0^T + s u B^T) + bias
+          dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
+        with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in
+        cdt: the 1 / (1 - p) of dropout would round xd in cdt, so it is applied to the fp32 product instead).
+        z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N]
+        cdt."""
+
+    def backward_pass(self, g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
+                      B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool
+                      ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor],
+                                 Optional[Tensor], Tensor, Optional[Tensor]]:
+        """(gl, rl, gb, rb, v, dm, db, dB): one pass over g [M, N] (and z) that prepares everything the backward
+        needs from them, in fp32:
+          gl, rl: the dgrad's left operand and its scalar: gl = g * f / rl in cdt with f = c * srow (no dropout) or
+                  (c - 1) * srow (dropout), rl = max|f| (fp32 0-dim, >= tiny), so that |gl| <= |g|: it cannot
+                  overflow fp16 where g does not; srow is the per-row weight scale [N], or None (ones) for tensor /
+                  block scales.
+          gb, rb: with dropout, the operand of the plain base term: g * srow / rb (or g itself and rb = 1 when srow
+                  is None); (None, None) without dropout.
+          v  = (g * c) B                          [M, r] rdt (fp32 products)
+          dm = sum_i g[i, :] * z[i, :]            [N] fp32 (None unless need_dm; the caller divides by n)
+          db = sum_i g[i, :]                      [N] fp32
+          dB = g^T u                              [N, r] fp32 (None unless need_dB; the caller scales by s * c)
+        c is None (a plain FP8Linear): only gl, rl (f = srow; gl = g and rl = 1 when srow is None) and db."""
+
+    def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, v: Optional[Tensor],
+              A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],
+              rb: Optional[Tensor], act_quant: str) -> Tensor:
+        """dx. With base(t, r) = r * (t @ W0') where W0' = w8 with block scales applied in fp32 per block
+        (per-tensor and per-row scales are already in rl / gl):
+          v is None:                  dx = base(gl, rl) * scale_t
+          no dropout (mask is None):  dx = base(gl, rl) * scale_t + s v A
+          dropout (mask bool [M, K]): dx = base(gb, rb) * scale_t + mask / (1 - p) * (base(gl, rl) * scale_t + s v A)
+        with scale_t the per-tensor scale (1 for per-row and block scales). dx is [M, K] cdt; v [M, r], A [r, K]
+        rdt."""
+
+
+CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
+
+
+def signature_mismatches(impl) -> list[str]:
+    """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""
+    out = []
+    for name in CONTRACT:
+        fn = getattr(impl, name, None)
+        if fn is None:
+            out.append(f"{name}: missing")
+            continue
+        want = [p for p in inspect.signature(getattr(Backend, name)).parameters if p != "self"]
+        got = list(inspect.signature(fn).parameters)
+        if sorted(got) != sorted(want):
+            out.append(f"{name}: parameters {got}, the contract's are {want}")
+    return out
