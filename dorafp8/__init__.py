@@ -22,7 +22,7 @@ Public API:
                                           use; dorafp8/checkpoint/hf_quantizer.py)
 
 Dispatch: dora_fp8_linear (dorafp8/ops/linear.py) -> DoRAFP8Function -> torch.ops.dorafp8.* -> the backend module
-(dorafp8/backends/__init__.py lists them) -> the kernel. The math: docs/DORA_MATH.md.
+(dorafp8/backends/__init__.py lists them; backends/base.py is their contract) -> the kernel. The math: docs/DORA_MATH.md.
 
 Saving: transformers' save_pretrained of a model with fp8 layers (the base, or after PEFT's merge_and_unload) writes
 compressed-tensors (fine-grained FP8 for a model loaded from it), which from_pretrained and vLLM read without dorafp8;

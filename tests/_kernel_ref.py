@@ -1,5 +1,5 @@
 """Shared by the kernel tests of every backend (test_triton_kernels.py, test_cuda.py, test_cuda_emulated.py,
-test_cublas.py): problem setup, float64 evaluations of the backend contract (dorafp8/backends.py, docs/DORA_MATH.md)
+test_cublas.py): problem setup, float64 evaluations of the backend contract (dorafp8/backends/base.py, docs/DORA_MATH.md)
 and the dtype-following tolerance check. Each check runs one backend function and compares it with the fp64
 formula evaluated on the exact (already rounded) inputs the backend saw, and with dorafp8.backends.reference."""
 

@@ -1,4 +1,4 @@
-"""cuBLAS strategy: the backend contract (dorafp8/backends/__init__.py) with the base GEMMs done by the platform's matmul.
+"""cuBLAS strategy: the backend contract (dorafp8/backends/base.py) with the base GEMMs done by the platform's matmul.
 
 What a user who dequantizes would do, done as well as that can be done: each call dequantizes the layer's W8 into a
 transient buffer in the compute dtype (one layer at a time, freed when the call returns, never kept), runs the base

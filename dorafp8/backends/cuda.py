@@ -1,4 +1,4 @@
-"""CUDA C++ backend: the backend contract of dorafp8/backends/__init__.py on the kernels of csrc/ (module dorafp8._C).
+"""CUDA C++ backend: the backend contract of dorafp8/backends/base.py on the kernels of csrc/ (module dorafp8._C).
 
 One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
 (`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
@@ -148,7 +148,7 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
 # ---------------------------------------------------------------------------------------------------------- contract
 
 class CudaBackend:
-    """The backend contract (dorafp8/backends/__init__.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
+    """The backend contract (dorafp8/backends/base.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
     `forward` and `dgrad` (same arguments, outputs written into the tensors passed)."""
 
     def __init__(self, launcher):

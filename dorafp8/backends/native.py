@@ -1,4 +1,4 @@
-"""Native backend: the backend contract (dorafp8/backends/__init__.py) in PyTorch, with the base GEMMs done by the platform's
+"""Native backend: the backend contract (dorafp8/backends/base.py) in PyTorch, with the base GEMMs done by the platform's
 matmul in the compute dtype (oneDNN/MKL on CPU: bf16 and fp16 products accumulate in fp32 there too).
 
 It is the reference backend (dorafp8/backends/reference.py) with one change: where the reference upcasts x and the weight

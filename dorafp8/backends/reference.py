@@ -1,4 +1,4 @@
-"""Reference backend: the backend contract (dorafp8/backends/__init__.py) in plain PyTorch.
+"""Reference backend: the backend contract (dorafp8/backends/base.py) in plain PyTorch.
 
 It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds
 a dequantized copy of the whole weight, nor an fp32 copy of a whole [M, N] or [M, K] activation: the fp8 weight is
