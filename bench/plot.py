@@ -26,6 +26,16 @@ NO_CLAIMS = "CPU run: times are perf_counter medians of tiny shapes, NO SPEED CL
 # Helpers
 
 
+
+def _save(fig, name: str) -> str:
+    """Writes a finished figure to `name` and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(name, dpi=110)
+    plt.close(fig)
+    return name
+
 def _ok(records):
     return [r for r in records if r["status"] == "ok" and r.get("ms")]
 
@@ -332,11 +342,7 @@ def write_pngs(results, out_dir, rank=16, dtype="bf16"):
             axes[0][0].set_ylabel("median ms")
             axes[0][-1].legend(fontsize=7)
             fig.suptitle(f"{mode}, lora_dropout {p:g}, r={rank}, {dtype}\n{tag}", fontsize=9)
-            fig.tight_layout()
-            name = os.path.join(out_dir, f"time_vs_tokens_{mode.replace('+', '_')}_p{p:g}.png")
-            fig.savefig(name, dpi=110)
-            plt.close(fig)
-            written.append(name)
+            written.append(_save(fig, os.path.join(out_dir, f"time_vs_tokens_{mode.replace('+', '_')}_p{p:g}.png")))
 
     # The norm: time and GB/s per shape and provider.
     norms = [r for r in layer if r["mode"] == "norm" and r["rank"] == rank and r["dtype"] == dtype]
@@ -360,11 +366,7 @@ def write_pngs(results, out_dir, rank=16, dtype="bf16"):
             a2.axhline(meta["copy_gbps"], color="k", linestyle=":", label="copy bandwidth")
         a2.legend(fontsize=7)
         fig.suptitle(f"weight norm, r={rank}, {dtype}\n{tag}", fontsize=9)
-        fig.tight_layout()
-        name = os.path.join(out_dir, "norm.png")
-        fig.savefig(name, dpi=110)
-        plt.close(fig)
-        written.append(name)
+        written.append(_save(fig, os.path.join(out_dir, "norm.png")))
 
     # Memory bars: fwd+bwd at the largest M, no dropout; and the model step.
     mem = [r for r in layer if sel(r, "fwd+bwd", 0.0)]
@@ -403,11 +405,7 @@ def write_pngs(results, out_dir, rank=16, dtype="bf16"):
             ax.set_title(f"model step: {'peak' if field == 'peak_mem_bytes' else 'adapted-weight'} memory "
                          f"({steps[0].get('model', '')})", fontsize=9)
         fig.suptitle(f"memory, r={rank}, {dtype}\n{tag}", fontsize=9)
-        fig.tight_layout()
-        name = os.path.join(out_dir, "memory.png")
-        fig.savefig(name, dpi=110)
-        plt.close(fig)
-        written.append(name)
+        written.append(_save(fig, os.path.join(out_dir, "memory.png")))
     return written
 
 
