@@ -41,14 +41,17 @@ class RequantStats:
 
 def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
     """(A fp32 [r, K], B [N, r], s, magnitude [N] or None for plain LoRA, name) for each adapter of a PEFT LoRA layer
-    (dorafp8's DoRAFP8Linear), in merge order."""
+    (dorafp8's DoRAFP8Linear or DoRAFP8Conv*d), in merge order. A conv's adapters come as their [out, in * kernel]
+    views: lora_A [r, C_in, *k] -> [r, C_in * k], lora_B [C_out, r, 1, ...] -> [C_out, r], the magnitude
+    [1, C_out, 1, ...] -> [C_out]; with groups=1 the conv's B A is B2 @ A2 in that view."""
     terms = []
     for a in adapter_names:
         if a not in layer.lora_A:
             continue
         mag = layer.lora_magnitude_vector[a].weight if a in getattr(layer, "lora_magnitude_vector", {}) else None
-        terms.append((layer.lora_A[a].weight.detach().float(), layer.lora_B[a].weight.detach(), float(layer.scaling[a]),
-                      None if mag is None else mag.detach(), a))
+        A, B = layer.lora_A[a].weight.detach(), layer.lora_B[a].weight.detach()
+        terms.append((A.reshape(A.shape[0], -1).float(), B.reshape(B.shape[0], -1), float(layer.scaling[a]),
+                      None if mag is None else mag.detach().reshape(-1), a))
     return terms
 
 

@@ -282,8 +282,8 @@ def test_unet_grad_scaler_gradient_checkpointing_and_accumulation():
 def test_unet_fp8_checkpoint_round_trip_keeps_conv_layers_fp8(fmt, tmp_path):
     """save_fp8_checkpoint / load_fp8_checkpoint on a UNet with fp8 Linear and Conv2d layers: every fp8 layout brings
     the conv layers back as FP8Conv2d with the same e4m3 bytes and scales (no dequantize-and-requantize), the bf16
-    export holds scale * w8 in the conv layout and loads into the plain diffusers UNet, and a DoRA conv adapter is
-    refused by export_merged (merging into fp8 convs is not implemented) instead of written wrong."""
+    export holds scale * w8 in the conv layout and loads into the plain diffusers UNet, and export_merged merges DoRA
+    conv adapters into the fp8 convs."""
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
 
@@ -325,8 +325,17 @@ def test_unet_fp8_checkpoint_round_trip_keeps_conv_layers_fp8(fmt, tmp_path):
         out = fresh.eval()(**kw).sample
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
-    # DoRA on the loaded fp8 convs trains; export_merged refuses to merge them
+    # DoRA on the loaded fp8 convs trains; export_merged merges it into the fp8 convs, and the file loads back
     pm = get_peft_model(fresh, LoraConfig(r=2, lora_alpha=2, use_dora=True, target_modules=["conv1", "to_q"]))
     _loss(pm, kw, torch.zeros_like(ref)).backward()
-    with pytest.raises(NotImplementedError, match="fp8 conv layer is not implemented"):
-        dorafp8.export_merged(pm, tmp_path / "merged", format=fmt, verbose=False)
+    with torch.no_grad():
+        for name, prm in pm.named_parameters():
+            if "lora_B" in name:
+                prm.normal_(0, 0.05)  # B = 0 at init: give the adapters something to merge
+        want = pm.eval()(**kw).sample
+    dorafp8.export_merged(pm, tmp_path / "merged", format=fmt, verbose=False)
+    back = small_unet()
+    dorafp8.load_fp8_checkpoint(back, tmp_path / "merged", verbose=False)
+    with torch.no_grad():
+        got = back.eval()(**kw).sample
+    assert ((got - want).norm() / want.norm()).item() < 0.05  # the merged layers' e4m3 rounding

@@ -157,11 +157,9 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         if merge:
             names_ = list(adapter_names) if adapter_names is not None else \
                 [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
-            if names_ and isinstance(fp8, FP8_CONV_TYPES):
-                raise NotImplementedError(
-                    f"{name}: merging a DoRA adapter into an fp8 conv layer is not implemented (dorafp8 merges "
-                    f"into FP8Linear layers only). Write the base with save_fp8_checkpoint and the adapter with "
-                    f"save_pretrained, or merge with plain PEFT on the original-precision model")
+            problems = tuner.merge_problems(names_) if hasattr(tuner, "merge_problems") else []
+            if problems:
+                raise ValueError(f"{name}: cannot merge: {'; '.join(problems)}")
         elif any(a not in tuner.merged_adapters for a in tuner.active_adapters):
             out.unmerged.append(name)
     terms = adapter_terms(tuner, names_) if names_ else []

@@ -24,19 +24,12 @@ from ..nn.conv import fp8_conv_class
 from ..ops.conv import conv_weight_norm, dora_fp8_conv
 from .layer import DoRAFP8Layer, FP8DoraVariantMixin
 
-_MERGE_ERROR = (
-    "merging an adapter into an fp8 conv base is not implemented (dorafp8 merges into FP8Linear bases only, "
-    "re-quantizing them). Save the adapter (peft_model.save_pretrained), load it with plain PEFT onto the "
-    "original-precision base model, and merge there (merge_and_unload)."
-)
 _PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant)
 _DORA_LAYER = {1: DoraConv1dLayer, 2: DoraConv2dLayer, 3: DoraConv3dLayer}
 
 
 class DoraFP8ConvVariant(FP8DoraVariantMixin, _DoraConvNdVariant):
     """PEFT's DoRA conv variant on an FP8 conv base: magnitude from the fp8 weight, no dense temporaries."""
-
-    _merge_error = _MERGE_ERROR
 
     @staticmethod
     def _magnitude(module: "_DoRAFP8ConvMixin", m: torch.Tensor):
@@ -87,12 +80,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         if base_layer is real or base_layer is self.__dict__.get("_dorafp8_geometry_shell"):
             return real.weight.device, real.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
-
-    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise NotImplementedError(_MERGE_ERROR)
-
-    def get_delta_weight(self, adapter) -> torch.Tensor:
-        raise NotImplementedError(_MERGE_ERROR)
 
     # ---- dorafp8 -------------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ conversion from a PEFT layer)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -17,13 +18,22 @@ from ..norm_cache import WeightNormCache
 from ..ops import NORM_EPS
 
 
+_MERGE_WARNING = (
+    "merging DoRA adapters into an fp8 base re-quantizes the merged weight to e4m3 ({} scales; "
+    "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
+    "deploy and reports the error of every layer"
+)
+
+
 class FP8DoraVariantMixin:
     """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
     dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product
     taken from the fp8 layer. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class for the layer
     type and the magnitude m [N] in the shape it holds."""
 
-    _merge_error: str
+    _merge_error = ("the DoRA variant on an fp8 base does not merge into a dense weight: the layer's own merge() "
+                    "(and PEFT's merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and "
+                    "re-quantizes to e4m3")
 
     @classmethod
     def merge_safe(cls, module, active_adapter, orig_weight):
@@ -142,6 +152,96 @@ class DoRAFP8Layer:
         self._check_forward_args(x, *args, **kwargs)
         dropout = self.lora_dropout[a]
         return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
+
+    # ---- merging --------------------------------------------------------------------------------------------------
+
+    # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
+    merge_granularity = "row"
+
+    def _adapters_to_merge(self, adapter_names=None) -> list[str]:
+        """The adapters merge(adapter_names) would merge: the named (or active) ones this layer has, not yet merged."""
+        names = self.active_adapters if adapter_names is None else list(adapter_names)
+        return [a for a in names if a in self.lora_A and a not in self.merged_adapters]
+
+    def merge_problems(self, adapter_names=None) -> list[str]:
+        """Why merge(adapter_names) would fail, found without changing anything: PEFT's merge_and_unload and
+        merge_adapter ask every layer first (register.check_model_merge), so that a model is merged whole or not at
+        all."""
+        names = self._adapters_to_merge(adapter_names)
+        if not names:
+            return []
+        base = self._fp8_base()
+        problems = []
+        if getattr(base, "groups", 1) > 1:
+            problems.append(f"merging into a conv with groups={base.groups} is not supported (nor in PEFT); "
+                            f"export the adapter and merge on the dense model instead")
+        for a in names:
+            if self.lora_bias.get(a) and base.bias is None:
+                problems.append(f"adapter {a!r} has a LoRA bias but the base layer has no bias to merge it into")
+            parts = [self.lora_A[a].weight, self.lora_B[a].weight]
+            if a in self.lora_magnitude_vector:
+                parts.append(self.lora_magnitude_vector[a].weight)
+            if not all(bool(torch.isfinite(t).all()) for t in parts):
+                problems.append(f"adapter {a!r} has non-finite (NaN/inf) weights: the merged weight cannot be stored "
+                                f"in e4m3")
+        return problems
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        """Merges the active (or the named) adapters into the fp8 base: W' = m / max(||V||, NORM_EPS) * V with
+        V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), over the [out, in * kernel] view of the
+        weight in fp32 row blocks, re-quantized to e4m3 with `merge_granularity` scales (warns that it
+        re-quantizes). Every check runs before anything changes (merge_problems). The pre-merge fp8 weight is kept,
+        so unmerge() restores it exactly. The relative error of the re-quantization is `last_merge_error`."""
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        from ..merge import adapter_terms, merged_rows, requantize
+        from ..quant import scale_kind
+
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        problems = self.merge_problems(adapter_names)
+        if problems:
+            raise ValueError("; ".join(problems))
+        base = self._fp8_base()
+        w8, scale, block_size = base.fp8_weight(), base.scale, base.block_size
+        w2 = w8.reshape(w8.shape[0], -1)  # a conv's [C_out, C_in * kernel] view: B A is B2 @ A2 there (groups=1)
+        gran = self.merge_granularity if self.merge_granularity != "keep" else scale_kind(scale)
+        terms = adapter_terms(self, adapter_names)
+        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w2, scale, block_size, terms, j0, j1),
+                                              w2.shape[0], w2.shape[1], gran, block_size=block_size, device=w8.device)
+        if stats.nonfinite:
+            raise ValueError(f"NaNs detected in the merged weights ({stats.nonfinite} non-finite values). The "
+                             f"adapter {adapter_names} seems to be broken")
+        bias = base.bias
+        for a in adapter_names:
+            if self.lora_bias.get(a):
+                bias = nn.Parameter((bias.float() + self.lora_B[a].bias.float() * self.scaling[a]).to(bias.dtype),
+                                    requires_grad=False)
+        warnings.warn(_MERGE_WARNING.format(f"per-{gran}", type(self).__name__), stacklevel=2)
+        self.__dict__.setdefault("_dorafp8_premerge", []).append((base.weight, base.scale, base.bias))
+        base.weight = nn.Parameter(new_w8.reshape(w8.shape), requires_grad=False)
+        base.scale = new_scale.to(w8.device)
+        if bias is not base.bias:
+            base.bias = bias
+        self.last_merge_error = stats.rel_error
+        self.merged_adapters.extend(adapter_names)
+        self.clear_weight_norm_cache()
+
+    def unmerge(self) -> None:
+        """Restores the fp8 base as it was before merge() (exactly: the pre-merge bytes were kept)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        stash = self.__dict__.get("_dorafp8_premerge") or []
+        if not stash:
+            raise RuntimeError("this layer's fp8 base was merged without keeping the original (loaded merged?); "
+                               "reload the base checkpoint to unmerge")
+        base = self._fp8_base()
+        base.weight, base.scale, base.bias = stash[0]
+        stash.clear()
+        self.merged_adapters.clear()
+        self.clear_weight_norm_cache()
 
     def extra_repr(self) -> str:
         ranks = ", ".join(f"{k}={v}" for k, v in self.r.items())

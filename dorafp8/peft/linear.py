@@ -9,7 +9,6 @@ case (one active DoRA adapter) is one fused dorafp8 call instead of PEFT's dense
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import nn
@@ -22,21 +21,10 @@ from ..nn import FP8Linear
 from ..ops import dora_fp8_linear, fp8_linear, weight_norm
 from .layer import DoRAFP8Layer, FP8DoraVariantMixin
 
-_MERGE_ERROR = (
-    "DoraFP8Variant does not merge into a dense weight: the base weight is fp8. DoRAFP8Linear.merge (and PEFT's "
-    "merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and re-quantizes to e4m3."
-)
-_MERGE_WARNING = (
-    "merging DoRA adapters into an fp8 base re-quantizes the merged weight to e4m3 ({} scales; "
-    "DoRAFP8Linear.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
-    "deploy and reports the error of every layer"
-)
 
 
 class DoraFP8Variant(FP8DoraVariantMixin, DoraLinearVariant):
     """PEFT's DoRA variant on an FP8Linear base: magnitude from the fp8 weight, no dense [N, K] temporaries."""
-
-    _merge_error = _MERGE_ERROR
 
     @staticmethod
     def _magnitude(module: "DoRAFP8Linear", m: torch.Tensor):
@@ -72,65 +60,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         if isinstance(base_layer, FP8Linear):
             return base_layer.weight.device, base_layer.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
-
-    # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
-    merge_granularity = "row"
-
-    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or the named) adapters into the fp8 base: W' = m / max(||V||, NORM_EPS) * V with
-        V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), in fp32 row blocks, re-quantized to e4m3
-        with `merge_granularity` scales (warns that it re-quantizes). The pre-merge fp8 weight is kept, so unmerge()
-        restores it exactly. Non-finite merged values are an error whatever safe_merge says (they cannot be
-        stored in e4m3). The relative error of the re-quantization is `last_merge_error`."""
-        from peft.tuners.tuners_utils import check_adapters_to_merge
-
-        from ..merge import adapter_terms, merged_rows, requantize
-        from ..quant import scale_kind
-
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        if not adapter_names:
-            return
-        base = self.get_base_layer()
-        w8, scale, block_size = base.fp8_weight(), base.scale, base.block_size
-        gran = self.merge_granularity if self.merge_granularity != "keep" else scale_kind(scale)
-        terms = adapter_terms(self, adapter_names)
-        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w8, scale, block_size, terms, j0, j1),
-                                              w8.shape[0], w8.shape[1], gran, block_size=block_size, device=w8.device)
-        if stats.nonfinite:
-            raise ValueError(f"NaNs detected in the merged weights ({stats.nonfinite} non-finite values). The "
-                             f"adapter {adapter_names} seems to be broken")
-        bias = base.bias
-        for a in adapter_names:
-            if self.lora_bias.get(a):
-                if bias is None:
-                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has "
-                                       "no bias.")
-                bias = nn.Parameter((bias.float() + self.lora_B[a].bias.float() * self.scaling[a]).to(bias.dtype),
-                                    requires_grad=False)
-        warnings.warn(_MERGE_WARNING.format(f"per-{gran}"), stacklevel=2)
-        self.__dict__.setdefault("_dorafp8_premerge", []).append((base.weight, base.scale, base.bias))
-        base.weight = nn.Parameter(new_w8, requires_grad=False)
-        base.scale = new_scale.to(w8.device)
-        if bias is not base.bias:
-            base.bias = bias
-        self.last_merge_error = stats.rel_error
-        self.merged_adapters.extend(adapter_names)
-        self.clear_weight_norm_cache()
-
-    def unmerge(self) -> None:
-        """Restores the fp8 base as it was before merge() (exactly: the pre-merge bytes were kept)."""
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
-            return
-        stash = self.__dict__.get("_dorafp8_premerge") or []
-        if not stash:
-            raise RuntimeError("this layer's fp8 base was merged without keeping the original (loaded merged?); "
-                               "reload the base checkpoint to unmerge")
-        base = self.get_base_layer()
-        base.weight, base.scale, base.bias = stash[0]
-        stash.clear()
-        self.merged_adapters.clear()
-        self.clear_weight_norm_cache()
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
         """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition; DoRA's merge

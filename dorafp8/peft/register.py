@@ -3,6 +3,8 @@ DoRA model in place (convert_peft_model)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 from torch import nn
@@ -18,6 +20,7 @@ from ..backends import check_backend_name
 from ..nn import FP8ConvNd, FP8Linear
 from ..nn.convert import is_fp8_cast_layer, swap_module, to_fp8_layer
 from . import conv as peft_conv
+from .layer import DoRAFP8Layer
 from .linear import DoRAFP8Linear
 
 
@@ -37,6 +40,40 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
     if not names and not conv_names:
         warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
     return len(names) + len(conv_names)
+
+
+def check_model_merge(model: nn.Module, adapter_names=None) -> None:
+    """Raises, before anything is merged, if any LoRA layer of `model` could not merge `adapter_names` (None: the
+    active adapters): PEFT merges layer after layer, so a failure at layer 11 would leave 10 merged (and, in
+    merge_and_unload, unloaded). Asks every dorafp8 layer (DoRAFP8Layer.merge_problems) and checks PEFT's own conv
+    layers for the groups > 1 that PEFT's merge refuses."""
+    problems = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, DoRAFP8Layer):
+            problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]
+        elif isinstance(mod, lora_layer._ConvNd) and getattr(mod.get_base_layer(), "groups", 1) > 1:
+            names = mod.active_adapters if adapter_names is None else adapter_names
+            if any(a in mod.lora_A and a not in mod.merged_adapters for a in names):
+                problems.append(f"{name}: PEFT does not merge into a conv with groups > 1")
+    if problems:
+        raise ValueError(f"nothing was merged: {len(problems)} problem(s) found before merging:\n  "
+                         + "\n  ".join(problems))
+
+
+def _checked_merge(method):
+    """`method` (LoraModel._unload_and_optionally_merge or merge_adapter) with check_model_merge run first."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("merge", True):
+            check_model_merge(self.model, bound.arguments.get("adapter_names"))
+        return method(self, *args, **kwargs)
+
+    wrapper._dorafp8_checked = True
+    return wrapper
 
 
 _ORIG_CREATE_NEW_MODULE = None
@@ -82,7 +119,9 @@ def register_with_peft() -> None:
 
     PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
     "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
-    so FP8Linear counts as the linear layer it is. Idempotent; runs when peft is imported (dorafp8/_install.py).
+    so FP8Linear counts as the linear layer it is. It also makes LoraModel's merge_and_unload and merge_adapter check
+    every layer before merging any (check_model_merge). Idempotent; runs when peft is imported
+    (dorafp8/_install.py).
     """
     global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:
@@ -111,3 +150,6 @@ def register_with_peft() -> None:
 
     LoraModel._create_new_module = staticmethod(_create_new_module)
     tuners_utils._maybe_include_all_linear_layers = _maybe_include_all_linear_layers
+    # All or nothing: merge_and_unload / merge_adapter check every layer before PEFT merges the first one.
+    for attr in ("_unload_and_optionally_merge", "merge_adapter"):
+        setattr(LoraModel, attr, _checked_merge(getattr(LoraModel, attr)))

@@ -1,0 +1,130 @@
+"""Model operations are all or nothing: an operation that fails leaves the model exactly as it was (same module types,
+same bytes, same output), because every check runs before the first change. A failure is injected in the last
+layer the operation would reach, where a layer-by-layer implementation would already have changed the others.
+
+Also the merge of DoRA into fp8 convs (groups=1), which used to be the failure: it merges in the conv's
+[C_out, C_in * kernel] view, where PEFT's conv B A is B2 @ A2, and is checked against fp64."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dorafp8
+from dorafp8.nn import FP8Conv2d, FP8Linear
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+
+class Net(nn.Module):
+    """Linear and conv layers, as a UNet block has them; `groups` for the last conv."""
+
+    def __init__(self, groups=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 8, 3, padding=1)
+        self.lin1 = nn.Linear(8, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=groups)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = F.silu(self.conv1(x))
+        h = self.lin1(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        h = F.silu(self.conv2(h))
+        return self.head(h.mean((2, 3)))
+
+
+X = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3))
+
+
+def _dora_model(groups=1, seed=0):
+    torch.manual_seed(seed)
+    net = Net(groups)
+    dorafp8.quantize_model(net, include_conv=True)
+    pm = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                        target_modules=["conv1", "lin1", "conv2", "head"]))
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in sorted(pm.named_parameters()):
+        if "lora_A" in name or "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.3
+        elif "lora_magnitude_vector" in name:
+            p.data = p.data * (1 + 0.2 * torch.randn(p.shape, generator=g))
+    return pm.eval()
+
+
+def _snapshot(model):
+    """Every module's type and every tensor's bytes, by name."""
+    types = {n: type(m) for n, m in model.named_modules()}
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return types, tensors
+
+
+def _assert_unchanged(model, snap, out_before):
+    types, tensors = snap
+    assert {n: type(m) for n, m in model.named_modules()} == types
+    now = model.state_dict()
+    assert now.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert now[k].dtype == v.dtype and torch.equal(now[k].reshape(-1).view(torch.uint8),
+                                                       v.reshape(-1).view(torch.uint8)), k
+    with torch.no_grad():  # bit for bit, NaNs where they were (a NaN adapter gives NaN outputs before and after)
+        torch.testing.assert_close(model(X), out_before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_conv_merge_matches_fp64_and_unmerges_exactly():
+    pm = _dora_model()
+    layer = pm.base_model.model.conv1
+    base = layer.get_base_layer()
+    w8_before, scale_before = base.weight.detach().clone(), base.scale.clone()
+    A = layer.lora_A["default"].weight.double().reshape(4, -1)
+    B = layer.lora_B["default"].weight.double().reshape(8, -1)
+    m = layer.lora_magnitude_vector["default"].weight.double().reshape(-1)
+    W0 = base.dequantize(torch.float64).reshape(8, -1)
+    V = W0 + layer.scaling["default"] * B @ A
+    want = (m / V.norm(dim=1))[:, None] * V
+    with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
+        layer.merge()
+    got = base.dequantize(torch.float64).reshape(8, -1)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel == pytest.approx(layer.last_merge_error, rel=1e-3, abs=1e-9)
+    assert 0 < rel < 0.04  # e4m3 with one scale per row: about 2.6% on such weights, under 2^-4 always
+    layer.unmerge()
+    assert torch.equal(base.weight.view(torch.uint8), w8_before.view(torch.uint8))
+    assert torch.equal(base.scale, scale_before)
+
+
+def test_merge_and_unload_of_fp8_linear_and_conv_layers():
+    pm = _dora_model()
+    with torch.no_grad():
+        before = pm(X)
+    with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
+        merged = pm.merge_and_unload()
+    assert not any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in merged.modules())
+    assert sum(isinstance(m, (FP8Linear, FP8Conv2d)) for m in merged.modules()) == 4
+    with torch.no_grad():
+        after = merged(X)
+    assert ((after - before).norm() / before.norm()).item() < 0.05  # the merged weights' e4m3 rounding
+
+
+@pytest.mark.parametrize("fault", ["nan_adapter", "grouped_conv", "lora_bias_without_bias"])
+@pytest.mark.parametrize("op", ["merge_and_unload", "merge_adapter"])
+def test_failed_merge_leaves_the_model_as_it_was(fault, op):
+    pm = _dora_model(groups=2 if fault == "grouped_conv" else 1)
+    last = pm.base_model.model.head  # the last layer PEFT reaches
+    if fault == "nan_adapter":
+        with torch.no_grad():
+            last.lora_B["default"].weight[1, 2] = float("nan")
+    elif fault == "lora_bias_without_bias":
+        last.get_base_layer().bias = None
+        last.lora_bias["default"] = True
+        last.lora_B["default"].bias = nn.Parameter(torch.zeros(5))
+    with torch.no_grad():
+        out = pm(X)
+    snap = _snapshot(pm)
+    with pytest.raises(ValueError, match="nothing was merged") as e:
+        getattr(pm, op)()
+    assert {"nan_adapter": "non-finite", "grouped_conv": "groups", "lora_bias_without_bias": "LoRA bias"}[fault] \
+        in str(e.value)
+    _assert_unchanged(pm, snap, out)
