@@ -39,6 +39,40 @@ LOSSY_FLUSHED_FRACTION = 0.01   # more than 1% of the non-zero weights became 0
 LOSSY_REL_ERROR = 0.05          # relative Frobenius error above 5% (twice e4m3's usual)
 
 
+def _check_quant_args(weight, per_row: bool, block_size, name) -> tuple[str, int]:
+    """quantize_e4m3's argument checks; returns how its messages name the weight and the rows it reads at a time."""
+    what = f"weight of {name!r}" if name else "weight"
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dtype in FP8_DTYPES:
+        raise TypeError(f"{what} must be a floating-point tensor (not fp8), got "
+                        f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"{what} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if weight.numel() == 0:
+        raise ValueError(f"{what} must not be empty, got shape {tuple(weight.shape)}")
+    if per_row and block_size is not None:
+        raise ValueError("per_row and block_size are exclusive: a scale is per tensor, per row or per block")
+    K = weight.shape[1]
+    if block_size is not None:
+        check_block_size(block_size)
+        return what, block_size * max(1, _QUANT_BLOCK_ELEMS // (K * block_size))  # whole blocks of rows at a time
+    return what, max(1, _QUANT_BLOCK_ELEMS // K)
+
+
+def _nonfinite(what: str, where: str) -> ValueError:
+    return ValueError(f"{what} has non-finite values (first in {where}); refusing to quantize them to fp8")
+
+
+def check_quantizable(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,
+                      name: str | None = None) -> None:
+    """Raises what quantize_e4m3(weight, ...) would raise, without quantizing (reads the weight once, in blocks of
+    rows): what quantize_model checks on every layer before it swaps the first."""
+    what, rows = _check_quant_args(weight, per_row, block_size, name)
+    for j0 in range(0, weight.shape[0], rows):
+        ok = torch.isfinite(weight[j0:j0 + rows].detach()).all(dim=1)
+        if not ok.all():
+            raise _nonfinite(what, f"row {j0 + int((~ok).nonzero()[0])}")
+
+
 def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,
                   name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a float weight [N, K] to (w8 float8_e4m3fn [N, K], scale fp32).
@@ -48,22 +82,8 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: in
     silently become NaN or saturate. A per-tensor quantization that loses much more than usual (see LOSSY_*) emits a
     QuantizationWarning naming per_row=True. `name` (e.g. the module's name) is used in those messages.
     """
-    what = f"weight of {name!r}" if name else "weight"
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dtype == E4M3:
-        raise TypeError(f"{what} must be a floating-point tensor (not fp8), got "
-                        f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"{what} must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    if weight.numel() == 0:
-        raise ValueError(f"{what} must not be empty, got shape {tuple(weight.shape)}")
-    if per_row and block_size is not None:
-        raise ValueError("per_row and block_size are exclusive: a scale is per tensor, per row or per block")
+    what, rows = _check_quant_args(weight, per_row, block_size, name)
     N, K = weight.shape
-    if block_size is not None:
-        check_block_size(block_size)
-        rows = block_size * max(1, _QUANT_BLOCK_ELEMS // (K * block_size))  # whole blocks of rows at a time
-    else:
-        rows = max(1, _QUANT_BLOCK_ELEMS // K)
     if block_size is not None:
         amax = torch.empty(-(-N // block_size), -(-K // block_size), dtype=torch.float32, device=weight.device)
     else:
@@ -77,8 +97,8 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: in
             amax[j0:j0 + rows] = blk.amax(dim=1).float()
     if not torch.isfinite(amax).all():
         bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
-        where = f"row {bad[0]}" if block_size is None else f"block {bad} (rows from {bad[0] * block_size})"
-        raise ValueError(f"{what} has non-finite values (first in {where}); refusing to quantize them to fp8")
+        raise _nonfinite(what, f"row {bad[0]}" if block_size is None else
+                         f"block {bad} (rows from {bad[0] * block_size})")
     per_tensor = not per_row and block_size is None
     if per_tensor:
         amax = amax.amax()

@@ -128,3 +128,33 @@ def test_failed_merge_leaves_the_model_as_it_was(fault, op):
     assert {"nan_adapter": "non-finite", "grouped_conv": "groups", "lora_bias_without_bias": "LoRA bias"}[fault] \
         in str(e.value)
     _assert_unchanged(pm, snap, out)
+
+
+@pytest.mark.parametrize("fault", ["nan_weight", "e5m2_weight"])
+def test_failed_quantize_model_leaves_the_model_as_it_was(fault):
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        if fault == "nan_weight":
+            net.head.weight[3, 1] = float("nan")  # the last layer quantize_model reaches
+        else:
+            net.head.weight = nn.Parameter(net.head.weight.to(torch.float8_e5m2), requires_grad=False)
+    with torch.no_grad():
+        out = net(X) if fault == "nan_weight" else None
+    snap = _snapshot(net)
+    err = (ValueError, "non-finite values .* row 3") if fault == "nan_weight" else (TypeError, "float8_e5m2")
+    with pytest.raises(err[0], match=err[1]):
+        dorafp8.quantize_model(net, include_conv=True)
+    if out is not None:
+        _assert_unchanged(net, snap, out)
+    else:
+        assert {n: type(m) for n, m in net.named_modules()} == snap[0]
+
+
+def test_quantize_model_says_when_it_changes_nothing_or_names_a_backend_that_cannot_run():
+    net = Net()
+    dorafp8.quantize_model(net)
+    with pytest.warns(UserWarning, match="changed nothing: the 2 layers it would quantize are already fp8"):
+        assert dorafp8.quantize_model(net, per_row_scale=True) == 0
+    with pytest.warns(UserWarning, match="backend='cuda' cannot run on cpu"):
+        dorafp8.quantize_model(Net(), backend="cuda")

@@ -27,6 +27,16 @@ def layerwise_compute_dtype(module: nn.Module):
     return getattr(hook, "compute_dtype", None)
 
 
+def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
+    """An fp8 weight without a scale must be e4m3 (taken as it is); another fp8 format is a TypeError."""
+    what = f"weight of {name!r}" if name else "weight"
+    if weight.dtype != E4M3:
+        raise TypeError(f"the {what} is {weight.dtype}; dorafp8 takes float8_e4m3fn weights as they are (scale 1) and "
+                        f"quantizes wider ones, but converting {weight.dtype} to e4m3 would move its values. Load the "
+                        f"layer in bf16/fp32 (or enable_layerwise_casting with storage_dtype=torch.float8_e4m3fn) and "
+                        f"quantize it with dorafp8.quantize_model")
+
+
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
     """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
     (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8.
@@ -38,12 +48,7 @@ def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = N
     value). Another fp8 format (e5m2, ...) is a TypeError: converting it to e4m3 is not exact."""
     if not is_fp8(weight):
         return None
-    what = f"weight of {name!r}" if name else "weight"
-    if weight.dtype != E4M3:
-        raise TypeError(f"the {what} is {weight.dtype}; dorafp8 takes float8_e4m3fn weights as they are (scale 1) and "
-                        f"quantizes wider ones, but converting {weight.dtype} to e4m3 would move its values. Load the "
-                        f"layer in bf16/fp32 (or enable_layerwise_casting with storage_dtype=torch.float8_e4m3fn) and "
-                        f"quantize it with dorafp8.quantize_model")
+    check_fp8_cast(weight, name)
     bias = module.bias
     dtype = layerwise_compute_dtype(module)
     if dtype is None:

@@ -10,9 +10,10 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from .. import backends
 from ..backends import check_backend_name
-from ..quant import check_act_quant
-from ..quant import is_fp8
+from ..quant import check_act_quant, check_quantizable, is_fp8
+from ._base import FP8WeightModule, check_fp8_cast
 from .conv import fp8_conv_class
 from .linear import FP8Linear, conv1d_class
 
@@ -35,6 +36,20 @@ def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: 
                                    name=name)
     return FP8Linear.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
                                 act_quant=act_quant, name=name)
+
+
+def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
+                    name: str | None = None) -> None:
+    """Raises what to_fp8_layer(module, ...) would raise, changing nothing (reads the weight once)."""
+    weight = module.weight.detach()
+    conv1d = conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        weight = weight.T  # Conv1D stores [in_features, out_features]
+    if is_fp8(weight):
+        check_fp8_cast(weight, name)
+    else:
+        check_quantizable(weight.reshape(weight.shape[0], -1), per_row=per_row_scale, block_size=block_size,
+                          name=name)
 
 
 def is_fp8_cast_layer(module: nn.Module) -> bool:
@@ -128,10 +143,33 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         shown = ", ".join(repr(n) for n in candidates[:8]) + (", ..." if len(candidates) > 8 else "")
         raise ValueError(f"target_modules={targets!r} matched no nn.Linear/Conv1D/Conv1d/Conv2d/Conv3d layer of the "
                          f"model; its linear and conv layers are: {shown or 'none'}")
+    if not swaps and (per_row_scale or block_size is not None):
+        done = [n for n, m in model.named_modules() if isinstance(m, FP8WeightModule)
+                and (targets is None or _matches(n, targets)) and not _matches(n, excluded)]
+        if done:
+            warnings.warn(f"quantize_model changed nothing: the {len(done)} layers it would quantize are already fp8 "
+                          f"(e.g. {done[0]!r}), and per_row_scale / block_size apply only when quantizing a float "
+                          f"weight; their scales are left as they are", stacklevel=2)
+    _warn_if_backend_cannot_run(model, backend, [model.get_submodule(n) for n in swaps])
+    # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
+    for name in swaps:
+        check_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale, block_size=block_size, name=name)
     for name in swaps:
         swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
                                               block_size=block_size, backend=backend, act_quant=act_quant, name=name))
     return len(swaps)
+
+
+def _warn_if_backend_cannot_run(model: nn.Module, backend: str, layers: list) -> None:
+    """A backend named for layers on a device where it cannot run is not an error here (the model may move to one
+    where it can before its first forward), but the user should know now rather than at that forward."""
+    if backend in (None, "auto") or not layers:
+        return
+    device = layers[0].weight.device
+    why = backends.unavailable_reason(backend, device)
+    if why is not None:
+        warnings.warn(f"backend={backend!r} cannot run on {device}, where the layers are now ({why}); their forward "
+                      f"will raise unless the model moves to a device where it can", stacklevel=3)
 
 
 def set_act_quant(model: nn.Module, mode: Optional[str]) -> int:
