@@ -158,3 +158,16 @@ def test_quantize_model_says_when_it_changes_nothing_or_names_a_backend_that_can
         assert dorafp8.quantize_model(net, per_row_scale=True) == 0
     with pytest.warns(UserWarning, match="backend='cuda' cannot run on cpu"):
         dorafp8.quantize_model(Net(), backend="cuda")
+
+
+def test_failed_convert_peft_model_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    pm = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                          target_modules=["conv1", "lin1", "conv2", "head"])).eval()
+    with torch.no_grad():
+        pm.base_model.model.head.base_layer.weight[2, 0] = float("inf")  # converted after lin1
+        out = pm(X)
+    snap = _snapshot(pm)
+    with pytest.raises(ValueError, match="head.*non-finite values"):
+        dorafp8.convert_peft_model(pm)
+    _assert_unchanged(pm, snap, out)

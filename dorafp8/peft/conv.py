@@ -22,7 +22,7 @@ from peft.tuners.lora.variants import DoraConv1dVariant, DoraConv2dVariant, Dora
 from ..nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8ConvNd
 from ..nn.conv import fp8_conv_class
 from ..ops.conv import conv_weight_norm, dora_fp8_conv
-from .layer import DoRAFP8Layer, FP8DoraVariantMixin
+from .layer import DoRAFP8Layer, FP8DoraVariantMixin, check_adapters_convertible
 
 _PEFT_DORA_CONV_VARIANTS = (DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant)
 _DORA_LAYER = {1: DoraConv1dLayer, 2: DoraConv2dLayer, 3: DoraConv3dLayer}
@@ -116,21 +116,21 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
     # ---- conversion ----------------------------------------------------------------------------------------------
 
     @classmethod
+    def check_peft_layer(cls, layer: lora_layer._ConvNd, *, per_row_scale: bool = False, name: str | None = None):
+        """Raises what from_peft(layer) would raise, changing nothing."""
+        peft_cls = next(c for c in cls.__mro__ if issubclass(c, lora_layer._ConvNd) and not issubclass(
+            c, _DoRAFP8ConvMixin))  # lora.Conv1d / Conv2d / Conv3d
+        if not isinstance(layer, peft_cls):
+            raise TypeError(f"layer must be a peft LoRA {peft_cls.__name__}, got {type(layer).__name__}")
+        check_adapters_convertible(layer, _PEFT_DORA_CONV_VARIANTS + (DoraFP8ConvVariant,), per_row_scale, name)
+
+    @classmethod
     def from_peft(cls, layer: lora_layer._ConvNd, *, backend: str = "auto", per_row_scale: bool = False):
         """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8.
 
         The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
         shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded."""
-        peft_cls = next(c for c in cls.__mro__ if issubclass(c, lora_layer._ConvNd) and not issubclass(
-            c, _DoRAFP8ConvMixin))  # lora.Conv1d / Conv2d / Conv3d
-        if not isinstance(layer, peft_cls):
-            raise TypeError(f"layer must be a peft LoRA {peft_cls.__name__}, got {type(layer).__name__}")
-        if layer.merged:
-            raise ValueError("layer has merged adapters; unmerge them first (layer.unmerge())")
-        for name, variant in layer.lora_variant.items():
-            if not isinstance(variant, _PEFT_DORA_CONV_VARIANTS + (DoraFP8ConvVariant,)):
-                raise ValueError(f"adapter {name!r} uses the LoRA variant {type(variant).__name__}, which dorafp8 "
-                                 f"does not support (only plain LoRA and DoRA)")
+        cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         if isinstance(base, FP8ConvNd):
             fp8 = base
@@ -191,6 +191,10 @@ def convertible_conv_layers(model: nn.Module) -> list[str]:
     return [name for name, mod in model.named_modules()
             if type(mod) in _PEFT_TO_FP8
             and any(isinstance(v, _PEFT_DORA_CONV_VARIANTS) for v in mod.lora_variant.values())]
+
+
+def check_conv_layer(layer: nn.Module, *, per_row_scale: bool = False, name: str | None = None) -> None:
+    _PEFT_TO_FP8[type(layer)].check_peft_layer(layer, per_row_scale=per_row_scale, name=name)
 
 
 def convert_conv_layer(layer: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> nn.Module:

@@ -13,7 +13,8 @@ from torch import nn
 from peft.tuners.lora import layer as lora_layer
 
 from ..backends import check_backend_name
-from ..nn import params_are_sharded
+from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
+from ..nn.convert import check_fp8_layer
 from ..norm_cache import WeightNormCache
 from ..ops import NORM_EPS
 
@@ -23,6 +24,21 @@ _MERGE_WARNING = (
     "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
     "deploy and reports the error of every layer"
 )
+
+
+def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
+    """What a PEFT layer must be for a dorafp8 layer to take it over: no merged adapters, only plain LoRA / DoRA
+    variants, and a base that quantizes (or is fp8 already)."""
+    where = f"{name}: " if name else ""
+    if layer.merged:
+        raise ValueError(f"{where}layer has merged adapters; unmerge them first (layer.unmerge())")
+    for adapter, variant in layer.lora_variant.items():
+        if not isinstance(variant, variants):
+            raise ValueError(f"{where}adapter {adapter!r} uses the LoRA variant {type(variant).__name__}, which "
+                             f"dorafp8 does not support (only plain LoRA and DoRA)")
+    base = layer.get_base_layer()
+    if not isinstance(base, (FP8Linear, FP8ConvNd)):
+        check_fp8_layer(base, per_row_scale=per_row_scale, name=name)
 
 
 class FP8DoraVariantMixin:

@@ -19,7 +19,7 @@ from peft.tuners.lora.variants import DoraLinearVariant
 
 from ..nn import FP8Linear
 from ..ops import dora_fp8_linear, fp8_linear, weight_norm
-from .layer import DoRAFP8Layer, FP8DoraVariantMixin
+from .layer import DoRAFP8Layer, FP8DoraVariantMixin, check_adapters_convertible
 
 
 
@@ -93,6 +93,14 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     # ---- conversion ----------------------------------------------------------------------------------------------
 
     @classmethod
+    def check_peft_layer(cls, layer: lora_layer.Linear, *, per_row_scale: bool = False, name: str | None = None):
+        """Raises what from_peft(layer) would raise, changing nothing."""
+        if not isinstance(layer, lora_layer.Linear):
+            raise TypeError(f"layer must be a peft LoRA Linear (peft.tuners.lora.layer.Linear), "
+                            f"got {type(layer).__name__}")
+        check_adapters_convertible(layer, (DoraLinearVariant, DoraFP8Variant), per_row_scale, name)
+
+    @classmethod
     def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
                   per_row_scale: bool = False) -> "DoRAFP8Linear":
         """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), with the base quantized to fp8.
@@ -100,15 +108,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
         shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded.
         """
-        if not isinstance(layer, lora_layer.Linear):
-            raise TypeError(f"layer must be a peft LoRA Linear (peft.tuners.lora.layer.Linear), "
-                            f"got {type(layer).__name__}")
-        if layer.merged:
-            raise ValueError("layer has merged adapters; unmerge them first (layer.unmerge())")
-        for name, variant in layer.lora_variant.items():
-            if type(variant) not in (DoraLinearVariant, DoraFP8Variant):
-                raise ValueError(f"adapter {name!r} uses the LoRA variant {type(variant).__name__}, which dorafp8 "
-                                 f"does not support (only plain LoRA and DoRA)")
+        cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(
             base, per_row_scale=per_row_scale, backend=backend)

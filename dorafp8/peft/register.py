@@ -33,6 +33,10 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
              if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
              and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
     conv_names = set(peft_conv.convertible_conv_layers(peft_model))
+    # All or nothing: every layer is checked (merged adapters, variants, a base that quantizes) before the first swap.
+    for name in names + sorted(conv_names):
+        check = peft_conv.check_conv_layer if name in conv_names else DoRAFP8Linear.check_peft_layer
+        check(peft_model.get_submodule(name), per_row_scale=per_row_scale, name=name)
     for name in names + sorted(conv_names):
         convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
         swap_module(peft_model, name, convert(peft_model.get_submodule(name), backend=backend,
