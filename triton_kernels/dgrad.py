@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation,
-                      check_weight, dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
 from .forward import epilogue_blocks
 
 
@@ -89,7 +89,7 @@ def dora_dgrad_kernel(
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight
-    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_N divides it
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
     HAS_LORA: tl.constexpr,     # s != 0
     DOT_DT: tl.constexpr,
@@ -135,8 +135,8 @@ def dora_dgrad_kernel(
                 gbt = gbt.to(DOT_DT)
         if SCALE_KIND == "block":
             # This N step lies in one row of scale blocks: scale its partial product per output column, in fp32.
-            sblk = tl.load(scale_ptr + (n0 // QBLOCK) * stride_scale_n + offs_k // QBLOCK, mask=mask_k,
-                           other=0.0)[:, None]
+            sblk = tl.load(scale_ptr + (n0 // SCALE_BLOCK_SIZE) * stride_scale_n + offs_k // SCALE_BLOCK_SIZE,
+                           mask=mask_k, other=0.0)[:, None]
             acc += dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
                 acc_b += dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
@@ -213,9 +213,9 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
 
 
-def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     """dx [M, K]; see dorafp8/backends/__init__.py. gl, gb [M, N], v [M, r] may have any row stride."""
-    scale, kind = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype
@@ -242,8 +242,8 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
-                                  "BLOCK_N", block, kind, "BLOCK_K", 2 if has_dropout else 1)
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, block if kind == "block" else 0)
+                                  "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
     kernel[grid](
@@ -253,16 +253,16 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
         v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
-        QBLOCK=block if kind == "block" else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
+        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
         IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return dx
 
 
-def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
+def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     """The dgrad epilogue alone, on products computed elsewhere (the cuBLAS strategy): t = gl W8' and tb = gb W8'
     (None without dropout), [M, K] in any float dtype with unit last stride."""
-    scale, kind = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     M, K = t.shape
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
-                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def dora_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (epilogue) / "block" (inside the K loop): see check_weight
-    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_K divides it
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_K divides it
     ACT_QUANT: tl.constexpr,    # x, xm are e4m3 with row scales sx, sxm (W8A8); else in the compute dtype
     HAS_LORA: tl.constexpr,     # s != 0: the rank-r term is there
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
@@ -169,8 +169,8 @@ def dora_fwd_kernel(
                 xmt = xmt.to(DOT_DT)
         if SCALE_KIND == "block":
             # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
-            sblk = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64) * stride_scale_n + k0 // QBLOCK,
-                           mask=mask_n, other=0.0)[:, None]
+            sblk = tl.load(scale_ptr + (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
+                           + k0 // SCALE_BLOCK_SIZE, mask=mask_n, other=0.0)[:, None]
             acc += dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
                 acc_d += dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
@@ -251,9 +251,9 @@ def _inv_keep(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     """(y, z); see dorafp8/backends/__init__.py. x, xm [M, K], u [M, r] may have any row stride."""
-    scale, kind = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype
@@ -282,8 +282,8 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
-                                  "BLOCK_K", block, kind, "BLOCK_N", 2 if has_dropout else 1)
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, block if kind == "block" else 0)
+                                  "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
@@ -293,17 +293,17 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
         u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_KIND=kind, QBLOCK=block if kind == "block" else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0,
-        DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
+        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return y, (z if want_z else None)
 
 
-def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, cdt):
+def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, c, u, B, s, need_z, z_dtype, cdt):
     """The forward epilogue alone, on base products computed elsewhere (the cuBLAS strategy): base = x W8'^T and
     base_d = xm W8'^T (None without dropout; p the dropout probability), [M, N] in any float dtype with unit last
     stride, W8' = w8 with block scales already applied (per-tensor and per-row scales are applied here)."""
-    scale, kind = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     M, N = base.shape
     has_adapter = c is not None
     has_dropout = has_adapter and base_d is not None

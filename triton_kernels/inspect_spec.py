@@ -30,7 +30,8 @@ import torch
 
 import triton
 
-from ._common import block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
+from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
+                      weight_norm_configs_for)
 from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -45,7 +46,7 @@ ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 N, K, RANK = 4096, 4096, 64
-QBLOCK = 128  # block size of block scales (fine-grained fp8 checkpoints)
+SCALE_BLOCK_SIZE = 128  # the launchers' block_size of block scales (fine-grained fp8 checkpoints)
 LARGE_M, SMALL_M = 4096, 32  # one M on each side of the launchers' small-M switch (m <= 64)
 FP8, F32, U8 = torch.float8_e4m3fn, torch.float32, torch.uint8
 
@@ -88,9 +89,7 @@ def _variant_name(mode, kind, quant, m):
 
 
 def _configs(configs, red_name, kind, out_name, dropout):
-    from ._common import fit_reduction_block
-
-    return fit_reduction_block(configs, red_name, QBLOCK, kind, out_name, 2 if dropout else 1)
+    return fit_reduction_block(configs, red_name, SCALE_BLOCK_SIZE, kind, out_name, 2 if dropout else 1)
 
 
 def _weight_norm_variants(arch: str) -> list[Variant]:
@@ -101,12 +100,12 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
         args = dict(
             w_ptr=FP8, scale_ptr=F32, a_ptr=dt, b_ptr=dt, n_ptr=F32,
             N=N, K=K, R=r,
-            stride_w_n=K, stride_scale_n=K // QBLOCK if kind == "block" else 0, stride_a_r=K, stride_a_k=1,
+            stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_a_r=K, stride_a_k=1,
             stride_b_n=r, stride_b_r=1,
             s=0.5,
         )
-        constexprs = dict(SCALE_KIND=kind, QBLOCK=QBLOCK if kind == "block" else 1, DOT_DT=dot_dt, IEEE=ieee,
-                          ONE_R_CHUNK=r <= br, BLOCK_R=br)
+        constexprs = dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), DOT_DT=dot_dt,
+                          IEEE=ieee, ONE_R_CHUNK=r <= br, BLOCK_R=br)
         out.append(Variant(f"{kind}-scale,r={r}", dt_name, args, constexprs,
                            weight_norm_configs_for(arch, fp32=ieee)))
     return out
@@ -124,8 +123,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
         r = RANK if adapter else 1  # without an adapter the launchers pass r = 1 and placeholders (never read)
         args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant)
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
-                          QBLOCK=QBLOCK if kind == "block" else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
-                          IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+                          SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant, HAS_LORA=True,
+                          DOT_DT=dot_dt, IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         fp32_tiles = dt == torch.float32 and not quant
         configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, kind,
                            out_name, dropout)
@@ -138,7 +137,7 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant):
         x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
         u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // QBLOCK if kind == "block" else 0,
+        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
         stride_y_m=N, stride_z_m=N,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
@@ -152,7 +151,7 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant):
         v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
-        stride_scale_n=K // QBLOCK if kind == "block" else 0,
+        stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
+from ._common import (dot, alloc, autotuned, block_r, check_weight, dot_dtype, scale_block_size,
+                      weight_norm_configs)
 
 
 @triton.jit
@@ -22,7 +23,7 @@ def dora_weight_norm_kernel(
     s,
     # Meta-parameters
     SCALE_KIND: tl.constexpr,   # "tensor" (one value), "row" ([N]), "block" ([ceil(N/b), ceil(K/b)])
-    QBLOCK: tl.constexpr,       # b for block scales
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b for block scales (1 for the other kinds)
     DOT_DT: tl.constexpr,       # dtype of the B A tl.dot operands
     IEEE: tl.constexpr,         # DOT_DT is fp32: no tf32
     ONE_R_CHUNK: tl.constexpr,  # r <= BLOCK_R: the B tile is loaded once, outside the K loop
@@ -58,8 +59,8 @@ def dora_weight_norm_kernel(
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if SCALE_KIND == "block":  # each element's block scale, gathered (the tile may span blocks)
-            sc = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64)[:, None] * stride_scale_n
-                         + (k0 + offs_k[None, :]) // QBLOCK, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+            sc = tl.load(scale_ptr + (offs_n // SCALE_BLOCK_SIZE).to(tl.int64)[:, None] * stride_scale_n
+                         + (k0 + offs_k[None, :]) // SCALE_BLOCK_SIZE, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
         w = w * sc
         # Masked rows/columns load zeros in W8, A and B, so they add exactly 0 to the squares.
         ba = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -95,10 +96,10 @@ def weight_norm_block_r(r: int, ieee: bool) -> int:
     return min(block_r(r), 16) if ieee else block_r(r)
 
 
-def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tensor, B: torch.Tensor,
+def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                 s: float) -> torch.Tensor:
     """n [N] fp32; see dorafp8/backends/__init__.py. A [r, K], B [N, r] in any float dtype (any strides)."""
-    scale, kind = check_weight(w8, scale, block, any_block=True)  # scales are gathered per element: any b works
+    scale, kind = check_weight(w8, scale, block_size, any_block=True)  # scales are gathered per element: any b works
     N, K = w8.shape
     r = A.shape[0]
     if A.dim() != 2 or A.shape[1] != K or B.dim() != 2 or tuple(B.shape) != (N, r):
@@ -117,7 +118,7 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tens
         w8.stride(0), scale.stride(0) if kind == "block" else 0, A.stride(0), A.stride(1), B.stride(0),
         B.stride(1),
         float(s),
-        SCALE_KIND=kind, QBLOCK=block if kind == "block" else 1, DOT_DT=dot_dt, IEEE=ieee,
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), DOT_DT=dot_dt, IEEE=ieee,
         ONE_R_CHUNK=r <= br, BLOCK_R=br,
     )
     return n
