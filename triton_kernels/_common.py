@@ -201,15 +201,13 @@ def autotuned(kernel, tag, configs, key, outputs):
     return tuner
 
 
-# How the weight scale is applied (the kernels' SCALE_MODE): one fp32 value, one per output row, or one per b x b block.
-SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
-
-
-def check_weight(w8: torch.Tensor, scale: torch.Tensor, block: int = 128,
-                 any_block: bool = False) -> tuple[torch.Tensor, int]:
-    """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)]);
-    returns (the scale, contiguous, and its SCALE_MODE). The GEMMs step through the reduction in blocks that must
-    fit in a scale block, so they need b to be a multiple of 16 (any_block=False)."""
+def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
+                 any_block: bool = False) -> tuple[torch.Tensor, str]:
+    """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)], b =
+    block_size); returns (the scale, contiguous, and its kind: "tensor", "row" or "block"). The kind is the kernels'
+    SCALE_KIND constexpr, spelled as dorafp8.quant.scale_kind spells it, so that one word means one thing from the
+    Python API down to the kernels. The GEMMs step through the reduction in blocks that must fit in a scale
+    block, so they need b to be a multiple of 16 (any_block=False)."""
     if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
         raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
     if w8.stride(1) != 1:
@@ -220,29 +218,30 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block: int = 128,
     if scale.device != w8.device:
         raise ValueError("scale and w8 must be on the same device")
     if scale.dim() == 0 or (scale.dim() == 1 and scale.numel() == 1):
-        return scale.reshape(1).contiguous(), SCALE_TENSOR
+        return scale.reshape(1).contiguous(), "tensor"
     if scale.dim() == 1 and scale.numel() == N:
-        return scale.contiguous(), SCALE_ROW
-    if scale.dim() == 2 and tuple(scale.shape) == (triton.cdiv(N, block), triton.cdiv(K, block)):
-        if block % _DOT_MIN and not any_block:
+        return scale.contiguous(), "row"
+    if scale.dim() == 2 and tuple(scale.shape) == (triton.cdiv(N, block_size), triton.cdiv(K, block_size)):
+        if block_size % _DOT_MIN and not any_block:
             raise ValueError(f"the triton backend needs block scales whose block size is a multiple of {_DOT_MIN}, "
-                             f"got {block} (use the reference backend)")
-        return scale.contiguous(), SCALE_BLOCK
-    raise ValueError(f"scale must be fp32 [], [{N}] or [{triton.cdiv(N, block)}, {triton.cdiv(K, block)}] "
-                     f"(block {block}), got {tuple(scale.shape)}")
+                             f"got {block_size} (use the reference backend)")
+        return scale.contiguous(), "block"
+    raise ValueError(f"scale must be fp32 [], [{N}] or [{triton.cdiv(N, block_size)}, "
+                     f"{triton.cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")
 
 
-def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int, out_name: str = "", n_acc: int = 1):
+def fit_reduction_block(configs, red_name: str, block_size: int, scale_kind: str, out_name: str = "",
+                        n_acc: int = 1):
     """With block scales, one reduction step must stay inside one scale block (the kernel scales each step's partial
-    product by its block's scale): keep the configs whose reduction block divides `block`, or shrink it to do so.
-    Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit about
+    product by its block's scale): keep the configs whose reduction block divides `block_size`, or shrink it to do
+    so. Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit about
     96 registers per thread (larger ones spilled, inspect)."""
-    if scale_mode != SCALE_BLOCK:
+    if scale_kind != "block":
         return configs
     out, seen = [], set()
     for cfg in configs:
         kw = dict(cfg.kwargs)
-        while block % kw[red_name]:
+        while block_size % kw[red_name]:
             kw[red_name] //= 2
         # shrink the tile until the accumulators and their partial-product twins fit ~96 fp32 registers a thread
         while out_name and 2 * n_acc * kw["BLOCK_M"] * kw[out_name] > 96 * 32 * cfg.num_warps and kw["BLOCK_M"] > 16:
@@ -252,6 +251,12 @@ def fit_reduction_block(configs, red_name: str, block: int, scale_mode: int, out
             seen.add(key)
             out.append(triton.Config(kw, num_stages=cfg.num_stages, num_warps=cfg.num_warps))
     return out
+
+
+def scale_block_size(scale_kind: str, block_size: int) -> int:
+    """The kernels' SCALE_BLOCK_SIZE constexpr (b of b x b block scales): block_size for block scales, else 1, so that
+    per-tensor and per-row launches do not compile, autotune and cache once per block size they never read."""
+    return block_size if scale_kind == "block" else 1
 
 
 def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (SCALE_BLOCK, dot, grouped_tile, alloc, autotuned, block_r, check_activation,
-                      check_weight, dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
 from .forward import epilogue_blocks
 
 
@@ -35,7 +35,7 @@ def _dgrad_epilogue(
     offs_m, offs_k, mask_m, mask_k,
     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -43,7 +43,7 @@ def _dgrad_epilogue(
     the accumulator's own registers (t = base / s + A^T v^T, then times s), as in the forward epilogue."""
     rows_m = offs_m.to(tl.int64)
     st = 1.0
-    if SCALE_MODE == 0:  # SCALE_TENSOR
+    if SCALE_KIND == "tensor":
         st = tl.load(scale_ptr)
     f = tl.load(rl_ptr) * st
     if HAS_ADAPTER and HAS_LORA:
@@ -88,8 +88,8 @@ def dora_dgrad_kernel(
     # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
-    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (already in gl) / SCALE_BLOCK (inside the N loop)
-    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_N divides it
+    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
     HAS_LORA: tl.constexpr,     # s != 0
     DOT_DT: tl.constexpr,
@@ -133,10 +133,10 @@ def dora_dgrad_kernel(
             gbt = tl.load(gbt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0)
             if not ACT_QUANT:
                 gbt = gbt.to(DOT_DT)
-        if SCALE_MODE == 2:  # SCALE_BLOCK
+        if SCALE_KIND == "block":
             # This N step lies in one row of scale blocks: scale its partial product per output column, in fp32.
-            sblk = tl.load(scale_ptr + (n0 // QBLOCK) * stride_scale_n + offs_k // QBLOCK, mask=mask_k,
-                           other=0.0)[:, None]
+            sblk = tl.load(scale_ptr + (n0 // SCALE_BLOCK_SIZE) * stride_scale_n + offs_k // SCALE_BLOCK_SIZE,
+                           mask=mask_k, other=0.0)[:, None]
             acc += dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
                 acc_b += dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
@@ -155,7 +155,7 @@ def dora_dgrad_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
                     BLOCK_K)
 
 
@@ -166,7 +166,7 @@ def dgrad_epilogue_kernel(
     M, K, R,
     stride_tl_m, stride_tb_m, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m,
     s, inv_keep,
-    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_LORA: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr, HAS_LORA: tl.constexpr,
     LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -184,7 +184,7 @@ def dgrad_epilogue_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     rl_ptr, rl_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_MODE, False, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
                     BLOCK_K)
 
 
@@ -213,9 +213,9 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
 
 
-def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     """dx [M, K]; see dorafp8/backends/__init__.py. gl, gb [M, N], v [M, r] may have any row stride."""
-    scale, mode = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype
@@ -242,27 +242,27 @@ def dgrad(gl, rl, w8, scale, block, v, A, s, mask, p, gb, rb, act_quant):
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
-                                  "BLOCK_N", block, mode, "BLOCK_K", 2 if has_dropout else 1)
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
+                                  "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
     kernel[grid](
         gl, gb, sgl, sgb, rl, rb, w, scale, v, A, mask, dx,
         M, N, K, r, m_bucket(M),
-        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, v.stride(0),
+        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v.stride(0),
         v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode,
-        QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
+        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
         IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return dx
 
 
-def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
+def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     """The dgrad epilogue alone, on products computed elsewhere (the cuBLAS strategy): t = gl W8' and tb = gb W8'
     (None without dropout), [M, K] in any float dtype with unit last stride."""
-    scale, mode = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     M, K = t.shape
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
@@ -279,7 +279,7 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block, v, A, s, mask, p, rb, cdt):
         M, K, r,
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_MODE=mode, HAS_LORA=float(s) != 0.0,
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind, HAS_LORA=float(s) != 0.0,
         LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_K=bk,
     )
     return dx

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (SCALE_BLOCK, dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
-                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket)
+from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
+                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _fwd_epilogue(
     sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
-    SCALE_MODE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
+    SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
@@ -60,11 +60,11 @@ def _fwd_epilogue(
     (y = s * (base / s + u B^T) + (c - 1) * z, z = s * (base_d / s + u B^T)), which is the DoRA formula
     y = base + (c - 1) base_d + c s u B^T rearranged, without a third tile."""
     rows_m = offs_m.to(tl.int64)
-    if SCALE_MODE == 0:  # SCALE_TENSOR
+    if SCALE_KIND == "tensor":
         sc = tl.load(scale_ptr)
-    elif SCALE_MODE == 1:  # SCALE_ROW: a column vector of the transposed tile
+    elif SCALE_KIND == "row":  # a column vector of the transposed tile
         sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-    else:  # SCALE_BLOCK: applied inside the K loop already
+    else:  # "block": applied inside the K loop already
         sc = 1.0
     if HAS_ADAPTER:
         if HAS_LORA:
@@ -120,8 +120,8 @@ def dora_fwd_kernel(
     HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
-    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR / SCALE_ROW (epilogue) / SCALE_BLOCK (inside the K loop)
-    QBLOCK: tl.constexpr,       # block size of block scales; BLOCK_K divides it
+    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (epilogue) / "block" (inside the K loop): see check_weight
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_K divides it
     ACT_QUANT: tl.constexpr,    # x, xm are e4m3 with row scales sx, sxm (W8A8); else in the compute dtype
     HAS_LORA: tl.constexpr,     # s != 0: the rank-r term is there
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
@@ -167,10 +167,10 @@ def dora_fwd_kernel(
             xmt = tl.load(xmt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
             if not ACT_QUANT:
                 xmt = xmt.to(DOT_DT)
-        if SCALE_MODE == 2:  # SCALE_BLOCK
+        if SCALE_KIND == "block":
             # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
-            sblk = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64) * stride_scale_n + k0 // QBLOCK,
-                           mask=mask_n, other=0.0)[:, None]
+            sblk = tl.load(scale_ptr + (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
+                           + k0 // SCALE_BLOCK_SIZE, mask=mask_n, other=0.0)[:, None]
             acc += dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if HAS_DROPOUT:
                 acc_d += dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
@@ -186,7 +186,7 @@ def dora_fwd_kernel(
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
@@ -198,7 +198,7 @@ def fwd_epilogue_kernel(
     stride_base_m, stride_based_m, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
     s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
-    SCALE_MODE: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    SCALE_KIND: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -216,7 +216,7 @@ def fwd_epilogue_kernel(
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_MODE, False, HAS_LORA, LORA_DT, LORA_IEEE,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
 
 
@@ -251,9 +251,9 @@ def _inv_keep(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
     """(y, z); see dorafp8/backends/__init__.py. x, xm [M, K], u [M, r] may have any row stride."""
-    scale, mode = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype
@@ -282,28 +282,28 @@ def forward(x, w8, scale, block, bias, c, u, B, s, xm, p, need_z, z_dtype, act_q
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
-                                  "BLOCK_K", block, mode, "BLOCK_N", 2 if has_dropout else 1)
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, block if mode == SCALE_BLOCK else 0)
+                                  "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     kernel[grid](
         x, xm, sx, sxm, w8, scale, bias_t, c, u, B, y, z,
         M, N, K, r, m_bucket(M),
-        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, u.stride(0),
+        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind == "block" else 0, u.stride(0),
         u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=float(s) != 0.0,
-        DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
+        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
     )
     return y, (z if want_z else None)
 
 
-def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z, z_dtype, cdt):
+def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, c, u, B, s, need_z, z_dtype, cdt):
     """The forward epilogue alone, on base products computed elsewhere (the cuBLAS strategy): base = x W8'^T and
     base_d = xm W8'^T (None without dropout; p the dropout probability), [M, N] in any float dtype with unit last
     stride, W8' = w8 with block scales already applied (per-tensor and per-row scales are applied here)."""
-    scale, mode = check_weight(w8, scale, block)
+    scale, kind = check_weight(w8, scale, block_size)
     M, N = base.shape
     has_adapter = c is not None
     has_dropout = has_adapter and base_d is not None
@@ -320,7 +320,7 @@ def forward_epilogue(base, base_d, p, w8, scale, block, bias, c, u, B, s, need_z
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
         z.stride(0), float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_MODE=mode, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        SCALE_KIND=kind, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
         BLOCK_M=bm, BLOCK_N=bn,
     )
     return y, (z if want_z else None)

@@ -30,7 +30,8 @@ import torch
 
 import triton
 
-from ._common import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, block_r, dot_dtype, gemm_configs_for, m_bucket, weight_norm_configs_for
+from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
+                      weight_norm_configs_for)
 from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -45,7 +46,7 @@ ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 N, K, RANK = 4096, 4096, 64
-QBLOCK = 128  # block size of block scales (fine-grained fp8 checkpoints)
+SCALE_BLOCK_SIZE = 128  # the launchers' block_size of block scales (fine-grained fp8 checkpoints)
 LARGE_M, SMALL_M = 4096, 32  # one M on each side of the launchers' small-M switch (m <= 64)
 FP8, F32, U8 = torch.float8_e4m3fn, torch.float32, torch.uint8
 
@@ -72,73 +73,71 @@ def _adapter_modes():
     return [(False, False, "plain"), (True, False, "adapter"), (True, True, "adapter+dropout")]
 
 
-_SCALE_NAMES = {SCALE_TENSOR: "tensor-scale", SCALE_ROW: "row-scale", SCALE_BLOCK: "block-scale"}
+SCALE_KINDS = ("tensor", "row", "block")  # the kernels' SCALE_KIND, as check_weight returns it
 
 
 def _gemm_modes():
-    """(dtype name, scale mode, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales and W8A8
+    """(dtype name, scale kind, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales and W8A8
     in bf16 (they change the main loop, not the dtype handling), W8A8 with per-tensor and block scales."""
-    out = [(dt, sm, False) for dt in DTYPES for sm in (SCALE_TENSOR, SCALE_ROW)]
-    out += [("bf16", SCALE_BLOCK, False), ("bf16", SCALE_TENSOR, True), ("bf16", SCALE_BLOCK, True)]
+    out = [(dt, kind, False) for dt in DTYPES for kind in ("tensor", "row")]
+    out += [("bf16", "block", False), ("bf16", "tensor", True), ("bf16", "block", True)]
     return out
 
 
-def _variant_name(mode, scale_mode, quant, m):
-    return (f"{mode},{_SCALE_NAMES[scale_mode]}{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}")
+def _variant_name(mode, kind, quant, m):
+    return (f"{mode},{kind}-scale{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}")
 
 
-def _configs(configs, red_name, scale_mode, out_name, dropout):
-    from ._common import fit_reduction_block
-
-    return fit_reduction_block(configs, red_name, QBLOCK, scale_mode, out_name, 2 if dropout else 1)
+def _configs(configs, red_name, kind, out_name, dropout):
+    return fit_reduction_block(configs, red_name, SCALE_BLOCK_SIZE, kind, out_name, 2 if dropout else 1)
 
 
 def _weight_norm_variants(arch: str) -> list[Variant]:
     out = []
-    for (dt_name, dt), sm, r in itertools.product(DTYPES.items(), _SCALE_NAMES, (16, 128)):
+    for (dt_name, dt), kind, r in itertools.product(DTYPES.items(), SCALE_KINDS, (16, 128)):
         dot_dt, ieee = dot_dtype(dt, dt)
         br = weight_norm_block_r(r, ieee)
         args = dict(
             w_ptr=FP8, scale_ptr=F32, a_ptr=dt, b_ptr=dt, n_ptr=F32,
             N=N, K=K, R=r,
-            stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0, stride_a_r=K, stride_a_k=1,
+            stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_a_r=K, stride_a_k=1,
             stride_b_n=r, stride_b_r=1,
             s=0.5,
         )
-        constexprs = dict(SCALE_MODE=sm, QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, DOT_DT=dot_dt, IEEE=ieee,
-                          ONE_R_CHUNK=r <= br, BLOCK_R=br)
-        out.append(Variant(f"{_SCALE_NAMES[sm]},r={r}", dt_name, args, constexprs,
+        constexprs = dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), DOT_DT=dot_dt,
+                          IEEE=ieee, ONE_R_CHUNK=r <= br, BLOCK_R=br)
+        out.append(Variant(f"{kind}-scale,r={r}", dt_name, args, constexprs,
                            weight_norm_configs_for(arch, fp32=ieee)))
     return out
 
 
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
-    kernel_args(dt, act, m, r, adapter, dropout, sm, quant) -> (its runtime args, its constexprs beyond the shared
+    kernel_args(dt, act, m, r, adapter, dropout, kind, quant) -> (its runtime args, its constexprs beyond the shared
     ones)."""
     out = []
-    for (dt_name, sm, quant), (adapter, dropout, mode), m in itertools.product(
+    for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
         dt = DTYPES[dt_name]
         dot_dt, ieee = dot_dtype(dt)
         r = RANK if adapter else 1  # without an adapter the launchers pass r = 1 and placeholders (never read)
-        args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, sm, quant)
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_MODE=sm,
-                          QBLOCK=QBLOCK if sm == SCALE_BLOCK else 1, ACT_QUANT=quant, HAS_LORA=True, DOT_DT=dot_dt,
-                          IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+        args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant)
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
+                          SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant, HAS_LORA=True,
+                          DOT_DT=dot_dt, IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, sm,
+        configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, kind,
                            out_name, dropout)
-        out.append(Variant(_variant_name(mode, sm, quant, m), dt_name, args, constexprs, configs))
+        out.append(Variant(_variant_name(mode, kind, quant, m), dt_name, args, constexprs, configs))
     return out
 
 
-def _forward_args(dt, act, m, r, adapter, dropout, sm, quant):
+def _forward_args(dt, act, m, r, adapter, dropout, kind, quant):
     args = dict(
         x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
         u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
         stride_y_m=N, stride_z_m=N,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
@@ -146,13 +145,13 @@ def _forward_args(dt, act, m, r, adapter, dropout, sm, quant):
     return args, dict(HAS_BIAS=True, NEED_Z=adapter)
 
 
-def _dgrad_args(dt, act, m, r, adapter, dropout, sm, quant):
+def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant):
     args = dict(
         gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
         v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
-        stride_scale_n=K // QBLOCK if sm == SCALE_BLOCK else 0,
+        stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
@@ -187,7 +186,7 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
-                          SCALE_MODE=SCALE_ROW, HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+                          SCALE_KIND="row", HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         bm, bn = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
     return out
@@ -206,7 +205,7 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
             stride_a_r=K if adapter else 1, stride_a_k=1, stride_mask_m=K if dropout else 1, stride_dx_m=K,
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_MODE=SCALE_TENSOR, HAS_LORA=True,
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_KIND="tensor", HAS_LORA=True,
                           LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
         bm, bk = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))

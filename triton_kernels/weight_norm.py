@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SCALE_BLOCK, dot, alloc, autotuned, block_r, check_weight, dot_dtype, weight_norm_configs
+from ._common import (dot, alloc, autotuned, block_r, check_weight, dot_dtype, scale_block_size,
+                      weight_norm_configs)
 
 
 @triton.jit
@@ -21,8 +22,8 @@ def dora_weight_norm_kernel(
     # Scalars
     s,
     # Meta-parameters
-    SCALE_MODE: tl.constexpr,   # SCALE_TENSOR (one value), SCALE_ROW ([N]), SCALE_BLOCK ([ceil(N/b), ceil(K/b)])
-    QBLOCK: tl.constexpr,       # b for block scales
+    SCALE_KIND: tl.constexpr,   # "tensor" (one value), "row" ([N]), "block" ([ceil(N/b), ceil(K/b)])
+    SCALE_BLOCK_SIZE: tl.constexpr,  # b for block scales (1 for the other kinds)
     DOT_DT: tl.constexpr,       # dtype of the B A tl.dot operands
     IEEE: tl.constexpr,         # DOT_DT is fp32: no tf32
     ONE_R_CHUNK: tl.constexpr,  # r <= BLOCK_R: the B tile is loaded once, outside the K loop
@@ -39,9 +40,9 @@ def dora_weight_norm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
 
-    if SCALE_MODE == 1:  # SCALE_ROW
+    if SCALE_KIND == "row":
         sc = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
-    elif SCALE_MODE == 0:  # SCALE_TENSOR
+    elif SCALE_KIND == "tensor":
         sc = tl.load(scale_ptr)
 
     if ONE_R_CHUNK:
@@ -57,9 +58,9 @@ def dora_weight_norm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if SCALE_MODE == 2:  # SCALE_BLOCK: each element's block scale, gathered (the tile may span blocks)
-            sc = tl.load(scale_ptr + (offs_n // QBLOCK).to(tl.int64)[:, None] * stride_scale_n
-                         + (k0 + offs_k[None, :]) // QBLOCK, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+        if SCALE_KIND == "block":  # each element's block scale, gathered (the tile may span blocks)
+            sc = tl.load(scale_ptr + (offs_n // SCALE_BLOCK_SIZE).to(tl.int64)[:, None] * stride_scale_n
+                         + (k0 + offs_k[None, :]) // SCALE_BLOCK_SIZE, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
         w = w * sc
         # Masked rows/columns load zeros in W8, A and B, so they add exactly 0 to the squares.
         ba = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -95,10 +96,10 @@ def weight_norm_block_r(r: int, ieee: bool) -> int:
     return min(block_r(r), 16) if ieee else block_r(r)
 
 
-def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tensor, B: torch.Tensor,
+def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                 s: float) -> torch.Tensor:
     """n [N] fp32; see dorafp8/backends/__init__.py. A [r, K], B [N, r] in any float dtype (any strides)."""
-    scale, mode = check_weight(w8, scale, block, any_block=True)  # scales are gathered per element: any b works
+    scale, kind = check_weight(w8, scale, block_size, any_block=True)  # scales are gathered per element: any b works
     N, K = w8.shape
     r = A.shape[0]
     if A.dim() != 2 or A.shape[1] != K or B.dim() != 2 or tuple(B.shape) != (N, r):
@@ -114,10 +115,10 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block: int, A: torch.Tens
     kernel[grid](
         w8, scale, A, B, n,
         N, K, r,
-        w8.stride(0), scale.stride(0) if mode == SCALE_BLOCK else 0, A.stride(0), A.stride(1), B.stride(0),
+        w8.stride(0), scale.stride(0) if kind == "block" else 0, A.stride(0), A.stride(1), B.stride(0),
         B.stride(1),
         float(s),
-        SCALE_MODE=mode, QBLOCK=block if mode == SCALE_BLOCK else 1, DOT_DT=dot_dt, IEEE=ieee,
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), DOT_DT=dot_dt, IEEE=ieee,
         ONE_R_CHUNK=r <= br, BLOCK_R=br,
     )
     return n
