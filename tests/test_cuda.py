@@ -93,7 +93,7 @@ def test_contract_refusals_need_no_gpu():
     """Block scales and W8A8 are refused by the adapter with the way out, before anything reaches the binding."""
     p = make_problem(4, 32, 20, 2, torch.bfloat16, "cpu", "block", False)
     with pytest.raises(ValueError, match="block weight scales .* not supported by the cuda backend; use "
-                                         "backend='triton' or 'reference'"):
+                                         "backend='auto' or 'triton' / 'reference'"):
         cb.weight_norm(p["w8"], p["sigma"], p["block"], p["A"], p["B"], S)
     with pytest.raises(ValueError, match="block weight scales"):
         check_forward(cb.forward, p, "dropout", True)

@@ -260,7 +260,7 @@ def test_block_scales_refused(emu, op):
     p = make_problem(4, 32, 20, 2, torch.bfloat16, "cpu", "block", False)
     assert p["sigma"].dim() == 2
     with pytest.raises(ValueError, match=r"block weight scales .* not supported by the cuda backend; use "
-                                         r"backend='triton' or 'reference'"):
+                                         r"backend='auto' or 'triton' / 'reference'"):
         if op == "weight_norm":
             check_weight_norm(emu.weight_norm, p)
         elif op == "forward":
@@ -274,7 +274,7 @@ def test_block_scales_refused(emu, op):
 def test_w8a8_refused(emu, op, mode):
     p = make_problem(4, 32, 20, 2, torch.bfloat16, "cpu", "row", False)
     with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the cuda backend.*"
-                                         r"use backend='triton' or 'reference'"):
+                                         r"use backend='auto' or 'triton' / 'reference'"):
         (check_forward(emu.forward, p, mode, True, act_quant="rowwise") if op == "forward"
          else check_dgrad(emu.dgrad, p, mode, act_quant="rowwise"))
 

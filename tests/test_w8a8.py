@@ -105,7 +105,7 @@ def test_other_backends_refuse_w8a8_clearly():
     for name in ("cublas", "cuda"):
         if backends.unavailable_reason(name, torch.device(DEVICE)) is not None:
             continue
-        with pytest.raises(ValueError, match=r"act_quant='rowwise' is not supported by the \w+ backend"):
+        with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the \w+ backend"):
             dorafp8.fp8_linear(x, w8, scale, backend=name, act_quant="rowwise")
     with pytest.raises(ValueError, match=r"act_quant must be None or 'rowwise', got 'int8'"):
         dorafp8.fp8_linear(x, w8, scale, act_quant="int8")
