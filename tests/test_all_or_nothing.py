@@ -171,3 +171,57 @@ def test_failed_convert_peft_model_leaves_the_model_as_it_was():
     with pytest.raises(ValueError, match="head.*non-finite values"):
         dorafp8.convert_peft_model(pm)
     _assert_unchanged(pm, snap, out)
+
+
+def _tree(path):
+    """{relative file name: bytes} under path."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("writer", ["save_fp8_checkpoint", "export_merged"])
+def test_failed_write_leaves_the_destination_as_it_was(tmp_path, monkeypatch, writer):
+    """export_merged fails on a broken adapter in the last layer; save_fp8_checkpoint fails after every shard is
+    written, in its config step (injected). Either way the earlier checkpoint in the destination is untouched, a new
+    destination is not created, and no staging directory is left."""
+    pytest.importorskip("safetensors")
+    from dorafp8.checkpoint import write
+
+    pm = _dora_model()
+    dest = tmp_path / "ckpt"
+    dorafp8.save_fp8_checkpoint(pm.base_model.model, dest, format="dorafp8", max_shard_size=200, verbose=False)
+    before = _tree(dest)
+    assert len([n for n in before if n.endswith(".safetensors")]) > 1  # several shards: the write is many files
+    if writer == "export_merged":
+        with torch.no_grad():
+            pm.base_model.model.head.lora_B["default"].weight[0, 0] = float("nan")  # the last layer written
+        boom = "non-finite"
+    else:
+        def fail(*args, **kwargs):
+            raise OSError("disk full (injected)")
+
+        monkeypatch.setattr(write, "write_config", fail)
+        boom = "injected"
+    model = pm if writer == "export_merged" else pm.base_model.model
+    for where in (dest, tmp_path / "fresh"):
+        with pytest.raises((ValueError, OSError), match=boom):
+            getattr(dorafp8, writer)(model, where, format="dorafp8", max_shard_size=300, verbose=False)
+    assert _tree(dest) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no fresh/, no staging directory left
+
+
+def test_a_new_checkpoint_replaces_the_old_shards_and_index(tmp_path):
+    pytest.importorskip("safetensors")
+    net = Net()
+    dorafp8.quantize_model(net, include_conv=True)
+    dest = tmp_path / "ckpt"
+    (dest).mkdir()
+    (dest / "README.md").write_text("mine")
+    dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", max_shard_size=200, verbose=False)
+    assert any(n.endswith("index.json") for n in _tree(dest))
+    dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", verbose=False)  # one file now
+    names = sorted(_tree(dest))
+    assert "README.md" in names and not any(n.endswith("index.json") or "-of-" in n for n in names), names
+    fresh = Net()
+    dorafp8.load_fp8_checkpoint(fresh, dest, verbose=False)
+    with torch.no_grad():
+        assert torch.equal(fresh(X), net(X))

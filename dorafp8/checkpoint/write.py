@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from typing import Optional
@@ -75,14 +77,24 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     path = os.fspath(path)
     t = resolve_target(model, fmt, granularity, block_size, prefix, metadata)
     check_destination(t, path, defaulted=fmt is None)
-    writer = ShardWriter(path, t.stem, parse_size(max_shard_size), t.metadata)
+    single = path.endswith(".safetensors")
+    # Write aside, then move into place: a directory checkpoint (shards, index, config.json) is written into a hidden
+    # staging directory next to `path` and its files are moved in only once all of them are written, so a failure
+    # (a broken adapter, a full disk, Ctrl-C) leaves `path` as it was. A single file is a temporary file renamed.
+    stage = path if single else _staging_dir(path)
+    writer = ShardWriter(stage, t.stem, parse_size(max_shard_size), t.metadata)
     report = ExportReport(t.fmt, path)
     try:
         out = emit(t, writer, report, merge=merge, adapter_names=adapter_names)
+        files = writer.close()
+        if not single:
+            write_config(t, stage, report, out)
     except BaseException:
         writer.discard()
+        if not single:
+            shutil.rmtree(stage, ignore_errors=True)
         raise
-    report.files = writer.close()
+    report.files = files if single else _publish(stage, path, t.stem, files)
     report.tensors, report.bytes = writer.count, writer.total
     if out.ragged:
         report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
@@ -93,13 +105,33 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     if out.unmerged and not merge:
         report.notes.append(f"{len(out.unmerged)} layers have adapters that were not written (save them with "
                             f"save_pretrained, or use export_merged): e.g. {out.unmerged[0]}")
-    if not path.endswith(".safetensors"):
-        write_config(t, path, report, out)
     report.seconds = time.time() - t0
     logger.info(str(report))
     if verbose:
         print(str(report), flush=True)
     return report
+
+
+def _staging_dir(path: str) -> str:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".partial", dir=parent)
+
+
+def _publish(stage: str, path: str, stem: str, files: list[str]) -> list[str]:
+    """Moves the finished files of `stage` into `path` (made if needed; other files there are kept, except the shards
+    and index of an earlier checkpoint with the same stem, which the new one replaces: an old index left next to a
+    new single file would be read instead of it). Returns the files' final paths."""
+    os.makedirs(path, exist_ok=True)
+    new = set(os.listdir(stage))
+    for name in os.listdir(path):
+        if name not in new and (name.startswith(f"{stem}-") and name.endswith(".safetensors")
+                                or name == f"{stem}.safetensors.index.json" or name == f"{stem}.safetensors"):
+            os.remove(os.path.join(path, name))
+    for name in sorted(new):
+        os.replace(os.path.join(stage, name), os.path.join(path, name))
+    os.rmdir(stage)
+    return [os.path.join(path, os.path.basename(f)) for f in files]
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:
