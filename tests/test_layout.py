@@ -8,6 +8,7 @@ import is still a dependency), so the check costs no import and sees code paths 
 import ast
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +271,41 @@ def test_the_version_has_one_home():
     setup_py = ast.parse((ROOT / "setup.py").read_text())
     assert dorafp8.__version__ not in {n.value for n in ast.walk(setup_py) if isinstance(n, ast.Constant)}
 
+
+def test_setup_py_writes_nothing_into_the_tree(tmp_path):
+    """Running setup.py or asking it for metadata (`python setup.py --version`, pip's metadata steps, an sdist) writes
+    no file into the source tree: the note about the CUDA extension (dorafp8/_build_info.json) is a build product,
+    which build_ext writes where the extension goes."""
+    pytest.importorskip("setuptools")
+    import dorafp8
+
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("dorafp8", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+
+    def tree():
+        return {p.relative_to(src).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+                for p in src.rglob("*") if p.is_file()}
+
+    before = tree()
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "setup.py", "--version"], cwd=src, capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.split()[-1] == dorafp8.__version__, r.stdout + r.stderr
+    # pip's steps, each in a process of its own as pip runs them: the metadata, then (for an sdist) the sdist itself
+    hook = "import sys\nfrom setuptools import build_meta\ngetattr(build_meta, sys.argv[1])(sys.argv[2])\n"
+    for name in ("prepare_metadata_for_build_wheel", "build_sdist"):
+        out = tmp_path / name
+        out.mkdir()
+        r = subprocess.run([sys.executable, "-c", hook, name, str(out)], cwd=src, capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+    after = tree()
+    # setuptools' own sdist leaves its dorafp8.egg-info/ (git-ignored) behind; nothing else may appear or change
+    changed = sorted(f for f in set(before) | set(after) if before.get(f) != after.get(f)
+                     and not f.startswith("dorafp8.egg-info/"))
+    assert not changed, changed
