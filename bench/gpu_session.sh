@@ -124,6 +124,8 @@ if has_step build; then
     so=$(ls "$STAGE"/.buildlib/dorafp8/_C*.so 2>/dev/null | head -n 1)
     if [ $rc -eq 0 ] && [ -n "$so" ]; then
       cp -f "$so" dorafp8/.incoming_C.so && mv -f dorafp8/.incoming_C.so "dorafp8/$(basename "$so")"
+      # build_ext's note of what it built, next to the .so (python -m dorafp8 and the cuda backend's errors read it)
+      cp -f "$STAGE/.buildlib/dorafp8/_build_info.json" dorafp8/_build_info.json 2>/dev/null
     elif [ $rc -eq 0 ]; then rc=8; echo "build_ext made no _C*.so" >> "$STAGE/build.log"; fi
     rm -rf "$STAGE/.buildlib" "$STAGE/.buildtmp"
     echo $rc > "$STAGE/build.rc" ) &

@@ -8,6 +8,7 @@ import is still a dependency), so the check costs no import and sees code paths 
 import ast
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -202,18 +203,40 @@ def test_module_size(name):
         assert "Long because" in head, f"{MODULES[name].relative_to(ROOT)} has {n} lines and no 'Long because' reason"
 
 
-def test_setup_py_ships_every_package():
-    """A subpackage missing from setup.py's `packages` works in an editable install and is absent from a wheel."""
-    text = (ROOT / "setup.py").read_text()
-    tree = ast.parse(text)
-    listed = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "packages":
-            listed = set(ast.literal_eval(node.value))
-    assert listed is not None, "setup.py has no literal packages=[...]"
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _setup_call() -> ast.Call:
+    calls = [n for n in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup"]
+    assert len(calls) == 1, "setup.py should call setup() once"
+    return calls[0]
+
+
+def test_pyproject_ships_every_package():
+    """A subpackage missing from pyproject.toml's `packages` works in an editable install and is absent from a wheel;
+    triton_kernels/ and csrc/ install under dorafp8, and the kernel report's CUDA sources ship with csrc/."""
+    import fnmatch
+
+    tool = _pyproject()["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    assert tool["package-dir"] == {"dorafp8": "dorafp8", "dorafp8.triton_kernels": "triton_kernels",
+                                   "dorafp8.csrc": "csrc"}
     packages = {m for m in MODULES if _is_package(m)}
     listed -= {"dorafp8.csrc"}  # csrc/ shipped as data for the kernel report (no Python package)
-    assert packages == listed, f"missing from setup.py: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
+    assert packages == listed, f"missing: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
+    # every kernel file and header the report compiles (binding.cpp is the extension's only; .py files ship as modules)
+    patterns = tool["package-data"]["dorafp8.csrc"]
+    csrc = ROOT / "csrc"
+    data = [f.relative_to(csrc).as_posix() for f in csrc.rglob("*") if f.suffix in (".cu", ".cuh", ".h")]
+    assert data and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in data), (data, patterns)
+    # the metadata has one home: setup.py passes setup() the extension and its build commands only
+    assert {k.arg for k in _setup_call().keywords} <= {"ext_modules", "cmdclass"}
 
 
 def test_one_opt_out_for_what_import_changes_outside_dorafp8():
@@ -232,10 +255,57 @@ def test_one_opt_out_for_what_import_changes_outside_dorafp8():
 
 
 def test_the_version_has_one_home():
-    """setup.py reads dorafp8.__version__ as text: the installed metadata says the same."""
+    """pyproject.toml takes the version from dorafp8.__version__, a literal that setuptools reads from the source
+    without importing dorafp8 (which imports torch); the installed metadata says the same; there is no second copy."""
     import importlib.metadata
 
     import dorafp8
 
+    project = _pyproject()["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dorafp8.__version__"}
+    assigns = [n for n in ast.parse((PKG / "__init__.py").read_text()).body if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "__version__" for t in n.targets)]
+    assert len(assigns) == 1 and ast.literal_eval(assigns[0].value) == dorafp8.__version__
     assert importlib.metadata.version("dorafp8") == dorafp8.__version__
-    assert 'version="' not in (ROOT / "setup.py").read_text()  # no second literal
+    setup_py = ast.parse((ROOT / "setup.py").read_text())
+    assert dorafp8.__version__ not in {n.value for n in ast.walk(setup_py) if isinstance(n, ast.Constant)}
+
+
+def test_setup_py_writes_nothing_into_the_tree(tmp_path):
+    """Running setup.py or asking it for metadata (`python setup.py --version`, pip's metadata steps, an sdist) writes
+    no file into the source tree: the note about the CUDA extension (dorafp8/_build_info.json) is a build product,
+    which build_ext writes where the extension goes."""
+    pytest.importorskip("setuptools")
+    import dorafp8
+
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("dorafp8", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+
+    def tree():
+        return {p.relative_to(src).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+                for p in src.rglob("*") if p.is_file()}
+
+    before = tree()
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "setup.py", "--version"], cwd=src, capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.split()[-1] == dorafp8.__version__, r.stdout + r.stderr
+    # pip's steps, each in a process of its own as pip runs them: the metadata, then (for an sdist) the sdist itself
+    hook = "import sys\nfrom setuptools import build_meta\ngetattr(build_meta, sys.argv[1])(sys.argv[2])\n"
+    for name in ("prepare_metadata_for_build_wheel", "build_sdist"):
+        out = tmp_path / name
+        out.mkdir()
+        r = subprocess.run([sys.executable, "-c", hook, name, str(out)], cwd=src, capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+    after = tree()
+    # setuptools' own sdist leaves its dorafp8.egg-info/ (git-ignored) behind; nothing else may appear or change
+    changed = sorted(f for f in set(before) | set(after) if before.get(f) != after.get(f)
+                     and not f.startswith("dorafp8.egg-info/"))
+    assert not changed, changed

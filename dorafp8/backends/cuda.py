@@ -55,7 +55,8 @@ _image_error: dict[int, str] = {}  # per device index: "" if the build has kerne
 
 
 def build_note() -> str:
-    """What setup.py decided about the extension at install time (written to dorafp8/_build_info.json)."""
+    """What setup.py decided about the extension when this installation was built: its build_ext writes that note as
+    dorafp8/_build_info.json next to the extension (into the wheel, or in place for an editable install)."""
     try:
         with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_info.json")) as f:
             return json.load(f).get("cuda_extension", "")
