@@ -166,6 +166,14 @@ def _check_device(ref: Tensor, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
+def _rank(lora_A, lora_B, K: int) -> int:
+    """The rank r the shape checks expect, taken from lora_B [N, r] when it is 2-D: a transposed lora_A [K, r] then
+    reads "lora_A must have shape [r, K]" with the real r."""
+    if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
+        raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
+    return lora_B.shape[1] if isinstance(lora_B, torch.Tensor) and lora_B.dim() == 2 else lora_A.shape[0]
+
+
 def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor]:
     check_fp8_weight(w8)
     N, K = w8.shape
@@ -180,10 +188,9 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     W0 = scale * w8 with scale [] (per tensor), [N] (per row) or [ceil(N/b), ceil(K/b)] (per b x b block,
     b = block_size)."""
     N, K, scale = _check_weight(w8, scale, block_size)
-    if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2 or lora_A.shape[1] != K:
-        raise ValueError(f"lora_A must have shape [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
-    _check_float(lora_A, "lora_A", (lora_A.shape[0], K))
-    _check_float(lora_B, "lora_B", (N, lora_A.shape[0]))
+    r = _rank(lora_A, lora_B, K)
+    _check_float(lora_A, "lora_A", (r, K))
+    _check_float(lora_B, "lora_B", (N, r))
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
     name = backends.resolve(backend, w8.device, backend_needs(scale, ""))
     with torch.no_grad():
@@ -229,9 +236,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     """
     N, K, scale = _check_weight(w8, scale, block_size)
     _check_x(x, K)
-    if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
-        raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
-    r = lora_A.shape[0]
+    r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
     _check_float(magnitude, "magnitude", (N,))
