@@ -16,7 +16,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
 
 import dorafp8  # noqa: E402
 from dorafp8 import DoRAFP8Linear, FP8Linear  # noqa: E402
-from _ref import assert_close  # noqa: E402
+from tests._ref import assert_close  # noqa: E402
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]

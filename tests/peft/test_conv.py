@@ -15,7 +15,7 @@ import dorafp8
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d
 from dorafp8.ops.conv import conv_weight_norm, dequantize_transient
 from dorafp8.quant import QuantizationWarning
-from _ref import TOL, assert_close
+from tests._ref import TOL, assert_close
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _kernel_ref import check_dgrad, check_forward, make_problem, shape_id  # noqa: E402
+from tests.kernels._kernel_ref import check_dgrad, check_forward, make_problem, shape_id  # noqa: E402
 
 from dorafp8 import backends  # noqa: E402
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dorafp8"
 
 # The layers, bottom up (docs/ARCHITECTURE.md). A module may import modules of its own layer (the graph must still be

@@ -18,8 +18,8 @@ from peft.tuners.lora.layer import LoraLayer  # noqa: E402
 
 import dorafp8  # noqa: E402
 from dorafp8 import DoRAFP8Conv2d, DoRAFP8Linear, FP8Conv2d, FP8Linear  # noqa: E402
-from _ref import assert_close  # noqa: E402
-from test_diffusion import UNET_TARGETS, _batches, small_unet  # noqa: E402
+from tests._ref import assert_close  # noqa: E402
+from tests.integration.test_diffusion import UNET_TARGETS, _batches, small_unet  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
-                         check_weight_norm, forward_64, make_problem, tol)
+from tests.kernels._kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward,
+                                       check_project, check_weight_norm, forward_64, make_problem, tol)
 
 import dorafp8
 import dorafp8.backends.reference as reference
@@ -30,7 +30,8 @@ from dorafp8.backends import cuda as cuda_backend
 from dorafp8.backends.cuda import CudaBackend
 from dorafp8.kernel_report import cuda_sources
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 CUDA_INCLUDE = os.path.join(CUDA_HOME, "include")
 if shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_fp8.h")):
@@ -44,9 +45,9 @@ DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def lib(tmp_path_factory):
     so = str(tmp_path_factory.mktemp("emu") / "libdoraemu.so")
     cxx = ["g++", "-std=c++20", "-O1", "-fPIC", "-DDORA_EMULATE", f"-I{CUDA_INCLUDE}",
-           f"-I{os.path.join(ROOT, 'tests', 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
+           f"-I{os.path.join(HERE, 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
     # Each kernel file a translation unit of its own, as in the extension build; compiled side by side.
-    sources = [os.path.join(ROOT, "tests", "cuda_emu", "emu_api.cpp"),
+    sources = [os.path.join(HERE, "cuda_emu", "emu_api.cpp"),
                *[os.path.join(ROOT, "csrc", f) for f in cuda_sources()]]
     objects = [f"{so}.{i}.o" for i in range(len(sources))]
     procs = [subprocess.Popen([*cxx, "-c", src, "-o", obj]) for src, obj in zip(sources, objects)]

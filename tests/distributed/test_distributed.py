@@ -1,7 +1,7 @@
 """Issue #13: DDP, FSDP2, accelerate and the HF Trainer on an fp8 base, with 2 CPU processes over gloo.
 
-Each engine runs one 2-process job (tests/_dist_worker.py under torch.distributed.run, 127.0.0.1, a free port, a
-time limit): 3 SGD steps of the tiny LLaMA-style DoRA model of tests/_dist_common.py, each rank on half of each
+Each engine runs one 2-process job (tests/distributed/_dist_worker.py under torch.distributed.run, 127.0.0.1, a free port, a
+time limit): 3 SGD steps of the tiny LLaMA-style DoRA model of tests/distributed/_dist_common.py, each rank on half of each
 global batch. The losses, the adapter weights and the saved adapter must equal the single-process run on the full
 batch (fp32, relative 1e-5), and the saved adapter must load with plain PEFT onto the plain (dequantized) base.
 The first tests are single-process checks of the pieces (no spawn).
@@ -24,13 +24,13 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 from peft import PeftModel  # noqa: E402
 
-import _dist_common as C  # noqa: E402
+from tests.distributed import _dist_common as C  # noqa: E402
 import dorafp8  # noqa: E402
-from _ref import assert_close  # noqa: E402
+from tests._ref import assert_close  # noqa: E402
 from dorafp8.distributed import install_ddp_support, params_are_sharded, recover_fp8_weight  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(HERE))
 JOB_TIMEOUT_S = 300  # one 2-process job takes 15-30 s on 2 cores
 TOL = 1e-5
 PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"}

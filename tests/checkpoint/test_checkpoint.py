@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Linear  # noqa: E402
 from dorafp8.checkpoint import TRANSFORMERS_FORMATS, CheckpointFormatError  # noqa: E402
-import _ckpt_fixtures as F  # noqa: E402
+from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ import torch
 
 import dorafp8
 from dorafp8 import ops
-from _ref import TOL, assert_close, dora_fp64
+from tests._ref import TOL, assert_close, dora_fp64
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [(d, b) for d in DEVICES for b in dorafp8.available_backends(d)]

@@ -19,7 +19,7 @@ import dorafp8
 from dorafp8 import FP8Linear
 from dorafp8.quant import QuantizationWarning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402

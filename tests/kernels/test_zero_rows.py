@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dorafp8
-from _ref import TOL, assert_close, dora_fp64
+from tests._ref import TOL, assert_close, dora_fp64
 
 CASES = ["reference"] + [b for b in dorafp8.available_backends("cpu") if b != "reference"]
 if torch.cuda.is_available():

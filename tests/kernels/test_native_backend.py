@@ -5,8 +5,8 @@ tolerances as every other backend (tests/_kernel_ref.py)."""
 import pytest
 import torch
 
-from _kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project, check_weight_norm,
-                         make_problem, shape_id)
+from tests.kernels._kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, make_problem, shape_id)
 
 from dorafp8 import backends
 
