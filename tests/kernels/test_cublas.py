@@ -1,6 +1,6 @@
 """The cuBLAS strategy (dorafp8/cublas_backend.py): dequantize one layer to a transient, platform matmul, fused
-Triton epilogues. Checked with the same fp64 / reference checks as every backend (tests/_kernel_ref.py); on CPU the
-matmuls are CPU ones and the epilogues run in Triton's interpreter."""
+Triton epilogues. Checked with the same fp64 / reference checks as every backend (tests/kernels/_kernel_ref.py); on CPU
+the matmuls are CPU ones and the epilogues run in Triton's interpreter."""
 
 import os
 

@@ -1,14 +1,15 @@
-"""The CUDA kernels of csrc/ run on CPU under an emulator (tests/cuda_emu/), through the CUDA backend's own contract
-adapter (dorafp8.backends.cuda.CudaBackend), against fp64 evaluations of the contract and dorafp8.backends.reference (the shared
-checks of tests/_kernel_ref.py). This is how CI, which has no GPU, executes the real kernel source.
+"""The CUDA kernels of csrc/ run on CPU under an emulator (tests/kernels/cuda_emu/), through the CUDA backend's own
+contract adapter (dorafp8.backends.cuda.CudaBackend), against fp64 evaluations of the contract and
+dorafp8.backends.reference (the shared checks of tests/kernels/_kernel_ref.py). This is how CI, which has no GPU,
+executes the real kernel source.
 
-The emulator (tests/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation unit
-of its own, as in the extension build) with g++ (-DDORA_EMULATE): one OS thread per CUDA thread; warp collectives
+The emulator (tests/kernels/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation
+unit of its own, as in the extension build) with g++ (-DDORA_EMULATE): one OS thread per CUDA thread; warp collectives
 (ldmatrix, mma.m16n8k16, shuffles) computed from the PTX ISA fragment layouts, written independently of the kernels;
 cp.async copies landing at wait_group time; a shared-memory race checker (same-barrier conflicts, reads of in-flight
 cp.async data), whose findings count as failures. Inputs are copied into exactly sized buffers and outputs start as
 NaN bytes. It shares its reading of the PTX ISA with the kernels' author, so it
-does not replace a GPU run (tests/test_cuda.py); it does catch indexing, masking, pipelining and epilogue bugs.
+does not replace a GPU run (tests/kernels/test_cuda.py); it does catch indexing, masking, pipelining and epilogue bugs.
 """
 
 import ctypes

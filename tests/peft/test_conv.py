@@ -496,7 +496,8 @@ def test_quantize_model_conv_warnings_errors_and_fp8_weights():
 def test_onetrainer_style_fp8_conv_with_dora():
     """The issue's failure: PEFT's DoRA init fails on conv weights that are already fp8. get_peft_model now builds
     dorafp8 layers on them directly (the same bytes, scale 1), the same layers quantize_model (lossless) then
-    get_peft_model builds; both train. tests/test_fp8_layers.py checks them against PEFT on the dequantized weights."""
+    get_peft_model builds; both train. tests/nn/test_fp8_layers.py checks them against PEFT on the dequantized
+    weights."""
     torch.manual_seed(0)
     net = Net()
     for name in ("conv1", "conv2"):

@@ -162,7 +162,8 @@ def test_disable_set_and_multiple_adapters():
 
 
 def test_merge_and_unload_requantizes_with_a_warning():
-    """Merging into the fp8 base re-quantizes (tests/test_checkpoint.py checks the values); it warns that it does."""
+    """Merging into the fp8 base re-quantizes (tests/checkpoint/test_checkpoint.py checks the values); it warns that it
+    does."""
     _, ours = _pair("llama")
     with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
         merged = ours.merge_and_unload()
