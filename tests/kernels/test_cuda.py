@@ -18,9 +18,9 @@ import torch
 
 import dorafp8.backends.cuda as cb
 from dorafp8 import backends, quantize_e4m3
-from tests.kernels._kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward,
-                                       check_project, check_weight_norm, d, forward_64, make_problem, shape_id, tol,
-                                       w0_64)
+from tests._tolerance import assert_close, tol
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, d, forward_64, make_problem, shape_id, w0_64)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda"

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.kernels._kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward,
-                                       check_project, check_weight_norm, forward_64, make_problem, tol)
+from tests._tolerance import assert_close, tol
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, forward_64, make_problem)
 
 import dorafp8
 import dorafp8.backends.reference as reference

@@ -1,6 +1,6 @@
 """The native backend (dorafp8/native_backend.py: the reference with its base GEMMs in the compute dtype on the
 platform's matmul; what backend="auto" runs on CPU). Checked with the same fp64 / reference checks and the same
-tolerances as every other backend (tests/kernels/_kernel_ref.py)."""
+tolerances as every other backend (tests/kernels/_kernel_ref.py, tests/_tolerance.py)."""
 
 import pytest
 import torch

@@ -98,7 +98,8 @@ def test_forward_fp32_adapters_on_bf16(device, mode):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])
 def test_forward_without_z(device, mode):
-    from tests.kernels._kernel_ref import forward_64, assert_close, tol
+    from tests._tolerance import assert_close, tol
+    from tests.kernels._kernel_ref import forward_64
 
     p = make_problem(5, 40, 36, 3, torch.float32, device, "tensor", False)
     xm = p["xm"] if mode == "dropout" else None

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dorafp8
-from tests._ref import TOL, assert_close, dora_fp64
+from tests._ref import dora_fp64
+from tests._tolerance import assert_close, tol
 
 CASES = ["reference"] + [b for b in dorafp8.available_backends("cpu") if b != "reference"]
 if torch.cuda.is_available():
@@ -82,7 +83,7 @@ def test_zero_rows_at_init_every_backend(case, kind, dropout):
         live = [j for j in range(N) if j not in dead]
         W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64, block_size=block).cpu()
         y64, _ = dora_fp64(x.cpu(), W0[live], A.cpu(), B.cpu()[live], m.cpu()[live], s, bias.cpu()[live])
-        assert_close(y[:, live].cpu(), y64, TOL[torch.float32], "live rows")
+        assert_close(y[:, live].cpu(), y64, tol(torch.float32), "live rows")
 
 
 transformers = pytest.importorskip("transformers")
