@@ -1,4 +1,5 @@
-"""dora_fp8_linear / fp8_linear / weight_norm end to end (autograd included) against fp64, every backend here."""
+"""dora_fp8_linear / fp8_linear / weight_norm end to end (autograd included) against fp64, every backend here (a test
+that takes `device` and `backend` runs on every pair that can run here: tests/conftest.py)."""
 
 import itertools
 
@@ -9,9 +10,6 @@ import dorafp8
 from dorafp8 import ops
 from tests._ref import dora_fp64
 from tests._tolerance import assert_close, tol
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-CASES = [(d, b) for d in DEVICES for b in dorafp8.available_backends(d)]
 
 
 def _problem(M, K, N, r, dtype=torch.float32, device="cpu", per_row=False, bias=True, seed=0):
@@ -27,7 +25,6 @@ def _problem(M, K, N, r, dtype=torch.float32, device="cpu", per_row=False, bias=
     return (mv(x).to(dtype), mv(w8), mv(scale), mv(A), mv(B), mv(m), mv(b))
 
 
-@pytest.mark.parametrize("device,backend", CASES)
 @pytest.mark.parametrize("shape", [(1, 16, 16, 1), (37, 50, 70, 3), (8, 64, 32, 16)])
 @pytest.mark.parametrize("per_row,bias", [(False, True), (True, False)])
 def test_dora_forward_backward_fp32(device, backend, shape, per_row, bias):
@@ -47,7 +44,6 @@ def test_dora_forward_backward_fp32(device, backend, shape, per_row, bias):
         assert_close(got, ref.grad, rel, name)
 
 
-@pytest.mark.parametrize("device,backend", CASES)
 def test_dora_dropout_matches_peft_semantics(device, backend):
     M, K, N, r, p, s = 24, 40, 30, 4, 0.3, 2.0
     x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device)
@@ -222,7 +218,6 @@ def test_quantize_recipe():
         dorafp8.quantize_e4m3(bad)
 
 
-@pytest.mark.parametrize("device,backend", CASES)
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_fp32_adapters_on_bf16_activations_get_fp32_gradients(device, backend, dropout):
     """PEFT computes the low-rank path in the adapters' dtype (it casts x to lora_A's): with bf16 activations and
@@ -251,7 +246,6 @@ def test_fp32_adapters_on_bf16_activations_get_fp32_gradients(device, backend, d
         assert_close(got, ref.grad, 2e-3 if (backend in ("cublas", "native") and name == "dm") else 5e-6, name)
 
 
-@pytest.mark.parametrize("device,backend", CASES)
 def test_fp16_large_magnitude_does_not_overflow(device, backend):
     """c = m / n of 500 in fp16: g * c or c * W8 (448 * 500) in an fp16 operand would overflow where the fp64
     result is far inside fp16's range; the dgrad operand is g * c / max|c| instead."""
@@ -279,7 +273,6 @@ def test_fp16_large_magnitude_does_not_overflow(device, backend):
     assert_close(xl.grad, leaves[0].grad, tol(torch.float16), "dx")
 
 
-@pytest.mark.parametrize("device,backend", CASES)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_zero_scaling(device, backend, dropout):
     """scaling = lora_alpha / r = 0 (lora_alpha=0): the rank-r term vanishes, the magnitude still applies. The fused
