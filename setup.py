@@ -30,7 +30,7 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 
 # The CUDA kernel files in csrc/ and the flags they are built with: csrc/build_spec.py, read by path (it imports
 # nothing), the one copy of them; the kernel report (python -m dorafp8.kernel_report) and the CPU emulator's build
-# (tests/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
+# (tests/kernels/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
 # package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]

@@ -11,7 +11,7 @@
 #   env        nvidia-smi, clocks, versions                                                         ~5 s
 #   install    pip install -e . without the CUDA extension (dorafp8.triton_kernels needs the install)  ~15 s
 #   build      the CUDA extension, for this GPU's arch only, in the BACKGROUND while `gate` runs   ~60-100 s
-#   gate       tests/test_ops.py on cuda: every backend end to end against fp64 (cap 100 s)
+#   gate       tests/ops/test_ops.py on cuda: every backend end to end against fp64 (cap 100 s)
 #   bench      the headline grid: bench/run.py --preset headline, 156 cases (cap 250 s)
 #   sanitizer  compute-sanitizer memcheck, then racecheck, on a few CUDA and Triton kernel tests (cap 60 s each)
 #   ncu        only with NCU=1: find the slowest dorafp8 kernel of one headline call, profile it alone (cap 150 s)
@@ -136,7 +136,7 @@ if has_step gate; then
   t0=$(date +%s)
   T=$(cap 40 100)
   if [ "$T" -gt 0 ]; then
-    run_to "$T" "$STAGE/gate.log" $PY -m pytest tests/test_ops.py -q -p no:cacheprovider ${XDIST:+-n 4} -k cuda \
+    run_to "$T" "$STAGE/gate.log" $PY -m pytest tests/ops/test_ops.py -q -p no:cacheprovider ${XDIST:+-n 4} -k cuda \
       -rfE ${PTIMEOUT:+--timeout 90}
     note gate $? "$t0" "test_ops.py on cuda (backends built by then): $(last_line "$STAGE/gate.log")"
   else
@@ -193,7 +193,7 @@ if has_step sanitizer; then
       if [ "$T" -gt 0 ]; then
         DORAFP8_POISON=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_to "$T" "$STAGE/sanitizer_$tool.log" \
           compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 50 \
-          $PY -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_triton_kernels.py \
+          $PY -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_cuda.py tests/kernels/test_triton_kernels.py \
           -k "(test_cuda and $SEL_CUDA) or (test_triton_kernels and $SEL_TRITON)"
         rc=$?
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Program hit|passed|failed|error|no tests ran" \
@@ -248,9 +248,9 @@ if has_step tests; then
   t0=$(date +%s)
   T=$(cap 30 200)
   if [ "$T" -gt 0 ]; then
-    run_to "$T" "$STAGE/tests_quick.log" $PY -m pytest tests/test_cuda.py tests/test_cublas.py tests/test_ops.py \
-      tests/test_peft.py tests/test_compile.py tests/test_memory.py -q -p no:cacheprovider $XDIST -rfE \
-      ${PTIMEOUT:+--timeout 120} --junitxml "$STAGE/tests_quick.xml"
+    run_to "$T" "$STAGE/tests_quick.log" $PY -m pytest tests/kernels/test_cuda.py tests/kernels/test_cublas.py \
+      tests/ops/test_ops.py tests/peft/test_peft.py tests/integration/test_compile.py tests/integration/test_memory.py \
+      -q -p no:cacheprovider $XDIST -rfE ${PTIMEOUT:+--timeout 120} --junitxml "$STAGE/tests_quick.xml"
     note "tests quick" $? "$t0" "cuda, cublas, ops, peft, compile, memory: $(last_line "$STAGE/tests_quick.log")"
   else
     note "tests quick" skip "$t0" "not enough time left"
@@ -258,7 +258,7 @@ if has_step tests; then
   t0=$(date +%s)
   T=$(cap 45 400)
   if [ "$T" -gt 0 ]; then
-    run_to "$T" "$STAGE/tests_triton.log" $PY -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider \
+    run_to "$T" "$STAGE/tests_triton.log" $PY -m pytest tests/kernels/test_triton_kernels.py -q -p no:cacheprovider \
       $XDIST -rfE ${PTIMEOUT:+--timeout 180} --junitxml "$STAGE/tests_triton.xml"
     note "tests triton" $? "$t0" "test_triton_kernels.py ($T s cap): $(last_line "$STAGE/tests_triton.log")"
   else

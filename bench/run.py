@@ -519,7 +519,8 @@ def main(argv=None):
         for prov in interpreted:
             runner.step_skipped.setdefault(
                 prov, "model step not run on CPU for providers under the Triton interpreter (tens of seconds per "
-                      "step; the layer cases above and tests/test_peft.py cover them; --interpreter-steps runs it)")
+                      "step; the layer cases above and tests/peft/test_peft.py cover them; --interpreter-steps runs "
+                      "it)")
 
     t0 = time.perf_counter()
     env["copy_gbps"] = copy_bandwidth(device, runner.timer)

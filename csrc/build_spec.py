@@ -1,13 +1,13 @@
 """What the CUDA extension dorafp8._C is built from and with, as plain literals (no imports).
 
 setup.py reads this file by path (runpy) to build the extension, and the kernel report (python -m
-dorafp8.kernel_report, docs/INSPECT.md) and the CPU emulator's build (tests/test_cuda_emulated.py) read the same
+dorafp8.kernel_report, docs/INSPECT.md) and the CPU emulator's build (tests/kernels/test_cuda_emulated.py) read the same
 lists, so that what they compile is what the extension builds. A file of its own rather than literals in setup.py
 because installed wheels do not ship setup.py: they ship this file with the sources, as dorafp8/csrc/ package data.
 """
 
 # The CUDA kernel files, one translation unit per kernel family, so that ninja builds them (and binding.cpp) in
-# parallel, MAX_JOBS at a time. tests/test_inspect.py checks that it names every .cu file here.
+# parallel, MAX_JOBS at a time. tests/integration/test_inspect.py checks that it names every .cu file here.
 CUDA_SOURCES = ["weight_norm.cu", "forward.cu", "dgrad.cu"]
 
 # C++20: torch's own headers require it from 2.10 on (and older torch builds fine with it).

@@ -1,3 +1,5 @@
+"""Shared by every test: the environment the kernels run in, and the one backend parametrization."""
+
 import os
 
 import torch
@@ -8,3 +10,45 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Kernels fill their outputs with NaN before launch in tests, so an unwritten tile cannot pass.
 os.environ.setdefault("DORAFP8_POISON", "1")
+
+# Every device here. A test that takes `backend` without `device` runs on the last one: the GPU where there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+_LOOKED_AT = set()  # the devices whose backends were listed, for the summary
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backends(*names): run a test that takes `backend` on these backends only "
+                                       "(those of them that can run here)")
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes `backend` runs once per backend that can run here (dorafp8.backends.available_backends):
+    with `device` too, once per (device, backend) pair over DEVICES; without, on DEVICES[-1].
+    @pytest.mark.backends("reference", "triton") narrows the list. A backend that cannot run is left out, not
+    skipped; the summary at the end names those left out and why."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    # Imported here, not at the top: the test modules decide whether peft or dorafp8 is imported first.
+    from dorafp8 import backends
+
+    mark = metafunc.definition.get_closest_marker("backends")
+    wanted = mark.args if mark else backends.BACKENDS
+    if "device" in metafunc.fixturenames:
+        cases = [(d, b) for d in DEVICES for b in backends.available_backends(d) if b in wanted]
+        metafunc.parametrize("device,backend", cases, ids=[f"{d}-{b}" for d, b in cases])
+        _LOOKED_AT.update(DEVICES)
+    else:
+        metafunc.parametrize("backend", [b for b in backends.available_backends(DEVICES[-1]) if b in wanted])
+        _LOOKED_AT.add(DEVICES[-1])
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _LOOKED_AT:
+        return
+    from dorafp8 import backends
+
+    for device in DEVICES:
+        if device in _LOOKED_AT:
+            left_out = [f"{b} ({backends.unavailable_reason(b, torch.device(device))})"
+                        for b in backends.BACKENDS if backends.unavailable_reason(b, torch.device(device)) is not None]
+            terminalreporter.write_line(f"backend tests on {device} left out: {'; '.join(left_out) or 'none'}")

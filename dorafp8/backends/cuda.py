@@ -2,7 +2,7 @@
 
 One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
 (`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
-are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/test_cuda_emulated.py) build the same class on the
+are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/kernels/test_cuda_emulated.py) build the same class on the
 emulator's launchers, which run the kernels of csrc/ on CPU, so the operand preparation below is tested without a GPU.
 The adapter turns the contract's Optional arguments into what the launcher takes, casts the small operands to the
 dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests set) and makes an

@@ -21,7 +21,7 @@ spans several blocks, the [M, N] base product in the compute dtype (an output-si
 W8A8 and fp16 compute run the reference's code (see _reference_cases below).
 
 `backend="auto"` uses this backend on CPU (exact twin on request: backend="reference" or DORAFP8_BACKEND=reference;
-the kernel tests compare every backend with the reference, this one included: tests/test_native_backend.py).
+the kernel tests compare every backend with the reference, this one included: tests/kernels/test_native_backend.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The parts, each importable on its own (none imports this file's names, so there 
   pool.py           worker processes and run()
   cli.py            the table and the command line
 
-The names below are the public API (what tests/test_inspect.py and tests/test_cuda_emulated.py use).
+The names below are the public API (what tests/integration/test_inspect.py and tests/kernels/test_cuda_emulated.py use).
 """
 
 from .cli import format_table, main, problems_of

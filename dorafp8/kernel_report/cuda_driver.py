@@ -56,7 +56,7 @@ def build_spec() -> dict:
 
 def cuda_sources() -> list[str]:
     """The CUDA kernel files (names in csrc/) the extension is built from: build_spec.py's CUDA_SOURCES, the one list
-    of them (setup.py, this tool and the CPU emulator's build in tests/test_cuda_emulated.py read it)."""
+    of them (setup.py, this tool and the CPU emulator's build in tests/kernels/test_cuda_emulated.py read it)."""
     return list(build_spec()["CUDA_SOURCES"])
 
 

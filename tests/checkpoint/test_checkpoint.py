@@ -1,7 +1,7 @@
 """Issue #12: the fp8 checkpoints people have (ComfyUI, compressed-tensors, transformers fine-grained FP8, fp8 casts)
 into FP8Linear layers on a meta-device model, DoRA on them, and back out: same layout bit-exact, merged exports
 within the merge error they report. Checkpoints are written by each layout's own library where it runs on CPU
-(tests/_ckpt_fixtures.py says how), on a LLaMA-style model of hidden size 64; nothing is downloaded."""
+(tests/checkpoint/_ckpt_fixtures.py says how), on a LLaMA-style model of hidden size 64; nothing is downloaded."""
 
 import copy
 import os
@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Linear  # noqa: E402
 from dorafp8.checkpoint import TRANSFORMERS_FORMATS, CheckpointFormatError  # noqa: E402
-import _ckpt_fixtures as F  # noqa: E402
+from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))

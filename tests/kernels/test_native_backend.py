@@ -1,12 +1,12 @@
 """The native backend (dorafp8/native_backend.py: the reference with its base GEMMs in the compute dtype on the
 platform's matmul; what backend="auto" runs on CPU). Checked with the same fp64 / reference checks and the same
-tolerances as every other backend (tests/_kernel_ref.py)."""
+tolerances as every other backend (tests/kernels/_kernel_ref.py, tests/_tolerance.py)."""
 
 import pytest
 import torch
 
-from _kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project, check_weight_norm,
-                         make_problem, shape_id)
+from tests.kernels._kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, make_problem, shape_id)
 
 from dorafp8 import backends
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 

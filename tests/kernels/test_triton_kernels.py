@@ -15,8 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
-from _kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,  # noqa: E402
-                         check_weight_norm, make_problem, shape_id)
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward,  # noqa: E402
+                                       check_project, check_weight_norm, make_problem, shape_id)
 
 tk = pytest.importorskip("dorafp8.triton_kernels")
 
@@ -98,7 +98,8 @@ def test_forward_fp32_adapters_on_bf16(device, mode):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])
 def test_forward_without_z(device, mode):
-    from _kernel_ref import forward_64, assert_close, tol
+    from tests._tolerance import assert_close, tol
+    from tests.kernels._kernel_ref import forward_64
 
     p = make_problem(5, 40, 36, 3, torch.float32, device, "tensor", False)
     xm = p["xm"] if mode == "dropout" else None

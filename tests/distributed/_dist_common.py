@@ -1,5 +1,6 @@
-"""What tests/test_distributed.py and its worker (tests/_dist_worker.py) share: the tiny LLaMA-style DoRA model on an
-fp8 base, the data, and the single-process reference run on the full batch that every engine must reproduce."""
+"""What tests/distributed/test_distributed.py and its worker (tests/distributed/_dist_worker.py) share: the tiny
+LLaMA-style DoRA model on an fp8 base, the data, and the single-process reference run on the full batch that every
+engine must reproduce."""
 
 import hashlib
 import os

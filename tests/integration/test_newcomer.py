@@ -19,7 +19,7 @@ import dorafp8
 from dorafp8 import FP8Linear
 from dorafp8.quant import QuantizationWarning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -56,7 +56,7 @@ def test_import_does_not_load_peft_transformers_or_triton():
 def test_fp8_first_get_peft_model_needs_no_other_import(order):
     """quantize_model then get_peft_model builds DoRAFP8Linear layers whichever of peft and dorafp8 is imported
     first, without the user importing dorafp8's PEFT integration; and transformers' save_pretrained (which peft
-    imports) is hooked either way (tests/test_save_paths.py)."""
+    imports) is hooked either way (tests/checkpoint/test_save_paths.py)."""
     imports = "import dorafp8\nimport peft" if order == "dorafp8-first" else "import peft\nimport dorafp8"
     out = _run_python(f"""{imports}
 import torch

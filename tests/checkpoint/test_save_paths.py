@@ -44,10 +44,10 @@ from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear  # noqa: E402
 from dorafp8.checkpoint import DENSE_FORMATS, FORMATS, TRANSFORMERS_FORMATS  # noqa: E402
 from dorafp8.ops import NORM_EPS  # noqa: E402
 
-import _ckpt_fixtures as F  # noqa: E402
-from test_diffusion import _batches, small_unet  # noqa: E402
+from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
+from tests.integration.test_diffusion import _batches, small_unet  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 E4M3 = torch.float8_e4m3fn
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
 GRANULARITIES = {"tensor": {}, "row": dict(per_row_scale=True), "block": dict(block_size=32)}

@@ -1,14 +1,15 @@
-"""The CUDA kernels of csrc/ run on CPU under an emulator (tests/cuda_emu/), through the CUDA backend's own contract
-adapter (dorafp8.backends.cuda.CudaBackend), against fp64 evaluations of the contract and dorafp8.backends.reference (the shared
-checks of tests/_kernel_ref.py). This is how CI, which has no GPU, executes the real kernel source.
+"""The CUDA kernels of csrc/ run on CPU under an emulator (tests/kernels/cuda_emu/), through the CUDA backend's own
+contract adapter (dorafp8.backends.cuda.CudaBackend), against fp64 evaluations of the contract and
+dorafp8.backends.reference (the shared checks of tests/kernels/_kernel_ref.py). This is how CI, which has no GPU,
+executes the real kernel source.
 
-The emulator (tests/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation unit
-of its own, as in the extension build) with g++ (-DDORA_EMULATE): one OS thread per CUDA thread; warp collectives
+The emulator (tests/kernels/cuda_emu/emu_cuda.h) compiles the kernel files (setup.py's CUDA_SOURCES, each a translation
+unit of its own, as in the extension build) with g++ (-DDORA_EMULATE): one OS thread per CUDA thread; warp collectives
 (ldmatrix, mma.m16n8k16, shuffles) computed from the PTX ISA fragment layouts, written independently of the kernels;
 cp.async copies landing at wait_group time; a shared-memory race checker (same-barrier conflicts, reads of in-flight
 cp.async data), whose findings count as failures. Inputs are copied into exactly sized buffers and outputs start as
 NaN bytes. It shares its reading of the PTX ISA with the kernels' author, so it
-does not replace a GPU run (tests/test_cuda.py); it does catch indexing, masking, pipelining and epilogue bugs.
+does not replace a GPU run (tests/kernels/test_cuda.py); it does catch indexing, masking, pipelining and epilogue bugs.
 """
 
 import ctypes
@@ -20,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
-                         check_weight_norm, forward_64, make_problem, tol)
+from tests._tolerance import assert_close, tol
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, forward_64, make_problem)
 
 import dorafp8
 import dorafp8.backends.reference as reference
@@ -30,7 +32,8 @@ from dorafp8.backends import cuda as cuda_backend
 from dorafp8.backends.cuda import CudaBackend
 from dorafp8.kernel_report import cuda_sources
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 CUDA_INCLUDE = os.path.join(CUDA_HOME, "include")
 if shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_fp8.h")):
@@ -44,9 +47,9 @@ DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def lib(tmp_path_factory):
     so = str(tmp_path_factory.mktemp("emu") / "libdoraemu.so")
     cxx = ["g++", "-std=c++20", "-O1", "-fPIC", "-DDORA_EMULATE", f"-I{CUDA_INCLUDE}",
-           f"-I{os.path.join(ROOT, 'tests', 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
+           f"-I{os.path.join(HERE, 'cuda_emu')}", f"-I{os.path.join(ROOT, 'csrc')}", "-x", "c++"]
     # Each kernel file a translation unit of its own, as in the extension build; compiled side by side.
-    sources = [os.path.join(ROOT, "tests", "cuda_emu", "emu_api.cpp"),
+    sources = [os.path.join(HERE, "cuda_emu", "emu_api.cpp"),
                *[os.path.join(ROOT, "csrc", f) for f in cuda_sources()]]
     objects = [f"{so}.{i}.o" for i in range(len(sources))]
     procs = [subprocess.Popen([*cxx, "-c", src, "-o", obj]) for src, obj in zip(sources, objects)]

@@ -1,6 +1,6 @@
 """The cuBLAS strategy (dorafp8/cublas_backend.py): dequantize one layer to a transient, platform matmul, fused
-Triton epilogues. Checked with the same fp64 / reference checks as every backend (tests/_kernel_ref.py); on CPU the
-matmuls are CPU ones and the epilogues run in Triton's interpreter."""
+Triton epilogues. Checked with the same fp64 / reference checks as every backend (tests/kernels/_kernel_ref.py); on CPU
+the matmuls are CPU ones and the epilogues run in Triton's interpreter."""
 
 import os
 
@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _kernel_ref import check_dgrad, check_forward, make_problem, shape_id  # noqa: E402
+from tests.kernels._kernel_ref import check_dgrad, check_forward, make_problem, shape_id  # noqa: E402
 
 from dorafp8 import backends  # noqa: E402
 

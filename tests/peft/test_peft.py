@@ -16,7 +16,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
 
 import dorafp8  # noqa: E402
 from dorafp8 import DoRAFP8Linear, FP8Linear  # noqa: E402
-from _ref import assert_close  # noqa: E402
+from tests._tolerance import assert_close  # noqa: E402
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
@@ -100,11 +100,11 @@ def test_parity_with_peft(kind, cfg_kw, train):
         mdl.train(train)
     ref = _run(peft_model, IDS)
     got = _run(ours, IDS)
-    assert_close(got, ref, 1e-5, "logits")
+    assert_close(got, ref, 5e-6, "logits")
     g_ref, g_got = _grads(peft_model), _grads(ours)
     assert g_ref.keys() == g_got.keys() and len(g_ref) == (42 if kind == "llama" else 24)
     for name in g_ref:
-        assert_close(g_got[name], g_ref[name], 1e-4, name)
+        assert_close(g_got[name], g_ref[name], 5e-5, name)
 
 
 def test_converted_layers_and_repr():
@@ -136,14 +136,14 @@ def test_save_pretrained_loads_in_plain_peft(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = PeftModel.from_pretrained(_base_model("llama"), tmp_path).eval()
     with torch.no_grad():
-        assert_close(loaded(input_ids=IDS).logits, original(input_ids=IDS).logits, 1e-6, "logits")
+        assert_close(loaded(input_ids=IDS).logits, original(input_ids=IDS).logits, 5e-7, "logits")
 
 
 def test_disable_set_and_multiple_adapters():
     peft_model, ours = _pair("llama")
     with torch.no_grad():
         with peft_model.disable_adapter(), ours.disable_adapter():
-            assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "disabled")
+            assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 5e-6, "disabled")
         for mdl in (peft_model, ours):
             torch.manual_seed(11)
             mdl.add_adapter("other", _lora_config("llama", r=4, lora_alpha=8))
@@ -151,18 +151,19 @@ def test_disable_set_and_multiple_adapters():
             mdl.set_adapter("other")
         layer = ours.base_model.model.model.layers[0].self_attn.q_proj
         assert set(layer.lora_A) == {"default", "other"} and layer.active_adapters == ["other"]
-        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "other")
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 5e-6, "other")
         # two active adapters at once: PEFT's composition (the second sees the first's output as its base)
         for mdl in (peft_model, ours):
             mdl.base_model.set_adapter(["default", "other"])
-        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "both")
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 5e-6, "both")
         for mdl in (peft_model, ours):
             mdl.set_adapter("default")
-        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 1e-5, "default")
+        assert_close(ours(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, 5e-6, "default")
 
 
 def test_merge_and_unload_requantizes_with_a_warning():
-    """Merging into the fp8 base re-quantizes (tests/test_checkpoint.py checks the values); it warns that it does."""
+    """Merging into the fp8 base re-quantizes (tests/checkpoint/test_checkpoint.py checks the values); it warns that it
+    does."""
     _, ours = _pair("llama")
     with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
         merged = ours.merge_and_unload()
@@ -184,14 +185,14 @@ def test_fp8_first_workflow():
     q = pm.base_model.model.model.layers[0].self_attn.q_proj
     assert q.lora_A["default"].weight.dtype == torch.float32
     expected = dorafp8.dequantize_e4m3(q.base_layer.weight, q.base_layer.scale).norm(dim=1)
-    assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 1e-6, "magnitude")
+    assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 5e-7, "magnitude")
     # and it computes what plain PEFT computes on the dequantized base with the same adapter
     torch.manual_seed(4)
     plain = get_peft_model(twin, _lora_config("llama"))
     for mdl in (pm, plain):
         _randomize_adapters(mdl)
     ref, got = _run(plain, IDS), _run(pm, IDS)
-    assert_close(got, ref, 1e-5, "logits")
+    assert_close(got, ref, 5e-6, "logits")
 
 
 def test_weight_norm_cache_reuse_and_invalidation():

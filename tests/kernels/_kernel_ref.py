@@ -1,40 +1,19 @@
 """Shared by the kernel tests of every backend (test_triton_kernels.py, test_cuda.py, test_cuda_emulated.py,
-test_cublas.py): problem setup, float64 evaluations of the backend contract (dorafp8/backends/base.py, docs/DORA_MATH.md)
-and the dtype-following tolerance check. Each check runs one backend function and compares it with the fp64
-formula evaluated on the exact (already rounded) inputs the backend saw, and with dorafp8.backends.reference."""
+test_cublas.py, test_native_backend.py): problem setup and float64 evaluations of the backend contract
+(dorafp8/backends/base.py, docs/DORA_MATH.md). Each check runs one backend function and compares it with the fp64
+formula evaluated on the exact (already rounded) inputs the backend saw, within tol(dtype) of tests/_tolerance.py, and
+with dorafp8.backends.reference, within 2 * tol(dtype) (both sides carry the error)."""
 
 import torch
 
 import dorafp8.backends.reference as reference
 from dorafp8 import quantize_e4m3
 from dorafp8.quant import scale_rows
+from tests._tolerance import assert_close, tol
 
 S = 1.75  # lora scaling
 P = 0.25  # dropout probability
 BLOCK = 16  # block size of block scales in the tests: small shapes still cross several blocks
-
-
-def tol(dtype: torch.dtype) -> float:
-    """Allowed error, relative to |ref| + max|ref| (the output scale): fp32 is accumulation-order noise; fp16 and
-    bf16 are a few roundings of the output (2^-11, 2^-8) plus the rounding of an operand to the compute dtype."""
-    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str):
-    """|out - ref| <= rel * (|ref| + max|ref|) elementwise; NaN (an unwritten, poisoned element) always fails.
-    Reports the first mismatching index."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o = out.detach().double().cpu()
-    r = ref.detach().double().cpu()
-    err = (o - r).abs()
-    allowed = rel * (r.abs() + r.abs().max())
-    bad = ~(err <= allowed)
-    if bad.any():
-        first = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())}/{bad.numel()} mismatches; first at {first}: got {o[first].item()!r}, "
-            f"expected {r[first].item()!r} (allowed {allowed[first].item():.3g}); max err "
-            f"{err.nan_to_num(float('inf')).max().item():.3g}, output scale {r.abs().max().item():.3g}")
 
 
 def act(t: torch.Tensor, dtype, device, strided: bool) -> torch.Tensor:

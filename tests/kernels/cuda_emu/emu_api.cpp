@@ -1,10 +1,11 @@
 // C entry points running the CUDA launchers of csrc/ (and so their kernels) under the CPU emulator. Inputs are copied
 // into exactly-sized heap buffers (so that ASan reports any out-of-bounds read), outputs start as NaN bytes.
 //
-// The kernel files (setup.py's CUDA_SOURCES) are not included here: tests/test_cuda_emulated.py compiles each of them
-// as a translation unit of its own beside this one, all with -DDORA_EMULATE, as the extension build compiles them.
+// The kernel files (setup.py's CUDA_SOURCES) are not included here: tests/kernels/test_cuda_emulated.py compiles each
+// of them as a translation unit of its own beside this one, all with -DDORA_EMULATE, as the extension build compiles
+// them.
 #ifndef DORA_EMULATE
-#error "build with -DDORA_EMULATE (see tests/test_cuda_emulated.py)"
+#error "build with -DDORA_EMULATE (see tests/kernels/test_cuda_emulated.py)"
 #endif
 #include "dora_fp8.h"
 

@@ -1,7 +1,8 @@
-"""One rank of a 2-process CPU (gloo) job for tests/test_distributed.py, launched with torch.distributed.run:
+"""One rank of a 2-process CPU (gloo) job for tests/distributed/test_distributed.py, launched with
+torch.distributed.run:
 
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
-        tests/_dist_worker.py ENGINE OUT_DIR
+        tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
 ENGINE: ddp | fsdp2 | accelerate | trainer. Each trains the model of _dist_common for STEPS steps on its half of each
 global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the engine's own

@@ -1,5 +1,5 @@
 """CUDA C++ backend (csrc/ -> dorafp8._C, wrapped by dorafp8.backends.cuda) against fp64 evaluations of the backend
-contract and against dorafp8.backends.reference, with the shared checks of tests/_kernel_ref.py.
+contract and against dorafp8.backends.reference, with the shared checks of tests/kernels/_kernel_ref.py.
 
 On a machine without a GPU only the build is checked: if the extension is built it must import and its binding's
 argument checks must answer (without it these tests skip with the reason, unless DORAFP8_REQUIRE_CUDA_EXT=1, which
@@ -8,7 +8,7 @@ GPU: every op in bf16, fp16 and fp32 (and fp32 adapters on 16-bit activations), 
 K = 50, 4096; r = 1 .. 256), bias, the three modes (plain, no dropout, dropout), per-tensor and per-row scales, strided
 activations, and outputs that start as NaN (DORAFP8_POISON=1) so that a tile the kernel never writes fails. Block
 scales and W8A8 are refused with a ValueError (the Triton and reference backends have them). The same adapter runs
-the same kernel source on CPU under an emulator in tests/test_cuda_emulated.py.
+the same kernel source on CPU under an emulator in tests/kernels/test_cuda_emulated.py.
 """
 
 import os
@@ -18,8 +18,9 @@ import torch
 
 import dorafp8.backends.cuda as cb
 from dorafp8 import backends, quantize_e4m3
-from _kernel_ref import (P, S, assert_close, check_backward_pass, check_dgrad, check_forward, check_project,
-                         check_weight_norm, d, forward_64, make_problem, shape_id, tol, w0_64)
+from tests._tolerance import assert_close, tol
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, d, forward_64, make_problem, shape_id, w0_64)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda"

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import dorafp8  # noqa: E402
 from dorafp8 import DoRAFP8Linear  # noqa: E402
 from dorafp8.norm_cache import WeightNormCache, reuse_weight_norms  # noqa: E402
-from test_peft import _pair  # noqa: E402
+from tests.peft.test_peft import _pair  # noqa: E402
 
 STEPS = 4
 N_LAYERS = 14  # DoRA layers of the tiny LLaMA (7 targets x 2 blocks)
@@ -246,7 +246,7 @@ def test_sharded_parameters_never_use_the_cache():
 @pytest.mark.parametrize("opt_name", ["adamw-fused", "prodigy", "manual-data"])
 def test_conv_losses_equal_peft(opt_name):
     """The conv DoRA layers (a diffusion UNet's) share the cache: the same check on a small conv net."""
-    from test_conv import X, _pair as conv_pair
+    from tests.peft.test_conv import X, _pair as conv_pair
 
     peft_model, ours = conv_pair()
     losses = {}
