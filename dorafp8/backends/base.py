@@ -3,7 +3,7 @@
 A backend is a module (or an object) with the six functions of `Backend` below, the parameters named as there, plus
 `unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (the FEATURES it computes; all by default).
 The custom ops (dorafp8/ops/_custom_ops.py) call these functions with keyword arguments only, so a backend's
-parameter order is free but its parameter names are not: tests/test_layout.py checks every backend against this
+parameter order is free but its parameter names are not: tests/ops/test_backend_contract.py checks every backend against this
 Protocol. The autograd Functions in dorafp8/ops do the rest (dropout masks, c = m / n, the final scalings of dm, dB,
 dA) in PyTorch, identically for all backends. The reference backend (reference.py) is the twin every other one is
 tested against.

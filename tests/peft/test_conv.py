@@ -339,7 +339,7 @@ def test_convert_peft_model_and_merge():
     with torch.no_grad():
         before = ours(X)
     with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
-        merged = ours.merge_and_unload()  # convs too (tests/test_all_or_nothing.py checks the merge against fp64)
+        merged = ours.merge_and_unload()  # convs too (tests/integration/test_all_or_nothing.py checks the merge against fp64)
     with torch.no_grad():
         assert ((merged(X) - before).norm() / before.norm()).item() < 0.05
 
