@@ -7,6 +7,8 @@
     backward_pass -> backward.py     dora_bwd_pass_kernel
     dgrad         -> dgrad.py        dora_dgrad_kernel       (W8A8: quant.py first)
 
+forward and dgrad share their main loop (gemm.py w8_gemm_loop) and differ in addressing and epilogue.
+
 Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
 without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.
 """

@@ -27,6 +27,7 @@ import triton.language as tl
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
 from .forward import epilogue_blocks
+from .gemm import w8_gemm_loop
 
 
 @triton.jit
@@ -111,46 +112,21 @@ def dora_dgrad_kernel(
     mask_k = offs_k < K
     rows_m = offs_m.to(tl.int64)  # M * K and M * N reach 2^31
 
-    # Transposed tile, as in the forward ("swap AB"): dx^T [BLOCK_K, BLOCK_M] = W8'^T [BLOCK_K, BLOCK_N] @ gl^T. The
-    # W8 tile is the A operand (converted in registers, W8A16) and gl^T streams to shared memory untouched.
+    # dx^T [BLOCK_K, BLOCK_M] = W8'^T [BLOCK_K, BLOCK_N] @ gl^T [BLOCK_N, BLOCK_M], the transposed tile (gemm.py), as in
+    # the forward but with W8 transposed: its tile is columns of W8, BLOCK_N rows further each step. The block-scale
+    # grid [ceil(N/b), ceil(K/b)] has the reduction along its rows, the output columns along its columns.
     if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
         w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
+        stride_w_red = 1
     else:  # W8 [N, K]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+        stride_w_red = stride_w
     glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
     gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
-
-    acc = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
-    for n0 in range(0, N, BLOCK_N):
-        n_ok = offs_n < N - n0
-        wt = tl.load(w_ptrs, mask=mask_k[:, None] & n_ok[None, :], other=0.0)
-        glt = tl.load(glt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0)
-        if not ACT_QUANT:
-            wt = wt.to(DOT_DT)  # exact; nothing else touches the tile
-            glt = glt.to(DOT_DT)
-        if HAS_DROPOUT:
-            gbt = tl.load(gbt_ptrs, mask=n_ok[:, None] & mask_m[None, :], other=0.0)
-            if not ACT_QUANT:
-                gbt = gbt.to(DOT_DT)
-        if SCALE_KIND == "block":
-            # This N step lies in one row of scale blocks: scale its partial product per output column, in fp32.
-            sblk = tl.load(scale_ptr + (n0 // SCALE_BLOCK_SIZE) * stride_scale_n + offs_k // SCALE_BLOCK_SIZE,
-                           mask=mask_k, other=0.0)[:, None]
-            acc += dot(wt, glt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
-            if HAS_DROPOUT:
-                acc_b += dot(wt, gbt, tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32), IEEE) * sblk
-        else:
-            acc = dot(wt, glt, acc, IEEE)
-            if HAS_DROPOUT:
-                acc_b = dot(wt, gbt, acc_b, IEEE)
-        glt_ptrs += BLOCK_N
-        if HAS_DROPOUT:
-            gbt_ptrs += BLOCK_N
-        if ACT_QUANT:
-            w_ptrs += BLOCK_N
-        else:
-            w_ptrs += BLOCK_N * stride_w
+    s_offs = offs_k // SCALE_BLOCK_SIZE
+    acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
+                              mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, BLOCK_K,
+                              BLOCK_M, BLOCK_N)
 
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
                       dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
+from .gemm import w8_gemm_loop
 
 
 @triton.jit
@@ -144,44 +145,16 @@ def dora_fwd_kernel(
     rows_m = offs_m.to(tl.int64)
     rows_n = offs_n.to(tl.int64)
 
-    # The program computes the TRANSPOSED tile y^T [BLOCK_N, BLOCK_M] = W8 [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
-    # ("swap AB"): the W8 tile, which must be converted in registers anyway (W8A16), is then the A operand, which
-    # Hopper's wgmma reads straight from registers, while x^T streams to shared memory untouched (async copies,
-    # overlapped wgmma). It also lets BLOCK_M be 16 for small batches (wgmma's N may be small, its M must be 64).
-    # Under W8A8 both operands are e4m3 and both K-major (W8 rows and x rows are contiguous in K), as fp8 MMA wants.
+    # y^T [BLOCK_N, BLOCK_M] = W8 [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M], the transposed tile (gemm.py): the W8
+    # tile is rows of W8, contiguous in K (K-major, as fp8 MMA wants under W8A8), stepping BLOCK_K along them. The
+    # block-scale grid [ceil(N/b), ceil(K/b)] has the output rows as its rows, the reduction along its columns.
     w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
     xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
     xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
-
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_d = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # dead code (removed) without dropout
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(xt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
-        if not ACT_QUANT:
-            # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16); the scale waits for fp32.
-            w = w.to(DOT_DT)
-            xt = xt.to(DOT_DT)
-        if HAS_DROPOUT:
-            xmt = tl.load(xmt_ptrs, mask=k_ok[:, None] & mask_m[None, :], other=0.0)
-            if not ACT_QUANT:
-                xmt = xmt.to(DOT_DT)
-        if SCALE_KIND == "block":
-            # This K step lies in one column of scale blocks: scale its partial product per output row, in fp32.
-            sblk = tl.load(scale_ptr + (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
-                           + k0 // SCALE_BLOCK_SIZE, mask=mask_n, other=0.0)[:, None]
-            acc += dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
-            if HAS_DROPOUT:
-                acc_d += dot(w, xmt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE) * sblk
-        else:
-            acc = dot(w, xt, acc, IEEE)
-            if HAS_DROPOUT:
-                acc_d = dot(w, xmt, acc_d, IEEE)
-        if HAS_DROPOUT:
-            xmt_ptrs += BLOCK_K
-        xt_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
+    acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
+                              HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, BLOCK_N, BLOCK_M,
+                              BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,

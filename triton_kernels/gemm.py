@@ -1,0 +1,92 @@
+"""The main loop of the two fp8 GEMMs, forward (dora_fwd_kernel) and dgrad (dora_dgrad_kernel).
+
+Both compute a TRANSPOSED output tile ("swap AB"): out^T [B_OUT, BLOCK_M] = W-tile [B_OUT, B_RED] @ act^T
+[B_RED, BLOCK_M], summed over the reduction in steps of B_RED:
+
+    forward: y^T  = W8   x^T    B_OUT = BLOCK_N, reduction K in BLOCK_K steps, second operand xm (dropout)
+    dgrad:   dx^T = W8^T gl^T   B_OUT = BLOCK_K, reduction N in BLOCK_N steps, second operand gb (dropout)
+
+The W8 tile, which must be converted in registers anyway (W8A16), is then the A operand, which Hopper's wgmma reads
+straight from registers, while act^T streams to shared memory untouched (async copies, overlapped wgmma). It also
+lets BLOCK_M be 16 for small batches (wgmma's N may be small, its M must be 64). Under W8A8 both operands are e4m3 and
+must both be K-major for fp8 MMA: the forward's W8 and x rows are; the dgrad reads W8^T [K, N], made contiguous by its
+launcher.
+
+The two kernels are the same computation up to which operand is transposed, and everything that differs is
+addressing, which each kernel sets up before the loop and hands over: the pointers of the first W8 tile in the
+orientation it needs and W8's stride along the reduction (forward: rows of W8, stride 1; dgrad: columns of W8,
+stride its row stride, or rows of W8^T under W8A8, stride 1), and the offsets of the block scale of each row of the
+out^T tile at reduction 0 with the scale grid's stride along the reduction (forward: the grid's rows are W8's rows,
+the output, and its columns the reduction, stride 1; dgrad: the other way round, stride the grid's row stride). The
+activation tiles are act^T with the reduction contiguous in both. The epilogues stay in the kernels' own modules:
+they share the transposed tile's conventions but not their formulas.
+
+Moving the two loops here kept what they compile to (`python -m dorafp8.kernel_report`, every variant and config,
+sm_90a and sm_89): registers, spills, shared memory and MMA instructions are unchanged everywhere, the dgrad's PTX
+is the same instruction for instruction, and the forward's differs only where its old loop did things in the other
+order of the two below. Both orders are chosen for that:
+- the scale's address adds the scalar reduction offset to scale_ptr before the per-row offsets, as the dgrad did
+  (added to a vector of pointers it cost the dgrad a sign extension and up to 8 registers under W8A8; the forward,
+  which had it that way, compiles to the same SASS either way);
+- the act pointers advance before the act2 pointers, the dgrad's order; the forward had the other, and neither suits
+  both: act2 first costs the dgrad's sm_90a dropout kernels 13 instructions, act first costs the forward one
+  register move in the main loop of one sm_90a config (64 x 64 x 64, 4 warps, dropout, per-row scale).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import dot
+
+
+@triton.jit
+def w8_gemm_loop(
+    w_ptrs, stride_w_red,    # [B_OUT, B_RED] pointers of the first W8 tile; the W8 stride along the reduction
+    act_ptrs, act2_ptrs,     # [B_RED, BLOCK_M] pointers of the first act^T tiles (unit stride in the reduction)
+    scale_ptr, s_offs, stride_s_red,  # block scales (read only with them): [B_OUT] offsets of each out^T row's
+                             # scale at reduction 0 from scale_ptr; the scale grid's stride along the reduction
+    mask_out, mask_m,        # [B_OUT], [BLOCK_M]
+    RED,                     # length of the reduction
+    TWO_ACC: tl.constexpr,   # act2 given (dropout): a second accumulator act2 W^T shares every W8 tile
+    SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
+    IEEE: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
+):
+    """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
+    reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
+    left to the epilogue. acc2 is zeros (dead code, removed) without TWO_ACC. Masked rows and the ragged end of the
+    reduction load zeros, so they add exactly 0."""
+    offs_red = tl.arange(0, B_RED)
+    acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
+    for r0 in range(0, RED, B_RED):
+        red_ok = offs_red < RED - r0
+        w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
+        at = tl.load(act_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
+        if not ACT_QUANT:
+            # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before the
+            # dot (on Hopper it is wgmma's register operand): the scale waits for fp32.
+            w = w.to(DOT_DT)
+            at = at.to(DOT_DT)
+        if TWO_ACC:
+            a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
+            if not ACT_QUANT:
+                a2t = a2t.to(DOT_DT)
+        if SCALE_KIND == "block":
+            # This step lies in one block along the reduction: scale its partial product per out^T row, in fp32.
+            # (scale_ptr + scalar) + s_offs, not pointers + scalar: see the module docstring
+            sblk = tl.load(scale_ptr + (r0 // SCALE_BLOCK_SIZE) * stride_s_red + s_offs, mask=mask_out,
+                           other=0.0)[:, None]
+            acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            if TWO_ACC:
+                acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+        else:
+            acc = dot(w, at, acc, IEEE)
+            if TWO_ACC:
+                acc2 = dot(w, a2t, acc2, IEEE)
+        act_ptrs += B_RED  # before act2_ptrs: see the module docstring
+        if TWO_ACC:
+            act2_ptrs += B_RED
+        w_ptrs += B_RED * stride_w_red
+    return acc, acc2
