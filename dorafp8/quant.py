@@ -67,10 +67,11 @@ def check_quantizable(weight: torch.Tensor, *, per_row: bool = False, block_size
     """Raises what quantize_e4m3(weight, ...) would raise, without quantizing (reads the weight once, in blocks of
     rows): what quantize_model checks on every layer before it swaps the first."""
     what, rows = _check_quant_args(weight, per_row, block_size, name)
-    for j0 in range(0, weight.shape[0], rows):
-        ok = torch.isfinite(weight[j0:j0 + rows].detach()).all(dim=1)
-        if not ok.all():
-            raise _nonfinite(what, f"row {j0 + int((~ok).nonzero()[0])}")
+    # One flag per row, read back once per weight (one host sync on a GPU, not one per block of rows).
+    ok = torch.cat([torch.isfinite(weight[j0:j0 + rows].detach()).all(dim=1)
+                    for j0 in range(0, weight.shape[0], rows)])
+    if not ok.all():
+        raise _nonfinite(what, f"row {int((~ok).nonzero()[0])}")
 
 
 def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,

@@ -91,9 +91,10 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
         reason = unavailable_reason(name, device)
         if reason is not None:
             raise RuntimeError(f"dorafp8 backend {name!r} cannot run on {device}: {reason}")
-        for feature in sorted(needs - supports(name)):
-            raise base.not_supported(name, feature, alternatives=tuple(
-                b for b in BACKENDS if feature in supports(b) and unavailable_reason(b, device) is None))
+        missing = sorted(needs - supports(name))
+        if missing:
+            raise base.not_supported(name, missing[0], alternatives=tuple(
+                b for b in BACKENDS if missing[0] in supports(b) and unavailable_reason(b, device) is None))
         return name
     # No GPU measurement has ranked triton against cuda yet; triton's kernels are autotuned, so it goes first.
     for cand in ("triton", "cuda"):

@@ -150,7 +150,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             warnings.warn(f"quantize_model changed nothing: the {len(done)} layers it would quantize are already fp8 "
                           f"(e.g. {done[0]!r}), and per_row_scale / block_size apply only when quantizing a float "
                           f"weight; their scales are left as they are", stacklevel=2)
-    _warn_if_backend_cannot_run(model, backend, [model.get_submodule(n) for n in swaps])
+    _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
     # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
     for name in swaps:
         check_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale, block_size=block_size, name=name)
@@ -160,7 +160,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     return len(swaps)
 
 
-def _warn_if_backend_cannot_run(model: nn.Module, backend: str, layers: list) -> None:
+def _warn_if_backend_cannot_run(backend: str, layers: list) -> None:
     """A backend named for layers on a device where it cannot run is not an error here (the model may move to one
     where it can before its first forward), but the user should know now rather than at that forward."""
     if backend in (None, "auto") or not layers:

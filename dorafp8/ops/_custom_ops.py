@@ -131,11 +131,12 @@ def eager_fast_path(op):
 
 
 _OPS = (weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op)
+_IMPLEMENTATIONS = {op._name: op._init_fn for op in _OPS}
 
 
 def custom_op_implementation(name: str):
     """The Python implementation of custom op dorafp8::<name> (what a dispatch mode that opens the ops runs)."""
-    return {op._name: op._init_fn for op in _OPS}[name]
+    return _IMPLEMENTATIONS[name]
 
 
 weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op = map(eager_fast_path, _OPS)

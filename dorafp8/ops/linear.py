@@ -167,11 +167,13 @@ def _check_device(ref: Tensor, **tensors) -> None:
 
 
 def _rank(lora_A, lora_B, K: int) -> int:
-    """The rank r the shape checks expect, taken from lora_B [N, r] when it is 2-D: a transposed lora_A [K, r] then
-    reads "lora_A must have shape [r, K]" with the real r."""
+    """The rank r the shape checks expect: lora_A's, unless lora_A is wrong (then lora_B [N, r]'s), so that a
+    transposed lora_A [K, r] reads "lora_A must have shape [r, K]" with the real r."""
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
         raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
-    return lora_B.shape[1] if isinstance(lora_B, torch.Tensor) and lora_B.dim() == 2 else lora_A.shape[0]
+    if lora_A.shape[1] == K or not (isinstance(lora_B, torch.Tensor) and lora_B.dim() == 2):
+        return lora_A.shape[0]  # lora_A is right (or nothing better is known): a wrong lora_B is named
+    return lora_B.shape[1]
 
 
 def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor]:
