@@ -1,6 +1,6 @@
 // dorafp8 CUDA kernels, dgrad family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): dgrad_mma_kernel for the
 // 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), dgrad_simt_kernel for
-// fp32 (common/simt.cuh), their launchers and the entry point dorafp8::dgrad.
+// fp32 (common/simt.cuh), and the entry point dorafp8::dgrad (launch_gemm, common/gemm.cuh).
 //
 // dgrad:       dx from the operands the backward pass prepared (gl = g * f / rl, gb = g * srow / rb; per-row scales and
 //              c are already in them): the GEMMs gl W8 (and gb W8 with dropout) where the reduction runs over N, the
@@ -20,9 +20,7 @@
 
 #include "dora_fp8.h"
 
-#include "common/launch.cuh"
-#include "common/simt.cuh"
-#include "common/tiles.cuh"
+#include "common/gemm.cuh"
 
 namespace dorafp8 {
 namespace detail {
@@ -359,45 +357,27 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   }
 }
 
-// ================================================================================================ launchers
+// ================================================================================================ launch
 
-template <typename T, int BM, int BK, bool DROP>
-cudaError_t launch_dgrad_mma(const DgradParams& p, cudaStream_t stream) {
-  using Cfg = DgradCfg<BM, BK, DROP>;
-  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_g = p.ldgl % 8 == 0 && aligned16(p.gl) && (!DROP || (p.ldgb % 8 == 0 && aligned16(p.gb)));
-  return launch(dgrad_mma_kernel<T, BM, BK, DROP>, ceil_div(p.M, BM) * ceil_div(p.K, BK), 1, Cfg::kSmem, stream, p,
-                vec_g, vec_w);
-}
-
-template <typename T>
-cudaError_t launch_dgrad(const DgradParams& p, cudaStream_t stream) {
-  // Tiles as in launch_forward: 64 x 128 (2 x 4 warps) up to 64 rows, else 64 x 256 / 32 x 256 (1 x 8 warps).
-  if (p.M <= 64) {
-    return p.mask != nullptr ? launch_dgrad_mma<T, 64, 128, true>(p, stream)
-                             : launch_dgrad_mma<T, 64, 128, false>(p, stream);
-  }
-  return p.mask != nullptr ? launch_dgrad_mma<T, 32, 256, true>(p, stream)
-                           : launch_dgrad_mma<T, 64, 256, false>(p, stream);
-}
+// The family launch_gemm (common/gemm.cuh) dispatches: output columns K, activations gl (and gb with dropout).
+struct DgradGemm {
+  using Params = DgradParams;
+  template <int BM, int BK, bool DROP> using Cfg = DgradCfg<BM, BK, DROP>;
+  template <typename T, int BM, int BK, bool DROP>
+  static auto mma_kernel() { return dgrad_mma_kernel<T, BM, BK, DROP>; }
+  template <bool DROP> static auto simt_kernel() { return dgrad_simt_kernel<DROP>; }
+  static int64_t cols(const Params& p) { return p.K; }
+  static bool dropout(const Params& p) { return p.mask != nullptr; }
+  static const void* act(const Params& p, int i) { return i == 0 ? p.gl : p.gb; }
+  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldgl : p.ldgb; }
+};
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------ public interface
 
 cudaError_t dgrad(const DgradParams& p, DType dtype, cudaStream_t stream) {
-  if (p.M <= 0 || p.K <= 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return p.mask != nullptr
-                 ? detail::launch(detail::dgrad_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.K, detail::kSimtTile), detail::simt_smem(2), stream, p)
-                 : detail::launch(detail::dgrad_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.K, detail::kSimtTile), detail::simt_smem(1), stream, p);
-    case DType::kBFloat16: return detail::launch_dgrad<detail::bf16>(p, stream);
-    case DType::kFloat16: return detail::launch_dgrad<detail::f16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return detail::launch_gemm<detail::DgradGemm>(p, dtype, stream);
 }
 
 }  // namespace dorafp8

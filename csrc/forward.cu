@@ -1,6 +1,6 @@
 // dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
 // the 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), forward_simt_kernel
-// for fp32 (common/simt.cuh), their launchers and the entry point dorafp8::forward.
+// for fp32 (common/simt.cuh), and the entry point dorafp8::forward (launch_gemm, common/gemm.cuh).
 //
 // forward:     y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
 //              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
@@ -20,9 +20,7 @@
 
 #include "dora_fp8.h"
 
-#include "common/launch.cuh"
-#include "common/simt.cuh"
-#include "common/tiles.cuh"
+#include "common/gemm.cuh"
 
 namespace dorafp8 {
 namespace detail {
@@ -377,47 +375,27 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   }
 }
 
-// ================================================================================================ launchers
+// ================================================================================================ launch
 
-template <typename T, int BM, int BN, bool DROP>
-cudaError_t launch_forward_mma(const ForwardParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<BM, BN, DROP>;
-  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxm % 8 == 0 && aligned16(p.xm)));
-  return launch(forward_mma_kernel<T, BM, BN, DROP>, ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, Cfg::kSmem, stream,
-                p, vec_x, vec_w);
-}
-
-template <typename T>
-cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
-  // Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs.
-  // More rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile,
-  // bytes per stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
-  if (p.M <= 64) {
-    return p.xm != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
-                           : launch_forward_mma<T, 64, 128, false>(p, stream);
-  }
-  return p.xm != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
-                         : launch_forward_mma<T, 64, 256, false>(p, stream);
-}
+// The family launch_gemm (common/gemm.cuh) dispatches: output columns N, activations x (and xm with dropout).
+struct ForwardGemm {
+  using Params = ForwardParams;
+  template <int BM, int BN, bool DROP> using Cfg = FwdCfg<BM, BN, DROP>;
+  template <typename T, int BM, int BN, bool DROP>
+  static auto mma_kernel() { return forward_mma_kernel<T, BM, BN, DROP>; }
+  template <bool DROP> static auto simt_kernel() { return forward_simt_kernel<DROP>; }
+  static int64_t cols(const Params& p) { return p.N; }
+  static bool dropout(const Params& p) { return p.xm != nullptr; }
+  static const void* act(const Params& p, int i) { return i == 0 ? p.x : p.xm; }
+  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldx : p.ldxm; }
+};
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------ public interface
 
 cudaError_t forward(const ForwardParams& p, DType dtype, cudaStream_t stream) {
-  if (p.M <= 0 || p.N <= 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return p.xm != nullptr
-                 ? detail::launch(detail::forward_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(2), stream, p)
-                 : detail::launch(detail::forward_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(1), stream, p);
-    case DType::kBFloat16: return detail::launch_forward<detail::bf16>(p, stream);
-    case DType::kFloat16: return detail::launch_forward<detail::f16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return detail::launch_gemm<detail::ForwardGemm>(p, dtype, stream);
 }
 
 }  // namespace dorafp8
