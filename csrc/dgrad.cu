@@ -252,25 +252,11 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, k0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-  const float* __restrict__ gl = static_cast<const float*>(p.gl);
-  const float* __restrict__ gb = static_cast<const float*>(p.gb);
 
   float acc[NA][4][4];
   zero(acc);
-
-  simt_gemm<0, NA>(
-      acc, N, false,
-      [&](int row, int64_t n, float* v) {
-        const int64_t i = m0 + row;
-        const bool ok = i < M && n < N;
-        v[0] = ok ? gl[i * p.ldgl + n] : 0.f;
-        if (DROP) v[NA - 1] = ok ? gb[i * p.ldgb + n] : 0.f;
-      },
-      [&](int64_t n, int col) {
-        const int64_t k = k0 + col;
-        return (n < N && k < K) ? e4m3_to_f32(p.w8[n * K + k]) : 0.f;
-      },
-      sA, sB, tid);
+  simt_w8_gemm<false>(acc, static_cast<const float*>(p.gl), p.ldgl, static_cast<const float*>(p.gb), p.ldgb, p.w8, M,
+                      N, K, m0, k0, sA, sB, tid);
 
   const float st = p.scale_per_row ? 1.f : p.scale[0];
   const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
@@ -281,20 +267,8 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[0][i][j] *= pre;
   if (lora) {
-    const float* __restrict__ v = static_cast<const float*>(p.v);
-    const float* __restrict__ Am = static_cast<const float*>(p.A);
-    const int r = p.r;
-    simt_gemm<0, 1>(
-        acc, r, false,
-        [&](int row, int64_t q, float* out) {
-          const int64_t i = m0 + row;
-          out[0] = (i < M && q < r) ? v[i * r + q] : 0.f;
-        },
-        [&](int64_t q, int col) {
-          const int64_t k = k0 + col;
-          return (q < r && k < K) ? Am[q * K + k] : 0.f;
-        },
-        sA, sB, tid);
+    simt_rank_gemm<0, false>(acc, static_cast<const float*>(p.v), static_cast<const float*>(p.A), p.r, M, K, m0, k0,
+                             sA, sB, tid);
   }
 
   const float post = lora ? p.s : 1.f;

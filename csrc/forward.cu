@@ -258,25 +258,11 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, n0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-  const float* __restrict__ x = static_cast<const float*>(p.x);
-  const float* __restrict__ xm = static_cast<const float*>(p.xm);
 
   float acc[NA][4][4];
   zero(acc);
-
-  simt_gemm<0, NA>(
-      acc, K, true,
-      [&](int row, int64_t k, float* v) {
-        const int64_t i = m0 + row;
-        const bool ok = i < M && k < K;
-        v[0] = ok ? x[i * p.ldx + k] : 0.f;
-        if (DROP) v[NA - 1] = ok ? xm[i * p.ldxm + k] : 0.f;
-      },
-      [&](int64_t k, int col) {
-        const int64_t j = n0 + col;
-        return (j < N && k < K) ? e4m3_to_f32(p.w8[j * K + k]) : 0.f;
-      },
-      sA, sB, tid);
+  simt_w8_gemm<true>(acc, static_cast<const float*>(p.x), p.ldx, static_cast<const float*>(p.xm), p.ldxm, p.w8, M, N,
+                     K, m0, n0, sA, sB, tid);
 
   const bool dora = p.c != nullptr;
   const bool lora = dora && p.s != 0.f && p.r > 0;
@@ -296,20 +282,8 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
     }
   }
   if (lora) {
-    const float* __restrict__ u = static_cast<const float*>(p.u);
-    const float* __restrict__ Bm = static_cast<const float*>(p.B);
-    const int r = p.r;
-    simt_gemm<NA - 1, 1>(
-        acc, r, true,
-        [&](int row, int64_t q, float* v) {
-          const int64_t i = m0 + row;
-          v[0] = (i < M && q < r) ? u[i * r + q] : 0.f;
-        },
-        [&](int64_t q, int col) {
-          const int64_t j = n0 + col;
-          return (j < N && q < r) ? Bm[j * r + q] : 0.f;
-        },
-        sA, sB, tid);
+    simt_rank_gemm<NA - 1, true>(acc, static_cast<const float*>(p.u), static_cast<const float*>(p.B), p.r, M, N, m0,
+                                 n0, sA, sB, tid);
   }
 
   const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};

@@ -11,8 +11,8 @@
 //                     the main loop: a kStages-deep cp.async pipeline over the reduction in steps of 32, per stage
 //                     the activation tile (two with dropout: x and xm, gl and gb) and the fp8 tile; each converted W8
 //                     fragment feeds the mma of both accumulators (mma_rows, also the rank-r term's mma);
-//   launch_gemm       the host side of both: the dtype switch (fp32: the SIMT kernel, common/simt.cuh), the tile
-//                     shape for M and dropout, the launch.
+//   launch_gemm       the host side of both: the dtype switch (fp32: the SIMT kernel, common/simt.cuh, whose GEMMs
+//                     are shared there), the tile shape for M and dropout, the launch.
 //
 // What depends on the orientation is an operand policy that each kernel file defines (FwdOperands in forward.cu,
 // DgradOperands in dgrad.cu) and passes in:
