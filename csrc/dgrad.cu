@@ -1,6 +1,7 @@
 // dorafp8 CUDA kernels, dgrad family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): dgrad_mma_kernel for the
-// 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), dgrad_simt_kernel for
-// fp32 (common/simt.cuh), their launchers and the entry point dorafp8::dgrad.
+// 16-bit compute dtypes (the GEMM it shares with forward: common/gemm.cuh; block tiles, launch order and edge
+// handling: common/tiles.cuh) with its operand policy DgradOperands and its epilogue, dgrad_simt_kernel for fp32
+// (common/simt.cuh), and the entry point dorafp8::dgrad (launch_gemm, common/gemm.cuh).
 //
 // dgrad:       dx from the operands the backward pass prepared (gl = g * f / rl, gb = g * srow / rb; per-row scales and
 //              c are already in them): the GEMMs gl W8 (and gb W8 with dropout) where the reduction runs over N, the
@@ -20,136 +21,130 @@
 
 #include "dora_fp8.h"
 
-#include "common/launch.cuh"
-#include "common/simt.cuh"
-#include "common/tiles.cuh"
+#include "common/gemm.cuh"
 
 namespace dorafp8 {
 namespace detail {
 
 // ================================================================================================ dgrad (mma)
 
-template <int BM, int BK_, bool DROP>
-struct DgradCfg {
-  static constexpr int BK = BK_, BR = 32;                  // output columns (of K) x reduction rows (of N) per tile
-  // 8 warps as WARPS_M x WARPS_K; warp tile WM x 32 columns = 2 groups x (even, odd) n8. With BK = 256 (1 x 8) each
-  // W8 fragment is converted by one warp; with BK = 128 (2 x 4) the two warps of a column convert it both.
-  static constexpr int WARPS_K = BK / 32, WARPS_M = (kThreads / 32) / WARPS_K;
-  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
-  static_assert(WARPS_M * WARPS_K == kThreads / 32 && WM % 16 == 0, "dgrad: warp layout");
-  static constexpr int kGBytes = BM * BR * 2;              // one left-operand tile (gl, or gb) [BM][32] 16-bit
-  static constexpr int kWBytes = BR * BK;                  // fp8 tile [32][128 bytes]
-  static constexpr int kStageBytes = (DROP ? 2 : 1) * kGBytes + kWBytes;
+template <int BM, int BK, bool DROP>  // BK: output columns (of K) per block; the reduction (N) runs in steps of BR = 32
+struct DgradCfg : MmaTiles<BM, BK, DROP> {
   static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + kRankChunk * BK * 2,          // 16-bit v, A chunks
                                          (BM * kRankPitchF + kRankChunk * BK) * 4);         // fp32 v, A chunks
-  static constexpr int kSmem = cmax(kStages * kStageBytes, kLoraBytes);
-  static_assert(kStageBytes % 16 == 0 && (BM * kRankPitchF * 4) % 16 == 0, "tiles must stay 16-byte aligned");
+  static constexpr int kSmem = cmax(MmaTiles<BM, BK, DROP>::kPipeSmem, kLoraBytes);
+};
+
+// dgrad's operands for the shared GEMM (common/gemm.cuh): W8 [N, K] and the rank-r factor A [r, K] have the
+// reduction as rows and the output columns contiguous, so their B fragments come from ldmatrix.trans, in the natural
+// k order: the gl, gb and v tiles use kSwzLdsm and frag_a_ldsm. The fragments of a warp's 16-column group c2 are its
+// even and odd columns (n8 tiles 2 c2 and 2 c2 + 1), so lane (g, t) accumulates columns 16 c2 + 4t .. 16 c2 + 4t + 3.
+template <int BK>
+struct DgradOperands {
+  static constexpr int kSwzA = kSwzLdsm;
+  static constexpr int BR = 32;  // reduction rows per stage (MmaTiles::BR)
+  const DgradParams& p;
+  int64_t N, K, k0;  // W8's shape; the block's first output column
+  int wk0;           // the warp's first output column in the block tile
+  bool vec_w;
+
+  // fp8 tile [32 rows of N][BK bytes of K]: 16-byte pieces, BR * BK / 16 / 256 per thread, chunk ^ (row & 7) for
+  // ldmatrix.trans (conflict-free: 8 consecutive rows hit 8 distinct chunks of one 128-byte window).
+  __device__ __forceinline__ void load_w8(uint8_t* sw, int64_t r0, int tid) const {
+    static_assert((BR * BK / 16) % kThreads == 0, "dgrad: whole 16-byte fp8 pieces per thread");
+#pragma unroll
+    for (int it = 0; it < BR * BK / 16 / kThreads; ++it) {
+      const int e = tid + it * kThreads, row = e / (BK / 16), ch = e % (BK / 16);
+      load_w8_piece(sw + row * BK + ((ch ^ (row & 7)) << 4), p.w8, N, K, r0 + row, k0 + ch * 16, vec_w);
+    }
+  }
+  // ldmatrix.x4.trans of rows kk*16 + {0..7, 8..15} x the warp's two 16-byte column groups. Lane (g, t) gets bytes
+  // {w[2t][2g], w[2t][2g+1], w[2t+1][2g], w[2t+1][2g+1]}; byte_perm 0x3120 makes (w[2t][2g], w[2t+1][2g]) the low
+  // half (output column 2g: the even n8 tile) and the odd column's pair the high half. The converted fragments are
+  // used as they are: nothing per row of W8 (column of gl) is folded into any operand.
+  template <typename T>
+  __device__ __forceinline__ void w8_frags(uint32_t (&bfr)[4][2], const uint8_t* sw, int kk, int lane) const {
+    uint32_t d[4];
+    const int i = lane >> 3, row = kk * 16 + 8 * (i & 1) + (lane & 7), ch = (wk0 >> 4) + (i >> 1);
+    ldsm_x4_trans(d, sw + row * BK + ((ch ^ (row & 7)) << 4));
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      const uint32_t lo = byte_perm(d[2 * c2], 0x3120u), hi = byte_perm(d[2 * c2 + 1], 0x3120u);
+      bfr[2 * c2][0] = e4m3x2_to<T>(lo & 0xffffu);
+      bfr[2 * c2][1] = e4m3x2_to<T>(hi & 0xffffu);
+      bfr[2 * c2 + 1][0] = e4m3x2_to<T>(lo >> 16);
+      bfr[2 * c2 + 1][1] = e4m3x2_to<T>(hi >> 16);
+    }
+  }
+  // 16-bit A chunk [32][BK], 2 BK-byte rows: column 16c + 2j + h of the tile goes to position 16c + 8h + j, so that
+  // ldmatrix.trans of positions 16c..16c+7 (16c+8..16c+15) gives the even (odd) n8 tile, matching the
+  // accumulators' column order.
+  __device__ __forceinline__ void load_rank(uint8_t* sa, int q0, int tid) const {
+    const uint16_t* __restrict__ Am = static_cast<const uint16_t*>(p.A);
+#pragma unroll 4
+    for (int it = 0; it < kRankChunk * BK / kThreads; ++it) {
+      const int e = tid + it * kThreads, q = e / BK, col = e % BK;
+      const int64_t gq = q0 + q, gk = k0 + col;
+      const uint16_t val = (gq < p.r && gk < K) ? Am[gq * K + gk] : uint16_t(0);
+      const int pos = (col & ~15) + ((col & 1) << 3) + ((col & 15) >> 1);
+      sst<uint16_t>(sa + q * (BK * 2) + (((pos >> 3) ^ (q & 7)) << 4) + (pos & 7) * 2, val);
+    }
+  }
+  __device__ __forceinline__ void rank_frags(uint32_t (&bfr)[4][2], const uint8_t* sa, int kk, int lane) const {
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      uint32_t d[4];
+      const int i = lane >> 3, row = kk * 16 + 8 * (i & 1) + (lane & 7);
+      const int chunk = 2 * ((wk0 >> 4) + c2) + (i >> 1);
+      ldsm_x4_trans(d, sa + row * (BK * 2) + ((chunk ^ (row & 7)) << 4));
+      bfr[2 * c2][0] = d[0];
+      bfr[2 * c2][1] = d[1];
+      bfr[2 * c2 + 1][0] = d[2];
+      bfr[2 * c2 + 1][1] = d[3];
+    }
+  }
+  // fp32 A chunk [32][BK]; the lane's columns of n8 tile nt, element h: 16 (nt >> 1) + 4t + (nt & 1) + 2h.
+  __device__ __forceinline__ void load_rank_f32(float* sa, int q0, int tid) const {
+    load_tile_f32<kRankChunk, BK, BK>(sa, static_cast<const float*>(p.A), K, p.r, K, q0, k0, tid);
+  }
+  __device__ __forceinline__ void rank_cols_f32(float (&av)[4][2], const float* sa, int q, int lane) const {
+    const int t = lane & 3;
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      const float4 a4 = sld<float4>(sa + q * BK + wk0 + 16 * c2 + 4 * t);
+      av[2 * c2][0] = a4.x;
+      av[2 * c2 + 1][0] = a4.y;
+      av[2 * c2][1] = a4.z;
+      av[2 * c2 + 1][1] = a4.w;
+    }
+  }
 };
 
 template <typename T, int BM, int BK_, bool DROP>  // two blocks per SM, as forward (forward.cu)
 __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w) {
   using Cfg = DgradCfg<BM, BK_, DROP>;
-  constexpr int BK = Cfg::BK, BR = Cfg::BR, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
+  constexpr int BK = Cfg::BN, MT = Cfg::MT, NT = Cfg::NT;
   DORA_SMEM(smem);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm0 = static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_K) * WM;  // unsigned: see forward.cu
-  const int wk0 = static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_K) * 32;
-  const int g = lane >> 2, t = lane & 3;
+  const MmaWarp w = mma_warp<Cfg>();
+  const int tid = w.tid, lane = w.lane, wm0 = w.wm0, wk0 = w.wn0, g = w.g, t = w.t;
   const int64_t M = p.M, N = p.N, K = p.K;
-  int64_t bm, bk;
-  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + BM - 1) / BM), static_cast<uint32_t>((K + BK - 1) / BK),
-               p.group_m, bm, bk);
-  const int64_t m0 = bm * BM, k0 = bk * BK;
+  int64_t m0, k0;
+  mma_block_origin<Cfg>(M, K, p.group_m, m0, k0);
   const uint16_t* __restrict__ gl = static_cast<const uint16_t*>(p.gl);
   const uint16_t* __restrict__ gb = static_cast<const uint16_t*>(p.gb);
+  const DgradOperands<BK> op{p, N, K, k0, wk0, vec_w};
 
   // acc: gl W8 (the adapter term); acc2: gb W8 (dropout's plain base term). Both share every converted W8 fragment.
-  float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
+  float acc[MT][NT][4], acc2[MT][NT][4];
   zero(acc);
   if (DROP) zero(acc2);
-
   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
   auto load_stage = [&](int s, int rt) {
-    uint8_t* base = stage_ptr(s);
-    const int64_t r0 = static_cast<int64_t>(rt) * BR;
-    load_tile32<BM, kSwzLdsm>(base, gl, p.ldgl, M, N, m0, r0, vec_g, tid);
-    if (DROP) load_tile32<BM, kSwzLdsm>(base + Cfg::kGBytes, gb, p.ldgb, M, N, m0, r0, vec_g, tid);
-    // fp8 tile [32 rows of N][BK bytes of K]: 16-byte pieces, BR * BK / 16 / 256 per thread, chunk ^ (row & 7)
-    // for ldmatrix.trans (conflict-free: 8 consecutive rows hit 8 distinct chunks of one 128-byte window).
-    static_assert((BR * BK / 16) % kThreads == 0, "dgrad: whole 16-byte fp8 pieces per thread");
-    uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kGBytes;
-#pragma unroll
-    for (int it = 0; it < BR * BK / 16 / kThreads; ++it) {
-      const int e = tid + it * kThreads, row = e / (BK / 16), ch = e % (BK / 16);
-      const int64_t gn = r0 + row, gk = k0 + ch * 16;
-      uint8_t* dst = sw + row * BK + ((ch ^ (row & 7)) << 4);
-      const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
-      if (vec_w) {
-        cp_async_16(dst, valid > 0 ? static_cast<const void*>(p.w8 + gn * K + gk) : static_cast<const void*>(p.w8),
-                    valid);
-      } else {
-        uint8_t b[16];
-#pragma unroll
-        for (int q = 0; q < 16; ++q) b[q] = q < valid ? p.w8[gn * K + gk + q] : uint8_t(0);
-        sst<uint4>(dst, bits_as<uint4>(b));
-      }
-    }
+    mma_load_stage<Cfg>(stage_ptr(s), op, gl, p.ldgl, gb, p.ldgb, M, N, m0, rt, vec_g, tid);
   };
-  auto compute_stage = [&](int s) {
-    const uint8_t* sg = stage_ptr(s);
-    const uint8_t* sw = sg + (DROP ? 2 : 1) * Cfg::kGBytes;
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      // B: ldmatrix.x4.trans of rows kk*16 + {0..7, 8..15} x the warp's two 16-byte column groups. Lane (g, t) gets
-      // bytes {w[2t][2g], w[2t][2g+1], w[2t+1][2g], w[2t+1][2g+1]}; byte_perm 0x3120 makes (w[2t][2g], w[2t+1][2g])
-      // the low half (output column 2g: the even n8 tile) and the odd column's pair the high half. The converted
-      // fragments are used as they are: nothing per row of W8 (column of gl) is folded into any operand.
-      uint32_t bfr[NT][2];
-      {
-        uint32_t d[4];
-        const int i = lane >> 3, row = kk * 16 + 8 * (i & 1) + (lane & 7), ch = (wk0 >> 4) + (i >> 1);
-        ldsm_x4_trans(d, sw + row * BK + ((ch ^ (row & 7)) << 4));
-#pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-          const uint32_t lo = byte_perm(d[2 * c2], 0x3120u), hi = byte_perm(d[2 * c2 + 1], 0x3120u);
-          bfr[2 * c2][0] = e4m3x2_to<T>(lo & 0xffffu);
-          bfr[2 * c2][1] = e4m3x2_to<T>(hi & 0xffffu);
-          bfr[2 * c2 + 1][0] = e4m3x2_to<T>(lo >> 16);
-          bfr[2 * c2 + 1][1] = e4m3x2_to<T>(hi >> 16);
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint32_t afr[4];
-        frag_a_ldsm(afr, sg, wm0 + mt * 16, kk, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
-        if (DROP) {
-          frag_a_ldsm(afr, sg + Cfg::kGBytes, wm0 + mt * 16, kk, lane);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
-        }
-      }
-    }
-  };
-
-  // ---- main loop over the reduction (N)
-  const int RT = static_cast<int>((N + BR - 1) / BR);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < RT) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int rt = 0; rt < RT; ++rt) {
-    cp_async_wait<kStages - 2>();
-    block_sync();
-    const int nr = rt + kStages - 1;
-    if (nr < RT) load_stage(nr % kStages, nr);
-    cp_async_commit();
-    compute_stage(rt % kStages);
-  }
-  cp_async_wait<0>();
+  auto compute_stage = [&](int s) { mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0); };
+  mma_pipeline<Cfg>(N, load_stage, compute_stage);
 
   // ---- epilogue: acc = rl st (gl W8) / s, then s v A accumulated into it (times s at the store)
   const float st = p.scale_per_row ? 1.f : p.scale[0];  // per-row scales are already in gl, gb
@@ -165,79 +160,43 @@ __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParam
   if (lora && p.rank_f32) {
     // fp32 v, A: FMA on the lane's own accumulator positions (rows g, g + 8; columns 16 c2 + 4t + e).
     const float* __restrict__ v = static_cast<const float*>(p.v);
-    const float* __restrict__ Am = static_cast<const float*>(p.A);
     float* sv = reinterpret_cast<float*>(smem);       // [BM][kRankPitchF] v chunk
     float* sa = sv + BM * kRankPitchF;                // [32][BK] A chunk
     for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();
+      block_sync();  // everyone is done with the previous contents of shared memory
       load_tile_f32<BM, kRankChunk, kRankPitchF>(sv, v, p.r, M, p.r, m0, q0, tid);
-      load_tile_f32<kRankChunk, BK, BK>(sa, Am, K, p.r, K, q0, k0, tid);
+      op.load_rank_f32(sa, q0, tid);
       block_sync();
 #pragma unroll 4
       for (int q = 0; q < kRankChunk; ++q) {
-        float va[MT][2];
+        float va[MT][2], av[NT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) va[mt][h] = sld<float>(sv + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
-        float av[2][4];
-#pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-          const float4 a4 = sld<float4>(sa + q * BK + wk0 + 16 * c2 + 4 * t);
-          av[c2][0] = a4.x;
-          av[c2][1] = a4.y;
-          av[c2][2] = a4.z;
-          av[c2][3] = a4.w;
-        }
+        op.rank_cols_f32(av, sa, q, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int el = 0; el < 4; ++el)  // column 16 (nt >> 1) + 4t + e with e = (nt & 1) + 2 (el & 1)
-              acc[mt][nt][el] = fmaf(va[mt][el >> 1], av[nt >> 1][(nt & 1) | ((el & 1) << 1)], acc[mt][nt][el]);
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = fmaf(va[mt][e >> 1], av[nt][e & 1], acc[mt][nt][e]);
       }
     }
   } else if (lora) {
     const uint16_t* __restrict__ v = static_cast<const uint16_t*>(p.v);
-    const uint16_t* __restrict__ Am = static_cast<const uint16_t*>(p.A);
-    uint8_t* sv = smem;                         // [BM][32] v chunk
-    uint8_t* sa = smem + BM * kRankChunk * 2;   // [32][BK] A chunk, 2 BK-byte rows, columns interleaved
+    uint8_t* sv = smem;                               // [BM][32] v chunk
+    uint8_t* sa = smem + BM * kRankChunk * 2;         // [32][BK] A chunk, 2 BK-byte rows, columns interleaved
     for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();
+      block_sync();  // everyone is done with the previous contents of shared memory
       load_tile32_scalar<BM, kSwzLdsm>(sv, v, p.r, M, p.r, m0, q0, tid);
-      // Column 16c + 2j + h of the tile goes to position 16c + 8h + j, so that ldmatrix.trans of positions
-      // 16c..16c+7 (16c+8..16c+15) gives the even (odd) n8 tile, matching the accumulators' column order.
-#pragma unroll 4
-      for (int it = 0; it < kRankChunk * BK / kThreads; ++it) {
-        const int e = tid + it * kThreads, q = e / BK, col = e % BK;
-        const int64_t gq = q0 + q, gk = k0 + col;
-        const uint16_t val = (gq < p.r && gk < K) ? Am[gq * K + gk] : uint16_t(0);
-        const int pos = (col & ~15) + ((col & 1) << 3) + ((col & 15) >> 1);
-        sst<uint16_t>(sa + q * (BK * 2) + (((pos >> 3) ^ (q & 7)) << 4) + (pos & 7) * 2, val);
-      }
+      op.load_rank(sa, q0, tid);
       block_sync();
 #pragma unroll
       for (int kk = 0; kk < kRankChunk / 16; ++kk) {
         uint32_t bfr[NT][2];
-#pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-          uint32_t d[4];
-          const int i = lane >> 3, row = kk * 16 + 8 * (i & 1) + (lane & 7);
-          const int chunk = 2 * ((wk0 >> 4) + c2) + (i >> 1);
-          ldsm_x4_trans(d, sa + row * (BK * 2) + ((chunk ^ (row & 7)) << 4));
-          bfr[2 * c2][0] = d[0];
-          bfr[2 * c2][1] = d[1];
-          bfr[2 * c2 + 1][0] = d[2];
-          bfr[2 * c2 + 1][1] = d[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint32_t afr[4];
-          frag_a_ldsm(afr, sv, wm0 + mt * 16, kk, lane);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
-        }
+        op.rank_frags(bfr, sa, kk, lane);
+        mma_rows<T, kSwzLdsm, false>(acc, acc, sv, sv, wm0, kk, lane, bfr);
       }
     }
   }
@@ -264,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParam
           if (!DROP) {
             out[e] = post * acc[mt][nt][el];
           } else {  // rb st (gb W8) + mask / (1 - p) * (rl st (gl W8) + s v A)
-            const float base = ab * acc2[DROP ? mt : 0][nt][el];
+            const float base = ab * acc2[mt][nt][el];
             const bool keep = col + e < K && p.mask[i * p.ldmask + col + e] != 0;
             out[e] = keep ? fmaf(p.inv_keep * post, acc[mt][nt][el], base) : base;
           }
@@ -293,25 +252,11 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, k0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-  const float* __restrict__ gl = static_cast<const float*>(p.gl);
-  const float* __restrict__ gb = static_cast<const float*>(p.gb);
 
   float acc[NA][4][4];
   zero(acc);
-
-  simt_gemm<0, NA>(
-      acc, N, false,
-      [&](int row, int64_t n, float* v) {
-        const int64_t i = m0 + row;
-        const bool ok = i < M && n < N;
-        v[0] = ok ? gl[i * p.ldgl + n] : 0.f;
-        if (DROP) v[NA - 1] = ok ? gb[i * p.ldgb + n] : 0.f;
-      },
-      [&](int64_t n, int col) {
-        const int64_t k = k0 + col;
-        return (n < N && k < K) ? e4m3_to_f32(p.w8[n * K + k]) : 0.f;
-      },
-      sA, sB, tid);
+  simt_w8_gemm<false>(acc, static_cast<const float*>(p.gl), p.ldgl, static_cast<const float*>(p.gb), p.ldgb, p.w8, M,
+                      N, K, m0, k0, sA, sB, tid);
 
   const float st = p.scale_per_row ? 1.f : p.scale[0];
   const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
@@ -322,20 +267,8 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[0][i][j] *= pre;
   if (lora) {
-    const float* __restrict__ v = static_cast<const float*>(p.v);
-    const float* __restrict__ Am = static_cast<const float*>(p.A);
-    const int r = p.r;
-    simt_gemm<0, 1>(
-        acc, r, false,
-        [&](int row, int64_t q, float* out) {
-          const int64_t i = m0 + row;
-          out[0] = (i < M && q < r) ? v[i * r + q] : 0.f;
-        },
-        [&](int64_t q, int col) {
-          const int64_t k = k0 + col;
-          return (q < r && k < K) ? Am[q * K + k] : 0.f;
-        },
-        sA, sB, tid);
+    simt_rank_gemm<0, false>(acc, static_cast<const float*>(p.v), static_cast<const float*>(p.A), p.r, M, K, m0, k0,
+                             sA, sB, tid);
   }
 
   const float post = lora ? p.s : 1.f;
@@ -359,45 +292,27 @@ __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams 
   }
 }
 
-// ================================================================================================ launchers
+// ================================================================================================ launch
 
-template <typename T, int BM, int BK, bool DROP>
-cudaError_t launch_dgrad_mma(const DgradParams& p, cudaStream_t stream) {
-  using Cfg = DgradCfg<BM, BK, DROP>;
-  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_g = p.ldgl % 8 == 0 && aligned16(p.gl) && (!DROP || (p.ldgb % 8 == 0 && aligned16(p.gb)));
-  return launch(dgrad_mma_kernel<T, BM, BK, DROP>, ceil_div(p.M, BM) * ceil_div(p.K, BK), 1, Cfg::kSmem, stream, p,
-                vec_g, vec_w);
-}
-
-template <typename T>
-cudaError_t launch_dgrad(const DgradParams& p, cudaStream_t stream) {
-  // Tiles as in launch_forward: 64 x 128 (2 x 4 warps) up to 64 rows, else 64 x 256 / 32 x 256 (1 x 8 warps).
-  if (p.M <= 64) {
-    return p.mask != nullptr ? launch_dgrad_mma<T, 64, 128, true>(p, stream)
-                             : launch_dgrad_mma<T, 64, 128, false>(p, stream);
-  }
-  return p.mask != nullptr ? launch_dgrad_mma<T, 32, 256, true>(p, stream)
-                           : launch_dgrad_mma<T, 64, 256, false>(p, stream);
-}
+// The family launch_gemm (common/gemm.cuh) dispatches: output columns K, activations gl (and gb with dropout).
+struct DgradGemm {
+  using Params = DgradParams;
+  template <int BM, int BK, bool DROP> using Cfg = DgradCfg<BM, BK, DROP>;
+  template <typename T, int BM, int BK, bool DROP>
+  static auto mma_kernel() { return dgrad_mma_kernel<T, BM, BK, DROP>; }
+  template <bool DROP> static auto simt_kernel() { return dgrad_simt_kernel<DROP>; }
+  static int64_t cols(const Params& p) { return p.K; }
+  static bool dropout(const Params& p) { return p.mask != nullptr; }
+  static const void* act(const Params& p, int i) { return i == 0 ? p.gl : p.gb; }
+  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldgl : p.ldgb; }
+};
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------ public interface
 
 cudaError_t dgrad(const DgradParams& p, DType dtype, cudaStream_t stream) {
-  if (p.M <= 0 || p.K <= 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return p.mask != nullptr
-                 ? detail::launch(detail::dgrad_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.K, detail::kSimtTile), detail::simt_smem(2), stream, p)
-                 : detail::launch(detail::dgrad_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.K, detail::kSimtTile), detail::simt_smem(1), stream, p);
-    case DType::kBFloat16: return detail::launch_dgrad<detail::bf16>(p, stream);
-    case DType::kFloat16: return detail::launch_dgrad<detail::f16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return detail::launch_gemm<detail::DgradGemm>(p, dtype, stream);
 }
 
 }  // namespace dorafp8

@@ -1,7 +1,8 @@
 // dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and the kernel files (kernels,
 // launchers), one per kernel family: weight_norm.cu, forward.cu, dgrad.cu (the fp32 SIMT kernels live in forward.cu
-// and dgrad.cu beside the tensor-core ones, with the entry point that picks between them), their shared device code
-// in common/ (primitives, conversions, tiles, launch helpers, the SIMT GEMM loop). Plain C++ with raw pointers so
+// and dgrad.cu beside the tensor-core ones), their shared code in common/ (primitives, conversions, tiles, launch
+// helpers, the SIMT GEMM loop, and gemm.cuh: the tensor-core GEMM forward and dgrad share, and launch_gemm, the
+// entry point's dtype switch and tile choice for both). Plain C++ with raw pointers so
 // that the binding never sees CUDA's fp types and the .cu files never see torch's headers (each translation unit
 // stays cheap to compile, and setup.py's CUDA_SOURCES lets ninja build them side by side).
 //

@@ -1,6 +1,7 @@
 // dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
-// the 16-bit compute dtypes (its block tiles, launch order and edge handling: common/tiles.cuh), forward_simt_kernel
-// for fp32 (common/simt.cuh), their launchers and the entry point dorafp8::forward.
+// the 16-bit compute dtypes (the GEMM it shares with dgrad: common/gemm.cuh; block tiles, launch order and edge
+// handling: common/tiles.cuh) with its operand policy FwdOperands and its epilogue, forward_simt_kernel for fp32
+// (common/simt.cuh), and the entry point dorafp8::forward (launch_gemm, common/gemm.cuh).
 //
 // forward:     y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
 //              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
@@ -20,29 +21,72 @@
 
 #include "dora_fp8.h"
 
-#include "common/launch.cuh"
-#include "common/simt.cuh"
-#include "common/tiles.cuh"
+#include "common/gemm.cuh"
 
 namespace dorafp8 {
 namespace detail {
 
 // ================================================================================================ forward (mma)
 
-template <int BM, int BN_, bool DROP>
-struct FwdCfg {
-  static constexpr int BN = BN_, BK = 32;
-  // 8 warps as WARPS_M x WARPS_N; warp tile WM x 32 columns: MT m16 tiles x NT n8 tiles. With BN = 256 (1 x 8) each
-  // W8 fragment is converted by one warp; with BN = 128 (2 x 4) the two warps of a column convert it both.
-  static constexpr int WARPS_N = BN / 32, WARPS_M = (kThreads / 32) / WARPS_N;
-  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
-  static_assert(WARPS_M * WARPS_N == kThreads / 32 && WM % 16 == 0, "forward: warp layout");
-  static constexpr int kXBytes = BM * BK * 2;              // one activation tile (x or xm)
-  static constexpr int kWBytes = BN * BK;                  // one fp8 tile
-  static constexpr int kStageBytes = (DROP ? 2 : 1) * kXBytes + kWBytes;
+template <int BM, int BN, bool DROP>
+struct FwdCfg : MmaTiles<BM, BN, DROP> {
   static constexpr int kLoraBytes = cmax(BM * kRankChunk * 2 + BN * kRankChunk * 2,   // 16-bit u, B chunks
                                          (BM + BN) * kRankPitchF * 4);                 // fp32 u, B chunks
-  static constexpr int kSmem = cmax(kStages * kStageBytes, kLoraBytes);
+  static constexpr int kSmem = cmax(MmaTiles<BM, BN, DROP>::kPipeSmem, kLoraBytes);
+};
+
+// forward's operands for the shared GEMM (common/gemm.cuh): W8 [N, K] and the rank-r factor B [N, r] have the output
+// columns as rows, the reduction contiguous. The B fragments come in the permuted k order (this file's header), so
+// the x, xm and u tiles use kSwzPairs and frag_a_pairs.
+template <int BN>
+struct FwdOperands {
+  static constexpr int kSwzA = kSwzPairs;
+  const ForwardParams& p;
+  int64_t N, K, n0;  // W8's shape; the block's first output column
+  int wn0;           // the warp's first output column in the block tile
+  bool vec_w;
+
+  // fp8 tile [BN][32 bytes]: 16-byte pieces, BN * 2 / 256 per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix
+  // conflict-free.
+  __device__ __forceinline__ void load_w8(uint8_t* sw, int64_t k0, int tid) const {
+    static_assert((BN * 2) % kThreads == 0, "forward: whole 16-byte fp8 pieces per thread");
+#pragma unroll
+    for (int it = 0; it < BN * 2 / kThreads; ++it) {
+      const int e = tid + it * kThreads, row = e >> 1, ch = e & 1;
+      load_w8_piece(sw + row * 32 + ((ch ^ ((row >> 2) & 1)) << 4), p.w8, N, K, n0 + row, k0 + ch * 16, vec_w);
+    }
+  }
+  // One ldmatrix.x4 = 4 n8 tiles x 16 k bytes; lane (g, t) gets w8[n][4t..4t+3] for n = wn0 + 8i + g.
+  template <typename T>
+  __device__ __forceinline__ void w8_frags(uint32_t (&bfr)[4][2], const uint8_t* sw, int kk, int lane) const {
+    uint32_t d[4];
+    const int n = wn0 + 8 * (lane >> 3) + (lane & 7);
+    ldsm_x4(d, sw + n * 32 + ((kk ^ ((n >> 2) & 1)) << 4));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      bfr[i][0] = e4m3x2_to<T>(d[i] & 0xffffu);
+      bfr[i][1] = e4m3x2_to<T>(d[i] >> 16);
+    }
+  }
+  // 16-bit B chunk [BN][32] (rows = output columns), read in the same permuted k order.
+  __device__ __forceinline__ void load_rank(uint8_t* sb, int q0, int tid) const {
+    load_tile32_scalar<BN, kSwzPairs>(sb, static_cast<const uint16_t*>(p.B), p.r, N, p.r, n0, q0, tid);
+  }
+  __device__ __forceinline__ void rank_frags(uint32_t (&bfr)[4][2], const uint8_t* sb, int kk, int lane) const {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) frag_b_pairs(bfr[nt], sb, wn0 + nt * 8, kk, lane);
+  }
+  // fp32 B chunk [BN][kRankPitchF]; the lane's columns are 8 nt + 2t + h.
+  __device__ __forceinline__ void load_rank_f32(float* sb, int q0, int tid) const {
+    load_tile_f32<BN, kRankChunk, kRankPitchF>(sb, static_cast<const float*>(p.B), p.r, N, p.r, n0, q0, tid);
+  }
+  __device__ __forceinline__ void rank_cols_f32(float (&bv)[4][2], const float* sb, int q, int lane) const {
+    const int t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) bv[nt][h] = sld<float>(sb + (wn0 + nt * 8 + 2 * t + h) * kRankPitchF + q);
+  }
 };
 
 // Per-column epilogue of forward (the contract's formulas). a1, a2: the final accumulators (see the kernel).
@@ -67,102 +111,30 @@ struct FwdEpilogue {
 template <typename T, int BM, int BN_, bool DROP>
 __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
   using Cfg = FwdCfg<BM, BN_, DROP>;
-  constexpr int BN = Cfg::BN, BK = Cfg::BK, WM = Cfg::WM, MT = Cfg::MT, NT = Cfg::NT;
+  constexpr int BN = Cfg::BN, MT = Cfg::MT, NT = Cfg::NT;
   DORA_SMEM(smem);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Unsigned: a power-of-two division stays a shift (signed / and % cost registers: 128 -> 171 in ptxas here).
-  const int wm0 = static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_N) * WM;
-  const int wn0 = static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_N) * 32;
-  const int g = lane >> 2, t = lane & 3;
+  const MmaWarp w = mma_warp<Cfg>();
+  const int tid = w.tid, lane = w.lane, wm0 = w.wm0, wn0 = w.wn0, g = w.g, t = w.t;
   const int64_t M = p.M, N = p.N, K = p.K;
-  int64_t bm, bn;
-  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + BM - 1) / BM), static_cast<uint32_t>((N + BN - 1) / BN),
-               p.group_m, bm, bn);
-  const int64_t m0 = bm * BM, n0 = bn * BN;
+  int64_t m0, n0;
+  mma_block_origin<Cfg>(M, N, p.group_m, m0, n0);
   const uint16_t* __restrict__ x = static_cast<const uint16_t*>(p.x);
   const uint16_t* __restrict__ xm = static_cast<const uint16_t*>(p.xm);
+  const FwdOperands<BN> op{p, N, K, n0, wn0, vec_w};
 
-  float acc[MT][NT][4], acc2[DROP ? MT : 1][NT][4];
+  // acc: x W8^T; acc2 (dropout): xm W8^T. Both share every converted W8 fragment.
+  float acc[MT][NT][4], acc2[MT][NT][4];
   zero(acc);
   if (DROP) zero(acc2);
-
   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
-  auto load_stage = [&](int s, int kt) {
-    uint8_t* base = stage_ptr(s);
-    const int64_t k0 = static_cast<int64_t>(kt) * BK;
-    load_tile32<BM, kSwzPairs>(base, x, p.ldx, M, K, m0, k0, vec_x, tid);
-    if (DROP) load_tile32<BM, kSwzPairs>(base + Cfg::kXBytes, xm, p.ldxm, M, K, m0, k0, vec_x, tid);
-    uint8_t* sw = base + (DROP ? 2 : 1) * Cfg::kXBytes;
-    // fp8 tile [BN][32 bytes]: 16-byte pieces, BN * 2 / 256 per thread; chunk ^ ((row >> 2) & 1) keeps ldmatrix
-    // conflict-free.
-    static_assert((BN * 2) % kThreads == 0, "forward: whole 16-byte fp8 pieces per thread");
-#pragma unroll
-    for (int it = 0; it < BN * 2 / kThreads; ++it) {
-      const int e = tid + it * kThreads, row = e >> 1, ch = e & 1;
-      const int64_t gn = n0 + row, gk = k0 + ch * 16;
-      uint8_t* dst = sw + row * 32 + ((ch ^ ((row >> 2) & 1)) << 4);
-      const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
-      if (vec_w) {
-        cp_async_16(dst, valid > 0 ? static_cast<const void*>(p.w8 + gn * K + gk) : static_cast<const void*>(p.w8),
-                    valid);
-      } else {
-        uint8_t b[16];
-#pragma unroll
-        for (int q = 0; q < 16; ++q) b[q] = q < valid ? p.w8[gn * K + gk + q] : uint8_t(0);
-        sst<uint4>(dst, bits_as<uint4>(b));
-      }
-    }
+  auto load_stage = [&](int s, int rt) {
+    mma_load_stage<Cfg>(stage_ptr(s), op, x, p.ldx, xm, p.ldxm, M, K, m0, rt, vec_x, tid);
   };
   auto compute_stage = [&](int s) {
-    const uint8_t* sx = stage_ptr(s);
-    const uint8_t* sxm = sx + Cfg::kXBytes;
-    const uint8_t* sw = sx + (DROP ? 2 : 1) * Cfg::kXBytes;
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      // B: one ldmatrix.x4 = 4 n8 tiles x 16 k bytes; lane (g, t) gets w8[n][4t..4t+3] for n = wn0 + 8i + g.
-      uint32_t bfr[NT][2];
-      {
-        uint32_t d[4];
-        const int n = wn0 + 8 * (lane >> 3) + (lane & 7);
-        ldsm_x4(d, sw + n * 32 + ((kk ^ ((n >> 2) & 1)) << 4));
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          bfr[i][0] = e4m3x2_to<T>(d[i] & 0xffffu);
-          bfr[i][1] = e4m3x2_to<T>(d[i] >> 16);
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint32_t afr[4];
-        frag_a_pairs(afr, sx, wm0 + mt * 16, kk, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
-        if (DROP) {
-          frag_a_pairs(afr, sxm, wm0 + mt * 16, kk, lane);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
-        }
-      }
-    }
+    mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0);
   };
-
-  // ---- main loop: multistage cp.async pipeline over K
-  const int KT = static_cast<int>((K + BK - 1) / BK);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<kStages - 2>();
-    block_sync();  // tile kt visible to all; everyone is done with the stage about to be refilled
-    const int nk = kt + kStages - 1;
-    if (nk < KT) load_stage(nk % kStages, nk);
-    cp_async_commit();
-    compute_stage(kt % kStages);
-  }
-  cp_async_wait<0>();
+  mma_pipeline<Cfg>(K, load_stage, compute_stage);
 
   // ---- epilogue: fold scale; accumulate s u B^T into the same registers
   const bool dora = p.c != nullptr;
@@ -180,20 +152,20 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
           acc[mt][nt][e] *= pre;
         } else {
           // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
-          acc[mt][nt][e] = sig * fmaf(-p.inv_keep, acc2[DROP ? mt : 0][nt][e], acc[mt][nt][e]);
-          acc2[DROP ? mt : 0][nt][e] *= pre * p.inv_keep;
+          acc[mt][nt][e] = sig * fmaf(-p.inv_keep, acc2[mt][nt][e], acc[mt][nt][e]);
+          acc2[mt][nt][e] *= pre * p.inv_keep;
         }
       }
+  float (&racc)[MT][NT][4] = DROP ? acc2 : acc;  // z's accumulator: + u B^T
   if (lora && p.rank_f32) {
     // fp32 u, B: FMA on the lane's own accumulator positions (rows g, g + 8; columns 2t, 2t + 1 of each n8 tile).
     const float* __restrict__ u = static_cast<const float*>(p.u);
-    const float* __restrict__ Bm = static_cast<const float*>(p.B);
     float* su = reinterpret_cast<float*>(smem);     // [BM][kRankPitchF] u chunk
     float* sb = su + BM * kRankPitchF;              // [BN][kRankPitchF] B chunk (rows = output columns)
     for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
       block_sync();  // everyone is done with the previous contents of shared memory
       load_tile_f32<BM, kRankChunk, kRankPitchF>(su, u, p.r, M, p.r, m0, q0, tid);
-      load_tile_f32<BN, kRankChunk, kRankPitchF>(sb, Bm, p.r, N, p.r, n0, q0, tid);
+      op.load_rank_f32(sb, q0, tid);
       block_sync();
 #pragma unroll 4
       for (int q = 0; q < kRankChunk; ++q) {
@@ -202,46 +174,29 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) ua[mt][h] = sld<float>(su + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) bv[nt][e] = sld<float>(sb + (wn0 + nt * 8 + 2 * t + e) * kRankPitchF + q);
+        op.rank_cols_f32(bv, sb, q, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float& a = DROP ? acc2[DROP ? mt : 0][nt][e] : acc[mt][nt][e];
-              a = fmaf(ua[mt][e >> 1], bv[nt][e & 1], a);
-            }
+            for (int e = 0; e < 4; ++e) racc[mt][nt][e] = fmaf(ua[mt][e >> 1], bv[nt][e & 1], racc[mt][nt][e]);
       }
     }
   } else if (lora) {
     const uint16_t* __restrict__ u = static_cast<const uint16_t*>(p.u);
-    const uint16_t* __restrict__ Bm = static_cast<const uint16_t*>(p.B);
     uint8_t* su = smem;                                 // [BM][32] u chunk
     uint8_t* sb = smem + BM * kRankChunk * 2;           // [BN][32] B chunk (rows = output columns)
     for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
       block_sync();  // everyone is done with the previous contents of shared memory
       load_tile32_scalar<BM, kSwzPairs>(su, u, p.r, M, p.r, m0, q0, tid);
-      load_tile32_scalar<BN, kSwzPairs>(sb, Bm, p.r, N, p.r, n0, q0, tid);
+      op.load_rank(sb, q0, tid);
       block_sync();
 #pragma unroll
       for (int kk = 0; kk < kRankChunk / 16; ++kk) {
         uint32_t bfr[NT][2];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) frag_b_pairs(bfr[nt], sb, wn0 + nt * 8, kk, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint32_t afr[4];
-          frag_a_pairs(afr, su, wm0 + mt * 16, kk, lane);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            if (DROP) mma16816<T>(acc2[DROP ? mt : 0][nt], afr, bfr[nt]);
-            else mma16816<T>(acc[mt][nt], afr, bfr[nt]);
-          }
-        }
+        op.rank_frags(bfr, sb, kk, lane);
+        mma_rows<T, kSwzPairs, false>(racc, racc, su, su, wm0, kk, lane, bfr);
       }
     }
   }
@@ -270,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
           const int64_t jj = j + e < N ? j + e : j;
           const float cj = dora ? p.c[jj] : 1.f;
           const float bj = bias != nullptr ? to_f32(bias[jj]) : 0.f;
-          epi(acc[mt][nt][2 * h + e], DROP ? acc2[DROP ? mt : 0][nt][2 * h + e] : 0.f, cj, bj, yv[e], zv[e]);
+          epi(acc[mt][nt][2 * h + e], DROP ? acc2[mt][nt][2 * h + e] : 0.f, cj, bj, yv[e], zv[e]);
         }
         const int64_t o = i * N + j;
         if (pair_ok && j + 1 < N) {
@@ -303,25 +258,11 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t M = p.M, N = p.N, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, n0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-  const float* __restrict__ x = static_cast<const float*>(p.x);
-  const float* __restrict__ xm = static_cast<const float*>(p.xm);
 
   float acc[NA][4][4];
   zero(acc);
-
-  simt_gemm<0, NA>(
-      acc, K, true,
-      [&](int row, int64_t k, float* v) {
-        const int64_t i = m0 + row;
-        const bool ok = i < M && k < K;
-        v[0] = ok ? x[i * p.ldx + k] : 0.f;
-        if (DROP) v[NA - 1] = ok ? xm[i * p.ldxm + k] : 0.f;
-      },
-      [&](int64_t k, int col) {
-        const int64_t j = n0 + col;
-        return (j < N && k < K) ? e4m3_to_f32(p.w8[j * K + k]) : 0.f;
-      },
-      sA, sB, tid);
+  simt_w8_gemm<true>(acc, static_cast<const float*>(p.x), p.ldx, static_cast<const float*>(p.xm), p.ldxm, p.w8, M, N,
+                     K, m0, n0, sA, sB, tid);
 
   const bool dora = p.c != nullptr;
   const bool lora = dora && p.s != 0.f && p.r > 0;
@@ -341,20 +282,8 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
     }
   }
   if (lora) {
-    const float* __restrict__ u = static_cast<const float*>(p.u);
-    const float* __restrict__ Bm = static_cast<const float*>(p.B);
-    const int r = p.r;
-    simt_gemm<NA - 1, 1>(
-        acc, r, true,
-        [&](int row, int64_t q, float* v) {
-          const int64_t i = m0 + row;
-          v[0] = (i < M && q < r) ? u[i * r + q] : 0.f;
-        },
-        [&](int64_t q, int col) {
-          const int64_t j = n0 + col;
-          return (j < N && q < r) ? Bm[j * r + q] : 0.f;
-        },
-        sA, sB, tid);
+    simt_rank_gemm<NA - 1, true>(acc, static_cast<const float*>(p.u), static_cast<const float*>(p.B), p.r, M, N, m0,
+                                 n0, sA, sB, tid);
   }
 
   const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
@@ -377,47 +306,27 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardPar
   }
 }
 
-// ================================================================================================ launchers
+// ================================================================================================ launch
 
-template <typename T, int BM, int BN, bool DROP>
-cudaError_t launch_forward_mma(const ForwardParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<BM, BN, DROP>;
-  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
-  const bool vec_x = p.ldx % 8 == 0 && aligned16(p.x) && (!DROP || (p.ldxm % 8 == 0 && aligned16(p.xm)));
-  return launch(forward_mma_kernel<T, BM, BN, DROP>, ceil_div(p.M, BM) * ceil_div(p.N, BN), 1, Cfg::kSmem, stream,
-                p, vec_x, vec_w);
-}
-
-template <typename T>
-cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
-  // Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs.
-  // More rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile,
-  // bytes per stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
-  if (p.M <= 64) {
-    return p.xm != nullptr ? launch_forward_mma<T, 64, 128, true>(p, stream)
-                           : launch_forward_mma<T, 64, 128, false>(p, stream);
-  }
-  return p.xm != nullptr ? launch_forward_mma<T, 32, 256, true>(p, stream)
-                         : launch_forward_mma<T, 64, 256, false>(p, stream);
-}
+// The family launch_gemm (common/gemm.cuh) dispatches: output columns N, activations x (and xm with dropout).
+struct ForwardGemm {
+  using Params = ForwardParams;
+  template <int BM, int BN, bool DROP> using Cfg = FwdCfg<BM, BN, DROP>;
+  template <typename T, int BM, int BN, bool DROP>
+  static auto mma_kernel() { return forward_mma_kernel<T, BM, BN, DROP>; }
+  template <bool DROP> static auto simt_kernel() { return forward_simt_kernel<DROP>; }
+  static int64_t cols(const Params& p) { return p.N; }
+  static bool dropout(const Params& p) { return p.xm != nullptr; }
+  static const void* act(const Params& p, int i) { return i == 0 ? p.x : p.xm; }
+  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldx : p.ldxm; }
+};
 
 }  // namespace detail
 
 // ------------------------------------------------------------------------------------------------ public interface
 
 cudaError_t forward(const ForwardParams& p, DType dtype, cudaStream_t stream) {
-  if (p.M <= 0 || p.N <= 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return p.xm != nullptr
-                 ? detail::launch(detail::forward_simt_kernel<true>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(2), stream, p)
-                 : detail::launch(detail::forward_simt_kernel<false>, detail::ceil_div(p.M, detail::kSimtTile),
-                                  detail::ceil_div(p.N, detail::kSimtTile), detail::simt_smem(1), stream, p);
-    case DType::kBFloat16: return detail::launch_forward<detail::bf16>(p, stream);
-    case DType::kFloat16: return detail::launch_forward<detail::f16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return detail::launch_gemm<detail::ForwardGemm>(p, dtype, stream);
 }
 
 }  // namespace dorafp8

@@ -16,8 +16,9 @@ One row per kernel instantiation:
 """
 
 _16BIT = {"bf16": "__nv_bfloat16", "fp16": "__half"}
-# (BM, BN, DROP, variant): launch_forward / launch_dgrad pick 64 x 128 tiles (2 x 4 warps) for M <= 64, else 64 x 256
-# without dropout and 32 x 256 with it (1 x 8 warps). BN is the output-column width (dgrad: BK, columns of K).
+# (BM, BN, DROP, variant): launch_gemm_tiles (common/gemm.cuh, for forward and dgrad alike) picks 64 x 128 tiles
+# (2 x 4 warps) for M <= 64, else 64 x 256 without dropout and 32 x 256 with it (1 x 8 warps). BN is the output-column
+# width (dgrad: BK, columns of K).
 _MMA_PATHS = [(64, 128, "true", "adapter+dropout, M<=64"), (64, 128, "false", "M<=64"),
               (32, 256, "true", "adapter+dropout, M>64"), (64, 256, "false", "M>64")]
 

@@ -1,6 +1,7 @@
-// Host-side launch helpers shared by the launchers of csrc/weight_norm.cu, forward.cu and dgrad.cu: grid sizes, the
-// 16-byte alignment test that picks vectorized copies, and launch(), which checks the grid against CUDA's limits,
-// opts into more than 48 KB of dynamic shared memory where a kernel needs it, and returns the launch's error.
+// Host-side launch helpers shared by the launchers of csrc/weight_norm.cu and of forward.cu and dgrad.cu (whose one
+// launcher is launch_gemm, common/gemm.cuh): grid sizes, the 16-byte alignment test that picks vectorized copies, and
+// launch(), which checks the grid against CUDA's limits, opts into more than 48 KB of dynamic shared memory where a
+// kernel needs it, and returns the launch's error.
 #pragma once
 
 #include "tiles.cuh"

@@ -1,6 +1,7 @@
 // Shared device code of the dorafp8 kernels, part 4: the fp32 compute dtype's GEMM loop. fp32 runs a plain SIMT
 // path (64 x 64 tiles, 4 x 4 per thread, FMA), fp32-accurate, no tf32; forward_simt_kernel (forward.cu) and
-// dgrad_simt_kernel (dgrad.cu) differ only in their operands and epilogues, which they pass to simt_gemm.
+// dgrad_simt_kernel (dgrad.cu) differ only in which dim of W8 is the reduction (simt_w8_gemm, simt_rank_gemm: the
+// same GEMMs as the tensor-core kernels', common/gemm.cuh) and in their epilogues.
 #pragma once
 
 #include "tiles.cuh"
@@ -52,6 +53,49 @@ __device__ __forceinline__ void simt_gemm(float (&acc)[NACC][4][4], int64_t kred
         }
     }
   }
+}
+
+// acc[0] (and acc[1] with NA == 2) += act (and act2) [rows m0 .. m0 + 64, reduction] x W8 for the output columns
+// c0 .. c0 + 64. W8 [N, K]: RED_CONTIG (forward), its rows are the output columns and the reduction is K; else
+// (dgrad) its rows are the reduction, N, and the output columns are K. act, act2: row-major fp32, row strides ld, ld2.
+template <bool RED_CONTIG, int NA>
+__device__ __forceinline__ void simt_w8_gemm(float (&acc)[NA][4][4], const float* __restrict__ act, int64_t ld,
+                                             const float* __restrict__ act2, int64_t ld2, const uint8_t* w8,
+                                             int64_t M, int64_t N, int64_t K, int64_t m0, int64_t c0, float* sA,
+                                             float* sB, int tid) {
+  const int64_t red = RED_CONTIG ? K : N, cols = RED_CONTIG ? N : K;
+  simt_gemm<0, NA>(
+      acc, red, RED_CONTIG,
+      [&](int row, int64_t k, float* v) {
+        const int64_t i = m0 + row;
+        const bool ok = i < M && k < red;
+        v[0] = ok ? act[i * ld + k] : 0.f;
+        if (NA == 2) v[NA - 1] = ok ? act2[i * ld2 + k] : 0.f;
+      },
+      [&](int64_t k, int col) {
+        const int64_t j = c0 + col;
+        return (j < cols && k < red) ? e4m3_to_f32(w8[RED_CONTIG ? j * K + k : k * K + j]) : 0.f;
+      },
+      sA, sB, tid);
+}
+
+// acc[A] += left [rows m0 .. m0 + 64, r] x right for the output columns c0 .. c0 + 64 (the rank-r term). left:
+// [M, r] contiguous; right: RED_CONTIG (forward's B) [cols, r], else (dgrad's A) [r, cols], contiguous.
+template <int A, bool RED_CONTIG, int NACC>
+__device__ __forceinline__ void simt_rank_gemm(float (&acc)[NACC][4][4], const float* __restrict__ left,
+                                               const float* __restrict__ right, int r, int64_t M, int64_t cols,
+                                               int64_t m0, int64_t c0, float* sA, float* sB, int tid) {
+  simt_gemm<A, 1>(
+      acc, r, RED_CONTIG,
+      [&](int row, int64_t q, float* v) {
+        const int64_t i = m0 + row;
+        v[0] = (i < M && q < r) ? left[i * r + q] : 0.f;
+      },
+      [&](int64_t q, int col) {
+        const int64_t j = c0 + col;
+        return (j < cols && q < r) ? right[RED_CONTIG ? j * r + q : q * cols + j] : 0.f;
+      },
+      sA, sB, tid);
 }
 
 }  // namespace detail

@@ -1,5 +1,6 @@
 // Shared device code of the dorafp8 kernels, part 3: the constants every kernel shares, the grouped launch order,
-// and the shared-memory tiles of the tensor-core GEMMs (forward.cu, dgrad.cu): loaders, swizzles, mma fragments.
+// and the shared-memory tiles of the tensor-core GEMM of forward.cu and dgrad.cu (its main loop: common/gemm.cuh):
+// loaders, swizzles, mma fragments.
 //
 // tiles:       forward and dgrad: 8 warps, each a warp tile of WM rows x 32 output columns (mma.sync m16n8k16, bf16
 //              or fp16 operands, fp32 accumulators), a 4-stage cp.async pipeline over the reduction in steps of 32.
@@ -94,6 +95,22 @@ __device__ __forceinline__ void load_tile32(uint8_t* tile, const uint16_t* __res
   }
 }
 
+// One 16-byte piece of the fp8 weight W8 [N, K] (row gn, bytes gk .. gk + 15) into dst, zeros past the edges. vec:
+// cp.async (needs K % 16 == 0 and a 16-byte aligned base), else byte by byte. forward and dgrad tile W8 differently
+// (which of its dims is the reduction) and pick dst by their own swizzle; the copy itself is this one.
+__device__ __forceinline__ void load_w8_piece(uint8_t* dst, const uint8_t* w8, int64_t N, int64_t K, int64_t gn,
+                                              int64_t gk, bool vec) {
+  const int valid = gn < N ? static_cast<int>(clamp_valid(K - gk, 16)) : 0;
+  if (vec) {
+    cp_async_16(dst, valid > 0 ? static_cast<const void*>(w8 + gn * K + gk) : static_cast<const void*>(w8), valid);
+  } else {
+    uint8_t b[16];
+#pragma unroll
+    for (int q = 0; q < 16; ++q) b[q] = q < valid ? w8[gn * K + gk + q] : uint8_t(0);
+    sst<uint4>(dst, bits_as<uint4>(b));
+  }
+}
+
 // Rows [r0, r0 + ROWS) x columns [c0, c0 + COLS) of a row-major fp32 matrix (rows x cols, row stride ld) into a
 // [ROWS][PITCH] fp32 tile, zeros outside the matrix (the fp32 rank-r operands: u, B, v, A with fp32 adapters).
 template <int ROWS, int COLS, int PITCH>
@@ -147,6 +164,13 @@ __device__ __forceinline__ void frag_b_pairs(uint32_t (&b)[2], const uint8_t* ti
 __device__ __forceinline__ void frag_a_ldsm(uint32_t (&a)[4], const uint8_t* tile, int row0, int kk, int lane) {
   const int row = row0 + (lane & 15), ch = 2 * kk + (lane >> 4);
   ldsm_x4(a, tile + tile32_offset<kSwzLdsm>(row, ch));
+}
+
+// The A fragment of a tile by its swizzle, which also fixes the k order (kSwzPairs: permuted, kSwzLdsm: natural).
+template <int SWZ>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const uint8_t* tile, int row0, int kk, int lane) {
+  if constexpr (SWZ == kSwzPairs) frag_a_pairs(a, tile, row0, kk, lane);
+  else frag_a_ldsm(a, tile, row0, kk, lane);
 }
 
 }  // namespace detail

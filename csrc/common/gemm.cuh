@@ -1,0 +1,215 @@
+// Shared code of the dorafp8 kernels, part 5: the tensor-core GEMM that forward.cu and dgrad.cu both run, and the
+// launch of both families. forward (x W8^T) and dgrad (gl W8) are one GEMM, acc[rows of M, output columns] = act x W8,
+// that differs only in which dim of W8 [N, K] is the reduction: K in forward (W8's rows are the output columns, the
+// reduction is contiguous), N in dgrad (W8's rows are the reduction). What does not depend on that is here, once:
+//
+//   MmaTiles          the block tile (BM rows x BN output columns), the warp layout and the pipeline's stage bytes
+//                     (common/tiles.cuh's header says why these shapes); FwdCfg and DgradCfg add their epilogues'
+//                     shared memory;
+//   mma_warp          a lane's place in the block tile; mma_block_origin: the block's tile in grouped order;
+//   mma_load_stage, mma_compute_stage, mma_pipeline
+//                     the main loop: a kStages-deep cp.async pipeline over the reduction in steps of 32, per stage
+//                     the activation tile (two with dropout: x and xm, gl and gb) and the fp8 tile; each converted W8
+//                     fragment feeds the mma of both accumulators (mma_rows, also the rank-r term's mma);
+//   launch_gemm       the host side of both: the dtype switch (fp32: the SIMT kernel, common/simt.cuh, whose GEMMs
+//                     are shared there), the tile shape for M and dropout, the launch.
+//
+// What depends on the orientation is an operand policy that each kernel file defines (FwdOperands in forward.cu,
+// DgradOperands in dgrad.cu) and passes in:
+//   kSwzA                         the swizzle of the activation and left rank tiles, which fixes the k order of their
+//                                 A fragments (frag_a): it must be the one the policy's B fragments come in;
+//   load_w8(sw, r0, tid)          copies the stage's fp8 tile (reduction rows r0 .. r0 + 31) into sw;
+//   w8_frags<T>(b, sw, kk, lane)  the warp's 4 converted B fragments (k16 x n8) of reduction step kk;
+//   load_rank(sb, q0, tid), rank_frags(b, sb, kk, lane)
+//                                 the same two for the 16-bit right rank operand (B [N, r] in forward, A [r, K] in
+//                                 dgrad) in the rank-r term's chunks of kRankChunk ranks;
+//   load_rank_f32(sb, q0, tid), rank_cols_f32(b, sb, q, lane)
+//                                 its fp32 chunk, and rank q's values at the lane's accumulator columns:
+//                                 b[nt][h] multiplies accumulator elements h and 2 + h of n8 tile nt.
+// The accumulator element [mt][nt][e] of a lane (g, t) is row wm0 + 16 mt + g + 8 (e >> 1) of the block tile; its
+// column is the policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: its even/odd interleave, see dgrad.cu).
+//
+// The loops stay in the kernels, which call these pieces from lambdas: the main loop's two stage lambdas, and the
+// rank-r term's chunk loops (alike in forward.cu and dgrad.cu but for the names). Measured with nvcc 13.0: the same
+// code behind one more function boundary (a main-loop function that takes the operands and builds the stage lambdas
+// itself, or a rank-term function) comes out of nvcc with other instructions hoisted and placed, and ptxas then needs
+// 96 registers instead of 80 for forward_mma_kernel<bf16, 64, 128, false> on sm_90a (three blocks per SM down to two)
+// and spills in forward_mma_kernel<*, 32, 256, true>, which is at the 128-register bound of __launch_bounds__(256, 2).
+// Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on both archs.
+#pragma once
+
+#include "dora_fp8.h"  // DType (csrc/ is on the include path)
+#include "launch.cuh"
+#include "simt.cuh"
+#include "tiles.cuh"
+
+namespace dorafp8 {
+namespace detail {
+
+// ------------------------------------------------------------------------------------------------ tiles, warps
+
+template <int BM_, int BN_, bool DROP_>
+struct MmaTiles {
+  static constexpr int BM = BM_, BN = BN_, BR = 32;  // block tile: BM rows x BN output columns; reduction per stage
+  static constexpr bool DROP = DROP_;                // two activation operands and accumulators (dropout)
+  // 8 warps as WARPS_M x WARPS_N; warp tile WM x 32 columns: MT m16 tiles x NT n8 tiles. With BN = 256 (1 x 8) each
+  // W8 fragment is converted by one warp; with BN = 128 (2 x 4) the two warps of a column convert it both.
+  static constexpr int WARPS_N = BN / 32, WARPS_M = (kThreads / 32) / WARPS_N;
+  static constexpr int WM = BM / WARPS_M, MT = WM / 16, NT = 4;
+  static_assert(WARPS_M * WARPS_N == kThreads / 32 && WM % 16 == 0, "mma tiles: warp layout");
+  static constexpr int kActBytes = BM * BR * 2;      // one activation tile [BM][32] 16-bit (x, xm, gl or gb)
+  static constexpr int kWBytes = BN * BR;            // one fp8 tile
+  static constexpr int kStageBytes = (DROP ? 2 : 1) * kActBytes + kWBytes;
+  static constexpr int kPipeSmem = kStages * kStageBytes;
+  static_assert(kStageBytes % 16 == 0 && (BM * kRankPitchF * 4) % 16 == 0, "tiles must stay 16-byte aligned");
+};
+
+// A lane's place in the block tile: its thread index, lane (g, t) = (lane / 4, lane % 4) of the mma fragment
+// layouts, and its warp's first row (wm0) and output column (wn0).
+struct MmaWarp {
+  int tid, lane, g, t, wm0, wn0;
+};
+template <class Cfg>
+__device__ __forceinline__ MmaWarp mma_warp() {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Unsigned: a power-of-two division stays a shift (signed / and % cost registers: 128 -> 171 in ptxas here).
+  return MmaWarp{tid, lane, lane >> 2, lane & 3,
+                 static_cast<int>(static_cast<unsigned>(warp) / Cfg::WARPS_N) * Cfg::WM,
+                 static_cast<int>(static_cast<unsigned>(warp) % Cfg::WARPS_N) * 32};
+}
+
+// The first row (m0) and output column (c0) of this block's tile, in grouped order over an M x cols output.
+template <class Cfg>
+__device__ __forceinline__ void mma_block_origin(int64_t M, int64_t cols, int group_m, int64_t& m0, int64_t& c0) {
+  int64_t bm, bc;
+  grouped_tile(blockIdx.x, static_cast<uint32_t>((M + Cfg::BM - 1) / Cfg::BM),
+               static_cast<uint32_t>((cols + Cfg::BN - 1) / Cfg::BN), group_m, bm, bc);
+  m0 = bm * Cfg::BM;
+  c0 = bc * Cfg::BN;
+}
+
+// ------------------------------------------------------------------------------------------------ main loop
+
+// For each m16 tile of the warp: A fragment of `tile` (k step kk) times the 4 B fragments into acc; with TWO, the
+// same B fragments also take tile2's A fragment into acc2 (dropout's second operand), interleaved per m16 tile so
+// that one A fragment is live at a time. The kernels declare acc2 also without dropout (unused, it takes no registers).
+template <typename T, int SWZ, bool TWO, int MT, int NT>
+__device__ __forceinline__ void mma_rows(float (&acc)[MT][NT][4], float (&acc2)[MT][NT][4], const uint8_t* tile,
+                                         const uint8_t* tile2, int wm0, int kk, int lane,
+                                         const uint32_t (&bfr)[NT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    uint32_t afr[4];
+    frag_a<SWZ>(afr, tile, wm0 + mt * 16, kk, lane);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[mt][nt], afr, bfr[nt]);
+    if constexpr (TWO) {
+      frag_a<SWZ>(afr, tile2, wm0 + mt * 16, kk, lane);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc2[mt][nt], afr, bfr[nt]);
+    }
+  }
+}
+
+// The main loop, acc (and acc2 with Cfg::DROP) += act (and act2) [rows m0 .. m0 + BM, reduction 0 .. red) x the
+// policy's W8 tiles, as each kernel strings it together (see this file's header for why not one function):
+//   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
+//   auto load_stage = [&](int s, int rt) { mma_load_stage<Cfg>(stage_ptr(s), op, act, ld, act2, ld2, ..., rt, ...); };
+//   auto compute_stage = [&](int s) { mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0); };
+//   mma_pipeline<Cfg>(red, load_stage, compute_stage);
+
+// Stage rt of the pipeline into `stage`: the activation tile(s), rows m0 .. m0 + BM x reduction rt * 32 .. + 32 of
+// row-major 16-bit [M, red] matrices with row strides ld, ld2 (vec_act: 16-byte cp.async copies), and the fp8 tile.
+template <class Cfg, class Op>
+__device__ __forceinline__ void mma_load_stage(uint8_t* stage, const Op& op, const uint16_t* act,
+                                               int64_t ld, const uint16_t* act2, int64_t ld2, int64_t M,
+                                               int64_t red, int64_t m0, int rt, bool vec_act, int tid) {
+  const int64_t r0 = static_cast<int64_t>(rt) * Cfg::BR;
+  load_tile32<Cfg::BM, Op::kSwzA>(stage, act, ld, M, red, m0, r0, vec_act, tid);
+  if (Cfg::DROP) load_tile32<Cfg::BM, Op::kSwzA>(stage + Cfg::kActBytes, act2, ld2, M, red, m0, r0, vec_act, tid);
+  op.load_w8(stage + (Cfg::DROP ? 2 : 1) * Cfg::kActBytes, r0, tid);
+}
+
+// The mma of one stage: per k16 step, the warp's converted W8 fragments, then every m16 tile's A fragment of the
+// activation tile into acc (and of the second one into acc2).
+template <typename T, class Cfg, class Op>
+__device__ __forceinline__ void mma_compute_stage(float (&acc)[Cfg::MT][Cfg::NT][4],
+                                                  float (&acc2)[Cfg::MT][Cfg::NT][4], const uint8_t* stage,
+                                                  const Op& op, int lane, int wm0) {
+  const uint8_t* sw = stage + (Cfg::DROP ? 2 : 1) * Cfg::kActBytes;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::BR / 16; ++kk) {
+    uint32_t bfr[Cfg::NT][2];
+    op.template w8_frags<T>(bfr, sw, kk, lane);
+    mma_rows<T, Op::kSwzA, Cfg::DROP>(acc, acc2, stage, stage + Cfg::kActBytes, wm0, kk, lane, bfr);
+  }
+}
+
+// The kStages-deep cp.async pipeline over a reduction of `red`: load_stage(s, rt) fills stage s with step rt,
+// compute_stage(s) runs the mma of stage s.
+template <class Cfg, class LoadStage, class ComputeStage>
+__device__ __forceinline__ void mma_pipeline(int64_t red, LoadStage&& load_stage, ComputeStage&& compute_stage) {
+  const int RT = static_cast<int>((red + Cfg::BR - 1) / Cfg::BR);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < RT) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int rt = 0; rt < RT; ++rt) {
+    cp_async_wait<kStages - 2>();
+    block_sync();  // tile rt visible to all; everyone is done with the stage about to be refilled
+    const int nr = rt + kStages - 1;
+    if (nr < RT) load_stage(nr % kStages, nr);
+    cp_async_commit();
+    compute_stage(rt % kStages);
+  }
+  cp_async_wait<0>();
+}
+
+// ------------------------------------------------------------------------------------------------ host side
+
+// The launch of forward or dgrad, from the kernel file's family G:
+//   G::Params, G::Cfg<BM, BN, DROP>     the params struct and the tensor-core kernel's config (its kSmem);
+//   G::mma_kernel<T, BM, BN, DROP>()    the tensor-core kernel, called (params, vec_act, vec_w);
+//   G::simt_kernel<DROP>()              the fp32 SIMT kernel, called (params) on a 2-D grid of kSimtTile tiles;
+//   G::cols(p), G::dropout(p)           the output columns (forward: N, dgrad: K), whether dropout runs;
+//   G::act(p, i), G::ld(p, i)           activation operand i (0, and 1 with dropout) and its row stride.
+template <class G, typename T, int BM, int BN, bool DROP>
+cudaError_t launch_gemm_mma(const typename G::Params& p, cudaStream_t stream) {
+  using Cfg = typename G::template Cfg<BM, BN, DROP>;
+  const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
+  const bool vec_act = G::ld(p, 0) % 8 == 0 && aligned16(G::act(p, 0)) &&
+                       (!DROP || (G::ld(p, 1) % 8 == 0 && aligned16(G::act(p, 1))));
+  return launch(G::template mma_kernel<T, BM, BN, DROP>(), ceil_div(p.M, BM) * ceil_div(G::cols(p), BN), 1,
+                Cfg::kSmem, stream, p, vec_act, vec_w);
+}
+
+// Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs. More
+// rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile, bytes per
+// stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
+template <class G, typename T>
+cudaError_t launch_gemm_tiles(const typename G::Params& p, cudaStream_t stream) {
+  const bool drop = G::dropout(p);
+  if (p.M <= 64) {
+    return drop ? launch_gemm_mma<G, T, 64, 128, true>(p, stream) : launch_gemm_mma<G, T, 64, 128, false>(p, stream);
+  }
+  return drop ? launch_gemm_mma<G, T, 32, 256, true>(p, stream) : launch_gemm_mma<G, T, 64, 256, false>(p, stream);
+}
+
+template <class G>
+cudaError_t launch_gemm(const typename G::Params& p, DType dtype, cudaStream_t stream) {
+  if (p.M <= 0 || G::cols(p) <= 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32: {
+      const int64_t gm = ceil_div(p.M, kSimtTile), gc = ceil_div(G::cols(p), kSimtTile);
+      return G::dropout(p) ? launch(G::template simt_kernel<true>(), gm, gc, simt_smem(2), stream, p)
+                           : launch(G::template simt_kernel<false>(), gm, gc, simt_smem(1), stream, p);
+    }
+    case DType::kBFloat16: return launch_gemm_tiles<G, bf16>(p, stream);
+    case DType::kFloat16: return launch_gemm_tiles<G, f16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace detail
+}  // namespace dorafp8
