@@ -8,6 +8,7 @@ import is still a dependency), so the check costs no import and sees code paths 
 import ast
 import concurrent.futures
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -310,3 +311,12 @@ def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     changed = sorted(f for f in set(before) | set(after) if before.get(f) != after.get(f)
                      and not f.startswith("dorafp8.egg-info/"))
     assert not changed, changed
+
+
+def test_docs_name_every_test_file():
+    """docs/TESTING.md says what each test file checks: a new test file must be named there, a removed one not."""
+    text = (ROOT / "docs" / "TESTING.md").read_text()
+    files = sorted(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert [f for f in files if f not in text] == []
+    named = set(re.findall(r"\btest_\w+\.py\b", text))
+    assert sorted(named - set(files)) == []
