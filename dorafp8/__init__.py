@@ -38,7 +38,7 @@ dorafp8/_install.py).
 from . import _install
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
-from .distributed import install_ddp_support
+from .distributed import install_ddp_support, install_fsdp_support
 from .nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear, quantize_model, set_act_quant
 from .norm_cache import reuse_weight_norms
 from .ops import dora_fp8_conv, dora_fp8_linear, fp8_conv, fp8_linear, weight_norm
@@ -50,8 +50,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
     "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
-    "register_with_peft", "install_ddp_support", "load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged",
-    "detect_format", "from_transformers_fp8", "reuse_weight_norms",
+    "register_with_peft", "install_ddp_support", "install_fsdp_support", "load_fp8_checkpoint", "save_fp8_checkpoint",
+    "export_merged", "detect_format", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
     "DoRAFP8Conv3d", "DoRAFP8Config",
 ]
@@ -82,4 +82,4 @@ def __dir__():
     return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES))
 
 
-_install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers learn of fp8 layers on import (opt-out inside)
+_install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers, FSDP2 learn of fp8 layers (opt-out inside)

@@ -1,13 +1,14 @@
 """Everything `import dorafp8` changes outside dorafp8, in one place, with one opt-out: DORAFP8_NO_PATCHES=1.
 
 1. DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py explains why; idempotent).
-2. PEFT, transformers and diffusers learn about dorafp8 without being imported (below).
+2. PEFT, transformers, diffusers and FSDP2 learn about dorafp8 without being imported (below).
 
-With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft() and dorafp8.install_ddp_support()
-yourself where you need them (save_pretrained of fp8 models is then transformers' own, which loses the scales).
+With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.install_ddp_support() and
+dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8 models is then transformers' own,
+which loses the scales).
 
-Importing peft, transformers or diffusers takes seconds, so `import dorafp8` must not do it. But each needs to know
-about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
+Importing peft, transformers, diffusers or FSDP2 takes seconds, so `import dorafp8` must not do it. But each needs to
+know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
 
 - peft: `quantize_model(model)` then `get_peft_model(model, LoraConfig(use_dora=True, ...))` must build
   DoRAFP8Linear layers (dorafp8.peft.register_with_peft);
@@ -15,12 +16,15 @@ about dorafp8's fp8 layers before the user's next line runs, with nothing more i
   correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
   quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
 - diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
-  (dorafp8/checkpoint/save_hooks.py).
+  (dorafp8/checkpoint/save_hooks.py);
+- FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
+  (dorafp8.distributed.install_fsdp_support).
 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
 transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
-PreTrainedModel and ModelMixin, not the packages.
+PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (where it is under the
+torch at hand: dorafp8.distributed.FSDP_PARAM_MODULES).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import os
 import sys
 import warnings
 
-from .distributed import install_ddp_support
+from .distributed import FSDP_PARAM_MODULES, install_ddp_support, install_fsdp_support
 
 
 def _peft() -> None:
@@ -53,12 +57,18 @@ def _diffusers() -> None:
     save_hooks.patch_diffusers()
 
 
+def _fsdp() -> None:
+    install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
+
+
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
     "peft": (_peft, "get_peft_model will not build DoRAFP8Linear layers"),
     "transformers.modeling_utils": (_transformers, "save_pretrained of fp8 models writes unscaled e4m3 weights, and "
                                                    "DoRAFP8Config is not registered"),
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
+    **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
+                      "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }
 _pending: set = set()
 

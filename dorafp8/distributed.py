@@ -26,15 +26,26 @@ parameter objects in place on every all-gather without bumping their version cou
 come back at the same address, so a (version, data_ptr) key can match across an optimizer step and return a stale
 norm. Layers under FSDP (1 or 2; `_is_fsdp_managed_module`, which fully_shard sets on every module it manages) or
 DeepSpeed ZeRO-3 (parameters with `ds_id`) therefore compute the norm on every forward (`params_are_sharded`).
-With MixedPrecisionPolicy(param_dtype=bf16) FSDP2 casts the fp8 weight to bf16 for the all-gather;
-`recover_fp8_weight` casts it back (exact: every e4m3 value is a bf16/fp16/fp32 value) and warns once about the
-doubled traffic and memory.
+Mixed precision. MixedPrecisionPolicy(param_dtype=bf16) makes FSDP2 cast every floating-point parameter of the
+group for the all-gather, fp8 included (it only exempts non-floating-point ones): the fp8 weight would travel and sit
+unsharded as bf16, twice its size, and reach the forward as bf16. That happens to every fp8 layer in a group with a
+param_dtype, which is where a model's fp8 layers without an adapter (an MLP left out of target_modules) always are:
+they cannot get a group of their own without it, because a group of fp8 weights only is all-gathered as fp8, which
+gloo cannot do. So `install_fsdp_support()` (run when FSDP2's parameter module is imported, see _install.py) wraps
+`FSDPParam.init_dtype_attrs`, where each parameter's all-gather dtype is settled at lazy init: the fp8 `weight` of a
+dorafp8 layer (FP8WeightModule) keeps no param_dtype, the state torch's own per-parameter override
+(MixedPrecisionPolicy.param_dtype_override_fn returning the parameter's dtype, torch >= 2.15) leads to. Its group then
+mixes dtypes and is all-gathered as bytes; nothing else in the group changes (bf16 adapters, norms, inputs). Without
+the support (DORAFP8_NO_PATCHES=1, a torch without that method), `recover_fp8_weight` casts a widened weight back in
+the forward (exact: every e4m3 value is a bf16/fp16/fp32 value) and warns once about the doubled traffic and memory.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import sys
 import warnings
 
 import torch
@@ -42,7 +53,7 @@ import torch
 # The FSDP / ZeRO-3 helpers this docstring explains live with the fp8 module base, which needs them; and the fp8 dtype
 # facts with the recipe. Both are named here too, where the distributed story is told.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
-from .quant import FP8_DTYPES, is_fp8  # noqa: F401
+from .quant import FP8_DTYPES, is_fp8
 
 # ---- DDP ---------------------------------------------------------------------------------------------------------
 
@@ -126,3 +137,70 @@ def uninstall_ddp_support() -> None:
     cur = getattr(ddp_module, "_sync_module_states", None)
     if cur is not None and hasattr(cur, "_dorafp8_orig"):
         ddp_module._sync_module_states = cur._dorafp8_orig
+
+
+# ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------
+
+# Where FSDP2 defines FSDPParam: torch >= 2.6, and torch 2.4 / 2.5 (torch.distributed._composable.fsdp).
+FSDP_PARAM_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_param",
+                      "torch.distributed._composable.fsdp._fsdp_param")
+
+
+def _keeps_fp8(fsdp_param) -> bool:
+    """Whether FSDP2's parameter is the fp8 weight of a dorafp8 layer (which FSDP must not cast)."""
+    info = getattr(fsdp_param, "_module_info", None)
+    return (isinstance(getattr(info, "module", None), FP8WeightModule) and getattr(info, "param_name", None) == "weight"
+            and getattr(fsdp_param, "orig_dtype", None) in FP8_DTYPES)
+
+
+def _wrap_init_dtype_attrs(orig):
+    @functools.wraps(orig)
+    def init_dtype_attrs(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if getattr(self, "param_dtype", None) is not None and _keeps_fp8(self):
+            self.param_dtype = None  # all-gathered and used in its own dtype, as FSDP does for integer parameters
+        return out
+
+    init_dtype_attrs._dorafp8_orig = orig
+    return init_dtype_attrs
+
+
+def _fsdp_param_class(import_it: bool):
+    for name in FSDP_PARAM_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None and import_it:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+        cls = getattr(mod, "FSDPParam", None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def install_fsdp_support(import_fsdp: bool = True) -> bool:
+    """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
+    all-gathered and reach the forward as fp8, whatever the group's policy (the module docstring says why). Wraps
+    `FSDPParam.init_dtype_attrs`; idempotent. `import dorafp8` runs it as soon as FSDP2 is imported (importing FSDP2
+    takes a second or more, so dorafp8 does not do it itself). Returns whether the support is installed (False where
+    torch.distributed or FSDP2 is unavailable, or `import_fsdp=False` and FSDP2 is not imported yet)."""
+    if not torch.distributed.is_available():
+        return False
+    cls = _fsdp_param_class(import_fsdp)
+    cur = getattr(cls, "init_dtype_attrs", None)
+    if cur is None:
+        return False
+    if not hasattr(cur, "_dorafp8_orig"):
+        cls.init_dtype_attrs = _wrap_init_dtype_attrs(cur)
+    return True
+
+
+def uninstall_fsdp_support() -> None:
+    """Puts back FSDP2's own `FSDPParam.init_dtype_attrs` (for tests and for debugging): groups with a param_dtype
+    then cast the fp8 weights again, and the forward casts them back (recover_fp8_weight, with a warning). It acts
+    on FSDP2 groups initialized afterwards (FSDP settles the dtypes at the first forward)."""
+    cls = _fsdp_param_class(False) if torch.distributed.is_available() else None
+    cur = getattr(cls, "init_dtype_attrs", None)
+    if cur is not None and hasattr(cur, "_dorafp8_orig"):
+        cls.init_dtype_attrs = cur._dorafp8_orig

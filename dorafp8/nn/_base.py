@@ -137,15 +137,17 @@ _WARNED_RECAST = False
 
 def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
     """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
-    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it)."""
+    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it). With
+    dorafp8's FSDP support installed (dorafp8/distributed.py) FSDP2 does not cast them, and this is not reached."""
     global _WARNED_RECAST
     if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return w
     if not _WARNED_RECAST:
         _WARNED_RECAST = True
         warnings.warn(
-            f"dorafp8: FSDP's MixedPrecisionPolicy(param_dtype={w.dtype}) casts the frozen fp8 weights to {w.dtype} "
+            f"dorafp8: FSDP's MixedPrecisionPolicy(param_dtype={w.dtype}) cast the frozen fp8 weights to {w.dtype} "
             f"for the all-gather (2x the traffic and the unsharded memory of fp8); dorafp8 casts them back exactly. "
-            f"To all-gather them as fp8, leave param_dtype unset for the groups that hold FP8Linear weights "
-            f"(see docs/MULTI_GPU.md).", stacklevel=3)
+            f"dorafp8.install_fsdp_support() (which `import dorafp8` runs unless DORAFP8_NO_PATCHES=1) keeps them "
+            f"fp8 in FSDP2 groups initialized after it, whatever their param_dtype (see docs/MULTI_GPU.md).",
+            stacklevel=3)
     return w.to(torch.float8_e4m3fn)

@@ -23,6 +23,16 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORM_EPS = 1e-12
 
 
+def as_result(y: Tensor, shape) -> Tensor:
+    """An op's fresh result `y` (which nothing else holds) in `shape`, as a tensor of its own instead of a view of y,
+    without a copy. A view would read as one to anyone who checks `._base`: FSDP2 warns when a module it wraps returns
+    a view ("returned a view tensor"), because an in-place op on a view drops the pre-backward hook it registers on
+    the output. aten._unsafe_view is what aten's own ops (F.linear, matmul) reshape their results with: the same
+    storage, a reshape of the gradient in the backward. The view relation it leaves out protects nothing here: y is
+    not returned, and the autograd Functions do not save it."""
+    return torch.ops.aten._unsafe_view(y, shape)
+
+
 def dropout_mask(x: Tensor, p: float) -> Tensor:
     """The keep mask of torch.nn.functional.dropout(x, p, training=True), drawing exactly the random numbers it draws,
     so that a seeded run gives PEFT's mask bit for bit (on CUDA F.dropout is native_dropout; on CPU this recipe)."""

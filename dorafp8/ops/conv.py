@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, E4M3, check_block_size, check_scale, row_blocks, scale_kind, scale_rows
-from ._policy import ACT_DTYPES, NORM_EPS, compute_dtype, dropout_mask, rank_dtype
+from ._policy import ACT_DTYPES, NORM_EPS, as_result, compute_dtype, dropout_mask, rank_dtype
 from .linear import weight_norm as linear_weight_norm
 
 
@@ -340,7 +340,7 @@ def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None
     xx = _as(x.unsqueeze(0) if unbatched else x, cdt)
     with torch.autocast(x.device.type, enabled=False):
         y = FP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), block_size, *geom, groups)
-    return y.squeeze(0) if unbatched else y
+    return as_result(y, y.shape[1:]) if unbatched else y  # not a view of y (FSDP2 warns on views)
 
 
 def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, magnitude: Tensor,
@@ -403,4 +403,4 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
     with torch.autocast(x.device.type, enabled=False):
         y = DoRAFP8ConvFunction.apply(xx, w8, scale, None if bias is None else _as(bias, cdt), _as(lora_A, rdt),
                                       _as(lora_B, rdt), magnitude, n, float(scaling), p, block_size, geom, lora_geom)
-    return y.squeeze(0) if unbatched else y
+    return as_result(y, y.shape[1:]) if unbatched else y  # not a view of y (FSDP2 warns on views)

@@ -26,8 +26,8 @@ from torch import Tensor
 from .. import backends
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale
 from . import _custom_ops as _ops
-from ._policy import (ACT_DTYPES, NORM_EPS, backend_needs, compute_dtype, dropout_mask, rank_dtype,
-                      row_scale, rows)
+from ._policy import (ACT_DTYPES, NORM_EPS, as_result, backend_needs, compute_dtype, dropout_mask,
+                      rank_dtype, row_scale, rows)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd Functions
@@ -216,7 +216,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     name = backends.resolve(backend, x.device, backend_needs(scale, mode))
     x2d = rows(x.reshape(-1, K).to(cdt))
     y = FP8LinearFunction.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), block_size, mode, name)
-    return y.reshape(*x.shape[:-1], N)
+    return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
 
 
 def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, magnitude: Tensor,
@@ -265,4 +265,4 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     p = float(dropout_p) if training else 0.0
     y = DoRAFP8Function.apply(x2d, w8, scale, None if bias is None else bias.to(cdt), lora_A.to(rdt),
                               lora_B.to(rdt), magnitude, n, float(scaling), p, block_size, mode, name)
-    return y.reshape(*x.shape[:-1], N)
+    return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)

@@ -37,6 +37,35 @@ def build_model(seed: int = 0):
     return get_peft_model(model, cfg)
 
 
+def build_doc_model(seed: int = 0):
+    """The model of docs/MULTI_GPU.md's train.py: every nn.Linear but lm_head quantized (quantize_model's default),
+    DoRA on the attention projections only, so that the MLP projections stay plain FP8Linear layers."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert dorafp8.quantize_model(model) == 14
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, use_dora=True,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def train_doc_model_single_process():
+    """The reference for the doc's mixed-precision recipe: build_doc_model, fp32, one process, the full batch, STEPS
+    plain SGD steps. Returns the losses."""
+    pm = build_doc_model(0)
+    pm.train()
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    ids = data()
+    for s in range(STEPS):
+        loss = pm(input_ids=ids[s], labels=ids[s]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def build_plain_base(seed: int = 0):
     """The same base model in plain PyTorch (nn.Linear), with each target weight replaced by its fp8 round trip: what
     plain PEFT loads the saved adapter onto."""

@@ -4,9 +4,10 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | accelerate | trainer. Each trains the model of _dist_common for STEPS steps on its half of each
-global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the engine's own
-checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process run.
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer. Each trains the model of _dist_common for STEPS steps on its
+half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
+engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
+run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
 """
 
 import datetime
@@ -103,7 +104,7 @@ def run_ddp(out):
 
 def run_fsdp2(out):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -146,31 +147,108 @@ def run_fsdp2(out):
 
         res["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(pm, state_dict=sd).items()}
 
-    # MixedPrecisionPolicy(param_dtype=bf16): the fp8 weights come to the forward as bf16 and are cast back; the
-    # recipe of docs/MULTI_GPU.md (each DoRAFP8Linear in its own group without param_dtype) keeps them fp8.
-    ids = C.local_rows(C.data()[0], RANK, WORLD)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for recipe in ("bf16_all", "bf16_dora_groups"):
-        m = C.build_model(seed=0)
-        if recipe == "bf16_dora_groups":
-            for mod in m.modules():
-                if isinstance(mod, dorafp8.DoRAFP8Linear):
-                    fully_shard(mod)  # default policy: no param_dtype; fp8 + fp32 gathered as bytes
+    return res
+
+
+def _record_weight_dtypes(model):
+    """Forward pre-hooks on every DoRAFP8Linear and every FP8Linear outside one: what the fp8 weight each forward
+    reads is, as (layer kind, dtype, tensor type). Registered after fully_shard, so they run after FSDP's unshard."""
+    seen = set()
+
+    def hook(kind, base):
+        def record(mod, args):
+            seen.add((kind, str(base.weight.dtype), type(base.weight).__name__))
+        return record
+
+    bases = {id(m.get_base_layer()) for m in model.modules() if isinstance(m, dorafp8.DoRAFP8Linear)}
+    for m in model.modules():
+        if isinstance(m, dorafp8.DoRAFP8Linear):
+            m.register_forward_pre_hook(hook("DoRAFP8Linear", m.get_base_layer()))
+        elif isinstance(m, dorafp8.FP8Linear) and id(m) not in bases:
+            m.register_forward_pre_hook(hook("FP8Linear", m))
+    return seen
+
+
+def _warning_records(w):
+    return [(x.category.__name__, str(x.message), x.filename, x.lineno) for x in w]
+
+
+def run_fsdp2_mp(out):
+    """docs/MULTI_GPU.md's FSDP2 mixed-precision recipe on the doc's own model (MLP projections plain FP8Linear),
+    with every warning recorded from the first fully_shard to the saved adapter; then every group with param_dtype,
+    with dorafp8's FSDP support and without it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from dorafp8.distributed import install_fsdp_support, uninstall_fsdp_support
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    device = torch.device("cpu")
+    fsdp_param = next(sys.modules[n] for n in dorafp8.distributed.FSDP_PARAM_MODULES if n in sys.modules)
+    res = {"fsdp_support_installed_on_import": hasattr(fsdp_param.FSDPParam.init_dtype_attrs, "_dorafp8_orig")}
+    ids = C.data()
+
+    def fp8_still_sharded(model):
+        fp8 = [p for p in model.parameters() if p.dtype in FP8_DTYPES]
+        return len(fp8) == 14 and all(isinstance(p, DTensor) for p in fp8)
+
+    # The recipe, as the doc writes it (`model`, `device`, `dorafp8`, `MixedPrecisionPolicy`, `fully_shard` as there).
+    model = C.build_doc_model(seed=0)  # FSDP2 does not broadcast: every rank builds the same model
+    model.to(device)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for m in model.modules():
+            if isinstance(m, dorafp8.DoRAFP8Linear):
+                fully_shard(m)                     # fp8 + fp32 adapters, gathered as bytes, not cast
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        dtypes = _record_weight_dtypes(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=C.LR)
+        losses = []
+        for s in range(C.STEPS):
+            x = C.local_rows(ids[s], RANK, WORLD)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            grads_finite = all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all().item()
+                               for p in model.parameters() if p.requires_grad)
+            opt.step()
+            opt.zero_grad()
+            losses.append(mean_over_ranks(loss.item()))
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                  ignore_frozen_params=True))
+        if RANK == 0:
+            model.save_pretrained(os.path.join(out, "adapter"), state_dict=sd)
+    res["doc_recipe"] = {"warnings": _warning_records(w), "losses": losses, "weight_dtypes": sorted(dtypes),
+                         "grads_finite": grads_finite, "still_fp8_sharded": fp8_still_sharded(model),
+                         "state_keys": sorted(sd)}
+
+    # Every group with param_dtype (the fp8 weights share their groups' policy): with dorafp8's FSDP support they
+    # stay fp8; without it FSDP casts them to bf16 and the forward casts them back, warning once.
+    for recipe, supported in (("bf16_all", True), ("bf16_all_unsupported", False)):
+        m = C.build_doc_model(seed=0)
         for layer in m.base_model.model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(m, mp_policy=mp)
-        dorafp8.distributed._WARNED_RECAST = False
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
+        dtypes = _record_weight_dtypes(m)
+        dorafp8.nn._base._WARNED_RECAST = False
+        if not supported:
+            uninstall_fsdp_support()  # FSDP settles each parameter's dtype at its lazy init, in the first forward
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                x = C.local_rows(ids[0], RANK, WORLD)
+                loss = m(input_ids=x, labels=x).loss
+                loss.backward()
+        finally:
+            install_fsdp_support()
         res[recipe] = {
-            "loss": mean_over_ranks(loss.item()),
-            "warned": any("MixedPrecisionPolicy" in str(x.message) for x in w),
+            "warnings": _warning_records(w), "losses": [mean_over_ranks(loss.item())], "weight_dtypes": sorted(dtypes),
             "grads_finite": all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all().item()
-                                for p in trainable(m)),
-            "still_fp8_sharded": all(isinstance(p, DTensor) for p in m.parameters() if p.dtype in FP8_DTYPES)
-            and sum(p.dtype in FP8_DTYPES for p in m.parameters()) == 14,
+                                for p in m.parameters() if p.requires_grad),
+            "still_fp8_sharded": fp8_still_sharded(m),
         }
     return res
 

@@ -242,14 +242,19 @@ def test_pyproject_ships_every_package():
 
 
 def test_one_opt_out_for_what_import_changes_outside_dorafp8():
-    """DORAFP8_NO_PATCHES=1: `import dorafp8` leaves DDP and PEFT as they are (dorafp8/_install.py); without it both are
-    patched."""
+    """DORAFP8_NO_PATCHES=1: `import dorafp8` leaves DDP, PEFT and FSDP2 as they are (dorafp8/_install.py); without it
+    all three are patched (FSDP2 when it is imported, which `import dorafp8` does not do)."""
     pytest.importorskip("peft")
-    code = ("import dorafp8, peft, torch.nn.parallel.distributed as d\n"
+    code = ("import sys, dorafp8\n"
+            "fsdp_before = any(n in sys.modules for n in dorafp8.distributed.FSDP_PARAM_MODULES)\n"
+            "import peft, torch.nn.parallel.distributed as d\n"
             "from peft.tuners.lora.model import LoraModel\n"
-            "print(LoraModel._create_new_module.__module__.startswith('dorafp8'),"
-            " hasattr(d._sync_module_states, '_dorafp8_orig'))\n")
-    for opt_out, want in (("1", "False False"), ("0", "True True")):
+            "import torch.distributed.fsdp\n"
+            "fsdp = next(sys.modules[n] for n in dorafp8.distributed.FSDP_PARAM_MODULES if n in sys.modules)\n"
+            "print(fsdp_before, LoraModel._create_new_module.__module__.startswith('dorafp8'),"
+            " hasattr(d._sync_module_states, '_dorafp8_orig'),"
+            " hasattr(fsdp.FSDPParam.init_dtype_attrs, '_dorafp8_orig'))\n")
+    for opt_out, want in (("1", "False False False False"), ("0", "False True True True")):
         env = dict(os.environ, DORAFP8_NO_PATCHES=opt_out, PYTHONWARNINGS="ignore")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr

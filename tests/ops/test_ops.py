@@ -307,3 +307,30 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     assert backends.resolve("auto", gpu, frozenset({"rowwise"})) == "reference"
     assert backends.supports("cuda") == frozenset() and backends.supports("cublas") == frozenset({"block"})
     assert backends.supports("triton") == backends.FEATURES == backends.supports("reference")
+
+
+def test_outputs_are_not_views():
+    """The ops return their [..., N] result as a tensor of its own (aten._unsafe_view of the autograd Function's 2-D
+    output, no copy), not as a view: FSDP2 warns when a module it wraps returns a view ("FSDP2-wrapped module
+    (FSDPDoRAFP8Linear) returned a view tensor"), since an in-place op on one drops its pre-backward hook. Unbatched
+    convs likewise. Values and gradients are those of the 2-D call."""
+    x, w8, scale, A, B, m, b = _problem(6, 32, 16, 2)
+    x3 = x.reshape(2, 3, 32).clone().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (A, B, m)]
+    dora = dorafp8.dora_fp8_linear
+    for y, y2 in ((dorafp8.fp8_linear(x3, w8, scale, b), dorafp8.fp8_linear(x, w8, scale, b)),
+                  (dora(x3, w8, scale, *leaves, 0.5, b), dora(x, w8, scale, A, B, m, 0.5, b))):
+        assert y._base is None and y.shape == (2, 3, 16) and torch.equal(y.reshape(6, 16), y2)
+        y.sum().backward()
+    assert x3.grad is not None and all(t.grad is not None for t in leaves)
+    g = torch.Generator().manual_seed(1)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(4, 27, generator=g))  # the [C_out, C_in * kernel] view
+    w8c = w8c.reshape(4, 3, 3, 3)
+    Ac, Bc, mc = torch.randn(2, 3, 3, 3, generator=g), torch.randn(4, 2, 1, 1, generator=g), torch.rand(4) + 0.5
+    xc = torch.randn(3, 8, 8, generator=g, requires_grad=True)  # unbatched [C_in, H, W]
+    for y, y4 in ((dorafp8.fp8_conv(xc, w8c, sc, padding=1), dorafp8.fp8_conv(xc[None], w8c, sc, padding=1)),
+                  (dorafp8.dora_fp8_conv(xc, w8c, sc, Ac, Bc, mc, 0.5, padding=1),
+                   dorafp8.dora_fp8_conv(xc[None], w8c, sc, Ac, Bc, mc, 0.5, padding=1))):
+        assert y._base is None and y.shape == (4, 8, 8) and torch.equal(y, y4[0])
+        y.sum().backward()
+    assert xc.grad is not None
