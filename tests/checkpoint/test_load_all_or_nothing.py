@@ -1,4 +1,4 @@
-"""load_fp8_checkpoint is all or nothing: a failure injected in the middle (a layer swap, a
+"""load_fp8_checkpoint and from_transformers_fp8 are all or nothing: a failure injected in the middle (a layer swap, a
 tensor written, the last shard read, the model's own initializer) or a checkpoint refused by a tensor in its last shard
 leaves the model exactly as it was: the same module types, the same parameter and buffer objects in the same places
 (meta ones included), the same state_dict bytes, no load report. The model then loads as if nothing had happened."""
@@ -218,3 +218,52 @@ def test_a_failed_load_of_a_transformers_model_unties_and_leaves_it_as_it_was(tm
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, orig(input_ids=ids).logits)
 
+
+# ---- from_transformers_fp8 ---------------------------------------------------------------------------------------
+
+
+def _transformers_fp8_model(blocks=((16, 16), (16, 16), (16, 16), (16, 16))):
+    """A stack of transformers' fine-grained FP8Linear layers, filled as its quantizer would."""
+    fg = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for b in blocks:
+        lay = fg.FP8Linear(32, 32, block_size=b, has_bias=True)
+        w8, scale = dorafp8.quantize_e4m3(torch.randn(32, 32, generator=g) * 0.05, block_size=b[0])
+        lay.weight.data = w8
+        lay.weight_scale_inv.data = scale if b[0] == b[1] else torch.ones(lay.weight_scale_inv.shape)
+        lay.bias.data = torch.randn(32, generator=g) * 0.1
+        layers.append(lay)
+    return nn.Sequential(*layers).eval()
+
+
+@pytest.mark.parametrize("fault", ["third_build", "third_swap", "bad_layer"])
+def test_a_failure_in_the_middle_of_from_transformers_fp8_leaves_the_model_as_it_was(monkeypatch, fault):
+    import dorafp8.checkpoint.from_transformers as T
+
+    model = _transformers_fp8_model(((16, 16), (16, 16), (16, 32), (16, 16)) if fault == "bad_layer" else
+                                    ((16, 16),) * 4)
+    snap = _snapshot(model)
+    if fault == "third_build":  # builds each layer's FP8Linear
+        monkeypatch.setattr(T, "_make", _fail_on_call(3, RuntimeError("injected"), real=T._make))
+        err = (RuntimeError, "injected")
+    elif fault == "third_swap":
+        monkeypatch.setattr(T, "swap_module", _fail_on_call(3, RuntimeError("injected"), real=T.swap_module))
+        err = (RuntimeError, "injected")
+    else:  # the third layer's blocks are not square
+        err = (ValueError, r"^2: block size \[16, 32\] is not square")
+    with pytest.raises(err[0], match=err[1]):
+        dorafp8.from_transformers_fp8(model)
+    _assert_unchanged(model, snap)
+    if fault != "bad_layer":  # and then converts as if nothing had happened
+        monkeypatch.undo()
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+        want = x
+        with torch.no_grad():
+            for lay in model:
+                w = lay.weight.float() * lay.weight_scale_inv.repeat_interleave(16, 0).repeat_interleave(16, 1)
+                want = want @ w.T + lay.bias
+        assert dorafp8.from_transformers_fp8(model) == 4
+        assert all(type(m) is FP8Linear for m in model)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want)
