@@ -15,8 +15,7 @@ import dorafp8.checkpoint.load as L
 from dorafp8 import FP8Conv2d, FP8Linear
 from dorafp8.checkpoint import CheckpointFormatError
 
-pytest.importorskip("safetensors")
-from safetensors.torch import load_file, save_file  # noqa: E402
+st = pytest.importorskip("safetensors.torch")
 
 
 class Net(nn.Module):
@@ -91,14 +90,14 @@ def _assert_unchanged(model, snap):
     assert set(vars(model)) == attrs and not hasattr(model, "dorafp8_checkpoint")
 
 
-def _fail_on_call(n, exc=OSError("injected"), real=None):
-    """A function that calls `real` and raises `exc` on its n-th call."""
+def _fail_on_call(n, exc=None, real=None):
+    """A function that calls `real` and raises `exc` (OSError("injected")) on its n-th call."""
     calls = [0]
 
     def fn(*args, **kwargs):
         calls[0] += 1
         if calls[0] == n:
-            raise exc
+            raise exc or OSError("injected")
         return real(*args, **kwargs)
     return fn
 
@@ -139,9 +138,9 @@ def _with_tensor_in_last_shard(src, dst, key, tensor):
     for n in os.listdir(src):
         (dst / n).write_bytes((src / n).read_bytes())
     last = _shards(dst)[-1]
-    tensors = load_file(dst / last)
+    tensors = st.load_file(dst / last)
     tensors[key] = tensor
-    save_file(tensors, dst / last)
+    st.save_file(tensors, dst / last)
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     index["weight_map"][key] = last
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
