@@ -200,10 +200,21 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
+def check_e4m3(w8, name: str = "w8") -> None:
+    """The one dtype check of an fp8 weight argument; the TypeError names the argument and says how to get e4m3."""
+    if isinstance(w8, torch.Tensor) and w8.dtype == E4M3:
+        return
+    got = w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__
+    if isinstance(w8, torch.Tensor) and is_fp8(w8):
+        how = ("; another fp8 format does not convert to e4m3 exactly (its range differs): dequantize it and quantize "
+               "it with dorafp8.quantize_e4m3")
+    else:
+        how = " (see dorafp8.quantize_e4m3)"
+    raise TypeError(f"{name} must be a torch.float8_e4m3fn tensor, got {got}{how}")
+
+
 def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
-    if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3:
-        got = w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__
-        raise TypeError(f"{name} must be a torch.float8_e4m3fn tensor (see dorafp8.quantize_e4m3), got {got}")
+    check_e4m3(w8, name)
     if w8.dim() != 2:
         raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(w8.shape)}")
 
