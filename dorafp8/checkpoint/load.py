@@ -66,7 +66,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     verbose: print the report (and a line per shard for sharded checkpoints); it is always logged on the "dorafp8"
         logger.
     Returns a LoadReport; `model.dorafp8_checkpoint` keeps it (save_fp8_checkpoint uses it to write the same layout
-    back).
+    back). All or nothing: an error, whenever it comes, leaves the model as it was (see the module docstring).
     """
     t0 = time.time()
     source = CheckpointSource(path_or_state_dict)
