@@ -10,7 +10,7 @@ The layouts (`format=`) are in layouts.py; docs/CHECKPOINTS.md has where each co
 
 The modules, each importing only those above it:
     layouts.py      LAYOUTS, the format names and aliases, CheckpointFormatError
-    modules.py      a model's tensors and fp8 layers, putting tensors and modules in place
+    modules.py      a model's tensors and fp8 layers, putting tensors and modules in place (and back: ModelState)
     plan.py         the typed records a load or a write carries (SourceInfo: what a model was loaded from)
     reports.py      LoadReport, ExportReport
     source.py       reading a dict / .safetensors file / sharded directory; detect_format

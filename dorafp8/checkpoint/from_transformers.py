@@ -25,9 +25,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..backends import check_backend_name
 from ..nn import FP8Linear
-from ..quant import DEFAULT_BLOCK, E4M3, check_scale
-from .modules import swap_module
+from ..quant import DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_scale
+from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
 
 
@@ -67,22 +68,14 @@ def _saved_quantization_config(model) -> Optional[dict]:
         return None
 
 
-def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
-                          dtype: Optional[torch.dtype] = None) -> int:
-    """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
-    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many.
-
-    dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
-    weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
-    warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The model
-    remembers the layout, so dorafp8.save_fp8_checkpoint / export_merged write it back in that layout."""
+def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
+    """The fp8 linear layers of a transformers model, each checked, and nothing changed: ([(name, module, scale,
+    block_size, format, extras)], names of layers whose weights are dense already, names of MoE expert blocks).
+    Raises on the first layer dorafp8 cannot hold (non-square blocks, ue8m0 scales, zero points, a scale that does
+    not fit its weight)."""
     fg_linear, fg_experts = _finegrained_cls()
     ct_linear = _ct_fp8_linear_cls()
-    cfg = getattr(model, "config", None)
-    mdtype = dtype or getattr(model, "dtype", None) or torch.float32
-    if mdtype in (E4M3, torch.float8_e5m2):
-        mdtype = torch.bfloat16
-    swaps, dense, experts = [], [], []
+    layers, dense, experts = [], [], []
     for name, mod in model.named_modules():
         if fg_experts is not None and isinstance(mod, fg_experts):
             experts.append(name)
@@ -100,15 +93,13 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             block_size = block_shape[0] if block_shape is not None else DEFAULT_BLOCK
             extras = {} if getattr(mod, "activation_scale", None) is None else {
                 "activation_scale": mod.activation_scale.detach()}
-            swaps.append((name, _make(mod, mod.weight, scale, block_size, "fine-grained", extras, backend, act_quant,
-                                      mdtype)))
+            layers.append((name, mod, scale, block_size, "fine-grained", extras))
         elif ct_linear is not None and isinstance(mod, ct_linear):
             s = mod.weight_scale.detach().reshape(-1)
             if s.numel() == mod.out_features and bool((s == s[0]).all()):
                 s = s[:1]  # the kernel layout broadcasts per-tensor scales to [1, out]
             scale = s.reshape(()) if s.numel() == 1 else s
-            swaps.append((name, _make(mod, mod.weight, scale, DEFAULT_BLOCK, "compressed-tensors", {}, backend,
-                                      act_quant, mdtype)))
+            layers.append((name, mod, scale, DEFAULT_BLOCK, "compressed-tensors", {}))
         elif isinstance(mod, nn.Linear) and getattr(mod, "quantization_scheme", None) is not None \
                 and hasattr(mod, "weight_scale"):
             scheme = mod.quantization_scheme
@@ -127,24 +118,59 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
                 if len(set(block_shape)) != 1:
                     raise ValueError(f"{name}: block structure {block_shape} is not square")
                 block_size = block_shape[0]
-            scale = mod.weight_scale
-            check_scale(scale.detach().float(), mod.out_features, mod.in_features, block_size, name=f"{name}.weight_scale")
             extras = {} if getattr(mod, "input_scale", None) is None else {"input_scale": mod.input_scale.detach()}
-            swaps.append((name, _make(mod, mod.weight, scale, block_size, "compressed-tensors", extras, backend, act_quant,
-                                      mdtype)))
-    for name, new in swaps:
-        swap_module(model, name, new)
+            layers.append((name, mod, mod.weight_scale, block_size, "compressed-tensors", extras))
+        else:
+            continue
+        # a layer was just found: what FP8Linear.from_fp8 would refuse, refused now, before any layer is swapped
+        _, mod, scale, block_size, fmt, _ = layers[-1]
+        check_fp8_weight(mod.weight, f"{name}.weight")
+        check_scale(scale.detach().float(), mod.weight.shape[0], mod.weight.shape[1], block_size,
+                    name=f"{name}.{'weight_scale_inv' if fmt == 'fine-grained' else 'weight_scale'}")
+    return layers, dense, experts
+
+
+def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
+                          dtype: Optional[torch.dtype] = None) -> int:
+    """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
+    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many.
+
+    dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
+    weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
+    warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The model
+    remembers the layout, so dorafp8.save_fp8_checkpoint / export_merged write it back in that layout.
+    All or nothing: every layer is checked and its FP8Linear built before the first swap; an error leaves the model as
+    it was."""
+    check_backend_name(backend)
+    check_act_quant(act_quant)
+    cfg = getattr(model, "config", None)
+    mdtype = dtype or getattr(model, "dtype", None) or torch.float32
+    if mdtype in (E4M3, torch.float8_e5m2):
+        mdtype = torch.bfloat16
+    layers, dense, experts = _fp8_layers(model)
+    # Built aside before the first swap: each new layer holds its old layer's fp8 bytes (no copy) and its own fp32
+    # scale, so all of them together cost the scales only.
+    swaps = [(name, _make(mod, mod.weight, scale, block_size, fmt, extras, backend, act_quant, mdtype))
+             for name, mod, scale, block_size, fmt, extras in layers]
     if swaps:
-        # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more.
-        quantizer = getattr(model, "hf_quantizer", None)
-        compressor = getattr(quantizer, "compressor", None)
-        if compressor is not None and hasattr(compressor, "remove_decompression_hook"):
-            compressor.remove_decompression_hook(model)
-        src = getattr(model, "_dorafp8_source", None) or SourceInfo()
-        src.format = swaps[0][1]._dorafp8_source.format
-        src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
-        src.strip = src.add = ""
-        model._dorafp8_source = src
+        before = ModelState(model)
+        try:
+            for name, new in swaps:
+                swap_module(model, name, new)
+            src = getattr(model, "_dorafp8_source", None) or SourceInfo()
+            src.format = swaps[0][1]._dorafp8_source.format
+            src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+            src.strip = src.add = ""
+            model._dorafp8_source = src
+            # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
+            # (last: the record puts modules and tensors back, not hooks)
+            quantizer = getattr(model, "hf_quantizer", None)
+            compressor = getattr(quantizer, "compressor", None)
+            if compressor is not None and hasattr(compressor, "remove_decompression_hook"):
+                compressor.remove_decompression_hook(model)
+        except BaseException:
+            before.restore()
+            raise
     if dense:
         warnings.warn(f"from_transformers_fp8: {len(dense)} fp8 layers of the config hold dense weights already "
                       f"(e.g. {dense[0]!r}: dequantized while loading, as transformers does without a GPU, or "

@@ -1,10 +1,15 @@
 """load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored.
 
 Loading never re-quantizes: the e4m3 bytes of every fp8 weight go into an FP8Linear as they are, with the scale
-converted to fp32 exactly. Everything is planned and checked from the checkpoint's keys, dtypes and shapes before any
-data is read (load_plan.py); then the fp8 layers are built on the meta
-device (_build_fp8_modules) and filled as the tensors are read, one shard and one tensor at a time (_TensorLoader),
-so a model built on the meta device only ever holds its own weights.
+converted to fp32 exactly. Loading is all or nothing, in two steps:
+  - check: everything is planned and checked from the checkpoint's keys, dtypes and shapes before any data is read
+    (load_plan.py); the new fp8 layers are built aside on the meta device (_build_fp8_modules: every swap is
+    possible); the few small tensors whose values can refuse a load (zero points, ComfyUI layer configs) are read and
+    checked; and what would be left on the meta device with nothing to compute it is found (_left_on_meta);
+  - act: the layers are swapped in and filled as the tensors are read, one shard and one tensor at a time
+    (_TensorLoader), so a model built on the meta device only ever holds its own weights.
+What can still fail while acting (a shard that cannot be read, a model's own initializer, running out of memory) puts
+the model back as it was (modules.ModelState).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from ..nn import fp8_conv_class
 from ..nn import FP8Linear
 from ..quant import E4M3, check_scale, scale_kind
 from .layouts import E5M2, CheckpointFormatError, granularity_name
-from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, model_dtype, model_tensors, set_tensor, swap_module, tied_groups
+from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
+                      swap_module, tied_groups)
 from .load_plan import plan_load, resolve_format
 from .plan import LayerSource, LoadPlan, SourceInfo
 from .reports import LoadReport
@@ -60,42 +66,58 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     verbose: print the report (and a line per shard for sharded checkpoints); it is always logged on the "dorafp8"
         logger.
     Returns a LoadReport; `model.dorafp8_checkpoint` keeps it (save_fp8_checkpoint uses it to write the same layout
-    back).
+    back). All or nothing: an error, whenever it comes, leaves the model as it was (see the module docstring).
     """
     t0 = time.time()
     source = CheckpointSource(path_or_state_dict)
     fmt, evidence = resolve_format(source, format)
     cfg_block = config_block_size(source, fmt)
     mdtype = dtype or model_dtype(model)
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):  # accelerate's init_empty_weights re-creates parameters and so unties them (lm_head / embeddings)
-        tie()
-    model_t = model_tensors(model)
     report = LoadReport(fmt, evidence, source.name, shards=len(source.shards))
-
-    tied = tied_groups(model)
-    plan = plan_load(model, source, fmt, model_t, tied, report, key_map=key_map, block_hint=block_size or cfg_block,
-                     strict=strict)
-    keys = plan.keys
-    _build_fp8_modules(model, plan, mdtype, dtype, backend, act_quant)
-    loader = _TensorLoader(model, plan, model_t, tied, report, dtype, mdtype)
-    loader.read(source, device, _Progress(source, report, t0, verbose))
-
-    for k in keys.marker_keys:
-        report.kept[k] = "the scaled_fp8 marker"
-    _materialize_leftovers(model, device, report, strict)
-    info = source.info
-    source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block, metadata=source.metadata,
-                             dtypes=loader.src_dtypes, markers={k: info[k] for k in keys.marker_keys},
-                             config=source.config)
-    if keys.marker_keys:
-        source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
-    report.seconds = time.time() - t0
+    # All or nothing: check everything, then change the model; what fails after the checks (a shard that cannot be
+    # read) puts it back. The record holds the model's modules and tensors by reference, never copies: on a model
+    # built on the meta device (the way to load a large one) it costs nothing, and the loaded tensors are the only
+    # copy. A model with real weights holds its old tensors beside the loaded ones until the load has succeeded:
+    # they are what a failure puts back, and the only way to undo it short of copying them.
+    before = ModelState(model)
     try:
-        model.dorafp8_checkpoint = report
-        model._dorafp8_source = source_info
-    except (AttributeError, TypeError):
-        pass
+        # accelerate's init_empty_weights re-creates parameters and so unties them (lm_head / embeddings): tied again
+        # first, since the plan needs the tied names (the one change before the checks, undone on a failure too)
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
+        model_t = model_tensors(model)
+        tied = tied_groups(model)
+        plan = plan_load(model, source, fmt, model_t, tied, report, key_map=key_map,
+                         block_hint=block_size or cfg_block, strict=strict)
+        new = _build_fp8_modules(model, plan, mdtype, dtype, backend, act_quant)
+        first = _read_checked_first(plan, source, device, report)
+        stuck = _stuck(model, _left_on_meta(_modules_after_swaps(model, new), _written(plan, tied)))
+        if stuck and strict:
+            raise _stuck_error(stuck)
+        # ---- checked: from here on the model changes ----
+        for mod_name, layer in new.items():
+            swap_module(model, mod_name, layer)
+        loader = _TensorLoader(model, plan, model_t, tied, report, dtype, mdtype, first)
+        loader.read(source, device, _Progress(source, report, t0, verbose))
+        for k in plan.keys.marker_keys:
+            report.kept[k] = "the scaled_fp8 marker"
+        _materialize_leftovers(model, device, report, strict)
+        info, keys = source.info, plan.keys
+        source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block,
+                                 metadata=source.metadata, dtypes=loader.src_dtypes,
+                                 markers={k: info[k] for k in keys.marker_keys}, config=source.config)
+        if keys.marker_keys:
+            source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
+        report.seconds = time.time() - t0
+        try:
+            model.dorafp8_checkpoint = report
+            model._dorafp8_source = source_info
+        except (AttributeError, TypeError):
+            pass
+    except BaseException:
+        before.restore()
+        raise
     logger.info(str(report))
     if verbose:
         print(str(report), flush=True)
@@ -106,8 +128,10 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
 
 
 def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dtype: Optional[torch.dtype],
-                       backend: str, act_quant: Optional[str]) -> None:
-    """Swaps each module that keeps fp8 bytes for an FP8Linear / FP8ConvNd on the meta device (filled as read)."""
+                       backend: str, act_quant: Optional[str]) -> dict[str, nn.Module]:
+    """The FP8Linear / FP8ConvNd for each module that keeps fp8 bytes, built aside on the meta device (no memory;
+    filled as read once swapped in): module name -> new layer. The model is not changed."""
+    built = {}
     for mod_name, p in plan.layers.items():
         if not p.fp8:
             continue
@@ -130,8 +154,9 @@ def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dt
         if bias is not None:
             new.bias = nn.Parameter(torch.empty(n_out, dtype=bias_dtype, device="meta"), requires_grad=False)
         new._dorafp8_source = LayerSource(plan.fmt)
-        swap_module(model, mod_name, new)
+        built[mod_name] = new
         p.module = new
+    return built
 
 
 class _Progress:
@@ -176,21 +201,17 @@ class _TensorLoader:
     tensors of other modules dequantized, the other tensors cast, extras kept on their layer."""
 
     def __init__(self, model: nn.Module, plan: LoadPlan, model_t: dict, tied: dict, report: LoadReport,
-                 dtype: Optional[torch.dtype], mdtype: torch.dtype):
+                 dtype: Optional[torch.dtype], mdtype: torch.dtype, first: dict):
         self.model, self.plan, self.model_t, self.tied, self.report = model, plan, model_t, tied, report
         self.dtype, self.mdtype = dtype, mdtype
-        self.dequant_scales: dict[str, torch.Tensor] = {}
+        self.first = first  # the tensors read while checking (_read_checked_first): not read again
+        self.dequant_scales = {k: t.float() for k, t in first.items() if not _is_checked_extra(k)}
         self.src_dtypes: dict[str, torch.dtype] = {}  # model name -> dtype in the file (written back on save)
 
     def read(self, source: CheckpointSource, device, progress: _Progress) -> None:
         plan, info = self.plan, source.info
-        # the scales of fp8 tensors that get dequantized are needed before their tensor
-        need_scale_first = [p.scale_key for p in plan.layers.values() if not p.fp8 and p.scale_key]
-        for k, t in source.read(need_scale_first, device):
-            self.dequant_scales[k] = t.float()
-            self.report.bytes_read += t.numel() * t.element_size()
-        want = list(plan.layer_of) + [k for k in plan.scales if k not in self.dequant_scales] + list(plan.plain) + \
-            [e for p in plan.layers.values() for e in p.extras]
+        want = list(plan.layer_of) + [k for k in plan.scales if k not in self.first] + list(plan.plain) + \
+            [e for p in plan.layers.values() for e in p.extras if e not in self.first]
         progress.total = len(want)
         for k, t in source.read(want, device):
             progress.tensor(info[k][2], t.numel() * t.element_size())
@@ -203,6 +224,9 @@ class _TensorLoader:
             else:
                 self._extra(k, t)
         progress.shard_done()
+        for k, t in self.first.items():
+            if _is_checked_extra(k):
+                self._extra(k, t)
 
     def _weight(self, k: str, t: torch.Tensor) -> None:
         mod_name = self.plan.layer_of[k]
@@ -263,13 +287,6 @@ class _TensorLoader:
     def _extra(self, k: str, t: torch.Tensor) -> None:
         """Extras of an fp8 layer: static activation scales, comfy_quant, zero points."""
         mod_name = self.plan.layer_of.get(f"{layer_key(k)}.weight")
-        if k.endswith("_zero_point") and bool((t.float() != 0).any()):
-            raise CheckpointFormatError(f"{k}: non-zero zero point (asymmetric quantization) is not supported")
-        if k.endswith(".comfy_quant"):
-            conf = json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8"))
-            if conf.get("format") != "float8_e4m3fn":
-                raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
-                                            f"loads float8_e4m3fn only")
         mod = self.model.get_submodule(mod_name) if mod_name else None
         if isinstance(mod, FP8_LAYER_TYPES):
             mod._dorafp8_source.extras[k.rpartition(".")[2]] = t
@@ -279,22 +296,107 @@ class _TensorLoader:
                                                                    "written back on save)")
 
 
+# ---- the checks that need more than the plan --------------------------------------------------------------------
+
+
+def _is_checked_extra(k: str) -> bool:
+    """Extras whose values can refuse a load: zero points (must be zero) and ComfyUI layer configs (must say e4m3)."""
+    return k.endswith(("_zero_point", ".comfy_quant"))
+
+
+def _read_checked_first(plan: LoadPlan, source: CheckpointSource, device, report: LoadReport) -> dict:
+    """Reads the small tensors needed before the others, and checks those whose values can refuse the load, before
+    the model changes: the scales of fp8 tensors that get dequantized (needed before their tensor), zero points and
+    ComfyUI layer configs. key -> tensor, each read once (the loader takes them from here)."""
+    keys = [p.scale_key for p in plan.layers.values() if not p.fp8 and p.scale_key] + \
+        [e for p in plan.layers.values() for e in p.extras if _is_checked_extra(e)]
+    first = {}
+    for k, t in source.read(keys, device):
+        report.bytes_read += t.numel() * t.element_size()
+        if k.endswith("_zero_point") and bool((t.float() != 0).any()):
+            raise CheckpointFormatError(f"{k}: non-zero zero point (asymmetric quantization) is not supported")
+        if k.endswith(".comfy_quant"):
+            conf = json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8"))
+            if conf.get("format") != "float8_e4m3fn":
+                raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
+                                            f"loads float8_e4m3fn only")
+        first[k] = t
+    return first
+
+
+def _written(plan: LoadPlan, tied: dict) -> set[str]:
+    """The model tensors (by name, after the swaps) that the load will write."""
+    out = set()
+    for k, mod_name in plan.layer_of.items():
+        if plan.layers[mod_name].fp8:
+            out |= {f"{mod_name}.weight", f"{mod_name}.scale"}  # the scale read, or 1 where the layout has none
+        else:
+            out.add(plan.keys.names[k])  # dequantized into the module's own weight
+    for m in plan.plain.values():
+        out |= set(tied.get(m, [m]))
+    return out
+
+
+def _modules_after_swaps(model: nn.Module, new: dict):
+    """(name, module) of the model as it will be once the modules in `new` replace theirs."""
+    inside = None
+    for name, mod in model.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue  # a submodule of a replaced module
+        inside = None
+        if name in new:
+            mod, inside = new[name], name + "."
+        yield name, mod
+
+
+def _left_on_meta(modules, written: set | None = None) -> dict[str, tuple]:
+    """Modules with tensors on the meta device: name -> (module, those tensors' names, whether they are all its
+    tensors). With `written`: those that will be left once the load has written the tensors it names."""
+    left = {}
+    for mname, mod in modules:
+        pre = f"{mname}." if mname else ""
+        own = [(n, t) for n, t in list(mod._parameters.items()) + list(mod._buffers.items()) if t is not None]
+        meta = [n for n, t in own if t.is_meta and (written is None or pre + n not in written)]
+        if meta:
+            left[mname] = (mod, meta, len(meta) == len(own))
+    return left
+
+
+def _initializers(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that can initialize their submodules' tensors (transformers' PreTrainedModel._init_weights)."""
+    return {n: m for n, m in model.named_modules()
+            if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")}
+
+
+def _owner(inits: dict, mname: str) -> str | None:
+    """The innermost module of `inits` that contains `mname`."""
+    return max((o for o in inits if o == "" or mname == o or mname.startswith(o + ".")), key=len, default=None)
+
+
+def _stuck(model: nn.Module, left: dict) -> list[str]:
+    """The tensors of `left` that nothing can compute: in a module that keeps some real tensors, or that no model
+    initializer owns."""
+    inits = _initializers(model)
+    return [f"{mname}.{n}" if mname else n for mname, (_, meta, whole) in left.items()
+            if not whole or _owner(inits, mname) is None for n in meta]
+
+
+def _stuck_error(stuck: list) -> CheckpointFormatError:
+    return CheckpointFormatError(f"tensors left on the meta device that the checkpoint does not have and nothing "
+                                 f"can compute: {', '.join(stuck[:6])}; build the model with "
+                                 f"accelerate.init_empty_weights() (which keeps buffers real), or pass strict=False "
+                                 f"(they become zeros)")
+
+
 def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
     """Tensors still on the meta device after loading. A module all of whose own tensors are left (a rotary
     embedding's inv_freq, a layer missing from the checkpoint under strict=False) is materialized and initialized by
     the model's own initializer (transformers' _init_weights) when there is one; otherwise it is an error under
     strict (zeros and a report line without)."""
-    left: dict[str, tuple] = {}
-    for mname, mod in model.named_modules():
-        own = [(n, t) for n, t in list(mod._parameters.items()) + list(mod._buffers.items()) if t is not None]
-        meta = [n for n, t in own if t.is_meta]
-        if meta:
-            left[mname] = (mod, meta, len(meta) == len(own))
+    left = _left_on_meta(model.named_modules())
     if not left:
         return
-    inits = {n: m for n, m in model.named_modules()
-             if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")}
-    stuck = []
+    inits = _initializers(model)
     for mname, (mod, meta, whole) in left.items():
         for n in meta:
             t = mod._parameters.get(n)
@@ -307,9 +409,8 @@ def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict:
                 report.initialized.append(full)
             elif full not in report.missing:
                 report.missing.append(full)
-        owner = max((o for o in inits if o == "" or mname == o or mname.startswith(o + ".")), key=len, default=None)
+        owner = _owner(inits, mname)
         if not whole or owner is None:
-            stuck += [f"{mname}.{n}" if mname else n for n in meta]
             continue
         try:
             with torch.no_grad():
@@ -318,8 +419,6 @@ def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict:
             raise RuntimeError(f"computing {mname!r} (not in the checkpoint) with {type(inits[owner]).__name__}."
                                f"_init_weights failed: {e}; build the model with accelerate.init_empty_weights() "
                                f"(which keeps buffers real) instead") from e
-    if stuck and strict:
-        raise CheckpointFormatError(f"tensors left on the meta device that the checkpoint does not have and nothing "
-                                    f"can compute: {', '.join(stuck[:6])}; build the model with "
-                                    f"accelerate.init_empty_weights() (which keeps buffers real), or pass strict=False "
-                                    f"(they become zeros)")
+    stuck = _stuck(model, left)
+    if stuck and strict:  # found before the model changed (load_fp8_checkpoint); checked again on what is left
+        raise _stuck_error(stuck)

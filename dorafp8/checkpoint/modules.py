@@ -75,3 +75,26 @@ def base_layer(layer):
 def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
     """name -> FP8Linear / FP8ConvNd, inside PEFT's layers too (named as in the state dict, base_layer dropped)."""
     return {n.replace(".base_layer", ""): m for n, m in base.named_modules() if isinstance(m, FP8_LAYER_TYPES)}
+
+
+class ModelState:
+    """What a model is made of, by reference, to put back after a failed operation (all or nothing): every module's
+    attributes and its parameter, buffer and submodule slots. Shallow: no tensor is copied, so for a model on the meta
+    device it costs nothing; a model with real weights keeps its old tensors alive until the record is dropped (they
+    are what would be put back). Restoring gives back the same module and tensor objects in the same places, which
+    undoes every change made by replacing modules and tensors (all that loading and swapping layers do); a change
+    written into an existing tensor is not undone."""
+
+    def __init__(self, model: nn.Module):
+        self._saved = [(mod, dict(mod.__dict__), dict(mod._parameters), dict(mod._buffers), dict(mod._modules),
+                        set(mod._non_persistent_buffers_set)) for mod in model.modules()]
+
+    def restore(self) -> None:
+        for mod, attrs, params, buffers, modules, non_persistent in self._saved:
+            mod.__dict__.clear()
+            mod.__dict__.update(attrs)  # the slot dicts below are these same objects: their contents put back too
+            for slots, saved in ((mod._parameters, params), (mod._buffers, buffers), (mod._modules, modules)):
+                slots.clear()
+                slots.update(saved)
+            mod._non_persistent_buffers_set.clear()
+            mod._non_persistent_buffers_set.update(non_persistent)

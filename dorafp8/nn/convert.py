@@ -174,9 +174,19 @@ def _warn_if_backend_cannot_run(backend: str, layers: list) -> None:
 
 def set_act_quant(model: nn.Module, mode: Optional[str]) -> int:
     """Sets the activation quantization of every FP8Linear in `model` (PEFT layers on them included): "rowwise"
-    (W8A8 base GEMMs) or None (W8A16). Saved adapters are unaffected. Returns how many layers were set."""
+    (W8A8 base GEMMs) or None (W8A16). Saved adapters are unaffected. Returns how many layers were set.
+    All or nothing: the mode is checked before the first layer is set, and a failure while setting them puts the
+    layers already set back to their modes."""
     check_act_quant(mode)
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    for m in layers:
-        m.act_quant = mode
+    before = [m.act_quant for m in layers]
+    done = 0
+    try:
+        for m in layers:
+            m.act_quant = mode
+            done += 1
+    except BaseException:
+        for m, old in zip(layers[:done], before):
+            m.act_quant = old
+        raise
     return len(layers)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..quant import scale_kind
+from ..quant import is_fp8, scale_kind
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
@@ -31,6 +31,21 @@ def as_result(y: Tensor, shape) -> Tensor:
     storage, a reshape of the gradient in the backward. The view relation it leaves out protects nothing here: y is
     not returned, and the autograd Functions do not save it."""
     return torch.ops.aten._unsafe_view(y, shape)
+
+
+def check_float(t, name: str, *, wider_ok: bool = False) -> None:
+    """The one check of a float argument of the ops (x, lora_A, lora_B, magnitude, bias): a float32, bfloat16 or
+    float16 tensor (with wider_ok, any other float that is not fp8, e.g. float64, too). The TypeError names the
+    argument and the dtypes expected, and for an fp8 tensor says where fp8 belongs."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype in ACT_DTYPES or (wider_ok and t.is_floating_point() and not is_fp8(t)):
+        return
+    why = ""
+    if is_fp8(t):
+        why = (f": only the frozen base weight (w8) is fp8, as float8_e4m3fn; pass {name} in one of those dtypes"
+               + (" (act_quant='rowwise' makes the linear ops quantize x to e4m3 themselves)" if name == "x" else ""))
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}{why}")
 
 
 def dropout_mask(x: Tensor, p: float) -> Tensor:

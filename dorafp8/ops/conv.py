@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
-from ..quant import DEFAULT_BLOCK, E4M3, check_block_size, check_scale, row_blocks, scale_kind, scale_rows
-from ._policy import ACT_DTYPES, NORM_EPS, as_result, compute_dtype, dropout_mask, rank_dtype
+from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
+from ._policy import NORM_EPS, as_result, check_float, compute_dtype, dropout_mask, rank_dtype
 from .linear import weight_norm as linear_weight_norm
 
 
@@ -303,16 +303,12 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
 
 
 def _check_conv_args(x, w8, scale, block_size, groups):
-    if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3:
-        raise TypeError(f"w8 must be a torch.float8_e4m3fn tensor, got "
-                        f"{w8.dtype if isinstance(w8, torch.Tensor) else type(w8).__name__}")
+    check_e4m3(w8, "w8")
     nd = w8.dim() - 2
     if nd not in (1, 2, 3):
         raise ValueError(f"w8 must be a conv weight [C_out, C_in/groups, *kernel] with 1 to 3 kernel dims, got shape "
                          f"{list(w8.shape)}")
-    if not isinstance(x, torch.Tensor) or x.dtype not in ACT_DTYPES:
-        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got "
-                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_float(x, "x")
     if x.dim() not in (nd + 1, nd + 2):
         raise ValueError(f"x must be [batch, C_in, *spatial] ({nd + 2}-D) or unbatched ({nd + 1}-D), got shape "
                          f"{list(x.shape)}")
@@ -372,9 +368,7 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude), ("bias", bias)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor) or t.dtype not in ACT_DTYPES:
-            raise TypeError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        check_float(t, name)
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
     if magnitude.numel() != C or (bias is not None and bias.numel() != C):

@@ -26,8 +26,8 @@ from torch import Tensor
 from .. import backends
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale
 from . import _custom_ops as _ops
-from ._policy import (ACT_DTYPES, NORM_EPS, as_result, backend_needs, compute_dtype, dropout_mask,
-                      rank_dtype, row_scale, rows)
+from ._policy import (NORM_EPS, as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype,
+                      row_scale, rows)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd Functions
@@ -143,19 +143,13 @@ class FP8LinearFunction(torch.autograd.Function):
 
 
 def _check_float(t, name: str, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point() or t.dtype == torch.float8_e4m3fn:
-        raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {t.dtype}")
+    check_float(t, name, wider_ok=True)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
 def _check_x(x, K: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    check_float(x, "x")
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x must have in_features={K} as its last dimension, got shape {list(x.shape)}")
 

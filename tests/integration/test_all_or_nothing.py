@@ -173,6 +173,45 @@ def test_failed_convert_peft_model_leaves_the_model_as_it_was():
     _assert_unchanged(pm, snap, out)
 
 
+def test_failed_set_act_quant_leaves_the_model_as_it_was(monkeypatch):
+    """A mode it does not know is refused before any layer is set; a failure injected in the third of four layers
+    puts the two set before it back."""
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    dorafp8.quantize_model(net)
+    modes = [None, "rowwise", None, "rowwise"]
+    for lay, mode in zip(net, modes):
+        lay.act_quant = mode
+    with pytest.raises(ValueError, match="act_quant must be None or 'rowwise', got 'fp4'"):
+        dorafp8.set_act_quant(net, "fp4")
+    assert [lay.act_quant for lay in net] == modes
+    real = FP8Linear.act_quant
+    calls = []
+
+    def set_mode(self, mode):
+        calls.append(mode)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        real.fset(self, mode)
+
+    monkeypatch.setattr(FP8Linear, "act_quant", property(real.fget, set_mode))
+    snap = _snapshot(net)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = net(x)
+    with pytest.raises(RuntimeError, match="injected"):
+        dorafp8.set_act_quant(net, "rowwise")
+    assert calls[:3] == ["rowwise"] * 3  # the third layer failed
+    monkeypatch.undo()
+    assert [lay.act_quant for lay in net] == modes
+    types, tensors = snap
+    assert {n: type(m) for n, m in net.named_modules()} == types
+    assert all(torch.equal(net.state_dict()[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+               for k, v in tensors.items())
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), out, rtol=0, atol=0)
+    assert dorafp8.set_act_quant(net, "rowwise") == 4 and all(lay.act_quant == "rowwise" for lay in net)
+
+
 def _tree(path):
     """{relative file name: bytes} under path."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}

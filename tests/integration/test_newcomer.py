@@ -147,7 +147,8 @@ def test_lossy_per_tensor_quantization_warns_and_per_row_fixes_it():
     model[0].weight.data = w.clone()
     with pytest.warns(QuantizationWarning, match=r"weight of '0'.*became 0.*per_row_scale=True") as rec:
         dorafp8.quantize_model(model)
-    flushed = float(re.search(r"([\d.]+)% of its non-zero values became 0", str(rec[0].message)).group(1))
+    flushed = float(re.search(r"([\d.]+)% of its non-zero values \(\d+ of \d+\) became 0",
+                              str(rec[0].message)).group(1))
     assert flushed > 50
     assert rel_err_others(model[0].weight, model[0].scale) > 0.3
     with warnings.catch_warnings():
@@ -157,6 +158,32 @@ def test_lossy_per_tensor_quantization_warns_and_per_row_fixes_it():
         rest = torch.arange(256) != 3
         assert ((dorafp8.dequantize_e4m3(w8, scale) - w)[rest].norm() / w[rest].norm()).item() < 0.03
         dorafp8.quantize_e4m3(torch.randn(512, 512))  # ordinary weights do not warn
+
+
+@pytest.mark.parametrize("n", [256, 1000])  # 1000: one weight of 1e4 among a million weights of 0.02
+def test_the_lossy_warning_states_how_many_weights_became_zero_and_the_rows_error(n):
+    """The whole tensor's relative error (0.1%) hides the loss, since the outlier keeps its precision and dominates
+    the norm: the warning gives the fraction of non-zero weights flushed to zero and the median row's relative error,
+    here checked against numbers computed independently."""
+    w = torch.randn(n, n, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[3, 7] = 1e4
+    with pytest.warns(QuantizationWarning) as rec:
+        w8, scale = dorafp8.quantize_e4m3(w, name="proj")
+    msg = str(rec[0].message)
+    # a weight becomes 0 where |w| / scale is at most half e4m3's smallest subnormal (2^-9); ties go to 0 (even)
+    ratio = w.double().abs() / (torch.tensor(1e4) / 448).double()
+    nonzero, flushed = int((w != 0).sum()), int((ratio <= 2.0 ** -10).sum())
+    m = re.search(r"([\d.]+)% of its non-zero values \((\d+) of (\d+)\) became 0", msg)
+    assert int(m.group(3)) == nonzero == n * n
+    assert abs(int(m.group(2)) - flushed) <= 2  # the code divides in fp32
+    assert abs(float(m.group(1)) - 100 * flushed / nonzero) <= 0.06 and flushed / nonzero > 0.7
+    err = dorafp8.dequantize_e4m3(w8, scale, torch.float64) - w.double()
+    row = (err.norm(dim=1) / w.double().norm(dim=1)).median().item()
+    whole = (err.norm() / w.double().norm()).item()
+    m = re.search(r"median row's relative error is ([\d.]+)% .*; ([\d.e-]+)% over the whole tensor", msg)
+    assert abs(float(m.group(1)) - 100 * row) <= 0.06 and row > 0.5
+    assert float(m.group(2)) == pytest.approx(100 * whole, rel=0.05) and whole < 0.002
+    assert "weight of 'proj'" in msg and "per_row_scale=True" in msg
 
 
 def test_non_finite_weight_error_names_the_module():

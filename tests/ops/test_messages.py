@@ -17,3 +17,59 @@ def test_transposed_lora_A_names_the_real_rank():
         dorafp8.dora_fp8_linear(x, w8, scale, A.T, B, m, 0.5)
     with pytest.raises(ValueError, match=r"lora_A must have shape \[8, 32\], got \[32, 8\]"):
         dorafp8.weight_norm(w8, scale, A.T, B, 0.5)
+
+
+def _conv_problem(C_in=4, C_out=8, r=2):
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(C_out, C_in * 9) * 0.05)
+    return (torch.randn(2, C_in, 6, 6), w8.reshape(C_out, C_in, 3, 3), scale, torch.randn(r, C_in, 3, 3) * 0.1,
+            torch.randn(C_out, r, 1, 1) * 0.1, torch.ones(C_out))
+
+
+def _calls(x_dtype=None, w_dtype=None, lora_dtype=None):
+    """Every op and layer, called with x, the weight or lora_A in the given dtype (the rest as it should be)."""
+    x, w8, scale, A, B, m = _problem()
+    xc, w8c, scale_c, Ac, Bc, mc = _conv_problem()
+    if x_dtype is not None:
+        x, xc = x.to(x_dtype), xc.to(x_dtype)
+    if w_dtype is not None:
+        w8, w8c = w8.float().to(w_dtype), w8c.float().to(w_dtype)
+    if lora_dtype is not None:
+        A, Ac = A.to(lora_dtype), Ac.to(lora_dtype)
+    calls = {
+        "fp8_linear": lambda: dorafp8.fp8_linear(x, w8, scale),
+        "dora_fp8_linear": lambda: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 0.5),
+        "fp8_conv": lambda: dorafp8.fp8_conv(xc, w8c, scale_c),
+        "dora_fp8_conv": lambda: dorafp8.dora_fp8_conv(xc, w8c, scale_c, Ac, Bc, mc, 0.5),
+    }
+    if w_dtype is None:
+        lin = dorafp8.FP8Linear.from_fp8(w8, scale)
+        conv = dorafp8.FP8Conv2d.from_fp8(w8c, scale_c)
+        calls.update({"FP8Linear": lambda: lin(x), "FP8Conv2d": lambda: conv(xc)})
+    else:
+        calls.update({"weight_norm": lambda: dorafp8.weight_norm(w8, scale, A, B, 0.5),
+                      "FP8Linear.from_fp8": lambda: dorafp8.FP8Linear.from_fp8(w8, scale)})
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_fp8_activations_name_x_and_the_dtypes_expected(dtype):
+    for call in _calls(x_dtype=dtype).values():
+        with pytest.raises(TypeError, match=rf"^x must be float32, bfloat16 or float16, got {dtype}: only the frozen "
+                                            rf"base weight \(w8\) is fp8.*act_quant='rowwise'"):
+            call()
+
+
+def test_fp8_adapters_name_the_adapter():
+    """An e5m2 lora_A used to reach torch's type promotion ("Promotion for Float8 Types is not supported")."""
+    for op, call in _calls(lora_dtype=torch.float8_e5m2).items():
+        if op.startswith("dora") or op == "weight_norm":
+            with pytest.raises(TypeError, match=r"^lora_A must be float32, bfloat16 or float16, got "
+                                                r"torch.float8_e5m2: only the frozen base weight"):
+                call()
+
+
+def test_an_e5m2_weight_names_w8_and_how_to_get_e4m3():
+    for call in _calls(w_dtype=torch.float8_e5m2).values():
+        with pytest.raises(TypeError, match=r"^w8 must be a torch.float8_e4m3fn tensor, got torch.float8_e5m2; another "
+                                            r"fp8 format does not convert to e4m3 exactly .*dorafp8.quantize_e4m3"):
+            call()
