@@ -180,8 +180,8 @@ def draw_dataflow(path: Path) -> None:
     ax.plot([xl, W - 2], [32.5, 32.5], color="#bbbbbb", lw=1, ls=":")
     ax.text(xl, 30, "BACKWARD", fontsize=12, weight="bold", color="#8053a8", va="center")
     _box(ax, xl, 19.5, wl, 7, "act", "g = ∂L/∂y", "[M, N]", body_size=9)
-    _box(ax, xl, 10, wl, 7.5, "saved", "saved", "z, u, c, B → back-\nward_pass;  A → dgrad", title_size=10,
-         body_size=8.5)
+    _box(ax, xl, 10, wl, 7.5, "saved", "saved", "z, u, c, B → backward_pass\nA → dgrad,  x → project_grad",
+         title_size=10, body_size=8)
     _box(ax, xl, 1, wl, 6.5, "act", "∂x [M, K]", "to the previous layer", body_size=8.5)
 
     _box(ax, xk, 16.5, wk, 13.5, "kernel", "backward_pass (g, z, c, σ_row, B, u): one read of g and z",
