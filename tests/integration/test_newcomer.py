@@ -254,16 +254,77 @@ def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
 
 
 def test_demo_prints_what_a_user_decides_on():
-    out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3'])")
+    out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3', '--no-plot'])")
     assert "backends on cpu: auto -> native" in out
     assert "dorafp8 backend: native" in out
     assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out  # the loss table: 4 curves
+    # the figure the README quotes, with what size to expect: PEFT's own curve under one-ulp changes of its weights
+    same = re.search(r"same \(dequantized fp8\) weights: max relative loss difference (\S+) over the 3 steps "
+                     r"\((\S+) at step 0", out)
+    yardstick = re.search(r"PEFT against itself with its base weights moved by one fp32 ulp differs by (\S+)\.", out)
+    assert same and yardstick, out
+    over_steps, step0 = float(same.group(1)), float(same.group(2))
+    assert step0 < 1e-6 and over_steps < 1e-4 and float(yardstick.group(1)) < 1e-4, out  # fp32 rounding, not 1e-3
     assert "W8A8 vs W8A16" in out
+    assert "pictures:" not in out
     assert "NOT speed claims" in out
     mem = re.search(r"one 4096 x 4096 layer: peak of a step, 8 tokens\s+([\d.]+) MiB\s+([\d.]+) MiB", out)
     assert mem, out
     peft_mib, ours_mib = map(float, mem.groups())
     assert ours_mib < peft_mib / 4, out  # measured: PEFT forms dense [4096, 4096] temporaries, dorafp8 does not
+
+
+def _assert_png(path: Path, min_size=(300, 400)):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    import matplotlib.image
+
+    h, w = matplotlib.image.imread(path).shape[:2]
+    assert h >= min_size[0] and w >= min_size[1], (path, h, w)
+
+
+def test_demo_writes_its_pictures(tmp_path):
+    """By default the demo draws the loss curves and the measured memory next to each other in the current
+    directory, and says where."""
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "dorafp8.demo", "--steps", "3", "--hidden", "64", "--no-layer"],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "pictures: dorafp8_demo.png (loss curves and their differences), dorafp8_demo_memory.png" in out.stdout
+    _assert_png(tmp_path / "dorafp8_demo.png")
+    _assert_png(tmp_path / "dorafp8_demo_memory.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dorafp8_demo.png", "dorafp8_demo_memory.png"]
+
+
+def test_demo_pictures_without_matplotlib(tmp_path):
+    """Without matplotlib the demo says so in one line and goes on."""
+    out = _run_python(f"""
+import sys
+sys.modules['matplotlib'] = None  # what an interpreter without it sees
+from dorafp8 import demo
+demo._pictures({str(tmp_path / 'x.png')!r}, {{}}, [], [], '', '')
+print('went on')
+""")
+    assert out.strip().splitlines() == ["no pictures: matplotlib is not installed (pip install matplotlib)",
+                                        "went on"], out
+    assert not any(tmp_path.iterdir())
+    from dorafp8.demo import plot_paths
+
+    assert plot_paths("a/b") == (Path("a/b.png"), Path("a/b_memory.png"))
+    assert plot_paths("docs/img/demo.png") == (Path("docs/img/demo.png"), Path("docs/img/demo_memory.png"))
+
+
+def test_doc_figures_script_writes_its_pictures(tmp_path):
+    """docs/figures/make_figures.py draws docs/img/dataflow.png and save_load.png (here into tmp_path); it checks the
+    kernel names it shows against the sources and takes the checkpoint formats from dorafp8.checkpoint."""
+    pytest.importorskip("matplotlib")
+    out = subprocess.run([sys.executable, str(ROOT / "docs" / "figures" / "make_figures.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stderr
+    for name in ("dataflow.png", "save_load.png"):
+        _assert_png(tmp_path / name, min_size=(600, 1000))
+        assert (tmp_path / name).stat().st_size < 200_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataflow.png", "save_load.png"]
 
 
 def test_project_refers_to_nothing_outside_its_tree():
