@@ -52,7 +52,11 @@ def build_doc_model(seed: int = 0):
 def train_doc_model_single_process():
     """The reference for the doc's mixed-precision recipe: build_doc_model, fp32, one process, the full batch, STEPS
     plain SGD steps. Returns the losses."""
-    pm = build_doc_model(0)
+    return _sgd_full_batch(build_doc_model(0))
+
+
+def _sgd_full_batch(pm) -> list:
+    """STEPS plain SGD steps of pm on the full batch of data(), in one process. Returns the losses."""
     pm.train()
     opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=LR)
     losses = []
@@ -99,16 +103,7 @@ def train_single_process(out_dir=None):
     """The reference: one process, the full batch, STEPS plain SGD steps. Returns (losses, adapter state, logits of
     the trained model on probe_ids()) and saves the adapter to out_dir."""
     pm = build_model(0)
-    pm.train()
-    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    ids = data()
-    for s in range(STEPS):
-        loss = pm(input_ids=ids[s], labels=ids[s]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _sgd_full_batch(pm)
     if out_dir is not None:
         pm.save_pretrained(out_dir)
     pm.eval()
