@@ -143,11 +143,11 @@ def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
     whole, so its other kernels' records are made and dropped)."""
     rows = cuda_driver.load_cuda_spec()
     by_source = cuda_driver.cuda_spec_by_source(rows)  # SpecError for a row of a file the build does not compile
-    return [dict(op="cuda", arch=a, source=f) for a in archs for f in cuda_driver.cuda_sources()
+    return [{"op": "cuda", "arch": a, "source": f} for a in archs for f in cuda_driver.cuda_sources()
             if any(select(_cuda_record(rows[i], a)) for i in by_source[f])]
 
 
-def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Optional[Select] = None,
+def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Select | None = None,
          all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE) -> list[dict]:
     """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config
     x arch, with only the fields that name it (backend, kernel, variant, dtype, arch, config, autotune_pick), in
@@ -166,7 +166,8 @@ def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, selec
     if "triton" in backends:
         worker = Worker()
         try:
-            listed = worker.call(dict(op="list", archs=archs, all_configs=all_configs, spec_module=spec_module))["jobs"]
+            listed = worker.call({"op": "list", "archs": archs, "all_configs": all_configs,
+                                  "spec_module": spec_module})["jobs"]
         finally:
             worker.close()
         records += [new_record(backend="triton", **{k: j[k] for k in ("kernel", "variant", "dtype", "arch", "config",
