@@ -7,7 +7,7 @@ sm_90a and sm_89, and reports per kernel x variant x config x arch: registers pe
 memory from ptxas -v, which matrix instruction the kernel uses (wgmma / mma.sync / none), and whether the fp8 weight
 tile feeds it from registers or from shared memory. See docs/INSPECT.md.
 
-    python -m dorafp8.kernel_report                       # everything, as a table (several hundred compiles)
+    python -m dorafp8.kernel_report                       # everything, as a table (--list says how many compiles)
     python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2
     python -m dorafp8.kernel_report --backend cuda --json
     python -m dorafp8.kernel_report --list                # what it would compile, and how many; compiles nothing
