@@ -314,6 +314,8 @@ def _exec(code: str, first_line: int, filename: str, ns: dict) -> None:
 def run_unit(unit: list[Block], workdir: Path, env: dict) -> dict[str, dict]:
     """Runs one session (or one block) in its own directory and namespace; {block id: result}."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if str(HERE) not in sys.path:  # setups import doc_fixtures (a subprocess finds it through PYTHONPATH)
+        sys.path.insert(0, str(HERE))
     results: dict[str, dict] = {}
     ns: dict = {"__name__": "__main__"}
     old_cwd, old_env = os.getcwd(), dict(os.environ)
