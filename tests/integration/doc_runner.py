@@ -24,7 +24,7 @@ suite, which includes this runner).
 Run as a script to see what it finds and how each block fares:
     python tests/integration/doc_runner.py --list              every block and how it is treated
     python tests/integration/doc_runner.py docs/DIFFUSION.md   run one doc's blocks, with seconds per block
-One doc's blocks run in one Python process (fresh namespace and temp directory per session), on CPU
+The docs' blocks run in one Python process (fresh namespace and temp directory per block or session), on CPU
 (CUDA_VISIBLE_DEVICES=""), offline; `python`, `python3`, `torchrun` and `accelerate` on PATH run the interpreter this
 runs under (a venv's console scripts would otherwise be whatever is first on PATH); $DOC_REPO_ROOT is the checkout,
 for a run-as that must run where a reader of a checkout would.

@@ -1,8 +1,8 @@
 """Every code block of README.md and docs/*.md runs, on CPU, on tiny models (docs/WRITING_DOCS.md).
 
 tests/integration/doc_runner.py finds the blocks and their directives (hidden setups, sessions, scripts, declared
-substitutions, reasons not to run); each doc's blocks run in one subprocess (one import of torch & co. per doc), and
-each block is one test here: passed, failed with its traceback and output, or skipped with the reason the doc gives
+substitutions, reasons not to run); the blocks run in one subprocess (torch & co. imported once; a fresh namespace
+and directory per block or session), and each block is one test here: passed, failed with its traceback and output, or skipped with the reason the doc gives
 (README.md's first bash block: CI runs it). A block in a language the runner does not know, a directive that is not
 attached to a block, or a script no command runs fails test_every_block_is_run_or_says_why.
 """
@@ -27,24 +27,19 @@ def _test_id(b: doc_runner.Block) -> str:
 
 
 @pytest.fixture(scope="module")
-def doc_results(tmp_path_factory):
-    """doc -> {block id: result}: one runner process per doc, started by the doc's first block."""
-    cache: dict[str, dict] = {}
-
-    def get(doc: str) -> dict:
-        if doc not in cache:
-            work = tmp_path_factory.mktemp(doc.replace("/", "_").removesuffix(".md"))
-            out = work / "results.json"
-            proc = subprocess.run([sys.executable, str(doc_runner.HERE / "doc_runner.py"), doc, "--json-out",
-                                   str(out), "--workdir", str(work)], capture_output=True, text=True, timeout=1800, check=False,
-                                  cwd=doc_runner.ROOT)
-            if not out.exists():
-                pytest.fail(f"the doc runner died on {doc} (exit {proc.returncode}):\n"
-                            f"{(proc.stdout + proc.stderr)[-6000:]}")
-            cache[doc] = json.loads(out.read_text())
-        return cache[doc]
-
-    return get
+def doc_results(request, tmp_path_factory):
+    """{block id: result} for the docs of the blocks this pytest run selected: one runner process for all of them
+    (torch, transformers and peft imported once), started by the first block that asks."""
+    selected = sorted({item.callspec.params["block"].doc for item in request.session.items
+                       if item.originalname == "test_doc_block"}, key=doc_runner.docs().index)
+    work = tmp_path_factory.mktemp("docs")
+    out = work / "results.json"
+    proc = subprocess.run([sys.executable, str(doc_runner.HERE / "doc_runner.py"), *selected, "--json-out", str(out),
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=1800, check=False,
+                          cwd=doc_runner.ROOT)
+    if not out.exists():
+        pytest.fail(f"the doc runner died (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(out.read_text())
 
 
 def test_every_block_is_run_or_says_why():
@@ -64,7 +59,7 @@ def test_readme_first_bash_block_is_the_one_ci_runs():
 def test_doc_block(block, doc_results):
     if block.not_run:
         pytest.skip(block.not_run)
-    res = doc_results(block.doc)[block.id]
+    res = doc_results[block.id]
     if res["status"] == "failed":
         pytest.fail(f"{block.id} ({block.how()}):\n{res.get('output', '')}\n{res['error']}", pytrace=False)
     assert res["status"] == "passed", res
