@@ -18,13 +18,14 @@ from .cli import format_table, main, problems_of
 from .cuda_driver import (cuda_dir, cuda_sources, cuda_spec_by_source, cuda_unavailable_reason, load_cuda_spec,
                           match_cuda_kernels, nvcc_flags)
 from .parsers import check_variant, classify_mma, config_str, parse_ptxas_log, ptx_functions, ttgir_dots, w8_operand
-from .pool import run
+from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, FIELDS, SMEM_LIMIT, SpecError, kernel_matches, new_record
 from .triton_driver import SPEC_MODULE, triton_unavailable_reason
 
 __all__ = [
     "ARCHS", "BACKENDS", "FIELDS", "SMEM_LIMIT", "SPEC_MODULE", "SpecError", "check_variant", "classify_mma",
-    "config_str", "cuda_dir", "cuda_sources", "cuda_spec_by_source", "cuda_unavailable_reason", "format_table",
-    "kernel_matches", "load_cuda_spec", "main", "match_cuda_kernels", "new_record", "nvcc_flags", "parse_ptxas_log",
-    "problems_of", "ptx_functions", "run", "triton_unavailable_reason", "ttgir_dots", "w8_operand",
+    "config_str", "cuda_dir", "cuda_jobs", "cuda_sources", "cuda_spec_by_source", "cuda_unavailable_reason",
+    "format_table", "kernel_matches", "load_cuda_spec", "main", "match_cuda_kernels", "new_record", "nvcc_flags",
+    "parse_ptxas_log", "plan", "problems_of", "ptx_functions", "run", "triton_unavailable_reason", "ttgir_dots",
+    "w8_operand",
 ]

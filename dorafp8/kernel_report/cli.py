@@ -7,9 +7,10 @@ sm_90a and sm_89, and reports per kernel x variant x config x arch: registers pe
 memory from ptxas -v, which matrix instruction the kernel uses (wgmma / mma.sync / none), and whether the fp8 weight
 tile feeds it from registers or from shared memory. See docs/INSPECT.md.
 
-    python -m dorafp8.kernel_report                       # everything, as a table (several hundred compiles)
+    python -m dorafp8.kernel_report                       # everything, as a table (--list says how many compiles)
     python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2
     python -m dorafp8.kernel_report --backend cuda --json
+    python -m dorafp8.kernel_report --list                # what it would compile, and how many; compiles nothing
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import json
 import os
 import sys
 
-from .cuda_driver import cuda_unavailable_reason
-from .pool import run
+from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
+from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
 from .triton_driver import SPEC_MODULE
 
@@ -90,9 +91,59 @@ def _parse_args(argv):
                    help="also compile each variant under the configs other archs' lists have (autotune_pick=false)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     p.add_argument("--json", action="store_true", help="print a JSON list of records instead of the table")
+    p.add_argument("--list", action="store_true",
+                   help="compile nothing: list what would be compiled (with --json: the records' naming fields) and "
+                        "print how many; needs Triton and the CUDA sources, not the compilers")
     p.add_argument("--spec-module", default=SPEC_MODULE,
                    help="module with the Triton kernel specs (default: %(default)s)")
     return p.parse_args(argv)
+
+
+_LIST_COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dtype", "dtype"),
+                 ("variant", "variant"), ("config", "config"), ("autotune_pick", "pick")]
+
+
+def count_line(records: list[dict], nvcc_runs: int) -> str:
+    """--list's last line: how many records a run makes, and how many compiles that takes."""
+    triton = sum(r["backend"] == "triton" for r in records)
+    cuda = len(records) - triton
+    return (f"{len(records)} kernel x variant x config x arch records: {triton} Triton compiles, {cuda} CUDA kernels "
+            f"from {nvcc_runs} nvcc runs (nothing compiled)")
+
+
+def _list(args, backends) -> int:
+    if "cuda" not in backends and args.backend == "all" and not cuda_dir_missing_reason():
+        # run() would skip the CUDA kernels for want of a compiler; listing them needs only the sources
+        print(f"{PROG}: listing the CUDA kernels, which a run here would skip", file=sys.stderr)
+        backends.append("cuda")
+    backends = [b for b in BACKENDS if b in backends]
+    archs = args.arch or ARCHS
+
+    def select(rec):
+        return ((not args.kernel or kernel_matches(rec["kernel"], args.kernel))
+                and (not args.dtype or rec["dtype"] in args.dtype)
+                and (not args.variant or any(v in rec["variant"] for v in args.variant))
+                and (not args.config or any(c in rec["config"] for c in args.config)))
+
+    try:
+        records = plan(archs=archs, backends=backends, select=select, all_configs=args.all_configs,
+                       spec_module=args.spec_module)
+    except SpecError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([{k: r[k] for k, _ in _LIST_COLUMNS} for r in records], indent=1))
+        return 0
+    nvcc_runs = len(cuda_jobs(archs, select)) if "cuda" in backends else 0
+    rows = [[("yes" if r[k] else "no") if k == "autotune_pick" else str(r[k]) for k, _ in _LIST_COLUMNS]
+            for r in records]
+    heads = [h for _, h in _LIST_COLUMNS]
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
+    for row in [heads, ["-" * w for w in widths], *rows]:
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+    print()
+    print(count_line(records, nvcc_runs))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -101,6 +152,9 @@ def main(argv=None) -> int:
     if args.backend == "all" and (why := cuda_unavailable_reason()):
         print(f"{PROG}: skipping the CUDA kernels: {why}", file=sys.stderr)
         backends.remove("cuda")
+
+    if args.list:
+        return _list(args, backends)
 
     def select(job):
         return ((not args.kernel or kernel_matches(job["kernel"], args.kernel))

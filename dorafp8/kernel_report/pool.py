@@ -18,7 +18,7 @@ import traceback
 from typing import Callable, Iterable, Optional
 
 from . import cuda_driver, triton_driver
-from .records import ARCHS, BACKENDS, SpecError
+from .records import ARCHS, BACKENDS, SpecError, new_record
 
 def worker_main() -> None:
     """Serves one JSON request per stdin line with one JSON reply per line.
@@ -114,8 +114,7 @@ def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select
     workers = [Worker() for _ in range(max(1, jobs))]
     try:
         # the long ones first; one job per kernel file and arch, as the extension build compiles them
-        todo = [dict(op="cuda", arch=a, source=f) for a in archs for f in cuda_driver.cuda_sources()] \
-            if "cuda" in backends else []
+        todo = cuda_jobs(archs, select) if "cuda" in backends else []
         if "triton" in backends:
             listed = workers[0].call(dict(op="list", archs=archs, all_configs=all_configs,
                                           spec_module=spec_module))["jobs"]
@@ -131,6 +130,50 @@ def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select
     records = [cuda[k] for k in sorted(cuda)] + [r for job, recs in zip(todo, per_job) if job["op"] != "cuda"
                                                   for r in recs]
     return [r for r in records if r["backend"] == "triton" or select(r)]
+
+
+def _cuda_record(row: dict, arch: str) -> dict:
+    """A CUDA spec row as a record with only its naming fields (what select sees before compiling)."""
+    return new_record(backend="cuda", kernel=row["kernel"], variant=row["variant"], dtype=row["dtype"], arch=arch,
+                      config=row["config"], autotune_pick=True)
+
+
+def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
+    """One nvcc job per CUDA file and arch, for the files that define a kernel `select` keeps (a file is compiled
+    whole, so its other kernels' records are made and dropped)."""
+    rows = cuda_driver.load_cuda_spec()
+    by_source = cuda_driver.cuda_spec_by_source(rows)  # SpecError for a row of a file the build does not compile
+    return [{"op": "cuda", "arch": a, "source": f} for a in archs for f in cuda_driver.cuda_sources()
+            if any(select(_cuda_record(rows[i], a)) for i in by_source[f])]
+
+
+def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Select | None = None,
+         all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE) -> list[dict]:
+    """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config
+    x arch, with only the fields that name it (backend, kernel, variant, dtype, arch, config, autotune_pick), in
+    run()'s order. Needs Triton importable (the spec imports the kernels; one worker lists them, as in run()) and the
+    CUDA sources, not the compilers. Raises SpecError as run() does for a Triton spec that disagrees with its kernels
+    (the CUDA spec is checked against the kernels only when they are compiled)."""
+    archs, backends = list(archs), list(backends)
+    select = select or (lambda job: True)
+    if unknown := set(archs) - set(ARCHS):
+        raise ValueError(f"unknown arch {sorted(unknown)}; known: {ARCHS}")
+    records = []
+    if "cuda" in backends:
+        rows = cuda_driver.load_cuda_spec()
+        cuda_driver.cuda_spec_by_source(rows)  # SpecError for a row of a file the build does not compile
+        records += [rec for a in archs for r in rows if select(rec := _cuda_record(r, a))]
+    if "triton" in backends:
+        worker = Worker()
+        try:
+            listed = worker.call({"op": "list", "archs": archs, "all_configs": all_configs,
+                                  "spec_module": spec_module})["jobs"]
+        finally:
+            worker.close()
+        records += [new_record(backend="triton", **{k: j[k] for k in ("kernel", "variant", "dtype", "arch", "config",
+                                                                       "autotune_pick")})
+                    for j in listed if select(dict(j, backend="triton"))]
+    return records
 
 
 def _run_jobs(workers, todo, progress) -> list[list[dict]]:

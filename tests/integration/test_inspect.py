@@ -197,6 +197,29 @@ def test_json_cli():
     assert rec["smem_bytes"] > 0 and rec["smem_limit"] == 101376
 
 
+def test_list_names_what_a_run_compiles():
+    """--list (pool.plan) names exactly the records run() makes for the same selection, compiling nothing; and a run
+    compiles only the CUDA files that define a selected kernel (one nvcc run here)."""
+    keys = ("backend", "kernel", "variant", "dtype", "arch", "config", "autotune_pick")
+
+    def select(j):
+        return j["kernel"] in ("weight_norm_kernel", "rowwise_quant") and j["dtype"] == "bf16"
+
+    planned = insp.plan(archs=["sm_89"], select=select)
+    ran = insp.run(archs=["sm_89"], select=select, jobs=1)
+    assert [tuple(r[k] for k in keys) for r in planned] == [tuple(r[k] for k in keys) for r in ran]
+    assert {r["backend"] for r in planned} == {"triton", "cuda"} and insp.cuda_jobs(["sm_89"], select) == [
+        {"op": "cuda", "arch": "sm_89", "source": "weight_norm.cu"}]
+    out = subprocess.run([sys.executable, "-m", "dorafp8.kernel_report", "--list", "--arch", "sm_89", "--kernel",
+                          "weight_norm_kernel", "--kernel", "rowwise_quant", "--dtype", "bf16"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n_triton = sum(r["backend"] == "triton" for r in planned)
+    assert out.stdout.splitlines()[-1] == (f"{len(planned)} kernel x variant x config x arch records: {n_triton} "
+                                           f"Triton compiles, {len(planned) - n_triton} CUDA kernels from 1 nvcc "
+                                           f"runs (nothing compiled)")
+
+
 # --- the tool itself: it must tell W8-from-shared apart, and fail loudly on a stale spec -------------------------------
 
 _W8_AS_B = '''

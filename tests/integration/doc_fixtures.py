@@ -1,0 +1,103 @@
+"""Tiny stand-ins for what a reader of the docs has on their machine (a model, a checkpoint directory, a batch), for
+the hidden setups of the docs' code blocks (`<!-- setup: ... -->`, docs/WRITING_DOCS.md). tests/integration/
+test_docs.py puts this directory on the path of every block it runs, so a setup says `from doc_fixtures import ...`.
+
+Every model here is built from a config (nothing is downloaded), small enough that a block runs in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def tiny_llama_config(**kw):
+    import transformers
+
+    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return transformers.LlamaConfig(**{**base, **kw})
+
+
+def tiny_llama(seed: int = 0, **kw):
+    """A LLaMA-style causal LM (q/k/v/o, gate/up/down projections), fp32, 2 layers of width 64."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(tiny_llama_config(**kw))
+
+
+def tiny_qwen3(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A Qwen3-style causal LM, 2 layers, widths that are multiples of transformers' 128-wide fp8 blocks."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=64, dtype=dtype)
+    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
+
+
+def write_fine_grained_checkpoint(path: str) -> str:
+    """A directory like a downloaded Qwen3-8B-FP8: transformers' fine-grained fp8 layout (e4m3 weights,
+    `weight_scale_inv` per 128 x 128 block, `quant_method: fp8` in config.json), the other tensors in bf16 and
+    `dtype: bfloat16` in config.json, as Qwen3-8B-FP8 has them; of tiny_qwen3."""
+    import dorafp8
+
+    model = tiny_qwen3(dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, block_size=128)
+    dorafp8.save_fp8_checkpoint(model, path, format="fine-grained", verbose=False)
+    return path
+
+
+def write_dense_checkpoint(path: str) -> str:
+    """A dense (fp32) transformers checkpoint directory of tiny_llama."""
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def tiny_unet(seed: int = 0):
+    """A diffusers UNet2DConditionModel with SD's block types (cross-attention, ResNet convs), 0.1 M parameters."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=16)
+
+
+def write_diffusers_pipeline(path: str) -> str:
+    """A directory like a downloaded Stable Diffusion pipeline, with the UNet (fp32) in its `unet` subfolder."""
+    tiny_unet().save_pretrained(os.path.join(path, "unet"))
+    return path
+
+
+def unet_batch(batch: int = 2, seed: int = 0):
+    """(noisy_latents, timesteps, encoder_hidden_states, noise) for tiny_unet: what a diffusion training loop has."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(batch, 4, 8, 8, generator=g)
+    noisy_latents = torch.randn(batch, 4, 8, 8, generator=g)
+    timesteps = torch.randint(0, 1000, (batch,), generator=g)
+    encoder_hidden_states = torch.randn(batch, 7, 32, generator=g)
+    return noisy_latents, timesteps, encoder_hidden_states, noise
+
+
+def init_single_process_group() -> None:
+    """torch.distributed with one process (gloo on the loopback), for a block that needs a process group but is run
+    without torchrun."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

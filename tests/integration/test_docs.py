@@ -1,0 +1,91 @@
+"""Every code block of README.md and docs/*.md runs, on CPU, on tiny models (docs/WRITING_DOCS.md).
+
+tests/integration/doc_runner.py finds the blocks and their directives (hidden setups, sessions, scripts, declared
+substitutions, reasons not to run); the blocks run in one subprocess (torch & co. imported once; a fresh namespace
+and directory per block or session), and each block is one test here: passed, failed with its traceback and output, or skipped with the reason the doc gives
+(README.md's first bash block: CI runs it). A block in a language the runner does not know, a directive that is not
+attached to a block, or a script no command runs fails test_every_block_is_run_or_says_why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration import doc_runner
+
+BLOCKS, ERRORS = doc_runner.collect()
+CODE = [b for b in BLOCKS if b.kind != "text"]
+
+
+def _test_id(b: doc_runner.Block) -> str:
+    tag = "run-by-ci" if b.not_run == doc_runner.CI_REASON else "not-run" if b.not_run else b.lang
+    return f"{b.id}-{tag}"
+
+
+@pytest.fixture(scope="module")
+def doc_results(request, tmp_path_factory):
+    """{block id: result} for the docs of the blocks this pytest run selected: one runner process for all of them
+    (torch, transformers and peft imported once), started by the first block that asks."""
+    selected = sorted({item.callspec.params["block"].doc for item in request.session.items
+                       if item.originalname == "test_doc_block"}, key=doc_runner.docs().index)
+    work = tmp_path_factory.mktemp("docs")
+    out = work / "results.json"
+    proc = subprocess.run([sys.executable, str(doc_runner.HERE / "doc_runner.py"), *selected, "--json-out", str(out),
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=1800, check=False,
+                          cwd=doc_runner.ROOT)
+    if not out.exists():
+        pytest.fail(f"the doc runner died (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def test_every_block_is_run_or_says_why():
+    assert ERRORS == [], "\n".join(ERRORS)
+    assert CODE, "no code blocks found"
+
+
+def test_readme_first_bash_block_is_the_one_ci_runs():
+    """The one block skipped without a directive is the one .ci/run reads (test_newcomer checks what it holds)."""
+    ci = (doc_runner.ROOT / ".ci" / "run").read_text()
+    assert "awk '/^```bash/{f=1; next} f && /^```/{exit} f' README.md" in ci
+    readme = [b for b in BLOCKS if b.doc == "README.md"]
+    assert [b for b in readme if b.not_run == doc_runner.CI_REASON] == [next(b for b in readme if b.lang == "bash")]
+
+
+@pytest.mark.parametrize("block", CODE, ids=[_test_id(b) for b in CODE])
+def test_doc_block(block, doc_results):
+    if block.not_run:
+        pytest.skip(block.not_run)
+    res = doc_results[block.id]
+    if res["status"] == "failed":
+        pytest.fail(f"{block.id} ({block.how()}):\n{res.get('output', '')}\n{res['error']}", pytrace=False)
+    assert res["status"] == "passed", res
+
+
+def test_runner_rejects_what_would_go_unrun():
+    parse = doc_runner.parse
+    _, errors = parse("x.md", "```\nfoo\n```\n")
+    assert "language '(none)'" in errors[0]
+    _, errors = parse("x.md", "<!-- setup: a model\nm = 1\n-->\nSome prose.\n```python\nm\n```\n")
+    assert "not followed by a code block" in errors[0]
+    _, errors = parse("x.md", "<!-- stup: typo -->\n```python\nm\n```\n")
+    assert "unknown directive" in errors[0]
+    _, errors = parse("x.md", "<!-- file: train.py -->\n```python\nx = 1\n```\n```bash\npython other.py\n```\n")
+    assert "no bash or console block of its session runs it" in errors[0]
+    blocks, errors = parse("x.md", "<!-- session: s -->\n<!-- file: t.py -->\n```python\nx = 1\n```\n"
+                                   "<!-- session: s -->\n```bash\ntorchrun t.py\n```\n")
+    assert errors == [] and blocks[0].file == "t.py" and blocks[1].session == "s"
+    blocks, errors = parse("x.md", "  ```python\n  x = 1\n  ```\n<!-- not-run: needs a GPU -->\n```bash\nnvidia-smi\n"
+                                   "```\n```text\ndiagram\n```\n")
+    assert errors == [] and blocks[0].code == "x = 1\n" and not blocks[1].runs and blocks[2].kind == "text"
+
+
+def test_console_blocks_check_what_the_command_prints(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("```console\n$ echo one; echo two\none\ntwo\n```\n\n```console\n$ echo one\nthree\n```\n")
+    results = doc_runner.run_doc("d.md", tmp_path / "w", root=tmp_path)
+    assert [r["status"] for r in results.values()] == ["passed", "failed"]
+    assert "the doc says `echo one` prints\n  three" in results["d.md:7"]["error"]
