@@ -1,5 +1,5 @@
 """CPU training-step time and memory of a diffusers UNet with DoRA: PEFT on the original fp32 base vs dorafp8 on the fp8
-base (every Linear and Conv2d), bf16 autocast, AdamW, DoRA on attention + feed-forward + conv1/conv2 (issue #11).
+base (every Linear and Conv2d), bf16 autocast, AdamW, DoRA on attention + feed-forward + conv1/conv2.
 
     python bench/diffusion_cpu.py                       # the tests' small UNet (1.1 M parameters)
     python bench/diffusion_cpu.py --size medium         # block_out_channels (64, 128), 32 x 32 latents, batch 4
@@ -66,7 +66,7 @@ def main(argv=None):
         if name == "dorafp8":
             try:
                 dorafp8.quantize_model(m, include_conv=True, backend=args.backend)
-            except TypeError:  # a dorafp8 without fp8 convs (before issue #11): its Linear layers, PEFT on the convs
+            except TypeError:  # a dorafp8 without fp8 convs (before the fp8 conv layers): its Linear layers, PEFT on the convs
                 dorafp8.quantize_model(m, backend=args.backend)
                 print("this dorafp8 has no fp8 convs: Linear layers in fp8, PEFT's DoRA on the fp32 convs")
         m = get_peft_model(m, LoraConfig(r=args.rank, lora_alpha=args.rank, use_dora=True, target_modules=TARGETS))
