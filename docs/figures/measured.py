@@ -14,6 +14,7 @@ kernels), it is printed as a bound.
                        original one (tests/integration/test_diffusion.py's UNet and DiT)
     diffusion-memory   docs/DIFFUSION.md "Memory (measured)" (tests/integration/test_diffusion.py)
     w8a8-error         docs/DORA_MATH.md "Accuracy contract": W8A8's normwise error (tests/kernels/test_w8a8.py)
+    e4m3-error         docs/DORA_MATH.md "FP8 e4m3 recipe": e4m3's relative error on Gaussian weights
 """
 
 from __future__ import annotations
@@ -166,6 +167,22 @@ def w8a8_error():
                 errs[what].append(normwise_error(got, t, W))
         label = "Gaussian x" if not outliers else f"{outliers} input channels 50x larger"
         print(f"{label}, K = 64 ... 4096: y {pct_range(errs['y'])}, dx {pct_range(errs['dx'])}")
+
+
+@figure
+def e4m3_error():
+    """The relative (Frobenius) error of quantize_e4m3 on Gaussian weights (1024 x 1024, seeded): per tensor, per row
+    and per 128 x 128 block."""
+    import torch
+
+    import dorafp8
+
+    W = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)) / 32
+    for what, kw in (("one scale per tensor", {}), ("per row", dict(per_row=True)),
+                     ("per 128 x 128 block", dict(block_size=128))):
+        w8, scale = dorafp8.quantize_e4m3(W, **kw)
+        err = ((dorafp8.dequantize_e4m3(w8, scale, torch.float64) - W.double()).norm() / W.double().norm()).item()
+        print(f"e4m3, {what}: relative error {pct(err)}")
 
 
 def main(argv=None):
