@@ -26,6 +26,7 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))  # the token ids every check feeds
 
 
 def llama_config(**kw):
@@ -192,3 +193,61 @@ def read_all(path: str) -> dict:
         if n.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, n)))
     return out
+
+
+def trained_dora(path: str):
+    """A DoRA model (r=8 on every linear layer, 14 of them) on the dorafp8 checkpoint at `path` (write_dorafp8 of
+    original_model()), trained 4 AdamW steps on IDS so that B, A and m all moved; in eval mode. The model the export
+    tests merge (tests/checkpoint/test_checkpoint.py) and docs/figures/measured.py measures."""
+    import peft
+
+    import dorafp8
+
+    torch.manual_seed(0)
+    model = meta_model()
+    dorafp8.load_fp8_checkpoint(model, path, verbose=False)
+    pm = peft.get_peft_model(model.eval(), peft.LoraConfig(r=8, lora_alpha=16, use_dora=True,
+                                                           target_modules="all-linear"))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(4):
+        pm(input_ids=IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return pm.eval()
+
+
+def export_and_reload(trained, out, fmt: str, **kw):
+    """export_merged(trained, out, format=fmt) and the export reloaded: with transformers' from_pretrained for a dense
+    format, else load_fp8_checkpoint onto a meta model. (report, reloaded model, load report or None)."""
+    import dorafp8
+    from dorafp8.checkpoint import DENSE_FORMATS
+
+    rep = dorafp8.export_merged(trained, out, format=fmt, verbose=False, **kw)
+    if fmt in DENSE_FORMATS:
+        return rep, transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), None
+    model = meta_model()
+    lrep = dorafp8.load_fp8_checkpoint(model, str(out), verbose=False)
+    return rep, model.eval(), lrep
+
+
+def layer_output_errors(trained, reloaded, names, n: int = 512, seed: int = 1) -> dict:
+    """name -> ||y_reloaded - y_dora|| / ||y_dora|| for n Gaussian inputs to each named layer: the reloaded export's
+    layer against the unmerged DoRA layer of `trained`."""
+    base = trained.base_model.model
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in names:
+        dora_layer = base.get_submodule(name)
+        x = torch.randn(n, dora_layer.in_features, generator=g)
+        with torch.no_grad():
+            y_dora = dora_layer(x).float()
+            y_back = reloaded.get_submodule(name)(x).float()
+        out[name] = ((y_back - y_dora).norm() / y_dora.norm()).item()
+    return out
+
+
+def logits_error(model, ref) -> float:
+    """||logits(model) - logits(ref)|| / ||logits(ref)|| on IDS."""
+    with torch.no_grad():
+        a, b = model(input_ids=IDS).logits.float(), ref(input_ids=IDS).logits.float()
+    return ((a - b).norm() / b.norm()).item()

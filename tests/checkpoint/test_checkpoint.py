@@ -23,7 +23,7 @@ from dorafp8.checkpoint import TRANSFORMERS_FORMATS, CheckpointFormatError  # no
 from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+IDS = F.IDS
 HAVE_CT = __import__("importlib").util.find_spec("compressed_tensors") is not None
 
 # layout case -> (writer, format it must be detected as, quantize_model kwargs giving the same scale layout)
@@ -174,16 +174,8 @@ def test_dora_fine_tune_runs(case, ckpt):
 
 @pytest.fixture(scope="module")
 def trained(ckpt):
-    """A DoRA model on the compressed-tensors per-channel checkpoint, trained a few steps so that B, A, m all moved."""
-    torch.manual_seed(0)
-    model, _ = _load(ckpt("dorafp8"))
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, use_dora=True, target_modules="all-linear"))
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    for _ in range(4):
-        pm(input_ids=IDS, labels=IDS).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return pm.eval()
+    """A DoRA model on the dorafp8 per-row checkpoint, trained a few steps so that B, A, m all moved."""
+    return F.trained_dora(ckpt("dorafp8"))
 
 
 EXPORTS = ["compressed-tensors", "comfyui", "comfyui-quant", "fine-grained", "dorafp8", "bf16"]
@@ -197,31 +189,22 @@ def test_export_then_reload_within_reported_merge_error(fmt, trained, tmp_path):
     optimistic nor pessimistic."""
     kw = dict(block_size=32) if fmt == "fine-grained" else {}
     out = tmp_path / ("exp" if fmt in TRANSFORMERS_FORMATS else "exp.safetensors")  # see test_round_trip_is_bit_exact
-    rep = dorafp8.export_merged(trained, out, format=fmt, verbose=False, **kw)
+    rep, reloaded, lrep = F.export_and_reload(trained, out, fmt, **kw)
     assert len(rep.layers) == 14 and all(d["action"] == "merged" for d in rep.layers.values())
     errs = rep.errors("merged")
     assert rep.worst == max(errs.items(), key=lambda kv: kv[1])
     assert abs(rep.mean_error - sum(errs.values()) / len(errs)) < 1e-12
     assert all(0 < e < 0.1 for e in errs.values())
     if fmt == "bf16":
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert not _fp8_layers(reloaded)
     else:
-        reloaded, lrep = _load(str(out))
         assert lrep.format == fmt and len(lrep.fp8_layers) == 14
-    base = trained.base_model.model
-    g = torch.Generator().manual_seed(1)
+    rels = F.layer_output_errors(trained, reloaded, errs)
     for name, e in errs.items():
-        dora_layer = base.get_submodule(name)
-        x = torch.randn(512, dora_layer.in_features, generator=g)
-        with torch.no_grad():
-            y_dora = dora_layer(x).float()
-            y_back = reloaded.get_submodule(name)(x).float()
-        rel = ((y_back - y_dora).norm() / y_dora.norm()).item()
-        assert 0.75 * e - 1e-6 <= rel <= 1.25 * e + 1e-6, (name, rel, e)
+        assert 0.75 * e - 1e-6 <= rels[name] <= 1.25 * e + 1e-6, (name, rels[name], e)
     with torch.no_grad():
-        a, b = reloaded(input_ids=IDS).logits.float(), trained(input_ids=IDS).logits.float()
-    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()) < 10 * rep.worst[1]
+        assert torch.isfinite(reloaded(input_ids=IDS).logits).all()
+    assert F.logits_error(reloaded, trained) < 10 * rep.worst[1]
     assert "merge error" in str(rep)
 
 

@@ -101,3 +101,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def checkout_here() -> None:
+    """The block's directory as the root of a checkout, where a reader runs `python docs/figures/measured.py ...`:
+    a link to this checkout's docs/ (the script finds the rest of the checkout from its own real path)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.exists("docs"):
+        os.symlink(os.path.join(root, "docs"), "docs")

@@ -34,20 +34,35 @@ def _bound(t, W0):
     return (2 ** -4 + K * 2 ** -24) * absprod + 2 ** -10 * sigma[:, None] * W0.abs().sum(1)[None, :]
 
 
+def w8a8_products(backend, K, outlier_channels=0):
+    """The forward and the input gradient of an fp8 linear (N = 48, M = 32 Gaussian tokens) in W8A8, with what each
+    quantized and the matrix it multiplied: [("y", y, x, W0), ("dx", x.grad, gy, W0^T)], W0 in fp64 on the CPU. With
+    outlier_channels = k, the first k input channels of x are 50x larger."""
+    M, N = 32, 48
+    w8, scale = _weights(N, K)
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64).cpu()
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=g)
+    x[:, :outlier_channels] *= 50
+    x = x.to(DEVICE).requires_grad_()
+    y = dorafp8.fp8_linear(x, w8, scale, backend=backend, act_quant="rowwise")
+    gy = torch.randn(M, N, generator=g).to(DEVICE)
+    y.backward(gy)
+    return [("y", y.detach(), x.detach(), W0), ("dx", x.grad, gy, W0.T)]
+
+
+def normwise_error(got, t, W) -> float:
+    """||got - t W^T|| / ||t W^T||, the exact product in fp64."""
+    exact = t.double().cpu() @ W.T
+    return ((got.double().cpu() - exact).norm() / exact.norm()).item()
+
+
 @W8A8_BACKENDS
 @pytest.mark.parametrize("K", [64, 256, 1024, 4096])
 def test_error_within_the_contract(backend, K):
     """Forward and input gradient of an fp8 linear in W8A8 against the exact W8A16 product (fp64): inside the
     elementwise bound for every K, and a normwise error of e4m3's own size (about 2.6%, under 3.5%) whatever K."""
-    M, N = 32, 48
-    w8, scale = _weights(N, K)
-    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64).cpu()
-    g = torch.Generator().manual_seed(K)
-    x = torch.randn(M, K, generator=g).to(DEVICE).requires_grad_()
-    y = dorafp8.fp8_linear(x, w8, scale, backend=backend, act_quant="rowwise")
-    gy = torch.randn(M, N, generator=g).to(DEVICE)
-    y.backward(gy)
-    for what, got, t, W in (("y", y, x.detach(), W0), ("dx", x.grad, gy, W0.T)):
+    for what, got, t, W in w8a8_products(backend, K):
         exact = t.double().cpu() @ W.T
         err = (got.double().cpu() - exact).abs()
         bound = _bound(t, W)

@@ -85,7 +85,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-def _model_with_zero_rows(per_row: bool):
+def llama_with_zero_rows():
+    """A tiny LLaMA (float32) whose first o_proj has the all-zero rows ZERO_ROWS, the 1e-7 rows TINY_ROWS and one
+    outlier weight of 50 (docs/figures/measured.py runs PEFT's own DoRA on it)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -95,6 +97,11 @@ def _model_with_zero_rows(per_row: bool):
         o[ZERO_ROWS] = 0
         o[TINY_ROWS] = 1e-7 * torch.randn(len(TINY_ROWS), o.shape[1])
         o[0, 0] = 50.0
+    return model
+
+
+def _model_with_zero_rows(per_row: bool):
+    model = llama_with_zero_rows()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dorafp8.quant.QuantizationWarning)
         dorafp8.quantize_model(model, per_row_scale=per_row)

@@ -1,0 +1,201 @@
+"""Prints every measured figure that docs/*.md quotes, each from the code the tests use to check it.
+
+    python docs/figures/measured.py NAME        (from the checkout's root; --list for the names)
+
+Each subcommand is deterministic (seeded; CPU; the tiny models of the tests) and takes a few seconds. The docs quote
+these lines in ```console blocks, so tests/integration/test_docs.py fails when a figure and its doc part ways. Figures
+are rounded to the precision the docs quote; where a figure is float rounding noise (its digits depend on the CPU's
+kernels), it is printed as a bound.
+
+    merge-error        docs/CHECKPOINTS.md "The merge error": per-layer merge error of export_merged per layout,
+                       layer outputs vs that error, logits (tests/checkpoint/test_checkpoint.py's model and checks)
+    peft-zero-rows     docs/CHECKPOINTS.md "Zero rows": PEFT's DoRA on a model with all-zero rows gives a NaN loss
+    diffusion-reload   docs/DIFFUSION.md: the adapter loaded with plain PEFT onto the dequantized fp8 base and onto the
+                       original one (tests/integration/test_diffusion.py's UNet and DiT)
+    diffusion-memory   docs/DIFFUSION.md "Memory (measured)" (tests/integration/test_diffusion.py)
+    w8a8-error         docs/DORA_MATH.md "Accuracy contract": W8A8's normwise error (tests/kernels/test_w8a8.py)
+    e4m3-error         docs/DORA_MATH.md "FP8 e4m3 recipe": e4m3's relative error on Gaussian weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the tests' helpers (tests/...) are imported from the checkout
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FIGURES = {}
+
+
+def figure(fn):
+    FIGURES[fn.__name__.replace("_", "-")] = fn
+    return fn
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def pct_range(xs, digits: int = 1) -> str:
+    lo, hi = pct(min(xs), digits), pct(max(xs), digits)
+    return lo if lo == hi else f"{lo[:-1]}-{hi}"
+
+
+@figure
+def merge_error():
+    """export_merged of the test model (LLaMA-style, hidden 64, 14 DoRA layers r=8, 4 AdamW steps) in a per-row,
+    per-tensor and per-block e4m3 layout and in bf16, each reloaded."""
+    import torch
+
+    from tests.checkpoint import _ckpt_fixtures as F
+
+    layouts = [("compressed-tensors", "e4m3, one scale per row", {}),
+               ("comfyui", "e4m3, one scale per tensor", {}),
+               ("fine-grained", "e4m3, 32 x 32 blocks", dict(block_size=32)),
+               ("bf16", "bf16", {})]
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trained = F.trained_dora(F.write_dorafp8(F.original_model(), os.path.join(d, "ckpt")))
+        for fmt, what, kw in layouts:
+            out = os.path.join(d, fmt + ("" if fmt != "comfyui" else ".safetensors"))
+            rep, reloaded, _ = F.export_and_reload(trained, out, fmt, **kw)
+            errs = rep.errors("merged")
+            rels = F.layer_output_errors(trained, reloaded, errs)
+            digits = 2 if fmt == "bf16" else 1
+            print(f"{fmt} ({what}): merge error {pct_range(errs.values(), digits)} over {len(errs)} layers; "
+                  f"layer outputs / merge error {min(rels[n] / e for n, e in errs.items()):.2f}-"
+                  f"{max(rels[n] / e for n, e in errs.items()):.2f}; "
+                  f"logits moved {pct(F.logits_error(reloaded, trained), 2)}")
+            if fmt == "compressed-tensors":
+                line = next(ln for ln in str(rep).splitlines() if "merge error" in ln)
+                report_line = line.strip()
+            del reloaded
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print("the compressed-tensors export's report says:")
+    print(report_line)
+
+
+@figure
+def peft_zero_rows():
+    """PEFT's own DoRA and dorafp8's on tests/kernels/test_zero_rows.py's tiny LLaMA, whose first o_proj has all-zero
+    rows: the loss of the first step."""
+    import peft
+    import torch
+
+    import dorafp8
+    from tests.kernels.test_zero_rows import ZERO_ROWS, llama_with_zero_rows
+
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear")
+    dense = llama_with_zero_rows()
+    fp8 = llama_with_zero_rows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dorafp8.quantize_model(fp8, per_row_scale=True)
+        for who, model in ((f"PEFT {'.'.join(peft.__version__.split('.')[:2])} DoRA, float32 base", dense),
+                           ("dorafp8 DoRA, fp8 base", fp8)):
+            with torch.no_grad():
+                loss = peft.get_peft_model(model, copy.deepcopy(cfg))(input_ids=ids, labels=ids).loss.item()
+            print(f"{who}, {len(ZERO_ROWS)} all-zero rows in one o_proj: loss {loss:.2f} at step 0")
+
+
+def _diffusion_model(kind):
+    """tests/integration/test_diffusion.py's model of `kind` with DoRA on the fp8 quantization of every Linear and
+    Conv2d, trained as that test trains it."""
+    from peft import LoraConfig, get_peft_model
+
+    import dorafp8
+    from tests.integration import test_diffusion as T
+
+    original = T.small_unet() if kind == "unet" else T.small_dit()
+    ours = copy.deepcopy(original)
+    dorafp8.quantize_model(ours, include_conv=True)
+    pm = get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                         target_modules=T.UNET_TARGETS if kind == "unet" else T.DIT_TARGETS))
+    T._train(pm, T._batches(kind, T.STEPS))
+    return original, pm
+
+
+@figure
+def diffusion_reload():
+    """The adapter trained on tests/integration/test_diffusion.py's fp8 UNet and DiT, loaded with plain PEFT onto the
+    dequantized fp8 base and onto the original base: relative difference of the outputs from the trained model's."""
+    from tests.integration.test_diffusion import reload_errors
+
+    for kind, name in (("unet", "UNet"), ("dit", "DiT")):
+        original, pm = _diffusion_model(kind)
+        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rel = reload_errors(original, pm, kind, os.path.join(d, "adapter"))
+        # onto the dequantized base the difference is float32 rounding: its digits depend on the CPU, its size not
+        assert rel["dequantized"] < 1e-6, rel
+        print(f"{name}: onto the dequantized fp8 base below 1e-6; onto the original base {pct(rel['original'])} "
+              f"(the bare base's own fp8 error: {pct(rel['base'])})")
+
+
+@figure
+def diffusion_memory():
+    """docs/DIFFUSION.md's memory table: tests/integration/test_diffusion.py's unet_memory()."""
+    from dorafp8._memory import MiB
+    from tests.integration.test_diffusion import unet_memory
+
+    weights, peak = unet_memory()
+    print(f"parameters and buffers: PEFT, fp32 base {weights['peft'] / MiB:.2f} MiB; "
+          f"dorafp8, fp8 base {weights['ours'] / MiB:.2f} MiB")
+    print(f"peak of temporaries in a training step: PEFT, fp32 base {peak['peft'] / MiB:.2f} MiB; "
+          f"dorafp8, fp8 base {peak['ours'] / MiB:.2f} MiB")
+
+
+@figure
+def w8a8_error():
+    """W8A8's normwise relative error against the exact product, forward (y) and input gradient (dx), Gaussian x and
+    W, K = 64 ... 4096 (tests/kernels/test_w8a8.py's cases, reference backend), and with 4 input channels 50x larger."""
+    from tests.kernels.test_w8a8 import normwise_error, w8a8_products
+
+    for outliers in (0, 4):
+        errs = {what: [] for what in ("y", "dx")}
+        for K in (64, 256, 1024, 4096):
+            for what, got, t, W in w8a8_products("reference", K, outlier_channels=outliers):
+                errs[what].append(normwise_error(got, t, W))
+        label = "Gaussian x" if not outliers else f"{outliers} input channels 50x larger"
+        print(f"{label}, K = 64 ... 4096: y {pct_range(errs['y'])}, dx {pct_range(errs['dx'])}")
+
+
+@figure
+def e4m3_error():
+    """The relative (Frobenius) error of quantize_e4m3 on Gaussian weights (1024 x 1024, seeded): per tensor, per row
+    and per 128 x 128 block."""
+    import torch
+
+    import dorafp8
+
+    W = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)) / 32
+    for what, kw in (("one scale per tensor", {}), ("per row", dict(per_row=True)),
+                     ("per 128 x 128 block", dict(block_size=128))):
+        w8, scale = dorafp8.quantize_e4m3(W, **kw)
+        err = ((dorafp8.dequantize_e4m3(w8, scale, torch.float64) - W.double()).norm() / W.double().norm()).item()
+        print(f"e4m3, {what}: relative error {pct(err)}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("name", nargs="?", choices=sorted(FIGURES))
+    ap.add_argument("--list", action="store_true", help="the figures' names and what each prints")
+    args = ap.parse_args(argv)
+    if args.list or not args.name:
+        for name, fn in FIGURES.items():
+            print(f"{name:18s} {' '.join(fn.__doc__.split())}")
+        return
+    FIGURES[args.name]()
+
+
+if __name__ == "__main__":
+    main()
