@@ -302,7 +302,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_conv_args(x, w8, scale, block_size, groups):
+def _check_conv_args(x, w8, scale, bias, block_size, groups):
     check_e4m3(w8, "w8")
     nd = w8.dim() - 2
     if nd not in (1, 2, 3):
@@ -318,8 +318,12 @@ def _check_conv_args(x, w8, scale, block_size, groups):
     check_block_size(block_size)
     C = w8.shape[0]
     scale = check_scale(scale, C, math.prod(w8.shape[1:]), block_size)
-    for name, t in (("w8", w8), ("scale", scale)):
-        if t.device != x.device:
+    if bias is not None:
+        check_float(bias, "bias")
+        if bias.numel() != C:
+            raise ValueError(f"bias must have {C} elements (one per output channel), got shape {list(bias.shape)}")
+    for name, t in (("w8", w8), ("scale", scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
     return nd, scale
 
@@ -329,7 +333,7 @@ def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None
     """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics, zero padding given as ints), differentiable in x and bias.
     w8 [C_out, C_in/groups, *kernel] float8_e4m3fn; scale per tensor, per output channel or per block of the 2-D view.
     Output in the compute dtype (autocast's, else x's)."""
-    nd, scale = _check_conv_args(x, w8, scale, block_size, groups)
+    nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"))
     cdt = compute_dtype(x)
     unbatched = x.dim() == nd + 1
@@ -355,7 +359,7 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
     padding and dilation 1), groups 1; lora_B is 1x1 with the base's groups. training and dropout_p > 0: PEFT's dropout
     semantics (the base term sees x, the DoRA terms see dropout(x)). weight_norm: a precomputed detached norm (fp32
     [C_out]) to reuse. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires grad)."""
-    nd, scale = _check_conv_args(x, w8, scale, block_size, groups)
+    nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     C = w8.shape[0]
     r = lora_A.shape[0] if isinstance(lora_A, torch.Tensor) and lora_A.dim() == nd + 2 else None
     if r is None or tuple(lora_A.shape[1:]) != (w8.shape[1] * groups,) + tuple(w8.shape[2:]):
@@ -365,14 +369,13 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
         raise ValueError(f"lora_B must have shape [{C}, {r // groups if r % groups == 0 else 'r/groups'}"
                          f"{', 1' * nd}] (rank {r} divisible by groups={groups}), got "
                          f"{list(getattr(lora_B, 'shape', []))}")
-    for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude), ("bias", bias)):
-        if t is None:
-            continue
+    for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude)):
         check_float(t, name)
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
-    if magnitude.numel() != C or (bias is not None and bias.numel() != C):
-        raise ValueError(f"magnitude and bias must have {C} elements (one per output channel)")
+    if magnitude.numel() != C:
+        raise ValueError(f"magnitude must have {C} elements (one per output channel), got shape "
+                         f"{list(magnitude.shape)}")
     if not isinstance(scaling, numbers.Real):
         raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:

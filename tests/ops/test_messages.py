@@ -73,3 +73,16 @@ def test_an_e5m2_weight_names_w8_and_how_to_get_e4m3():
         with pytest.raises(TypeError, match=r"^w8 must be a torch.float8_e4m3fn tensor, got torch.float8_e5m2; another "
                                             r"fp8 format does not convert to e4m3 exactly .*dorafp8.quantize_e4m3"):
             call()
+
+
+@pytest.mark.parametrize("op", ["fp8_conv", "dora_fp8_conv"])
+def test_a_conv_bias_is_checked_like_the_other_arguments(op):
+    """fp8_conv took any bias (an fp8 one was cast silently); both conv ops now name a wrong dtype or size."""
+    x, w8, scale, A, B, m = _conv_problem()
+    call = {"fp8_conv": lambda bias: dorafp8.fp8_conv(x, w8, scale, bias),
+            "dora_fp8_conv": lambda bias: dorafp8.dora_fp8_conv(x, w8, scale, A, B, m, 0.5, bias)}[op]
+    with pytest.raises(TypeError, match=r"bias must be float32, bfloat16 or float16, got torch.float8_e4m3fn"):
+        call(torch.zeros(w8.shape[0]).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=rf"bias must have {w8.shape[0]} elements"):
+        call(torch.zeros(w8.shape[0] + 1))
+    assert call(torch.zeros(w8.shape[0])).shape[1] == w8.shape[0]
