@@ -196,6 +196,18 @@ class _Progress:
                       f"{self.b_in_shard / 2**20:.1f} MiB, {time.time() - self.t_shard:.1f} s")
 
 
+
+def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
+    """t as fp32, refused if any value is NaN, infinite or negative: such a scale would load without a word and turn
+    its whole layer into NaN or flipped outputs (a damaged or mis-converted file). The load then puts the model back."""
+    f = t.float()
+    bad = int((~torch.isfinite(f) | (f < 0)).sum())
+    if bad:
+        raise CheckpointFormatError(f"{key}: {bad} of {f.numel()} scale values are NaN, infinite or negative; a weight "
+                                    f"scale must be finite and >= 0 (the file is damaged or was converted wrongly). "
+                                    f"Nothing was loaded")
+    return f
+
 class _TensorLoader:
     """Reads the planned tensors, one at a time, into the model: fp8 weights and scales into the fp8 layers, fp8
     tensors of other modules dequantized, the other tensors cast, extras kept on their layer."""
@@ -205,7 +217,7 @@ class _TensorLoader:
         self.model, self.plan, self.model_t, self.tied, self.report = model, plan, model_t, tied, report
         self.dtype, self.mdtype = dtype, mdtype
         self.first = first  # the tensors read while checking (_read_checked_first): not read again
-        self.dequant_scales = {k: t.float() for k, t in first.items() if not _is_checked_extra(k)}
+        self.dequant_scales = {k: _checked_scale(t, k) for k, t in first.items() if not _is_checked_extra(k)}
         self.src_dtypes: dict[str, torch.dtype] = {}  # model name -> dtype in the file (written back on save)
 
     def read(self, source: CheckpointSource, device, progress: _Progress) -> None:
@@ -254,7 +266,7 @@ class _TensorLoader:
         if not sp.keeps_fp8:
             return
         mod = self.model.get_submodule(sp.module)
-        sc = check_scale(t.float(), sp.N, sp.K, sp.block_size, name=k)
+        sc = check_scale(_checked_scale(t, k), sp.N, sp.K, sp.block_size, name=k)
         set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
         mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
         self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block_size)

@@ -266,3 +266,27 @@ def test_a_failure_in_the_middle_of_from_transformers_fp8_leaves_the_model_as_it
         assert all(type(m) is FP8Linear for m in model)
         with torch.no_grad():
             torch.testing.assert_close(model(x), want)
+
+
+@pytest.mark.parametrize("kind", ["meta", "real"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_damaged_weight_scale_is_refused_and_leaves_the_model_as_it_was(sharded, tmp_path, kind, bad):
+    """A NaN, infinite or negative scale would have loaded without a word and made its layer's outputs NaN (or
+    flipped); the load names the tensor and puts the model back."""
+    path, _ = sharded
+    dst = tmp_path / "damaged"
+    dst.mkdir()
+    for n in os.listdir(path):
+        (dst / n).write_bytes((path / n).read_bytes())
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    key = next(k for k in index["weight_map"] if k.startswith("head.") and "scale" in k)
+    shard = dst / index["weight_map"][key]
+    tensors = st.load_file(shard)
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[-1] = bad
+    st.save_file(tensors, shard)
+    model = _target(kind)
+    snap = _snapshot(model)
+    with pytest.raises(CheckpointFormatError, match=rf"{key}: 1 of \d+ scale values are NaN, infinite or negative"):
+        dorafp8.load_fp8_checkpoint(model, dst, verbose=False)
+    _assert_unchanged(model, snap)
