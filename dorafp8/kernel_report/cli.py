@@ -99,6 +99,16 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
+def _selector(args):
+    """The job (or record) filter of --kernel, --dtype, --variant and --config: a run and --list select alike."""
+    def select(job) -> bool:
+        return ((not args.kernel or kernel_matches(job["kernel"], args.kernel))
+                and (not args.dtype or job["dtype"] in args.dtype)
+                and (not args.variant or any(v in job["variant"] for v in args.variant))
+                and (not args.config or any(c in job["config"] for c in args.config)))
+    return select
+
+
 _LIST_COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dtype", "dtype"),
                  ("variant", "variant"), ("config", "config"), ("autotune_pick", "pick")]
 
@@ -119,11 +129,7 @@ def _list(args, backends) -> int:
     backends = [b for b in BACKENDS if b in backends]
     archs = args.arch or ARCHS
 
-    def select(rec):
-        return ((not args.kernel or kernel_matches(rec["kernel"], args.kernel))
-                and (not args.dtype or rec["dtype"] in args.dtype)
-                and (not args.variant or any(v in rec["variant"] for v in args.variant))
-                and (not args.config or any(c in rec["config"] for c in args.config)))
+    select = _selector(args)
 
     try:
         records = plan(archs=archs, backends=backends, select=select, all_configs=args.all_configs,
@@ -156,11 +162,7 @@ def main(argv=None) -> int:
     if args.list:
         return _list(args, backends)
 
-    def select(job):
-        return ((not args.kernel or kernel_matches(job["kernel"], args.kernel))
-                and (not args.dtype or job["dtype"] in args.dtype)
-                and (not args.variant or any(v in job["variant"] for v in args.variant))
-                and (not args.config or any(c in job["config"] for c in args.config)))
+    select = _selector(args)
 
     try:
         records = run(archs=args.arch or ARCHS, backends=backends, select=select, jobs=args.jobs,
