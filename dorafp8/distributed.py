@@ -55,6 +55,21 @@ import torch
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
 from .quant import FP8_DTYPES, is_fp8
 
+def _wrap_once(owner, attr: str, make_wrapper) -> None:
+    """owner.attr = make_wrapper(owner.attr), unless it is dorafp8's wrapper already (which keeps the original as
+    `_dorafp8_orig`): installing twice wraps once."""
+    cur = getattr(owner, attr)
+    if not hasattr(cur, "_dorafp8_orig"):
+        setattr(owner, attr, make_wrapper(cur))
+
+
+def _unwrap(owner, attr: str) -> None:
+    """Puts back what _wrap_once wrapped (nothing where it did not)."""
+    cur = getattr(owner, attr, None)
+    if cur is not None and hasattr(cur, "_dorafp8_orig"):
+        setattr(owner, attr, cur._dorafp8_orig)
+
+
 # ---- DDP ---------------------------------------------------------------------------------------------------------
 
 
@@ -123,8 +138,7 @@ def install_ddp_support() -> bool:
         warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states; DDP over gloo "
                       "cannot broadcast fp8 weights (NCCL can). See docs/MULTI_GPU.md.")
         return False
-    if not hasattr(cur, "_dorafp8_orig"):
-        ddp_module._sync_module_states = _wrap_sync_module_states(cur)
+    _wrap_once(ddp_module, "_sync_module_states", _wrap_sync_module_states)
     return True
 
 
@@ -134,9 +148,7 @@ def uninstall_ddp_support() -> None:
         return
     import torch.nn.parallel.distributed as ddp_module
 
-    cur = getattr(ddp_module, "_sync_module_states", None)
-    if cur is not None and hasattr(cur, "_dorafp8_orig"):
-        ddp_module._sync_module_states = cur._dorafp8_orig
+    _unwrap(ddp_module, "_sync_module_states")
 
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------
@@ -188,11 +200,9 @@ def install_fsdp_support(import_fsdp: bool = True) -> bool:
     if not torch.distributed.is_available():
         return False
     cls = _fsdp_param_class(import_fsdp)
-    cur = getattr(cls, "init_dtype_attrs", None)
-    if cur is None:
+    if getattr(cls, "init_dtype_attrs", None) is None:
         return False
-    if not hasattr(cur, "_dorafp8_orig"):
-        cls.init_dtype_attrs = _wrap_init_dtype_attrs(cur)
+    _wrap_once(cls, "init_dtype_attrs", _wrap_init_dtype_attrs)
     return True
 
 
@@ -200,7 +210,5 @@ def uninstall_fsdp_support() -> None:
     """Puts back FSDP2's own `FSDPParam.init_dtype_attrs` (for tests and for debugging): groups with a param_dtype
     then cast the fp8 weights again, and the forward casts them back (recover_fp8_weight, with a warning). It acts
     on FSDP2 groups initialized afterwards (FSDP settles the dtypes at the first forward)."""
-    cls = _fsdp_param_class(False) if torch.distributed.is_available() else None
-    cur = getattr(cls, "init_dtype_attrs", None)
-    if cur is not None and hasattr(cur, "_dorafp8_orig"):
-        cls.init_dtype_attrs = cur._dorafp8_orig
+    if torch.distributed.is_available():
+        _unwrap(_fsdp_param_class(False), "init_dtype_attrs")

@@ -196,7 +196,6 @@ class _Progress:
                       f"{self.b_in_shard / 2**20:.1f} MiB, {time.time() - self.t_shard:.1f} s")
 
 
-
 def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
     """t as fp32, refused if any value is NaN, infinite or negative: such a scale would load without a word and turn
     its whole layer into NaN or flipped outputs (a damaged or mis-converted file). The load then puts the model back."""
@@ -207,6 +206,7 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
                                     f"scale must be finite and >= 0 (the file is damaged or was converted wrongly). "
                                     f"Nothing was loaded")
     return f
+
 
 class _TensorLoader:
     """Reads the planned tensors, one at a time, into the model: fp8 weights and scales into the fp8 layers, fp8
