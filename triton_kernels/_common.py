@@ -13,6 +13,7 @@ import triton.language as tl
 # while r = 128 or 256 simply loops 2 or 4 times.
 _MAX_BLOCK_R_GPU = 64
 _MAX_BLOCK_R_INTERP = 16
+_MAX_BLOCK_R_IEEE = 16
 # tl.dot needs every dimension >= 16 on tensor cores; smaller ranks are zero-padded with masks.
 _DOT_MIN = 16
 
@@ -49,8 +50,11 @@ def dot_dtype(*dtypes: torch.dtype):
     return _TL_DTYPES[dt], False
 
 
-def block_r(r: int) -> int:
-    cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_GPU
+def block_r(r: int, ieee: bool = False) -> int:
+    """The rank chunk of the rank-r dots in the kernels' epilogues. fp32 (ieee) dots run on CUDA cores with both
+    operand tiles in registers: chunks of 64 spilled up to 18 KB per thread in the forward and dgrad on sm_90a with
+    fp32 adapters (python -m dorafp8.kernel_report, variants "fp32-rank,r=64"), so they take 16 at a time."""
+    cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
     return max(_DOT_MIN, min(cap, triton.next_power_of_2(r)))
 
 
@@ -103,6 +107,22 @@ def _arch(device: torch.device) -> str:
     if (major, minor) == (8, 9):
         return "sm89"
     return "sm90" if major >= 10 else "sm89"  # Blackwell has Hopper-sized shared memory; Ampere/others: Ada's set
+
+
+def w8_via_f32(device) -> bool:
+    return w8_via_f32_for(_arch(device), device)
+
+
+def w8_via_f32_for(arch: str, device=None) -> bool:
+    """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to): convert the e4m3 weight tile to bf16 through fp32 on Ada and
+    Hopper, whose e4m3 -> bf16 goes through fp16 and the slow F2F.BF16.F16 (per element; sm_89 under Triton 3.6
+    even fails in ptxas: "cvt .bf16.f16 requires sm_90"); directly on Blackwell (a native unpack, which the fp32
+    route would only lengthen). `python -m dorafp8.kernel_report` shows the instruction counts of both."""
+    if arch == "interp":
+        return False  # exact either way; the interpreter computes bf16 tiles in fp32 anyway (dot_dtype)
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] < 10
+    return arch in ("sm90", "sm89")
 
 
 _GEMM_TABLE = {

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
-                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
+                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size, w8_via_f32)
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -95,6 +95,7 @@ def dora_dgrad_kernel(
     HAS_LORA: tl.constexpr,     # s != 0
     DOT_DT: tl.constexpr,
     IEEE: tl.constexpr,
+    W8_VIA_F32: tl.constexpr,   # how the W8 tile becomes DOT_DT: gemm.w8_to
     LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -125,7 +126,8 @@ def dora_dgrad_kernel(
     gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
     s_offs = offs_k // SCALE_BLOCK_SIZE
     acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
-                              mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, BLOCK_K,
+                              mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
+                              W8_VIA_F32, BLOCK_K,
                               BLOCK_M, BLOCK_N)
 
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
@@ -230,7 +232,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
-        IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
+        BLOCK_R=block_r(r, lora_ieee),
     )
     return dx
 
@@ -256,6 +259,6 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind, HAS_LORA=float(s) != 0.0,
-        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r), BLOCK_M=bm, BLOCK_K=bk,
+        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee), BLOCK_M=bm, BLOCK_K=bk,
     )
     return dx

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
-                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size)
+                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size,
+                      w8_via_f32)
 from .gemm import w8_gemm_loop
 
 
@@ -127,6 +128,7 @@ def dora_fwd_kernel(
     HAS_LORA: tl.constexpr,     # s != 0: the rank-r term is there
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
     IEEE: tl.constexpr,
+    W8_VIA_F32: tl.constexpr,   # how the W8 tile becomes DOT_DT: gemm.w8_to
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
     LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -153,7 +155,8 @@ def dora_fwd_kernel(
     xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
     s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
     acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
-                              HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, BLOCK_N, BLOCK_M,
+                              HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
+                              BLOCK_N, BLOCK_M,
                               BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
@@ -267,7 +270,8 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
-        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device), LORA_DT=lora_dt,
+        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
     )
     return y, (z if want_z else None)
 
@@ -293,7 +297,8 @@ def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, c, u, B, s, n
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
         z.stride(0), float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_KIND=kind, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r),
+        SCALE_KIND=kind, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
+        BLOCK_R=block_r(r, lora_ieee),
         BLOCK_M=bm, BLOCK_N=bn,
     )
     return y, (z if want_z else None)

@@ -42,6 +42,20 @@ from ._common import dot
 
 
 @triton.jit
+def w8_to(w, DOT_DT: tl.constexpr, VIA_F32: tl.constexpr):
+    """The e4m3 tile w in DOT_DT, exactly (every e4m3 value, subnormals included, is a bf16, fp16 and fp32 value; a
+    NaN stays a NaN). With VIA_F32 (w8_via_f32: bf16 on sm_89 / sm_90) it goes e4m3 -> fp32 -> bf16, which ptxas
+    makes F2FP.F16.E4M3.UNPACK_B + HADD2.F32 + F2FP.BF16.F32.PACK_AB, where Triton's e4m3 -> bf16 goes through fp16
+    and makes every element an F2F.BF16.F16 (the slow conversion pipe: 16 per clock per SM on Hopper) plus a PRMT per
+    pair; Blackwell unpacks e4m3 to bf16 natively, and fp16 is one unpack either way."""
+    if VIA_F32 and DOT_DT == tl.bfloat16:
+        out = w.to(tl.float32).to(DOT_DT)
+    else:
+        out = w.to(DOT_DT)
+    return out
+
+
+@triton.jit
 def w8_gemm_loop(
     w_ptrs, stride_w_red,    # [B_OUT, B_RED] pointers of the first W8 tile; the W8 stride along the reduction
     act_ptrs, act2_ptrs,     # [B_RED, BLOCK_M] pointers of the first act^T tiles (unit stride in the reduction)
@@ -51,7 +65,7 @@ def w8_gemm_loop(
     RED,                     # length of the reduction
     TWO_ACC: tl.constexpr,   # act2 given (dropout): a second accumulator act2 W^T shares every W8 tile
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
-    IEEE: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
+    IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
 ):
     """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
@@ -67,7 +81,7 @@ def w8_gemm_loop(
         if not ACT_QUANT:
             # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before the
             # dot (on Hopper it is wgmma's register operand): the scale waits for fp32.
-            w = w.to(DOT_DT)
+            w = w8_to(w, DOT_DT, W8_VIA_F32)
             at = at.to(DOT_DT)
         if TWO_ACC:
             a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)

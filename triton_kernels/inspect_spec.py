@@ -31,7 +31,7 @@ import torch
 import triton
 
 from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
-                      weight_norm_configs_for)
+                      w8_via_f32_for, weight_norm_configs_for)
 from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -84,8 +84,21 @@ def _gemm_modes():
     return out
 
 
-def _variant_name(mode, kind, quant, m):
-    return (f"{mode},{kind}-scale{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}")
+def _variant_name(mode, kind, quant, m, rank=""):
+    return (f"{mode},{kind}-scale{',w8a8' if quant else ''},{'M<=64' if m <= 64 else 'M>64'}{rank}")
+
+
+def _rank_modes(dt_name, kind, adapter):
+    """(rank dtype, r, name suffix) of the adapter: 16-bit adapters at r = 64 (the largest rank chunk) everywhere;
+    fp32 adapters (what PEFT creates, so what the headline benchmark runs) on bf16 activations at r = 16 with every
+    scale kind, and at r = 64 with per-tensor scales. fp32 adapters make the rank-r epilogue fp32 CUDA-core dots and
+    z fp32, the most registers the GEMM kernels have."""
+    out = [("same", RANK if adapter else 1, "")]
+    if adapter and dt_name == "bf16":
+        out.append(("fp32", 16, ",fp32-rank,r=16"))
+        if kind == "tensor":
+            out.append(("fp32", RANK, ",fp32-rank,r=64"))
+    return out
 
 
 def _configs(configs, red_name, kind, out_name, dropout):
@@ -113,29 +126,34 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
 
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
-    kernel_args(dt, act, m, r, adapter, dropout, kind, quant) -> (its runtime args, its constexprs beyond the shared
-    ones)."""
+    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype) -> (its runtime args, its constexprs beyond
+    the shared ones)."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
         dt = DTYPES[dt_name]
         dot_dt, ieee = dot_dtype(dt)
-        r = RANK if adapter else 1  # without an adapter the launchers pass r = 1 and placeholders (never read)
-        args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant)
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
-                          SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant, HAS_LORA=True,
-                          DOT_DT=dot_dt, IEEE=ieee and not quant, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
-        fp32_tiles = dt == torch.float32 and not quant
-        configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, kind,
-                           out_name, dropout)
-        out.append(Variant(_variant_name(mode, kind, quant, m), dt_name, args, constexprs, configs))
+        # without an adapter the launchers pass r = 1 and placeholders (never read)
+        for rank_dt, r, rank_name in _rank_modes(dt_name, kind, adapter):
+            rdt = torch.float32 if rank_dt == "fp32" else dt
+            lora_dt, lora_ieee = dot_dtype(rdt)
+            args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant, rdt)
+            constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
+                              SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
+                              HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant, W8_VIA_F32=w8_via_f32_for(arch),
+                              LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee))
+            fp32_tiles = dt == torch.float32 and not quant
+            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, kind,
+                               out_name, dropout)
+            out.append(Variant(_variant_name(mode, kind, quant, m, rank_name), dt_name, args, constexprs, configs))
     return out
 
 
-def _forward_args(dt, act, m, r, adapter, dropout, kind, quant):
+def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
+    # z has the promoted dtype of x and the adapters (the autograd Function's z_dtype)
     args = dict(
         x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
-        u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
+        u_ptr=rdt, b_ptr=rdt, y_ptr=dt, z_ptr=torch.promote_types(dt, rdt),
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
@@ -145,10 +163,10 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant):
     return args, dict(HAS_BIAS=True, NEED_Z=adapter)
 
 
-def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant):
+def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
     args = dict(
         gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
-        v_ptr=dt, a_ptr=dt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+        v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
@@ -186,7 +204,8 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
-                          SCALE_KIND="row", HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+                          SCALE_KIND="row", HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee,
+                          BLOCK_R=block_r(r, ieee))
         bm, bn = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
     return out
@@ -206,7 +225,7 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_KIND="tensor", HAS_LORA=True,
-                          LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r))
+                          LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r, ieee))
         bm, bk = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))
     return out

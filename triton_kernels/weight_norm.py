@@ -92,8 +92,8 @@ def dora_weight_norm_kernel(
 
 def weight_norm_block_r(r: int, ieee: bool) -> int:
     """The rank chunk of B A: fp32 adapters multiply on CUDA cores with both chunks in registers, which spilled at 64
-    on Ada (inspect), so they take 16 at a time."""
-    return min(block_r(r), 16) if ieee else block_r(r)
+    on Ada (inspect), so they take 16 at a time (block_r's cap for ieee dots)."""
+    return block_r(r, ieee)
 
 
 def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
