@@ -23,6 +23,7 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
+from .predict import HEADLINE, HEADLINE_VARIANTS, headline, linear_seconds
 from .triton_driver import SPEC_MODULE
 
 PROG = "python -m dorafp8.kernel_report"
@@ -30,7 +31,20 @@ PROG = "python -m dorafp8.kernel_report"
 
 _COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dtype", "dtype"),
             ("variant", "variant"), ("config", "config"), ("regs", "regs"), ("spill_bytes", "spill"),
-            ("smem_bytes", "smem"), ("mma", "mma"), ("w_operand", "W8 from"), ("autotune_pick", "pick")]
+            ("smem_bytes", "smem"), ("mma", "mma"), ("w_operand", "W8 from"), ("main_loop", "main loop, per step"),
+            ("autotune_pick", "pick")]
+
+
+def loop_str(mix: dict | None) -> str:
+    """A main-loop mix (sass.MIX_FIELDS) in a table cell: "4 mma, cvt 16u+16p+0 F2F, 0 PRMT, lds 16x2B 11x4B, 214".
+    cvt: F2FP unpacks + F2FP packs + F2F; lds: shared loads by width (B: bytes), LDSM as "m"; the last figure is
+    every instruction of the loop."""
+    if mix is None:
+        return "-"
+    widths = [("lds8", "1B"), ("lds16", "2B"), ("lds32", "4B"), ("lds64", "8B"), ("lds128", "16B"), ("ldsm", "m")]
+    lds = " ".join(f"{mix[k]}x{w}" for k, w in widths if mix[k]) or "0"
+    return (f"{mix['mma']} mma, cvt {mix['f2fp_unpack']}u+{mix['f2fp_pack']}p+{mix['f2f']} F2F, {mix['prmt']} PRMT, "
+            f"lds {lds}, {mix['instrs']}")
 
 
 def problems_of(rec: dict) -> list[str]:
@@ -42,6 +56,8 @@ def problems_of(rec: dict) -> list[str]:
         out.append("SPILLS")
     if rec["smem_bytes"] > rec["smem_limit"]:
         out.append("SMEM>LIMIT")
+    if rec["w_operand"] and (rec["main_loop"] or {}).get("f2f"):
+        out.append("F2F-IN-LOOP")  # the weight tile's conversion takes the slow pipe (triton_kernels/gemm.py w8_to)
     if any("C7512" in n or "serialized" in n for n in rec["ptxas_notes"]):
         out.append("WGMMA-SERIALIZED")
     elif rec["ptxas_notes"]:
@@ -54,6 +70,8 @@ def format_table(records: list[dict]) -> str:
         v = rec[key]
         if key == "autotune_pick":
             return "yes" if v else "no"
+        if key == "main_loop":
+            return loop_str(v)
         return "-" if v is None else str(v)
 
     heads = [h for _, h in _COLUMNS] + ["!"]
@@ -94,6 +112,10 @@ def _parse_args(argv):
     p.add_argument("--list", action="store_true",
                    help="compile nothing: list what would be compiled (with --json: the records' naming fields) and "
                         "print how many; needs Triton and the CUDA sources, not the compilers")
+    p.add_argument("--predict", action="store_true",
+                   help="compile the headline variants (forward, dgrad; W8A16 and W8A8; fp32 adapters r=16; sm_90a) "
+                        "and print their PREDICTED times at M=8192, N=K=4096 against a cuBLAS Linear (a model, "
+                        "docs/INSPECT.md 'Predicted time'; no GPU is used)")
     p.add_argument("--spec-module", default=SPEC_MODULE,
                    help="module with the Triton kernel specs (default: %(default)s)")
     return p.parse_args(argv)
@@ -105,7 +127,9 @@ def _selector(args):
         return ((not args.kernel or kernel_matches(job["kernel"], args.kernel))
                 and (not args.dtype or job["dtype"] in args.dtype)
                 and (not args.variant or any(v in job["variant"] for v in args.variant))
-                and (not args.config or any(c in job["config"] for c in args.config)))
+                and (not args.config or any(c in job["config"] for c in args.config))
+                and (not args.predict or (job["kernel"] in ("forward", "dgrad")
+                                          and job["variant"] in HEADLINE_VARIANTS.values())))
     return select
 
 
@@ -159,6 +183,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: skipping the CUDA kernels: {why}", file=sys.stderr)
         backends.remove("cuda")
 
+    if args.predict:  # the headline variants only (_selector), on sm_90a
+        args.arch, args.backend, backends = ["sm_90a"], "triton", ["triton"]
     if args.list:
         return _list(args, backends)
 
@@ -171,6 +197,25 @@ def main(argv=None) -> int:
     except SpecError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(records, indent=1) if args.json else format_table(records))
+    if args.predict:
+        print(format_prediction(records))
+    else:
+        print(json.dumps(records, indent=1) if args.json else format_table(records))
     return 1 if any(r["error"] for r in records) else 0
+
+
+def format_prediction(records: list[dict]) -> str:
+    """--predict's output: per mode and GEMM, the fastest predicted config; then the GEMMs against the Linear."""
+    rows = headline(records)
+    lin = linear_seconds(*(HEADLINE[k] for k in ("M", "N", "K")))
+    lines = [f"PREDICTED, not measured (docs/INSPECT.md, 'Predicted time'): H100 SXM, M={HEADLINE['M']}, "
+             f"N=K={HEADLINE['N']}, r={HEADLINE['r']}, bf16, fp32 adapters"]
+    for p in rows:
+        lines.append(f"  {p['mode']:5}  {p['kernel']:7}  {p['seconds'] * 1e3:.3f} ms  bound by {p['bound']:6}  "
+                     f"{p['config']}")
+    lines.append(f"  cuBLAS bf16 Linear forward + input gradient: {lin * 1e3:.3f} ms")
+    for mode in HEADLINE_VARIANTS:
+        gemms = sum(p["seconds"] for p in rows if p["mode"] == mode)
+        lines.append(f"  {mode} forward + dgrad GEMMs: {gemms * 1e3:.3f} ms = {gemms / lin:.2f}x the Linear")
+    return "\n".join(lines)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .parsers import classify_mma, parse_ptxas_log, ptx_functions
 from .records import SMEM_LIMIT, SpecError, new_record
+from .sass import main_loop_mix, split_functions
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dorafp8/
 # Every file a compile needs besides the kernel files build_spec.py lists (checked, so that a partial copy says so).
@@ -169,6 +170,7 @@ def compile_job(job: dict) -> list[dict]:
         run = subprocess.run([str(Path(tmp) / "probe")], capture_output=True, text=True, check=True)
         smem = {int(i): int(v) for i, v in (ln.split() for ln in run.stdout.split("\n") if ln.strip())}
         ptx = "".join(p.read_text() for p in Path(tmp).glob("*.ptx"))
+        sass = _sass(Path(tmp) / "probe.cubin")
     usage = parse_ptxas_log(proc.stdout + proc.stderr)
     names = list(usage)
     filt = subprocess.run([demangler()], input="\n".join(names) + "\n", capture_output=True, text=True, check=True)
@@ -192,7 +194,24 @@ def compile_job(job: dict) -> list[dict]:
             backend="cuda", kernel=row["kernel"], variant=row["variant"], dtype=row["dtype"], arch=arch,
             config=row["config"], autotune_pick=True, **mma, w_operand=w_op, **u,
             spill_bytes=u["spill_stores"] + u["spill_loads"], smem_bytes=smem[i] + u["smem_static"],
-            smem_limit=SMEM_LIMIT[arch], compile_s=elapsed))
+            smem_limit=SMEM_LIMIT[arch], main_loop=main_loop_mix(sass.get(mangled, "")), compile_s=elapsed))
     return out
+
+
+def _sass(cubin: Path) -> dict[str, str]:
+    """{kernel: SASS} of the cubin nvcc -keep left. The CUDA toolkit's nvdisasm if it has one, else the one Triton
+    ships (knobs.nvidia.nvdisasm); {} (main_loop None in the records) if neither is there."""
+    tool = cuda_home() / "bin" / "nvdisasm"
+    if not tool.exists():
+        try:
+            from triton import knobs
+
+            tool = Path(knobs.nvidia.nvdisasm.path)
+        except Exception:
+            return {}
+    done = subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{tool} failed on {cubin.name}: {done.stderr[-2000:]}")
+    return split_functions(done.stdout)
 
 

@@ -18,7 +18,7 @@ FIELDS = (
     "backend", "kernel", "variant", "dtype", "arch", "config", "autotune_pick",
     "mma", "mma_shapes", "w_operand", "w8_dots", "w8_side", "wgmma_a_regs", "wgmma_a_smem",
     "regs", "spill_stores", "spill_loads", "spill_bytes", "stack_bytes", "smem_bytes", "smem_static", "smem_limit",
-    "ptxas_notes", "compile_s", "error",
+    "ptxas_notes", "main_loop", "compile_s", "error",
 )
 
 

@@ -16,6 +16,7 @@ import time
 
 from .parsers import check_variant, classify_mma, config_str, parse_ptxas_log, ttgir_dots, w8_operand
 from .records import SMEM_LIMIT, SpecError, new_record
+from .sass import main_loop_mix
 
 SPEC_MODULE = "dorafp8.triton_kernels.inspect_spec"
 KERNEL_PACKAGE = "dorafp8.triton_kernels"
@@ -142,6 +143,23 @@ def ptxas_log(backend, ptx: str, options, capability: int) -> str:
     return out.getvalue()
 
 
+def sass_text(cubin: bytes) -> str:
+    """nvdisasm's text of a cubin: the nvdisasm Triton ships in its NVIDIA backend (knobs.nvidia.nvdisasm, 3.6 ..
+    3.9), so the SASS reader needs nothing beyond what compiles the kernel."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvdisasm failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
 def compile_job(job: dict) -> dict:
     """Compiles one (kernel, variant, config, arch) the way the launcher's JIT call would and reads the result."""
     import triton
@@ -183,7 +201,7 @@ def compile_job(job: dict) -> dict:
         elif w8["w_operand"] == "registers" and mma["wgmma_a_smem"] and not mma["wgmma_a_regs"]:
             raise RuntimeError("TTGIR says the W8 tile feeds wgmma from registers but no wgmma in the PTX takes A "
                                "from registers: the reader is out of date with this Triton")
-        rec.update(mma, **w8, **usage,
+        rec.update(mma, **w8, **usage, main_loop=main_loop_mix(sass_text(compiled.asm["cubin"])),
                    spill_bytes=usage["spill_stores"] + usage["spill_loads"],
                    smem_bytes=compiled.metadata.shared + usage["smem_static"])
     except Exception as e:  # one config that does not compile is data, not the end of the run

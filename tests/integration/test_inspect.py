@@ -47,6 +47,8 @@ SUBSET = [
     # W8A8 (e4m3 x e4m3) and block scales (a scaled partial product per reduction step), large-M lists
     *[(k, "bf16", "adapter+dropout,tensor-scale,w8a8,M>64", BOTH) for k in GEMMS],
     *[(k, "bf16", "adapter,block-scale,M>64", BOTH) for k in GEMMS],
+    # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue, z fp32; the heaviest of them
+    *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", BOTH) for k in GEMMS],
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
     ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
@@ -150,6 +152,50 @@ def test_fp32_compute_uses_no_tensor_cores(records):
     recs = _select(records, "triton", GEMMS, dtypes=("fp32",))
     assert recs
     _none_of([r for r in recs if (r["mma"], r["w_operand"]) != ("fma", None)], "use tensor cores for fp32")
+
+
+def test_w8a16_main_loops_convert_the_weight_without_f2f(records):
+    """The W8 tile becomes bf16 / fp16 in the main loop without F2F, the conversion pipe (16 per clock per SM on
+    Hopper), which Triton's e4m3 -> bf16 (through fp16) takes once per element: triton_kernels/gemm.py w8_to. The
+    SASS reader finds the main loop (MMA instructions in it) and the unpacks the conversion needs."""
+    recs = _w8a16(_select(records, "triton", GEMMS, dtypes=MMA_TYPES))
+    recs += _select(records, "cuda", ("forward_mma", "dgrad_mma"))
+    assert recs
+    _none_of([r for r in recs if not (r["main_loop"] and r["main_loop"]["mma"] and r["main_loop"]["f2fp_unpack"])],
+             "have no main loop with MMAs and e4m3 unpacks in their SASS")
+    _none_of([r for r in recs if r["main_loop"]["f2f"]], "convert the W8 tile with F2F in the main loop")
+
+
+def test_sass_reader_on_a_known_listing():
+    # nvdisasm's layout: a loop is a backward branch to a label; the main loop is the first one with an MMA (the
+    # epilogue's rank-r loop after it may hold MMAs too); functions split at their .text sections.
+    from dorafp8.kernel_report.sass import main_loop_mix, split_functions
+
+    def ins(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;"
+
+    fn = "\n".join([
+        "\t.section\t.text._Z1kv,\"ax\",@progbits",
+        ins(0, "MOV R1, c[0x0][0x28]"),
+        ".L_x_0:",
+        ins(0x10, "LDS.U8 R2, [R3]"), ins(0x20, "LDS.U16 R4, [R3+0x2]"), ins(0x30, "LDS.128 R8, [R3+0x10]"),
+        ins(0x40, "F2FP.F16.E4M3.UNPACK_B R5, R2"), ins(0x50, "F2F.BF16.F16 R6, R5"),
+        ins(0x60, "PRMT R7, R6, 0x5410, R6"), ins(0x70, "HGMMA.64x128x16.F32.BF16 R24, R4, gdesc[UR8], R24"),
+        ins(0x80, "LDGSTS.E.BYPASS.128 [R1], [R2.64]"),
+        ins(0x90, "@!P0 BRA `(.L_x_0)"),
+        ".L_x_1:",
+        ins(0xa0, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24"),
+        ins(0xb0, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24"),
+        ins(0xc0, "@P1 BRA `(.L_x_1)"),
+        ins(0xd0, "EXIT"),
+    ])
+    other = "\t.section\t.text._Z1jv,\"ax\",@progbits\n" + ins(0, "EXIT")
+    funcs = split_functions(fn + "\n" + other)
+    assert list(funcs) == ["_Z1kv", "_Z1jv"]
+    mix = main_loop_mix(funcs["_Z1kv"])
+    assert (mix["mma"], mix["f2fp_unpack"], mix["f2f"], mix["prmt"], mix["ldgsts"], mix["instrs"]) == (1, 1, 1, 1, 1, 9)
+    assert (mix["lds8"], mix["lds16"], mix["lds32"], mix["lds128"]) == (1, 1, 0, 1)
+    assert main_loop_mix(funcs["_Z1jv"]) is None
 
 
 def test_no_spills(records):
@@ -349,3 +395,26 @@ def test_missing_cuda_sources_say_where_they_were_looked_for(tmp_path, monkeypat
     assert "pip install -e ." in why
     with pytest.raises(FileNotFoundError, match="installed package data"):
         cuda_driver.cuda_dir()
+
+
+def test_predicted_time_follows_its_model():
+    # A synthetic record: a step that is tensor-bound takes the step's FLOPs at the tensor rate; F2F in the loop,
+    # at 16 lanes per clock, bounds it once there are enough of them; the Linear yardstick is 4 M N K FLOPs at the
+    # same efficiency. Expected values are computed here from the device's public figures, not read from the code.
+    from dorafp8.kernel_report import predict as pr
+    from dorafp8.kernel_report.sass import MIX_FIELDS
+
+    mix = dict.fromkeys(MIX_FIELDS, 0) | {"mma": 4, "f2fp_unpack": 16, "instrs": 100}
+    rec = dict(kernel="forward", variant="plain,tensor-scale,M>64", config="BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,w8,s3",
+               regs=128, smem_bytes=100_000, smem_limit=232448, main_loop=mix)
+    M, N, K = 8192, 4096, 4096
+    p = pr.predict_gemm(rec, M, N, K, r=0, hbm_bytes=0)
+    clock, eff, sms = 1.83e9, 700 / 989.4, 132
+    steps, tiles = K // 64, (M // 128) * (N // 128)
+    tensor_cycles = 2 * 128 * 128 * 64 / 4096  # 989.4 TFLOP/s / 132 SMs / 1.83 GHz = 4096 FLOP per clock
+    assert p["bound"] == "tensor"
+    assert p["seconds"] == pytest.approx(-(-tiles // sms) * steps * tensor_cycles / eff / clock, rel=1e-9)
+    slow = pr.predict_gemm(rec | {"main_loop": mix | {"f2f": 64}}, M, N, K, r=0, hbm_bytes=0)
+    f2f_cycles = 8 * 64 * 32 / 16  # 8 warps x 64 F2F x 32 lanes, 16 lanes per clock
+    assert slow["bound"] == "f2f" and slow["seconds"] == pytest.approx(p["seconds"] * f2f_cycles / tensor_cycles)
+    assert pr.linear_seconds(M, N, K) == pytest.approx(4 * M * N * K / 700e12, rel=1e-3)
