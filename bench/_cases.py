@@ -111,7 +111,7 @@ SMOKE = dict(
     modes=",".join(MODES),
     model="hidden=64,intermediate=128,layers=2,heads=4,kv_heads=2,vocab=256,seq=32,rank=8",
 )
-PRESETS = {"full": FULL, "quick": QUICK, "headline": HEADLINE, "smoke": SMOKE}
+PRESETS = {"full": FULL, "quick": QUICK, "headline": HEADLINE, "smoke": SMOKE}  # "decisive" joins below
 
 
 @dataclass(frozen=True)
@@ -347,6 +347,112 @@ def layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> li
                                 if mode != "norm":
                                     cases.append(Case(prov, mode, K, N, M, r, dt, p))
     return cases
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decisive cases: what a first GPU session measures before anything else (bench/gpu_session.sh, call 1), so that
+# the questions the project exists to answer have GPU numbers even if everything after them is cut. An explicit list,
+# not a grid: the cross product of these providers, modes, M and dropouts is 56 cases, most of them repeats of an
+# answer (a PEFT forward at three M). One shape, LLaMA-3-8B's attention projection (N = K = 4096), r 16, bf16
+# activations, fp32 adapters (PEFT's default, and what convert_peft_model makes of it), per-tensor fp8 scale.
+# Ordered by value, the headline first; run.py keeps this order (each case builds its own layer: milliseconds).
+DECISIVE_SHAPE, DECISIVE_RANK, DECISIVE_DTYPE = (4096, 4096), 16, "bf16"
+
+
+def _d(provider: str, mode: str, tokens: int, dropout: float = 0.0) -> Case:
+    K, N = DECISIVE_SHAPE
+    return Case(provider, mode, K, N, tokens, DECISIVE_RANK, DECISIVE_DTYPE, dropout)
+
+
+DECISIVE_CASES = (
+    # 1. The headline, M 8192 without dropout, forward + input gradient: a gradient-accumulation micro-batch with
+    #    the norm cached (dorafp8's steady state), W8A16 and W8A8, against PEFT's DoRA on a bf16 weight, the user who
+    #    keeps fp8 and dequantizes to bf16 for PEFT every call, and the two floors (a plain cuBLAS bf16 Linear,
+    #    forward + dgrad; torch._scaled_mm on per-token e4m3: the W8A8 floor). The cached dorafp8 call is compared
+    #    with PEFT's full call: PEFT recomputes the norm on every call.
+    _d("dorafp8-triton", "fwd+bwd-cachednorm", 8192),
+    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 8192),
+    _d("peft-dora", "fwd+bwd", 8192),
+    _d("peft-dora-fp8-dequant", "fwd+bwd", 8192),
+    _d("linear-bf16", "fwd+bwd", 8192),
+    _d("linear-fp8-rowwise", "fwd+bwd", 8192),
+    # 2. The same at M 8192, forward only (inference, or a frozen layer's forward).
+    _d("dorafp8-triton", "fwd-cachednorm", 8192),
+    _d("dorafp8-triton-w8a8", "fwd-cachednorm", 8192),
+    _d("peft-dora", "fwd", 8192),
+    _d("peft-dora-fp8-dequant", "fwd", 8192),
+    _d("linear-bf16", "fwd", 8192),
+    _d("linear-fp8-rowwise", "fwd", 8192),
+    # 3. The first micro-batch: the norm computed in the call (its cost = this minus row 1), and dorafp8's other
+    #    GPU strategy (dequantize one layer to a transient, cuBLAS, fused epilogues), which backend="auto" weighs
+    #    against the fused Triton GEMMs.
+    _d("dorafp8-triton", "fwd+bwd", 8192),
+    _d("dorafp8-triton-w8a8", "fwd+bwd", 8192),
+    _d("dorafp8-cublas", "fwd+bwd-cachednorm", 8192),
+    # 4. Dropout on (PEFT's lora_dropout 0.05): the base GEMM runs on x and on dropout(x), two accumulators.
+    _d("dorafp8-triton", "fwd+bwd-cachednorm", 8192, 0.05),
+    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 8192, 0.05),
+    _d("peft-dora", "fwd+bwd", 8192, 0.05),
+    # 5. A short batch, M 256: weight-bandwidth and launch bound, where an fp8 weight should pay most.
+    _d("dorafp8-triton", "fwd+bwd-cachednorm", 256),
+    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 256),
+    _d("peft-dora", "fwd+bwd", 256),
+    _d("linear-bf16", "fwd+bwd", 256),
+    # 6. Between the two, M 2048: where the curve bends (same compiled kernels, one more autotune key).
+    _d("dorafp8-triton", "fwd+bwd-cachednorm", 2048),
+    _d("peft-dora", "fwd+bwd", 2048),
+)
+
+
+def _joined(values) -> str:
+    return ",".join(dict.fromkeys(str(v) for v in values))
+
+
+# The option defaults of --preset decisive: the values its cases take (so that run.py's options narrow the list).
+DECISIVE = dict(
+    FULL,
+    shapes="x".join(map(str, DECISIVE_SHAPE)),
+    tokens=_joined(sorted({c.tokens for c in DECISIVE_CASES})),
+    ranks=str(DECISIVE_RANK),
+    dtypes=DECISIVE_DTYPE,
+    dropouts=_joined(f"{p:g}" for p in sorted({c.dropout for c in DECISIVE_CASES})),
+    providers=_joined(p for p in PROVIDERS if any(c.provider == p for c in DECISIVE_CASES)),
+    modes=_joined(m for m in MODES if any(c.mode == m for c in DECISIVE_CASES)),
+)
+PRESETS["decisive"] = DECISIVE
+# Presets that are explicit lists of layer cases rather than grids.
+PRESET_CASES = {"decisive": DECISIVE_CASES}
+
+
+def preset_cases(preset, shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> list[Case]:
+    """The layer cases of a run: an explicit preset's list (PRESET_CASES) in its order, keeping the cases whose every
+    field is among the given values (so options narrow the list and never add to it); any other preset's cross
+    product (layer_cases)."""
+    if preset not in PRESET_CASES:
+        return layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes)
+    return [c for c in PRESET_CASES[preset]
+            if (c.in_features, c.out_features) in shapes and c.tokens in tokens and c.rank in ranks
+            and c.dtype in dtypes and c.dropout in dropouts and c.provider in providers and c.mode in modes]
+
+
+def default_cases(preset: str) -> list[Case]:
+    """The layer cases `preset` selects with its own defaults (run.py --exclude-preset drops these)."""
+    g = PRESETS[preset]
+    modes = [m for m in parse_list(g["modes"]) if m in LAYER_MODES]
+    return preset_cases(preset, parse_shapes(g["shapes"]), parse_list(g["tokens"], int), parse_list(g["ranks"], int),
+                        parse_list(g["dtypes"]), parse_list(g["dropouts"], float), parse_list(g["providers"]), modes)
+
+
+def shard(cases: list[Case], index: int, count: int) -> list[Case]:
+    """The cases of shard `index` (0-based) of `count`: every count-th (provider, dropout) pair, in order of first
+    appearance, with all of its cases. A pair's GEMM variants (W8A16 or W8A8, one or two accumulators) are most of
+    what it compiles, so processes warming Triton's cache in parallel rarely compile the same kernel; when they do
+    (the weight norm, small kernels) Triton's cache writes each file under a temporary name and renames it."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index must be in [0, {count}), got {index}")
+    pairs = list(dict.fromkeys((c.provider, c.dropout) for c in cases))
+    mine = set(pairs[index::count])
+    return [c for c in cases if (c.provider, c.dropout) in mine]
 
 
 def step_cases(spec: ModelSpec, dtypes, dropouts, providers) -> list[Case]:
