@@ -125,6 +125,23 @@ def w8_via_f32_for(arch: str, device=None) -> bool:
     return arch in ("sm90", "sm89")
 
 
+def fp8_promote(device) -> bool:
+    return fp8_promote_for(_arch(device), device)
+
+
+def fp8_promote_for(arch: str, device=None) -> bool:
+    """FP8_PROMOTE of the fp8 GEMM kernels (gemm.w8_gemm_loop, W8A8): on Hopper, wgmma keeps e4m3 products in a
+    reduced-precision accumulator (about 14 bits, DeepSeek-V3 section 3.3.2) for as long as Triton lets it: the whole
+    reduction by default (max_num_imprecise_acc is 2**30 on sm_90). With this each reduction step's product starts
+    from zero and is added to the fp32 accumulator in software, so wgmma accumulates at most B_RED (64) products, as
+    FBGEMM and DeepGEMM promote every 128. Not on Ada (mma.sync) nor Blackwell: docs/DORA_MATH.md, "Accuracy contract"."""
+    if arch == "interp":
+        return False  # the interpreter's dots are exact fp32
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] == 9
+    return arch == "sm90"
+
+
 _GEMM_TABLE = {
     # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators).
     # Pruned by what `python -m dorafp8.kernel_report` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
@@ -161,14 +178,22 @@ _FP32_GEMM_TWO_ACC = (
 _INTERP_GEMM = (16, 32, 32, 1, 4)
 
 
-def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
+# FP8_PROMOTE (W8A8 on sm_90) adds a zeroed partial tile per accumulator to the main loop: with two accumulators
+# (dropout) the tiles holding 64 accumulator elements per thread (128 x 64 on 4 warps, 128 x 128 on 8) spilled 16 to
+# 56 bytes (inspect), so those keep the tiles of at most 32.
+_PROMOTED_TWO_ACC_MAX_ELEMS = 32
+
+
+def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, promoted: bool = False):
     """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
-    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32)
+    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, promoted)
 
 
-def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool):
+def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
+                     promoted: bool = False):
     """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
-    reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have)."""
+    reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
+    promoted: W8A8 with FP8_PROMOTE (fp8_promote_for)."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -177,6 +202,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
     else:
         big, big2, small, small2 = _GEMM_TABLE[arch]
         rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
+        if promoted and two_acc:
+            rows = [row for row in rows if row[0] * row[1] // (32 * row[4]) <= _PROMOTED_TWO_ACC_MAX_ELEMS]
     group_m = 2 if arch == "interp" else 8
     return [
         triton.Config({"BLOCK_M": bm, out_name: bo, red_name: br, "GROUP_M": group_m}, num_stages=st, num_warps=w)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
-                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size, w8_via_f32)
+                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size, w8_via_f32,
+                      fp8_promote)
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -96,6 +97,7 @@ def dora_dgrad_kernel(
     DOT_DT: tl.constexpr,
     IEEE: tl.constexpr,
     W8_VIA_F32: tl.constexpr,   # how the W8 tile becomes DOT_DT: gemm.w8_to
+    FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -127,7 +129,7 @@ def dora_dgrad_kernel(
     s_offs = offs_k // SCALE_BLOCK_SIZE
     acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
                               mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
-                              W8_VIA_F32, BLOCK_K,
+                              W8_VIA_F32, FP8_PROMOTE, BLOCK_K,
                               BLOCK_M, BLOCK_N)
 
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
@@ -219,7 +221,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     ieee = ieee and not quant
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
-    configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles),
+    configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
+                                               quant and fp8_promote(gl.device)),
                                   "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
@@ -232,8 +235,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
-        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
-        BLOCK_R=block_r(r, lora_ieee),
+        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), LORA_DT=lora_dt,
+        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
     )
     return dx
 

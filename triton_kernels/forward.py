@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
                       dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size,
-                      w8_via_f32)
+                      fp8_promote, w8_via_f32)
 from .gemm import w8_gemm_loop
 
 
@@ -129,6 +129,7 @@ def dora_fwd_kernel(
     DOT_DT: tl.constexpr,       # W8A16: dtype both tl.dot operands are converted to in registers
     IEEE: tl.constexpr,
     W8_VIA_F32: tl.constexpr,   # how the W8 tile becomes DOT_DT: gemm.w8_to
+    FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
     LORA_IEEE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -156,7 +157,7 @@ def dora_fwd_kernel(
     s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
     acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
                               HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
-                              BLOCK_N, BLOCK_M,
+                              FP8_PROMOTE, BLOCK_N, BLOCK_M,
                               BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
@@ -257,7 +258,8 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
-    configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles),
+    configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles,
+                                               quant and fp8_promote(x.device)),
                                   "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
@@ -270,8 +272,8 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
-        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device), LORA_DT=lora_dt,
-        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
+        HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device),
+        FP8_PROMOTE=fp8_promote(x.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
     )
     return y, (z if want_z else None)
 

@@ -65,7 +65,8 @@ def w8_gemm_loop(
     RED,                     # length of the reduction
     TWO_ACC: tl.constexpr,   # act2 given (dropout): a second accumulator act2 W^T shares every W8 tile
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
-    IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
+    IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
 ):
     """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
@@ -95,6 +96,12 @@ def w8_gemm_loop(
             acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if TWO_ACC:
                 acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+        elif ACT_QUANT and FP8_PROMOTE:
+            # fp8 wgmma (Hopper) accumulates in reduced precision: each step's product starts from zero and joins acc
+            # in fp32 (_common.fp8_promote_for), like the block-scale steps above.
+            acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
+            if TWO_ACC:
+                acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
         else:
             acc = dot(w, at, acc, IEEE)
             if TWO_ACC:

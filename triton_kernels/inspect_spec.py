@@ -31,7 +31,7 @@ import torch
 import triton
 
 from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
-                      w8_via_f32_for, weight_norm_configs_for)
+                      fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -141,10 +141,12 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
             constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                               SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                               HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant, W8_VIA_F32=w8_via_f32_for(arch),
+                              FP8_PROMOTE=fp8_promote_for(arch),
                               LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee))
             fp32_tiles = dt == torch.float32 and not quant
-            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles), red_name, kind,
-                               out_name, dropout)
+            promoted = quant and fp8_promote_for(arch)
+            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, promoted), red_name,
+                               kind, out_name, dropout)
             out.append(Variant(_variant_name(mode, kind, quant, m, rank_name), dt_name, args, constexprs, configs))
     return out
 

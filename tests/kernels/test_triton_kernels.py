@@ -140,6 +140,21 @@ def test_dgrad(device, shape, dtype, mode, scale, act_quant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
+@pytest.mark.parametrize("scale", ["tensor", "block"])
+def test_w8a8_with_fp8_promotion(device, mode, scale, monkeypatch):
+    # FP8_PROMOTE (Hopper's W8A8 path: each step's fp8 product added to the fp32 accumulator in software) is the same
+    # sum; forced on here so that its code runs under the interpreter and on any GPU, against the same references.
+    import sys
+
+    for mod in ("forward", "dgrad"):  # the modules (the package re-exports functions of the same names)
+        monkeypatch.setattr(sys.modules[f"dorafp8.triton_kernels.{mod}"], "fp8_promote", lambda device: True)
+    p = make_problem(37, 64, 48, 16, torch.bfloat16, device, scale, False)
+    check_forward(tk.forward, p, mode, has_bias=True, act_quant="rowwise")
+    check_dgrad(tk.dgrad, p, mode, "rowwise")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_rowwise_quant(device):
     """The W8A8 activation recipe: equal to the reference's, an all-zero row gets scale 1, an outlier row keeps its
     small values only as far as e4m3 can."""
