@@ -41,6 +41,10 @@ from ._common import (NORM_EPS, alloc, cdiv, check_activation, dot_dtype, interp
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
 SCAN_N = 512  # columns per step of the maxima's scan over N
+# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 1024 elements of v, or 128 columns of dm, db and
+# [128, 16] chunks of dB, per program: 48-64 registers, no spills (inspect; 128 x 64 took 252 registers with fp32
+# adapters at r = 128, and 64 x 64 and 32 x 32 spilled a few bytes in some variants).
+FINISH_BLOCKS = (1024, 128, 16)
 
 
 @triton.jit(do_not_specialize=["STEPS", "CSTEPS"])
@@ -187,11 +191,12 @@ def dora_bwd_finish_kernel(
     BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    # (The two branches name their values apart: a compiled if/else must give a shared name one type.)
     if pid < V_PROGRAMS:  # v = sum of the column groups' partials, in B's dtype
-        offs = pid.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-        ok = offs < M * R
-        v = sum_parts(vpart_ptr, PN, M * R, offs, ok)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=ok)
+        offs_e = pid.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+        ok_e = offs_e < M * R
+        v = sum_parts(vpart_ptr, PN, M * R, offs_e, ok_e)
+        tl.store(v_ptr + offs_e, v.to(v_ptr.dtype.element_ty), mask=ok_e)
     else:
         cols = (pid - V_PROGRAMS) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < N
@@ -300,13 +305,13 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     dm = alloc((N,), m.dtype, dev) if need_dm else None
     dB = alloc((N, r), B.dtype, dev) if need_dB else None
     db = alloc((N,), cdt, dev)
-    block_e, block_c = (64, 32) if interpreting() else (1024, 128)
+    block_e, block_c, block_rc = (64, 32, 16) if interpreting() else FINISH_BLOCKS
     v_programs = cdiv(M * r, block_e) if adapter else 0
     launch(dora_bwd_finish_kernel, (v_programs + cdiv(N, block_c),))(
         vpart, dmpart, dbpart, dBpart, m if adapter else ph, n if adapter else ph, v if adapter else ph,
         dm if need_dm else ph, db, dB if need_dB else ph,
         M, N, r, pn, pm, v_programs, float(s),
         HAS_ADAPTER=adapter, NEED_DM=need_dm, NEED_DBB=need_dB, BLOCK_E=block_e, BLOCK_C=block_c,
-        BLOCK_R=min(br, 64), num_warps=4,
+        BLOCK_R=min(br, block_rc), num_warps=4, num_stages=1,
     )
     return gl, rs, gb, v, dm, db, dB

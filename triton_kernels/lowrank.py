@@ -166,5 +166,5 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s:
     if splits > 1:
         block = 64 if interpreting() else 1024
         launch(sum_splits_kernel, (cdiv(R * K, block),))(part, out, splits, R * K, float(s), BLOCK=block,
-                                                                num_warps=4)
+                                                                num_warps=4, num_stages=1)
     return out
