@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 MiB = 1024 * 1024
 
 
-def _open_custom_op(func, args, kwargs):
+def open_custom_op(func, args, kwargs):
     """Runs a dorafp8 custom op's own implementation (the function torch.library wraps) on its arguments."""
     from .ops import custom_op_implementation
 
@@ -45,7 +45,7 @@ class PeakTemporaries(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":
             with self:
-                out = _open_custom_op(func, args, kwargs)
+                out = open_custom_op(func, args, kwargs)
         else:
             out = func(*args, **(kwargs or {}))
         seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]

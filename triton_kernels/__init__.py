@@ -2,12 +2,14 @@
 
     weight_norm   -> weight_norm.py  dora_weight_norm_kernel
     project       -> lowrank.py      project_kernel          (u = xd A^T)
-    project_grad  -> lowrank.py      project_grad_kernel     (dA)
+    project_grad  -> lowrank.py      project_grad_kernel     (dA; sum_splits_kernel when M is split)
     forward       -> forward.py      dora_fwd_kernel         (W8A8: quant.py rowwise_quant_kernel first)
-    backward_pass -> backward.py     dora_bwd_pass_kernel
+    backward_pass -> backward.py     dora_bwd_pass_kernel, dora_bwd_finish_kernel
     dgrad         -> dgrad.py        dora_dgrad_kernel       (W8A8: quant.py first)
 
-forward and dgrad share their main loop (gemm.py w8_gemm_loop) and differ in addressing and epilogue.
+forward and dgrad share their main loop (gemm.py w8_gemm_loop) and differ in addressing and epilogue. Every launch
+goes through _common.launch, which `launch_observers()` can watch (dorafp8._launches counts launches and bytes with
+it; `planning_for_gpu` makes the launchers plan for a GPU during a dry run).
 
 Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
 without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.
@@ -20,6 +22,7 @@ import os
 import torch
 
 try:
+    from ._common import launch_observers, planning_for_gpu
     from .backward import backward_pass
     from .dgrad import dgrad
     from .forward import forward
@@ -35,7 +38,14 @@ except ImportError as e:  # triton missing or too old
 
     weight_norm = forward = dgrad = backward_pass = project = project_grad = _missing
 
-__all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad"]
+    def launch_observers() -> list:
+        return []  # nothing launches
+
+    def planning_for_gpu(sms, blocks):
+        raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
+
+__all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad",
+           "launch_observers", "planning_for_gpu"]
 
 
 def unavailable_reason(device: torch.device) -> str | None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..backends.base import NORM_EPS as _NORM_EPS
 
 # Rank chunk of the rank-r epilogues (u B^T, v A, B A). The interpreter uses 16 so that the tests cross a chunk
 # with r = 20; on a GPU 64 keeps the [BLOCK_M, BLOCK_R] and [BLOCK_R, BLOCK_N] tiles small enough for registers
@@ -18,8 +21,64 @@ _MAX_BLOCK_R_IEEE = 16
 _DOT_MIN = 16
 
 
+# Read once: Triton decides at each @triton.jit whether a kernel is interpreted, i.e. when this package is imported.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Under Triton's interpreter (the launchers then pick its small tiles), unless a dry run plans for a GPU."""
+    return _INTERPRET and _DRY_RUN is None
+
+
+# The launchers' integer helpers in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions in
+# Triton 3.9, whose calls from host code cost several microseconds each (bench/glue_cpu.py).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Launch observers. dorafp8._launches registers one to count the launches of a forward + backward and the bytes of
+# their tensor arguments (tests/ops/test_launches.py); nothing else does, and with none registered a launch costs one
+# list check. observe(kernel, grid, args, kwargs) returns True when it handled the launch itself: it launched the
+# kernel, or skipped it in a dry run, which records what a GPU would run at a shape too large to run in the
+# interpreter; during one the launchers make their GPU choices (tiles, grids) for the SM count and resident blocks
+# that _DRY_RUN = {"sms": ..., "blocks": ...} gives.
+LAUNCH_OBSERVERS: list = []
+_DRY_RUN = None
+
+
+def launch_observers() -> list:
+    """The list of launch observers (see above): observe(kernel, grid, args, kwargs) -> handled?"""
+    return LAUNCH_OBSERVERS
+
+
+@contextlib.contextmanager
+def planning_for_gpu(sms: int, blocks: int):
+    """The launchers' GPU choices for a GPU with `sms` SMs holding `blocks` blocks of each kernel, inside (a dry run:
+    with an observer that skips the launches; see above)."""
+    global _DRY_RUN
+    prev, _DRY_RUN = _DRY_RUN, {"sms": int(sms), "blocks": int(blocks)}
+    try:
+        yield
+    finally:
+        _DRY_RUN = prev
+
+
+def launch(kernel, grid):
+    """kernel[grid], seen first by the LAUNCH_OBSERVERS."""
+    if not LAUNCH_OBSERVERS:
+        return kernel[grid]
+
+    def run(*args, **kwargs):
+        handled = False
+        for observe in LAUNCH_OBSERVERS:
+            handled = bool(observe(kernel, grid, args, kwargs)) or handled
+        return None if handled else kernel[grid](*args, **kwargs)
+
+    return run
 
 
 def poison_outputs() -> bool:
@@ -55,12 +114,12 @@ def block_r(r: int, ieee: bool = False) -> int:
     operand tiles in registers: chunks of 64 spilled up to 18 KB per thread in the forward and dgrad on sm_90a with
     fp32 adapters (python -m dorafp8.kernel_report, variants "fp32-rank,r=64"), so they take 16 at a time."""
     cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
-    return max(_DOT_MIN, min(cap, triton.next_power_of_2(r)))
+    return max(_DOT_MIN, min(cap, next_pow2(r)))
 
 
 def m_bucket(m: int) -> int:
     """Autotune key for M: a power of two, so that every sequence length does not retune."""
-    return min(max(triton.next_power_of_2(m), 16), 8192)
+    return min(max(next_pow2(m), 16), 8192)
 
 
 @triton.jit
@@ -83,6 +142,28 @@ def dot(a, b, acc, IEEE: tl.constexpr):
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
+    return acc
+
+
+NORM_EPS = tl.constexpr(_NORM_EPS)  # the norm clamp of backends.base, as a constexpr a kernel may read
+
+
+@triton.jit
+def magnitude_scale(m_ptr, n_ptr, offs, mask):
+    """c = m / max(n, NORM_EPS) in fp32 for the columns `offs` (0 where masked): backends.base.magnitude_scale, rounded
+    as torch rounds it (div_rn: plain '/' is approximate on GPUs), so that c == 1 exactly where m == n (DoRA's init)."""
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    n = tl.load(n_ptr + offs, mask=mask, other=1.0)
+    return tl.math.div_rn(m, tl.maximum(n, NORM_EPS))
+
+
+@triton.jit
+def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
+    """sum_p part[p * stride_part + offs] in fp32, p in order: the fixed-order second stage of the reductions that
+    programs write as partials (no atomics: the same result run to run)."""
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)  # n_parts >= 1
+    for p in range(1, n_parts):
+        acc += tl.load(part_ptr + p * stride_part + offs, mask=mask, other=0.0)
     return acc
 
 
@@ -234,15 +315,20 @@ def weight_norm_configs_for(arch: str, fp32: bool = False):
 _TUNERS: dict = {}
 
 
-def autotuned(kernel, tag, configs, key, outputs):
+def autotuned(kernel, tag, configs, key, outputs, device=None):
     """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
     (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
-    that wrote it."""
+    that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
+    arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py)."""
     poison = poison_outputs()
-    k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
+    if callable(configs):
+        k = (id(kernel), tag, _arch(device), poison)
+    else:
+        k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
     tuner = _TUNERS.get(k)
     if tuner is None:
+        configs = configs() if callable(configs) else configs
         tuner = triton.autotune(configs=configs, key=key, restore_value=list(outputs) if poison else None)(kernel)
         _TUNERS[k] = tuner
     return tuner
@@ -268,13 +354,13 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
         return scale.reshape(1).contiguous(), "tensor"
     if scale.dim() == 1 and scale.numel() == N:
         return scale.contiguous(), "row"
-    if scale.dim() == 2 and tuple(scale.shape) == (triton.cdiv(N, block_size), triton.cdiv(K, block_size)):
+    if scale.dim() == 2 and tuple(scale.shape) == (cdiv(N, block_size), cdiv(K, block_size)):
         if block_size % _DOT_MIN and not any_block:
             raise ValueError(f"the triton backend needs block scales whose block size is a multiple of {_DOT_MIN}, "
                              f"got {block_size} (use the reference backend)")
         return scale.contiguous(), "block"
-    raise ValueError(f"scale must be fp32 [], [{N}] or [{triton.cdiv(N, block_size)}, "
-                     f"{triton.cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")
+    raise ValueError(f"scale must be fp32 [], [{N}] or [{cdiv(N, block_size)}, "
+                     f"{cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")
 
 
 def fit_reduction_block(configs, red_name: str, block_size: int, scale_kind: str, out_name: str = "",
@@ -313,6 +399,62 @@ def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"compute dtype must be fp32, fp16 or bf16, got {t.dtype}")
     return last_dim_unit(t)
+
+
+_SM_PROPS: dict = {}
+_RESIDENT: dict = {}
+
+
+def sm_props(device: torch.device) -> tuple[int, int, int, int]:
+    """(SMs, registers per SM, threads per SM, shared-memory bytes per SM) of a CUDA device, read once."""
+    if _DRY_RUN is not None:
+        return (_DRY_RUN["sms"], 65536, 2048, 228 * 1024)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = _SM_PROPS.get(index)
+    if props is None:
+        p = torch.cuda.get_device_properties(index)
+        props = (p.multi_processor_count, getattr(p, "regs_per_multiprocessor", 65536),
+                 getattr(p, "max_threads_per_multi_processor", 2048),
+                 getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
+        _SM_PROPS[index] = props
+    return props
+
+
+def resident_blocks(n_regs: int, shared: int, num_warps: int, props) -> int:
+    """How many blocks of a compiled kernel one SM holds at once: the CUDA occupancy rules (registers allocated per
+    warp in units of 256, i.e. per thread rounded up to 8; 1 KiB of shared memory reserved per block; the SM's
+    thread and 32-block limits). What `python -m dorafp8.kernel_report` prints (regs, smem) is what this reads."""
+    _, regs_sm, threads_sm, smem_sm = props
+    by_regs = regs_sm // (max(8, -(-n_regs // 8) * 8) * 32 * num_warps)
+    by_smem = smem_sm // (shared + 1024) if shared else 32
+    by_threads = threads_sm // (32 * num_warps)
+    return max(1, min(32, by_regs, by_smem, by_threads))
+
+
+def programs_that_fit(kernel, key, args, kwargs, device: torch.device) -> int:
+    """SMs x resident blocks of `kernel` compiled for these arguments (a GPU only): the most programs that run in
+    one wave. Compiles the kernel (JITFunction.warmup; the launch that follows reuses it) the first time per key
+    and device; the launchers pass the constexprs and dtypes as the key, so later calls cost a dict lookup. The
+    runtime sizes the kernel reads are declared do_not_specialize there, so the probe compiles what is launched."""
+    if _DRY_RUN is not None:
+        return _DRY_RUN["blocks"] * _DRY_RUN["sms"]
+    k = (key, device.index)
+    blocks = _RESIDENT.get(k)
+    if blocks is None:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        props = sm_props(device)
+        blocks = resident_blocks(compiled.n_regs, compiled.metadata.shared, kwargs.get("num_warps", 4), props)
+        _RESIDENT[k] = blocks
+    return blocks * sm_props(device)[0]
+
+
+def vector(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A per-column vector ([N], or any shape with N elements) as the kernels read it: flat and contiguous, in `dtype`
+    if given (else its own: the kernels convert what they load). A view, no copy, in the usual case."""
+    t = t.reshape(-1)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def last_dim_unit(t: torch.Tensor | None) -> torch.Tensor | None:

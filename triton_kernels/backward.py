@@ -1,41 +1,65 @@
-"""The backward pass over g: one read of g (and z) that prepares everything the DoRA backward needs from them.
+"""The backward pass over g: one read of g (and z) that prepares everything the DoRA backward needs from them, and a
+small kernel that finishes its reductions. Two launches, no PyTorch op between or around them.
 
+    c  = m / max(n, eps)  per column, in-kernel (as the forward computes it)
     gl = g * fl           the dgrad's left operand (fl = f / rl, f = c * srow, or (c - 1) * srow with dropout)
     gb = g * fb           with dropout and per-row scales: the plain base term's operand (fb = srow / rb)
     v  = (g * c) B        [M, r], fp32 products (the 16-bit dot takes g * c / max|c|, rescaled in fp32: no overflow)
-    dm = sum_i g * z      [N]      (the caller divides by n)
-    db = sum_i g          [N]
-    dB = g^T u            [N, r]   (the caller scales by s * c)
+    dm = sum_i g * z / max(n, eps)      [N]  in m's dtype
+    db = sum_i g                        [N]  in g's dtype
+    dB = s * c * (g^T u)                [N, r] in B's dtype
 
-Each program owns BLOCK_N columns and STEPS blocks of BLOCK_M rows. Column sums (dm, db, dB) accumulate in registers
-over the program's rows and are written as one partial per row group; v accumulates over the program's columns and
-is written as one partial per column group. A second, small reduction (torch .sum(0) over the partials, a fixed order)
-finishes them: no atomics, so the result is the same run to run. The partials cost 8 r (1/BLOCK_N + 1/rows per
-program) bytes per element of g, which the launcher keeps well under the 4-6 bytes per element the pass must move.
+rl = max|f|, rb = max|srow| and max|c| are maxima over all N: every program computes them itself from m, n and srow
+(N fp32 loads each, from L2; the same values in every program, since a maximum does not round) instead of waiting for
+a separate launch, and the first program stores rl and rb for the dgrad.
+
+The pass: program (i, j) owns a group of rows (STEPS blocks of BLOCK_M) and a group of columns (CSTEPS blocks of
+BLOCK_N). For each of its column blocks it sweeps its rows: the column sums (dm, db, dB) accumulate in registers over
+the rows and are written once, as one partial per row group; v accumulates over the program's columns in its own slice
+of the v partial (stored, then re-read and added at the next column block: a read-modify-write that stays in L2), one
+partial per column group. So there are as many partial copies of v as column groups and of (dm, db, dB) as row groups,
+and their number is chosen, not implied by the tile: _grid_shape picks the split of the programs that fit in one wave
+(SMs x resident blocks, read from the compiled kernel) between rows and columns that makes the partials smallest
+(about 8 r sqrt(programs * M * N) bytes). Before, the column groups were the BLOCK_N tiles themselves, and BLOCK_N
+shrinks as r grows (the [BLOCK_N, r] accumulator must fit registers), so the v partials grew as r^2: 3.8 GB at
+M = 8192, N = 14336, r = 128 with fp32 adapters; now about 90 MB there.
+
+The finishing kernel (dora_bwd_finish_kernel) sums the partials in a fixed order and applies the final scalings and
+casts: no atomics anywhere, so the gradients are the same run to run.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc, check_activation, dot_dtype, interpreting
+from ._common import (NORM_EPS, alloc, cdiv, check_activation, dot_dtype, interpreting, launch, magnitude_scale,
+                      next_pow2, programs_that_fit, sum_parts, vector)
+
+TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
+SCAN_N = 512  # columns per step of the maxima's scan over N
+# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 1024 elements of v, or 128 columns of dm, db and
+# [128, 16] chunks of dB, per program: 48-64 registers, no spills (inspect; 128 x 64 took 252 registers with fp32
+# adapters at r = 128, and 64 x 64 and 32 x 32 spilled a few bytes in some variants).
+FINISH_BLOCKS = (1024, 128, 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["STEPS", "CSTEPS"])
 def dora_bwd_pass_kernel(
     # Pointers
-    g_ptr, z_ptr, c_ptr, rhoc_ptr, fl_ptr, fb_ptr, b_ptr, u_ptr,
-    gl_ptr, gb_ptr, vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr,
+    g_ptr, z_ptr, m_ptr, n_ptr, srow_ptr, b_ptr, u_ptr,
+    gl_ptr, gb_ptr, rs_ptr, vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr,
     # Sizes
-    M, N, R, STEPS,
+    M, N, R, STEPS, CSTEPS,
     # Strides (g, z, gl, gb have unit stride in their last dim)
     stride_g_m, stride_z_m, stride_b_n, stride_b_r, stride_u_m, stride_u_r, stride_gl_m, stride_gb_m,
     # Meta-parameters
-    HAS_ADAPTER: tl.constexpr,  # c, B given: v (and dm, dB if asked)
-    WRITE_GL: tl.constexpr,
-    WRITE_GB: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr,  # m, n, B given: c, v (and dm, dB if asked)
+    HAS_DROPOUT: tl.constexpr,  # f = (c - 1) * srow, and gb with per-row scales
+    HAS_SROW: tl.constexpr,     # per-row weight scales srow [N]
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
@@ -43,62 +67,154 @@ def dora_bwd_pass_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
+    WRITE_GL: tl.constexpr = HAS_ADAPTER or HAS_SROW
+    WRITE_GB: tl.constexpr = HAS_ADAPTER and HAS_DROPOUT and HAS_SROW
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+
+    # The maxima over all N (see the module docstring), elementwise first, reduced once at the end.
+    offs_s = tl.arange(0, SCAN)
+    c_max = tl.full((SCAN,), TINY, tl.float32)
+    f_max = tl.full((SCAN,), TINY, tl.float32)
+    s_max = tl.full((SCAN,), TINY, tl.float32)
+    for n0 in range(0, N, SCAN):
+        offs = n0 + offs_s
+        ok = offs < N
+        f = tl.full((SCAN,), 1.0, tl.float32)
+        if HAS_ADAPTER:
+            c = magnitude_scale(m_ptr, n_ptr, offs, ok)
+            c_max = tl.maximum(c_max, tl.abs(c))
+            if HAS_DROPOUT:
+                f = c - 1.0
+            else:
+                f = c
+        if HAS_SROW:
+            sr = tl.load(srow_ptr + offs, mask=ok, other=0.0)
+            s_max = tl.maximum(s_max, tl.abs(sr))
+            f = f * sr
+        f_max = tl.maximum(f_max, tl.where(ok, tl.abs(f), 0.0))
+    rho_c = tl.max(c_max, axis=0)
+    rl = 1.0
+    if WRITE_GL:
+        rl = tl.max(f_max, axis=0)
+    rb = 1.0
+    if WRITE_GB:
+        rb = tl.max(s_max, axis=0)
+    if pid_m + pid_n == 0:
+        two = tl.arange(0, 2)
+        tl.store(rs_ptr + two, tl.where(two == 0, rl, rb))
+
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    if WRITE_GL:
-        fl = tl.load(fl_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    if WRITE_GB:
-        fb = tl.load(fb_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_ADAPTER:
-        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[None, :]  # c / rho_c: |g * c| <= |g|
-        b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
-                         mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(V_DT)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dm_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dB_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for i in range(0, STEPS):
-        offs_m = (pid_m * STEPS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rows = offs_m.to(tl.int64)
-        tile = mask_m[:, None] & mask_n[None, :]
-        g = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
-        db_acc += tl.sum(g, axis=0)
-        if WRITE_GL:
-            tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :], (g * fl).to(gl_ptr.dtype.element_ty),
-                     mask=tile)
-        if WRITE_GB:
-            tl.store(gb_ptr + rows[:, None] * stride_gb_m + offs_n[None, :], (g * fb).to(gb_ptr.dtype.element_ty),
-                     mask=tile)
+    for cs in range(0, CSTEPS):
+        offs_n = (pid_n * CSTEPS + cs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        f = tl.full((BLOCK_N,), 1.0, tl.float32)
         if HAS_ADAPTER:
-            # v's partial over this program's columns; rows past M are masked at the store.
-            v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            if V_IEEE:
-                v = tl.dot((g * c).to(V_DT), b_tile, v, input_precision="ieee")
+            c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)
+            cn = (c / rho_c)[None, :]  # |g * c / max|c|| <= |g|: the 16-bit dot operand cannot overflow
+            if HAS_DROPOUT:
+                f = c - 1.0
             else:
-                v = tl.dot((g * c).to(V_DT), b_tile, v)
-            vp = vpart_ptr + (pid_n * M + rows[:, None]) * R + offs_r[None, :]
-            tl.store(vp, v * tl.load(rhoc_ptr), mask=mask_m[:, None] & mask_r[None, :])
-            if NEED_DM:
-                z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
-                dm_acc += tl.sum(g * z.to(tl.float32), axis=0)
-            if NEED_DBB:
-                u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
-                            mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(DB_DT)
-                if DB_IEEE:
-                    dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc, input_precision="ieee")
+                f = c
+            b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
+                             mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(V_DT)
+        if HAS_SROW:
+            sr = tl.load(srow_ptr + offs_n, mask=mask_n, other=0.0)
+            f = f * sr
+            if WRITE_GB:
+                fb = tl.math.div_rn(sr, rb)[None, :]
+        if WRITE_GL:
+            fl = tl.math.div_rn(f, rl)[None, :]
+        db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dm_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dB_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for i in range(0, STEPS):
+            offs_m = (pid_m * STEPS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            rows = offs_m.to(tl.int64)
+            tile = mask_m[:, None] & mask_n[None, :]
+            g = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
+            db_acc += tl.sum(g, axis=0)
+            if WRITE_GL:
+                tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :],
+                         (g * fl).to(gl_ptr.dtype.element_ty), mask=tile)
+            if WRITE_GB:
+                tl.store(gb_ptr + rows[:, None] * stride_gb_m + offs_n[None, :],
+                         (g * fb).to(gb_ptr.dtype.element_ty), mask=tile)
+            if HAS_ADAPTER:
+                v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                if V_IEEE:
+                    v = tl.dot((g * cn).to(V_DT), b_tile, v, input_precision="ieee")
                 else:
-                    dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc)
-    part = pid_m.to(tl.int64) * N + offs_n
-    tl.store(dbpart_ptr + part, db_acc, mask=mask_n)
-    if HAS_ADAPTER:
-        if NEED_DM:
-            tl.store(dmpart_ptr + part, dm_acc, mask=mask_n)
-        if NEED_DBB:
-            tl.store(dBpart_ptr + part[:, None] * R + offs_r[None, :], dB_acc, mask=mask_n[:, None] & mask_r[None, :])
+                    v = tl.dot((g * cn).to(V_DT), b_tile, v)
+                v = v * rho_c
+                # This program's slice of the column group's v partial; rows past M are masked.
+                vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
+                vmask = mask_m[:, None] & mask_r[None, :]
+                if cs > 0:
+                    v += tl.load(vp, mask=vmask, other=0.0)
+                tl.store(vp, v, mask=vmask)
+                if NEED_DM:
+                    z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
+                    dm_acc += tl.sum(g * z.to(tl.float32), axis=0)
+                if NEED_DBB:
+                    u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
+                                mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(DB_DT)
+                    if DB_IEEE:
+                        dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc, input_precision="ieee")
+                    else:
+                        dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc)
+        part = pid_m.to(tl.int64) * N + offs_n
+        tl.store(dbpart_ptr + part, db_acc, mask=mask_n)
+        if HAS_ADAPTER:
+            if NEED_DM:
+                tl.store(dmpart_ptr + part, dm_acc, mask=mask_n)
+            if NEED_DBB:
+                tl.store(dBpart_ptr + part[:, None] * R + offs_r[None, :], dB_acc,
+                         mask=mask_n[:, None] & mask_r[None, :])
+        # The next column block re-reads this block's v stores, maybe from other threads of the program: a block
+        # barrier orders them (global writes are visible to the block after it).
+        tl.debug_barrier()
+
+
+@triton.jit
+def dora_bwd_finish_kernel(
+    # Pointers: the pass's partials, the magnitude and norm, the outputs
+    vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr, m_ptr, n_ptr, v_ptr, dm_ptr, db_ptr, dB_ptr,
+    # Sizes: PN column groups (partial copies of v), PM row groups (of dm, db, dB); the first V_PROGRAMS programs
+    # finish v, the others blocks of BLOCK_C columns
+    M, N, R, PN, PM, V_PROGRAMS,
+    s,
+    HAS_ADAPTER: tl.constexpr, NEED_DM: tl.constexpr, NEED_DBB: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # (The two branches name their values apart: a compiled if/else must give a shared name one type.)
+    if pid < V_PROGRAMS:  # v = sum of the column groups' partials, in B's dtype
+        offs_e = pid.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+        ok_e = offs_e < M * R
+        v = sum_parts(vpart_ptr, PN, M * R, offs_e, ok_e)
+        tl.store(v_ptr + offs_e, v.to(v_ptr.dtype.element_ty), mask=ok_e)
+    else:
+        cols = (pid - V_PROGRAMS) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cols < N
+        db = sum_parts(dbpart_ptr, PM, N, cols, ok)
+        tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=ok)
+        if HAS_ADAPTER:
+            if NEED_DM:
+                n = tl.load(n_ptr + cols, mask=ok, other=1.0)
+                dm = tl.math.div_rn(sum_parts(dmpart_ptr, PM, N, cols, ok), tl.maximum(n, NORM_EPS))
+                tl.store(dm_ptr + cols, dm.to(dm_ptr.dtype.element_ty), mask=ok)
+            if NEED_DBB:
+                sc = (s * magnitude_scale(m_ptr, n_ptr, cols, ok))[:, None]
+                offs_r = tl.arange(0, BLOCK_R)
+                for r0 in range(0, R, BLOCK_R):
+                    e = cols.to(tl.int64)[:, None] * R + r0 + offs_r[None, :]
+                    e_ok = ok[:, None] & (r0 + offs_r[None, :] < R)
+                    dB = sum_parts(dBpart_ptr, PM, N * R, e, e_ok) * sc
+                    tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
 
 
 def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
@@ -106,89 +222,96 @@ def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
     the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 8K values (32 per thread at 8 warps; the g and z
     tiles need the rest: 256 columns spilled, inspect), or 2K with fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
     Two stages: the pass streams g and z once, and three overflowed Ada's shared memory."""
-    br = max(16, triton.next_power_of_2(r))
+    br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
     bn = max(16, min(128, 8192 // br))
     return 32, bn, br, 4 if bn * br <= 2048 else 8, 2
 
 
-def _grid_shape(M: int, N: int, r: int, ieee: bool, device: torch.device):
-    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages, STEPS, programs along M, programs along N)."""
-    if interpreting():
-        bm, bn, br, warps, stages = 16, 32, max(16, triton.next_power_of_2(r)), 4, 1
-        target = 8
-    else:
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee)
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    pn = triton.cdiv(N, bn)
-    pm = max(1, min(triton.cdiv(M, bm), triton.cdiv(target, pn)))
-    steps = triton.cdiv(triton.cdiv(M, pm), bm)
-    pm = triton.cdiv(M, steps * bm)
-    return bm, bn, br, warps, stages, steps, pm, pn
+# Under the interpreter: two programs in all, so that the tests' small shapes still cross both loops (several row
+# blocks and several column blocks per program, the read-modify-write of v included).
+_INTERP_PROGRAMS = 2
 
 
-def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
-    """See dorafp8/backends/__init__.py. g [M, N] (any row stride), z [M, N] (any float dtype), c / srow [N] fp32."""
+def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, int, int, int]:
+    """(STEPS, CSTEPS, row groups pm, column groups pn) for `programs` programs (those that fit in one wave): the split
+    pm x pn = programs that makes the partials, 4 r (pn M + pm N) bytes, smallest, i.e. pn ~ sqrt(programs N / M),
+    each at most the number of tiles along its dimension."""
+    tiles_m, tiles_n = cdiv(M, bm), cdiv(N, bn)
+    pn = max(1, min(tiles_n, round(math.sqrt(programs * N / M))))
+    pm = max(1, min(tiles_m, cdiv(programs, pn)))
+    csteps = cdiv(tiles_n, pn)
+    steps = cdiv(tiles_m, pm)
+    return steps, csteps, cdiv(tiles_m, steps), cdiv(tiles_n, csteps)
+
+
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+    """See dorafp8/backends/base.py. g [M, N] (any row stride), z [M, N] (any float dtype), m [N] (any float dtype),
+    n / srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device
-    adapter = c is not None
-    tiny = torch.finfo(torch.float32).tiny
+    adapter = m is not None
     f32 = dict(dtype=torch.float32, device=dev)
-    rho_c = None
-    if adapter:
-        c = c.reshape(-1).float().contiguous()
-        f = (c - 1.0) if dropout else c
-        rho_c = c.abs().amax().clamp_min(tiny)
-        if srow is not None:
-            f = f * srow
-    else:
-        f = srow
-    write_gl = f is not None
-    if write_gl:
-        rl = f.abs().amax().clamp_min(tiny)
-        fl = (f / rl).float().contiguous()
-        gl = alloc((M, N), cdt, dev)
-    else:
-        rl, fl, gl = torch.ones((), **f32), g, g
-    write_gb = adapter and dropout and srow is not None
-    gb = rb = None
-    if adapter and dropout:
-        if write_gb:
-            rb = srow.abs().amax().clamp_min(tiny)
-            fb = (srow / rb).float().contiguous()
-            gb = alloc((M, N), cdt, dev)
-        else:
-            gb, rb = g, torch.ones((), **f32)
+    has_srow = srow is not None
+    write_gl = adapter or has_srow
+    write_gb = adapter and dropout and has_srow
     need_dm = adapter and need_dm
     need_dB = adapter and need_dB
     r = B.shape[1] if adapter else 1
+    gl = alloc((M, N), cdt, dev) if write_gl else g
+    gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
+    rs = alloc((2,), torch.float32, dev)  # (rl, rb), written by the pass (1 where they are 1)
     v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
     db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
     # fp32 (ieee) dots pick smaller tiles; a plain pass (no adapter, no dot) streams g only
     ieee = (adapter and v_ieee) or (need_dB and db_ieee)
-    bm, bn, br, warps, stages, steps, pm, pn = _grid_shape(M, N, r, ieee, dev)
-    vpart = torch.empty(pn, M, r, **f32) if adapter else None
+    if interpreting():
+        bm, bn, br, warps, stages = 16, 32, max(16, next_pow2(r)), 4, 1
+    else:
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee)
+    if adapter:
+        m, n = vector(m), vector(n, torch.float32)
+        if need_dm:
+            z = check_activation(z, "z", N)
+    ph = rs  # placeholder for pointers a variant never reads
+    srow = vector(srow, torch.float32) if has_srow else ph
+    consts = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=bool(dropout), HAS_SROW=has_srow, NEED_DM=need_dm,
+                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
+                  BLOCK_N=bn, SCAN=SCAN_N, num_warps=warps, num_stages=stages)
+
+    def args(steps, csteps, vpart, dmpart, dbpart, dBpart):
+        return (g, z if need_dm else ph, m if adapter else ph, n if adapter else ph, srow, B if adapter else ph,
+                u if need_dB else ph, gl if write_gl else ph, gb if write_gb else ph, rs, vpart, dmpart, dbpart,
+                dBpart, M, N, r, steps, csteps,
+                g.stride(0), z.stride(0) if need_dm else 0, B.stride(0) if adapter else 0,
+                B.stride(1) if adapter else 0, u.stride(0) if need_dB else 0, u.stride(1) if need_dB else 0,
+                gl.stride(0) if write_gl else 0, gb.stride(0) if write_gb else 0)
+
+    if interpreting():
+        programs = _INTERP_PROGRAMS
+    else:  # the programs that fit in one wave, from the compiled kernel's registers and shared memory
+        key = ("bwd_pass", tuple(consts.items()), cdt, B.dtype if adapter else None, M % 16 == 0, N % 16 == 0)
+        programs = programs_that_fit(dora_bwd_pass_kernel, key, args(1, 1, ph, ph, ph, ph), consts, dev)
+    steps, csteps, pm, pn = _grid_shape(M, N, bm, bn, programs)
+    vpart = torch.empty(pn, M, r, **f32) if adapter else ph
     dbpart = torch.empty(pm, N, **f32)
-    dmpart = torch.empty(pm, N, **f32) if need_dm else None
-    dBpart = torch.empty(pm, N, r, **f32) if need_dB else None
-    if need_dm:
-        z = check_activation(z, "z", N)
-    ph = dbpart  # placeholder for pointers a variant never reads
-    dora_bwd_pass_kernel[(pm, pn)](
-        g, z if need_dm else ph, (c / rho_c).contiguous() if adapter else ph, rho_c.reshape(1) if adapter else ph, fl if write_gl else ph, fb if write_gb else ph,
-        B if adapter else ph, u if need_dB else ph,
-        gl if write_gl else ph, gb if write_gb else ph, vpart if adapter else ph, dmpart if need_dm else ph, dbpart,
-        dBpart if need_dB else ph,
-        M, N, r, steps,
-        g.stride(0), z.stride(0) if need_dm else 0, B.stride(0) if adapter else 0, B.stride(1) if adapter else 0,
-        u.stride(0) if need_dB else 0, u.stride(1) if need_dB else 0, gl.stride(0) if write_gl else 0,
-        gb.stride(0) if write_gb else 0,
-        HAS_ADAPTER=adapter, WRITE_GL=write_gl, WRITE_GB=write_gb, NEED_DM=need_dm, NEED_DBB=need_dB,
-        V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps, num_stages=stages,
+    dmpart = torch.empty(pm, N, **f32) if need_dm else ph
+    dBpart = torch.empty(pm, N, r, **f32) if need_dB else ph
+    launch(dora_bwd_pass_kernel, (pm, pn))(*args(steps, csteps, vpart, dmpart, dbpart, dBpart), **consts)
+
+    v = alloc((M, r), B.dtype, dev) if adapter else None
+    dm = alloc((N,), m.dtype, dev) if need_dm else None
+    dB = alloc((N, r), B.dtype, dev) if need_dB else None
+    db = alloc((N,), cdt, dev)
+    block_e, block_c, block_rc = (64, 32, 16) if interpreting() else FINISH_BLOCKS
+    v_programs = cdiv(M * r, block_e) if adapter else 0
+    launch(dora_bwd_finish_kernel, (v_programs + cdiv(N, block_c),))(
+        vpart, dmpart, dbpart, dBpart, m if adapter else ph, n if adapter else ph, v if adapter else ph,
+        dm if need_dm else ph, db, dB if need_dB else ph,
+        M, N, r, pn, pm, v_programs, float(s),
+        HAS_ADAPTER=adapter, NEED_DM=need_dm, NEED_DBB=need_dB, BLOCK_E=block_e, BLOCK_C=block_c,
+        BLOCK_R=min(br, block_rc), num_warps=4, num_stages=1,
     )
-    v = vpart.sum(0).to(B.dtype) if adapter else None
-    return (gl, rl, gb, rb, v, dmpart.sum(0) if need_dm else None, dbpart.sum(0),
-            dBpart.sum(0) if need_dB else None)
+    return gl, rs, gb, v, dm, db, dB

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight, dot_dtype,
-                      fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size, w8_via_f32,
-                      fp8_promote)
+from ._common import (dot, grouped_tile, alloc, autotuned, block_r, cdiv, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, gemm_configs, last_dim_unit, launch, m_bucket, scale_block_size,
+                      fp8_promote, w8_via_f32)
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -221,13 +221,13 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     ieee = ieee and not quant
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
-    configs = fit_reduction_block(gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
-                                               quant and fp8_promote(gl.device)),
-                                  "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
-    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"])
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(K, meta["BLOCK_K"]),)
-    kernel[grid](
+    configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
+        gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles, quant and fp8_promote(gl.device)),
+        "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
+    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device)
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_K"]),)
+    launch(kernel, grid)(
         gl, gb, sgl, sgb, rl, rb, w, scale, v, A, mask, dx,
         M, N, K, r, m_bucket(M),
         gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v.stride(0),
@@ -255,8 +255,8 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     tb = tb if has_dropout else t
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     bm, bk = epilogue_blocks(lora_ieee)
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-    dgrad_epilogue_kernel[grid](
+    grid = (cdiv(M, bm), cdiv(K, bk))
+    launch(dgrad_epilogue_kernel, grid)(
         t, tb, rl, rb, scale, v, A, mask, dx,
         M, K, r,
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),

@@ -2,7 +2,9 @@
 
     no dropout: y = c * (x W0^T + s u B^T) + bias                      z = x W0^T + s u B^T
     dropout:    y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T  z = xd W0^T + s u B^T
-    plain:      y = x W0^T + bias                                      (c is None)
+    plain:      y = x W0^T + bias                                      (m is None)
+
+with c = m / max(n, NORM_EPS), computed in the epilogue from the magnitude m and the weight norm n.
 
 where xd W0^T = (xm W0^T) / (1 - p): the kernel multiplies xm = x * mask (exact in the compute dtype) and scales the
 fp32 product, so the dropout scaling never rounds an operand.
@@ -20,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, grouped_tile, alloc, autotuned, block_r, check_activation, check_weight,
-                      dot_dtype, fit_reduction_block, gemm_configs, last_dim_unit, m_bucket, scale_block_size,
+from ._common import (dot, grouped_tile, alloc, autotuned, block_r, cdiv, check_activation, check_weight,
+                      dot_dtype, fit_reduction_block, gemm_configs, launch, m_bucket, magnitude_scale,
+                      scale_block_size, vector,
                       fp8_promote, w8_via_f32)
 from .gemm import w8_gemm_loop
 
@@ -48,7 +51,7 @@ def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, s
 def _fwd_epilogue(
     acc, acc_d,  # fp32 [BLOCK_N, BLOCK_M]: (x W8'^T)^T and (xm W8'^T)^T, W8' = w8 with block scales applied
     offs_m, offs_n, mask_m, mask_n,
-    sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    sx_ptr, sxm_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
@@ -79,7 +82,7 @@ def _fwd_epilogue(
         if HAS_LORA:
             t = _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n,
                            stride_b_r, LORA_DT, LORA_IEEE, BLOCK_R)
-        c = tl.load(c_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
         if HAS_DROPOUT:
             t_d = acc_d * (sc * inv_keep / s_mul)  # xd W0^T = (xm W0^T) / (1 - p)
             if ACT_QUANT:
@@ -108,7 +111,7 @@ def _fwd_epilogue(
 @triton.jit
 def dora_fwd_kernel(
     # Pointers
-    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
@@ -118,7 +121,7 @@ def dora_fwd_kernel(
     # Scalars
     s, inv_keep,
     # Meta-parameters
-    HAS_ADAPTER: tl.constexpr,  # c, u, B given (else plain FP8 linear)
+    HAS_ADAPTER: tl.constexpr,  # m, n, u, B given (else plain FP8 linear); c = m / max(n, eps) in the epilogue
     HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
@@ -161,7 +164,7 @@ def dora_fwd_kernel(
                               BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
-                  sx_ptr, sxm_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+                  sx_ptr, sxm_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
@@ -170,7 +173,7 @@ def dora_fwd_kernel(
 @triton.jit
 def fwd_epilogue_kernel(
     # Pointers: base = x W8'^T and base_d = xm W8'^T computed elsewhere (cuBLAS), [M, N] in any float dtype
-    base_ptr, based_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    base_ptr, based_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     M, N, R,
     stride_base_m, stride_based_m, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m,
     s, inv_keep,
@@ -191,7 +194,7 @@ def fwd_epilogue_kernel(
         acc_d = tl.load(based_ptr + rows_m[None, :] * stride_based_m + offs_n[:, None], mask=tile,
                         other=0.0).to(tl.float32)
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
-                  scale_ptr, scale_ptr, scale_ptr, bias_ptr, c_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+                  scale_ptr, scale_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE,
                   BLOCK_R, BLOCK_M, BLOCK_N)
@@ -203,38 +206,39 @@ def epilogue_blocks(ieee: bool) -> tuple[int, int]:
     return (16, 64) if ieee else (32, 64)
 
 
-def _epilogue_args(M, N, cdt, device, bias, c, u, B, need_z, z_dtype, scale):
-    """Checks the epilogue's operands; returns (r, u, B, c, bias_t, y, z, want_z) with placeholders for absent ones."""
-    has_adapter = c is not None
+def _epilogue_args(M, N, cdt, device, bias, m, n, u, B, need_z, z_dtype, scale):
+    """Checks the epilogue's operands; returns (r, u, B, m, n, bias_t, y, z, want_z) with placeholders for absent
+    ones."""
+    has_adapter = m is not None
     if has_adapter:
         r = u.shape[1]
-        if tuple(u.shape) != (M, r) or tuple(B.shape) != (N, r) or c.numel() != N:
-            raise ValueError(f"u must be [{M}, r], B [{N}, r], c [{N}]; got {tuple(u.shape)}, {tuple(B.shape)}, "
-                             f"{tuple(c.shape)}")
-        c = c.reshape(-1).float().contiguous()
+        if tuple(u.shape) != (M, r) or tuple(B.shape) != (N, r) or m.numel() != N or n.numel() != N:
+            raise ValueError(f"u must be [{M}, r], B [{N}, r], m and n [{N}]; got {tuple(u.shape)}, "
+                             f"{tuple(B.shape)}, {tuple(m.shape)}, {tuple(n.shape)}")
+        m, n = vector(m), vector(n, torch.float32)
     else:
         ph = scale.reshape(-1)[:1].reshape(1, 1)
-        r, u, B, c = 1, ph, ph, scale  # placeholders, never read
+        r, u, B, m, n = 1, ph, ph, scale, scale  # placeholders, never read
     if bias is not None and bias.numel() != N:
         raise ValueError(f"bias must have {N} elements, got {tuple(bias.shape)}")
     bias_t = bias.reshape(-1).contiguous() if bias is not None else scale
     y = alloc((M, N), cdt, device)
     want_z = has_adapter and bool(need_z)
     z = alloc((M, N), z_dtype, device) if want_z else y
-    return r, u, B, c, bias_t, y, z, want_z
+    return r, u, B, m, n, bias_t, y, z, want_z
 
 
 def _inv_keep(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
-    """(y, z); see dorafp8/backends/__init__.py. x, xm [M, K], u [M, r] may have any row stride."""
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
+    """(y, z); see dorafp8/backends/base.py. x, xm [M, K], u [M, r] may have any row stride."""
     scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype
-    has_adapter = c is not None
+    has_adapter = m is not None
     has_dropout = has_adapter and xm is not None
     if has_dropout:
         xm = check_activation(xm, "xm", K)
@@ -242,7 +246,8 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
             raise ValueError(f"xm must be [{M}, {K}], got {list(xm.shape)}")
     else:
         xm = x
-    r, u, B, c, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, x.device, bias, c, u, B, need_z, z_dtype, scale)
+    r, u, B, m, n, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, x.device, bias, m, n, u, B, need_z, z_dtype,
+                                                         scale)
     if M == 0 or N == 0:
         return y, (z if want_z else None)
 
@@ -258,14 +263,14 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
-    configs = fit_reduction_block(gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles,
-                                               quant and fp8_promote(x.device)),
-                                  "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size))
-    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"])
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-    kernel[grid](
-        x, xm, sx, sxm, w8, scale, bias_t, c, u, B, y, z,
+    configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
+        gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles, quant and fp8_promote(x.device)),
+        "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
+    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device)
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
+    launch(kernel, grid)(
+        x, xm, sx, sxm, w8, scale, bias_t, m, n, u, B, y, z,
         M, N, K, r, m_bucket(M),
         x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind == "block" else 0, u.stride(0),
         u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
@@ -273,28 +278,30 @@ def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, 
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
         HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device),
-        FP8_PROMOTE=fp8_promote(x.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
+        FP8_PROMOTE=fp8_promote(x.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
+        BLOCK_R=block_r(r, lora_ieee),
     )
     return y, (z if want_z else None)
 
 
-def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, c, u, B, s, need_z, z_dtype, cdt):
+def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, m, n, u, B, s, need_z, z_dtype, cdt):
     """The forward epilogue alone, on base products computed elsewhere (the cuBLAS strategy): base = x W8'^T and
     base_d = xm W8'^T (None without dropout; p the dropout probability), [M, N] in any float dtype with unit last
     stride, W8' = w8 with block scales already applied (per-tensor and per-row scales are applied here)."""
     scale, kind = check_weight(w8, scale, block_size)
     M, N = base.shape
-    has_adapter = c is not None
+    has_adapter = m is not None
     has_dropout = has_adapter and base_d is not None
-    r, u, B, c, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, base.device, bias, c, u, B, need_z, z_dtype, scale)
+    r, u, B, m, n, bias_t, y, z, want_z = _epilogue_args(M, N, cdt, base.device, bias, m, n, u, B, need_z, z_dtype,
+                                                         scale)
     if M == 0 or N == 0:
         return y, (z if want_z else None)
     base_d = base_d if has_dropout else base
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     bm, bn = epilogue_blocks(lora_ieee)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    fwd_epilogue_kernel[grid](
-        base, base_d, scale, bias_t, c, u, B, y, z,
+    grid = (cdiv(M, bm), cdiv(N, bn))
+    launch(fwd_epilogue_kernel, grid)(
+        base, base_d, scale, bias_t, m, n, u, B, y, z,
         M, N, r,
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
         z.stride(0), float(s), _inv_keep(p),

@@ -32,10 +32,10 @@ import triton
 
 from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
-from .backward import dora_bwd_pass_kernel, bwd_pass_blocks
+from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
-from .lowrank import project_grad_kernel, project_kernel, launch_blocks
+from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
@@ -154,8 +154,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
 def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
     # z has the promoted dtype of x and the adapters (the autograd Function's z_dtype)
     args = dict(
-        x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, c_ptr=F32,
-        u_ptr=rdt, b_ptr=rdt, y_ptr=dt, z_ptr=torch.promote_types(dt, rdt),
+        x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, m_ptr=F32,
+        n_ptr=F32, u_ptr=rdt, b_ptr=rdt, y_ptr=dt, z_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
@@ -199,7 +199,8 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
         dot_dt, ieee = dot_dtype(dt)
         r = RANK if adapter else 1
         args = dict(
-            base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, c_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt, z_ptr=dt,
+            base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, m_ptr=F32, n_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt,
+            z_ptr=dt,
             M=LARGE_M, N=N, R=r,
             stride_base_m=N, stride_based_m=N, stride_u_m=r if adapter else 1, stride_u_r=1,
             stride_b_n=r if adapter else 1, stride_b_r=1, stride_y_m=N, stride_z_m=N,
@@ -245,21 +246,21 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         v_dt, v_ieee = dot_dtype(dt, rdt)
         bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
         args = dict(
-            g_ptr=dt, z_ptr=rdt if dt != rdt else dt, c_ptr=F32, rhoc_ptr=F32, fl_ptr=F32, fb_ptr=F32, b_ptr=rdt,
-            u_ptr=rdt, gl_ptr=dt, gb_ptr=dt, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
-            M=LARGE_M, N=N, R=r, STEPS=8,
+            g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=dt, gb_ptr=dt,
+            rs_ptr=F32, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
+            M=LARGE_M, N=N, R=r, STEPS=8, CSTEPS=2,
             stride_g_m=N, stride_z_m=N, stride_b_n=r, stride_b_r=1, stride_u_m=r, stride_u_r=1, stride_gl_m=N,
             stride_gb_m=N,
         )
-        constexprs = dict(HAS_ADAPTER=adapter, WRITE_GL=adapter or srow, WRITE_GB=dropout and srow,
-                          NEED_DM=adapter, NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
-                          BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn)
+        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_SROW=srow, NEED_DM=adapter,
+                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
+                          BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn, SCAN=SCAN_N)
         name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
         out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))
     return out
 
 
-def _rank_gemm_variants(kernel_args):
+def _rank_gemm_variants(kernel_args, **extra_constexprs):
     """Variants of the rank-r GEMMs (project, project_grad): activations in each dtype, the rank path in the same dtype
     or fp32 (fp32 adapters on 16-bit activations), with and without the dropout mask; `kernel_args(dt, rdt, mask)`
     gives the kernel's runtime arguments."""
@@ -274,7 +275,7 @@ def _rank_gemm_variants(kernel_args):
             args = dict(kernel_args(dt, rdt, mask), M=LARGE_M, K=K, R=RANK, stride_mask_m=K if mask else 0,
                         inv_keep=1.0 / 0.9 if mask else 1.0)
             name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
-            out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee),
+            out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee, **extra_constexprs),
                                _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_stages=stages)))
         return out
     return variants
@@ -285,7 +286,31 @@ _project_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     stride_out_m=RANK))
 _project_grad_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt, ROWS_PER_SPLIT=512, stride_v_m=RANK,
-    stride_v_r=1, stride_a_m=K))
+    stride_v_r=1, stride_a_m=K, s=0.5), FINAL=False)
+
+
+def _bwd_finish_variants(arch: str) -> list[Variant]:
+    """The backward pass's second stage: v (in the rank dtype) from the column groups' partials, db / dm / dB from the
+    row groups' (the launcher's blocks, FINISH_BLOCKS)."""
+    out = []
+    for (dt_name, dt), rdt_name, r in itertools.product(DTYPES.items(), ("same", "fp32"), (16, 128)):
+        rdt = dt if rdt_name == "same" else torch.float32
+        if rdt_name == "fp32" and dt == torch.float32:
+            continue
+        args = dict(vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32, m_ptr=rdt, n_ptr=F32, v_ptr=rdt,
+                    dm_ptr=rdt, db_ptr=dt, dB_ptr=rdt, M=LARGE_M, N=N, R=r, PN=12, PM=22,
+                    V_PROGRAMS=LARGE_M * r // FINISH_BLOCKS[0], s=0.5)
+        be, bc, brc = FINISH_BLOCKS
+        constexprs = dict(HAS_ADAPTER=True, NEED_DM=True, NEED_DBB=True, BLOCK_E=be, BLOCK_C=bc,
+                          BLOCK_R=min(brc, max(16, r)))
+        out.append(Variant(f"adapter,r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}", dt_name, args, constexprs,
+                           _fixed(num_warps=4, num_stages=1)))
+    return out
+
+
+def _sum_splits_variants(arch: str) -> list[Variant]:
+    return [Variant(f"-> {dt_name}", dt_name, dict(part_ptr=F32, out_ptr=dt, SPLITS=9, NUMEL=RANK * K, s=0.5),
+                    dict(BLOCK=1024), _fixed(num_warps=4, num_stages=1)) for dt_name, dt in DTYPES.items()]
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
@@ -301,8 +326,10 @@ SPECS = [
     KernelSpec("forward", dora_fwd_kernel, _forward_variants),
     KernelSpec("dgrad", dora_dgrad_kernel, _dgrad_variants),
     KernelSpec("backward_pass", dora_bwd_pass_kernel, _bwd_pass_variants, weight_arg=None),
+    KernelSpec("backward_finish", dora_bwd_finish_kernel, _bwd_finish_variants, weight_arg=None),
     KernelSpec("project", project_kernel, _project_variants, weight_arg=None),
     KernelSpec("project_grad", project_grad_kernel, _project_grad_variants, weight_arg=None),
+    KernelSpec("sum_splits", sum_splits_kernel, _sum_splits_variants, weight_arg=None),
     KernelSpec("rowwise_quant", rowwise_quant_kernel, _rowwise_quant_variants, weight_arg=None),
     KernelSpec("forward_epilogue", fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
     KernelSpec("dgrad_epilogue", dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),

@@ -1,7 +1,7 @@
 """The skinny GEMMs of the rank-r path, with mixed dtypes and fp32 accumulation:
 
     project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward
-    project_grad(v, a)  v [M, r]^T @ a [M, K] -> [r, K]     dA / s in the backward (fp32)
+    project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
 With a dropout mask, a is x and the kernels form xd = x * mask / (1 - p) in fp32 as they load it, as PEFT forms the
 dropped-out input in the adapters' dtype: exact for fp32 adapters, and no xd to store between forward and backward.
@@ -9,8 +9,8 @@ dropped-out input in the adapters' dtype: exact for fp32 adapters, and no xd to 
 The activations (a) are in the compute dtype, the adapter side in the rank dtype, which may be wider: fp32 adapters
 on bf16 activations compute in fp32 from the exact bf16 values, as PEFT does (it casts x to lora_A's dtype), without
 an fp32 copy of the activation in memory. Equal 16-bit dtypes use the tensor cores.
-project_grad reduces over M, which is long: programs split M and write fp32 partials that torch sums in a fixed order
-(deterministic, no atomics).
+project_grad reduces over M, which is long: programs split M and write fp32 partials that a second small kernel sums
+in a fixed order, scales by s and rounds once (deterministic, no atomics); with one split the GEMM writes dA itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot, alloc, block_r, check_activation, dot_dtype, interpreting, last_dim_unit
+from ._common import (dot, alloc, block_r, cdiv, check_activation, dot_dtype, interpreting, last_dim_unit, launch,
+                      sm_props, sum_parts)
 
 
 def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
@@ -69,10 +70,11 @@ def project_grad_kernel(
     v_ptr, a_ptr, part_ptr, mask_ptr,
     M, K, R, ROWS_PER_SPLIT,
     stride_v_m, stride_v_r, stride_a_m, stride_mask_m,
-    inv_keep,
-    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    inv_keep, s,
+    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """FINAL (one split): part_ptr is dA itself, written as s * acc in its dtype; else fp32 partials [splits, R, K]."""
     pid_k, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -94,7 +96,18 @@ def project_grad_kernel(
             a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
         acc = dot(vt, a.to(DOT_DT), acc, IEEE)
     part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
-    tl.store(part, acc, mask=mask_r[:, None] & mask_k[None, :])
+    if FINAL:
+        tl.store(part, (acc * s).to(part_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_k[None, :])
+    else:
+        tl.store(part, acc, mask=mask_r[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def sum_splits_kernel(part_ptr, out_ptr, SPLITS, NUMEL, s, BLOCK: tl.constexpr):
+    """out = s * sum_p part[p] (fixed order), rounded once to out's dtype: project_grad's second stage."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < NUMEL
+    tl.store(out_ptr + offs, (sum_parts(part_ptr, SPLITS, NUMEL, offs, ok) * s).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _mask_args(mask, p, a):
@@ -118,34 +131,40 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
     bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
-    project_kernel[(triton.cdiv(M, bm), triton.cdiv(R, br))](
+    launch(project_kernel, (cdiv(M, bm), cdiv(R, br)))(
         a, b, out, mk, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, inv_keep,
         HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
         num_stages=stages)
     return out
 
 
-def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0) -> torch.Tensor:
-    """v^T @ a' in fp32 [r, K] (a' = a * mask / (1 - p) with a mask); see the module docstring."""
+def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s: float = 1.0,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """s * v^T @ a' [r, K] in out_dtype (a' = a * mask / (1 - p) with a mask); see the module docstring."""
     M, K = a.shape
     a = check_activation(a, "a", K)
     R = v.shape[1]
     if M == 0:
-        return torch.zeros(R, K, dtype=torch.float32, device=a.device)
+        return torch.zeros(R, K, dtype=out_dtype, device=a.device)
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, v.dtype)
     if interpreting():
         bm, bk, br, stages, splits = 16, 32, block_r(R), 1, 2
     else:
         bm, bk, br, stages = launch_blocks(ieee, R)
-        programs = triton.cdiv(K, bk) * triton.cdiv(R, br)
-        target = 4 * torch.cuda.get_device_properties(a.device).multi_processor_count
-        splits = max(1, min(triton.cdiv(M, bm * 4), triton.cdiv(target, programs)))
-    rows = triton.cdiv(triton.cdiv(M, splits), bm) * bm
-    splits = triton.cdiv(M, rows)
-    part = torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
-    project_grad_kernel[(triton.cdiv(K, bk), triton.cdiv(R, br), splits)](
-        v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep,
-        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
-        num_stages=stages)
-    return part.sum(0)
+        programs = cdiv(K, bk) * cdiv(R, br)
+        target = 4 * sm_props(a.device)[0]
+        splits = max(1, min(cdiv(M, bm * 4), cdiv(target, programs)))
+    rows = cdiv(cdiv(M, splits), bm) * bm
+    splits = cdiv(M, rows)
+    out = alloc((R, K), out_dtype, a.device)
+    part = out if splits == 1 else torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
+    launch(project_grad_kernel, (cdiv(K, bk), cdiv(R, br), splits))(
+        v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep, float(s),
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, FINAL=splits == 1, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+        num_warps=4, num_stages=stages)
+    if splits > 1:
+        block = 64 if interpreting() else 1024
+        launch(sum_splits_kernel, (cdiv(R * K, block),))(part, out, splits, R * K, float(s), BLOCK=block,
+                                                                num_warps=4, num_stages=1)
+    return out

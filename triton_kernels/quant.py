@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc, interpreting
+from ._common import alloc, cdiv, interpreting, launch
 
 E4M3_MAX = tl.constexpr(448.0)  # a constexpr: the only kind of global a compiled kernel may read
 QUANT_BLOCKS = (8, 512)  # (BLOCK_M, BLOCK_K) on a GPU
@@ -68,6 +68,6 @@ def rowwise_quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M == 0:
         return q, sigma
     bm, bk = (4, 32) if interpreting() else QUANT_BLOCKS
-    rowwise_quant_kernel[(triton.cdiv(M, bm),)](t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
-                                                 BLOCK_K=bk, INTERPRET=interpreting(), num_warps=4)
+    launch(rowwise_quant_kernel, (cdiv(M, bm),))(t, q, sigma, M, K, t.stride(0), q.stride(0), BLOCK_M=bm,
+                                                        BLOCK_K=bk, INTERPRET=interpreting(), num_warps=4)
     return q, sigma

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, alloc, autotuned, block_r, check_weight, dot_dtype, scale_block_size,
+from ._common import (dot, alloc, autotuned, block_r, cdiv, check_weight, dot_dtype, launch, scale_block_size,
                       weight_norm_configs)
 
 
@@ -111,8 +111,8 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch
     br = weight_norm_block_r(r, ieee)
     configs = weight_norm_configs(w8.device, fp32=ieee)
     kernel = autotuned(dora_weight_norm_kernel, ("wn", ieee), configs, ["N", "K", "R"], ["n_ptr"])
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)
-    kernel[grid](
+    grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)
+    launch(kernel, grid)(
         w8, scale, A, B, n,
         N, K, r,
         w8.stride(0), scale.stride(0) if kind == "block" else 0, A.stride(0), A.stride(1), B.stride(0),

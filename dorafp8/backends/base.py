@@ -4,9 +4,9 @@ A backend is a module (or an object) with the six functions of `Backend` below, 
 `unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (the FEATURES it computes; all by default).
 The custom ops (dorafp8/ops/_custom_ops.py) call these functions with keyword arguments only, so a backend's
 parameter order is free but its parameter names are not: tests/ops/test_backend_contract.py checks every backend against this
-Protocol. The autograd Functions in dorafp8/ops do the rest (dropout masks, c = m / n, the final scalings of dm, dB,
-dA) in PyTorch, identically for all backends. The reference backend (reference.py) is the twin every other one is
-tested against.
+Protocol. The autograd Functions in dorafp8/ops draw the dropout mask and call these; everything else, c = m / n and
+the final scalings and dtypes of the gradients included, is the backend's, so that a fused backend launches no
+PyTorch op between its kernels. The reference backend (reference.py) is the twin every other one is tested against.
 
 Names: x [M, K]; w8 [N, K] float8_e4m3fn; rank r; "cdt" = the compute dtype of the activations (fp32/bf16/fp16);
 "rdt" = the rank dtype of the low-rank path (u, v, A, B; fp32/bf16/fp16, see docs/DORA_MATH.md "Dtype policy").
@@ -45,6 +45,17 @@ FEATURES = {
 }
 
 
+# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
+# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
+# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
+NORM_EPS = 1e-12
+
+
+def magnitude_scale(m: Tensor, n: Tensor) -> Tensor:
+    """c = m / max(n, NORM_EPS) in fp32 [N]: the one formula every backend computes (the Triton kernels in-kernel)."""
+    return m.reshape(-1).float() / n.reshape(-1).float().clamp_min(NORM_EPS)
+
+
 def not_supported(backend: str, feature: str, detail: str = "", alternatives: tuple[str, ...] = ()) -> ValueError:
     """The one refusal every backend and the registry raise for a feature the backend does not compute."""
     verb = "are" if feature == "block" else "is"
@@ -65,15 +76,19 @@ class Backend(Protocol):
         dropout mask (bool [M, K]) is given: the dropped-out activation as PEFT forms it (in the adapters' dtype),
         without materializing it."""
 
-    def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float) -> Tensor:
-        """v^T @ a' (dA / s in the backward): v [M, r] (rdt), a [M, K] (cdt), a' as in project: fp32 [r, K]."""
+    def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float,
+                     out_dtype: torch.dtype) -> Tensor:
+        """s * v^T @ a' (dA in the backward): v [M, r] (rdt), a [M, K] (cdt), a' as in project: [r, K] in out_dtype,
+        accumulated and scaled in fp32, rounded once."""
 
     def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor],
-                c: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor],
-                p: float, need_z: bool, z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
+                m: Optional[Tensor], n: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float,
+                xm: Optional[Tensor], p: float, need_z: bool, z_dtype: torch.dtype, act_quant: str
+                ) -> tuple[Tensor, Optional[Tensor]]:
         """(y, z).
-        c is None: plain FP8 linear, y = x W0^T + bias, z is None (u, B, xm are None).
-        c [N] fp32, u [M, r] rdt (= xd A^T), B [N, r] rdt:
+        m is None: plain FP8 linear, y = x W0^T + bias, z is None (n, u, B, xm are None).
+        m [N] (the magnitude, any float dtype), n [N] fp32 (the weight norm, unclamped), u [M, r] rdt (= xd A^T),
+        B [N, r] rdt, with c = magnitude_scale(m, n) = m / max(n, NORM_EPS) in fp32:
           no dropout (xm is None): y = c * (x W0^T + s u B^T) + bias
           dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
         with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in
@@ -81,23 +96,26 @@ class Backend(Protocol):
         z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N]
         cdt."""
 
-    def backward_pass(self, g: Tensor, z: Optional[Tensor], c: Optional[Tensor], srow: Optional[Tensor],
-                      B: Optional[Tensor], u: Optional[Tensor], dropout: bool, need_dm: bool, need_dB: bool
-                      ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor],
-                                 Optional[Tensor], Tensor, Optional[Tensor]]:
-        """(gl, rl, gb, rb, v, dm, db, dB): one pass over g [M, N] (and z) that prepares everything the backward
-        needs from them, in fp32:
-          gl, rl: the dgrad's left operand and its scalar: gl = g * f / rl in cdt with f = c * srow (no dropout) or
-                  (c - 1) * srow (dropout), rl = max|f| (fp32 0-dim, >= tiny), so that |gl| <= |g|: it cannot
-                  overflow fp16 where g does not; srow is the per-row weight scale [N], or None (ones) for tensor /
-                  block scales.
-          gb, rb: with dropout, the operand of the plain base term: g * srow / rb (or g itself and rb = 1 when srow
-                  is None); (None, None) without dropout.
+    def backward_pass(self, g: Tensor, z: Optional[Tensor], m: Optional[Tensor], n: Optional[Tensor],
+                      srow: Optional[Tensor], B: Optional[Tensor], u: Optional[Tensor], s: float, dropout: bool,
+                      need_dm: bool, need_dB: bool
+                      ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor,
+                                 Optional[Tensor]]:
+        """(gl, rs, gb, v, dm, db, dB): one pass over g [M, N] (and z) that prepares everything the backward
+        needs from them, computed in fp32, with c = magnitude_scale(m, n) (m, n as in forward):
+          gl: the dgrad's left operand, gl = g * f / rl in cdt with f = c * srow (no dropout) or (c - 1) * srow
+              (dropout), rl = max|f| (>= tiny), so that |gl| <= |g|: it cannot overflow fp16 where g does not; srow
+              is the per-row weight scale [N], or None (ones) for tensor / block scales.
+          gb: with dropout, the operand of the plain base term: g * srow / rb with rb = max|srow| (or g itself and
+              rb = 1 when srow is None); None without dropout.
+          rs: fp32 [2] = (rl, rb), rb = 1 without dropout (one tensor, so that a kernel can write both and the
+              caller take 0-dim views of it, with no copy).
           v  = (g * c) B                          [M, r] rdt (fp32 products)
-          dm = sum_i g[i, :] * z[i, :]            [N] fp32 (None unless need_dm; the caller divides by n)
-          db = sum_i g[i, :]                      [N] fp32
-          dB = g^T u                              [N, r] fp32 (None unless need_dB; the caller scales by s * c)
-        c is None (a plain FP8Linear): only gl, rl (f = srow; gl = g and rl = 1 when srow is None) and db."""
+          dm = sum_i g[i, :] * z[i, :] / max(n, NORM_EPS)   [N] in m's dtype (None unless need_dm)
+          db = sum_i g[i, :]                      [N] in g's dtype
+          dB = s * c * (g^T u)                    [N, r] in B's dtype (None unless need_dB)
+        the sums in fp32, each result rounded once. m is None (a plain FP8Linear): only gl, rs (f = srow; gl = g
+        and rl = 1 when srow is None) and db."""
 
     def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, v: Optional[Tensor],
               A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],

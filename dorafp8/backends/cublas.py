@@ -61,17 +61,17 @@ def _not_w8a8(act_quant):
         raise not_supported("cublas", "rowwise", alternatives=("triton", "reference"))  # _scaled_mm, no fused epilogue
 
 
-def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     _not_w8a8(act_quant)
     w, kappa = _transient_weight(w8, scale, block_size, x.dtype)
     base = x @ w.T
-    base_d = xm @ w.T if (c is not None and xm is not None) else None
+    base_d = xm @ w.T if (m is not None and xm is not None) else None
     del w
     # What is left of the scale for the epilogue: per tensor nothing (1), per row the ratios to kappa; a block scale
     # tells the epilogue that the scales were applied already.
     kind = scale_kind(scale)
     rest = torch.ones((), device=x.device) if kind == "tensor" else scale / kappa if kind == "row" else scale
-    return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, c, u, B, s, need_z, z_dtype, x.dtype)
+    return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, m, n, u, B, s, need_z, z_dtype, x.dtype)
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import not_supported
+from .base import magnitude_scale, not_supported
 
 try:
     from dorafp8 import _C
@@ -164,11 +164,11 @@ class CudaBackend:
     def project(self, a, b, out_dtype, mask, p):
         return rank_ops(a.device).project(a, b, out_dtype, mask, p)
 
-    def project_grad(self, v, a, mask, p):
-        return rank_ops(a.device).project_grad(v, a, mask, p)
+    def project_grad(self, v, a, mask, p, s, out_dtype):
+        return rank_ops(a.device).project_grad(v, a, mask, p, s, out_dtype)
 
-    def backward_pass(self, g, z, c, srow, B, u, dropout, need_dm, need_dB):
-        return rank_ops(g.device).backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB)
+    def backward_pass(self, g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+        return rank_ops(g.device).backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB)
 
     def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
         sc = _weight_scale(scale)
@@ -180,12 +180,13 @@ class CudaBackend:
         self._launch().weight_norm(w8.contiguous(), sc, _small(A, adt), _small(B, adt), float(s), n)
         return n
 
-    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor], c: Optional[Tensor],
-                u: Optional[Tensor], B: Optional[Tensor], s: float, xm: Optional[Tensor], p: float, need_z: bool,
-                z_dtype: torch.dtype, act_quant: str) -> tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor],
+                m: Optional[Tensor], n: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float,
+                xm: Optional[Tensor], p: float, need_z: bool, z_dtype: torch.dtype, act_quant: str
+                ) -> tuple[Tensor, Optional[Tensor]]:
         x, sc, y = _gemm_operands(x, scale, act_quant, w8.shape[0])
         cdt = x.dtype
-        if c is None:  # plain FP8 linear
+        if m is None:  # plain FP8 linear
             self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), None, None, None, 0.0, None, 0.0, y,
                                    None)
             return y, None
@@ -193,6 +194,7 @@ class CudaBackend:
         # z straight from the kernel in the compute dtype or fp32; another z_dtype is the fp32 z rounded once.
         zdt = cdt if z_dtype == cdt else torch.float32
         z = _empty(y.shape, zdt, x.device) if need_z else None
+        c = magnitude_scale(m, n)  # the kernel reads c (the Triton kernels compute it themselves)
         self._launch().forward(x, w8.contiguous(), sc, _small(bias, cdt), _small(c, torch.float32), _small(u, rdt),
                                _small(B, rdt), float(s), None if xm is None else _rows(xm.to(cdt)),
                                float(p) if xm is not None else 0.0, y, z)

@@ -31,8 +31,9 @@ import torch
 from . import reference
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
 from ..quant import row_blocks, scale_kind, scale_rows
+from .base import magnitude_scale
 
-project_grad = reference.project_grad  # fp32 [r, K] by contract: the reference's fp32 product
+project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
 
 
 def weight_norm(w8, scale, block_size, A, B, s):
@@ -102,10 +103,11 @@ def _out_scale(scale):
     return None if kind == "block" else _f32(scale)
 
 
-def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     if act_quant or x.dtype == torch.float16:  # see _reference_cases
-        return reference.forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant)
+        return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
     cdt = x.dtype
+    c = None if m is None else magnitude_scale(m, n)
     M, N = x.shape[0], w8.shape[0]
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
     # The base products in the compute dtype, one block of weight rows (one transient) at a time.
@@ -180,11 +182,12 @@ def _add_scaled(acc, t, sc):
         acc.addcmul_(t, sc)
 
 
-def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     """The reference's backward_pass (same outputs, fp32 throughout), with fewer passes over g: (g c) B as g (c B),
     the scaled copies of g written straight into their dtype, no accumulators when one block covers g."""
     M, N = g.shape
-    adapter = c is not None
+    adapter = m is not None
+    c = magnitude_scale(m, n) if adapter else None
     f32 = dict(dtype=torch.float32, device=g.device)
     fl, rl, fb, rb = reference.grad_factors(c, srow, dropout, g.device)
     gl = g if fl is None else torch.empty_like(g)
@@ -217,7 +220,7 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
                 dm += (g32 * sl(z)).sum(0)
             if dB is not None:
                 dB.addmm_(g32.T, _f32(sl(u)))
-    return gl, rl, gb, rb, v, dm, db, dB
+    return gl, reference.scalars(rl, rb), gb, v, *reference.finish_sums(dm, db, dB, m, n, c, s, g.dtype, B)
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import E4M3_MAX, row_blocks, scale_kind, w0_rows
+from .base import NORM_EPS, magnitude_scale
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -54,11 +55,11 @@ def project(a, b, out_dtype, mask, p):
     return out
 
 
-def project_grad(v, a, mask, p):
+def project_grad(v, a, mask, p, s, out_dtype):
     out = torch.zeros(v.shape[1], a.shape[1], dtype=torch.float32, device=a.device)
     for i0, i1 in row_blocks(a.shape[0], a.shape[1]):
         out.addmm_(v[i0:i1].float().T, _dropped(a, mask, p, i0, i1))
-    return out
+    return out.mul_(s).to(out_dtype)
 
 
 def _base_gemm(x, w8, scale, block_size, act_quant):
@@ -74,8 +75,9 @@ def _base_gemm(x, w8, scale, block_size, act_quant):
     return out
 
 
-def forward(x, w8, scale, block_size, bias, c, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     cdt = x.dtype
+    c = None if m is None else magnitude_scale(m, n)
     M, N = x.shape[0], w8.shape[0]
     y = torch.empty(M, N, dtype=cdt, device=x.device)
     z = torch.empty(M, N, dtype=z_dtype, device=x.device) if (c is not None and need_z) else None
@@ -127,10 +129,11 @@ def grad_factors(c, srow, dropout, device):
     return fl, rl, fb, rb
 
 
-def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     M, N = g.shape
     cdt = g.dtype
-    adapter = c is not None
+    adapter = m is not None
+    c = magnitude_scale(m, n) if adapter else None
     fl, rl, fb, rb = grad_factors(c, srow, dropout, g.device)
     gl = g if fl is None else torch.empty_like(g)
     gb = None if rb is None else g if fb is None else torch.empty_like(g)
@@ -153,7 +156,22 @@ def backward_pass(g, z, c, srow, B, u, dropout, need_dm, need_dB):
             dm += (g32 * z[i0:i1].float()).sum(0)
         if dB is not None:
             dB.addmm_(g32.T, u[i0:i1].float())
-    return gl, rl, gb, rb, v, dm, db, dB
+    return gl, scalars(rl, rb), gb, v, *finish_sums(dm, db, dB, m, n, c, s, cdt, B)
+
+
+def scalars(rl, rb):
+    """backward_pass's rs: fp32 [2] = (rl, rb), rb = 1 when there is none."""
+    return torch.stack((rl, torch.ones_like(rl) if rb is None else rb.to(rl.dtype)))
+
+
+def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
+    """backward_pass's fp32 column sums as the contract returns them: dm / max(n, eps) in m's dtype, db in the
+    compute dtype, s * c * dB in B's dtype (each rounded once)."""
+    if dm is not None:
+        dm = (dm / n.float().clamp_min(NORM_EPS)).to(m.dtype)
+    if dB is not None:
+        dB = (dB * (s * c)[:, None]).to(B.dtype)
+    return dm, db.to(cdt), dB
 
 
 def _dgrad_gemm(t, w8, scale, block_size, act_quant):

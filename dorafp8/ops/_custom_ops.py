@@ -38,59 +38,60 @@ def _(a, b, out_dtype, mask, p, backend):
 
 
 @torch.library.custom_op("dorafp8::project_grad", mutates_args=())
-def project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, backend: str) -> Tensor:
-    return backends.module(backend).project_grad(v=v, a=a, mask=mask, p=p)
+def project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float, out_dtype: torch.dtype,
+                    backend: str) -> Tensor:
+    return backends.module(backend).project_grad(v=v, a=a, mask=mask, p=p, s=s, out_dtype=out_dtype)
 
 
 @project_grad_op.register_fake
-def _(v, a, mask, p, backend):
-    return a.new_empty(v.shape[1], a.shape[1], dtype=torch.float32)
+def _(v, a, mask, p, s, out_dtype, backend):
+    return a.new_empty(v.shape[1], a.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
 def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], block_size: int, act_quant: str,
-               backend: str, c: Optional[Tensor] = None, u: Optional[Tensor] = None, B: Optional[Tensor] = None,
-               s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0, need_z: bool = False,
-               z_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
-    """The plain FP8 linear leaves the DoRA arguments (c, u, B, s, xm, p, need_z, z_dtype) at their defaults."""
+               backend: str, m: Optional[Tensor] = None, n: Optional[Tensor] = None, u: Optional[Tensor] = None,
+               B: Optional[Tensor] = None, s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0,
+               need_z: bool = False) -> tuple[Tensor, Tensor]:
+    """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
+    wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy"."""
     y, z = backends.module(backend).forward(
-        x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, c=c, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
-        z_dtype=x.dtype if z_dtype is None else z_dtype, act_quant=act_quant)
+        x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
+        need_z=need_z, z_dtype=x.dtype, act_quant=act_quant)
     return y, (z if z is not None else x.new_empty(0))
 
 
 @forward_op.register_fake
-def _(x, w8, scale, bias, block_size, act_quant, backend, c=None, u=None, B=None, s=0.0, xm=None, p=0.0,
-      need_z=False, z_dtype=None):
+def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None, B=None, s=0.0, xm=None, p=0.0,
+      need_z=False):
     y = x.new_empty(x.shape[0], w8.shape[0])
-    want_z = need_z and c is not None
-    return y, (x.new_empty(x.shape[0], w8.shape[0], dtype=z_dtype) if want_z else x.new_empty(0))
+    want_z = need_z and m is not None
+    return y, (x.new_empty(x.shape[0], w8.shape[0]) if want_z else x.new_empty(0))
 
 
 @torch.library.custom_op("dorafp8::backward_pass", mutates_args=())
 def backward_pass_op(g: Tensor, srow: Optional[Tensor], backend: str, z: Optional[Tensor] = None,
-                     c: Optional[Tensor] = None, B: Optional[Tensor] = None, u: Optional[Tensor] = None,
-                     dropout: bool = False, need_dm: bool = False, need_dB: bool = False
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The plain FP8 linear leaves the DoRA arguments (z, c, B, u, dropout, need_dm, need_dB) at their defaults."""
-    out = backends.module(backend).backward_pass(g=g, z=z, c=c, srow=srow, B=B, u=u, dropout=dropout,
+                     m: Optional[Tensor] = None, n: Optional[Tensor] = None, B: Optional[Tensor] = None,
+                     u: Optional[Tensor] = None, s: float = 0.0, dropout: bool = False, need_dm: bool = False,
+                     need_dB: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The plain FP8 linear leaves the DoRA arguments (z, m, n, B, u, s, dropout, need_dm, need_dB) at their
+    defaults. Returns (gl, rs, gb, v, dm, db, dB), absent ones as empty placeholders."""
+    out = backends.module(backend).backward_pass(g=g, z=z, m=m, n=n, srow=srow, B=B, u=u, s=s, dropout=dropout,
                                                  need_dm=need_dm, need_dB=need_dB)
     # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
     return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
 
 
 @backward_pass_op.register_fake
-def _(g, srow, backend, z=None, c=None, B=None, u=None, dropout=False, need_dm=False, need_dB=False):
+def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=False, need_dm=False, need_dB=False):
     M, N = g.shape
-    f32 = dict(dtype=torch.float32)
-    adapter = c is not None
+    adapter = m is not None
     gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
     gb = g.new_empty(M, N) if (adapter and dropout and srow is not None) else g.new_empty(0)
-    rb = g.new_empty((), **f32) if (adapter and dropout) else g.new_empty(0)
     v = g.new_empty(M, B.shape[1], dtype=B.dtype) if adapter else g.new_empty(0)
-    dm = g.new_empty(N, **f32) if (adapter and need_dm) else g.new_empty(0)
-    dB = g.new_empty(N, B.shape[1], **f32) if (adapter and need_dB) else g.new_empty(0)
-    return gl, g.new_empty((), **f32), gb, rb, v, dm, g.new_empty(N, **f32), dB
+    dm = g.new_empty(N, dtype=m.dtype) if (adapter and need_dm) else g.new_empty(0)
+    dB = g.new_empty(N, B.shape[1], dtype=B.dtype) if (adapter and need_dB) else g.new_empty(0)
+    return gl, g.new_empty(2, dtype=torch.float32), gb, v, dm, g.new_empty(N), dB
 
 
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())

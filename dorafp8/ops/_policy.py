@@ -14,13 +14,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..backends.base import NORM_EPS  # noqa: F401 (the ops' name for it; the backends clamp with it)
 from ..quant import is_fp8, scale_kind
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
-# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
-# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
-NORM_EPS = 1e-12
 
 
 def as_result(y: Tensor, shape) -> Tensor:

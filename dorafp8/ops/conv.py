@@ -226,7 +226,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         else:
             torch.addcmul(_chan(_f32(bias), nd), z32, cv, out=y)
         del base_d, base_x
-        z = _as(z32, torch.promote_types(cdt, rdt)) if need_z else None
+        z = _as(z32, cdt) if need_z else None  # the compute dtype, as the linear op keeps it (DORA_MATH.md)
         del z32
         ctx.save_for_backward(x, mask, u, z, w8, scale, A, B, c, n)
         ctx.s, ctx.p, ctx.block_size, ctx.geom, ctx.lora_geom = s, p, block_size, geom, lora_geom

@@ -1,8 +1,8 @@
 """DoRA on an FP8 base as autograd Functions over the backend kernels.
 
 Hops from the public API to a kernel:
-    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask, c = m / n,
-    the final scalings of dm/dA/dB)  ->  torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
+    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask)  ->
+    torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
     backend module (dorafp8.backends.reference / dorafp8.triton_kernels / dorafp8.backends.cuda / dorafp8.backends.cublas)
     ->  kernel.
 
@@ -26,8 +26,8 @@ from torch import Tensor
 from .. import backends
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale
 from . import _custom_ops as _ops
-from ._policy import (NORM_EPS, as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype,
-                      row_scale, rows)
+from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype, row_scale,
+                      rows)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd Functions
@@ -35,39 +35,41 @@ from ._policy import (NORM_EPS, as_result, backend_needs, check_float, compute_d
 
 
 class DoRAFP8Function(torch.autograd.Function):
-    """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, n a detached
-    fp32 norm."""
+    """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, m the magnitude
+    (any float dtype), n a detached fp32 norm (unclamped: the backends clamp it and form c = m / n themselves).
+
+    Between the backend calls there is no PyTorch op that launches a kernel (no dropout: none at all; dropout: the mask
+    and xm), and nothing reads a value on the host: the path is CUDA-graph friendly, and with the Triton backend it
+    is 2 launches forward and 5 backward (docs/ARCHITECTURE.md, "The kernel plan";
+    tests/ops/test_launches.py counts them)."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend):
         M, N = x.shape[0], w8.shape[0]
-        n = n.clamp_min(NORM_EPS)
-        c = m.float() / n
         dropout = p > 0.0
         need_z = ctx.needs_input_grad[6]
-        z_dtype = torch.promote_types(x.dtype, A.dtype)  # fp32 adapters keep z (hence dm) fp32-accurate
         with torch.autocast(x.device.type, enabled=False):
             # The kept part of x, unscaled: exact in the compute dtype; the kernels apply 1 / (1 - p) in fp32.
             mask = dropout_mask(x, p) if dropout else None
             xm = x * mask if dropout else None
             if M == 0:
-                y, z = x.new_empty(0, N), x.new_empty(0, N, dtype=z_dtype)
+                y, z = x.new_empty(0, N), x.new_empty(0, N)
                 u = x.new_empty(0, A.shape[0], dtype=A.dtype)
             else:
                 # The low-rank path takes x and the mask: it forms x * mask / (1 - p) in the rank dtype, as PEFT
                 # does (exact for fp32 adapters on 16-bit activations).
                 u = _ops.project_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
+                # z (for dm) comes back in the compute dtype: docs/DORA_MATH.md, "Dtype policy", says why that is
+                # within the compute dtype's tolerance.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
-                                       backend=backend, c=c, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
-                                       z_dtype=z_dtype)
-        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, c, n)
+                                       backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z)
+        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n)
         ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
-        ctx.m_dtype = m.dtype
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
+        x, mask, u, z, w8, scale, A, B, m, n = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
         g = rows(gy)
@@ -77,14 +79,15 @@ class DoRAFP8Function(torch.autograd.Function):
             zeros = lambda t: torch.zeros_like(t)  # noqa: E731
             return (g.new_empty(0, K) if need_dx else None, None, None, g.new_zeros(N) if need_db else None,
                     zeros(A) if need_dA else None, zeros(B) if need_dB else None,
-                    torch.zeros(N, dtype=ctx.m_dtype, device=g.device) if need_dm else None,
-                    None, None, None, None, None, None)
+                    zeros(m) if need_dm else None, None, None, None, None, None, None)
         srow = row_scale(scale)
         with torch.autocast(g.device.type, enabled=False):
-            gl, rl, gb, rb, v, dm_sum, db_sum, dB_sum = _ops.backward_pass_op(
-                g, srow, backend=ctx.backend, z=z if need_dm else None, c=c, B=B, u=u if need_dB else None,
-                dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB))
+            # dm, dB, db come back final (scaled, in their parameters' dtypes); rs = (rl, rb) stays on the device.
+            gl, rs, gb, v, dm, db, dB = _ops.backward_pass_op(
+                g, srow, backend=ctx.backend, z=z if need_dm else None, m=m, n=n, B=B, u=u if need_dB else None,
+                s=s, dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB))
             if need_dx:
+                rl, rb = rs[0], rs[1]  # 0-dim views: no copy
                 if mask is None:
                     gb = rb = None
                 elif srow is None:
@@ -92,14 +95,9 @@ class DoRAFP8Function(torch.autograd.Function):
                 dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
                                    backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb)
             if need_dA:
-                dA = (s * _ops.project_grad_op(v, x, mask=mask, p=p, backend=ctx.backend)).to(A.dtype)
-            if need_dB:
-                dB = (s * c[:, None] * dB_sum).to(B.dtype)
-            if need_dm:
-                dm = (dm_sum / n).to(ctx.m_dtype)
-            if need_db:
-                db = db_sum.to(g.dtype)
-        return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
+                dA = _ops.project_grad_op(v, x, mask=mask, p=p, s=s, out_dtype=A.dtype, backend=ctx.backend)
+        return (dx, None, None, db if need_db else None, dA, dB if need_dB else None, dm if need_dm else None,
+                None, None, None, None, None, None)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -128,9 +126,10 @@ class FP8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 db = g.sum(0, dtype=torch.float32).to(g.dtype)
         else:
-            gl, rl, _, _, _, _, db_sum, _ = _ops.backward_pass_op(g, srow, backend=ctx.backend)
-            if ctx.needs_input_grad[3]:
-                db = db_sum.to(g.dtype)
+            gl, rs, _, _, _, db, _ = _ops.backward_pass_op(g, srow, backend=ctx.backend)
+            rl = rs[0]
+            if not ctx.needs_input_grad[3]:
+                db = None
         if ctx.needs_input_grad[0]:
             dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
                                backend=ctx.backend)

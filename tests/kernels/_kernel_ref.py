@@ -8,6 +8,7 @@ import torch
 
 import dorafp8.backends.reference as reference
 from dorafp8 import quantize_e4m3
+from dorafp8.backends.base import magnitude_scale
 from dorafp8.quant import scale_rows
 from tests._tolerance import assert_close, tol
 
@@ -37,10 +38,12 @@ def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dt
     w8, sigma = quantize_e4m3(W, per_row=scale_kind == "row", block_size=BLOCK if scale_kind == "block" else None)
     x = rnd(M, K)
     mask = torch.rand(M, K, generator=gen) >= P
-    c = (0.5 + torch.rand(N, generator=gen)).float()
-    c[::5] = 1.0  # DoRA's init: c == 1 exactly, where (c - 1) must be exactly 0
-    p = dict(w8=w8.to(device), sigma=sigma.to(device), block=BLOCK, mask=mask.to(device), c=c.to(device),
-             dtype=dtype, rdt=rdt, scale_kind=scale_kind)
+    n = (0.5 + torch.rand(N, generator=gen)).float()  # the weight norm
+    m = n * (0.5 + torch.rand(N, generator=gen))  # the magnitude: c = m / n in [0.5, 1.5)
+    m[::5] = n[::5]  # DoRA's init: m == n, so c == 1 exactly, where (c - 1) must be exactly 0
+    c = magnitude_scale(m, n)  # c as every backend computes it (fp32, correctly rounded)
+    p = dict(w8=w8.to(device), sigma=sigma.to(device), block=BLOCK, mask=mask.to(device), m=m.to(device),
+             n=n.to(device), c=c.to(device), dtype=dtype, rdt=rdt, scale_kind=scale_kind)
     p["x"] = act(x, dtype, device, strided)
     p["xm"] = act(x * mask, dtype, device, strided)  # the kept part of x, unscaled (what forward takes)
     p["A"] = (rnd(r, K) / K ** 0.5).to(rdt).to(device)
@@ -131,20 +134,23 @@ def check_project(project, project_grad, p):
         assert u.dtype == p["rdt"]
         assert_close(u, x @ d(p["A"]).T, tol(p["rdt"]), f"project{what} vs fp64")
         v = p["u"]  # any [M, r] operand in the rank dtype will do
-        dA = project_grad(v, p["x"], mask, P)
-        assert dA.dtype == torch.float32
-        # x * mask / (1 - P) is formed in fp32, then rounded to the rank dtype like PEFT's dropout in that dtype
-        assert_close(dA, d(v).T @ x, tol(torch.float32 if mask is None else p["rdt"]), f"project_grad{what} vs fp64")
+        for out_dtype in dict.fromkeys((torch.float32, p["rdt"])):
+            dA = project_grad(v, p["x"], mask, P, S, out_dtype)
+            assert dA.dtype == out_dtype
+            # x * mask / (1 - P) is formed in fp32, then rounded to the rank dtype like PEFT's dropout in that dtype
+            rel = tol(torch.float32 if (mask is None and out_dtype == torch.float32) else p["rdt"])
+            assert_close(dA, S * d(v).T @ x, rel, f"project_grad{what} -> {out_dtype} vs fp64")
 
 
 def _forward_args(p, mode, has_bias):
     bias = p["bias"] if has_bias else None
     if mode == "plain":
-        return (p["x"], p["w8"], p["sigma"], p["block"], bias, None, None, None, S, None, P, False, p["dtype"])
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, None, None, None, None, S, None, P, False,
+                p["dtype"])
     if mode == "nodrop":
-        return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u_nodrop"], p["B"], S, None, P, True,
-                p["z_dtype"])
-    return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["c"], p["u"], p["B"], S, p["xm"], P, True,
+        return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["m"], p["n"], p["u_nodrop"], p["B"], S, None, P,
+                True, p["z_dtype"])
+    return (p["x"], p["w8"], p["sigma"], p["block"], bias, p["m"], p["n"], p["u"], p["B"], S, p["xm"], P, True,
             p["z_dtype"])
 
 
@@ -154,8 +160,8 @@ def check_forward(forward, p, mode, has_bias, act_quant=""):
     M, N = p["x"].shape[0], p["w8"].shape[0]
     args = _forward_args(p, mode, has_bias)
     y, z = forward(*args, act_quant)
-    x, w8, sigma, _, bias, c, u, B, s, xm, p_, _, z_dtype = args
-    y64, z64 = forward_64(x, w8, sigma, bias, c, u, B, s, xm, p_, act_quant)
+    x, w8, sigma, _, bias, m, _, u, B, s, xm, p_, _, z_dtype = args
+    y64, z64 = forward_64(x, w8, sigma, bias, None if m is None else p["c"], u, B, s, xm, p_, act_quant)
     assert y.dtype == dtype and y.shape == (M, N)
     what = f"forward[{mode}{', ' + act_quant if act_quant else ''}]"
     assert_close(y, y64, tol(dtype), f"{what} y vs fp64")
@@ -174,34 +180,35 @@ def _row_scale(p):
 
 
 def check_backward_pass(backward_pass, p, mode):
-    """backward_pass(...) in `mode`: "plain" (a plain FP8Linear: c is None), "nodrop" or "dropout"."""
+    """backward_pass(...) in `mode`: "plain" (a plain FP8Linear: m is None), "nodrop" or "dropout"."""
     dtype, g, c = p["dtype"], p["g"], p["c"]
     srow = _row_scale(p)
     if mode == "plain":
-        gl, rl, gb, rb, v, dm, db, dB = backward_pass(g, None, None, srow, None, None, False, False, False)
+        gl, rs, gb, v, dm, db, dB = backward_pass(g, None, None, None, srow, None, None, S, False, False, False)
         f = d(srow) if srow is not None else torch.ones(g.shape[1], dtype=torch.float64)
         assert v is None and dm is None and dB is None and gb is None
     else:
         dropout = mode == "dropout"
         z = act(torch.randn(g.shape, generator=torch.Generator().manual_seed(5)), p["z_dtype"], g.device, False)
         u = p["u"] if dropout else p["u_nodrop"]
-        gl, rl, gb, rb, v, dm, db, dB = backward_pass(g, z, c, srow, p["B"], u, dropout, True, True)
+        gl, rs, gb, v, dm, db, dB = backward_pass(g, z, p["m"], p["n"], srow, p["B"], u, S, dropout, True, True)
         f = (d(c) - 1 if dropout else d(c)) * (d(srow) if srow is not None else 1.0)
-        assert v.dtype == p["rdt"] and dm.dtype == torch.float32 and dB.dtype == torch.float32
+        assert v.dtype == p["rdt"] and dm.dtype == p["m"].dtype and dB.dtype == p["B"].dtype
         assert_close(v, (d(g) * d(c)) @ d(p["B"]), tol(p["rdt"]), f"backward_pass[{mode}] v vs fp64")
-        assert_close(dm, (d(g) * d(z)).sum(0), tol(torch.float32), f"backward_pass[{mode}] dm vs fp64")
-        assert_close(dB, d(g).T @ d(u), tol(torch.float32), f"backward_pass[{mode}] dB vs fp64")
+        assert_close(dm, (d(g) * d(z)).sum(0) / d(p["n"]), tol(torch.float32), f"backward_pass[{mode}] dm vs fp64")
+        assert_close(dB, S * d(c)[:, None] * (d(g).T @ d(u)), tol(p["rdt"]), f"backward_pass[{mode}] dB vs fp64")
         if dropout:
             sr = d(srow) if srow is not None else 1.0
-            assert gb.dtype == dtype and rb.dim() == 0
-            assert_close(gb.double() * d(rb).item(), d(g) * sr, tol(dtype), f"backward_pass[{mode}] gb * rb vs fp64")
+            assert gb.dtype == dtype
+            assert_close(gb.double() * d(rs[1]).item(), d(g) * sr, tol(dtype), f"backward_pass[{mode}] gb * rb vs fp64")
             assert d(gb).abs().max() <= d(g).abs().max()  # |gb| <= |g|: no fp16 overflow where g has none
         else:
-            assert gb is None and rb is None
-    assert gl.dtype == dtype and rl.dtype == torch.float32 and rl.dim() == 0
-    assert_close(gl.double() * d(rl).item(), d(g) * f, tol(dtype), f"backward_pass[{mode}] gl * rl vs fp64")
+            assert gb is None and rs[1].item() == 1.0
+    assert gl.dtype == dtype and rs.dtype == torch.float32 and rs.shape == (2,)
+    assert_close(gl.double() * d(rs[0]).item(), d(g) * f, tol(dtype), f"backward_pass[{mode}] gl * rl vs fp64")
     assert d(gl).abs().max() <= d(g).abs().max()  # |gl| <= |g|: no fp16 overflow where g has none
-    assert_close(db, d(g).sum(0), tol(torch.float32), f"backward_pass[{mode}] db vs fp64")
+    assert db.dtype == dtype
+    assert_close(db, d(g).sum(0), tol(dtype), f"backward_pass[{mode}] db vs fp64")
 
 
 def check_dgrad(dgrad, p, mode, act_quant=""):
@@ -211,12 +218,14 @@ def check_dgrad(dgrad, p, mode, act_quant=""):
     M, K = g.shape[0], p["w8"].shape[1]
     srow = _row_scale(p)
     if mode == "plain":
-        gl, rl, *_ = reference.backward_pass(g, None, None, srow, None, None, False, False, False)
-        args = (gl, rl, p["w8"], p["sigma"], p["block"], None, None, S, None, P, None, None)
+        gl, rs, *_ = reference.backward_pass(g, None, None, None, srow, None, None, S, False, False, False)
+        args = (gl, rs[0], p["w8"], p["sigma"], p["block"], None, None, S, None, P, None, None)
     else:
         dropout = mode == "dropout"
-        gl, rl, gb, rb, v, *_ = reference.backward_pass(g, None, p["c"], srow, p["B"], None, dropout, False, False)
-        args = (gl, rl, p["w8"], p["sigma"], p["block"], v, p["A"], S, p["mask"] if dropout else None, P, gb, rb)
+        gl, rs, gb, v, *_ = reference.backward_pass(g, None, p["m"], p["n"], srow, p["B"], None, S, dropout, False,
+                                                    False)
+        args = (gl, rs[0], p["w8"], p["sigma"], p["block"], v, p["A"], S, p["mask"] if dropout else None, P, gb,
+                rs[1] if dropout else None)
     dx = dgrad(*args, act_quant)
     assert dx.dtype == dtype and dx.shape == (M, K)
     what = f"dgrad[{mode}{', ' + act_quant if act_quant else ''}]"

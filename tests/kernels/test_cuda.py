@@ -177,8 +177,8 @@ def test_forward_without_z(mode, dtype):
     p = make_problem(5, 40, 36, 3, dtype, DEVICE, "tensor", False)
     xm = p["xm"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xm, P, False, dtype,
-                      "")
+    y, z = cb.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["m"], p["n"], u, p["B"], S, xm, P,
+                      False, dtype, "")
     assert z is None
     y64, _ = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xm, P)
     assert_close(y, y64, tol(dtype), f"forward[{mode}, need_z=False] y vs fp64")
@@ -220,7 +220,7 @@ def test_int64_offsets(op):
     if op == "forward":
         x = torch.zeros(M, K, dtype=torch.bfloat16, device=DEVICE)
         x[tail] = torch.randn(40, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-        y, _ = cb.forward(x, w8, sigma, 128, None, None, None, None, S, None, 0.0, False, torch.bfloat16, "")
+        y, _ = cb.forward(x, w8, sigma, 128, None, None, None, None, None, S, None, 0.0, False, torch.bfloat16, "")
         assert_close(y[tail], d(x[tail]) @ w0_64(w8, sigma).T, tol(torch.bfloat16), "forward, last rows")
         assert not torch.isnan(y[: M - 40]).any()
     else:

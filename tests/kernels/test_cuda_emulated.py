@@ -245,7 +245,7 @@ def test_forward_without_z_and_other_z_dtype(emu, mode):
     p = make_problem(5, 40, 36, 3, torch.bfloat16, "cpu", "tensor", False)
     xm = p["xm"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    args = (p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xm, P)
+    args = (p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["m"], p["n"], u, p["B"], S, xm, P)
     y, z = emu.forward(*args, False, torch.bfloat16, "")
     assert z is None
     y64, z64 = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xm, P)

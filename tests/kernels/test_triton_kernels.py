@@ -108,8 +108,8 @@ def test_forward_without_z(device, mode):
     p = make_problem(5, 40, 36, 3, torch.float32, device, "tensor", False)
     xm = p["xm"] if mode == "dropout" else None
     u = p["u"] if mode == "dropout" else p["u_nodrop"]
-    y, z = tk.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["c"], u, p["B"], S, xm, P, False,
-                      torch.float32, "")
+    y, z = tk.forward(p["x"], p["w8"], p["sigma"], p["block"], p["bias"], p["m"], p["n"], u, p["B"], S, xm, P,
+                      False, torch.float32, "")
     assert z is None
     y64, _ = forward_64(p["x"], p["w8"], p["sigma"], p["bias"], p["c"], u, p["B"], S, xm, P)
     assert_close(y, y64, tol(torch.float32), f"forward[{mode}, need_z=False] y vs fp64")
@@ -188,15 +188,15 @@ def test_unavailable_reason(monkeypatch):
 def test_rejects_bad_weight(device):
     p = make_problem(2, 32, 16, 1, torch.float32, device, "tensor", False)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        tk.forward(p["x"], p["w8"].float(), p["sigma"], 16, None, None, None, None, S, None, P, False, torch.float32,
-                   "")
+        tk.forward(p["x"], p["w8"].float(), p["sigma"], 16, None, None, None, None, None, S, None, P, False,
+                   torch.float32, "")
     with pytest.raises(ValueError, match="scale"):
         tk.dgrad(p["g"], torch.ones(()), p["w8"], p["sigma"].double(), 16, None, None, S, None, P, None, None, "")
     with pytest.raises(ValueError, match="scale"):
         tk.weight_norm(p["w8"], torch.ones(3, device=device), 16, p["A"], p["B"], S)
     with pytest.raises(ValueError, match="multiple of 16"):
-        tk.forward(p["x"], p["w8"], torch.ones(2, 4, device=device), 10, None, None, None, None, S, None, P, False,
-                   torch.float32, "")
+        tk.forward(p["x"], p["w8"], torch.ones(2, 4, device=device), 10, None, None, None, None, None, S, None, P,
+                   False, torch.float32, "")
 
 
 # --- the fp8 weight tile's conversion (triton_kernels/gemm.py w8_to) --------------------------------------------------

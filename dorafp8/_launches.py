@@ -1,0 +1,166 @@
+"""Counting the GPU kernels a piece of code launches and the bytes they move, on CPU as well as on GPU (for the tests
+and bench/glue_cpu.py).
+
+`LaunchRecorder` sees two kinds of launch:
+- every Triton kernel the dorafp8.triton_kernels launchers start (an observer on their one launch helper,
+  triton_kernels._common.launch), under the interpreter or on a GPU;
+- every PyTorch op that would launch a kernel on a GPU: a TorchDispatchMode sees each aten op and counts those that
+  write tensor data (factories that only allocate, such as empty, and views, such as select or reshape, launch
+  nothing). dorafp8's custom ops are one opaque op each to a dispatch mode, so it runs their implementation under
+  itself to see the launches inside them (as dorafp8._memory does).
+It also lists the ops that make the host wait for the device (`.item()`, `nonzero`, ...), which a path that CUDA
+graphs can capture must not have.
+
+The bytes are a MODEL, not a measurement: a launch moves each distinct tensor it is handed (a kernel's tensor
+arguments; an op's inputs and outputs) once, read or written, by its own element count and size. It assumes that what
+one launch reads twice (the weight tiles every row block of a GEMM reads) comes from the cache the second time, and it
+counts a tensor a launch takes but, in its variant, never touches (the launchers pass an aliased or tiny placeholder
+there). That is how kernel fusion is argued: it removes whole tensors from the list.
+
+`dry_run(sms, blocks)`: the Triton kernels are recorded but not run, and the launchers make the choices they would
+make on a GPU with `sms` SMs holding `blocks` blocks of each kernel, so that a shape too large for the interpreter
+still gives its launch list and bytes (PyTorch ops between the kernels still run, on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from . import triton_kernels
+from ._memory import open_custom_op
+
+MiB = 1024 * 1024
+
+# aten ops that allocate without writing, or that only reinterpret a tensor: no kernel on a GPU.
+# (_unsafe_view is a view that its schema does not declare as one: aten's own reshape of a fresh result.)
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+              "_local_scalar_dense", "_unsafe_view"}
+# aten ops whose result the host waits for: a sync that drains the launch queue and breaks CUDA graph capture.
+_SYNCS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "masked_select",
+          "_assert_async", "unique", "_unique2"}
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct tensors (by address, element count and dtype), each once."""
+    seen = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = (t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _is_view(func) -> bool:
+    """The op's results alias its inputs without writing them (view, select, t, detach, ...)."""
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+@dataclass
+class Launch:
+    name: str   # "triton:dora_fwd_kernel" or "aten:mul.Tensor"
+    nbytes: int  # the model: each distinct tensor it reads or writes, once
+    shapes: list = field(default_factory=list)  # (shape, dtype) of each tensor counted
+
+
+class LaunchRecorder(TorchDispatchMode):
+    """`with LaunchRecorder() as rec: ...` then rec.launches (a Launch each), rec.syncs (names of host syncs),
+    rec.nbytes, rec.names()."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches: list[Launch] = []
+        self.syncs: list[str] = []
+        self._skip = False
+        self._depth = 0  # the mode is re-entered to open dorafp8's custom ops: observe launches once
+
+    # Triton launches (observer of triton_kernels._common.launch)
+    def _observe(self, kernel, grid, args, kwargs):
+        fn = kernel
+        while not hasattr(fn, "__name__") and hasattr(fn, "fn"):  # Autotuner -> JITFunction -> function
+            fn = fn.fn
+        name = getattr(getattr(fn, "fn", fn), "__name__", type(kernel).__name__)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        self._record(f"triton:{name}", tensors)
+        if not self._skip:
+            # Launched here, outside the mode: the interpreter's own tensor copies are not the kernel's launches.
+            with _disable_current_modes():
+                kernel[grid](*args, **kwargs)
+        return True  # launched (or, in a dry run, skipped) here
+
+    def _record(self, name, tensors):
+        counted = {}
+        for t in tensors:
+            key = (t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype)
+            counted.setdefault(key, (tuple(t.shape), t.dtype))
+        self.launches.append(Launch(name, _tensor_bytes(tensors), list(counted.values())))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "dorafp8":
+            with self:
+                return open_custom_op(func, args, kwargs)
+        # Inside the custom ops the mode also sees composite ops (contiguous, to, reshape) before they decompose:
+        # decompose them here, so that what they do (a copy, or nothing) reaches the mode as the ops that do it.
+        with self:  # (the mode is off inside its own handler: back on for the decomposition's ops)
+            out = func.decompose(*args, **(kwargs or {}))
+        if out is not NotImplemented:
+            return out
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[1]
+        if name in _SYNCS:
+            self.syncs.append(str(func))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        if name not in _NO_KERNEL and not _is_view(func) and tensors:
+            self._record(f"aten:{func._schema.name.split('::')[1]}.{func._overloadname}", tensors)
+        return out
+
+    def __enter__(self):
+        if self._depth == 0:
+            triton_kernels.launch_observers().append(self._observe)
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                triton_kernels.launch_observers().remove(self._observe)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(launch.nbytes for launch in self.launches)
+
+    def names(self) -> list[str]:
+        return [launch.name for launch in self.launches]
+
+    def table(self) -> str:
+        """One line per launch: its name, its modelled bytes and the tensors counted."""
+        rows = [f"{i:3d}  {launch.name:40s} {launch.nbytes / MiB:10.2f} MiB  "
+                + ", ".join(f"{list(s)} {str(d).replace('torch.', '')}" for s, d in launch.shapes)
+                for i, launch in enumerate(self.launches)]
+        return "\n".join(rows + [f"     total {len(self.launches)} launches, {self.nbytes / MiB:.2f} MiB"])
+
+
+@contextlib.contextmanager
+def dry_run(rec: LaunchRecorder, sms: int = 132, blocks: int = 2):
+    """Inside `with rec:`: the Triton launches are recorded, not run, with the launchers' GPU choices for `sms` SMs
+    holding `blocks` blocks each (see the module docstring). What the kernels would have written is left unwritten."""
+    prev = rec._skip
+    rec._skip = True
+    with triton_kernels.planning_for_gpu(sms, blocks):
+        try:
+            yield rec
+        finally:
+            rec._skip = prev
