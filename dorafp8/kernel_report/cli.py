@@ -23,7 +23,7 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
-from .predict import HEADLINE, HEADLINE_VARIANTS, headline, linear_seconds
+from .predict import HEADLINE, HEADLINE_VARIANTS, headline, launches_subprocess, layer_seconds, linear_seconds
 from .triton_driver import SPEC_MODULE
 
 PROG = "python -m dorafp8.kernel_report"
@@ -214,8 +214,14 @@ def format_prediction(records: list[dict]) -> str:
         lines.append(f"  {p['mode']:5}  {p['kernel']:7}  {p['seconds'] * 1e3:.3f} ms  bound by {p['bound']:6}  "
                      f"{p['config']}")
     lines.append(f"  cuBLAS bf16 Linear forward + input gradient: {lin * 1e3:.3f} ms")
+    launches = launches_subprocess()
     for mode in HEADLINE_VARIANTS:
-        gemms = sum(p["seconds"] for p in rows if p["mode"] == mode)
-        lines.append(f"  {mode} forward + dgrad GEMMs: {gemms * 1e3:.3f} ms = {gemms / lin:.2f}x the Linear")
+        gemms = {p["kernel"]: p["seconds"] for p in rows if p["mode"] == mode}
+        lay = layer_seconds(gemms, launches[mode])
+        lines.append(f"  {mode} forward + dgrad GEMMs: {sum(gemms.values()) * 1e3:.3f} ms = "
+                     f"{sum(gemms.values()) / lin:.2f}x the Linear; the layer, {lay['launches']} launches "
+                     f"({lay['other_launches']} besides the GEMMs, {lay['other_s'] * 1e3:.3f} ms at their bytes, "
+                     f"{lay['gaps_s'] * 1e3:.3f} ms of gaps): {lay['seconds'] * 1e3:.3f} ms = "
+                     f"{lay['seconds'] / lin:.2f}x the Linear")
     return "\n".join(lines)
 

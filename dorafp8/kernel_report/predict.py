@@ -148,3 +148,57 @@ def headline(records: list[dict], z_bytes: int = 4, dev: Device = H100_SXM) -> l
                 p, x = min(preds, key=lambda t: t[0]["seconds"])
                 out.append(dict(mode=mode, kernel=kernel, config=x["config"], **p))
     return out
+
+
+# --- the whole layer: the GEMMs above plus every other launch of a forward + backward --------------------------------
+
+def headline_launches(act_quant: str | None) -> list[tuple[str, int]]:
+    """[(launch name, modelled bytes)] of one headline forward + backward on the Triton backend, from a dry run
+    (dorafp8._launches: the launchers plan for an H100, nothing runs). Needs the Triton backend importable on this
+    machine, i.e. TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()."""
+    import torch
+
+    import dorafp8
+    from dorafp8._launches import LaunchRecorder, dry_run
+
+    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+    w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
+    leaves = [t.requires_grad_() for t in leaves]
+    x, A, B, m = leaves
+    scale, n = torch.ones(()), torch.ones(N)
+    with LaunchRecorder() as rec, dry_run(rec, H100_SXM.sms, 2):
+        y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="triton", weight_norm=n, act_quant=act_quant)
+        y.backward(torch.empty(M, N, dtype=torch.bfloat16))
+    return [(launch.name, launch.nbytes) for launch in rec.launches]
+
+
+def launches_subprocess() -> dict[str, list]:
+    """{"W8A16": headline_launches(None), "W8A8": headline_launches("rowwise")} from a fresh interpreter with
+    TRITON_INTERPRET=1 (the kernel report's own processes must not set it: it changes what @triton.jit returns)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from dorafp8.kernel_report.predict import headline_launches as h; "
+            "print(json.dumps({'W8A16': h(None), 'W8A8': h('rowwise')}))")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"the headline dry run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+GEMM_KERNELS = {"triton:dora_fwd_kernel": "forward", "triton:dora_dgrad_kernel": "dgrad"}
+
+
+def layer_seconds(gemms: dict[str, float], launches: list[tuple[str, int]], dev: Device = H100_SXM) -> dict:
+    """A forward + backward: each GEMM launch at its prediction (gemms: {"forward": s, "dgrad": s}), every other
+    launch at its modelled bytes over HBM, and a gap between launches (Device.launch_gap_s)."""
+    other = [(name, nbytes) for name, nbytes in launches if name not in GEMM_KERNELS]
+    t_other = sum(nbytes for _, nbytes in other) / dev.hbm_bytes_s
+    t_gaps = len(launches) * dev.launch_gap_s
+    return dict(seconds=sum(gemms.values()) + t_other + t_gaps, other_s=t_other, gaps_s=t_gaps,
+                launches=len(launches), other_launches=len(other),
+                bytes=sum(nbytes for _, nbytes in launches))
