@@ -418,3 +418,18 @@ def test_predicted_time_follows_its_model():
     f2f_cycles = 8 * 64 * 32 / 16  # 8 warps x 64 F2F x 32 lanes, 16 lanes per clock
     assert slow["bound"] == "f2f" and slow["seconds"] == pytest.approx(p["seconds"] * f2f_cycles / tensor_cycles)
     assert pr.linear_seconds(M, N, K) == pytest.approx(4 * M * N * K / 700e12, rel=1e-3)
+
+
+def test_layer_prediction_adds_every_other_launch_at_its_bytes():
+    # The whole-layer prediction: the GEMM launches at their predictions, every other launch of the headline dry run
+    # at its modelled bytes over 3.0 TB/s, plus a 2 us gap per launch.
+    from dorafp8.kernel_report import predict as pr
+
+    launches = pr.launches_subprocess()
+    for mode, names in (("W8A16", launches["W8A16"]), ("W8A8", launches["W8A8"])):
+        kernels = [name for name, _ in names]
+        assert kernels.count("triton:dora_fwd_kernel") == 1 and kernels.count("triton:dora_dgrad_kernel") == 1, mode
+    lay = pr.layer_seconds({"forward": 1e-3, "dgrad": 2e-3}, [("triton:dora_fwd_kernel", 10**9),
+                                                            ("triton:dora_dgrad_kernel", 10**9), ("triton:x", 3 * 10**9)])
+    assert lay["seconds"] == pytest.approx(3e-3 + 3e9 / 3.0e12 + 3 * 2e-6)
+    assert (lay["launches"], lay["other_launches"]) == (3, 1)
