@@ -429,7 +429,7 @@ def test_layer_prediction_adds_every_other_launch_at_its_bytes():
     for mode, names in (("W8A16", launches["W8A16"]), ("W8A8", launches["W8A8"])):
         kernels = [name for name, _ in names]
         assert kernels.count("triton:dora_fwd_kernel") == 1 and kernels.count("triton:dora_dgrad_kernel") == 1, mode
-    lay = pr.layer_seconds({"forward": 1e-3, "dgrad": 2e-3}, [("triton:dora_fwd_kernel", 10**9),
-                                                            ("triton:dora_dgrad_kernel", 10**9), ("triton:x", 3 * 10**9)])
+    gemm_bytes = [("triton:dora_fwd_kernel", 10**9), ("triton:dora_dgrad_kernel", 10**9)]
+    lay = pr.layer_seconds({"forward": 1e-3, "dgrad": 2e-3}, gemm_bytes + [("triton:x", 3 * 10**9)])
     assert lay["seconds"] == pytest.approx(3e-3 + 3e9 / 3.0e12 + 3 * 2e-6)
     assert (lay["launches"], lay["other_launches"]) == (3, 1)
