@@ -95,7 +95,7 @@ def _select(recs, backend=None, kernels=None, arch=None, dtypes=None):
 
 
 def test_everything_in_the_subset_compiled(records):
-    # Each (kernel, dtype, variant) of SUBSET on both archs with all the configs its list has, and the CUDA kernels.
+    # Each (kernel, dtype, variant) of SUBSET on its archs with all the configs its list has, and the CUDA kernels.
     _none_of([r for r in records if r["error"]], "did not compile")
     seen = {(r["kernel"], r["dtype"], r["variant"], r["arch"]) for r in records if r["backend"] == "triton"}
     assert seen == _WANTED
