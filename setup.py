@@ -6,7 +6,9 @@ script only decides whether to build the extension and builds it:
 
   DORAFP8_SKIP_CUDA_BUILD=1   never build it
   DORAFP8_FORCE_CUDA_BUILD=1  build it even when no GPU is visible (CI: nvcc present, no GPU)
-  DORAFP8_CUDA_ARCHS="89;90a" target architectures (default: sm_89 and sm_90a, plus PTX of the newest portable one)
+  DORAFP8_CUDA_ARCHS="89;90a;100;120"
+                              target architectures (the default: Ada, Hopper, datacenter and consumer Blackwell, plus
+                              PTX of the oldest portable one)
   MAX_JOBS                    parallel nvcc jobs (default: sized from free memory and cores)
 
 Without torch in the build environment (an isolated `pip install`), without nvcc, or without a GPU (unless forced)
@@ -34,6 +36,7 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 # package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
+DEFAULT_CUDA_ARCHS = BUILD_SPEC["DEFAULT_CUDA_ARCHS"]
 
 
 def _say(msg):
@@ -85,12 +88,14 @@ def _cuda_extension():
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
         return _skip("csrc/ sources missing: skipping the CUDA extension")
 
-    archs = os.environ.get("DORAFP8_CUDA_ARCHS", "89;90a").replace(",", ";").split(";")
+    archs = os.environ.get("DORAFP8_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).replace(",", ";").split(";")
     archs = [a.strip() for a in archs if a.strip()]
-    # PTX of the newest portable arch so that newer GPUs can JIT it: arch-specific targets ("90a", "100f") make PTX
-    # that runs on that arch only, so the PTX comes from the newest plain one (here 89), from the same compile pass.
-    portable = [a for a in archs if a[-1].isdigit()]
-    ptx_arch = portable[-1] if portable else archs[-1]
+    # PTX of the oldest portable arch, so that every GPU without a cubin here can JIT it: PTX runs on its own arch and
+    # every later one, so compute_120 PTX would leave out 11.0 (Thor), which compute_89 PTX covers; arch-specific
+    # targets ("90a", "100f") make PTX that runs on that arch only. The kernels' instructions (mma.sync, cp.async,
+    # ldmatrix, the e4m3 cvt) are sm_89's anyway. From the same compile pass as that arch's cubin.
+    portable = sorted((a for a in archs if a.isdigit()), key=int)
+    ptx_arch = portable[0] if portable else archs[-1]
     gencode = []
     for a in archs:
         code = f"[sm_{a},compute_{a}]" if a == ptx_arch else f"sm_{a}"

@@ -109,6 +109,12 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 #           the weight), the same copy dorafp8's W8A8 dgrad makes. Keeping it instead would double the weight memory.
 # Quantization is eager PyTorch, as in an unfused implementation: amax (one read of t), t / scale in fp32 (read t,
 # write fp32), cast to e4m3 (read fp32, write fp8): ~13 bytes per element against the 3 a fused kernel moves.
+#
+# sm_12x (RTX 5090, RTX PRO 6000, DGX Spark): cuBLAS refuses row-wise scales there (CUBLAS_STATUS_NOT_SUPPORTED from
+# cublasLtMatmulAlgoGetHeuristic, pytorch issue 192707; per-tensor scales work), so each product runs with unit
+# per-tensor scales into fp32 and the row scales multiply that fp32 product eagerly before the cast to the output dtype
+# (_rowwise_mm): the same math, plus one fp32 [M, N] write and read. fp32 because the unscaled e4m3 products reach
+# 448^2 * K, far past fp16's range.
 
 E4M3_MAX = 448.0
 
@@ -123,12 +129,28 @@ def _quant_rows(t: torch.Tensor):
     return (t / scale).to(torch.float8_e4m3fn), scale
 
 
+def rowwise_scales_supported(device: torch.device) -> bool:
+    """Whether torch._scaled_mm takes row-wise scales on `device`: everywhere but sm_12x GPUs (see above)."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 12
+
+
+def _rowwise_mm(a8, b8, sa, sb, out_dtype, rowwise: bool):
+    """(a8 * sa) @ (b8 * sb) in out_dtype, sa [M, 1] and sb [1, N] fp32: torch._scaled_mm with row-wise scales, or
+    (rowwise False: sm_12x) with unit per-tensor scales into fp32 and the row scales applied to that product."""
+    if rowwise:
+        return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    one = torch.ones(1, 1, dtype=torch.float32, device=a8.device)
+    return (torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32) * sa * sb).to(out_dtype)
+
+
 class _Fp8RowwiseLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w8, sw_row, ones_k):
+    def forward(ctx, x, w8, sw_row, ones_k, rowwise):
         x8, sx = _quant_rows(x)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw_row, out_dtype=x.dtype)
+        y = _rowwise_mm(x8, w8.t(), sx, sw_row, x.dtype, rowwise)
         ctx.save_for_backward(w8, sw_row, ones_k)
+        ctx.rowwise = rowwise
         return y
 
     @staticmethod
@@ -136,15 +158,18 @@ class _Fp8RowwiseLinearFn(torch.autograd.Function):
         w8, sw_row, ones_k = ctx.saved_tensors
         g8, sg = _quant_rows(g * sw_row)  # fp32 [M, N]: g scaled by each output row's weight scale
         w_cm = w8.t().contiguous().t()  # [N, K] column-major: the transient transposed copy
-        dx = torch._scaled_mm(g8, w_cm, scale_a=sg, scale_b=ones_k, out_dtype=g.dtype)
-        return dx, None, None, None
+        dx = _rowwise_mm(g8, w_cm, sg, ones_k, g.dtype, ctx.rowwise)
+        return dx, None, None, None, None
 
 
 class Fp8RowwiseLinear(nn.Module):
-    """A frozen nn.Linear as e4m3 with one fp32 scale per output row, run by torch._scaled_mm (W8A8)."""
+    """A frozen nn.Linear as e4m3 with one fp32 scale per output row, run by torch._scaled_mm (W8A8). rowwise: row-wise
+    scales in torch._scaled_mm (default: where the device takes them, rowwise_scales_supported) or, False, applied to
+    its fp32 product."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rowwise: bool | None = None):
         super().__init__()
+        self.rowwise = rowwise_scales_supported(weight.device) if rowwise is None else rowwise
         w = weight.detach().float()
         amax = w.abs().amax(dim=1, keepdim=True)
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
@@ -156,7 +181,7 @@ class Fp8RowwiseLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
             x2 = x2.contiguous()
-        y = _Fp8RowwiseLinearFn.apply(x2, self.w8, self.sw_row, self.ones_k)
+        y = _Fp8RowwiseLinearFn.apply(x2, self.w8, self.sw_row, self.ones_k, self.rowwise)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -173,8 +198,20 @@ def _check_scaled_mm(device: torch.device, dtype: torch.dtype, K: int = 32, N: i
         lin(x).backward(torch.randn(16, 32, dtype=dtype, device=device))
     except Exception as e:  # RuntimeError / ValueError from torch's checks
         msg = str(e).strip().splitlines()
-        raise Skip(f"torch._scaled_mm row-wise, {dtype} output, refused on {device.type}: "
+        how = "row-wise" if rowwise_scales_supported(device) else "per-tensor (this GPU refuses row-wise scales)"
+        raise Skip(f"torch._scaled_mm {how}, {dtype} output, refused on {_device_name(device)}: "
                    f"{type(e).__name__}: {msg[0][:200] if msg else ''}") from None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+
+
+def _rowwise_note(device: torch.device) -> str:
+    return "" if rowwise_scales_supported(device) else " (sm_12x: per-tensor _scaled_mm into fp32, row scales after)"
 
 
 class Layer:
@@ -262,7 +299,8 @@ def build_layer(provider, K, N, r, dtype_name, dropout, device) -> Layer:
         _check_scaled_mm(device, dtype, K, N)
         lin = Fp8RowwiseLinear(torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K))
         return Layer(lin, None, [], wbytes,
-                     note="torch._scaled_mm, x and g e4m3 per token (eager), W e4m3 per row; dgrad copies W8^T")
+                     note="torch._scaled_mm, x and g e4m3 per token (eager), W e4m3 per row; dgrad copies W8^T"
+                     + _rowwise_note(device))
 
     if provider.startswith("dorafp8-"):
         d8, backend, act_quant = _check_backend(provider, device)
@@ -377,7 +415,7 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
                     if child in LLAMA_TARGETS and isinstance(sub, nn.Linear):
                         setattr(mod, child, Fp8RowwiseLinear(sub.weight))
                         n += 1
-            note += f"; {n} adapted linears as torch._scaled_mm row-wise fp8"
+            note += f"; {n} adapted linears as torch._scaled_mm row-wise fp8" + _rowwise_note(device)
         for p in model.parameters():
             p.requires_grad_(False)
         emb = model.get_input_embeddings()

@@ -139,23 +139,36 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
   // ---- epilogue: fold scale; accumulate s u B^T into the same registers
   const bool dora = p.c != nullptr;
   const bool lora = dora && p.s != 0.f && p.r > 0;
+  // Per output column, not per accumulator element: a lane has 2 columns per n8 tile, so one scale load and one
+  // division serve the MT x 2 elements of a column. div_rn's slow path is a subroutine call; with one call per element
+  // (MT x NT x 4, 64 at BM = 64, BN = 256) ptxas spilled the live accumulators around them on sm_100 and sm_120 (up to
+  // 568 bytes per kernel). The column is a 32-bit offset into the block's columns: 64-bit column indices here stayed
+  // live until the stores and spilled in the 32 x 256 dropout tile on sm_90a and sm_89 (python -m
+  // dorafp8.kernel_report --backend cuda: no spills on any target with this form).
+  const float* __restrict__ scale = p.scale + (p.scale_per_row ? n0 : 0);
+  const int64_t cols_left = N - n0;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int nt = 0; nt < NT; ++nt) {
+    float sig[2], pre[2];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int h = 0; h < 2; ++h) {
+      const int c = wn0 + nt * 8 + 2 * t + h;  // the column in the block tile
+      sig[h] = c < cols_left ? scale[p.scale_per_row ? c : 0] : 0.f;
+      pre[h] = lora ? div_rn(sig[h], p.s) : sig[h];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t j = n0 + wn0 + nt * 8 + 2 * t + (e & 1);
-        const float sig = j < N ? p.scale[p.scale_per_row ? j : 0] : 0.f;
-        const float pre = lora ? div_rn(sig, p.s) : sig;
         if (!DROP) {
-          acc[mt][nt][e] *= pre;
+          acc[mt][nt][e] *= pre[e & 1];
         } else {
           // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
-          acc[mt][nt][e] = sig * fmaf(-p.inv_keep, acc2[mt][nt][e], acc[mt][nt][e]);
-          acc2[mt][nt][e] *= pre * p.inv_keep;
+          acc[mt][nt][e] = sig[e & 1] * fmaf(-p.inv_keep, acc2[mt][nt][e], acc[mt][nt][e]);
+          acc2[mt][nt][e] *= pre[e & 1] * p.inv_keep;
         }
       }
+  }
   float (&racc)[MT][NT][4] = DROP ? acc2 : acc;  // z's accumulator: + u B^T
   if (lora && p.rank_f32) {
     // fp32 u, B: FMA on the lane's own accumulator positions (rows g, g + 8; columns 2t, 2t + 1 of each n8 tile).

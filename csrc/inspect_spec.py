@@ -2,8 +2,8 @@
 (docs/INSPECT.md).
 
 Update this table together with the kernels. The tool compiles each file of build_spec.py's CUDA_SOURCES on its own for
-sm_89 and sm_90a with build_spec.py's nvcc flags, and fails (it does not skip) when the kernels compiled from a file and
-the rows of that file below differ.
+each target the extension is built for (build_spec.py's DEFAULT_CUDA_ARCHS) with build_spec.py's nvcc flags, and fails
+(it does not skip) when the kernels compiled from a file and the rows of that file below differ.
 
 One row per kernel instantiation:
   source   the file in csrc/ that defines it (its smem expression is evaluated in that file's translation unit)

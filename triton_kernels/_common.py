@@ -172,55 +172,64 @@ def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
 # dgrad: B_OUT = BLOCK_K, reduction BLOCK_N); rows below are (BLOCK_M, B_OUT, B_RED, stages, warps). Both kernels
 # compute the transposed tile (out^T = W-tile @ act^T), so on Hopper B_OUT is wgmma's M (64 per warpgroup: 64 with
 # 4 warps, 128 with 8) and BLOCK_M its N, which may be as small as 16 for short batches.
-# sm_90 (Hopper): 228 KB shared memory; stage = BLOCK_M * B_RED * 2 bytes (activations) + B_OUT * B_RED (fp8).
-# sm_89 (Ada): ~99 KB shared memory per block, so fewer stages / smaller tiles; mma.sync takes both operands from
+# sm_90 (Hopper): 227 KB shared memory per block; stage = BLOCK_M * B_RED * 2 bytes (activations) + B_OUT * B_RED
+# (fp8), and the rank-r epilogue pipelines its B and u chunks with the same stages.
+# sm_89 (Ada): 99 KB shared memory per block, so fewer stages / smaller tiles; mma.sync takes both operands from
 # registers there, so the orientation costs nothing.
+# sm_100 (B200): 227 KB like Hopper; tcgen05.mma takes A from tensor memory or shared memory, never registers, so the
+# converted W8 tile goes registers -> tensor memory -> MMA (Triton does that itself), the accumulator lives in tensor
+# memory. sm_120 (RTX 5090, RTX PRO 6000): 99 KB like Ada and Ada's mma.sync (plus fp8 mma.sync), so Ada's lists.
+# Each arch's list holds only configs whose shared memory fits it, checked by tests/integration/test_inspect.py with the
+# kernel report's compiled figures: one over the limit fails at launch (the autotuner skips it) and a list of them
+# would leave nothing to pick.
 # Small M (decode, short batches) is weight-bandwidth bound: narrow BLOCK_M, B_OUT 64 for more programs, long B_RED.
-# Configs that exceed a GPU's shared memory fail to compile and the autotuner skips them.
 # ----------------------------------------------------------------------------------------------------------------------
 
 def _arch(device: torch.device) -> str:
     if interpreting() or device.type != "cuda":
         return "interp"
-    major, minor = torch.cuda.get_device_capability(device)
+    return arch_of_capability(*torch.cuda.get_device_capability(device))
+
+
+def arch_of_capability(major: int, minor: int) -> str:
+    """The config tables' key for a compute capability. Each table's configs fit its arch's shared memory per block
+    (SMEM_LIMIT of dorafp8.kernel_report: 227 KB on 9.0 and 10.x, 99 KB on 8.9 and 12.x). Capabilities with no table of
+    their own take the closest list that fits them: Ampere (8.0 has 163 KB, 8.6 and 8.7 99 KB) Ada's; 10.3 (B300,
+    227 KB, the same tensor cores as 10.0) datacenter Blackwell's; 12.1 (DGX Spark) and anything unknown (11.x, 13.x
+    and later) consumer Blackwell's, a 99 KB list like Ada's, which fits every GPU the Triton backend runs on (sm_80
+    and newer)."""
     if major == 9:
         return "sm90"
-    if (major, minor) == (8, 9):
+    if major == 10:
+        return "sm100"
+    if major == 8:
         return "sm89"
-    return "sm90" if major >= 10 else "sm89"  # Blackwell has Hopper-sized shared memory; Ampere/others: Ada's set
+    return "sm120"  # 12.x; unknown: the smallest shared memory of the GPUs the Triton backend runs on (8.6's 99 KB)
 
 
 def w8_via_f32(device) -> bool:
-    return w8_via_f32_for(_arch(device), device)
+    return w8_via_f32_for(_arch(device))
 
 
-def w8_via_f32_for(arch: str, device=None) -> bool:
+def w8_via_f32_for(arch: str) -> bool:
     """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to): convert the e4m3 weight tile to bf16 through fp32 on Ada and
     Hopper, whose e4m3 -> bf16 goes through fp16 and the slow F2F.BF16.F16 (per element; sm_89 under Triton 3.6
     even fails in ptxas: "cvt .bf16.f16 requires sm_90"); directly on Blackwell (a native unpack, which the fp32
     route would only lengthen). `python -m dorafp8.kernel_report` shows the instruction counts of both."""
-    if arch == "interp":
-        return False  # exact either way; the interpreter computes bf16 tiles in fp32 anyway (dot_dtype)
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] < 10
-    return arch in ("sm90", "sm89")
+    return arch in ("sm90", "sm89")  # interp: exact either way (the interpreter computes bf16 tiles in fp32 anyway)
 
 
 def fp8_promote(device) -> bool:
-    return fp8_promote_for(_arch(device), device)
+    return fp8_promote_for(_arch(device))
 
 
-def fp8_promote_for(arch: str, device=None) -> bool:
+def fp8_promote_for(arch: str) -> bool:
     """FP8_PROMOTE of the fp8 GEMM kernels (gemm.w8_gemm_loop, W8A8): on Hopper, wgmma keeps e4m3 products in a
     reduced-precision accumulator (about 14 bits, DeepSeek-V3 section 3.3.2) for as long as Triton lets it: the whole
     reduction by default (max_num_imprecise_acc is 2**30 on sm_90). With this each reduction step's product starts
     from zero and is added to the fp32 accumulator in software, so wgmma accumulates at most B_RED (64) products, as
     FBGEMM and DeepGEMM promote every 128. Not on Ada (mma.sync) nor Blackwell: docs/DORA_MATH.md, "Accuracy contract"."""
-    if arch == "interp":
-        return False  # the interpreter's dots are exact fp32
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] == 9
-    return arch == "sm90"
+    return arch == "sm90"  # arch_of_capability: 9.x only (interp: the interpreter's dots are exact fp32)
 
 
 _GEMM_TABLE = {
@@ -230,6 +239,10 @@ _GEMM_TABLE = {
     # (C7515), so the reduction block is 64 and small M gets more stages instead, and an output block of 128
     # (two wgmma M-halves) on 4 warps serialized too, so those use 8 warps (one warpgroup per half); on sm_89 one
     # accumulator tile per 4 warps of 64 x 128 (and two with dropout) spilled, so those tiles use 8 warps.
+    # sm_100: Hopper's lists, less the 128 x 128 x 64 four-stage tile, which spilled there (8 bytes, Triton 3.9).
+    # sm_120: Ada's lists; Hopper's did not all fit (128 x 64 x 64 four-stage with dropout: 108 KB of shared memory, and
+    # it and 128 x 128 x 64 with dropout spilled), and Ada's 128 x 64 x 64 with dropout spilled in the dgrad, so that
+    # one is 64 x 128 x 64 four-stage here, which fits without spills in both kernels.
     "sm90": (
         [(128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4)],
         [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
@@ -239,6 +252,18 @@ _GEMM_TABLE = {
     "sm89": (
         [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)],
         [(64, 128, 64, 3, 8), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)],
+        [(16, 64, 128, 4, 4), (16, 128, 128, 3, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
+        [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)],
+    ),
+    "sm100": (
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4)],
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
+        [(16, 64, 64, 6, 4), (32, 64, 64, 6, 4), (32, 128, 64, 4, 8), (64, 128, 64, 4, 8)],
+        [(16, 64, 64, 5, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
+    ),
+    "sm120": (
+        [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)],
+        [(64, 128, 64, 3, 8), (64, 128, 64, 4, 8), (64, 64, 64, 4, 4)],
         [(16, 64, 128, 4, 4), (16, 128, 128, 3, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
         [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)],
     ),
@@ -296,6 +321,8 @@ _WEIGHT_NORM_TABLE = {  # arch: [(BLOCK_N, BLOCK_K, stages, warps)]
     "interp": [(32, 32, 1, 4)],
     "sm90": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 128, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
     "sm89": [(64, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (32, 128, 3, 4)],
+    "sm100": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 128, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
+    "sm120": [(64, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (32, 128, 3, 4)],
 }
 # fp32 adapters: B A on CUDA cores (ieee), whose [BLOCK_N, BLOCK_K] fp32 product and operands spilled at
 # BLOCK_K >= 128 with 4 warps (inspect); smaller tiles, more warps.

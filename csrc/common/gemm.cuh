@@ -35,7 +35,7 @@
 // itself, or a rank-term function) comes out of nvcc with other instructions hoisted and placed, and ptxas then needs
 // 96 registers instead of 80 for forward_mma_kernel<bf16, 64, 128, false> on sm_90a (three blocks per SM down to two)
 // and spills in forward_mma_kernel<*, 32, 256, true>, which is at the 128-register bound of __launch_bounds__(256, 2).
-// Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on both archs.
+// Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on every target.
 #pragma once
 
 #include "dora_fp8.h"  // DType (csrc/ is on the include path)

@@ -1,5 +1,5 @@
-"""The kernel report: dorafp8's GPU kernels compiled ahead of time for sm_90a / sm_89 and read statically
-(registers, spills, shared memory, matrix instructions, where the fp8 weight tile comes from), without a GPU.
+"""The kernel report: dorafp8's GPU kernels compiled ahead of time for sm_90a, sm_89, sm_100a and sm_120 and read
+statically (registers, spills, shared memory, matrix instructions, where the fp8 weight tile comes from), without a GPU.
 
     python -m dorafp8.kernel_report --help          (docs/INSPECT.md)
 

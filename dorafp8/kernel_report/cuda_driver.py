@@ -1,4 +1,4 @@
-"""Compiling the CUDA C++ kernels (csrc/) with nvcc for sm_90a / sm_89 and reading the result.
+"""Compiling the CUDA C++ kernels (csrc/) with nvcc for the report's targets (records.py) and reading the result.
 
 Where the sources are: an installed wheel ships them as package data in dorafp8/csrc/ (pyproject.toml's package data:
 the kernel files, their headers, build_spec.py with the file list and nvcc flags the extension is built with, and
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .parsers import classify_mma, parse_ptxas_log, ptx_functions
-from .records import SMEM_LIMIT, SpecError, new_record
+from .records import CUDA_CODE, SMEM_LIMIT, SpecError, new_record
 from .sass import main_loop_mix, split_functions
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dorafp8/
@@ -148,7 +148,7 @@ def compile_job(job: dict) -> list[dict]:
     and prints the dynamic shared memory of each of its kernels from the launchers' own constants; the same run keeps
     the PTX (-keep) and prints ptxas -v."""
     arch, source = job["arch"], job["source"]
-    code = arch.removeprefix("sm_")  # "90a"
+    code = CUDA_CODE[arch]  # "90a": what the extension builds for this target
     spec = load_cuda_spec(Path(job["cuda_spec"]) if job.get("cuda_spec") else None)
     rows = [spec[i] for i in cuda_spec_by_source(spec)[source]]
     home = cuda_home()

@@ -74,13 +74,19 @@ _WGMMA = re.compile(r"wgmma\.mma_async(?:\.sp)?\.sync\.aligned\.(m\d+n\d+k\d+)\.
 _WGMMA_A = re.compile(r"wgmma\.mma_async\S*\s+\{[^}]*\}\s*,\s*(\{|%)")
 _MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)((?:\.[\w:]+)+)")
 _MMA_LAYOUT = {"row", "col", "satfinite"}
+# Blackwell's tcgen05.mma (sm_100a): "tcgen05.mma.cta_group::1.kind::f16 [d], a, b, idesc, ...". The accumulator d is
+# in tensor memory ([%r]); A is a tensor-memory address ([%r]) or a shared-memory descriptor (%rd); B is always a
+# descriptor. The operand types and the shape are in the instruction descriptor (a run-time value), not in the
+# mnemonic: only the kind (f16: bf16 or fp16 operands; f8f6f4: fp8/fp6/fp4; tf32; i8) is.
+_TCGEN05 = re.compile(r"\btcgen05\.mma(?:\.sp)?\.cta_group::\d\.kind::(\w+)\s+\[[^\]]*\]\s*,\s*(\[|%)")
 _FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
 
 
 def classify_mma(ptx: str) -> dict:
-    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", several joined by
-    " + ", "fma" when there are none but fp32 FMAs, else "none"), their shapes, and how many wgmma take A from
-    registers and how many from a shared-memory descriptor."""
+    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", "tcgen05
+    kind::f16", several joined by " + ", "fma" when there are none but fp32 FMAs, else "none"), their shapes (not
+    tcgen05's: they are in its run-time descriptor), how many wgmma take A from registers and how many from a
+    shared-memory descriptor, and how many tcgen05.mma take A from tensor memory and how many from shared memory."""
     kinds, shapes = set(), set()
     for shape, d, a, b in _WGMMA.findall(ptx):
         kinds.add(f"wgmma {a}.{b}->{d}")
@@ -92,12 +98,25 @@ def classify_mma(ptx: str) -> dict:
         else:
             kinds.add(f"mma.sync {'.'.join(types)}")
         shapes.add(shape)
+    tc = _TCGEN05.findall(ptx)
+    kinds.update(f"tcgen05 kind::{kind}" for kind, _ in tc)
     a_ops = _WGMMA_A.findall(ptx)
     if kinds:
         mma = " + ".join(sorted(kinds))
     else:
         mma = "fma" if _FMA.search(ptx) else "none"
-    return dict(mma=mma, mma_shapes=sorted(shapes), wgmma_a_regs=a_ops.count("{"), wgmma_a_smem=a_ops.count("%"))
+    return dict(mma=mma, mma_shapes=sorted(shapes), wgmma_a_regs=a_ops.count("{"), wgmma_a_smem=a_ops.count("%"),
+                tcgen05_a_tmem=sum(a == "[" for _, a in tc), tcgen05_a_smem=sum(a == "%" for _, a in tc))
+
+
+def tcgen05_types(mma: str, dots: list[dict]) -> str:
+    """`mma` (classify_mma's) with each "tcgen05 kind::..." replaced by the operand types of the TTGIR's
+    ttng.tc_gen5_mma ops ("tcgen05 bf16.bf16->f32", as wgmma and mma.sync are named), which the PTX does not spell."""
+    if "tcgen05 kind::" not in mma:
+        return mma
+    kinds = {k for k in mma.split(" + ") if not k.startswith("tcgen05 kind::")}
+    kinds.update(f"tcgen05 {d['types']}" for d in dots if d["op"] == "ttng.tc_gen5_mma" and d.get("types"))
+    return " + ".join(sorted(kinds))
 
 
 # --- TTGIR: which dot does the fp8 weight tile feed, and from where ----------------------------------------------------
@@ -110,23 +129,67 @@ _T_TOKEN = re.compile(r"\btoken\s+%[\w$.-]+(?:#\d+)?")
 _T_ITER_ARGS = re.compile(r"iter_args\((.*?)\)\s*->")
 _T_PAIR = re.compile(r"(%[\w$.-]+)\s*=\s*(%[\w$.-]+)")
 _T_LOC = re.compile(r"\s+loc\(.*\)\s*$")
-_DOT_OPS = ("ttng.warp_group_dot", "tt.dot")
-# Ops that write into a shared-memory buffer: (op, index of the destination among its operands).
-_T_WRITES = {"ttg.async_copy_global_to_local": 1, "ttg.local_store": 1}
+_DOT_OPS = ("ttng.warp_group_dot", "tt.dot", "ttng.tc_gen5_mma")
+# Ops that write into a shared-memory or tensor-memory buffer: (op, index of the destination among its operands).
+_T_WRITES = {"ttg.async_copy_global_to_local": 1, "ttg.local_store": 1, "ttng.tmem_store": 1}
+# MLIR element types as PTX spells them (the mma labels)
+_T_ELEM = {"f8E4M3FN": "e4m3", "f8E5M2": "e5m2", "f16": "f16", "bf16": "bf16", "f32": "f32", "i8": "s8", "i32": "s32"}
+_T_ELEM_OF = re.compile(r"<(?:\d+x)+(\w+)")  # the element type after the shape: tensor<128x64xbf16, ...>
+
+
+def _operand_kind(t: str) -> str:
+    """Where a dot operand of TTGIR type `t` is read from: a tensor is in registers, a memdesc in shared memory or
+    (tcgen05, sm_100a) in tensor memory."""
+    if not t.startswith("!ttg.memdesc"):
+        return "registers"
+    return "tensor memory" if "#ttng.tensor_memory" in t else "shared"
+
+
+def _split_types(types: str) -> list[str]:
+    """'!ttg.memdesc<64x64xbf16, #a, #b>, !ttg.memdesc<...>' -> the types, split at top-level commas."""
+    out, depth, cur = [], 0, ""
+    for ch in types:
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur.strip()] if cur.strip() else out
+
+
+def _elem(t: str) -> str:
+    m = _T_ELEM_OF.search(t)
+    return _T_ELEM.get(m.group(1), m.group(1)) if m else "?"
 _T_VIEWS = ("ttg.memdesc_index", "ttg.memdesc_subslice", "ttg.memdesc_trans", "ttg.memdesc_reshape",
             "ttg.memdesc_reinterpret")
 
 
+def _dot(op: str, code: str, operands: list[str]) -> dict:
+    """A dot op's line (attributes and locations removed) -> its A and B operands, where each is read from, types."""
+    if op == "ttng.tc_gen5_mma":  # "ttng.tc_gen5_mma %a, %b, %d, ... : type_a, type_b, type_d, ..."
+        a_type, b_type, d_type = _split_types(code[code.index(" : ") + 3:])[:3]
+    else:  # "%r = tt.dot %a, %b, %c : type_a * type_b -> type_d"
+        star = code.index(" * ")
+        a_type = code[code.rindex(" : ", 0, star) + 3:star].strip()
+        b_type = code[star + 3:code.index(" -> ", star)].strip()
+        d_type = code[code.index(" -> ", star) + 4:].strip()
+    return dict(op=op, operands=operands[:2], kinds=[_operand_kind(t) for t in (a_type, b_type)],
+                types=f"{_elem(a_type)}.{_elem(b_type)}->{_elem(d_type)}")
+
+
 def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
-    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "w8": which operands ("A",
-    "B", "AB" or "") are computed from `weight_arg` (the fp8 weight pointer parameter, e.g. "w_ptr")}; "a"/"b": "registers"
-    (a tensor: wgmma reads it from registers; mma.sync always does) or "shared" (a memdesc: wgmma reads it from shared
-    memory).
+    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8": which
+    operands ("A", "B", "AB" or "") are computed from `weight_arg` (the fp8 weight pointer parameter, e.g. "w_ptr")};
+    "a"/"b": "registers" (a tensor: wgmma reads it from registers; mma.sync always does), "shared" (a memdesc: wgmma and
+    tcgen05 read it from shared memory) or "tensor memory" (tcgen05's A operand on sm_100a, a tensor-memory memdesc);
+    "types": the element types as "bf16.bf16->f32" (A.B->accumulator).
 
     The W8 operand is found by data flow, not by names: a backward slice over the SSA def-use graph from each operand,
     through loop-carried values (scf.for iter_args: to their initial value) and shared-memory buffers (a buffer is
-    computed from whatever is copied or stored into it), reaching the kernel parameter `%weight_arg`. Async tokens are
-    not followed (they only order copies) and loop results are not entered."""
+    computed from whatever is copied or stored into it, tensor memory too), reaching the kernel parameter `%weight_arg`.
+    Async tokens are not followed (they only order copies) and loop results are not entered."""
     edges: dict[str, set[str]] = defaultdict(set)
     dots = []
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)
@@ -165,17 +228,14 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
                 dst = operands[_T_WRITES[op]]
                 edges[root_buffer(dst)].update(o for i, o in enumerate(operands) if i != _T_WRITES[op])
             if op in _DOT_OPS:
-                star = code.index(" * ")
-                a_type = code[code.rindex(" : ", 0, star) + 3:star].strip()
-                b_type = code[star + 3:code.index(" -> ", star)].strip()
-                dots.append(dict(op=op, operands=operands[:2],
-                                 kinds=["shared" if t.startswith("!ttg.memdesc") else "registers"
-                                        for t in (a_type, b_type)]))
-        elif (m := re.match(r"^\s*([\w.]+)\s+(.*)$", code)) and m.group(1) in _T_WRITES:
+                dots.append(_dot(op, code, operands))
+        elif m := re.match(r"^\s*([\w.]+)\s+(.*)$", code):  # an op without results
             operands = [resolve(u) for u in _T_USE.findall(m.group(2))]
-            idx = _T_WRITES[m.group(1)]
-            if len(operands) > idx:
+            if m.group(1) in _T_WRITES and len(operands) > _T_WRITES[m.group(1)]:
+                idx = _T_WRITES[m.group(1)]
                 edges[root_buffer(operands[idx])].update(o for i, o in enumerate(operands) if i != idx)
+            elif m.group(1) in _DOT_OPS:  # tcgen05 (sm_100a) accumulates in tensor memory in place
+                dots.append(_dot(m.group(1), code, operands))
         depth += opens
         while scopes and depth <= scopes[-1][0]:
             scopes.pop()
@@ -193,14 +253,15 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
                 todo.extend(edges.get(v, ()))
         return False
 
-    return [dict(op=d["op"], a=d["kinds"][0], b=d["kinds"][1],
+    return [dict(op=d["op"], a=d["kinds"][0], b=d["kinds"][1], types=d["types"],
                  w8="".join(side for side, v in zip("AB", d["operands"]) if reaches_weight(v)))
             for d in dots]
 
 
 def w8_operand(dots: list[dict]) -> dict:
-    """From ttgir_dots: w_operand ("registers" | "shared" | "mixed" | None: where the dots the weight tile feeds read
-    it from), w8_dots (how many dots it feeds) and w8_side ("A", "B", "AB" if both operands come from it, or None)."""
+    """From ttgir_dots: w_operand ("registers" | "shared" | "tensor memory" | "mixed" | None: where the dots the weight
+    tile feeds read it from), w8_dots (how many dots it feeds) and w8_side ("A", "B", "AB" if both operands come from
+    it, or None)."""
     kinds = {d[side.lower()] for d in dots for side in d["w8"]}
     sides = "".join(sorted({side for d in dots for side in d["w8"]}))
     return dict(w_operand=(kinds.pop() if len(kinds) == 1 else "mixed") if kinds else None,

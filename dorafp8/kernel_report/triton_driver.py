@@ -14,7 +14,8 @@ import io
 import pkgutil
 import time
 
-from .parsers import check_variant, classify_mma, config_str, parse_ptxas_log, ttgir_dots, w8_operand
+from .parsers import (check_variant, classify_mma, config_str, parse_ptxas_log, tcgen05_types, ttgir_dots,
+                      w8_operand)
 from .records import SMEM_LIMIT, SpecError, new_record
 from .sass import main_loop_mix
 
@@ -193,14 +194,19 @@ def compile_job(job: dict) -> dict:
             raise RuntimeError(f"no ptxas -v entry for {compiled.metadata.name}:\n{log[-2000:]}")
 
         mma = classify_mma(ptx)
+        dots = ttgir_dots(ttgir, spec.weight_arg or "")
+        mma["mma"] = tcgen05_types(mma["mma"], dots)  # tcgen05's operand types are in the TTGIR only
         # Kernels without the fp8 weight (weight_arg None: the backward pass, the rank-r GEMMs, the quantizer, the
         # epilogues) have no W8 operand to trace.
-        w8 = w8_operand(ttgir_dots(ttgir, spec.weight_arg) if spec.weight_arg else [])
+        w8 = w8_operand(dots if spec.weight_arg else [])
         if mma["mma"] in ("fma", "none") or not spec.weight_arg:
             w8["w_operand"] = None  # no tensor-core instruction: the question does not apply
         elif w8["w_operand"] == "registers" and mma["wgmma_a_smem"] and not mma["wgmma_a_regs"]:
             raise RuntimeError("TTGIR says the W8 tile feeds wgmma from registers but no wgmma in the PTX takes A "
                                "from registers: the reader is out of date with this Triton")
+        elif w8["w_operand"] == "tensor memory" and not mma["tcgen05_a_tmem"]:
+            raise RuntimeError("TTGIR says the W8 tile feeds tcgen05.mma from tensor memory but no tcgen05.mma in the "
+                               "PTX takes A from tensor memory: the reader is out of date with this Triton")
         rec.update(mma, **w8, **usage, main_loop=main_loop_mix(sass_text(compiled.asm["cubin"])),
                    spill_bytes=usage["spill_stores"] + usage["spill_loads"],
                    smem_bytes=compiled.metadata.shared + usage["smem_static"])

@@ -299,3 +299,45 @@ def test_linear_fp8_rowwise_matches_its_definition():
     y2.backward(g)
     assert torch.equal(y, y2)
     assert rel(x.grad, x2.grad) < 3e-2
+
+
+def test_linear_fp8_rowwise_on_sm120_needs_no_rowwise_scaled_mm(monkeypatch):
+    """sm_12x GPUs' cuBLAS refuses torch._scaled_mm with row-wise scales (pytorch issue 192707): there the provider runs
+    _scaled_mm with unit per-tensor scales and applies the row scales to its fp32 product. The choice is made from the
+    device's capability (faked here), and that path never hands _scaled_mm a row-wise scale (a stand-in that refuses
+    them, as cuBLAS does there, checks it) while computing what the row-wise path computes."""
+    if not _scaled_mm_runs_on_cpu():
+        pytest.skip("this torch does not run torch._scaled_mm row-wise on CPU")
+    import torch
+
+    import _providers as P
+
+    cuda = torch.device("cuda", 0)
+    for cap, rowwise in (((12, 0), False), ((12, 1), False), ((9, 0), True), ((8, 9), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert P.rowwise_scales_supported(cuda) is rowwise, cap
+    assert P.rowwise_scales_supported(torch.device("cpu"))
+
+    torch.manual_seed(0)
+    M, K, N = 48, 64, 96
+    w = torch.randn(N, K) / 8
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    g = torch.randn(M, N, dtype=torch.bfloat16)
+    results = {}
+    real = torch._scaled_mm
+    for rowwise in (True, False):
+        if not rowwise:
+            def per_tensor_only(a, b, scale_a, scale_b, **kw):
+                if scale_a.numel() != 1 or scale_b.numel() != 1:
+                    raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (row-wise scales refused, as on sm_120)")
+                return real(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+            monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+        lin = P.Fp8RowwiseLinear(w, rowwise=rowwise)
+        xr = x.clone().requires_grad_()
+        y = lin(xr)
+        y.backward(g)
+        results[rowwise] = (y, xr.grad)
+    for a, b in zip(results[True], results[False]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        # one rounding to bf16 of the same fp32 sums (only the order of the scale multiplications differs)
+        assert torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-6), (a - b).abs().max()

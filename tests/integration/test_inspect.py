@@ -5,14 +5,19 @@ The checks are the properties the kernels are designed for, on every config the 
   sm_90a  wgmma with the fp8 weight tile (W8) fed from registers in forward and dgrad (the "swap AB" design),
           no spills, no serialized wgmma, shared memory within H100's 227 KB per block;
   sm_89   mma.sync on 16-bit operands, no spills, shared memory within Ada's 99 KB per block;
+  sm_100a tcgen05.mma with the converted W8 tile fed from tensor memory (Blackwell's MMA takes A from tensor or shared
+          memory, never registers), no spills, shared memory within B200's 227 KB;
+  sm_120  as sm_89 (mma.sync, 99 KB per block: RTX 5090, RTX PRO 6000);
   fp32    no tensor cores at all (input_precision="ieee": tf32 would lose 13 mantissa bits);
   CUDA    the same for the kernels of csrc/ (weight_norm.cu, forward.cu, dgrad.cu).
 
-Budget (2-core CI machine, cold Triton cache): about 3 minutes. So the Triton set is a representative subset (see
-SUBSET): every config of every config list of forward and dgrad, on both archs, each under the heaviest variant
-that uses that list (the most accumulators and the largest epilogue), in bf16 with per-row scales (in dgrad c and the
-row scale are multiplied into the W8 tile before the dot, the path under suspicion); fp16 and fp32 under the small-M
-list; weight_norm in its largest variant on Ada. `python -m dorafp8.kernel_report` runs everything.
+Budget (2-core CI machine, cold Triton cache): about 6 minutes, predicted as twice the 3 minutes of sm_90a and sm_89
+alone (their subset took 345 s and this one 635 s on the same loaded machine). So the Triton set is a representative subset (see
+SUBSET): every config of every arch's config lists of forward, dgrad and weight_norm, on every arch, each under the
+heaviest variant that uses that list (the most accumulators and the largest epilogue), in bf16 with per-row scales
+(in dgrad c and the row scale are multiplied into the W8 tile before the dot, the path under suspicion); fp16 and fp32
+under the small-M list; weight_norm with fp32 adapters on Ada. test_every_listed_config_fits_its_arch checks that the
+subset does hold every listed config. `python -m dorafp8.kernel_report` runs everything.
 """
 
 import json
@@ -33,9 +38,10 @@ pytestmark = pytest.mark.skipif(
 
 GEMMS = ("forward", "dgrad")
 MMA_TYPES = {"bf16": "bf16.bf16->f32", "fp16": "f16.f16->f32"}
+MMA_SYNC_ARCHS = ("sm_89", "sm_120")  # the targets whose 16-bit and fp8 dots are mma.sync
 
 # (kernel, dtype, variant, archs): see the module docstring. Each variant gets all the configs its list has.
-BOTH = insp.ARCHS
+BOTH = insp.ARCHS  # every target
 SUBSET = [
     *[(k, "bf16", v, BOTH) for k in GEMMS for v in (
         "adapter,row-scale,M>64",           # large-M list, one accumulator, rank-r epilogue
@@ -50,6 +56,7 @@ SUBSET = [
     # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue, z fp32; the heaviest of them
     *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", BOTH) for k in GEMMS],
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
+    ("weight_norm", "bf16", "row-scale,r=128", BOTH),  # each arch's own list (16-bit A, B)
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
     ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
     ("project", "bf16", "dropout,fp32-rank", BOTH),
@@ -90,7 +97,7 @@ def _select(recs, backend=None, kernels=None, arch=None, dtypes=None):
 
 
 def test_everything_in_the_subset_compiled(records):
-    # Each (kernel, dtype, variant) of SUBSET on both archs with all the configs its list has, and the CUDA kernels.
+    # Each (kernel, dtype, variant) of SUBSET on its archs with all the configs its list has, and the CUDA kernels.
     _none_of([r for r in records if r["error"]], "did not compile")
     seen = {(r["kernel"], r["dtype"], r["variant"], r["arch"]) for r in records if r["backend"] == "triton"}
     assert seen == _WANTED
@@ -114,10 +121,10 @@ def test_sm90_gemms_use_wgmma(records):
 
 
 def test_w8a8_gemms_multiply_fp8_on_tensor_cores(records):
-    """W8A8: the base GEMM is e4m3 x e4m3 on fp8 wgmma (sm_90a) and fp8 mma.sync (sm_89); the rank-r epilogue's
-    small dot stays in the activations' dtype. (The W8 tile is fp8 as stored, so no conversion decides where it is
-    read from: wgmma reads both fp8 operands from shared memory.)"""
-    for arch, kind in (("sm_90a", "wgmma"), ("sm_89", "mma.sync")):
+    """W8A8: the base GEMM is e4m3 x e4m3 on fp8 wgmma (sm_90a), tcgen05.mma (sm_100a) and mma.sync (sm_89, sm_120); the
+    rank-r epilogue's small dot stays in the activations' dtype. (The W8 tile is fp8 as stored, so no conversion
+    decides where it is read from: wgmma and tcgen05 read both fp8 operands from shared memory.)"""
+    for arch, kind in (("sm_90a", "wgmma"), ("sm_89", "mma.sync"), ("sm_100a", "tcgen05"), ("sm_120", "mma.sync")):
         recs = _w8a8(_select(records, "triton", GEMMS, arch))
         assert recs
         _none_of([r for r in recs if f"{kind} e4m3.e4m3->f32" not in r["mma"].split(" + ")],
@@ -141,11 +148,23 @@ def test_sm90_wgmma_not_serialized(records):
              "\nptxas says:\n" + "\n".join(sorted({re.sub(r" in line \d+$", "", n) for r in bad for n in r["ptxas_notes"]})))
 
 
-def test_sm89_gemms_use_mma_sync_from_registers(records):
-    recs = _w8a16(_select(records, "triton", GEMMS, "sm_89", MMA_TYPES))
+def test_sm100_gemms_use_tcgen05_with_w8_from_tensor_memory(records):
+    # tcgen05.mma cannot read registers: the W8 tile, converted in registers, goes to tensor memory as the A operand
+    # (one store per K step, which wgmma's register operand needs not), while act^T streams to shared memory as on
+    # Hopper.
+    recs = _w8a16(_select(records, "triton", GEMMS, "sm_100a", MMA_TYPES))
     assert recs
-    _none_of([r for r in recs if (r["mma"], r["w_operand"]) != (f"mma.sync {MMA_TYPES[r['dtype']]}", "registers")],
-             "do not use mma.sync on their dtype with W8 from registers")
+    _none_of([r for r in recs if (r["mma"], r["w_operand"], r["w8_side"]) != (
+        f"tcgen05 {MMA_TYPES[r['dtype']]}", "tensor memory", "A") or not r["tcgen05_a_tmem"]],
+             "do not use tcgen05.mma on their dtype with the W8 tile as the A operand from tensor memory")
+
+
+def test_mma_sync_gemms_take_w8_from_registers(records):
+    for arch in MMA_SYNC_ARCHS:
+        recs = _w8a16(_select(records, "triton", GEMMS, arch, MMA_TYPES))
+        assert recs, arch
+        _none_of([r for r in recs if (r["mma"], r["w_operand"]) != (f"mma.sync {MMA_TYPES[r['dtype']]}", "registers")],
+                 f"do not use mma.sync on their dtype with W8 from registers on {arch}")
 
 
 def test_fp32_compute_uses_no_tensor_cores(records):
@@ -202,10 +221,46 @@ def test_no_spills(records):
     _none_of([r for r in records if not r["error"] and r["spill_bytes"]], "spill registers")
 
 
+# Shared memory per block with the opt-in (CUDA C++ Programming Guide, technical specifications per compute
+# capability), typed in here rather than read from the tool.
+DEVICE_SMEM = {"sm_90a": 227 * 1024, "sm_89": 99 * 1024, "sm_100a": 227 * 1024, "sm_120": 99 * 1024}
+
+
 def test_shared_memory_within_the_device_limit(records):
-    assert insp.SMEM_LIMIT == {"sm_90a": 232448, "sm_89": 101376}
+    assert insp.SMEM_LIMIT == DEVICE_SMEM
     _none_of([r for r in records if not r["error"] and r["smem_bytes"] > r["smem_limit"]],
              "need more shared memory than a block can have (the autotuner would skip them on this GPU)")
+
+
+def _listed_configs(table: str) -> dict[str, set[str]]:
+    """{kernel: the config strings of every list the launchers have for the arch `table` names}: forward, dgrad and
+    weight_norm, in the 16-bit dtypes (fp32's lists are the same on every arch)."""
+    from dorafp8.triton_kernels._common import gemm_configs_for, weight_norm_configs_for
+
+    out = {"forward": set(), "dgrad": set(),
+           "weight_norm": {insp.config_str(c) for c in weight_norm_configs_for(table)}}
+    for kernel, (o, red) in (("forward", ("BLOCK_N", "BLOCK_K")), ("dgrad", ("BLOCK_K", "BLOCK_N"))):
+        for two_acc in (False, True):
+            for m in (32, 4096):
+                out[kernel] |= {insp.config_str(c) for c in gemm_configs_for(table, o, red, two_acc, m, False)}
+    return out
+
+
+def test_every_listed_config_fits_its_arch(records):
+    """Every config in an arch's lists was compiled for that arch by this subset (under the heaviest variant that uses
+    it), without errors, spills or shared memory over the arch's limit: a config added to a list that the subset no
+    longer covers fails here, so it cannot reach a GPU where it does not fit (sm_89 and sm_120 have 99 KB per block,
+    Hopper and B200 227 KB)."""
+    from dorafp8.triton_kernels.inspect_spec import ARCHS as SPEC_ARCHS
+
+    assert set(SPEC_ARCHS) == set(insp.ARCHS)
+    for arch, (table, _) in SPEC_ARCHS.items():
+        for kernel, listed in _listed_configs(table).items():
+            recs = [r for r in _select(records, "triton", (kernel,), arch) if r["dtype"] != "fp32"]
+            compiled = {r["config"] for r in recs if not r["error"]}
+            assert listed <= compiled, (arch, kernel, sorted(listed - compiled))
+            _none_of([r for r in recs if r["spill_bytes"] or r["smem_bytes"] > DEVICE_SMEM[arch]],
+                     f"of {kernel}'s lists spill or exceed the shared memory of {arch}")
 
 
 def test_cuda_kernels(records):
@@ -371,6 +426,11 @@ def test_cuda_build_flags_are_the_extensions():
     assert "-O3" in flags and "--use_fast_math" in flags and not any("gencode" in f for f in flags)
     setup_py = (insp.cuda_dir().parent / "setup.py").read_text()
     assert 'BUILD_SPEC["NVCC_FLAGS"] + gencode' in setup_py and "--use_fast_math" not in setup_py
+    # and it compiles each target as the default build makes it: one target per arch of DEFAULT_CUDA_ARCHS
+    from dorafp8.kernel_report import cuda_driver, records
+
+    assert set(records.CUDA_CODE) == set(insp.ARCHS)
+    assert sorted(records.CUDA_CODE.values()) == sorted(cuda_driver.build_spec()["DEFAULT_CUDA_ARCHS"].split(";"))
 
 
 def test_cuda_sources_are_the_extensions():

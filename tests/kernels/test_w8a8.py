@@ -122,6 +122,32 @@ def test_low_rank_path_sees_no_quantized_activation(backend, dropout):
     assert ((dm8 - dm16).norm() / dm16.norm()).item() < 0.05  # ... within e4m3's error
 
 
+@pytest.mark.backends("reference", "triton", "cublas")
+def test_nothing_needs_rowwise_scaled_mm(backend, monkeypatch):
+    """cuBLAS refuses torch._scaled_mm with row-wise scales on sm_120 (RTX 5090, RTX PRO 6000; pytorch issue 192707).
+    W8A8, and the cublas backend's W8A16 base GEMMs, must not need it: with an sm_120 capability faked (on a GPU it also
+    gives the Triton kernels sm_120's config lists) and torch._scaled_mm refusing every call, W8A8 stays within its
+    contract (cublas, which has no W8A8, computes W8A16 and refuses W8A8 as before)."""
+    def refused(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic (as on sm_120)")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refused)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    if backend == "cublas":
+        w8, scale = _weights(48, 64)
+        x = torch.randn(32, 64).to(DEVICE).requires_grad_()
+        y = dorafp8.fp8_linear(x, w8, scale, backend="cublas")
+        y.backward(torch.ones_like(y))
+        W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64).cpu()
+        assert normwise_error(y.detach(), x.detach(), W0) < 1e-5
+        assert normwise_error(x.grad, torch.ones(32, 48), W0.T) < 1e-5
+        with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the cublas backend"):
+            dorafp8.fp8_linear(x, w8, scale, backend="cublas", act_quant="rowwise")
+        return
+    for what, got, t, W in w8a8_products(backend, 256):
+        assert normwise_error(got, t, W) < 0.035, what
+
+
 def test_other_backends_refuse_w8a8_clearly():
     w8, scale = _weights(16, 32)
     x = torch.randn(3, 32).to(DEVICE)

@@ -1,0 +1,69 @@
+"""Which autotune config lists a GPU gets (triton_kernels/_common.py: _arch, arch_of_capability), checked without a GPU
+by faking the device's compute capability.
+
+The lists themselves are checked against each arch's shared memory, registers and instructions by
+tests/integration/test_inspect.py, which compiles every listed config for every target of the kernel report; here:
+a GPU never gets a list made for more shared memory than it has, and every list the launchers can pick is one of the
+report's targets (so that it is checked there).
+"""
+
+import pytest
+import torch
+
+from dorafp8.kernel_report import SMEM_LIMIT
+from dorafp8.triton_kernels import _common as C
+from dorafp8.triton_kernels.inspect_spec import ARCHS
+
+# Shared memory per block with the opt-in, per compute capability (CUDA C++ Programming Guide, technical specifications
+# per compute capability), typed in here independently of the package's own table.
+DEVICE_SMEM = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+               (12, 0): 99 * 1024}
+TARGET_OF = {table: target for target, (table, _) in ARCHS.items()}  # "sm120" -> "sm_120"
+
+
+def test_every_list_the_launchers_pick_is_a_report_target():
+    tables = set(C._GEMM_TABLE) | (set(C._WEIGHT_NORM_TABLE) - {"interp"})
+    assert tables == set(TARGET_OF), "each config table needs a target in inspect_spec.ARCHS, and the other way round"
+    picked = {C.arch_of_capability(major, minor) for major in range(7, 16) for minor in range(10)}
+    assert picked <= set(TARGET_OF)
+
+
+@pytest.mark.parametrize("cap", sorted(DEVICE_SMEM), ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_a_gpu_gets_lists_that_fit_its_shared_memory(cap):
+    assert SMEM_LIMIT[TARGET_OF[C.arch_of_capability(*cap)]] <= DEVICE_SMEM[cap]
+
+
+def test_known_gpus_get_their_own_lists():
+    # B200 and B300 (10.0, 10.3) Hopper-sized, RTX 5090 / RTX PRO 6000 and DGX Spark (12.0, 12.1) Ada-sized.
+    assert [C.arch_of_capability(*c) for c in ((9, 0), (8, 9), (10, 0), (10, 3), (12, 0), (12, 1))] == [
+        "sm90", "sm89", "sm100", "sm100", "sm120", "sm120"]
+
+
+@pytest.mark.parametrize("cap", [(11, 0), (13, 0), (14, 2)], ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_unknown_gpus_get_the_smallest_shared_memory_lists(cap):
+    # A capability with no table of its own (Thor's 11.0, anything newer than this package) must not be handed a list
+    # it may not have the shared memory for: it gets the lists made for the least.
+    least = min(SMEM_LIMIT[t] for t in TARGET_OF.values())
+    assert SMEM_LIMIT[TARGET_OF[C.arch_of_capability(*cap)]] == least
+
+
+def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
+    # What gemm_configs / weight_norm_configs hand the autotuner for a (faked) CUDA device: its capability's lists, not
+    # the interpreter's single config, and not Hopper's on a 99 KB Blackwell (what sm_120 got before it had its own).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dev = torch.device("cuda", 0)
+    for cap, table in (((12, 0), "sm120"), ((10, 0), "sm100"), ((9, 0), "sm90"), ((8, 9), "sm89")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert C._arch(dev) == table
+        for two_acc in (False, True):
+            for m in (16, 4096):
+                got = C.gemm_configs(dev, "BLOCK_N", "BLOCK_K", two_acc, m, False)
+                want = C.gemm_configs_for(table, "BLOCK_N", "BLOCK_K", two_acc, m, False)
+                assert [str(c) for c in got] == [str(c) for c in want]
+        assert [str(c) for c in C.weight_norm_configs(dev)] == [str(c) for c in C.weight_norm_configs_for(table)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    assert [str(c) for c in C.gemm_configs(dev, "BLOCK_N", "BLOCK_K", True, 4096, False)] != [
+        str(c) for c in C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", True, 4096, False)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert C._arch(dev) == "interp"
+    assert C._arch(torch.device("cpu")) == "interp"
