@@ -50,6 +50,8 @@ SUBSET = [
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
     ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
+    ("backward_finish", "bf16", "adapter,r=128,fp32-rank", BOTH),
+    ("sum_splits", "bf16", "-> bf16", BOTH),
     ("project", "bf16", "dropout,fp32-rank", BOTH),
     ("project_grad", "bf16", "dropout,fp32-rank", BOTH),
     ("rowwise_quant", "bf16", "rowwise", BOTH),
