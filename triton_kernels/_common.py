@@ -430,6 +430,7 @@ def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:
 
 _SM_PROPS: dict = {}
 _RESIDENT: dict = {}
+_FALLBACK_BLOCKS = 2
 
 
 def sm_props(device: torch.device) -> tuple[int, int, int, int]:
@@ -469,8 +470,14 @@ def programs_that_fit(kernel, key, args, kwargs, device: torch.device) -> int:
     blocks = _RESIDENT.get(k)
     if blocks is None:
         compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-        props = sm_props(device)
-        blocks = resident_blocks(compiled.n_regs, compiled.metadata.shared, kwargs.get("num_warps", 4), props)
+        # The register count is known once the binary is loaded, which Triton (3.6 to 3.9) does lazily at the first
+        # launch (CompiledKernel._init_handles); load it now. Should that change, 2 blocks: what kernel_report gives.
+        getattr(compiled, "_init_handles", lambda: None)()
+        n_regs = getattr(compiled, "n_regs", None)
+        if n_regs is None:
+            blocks = _FALLBACK_BLOCKS
+        else:
+            blocks = resident_blocks(n_regs, compiled.metadata.shared, kwargs.get("num_warps", 4), sm_props(device))
         _RESIDENT[k] = blocks
     return blocks * sm_props(device)[0]
 

@@ -3,8 +3,9 @@
 The compute dtype (cdt) of the base path is the autocast dtype when autocast is on for x's device, else x's dtype. The
 rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and the adapter gradients) is the autocast dtype under
 autocast, else the adapters' own dtype, as in PEFT (which casts x to lora_A's dtype): fp32 adapters on bf16
-activations get an fp32 low-rank path and fp32-accurate gradients. The weight norm, c = m / n and every accumulation
-are fp32; the output has the compute dtype.
+activations get an fp32 low-rank path and fp32-accurate dA, dB. The weight norm, c = m / n and every accumulation are
+fp32; the output has the compute dtype, and so has z, the forward's product kept for dm (within the compute dtype's
+tolerance, as PEFT's dm: docs/DORA_MATH.md says why).
 """
 
 from __future__ import annotations

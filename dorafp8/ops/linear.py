@@ -11,8 +11,9 @@ The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend c
 Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
 autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
 the adapter gradients) is the autocast dtype under autocast, else the adapters' own dtype, as in PEFT (which casts x to
-lora_A's dtype): fp32 adapters on bf16 activations get an fp32 low-rank path and fp32-accurate gradients. The weight
-norm, c = m / n and every accumulation are fp32; the output has the compute dtype.
+lora_A's dtype): fp32 adapters on bf16 activations get an fp32 low-rank path and fp32-accurate dA, dB. The weight
+norm, c = m / n and every accumulation are fp32; the output has the compute dtype, and so has z, the product the
+forward keeps for dm.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ SUBSET = [
     ("weight_norm", "bf16", "row-scale,r=128", BOTH),  # each arch's own list (16-bit A, B)
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
     ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
+    ("backward_finish", "bf16", "adapter,r=128,fp32-rank", BOTH),
+    ("sum_splits", "bf16", "-> bf16", BOTH),
     ("project", "bf16", "dropout,fp32-rank", BOTH),
     ("project_grad", "bf16", "dropout,fp32-rank", BOTH),
     ("rowwise_quant", "bf16", "rowwise", BOTH),

@@ -218,3 +218,30 @@ def test_the_recorder_sees_torch_ops_syncs_and_ops_inside_custom_ops():
     with LaunchRecorder() as rec:  # W8A8's dgrad copies W8^T inside the dgrad custom op
         y.backward(torch.ones_like(y))
     assert "triton:dora_dgrad_kernel" in rec.names() and "aten:clone.default" in rec.names(), rec.table()
+
+
+def test_programs_that_fit_read_the_compiled_kernel(monkeypatch):
+    """On a GPU the backward pass's grid comes from the compiled kernel (Triton fills n_regs when it loads the binary,
+    lazily: programs_that_fit loads it), once per variant; here with a stand-in for the kernel and an H100's SMs."""
+    from types import SimpleNamespace
+
+    from dorafp8.triton_kernels import _common
+
+    class Compiled:
+        metadata = SimpleNamespace(shared=16384)
+
+        def _init_handles(self):
+            self.n_regs = 235
+
+    warmups = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            warmups.append(kwargs)
+            return Compiled()
+
+    monkeypatch.setattr(_common, "sm_props", lambda device: (132, 65536, 2048, 228 * 1024))
+    key, dev = ("test_programs_that_fit", id(Kernel)), torch.device("cuda", 0)
+    for _ in range(2):
+        assert _common.programs_that_fit(Kernel(), key, (), {"num_warps": 4}, dev) == 2 * 132
+    assert len(warmups) == 1
