@@ -266,6 +266,29 @@ def test_list_names_what_a_run_compiles():
                                            f"runs (nothing compiled)")
 
 
+def test_a_worker_compiles_for_one_arch():
+    """Triton 3.6 builds its fp8 conversion table once per process (pool.Worker.call says how): after an sm_90a
+    compile, an sm_89 one got sm_90-only PTX, which ptxas refused ("cvt with .bf16.f16 requires .target sm_90"). A
+    worker restarts when the arch changes, so an sm_89 kernel compiled after an sm_90a one compiles as it would alone.
+    (Only Triton 3.6 can fail this; CI's version matrix runs it there, docs/TESTING.md.)"""
+    from dorafp8.kernel_report.pool import Worker
+
+    archs = ("sm_90a", "sm_89")
+    w = Worker()
+    try:
+        listed = w.call(dict(op="list", archs=list(archs), all_configs=False, spec_module=insp.SPEC_MODULE))["jobs"]
+        recs, pids = [], []
+        for arch in archs:  # a GEMM that converts the fp8 weight tile to bf16, one small config
+            job = next(j for j in listed if (j["kernel"], j["dtype"], j["variant"], j["arch"])
+                       == ("forward", "bf16", "plain,tensor-scale,M<=64", arch))
+            recs += w.call(job)["records"]
+            pids.append(w.proc.pid)
+    finally:
+        w.close()
+    _none_of([r for r in recs if r["error"]], "did not compile after a compile for another arch")
+    assert pids[0] != pids[1]
+
+
 # --- the tool itself: it must tell W8-from-shared apart, and fail loudly on a stale spec -------------------------------
 
 _W8_AS_B = '''
