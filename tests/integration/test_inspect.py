@@ -198,8 +198,30 @@ def test_sass_reader_on_a_known_listing():
     assert main_loop_mix(funcs["_Z1jv"]) is None
 
 
+# Spills that one older Triton's compiler makes and the newest does not, left to the GEMMs' owner: under that Triton
+# test_no_spills xfails naming them, still fails on any other spill, and fails when one of them no longer spills (then
+# remove it here). CI's version matrix runs this file under the older Tritons (docs/TESTING.md, "Version matrix").
+KNOWN_SPILLS = {
+    # 8 bytes at 128 registers; Triton 3.7 and 3.9 fit the same tile in 128 registers without spilling
+    "3.6": {("forward", "sm_89", "bf16", "adapter,row-scale,M>64", "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,GROUP_M=8,w8,s4")},
+}
+
+
+def _key(r):
+    return r["kernel"], r["arch"], r["dtype"], r["variant"], r["config"]
+
+
 def test_no_spills(records):
-    _none_of([r for r in records if not r["error"] and r["spill_bytes"]], "spill registers")
+    import triton
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    known = KNOWN_SPILLS.get(version, set())
+    spills = [r for r in records if not r["error"] and r["spill_bytes"]]
+    _none_of([r for r in spills if _key(r) not in known], "spill registers")
+    gone = {_key(r) for r in records if not r["error"] and _key(r) in known} - {_key(r) for r in spills}
+    assert not gone, f"no longer spill under Triton {triton.__version__}, remove them from KNOWN_SPILLS: {sorted(gone)}"
+    if spills:
+        pytest.xfail(f"known spills under Triton {triton.__version__} (KNOWN_SPILLS):{_rows(spills)}")
 
 
 def test_shared_memory_within_the_device_limit(records):
