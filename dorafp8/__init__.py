@@ -35,7 +35,7 @@ it is imported (PEFT: FP8Linear layers; transformers and diffusers: save_pretrai
 dorafp8/_install.py).
 """
 
-from . import _install
+from . import _deps, _install
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
 from .distributed import install_ddp_support, install_fsdp_support
@@ -46,6 +46,8 @@ from .quant import dequantize_e4m3, quantize_e4m3
 from .checkpoint.from_transformers import from_transformers_fp8
 
 __version__ = "0.1.0"
+
+_deps.warn_if_untested_torch()
 
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",

@@ -1,8 +1,10 @@
-"""Optional dependencies: one place that says which pip extra provides a missing module."""
+"""Dependencies: which pip extra provides a missing module, and the oldest torch and Triton dorafp8 is tested with."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import warnings
 
 # module -> the dorafp8 extra that installs it
 EXTRAS = {
@@ -26,3 +28,28 @@ def require(*modules: str, what: str) -> None:
         extras = sorted({EXTRAS.get(m, m) for m in gone})
         raise ImportError(f"{what} needs {', '.join(gone)}, which is not installed: pip install "
                           f"'dorafp8[{','.join(extras)}]' (or pip install {' '.join(gone)})")
+
+
+# The oldest versions CI tests (.ci/version_matrix.sh, docs/TESTING.md "Version matrix"); pyproject.toml requires the
+# same (tests/integration/test_layout.py checks that it does).
+OLDEST_TESTED = {"torch": (2, 11), "triton": (3, 6)}
+
+
+def untested_version(dist: str, version: str) -> str | None:
+    """None if `version` of `dist` (a key of OLDEST_TESTED) is at least the oldest tested one, else a sentence naming
+    the version, the tested range and the fix."""
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    if m is None or (int(m[1]), int(m[2])) >= OLDEST_TESTED[dist]:
+        return None
+    oldest = ".".join(map(str, OLDEST_TESTED[dist]))
+    return (f"{dist} {version} is older than {oldest}, the oldest dorafp8 is tested with: "
+            f"pip install '{dist}>={oldest}'")
+
+
+def warn_if_untested_torch() -> None:
+    """At `import dorafp8`: a warning (not an error: much may still work) if torch is older than the tested range."""
+    import torch
+
+    why = untested_version("torch", torch.__version__)
+    if why:
+        warnings.warn(f"dorafp8: {why}; some features may fail", stacklevel=2)

@@ -31,7 +31,7 @@ try:
 
     _IMPORT_ERROR = None
 except ImportError as e:  # triton missing or too old
-    _IMPORT_ERROR = f"triton could not be imported ({type(e).__name__}: {e}); pip install 'triton>=3.0'"
+    _IMPORT_ERROR = f"triton could not be imported ({type(e).__name__}: {e}); pip install 'triton>=3.6'"
 
     def _missing(*args, **kwargs):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
@@ -48,10 +48,33 @@ __all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forw
            "launch_observers", "planning_for_gpu"]
 
 
+def _version_problem() -> str | None:
+    """Why the installed Triton is not one the kernels are tested with (dorafp8/_deps.py), or None."""
+    import triton
+
+    from .._deps import untested_version
+
+    return untested_version("triton", triton.__version__)
+
+
+def _interpreter_problem() -> str | None:
+    """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.4 refuses (every kernel failed with
+    "only 0-dimensional arrays can be converted to Python scalars"); 3.7 fixed it. Compiled kernels are unaffected."""
+    import numpy
+    import triton
+
+    if triton.__version__.startswith("3.6.") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter does not run under NumPy {numpy.__version__} (2.4 or "
+                f"newer): pip install 'numpy<2.4', or triton>=3.7")
+    return None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """None if the kernels can run on tensors on `device`, else why not."""
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
+    if (too_old := _version_problem()) is not None:
+        return too_old
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -62,6 +85,6 @@ def unavailable_reason(device: torch.device) -> str | None:
         return None
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") == "1":
-            return None
+            return _interpreter_problem()
         return "Triton kernels need a CUDA GPU; on CPU they run only under the interpreter (TRITON_INTERPRET=1)"
     return f"Triton kernels do not run on {device.type} devices"

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional
 from . import cuda_driver, triton_driver
 from .records import ARCHS, BACKENDS, SpecError, new_record
 
+
 def worker_main() -> None:
     """Serves one JSON request per stdin line with one JSON reply per line.
 
@@ -67,12 +68,26 @@ class Worker:
     the kernel modules are imported: the workers start without it, whatever the caller has already imported."""
 
     def __init__(self):
+        self._start()
+
+    def _start(self):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.arch = None  # the arch this process has compiled Triton kernels for
 
     def call(self, req: dict) -> dict:
+        # One process compiles Triton kernels for one arch only. Triton 3.6 lowers fp8 conversions from a table built
+        # once per process, on its first compile (a function-local static in FpToFpOpConversion::getConversionFunc):
+        # after an sm_90a compile, sm_89 got sm_90-only PTX (ptxas: "cvt with .bf16.f16 requires .target sm_90"), and
+        # after an sm_89 compile, sm_90a silently got sm_89's conversions. Jobs come arch by arch, so a worker
+        # restarts at most once per arch (2-3 s).
+        if req["op"] == "triton":
+            if self.arch not in (None, req["arch"]):
+                self.close()
+                self._start()
+            self.arch = req["arch"]
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()

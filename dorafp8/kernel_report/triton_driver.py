@@ -25,11 +25,14 @@ KERNEL_PACKAGE = "dorafp8.triton_kernels"
 def triton_unavailable_reason() -> str | None:
     """None if the Triton kernels can be compiled and read here, else why not."""
     try:
+        import triton
         from triton.backends.nvidia.compiler import get_ptxas
         get_ptxas(90).path
     except Exception as e:  # triton missing, or without its NVIDIA backend / ptxas
         return f"Triton's NVIDIA backend is not usable: {type(e).__name__}: {e}"
-    return None
+    from .._deps import untested_version
+
+    return untested_version("triton", triton.__version__)  # the internals below are those of 3.6 and newer
 
 
 def load_specs(spec_module: str):

@@ -219,8 +219,30 @@ def test_sass_reader_on_a_known_listing():
     assert main_loop_mix(funcs["_Z1jv"]) is None
 
 
+# Spills that one older Triton's compiler makes and the newest does not, left to the GEMMs' owner: under that Triton
+# test_no_spills xfails naming them, still fails on any other spill, and fails when one of them no longer spills (then
+# remove it here). CI's version matrix runs this file under the older Tritons (docs/TESTING.md, "Version matrix").
+KNOWN_SPILLS = {
+    # 8 bytes at 128 registers; Triton 3.7 and 3.9 fit the same tile in 128 registers without spilling
+    "3.6": {("forward", "sm_89", "bf16", "adapter,row-scale,M>64", "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,GROUP_M=8,w8,s4")},
+}
+
+
+def _key(r):
+    return r["kernel"], r["arch"], r["dtype"], r["variant"], r["config"]
+
+
 def test_no_spills(records):
-    _none_of([r for r in records if not r["error"] and r["spill_bytes"]], "spill registers")
+    import triton
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    known = KNOWN_SPILLS.get(version, set())
+    spills = [r for r in records if not r["error"] and r["spill_bytes"]]
+    _none_of([r for r in spills if _key(r) not in known], "spill registers")
+    gone = {_key(r) for r in records if not r["error"] and _key(r) in known} - {_key(r) for r in spills}
+    assert not gone, f"no longer spill under Triton {triton.__version__}, remove them from KNOWN_SPILLS: {sorted(gone)}"
+    if spills:
+        pytest.xfail(f"known spills under Triton {triton.__version__} (KNOWN_SPILLS):{_rows(spills)}")
 
 
 # Shared memory per block with the opt-in (CUDA C++ Programming Guide, technical specifications per compute
@@ -321,6 +343,29 @@ def test_list_names_what_a_run_compiles():
     assert out.stdout.splitlines()[-1] == (f"{len(planned)} kernel x variant x config x arch records: {n_triton} "
                                            f"Triton compiles, {len(planned) - n_triton} CUDA kernels from 1 nvcc "
                                            f"runs (nothing compiled)")
+
+
+def test_a_worker_compiles_for_one_arch():
+    """Triton 3.6 builds its fp8 conversion table once per process (pool.Worker.call says how): after an sm_90a
+    compile, an sm_89 one got sm_90-only PTX, which ptxas refused ("cvt with .bf16.f16 requires .target sm_90"). A
+    worker restarts when the arch changes, so an sm_89 kernel compiled after an sm_90a one compiles as it would alone.
+    (Only Triton 3.6 can fail this; CI's version matrix runs it there, docs/TESTING.md.)"""
+    from dorafp8.kernel_report.pool import Worker
+
+    archs = ("sm_90a", "sm_89")
+    w = Worker()
+    try:
+        listed = w.call(dict(op="list", archs=list(archs), all_configs=False, spec_module=insp.SPEC_MODULE))["jobs"]
+        recs, pids = [], []
+        for arch in archs:  # a GEMM that converts the fp8 weight tile to bf16, one small config
+            job = next(j for j in listed if (j["kernel"], j["dtype"], j["variant"], j["arch"])
+                       == ("forward", "bf16", "plain,tensor-scale,M<=64", arch))
+            recs += w.call(job)["records"]
+            pids.append(w.proc.pid)
+    finally:
+        w.close()
+    _none_of([r for r in recs if r["error"]], "did not compile after a compile for another arch")
+    assert pids[0] != pids[1]
 
 
 # --- the tool itself: it must tell W8-from-shared apart, and fail loudly on a stale spec -------------------------------

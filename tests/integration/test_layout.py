@@ -279,6 +279,21 @@ def test_the_version_has_one_home():
     assert dorafp8.__version__ not in {n.value for n in ast.walk(setup_py) if isinstance(n, ast.Constant)}
 
 
+def test_required_versions_are_the_tested_ones():
+    """pyproject.toml requires, as the oldest torch and Triton, the ones CI's version matrix tests (.ci/version_matrix.sh
+    pins them in its oldest leg), which are those dorafp8/_deps.py warns about or refuses below; README says so."""
+    from dorafp8._deps import OLDEST_TESTED
+
+    torch_min, triton_min = (".".join(map(str, OLDEST_TESTED[d])) for d in ("torch", "triton"))
+    project = _pyproject()["project"]
+    assert f"torch>={torch_min}" in project["dependencies"]
+    assert project["optional-dependencies"]["triton"] == [f"triton>={triton_min}"]
+    matrix = (ROOT / ".ci" / "version_matrix.sh").read_text()
+    assert f"torch=={torch_min}.0 triton=={triton_min}.0" in matrix
+    assert f"torch {torch_min}" in (ROOT / "README.md").read_text() and f"Triton {triton_min}" in (
+        ROOT / "README.md").read_text()
+
+
 def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     """Running setup.py or asking it for metadata (`python setup.py --version`, pip's metadata steps, an sdist) writes
     no file into the source tree: the note about the CUDA extension (dorafp8/_build_info.json) is a build product,

@@ -90,6 +90,32 @@ for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.DoRAFP8Config, lambda: 
     assert "the demo" in lines[2] and "pip install 'dorafp8[peft]'" in lines[2]
 
 
+def test_untested_torch_warns_at_import():
+    """A torch older than the oldest CI tests (dorafp8/_deps.py OLDEST_TESTED) gets one warning naming it and the fix;
+    a tested one none."""
+    code = """
+import warnings, torch
+{setup}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dorafp8
+print([str(w.message) for w in caught if str(w.message).startswith("dorafp8:")])
+"""
+    old = _run_python(code.format(setup="torch.__version__ = '2.10.0+cpu'")).strip()
+    assert old == ("[\"dorafp8: torch 2.10.0+cpu is older than 2.11, the oldest dorafp8 is tested with: "
+                   "pip install 'torch>=2.11'; some features may fail\"]"), old
+    assert _run_python(code.format(setup="")).strip() == "[]"
+
+
+def test_untested_version_compares_numbers():
+    from dorafp8._deps import untested_version
+
+    assert untested_version("triton", "3.10.0") is None  # a string comparison would call 3.10 older than 3.6
+    assert untested_version("torch", "2.11.0+cu130") is None and untested_version("torch", "10.0") is None
+    assert "triton 3.5.1 is older than 3.6" in untested_version("triton", "3.5.1")
+    assert "torch 1.13.1 is older than 2.11" in untested_version("torch", "1.13.1")
+
+
 def test_environment_report():
     out = _run_python("import runpy; runpy.run_module('dorafp8', run_name='__main__')")
     assert "backends on cpu: auto -> native" in out and "CUDA extension dorafp8._C:" in out

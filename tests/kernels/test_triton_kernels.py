@@ -27,9 +27,11 @@ from dorafp8.triton_kernels.gemm import w8_to  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# cpu under the interpreter, cuda when a GPU is present (both if someone interprets on a GPU machine).
-DEVICES = [dev for dev, ok in (("cpu", INTERPRET), ("cuda", HAS_CUDA)) if ok] or [
-    pytest.param("cpu", marks=pytest.mark.skip(reason="no CUDA GPU and TRITON_INTERPRET != 1"))]
+# cpu under the interpreter, cuda when a GPU is present (both if someone interprets on a GPU machine). The backend
+# says why the interpreter cannot run here (Triton 3.6 under NumPy >= 2.4); that reason is the skip's.
+CPU_PROBLEM = tk.unavailable_reason(torch.device("cpu")) if INTERPRET else "no CUDA GPU and TRITON_INTERPRET != 1"
+DEVICES = [dev for dev, ok in (("cpu", CPU_PROBLEM is None), ("cuda", HAS_CUDA)) if ok] or [
+    pytest.param("cpu", marks=pytest.mark.skip(reason=CPU_PROBLEM))]
 DTYPES = [
     torch.float32,
     torch.float16,
@@ -172,7 +174,7 @@ def test_rowwise_quant(device):
 
 
 def test_unavailable_reason(monkeypatch):
-    if INTERPRET:
+    if INTERPRET and CPU_PROBLEM is None:
         assert tk.unavailable_reason(torch.device("cpu")) is None
         from dorafp8 import backends
 
@@ -182,6 +184,36 @@ def test_unavailable_reason(monkeypatch):
     assert isinstance(reason, str) and "TRITON_INTERPRET" in reason
     if not HAS_CUDA:
         assert isinstance(tk.unavailable_reason(torch.device("cuda")), str)
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False), ("3.9.0", "2.10.0", False)])
+def test_interpreter_refuses_triton_3_6_under_numpy_2_4(monkeypatch, triton_version, numpy_version, refused):
+    """Triton 3.6's interpreter failed every kernel under NumPy >= 2.4 ("only 0-dimensional arrays can be converted to
+    Python scalars"); the backend says which versions and what to install instead. Compiled kernels are unaffected."""
+    import numpy
+    import triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    why = tk.unavailable_reason(torch.device("cpu"))
+    if refused:
+        assert f"Triton {triton_version}'s interpreter" in why and f"NumPy {numpy_version}" in why
+        assert "pip install 'numpy<2.4', or triton>=3.7" in why
+    else:
+        assert why is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_triton_older_than_tested_is_refused(monkeypatch, device):
+    """A Triton older than the oldest CI tests (3.6, dorafp8/_deps.py) is not used: the reason names it and the fix."""
+    import triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert tk.unavailable_reason(torch.device(device)) == (
+        "triton 3.5.1 is older than 3.6, the oldest dorafp8 is tested with: pip install 'triton>=3.6'")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# CI's version matrix (docs/TESTING.md, "Version matrix"): the kernel-facing tests under older torch + Triton pairs
+# than the newest, which README's install (the rest of .ci/run) gets. Each leg builds a venv from scratch in
+# .venv-matrix/<leg>/ with torch and Triton pinned, installs dorafp8 editable without its dependencies (the tests
+# below need only torch, Triton, numpy and pytest) and without the CUDA extension, and runs its tests with a Triton
+# cache of its own (a cold one: no entry compiled by anything else is read). It prints its times. The venvs stay, as
+# .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's next run starts from scratch.
+#
+#   bash .ci/version_matrix.sh                       every leg
+#   bash .ci/version_matrix.sh torch2.11-triton3.6   one leg
+#   bash .ci/version_matrix.sh --list                the legs, what each installs and runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# leg -> what pip installs into it. torch 2.11 + Triton 3.6: the oldest dorafp8 supports (pyproject.toml) and what
+# the GPU machines run; numpy < 2.4 because Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.4
+# refuses (3.7 fixed it; the Triton backend says so, triton_kernels/__init__.py). torch 2.13 + Triton 3.7.1, the
+# Triton it pins: in between (pip takes a CPU build of torch where its find-links offer one, else PyPI's).
+LEGS=(torch2.11-triton3.6 torch2.13-triton3.7)
+declare -A REQS=(
+    [torch2.11-triton3.6]="torch==2.11.0 triton==3.6.0 numpy<2.4"
+    [torch2.13-triton3.7]="torch==2.13.0 triton==3.7.1 numpy"
+)
+# leg -> the kernel-facing tests it runs. Every leg: the Triton kernels in the interpreter, and the kernel report's
+# checks (the kernels compiled for sm_90a and sm_89 by that Triton, the part most bound to its version). The oldest
+# leg also: the CUDA kernels under the emulator, through the CUDA backend's torch-facing adapter (the emulator itself
+# is g++, the same in every leg).
+declare -A TESTS=(
+    [torch2.11-triton3.6]="tests/kernels/test_triton_kernels.py tests/kernels/test_cuda_emulated.py tests/integration/test_inspect.py"
+    [torch2.13-triton3.7]="tests/kernels/test_triton_kernels.py tests/integration/test_inspect.py"
+)
+# The kernel tests on the shapes with ragged, strided edges and two rank chunks: the M = 1 and the exact-multiple
+# shapes, whose code paths those take too, are left out (half the time).
+SELECT="not M1-K50-N70-r1 and not M37-K64-N48-r16"
+
+legs=("$@")
+if [ "${legs[*]:-}" = "--list" ]; then
+    for leg in "${LEGS[@]}"; do echo "$leg: pip install ${REQS[$leg]}; pytest ${TESTS[$leg]} -k '$SELECT'"; done
+    exit 0
+fi
+[ "${#legs[@]}" -gt 0 ] || legs=("${LEGS[@]}")
+for leg in "${legs[@]}"; do
+    [ -n "${REQS[$leg]:-}" ] || { echo "unknown leg $leg; the legs: ${LEGS[*]}"; exit 2; }
+    venv=".venv-matrix/$leg"
+    t0=$(date +%s)
+    echo "== matrix $leg: pip install ${REQS[$leg]}"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may lack
+    # shellcheck disable=SC2086  # the requirements are words
+    "$venv/bin/pip" install -q ${REQS[$leg]} pytest wheel 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    DORAFP8_SKIP_CUDA_BUILD=1 "$venv/bin/pip" install -q -e . --no-deps --no-build-isolation
+    "$venv/bin/python" -m dorafp8
+    t1=$(date +%s)
+    echo "== matrix $leg: installed in $((t1 - t0))s; pytest ${TESTS[$leg]} -k '$SELECT'"
+    # A skipped test would pass silently here (a missing compiler skips test_inspect.py whole): none may skip.
+    # shellcheck disable=SC2086  # the test files are words
+    TRITON_CACHE_DIR="$PWD/$venv/triton-cache" "$venv/bin/python" -m pytest ${TESTS[$leg]} -k "$SELECT" -q \
+        -p no:cacheprovider -rsx 2>&1 | tee "$venv/pytest.log" | { grep -v '^ptxas ' || true; }
+    summary=$(tail -n 1 "$venv/pytest.log")
+    if [[ "$summary" == *skipped* ]]; then
+        echo "matrix $leg: tests were skipped ($summary): each one must run in the matrix"
+        exit 1
+    fi
+    t2=$(date +%s)
+    echo "== matrix $leg: tests in $((t2 - t1))s, leg in $((t2 - t0))s"
+done
