@@ -53,8 +53,9 @@ SUBSET = [
     # W8A8 (e4m3 x e4m3) and block scales (a scaled partial product per reduction step), large-M lists
     *[(k, "bf16", "adapter+dropout,tensor-scale,w8a8,M>64", BOTH) for k in GEMMS],
     *[(k, "bf16", "adapter,block-scale,M>64", BOTH) for k in GEMMS],
-    # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue, z fp32; the heaviest of them
-    *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", BOTH) for k in GEMMS],
+    # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue; the heaviest of them, on the
+    # two targets whose lists the headline runs on (the full report covers sm_100a and sm_120)
+    *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", ("sm_90a", "sm_89")) for k in GEMMS],
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
     ("weight_norm", "bf16", "row-scale,r=128", BOTH),  # each arch's own list (16-bit A, B)
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
