@@ -50,7 +50,8 @@ def test_unknown_gpus_get_the_smallest_shared_memory_lists(cap):
 def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
     # What gemm_configs / weight_norm_configs hand the autotuner for a (faked) CUDA device: its capability's lists, not
     # the interpreter's single config, and not Hopper's on a 99 KB Blackwell (what sm_120 got before it had its own).
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # _common reads TRITON_INTERPRET once, at import (README's test command sets it): patch what it read.
+    monkeypatch.setattr(C, "_INTERPRET", False)
     dev = torch.device("cuda", 0)
     for cap, table in (((12, 0), "sm120"), ((10, 0), "sm100"), ((9, 0), "sm90"), ((8, 9), "sm89")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
@@ -64,6 +65,6 @@ def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
     assert [str(c) for c in C.gemm_configs(dev, "BLOCK_N", "BLOCK_K", True, 4096, False)] != [
         str(c) for c in C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", True, 4096, False)]
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(C, "_INTERPRET", True)
     assert C._arch(dev) == "interp"
     assert C._arch(torch.device("cpu")) == "interp"
