@@ -44,6 +44,10 @@ except ImportError as e:  # triton missing or too old
     def planning_for_gpu(sms, blocks):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
+# The folded dgrad (dorafp8/backends/base.py, FOLD_PARAMS): backward_pass(fold=True) returns gl's factors and dgrad
+# applies them to the W8 tiles (gemm.py, RED_FACTOR).
+FOLDS_DGRAD = True
+
 __all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad",
            "launch_observers", "planning_for_gpu"]
 

@@ -284,22 +284,24 @@ _FP32_GEMM_TWO_ACC = (
 _INTERP_GEMM = (16, 32, 32, 1, 4)
 
 
-# FP8_PROMOTE (W8A8 on sm_90) adds a zeroed partial tile per accumulator to the main loop: with two accumulators
-# (dropout) the tiles holding 64 accumulator elements per thread (128 x 64 on 4 warps, 128 x 128 on 8) spilled 16 to
-# 56 bytes (inspect), so those keep the tiles of at most 32.
-_PROMOTED_TWO_ACC_MAX_ELEMS = 32
+# Two-accumulator (dropout) main loops that hold more per step than a tile of each operand: FP8_PROMOTE (W8A8 on
+# sm_90) adds a zeroed partial tile per accumulator, the folded dgrad (RED_FACTOR) two weight tiles and their fp32
+# source. The tiles holding 64 accumulator elements per thread (128 x 64 on 4 warps, 128 x 128 on 8) spilled there
+# (inspect, sm_90a: 16 to 56 bytes promoted, 36 and 84 folded), so those kernels keep the tiles of at most 32.
+_LEAN_TWO_ACC_MAX_ELEMS = 32
 
 
-def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, promoted: bool = False):
+def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, lean: bool = False):
     """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
-    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, promoted)
+    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, lean)
 
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
-                     promoted: bool = False):
+                     lean: bool = False):
     """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
     reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
-    promoted: W8A8 with FP8_PROMOTE (fp8_promote_for)."""
+    lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for; the folded dgrad): with two
+    accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -308,8 +310,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
     else:
         big, big2, small, small2 = _GEMM_TABLE[arch]
         rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
-        if promoted and two_acc:
-            rows = [row for row in rows if row[0] * row[1] // (32 * row[4]) <= _PROMOTED_TWO_ACC_MAX_ELEMS]
+        if lean and two_acc:
+            rows = [row for row in rows if row[0] * row[1] // (32 * row[4]) <= _LEAN_TWO_ACC_MAX_ELEMS]
     group_m = 2 if arch == "interp" else 8
     return [
         triton.Config({"BLOCK_M": bm, out_name: bo, red_name: br, "GROUP_M": group_m}, num_stages=st, num_warps=w)

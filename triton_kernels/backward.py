@@ -2,7 +2,8 @@
 small kernel that finishes its reductions. Two launches, no PyTorch op between or around them.
 
     c  = m / max(n, eps)  per column, in-kernel (as the forward computes it)
-    gl = g * fl           the dgrad's left operand (fl = f / rl, f = c * srow, or (c - 1) * srow with dropout)
+    gl = g * fl           the dgrad's left operand (fl = f / rl, f = c * srow, or (c - 1) * srow with dropout);
+                          with FOLD, fl itself [N] (the dgrad applies it to its W8 tiles: dgrad.py)
     gb = g * fb           with dropout and per-row scales: the plain base term's operand (fb = srow / rb)
     v  = (g * c) B        [M, r], fp32 products (the 16-bit dot takes g * c / max|c|, rescaled in fp32: no overflow)
     dm = sum_i g * z / max(n, eps)      [N]  in m's dtype
@@ -62,6 +63,7 @@ def dora_bwd_pass_kernel(
     HAS_SROW: tl.constexpr,     # per-row weight scales srow [N]
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
+    FOLD: tl.constexpr,         # gl_ptr, gb_ptr are [N] fp32: store the factors fl, fb, not g scaled by them
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
     BLOCK_R: tl.constexpr,
@@ -69,8 +71,10 @@ def dora_bwd_pass_kernel(
     BLOCK_N: tl.constexpr,
     SCAN: tl.constexpr,
 ):
-    WRITE_GL: tl.constexpr = HAS_ADAPTER or HAS_SROW
-    WRITE_GB: tl.constexpr = HAS_ADAPTER and HAS_DROPOUT and HAS_SROW
+    NORM_L: tl.constexpr = HAS_ADAPTER or HAS_SROW  # gl = g * f / rl (else gl is g)
+    NORM_B: tl.constexpr = HAS_ADAPTER and HAS_DROPOUT and HAS_SROW  # gb = g * srow / rb (else g, or none)
+    WRITE_GL: tl.constexpr = NORM_L and not FOLD
+    WRITE_GB: tl.constexpr = NORM_B and not FOLD
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
 
     # The maxima over all N (see the module docstring), elementwise first, reduced once at the end.
@@ -96,10 +100,10 @@ def dora_bwd_pass_kernel(
         f_max = tl.maximum(f_max, tl.where(ok, tl.abs(f), 0.0))
     rho_c = tl.max(c_max, axis=0)
     rl = 1.0
-    if WRITE_GL:
+    if NORM_L:
         rl = tl.max(f_max, axis=0)
     rb = 1.0
-    if WRITE_GB:
+    if NORM_B:
         rb = tl.max(s_max, axis=0)
     if pid_m + pid_n == 0:
         two = tl.arange(0, 2)
@@ -120,13 +124,18 @@ def dora_bwd_pass_kernel(
                 f = c
             b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
                              mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(V_DT)
+        fb = tl.full((BLOCK_N,), 1.0, tl.float32)
         if HAS_SROW:
             sr = tl.load(srow_ptr + offs_n, mask=mask_n, other=0.0)
             f = f * sr
-            if WRITE_GB:
-                fb = tl.math.div_rn(sr, rb)[None, :]
-        if WRITE_GL:
-            fl = tl.math.div_rn(f, rl)[None, :]
+            if NORM_B:
+                fb = tl.math.div_rn(sr, rb)
+        fl = tl.math.div_rn(f, rl)
+        if FOLD:  # the factors themselves, once per column (by the first row group)
+            if pid_m == 0:
+                tl.store(gl_ptr + offs_n, fl, mask=mask_n)
+                if HAS_DROPOUT:
+                    tl.store(gb_ptr + offs_n, fb, mask=mask_n)
         db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         dm_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         dB_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
@@ -139,10 +148,10 @@ def dora_bwd_pass_kernel(
             db_acc += tl.sum(g, axis=0)
             if WRITE_GL:
                 tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :],
-                         (g * fl).to(gl_ptr.dtype.element_ty), mask=tile)
+                         (g * fl[None, :]).to(gl_ptr.dtype.element_ty), mask=tile)
             if WRITE_GB:
                 tl.store(gb_ptr + rows[:, None] * stride_gb_m + offs_n[None, :],
-                         (g * fb).to(gb_ptr.dtype.element_ty), mask=tile)
+                         (g * fb[None, :]).to(gb_ptr.dtype.element_ty), mask=tile)
             if HAS_ADAPTER:
                 v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 if V_IEEE:
@@ -248,22 +257,27 @@ def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, i
     return steps, csteps, cdiv(tiles_m, steps), cdiv(tiles_n, csteps)
 
 
-def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, fold=False):
     """See dorafp8/backends/base.py. g [M, N] (any row stride), z [M, N] (any float dtype), m [N] (any float dtype),
-    n / srow [N] fp32."""
+    n / srow [N] fp32. fold: gl (and gb with dropout) come back as the fp32 [N] factors for dgrad's fl, fb."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device
     adapter = m is not None
     f32 = dict(dtype=torch.float32, device=dev)
     has_srow = srow is not None
-    write_gl = adapter or has_srow
-    write_gb = adapter and dropout and has_srow
+    fold = bool(fold) and adapter
+    write_gl = (adapter or has_srow) and not fold
+    write_gb = adapter and dropout and has_srow and not fold
     need_dm = adapter and need_dm
     need_dB = adapter and need_dB
     r = B.shape[1] if adapter else 1
-    gl = alloc((M, N), cdt, dev) if write_gl else g
-    gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
+    if fold:  # [N] factors, not [M, N] copies of g
+        gl = alloc((N,), torch.float32, dev)
+        gb = alloc((N,), torch.float32, dev) if dropout else None
+    else:
+        gl = alloc((M, N), cdt, dev) if write_gl else g
+        gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
     rs = alloc((2,), torch.float32, dev)  # (rl, rb), written by the pass (1 where they are 1)
     v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
     db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
@@ -280,12 +294,13 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     ph = rs  # placeholder for pointers a variant never reads
     srow = vector(srow, torch.float32) if has_srow else ph
     consts = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=bool(dropout), HAS_SROW=has_srow, NEED_DM=need_dm,
-                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
+                  NEED_DBB=need_dB, FOLD=fold, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
                   BLOCK_N=bn, SCAN=SCAN_N, num_warps=warps, num_stages=stages)
 
     def args(steps, csteps, vpart, dmpart, dbpart, dBpart):
         return (g, z if need_dm else ph, m if adapter else ph, n if adapter else ph, srow, B if adapter else ph,
-                u if need_dB else ph, gl if write_gl else ph, gb if write_gb else ph, rs, vpart, dmpart, dbpart,
+                u if need_dB else ph, gl if (write_gl or fold) else ph, gb if (write_gb or (fold and dropout)) else ph,
+                rs, vpart, dmpart, dbpart,
                 dBpart, M, N, r, steps, csteps,
                 g.stride(0), z.stride(0) if need_dm else 0, B.stride(0) if adapter else 0,
                 B.stride(1) if adapter else 0, u.stride(0) if need_dB else 0, u.stride(1) if need_dB else 0,

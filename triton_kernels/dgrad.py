@@ -9,8 +9,11 @@ dorafp8/backends/__init__.py, `dgrad`):
     dropout:    dx = rb * st * (gb W8') + mask / (1 - p) * (rl * st * (gl W8') + s v A)
 
 with st the per-tensor scale (1 otherwise) and W8' = w8 with block scales applied per block of the reduction, in fp32.
-The W8 tile is converted fp8 -> compute dtype and nothing else before the dot (on Hopper it is wgmma's register
-operand); nothing per column of W8 is folded into it.
+The W8 tile is converted fp8 -> compute dtype before the dot (on Hopper it is wgmma's register operand).
+
+Folded (FOLDED, what a DoRA layer's W8A16 backward runs): gl_ptr is g itself and fl, fb [N] are the factors of gl and
+gb (backward_pass(fold=True)); each row of the W8 tile is multiplied by its factor in fp32 as it is converted
+(gemm.py, RED_FACTOR), so gl and gb are never written to memory: (g * fl) W8 = g (fl * W8).
 
 W8A8 (act_quant="rowwise"): gl (and gb) are quantized per row to e4m3 and multiplied by the transposed weight W8^T
 [K, N], made contiguous once per call, because fp8 MMA wants both operands K-major and the reduction here runs along
@@ -26,7 +29,7 @@ import triton.language as tl
 
 from ._common import (dot, grouped_tile, alloc, autotuned, block_r, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, gemm_configs, last_dim_unit, launch, m_bucket, scale_block_size,
-                      fp8_promote, w8_via_f32)
+                      fp8_promote, vector, w8_via_f32)
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -78,7 +81,8 @@ def _dgrad_epilogue(
 @triton.jit
 def dora_dgrad_kernel(
     # Pointers
-    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr,
+    dx_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
@@ -90,6 +94,7 @@ def dora_dgrad_kernel(
     # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
+    FOLDED: tl.constexpr,       # gl_ptr is g and the W8 tile takes fl (and fb) per row: gl = g * fl is never stored
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight
     SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
@@ -128,7 +133,7 @@ def dora_dgrad_kernel(
     gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
     s_offs = offs_k // SCALE_BLOCK_SIZE
     acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
-                              mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
+                              mask_m, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
                               W8_VIA_F32, FP8_PROMOTE, BLOCK_K,
                               BLOCK_M, BLOCK_N)
 
@@ -193,21 +198,35 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
-    """dx [M, K]; see dorafp8/backends/__init__.py. gl, gb [M, N], v [M, r] may have any row stride."""
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl=None, fb=None):
+    """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride. With fl (and, with
+    dropout, fb), fp32 [N]: gl and gb are g itself and the left operands g * fl, g * fb are formed on the W8 tiles
+    (the backward pass's fold=True)."""
     scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
+    folded = fl is not None
+    quant = bool(act_quant)
+    if folded:
+        if quant:
+            raise ValueError(f"act_quant={act_quant!r} quantizes gl itself: it cannot take the factors fl, fb")
+        fl = vector(fl, torch.float32)
+        if has_dropout and fb is None:
+            raise ValueError("dropout with fl needs fb, the plain base term's factors [N]")
+        fb = vector(fb, torch.float32) if has_dropout else fl
+        if tuple(fl.shape) != (N,) or tuple(fb.shape) != (N,):
+            raise ValueError(f"fl and fb must be [{N}], got {tuple(fl.shape)} and {tuple(fb.shape)}")
     r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, gl.device, v, A, mask, p, gb, rb, rl)
     gb = check_activation(gb, "gb", N) if has_dropout else gl
     rl = rl.reshape(1).float()
+    if not folded:
+        fl = fb = rl  # placeholders, never read
     if M == 0 or K == 0:
         return dx
 
-    quant = bool(act_quant)
     if quant:
         from .quant import rowwise_quant
 
@@ -222,18 +241,19 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
-        gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles, quant and fp8_promote(gl.device)),
+        gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
+                     (quant and fp8_promote(gl.device)) or folded),
         "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_K"]),)
     launch(kernel, grid)(
-        gl, gb, sgl, sgb, rl, rb, w, scale, v, A, mask, dx,
+        gl, gb, sgl, sgb, rl, rb, fl, fb, w, scale, v, A, mask, dx,
         M, N, K, r, m_bucket(M),
         gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v.stride(0),
         v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, FOLDED=folded, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
         IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), LORA_DT=lora_dt,
         LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),

@@ -159,7 +159,7 @@ def dora_fwd_kernel(
     xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
     s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
     acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
-                              HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
+                              scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
                               FP8_PROMOTE, BLOCK_N, BLOCK_M,
                               BLOCK_K)
 

@@ -63,7 +63,9 @@ def w8_gemm_loop(
                              # scale at reduction 0 from scale_ptr; the scale grid's stride along the reduction
     mask_out, mask_m,        # [B_OUT], [BLOCK_M]
     RED,                     # length of the reduction
+    redf_ptr, redf2_ptr,     # fp32 [RED] factors along the reduction (read only with RED_FACTOR)
     TWO_ACC: tl.constexpr,   # act2 given (dropout): a second accumulator act2 W^T shares every W8 tile
+    RED_FACTOR: tl.constexpr,  # W8 tile times redf per reduction index (acc2: times redf2, on act): the dgrad's f
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
@@ -71,7 +73,11 @@ def w8_gemm_loop(
     """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
     left to the epilogue. acc2 is zeros (dead code, removed) without TWO_ACC. Masked rows and the ragged end of the
-    reduction load zeros, so they add exactly 0."""
+    reduction load zeros, so they add exactly 0.
+
+    RED_FACTOR (the dgrad, W8A16): W'[o, j] = W8[o, j] * redf[j], formed in fp32 as the tile is converted and rounded
+    once into DOT_DT, and acc2 = act (W8 * redf2)^T on the same act tile (act2 is not read). The dgrad's left operand
+    g * f (f per column of g, the reduction there) is then never written to memory: (g * f) W8 = g (f * W8)."""
     offs_red = tl.arange(0, B_RED)
     acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
@@ -79,15 +85,28 @@ def w8_gemm_loop(
         red_ok = offs_red < RED - r0
         w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
         at = tl.load(act_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
+        w2 = w
         if not ACT_QUANT:
-            # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before the
-            # dot (on Hopper it is wgmma's register operand): the scale waits for fp32.
-            w = w8_to(w, DOT_DT, W8_VIA_F32)
+            if RED_FACTOR:
+                # e4m3 -> fp32 is exact; W8 * f is rounded once into DOT_DT (|f| <= 1, normalized by the backward
+                # pass, so |W'| <= 448 cannot overflow fp16)
+                wf = w.to(tl.float32)
+                w = (wf * tl.load(redf_ptr + r0 + offs_red, mask=red_ok, other=0.0)[None, :]).to(DOT_DT)
+                if TWO_ACC:
+                    w2 = (wf * tl.load(redf2_ptr + r0 + offs_red, mask=red_ok, other=0.0)[None, :]).to(DOT_DT)
+            else:
+                # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before
+                # the dot (on Hopper it is wgmma's register operand): the scale waits for fp32.
+                w = w8_to(w, DOT_DT, W8_VIA_F32)
+                w2 = w
             at = at.to(DOT_DT)
         if TWO_ACC:
-            a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
-            if not ACT_QUANT:
-                a2t = a2t.to(DOT_DT)
+            if RED_FACTOR:
+                a2t = at
+            else:
+                a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
+                if not ACT_QUANT:
+                    a2t = a2t.to(DOT_DT)
         if SCALE_KIND == "block":
             # This step lies in one block along the reduction: scale its partial product per out^T row, in fp32.
             # (scale_ptr + scalar) + s_offs, not pointers + scalar: see the module docstring
@@ -95,19 +114,19 @@ def w8_gemm_loop(
                            other=0.0)[:, None]
             acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
             if TWO_ACC:
-                acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+                acc2 += dot(w2, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         elif ACT_QUANT and FP8_PROMOTE:
             # fp8 wgmma (Hopper) accumulates in reduced precision: each step's product starts from zero and joins acc
             # in fp32 (_common.fp8_promote_for), like the block-scale steps above.
             acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
             if TWO_ACC:
-                acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
+                acc2 += dot(w2, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
         else:
             acc = dot(w, at, acc, IEEE)
             if TWO_ACC:
-                acc2 = dot(w, a2t, acc2, IEEE)
+                acc2 = dot(w2, a2t, acc2, IEEE)
         act_ptrs += B_RED  # before act2_ptrs: see the module docstring
-        if TWO_ACC:
+        if TWO_ACC and not RED_FACTOR:
             act2_ptrs += B_RED
         w_ptrs += B_RED * stride_w_red
     return acc, acc2

@@ -145,8 +145,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
                               FP8_PROMOTE=fp8_promote_for(arch),
                               LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee))
             fp32_tiles = dt == torch.float32 and not quant
-            promoted = quant and fp8_promote_for(arch)
-            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, promoted), red_name,
+            lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers choose
+            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean), red_name,
                                kind, out_name, dropout)
             out.append(Variant(_variant_name(mode, kind, quant, m, rank_name), dt_name, args, constexprs, configs))
     return out
@@ -168,8 +168,8 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
 
 def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
     args = dict(
-        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8, scale_ptr=F32,
-        v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, fl_ptr=F32, fb_ptr=F32, w_ptr=FP8,
+        scale_ptr=F32, v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
@@ -177,7 +177,8 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
     )
-    return args, {}
+    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles); the plain FP8Linear's and W8A8's are not
+    return args, dict(FOLDED=adapter and not quant)
 
 
 def _forward_variants(arch: str) -> list[Variant]:
@@ -237,9 +238,12 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
 
 def _bwd_pass_variants(arch: str) -> list[Variant]:
     out = []
-    modes = [(False, False, True, "plain,row-scale"), (True, False, False, "adapter"),
-             (True, True, False, "adapter+dropout"), (True, True, True, "adapter+dropout,row-scale")]
-    for (dt_name, dt), rdt_name, (adapter, dropout, srow, mode), r in itertools.product(
+    # (adapter, dropout, srow, fold, name): a DoRA layer's W8A16 pass folds (it writes gl's factors, not gl); its
+    # W8A8 pass writes gl, which the dgrad quantizes
+    modes = [(False, False, True, False, "plain,row-scale"), (True, False, False, True, "adapter"),
+             (True, True, False, True, "adapter+dropout"), (True, True, True, True, "adapter+dropout,row-scale"),
+             (True, False, False, False, "adapter,w8a8")]
+    for (dt_name, dt), rdt_name, (adapter, dropout, srow, fold, mode), r in itertools.product(
             DTYPES.items(), ("same", "fp32"), modes, (16, 128)):
         rdt = dt if rdt_name == "same" else torch.float32
         if rdt_name == "fp32" and dt == torch.float32:
@@ -247,14 +251,15 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         v_dt, v_ieee = dot_dtype(dt, rdt)
         bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
         args = dict(
-            g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=dt, gb_ptr=dt,
+            g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=F32 if fold else dt,
+            gb_ptr=F32 if fold else dt,
             rs_ptr=F32, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
             M=LARGE_M, N=N, R=r, STEPS=8, CSTEPS=2,
             stride_g_m=N, stride_z_m=N, stride_b_n=r, stride_b_r=1, stride_u_m=r, stride_u_r=1, stride_gl_m=N,
             stride_gb_m=N,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_SROW=srow, NEED_DM=adapter,
-                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
+                          NEED_DBB=adapter, FOLD=fold, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
                           BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn, SCAN=SCAN_N)
         name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
         out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))

@@ -114,6 +114,12 @@ def module(name: str) -> ModuleType:
     return mod
 
 
+def folds_dgrad(name: str) -> bool:
+    """Whether a concrete backend offers the folded dgrad (base.py, FOLD_PARAMS): its backward pass hands back the
+    per-column factors of gl instead of gl, and its dgrad applies them to the weight tiles."""
+    return bool(getattr(module(name), "FOLDS_DGRAD", False))
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names of the backends that can run on `device`."""
     device = torch.device(device)

@@ -131,6 +131,14 @@ class Backend(Protocol):
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
+# The folded dgrad, an option a backend offers by setting FOLDS_DGRAD = True (the Triton backend does). W8A16 only.
+#   backward_pass(..., fold=True): gl (and gb, with dropout) come back as fp32 [N] factors, fl = f / rl and
+#     fb = srow / rb (ones without srow), instead of the [M, N] copies g * fl and g * fb; rs as without fold.
+#   dgrad(g, rl, ..., gb=g, fl=fl, fb=fb): the contract's dgrad of gl = g * fl and gb = g * fb, with the factors
+#     applied to the fp8 weight tiles as they are converted, (g * f) W0 = g (f * W0): gl is never written to memory
+#     (one [M, N] write and read fewer per backward; docs/ARCHITECTURE.md, "The kernel plan").
+FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
+
 
 def signature_mismatches(impl) -> list[str]:
     """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""
@@ -142,6 +150,10 @@ def signature_mismatches(impl) -> list[str]:
             continue
         want = [p for p in inspect.signature(getattr(Backend, name)).parameters if p != "self"]
         got = list(inspect.signature(fn).parameters)
+        option = FOLD_PARAMS.get(name, ())
+        if getattr(impl, "FOLDS_DGRAD", False) and not set(option) <= set(got):
+            out.append(f"{name}: FOLDS_DGRAD is set but it lacks {[p for p in option if p not in got]}")
+        got = [p for p in got if p not in option]  # the option's parameters come on top of the contract's
         if sorted(got) != sorted(want):
             out.append(f"{name}: parameters {got}, the contract's are {want}")
     return out

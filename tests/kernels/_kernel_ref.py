@@ -233,3 +233,44 @@ def check_dgrad(dgrad, p, mode, act_quant=""):
     assert_close(dx, dgrad_64(gl_, rl_, w8, sigma, v_, A_, s_, mask_, p_, gb_, rb_, act_quant), tol(dtype),
                  f"{what} vs fp64")
     assert_close(dx, reference.dgrad(*args, act_quant), 2 * tol(dtype), f"{what} vs reference")
+
+
+def check_folded_dgrad(backward_pass, dgrad, p, mode):
+    """The folded dgrad of a backend with FOLDS_DGRAD (dorafp8/backends/base.py, FOLD_PARAMS), "nodrop" or "dropout":
+    backward_pass(fold=True) returns the per-column factors of gl (and gb), not the scaled copies of g; dgrad applies
+    them to the weight tiles. Checked against fp64 from g and the exact factors, and against the reference backend's
+    unfolded pass + dgrad (which rounds g * f into the compute dtype where the fold rounds f * W8)."""
+    dtype, g, c = p["dtype"], p["g"], p["c"]
+    M, N, K = g.shape[0], g.shape[1], p["w8"].shape[1]
+    srow = _row_scale(p)
+    dropout = mode == "dropout"
+    z = act(torch.randn(g.shape, generator=torch.Generator().manual_seed(5)), p["z_dtype"], g.device, False)
+    u = p["u"] if dropout else p["u_nodrop"]
+    fl, rs, fb, v, dm, db, dB = backward_pass(g, z, p["m"], p["n"], srow, p["B"], u, S, dropout, True, True, fold=True)
+    sr = d(srow) if srow is not None else torch.ones(N, dtype=torch.float64)
+    f = (d(c) - 1 if dropout else d(c)) * sr
+    assert fl.dtype == torch.float32 and fl.shape == (N,)
+    assert_close(d(fl) * d(rs[0]).item(), f, tol(torch.float32), f"backward_pass[{mode}, fold] fl * rl vs fp64")
+    assert d(fl).abs().max() <= 1.0  # |f * W8| <= 448: the fp16 weight tile cannot overflow
+    if dropout:
+        assert fb.dtype == torch.float32 and fb.shape == (N,)
+        assert_close(d(fb) * d(rs[1]).item(), sr, tol(torch.float32), f"backward_pass[{mode}, fold] fb * rb vs fp64")
+        assert d(fb).abs().max() <= 1.0
+    else:
+        assert fb is None and rs[1].item() == 1.0
+    # the rest of the pass is the unfolded pass's
+    assert_close(v, (d(g) * d(c)) @ d(p["B"]), tol(p["rdt"]), f"backward_pass[{mode}, fold] v vs fp64")
+    assert_close(dm, (d(g) * d(z)).sum(0) / d(p["n"]), tol(torch.float32), f"backward_pass[{mode}, fold] dm vs fp64")
+    mask = p["mask"] if dropout else None
+    dx = dgrad(g, rs[0], p["w8"], p["sigma"], p["block"], v, p["A"], S, mask, P, g if dropout else None,
+               rs[1] if dropout else None, "", fl=fl, fb=fb)
+    assert dx.dtype == dtype and dx.shape == (M, K)
+    gl64 = d(g) * d(fl)
+    gb64 = d(g) * d(fb) if dropout else None
+    want = dgrad_64(gl64, rs[0], p["w8"], p["sigma"], v, p["A"], S, mask, P, gb64, rs[1] if dropout else None)
+    assert_close(dx, want, tol(dtype), f"dgrad[{mode}, folded] vs fp64")
+    gl, rs_r, gb, v_r, *_ = reference.backward_pass(g, None, p["m"], p["n"], srow, p["B"], None, S, dropout, False,
+                                                    False)
+    ref = reference.dgrad(gl, rs_r[0], p["w8"], p["sigma"], p["block"], v_r, p["A"], S, mask, P,
+                          (gb if gb is not None else g) if dropout else None, rs_r[1] if dropout else None, "")
+    assert_close(dx, ref, 2 * tol(dtype), f"dgrad[{mode}, folded] vs the reference's unfolded dgrad")

@@ -140,9 +140,26 @@ def test_headline_z_in_the_compute_dtype():
             assert not (dtype == torch.float32 and math.prod(shape) >= h["M"] * min(h["N"], h["K"])), launch
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26's byte target is not met: the model gives 2.2x the Linear's bytes "
-                                       "at the headline shape; see docs/ARCHITECTURE.md, 'The kernel plan', for "
-                                       "what it takes (fusions into the GEMM main loops)")
+def test_headline_bytes_within_the_designed_budget():
+    """The step moves what its design says and no more: the Linear's bytes with the weight in fp8 (half of W's two
+    reads), plus z written and read back (for dm), x read twice more (u = x A^T before the forward GEMM, dA = v^T x
+    after the dgrad) and g read a second time (by the dgrad, after the pass), with 6% for the rank-r tensors and the
+    backward pass's partials. A scaled copy of g (gl = g * c, written by the pass and read by the dgrad: 64 MiB here)
+    does not fit: the dgrad applies c to the weight tiles instead (docs/ARCHITECTURE.md, "The kernel plan")."""
+    h = HEADLINE
+    M, K, N = h["M"], h["K"], h["N"]
+    bf16, fp8 = 2, 1
+    budget = (_linear_bytes(M, K, N) - 2 * N * K * (bf16 - fp8)  # W read twice, in fp8
+              + 2 * M * N * bf16                                 # z: written by the forward, read by the pass
+              + 2 * M * K * bf16                                 # x: read by u's kernel and by dA's
+              + M * N * bf16)                                    # g: read by the pass and by the dgrad
+    rec = _headline()
+    assert rec.nbytes <= 1.06 * budget, rec.table()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 26's byte target is not met: the model gives 2.0x the Linear's bytes "
+                                       "at the headline shape, and 1.5x is the floor of a step that keeps z for dm "
+                                       "and reads x for dA; docs/ARCHITECTURE.md, 'The kernel plan', says why")
 def test_headline_bytes_within_1_4x_the_linear():
     h = HEADLINE
     rec = _headline()
