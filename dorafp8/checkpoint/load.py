@@ -1,7 +1,9 @@
 """load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored.
 
 Loading never re-quantizes: the e4m3 bytes of every fp8 weight go into an FP8Linear as they are, with the scale
-converted to fp32 exactly. Loading is all or nothing, in two steps:
+converted to fp32 exactly. The one exception is a scale dorafp8's kernels cannot hold, musubi's 1 x g blocks: such a
+layer is re-quantized to per-row scales as it is read, with the error measured and warned about
+(dorafp8/nn/group_scales.py). Loading is all or nothing, in two steps:
   - check: everything is planned and checked from the checkpoint's keys, dtypes and shapes before any data is read
     (load_plan.py); the new fp8 layers are built aside on the meta device (_build_fp8_modules: every swap is
     possible); the few small tensors whose values can refuse a load (zero points, ComfyUI layer configs) are read and
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
+from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
 from ..quant import E4M3, check_scale, scale_kind
 from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
@@ -54,7 +57,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     path_or_state_dict: a .safetensors file, a directory (sharded with model.safetensors.index.json, or not), or a
         dict of tensors. Shards are read one at a time, one tensor at a time.
     format: "auto" (detected from the keys, dtypes and config.json; an error names what it saw if it cannot tell)
-        or one of LAYOUTS: comfyui, comfyui-quant, compressed-tensors, fine-grained, dorafp8, fp8-cast.
+        or one of LAYOUTS: comfyui, comfyui-quant, compressed-tensors, fine-grained, dorafp8, musubi, fp8-cast.
     dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
     block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
     key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
@@ -99,7 +102,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         for mod_name, layer in new.items():
             swap_module(model, mod_name, layer)
         loader = _TensorLoader(model, plan, model_t, tied, report, dtype, mdtype, first)
-        loader.read(source, device, _Progress(source, report, t0, verbose))
+        with collect_regrouped(source.name):  # one QuantizationWarning for the layers re-quantized from 1 x g scales
+            loader.read(source, device, _Progress(source, report, t0, verbose))
         for k in plan.keys.marker_keys:
             report.kept[k] = "the scaled_fp8 marker"
         _materialize_leftovers(model, device, report, strict)
@@ -243,6 +247,17 @@ class _TensorLoader:
     def _weight(self, k: str, t: torch.Tensor) -> None:
         mod_name = self.plan.layer_of[k]
         p = self.plan.layers[mod_name]
+        if p.fp8 and p.group:  # 1 x g scales, read first: re-quantized to per row (group_scales.py)
+            gs = self.dequant_scales[p.scale_key]
+            w8, s_row, rel = groups_to_rows(t.contiguous(), gs.reshape(gs.shape[0], gs.shape[1]), p.group)
+            set_tensor(self.model, f"{mod_name}.weight", w8, param=True)
+            set_tensor(self.model, f"{mod_name}.scale", s_row, param=False)
+            src = self.model.get_submodule(mod_name)._dorafp8_source
+            # written back in the file's shape where it still fits (one block a row: [N, 1, 1]), else [N, 1]
+            src.scale_dtype, src.scale_shape = self.first[p.scale_key].dtype, tuple(self.first[p.scale_key].shape)
+            self.report.fp8_layers[mod_name] = f"per-row (re-quantized from 1x{p.group} blocks: {100 * rel:.2f}%)"
+            report_regrouped(mod_name, p.group, rel, "the checkpoint")
+            return
         if p.fp8:
             set_tensor(self.model, f"{mod_name}.weight", t.contiguous(), param=True)
             if p.scale_key is None:
@@ -318,9 +333,10 @@ def _is_checked_extra(k: str) -> bool:
 
 def _read_checked_first(plan: LoadPlan, source: CheckpointSource, device, report: LoadReport) -> dict:
     """Reads the small tensors needed before the others, and checks those whose values can refuse the load, before
-    the model changes: the scales of fp8 tensors that get dequantized (needed before their tensor), zero points and
+    the model changes: the scales of fp8 tensors that get dequantized or re-quantized (needed with their tensor: 1 x g
+    scales are 1/64 of their weight's elements), zero points and
     ComfyUI layer configs. key -> tensor, each read once (the loader takes them from here)."""
-    keys = [p.scale_key for p in plan.layers.values() if not p.fp8 and p.scale_key] + \
+    keys = [p.scale_key for p in plan.layers.values() if (not p.fp8 or p.group) and p.scale_key] + \
         [e for p in plan.layers.values() for e in p.extras if _is_checked_extra(e)]
     first = {}
     for k, t in source.read(keys, device):

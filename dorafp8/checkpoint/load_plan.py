@@ -41,7 +41,9 @@ def resolve_format(source: CheckpointSource, format: str) -> tuple[str, str]:
         detected, evidence = detect(source)
     except CheckpointFormatError:
         evidence = "format given"
-    if detected not in (None, fmt) and not (fmt == "fp8-cast"):
+    # per-tensor scale_weight without the marker reads the same either way (musubi's per-tensor mode, or a ComfyUI
+    # file that lost it)
+    if detected not in (None, fmt) and not (fmt == "fp8-cast") and {detected, fmt} != {"comfyui", "musubi"}:
         raise CheckpointFormatError(f"format={fmt!r} but the checkpoint looks like {detected} ({evidence})")
     return fmt, "format given"
 
@@ -136,6 +138,15 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         else:
             p.scale_key = scale_key
             shape = info[scale_key][1]
+            if fmt == "musubi" and len(shape) == 3:  # [N, K / g, 1]: 1 x g blocks (fp8_optimization_utils.py)
+                why = _group_problem(p, N, K, shape, info[scale_key][0])
+                if why:
+                    errors.append(f"{scale_key}: shape {list(shape)}: {why}")
+                    continue
+                p.group = K // shape[1]
+                plan.scales[scale_key] = ScalePlan(mod_name, N, K, DEFAULT_BLOCK, p.fp8, group=p.group)
+                plan.consumed[scale_key] = "scale"
+                continue
             block_size = None
             if len(shape) == 2 and N is not None and shape != (N, 1) and int(torch.Size(shape).numel()) != 1:
                 block_size = _infer_block(N, K, shape, block_hint)
@@ -173,6 +184,18 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
     if errors:
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8])
                                     + (f"; and {len(errors) - 8} more" if len(errors) > 8 else ""))
+
+
+def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optional[str]:
+    """Why a 3-D musubi scale [N, K / g, 1] (one scale per output row and g input columns) cannot be read for the
+    layer of `p`, or None."""
+    if not (p.linear and p.fp8):
+        return "1 x g block scales are read for linear layers only"
+    if shape[0] != N or shape[2] != 1 or shape[1] < 1 or K % shape[1]:
+        return f"not [{N}, {K} / g, 1] (1 x g blocks of the [{N}, {K}] weight)"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return f"dtype {dtype} (only fp32/bf16/fp16 scales are read)"
+    return None
 
 
 def _infer_block(n: int, k: int, shape: tuple, hint: Optional[int]) -> Optional[int]:

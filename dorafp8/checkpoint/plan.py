@@ -73,6 +73,7 @@ class LayerPlan:
     fp8: bool
     scale_key: Optional[str] = None
     block_size: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
+    group: Optional[int] = None            # g of 1 x g block scales (musubi), re-quantized to per row when read
     extras: list = field(default_factory=list)  # checkpoint keys kept with the layer (activation scales, ...)
 
 
@@ -84,6 +85,7 @@ class ScalePlan:
     K: int
     block_size: int
     keeps_fp8: bool
+    group: Optional[int] = None  # 1 x g block scales [N, K / g, 1]: read before the weight, which is re-quantized
 
 
 @dataclass

@@ -142,7 +142,15 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if suffix.get("comfy_quant") or "_quantization_metadata" in source.metadata:
         signals["comfyui-quant"] = "'<layer>.comfy_quant' entries" if suffix.get("comfy_quant") else \
             "'_quantization_metadata' in the safetensors metadata"
-    if suffix.get("scale_weight") or any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in keys):
+    marker = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in keys)
+    musubi = [k for k in keys if k.endswith(".scale_weight") and (len(info[k][1]) >= 2 or info[k][0] in (
+        torch.bfloat16, torch.float16))] if not marker else []
+    if musubi:
+        # ComfyUI reads scale_weight only with the marker (comfy/utils.py convert_old_quants), always 0-dim fp32;
+        # musubi-tuner writes it without one, in the weight's dtype, [out, 1] per row or [out, in / 64, 1] per block
+        signals["musubi"] = (f"'<layer>.scale_weight' of shape {list(info[musubi[0]][1])} {info[musubi[0]][0]} "
+                             f"without the 'scaled_fp8' marker (musubi-tuner / kohya --fp8_scaled)")
+    elif suffix.get("scale_weight") or marker:
         signals["comfyui"] = "'scaled_fp8' / '<layer>.scale_weight'"
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"

@@ -15,7 +15,9 @@ from ..backends import check_backend_name
 from ..quant import check_act_quant, check_quantizable, is_fp8
 from ._base import FP8WeightModule, check_fp8_cast
 from .conv import fp8_conv_class
+from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
+from .torchao_fp8 import check_torchao_weight, is_torchao_tensor
 
 _CONV_KINDS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -41,6 +43,12 @@ def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: 
 def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                     name: str | None = None) -> None:
     """Raises what to_fp8_layer(module, ...) would raise, changing nothing (reads the weight once)."""
+    if is_torchao_tensor(module.weight):
+        if fp8_conv_class(module) is not None:
+            raise TypeError(f"the weight of {name!r} is torchao's {type(module.weight).__name__} in a "
+                            f"{type(module).__name__}; dorafp8 takes torchao fp8 weights of linear layers only")
+        check_torchao_weight(module.weight, name)
+        return
     weight = module.weight.detach()
     conv1d = conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -95,7 +103,10 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     exclude_modules: names (or name suffixes) of layers left as they are, whatever target_modules says.
     per_row_scale / block_size choose the scale (default: one per tensor; for convs per_row_scale means one per
     output channel); act_quant="rowwise" makes the linear layers' base GEMMs W8A8 (set_act_quant changes it later;
-    conv layers always run W8A16). Layers whose weight is already float8_e4m3fn (diffusers' enable_layerwise_casting,
+    conv layers always run W8A16). Linear layers torchao quantized to fp8 (`quantize_(model,
+    Float8WeightOnlyConfig())`: a Float8Tensor weight) keep their bytes and scales (dorafp8/nn/torchao_fp8.py); 1 x g
+    group scales are re-quantized to per-row ones with a QuantizationWarning giving the error. Layers whose weight is
+    already float8_e4m3fn (diffusers' enable_layerwise_casting,
     kohya's and OneTrainer's fp8 casts) are wrapped losslessly, scale 1, with the bias in the layer's compute dtype
     (docs/DORA_MATH.md, "Dtype policy"); on a layerwise-casting model the layers diffusers left in high precision (its
     skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
@@ -154,9 +165,11 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
     for name in swaps:
         check_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale, block_size=block_size, name=name)
-    for name in swaps:
-        swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
-                                              block_size=block_size, backend=backend, act_quant=act_quant, name=name))
+    with collect_regrouped("the torchao model"):  # one warning for every layer re-quantized from 1 x g groups
+        for name in swaps:
+            swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
+                                                  block_size=block_size, backend=backend, act_quant=act_quant,
+                                                  name=name))
     return len(swaps)
 
 

@@ -13,6 +13,7 @@ from ..quant import check_act_quant
 from ..quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                      quantize_e4m3, scale_kind)
 from ._base import FP8WeightModule, fp8_cast_parts
+from .torchao_fp8 import is_torchao_tensor, torchao_fp8_parts
 
 
 def conv1d_class():
@@ -66,8 +67,9 @@ class FP8Linear(FP8WeightModule):
 
         A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer and
         others store it) is kept byte for byte with scale 1: re-quantizing it would move it. Its bias and the adapter
-        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and
-        errors.
+        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). A torchao Float8Tensor weight
+        (`quantize_(model, Float8WeightOnlyConfig())`) keeps its bytes and scales (dorafp8/nn/torchao_fp8.py);
+        per_row_scale and block_size then do not apply. `name` is used in warnings and errors.
         """
         conv1d = conv1d_class()
         if isinstance(module, nn.Linear):
@@ -77,6 +79,10 @@ class FP8Linear(FP8WeightModule):
         else:
             raise TypeError(f"module must be an nn.Linear or transformers Conv1D, got {type(module).__name__}")
         bias = module.bias
+        if is_torchao_tensor(weight):  # torchao's Float8Tensor: its own bytes and scales (torchao_fp8.py)
+            w8, scale, tao_block = torchao_fp8_parts(weight, name)
+            return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
+                                dtype=weight.dtype, block_size=tao_block, act_quant=act_quant)
         cast = fp8_cast_parts(module, weight, name)
         if cast is not None:
             w8, bias, dtype = cast

@@ -19,6 +19,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 from ..backends import check_backend_name
 from ..nn import FP8ConvNd, FP8Linear
 from ..nn.convert import is_fp8_cast_layer, swap_module, to_fp8_layer
+from ..nn.group_scales import collect_regrouped
 from . import conv as peft_conv
 from .layer import DoRAFP8Layer
 from .linear import DoRAFP8Linear
@@ -27,7 +28,8 @@ from .linear import DoRAFP8Linear
 def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
     """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear, and
     every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py), quantizing its base weight to fp8,
-    in place. Returns how many layers were swapped."""
+    in place (a base torchao quantized to fp8, PEFT's TorchaoLoraLinear, keeps its bytes and scales:
+    dorafp8/nn/torchao_fp8.py). Returns how many layers were swapped."""
     check_backend_name(backend)
     names = [name for name, mod in peft_model.named_modules()
              if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
@@ -37,10 +39,11 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
     for name in names + sorted(conv_names):
         check = peft_conv.check_conv_layer if name in conv_names else DoRAFP8Linear.check_peft_layer
         check(peft_model.get_submodule(name), per_row_scale=per_row_scale, name=name)
-    for name in names + sorted(conv_names):
-        convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
-        swap_module(peft_model, name, convert(peft_model.get_submodule(name), backend=backend,
-                                              per_row_scale=per_row_scale))
+    with collect_regrouped("the torchao model"):  # one warning for every torchao layer re-quantized from groups
+        for name in names + sorted(conv_names):
+            convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
+            swap_module(peft_model, name, convert(peft_model.get_submodule(name), backend=backend,
+                                                  per_row_scale=per_row_scale))
     if not names and not conv_names:
         warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
     return len(names) + len(conv_names)

@@ -232,7 +232,7 @@ def test_save_pretrained_refuses_what_it_cannot_write(dora, tmp_path):
 _NOT_HF = r"from_pretrained would load the raw e4m3 values.*\.safetensors.*compressed-tensors"
 _NO_SCALE = r"fp8-cast layout has no scale.*compressed-tensors"
 SAVE_EXPECT = {"compressed-tensors": None, "fine-grained": E4M3, "fp8-cast": _NO_SCALE, "comfyui": _NOT_HF,
-               "comfyui-quant": _NOT_HF, "dorafp8": _NOT_HF, **DENSE_FORMATS}
+               "comfyui-quant": _NOT_HF, "dorafp8": _NOT_HF, "musubi": _NOT_HF, **DENSE_FORMATS}
 EXPORT_EXPECT = {**SAVE_EXPECT, "compressed-tensors": E4M3}
 
 

@@ -1,0 +1,105 @@
+"""Weights quantized with one scale per 1 x g group (per output row, per g consecutive input columns), mapped onto the
+per-row scales dorafp8's layers hold.
+
+Two sources make them: musubi-tuner / kohya sd-scripts `--fp8_scaled` (fp8_optimization_utils.py quantize_weight,
+"block" mode, g = 64 by default: scale_weight [out, in / g, 1]) and torchao's Float8Tensor with PerGroup(g) or
+PerBlock([1, g]) granularity (scale [out, in / g]). In both W0[n, k] = scale[n, k // g] * w8[n, k].
+
+dorafp8's kernels hold one scale per tensor, per row or per square b x b block: in every GEMM one reduction step lies
+in one scale block, and the step's partial product is scaled in fp32. A 1 x g scale varies along the reduction of the
+input-gradient GEMM (dx = g W, summed over the output rows) from one row to the next, so it cannot be applied that
+way; supporting it would touch the scale's representation everywhere a block size is read (docs/CHECKPOINTS.md,
+"1 x 64 block scales", has the count and the numbers). Such a weight is therefore re-quantized to per-row scales,
+once, when it is loaded, with the error measured and reported (QuantizationWarning):
+
+    s_row[n] = max_c scale[n, c]        (no value grows: every ratio below is <= 1, so nothing saturates)
+    w8'[n, k] = e4m3(w8[n, k] * (scale[n, k // g] / s_row[n]))
+
+The group with the largest scale keeps its bytes exactly (ratio 1), and so does any group whose ratio is a power of
+two; the others take one e4m3 rounding (about 2.4% relative on a real model's layers, measured in the doc above).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ..quant import E4M3, QuantizationWarning, row_blocks
+
+
+def groups_to_rows(w8: torch.Tensor, gscale: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(w8' e4m3 [N, K], per-row scale fp32 [N], the relative Frobenius error ||W' - W0|| / ||W0||) for a weight with
+    1 x `group` scales: w8 e4m3 [N, K], gscale [N, K / group] (any float dtype, converted exactly to fp32).
+    Computed in blocks of rows (fp32 temporaries of at most a few MiB); W0 is the weight the file holds."""
+    N, K = w8.shape
+    G = K // group
+    if group < 1 or G * group != K or tuple(gscale.shape) != (N, G):
+        raise ValueError(f"gscale must be [{N}, {K} / group] for 1 x group scales of a [{N}, {K}] weight, got "
+                         f"{tuple(gscale.shape)} with group {group}")
+    gs = gscale.float()
+    s_row = gs.amax(dim=1)
+    s_row = torch.where(s_row > 0, s_row, torch.ones_like(s_row))  # an all-zero row: scale 1, as quantize_e4m3 does
+    ratio = gs / s_row[:, None]  # <= 1
+    out = torch.empty_like(w8)
+    err2 = torch.zeros((), dtype=torch.float64, device=w8.device)
+    ref2 = torch.zeros((), dtype=torch.float64, device=w8.device)
+    for j0, j1 in row_blocks(N, K):
+        q = w8[j0:j1].float().view(j1 - j0, G, group)
+        new = (q * ratio[j0:j1, :, None]).to(E4M3)  # round to nearest even, once
+        out[j0:j1] = new.view(j1 - j0, K)
+        w0 = q * gs[j0:j1, :, None]
+        err2 += (new.float() * s_row[j0:j1, None, None] - w0).double().square().sum()
+        ref2 += w0.double().square().sum()
+    rel = math.sqrt(err2.item() / ref2.item()) if ref2.item() > 0 else 0.0
+    return out, s_row, rel
+
+
+# ---- one warning per model, not per layer -------------------------------------------------------------------------
+
+_COLLECTING: list[list] = []
+
+
+def report_regrouped(name: str, group: int, rel_error: float, source: str) -> None:
+    """Says that layer `name` was re-quantized from 1 x `group` scales to per-row ones: collected by the enclosing
+    collect_regrouped() (quantize_model, convert_peft_model, load_fp8_checkpoint warn once for all their layers),
+    else a QuantizationWarning now."""
+    entry = (name or "layer", group, rel_error)
+    if _COLLECTING:
+        _COLLECTING[-1].append(entry)
+    else:
+        warn_regrouped([entry], source)
+
+
+@contextmanager
+def collect_regrouped(source: str):
+    """Collects report_regrouped() calls and, if the block succeeds, warns once for all of them."""
+    entries: list = []
+    _COLLECTING.append(entries)
+    try:
+        yield entries
+    finally:
+        _COLLECTING.pop()
+    if entries:
+        warn_regrouped(entries, source)
+
+
+def warn_regrouped(entries: list, source: str) -> None:
+    """The QuantizationWarning for layers re-quantized from 1 x g to per-row scales: how many, the worst and mean
+    relative error against the weights `source` held. Layers that came through exactly are only counted."""
+    lossy = [e for e in entries if e[2] > 0]
+    groups = sorted({e[1] for e in entries})
+    what = f"{len(entries)} layer{'s' if len(entries) > 1 else ''} of {source} with 1 x {'/'.join(map(str, groups))}"
+    if not lossy:
+        return
+    worst = max(lossy, key=lambda e: e[2])
+    mean = sum(e[2] for e in entries) / len(entries)
+    warnings.warn(
+        f"{what} block scales (one scale per output row and {groups[0]} input columns) were re-quantized to one scale "
+        f"per row, which dorafp8's kernels hold: relative error against the weights {source} held: worst "
+        f"{100 * worst[2]:.2f}% ({worst[0]!r}), mean {100 * mean:.2f}% ({len(entries) - len(lossy)} exact). This is "
+        f"one more e4m3 rounding on top of the file's own; where you have the original bf16/fp16 weights, "
+        f"dorafp8.quantize_model(model, per_row_scale=True) on them loses less (docs/CHECKPOINTS.md, '1 x 64 block "
+        f"scales')", QuantizationWarning, stacklevel=4)
