@@ -4,7 +4,8 @@ reads them: LyCORIS's own weight loader (the lycoris-lora package), diffusers' l
 from the file and commit named there).
 
 The models are the tiny diffusers UNet of test_diffusion.py and a tiny Flux transformer, with their bases in fp8 and
-DoRA adapters set to random values (a trained adapter's B is not 0 and its magnitude is not ||W||): each third-party
+DoRA adapters set to random values (a trained adapter's B is not 0 and its magnitude is not ||W||), then trained one
+step: each third-party
 loader, given the exported file and the ORIGINAL model, must compute what the fp8 dorafp8 model computes, within the
 fp8 error of the base; given the dequantized base, what PEFT computes there (its own loader, its own DoRA), to fp32
 rounding. Import turns the files back into the same model, and takes LyCORIS's own files."""
@@ -48,6 +49,18 @@ def randomize(pm, seed):
             p.data = torch.randn(p.shape, generator=g) * 0.05
         elif "lora_magnitude_vector" in name:
             p.data = p.data * (1 + 0.1 * torch.randn(p.shape, generator=g))
+    return pm.eval()
+
+
+def train_step(pm, inputs):
+    """One AdamW step of the fp8 model under bf16 autocast (dorafp8's fused forward and backward), from there."""
+    pm.train()
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _out(pm, inputs).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return pm.eval()
 
 
@@ -174,6 +187,7 @@ def unet_case():
     g = torch.Generator().manual_seed(7)  # one 8 x 8 latent: what the checks need, at a quarter of the cost
     inputs = dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([500]),
                   encoder_hidden_states=torch.randn(1, 4, 32, generator=g))
+    train_step(pm, inputs)
     with torch.no_grad():
         ref = _out(pm, inputs)
         dequantized = _dequantized_copy(original, pm).eval()
@@ -339,6 +353,7 @@ def flux_inputs():
                 img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # Flux's rms_norm under autocast
 def test_flux_file_in_lycoris_comfyui_and_back(tmp_path):
     """Flux (diffusers FluxTransformer2DModel names): `lora_transformer_` keys, OneTrainer's, which ComfyUI maps onto
     its fused qkv / linear1 slices. DoRA on every Linear but norm_out.linear (whose rows ComfyUI swaps): LyCORIS and
@@ -350,6 +365,7 @@ def test_flux_file_in_lycoris_comfyui_and_back(tmp_path):
     dorafp8.quantize_model(ours)
     pm = randomize(get_peft_model(ours, LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=targets)), 3)
     inputs = flux_inputs()
+    train_step(pm, inputs)
     dequantized = _dequantized_copy(original, pm).eval()
     with torch.no_grad():
         ref = _out(pm, inputs)
