@@ -14,6 +14,9 @@ Public API:
     load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format
                                           fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
                                           FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint/)
+    save_kohya_dora, load_kohya_dora      DoRA adapters as kohya / LyCORIS files (lora_down, lora_up, alpha,
+                                          dora_scale) for ComfyUI and LyCORIS, and back (needs peft and safetensors;
+                                          loaded on first use; dorafp8/checkpoint/kohya.py)
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
     reuse_weight_norms                    a context in which DoRA layers on a GPU may reuse their weight norms
                                           (on the CPU they do whenever the adapters are unchanged; norm_cache.py)
@@ -55,12 +58,13 @@ __all__ = [
     "register_with_peft", "install_ddp_support", "install_fsdp_support", "load_fp8_checkpoint", "save_fp8_checkpoint",
     "export_merged", "detect_format", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
-    "DoRAFP8Conv3d", "DoRAFP8Config",
+    "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
 _PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
 _TRANSFORMERS_NAMES = ("DoRAFP8Config",)
+_KOHYA_NAMES = ("save_kohya_dora", "load_kohya_dora")
 
 
 def __getattr__(name):
@@ -77,11 +81,17 @@ def __getattr__(name):
 
         hf_quantizer.register()
         return getattr(hf_quantizer, name)
+    if name in _KOHYA_NAMES:
+        require("peft", "transformers", "safetensors", what=f"dorafp8.{name}")
+        from .checkpoint import kohya
+
+        return getattr(kohya, name)
     raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES))
+    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES)
+                  | set(_KOHYA_NAMES))
 
 
 _install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers, FSDP2 learn of fp8 layers (opt-out inside)

@@ -21,6 +21,8 @@ The modules, each importing only those above it:
     from_transformers.py  from_transformers_fp8 (a transformers fp8 model -> FP8Linear layers)
     save_hooks.py   transformers' and diffusers' save_pretrained of a model with fp8 layers
     hf_quantizer.py DoRAFP8Config (imports transformers: loaded on first use, never from here)
+    kohya_names.py, kohya.py  save_kohya_dora / load_kohya_dora, DoRA adapters as kohya / LyCORIS files (imports
+                    PEFT: loaded on first use by dorafp8.save_kohya_dora / load_kohya_dora, never from here)
 """
 
 from .layouts import DENSE_FORMATS, FORMATS, LAYOUTS, TRANSFORMERS_FORMATS, CheckpointFormatError

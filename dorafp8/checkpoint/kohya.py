@@ -1,0 +1,486 @@
+"""DoRA adapters as kohya / LyCORIS files, the layout ComfyUI, Forge and LyCORIS read: per layer `lora_down.weight`,
+`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`.
+
+    save_kohya_dora(model, path)   a PEFT (or dorafp8) DoRA adapter -> one .safetensors file
+    load_kohya_dora(model, path)   such a file (ours, or one LyCORIS or a kohya-style trainer wrote) -> a PEFT DoRA model
+
+The math each consumer applies, read from its code (docs/DIFFUSION.md, "DoRA files for ComfyUI and kohya tools"):
+
+    PEFT 0.21        W' = (W + s B A) * m / ||W + s B A||           m [out], the norm per output row, detached
+    LyCORIS LoCon    W' = (W + s B A) * dora_scale / (||W + s B A|| + eps)       (dora_wd=True, wd_on_out=True:
+                     lycoris/modules/locon.py, lycoris/functional/general.py; its weight loader always assumes it)
+    ComfyUI          W' = (W + s B A) * dora_scale / (||W|| + eps)   when dora_scale.shape[0] == out (the output
+                     axis), the norm of the base without the update (comfy/weight_adapter/base.py weight_decompose)
+
+with s = alpha / rank (lora_down's first dimension) and eps float32's machine epsilon. dora_scale is therefore PEFT's
+magnitude for LyCORIS (`dora_scale="lycoris"`, the default), and m * (||W|| + eps) / ||W + s B A|| for ComfyUI's
+current loader (`dora_scale="comfyui"`), computed from the layer's base as the model holds it. Both are shaped
+[out, 1, ...] like the weight: ComfyUI reads the axis from the shape, and a 1-D [out] broadcasts wrongly there.
+Which key names each consumer maps: kohya_names.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections import Counter
+from typing import Optional
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.variants import (
+    DoraConv1dVariant,
+    DoraConv2dVariant,
+    DoraConv3dVariant,
+    DoraLinearVariant,
+)
+from torch import nn
+
+from ..nn import FP8ConvNd, FP8Linear
+from ..ops import NORM_EPS
+from ..peft import DoraFP8Variant
+from ..peft.conv import DoraFP8ConvVariant
+from .kohya_names import KeyResolver, export_key_names, resolve_prefix
+
+SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
+DORA_SCALE_KINDS = ("lycoris", "comfyui")
+META_DORA_SCALE = "dorafp8_dora_scale"  # the file's dora_scale kind, so that load_kohya_dora can undo "comfyui"
+_EPS32 = torch.finfo(torch.float32).eps  # what LyCORIS and ComfyUI add to the norm (their fp32 working copies)
+_DORA_VARIANTS = (DoraLinearVariant, DoraConv1dVariant, DoraConv2dVariant, DoraConv3dVariant, DoraFP8Variant,
+                  DoraFP8ConvVariant)
+# keys of other LyCORIS algorithms and options, named in the error that refuses them
+_OTHER_ALGOS = {"lora_mid.weight": "LoCon's Tucker-decomposed conv (use_tucker)", "hada_": "LoHa", "lokr_": "LoKr",
+                "oft_": "OFT", "diff": "a full weight difference", "w_norm": "a norm layer", "b_norm": "a norm layer",
+                "a1.weight": "GLoRA", "scalar": "a LoCon scalar", "lora_A.weight": "PEFT's own layout",
+                "lora_magnitude_vector": "PEFT's own layout"}
+
+
+# ---------------------------------------------------------------------------------------------------------- export
+
+def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] = None, prefix: Optional[str] = "auto",
+                    names: str = "auto", dora_scale: str = "lycoris",
+                    dtype: Optional[torch.dtype] = None) -> dict[str, str]:
+    """Writes the DoRA (or LoRA) adapter `adapter_name` of `model` (a PeftModel, or a model with PEFT's LoRA layers,
+    e.g. after diffusers' `add_adapter`) to the safetensors file `path` in the kohya / LyCORIS layout, and returns
+    {module name: key prefix} of the layers written.
+
+    prefix: "auto" (`lora_unet_` for a UNet2DConditionModel, `lora_transformer_` for SD3 and Flux transformers, the
+    module names as they are otherwise), a prefix (e.g. "lycoris" for LyCORIS's own loader), or None (module names).
+    names: "diffusers" (the model's module names), "sgm" (for a UNet2DConditionModel: the original UNet's names,
+    input_blocks / middle_block / output_blocks, as kohya's SDXL scripts write them) or "auto" (what kohya's scripts
+    write: "sgm" for an SDXL UNet under `lora_unet`, else "diffusers"). ComfyUI and diffusers map both; LyCORIS's
+    loaders on a diffusers model need "diffusers" (kohya_names.py).
+    dora_scale: "lycoris" (PEFT's magnitude, which LyCORIS divides by ||W + s B A||) or "comfyui" (pre-multiplied by
+    ||W|| / ||W + s B A|| of this model's base, for ComfyUI's loader, which divides by ||W||; see the module
+    docstring). dtype: the dtype of lora_down / lora_up (default: the adapters'); dora_scale and alpha are float32.
+
+    Every check runs before the file is written (to a temporary name, then renamed): a failure writes nothing."""
+    if dora_scale not in DORA_SCALE_KINDS:
+        raise ValueError(f"dora_scale must be one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    root = _root(model)
+    prefix = resolve_prefix(prefix, root)
+    layers = _lora_layers(root)
+    adapter = _pick_adapter(layers, adapter_name)
+    layers = {n: m for n, m in layers.items() if adapter in m.lora_A}
+    problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, dora_scale, prefix)]
+    if problems:
+        raise ValueError("save_kohya_dora cannot write this adapter: " + "; ".join(problems))
+    keys = export_key_names(root, list(layers), prefix, names)
+    tensors = {}
+    for n, layer in layers.items():
+        for suffix, t in layer_tensors(layer, adapter, dora_scale, dtype).items():
+            tensors[f"{keys[n]}.{suffix}"] = t
+    dora = any(layer.use_dora.get(adapter) for layer in layers.values())
+    ranks = {int(layer.r[adapter]) for layer in layers.values()}
+    meta = {"ss_network_module": "lycoris.kohya",
+            "ss_network_args": json.dumps({"algo": "locon", "dora_wd": str(dora), "wd_on_output": "True"}),
+            META_DORA_SCALE: dora_scale if dora else "none", "dorafp8_source": "dorafp8.save_kohya_dora"}
+    if len(ranks) == 1:
+        meta["ss_network_dim"] = str(ranks.pop())
+    _write_atomic(tensors, path, meta)
+    return keys
+
+
+def layer_tensors(layer, adapter: str, dora_scale: str = "lycoris", dtype=None) -> dict[str, torch.Tensor]:
+    """One PEFT LoRA layer's adapter as kohya tensors: lora_down = lora_A, lora_up = lora_B (conv: [out, r, 1, ...],
+    the 1 x 1 up conv LyCORIS's LoCon has), alpha = s * r (so that alpha / r is PEFT's scaling, rsLoRA's too) and,
+    for DoRA, dora_scale shaped [out, 1, ...]."""
+    A = layer.lora_A[adapter].weight.detach()
+    B = layer.lora_B[adapter].weight.detach()
+    r, s = A.shape[0], float(layer.scaling[adapter])
+    lora_alpha = float(layer.lora_alpha[adapter])
+    alpha = lora_alpha if lora_alpha / r == s else s * r
+    out = {"lora_down.weight": A.to(dtype or A.dtype).contiguous().cpu(),
+           "lora_up.weight": B.to(dtype or B.dtype).contiguous().cpu(),
+           "alpha": torch.tensor(alpha, dtype=torch.float32)}
+    if layer.use_dora.get(adapter):
+        m = layer.lora_magnitude_vector[adapter].weight.detach().reshape(-1).cpu()
+        if dora_scale == "comfyui":
+            w = base_weight_rows(layer)
+            n_base, n_new = _row_norms(w, A, B, s)
+            m = (m.double() * (n_base + _EPS32) / n_new.clamp_min(NORM_EPS)).float()
+        nd = len(layer.lora_A[adapter].weight.shape)  # 2 for Linear, 2 + kernel dims for a conv
+        out["dora_scale"] = m.float().reshape((-1,) + (1,) * (nd - 1)).contiguous()
+    return out
+
+
+def base_weight_rows(layer) -> torch.Tensor:
+    """The layer's base weight as dense float32 rows [out, in * kernel] (an fp8 base dequantized, one layer at a time)."""
+    base = layer.get_base_layer()
+    if isinstance(base, (FP8Linear, FP8ConvNd)):
+        w = base.dequantize(torch.float32)
+    else:
+        w = base.weight.detach().float()
+    return w.reshape(w.shape[0], -1)
+
+
+def _row_norms(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float):
+    """(||W||, ||W + s B A||) per output row in float64 (conv: B A is B2 @ A2 on the [out, in * kernel] view)."""
+    w = w.double()
+    delta = (B.reshape(B.shape[0], -1).double().to(w.device) @ A.reshape(A.shape[0], -1).double().to(w.device)) * s
+    return w.norm(dim=1).cpu(), (w + delta).norm(dim=1).cpu()
+
+
+def _root(model: nn.Module) -> nn.Module:
+    """The module tree the adapters live in: a PeftModel's base model, else the model itself."""
+    if isinstance(model, PeftModel):
+        return model.base_model.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (a PeftModel or a model with PEFT LoRA layers), got "
+                        f"{type(model).__name__}")
+    return model
+
+
+def _lora_layers(root: nn.Module) -> dict[str, LoraLayer]:
+    return {n: m for n, m in root.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _pick_adapter(layers: dict, adapter_name: Optional[str]) -> str:
+    names = sorted({a for m in layers.values() for a in m.lora_A})
+    if not names:
+        raise ValueError("model has no PEFT LoRA/DoRA layers with adapters: nothing to save")
+    if adapter_name is not None:
+        if adapter_name not in names:
+            raise ValueError(f"adapter_name {adapter_name!r} is not an adapter of this model; it has {names}")
+        return adapter_name
+    if len(names) == 1:
+        return names[0]
+    active = {a for m in layers.values() for a in m.active_adapters if a in m.lora_A}
+    if len(active) == 1:
+        return active.pop()
+    raise ValueError(f"model has several adapters {names}: pass adapter_name= one of them")
+
+
+def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
+    base = layer.get_base_layer()
+    out = []
+    conv = isinstance(base, (nn.Conv1d, nn.Conv2d, nn.Conv3d, FP8ConvNd))
+    if not (conv or isinstance(base, (nn.Linear, FP8Linear))) or adapter in getattr(layer, "lora_embedding_A", {}):
+        out.append(f"{name}: a LoRA layer on {type(base).__name__}; the kohya layout holds Linear and Conv1d/2d/3d "
+                   f"layers")
+        return out
+    if conv and getattr(base, "groups", 1) != 1:
+        out.append(f"{name}: conv with groups={base.groups}; kohya's lora_up @ lora_down is a groups=1 update")
+    if getattr(layer, "fan_in_fan_out", False):
+        out.append(f"{name}: fan_in_fan_out=True (a transposed weight) is not the kohya layout")
+    if layer.lora_bias.get(adapter):
+        out.append(f"{name}: adapter {adapter!r} has a LoRA bias, which the kohya layout has no key for")
+    if layer.merged:
+        out.append(f"{name}: the adapter is merged into the base; unmerge it first (model.unmerge_adapter())")
+    variant = getattr(layer, "lora_variant", {}).get(adapter)
+    if variant is not None and not isinstance(variant, _DORA_VARIANTS):
+        out.append(f"{name}: adapter {adapter!r} uses the LoRA variant {type(variant).__name__} (only plain LoRA "
+                   f"and DoRA have a kohya layout)")
+    if dora_scale == "comfyui" and layer.use_dora.get(adapter) and prefix == "lora_transformer" \
+            and name == "norm_out.linear":
+        # ComfyUI maps this layer with swap_scale_shift on the update but not on dora_scale (comfy/utils.py
+        # flux_to_diffusers, mmdit_to_diffusers): its rows would get the other half's magnitudes.
+        out.append(f"{name}: ComfyUI reorders this layer's rows (swap_scale_shift) but not its dora_scale; leave "
+                   f"norm_out.linear out of DoRA targets for a ComfyUI file")
+    return out
+
+
+def _write_atomic(tensors: dict, path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------------------------------------------------- import
+
+def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", prefix: Optional[str] = "auto",
+                    dora_scale: str = "auto", strict: bool = True) -> PeftModel:
+    """Turns a kohya / LyCORIS LoRA or DoRA file (`file`: a .safetensors path or a state dict) into a PEFT adapter
+    `adapter_name` on `model`, and returns the PeftModel. `model` is the base (dense or with dorafp8's fp8 layers, on
+    which PEFT builds dorafp8's DoRA layers): it is wrapped with get_peft_model, its layers replaced in place as PEFT
+    does; or a PeftModel, to which the adapter is added (not activated: `set_adapter` does).
+
+    prefix: "auto" (module names, or `lora_unet_` / `lora_transformer_` / `lycoris_` + the names with '.' -> '_',
+    on a UNet2DConditionModel also kohya's SGM UNet names), a prefix, or None (module names only). dora_scale:
+    "auto" (the kind save_kohya_dora recorded in the file, else "lycoris"), "lycoris" or "comfyui" (see
+    save_kohya_dora). Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1, as kohya's
+    and ComfyUI's loaders), and DoRA's magnitude from dora_scale (output axis only: an input-axis dora_scale,
+    LyCORIS's wd_on_out=False, has no PEFT equivalent and is refused).
+
+    All or nothing: every key is matched and checked before the model changes, and a failure after that puts the
+    model back as it was. Keys of other LyCORIS algorithms (LoHa, LoKr, Tucker's lora_mid, ...) are an error; keys of
+    modules the model does not have are an error naming them, or with strict=False skipped with a warning naming
+    them (a kohya SDXL file's text-encoder keys, when loading its UNet part)."""
+    if dora_scale not in ("auto",) + DORA_SCALE_KINDS:
+        raise ValueError(f"dora_scale must be 'auto' or one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
+    if not isinstance(adapter_name, str) or not adapter_name:
+        raise ValueError(f"adapter_name must be a non-empty string, got {adapter_name!r}")
+    sd, meta = _read(file)
+    if dora_scale == "auto":
+        dora_scale = "comfyui" if meta.get(META_DORA_SCALE) == "comfyui" else "lycoris"
+    peft_model = model if isinstance(model, PeftModel) else None
+    root = _root(model)
+    if peft_model is None and _lora_layers(root):
+        raise ValueError("model has PEFT LoRA layers but is not a PeftModel (diffusers' add_adapter?): pass the base "
+                         "model without adapters, or a PeftModel")
+    if peft_model is not None and adapter_name in peft_model.peft_config:
+        raise ValueError(f"adapter_name {adapter_name!r} already exists in this PeftModel; pass another name")
+    plan = _plan(root, sd, prefix, strict)
+    config = _config(plan)
+    undo = _Undo(root, list(plan))
+    try:
+        if peft_model is None:
+            peft_model = get_peft_model(root, config, adapter_name=adapter_name)
+        else:
+            peft_model.add_adapter(adapter_name, config)
+        _fill(peft_model.base_model.model, plan, adapter_name, config.use_dora, dora_scale)
+    except BaseException:
+        undo.restore(adapter_name, peft_model if isinstance(model, PeftModel) else None)
+        raise
+    return peft_model
+
+
+def _read(file) -> tuple[dict, dict]:
+    if isinstance(file, dict):
+        bad = [k for k, v in file.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"file: a state dict must map str keys to tensors; not so for {bad[:5]}")
+        return dict(file), {}
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = os.fspath(file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"file {path!r} does not exist (a .safetensors file or a state dict is expected)")
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    return load_file(path), meta
+
+
+def _targets(root: nn.Module) -> dict[str, nn.Module]:
+    """name -> the Linear / ConvNd (fp8 or not) a kohya key can name, the base layer inside PEFT's LoRA layers."""
+    out = {}
+    kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, FP8Linear, FP8ConvNd)
+    for n, m in root.named_modules():
+        if isinstance(m, LoraLayer):
+            out[n] = m.get_base_layer()
+        elif isinstance(m, kinds) and ".lora_" not in f".{n}" and not n.endswith(".base_layer") \
+                and ".base_layer." not in n:
+            out[n] = m
+    return out
+
+
+def _group(sd: dict) -> tuple[dict, list]:
+    """{key prefix: {suffix: tensor}} and the keys with no kohya LoRA/DoRA suffix."""
+    groups, unknown = {}, []
+    for k, v in sd.items():
+        for suffix in SUFFIXES:
+            if k.endswith("." + suffix):
+                groups.setdefault(k[: -len(suffix) - 1], {})[suffix] = v
+                break
+        else:
+            unknown.append(k)
+    return groups, unknown
+
+
+def _plan(root, sd, prefix, strict) -> dict:
+    """module name -> (lora_down, lora_up, alpha, dora_scale or None, the base module), every key checked."""
+    targets = _targets(root)
+    resolver = KeyResolver(root, targets, prefix)
+    groups, unknown = _group(sd)
+    errors, unmatched, plan = [], [], {}
+    if unknown:
+        errors.append(_unknown_message(unknown))
+    for name, parts in groups.items():
+        mod_name, why = resolver.resolve(name)
+        if why:
+            errors.append(why)
+            continue
+        if mod_name is None:
+            unmatched.extend(f"{name}.{s}" for s in parts)
+            continue
+        if mod_name in plan:
+            errors.append(f"module {mod_name} is named by two key prefixes in the file")
+            continue
+        entry, problems = _check_layer(name, mod_name, parts, targets[mod_name])
+        errors.extend(problems)
+        plan[mod_name] = entry
+    if unmatched and strict:
+        errors.append(f"{len(unmatched)} keys name no Linear/Conv module of {type(root).__name__} (prefixes tried: "
+                      f"{list(resolver.prefixes) or 'none'}; pass strict=False to skip them): {sorted(unmatched)}")
+    dora = {n for n, e in plan.items() if e is not None and e[3] is not None}
+    if dora and len(dora) != len(plan):
+        errors.append(f"the file mixes DoRA layers (with dora_scale) and plain LoRA layers "
+                      f"{sorted(set(plan) - dora)}; one PEFT adapter is either")
+    if not plan and not errors:
+        errors.append("the file has no lora_down / lora_up keys")
+    if errors:
+        raise ValueError("load_kohya_dora: " + "; ".join(errors))
+    if unmatched:
+        warnings.warn(f"load_kohya_dora skipped {len(unmatched)} keys that name no module of "
+                      f"{type(root).__name__} (strict=False): {sorted(unmatched)}", stacklevel=3)
+    return plan
+
+
+def _unknown_message(keys: list) -> str:
+    def algo(k):
+        tail = k.split(".", 1)[-1]  # after a kohya key prefix (which has no '.')
+        return [what for tag, what in _OTHER_ALGOS.items() if tail.startswith(tag) or f".{tag}" in k]
+
+    algos = sorted({w for k in keys for w in algo(k)})
+    why = f" ({', '.join(algos)}: no PEFT DoRA equivalent)" if algos else ""
+    return (f"keys that are not a kohya LoRA/DoRA layer's (lora_down.weight, lora_up.weight, alpha, dora_scale){why}: "
+            f"{sorted(keys)}")
+
+
+def _check_layer(name, mod_name, parts, base):
+    """((down, up, alpha, dora_scale, base), problems) for one layer of the file against its module."""
+    problems = []
+    down, up = parts.get("lora_down.weight"), parts.get("lora_up.weight")
+    if down is None or up is None:
+        return None, [f"{name}: has {sorted(parts)} but needs both lora_down.weight and lora_up.weight"]
+    conv = isinstance(base, (nn.Conv1d, nn.Conv2d, nn.Conv3d, FP8ConvNd))
+    if conv:
+        out_f, in_f, kernel = base.out_channels, base.in_channels, tuple(base.kernel_size)
+        if base.groups != 1:
+            problems.append(f"{name}: {mod_name} is a conv with groups={base.groups}; PEFT's and kohya's conv "
+                            f"update is groups=1")
+        if any(d != 1 for d in base.dilation):
+            problems.append(f"{name}: {mod_name} is a dilated conv (dilation={tuple(base.dilation)}), which PEFT's "
+                            f"DoRA conv does not build")
+    else:
+        out_f, in_f, kernel = base.out_features, base.in_features, ()
+    r = down.shape[0] if down.dim() else 0
+    want_down, want_up = (r, in_f) + kernel, (out_f, r) + (1,) * len(kernel)
+    if r < 1 or tuple(down.shape) != want_down or tuple(up.shape) != want_up:
+        problems.append(f"{name}: lora_down {tuple(down.shape)} / lora_up {tuple(up.shape)} do not fit {mod_name} "
+                        f"({type(base).__name__}, out={out_f}, in={in_f}{', kernel=' + str(kernel) if kernel else ''}):"
+                        f" expected lora_down (r, {', '.join(map(str, want_down[1:]))}) and lora_up "
+                        f"({', '.join(map(str, want_up[:1]))}, r{', 1' * len(kernel)})")
+    for key, t in (("lora_down.weight", down), ("lora_up.weight", up)):
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            problems.append(f"{name}.{key}: must be finite floating-point values")
+    a = parts.get("alpha")
+    if a is None:
+        alpha = float(max(r, 1))  # kohya's and LyCORIS's default: alpha = rank, scale 1
+    elif a.numel() != 1 or not bool(torch.isfinite(a.float()).all()) or float(a.float()) <= 0:
+        problems.append(f"{name}.alpha: expected one positive finite number, got {a.tolist()}")
+        alpha = 1.0
+    else:
+        alpha = float(a.float())
+    ds = parts.get("dora_scale")
+    if ds is not None:
+        if ds.dim() >= 1 and ds.shape[0] == out_f and ds.numel() == out_f:  # ComfyUI's test: the output axis
+            if not bool(torch.isfinite(ds.float()).all()):
+                problems.append(f"{name}.dora_scale: has non-finite values")
+        elif ds.dim() >= 2 and ds.shape[0] == 1 and ds.shape[1] == in_f and ds.numel() == in_f:
+            problems.append(f"{name}.dora_scale {tuple(ds.shape)}: an input-axis magnitude (LyCORIS wd_on_out=False),"
+                            f" one per input column; PEFT's DoRA keeps one per output row, with no exact conversion")
+        else:
+            problems.append(f"{name}.dora_scale {tuple(ds.shape)}: expected ({out_f}, 1{', 1' * len(kernel)}), one "
+                            f"magnitude per output row of {mod_name}")
+    return (down, up, alpha, ds, base), problems
+
+
+def _config(plan: dict) -> LoraConfig:
+    """One LoraConfig with every layer's rank and alpha, the target names matched exactly (PEFT's fullmatch of a
+    regex target, and `^name$` patterns, which get_pattern_key's `(.*\\.)?(pattern)$` cannot match elsewhere)."""
+    ranks = {n: int(e[0].shape[0]) for n, e in plan.items()}
+    alphas = {n: e[2] for n, e in plan.items()}
+    r0 = Counter(ranks.values()).most_common(1)[0][0]
+    a0 = Counter(alphas.values()).most_common(1)[0][0]
+    exact = {n: f"^{re.escape(n)}$" for n in plan}
+    return LoraConfig(
+        r=r0, lora_alpha=a0, lora_dropout=0.0, use_dora=any(e[3] is not None for e in plan.values()),
+        target_modules="|".join(f"(?:{re.escape(n)})" for n in sorted(plan)),
+        rank_pattern={exact[n]: r for n, r in ranks.items() if r != r0},
+        alpha_pattern={exact[n]: a for n, a in alphas.items() if a != a0})
+
+
+@torch.no_grad()
+def _fill(root, plan, adapter, use_dora, dora_scale) -> None:
+    layers = {n: m for n, m in _lora_layers(root).items() if adapter in m.lora_A}
+    if set(layers) != set(plan):
+        raise RuntimeError(f"PEFT built adapter {adapter!r} on {sorted(set(layers) ^ set(plan))} differently from the "
+                           f"file's layers")
+    for n, (down, up, alpha, ds, _) in plan.items():
+        layer = layers[n]
+        r = down.shape[0]
+        if layer.r[adapter] != r or layer.scaling[adapter] != alpha / r:
+            raise RuntimeError(f"{n}: PEFT built r={layer.r[adapter]}, scaling={layer.scaling[adapter]} instead of "
+                               f"r={r}, scaling={alpha / r}")
+        A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        A.copy_(down.reshape(A.shape))
+        B.copy_(up.reshape(B.shape))
+        if use_dora:
+            m = ds.reshape(-1).double()
+            if dora_scale == "comfyui":
+                n_base, n_new = _row_norms(base_weight_rows(layer), down, up, alpha / r)
+                m = m * n_new / (n_base + _EPS32)
+            mag = layer.lora_magnitude_vector[adapter].weight
+            mag.copy_(m.reshape(mag.shape).to(mag.dtype))
+        clear = getattr(layer, "clear_weight_norm_cache", None)
+        if callable(clear):
+            clear()
+
+
+class _Undo:
+    """What load_kohya_dora changes in `root`, kept to put back: the target modules (PEFT swaps them for LoRA layers
+    in place), every parameter's requires_grad (PEFT freezes the base), and the attributes PEFT adds to the root."""
+
+    def __init__(self, root: nn.Module, names: list):
+        self.root = root
+        self.children = []
+        for n in names:
+            parent_name, _, attr = n.rpartition(".")
+            parent = root.get_submodule(parent_name) if parent_name else root
+            self.children.append((parent, attr, parent._modules[attr]))
+        self.grads = [(p, p.requires_grad) for p in root.parameters()]
+        self.attrs = set(root.__dict__)
+
+    def restore(self, adapter: str, peft_model: Optional[PeftModel]) -> None:
+        """Puts back what __init__ kept; `peft_model`: the PeftModel the adapter was added to (None: the root was
+        wrapped by get_peft_model, whose attributes on the root go)."""
+        for parent, attr, mod in self.children:
+            cur = parent._modules[attr]
+            if cur is not mod:
+                parent._modules[attr] = mod
+            elif isinstance(cur, LoraLayer) and adapter in cur.lora_A:
+                cur.delete_adapter(adapter)  # a layer of the PeftModel that had other adapters already
+        for p, g in self.grads:
+            p.requires_grad_(g)
+        if peft_model is None:
+            for a in set(self.root.__dict__) - self.attrs:
+                delattr(self.root, a)
+        else:
+            peft_model.peft_config.pop(adapter, None)
