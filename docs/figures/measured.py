@@ -15,6 +15,8 @@ kernels), it is printed as a bound.
     diffusion-memory   docs/DIFFUSION.md "Memory (measured)" (tests/integration/test_diffusion.py)
     w8a8-error         docs/DORA_MATH.md "Accuracy contract": W8A8's normwise error (tests/kernels/test_w8a8.py)
     e4m3-error         docs/DORA_MATH.md "FP8 e4m3 recipe": e4m3's relative error on Gaussian weights
+    sdxl-walkthrough   docs/DIFFUSION.md "Walkthrough": an SDXL-style UNet from a ComfyUI fp8 file to a ComfyUI DoRA
+                       file, the memory at each stage, against PEFT on the bf16 UNet (--png PATH draws it)
     group-scales       docs/CHECKPOINTS.md "1 x 64 block scales": what re-quantizing musubi's 1 x 64 block scales to
                        per row loses on a real model's layers (tests/checkpoint/test_musubi.py's writer)
 """
@@ -237,16 +239,102 @@ def group_scales():
           f"{mean(errs['direct'])}")
 
 
+SDXL_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1",
+                "conv2"]  # attention, feed-forward and the ResNet convs: LoCon-style DoRA, as kohya users train it
+
+
+@figure
+def sdxl_walkthrough(png=None):
+    """docs/DIFFUSION.md's walkthrough, measured: bytes of parameters and buffers, files, and the peak of temporaries
+    of one bf16-autocast training step (forward, backward, AdamW; after a warm-up step), dorafp8 from the fp8 file
+    against PEFT on the bf16 UNet."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import dorafp8
+    from dorafp8._memory import MiB, peak_extra_bytes, tensor_bytes
+    from tests.integration.doc_fixtures import SDXL_STYLE, sdxl_batch, sdxl_style_unet, write_sdxl_fp8_file
+
+    from diffusers import UNet2DConditionModel
+
+    nl, t, ehs, added, noise = sdxl_batch()
+    cfg = LoraConfig(r=16, lora_alpha=16, use_dora=True, target_modules=SDXL_TARGETS)
+
+    def train_step(model, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pred = model(nl, t, ehs, added_cond_kwargs=added).sample
+        torch.nn.functional.mse_loss(pred.float(), noise).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def trained(model):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        train_step(model, opt)  # warm-up: AdamW's states exist from here on
+        peak = peak_extra_bytes(lambda: train_step(model, opt), "cpu")
+        states = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        return peak, states
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8_file = write_sdxl_fp8_file(os.path.join(tmp, "sdxl_unet_fp8.safetensors"))
+        with torch.device("meta"):
+            unet = UNet2DConditionModel(**SDXL_STYLE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dorafp8.load_fp8_checkpoint(unet, fp8_file, dtype=torch.bfloat16, verbose=False)
+        ours = get_peft_model(unet, cfg)
+        peft = get_peft_model(sdxl_style_unet(), copy.deepcopy(cfg))
+        rows.append(("base UNet", tensor_bytes(peft.get_base_model()) - tensor_bytes(
+            peft, lambda n, p: "lora_" in n), tensor_bytes(unet) - tensor_bytes(ours, lambda n, p: "lora_" in n)))
+        rows.append(("+ DoRA adapters", tensor_bytes(peft, lambda n, p: "lora_" in n),
+                     tensor_bytes(ours, lambda n, p: "lora_" in n)))
+        (peak_peft, st_peft), (peak_ours, st_ours) = trained(peft), trained(ours)
+        rows.append(("AdamW states", st_peft, st_ours))
+        rows.append(("peak of a training step's temporaries", peak_peft, peak_ours))
+        dora_file = os.path.join(tmp, "sdxl_dora.safetensors")
+        keys = dorafp8.save_kohya_dora(ours, dora_file, dora_scale="comfyui")
+        files = (os.path.getsize(fp8_file), os.path.getsize(dora_file))
+    print(f"{'':40s} {'PEFT, bf16 UNet':>16s} {'dorafp8, fp8 file':>18s}")
+    for name, a, b in rows:
+        print(f"{name:40s} {a / MiB:13.2f} MiB {b / MiB:15.2f} MiB")
+    total = [sum(r[i] for r in rows) for i in (1, 2)]
+    print(f"{'total':40s} {total[0] / MiB:13.2f} MiB {total[1] / MiB:15.2f} MiB")
+    print(f"files: the fp8 UNet {files[0] / MiB:.2f} MiB; the DoRA file for ComfyUI {files[1] / MiB:.2f} MiB "
+          f"({len(keys)} layers)")
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7.5, 2.6))
+        colors = ["#4c72b0", "#55a868", "#c44e52", "#8172b2"]
+        for y, who in ((1, 1), (0, 2)):
+            left = 0.0
+            for (name, *vals), color in zip(rows, colors):
+                ax.barh(y, vals[who - 1] / MiB, left=left, color=color, label=name if y == 1 else None)
+                left += vals[who - 1] / MiB
+            ax.text(left + 0.1, y, f"{left:.1f} MiB", va="center")
+        ax.set_yticks([1, 0], ["PEFT, bf16 UNet", "dorafp8, fp8 file"])
+        ax.set_xlabel("MiB (measured on CPU; SDXL-style UNet, 3.4 M parameters, DoRA r = 16)")
+        ax.set_xlim(0, max(total) / MiB * 1.18)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2, frameon=False, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("name", nargs="?", choices=sorted(FIGURES))
     ap.add_argument("--list", action="store_true", help="the figures' names and what each prints")
+    ap.add_argument("--png", help="sdxl-walkthrough: also draw the figure into this PNG file")
     args = ap.parse_args(argv)
     if args.list or not args.name:
         for name, fn in FIGURES.items():
             print(f"{name:18s} {' '.join(fn.__doc__.split())}")
         return
-    FIGURES[args.name]()
+    FIGURES[args.name](**({"png": args.png} if args.png else {}))
 
 
 if __name__ == "__main__":

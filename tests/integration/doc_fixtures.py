@@ -109,3 +109,46 @@ def checkout_here() -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists("docs"):
         os.symlink(os.path.join(root, "docs"), "docs")
+
+
+SDXL_STYLE = dict(  # SDXL's block layout ("text_time" added conditioning, 1-2-2 transformer depths), shrunk
+    sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64, 64), layers_per_block=2,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 2),
+    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=16, addition_embed_type="text_time",
+    addition_time_embed_dim=8, projection_class_embeddings_input_dim=80, use_linear_projection=True)
+
+
+def sdxl_style_unet(seed: int = 0, dtype=torch.bfloat16):
+    """An SDXL-style diffusers UNet2DConditionModel (SDXL_STYLE), 3.4 M parameters, built in `dtype`."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return UNet2DConditionModel(**SDXL_STYLE)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def write_sdxl_fp8_file(path: str) -> str:
+    """An fp8 UNet file as ComfyUI users have them (scaled_fp8: e4m3 weights, a scale per tensor, ComfyUI's keys),
+    written from sdxl_style_unet() by dorafp8's own writer."""
+    import dorafp8
+
+    unet = sdxl_style_unet()
+    dorafp8.quantize_model(unet, include_conv=True)
+    dorafp8.save_fp8_checkpoint(unet, path, format="comfyui", verbose=False)
+    return path
+
+
+def sdxl_batch(batch: int = 2, seed: int = 0):
+    """(noisy_latents, timesteps, encoder_hidden_states, added_cond_kwargs, noise) for sdxl_style_unet."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(batch, 4, 8, 8, generator=g)
+    noisy_latents = torch.randn(batch, 4, 8, 8, generator=g)
+    timesteps = torch.randint(0, 1000, (batch,), generator=g)
+    encoder_hidden_states = torch.randn(batch, 7, 32, generator=g)
+    added = {"text_embeds": torch.randn(batch, 32, generator=g), "time_ids": torch.randn(batch, 6, generator=g)}
+    return noisy_latents, timesteps, encoder_hidden_states, added, noise
