@@ -10,6 +10,8 @@ Public API:
     set_act_quant                         switch a model's fp8 layers between W8A16 (default) and W8A8 ("rowwise")
     DoRAFP8Linear, convert_peft_model     PEFT integration (needs peft; loaded on first use): the fp8 DoRA layer,
                                           and converting a PEFT DoRA model in place
+    register_with_lycoris                 LyCORIS (lycoris-lora) LoCon / DoRA modules on the fp8 layers, through the
+                                          fused ops (run by `import dorafp8` when lycoris is imported; lycoris.py)
     BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
     load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format
                                           fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
@@ -32,7 +34,7 @@ compressed-tensors (fine-grained FP8 for a model loaded from it), which from_pre
 diffusers' save_pretrained of one refuses, naming save_fp8_checkpoint / export_merged. Which loader reads what each
 save path writes: docs/CHECKPOINTS.md.
 
-PEFT, transformers and diffusers are not imported here (they take seconds to import): the PEFT integration and
+PEFT, transformers, diffusers and LyCORIS are not imported here (they take seconds to import): the PEFT integration and
 DoRAFP8Config are loaded when one of their names is used, and each library learns about dorafp8's fp8 layers as soon as
 it is imported (PEFT: FP8Linear layers; transformers and diffusers: save_pretrained, the quantizer registry;
 dorafp8/_install.py).
@@ -58,13 +60,14 @@ __all__ = [
     "register_with_peft", "install_ddp_support", "install_fsdp_support", "load_fp8_checkpoint", "save_fp8_checkpoint",
     "export_merged", "detect_format", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
-    "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora",
+    "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora", "register_with_lycoris",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
 _PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
 _TRANSFORMERS_NAMES = ("DoRAFP8Config",)
 _KOHYA_NAMES = ("save_kohya_dora", "load_kohya_dora")
+_LYCORIS_NAMES = ("register_with_lycoris",)
 
 
 def __getattr__(name):
@@ -86,12 +89,17 @@ def __getattr__(name):
         from .checkpoint import kohya
 
         return getattr(kohya, name)
+    if name in _LYCORIS_NAMES:
+        require("lycoris", what=f"dorafp8.{name}")
+        from . import lycoris
+
+        return getattr(lycoris, name)
     raise AttributeError(f"module 'dorafp8' has no attribute {name!r}")
 
 
 def __dir__():
     return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES)
-                  | set(_KOHYA_NAMES))
+                  | set(_KOHYA_NAMES) | set(_LYCORIS_NAMES))
 
 
 _install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers, FSDP2 learn of fp8 layers (opt-out inside)

@@ -13,7 +13,10 @@ EXTRAS = {
     "triton": "triton",
     "matplotlib": "bench",
     "safetensors": "checkpoint",
+    "lycoris": "lycoris",
 }
+# module -> its pip name, where the two differ
+PIP_NAMES = {"lycoris": "lycoris-lora"}
 
 
 def missing(*modules: str) -> list[str]:
@@ -26,8 +29,9 @@ def require(*modules: str, what: str) -> None:
     gone = missing(*modules)
     if gone:
         extras = sorted({EXTRAS.get(m, m) for m in gone})
+        pip = " ".join(PIP_NAMES.get(m, m) for m in gone)
         raise ImportError(f"{what} needs {', '.join(gone)}, which is not installed: pip install "
-                          f"'dorafp8[{','.join(extras)}]' (or pip install {' '.join(gone)})")
+                          f"'dorafp8[{','.join(extras)}]' (or pip install {pip})")
 
 
 # The oldest versions CI tests (.ci/version_matrix.sh, docs/TESTING.md "Version matrix"); pyproject.toml requires the

@@ -1,14 +1,14 @@
 """Everything `import dorafp8` changes outside dorafp8, in one place, with one opt-out: DORAFP8_NO_PATCHES=1.
 
 1. DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py explains why; idempotent).
-2. PEFT, transformers, diffusers and FSDP2 learn about dorafp8 without being imported (below).
+2. PEFT, transformers, diffusers, LyCORIS and FSDP2 learn about dorafp8 without being imported (below).
 
-With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.install_ddp_support() and
-dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8 models is then transformers' own,
-which loses the scales).
+With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.register_with_lycoris(),
+dorafp8.install_ddp_support() and dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8
+models is then transformers' own, which loses the scales).
 
-Importing peft, transformers, diffusers or FSDP2 takes seconds, so `import dorafp8` must not do it. But each needs to
-know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
+Importing peft, transformers, diffusers, lycoris or FSDP2 takes seconds, so `import dorafp8` must not do it. But each
+needs to know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
 
 - peft: `quantize_model(model)` then `get_peft_model(model, LoraConfig(use_dora=True, ...))` must build
   DoRAFP8Linear layers (dorafp8.peft.register_with_peft);
@@ -17,6 +17,8 @@ know about dorafp8's fp8 layers before the user's next line runs, with nothing m
   quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
 - diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
   (dorafp8/checkpoint/save_hooks.py);
+- LyCORIS (lycoris-lora): `create_lycoris(model, ...)` must put its LoCon / DoRA modules on the fp8 layers (it saw
+  none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
 - FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
   (dorafp8.distributed.install_fsdp_support).
 
@@ -57,6 +59,12 @@ def _diffusers() -> None:
     save_hooks.patch_diffusers()
 
 
+def _lycoris() -> None:
+    # Importing dorafp8.lycoris registers (its last line). When lycoris is being imported by dorafp8.lycoris, that
+    # module is half-initialised here: it registers when it finishes.
+    from . import lycoris  # noqa: F401
+
+
 def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
@@ -67,6 +75,8 @@ _WATCHED = {
     "transformers.modeling_utils": (_transformers, "save_pretrained of fp8 models writes unscaled e4m3 weights, and "
                                                    "DoRAFP8Config is not registered"),
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
+    "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
+                          "dorafp8.register_with_lycoris() after fixing the cause)"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }

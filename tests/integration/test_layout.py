@@ -26,7 +26,7 @@ LAYERS = [
     ("backends", ["dorafp8.backends", "dorafp8.triton_kernels"]),
     ("ops", ["dorafp8.ops"]),
     ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
-    ("peft", ["dorafp8.peft"]),
+    ("peft", ["dorafp8.peft", "dorafp8.lycoris"]),
     ("files", ["dorafp8.checkpoint"]),
     ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8._memory", "dorafp8.demo", "dorafp8.kernel_report",
                      "dorafp8.__main__", "dorafp8"]),
@@ -180,7 +180,8 @@ def test_every_module_imports_on_its_own():
     """Each module in a fresh interpreter, first thing: an import that only works after another module was imported
     (an order dependence, or a cycle broken by luck) fails here. Modules whose optional dependency is missing are
     said so by name, not skipped silently."""
-    optional = {"dorafp8.peft": "peft", "dorafp8.hf_quantizer": "transformers", "dorafp8.triton_kernels": "triton"}
+    optional = {"dorafp8.peft": "peft", "dorafp8.hf_quantizer": "transformers", "dorafp8.triton_kernels": "triton",
+                "dorafp8.lycoris": "lycoris"}
     names = []
     for m in MODULES:
         need = next((dep for p, dep in optional.items() if m == p or m.startswith(p + ".")), None)

@@ -1,0 +1,390 @@
+"""LyCORIS (the lycoris-lora package) on dorafp8's fp8 layers: LoCon / LoRA, with or without DoRA (`dora_wd`), computed
+by dorafp8's fused ops (dora_fp8_linear / dora_fp8_conv), with LyCORIS's own parameters and state_dict keys, so that
+`network.save_weights(...)` writes an ordinary LyCORIS file.
+
+Why LyCORIS saw nothing: `create_lycoris(model, ...)` (lycoris/wrapper.py, LycorisNetwork.__init__; kohya's entry
+lycoris/kohya.py, LycorisNetworkKohya.__init__) takes a layer when its class name is in the preset's target list
+("Linear", "Conv2d", or a block such as "Transformer2DModel") and, inside a block, when `isinstance(layer, nn.Linear)`
+or `isinstance(layer, nn.Conv2d)` holds; LoConModule (lycoris/modules/locon.py) then reads the layer's geometry and its
+dense `.weight`, and its forward rebuilds the dense W + s U D on every call. FP8Linear / FP8Conv2d are neither.
+
+The hook (register_with_lycoris; `import dorafp8` runs it when lycoris is imported) wraps three constructors; each
+does nothing different unless a dorafp8 fp8 layer is involved:
+ 1. LycorisNetwork.__init__ and LycorisNetworkKohya.__init__: while LyCORIS walks the model, each fp8 layer wears a
+    "view" class, a subclass of its own class and of the torch class it stands for, with that class's name; `weight`
+    reads as the dequantized fp32 weight (a transient, one layer at a time), and called as a constructor (LoConModule
+    builds its conv adapters with `type(org_module)(...)`) it builds the plain torch layer. LyCORIS's discovery,
+    presets, names, module construction (the same random numbers as on the dense model) and dora_scale init run
+    unchanged; the layers get their class back when __init__ returns.
+ 2. LoConModule.__init__: a LoConModule built on an fp8 layer (by 1., or by create_lycoris_from_weights and kohya's
+    create_network_from_weights, which hand it the layer directly) becomes an FP8LoConModule: the same object and
+    parameters, a forward through the fused ops.
+ 3. LycorisBaseModule.__init__: any other algorithm on an fp8 layer raises, naming the layer and the fix.
+Why this hook: it leans on what LyCORIS has kept across releases (tested: 3.4 and 4.1): class-name and isinstance
+discovery, and LoConModule's attribute names, which conversion checks, with an error naming any that is missing. It
+does not depend on the bodies of LyCORIS's functions. The alternatives copy more of LyCORIS (re-implementing its
+discovery and presets) or change what everyone else sees (making FP8Linear an nn.Linear would make PEFT and diffusers
+treat it as a dense layer).
+
+The math (LoConModule.forward without bypass_mode; lycoris/functional/general.py weight_decompose) and its mapping.
+W0 is the dequantized base [N, K] (a conv's [C_out, C_in * kh * kw] view), D = lora_down [r, K] (with Tucker, lora_mid
+composed into it), U = lora_up [N, r] times `scalar` (times the rank-dropout mask on its rows in training),
+s = alpha / r (alpha / sqrt(r) with rs_lora), V = W0 + s U D, mult = the multiplier:
+  no dora_wd:                y = x W0^T + b + mult s (x D^T) U^T          the fused op with c = 1
+  dora_wd, wd_on_out=True:   n_j = ||V[j, :]|| + eps, c = m / n            y = c * (x W0^T + s (x D^T) U^T) + b
+  dora_wd, wd_on_out=False:  n_k = ||V[:, k]|| + eps (a conv: per input channel, over C_out and the kernel),
+                             c = m / n, y = (x * c) W0^T + s ((x * c) D^T) U^T + b   (the fused op with c = 1 on x * c)
+with c -> mult (c - 1) + 1 when mult != 1. Where LyCORIS's DoRA differs from PEFT's (what the fused ops implement), and
+how each is carried over exactly: (a) LyCORIS differentiates through the norm (PEFT and the DoRA paper detach it): the
+op gets the magnitude m * (n / n') with n' the same norm carrying _AdapterNorm's gradient, d||V|| = V / ||V|| pulled
+back to U and D (V formed in fp32 row blocks from the fp8 weight, never whole); (b) eps is added to the norm, not a
+clamp (torch.finfo(dora_scale.dtype).eps, 1.2e-7 for fp32); (c) the multiplier blends c; (d) the column axis scales x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+
+import torch
+from lycoris.modules.base import LycorisBaseModule
+from lycoris.modules.locon import LoConModule
+from torch import Tensor, nn
+
+from .nn import FP8ConvNd, FP8Linear
+from .nn.conv import NN_CONV
+from .ops import dora_fp8_conv, dora_fp8_linear, weight_norm
+from .quant import dequantize_e4m3, row_blocks, scale_kind, w0_rows
+
+FP8_LAYERS = (FP8Linear, FP8ConvNd)
+
+
+def _torch_class(fp8_cls: type) -> type:
+    return nn.Linear if issubclass(fp8_cls, FP8Linear) else NN_CONV[fp8_cls._nd]
+
+
+def _dense_weight(layer: nn.Module) -> Tensor:
+    """scale * w8 in fp32, in the layer's own layout (read from the parameter itself: `weight` is the view's
+    property while the view class is worn)."""
+    w8 = layer._parameters["weight"]
+    return dequantize_e4m3(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32,
+                           block_size=layer.block_size).view(w8.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. The view class fp8 layers wear while LyCORIS looks at them
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _view_class(fp8_cls: type) -> type:
+    torch_cls = _torch_class(fp8_cls)
+
+    def __new__(cls, *args, **kwargs):  # LoConModule's `self.module(in, r, k, stride, padding, bias=False)`
+        return torch_cls(*args, **kwargs)
+
+    return type(torch_cls.__name__, (fp8_cls, torch_cls), {
+        "__new__": __new__,
+        "weight": property(_dense_weight),
+        "__module__": __name__,
+        "__doc__": f"{fp8_cls.__name__} as LyCORIS reads an {torch_cls.__name__} (dorafp8/lycoris.py)",
+        "_dorafp8_view_of": fp8_cls,
+    })
+
+
+@contextlib.contextmanager
+def _fp8_layers_visible(*roots: nn.Module):
+    """Within the block, every dorafp8 fp8 layer under `roots` is an instance of its view class (an nn.Linear /
+    nn.ConvNd to isinstance and to class-name matching, with a dense fp32 `weight`). Nested use is a no-op."""
+    worn = []
+    try:
+        for root in roots:
+            for m in root.modules():
+                cls = type(m)
+                if isinstance(m, FP8_LAYERS) and "_dorafp8_view_of" not in cls.__dict__:
+                    m.__class__ = _view_class(cls)
+                    worn.append((m, cls))
+        yield
+    finally:
+        for m, cls in reversed(worn):
+            m.__class__ = cls
+
+
+def _modules_among(args, kwargs):
+    """The nn.Modules passed to a LyCORIS network constructor (kohya passes a list of text encoders)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, nn.Module):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, nn.Module))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The weight norm with LyCORIS's gradient
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _v_blocks(w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float):
+    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, W0 dequantized from w8 one row block (<= 16 MiB) at a time."""
+    N, K = w8.shape
+    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+        yield j0, j1, w0_rows(w8, scale, block_size, j0, j1).addmm_(B[j0:j1], A, alpha=s)
+
+
+class _AdapterNorm(torch.autograd.Function):
+    """||V|| (fp32) for V = W0 + s B A [N, K] with W0 = scale * w8: per row (axis 0; the fused weight_norm op) or per
+    input column, the squares of each `group` consecutive columns summed (axis 1: a conv's per-input-channel norm over
+    its kernel). Unlike the DoRA ops' norm it has a gradient, LyCORIS's: dL/dV = (dL/dn / ||V||) * V along the axis
+    (0 where ||V|| = 0, as torch's norm backward), pulled back to A and B in fp32 row blocks."""
+
+    @staticmethod
+    def forward(ctx, A, B, w8, scale, block_size, s, axis, group, backend):
+        if axis == 0:
+            n = weight_norm(w8, scale, A, B, s, backend=backend, block_size=block_size)
+        else:
+            with torch.autocast(w8.device.type, enabled=False):
+                sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
+                for _, _, V in _v_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):
+                    sq += V.square_().sum(0)
+            n = sq.view(-1, group).sum(1).sqrt_()
+        ctx.save_for_backward(A, B, w8, scale, n)
+        ctx.args = (block_size, s, axis, group)
+        return n
+
+    @staticmethod
+    def backward(ctx, gn):
+        A, B, w8, scale, n = ctx.saved_tensors
+        block_size, s, axis, group = ctx.args
+        with torch.autocast(w8.device.type, enabled=False):
+            kappa = torch.where(n > 0, gn.float() / n, torch.zeros_like(n))
+            if axis == 1:
+                kappa = kappa.repeat_interleave(group)
+            A32, B32 = A.detach().float(), B.detach().float()
+            dA, dB = torch.zeros_like(A32), torch.empty_like(B32)
+            for j0, j1, V in _v_blocks(w8, scale, block_size, A32, B32, s):
+                G = V.mul_(kappa[j0:j1, None] if axis == 0 else kappa)  # dL/dV for these rows
+                torch.mm(G, A32.t(), out=dB[j0:j1])
+                dA.addmm_(B32[j0:j1].t(), G, alpha=s)
+            dB.mul_(s)
+        return (dA.to(A.dtype) if ctx.needs_input_grad[0] else None,
+                dB.to(B.dtype) if ctx.needs_input_grad[1] else None) + (None,) * 7
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. The LoCon module on an fp8 layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class FP8LoConModule(LoConModule):
+    """LyCORIS's LoConModule (algo "locon" / "lora") on a dorafp8 FP8Linear / FP8Conv1d/2d/3d: LyCORIS's parameters,
+    state_dict and save_weights keys (lora_down / lora_up / lora_mid / alpha / dora_scale), its forward computed by
+    dora_fp8_linear / dora_fp8_conv on the fp8 weight (the module docstring gives the math). Built by converting a
+    LoConModule LyCORIS made (register_with_lycoris), never directly."""
+
+    # What the forward reads of LyCORIS's LoConModule: a release that renamed one is refused on conversion.
+    _LOCON_ATTRS = ("lora_down", "lora_up", "scale", "scalar", "multiplier", "wd", "tucker", "rank_dropout",
+                    "rank_dropout_scale", "module_dropout", "bypass_mode", "org_module", "org_forward", "alpha")
+
+    @classmethod
+    def convert(cls, lora: LoConModule, layer: nn.Module) -> None:
+        name = getattr(lora, "lora_name", "?")
+        missing = [a for a in cls._LOCON_ATTRS if not hasattr(lora, a)]
+        if getattr(lora, "wd", False):
+            missing += [a for a in ("dora_scale", "wd_on_out") if not hasattr(lora, a)]
+        if missing:
+            import importlib.metadata
+
+            raise RuntimeError(f"dorafp8 cannot run lycoris-lora {importlib.metadata.version('lycoris-lora')} on the "
+                               f"fp8 layer {name!r}: its LoConModule has no {', '.join(missing)}. dorafp8 is tested "
+                               f"with lycoris-lora 3.4 and 4.1")
+        if isinstance(layer, FP8ConvNd):
+            if layer.groups != 1:
+                raise NotImplementedError(
+                    f"LyCORIS on the fp8 conv {name!r} with groups={layer.groups}: LyCORIS's grouped LoCon (one "
+                    f"lora_down of in_channels/groups shared by all groups) has no fused dorafp8 op; exclude the layer "
+                    f"(a preset's exclude_name) or keep it unquantized")
+            if layer.conv_padding() is None:
+                raise NotImplementedError(
+                    f"LyCORIS on the fp8 conv {name!r} with padding_mode={layer.padding_mode!r} / padding="
+                    f"{layer.padding!r}: LyCORIS pads its weight difference with zeros and the base with the layer's "
+                    f"mode, which the fused conv (one padding) does not reproduce; exclude the layer or keep it "
+                    f"unquantized")
+        lora.module = _torch_class(getattr(type(layer), "_dorafp8_view_of", type(layer)))
+        lora.__class__ = cls
+
+    # ---- the forward ---------------------------------------------------------------------------------------------
+
+    def _factors(self, device) -> tuple[Tensor, Tensor]:
+        """(D, U): lora_down as the fused op's lora_A (Tucker's lora_mid composed in: [r, C_in, *k]) and lora_up
+        [N, r] times `scalar` and, in training with rank_dropout, LyCORIS's mask on its rows (drawn as LoConModule
+        .make_weight draws it)."""
+        D = self.lora_down.weight
+        if self.tucker:  # lycoris rebuild_tucker: dW[p, q, k] = sum_ij mid[i, j, k] up[p, i] down[j, q]
+            D = torch.einsum("ij...,jq->iq...", self.lora_mid.weight, D.reshape(D.shape[0], -1))
+        up = self.lora_up.weight
+        U = up.reshape(up.shape[0], -1)
+        if self.training and self.rank_dropout:
+            drop = (torch.rand(U.shape[0], device=device) > self.rank_dropout).to(U.dtype)
+            if self.rank_dropout_scale:
+                drop /= drop.mean()
+            U = U * drop[:, None]
+        return D, U * self.scalar.to(U.device)
+
+    def _fused(self, layer, x: Tensor, A: Tensor, U: Tensor, magnitude: Tensor, scaling: float,
+               n: Tensor) -> Tensor:
+        if isinstance(layer, FP8Linear):
+            return dora_fp8_linear(x, layer.fp8_weight(), layer.scale, A, U, magnitude, scaling, layer.bias,
+                                   backend=layer.backend, weight_norm=n, block_size=layer.block_size,
+                                   act_quant=layer.act_quant)
+        return dora_fp8_conv(x, layer.fp8_weight(), layer.scale, A, U.reshape(U.shape + (1,) * layer._nd),
+                             magnitude, scaling, layer.bias, layer.stride, layer.conv_padding(), layer.dilation,
+                             layer.groups, backend=layer.backend, weight_norm=n, block_size=layer.block_size)
+
+    def _norm(self, layer, A: Tensor, U: Tensor, axis: int) -> Tensor:
+        """LyCORIS's ||V|| + eps along `axis` (0: per output row / channel, 1: per input column / channel), with its
+        gradient."""
+        w8 = layer.fp8_weight()
+        group = math.prod(w8.shape[2:])  # axis 1 of a conv: the kernel's columns of one input channel
+        n = _AdapterNorm.apply(A.reshape(A.shape[0], -1), U, w8.reshape(w8.shape[0], -1), layer.scale,
+                               layer.block_size, float(self.scale), axis, group, layer.backend)
+        return n + torch.finfo(self.dora_scale.dtype).eps  # LyCORIS: ||W'|| + eps of dora_scale's dtype
+
+    def forward(self, x, *args, **kwargs):
+        # LoConModule.forward's order of random draws: module dropout, then (in _factors) the rank-dropout mask.
+        if self.module_dropout and self.training:
+            if torch.rand(1) < self.module_dropout:
+                return self.org_forward(x, *args, **kwargs)
+        if self.bypass_mode:  # LyCORIS's own: the layer's forward plus its low-rank path on x (no weight read)
+            return self.bypass_forward(x, scale=self.multiplier)
+        layer = self.org_module[0]
+        A, U = self._factors(x.device)
+        s, mult = float(self.scale), self.multiplier
+        ones = torch.ones(U.shape[0], dtype=torch.float32, device=x.device)
+        if not self.wd:
+            return self._fused(layer, x, A, U, ones, s * mult, ones)
+        if self.wd_on_out:
+            nv = self._norm(layer, A, U, 0)
+            n = nv.detach()
+            m = self.dora_scale.reshape(-1)
+            # m * (n / nv) is m itself (n / nv = 1), with the norm's gradient: d/dnv of c = m / nv
+            magnitude = m * (n / nv) if mult == 1 else mult * m * (n / nv) + (1 - mult) * n
+            return self._fused(layer, x, A, U, magnitude, s, n)
+        c = self.dora_scale.reshape(-1) / self._norm(layer, A, U, 1)
+        if mult != 1:
+            c = mult * (c - 1) + 1
+        nd = layer._nd if isinstance(layer, FP8ConvNd) else 0
+        xc = (x * c.reshape((-1,) + (1,) * nd)).to(x.dtype)  # x W'^T with W' = V diag(c) is (x * c) V^T
+        return self._fused(layer, xc, A, U, ones, s, ones)
+
+    # ---- what LyCORIS reads of the base weight ---------------------------------------------------------------------
+
+    def _current_weight(self):
+        return _dense_weight(self.org_module[0])
+
+    @property
+    def org_weight(self):
+        """The dequantized base weight (fp32, a transient): what LyCORIS's merged-weight helpers
+        (get_merged_weight, parametrize_forward) compute with."""
+        return _dense_weight(self.org_module[0])
+
+    @org_weight.setter
+    def org_weight(self, value):
+        raise NotImplementedError(self._no_merge())
+
+    def _no_merge(self) -> str:
+        return (f"merging LyCORIS into the fp8 layer {self.lora_name!r} would re-quantize the merged weight: save "
+                f"the network (save_weights) and merge the file onto the full-precision model (LyCORIS's merge_to "
+                f"there, or ComfyUI / Forge at load time)")
+
+    def merge_to(self, *args, **kwargs):
+        raise NotImplementedError(self._no_merge())
+
+    def onfly_merge(self, *args, **kwargs):
+        raise NotImplementedError(self._no_merge())
+
+    def apply_to(self, **kwargs):
+        # LyCORIS stacks a second network on a layer by chaining forwards (org_forward = the first module's forward,
+        # an instance attribute of the layer); this forward computes the base itself and would drop the first one.
+        owner = getattr(vars(self.org_module[0]).get("forward"), "__self__", None)
+        if isinstance(owner, LycorisBaseModule) and owner is not self:
+            raise NotImplementedError(f"a second LyCORIS network on the fp8 layer {self.lora_name!r}: the fused "
+                                      f"forward computes the layer's base itself, so it cannot stack on another "
+                                      f"network's; restore() the first one, or merge several into one network")
+        return super().apply_to(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. The wraps
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _network_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        roots = list(_modules_among(args, kwargs))
+        with _fp8_layers_visible(*roots):
+            orig(self, *args, **kwargs)
+        n_fp8 = sum(isinstance(m, FP8_LAYERS) for r in roots for m in r.modules())
+        made = [m for v in vars(self).values() if isinstance(v, list) for m in v if isinstance(m, LycorisBaseModule)]
+        if n_fp8 and not made and not kwargs.get("init_only"):  # never train nothing silently
+            warnings.warn(f"LyCORIS created no module, and the model holds {n_fp8} dorafp8 fp8 layers: nothing would "
+                          f"train. Check the preset's targets; if they name these layers, this LyCORIS is a version "
+                          f"dorafp8 does not support (tested: lycoris-lora 3.4 and 4.1)", RuntimeWarning, stacklevel=2)
+    return __init__
+
+
+def _locon_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, lora_name, org_module, *args, **kwargs):
+        if type(self) is not LoConModule or not isinstance(org_module, FP8_LAYERS):
+            return orig(self, lora_name, org_module, *args, **kwargs)
+        with _fp8_layers_visible(org_module):
+            orig(self, lora_name, org_module, *args, **kwargs)
+        FP8LoConModule.convert(self, org_module)
+    return __init__
+
+
+def _base_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, lora_name, org_module, *args, **kwargs):
+        if isinstance(org_module, FP8_LAYERS) and type(self) is not LoConModule:
+            kind = getattr(type(org_module), "_dorafp8_view_of", type(org_module)).__name__
+            raise NotImplementedError(
+                f"LyCORIS's {type(self).__name__} on the dorafp8 fp8 layer {lora_name!r} ({kind}): only LoCon / LoRA "
+                f"(algo='locon' or 'lora', with or without dora_wd) runs on fp8 layers. Use algo='locon', keep this "
+                f"layer out of the network (a preset's exclude_name), or leave it unquantized (dorafp8.quantize_model "
+                f"with the names to quantize)")
+        return orig(self, lora_name, org_module, *args, **kwargs)
+    return __init__
+
+
+def _wrap(cls: type, make) -> None:
+    orig = cls.__dict__["__init__"]
+    if getattr(orig, "_dorafp8_orig", None) is None:  # idempotent
+        new = make(orig)
+        new._dorafp8_orig = orig
+        cls.__init__ = new
+
+
+def register_with_lycoris() -> None:
+    """Teaches LyCORIS (lycoris-lora) dorafp8's fp8 layers: create_lycoris / LycorisNetwork, kohya's create_network
+    and create_lycoris_from_weights then put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear and
+    FP8Conv1d/2d/3d layers that compute through dorafp8's fused ops, with LyCORIS's own parameters and file keys; any
+    other algorithm on an fp8 layer raises. `import dorafp8` has it run when lycoris is imported (unless
+    DORAFP8_NO_PATCHES=1), and importing dorafp8.lycoris runs it. Idempotent."""
+    from lycoris.wrapper import LycorisNetwork
+
+    _wrap(LycorisNetwork, _network_init)
+    try:
+        from lycoris.kohya import LycorisNetworkKohya
+    except Exception:  # lycoris/__init__.py imports kohya in a try too: it needs kohya's optional dependencies
+        LycorisNetworkKohya = None
+    if LycorisNetworkKohya is not None and "__init__" in LycorisNetworkKohya.__dict__:
+        _wrap(LycorisNetworkKohya, _network_init)
+    _wrap(LoConModule, _locon_init)
+    _wrap(LycorisBaseModule, _base_init)
+
+
+register_with_lycoris()  # idempotent; dorafp8/_install.py imports this module when lycoris gets imported
