@@ -321,7 +321,7 @@ def sdxl_walkthrough(png=None):
         ax.set_xlim(0, max(total) / MiB * 1.18)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2, frameon=False, fontsize=8)
         fig.tight_layout()
-        fig.savefig(png, dpi=120)
+        fig.savefig(png, dpi=120, bbox_inches="tight")
 
 
 def main(argv=None):
