@@ -45,7 +45,7 @@ except ImportError as e:  # triton missing or too old
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
 # The folded dgrad (dorafp8/backends/base.py, FOLD_PARAMS): backward_pass(fold=True) returns gl's factors and dgrad
-# applies them to the W8 tiles (gemm.py, RED_FACTOR).
+# applies them to the W8 tiles (gemm.py, RED_FACTOR). Offered here; run only where DORAFP8_FOLD_DGRAD=1 asks for it.
 FOLDS_DGRAD = True
 
 __all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad",

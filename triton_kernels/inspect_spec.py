@@ -30,6 +30,7 @@ import torch
 
 import triton
 
+from ..backends.base import fold_requested
 from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
@@ -177,8 +178,9 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
     )
-    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles); the plain FP8Linear's and W8A8's are not
-    return args, dict(FOLDED=adapter and not quant)
+    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles) where DORAFP8_FOLD_DGRAD=1 asks for it, as
+    # at run time (backends/base.py, fold_requested); the plain FP8Linear's and W8A8's never are
+    return args, dict(FOLDED=adapter and not quant and fold_requested())
 
 
 def _forward_variants(arch: str) -> list[Variant]:
@@ -238,11 +240,12 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
 
 def _bwd_pass_variants(arch: str) -> list[Variant]:
     out = []
-    # (adapter, dropout, srow, fold, name): a DoRA layer's W8A16 pass folds (it writes gl's factors, not gl); its
-    # W8A8 pass writes gl, which the dgrad quantizes
-    modes = [(False, False, True, False, "plain,row-scale"), (True, False, False, True, "adapter"),
-             (True, True, False, True, "adapter+dropout"), (True, True, True, True, "adapter+dropout,row-scale"),
-             (True, False, False, False, "adapter,w8a8")]
+    # (adapter, dropout, srow, fold, name): with DORAFP8_FOLD_DGRAD=1 a DoRA layer's W8A16 pass folds (it writes gl's
+    # factors, not gl) and its W8A8 pass, which writes gl for the dgrad to quantize, becomes a variant of its own
+    fold = fold_requested()
+    modes = [(False, False, True, False, "plain,row-scale"), (True, False, False, fold, "adapter"),
+             (True, True, False, fold, "adapter+dropout"), (True, True, True, fold, "adapter+dropout,row-scale")]
+    modes += [(True, False, False, False, "adapter,w8a8")] if fold else []
     for (dt_name, dt), rdt_name, (adapter, dropout, srow, fold, mode), r in itertools.product(
             DTYPES.items(), ("same", "fp32"), modes, (16, 128)):
         rdt = dt if rdt_name == "same" else torch.float32

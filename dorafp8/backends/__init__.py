@@ -115,9 +115,10 @@ def module(name: str) -> ModuleType:
 
 
 def folds_dgrad(name: str) -> bool:
-    """Whether a concrete backend offers the folded dgrad (base.py, FOLD_PARAMS): its backward pass hands back the
+    """Whether a concrete backend runs the folded dgrad (base.py, FOLD_PARAMS): it offers it (FOLDS_DGRAD) and
+    DORAFP8_FOLD_DGRAD=1 asks for it (base.fold_requested; off by default). Its backward pass then hands back the
     per-column factors of gl instead of gl, and its dgrad applies them to the weight tiles."""
-    return bool(getattr(module(name), "FOLDS_DGRAD", False))
+    return base.fold_requested() and bool(getattr(module(name), "FOLDS_DGRAD", False))
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:

@@ -30,6 +30,7 @@ M >= 1 (the caller handles empty batches). x, xm, g, gl, gb have unit stride in 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Optional, Protocol
 
 import torch
@@ -138,6 +139,17 @@ CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass"
 #     applied to the fp8 weight tiles as they are converted, (g * f) W0 = g (f * W0): gl is never written to memory
 #     (one [M, N] write and read fewer per backward; docs/ARCHITECTURE.md, "The kernel plan").
 FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
+
+# Opt-in, off by default: the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
+# shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound
+# (`python -m dorafp8.kernel_report --predict`: dgrad 0.43 -> 0.53 ms, the layer 1.27x -> 1.36x the Linear). Predicted,
+# not measured: DORAFP8_FOLD_DGRAD=1 turns it on, for the layer and for the kernel report, until a GPU decides.
+FOLD_ENV = "DORAFP8_FOLD_DGRAD"
+
+
+def fold_requested() -> bool:
+    """Whether DORAFP8_FOLD_DGRAD=1 asks for the folded dgrad (read at each call, so a test can set it)."""
+    return os.environ.get(FOLD_ENV) == "1"
 
 
 def signature_mismatches(impl) -> list[str]:

@@ -31,6 +31,7 @@ import time
 import pytest
 
 import dorafp8.kernel_report as insp
+from dorafp8.backends.base import fold_requested
 
 pytestmark = pytest.mark.skipif(
     bool(insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()),
@@ -155,11 +156,16 @@ def test_sm90_w8_feeds_wgmma_from_registers(records):
 
 # Found by the fp32-adapter variants (first inspected in issue 26) and left open, named here so that every other
 # record is still checked; each is reported, not hidden (pytest -rx shows it): the dgrad with dropout and fp32 adapters
-# at r = 64 on its 64 x 128 x 64 tile (C7515: the fp32 rank-r dots write the accumulators between wgmma stages), and
-# the backward pass's heaviest variant on sm_120 (16 bytes).
+# at r = 64 on its 64 x 128 x 64 tile (C7515: the fp32 rank-r dots write the accumulators between wgmma stages), the
+# backward pass's heaviest variant on sm_120 (16 bytes), and, with DORAFP8_FOLD_DGRAD=1, one folded dgrad tile on
+# sm_120 (16 bytes).
 KNOWN_SERIALIZED = {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
                      "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4")}
 MAY_SPILL = {("backward_pass", "sm_120", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", "w4,s2")}
+if fold_requested():  # the opt-in folded dgrad (W8 * f formed in fp32) at ptxas's 128-register cap of this 8-warp
+    # tile on sm_120: 16 bytes (converting through fp16 first does not change it)
+    MAY_SPILL.add(("dgrad", "sm_120", "bf16", "adapter,row-scale,M>64",
+                   "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4"))
 
 
 def test_sm90_wgmma_not_serialized(records):
@@ -283,14 +289,17 @@ def test_shared_memory_within_the_device_limit(records):
 def _listed_configs(table: str) -> dict[str, set[str]]:
     """{kernel: the config strings of every list the launchers have for the arch `table` names}: forward, dgrad and
     weight_norm, in the 16-bit dtypes (fp32's lists are the same on every arch)."""
-    from dorafp8.triton_kernels._common import gemm_configs_for, weight_norm_configs_for
+    from dorafp8.triton_kernels._common import fp8_promote_for, gemm_configs_for, weight_norm_configs_for
 
     out = {"forward": set(), "dgrad": set(),
            "weight_norm": {insp.config_str(c) for c in weight_norm_configs_for(table)}}
     for kernel, (o, red) in (("forward", ("BLOCK_N", "BLOCK_K")), ("dgrad", ("BLOCK_K", "BLOCK_N"))):
-        for two_acc in (False, True):
+        # the lean two-accumulator lists as the launchers pick them: W8A8 where it promotes (sm_90), and the DoRA
+        # dgrad under W8A16 where DORAFP8_FOLD_DGRAD=1 folds it (dgrad.py)
+        folded = kernel == "dgrad" and fold_requested()
+        for two_acc, lean in ((False, False), (True, fp8_promote_for(table)), (True, folded)):
             for m in (32, 4096):
-                out[kernel] |= {insp.config_str(c) for c in gemm_configs_for(table, o, red, two_acc, m, False)}
+                out[kernel] |= {insp.config_str(c) for c in gemm_configs_for(table, o, red, two_acc, m, False, lean)}
     return out
 
 
@@ -309,7 +318,8 @@ def test_every_listed_config_fits_its_arch(records):
             recs = [r for r in _select(records, "triton", (kernel,), arch) if r["dtype"] != "fp32"]
             compiled = {r["config"] for r in recs if not r["error"]}
             assert listed <= compiled, (arch, kernel, sorted(listed - compiled))
-            _none_of([r for r in recs if r["spill_bytes"] or r["smem_bytes"] > DEVICE_SMEM[arch]],
+            _none_of([r for r in recs if (r["spill_bytes"] and _key(r) not in MAY_SPILL)  # MAY_SPILL: test_no_spills
+                      or r["smem_bytes"] > DEVICE_SMEM[arch]],
                      f"of {kernel}'s lists spill or exceed the shared memory of {arch}")
 
 
