@@ -291,17 +291,27 @@ _INTERP_GEMM = (16, 32, 32, 1, 4)
 _LEAN_TWO_ACC_MAX_ELEMS = 32
 
 
-def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, lean: bool = False):
+# W8A8 on sm_90 (e4m3 x e4m3 wgmma, both operands from shared memory, FP8_PROMOTE): a reduction block of 128 halves
+# the promotion's per-element cost (one fp32 add per accumulator element per step: 64 per thread on 128 x 128 / 8
+# warps), which made the 64-deep step bound by instruction issue, and puts the promotion at the interval FBGEMM and
+# DeepGEMM use (128). The sm_90a read (python -m dorafp8.kernel_report, Triton 3.9): 218 registers, no spill, no
+# serialized wgmma, 174 instructions per 128-deep step against 139 per 64-deep one. Large M, one accumulator only.
+_FP8_DOT_LARGE = {"sm90": [(128, 128, 128, 3, 8), (128, 128, 128, 4, 8), (64, 128, 128, 4, 8)]}
+
+
+def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, lean: bool = False,
+                 fp8_dot: bool = False):
     """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
-    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, lean)
+    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, lean, fp8_dot)
 
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
-                     lean: bool = False):
+                     lean: bool = False, fp8_dot: bool = False):
     """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
     reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
     lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for; the folded dgrad): with two
-    accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread."""
+    accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread.
+    fp8_dot: the base GEMM multiplies e4m3 by e4m3 (W8A8), which adds _FP8_DOT_LARGE's tiles where the arch has them."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -312,6 +322,8 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
         rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
         if lean and two_acc:
             rows = [row for row in rows if row[0] * row[1] // (32 * row[4]) <= _LEAN_TWO_ACC_MAX_ELEMS]
+        if fp8_dot and not two_acc and m > 64:
+            rows = rows + _FP8_DOT_LARGE.get(arch, [])
     group_m = 2 if arch == "interp" else 8
     return [
         triton.Config({"BLOCK_M": bm, out_name: bo, red_name: br, "GROUP_M": group_m}, num_stages=st, num_warps=w)

@@ -242,7 +242,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
     lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
         gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
-                     (quant and fp8_promote(gl.device)) or folded),
+                     (quant and fp8_promote(gl.device)) or folded, quant),
         "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device)

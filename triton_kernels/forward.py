@@ -264,7 +264,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     fp32_tiles = cdt == torch.float32 and not quant
     lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
-        gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles, quant and fp8_promote(x.device)),
+        gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles, quant and fp8_promote(x.device),
+                     quant),
         "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device)

@@ -147,8 +147,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
                               LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee))
             fp32_tiles = dt == torch.float32 and not quant
             lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers choose
-            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean), red_name,
-                               kind, out_name, dropout)
+            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant),
+                               red_name, kind, out_name, dropout)
             out.append(Variant(_variant_name(mode, kind, quant, m, rank_name), dt_name, args, constexprs, configs))
     return out
 

@@ -310,8 +310,11 @@ def test_compile_only_calls_once_untimed(tmp_path):
 STUB_PY = r"""#!/usr/bin/env bash
 # python3 stand-in: logs when it starts and ends, and does what gpu_session.sh needs of each command, fast.
 ARGS="$*"
-echo "START $(date +%s.%N) $ARGS" >> "$STUB_LOG"
-trap 'echo "END $(date +%s.%N) $ARGS" >> "$STUB_LOG"' EXIT
+# $EPOCHREALTIME, not $(date ...): a date forked inside the EXIT trap can be killed with the stand-in's process group,
+# which left "END  bench/run.py ..." lines without a time (seen under load); LC_ALL=C: a decimal point, not a comma
+LC_ALL=C
+echo "START $EPOCHREALTIME $ARGS" >> "$STUB_LOG"
+trap 'echo "END $EPOCHREALTIME $ARGS" >> "$STUB_LOG"' EXIT
 trap 'exit 130' INT TERM
 nap() { sleep "$1" & wait $!; }  # interruptible: a signal from timeout ends it at once
 arg() { local want=$1; shift; while [ $# -gt 0 ]; do [ "$1" = "$want" ] && { echo "$2"; return; }; shift; done; }
@@ -352,7 +355,7 @@ STUB_TOOLS = {
     "nvidia-smi": 'case "$*" in *compute_cap*--format=csv,noheader*) echo 9.0 ;; *) echo "name, driver"; '
                   'echo "Stand-in GPU, 0" ;; esac',
     "nvcc": 'echo "Cuda compilation tools, release 0.0 (stand-in)"',
-    "compute-sanitizer": 'echo "START $(date +%s.%N) compute-sanitizer $*" >> "$STUB_LOG"; '
+    "compute-sanitizer": 'LC_ALL=C; echo "START $EPOCHREALTIME compute-sanitizer $*" >> "$STUB_LOG"; '
                          '[ "$1" = --version ] || echo "========= ERROR SUMMARY: 0 errors"',
     "ncu": 'case "$*" in *--version*) echo stand-in ;; *" -o "*) o=$(echo "$*" | sed "s/.* -o \\([^ ]*\\) .*/\\1/"); '
            'touch "$o.ncu-rep" ;; *) echo "gpu__time_duration 1 us" ;; esac',

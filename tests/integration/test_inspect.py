@@ -62,6 +62,9 @@ SUBSET = [
     # W8A8 (e4m3 x e4m3) and block scales (a scaled partial product per reduction step), large-M lists
     *[(k, "bf16", "adapter+dropout,tensor-scale,w8a8,M>64", BOTH) for k in GEMMS],
     *[(k, "bf16", "adapter,block-scale,M>64", BOTH) for k in GEMMS],
+    # W8A8's one-accumulator large-M list where it has tiles of its own (sm_90: 128-deep steps, _FP8_DOT_LARGE),
+    # under its heaviest epilogue
+    *[(k, "bf16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=64", ("sm_90a",)) for k in GEMMS],
     # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue; the heaviest of them, on the
     # two targets whose lists the headline runs on (the full report covers sm_100a and sm_120)
     *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", ("sm_90a", "sm_89")) for k in GEMMS],
@@ -294,12 +297,15 @@ def _listed_configs(table: str) -> dict[str, set[str]]:
     out = {"forward": set(), "dgrad": set(),
            "weight_norm": {insp.config_str(c) for c in weight_norm_configs_for(table)}}
     for kernel, (o, red) in (("forward", ("BLOCK_N", "BLOCK_K")), ("dgrad", ("BLOCK_K", "BLOCK_N"))):
-        # the lean two-accumulator lists as the launchers pick them: W8A8 where it promotes (sm_90), and the DoRA
-        # dgrad under W8A16 where DORAFP8_FOLD_DGRAD=1 folds it (dgrad.py)
+        # the lists as the launchers pick them: W8A16; W8A8 (fp8_dot: _FP8_DOT_LARGE's tiles where the arch has
+        # them); the lean two-accumulator lists of W8A8 where it promotes (sm_90) and of the DoRA dgrad under W8A16
+        # where DORAFP8_FOLD_DGRAD=1 folds it (dgrad.py)
         folded = kernel == "dgrad" and fold_requested()
-        for two_acc, lean in ((False, False), (True, fp8_promote_for(table)), (True, folded)):
+        for two_acc, lean, fp8_dot in ((False, False, False), (False, False, True), (True, fp8_promote_for(table), True),
+                                       (True, folded, False)):
             for m in (32, 4096):
-                out[kernel] |= {insp.config_str(c) for c in gemm_configs_for(table, o, red, two_acc, m, False, lean)}
+                out[kernel] |= {insp.config_str(c)
+                                for c in gemm_configs_for(table, o, red, two_acc, m, False, lean, fp8_dot)}
     return out
 
 

@@ -68,3 +68,15 @@ def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
     monkeypatch.setattr(C, "_INTERPRET", True)
     assert C._arch(dev) == "interp"
     assert C._arch(torch.device("cpu")) == "interp"
+
+
+@pytest.mark.parametrize("out,red", [("BLOCK_N", "BLOCK_K"), ("BLOCK_K", "BLOCK_N")], ids=["forward", "dgrad"])
+def test_w8a8_on_hopper_may_promote_every_128(out, red):
+    # W8A8 on sm_90 promotes its fp8 partial sums to fp32 once per reduction step (FP8_PROMOTE): its large-M lists
+    # offer the 128-deep steps FBGEMM and DeepGEMM promote at, and never deeper (docs/DORA_MATH.md bounds the error
+    # for steps of at most 128). W8A16's stay 64 deep (its converted W8 tile in registers).
+    deep = lambda fp8_dot, two_acc=False: {c.kwargs[red] for c in C.gemm_configs_for(  # noqa: E731
+        "sm90", out, red, two_acc, 4096, False, two_acc and fp8_dot, fp8_dot)}
+    assert deep(True) == {64, 128}
+    assert deep(False) == {64}
+    assert max(deep(True, two_acc=True)) <= 128
