@@ -11,9 +11,10 @@ dorafp8/backends/__init__.py, `dgrad`):
 with st the per-tensor scale (1 otherwise) and W8' = w8 with block scales applied per block of the reduction, in fp32.
 The W8 tile is converted fp8 -> compute dtype before the dot (on Hopper it is wgmma's register operand).
 
-Folded (FOLDED, a DoRA layer's W8A16 backward under DORAFP8_FOLD_DGRAD=1, off by default: backends/base.py): gl_ptr is g itself and fl, fb [N] are the factors of gl and
-gb (backward_pass(fold=True)); each row of the W8 tile is multiplied by its factor in fp32 as it is converted
-(gemm.py, RED_FACTOR), so gl and gb are never written to memory: (g * fl) W8 = g (fl * W8).
+Folded (FOLDED, a DoRA layer's W8A16 backward under DORAFP8_FOLD_DGRAD=1, off by default: backends/base.py):
+gl_ptr is g itself and fl, fb [N] are the factors of gl and gb (backward_pass(fold=True)); each row of the W8 tile is
+multiplied by its factor in fp32 as it is converted (gemm.py, RED_FACTOR), so gl and gb are never written to memory:
+(g * fl) W8 = g (fl * W8).
 
 W8A8 (act_quant="rowwise"): gl (and gb) are quantized per row to e4m3 and multiplied by the transposed weight W8^T
 [K, N], made contiguous once per call, because fp8 MMA wants both operands K-major and the reduction here runs along

@@ -301,8 +301,8 @@ def _listed_configs(table: str) -> dict[str, set[str]]:
         # them); the lean two-accumulator lists of W8A8 where it promotes (sm_90) and of the DoRA dgrad under W8A16
         # where DORAFP8_FOLD_DGRAD=1 folds it (dgrad.py)
         folded = kernel == "dgrad" and fold_requested()
-        for two_acc, lean, fp8_dot in ((False, False, False), (False, False, True), (True, fp8_promote_for(table), True),
-                                       (True, folded, False)):
+        for two_acc, lean, fp8_dot in ((False, False, False), (False, False, True),
+                                       (True, fp8_promote_for(table), True), (True, folded, False)):
             for m in (32, 4096):
                 out[kernel] |= {insp.config_str(c)
                                 for c in gemm_configs_for(table, o, red, two_acc, m, False, lean, fp8_dot)}

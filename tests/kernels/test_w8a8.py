@@ -25,7 +25,8 @@ def _weights(N, K, seed=0):
 
 
 # Hopper's fp8 wgmma accumulates in reduced precision; the triton backend promotes to fp32 every reduction step of at
-# most 128 products (FP8_PROMOTE), which the contract models as at most 2^-6 sum|t||W0| more (docs/DORA_MATH.md, "Accuracy contract").
+# most 128 products (FP8_PROMOTE), which the contract models as at most 2^-6 sum|t||W0| more (docs/DORA_MATH.md,
+# "Accuracy contract").
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
