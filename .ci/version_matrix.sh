@@ -33,8 +33,9 @@ declare -A TESTS=(
 # The kernel tests on the shapes with ragged, strided edges and two rank chunks: the M = 1 and the exact-multiple
 # shapes, whose code paths those take too, are left out (half the time). The kernel report's checks on sm_90a and sm_89
 # only (DORAFP8_INSPECT_ARCHS below; the suite checks all four targets under the newest Triton): the sm_100a check is
-# left out with its target.
-SELECT="not M1-K50-N70-r1 and not M37-K64-N48-r16 and not sm100"
+# left out with its target. The e4m3-NaN conversion test needs a GPU (Triton's interpreter decodes the NaN codes as
+# +-480, the test's skip reason says so): it would skip here, which the check below refuses, so it is left out by name.
+SELECT="not M1-K50-N70-r1 and not M37-K64-N48-r16 and not sm100 and not test_w8_conversion_keeps_e4m3_nan"
 INSPECT_ARCHS="sm_90a,sm_89"
 
 legs=("$@")
