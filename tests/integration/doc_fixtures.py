@@ -74,13 +74,18 @@ def write_diffusers_pipeline(path: str) -> str:
     return path
 
 
-def unet_batch(batch: int = 2, seed: int = 0):
-    """(noisy_latents, timesteps, encoder_hidden_states, noise) for tiny_unet: what a diffusion training loop has."""
-    g = torch.Generator().manual_seed(seed)
+def _latent_batch(batch: int, g: torch.Generator):
+    """(noise, noisy_latents, timesteps, encoder_hidden_states) drawn from g, in that order (both UNets' batches)."""
     noise = torch.randn(batch, 4, 8, 8, generator=g)
     noisy_latents = torch.randn(batch, 4, 8, 8, generator=g)
     timesteps = torch.randint(0, 1000, (batch,), generator=g)
     encoder_hidden_states = torch.randn(batch, 7, 32, generator=g)
+    return noise, noisy_latents, timesteps, encoder_hidden_states
+
+
+def unet_batch(batch: int = 2, seed: int = 0):
+    """(noisy_latents, timesteps, encoder_hidden_states, noise) for tiny_unet: what a diffusion training loop has."""
+    noise, noisy_latents, timesteps, encoder_hidden_states = _latent_batch(batch, torch.Generator().manual_seed(seed))
     return noisy_latents, timesteps, encoder_hidden_states, noise
 
 
@@ -146,9 +151,6 @@ def write_sdxl_fp8_file(path: str) -> str:
 def sdxl_batch(batch: int = 2, seed: int = 0):
     """(noisy_latents, timesteps, encoder_hidden_states, added_cond_kwargs, noise) for sdxl_style_unet."""
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(batch, 4, 8, 8, generator=g)
-    noisy_latents = torch.randn(batch, 4, 8, 8, generator=g)
-    timesteps = torch.randint(0, 1000, (batch,), generator=g)
-    encoder_hidden_states = torch.randn(batch, 7, 32, generator=g)
+    noise, noisy_latents, timesteps, encoder_hidden_states = _latent_batch(batch, g)
     added = {"text_embeds": torch.randn(batch, 32, generator=g), "time_ids": torch.randn(batch, 6, generator=g)}
     return noisy_latents, timesteps, encoder_hidden_states, added, noise
