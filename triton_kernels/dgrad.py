@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, grouped_tile, alloc, autotuned, block_r, cdiv, check_activation, check_weight, dot_dtype,
-                      fit_reduction_block, gemm_configs, last_dim_unit, launch, m_bucket, scale_block_size,
-                      fp8_promote, vector, w8_via_f32)
+from ._common import (alloc, autotuned, cdiv, check_activation, check_weight, dot_dtype, fit_reduction_block,
+                      fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket, rank_dot,
+                      rank_dot_into, scale_block_size, vector, w8_via_f32)
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -42,7 +42,7 @@ def _dgrad_epilogue(
     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr,
-    HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Everything after the dgrad GEMM, in fp32, on the TRANSPOSED tile [BLOCK_K, BLOCK_M]. The rank-r term goes into
@@ -63,10 +63,10 @@ def _dgrad_epilogue(
             for r0 in range(0, R, BLOCK_R):
                 r_ok = r0 + offs_r < R
                 at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
-                             mask=mask_k[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+                             mask=mask_k[:, None] & r_ok[None, :], other=0.0)
                 vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
-                             mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-                dx = dot(at, vt, dx, LORA_IEEE)
+                             mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+                dx = rank_dot_into(dx, at, vt, LORA_DT, LORA_IEEE, LORA_SPLIT)
             dx = dx * s
         if HAS_DROPOUT:
             keep = tl.load(mask_ptr + rows_m[None, :] * stride_mask_m + offs_k[:, None],
@@ -106,6 +106,7 @@ def dora_dgrad_kernel(
     FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
+    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: _common.split_dot on tensor cores
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,      # output columns (the K of x)
@@ -141,8 +142,8 @@ def dora_dgrad_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
-                    BLOCK_K)
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, LORA_SPLIT,
+                    BLOCK_R, BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -153,7 +154,7 @@ def dgrad_epilogue_kernel(
     stride_tl_m, stride_tb_m, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m,
     s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr, HAS_LORA: tl.constexpr,
-    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
+    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -170,8 +171,8 @@ def dgrad_epilogue_kernel(
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     rl_ptr, rl_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE, BLOCK_R, BLOCK_M,
-                    BLOCK_K)
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE, LORA_SPLIT,
+                    BLOCK_R, BLOCK_M, BLOCK_K)
 
 
 def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
@@ -240,7 +241,6 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
     dot_dt, ieee = dot_dtype(cdt)
     ieee = ieee and not quant
     fp32_tiles = cdt == torch.float32 and not quant
-    lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
     configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
         gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
                      (quant and fp8_promote(gl.device)) or folded, quant),
@@ -256,8 +256,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, FOLDED=folded, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
-        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), LORA_DT=lora_dt,
-        LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee),
+        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device),
+        **rank_dot((cdt,), r, v.dtype, A.dtype),
     )
     return dx
 
@@ -274,8 +274,8 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     if M == 0 or K == 0:
         return dx
     tb = tb if has_dropout else t
-    lora_dt, lora_ieee = dot_dtype(v.dtype, A.dtype)
-    bm, bk = epilogue_blocks(lora_ieee)
+    rk = rank_dot((cdt,), r, v.dtype, A.dtype, split=False)
+    bm, bk = epilogue_blocks(rk["LORA_IEEE"])
     grid = (cdiv(M, bm), cdiv(K, bk))
     launch(dgrad_epilogue_kernel, grid)(
         t, tb, rl, rb, scale, v, A, mask, dx,
@@ -283,6 +283,6 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
         t.stride(0), tb.stride(0), v.stride(0), v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind, HAS_LORA=float(s) != 0.0,
-        LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee), BLOCK_M=bm, BLOCK_K=bk,
+        **rk, BLOCK_M=bm, BLOCK_K=bk,
     )
     return dx

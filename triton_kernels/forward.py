@@ -22,16 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, grouped_tile, alloc, autotuned, block_r, cdiv, check_activation, check_weight,
-                      dot_dtype, fit_reduction_block, gemm_configs, launch, m_bucket, magnitude_scale,
-                      scale_block_size, vector,
-                      fp8_promote, w8_via_f32)
+from ._common import (alloc, autotuned, cdiv, check_activation, check_weight, dot_dtype, fit_reduction_block,
+                      fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale, rank_dot,
+                      rank_dot_into, scale_block_size, vector, w8_via_f32)
 from .gemm import w8_gemm_loop
 
 
 @triton.jit
 def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
-               LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, BLOCK_R: tl.constexpr):
+               LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
     """t + (u B^T)^T = t + B u^T on the transposed tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with
     masks), accumulated into t's own registers: no second [BLOCK_N, BLOCK_M] fp32 tile."""
     rows_m = offs_m.to(tl.int64)
@@ -40,10 +39,10 @@ def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, s
     for r0 in range(0, R, BLOCK_R):
         r_ok = r0 + offs_r < R
         b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
-                      mask=mask_n[:, None] & r_ok[None, :], other=0.0).to(LORA_DT)
+                      mask=mask_n[:, None] & r_ok[None, :], other=0.0)
         ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
-                     mask=r_ok[:, None] & mask_m[None, :], other=0.0).to(LORA_DT)
-        t = dot(b_t, ut, t, LORA_IEEE)
+                     mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+        t = rank_dot_into(t, b_t, ut, LORA_DT, LORA_IEEE, LORA_SPLIT)
     return t
 
 
@@ -55,7 +54,8 @@ def _fwd_epilogue(
     R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
-    LORA_IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
     (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns.
@@ -81,7 +81,7 @@ def _fwd_epilogue(
             t = t * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
         if HAS_LORA:
             t = _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n,
-                           stride_b_r, LORA_DT, LORA_IEEE, BLOCK_R)
+                           stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R)
         c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
         if HAS_DROPOUT:
             t_d = acc_d * (sc * inv_keep / s_mul)  # xd W0^T = (xm W0^T) / (1 - p)
@@ -89,7 +89,7 @@ def _fwd_epilogue(
                 t_d = t_d * tl.load(sxm_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
             if HAS_LORA:
                 t_d = _lora_into(t_d, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r,
-                                 stride_b_n, stride_b_r, LORA_DT, LORA_IEEE, BLOCK_R)
+                                 stride_b_n, stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R)
             z = t_d * s_mul
             y = t * s_mul + (c - 1.0) * z
         else:
@@ -135,6 +135,7 @@ def dora_fwd_kernel(
     FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
     LORA_IEEE: tl.constexpr,
+    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: _common.split_dot on tensor cores
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -167,7 +168,7 @@ def dora_fwd_kernel(
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
-                  BLOCK_R, BLOCK_M, BLOCK_N)
+                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -179,7 +180,7 @@ def fwd_epilogue_kernel(
     s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,7 +198,7 @@ def fwd_epilogue_kernel(
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE,
-                  BLOCK_R, BLOCK_M, BLOCK_N)
+                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N)
 
 
 def epilogue_blocks(ieee: bool) -> tuple[int, int]:
@@ -262,7 +263,6 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     dot_dt, ieee = dot_dtype(cdt)
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
-    lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
     configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
         gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles, quant and fp8_promote(x.device),
                      quant),
@@ -279,8 +279,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
         HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device),
-        FP8_PROMOTE=fp8_promote(x.device), LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
-        BLOCK_R=block_r(r, lora_ieee),
+        FP8_PROMOTE=fp8_promote(x.device), **rank_dot((cdt, z.dtype), r, u.dtype, B.dtype),
     )
     return y, (z if want_z else None)
 
@@ -298,8 +297,8 @@ def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, m, n, u, B, s
     if M == 0 or N == 0:
         return y, (z if want_z else None)
     base_d = base_d if has_dropout else base
-    lora_dt, lora_ieee = dot_dtype(u.dtype, B.dtype)
-    bm, bn = epilogue_blocks(lora_ieee)
+    rk = rank_dot((cdt, z.dtype), r, u.dtype, B.dtype, split=False)
+    bm, bn = epilogue_blocks(rk["LORA_IEEE"])
     grid = (cdiv(M, bm), cdiv(N, bn))
     launch(fwd_epilogue_kernel, grid)(
         base, base_d, scale, bias_t, m, n, u, B, y, z,
@@ -307,8 +306,6 @@ def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, m, n, u, B, s
         base.stride(0), base_d.stride(0), u.stride(0), u.stride(1), B.stride(0), B.stride(1), y.stride(0),
         z.stride(0), float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
-        SCALE_KIND=kind, HAS_LORA=float(s) != 0.0, LORA_DT=lora_dt, LORA_IEEE=lora_ieee,
-        BLOCK_R=block_r(r, lora_ieee),
-        BLOCK_M=bm, BLOCK_N=bn,
+        SCALE_KIND=kind, HAS_LORA=float(s) != 0.0, **rk, BLOCK_M=bm, BLOCK_N=bn,
     )
     return y, (z if want_z else None)

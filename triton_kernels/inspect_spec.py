@@ -31,7 +31,7 @@ import torch
 import triton
 
 from ..backends.base import fold_requested
-from ._common import (block_r, dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
+from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, rank_dot, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
@@ -138,13 +138,11 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
         # without an adapter the launchers pass r = 1 and placeholders (never read)
         for rank_dt, r, rank_name in _rank_modes(dt_name, kind, adapter):
             rdt = torch.float32 if rank_dt == "fp32" else dt
-            lora_dt, lora_ieee = dot_dtype(rdt)
             args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant, rdt)
             constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                               SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                               HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant, W8_VIA_F32=w8_via_f32_for(arch),
-                              FP8_PROMOTE=fp8_promote_for(arch),
-                              LORA_DT=lora_dt, LORA_IEEE=lora_ieee, BLOCK_R=block_r(r, lora_ieee))
+                              FP8_PROMOTE=fp8_promote_for(arch), **rank_dot((dt,), r, rdt))
             fp32_tiles = dt == torch.float32 and not quant
             lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers choose
             configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant),
@@ -154,7 +152,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args) -> list
 
 
 def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
-    # z has the promoted dtype of x and the adapters (the autograd Function's z_dtype)
+    # z in the compute dtype, as the custom op asks for it (z_dtype=x.dtype)
     args = dict(
         x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, m_ptr=F32,
         n_ptr=F32, u_ptr=rdt, b_ptr=rdt, y_ptr=dt, z_ptr=dt,
@@ -211,8 +209,8 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
-                          SCALE_KIND="row", HAS_LORA=True, LORA_DT=dot_dt, LORA_IEEE=ieee,
-                          BLOCK_R=block_r(r, ieee))
+                          SCALE_KIND="row", HAS_LORA=True,
+                          **rank_dot((dt,), r, dt, split=False))
         bm, bn = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
     return out
@@ -232,7 +230,7 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
             s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_KIND="tensor", HAS_LORA=True,
-                          LORA_DT=dot_dt, LORA_IEEE=ieee, BLOCK_R=block_r(r, ieee))
+                          **rank_dot((dt,), r, dt, split=False))
         bm, bk = epilogue_blocks(ieee)
         out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))
     return out

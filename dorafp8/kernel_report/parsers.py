@@ -189,17 +189,28 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
     The W8 operand is found by data flow, not by names: a backward slice over the SSA def-use graph from each operand,
     through loop-carried values (scf.for iter_args: to their initial value) and shared-memory buffers (a buffer is
     computed from whatever is copied or stored into it, tensor memory too), reaching the kernel parameter `%weight_arg`.
-    Async tokens are not followed (they only order copies) and loop results are not entered."""
+    Async tokens are not followed (they only order copies) and loop results are not entered. A name defined twice
+    (in sibling regions) is two values."""
     edges: dict[str, set[str]] = defaultdict(set)
     dots = []
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)
     depth = 0
 
+    # MLIR's printer reuses a name in a region after a sibling region that had it has closed (the rank-r epilogue's
+    # loop reuses the main loop's names), so a name may be defined more than once: each definition gets its own key,
+    # and a use is the latest definition above it, the only one still in scope there.
+    latest: dict[str, str] = {}
+
+    def define(name: str, lineno: int) -> str:
+        key = f"{name}@{lineno}" if name in latest else name
+        latest[name] = key
+        return key
+
     def resolve(name: str) -> str:  # block args (%argN) repeat across sibling loops: make them unique per loop
         for _, args in reversed(scopes):
             if name in args:
                 return args[name]
-        return name
+        return latest.get(name, name)
 
     view_src: dict[str, str] = {}  # a view of a buffer (memdesc_index, ...) -> the memdesc it views
 
@@ -220,7 +231,7 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
         elif m := _T_DEF.match(code):
             results, op, rest = m.groups()
             operands = [resolve(u) for u in _T_USE.findall(rest)]
-            for result in _T_RESULT.findall(results):
+            for result in (define(r, lineno) for r in _T_RESULT.findall(results)):
                 edges[result].update(operands)
                 if op in _T_VIEWS and operands:
                     view_src[result] = operands[0]

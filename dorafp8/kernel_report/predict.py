@@ -84,8 +84,9 @@ def step_cycles(rec: dict, flops_per_step: float, fp8: bool, warps: int, dev: De
 def predict_gemm(rec: dict, M: int, out: int, red: int, r: int, hbm_bytes: float, dev: Device = H100_SXM) -> dict:
     """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
     kernel-report record, and what bounds it. The epilogue's rank-r term (a [B_OUT, r] x [r, BLOCK_M] dot per tile,
-    per accumulator) is added after the main loop: on tensor cores for 16-bit adapters, on CUDA cores
-    (FP32_FLOP_PER_CLK) for fp32 ones ("fp32-rank" variants)."""
+    per accumulator) is added after the main loop: on tensor cores for 16-bit adapters, and for fp32 ones ("fp32-rank"
+    variants) as LORA_PIECES bf16 products on tensor cores with a 16-bit output, on CUDA cores (FP32_FLOP_PER_CLK)
+    with an fp32 one."""
     cfg = config_dict(rec["config"])
     bm = cfg["BLOCK_M"]
     names = ("BLOCK_N", "BLOCK_K") if rec["kernel"] == "forward" else ("BLOCK_K", "BLOCK_N")
@@ -102,7 +103,14 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, r: int, hbm_bytes: float
         raise ValueError(f"{rec['kernel']} {rec['config']}: no CTA fits an SM")
     ctas_each = math.ceil(tiles / dev.sms)  # the busiest SM's CTAs over the whole grid
     rank_flops = 2.0 * bm * b_out * r * (2 if two else 1) if "adapter" in rec["variant"] else 0.0
-    rank_cycles = rank_flops / (FP32_FLOP_PER_CLK if "fp32-rank" in rec["variant"] else dev.tc_flop_per_clk)
+    if "fp32-rank" not in rec["variant"]:
+        rank_cycles = rank_flops / dev.tc_flop_per_clk
+    elif rec["dtype"] == "fp32":  # fp32 output: exact fp32 products on CUDA cores
+        rank_cycles = rank_flops / FP32_FLOP_PER_CLK
+    else:  # 16-bit output: bf16 products on tensor cores (split_dot); imported here, this module needs no torch
+        from ..triton_kernels._common import LORA_PIECES
+
+        rank_cycles = LORA_PIECES * rank_flops / dev.tc_flop_per_clk
     cycles = ctas_each * (math.ceil(red / b_red) * pipes[bound] + rank_cycles) / TC_EFFICIENCY
     t_compute = cycles / dev.clock_hz
     t_hbm = hbm_bytes / dev.hbm_bytes_s

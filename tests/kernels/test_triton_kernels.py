@@ -22,6 +22,7 @@ tk = pytest.importorskip("dorafp8.triton_kernels")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from dorafp8.triton_kernels._common import split_dot  # noqa: E402
 from dorafp8.triton_kernels.gemm import w8_to  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -94,11 +95,55 @@ def test_forward(device, shape, dtype, mode, scale, act_quant):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("z_dtype", ["fp32", "cdt"])
 @pytest.mark.parametrize("mode", ["nodrop", "dropout"])
-def test_forward_fp32_adapters_on_bf16(device, mode):
-    """The rank dtype wider than the compute dtype: the epilogue multiplies fp32 u and B, z comes back fp32."""
-    p = make_problem(37, 50, 70, 3, torch.bfloat16, device, "row", True, rank_dtype=torch.float32)
+def test_forward_fp32_adapters_on_16bit(device, dtype, z_dtype, mode):
+    """The rank dtype wider than the compute dtype (PEFT's fp32 adapters on a 16-bit model). z in fp32 (a backend
+    caller may ask for it): the epilogue multiplies u and B exactly in fp32. z in the compute dtype (what the layer
+    asks for): every output is 16-bit, and the rank-r term is split_dot's three bf16 products; r = 20 crosses a rank
+    chunk. Both against fp64 at the outputs' own tolerances (fp32 for an fp32 z)."""
+    p = make_problem(37, 50, 70, 20, dtype, device, "row", True, rank_dtype=torch.float32)
+    p["z_dtype"] = torch.float32 if z_dtype == "fp32" else dtype
     check_forward(tk.forward, p, mode, has_bias=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
+def test_dgrad_fp32_adapters_on_16bit(device, dtype, mode):
+    """dx's rank-r term s v A with fp32 v and A into a 16-bit dx: split_dot (r = 20: two rank chunks)."""
+    p = make_problem(37, 50, 70, 20, dtype, device, "tensor", True, rank_dtype=torch.float32)
+    check_dgrad(tk.dgrad, p, mode)
+
+
+@triton.jit
+def _split_dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                      PIECE_DT: tl.constexpr, IEEE: tl.constexpr):
+    om, ok, on = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + om[:, None] * K + ok[None, :])
+    b = tl.load(b_ptr + ok[:, None] * N + on[None, :])
+    acc = split_dot(a, b, tl.zeros((M, N), dtype=tl.float32), PIECE_DT, IEEE)
+    tl.store(out_ptr + om[:, None] * N + on[None, :], acc)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_dot_is_within_2_pow_minus_14(device):
+    """split_dot (the epilogues' rank-r products for fp32 adapters into 16-bit outputs) against fp64: within 2^-14 of
+    |a| @ |b| everywhere, over operands spanning 2^-20 .. 2^20, where a single bf16 product is not (so the bound
+    tells the three products from one)."""
+    gen = torch.Generator().manual_seed(3)
+    M, K, N = 16, 32, 16
+    a, b = (torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(-20, 21, shape, generator=gen)
+            for shape in ((M, K), (K, N)))
+    out = torch.full((M, N), float("nan"), device=device)
+    piece_dt = tl.float32 if INTERPRET else tl.bfloat16  # as rank_dot chooses (dot_dtype)
+    _split_dot_kernel[(1,)](a.to(device), b.to(device), out, M, K, N, piece_dt, INTERPRET)
+    exact = a.double() @ b.double()
+    bound = 2.0 ** -14 * (a.double().abs() @ b.double().abs())
+    assert ((out.cpu().double() - exact).abs() <= bound).all()
+    one_product = a.bfloat16().double() @ b.bfloat16().double()
+    assert not ((one_product - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
