@@ -1,9 +1,9 @@
 """Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/__init__.py.
 
     weight_norm   -> weight_norm.py  dora_weight_norm_kernel
-    project       -> lowrank.py      project_kernel          (u = xd A^T)
+    project       -> lowrank.py      project_kernel          (u = xd A^T; W8A8: x's row quantization too)
     project_grad  -> lowrank.py      project_grad_kernel     (dA; sum_splits_kernel when M is split)
-    forward       -> forward.py      dora_fwd_kernel         (W8A8: quant.py rowwise_quant_kernel first)
+    forward       -> forward.py      dora_fwd_kernel         (W8A8: xm's quantization first, with dropout)
     backward_pass -> backward.py     dora_bwd_pass_kernel, dora_bwd_finish_kernel
     dgrad         -> dgrad.py        dora_dgrad_kernel       (W8A8: quant.py first)
 
@@ -47,6 +47,8 @@ except ImportError as e:  # triton missing or too old
 # The folded dgrad (dorafp8/backends/base.py, FOLD_PARAMS): backward_pass(fold=True) returns gl's factors and dgrad
 # applies them to the W8 tiles (gemm.py, RED_FACTOR). Offered here; run only where DORAFP8_FOLD_DGRAD=1 asks for it.
 FOLDS_DGRAD = True
+# W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
+QUANTS_IN_PROJECT = True
 
 __all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad",
            "launch_observers", "planning_for_gpu"]

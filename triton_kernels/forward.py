@@ -233,8 +233,9 @@ def _inv_keep(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
-    """(y, z); see dorafp8/backends/base.py. x, xm [M, K], u [M, r] may have any row stride."""
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, x8=None, sx=None):
+    """(y, z); see dorafp8/backends/base.py. x, xm [M, K], u [M, r] may have any row stride. x8, sx: x already
+    quantized per row (W8A8, by project(quant=True): base.py, QUANT_PARAMS)."""
     scale, kind = check_weight(w8, scale, block_size)
     N, K = w8.shape
     x = check_activation(x, "x", K)
@@ -253,10 +254,15 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         return y, (z if want_z else None)
 
     quant = bool(act_quant)
+    if x8 is not None and (not quant or tuple(x8.shape) != (M, K) or x8.dtype != torch.float8_e4m3fn
+                           or sx is None or sx.numel() != M):
+        got_sx = None if sx is None else list(sx.shape)
+        raise ValueError(f"x8, sx are x quantized for act_quant='rowwise': e4m3 [{M}, {K}] and fp32 [{M}]; got "
+                         f"act_quant={act_quant!r}, x8 {x8.dtype} {list(x8.shape)}, sx {got_sx}")
     if quant:
         from .quant import rowwise_quant
 
-        x, sx = rowwise_quant(x)
+        x, sx = (x8, vector(sx, torch.float32)) if x8 is not None else rowwise_quant(x)
         xm, sxm = rowwise_quant(xm) if has_dropout else (x, sx)
     else:
         sx = sxm = scale  # placeholders, never read

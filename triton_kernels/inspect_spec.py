@@ -288,9 +288,18 @@ def _rank_gemm_variants(kernel_args, **extra_constexprs):
     return variants
 
 
-_project_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
-    a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt, stride_a_m=K, stride_b_r=K, stride_b_k=1,
-    stride_out_m=RANK))
+_project_plain = _rank_gemm_variants(lambda dt, rdt, mask: dict(
+    a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt, q_ptr=dt, sq_ptr=dt, stride_a_m=K, stride_b_r=K,
+    stride_b_k=1, stride_out_m=RANK, stride_q_m=K), QUANT=False, INTERPRET=False)
+
+
+def _project_variants(arch: str) -> list[Variant]:
+    """project's variants, and for bf16 activations the same with W8A8's quantization of x (QUANT: ",w8a8")."""
+    out = _project_plain(arch)
+    for v in [v for v in out if v.dtype == "bf16"]:
+        out.append(Variant(f"{v.name},w8a8", v.dtype, dict(v.args, q_ptr=FP8, sq_ptr=F32),
+                           dict(v.constexprs, QUANT=True), v.configs))
+    return out
 _project_grad_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt, ROWS_PER_SPLIT=512, stride_v_m=RANK,
     stride_v_r=1, stride_a_m=K, s=0.5), FINAL=False)

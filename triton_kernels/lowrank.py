@@ -1,6 +1,7 @@
 """The skinny GEMMs of the rank-r path, with mixed dtypes and fp32 accumulation:
 
     project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward
+                        (quant=True, W8A8: also x's per-row e4m3 quantization, from the same sweep of x's rows)
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
 With a dropout mask, a is x and the kernels form xd = x * mask / (1 - p) in fp32 as they load it, as PEFT forms the
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from ._common import (dot, alloc, block_r, cdiv, check_activation, dot_dtype, interpreting, last_dim_unit, launch,
                       sm_props, sum_parts)
+from .quant import quant_rows
 
 
 def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
@@ -34,11 +36,13 @@ def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def project_kernel(
-    a_ptr, b_ptr, out_ptr, mask_ptr,
+    a_ptr, b_ptr, out_ptr, mask_ptr, q_ptr, sq_ptr,
     M, K, R,
-    stride_a_m, stride_b_r, stride_b_k, stride_out_m, stride_mask_m,
+    stride_a_m, stride_b_r, stride_b_k, stride_out_m, stride_mask_m, stride_q_m,
     inv_keep,
     HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    QUANT: tl.constexpr,  # also quantize a (unmasked) per row to e4m3 (W8A8): q, and its row scales sq
+    INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_m, pid_r = tl.program_id(0), tl.program_id(1)
@@ -49,10 +53,13 @@ def project_kernel(
     mask_r = offs_r < R
     rows = offs_m.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_a_m + k0 + offs_k[None, :], mask=mask_m[:, None] & k_ok[None, :],
                     other=0.0)
+        if QUANT:
+            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
         if HAS_MASK:
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + k0 + offs_k[None, :],
                            mask=mask_m[:, None] & k_ok[None, :], other=0)
@@ -63,6 +70,9 @@ def project_kernel(
         acc = dot(a, bt, acc, IEEE)
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_r[None, :])
+    if QUANT:
+        if pid_r == 0:  # with several rank chunks, the first quantizes
+            quant_rows(a_ptr, q_ptr, sq_ptr, rows, mask_m, amax, K, stride_a_m, stride_q_m, BLOCK_K, INTERPRET)
 
 
 @triton.jit
@@ -120,22 +130,28 @@ def _mask_args(mask, p, a):
     return mask, mask.stride(0), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
-def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None, p: float = 0.0) -> torch.Tensor:
-    """a' @ b^T, [M, r] in out_dtype (a' = a * mask / (1 - p) with a mask); see the module docstring."""
+def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None, p: float = 0.0,
+            quant: bool = False):
+    """a' @ b^T, [M, r] in out_dtype (a' = a * mask / (1 - p) with a mask); see the module docstring. quant=True
+    (W8A8, backends/base.py QUANT_PARAMS): (u, a8, sa), a itself quantized per row (quant.py's recipe) by the same
+    kernel, whose first sweep over a's rows takes their maxima along with u and whose second quantizes them."""
     K = b.shape[1]
     a = check_activation(a, "a", K)
     M, R = a.shape[0], b.shape[0]
     out = alloc((M, R), out_dtype, a.device)
+    q, sq = (alloc((M, K), torch.float8_e4m3fn, a.device), alloc((M,), torch.float32, a.device)) if quant else (a, a)
     if M == 0 or R == 0:
-        return out
+        if quant and M and not R:
+            raise ValueError("project(quant=True) needs r >= 1")
+        return (out, q, sq) if quant else out
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
     bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
     launch(project_kernel, (cdiv(M, bm), cdiv(R, br)))(
-        a, b, out, mk, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, inv_keep,
-        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4,
-        num_stages=stages)
-    return out
+        a, b, out, mk, q, sq, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, q.stride(0),
+        inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, QUANT=quant, INTERPRET=interpreting(),
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4, num_stages=stages)
+    return (out, q, sq) if quant else out
 
 
 def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s: float = 1.0,

@@ -32,6 +32,24 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def quant_rows(t_ptr, q_ptr, s_ptr, rows, mask_m, amax, K, stride_t_m, stride_q_m, BLOCK_K: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """The second sweep: rows `rows` of t, whose maxima |t| are amax, quantized with sigma = amax / 448 (1 for an
+    all-zero row) into q, sigma into s. Shared by rowwise_quant_kernel and lowrank.project_kernel (QUANT)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sigma = tl.where(amax > 0, amax / E4M3_MAX, 1.0)
+    tl.store(s_ptr + rows, sigma, mask=mask_m)
+    for k0 in range(0, K, BLOCK_K):
+        ok = mask_m[:, None] & (k0 + offs_k[None, :] < K)
+        t = tl.load(t_ptr + rows[:, None] * stride_t_m + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        # div_rn: the correctly rounded quotient (plain '/' is approximate on GPUs), so that ties round as in torch.
+        q = tl.clamp(tl.math.div_rn(t, sigma[:, None]), -E4M3_MAX, E4M3_MAX)
+        if INTERPRET:
+            q = _round_to_e4m3(q)
+        tl.store(q_ptr + rows[:, None] * stride_q_m + k0 + offs_k[None, :], q.to(tl.float8e4nv), mask=ok)
+
+
+@triton.jit
 def rowwise_quant_kernel(
     t_ptr, q_ptr, s_ptr,
     M, K,
@@ -48,16 +66,7 @@ def rowwise_quant_kernel(
         ok = mask_m[:, None] & (k0 + offs_k[None, :] < K)
         t = tl.load(t_ptr + rows[:, None] * stride_t_m + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(t), axis=1))
-    sigma = tl.where(amax > 0, amax / E4M3_MAX, 1.0)
-    tl.store(s_ptr + offs_m, sigma, mask=mask_m)
-    for k0 in range(0, K, BLOCK_K):
-        ok = mask_m[:, None] & (k0 + offs_k[None, :] < K)
-        t = tl.load(t_ptr + rows[:, None] * stride_t_m + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-        # div_rn: the correctly rounded quotient (plain '/' is approximate on GPUs), so that ties round as in torch.
-        q = tl.clamp(tl.math.div_rn(t, sigma[:, None]), -E4M3_MAX, E4M3_MAX)
-        if INTERPRET:
-            q = _round_to_e4m3(q)
-        tl.store(q_ptr + rows[:, None] * stride_q_m + k0 + offs_k[None, :], q.to(tl.float8e4nv), mask=ok)
+    quant_rows(t_ptr, q_ptr, s_ptr, rows, mask_m, amax, K, stride_t_m, stride_q_m, BLOCK_K, INTERPRET)
 
 
 def rowwise_quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

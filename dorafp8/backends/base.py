@@ -140,9 +140,18 @@ CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass"
 #     (one [M, N] write and read fewer per backward; docs/ARCHITECTURE.md, "The kernel plan").
 FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
 
+# W8A8's quantization of x in the projection, an option a backend offers by setting QUANTS_IN_PROJECT = True (the
+# Triton backend does; run whenever act_quant="rowwise"):
+#   project(..., quant=True): (u, a8, sa): u as without it, and `a` itself (never masked) quantized per row by the
+#     contract's act_quant recipe, e4m3 [M, K] and fp32 [M], from the same read of `a` as u.
+#   forward(..., act_quant="rowwise", x8=x8, sx=sx): x's quantization given; the forward does not quantize x again.
+# One read of x fewer and one launch fewer per W8A8 forward (docs/ARCHITECTURE.md, "The kernel plan").
+QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
+OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS}
+
 # Opt-in, off by default: the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
 # shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound
-# (`python -m dorafp8.kernel_report --predict`: dgrad 0.43 -> 0.53 ms, the layer 1.27x -> 1.36x the Linear). Predicted,
+# (`python -m dorafp8.kernel_report --predict`: dgrad 0.41 -> 0.50 ms, the layer 1.22x -> 1.30x the Linear). Predicted,
 # not measured: DORAFP8_FOLD_DGRAD=1 turns it on, for the layer and for the kernel report, until a GPU decides.
 FOLD_ENV = "DORAFP8_FOLD_DGRAD"
 
@@ -162,10 +171,13 @@ def signature_mismatches(impl) -> list[str]:
             continue
         want = [p for p in inspect.signature(getattr(Backend, name)).parameters if p != "self"]
         got = list(inspect.signature(fn).parameters)
-        option = FOLD_PARAMS.get(name, ())
-        if getattr(impl, "FOLDS_DGRAD", False) and not set(option) <= set(got):
-            out.append(f"{name}: FOLDS_DGRAD is set but it lacks {[p for p in option if p not in got]}")
-        got = [p for p in got if p not in option]  # the option's parameters come on top of the contract's
+        extra = set()
+        for flag, params in OPTIONS.items():
+            option = params.get(name, ())
+            if getattr(impl, flag, False) and not set(option) <= set(got):
+                out.append(f"{name}: {flag} is set but it lacks {[p for p in option if p not in got]}")
+            extra |= set(option)
+        got = [p for p in got if p not in extra]  # the options' parameters come on top of the contract's
         if sorted(got) != sorted(want):
             out.append(f"{name}: parameters {got}, the contract's are {want}")
     return out

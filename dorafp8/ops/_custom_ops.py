@@ -37,6 +37,21 @@ def _(a, b, out_dtype, mask, p, backend):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
+@torch.library.custom_op("dorafp8::project_quant", mutates_args=())
+def project_quant_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
+                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(u, a8, sa): project plus a's W8A8 row quantization from the same read of a (backends with
+    QUANTS_IN_PROJECT: base.py, QUANT_PARAMS)."""
+    return backends.module(backend).project(a=a, b=b, out_dtype=out_dtype, mask=mask, p=p, quant=True)
+
+
+@project_quant_op.register_fake
+def _(a, b, out_dtype, mask, p, backend):
+    M = a.shape[0]
+    return (a.new_empty(M, b.shape[0], dtype=out_dtype), a.new_empty(M, a.shape[1], dtype=torch.float8_e4m3fn),
+            a.new_empty(M, dtype=torch.float32))
+
+
 @torch.library.custom_op("dorafp8::project_grad", mutates_args=())
 def project_grad_op(v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float, out_dtype: torch.dtype,
                     backend: str) -> Tensor:
@@ -52,18 +67,21 @@ def _(v, a, mask, p, s, out_dtype, backend):
 def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], block_size: int, act_quant: str,
                backend: str, m: Optional[Tensor] = None, n: Optional[Tensor] = None, u: Optional[Tensor] = None,
                B: Optional[Tensor] = None, s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0,
-               need_z: bool = False) -> tuple[Tensor, Tensor]:
+               need_z: bool = False, x8: Optional[Tensor] = None, sx: Optional[Tensor] = None
+               ) -> tuple[Tensor, Tensor]:
     """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
-    wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy"."""
+    wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy". x8, sx: x quantized by project_quant_op
+    (W8A8 on a backend with QUANTS_IN_PROJECT)."""
+    extra = {"x8": x8, "sx": sx} if x8 is not None else {}
     y, z = backends.module(backend).forward(
         x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
-        need_z=need_z, z_dtype=x.dtype, act_quant=act_quant)
+        need_z=need_z, z_dtype=x.dtype, act_quant=act_quant, **extra)
     return y, (z if z is not None else x.new_empty(0))
 
 
 @forward_op.register_fake
 def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None, B=None, s=0.0, xm=None, p=0.0,
-      need_z=False):
+      need_z=False, x8=None, sx=None):
     y = x.new_empty(x.shape[0], w8.shape[0])
     want_z = need_z and m is not None
     return y, (x.new_empty(x.shape[0], w8.shape[0]) if want_z else x.new_empty(0))
@@ -143,7 +161,7 @@ def eager_fast_path(op):
     return call
 
 
-_OPS = (weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op)
+_OPS = (weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op, dgrad_op)
 _IMPLEMENTATIONS = {op._name: op._init_fn for op in _OPS}
 
 
@@ -152,4 +170,5 @@ def custom_op_implementation(name: str):
     return _IMPLEMENTATIONS[name]
 
 
-weight_norm_op, project_op, project_grad_op, forward_op, backward_pass_op, dgrad_op = map(eager_fast_path, _OPS)
+(weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op,
+ dgrad_op) = map(eager_fast_path, _OPS)

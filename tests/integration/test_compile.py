@@ -84,3 +84,38 @@ def test_compiled_training_step_does_not_pin_the_token_count():
         opt.zero_grad()
         assert torch.isfinite(loss)
     assert 1 <= len(frames) <= 2, f"{len(frames)} compilations for 10 token counts"
+
+
+def test_compile_fullgraph_w8a8_on_triton():
+    """W8A8 on the Triton backend (the interpreter here) takes x's quantization from the projection's custom op
+    (project_quant, backends/base.py QUANT_PARAMS): it compiles into one graph with the eager values and gradients."""
+    from dorafp8 import backends
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = backends.unavailable_reason("triton", dev)
+    if reason:
+        pytest.skip(reason)
+    assert backends.quants_in_project("triton")
+    torch.manual_seed(0)
+    M, K, N, r = 24, 64, 48, 4
+    W = torch.randn(N, K, device=dev) * 0.05
+    w8, scale = W.to(torch.float8_e4m3fn), torch.tensor(1.0, device=dev)
+    A = (torch.randn(r, K, device=dev) / 8).requires_grad_()
+    B = (torch.randn(N, r, device=dev) / 8).requires_grad_()
+    m = (W.norm(dim=1) * 1.1).requires_grad_()
+    x = torch.randn(M, K, device=dev, requires_grad=True)
+    leaves = (x, A, B, m)
+
+    def f(x):
+        return dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="triton", act_quant="rowwise")
+
+    y = f(x)
+    y.square().sum().backward()
+    ref = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    yc = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    yc.square().sum().backward()
+    torch.testing.assert_close(yc, y)
+    for got, want in zip((t.grad for t in leaves), ref):
+        torch.testing.assert_close(got, want)

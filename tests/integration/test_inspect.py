@@ -65,7 +65,7 @@ SUBSET = [
     # W8A8's one-accumulator large-M list where it has tiles of its own (sm_90: 128-deep steps, _FP8_DOT_LARGE),
     # under its heaviest epilogue
     *[(k, "bf16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=64", ("sm_90a",)) for k in GEMMS],
-    # fp32 adapters (PEFT's default): fp32 rank-r dots on CUDA cores in the epilogue; the heaviest of them, on the
+    # fp32 adapters (PEFT's default): split_dot's bf16 rank-r products in the epilogue; the heaviest of them, on the
     # two targets whose lists the headline runs on (the full report covers sm_100a and sm_120)
     *[(k, "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64", ("sm_90a", "sm_89")) for k in GEMMS],
     ("weight_norm", "fp32", "row-scale,r=128", ("sm_89",)),  # fp32 A, B: the largest tiles, Ada's smaller smem
@@ -75,6 +75,7 @@ SUBSET = [
     ("backward_finish", "bf16", "adapter,r=128,fp32-rank", BOTH),
     ("sum_splits", "bf16", "-> bf16", BOTH),
     ("project", "bf16", "dropout,fp32-rank", BOTH),
+    ("project", "bf16", "dropout,w8a8", BOTH),  # W8A8's x quantized in the projection's kernel: its largest tile
     ("project_grad", "bf16", "dropout,fp32-rank", BOTH),
     ("rowwise_quant", "bf16", "rowwise", BOTH),
 ]

@@ -232,6 +232,30 @@ def test_rowwise_quant(device):
     assert torch.equal(t8.float().cpu(), r8)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("rank_dtype", [None, torch.float32], ids=["rank-cdt", "rank-fp32"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "dropout"])
+def test_project_quantizes_x_for_w8a8(device, dtype, rank_dtype, masked):
+    """project(quant=True) (backends/base.py, QUANT_PARAMS): u as project() makes it, and x itself (never the masked
+    x) quantized with the bits of the reference's row recipe, an all-zero row and an outlier row included; r = 20:
+    two rank chunks in the interpreter, of which one quantizes."""
+    import dorafp8.backends.reference as reference
+
+    assert tk.QUANTS_IN_PROJECT
+    p = make_problem(37, 70, 24, 20, dtype, device, "tensor", True, rank_dtype=rank_dtype)
+    x = p["x"]
+    x[2] = 0.0
+    x[4, 7] = 1e4 if dtype == torch.float32 else 3e4  # x / (1 - p) stays finite in fp16
+    mask = p["mask"] if masked else None
+    u, x8, sx = tk.project(x, p["A"], p["rdt"], mask=mask, p=P if masked else 0.0, quant=True)
+    assert torch.equal(u, tk.project(x, p["A"], p["rdt"], mask=mask, p=P if masked else 0.0))
+    r8, rs = reference.quantize_rows(x.cpu())
+    assert x8.dtype == torch.float8_e4m3fn and sx.dtype == torch.float32 and x8.shape == x.shape
+    assert torch.equal(sx.cpu(), rs) and sx[2].item() == 1.0
+    assert torch.equal(x8.float().cpu(), r8)
+
+
 def test_unavailable_reason(monkeypatch):
     if INTERPRET and CPU_PROBLEM is None:
         assert tk.unavailable_reason(torch.device("cpu")) is None
