@@ -11,7 +11,6 @@ from __future__ import annotations
 
 
 import torch
-from torch import nn
 
 from peft.tuners.lora import layer as lora_layer
 from peft.tuners.lora.dora import DoraLinearLayer
