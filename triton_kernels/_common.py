@@ -109,28 +109,6 @@ def dot_dtype(*dtypes: torch.dtype):
     return _TL_DTYPES[dt], False
 
 
-# The rank-r term the forward and dgrad epilogues add into a 16-bit output, with fp32 adapters (PEFT's default): three
-# bf16 tensor-core products instead of an fp32 dot on CUDA cores (split_dot). predict.py counts them.
-LORA_PIECES = 3
-
-
-def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True) -> dict:
-    """The constexprs of an epilogue's rank-r dot (LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R): rank-side operands (u, B
-    or v, A) in rank_dtypes, the term landing in outputs of the dtypes `outs` (y and z, or dx). 16-bit rank operands
-    of one dtype: tensor cores in that dtype. Otherwise the operands are taken in fp32; then 16-bit outputs get
-    split_dot (error within 2^-14 of the products' magnitudes: 2^6 below bf16's rounding, 2^3 below fp16's), and an
-    fp32 output (or z kept in fp32) exact fp32 products on CUDA cores (ieee). split=False: exact fp32 products
-    whatever the outputs (the cuBLAS strategy's stand-alone epilogues, memory-bound, where the FMAs cost nothing)."""
-    lora_dt, ieee = dot_dtype(*rank_dtypes)
-    # fp32 rank operands take chunks of 16 either way: split into four bf16 tiles, chunks of 64 spilled up to 744 bytes
-    # on sm_90a at r = 64 (python -m dorafp8.kernel_report --variant fp32-rank)
-    br = block_r(r, ieee)
-    split = split and ieee and all(d in (torch.float16, torch.bfloat16) for d in outs)
-    if split:  # the pieces are bf16 values; the interpreter multiplies them in fp32 (dot_dtype: its bf16 dot is wrong)
-        lora_dt, ieee = dot_dtype(torch.bfloat16)
-    return dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=split, BLOCK_R=br)
-
-
 def block_r(r: int, ieee: bool = False) -> int:
     """The rank chunk of the rank-r dots in the kernels' epilogues. fp32 (ieee) dots run on CUDA cores with both
     operand tiles in registers: chunks of 64 spilled up to 18 KB per thread in the forward and dgrad on sm_90a with
@@ -164,41 +142,6 @@ def dot(a, b, acc, IEEE: tl.constexpr):
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def bf16_value(v):
-    """fp32 v rounded to the nearest bf16 value, ties to even, held in fp32 (an exact cast to bf16 follows): the same
-    bits on a GPU and in Triton's interpreter, whose fp32 -> bf16 cast truncates (2^-7 instead of 2^-8)."""
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def split_dot(a, b, acc, PIECE_DT: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a @ b for fp32 tiles on 16-bit tensor cores: a = ah + al with ah = bf16(a), al = bf16(a - ah) (exact
-    difference, then rounded: 16 of fp32's 24 significand bits), b likewise, and acc + ah bl + al bh + ah bh. Each
-    product is exact in the fp32 accumulator; what is left out (al bl, and the roundings of al and bl) is within
-    3 * 2^-16 |a| |b| per term (bf16 rounds to within 2^-8), under 2^-14. bf16 pieces keep fp32's exponent range.
-    PIECE_DT is bf16 on a GPU; the interpreter holds the same bf16 values in fp32 (IEEE), its bf16 tl.dot being wrong
-    (dot_dtype)."""
-    ah = bf16_value(a)
-    al = bf16_value(a - ah)
-    bh = bf16_value(b)
-    bl = bf16_value(b - bh)
-    acc = dot(ah.to(PIECE_DT), bl.to(PIECE_DT), acc, IEEE)
-    acc = dot(al.to(PIECE_DT), bh.to(PIECE_DT), acc, IEEE)
-    return dot(ah.to(PIECE_DT), bh.to(PIECE_DT), acc, IEEE)
-
-
-@triton.jit
-def rank_dot_into(acc, a, b, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr):
-    """acc + a @ b for the epilogues' rank-r term, as rank_dot chose (a, b loaded in their own dtypes)."""
-    if LORA_SPLIT:
-        acc = split_dot(a.to(tl.float32), b.to(tl.float32), acc, LORA_DT, LORA_IEEE)
-    else:
-        acc = dot(a.to(LORA_DT), b.to(LORA_DT), acc, LORA_IEEE)
     return acc
 
 

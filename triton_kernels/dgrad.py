@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from ._common import (alloc, autotuned, cdiv, check_activation, check_weight, dot_dtype, fit_reduction_block,
-                      fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket, rank_dot,
-                      rank_dot_into, scale_block_size, vector, w8_via_f32)
+                      fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket, scale_block_size,
+                      vector, w8_via_f32)
+from .epilogue_dot import rank_dot, rank_dot_into
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -106,7 +107,7 @@ def dora_dgrad_kernel(
     FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
-    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: _common.split_dot on tensor cores
+    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: epilogue_dot.split_dot on tensor cores
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,      # output columns (the K of x)

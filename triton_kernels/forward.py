@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from ._common import (alloc, autotuned, cdiv, check_activation, check_weight, dot_dtype, fit_reduction_block,
-                      fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale, rank_dot,
-                      rank_dot_into, scale_block_size, vector, w8_via_f32)
+                      fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale, scale_block_size,
+                      vector, w8_via_f32)
+from .epilogue_dot import rank_dot, rank_dot_into
 from .gemm import w8_gemm_loop
 
 
@@ -135,7 +136,7 @@ def dora_fwd_kernel(
     FP8_PROMOTE: tl.constexpr,  # W8A8: wgmma's fp8 partial sums join the fp32 accumulator every step (sm_90)
     LORA_DT: tl.constexpr,      # dtype of the rank-r epilogue's tl.dot operands (the rank dtype, or fp32)
     LORA_IEEE: tl.constexpr,
-    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: _common.split_dot on tensor cores
+    LORA_SPLIT: tl.constexpr,   # fp32 rank operands, 16-bit output: epilogue_dot.split_dot on tensor cores
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,

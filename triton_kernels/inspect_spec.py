@@ -31,10 +31,11 @@ import torch
 import triton
 
 from ..backends.base import fold_requested
-from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, rank_dot, scale_block_size,
+from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
+from .epilogue_dot import rank_dot
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
 from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel

@@ -108,7 +108,7 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, r: int, hbm_bytes: float
     elif rec["dtype"] == "fp32":  # fp32 output: exact fp32 products on CUDA cores
         rank_cycles = rank_flops / FP32_FLOP_PER_CLK
     else:  # 16-bit output: bf16 products on tensor cores (split_dot); imported here, this module needs no torch
-        from ..triton_kernels._common import LORA_PIECES
+        from ..triton_kernels.epilogue_dot import LORA_PIECES
 
         rank_cycles = LORA_PIECES * rank_flops / dev.tc_flop_per_clk
     cycles = ctas_each * (math.ceil(red / b_red) * pipes[bound] + rank_cycles) / TC_EFFICIENCY

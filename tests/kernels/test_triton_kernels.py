@@ -22,7 +22,7 @@ tk = pytest.importorskip("dorafp8.triton_kernels")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dorafp8.triton_kernels._common import split_dot  # noqa: E402
+from dorafp8.triton_kernels.epilogue_dot import split_dot  # noqa: E402
 from dorafp8.triton_kernels.gemm import w8_to  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
