@@ -304,7 +304,7 @@ def forward_epilogue(base, base_d, p, w8, scale, block_size, bias, m, n, u, B, s
     if M == 0 or N == 0:
         return y, (z if want_z else None)
     base_d = base_d if has_dropout else base
-    rk = rank_dot((cdt, z.dtype), r, u.dtype, B.dtype, split=False)
+    rk = rank_dot((cdt,), r, u.dtype, B.dtype, split=False)
     bm, bn = epilogue_blocks(rk["LORA_IEEE"])
     grid = (cdiv(M, bm), cdiv(N, bn))
     launch(fwd_epilogue_kernel, grid)(

@@ -199,7 +199,7 @@ def _fixed(num_warps=4, num_stages=3, **blocks):
 def _fwd_epilogue_variants(arch: str) -> list[Variant]:
     out = []
     for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
-        dot_dt, ieee = dot_dtype(dt)
+        ieee = dot_dtype(dt)[1]  # fp32 operands get epilogue_blocks' smaller tiles, as in the launchers
         r = RANK if adapter else 1
         args = dict(
             base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, m_ptr=F32, n_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt,
@@ -220,7 +220,7 @@ def _fwd_epilogue_variants(arch: str) -> list[Variant]:
 def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
     out = []
     for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
-        dot_dt, ieee = dot_dtype(dt)
+        ieee = dot_dtype(dt)[1]  # fp32 operands get epilogue_blocks' smaller tiles, as in the launchers
         r = RANK if adapter else 1
         args = dict(
             tl_ptr=dt, tb_ptr=dt, rl_ptr=F32, rb_ptr=F32, scale_ptr=F32, v_ptr=dt, a_ptr=dt,
@@ -301,6 +301,8 @@ def _project_variants(arch: str) -> list[Variant]:
         out.append(Variant(f"{v.name},w8a8", v.dtype, dict(v.args, q_ptr=FP8, sq_ptr=F32),
                            dict(v.constexprs, QUANT=True), v.configs))
     return out
+
+
 _project_grad_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     v_ptr=rdt, a_ptr=dt, part_ptr=F32, mask_ptr=U8 if mask else dt, ROWS_PER_SPLIT=512, stride_v_m=RANK,
     stride_v_r=1, stride_a_m=K, s=0.5), FINAL=False)

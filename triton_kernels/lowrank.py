@@ -140,14 +140,12 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
     M, R = a.shape[0], b.shape[0]
     out = alloc((M, R), out_dtype, a.device)
     q, sq = (alloc((M, K), torch.float8_e4m3fn, a.device), alloc((M,), torch.float32, a.device)) if quant else (a, a)
-    if M == 0 or R == 0:
-        if quant and M and not R:
-            raise ValueError("project(quant=True) needs r >= 1")
+    if M == 0 or (R == 0 and not quant):
         return (out, q, sq) if quant else out
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
     bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
-    launch(project_kernel, (cdiv(M, bm), cdiv(R, br)))(
+    launch(project_kernel, (cdiv(M, bm), max(cdiv(R, br), int(quant))))(  # quant: every row block, even at r = 0
         a, b, out, mk, q, sq, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, q.stride(0),
         inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, QUANT=quant, INTERPRET=interpreting(),
         BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4, num_stages=stages)

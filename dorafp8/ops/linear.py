@@ -61,16 +61,16 @@ class DoRAFP8Function(torch.autograd.Function):
                 # does (exact for fp32 adapters on 16-bit activations).
                 # W8A8 on a backend that offers it: the same read of x quantizes it for the base GEMM
                 # (backends/base.py, QUANT_PARAMS).
-                quant = {}
+                x8 = sx = None
                 if act_quant and backends.quants_in_project(backend):
                     u, x8, sx = _ops.project_quant_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
-                    quant = dict(x8=x8, sx=sx)
                 else:
                     u = _ops.project_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
                 # z (for dm) comes back in the compute dtype: docs/DORA_MATH.md, "Dtype policy", says why that is
                 # within the compute dtype's tolerance.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
-                                       backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z, **quant)
+                                       backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
+                                       x8=x8, sx=sx)
         ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n)
         ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
         return y
