@@ -6,7 +6,7 @@ The import graph is read from the source (every `import` / `from ... import`, al
 import is still a dependency), so the check costs no import and sees code paths the tests do not run."""
 
 import ast
-import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -168,18 +168,11 @@ def test_no_private_names_across_modules():
     assert not bad, "\n".join(bad)
 
 
-def _import_alone(name: str) -> tuple[str, str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    # the package's __main__ is run as `python -m dorafp8` (what README and CI run), everything else imported
-    args = ["-m", "dorafp8"] if name == "dorafp8.__main__" else ["-c", f"import {name}"]
-    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
-    return name, "" if r.returncode == 0 else r.stderr.strip().splitlines()[-1]
-
-
 def test_every_module_imports_on_its_own():
-    """Each module in a fresh interpreter, first thing: an import that only works after another module was imported
+    """Each module in a process of its own, first thing: an import that only works after another module was imported
     (an order dependence, or a cycle broken by luck) fails here. Modules whose optional dependency is missing are
-    said so by name, not skipped silently."""
+    said so by name, not skipped silently. The processes are forked from one that imported torch and numpy and
+    nothing else (tests/integration/_import_alone.py says why that keeps the check)."""
     optional = {"dorafp8.peft": "peft", "dorafp8.hf_quantizer": "transformers", "dorafp8.triton_kernels": "triton",
                 "dorafp8.lycoris": "lycoris"}
     names = []
@@ -190,8 +183,14 @@ def test_every_module_imports_on_its_own():
         if m.endswith(".__main__") and m != "dorafp8.__main__":
             continue  # a program: importing it runs it (python -m dorafp8.kernel_report compiles every kernel)
         names.append(m)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        failed = [f"{n}: {err}" for n, err in pool.map(_import_alone, names) if err]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_import_alone.py")), *names, "--jobs",
+                        str(max(1, min(4, os.cpu_count() or 1)))], capture_output=True, text=True, env=env,
+                       timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(names), r.stdout[-3000:]
+    failed = [f"{n}: {err}" for n, err in results.items() if err]
     assert not failed, "modules that do not import on their own:\n" + "\n".join(failed)
     assert len(names) >= 30
 
