@@ -196,44 +196,53 @@ def _fixed(num_warps=4, num_stages=3, **blocks):
     return [triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)]
 
 
+def _epilogue_rank_modes(dt_name, dt, adapter):
+    """(rank dtype, r, name suffix, whether the rank-r dots are fp32 on CUDA cores) of the cuBLAS strategy's epilogue
+    kernels: _rank_modes' (16-bit adapters at r = 64; PEFT's fp32 adapters on bf16 at r = 16 and 64). Those epilogues
+    keep fp32 rank products exact (rank_dot(split=False)), so fp32 adapters make their dots fp32 and their tiles
+    epilogue_blocks' smaller ones, as the launchers choose from rank_dot's LORA_IEEE."""
+    out = []
+    for rank_dt, r, rank_name in _rank_modes(dt_name, "tensor", adapter):
+        rdt = F32 if rank_dt == "fp32" else dt
+        rk = rank_dot((dt,), r, rdt, split=False)
+        out.append((rdt, r, rank_name, rk))
+    return out
+
+
 def _fwd_epilogue_variants(arch: str) -> list[Variant]:
     out = []
     for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
-        ieee = dot_dtype(dt)[1]  # fp32 operands get epilogue_blocks' smaller tiles, as in the launchers
-        r = RANK if adapter else 1
-        args = dict(
-            base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, m_ptr=F32, n_ptr=F32, u_ptr=dt, b_ptr=dt, y_ptr=dt,
-            z_ptr=dt,
-            M=LARGE_M, N=N, R=r,
-            stride_base_m=N, stride_based_m=N, stride_u_m=r if adapter else 1, stride_u_r=1,
-            stride_b_n=r if adapter else 1, stride_b_r=1, stride_y_m=N, stride_z_m=N,
-            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
-        )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
-                          SCALE_KIND="row", HAS_LORA=True,
-                          **rank_dot((dt,), r, dt, split=False))
-        bm, bn = epilogue_blocks(ieee)
-        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
+        for rdt, r, rank_name, rk in _epilogue_rank_modes(dt_name, dt, adapter):
+            args = dict(
+                base_ptr=dt, based_ptr=dt, scale_ptr=F32, bias_ptr=dt, m_ptr=F32, n_ptr=F32, u_ptr=rdt, b_ptr=rdt,
+                y_ptr=dt, z_ptr=dt,
+                M=LARGE_M, N=N, R=r,
+                stride_base_m=N, stride_based_m=N, stride_u_m=r if adapter else 1, stride_u_r=1,
+                stride_b_n=r if adapter else 1, stride_b_r=1, stride_y_m=N, stride_z_m=N,
+                s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+            )
+            constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_BIAS=True, NEED_Z=adapter,
+                              SCALE_KIND="row", HAS_LORA=True, **rk)
+            bm, bn = epilogue_blocks(rk["LORA_IEEE"])
+            out.append(Variant(mode + rank_name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_N=bn)))
     return out
 
 
 def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
     out = []
     for (dt_name, dt), (adapter, dropout, mode) in itertools.product(DTYPES.items(), _adapter_modes()):
-        ieee = dot_dtype(dt)[1]  # fp32 operands get epilogue_blocks' smaller tiles, as in the launchers
-        r = RANK if adapter else 1
-        args = dict(
-            tl_ptr=dt, tb_ptr=dt, rl_ptr=F32, rb_ptr=F32, scale_ptr=F32, v_ptr=dt, a_ptr=dt,
-            mask_ptr=U8 if dropout else F32, dx_ptr=dt,
-            M=LARGE_M, K=K, R=r,
-            stride_tl_m=K, stride_tb_m=K, stride_v_m=r if adapter else 1, stride_v_r=1,
-            stride_a_r=K if adapter else 1, stride_a_k=1, stride_mask_m=K if dropout else 1, stride_dx_m=K,
-            s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
-        )
-        constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_KIND="tensor", HAS_LORA=True,
-                          **rank_dot((dt,), r, dt, split=False))
-        bm, bk = epilogue_blocks(ieee)
-        out.append(Variant(mode, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))
+        for rdt, r, rank_name, rk in _epilogue_rank_modes(dt_name, dt, adapter):
+            args = dict(
+                tl_ptr=dt, tb_ptr=dt, rl_ptr=F32, rb_ptr=F32, scale_ptr=F32, v_ptr=rdt, a_ptr=rdt,
+                mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+                M=LARGE_M, K=K, R=r,
+                stride_tl_m=K, stride_tb_m=K, stride_v_m=r if adapter else 1, stride_v_r=1,
+                stride_a_r=K if adapter else 1, stride_a_k=1, stride_mask_m=K if dropout else 1, stride_dx_m=K,
+                s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
+            )
+            constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, SCALE_KIND="tensor", HAS_LORA=True, **rk)
+            bm, bk = epilogue_blocks(rk["LORA_IEEE"])
+            out.append(Variant(mode + rank_name, dt_name, args, constexprs, _fixed(BLOCK_M=bm, BLOCK_K=bk)))
     return out
 
 

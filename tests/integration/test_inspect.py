@@ -78,6 +78,10 @@ SUBSET = [
     ("project", "bf16", "dropout,w8a8", BOTH),  # W8A8's x quantized in the projection's kernel: its largest tile
     ("project_grad", "bf16", "dropout,fp32-rank", BOTH),
     ("rowwise_quant", "bf16", "rowwise", BOTH),
+    # the cuBLAS strategy's epilogues under PEFT's fp32 adapters: exact fp32 rank-r dots on CUDA cores, their heaviest,
+    # and the forward's without dropout (MAY_SPILL says why it spills)
+    *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
+    ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}
@@ -108,8 +112,11 @@ def _none_of(bad, what, extra=""):
 
 
 def _select(recs, backend=None, kernels=None, arch=None, dtypes=None):
+    # Triton specs by their exact name ("forward" is not "forward_epilogue"); CUDA kernels as --kernel selects them
+    # ("forward_mma" selects forward_mma_kernel)
     return [r for r in recs if (backend is None or r["backend"] == backend)
-            and (kernels is None or insp.kernel_matches(r["kernel"], kernels))
+            and (kernels is None or (r["kernel"] in kernels if r["backend"] == "triton"
+                                     else insp.kernel_matches(r["kernel"], kernels)))
             and (arch is None or r["arch"] == arch) and (dtypes is None or r["dtype"] in dtypes)]
 
 
@@ -170,6 +177,14 @@ KNOWN_SERIALIZED = {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>
 MAY_SPILL = {("backward_pass", "sm_120", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", "w4,s2"),
              ("dgrad", "sm_89", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
               "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")}
+# The cuBLAS strategy's forward epilogue with fp32 adapters (8 to 20 bytes, which variant depends on the Triton: without
+# dropout on sm_90a, sm_100a and sm_120 under 3.9, with dropout on sm_90a under 3.6, none under 3.7): not register
+# pressure (72 to 96 registers) but the correctly rounded c = m / n (div_rn), whose slow path is a subroutine CALL
+# across which ptxas keeps predicate masks on the stack, stored once per thread before the rank-r loop and loaded
+# after it; no loop touches them. Computing c before the rank-r term moves the spills to the fp32-activation variants
+# (8 and 16 bytes on sm_90a, 3.9). That strategy is opt-in (backend="cublas"; "auto" never picks it).
+MAY_SPILL |= {("forward_epilogue", arch, "bf16", f"{mode},fp32-rank,r={r}", "BLOCK_M=16,BLOCK_N=64,w4,s3")
+              for arch in insp.ARCHS for mode in ("adapter", "adapter+dropout") for r in (16, 64)}
 if fold_requested():  # the opt-in folded dgrad (W8 * f formed in fp32) at ptxas's 128-register cap of this 8-warp
     # tile on sm_120: 16 bytes (converting through fp16 first does not change it)
     MAY_SPILL.add(("dgrad", "sm_120", "bf16", "adapter,row-scale,M>64",
