@@ -191,6 +191,11 @@ def _arch(device: torch.device) -> str:
     return arch_of_capability(*torch.cuda.get_device_capability(device))
 
 
+def arch_of(device: torch.device) -> str:
+    """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA."""
+    return _arch(device)
+
+
 def arch_of_capability(major: int, minor: int) -> str:
     """The config tables' key for a compute capability. Each table's configs fit its arch's shared memory per block
     (SMEM_LIMIT of dorafp8.kernel_report: 227 KB on 9.0 and 10.x, 99 KB on 8.9 and 12.x). Capabilities with no table of

@@ -33,6 +33,17 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True)
     return dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=split, BLOCK_R=br)
 
 
+def split_in_dgrad_for(arch: str) -> bool:
+    """Whether the dgrad's rank-r term may take split_dot on `arch` (a config tables' key, _common.arch_of): not on
+    Hopper under Triton 3.8, where ptxas serializes every wgmma of the dgrad when its epilogue holds the three bf16
+    products (C7515, "non wgmma instructions defining accumulator registers of a wgmma between start and end of the
+    pipeline stage": all four large-M configs at r = 16, without dropout). That would cost the main loop its async
+    overlap to save the rank-r FMAs (6% of the step, predicted); with them the same configs compile unserialized.
+    Triton 3.6, 3.7 and 3.9 serialize neither (`python -m dorafp8.kernel_report --kernel dgrad --variant fp32-rank`
+    reads it under the installed Triton)."""
+    return not (arch == "sm90" and triton.__version__.startswith("3.8."))
+
+
 @triton.jit
 def bf16_value(v):
     """fp32 v rounded to the nearest bf16 value, ties to even, held in fp32 (an exact cast to bf16 follows): the same

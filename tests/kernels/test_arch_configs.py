@@ -80,3 +80,28 @@ def test_w8a8_on_hopper_may_promote_every_128(out, red):
     assert deep(True) == {64, 128}
     assert deep(False) == {64}
     assert max(deep(True, two_acc=True)) <= 128
+
+
+def test_dgrad_split_dot_is_off_on_hopper_under_triton_3_8(monkeypatch):
+    """Triton 3.8's sm_90 dgrad with split_dot's three bf16 rank-r products in its epilogue has every wgmma serialized
+    by ptxas (C7515); there the dgrad takes the rank-r term as exact fp32 FMAs, on Hopper only, and the kernel report
+    compiles what the launcher runs (the same choice, in inspect_spec)."""
+    import triton
+
+    from dorafp8.triton_kernels import inspect_spec
+    from dorafp8.triton_kernels.epilogue_dot import split_in_dgrad_for
+
+    def fp32_rank_splits(kernel, table):
+        spec = next(s for s in inspect_spec.SPECS if s.name == kernel)
+        return {v.constexprs["LORA_SPLIT"] for v in spec.variants(table) if "fp32-rank" in v.name}
+
+    for version, hopper in (("3.8.0", False), ("3.8.1", False), ("3.6.0", True), ("3.7.1", True), ("3.9.0", True)):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert split_in_dgrad_for("sm90") is hopper, version
+        assert all(split_in_dgrad_for(t) for t in ("sm89", "sm100", "sm120", "interp")), version
+        assert fp32_rank_splits("dgrad", "sm90") == {hopper}, version
+        assert fp32_rank_splits("forward", "sm90") == {True}, version  # the forward keeps it (it is not serialized)
+    # and the launcher asks for it from the device it runs on
+    monkeypatch.setattr(C, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert C.arch_of(torch.device("cuda", 0)) == "sm90"
