@@ -31,7 +31,7 @@ import triton.language as tl
 from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket,
                       scale_block_size, vector, w8_via_f32)
-from .epilogue_dot import rank_dot, rank_dot_into, split_in_dgrad_for
+from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop
 
@@ -258,7 +258,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, FOLDED=folded, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
         IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device),
-        **rank_dot((cdt,), r, v.dtype, A.dtype, split=split_in_dgrad_for(arch_of(gl.device))),
+        **rank_dot((cdt,), r, v.dtype, A.dtype, fma=rank_fma_for(arch_of(gl.device), True, has_dropout)),
     )
     return dx
 

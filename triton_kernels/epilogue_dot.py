@@ -16,32 +16,34 @@ from ._common import block_r, dot, dot_dtype
 LORA_PIECES = 3
 
 
-def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True) -> dict:
+def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True, fma: bool = False) -> dict:
     """The constexprs of an epilogue's rank-r dot (LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R): rank-side operands (u, B
     or v, A) in rank_dtypes, the term landing in outputs of the dtypes `outs` (y and z, or dx). 16-bit rank operands
     of one dtype: tensor cores in that dtype. Otherwise the operands are taken in fp32; then 16-bit outputs get
     split_dot (error within 2^-14 of the products' magnitudes: 2^6 below bf16's rounding, 2^3 below fp16's), and an
     fp32 output (or z kept in fp32) exact fp32 products on CUDA cores (ieee). split=False: exact fp32 products
-    whatever the outputs (the cuBLAS strategy's stand-alone epilogues, memory-bound, where the FMAs cost nothing)."""
-    lora_dt, ieee = dot_dtype(*rank_dtypes)
+    whatever the outputs (the cuBLAS strategy's stand-alone epilogues, memory-bound, where the FMAs cost nothing).
+    fma=True: exact fp32 products on CUDA cores whatever the operands and outputs (rank_fma_for says where)."""
+    lora_dt, ieee = dot_dtype(torch.float32) if fma else dot_dtype(*rank_dtypes)
     # fp32 rank operands take chunks of 16 either way: split into four bf16 tiles, chunks of 64 spilled up to 744 bytes
     # on sm_90a at r = 64 (python -m dorafp8.kernel_report --variant fp32-rank)
     br = block_r(r, ieee)
-    split = split and ieee and all(d in (torch.float16, torch.bfloat16) for d in outs)
+    split = split and ieee and not fma and all(d in (torch.float16, torch.bfloat16) for d in outs)
     if split:  # the pieces are bf16 values; the interpreter multiplies them in fp32 (dot_dtype: its bf16 dot is wrong)
         lora_dt, ieee = dot_dtype(torch.bfloat16)
     return dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=split, BLOCK_R=br)
 
 
-def split_in_dgrad_for(arch: str) -> bool:
-    """Whether the dgrad's rank-r term may take split_dot on `arch` (a config tables' key, _common.arch_of): not on
-    Hopper under Triton 3.8, where ptxas serializes every wgmma of the dgrad when its epilogue holds the three bf16
-    products (C7515, "non wgmma instructions defining accumulator registers of a wgmma between start and end of the
-    pipeline stage": all four large-M configs at r = 16, without dropout). That would cost the main loop its async
-    overlap to save the rank-r FMAs (6% of the step, predicted); with them the same configs compile unserialized.
-    Triton 3.6, 3.7 and 3.9 serialize neither (`python -m dorafp8.kernel_report --kernel dgrad --variant fp32-rank`
-    reads it under the installed Triton)."""
-    return not (arch == "sm90" and triton.__version__.startswith("3.8."))
+def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
+    """Whether a GEMM's epilogue must take its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch` (a config
+    tables' key, _common.arch_of) under the installed Triton: on Hopper under Triton 3.8, in the dgrad and in the
+    forward with dropout. There ptxas serializes the GEMM's wgmma (C7515, "non wgmma instructions defining accumulator
+    registers of a wgmma between start and end of the pipeline stage") when the epilogue multiplies on tensor cores:
+    read with torch 2.14.1 + Triton 3.8.0, every large-M dgrad config at PEFT's defaults (fp32 adapters, split_dot)
+    and most configs with dropout and 16-bit adapters (28 of 33 forward, 20 of 33 dgrad). The FMAs cost the step
+    about 6% at r = 16 (predicted), serialization its async overlap. Triton 3.6, 3.7 and 3.9 serialize none of
+    them (`python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a` reads it under the installed Triton)."""
+    return arch == "sm90" and triton.__version__.startswith("3.8.") and (dgrad or dropout)
 
 
 @triton.jit

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (alloc, autotuned, cdiv, check_activation, check_weight, dot_dtype, fit_reduction_block,
-                      fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale, scale_block_size,
-                      vector, w8_via_f32)
-from .epilogue_dot import rank_dot, rank_dot_into
+from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale,
+                      scale_block_size, vector, w8_via_f32)
+from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .gemm import w8_gemm_loop
 
 
@@ -286,7 +286,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
         HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device),
-        FP8_PROMOTE=fp8_promote(x.device), **rank_dot((cdt, z.dtype), r, u.dtype, B.dtype),
+        FP8_PROMOTE=fp8_promote(x.device),
+        **rank_dot((cdt, z.dtype), r, u.dtype, B.dtype, fma=rank_fma_for(arch_of(x.device), False, has_dropout)),
     )
     return y, (z if want_z else None)
 

@@ -35,7 +35,7 @@ from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
-from .epilogue_dot import rank_dot, split_in_dgrad_for
+from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
 from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
@@ -127,7 +127,7 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
-def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, split: bool = True) -> list[Variant]:
+def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
     kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype) -> (its runtime args, its constexprs beyond
     the shared ones)."""
@@ -143,7 +143,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, split: 
             constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                               SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                               HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant, W8_VIA_F32=w8_via_f32_for(arch),
-                              FP8_PROMOTE=fp8_promote_for(arch), **rank_dot((dt,), r, rdt, split=split))
+                              FP8_PROMOTE=fp8_promote_for(arch),
+                              **rank_dot((dt,), r, rdt, fma=rank_fma_for(arch, dgrad, dropout)))  # as the launchers
             fp32_tiles = dt == torch.float32 and not quant
             lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers choose
             configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant),
@@ -183,11 +184,11 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
 
 
 def _forward_variants(arch: str) -> list[Variant]:
-    return _gemm_variants(arch, "BLOCK_N", "BLOCK_K", _forward_args)
+    return _gemm_variants(arch, "BLOCK_N", "BLOCK_K", _forward_args, False)
 
 
 def _dgrad_variants(arch: str) -> list[Variant]:
-    return _gemm_variants(arch, "BLOCK_K", "BLOCK_N", _dgrad_args, split_in_dgrad_for(arch))  # as dgrad.py
+    return _gemm_variants(arch, "BLOCK_K", "BLOCK_N", _dgrad_args, True)
 
 
 def _fixed(num_warps=4, num_stages=3, **blocks):

@@ -82,26 +82,31 @@ def test_w8a8_on_hopper_may_promote_every_128(out, red):
     assert max(deep(True, two_acc=True)) <= 128
 
 
-def test_dgrad_split_dot_is_off_on_hopper_under_triton_3_8(monkeypatch):
-    """Triton 3.8's sm_90 dgrad with split_dot's three bf16 rank-r products in its epilogue has every wgmma serialized
-    by ptxas (C7515); there the dgrad takes the rank-r term as exact fp32 FMAs, on Hopper only, and the kernel report
-    compiles what the launcher runs (the same choice, in inspect_spec)."""
+def test_rank_term_is_fp32_fma_on_hopper_under_triton_3_8(monkeypatch):
+    """Triton 3.8's sm_90 GEMMs whose epilogue multiplies the rank-r term on tensor cores have their wgmma serialized by
+    ptxas (C7515): the dgrad (split_dot's products, PEFT's defaults) and the forward with dropout. There the term is
+    exact fp32 FMAs, on Hopper only, and the kernel report compiles what the launchers run (the same choice, in
+    inspect_spec)."""
     import triton
 
     from dorafp8.triton_kernels import inspect_spec
-    from dorafp8.triton_kernels.epilogue_dot import split_in_dgrad_for
+    from dorafp8.triton_kernels.epilogue_dot import rank_fma_for
 
-    def fp32_rank_splits(kernel, table):
+    def tensor_core_rank(kernel, table, dropout):
         spec = next(s for s in inspect_spec.SPECS if s.name == kernel)
-        return {v.constexprs["LORA_SPLIT"] for v in spec.variants(table) if "fp32-rank" in v.name}
+        return {not v.constexprs["LORA_IEEE"] for v in spec.variants(table)
+                if v.constexprs["HAS_ADAPTER"] and v.constexprs["HAS_DROPOUT"] == dropout and v.dtype != "fp32"}
 
-    for version, hopper in (("3.8.0", False), ("3.8.1", False), ("3.6.0", True), ("3.7.1", True), ("3.9.0", True)):
+    monkeypatch.setattr(C, "_INTERPRET", False)  # dot_dtype as on a GPU (the interpreter takes bf16 dots in fp32)
+    for version, fma in (("3.8.0", True), ("3.8.1", True), ("3.6.0", False), ("3.7.1", False), ("3.9.0", False)):
         monkeypatch.setattr(triton, "__version__", version)
-        assert split_in_dgrad_for("sm90") is hopper, version
-        assert all(split_in_dgrad_for(t) for t in ("sm89", "sm100", "sm120", "interp")), version
-        assert fp32_rank_splits("dgrad", "sm90") == {hopper}, version
-        assert fp32_rank_splits("forward", "sm90") == {True}, version  # the forward keeps it (it is not serialized)
-    # and the launcher asks for it from the device it runs on
-    monkeypatch.setattr(C, "_INTERPRET", False)
+        for dgrad, dropout in ((True, False), (True, True), (False, True)):
+            assert rank_fma_for("sm90", dgrad, dropout) is fma, (version, dgrad, dropout)
+            assert tensor_core_rank("dgrad" if dgrad else "forward", "sm90", dropout) == {not fma}, version
+        assert not rank_fma_for("sm90", False, False)  # the forward without dropout is not serialized
+        assert tensor_core_rank("forward", "sm90", False) == {True}, version
+        for table in ("sm89", "sm100", "sm120", "interp"):
+            assert not any(rank_fma_for(table, dgrad, dropout) for dgrad in (False, True) for dropout in (False, True))
+    # and the launchers ask for it from the device they run on
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert C.arch_of(torch.device("cuda", 0)) == "sm90"

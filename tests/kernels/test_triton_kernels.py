@@ -117,6 +117,31 @@ def test_dgrad_fp32_adapters_on_16bit(device, dtype, mode):
     check_dgrad(tk.dgrad, p, mode)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank_dtype", [torch.bfloat16, torch.float32], ids=["rank16", "rank32"])
+@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
+def test_rank_term_as_fp32_fmas(device, rank_dtype, mode, monkeypatch):
+    """The epilogues' rank-r term as exact fp32 FMAs (epilogue_dot.rank_fma_for: what Hopper gets under Triton 3.8,
+    where tensor-core products there serialize the GEMM), forced here for the forward and the dgrad, against fp64."""
+    import importlib
+
+    tk_forward, tk_dgrad = (importlib.import_module(f"dorafp8.triton_kernels.{m}") for m in ("forward", "dgrad"))
+
+    asked = []
+
+    def fma(arch, dgrad, dropout):
+        asked.append((dgrad, dropout))
+        return True
+
+    monkeypatch.setattr(tk_forward, "rank_fma_for", fma)
+    monkeypatch.setattr(tk_dgrad, "rank_fma_for", fma)
+    p = make_problem(37, 50, 70, 20, torch.bfloat16, device, "row", True, rank_dtype=rank_dtype)
+    p["z_dtype"] = torch.bfloat16
+    check_forward(tk.forward, p, mode, has_bias=True)
+    check_dgrad(tk.dgrad, p, mode)
+    assert (False, mode == "dropout") in asked and (True, mode == "dropout") in asked  # both launchers asked
+
+
 @triton.jit
 def _split_dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                       PIECE_DT: tl.constexpr, IEEE: tl.constexpr):
