@@ -198,10 +198,10 @@ def _fixed(num_warps=4, num_stages=3, **blocks):
 
 
 def _epilogue_rank_modes(dt_name, dt, adapter):
-    """(rank dtype, r, name suffix, whether the rank-r dots are fp32 on CUDA cores) of the cuBLAS strategy's epilogue
-    kernels: _rank_modes' (16-bit adapters at r = 64; PEFT's fp32 adapters on bf16 at r = 16 and 64). Those epilogues
-    keep fp32 rank products exact (rank_dot(split=False)), so fp32 adapters make their dots fp32 and their tiles
-    epilogue_blocks' smaller ones, as the launchers choose from rank_dot's LORA_IEEE."""
+    """(rank dtype, r, name suffix, rank_dot's constexprs) of the cuBLAS strategy's epilogue kernels, for _rank_modes'
+    adapters (16-bit at r = 64; PEFT's fp32 ones on bf16 at r = 16 and 64). Those epilogues keep fp32 rank products
+    exact (rank_dot(split=False)), so fp32 adapters make their dots fp32 (LORA_IEEE) and their tiles epilogue_blocks'
+    smaller ones, as the launchers choose."""
     out = []
     for rank_dt, r, rank_name in _rank_modes(dt_name, "tensor", adapter):
         rdt = F32 if rank_dt == "fp32" else dt
