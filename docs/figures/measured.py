@@ -73,11 +73,13 @@ def merge_error():
             rep, reloaded, _ = F.export_and_reload(trained, out, fmt, **kw)
             errs = rep.errors("merged")
             rels = F.layer_output_errors(trained, reloaded, errs)
+            # one digit for e4m3: its figures sit ~2.6% apart, and two digits landed on a rounding edge (the
+            # comfyui logits, 0.5650%) that a library update flipped
             digits = 2 if fmt == "bf16" else 1
             print(f"{fmt} ({what}): merge error {pct_range(errs.values(), digits)} over {len(errs)} layers; "
                   f"layer outputs / merge error {min(rels[n] / e for n, e in errs.items()):.2f}-"
                   f"{max(rels[n] / e for n, e in errs.items()):.2f}; "
-                  f"logits moved {pct(F.logits_error(reloaded, trained), 2)}")
+                  f"logits moved {pct(F.logits_error(reloaded, trained), digits)}")
             if fmt == "compressed-tensors":
                 line = next(ln for ln in str(rep).splitlines() if "merge error" in ln)
                 report_line = line.strip()
