@@ -3,8 +3,10 @@
 # than the newest, which README's install (the rest of .ci/run) gets. Each leg builds a venv from scratch in
 # .venv-matrix/<leg>/ with torch and Triton pinned, installs dorafp8 editable without its dependencies (the tests
 # below need only torch, Triton, numpy and pytest) and without the CUDA extension, and runs its tests with a Triton
-# cache of its own (a cold one: no entry compiled by anything else is read). It prints its times. The venvs stay, as
-# .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's next run starts from scratch.
+# cache of its own (a cold one: no entry compiled by anything else is read), in two processes as README's test
+# command does (pytest-xdist, whole files each: the kernel report's compiles beside the interpreter tests). It prints
+# its times. The venvs stay, as .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's
+# next run starts from scratch.
 #
 #   bash .ci/version_matrix.sh                       every leg
 #   bash .ci/version_matrix.sh torch2.11-triton3.6   one leg
@@ -41,7 +43,7 @@ INSPECT_ARCHS="sm_90a,sm_89"
 legs=("$@")
 if [ "${legs[*]:-}" = "--list" ]; then
     for leg in "${LEGS[@]}"; do
-        echo "$leg: pip install ${REQS[$leg]}; DORAFP8_INSPECT_ARCHS=$INSPECT_ARCHS pytest ${TESTS[$leg]} -k '$SELECT'"
+        echo "$leg: pip install ${REQS[$leg]}; DORAFP8_INSPECT_ARCHS=$INSPECT_ARCHS pytest ${TESTS[$leg]} -k '$SELECT' -n 2 --dist loadfile"
     done
     exit 0
 fi
@@ -55,15 +57,15 @@ for leg in "${legs[@]}"; do
     python3 -m venv "$venv"
     # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may lack
     # shellcheck disable=SC2086  # the requirements are words
-    "$venv/bin/pip" install -q ${REQS[$leg]} pytest wheel 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    "$venv/bin/pip" install -q ${REQS[$leg]} pytest pytest-xdist wheel 2>&1 | { grep -v "is ignored: it is neither" || true; }
     DORAFP8_SKIP_CUDA_BUILD=1 "$venv/bin/pip" install -q -e . --no-deps --no-build-isolation
     "$venv/bin/python" -m dorafp8
     t1=$(date +%s)
-    echo "== matrix $leg: installed in $((t1 - t0))s; pytest ${TESTS[$leg]} -k '$SELECT'"
+    echo "== matrix $leg: installed in $((t1 - t0))s; pytest ${TESTS[$leg]} -k '$SELECT' -n 2 --dist loadfile"
     # A skipped test would pass silently here (a missing compiler skips test_inspect.py whole): none may skip.
     # shellcheck disable=SC2086  # the test files are words
     TRITON_CACHE_DIR="$PWD/$venv/triton-cache" DORAFP8_INSPECT_ARCHS="$INSPECT_ARCHS" "$venv/bin/python" -m pytest ${TESTS[$leg]} -k "$SELECT" -q \
-        -p no:cacheprovider -rsx 2>&1 | tee "$venv/pytest.log" | { grep -v '^ptxas ' || true; }
+        -n 2 --dist loadfile -p no:cacheprovider -rsx 2>&1 | tee "$venv/pytest.log" | { grep -v '^ptxas ' || true; }
     summary=$(tail -n 1 "$venv/pytest.log")
     if [[ "$summary" == *skipped* ]]; then
         echo "matrix $leg: tests were skipped ($summary): each one must run in the matrix"
