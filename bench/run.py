@@ -223,7 +223,6 @@ def copy_bandwidth(device, timer) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     ms = timer.ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -577,6 +576,7 @@ def main(argv=None):
     pbar, write = _progress(len(cases) + len(steps))
     runner._say = write
     group: list[C.Case] = []
+    gkey = None  # the key of the cases in group
     for case in cases + [None]:
         key = None if case is None else (case.provider, case.in_features, case.out_features, case.rank, case.dtype,
                                          case.dropout if case.mode != "norm" else 0.0)
