@@ -185,15 +185,11 @@ def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
 # Small M (decode, short batches) is weight-bandwidth bound: narrow BLOCK_M, B_OUT 64 for more programs, long B_RED.
 # ----------------------------------------------------------------------------------------------------------------------
 
-def _arch(device: torch.device) -> str:
+def arch_of(device: torch.device) -> str:
+    """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA."""
     if interpreting() or device.type != "cuda":
         return "interp"
     return arch_of_capability(*torch.cuda.get_device_capability(device))
-
-
-def arch_of(device: torch.device) -> str:
-    """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA."""
-    return _arch(device)
 
 
 def arch_of_capability(major: int, minor: int) -> str:
@@ -213,7 +209,7 @@ def arch_of_capability(major: int, minor: int) -> str:
 
 
 def w8_via_f32(device) -> bool:
-    return w8_via_f32_for(_arch(device))
+    return w8_via_f32_for(arch_of(device))
 
 
 def w8_via_f32_for(arch: str) -> bool:
@@ -225,7 +221,7 @@ def w8_via_f32_for(arch: str) -> bool:
 
 
 def fp8_promote(device) -> bool:
-    return fp8_promote_for(_arch(device))
+    return fp8_promote_for(arch_of(device))
 
 
 def fp8_promote_for(arch: str) -> bool:
@@ -307,12 +303,12 @@ _FP8_DOT_LARGE = {"sm90": [(128, 128, 128, 3, 8), (128, 128, 128, 4, 8), (64, 12
 def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool, lean: bool = False,
                  fp8_dot: bool = False):
     """triton.Configs for a GEMM kernel whose output-column block is `out_name` and reduction block `red_name`."""
-    return gemm_configs_for(_arch(device), out_name, red_name, two_acc, m, fp32, lean, fp8_dot)
+    return gemm_configs_for(arch_of(device), out_name, red_name, two_acc, m, fp32, lean, fp8_dot)
 
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
                      lean: bool = False, fp8_dot: bool = False):
-    """gemm_configs for an arch named as _arch names it ("sm90", "sm89", "interp"), without a device: the launchers
+    """gemm_configs for an arch named as arch_of names it ("sm90", "sm89", "interp"), without a device: the launchers
     reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
     lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for; the folded dgrad): with two
     accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread.
@@ -349,11 +345,11 @@ _WEIGHT_NORM_FP32 = [(32, 64, 3, 4), (64, 64, 3, 8), (32, 128, 2, 8)]
 
 
 def weight_norm_configs(device, fp32: bool = False):
-    return weight_norm_configs_for(_arch(device), fp32)
+    return weight_norm_configs_for(arch_of(device), fp32)
 
 
 def weight_norm_configs_for(arch: str, fp32: bool = False):
-    """weight_norm_configs for an arch named as _arch names it, without a device (see gemm_configs_for)."""
+    """weight_norm_configs for an arch named as arch_of names it, without a device (see gemm_configs_for)."""
     rows = _WEIGHT_NORM_FP32 if fp32 and arch != "interp" else _WEIGHT_NORM_TABLE[arch]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=st, num_warps=w) for bn, bk, st, w in rows]
 
@@ -369,7 +365,7 @@ def autotuned(kernel, tag, configs, key, outputs, device=None):
     arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py)."""
     poison = poison_outputs()
     if callable(configs):
-        k = (id(kernel), tag, _arch(device), poison)
+        k = (id(kernel), tag, arch_of(device), poison)
     else:
         k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
     tuner = _TUNERS.get(k)

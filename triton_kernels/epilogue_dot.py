@@ -24,11 +24,13 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True,
     fp32 output (or z kept in fp32) exact fp32 products on CUDA cores (ieee). split=False: exact fp32 products
     whatever the outputs (the cuBLAS strategy's stand-alone epilogues, memory-bound, where the FMAs cost nothing).
     fma=True: exact fp32 products on CUDA cores whatever the operands and outputs (rank_fma_for says where)."""
-    lora_dt, ieee = dot_dtype(torch.float32) if fma else dot_dtype(*rank_dtypes)
+    if fma:  # the rank operands taken in fp32 and never split: exact fp32 products
+        rank_dtypes, split = (torch.float32,), False
+    lora_dt, ieee = dot_dtype(*rank_dtypes)
     # fp32 rank operands take chunks of 16 either way: split into four bf16 tiles, chunks of 64 spilled up to 744 bytes
     # on sm_90a at r = 64 (python -m dorafp8.kernel_report --variant fp32-rank)
     br = block_r(r, ieee)
-    split = split and ieee and not fma and all(d in (torch.float16, torch.bfloat16) for d in outs)
+    split = split and ieee and all(d in (torch.float16, torch.bfloat16) for d in outs)
     if split:  # the pieces are bf16 values; the interpreter multiplies them in fp32 (dot_dtype: its bf16 dot is wrong)
         lora_dt, ieee = dot_dtype(torch.bfloat16)
     return dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=split, BLOCK_R=br)

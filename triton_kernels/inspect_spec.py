@@ -41,7 +41,7 @@ from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_spl
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
-# Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, _common._arch, and
+# Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, _common.arch_of, and
 # the compute capability for triton.compile). Triton compiles every capability from 90 on for its arch-specific target:
 # 90 as sm_90a (which wgmma needs), 100 as sm_100a (tcgen05), 120 as sm_120a.
 ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89), "sm_100a": ("sm100", 100), "sm_120": ("sm120", 120)}

@@ -55,7 +55,7 @@ def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
     dev = torch.device("cuda", 0)
     for cap, table in (((12, 0), "sm120"), ((10, 0), "sm100"), ((9, 0), "sm90"), ((8, 9), "sm89")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
-        assert C._arch(dev) == table
+        assert C.arch_of(dev) == table
         for two_acc in (False, True):
             for m in (16, 4096):
                 got = C.gemm_configs(dev, "BLOCK_N", "BLOCK_K", two_acc, m, False)
@@ -66,8 +66,8 @@ def test_the_launchers_pick_the_lists_from_the_device(monkeypatch):
     assert [str(c) for c in C.gemm_configs(dev, "BLOCK_N", "BLOCK_K", True, 4096, False)] != [
         str(c) for c in C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", True, 4096, False)]
     monkeypatch.setattr(C, "_INTERPRET", True)
-    assert C._arch(dev) == "interp"
-    assert C._arch(torch.device("cpu")) == "interp"
+    assert C.arch_of(dev) == "interp"
+    assert C.arch_of(torch.device("cpu")) == "interp"
 
 
 @pytest.mark.parametrize("out,red", [("BLOCK_N", "BLOCK_K"), ("BLOCK_K", "BLOCK_N")], ids=["forward", "dgrad"])
