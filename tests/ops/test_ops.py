@@ -372,6 +372,46 @@ def test_outputs_are_not_views():
     assert xc.grad is not None
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, dropout):
+    """An in-place op on a DoRA layer's output (`out *= 2; out += residual; relu_(out)`, as nn.ReLU(inplace=True) and
+    residual code do), which nn.Linear and PEFT accept, gives the same gradients as the same ops out of place, for the
+    linear and the conv op. The ops return their output through aten._unsafe_view, which does not share a version
+    counter with the tensor it views: if the layer ever kept its output for the backward (∂m from y instead of z,
+    docs/ARCHITECTURE.md "The kernel plan"), such an op would change what ∂m is computed from without any error."""
+    x, w8, scale, A, B, m, b = _problem(12, 40, 24, 4, device=device)
+    g = torch.Generator().manual_seed(2)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
+    conv = (torch.randn(2, 3, 5, 5, generator=g), w8c.reshape(6, 3, 3, 3), sc, torch.randn(2, 3, 3, 3, generator=g),
+            torch.randn(6, 2, 1, 1, generator=g), torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g))
+    conv = tuple(t.to(device) for t in conv)
+    calls = {
+        "linear": ((x, A, B, m), lambda xl, Al, Bl, ml: dorafp8.dora_fp8_linear(
+            xl, w8, scale, Al, Bl, ml, 0.75, b, dropout_p=dropout, training=True, backend=backend)),
+        "conv": ((conv[0], conv[3], conv[4], conv[5]), lambda xl, Al, Bl, ml: dorafp8.dora_fp8_conv(
+            xl, conv[1], conv[2], Al, Bl, ml, 0.75, conv[6], padding=1, dropout_p=dropout, training=True,
+            backend=backend)),
+    }
+    for name, (leaves, call) in calls.items():
+        grads = []
+        for in_place in (False, True):
+            ls = [t.clone().requires_grad_() for t in leaves]
+            torch.manual_seed(5)  # the same dropout mask both times
+            y = call(*ls)
+            residual = torch.ones_like(y)
+            if in_place:
+                y *= 2.0
+                y += residual
+                out = torch.relu_(y)
+            else:
+                out = torch.relu(y * 2.0 + residual)
+            out.square().sum().backward()
+            grads.append([t.grad for t in ls])
+        assert 0 < (out > 0).sum() < out.numel()  # relu_ keeps some entries and zeroes others
+        for what, got, ref in zip(("dx", "dA", "dB", "dm"), grads[1], grads[0]):
+            assert torch.equal(got, ref), (name, what, (got - ref).abs().max().item())
+
+
 @pytest.mark.backends("triton")  # the one backend that offers the fold (backends/base.py, FOLD_PARAMS)
 @pytest.mark.parametrize("per_row,dropout", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
 def test_folded_dgrad_opt_in_end_to_end(device, backend, per_row, dropout, monkeypatch):
