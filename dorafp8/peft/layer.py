@@ -20,7 +20,7 @@ from ..ops import NORM_EPS
 
 
 _MERGE_WARNING = (
-    "merging DoRA adapters into an fp8 base re-quantizes the merged weight to e4m3 ({} scales; "
+    "merging LoRA or DoRA adapters into an fp8 base re-quantizes the merged weight to e4m3 ({} scales; "
     "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
     "deploy and reports the error of every layer"
 )

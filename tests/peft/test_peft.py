@@ -40,7 +40,8 @@ def _base_model(kind):
 def _lora_config(kind, **kw):
     kw.setdefault("r", 8)
     kw.setdefault("lora_alpha", 16)
-    return LoraConfig(use_dora=True, target_modules=LLAMA_TARGETS if kind == "llama" else GPT2_TARGETS,
+    kw.setdefault("use_dora", True)
+    return LoraConfig(target_modules=LLAMA_TARGETS if kind == "llama" else GPT2_TARGETS,
                       fan_in_fan_out=(kind == "gpt2"), **kw)
 
 
@@ -170,8 +171,13 @@ def test_merge_and_unload_requantizes_with_a_warning():
     assert sum(isinstance(m, FP8Linear) for m in merged.modules()) == 14
 
 
-def test_fp8_first_workflow():
-    """quantize_model then get_peft_model builds DoRAFP8Linear layers whose magnitude is the fp8 weight's norm."""
+@pytest.mark.parametrize("cfg_kw", [{}, {"lora_dropout": 0.1}, {"use_dora": False},
+                                    {"use_dora": False, "lora_dropout": 0.1}],
+                         ids=["dora", "dora-dropout", "lora", "lora-dropout"])
+def test_fp8_first_workflow(cfg_kw):
+    """quantize_model then get_peft_model builds DoRAFP8Linear layers (for plain LoRA too: LoRA users of fp8 bases,
+    kohya's among them, are many) whose DoRA magnitude is the fp8 weight's norm, and which train as plain PEFT does on
+    the dequantized base with the same adapters: logits and every adapter gradient, dropout's masks included."""
     model = _base_model("llama")
     twin = copy.deepcopy(model)
     for name, mod in twin.named_modules():  # the plain twin: same fp8 round trip, in full precision
@@ -179,20 +185,28 @@ def test_fp8_first_workflow():
             mod.weight.data = dorafp8.dequantize_e4m3(*dorafp8.quantize_e4m3(mod.weight.data))
     assert dorafp8.quantize_model(model, LLAMA_TARGETS) == 14
     torch.manual_seed(4)
-    pm = get_peft_model(model, _lora_config("llama"))
+    pm = get_peft_model(model, _lora_config("llama", **cfg_kw))
     layers = [m for m in pm.modules() if isinstance(m, LoraLinear)]
     assert len(layers) == 14 and all(isinstance(m, DoRAFP8Linear) for m in layers)
     q = pm.base_model.model.model.layers[0].self_attn.q_proj
     assert q.lora_A["default"].weight.dtype == torch.float32
-    expected = dorafp8.dequantize_e4m3(q.base_layer.weight, q.base_layer.scale).norm(dim=1)
-    assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 5e-7, "magnitude")
+    if cfg_kw.get("use_dora", True):
+        expected = dorafp8.dequantize_e4m3(q.base_layer.weight, q.base_layer.scale).norm(dim=1)
+        assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 5e-7, "magnitude")
+    else:
+        assert not q.lora_magnitude_vector
     # and it computes what plain PEFT computes on the dequantized base with the same adapter
     torch.manual_seed(4)
-    plain = get_peft_model(twin, _lora_config("llama"))
+    plain = get_peft_model(twin, _lora_config("llama", **cfg_kw))
     for mdl in (pm, plain):
         _randomize_adapters(mdl)
+        mdl.train()
     ref, got = _run(plain, IDS), _run(pm, IDS)
     assert_close(got, ref, 5e-6, "logits")
+    g_ref, g_got = _grads(plain), _grads(pm)
+    assert g_ref.keys() == g_got.keys() and len(g_ref) == (42 if cfg_kw.get("use_dora", True) else 28)
+    for name in g_ref:
+        assert_close(g_got[name], g_ref[name], 5e-5, name)
 
 
 def test_weight_norm_cache_reuse_and_invalidation():
