@@ -211,8 +211,8 @@ def _randomize(model, seed=1):
 
 
 def _pair(net_kw=None, per_row=False, **cfg):
-    """(plain PEFT DoRA on the dequantized fp8 base, dorafp8 on the fp8 base built by get_peft_model), same
-    adapter values."""
+    """(plain PEFT on the dequantized fp8 base, dorafp8 on the fp8 base built by get_peft_model), same adapter
+    values; DoRA unless cfg says use_dora=False."""
     torch.manual_seed(0)
     base = Net(**(net_kw or {}))
     ours = copy.deepcopy(base)
@@ -225,7 +225,7 @@ def _pair(net_kw=None, per_row=False, **cfg):
     pm_ours = get_peft_model(ours, LoraConfig(**cfg))
     assert type(pm_ours.base_model.model.conv1).__name__ == "DoRAFP8Conv2d"
     # magnitude init from the fp8 weight = PEFT's init from the dequantized weight
-    for name in ("conv1", "conv2", "proj"):
+    for name in ("conv1", "conv2", "proj") if cfg["use_dora"] else ():
         a = getattr(pm_peft.base_model.model, name).lora_magnitude_vector["default"].weight
         b = getattr(pm_ours.base_model.model, name).lora_magnitude_vector["default"].weight
         assert a.shape == b.shape == (1, a.shape[1], 1, 1)
@@ -251,6 +251,8 @@ X = torch.randn(3, 4, 10, 10, generator=torch.Generator().manual_seed(9))
     ({"lora_dropout": 0.2, "use_rslora": True}, None, True),
     ({}, {"padding_mode": "reflect"}, False),  # general (unfused) path for conv1
     ({"r": 4}, {"groups": 2}, False),  # grouped conv: PEFT's norm reshape
+    ({"use_dora": False}, None, False),  # plain LoRA on the same fp8 layers
+    ({"use_dora": False, "lora_dropout": 0.2}, {"groups": 2}, True),
 ])
 @pytest.mark.parametrize("train", [False, True])
 def test_parity_with_peft(cfg, net_kw, per_row, train):
@@ -262,7 +264,7 @@ def test_parity_with_peft(cfg, net_kw, per_row, train):
     rel = tol(torch.float32)
     assert_close(yb, ya, rel, "y")
     assert_close(dxb, dxa, rel, "dx")
-    assert ga.keys() == gb.keys() and len(ga) == 12
+    assert ga.keys() == gb.keys() and len(ga) == (12 if cfg.get("use_dora", True) else 8)
     for k in ga:
         assert_close(gb[k], ga[k], 5 * rel, k)
 
