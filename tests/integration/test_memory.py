@@ -6,6 +6,7 @@ its storage dies. That gives the peak of live temporaries made inside the measur
 it are not counted).
 """
 
+import pytest
 import torch
 
 import dorafp8
@@ -108,3 +109,50 @@ def test_native_backend_keeps_one_weight_block_alive_at_a_time():
     scratch, 24 MiB for a 16 MiB fp32 block). Two blocks alive at once would reach 40 MiB."""
     mode = _training_step(4096, 8, "native")
     assert mode.peak <= 30 * MiB, f"peak {mode.peak / MiB:.1f} MiB"
+
+
+def _kept_for_backward(layer, x) -> dict:
+    """{storage: (bytes, dtype, shape)} of what autograd keeps for the backward of one call of `layer` on x, beyond x
+    and the layer's parameters and buffers: the activation memory the layer adds to a training step."""
+    known = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters(), *layer.buffers())}
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.float().sum().backward()  # the saved tensors are the ones a backward uses
+    return {k: v for k, v in kept.items() if k not in known}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_dora_layer_keeps_z_u_n_and_the_mask_for_its_backward(dropout):
+    """A DoRAFP8Linear in training (bf16 activations, PEFT's fp32 adapters) keeps for its backward z [M, N] in bf16,
+    u [M, r] in fp32, the norm n [N] in fp32 and, with dropout, the bool mask [M, K]: nothing else beyond its input
+    and parameters (docs/DORA_MATH.md, "Dtype policy"). PEFT 0.21's DoRA keeps on the same layer an fp32 copy of x,
+    the base output, its fp32 low-rank output and the identity matrix it pushes through the adapters to form B A;
+    PEFT's plain LoRA an fp32 copy of x (README.md, "What the demo shows", quotes these figures)."""
+    from peft import LoraConfig, get_peft_model
+
+    M, K, N, r = 512, 256, 384, 16
+    kept = {}
+    for kind in ("dorafp8", "peft-dora", "peft-lora"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(K, N)).to(torch.bfloat16)
+        if kind == "dorafp8":
+            dorafp8.quantize_model(net)
+        pm = get_peft_model(net, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0"], use_dora=kind != "peft-lora",
+                                            lora_dropout=dropout)).train()
+        layer = pm.base_model.model[0]
+        assert (type(layer).__name__ == "DoRAFP8Linear") == (kind == "dorafp8")
+        kept[kind] = _kept_for_backward(layer, torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True))
+    ours = sorted((str(d), s) for _, d, s in kept["dorafp8"].values())
+    expected = [("torch.bfloat16", (M, N)), ("torch.float32", (M, r)), ("torch.float32", (N,))]
+    assert ours == sorted(expected + ([("torch.bool", (M, K))] if dropout else [])), ours
+    nbytes = {k: sum(b for b, _, _ in v.values()) for k, v in kept.items()}
+    assert nbytes["dorafp8"] == M * N * 2 + M * r * 4 + N * 4 + (M * K if dropout else 0)
+    # what PEFT keeps (measured with PEFT 0.21.2: 1972 and 3252 KiB, LoRA 544 and 1056, against our 418 and 546)
+    assert nbytes["peft-dora"] > 4 * nbytes["dorafp8"], {k: v // 1024 for k, v in nbytes.items()}
+    assert nbytes["peft-lora"] > nbytes["dorafp8"], {k: v // 1024 for k, v in nbytes.items()}
