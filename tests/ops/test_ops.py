@@ -381,16 +381,16 @@ def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, d
     docs/ARCHITECTURE.md "The kernel plan"), such an op would change what ∂m is computed from without any error."""
     x, w8, scale, A, B, m, b = _problem(12, 40, 24, 4, device=device)
     g = torch.Generator().manual_seed(2)
-    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
-    conv = (torch.randn(2, 3, 5, 5, generator=g), w8c.reshape(6, 3, 3, 3), sc, torch.randn(2, 3, 3, 3, generator=g),
-            torch.randn(6, 2, 1, 1, generator=g), torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g))
-    conv = tuple(t.to(device) for t in conv)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))  # a 3 x 3 conv, 3 -> 6 channels, r = 2
+    xc = torch.randn(2, 3, 5, 5, generator=g)
+    Ac, Bc = torch.randn(2, 3, 3, 3, generator=g), torch.randn(6, 2, 1, 1, generator=g)
+    mc, bc = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g)
+    w8c, sc, xc, Ac, Bc, mc, bc = (t.to(device) for t in (w8c.reshape(6, 3, 3, 3), sc, xc, Ac, Bc, mc, bc))
     calls = {
         "linear": ((x, A, B, m), lambda xl, Al, Bl, ml: dorafp8.dora_fp8_linear(
             xl, w8, scale, Al, Bl, ml, 0.75, b, dropout_p=dropout, training=True, backend=backend)),
-        "conv": ((conv[0], conv[3], conv[4], conv[5]), lambda xl, Al, Bl, ml: dorafp8.dora_fp8_conv(
-            xl, conv[1], conv[2], Al, Bl, ml, 0.75, conv[6], padding=1, dropout_p=dropout, training=True,
-            backend=backend)),
+        "conv": ((xc, Ac, Bc, mc), lambda xl, Al, Bl, ml: dorafp8.dora_fp8_conv(
+            xl, w8c, sc, Al, Bl, ml, 0.75, bc, padding=1, dropout_p=dropout, training=True, backend=backend)),
     }
     for name, (leaves, call) in calls.items():
         grads = []

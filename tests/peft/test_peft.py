@@ -178,6 +178,7 @@ def test_fp8_first_workflow(cfg_kw):
     """quantize_model then get_peft_model builds DoRAFP8Linear layers (for plain LoRA too: LoRA users of fp8 bases,
     kohya's among them, are many) whose DoRA magnitude is the fp8 weight's norm, and which train as plain PEFT does on
     the dequantized base with the same adapters: logits and every adapter gradient, dropout's masks included."""
+    dora = cfg_kw.get("use_dora", True)
     model = _base_model("llama")
     twin = copy.deepcopy(model)
     for name, mod in twin.named_modules():  # the plain twin: same fp8 round trip, in full precision
@@ -190,7 +191,7 @@ def test_fp8_first_workflow(cfg_kw):
     assert len(layers) == 14 and all(isinstance(m, DoRAFP8Linear) for m in layers)
     q = pm.base_model.model.model.layers[0].self_attn.q_proj
     assert q.lora_A["default"].weight.dtype == torch.float32
-    if cfg_kw.get("use_dora", True):
+    if dora:
         expected = dorafp8.dequantize_e4m3(q.base_layer.weight, q.base_layer.scale).norm(dim=1)
         assert_close(q.lora_magnitude_vector["default"].weight.detach(), expected, 5e-7, "magnitude")
     else:
@@ -204,7 +205,7 @@ def test_fp8_first_workflow(cfg_kw):
     ref, got = _run(plain, IDS), _run(pm, IDS)
     assert_close(got, ref, 5e-6, "logits")
     g_ref, g_got = _grads(plain), _grads(pm)
-    assert g_ref.keys() == g_got.keys() and len(g_ref) == (42 if cfg_kw.get("use_dora", True) else 28)
+    assert g_ref.keys() == g_got.keys() and len(g_ref) == (42 if dora else 28)
     for name in g_ref:
         assert_close(g_got[name], g_ref[name], 5e-5, name)
 
