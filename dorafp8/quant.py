@@ -282,3 +282,28 @@ FP8_DTYPES = frozenset(getattr(torch, name) for name in (
 
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_DTYPES
+
+
+# The codes that are not finite numbers in each float8 format, as (bit mask, code): a byte b is NaN or inf where
+# b & mask == code. torch's isfinite has no float8 kernel on some releases (2.14: '"isfinite" not implemented for
+# 'Float8_e4m3fn''), and upcasting a whole weight to test it costs 4 bytes an element; the bits answer exactly.
+_FP8_NONFINITE = {name: code for name, code in (
+    ("float8_e4m3fn", (0x7F, 0x7F)),     # S.1111.111 is NaN; no infinities
+    ("float8_e5m2", (0x7C, 0x7C)),       # exponent 11111: inf (mantissa 0) or NaN
+    ("float8_e4m3fnuz", (0xFF, 0x80)),   # the negative-zero code is the one NaN
+    ("float8_e5m2fnuz", (0xFF, 0x80)),
+    ("float8_e8m0fnu", (0xFF, 0xFF)),
+) if hasattr(torch, name)}
+_FP8_NONFINITE = {getattr(torch, name): code for name, code in _FP8_NONFINITE.items()}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of t is finite (no NaN, no inf), for every floating dtype torch has, float8 included, on
+    every supported torch. Integer and bool tensors are finite."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    code = _FP8_NONFINITE.get(t.dtype)
+    if code is not None:
+        mask, bad = code
+        return not bool(((t.detach().view(torch.uint8) & mask) == bad).any())
+    return bool(torch.isfinite(t.detach()).all())

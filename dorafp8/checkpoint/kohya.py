@@ -41,6 +41,7 @@ from torch import nn
 
 from ..nn import FP8ConvNd, FP8Linear
 from ..ops import NORM_EPS
+from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.conv import DoraFP8ConvVariant
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
@@ -388,7 +389,7 @@ def _check_layer(name, mod_name, parts, base):
                         f" expected lora_down (r, {', '.join(map(str, want_down[1:]))}) and lora_up "
                         f"({', '.join(map(str, want_up[:1]))}, r{', 1' * len(kernel)})")
     for key, t in (("lora_down.weight", down), ("lora_up.weight", up)):
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point() or not all_finite(t):
             problems.append(f"{name}.{key}: must be finite floating-point values")
     a = parts.get("alpha")
     if a is None:

@@ -290,3 +290,16 @@ def test_a_damaged_weight_scale_is_refused_and_leaves_the_model_as_it_was(sharde
     with pytest.raises(CheckpointFormatError, match=rf"{key}: 1 of \d+ scale values are NaN, infinite or negative"):
         dorafp8.load_fp8_checkpoint(model, dst, verbose=False)
     _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                    "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)))
+def test_all_finite_on_every_fp8_code(name):
+    """dorafp8.quant.all_finite, the finiteness check of the loaders (isfinite has no float8 kernel on torch 2.14),
+    against fp32's isfinite of each of the 256 codes converted to fp32, one code at a time and all together."""
+    from dorafp8.quant import all_finite
+
+    codes = torch.arange(256, dtype=torch.uint8).view(getattr(torch, name))
+    want = torch.isfinite(codes.float())
+    assert [all_finite(codes[i:i + 1]) for i in range(256)] == want.tolist()
+    assert all_finite(codes[want]) and not all_finite(codes)

@@ -488,6 +488,10 @@ def _same(model, snap):
     (lambda sd: sd.update({"lycoris_head.lora_up.weight": torch.ones(5, 3)}), "lycoris_head: lora_down"),
     (lambda sd: sd.update({"lycoris_conv2.alpha": torch.tensor(float("nan"))}), "alpha"),
     (lambda sd: sd.pop("lycoris_conv1.dora_scale"), "mixes DoRA layers"),
+    # an fp8 lora_down with e4m3's NaN code: the finiteness check works on fp8 on every torch (2.14 has no fp8
+    # isfinite kernel)
+    (lambda sd: sd.update({"lycoris_lin1.lora_down.weight": _e4m3_with_nan(sd["lycoris_lin1.lora_down.weight"])}),
+     r"lycoris_lin1.lora_down.weight: must be finite"),
 ])
 def test_import_refuses_and_leaves_the_model(tmp_path, damage, message):
     """Every key is matched and checked first: what cannot become PEFT DoRA is an error naming it, and the model is
@@ -500,6 +504,26 @@ def test_import_refuses_and_leaves_the_model(tmp_path, damage, message):
     with pytest.raises(ValueError, match=message):
         dorafp8.load_kohya_dora(model, sd)
     assert _same(model, snap)
+
+
+def _e4m3_with_nan(t):
+    bits = t.to(torch.float8_e4m3fn).view(torch.uint8).clone()
+    bits.view(-1)[1] = 0x7F  # S.1111.111: e4m3fn's NaN
+    return bits.view(torch.float8_e4m3fn)
+
+
+def test_fp8_adapter_weights_load_as_their_values(tmp_path):
+    """A file whose lora_down / lora_up are stored in e4m3 (finite) loads exactly as the same values stored in fp32."""
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    sd = load_file(path)
+    fp8 = {k: v.to(torch.float8_e4m3fn) if k.endswith((".lora_down.weight", ".lora_up.weight")) else v
+           for k, v in sd.items()}
+    as_fp32 = {k: v.float() if v.dtype == torch.float8_e4m3fn else v for k, v in fp8.items()}
+    a = dorafp8.load_kohya_dora(copy.deepcopy(model), fp8).eval()
+    b = dorafp8.load_kohya_dora(copy.deepcopy(model), as_fp32).eval()
+    with torch.no_grad():
+        assert torch.equal(a(X), b(X))
 
 
 def test_import_is_all_or_nothing_after_peft_built_layers(tmp_path, monkeypatch):

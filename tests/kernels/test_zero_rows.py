@@ -132,7 +132,8 @@ def test_peft_model_trains_without_nan_and_zero_rows_stay_zero(per_row):
         opt.step()
         opt.zero_grad()
         assert (outs[-1][..., dead] == 0).all(), step  # o_proj has no bias: zero rows give zero outputs
-    assert all(torch.isfinite(p).all() for p in pm.parameters())
+    assert all(torch.isfinite(p.float()).all() for p in pm.parameters())  # fp8 weights too: isfinite has no fp8
+    # kernel on some torch releases (2.14)
     assert (mag[dead] == 0).all() and (layer.lora_B["default"].weight[dead] == 0).all()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
