@@ -208,16 +208,27 @@ def arch_of_capability(major: int, minor: int) -> str:
     return "sm120"  # 12.x; unknown: the smallest shared memory of the GPUs the Triton backend runs on (8.6's 99 KB)
 
 
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton: the kernels' code generation choices that depend on it read this."""
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def w8_via_f32(device) -> bool:
     return w8_via_f32_for(arch_of(device))
 
 
 def w8_via_f32_for(arch: str) -> bool:
-    """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to): convert the e4m3 weight tile to bf16 through fp32 on Ada and
-    Hopper, whose e4m3 -> bf16 goes through fp16 and the slow F2F.BF16.F16 (per element; sm_89 under Triton 3.6
-    even fails in ptxas: "cvt .bf16.f16 requires sm_90"); directly on Blackwell (a native unpack, which the fp32
-    route would only lengthen). `python -m dorafp8.kernel_report` shows the instruction counts of both."""
-    return arch in ("sm90", "sm89")  # interp: exact either way (the interpreter computes bf16 tiles in fp32 anyway)
+    """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to) on `arch` under the installed Triton:
+    convert the e4m3 weight tile to bf16 through fp32 wherever Triton's e4m3 -> bf16 goes through fp16 and the slow
+    F2F.BF16.F16 (per element, plus a PRMT per pair): on Ada and Hopper always (sm_89 under Triton 3.6 even fails in
+    ptxas: "cvt .bf16.f16 requires sm_90"), and on Blackwell (sm_100a, sm_120) under Triton 3.6 to 3.8, read with
+    each of them (32 F2F + 16 PRMT per step of the 64 x 128 x 64 forward tile). Triton 3.9 unpacks e4m3 to bf16
+    natively on Blackwell, which the fp32 route would only lengthen. `python -m dorafp8.kernel_report` shows the
+    instruction counts of both."""
+    if arch == "interp":  # exact either way (the interpreter computes bf16 tiles in fp32 anyway)
+        return False
+    return arch in ("sm90", "sm89") or triton_version() < (3, 9)
 
 
 def fp8_promote(device) -> bool:
@@ -268,6 +279,18 @@ _GEMM_TABLE = {
         [(16, 64, 128, 4, 4), (16, 128, 128, 3, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4)],
         [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)],
     ),
+}
+# Triton 3.8 stages the W8 tile of the two-accumulator (dropout) main loops through shared memory on the mma.sync
+# targets (3.6, 3.7 and 3.9 load it straight into registers: 49 -> 64 KB at 64 x 128 x 64, three stages) and then runs
+# out of registers: read with 3.8.0, the sm_89 forward spilled 16 to 88 bytes at 255 registers on 64 x 128 x 64 and
+# 64 x 64 x 64 (4 warps), the sm_89 dgrad 24 on the latter, the sm_120 forward 84 on it. Under 3.8 those targets'
+# two-accumulator large-M lists are these instead, none of which spills there in either kernel (bf16 and fp16, tensor
+# and row scales, 16-bit and fp32 adapters, W8A16 and W8A8).
+_TWO_ACC_LARGE_BY_TRITON = {
+    (3, 8): {
+        "sm89": [(128, 64, 64, 3, 8), (64, 64, 64, 3, 8), (32, 64, 64, 4, 4)],
+        "sm120": [(64, 128, 64, 3, 8), (64, 128, 64, 4, 8)],
+    },
 }
 # fp32 compute (input_precision="ieee": CUDA-core FMA, no tensor cores) stages 4-byte activation tiles; big tiles buy
 # nothing there and overflow Ada's shared memory, so it gets its own small list on every GPU.
@@ -320,6 +343,7 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
         rows = table[1] if m <= 64 else table[0]
     else:
         big, big2, small, small2 = _GEMM_TABLE[arch]
+        big2 = _TWO_ACC_LARGE_BY_TRITON.get(triton_version(), {}).get(arch, big2)
         rows = (small2 if two_acc else small) if m <= 64 else (big2 if two_acc else big)
         if lean and two_acc:
             rows = [row for row in rows if row[0] * row[1] // (32 * row[4]) <= _LEAN_TWO_ACC_MAX_ELEMS]

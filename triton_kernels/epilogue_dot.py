@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block_r, dot, dot_dtype
+from ._common import block_r, dot, dot_dtype, triton_version
 
 # With fp32 adapters (PEFT's default) and 16-bit outputs: three bf16 tensor-core products instead of an fp32 dot on CUDA
 # cores (split_dot). predict.py counts them.
@@ -45,7 +45,7 @@ def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
     and most configs with dropout and 16-bit adapters (28 of 33 forward, 20 of 33 dgrad). The FMAs cost the step
     about 6% at r = 16 (predicted), serialization its async overlap. Triton 3.6, 3.7 and 3.9 serialize none of
     them (`python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a` reads it under the installed Triton)."""
-    return arch == "sm90" and triton.__version__.startswith("3.8.") and (dgrad or dropout)
+    return arch == "sm90" and triton_version() == (3, 8) and (dgrad or dropout)
 
 
 @triton.jit

@@ -44,10 +44,11 @@ from ._common import dot
 @triton.jit
 def w8_to(w, DOT_DT: tl.constexpr, VIA_F32: tl.constexpr):
     """The e4m3 tile w in DOT_DT, exactly (every e4m3 value, subnormals included, is a bf16, fp16 and fp32 value; a
-    NaN stays a NaN). With VIA_F32 (w8_via_f32: bf16 on sm_89 / sm_90) it goes e4m3 -> fp32 -> bf16, which ptxas
-    makes F2FP.F16.E4M3.UNPACK_B + HADD2.F32 + F2FP.BF16.F32.PACK_AB, where Triton's e4m3 -> bf16 goes through fp16
-    and makes every element an F2F.BF16.F16 (the slow conversion pipe: 16 per clock per SM on Hopper) plus a PRMT per
-    pair; Blackwell unpacks e4m3 to bf16 natively, and fp16 is one unpack either way."""
+    NaN stays a NaN). With VIA_F32 (_common.w8_via_f32_for: bf16 wherever Triton has no native e4m3 -> bf16 unpack)
+    it goes e4m3 -> fp32 -> bf16, which ptxas makes F2FP.F16.E4M3.UNPACK_B + HADD2.F32 + F2FP.BF16.F32.PACK_AB, where
+    Triton's e4m3 -> bf16 goes through fp16 and makes every element an F2F.BF16.F16 (the slow conversion pipe: 16 per
+    clock per SM on Hopper) plus a PRMT per pair; Triton 3.9 unpacks e4m3 to bf16 natively on Blackwell, and fp16 is
+    one unpack either way."""
     if VIA_F32 and DOT_DT == tl.bfloat16:
         out = w.to(tl.float32).to(DOT_DT)
     else:

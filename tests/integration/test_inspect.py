@@ -191,14 +191,34 @@ if fold_requested():  # the opt-in folded dgrad (W8 * f formed in fp32) at ptxas
                    "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4"))
 
 
+# Serialized under one Triton version only, as KNOWN_SPILLS below: Triton 3.8 serializes the sm_90a dgrad with dropout and
+# fp32 adapters on both 128-wide BLOCK_K tiles, at r = 16 as at 64, though its rank-r term is fp32 FMAs there
+# (epilogue_dot.rank_fma_for); 3.6, 3.7 and 3.9 only the 64 x 128 x 64 one at r = 64. Kept in the list: the autotuner
+# times them against the two unserialized tiles beside them, and with 16-bit adapters they are not serialized.
+KNOWN_SERIALIZED_BY_TRITON: dict[str, set] = {
+    "3.8": {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
+             "BLOCK_M=128,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")},
+}
+
+
+def _triton_minor():
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
+
 def test_sm90_wgmma_not_serialized(records):
     # ptxas serializes wgmma (C7512) when registers run out: the async overlap the kernels are built around is lost.
     recs = _select(records, "triton", GEMMS, "sm_90a", MMA_TYPES)
     assert recs
+    known = KNOWN_SERIALIZED | KNOWN_SERIALIZED_BY_TRITON.get(_triton_minor(), set())
     serialized = [r for r in recs if any("C7512" in n or "serialized" in n for n in r["ptxas_notes"])]
-    bad = [r for r in serialized if _key(r) not in KNOWN_SERIALIZED]
+    bad = [r for r in serialized if _key(r) not in known]
     _none_of(bad, "have wgmma serialized by ptxas",
              "\nptxas says:\n" + "\n".join(sorted({re.sub(r" in line \d+$", "", n) for r in bad for n in r["ptxas_notes"]})))
+    gone = {_key(r) for r in recs if _key(r) in known} - {_key(r) for r in serialized}
+    assert not gone, (f"no longer serialized under Triton {_triton_minor()}, remove them from KNOWN_SERIALIZED "
+                      f"(or its entry for this version): {sorted(gone)}")
     if serialized:
         pytest.xfail(f"known serialized wgmma (KNOWN_SERIALIZED):{_rows(serialized)}")
 
@@ -288,8 +308,7 @@ def _key(r):
 def test_no_spills(records):
     import triton
 
-    version = ".".join(triton.__version__.split(".")[:2])
-    known = KNOWN_SPILLS.get(version, set())
+    known = KNOWN_SPILLS.get(_triton_minor(), set())
     spills = [r for r in records if not r["error"] and r["spill_bytes"]]
     _none_of([r for r in spills if _key(r) not in known | MAY_SPILL], "spill registers")
     gone = {_key(r) for r in records if not r["error"] and _key(r) in known} - {_key(r) for r in spills}

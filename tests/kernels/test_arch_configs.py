@@ -110,3 +110,34 @@ def test_rank_term_is_fp32_fma_on_hopper_under_triton_3_8(monkeypatch):
     # and the launchers ask for it from the device they run on
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert C.arch_of(torch.device("cuda", 0)) == "sm90"
+
+
+def test_weight_tile_goes_through_fp32_where_triton_has_no_native_unpack(monkeypatch):
+    """gemm.w8_to converts e4m3 -> bf16 through fp32 wherever Triton's own conversion goes through fp16 and F2F: Ada and
+    Hopper always, Blackwell under Triton 3.6 to 3.8 (3.9 unpacks natively there). The compiled main loops are checked
+    for F2F by tests/integration/test_inspect.py under each Triton of the version matrix; here the choice itself."""
+    import triton
+
+    for version, blackwell in (("3.6.0", True), ("3.7.1", True), ("3.8.0", True), ("3.9.0", False), ("3.10.0", False)):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert {t: C.w8_via_f32_for(t) for t in ("sm90", "sm89", "sm100", "sm120", "interp")} == {
+            "sm90": True, "sm89": True, "sm100": blackwell, "sm120": blackwell, "interp": False}, version
+
+
+def test_two_accumulator_lists_under_triton_3_8(monkeypatch):
+    """Triton 3.8 spills the two-accumulator (dropout) main loops of some mma.sync tiles (sm_89, sm_120) that 3.6, 3.7
+    and 3.9 compile without: under 3.8 those two tables' large-M two-accumulator lists are other tiles, and nothing else
+    changes (the lists are compiled and checked for spills under each Triton by tests/integration/test_inspect.py)."""
+    import triton
+
+    def lists(table):
+        return [[str(c) for c in C.gemm_configs_for(table, o, r, two_acc, m, False)]
+                for o, r in (("BLOCK_N", "BLOCK_K"), ("BLOCK_K", "BLOCK_N")) for two_acc in (False, True) for m in (16, 4096)]
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    newest = {t: lists(t) for t in C._GEMM_TABLE}
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    for table in C._GEMM_TABLE:
+        changed = [i for i, (a, b) in enumerate(zip(newest[table], lists(table))) if a != b]
+        # (forward, dgrad) x (one, two accumulators) x (small, large M): index 3 and 7 are the two-accumulator large-M
+        assert changed == ([3, 7] if table in ("sm89", "sm120") else []), table
