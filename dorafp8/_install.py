@@ -21,6 +21,8 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
   none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
 - FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
   (dorafp8.distributed.install_fsdp_support).
+- FSDP1: wrapping a model with fp8 weights must be refused at once, naming FSDP2 (it fails later, deep in its
+  flattening, otherwise: dorafp8.distributed.install_fsdp1_refusal).
 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
@@ -37,7 +39,8 @@ import os
 import sys
 import warnings
 
-from .distributed import FSDP_PARAM_MODULES, install_ddp_support, install_fsdp_support
+from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
+                          install_fsdp_support)
 
 
 def _peft() -> None:
@@ -77,6 +80,8 @@ _WATCHED = {
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
     "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
                           "dorafp8.register_with_lycoris() after fixing the cause)"),
+    FSDP1_MODULE: (install_fsdp1_refusal, "FSDP1 fails on fp8 layers with 'Must flatten tensors with uniform dtype' "
+                                          "instead of naming FSDP2"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }
