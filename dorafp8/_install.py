@@ -39,6 +39,9 @@ import os
 import sys
 import warnings
 
+import torch
+
+from ._deps import peft_too_old
 from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
                           install_fsdp_support)
 
@@ -46,7 +49,35 @@ from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support,
 def _peft() -> None:
     # Importing dorafp8.peft registers (its __init__ ends with register_with_peft()). When peft itself is being
     # imported by dorafp8.peft, that package is still half-initialised here: it registers when it finishes.
-    from . import peft  # noqa: F401
+    if peft_too_old() is None:
+        from . import peft  # noqa: F401
+    else:
+        _refuse_fp8_layers_in_old_peft()
+
+
+def _refuse_fp8_layers_in_old_peft() -> None:
+    """On a peft older than dorafp8's layers need (LLaMA-Factory pins one), get_peft_model on an fp8 layer fails
+    with PEFT's own error deep in its DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
+    refuse it instead, naming the peft needed and the launcher. Everything else PEFT does is left alone."""
+    from peft.tuners.lora.model import LoraModel
+
+    from .nn import FP8WeightModule
+    from .quant import is_fp8
+
+    orig = LoraModel._create_new_module
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+        weight = getattr(base, "weight", None)
+        if isinstance(base, FP8WeightModule) or (getattr(lora_config, "use_dora", False)
+                                                 and isinstance(weight, torch.Tensor) and is_fp8(weight)):
+            raise RuntimeError(f"{kwargs.get('current_key', type(base).__name__)}: {peft_too_old()}")
+        return orig(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module._dorafp8_orig = orig
+    LoraModel._create_new_module = staticmethod(_create_new_module)
 
 
 def _transformers() -> None:
@@ -166,4 +197,31 @@ def watch_imports() -> None:
             _run(name)
         else:
             _pending.add(name)
+    install_finder()
+
+
+def watch(name: str, hook, consequence: str) -> None:
+    """Runs `hook()` once module `name` has been imported (at once if it is loaded), as for the modules above; a
+    failure warns, saying `consequence`. Hooks for the same module run in the order they were added. For what asks
+    for more than `import dorafp8` does (dorafp8.launcher's options); not subject to DORAFP8_NO_PATCHES, which the
+    caller checks."""
+    if sys.modules.get(name) is not None:
+        _WATCHED.setdefault(name, (hook, consequence))
+        try:
+            hook()
+        except Exception as e:
+            warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
+                          RuntimeWarning, stacklevel=2)
+        return
+    prev = _WATCHED.get(name)
+    if prev is None:
+        _WATCHED[name] = (hook, consequence)
+    else:
+        def both(first=prev[0]):
+            try:
+                first()
+            finally:
+                hook()
+        _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
+    _pending.add(name)
     install_finder()

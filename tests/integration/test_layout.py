@@ -28,7 +28,8 @@ LAYERS = [
     ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
     ("peft", ["dorafp8.peft", "dorafp8.lycoris"]),
     ("files", ["dorafp8.checkpoint"]),
-    ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8._memory", "dorafp8.demo", "dorafp8.kernel_report",
+    ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8.launcher", "dorafp8._memory", "dorafp8.demo",
+                     "dorafp8.kernel_report",
                      "dorafp8.__main__", "dorafp8"]),
 ]
 
