@@ -21,6 +21,8 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
   none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
 - FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
   (dorafp8.distributed.install_fsdp_support).
+- OneTrainer (its modules.module.LoRAModule, imported from its checkout): its DoRAModule on fp8 linear layers must
+  compute through the fused op (dorafp8.onetrainer);
 - FSDP1: wrapping a model with fp8 weights must be refused at once, naming FSDP2 (it fails later, deep in its
   flattening, otherwise: dorafp8.distributed.install_fsdp1_refusal).
 
@@ -99,6 +101,12 @@ def _lycoris() -> None:
     from . import lycoris  # noqa: F401
 
 
+def _onetrainer() -> None:
+    from .onetrainer import register_with_onetrainer
+
+    register_with_onetrainer()
+
+
 def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
@@ -111,6 +119,8 @@ _WATCHED = {
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
     "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
                           "dorafp8.register_with_lycoris() after fixing the cause)"),
+    "modules.module.LoRAModule": (_onetrainer, "OneTrainer's DoRA on fp8 layers computes its own dense fp32 "
+                                               "weight (dorafp8.onetrainer)"),
     FSDP1_MODULE: (install_fsdp1_refusal, "FSDP1 fails on fp8 layers with 'Must flatten tensors with uniform dtype' "
                                           "instead of naming FSDP2"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
