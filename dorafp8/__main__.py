@@ -1,9 +1,11 @@
-"""python -m dorafp8: what this installation can run (versions, devices, backends and why one is missing)."""
+"""`dorafp8` / `python -m dorafp8`: what this installation can run (versions, devices, backends and why one is
+missing); `dorafp8 run [options] -- <command>` runs a trainer's command with dorafp8 installed (dorafp8/launcher.py)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import platform
+import sys
 
 import torch
 
@@ -40,5 +42,20 @@ def report() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run":
+        from .launcher import main as run
+
+        return run(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: dorafp8             what this installation can run\n"
+              "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
+              "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
+        return 0
     print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import re
 import warnings
@@ -48,6 +49,25 @@ def untested_version(dist: str, version: str) -> str | None:
     oldest = ".".join(map(str, OLDEST_TESTED[dist]))
     return (f"{dist} {version} is older than {oldest}, the oldest dorafp8 is tested with: "
             f"pip install '{dist}>={oldest}'")
+
+
+# dorafp8's PEFT layers subclass PEFT 0.21's LoRA layers and variants (pyproject's `peft` extra requires it).
+PEFT_OLDEST = (0, 21)
+
+
+def peft_too_old() -> str | None:
+    """None if peft is missing or at least PEFT_OLDEST, else a sentence naming the version, the fix and the trainer
+    that pins an older peft (LLaMA-Factory) with the command that runs it."""
+    try:
+        version = importlib.metadata.version("peft")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m[1]), int(m[2])) >= PEFT_OLDEST:
+        return None
+    return (f"peft {version} is installed, and dorafp8's PEFT layers need peft>=0.21: pip install 'peft>=0.21'. "
+            f"LLaMA-Factory pins an older peft; with peft>=0.21 beside it, run it as `DISABLE_VERSION_CHECK=1 "
+            f"dorafp8 run --quantize -- llamafactory-cli train config.yaml` (docs/TRAINERS.md)")
 
 
 def warn_if_untested_torch() -> None:

@@ -21,6 +21,10 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
   none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
 - FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
   (dorafp8.distributed.install_fsdp_support).
+- OneTrainer (its modules.module.LoRAModule, imported from its checkout): its DoRAModule on fp8 linear layers must
+  compute through the fused op (dorafp8.onetrainer);
+- FSDP1: wrapping a model with fp8 weights must be refused at once, naming FSDP2 (it fails later, deep in its
+  flattening, otherwise: dorafp8.distributed.install_fsdp1_refusal).
 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
@@ -37,13 +41,45 @@ import os
 import sys
 import warnings
 
-from .distributed import FSDP_PARAM_MODULES, install_ddp_support, install_fsdp_support
+import torch
+
+from ._deps import peft_too_old
+from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
+                          install_fsdp_support)
 
 
 def _peft() -> None:
     # Importing dorafp8.peft registers (its __init__ ends with register_with_peft()). When peft itself is being
     # imported by dorafp8.peft, that package is still half-initialised here: it registers when it finishes.
-    from . import peft  # noqa: F401
+    if peft_too_old() is None:
+        from . import peft  # noqa: F401
+    else:
+        _refuse_fp8_layers_in_old_peft()
+
+
+def _refuse_fp8_layers_in_old_peft() -> None:
+    """On a peft older than dorafp8's layers need (LLaMA-Factory pins one), get_peft_model on an fp8 layer fails
+    with PEFT's own error deep in its DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
+    refuse it instead, naming the peft needed and the launcher. Everything else PEFT does is left alone."""
+    from peft.tuners.lora.model import LoraModel
+
+    from .nn import FP8WeightModule
+    from .quant import is_fp8
+
+    orig = LoraModel._create_new_module
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+        weight = getattr(base, "weight", None)
+        if isinstance(base, FP8WeightModule) or (getattr(lora_config, "use_dora", False)
+                                                 and isinstance(weight, torch.Tensor) and is_fp8(weight)):
+            raise RuntimeError(f"{kwargs.get('current_key', type(base).__name__)}: {peft_too_old()}")
+        return orig(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module._dorafp8_orig = orig
+    LoraModel._create_new_module = staticmethod(_create_new_module)
 
 
 def _transformers() -> None:
@@ -65,6 +101,12 @@ def _lycoris() -> None:
     from . import lycoris  # noqa: F401
 
 
+def _onetrainer() -> None:
+    from .onetrainer import register_with_onetrainer
+
+    register_with_onetrainer()
+
+
 def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
@@ -77,6 +119,10 @@ _WATCHED = {
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
     "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
                           "dorafp8.register_with_lycoris() after fixing the cause)"),
+    "modules.module.LoRAModule": (_onetrainer, "OneTrainer's DoRA on fp8 layers computes its own dense fp32 "
+                                               "weight (dorafp8.onetrainer)"),
+    FSDP1_MODULE: (install_fsdp1_refusal, "FSDP1 fails on fp8 layers with 'Must flatten tensors with uniform dtype' "
+                                          "instead of naming FSDP2"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }
@@ -161,4 +207,31 @@ def watch_imports() -> None:
             _run(name)
         else:
             _pending.add(name)
+    install_finder()
+
+
+def watch(name: str, hook, consequence: str) -> None:
+    """Runs `hook()` once module `name` has been imported (at once if it is loaded), as for the modules above; a
+    failure warns, saying `consequence`. Hooks for the same module run in the order they were added. For what asks
+    for more than `import dorafp8` does (dorafp8.launcher's options); not subject to DORAFP8_NO_PATCHES, which the
+    caller checks."""
+    if sys.modules.get(name) is not None:
+        _WATCHED.setdefault(name, (hook, consequence))
+        try:
+            hook()
+        except Exception as e:
+            warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
+                          RuntimeWarning, stacklevel=2)
+        return
+    prev = _WATCHED.get(name)
+    if prev is None:
+        _WATCHED[name] = (hook, consequence)
+    else:
+        def both(first=prev[0]):
+            try:
+                first()
+            finally:
+                hook()
+        _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
+    _pending.add(name)
     install_finder()

@@ -212,3 +212,62 @@ def uninstall_fsdp_support() -> None:
     on FSDP2 groups initialized afterwards (FSDP settles the dtypes at the first forward)."""
     if torch.distributed.is_available():
         _unwrap(_fsdp_param_class(False), "init_dtype_attrs")
+
+
+# ---- FSDP1: refused at wrap time -------------------------------------------------------------------------------------
+
+FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
+
+FSDP1_REFUSAL = (
+    "FullyShardedDataParallel (FSDP1) cannot wrap {what}: it flattens each unit's parameters into one FlatParameter "
+    "of one dtype, and a dorafp8 layer keeps an e4m3 weight beside its 16/32-bit bias and adapters (FSDP1 would stop "
+    "with 'Must flatten tensors with uniform dtype'). Use FSDP2, which shards each parameter in its own dtype "
+    "(docs/MULTI_GPU.md): torch.distributed.fsdp.fully_shard; in accelerate `fsdp_version: 2` in the config file "
+    "(or FSDP_VERSION=2, or FullyShardedDataParallelPlugin(fsdp_version=2)); in the HF Trainer "
+    "fsdp_config={{\"version\": 2}} (the default from transformers 5 on)")
+
+
+def _ignored_param_ids(kwargs) -> set:
+    ids = set()
+    for key in ("ignored_modules", "ignored_states"):
+        for item in kwargs.get(key) or ():
+            ids |= {id(p) for p in item.parameters()} if isinstance(item, torch.nn.Module) else {id(item)}
+    return ids
+
+
+def _wrap_fsdp1_init(orig):
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        module = bound.arguments.get("module")
+        if isinstance(module, torch.nn.Module):
+            ignored = _ignored_param_ids(bound.arguments)
+            fp8 = [n for n, p in module.named_parameters() if is_fp8(p) and id(p) not in ignored]
+            if fp8:
+                raise TypeError(FSDP1_REFUSAL.format(what=f"a module with {len(fp8)} fp8 weights (e.g. {fp8[0]!r})"))
+        return orig(self, *args, **kwargs)
+
+    __init__._dorafp8_orig = orig
+    return __init__
+
+
+def install_fsdp1_refusal() -> bool:
+    """Makes FullyShardedDataParallel (FSDP1) refuse, when it wraps, a module holding fp8 weights it would flatten,
+    with an error that names FSDP2 and how accelerate and the HF Trainer select it (FSDP1 itself fails later, in its
+    flattening, with 'Must flatten tensors with uniform dtype'). Wraps FullyShardedDataParallel.__init__; idempotent;
+    `import dorafp8` runs it when FSDP1's module is imported. Returns whether it is installed."""
+    mod = sys.modules.get(FSDP1_MODULE)
+    cls = getattr(mod, "FullyShardedDataParallel", None)
+    if cls is None:
+        return False
+    _wrap_once(cls, "__init__", _wrap_fsdp1_init)
+    return True
+
+
+def uninstall_fsdp1_refusal() -> None:
+    """Puts back FSDP1's own FullyShardedDataParallel.__init__ (for tests and for debugging)."""
+    cls = getattr(sys.modules.get(FSDP1_MODULE), "FullyShardedDataParallel", None)
+    if cls is not None:
+        _unwrap(cls, "__init__")

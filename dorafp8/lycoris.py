@@ -56,7 +56,8 @@ from torch import Tensor, nn
 from .nn import FP8ConvNd, FP8Linear
 from .nn.conv import NN_CONV
 from .ops import dora_fp8_conv, dora_fp8_linear, weight_norm
-from .quant import dequantize_e4m3, row_blocks, scale_kind, w0_rows
+from .merge import adapted_row_blocks, column_norms
+from .quant import dequantize_e4m3
 
 FP8_LAYERS = (FP8Linear, FP8ConvNd)
 
@@ -126,13 +127,6 @@ def _modules_among(args, kwargs):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _v_blocks(w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float):
-    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, W0 dequantized from w8 one row block (<= 16 MiB) at a time."""
-    N, K = w8.shape
-    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
-        yield j0, j1, w0_rows(w8, scale, block_size, j0, j1).addmm_(B[j0:j1], A, alpha=s)
-
-
 class _AdapterNorm(torch.autograd.Function):
     """||V|| (fp32) for V = W0 + s B A [N, K] with W0 = scale * w8: per row (axis 0; the fused weight_norm op) or per
     input column, the squares of each `group` consecutive columns summed (axis 1: a conv's per-input-channel norm over
@@ -144,11 +138,7 @@ class _AdapterNorm(torch.autograd.Function):
         if axis == 0:
             n = weight_norm(w8, scale, A, B, s, backend=backend, block_size=block_size)
         else:
-            with torch.autocast(w8.device.type, enabled=False):
-                sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
-                for _, _, V in _v_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):
-                    sq += V.square_().sum(0)
-            n = sq.view(-1, group).sum(1).sqrt_()
+            n = column_norms(w8, scale, block_size, A, B, s, group)
         ctx.save_for_backward(A, B, w8, scale, n)
         ctx.args = (block_size, s, axis, group)
         return n
@@ -163,7 +153,7 @@ class _AdapterNorm(torch.autograd.Function):
                 kappa = kappa.repeat_interleave(group)
             A32, B32 = A.detach().float(), B.detach().float()
             dA, dB = torch.zeros_like(A32), torch.empty_like(B32)
-            for j0, j1, V in _v_blocks(w8, scale, block_size, A32, B32, s):
+            for j0, j1, V in adapted_row_blocks(w8, scale, block_size, A32, B32, s):
                 G = V.mul_(kappa[j0:j1, None] if axis == 0 else kappa)  # dL/dV for these rows
                 torch.mm(G, A32.t(), out=dB[j0:j1])
                 dA.addmm_(B32[j0:j1].t(), G, alpha=s)

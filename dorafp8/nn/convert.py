@@ -111,7 +111,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     (docs/DORA_MATH.md, "Dtype policy"); on a layerwise-casting model the layers diffusers left in high precision (its
     skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
-    touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model.
+    touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
+    `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
     Returns how many layers were swapped.
     """
     check_backend_name(backend)
@@ -124,7 +125,11 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         for name, mod in model.named_modules():
             if isinstance(mod, tuner):
                 inside_tuner |= {f"{name}.{sub}" if name else sub for sub, _ in mod.named_modules() if sub}
-    swaps, skipped, candidates = [], [], []
+    # nn.MultiheadAttention reads out_proj.weight itself (F.multi_head_attention_forward), never calling out_proj:
+    # an fp8 weight there breaks its forward ("self and mat2 must have the same dtype"), so those stay dense.
+    read_directly = {f"{n}.out_proj" if n else "out_proj" for n, m in model.named_modules()
+                     if isinstance(m, nn.MultiheadAttention)}
+    swaps, skipped, candidates, left_dense = [], [], [], []
     for name, mod in model.named_modules():
         is_conv = isinstance(mod, _CONV_KINDS)
         if not (isinstance(mod, kinds) or is_conv):
@@ -137,14 +142,21 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             continue
         if _matches(name, excluded):
             continue
+        if name in read_directly:
+            left_dense.append(name)
+            continue
         (skipped if name in inside_tuner else swaps).append(name)
+    if left_dense and targets is not None:
+        warnings.warn(f"quantize_model left {len(left_dense)} layers dense (e.g. {left_dense[0]!r}): they are the "
+                      f"out_proj of an nn.MultiheadAttention, whose forward reads out_proj.weight directly instead of "
+                      f"calling the layer, so an fp8 weight there would break it", stacklevel=2)
     if skipped:
         warnings.warn(
             f"quantize_model left {len(skipped)} layers inside PEFT adapter layers as they are (e.g. {skipped[0]!r}): "
             f"quantizing them would turn the trainable lora_A/lora_B into frozen fp8. Quantize before get_peft_model, "
             f"or use dorafp8.convert_peft_model(model) to put the base weights of PEFT DoRA layers in fp8",
             stacklevel=2)
-    if targets is not None and not swaps and not skipped:
+    if targets is not None and not swaps and not skipped and not left_dense:
         peft_hits = [n for n, m in model.named_modules() if tuner is not None and isinstance(m, tuner)
                      and _matches(n, targets)]
         if peft_hits:

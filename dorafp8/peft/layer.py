@@ -68,13 +68,20 @@ class FP8DoraVariantMixin:
         # PEFT's DoRA init, with the magnitude (the row norms of W0 + s B A) computed from the fp8 weight.
         if not module.lora_magnitude_vector:
             module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
-        dtype = module.lora_A[adapter_name].weight.dtype
-        n = module.dora_weight_norm(adapter_name, use_cache=False)
-        m = n.to(dtype)
-        if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow adapter dtype may not be
-            raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
-                             f"{float(n.max()):.4g}) overflows {dtype}; create the adapters in float32 (PEFT's "
-                             f"autocast_adapter_dtype=True, the default, does)")
+        lora_A = module.lora_A[adapter_name].weight
+        dtype = lora_A.dtype
+        if lora_A.device.type == "meta":
+            # PeftModel.from_pretrained / load_adapter with low_cpu_mem_usage=True make the adapters on the meta
+            # device and assign the file's tensors (the magnitude's too) afterwards; PEFT's DoRA init gives a meta
+            # magnitude there as well. The norm of meta adapters cannot be computed, and is not needed.
+            m = torch.empty(module.out_features, dtype=dtype, device="meta")
+        else:
+            n = module.dora_weight_norm(adapter_name, use_cache=False)
+            m = n.to(dtype)
+            if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow dtype may not be
+                raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "
+                                 f"{float(n.max()):.4g}) overflows {dtype}; create the adapters in float32 (PEFT's "
+                                 f"autocast_adapter_dtype=True, the default, does)")
         holder, m = cls._magnitude(module, m)
         dora_layer = holder(fan_in_fan_out=False)
         dora_layer.weight = nn.Parameter(m, requires_grad=True)

@@ -52,19 +52,23 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
 def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     """Raises, before anything is merged, if any LoRA layer of `model` could not merge `adapter_names` (None: the
     active adapters): PEFT merges layer after layer, so a failure at layer 11 would leave 10 merged (and, in
-    merge_and_unload, unloaded). Asks every dorafp8 layer (DoRAFP8Layer.merge_problems) and checks PEFT's own conv
-    layers for the groups > 1 that PEFT's merge refuses."""
-    problems = []
+    merge_and_unload, unloaded). Asks every dorafp8 layer (DoRAFP8Layer.merge_problems: a ValueError) and checks
+    PEFT's own conv layers for the groups > 1 that PEFT's merge refuses: that is PEFT's NotImplementedError, with
+    PEFT's message, so that code catching PEFT's exception still catches it."""
+    problems, peft_refuses = [], []
     for name, mod in model.named_modules():
         if isinstance(mod, DoRAFP8Layer):
             problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]
         elif isinstance(mod, lora_layer._ConvNd) and getattr(mod.get_base_layer(), "groups", 1) > 1:
             names = mod.active_adapters if adapter_names is None else adapter_names
             if any(a in mod.lora_A and a not in mod.merged_adapters for a in names):
-                problems.append(f"{name}: PEFT does not merge into a conv with groups > 1")
+                peft_refuses.append(f"{name}: PEFT does not merge into a conv with groups > 1")
+    problems += peft_refuses
     if problems:
-        raise ValueError(f"nothing was merged: {len(problems)} problem(s) found before merging:\n  "
-                         + "\n  ".join(problems))
+        msg = f"nothing was merged: {len(problems)} problem(s) found before merging:\n  " + "\n  ".join(problems)
+        if peft_refuses:  # PEFT's own words (peft/tuners/lora/layer.py, _ConvNd.merge) first
+            raise NotImplementedError("Merging is not supported for _ConvNd layers with groups > 1! " + msg)
+        raise ValueError(msg)
 
 
 def _checked_merge(method):

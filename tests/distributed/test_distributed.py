@@ -159,6 +159,42 @@ class _no_warning:
         return self._cm.__exit__(*exc)
 
 
+_FSDP1_JOB = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import dorafp8
+from dorafp8.distributed import uninstall_fsdp1_refusal
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from tests.distributed import _dist_common as C
+for refusal in (True, False):
+    if not refusal:
+        uninstall_fsdp1_refusal()
+    try:
+        FSDP(C.build_model(0), device_id=torch.device("cpu"))
+        print("wrapped")
+    except Exception as e:
+        print(type(e).__name__, "::", e)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp1_is_refused_at_wrap_time_naming_fsdp2():
+    """FSDP1 (FullyShardedDataParallel; accelerate's FSDP plugin at version 1, older HF Trainers' fsdp="full_shard")
+    failed inside its flattening with 'Must flatten tensors with uniform dtype'. It is now refused when it wraps,
+    with an error naming FSDP2 and how accelerate and the Trainer select it (issue 41, item 5). One process, gloo."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _FSDP1_JOB, str(_free_port())], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    refused, without = [line for line in r.stdout.splitlines() if "::" in line or line == "wrapped"]
+    assert refused.startswith("TypeError :: FullyShardedDataParallel (FSDP1) cannot wrap a module with 14 fp8")
+    for fix in ("fully_shard", "`fsdp_version: 2`", "FSDP_VERSION=2", 'fsdp_config={"version": 2}'):
+        assert fix in refused
+    assert "Must flatten tensors with uniform dtype" in without  # what FSDP1 itself says, later
+
+
 # ---- 2-process jobs ----------------------------------------------------------------------------------------------
 
 

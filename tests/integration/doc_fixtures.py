@@ -154,3 +154,54 @@ def sdxl_batch(batch: int = 2, seed: int = 0):
     noise, noisy_latents, timesteps, encoder_hidden_states = _latent_batch(batch, g)
     added = {"text_embeds": torch.randn(batch, 32, generator=g), "time_ids": torch.randn(batch, 6, generator=g)}
     return noisy_latents, timesteps, encoder_hidden_states, added, noise
+
+
+_WORDS = "the a cat dog sat on mat ran to home big small red blue and is was".split()
+
+
+def write_trainer_checkpoint(path, seed: int = 0, dequantized: bool = False):
+    """A tiny LLaMA checkpoint at `path` as trainers load it (`from_pretrained`): weights, config and a word-level
+    tokenizer (built here, nothing downloaded). dequantized=True: the weights its fp8 quantization gives, dequantized
+    (plain PEFT's twin of the fp8 model); returns the number of nn.Linear layers quantize_model takes."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import dorafp8
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + _WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>", unk_token="<unk>")
+    model = tiny_llama(seed, vocab_size=len(vocab), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    if dequantized:
+        for name in linears:
+            lin = model.get_submodule(name)
+            lin.weight.data = dorafp8.FP8Linear.from_float(lin).dequantize()
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return len(linears)
+
+
+def write_sft_data(path, n: int = 32, seed: int = 0, alpaca: bool = False):
+    """`n` short texts in `path`/train.jsonl ({"text": ...}, what TRL's sft reads); alpaca=True: LLaMA-Factory's
+    layout instead, `path`/tiny.json (instruction / input / output) and `path`/dataset_info.json naming it "tiny"."""
+    import json
+    import random
+
+    rnd = random.Random(seed)
+    os.makedirs(path, exist_ok=True)
+
+    def words(k):
+        return " ".join(rnd.choice(_WORDS) for _ in range(k))
+
+    if alpaca:
+        with open(os.path.join(path, "tiny.json"), "w") as f:
+            json.dump([{"instruction": words(5), "input": "", "output": words(6)} for _ in range(n)], f)
+        with open(os.path.join(path, "dataset_info.json"), "w") as f:
+            json.dump({"tiny": {"file_name": "tiny.json"}}, f)
+        return
+    with open(os.path.join(path, "train.jsonl"), "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": words(rnd.randint(6, 14))}) + "\n")

@@ -26,9 +26,10 @@ LAYERS = [
     ("backends", ["dorafp8.backends", "dorafp8.triton_kernels"]),
     ("ops", ["dorafp8.ops"]),
     ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
-    ("peft", ["dorafp8.peft", "dorafp8.lycoris"]),
+    ("peft", ["dorafp8.peft", "dorafp8.lycoris", "dorafp8.onetrainer"]),
     ("files", ["dorafp8.checkpoint"]),
-    ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8._memory", "dorafp8.demo", "dorafp8.kernel_report",
+    ("integration", ["dorafp8.distributed", "dorafp8._install", "dorafp8.launcher", "dorafp8._memory", "dorafp8.demo",
+                     "dorafp8.kernel_report",
                      "dorafp8.__main__", "dorafp8"]),
 ]
 

@@ -320,3 +320,40 @@ def test_errors_name_the_fix():
                                          r"layer peft.tuners.loha.layer.Linear.*dorafp8.quantize_model\(model\).*"
                                          r"before adding the first adapter"):
         mixed.add_adapter("dora", LoraConfig(r=2, use_dora=True, target_modules=["lin"]))
+
+
+class _TwoAttentions(nn.Module):
+    """nn.MultiheadAttention (reads out_proj.weight itself) beside an attention that calls its out_proj layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out_proj = nn.Linear(16, 16)  # called as a layer: quantized like any other
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc(self.out_proj(self.mha(x, x, x)[0]))
+
+
+def test_quantize_model_leaves_multihead_attention_out_proj_dense():
+    """quantize_model swapped nn.MultiheadAttention's out_proj (an nn.Linear subclass whose weight MHA's forward reads
+    directly) and the forward failed: 'self and mat2 must have the same dtype ... Float8_e4m3fn' (issue 41, item 3)."""
+    torch.manual_seed(0)
+    model = _TwoAttentions()
+    dense = copy.deepcopy(model)
+    dorafp8.quantize_model(model)
+    assert type(model.mha.out_proj) is type(dense.mha.out_proj)  # noqa: E721 (exactly MHA's own class)
+    assert isinstance(model.out_proj, FP8Linear) and isinstance(model.fc, FP8Linear)
+    for name in ("out_proj", "fc"):  # the dense twin: the same layers with their fp8 weights dequantized
+        getattr(dense, name).weight.data = getattr(model, name).dequantize()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert_close(model(x), dense(x), 1e-5, "model with MHA after quantize_model")
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["out_proj", "fc"]))
+    pm(x).square().mean().backward()  # the top-level out_proj and fc take dorafp8's DoRA; MHA's stays PEFT's
+    assert isinstance(pm.base_model.model.fc, DoRAFP8Linear)
+
+    with pytest.warns(UserWarning, match="out_proj of an nn.MultiheadAttention"):
+        kept = _TwoAttentions()
+        dorafp8.quantize_model(kept, ["mha.out_proj"])
+    assert isinstance(kept.mha.out_proj.weight, nn.Parameter) and kept.mha.out_proj.weight.dtype == torch.float32

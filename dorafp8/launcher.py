@@ -1,0 +1,326 @@
+"""`dorafp8 run [options] -- <command>`: any trainer, unchanged, with dorafp8 installed in its own process.
+
+A trainer that builds its model and calls PEFT itself (LLaMA-Factory's `llamafactory-cli train`, TRL's `trl sft`,
+OneTrainer, your script) has no line where `import dorafp8` or `quantize_model` could go without editing it. This
+runs its command in this process after `import dorafp8` (PEFT, transformers, diffusers, LyCORIS and OneTrainer then
+learn of the fp8 layers as they are imported: dorafp8/_install.py), with what the trainer cannot say itself:
+
+  --quantize        every model `from_pretrained` loads (transformers' PreTrainedModel, diffusers' ModelMixin) is
+                    put in fp8 right after loading (dorafp8.quantize_model: every nn.Linear but lm_head)
+  --include-conv    with --quantize, the nn.Conv1d/2d/3d layers too (diffusion models)
+  --per-row-scale   with --quantize, one scale per output row instead of one per tensor
+  --w8a8            the fp8 linear layers' base GEMMs take fp8 activations too (dorafp8.set_act_quant "rowwise")
+
+The command is what you would type: a script (`train.py args`, `python train.py args`), a module (`-m pkg.mod args`,
+`python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train cfg.yaml`, `trl sft ...`: its
+`console_scripts` entry point, or a Python script found on PATH). Trainers start worker processes of their own (`trl
+sft` runs its script under `accelerate launch`; torchrun starts one per GPU): the options travel in the environment
+(DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in every Python process the command starts,
+once that process imports torch. At exit each process that ran dorafp8 layers says how many, and how often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib.metadata
+import json
+import os
+import runpy
+import shutil
+import sys
+import tempfile
+import threading
+
+ENV = "DORAFP8_RUN"
+_PYTHONS = {"python", "python3", f"python3.{sys.version_info.minor}"}
+_LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
+
+_SITE = '''"""Written by `dorafp8 run` (dorafp8/launcher.py): dorafp8 in every Python process the command starts, installed
+right after that process imports torch; then the sitecustomize this one shadows, if any."""
+import importlib.abc, importlib.util, os, sys
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    # Stays on sys.meta_path until torch has run: a bare importlib.util.find_spec("torch") (transformers probes it so)
+    # only looks, and the import after it must find this again.
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch" or self.__dict__.get("busy"):
+            return None
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenDorafp8(spec.loader, self)
+        return spec
+
+
+class _ThenDorafp8(importlib.abc.Loader):
+    def __init__(self, loader, finder):
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+        from dorafp8.launcher import install_from_env
+        install_from_env()
+
+    def __getattr__(self, name):  # the real loader's get_resource_reader, is_package, ...
+        return getattr(self.__dict__["loader"], name)
+
+
+if os.environ.get("DORAFP8_RUN") and "torch" not in sys.modules:
+    sys.meta_path.insert(0, _AfterTorch())
+_here = os.path.dirname(os.path.abspath(__file__))
+for _p in sys.path:
+    _f = os.path.join(_p or ".", "sitecustomize.py")
+    if os.path.abspath(_p or ".") != _here and os.path.isfile(_f):
+        exec(compile(open(_f).read(), _f, "exec"), {"__name__": "sitecustomize", "__file__": _f})
+        break
+'''
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dorafp8 run", usage="dorafp8 run [options] -- <the trainer's command>",
+        description="Runs a trainer's command unchanged, in this process, with dorafp8 installed (docs/TRAINERS.md).")
+    p.add_argument("--quantize", action="store_true",
+                   help="put every model from_pretrained loads (transformers, diffusers) in fp8 (quantize_model)")
+    p.add_argument("--include-conv", action="store_true", help="with --quantize: the conv layers too")
+    p.add_argument("--per-row-scale", action="store_true", help="with --quantize: one scale per output row")
+    p.add_argument("--w8a8", action="store_true", help="fp8 activations in the fp8 linear layers' base GEMMs")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[dict, list[str]]:
+    """(options, command) from `[options] -- command...` (the `--` may be left out when the command starts with no
+    dash)."""
+    if "--" in argv:
+        i = argv.index("--")
+        mine, command = argv[:i], argv[i + 1:]
+    else:
+        i = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
+        mine, command = argv[:i], argv[i:]
+    ns = parser().parse_args(mine)
+    if (ns.include_conv or ns.per_row_scale) and not ns.quantize:
+        parser().error("--include-conv and --per-row-scale choose how --quantize quantizes; add --quantize")
+    if not command:
+        parser().error("no command: give the trainer's command after `--`, e.g. "
+                       "`dorafp8 run --quantize -- llamafactory-cli train config.yaml`")
+    return vars(ns), command
+
+
+# ---- what runs in every process ------------------------------------------------------------------------------------
+
+_STATE = {"options": None, "quantized": 0, "models": 0, "calls": {}}
+_DEPTH = threading.local()
+
+
+def install(options: dict) -> None:
+    """dorafp8's integrations in this process, with the launcher's options. Idempotent."""
+    if _STATE["options"] is not None:
+        return
+    if os.environ.get("DORAFP8_NO_PATCHES") == "1":
+        raise RuntimeError("dorafp8 run installs dorafp8's integrations, and DORAFP8_NO_PATCHES=1 turns them off; "
+                           "unset it")
+    _STATE["options"] = options
+    import dorafp8  # noqa: F401  (its import installs the integrations: dorafp8/_install.py)
+
+    from . import _install
+
+    _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
+    if options.get("quantize"):
+        for module, cls in _LOADERS.items():
+            _install.watch(module, functools.partial(_quantize_on_load, module, cls),
+                           f"--quantize does not quantize the models {cls}.from_pretrained loads")
+    atexit.register(_report)
+
+
+def install_from_env() -> None:
+    """install() with the options `dorafp8 run` put in the environment (the sitecustomize it writes calls this)."""
+    raw = os.environ.get(ENV)
+    if raw:
+        install(json.loads(raw))
+
+
+def _quantize_on_load(module: str, cls_name: str) -> None:
+    cls = getattr(sys.modules[module], cls_name)
+    orig = cls.__dict__["from_pretrained"].__func__
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    @functools.wraps(orig)
+    def from_pretrained(klass, *args, **kwargs):
+        # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
+        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
+        try:
+            out = orig(klass, *args, **kwargs)
+        finally:
+            _DEPTH.n -= 1
+        if _DEPTH.n == 0:
+            _quantize(out[0] if isinstance(out, tuple) else out)
+        return out
+
+    from_pretrained._dorafp8_orig = orig
+    cls.from_pretrained = classmethod(from_pretrained)
+
+
+def _quantize(model) -> None:
+    import dorafp8
+    from .nn import FP8WeightModule
+
+    opts = _STATE["options"]
+    name = type(model).__name__
+    if getattr(model, "hf_quantizer", None) is not None:
+        print(f"dorafp8 run: {name} was loaded with a quantization config; --quantize leaves it as loaded "
+              f"(an fp8 checkpoint: dorafp8.from_transformers_fp8)", file=sys.stderr)
+        return
+    before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
+    dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
+                           per_row_scale=opts.get("per_row_scale", False),
+                           act_quant="rowwise" if opts.get("w8a8") else None)
+    n = sum(isinstance(m, FP8WeightModule) for m in model.modules()) - before
+    _STATE["quantized"] += n
+    _STATE["models"] += 1
+    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers in fp8"
+          f"{' (W8A8)' if opts.get('w8a8') else ''}", file=sys.stderr)
+
+
+def _count_dora_calls() -> None:
+    from .peft import layer
+
+    cls = layer.DoRAFP8Layer
+    if hasattr(cls.forward, "_dorafp8_orig"):
+        return
+    orig = cls.forward
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        calls = _STATE["calls"]
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return orig(self, *args, **kwargs)
+
+    forward._dorafp8_orig = orig
+    cls.forward = forward
+    if _STATE["options"].get("w8a8"):
+        _act_quant_new_layers()
+
+
+def _act_quant_new_layers() -> None:
+    """--w8a8 without --quantize: the fp8 layers a trainer makes itself (an fp8 checkpoint, fp8-cast weights) take
+    W8A8 as PEFT wraps them."""
+    from .nn import FP8Linear
+    from .peft import layer
+
+    init = layer.DoRAFP8Layer.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        base = self._fp8_base()
+        if isinstance(base, FP8Linear):
+            base.act_quant = "rowwise"
+
+    layer.DoRAFP8Layer.__init__ = __init__
+
+
+def _report() -> None:
+    calls = _STATE["calls"]
+    if _STATE["models"] or calls:
+        print(f"dorafp8 run: {_STATE['quantized']} layers put in fp8 on load; {len(calls)} dorafp8 DoRA/LoRA layers "
+              f"ran {sum(calls.values())} forward calls", file=sys.stderr)
+
+
+# ---- running the command -------------------------------------------------------------------------------------------
+
+
+def _python_script(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _runner(command: list[str]):
+    """A function that runs `command` in this process (sys.argv set as the command's own), or a SystemExit saying
+    why it cannot."""
+    cmd = list(command)
+    if os.path.basename(cmd[0]) in _PYTHONS or os.path.realpath(cmd[0]) == os.path.realpath(sys.executable):
+        cmd = cmd[1:]
+        if not cmd:
+            raise SystemExit("dorafp8 run: `python` with no script or -m module to run")
+    if cmd[0] == "-m":
+        if len(cmd) < 2:
+            raise SystemExit("dorafp8 run: -m needs a module name")
+        mod, args = cmd[1], cmd[2:]
+
+        def run_module():
+            sys.argv = [mod] + args
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(mod, run_name="__main__", alter_sys=True)
+        return run_module
+    if cmd[0] == "-c" and len(cmd) > 1:
+        code, args = cmd[1], cmd[2:]
+
+        def run_code():
+            sys.argv = ["-c"] + args
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        return run_code
+    if cmd[0].startswith("-"):
+        raise SystemExit(f"dorafp8 run: {cmd[0]!r} is not a command; options for dorafp8 go before `--`")
+    name, args = cmd[0], cmd[1:]
+    if name.endswith(".py") or (os.sep in name and os.path.isfile(name)):
+        if not os.path.isfile(name):
+            raise SystemExit(f"dorafp8 run: no such script {name!r}")
+        return functools.partial(_run_path, name, args)
+    eps = importlib.metadata.entry_points(group="console_scripts", name=name)
+    if eps:
+        ep = next(iter(eps))
+
+        def run_entry_point():
+            sys.argv = [name] + args
+            return ep.load()()
+        return run_entry_point
+    path = shutil.which(name)
+    if path and _python_script(path):
+        return functools.partial(_run_path, path, args)
+    if path:
+        raise SystemExit(f"dorafp8 run: {name!r} ({path}) is not a Python program, so dorafp8 cannot be installed in "
+                         f"its process. Run the Python command it starts under `dorafp8 run` instead")
+    raise SystemExit(f"dorafp8 run: {name!r} is neither a script, a console_scripts entry point of this Python "
+                     f"({sys.executable}) nor a command on PATH; is the trainer installed in this environment?")
+
+
+def _run_path(path: str, args: list[str]) -> None:
+    sys.argv = [path] + args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _export(options: dict) -> None:
+    """The options, and a sitecustomize that applies them, for every Python process the command starts."""
+    site = tempfile.mkdtemp(prefix="dorafp8-run-")
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(_SITE)
+    atexit.register(shutil.rmtree, site, ignore_errors=True)
+    os.environ[ENV] = json.dumps(options)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+
+
+def main(argv: list[str]) -> int:
+    """`dorafp8 run ...` (argv: what follows `run`). Returns the command's exit status."""
+    options, command = parse(argv)
+    run = _runner(command)
+    install(options)
+    _export(options)
+    result = run()
+    return result if isinstance(result, int) else 0

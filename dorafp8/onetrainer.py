@@ -1,0 +1,102 @@
+"""OneTrainer's DoRA on its fp8 layers, computed by dorafp8's fused op with OneTrainer's own semantics.
+
+OneTrainer (github.com/Nerogar/OneTrainer, not on PyPI) uses neither PEFT nor LyCORIS: its DoRAModule
+(modules/module/LoRAModule.py) hooks a layer's forward and, on every call, dequantizes the layer's whole weight to
+fp32, adds the low-rank update and normalizes it, a dense [out, in] fp32 weight (and its autograd copies) per layer
+and step. Read at commit 23df3832e8f213d64c337e39f9365ba46e99fed0 (2026-08-19), what it computes on a linear layer:
+
+    W  = get_unquantized_weight(orig_module, float32)      its fp8 layers: weight (e4m3) * scale, in fp32
+    V  = W + (lora_up.weight @ lora_down.weight) * (alpha / rank)
+    n  = ||V|| detached, per output row (lora_decompose_output_axis) or per input column (the default), + eps
+         with eps = finfo(V.dtype).eps (fp32's 1.2e-7) if lora_decompose_norm_epsilon, else 0
+    y  = F.linear(dropout(x), dora_scale * V / n, orig_module.bias)      dropout on the input, base included
+    dora_scale: [out, 1] (output axis) or [1, in]; initialised to the norm of W on that axis
+
+Its fp8 layers (modules/module/quantized): LinearFp8, an nn.Linear with an e4m3 weight and one fp32 scale (`_scale`,
+the tensor its `scale` buffer was registered with), and LinearW8A8 with dtype float8_e4m3fn (an e4m3 weight, one
+fp32 `scale` buffer; its int8 variant and compressed weights are not fp8). DoRA on either computes the formula above:
+OneTrainer's DoRAModule never calls the layer's own forward, so W8A8's fp8 activations do not apply there either.
+
+register_with_onetrainer() replaces DoRAModule.forward by one that, on such a layer (an nn.Linear whose weight is
+e4m3 with a single scale), computes the same y through dora_fp8_linear: the output axis is the fused op with
+m = dora_scale and the norm n passed in; the input axis scales x by c = dora_scale / n and runs the fused op with
+m = n = 1 (x (V diag(c))^T = (x * c) V^T), the column norms taken from the fp8 weight in fp32 row blocks
+(dorafp8.merge.column_norms). Nothing dense is formed and nothing dequantized is kept for the backward. Any other
+layer (dense, int8, a conv, a fused qkv group) runs OneTrainer's own forward. Parameters, state_dict keys and the
+files OneTrainer saves are untouched: only the forward changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from torch import nn
+
+from .merge import column_norms
+from .ops import dora_fp8_linear, weight_norm
+from .quant import DEFAULT_BLOCK, E4M3
+
+LORA_MODULE = "modules.module.LoRAModule"  # OneTrainer imports it so, running from its checkout
+
+
+def fp8_parts(layer: nn.Module):
+    """(w8, scale) of a OneTrainer fp8 linear layer (LinearFp8, LinearW8A8 in fp8) or of any nn.Linear holding an
+    e4m3 weight with one scale; None for anything else (not yet quantized, int8, compressed, per-axis scales)."""
+    if not isinstance(layer, nn.Linear) or getattr(layer, "_compressed", False):
+        return None
+    w8 = layer.weight
+    if w8.dtype != E4M3:
+        return None
+    scale = getattr(layer, "_scale", None)  # LinearFp8's own forward and unquantized_weight read _scale
+    if scale is None:
+        scale = getattr(layer, "scale", None)
+    if scale is None:
+        scale = torch.ones(())
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        return None
+    return w8.detach(), scale.detach().reshape(()).to(device=w8.device, dtype=torch.float32)
+
+
+def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """OneTrainer's DoRAModule.forward (the module docstring) on the fp8 weight w8 * scale."""
+    layer = module.orig_module
+    A, B = module.lora_down.weight, module.lora_up.weight
+    s = float(module.alpha) / module.rank
+    eps = torch.finfo(torch.float32).eps if module.norm_epsilon else 0.0
+    x = module.dropout(x)
+    d = module.dora_scale.reshape(-1)
+    if module.decompose_output_axis:
+        with torch.no_grad():
+            n = weight_norm(w8, scale, A, B, s) + eps
+        return dora_fp8_linear(x, w8, scale, A, B, d, s, layer.bias, weight_norm=n)
+    c = d / (column_norms(w8, scale, DEFAULT_BLOCK, A, B, s) + eps)
+    ones = torch.ones(w8.shape[0], dtype=torch.float32, device=w8.device)
+    return dora_fp8_linear((x * c).to(x.dtype), w8, scale, A, B, ones, s, layer.bias, weight_norm=ones)
+
+
+def register_with_onetrainer() -> bool:
+    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (the module docstring). Runs when
+    OneTrainer's modules.module.LoRAModule is imported after `import dorafp8` (dorafp8/_install.py), so
+    `dorafp8 run -- python scripts/train.py ...` needs nothing else. Idempotent; returns whether it is installed
+    (False where that module is not OneTrainer's: no DoRAModule with the attributes read here)."""
+    mod = sys.modules.get(LORA_MODULE)
+    cls = getattr(mod, "DoRAModule", None)
+    if cls is None or not all(hasattr(cls, a) for a in ("forward", "check_initialized", "make_weight")):
+        return False
+    orig = cls.forward
+    if hasattr(orig, "_dorafp8_orig"):
+        return True
+
+    @functools.wraps(orig)
+    def forward(self, x, *args, **kwargs):
+        parts = fp8_parts(self.orig_module) if self._initialized else None
+        if parts is None:
+            return orig(self, x, *args, **kwargs)
+        self.check_initialized()
+        return fused_forward(self, x, *parts)
+
+    forward._dorafp8_orig = orig
+    cls.forward = forward
+    return True

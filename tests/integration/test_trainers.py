@@ -1,0 +1,186 @@
+"""The trainers' own command lines under `dorafp8 run` (dorafp8/launcher.py; docs/TRAINERS.md), issue 41.
+
+End to end, each trainer's CLI trains DoRA on a tiny LLaMA checkpoint written here (nothing downloaded): once as
+`dorafp8 run --quantize -- <its command>` on the checkpoint (the base put in fp8 as it loads), once as its plain
+command on the same checkpoint with the weights replaced by their fp8 quantization dequantized, with plain PEFT. The
+two must log the same losses (fp32) and save adapters with the same keys that give the same logits. The launcher's
+exit report counts the fp8 layers and the DoRA layers' calls, so a run that silently trained on dense weights fails.
+
+- TRL's `trl sft` runs its training script in a child process (`accelerate launch`): this checks the launcher's
+  environment hand-off too. trl is in the test extra.
+- LLaMA-Factory's `llamafactory-cli train` cannot be installed beside the test extra (llamafactory 0.9.5 pins
+  peft<=0.18.1, transformers<=5.6, datasets<=4.0, trl<=0.24): its test skips where it is missing, which is CI.
+  Run by hand in a venv with llamafactory and peft>=0.21 (docs/TRAINERS.md says how).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft import PeftModel  # noqa: E402
+
+import dorafp8  # noqa: E402
+from tests._tolerance import assert_close, tol  # noqa: E402
+from tests.integration.doc_fixtures import write_sft_data, write_trainer_checkpoint  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT_S = 300
+BIN = os.path.dirname(sys.executable)
+N_LINEAR = 14  # the tiny LLaMA's linear layers but lm_head: 2 x (q, k, v, o, gate, up, down)
+STEPS = 4
+
+
+def _env(**extra):
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
+                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def _run(cmd, cwd, **env):
+    r = subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-6000:]}"
+    return r.stdout + r.stderr
+
+
+def _losses(out_dir):
+    with open(os.path.join(out_dir, f"checkpoint-{STEPS}", "trainer_state.json")) as f:
+        return torch.tensor([h["loss"] for h in json.load(f)["log_history"] if "loss" in h])
+
+
+def _compare(tmp_path, fp8_dir, ref_dir, log):
+    assert f"LlamaForCausalLM.from_pretrained -> {N_LINEAR} layers in fp8" in log, log[-3000:]
+    m = re.search(r"dorafp8 run: (\d+) layers put in fp8 on load; (\d+) dorafp8 DoRA/LoRA layers ran (\d+) forward",
+                  log)
+    assert m and int(m[1]) == N_LINEAR and int(m[2]) == N_LINEAR and int(m[3]) >= N_LINEAR * STEPS, log[-3000:]
+    got, want = _losses(fp8_dir), _losses(ref_dir)
+    assert len(got) == STEPS
+    assert_close(got, want, tol(torch.float32), "losses: dorafp8 on fp8 against PEFT on the dequantized weights")
+    ids = torch.tensor([[1, 4, 5, 6, 7, 8, 9, 10, 2]])
+    logits = []
+    for d in (fp8_dir, ref_dir):
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq")
+        pm = PeftModel.from_pretrained(base, d).eval()
+        assert sum("lora_magnitude_vector" in k for k, _ in pm.named_parameters()) == N_LINEAR
+        with torch.no_grad():
+            logits.append(pm(input_ids=ids).logits)
+    assert_close(logits[0], logits[1], 2 * tol(torch.float32), "logits of the two saved adapters")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainers")
+    assert write_trainer_checkpoint(d / "model") == N_LINEAR
+    write_trainer_checkpoint(d / "deq", dequantized=True)
+    return d
+
+
+def test_trl_sft_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
+    pytest.importorskip("trl")
+    data = tmp_path / "data"
+    write_sft_data(data)
+    args = ["--dataset_name", str(data), "--use_peft", "--use_dora", "--lora_r", "8", "--lora_alpha", "16",
+            "--lora_target_modules", "all-linear", "--max_steps", str(STEPS), "--per_device_train_batch_size", "4",
+            "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--seed", "0",
+            "--dtype", "float32", "--bf16", "false", "--save_strategy", "steps", "--save_steps", str(STEPS)]
+    shutil.copytree(checkpoints / "deq", tmp_path / "deq")
+    log = _run([sys.executable, "-m", "dorafp8", "run", "--quantize", "--", os.path.join(BIN, "trl"), "sft",
+                "--model_name_or_path", str(checkpoints / "model"), "--output_dir", "fp8"] + args, tmp_path)
+    _run([os.path.join(BIN, "trl"), "sft", "--model_name_or_path", str(checkpoints / "deq"), "--output_dir", "ref"]
+         + args, tmp_path)
+    _compare(tmp_path, tmp_path / "fp8", tmp_path / "ref", log)
+
+
+def _lf_config(model, out, data) -> str:
+    return (f"model_name_or_path: {model}\nstage: sft\ndo_train: true\nfinetuning_type: lora\nuse_dora: true\n"
+            f"lora_target: all\nlora_rank: 8\nlora_alpha: 16\ndataset: tiny\ndataset_dir: {data}\ntemplate: empty\n"
+            f"cutoff_len: 32\noutput_dir: {out}\noverwrite_output_dir: true\nper_device_train_batch_size: 4\n"
+            f"learning_rate: 1.0e-3\nmax_steps: {STEPS}\nlogging_steps: 1\nsave_steps: {STEPS}\nseed: 0\n"
+            f"report_to: none\nbf16: false\nuse_cpu: true\n")
+
+
+def test_llamafactory_cli_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
+    pytest.importorskip("llamafactory", reason="llamafactory pins peft<=0.18.1: not installable beside the test "
+                                               "extra; run by hand (module docstring)")
+    data = tmp_path / "data"
+    write_sft_data(data, alpaca=True)
+    shutil.copytree(checkpoints / "deq", tmp_path / "deq")
+    for name, model in (("fp8", checkpoints / "model"), ("ref", tmp_path / "deq")):
+        (tmp_path / f"{name}.yaml").write_text(_lf_config(model, tmp_path / name, data))
+    cli = os.path.join(BIN, "llamafactory-cli")
+    log = _run([sys.executable, "-m", "dorafp8", "run", "--quantize", "--", cli, "train", "fp8.yaml"], tmp_path,
+               DISABLE_VERSION_CHECK="1")
+    _run([cli, "train", "ref.yaml"], tmp_path, DISABLE_VERSION_CHECK="1")
+    _compare(tmp_path, tmp_path / "fp8", tmp_path / "ref", log)
+
+
+# ---- the launcher's command forms, its hand-off to child processes, its errors ---------------------------------------
+
+
+_PROBE = ("import os, sys, torch; from dorafp8 import launcher; "
+          "print('probe', sys.argv[1:], 'launcher' if launcher._STATE['options'] is not None else 'none')")
+
+
+def test_launcher_runs_scripts_modules_code_and_children(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE + "\n")
+    (tmp_path / "probe_mod.py").write_text(_PROBE + "\n")
+    child = tmp_path / "parent.py"
+    child.write_text("import subprocess, sys\nsubprocess.run([sys.executable, 'probe.py', 'child'], check=True)\n")
+    py = [sys.executable, "-m", "dorafp8", "run", "--"]
+    assert "probe ['a', 'b'] launcher" in _run(py + [str(script), "a", "b"], tmp_path)
+    assert "probe ['x'] launcher" in _run(py + ["python", "-m", "probe_mod", "x"], tmp_path)
+    assert "probe ['c'] launcher" in _run(py + ["-c", _PROBE, "c"], tmp_path)
+    # a child Python process gets the launcher too (that is how `trl sft` and torchrun workers get it), once it
+    # imports torch; without the launcher nothing of it runs
+    assert "probe ['child'] launcher" in _run(py + ["parent.py"], tmp_path)
+    assert "probe ['child'] none" in _run([sys.executable, "parent.py"], tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "no command"),
+    (["--per-row-scale", "--", "train.py"], "add --quantize"),
+    (["--", "no-such-trainer-cli"], "neither a script"),
+    (["--", "missing.py"], "no such script"),
+    (["--", "sh", "-c", "true"], "not a Python program"),
+])
+def test_launcher_errors_name_the_problem(argv, message, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dorafp8", "run"] + argv, cwd=tmp_path, env=_env(), capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_no_argument_still_prints_the_install_report():
+    r = subprocess.run([sys.executable, "-m", "dorafp8"], env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert r.returncode == 0 and r.stdout.startswith(f"dorafp8 {dorafp8.__version__}")
+
+
+def test_peft_older_than_0_21_is_refused_naming_the_fix_and_the_launcher(monkeypatch):
+    """LLaMA-Factory pins peft<=0.20, where dorafp8's layers cannot work: get_peft_model on an fp8 layer failed deep
+    in PEFT's DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'). It is refused instead."""
+    import importlib.metadata
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.model import LoraModel
+
+    from dorafp8 import _install
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.18.1" if d == "peft" else real(d))
+    monkeypatch.setattr(LoraModel, "_create_new_module", LoraModel.__dict__["_create_new_module"])
+    _install._peft()  # what `import peft` runs after `import dorafp8`
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    dorafp8.quantize_model(model)
+    with pytest.raises(RuntimeError, match=r"peft 0\.18\.1 is installed.*peft>=0\.21.*dorafp8 run --quantize -- "
+                                           r"llamafactory-cli train"):
+        get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
