@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ._common import (NORM_EPS, alloc, cdiv, check_activation, dot_dtype, interpreting, launch, magnitude_scale,
-                      next_pow2, programs_that_fit, sum_parts, vector)
+                      next_pow2, sum_parts, vector)
+from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
 SCAN_N = 512  # columns per step of the maxima's scan over N

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (dot, alloc, block_r, cdiv, check_activation, dot_dtype, interpreting, last_dim_unit, launch,
-                      sm_props, sum_parts)
+                      sum_parts)
+from .occupancy import sm_props
 from .quant import quant_rows
 
 

@@ -204,7 +204,7 @@ def test_backward_pass_partials_are_bounded(r):
 def test_resident_blocks_follow_the_occupancy_rules():
     """The backward pass's grid is the programs that fit in one wave, from the compiled kernel's registers and shared
     memory by CUDA's occupancy rules (an H100 SM: 65536 registers, 2048 threads, 228 KiB of shared memory)."""
-    from dorafp8.triton_kernels._common import resident_blocks
+    from dorafp8.triton_kernels.occupancy import resident_blocks
 
     h100 = (132, 65536, 2048, 228 * 1024)
     assert resident_blocks(235, 16384, 4, h100) == 2  # registers: 240 x 128 per block
@@ -251,7 +251,7 @@ def test_programs_that_fit_read_the_compiled_kernel(monkeypatch):
     lazily: programs_that_fit loads it), once per variant; here with a stand-in for the kernel and an H100's SMs."""
     from types import SimpleNamespace
 
-    from dorafp8.triton_kernels import _common
+    from dorafp8.triton_kernels import occupancy
 
     class Compiled:
         metadata = SimpleNamespace(shared=16384)
@@ -266,8 +266,8 @@ def test_programs_that_fit_read_the_compiled_kernel(monkeypatch):
             warmups.append(kwargs)
             return Compiled()
 
-    monkeypatch.setattr(_common, "sm_props", lambda device: (132, 65536, 2048, 228 * 1024))
+    monkeypatch.setattr(occupancy, "sm_props", lambda device: (132, 65536, 2048, 228 * 1024))
     key, dev = ("test_programs_that_fit", id(Kernel)), torch.device("cuda", 0)
     for _ in range(2):
-        assert _common.programs_that_fit(Kernel(), key, (), {"num_warps": 4}, dev) == 2 * 132
+        assert occupancy.programs_that_fit(Kernel(), key, (), {"num_warps": 4}, dev) == 2 * 132
     assert len(warmups) == 1
