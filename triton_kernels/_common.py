@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backends.base import NORM_EPS as _NORM_EPS
+from ._pins import pinned
 
 # Rank chunk of the rank-r epilogues (u B^T, v A, B A). The interpreter uses 16 so that the tests cross a chunk
 # with r = 20; on a GPU 64 keeps the [BLOCK_M, BLOCK_R] and [BLOCK_R, BLOCK_N] tiles small enough for registers
@@ -355,42 +356,13 @@ def weight_norm_configs_for(arch: str, fp32: bool = False):
 
 
 _TUNERS: dict = {}
-_PINS: dict = {}
-
-
-def config_name(cfg) -> str:
-    """A triton.Config as the kernel report names it: "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w8,s4"."""
-    return ",".join([f"{k}={v}" for k, v in cfg.kwargs.items()] + [f"w{cfg.num_warps}", f"s{cfg.num_stages}"])
-
-
-def pinned(pin: str | None, configs: list) -> list:
-    """The configs a launcher tunes over: `configs`, or the one DORAFP8_PIN_CONFIGS pins for `pin` when the list holds
-    it. That variable names a JSON file {pin: config_name}, pins "forward/w8a16", "forward/w8a8", "dgrad/w8a16",
-    "dgrad/w8a8", "weight_norm" (bench/first_contact.py pins the kernel report's model picks, so that a cold GPU
-    compiles one config per GEMM variant and autotunes nothing). Read once per process."""
-    path = os.environ.get("DORAFP8_PIN_CONFIGS")
-    if not path or pin is None:
-        return configs
-    if path not in _PINS:
-        try:
-            import json
-
-            with open(path) as f:
-                _PINS[path] = dict(json.load(f))
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"DORAFP8_PIN_CONFIGS must name a JSON file of {{pin: config}}, got {path!r}: "
-                             f"{type(e).__name__}: {e}") from None
-    want = _PINS[path].get(pin)
-    return [c for c in configs if config_name(c) == want] or configs
-
-
 def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
     (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
     arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
-    pin: this launcher's name in DORAFP8_PIN_CONFIGS (see pinned)."""
+    pin: this launcher's name in DORAFP8_PIN_CONFIGS (_pins.pinned)."""
     poison = poison_outputs()
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)

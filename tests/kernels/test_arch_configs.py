@@ -119,21 +119,22 @@ def test_pinned_configs(monkeypatch, tmp_path):
     import json
 
     from dorafp8.kernel_report.parsers import config_str
+    from dorafp8.triton_kernels import _pins as Pins
 
     big = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 8192, False)
     small = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 64, False)
-    assert [C.config_name(c) for c in big + small] == [config_str(c) for c in big + small]
+    assert [Pins.config_name(c) for c in big + small] == [config_str(c) for c in big + small]
     pins = tmp_path / "pins.json"
-    assert C.config_name(big[0]) not in {C.config_name(c) for c in small}
-    pins.write_text(json.dumps({"forward/w8a16": C.config_name(big[0])}))
+    assert Pins.config_name(big[0]) not in {Pins.config_name(c) for c in small}
+    pins.write_text(json.dumps({"forward/w8a16": Pins.config_name(big[0])}))
     monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(pins))
-    monkeypatch.setattr(C, "_PINS", {})
-    assert C.pinned("forward/w8a16", big) == [big[0]]
-    assert C.pinned("forward/w8a16", small) == small and C.pinned("dgrad/w8a16", big) == big
-    assert C.pinned(None, big) == big
+    monkeypatch.setattr(Pins, "_PINS", {})
+    assert Pins.pinned("forward/w8a16", big) == [big[0]]
+    assert Pins.pinned("forward/w8a16", small) == small and Pins.pinned("dgrad/w8a16", big) == big
+    assert Pins.pinned(None, big) == big
     monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="DORAFP8_PIN_CONFIGS must name a JSON file"):
-        C.pinned("forward/w8a16", big)
+        Pins.pinned("forward/w8a16", big)
 
 
 def test_the_launchers_name_their_pins(monkeypatch):
