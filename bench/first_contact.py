@@ -74,7 +74,7 @@ STEPS = {
     "more": (
         Step("env", 20, "as in command 1"),
         Step("build", 150, "the CUDA extension for this GPU (setup.py build_ext --inplace)", background=True, gpu=True),
-        Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py), 12 processes"),
+        Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py and the CPU emulator's), 12 processes"),
         Step("tests-cuda", 35, "pytest tests/kernels/test_cuda.py, DORAFP8_REQUIRE_CUDA_EXT=1", after="build",
              gpu=True),
         Step("sanitizer", 40, "compute-sanitizer memcheck on a ragged fp16 shape of the Triton and CUDA kernels",
