@@ -26,21 +26,37 @@ PROVIDERS = (
     "peft-dora-fp8-dequant",  # fp8 storage, dequantized to the activation dtype per forward, then PEFT
     "linear-bf16",  # plain nn.Linear forward + input gradient: the floor
     "linear-fp8-rowwise",  # per-token e4m3 x, per-row e4m3 W, torch._scaled_mm forward + input gradient: W8A8 floor
+    "linear-fp8-dequant",  # fp8 weight dequantized to the activation dtype every call, then F.linear (cuBLAS)
+    # Plain LoRA (no DoRA), the pair of "DoRA costs at most 10% more than LoRA": PEFT's on an nn.Linear in the
+    # activation dtype, and dorafp8's layers on an fp8 base (quantize_model + get_peft_model(use_dora=False))
+    "peft-lora",
+    "dorafp8-lora-triton",
+    "dorafp8-lora-triton-w8a8",
+    "dorafp8-lora-reference",
 )
-# dorafp8 provider -> (backend, act_quant) of dorafp8.dora_fp8_linear
+# dorafp8 provider -> (backend, act_quant) of dorafp8.dora_fp8_linear (the LoRA ones: of the FP8Linear base)
 DORAFP8_BACKENDS = {
     "dorafp8-triton": ("triton", None),
     "dorafp8-cuda": ("cuda", None),
     "dorafp8-cublas": ("cublas", None),
     "dorafp8-triton-w8a8": ("triton", "rowwise"),
     "dorafp8-reference": ("reference", None),
+    "dorafp8-lora-triton": ("triton", None),
+    "dorafp8-lora-triton-w8a8": ("triton", "rowwise"),
+    "dorafp8-lora-reference": ("reference", None),
 }
 DORAFP8_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("dorafp8-"))
-PEFT_PROVIDERS = ("peft-dora", "peft-dora-lowp", "peft-dora-fp8-dequant")
+PEFT_PROVIDERS = ("peft-dora", "peft-dora-lowp", "peft-dora-fp8-dequant", "peft-lora")
+LORA_PROVIDERS = ("peft-lora", "dorafp8-lora-triton", "dorafp8-lora-triton-w8a8", "dorafp8-lora-reference")
 # The yardsticks without DoRA: no weight norm, no rank, no dropout (one record per shape, M, dtype and mode).
-FLOOR_PROVIDERS = ("linear-bf16", "linear-fp8-rowwise")
+FLOOR_PROVIDERS = ("linear-bf16", "linear-fp8-rowwise", "linear-fp8-dequant")
 # Providers whose base GEMMs multiply e4m3 by e4m3 (fp8 tensor-core rate in the roofline).
-W8A8_PROVIDERS = ("dorafp8-triton-w8a8", "linear-fp8-rowwise")
+W8A8_PROVIDERS = ("dorafp8-triton-w8a8", "linear-fp8-rowwise", "dorafp8-lora-triton-w8a8")
+
+
+def has_norm(provider: str) -> bool:
+    """Whether a provider computes DoRA's weight norm (the "norm" mode; dorafp8's also the *-cachednorm modes)."""
+    return provider not in FLOOR_PROVIDERS and provider not in LORA_PROVIDERS
 
 
 def floor_provider(provider: str) -> str:
@@ -85,7 +101,7 @@ QUICK = dict(
     ranks="16,64",
     dtypes="bf16",
 )
-# The headline grid of the GPU issue (#14): what bench/gpu_session.sh runs first. Two LLaMA-3-8B shapes (attention
+# The headline grid of the GPU issue (#14). Two LLaMA-3-8B shapes (attention
 # projection and MLP up/gate), a short and a long batch, r = 16, bf16, PEFT's two dropout settings, every way of
 # running DoRA on an fp8 base and both floors. 156 cases (bench/run.py --preset headline --dry-run lists them).
 HEADLINE = dict(
@@ -111,7 +127,7 @@ SMOKE = dict(
     modes=",".join(MODES),
     model="hidden=64,intermediate=128,layers=2,heads=4,kv_heads=2,vocab=256,seq=32,rank=8",
 )
-PRESETS = {"full": FULL, "quick": QUICK, "headline": HEADLINE, "smoke": SMOKE}  # "decisive" joins below
+PRESETS = {"full": FULL, "quick": QUICK, "headline": HEADLINE, "smoke": SMOKE}  # "first" joins below
 
 
 @dataclass(frozen=True)
@@ -184,7 +200,8 @@ def dtype_bytes(name: str) -> int:
 
 def weight_storage(provider: str, dtype: str) -> str:
     """Dtype the provider keeps the frozen base weight in."""
-    if provider.startswith("dorafp8-") or provider in ("peft-dora-fp8-dequant", "linear-fp8-rowwise"):
+    if provider.startswith("dorafp8-") or provider in ("peft-dora-fp8-dequant", "linear-fp8-rowwise",
+                                                       "linear-fp8-dequant"):
         return "fp8"
     return dtype
 
@@ -226,6 +243,13 @@ def work_split(case: Case) -> tuple[int, int, int] | None:
         return _combine(case.mode, fwd, bwd)
 
     ab = dtype_bytes(adapter_dtype(case.provider, case.dtype))
+    if case.provider in LORA_PROVIDERS:  # no norm, no magnitude, no z; the base GEMM once (dropout is the adapters')
+        if case.mode == "norm":
+            return None
+        M, adapter_bytes = case.tokens, (r * K + N * r) * ab
+        fwd = (2 * M * N * K, 2 * M * r * (K + N), w_bytes + adapter_bytes + M * K * e + M * N * e)
+        bwd = (2 * M * N * K, 4 * M * r * (K + N), w_bytes + adapter_bytes + M * N * e + 2 * M * K * e)
+        return _combine(case.mode, fwd, bwd)
     adapter_bytes = (r * K + N * r + N) * ab
     # The norm: B A on a tile (2 N K r), then add to the scaled weight and accumulate squares (2 N K).
     norm = (0, 2 * N * K * r + 2 * N * K, w_bytes + adapter_bytes + 4 * N)
@@ -325,7 +349,7 @@ def weight_bytes(provider: str, K: int, N: int, r: int, dtype: str) -> int:
     base = N * K * dtype_bytes(ws) + ((4 * N if provider == "linear-fp8-rowwise" else 4) if ws == "fp8" else 0)
     if provider in FLOOR_PROVIDERS:
         return base
-    return base + (r * K + N * r + N) * dtype_bytes(adapter_dtype(provider, dtype))
+    return base + (r * K + N * r + N * has_norm(provider)) * dtype_bytes(adapter_dtype(provider, dtype))
 
 
 def layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> list[Case]:
@@ -338,11 +362,11 @@ def layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> li
                     for prov in providers:
                         if prov in FLOOR_PROVIDERS and (p > 0 or r != ranks[0]):
                             continue  # no dropout, no rank in a plain linear: its one row per M is the floor
-                        if "norm" in modes and p == 0 and prov not in FLOOR_PROVIDERS:
+                        if "norm" in modes and p == 0 and has_norm(prov):
                             cases.append(Case(prov, "norm", K, N, None, r, dt, 0.0))
                         for M in tokens:
                             for mode in modes:
-                                if mode in CACHED_MODES and not prov.startswith("dorafp8-"):
+                                if mode in CACHED_MODES and not (prov.startswith("dorafp8-") and has_norm(prov)):
                                     continue
                                 if mode != "norm":
                                     cases.append(Case(prov, mode, K, N, M, r, dt, p))
@@ -350,78 +374,44 @@ def layer_cases(shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> li
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The decisive cases: what a first GPU session measures before anything else (bench/gpu_session.sh, call 1), so that
-# the questions the project exists to answer have GPU numbers even if everything after them is cut. An explicit list,
-# not a grid: the cross product of these providers, modes, M and dropouts is 56 cases, most of them repeats of an
-# answer (a PEFT forward at three M). One shape, LLaMA-3-8B's attention projection (N = K = 4096), r 16, bf16
-# activations, fp32 adapters (PEFT's default, and what convert_peft_model makes of it), per-tensor fp8 scale.
-# Ordered by value, the headline first; run.py keeps this order (each case builds its own layer: milliseconds).
-DECISIVE_SHAPE, DECISIVE_RANK, DECISIVE_DTYPE = (4096, 4096), 16, "bf16"
+# The first-contact cases: what bench/first_contact.py times on a lent GPU, after checking the results against fp64.
+# One shape, LLaMA-3-8B's attention projection (N = K = 4096), r 16, bf16 activations, fp32 adapters (PEFT's default,
+# and what convert_peft_model makes of it), per-tensor fp8 scale, no dropout, forward + input gradient; dorafp8's DoRA
+# with the norm cached (every micro-batch after the first), the others' full call. M 8192 first (training), then 1024
+# and 256 (what is left of the time); in each, by value: dorafp8 W8A16 against the cuBLAS bf16 Linear and the
+# dequantize + cuBLAS Linear a user of an fp8 checkpoint would write, dorafp8's own cuBLAS strategy (what
+# backend="auto" races it against), W8A8, PEFT's DoRA, then the plain LoRA pairs (PEFT's, dorafp8's on fp8).
+FIRST_SHAPE, FIRST_RANK, FIRST_DTYPE = (4096, 4096), 16, "bf16"
+FIRST_TOKENS = (8192, 1024, 256)
+FIRST_PROVIDERS = ("dorafp8-triton", "linear-bf16", "linear-fp8-dequant", "dorafp8-cublas", "dorafp8-triton-w8a8",
+                   "peft-dora", "peft-lora", "dorafp8-lora-triton", "dorafp8-lora-triton-w8a8")
 
 
-def _d(provider: str, mode: str, tokens: int, dropout: float = 0.0) -> Case:
-    K, N = DECISIVE_SHAPE
-    return Case(provider, mode, K, N, tokens, DECISIVE_RANK, DECISIVE_DTYPE, dropout)
+def first_mode(provider: str) -> str:
+    """A first-contact case's mode: dorafp8's DoRA with the norm cached, everything else its full call."""
+    return "fwd+bwd-cachednorm" if provider.startswith("dorafp8-") and has_norm(provider) else "fwd+bwd"
 
 
-DECISIVE_CASES = (
-    # 1. The headline, M 8192 without dropout, forward + input gradient: a gradient-accumulation micro-batch with
-    #    the norm cached (dorafp8's steady state), W8A16 and W8A8, against PEFT's DoRA on a bf16 weight, the user who
-    #    keeps fp8 and dequantizes to bf16 for PEFT every call, and the two floors (a plain cuBLAS bf16 Linear,
-    #    forward + dgrad; torch._scaled_mm on per-token e4m3: the W8A8 floor). The cached dorafp8 call is compared
-    #    with PEFT's full call: PEFT recomputes the norm on every call.
-    _d("dorafp8-triton", "fwd+bwd-cachednorm", 8192),
-    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 8192),
-    _d("peft-dora", "fwd+bwd", 8192),
-    _d("peft-dora-fp8-dequant", "fwd+bwd", 8192),
-    _d("linear-bf16", "fwd+bwd", 8192),
-    _d("linear-fp8-rowwise", "fwd+bwd", 8192),
-    # 2. The same at M 8192, forward only (inference, or a frozen layer's forward).
-    _d("dorafp8-triton", "fwd-cachednorm", 8192),
-    _d("dorafp8-triton-w8a8", "fwd-cachednorm", 8192),
-    _d("peft-dora", "fwd", 8192),
-    _d("peft-dora-fp8-dequant", "fwd", 8192),
-    _d("linear-bf16", "fwd", 8192),
-    _d("linear-fp8-rowwise", "fwd", 8192),
-    # 3. The first micro-batch: the norm computed in the call (its cost = this minus row 1), and dorafp8's other
-    #    GPU strategy (dequantize one layer to a transient, cuBLAS, fused epilogues), which backend="auto" weighs
-    #    against the fused Triton GEMMs.
-    _d("dorafp8-triton", "fwd+bwd", 8192),
-    _d("dorafp8-triton-w8a8", "fwd+bwd", 8192),
-    _d("dorafp8-cublas", "fwd+bwd-cachednorm", 8192),
-    # 4. Dropout on (PEFT's lora_dropout 0.05): the base GEMM runs on x and on dropout(x), two accumulators.
-    _d("dorafp8-triton", "fwd+bwd-cachednorm", 8192, 0.05),
-    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 8192, 0.05),
-    _d("peft-dora", "fwd+bwd", 8192, 0.05),
-    # 5. A short batch, M 256: weight-bandwidth and launch bound, where an fp8 weight should pay most.
-    _d("dorafp8-triton", "fwd+bwd-cachednorm", 256),
-    _d("dorafp8-triton-w8a8", "fwd+bwd-cachednorm", 256),
-    _d("peft-dora", "fwd+bwd", 256),
-    _d("linear-bf16", "fwd+bwd", 256),
-    # 6. Between the two, M 2048: where the curve bends (same compiled kernels, one more autotune key).
-    _d("dorafp8-triton", "fwd+bwd-cachednorm", 2048),
-    _d("peft-dora", "fwd+bwd", 2048),
-)
+def first_cases(shape=FIRST_SHAPE, tokens=FIRST_TOKENS, providers=FIRST_PROVIDERS, rank=FIRST_RANK,
+                dtype=FIRST_DTYPE, dropout=0.0) -> list[Case]:
+    K, N = shape
+    return [Case(p, first_mode(p), K, N, M, rank, dtype, dropout) for M in tokens for p in providers]
 
 
-def _joined(values) -> str:
-    return ",".join(dict.fromkeys(str(v) for v in values))
-
-
-# The option defaults of --preset decisive: the values its cases take (so that run.py's options narrow the list).
-DECISIVE = dict(
+FIRST_CASES = tuple(first_cases())
+FIRST = dict(
     FULL,
-    shapes="x".join(map(str, DECISIVE_SHAPE)),
-    tokens=_joined(sorted({c.tokens for c in DECISIVE_CASES})),
-    ranks=str(DECISIVE_RANK),
-    dtypes=DECISIVE_DTYPE,
-    dropouts=_joined(f"{p:g}" for p in sorted({c.dropout for c in DECISIVE_CASES})),
-    providers=_joined(p for p in PROVIDERS if any(c.provider == p for c in DECISIVE_CASES)),
-    modes=_joined(m for m in MODES if any(c.mode == m for c in DECISIVE_CASES)),
+    shapes="x".join(map(str, FIRST_SHAPE)),
+    tokens=",".join(map(str, FIRST_TOKENS)),
+    ranks=str(FIRST_RANK),
+    dtypes=FIRST_DTYPE,
+    dropouts="0",
+    providers=",".join(FIRST_PROVIDERS),
+    modes="fwd+bwd,fwd+bwd-cachednorm",
 )
-PRESETS["decisive"] = DECISIVE
+PRESETS["first"] = FIRST
 # Presets that are explicit lists of layer cases rather than grids.
-PRESET_CASES = {"decisive": DECISIVE_CASES}
+PRESET_CASES = {"first": FIRST_CASES}
 
 
 def preset_cases(preset, shapes, tokens, ranks, dtypes, dropouts, providers, modes) -> list[Case]:
@@ -441,18 +431,6 @@ def default_cases(preset: str) -> list[Case]:
     modes = [m for m in parse_list(g["modes"]) if m in LAYER_MODES]
     return preset_cases(preset, parse_shapes(g["shapes"]), parse_list(g["tokens"], int), parse_list(g["ranks"], int),
                         parse_list(g["dtypes"]), parse_list(g["dropouts"], float), parse_list(g["providers"]), modes)
-
-
-def shard(cases: list[Case], index: int, count: int) -> list[Case]:
-    """The cases of shard `index` (0-based) of `count`: every count-th (provider, dropout) pair, in order of first
-    appearance, with all of its cases. A pair's GEMM variants (W8A16 or W8A8, one or two accumulators) are most of
-    what it compiles, so processes warming Triton's cache in parallel rarely compile the same kernel; when they do
-    (the weight norm, small kernels) Triton's cache writes each file under a temporary name and renames it."""
-    if not 0 <= index < count:
-        raise ValueError(f"shard index must be in [0, {count}), got {index}")
-    pairs = list(dict.fromkeys((c.provider, c.dropout) for c in cases))
-    mine = set(pairs[index::count])
-    return [c for c in cases if (c.provider, c.dropout) in mine]
 
 
 def step_cases(spec: ModelSpec, dtypes, dropouts, providers) -> list[Case]:

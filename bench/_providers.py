@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _cases import (DORAFP8_BACKENDS, LLAMA_TARGETS, LORA_ALPHA, ModelSpec, adapter_dtype, weight_bytes,
-                    weight_storage)
+from _cases import (DORAFP8_BACKENDS, LLAMA_TARGETS, LORA_ALPHA, LORA_PROVIDERS, ModelSpec, adapter_dtype,
+                    weight_bytes, weight_storage)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -214,6 +214,21 @@ def _rowwise_note(device: torch.device) -> str:
     return "" if rowwise_scales_supported(device) else " (sm_12x: per-tensor _scaled_mm into fp32, row scales after)"
 
 
+class _Fp8DequantLinear(nn.Module):
+    """A frozen Linear kept in fp8 (per-tensor scale) and dequantized to `dtype` for each call: a user's own fp8
+    layer in front of cuBLAS."""
+
+    def __init__(self, weight: torch.Tensor, dtype):
+        super().__init__()
+        w8, scale = quantize(weight.detach())
+        self.register_buffer("w8", w8)
+        self.register_buffer("scale", scale)
+        self.dtype = dtype
+
+    def forward(self, x):
+        return F.linear(x, dequantize(self.w8, self.scale, self.dtype))
+
+
 class Layer:
     """One built layer. forward(x) runs with autograd on; norm() computes the DoRA weight norm (no grad)."""
 
@@ -232,14 +247,20 @@ class _Wrap(nn.Module):
         self.proj = nn.Linear(K, N, bias=False, dtype=dtype, device=device)
 
 
-def _peft_layer(K, N, r, dtype, dropout, device, fp32_adapters):
+def _peft_layer(K, N, r, dtype, dropout, device, fp32_adapters, use_dora=True, fp8=None):
+    """PEFT's LoRA layer (DoRA with use_dora) on a Linear(K, N) in `dtype`; fp8=(backend, act_quant): on the layer
+    dorafp8.quantize_model makes of that Linear instead (dorafp8's layer, built by PEFT)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=LORA_ALPHA, lora_dropout=dropout, target_modules=["proj"], use_dora=True)
-    model = get_peft_model(_Wrap(K, N, dtype, device), cfg, autocast_adapter_dtype=fp32_adapters)
+    cfg = LoraConfig(r=r, lora_alpha=LORA_ALPHA, lora_dropout=dropout, target_modules=["proj"], use_dora=use_dora)
+    base = _Wrap(K, N, dtype, device)
+    if fp8 is not None:
+        _dorafp8().quantize_model(base, ["proj"], backend=fp8[0], act_quant=fp8[1])
+    model = get_peft_model(base, cfg, autocast_adapter_dtype=fp32_adapters)
     layer = model.base_model.model.proj
-    if not type(layer).__module__.startswith("peft."):  # importing dorafp8 must not change what PEFT builds here
-        raise RuntimeError(f"expected PEFT's own lora.Linear, got {type(layer).__module__}.{type(layer).__name__}")
+    want = "dorafp8." if fp8 is not None else "peft."  # importing dorafp8 must not change what PEFT builds on nn.Linear
+    if not type(layer).__module__.startswith(want):
+        raise RuntimeError(f"expected a {want}* layer, got {type(layer).__module__}.{type(layer).__name__}")
     with torch.no_grad():  # LoRA initializes B = 0; a nonzero B makes the norm's B A term real work
         layer.lora_B["default"].weight.normal_(0, 1e-3)
     layer.train()
@@ -294,6 +315,26 @@ def build_layer(provider, K, N, r, dtype_name, dropout, device) -> Layer:
     if provider == "linear-bf16":
         w = torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K)
         return Layer(lambda x: F.linear(x, w), None, [], wbytes, note=f"nn.Linear weight in {dtype_name}")
+
+    if provider == "linear-fp8-dequant":
+        lin = _Fp8DequantLinear(torch.randn(N, K, dtype=dtype, device=device) / math.sqrt(K), dtype)
+        return Layer(lin, None, [], wbytes,
+                     note=f"fp8 weight dequantized to {dtype_name} every call, F.linear (cuBLAS); autograd keeps "
+                          "the dequantized copy for the input gradient")
+
+    if provider in LORA_PROVIDERS:
+        fp8 = None
+        if provider != "peft-lora":
+            _, backend, act_quant = _check_backend(provider, device)
+            fp8 = (backend, act_quant)
+        model, layer = _peft_layer(K, N, r, dtype, dropout, device, True, use_dora=False, fp8=fp8)
+        layer._bench_keepalive = model
+        note = "plain LoRA, adapters fp32, base " + (f"{dtype_name} (PEFT)" if fp8 is None else
+                                                      f"fp8 (dorafp8, backend {fp8[0]!r}"
+                                                      + (f", act_quant={fp8[1]!r})" if fp8[1] else ")"))
+        if fp8 is not None and fp8[0] in ("triton", "cublas") and device.type == "cpu":
+            note += "; Triton interpreter (TRITON_INTERPRET=1)"
+        return Layer(layer, None, _trainable(layer), wbytes, note=note)
 
     if provider == "linear-fp8-rowwise":
         _check_scaled_mm(device, dtype, K, N)
@@ -405,17 +446,19 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
     ids = torch.randint(0, spec.vocab, (1, spec.seq), device=device)
     lin_bytes = sum(weight_bytes(provider, K, N, spec.rank, dtype_name) for K, N in spec.linear_shapes())
 
-    if provider in ("linear-bf16", "linear-fp8-rowwise"):
+    if provider in ("linear-bf16", "linear-fp8-rowwise", "linear-fp8-dequant"):
         # The floor: the same frozen model, forward + input gradients only (no adapters, no optimizer).
         note = "frozen model, input gradients only (no adapters)"
-        if provider == "linear-fp8-rowwise":
+        if provider != "linear-bf16":
+            make = Fp8RowwiseLinear if provider == "linear-fp8-rowwise" else lambda w: _Fp8DequantLinear(w, dtype)
             n = 0
             for name, mod in list(model.named_modules()):
                 for child, sub in list(mod.named_children()):
                     if child in LLAMA_TARGETS and isinstance(sub, nn.Linear):
-                        setattr(mod, child, Fp8RowwiseLinear(sub.weight))
+                        setattr(mod, child, make(sub.weight))
                         n += 1
-            note += f"; {n} adapted linears as torch._scaled_mm row-wise fp8" + _rowwise_note(device)
+            note += (f"; {n} adapted linears as torch._scaled_mm row-wise fp8" + _rowwise_note(device)
+                     if provider == "linear-fp8-rowwise" else f"; {n} adapted linears fp8, dequantized every call")
         for p in model.parameters():
             p.requires_grad_(False)
         emb = model.get_input_embeddings()
@@ -428,12 +471,18 @@ def build_step(provider, spec: ModelSpec, dtype_name, dropout, device) -> Step:
 
     from peft import LoraConfig, get_peft_model
 
+    lora = provider in LORA_PROVIDERS
+    if lora and provider != "peft-lora":  # plain LoRA on dorafp8's fp8 layers, built by PEFT
+        d8.quantize_model(model, list(LLAMA_TARGETS), backend=backend, act_quant=act_quant)
     cfg_lora = LoraConfig(
-        r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=dropout, target_modules=list(LLAMA_TARGETS), use_dora=True
+        r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=dropout, target_modules=list(LLAMA_TARGETS),
+        use_dora=not lora
     )
     peft_model = get_peft_model(model, cfg_lora, autocast_adapter_dtype=provider != "peft-dora-lowp")
-    note = f"adapters {adapter_dtype(provider, dtype_name)} on {', '.join(LLAMA_TARGETS)}"
-    if provider.startswith("dorafp8-"):
+    note = f"adapters {adapter_dtype(provider, dtype_name)} on {', '.join(LLAMA_TARGETS)}" + (
+        "; plain LoRA" + ("" if provider == "peft-lora" else f" on quantize_model's fp8 layers ({backend})")
+        if lora else "")
+    if provider.startswith("dorafp8-") and not lora:
         n = d8.convert_peft_model(peft_model, backend=backend)
         note += f"; convert_peft_model replaced {n} layers"
         if act_quant:

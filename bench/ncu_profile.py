@@ -7,7 +7,8 @@
 
 Both `find` and `run` autotune and warm up first (outside the profiled range), then make one call of
 --provider (dorafp8-triton: backend triton, W8A16; dorafp8-triton-w8a8: act_quant="rowwise"; dorafp8-cublas) in
---mode fwd+bwd (or fwd) at M x K x N, r, dropout p, bf16. bench/gpu_session.sh runs the three (NCU=1).
+--mode fwd+bwd (or fwd) at M x K x N, r, dropout p, bf16. Not in bench/first_contact.py (whose profile step
+splits a forward + backward per kernel with torch.profiler): for a kernel that disagrees with its prediction.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
     python bench/run.py                          # the full grid on the GPU (hours: pick cases with the options)
     python bench/run.py --shapes 4096x14336 --tokens 2048,8192 --ranks 16 --modes norm,fwd+bwd
     python bench/run.py --smoke --out /tmp/b     # tiny CPU run (reference backend, Triton interpreter)
-    python bench/run.py --preset decisive        # the 24 cases a first GPU session measures first (_cases.py)
-    python bench/run.py --preset headline --exclude-preset decisive   # the rest of the headline grid
-    python bench/run.py --preset decisive --compile-only --shard 0/5  # warm Triton's cache: call each case once
+    python bench/run.py --preset first           # the 27 cases bench/first_contact.py times on a lent GPU (_cases.py)
+    python bench/run.py --preset headline --exclude-preset first   # the headline grid less those
     python bench/plot.py OUT/results.json        # redraw results.md and the PNGs from saved results
 
 Writes OUT/results.json (one record per provider x shape x dtype x mode), OUT/results.md and OUT/*.png.
@@ -43,17 +42,11 @@ def parse_args(argv=None):
     ap.add_argument("--preset", choices=sorted(C.PRESETS), default="full",
                     help="default grid: full (all of the issue's cases: hours on a GPU), quick (LLaMA-3-8B shapes, "
                          "M 2048/8192, r 16/64, bf16; not yet timed on a GPU), headline (the GPU issue's 156 cases), "
-                         "decisive (an explicit list of 24 cases at 4096x4096, r 16, bf16: what bench/gpu_session.sh "
-                         "measures first; the grid options narrow it), smoke (tiny, CPU)")
+                         "first (an explicit list of 27 cases at 4096x4096, r 16, bf16, M 8192/1024/256: what "
+                         "bench/first_contact.py times; the grid options narrow it), smoke (tiny, CPU)")
     ap.add_argument("--exclude-preset", choices=sorted(C.PRESETS),
                     help="leave out the layer cases this preset selects with its own defaults (e.g. --preset "
-                         "headline --exclude-preset decisive: the headline cases a decisive run did not measure)")
-    ap.add_argument("--shard", help="I/N: run only shard I (0-based) of N, every N-th (provider, dropout) pair with "
-                                    "all its cases (parallel warm-up processes compile different kernels)")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="call each layer case once, untimed, and record it as 'compiled': the Triton compiles and "
-                         "autotuning a timed run of the same cases needs, left in Triton's cache. Only dorafp8 "
-                         "providers (the others compile no Triton kernel); no model step, no plots")
+                         "headline --exclude-preset first: the headline cases a first contact did not measure)")
     ap.add_argument("--smoke", action="store_true", help="same as --preset smoke: the tiny CPU check (CI)")
     ap.add_argument("--shapes", help=f"KxN list (in x out features); default {C.FULL['shapes']}")
     ap.add_argument("--tokens", help=f"M list; default {C.FULL['tokens']}")
@@ -93,7 +86,7 @@ def parse_args(argv=None):
 
 def _git_commit() -> str:
     """HEAD (+dirty) of this checkout; where there is no git (a copied tree, as on a lent GPU machine), whatever
-    $DORAFP8_COMMIT says (bench/gpu_session.sh's caller puts the commit there), else "unknown"."""
+    $DORAFP8_COMMIT says (bench/first_contact.py's caller puts the commit there), else "unknown"."""
     env = os.environ.get("DORAFP8_COMMIT")
     if env:
         return env
@@ -366,8 +359,6 @@ class Runner:
                     return lay.norm()
 
             fn()  # compile / autotune outside the timed region
-            if self.args.compile_only:
-                return self._compiled(case, layer)
             peak, extra = self.timer.memory(fn)  # before the copies below exist
             n_copies = self._norm_copies(layer.weight_bytes)
             for _ in range(n_copies - 1):
@@ -406,18 +397,9 @@ class Runner:
             raise ValueError(case.mode)
 
         fn()  # compile / autotune
-        if self.args.compile_only:
-            return self._compiled(case, layer)
         peak, extra = self.timer.memory(fn, grads)
         ms = self.timer.ms(fn, grads)
         return self.record(case, "ok", ms=ms, peak=peak, extra=extra, wbytes=layer.weight_bytes, note=note)
-
-    def _compiled(self, case, layer):
-        """--compile-only: the case's first call ran (compiling and autotuning what it launches); nothing timed."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return self.record(case, "compiled", wbytes=layer.weight_bytes,
-                           note=f"{layer.note}; --compile-only: called once, not timed")
 
     # -- model step -------------------------------------------------------------------------------------------
     def run_step(self, case, spec, pbar):
@@ -524,15 +506,6 @@ def main(argv=None):
     if args.exclude_preset:
         drop = set(C.default_cases(args.exclude_preset))
         cases = [c for c in cases if c not in drop]
-    if args.compile_only:  # nothing of PEFT's or the floors' is compiled by Triton; a model step is not a kernel
-        cases, steps = [c for c in cases if c.provider in C.DORAFP8_PROVIDERS], []
-    if args.shard:
-        try:
-            index, count = (int(v) for v in args.shard.split("/"))
-            cases = C.shard(cases, index, count)
-        except ValueError as e:
-            sys.exit(f"--shard must be I/N with 0 <= I < N, got {args.shard!r} ({e})")
-        steps = []  # a model step belongs to no shard
     if args.dry_run:
         for c in cases + steps:
             print(c.label)
@@ -563,7 +536,7 @@ def main(argv=None):
                       "it)")
 
     t0 = time.perf_counter()
-    env["copy_gbps"] = None if args.compile_only else copy_bandwidth(device, runner.timer)
+    env["copy_gbps"] = copy_bandwidth(device, runner.timer)
     results = dict(meta=env, args=vars(args), records=runner.records)
     path = os.path.join(out, "results.json")
 
@@ -593,11 +566,6 @@ def main(argv=None):
     pbar.close()
     save()
 
-    if args.compile_only:
-        bad = [r for r in runner.records if r["status"] not in ("compiled", "skipped")]
-        print(f"{len(runner.records) - len(bad)}/{len(runner.records)} cases compiled or skipped in {env['wall_s']:.1f}"
-              f" s; {len(bad)} errors/oom; wrote {path}")
-        return 1 if bad else 0
     import plot
 
     written = plot.render(results, out)

@@ -12,7 +12,8 @@ Public API:
                                           and converting a PEFT DoRA model in place
     register_with_lycoris                 LyCORIS (lycoris-lora) LoCon / DoRA modules on the fp8 layers, through the
                                           fused ops (run by `import dorafp8` when lycoris is imported; lycoris.py)
-    BACKENDS, available_backends          "reference" (PyTorch), "triton", "cuda"; backend="auto" picks
+    BACKENDS, available_backends          "reference", "native" (PyTorch), "triton", "cuda", "cublas"; backend="auto"
+                                          picks (on a GPU: the fastest, raced at each new layer shape)
     load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format
                                           fp8 checkpoints (ComfyUI, compressed-tensors, fine-grained FP8, ...) into
                                           FP8Linear layers and back, merged DoRA exports (dorafp8/checkpoint/)

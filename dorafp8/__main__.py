@@ -39,7 +39,14 @@ def report() -> str:
         for name in backends.BACKENDS:
             why = backends.unavailable_reason(name, torch.device(dev))
             lines.append(f"  {name:<10} {'ok' if why is None else why}")
-    return "\n".join(lines)
+    return "\n".join(lines + race_lines())
+
+
+def race_lines() -> list[str]:
+    """What backend="auto" picked on this machine's GPUs, and how the other candidates timed (dorafp8/ops/_race.py)."""
+    from dorafp8.ops import race_report
+
+    return race_report()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backends.base import NORM_EPS as _NORM_EPS
+from ._pins import pinned
 
 # Rank chunk of the rank-r epilogues (u B^T, v A, B A). The interpreter uses 16 so that the tests cross a chunk
 # with r = 20; on a GPU 64 keeps the [BLOCK_M, BLOCK_R] and [BLOCK_R, BLOCK_N] tiles small enough for registers
@@ -384,14 +385,13 @@ def weight_norm_configs_for(arch: str, fp32: bool = False):
 
 
 _TUNERS: dict = {}
-
-
-def autotuned(kernel, tag, configs, key, outputs, device=None):
+def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
     (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
-    arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py)."""
+    arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
+    pin: this launcher's name in DORAFP8_PIN_CONFIGS (_pins.pinned)."""
     poison = poison_outputs()
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)
@@ -399,7 +399,7 @@ def autotuned(kernel, tag, configs, key, outputs, device=None):
         k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
     tuner = _TUNERS.get(k)
     if tuner is None:
-        configs = configs() if callable(configs) else configs
+        configs = pinned(pin, configs() if callable(configs) else configs)
         tuner = triton.autotune(configs=configs, key=key, restore_value=list(outputs) if poison else None)(kernel)
         _TUNERS[k] = tuner
     return tuner

@@ -247,7 +247,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
                      (quant and fp8_promote(gl.device)) or folded, quant),
         "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded)
-    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device)
+    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
+                       pin="dgrad/w8a8" if quant else "dgrad/w8a16")
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_K"]),)
     launch(kernel, grid)(
         gl, gb, sgl, sgb, rl, rb, fl, fb, w, scale, v, A, mask, dx,

@@ -275,7 +275,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
                      quant),
         "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
-    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device)
+    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device,
+                       pin="forward/w8a8" if quant else "forward/w8a16")
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
     launch(kernel, grid)(
         x, xm, sx, sxm, w8, scale, bias_t, m, n, u, B, y, z,

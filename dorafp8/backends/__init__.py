@@ -4,11 +4,12 @@ Every backend is a module implementing the contract in dorafp8/backends/base.py 
 weight_norm, project, project_grad, forward, backward_pass, dgrad, called with keyword arguments) plus
 `unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (which of base.FEATURES it computes).
 
-Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the fastest backend that can run on the
-tensors' device: triton > cuda > reference on a GPU (triton first until GPU measurements say otherwise; see
-bench/results/), native on CPU (native.py: the reference with its base GEMMs in the compute dtype; the reference itself
-stays the exact fp32 twin every backend is tested against). `cublas` (dequantize one layer into a transient buffer,
-cuBLAS for the base GEMMs, fused epilogues) is never picked by "auto" until measured.
+Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the static order of the backends that can run
+on the tensors' device: triton > cuda > reference on a GPU, native on CPU (native.py: the reference with its base GEMMs
+in the compute dtype; the reference itself stays the exact fp32 twin every backend is tested against). On a GPU the
+linear ops then race triton, cuda and `cublas` (dequantize one layer into a transient buffer, cuBLAS for the base
+GEMMs, fused epilogues) at each new layer shape and keep the fastest (dorafp8/ops/_race.py); resolve() is the order
+the race starts from, and what runs where it does not (DORAFP8_RACE=0, a CUDA graph capture, a torch.compile trace).
 
 Refusals: a backend asked for by name (argument or environment) that cannot run raises with the reason, and one that
 cannot compute what the call needs (block scales, W8A8) raises base.not_supported's ValueError before any work; under
@@ -96,7 +97,7 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             raise base.not_supported(name, missing[0], alternatives=tuple(
                 b for b in BACKENDS if missing[0] in supports(b) and unavailable_reason(b, device) is None))
         return name
-    # No GPU measurement has ranked triton against cuda yet; triton's kernels are autotuned, so it goes first.
+    # The static order: triton's kernels are autotuned, so it goes first; the race (ops/_race.py) measures instead.
     for cand in ("triton", "cuda"):
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand):
             return cand

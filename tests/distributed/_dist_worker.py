@@ -4,7 +4,7 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer. Each trains the model of _dist_common for STEPS steps on its
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race. Each trains the model of _dist_common for STEPS steps on its
 half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
 run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
@@ -298,6 +298,57 @@ def run_trainer(out):
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "adapter": C.adapter_state(pm)}
     trainer.save_model(os.path.join(out, "adapter"))
+    return res
+
+
+def run_race(out):
+    """backend="auto"'s race (dorafp8/ops/_race.py) with the CPU made to race native against reference, each rank's
+    timer preferring another one (rank 0 reference, rank 1 native, the static order's). Returns the backends each
+    call ran on, and what each rank timed."""
+    from dorafp8 import backends
+    from dorafp8.ops import _race
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    _race.RACERS["cpu"] = ("native", "reference")
+    _race.RECHECK_S = 0.0  # ask the store at every call: the test orders the calls with barriers
+    os.environ.update(DORAFP8_CACHE_DIR=os.path.join(out, f"cache{RANK}"), DORAFP8_RACE="1")
+    os.environ.pop("DORAFP8_BACKEND", None)
+    favourite = "reference" if RANK == 0 else "native"
+    timed, used, real = [], [], backends.module
+
+    def timer(name, fn, device):
+        timed.append(name)
+        fn()
+        return 1e-3 if name == favourite else 2e-3
+
+    _race.TIMER = timer
+    backends.module = lambda name: used.append(name) or real(name)
+
+    def step(M, N=24):
+        """Two training calls of one layer shape; the backends the second ran on (the first may race)."""
+        for _ in range(2):
+            used.clear()
+            g = torch.Generator().manual_seed(0)
+            w8, scale = dorafp8.quantize_e4m3(torch.randn(N, 32, generator=g))
+            leaves = [torch.randn(4, 32, generator=g), torch.randn(N, 4, generator=g),
+                      torch.rand(N, generator=g) + 0.5]
+            leaves = [t.requires_grad_() for t in leaves]
+            x = torch.randn(M, 32, dtype=torch.bfloat16, generator=g)
+            dorafp8.dora_fp8_linear(x, w8, scale, *leaves, 0.5).float().sum().backward()
+        return sorted(set(used))
+
+    res = {}
+    if RANK == 1:
+        res["before"] = step(40)  # rank 0 has not raced this key yet: the static order
+    dist.barrier()
+    if RANK == 0:
+        res["after"] = step(40)  # rank 0 races, keeps its pick, publishes it
+    dist.barrier()
+    if RANK == 1:
+        res["after"] = step(40)  # rank 0's pick, from the store
+    # keys the other rank never meets: no collective waits for it
+    res["own_key"] = step(300) if RANK == 1 else step(40, N=16)
+    res["timed"] = timed
     return res
 
 

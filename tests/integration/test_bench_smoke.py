@@ -27,7 +27,8 @@ import _cases as C  # noqa: E402
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 # Providers whose kernels run under the Triton interpreter on CPU: their model step is skipped there (with a reason).
-INTERPRETED = ("dorafp8-triton", "dorafp8-cublas", "dorafp8-triton-w8a8")
+INTERPRETED = ("dorafp8-triton", "dorafp8-cublas", "dorafp8-triton-w8a8", "dorafp8-lora-triton",
+               "dorafp8-lora-triton-w8a8")
 # The datasheet peaks as bench/README.md states them (TFLOP/s dense; GB/s): typed in here independently of
 # bench/_cases.py, so that a change of one without the other fails.
 README_PEAKS = {
@@ -121,10 +122,10 @@ def test_records_sane(smoke):
         assert mine, f"{prov} missing from results"
         modes = {r["mode"] for r in mine}
         expected = set(C.MODES)
-        if not prov.startswith("dorafp8-"):
-            expected -= set(C.CACHED_MODES)  # only dorafp8 takes a precomputed weight norm
-        if prov in C.FLOOR_PROVIDERS:
-            expected -= {"norm"}
+        if not (prov.startswith("dorafp8-") and C.has_norm(prov)):
+            expected -= set(C.CACHED_MODES)  # only dorafp8's DoRA takes a precomputed weight norm
+        if not C.has_norm(prov):
+            expected -= {"norm"}  # the floors and plain LoRA have none
         assert modes == expected, (prov, modes)
         if prov not in C.FLOOR_PROVIDERS:
             assert {r["dropout"] for r in mine if r["mode"] == "fwd"} == {0.0, 0.05}
@@ -132,7 +133,8 @@ def test_records_sane(smoke):
             assert {r["dropout"] for r in mine} == {0.0}  # no dropout in a plain linear
     # What must run on any CPU: PEFT, the bf16 floor, the reference backend; the W8A8 floor wherever this torch
     # runs torch._scaled_mm on CPU (torch 2.15 does), else skipped with the reason.
-    must = ["peft-dora", "peft-dora-lowp", "peft-dora-fp8-dequant", "linear-bf16", "dorafp8-reference"]
+    must = ["peft-dora", "peft-dora-lowp", "peft-dora-fp8-dequant", "linear-bf16", "dorafp8-reference", "peft-lora",
+            "linear-fp8-dequant", "dorafp8-lora-reference"]
     if _scaled_mm_runs_on_cpu():
         must.append("linear-fp8-rowwise")
     else:

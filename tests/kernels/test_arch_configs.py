@@ -141,3 +141,55 @@ def test_two_accumulator_lists_under_triton_3_8(monkeypatch):
         changed = [i for i, (a, b) in enumerate(zip(newest[table], lists(table))) if a != b]
         # (forward, dgrad) x (one, two accumulators) x (small, large M): index 3 and 7 are the two-accumulator large-M
         assert changed == ([3, 7] if table in ("sm89", "sm120") else []), table
+
+
+def test_pinned_configs(monkeypatch, tmp_path):
+    """DORAFP8_PIN_CONFIGS (bench/first_contact.py): a launcher whose list holds its pin tunes over that config alone;
+    a list without it, or a launcher without a pin, keeps its list; configs are named as the kernel report names
+    them; a file that cannot be read is an error naming the variable."""
+    import json
+
+    from dorafp8.kernel_report.parsers import config_str
+    from dorafp8.triton_kernels import _pins as Pins
+
+    big = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 8192, False)
+    small = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 64, False)
+    assert [Pins.config_name(c) for c in big + small] == [config_str(c) for c in big + small]
+    pins = tmp_path / "pins.json"
+    assert Pins.config_name(big[0]) not in {Pins.config_name(c) for c in small}
+    pins.write_text(json.dumps({"forward/w8a16": Pins.config_name(big[0])}))
+    monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(pins))
+    monkeypatch.setattr(Pins, "_PINS", {})
+    assert Pins.pinned("forward/w8a16", big) == [big[0]]
+    assert Pins.pinned("forward/w8a16", small) == small and Pins.pinned("dgrad/w8a16", big) == big
+    assert Pins.pinned(None, big) == big
+    monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="DORAFP8_PIN_CONFIGS must name a JSON file"):
+        Pins.pinned("forward/w8a16", big)
+
+
+def test_the_launchers_name_their_pins(monkeypatch):
+    """Each autotuned launcher passes its pin: the GEMMs by kernel and mode, the norm as weight_norm."""
+    import importlib
+
+    import dorafp8
+
+    if dorafp8.backends.unavailable_reason("triton", torch.device("cpu")):
+        pytest.skip("the Triton backend does not run here")
+    seen = set()
+    for name in ("forward", "dgrad", "weight_norm"):
+        mod = importlib.import_module(f"dorafp8.triton_kernels.{name}")
+        real = mod.autotuned
+
+        def spy(*args, real=real, **kwargs):
+            seen.add(kwargs.get("pin"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, "autotuned", spy)
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(32, 32))
+    for act_quant in (None, "rowwise"):
+        leaves = [torch.randn(4, 32).requires_grad_(), torch.randn(32, 4).requires_grad_(),
+                  (torch.rand(32) + 0.5).requires_grad_()]
+        x = torch.randn(20, 32).requires_grad_()
+        dorafp8.dora_fp8_linear(x, w8, scale, *leaves, 0.5, backend="triton", act_quant=act_quant).sum().backward()
+    assert seen == {"forward/w8a16", "forward/w8a8", "dgrad/w8a16", "dgrad/w8a8", "weight_norm"}

@@ -1,0 +1,481 @@
+"""The steps of bench/first_contact.py, each in a child process (`first_contact.py --step NAME [--job J]`). Each puts
+what it finds into the command's results file as soon as it has it (first_contact.publish). Sizes: GPU below, and
+tiny ones with --smoke (CPU, reference / native backends: the machinery, no speed claims)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+
+import first_contact as F
+
+RESULTS = os.environ.get("FIRST_CONTACT_RESULTS", "")
+WORK = os.environ.get("FIRST_CONTACT_WORK", "")
+SMOKE = os.environ.get("FIRST_CONTACT_SMOKE") == "1"
+CAP_S = float(os.environ.get("FIRST_CONTACT_CAP_S", "60"))  # this step's cap: a pytest it runs ends before it
+# (K, N), r, M of the correctness checks, M of the timing; the timing's providers
+SIZE = dict(shape=(64, 96), rank=4, check=(32, 30), time=(32, 16), race=(40,), profile=32) if SMOKE else \
+    dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192, 1024), profile=8192)
+CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE else \
+    {"w8a16": ("triton", None), "w8a8": ("triton", "rowwise"), "cublas": ("cublas", None)}
+SMOKE_PROVIDERS = ("dorafp8-reference", "linear-bf16", "linear-fp8-dequant", "peft-dora", "peft-lora",
+                   "dorafp8-lora-reference")
+PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8")
+# compute-sanitizer's selections: one ragged, strided fp16 shape; the Triton file's ids end in the device
+SANITIZE = (("triton", "tests/kernels/test_triton_kernels.py",
+             "cuda and M37-K50-N70-r3 and float16 and not bfloat16 and tensor and (not w8a8 or nodrop)"),
+            ("cuda", "tests/kernels/test_cuda.py", "M37-K50-N70-r3 and float16 and not bfloat16"))
+
+
+def put(section, key, value):
+    F.publish(RESULTS, section, key, value)
+
+
+def device():
+    import torch
+
+    return torch.device("cpu" if SMOKE else "cuda")
+
+
+def sync():
+    import torch
+
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def run(name: str, job: str | None) -> int:
+    sys.path.insert(0, F.HERE)
+    try:
+        return STEPS[name](job) if job else STEPS[name]()
+    except BaseException as e:  # recorded, then the parent goes on with the next step
+        traceback.print_exc()
+        put("errors", name + (f" {job}" if job else ""), f"{type(e).__name__}: {e}"[:2000])
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command 1
+
+
+def env() -> int:
+    info = {"python": sys.version.split()[0], "executable": sys.executable, "root": F.ROOT}
+    try:
+        import torch
+
+        import dorafp8
+        import dorafp8.triton_kernels as tk
+    except Exception as e:
+        return _stop(info, f"cannot import dorafp8 from {F.ROOT}: {type(e).__name__}: {e}")
+    inside = os.path.realpath(F.ROOT) + os.sep
+    for mod in (dorafp8, tk):
+        if not os.path.realpath(mod.__file__).startswith(inside):
+            return _stop(info, f"{mod.__name__} imports from {mod.__file__}, not from this checkout ({F.ROOT}): "
+                               "another installation comes first (pip uninstall dorafp8, or run that checkout's script)")
+    if not SMOKE and not torch.cuda.is_available():
+        return _stop(info, "torch sees no GPU (torch.cuda.is_available() is False); --smoke runs on a CPU")
+    import run as R
+    from dorafp8 import backends
+
+    dev = device()
+    info.update(R.environment(dev), dorafp8_file=dorafp8.__file__,
+                backends={b: backends.unavailable_reason(b, dev) or "runs" for b in backends.BACKENDS})
+    if not SMOKE:
+        q = "clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu,persistence_mode"
+        info["nvidia_smi"] = dict(zip(q.split(","), _out(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"])
+                                      .split(", ")))
+    put("env", None, info)
+    print(f"env: {info['device']}, torch {info['torch']}, triton {info['triton']}, dorafp8 from {dorafp8.__file__}")
+    return 0
+
+
+def _stop(info, why) -> int:
+    put("env", None, dict(info, error=why))
+    print(f"first_contact: {why}", flush=True)
+    return 3
+
+
+def _out(argv) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def pins_from(rows: list[dict], norm_config: str) -> dict:
+    """DORAFP8_PIN_CONFIGS's file from the model's picks (kernel_report.predict.headline's rows): the GEMMs by kernel
+    and mode, the weight norm (not modelled: its list's first config)."""
+    return {f"{r['kernel']}/{r['mode'].lower()}": r["config"] for r in rows} | {"weight_norm": norm_config}
+
+
+def pins() -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:  # predict.py describes an H100 SXM (sm_90a); elsewhere the launchers keep their lists
+        put("model", None, {"skipped": f"the kernel report's model is for sm_90a; this GPU is sm_{major}{minor}: "
+                                       "the launchers autotune"})
+        return 0
+    from dorafp8.kernel_report import run as report
+    from dorafp8.kernel_report.predict import (H100_SXM, HEADLINE, HEADLINE_VARIANTS, GEMM_KERNELS, headline,
+                                               launches_subprocess, layer_seconds, linear_seconds)
+    from dorafp8.triton_kernels._common import weight_norm_configs_for
+    from dorafp8.triton_kernels._pins import config_name
+
+    def headline_gemm(job):
+        return job["kernel"] in ("forward", "dgrad") and job["variant"] in HEADLINE_VARIANTS.values()
+
+    t0 = time.monotonic()
+    rows = headline(report(archs=["sm_90a"], backends=["triton"], select=headline_gemm, jobs=os.cpu_count() or 2,
+                           progress=print))
+    picks = pins_from(rows, config_name(weight_norm_configs_for("sm90", fp32=True)[0]))
+    with open(os.path.join(WORK, "pins.json.tmp"), "w") as f:
+        json.dump(picks, f)
+    os.replace(os.path.join(WORK, "pins.json.tmp"), os.path.join(WORK, "pins.json"))
+    model = {"device": H100_SXM.name, "shape": HEADLINE, "pins": picks, "compile_s": round(time.monotonic() - t0, 1),
+             "linear_us": linear_seconds(HEADLINE["M"], HEADLINE["N"], HEADLINE["K"]) * 1e6,
+             "gemms": [dict(r, us=r["seconds"] * 1e6) for r in rows]}
+    put("model", None, model)
+    launches = launches_subprocess()  # every other launch at its modelled bytes (an interpreter dry run)
+    for mode in HEADLINE_VARIANTS:
+        gemm = {r["kernel"]: r["seconds"] for r in rows if r["mode"] == mode}
+        kernels = [{"name": name, "bytes": nbytes, "predicted_us": 1e6 * (
+            gemm[GEMM_KERNELS[name]] if name in GEMM_KERNELS else nbytes / H100_SXM.hbm_bytes_s)}
+            for name, nbytes in launches[mode]]
+        model.setdefault("layers", {})[mode] = dict(layer_seconds(gemm, launches[mode]), kernels=kernels)
+        put("model", None, model)
+    print(f"pins: {picks}")
+    return 0
+
+
+def correct(job: str) -> int:
+    """y, dx, dA, dB, dm of DoRA (and y, dx of the plain fp8 linear under LoRA) against fp64 at each M."""
+    backend, act_quant = CHECKS[job]
+    M, ragged = SIZE["check"]
+    # M first (its compiles are the timing's: M a multiple of 16), the plain linear's too, then the ragged M
+    checks = ((f"{job} M={M}", check_dora, M), (f"{job} fp8_linear M={M}", check_linear, M),
+              (f"{job} M={ragged}", check_dora, ragged))
+    ok = True
+    for what, check, m in checks:
+        got = check(backend, act_quant, m)
+        put("correct", what, got)
+        ok &= got["pass"]
+    return 0 if ok else 1
+
+
+def _problem(M, seed):
+    import torch
+
+    import dorafp8
+
+    (K, N), r = SIZE["shape"], SIZE["rank"]
+    g = torch.Generator().manual_seed(seed)
+    dev = device()
+    w8, scale = dorafp8.quantize_e4m3((torch.randn(N, K, generator=g) / K ** 0.5).to(dev))
+    A = (torch.randn(r, K, generator=g) / K ** 0.5).to(dev)
+    B = (torch.randn(N, r, generator=g) / r ** 0.5).to(dev)  # B != 0: the rank-r term counts
+    m = (torch.rand(N, generator=g) + 0.5).to(dev)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(dev)
+    gy = torch.randn(M, N, generator=g).to(torch.bfloat16).to(dev)
+    return w8, scale, A, B, m, x, gy, dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+
+
+def _used(out, ref, allowed) -> dict:
+    """How much of the allowed error the worst element uses (pass: at most 1); NaN counts as infinitely wrong."""
+    import torch
+
+    err = (out.detach().double() - ref.detach().double()).abs()
+    frac = (err / allowed).nan_to_num(float("inf")).max().item()
+    return {"used": F.finite(frac), "max_err": F.finite(err.max().item()), "scale": ref.abs().max().item(),
+            "nan": int(torch.isnan(out).sum()), "pass": frac <= 1.0}
+
+
+def _rel(ref, rel):
+    return rel * (ref.abs() + ref.abs().max())
+
+
+def _w8a8_bound(t, W):
+    """docs/DORA_MATH.md's W8A8 contract: |t8 W^T - t W^T| per element, t's rows quantized to e4m3, plus fp32
+    accumulation and, on Hopper, its fp8 accumulator (the 2^-6 term)."""
+    import torch
+
+    hopper = not SMOKE and torch.cuda.get_device_capability()[0] == 9
+    acc = W.shape[1] * 2 ** -24 + (2 ** -6 if hopper else 0.0)
+    sigma = t.abs().amax(1) / 448
+    return (2 ** -4 + acc) * (t.abs() @ W.abs().T) + 2 ** -10 * sigma[:, None] * W.abs().sum(1)[None, :]
+
+
+def check_dora(backend, act_quant, M) -> dict:
+    import torch
+
+    import dorafp8
+    from tests._ref import dora_fp64
+    from tests._tolerance import tol
+
+    w8, scale, A, B, m, x, gy, W0 = _problem(M, M)
+    s, rel = 2.0, tol(torch.bfloat16)
+    n = dorafp8.weight_norm(w8, scale, A, B, s, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (x, A, B, m)]
+    y = dorafp8.dora_fp8_linear(leaves[0], w8, scale, *leaves[1:], s, backend=backend, weight_norm=n,
+                                act_quant=act_quant)
+    y.backward(gy)
+    yr, ref = dora_fp64(x, W0, A, B, m, s)
+    yr.backward(gy.double())
+    n64 = (W0 + s * B.double() @ A.double()).norm(dim=1)
+    got = {"n": _used(n, n64, _rel(n64, tol(torch.float32)))}
+    allowed = {"y": _rel(yr, rel)} | {k: _rel(t.grad, 2 * rel) for k, t in zip(("dx", "dA", "dB", "dm"), ref)}
+    if act_quant:  # the base product of quantized rows: within the contract's bound, scaled as the layer scales it
+        c, x64, g64 = m.double() / n64, x.double(), gy.double()
+        bx = _w8a8_bound(x64, W0)
+        allowed["y"] = allowed["y"] + c.abs()[None, :] * bx
+        allowed["dx"] = allowed["dx"] + _w8a8_bound(g64 * c[None, :], W0.T)
+        allowed["dm"] = allowed["dm"] + (g64.abs() * bx).sum(0) / n64
+    for name, out, r in zip(("y", "dx", "dA", "dB", "dm"), (y,) + tuple(t.grad for t in leaves),
+                            (yr,) + tuple(t.grad for t in ref)):
+        got[name] = _used(out, r, allowed[name])
+    return _verdict(backend, act_quant, M, got)
+
+
+def check_linear(backend, act_quant, M) -> dict:
+    """The plain fp8 linear (plain LoRA's base layer) forward and input gradient against fp64."""
+    import torch
+
+    import dorafp8
+    from tests._tolerance import tol
+
+    w8, scale, _, _, _, x, gy, W0 = _problem(M, M + 1)
+    xl = x.clone().requires_grad_()
+    y = dorafp8.fp8_linear(xl, w8, scale, backend=backend, act_quant=act_quant)
+    y.backward(gy)
+    yr, dxr = x.double() @ W0.T, gy.double() @ W0
+    rel = tol(torch.bfloat16)
+    ay, adx = _rel(yr, rel), _rel(dxr, 2 * rel)
+    if act_quant:
+        ay, adx = ay + _w8a8_bound(x.double(), W0), adx + _w8a8_bound(gy.double(), W0.T)
+    return _verdict(backend, act_quant, M, {"y": _used(y, yr, ay), "dx": _used(xl.grad, dxr, adx)})
+
+
+def _verdict(backend, act_quant, M, got) -> dict:
+    (K, N), r = SIZE["shape"], SIZE["rank"]
+    line = ", ".join(f"{k} {v['used']:.2f}" if v["used"] is not None else f"{k} NaN" for k, v in got.items())
+    ok = all(v["pass"] for v in got.values())
+    print(f"correct {backend} act_quant={act_quant} M={M}: {'pass' if ok else 'FAIL'} (of the allowed error: {line})")
+    return {"backend": backend, "act_quant": act_quant, "M": M, "N": N, "K": K, "r": r, "tensors": got, "pass": ok}
+
+
+def timing() -> int:
+    import _cases as C
+
+    providers = [p for p in os.environ.get("FIRST_CONTACT_PROVIDERS", "").split(",") if p] or \
+        list(SMOKE_PROVIDERS if SMOKE else C.FIRST_PROVIDERS)
+    if unknown := [p for p in providers if p not in C.PROVIDERS]:
+        raise SystemExit(f"first_contact: unknown providers {unknown}; bench/_cases.py has {list(C.PROVIDERS)}")
+    cases = C.first_cases(SIZE["shape"], SIZE["time"], providers, SIZE["rank"])
+    return _measure("timing", None, cases)
+
+
+def _measure(section, key, cases) -> int:
+    """Times `cases` with bench/run.py's Runner (do_bench on a GPU), publishing after each one."""
+    import _providers as P
+    import run as R
+
+    dev = device()
+    args = argparse.Namespace(warmup=25, rep=100, cpu_reps=1 if SMOKE else 5)
+    meta = R.environment(dev)
+    runner = R.Runner(args, dev, meta)
+    meta["copy_gbps"] = R.copy_bandwidth(dev, runner.timer)
+    for p in dict.fromkeys(c.provider for c in cases):
+        try:
+            P.check(p, dev)
+        except P.Skip as e:
+            runner.skipped[p] = str(e)
+    bar = R._Counter(len(cases))
+    for case in cases:
+        runner.run_layer_group([case], bar)
+        put(section, key, {"meta": meta, "records": runner.records})
+    return 0
+
+
+def race() -> int:
+    """backend="auto" as a user meets it: the first call of each M races (dorafp8/ops/_race.py), later ones do not."""
+    import torch
+
+    import dorafp8
+    from dorafp8 import backends
+    from dorafp8.ops import _race
+
+    os.environ.update(DORAFP8_RACE="1", DORAFP8_CACHE_DIR=os.path.join(WORK, "race"))
+    if SMOKE:
+        _race.RACERS["cpu"] = ("native", "reference")
+    dev = device()
+    for M in SIZE["race"]:
+        w8, scale, A, B, m, x, gy, _ = _problem(M, M)
+        leaves = [t.requires_grad_() for t in (x, A, B, m)]
+        n = dorafp8.weight_norm(w8, scale, A, B, 2.0)
+
+        def call():
+            t0 = time.perf_counter()
+            dorafp8.dora_fp8_linear(leaves[0], w8, scale, *leaves[1:], 2.0, weight_norm=n).backward(gy)
+            sync()
+            return time.perf_counter() - t0
+
+        first, later = call(), min(call() for _ in range(3))
+        with open(_race.cache_file(dev)) as f:
+            picks = json.load(f)["picks"]
+        what = next(k for k in picks if k.startswith("dora ") and k.endswith(f"M<={_race.bucket(M)}"))
+        put("race", f"M={M}", dict(picks[what], key=what, static=backends.resolve("auto", dev), first_call_s=first,
+                                   later_call_s=later, race_cost_s=first - later))
+        print(f"race M={M}: {what} -> {picks[what]['pick']} {picks[what]['ms']}; the race cost {first - later:.3f} s")
+    return 0
+
+
+def profile() -> int:
+    """Per-kernel device time of one forward + backward (norm cached), the mean of ITERS under torch.profiler; on a
+    CPU the operators' own CPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    import _providers as P
+
+    iters, dev = 5, device()
+    (K, N), r, M = SIZE["shape"], SIZE["rank"], SIZE["profile"]
+    acts = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
+    for prov in PROFILED:
+        layer = P.build_layer(prov, K, N, r, "bf16", 0.0, dev)
+        x = torch.randn(M, K, dtype=torch.bfloat16, device=dev).requires_grad_()
+        dy = torch.randn(M, N, dtype=torch.bfloat16, device=dev)
+
+        def fn():
+            layer.forward_cached(x).backward(dy)
+
+        for _ in range(2):  # compiles, allocator warm
+            fn()
+        sync()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(iters):
+                fn()
+            sync()
+        rows = []
+        for e in prof.key_averages():
+            on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")  # a kernel (a GPU event has no children)
+            us = (getattr(e, "device_time_total", 0) if on_gpu else 0 if not SMOKE else e.self_cpu_time_total) / iters
+            if us > 0:
+                rows.append({"name": e.key, "calls": e.count / iters, "us": us})
+        rows.sort(key=lambda row: -row["us"])
+        put("profile", prov, {"M": M, "N": N, "K": K, "r": r, "iters": iters, "what": "CPU operators" if SMOKE else
+                              "GPU kernels", "kernels": rows, "total_us": sum(row["us"] for row in rows)})
+        print(f"profile {prov}: " + ", ".join(f"{row['name'][:40]} {row['us']:.1f} us" for row in rows[:8]))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command 2
+
+
+def build() -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if major in (9, 10) else "")  # wgmma / tcgen05 need the arch-specific target
+    env = dict(os.environ, DORAFP8_FORCE_CUDA_BUILD="1", DORAFP8_CUDA_ARCHS=arch, MAX_JOBS="8")
+    if os.path.isdir("/usr/local/cuda"):
+        env.setdefault("CUDA_HOME", "/usr/local/cuda")
+    t0 = time.monotonic()
+    rc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=F.ROOT, env=env).returncode
+    why = _out([sys.executable, "-c", "import torch, dorafp8.backends.cuda as c; "
+                "print(c.unavailable_reason(torch.device('cuda')) or 'runs')"]).splitlines()[-1:]
+    put("build", None, {"rc": rc, "arch": arch, "seconds": round(time.monotonic() - t0, 1), "extension": why})
+    return rc
+
+
+def _pytest(key, argv, env_extra=None, prefix=()) -> int:
+    """pytest ARGV under this step's cap (SIGINT before it, so that pytest prints its summary); its counts, its
+    failures and its tail go to the results."""
+    import signal
+
+    cmd = list(prefix) + [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"] + argv
+    proc = subprocess.Popen(cmd, cwd=F.ROOT, env=dict(os.environ, **(env_extra or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=max(5.0, CAP_S - F.KILL_GRACE_S - 5))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            text, _ = proc.communicate(timeout=F.KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+    print(text)
+    lines = text.strip().splitlines()
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)",
+                                               lines[-1] if lines else "")}
+    put("tests", key, {"command": " ".join(cmd[-len(argv):]), "rc": proc.returncode, "counts": counts,
+                       "failures": [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))][:50],
+                       "interrupted": "KeyboardInterrupt" in text or "Interrupted" in text,
+                       "tail": lines[-15:]})
+    return proc.returncode
+
+
+def _extension_runs() -> bool:
+    return _out([sys.executable, "-c", "import torch, dorafp8.backends.cuda as c; "
+                 "print(c.unavailable_reason(torch.device('cuda')) is None)"]).endswith("True")
+
+
+def tests() -> int:
+    if SMOKE:
+        return _pytest("kernels", ["tests/kernels/test_arch_configs.py", "-k", "known_gpus"])
+    import importlib.util
+
+    xdist = ["-n", "12"] if importlib.util.find_spec("xdist") else []
+    # test_cuda.py after the build; test_cuda_emulated.py runs the CUDA files on CPU (CI's, not this GPU's time)
+    return _pytest("kernels", ["tests/kernels", "--ignore=tests/kernels/test_cuda.py",
+                               "--ignore=tests/kernels/test_cuda_emulated.py"] + xdist)
+
+
+def tests_cuda() -> int:
+    if not _extension_runs():
+        put("tests", "cuda", {"skipped": "the CUDA extension was not built (see build)"})
+        return 1
+    return _pytest("cuda", ["tests/kernels/test_cuda.py", "-n", "8"], {"DORAFP8_REQUIRE_CUDA_EXT": "1"})
+
+
+def sanitizer() -> int:
+    global CAP_S
+    built, rcs = _extension_runs(), []
+    CAP_S /= 2
+    for what, path, sel in SANITIZE:
+        if what == "cuda" and not built:
+            put("tests", "sanitizer-cuda", {"skipped": "the CUDA extension was not built"})
+            continue
+        rcs.append(_pytest(f"sanitizer-{what}", [path, "-k", sel], {"DORAFP8_POISON": "1",
+                           "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},  # one cudaMalloc per tensor: writes past its end
+                           prefix=["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
+                                   "--print-limit", "20"]))
+    return max(rcs, default=0)
+
+
+def grid() -> int:
+    """The rest of the grid: dropout, the autotuned configs (DORAFP8_PIN_CONFIGS is unset here), the CUDA backend."""
+    import _cases as C
+
+    M = SIZE["time"][:1]
+    kw = dict(shape=SIZE["shape"], rank=SIZE["rank"], tokens=M)
+    if SMOKE:
+        _measure("grid", "dropout", C.first_cases(providers=("dorafp8-reference", "peft-dora"), dropout=0.05, **kw))
+        return 0
+    _measure("grid", "autotuned", C.first_cases(providers=("dorafp8-triton", "dorafp8-triton-w8a8"), **kw))
+    _measure("grid", "dropout", C.first_cases(providers=("dorafp8-triton", "dorafp8-triton-w8a8", "peft-dora",
+                                                         "dorafp8-lora-triton", "peft-lora"), dropout=0.05, **kw))
+    if _extension_runs():
+        _measure("grid", "cuda", C.first_cases(providers=("dorafp8-cuda",), **dict(kw, tokens=SIZE["time"][:2])))
+    return 0
+
+
+STEPS = {"env": env, "pins": pins, "correct": correct, "time": timing, "race": race, "profile": profile,
+         "build": build, "tests": tests, "tests-cuda": tests_cuda, "sanitizer": sanitizer, "grid": grid}

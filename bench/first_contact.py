@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""bench/first_contact.py: the first GPU run, one command of at most five minutes; and an optional second.
+
+    python3 bench/first_contact.py            # command 1: the first thing run when a GPU is lent (timeout_s=300)
+    python3 bench/first_contact.py --more     # command 2, optional (timeout_s=300): tests, sanitizer, the rest
+    DRY_RUN=1 python3 bench/first_contact.py  # the plan of both and its sum against a session; runs nothing
+    python3 bench/first_contact.py --smoke    # CPU: the same steps at tiny shapes on the reference / native backends
+    python3 bench/save_results.py OUT1 [OUT2] --commit SHA   # here, afterwards: bench/results/<device>/, README
+
+Each step runs as a child process with a cap (STEPS below; _first_steps.py holds their code); one that fails or runs
+out of time is written down and the next one runs. Every result goes into $OUT/first_contact.json (command 2:
+$OUT/more.json) the moment it exists, written atomically, so that a command killed at its limit still returns all it
+finished; the steps' output goes to $OUT/log.txt. Two files of the eight the device tool brings back.
+
+dorafp8 runs from this checkout, not installed (an offline install needs setuptools >= 64, and a failed one would lose
+the command): PYTHONPATH is the checkout, and where nothing installed maps dorafp8.triton_kernels to triton_kernels/,
+the git-ignored link dorafp8/triton_kernels -> ../triton_kernels does. If dorafp8 still cannot be imported from here,
+the command stops at once with one line that says why.
+
+Knobs (environment): OUT (default bench_out/first_contact), DORAFP8_COMMIT (the commit, for a tree without git),
+FIRST_CONTACT_STEPS (a comma list: run only these steps), FIRST_CONTACT_CAPS ("time=30,race=5": other caps),
+FIRST_CONTACT_PROVIDERS (the timing's providers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The device tool's session (bench/README.md, "On a lent GPU"): the issue allows each command five minutes of its ten.
+COMMAND_S = 300
+SESSION_S, START_S, IDLE_S = 900, 120, 30  # device time of a session; one machine start; the idle after each call
+SPARE_S = 15  # of each command's 300 s, kept from the steps: the parent's start, the last kill's grace, the writes
+KILL_GRACE_S = 5  # SIGINT first (pytest prints its summary), SIGKILL this much later
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    cap: int  # seconds
+    what: str
+    grows: bool = False  # also takes what the steps before it left
+    background: bool = False  # runs beside the steps after it
+    after: str | None = None  # waits for this background step first
+    gpu: bool = False  # skipped without a GPU (--smoke)
+
+
+STEPS = {
+    "first": (
+        Step("env", 20, "import dorafp8 from this checkout, or stop with one line; GPU, driver, versions"),
+        Step("pins", 45, "the kernel report's model picks one config per GEMM variant and predicts every kernel "
+                         "(sm_90a compiles, 16 processes); the launchers run those configs alone", gpu=True),
+        Step("correct", 110, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
+                             "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; three processes"),
+        Step("time", 70, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
+             grows=True),
+        Step("race", 15, "what backend='auto' picks at M 8192 and 1024, and what the pick costs"),
+        Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192"),
+    ),
+    "more": (
+        Step("env", 20, "as in command 1"),
+        Step("build", 150, "the CUDA extension for this GPU (setup.py build_ext --inplace)", background=True, gpu=True),
+        Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py and the CPU emulator's), 12 processes"),
+        Step("tests-cuda", 35, "pytest tests/kernels/test_cuda.py, DORAFP8_REQUIRE_CUDA_EXT=1", after="build",
+             gpu=True),
+        Step("sanitizer", 40, "compute-sanitizer memcheck on a ragged fp16 shape of the Triton and CUDA kernels",
+             gpu=True),
+        Step("grid", 40, "the rest: dropout, the autotuned configs, the CUDA backend", grows=True),
+    ),
+}
+RESULTS = {"first": "first_contact.json", "more": "more.json"}
+
+
+def plan(command: str) -> list[tuple[Step, int, int]]:
+    """(step, worst-case start, worst-case end) in seconds from the command's start: every step takes its cap."""
+    t, ends, out = 0, {}, []
+    for s in STEPS[command]:
+        start = max(t, ends.get(s.after, 0))
+        ends[s.name] = start + s.cap
+        if not s.background:
+            t = ends[s.name]
+        out.append((s, start, ends[s.name]))
+    return out
+
+
+def worst_case(command: str) -> int:
+    return max(end for _, _, end in plan(command)) + SPARE_S
+
+
+def plan_text() -> str:
+    lines = ["bench/first_contact.py, the plan (DRY_RUN=1: nothing runs; worst case: every step takes its cap)"]
+    for command, how in (("first", "python3 bench/first_contact.py"), ("more", "python3 bench/first_contact.py "
+                                                                              "--more")):
+        lines.append(f"command {command}: {how}   [device tool: timeout_s={COMMAND_S}]")
+        for s, start, end in plan(command):
+            tags = [t for t, on in (("background", s.background), (f"after {s.after}", s.after),
+                                    ("takes what is left", s.grows)) if on]
+            lines.append(f"  {s.name:<10} {start:4d}-{end:4d} s  cap {s.cap:3d} s  {s.what}"
+                         + (f" ({', '.join(tags)})" if tags else ""))
+        lines.append(f"  worst case {worst_case(command)} s (steps + {SPARE_S} s spare) of the command's {COMMAND_S} s")
+    total = START_S + COMMAND_S + IDLE_S + COMMAND_S + IDLE_S
+    lines.append(f"session: one machine start {START_S} s + command first {COMMAND_S} s + idle {IDLE_S} s + command "
+                 f"more {COMMAND_S} s + idle {IDLE_S} s = {total} s of the {SESSION_S} s of device time")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results: one JSON file, updated in place by the parent and every child
+
+
+def publish(path: str, section: str, key: str | None, value) -> None:
+    """data[section][key] = value (key None: data[section] = value) in the JSON file at `path`: under a lock (the
+    correctness processes write at once), then a temporary file renamed over it, so that a reader (or a kill) never
+    meets half a file."""
+    lock = os.path.join(tempfile.gettempdir(), "first_contact-" + hashlib.sha1(path.encode()).hexdigest()[:12])
+    with open(lock, "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        if key is None:
+            data[section] = value
+        else:
+            data.setdefault(section, {})[key] = value
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+
+def finite(x):
+    """A float JSON can hold (NaN and infinities become None)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: runs the steps
+
+
+def commit() -> str:
+    if os.environ.get("DORAFP8_COMMIT"):
+        return os.environ["DORAFP8_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def shim() -> str | None:
+    """Makes dorafp8.triton_kernels importable from this checkout without installing it; what it did, or None."""
+    link = os.path.join(ROOT, "dorafp8", "triton_kernels")
+    if os.path.exists(link):
+        return None
+    try:
+        importlib.metadata.distribution("dorafp8")
+        return None  # installed: its mapping serves (the env step checks it is this checkout)
+    except importlib.metadata.PackageNotFoundError:
+        os.symlink(os.path.join("..", "triton_kernels"), link)
+        return f"linked {link} -> ../triton_kernels (nothing installed maps it)"
+
+
+def child_env(work: str, results: str, smoke: bool, step: Step) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               PYTHONUNBUFFERED="1", MPLBACKEND="Agg", FIRST_CONTACT_WORK=work, FIRST_CONTACT_RESULTS=results,
+               FIRST_CONTACT_SMOKE="1" if smoke else "0", DORAFP8_RACE="0", DORAFP8_COMMIT=commit())
+    env.pop("DORAFP8_BACKEND", None)  # every provider names its backend
+    env.pop("DORAFP8_PIN_CONFIGS", None)
+    pins = os.path.join(work, "pins.json")
+    if os.path.exists(pins) and step.name != "grid":  # the grid times the autotuned configs
+        env["DORAFP8_PIN_CONFIGS"] = pins
+    return env
+
+
+RUNNING: list = []  # the step processes this command started
+
+
+def start(step: Step, job: str | None, env: dict, log) -> subprocess.Popen:
+    """A step's child, in a process group of its own (stop() ends it with what it started: pytest's workers)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--step", step.name] + (["--job", job] if job else [])
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    RUNNING.append(proc)
+    return proc
+
+
+def _terminated(signum, frame):
+    """SIGTERM / SIGINT: the steps still running are stopped; what they and the others wrote stays."""
+    stop(RUNNING)
+    raise SystemExit(128 + signum)
+
+
+def stop(procs) -> None:
+    """SIGINT to each process group still running (pytest prints its summary), SIGKILL after KILL_GRACE_S."""
+    for sig, wait in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, 5)):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while any(p.poll() is None for p in alive) and time.monotonic() < end:
+            time.sleep(0.1)
+
+
+def wait(procs, until: float) -> bool:
+    """Waits for every process until the monotonic time `until`; False (all of them stopped) if that came first."""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() >= until:
+            stop(procs)
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--more", action="store_true", help="command 2 (optional): tests, sanitizer, the rest")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference / native backends")
+    ap.add_argument("--step", help=argparse.SUPPRESS)  # a child: run this step
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if os.environ.get("DRY_RUN") == "1":
+        print(plan_text())
+        return 0
+    if args.step:
+        import _first_steps
+
+        return _first_steps.run(args.step, args.job)
+    return run_command("more" if args.more else "first", args.smoke)
+
+
+def run_command(command: str, smoke: bool) -> int:
+    t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, _terminated)
+    out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out", "first_contact"))
+    os.makedirs(out, exist_ok=True)
+    results = os.path.join(out, RESULTS[command])
+    work = tempfile.mkdtemp(prefix="first_contact-")
+    only = [s for s in os.environ.get("FIRST_CONTACT_STEPS", "").split(",") if s]
+    caps = dict(kv.split("=") for kv in os.environ.get("FIRST_CONTACT_CAPS", "").split(",") if kv)
+    steps = [s for s in STEPS[command] if not only or s.name in only]
+    deadline = t0 + COMMAND_S - SPARE_S
+    publish(results, "plan", None, {"command": command, "smoke": smoke, "commit": commit(), "shim": shim(),
+                                    "steps": [dataclasses.asdict(s) for s in steps], "command_s": COMMAND_S,
+                                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    log = open(os.path.join(out, "log.txt"), "a")
+    background, failed = {}, False
+    for i, step in enumerate(steps):
+        now = time.monotonic()
+        later = sum(s.cap for s in steps[i + 1:] if not s.background)
+        cap = min(deadline - now - later if step.grows else step.cap, deadline - now, float(caps.get(step.name, 1e9)))
+        note = dict(cap_s=round(cap, 1))
+        if step.gpu and smoke:
+            publish(results, "steps", step.name, dict(note, status="skipped", why="no GPU (--smoke)"))
+            continue
+        if cap < 1:
+            publish(results, "steps", step.name, dict(note, status="skipped", why="no time left"))
+            continue
+        if step.after in background:  # wait for it as long as this step still gets its cap
+            proc, until = background[step.after]
+            if not wait([proc], min(until, deadline - later - cap)):
+                note["waited_for"] = f"{step.after}: stopped, past its cap or this step's start"
+            cap = min(cap, deadline - time.monotonic() - later)
+        print(f"== {step.name} (cap {cap:.0f} s)", file=log, flush=True)
+        env = dict(child_env(work, results, smoke, step), FIRST_CONTACT_CAP_S=str(round(cap)))
+        jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas",)) if step.name == "correct" else (None,)
+        procs = [start(step, job, env, log) for job in jobs]
+        if step.background:
+            background[step.name] = (procs[0], time.monotonic() + cap)
+            publish(results, "steps", step.name, dict(note, status="started"))
+            continue
+        ok = wait(procs, time.monotonic() + cap)
+        rcs = [p.returncode for p in procs]
+        status = "ok" if ok and not any(rcs) else "timeout" if not ok else "failed"
+        failed |= status != "ok"
+        publish(results, "steps", step.name, dict(note, status=status, rc=rcs, seconds=round(time.monotonic() - now,
+                                                                                             1)))
+        print(f"== {step.name}: {status} (rc {rcs})", file=log, flush=True)
+        if step.name == "env" and status != "ok":
+            with open(results) as f:
+                why = json.load(f).get("env", {}).get("error", f"the env step ended {status} (rc {rcs}): see log.txt")
+            print(f"first_contact: stopped: {why}", file=sys.stderr)
+            return 3
+    for name, (proc, until) in background.items():  # a background step nothing waited for
+        ok = wait([proc], min(until, deadline))
+        publish(results, "steps", name, dict(status="ok" if ok and proc.returncode == 0 else
+                                             "timeout" if not ok else "failed", rc=[proc.returncode]))
+    print(f"first_contact: {command} done in {time.monotonic() - t0:.0f} s; results in {results}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    sys.exit(main())

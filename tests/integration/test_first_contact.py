@@ -1,0 +1,371 @@
+"""bench/first_contact.py (a first GPU session: one command of at most five minutes, an optional second) and
+bench/save_results.py, checked on CPU. No GPU runs here, so what is checked is the plan and the machinery, never a
+speed:
+
+- the plan against the device tool's limits (the numbers typed in here from its documentation, not read from the
+  script): each command within five minutes, both with a machine start and the idle after each within a session's
+  15 minutes; correctness before any timing; DRY_RUN=1 runs nothing;
+- the whole first command at tiny shapes (--smoke: the reference and native backends), its results in $OUT while it
+  runs, two files; the second command's CPU part;
+- the fp64 check failing on a wrong result (so a pass means something), a failing step and a killed command keeping
+  what came before them, a checkout dorafp8 cannot be imported from stopping the command with one line, the link that
+  lets an uninstalled checkout import dorafp8.triton_kernels;
+- save_results.py turning what came back into bench/results/<device>/ and README's performance table.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench")
+SCRIPT = os.path.join(BENCH, "first_contact.py")
+sys.path.insert(0, BENCH)
+
+import _cases as C  # noqa: E402
+import first_contact as FC  # noqa: E402
+
+COMMAND_S = 300  # the issue: each command at most five minutes (the device tool allows ten)
+SESSION_S = 900  # a session's device time: machine starts, commands and idle time together
+MIN_START_S = 60  # "a call that finds no warm machine spends a minute or more starting one"
+IDLE_S = 30  # a machine stays warm (and counts) this long after a call
+MAX_FILES = 8  # files that come back from $OUT
+SMOKE_JOBS = ("w8a16", "w8a8")  # --smoke's checks: native (W8A16) and reference (W8A8)
+
+
+def _env(out, **extra):
+    env = dict(os.environ, OUT=str(out), **extra)
+    for k in ("DORAFP8_BACKEND", "DORAFP8_POISON", "DRY_RUN", "FIRST_CONTACT_STEPS", "FIRST_CONTACT_CAPS",
+              "FIRST_CONTACT_PROVIDERS"):
+        if k not in extra:
+            env.pop(k, None)
+    return env
+
+
+def _results(out, name="first_contact.json"):
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_plan_fits_the_session():
+    for command in ("first", "more"):
+        assert FC.worst_case(command) <= COMMAND_S, command
+        assert FC.plan(command)[0][0].name == "env"  # the import is checked before anything else
+    assert FC.START_S >= MIN_START_S and FC.IDLE_S >= IDLE_S
+    assert FC.START_S + FC.worst_case("first") + IDLE_S + FC.worst_case("more") + IDLE_S <= SESSION_S
+    order = [s.name for s, _, _ in FC.plan("first")]
+    assert order.index("correct") < order.index("time") < order.index("profile")  # fp64 first, then the clock
+    assert order.index("pins") < order.index("correct")  # the checks compile the configs the timing runs
+    # each background step has something to run beside, and what waits for it comes after it
+    more = FC.plan("more")
+    for s, start, end in more:
+        if s.after:
+            assert start >= dict((x.name, e) for x, _, e in more)[s.after], s
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT], env=_env(tmp_path / "out", DRY_RUN="1"), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cases = [int(s) for s in re.findall(r"worst case (\d+) s", proc.stdout)]
+    assert len(cases) == 2 and all(c <= COMMAND_S for c in cases)
+    total, budget = map(int, re.search(r"= (\d+) s of the (\d+) s of device time", proc.stdout).groups())
+    assert total <= budget == SESSION_S
+    for s, _, _ in FC.plan("first") + FC.plan("more"):
+        assert re.search(rf"^  {re.escape(s.name)} ", proc.stdout, re.M), s.name
+    assert not (tmp_path / "out").exists()
+
+
+def test_sanitizer_selections_select_tests():
+    """compute-sanitizer's -k selections name tests that exist (collected on CPU; the Triton file's ids end in the
+    device, cpu here and cuda on a GPU)."""
+    import _first_steps as S
+
+    for what, path, sel in S.SANITIZE:
+        sel = sel.replace("cuda", "cpu") if what == "triton" else sel
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", path,
+                               "-k", sel], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        n = re.search(r"(\d+)(?:/\d+)? tests? collected", proc.stdout)
+        assert n and int(n.group(1)) > 0, proc.stdout[-2000:]
+
+
+def test_pins_from_the_model_picks():
+    import _first_steps as S
+
+    rows = [dict(mode="W8A16", kernel="forward", config="BLOCK_M=128,w8,s4"),
+            dict(mode="W8A8", kernel="dgrad", config="BLOCK_M=64,w4,s3")]
+    assert S.pins_from(rows, "BLOCK_N=32,w4,s3") == {"forward/w8a16": "BLOCK_M=128,w8,s4",
+                                                     "dgrad/w8a8": "BLOCK_M=64,w4,s3",
+                                                     "weight_norm": "BLOCK_N=32,w4,s3"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The first command at tiny shapes
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """`first_contact.py --smoke` with the sections of its results file looked at every 0.2 s while it runs."""
+    out = tmp_path_factory.mktemp("first")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--smoke"], env=_env(out), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    while proc.poll() is None:
+        try:
+            seen.append(set(_results(out)))
+        except (OSError, ValueError):  # not written yet (a half-written file is never there: it is renamed in)
+            assert not (out / "first_contact.json").exists()
+        time.sleep(0.2)
+    log = proc.stdout.read()
+    assert proc.returncode == 0, log[-4000:]
+    return out, _results(out), seen
+
+
+def test_smoke_steps_and_files(smoke):
+    out, res, _ = smoke
+    assert sorted(p.name for p in out.iterdir()) == ["first_contact.json", "log.txt"]  # within the tool's 8
+    steps = res["steps"]
+    assert steps["pins"]["status"] == "skipped" and "no GPU" in steps["pins"]["why"]
+    assert all(steps[s]["status"] == "ok" for s in ("env", "correct", "time", "race", "profile")), steps
+    assert res["env"]["dorafp8_file"].startswith(os.path.join(ROOT, "dorafp8"))
+    assert res["plan"]["smoke"] is True and not res.get("errors")
+
+
+def test_smoke_results_stream_to_out(smoke):
+    _, _, seen = smoke
+    # the checks were in $OUT while the command was still timing, and each timed case before the last
+    assert any("correct" in s and "profile" not in s for s in seen), seen
+
+
+def test_smoke_correctness(smoke):
+    _, res, _ = smoke
+    (K, N), r = (64, 96), 4
+    want = {f"{j} M={M}" for j in SMOKE_JOBS for M in (32, 30)} | {f"{j} fp8_linear M=32" for j in SMOKE_JOBS}
+    assert set(res["correct"]) == want
+    for what, v in res["correct"].items():
+        assert v["pass"] and (v["N"], v["K"], v["r"]) == (N, K, r), what
+        names = ("y", "dx") if "fp8_linear" in what else ("n", "y", "dx", "dA", "dB", "dm")
+        assert tuple(v["tensors"]) == names, what
+        assert all(0 <= t["used"] <= 1 and t["nan"] == 0 for t in v["tensors"].values()), what
+    assert res["correct"]["w8a8 M=32"]["act_quant"] == "rowwise"
+
+
+def test_smoke_timing_race_profile(smoke):
+    _, res, _ = smoke
+    import _first_steps as S
+
+    recs = res["timing"]["records"]
+    assert res["timing"]["meta"]["speed_claims"] is False
+    assert [(r["provider"], r["tokens"], r["mode"]) for r in recs] == [
+        (p, M, C.first_mode(p)) for M in (32, 16) for p in S.SMOKE_PROVIDERS]
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in recs)
+    assert C.first_mode("dorafp8-reference") == "fwd+bwd-cachednorm" and C.first_mode("peft-lora") == "fwd+bwd"
+    race = res["race"]["M=40"]
+    assert race["pick"] in ("native", "reference") and set(race["ms"]) == {"native", "reference"}
+    assert race["pick"] == min(race["ms"], key=race["ms"].get) and race["race_cost_s"] > 0
+    prof = res["profile"]["dorafp8-reference"]
+    assert prof["kernels"] and prof["total_us"] > 0 and prof["what"] == "CPU operators"
+
+
+def test_more_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--more"], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = _results(tmp_path, "more.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "more.json"]
+    assert {s: v["status"] for s, v in res["steps"].items()} == {
+        "env": "ok", "build": "skipped", "tests": "ok", "tests-cuda": "skipped", "sanitizer": "skipped", "grid": "ok"}
+    assert res["tests"]["kernels"]["rc"] == 0 and res["tests"]["kernels"]["counts"]["passed"] > 0
+    assert {(r["provider"], r["dropout"], r["status"]) for r in res["grid"]["dropout"]["records"]} == {
+        ("dorafp8-reference", 0.05, "ok"), ("peft-dora", 0.05, "ok")}
+
+
+def test_the_check_fails_a_wrong_result(monkeypatch):
+    """The fp64 check is not a formality: a forward 3% off (W8A16), or one element far off (W8A8, whose bound is
+    loose), fails it, and so does a NaN."""
+    monkeypatch.setenv("FIRST_CONTACT_SMOKE", "1")
+    import importlib
+
+    import _first_steps as S
+    import dorafp8.backends.native as native
+    import dorafp8.backends.reference as reference
+
+    S = importlib.reload(S)
+    for mod, act_quant, harm in ((native, None, lambda y: y * 1.03), (reference, "rowwise", _one_far_off),
+                                 (native, None, _one_nan)):
+        real = mod.forward
+        monkeypatch.setattr(mod, "forward", _harmed(real, harm))
+        got = S.check_dora(mod.__name__.rsplit(".", 1)[1], act_quant, 32)
+        assert not got["pass"] and not got["tensors"]["y"]["pass"], got["tensors"]["y"]
+        monkeypatch.setattr(mod, "forward", real)
+        assert S.check_dora(mod.__name__.rsplit(".", 1)[1], act_quant, 32)["pass"]
+
+
+def _harmed(forward, harm):
+    def wrong(*args, **kwargs):
+        y, z = forward(*args, **kwargs)
+        return harm(y), z
+    return wrong
+
+
+def _one_far_off(y):
+    y = y.clone()
+    y[3, 5] += 10 * y.abs().max()
+    return y
+
+
+def _one_nan(y):
+    y = y.clone()
+    y[0, 0] = float("nan")
+    return y
+
+
+def test_a_failing_step_keeps_earlier_results_and_the_next_step_runs(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke"], env=_env(
+        tmp_path, FIRST_CONTACT_STEPS="env,correct,time,race", FIRST_CONTACT_PROVIDERS="linear-bf16,bogus"),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    res = _results(tmp_path)
+    assert {s: v["status"] for s, v in res["steps"].items()} == {
+        "env": "ok", "correct": "ok", "time": "failed", "race": "ok"}
+    assert "unknown providers ['bogus']" in res["errors"]["time"]
+    assert len(res["correct"]) == 6 and all(v["pass"] for v in res["correct"].values())
+
+
+def test_a_killed_command_keeps_what_it_finished(tmp_path):
+    """Killed in the middle of the timing (SIGTERM: the command stops the step it runs), the results file still holds
+    the checks, whole."""
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--smoke"], env=_env(tmp_path, FIRST_CONTACT_STEPS="env,correct,"
+                                                                                                        "time"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 300
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if _results(tmp_path).get("steps", {}).get("correct"):
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    res = _results(tmp_path)
+    assert res["steps"]["correct"]["status"] == "ok" and len(res["correct"]) == 6
+    assert "time" not in res["steps"]  # cut in the middle: no verdict, and nothing else lost
+
+
+def test_a_checkout_that_does_not_import_stops_at_once(tmp_path):
+    shutil.copytree(BENCH, tmp_path / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (tmp_path / "dorafp8").mkdir()
+    (tmp_path / "dorafp8" / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    (tmp_path / "triton_kernels").mkdir()
+    proc = subprocess.run([sys.executable, str(tmp_path / "bench" / "first_contact.py"), "--smoke"],
+                          env=_env(tmp_path / "out"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"first_contact: stopped: cannot import dorafp8 from {tmp_path}: ImportError: broken on purpose")
+    res = _results(tmp_path / "out")
+    assert list(res["steps"]) == ["env"] and res["steps"]["env"]["status"] == "failed"
+
+
+def test_an_uninstalled_checkout_gets_the_triton_kernels_link(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    shutil.copytree(os.path.join(ROOT, "dorafp8"), tmp_path / "dorafp8", ignore=shutil.ignore_patterns("__pycache__",
+                                                                                                      "*.so"))
+    shutil.copytree(os.path.join(ROOT, "triton_kernels"), tmp_path / "triton_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(FC, "ROOT", str(tmp_path))
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    assert "linked" in FC.shim() and FC.shim() is None  # once
+    code = "import dorafp8.triton_kernels as t, os; print(os.path.realpath(t.__file__))"
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == str(tmp_path / "triton_kernels" / "__init__.py"), proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save_results.py
+
+
+def _record(case, ms):
+    """A timing record as bench/run.py writes one, with a stand-in time (the test's input, not a measurement)."""
+    flops, nbytes = C.work(case)
+    return dict(tflops=flops / (ms * 1e-3) / 1e12, gbps=nbytes / (ms * 1e-3) / 1e9, device="Stand-in GPU", torch="0",
+                triton="0", commit="unknown", date="2000-01-01",
+                provider=case.provider, mode=case.mode, shape=case.shape, in_features=case.in_features,
+                out_features=case.out_features, tokens=case.tokens, rank=case.rank, dtype=case.dtype,
+                dropout=case.dropout, weight_dtype=C.weight_storage(case.provider, case.dtype),
+                adapter_dtype=C.adapter_dtype(case.provider, case.dtype), status="ok", ms=ms, flops=flops,
+                bytes=nbytes, roofline_ms={d: None for d in C.PEAKS},
+                roofline_bound={d: None for d in C.PEAKS}, x_roofline=None, peak_mem_bytes=1, peak_extra_bytes=1,
+                weight_bytes=1, timing="stand-in", note="stand-in", wall_s=0.0)
+
+
+def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
+    meta = dict(device="Stand-in GPU", device_type="cuda", driver="0", roofline_device=None, peaks=C.PEAKS, torch="0",
+                cuda="0", triton="0", peft="0", transformers="0", dorafp8="0", commit="unknown", date="2000-01-01",
+                timing="stand-in", speed_claims=True, triton_interpret=False, l2_bytes=None, copy_gbps=None,
+                wall_s=1.0)
+    ms = {(c.provider, c.tokens): 1.0 + i / 8 for i, c in enumerate(C.FIRST_CASES)}
+    first = {"plan": {"command": "first"}, "env": meta, "steps": {},
+             "timing": {"meta": meta, "records": [_record(c, ms[c.provider, c.tokens]) for c in C.FIRST_CASES]},
+             "correct": {"w8a16 M=1024": {"backend": "triton", "act_quant": None, "M": 1024, "N": 4096, "K": 4096,
+                                          "r": 16, "pass": True, "tensors": {"y": {"used": 0.25}}}},
+             "model": {"device": "model GPU", "linear_us": 785.0, "pins": {"forward/w8a16": "BLOCK_M=128,w8,s4"},
+                       "layers": {"W8A16": {"kernels": [{"name": "triton:dora_fwd_kernel", "predicted_us": 400.0},
+                                                        {"name": "triton:project_kernel", "predicted_us": 20.0}]}}},
+             "profile": {"dorafp8-triton": {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 500.0,
+                                            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 500.0}]}}}
+    src = tmp_path / "out"
+    src.mkdir()
+    (src / "first_contact.json").write_text(json.dumps(first))
+    (src / "log.txt").write_text("a log\n")
+    readme = tmp_path / "README.md"
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    before = readme.read_text()
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "save_results.py"), str(src), str(smoke[0]),
+                           "--commit", "abc123", "--dest", str(tmp_path / "results"), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dest = tmp_path / "results" / "stand-in-gpu"
+    res = json.loads((dest / "results.json").read_text())
+    assert len(res["records"]) == len(C.FIRST_CASES) and {r["commit"] for r in res["records"]} == {"abc123"}
+    for name in ("results.md", "correctness.md", "kernels.md", "race.md", "first.json", "logs/log-first.txt",
+                 "README.md"):
+        assert (dest / name).is_file(), name
+    assert "| dora_fwd_kernel | 1 | 500.0 | 400.0 | 1.25x |" in (dest / "kernels.md").read_text()
+    assert "| project_kernel (not seen) | - | - | 20.0 | - |" in (dest / "kernels.md").read_text()
+    assert (tmp_path / "results" / "cpu" / "correctness.md").is_file()  # the smoke run: a device folder of its own
+    # README: only the block between the markers changed; one row per M, its cells the stand-in times
+    text = readme.read_text()
+    b, e = "<!-- BEGIN perf-table", "<!-- END perf-table -->"
+    assert text[:text.index(b)] == before[:before.index(b)] and text[text.index(e):] == before[before.index(e):]
+    block = text[text.index(b):text.index(e)]
+    assert "Stand-in GPU" in block and "CPU" not in block  # the smoke run makes no speed claims
+    for M in C.FIRST_TOKENS:
+        row = next(line for line in block.splitlines() if line.startswith(f"| {M} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{ms['dorafp8-triton', M]:.3f}" and cells[6] == f"{ms['peft-dora', M]:.3f}"
+        assert cells[9] == f"{ms['linear-bf16', M]:.3f}" and cells[8] == f"{ms['linear-fp8-dequant', M]:.3f}"
+        assert cells[10] == f"{ms['dorafp8-triton', M] / ms['linear-bf16', M]:.2f}x"
+        assert cells[12] == f"{ms['dorafp8-triton', M] / ms['dorafp8-lora-triton', M]:.2f}x"
