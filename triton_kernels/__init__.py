@@ -22,7 +22,7 @@ import os
 import torch
 
 try:
-    from ._common import launch_observers, planning_for_gpu
+    from ._common import arch_of, fp32_dots_exact_for, launch_observers, planning_for_gpu
     from .backward import backward_pass
     from .dgrad import dgrad
     from .forward import forward
@@ -50,8 +50,8 @@ FOLDS_DGRAD = True
 # W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
 QUANTS_IN_PROJECT = True
 
-__all__ = ["unavailable_reason", "weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad",
-           "launch_observers", "planning_for_gpu"]
+__all__ = ["unavailable_reason", "unsupported_on", "weight_norm", "project", "project_grad", "forward",
+           "backward_pass", "dgrad", "launch_observers", "planning_for_gpu"]
 
 
 def _version_problem() -> str | None:
@@ -94,3 +94,14 @@ def unavailable_reason(device: torch.device) -> str | None:
             return _interpreter_problem()
         return "Triton kernels need a CUDA GPU; on CPU they run only under the interpreter (TRITON_INTERPRET=1)"
     return f"Triton kernels do not run on {device.type} devices"
+
+
+def unsupported_on(device: torch.device) -> dict[str, str]:
+    """{feature: why} for the backend's FEATURES it cannot compute exactly on `device` under the installed Triton
+    (backends.supports): fp32 compute on sm_100 under Triton 3.6 / 3.7 (_common.fp32_dots_exact_for)."""
+    if _IMPORT_ERROR is not None or device.type != "cuda" or fp32_dots_exact_for(arch_of(device)):
+        return {}
+    import triton
+
+    return {"fp32": f"on sm_100 under Triton {triton.__version__} (its fp32 dots run on tf32 tensor cores there; "
+                    f"pip install 'triton>=3.8')"}

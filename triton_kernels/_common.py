@@ -237,6 +237,15 @@ def w8_via_f32_for(arch: str) -> bool:
     return arch in ("sm90", "sm89") or triton_version() < (3, 9)
 
 
+def fp32_dots_exact_for(arch: str) -> bool:
+    """Whether the installed Triton keeps the GEMMs' fp32 main-loop dots (input_precision="ieee") exact on `arch`.
+    Triton 3.6 and 3.7 lower an fp32 dot whose first operand is computed in registers (our converted W8 tile) to
+    tcgen05.mma kind::tf32 on sm_100a whatever input_precision says: 10-bit products, silently (read from their PTX;
+    3.8 and 3.9 make FMAs, as they and 3.6 / 3.7 do on the other targets). There the backend refuses fp32 compute
+    (unsupported_on in __init__.py): under backend="auto" another backend takes it."""
+    return not (arch == "sm100" and triton_version() < (3, 8))
+
+
 def fp8_promote(device) -> bool:
     return fp8_promote_for(arch_of(device))
 

@@ -72,9 +72,22 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 FEATURES = frozenset(base.FEATURES)
 
 
-def supports(name: str) -> frozenset:
+def supports(name: str, device: torch.device | None = None) -> frozenset:
+    """The FEATURES backend `name` computes (on `device`, where its module narrows them per device)."""
     mod = _load(name)
-    return FEATURES if isinstance(mod, str) else frozenset(getattr(mod, "SUPPORTS", FEATURES))
+    if isinstance(mod, str):
+        return FEATURES
+    out = frozenset(getattr(mod, "SUPPORTS", FEATURES))
+    if device is not None and hasattr(mod, "unsupported_on"):
+        out -= frozenset(mod.unsupported_on(torch.device(device)))
+    return out
+
+
+def _why_not(name: str, feature: str, device: torch.device) -> str:
+    """What the backend's unsupported_on says of `feature` on `device` (" on ...: why"), or ""."""
+    mod = _load(name)
+    why = mod.unsupported_on(device).get(feature) if hasattr(mod, "unsupported_on") else None
+    return f" {why}" if why else ""
 
 
 def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
@@ -92,14 +105,14 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
         reason = unavailable_reason(name, device)
         if reason is not None:
             raise RuntimeError(f"dorafp8 backend {name!r} cannot run on {device}: {reason}")
-        missing = sorted(needs - supports(name))
+        missing = sorted(needs - supports(name, device))
         if missing:
-            raise base.not_supported(name, missing[0], alternatives=tuple(
-                b for b in BACKENDS if missing[0] in supports(b) and unavailable_reason(b, device) is None))
+            raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
+                b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
     # The static order: triton's kernels are autotuned, so it goes first; the race (ops/_race.py) measures instead.
     for cand in ("triton", "cuda"):
-        if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand):
+        if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
     # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
     # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32

@@ -37,12 +37,14 @@ import torch
 from torch import Tensor
 
 # What a backend may compute beyond W8A16 with per-tensor / per-row scales, named by the values that ask for it (the
-# scale kind "block", the act_quant mode "rowwise"), and how a refusal names it. A backend
-# narrows it with a module-level `SUPPORTS`; the registry passes over a backend that lacks what a call needs under
-# backend="auto", and refuses with not_supported() when the backend is named.
+# scale kind "block", the act_quant mode "rowwise", fp32 compute), and how a refusal names it. A backend narrows it
+# with a module-level `SUPPORTS`, and per device with an optional `unsupported_on(device) -> {feature: why}`; the
+# registry passes over a backend that lacks what a call needs under backend="auto", and refuses with not_supported()
+# when the backend is named.
 FEATURES = {
     "block": "block weight scales",
     "rowwise": "act_quant='rowwise' (W8A8)",
+    "fp32": "fp32 compute (fp32 activations, no autocast)",
 }
 
 

@@ -28,7 +28,7 @@ from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
 
-SUPPORTS = frozenset({"block"})  # no W8A8 (act_quant="rowwise") (see the module docstring)
+SUPPORTS = frozenset({"block", "fp32"})  # no W8A8 (act_quant="rowwise") (see the module docstring)
 
 
 def unavailable_reason(device: torch.device) -> str | None:

@@ -47,7 +47,7 @@ except ImportError as e:  # not built (CPU-only install, isolated build) or buil
 else:
     _IMPORT_ERROR = None
 
-SUPPORTS = frozenset()  # neither block scales nor W8A8: backend="auto" passes over it for those calls
+SUPPORTS = frozenset({"fp32"})  # neither block scales nor W8A8: backend="auto" passes over it for those calls
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OTHER_BACKENDS = ("triton", "reference")

@@ -79,7 +79,8 @@ _MMA_LAYOUT = {"row", "col", "satfinite"}
 # descriptor. The operand types and the shape are in the instruction descriptor (a run-time value), not in the
 # mnemonic: only the kind (f16: bf16 or fp16 operands; f8f6f4: fp8/fp6/fp4; tf32; i8) is.
 _TCGEN05 = re.compile(r"\btcgen05\.mma(?:\.sp)?\.cta_group::\d\.kind::(\w+)\s+\[[^\]]*\]\s*,\s*(\[|%)")
-_FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32\b")
+# fp32 FMAs, scalar or packed in pairs (fma.rn.f32x2: Blackwell, which Triton 3.6 emits for sm_120's fp32 dots)
+_FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32(?:x2)?\b")
 
 
 def classify_mma(ptx: str) -> dict:

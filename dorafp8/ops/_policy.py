@@ -81,6 +81,8 @@ def row_scale(scale: Tensor) -> Optional[Tensor]:
     return scale if scale_kind(scale) == "row" else None
 
 
-def backend_needs(scale: Tensor, act_quant: str) -> frozenset:
-    """What a call asks of its backend beyond W8A16 with a per-tensor or per-row scale (backends.FEATURES)."""
-    return frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({act_quant} if act_quant else ())
+def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None) -> frozenset:
+    """What a call asks of its backend beyond W8A16 in a 16-bit compute dtype with a per-tensor or per-row scale
+    (backends.FEATURES); cdt: the compute dtype of its base GEMMs (None: a call without them, the weight norm)."""
+    return (frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({act_quant} if act_quant else ())
+            | frozenset({"fp32"} if cdt == torch.float32 else ()))

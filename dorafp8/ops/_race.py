@@ -205,7 +205,7 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, shape: 
     if _capturing(device):
         return static
     cands = [c for c in RACERS[device.type]
-             if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c)]
+             if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
     if len(cands) < 2:
         _PICKS[key] = static
         return static

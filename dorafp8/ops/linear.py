@@ -221,7 +221,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     _check_device(x, w8=w8, scale=scale, bias=bias)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
-    needs = backend_needs(scale, mode)
+    needs = backend_needs(scale, mode, cdt)
     name = backends.resolve(backend, x.device, needs)
     x2d = rows(x.reshape(-1, K).to(cdt))
     b = None if bias is None else bias.to(cdt)
@@ -266,9 +266,9 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     if weight_norm is not None and (not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,)):
         raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
                          f"{list(getattr(weight_norm, 'shape', []))}")
-    needs = backend_needs(scale, mode)
-    name = backends.resolve(backend, x.device, needs)
     cdt = compute_dtype(x)
+    needs = backend_needs(scale, mode, cdt)
+    name = backends.resolve(backend, x.device, needs)
     rdt = rank_dtype(x, lora_A, lora_B)
     x2d = rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0

@@ -193,3 +193,27 @@ def test_the_launchers_name_their_pins(monkeypatch):
         x = torch.randn(20, 32).requires_grad_()
         dorafp8.dora_fp8_linear(x, w8, scale, *leaves, 0.5, backend="triton", act_quant=act_quant).sum().backward()
     assert seen == {"forward/w8a16", "forward/w8a8", "dgrad/w8a16", "dgrad/w8a8", "weight_norm"}
+
+
+def test_fp32_compute_is_refused_where_triton_runs_it_on_tf32(monkeypatch):
+    """Triton 3.6 and 3.7 compile the GEMMs' fp32 main-loop dots to tcgen05.mma kind::tf32 on sm_100a, whatever
+    input_precision says (tests/integration/test_inspect.py reads it from the compiled kernels): there the Triton
+    backend refuses fp32 compute, by name with the fix, and backend="auto" passes it over; 16-bit compute, other GPUs
+    and Triton 3.8 on are untouched."""
+    import triton
+
+    from dorafp8 import backends
+
+    monkeypatch.setattr(C, "_INTERPRET", False)
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)  # as if each could run here
+    dev = torch.device("cuda", 0)
+    for version, cap, exact in (("3.6.0", (10, 0), False), ("3.7.1", (10, 3), False), ("3.8.0", (10, 0), True),
+                                ("3.9.0", (10, 0), True), ("3.6.0", (9, 0), True), ("3.7.1", (12, 0), True)):
+        monkeypatch.setattr(triton, "__version__", version)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert ("fp32" in backends.supports("triton", dev)) is exact, (version, cap)
+        assert backends.resolve("auto", dev, frozenset()) == "triton"
+        assert (backends.resolve("auto", dev, frozenset({"fp32"})) == "triton") is exact, (version, cap)
+        if not exact:
+            with pytest.raises(ValueError, match=rf"fp32 compute .* on sm_100 under Triton {version} .*triton>=3\.8"):
+                backends.resolve("triton", dev, frozenset({"fp32"}))

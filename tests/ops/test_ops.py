@@ -331,8 +331,8 @@ def test_zero_scaling(device, backend, dropout):
 
 
 def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
-    """Under "auto" a backend without block scales or W8A8 (cuda: SUPPORTS is empty) is skipped for such calls, not
-    picked and then refused."""
+    """Under "auto" a backend without block scales or W8A8 (cuda: SUPPORTS is fp32 compute only) is skipped for such
+    calls, not picked and then refused."""
     from dorafp8 import backends
 
     monkeypatch.setattr(backends, "unavailable_reason",
@@ -341,7 +341,9 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     assert backends.resolve("auto", gpu) == "cuda"
     assert backends.resolve("auto", gpu, frozenset({"block"})) == "reference"
     assert backends.resolve("auto", gpu, frozenset({"rowwise"})) == "reference"
-    assert backends.supports("cuda") == frozenset() and backends.supports("cublas") == frozenset({"block"})
+    assert backends.resolve("auto", gpu, frozenset({"fp32"})) == "cuda"
+    assert backends.supports("cuda") == frozenset({"fp32"})
+    assert backends.supports("cublas") == frozenset({"block", "fp32"})
     assert backends.supports("triton") == backends.FEATURES == backends.supports("reference")
 
 
