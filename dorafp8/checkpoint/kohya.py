@@ -40,7 +40,7 @@ from peft.tuners.lora.variants import (
 from torch import nn
 
 from ..nn import FP8ConvNd, FP8Linear
-from ..ops import NORM_EPS
+from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.conv import DoraFP8ConvVariant
@@ -124,7 +124,7 @@ def layer_tensors(layer, adapter: str, dora_scale: str = "lycoris", dtype=None) 
         if dora_scale == "comfyui":
             w = base_weight_rows(layer)
             n_base, n_new = _row_norms(w, A, B, s)
-            m = (m.double() * (n_base + _EPS32) / n_new.clamp_min(NORM_EPS)).float()
+            m = (m.double() * (n_base + _EPS32) / norm_divisor(n_new)).float()
         nd = len(layer.lora_A[adapter].weight.shape)  # 2 for Linear, 2 + kernel dims for a conv
         out["dora_scale"] = m.float().reshape((-1,) + (1,) * (nd - 1)).contiguous()
     return out
