@@ -1,4 +1,4 @@
-"""Checkpoint files that come from strangers, read safely.
+"""Checkpoint files that come from strangers, read, and the user's folders written into, safely.
 
 Reading: every file a loader opens is checked first (`regular_file`, `file_in`): a regular file (a FIFO would block
 the open for ever, a device never ends), and for a name taken from a checkpoint folder or its index, one inside that
@@ -7,14 +7,25 @@ folder is: the cache links every snapshot file there). Every safetensors header 
 wrapper (`safetensors_keys`, `open_safetensors`, `read_json`, `parse_json`) whose error names the file, what was
 expected and what to do; a header is measured before it is parsed (`MAX_HEADER_BYTES`, `MAX_TENSORS`), so that a
 hostile one costs neither minutes nor gigabytes.
+
+Writing: a file is written under a temporary name beside its destination (`temporary_name`, which carries the
+writer's process id so that a later run can tell a dead writer's leftovers from a live one's: `remove_leftovers`),
+fsynced, and renamed into place; then the folder is fsynced (`replace`). A checkpoint of several files is written
+into a staging folder and moved into its destination by `publish`, so that a reader finds the old checkpoint or the
+new one whenever the writer stops; a write error names the file (`write_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
 import os
+import re
+import shutil
 import stat
+import uuid
 from typing import Optional
 
 from .layouts import CheckpointFormatError
@@ -175,3 +186,134 @@ def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
             sl = f.get_slice(k)
             info[k] = (sl.get_dtype(), tuple(sl.get_shape()))
     return meta, info
+
+
+# ---- writing -----------------------------------------------------------------------------------------------------
+
+JOURNAL = ".publish.json"  # in a staging folder: what publish() moves and removes, for a later run to finish or undo
+
+
+def temporary_name(folder: str, name: str) -> str:
+    """Where a writer writes `name` (a file or a staging folder) of `folder` before it is complete: hidden, with the
+    writer's process id (so that remove_leftovers of a later run knows whether its writer is still alive) and a
+    random part (two writers in one process)."""
+    return os.path.join(folder, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+
+
+def remove_leftovers(folder: str, name: str) -> list[str]:
+    """What writers of `name` in `folder` killed before they finished left behind (temporary_name of a process that
+    no longer runs): a temporary file is removed; a staging folder is removed after its publish, if one had begun, is
+    finished (it had renamed its first file into place: that is, its commit) or undone (it had not). A live writer's
+    are left alone. Returns the paths removed."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial")):
+        pid = path[len(os.path.join(folder, f".{name}.")):-len(".partial")].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            finish_or_undo(path)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(folder: str) -> None:
+    """Makes the renames and removals in `folder` durable (a no-op where folders cannot be opened, as on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace(tmp: str, path: str) -> None:
+    """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder."""
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_error(path: str, e: Exception) -> OSError:
+    """An error while writing `path` as an OSError that names the file (safetensors' SafetensorError carries the OS's
+    error only as text: 'I/O error: No space left on device (os error 28)')."""
+    m = re.search(r"os error (\d+)", str(e))
+    code = getattr(e, "errno", None) or (int(m.group(1)) if m else None)
+    if code is None:
+        return OSError(f"writing {path}: {e}")
+    todo = "; free space there, or write elsewhere" if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+    return OSError(code, f"writing {path}: {os.strerror(code)}{todo}")
+
+
+def publish(stage: str, folder: str, before: list[str], commit: str, after: list[str], replaces: list[str]) -> None:
+    """Moves the complete files of `stage` into `folder`, so that a reader of `folder`, whenever this stops (a crash,
+    a kill), finds the files it replaces or the new ones, never a mix: first `before` (new shards, under names no file
+    of `folder` has), then `commit` (the file a reader starts from: the index, or the only file) by one rename, then
+    `after` (config.json), then `replaces` (the replaced export's files: nothing else) are removed. Every file and
+    the folder are fsynced before each of those steps is taken as done. The plan is written to the stage first
+    (JOURNAL), so that remove_leftovers of a later run finishes a publish that got past its commit and undoes one
+    that did not."""
+    os.makedirs(folder, exist_ok=True)
+    fsync_dir(os.path.dirname(os.path.abspath(folder)))
+    for name in before + [commit] + after:
+        fsync_file(os.path.join(stage, name))
+    plan = {"folder": os.path.abspath(folder), "before": before, "commit": commit, "after": after,
+            "replaces": replaces}
+    with open(os.path.join(stage, JOURNAL), "w") as f:
+        json.dump(plan, f)
+        f.flush()
+        os.fsync(f.fileno())
+    for name in before:
+        os.replace(os.path.join(stage, name), os.path.join(folder, name))
+    fsync_dir(folder)
+    os.replace(os.path.join(stage, commit), os.path.join(folder, commit))
+    fsync_dir(folder)
+    finish_or_undo(stage)
+
+
+def finish_or_undo(stage: str) -> None:
+    """Takes a publish (of `stage`, per its JOURNAL) to its end if its commit was renamed into place, else back to
+    where it began. Nothing to do for a stage whose publish never began."""
+    try:
+        with open(os.path.join(stage, JOURNAL)) as f:
+            plan = json.load(f)
+        folder = plan["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if os.path.exists(os.path.join(stage, plan["commit"])):  # not committed: the new shards go
+        for name in plan["before"]:
+            if not os.path.exists(os.path.join(stage, name)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+    else:
+        for name in plan["after"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(os.path.join(stage, name), os.path.join(folder, name))
+        for name in plan["replaces"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+    fsync_dir(folder)

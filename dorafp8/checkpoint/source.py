@@ -13,7 +13,8 @@ from ..quant import E4M3
 from .files import DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file, safetensors_keys
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
-INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+INDEX_NAMES = tuple(f"{n}.index.json" for n in SINGLE_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -64,11 +65,17 @@ class CheckpointSource:
                 self.info[k] = (SAFETENSORS_DTYPES.get(dtype), shape, i)
 
     def _read_folder(self, path: str) -> None:
-        """The shards (from the index, or every *.safetensors file) and config.json of a checkpoint folder: each a
-        regular file inside the folder (files.file_in), each JSON file an object."""
+        """The shards and config.json of a checkpoint folder: each a regular file inside the folder (files.file_in),
+        each JSON file an object. The shards are the folder's model.safetensors (diffusion_pytorch_model.safetensors)
+        if it has one, as transformers (diffusers) reads it first, else those its index names, else every
+        *.safetensors file in it. So a folder that an export is replacing loads as the old export or the new one
+        at every step of its publish (write.py)."""
         roots = allowed_roots(path)
+        single = next((n for n in SINGLE_NAMES if os.path.lexists(os.path.join(path, n))), None)
         index = next((n for n in INDEX_NAMES if os.path.lexists(os.path.join(path, n))), None)
-        if index is not None:
+        if single is not None:
+            self.shards = [file_in(path, single, f"{path}: {single}", roots)]
+        elif index is not None:
             self.index = file_in(path, index, f"{path}: {index}", roots)
             weight_map = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}').get(
                 "weight_map")

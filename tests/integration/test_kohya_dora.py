@@ -624,6 +624,26 @@ def test_a_damaged_or_strange_file_is_named_with_what_to_do(tmp_path, damage):
     assert _same(model, snap)
 
 
+def test_save_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """save_kohya_dora's temporary file is fsynced before its rename, and the folder after it (nothing was: a power
+    cut after the save could leave an empty file under the name). A killed save's temporary file is removed by the
+    next save to the same path."""
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    pm = dorafp8.load_kohya_dora(model, path)
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = out / ".dora.safetensors.999999999-0123abcd.partial"  # no process has that id
+    dead.write_bytes(b"left by a killed save")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    dorafp8.save_kohya_dora(pm, str(out / "dora.safetensors"))
+    assert [n for n in os.listdir(out)] == ["dora.safetensors"]
+    assert any(p.startswith(str(out.resolve() / ".dora.safetensors.")) for p in synced) and str(out.resolve()) in synced
+    assert len(load_file(out / "dora.safetensors")) == len(load_file(path))  # every key, under the module names
+
+
 @pytest.mark.filterwarnings("ignore:LoRA adapter added to ConvNd layer with groups > 1")
 def test_export_refuses_what_the_layout_cannot_hold(tmp_path):
     """A grouped conv, a LoRA bias, an unknown adapter name: errors naming the layer and the fix, no file written."""
