@@ -27,6 +27,7 @@ from torch import nn
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
+from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import E4M3, E4M3_MAX, check_scale, scale_kind
 from .files import parse_json, some
 from .layouts import E5M2, CheckpointFormatError, granularity_name
@@ -122,6 +123,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     except BaseException:
         before.restore()
         raise
+    warn_if_save_pretrained_loses_scales(model)
     logger.info(str(report))
     if verbose:
         print(str(report), flush=True)
