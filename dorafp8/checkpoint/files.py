@@ -88,7 +88,7 @@ def file_in(folder: str, name, what: str, roots: Optional[list[str]] = None) -> 
     if not isinstance(name, str) or not name.strip():
         raise CheckpointFormatError(f"{what}: {name!r} is not a file name")
     parts = name.replace("\\", "/").split("/")
-    if os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts:
         raise CheckpointFormatError(f"{what}: {name!r} is not a file inside {folder} (a checkpoint names its own "
                                     f"files, relative to its folder, without '..'); the checkpoint is damaged or "
                                     f"was made to read other files")
