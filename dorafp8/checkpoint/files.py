@@ -258,6 +258,31 @@ def replace(tmp: str, path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], staged: bool = False) -> None:
+    """safetensors' save_file of `tensors` to `path`, a write error raised naming `path`. staged: written whole or not
+    at all, in a staging folder beside `path` (temporary_name: safetensors puts its own temporary file beside its
+    target, so what a killed writer leaves is all in there, for remove_leftovers of the next write), fsynced, then
+    renamed into place. Without `staged`, `path` is in a staging folder already."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    folder, name = os.path.split(os.path.abspath(path))
+    stage = temporary_name(folder, name) if staged else None
+    if stage:
+        remove_leftovers(folder, name)
+        os.mkdir(stage)
+    try:
+        try:
+            save_file(tensors, os.path.join(stage, name) if stage else path, metadata=metadata)
+        except (SafetensorError, OSError) as e:
+            raise write_error(path, e) from e
+        if stage:
+            replace(os.path.join(stage, name), path)
+    finally:
+        if stage:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
 def write_error(path: str, e: Exception) -> OSError:
     """An error while writing `path` as an OSError that names the file (safetensors' SafetensorError carries the OS's
     error only as text: 'I/O error: No space left on device (os error 28)')."""

@@ -44,7 +44,7 @@ from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.conv import DoraFP8ConvVariant
-from .files import open_safetensors, regular_file, remove_leftovers, replace, some, temporary_name, write_error
+from .files import open_safetensors, regular_file, save_safetensors, some
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
 
 SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
@@ -208,26 +208,12 @@ def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
 
 
 def _write_atomic(tensors: dict, path, metadata: dict) -> None:
-    """`path` written whole or not at all: under a temporary name (what a killed writer left there is removed by the
-    next write), fsynced and renamed."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
+    """`path` written whole or not at all (files.save_safetensors: staged, fsynced, renamed)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
-    remove_leftovers(folder, os.path.basename(path))
-    tmp = temporary_name(folder, os.path.basename(path))
-    try:
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-        except (SafetensorError, OSError) as e:
-            raise write_error(path, e) from e
-        replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_safetensors(tensors, path, metadata, staged=True)
 
 
 # ---------------------------------------------------------------------------------------------------------- import

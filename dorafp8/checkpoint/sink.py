@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from .files import replace, temporary_name, write_error
+from .files import save_safetensors
 
 
 def parse_size(size) -> int:
@@ -49,7 +49,8 @@ class TensorSink:
 class ShardWriter(TensorSink):
     """Writes the tensors to safetensors files of at most max_bytes each, every one under a temporary name until
     close(): into the folder `path` (a staging folder: close() names the shards and writes their index there, and
-    the caller publishes them), or to the one file `path` ending in .safetensors (renamed into place by close())."""
+    the caller publishes them), or at close() to the one file `path` ending in .safetensors (files.save_safetensors:
+    through a staging folder of its own)."""
 
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
         super().__init__()
@@ -71,18 +72,9 @@ class ShardWriter(TensorSink):
         self.cur_bytes += n
 
     def _flush(self) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
-        if self.single:
-            tmp = temporary_name(self.dir or ".", os.path.basename(self.path))
-        else:
-            tmp = os.path.join(self.dir, f".{self.stem}.part{len(self.parts)}.safetensors")
+        tmp = os.path.join(self.dir, f".{self.stem}.part{len(self.parts)}.safetensors")
         self.parts.append((tmp, list(self.cur)))  # before writing: discard() removes what a failed write began
-        try:
-            save_file(self.cur, tmp, metadata=self.metadata)
-        except (SafetensorError, OSError) as e:  # a full disk: say where
-            raise write_error(self.path if self.single else tmp, e) from e
+        save_safetensors(self.cur, tmp, self.metadata)
         self.cur, self.cur_bytes = {}, 0
 
     def discard(self) -> None:
@@ -97,11 +89,11 @@ class ShardWriter(TensorSink):
         """Finishes the write: the one file renamed into place (fsynced), or the shards named (the names of
         shard_names that `taken`, the files already in the destination, does not have) and their index written.
         Returns the files' paths."""
+        if self.single:
+            save_safetensors(self.cur, self.path, self.metadata, staged=True)
+            return [self.path]
         if self.cur or not self.parts:
             self._flush()
-        if self.single:
-            replace(self.parts[0][0], self.path)
-            return [self.path]
         n = len(self.parts)
         names = [f"{self.stem}.safetensors"] if n == 1 else shard_names(self.stem, n, taken)
         weight_map = {}

@@ -213,3 +213,32 @@ def test_leftovers_of_a_killed_writer_are_removed_by_the_next_and_a_live_ones_ke
         alive.wait()
     _export(net, dest, SHARDED)
     assert _hidden(tmp_path) == []
+
+
+def test_safetensors_own_temporary_file_is_left_only_in_a_staging_folder(tmp_path):
+    """safetensors' save_file writes a .tmpXXXX file beside the file it is asked for and renames it when done (seen
+    with safetensors 0.8): a writer killed in there left it in the user's folder (128 MB in the issue), under a name
+    nothing removes. Every save now asks for a file inside a staging folder of its own, which the next write removes.
+    Here save_file leaves such a file and the process dies."""
+    net = _net(0)
+
+    def killed_inside_save_file(where, size):
+        def run():
+            import safetensors.torch
+
+            def save_file(tensors, path, metadata=None):
+                with open(os.path.join(os.path.dirname(path), ".tmpAbC123"), "wb") as f:
+                    f.write(b"half a shard")
+                os._exit(9)
+
+            safetensors.torch.save_file = save_file
+            _export(net, where, size)
+        return run
+
+    for where, size in ((tmp_path / "one.safetensors", SINGLE), (tmp_path / "ckpt", SHARDED)):
+        code, _ = _in_child(killed_inside_save_file(where, size))
+        assert code == 9
+        left = list(tmp_path.rglob(".tmpAbC123"))
+        assert len(left) == 1 and left[0].parent.name.endswith(".partial") and left[0].parent.parent == tmp_path, left
+        _export(net, where, size)
+        assert _hidden(tmp_path) == []
