@@ -132,10 +132,10 @@ def read_json(path: str, expected: str) -> dict:
         return parse_json(f.read(), path, expected)
 
 
-def _header_size(path: str, where: str) -> int:
-    """The length of the safetensors header of `path`, refused when it is more than MAX_HEADER_BYTES or holds more
-    than MAX_TENSORS entries: counted before anything is parsed, in bounded memory (each entry of the JSON header is
-    an object, and an object cannot be written without a '{', so the '{'s bound the entries from above)."""
+def _check_header(path: str, where: str) -> None:
+    """Refuses a safetensors header of more than MAX_HEADER_BYTES or MAX_TENSORS entries, or longer than its file:
+    measured before anything is parsed, in bounded memory (each entry of the JSON header is an object, and an
+    object cannot be written without a '{', so the '{'s bound the entries from above)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -157,16 +157,15 @@ def _header_size(path: str, where: str) -> int:
     if objects > MAX_TENSORS + 2:  # the header itself and __metadata__
         raise CheckpointFormatError(f"{where}: a header of more than {MAX_TENSORS} entries, more than dorafp8 reads "
                                     f"from one file (refused before parsing it); {DAMAGED}")
-    return n
 
 
 @contextlib.contextmanager
 def open_safetensors(path: str, where: str, device: str = "cpu"):
-    """safetensors' safe_open of `path`, its header measured first (_header_size); any error while it is open, or
+    """safetensors' safe_open of `path`, its header measured first (_check_header); any error while it is open, or
     in reading a tensor from it, is raised naming `where` (a shard: which one) and what to do."""
     from safetensors import SafetensorError, safe_open
 
-    _header_size(path, where)
+    _check_header(path, where)
     try:
         with safe_open(path, framework="pt", device=device) as f:
             yield f
@@ -203,8 +202,8 @@ def temporary_name(folder: str, name: str) -> str:
 def remove_leftovers(folder: str, name: str) -> list[str]:
     """What writers of `name` in `folder` killed before they finished left behind (temporary_name of a process that
     no longer runs): a temporary file is removed; a staging folder is removed after its publish, if one had begun, is
-    finished (it had renamed its first file into place: that is, its commit) or undone (it had not). A live writer's
-    are left alone. Returns the paths removed."""
+    finished (if it had renamed its commit, the index or the single file, into place) or undone (if not). A live
+    writer's are left alone. Returns the paths removed."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial")):
         pid = path[len(os.path.join(folder, f".{name}.")):-len(".partial")].partition("-")[0]
