@@ -5,7 +5,8 @@
 
 With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.register_with_lycoris(),
 dorafp8.install_ddp_support() and dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8
-models is then transformers' own, which loses the scales).
+models is then transformers' own, which loses the scales: quantize_model, load_fp8_checkpoint and
+from_transformers_fp8 warn so, naming save_fp8_checkpoint; dorafp8/nn/save_warning.py).
 
 Importing peft, transformers, diffusers, lycoris or FSDP2 takes seconds, so `import dorafp8` must not do it. But each
 needs to know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:

@@ -1,8 +1,8 @@
 """Merging adapters into an fp8 base, one block of rows at a time, and re-quantizing the result.
 
-A DoRA adapter changes row j of the weight to  W'_j = m_j / max(||V_j||, NORM_EPS) * V_j  with V = W0 + s B A
-(PEFT's merge, docs/DORA_MATH.md; the clamp is dorafp8's, ops.NORM_EPS, so that an all-zero row merges to zeros
-instead of 0/0 = NaN). A plain LoRA adapter adds s B A. Every one of these is row-local, so a merged weight can be
+A DoRA adapter changes row j of the weight to  W'_j = m_j / ||V_j|| * V_j  with V = W0 + s B A (PEFT's merge,
+docs/DORA_MATH.md; a zero norm is divided as ops.NORM_EPS, dorafp8's, so that an all-zero row merges to zeros instead
+of 0/0 = NaN). A plain LoRA adapter adds s B A. Every one of these is row-local, so a merged weight can be
 computed in fp32 blocks of rows and never exists as a dense fp32 copy of the layer, let alone of the model; several
 adapters merge in sequence within each block, as PEFT merges them one after the other.
 
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .ops import NORM_EPS
+from .ops import norm_divisor
 from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, quantize_e4m3, row_blocks,
                     scale_kind, scale_rows, w0_rows)
 
@@ -81,8 +81,8 @@ def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j
     w = w0_rows(w8, scale, block_size, j0, j1)
     for A, B, s, mag, _ in terms:
         w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A
-        if mag is not None:  # DoRA: W' = m / ||V|| * V, the norm clamped like the forward's
-            n = torch.linalg.vector_norm(w, dim=1).clamp_min_(NORM_EPS)
+        if mag is not None:  # DoRA: W' = m / ||V|| * V, a zero norm divided as the forward does
+            n = norm_divisor(torch.linalg.vector_norm(w, dim=1))
             w.mul_((mag[j0:j1].float() / n)[:, None])
     return w
 

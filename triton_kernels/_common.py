@@ -151,16 +151,22 @@ def dot(a, b, acc, IEEE: tl.constexpr):
     return acc
 
 
-NORM_EPS = tl.constexpr(_NORM_EPS)  # the norm clamp of backends.base, as a constexpr a kernel may read
+NORM_EPS = tl.constexpr(_NORM_EPS)  # what a zero norm is divided as (backends.base), as a constexpr kernels read
+
+
+@triton.jit
+def norm_divisor(n):
+    """backends.base.norm_divisor: n, with NORM_EPS where it is 0 (every other norm, however small, as it is)."""
+    return tl.where(n == 0.0, NORM_EPS, n)
 
 
 @triton.jit
 def magnitude_scale(m_ptr, n_ptr, offs, mask):
-    """c = m / max(n, NORM_EPS) in fp32 for the columns `offs` (0 where masked): backends.base.magnitude_scale, rounded
+    """c = m / norm_divisor(n) in fp32 for the columns `offs` (0 where masked): backends.base.magnitude_scale, rounded
     as torch rounds it (div_rn: plain '/' is approximate on GPUs), so that c == 1 exactly where m == n (DoRA's init)."""
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     n = tl.load(n_ptr + offs, mask=mask, other=1.0)
-    return tl.math.div_rn(m, tl.maximum(n, NORM_EPS))
+    return tl.math.div_rn(m, norm_divisor(n))
 
 
 @triton.jit

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (NORM_EPS, alloc, cdiv, check_activation, dot_dtype, interpreting, launch, magnitude_scale,
-                      next_pow2, sum_parts, vector)
+from ._common import (alloc, cdiv, check_activation, dot_dtype, interpreting, launch, magnitude_scale, next_pow2,
+                      norm_divisor, sum_parts, vector)
 from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
@@ -215,7 +215,7 @@ def dora_bwd_finish_kernel(
         if HAS_ADAPTER:
             if NEED_DM:
                 n = tl.load(n_ptr + cols, mask=ok, other=1.0)
-                dm = tl.math.div_rn(sum_parts(dmpart_ptr, PM, N, cols, ok), tl.maximum(n, NORM_EPS))
+                dm = tl.math.div_rn(sum_parts(dmpart_ptr, PM, N, cols, ok), norm_divisor(n))
                 tl.store(dm_ptr + cols, dm.to(dm_ptr.dtype.element_ty), mask=ok)
             if NEED_DBB:
                 sc = (s * magnitude_scale(m_ptr, n_ptr, cols, ok))[:, None]

@@ -4,7 +4,7 @@
     dropout:    y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T  z = xd W0^T + s u B^T
     plain:      y = x W0^T + bias                                      (m is None)
 
-with c = m / max(n, NORM_EPS), computed in the epilogue from the magnitude m and the weight norm n.
+with c = m / n (NORM_EPS where n = 0), computed in the epilogue from the magnitude m and the weight norm n.
 
 where xd W0^T = (xm W0^T) / (1 - p): the kernel multiplies xm = x * mask (exact in the compute dtype) and scales the
 fp32 product, so the dropout scaling never rounds an operand.
@@ -122,7 +122,7 @@ def dora_fwd_kernel(
     # Scalars
     s, inv_keep,
     # Meta-parameters
-    HAS_ADAPTER: tl.constexpr,  # m, n, u, B given (else plain FP8 linear); c = m / max(n, eps) in the epilogue
+    HAS_ADAPTER: tl.constexpr,  # m, n, u, B given (else plain FP8 linear); c = m / n in the epilogue
     HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,

@@ -48,15 +48,23 @@ FEATURES = {
 }
 
 
-# The weight norm is clamped to this before c = m / n: a row of W0 + s B A that is exactly zero (real checkpoints
-# have them; fp8 underflow of tiny rows adds more) would otherwise give c = 0 / 0 = NaN, as in PEFT 0.21. With the
-# clamp such a row gives c = m / EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients.
+# What a zero weight norm is divided as: a row of W0 + s B A that is exactly zero (real checkpoints have them; fp8
+# underflow of tiny rows adds more) would give c = 0 / 0 = NaN, as in PEFT 0.21; taken as NORM_EPS it gives c = m /
+# NORM_EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients. Every other norm is divided as
+# it is, however small: c = m / n is PEFT's value wherever PEFT's is finite (a clamp at NORM_EPS would scale a row
+# of norm 1e-13 by 0.1, and DoRA at init would no longer be the base layer there).
 NORM_EPS = 1e-12
 
 
+def norm_divisor(n: Tensor) -> Tensor:
+    """n with NORM_EPS where it is 0 (same dtype and shape): what every DoRA formula divides by (c = m / n, dm's
+    1 / n, the merge). NaN stays NaN."""
+    return torch.where(n == 0, NORM_EPS, n)
+
+
 def magnitude_scale(m: Tensor, n: Tensor) -> Tensor:
-    """c = m / max(n, NORM_EPS) in fp32 [N]: the one formula every backend computes (the Triton kernels in-kernel)."""
-    return m.reshape(-1).float() / n.reshape(-1).float().clamp_min(NORM_EPS)
+    """c = m / norm_divisor(n) in fp32 [N]: the one formula every backend computes (the Triton kernels in-kernel)."""
+    return m.reshape(-1).float() / norm_divisor(n.reshape(-1).float())
 
 
 def not_supported(backend: str, feature: str, detail: str = "", alternatives: tuple[str, ...] = ()) -> ValueError:
@@ -91,7 +99,7 @@ class Backend(Protocol):
         """(y, z).
         m is None: plain FP8 linear, y = x W0^T + bias, z is None (n, u, B, xm are None).
         m [N] (the magnitude, any float dtype), n [N] fp32 (the weight norm, unclamped), u [M, r] rdt (= xd A^T),
-        B [N, r] rdt, with c = magnitude_scale(m, n) = m / max(n, NORM_EPS) in fp32:
+        B [N, r] rdt, with c = magnitude_scale(m, n) = m / n in fp32 (NORM_EPS for n = 0):
           no dropout (xm is None): y = c * (x W0^T + s u B^T) + bias
           dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
         with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in
@@ -114,7 +122,7 @@ class Backend(Protocol):
           rs: fp32 [2] = (rl, rb), rb = 1 without dropout (one tensor, so that a kernel can write both and the
               caller take 0-dim views of it, with no copy).
           v  = (g * c) B                          [M, r] rdt (fp32 products)
-          dm = sum_i g[i, :] * z[i, :] / max(n, NORM_EPS)   [N] in m's dtype (None unless need_dm)
+          dm = sum_i g[i, :] * z[i, :] / norm_divisor(n)   [N] in m's dtype (None unless need_dm)
           db = sum_i g[i, :]                      [N] in g's dtype
           dB = s * c * (g^T u)                    [N, r] in B's dtype (None unless need_dB)
         the sums in fp32, each result rounded once. m is None (a plain FP8Linear): only gl, rs (f = srow; gl = g

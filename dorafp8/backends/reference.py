@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import E4M3_MAX, row_blocks, scale_kind, w0_rows
-from .base import NORM_EPS, magnitude_scale
+from .base import magnitude_scale, norm_divisor
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -165,10 +165,10 @@ def scalars(rl, rb):
 
 
 def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
-    """backward_pass's fp32 column sums as the contract returns them: dm / max(n, eps) in m's dtype, db in the
+    """backward_pass's fp32 column sums as the contract returns them: dm / norm_divisor(n) in m's dtype, db in the
     compute dtype, s * c * dB in B's dtype (each rounded once)."""
     if dm is not None:
-        dm = (dm / n.float().clamp_min(NORM_EPS)).to(m.dtype)
+        dm = (dm / norm_divisor(n.float())).to(m.dtype)
     if dB is not None:
         dB = (dB * (s * c)[:, None]).to(B.dtype)
     return dm, db.to(cdt), dB

@@ -10,6 +10,7 @@ The layouts (`format=`) are in layouts.py; docs/CHECKPOINTS.md has where each co
 
 The modules, each importing only those above it:
     layouts.py      LAYOUTS, the format names and aliases, CheckpointFormatError
+    files.py        files from strangers read safely (paths, headers, JSON), folders published atomically
     modules.py      a model's tensors and fp8 layers, putting tensors and modules in place (and back: ModelState)
     plan.py         the typed records a load or a write carries (SourceInfo: what a model was loaded from)
     reports.py      LoadReport, ExportReport

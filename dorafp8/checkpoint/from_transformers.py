@@ -27,7 +27,9 @@ from torch import nn
 
 from ..backends import check_backend_name
 from ..nn import FP8Linear
+from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_scale
+from .files import read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
 
@@ -54,7 +56,6 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
 def _saved_quantization_config(model) -> Optional[dict]:
     """The quantization_config of the checkpoint the model was loaded from (transformers drops it from the model's
     config when it dequantizes while loading), if that checkpoint is a local directory."""
-    import json
     import os
 
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -62,9 +63,8 @@ def _saved_quantization_config(model) -> Optional[dict]:
     if not path or not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            return json.load(f).get("quantization_config")
-    except (OSError, ValueError):
+        return read_json(path, "a model config (a JSON object)").get("quantization_config")
+    except (OSError, ValueError):  # unreadable or damaged: only a warning's wording depends on it
         return None
 
 
@@ -171,6 +171,7 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
         except BaseException:
             before.restore()
             raise
+        warn_if_save_pretrained_loses_scales(model)
     if dense:
         warnings.warn(f"from_transformers_fp8: {len(dense)} fp8 layers of the config hold dense weights already "
                       f"(e.g. {dense[0]!r}: dequantized while loading, as transformers does without a GPU, or "

@@ -40,10 +40,11 @@ from peft.tuners.lora.variants import (
 from torch import nn
 
 from ..nn import FP8ConvNd, FP8Linear
-from ..ops import NORM_EPS
+from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.conv import DoraFP8ConvVariant
+from .files import open_safetensors, regular_file, save_safetensors, some
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
 
 SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
@@ -124,7 +125,7 @@ def layer_tensors(layer, adapter: str, dora_scale: str = "lycoris", dtype=None) 
         if dora_scale == "comfyui":
             w = base_weight_rows(layer)
             n_base, n_new = _row_norms(w, A, B, s)
-            m = (m.double() * (n_base + _EPS32) / n_new.clamp_min(NORM_EPS)).float()
+            m = (m.double() * (n_base + _EPS32) / norm_divisor(n_new)).float()
         nd = len(layer.lora_A[adapter].weight.shape)  # 2 for Linear, 2 + kernel dims for a conv
         out["dora_scale"] = m.float().reshape((-1,) + (1,) * (nd - 1)).contiguous()
     return out
@@ -207,19 +208,12 @@ def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
 
 
 def _write_atomic(tensors: dict, path, metadata: dict) -> None:
-    from safetensors.torch import save_file
-
+    """`path` written whole or not at all (files.save_safetensors: staged, fsynced, renamed)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_safetensors(tensors, path, metadata, staged=True)
 
 
 # ---------------------------------------------------------------------------------------------------------- import
@@ -275,17 +269,11 @@ def _read(file) -> tuple[dict, dict]:
     if isinstance(file, dict):
         bad = [k for k, v in file.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad:
-            raise TypeError(f"file: a state dict must map str keys to tensors; not so for {bad[:5]}")
+            raise TypeError(f"file: a state dict must map str keys to tensors; not so for {some(bad)}")
         return dict(file), {}
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = os.fspath(file)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"file {path!r} does not exist (a .safetensors file or a state dict is expected)")
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-    return load_file(path), meta
+    path = regular_file(os.fspath(file), "file (a .safetensors file or a state dict is expected)")
+    with open_safetensors(path, path) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
 def _targets(root: nn.Module) -> dict[str, nn.Module]:
@@ -338,18 +326,19 @@ def _plan(root, sd, prefix, strict) -> dict:
         plan[mod_name] = entry
     if unmatched and strict:
         errors.append(f"{len(unmatched)} keys name no Linear/Conv module of {type(root).__name__} (prefixes tried: "
-                      f"{list(resolver.prefixes) or 'none'}; pass strict=False to skip them): {sorted(unmatched)}")
+                      f"{list(resolver.prefixes) or 'none'}; pass strict=False to skip them): "
+                      f"{some(sorted(unmatched))}")
     dora = {n for n, e in plan.items() if e is not None and e[3] is not None}
     if dora and len(dora) != len(plan):
         errors.append(f"the file mixes DoRA layers (with dora_scale) and plain LoRA layers "
-                      f"{sorted(set(plan) - dora)}; one PEFT adapter is either")
+                      f"({some(sorted(set(plan) - dora))}); one PEFT adapter is either")
     if not plan and not errors:
         errors.append("the file has no lora_down / lora_up keys")
     if errors:
-        raise ValueError("load_kohya_dora: " + "; ".join(errors))
+        raise ValueError("load_kohya_dora: " + some(errors, first=8, sep="; "))
     if unmatched:
         warnings.warn(f"load_kohya_dora skipped {len(unmatched)} keys that name no module of "
-                      f"{type(root).__name__} (strict=False): {sorted(unmatched)}", stacklevel=3)
+                      f"{type(root).__name__} (strict=False): {some(sorted(unmatched))}", stacklevel=3)
     return plan
 
 
@@ -361,7 +350,7 @@ def _unknown_message(keys: list) -> str:
     algos = sorted({w for k in keys for w in algo(k)})
     why = f" ({', '.join(algos)}: no PEFT DoRA equivalent)" if algos else ""
     return (f"keys that are not a kohya LoRA/DoRA layer's (lora_down.weight, lora_up.weight, alpha, dora_scale){why}: "
-            f"{sorted(keys)}")
+            f"{some(sorted(keys))}")
 
 
 def _check_layer(name, mod_name, parts, base):

@@ -16,7 +16,6 @@ the model back as it was (modules.ModelState).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,7 +27,9 @@ from torch import nn
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
-from ..quant import E4M3, check_scale, scale_kind
+from ..nn.save_warning import warn_if_save_pretrained_loses_scales
+from ..quant import E4M3, E4M3_MAX, check_scale, scale_kind
+from .files import parse_json, some
 from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
                       swap_module, tied_groups)
@@ -122,6 +123,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     except BaseException:
         before.restore()
         raise
+    warn_if_save_pretrained_loses_scales(model)
     logger.info(str(report))
     if verbose:
         print(str(report), flush=True)
@@ -201,14 +203,16 @@ class _Progress:
 
 
 def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
-    """t as fp32, refused if any value is NaN, infinite or negative: such a scale would load without a word and turn
-    its whole layer into NaN or flipped outputs (a damaged or mis-converted file). The load then puts the model back."""
+    """t as fp32, refused if any value is NaN, infinite or negative, or so large that it times e4m3's largest value
+    (448) is infinite in fp32: such a scale would load without a word and turn its rows into NaN, inf or flipped
+    outputs (a damaged or mis-converted file). The load then puts the model back."""
     f = t.float()
-    bad = int((~torch.isfinite(f) | (f < 0)).sum())
+    bad = int((~torch.isfinite(f * E4M3_MAX) | (f < 0)).sum())
     if bad:
-        raise CheckpointFormatError(f"{key}: {bad} of {f.numel()} scale values are NaN, infinite or negative; a weight "
-                                    f"scale must be finite and >= 0 (the file is damaged or was converted wrongly). "
-                                    f"Nothing was loaded")
+        raise CheckpointFormatError(f"{key}: {bad} of {f.numel()} scale values are NaN, infinite or negative, or "
+                                    f"overflow fp32 times {E4M3_MAX:g} (e4m3's largest value); a weight scale must be "
+                                    f">= 0 and keep scale x {E4M3_MAX:g} finite (the file is damaged or was converted "
+                                    f"wrongly). Nothing was loaded")
     return f
 
 
@@ -344,7 +348,8 @@ def _read_checked_first(plan: LoadPlan, source: CheckpointSource, device, report
         if k.endswith("_zero_point") and bool((t.float() != 0).any()):
             raise CheckpointFormatError(f"{k}: non-zero zero point (asymmetric quantization) is not supported")
         if k.endswith(".comfy_quant"):
-            conf = json.loads(bytes(t.to(torch.uint8).tolist()).decode("utf-8"))
+            conf = parse_json(bytes(t.to(torch.uint8).tolist()), f"{k} (in {source.where(source.info[k][2])})",
+                              'ComfyUI\'s layer config, JSON like {"format": "float8_e4m3fn"}')
             if conf.get("format") != "float8_e4m3fn":
                 raise CheckpointFormatError(f"{k}: ComfyUI quantization format {conf.get('format')!r}; dorafp8 "
                                             f"loads float8_e4m3fn only")
@@ -411,7 +416,7 @@ def _stuck(model: nn.Module, left: dict) -> list[str]:
 
 def _stuck_error(stuck: list) -> CheckpointFormatError:
     return CheckpointFormatError(f"tensors left on the meta device that the checkpoint does not have and nothing "
-                                 f"can compute: {', '.join(stuck[:6])}; build the model with "
+                                 f"can compute: {some(stuck)}; build the model with "
                                  f"accelerate.init_empty_weights() (which keeps buffers real), or pass strict=False "
                                  f"(they become zeros)")
 

@@ -13,6 +13,7 @@ from torch import nn
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, E4M3, check_scale
+from .files import some
 from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import FP8_CONV_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
@@ -182,8 +183,7 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
                 plan.consumed[k] = "ignored"
                 report.kept[k] = "scales of weights that are not fp8 (ignored, as the writer's own loader does)"
     if errors:
-        raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8])
-                                    + (f"; and {len(errors) - 8} more" if len(errors) > 8 else ""))
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; "))
 
 
 def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optional[str]:
@@ -213,6 +213,25 @@ def _infer_block(n: int, k: int, shape: tuple, hint: Optional[int]) -> Optional[
     return ok[0] if len(ok) == 1 else None
 
 
+def _kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "floating-point" if dtype.is_floating_point else "integer"
+
+
+def _dtype_problems(k: str, dtype: Optional[torch.dtype], m: str, target: Optional[torch.Tensor]) -> list[str]:
+    """Why checkpoint tensor k (of `dtype`, None for one torch has no dtype for) cannot fill the model's tensor m:
+    it is cast to m's dtype, which is right between floating-point dtypes (fp8 ones included) and between integer
+    ones, and silently wrong across kinds (an int8 weight without scales into a float Linear, a bool buffer)."""
+    if target is None:
+        return []
+    if dtype is None:
+        return [f"{k}: a dtype torch does not have, for the model's {m!r} ({target.dtype})"]
+    if _kind(dtype) != _kind(target.dtype):
+        return [f"{k}: {str(dtype).replace('torch.', '')} ({_kind(dtype)}) in the checkpoint, but the model's {m!r} "
+                f"is {str(target.dtype).replace('torch.', '')} ({_kind(target.dtype)}): the file is not this "
+                f"model's, or was quantized in a way dorafp8 does not read"]
+    return []
+
+
 def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict, tied: dict, report: LoadReport,
                         strict: bool) -> None:
     """The tensors loaded as they are (cast to the model's dtype); what the model lacks and what fits nothing,
@@ -229,19 +248,21 @@ def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict,
             continue
         lay_name = m.rpartition(".")[0]
         if lay_name in plan.layers and plan.layers[lay_name].fp8 and m.endswith(".bias"):
+            errors += _dtype_problems(k, info[k][0], m, model_t.get(m))
             plan.plain[k] = m
             continue
         if m in model_t:
             if tuple(model_t[m].shape) != info[k][1]:
                 errors.append(f"{k}: shape {list(info[k][1])} in the checkpoint, {list(model_t[m].shape)} in the "
                               f"model's {m!r}")
+            errors += _dtype_problems(k, info[k][0], m, model_t[m])
             plan.plain[k] = m
         elif k.endswith("rotary_emb.inv_freq"):
             report.kept[k] = "rotary inv_freq (computed by the model)"
         else:
             unexpected.append(k)
     if errors:
-        raise CheckpointFormatError(f"{source.name} ({fmt}): " + "; ".join(errors[:8]))
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; "))
     by_module: dict[str, list[str]] = {}
     for n in model_t:
         by_module.setdefault(n.rpartition(".")[0], []).append(n)
@@ -255,11 +276,9 @@ def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict,
     if strict and (missing or unexpected):
         msg = []
         if missing:
-            msg.append(f"{len(missing)} model tensors are not in the checkpoint: {', '.join(missing[:6])}"
-                       + (" ..." if len(missing) > 6 else ""))
+            msg.append(f"{len(missing)} model tensors are not in the checkpoint: {some(missing)}")
         if unexpected:
-            msg.append(f"{len(unexpected)} checkpoint tensors fit nothing in the model: {', '.join(unexpected[:6])}"
-                       + (" ..." if len(unexpected) > 6 else ""))
+            msg.append(f"{len(unexpected)} checkpoint tensors fit nothing in the model: {some(unexpected)}")
         hint = f" (key prefix {report.prefix!r} was applied)" if report.prefix else ""
         raise CheckpointFormatError(f"{source.name} ({fmt}) does not fit the model{hint}: " + "; ".join(msg)
                                     + ". Pass key_map= to rename keys, or strict=False to load what fits")

@@ -1,14 +1,17 @@
 """Where a writer puts its tensors: TensorSink keeps them in a dict (the state dict handed to transformers'
 save_pretrained); ShardWriter writes them to safetensors files, sharded with an index, atomically (temporary part
-files renamed at the end, removed if the write fails)."""
+files renamed at the end, removed if the write fails); shard_names / shard_pattern: the names it gives shards."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 
 import torch
+
+from .files import save_safetensors
 
 
 def parse_size(size) -> int:
@@ -44,6 +47,11 @@ class TensorSink:
 
 
 class ShardWriter(TensorSink):
+    """Writes the tensors to safetensors files of at most max_bytes each, every one under a temporary name until
+    close(): into the folder `path` (a staging folder: close() names the shards and writes their index there, and
+    the caller publishes them), or at close() to the one file `path` ending in .safetensors (files.save_safetensors:
+    through a staging folder of its own)."""
+
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
         super().__init__()
         self.single = path.endswith(".safetensors")
@@ -64,11 +72,9 @@ class ShardWriter(TensorSink):
         self.cur_bytes += n
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         tmp = os.path.join(self.dir, f".{self.stem}.part{len(self.parts)}.safetensors")
-        save_file(self.cur, tmp, metadata=self.metadata)
-        self.parts.append((tmp, list(self.cur)))
+        self.parts.append((tmp, list(self.cur)))  # before writing: discard() removes what a failed write began
+        save_safetensors(self.cur, tmp, self.metadata)
         self.cur, self.cur_bytes = {}, 0
 
     def discard(self) -> None:
@@ -79,22 +85,39 @@ class ShardWriter(TensorSink):
         if self.made_dir and not os.listdir(self.dir):
             os.rmdir(self.dir)
 
-    def close(self) -> list[str]:
+    def close(self, taken=frozenset()) -> list[str]:
+        """Finishes the write: the one file renamed into place (fsynced), or the shards named (the names of
+        shard_names that `taken`, the files already in the destination, does not have) and their index written.
+        Returns the files' paths."""
+        if self.single:
+            save_safetensors(self.cur, self.path, self.metadata, staged=True)
+            return [self.path]
         if self.cur or not self.parts:
             self._flush()
-        files = []
-        if self.single:
-            os.replace(self.parts[0][0], self.path)
-            return [self.path]
         n = len(self.parts)
+        names = [f"{self.stem}.safetensors"] if n == 1 else shard_names(self.stem, n, taken)
         weight_map = {}
-        for i, (tmp, keys) in enumerate(self.parts):
-            name = f"{self.stem}.safetensors" if n == 1 else f"{self.stem}-{i + 1:05d}-of-{n:05d}.safetensors"
+        for (tmp, keys), name in zip(self.parts, names):
             os.replace(tmp, os.path.join(self.dir, name))
-            files.append(os.path.join(self.dir, name))
             weight_map.update({k: name for k in keys})
         if n > 1:
             with open(os.path.join(self.dir, f"{self.stem}.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))},
                           f, indent=2)
-        return files
+        return [os.path.join(self.dir, name) for name in names]
+
+
+def shard_names(stem: str, n: int, taken=frozenset()) -> list[str]:
+    """The names of n shards: `{stem}-00001-of-0000n.safetensors`, ..., or where any of those is taken (by the export
+    a new one replaces, which stays readable until the new index is in place), `{stem}-2-00001-of-0000n...`, and so
+    on: never a name a file of the destination has."""
+    for g in itertools.count(1):
+        tag = f"{stem}-" if g == 1 else f"{stem}-{g}-"
+        names = [f"{tag}{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        if not set(names) & set(taken):
+            return names
+
+
+def shard_pattern(stem: str) -> re.Pattern:
+    """The names shard_names gives for `stem`, and only those: what a writer may remove of an export it replaces."""
+    return re.compile(rf"{re.escape(stem)}(-[0-9]+)?-[0-9]{{5,}}-of-[0-9]{{5,}}\.safetensors")

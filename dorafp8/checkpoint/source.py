@@ -3,7 +3,6 @@ what layout it is in (detect_format), from its keys, dtypes and config.json, wit
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from typing import Iterable, Mapping, Optional
@@ -11,9 +10,11 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from ..quant import E4M3
+from .files import DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file, safetensors_keys
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
-INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+INDEX_NAMES = tuple(f"{n}.index.json" for n in SINGLE_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -31,6 +32,7 @@ class CheckpointSource:
             require("safetensors", what="reading fp8 checkpoint files")
         self.state_dict = None
         self.config = None
+        self.index = None  # the index file of a sharded folder
         self.metadata: dict = {}
         self.info: dict[str, tuple] = {}  # key -> (dtype or None, shape, shard index)
         if isinstance(src, Mapping):
@@ -45,41 +47,65 @@ class CheckpointSource:
         path = os.fspath(src)
         self.name = path
         if os.path.isdir(path):
-            index = next((os.path.join(path, n) for n in INDEX_NAMES if os.path.exists(os.path.join(path, n))), None)
-            if index is not None:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                self.shards = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
-            else:
-                self.shards = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-            if not self.shards:
-                others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
-                raise FileNotFoundError(f"no .safetensors file in {path}" + (
-                    f" (found {', '.join(others[:3])}: only safetensors checkpoints are read; load other formats "
-                    f"yourself and pass the state dict)" if others else ""))
-            cfg = os.path.join(path, "config.json")
-            if os.path.exists(cfg):
-                with open(cfg) as f:
-                    self.config = json.load(f)
-        elif os.path.isfile(path):
+            self._read_folder(path)
+        else:
+            regular_file(path, "path_or_state_dict")
             if not path.endswith(".safetensors"):
                 raise CheckpointFormatError(f"{path} is not a .safetensors file; load it yourself (torch.load) and "
                                             f"pass the state dict")
             self.shards = [path]
-        else:
-            raise FileNotFoundError(f"no such file or directory: {path}")
-        from safetensors import safe_open
-
         for i, shard in enumerate(self.shards):
-            with safe_open(shard, framework="pt") as f:
-                if i == 0:
-                    self.metadata = dict(f.metadata() or {})
-                for k in f.keys():
-                    sl = f.get_slice(k)
-                    if k in self.info:
-                        raise CheckpointFormatError(f"{k!r} is in two shards ({self.shards[self.info[k][2]]} and "
-                                                    f"{shard})")
-                    self.info[k] = (SAFETENSORS_DTYPES.get(sl.get_dtype()), tuple(sl.get_shape()), i)
+            metadata, keys = safetensors_keys(shard, self.where(i))
+            if i == 0:
+                self.metadata = dict(metadata)
+            for k, (dtype, shape) in keys.items():
+                if k in self.info:
+                    raise CheckpointFormatError(f"{k!r} is in two shards ({self.shards[self.info[k][2]]} and "
+                                                f"{shard})")
+                self.info[k] = (SAFETENSORS_DTYPES.get(dtype), shape, i)
+
+    def _read_folder(self, path: str) -> None:
+        """The shards and config.json of a checkpoint folder: each a regular file inside the folder (files.file_in),
+        each JSON file an object. The shards are the folder's model.safetensors (diffusion_pytorch_model.safetensors)
+        if it has one, as transformers (diffusers) reads it first, else those its index names, else every
+        *.safetensors file in it. So a folder that an export is replacing loads as the old export or the new one
+        at every step of its publish (write.py)."""
+        roots = allowed_roots(path)
+        single = next((n for n in SINGLE_NAMES if os.path.lexists(os.path.join(path, n))), None)
+        index = next((n for n in INDEX_NAMES if os.path.lexists(os.path.join(path, n))), None)
+        if single is not None:
+            self.shards = [file_in(path, single, f"{path}: {single}", roots)]
+        elif index is not None:
+            self.index = file_in(path, index, f"{path}: {index}", roots)
+            weight_map = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}').get(
+                "weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointFormatError(f"{self.index}: its \"weight_map\" is not an object of tensor names to "
+                                            f"shard file names; {DAMAGED}")
+            self.shards = [file_in(path, s, f"{self.index}: shard {s!r}", roots)
+                           for s in sorted(set(weight_map.values()))]
+        else:
+            self.shards = [file_in(path, n, f"{path}: {n}", roots)
+                           for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+        if not self.shards:
+            others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
+            raise FileNotFoundError(f"no .safetensors file in {path}" + (
+                f" (found {', '.join(others[:3])}: only safetensors checkpoints are read; load other formats "
+                f"yourself and pass the state dict)" if others else ""))
+        if os.path.lexists(os.path.join(path, "config.json")):
+            cfg = file_in(path, "config.json", f"{path}: config.json", roots)
+            self.config = read_json(cfg, "a model config (a JSON object)")
+            if not isinstance(self.config.get("quantization_config") or {}, dict):
+                raise CheckpointFormatError(f"{cfg}: its \"quantization_config\" is a "
+                                            f"{type(self.config['quantization_config']).__name__}, expected an object; "
+                                            f"{DAMAGED}")
+
+    def where(self, i: int) -> str:
+        """Shard i as errors name it: its path, and for a sharded checkpoint which shard of how many."""
+        if self.state_dict is not None:
+            return "the state dict"
+        n = len(self.shards)
+        return self.shards[i] + (f" (shard {i + 1} of {n} of {self.index or self.name})" if n > 1 else "")
 
     def quant_config(self) -> dict:
         return (self.config or {}).get("quantization_config") or {}
@@ -93,11 +119,9 @@ class CheckpointSource:
             for k in by_shard.get(0, []):
                 yield k, self.state_dict[k].to(device)
             return
-        from safetensors import safe_open
-
         dev = str(torch.device(device))
         for i in sorted(by_shard):
-            with safe_open(self.shards[i], framework="pt", device=dev) as f:
+            with open_safetensors(self.shards[i], self.where(i), dev) as f:
                 for k in by_shard[i]:
                     yield k, f.get_tensor(k)
 

@@ -8,10 +8,10 @@ written per tensor), and says so in the ExportReport.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from typing import Optional
@@ -22,11 +22,12 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
-from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
+from .files import finish_or_undo, publish, read_json, remove_leftovers, temporary_name
+from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
-from .sink import ShardWriter, TensorSink, parse_size
+from .sink import ShardWriter, TensorSink, parse_size, shard_pattern
 
 logger = logging.getLogger("dorafp8")
 
@@ -79,14 +80,19 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     check_destination(t, path, defaulted=fmt is None)
     single = path.endswith(".safetensors")
     # Write aside, then move into place: a directory checkpoint (shards, index, config.json) is written into a hidden
-    # staging directory next to `path` and its files are moved in only once all of them are written, so a failure
-    # (a broken adapter, a full disk, Ctrl-C) leaves `path` as it was. A single file is a temporary file renamed.
+    # staging directory next to `path` and published (files.publish) only once all of them are written, so a failure
+    # (a broken adapter, a full disk, Ctrl-C) leaves `path` as it was, and a kill leaves it loading as the old
+    # checkpoint or the new one, never a mix. A single file is a temporary file renamed. Either carries this
+    # process's id: what a killed writer left is finished or removed here, by the next write to the same path.
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(parent):
+        remove_leftovers(parent, os.path.basename(os.path.abspath(path)))
     stage = path if single else _staging_dir(path)
     writer = ShardWriter(stage, t.stem, parse_size(max_shard_size), t.metadata)
     report = ExportReport(t.fmt, path)
     try:
         out = emit(t, writer, report, merge=merge, adapter_names=adapter_names)
-        files = writer.close()
+        files = writer.close(taken=set() if single or not os.path.isdir(path) else set(os.listdir(path)))
         if not single:
             write_config(t, stage, report, out)
     except BaseException:
@@ -115,23 +121,55 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
 def _staging_dir(path: str) -> str:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".partial", dir=parent)
+    stage = temporary_name(parent, os.path.basename(os.path.abspath(path)))
+    os.mkdir(stage)
+    return stage
 
 
 def _publish(stage: str, path: str, stem: str, files: list[str]) -> list[str]:
-    """Moves the finished files of `stage` into `path` (made if needed; other files there are kept, except the shards
-    and index of an earlier checkpoint with the same stem, which the new one replaces: an old index left next to a
-    new single file would be read instead of it). Returns the files' final paths."""
-    os.makedirs(path, exist_ok=True)
-    new = set(os.listdir(stage))
-    for name in os.listdir(path):
-        if name not in new and (name.startswith(f"{stem}-") and name.endswith(".safetensors")
-                                or name == f"{stem}.safetensors.index.json" or name == f"{stem}.safetensors"):
-            os.remove(os.path.join(path, name))
-    for name in sorted(new):
-        os.replace(os.path.join(stage, name), os.path.join(path, name))
-    os.rmdir(stage)
-    return [os.path.join(path, os.path.basename(f)) for f in files]
+    """Moves the finished checkpoint in `stage` into `path` (files.publish: readers see the old one or the new one,
+    never a mix) and returns the files' final paths. Other files in `path` are kept, except those of an earlier
+    export with the same stem that this one replaces (_replaced); nothing else is ever removed."""
+    names = [os.path.basename(f) for f in files]
+    index = f"{stem}.safetensors.index.json"
+    commit = index if len(names) > 1 else names[0]
+    written = set(os.listdir(stage))
+    after = sorted(written - set(names) - {index})  # config.json: right after the weights it describes
+    try:
+        publish(stage, path, names if len(names) > 1 else [], commit, after, _replaced(path, stem, len(names) == 1))
+    except BaseException:  # an error half-way (a kill runs nothing: the next write finishes or undoes it)
+        with contextlib.suppress(Exception):
+            finish_or_undo(stage)
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [os.path.join(path, n) for n in names]
+
+
+def _replaced(path: str, stem: str, single: bool) -> list[str]:
+    """The files of an earlier export into `path` that a new one with the same stem replaces, and that only a writer
+    would have written: the shards its index names under the names this writer gives (sink.shard_pattern; a user's
+    `model-v1.safetensors` or `model-backup.safetensors` never matches, and a name the index makes up outside the
+    folder cannot), then its index where the new export is one file (an old index would be read instead of it),
+    and its one file where the new export is sharded (transformers would read that instead of the new index)."""
+    if not os.path.isdir(path):
+        return []
+    out = []
+    index = os.path.join(path, f"{stem}.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            weight_map = read_json(index, "an index").get("weight_map")
+        except (CheckpointFormatError, OSError):
+            weight_map = None
+        names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        pattern = shard_pattern(stem)
+        out += sorted(n for n in names if isinstance(n, str) and pattern.fullmatch(n)
+                      and os.path.isfile(os.path.join(path, n)))
+        if single:
+            out.append(os.path.basename(index))
+    if not single and os.path.isfile(os.path.join(path, f"{stem}.safetensors")):
+        out.append(f"{stem}.safetensors")
+    return out
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:

@@ -17,6 +17,7 @@ from ._base import FP8WeightModule, check_fp8_cast
 from .conv import fp8_conv_class
 from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
+from .save_warning import warn_if_save_pretrained_loses_scales
 from .torchao_fp8 import check_torchao_weight, is_torchao_tensor
 
 _CONV_KINDS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -182,6 +183,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
                                                   block_size=block_size, backend=backend, act_quant=act_quant,
                                                   name=name))
+    if swaps:
+        warn_if_save_pretrained_loses_scales(model)
     return len(swaps)
 
 

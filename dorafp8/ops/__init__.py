@@ -8,11 +8,11 @@ Hops from the public API to a kernel:
 """
 
 from ._custom_ops import custom_op_implementation
-from ._policy import NORM_EPS, compute_dtype, dropout_mask, rank_dtype
+from ._policy import NORM_EPS, compute_dtype, dropout_mask, norm_divisor, rank_dtype
 from .conv import conv_weight_norm, dequantize_transient, dora_fp8_conv, fp8_conv
 from .linear import DoRAFP8Function, FP8LinearFunction, dora_fp8_linear, fp8_linear, weight_norm
 from ._race import race_report
 
-__all__ = ["NORM_EPS", "compute_dtype", "dropout_mask", "rank_dtype",
+__all__ = ["NORM_EPS", "compute_dtype", "dropout_mask", "norm_divisor", "rank_dtype",
            "custom_op_implementation", "conv_weight_norm", "dequantize_transient", "dora_fp8_conv", "fp8_conv", "DoRAFP8Function",
            "FP8LinearFunction", "dora_fp8_linear", "fp8_linear", "weight_norm", "race_report"]

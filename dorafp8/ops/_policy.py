@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends.base import NORM_EPS  # noqa: F401 (the ops' name for it; the backends clamp with it)
+from ..backends.base import NORM_EPS, norm_divisor  # noqa: F401 (the ops' names for them, as the backends use them)
 from ..quant import is_fp8, scale_kind
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

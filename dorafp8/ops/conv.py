@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
-from ._policy import NORM_EPS, as_result, check_float, compute_dtype, dropout_mask, rank_dtype
+from ._policy import as_result, check_float, compute_dtype, dropout_mask, norm_divisor, rank_dtype
 from .linear import weight_norm as linear_weight_norm
 
 
@@ -183,17 +183,17 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         no dropout:  y = c * (conv(x, W0) + s * lora_B(lora_A(x))) + b
         dropout:     y = conv(x, W0) + b + (c - 1) * conv(xd, W0) + c * s * lora_B(lora_A(xd))
 
-    with c = m / max(n, NORM_EPS) per output channel (fp32) and xd = dropout(x) (PEFT's mask). x, bias in the compute
-    dtype; A, B in the rank dtype; the lora path runs in the rank dtype on xd formed there as PEFT forms it; the base
-    conv of the dropout term runs on xm = x * mask (exact in the compute dtype) and its 1 / (1 - p) is applied in fp32,
-    as in dorafp8.ops; the epilogue is fp32. Saves x and the mask, u = lora_A(xd), z = conv(xd, W0) + s * lora_B(u)
+    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x) (PEFT's mask). x, bias in
+    the compute dtype; A, B in the rank dtype; the lora path runs in the rank dtype on xd formed there as PEFT forms
+    it; the base conv of the dropout term runs on xm = x * mask (exact in the compute dtype) and its 1 / (1 - p) is
+    applied in fp32, as in dorafp8.ops; the epilogue is fp32. Saves x and the mask, u = lora_A(xd), z = conv(xd, W0) + s * lora_B(u)
     (for dm), never a dequantized weight."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, geom, lora_geom):
         stride, padding, dilation, groups = geom
         nd = x.dim() - 2
-        n = n.clamp_min(NORM_EPS)
+        n = norm_divisor(n)
         c = _f32(m.reshape(-1)) / n
         cv = _chan(c, nd)
         dropout = p > 0.0

@@ -16,7 +16,7 @@ from ..backends import check_backend_name
 from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
 from ..nn.convert import check_fp8_layer
 from ..norm_cache import WeightNormCache
-from ..ops import NORM_EPS
+from ..ops import norm_divisor
 
 
 _MERGE_WARNING = (
@@ -102,7 +102,7 @@ class FP8DoraVariantMixin:
         else:
             x = dropout(x)
             base_result = module._base_product(base, x)
-        n = module.dora_weight_norm(active_adapter).clamp_min(NORM_EPS)
+        n = norm_divisor(module.dora_weight_norm(active_adapter))
         c = module._per_channel(module.lora_magnitude_vector[active_adapter].weight.reshape(-1) / n)
         return result + (c - 1) * base_result + c * lora_B(lora_A(x)) * scaling
 
@@ -210,9 +210,9 @@ class DoRAFP8Layer:
         return problems
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or the named) adapters into the fp8 base: W' = m / max(||V||, NORM_EPS) * V with
-        V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), over the [out, in * kernel] view of the
-        weight in fp32 row blocks, re-quantized to e4m3 with `merge_granularity` scales (warns that it
+        """Merges the active (or the named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
+        NORM_EPS) with V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), over the [out, in * kernel]
+        view of the weight in fp32 row blocks, re-quantized to e4m3 with `merge_granularity` scales (warns that it
         re-quantizes). Every check runs before anything changes (merge_problems). The pre-merge fp8 weight is kept,
         so unmerge() restores it exactly. The relative error of the re-quantization is `last_merge_error`."""
         from peft.tuners.tuners_utils import check_adapters_to_merge

@@ -269,10 +269,11 @@ def test_a_failure_in_the_middle_of_from_transformers_fp8_leaves_the_model_as_it
 
 
 @pytest.mark.parametrize("kind", ["meta", "real"])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e38])
 def test_a_damaged_weight_scale_is_refused_and_leaves_the_model_as_it_was(sharded, tmp_path, kind, bad):
     """A NaN, infinite or negative scale would have loaded without a word and made its layer's outputs NaN (or
-    flipped); the load names the tensor and puts the model back."""
+    flipped); so would 1e38, finite, but inf times 448 (e4m3's largest value): its row became inf. The load names
+    the tensor and puts the model back."""
     path, _ = sharded
     dst = tmp_path / "damaged"
     dst.mkdir()
@@ -287,7 +288,8 @@ def test_a_damaged_weight_scale_is_refused_and_leaves_the_model_as_it_was(sharde
     st.save_file(tensors, shard)
     model = _target(kind)
     snap = _snapshot(model)
-    with pytest.raises(CheckpointFormatError, match=rf"{key}: 1 of \d+ scale values are NaN, infinite or negative"):
+    with pytest.raises(CheckpointFormatError, match=rf"{key}: 1 of \d+ scale values are NaN, infinite or negative, "
+                                                   rf"or overflow fp32 times 448"):
         dorafp8.load_fp8_checkpoint(model, dst, verbose=False)
     _assert_unchanged(model, snap)
 

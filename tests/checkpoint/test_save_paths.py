@@ -17,6 +17,7 @@ is dequantized while loading) and compared with the model that was saved:
 A subprocess reloads the transformers checkpoints with no dorafp8 imported at all.
 """
 
+import ast
 import copy
 import json
 import os
@@ -438,8 +439,8 @@ def test_unet_export_merged(fmt, dora_unet, tmp_path):
 # ---------------------------------------------------------------------------------------------------- no dorafp8
 
 
-def _run_python(code: str, *args) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def _run_python(code: str, *args, **env_vars) -> str:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **env_vars)
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env,
                          cwd=ROOT)
     assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
@@ -486,3 +487,50 @@ print("hooks:", transformers.PreTrainedModel.save_pretrained._dorafp8, diffusers
     assert "Unknown quantization type, got dorafp8" in lines["diffusers:"], out
     assert lines["dorafp8"] == "imported: False", out
     assert lines["hooks:"] == "True True DoRAFP8Config DoRAFP8HfQuantizer", out
+
+
+def test_without_its_save_hooks_dorafp8_warns_that_save_pretrained_would_lose_the_scales(tmp_path):
+    """With DORAFP8_NO_PATCHES=1 transformers' save_pretrained is its own, and of an fp8 model it wrote a checkpoint
+    that reloads with its logits far off (the raw e4m3 values without their scales), without a word. quantize_model,
+    load_fp8_checkpoint and from_transformers_fp8 now warn where the model's save_pretrained would do that, and the
+    fix the warning names (save_fp8_checkpoint as compressed-tensors) reloads right in plain transformers; without
+    the opt-out, nothing warns."""
+    code = """
+import sys, warnings
+import torch, transformers
+import dorafp8
+from tests.checkpoint import _ckpt_fixtures as F
+
+def said(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn()
+    return [str(x.message) for x in w if "save_pretrained" in str(x.message)]
+
+model = F.original_model()
+print("quantize_model:", said(lambda: dorafp8.quantize_model(model, per_row_scale=True)))
+dorafp8.save_fp8_checkpoint(model, sys.argv[1], format="compressed-tensors", verbose=False)
+meta = F.meta_model()
+print("load_fp8_checkpoint:", said(lambda: dorafp8.load_fp8_checkpoint(meta, sys.argv[1], verbose=False)))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    with torch.no_grad():
+        error = (loaded(input_ids=F.IDS).logits - model(input_ids=F.IDS).logits).abs().max().item()
+    compressed = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])  # fp8 until its first forward
+print("reloaded:", error)
+print("from_transformers_fp8:", said(lambda: dorafp8.from_transformers_fp8(compressed)))
+"""
+    for opt_out in ("1", "0"):
+        out = _run_python(code, str(tmp_path / f"ct{opt_out}"), DORAFP8_NO_PATCHES=opt_out)
+        lines = dict(line.split(": ", 1) for line in out.strip().splitlines() if ": " in line)
+        assert float(lines["reloaded"]) < 1e-4, out  # the fix the warning names: from_pretrained reads it right
+        for entry in ("quantize_model", "load_fp8_checkpoint", "from_transformers_fp8"):
+            said = ast.literal_eval(lines[entry])  # a list of str, printed by the child
+            if opt_out == "0":
+                assert said == [], (entry, out)
+                continue
+            assert len(said) == 1, (entry, out)
+            assert all(s in said[0] for s in ("LlamaForCausalLM.save_pretrained", "DORAFP8_NO_PATCHES",
+                                               "without their scales", "save_fp8_checkpoint(model, path, "
+                                               "format='compressed-tensors')")), said[0]

@@ -11,6 +11,7 @@ fp8 error of the base; given the dequantized base, what PEFT computes there (its
 rounding. Import turns the files back into the same model, and takes LyCORIS's own files."""
 
 import copy
+import os
 import re
 
 import pytest
@@ -573,6 +574,74 @@ def test_unmatched_keys_error_or_report(tmp_path):
         pm = dorafp8.load_kohya_dora(copy.deepcopy(model), sd, strict=False)
     with torch.no_grad():
         assert rel(pm.eval()(X), want) < FP32
+
+
+def test_long_key_lists_in_errors_are_cut_to_a_count_and_the_first_few(tmp_path):
+    """20,000 keys the model does not have (or of another algorithm) used to be listed in full: 2.7 million characters
+    for 100,000 keys. The error, and strict=False's warning, name the first few and how many there are."""
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    sd = load_file(path)
+    other = {f"lora_te1_text_model_encoder_layers_{i}_mlp_fc1.lora_down.weight": torch.zeros(1) for i in range(20000)}
+    algo = {f"lycoris_block_{i}.hada_w1_a": torch.zeros(1) for i in range(20000)}
+    for extra, what in ((other, "keys name no Linear/Conv module"), (algo, "LoHa")):
+        with pytest.raises(ValueError, match=what) as e:
+            dorafp8.load_kohya_dora(copy.deepcopy(model), {**sd, **extra})
+        first = sorted(extra)[0]
+        assert first in str(e.value) and "20000 in all" in str(e.value) and len(str(e.value)) < 2000, str(e.value)
+    with pytest.warns(UserWarning, match="skipped 20000 keys") as w:
+        dorafp8.load_kohya_dora(copy.deepcopy(model), {**sd, **other}, strict=False)
+    assert len(str(w[0].message)) < 1000
+
+
+@pytest.mark.parametrize("damage", ["truncated", "html_page", "header_not_json", "fifo", "folder"])
+def test_a_damaged_or_strange_file_is_named_with_what_to_do(tmp_path, damage):
+    """A file cut short or an error page saved in its place raised safetensors' raw error, naming no file; a FIFO or a
+    folder was 'does not exist'. The model is left as it was."""
+    from dorafp8.checkpoint import CheckpointFormatError
+
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    raw = open(path, "rb").read()
+    bad = tmp_path / "bad.safetensors"
+    says = ["download it again"]
+    if damage == "truncated":
+        bad.write_bytes(raw[:-7])
+    elif damage == "html_page":
+        bad.write_bytes(b"<html><body>404 Not Found</body></html>")
+    elif damage == "header_not_json":
+        bad.write_bytes(len(b"{oops").to_bytes(8, "little") + b"{oops")
+    elif damage == "fifo":
+        os.mkfifo(bad)
+        says = ["is a FIFO"]
+    else:
+        bad.mkdir()
+        says = ["is a folder"]
+    snap = _snapshot(model)
+    with pytest.raises(CheckpointFormatError) as e:
+        dorafp8.load_kohya_dora(model, bad)
+    assert str(bad) in str(e.value) and all(s in str(e.value) for s in says), str(e.value)
+    assert _same(model, snap)
+
+
+def test_save_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """save_kohya_dora's temporary file is fsynced before its rename, and the folder after it (nothing was: a power
+    cut after the save could leave an empty file under the name). A killed save's temporary file is removed by the
+    next save to the same path."""
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    pm = dorafp8.load_kohya_dora(model, path)
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = out / ".dora.safetensors.999999999-0123abcd.partial"  # no process has that id
+    dead.write_bytes(b"left by a killed save")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    dorafp8.save_kohya_dora(pm, str(out / "dora.safetensors"))
+    assert [n for n in os.listdir(out)] == ["dora.safetensors"]
+    assert any(p.startswith(str(out.resolve() / ".dora.safetensors.")) for p in synced) and str(out.resolve()) in synced
+    assert len(load_file(out / "dora.safetensors")) == len(load_file(path))  # every key, under the module names
 
 
 @pytest.mark.filterwarnings("ignore:LoRA adapter added to ConvNd layer with groups > 1")

@@ -2,16 +2,19 @@
 
 Real checkpoints have all-zero weight rows (Llama-3.1-8B's o_proj has 511) and fp8 underflow adds more: with one scale
 per tensor set by an outlier, a row of tiny weights quantizes to all zeros. DoRA's c = m / ||W0 + s B A|| is then
-0 / 0 at initialization (B = 0, m = the row norm = 0): PEFT 0.21 returns NaN at step 0. dorafp8 clamps the norm to
-ops.NORM_EPS, so such a row gives c = 0: a zero output row (bias aside) and zero gradients for its adapter entries,
-on every backend, and it stays so under training and when merged."""
+0 / 0 at initialization (B = 0, m = the row norm = 0): PEFT 0.21 returns NaN at step 0. dorafp8 divides a zero norm
+as ops.NORM_EPS, so such a row gives c = 0: a zero output row (bias aside) and zero gradients for its adapter entries,
+on every backend, and it stays so under training and when merged. A norm that is tiny but not zero is divided as it
+is: c = m / n, PEFT's value."""
 
+import copy
 import warnings
 
 import pytest
 import torch
 
 import dorafp8
+from dorafp8 import ops
 from tests._ref import dora_fp64
 from tests._tolerance import assert_close, tol
 
@@ -157,3 +160,123 @@ def test_dora_init_refuses_a_magnitude_that_overflows_the_adapter_dtype(kind):
     with pytest.raises(ValueError, match="overflows torch.float16.*float32"):
         peft.get_peft_model(model, peft.LoraConfig(r=4, use_dora=True, target_modules=["proj"]),
                             autocast_adapter_dtype=False)
+
+
+# ---- tiny but non-zero norms: c = m / n as PEFT computes it ------------------------------------------------------
+
+TINY_NORMS = {4: 1e-13, 11: 1e-15, 17: 1e-17}  # row -> its norm: below the zero rows' stand-in NORM_EPS, far above 0
+
+
+def _tiny_problem(N=24, K=40, r=4, trained=True, seed=0):
+    """Per-row fp8 weight whose rows TINY_NORMS have those norms (a row under a tiny per-row scale), adapters whose
+    rows there are as tiny (so that W0 + s B A keeps the tiny norm), and a magnitude at or near DoRA's init (m ~ n)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=g) / K ** 0.5
+    for j, norm in TINY_NORMS.items():
+        W[j] *= norm / W[j].norm()
+    w8, scale = dorafp8.quantize_e4m3(W, per_row=True)
+    A = torch.randn(r, K, generator=g) / K ** 0.5
+    B = torch.randn(N, r, generator=g) * 0.1 if trained else torch.zeros(N, r)
+    for j, norm in TINY_NORMS.items():
+        B[j] *= norm
+    s = 2.0
+    n = dorafp8.weight_norm(w8, scale, A, B, s, backend="reference")
+    m = n * (1 + 0.2 * torch.randn(N, generator=g)) if trained else n.clone()
+    x = torch.randn(6, K, generator=g)
+    return x, w8, scale, A, B, m, s
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_tiny_nonzero_norms_give_pefts_values_every_backend(device, backend, dropout):
+    """0 < n < NORM_EPS: such a row is no zero row, and c = m / n exactly as PEFT computes it (a clamp at NORM_EPS
+    scaled its outputs by n / NORM_EPS, and broke 'DoRA equals the base layer at init'). At init (B = 0, m = n) the
+    layer gives the base layer's output; trained, outputs and every gradient match DoRA evaluated in fp64, on the tiny
+    rows at their own scale."""
+    tiny = sorted(TINY_NORMS)
+    for trained in (False, True):
+        x, w8, scale, A, B, m, s = _tiny_problem(trained=trained)
+        n = dorafp8.weight_norm(w8, scale, A, B, s, backend=backend)
+        assert ((n[tiny] > 0) & (n[tiny] < ops.NORM_EPS)).all()
+        dev = [t.to(device) for t in (x, w8, scale, A, B, m)]
+        xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (dev[0], dev[3], dev[4], dev[5]))
+        torch.manual_seed(7)
+        y = dorafp8.dora_fp8_linear(xl, dev[1], dev[2], Al, Bl, ml, s, dropout_p=dropout, training=dropout > 0,
+                                    backend=backend)
+        torch.manual_seed(7)
+        keep = ops.dropout_mask(x, dropout) if dropout else None
+        W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
+        if not trained:  # DoRA at init is the base layer, on every row
+            for j in tiny:  # each row at its own scale
+                assert_close(y[:, j].cpu(), x.double() @ W0[j], tol(torch.float32), f"init: row {j} = base layer")
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+        y.backward(gy.to(device))
+        yr, leaves = dora_fp64(x, W0, A, B, m, s, xd=None if keep is None else (keep, dropout))
+        yr.backward(gy.double())
+        for j in tiny:
+            assert_close(y[:, j].cpu(), yr[:, j], tol(torch.float32), f"row {j} (trained={trained})")
+        for name, got, ref in (("dm", ml.grad, leaves[3].grad), ("dB", Bl.grad, leaves[2].grad)):
+            assert_close(got[tiny].cpu(), ref[tiny], tol(torch.float32), f"{name} (trained={trained})")
+        assert_close(Al.grad.cpu(), leaves[1].grad, tol(torch.float32), "dA")
+
+
+def test_tiny_nonzero_norms_in_peft_layers_and_merges_match_peft():
+    """The same rows in PEFT layers (linear and conv, the fused path and PEFT's general one with two active adapters)
+    and in merges: dorafp8 on the fp8 base against PEFT's own DoRA on its dequantized weights, which computes
+    m / ||W + s B A|| with no clamp and is right there. Merged rows are m / n * V as PEFT merges them."""
+    x, w8, scale, A, B, m, s = _tiny_problem(trained=False)
+    N, K = w8.shape
+    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float32)
+    lin = torch.nn.Linear(K, N, bias=False)
+    conv = torch.nn.Conv2d(K // 4, N, 2, bias=False)  # [N, K // 4, 2, 2]: the same rows as the linear weight
+    with torch.no_grad():
+        lin.weight.copy_(W0)
+        conv.weight.copy_(W0.reshape(conv.weight.shape))
+    tiny = sorted(TINY_NORMS)
+    xc = torch.randn(3, K // 4, 5, 5, generator=torch.Generator().manual_seed(4))
+    for base, inp in ((lin, x), (conv, xc)):
+        def model(fp8):
+            net = torch.nn.Sequential()
+            net.add_module("layer", copy.deepcopy(base))
+            if fp8:
+                dorafp8.quantize_model(net, per_row_scale=True, include_conv=True)
+            return net
+
+        theirs = peft.get_peft_model(model(False), peft.LoraConfig(r=4, use_dora=True, target_modules=["layer"]))
+        ours = peft.get_peft_model(model(True), peft.LoraConfig(r=4, use_dora=True, target_modules=["layer"]))
+        for pm in (theirs, ours):  # a second adapter, both active: PEFT's general path in dorafp8's layers
+            pm.add_adapter("other", peft.LoraConfig(r=2, use_dora=True, target_modules=["layer"]))
+        for mode in ("init", "two adapters", "trained"):
+            if mode == "two adapters":
+                for pm in (theirs, ours):
+                    pm.base_model.set_adapter(["default", "other"])
+            if mode == "trained":
+                g = torch.Generator().manual_seed(5)
+                for pm in (theirs, ours):
+                    pm.base_model.set_adapter("default")
+                for (name, p), (name_q, q) in zip(theirs.named_parameters(), ours.named_parameters()):
+                    assert name == name_q
+                    if "lora_" in name and p.requires_grad:
+                        d = torch.randn(p.shape, generator=g)
+                        with torch.no_grad():
+                            if "magnitude" in name:
+                                p.mul_(1 + 0.2 * d)
+                            else:
+                                p.add_(0.1 * d * (p.abs().amax() if "lora_B" in name else 1))
+                            q.copy_(p)
+            with torch.no_grad():
+                want, got = theirs(inp), ours(inp)
+            assert torch.isfinite(want).all()
+            for j in tiny:
+                assert_close(got[:, j], want[:, j], tol(torch.float32), f"{type(base).__name__} {mode}, row {j}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            merged = ours.merge_and_unload().layer
+        layer = theirs.base_model.model.layer
+        V = layer.weight.detach().double().reshape(N, -1) + layer.scaling["default"] * (
+            layer.lora_B["default"].weight.double().reshape(N, -1) @ layer.lora_A["default"].weight.double()
+            .reshape(layer.lora_A["default"].weight.shape[0], -1))
+        mag = layer.lora_magnitude_vector["default"].weight.double().reshape(-1)
+        want_w = (mag / V.norm(dim=1))[:, None] * V
+        got_w = merged.dequantize(torch.float64).reshape(N, -1)
+        for j in tiny:  # one e4m3 rounding per row (per-row scales)
+            assert_close(got_w[j], want_w[j], 2 ** -4, f"merged row {j}")

@@ -1,0 +1,244 @@
+"""Writing into a user's folder (issue 39): save_fp8_checkpoint / export_merged remove nothing but the files of the
+export they replace, publish so that a crash at any point leaves a folder that loads as the old export or the new one
+(never a mix), fsync what they publish, name the file a write error happened on, and the next run cleans up what a
+killed one left."""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import dorafp8
+from tests.checkpoint.test_load_all_or_nothing import X, Net, _target
+
+pytest.importorskip("safetensors")
+
+USER_FILES = {"model-backup-2024.safetensors": b"my backup", "model-v1.safetensors": b"my v1",
+              "model-00001-of-00009.safetensors": b"not in any index", "notes.txt": b"mine"}
+SHARDED, SINGLE = 400, "1GB"  # max_shard_size: several shards, one file
+
+
+def _net(seed):
+    torch.manual_seed(seed)
+    net = Net().eval()
+    dorafp8.quantize_model(net, include_conv=True, per_row_scale=True)
+    return net
+
+
+def _export(net, dest, size=SHARDED):
+    dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", max_shard_size=size, verbose=False)
+
+
+def _output_of(dest):
+    model = _target("meta")
+    dorafp8.load_fp8_checkpoint(model, dest, verbose=False)
+    with torch.no_grad():
+        return model.eval()(X)
+
+
+def _user_folder(tmp_path, files=USER_FILES):
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    return dest
+
+
+def _user_files_intact(dest, files=USER_FILES):
+    assert {n: (dest / n).read_bytes() for n in files if (dest / n).exists()} == files
+
+
+def _hidden(tmp_path):
+    return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob(".*"))
+
+
+def test_an_export_removes_only_the_files_of_the_export_it_replaces(tmp_path):
+    """A folder holding the user's model-backup-2024.safetensors and model-v1.safetensors: the old publish step
+    removed every `model-*.safetensors`, those two included. An old index naming the user's files (or one outside the
+    folder) does not make them the export's."""
+    a, b = _net(0), _net(1)
+    dest = _user_folder(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes(b"not yours")
+    for net, size in ((a, SHARDED), (b, SHARDED), (a, SINGLE), (b, SHARDED)):
+        _export(net, dest, size)
+        _user_files_intact(dest)
+        with torch.no_grad():
+            assert torch.equal(_output_of(dest), net(X))
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, "model.safetensors.index.json", *shards])
+    index["weight_map"]["a"] = "model-backup-2024.safetensors"
+    index["weight_map"]["b"] = "../outside.safetensors"
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    _export(a, dest, SINGLE)
+    _user_files_intact(dest)
+    assert (tmp_path / "outside.safetensors").read_bytes() == b"not yours"
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, "model.safetensors"])
+
+
+def _in_child(fn, *, kill_at=None):
+    """Runs fn() in a forked process. kill_at=n: the process dies (os._exit: no finally, no cleanup, as under
+    SIGKILL) at its n-th change to the file system (a rename or a removal). Returns (exit code, what fn raised)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        try:
+            torch.set_num_threads(1)
+            if kill_at is not None:
+                count = [0]
+
+                def counting(real):
+                    def f(*args, **kwargs):
+                        count[0] += 1
+                        if count[0] == kill_at:
+                            os._exit(9)
+                        return real(*args, **kwargs)
+                    return f
+
+                for name in ("replace", "rename", "remove", "unlink", "rmdir"):
+                    setattr(os, name, counting(getattr(os, name)))
+            fn()
+        except BaseException as e:  # noqa: BLE001 - told to the parent
+            os.write(write, f"{type(e).__name__}: {e}".encode())
+            os._exit(1)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said
+
+
+@pytest.mark.parametrize("old_size,new_size", [(SHARDED, SHARDED), (SHARDED, SINGLE), (SINGLE, SHARDED)])
+def test_a_kill_at_any_point_of_a_re_export_leaves_the_old_export_or_the_new(tmp_path, old_size, new_size):
+    """Re-exporting over an export with the same shard names, killed at each rename or removal in turn: the old
+    publish step left a folder that loaded silently as a mix of the two exports. Here the folder loads as exactly
+    one of them after every kill, the user's file stays, and the next export leaves nothing hidden behind. (The
+    user's .safetensors files are the test above's.)"""
+    mine = {"notes.txt": b"mine"}
+    a, b = _net(0), _net(1)
+    with torch.no_grad():
+        want_a, want_b = a(X), b(X)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    _export(a, _user_folder(pristine, mine), old_size)
+    step, outcomes = 0, set()
+    while True:
+        step += 1
+        work = tmp_path / f"k{step}"
+        subprocess.run(["cp", "-a", str(pristine), str(work)], check=True)
+        code, said = _in_child(lambda: _export(b, work / "ckpt", new_size), kill_at=step)
+        assert code in (0, 9), said
+        out = _output_of(work / "ckpt")
+        which = "old" if torch.equal(out, want_a) else "new" if torch.equal(out, want_b) else "a mix"
+        assert which != "a mix", f"killed at step {step}"
+        outcomes.add(which)
+        _user_files_intact(work / "ckpt", mine)
+        _export(b, work / "ckpt", new_size)  # the next run: finishes or undoes the killed one's publish
+        assert torch.equal(_output_of(work / "ckpt"), want_b)
+        assert _hidden(work) == [], f"killed at step {step}"
+        _user_files_intact(work / "ckpt", mine)
+        if code == 0:
+            break
+    assert outcomes == {"old", "new"} and step > 3
+
+
+def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
+    """Every file of the export and the folder itself are fsynced (nothing was: a power cut after the export could
+    leave empty or missing shards behind names that loaded)."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    dest = _user_folder(tmp_path)
+    _export(_net(0), dest, SHARDED)
+    published = [n for n in os.listdir(dest) if n not in USER_FILES]
+    assert len(published) > 3
+    assert {n for n in published if any(p.endswith("/" + n) for p in synced)} == set(published)
+    assert str(dest.resolve()) in synced
+    single = tmp_path / "one.safetensors"
+    _export(_net(0), single)
+    assert any(p.startswith(str(tmp_path.resolve() / ".one.safetensors.")) for p in synced)  # before its rename
+    assert str(tmp_path.resolve()) in synced
+
+
+def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
+    """A full disk said `No space left on device (os error 28)` without the path. Here the OS refuses the write
+    (RLIMIT_FSIZE, in a child process: 'File too large', errno 27, the same kind of error): the message names the
+    file, and the destination and its parent are as they were."""
+    net = _net(0)
+    dest = _user_folder(tmp_path)
+    _export(_net(1), dest, SHARDED)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def write_with_a_small_limit(where):
+        def run():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            _export(net, where, SHARDED)
+        return run
+
+    for where in (dest, tmp_path / "one.safetensors"):
+        code, said = _in_child(write_with_a_small_limit(where))
+        assert code == 1 and said.startswith("OSError: [Errno 27] writing ") and "File too large" in said, said
+        assert str(where) in said or ".ckpt." in said, said
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+        assert _hidden(tmp_path) == []
+
+
+def test_leftovers_of_a_killed_writer_are_removed_by_the_next_and_a_live_ones_kept(tmp_path):
+    """A killed export left a hidden temporary file (a single .safetensors) or staging folder (a directory) that
+    nothing removed; the next write to the same path removes them, but not those of a writer still running."""
+    net = _net(0)
+    single = tmp_path / "one.safetensors"
+    code, _ = _in_child(lambda: _export(net, single), kill_at=1)  # the rename of its temporary file
+    assert code == 9 and not single.exists()
+    dest = tmp_path / "ckpt"
+    code, _ = _in_child(lambda: _export(net, dest, SHARDED), kill_at=2)  # while naming its shards
+    assert code == 9
+    left = _hidden(tmp_path)
+    assert any(n.startswith(".one.safetensors.") for n in left) and any(n.startswith(".ckpt.") for n in left), left
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        theirs = tmp_path / f".ckpt.{alive.pid}-0123abcd.partial"
+        theirs.mkdir()
+        _export(net, single)
+        _export(net, dest, SHARDED)
+        assert _hidden(tmp_path) == [theirs.name]
+    finally:
+        alive.kill()
+        alive.wait()
+    _export(net, dest, SHARDED)
+    assert _hidden(tmp_path) == []
+
+
+def test_safetensors_own_temporary_file_is_left_only_in_a_staging_folder(tmp_path):
+    """safetensors' save_file writes a .tmpXXXX file beside the file it is asked for and renames it when done (seen
+    with safetensors 0.8): a writer killed in there left it in the user's folder (128 MB in the issue), under a name
+    nothing removes. Every save now asks for a file inside a staging folder of its own, which the next write removes.
+    Here save_file leaves such a file and the process dies."""
+    net = _net(0)
+
+    def killed_inside_save_file(where, size):
+        def run():
+            import safetensors.torch
+
+            def save_file(tensors, path, metadata=None):
+                with open(os.path.join(os.path.dirname(path), ".tmpAbC123"), "wb") as f:
+                    f.write(b"half a shard")
+                os._exit(9)
+
+            safetensors.torch.save_file = save_file
+            _export(net, where, size)
+        return run
+
+    for where, size in ((tmp_path / "one.safetensors", SINGLE), (tmp_path / "ckpt", SHARDED)):
+        code, _ = _in_child(killed_inside_save_file(where, size))
+        assert code == 9
+        left = list(tmp_path.rglob(".tmpAbC123"))
+        assert len(left) == 1 and left[0].parent.name.endswith(".partial") and left[0].parent.parent == tmp_path, left
+        _export(net, where, size)
+        assert _hidden(tmp_path) == []
