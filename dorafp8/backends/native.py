@@ -8,11 +8,10 @@ scales are applied while dequantizing, so such a W0 is rounded once into the com
 the compute dtype. The product comes back rounded to the compute dtype once, before the fp32 epilogue (the reference
 keeps it in fp32 until the output is rounded). That is what PEFT does under autocast, and what the cublas strategy
 does on a GPU; on a CPU with bf16 units it is several times faster than the fp32 GEMMs. In fp32 it is the reference
-up to the order of the fp32 accumulation. The weight norm is the reference's with a faster exact fp8 -> fp32 conversion on CPU
-(dorafp8/_fp8_cast.py: PyTorch converts float8 element by element there); the rank-r products and W8A8 are the
-reference's own code;
-the epilogues and the backward pass over g compute the reference's fp32 formulas with fewer passes over memory
-(fused multiply-adds written straight into their output dtype).
+up to the order of the fp32 accumulation. Every fp8 conversion is dorafp8/_fp8_cast.py's (exact; on CPU the faster of
+PyTorch's own and a table lookup, timed on the running torch); the weight norm is the reference's with it; the rank-r
+products and W8A8 are the reference's own code; the epilogues and the backward pass over g compute the reference's
+fp32 formulas with fewer passes over memory (fused multiply-adds written straight into their output dtype).
 
 Memory: as the reference, bounded blocks: a transient of at most one block of weight rows (16 MiB of fp32 worth of
 elements) in the compute dtype, and fp32 epilogue temporaries over blocks of activation rows; plus, when the weight
@@ -37,7 +36,7 @@ project_grad = reference.project_grad  # the reference's fp32 product, scaled an
 
 
 def weight_norm(w8, scale, block_size, A, B, s):
-    """The reference's weight_norm (fp32, blocks of rows), with the fast exact fp8 -> fp32 conversion."""
+    """The reference's weight_norm (fp32, blocks of rows), with _fp8_cast's exact fp8 -> fp32 conversion."""
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
