@@ -23,9 +23,17 @@ import os
 import runpy
 import sys
 
+import setuptools
 from setuptools import setup
 from setuptools.command.build import build as _build
 from setuptools.command.build_ext import build_ext as _build_ext
+
+# pyproject.toml's `license` / `license-files` (PEP 639) need setuptools 77, which an isolated build gets from
+# [build-system]; a build without isolation (README's install) uses the environment's, and an older one fails with a
+# schema error that does not say which setuptools is needed.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    sys.exit(f"dorafp8 setup: setuptools {setuptools.__version__} cannot read pyproject.toml's license fields "
+             f"(PEP 639); install setuptools>=77 (pip install -U 'setuptools>=77'), then install dorafp8 again")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note()

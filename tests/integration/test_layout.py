@@ -294,6 +294,47 @@ def test_required_versions_are_the_tested_ones():
         ROOT / "README.md").read_text()
 
 
+def _source_copy(tmp_path) -> Path:
+    """What an sdist or a wheel is built from (the files pyproject.toml and setup.py read), copied to tmp_path/src
+    without build products."""
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("dorafp8", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    return src
+
+
+def test_sdist_and_wheel_ship_the_license(tmp_path):
+    """LICENSE (Apache-2.0) is in the sdist and in the wheel's .dist-info, and both say Apache-2.0 in their metadata;
+    built as a maintainer publishes them (setup.py sdist; pip wheel, here without build isolation: no index)."""
+    import tarfile
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    assert (ROOT / "LICENSE").read_text().split()[:5] == ["Apache", "License", "Version", "2.0,", "January"]
+    src = _source_copy(tmp_path)
+    env = dict(os.environ, DORAFP8_SKIP_CUDA_BUILD="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    for cmd in ([sys.executable, "setup.py", "-q", "sdist", "-d", "dist"],
+                [sys.executable, "-m", "pip", "wheel", ".", "-q", "--no-deps", "--no-build-isolation", "-w", "dist"]):
+        r = subprocess.run(cmd, cwd=src, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (sdist,), (wheel,) = (src / "dist").glob("*.tar.gz"), (src / "dist").glob("*.whl")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+        pkg_info = t.extractfile(next(n for n in t.getnames() if n.endswith("/PKG-INFO"))).read().decode()
+    assert "LICENSE" in names, sorted(names)
+    with zipfile.ZipFile(wheel) as z:
+        dist_info = next(n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        assert f"{dist_info}/licenses/LICENSE" in z.namelist(), z.namelist()
+        assert z.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        metadata = z.read(f"{dist_info}/METADATA").decode()
+    for meta in (pkg_info, metadata):
+        assert "License-Expression: Apache-2.0" in meta.splitlines() and "License-File: LICENSE" in meta.splitlines()
+
+
 def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     """Running setup.py or asking it for metadata (`python setup.py --version`, pip's metadata steps, an sdist) writes
     no file into the source tree: the note about the CUDA extension (dorafp8/_build_info.json) is a build product,
@@ -301,13 +342,7 @@ def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     pytest.importorskip("setuptools")
     import dorafp8
 
-    src = tmp_path / "src"
-    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
-    src.mkdir()
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    for name in ("dorafp8", "triton_kernels", "csrc"):
-        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    src = _source_copy(tmp_path)
 
     def tree():
         return {p.relative_to(src).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
