@@ -25,13 +25,19 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
 transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
-PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (where it is under the
-torch at hand: dorafp8.distributed.FSDP_PARAM_MODULES).
+PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (its module differs
+between torch releases: dorafp8.distributed.FSDP_PARAM_MODULES names both). Only modules that exist when dorafp8 is
+imported are watched (looked up without importing them or their packages, `_exists`): the FSDP2 module of another
+torch release, or a library that is not installed, can never arrive, and waiting for it kept the finder at
+sys.meta_path[0], consulted on every import, for the life of the process. The finder removes itself once every
+watched module has been loaded. A library installed after `import dorafp8` is not watched: call its register_with_*
+function (above) yourself.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -153,12 +159,29 @@ def install() -> None:
     watch_imports()
 
 
+def _exists(name: str) -> bool:
+    """Whether module `name` is there to import, found without importing it or the packages above it
+    (importlib.util.find_spec("a.b.c") imports a.b: torch.distributed.fsdp's package, transformers)."""
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without __spec__
+        return False
+    for i in range(len(rest)):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join([top, *rest[:i + 1]]),
+                                                        spec.submodule_search_locations)
+    return spec is not None
+
+
 def watch_imports() -> None:
-    """Runs the hook of every watched module that is loaded, and watches for the others. Idempotent (each hook is)."""
+    """Runs the hook of every watched module that is loaded, and watches for the others that exist here. Idempotent
+    (each hook is)."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
             _pending.discard(name)
             _run(name)
-        else:
+        elif _exists(name):
             _pending.add(name)
     install_finder()

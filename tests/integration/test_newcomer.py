@@ -52,6 +52,41 @@ def test_import_does_not_load_peft_transformers_or_triton():
     assert out.strip() == "[]", out
 
 
+def test_import_hook_waits_only_for_modules_that_exist():
+    """`import dorafp8` watches (dorafp8/_install.py) only the modules this environment has: of FSDP2's two homes the
+    one in the running torch, and a library that is not installed not at all; finding them imports nothing."""
+    out = _run_python("""
+import sys
+sys.modules['lycoris'] = None  # an environment without lycoris (it is in the test extras)
+import torch
+homes = {'torch.distributed.fsdp._fully_shard._fsdp_param': 'torch/distributed/fsdp/_fully_shard/_fsdp_param.py',
+         'torch.distributed._composable.fsdp._fsdp_param': 'torch/distributed/_composable/fsdp/_fsdp_param.py'}
+import os
+here = sorted(m for m, f in homes.items() if os.path.exists(os.path.join(os.path.dirname(torch.__path__[0]), f)))
+import dorafp8
+from dorafp8 import _install
+print(sorted(m for m in _install._pending if m.startswith('torch')) == here, len(here))
+print('lycoris' in _install._pending, [m for m in ('transformers', 'torch.distributed.fsdp') if m in sys.modules])
+""")
+    assert out.split("\n")[:2] == ["True 1", "False []"], out
+
+
+def test_import_hook_leaves_once_everything_it_watches_is_loaded():
+    """The finder `import dorafp8` puts first on sys.meta_path runs each watched module's hook after that module
+    loads, and removes itself once all have: it is not consulted on every later import of the process."""
+    out = _run_python("""
+import sys, dorafp8
+from dorafp8 import _install
+watched = sorted(_install._pending)
+print(_install._HOOK in sys.meta_path, len(watched) >= 4)
+import importlib
+for name in watched:
+    importlib.import_module(name)
+print(_install._HOOK in sys.meta_path, sorted(_install._pending))
+""")
+    assert out.split("\n")[:2] == ["True True", "False []"], out
+
+
 @pytest.mark.parametrize("order", ["dorafp8-first", "peft-first"])
 def test_fp8_first_get_peft_model_needs_no_other_import(order):
     """quantize_model then get_peft_model builds DoRAFP8Linear layers whichever of peft and dorafp8 is imported
