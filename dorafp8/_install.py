@@ -30,8 +30,8 @@ between torch releases: dorafp8.distributed.FSDP_PARAM_MODULES names both). Only
 imported are watched (looked up without importing them or their packages, `_exists`): the FSDP2 module of another
 torch release, or a library that is not installed, can never arrive, and waiting for it kept the finder at
 sys.meta_path[0], consulted on every import, for the life of the process. The finder removes itself once every
-watched module has been loaded. A library installed after `import dorafp8` is not watched: call its register_with_*
-function (above) yourself.
+watched module has been loaded. A library installed after `import dorafp8` in the same process is not watched: call
+dorafp8.register_with_peft() or dorafp8.register_with_lycoris() for it.
 """
 
 from __future__ import annotations
