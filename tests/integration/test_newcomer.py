@@ -18,6 +18,7 @@ from torch import nn
 import dorafp8
 from dorafp8 import FP8Linear
 from dorafp8.quant import QuantizationWarning
+from tests._layers import n_fp8
 
 ROOT = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")
@@ -162,7 +163,7 @@ def test_environment_report():
 def test_all_linear_covers_fp8_layers(quantize):
     model = _llama()
     targets = None if quantize == "all" else ["q_proj", "down_proj"]
-    n = dorafp8.quantize_model(model, targets)
+    n = n_fp8(dorafp8.quantize_model(model, targets))
     assert n == (14 if quantize == "all" else 4)
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
     dora_fp8 = {name for name, m in pm.named_modules() if isinstance(m, dorafp8.DoRAFP8Linear)}
@@ -178,13 +179,67 @@ def test_quantize_model_leaves_peft_layers_alone():
     pm = get_peft_model(_llama(), LoraConfig(r=4, use_dora=True, target_modules=LLAMA_TARGETS))
     trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     with pytest.warns(UserWarning, match="convert_peft_model"):
-        n = dorafp8.quantize_model(pm)
-    assert n == 0  # every linear layer but lm_head is inside a PEFT layer here
+        dorafp8.quantize_model(pm)
+    assert n_fp8(pm) == 0  # every linear layer but lm_head is inside a PEFT layer here
     assert sum(p.numel() for p in pm.parameters() if p.requires_grad) == trainable
     assert not any(isinstance(m, FP8Linear) for m in pm.modules())
     pm(input_ids=torch.randint(0, 97, (1, 5)))  # and the model still runs
     with pytest.raises(ValueError, match="matched only PEFT adapter layers.*convert_peft_model"):
         dorafp8.quantize_model(pm, ["q_proj"])
+
+
+def test_quantize_model_returns_the_model_and_says_what_it_did(capsys):
+    """`model = dorafp8.quantize_model(model)` then get_peft_model (it returned the number of layers, and PEFT failed
+    with "'int' object has no attribute '__dict__'"); the count and the bytes are in the line it prints, the bytes
+    computed here from the original layers: one byte per weight plus a 4-byte scale each, against two in bf16."""
+    model = _llama()
+    linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
+    n = sum(m.weight.numel() for m in linears)
+    same = model
+    model = dorafp8.quantize_model(model)
+    assert model is same and n_fp8(model) == len(linears) == 14
+    line = capsys.readouterr().out.strip()
+    kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
+    assert line == (f"dorafp8.quantize_model: 14 layers to fp8 e4m3: their weights take {kib(n + 4 * 14)} with the "
+                    f"scales, against {kib(2 * n)} in bf16 ({kib(4 * n)} in fp32)"), line
+    model = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    assert sum(isinstance(m, dorafp8.DoRAFP8Linear) for m in model.modules()) == 14
+    dorafp8.quantize_model(_llama(), verbose=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_without_patches_peft_errors_lead_to_register_with_peft():
+    """DORAFP8_NO_PATCHES=1: PEFT does not know FP8Linear until dorafp8.register_with_peft(). Its error for named
+    targets prints the layer, whose repr then names the fix; its all-linear error cannot, so the first fp8 layer made
+    while PEFT is installed warns, naming it. After register_with_peft() both build dorafp8 layers, and the repr is
+    plain again."""
+    out = subprocess.run([sys.executable, "-c", """
+import warnings, torch, peft, dorafp8
+from peft import LoraConfig, get_peft_model
+def net():
+    return dorafp8.quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), verbose=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    models = [net(), net()]
+print([str(w.message) for w in caught if "dorafp8" in str(w.message)])
+for m, targets in zip(models, ("all-linear", ["0", "1"])):
+    try:
+        get_peft_model(m, LoraConfig(r=2, use_dora=True, target_modules=targets))
+    except Exception as e:
+        print(type(e).__name__, "|", e)
+dorafp8.register_with_peft()
+for targets in ("all-linear", ["0", "1"]):
+    m = get_peft_model(net(), LoraConfig(r=2, use_dora=True, target_modules=targets))
+    print(sum(type(x).__name__ == "DoRAFP8Linear" for x in m.modules()), "register_with_peft" in repr(m))
+"""], capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env=dict(os.environ, DORAFP8_NO_PATCHES="1", HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr
+    fix = "call dorafp8.register_with_peft() before get_peft_model"
+    warned, all_linear, named, *after = out.stdout.strip().splitlines()
+    assert warned.count(fix) == 1 and "'all-linear'" in warned, warned  # once per process
+    assert all_linear.startswith("NoMatchingPeftModuleError |"), all_linear  # PEFT's own message
+    assert named.startswith("ValueError | Target module FP8Linear(") and fix in named, named
+    assert after == ["2 False", "2 False"], after
 
 
 def test_quantize_model_explicit_targets_must_match():
@@ -259,7 +314,7 @@ def test_fp8_weights_are_taken_losslessly():
     w8 = (torch.randn(16, 32) * 40).to(torch.float8_e4m3fn)
     lin.weight.data = w8.clone()
     model = nn.Sequential(lin)
-    assert dorafp8.quantize_model(model) == 1
+    assert n_fp8(dorafp8.quantize_model(model)) == 1
     f = model[0]
     assert isinstance(f, FP8Linear) and f.scale.item() == 1.0
     assert torch.equal(f.weight.view(torch.uint8), w8.view(torch.uint8))
