@@ -30,7 +30,7 @@ def _layer(base: torch.nn.Module, fp8: bool, rank: int):
 
     model = copy.deepcopy(base)
     if fp8:
-        dorafp8.quantize_model(model, ["proj"])
+        dorafp8.quantize_model(model, ["proj"], verbose=False)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, use_dora=True, target_modules=["proj"]))
     with torch.no_grad():  # lora_B starts at zero: give the update a value, as after a few steps
         for name, p in model.named_parameters():
