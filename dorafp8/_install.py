@@ -5,7 +5,9 @@
 
 With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.register_with_lycoris(),
 dorafp8.install_ddp_support() and dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8
-models is then transformers' own, which loses the scales).
+models is then transformers' own, which loses the scales). PEFT's errors on layers it does not know name nothing of
+dorafp8, so until register_with_peft() has run an fp8 layer's repr (which PEFT's "not supported" error prints) names
+it, and the first fp8 layer made warns once (for target_modules="all-linear", whose error cannot): nn/_base.py.
 
 Importing peft, transformers, diffusers, lycoris or FSDP2 takes seconds, so `import dorafp8` must not do it. But each
 needs to know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:

@@ -181,6 +181,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
 
 
 def _size(n_bytes: int) -> str:
+    if n_bytes < 2**10:
+        return f"{n_bytes} bytes"
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.1f} KiB"
 
 

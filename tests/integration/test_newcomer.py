@@ -97,7 +97,7 @@ def test_fp8_first_get_peft_model_needs_no_other_import(order):
     out = _run_python(f"""{imports}
 import torch
 net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-dorafp8.quantize_model(net)
+dorafp8.quantize_model(net, verbose=False)
 pm = peft.get_peft_model(net, peft.LoraConfig(r=2, use_dora=True, target_modules=["0", "2"]))
 print(sorted(type(m).__name__ for m in pm.modules() if type(m).__name__ == "DoRAFP8Linear"))
 pm(torch.randn(3, 16)).sum().backward()

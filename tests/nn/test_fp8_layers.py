@@ -194,10 +194,10 @@ def test_unet_adapter_and_bias_dtypes_follow_peft(entry):
     assert set(want_bias.values()) == {torch.bfloat16} and len(want_bias) == 18
     assert set(want_adapters.values()) == {torch.float32 if entry == "get_peft_model" else torch.bfloat16}
     builds = {
-        "quantize_model": lambda m: dorafp8.quantize_model(m, include_conv=True) and m,
+        "quantize_model": lambda m: dorafp8.quantize_model(m, include_conv=True),
         "layerwise": lambda m: _layerwise(m, torch.bfloat16),
         "layerwise + quantize_model": lambda m: dorafp8.quantize_model(_layerwise(m, torch.bfloat16),
-                                                                       include_conv=True) and m,
+                                                                       include_conv=True),
     }
     for build, make in builds.items():
         ours = _add_dora(make(copy.deepcopy(original)), entry, copy.deepcopy(cfg))
