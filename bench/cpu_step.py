@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     layers = {"dorafp8": _layer(base, True, args.rank), "peft": _layer(base, False, args.rank)}
     x = torch.randn(args.tokens, args.size, requires_grad=True)  # a layer inside a model: dx is computed too
     print(f"one {args.size} x {args.size} DoRA layer, r {args.rank}, {args.tokens} tokens, forward + backward + AdamW; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, dorafp8 backend on cpu: "
+          f"torch {torch.__version__}, threads: {torch.get_num_threads()}, dorafp8 backend on cpu: "
           f"{dorafp8.backends.resolve('auto', torch.device('cpu'))}")
     ratios = {}
     for dtype in args.dtypes.split(","):

@@ -458,8 +458,26 @@ def test_project_refers_to_nothing_outside_its_tree():
 
 
 def test_readme_opens_with_two_commands_that_ci_runs():
+    """Command 1 installs what the demo needs (the `demo` extra: PEFT, transformers, matplotlib; it installed the test
+    suite's world, 6 GB and 8 minutes) and runs it; command 2 installs the test extras and runs the tests."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
     assert len(block) == 2 and "dorafp8.demo" in block[0] and "pytest tests" in block[1]
+    assert '-e ".[demo]"' in block[0] and "[test]" not in block[0] and '-e ".[test]"' in block[1]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(extras["demo"]) == ["matplotlib", "peft>=0.21", "transformers>=4.50"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in ci and "-W ignore" not in ci and "DORAFP8_REQUIRE_CUDA_EXT=1" in ci
+
+
+def test_readme_has_no_link_a_package_index_breaks():
+    """README.md is also the package's page on a package index, shown without the repository: a relative link or
+    image there points nowhere, so the README names pages by their path (docs/WRITING_DOCS.md)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]*)\)", readme)
+    assert [t for t in targets if not t.startswith(("https://", "http://"))] == []
+    assert "<img" not in readme and "src=" not in readme
