@@ -30,7 +30,7 @@ import torch
 from . import reference
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
 from ..quant import row_blocks, scale_kind, scale_rows
-from .base import magnitude_scale
+from .base import magnitude_scale, matmul_rows
 
 project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
 
@@ -102,17 +102,10 @@ def _out_scale(scale):
     return None if kind == "block" else _f32(scale)
 
 
-def _rows_dense(t):
-    """t, or a contiguous copy of a bf16 t whose rows are strided: torch 2.14's CPU bf16 matmul reads past the end of
-    such rows (into what follows them in memory) and multiplies it by zero, so a NaN or inf there made NaN outputs
-    (tests/kernels/test_native_backend.py's strided activations, which sit in NaN-filled buffers)."""
-    return t.contiguous() if t is not None and t.dtype == torch.bfloat16 and not t.is_contiguous() else t
-
-
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     if act_quant or x.dtype == torch.float16:  # see _reference_cases
         return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
-    x, xm = _rows_dense(x), _rows_dense(xm)
+    x, xm = matmul_rows(x), matmul_rows(xm)
     cdt = x.dtype
     c = None if m is None else magnitude_scale(m, n)
     M, N = x.shape[0], w8.shape[0]
@@ -233,7 +226,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     if act_quant or gl.dtype == torch.float16:  # see _reference_cases
         return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
-    gl, gb = _rows_dense(gl), _rows_dense(gb)
+    gl, gb = matmul_rows(gl), matmul_rows(gb)
     cdt = gl.dtype
     M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
     st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0
