@@ -11,8 +11,10 @@ script only decides whether to build the extension and builds it:
                               PTX of the oldest portable one)
   MAX_JOBS                    parallel nvcc jobs (default: sized from free memory and cores)
 
-Without torch in the build environment (an isolated `pip install`), without nvcc, or without a GPU (unless forced)
-the extension is skipped with a one-line message and the package falls back to its Triton/reference backends.
+Without torch in the build environment (an isolated `pip install`, a published wheel), without nvcc, or without a GPU
+(unless forced) the extension is skipped with a one-line message; the first call that names backend="cuda" then
+builds it for the GPU at hand (dorafp8/backends/cuda_build.py, from the same csrc/build_spec.py), and backend="auto"
+uses the Triton/reference backends meanwhile.
 
 Running or importing this file writes nothing (`python setup.py --version`, sdist, pip's metadata step): the note of
 what was decided is a build product, written by build_ext (below).
@@ -23,9 +25,17 @@ import os
 import runpy
 import sys
 
+import setuptools
 from setuptools import setup
 from setuptools.command.build import build as _build
 from setuptools.command.build_ext import build_ext as _build_ext
+
+# pyproject.toml's `license` / `license-files` (PEP 639) need setuptools 77, which an isolated build gets from
+# [build-system]; a build without isolation (README's install) uses the environment's, and an older one fails with a
+# schema error that does not say which setuptools is needed.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    sys.exit(f"dorafp8 setup: setuptools {setuptools.__version__} cannot read pyproject.toml's license fields "
+             f"(PEP 639); install setuptools>=77 (pip install -U 'setuptools>=77'), then install dorafp8 again")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note()
@@ -43,17 +53,6 @@ def _say(msg):
     print(f"dorafp8 setup: {msg}", file=sys.stderr)
 
 
-def _default_max_jobs():
-    # nvcc on torch headers peaks around 2-3 GiB per job; never oversubscribe memory.
-    try:
-        with open("/proc/meminfo") as f:
-            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        by_mem = max(1, avail_kb // (3 * 1024 * 1024))
-    except (OSError, StopIteration, ValueError):
-        by_mem = 1
-    return str(max(1, min(os.cpu_count() or 1, by_mem)))
-
-
 def _skip(why):
     """_cuda_extension's answer when the extension is not built: no extension, setuptools' own build_ext (which only
     writes the note, see _noting), nothing to say at the start."""
@@ -69,8 +68,8 @@ def _cuda_extension():
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        return _skip("torch not importable at build time (isolated build?): skipping the CUDA extension; "
-                     "to build it: pip install -e . --no-build-isolation")
+        return _skip("torch not importable at build time (an isolated build): no CUDA extension in this build; "
+                     "backend='cuda' builds it on first use where nvcc and a GPU are")
     if os.environ.get("CUDA_HOME") is None and os.path.isdir("/usr/local/cuda"):
         # nvcc on PATH may be a wrapper script, which makes torch guess CUDA_HOME wrong.
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
@@ -90,32 +89,12 @@ def _cuda_extension():
 
     archs = os.environ.get("DORAFP8_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).replace(",", ";").split(";")
     archs = [a.strip() for a in archs if a.strip()]
-    # PTX of the oldest portable arch, so that every GPU without a cubin here can JIT it: PTX runs on its own arch and
-    # every later one, so compute_120 PTX would leave out 11.0 (Thor), which compute_89 PTX covers; arch-specific
-    # targets ("90a", "100f") make PTX that runs on that arch only. The kernels' instructions (mma.sync, cp.async,
-    # ldmatrix, the e4m3 cvt) are sm_89's anyway. From the same compile pass as that arch's cubin.
-    portable = sorted((a for a in archs if a.isdigit()), key=int)
-    ptx_arch = portable[0] if portable else archs[-1]
-    gencode = []
-    for a in archs:
-        code = f"[sm_{a},compute_{a}]" if a == ptx_arch else f"sm_{a}"
-        gencode += ["-gencode", f"arch=compute_{a},code={code}"]
-    os.environ.setdefault("MAX_JOBS", _default_max_jobs())
-    # torch's CUDAContext.h pulls cusparse.h, which the bare toolkit here lacks; the nvidia pip wheels ship it.
-    include_dirs = [os.path.join(HERE, "csrc")]
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            cand = os.path.join(root, "cu13", "include")
-            if os.path.isdir(cand):
-                include_dirs.append(cand)
-    except ImportError:
-        pass
+    gencode = BUILD_SPEC["gencode"](archs)  # a cubin per arch, PTX of the oldest portable one
+    os.environ.setdefault("MAX_JOBS", BUILD_SPEC["default_max_jobs"]())
     ext = CUDAExtension(
         name="dorafp8._C",
         sources=sources,
-        include_dirs=include_dirs,
+        include_dirs=[os.path.join(HERE, "csrc")] + BUILD_SPEC["wheel_include_dirs"](),
         extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"], "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"

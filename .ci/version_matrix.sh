@@ -94,10 +94,11 @@ for leg in "${legs[@]}"; do
     echo "== matrix $leg: ${UNCAPPED[$leg]:+PIP_CONSTRAINT=/dev/null }pip install ${REQS[$leg]}"
     rm -rf "$venv"
     python3 -m venv "$venv"
-    # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may lack
+    # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may lack;
+    # setuptools>=77: pyproject.toml's license fields (PEP 639), which torch 2.11 does not pull in (it asks <82)
     # shellcheck disable=SC2086  # the requirements are words
-    ${UNCAPPED[$leg]:+env PIP_CONSTRAINT=/dev/null} "$venv/bin/pip" install -q ${REQS[$leg]} pytest pytest-xdist wheel 2>&1 \
-        | { grep -v "is ignored: it is neither" || true; }
+    ${UNCAPPED[$leg]:+env PIP_CONSTRAINT=/dev/null} "$venv/bin/pip" install -q ${REQS[$leg]} pytest pytest-xdist wheel \
+        "setuptools>=77" 2>&1 | { grep -v "is ignored: it is neither" || true; }
     echo "== matrix $leg: $(pair_of "$venv/bin/python")"
     DORAFP8_SKIP_CUDA_BUILD=1 "$venv/bin/pip" install -q -e . --no-deps --no-build-isolation
     "$venv/bin/python" -m dorafp8

@@ -1,9 +1,12 @@
-"""What the CUDA extension dorafp8._C is built from and with, as plain literals (no imports).
+"""What the CUDA extension dorafp8._C is built from and with: plain literals, and two helpers that need nothing but the
+standard library (the nvcc -gencode flags of a list of archs, the default number of parallel nvcc jobs, the CUDA
+headers of the nvidia pip wheels).
 
-setup.py reads this file by path (runpy) to build the extension, and the kernel report (python -m
-dorafp8.kernel_report, docs/INSPECT.md) and the CPU emulator's build (tests/kernels/test_cuda_emulated.py) read the same
-lists, so that what they compile is what the extension builds. A file of its own rather than literals in setup.py
-because installed wheels do not ship setup.py: they ship this file with the sources, as dorafp8/csrc/ package data.
+setup.py reads this file by path (runpy) to build the extension at install, dorafp8/backends/cuda_build.py to build it
+on first use of backend="cuda" when the install did not, and the kernel report (python -m dorafp8.kernel_report,
+docs/INSPECT.md) and the CPU emulator's build (tests/kernels/test_cuda_emulated.py) read the same lists, so that what
+they compile is what the extension builds. A file of its own rather than literals in setup.py because installed wheels
+do not ship setup.py: they ship this file with the sources, as dorafp8/csrc/ package data.
 """
 
 # The CUDA kernel files, one translation unit per kernel family, so that ninja builds them (and binding.cpp) in
@@ -21,3 +24,44 @@ DEFAULT_CUDA_ARCHS = "89;90a;100;120"
 CXX_FLAGS = ["-O3", "-std=c++20"]
 # setup.py adds one -gencode per target arch; the kernel report adds its own.
 NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+
+
+def gencode(archs: list) -> list:
+    """nvcc's -gencode flags for `archs` ("89", "90a", ...): a cubin for each, and PTX of the oldest portable one, so
+    that every GPU without a cubin here can JIT it. PTX runs on its own arch and every later one, so compute_120 PTX
+    would leave out 11.0 (Thor), which compute_89 PTX covers; arch-specific targets ("90a", "100f") make PTX that runs
+    on that arch only. The kernels' instructions (mma.sync, cp.async, ldmatrix, the e4m3 cvt) are sm_89's anyway. The
+    PTX comes from the same compile pass as that arch's cubin."""
+    portable = sorted((a for a in archs if a.isdigit()), key=int)
+    ptx_arch = portable[0] if portable else archs[-1]
+    flags = []
+    for a in archs:
+        code = f"[sm_{a},compute_{a}]" if a == ptx_arch else f"sm_{a}"
+        flags += ["-gencode", f"arch=compute_{a},code={code}"]
+    return flags
+
+
+def default_max_jobs() -> str:
+    """Parallel nvcc jobs when MAX_JOBS is not set: nvcc on torch headers peaks around 2-3 GiB per job, so never more
+    than free memory allows, nor more than the cores."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        by_mem = max(1, avail_kb // (3 * 1024 * 1024))
+    except (OSError, StopIteration, ValueError):
+        by_mem = 1
+    return str(max(1, min(os.cpu_count() or 1, by_mem)))
+
+
+def wheel_include_dirs() -> list:
+    """The include folders of the nvidia pip wheels torch depends on (nvidia/cu13/include): torch's CUDAContext.h
+    pulls cusparse.h, which a bare CUDA toolkit may lack."""
+    import os
+
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [d for d in (os.path.join(root, "cu13", "include") for root in nvidia.__path__) if os.path.isdir(d)]

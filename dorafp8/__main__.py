@@ -31,9 +31,7 @@ def report() -> str:
         lines.append(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor})")
     else:
         lines.append("GPU: none visible to torch")
-    note = cuda_backend.build_note()
-    lines.append(f"CUDA extension dorafp8._C: {'importable' if cuda_backend._C is not None else 'not importable'}"
-                 + (f"; at install: {note}" if note else ""))
+    lines.append(f"CUDA extension dorafp8._C: {cuda_backend.extension_status()}")
     for dev in devices:
         lines.append(f"backends on {dev}: auto -> {backends.resolve('auto', torch.device(dev))}")
         for name in backends.BACKENDS:

@@ -1,85 +1,121 @@
 """Exact float8_e4m3fn -> fp16 / bf16 / fp32 conversion that is fast on CPU.
 
-PyTorch converts float8 on CPU element by element (about 4 ns per element measured here, against 0.1 ns for a
-bf16 -> fp32 copy), which made dequantizing a weight per call cost more than the convolution it feeds. e4m3's bits
-map onto fp16's with integer ops that vectorize: moving sign, exponent and mantissa into fp16's positions gives an
-fp16 whose value is exactly the e4m3 value times 2^-8 (the difference of the exponent biases, 15 - 7), for normal and
-subnormal values alike (e4m3 subnormals m * 2^-9 land on fp16 subnormals m * 2^-17). Multiplying by 2^8 (folded into
-the scale where there is one) is exact. e4m3fn's NaN (S.1111.111) is mapped to an fp16 NaN with integer ops too.
+Two exact conversions compete on CPU: PyTorch's own (`w8.to(dtype)`, one pass) and a table lookup: the codes times
+the scale, computed in fp32 and rounded into the target dtype (exactly what the elementwise product rounds to),
+gathered by index_select (two passes: the codes as int32 indices, then the gather; two bytes per index on large
+blocks), so that a per-tensor scale costs no pass of its own. Which is faster depends on the torch release and on the
+machine: PyTorch's conversion was element by element (about 4 ns per element) in the releases this was first written
+for, and a busy machine punishes every extra pass (each is a parallel region whose threads wait for the slowest). So
+the first conversion of a large block into each dtype (and with each kind of scale) times both on that block, in
+turn, and the faster serves the rest of the process (`_choice`); both give the same bits, so the choice changes only
+the time. An earlier version converted large blocks with ten integer passes over int16, which under torch 2.14 on a
+busy 2-core machine took twice as long as PyTorch's own conversion (issue 40).
 
-Weights up to _LUT_MAX elements (most layers of small models) take one table lookup instead: the 256 codes times the
-scale, computed in fp32 and rounded into the target dtype (exactly what the elementwise product rounds to), gathered
-by index_select: two ops whatever the layer's size, where the integer passes are ten.
-
-On other devices the native conversion is used (it is a vectorized kernel there).
+Blocks under _LUT_MAX elements (most layers of small models) always take the lookup, and under _SMALL PyTorch's own
+conversion: there timing would cost more than it saves. On other devices the native conversion is used (it is a
+vectorized kernel there).
 """
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
-_BIAS_SHIFT = 256.0  # 2^(15 - 7)
 _SMALL = 4096  # below this many elements PyTorch's own conversion is as fast as anything else here
-_LUT_MAX = 1 << 18  # up to this many elements a table lookup beats the integer passes (measured on CPU)
-_CODES = {}  # device -> the 256 e4m3fn codes as fp32
+_LUT_MAX = 1 << 18  # up to this many elements the lookup, untimed; above, whichever _choice measured faster
+_TRIALS = 3  # timed runs of each candidate (the fastest run counts), on the first large block of each dtype
+_CODES = {}  # (device, pairs, dtype) -> the e4m3fn codes: [256], or [65536, 2] for two bytes read as one uint16
+_CHOICE: dict = {}  # (target dtype, kind of factor) -> "lookup" or "native", measured on the first large block
 
 
-def _codes(device) -> torch.Tensor:
-    t = _CODES.get(device)
+def _codes(device, pairs: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    t = _CODES.get((device, pairs, dtype))
     if t is None:
-        t = _CODES[device] = torch.arange(256, dtype=torch.uint8, device=device).view(E4M3).float()
+        one = torch.arange(256, dtype=torch.uint8, device=device).view(E4M3).float()
+        if pairs:  # entry i: the two codes whose bytes, in this machine's byte order, read as the uint16 i
+            i = torch.arange(1 << 16, device=device)
+            first, second = (i & 0xFF, i >> 8) if sys.byteorder == "little" else (i >> 8, i & 0xFF)
+            one = torch.stack([one[first], one[second]], dim=1)
+        t = _CODES[(device, pairs, dtype)] = one.to(dtype)  # exact: every e4m3 value is a bf16 and fp16 value
     return t
 
 
-def _lookup(w8: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return table.index_select(0, w8.reshape(-1).view(torch.uint8).int()).view(w8.shape)
+def _lookup(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    """The codes times the factor (a number, a one-element tensor, or None), rounded into dtype, gathered. Two bytes
+    at a time where w8 is contiguous, of an even size and larger than that table (65536 pairs): half the indices to
+    write and read."""
+    pairs = w8.is_contiguous() and w8.numel() % 2 == 0 and w8.numel() > (1 << 17)
+    if factor is None:
+        table = _codes(w8.device, pairs, dtype)
+    else:  # the products in fp32, rounded once into dtype
+        table = (_codes(w8.device, pairs) * (factor.reshape(()) if isinstance(factor, torch.Tensor) else factor)
+                 ).to(dtype)
+    if not pairs:
+        return table.index_select(0, w8.reshape(-1).view(torch.uint8).int()).view(w8.shape)
+    # Each pair read as one 4- or 8-byte word: a gather of words, several times faster than one of 2-element rows.
+    words = table.view(torch.int32 if table.element_size() == 2 else torch.int64).reshape(-1)
+    return words.index_select(0, w8.reshape(-1).view(torch.uint16).int()).view(dtype).view(w8.shape)
 
 
-def _half_bits(w8: torch.Tensor) -> torch.Tensor:
-    """fp16 tensor equal to w8 * 2^-8 exactly; e4m3fn's NaN code becomes an fp16 NaN (integer ops only, no
-    reduction: a few passes over int16)."""
-    u = w8.view(torch.uint8).to(torch.int16)
-    sign = u & 0x80
-    u &= 0x7F  # exponent and mantissa
-    nan = u + 1  # 0x80 exactly for the NaN code 0x7F
-    nan >>= 7
-    nan *= 0x7E00  # fp16 NaN bits where the code was NaN, else 0
-    u <<= 7
-    sign <<= 8
-    u |= sign
-    u |= nan
-    return u.view(torch.float16)
+def _per_element(factor) -> bool:
+    return isinstance(factor, torch.Tensor) and factor.numel() > 1
+
+
+def _convert(method: str, w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    """w8 * factor (factor None: w8) computed in fp32 and rounded once into dtype, by `method`."""
+    if method == "lookup" and not _per_element(factor):
+        return _lookup(w8, factor, dtype)
+    if factor is None:
+        return w8.to(dtype)
+    out = _lookup(w8, None, torch.float32) if method == "lookup" else w8.float()
+    out.mul_(factor)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _choice(w8: torch.Tensor, factor, dtype: torch.dtype) -> tuple[str, torch.Tensor | None]:
+    """The method for large blocks into `dtype` with such a factor, and, when this call measured it, the block
+    converted (so that the measuring is not wasted). Measured once per (dtype, kind of factor: none, a number or
+    0-dim tensor, a tensor per row or element, which cost the two methods different passes): each method _TRIALS
+    times, in turn, the fastest run of each."""
+    key = (dtype, "none" if factor is None else "tensor" if _per_element(factor) else "scalar")
+    method = _CHOICE.get(key)
+    if method is not None:
+        return method, None
+    best, out = {}, None
+    for _ in range(_TRIALS):
+        for m in ("native", "lookup"):
+            t0 = time.perf_counter()
+            out = _convert(m, w8, factor, dtype)
+            best[m] = min(best.get(m, float("inf")), time.perf_counter() - t0)
+    method = _CHOICE[key] = min(best, key=best.get)
+    return method, out
+
+
+def _cpu_convert(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    n = w8.numel()
+    if w8.device.type != "cpu" or n < _SMALL:
+        return _convert("native", w8, factor, dtype)
+    if n <= _LUT_MAX:
+        return _convert("lookup", w8, factor, dtype)
+    method, out = _choice(w8, factor, dtype)
+    return out if out is not None else _convert(method, w8, factor, dtype)
 
 
 def e4m3_to(w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w8.to(dtype), exactly (dtype fp16, bf16 or fp32)."""
-    n = w8.numel()
-    if w8.device.type != "cpu" or n < _SMALL:
-        return w8.to(dtype)
-    if n <= _LUT_MAX:
-        return _lookup(w8, _codes(w8.device).to(dtype))
-    h = _half_bits(w8)
-    return h.mul_(_BIAS_SHIFT) if dtype == torch.float16 else h.to(dtype).mul_(_BIAS_SHIFT)
+    return _cpu_convert(w8, None, dtype)
 
 
 def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
     """(w8 * factor) in dtype, computed in fp32 and rounded once (factor a number, or an fp32 tensor broadcastable
     against w8: a 0-dim one goes into the lookup table)."""
-    if w8.device.type == "cpu" and w8.numel() <= _LUT_MAX and not (isinstance(factor, torch.Tensor) and factor.dim()):
-        return _lookup(w8, (_codes(w8.device) * factor).to(dtype))
-    out = e4m3_scaled_fp32(w8, factor)
-    return out if dtype == torch.float32 else out.to(dtype)
+    return _cpu_convert(w8, factor, dtype)
 
 
 def e4m3_scaled_fp32(w8: torch.Tensor, factor) -> torch.Tensor:
     """w8 * factor in fp32 (factor a number or an fp32 tensor broadcastable against w8): one rounding, as
     w8.float() * factor."""
-    n = w8.numel()
-    if w8.device.type != "cpu" or n < _SMALL:
-        return w8.float().mul_(factor)
-    if n <= _LUT_MAX:
-        if not (isinstance(factor, torch.Tensor) and factor.dim()):
-            return _lookup(w8, _codes(w8.device) * factor)
-        return _lookup(w8, _codes(w8.device)).mul_(factor)
-    return _half_bits(w8).float().mul_(factor * _BIAS_SHIFT)
+    return _cpu_convert(w8, factor, torch.float32)

@@ -6,7 +6,10 @@
 With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.register_with_lycoris(),
 dorafp8.install_ddp_support() and dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8
 models is then transformers' own, which loses the scales: quantize_model, load_fp8_checkpoint and
-from_transformers_fp8 warn so, naming save_fp8_checkpoint; dorafp8/nn/save_warning.py).
+from_transformers_fp8 warn so, naming save_fp8_checkpoint; dorafp8/nn/save_warning.py). PEFT's errors on layers it
+does not know name nothing of dorafp8, so until register_with_peft() has run an fp8 layer's repr (which PEFT's "not
+supported" error prints) names it, and the first fp8 layer made warns once (for target_modules="all-linear", whose
+error cannot): nn/_base.py.
 
 Importing peft, transformers, diffusers, lycoris or FSDP2 takes seconds, so `import dorafp8` must not do it. But each
 needs to know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
@@ -30,13 +33,19 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
 So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
 loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
 transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
-PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (where it is under the
-torch at hand: dorafp8.distributed.FSDP_PARAM_MODULES).
+PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (its module differs
+between torch releases: dorafp8.distributed.FSDP_PARAM_MODULES names both). Only modules that exist when dorafp8 is
+imported are watched (looked up without importing them or their packages, `_exists`): the FSDP2 module of another
+torch release, or a library that is not installed, can never arrive, and waiting for it kept the finder at
+sys.meta_path[0], consulted on every import, for the life of the process. The finder removes itself once every
+watched module has been loaded. A library installed after `import dorafp8` in the same process is not watched: call
+dorafp8.register_with_peft() or dorafp8.register_with_lycoris() for it.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -200,13 +209,30 @@ def install() -> None:
     watch_imports()
 
 
+def _exists(name: str) -> bool:
+    """Whether module `name` is there to import, found without importing it or the packages above it
+    (importlib.util.find_spec("a.b.c") imports a.b: torch.distributed.fsdp's package, transformers)."""
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without __spec__
+        return False
+    for i in range(len(rest)):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join([top, *rest[:i + 1]]),
+                                                        spec.submodule_search_locations)
+    return spec is not None
+
+
 def watch_imports() -> None:
-    """Runs the hook of every watched module that is loaded, and watches for the others. Idempotent (each hook is)."""
+    """Runs the hook of every watched module that is loaded, and watches for the others that exist here. Idempotent
+    (each hook is)."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
             _pending.discard(name)
             _run(name)
-        else:
+        elif _exists(name):
             _pending.add(name)
     install_finder()
 
@@ -234,5 +260,6 @@ def watch(name: str, hook, consequence: str) -> None:
             finally:
                 hook()
         _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
-    _pending.add(name)
-    install_finder()
+    if _exists(name):  # as watch_imports: a module this environment lacks is never waited for
+        _pending.add(name)
+        install_finder()

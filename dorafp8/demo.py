@@ -116,6 +116,15 @@ def _one_layer_peaks(device, backend, peft, dorafp8, tokens=8, size=4096):
     return peaks, base
 
 
+def _progress(what: str, run):
+    """run(), with a line saying what runs (printed before it starts) and how long it took."""
+    print(f"  {what:<40}", end="", flush=True)
+    t0 = time.perf_counter()
+    out = run()
+    print(f" {time.perf_counter() - t0:5.1f} s", flush=True)
+    return out
+
+
 def _max_rel(a, b) -> float:
     """max over the steps of |a - b| / |b|."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -255,9 +264,17 @@ def main(argv=None) -> None:
     # Two synthetic batches, revisited, so that the adapters have something to learn and the curves go down.
     data = [torch.randint(0, cfg.vocab_size, (4, 64), generator=g).to(device) for _ in range(2)]
     batches = [data[i % 2] for i in range(args.steps)]
-    results = {name: _train(model, batches, device) for name, model in models.items()}
+    print(f"\nrunning: {len(models) + 1} trainings of {args.steps} AdamW steps on the same batches (the yardstick "
+          f"last), then the memory of one large layer", flush=True)
+    results = {name: _progress(name, lambda m=model: _train(m, batches, device)) for name, model in models.items()}
     losses = {name: r[0] for name, r in results.items()}
-    nudged = _train(control, batches, device, measure=False)[0]
+    nudged = _progress("yardstick: PEFT, base moved 1 ulp", lambda: _train(control, batches, device, measure=False))[0]
+    layer = None
+    if not args.no_layer:
+        peaks, base = _progress("memory of one 4096 x 4096 layer's step",
+                                lambda: _one_layer_peaks(device, args.backend, peft, dorafp8))
+        layer = {"base": (base["peft"] / MiB, base["dorafp8"] / MiB), "peak": (peaks["peft"] / MiB,
+                                                                                peaks["dorafp8"] / MiB)}
 
     names = list(results)
     print(f"\n1. Loss, {args.steps} AdamW steps (lr 1e-2) on the same batches\n" + f"{'step':>4}  "
@@ -290,10 +307,7 @@ def main(argv=None) -> None:
           f"{mib['peak'][1]:>16.2f} MiB")
     memory = [(f"this model ({n} DoRA layers, hidden {args.hidden})",
                [("base weights\nof the DoRA layers", *mib["base"]), ("peak allocated by\na training step", *mib["peak"])])]
-    if not args.no_layer:
-        peaks, base = _one_layer_peaks(device, args.backend, peft, dorafp8)
-        layer = {"base": (base["peft"] / MiB, base["dorafp8"] / MiB), "peak": (peaks["peft"] / MiB,
-                                                                                peaks["dorafp8"] / MiB)}
+    if layer is not None:
         print(f"{'one 4096 x 4096 layer: base weight':<52}{layer['base'][0]:>18.2f} MiB{layer['base'][1]:>16.2f} MiB")
         print(f"{'one 4096 x 4096 layer: peak of a step, 8 tokens':<52}{layer['peak'][0]:>18.2f} MiB"
               f"{layer['peak'][1]:>16.2f} MiB")

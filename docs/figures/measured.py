@@ -19,6 +19,8 @@ kernels), it is printed as a bound.
                        file, the memory at each stage, against PEFT on the bf16 UNet (--png PATH draws it)
     group-scales       docs/CHECKPOINTS.md "1 x 64 block scales": what re-quantizing musubi's 1 x 64 block scales to
                        per row loses on a real model's layers (tests/checkpoint/test_musubi.py's writer)
+    layer-memory       README.md's first screen: one 4096 x 4096 DoRA layer's base weight and the temporaries of its
+                       training step, PEFT's DoRA on a bf16 base against dorafp8 on the fp8 one
 """
 
 from __future__ import annotations
@@ -324,6 +326,40 @@ def sdxl_walkthrough(png=None):
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2, frameon=False, fontsize=8)
         fig.tight_layout()
         fig.savefig(png, dpi=120, bbox_inches="tight")
+
+
+@figure
+def layer_memory():
+    """One 4096 x 4096 DoRA layer (r 16, PEFT's fp32 adapters, 64 tokens, bf16 autocast, CPU): the bytes of its base
+    weight and the peak of temporaries of a training step (forward and backward, after a warm-up step), PEFT's DoRA on
+    the bf16 nn.Linear against dorafp8 on its fp8 quantization."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import dorafp8
+    from dorafp8._memory import MiB, peak_extra_bytes, tensor_bytes
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).to(torch.bfloat16)
+    cfg = dict(r=16, lora_alpha=32, use_dora=True, target_modules=["0"])
+    models = {"PEFT, bf16 base": get_peft_model(copy.deepcopy(base), LoraConfig(**cfg)),
+              "dorafp8, fp8 base": get_peft_model(dorafp8.quantize_model(copy.deepcopy(base), verbose=False),
+                                                  LoraConfig(**cfg))}
+    x = torch.randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
+    rows = {"base weight": [], "peak of a training step's temporaries": []}
+    for model in models.values():
+        def step(model=model):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().square().mean().backward()
+
+        step()  # warm-up: the gradients' storage is allocated once, not per step
+        rows["base weight"].append(tensor_bytes(model, lambda n, t: "base_layer" in n) / MiB)
+        rows["peak of a training step's temporaries"].append(peak_extra_bytes(step, "cpu") / MiB)
+    print(f"{'one 4096 x 4096 DoRA layer, r 16, 64 tokens':<44}" + "".join(f"{k:>20}" for k in models))
+    for label, values in rows.items():
+        # whole MiB: the peak moves by a few tenths with the fp8 conversion dorafp8/_fp8_cast.py picks by timing
+        print(f"{label:<44}" + "".join(f"{v:>16.0f} MiB" for v in values))
 
 
 def main(argv=None):

@@ -69,6 +69,15 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
     return _reasons[key]
 
 
+def _prepare(name: str, device: torch.device) -> None:
+    """A backend named explicitly may first make itself ready (the CUDA backend builds its extension on first use:
+    backends/cuda_build.py); if it did, whether it can run is probed again. "auto" never asks for that."""
+    mod = _load(name)
+    prepare = None if isinstance(mod, str) else getattr(mod, "prepare", None)
+    if prepare is not None and prepare(torch.device(device)):
+        _reasons.pop((name, torch.device(device)), None)
+
+
 FEATURES = frozenset(base.FEATURES)
 
 
@@ -102,6 +111,7 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
                 raise ValueError(f"DORAFP8_BACKEND must be one of {list(_CHOICES)}, got {env!r}")
             name = env
     if name != "auto":
+        _prepare(name, device)
         reason = unavailable_reason(name, device)
         if reason is not None:
             raise RuntimeError(f"dorafp8 backend {name!r} cannot run on {device}: {reason}")

@@ -67,6 +67,15 @@ def magnitude_scale(m: Tensor, n: Tensor) -> Tensor:
     return m.reshape(-1).float() / norm_divisor(n.reshape(-1).float())
 
 
+def matmul_rows(t: Tensor | None) -> Tensor | None:
+    """t as an operand of the platform's matmul: a CPU bf16 tensor with strided rows becomes contiguous, because torch
+    2.14's CPU bf16 matmul reads past the end of each such row (into what follows it in memory) and multiplies that by
+    zero, so a NaN or inf there made NaN outputs (the kernel tests' strided activations sit in NaN-filled buffers)."""
+    if t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.is_contiguous():
+        return t
+    return t.contiguous()
+
+
 def not_supported(backend: str, feature: str, detail: str = "", alternatives: tuple[str, ...] = ()) -> ValueError:
     """The one refusal every backend and the registry raise for a feature the backend does not compute."""
     verb = "are" if feature == "block" else "is"

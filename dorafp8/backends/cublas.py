@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import triton_kernels as tk
-from .base import not_supported
+from .base import matmul_rows, not_supported
 from ..quant import row_blocks, scale_kind, scale_rows
 from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
@@ -65,6 +65,7 @@ def _not_w8a8(act_quant):
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     _not_w8a8(act_quant)
     w, kappa = _transient_weight(w8, scale, block_size, x.dtype)
+    x, xm = matmul_rows(x), matmul_rows(xm)
     base = x @ w.T
     base_d = xm @ w.T if (m is not None and xm is not None) else None
     del w
@@ -78,6 +79,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     _not_w8a8(act_quant)
     w, kappa = _transient_weight(w8, scale, block_size, gl.dtype)
+    gl, gb = matmul_rows(gl), matmul_rows(gb)
     t = gl @ w
     tb = gb @ w if (v is not None and mask is not None) else None
     del w

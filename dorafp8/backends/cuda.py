@@ -22,21 +22,25 @@ What the CUDA kernels cover, and what they do not:
   * project, project_grad, backward_pass (rank-r GEMMs and the one pass over g) are not CUDA C++ kernels: they are
     the Triton backend's when Triton can run on the device, else the reference's (`rank_ops`).
 
-The extension is optional: it is built by `DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation`
-(or by a plain install on a machine with a GPU and nvcc); without it this backend reports why in
-`unavailable_reason` and the registry falls back to the others.
+The extension is optional. An install from a checkout on a machine with nvcc and a GPU builds it (setup.py;
+`DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation` without a GPU); otherwise (a wheel, an isolated
+build) the first call that names backend="cuda" builds it for the GPU at hand into a per-user cache (`prepare`, which
+the registry calls for a backend named explicitly; dorafp8/backends/cuda_build.py). backend="auto" never builds:
+without the extension this backend reports why in `unavailable_reason`, and the registry passes over it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from types import ModuleType
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import cuda_build
 from .base import magnitude_scale, not_supported
 
 try:
@@ -48,10 +52,14 @@ else:
     _IMPORT_ERROR = None
 
 SUPPORTS = frozenset({"fp32"})  # neither block scales nor W8A8: backend="auto" passes over it for those calls
+# The install-time build, from a checkout (the tests' skip messages name it to developers); a wheel's user is never
+# told to run it: the extension builds on first use instead (prepare).
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OTHER_BACKENDS = ("triton", "reference")
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
+_build_lock = threading.Lock()
+_build_error: Optional[str] = None  # why the build on first use failed (it is not tried again in this process)
 
 
 def build_note() -> str:
@@ -64,15 +72,56 @@ def build_note() -> str:
         return ""
 
 
+def extension_status() -> str:
+    """What `python -m dorafp8` says of the extension: importable or not, what the install decided, and, if it is not
+    built, whether the first use of backend='cuda' can build it here."""
+    if _C is not None:
+        return "importable" + (f"; at install: {build_note()}" if build_note() else "")
+    return _not_built()
+
+
+def _not_built() -> str:
+    note = build_note()
+    why = _build_error or cuda_build.why_not()
+    then = ("backend='cuda' builds it on first use on a GPU (nvcc: a few minutes, once per torch version and GPU)"
+            if why is None else f"it cannot be built here: {why}")
+    return (f"not built ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}{'; at install: ' + note if note else ''}); "
+            f"{then}")
+
+
+def prepare(device: torch.device) -> bool:
+    """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not
+    (cuda_build.py: for this GPU, into a per-user cache, saying so while nvcc runs). Returns whether it built; a build
+    that fails raises its RuntimeError, here and in unavailable_reason for the rest of the process. Nothing is tried
+    where the extension is there, the device is not a GPU (unless DORAFP8_FORCE_CUDA_BUILD=1) or the build cannot
+    run (unavailable_reason says why)."""
+    global _C, _IMPORT_ERROR, _build_error
+    device = torch.device(device)
+    if (_C is not None or _build_error is not None or device.type != "cuda"
+            or not (torch.cuda.is_available() or cuda_build.forced()) or cuda_build.why_not() is not None):
+        return False
+    with _build_lock:
+        if _C is None:
+            try:
+                module = cuda_build.build(device)
+            except RuntimeError as e:
+                _build_error = str(e)
+                raise
+            _C, _IMPORT_ERROR = module, None
+            _backend.launcher = module
+            _image_error.clear()
+    return True
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     device = torch.device(device)
     # The device first: on CPU tensors no build could help, so do not send the user off to build one.
     if device.type != "cuda":
         return f"the CUDA backend runs on CUDA devices only, got a {device.type} device (use 'reference' or 'auto')"
+    if not torch.cuda.is_available() and not (_C is None and cuda_build.forced()):
+        return "torch sees no CUDA device"
     if _C is None:
-        note = build_note()
-        return (f"the CUDA extension dorafp8._C is not available ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
-                f"{'; at install: ' + note if note else ''}); build it from the source tree with: {BUILD_COMMAND}")
+        return f"the CUDA extension dorafp8._C is {_not_built()}"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -80,8 +129,9 @@ def unavailable_reason(device: torch.device) -> str | None:
         _image_error[index] = _C.kernel_image_error(index)
     if _image_error[index]:
         major, minor = torch.cuda.get_device_capability(index)
-        return (f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; rebuild "
-                f"with DORAFP8_CUDA_ARCHS=\"{major}{minor}\" {BUILD_COMMAND}")
+        return (f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; rebuild it "
+                f"for this GPU in the checkout it was built in: DORAFP8_CUDA_ARCHS=\"{major}{minor}\" "
+                f"{BUILD_COMMAND}")
     return None
 
 

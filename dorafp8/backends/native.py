@@ -8,11 +8,10 @@ scales are applied while dequantizing, so such a W0 is rounded once into the com
 the compute dtype. The product comes back rounded to the compute dtype once, before the fp32 epilogue (the reference
 keeps it in fp32 until the output is rounded). That is what PEFT does under autocast, and what the cublas strategy
 does on a GPU; on a CPU with bf16 units it is several times faster than the fp32 GEMMs. In fp32 it is the reference
-up to the order of the fp32 accumulation. The weight norm is the reference's with a faster exact fp8 -> fp32 conversion on CPU
-(dorafp8/_fp8_cast.py: PyTorch converts float8 element by element there); the rank-r products and W8A8 are the
-reference's own code;
-the epilogues and the backward pass over g compute the reference's fp32 formulas with fewer passes over memory
-(fused multiply-adds written straight into their output dtype).
+up to the order of the fp32 accumulation. Every fp8 conversion is dorafp8/_fp8_cast.py's (exact; on CPU the faster of
+PyTorch's own and a table lookup, timed on the running torch); the weight norm is the reference's with it; the rank-r
+products and W8A8 are the reference's own code; the epilogues and the backward pass over g compute the reference's
+fp32 formulas with fewer passes over memory (fused multiply-adds written straight into their output dtype).
 
 Memory: as the reference, bounded blocks: a transient of at most one block of weight rows (16 MiB of fp32 worth of
 elements) in the compute dtype, and fp32 epilogue temporaries over blocks of activation rows; plus, when the weight
@@ -31,13 +30,13 @@ import torch
 from . import reference
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
 from ..quant import row_blocks, scale_kind, scale_rows
-from .base import magnitude_scale
+from .base import magnitude_scale, matmul_rows
 
 project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
 
 
 def weight_norm(w8, scale, block_size, A, B, s):
-    """The reference's weight_norm (fp32, blocks of rows), with the fast exact fp8 -> fp32 conversion."""
+    """The reference's weight_norm (fp32, blocks of rows), with _fp8_cast's exact fp8 -> fp32 conversion."""
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
@@ -106,6 +105,7 @@ def _out_scale(scale):
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     if act_quant or x.dtype == torch.float16:  # see _reference_cases
         return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
+    x, xm = matmul_rows(x), matmul_rows(xm)
     cdt = x.dtype
     c = None if m is None else magnitude_scale(m, n)
     M, N = x.shape[0], w8.shape[0]
@@ -226,6 +226,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     if act_quant or gl.dtype == torch.float16:  # see _reference_cases
         return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
+    gl, gb = matmul_rows(gl), matmul_rows(gb)
     cdt = gl.dtype
     M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
     st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0

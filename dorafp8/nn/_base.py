@@ -4,7 +4,10 @@ already cast to fp8 becomes one (`fp8_cast_parts`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import sys
 import warnings
 
 import torch
@@ -56,11 +59,47 @@ def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = N
     return weight.detach().contiguous(), None if bias is None else bias.detach().to(dtype), dtype
 
 
+# ---- PEFT without its registration (DORAFP8_NO_PATCHES=1) ------------------------------------------------------------
+
+_PEFT_UNREGISTERED = ("PEFT does not know dorafp8's fp8 layers (DORAFP8_NO_PATCHES=1): call "
+                      "dorafp8.register_with_peft() before get_peft_model")
+_warned_peft_unregistered = False
+
+
+def peft_unregistered() -> bool:
+    """Whether DORAFP8_NO_PATCHES=1 kept `import dorafp8` from teaching PEFT its layers and nothing has done it since
+    (dorafp8.register_with_peft() imports dorafp8.peft, whose import registers). PEFT's own errors then say nothing of
+    dorafp8: target_modules="all-linear" finds no layer ("No `target_modules` passed but also no `target_parameters`
+    found") and named ones are "not supported"."""
+    return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
+
+
+def peft_unregistered_hint() -> str:
+    """For an fp8 layer's repr, which PEFT's "Target module ... is not supported" error prints: the fix, while PEFT
+    is loaded and does not know these layers; else ""."""
+    return f"; {_PEFT_UNREGISTERED}" if "peft" in sys.modules and peft_unregistered() else ""
+
+
+def warn_if_peft_unregistered() -> None:
+    """Once per process, when an fp8 layer is made while PEFT is installed and does not know these layers: PEFT's
+    all-linear error cannot name the fix, so it is said here, before get_peft_model."""
+    global _warned_peft_unregistered
+    if _warned_peft_unregistered or not peft_unregistered() or importlib.util.find_spec("peft") is None:
+        return
+    _warned_peft_unregistered = True
+    package, frame, level = os.path.dirname(os.path.dirname(__file__)), sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):  # point at the user's line
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"dorafp8: {_PEFT_UNREGISTERED} (without it PEFT finds none of them for target_modules="
+                  f"'all-linear' and calls the named ones 'not supported')", stacklevel=level)
+
+
 class FP8WeightModule(nn.Module):
     def _init_fp8_storage(self, weight_shape: tuple, K: int, bias: bool, dtype: torch.dtype, device,
                           per_row_scale: bool, block_size) -> None:
         """Zero `weight` (e4m3, `weight_shape`, K columns in its 2-D view), a ones `scale` of the requested granularity
         (per tensor, per output row, or per block_size x block_size block of the view) and an optional bias."""
+        warn_if_peft_unregistered()
         N = weight_shape[0]
         self.weight = nn.Parameter(torch.zeros(weight_shape, dtype=E4M3, device=device), requires_grad=False)
         if per_row_scale:

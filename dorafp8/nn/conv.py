@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..backends import check_backend_name
 from ..ops.conv import fp8_conv
 from ..quant import DEFAULT_BLOCK, E4M3, check_block_size, check_scale, dequantize_e4m3, quantize_e4m3, scale_kind
-from ._base import FP8WeightModule, fp8_cast_parts
+from ._base import FP8WeightModule, fp8_cast_parts, peft_unregistered_hint
 
 NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
@@ -174,7 +174,7 @@ class FP8ConvNd(FP8WeightModule):
         if self.padding_mode != "zeros":
             s += f", padding_mode={self.padding_mode}"
         return s + (f", bias={self.bias is not None}, weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}, "
-                    f"backend={self.backend}")
+                    f"backend={self.backend}{peft_unregistered_hint()}")
 
 
 def _squeeze_channel_scale(scale, C: int):

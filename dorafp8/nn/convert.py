@@ -3,6 +3,7 @@ FP8ConvNd), set_act_quant, and the one-layer conversion both of them and the PEF
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from typing import Iterable, Optional
@@ -93,7 +94,7 @@ def _matches(name: str, patterns: list) -> bool:
 def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = None, *,
                    per_row_scale: bool = False, block_size: Optional[int] = None, backend: str = "auto",
                    act_quant: Optional[str] = None, include_conv: bool = False,
-                   exclude_modules: Optional[Iterable[str]] = None) -> int:
+                   exclude_modules: Optional[Iterable[str]] = None, verbose: bool = True) -> nn.Module:
     """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, and nn.Conv1d/2d/3d layers by
     FP8Conv1d/2d/3d (dorafp8/nn/conv.py), in place.
 
@@ -114,7 +115,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
     `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
-    Returns how many layers were swapped.
+    Returns `model` (so that `model = quantize_model(model)` chains into get_peft_model). verbose: print one line
+    saying how many layers were swapped and what their weights take now, against bf16 and fp32 (it is always logged
+    on the "dorafp8" logger).
     """
     check_backend_name(backend)
     check_act_quant(act_quant)
@@ -185,7 +188,26 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                                                   name=name))
     if swaps:
         warn_if_save_pretrained_loses_scales(model)
-    return len(swaps)
+    summary = _summary([model.get_submodule(name) for name in swaps])
+    logging.getLogger("dorafp8").info(summary)
+    if verbose:
+        print(summary, flush=True)
+    return model
+
+
+def _size(n_bytes: int) -> str:
+    if n_bytes < 2**10:
+        return f"{n_bytes} bytes"
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.1f} KiB"
+
+
+def _summary(layers: list) -> str:
+    """quantize_model's line: how many layers it swapped, the bytes of their fp8 weights and scales, and what the
+    same weights take in bf16 (2 bytes each) and fp32 (4)."""
+    n = sum(m.weight.numel() for m in layers)
+    fp8 = sum(m.weight.numel() * m.weight.element_size() + m.scale.numel() * m.scale.element_size() for m in layers)
+    return (f"dorafp8.quantize_model: {len(layers)} layers to fp8 e4m3: their weights take {_size(fp8)} with the "
+            f"scales, against {_size(2 * n)} in bf16 ({_size(4 * n)} in fp32)")
 
 
 def _warn_if_backend_cannot_run(backend: str, layers: list) -> None:

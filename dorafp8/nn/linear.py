@@ -12,7 +12,7 @@ from ..ops import fp8_linear
 from ..quant import check_act_quant
 from ..quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
                      quantize_e4m3, scale_kind)
-from ._base import FP8WeightModule, fp8_cast_parts
+from ._base import FP8WeightModule, fp8_cast_parts, peft_unregistered_hint
 from .torchao_fp8 import is_torchao_tensor, torchao_fp8_parts
 
 
@@ -127,4 +127,5 @@ class FP8Linear(FP8WeightModule):
         kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block"}
         quant = f", act_quant={self.act_quant}" if self.act_quant else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}")
+                f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}"
+                f"{peft_unregistered_hint()}")

@@ -343,3 +343,13 @@ def test_linear_fp8_rowwise_on_sm120_needs_no_rowwise_scaled_mm(monkeypatch):
         assert a.dtype == b.dtype == torch.bfloat16
         # one rounding to bf16 of the same fp32 sums (only the order of the scale multiplications differs)
         assert torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-6), (a - b).abs().max()
+
+
+def test_cpu_step_bench_runs():
+    """bench/cpu_step.py (dorafp8's CPU training step against PEFT's DoRA) on a small layer: both steps are timed and
+    the ratio printed for each dtype (the times are not checked: a shared CPU)."""
+    out = _run([os.path.join("bench", "cpu_step.py"), "--size", "256", "--tokens", "8", "--steps", "1"],
+               timeout=300).stdout
+    lines = [line for line in out.splitlines() if "dorafp8 / PEFT" in line]
+    assert [line.split()[0] for line in lines] == ["fp32", "bf16"], out
+    assert "backend on cpu: native" in out, out

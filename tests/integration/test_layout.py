@@ -233,10 +233,11 @@ def test_pyproject_ships_every_package():
     packages = {m for m in MODULES if _is_package(m)}
     listed -= {"dorafp8.csrc"}  # csrc/ shipped as data for the kernel report (no Python package)
     assert packages == listed, f"missing: {sorted(packages - listed)}; extra: {sorted(listed - packages)}"
-    # every kernel file and header the report compiles (binding.cpp is the extension's only; .py files ship as modules)
+    # every kernel file and header the report compiles, and binding.cpp, which the build on first use of
+    # backend="cuda" needs too (.py files ship as modules)
     patterns = tool["package-data"]["dorafp8.csrc"]
     csrc = ROOT / "csrc"
-    data = [f.relative_to(csrc).as_posix() for f in csrc.rglob("*") if f.suffix in (".cu", ".cuh", ".h")]
+    data = [f.relative_to(csrc).as_posix() for f in csrc.rglob("*") if f.suffix in (".cu", ".cuh", ".h", ".cpp")]
     assert data and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in data), (data, patterns)
     # the metadata has one home: setup.py passes setup() the extension and its build commands only
     assert {k.arg for k in _setup_call().keywords} <= {"ext_modules", "cmdclass"}
@@ -295,6 +296,71 @@ def test_required_versions_are_the_tested_ones():
         ROOT / "README.md").read_text()
 
 
+def _source_copy(tmp_path) -> Path:
+    """What an sdist or a wheel is built from (the files pyproject.toml and setup.py read), copied to tmp_path/src
+    without build products."""
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("dorafp8", "triton_kernels", "csrc"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    return src
+
+
+def test_sdist_and_wheel_ship_the_license_and_the_cuda_sources(tmp_path):
+    """LICENSE (Apache-2.0) is in the sdist and in the wheel's .dist-info, and both say Apache-2.0 in their metadata;
+    built as a maintainer publishes them (setup.py sdist; pip wheel, here without build isolation: no index). The
+    wheel also ships every source the CUDA extension's build on first use reads, and the note of its own build."""
+    import tarfile
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    assert (ROOT / "LICENSE").read_text().split()[:5] == ["Apache", "License", "Version", "2.0,", "January"]
+    src = _source_copy(tmp_path)
+    env = dict(os.environ, DORAFP8_SKIP_CUDA_BUILD="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    for cmd in ([sys.executable, "setup.py", "-q", "sdist", "-d", "dist"],
+                [sys.executable, "-m", "pip", "wheel", ".", "-q", "--no-deps", "--no-build-isolation", "-w", "dist"]):
+        r = subprocess.run(cmd, cwd=src, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (sdist,), (wheel,) = (src / "dist").glob("*.tar.gz"), (src / "dist").glob("*.whl")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+        pkg_info = t.extractfile(next(n for n in t.getnames() if n.endswith("/PKG-INFO"))).read().decode()
+    assert "LICENSE" in names, sorted(names)
+    with zipfile.ZipFile(wheel) as z:
+        # everything the CUDA extension's build on first use reads (dorafp8/backends/cuda_build.py)
+        shipped = {n.removeprefix("dorafp8/csrc/") for n in z.namelist() if n.startswith("dorafp8/csrc/")}
+        csrc = ROOT / "csrc"
+        assert {f.relative_to(csrc).as_posix() for f in csrc.rglob("*") if f.is_file() and f.suffix in (
+            ".cpp", ".cu", ".cuh", ".h", ".py")} <= shipped, shipped
+        assert '"cuda_extension": "DORAFP8_SKIP_CUDA_BUILD=1' in z.read("dorafp8/_build_info.json").decode()
+        dist_info = next(n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        assert f"{dist_info}/licenses/LICENSE" in z.namelist(), z.namelist()
+        assert z.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        metadata = z.read(f"{dist_info}/METADATA").decode()
+    for meta in (pkg_info, metadata):
+        assert "License-Expression: Apache-2.0" in meta.splitlines() and "License-File: LICENSE" in meta.splitlines()
+
+
+def test_an_isolated_build_notes_the_build_on_first_use():
+    """An isolated build (a published wheel, `pip install dorafp8-*.tar.gz`) has no torch, so setup.py skips the
+    extension; its note, baked into the build and repeated by `python -m dorafp8` and the CUDA backend, says that
+    backend='cuda' builds it on first use, and names no command that needs a checkout (it said `pip install -e .
+    --no-build-isolation`)."""
+    code = ("import json, sys, runpy, setuptools\n"
+            "sys.modules['torch'] = None\n"  # what an isolated build environment has
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, start, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "print(json.dumps([ext, start, note]))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ext, start, note = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ext == [] and start is None
+    assert "backend='cuda' builds it on first use" in note and "pip install" not in note, note
+
+
 def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     """Running setup.py or asking it for metadata (`python setup.py --version`, pip's metadata steps, an sdist) writes
     no file into the source tree: the note about the CUDA extension (dorafp8/_build_info.json) is a build product,
@@ -302,13 +368,7 @@ def test_setup_py_writes_nothing_into_the_tree(tmp_path):
     pytest.importorskip("setuptools")
     import dorafp8
 
-    src = tmp_path / "src"
-    skip = shutil.ignore_patterns("__pycache__", "*.so", "_build_info.json", "*.egg-info", "build", "dist")
-    src.mkdir()
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    for name in ("dorafp8", "triton_kernels", "csrc"):
-        shutil.copytree(ROOT / name, src / name, ignore=skip)
+    src = _source_copy(tmp_path)
 
     def tree():
         return {p.relative_to(src).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)

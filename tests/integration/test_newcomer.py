@@ -18,6 +18,7 @@ from torch import nn
 import dorafp8
 from dorafp8 import FP8Linear
 from dorafp8.quant import QuantizationWarning
+from tests._layers import n_fp8
 
 ROOT = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")
@@ -52,6 +53,41 @@ def test_import_does_not_load_peft_transformers_or_triton():
     assert out.strip() == "[]", out
 
 
+def test_import_hook_waits_only_for_modules_that_exist():
+    """`import dorafp8` watches (dorafp8/_install.py) only the modules this environment has: of FSDP2's two homes the
+    one in the running torch, and a library that is not installed not at all; finding them imports nothing."""
+    out = _run_python("""
+import sys
+sys.modules['lycoris'] = None  # an environment without lycoris (it is in the test extras)
+import torch
+homes = {'torch.distributed.fsdp._fully_shard._fsdp_param': 'torch/distributed/fsdp/_fully_shard/_fsdp_param.py',
+         'torch.distributed._composable.fsdp._fsdp_param': 'torch/distributed/_composable/fsdp/_fsdp_param.py'}
+import os
+here = sorted(m for m, f in homes.items() if os.path.exists(os.path.join(os.path.dirname(torch.__path__[0]), f)))
+import dorafp8
+from dorafp8 import _install
+print(sorted(m for m in _install._pending if m.startswith('torch')) == here, len(here))
+print('lycoris' in _install._pending, [m for m in ('transformers', 'torch.distributed.fsdp') if m in sys.modules])
+""")
+    assert out.split("\n")[:2] == ["True 1", "False []"], out
+
+
+def test_import_hook_leaves_once_everything_it_watches_is_loaded():
+    """The finder `import dorafp8` puts first on sys.meta_path runs each watched module's hook after that module
+    loads, and removes itself once all have: it is not consulted on every later import of the process."""
+    out = _run_python("""
+import sys, dorafp8
+from dorafp8 import _install
+watched = sorted(_install._pending)
+print(_install._HOOK in sys.meta_path, len(watched) >= 4)
+import importlib
+for name in watched:
+    importlib.import_module(name)
+print(_install._HOOK in sys.meta_path, sorted(_install._pending))
+""")
+    assert out.split("\n")[:2] == ["True True", "False []"], out
+
+
 @pytest.mark.parametrize("order", ["dorafp8-first", "peft-first"])
 def test_fp8_first_get_peft_model_needs_no_other_import(order):
     """quantize_model then get_peft_model builds DoRAFP8Linear layers whichever of peft and dorafp8 is imported
@@ -61,7 +97,7 @@ def test_fp8_first_get_peft_model_needs_no_other_import(order):
     out = _run_python(f"""{imports}
 import torch
 net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-dorafp8.quantize_model(net)
+dorafp8.quantize_model(net, verbose=False)
 pm = peft.get_peft_model(net, peft.LoraConfig(r=2, use_dora=True, target_modules=["0", "2"]))
 print(sorted(type(m).__name__ for m in pm.modules() if type(m).__name__ == "DoRAFP8Linear"))
 pm(torch.randn(3, 16)).sum().backward()
@@ -127,7 +163,7 @@ def test_environment_report():
 def test_all_linear_covers_fp8_layers(quantize):
     model = _llama()
     targets = None if quantize == "all" else ["q_proj", "down_proj"]
-    n = dorafp8.quantize_model(model, targets)
+    n = n_fp8(dorafp8.quantize_model(model, targets))
     assert n == (14 if quantize == "all" else 4)
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
     dora_fp8 = {name for name, m in pm.named_modules() if isinstance(m, dorafp8.DoRAFP8Linear)}
@@ -143,13 +179,67 @@ def test_quantize_model_leaves_peft_layers_alone():
     pm = get_peft_model(_llama(), LoraConfig(r=4, use_dora=True, target_modules=LLAMA_TARGETS))
     trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     with pytest.warns(UserWarning, match="convert_peft_model"):
-        n = dorafp8.quantize_model(pm)
-    assert n == 0  # every linear layer but lm_head is inside a PEFT layer here
+        dorafp8.quantize_model(pm)
+    assert n_fp8(pm) == 0  # every linear layer but lm_head is inside a PEFT layer here
     assert sum(p.numel() for p in pm.parameters() if p.requires_grad) == trainable
     assert not any(isinstance(m, FP8Linear) for m in pm.modules())
     pm(input_ids=torch.randint(0, 97, (1, 5)))  # and the model still runs
     with pytest.raises(ValueError, match="matched only PEFT adapter layers.*convert_peft_model"):
         dorafp8.quantize_model(pm, ["q_proj"])
+
+
+def test_quantize_model_returns_the_model_and_says_what_it_did(capsys):
+    """`model = dorafp8.quantize_model(model)` then get_peft_model (it returned the number of layers, and PEFT failed
+    with "'int' object has no attribute '__dict__'"); the count and the bytes are in the line it prints, the bytes
+    computed here from the original layers: one byte per weight plus a 4-byte scale each, against two in bf16."""
+    model = _llama()
+    linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
+    n = sum(m.weight.numel() for m in linears)
+    same = model
+    model = dorafp8.quantize_model(model)
+    assert model is same and n_fp8(model) == len(linears) == 14
+    line = capsys.readouterr().out.strip()
+    kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
+    assert line == (f"dorafp8.quantize_model: 14 layers to fp8 e4m3: their weights take {kib(n + 4 * 14)} with the "
+                    f"scales, against {kib(2 * n)} in bf16 ({kib(4 * n)} in fp32)"), line
+    model = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear"))
+    assert sum(isinstance(m, dorafp8.DoRAFP8Linear) for m in model.modules()) == 14
+    dorafp8.quantize_model(_llama(), verbose=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_without_patches_peft_errors_lead_to_register_with_peft():
+    """DORAFP8_NO_PATCHES=1: PEFT does not know FP8Linear until dorafp8.register_with_peft(). Its error for named
+    targets prints the layer, whose repr then names the fix; its all-linear error cannot, so the first fp8 layer made
+    while PEFT is installed warns, naming it. After register_with_peft() both build dorafp8 layers, and the repr is
+    plain again."""
+    out = subprocess.run([sys.executable, "-c", """
+import warnings, torch, peft, dorafp8
+from peft import LoraConfig, get_peft_model
+def net():
+    return dorafp8.quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), verbose=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    models = [net(), net()]
+print([str(w.message) for w in caught if "dorafp8" in str(w.message)])
+for m, targets in zip(models, ("all-linear", ["0", "1"])):
+    try:
+        get_peft_model(m, LoraConfig(r=2, use_dora=True, target_modules=targets))
+    except Exception as e:
+        print(type(e).__name__, "|", e)
+dorafp8.register_with_peft()
+for targets in ("all-linear", ["0", "1"]):
+    m = get_peft_model(net(), LoraConfig(r=2, use_dora=True, target_modules=targets))
+    print(sum(type(x).__name__ == "DoRAFP8Linear" for x in m.modules()), "register_with_peft" in repr(m))
+"""], capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env=dict(os.environ, DORAFP8_NO_PATCHES="1", HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr
+    fix = "call dorafp8.register_with_peft() before get_peft_model"
+    warned, all_linear, named, *after = out.stdout.strip().splitlines()
+    assert warned.count(fix) == 1 and "'all-linear'" in warned, warned  # once per process
+    assert all_linear.startswith("NoMatchingPeftModuleError |"), all_linear  # PEFT's own message
+    assert named.startswith("ValueError | Target module FP8Linear(") and fix in named, named
+    assert after == ["2 False", "2 False"], after
 
 
 def test_quantize_model_explicit_targets_must_match():
@@ -224,7 +314,7 @@ def test_fp8_weights_are_taken_losslessly():
     w8 = (torch.randn(16, 32) * 40).to(torch.float8_e4m3fn)
     lin.weight.data = w8.clone()
     model = nn.Sequential(lin)
-    assert dorafp8.quantize_model(model) == 1
+    assert n_fp8(dorafp8.quantize_model(model)) == 1
     f = model[0]
     assert isinstance(f, FP8Linear) and f.scale.item() == 1.0
     assert torch.equal(f.weight.view(torch.uint8), w8.view(torch.uint8))
@@ -368,8 +458,26 @@ def test_project_refers_to_nothing_outside_its_tree():
 
 
 def test_readme_opens_with_two_commands_that_ci_runs():
+    """Command 1 installs what the demo needs (the `demo` extra: PEFT, transformers, matplotlib; it installed the test
+    suite's world, 6 GB and 8 minutes) and runs it; command 2 installs the test extras and runs the tests."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
     assert len(block) == 2 and "dorafp8.demo" in block[0] and "pytest tests" in block[1]
+    assert '-e ".[demo]"' in block[0] and "[test]" not in block[0] and '-e ".[test]"' in block[1]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(extras["demo"]) == ["matplotlib", "peft>=0.21", "transformers>=4.50"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in ci and "-W ignore" not in ci and "DORAFP8_REQUIRE_CUDA_EXT=1" in ci
+
+
+def test_readme_has_no_link_a_package_index_breaks():
+    """README.md is also the package's page on a package index, shown without the repository: a relative link or
+    image there points nowhere, so the README names pages by their path (docs/WRITING_DOCS.md)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]*)\)", readme)
+    assert [t for t in targets if not t.startswith(("https://", "http://"))] == []
+    assert "<img" not in readme and "src=" not in readme

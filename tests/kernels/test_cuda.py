@@ -12,6 +12,7 @@ the same kernel source on CPU under an emulator in tests/kernels/test_cuda_emula
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -115,10 +116,166 @@ def test_unavailable_reason_cpu(monkeypatch):
             monkeypatch.setattr(cb, "_IMPORT_ERROR", ImportError("No module named 'dorafp8._C'"))
         reason = cb.unavailable_reason(torch.device("cpu"))
         assert "CUDA devices only" in reason and "pip install" not in reason
-    # On a CUDA device without the extension, the reason names the command that builds it.
+    # On a CUDA device without the extension, the reason says the first use of backend='cuda' builds it (a wheel's
+    # user has no checkout to run an install command in), or what keeps it from being built here.
+    monkeypatch.setenv("DORAFP8_FORCE_CUDA_BUILD", "1")  # as on a GPU: past "torch sees no CUDA device"
+    monkeypatch.setattr(cb.cuda_build, "why_not", lambda: None)
     reason = cb.unavailable_reason(torch.device("cuda"))
-    assert cb.BUILD_COMMAND in reason and "dorafp8._C" in reason
-    assert "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation" == cb.BUILD_COMMAND
+    assert "dorafp8._C is not built" in reason and "backend='cuda' builds it on first use" in reason
+    assert "pip install" not in reason, reason
+    monkeypatch.setattr(cb.cuda_build, "why_not", lambda: "nvcc was not found (...)")
+    assert "it cannot be built here: nvcc was not found" in cb.unavailable_reason(torch.device("cuda"))
+
+
+# ------------------------------------------------------------------------------------------------------ first use
+
+def _fake_toolkit(tmp_path, monkeypatch, archs="90a"):
+    """A CUDA toolkit with an nvcc, a cache folder of the test's own, an unbuilt extension, a forced build (no GPU
+    here) for `archs`; returns the list that records each call of torch's loader, which builds nothing."""
+    from torch.utils import cpp_extension
+
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DORAFP8_FORCE_CUDA_BUILD", "1")
+    monkeypatch.setenv("DORAFP8_CUDA_ARCHS", archs)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(cb, "_C", None)
+    monkeypatch.setattr(cb, "_IMPORT_ERROR", ImportError("No module named 'dorafp8._C'"))
+    monkeypatch.setattr(cb, "_build_error", None)
+    monkeypatch.setattr(cb._backend, "launcher", None)
+    monkeypatch.setattr(backends, "_reasons", {})  # the registry's probes, kept per process
+    calls = []
+
+    def load(**kw):
+        calls.append(dict(kw, CUDA_HOME=cpp_extension.CUDA_HOME, MAX_JOBS=os.environ.get("MAX_JOBS")))
+        return type("FakeExtension", (), {})()
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return calls
+
+
+def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, capsys):
+    """Without an install-time build, naming backend='cuda' builds dorafp8._C with torch's loader: binding.cpp and
+    the kernel files build_spec.py lists, its flags with a cubin for the arch (and its PTX), into a per-user cache
+    folder named by the archs and a hash, saying so on stderr; a second call builds nothing. (torch's loader is
+    replaced: a real build takes minutes; DORAFP8_TEST_CUDA_BUILD=1 runs one, test_first_use_build_for_real.)"""
+    import runpy
+
+    from torch.utils import cpp_extension
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    home = cpp_extension.CUDA_HOME
+    assert "backend='cuda' builds it on first use" in cb.unavailable_reason(torch.device("cuda"))
+    assert backends.resolve("auto", torch.device("cuda")) != "cuda" and calls == []  # "auto" never builds
+    assert cb.prepare(torch.device("cuda")) is True
+    (kw,) = calls
+    spec = runpy.run_path(str(cb.cuda_build.source_dir() / "build_spec.py"))
+    assert [os.path.basename(f) for f in kw["sources"]] == ["binding.cpp", "weight_norm.cu", "forward.cu", "dgrad.cu"]
+    assert all(os.path.isfile(f) for f in kw["sources"])
+    assert kw["extra_cuda_cflags"] == spec["NVCC_FLAGS"] + ["-gencode", "arch=compute_90a,code=[sm_90a,compute_90a]"]
+    assert kw["extra_cflags"] == spec["CXX_FLAGS"] and kw["with_cuda"] is True
+    folder = os.path.relpath(kw["build_directory"], tmp_path / "cache")
+    assert folder.startswith("cuda_ext/sm_90a-") and len(folder) == len("cuda_ext/sm_90a-") + 16, folder
+    assert kw["CUDA_HOME"] == str(tmp_path / "cuda") and kw["MAX_JOBS"] is not None  # set for the build only
+    assert cpp_extension.CUDA_HOME == home and "MAX_JOBS" not in os.environ
+    err = capsys.readouterr().err
+    assert "dorafp8: building the CUDA extension for sm_90a" in err and "on first use of backend='cuda'" in err
+    assert f"into {kw['build_directory']}" in err and "dorafp8: built the CUDA extension" in err
+    assert type(cb._C).__name__ == "FakeExtension" and cb._backend.launcher is cb._C
+    assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
+
+
+def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
+    """The cache folder changes with the torch version, the archs and the sources, and only with them; a folder that
+    holds a build loads quietly; a build that runs longer says so every _TICK seconds."""
+    import time
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    cuda = torch.device("cuda")
+    folder = cb.cuda_build.plan(cuda)["build_directory"]
+    assert cb.cuda_build.plan(cuda)["build_directory"] == folder
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert cb.cuda_build.plan(cuda)["build_directory"] != folder
+    monkeypatch.setattr(torch, "__version__", torch.__version__.removesuffix(".other"))
+    monkeypatch.setenv("DORAFP8_CUDA_ARCHS", "89")
+    assert cb.cuda_build.plan(cuda)["build_directory"] != folder
+    src = tmp_path / "src"
+    shutil.copytree(cb.cuda_build.source_dir(), src)
+    monkeypatch.setattr(cb.cuda_build, "source_dir", lambda: src)
+    same = cb.cuda_build.plan(cuda)["build_directory"]
+    (src / "common" / "extra.cuh").write_text("// a changed header\n")
+    assert cb.cuda_build.plan(cuda)["build_directory"] != same
+    # a cached build: no line
+    same.mkdir(parents=True)
+    (src / "common" / "extra.cuh").unlink()
+    (same / f"{cb.cuda_build.NAME}.so").write_bytes(b"")
+    cb.cuda_build.build(cuda)
+    assert calls and capsys.readouterr().err == ""
+    # a slow build: the ticker
+    monkeypatch.setattr(cb.cuda_build, "_TICK", 0.05)
+    slow = lambda **kw: time.sleep(0.3)  # noqa: E731
+    monkeypatch.setattr("torch.utils.cpp_extension.load", slow)
+    (same / f"{cb.cuda_build.NAME}.so").unlink()
+    cb.cuda_build.build(cuda)
+    assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
+
+
+def test_first_use_build_refusals(tmp_path, monkeypatch):
+    """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
+    what runs without the extension, and is not tried again in the process."""
+    from torch.utils import cpp_extension
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setattr(cb.cuda_build, "cuda_home", lambda: None)
+    with pytest.raises(RuntimeError, match=r"cannot run on cuda.*cannot be built here: nvcc was not found.*CUDA_HOME"):
+        backends.resolve("cuda", torch.device("cuda"))
+    assert calls == [] and cb.prepare(torch.device("cuda")) is False
+    with pytest.raises(RuntimeError, match="cannot be built here: nvcc was not found"):
+        cb.cuda_build.build(torch.device("cuda"))
+    monkeypatch.undo()
+    _fake_toolkit(tmp_path / "again", monkeypatch)
+
+    def broken(**kw):
+        raise RuntimeError("Error building extension 'dorafp8_C': nvcc fatal")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.raises(RuntimeError, match=r"building the CUDA extension for sm_90a .*failed .*nvcc fatal.*"
+                                           r"backend='triton' or backend='reference' run without the extension"):
+        cb.prepare(torch.device("cuda"))
+    assert cb.prepare(torch.device("cuda")) is False  # not again
+    assert "nvcc fatal" in cb.unavailable_reason(torch.device("cuda"))
+
+
+@pytest.mark.skipif(os.environ.get("DORAFP8_TEST_CUDA_BUILD") != "1",
+                    reason="builds the CUDA extension with nvcc (minutes): DORAFP8_TEST_CUDA_BUILD=1 runs it")
+def test_first_use_build_for_real(tmp_path):
+    """The build on first use with nvcc, for one arch, in a process whose dorafp8._C cannot import (as from a wheel):
+    naming backend='cuda' builds the extension into the cache, which imports and has the kernels' entry points (on a
+    machine without a GPU, forced: the backend then says that torch sees no CUDA device)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+sys.modules['dorafp8._C'] = None
+from dorafp8 import backends
+from dorafp8.backends import cuda
+try:
+    backends.resolve('cuda', torch.device('cuda'))
+except RuntimeError as e:
+    print('refused:', e)
+names = ('weight_norm', 'forward', 'dgrad', 'kernel_image_error')
+print(sorted(n for n in names if callable(getattr(cuda._C, n, None))))
+"""
+    env = dict(os.environ, DORAFP8_FORCE_CUDA_BUILD="1", DORAFP8_CUDA_ARCHS="89", DORAFP8_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dorafp8: building the CUDA extension for sm_89" in r.stderr and "dorafp8: built" in r.stderr, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['dgrad', 'forward', 'kernel_image_error', 'weight_norm']", r.stdout
+    assert list(tmp_path.glob("cuda_ext/sm_89-*/dorafp8_C*.so"))
 
 
 def test_registry_on_cpu():

@@ -2,6 +2,8 @@
 platform's matmul; what backend="auto" runs on CPU). Checked with the same fp64 / reference checks and the same
 tolerances as every other backend (tests/kernels/_kernel_ref.py, tests/_tolerance.py)."""
 
+import collections
+
 import pytest
 import torch
 
@@ -72,16 +74,44 @@ def test_fast_fp8_conversion_is_exact():
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
 
 
-@pytest.mark.parametrize("n", [1000, 20000, 300000])  # PyTorch's conversion, the lookup table, the integer passes
-def test_fp8_conversion_paths_are_exact(n):
+# PyTorch's conversion (n < 4096), the lookup table (n <= 2^18), then the measured choice, forced to each method: one
+# code per index (odd sizes, a transposed view), two codes per index (contiguous, even sizes above 2^17)
+@pytest.mark.parametrize("n,cols", [(1000, 8), (20000, 8), (300000, 8), (300013, 7), (300000, "t")])
+@pytest.mark.parametrize("method", ["native", "lookup"])
+def test_fp8_conversion_paths_are_exact(n, cols, method, monkeypatch):
+    from dorafp8 import _fp8_cast
     from dorafp8._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
 
+    monkeypatch.setattr(_fp8_cast, "_CHOICE", collections.defaultdict(lambda: method))
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    w8 = torch.cat([every, (torch.randn(n - 256) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)]).reshape(-1, 8)
+    w8 = torch.cat([every, (torch.randn(n - 256) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)])
+    w8 = w8.reshape(-1, 8).T if cols == "t" else w8.reshape(-1, cols)
     same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())  # noqa
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert same(e4m3_to(w8, dtype), w8.to(dtype))
-        for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5):
+        for factor in (torch.tensor(0.0123), torch.tensor([[0.0123]]), torch.rand(w8.shape[0], 1) + 0.5, 0.7):
             assert same(e4m3_scaled(w8, factor, dtype), (w8.float() * factor).to(dtype))
     for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
         assert same(e4m3_scaled_fp32(w8, factor), w8.float() * factor)
+
+
+def test_fp8_conversion_of_large_blocks_is_chosen_by_timing_once(monkeypatch):
+    """The first large block into a dtype (with a kind of factor) times both exact methods and keeps the faster; the
+    block it measured on comes back converted, and later blocks are not timed again."""
+    from dorafp8 import _fp8_cast
+
+    monkeypatch.setattr(_fp8_cast, "_CHOICE", {})
+    calls = []
+    convert = _fp8_cast._convert
+    monkeypatch.setattr(_fp8_cast, "_convert", lambda m, *a: calls.append(m) or convert(m, *a))
+    w8 = (torch.randn(512, 1024) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(_fp8_cast.e4m3_to(w8, torch.bfloat16), w8.to(torch.bfloat16))
+    assert sorted(calls) == ["lookup"] * _fp8_cast._TRIALS + ["native"] * _fp8_cast._TRIALS
+    chosen = _fp8_cast._CHOICE[(torch.bfloat16, "none")]
+    calls.clear()
+    assert torch.equal(_fp8_cast.e4m3_scaled_fp32(w8, torch.tensor(0.5)), w8.float() * 0.5)  # another kind: timed
+    assert len(calls) == 2 * _fp8_cast._TRIALS and set(_fp8_cast._CHOICE) == {
+        (torch.bfloat16, "none"), (torch.float32, "scalar")}
+    calls.clear()
+    _fp8_cast.e4m3_to(w8[:300], torch.bfloat16)
+    assert calls == [chosen]

@@ -10,6 +10,7 @@ import torch
 import dorafp8
 import dorafp8.backends.reference as reference
 from dorafp8 import backends
+from tests._layers import n_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where tests/conftest.py runs a test that takes `backend`
 # The backends that run W8A8, those of them that can run on DEVICE (tests/conftest.py parametrizes `backend`): cuda
@@ -166,7 +167,7 @@ def test_layer_and_model_switches():
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     ref = torch.nn.Sequential(*[m for m in net])  # same modules: compare outputs before/after the switch
     x = torch.randn(5, 32)
-    assert dorafp8.quantize_model(net, act_quant="rowwise") == 2
+    assert n_fp8(dorafp8.quantize_model(net, act_quant="rowwise")) == 2
     assert all(m.act_quant == "rowwise" for m in net.modules() if isinstance(m, dorafp8.FP8Linear))
     assert "act_quant=rowwise" in repr(net[0])
     y8 = net(x)
@@ -232,7 +233,7 @@ def minilm_finetune(act_quant, steps=25, seed=0, lr=5e-4):
     cfg = transformers.AutoConfig.from_pretrained(path, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = transformers.AutoModel.from_pretrained(path, config=cfg).float()
     targets = ["query", "key", "value", "dense"]
-    assert dorafp8.quantize_model(model, targets, act_quant=act_quant) == 37
+    assert n_fp8(dorafp8.quantize_model(model, targets, act_quant=act_quant)) == 37
     pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, use_dora=True, target_modules=targets))
     head = torch.nn.Linear(cfg.hidden_size, len(_SENTENCES))
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad] + list(head.parameters()), lr=lr)

@@ -18,6 +18,7 @@ from peft.tuners.lora.layer import LoraLayer  # noqa: E402
 
 import dorafp8  # noqa: E402
 from dorafp8 import DoRAFP8Conv2d, DoRAFP8Linear, FP8Conv2d, FP8Linear  # noqa: E402
+from tests._layers import n_fp8  # noqa: E402
 from tests._tolerance import assert_close  # noqa: E402
 from tests.integration.test_diffusion import UNET_TARGETS, _batches, small_unet  # noqa: E402
 
@@ -166,7 +167,7 @@ def test_quantize_model_takes_a_layerwise_casting_unet_losslessly(dtype):
         before = lc(**kw).sample if dtype == torch.float32 else None
         w8 = {n: m.weight.detach().view(torch.uint8).clone() for n, m in hooked.items()}
         bias = {n: m.bias.detach().to(dtype) for n, m in hooked.items() if m.bias is not None}
-    assert dorafp8.quantize_model(lc, include_conv=True) == len(hooked) == 121  # the hooks are on every Linear/Conv2d
+    assert n_fp8(dorafp8.quantize_model(lc, include_conv=True)) == len(hooked) == 121  # the hooks are on every Linear/Conv2d
     for n in hooked:
         m = lc.get_submodule(n)
         assert m.scale.item() == 1.0 and torch.equal(m.weight.view(torch.uint8), w8[n]), n
@@ -193,10 +194,10 @@ def test_unet_adapter_and_bias_dtypes_follow_peft(entry):
     assert set(want_bias.values()) == {torch.bfloat16} and len(want_bias) == 18
     assert set(want_adapters.values()) == {torch.float32 if entry == "get_peft_model" else torch.bfloat16}
     builds = {
-        "quantize_model": lambda m: dorafp8.quantize_model(m, include_conv=True) and m,
+        "quantize_model": lambda m: dorafp8.quantize_model(m, include_conv=True),
         "layerwise": lambda m: _layerwise(m, torch.bfloat16),
         "layerwise + quantize_model": lambda m: dorafp8.quantize_model(_layerwise(m, torch.bfloat16),
-                                                                       include_conv=True) and m,
+                                                                       include_conv=True),
     }
     for build, make in builds.items():
         ours = _add_dora(make(copy.deepcopy(original)), entry, copy.deepcopy(cfg))
@@ -284,7 +285,7 @@ def test_fp8_cast_adapter_and_bias_dtypes(entry):
         for bias_too in (False, True):
             net = _cast_weights(_net(torch.bfloat16), bias_too=bias_too)
             if quantize_first:
-                assert dorafp8.quantize_model(net, ["conv", "lin"]) == 2
+                assert n_fp8(dorafp8.quantize_model(net, ["conv", "lin"])) == 2
             ours = _add_dora(net, entry, copy.deepcopy(cfg))
             dtype = torch.float32 if bias_too else torch.bfloat16
             assert _base_bias_dtypes(ours) == {"conv": dtype, "lin": dtype}

@@ -15,6 +15,7 @@ import dorafp8
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d
 from dorafp8.ops.conv import conv_weight_norm, dequantize_transient
 from dorafp8.quant import QuantizationWarning
+from tests._layers import n_fp8
 from tests._tolerance import assert_close, tol
 
 peft = pytest.importorskip("peft")
@@ -216,7 +217,7 @@ def _pair(net_kw=None, per_row=False, **cfg):
     torch.manual_seed(0)
     base = Net(**(net_kw or {}))
     ours = copy.deepcopy(base)
-    assert dorafp8.quantize_model(ours, TARGETS, per_row_scale=per_row) == 4
+    assert n_fp8(dorafp8.quantize_model(ours, TARGETS, per_row_scale=per_row)) == 4
     twin = copy.deepcopy(base)
     for name in TARGETS:
         getattr(twin, name).weight.data = getattr(ours, name).dequantize()
@@ -457,17 +458,17 @@ def test_module_casts_state_dict_and_repr():
 def test_quantize_model_convs():
     torch.manual_seed(0)
     net = Net()
-    assert dorafp8.quantize_model(copy.deepcopy(net)) == 1  # default: linear layers only, as before
-    assert dorafp8.quantize_model(copy.deepcopy(net), include_conv=True) == 4
+    assert n_fp8(dorafp8.quantize_model(copy.deepcopy(net))) == 1  # default: linear layers only, as before
+    assert n_fp8(dorafp8.quantize_model(copy.deepcopy(net), include_conv=True)) == 4
     m = copy.deepcopy(net)
-    assert dorafp8.quantize_model(m, ["conv1", "conv2"]) == 2  # explicit targets name convs: no flag needed
+    assert n_fp8(dorafp8.quantize_model(m, ["conv1", "conv2"])) == 2  # explicit targets name convs: no flag needed
     assert isinstance(m.conv1, FP8Conv2d) and isinstance(m.proj, nn.Conv2d) and isinstance(m.head, nn.Linear)
     with pytest.raises(ValueError, match=r"matched no nn.Linear.*'conv1', 'conv2'"):
         dorafp8.quantize_model(copy.deepcopy(net), ["conv9"])
     pm = get_peft_model(copy.deepcopy(net), LoraConfig(r=2, use_dora=True, target_modules=["conv1"]))
     with pytest.warns(UserWarning, match="convert_peft_model"):
-        n = dorafp8.quantize_model(pm, include_conv=True)
-    assert n == 4 - 1  # conv1's base and its lora_A/lora_B convs are left alone
+        dorafp8.quantize_model(pm, include_conv=True)
+    assert n_fp8(pm) == 4 - 1  # conv1's base and its lora_A/lora_B convs are left alone
     assert isinstance(pm.base_model.model.conv1.base_layer, nn.Conv2d)
     assert isinstance(pm.base_model.model.conv1.lora_A["default"], nn.Conv2d)
     with pytest.raises(ValueError, match="matched only PEFT adapter layers"):
@@ -492,11 +493,11 @@ def test_quantize_model_conv_warnings_errors_and_fp8_weights():
     fp8 = Net()
     w8 = (torch.randn(fp8.conv1.weight.shape) * 30).to(torch.float8_e4m3fn)
     fp8.conv1.weight.data = w8.clone()
-    assert dorafp8.quantize_model(fp8, ["conv1"]) == 1
+    assert n_fp8(dorafp8.quantize_model(fp8, ["conv1"])) == 1
     assert fp8.conv1.scale.item() == 1.0 and fp8.conv1.bias.dtype == torch.float32
     assert torch.equal(fp8.conv1.weight.view(torch.uint8), w8.view(torch.uint8))
     blk = dorafp8.quantize_model(copy.deepcopy(Net()), ["conv2"], block_size=8)
-    assert blk == 1
+    assert n_fp8(blk) == 1
 
 
 def test_onetrainer_style_fp8_conv_with_dora():

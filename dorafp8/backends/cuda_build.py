@@ -1,0 +1,177 @@
+"""The CUDA extension built on first use of backend="cuda", where the install did not build it.
+
+A wheel is pure Python (py3-none-any: one wheel for every torch, CUDA and GPU), so `pip install dorafp8` never brings
+dorafp8._C, and neither does an isolated build from the sdist (torch is absent at build time). The wheel ships the
+sources (csrc/ as dorafp8/csrc/ package data, with build_spec.py, the file list and flags setup.py builds with), so
+the first call that asks for backend="cuda" by name builds them with torch.utils.cpp_extension.load (ninja, the
+flags of build_spec.py) against the torch that runs, for the GPU at hand, into a per-user cache:
+
+    $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8  /  cuda_ext/<key>/
+
+where the key hashes every source and header, the flags, the archs, the Python, torch and CUDA versions: a new
+torch, another GPU or other sources build anew, and everything else loads the cached build in a second. nvcc runs
+for minutes, so a line says so when it starts, one every 30 s while it runs, and one when it is done. A build that
+cannot run here (no nvcc, a CPU-only torch, no sources) is not tried: the backend's reason says what is missing.
+backend="auto" never builds: it passes over a CUDA backend that is not built, as before. An install-time build
+(`pip install -e . --no-build-isolation` from a checkout, on a machine with nvcc and a GPU: setup.py) is used as
+it is. DORAFP8_FORCE_CUDA_BUILD=1 builds even where torch sees no GPU (the tests, on a machine with nvcc and no GPU);
+DORAFP8_CUDA_ARCHS chooses the archs, as for setup.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import runpy
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dorafp8/
+NAME = "dorafp8_C"  # the module torch's loader builds (binding.cpp's PYBIND11_MODULE takes its name from the build)
+_TICK = 30.0  # seconds between the lines said while nvcc runs
+
+
+def source_dir_candidates(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """Where the CUDA sources may be: the installed package's data (dorafp8/csrc/), then a source checkout's csrc/."""
+    return [package_dir / "csrc", package_dir.parent / "csrc"]
+
+
+def source_dir() -> Path | None:
+    """The first candidate that holds what a build reads (binding.cpp, build_spec.py and the headers), or None."""
+    for cand in source_dir_candidates():
+        if all((cand / f).exists() for f in ("binding.cpp", "build_spec.py", "dora_fp8.h", "common")):
+            return cand
+    return None
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit: $CUDA_HOME, /usr/local/cuda, or the one nvcc on PATH is in. (torch guesses it from nvcc on
+    PATH, which may be a wrapper script elsewhere; setup.py and the kernel report take this order too.)"""
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return Path(cand)
+    nvcc = shutil.which("nvcc")
+    return Path(nvcc).resolve().parent.parent if nvcc else None
+
+
+def forced() -> bool:
+    return os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
+
+
+def why_not() -> str | None:
+    """None if a build can run here, else what is missing and what to do."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
+    if source_dir() is None:
+        first, second = source_dir_candidates()
+        return (f"the CUDA sources are neither in {first} (installed package data) nor in {second} (a source "
+                f"checkout); reinstall dorafp8")
+    if cuda_home() is None:
+        return ("nvcc was not found (no $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc or nvcc on PATH): install the "
+                "CUDA toolkit (its major version matching torch's CUDA " + str(torch.version.cuda) + ") and set "
+                "CUDA_HOME to it")
+    return None
+
+
+def archs(device: torch.device) -> list[str]:
+    """What to build for: $DORAFP8_CUDA_ARCHS, else the GPU's own arch as build_spec.py's defaults spell it (sm_90 is
+    "90a", as setup.py builds it), else, with no GPU (a forced build), build_spec.py's defaults."""
+    spec = build_spec()
+    env = os.environ.get("DORAFP8_CUDA_ARCHS")
+    defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
+    if env:
+        return [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
+    if not torch.cuda.is_available():
+        return defaults
+    major, minor = torch.cuda.get_device_capability(device)
+    own = f"{major}{minor}"
+    return [next((a for a in defaults if a.rstrip("af") == own), own)]
+
+
+def build_spec() -> dict:
+    """csrc/build_spec.py's names: the sources, flags and helpers setup.py builds with."""
+    return runpy.run_path(str(source_dir() / "build_spec.py"))
+
+
+def cache_root() -> Path:
+    if os.environ.get("DORAFP8_CACHE_DIR"):
+        return Path(os.environ["DORAFP8_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dorafp8"
+
+
+def plan(device: torch.device) -> dict:
+    """What load() is called with: sources, flags, include folders, the keyed build folder."""
+    src, spec = source_dir(), build_spec()
+    target = archs(device)
+    sources = [str(src / f) for f in ["binding.cpp", *spec["CUDA_SOURCES"]]]
+    cuda_flags = spec["NVCC_FLAGS"] + spec["gencode"](target)
+    key = hashlib.sha256()
+    for f in sorted(p for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".cuh", ".h") and p.is_file()):
+        key.update(f.relative_to(src).as_posix().encode() + b"\0" + f.read_bytes())
+    key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], torch.__version__, torch.version.cuda))
+               .encode())
+    return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,
+                extra_include_paths=[str(src)] + spec["wheel_include_dirs"](), archs=target,
+                build_directory=cache_root() / "cuda_ext" / f"sm_{'_'.join(target)}-{key.hexdigest()[:16]}",
+                max_jobs=spec["default_max_jobs"]())
+
+
+def _say(msg: str) -> None:
+    print(f"dorafp8: {msg}", file=sys.stderr, flush=True)
+
+
+def build(device: torch.device) -> ModuleType:
+    """dorafp8._C built for `device` (or loaded from the cache); RuntimeError saying what failed and what runs
+    without it."""
+    why = why_not()
+    if why is not None:
+        raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built here: {why}")
+    from torch.utils import cpp_extension
+
+    p = plan(device)
+    out = Path(p["build_directory"])
+    out.mkdir(parents=True, exist_ok=True)
+    cached = any(out.glob(f"{NAME}*.so"))
+    what = (f"the CUDA extension for sm_{', sm_'.join(p['archs'])} (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda})")
+    done = threading.Event()
+    t0 = time.monotonic()
+    if not cached:
+        _say(f"building {what} on first use of backend='cuda', once per torch version and GPU: nvcc takes a few "
+             f"minutes (MAX_JOBS={os.environ.get('MAX_JOBS', p['max_jobs'])}), into {out}")
+
+        def tick():
+            while not done.wait(_TICK):
+                _say(f"... still compiling the CUDA extension ({time.monotonic() - t0:.0f} s)")
+
+        threading.Thread(target=tick, daemon=True).start()
+    default_jobs = "MAX_JOBS" not in os.environ
+    saved_home = cpp_extension.CUDA_HOME
+    try:
+        # What torch's loader reads: its CUDA_HOME (guessed at its import, maybe from a wrapper script on PATH) and
+        # MAX_JOBS (ninja's parallel jobs); set for this build only. The archs are in our -gencode flags, so torch
+        # adds none of its own.
+        cpp_extension.CUDA_HOME = str(cuda_home())
+        if default_jobs:
+            os.environ["MAX_JOBS"] = p["max_jobs"]
+        module = cpp_extension.load(name=NAME, sources=p["sources"], extra_cflags=p["extra_cflags"],
+                                    extra_cuda_cflags=p["extra_cuda_cflags"],
+                                    extra_include_paths=p["extra_include_paths"], build_directory=str(out),
+                                    verbose=False, with_cuda=True)
+    except Exception as e:
+        raise RuntimeError(f"building {what} failed ({type(e).__name__}: {str(e)[-2000:]}); the build folder is "
+                           f"{out}. backend='triton' or backend='reference' run without the extension") from e
+    finally:
+        done.set()
+        cpp_extension.CUDA_HOME = saved_home
+        if default_jobs:
+            os.environ.pop("MAX_JOBS", None)
+    if not cached:
+        _say(f"built {what} in {time.monotonic() - t0:.0f} s")
+    return module
