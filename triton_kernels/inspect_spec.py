@@ -131,7 +131,9 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
 
 # The headline variants (kernel_report.predict) are also compiled with the main loops the launchers do not pick on that
 # arch, so that the report can set them side by side: on sm_90a the cp.async loop and TMA without warp specialization.
-COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16")
+# The small-M one is where the cp.async loop's small-M lists get compiled on sm_90a (the launchers' fallback there).
+COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
+            "adapter,tensor-scale,M<=64,fp32-rank,r=16")
 
 
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
