@@ -13,8 +13,8 @@ kernel, from its kernel-report record:
   step (a cost per barrier), and W8A8's promotion drains the wgmma before its adds, which then add to the tensor
   time; in the warp-specialized loop ("tma-ws") each consumer warpgroup's chain (its wgmma, then its conversion or its
   adds) runs beside the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
-- per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs), which nothing overlaps with one
-  CTA per SM, and where a CTA starts on a tile, the latency of its first loads (a persistent warp-specialized kernel's
+- per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs) and the epilogue's rank-r products
+  on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its first loads (a persistent warp-specialized kernel's
   producer fetches the next tile's during the epilogue);
 - the tiles of the busiest SM (one CTA per SM in both loops at the headline tiles), and the HBM bytes as a floor.
 For a layer: the GEMMs, every other launch of a dry run of the backend at the headline shape (dorafp8._launches: the
@@ -145,12 +145,18 @@ def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
     return cycles, bound, pipes
 
 
-def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo") -> dict:
+def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo", r: int = 0) -> dict:
     """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
-    kernel-report record, at one end of the ranges, and what bounds it."""
+    kernel-report record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product
+    (a [B_OUT, r] x [r, BLOCK_M] dot per tile and accumulator) runs on the tensor cores after the main loop: three
+    bf16 products for PEFT's fp32 adapters ("fp32-rank" variants: split_dot's, or rank_pieces' one dot over 3 r)."""
+    from ..triton_kernels.epilogue_dot import LORA_PIECES  # here: this module's top needs no torch
+
     R = RATES
     bm, b_out, b_red, warps = _tile(rec)
     cycles, bound, pipes = step_time(rec, end)
+    rank = 2.0 * bm * b_out * r * (2 if "dropout" in rec["variant"] else 1) if "adapter" in rec["variant"] else 0.0
+    rank *= LORA_PIECES if "fp32-rank" in rec["variant"] else 1
     tiles = math.ceil(M / bm) * math.ceil(out / b_out)
     tiles_sm = math.ceil(tiles / SMS)  # one CTA per SM at these tiles (registers, or the persistent grid)
     ws = rec.get("ws_consumers") or 0
@@ -159,6 +165,7 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: s
     # each partition runs its own code on its 4 warps, all on the same four schedulers
     outside = max(0, (rec.get("kernel_instrs") or 0) - loop_instrs)
     per_tile = outside * (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)
+    per_tile += rank / R["tensor"].pick(end)
     first_loads = R["first_load_s"].pick(end) * CLOCK_HZ
     starts = 1 if rec.get("tile_loop") else tiles_sm  # a persistent CTA starts once, a plain one per tile
     total = tiles_sm * (math.ceil(red / b_red) * cycles + per_tile) + starts * first_loads
@@ -210,7 +217,8 @@ def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
                 recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant + _suffix(loop)
                         and x["arch"] == "sm_90a" and x["backend"] == "triton" and not x["error"] and x["main_loop"]]
                 hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes)
-                preds = [({end: predict_gemm(x, M, o, red, hbm, end) for end in ENDS}, x) for x in recs]
+                preds = [({end: predict_gemm(x, M, o, red, hbm, end, HEADLINE["r"]) for end in ENDS}, x)
+                         for x in recs]
                 if preds:
                     p, x = min(preds, key=lambda t: t[0]["lo"]["seconds"])
                     out.append(dict(mode=mode, loop=loop, kernel=kernel, config=x["config"], lo=p["lo"], hi=p["hi"]))

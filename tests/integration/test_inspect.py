@@ -745,6 +745,10 @@ def test_predicted_step_follows_its_model():
     assert lo["bound"] == "issue" and lo["step_cycles"] == issue
     assert (lo["pipes"]["chain"], hi["pipes"]["chain"]) == (256 + 300, 256 + 300 + 60)
     assert lo["seconds"] == pytest.approx(seconds(issue, 0.6e-6, EFF_FAST, starts=1))
+    # the epilogue's rank-r products per tile on the tensor cores: PEFT's fp32 adapters as three bf16 products
+    rec = _gemm_rec("adapter,tensor-scale,M>64,fp32-rank,r=16", mma=4, instrs=100)
+    with_rank, without = (pr.predict_gemm(rec, M, N, K, 0, "lo", r)["per_tile_cycles"] for r in (16, 0))
+    assert with_rank - without == 3 * 2 * 128 * 128 * 16 / TC_CLK
     # the HBM floor at 3.0 TB/s
     assert pr.predict_gemm(_gemm_rec(mma=4, instrs=100), M, N, K, 3e12, "lo")["seconds"] == pytest.approx(1.0)
     # the yardstick: the Linear's two GEMMs at cuBLAS's measured 798 TFLOP/s
