@@ -23,8 +23,8 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
-from .predict import (HEADLINE, HEADLINE_VARIANTS, RATES, headline, launches_subprocess, layer_table, linear_seconds,
-                      measured)
+from .predict import (CPU_GLUE_S, HEADLINE, HEADLINE_VARIANTS, RATES, headline, launches_subprocess, layer_table,
+                      linear_seconds, measured)
 from .triton_driver import SPEC_MODULE
 
 PROG = "python -m dorafp8.kernel_report"
@@ -258,6 +258,10 @@ def format_prediction(records: list[dict], results_dir: str | None = None) -> st
         meas = f"{got[0][0]:.3f} ({got[0][1]})" if got else "-"
         lines.append(f"    {row['name']:36}  {row['launches']:8}  {row['bytes'] / 2**20:6.0f}  "
                      f"{_ms(row['lo'], row['hi']):>14}  {_x(row['lo'], row['hi'], lin):>13}   {meas}")
+    lo, hi = CPU_GLUE_S
+    lines.append(f"  the CPU: {lo * 1e3:.2f}-{hi * 1e3:.2f} ms of Python around the kernels per forward + backward "
+                 f"(measured on this project's CPU at M = 256, bench/glue_cpu.py; Triton's own launch path not in it): "
+                 f"hidden behind the GPU's time here, the floor of a step at small M without CUDA graphs")
     lines.append("  rates (per SM and clock unless stated; fast end, slow end):")
     for name, rate in RATES.items():
         lines.append(f"    {name:13} {rate.lo:g}, {rate.hi:g}: {rate.source}")

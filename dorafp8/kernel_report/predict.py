@@ -73,7 +73,9 @@ RATES = {
     "hbm": Rate(3.0e12, 3.0e12, "measured: 3.0 TB/s device copy, the project's H100 (3.35 TB/s datasheet)"),
     "launch_gap_s": Rate(1e-6, 3e-6, "assumed: between two dependent launches on the GPU"),
 }
-CPU_GLUE_S = (0.35e-3, 0.44e-3)  # bench/glue_cpu.py: the Python around the kernels per forward + backward at M = 256
+# Measured: the Python around the kernels per forward + backward at M = 256 on this project's (shared, loaded) CPU,
+# bench/glue_cpu.py (docs/ARCHITECTURE.md): --predict states it as the floor of a step at small M without CUDA graphs.
+CPU_GLUE_S = (0.35e-3, 0.44e-3)
 _LDS_BYTES = {"lds8": 1, "lds16": 2, "lds32": 4, "lds64": 8, "lds128": 16, "ldsm": 16}
 ENDS = ("lo", "hi")
 

@@ -824,3 +824,4 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
     linear = next(line for line in out.splitlines() if line.startswith("    cuBLAS bf16 Linear"))
     assert linear.rstrip().endswith("0.701 (NVIDIA H100 80GB HBM3)")
     assert all(f"    {name} " in out for name in pr.RATES)  # every rate, with its source
+    assert "the CPU: 0.35-0.44 ms" in out  # and the measured CPU floor of a step

@@ -495,3 +495,17 @@ def test_rank_pieces_give_split_dots_products(device, t_rank_rows):
     (th, tl_), (vh, vl) = split(t), split(v)
     assert torch.equal(v3.cpu(), torch.cat([vl, vh, vh], 1))
     assert torch.equal(t3.cpu(), torch.cat([th, tl_, th], 1))
+
+
+def test_descriptor_scratch_allocator_is_set_for_the_call_only():
+    """Tensor descriptors made in a kernel need 128 bytes of global scratch a program, which Triton asks its allocator
+    for at launch (and fails without one): the Hopper launchers set one for their call only, in a copy of the context,
+    so what a caller set (or that none is set) is what the rest of the program still sees."""
+    from triton.runtime import _allocation
+
+    from dorafp8.triton_kernels.hopper import with_descriptor_scratch
+
+    before = _allocation._allocator.get()
+    inside = with_descriptor_scratch(lambda: _allocation._allocator.get())
+    assert inside is not before and callable(inside)
+    assert _allocation._allocator.get() is before
