@@ -25,7 +25,8 @@ TMA. So "tma-ws" runs without dropout only (two accumulators are two dots a step
 descriptors, and PEFT's fp32 adapters, whose products into 16-bit outputs are split_dot's three bf16 products
 (epilogue_dot.py), take them as one bf16 dot over a rank three times as long: `rank_pieces` writes [Th | Tl | Th] of the
 tile-side operand (B, or A^T) and [Vl | Vh | Vh] of the token side (u, or v), so that their product is split_dot's
-Th Vl + Tl Vh + Th Vh, exactly (one launch, (M + N) 3 r 2 bytes: 1.1 MiB at M = 8192, N = 4096, r = 16). An fp32 output
+Th Vl + Tl Vh + Th Vh, the same pieces and products summed in one fp32 accumulator (one launch, (M + N) 3 r 2 bytes:
+1.1 MiB at M = 8192, N = 4096, r = 16). An fp32 output
 (exact fp32 rank products on CUDA cores) keeps the cp.async loop.
 
 DORAFP8_HOPPER_GEMM: unset, the Hopper loop on sm_90 wherever the tensors allow TMA (tma_ready); "0" the cp.async loop
