@@ -19,15 +19,15 @@ thread and step): so the Hopper dgrad reads W8^T [K, N], made by `transpose_w8` 
 written: 32 MiB, about 11 us at 3.0 TB/s, for 4096 x 4096), as W8A8's dgrad always did, and its main loop is the
 forward's.
 
-What Triton's warp specialization on Hopper (3.6 to 3.9) takes, read by compiling (its partitioner, NVGPUWarpSpecialization,
-aborts otherwise): one dot per loop iteration, and in the epilogue at most one loop holding a dot, whose operands come by
-TMA. So "tma-ws" runs without dropout only (two accumulators are two dots a step), the epilogue's rank-r term comes by
-descriptors, and PEFT's fp32 adapters, whose products into 16-bit outputs are split_dot's three bf16 products
-(epilogue_dot.py), take them as one bf16 dot over a rank three times as long: `rank_pieces` writes [Th | Tl | Th] of the
-tile-side operand (B, or A^T) and [Vl | Vh | Vh] of the token side (u, or v), so that their product is split_dot's
-Th Vl + Tl Vh + Th Vh, the same pieces and products summed in one fp32 accumulator (one launch, (M + N) 3 r 2 bytes:
-1.1 MiB at M = 8192, N = 4096, r = 16). An fp32 output
-(exact fp32 rank products on CUDA cores) keeps the cp.async loop.
+What Triton's warp specialization on Hopper (3.6 to 3.9) takes, read by compiling (its partitioner,
+NVGPUWarpSpecialization, aborts otherwise): one dot per loop iteration, and in the epilogue at most one loop holding a
+dot, whose operands come by TMA. So "tma-ws" runs without dropout only (two accumulators are two dots a step), the
+epilogue's rank-r term comes by descriptors, and PEFT's fp32 adapters, whose products into 16-bit outputs are
+split_dot's three bf16 products (epilogue_dot.py), take them as one bf16 dot over a rank three times as long:
+`rank_pieces` writes [Th | Tl | Th] of the tile-side operand (B, or A^T) and [Vl | Vh | Vh] of the token side (u, or
+v), so that their product is split_dot's Th Vl + Tl Vh + Th Vh, the same pieces and products summed in one fp32
+accumulator (one launch, (M + N) 3 r 2 bytes: 1.1 MiB at M = 8192, N = 4096, r = 16). An fp32 output (exact fp32 rank
+products on CUDA cores) keeps the cp.async loop.
 
 DORAFP8_HOPPER_GEMM: unset, the Hopper loop on sm_90 wherever the tensors allow TMA (tma_ready); "0" the cp.async loop
 everywhere (to compare on a GPU); "1" also under Triton's interpreter and in dry runs (tests, the kernel report's

@@ -14,8 +14,8 @@ kernel, from its kernel-report record:
   time; in the warp-specialized loop ("tma-ws") each consumer warpgroup's chain (its wgmma, then its conversion or its
   adds) runs beside the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
 - per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs) and the epilogue's rank-r products
-  on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its first loads (a persistent warp-specialized kernel's
-  producer fetches the next tile's during the epilogue);
+  on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its
+  first loads (a persistent warp-specialized kernel's producer fetches the next tile's during the epilogue);
 - the tiles of the busiest SM (one CTA per SM in both loops at the headline tiles), and the HBM bytes as a floor.
 For a layer: the GEMMs, every other launch of a dry run of the backend at the headline shape (dorafp8._launches: the
 launchers plan for an H100, nothing runs) at the longer of its bytes over HBM and its rank-r FLOPs on CUDA cores (fp32

@@ -261,9 +261,9 @@ def test_sm90_gemms_run_the_hopper_main_loop(records):
 
 
 def test_sm90_old_loop_is_what_issue_42_read(records):
-    """The cp.async loop the Hopper loop replaced, compiled beside it (the ",async-copy" headline variants): its CTA-wide
-    barriers every step, no TMA, and the dgrad's one-byte loads of W8. What the new loop removes, read here rather
-    than assumed."""
+    """The cp.async loop the Hopper loop replaced, compiled beside it (the ",async-copy" headline variants): its
+    CTA-wide barriers every step, no TMA, and the dgrad's one-byte loads of W8. What the new loop removes, read here
+    rather than assumed."""
     if "sm_90a" not in ARCHS:
         pytest.skip("sm_90a is not inspected here")
     old = [r for r in records if r["arch"] == "sm_90a" and r["variant"].endswith(",async-copy")]
@@ -812,8 +812,8 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
               mma=4, instrs=120)
     records = [dict(_gemm_rec(f"{pr.HEADLINE_VARIANTS['W8A16']}", kernel=k, **ws), arch="sm_90a", backend="triton",
                     error=None, dtype="bf16") for k in GEMMS]
-    monkeypatch.setattr(cli, "launches_subprocess", lambda: {"W8A16": [dict(name="triton:dora_fwd_kernel", nbytes=1),
-                                                                        dict(name="triton:dora_dgrad_kernel", nbytes=1)]})
+    gemms = [dict(name="triton:dora_fwd_kernel", nbytes=1), dict(name="triton:dora_dgrad_kernel", nbytes=1)]
+    monkeypatch.setattr(cli, "launches_subprocess", lambda: {"W8A16": gemms})
     out = cli.format_prediction(records, str(tmp_path))
     assert out.startswith("PREDICTED, not measured")
     fwd = next(line for line in out.splitlines() if "W8A16" in line and "forward " in line)

@@ -393,7 +393,8 @@ def test_w8_conversion_keeps_e4m3_nan(device, dtype, via_f32):
 # The shapes are ones TMA can address (K, N multiples of 16; the fp32 adapters' rows 16-byte aligned); r = 20 takes
 # rank_pieces' 60 columns in four chunks of 16; M = 37 and 70 leave partial tiles. Dropout, fp32 outputs and 16-bit
 # adapters whose rows TMA cannot address keep the cp.async loop (hopper.ws_plan), which the observed MAIN_LOOP shows.
-HOPPER_CASES = [((37, 64, 48, 16, False), torch.float16, None), ((70, 96, 80, 20, False), torch.bfloat16, torch.float32),
+HOPPER_CASES = [((37, 64, 48, 16, False), torch.float16, None),
+                ((70, 96, 80, 20, False), torch.bfloat16, torch.float32),
                 ((37, 64, 48, 16, False), torch.float16, torch.float32)]
 HOPPER_LOOPS = ["tma-ws", "async-copy"] if HAS_CUDA else ["tma-ws"]
 
@@ -432,7 +433,8 @@ def test_hopper_main_loop(device, loop, shape, dtype, rank_dtype, mode, scale, a
     p["z_dtype"] = dtype  # z in the compute dtype, as the layer asks: fp32 adapters take split_dot's products
     check_forward(tk.forward, p, mode, has_bias=True, act_quant=act_quant)
     check_dgrad(tk.dgrad, p, mode, act_quant)
-    # 16-bit adapters are read by TMA as they are: r = 20 has 40-byte rows (fp32 ones go through rank_pieces' padded rows)
+    # 16-bit adapters are read by TMA as they are: r = 20 has 40-byte rows (fp32 ones go through rank_pieces' padded
+    # rows)
     tma_rank = mode == "plain" or rank_dtype == torch.float32 or r % 8 == 0
     want = "async-copy" if loop == "async-copy" or not tma_rank else loop
     assert {kernel for kernel, _ in main_loops_seen} == {"dora_fwd_kernel", "dora_dgrad_kernel"}
