@@ -19,7 +19,8 @@ there). That is how kernel fusion is argued: it removes whole tensors from the l
 
 `dry_run(sms, blocks)`: the Triton kernels are recorded but not run, and the launchers make the choices they would
 make on a GPU with `sms` SMs holding `blocks` blocks of each kernel, so that a shape too large for the interpreter
-still gives its launch list and bytes (PyTorch ops between the kernels still run, on CPU).
+still gives its launch list and bytes (PyTorch ops between the kernels still run, on CPU, but for matrix products,
+whose results are allocated, not computed).
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ class Launch:
     name: str   # "triton:dora_fwd_kernel" or "aten:mul.Tensor"
     nbytes: int  # the model: each distinct tensor it reads or writes, once
     shapes: list = field(default_factory=list)  # (shape, dtype) of each tensor counted
+    flops: int = 0  # a matrix product's 2 m n k (aten mm, addmm, bmm); 0 for every other op and the Triton kernels
+
+
+# Matrix products among the aten ops: their FLOPs are recorded (kernel_report.predict times them), and in a dry run
+# their result is allocated rather than computed (at the shapes a dry run plans for, a CPU matmul takes minutes).
+_MATMULS = {"mm", "addmm", "bmm"}
+
+
+def _matmul_flops(name, args) -> int:
+    a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
+    return 2 * a.numel() * b.shape[-1]
 
 
 class LaunchRecorder(TorchDispatchMode):
@@ -98,12 +110,12 @@ class LaunchRecorder(TorchDispatchMode):
                 kernel[grid](*args, **kwargs)
         return True  # launched (or, in a dry run, skipped) here
 
-    def _record(self, name, tensors):
+    def _record(self, name, tensors, flops=0):
         counted = {}
         for t in tensors:
             key = (t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype)
             counted.setdefault(key, (tuple(t.shape), t.dtype))
-        self.launches.append(Launch(name, _tensor_bytes(tensors), list(counted.values())))
+        self.launches.append(Launch(name, _tensor_bytes(tensors), list(counted.values()), flops))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":
@@ -115,13 +127,18 @@ class LaunchRecorder(TorchDispatchMode):
             out = func.decompose(*args, **(kwargs or {}))
         if out is not NotImplemented:
             return out
-        out = func(*args, **(kwargs or {}))
         name = func._schema.name.split("::")[1]
+        if self._skip and name in _MATMULS:  # a dry run: the product's shape, not its values (see _MATMULS)
+            meta = func(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **(kwargs or {}))
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=args[0].device)
+        else:
+            out = func(*args, **(kwargs or {}))
         if name in _SYNCS:
             self.syncs.append(str(func))
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         if name not in _NO_KERNEL and not _is_view(func) and tensors:
-            self._record(f"aten:{func._schema.name.split('::')[1]}.{func._overloadname}", tensors)
+            self._record(f"aten:{name}.{func._overloadname}", tensors,
+                         _matmul_flops(name, args) if name in _MATMULS else 0)
         return out
 
     def __enter__(self):

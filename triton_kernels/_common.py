@@ -1,4 +1,7 @@
-"""Pieces shared by the three Triton kernels: the dot helper, launch-time choices and the autotune configs."""
+"""Pieces shared by the three Triton kernels: the dot helper, launch-time choices and the autotune configs.
+
+Long because it is the one home of every launch-time choice the kernels share (the config tables per arch and Triton
+version, occupancy, the argument checks), each of them short; the Hopper main loop's own choices are in hopper.py."""
 
 from __future__ import annotations
 
@@ -129,10 +132,14 @@ def m_bucket(m: int) -> int:
 
 
 @triton.jit
-def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program in grouped launch order: GROUP_M row-blocks sweep the same column-blocks
-    together, so the W8 tiles they share are reused from L2 instead of being re-read once per row-block."""
-    pid = tl.program_id(0)
+def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr, TILE=None):
+    """(pid_m, pid_n) of this program (or of tile number TILE, in a persistent kernel's tile loop) in grouped launch
+    order: GROUP_M row-blocks sweep the same column-blocks together, so the W8 tiles they share are reused from L2
+    instead of being re-read once per row-block."""
+    if TILE is None:
+        pid = tl.program_id(0)
+    else:
+        pid = TILE
     num_pid_in_group = GROUP_M * num_pid_n
     first_pid_m = (pid // num_pid_in_group) * GROUP_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)

@@ -33,7 +33,9 @@ from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_w
                       scale_block_size, vector, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
-from .gemm import w8_gemm_loop
+from .gemm import w8_gemm_loop, w8_gemm_loop_tma
+from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, transpose_w8, ws_configs_for,
+                     ws_plan, ws_rank_dot)
 
 
 @triton.jit
@@ -44,10 +46,12 @@ def _dgrad_epilogue(
     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr,
     HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, v_desc=None, a_desc=None, off_m=0, off_k=0,
 ):
     """Everything after the dgrad GEMM, in fp32, on the TRANSPOSED tile [BLOCK_K, BLOCK_M]. The rank-r term goes into
-    the accumulator's own registers (t = base / s + A^T v^T, then times s), as in the forward epilogue."""
+    the accumulator's own registers (t = base / s + A^T v^T, then times s), as in the forward epilogue; with v_desc and
+    a_desc (the warp-specialized Hopper loop: forward._lora_into says why) v and A [r, K] come by TMA for the tile
+    at rows off_m of gl and columns off_k of A."""
     rows_m = offs_m.to(tl.int64)
     st = 1.0
     if SCALE_KIND == "tensor":
@@ -62,11 +66,16 @@ def _dgrad_epilogue(
         if HAS_LORA:
             offs_r = tl.arange(0, BLOCK_R)
             for r0 in range(0, R, BLOCK_R):
-                r_ok = r0 + offs_r < R
-                at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r + offs_k[:, None].to(tl.int64) * stride_a_k,
-                             mask=mask_k[:, None] & r_ok[None, :], other=0.0)
-                vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
-                             mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+                if v_desc is None:
+                    r_ok = r0 + offs_r < R
+                    at = tl.load(a_ptr + (r0 + offs_r[None, :]) * stride_a_r
+                                 + offs_k[:, None].to(tl.int64) * stride_a_k,
+                                 mask=mask_k[:, None] & r_ok[None, :], other=0.0)
+                    vt = tl.load(v_ptr + rows_m[None, :] * stride_v_m + (r0 + offs_r[:, None]) * stride_v_r,
+                                 mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+                else:
+                    at = a_desc.load([r0, off_k]).T
+                    vt = v_desc.load([off_m, r0]).T
                 dx = rank_dot_into(dx, at, vt, LORA_DT, LORA_IEEE, LORA_SPLIT)
             dx = dx * s
         if HAS_DROPOUT:
@@ -113,9 +122,58 @@ def dora_dgrad_kernel(
     BLOCK_K: tl.constexpr,      # output columns (the K of x)
     BLOCK_N: tl.constexpr,      # reduction chunk (the N of y)
     GROUP_M: tl.constexpr,
+    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile), "tma" or "tma-ws" (persistent, W8^T): hopper.py
 ):
     # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
-    pid_m, pid_k = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    if MAIN_LOOP == "async-copy":
+        pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M)
+        _dgrad_tile(pid_m, pid_k, None, None, None, None, None,
+                    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr,
+                    mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
+                    stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
+                    HAS_ADAPTER, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
+                    W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K, BLOCK_N,
+                    MAIN_LOOP)
+    else:
+        # w_ptr is W8^T [K, N] (hopper.transpose_w8), so the W8 tile is rows of it, as in the forward; descriptors
+        # made once per program, TMA zero-fills outside the tensors.
+        gl_desc = tl.make_tensor_descriptor(gl_ptr, [M, N], [stride_gl_m, 1], [BLOCK_M, BLOCK_N])
+        gb_desc = gl_desc
+        if HAS_DROPOUT and not FOLDED:
+            gb_desc = tl.make_tensor_descriptor(gb_ptr, [M, N], [stride_gb_m, 1], [BLOCK_M, BLOCK_N])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [stride_w, 1], [BLOCK_K, BLOCK_N])
+        v_desc = None
+        a_desc = None
+        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_dgrad_epilogue)
+            v_desc = tl.make_tensor_descriptor(v_ptr, [M, R], [stride_v_m, 1], [BLOCK_M, BLOCK_R])
+            a_desc = tl.make_tensor_descriptor(a_ptr, [R, K], [stride_a_r, 1], [BLOCK_R, BLOCK_K])
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_k, tl.num_programs(0),
+                             warp_specialize=MAIN_LOOP == "tma-ws"):
+            pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, tile)
+            _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
+                        gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr,
+                        a_ptr, mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n,
+                        stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
+                        HAS_ADAPTER, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT,
+                        IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K,
+                        BLOCK_N, MAIN_LOOP)
+
+
+@triton.jit
+def _dgrad_tile(
+    pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,  # the tile; descriptors (None for "async-copy")
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
+    stride_mask_m, stride_dx_m, s, inv_keep,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FOLDED: tl.constexpr, SCALE_KIND: tl.constexpr,
+    SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, DOT_DT: tl.constexpr,
+    IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, LORA_DT: tl.constexpr,
+    LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAIN_LOOP: tl.constexpr,
+):
+    """One output tile: the main loop (gemm.py) and the epilogue."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
@@ -126,25 +184,30 @@ def dora_dgrad_kernel(
     # dx^T [BLOCK_K, BLOCK_M] = W8'^T [BLOCK_K, BLOCK_N] @ gl^T [BLOCK_N, BLOCK_M], the transposed tile (gemm.py), as in
     # the forward but with W8 transposed: its tile is columns of W8, BLOCK_N rows further each step. The block-scale
     # grid [ceil(N/b), ceil(K/b)] has the reduction along its rows, the output columns along its columns.
-    if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
-        w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
-        stride_w_red = 1
-    else:  # W8 [N, K]
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
-        stride_w_red = stride_w
-    glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
-    gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
     s_offs = offs_k // SCALE_BLOCK_SIZE
-    acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
-                              mask_m, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
-                              W8_VIA_F32, FP8_PROMOTE, BLOCK_K,
-                              BLOCK_M, BLOCK_N)
+    if MAIN_LOOP == "async-copy":
+        if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
+            w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
+            stride_w_red = 1
+        else:  # W8 [N, K]
+            w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+            stride_w_red = stride_w
+        glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
+        gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
+        acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
+                                  mask_m, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE,
+                                  ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
+    else:
+        acc, acc_b = w8_gemm_loop_tma(w_desc, gl_desc, gb_desc, pid_k * BLOCK_K, pid_m * BLOCK_M, scale_ptr, s_offs,
+                                      stride_scale_n, mask_k, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND,
+                                      SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K,
+                                      BLOCK_M, BLOCK_N)
 
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
                     HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE, LORA_SPLIT,
-                    BLOCK_R, BLOCK_M, BLOCK_K)
+                    BLOCK_R, BLOCK_M, BLOCK_K, v_desc, a_desc, pid_m * BLOCK_M, pid_k * BLOCK_K)
 
 
 @triton.jit
@@ -235,31 +298,51 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
 
         gl, sgl = rowwise_quant(gl)
         gb, sgb = rowwise_quant(gb) if has_dropout else (gl, sgl)
-        w = w8.t().contiguous()  # W8^T [K, N]: transient, this call only (see the module docstring)
     else:
         sgl = sgb = rl  # placeholders, never read
-        w = w8
     dot_dt, ieee = dot_dtype(cdt)
     ieee = ieee and not quant
     fp32_tiles = cdt == torch.float32 and not quant
-    configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
-        gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
-                     (quant and fp8_promote(gl.device)) or folded, quant),
-        "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded)
+    # The Hopper loop reads W8^T [K, N] (hopper.py says why): TMA must address its rows too (N bytes, 16-aligned)
+    main_loop = gemm_main_loop(gl.device, fp32_tiles, gl, gb, w8) if N % 16 == 0 else "async-copy"
+    rk = rank_dot((cdt,), r, v.dtype, A.dtype)
+    main_loop, rank_mode = ws_plan(main_loop, has_dropout, rk if has_adapter and float(s) != 0.0 else None, folded)
+    if rank_mode == "direct" and not tma_ready(v, A):
+        main_loop, rank_mode = "async-copy", ""
+    if main_loop == "async-copy":  # Triton 3.8 serializes some cp.async loops' tensor-core epilogues (rank_fma_for)
+        rk = rank_dot((cdt,), r, v.dtype, A.dtype, fma=rank_fma_for(arch_of(gl.device), True, has_dropout))
+    v_k, A_k = rank_pieces(v, A, True) if rank_mode == "pieces" else (v, A)  # the rank operands as the kernel reads
+    r_k, rk = ws_rank_dot(rank_mode, r, rk)
+    if main_loop != "async-copy":
+        w = transpose_w8(w8)  # W8^T [K, N]: transient, this call only (see the module docstring)
+    elif quant:
+        w = w8.t().contiguous()  # likewise
+    else:
+        w = w8
+
+    def configs():  # made once per tag and arch: see autotuned
+        if main_loop == "async-copy":
+            lists = gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
+                                 (quant and fp8_promote(gl.device)) or folded, quant)
+        else:
+            lists = ws_configs_for(arch_of(gl.device), "BLOCK_K", "BLOCK_N", M, quant)
+        return fit_reduction_block(lists, "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
+
+    # W8A8's lists differ: quant in the tag
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded,
+           main_loop)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
                        pin="dgrad/w8a8" if quant else "dgrad/w8a16")
-    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(K, meta["BLOCK_K"]),)
-    launch(kernel, grid)(
-        gl, gb, sgl, sgb, rl, rb, fl, fb, w, scale, v, A, mask, dx,
-        M, N, K, r, m_bucket(M),
-        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v.stride(0),
-        v.stride(1), A.stride(0), A.stride(1), mask.stride(0), dx.stride(0),
+    launch_gemm(
+        kernel, gemm_grid(main_loop, M, K, "BLOCK_K", gl.device), main_loop, gl.device,
+        gl, gb, sgl, sgb, rl, rb, fl, fb, w, scale, v_k, A_k, mask, dx,
+        M, N, K, r_k, m_bucket(M),
+        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v_k.stride(0),
+        v_k.stride(1), A_k.stride(0), A_k.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, FOLDED=folded, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
-        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device),
-        **rank_dot((cdt,), r, v.dtype, A.dtype, fma=rank_fma_for(arch_of(gl.device), True, has_dropout)),
+        IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), MAIN_LOOP=main_loop, **rk,
     )
     return dx
 

@@ -26,23 +26,32 @@ from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_w
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale,
                       scale_block_size, vector, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
-from .gemm import w8_gemm_loop
+from .gemm import w8_gemm_loop, w8_gemm_loop_tma
+from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, ws_configs_for, ws_plan,
+                     ws_rank_dot)
 
 
 @triton.jit
 def _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
-               LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
+               LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+               u_desc=None, b_desc=None, off_m=0, off_n=0):
     """t + (u B^T)^T = t + B u^T on the transposed tile, r in chunks of BLOCK_R (padded to the tl.dot minimum with
-    masks), accumulated into t's own registers: no second [BLOCK_N, BLOCK_M] fp32 tile."""
+    masks), accumulated into t's own registers: no second [BLOCK_N, BLOCK_M] fp32 tile. With descriptors (the
+    warp-specialized Hopper loop, whose partitioner takes only TMA loads as a dot's operands: hopper.py) u and B come
+    by TMA from the tile's first rows off_m, off_n, zero-filled past R, M and N as the masks would."""
     rows_m = offs_m.to(tl.int64)
     rows_n = offs_n.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     for r0 in range(0, R, BLOCK_R):
-        r_ok = r0 + offs_r < R
-        b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
-                      mask=mask_n[:, None] & r_ok[None, :], other=0.0)
-        ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
-                     mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+        if u_desc is None:
+            r_ok = r0 + offs_r < R
+            b_t = tl.load(b_ptr + rows_n[:, None] * stride_b_n + (r0 + offs_r[None, :]) * stride_b_r,
+                          mask=mask_n[:, None] & r_ok[None, :], other=0.0)
+            ut = tl.load(u_ptr + rows_m[None, :] * stride_u_m + (r0 + offs_r[:, None]) * stride_u_r,
+                         mask=r_ok[:, None] & mask_m[None, :], other=0.0)
+        else:
+            b_t = b_desc.load([off_n, r0])
+            ut = u_desc.load([off_m, r0]).T
         t = rank_dot_into(t, b_t, ut, LORA_DT, LORA_IEEE, LORA_SPLIT)
     return t
 
@@ -56,10 +65,11 @@ def _fwd_epilogue(
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, u_desc=None, b_desc=None, off_m=0, off_n=0,
 ):
     """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
-    (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns.
+    (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns. u_desc, b_desc: the rank-r
+    operands by TMA (_lora_into), for the tile at rows off_m of x and off_n of W8.
 
     The rank-r term is accumulated into the base accumulator itself, as t = base / s + u B^T, then times s (HAS_LORA:
     s != 0; with s == 0 the term vanishes): one fp32 tile of registers, not two. With dropout both accumulators get it
@@ -82,7 +92,7 @@ def _fwd_epilogue(
             t = t * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
         if HAS_LORA:
             t = _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n,
-                           stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R)
+                           stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, u_desc, b_desc, off_m, off_n)
         c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
         if HAS_DROPOUT:
             t_d = acc_d * (sc * inv_keep / s_mul)  # xd W0^T = (xm W0^T) / (1 - p)
@@ -90,7 +100,8 @@ def _fwd_epilogue(
                 t_d = t_d * tl.load(sxm_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
             if HAS_LORA:
                 t_d = _lora_into(t_d, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r,
-                                 stride_b_n, stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R)
+                                 stride_b_n, stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, u_desc, b_desc,
+                                 off_m, off_n)
             z = t_d * s_mul
             y = t * s_mul + (c - 1.0) * z
         else:
@@ -142,8 +153,57 @@ def dora_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile), "tma" or "tma-ws" (persistent): hopper.py
 ):
-    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if MAIN_LOOP == "async-copy":
+        pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M)
+        _fwd_tile(pid_m, pid_n, None, None, None, None, None,
+                  x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
+                  z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
+                  stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
+                  DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
+                  BLOCK_K, MAIN_LOOP)
+    else:
+        # Descriptors made once per program; TMA zero-fills outside [M, K] and [N, K] (hopper.tma_ready checked
+        # the alignment it needs). The tile loop: this program's tiles in grouped order, every num_programs-th.
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_x_m, 1], [BLOCK_M, BLOCK_K])
+        xm_desc = x_desc
+        if HAS_DROPOUT:
+            xm_desc = tl.make_tensor_descriptor(xm_ptr, [M, K], [stride_xm_m, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_w_n, 1], [BLOCK_N, BLOCK_K])
+        u_desc = None
+        b_desc = None
+        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_lora_into says why)
+            u_desc = tl.make_tensor_descriptor(u_ptr, [M, R], [stride_u_m, 1], [BLOCK_M, BLOCK_R])
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_b_n, 1], [BLOCK_N, BLOCK_R])
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
+                             warp_specialize=MAIN_LOOP == "tma-ws"):
+            pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M, tile)
+            _fwd_tile(pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,
+                      x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
+                      z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
+                      stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
+                      HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
+                      DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
+                      BLOCK_K, MAIN_LOOP)
+
+
+@triton.jit
+def _fwd_tile(
+    pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,  # the tile; descriptors (None for "async-copy")
+    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
+    stride_y_m, stride_z_m, s, inv_keep,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr,
+    DOT_DT: tl.constexpr, IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr,
+    LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAIN_LOOP: tl.constexpr,
+):
+    """One output tile: the main loop (gemm.py) and the epilogue."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -156,20 +216,25 @@ def dora_fwd_kernel(
     # y^T [BLOCK_N, BLOCK_M] = W8 [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M], the transposed tile (gemm.py): the W8
     # tile is rows of W8, contiguous in K (K-major, as fp8 MMA wants under W8A8), stepping BLOCK_K along them. The
     # block-scale grid [ceil(N/b), ceil(K/b)] has the output rows as its rows, the reduction along its columns.
-    w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
-    xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
-    xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
     s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
-    acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
-                              scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
-                              FP8_PROMOTE, BLOCK_N, BLOCK_M,
-                              BLOCK_K)
+    if MAIN_LOOP == "async-copy":
+        w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
+        xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
+        xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
+        acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
+                                  scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT,
+                                  DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
+    else:
+        acc, acc_d = w8_gemm_loop_tma(w_desc, x_desc, xm_desc, pid_n * BLOCK_N, pid_m * BLOCK_M, scale_ptr, s_offs,
+                                      1, mask_n, K, scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND,
+                                      SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_N,
+                                      BLOCK_M, BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, ACT_QUANT, HAS_LORA, LORA_DT, LORA_IEEE,
-                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N)
+                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N, u_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
 
 
 @triton.jit
@@ -270,25 +335,39 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     dot_dt, ieee = dot_dtype(cdt)
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
-    configs = lambda: fit_reduction_block(  # noqa: E731 (made once per tag and arch: see autotuned)
-        gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles, quant and fp8_promote(x.device),
-                     quant),
-        "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)  # W8A8's lists differ: quant in the tag
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant)
+    rk = rank_dot((cdt, z.dtype), r, u.dtype, B.dtype)
+    main_loop, rank_mode = ws_plan(gemm_main_loop(x.device, fp32_tiles, x, xm, w8), has_dropout,
+                                   rk if has_adapter and float(s) != 0.0 else None)
+    if rank_mode == "direct" and not tma_ready(u, B):
+        main_loop, rank_mode = "async-copy", ""
+    if main_loop == "async-copy":  # Triton 3.8 serializes some cp.async loops' tensor-core epilogues (rank_fma_for)
+        rk = rank_dot((cdt, z.dtype), r, u.dtype, B.dtype, fma=rank_fma_for(arch_of(x.device), False, has_dropout))
+    u_k, B_k = rank_pieces(u, B) if rank_mode == "pieces" else (u, B)  # the rank operands as the kernel reads them
+    r_k, rk = ws_rank_dot(rank_mode, r, rk)
+
+    def configs():  # made once per tag and arch: see autotuned
+        if main_loop == "async-copy":
+            lists = gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles,
+                                 quant and fp8_promote(x.device), quant)
+        else:
+            lists = ws_configs_for(arch_of(x.device), "BLOCK_N", "BLOCK_K", M, quant)
+        return fit_reduction_block(lists, "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
+
+    # W8A8's lists differ: quant in the tag
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, main_loop)
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device,
                        pin="forward/w8a8" if quant else "forward/w8a16")
-    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
-    launch(kernel, grid)(
-        x, xm, sx, sxm, w8, scale, bias_t, m, n, u, B, y, z,
-        M, N, K, r, m_bucket(M),
-        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind == "block" else 0, u.stride(0),
-        u.stride(1), B.stride(0), B.stride(1), y.stride(0), z.stride(0),
+    launch_gemm(
+        kernel, gemm_grid(main_loop, M, N, "BLOCK_N", x.device), main_loop, x.device,
+        x, xm, sx, sxm, w8, scale, bias_t, m, n, u_k, B_k, y, z,
+        M, N, K, r_k, m_bucket(M),
+        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind == "block" else 0, u_k.stride(0),
+        u_k.stride(1), B_k.stride(0), B_k.stride(1), y.stride(0), z.stride(0),
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,
         SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant,
         HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt, IEEE=ieee, W8_VIA_F32=w8_via_f32(x.device),
-        FP8_PROMOTE=fp8_promote(x.device),
-        **rank_dot((cdt, z.dtype), r, u.dtype, B.dtype, fma=rank_fma_for(arch_of(x.device), False, has_dropout)),
+        FP8_PROMOTE=fp8_promote(x.device), MAIN_LOOP=main_loop, **rk,
     )
     return y, (z if want_z else None)
 

@@ -37,6 +37,8 @@ from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_ke
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
+from .hopper import (MAIN_LOOPS, PIECES_BLOCKS, TRANSPOSE_BLOCK, main_loop_for, rank_pieces_kernel, transpose_w8_kernel,
+                     ws_configs_for, ws_plan, ws_rank_dot)
 from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
@@ -127,33 +129,65 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
+# The headline variants (kernel_report.predict) are also compiled with the main loops the launchers do not pick on that
+# arch, so that the report can set them side by side: on sm_90a the cp.async loop and TMA without warp specialization.
+# The small-M one is where the cp.async loop's small-M lists get compiled on sm_90a (the launchers' fallback there).
+COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
+            "adapter,tensor-scale,M<=64,fp32-rank,r=16")
+
+
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
-    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype) -> (its runtime args, its constexprs beyond
-    the shared ones)."""
+    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (its runtime args, its
+    constexprs beyond the shared ones). The main loop is the launchers' (hopper.gemm_main_loop, tensors aligned as
+    here); a variant with another is named with it (",async-copy", ",tma")."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
         dt = DTYPES[dt_name]
         dot_dt, ieee = dot_dtype(dt)
+        fp32_tiles = dt == torch.float32 and not quant
+        picked = "async-copy" if fp32_tiles else main_loop_for(arch)
         # without an adapter the launchers pass r = 1 and placeholders (never read)
         for rank_dt, r, rank_name in _rank_modes(dt_name, kind, adapter):
-            rdt = torch.float32 if rank_dt == "fp32" else dt
-            args, extra = kernel_args(dt, FP8 if quant else dt, m, r, adapter, dropout, kind, quant, rdt)
-            constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
-                              SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
-                              HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant, W8_VIA_F32=w8_via_f32_for(arch),
-                              FP8_PROMOTE=fp8_promote_for(arch),
-                              **rank_dot((dt,), r, rdt, fma=rank_fma_for(arch, dgrad, dropout)))  # as the launchers
-            fp32_tiles = dt == torch.float32 and not quant
-            lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers choose
-            configs = _configs(gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant),
-                               red_name, kind, out_name, dropout)
-            out.append(Variant(_variant_name(mode, kind, quant, m, rank_name), dt_name, args, constexprs, configs))
+            name = _variant_name(mode, kind, quant, m, rank_name)
+            loops = [picked] + ([lp for lp in MAIN_LOOPS if lp != picked] if arch == "sm90" and name in COMPARED
+                                else [])
+            for asked in loops:
+                rdt = torch.float32 if rank_dt == "fp32" else dt
+                rk = rank_dot((dt,), r, rdt)  # as the launchers
+                loop, rank_mode = ws_plan(asked, dropout, rk if adapter else None, dgrad and _folded(adapter, quant))
+                if loop == "async-copy":
+                    rk = rank_dot((dt,), r, rdt, fma=rank_fma_for(arch, dgrad, dropout))
+                if loop != asked and asked != picked:
+                    continue  # a compared loop the launchers would not take here
+                r_k, rk = ws_rank_dot(rank_mode, r, rk)
+                if rank_mode == "pieces":  # rank_pieces' bf16 operands over 3 r (hopper.py; r % 8 == 0: no padding)
+                    rdt = torch.bfloat16
+                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop)
+                constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
+                                  SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
+                                  HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant,
+                                  W8_VIA_F32=w8_via_f32_for(arch), FP8_PROMOTE=fp8_promote_for(arch),
+                                  MAIN_LOOP=loop, **rk)
+                if loop != "tma-ws":  # "tma" on the cp.async loop's tiles: the same steps, loaded otherwise
+                    lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers
+                    lists = gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant)
+                else:
+                    lists = ws_configs_for(arch, out_name, red_name, m, quant)
+                configs = _configs(lists, red_name, kind, out_name, dropout)
+                suffix = "" if asked == picked else f",{loop}"
+                out.append(Variant(name + suffix, dt_name, args, constexprs, configs))
     return out
 
 
-def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
+def _folded(adapter, quant):
+    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles) where DORAFP8_FOLD_DGRAD=1 asks for it, as
+    # at run time (backends/base.py, fold_requested); the plain FP8Linear's and W8A8's never are
+    return adapter and not quant and fold_requested()
+
+
+def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     # z in the compute dtype, as the custom op asks for it (z_dtype=x.dtype)
     args = dict(
         x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, m_ptr=F32,
@@ -167,20 +201,20 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
     return args, dict(HAS_BIAS=True, NEED_Z=adapter)
 
 
-def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt):
+def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
+    # W8A8 and the Hopper loops read W8^T [K, N] (dgrad.py, hopper.py), the cp.async W8A16 loop W8 [N, K]
+    w8t = quant or loop != "async-copy"
     args = dict(
         gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, fl_ptr=F32, fb_ptr=F32, w_ptr=FP8,
         scale_ptr=F32, v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-        stride_gl_m=N, stride_gb_m=N, stride_w=N if quant else K,
+        stride_gl_m=N, stride_gb_m=N, stride_w=N if w8t else K,
         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
         stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
     )
-    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles) where DORAFP8_FOLD_DGRAD=1 asks for it, as
-    # at run time (backends/base.py, fold_requested); the plain FP8Linear's and W8A8's never are
-    return args, dict(FOLDED=adapter and not quant and fold_requested())
+    return args, dict(FOLDED=_folded(adapter, quant))
 
 
 def _forward_variants(arch: str) -> list[Variant]:
@@ -342,6 +376,23 @@ def _sum_splits_variants(arch: str) -> list[Variant]:
                     dict(BLOCK=1024), _fixed(num_warps=4, num_stages=1)) for dt_name, dt in DTYPES.items()]
 
 
+def _rank_pieces_variants(arch: str) -> list[Variant]:
+    """The forward's (B [N, r] and u) and the dgrad's (A [r, K] and v) pieces, fp32 adapters at r = 16."""
+    r, bm, bc = 16, *PIECES_BLOCKS
+    out = []
+    for name, rows, cols, stride_row, stride_col, off in (("B, u", N, r, r, 1, r), ("A, v", r, K, K, 1, 3 * r * K)):
+        args = dict(t_ptr=F32, v_ptr=F32, t3_ptr=torch.bfloat16, v3_ptr=torch.bfloat16, T_ROWS=rows, T_COLS=cols,
+                    V_ROWS=LARGE_M, R=r, stride_t_row=stride_row, stride_t_col=stride_col, stride_v_row=r,
+                    stride_v_r=1, stride_t3=3 * r if off == r else K, stride_v3=3 * r, t_piece_off=off // 3)
+        out.append(Variant(name, "bf16", args, {}, _fixed(BLOCK=bm, BLOCK_C=bc)))
+    return out
+
+
+def _transpose_w8_variants(arch: str) -> list[Variant]:
+    return [Variant("W8 -> W8^T", "fp8", dict(w_ptr=FP8, wt_ptr=FP8, N=N, K=K, stride_w_n=K, stride_wt_k=N), {},
+                    _fixed(BLOCK=TRANSPOSE_BLOCK))]
+
+
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
     bm, bk = QUANT_BLOCKS
     return [Variant("rowwise", dt_name, dict(t_ptr=dt, q_ptr=FP8, s_ptr=F32, M=LARGE_M, K=K, stride_t_m=K,
@@ -360,6 +411,8 @@ SPECS = [
     KernelSpec("project_grad", project_grad_kernel, _project_grad_variants, weight_arg=None),
     KernelSpec("sum_splits", sum_splits_kernel, _sum_splits_variants, weight_arg=None),
     KernelSpec("rowwise_quant", rowwise_quant_kernel, _rowwise_quant_variants, weight_arg=None),
+    KernelSpec("transpose_w8", transpose_w8_kernel, _transpose_w8_variants, weight_arg=None),
+    KernelSpec("rank_pieces", rank_pieces_kernel, _rank_pieces_variants, weight_arg=None),
     KernelSpec("forward_epilogue", fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
     KernelSpec("dgrad_epilogue", dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
 ]

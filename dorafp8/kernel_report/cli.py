@@ -23,7 +23,8 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
-from .predict import HEADLINE, HEADLINE_VARIANTS, headline, launches_subprocess, layer_seconds, linear_seconds
+from .predict import (CPU_GLUE_S, HEADLINE, HEADLINE_VARIANTS, RATES, headline, launches_subprocess, layer_table,
+                      linear_seconds, measured)
 from .triton_driver import SPEC_MODULE
 
 PROG = "python -m dorafp8.kernel_report"
@@ -32,19 +33,32 @@ PROG = "python -m dorafp8.kernel_report"
 _COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dtype", "dtype"),
             ("variant", "variant"), ("config", "config"), ("regs", "regs"), ("spill_bytes", "spill"),
             ("smem_bytes", "smem"), ("mma", "mma"), ("w_operand", "W8 from"), ("main_loop", "main loop, per step"),
-            ("autotune_pick", "pick")]
+            ("ws_consumers", "pipeline"), ("autotune_pick", "pick")]
 
 
 def loop_str(mix: dict | None) -> str:
-    """A main-loop mix (sass.MIX_FIELDS) in a table cell: "4 mma, cvt 16u+16p+0 F2F, 0 PRMT, lds 16x2B 11x4B, 214".
-    cvt: F2FP unpacks + F2FP packs + F2F; lds: shared loads by width (B: bytes), LDSM as "m"; the last figure is
-    every instruction of the loop."""
+    """A main-loop mix (sass.MIX_FIELDS) in a table cell: "4 mma, cvt 16u+16p+0 F2F, 0 PRMT, lds 16x2B 11x4B, bar 2,
+    214". cvt: F2FP unpacks + F2FP packs + F2F; lds: shared loads by width (B: bytes), LDSM as "m"; bar: CTA-wide
+    barriers, then (where there are any) mbar: mbarrier waits, tma: TMA loads; the last figure is every instruction of
+    the loop."""
     if mix is None:
         return "-"
     widths = [("lds8", "1B"), ("lds16", "2B"), ("lds32", "4B"), ("lds64", "8B"), ("lds128", "16B"), ("ldsm", "m")]
     lds = " ".join(f"{mix[k]}x{w}" for k, w in widths if mix[k]) or "0"
+    sync = f"bar {mix.get('bar_cta', 0)}" + "".join(f", {name} {mix[k]}" for k, name in (("mbar_wait", "mbar"),
+                                                                                        ("utmaldg", "tma"))
+                                                    if mix.get(k))
     return (f"{mix['mma']} mma, cvt {mix['f2fp_unpack']}u+{mix['f2fp_pack']}p+{mix['f2f']} F2F, {mix['prmt']} PRMT, "
-            f"lds {lds}, {mix['instrs']}")
+            f"lds {lds}, {sync}, {mix['instrs']}")
+
+
+def pipeline_str(rec: dict) -> str:
+    """How the main loop is fed, in a table cell: "ws 2, tma 3 (59)" (warp-specialized: consumer warpgroups, the
+    producer's TMA loads a step and its instructions), "tiles" for a persistent tile loop without, "-" otherwise."""
+    prod = rec.get("producer_loop")
+    if rec.get("ws_consumers"):
+        return f"ws {rec['ws_consumers']}" + (f", tma {prod['utmaldg']} ({prod['instrs']})" if prod else "")
+    return "tiles" if rec.get("tile_loop") else "-"
 
 
 def problems_of(rec: dict) -> list[str]:
@@ -72,6 +86,8 @@ def format_table(records: list[dict]) -> str:
             return "yes" if v else "no"
         if key == "main_loop":
             return loop_str(v)
+        if key == "ws_consumers":
+            return pipeline_str(rec)
         return "-" if v is None else str(v)
 
     heads = [h for _, h in _COLUMNS] + ["!"]
@@ -116,6 +132,10 @@ def _parse_args(argv):
                    help="compile the headline variants (forward, dgrad; W8A16 and W8A8; fp32 adapters r=16; sm_90a) "
                         "and print their PREDICTED times at M=8192, N=K=4096 against a cuBLAS Linear (a model, "
                         "docs/INSPECT.md 'Predicted time'; no GPU is used)")
+    p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "bench", "results"),
+                   help="with --predict: the folder of GPU runs whose measurements are printed beside the predictions "
+                        "(default: the checkout's bench/results)")
     p.add_argument("--spec-module", default=SPEC_MODULE,
                    help="module with the Triton kernel specs (default: %(default)s)")
     return p.parse_args(argv)
@@ -129,7 +149,8 @@ def _selector(args):
                 and (not args.variant or any(v in job["variant"] for v in args.variant))
                 and (not args.config or any(c in job["config"] for c in args.config))
                 and (not args.predict or (job["kernel"] in ("forward", "dgrad")
-                                          and job["variant"] in HEADLINE_VARIANTS.values())))
+                                          and job["variant"].split(",async-copy")[0].split(",tma-ws")[0]
+                                          in HEADLINE_VARIANTS.values())))
     return select
 
 
@@ -198,30 +219,50 @@ def main(argv=None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     if args.predict:
-        print(format_prediction(records))
+        print(format_prediction(records, args.results))
     else:
         print(json.dumps(records, indent=1) if args.json else format_table(records))
     return 1 if any(r["error"] for r in records) else 0
 
 
-def format_prediction(records: list[dict]) -> str:
-    """--predict's output: per mode and GEMM, the fastest predicted config; then the GEMMs against the Linear."""
-    rows = headline(records)
-    lin = linear_seconds(*(HEADLINE[k] for k in ("M", "N", "K")))
-    lines = [f"PREDICTED, not measured (docs/INSPECT.md, 'Predicted time'): H100 SXM, M={HEADLINE['M']}, "
-             f"N=K={HEADLINE['N']}, r={HEADLINE['r']}, bf16, fp32 adapters"]
-    for p in rows:
-        lines.append(f"  {p['mode']:5}  {p['kernel']:7}  {p['seconds'] * 1e3:.3f} ms  bound by {p['bound']:6}  "
-                     f"{p['config']}")
-    lines.append(f"  cuBLAS bf16 Linear forward + input gradient: {lin * 1e3:.3f} ms")
-    launches = launches_subprocess()
-    for mode in HEADLINE_VARIANTS:
-        gemms = {p["kernel"]: p["seconds"] for p in rows if p["mode"] == mode}
-        lay = layer_seconds(gemms, launches[mode])
-        lines.append(f"  {mode} forward + dgrad GEMMs: {sum(gemms.values()) * 1e3:.3f} ms = "
-                     f"{sum(gemms.values()) / lin:.2f}x the Linear; the layer, {lay['launches']} launches "
-                     f"({lay['other_launches']} besides the GEMMs, {lay['other_s'] * 1e3:.3f} ms at their bytes, "
-                     f"{lay['gaps_s'] * 1e3:.3f} ms of gaps): {lay['seconds'] * 1e3:.3f} ms = "
-                     f"{lay['seconds'] / lin:.2f}x the Linear")
-    return "\n".join(lines)
+def _ms(lo: float, hi: float) -> str:
+    return f"{lo * 1e3:.3f}" if abs(hi - lo) < 5e-7 else f"{lo * 1e3:.3f}-{hi * 1e3:.3f}"
 
+
+def _x(lo: float, hi: float, lin: float) -> str:
+    return f"{lo / lin:.2f}x" if abs(hi - lo) < 5e-7 else f"{lo / lin:.2f}-{hi / lin:.2f}x"
+
+
+def format_prediction(records: list[dict], results_dir: str | None = None) -> str:
+    """--predict's output: per mode, main loop and GEMM the fastest predicted config, both ends of the ranges; then
+    every strategy's forward + backward against the Linear, beside what GPU runs measured (bench/results/), if any;
+    then the rates assumed and where each comes from."""
+    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+    lin = linear_seconds(M, N, K)
+    seen = measured(results_dir) if results_dir else dict(layers={}, kernels={})
+    lines = [f"PREDICTED, not measured (docs/INSPECT.md, 'Predicted time'): H100 SXM, M={M}, N=K={N}, r={r}, bf16, "
+             f"fp32 adapters, no dropout; each figure a range, its fast end to its slow end (the rates below)",
+             "  GEMM kernels (the fastest config at the fast end; per step: cycles of one CTA's step at the fast end)"]
+    kernels = {"forward": "dora_fwd_kernel", "dgrad": "dora_dgrad_kernel"}
+    for p in headline(records):
+        got = seen["kernels"].get(kernels[p["kernel"]]) if (p["mode"], p["loop"]) == ("W8A16", "tma-ws") else None
+        meas = f"  measured {got[0][0] / 1e3:.3f} ms ({got[0][1]})" if got else ""
+        lines.append(f"  {p['mode']:5}  {p['loop']:10}  {p['kernel']:7}  {_ms(p['lo']['seconds'], p['hi']['seconds'])}"
+                     f" ms  bound by {p['lo']['bound']}/{p['hi']['bound']}, {p['lo']['step_cycles']:.0f} cycles a "
+                     f"step  {p['config']}{meas}")
+    table = layer_table(records, launches_subprocess())
+    lines.append(f"  forward + backward{'':22}launches   MiB     predicted ms    vs the Linear   measured ms")
+    rows = [dict(name="cuBLAS bf16 Linear", launches=2, bytes=2 * (M * K + N * K + M * N) * 2, lo=lin, hi=lin)]
+    for row in rows + table:
+        got = seen["layers"].get(row["name"])
+        meas = f"{got[0][0]:.3f} ({got[0][1]})" if got else "-"
+        lines.append(f"    {row['name']:36}  {row['launches']:8}  {row['bytes'] / 2**20:6.0f}  "
+                     f"{_ms(row['lo'], row['hi']):>14}  {_x(row['lo'], row['hi'], lin):>13}   {meas}")
+    lo, hi = CPU_GLUE_S
+    lines.append(f"  the CPU: {lo * 1e3:.2f}-{hi * 1e3:.2f} ms of Python around the kernels per forward + backward "
+                 f"(measured on this project's CPU at M = 256, bench/glue_cpu.py; Triton's own launch path not in it): "
+                 f"hidden behind the GPU's time here, the floor of a step at small M without CUDA graphs")
+    lines.append("  rates (per SM and clock unless stated; fast end, slow end):")
+    for name, rate in RATES.items():
+        lines.append(f"    {name:13} {rate.lo:g}, {rate.hi:g}: {rate.source}")
+    return "\n".join(lines)

@@ -132,7 +132,12 @@ _T_PAIR = re.compile(r"(%[\w$.-]+)\s*=\s*(%[\w$.-]+)")
 _T_LOC = re.compile(r"\s+loc\(.*\)\s*$")
 _DOT_OPS = ("ttng.warp_group_dot", "tt.dot", "ttng.tc_gen5_mma")
 # Ops that write into a shared-memory or tensor-memory buffer: (op, index of the destination among its operands).
-_T_WRITES = {"ttg.async_copy_global_to_local": 1, "ttg.local_store": 1, "ttng.tmem_store": 1}
+_T_WRITES = {"ttg.async_copy_global_to_local": 1, "ttg.local_store": 1, "ttng.tmem_store": 1,
+             "ttng.async_tma_copy_global_to_local": 3,  # TMA: "%desc[%x, %y] %buffer, %barrier, %pred"
+             "ttng.tensormap_create": 0}  # a descriptor made in the kernel: "%scratch, %base_ptr, [box], ..."
+_T_WS = re.compile(r"^\s*ttg\.warp_specialize\((.*?)\)")  # warp specialization: the values its partitions capture
+_T_PARTITION = re.compile(r"^\s*partition\d+\(")
+_T_BLOCK_ARG = re.compile(r"(%[\w$.-]+):")
 # MLIR element types as PTX spells them (the mma labels)
 _T_ELEM = {"f8E4M3FN": "e4m3", "f8E5M2": "e5m2", "f16": "f16", "bf16": "bf16", "f32": "f32", "i8": "s8", "i32": "s32"}
 _T_ELEM_OF = re.compile(r"<(?:\d+x)+(\w+)")  # the element type after the shape: tensor<128x64xbf16, ...>
@@ -220,10 +225,17 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
             view = view_src[view]
         return view
 
+    captured: list[str] = []  # the operands of the last ttg.warp_specialize: its partitions' block arguments
     for lineno, raw in enumerate(ttgir.splitlines()):
         code = _T_TOKEN.sub("", _T_ATTRS.sub("", _T_LOC.sub("", raw)))
         opens = raw.count("{") - raw.count("}")  # attribute braces pair up on their line; regions span lines
-        if " scf.for " in code and "iter_args(" in code:
+        if m := _T_WS.match(code):
+            captured = [resolve(u) for u in _T_USE.findall(m.group(1))]
+        elif _T_PARTITION.match(raw):  # "partition0(%a: type loc(..), ...) num_warps(4) {": arguments by position
+            for arg, value in zip(_T_BLOCK_ARG.findall(re.sub(r"loc\([^()]*(?:\([^()]*\))*[^()]*\)", "", raw)),
+                                  captured):
+                edges[define(arg, lineno)].add(value)
+        elif " scf.for " in code and "iter_args(" in code:
             pairs = _T_PAIR.findall(_T_ITER_ARGS.search(code).group(1))
             keys = {arg: f"{arg}@{lineno}" for arg, _ in pairs}
             for arg, init in pairs:
@@ -268,6 +280,13 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
     return [dict(op=d["op"], a=d["kinds"][0], b=d["kinds"][1], types=d["types"],
                  w8="".join(side for side, v in zip("AB", d["operands"]) if reaches_weight(v)))
             for d in dots]
+
+
+def ws_consumers(ttgir: str) -> int:
+    """How many warp-specialized partitions of a TTGIR kernel hold a dot (its consumer warpgroups), 0 without warp
+    specialization."""
+    parts = re.split(r"(?m)^\s*partition\d+\(", ttgir)[1:]
+    return sum("warp_group_dot" in p or "tc_gen5_mma" in p for p in parts)
 
 
 def w8_operand(dots: list[dict]) -> dict:

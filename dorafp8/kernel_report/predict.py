@@ -1,52 +1,83 @@
-"""A predicted time for the fp8 GEMM kernels and for a whole layer, from what the report reads (registers, shared
-memory, the main loop's instruction mix) plus FLOPs and bytes: a PREDICTION, never a measurement (docs/INSPECT.md,
-"Predicted time"; README's performance section quotes it as one).
+"""Predicted times for the fp8 GEMM kernels, a whole layer, and the strategies it is weighed against: a PREDICTION,
+never a measurement (docs/INSPECT.md, "Predicted time"; README's performance section quotes it as one).
 
-The model, per kernel, on H100 SXM (sm_90a):
-- the grid's tiles run in ceil(tiles / (SMs x CTAs per SM)) waves; CTAs per SM from registers, shared memory and warps;
-- a reduction step of one CTA costs the slowest of the SM's pipes it uses, each at its rate per SM per clock:
-  tensor cores (the step's FLOPs), instruction issue (4 warp-instructions per clock), the conversion pipes (F2F at 16
-  lanes per clock; F2FP and the other conversions at 64), shared-memory loads (128 bytes per clock, one wavefront per
-  warp-instruction at least); the resident CTAs of an SM share those pipes, so the SM's time is its CTAs' steps
-  times that cost, back to back;
-- the kernel takes the longer of that and its HBM bytes at the HBM rate.
-Rates are peak figures times one efficiency, TC_EFFICIENCY, which maps the peak to what cuBLAS reaches (the
-yardstick: a bf16 8192 x 4096 x 4096 GEMM at ~700 TF/s, ~0.39 ms); the same factor applies to every pipe, so the
-prediction is a ratio to cuBLAS under one assumption, not an absolute time.
+Every rate the model uses is in RATES with where it comes from: documented (a datasheet or NVIDIA's CUDA guide),
+measured (on the H100 of the project's GPU runs, ../shared/docs/ENVIRONMENT.md) or assumed; an unknown rate is a range,
+and so is every prediction (lo: every range at its fast end, hi: at its slow end). What the model adds up, per GEMM
+kernel, from its kernel-report record:
+- a reduction step's cycles on each pipe of one SM: tensor cores (the step's FLOPs), instruction issue, the conversion
+  pipes (F2F; F2FP, whose rate no document states: a range), fp32 adds (W8A8's promotion), and shared memory (its 128
+  bytes a clock carry the LDS, the TMA or cp.async fills of every stage and, where the tensor cores' operand reads
+  share them, which no document states: a range, wgmma's shared-memory operands);
+- how the step's pipes overlap: in the cp.async loop ("async-copy") every warp waits at the CTA-wide barriers of each
+  step (a cost per barrier), and W8A8's promotion drains the wgmma before its adds, which then add to the tensor
+  time; in the warp-specialized loop ("tma-ws") each consumer warpgroup's chain (its wgmma, then its conversion or its
+  adds) runs beside the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
+- per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs) and the epilogue's rank-r products
+  on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its
+  first loads (a persistent warp-specialized kernel's producer fetches the next tile's during the epilogue);
+- the tiles of the busiest SM (one CTA per SM in both loops at the headline tiles), and the HBM bytes as a floor.
+For a layer: the GEMMs, every other launch of a dry run of the backend at the headline shape (dorafp8._launches: the
+launchers plan for an H100, nothing runs) at the longer of its bytes over HBM and its rank-r FLOPs on CUDA cores (fp32
+adapters), a matrix product of the cuBLAS strategy or of PEFT's DoRA at the yardstick's rate (fp32 ones at CUDA cores'),
+and a gap between launches. The yardstick is cuBLAS's bf16 Linear forward + input gradient at the rate measured.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import math
+import os
 import re
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Device:
-    name: str
-    sms: int
-    clock_hz: float           # the clock the peak figures are quoted at
-    tc_flop_per_clk: int      # dense 16-bit tensor-core FLOP per clock per SM (fp8: twice)
-    hbm_bytes_s: float        # achievable HBM bandwidth
-    regs_per_sm: int = 65536
-    max_warps_per_sm: int = 64
-    launch_gap_s: float = 2e-6  # GPU-side gap between two dependent launches (an assumption, not a measurement)
+class Rate:
+    lo: float   # the fast end (or the only value)
+    hi: float   # the slow end
+    source: str
+
+    def pick(self, end: str) -> float:
+        return self.lo if end == "lo" else self.hi
 
 
-# H100 SXM5: 132 SMs; 989.4 dense bf16 TFLOP/s at 1.83 GHz = 4096 FLOP per clock per SM; HBM3 3.35 TB/s peak, of
-# which ~90% is reachable by a streaming kernel.
-H100_SXM = Device("H100 SXM (sm_90a)", 132, 1.83e9, 4096, 3.0e12)
-TC_EFFICIENCY = 700 / 989.4  # cuBLAS's bf16 GEMM at the headline shape, ~700 TF/s (the yardstick of README)
-
-# Lanes per clock per SM of the pipes the main loop's conversions use (CUDA C++ Programming Guide, arithmetic
-# instruction throughput, compute capability 9.0: conversions "to/from 64-bit types" and "all other" 16; the model
-# takes 64 for F2FP, the packed 16/32-bit conversions, and for the F2F-free HADD2.F32 (the half-precision FMA pipe)).
-F2F_LANES, CVT_LANES = 16, 64
-FP32_FLOP_PER_CLK = 256     # 128 FP32 FMA lanes per SM
-ISSUE_PER_CLK = 4           # one warp-instruction per scheduler per clock, four schedulers per SM
-SMEM_BYTES_PER_CLK = 128
+# H100 SXM5 (sm_90a). Per SM and clock unless stated; "lo"/"hi" are the fast and the slow end of the prediction.
+SMS = 132
+CLOCK_HZ = 1.83e9  # the clock NVIDIA's peak figures are quoted at
+RATES = {
+    "tensor": Rate(4096, 4096, "documented: 989.4 dense bf16 TFLOP/s (H100 SXM datasheet) = 132 SMs x 1.83 GHz x "
+                               "4096 FLOP a clock; e4m3 twice that"),
+    "efficiency": Rate(798 / 989.4, 769 / 989.4, "measured: cuBLAS's bf16 8192^3 GEMM reached 769-798 TFLOP/s on the "
+                                                "project's H100, a fraction of the peak that the model applies to "
+                                                "every pipe (the clock under load, power), the yardstick's own"),
+    "yardstick": Rate(798e12, 798e12, "measured: cuBLAS bf16, 8192^3, the project's H100 (FLOP/s): the Linear, the "
+                                      "cuBLAS strategy's and PEFT's 16-bit matrix products"),
+    "issue": Rate(4, 4, "documented: four schedulers, one warp-instruction a clock each"),
+    "f2f": Rate(16, 16, "documented: CUDA C++ Programming Guide, arithmetic instructions, cc 9.0: 16 conversions a "
+                        "clock ('all other')"),
+    "f2fp": Rate(64, 16, "assumed 64 (the packed F2FP's rate is in no document) to 16, the guide's 'all other "
+                         "conversions'"),
+    "alu": Rate(128, 128, "documented: 128 fp32 lanes (FADD, FFMA)"),
+    "fp32_flops": Rate(256 * 0.8, 256 * 0.5, "documented 256 fp32 FLOP a clock (128 FMA); the rank-r kernels reach "
+                                             "80 to 50% of it: assumed"),
+    "smem": Rate(128, 128, "documented: 32 banks x 4 bytes a clock"),
+    "mma_smem": Rate(0.0, 1.0, "assumed: whether wgmma's shared-memory operand reads take the same 128 bytes a clock "
+                               "(not at all, to fully)"),
+    "barrier": Rate(20, 40, "assumed: cycles a CTA-wide barrier costs a step when its warps arrive together"),
+    "chain": Rate(0, 60, "assumed: latency a warp-specialized consumer's step leaves exposed (mbarrier, LDS)"),
+    "epilogue": Rate(1.0, 2.0, "assumed: the epilogue's instructions at issue rate (1) to twice that (its loads and "
+                               "stores' latency)"),
+    "first_load_s": Rate(0.6e-6, 1.2e-6, "assumed: the latency of a CTA's first tile loads (HBM)"),
+    "hbm": Rate(3.0e12, 3.0e12, "measured: 3.0 TB/s device copy, the project's H100 (3.35 TB/s datasheet)"),
+    "launch_gap_s": Rate(1e-6, 3e-6, "assumed: between two dependent launches on the GPU"),
+}
+# Measured: the Python around the kernels per forward + backward at M = 256 on this project's (shared, loaded) CPU,
+# bench/glue_cpu.py (docs/ARCHITECTURE.md): --predict states it as the floor of a step at small M without CUDA graphs.
+CPU_GLUE_S = (0.35e-3, 0.44e-3)
 _LDS_BYTES = {"lds8": 1, "lds16": 2, "lds32": 4, "lds64": 8, "lds128": 16, "ldsm": 16}
+ENDS = ("lo", "hi")
 
 
 def config_dict(config: str) -> dict:
@@ -61,75 +92,111 @@ def config_dict(config: str) -> dict:
     return out
 
 
-def ctas_per_sm(rec: dict, warps: int, dev: Device) -> int:
-    by_regs = dev.regs_per_sm // (rec["regs"] * 32 * warps)
-    by_smem = rec["smem_limit"] // max(rec["smem_bytes"], 1)
-    return max(0, min(by_regs, by_smem, dev.max_warps_per_sm // warps))
-
-
-def step_cycles(rec: dict, flops_per_step: float, fp8: bool, warps: int, dev: Device) -> dict:
-    """SM cycles one CTA's reduction step needs on each pipe (before TC_EFFICIENCY)."""
-    mix = rec["main_loop"]
-    lds = sum(mix[k] * max(1, _LDS_BYTES[k] * 32 / SMEM_BYTES_PER_CLK) for k in _LDS_BYTES)
-    cvt = mix["f2fp_unpack"] + mix["f2fp_pack"] + mix["i2f"]
-    return dict(
-        tensor=flops_per_step / (dev.tc_flop_per_clk * (2 if fp8 else 1)),
-        issue=warps * mix["instrs"] / ISSUE_PER_CLK,
-        f2f=warps * mix["f2f"] * 32 / F2F_LANES,
-        cvt=warps * cvt * 32 / CVT_LANES,
-        lds=warps * lds,
-    )
-
-
-def predict_gemm(rec: dict, M: int, out: int, red: int, r: int, hbm_bytes: float, dev: Device = H100_SXM) -> dict:
-    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
-    kernel-report record, and what bounds it. The epilogue's rank-r term (a [B_OUT, r] x [r, BLOCK_M] dot per tile,
-    per accumulator) is added after the main loop: on tensor cores for 16-bit adapters, and for fp32 ones ("fp32-rank"
-    variants) as LORA_PIECES bf16 products on tensor cores with a 16-bit output, on CUDA cores (FP32_FLOP_PER_CLK)
-    with an fp32 one."""
+def _tile(rec: dict) -> tuple[int, int, int, int]:
+    """(BLOCK_M, B_OUT, B_RED, warps of the main loop's warpgroups)."""
     cfg = config_dict(rec["config"])
-    bm = cfg["BLOCK_M"]
     names = ("BLOCK_N", "BLOCK_K") if rec["kernel"] == "forward" else ("BLOCK_K", "BLOCK_N")
-    b_out, b_red = cfg[names[0]], cfg[names[1]]
-    warps = cfg["warps"]
+    ws = rec.get("ws_consumers") or 0
+    return cfg["BLOCK_M"], cfg[names[0]], cfg[names[1]], 4 * ws if ws else cfg["warps"]
+
+
+def step_cycles(rec: dict, end: str) -> dict:
+    """SM cycles of one CTA's reduction step on each pipe (before the efficiency), and one consumer warpgroup's
+    chain ("chain") in the warp-specialized loop."""
+    mix, R = rec["main_loop"], RATES
+    bm, b_out, b_red, warps = _tile(rec)
     fp8 = "w8a8" in rec["variant"]
     two = "dropout" in rec["variant"]
-    flops_step = 2.0 * bm * b_out * b_red * (2 if two else 1)
-    pipes = step_cycles(rec, flops_step, fp8, warps, dev)
+    flops = 2.0 * bm * b_out * b_red * (2 if two else 1)
+    tensor = flops / (R["tensor"].pick(end) * (2 if fp8 else 1))
+    issue = warps * mix["instrs"]
+    if prod := rec.get("producer_loop"):
+        issue += 4 * prod["instrs"]
+    lds = sum(mix[k] * max(1.0, _LDS_BYTES[k] * 32 / R["smem"].pick(end)) for k in _LDS_BYTES) * warps
+    act = 1 if fp8 else 2
+    fills = b_out * b_red + bm * b_red * act * (2 if two else 1)  # W8 tile and the activation tiles, every step
+    operands = (b_out // 64) * bm * b_red * act * (2 if two else 1)  # B: read by each m64 wgmma
+    if rec["w_operand"] == "shared":
+        operands += b_out * b_red  # A from shared memory too (W8A8)
+    pipes = dict(
+        tensor=tensor,
+        issue=issue / R["issue"].pick(end),
+        f2f=warps * mix["f2f"] * 32 / R["f2f"].pick(end),
+        f2fp=warps * (mix["f2fp_unpack"] + mix["f2fp_pack"]) * 32 / R["f2fp"].pick(end),
+        alu=warps * mix["fp32_alu"] * 32 / R["alu"].pick(end),
+        smem=lds + (fills + R["mma_smem"].pick(end) * operands) / R["smem"].pick(end),
+    )
+    ws = rec.get("ws_consumers") or 0
+    if ws:  # one warpgroup: its share of the tensor work, then its own instructions (one warp per scheduler)
+        pipes["chain"] = tensor / ws + mix["instrs"] + R["chain"].pick(end)
+    return pipes
+
+
+def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
+    """(cycles of one step, what bounds it, the pipes) under the loop's overlap rules (the module docstring)."""
+    pipes = step_cycles(rec, end)
+    mix = rec["main_loop"]
     bound = max(pipes, key=pipes.get)
+    cycles = pipes[bound]
+    if not rec.get("ws_consumers"):
+        if "w8a8" in rec["variant"] and mix["fp32_alu"]:  # the promotion: drain, then the adds, every step
+            drained = pipes["tensor"] + pipes["alu"]  # the adds wait for the drained wgmma, the next wgmma for them
+            if drained > cycles:
+                cycles, bound = drained, "tensor+promotion"
+        cycles += mix.get("bar_cta", 0) * RATES["barrier"].pick(end)
+    return cycles, bound, pipes
+
+
+def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo", r: int = 0) -> dict:
+    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
+    kernel-report record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product
+    (a [B_OUT, r] x [r, BLOCK_M] dot per tile and accumulator) runs on the tensor cores after the main loop: three
+    bf16 products for PEFT's fp32 adapters ("fp32-rank" variants: split_dot's, or rank_pieces' one dot over 3 r)."""
+    from ..triton_kernels.epilogue_dot import LORA_PIECES  # here: this module's top needs no torch
+
+    R = RATES
+    bm, b_out, b_red, warps = _tile(rec)
+    cycles, bound, pipes = step_time(rec, end)
+    rank = 2.0 * bm * b_out * r * (2 if "dropout" in rec["variant"] else 1) if "adapter" in rec["variant"] else 0.0
+    rank *= LORA_PIECES if "fp32-rank" in rec["variant"] else 1
     tiles = math.ceil(M / bm) * math.ceil(out / b_out)
-    per_sm = ctas_per_sm(rec, warps, dev)
-    if per_sm == 0:
-        raise ValueError(f"{rec['kernel']} {rec['config']}: no CTA fits an SM")
-    ctas_each = math.ceil(tiles / dev.sms)  # the busiest SM's CTAs over the whole grid
-    rank_flops = 2.0 * bm * b_out * r * (2 if two else 1) if "adapter" in rec["variant"] else 0.0
-    if "fp32-rank" not in rec["variant"]:
-        rank_cycles = rank_flops / dev.tc_flop_per_clk
-    elif rec["dtype"] == "fp32":  # fp32 output: exact fp32 products on CUDA cores
-        rank_cycles = rank_flops / FP32_FLOP_PER_CLK
-    else:  # 16-bit output: bf16 products on tensor cores (split_dot); imported here, this module needs no torch
-        from ..triton_kernels.epilogue_dot import LORA_PIECES
-
-        rank_cycles = LORA_PIECES * rank_flops / dev.tc_flop_per_clk
-    cycles = ctas_each * (math.ceil(red / b_red) * pipes[bound] + rank_cycles) / TC_EFFICIENCY
-    t_compute = cycles / dev.clock_hz
-    t_hbm = hbm_bytes / dev.hbm_bytes_s
+    tiles_sm = math.ceil(tiles / SMS)  # one CTA per SM at these tiles (registers, or the persistent grid)
+    ws = rec.get("ws_consumers") or 0
+    loop_instrs = rec["main_loop"]["instrs"] * max(1, ws) + ((rec.get("producer_loop") or {}).get("instrs", 0))
+    # the epilogue and the prologue, once per tile: every warp runs them in the plain loop; under warp specialization
+    # each partition runs its own code on its 4 warps, all on the same four schedulers
+    outside = max(0, (rec.get("kernel_instrs") or 0) - loop_instrs)
+    per_tile = outside * (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)
+    per_tile += rank / R["tensor"].pick(end)
+    first_loads = R["first_load_s"].pick(end) * CLOCK_HZ
+    starts = 1 if rec.get("tile_loop") else tiles_sm  # a persistent CTA starts once, a plain one per tile
+    total = tiles_sm * (math.ceil(red / b_red) * cycles + per_tile) + starts * first_loads
+    t_compute = total / (CLOCK_HZ * R["efficiency"].pick(end))
+    t_hbm = hbm_bytes / R["hbm"].pick(end)
     return dict(seconds=max(t_compute, t_hbm), compute_s=t_compute, hbm_s=t_hbm,
-                bound=bound if t_compute >= t_hbm else "hbm", pipes=pipes, ctas_per_sm=per_sm,
-                waves=tiles / (dev.sms * per_sm))
+                bound=bound if t_compute >= t_hbm else "hbm", pipes=pipes, step_cycles=cycles, tiles_per_sm=tiles_sm,
+                per_tile_cycles=per_tile)
 
 
-def linear_seconds(M: int, N: int, K: int, dev: Device = H100_SXM) -> float:
-    """The yardstick under the same model: cuBLAS bf16 forward + input gradient, two GEMMs of 2 M N K FLOPs at the
-    efficiency TC_EFFICIENCY assumes."""
-    return 2 * (2.0 * M * N * K) / (dev.sms * dev.tc_flop_per_clk * dev.clock_hz * TC_EFFICIENCY)
+def linear_seconds(M: int, N: int, K: int) -> float:
+    """The yardstick: cuBLAS bf16 forward + input gradient, two GEMMs of 2 M N K FLOPs at the measured rate."""
+    return 2 * (2.0 * M * N * K) / RATES["yardstick"].lo
 
 
-# --- the headline prediction (python -m dorafp8.kernel_report --predict) ----------------------------------------------
+# --- the headline (python -m dorafp8.kernel_report --predict) ------------------------------------------------------
 
 HEADLINE = dict(M=8192, N=4096, K=4096, r=16)  # bf16 activations, fp32 adapters (PEFT's default), norm cached
 HEADLINE_VARIANTS = {"W8A16": "adapter,tensor-scale,M>64,fp32-rank,r=16",
                      "W8A8": "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16"}
+# The main loops compared (inspect_spec.COMPARED compiles the headline variants in both on sm_90a)
+LOOPS = ("tma-ws", "async-copy")
+
+
+def _suffix(loop: str) -> str:
+    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick (hopper.main_loop_for: the
+    Hopper loop unless DORAFP8_HOPPER_GEMM=0), ",<loop>" for the compared one."""
+    picked = "async-copy" if os.environ.get("DORAFP8_HOPPER_GEMM") == "0" else "tma-ws"
+    return "" if loop == picked else f",{loop}"
 
 
 def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int) -> float:
@@ -141,29 +208,63 @@ def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: 
     return M * N * act + N * K + M * K * 2
 
 
-def headline(records: list[dict], z_bytes: int = 4, dev: Device = H100_SXM) -> list[dict]:
-    """For each mode of HEADLINE_VARIANTS and GEMM kernel: the config the autotuner would pick if the model were right
-    (the fastest predicted), with its prediction; records of sm_90a from the kernel report."""
-    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
+    """For each mode, main loop and GEMM kernel: the config the autotuner would pick if the model were right (the
+    fastest at the fast end), with its prediction at both ends; records of sm_90a from the kernel report."""
+    M, N, K = (HEADLINE[k] for k in ("M", "N", "K"))
     out = []
     for mode, variant in HEADLINE_VARIANTS.items():
-        for kernel, (o, red) in (("forward", (N, K)), ("dgrad", (K, N))):
-            recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant and x["arch"] == "sm_90a"
-                    and x["backend"] == "triton" and not x["error"] and x["main_loop"]]
-            preds = [(predict_gemm(x, M, o, red, r, gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes), dev),
-                      x) for x in recs]
-            if preds:
-                p, x = min(preds, key=lambda t: t[0]["seconds"])
-                out.append(dict(mode=mode, kernel=kernel, config=x["config"], **p))
+        for loop in LOOPS:
+            for kernel, (o, red) in (("forward", (N, K)), ("dgrad", (K, N))):
+                recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant + _suffix(loop)
+                        and x["arch"] == "sm_90a" and x["backend"] == "triton" and not x["error"] and x["main_loop"]]
+                hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes)
+                preds = [({end: predict_gemm(x, M, o, red, hbm, end, HEADLINE["r"]) for end in ENDS}, x)
+                         for x in recs]
+                if preds:
+                    p, x = min(preds, key=lambda t: t[0]["lo"]["seconds"])
+                    out.append(dict(mode=mode, loop=loop, kernel=kernel, config=x["config"], lo=p["lo"], hi=p["hi"]))
     return out
 
 
-# --- the whole layer: the GEMMs above plus every other launch of a forward + backward --------------------------------
+# --- the whole layer, and the strategies it is weighed against ------------------------------------------------------
 
-def headline_launches(act_quant: str | None) -> list[tuple[str, int]]:
-    """[(launch name, modelled bytes)] of one headline forward + backward on the Triton backend, from a dry run
-    (dorafp8._launches: the launchers plan for an H100, nothing runs). Needs the Triton backend importable on this
-    machine, i.e. TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()."""
+GEMM_KERNELS = {"triton:dora_fwd_kernel": "forward", "triton:dora_dgrad_kernel": "dgrad"}
+# The rank-r kernels' FLOPs at the headline (fp32 adapters: fp32 on CUDA cores): u = x A^T; v = (g c) B and
+# dB = (g c)^T u; dA = v^T x. The GEMMs' epilogues are in their own predictions.
+RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 2 * M * K * r,
+              "triton:dora_bwd_pass_kernel": lambda M, N, K, r: 4 * M * N * r,
+              "triton:project_grad_kernel": lambda M, N, K, r: 2 * M * K * r}
+
+
+def launch_seconds(launch: dict, end: str) -> float:
+    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (a rank-r kernel's on
+    CUDA cores; a matrix product's at the yardstick's rate, or CUDA cores' with fp32 operands)."""
+    R = RATES
+    t = launch["nbytes"] / R["hbm"].pick(end)
+    flops = launch.get("flops") or 0
+    fp32_rate = SMS * CLOCK_HZ * R["fp32_flops"].pick(end)
+    if launch["name"] in RANK_FLOPS:
+        flops = RANK_FLOPS[launch["name"]](*(HEADLINE[k] for k in ("M", "N", "K", "r")))
+        return max(t, flops / fp32_rate)
+    if flops:
+        fp32 = any("float32" in str(d) for _, d in launch.get("shapes", [])[:2])
+        return max(t, flops / (fp32_rate if fp32 else R["yardstick"].pick(end)))
+    return t
+
+
+def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo") -> dict:
+    """A forward + backward: the fused GEMM launches at their predictions (gemms: {"forward": s, "dgrad": s}; none
+    for the other strategies), every other launch at launch_seconds, and a gap per launch."""
+    other = [lc for lc in launches if lc["name"] not in GEMM_KERNELS]
+    t_other = sum(launch_seconds(lc, end) for lc in other)
+    t_gaps = len(launches) * RATES["launch_gap_s"].pick(end)
+    return dict(seconds=sum(gemms.values()) + t_other + t_gaps, other_s=t_other, gaps_s=t_gaps,
+                launches=len(launches), other_launches=len(other), bytes=sum(lc["nbytes"] for lc in launches))
+
+
+def _headline_leaves(act_quant, hopper: bool, backend: str):
+    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend`, from a dry run."""
     import torch
 
     import dorafp8
@@ -172,41 +273,124 @@ def headline_launches(act_quant: str | None) -> list[tuple[str, int]]:
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
-    leaves = [t.requires_grad_() for t in leaves]
-    x, A, B, m = leaves
+    x, A, B, m = (t.requires_grad_() for t in leaves)
     scale, n = torch.ones(()), torch.ones(N)
-    with LaunchRecorder() as rec, dry_run(rec, H100_SXM.sms, 2):
-        y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="triton", weight_norm=n, act_quant=act_quant)
+    with LaunchRecorder() as rec, dry_run(rec, SMS, 2):
+        y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend=backend, weight_norm=n, act_quant=act_quant)
         y.backward(torch.empty(M, N, dtype=torch.bfloat16))
-    return [(launch.name, launch.nbytes) for launch in rec.launches]
+    return rec
 
 
-def launches_subprocess() -> dict[str, list]:
-    """{"W8A16": headline_launches(None), "W8A8": headline_launches("rowwise")} from a fresh interpreter with
-    TRITON_INTERPRET=1 (the kernel report's own processes must not set it: it changes what @triton.jit returns)."""
-    import json
-    import os
+def _peft_dora():
+    """PEFT's DoRA on a bf16 nn.Linear at the headline shape (its fp32 adapters, the norm recomputed every call, as
+    PEFT does), forward + backward on meta tensors: PEFT's own code, each aten op recorded with its bytes."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from dorafp8._launches import LaunchRecorder
+
+    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(net, LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, target_modules=["0"]))
+    x = torch.empty(M, K, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with LaunchRecorder() as rec:
+        model(x).backward(torch.empty(M, N, dtype=torch.bfloat16, device="meta"))
+    return rec
+
+
+STRATEGIES = {  # name -> (backend, act_quant, Hopper loop)
+    "W8A16": ("triton", None, True), "W8A16, cp.async loop": ("triton", None, False),
+    "W8A8": ("triton", "rowwise", True), "W8A8, cp.async loop": ("triton", "rowwise", False),
+    "dequantize + cuBLAS": ("cublas", None, False),
+}
+
+
+def strategy_launches(name: str) -> list[dict]:
+    """The launches of one strategy's headline forward + backward (needs the Triton backend importable here, i.e.
+    TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()); "PEFT DoRA" needs peft."""
+    if name == "PEFT DoRA":
+        rec = _peft_dora()
+    else:
+        backend, act_quant, hopper = STRATEGIES[name]
+        os.environ["DORAFP8_HOPPER_GEMM"] = "1" if hopper else "0"
+        rec = _headline_leaves(act_quant, hopper, backend)
+    return [dict(name=lc.name, nbytes=lc.nbytes, flops=lc.flops, shapes=[(list(s), str(d)) for s, d in lc.shapes])
+            for lc in rec.launches]
+
+
+def launches_subprocess(names=None) -> dict[str, list]:
+    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (the kernel report's
+    own processes must not set it: it changes what @triton.jit returns); PEFT's DoRA where peft is installed."""
+    import importlib.util
     import subprocess
     import sys
 
-    code = ("import json; from dorafp8.kernel_report.predict import headline_launches as h; "
-            "print(json.dumps({'W8A16': h(None), 'W8A8': h('rowwise')}))")
+    names = list(names or [*STRATEGIES, "PEFT DoRA"])
+    if "PEFT DoRA" in names and importlib.util.find_spec("peft") is None:
+        names.remove("PEFT DoRA")
+    code = ("import json, sys; from dorafp8.kernel_report.predict import strategy_launches as s; "
+            f"print(json.dumps({{n: s(n) for n in {names!r}}}))")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode:
-        raise RuntimeError(f"the headline dry run failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the headline dry runs failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-GEMM_KERNELS = {"triton:dora_fwd_kernel": "forward", "triton:dora_dgrad_kernel": "dgrad"}
+def layer_table(records: list[dict], launches: dict[str, list]) -> list[dict]:
+    """Every strategy's forward + backward at the headline, both ends: [{name, lo, hi, launches, bytes}]."""
+    gemms = headline(records)
+    out = []
+    for name, lcs in launches.items():
+        row = dict(name=name, launches=len(lcs), bytes=sum(lc["nbytes"] for lc in lcs))
+        if name in STRATEGIES and STRATEGIES[name][0] == "triton":
+            mode, loop = name.split(",")[0], "async-copy" if "cp.async" in name else "tma-ws"
+            picked = {p["kernel"]: p for p in gemms if p["mode"] == mode and p["loop"] == loop}
+            if set(picked) != {"forward", "dgrad"}:
+                continue  # its GEMMs were not compiled here
+            for end in ENDS:
+                row[end] = layer_seconds({k: p[end]["seconds"] for k, p in picked.items()}, lcs, end)["seconds"]
+            row["gemms"] = picked
+        else:
+            for end in ENDS:
+                row[end] = layer_seconds({}, lcs, end)["seconds"]
+        out.append(row)
+    return out
 
 
-def layer_seconds(gemms: dict[str, float], launches: list[tuple[str, int]], dev: Device = H100_SXM) -> dict:
-    """A forward + backward: each GEMM launch at its prediction (gemms: {"forward": s, "dgrad": s}), every other
-    launch at its modelled bytes over HBM, and a gap between launches (Device.launch_gap_s)."""
-    other = [(name, nbytes) for name, nbytes in launches if name not in GEMM_KERNELS]
-    t_other = sum(nbytes for _, nbytes in other) / dev.hbm_bytes_s
-    t_gaps = len(launches) * dev.launch_gap_s
-    return dict(seconds=sum(gemms.values()) + t_other + t_gaps, other_s=t_other, gaps_s=t_gaps,
-                launches=len(launches), other_launches=len(other),
-                bytes=sum(nbytes for _, nbytes in launches))
+# --- measurements, where a GPU run left them (bench/results/<device>/) ----------------------------------------------
+
+# The benchmark's providers and modes of the headline (bench/_cases.py DECISIVE_CASES) -> the strategies above
+MEASURED_AS = {("dorafp8-triton", "fwd+bwd-cachednorm"): "W8A16", ("dorafp8-triton-w8a8", "fwd+bwd-cachednorm"): "W8A8",
+               ("dorafp8-cublas", "fwd+bwd-cachednorm"): "dequantize + cuBLAS", ("peft-dora", "fwd+bwd"): "PEFT DoRA",
+               ("linear-bf16", "fwd+bwd"): "cuBLAS bf16 Linear"}
+
+
+def measured(results_dir: str) -> dict:
+    """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel
+    name: [(us, device)]}} from bench/results/*/results.json (bench/run.py's records: 4096 x 4096, r 16, bf16, M 8192,
+    no dropout, status ok) and ncu_kernels.json (bench/ncu_profile.py find: one W8A16 call's kernels). Empty where
+    none has run."""
+    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+    layers, kernels = {}, {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "*", "results.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for rec in data.get("records", data) if isinstance(data, dict) else data:
+            name = MEASURED_AS.get((rec.get("provider"), rec.get("mode")))
+            if (name and rec.get("status") == "ok" and rec.get("ms") and rec.get("tokens") == M
+                    and rec.get("in_features") == K and rec.get("out_features") == N and rec.get("rank") == r
+                    and rec.get("dtype") == "bf16" and not rec.get("dropout")):
+                layers.setdefault(name, []).append((rec["ms"], rec.get("device", "?"), rec.get("commit", "?")))
+    for path in sorted(glob.glob(os.path.join(results_dir, "*", "ncu_kernels.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for k in data.get("kernels", []):
+            kernels.setdefault(re.sub(r"\W.*$", "", k["name"]), []).append((k["us"] / max(1, k.get("count", 1)),
+                                                                            os.path.basename(os.path.dirname(path))))
+    return dict(layers=layers, kernels=kernels)

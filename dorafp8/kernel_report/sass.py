@@ -22,9 +22,11 @@ _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 # Blackwell's tensor-core MMAs (UTCHMMA, UTCQMMA, ... issued by one thread for the CTA).
 _MMA = re.compile(r"^(HGMMA|QGMMA|IGMMA|HMMA|QMMA|IMMA|OMMA|UTC\w*MMA)$")
 
-# Fields of the mix, in report order (docs/INSPECT.md, "Main loop").
+# Fields of the mix, in report order (docs/INSPECT.md, "Main loop"). The pipeline's: utmaldg (TMA loads), mbar_wait
+# (mbarrier waits, SYNCS.PHASECHK), bar_cta (BAR.SYNC over the whole CTA: "BAR.SYNC 0x0"), bar_named (a barrier of a
+# given thread count, "BAR.SYNC 0x2, 0x80": one warpgroup's 128 threads under warp specialization).
 MIX_FIELDS = ("mma", "f2f", "f2fp_unpack", "f2fp_pack", "prmt", "i2f", "lds8", "lds16", "lds32", "lds64", "lds128",
-              "ldsm", "ldg", "ldgsts", "fp32_alu", "instrs")
+              "ldsm", "ldg", "ldgsts", "fp32_alu", "utmaldg", "mbar_wait", "bar_cta", "bar_named", "instrs")
 
 
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)", re.M)
@@ -100,16 +102,50 @@ def mix(instrs: list[dict]) -> dict:
             c["ldgsts"] += 1
         elif op in ("FADD", "FMUL", "FFMA", "FMNMX"):
             c["fp32_alu"] += 1
+        elif op == "UTMALDG":
+            c["utmaldg"] += 1
+        elif op == "SYNCS" and "PHASECHK" in mods:
+            c["mbar_wait"] += 1
+        elif op == "BAR" and ".SYNC" in mods:  # BAR.SYNC[.DEFER_BLOCKING] id[, thread count]
+            c["bar_named" if "," in e.get("args", "") else "bar_cta"] += 1
     return c
+
+
+def _holding(instrs: list[dict], ranges: list[tuple[int, int]], pattern) -> list[tuple[int, int]]:
+    """The ranges whose body holds an instruction matching `pattern`, innermost only (none of them inside another
+    range that holds one: a persistent kernel's tile loop holds its main loop), in program order."""
+    hold = [r for r in sorted(ranges) if any(e.get("op") and pattern(e) for e in instrs[r[0]:r[1] + 1])]
+    return [r for r in hold if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in hold)]
+
+
+def _is_mma(e: dict) -> bool:
+    return bool(_MMA.match(e["op"]))
+
+
+def _is_tma_load(e: dict) -> bool:
+    return e["op"] == "UTMALDG"
 
 
 def main_loop_mix(text: str) -> dict | None:
     """The instruction mix of the main loop, None if no loop holds an MMA instruction. The main loop is the first
-    loop in program order that holds one: dorafp8's kernels run their main GEMM before their epilogue, whose rank-r
-    GEMM can be a loop of MMAs too (as many per iteration, or more)."""
+    innermost loop in program order that holds one: dorafp8's kernels run their main GEMM before their epilogue, whose
+    rank-r GEMM can be a loop of MMAs too (as many per iteration, or more); a persistent kernel's tile loop holds both.
+    Under warp specialization each consumer warpgroup has its own copy of the loop, the first is its."""
     instrs = parse_sass(text)
-    for first, last in sorted(loops(instrs)):
-        body = instrs[first:last + 1]
-        if any(e.get("op") and _MMA.match(e["op"]) for e in body):
-            return mix(body)
-    return None
+    found = _holding(instrs, loops(instrs), _is_mma)
+    return mix(instrs[found[0][0]:found[0][1] + 1]) if found else None
+
+
+def pipeline(text: str) -> dict:
+    """What the main loop's SASS says of its pipeline beyond the mix: whether the main loop lies inside another loop
+    (a persistent kernel's tile loop), the mix of the producer's loop under warp specialization (the first innermost
+    loop that issues TMA loads and holds no MMA; None without one) and kernel_instrs, every instruction of the kernel
+    (what lies outside the loops runs once per tile or program: predict.py's per-tile cost)."""
+    instrs = parse_sass(text)
+    every = loops(instrs)
+    main = _holding(instrs, every, _is_mma)
+    producer = [r for r in _holding(instrs, every, _is_tma_load)
+                if not any(e.get("op") and _is_mma(e) for e in instrs[r[0]:r[1] + 1])]
+    nested = bool(main) and any(o[0] < main[0][0] and main[0][1] < o[1] for o in every)
+    return dict(tile_loop=nested, producer_loop=mix(instrs[producer[0][0]:producer[0][1] + 1]) if producer else None,
+                kernel_instrs=sum("op" in e for e in instrs))

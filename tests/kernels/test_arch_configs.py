@@ -85,17 +85,18 @@ def test_w8a8_on_hopper_may_promote_every_128(out, red):
 def test_rank_term_is_fp32_fma_on_hopper_under_triton_3_8(monkeypatch):
     """Triton 3.8's sm_90 GEMMs whose epilogue multiplies the rank-r term on tensor cores have their wgmma serialized by
     ptxas (C7515): the dgrad (split_dot's products, PEFT's defaults) and the forward with dropout. There the term is
-    exact fp32 FMAs, on Hopper only, and the kernel report compiles what the launchers run (the same choice, in
-    inspect_spec)."""
+    exact fp32 FMAs, on Hopper only, in the cp.async loop (the warp-specialized one is not serialized), and the kernel
+    report compiles what the launchers run (the same choice, in inspect_spec)."""
     import triton
 
     from dorafp8.triton_kernels import inspect_spec
     from dorafp8.triton_kernels.epilogue_dot import rank_fma_for
 
-    def tensor_core_rank(kernel, table, dropout):
+    def tensor_core_rank(kernel, table, dropout, loop="async-copy"):
         spec = next(s for s in inspect_spec.SPECS if s.name == kernel)
         return {not v.constexprs["LORA_IEEE"] for v in spec.variants(table)
-                if v.constexprs["HAS_ADAPTER"] and v.constexprs["HAS_DROPOUT"] == dropout and v.dtype != "fp32"}
+                if v.constexprs["HAS_ADAPTER"] and v.constexprs["HAS_DROPOUT"] == dropout and v.dtype != "fp32"
+                and v.constexprs["MAIN_LOOP"] == loop}
 
     monkeypatch.setattr(C, "_INTERPRET", False)  # dot_dtype as on a GPU (the interpreter takes bf16 dots in fp32)
     for version, fma in (("3.8.0", True), ("3.8.1", True), ("3.6.0", False), ("3.7.1", False), ("3.9.0", False)):
@@ -105,6 +106,10 @@ def test_rank_term_is_fp32_fma_on_hopper_under_triton_3_8(monkeypatch):
             assert tensor_core_rank("dgrad" if dgrad else "forward", "sm90", dropout) == {not fma}, version
         assert not rank_fma_for("sm90", False, False)  # the forward without dropout is not serialized
         assert tensor_core_rank("forward", "sm90", False) == {True}, version
+        # the warp-specialized Hopper loop (no dropout) keeps tensor cores under every Triton: ptxas serializes none
+        # of its GEMMs (kernel_report; hopper.py)
+        for kernel in ("forward", "dgrad"):
+            assert tensor_core_rank(kernel, "sm90", False, "tma-ws") == {True}, (version, kernel)
         for table in ("sm89", "sm100", "sm120", "interp"):
             assert not any(rank_fma_for(table, dgrad, dropout) for dgrad in (False, True) for dropout in (False, True))
     # and the launchers ask for it from the device they run on

@@ -384,3 +384,130 @@ def test_w8_conversion_keeps_e4m3_nan(device, dtype, via_f32):
     _, out = _w8_to_all_codes(device, dtype, via_f32)
     assert out[_E4M3_NAN.to(device)].isnan().all()
     assert not out[~_E4M3_NAN.to(device)].isnan().any()
+
+
+# The Hopper main loop (triton_kernels/hopper.py): tensor descriptors (TMA), the persistent tile loop, warp
+# specialization, W8^T for the dgrad, and rank_pieces' bf16 operands for fp32 adapters. Under the interpreter the same
+# program runs (descriptors and the tile loop as plain code: 3 programs loop over the tiles, warp_specialize is a hint)
+# where DORAFP8_HOPPER_GEMM=1 asks for it; on an H100 it is the compiled path, and the cp.async one is run beside it.
+# The shapes are ones TMA can address (K, N multiples of 16; the fp32 adapters' rows 16-byte aligned); r = 20 takes
+# rank_pieces' 60 columns in four chunks of 16; M = 37 and 70 leave partial tiles. Dropout, fp32 outputs and 16-bit
+# adapters whose rows TMA cannot address keep the cp.async loop (hopper.ws_plan), which the observed MAIN_LOOP shows.
+HOPPER_CASES = [((37, 64, 48, 16, False), torch.float16, None),
+                ((70, 96, 80, 20, False), torch.bfloat16, torch.float32),
+                ((37, 64, 48, 16, False), torch.float16, torch.float32)]
+HOPPER_LOOPS = ["tma-ws", "async-copy"] if HAS_CUDA else ["tma-ws"]
+
+
+@pytest.fixture
+def main_loops_seen():
+    """The MAIN_LOOP of every GEMM launched inside the test, by kernel name."""
+    from dorafp8.triton_kernels._common import launch_observers
+
+    seen = []
+
+    def observe(kernel, grid, args, kwargs):
+        if "MAIN_LOOP" in kwargs:
+            seen.append((getattr(kernel, "__name__", None) or kernel.fn.__name__, kwargs["MAIN_LOOP"]))
+        return False
+
+    launch_observers().append(observe)
+    yield seen
+    launch_observers().remove(observe)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loop", HOPPER_LOOPS)
+@pytest.mark.parametrize("shape,dtype,rank_dtype", HOPPER_CASES,
+                         ids=[f"{shape_id(sh)}-{dt}-{rdt}" for sh, dt, rdt in HOPPER_CASES])
+@pytest.mark.parametrize("mode", ["nodrop", "plain"])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("act_quant", ["", "rowwise"], ids=["w8a16", "w8a8"])
+def test_hopper_main_loop(device, loop, shape, dtype, rank_dtype, mode, scale, act_quant, main_loops_seen,
+                          monkeypatch):
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "0" if loop == "async-copy" else "1")
+    if device == "cuda" and loop != "async-copy" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA loop runs on Hopper only (hopper.main_loop_for)")
+    M, K, N, r, strided = shape
+    p = make_problem(M, K, N, r, dtype, device, scale, strided, rank_dtype=rank_dtype)
+    p["z_dtype"] = dtype  # z in the compute dtype, as the layer asks: fp32 adapters take split_dot's products
+    check_forward(tk.forward, p, mode, has_bias=True, act_quant=act_quant)
+    check_dgrad(tk.dgrad, p, mode, act_quant)
+    # 16-bit adapters are read by TMA as they are: r = 20 has 40-byte rows (fp32 ones go through rank_pieces' padded
+    # rows)
+    tma_rank = mode == "plain" or rank_dtype == torch.float32 or r % 8 == 0
+    want = "async-copy" if loop == "async-copy" or not tma_rank else loop
+    assert {kernel for kernel, _ in main_loops_seen} == {"dora_fwd_kernel", "dora_dgrad_kernel"}
+    assert {main for _, main in main_loops_seen} == {want}, main_loops_seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hopper_main_loop_with_fp8_promotion(device, main_loops_seen, monkeypatch):
+    """W8A8 on the Hopper loop with FP8_PROMOTE on (as on sm_90a: each step's e4m3 product joins the fp32 accumulator
+    in software, one warpgroup's adds beside the other's QGMMA), against the same references."""
+    import sys
+
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")
+    for mod in ("forward", "dgrad"):
+        monkeypatch.setattr(sys.modules[f"dorafp8.triton_kernels.{mod}"], "fp8_promote", lambda device: True)
+    p = make_problem(70, 96, 80, 20, torch.bfloat16, device, "block", False, rank_dtype=torch.float32)
+    p["z_dtype"] = torch.bfloat16
+    check_forward(tk.forward, p, "nodrop", has_bias=True, act_quant="rowwise")
+    check_dgrad(tk.dgrad, p, "nodrop", "rowwise")
+    assert {main for _, main in main_loops_seen} == {"tma-ws"}, main_loops_seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["K=50", "dropout", "fp32 z"])
+def test_hopper_main_loop_falls_back(device, case, main_loops_seen, monkeypatch):
+    """Where the Hopper loop cannot run, the cp.async loop does, with the same results: K = 50 (rows of 50 fp8 bytes,
+    not 16-byte aligned, which TMA cannot address), dropout (two accumulators: two dots a step, which the
+    partitioner cannot take) and an fp32 z from fp32 adapters (exact fp32 rank products, not split_dot's)."""
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")
+    K = 50 if case == "K=50" else 64
+    p = make_problem(37, K, 48, 16, torch.float16, device, "row", False, rank_dtype=torch.float32)
+    p["z_dtype"] = torch.float32 if case == "fp32 z" else torch.float16
+    mode = "dropout" if case == "dropout" else "nodrop"
+    check_forward(tk.forward, p, mode, has_bias=True)
+    assert {main for _, main in main_loops_seen} == {"async-copy"}, main_loops_seen
+    if case != "fp32 z":  # the dgrad's output is dx, in the compute dtype
+        check_dgrad(tk.dgrad, p, mode)
+        assert {main for k, main in main_loops_seen if k == "dora_dgrad_kernel"} == {"async-copy"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t_rank_rows", [False, True], ids=["B-side", "A-side"])
+def test_rank_pieces_give_split_dots_products(device, t_rank_rows):
+    """rank_pieces' operands are [Th | Tl | Th] and [Vl | Vh | Vh], with split_dot's pieces (hi = bf16(x) and
+    lo = bf16(x - hi), both rounded to nearest even), so that their one product over 3 r is split_dot's three,
+    Th Vl + Tl Vh + Th Vh. Against torch's own roundings, over values spanning 2^-20 .. 2^20."""
+    from dorafp8.triton_kernels.hopper import rank_pieces
+
+    gen = torch.Generator().manual_seed(5)
+    r = 20
+    v = torch.randn(33, r, generator=gen) * 2.0 ** torch.randint(-20, 21, (33, r), generator=gen)
+    t = torch.randn(40, r, generator=gen) * 2.0 ** torch.randint(-20, 21, (40, r), generator=gen)
+    v3, t3 = rank_pieces(v.to(device), (t.T if t_rank_rows else t).to(device), t_rank_rows)
+    t3 = t3.T if t_rank_rows else t3  # [40, 3 r]: the tile side by rows
+
+    def split(x):
+        hi = x.to(torch.bfloat16)
+        return hi, (x - hi.float()).to(torch.bfloat16)
+
+    (th, tl_), (vh, vl) = split(t), split(v)
+    assert torch.equal(v3.cpu(), torch.cat([vl, vh, vh], 1))
+    assert torch.equal(t3.cpu(), torch.cat([th, tl_, th], 1))
+
+
+def test_descriptor_scratch_allocator_is_set_for_the_call_only():
+    """Tensor descriptors made in a kernel need 128 bytes of global scratch a program, which Triton asks its allocator
+    for at launch (and fails without one): the Hopper launchers set one for their call only, in a copy of the context,
+    so what a caller set (or that none is set) is what the rest of the program still sees."""
+    from triton.runtime import _allocation
+
+    from dorafp8.triton_kernels.hopper import with_descriptor_scratch
+
+    before = _allocation._allocator.get()
+    inside = with_descriptor_scratch(lambda: _allocation._allocator.get())
+    assert inside is not before and callable(inside)
+    assert _allocation._allocator.get() is before
