@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, dot_dtype, interpreting, launch, sm_props
+from ._common import cdiv, dot_dtype, interpreting, launch
+from .occupancy import sm_props
 from .epilogue_dot import bf16_value
 
 ENV = "DORAFP8_HOPPER_GEMM"
