@@ -22,8 +22,11 @@ CAP_S = float(os.environ.get("FIRST_CONTACT_CAP_S", "60"))  # this step's cap: a
 # (K, N), r, M of the correctness checks, M of the timing; the timing's providers
 SIZE = dict(shape=(64, 96), rank=4, check=(32, 30), time=(32, 16), race=(40,), profile=32) if SMOKE else \
     dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192, 1024), profile=8192)
+# "-cp": the same Triton GEMMs in the cp.async main loop (DORAFP8_HOPPER_GEMM=0), which an H100 otherwise runs only
+# with dropout: both loops are checked before anything is timed
 CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE else \
-    {"w8a16": ("triton", None), "w8a8": ("triton", "rowwise"), "cublas": ("cublas", None)}
+    {"w8a16": ("triton", None), "w8a8": ("triton", "rowwise"), "cublas": ("cublas", None),
+     "w8a16-cp": ("triton", None), "w8a8-cp": ("triton", "rowwise")}
 SMOKE_PROVIDERS = ("dorafp8-reference", "linear-bf16", "linear-fp8-dequant", "peft-dora", "peft-lora",
                    "dorafp8-lora-reference")
 PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8")
@@ -157,6 +160,8 @@ def pins() -> int:
 def correct(job: str) -> int:
     """y, dx, dA, dB, dm of DoRA (and y, dx of the plain fp8 linear under LoRA) against fp64 at each M."""
     backend, act_quant = CHECKS[job]
+    if job.endswith("-cp"):
+        os.environ["DORAFP8_HOPPER_GEMM"] = "0"  # read at each launch (triton_kernels/hopper.py)
     M, ragged = SIZE["check"]
     # M first (its compiles are the timing's: M a multiple of 16), the plain linear's too, then the ragged M
     checks = ((f"{job} M={M}", check_dora, M), (f"{job} fp8_linear M={M}", check_linear, M),

@@ -65,7 +65,8 @@ STEPS = {
         Step("pins", 45, "the kernel report's model picks one config per GEMM variant and predicts every kernel "
                          "(sm_90a compiles, 16 processes); the launchers run those configs alone", gpu=True),
         Step("correct", 110, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
-                             "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; three processes"),
+                             "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; the Triton GEMMs in both main "
+                             "loops (Hopper's and the cp.async one, DORAFP8_HOPPER_GEMM=0); five processes"),
         Step("time", 70, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
              grows=True),
         Step("race", 15, "what backend='auto' picks at M 8192 and 1024, and what the pick costs"),
@@ -280,7 +281,8 @@ def run_command(command: str, smoke: bool) -> int:
             cap = min(cap, deadline - time.monotonic() - later)
         print(f"== {step.name} (cap {cap:.0f} s)", file=log, flush=True)
         env = dict(child_env(work, results, smoke, step), FIRST_CONTACT_CAP_S=str(round(cap)))
-        jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas",)) if step.name == "correct" else (None,)
+        jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas", "w8a16-cp", "w8a8-cp")) if step.name == "correct" \
+            else (None,)
         procs = [start(step, job, env, log) for job in jobs]
         if step.background:
             background[step.name] = (procs[0], time.monotonic() + cap)
