@@ -121,6 +121,10 @@ def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
 
+# OneTrainer's module comes from a checkout, which its scripts put on sys.path after they start: `import dorafp8`
+# watches it only if it can already be found (an `import dorafp8` after OneTrainer's own imports), and `dorafp8 run`,
+# the route for OneTrainer (docs/TRAINERS.md), waits for it in the trainer's process whatever sys.path holds then.
+ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
     "peft": (_peft, "get_peft_model will not build DoRAFP8Linear layers"),
@@ -129,7 +133,7 @@ _WATCHED = {
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
     "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
                           "dorafp8.register_with_lycoris() after fixing the cause)"),
-    "modules.module.LoRAModule": (_onetrainer, "OneTrainer's DoRA on fp8 layers computes its own dense fp32 "
+    ONETRAINER_MODULE: (_onetrainer, "OneTrainer's DoRA on fp8 layers computes its own dense fp32 "
                                                "weight (dorafp8.onetrainer)"),
     FSDP1_MODULE: (install_fsdp1_refusal, "FSDP1 fails on fp8 layers with 'Must flatten tensors with uniform dtype' "
                                           "instead of naming FSDP2"),
@@ -260,6 +264,15 @@ def watch(name: str, hook, consequence: str) -> None:
             finally:
                 hook()
         _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
-    if _exists(name):  # as watch_imports: a module this environment lacks is never waited for
+    _pending.add(name)  # asked for by name: waited for even if it cannot be found yet (a checkout joins sys.path later)
+    install_finder()
+
+
+def wait_for(name: str) -> None:
+    """Waits for watched module `name` (a key of _WATCHED) even where it cannot be found yet, as `import dorafp8` does
+    not: dorafp8 run, for OneTrainer's module, whose checkout its scripts put on sys.path after they start."""
+    if sys.modules.get(name) is not None:
+        _run(name)
+    else:
         _pending.add(name)
         install_finder()

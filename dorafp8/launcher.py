@@ -136,6 +136,8 @@ def install(options: dict) -> None:
     from . import _install
 
     _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
+    # OneTrainer's scripts put its checkout on sys.path after this runs: wait for its module whatever sys.path holds
+    _install.wait_for(_install.ONETRAINER_MODULE)
     if options.get("quantize"):
         for module, cls in _LOADERS.items():
             _install.watch(module, functools.partial(_quantize_on_load, module, cls),

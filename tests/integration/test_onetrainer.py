@@ -18,6 +18,8 @@ the dense weight (OneTrainer's get_unquantized_weight is not called in the forwa
 
 import copy
 import importlib
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -178,6 +180,9 @@ def ot(tmp_path_factory):
     (root / "modules" / "__init__.py").write_text("")
     (root / "modules" / "module" / "__init__.py").write_text("")
     (root / "modules" / "module" / "LoRAModule.py").write_text(textwrap.dedent(ONETRAINER))
+    from dorafp8 import _install
+
+    _install.wait_for(_install.ONETRAINER_MODULE)  # what dorafp8 run does before the trainer's checkout is on sys.path
     sys.path.insert(0, str(root))
     try:
         yield importlib.import_module("modules.module.LoRAModule")
@@ -295,3 +300,15 @@ def test_other_layers_run_onetrainer_own_forward(ot):
     copy.deepcopy(net)(torch.randn(2, 24))
     net(torch.randn(2, 24))
     assert ot.CALLS["get_unquantized_weight"] == 4  # two layers, in the model and in its copy
+
+
+def test_dorafp8_run_waits_for_onetrainer_before_its_checkout_is_on_sys_path():
+    """`import dorafp8` watches OneTrainer's module only where it can be found; OneTrainer's scripts put their checkout
+    on sys.path after they start, so the launcher (dorafp8 run, OneTrainer's route) waits for it regardless."""
+    code = ("import sys\nfrom dorafp8 import _install, launcher\n"
+            "print(_install.ONETRAINER_MODULE in _install._pending)\n"
+            "launcher.install({})\n"
+            "print(_install.ONETRAINER_MODULE in _install._pending, _install._HOOK in sys.meta_path)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "DORAFP8_NO_PATCHES"})
+    assert out.stdout.split("\n")[:2] == ["False", "True True"], out.stdout + out.stderr[-2000:]
