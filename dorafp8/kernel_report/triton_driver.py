@@ -129,21 +129,28 @@ def bind(fn, backend, args: dict, kwargs: dict):
     return fn._pack_args(backend, kwargs, bound, specialization, options)
 
 
-def ptxas_log(backend, ptx: str, options, capability: int) -> str:
-    """ptxas -v's log for Triton's PTX, from Triton's own make_cubin: its ptxas, its flags (which change between
-    versions: 3.9 adds --regAllocOptLevel=2, which changes register counts), so the numbers are those of the cubin
-    Triton builds. Triton prints the log only with knobs.nvidia.dump_ptxas_log and only when it compiles rather than
-    reads its cache, hence this second ptxas run with the knob on and the print captured."""
+@contextlib.contextmanager
+def ptxas_log_printed(out: io.StringIO):
+    """Inside it, Triton's make_cubin prints ptxas -v's log (knobs.nvidia.dump_ptxas_log, 3.6 .. 3.9) into out: the
+    log of Triton's own ptxas with its own flags (which change between versions: 3.9 adds --regAllocOptLevel=2, which
+    changes register counts), so the numbers are those of the cubin Triton builds."""
     from triton import knobs
 
     saved = knobs.nvidia.dump_ptxas_log
     knobs.nvidia.dump_ptxas_log = True
-    out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            backend.make_cubin(ptx, {}, options, capability)
+            yield
     finally:
         knobs.nvidia.dump_ptxas_log = saved
+
+
+def ptxas_log(backend, ptx: str, options, capability: int) -> str:
+    """ptxas -v's log for Triton's PTX, by a second ptxas run through Triton's make_cubin: for a kernel Triton read
+    from its cache, where it printed no log."""
+    out = io.StringIO()
+    with ptxas_log_printed(out):
+        backend.make_cubin(ptx, {}, options, capability)
     return out.getvalue()
 
 
@@ -158,7 +165,8 @@ def sass_text(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True, text=True)
+        # -ndf: no dataflow analysis, which prints nothing under -c and took a fifth of nvdisasm's time
+        done = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", "-ndf", f.name], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvdisasm failed: {done.stderr[-2000:]}")
     return done.stdout
@@ -188,11 +196,16 @@ def compile_job(job: dict) -> dict:
         kwargs = {**variant.constexprs, **cfg.all_kwargs()}
         kwargs.update(launch_options(fn, backend))
         options, signature, constexprs, attrs = bind(fn, backend, variant.args, kwargs)
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
+        printed = io.StringIO()
+        with ptxas_log_printed(printed):
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-        log = ptxas_log(backend, ptx, options, cap)
-        usage = parse_ptxas_log(log).get(compiled.metadata.name)
+        # The log of the compile itself (ptxas run twice was a sixth of a cold inspection's time), or where Triton
+        # read the kernel from its cache, a second ptxas run's.
+        usage = parse_ptxas_log(log := printed.getvalue()).get(compiled.metadata.name)
+        if usage is None:
+            usage = parse_ptxas_log(log := ptxas_log(backend, ptx, options, cap)).get(compiled.metadata.name)
         if usage is None:
             raise RuntimeError(f"no ptxas -v entry for {compiled.metadata.name}:\n{log[-2000:]}")
 

@@ -647,6 +647,22 @@ def test_a_worker_compiles_for_one_arch(spec_module):
     _none_of([r for r in recs if r["error"]], "did not compile after a compile for another arch")
 
 
+def test_a_kernel_read_from_triton_s_cache_reads_as_compiled(spec_module, tmp_path, monkeypatch):
+    """The registers and spills come from the ptxas log Triton prints while it compiles; a kernel Triton reads from its
+    cache prints none, and a second ptxas run gives the log (triton_driver.compile_job). Both records must agree."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the workers inherit it: cold, then warm
+    mod = spec_module("inspect_fp8_to_bf16", _FP8_TO_BF16)
+    runs = [insp.run(archs=["sm_90a"], backends=["triton"], select=lambda j: j["kernel"] == "fp8_to_bf16", jobs=1,
+                     spec_module=mod) for _ in range(2)]
+    assert any(tmp_path.rglob("*.cubin")), "the first run left nothing in Triton's cache"
+    for recs in runs:
+        _none_of([r for r in recs if r["error"]], "did not compile")
+        assert recs and all(r["regs"] > 0 for r in recs)
+    drop = ("compile_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in runs[0]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in runs[1]]
+
+
 def test_cuda_kernel_list_must_match_the_spec():
     rows = insp.load_cuda_spec()
     names = {f"m{i}": f"void dorafp8::detail::{r['kernel']}" + (f"<{r['targs']}>" if r["targs"] else "")
