@@ -4,10 +4,10 @@
 # in .venv-matrix/<leg>/ with torch and Triton pinned, installs dorafp8 editable without its dependencies (the tests
 # below need only torch, Triton, numpy and pytest) and without the CUDA extension, and runs its tests with a Triton
 # cache of its own (a cold one: no entry compiled by anything else is read), in two processes as README's test
-# command does (pytest-xdist, whole files each: the kernel report's compiles beside the interpreter tests). The venvs
-# are built one after another in the background while the legs before them test. It prints its times. The venvs
-# stay, as .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's next run starts from
-# scratch.
+# command does (pytest-xdist, whole files each: the kernel report's compiles beside the interpreter tests). It prints
+# its times. The venvs stay, as .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's
+# next run starts from scratch. (Building the next leg's venv in the background while a leg tests saved nothing in a
+# CI run: the tests slowed by as much as the installs' 26 to 79 s.)
 #
 #   bash .ci/version_matrix.sh                       every leg
 #   bash .ci/version_matrix.sh torch2.11-triton3.6   one leg
@@ -84,62 +84,27 @@ fi
 [ "${#legs[@]}" -gt 0 ] || legs=("${LEGS[@]}")
 for leg in "${legs[@]}"; do
     [ -n "${REQS[$leg]:-}" ] || { echo "unknown leg $leg; the legs: ${LEGS[*]}"; exit 2; }
-done
-
-# Builds a leg's venv; its output goes to the venv's install.log, its exit status to install.rc (written last).
-install_leg() {
-    local leg=$1 venv=".venv-matrix/$1"
-    rm -rf "$venv"
-    {
-        python3 -m venv "$venv" || return
-        # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may
-        # lack; setuptools>=77: pyproject.toml's license fields (PEP 639), which torch 2.11 does not pull in
-        # shellcheck disable=SC2086  # the requirements are words
-        ${UNCAPPED[$leg]:+env PIP_CONSTRAINT=/dev/null} "$venv/bin/pip" install -q ${REQS[$leg]} pytest pytest-xdist \
-            wheel "setuptools>=77" 2>&1 | { grep -v "is ignored: it is neither" || true; } || return
-        DORAFP8_SKIP_CUDA_BUILD=1 "$venv/bin/pip" install -q -e . --no-deps --no-build-isolation || return
-    } > "$venv.install.log" 2>&1
-}
-
-# README's install (.venv) runs the whole suite, these files included, on every target: a leg that would install the
-# same torch and Triton would only repeat it.
-run=()
-for leg in "${legs[@]}"; do
-    if [ -x .venv/bin/python ] && [ "$(resolved_pair "$leg")" = "$(pair_of .venv/bin/python)" ]; then
-        echo "== matrix $leg: skipped, README's install has the same $(pair_of .venv/bin/python) and ran these tests"
-    else
-        run+=("$leg")
-    fi
-done
-
-# The venvs are built one after another in the background while the legs before run their tests: pip's downloads
-# and unpacking (26 to 79 s a leg) wait on the network and the disk more than on the two cores the tests keep busy.
-mkdir -p .venv-matrix
-rm -f .venv-matrix/*.install.rc
-(
-    for leg in "${run[@]}"; do
-        rc=0
-        install_leg "$leg" || rc=$?
-        echo "$rc" > ".venv-matrix/$leg.install.rc"
-    done
-) &
-installer=$!
-trap 'kill "$installer" 2>/dev/null || true' EXIT
-
-for leg in "${run[@]}"; do
     venv=".venv-matrix/$leg"
     t0=$(date +%s)
-    echo "== matrix $leg: ${UNCAPPED[$leg]:+PIP_CONSTRAINT=/dev/null }pip install ${REQS[$leg]}"
-    while [ ! -f "$venv.install.rc" ]; do sleep 2; done
-    cat "$venv.install.log"
-    if [ "$(cat "$venv.install.rc")" != 0 ]; then
-        echo "matrix $leg: the install failed (exit $(cat "$venv.install.rc"))"
-        exit 1
+    # README's install (.venv) runs the whole suite, these files included, on every target: a leg that would install
+    # the same torch and Triton would only repeat it.
+    if [ -x .venv/bin/python ] && [ "$(resolved_pair "$leg")" = "$(pair_of .venv/bin/python)" ]; then
+        echo "== matrix $leg: skipped, README's install has the same $(pair_of .venv/bin/python) and ran these tests"
+        continue
     fi
+    echo "== matrix $leg: ${UNCAPPED[$leg]:+PIP_CONSTRAINT=/dev/null }pip install ${REQS[$leg]}"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    # wheel: an editable install without build isolation needs bdist_wheel, which the venv's setuptools may lack;
+    # setuptools>=77: pyproject.toml's license fields (PEP 639), which torch 2.11 does not pull in (it asks <82)
+    # shellcheck disable=SC2086  # the requirements are words
+    ${UNCAPPED[$leg]:+env PIP_CONSTRAINT=/dev/null} "$venv/bin/pip" install -q ${REQS[$leg]} pytest pytest-xdist wheel \
+        "setuptools>=77" 2>&1 | { grep -v "is ignored: it is neither" || true; }
     echo "== matrix $leg: $(pair_of "$venv/bin/python")"
+    DORAFP8_SKIP_CUDA_BUILD=1 "$venv/bin/pip" install -q -e . --no-deps --no-build-isolation
     "$venv/bin/python" -m dorafp8
     t1=$(date +%s)
-    echo "== matrix $leg: installed (waited $((t1 - t0))s for it); pytest ${TESTS[$leg]} -k '$SELECT' -n 2 --dist loadfile"
+    echo "== matrix $leg: installed in $((t1 - t0))s; pytest ${TESTS[$leg]} -k '$SELECT' -n 2 --dist loadfile"
     # A skipped test would pass silently here (a missing compiler skips test_inspect.py whole): none may skip.
     # shellcheck disable=SC2086  # the test files are words
     TRITON_CACHE_DIR="$PWD/$venv/triton-cache" "$venv/bin/python" -m pytest ${TESTS[$leg]} -k "$SELECT" -q \
@@ -152,4 +117,3 @@ for leg in "${run[@]}"; do
     t2=$(date +%s)
     echo "== matrix $leg: tests in $((t2 - t1))s, leg in $((t2 - t0))s"
 done
-wait "$installer"
