@@ -407,6 +407,8 @@ def weight_norm_configs_for(arch: str, fp32: bool = False):
 
 
 _TUNERS: dict = {}
+
+
 def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
     (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the

@@ -17,6 +17,7 @@ from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
 from ..nn.convert import check_fp8_layer
 from ..norm_cache import WeightNormCache
 from ..ops import norm_divisor
+from ..quant import all_finite
 
 
 _MERGE_WARNING = (
@@ -204,7 +205,7 @@ class DoRAFP8Layer:
             parts = [self.lora_A[a].weight, self.lora_B[a].weight]
             if a in self.lora_magnitude_vector:
                 parts.append(self.lora_magnitude_vector[a].weight)
-            if not all(bool(torch.isfinite(t).all()) for t in parts):
+            if not all(all_finite(t) for t in parts):
                 problems.append(f"adapter {a!r} has non-finite (NaN/inf) weights: the merged weight cannot be stored "
                                 f"in e4m3")
         return problems
