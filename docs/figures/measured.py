@@ -136,16 +136,22 @@ def _diffusion_model(kind):
 def diffusion_reload():
     """The adapter trained on tests/integration/test_diffusion.py's fp8 UNet and DiT, loaded with plain PEFT onto the
     dequantized fp8 base and onto the original base: relative difference of the outputs from the trained model's."""
+    import torch
+
+    from tests._tolerance import tol, within
     from tests.integration.test_diffusion import reload_errors
 
+    bound = tol(torch.float32)  # the same fp32 computation in another order (tests/_tolerance.py)
     for kind, name in (("unet", "UNet"), ("dit", "DiT")):
         original, pm = _diffusion_model(kind)
         with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rel = reload_errors(original, pm, kind, os.path.join(d, "adapter"))
-        # onto the dequantized base the difference is float32 rounding: its digits depend on the CPU, its size not
-        assert rel["dequantized"] < 1e-6, rel
-        print(f"{name}: onto the dequantized fp8 base below 1e-6; onto the original base {pct(rel['original'])} "
+        # onto the dequantized base the difference is float32 rounding: its digits depend on the CPU (seen: 3e-7 to
+        # 1.0e-6), so the doc quotes the bound the tests hold it to
+        within(rel["dequantized"], bound, f"{name} reloaded onto the dequantized base")
+        print(f"{name}: onto the dequantized fp8 base below {bound:.0e} (float32 rounding); onto the original base "
+              f"{pct(rel['original'])} "
               f"(the bare base's own fp8 error: {pct(rel['base'])})")
 
 

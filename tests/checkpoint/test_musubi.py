@@ -24,6 +24,7 @@ from torch import nn
 import dorafp8
 from dorafp8.checkpoint.layouts import CheckpointFormatError
 from dorafp8.quant import QuantizationWarning
+from tests._tolerance import tol, within
 
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -204,7 +205,7 @@ def test_layer_outputs_are_musubis_dequantized_weights(tmp_path):
         ref = xin.double() @ w.T + sd[name + ".bias"].double()
         with torch.no_grad():
             got = layer(xin).double()
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-6, name
+        within(((got - ref).norm() / ref.norm()).item(), tol(torch.float32), name)  # fp32 against fp64
 
 
 def test_save_writes_musubi_back(tmp_path):
@@ -287,5 +288,5 @@ def test_comfyui_plain_fp8_cast_of_a_unet(tmp_path):
     x, t, enc = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([10]), torch.randn(1, 4, 32, generator=g)
     with torch.no_grad():
         want, got = ref(x, t, enc).sample, model(x, t, enc).sample
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    within(((got - want).norm() / want.norm()).item(), tol(torch.float32), "musubi file's model output")
     assert not os.path.exists(path + ".tmp")

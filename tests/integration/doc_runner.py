@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,8 +55,10 @@ RUN_LANGS = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash", 
 TEXT_LANGS = {"text"}
 KEYS = ("setup", "session", "file", "run-as", "not-run")
 CI_REASON = "run-by-ci: .ci/run runs README.md's first bash block itself (install, demo, the whole test suite)"
-COMMAND_TIMEOUT = 300  # seconds, per bash command line of a console block or per bash block
-BUDGET_HINT = 60  # a block slower than this is reported by test_docs (CI runs them all on 2 cores)
+BUDGET_HINT = 60  # seconds: what a block may take on a quiet 2-core machine (WRITING_DOCS.md); the slowest take ~40
+# A block (a python block, or one command line of a bash or console block) that runs longer fails, naming the limit: 5x
+# the budget, room for a machine whose other work leaves it a fifth of its cores, and a bound on a hung block.
+COMMAND_TIMEOUT = 5 * BUDGET_HINT
 
 
 def docs(root: Path = ROOT) -> list[str]:
@@ -336,6 +339,26 @@ def _exec(code: str, first_line: int, filename: str, ns: dict) -> None:
     exec(compile("\n" * (first_line - 1) + code, filename, "exec"), ns)  # noqa: S102 (the docs' own code)
 
 
+class BlockTimeout(Exception):
+    """A python block ran past COMMAND_TIMEOUT."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Raises BlockTimeout in the doc's code after `seconds` (SIGALRM: the runner is a script, its main thread runs the
+    blocks). The bash commands have subprocess's own timeout."""
+    def expired(signum, frame):
+        raise BlockTimeout(f"the block ran past its limit of {seconds} s (doc_runner.COMMAND_TIMEOUT)")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def run_unit(unit: list[Block], workdir: Path, env: dict) -> dict[str, dict]:
     """Runs one session (or one block) in its own directory and namespace; {block id: result}."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -369,7 +392,7 @@ def run_unit(unit: list[Block], workdir: Path, env: dict) -> dict[str, dict]:
             t0 = time.time()
             buf = io.StringIO()
             try:
-                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), _time_limit(COMMAND_TIMEOUT):
                     for line, code in ([] if b.file else b.setups):  # a script's setups are in its file
                         _exec(code, line, f"{b.doc} (setup)", ns)
                     if b.kind == "python" and not b.file:
@@ -403,7 +426,8 @@ def run_unit(unit: list[Block], workdir: Path, env: dict) -> dict[str, dict]:
     return results
 
 
-def run_doc(doc: str, workdir: Path, root: Path = ROOT) -> dict[str, dict]:
+def run_doc(doc: str, workdir: Path, root: Path = ROOT, on_results=None) -> dict[str, dict]:
+    """Runs every unit of `doc`; on_results(results) after each unit, with that unit's results."""
     blocks, errors = parse(doc, (root / doc).read_text())
     if errors:
         raise SystemExit("\n".join(errors))
@@ -411,7 +435,10 @@ def run_doc(doc: str, workdir: Path, root: Path = ROOT) -> dict[str, dict]:
     results = {}
     for k, unit in enumerate(units(blocks)):
         if any(b.kind != "text" for b in unit):
-            results.update(run_unit(unit, workdir / f"{k:02d}-line{unit[0].line}", env))
+            done = run_unit(unit, workdir / f"{k:02d}-line{unit[0].line}", env)
+            results.update(done)
+            if on_results:
+                on_results(done)
     return results
 
 
@@ -434,18 +461,25 @@ def main(argv=None) -> int:
                 bad = True
         return 1 if bad else 0
     results = {}
+
+    def report(done: dict) -> None:
+        # with --json-out the file is rewritten after every unit: if the runner dies, what ran before is kept
+        results.update(done)
+        if args.json_out:
+            tmp_out = Path(args.json_out + ".part")
+            tmp_out.write_text(json.dumps(results, indent=1))
+            os.replace(tmp_out, args.json_out)
+            return
+        for bid, res in done.items():
+            print(f"{bid:28} {res['status']:8} {res['seconds']:6.1f}s  "
+                  f"{res.get('reason') or res.get('note') or ''}", flush=True)
+            if res["status"] == "failed":
+                print(res.get("output", ""), res["error"], sep="\n")
+
+    report({})
     with tempfile.TemporaryDirectory(prefix="doc-run-") as tmp:
         for doc in names:
-            work = Path(args.workdir or tmp) / doc.replace("/", "_")
-            for bid, res in run_doc(doc, work).items():
-                results[bid] = res
-                if not args.json_out:
-                    print(f"{bid:28} {res['status']:8} {res['seconds']:6.1f}s  "
-                          f"{res.get('reason') or res.get('note') or ''}", flush=True)
-                    if res["status"] == "failed":
-                        print(res.get("output", ""), res["error"], sep="\n")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=1))
+            run_doc(doc, Path(args.workdir or tmp) / doc.replace("/", "_"), on_results=report)
     return 1 if any(r["status"] == "failed" for r in results.values()) else 0
 
 

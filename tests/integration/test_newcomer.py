@@ -19,6 +19,7 @@ import dorafp8
 from dorafp8 import FP8Linear
 from dorafp8.quant import QuantizationWarning
 from tests._layers import n_fp8
+from tests._tolerance import tol, within
 
 ROOT = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")
@@ -326,7 +327,7 @@ def test_fp8_weights_are_taken_losslessly():
     assert g.orig_dtype == torch.bfloat16 and g.bias is None
     x = torch.randn(3, 32)
     ref = x.double() @ (w8.double() * scale.double()[:, None]).T
-    assert ((g(x).double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    within(((g(x).double() - ref).abs().max() / ref.abs().max()).item(), tol(torch.float32), "from_fp8 layer")
 
 
 # ---------------------------------------------------------------------------------------------------- README claims
@@ -366,7 +367,8 @@ def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
                 outs[kind] = PeftModel.from_pretrained(model, d).eval()(input_ids=test).logits
     rel = {k: ((v - ref).norm() / ref.norm()).item() for k, v in outs.items()}
     agree = {k: (v.argmax(-1) == ref.argmax(-1)).float().mean().item() for k, v in outs.items()}
-    assert rel["dequantized"] < 1e-5 and agree["dequantized"] == 1.0, (rel, agree)
+    within(rel["dequantized"], tol(torch.float32), "logits onto the dequantized base")
+    assert agree["dequantized"] == 1.0, (rel, agree)
     assert 1e-3 < rel["original"] < 1e-1 and agree["original"] > 0.8, (rel, agree)
 
 
@@ -380,8 +382,13 @@ def test_demo_prints_what_a_user_decides_on():
                      r"\((\S+) at step 0", out)
     yardstick = re.search(r"PEFT against itself with its base weights moved by one fp32 ulp differs by (\S+)\.", out)
     assert same and yardstick, out
-    over_steps, step0 = float(same.group(1)), float(same.group(2))
-    assert step0 < 1e-6 and over_steps < 1e-4 and float(yardstick.group(1)) < 1e-4, out  # fp32 rounding, not 1e-3
+    over_steps, step0, ulp = float(same.group(1)), float(same.group(2)), float(yardstick.group(1))
+    f32 = tol(torch.float32)
+    within(step0, f32, "demo: loss at step 0 against PEFT's")  # the same fp32 computation in another order
+    # training amplifies a rounding difference as it amplifies the yardstick's one-ulp change of the weights (README
+    # quotes both); 10x room over the larger of the yardstick and fp32's tolerance
+    within(over_steps, 10 * max(ulp, f32), "demo: loss over the steps against PEFT's")
+    within(ulp, 10 * f32, "demo: the yardstick")  # one ulp, amplified by 3 steps: fp32 rounding, not an fp8 error
     assert "W8A8 vs W8A16" in out
     assert "pictures:" not in out
     assert "NOT speed claims" in out

@@ -11,6 +11,7 @@ import dorafp8
 import dorafp8.backends.reference as reference
 from dorafp8 import backends
 from tests._layers import n_fp8
+from tests._tolerance import tol, within
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where tests/conftest.py runs a test that takes `backend`
 # The backends that run W8A8, those of them that can run on DEVICE (tests/conftest.py parametrizes `backend`): cuda
@@ -59,6 +60,20 @@ def w8a8_products(backend, K, outlier_channels=0):
     return [("y", y.detach(), x.detach(), W0), ("dx", x.grad, gy, W0.T)]
 
 
+def rounding_error(t) -> float:
+    """||q(t) - t|| / ||t||: the normwise error of rounding t to e4m3 with one scale per row, as W8A8 rounds it."""
+    t8, s = dorafp8.quantize_e4m3(t.detach().float().cpu(), per_row=True)
+    return ((dorafp8.dequantize_e4m3(t8, s, torch.float64) - t.double().cpu()).norm() / t.double().cpu().norm()).item()
+
+
+def normwise_bound(t) -> float:
+    """The normwise error W8A8 may have in a product t W^T, W fixed: with W's rows independent of t's rounding errors
+    (Gaussian weights), ||(q(t) - t) W^T|| / ||t W^T|| is close to ||q(t) - t|| / ||t|| (rounding_error), with a
+    spread that shrinks with the product's size (seen: up to 1.04x); the bound allows 3x. The elementwise contract
+    (_bound) is the guarantee; this is what a kernel that rounds each element once and sums in fp32 gives."""
+    return 3 * rounding_error(t)
+
+
 def normwise_error(got, t, W) -> float:
     """||got - t W^T|| / ||t W^T||, the exact product in fp64."""
     exact = t.double().cpu() @ W.T
@@ -69,14 +84,16 @@ def normwise_error(got, t, W) -> float:
 @pytest.mark.parametrize("K", [64, 256, 1024, 4096])
 def test_error_within_the_contract(backend, K):
     """Forward and input gradient of an fp8 linear in W8A8 against the exact W8A16 product (fp64): inside the
-    elementwise bound for every K, and a normwise error of e4m3's own size (about 2.6%, under 3.5%) whatever K."""
+    elementwise bound for every K, and a normwise error of e4m3's own size whatever K: within 3x the activations' own
+    rounding error (normwise_bound: 3x it; about 2.6% on Gaussian activations)."""
     for what, got, t, W in w8a8_products(backend, K):
         exact = t.double().cpu() @ W.T
         err = (got.double().cpu() - exact).abs()
         bound = _bound(t, W, fp8_accumulator=HOPPER and backend == "triton")
         assert (err <= bound).all(), f"{what}: error above the bound at {torch.nonzero(err > bound)[0].tolist()}"
         normwise = (err.norm() / exact.norm()).item()
-        assert 0.005 < normwise < 0.035, f"{what}: normwise relative error {normwise:.4f} at K={K}"
+        within(normwise, normwise_bound(t), f"{what}'s normwise error at K={K}")
+        assert normwise > rounding_error(t) / 3, f"{what}: {normwise:.4f} at K={K}: were the activations quantized?"
 
 
 @W8A8_BACKENDS
@@ -94,7 +111,7 @@ def test_zero_and_outlier_rows(backend):
     exact = x.double() @ dorafp8.dequantize_e4m3(w8, scale, torch.float64).cpu().T + bias.double().cpu()
     rows = [0, 2, 4, 5]
     rel = ((y[rows].double().cpu() - exact[rows]).norm() / exact[rows].norm()).item()
-    assert rel < 0.05
+    within(rel, normwise_bound(x[rows]), "the other tokens' normwise error")
 
 
 @W8A8_BACKENDS
@@ -141,13 +158,13 @@ def test_nothing_needs_rowwise_scaled_mm(backend, monkeypatch):
         y = dorafp8.fp8_linear(x, w8, scale, backend="cublas")
         y.backward(torch.ones_like(y))
         W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64).cpu()
-        assert normwise_error(y.detach(), x.detach(), W0) < 1e-5
-        assert normwise_error(x.grad, torch.ones(32, 48), W0.T) < 1e-5
+        within(normwise_error(y.detach(), x.detach(), W0), tol(torch.float32), "cublas y")
+        within(normwise_error(x.grad, torch.ones(32, 48), W0.T), tol(torch.float32), "cublas dx")
         with pytest.raises(ValueError, match=r"act_quant='rowwise' \(W8A8\) is not supported by the cublas backend"):
             dorafp8.fp8_linear(x, w8, scale, backend="cublas", act_quant="rowwise")
         return
     for what, got, t, W in w8a8_products(backend, 256):
-        assert normwise_error(got, t, W) < 0.035, what
+        within(normwise_error(got, t, W), normwise_bound(t), what)
 
 
 def test_other_backends_refuse_w8a8_clearly():

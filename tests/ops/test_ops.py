@@ -255,7 +255,7 @@ def test_dm_with_z_in_the_compute_dtype(device, backend, dtype, dropout):
     activations with fp32 adapters (docs/DORA_MATH.md, "Dtype policy", says why that is enough). Here dm must stay
     within the compute dtype's tolerance of fp64 at realistic magnitudes and a long reduction (M = 512 tokens, where
     an error that grew with M would show): Kaiming-scaled weights, unit activations, DoRA's magnitude near its init
-    (m ~ n, c ~ 1), a trained-looking B, small gradients. fp8's rounding of z (2^-4) would fail this; bf16's
+    (m ~ n, c ~ 1), a trained-looking B, small gradients. fp8's rounding of z (2^-4) would put it past this bound; bf16's
     (2^-8) and fp16's (2^-11) pass with room."""
     M, K, N, r, s = 512, 32, 40, 8, 2.0
     gen = torch.Generator().manual_seed(3)
