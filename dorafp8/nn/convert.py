@@ -3,6 +3,7 @@ FP8ConvNd), set_act_quant, and the one-layer conversion both of them and the PEF
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -14,7 +15,7 @@ from torch import nn
 from .. import backends
 from ..backends import check_backend_name
 from ..quant import check_act_quant, check_quantizable, is_fp8
-from ._base import FP8WeightModule, check_fp8_cast
+from ._base import ZERO3_ORDER, FP8WeightModule, check_fp8_cast, zero3_init_active
 from .conv import fp8_conv_class
 from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
@@ -52,6 +53,8 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
         check_torchao_weight(module.weight, name)
         return
     weight = module.weight.detach()
+    if weight.is_meta:  # no values to check (a rank other than 0 under cpu_ram_efficient_loading): see FP8Linear
+        return
     conv1d = conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         weight = weight.T  # Conv1D stores [in_features, out_features]
@@ -60,6 +63,23 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
     else:
         check_quantizable(weight.reshape(weight.shape[0], -1), per_row=per_row_scale, block_size=block_size,
                           name=name)
+
+
+def zero3_gathered(module: nn.Module, name: str | None = None):
+    """A context in which `module`'s own parameters are whole on every rank: deepspeed.zero.GatheredParameters over
+    those DeepSpeed ZeRO-3 partitioned (a model from_pretrained loaded under a ZeRO-3 config, where each rank holds a
+    slice and the parameter itself has 0 elements), read-only, so that ZeRO drops the gathered copies on exit; no-op
+    for a module without partitioned parameters. It is a collective: every rank must enter it for the same modules in
+    the same order, which quantize_model does (the same model on every rank, walked in the same order)."""
+    params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    if zero3_init_active():
+        raise RuntimeError(f"quantize_model was called inside DeepSpeed ZeRO-3's deepspeed.zero.Init (layer {name!r} "
+                           f"is partitioned): {ZERO3_ORDER}")
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(params, modifier_rank=None)
 
 
 def is_fp8_cast_layer(module: nn.Module) -> bool:
@@ -179,13 +199,19 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                           f"weight; their scales are left as they are", stacklevel=2)
     _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
     # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
+    # Layers DeepSpeed ZeRO-3 partitioned are gathered for the check and again for the swap, one at a time; their fp8
+    # replacements are plain (whole on every rank, 1 byte a weight) until deepspeed.initialize partitions them.
     for name in swaps:
-        check_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale, block_size=block_size, name=name)
+        mod = model.get_submodule(name)
+        with zero3_gathered(mod, name):
+            check_fp8_layer(mod, per_row_scale=per_row_scale, block_size=block_size, name=name)
     with collect_regrouped("the torchao model"):  # one warning for every layer re-quantized from 1 x g groups
         for name in swaps:
-            swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
-                                                  block_size=block_size, backend=backend, act_quant=act_quant,
-                                                  name=name))
+            mod = model.get_submodule(name)
+            with zero3_gathered(mod, name):
+                new = to_fp8_layer(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                   act_quant=act_quant, name=name)
+            swap_module(model, name, new)
     if swaps:
         warn_if_save_pretrained_loses_scales(model)
     summary = _summary([model.get_submodule(name) for name in swaps])
