@@ -135,6 +135,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
     `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
+    Layers DeepSpeed ZeRO-3 partitioned (from_pretrained under a ZeRO-3 config) are gathered one at a time to be
+    quantized, on every rank (a collective); deepspeed.initialize then partitions the fp8 weights. Called inside
+    deepspeed.zero.Init it raises. Weights on the meta device give meta fp8 layers of the same layout.
     Returns `model` (so that `model = quantize_model(model)` chains into get_peft_model). verbose: print one line
     saying how many layers were swapped and what their weights take now, against bf16 and fp32 (it is always logged
     on the "dorafp8" logger).

@@ -215,7 +215,7 @@ def _launch(engine: str, out, *, quantize_on_load: bool = False, env: dict | Non
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     launcher = ["-m", "dorafp8", "run", "--quantize", "--"] if quantize_on_load else []
     if quantize_on_load:
-        env.setdefault("DORAFP8_BACKEND", "reference")  # the backend C.build_model quantizes for, as the reference
+        env["DORAFP8_BACKEND"] = "reference"  # what the single-process reference (C.build_model) runs
     cmd = [sys.executable, *launcher, "-m", "torch.distributed.run", "--nproc_per_node", str(C.WORLD), "--nnodes",
            "1", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            os.path.join(HERE, "_dist_worker.py"), engine, str(out)]
