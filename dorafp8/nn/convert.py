@@ -82,6 +82,24 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
     return GatheredParameters(params, modifier_rank=None)
 
 
+def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
+    """Partitions the parameters of `new` (the fp8 layer that replaces `old`) at once, as ZeRO-3 partitioned `old`'s,
+    when `old`'s were partitioned under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig, which
+    the HF Trainer and LLaMA-Factory set): deepspeed.zero.Init(module=new) with that config and `old`'s process group.
+    It moves no dtype (fp8 stays fp8) and is local (each rank keeps its slice). Without that config (a zero.Init of
+    the user's own), nothing is done here, and deepspeed.initialize partitions them. Returns whether it partitioned.
+    Why now: until then every rank would hold the whole fp8 model, the memory ZeRO-3 is used to avoid."""
+    old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
+    if config is None:
+        return False
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init(module=new, config_dict_or_path=config, data_parallel_group=old_params[0].ds_process_group)
+    return True
+
+
 def is_fp8_cast_layer(module: nn.Module) -> bool:
     """Whether `module` is a plain nn.Linear / Conv1D / ConvNd whose weight is an fp8 tensor without a scale
     (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts): to_fp8_layer takes it as it is."""
@@ -136,7 +154,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
     `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
     Layers DeepSpeed ZeRO-3 partitioned (from_pretrained under a ZeRO-3 config) are gathered one at a time to be
-    quantized, on every rank (a collective); deepspeed.initialize then partitions the fp8 weights. Called inside
+    quantized, on every rank (a collective), and their fp8 layers partitioned again (zero3_repartition). Called inside
     deepspeed.zero.Init it raises. Weights on the meta device give meta fp8 layers of the same layout.
     Returns `model` (so that `model = quantize_model(model)` chains into get_peft_model). verbose: print one line
     saying how many layers were swapped and what their weights take now, against bf16 and fp32 (it is always logged
@@ -203,7 +221,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
     # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
     # Layers DeepSpeed ZeRO-3 partitioned are gathered for the check and again for the swap, one at a time; their fp8
-    # replacements are plain (whole on every rank, 1 byte a weight) until deepspeed.initialize partitions them.
+    # replacements are partitioned again at once (zero3_repartition).
     for name in swaps:
         mod = model.get_submodule(name)
         with zero3_gathered(mod, name):
@@ -214,6 +232,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             with zero3_gathered(mod, name):
                 new = to_fp8_layer(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
                                    act_quant=act_quant, name=name)
+            zero3_repartition(new, mod)
             swap_module(model, name, new)
     if swaps:
         warn_if_save_pretrained_loses_scales(model)

@@ -452,6 +452,8 @@ def run_zero3_init(out):
         except RuntimeError as e:
             res[what] = str(e)
     quantize_on_load_or_here(model, res)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    res["fp8_partitioned_before_initialize"] = (str(w.dtype), w.numel(), str(w.ds_tensor.dtype), w.ds_tensor.numel())
     pm = peft_with_reference_adapters(model)
     opt = torch.optim.SGD(trainable(pm), lr=C.LR)
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_Z3_CONFIG)

@@ -38,7 +38,9 @@ def test_zero3_loaded_under_zero_init_through_the_launcher(tmp_path, reference):
     for r in res:
         assert r["partitioned_on_load"]  # from_pretrained ran under zero.Init: every weight partitioned as it loaded
         assert r["via_launcher"] and r["n_fp8_layers"] == 14
-        # deepspeed.initialize partitioned the fp8 weight as fp8: half of a 64x64 weight's elements on each rank
+        # quantize_model partitioned each fp8 weight again at once, as fp8: half of a 64x64 weight on each rank, and
+        # deepspeed.initialize kept it so
+        assert r["fp8_partitioned_before_initialize"] == ("torch.float8_e4m3fn", 0, "torch.float8_e4m3fn", 2048)
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096)
         # built inside zero.Init (whose constructors would cast the fp8 weight and scale): refused, naming it
         for what in ("built_inside_zero_init", "quantized_inside_zero_init"):
