@@ -74,3 +74,50 @@ def test_quantize_model_on_the_meta_device_gives_the_loaded_layout():
         assert got == want and sum(isinstance(m, dorafp8.FP8Linear) for m in meta.modules()) == 14
         assert all(v.is_meta for v in meta.state_dict().values())
 
+
+
+def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
+    """The other side of the replicated scale: FSDP2's own checkpointing (a sharded DCP save and load, and the full
+    state_dict) still round-trips an FP8Linear exactly, per-tensor and per-row scales, and the scale stays a plain
+    tensor in the module and in a full state_dict. One process (a group of one), no spawn."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        for per_row in (False, True):
+            models = []
+            for seed in (0, 1):
+                torch.manual_seed(seed)
+                m = dorafp8.quantize_model(C.transformers.LlamaForCausalLM(C.llama_config()), per_row_scale=per_row,
+                                           verbose=False)
+                for layer in m.model.layers:
+                    fully_shard(layer)
+                models.append(fully_shard(m))
+            a, b = models
+            q = a.model.layers[0].self_attn.q_proj
+            assert type(a.state_dict()["model.layers.0.self_attn.q_proj.scale"]).__name__ == "DTensor"
+            dcp.save(get_model_state_dict(a), checkpoint_id=str(tmp_path / f"dcp{per_row}"))
+            sd = get_model_state_dict(b)
+            dcp.load(sd, checkpoint_id=str(tmp_path / f"dcp{per_row}"))
+            set_model_state_dict(b, sd)
+            full = get_model_state_dict(a, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            assert type(full["model.layers.0.self_attn.q_proj.scale"]) is torch.Tensor
+            for name, qa in a.named_modules():
+                if isinstance(qa, dorafp8.FP8Linear):
+                    qb = b.get_submodule(name)
+                    assert type(qb.scale) is torch.Tensor and torch.equal(qa.scale, qb.scale)
+                    assert torch.equal(qa.weight.full_tensor().view(torch.uint8),
+                                       qb.weight.full_tensor().view(torch.uint8))
+            assert q.scale.shape == ((64,) if per_row else ())
+            ids = C.probe_ids()
+            with torch.no_grad():
+                assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    finally:
+        dist.destroy_process_group()
