@@ -104,7 +104,7 @@ def zero3_init_active() -> bool:
 
 ZERO3_ORDER = ("load the model first (from_pretrained may partition it under ZeRO-3), then call "
                "dorafp8.quantize_model(model) after zero.Init has closed: it gathers each partitioned layer, quantizes "
-               "it, and deepspeed.initialize partitions the fp8 weights (see docs/MULTI_GPU.md)")
+               "it, and the fp8 layer is partitioned again (see docs/MULTI_GPU.md)")
 
 
 class FP8WeightModule(nn.Module):

@@ -75,8 +75,9 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
     if not params:
         return contextlib.nullcontext()
     if zero3_init_active():
-        raise RuntimeError(f"quantize_model was called inside DeepSpeed ZeRO-3's deepspeed.zero.Init (layer {name!r} "
-                           f"is partitioned): {ZERO3_ORDER}")
+        raise RuntimeError(f"dorafp8 cannot read the partitioned layer {name!r} inside DeepSpeed ZeRO-3's "
+                           f"deepspeed.zero.Init (quantize_model and the DoRA init need its whole weight): "
+                           f"{ZERO3_ORDER}")
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     return GatheredParameters(params, modifier_rank=None)

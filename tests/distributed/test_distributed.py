@@ -205,8 +205,8 @@ def _free_port() -> int:
 
 
 def _launch(engine: str, out, *, quantize_on_load: bool = False, env: dict | None = None) -> list:
-    """Runs the 2-process job for `engine`; returns the two ranks' results. quantize_on_load: under
-    `dorafp8 run --quantize --`, as a user runs a trainer (the workers' from_pretrained quantizes); env: more variables."""
+    """Runs the 2-process job for `engine`; returns the two ranks' results. quantize_on_load: under `dorafp8 run
+    --quantize --`, as a user runs a trainer (the workers' from_pretrained quantizes); env: more variables."""
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
