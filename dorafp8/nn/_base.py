@@ -94,11 +94,30 @@ def warn_if_peft_unregistered() -> None:
                   f"'all-linear' and calls the named ones 'not supported')", stacklevel=level)
 
 
+def zero3_init_active() -> bool:
+    """Whether DeepSpeed's `deepspeed.zero.Init` context (ZeRO-3's partitioned construction, which transformers'
+    from_pretrained enters under a ZeRO-3 config) is open now. Read from the module DeepSpeed keeps it in, without
+    importing deepspeed."""
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    return getattr(pp, "zero_init_context", 0) > 0
+
+
+ZERO3_ORDER = ("load the model first (from_pretrained may partition it under ZeRO-3), then call "
+               "dorafp8.quantize_model(model) after zero.Init has closed: it gathers each partitioned layer, quantizes "
+               "it, and the fp8 layer is partitioned again (see docs/MULTI_GPU.md)")
+
+
 class FP8WeightModule(nn.Module):
     def _init_fp8_storage(self, weight_shape: tuple, K: int, bias: bool, dtype: torch.dtype, device,
                           per_row_scale: bool, block_size) -> None:
         """Zero `weight` (e4m3, `weight_shape`, K columns in its 2-D view), a ones `scale` of the requested granularity
         (per tensor, per output row, or per block_size x block_size block of the view) and an optional bias."""
+        if zero3_init_active():
+            # zero.Init wraps torch.zeros/ones/empty/...: every floating tensor made inside, fp8 included, is cast to
+            # its dtype (fp32/bf16), so the weight would silently stop being fp8 and a bf16 scale would be rounded.
+            raise RuntimeError(f"{type(self).__name__} cannot be built inside DeepSpeed ZeRO-3's deepspeed.zero.Init: "
+                               f"it casts every floating tensor made there (the fp8 weight, the fp32 scale) to its "
+                               f"own dtype. Build dorafp8 layers outside it: {ZERO3_ORDER}")
         warn_if_peft_unregistered()
         N = weight_shape[0]
         self.weight = nn.Parameter(torch.zeros(weight_shape, dtype=E4M3, device=device), requires_grad=False)
@@ -132,6 +151,23 @@ class FP8WeightModule(nn.Module):
             self.scale = scale.to(self.scale.device)
         return self
 
+    # ---- FSDP2's state_dict ----------------------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Under FSDP2 every parameter is a DTensor and `scale`, a buffer, is not: FSDP2 leaves buffers whole on every
+        # rank. Code that treats a sharded model's state_dict as all DTensors (accelerate's fsdp2_load_full_state_dict,
+        # under cpu_ram_efficient_loading, reads `.device_mesh` off every entry) then fails on it. So, while the weight
+        # is a DTensor, the scale is listed as what it is: replicated on the weight's mesh. full_tensor() of it needs
+        # no collective, and _load_from_state_dict takes it back as a plain tensor.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        dtensor = _dtensor_class()
+        key, w = prefix + "scale", self.weight
+        if dtensor is not None and isinstance(w, dtensor) and key in destination:
+            from torch.distributed.tensor import Replicate
+
+            destination[key] = dtensor.from_local(destination[key], w.device_mesh,
+                                                  [Replicate()] * w.device_mesh.ndim, run_check=False)
+
     # ---- loading ---------------------------------------------------------------------------------------------------
 
     _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
@@ -149,6 +185,9 @@ class FP8WeightModule(nn.Module):
                               f"'{prefix}scale', got {w.dtype}; {self._float_weight_hint}")
             return
         sc = state_dict.get(prefix + "scale")
+        dtensor = _dtensor_class()
+        if dtensor is not None and isinstance(sc, dtensor):
+            sc = sc.full_tensor()  # FSDP2's replicated scale (_save_to_state_dict): the buffer stays a plain tensor
         if sc is not None:
             try:
                 sc = self._check_loaded_scale(sc, prefix + "scale")
@@ -160,6 +199,11 @@ class FP8WeightModule(nn.Module):
                 self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def _dtensor_class():
+    """torch's DTensor class if torch.distributed.tensor is loaded (a DTensor cannot exist otherwise), else None."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 # ---- FSDP / ZeRO-3 (why: dorafp8/distributed.py's docstring) ---------------------------------------------------------

@@ -3,6 +3,7 @@ FP8ConvNd), set_act_quant, and the one-layer conversion both of them and the PEF
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -14,7 +15,7 @@ from torch import nn
 from .. import backends
 from ..backends import check_backend_name
 from ..quant import check_act_quant, check_quantizable, is_fp8
-from ._base import FP8WeightModule, check_fp8_cast
+from ._base import ZERO3_ORDER, FP8WeightModule, check_fp8_cast, zero3_init_active
 from .conv import fp8_conv_class
 from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
@@ -52,6 +53,8 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
         check_torchao_weight(module.weight, name)
         return
     weight = module.weight.detach()
+    if weight.is_meta:  # no values to check (a rank other than 0 under cpu_ram_efficient_loading): see FP8Linear
+        return
     conv1d = conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         weight = weight.T  # Conv1D stores [in_features, out_features]
@@ -60,6 +63,42 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
     else:
         check_quantizable(weight.reshape(weight.shape[0], -1), per_row=per_row_scale, block_size=block_size,
                           name=name)
+
+
+def zero3_gathered(module: nn.Module, name: str | None = None):
+    """A context in which `module`'s own parameters are whole on every rank: deepspeed.zero.GatheredParameters over
+    those DeepSpeed ZeRO-3 partitioned (a model from_pretrained loaded under a ZeRO-3 config, where each rank holds a
+    slice and the parameter itself has 0 elements), read-only, so that ZeRO drops the gathered copies on exit; no-op
+    for a module without partitioned parameters. It is a collective: every rank must enter it for the same modules in
+    the same order, which quantize_model does (the same model on every rank, walked in the same order)."""
+    params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    if zero3_init_active():
+        raise RuntimeError(f"dorafp8 cannot read the partitioned layer {name!r} inside DeepSpeed ZeRO-3's "
+                           f"deepspeed.zero.Init (quantize_model and the DoRA init need its whole weight): "
+                           f"{ZERO3_ORDER}")
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(params, modifier_rank=None)
+
+
+def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
+    """Partitions the parameters of `new` (the fp8 layer that replaces `old`) at once, as ZeRO-3 partitioned `old`'s,
+    when `old`'s were partitioned under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig, which
+    the HF Trainer and LLaMA-Factory set): deepspeed.zero.Init(module=new) with that config and `old`'s process group.
+    It moves no dtype (fp8 stays fp8) and is local (each rank keeps its slice). Without that config (a zero.Init of
+    the user's own), nothing is done here, and deepspeed.initialize partitions them. Returns whether it partitioned.
+    Why now: until then every rank would hold the whole fp8 model, the memory ZeRO-3 is used to avoid."""
+    old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
+    if config is None:
+        return False
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init(module=new, config_dict_or_path=config, data_parallel_group=old_params[0].ds_process_group)
+    return True
 
 
 def is_fp8_cast_layer(module: nn.Module) -> bool:
@@ -115,6 +154,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
     `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
+    Layers DeepSpeed ZeRO-3 partitioned (from_pretrained under a ZeRO-3 config) are gathered one at a time to be
+    quantized, on every rank (a collective), and their fp8 layers partitioned again (zero3_repartition). Called inside
+    deepspeed.zero.Init it raises. Weights on the meta device give meta fp8 layers of the same layout.
     Returns `model` (so that `model = quantize_model(model)` chains into get_peft_model). verbose: print one line
     saying how many layers were swapped and what their weights take now, against bf16 and fp32 (it is always logged
     on the "dorafp8" logger).
@@ -179,13 +221,20 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                           f"weight; their scales are left as they are", stacklevel=2)
     _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
     # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
+    # Layers DeepSpeed ZeRO-3 partitioned are gathered for the check and again for the swap, one at a time; their fp8
+    # replacements are partitioned again at once (zero3_repartition).
     for name in swaps:
-        check_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale, block_size=block_size, name=name)
+        mod = model.get_submodule(name)
+        with zero3_gathered(mod, name):
+            check_fp8_layer(mod, per_row_scale=per_row_scale, block_size=block_size, name=name)
     with collect_regrouped("the torchao model"):  # one warning for every layer re-quantized from 1 x g groups
         for name in swaps:
-            swap_module(model, name, to_fp8_layer(model.get_submodule(name), per_row_scale=per_row_scale,
-                                                  block_size=block_size, backend=backend, act_quant=act_quant,
-                                                  name=name))
+            mod = model.get_submodule(name)
+            with zero3_gathered(mod, name):
+                new = to_fp8_layer(mod, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
+                                   act_quant=act_quant, name=name)
+            zero3_repartition(new, mod)
+            swap_module(model, name, new)
     if swaps:
         warn_if_save_pretrained_loses_scales(model)
     summary = _summary([model.get_submodule(name) for name in swaps])

@@ -88,6 +88,11 @@ class FP8Linear(FP8WeightModule):
             w8, bias, dtype = cast
             return cls.from_fp8(w8, torch.ones((), device=w8.device), bias, backend=backend, dtype=dtype,
                                 act_quant=act_quant)
+        if weight.is_meta:
+            # No values: a rank other than 0 under accelerate's cpu_ram_efficient_loading, whose model transformers
+            # leaves on the meta device; FSDP2's loader then sends rank 0's weight and scale (same shapes) here.
+            return cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype,
+                       per_row_scale=per_row_scale, block_size=block_size, backend=backend, act_quant=act_quant)
         w8, scale = quantize_e4m3(weight.detach(), per_row=per_row_scale, block_size=block_size, name=name)
         return cls.from_fp8(w8, scale, None if bias is None else bias.detach().clone(), backend=backend,
                             dtype=weight.dtype, block_size=block_size, act_quant=act_quant)

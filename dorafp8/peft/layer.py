@@ -14,7 +14,7 @@ from peft.tuners.lora import layer as lora_layer
 
 from ..backends import check_backend_name
 from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
-from ..nn.convert import check_fp8_layer
+from ..nn.convert import check_fp8_layer, zero3_gathered
 from ..norm_cache import WeightNormCache
 from ..ops import norm_divisor
 from ..quant import all_finite
@@ -77,7 +77,8 @@ class FP8DoraVariantMixin:
             # magnitude there as well. The norm of meta adapters cannot be computed, and is not needed.
             m = torch.empty(module.out_features, dtype=dtype, device="meta")
         else:
-            n = module.dora_weight_norm(adapter_name, use_cache=False)
+            with zero3_gathered(module.get_base_layer()):  # a base ZeRO-3 partitioned: whole for the norm, as PEFT
+                n = module.dora_weight_norm(adapter_name, use_cache=False)
             m = n.to(dtype)
             if not torch.isfinite(m).all():  # n is finite (fp8 weights, finite scale); a narrow dtype may not be
                 raise ValueError(f"the DoRA magnitude of adapter {adapter_name!r} (the row norms of the weight, up to "

@@ -4,7 +4,8 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race. Each trains the model of _dist_common for STEPS steps on its
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | zero3_init | fsdp2_ram (the last two:
+tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
 half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
 run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
@@ -42,16 +43,20 @@ def all_equal_across_ranks(obj) -> bool:
     return all(g == got[0] for g in got)
 
 
-def sgd_steps(model, opt, backward=None):
-    """STEPS steps on this rank's rows; returns the losses averaged over the ranks (= the full-batch loss)."""
+def sgd_steps(model, opt, backward=None, step=None):
+    """STEPS steps on this rank's rows; returns the losses averaged over the ranks (= the full-batch loss). A DeepSpeed
+    engine passes its own backward and step (which zeroes the gradients) and no optimizer."""
     ids = C.data()
     losses = []
     for s in range(C.STEPS):
         x = C.local_rows(ids[s], RANK, WORLD)
         loss = model(input_ids=x, labels=x).loss
         (backward or torch.Tensor.backward)(loss)
-        opt.step()
-        opt.zero_grad()
+        if step is not None:
+            step()
+        else:
+            opt.step()
+            opt.zero_grad()
         losses.append(mean_over_ranks(loss.item()))
     return losses
 
@@ -349,6 +354,153 @@ def run_race(out):
     # keys the other rank never meets: no collective waits for it
     res["own_key"] = step(300) if RANK == 1 else step(40, N=16)
     res["timed"] = timed
+    return res
+
+
+# ---- loading paths: DeepSpeed ZeRO-3 through zero.Init, FSDP2 with cpu_ram_efficient_loading -----------------------
+
+
+def emulate_nccl_fp8_transport():
+    """gloo has no fp8 types ("Invalid scalar type"); NCCL moves fp8 as its bytes (ncclFloat8e4m3, or ncclUint8 before
+    NCCL 2.24). So that gloo can stand in for NCCL, every fp8 tensor given to these collectives (and DTensor's
+    scatter, which distribute_tensor uses) goes as a uint8 view of the same storage: the bytes NCCL would move.
+    Installed before DeepSpeed's comm backend reads the functions."""
+    import torch.distributed.tensor._collective_utils as dtensor_comm
+
+    def as_bytes(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(as_bytes(t) for t in a)
+        return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES else a
+
+    def via_bytes(fn):
+        def wrapper(*args, **kwargs):
+            return fn(*as_bytes(args), **{k: as_bytes(v) for k, v in kwargs.items()})
+        return wrapper
+
+    for owner, name in ((dist, "broadcast"), (dist, "all_gather_into_tensor"), (dist, "_all_gather_base"),
+                        (dtensor_comm, "scatter")):
+        setattr(owner, name, via_bytes(getattr(owner, name)))
+
+
+def save_base_model(out) -> str:
+    """Rank 0 writes the seed-0 base model of C.build_model (fp32, before quantization) for from_pretrained."""
+    path = os.path.join(out, "base")
+    if RANK == 0:
+        torch.manual_seed(0)
+        C.transformers.LlamaForCausalLM(C.llama_config()).float().save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def quantize_on_load_or_here(model, res):
+    """Under `dorafp8 run --quantize` (DORAFP8_RUN set) from_pretrained has quantized `model` already, as it does for
+    a trainer such as LLaMA-Factory; else quantize_model does it here. Records how many layers are fp8."""
+    res["via_launcher"] = "DORAFP8_RUN" in os.environ
+    if not res["via_launcher"]:
+        dorafp8.quantize_model(model, C.TARGETS, backend="reference", verbose=False)
+    res["n_fp8_layers"] = sum(isinstance(m, dorafp8.FP8Linear) for m in model.modules())
+
+
+def peft_with_reference_adapters(model):
+    """get_peft_model on the quantized `model`, its adapters set to the single-process reference's (C.build_model(0):
+    the same base and the same adapters, drawn there from the seed)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=C.TARGETS)
+    model.__dict__.pop("name_or_path", None)  # what PEFT writes to adapter_config.json: None, as the reference's
+    pm = get_peft_model(model, cfg)
+    set_peft_model_state_dict(pm, C.adapter_state(C.build_model(0)))
+    return pm
+
+
+# LLaMA-Factory's examples/deepspeed/ds_z3_config.json, with its "auto" values resolved as the HF Trainer resolves
+# them for this run (fp32, no gradient clipping, bucket sizes from hidden_size 64).
+DS_Z3_CONFIG = {
+    "train_batch_size": C.GLOBAL_BATCH, "train_micro_batch_size_per_gpu": C.GLOBAL_BATCH // C.WORLD,
+    "gradient_accumulation_steps": 1, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": False}, "bf16": {"enabled": False},
+    "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": 64 * 64, "stage3_prefetch_bucket_size": int(0.9 * 64 * 64),
+                          "stage3_param_persistence_threshold": 10 * 64, "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+def run_zero3_init(out):
+    """LLaMA-Factory's ZeRO-3 path: from_pretrained under a ZeRO-3 config (transformers builds the model inside
+    deepspeed.zero.Init, which partitions every weight as it loads), quantize_model, PEFT DoRA, deepspeed.initialize,
+    STEPS steps, the adapter gathered and saved. fp8 collectives go as bytes (emulate_nccl_fp8_transport)."""
+    emulate_nccl_fp8_transport()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    path = save_base_model(out)
+    keep = HfDeepSpeedConfig(DS_Z3_CONFIG)  # noqa: F841 (while it lives, from_pretrained loads under zero.Init)
+    model = C.transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    emb = model.model.embed_tokens.weight  # never quantized: what zero.Init did to every weight
+    res = {"partitioned_on_load": emb.numel() == 0 and hasattr(emb, "ds_id")}
+    # the FP8Linear of a layer cannot be built inside zero.Init (its constructors would cast the fp8 weight)
+    for what, build in (("built_inside_zero_init", lambda: dorafp8.FP8Linear(64, 64)),
+                        ("quantized_inside_zero_init", lambda: dorafp8.quantize_model(torch.nn.Sequential(
+                            torch.nn.Linear(64, 64)), verbose=False))):
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=DS_Z3_CONFIG):
+                build()
+            res[what] = None
+        except RuntimeError as e:
+            res[what] = str(e)
+    quantize_on_load_or_here(model, res)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    res["fp8_partitioned_before_initialize"] = (str(w.dtype), w.numel(), str(w.ds_tensor.dtype), w.ds_tensor.numel())
+    pm = peft_with_reference_adapters(model)
+    opt = torch.optim.SGD(trainable(pm), lr=C.LR)
+    engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_Z3_CONFIG)
+    w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res["fp8_partition"] = (str(w.ds_tensor.dtype), w.ds_tensor.numel(), w.ds_numel)
+    res["losses"] = sgd_steps(engine, None, backward=engine.backward, step=engine.step)
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["adapter"] = C.adapter_state(pm)
+    if RANK == 0:
+        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=res["adapter"])
+    return res
+
+
+def run_fsdp2_ram(out):
+    """accelerate's FSDP2 with cpu_ram_efficient_loading (LLaMA-Factory's fsdp2_config.yaml): rank 0 loads the weights,
+    the other ranks get a model on the meta device from from_pretrained, and accelerate's fsdp2_prepare_model (what
+    Accelerator.prepare calls under FSDP2; accelerate itself selects FSDP on GPUs only) shards it and broadcasts rank
+    0's state_dict into the shards (fsdp2_load_full_state_dict). fp8 broadcasts go as bytes."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    emulate_nccl_fp8_transport()
+    acc = Accelerator(cpu=True)  # a gloo group (MULTI_CPU): its FSDP plugin is set below, as on a GPU
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, cpu_ram_efficient_loading=True, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
+        state_dict_type="FULL_STATE_DICT")
+    os.environ["ACCELERATE_USE_FSDP"] = "true"  # with the plugin's FSDP_CPU_RAM_EFFICIENT_LOADING: transformers' cue
+    path = save_base_model(out)
+    model = C.transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    res = {"meta_on_load": [p.is_meta for p in model.parameters()][0]}
+    quantize_on_load_or_here(model, res)
+    pm = peft_with_reference_adapters(model)
+    pm = fsdp2_prepare_model(acc, pm)
+    w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
+    opt = torch.optim.SGD(trainable(pm), lr=C.LR)
+    res["losses"] = sgd_steps(pm, opt)
+    sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                            ignore_frozen_params=True))
+    if RANK == 0:
+        from peft import get_peft_model_state_dict
+
+        res["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(pm, state_dict=sd).items()}
+        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=sd)
     return res
 
 

@@ -204,16 +204,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(engine: str, out) -> list:
-    """Runs the 2-process job for `engine`; returns the two ranks' results."""
+def _launch(engine: str, out, *, quantize_on_load: bool = False, env: dict | None = None) -> list:
+    """Runs the 2-process job for `engine`; returns the two ranks' results. quantize_on_load: under `dorafp8 run
+    --quantize --`, as a user runs a trainer (the workers' from_pretrained quantizes); env: more variables."""
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]), **(env or {}))
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(C.WORLD), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    launcher = ["-m", "dorafp8", "run", "--quantize", "--"] if quantize_on_load else []
+    if quantize_on_load:
+        env["DORAFP8_BACKEND"] = "reference"  # what the single-process reference (C.build_model) runs
+    cmd = [sys.executable, *launcher, "-m", "torch.distributed.run", "--nproc_per_node", str(C.WORLD), "--nnodes",
+           "1", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            os.path.join(HERE, "_dist_worker.py"), engine, str(out)]
     log_path = os.path.join(out, "log.txt")
     with open(log_path, "w") as log:

@@ -1,0 +1,123 @@
+"""Issue #50: the ways users load a model past one GPU that used to fail, with 2 CPU processes over gloo.
+
+- DeepSpeed ZeRO-3 as LLaMA-Factory loads models: from_pretrained under a ZeRO-3 config (deepspeed.zero.Init
+  partitions every weight as it loads), then `dorafp8 run --quantize` quantizes it. Before #50 quantize_model failed
+  on the partitioned weights ("cannot reshape tensor of 0 elements"); it now gathers each layer to quantize it, and
+  deepspeed.initialize partitions the fp8 weights. An FP8Linear built inside zero.Init is refused by name (zero.Init
+  would cast its fp8 weight and fp32 scale).
+- FSDP2 with accelerate's cpu_ram_efficient_loading (LLaMA-Factory's fsdp2_config.yaml): accelerate's loader read
+  `.device_mesh` off every state_dict entry and FP8Linear's `scale` buffer is no DTensor; it is now listed as one,
+  replicated. Ranks other than 0 may hold the model on the meta device when it is quantized (transformers 4.x).
+
+gloo has no fp8 types; NCCL moves fp8 as bytes. Both jobs therefore send every fp8 tensor of a collective as a uint8
+view of its storage (tests/distributed/_dist_worker.py, emulate_nccl_fp8_transport): the bytes NCCL would move. The
+losses, the adapter and the saved adapter (reloaded with plain PEFT) must equal the single-process fp32 run's
+(tests/distributed/test_distributed.py's checks, relative 1e-5). Not run here: NCCL itself, bf16, the Trainer's own
+loop (accelerate selects FSDP and DeepSpeed on GPUs only).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.distributed import _dist_common as C
+from tests.distributed.test_distributed import _check_saved_adapter, _check_training, _launch, reference  # noqa: F401
+
+import dorafp8  # noqa: E402
+
+
+def _needs(module: str, why: str):
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed: {why} (pip install -e '.[test]' installs it)")
+
+
+def test_zero3_loaded_under_zero_init_through_the_launcher(tmp_path, reference):
+    _needs("deepspeed", "the ZeRO-3 job runs DeepSpeed")
+    res = _launch("zero3_init", tmp_path, quantize_on_load=True, env={"DS_ACCELERATOR": "cpu"})
+    for r in res:
+        assert r["partitioned_on_load"]  # from_pretrained ran under zero.Init: every weight partitioned as it loaded
+        assert r["via_launcher"] and r["n_fp8_layers"] == 14
+        # quantize_model partitioned each fp8 weight again at once, as fp8: half of a 64x64 weight on each rank, and
+        # deepspeed.initialize kept it so
+        assert r["fp8_partitioned_before_initialize"] == ("torch.float8_e4m3fn", 0, "torch.float8_e4m3fn", 2048)
+        assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096)
+        # built inside zero.Init (whose constructors would cast the fp8 weight and scale): refused, naming it
+        for what in ("built_inside_zero_init", "quantized_inside_zero_init"):
+            assert "deepspeed.zero.Init" in r[what] and "dorafp8.quantize_model(model) after zero.Init" in r[what]
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_fsdp2_cpu_ram_efficient_loading_through_the_launcher(tmp_path, reference):
+    _needs("accelerate", "the job runs accelerate's FSDP2 preparation")
+    res = _launch("fsdp2_ram", tmp_path, quantize_on_load=True)
+    for r in res:
+        assert r["via_launcher"] and r["n_fp8_layers"] == 14
+        assert r["fp8_shard"] == ("torch.float8_e4m3fn", 2048, 4096)  # sharded as fp8, rank 0's bytes broadcast
+    _check_training(res, reference, ranks_with_adapter=(0,))
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_quantize_model_on_the_meta_device_gives_the_loaded_layout():
+    """Under cpu_ram_efficient_loading transformers 4.x leaves the model of ranks other than 0 on the meta device, and
+    `dorafp8 run --quantize` quantizes it there: the layers must be the ones rank 0 gets (the same state_dict keys,
+    shapes and dtypes), which accelerate's loader then fills with rank 0's tensors."""
+    for per_row in (False, True):
+        real = dorafp8.quantize_model(C.transformers.LlamaForCausalLM(C.llama_config()), per_row_scale=per_row,
+                                      verbose=False)
+        with torch.device("meta"):
+            meta = C.transformers.LlamaForCausalLM(C.llama_config())
+        dorafp8.quantize_model(meta, per_row_scale=per_row, verbose=False)
+        want = {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}
+        got = {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()}
+        assert got == want and sum(isinstance(m, dorafp8.FP8Linear) for m in meta.modules()) == 14
+        assert all(v.is_meta for v in meta.state_dict().values())
+
+
+
+def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
+    """The other side of the replicated scale: FSDP2's own checkpointing (a sharded DCP save and load, and the full
+    state_dict) still round-trips an FP8Linear exactly, per-tensor and per-row scales, and the scale stays a plain
+    tensor in the module and in a full state_dict. One process (a group of one), no spawn."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        for per_row in (False, True):
+            models = []
+            for seed in (0, 1):
+                torch.manual_seed(seed)
+                m = dorafp8.quantize_model(C.transformers.LlamaForCausalLM(C.llama_config()), per_row_scale=per_row,
+                                           verbose=False)
+                for layer in m.model.layers:
+                    fully_shard(layer)
+                models.append(fully_shard(m))
+            a, b = models
+            q = a.model.layers[0].self_attn.q_proj
+            assert type(a.state_dict()["model.layers.0.self_attn.q_proj.scale"]).__name__ == "DTensor"
+            dcp.save(get_model_state_dict(a), checkpoint_id=str(tmp_path / f"dcp{per_row}"))
+            sd = get_model_state_dict(b)
+            dcp.load(sd, checkpoint_id=str(tmp_path / f"dcp{per_row}"))
+            set_model_state_dict(b, sd)
+            full = get_model_state_dict(a, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            assert type(full["model.layers.0.self_attn.q_proj.scale"]) is torch.Tensor
+            for name, qa in a.named_modules():
+                if isinstance(qa, dorafp8.FP8Linear):
+                    qb = b.get_submodule(name)
+                    assert type(qb.scale) is torch.Tensor and torch.equal(qa.scale, qb.scale)
+                    assert torch.equal(qa.weight.full_tensor().view(torch.uint8),
+                                       qb.weight.full_tensor().view(torch.uint8))
+            assert q.scale.shape == ((64,) if per_row else ())
+            ids = C.probe_ids()
+            with torch.no_grad():
+                assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    finally:
+        dist.destroy_process_group()
