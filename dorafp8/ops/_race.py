@@ -398,7 +398,8 @@ def selftest(device: torch.device | None = None) -> list[str]:
     returns the lines that say what was found."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type not in RACERS:
-        return [f"selftest: {device.type} runs {backends.resolve('auto', device)} with backend='auto': nothing to check"]
+        name = backends.resolve("auto", device)
+        return [f"selftest: {device.type} runs {name} with backend='auto': nothing to check"]
     path = cache_file(device)
     lines = [f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}"]
     for scale, act_quant in (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise")):

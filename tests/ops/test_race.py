@@ -33,7 +33,8 @@ def fake_child(**ms):
             "open(os.environ['RACE_CHILD_LOG'], 'a').write('run\\n')\n"
             f"ms = {ms!r}\n"
             "spec = json.loads(sys.argv[1])\n"
-            "print('dorafp8-race result ' + json.dumps({c: {'ok': True, 'ms': ms.get(c, 1.0)} for c in spec['cands']}))")
+            "res = {c: {'ok': True, 'ms': ms.get(c, 1.0)} for c in spec['cands']}\n"
+            "print('dorafp8-race result ' + json.dumps(res))")
     return [sys.executable, "-c", code]
 
 
