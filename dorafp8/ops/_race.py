@@ -52,6 +52,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -313,7 +314,7 @@ def check(spec: dict) -> tuple[dict, dict]:
 
 def _child(spec: dict) -> tuple[str, str | None]:
     """(stdout, None) if the child ended well, else (what it wrote, why not): killed at the limit, or its exit."""
-    env = dict(os.environ, DORAFP8_RACE="0")
+    env = dict(os.environ, DORAFP8_RACE="0", DORAFP8_RACE_PARENT=str(os.getpid()))
     env.pop("DORAFP8_BACKEND", None)
     limit = timeout_s()
     try:
@@ -324,16 +325,24 @@ def _child(spec: dict) -> tuple[str, str | None]:
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # with what it started (ptxas, compile workers)
-        except OSError:
-            proc.kill()
+        _kill(proc)
         out, err = proc.communicate()
         return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed"
+    except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
+        _kill(proc)
+        raise
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
         return out, f"the child process exited with {proc.returncode}: {tail}"
     return out, None
+
+
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # with what it started (ptxas, compile workers)
+    except OSError:
+        proc.kill()
+    proc.wait()
 
 
 def _shared(path: str, what: str, resolve):
@@ -466,6 +475,19 @@ def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
     return None
 
 
+def _watchdog(limit: float) -> None:
+    """The child ends itself at the time limit, or when its parent is gone (a parent killed by SIGKILL cannot kill
+    it), even while a hanging kernel blocks its main thread."""
+    parent, end = int(os.environ.get("DORAFP8_RACE_PARENT") or os.getppid()), time.monotonic() + limit
+
+    def watch():
+        while time.monotonic() < end and os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(70)
+
+    threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -475,6 +497,7 @@ def main(argv: list[str]) -> int:
     """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
     the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
     spec = json.loads(argv[0])
+    _watchdog(timeout_s())
     device = torch.device(spec["device"])
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False

@@ -8,6 +8,8 @@ inference mode is the same as with DORAFP8_RACE=0 and dispatches no extra op in 
 on every rank of a 2-process job: tests/distributed/test_distributed.py, test_race_verdicts_are_shared."""
 
 import json
+import shlex
+import subprocess
 import os
 import sys
 import time
@@ -277,3 +279,68 @@ def test_python_m_dorafp8_prints_the_verdicts(race):
     text = report()
     assert f"1 cache file in {race}" in text
     assert "dora N=24 K=32 M<=64 bfloat16/float32 w8a16 tensor r<=4 -> native (native 1.000 ms)" in text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie nobody reaps (init in a container) has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the orphan end")
+def test_the_child_never_outlives_its_limit_or_its_parent(tmp_path):
+    """A parent killed by SIGKILL cannot kill its child: the child's watchdog ends it when the parent is gone (or at
+    the limit), even while a hanging kernel blocks it."""
+    spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    env = dict(os.environ, DORAFP8_RACE_TIMEOUT_S="600", PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
+    cmd = " ".join(shlex.quote(a) for a in planted("hang") + [json.dumps(dict(spec, cands=["native"]))])
+    # the shell starts the child and exits: the child's parent is gone before it runs anything
+    out = subprocess.run(["sh", "-c", f"DORAFP8_RACE_PARENT=$$ {cmd} >/dev/null 2>&1 & echo $!"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    pid = int(out.stdout.split()[-1])
+    end = time.monotonic() + 90
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not _alive(pid), "the orphaned child still runs"
+    # its own limit, with its parent alive
+    env["DORAFP8_RACE_TIMEOUT_S"] = "3"
+    t0 = time.monotonic()
+    done = subprocess.run(planted("hang") + [json.dumps(dict(spec, cands=["native"]))], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 70 and "dorafp8-race start native" in done.stdout and time.monotonic() - t0 < 60
+
+
+def test_under_torch_compile_the_verdict_of_this_process_or_the_static_order(race, monkeypatch):
+    """A torch.compile trace starts no child (fullgraph: no graph break): the verdict made in this process where
+    there is one, else the static order."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(native=2.0, reference=1.0))
+    w8, scale, A, B, m = _layer()
+    x = torch.randn(40, K)
+
+    def compiled():
+        torch._dynamo.reset()
+        return torch.compile(lambda x: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s), fullgraph=True,
+                             backend="aot_eager")(x)
+
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(), dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s, backend="native"),
+                                   rtol=0, atol=0)
+        assert children(race) == 0
+        dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s)  # eager: checked, reference picked
+        assert children(race) == 1
+        torch.testing.assert_close(compiled(), dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s,
+                                                                       backend="reference"), rtol=0, atol=0)
+
+
+def test_selftest_checks_headline_keys_now(race, monkeypatch):
+    from dorafp8.__main__ import main
+
+    assert _race.selftest(CPU)[1:]  # a line per key
+    assert children(race) == 4
+    _race.forget()
+    monkeypatch.setitem(_race.RACERS, "cpu", ())
+    monkeypatch.delitem(_race.RACERS, "cpu")
+    assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
