@@ -131,14 +131,17 @@ def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     assert _verdicts(race)["broken"] == {}  # wrong for this key only
 
 
-@pytest.mark.parametrize("mode,error", [("hang", "did not finish within 20 s"), ("crash", "exited with 7")])
+LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
+
+
+@pytest.mark.parametrize("mode,error", [("hang", f"did not finish within {LIMIT_S} s"), ("crash", "exited with 7")])
 def test_a_hanging_or_crashing_kernel_warns_once_and_is_not_tried_again(race, used, monkeypatch, mode, error):
     monkeypatch.setattr(_race, "CHILD", planted(mode))
-    monkeypatch.setenv("DORAFP8_RACE_TIMEOUT_S", "20")
+    monkeypatch.setenv("DORAFP8_RACE_TIMEOUT_S", str(LIMIT_S))
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match=error) as w:
         _step()
-    assert len(w) == 1 and time.monotonic() - t0 < 20 + 15
+    assert len(w) == 1 and time.monotonic() - t0 < LIMIT_S + 15
     assert set(used) == {"reference"}
     assert error in _verdicts(race)["broken"]["native"]
     # the next process, at another key: not checked again (a child would fail), no warning, the fallback
