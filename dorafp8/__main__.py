@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(argv[1:])
     if argv and argv[0] in ("selftest", "check"):  # dorafp8/ops/_race.py: check kernels on this GPU now
-        from .ops import _race
+        from .ops import race_check, race_selftest
 
         if argv[0] == "check":  # the child backend="auto" runs (and the command its warnings print)
-            return _race.main(argv[1:])
-        print("\n".join(_race.selftest()))
+            return race_check(argv[1:])
+        print("\n".join(race_selftest()))
         return 0
     if argv and argv[0] in ("-h", "--help"):
         print("usage: dorafp8             what this installation can run\n"

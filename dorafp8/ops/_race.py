@@ -52,8 +52,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import warnings
 
 import torch
@@ -70,10 +68,10 @@ ROUNDS = 7  # timed calls per candidate, interleaved
 MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
 SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
-# The child's command, SPEC appended. The tests put a wrapper here that plants wrong, hanging or crashing kernels.
+# The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
-_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # tests/_tolerance.py's tol(dtype)
-_W8A8_REL = 2.0 ** -5
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # tests/_tolerance.py's tol(dtype)
+W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
@@ -421,116 +419,3 @@ def selftest(device: torch.device | None = None) -> list[str]:
         lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
             f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))
     return lines
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The child: python -m dorafp8 check SPEC
-
-
-def _inputs(spec: dict, M: int, device: torch.device) -> dict:
-    import dorafp8
-
-    g = torch.Generator().manual_seed(M)
-    N, K, r = spec["N"], spec["K"], max(spec["r"], 1)
-    cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
-    w = torch.randn(N, K, generator=g) / K ** 0.5
-    w8, scale = dorafp8.quantize_e4m3(w, per_row=spec["scale"] == "row", block_size=spec["block"] or None)
-    t = {"x": torch.randn(M, K, generator=g).to(cdt), "w8": w8, "scale": scale,
-         "A": (torch.randn(r, K, generator=g) / K ** 0.5).to(rdt), "B": (torch.randn(N, r, generator=g) / r).to(rdt),
-         "m": torch.rand(N, generator=g) + 0.5, "gy": torch.randn(M, N, generator=g).to(cdt),
-         "bias": torch.randn(N, generator=g).to(cdt) if spec["bias"] else None}
-    return {k: None if v is None else v.to(device) for k, v in t.items()}
-
-
-def _step(spec: dict, t: dict, backend: str) -> dict:
-    """One forward + backward on `backend`: {name: tensor} of y and every gradient."""
-    import dorafp8
-
-    leaves = {k: t[k].clone().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
-    torch.manual_seed(0)  # the same dropout mask for every backend
-    kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)
-    if spec["op"] == "dora":
-        y = dorafp8.dora_fp8_linear(leaves["x"], t["w8"], t["scale"], leaves["A"], leaves["B"], leaves["m"], 0.5,
-                                    leaves.get("bias"), dropout_p=spec["p"], training=True, **kw)
-    else:
-        leaves = {k: v for k, v in leaves.items() if k in ("x", "bias")}
-        y = dorafp8.fp8_linear(leaves["x"], t["w8"], t["scale"], leaves.get("bias"), **kw)
-    y.backward(t["gy"])
-    return {"y": y.detach(), **{"d" + k: v.grad for k, v in leaves.items()}}
-
-
-def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
-    """Which output is outside the bound, and by how much; None if all are within."""
-    rel = 2 * max(_TOL[spec["cdt"]], _TOL.get(spec["rdt"], 0.0))
-    rel = max(rel, _W8A8_REL) if spec["act_quant"] else rel
-    for k, r in ref.items():
-        o = out.get(k)
-        if o is None or o.shape != r.shape:
-            return f"{k} missing or of shape {None if o is None else list(o.shape)}, expected {list(r.shape)}"
-        o, r = o.double(), r.double()
-        bound = rel * (r.abs() + r.abs().max())
-        used = ((o - r).abs() / bound.clamp_min(1e-30)).nan_to_num(float("inf")).max().item()
-        if used > 1:
-            return f"{k} differs from the fp32 reference by {used:.3g}x the allowed error (rel {rel:g})"
-    return None
-
-
-def _watchdog(limit: float) -> None:
-    """The child ends itself at the time limit, or when its parent is gone (a parent killed by SIGKILL cannot kill
-    it), even while a hanging kernel blocks its main thread."""
-    parent, end = int(os.environ.get("DORAFP8_RACE_PARENT") or os.getppid()), time.monotonic() + limit
-
-    def watch():
-        while time.monotonic() < end and os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(70)
-
-    threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def main(argv: list[str]) -> int:
-    """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
-    the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
-    spec = json.loads(argv[0])
-    _watchdog(timeout_s())
-    device = torch.device(spec["device"])
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
-    torch.backends.cudnn.allow_tf32 = False
-
-    def say(kind, what):
-        print(f"dorafp8-race {kind} {what}", flush=True)
-
-    shapes = [m for m in (SMALL_M, spec["M"]) if m <= spec["M"]]
-    inputs = {M: _inputs(spec, M, device) for M in shapes}
-    refs = {M: _step(spec, inputs[M], "reference") for M in shapes}
-    passed = []
-    for c in spec["cands"]:
-        say("start", c)
-        try:
-            why = next((w for M in shapes for w in [_wrong(spec, _step(spec, inputs[M], c), refs[M])] if w), None)
-            verdict = {"ok": why is None, "error": why}
-        except torch.OutOfMemoryError as e:
-            verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
-        except Exception as e:
-            verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
-        if verdict["ok"]:
-            passed.append(c)
-        else:
-            say("result", json.dumps({c: verdict}))
-    times = {c: [] for c in passed}
-    big = inputs[spec["M"]]
-    for i in range(ROUNDS if len(passed) > 1 else 1):
-        for c in passed[i % len(passed):] + passed[:i % len(passed)]:  # interleaved, the order rotated each round
-            say("start", c)
-            _sync(device)
-            t0 = time.perf_counter()
-            _step(spec, big, c)
-            _sync(device)
-            times[c].append(time.perf_counter() - t0)
-    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2]} for c, ts in times.items()}))
-    return 0

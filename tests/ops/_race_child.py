@@ -7,7 +7,7 @@ import sys
 import time
 
 from dorafp8 import backends
-from dorafp8.ops import _race
+from dorafp8.ops import race_check
 
 MODE, VICTIM = sys.argv[1], sys.argv[2]
 _real = backends.module
@@ -36,4 +36,4 @@ class Planted:
 
 
 backends.module = lambda name: Planted(_real(name)) if name == VICTIM else _real(name)
-sys.exit(_race.main(sys.argv[3:]))
+sys.exit(race_check(sys.argv[3:]))
