@@ -17,7 +17,8 @@ several processes may write), and later processes use them without a child.
 A candidate that computes wrong values or raises is unusable for that key; one that hangs past the limit (the child is
 killed with its process group) or crashes the child is unusable on this GPU for every key (a kernel that deadlocks
 once would do it again). Each costs one warning naming the backend, the GPU, the versions, the error and the command
-that reproduces it; later processes read the verdict and neither retry nor warn. `auto` never runs a candidate
+that reproduces it (one per backend and kind of failure in a process: later ones are logged at INFO); later processes
+read the verdict and neither retry nor warn. `auto` never runs a candidate
 without a passing verdict: if none passes, the `reference` backend serves (correct, slow). A result that says nothing
 of the kernel (the child ran out of GPU memory next to the user's job, or could not start) is used by nobody and not
 written: the next process checks again.
@@ -68,7 +69,8 @@ ROUNDS = 7  # timed calls per candidate, interleaved
 MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
 SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
-# The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or crashing kernels.
+# The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
+# crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # tests/_tolerance.py's tol(dtype)
 W8A8_REL = 2.0 ** -5
@@ -76,6 +78,7 @@ W8A8_REL = 2.0 ** -5
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
 _BUILD: list[str] = []
+_WARNED: set = set()  # (device, candidate, verdict) warned about in this process
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -270,7 +273,11 @@ def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
     _save(path, device, what, results, broken)
     info, vers = _device_info(device), _versions()
     for c, v in results.items():
-        if v.get("ok") is False or v.get("ok") is None:
+        if v.get("ok") is not True:
+            if (device, c, v.get("ok")) in _WARNED:  # one warning per backend and kind in a process; the rest logged
+                log.info("dorafp8 race: %s not used for %s: %s", c, what, v.get("error"))
+                continue
+            _WARNED.add((device, c, v.get("ok")))
             warnings.warn(
                 f"dorafp8: backend {c!r} is {'not used' if v.get('ok') is False else 'not checked, so not used'} "
                 f"by backend='auto' for {what} on {info['name']} (capability {info.get('capability')}, driver "
@@ -377,6 +384,7 @@ def forget() -> None:
     _PICKS.clear()
     _FILES.clear()
     _BUILD.clear()
+    _WARNED.clear()
 
 
 def race_report() -> list[str]:
