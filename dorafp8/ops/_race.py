@@ -8,10 +8,12 @@ capability, driver), the torch and Triton versions and a build id (a hash of the
 dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
 (`python -m dorafp8 check SPEC`, time limit DORAFP8_RACE_TIMEOUT_S, 300 s) runs each candidate of RACERS that can
 run here, on random inputs of the key's shape at M = 37 and at M = min(bucket, 4096): y, dx, dA, dB, dm (and db)
-against the fp32 `reference` backend on the same inputs, each element within 2 * tol(dtype) * (|ref| + max|ref|)
-(tests/_tolerance.py's bound; W8A8 at least 2^-5). The candidates that pass are then timed in interleaved rounds
-(ROUNDS calls each, medians); the pick is the first in the static order (triton, cuda, cublas) within MARGIN of the
-fastest, so that close ones do not flip between runs. The verdicts go into the file atomically (re-read and merged:
+against the fp32 `reference` backend on the same inputs, each element within ROOM * tol(dtype) * (|ref| + max|ref|)
+(tests/_tolerance.py's bound with twice the room its backend-against-reference checks get, since no GPU run has
+measured it at these K: a wrong tile, swizzle or phase is off by the output's scale, far outside; W8A8 at least
+2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians); the pick is the
+first in the static order (triton, cuda, cublas) within MARGIN of the fastest, so that close ones do not flip between
+runs. The verdicts go into the file atomically (re-read and merged:
 several processes may write), and later processes use them without a child.
 
 A candidate that computes wrong values or raises is unusable for that key; one that hangs past the limit (the child is
@@ -73,6 +75,7 @@ SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # tests/_tolerance.py's tol(dtype)
+ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (module docstring)
 W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..quant import quantize_e4m3
-from ._race import ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
+from ._race import ROOM, ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
 from .linear import dora_fp8_linear, fp8_linear
 
 def _inputs(spec: dict, M: int, device: torch.device) -> dict:
@@ -47,7 +47,7 @@ def _step(spec: dict, t: dict, backend: str) -> dict:
 
 def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
     """Which output is outside the bound, and by how much; None if all are within."""
-    rel = 2 * max(TOL[spec["cdt"]], TOL.get(spec["rdt"], 0.0))
+    rel = ROOM * max(TOL[spec["cdt"]], TOL.get(spec["rdt"], 0.0))
     rel = max(rel, W8A8_REL) if spec["act_quant"] else rel
     for k, r in ref.items():
         o = out.get(k)
