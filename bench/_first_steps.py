@@ -21,7 +21,7 @@ SMOKE = os.environ.get("FIRST_CONTACT_SMOKE") == "1"
 CAP_S = float(os.environ.get("FIRST_CONTACT_CAP_S", "60"))  # this step's cap: a pytest it runs ends before it
 # (K, N), r, M of the correctness checks, M of the timing; the timing's providers
 SIZE = dict(shape=(64, 96), rank=4, check=(32, 30), time=(32, 16), race=(40,), profile=32) if SMOKE else \
-    dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192, 1024), profile=8192)
+    dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192,), profile=8192)
 # "-cp": the same Triton GEMMs in the cp.async main loop (DORAFP8_HOPPER_GEMM=0), which an H100 otherwise runs only
 # with dropout: both loops are checked before anything is timed
 CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE else \
@@ -112,48 +112,65 @@ def _out(argv) -> str:
 
 
 def pins_from(rows: list[dict], norm_config: str) -> dict:
-    """DORAFP8_PIN_CONFIGS's file from the model's picks (kernel_report.predict.headline's rows): the GEMMs by kernel
-    and mode, the weight norm (not modelled: its list's first config)."""
-    return {f"{r['kernel']}/{r['mode'].lower()}": r["config"] for r in rows} | {"weight_norm": norm_config}
+    """DORAFP8_PIN_CONFIGS's file from the model's picks (kernel_report.predict.headline's rows): per GEMM and mode the
+    config of each main loop (a launcher keeps the one in its list: triton_kernels/_pins.py), the weight norm (not
+    modelled: its list's first config)."""
+    pins: dict = {"weight_norm": norm_config}
+    for r in rows:
+        pins.setdefault(f"{r['kernel']}/{r['mode'].lower()}", []).append(r["config"])
+    return pins
 
 
 def pins() -> int:
+    """The kernel report's model picks one config per GEMM (compiled ahead of time for sm_90a: no GPU needed) and
+    predicts every launch of the headline layer. --smoke: one config per kernel and variant, the W8A16 GEMMs in the
+    Hopper loop (two compiles), so that CI runs every line of this step."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability()
-    if major != 9:  # predict.py describes an H100 SXM (sm_90a); elsewhere the launchers keep their lists
-        put("model", None, {"skipped": f"the kernel report's model is for sm_90a; this GPU is sm_{major}{minor}: "
-                                       "the launchers autotune"})
-        return 0
+    if not SMOKE:
+        major, minor = torch.cuda.get_device_capability()
+        if major != 9:  # predict.py describes an H100 SXM (sm_90a); elsewhere the launchers keep their lists
+            put("model", None, {"skipped": f"the kernel report's model is for sm_90a; this GPU is sm_{major}{minor}: "
+                                           "the launchers autotune"})
+            return 0
     from dorafp8.kernel_report import run as report
-    from dorafp8.kernel_report.predict import (H100_SXM, HEADLINE, HEADLINE_VARIANTS, GEMM_KERNELS, headline,
-                                               launches_subprocess, layer_seconds, linear_seconds)
+    from dorafp8.kernel_report.predict import HEADLINE, HEADLINE_VARIANTS, headline, launches_subprocess, layer_table
+    from dorafp8.kernel_report.predict import linear_seconds
     from dorafp8.triton_kernels._common import weight_norm_configs_for
     from dorafp8.triton_kernels._pins import config_name
 
+    seen = set()
+
     def headline_gemm(job):
-        return job["kernel"] in ("forward", "dgrad") and job["variant"] in HEADLINE_VARIANTS.values()
+        if job["kernel"] not in ("forward", "dgrad") or job["variant"] not in (
+                [HEADLINE_VARIANTS["W8A16"]] if SMOKE else [v + s for v in HEADLINE_VARIANTS.values()
+                                                            for s in ("", ",tma-ws", ",async-copy")]):
+            return False
+        if SMOKE:  # the first config of each kernel and variant only
+            if (job["kernel"], job["variant"]) in seen:
+                return False
+            seen.add((job["kernel"], job["variant"]))
+        return True
 
     t0 = time.monotonic()
-    rows = headline(report(archs=["sm_90a"], backends=["triton"], select=headline_gemm, jobs=os.cpu_count() or 2,
-                           progress=print))
+    records = report(archs=["sm_90a"], backends=["triton"], select=headline_gemm, jobs=os.cpu_count() or 2,
+                     progress=print)
+    rows = headline(records)
     picks = pins_from(rows, config_name(weight_norm_configs_for("sm90", fp32=True)[0]))
     with open(os.path.join(WORK, "pins.json.tmp"), "w") as f:
         json.dump(picks, f)
     os.replace(os.path.join(WORK, "pins.json.tmp"), os.path.join(WORK, "pins.json"))
-    model = {"device": H100_SXM.name, "shape": HEADLINE, "pins": picks, "compile_s": round(time.monotonic() - t0, 1),
+    model = {"device": "H100 SXM (dorafp8/kernel_report/predict.py's model: predictions, not measurements)",
+             "shape": HEADLINE, "pins": picks, "compiles": len(records),
+             "compile_s": round(time.monotonic() - t0, 1),
              "linear_us": linear_seconds(HEADLINE["M"], HEADLINE["N"], HEADLINE["K"]) * 1e6,
-             "gemms": [dict(r, us=r["seconds"] * 1e6) for r in rows]}
+             "gemms": [dict(r, us_lo=r["lo"]["seconds"] * 1e6, us_hi=r["hi"]["seconds"] * 1e6) for r in rows]}
     put("model", None, model)
-    launches = launches_subprocess()  # every other launch at its modelled bytes (an interpreter dry run)
-    for mode in HEADLINE_VARIANTS:
-        gemm = {r["kernel"]: r["seconds"] for r in rows if r["mode"] == mode}
-        kernels = [{"name": name, "bytes": nbytes, "predicted_us": 1e6 * (
-            gemm[GEMM_KERNELS[name]] if name in GEMM_KERNELS else nbytes / H100_SXM.hbm_bytes_s)}
-            for name, nbytes in launches[mode]]
-        model.setdefault("layers", {})[mode] = dict(layer_seconds(gemm, launches[mode]), kernels=kernels)
-        put("model", None, model)
-    print(f"pins: {picks}")
+    # every launch of each strategy at its modelled bytes (an interpreter dry run), the layer at both ends
+    strategies = ["W8A16"] if SMOKE else None
+    model["layers"] = layer_table(records, launches_subprocess(strategies))
+    put("model", None, model)
+    print(f"pins: {picks}; {len(records)} compiles in {model['compile_s']} s")
     return 0
 
 
@@ -308,9 +325,8 @@ def _measure(section, key, cases) -> int:
 
 
 def race() -> int:
-    """backend="auto" as a user meets it: the first call of each M races (dorafp8/ops/_race.py), later ones do not."""
-    import torch
-
+    """backend="auto" as a user meets it: the first call of a key checks the candidates in a child process
+    (dorafp8/ops/_race.py) and runs the pick; later calls read it. Records the verdicts and what the first call cost."""
     import dorafp8
     from dorafp8 import backends
     from dorafp8.ops import _race
@@ -331,12 +347,14 @@ def race() -> int:
             return time.perf_counter() - t0
 
         first, later = call(), min(call() for _ in range(3))
-        with open(_race.cache_file(dev)) as f:
-            picks = json.load(f)["picks"]
-        what = next(k for k in picks if k.startswith("dora ") and k.endswith(f"M<={_race.bucket(M)}"))
-        put("race", f"M={M}", dict(picks[what], key=what, static=backends.resolve("auto", dev), first_call_s=first,
+        keys = _race._read(_race.cache_file(dev))["keys"]
+        what = next(k for k in keys if k.startswith("dora ") and f" M<={_race.bucket(M)} " in k)
+        cands = [c for c in _race.RACERS[dev.type] if c in keys[what]]
+        pick = _race.pick_of(keys[what], cands)
+        put("race", f"M={M}", dict(key=what, pick=pick, verdicts=keys[what], static=backends.resolve("auto", dev),
+                                   ms={c: v.get("ms") for c, v in keys[what].items()}, first_call_s=first,
                                    later_call_s=later, race_cost_s=first - later))
-        print(f"race M={M}: {what} -> {picks[what]['pick']} {picks[what]['ms']}; the race cost {first - later:.3f} s")
+        print(f"race M={M}: {what} -> {pick} {keys[what]}; the first call cost {first - later:.3f} s more")
     return 0
 
 

@@ -57,30 +57,40 @@ class Step:
     background: bool = False  # runs beside the steps after it
     after: str | None = None  # waits for this background step first
     gpu: bool = False  # skipped without a GPU (--smoke)
+    compiles: str = "none"  # Triton / nvcc compiles it makes, estimated (pinned configs where the pins step ran)
 
 
 STEPS = {
     "first": (
         Step("env", 20, "import dorafp8 from this checkout, or stop with one line; GPU, driver, versions"),
         Step("pins", 45, "the kernel report's model picks one config per GEMM variant and predicts every kernel "
-                         "(sm_90a compiles, 16 processes); the launchers run those configs alone", gpu=True),
+                         "(sm_90a compiles, 16 processes); the launchers run those configs alone",
+             compiles="the headline forward and dgrad GEMMs' configs, W8A16 and W8A8, both main loops (sm_90a, ahead "
+                      "of time, 16 processes: about 4-5 s each)"),
         Step("correct", 110, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
                              "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; the Triton GEMMs in both main "
-                             "loops (Hopper's and the cp.async one, DORAFP8_HOPPER_GEMM=0); five processes"),
-        Step("time", 70, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
-             grows=True),
-        Step("race", 15, "what backend='auto' picks at M 8192 and 1024, and what the pick costs"),
-        Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192"),
+                             "loops (Hopper's and the cp.async one, DORAFP8_HOPPER_GEMM=0); five processes",
+             compiles="about 10 per Triton job (pinned: one config per launcher and variant), 4 for cuBLAS's"),
+        Step("time", 45, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
+             grows=True, compiles="none new (the correct step's kernels, Triton's disk cache)"),
+        Step("race", 40, "backend='auto' at M 8192: its first call checks and times the candidates in a child "
+                         "process (dorafp8/ops/_race.py); the verdicts, the pick and what that first call cost",
+             compiles="the child's: the correct step's kernels again at M 8192 and 37 (Triton's disk cache)"),
+        Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192",
+             compiles="none new"),
     ),
     "more": (
         Step("env", 20, "as in command 1"),
-        Step("build", 150, "the CUDA extension for this GPU (setup.py build_ext --inplace)", background=True, gpu=True),
-        Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py and the CPU emulator's), 12 processes"),
+        Step("build", 150, "the CUDA extension for this GPU (setup.py build_ext --inplace)", background=True, gpu=True,
+             compiles="nvcc: the extension's translation units for this GPU's arch"),
+        Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py and the CPU emulator's), 12 processes",
+             compiles="every kernel variant the tests meet, pinned configs"),
         Step("tests-cuda", 35, "pytest tests/kernels/test_cuda.py, DORAFP8_REQUIRE_CUDA_EXT=1", after="build",
              gpu=True),
         Step("sanitizer", 40, "compute-sanitizer memcheck on a ragged fp16 shape of the Triton and CUDA kernels",
-             gpu=True),
-        Step("grid", 40, "the rest: dropout, the autotuned configs, the CUDA backend", grows=True),
+             gpu=True, compiles="the ragged fp16 variants under the sanitizer"),
+        Step("grid", 40, "the rest: dropout, the autotuned configs, the CUDA backend", grows=True,
+             compiles="the autotuned lists (no pins): the most of any step; it stops at its cap"),
     ),
 }
 RESULTS = {"first": "first_contact.json", "more": "more.json"}
@@ -111,7 +121,7 @@ def plan_text() -> str:
             tags = [t for t, on in (("background", s.background), (f"after {s.after}", s.after),
                                     ("takes what is left", s.grows)) if on]
             lines.append(f"  {s.name:<10} {start:4d}-{end:4d} s  cap {s.cap:3d} s  {s.what}"
-                         + (f" ({', '.join(tags)})" if tags else ""))
+                         + (f" ({', '.join(tags)})" if tags else "") + f"; compiles: {s.compiles}")
         lines.append(f"  worst case {worst_case(command)} s (steps + {SPARE_S} s spare) of the command's {COMMAND_S} s")
     total = START_S + COMMAND_S + IDLE_S + COMMAND_S + IDLE_S
     lines.append(f"session: one machine start {START_S} s + command first {COMMAND_S} s + idle {IDLE_S} s + command "

@@ -53,8 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import main as run
 
         return run(argv[1:])
+    if argv and argv[0] in ("selftest", "check"):  # dorafp8/ops/_race.py: check kernels on this GPU now
+        from .ops import race_check, race_selftest
+
+        if argv[0] == "check":  # the child backend="auto" runs (and the command its warnings print)
+            return race_check(argv[1:])
+        print("\n".join(race_selftest()))
+        return 0
     if argv and argv[0] in ("-h", "--help"):
         print("usage: dorafp8             what this installation can run\n"
+              "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
               "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
               "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
         return 0

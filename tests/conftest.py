@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Kernels fill their outputs with NaN before launch in tests, so an unwritten tile cannot pass.
 os.environ.setdefault("DORAFP8_POISON", "1")
-# On a GPU backend="auto" races the backends at each new shape (dorafp8/ops/_race.py): the tests run the static order,
-# the same on every run; tests/ops/test_race.py turns the race on where it tests it.
+# On a GPU backend="auto" checks the backends in a child process at each new key (dorafp8/ops/_race.py): the tests run
+# the static order, the same on every run; tests/ops/test_race.py turns the checks on where it tests them.
 os.environ.setdefault("DORAFP8_RACE", "0")
 
 # Every device here. A test that takes `backend` without `device` runs on the last one: the GPU where there is one.

@@ -23,6 +23,7 @@ _MAX_BLOCK_R_INTERP = 16
 _MAX_BLOCK_R_IEEE = 16
 # tl.dot needs every dimension >= 16 on tensor cores; smaller ranks are zero-padded with masks.
 _DOT_MIN = 16
+FP8_DOT_MIN_K = 32  # an fp8 tl.dot's K on a GPU (e4m3 MMA: k32): W8A8 block scales need b % 32 == 0
 
 
 # Read once: Triton decides at each @triton.jit whether a kernel is interpreted, i.e. when this package is imported.
@@ -430,12 +431,13 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
 
 
 def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
-                 any_block: bool = False) -> tuple[torch.Tensor, str]:
+                 any_block: bool = False, act_quant: str = "") -> tuple[torch.Tensor, str]:
     """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)], b =
     block_size); returns (the scale, contiguous, and its kind: "tensor", "row" or "block"). The kind is the kernels'
     SCALE_KIND constexpr, spelled as dorafp8.quant.scale_kind spells it, so that one word means one thing from the
     Python API down to the kernels. The GEMMs step through the reduction in blocks that must fit in a scale
-    block, so they need b to be a multiple of 16 (any_block=False)."""
+    block, so they need b to be a multiple of 16 (any_block=False); under W8A8 (act_quant) on a GPU, of
+    FP8_DOT_MIN_K: the fp8 tensor-core dot reduces at least 32 at a time (b = 16 compiles in neither sm_90 loop)."""
     if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
         raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
     if w8.stride(1) != 1:
@@ -453,6 +455,11 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
         if block_size % _DOT_MIN and not any_block:
             raise ValueError(f"the triton backend needs block scales whose block size is a multiple of {_DOT_MIN}, "
                              f"got {block_size} (use the reference backend)")
+        if act_quant and block_size % FP8_DOT_MIN_K and arch_of(w8.device) != "interp":
+            raise ValueError(f"the triton backend's W8A8 (act_quant={act_quant!r}) needs block scales whose "
+                             f"block_size is a multiple of {FP8_DOT_MIN_K} on {arch_of(w8.device)}: the fp8 "
+                             f"tensor-core dot reduces {FP8_DOT_MIN_K} at a time, got block_size {block_size} (use "
+                             f"act_quant=None, or backend='cublas' or 'reference')")
         return scale.contiguous(), "block"
     raise ValueError(f"scale must be fp32 [], [{N}] or [{cdiv(N, block_size)}, "
                      f"{cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")

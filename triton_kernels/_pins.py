@@ -16,7 +16,7 @@ def config_name(cfg) -> str:
 
 def pinned(pin: str | None, configs: list) -> list:
     """The configs a launcher tunes over: `configs`, or the one DORAFP8_PIN_CONFIGS pins for `pin` when the list holds
-    it. That variable names a JSON file {pin: config_name}, pins "forward/w8a16", "forward/w8a8", "dgrad/w8a16",
+    it. That variable names a JSON file {pin: config_name or [config_name, ...]}, pins "forward/w8a16", "forward/w8a8", "dgrad/w8a16",
     "dgrad/w8a8", "weight_norm" (bench/first_contact.py pins the kernel report's model picks). Read once per
     process."""
     path = os.environ.get("DORAFP8_PIN_CONFIGS")
@@ -30,4 +30,5 @@ def pinned(pin: str | None, configs: list) -> list:
             raise ValueError(f"DORAFP8_PIN_CONFIGS must name a JSON file of {{pin: config}}, got {path!r}: "
                              f"{type(e).__name__}: {e}") from None
     want = _PINS[path].get(pin)
-    return [c for c in configs if config_name(c) == want] or configs
+    want = [want] if isinstance(want, str) else list(want or ())  # a name, or one per main loop
+    return [c for c in configs if config_name(c) in want] or configs

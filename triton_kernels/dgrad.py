@@ -268,7 +268,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
     """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride. With fl (and, with
     dropout, fb), fp32 [N]: gl and gb are g itself and the left operands g * fl, g * fb are formed on the W8 tiles
     (the backward pass's fold=True)."""
-    scale, kind = check_weight(w8, scale, block_size)
+    scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype

@@ -302,7 +302,7 @@ def _inv_keep(p: float) -> float:
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, x8=None, sx=None):
     """(y, z); see dorafp8/backends/base.py. x, xm [M, K], u [M, r] may have any row stride. x8, sx: x already
     quantized per row (W8A8, by project(quant=True): base.py, QUANT_PARAMS)."""
-    scale, kind = check_weight(w8, scale, block_size)
+    scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
     N, K = w8.shape
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype

@@ -7,9 +7,10 @@ weight_norm, project, project_grad, forward, backward_pass, dgrad, called with k
 Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the static order of the backends that can run
 on the tensors' device: triton > cuda > reference on a GPU, native on CPU (native.py: the reference with its base GEMMs
 in the compute dtype; the reference itself stays the exact fp32 twin every backend is tested against). On a GPU the
-linear ops then race triton, cuda and `cublas` (dequantize one layer into a transient buffer, cuBLAS for the base
-GEMMs, fused epilogues) at each new layer shape and keep the fastest (dorafp8/ops/_race.py); resolve() is the order
-the race starts from, and what runs where it does not (DORAFP8_RACE=0, a CUDA graph capture, a torch.compile trace).
+linear ops then run the fastest of triton, cuda and `cublas` (dequantize one layer into a transient buffer, cuBLAS
+for the base GEMMs, fused epilogues) that a child process checked against the reference at the layer key's first call
+(dorafp8/ops/_race.py); resolve() is the order ties go to, and what runs where nothing is checked (DORAFP8_RACE=0, a
+torch.compile trace of a key not checked in the process).
 
 Refusals: a backend asked for by name (argument or environment) that cannot run raises with the reason, and one that
 cannot compute what the call needs (block scales, W8A8) raises base.not_supported's ValueError before any work; under
@@ -120,7 +121,7 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
-    # The static order: triton's kernels are autotuned, so it goes first; the race (ops/_race.py) measures instead.
+    # The static order: triton's kernels are autotuned, so it goes first; ops/_race.py checks and measures instead.
     for cand in ("triton", "cuda"):
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand

@@ -5,7 +5,7 @@ transient buffer in the compute dtype (one layer at a time, freed when the call 
 GEMMs through torch.matmul (cuBLAS on a GPU), and applies the DoRA epilogues with the fused Triton kernels
 (triton_kernels/forward.py `fwd_epilogue_kernel`, dgrad.py `dgrad_epilogue_kernel`). The backward pass, the
 rank-r GEMMs and the weight norm are the Triton backend's. It is the yardstick the fused kernels must beat:
-`backend="auto"` races it against them at each new layer shape on a GPU and runs it where it is faster
+`backend="auto"` checks and times it against them at each new layer key on a GPU and runs it where it is faster
 (dorafp8/ops/_race.py).
 
 The base products come back from the matmul in the compute dtype, so z (hence dm) carries that rounding, as PEFT's

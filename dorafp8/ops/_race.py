@@ -1,29 +1,43 @@
-"""The race behind backend="auto" on a GPU: the first call of a layer shape times the strategies that can compute it
-and keeps the fastest, so that dorafp8 is never slower than its own dequantize + cuBLAS strategy on a GPU nobody here
-has measured.
+"""What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
+process; the fastest of those that computed right.
 
-What is raced: a key of (op, device, compute dtype, W8A16 / W8A8, dropout or not, N, K, M's power-of-two bucket). On
-the first call of a key, each candidate of RACERS that can run here and compute the call (fused Triton, the cuBLAS
-strategy, the CUDA extension where built) runs one forward + backward of the same shape on random inputs (a warm-up,
-which compiles and autotunes, then CUDA events over ~50 ms of calls); the fastest is kept in this process and in a
-JSON file per device name and torch / Triton / dorafp8 versions under the user's cache directory
-($DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8 or ~/.cache/dorafp8), written atomically, read by later processes
-without racing again. A candidate that raises is left out with a warning; if all do, the static order (triton, then
-cuda) serves, as without the race. The race runs under its own RNG state (the user's random stream is unchanged),
-with grad enabled, outside inference mode.
+Trust on first use. The first call of a key (the op, N, K, M's power-of-two bucket, r's bucket, bias, scale kind and
+block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switches that change kernels: DORAFP8_HOPPER_GEMM,
+DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
+capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
+dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
+(`python -m dorafp8 check SPEC`, time limit DORAFP8_RACE_TIMEOUT_S, 300 s) runs each candidate of RACERS that can
+run here, on random inputs of the key's shape at M = 37 and at M = min(bucket, 4096): y, dx, dA, dB, dm (and db)
+against the fp32 `reference` backend on the same inputs, each element within ROOM * tol(dtype) * (|ref| + max|ref|)
+(tests/_tolerance.py's bound with twice the room its backend-against-reference checks get, since no GPU run has
+measured it at these K: a wrong tile, swizzle or phase is off by the output's scale, far outside; W8A8 at least
+2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians); the pick is the
+first in the static order (triton, cuda, cublas) within MARGIN of the fastest, so that close ones do not flip between
+runs. The verdicts go into the file atomically (re-read and merged:
+several processes may write), and later processes use them without a child.
 
-Invisible to programs: under a CUDA graph capture or a torch.compile trace it never races (a capture uses a pick
-already made, a compiled graph the static order: one graph serves many M); a later call of a raced key costs a dict
-lookup, no sync.
+A candidate that computes wrong values or raises is unusable for that key; one that hangs past the limit (the child is
+killed with its process group) or crashes the child is unusable on this GPU for every key (a kernel that deadlocks
+once would do it again). Each costs one warning naming the backend, the GPU, the versions, the error and the command
+that reproduces it (one per backend and kind of failure in a process: later ones are logged at INFO); later processes
+read the verdict and neither retry nor warn. `auto` never runs a candidate
+without a passing verdict: if none passes, the `reference` backend serves (correct, slow). A result that says nothing
+of the kernel (the child ran out of GPU memory next to the user's job, or could not start) is used by nobody and not
+written: the next process checks again.
 
-Several processes (torch.distributed): every rank runs rank 0's picks. Rank 0 races (or reads its file) and publishes
-each pick in the process group's key-value store (the TCPStore rendezvous already made); another rank looks a key up
-there without waiting (at most once a second per key) and runs the static order until rank 0 has published it. No
-collective is ever entered, so ranks that meet different shapes (their own sequence lengths, an MoE expert that gets
-no tokens on one rank) cannot deadlock; the price is that another rank may run the static order for a step or two.
+Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
+kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
+capture or the random stream (the process's extra peak memory is zero; the child's is one forward + backward of the
+key at M <= 4096 plus the fp32 dequantized weight, on the same GPU, and it has ended before the step goes on). Under a
+torch.compile trace there is no child: a key checked in this process is used, else the static order (run one eager
+step, or `python -m dorafp8 selftest`, first).
 
-Off: DORAFP8_RACE=0; a backend named by `backend=` or $DORAFP8_BACKEND is used as named, never raced. Logged at
-DEBUG on the "dorafp8.race" logger; `python -m dorafp8` prints the cached picks (race_report).
+Several processes (torch.distributed): the first rank to meet a key claims it in the process group's store (one
+atomic add), resolves it (file or child) and publishes the verdicts; the others wait for them once (no polling, no
+collective: ranks that meet different shapes cannot deadlock). Every rank then runs the same pick.
+
+Off: DORAFP8_RACE=0 (the static order, unchecked); a backend named by `backend=` or $DORAFP8_BACKEND is used as named.
+`python -m dorafp8` prints the verdicts (race_report); `python -m dorafp8 selftest` checks a few headline keys now.
 """
 
 from __future__ import annotations
@@ -32,12 +46,15 @@ import datetime
 import glob
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
@@ -48,70 +65,105 @@ log = logging.getLogger("dorafp8.race")
 
 # Device type -> the candidates, in the static order. Only GPUs race: on a CPU "native" is the one fast backend.
 RACERS: dict[str, tuple[str, ...]] = {"cuda": ("triton", "cuda", "cublas")}
-TIME_BUDGET_S = 0.05  # timed calls per candidate: about this much, at most MAX_REPS calls
-MAX_REPS = 10
-RECHECK_S = 1.0  # a rank other than 0 asks the store for a key at most this often
+FALLBACK = "reference"  # what runs when no candidate passed: the fp32 twin every kernel is checked against
+MARGIN = 0.05  # a candidate later in the static order is picked only if it is this much faster than the earlier ones
+ROUNDS = 7  # timed calls per candidate, interleaved
+MAX_M = 4096  # the largest M the child runs (its memory), and the small one
+SMALL_M = 37
+SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
+# The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
+# crashing kernels.
+CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
+TOL = {"float32": 1e-5, "float16": 2.5e-3, "bfloat16": 2e-2}  # tests/_tolerance.py's tol(dtype)
+ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (module docstring)
+W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
-_NEXT_ASK: dict[tuple, float] = {}  # rank != 0: key -> when to ask the store again
-_FILES: dict[str, dict] = {}  # cache file path -> its picks, as read once
+_FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
+_BUILD: list[str] = []
+_WARNED: set = set()  # (device, candidate, verdict) warned about in this process
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
-    """Whether a call with this `backend` argument on `device` is decided by the race: "auto", nothing forced by
+    """Whether a call with this `backend` argument on `device` is decided here: "auto", nothing forced by
     $DORAFP8_BACKEND, DORAFP8_RACE not 0, a device type that races."""
     return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
             and os.environ.get("DORAFP8_RACE", "1") != "0")
 
 
-def cuda_timer(name: str, fn, device: torch.device) -> float:
-    """Seconds per call of fn on `device`: one warm-up call (compiles, autotunes), then CUDA events over about
-    TIME_BUDGET_S of calls."""
-    fn()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    once = start.elapsed_time(end) / 1e3
-    reps = max(1, min(MAX_REPS, int(TIME_BUDGET_S / max(once, 1e-6))))
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+def timeout_s() -> float:
+    return float(os.environ.get("DORAFP8_RACE_TIMEOUT_S", "300"))
 
 
-def cpu_timer(name: str, fn, device: torch.device) -> float:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def bucket(n: int) -> int:
+    """n's bucket: the power of two at or above it (16 at least), as the Triton autotuner keys M."""
+    return 1 << max(4, (n - 1).bit_length())
 
 
-# timer(candidate name, fn, device) -> seconds per call. The tests put their own here.
-TIMER = None
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
-def _timer(device):
-    return TIMER or (cuda_timer if device.type == "cuda" else cpu_timer)
+def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="tensor", block=128, cdt, rdt=None,
+            p=0.0, act_quant="") -> dict:
+    """What the child runs for a call: everything that changes the kernel or its speed, M and r bucketed."""
+    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    return {"op": op, "device": str(device), "N": N, "K": K, "M": min(bucket(M), MAX_M), "mb": bucket(M),
+            "r": _pow2(r) if op == "dora" else 0, "bias": bool(bias), "scale": scale,
+            "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op == "dora"
+            else "", "p": float(p), "act_quant": act_quant,
+            "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}}
 
 
-def bucket(M: int) -> int:
-    """M's bucket: the power of two at or above it (16 at least), as the Triton autotuner keys M."""
-    return 1 << max(4, (M - 1).bit_length())
+def describe(spec: dict) -> str:
+    """A key as the cache file and the messages write it."""
+    s = spec
+    parts = [s["op"], f"N={s['N']} K={s['K']} M<={s['mb']}", s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
+             "w8a8" if s["act_quant"] else "w8a16", s["scale"] + (str(s["block"]) if s["block"] else "")]
+    parts += [f"r<={s['r']}"] if s["op"] == "dora" else []
+    parts += ["bias"] if s["bias"] else []
+    parts += [f"p={s['p']:g}"] if s["p"] else []
+    parts += [f"{k}={v}" for k, v in sorted(s["env"].items())]
+    return " ".join(parts)
 
 
-def describe(key: tuple) -> str:
-    """A key as the cache file and the log write it: "dora bfloat16 w8a16 nodrop N=4096 K=4096 M<=8192"."""
-    op, _, _, dtype, mode, dropout, N, K, mb = key
-    return f"{op} {dtype} {mode} {'dropout' if dropout else 'nodrop'} N={N} K={K} M<={mb}"
+# ----------------------------------------------------------------------------------------------------------------
+# The cache file: one per device and versions and build
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+def _device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"name": device.type}
+    try:
+        driver = torch._C._cuda_getDriverVersion()
+    except Exception:
+        driver = None
+    return {"name": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device)),
+            "driver": driver}
+
+
+def build_id() -> str:
+    """A hash of the sources and binaries that make the kernels: a new build of them is checked again."""
+    if not _BUILD:
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        roots = [os.path.join(pkg, "backends"), os.path.join(pkg, "ops"), os.path.join(os.path.dirname(pkg), "csrc")]
+        try:
+            spec = importlib.util.find_spec("dorafp8.triton_kernels")
+            roots += list(spec.submodule_search_locations or []) if spec else []
+        except Exception:  # triton_kernels absent: nothing of it to hash
+            pass
+        h = hashlib.sha256()
+        files = [os.path.join(d, f) for root in roots for d, _, fs in os.walk(root) for f in fs
+                 if f.endswith((".py", ".cu", ".cuh", ".cpp", ".h"))]
+        files += glob.glob(os.path.join(pkg, "_C*.so")) + glob.glob(os.path.join(pkg, "_C*.pyd"))
+        for path in sorted(files):
+            try:
+                with open(path, "rb") as f:
+                    h.update(os.path.basename(path).encode() + b"\0" + f.read())
+            except OSError:
+                pass
+        _BUILD.append(h.hexdigest()[:16])
+    return _BUILD[0]
 
 
 def _versions() -> dict:
@@ -120,10 +172,7 @@ def _versions() -> dict:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return None
-    # dorafp8's own version from the package (an uninstalled checkout has no metadata); sys.modules, not an import:
-    # this layer is below dorafp8/__init__.py
-    return {"torch": torch.__version__, "triton": dist("triton"),
-            "dorafp8": getattr(sys.modules.get("dorafp8"), "__version__", None) or dist("dorafp8")}
+    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id()}
 
 
 def cache_dir() -> str:
@@ -132,10 +181,10 @@ def cache_dir() -> str:
 
 
 def cache_file(device: torch.device) -> str:
-    """The JSON file of `device`'s picks under this installation's versions."""
-    name = _device_name(device)
-    tag = hashlib.sha256(json.dumps([name, _versions()], sort_keys=True).encode()).hexdigest()[:12]
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-").lower()
+    """The JSON file of `device`'s verdicts under these versions and this build."""
+    info = _device_info(device)
+    tag = hashlib.sha256(json.dumps([info, _versions()], sort_keys=True).encode()).hexdigest()[:12]
+    slug = "".join(ch if ch.isalnum() else "-" for ch in info["name"]).strip("-").lower()
     return os.path.join(cache_dir(), f"race-{slug}-{tag}.json")
 
 
@@ -143,158 +192,241 @@ def _read(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data.get("picks"), dict) else {}
+        if isinstance(data.get("keys"), dict) and isinstance(data.get("broken"), dict):
+            return data
     except (OSError, ValueError, AttributeError):
-        return {}  # none yet, or not ours: raced again, and rewritten
+        pass
+    return {"keys": {}, "broken": {}}  # none yet, or not ours: checked again, and rewritten
 
 
-def _file_picks(path: str) -> dict:
+def _file(path: str) -> dict:
     if path not in _FILES:
-        _FILES[path] = dict(_read(path).get("picks", {}))
+        _FILES[path] = _read(path)
     return _FILES[path]
 
 
-def _save(path: str, device: torch.device, what: str, entry: dict) -> None:
-    """Adds one pick to the file (re-read first: other processes may have added theirs), written atomically."""
-    _file_picks(path)[what] = entry
+def _save(path: str, device: torch.device, what: str, results: dict, broken: dict) -> None:
+    """Adds a key's conclusive verdicts and the broken candidates to the file (re-read first: other processes may
+    have added theirs), written atomically."""
+    keep = {c: v for c, v in results.items() if v.get("ok") is not None}
+    mine = _file(path)
+    mine["keys"].setdefault(what, {}).update(keep)
+    mine["broken"].update(broken)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        picks = dict(_read(path).get("picks", {}), **{what: entry})
-        data = {"device": _device_name(device), "versions": _versions(), "picks": picks}
+        data = _read(path)
+        data["keys"].setdefault(what, {}).update(keep)
+        data["broken"].update(broken)
+        data.update(device=_device_info(device), versions=_versions())
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".race-", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError as e:  # a read-only home: the pick still holds in this process
+    except OSError as e:  # a read-only home: the verdicts still hold in this process
         log.debug("dorafp8 race: could not write %s (%s)", path, e)
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (no timing, no sync may happen then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def pick_of(results: dict, cands) -> str:
+    """The first candidate in `cands`' order that passed and is within MARGIN of the fastest that passed; FALLBACK
+    if none passed."""
+    ok = [c for c in cands if (results.get(c) or {}).get("ok")]
+    if not ok:
+        return FALLBACK
+    best = min(results[c].get("ms") or 0.0 for c in ok)
+    return next(c for c in ok if (results[c].get("ms") or 0.0) <= best * (1 + MARGIN))
 
 
-def _group():
-    """(rank, the process group's store or None) under torch.distributed with several ranks, else None."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no store on this torch: every rank keeps the static order
-        store = None
-    return dist.get_rank(), store
+# ----------------------------------------------------------------------------------------------------------------
+# The parent: choose
 
 
-def _store_key(what: str) -> str:
-    return "dorafp8/race/" + what
-
-
-def choose(op: str, static: str, device: torch.device, needs: frozenset, shape: tuple, make_trial) -> str:
-    """The backend for a call: the pick of its key, made now if new (see the module docstring). static: what
-    backends.resolve chose; shape: (compute dtype, act_quant, dropout, N, K, M); make_trial(): run(candidate), one
-    forward + backward of this shape on that candidate (called only when racing)."""
-    if torch.compiler.is_compiling() or shape[-1] == 0:
+def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
+    """The backend for a call under racing(): its key's pick, checked now in a child if new (module docstring).
+    static: what backends.resolve chose; call: spec_of's keywords."""
+    if call["M"] == 0:
         return static
-    cdt, act_quant, dropout, N, K, M = shape
-    key = (op, device.type, device.index, str(cdt).removeprefix("torch."), "w8a8" if act_quant else "w8a16",
-           bool(dropout), N, K, bucket(M))
+    spec = spec_of(op, device, **call)
+    key = (str(device), describe(spec))
     pick = _PICKS.get(key)
     if pick is not None:
         return pick
-    if _capturing(device):
+    if torch.compiler.is_compiling():
         return static
-    cands = [c for c in RACERS[device.type]
-             if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
-    if len(cands) < 2:
-        _PICKS[key] = static
-        return static
-    what = describe(key)
-    group = _group()
-    if group is not None and group[0] != 0:
-        return _rank0_pick(key, what, group[1], static, cands)
     path = cache_file(device)
-    entry = _file_picks(path).get(what)
-    why = "read from " + path
-    if entry is None or entry.get("pick") not in cands:
-        entry = _race(what, cands, static, device, make_trial, M)
-        _save(path, device, what, entry)
-        why = "raced"
-    pick = _PICKS[key] = entry["pick"]
-    if group is not None and group[1] is not None:
-        try:
-            group[1].set(_store_key(what), pick)
-        except Exception as e:  # the other ranks keep the static order for this key
-            log.debug("dorafp8 race: could not publish %s: %s", what, e)
-    log.debug("dorafp8 race: %s -> %s (%s; ms per forward + backward: %s)", what, pick, why, entry.get("ms"))
+    broken = _file(path)["broken"]
+    cands = [c for c in RACERS[device.type] if c not in broken
+             and backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
+    if not cands:
+        _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static
+        return _PICKS[key]
+    what = key[1]
+    results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
+    pick = _PICKS[key] = pick_of(results, cands)
+    log.debug("dorafp8 race: %s -> %s (%s)", what, pick, results)
     return pick
 
 
-def _rank0_pick(key, what, store, static, cands) -> str:
-    """A rank other than 0: rank 0's pick from the store once it is there; the static order until then."""
-    now = time.monotonic()
-    if store is None or now < _NEXT_ASK.get(key, 0.0):
-        return static
+def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
+    """The key's verdicts: from the file, else from a child (written to the file, failures warned about)."""
+    known = _file(path)["keys"].get(what, {})
+    todo = [c for c in spec["cands"] if c not in known]
+    if not todo:
+        return known
+    results, broken = check(dict(spec, cands=todo))
+    _save(path, device, what, results, broken)
+    info, vers = _device_info(device), _versions()
+    for c, v in results.items():
+        if v.get("ok") is not True:
+            if (device, c, v.get("ok")) in _WARNED:  # one warning per backend and kind in a process; the rest logged
+                log.info("dorafp8 race: %s not used for %s: %s", c, what, v.get("error"))
+                continue
+            _WARNED.add((device, c, v.get("ok")))
+            warnings.warn(
+                f"dorafp8: backend {c!r} is {'not used' if v.get('ok') is False else 'not checked, so not used'} "
+                f"by backend='auto' for {what} on {info['name']} (capability {info.get('capability')}, driver "
+                f"{info.get('driver')}, torch {vers['torch']}, triton {vers['triton']}, build {vers['build']}): "
+                f"{v.get('error')}. Reproduce: {reproduce(dict(spec, cands=[c]))}"
+                + ("" if v.get("ok") is None else "; the verdict is kept and not retried "
+                   f"(`python -m dorafp8` lists them, {path})"), RuntimeWarning, stacklevel=5)
+    return dict(known, **results)
+
+
+def reproduce(spec: dict) -> str:
+    return shlex.join(["python", "-m", "dorafp8", "check", json.dumps(spec, sort_keys=True)])
+
+
+def check(spec: dict) -> tuple[dict, dict]:
+    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate:
+    error} for those that hung or crashed it). A candidate that kills the child is blamed and the others are run
+    again without it."""
+    results, broken, todo = {}, {}, list(spec["cands"])
+    while todo:
+        out, failure = _child(dict(spec, cands=todo))
+        started = None
+        for line in out.splitlines():
+            if line.startswith("dorafp8-race start "):
+                started = line.split()[-1]
+            elif line.startswith("dorafp8-race result "):
+                results.update(json.loads(line[len("dorafp8-race result "):]))
+        if failure is None and all(c in results for c in todo):
+            break
+        if started is None or started in results:  # the child failed outside any kernel: nothing is learnt
+            results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
+                            if c not in results})
+            break
+        results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
+        broken[started] = failure or "the child gave no verdict"
+        todo = [c for c in todo if c not in results]
+    return results, broken
+
+
+def _child(spec: dict) -> tuple[str, str | None]:
+    """(stdout, None) if the child ended well, else (what it wrote, why not): killed at the limit, or its exit."""
+    env = dict(os.environ, DORAFP8_RACE="0", DORAFP8_RACE_PARENT=str(os.getpid()))
+    env.pop("DORAFP8_BACKEND", None)
+    limit = timeout_s()
     try:
-        found = store.check([_store_key(what)])
-        pick = store.get(_store_key(what)).decode() if found else None
-    except Exception:
-        pick = None
-    if pick is None or pick not in cands:
-        _NEXT_ASK[key] = now + RECHECK_S
-        return static
-    log.debug("dorafp8 race: %s -> %s (rank 0's pick)", what, pick)
-    _PICKS[key] = pick
-    return pick
+        proc = subprocess.Popen(CHILD + [json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+    except OSError as e:
+        return "", f"the child could not start: {e}"
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        out, err = proc.communicate()
+        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed"
+    except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
+        _kill(proc)
+        raise
+    if proc.returncode != 0:
+        tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
+        return out, f"the child process exited with {proc.returncode}: {tail}"
+    return out, None
 
 
-def _race(what, cands, static, device, make_trial, M) -> dict:
-    """{"pick", "ms": {candidate: ms}, "M", "when"}: each candidate timed on one trial; the failing ones warned about
-    and left out; the static order if none ran."""
-    ms = {}
-    timer = _timer(device)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # with what it started (ptxas, compile workers)
+    except OSError:
+        proc.kill()
+    proc.wait()
+
+
+def _shared(path: str, what: str, resolve):
+    """resolve() once for all ranks under torch.distributed: the first rank to claim the key runs it and publishes
+    the verdicts in the process group's store; the others wait for them once. Alone: resolve()."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return resolve()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = "dorafp8/race/" + hashlib.sha256((os.path.basename(path) + what).encode()).hexdigest()[:24]
+        first = store.add(name + "/claim", 1) == 1
+    except Exception as e:  # no store on this torch: each rank resolves alone
+        log.debug("dorafp8 race: no store (%s)", e)
+        return resolve()
+    if first:
+        results = {}
         try:
-            run = make_trial()
-        except Exception as e:
-            warnings.warn(f"dorafp8: could not prepare the race for {what} ({type(e).__name__}: {e}); backend "
-                          f"{static!r} serves it", RuntimeWarning, stacklevel=4)
-            run = None
-        for c in cands if run is not None else ():
-            try:
-                ms[c] = timer(c, lambda c=c: run(c), device) * 1e3
-            except Exception as e:
-                warnings.warn(f"dorafp8: backend {c!r} failed while racing {what} and is left out of it: "
-                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
-    pick = min(ms, key=ms.get) if ms else static
-    return {"pick": pick, "ms": ms, "M": M,
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            results = resolve()
+        finally:
+            store.set(name, json.dumps(results))  # even empty: the others must not wait for nothing
+        return results
+    try:
+        store.wait([name], datetime.timedelta(seconds=timeout_s() * (len(RACERS.get("cuda", ())) + 1) + 60))
+        results = json.loads(store.get(name))
+    except Exception as e:  # the claiming rank died: resolve alone
+        log.debug("dorafp8 race: no verdict from the store for %s (%s)", what, e)
+        return resolve()
+    return results if results else resolve()
 
 
 def forget() -> None:
-    """Drops the picks this process holds and the cache files it read (the files stay): the next call of each key
-    reads its file again, or races."""
+    """Drops the picks this process holds and the cache files it read (the files stay)."""
     _PICKS.clear()
-    _NEXT_ASK.clear()
     _FILES.clear()
+    _BUILD.clear()
+    _WARNED.clear()
 
 
 def race_report() -> list[str]:
-    """Lines for `python -m dorafp8`: every cache file's picks, each with the candidates' times as ratios to it."""
+    """Lines for `python -m dorafp8`: every cache file's verdicts."""
     d = cache_dir()
     files = sorted(glob.glob(os.path.join(d, "race-*.json")))
-    lines = [f"race picks for backend='auto' on a GPU (DORAFP8_RACE=0 turns the race off): {len(files)} cache "
-             f"file{'' if len(files) == 1 else 's'} in {d}"]
+    lines = [f"backend='auto' on a GPU runs only kernels checked there (DORAFP8_RACE=0 turns this off): {len(files)} "
+             f"cache file{'' if len(files) == 1 else 's'} in {d}"]
     mine = _versions()
     for path in files:
         data = _read(path)
         other = "" if data.get("versions") == mine else f" (made under {data.get('versions')}: not used by this one)"
-        lines.append(f"  {data.get('device', '?')}{other}:")
-        for what, e in sorted(data.get("picks", {}).items()):
-            best = e.get("ms", {}).get(e.get("pick"))
-            ratios = ", ".join(f"{c} {t / best:.2f}x" for c, t in sorted(e.get("ms", {}).items(), key=lambda i: i[1])
-                               ) if best else "nothing ran"
-            lines.append(f"    {what} -> {e.get('pick')}" + (f" ({best:.3f} ms; {ratios})" if best else
-                                                              f" ({ratios})"))
+        lines.append(f"  {(data.get('device') or {}).get('name', '?')}{other}:")
+        for c, why in sorted(data["broken"].items()):
+            lines.append(f"    {c}: unusable on this GPU: {why}")
+        for what, res in sorted(data["keys"].items()):
+            verdicts = ", ".join(f"{c} {v['ms']:.3f} ms" if v.get("ok") else f"{c} failed ({v.get('error')})"
+                                 for c, v in sorted(res.items()))
+            lines.append(f"    {what} -> {pick_of(res, [c for c in RACERS.get('cuda', ()) if c in res] or res)}"
+                         f" ({verdicts})")
+    return lines
+
+
+def selftest(device: torch.device | None = None) -> list[str]:
+    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now (dropping their verdicts first) and
+    returns the lines that say what was found."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type not in RACERS:
+        name = backends.resolve("auto", device)
+        return [f"selftest: {device.type} runs {name} with backend='auto': nothing to check"]
+    path = cache_file(device)
+    lines = [f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}"]
+    for scale, act_quant in (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise")):
+        spec = spec_of("dora", device, N=4096, K=4096, M=1024, r=16, scale=scale, cdt=torch.bfloat16,
+                       rdt=torch.float32, act_quant=act_quant)
+        what = describe(spec)
+        _file(path)["keys"].pop(what, None)
+        cands = [c for c in RACERS[device.type] if backends.unavailable_reason(c, device) is None]
+        res = _resolve(path, device, what, dict(spec, cands=cands))
+        lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
+            f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))
     return lines

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale
+from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale, scale_kind
 from . import _custom_ops as _ops
 from . import _race
 from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype, row_scale,
@@ -225,9 +225,9 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     name = backends.resolve(backend, x.device, needs)
     x2d = rows(x.reshape(-1, K).to(cdt))
     b = None if bias is None else bias.to(cdt)
-    if _race.racing(backend, x.device):  # backend="auto" on a GPU: the pick of this shape (ops/_race.py)
-        name = _race.choose("linear", name, x.device, needs, (cdt, mode, False, N, K, x2d.shape[0]),
-                            lambda: _linear_trial(x2d, w8, scale, b, block_size, mode))
+    if _race.racing(backend, x.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
+        name = _race.choose("linear", name, x.device, needs, N=N, K=K, M=x2d.shape[0], bias=b is not None,
+                            scale=scale_kind(scale), block=block_size, cdt=cdt, act_quant=mode)
     y = FP8LinearFunction.apply(x2d, w8, scale, b, block_size, mode, name)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
 
@@ -273,53 +273,12 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     x2d = rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0
     b, A, B, s = None if bias is None else bias.to(cdt), lora_A.to(rdt), lora_B.to(rdt), float(scaling)
-    if _race.racing(backend, x.device):  # backend="auto" on a GPU: the pick of this shape (ops/_race.py)
-        name = _race.choose("dora", name, x.device, needs, (cdt, mode, p > 0, N, K, x2d.shape[0]),
-                            lambda: _dora_trial(x2d, w8, scale, b, A, B, magnitude, weight_norm, s, p, block_size,
-                                                mode, name))
+    if _race.racing(backend, x.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
+        name = _race.choose("dora", name, x.device, needs, N=N, K=K, M=x2d.shape[0], r=r, bias=b is not None,
+                            scale=scale_kind(scale), block=block_size, cdt=cdt, rdt=rdt, p=p, act_quant=mode)
     if weight_norm is None:
         n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name)
     else:
         n = weight_norm.detach().float()
     y = DoRAFP8Function.apply(x2d, w8, scale, b, A, B, magnitude, n, s, p, block_size, mode, name)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The race's trials (ops/_race.py): one forward + backward of a call's shape on random inputs, per candidate
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _backward_on(y: Tensor, gy: Tensor, leaves) -> None:
-    for t in leaves:
-        t.grad = None  # every candidate's backward writes its gradients afresh, none adds into another's
-    y.backward(gy)
-
-
-def _dora_trial(x2d, w8, scale, bias, A, B, m, weight_norm, s, p, block_size, mode, static):
-    """The race's trial of a dora_fp8_linear call: tensors shaped as the call's (the user's own are never written),
-    the norm computed once by the static backend (or the call's own, copied); run(candidate) is one forward +
-    backward."""
-    if weight_norm is None:
-        n = _ops.weight_norm_op(w8, scale, A.detach(), B.detach(), s, block_size=block_size, backend=static)
-    else:
-        n = weight_norm.detach().float().clone()
-    leaves = [torch.randn_like(x2d).requires_grad_()] + [t.detach().clone().requires_grad_() for t in (A, B, m)]
-    b = None if bias is None else bias.detach().clone()
-    gy = torch.randn(x2d.shape[0], w8.shape[0], dtype=x2d.dtype, device=x2d.device)
-
-    def run(cand):
-        _backward_on(DoRAFP8Function.apply(*leaves[:1], w8, scale, b, *leaves[1:], n, s, p, block_size, mode, cand),
-                     gy, leaves)
-    return run
-
-
-def _linear_trial(x2d, w8, scale, bias, block_size, mode):
-    """The race's trial of an fp8_linear call (see _dora_trial)."""
-    xs = torch.randn_like(x2d).requires_grad_()
-    b = None if bias is None else bias.detach().clone()
-    gy = torch.randn(x2d.shape[0], w8.shape[0], dtype=x2d.dtype, device=x2d.device)
-
-    def run(cand):
-        _backward_on(FP8LinearFunction.apply(xs, w8, scale, b, block_size, mode, cand), gy, [xs])
-    return run

@@ -106,10 +106,12 @@ def test_sanitizer_selections_select_tests():
 def test_pins_from_the_model_picks():
     import _first_steps as S
 
-    rows = [dict(mode="W8A16", kernel="forward", config="BLOCK_M=128,w8,s4"),
-            dict(mode="W8A8", kernel="dgrad", config="BLOCK_M=64,w4,s3")]
-    assert S.pins_from(rows, "BLOCK_N=32,w4,s3") == {"forward/w8a16": "BLOCK_M=128,w8,s4",
-                                                     "dgrad/w8a8": "BLOCK_M=64,w4,s3",
+    rows = [dict(mode="W8A16", loop="tma-ws", kernel="forward", config="BLOCK_M=128,w8,s4"),
+            dict(mode="W8A16", loop="async-copy", kernel="forward", config="BLOCK_M=64,w4,s4"),
+            dict(mode="W8A8", loop="tma-ws", kernel="dgrad", config="BLOCK_M=64,w4,s3")]
+    # one config per main loop: each launcher keeps the one in its list (triton_kernels/_pins.py)
+    assert S.pins_from(rows, "BLOCK_N=32,w4,s3") == {"forward/w8a16": ["BLOCK_M=128,w8,s4", "BLOCK_M=64,w4,s4"],
+                                                     "dgrad/w8a8": ["BLOCK_M=64,w4,s3"],
                                                      "weight_norm": "BLOCK_N=32,w4,s3"}
 
 
@@ -139,8 +141,7 @@ def test_smoke_steps_and_files(smoke):
     out, res, _ = smoke
     assert sorted(p.name for p in out.iterdir()) == ["first_contact.json", "log.txt"]  # within the tool's 8
     steps = res["steps"]
-    assert steps["pins"]["status"] == "skipped" and "no GPU" in steps["pins"]["why"]
-    assert all(steps[s]["status"] == "ok" for s in ("env", "correct", "time", "race", "profile")), steps
+    assert all(steps[s]["status"] == "ok" for s in ("env", "pins", "correct", "time", "race", "profile")), steps
     assert res["env"]["dorafp8_file"].startswith(os.path.join(ROOT, "dorafp8"))
     assert res["plan"]["smoke"] is True and not res.get("errors")
 
@@ -176,7 +177,8 @@ def test_smoke_timing_race_profile(smoke):
     assert C.first_mode("dorafp8-reference") == "fwd+bwd-cachednorm" and C.first_mode("peft-lora") == "fwd+bwd"
     race = res["race"]["M=40"]
     assert race["pick"] in ("native", "reference") and set(race["ms"]) == {"native", "reference"}
-    assert race["pick"] == min(race["ms"], key=race["ms"].get) and race["race_cost_s"] > 0
+    assert all(v["ok"] for v in race["verdicts"].values()) and race["race_cost_s"] > 0
+    assert race["ms"][race["pick"]] <= min(race["ms"].values()) * 1.05 or race["pick"] == "native"
     prof = res["profile"]["dorafp8-reference"]
     assert prof["kernels"] and prof["total_us"] > 0 and prof["what"] == "CPU operators"
 

@@ -277,3 +277,21 @@ def test_minilm_finetune_w8a8_tracks_w8a16():
     worst = max(abs(a - b) for a, b in zip(w8a16, w8a8))
     assert worst <= 0.02 * w8a16[0], f"max |loss difference| {worst:.4f} vs initial loss {w8a16[0]:.4f}"
     assert w8a16[-1] < 0.5 * w8a16[0] and w8a8[-1] < 0.5 * w8a8[0], (w8a16, w8a8)
+
+
+def test_w8a8_block_16_is_refused_by_name_on_a_gpu(monkeypatch):
+    """The fp8 tensor-core dot reduces 32 at a time: W8A8 with block_size 16 compiles in neither sm_90 main loop
+    (issue 47), so the Triton backend refuses it by name where it would compile for a GPU (the arch faked here: no
+    GPU); the interpreter, W8A16 and block_size 32 stay served."""
+    from dorafp8.triton_kernels import _common
+
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(64, 64), block_size=16)
+    monkeypatch.setattr(_common, "arch_of", lambda device: "sm90")
+    with pytest.raises(ValueError, match=r"W8A8 \(act_quant='rowwise'\) needs block scales whose block_size is a "
+                                         r"multiple of 32 on sm90.* got block_size 16"):
+        _common.check_weight(w8, scale, 16, act_quant="rowwise")
+    assert _common.check_weight(w8, scale, 16)[1] == "block"  # W8A16: its dot reduces 16
+    w32, s32 = dorafp8.quantize_e4m3(torch.randn(64, 64), block_size=32)
+    assert _common.check_weight(w32, s32, 32, act_quant="rowwise")[1] == "block"
+    monkeypatch.setattr(_common, "arch_of", lambda device: "interp")
+    assert _common.check_weight(w8, scale, 16, act_quant="rowwise")[1] == "block"
