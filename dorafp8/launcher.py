@@ -135,7 +135,13 @@ def install(options: dict) -> None:
 
     from . import _install
 
+    # the exit report counts the fused calls of every integration's layers: PEFT's, LyCORIS's, OneTrainer's
     _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
+    _install.watch("dorafp8.lycoris", lambda: _count_calls(sys.modules["dorafp8.lycoris"].FP8LoConModule, "_fused"),
+                   "the exit report does not count LyCORIS's fused calls")
+    from . import onetrainer
+
+    _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     # OneTrainer's scripts put its checkout on sys.path after this runs: wait for its module whatever sys.path holds
     _install.wait_for(_install.ONETRAINER_MODULE)
     if options.get("quantize"):
@@ -195,22 +201,26 @@ def _quantize(model) -> None:
           f"{' (W8A8)' if opts.get('w8a8') else ''}", file=sys.stderr)
 
 
+def _count_calls(owner, attr: str) -> None:
+    """Counts the calls of owner.attr per object of its first argument (the layer or adapter), for the report."""
+    orig = getattr(owner, attr)
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    @functools.wraps(orig)
+    def counted(layer, *args, **kwargs):
+        calls = _STATE["calls"]
+        calls[id(layer)] = calls.get(id(layer), 0) + 1
+        return orig(layer, *args, **kwargs)
+
+    counted._dorafp8_orig = orig
+    setattr(owner, attr, counted)
+
+
 def _count_dora_calls() -> None:
     from .peft import layer
 
-    cls = layer.DoRAFP8Layer
-    if hasattr(cls.forward, "_dorafp8_orig"):
-        return
-    orig = cls.forward
-
-    @functools.wraps(orig)
-    def forward(self, *args, **kwargs):
-        calls = _STATE["calls"]
-        calls[id(self)] = calls.get(id(self), 0) + 1
-        return orig(self, *args, **kwargs)
-
-    forward._dorafp8_orig = orig
-    cls.forward = forward
+    _count_calls(layer.DoRAFP8Layer, "forward")
     if _STATE["options"].get("w8a8"):
         _act_quant_new_layers()
 
