@@ -11,12 +11,15 @@ learn of the fp8 layers as they are imported: dorafp8/_install.py), with what th
   --per-row-scale   with --quantize, one scale per output row instead of one per tensor
   --w8a8            the fp8 linear layers' base GEMMs take fp8 activations too (dorafp8.set_act_quant "rowwise")
 
-The command is what you would type: a script (`train.py args`, `python train.py args`), a module (`-m pkg.mod args`,
-`python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train cfg.yaml`, `trl sft ...`: its
-`console_scripts` entry point, or a Python script found on PATH). Trainers start worker processes of their own (`trl
-sft` runs its script under `accelerate launch`; torchrun starts one per GPU): the options travel in the environment
-(DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in every Python process the command starts,
-once that process imports torch. At exit each process that ran dorafp8 layers says how many, and how often.
+The command is exactly what follows `--`, as you would type it: a script (`train.py args`, `python train.py args`), a
+module (`-m pkg.mod args`, `python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train
+cfg.yaml`, `trl sft ...`: its `console_scripts` entry point, or a Python script found on PATH). Interpreter flags
+(`python -u train.py`) take a child process of this interpreter; another interpreter (`/other/venv/bin/python`) gets
+the command handed to its own `dorafp8 run`, or is refused, naming it, where dorafp8 is not installed there. Trainers
+start worker processes of their own (`trl sft` runs its script under `accelerate launch`; torchrun starts one per
+GPU): the options travel in the environment (DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in
+every Python process the command starts, once that process imports torch. At exit each process that ran dorafp8's
+fused op (PEFT's, LyCORIS's or OneTrainer's layers) says how many layers, and how often.
 """
 
 from __future__ import annotations
