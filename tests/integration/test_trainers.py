@@ -108,8 +108,10 @@ def _lf_config(model, out, data) -> str:
 
 
 def test_llamafactory_cli_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
-    pytest.importorskip("llamafactory", reason="llamafactory pins peft<=0.18.1: not installable beside the test "
-                                               "extra; run by hand (module docstring)")
+    pytest.importorskip("llamafactory", reason="llamafactory is not installed: 0.9.5 pins peft>=0.18.0,<=0.18.1 "
+                                               "(dorafp8's PEFT layers need peft 0.21's layer interface), "
+                                               "transformers<=5.6, trl<=0.24, datasets<=4.0, so it cannot be "
+                                               "installed beside the test extra; run by hand (module docstring)")
     data = tmp_path / "data"
     write_sft_data(data, alpaca=True)
     shutil.copytree(checkpoints / "deq", tmp_path / "deq")
