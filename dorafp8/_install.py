@@ -35,9 +35,13 @@ loaded); otherwise a post-import hook on `sys.meta_path` runs it right after tha
 transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
 PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (its module differs
 between torch releases: dorafp8.distributed.FSDP_PARAM_MODULES names both). Only modules that exist when dorafp8 is
-imported are watched (looked up without importing them or their packages, `_exists`): the FSDP2 module of another
-torch release, or a library that is not installed, can never arrive, and waiting for it kept the finder at
-sys.meta_path[0], consulted on every import, for the life of the process. The finder removes itself once every
+imported are watched (looked up without importing them or their packages, `_exists`; namespace packages included):
+the FSDP2 module of another torch release, or a library that is not installed, can never arrive, and waiting for it
+kept the finder at sys.meta_path[0], consulted on every import, for the life of the process. The exception is
+OneTrainer's module, whose checkout joins sys.path after its scripts start: a path hook (consulted once per folder
+new to the import system, not per import) watches it once a folder holding it arrives. OneTrainer imported before
+dorafp8 is hooked at once, but adapters it already hooked to their layers keep the forward they bound: a warning
+says so, once, and what to do. The finder removes itself once every
 watched module has been loaded. A library installed after `import dorafp8` in the same process is not watched: call
 dorafp8.register_with_peft() or dorafp8.register_with_lycoris() for it.
 """
@@ -121,9 +125,9 @@ def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
 
-# OneTrainer's module comes from a checkout, which its scripts put on sys.path after they start: `import dorafp8`
-# watches it only if it can already be found (an `import dorafp8` after OneTrainer's own imports), and `dorafp8 run`,
-# the route for OneTrainer (docs/TRAINERS.md), waits for it in the trainer's process whatever sys.path holds then.
+# OneTrainer's module comes from a checkout (namespace packages), which its scripts put on sys.path after they start:
+# `import dorafp8` watches it where it can already be found and otherwise looks for it in every folder added to the
+# import path later (_LATE); `dorafp8 run`, the route for OneTrainer (docs/TRAINERS.md), waits for it regardless.
 ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
@@ -215,30 +219,93 @@ def install() -> None:
 
 def _exists(name: str) -> bool:
     """Whether module `name` is there to import, found without importing it or the packages above it
-    (importlib.util.find_spec("a.b.c") imports a.b: torch.distributed.fsdp's package, transformers)."""
+    (importlib.util.find_spec("a.b.c") imports a.b: torch.distributed.fsdp's package, transformers). Below the
+    top-level name the package folders are searched as files: importlib's own search of a namespace package's child
+    (OneTrainer's `modules/`, which has no __init__.py) needs the parent imported (a KeyError otherwise)."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        locations = None if spec is None or spec.submodule_search_locations is None else list(
+            spec.submodule_search_locations)
     except (ImportError, ValueError):  # ValueError: a module in sys.modules without __spec__
         return False
-    for i in range(len(rest)):
-        if spec is None or spec.submodule_search_locations is None:
-            return False
-        spec = importlib.machinery.PathFinder.find_spec(".".join([top, *rest[:i + 1]]),
-                                                        spec.submodule_search_locations)
-    return spec is not None
+    if spec is None:
+        return False
+    return not rest or (locations is not None and any(_in_folder(d, rest) for d in locations))
+
+
+def _in_folder(folder, parts: list) -> bool:
+    """Whether module parts[0].parts[1]... is in `folder` (a sys.path entry or a package's folder): packages as
+    folders (regular or namespace), the last part a folder or a module file of any suffix importlib loads."""
+    if not isinstance(folder, str):
+        return False
+    path = os.path.join(folder, *parts)
+    if os.path.isdir(path) and len(parts) > 0:
+        return True
+    return os.path.isdir(os.path.dirname(path)) and any(os.path.isfile(path + suffix)
+                                                        for suffix in importlib.machinery.all_suffixes())
+
+
+# Watched modules not found when dorafp8 was imported, that may arrive with a folder put on sys.path later: OneTrainer's
+# scripts put their checkout there after they start. A path hook is consulted once per folder new to the import system
+# (not per import); it looks in each for these modules and, finding one, watches it. It declines every folder.
+_LATE = {ONETRAINER_MODULE}
+_late: set = set()
+
+
+def _path_hook(folder):
+    for name in [n for n in _late if _in_folder(folder, n.split("."))]:
+        _late.discard(name)
+        if sys.modules.get(name) is None:
+            _pending.add(name)
+            install_finder()
+    if not _late:
+        _remove_path_hook()
+    raise ImportError("dorafp8 only looks")  # not a finder for this folder: the next hook's
+
+
+def _remove_path_hook() -> None:
+    while _path_hook in sys.path_hooks:
+        sys.path_hooks.remove(_path_hook)
 
 
 def watch_imports() -> None:
-    """Runs the hook of every watched module that is loaded, and watches for the others that exist here. Idempotent
-    (each hook is)."""
+    """Runs the hook of every watched module that is loaded, and watches for the others that exist here, or (_LATE)
+    may arrive with a folder added to sys.path. Idempotent (each hook is)."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
             _pending.discard(name)
+            _late.discard(name)
+            if name in _LATE:
+                _warn_imported_first(name)
             _run(name)
         elif _exists(name):
             _pending.add(name)
+        elif name in _LATE:
+            _late.add(name)
+    if _late and _path_hook not in sys.path_hooks:
+        sys.path_hooks.insert(0, _path_hook)
     install_finder()
+
+
+def _warn_imported_first(name: str) -> None:
+    """A trainer imported before dorafp8 may have hooked its adapters to their layers already, each holding the
+    forward its class had then: those keep it. Said once, and only where such adapters exist."""
+    if name != ONETRAINER_MODULE or _WARNED:
+        return
+    import gc
+
+    cls = getattr(sys.modules[name], "DoRAModule", None)
+    hooked = cls is not None and any(isinstance(o, cls) and getattr(o, "is_applied", False) for o in gc.get_objects())
+    if hooked:
+        _WARNED.append(name)
+        warnings.warn("OneTrainer's DoRA modules were hooked to their layers before dorafp8 was imported: those keep "
+                      "OneTrainer's own dense forward. Import dorafp8 before OneTrainer builds its LoRA modules; "
+                      "`dorafp8 run -- python scripts/train.py ...` does (docs/TRAINERS.md)", RuntimeWarning,
+                      stacklevel=4)
+
+
+_WARNED: list = []
 
 
 def watch(name: str, hook, consequence: str) -> None:

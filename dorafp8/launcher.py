@@ -11,12 +11,15 @@ learn of the fp8 layers as they are imported: dorafp8/_install.py), with what th
   --per-row-scale   with --quantize, one scale per output row instead of one per tensor
   --w8a8            the fp8 linear layers' base GEMMs take fp8 activations too (dorafp8.set_act_quant "rowwise")
 
-The command is what you would type: a script (`train.py args`, `python train.py args`), a module (`-m pkg.mod args`,
-`python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train cfg.yaml`, `trl sft ...`: its
-`console_scripts` entry point, or a Python script found on PATH). Trainers start worker processes of their own (`trl
-sft` runs its script under `accelerate launch`; torchrun starts one per GPU): the options travel in the environment
-(DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in every Python process the command starts,
-once that process imports torch. At exit each process that ran dorafp8 layers says how many, and how often.
+The command is exactly what follows `--`, as you would type it: a script (`train.py args`, `python train.py args`), a
+module (`-m pkg.mod args`, `python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train
+cfg.yaml`, `trl sft ...`: its `console_scripts` entry point, or a Python script found on PATH). Interpreter flags
+(`python -u train.py`) take a child process of this interpreter; another interpreter (`/other/venv/bin/python`) gets
+the command handed to its own `dorafp8 run`, or is refused, naming it, where dorafp8 is not installed there. Trainers
+start worker processes of their own (`trl sft` runs its script under `accelerate launch`; torchrun starts one per
+GPU): the options travel in the environment (DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in
+every Python process the command starts, once that process imports torch. At exit each process that ran dorafp8's
+fused op (PEFT's, LyCORIS's or OneTrainer's layers) says how many layers, and how often.
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ import argparse
 import atexit
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import runpy
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 
 ENV = "DORAFP8_RUN"
-_PYTHONS = {"python", "python3", f"python3.{sys.version_info.minor}"}
 _LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
 
 _SITE = '''"""Written by `dorafp8 run` (dorafp8/launcher.py): dorafp8 in every Python process the command starts, installed
@@ -105,6 +110,12 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
     if "--" in argv:
         i = argv.index("--")
         mine, command = argv[:i], argv[i + 1:]
+        stray = next((a for a in mine if not a.startswith("-")), None)
+        if stray is not None:  # `run --quantize python show.py -- --lr 1`: which part is the command is a guess
+            k = mine.index(stray)
+            parser().error(f"{' '.join(mine[k:])!r} comes before `--`, and everything after `--` is the command "
+                           f"({' '.join(command)!r}); put the whole command after it: dorafp8 run "
+                           f"{' '.join(mine[:k] + ['--'] + mine[k:] + command)}")
     else:
         i = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
         mine, command = argv[:i], argv[i:]
@@ -135,7 +146,13 @@ def install(options: dict) -> None:
 
     from . import _install
 
+    # the exit report counts the fused calls of every integration's layers: PEFT's, LyCORIS's, OneTrainer's
     _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
+    _install.watch("dorafp8.lycoris", lambda: _count_calls(sys.modules["dorafp8.lycoris"].FP8LoConModule, "_fused"),
+                   "the exit report does not count LyCORIS's fused calls")
+    from . import onetrainer
+
+    _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     # OneTrainer's scripts put its checkout on sys.path after this runs: wait for its module whatever sys.path holds
     _install.wait_for(_install.ONETRAINER_MODULE)
     if options.get("quantize"):
@@ -195,22 +212,26 @@ def _quantize(model) -> None:
           f"{' (W8A8)' if opts.get('w8a8') else ''}", file=sys.stderr)
 
 
+def _count_calls(owner, attr: str) -> None:
+    """Counts the calls of owner.attr per object of its first argument (the layer or adapter), for the report."""
+    orig = getattr(owner, attr)
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    @functools.wraps(orig)
+    def counted(layer, *args, **kwargs):
+        calls = _STATE["calls"]
+        calls[id(layer)] = calls.get(id(layer), 0) + 1
+        return orig(layer, *args, **kwargs)
+
+    counted._dorafp8_orig = orig
+    setattr(owner, attr, counted)
+
+
 def _count_dora_calls() -> None:
     from .peft import layer
 
-    cls = layer.DoRAFP8Layer
-    if hasattr(cls.forward, "_dorafp8_orig"):
-        return
-    orig = cls.forward
-
-    @functools.wraps(orig)
-    def forward(self, *args, **kwargs):
-        calls = _STATE["calls"]
-        calls[id(self)] = calls.get(id(self), 0) + 1
-        return orig(self, *args, **kwargs)
-
-    forward._dorafp8_orig = orig
-    cls.forward = forward
+    _count_calls(layer.DoRAFP8Layer, "forward")
     if _STATE["options"].get("w8a8"):
         _act_quant_new_layers()
 
@@ -252,14 +273,85 @@ def _python_script(path: str) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
-def _runner(command: list[str]):
-    """A function that runs `command` in this process (sys.argv set as the command's own), or a SystemExit saying
-    why it cannot."""
+def _is_python(name: str) -> bool:
+    return bool(re.fullmatch(r"python(\d+(\.\d+)?)?(\.exe)?", os.path.basename(name)))
+
+
+def _this_python(name: str) -> bool:
+    """Whether interpreter `name` is this process's: a bare `python` / `python3` stands for it (dorafp8's environment
+    is the one the command is meant for), a path must be this interpreter's own. Not by realpath: every venv's python
+    is a link to the same base interpreter, with other packages."""
+    if os.sep not in name and (os.altsep is None or os.altsep not in name):
+        return True
+    try:
+        return os.path.abspath(name) == os.path.abspath(sys.executable) or os.path.samefile(
+            os.path.dirname(os.path.abspath(name)), os.path.dirname(os.path.abspath(sys.executable)))
+    except OSError:
+        return False
+
+
+def _interpreter_flags(args: list[str]) -> list[str]:
+    """The interpreter's own flags at the head of `args` (up to the script, -m or -c)."""
+    flags, it = [], iter(args)
+    for a in it:
+        if not a.startswith("-") or a in ("-", "-m", "-c"):
+            break
+        flags.append(a)
+        if a in ("-W", "-X"):  # their value is the next argument
+            next(it, None)
+    return flags
+
+
+def _child(argv: list[str], hand_over: bool = False):
+    """Runs argv as a child process; dorafp8 reaches it through the sitecustomize _export puts on PYTHONPATH, or
+    (hand_over: another interpreter's own `dorafp8 run`, which exports its own) without it."""
+    def run_child():
+        env = None
+        if hand_over:
+            env = {k: v for k, v in os.environ.items() if k != ENV}
+            path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != _STATE.get("site")]
+            env["PYTHONPATH"] = os.pathsep.join(path)
+        rc = subprocess.call(argv, env=env)
+        return 128 - rc if rc < 0 else rc  # killed by signal n: the shell's 128 + n
+    return run_child
+
+
+def _other_python(interp: str, args: list[str], options: dict):
+    """`/other/venv/bin/python ...`: hand over to that interpreter's own `dorafp8 run` when dorafp8 is installed
+    there (the command then runs in its environment, with dorafp8 in its process); refuse, naming it, otherwise."""
+    path = shutil.which(interp) or interp
+    if not os.path.isfile(path):
+        raise SystemExit(f"dorafp8 run: no such interpreter {interp!r}")
+    probe = subprocess.run([path, "-c", "import importlib.util as u, sys; "
+                                        "sys.exit(not all(u.find_spec(m) for m in ('torch', 'dorafp8')))"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        raise SystemExit(f"dorafp8 run: {interp} is another Python than dorafp8's ({sys.executable}) and has no "
+                         f"dorafp8 (or no torch) installed, so dorafp8 cannot run in its process; install dorafp8 "
+                         f"there and run `{path} -m dorafp8 run -- {path} ...`, or name {sys.executable}")
+    flags = [f"--{k.replace('_', '-')}" for k, v in options.items() if v]
+    return _child([path, "-m", "dorafp8", "run", *flags, "--", path, *args], hand_over=True)
+
+
+def _runner(command: list[str], options: dict | None = None):
+    """A function that runs `command` (in this process, sys.argv set as the command's own, unless the interpreter
+    named or its flags need a process of their own), or a SystemExit saying why it cannot."""
     cmd = list(command)
-    if os.path.basename(cmd[0]) in _PYTHONS or os.path.realpath(cmd[0]) == os.path.realpath(sys.executable):
+    if _is_python(cmd[0]):
+        if not _this_python(cmd[0]):
+            return _other_python(cmd[0], cmd[1:], options or {})
         cmd = cmd[1:]
         if not cmd:
             raise SystemExit("dorafp8 run: `python` with no script or -m module to run")
+        if cmd[0].startswith("-") and cmd[0] not in ("-m", "-c"):
+            # interpreter flags (-u, -W error, -X dev, -O ...): this process has started, so they take a Python of
+            # their own, which dorafp8 reaches through the environment (its sitecustomize), unless a flag blinds
+            # that Python to it
+            blind = [f for f in _interpreter_flags(cmd) if f in ("-I", "-E", "-S")]
+            if blind:
+                raise SystemExit(f"dorafp8 run: python {blind[0]} ignores PYTHONPATH or site, through which dorafp8 "
+                                 f"reaches the process; leave the flag out")
+            return _child([sys.executable, *cmd])
     if cmd[0] == "-m":
         if len(cmd) < 2:
             raise SystemExit("dorafp8 run: -m needs a module name")
@@ -268,6 +360,12 @@ def _runner(command: list[str]):
         def run_module():
             sys.argv = [mod] + args
             sys.path.insert(0, os.getcwd())
+            try:
+                found = importlib.util.find_spec(mod) is not None
+            except (ImportError, ValueError):  # a parent package missing
+                found = False
+            if not found:
+                raise SystemExit(f"dorafp8 run: no module named {mod!r} in this Python ({sys.executable})")
             runpy.run_module(mod, run_name="__main__", alter_sys=True)
         return run_module
     if cmd[0] == "-c" and len(cmd) > 1:
@@ -311,6 +409,7 @@ def _run_path(path: str, args: list[str]) -> None:
 def _export(options: dict) -> None:
     """The options, and a sitecustomize that applies them, for every Python process the command starts."""
     site = tempfile.mkdtemp(prefix="dorafp8-run-")
+    _STATE["site"] = site
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write(_SITE)
     atexit.register(shutil.rmtree, site, ignore_errors=True)
@@ -321,7 +420,7 @@ def _export(options: dict) -> None:
 def main(argv: list[str]) -> int:
     """`dorafp8 run ...` (argv: what follows `run`). Returns the command's exit status."""
     options, command = parse(argv)
-    run = _runner(command)
+    run = _runner(command, options)
     install(options)
     _export(options)
     result = run()

@@ -12,18 +12,21 @@ and step. Read at commit 23df3832e8f213d64c337e39f9365ba46e99fed0 (2026-08-19), 
     y  = F.linear(dropout(x), dora_scale * V / n, orig_module.bias)      dropout on the input, base included
     dora_scale: [out, 1] (output axis) or [1, in]; initialised to the norm of W on that axis
 
-Its fp8 layers (modules/module/quantized): LinearFp8, an nn.Linear with an e4m3 weight and one fp32 scale (`_scale`,
+Its fp8 layers (modules/module/quantized): LinearFp8, an nn.Linear with an e4m3 weight and one scale (`_scale`,
 the tensor its `scale` buffer was registered with), and LinearW8A8 with dtype float8_e4m3fn (an e4m3 weight, one
-fp32 `scale` buffer; its int8 variant and compressed weights are not fp8). DoRA on either computes the formula above:
-OneTrainer's DoRAModule never calls the layer's own forward, so W8A8's fp8 activations do not apply there either.
+`scale` buffer; its int8 variant and compressed weights are not fp8). OneTrainer's loader converts every buffer to
+the train dtype before quantizing, so the scale is held in bf16/fp16 there; w8 * scale in fp32 reads it as stored, as
+OneTrainer does. DoRA on either computes the formula above: OneTrainer's DoRAModule never calls the layer's own
+forward, so W8A8's fp8 activations do not apply there either.
 
-register_with_onetrainer() replaces DoRAModule.forward by one that, on such a layer (an nn.Linear whose weight is
-e4m3 with a single scale), computes the same y through dora_fp8_linear: the output axis is the fused op with
-m = dora_scale and the norm n passed in; the input axis scales x by c = dora_scale / n and runs the fused op with
-m = n = 1 (x (V diag(c))^T = (x * c) V^T), the column norms taken from the fp8 weight in fp32 row blocks
-(dorafp8.merge.column_norms). Nothing dense is formed and nothing dequantized is kept for the backward. Any other
-layer (dense, int8, a conv, a fused qkv group) runs OneTrainer's own forward. Parameters, state_dict keys and the
-files OneTrainer saves are untouched: only the forward changes.
+register_with_onetrainer() replaces DoRAModule.forward by one that, on such a layer (fp8_parts: one of those exact
+classes, or a plain nn.Linear, with an e4m3 weight and one scale), computes the same y through dora_fp8_linear: the
+output axis is the fused op with m = dora_scale and the norm n passed in; the input axis scales x by c = dora_scale
+/ n and runs the fused op with m = n = 1 (x (V diag(c))^T = (x * c) V^T), the column norms taken from the fp8 weight
+in fp32 row blocks (dorafp8.merge.column_norms). Nothing dense is formed and nothing dequantized is kept for the
+backward. Any other layer (dense, int8, a conv, a fused qkv group, an SVDQuant LinearSVD whose weight also holds
+svd_up @ svd_down, any subclass) runs OneTrainer's own forward: the fused path takes only the layers whose whole
+weight it knows. Parameters, state_dict keys and the files OneTrainer saves are untouched: only the forward changes.
 """
 
 from __future__ import annotations
@@ -41,19 +44,34 @@ from .quant import DEFAULT_BLOCK, E4M3
 LORA_MODULE = "modules.module.LoRAModule"  # OneTrainer imports it so, running from its checkout
 
 
+# The layer classes whose whole dequantized weight (what OneTrainer's get_unquantized_weight returns, the W its
+# DoRAModule recomposes) is w8 * scale, by (defining module, class name, the attribute holding the scale). Only these
+# exact classes: a subclass may add to the weight (make_svd_linear's LinearSVD adds svd_up @ svd_down; the fused qkv
+# group's _FusedLinear concatenates other layers) and is left to OneTrainer's own forward.
+KNOWN_LAYERS = {
+    ("modules.module.quantized.LinearFp8", "LinearFp8"): "_scale",  # its unquantized_weight reads _scale
+    ("modules.module.quantized.LinearW8A8", "LinearW8A8"): "scale",
+}
+
+
 def fp8_parts(layer: nn.Module):
-    """(w8, scale) of a OneTrainer fp8 linear layer (LinearFp8, LinearW8A8 in fp8) or of any nn.Linear holding an
-    e4m3 weight with one scale; None for anything else (not yet quantized, int8, compressed, per-axis scales)."""
-    if not isinstance(layer, nn.Linear) or getattr(layer, "_compressed", False):
+    """(w8, scale) with w8 * scale (in fp32) exactly what OneTrainer dequantizes `layer` to, for a layer whose weight
+    is e4m3 and whose class is one whose whole weight dorafp8 knows: OneTrainer's LinearFp8 and LinearW8A8 (in fp8),
+    or a plain nn.Linear (OneTrainer reads its e4m3 weight unscaled). None for anything else, which then runs
+    OneTrainer's own forward: SVDQuant (LinearSVD), a fused qkv group, int8, compressed, conv, any subclass."""
+    cls = type(layer)
+    w8 = getattr(layer, "weight", None)
+    if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3 or getattr(layer, "_compressed", False):
         return None
-    w8 = layer.weight
-    if w8.dtype != E4M3:
-        return None
-    scale = getattr(layer, "_scale", None)  # LinearFp8's own forward and unquantized_weight read _scale
-    if scale is None:
-        scale = getattr(layer, "scale", None)
-    if scale is None:
+    if cls is nn.Linear:
         scale = torch.ones(())
+    else:
+        attr = KNOWN_LAYERS.get((cls.__module__, cls.__qualname__))
+        if attr is None:
+            return None
+        scale = getattr(layer, attr, None)
+        if scale is None:
+            scale = torch.ones(())  # LinearFp8 with _scale None: its unquantized_weight leaves the weight unscaled
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         return None
     return w8.detach(), scale.detach().reshape(()).to(device=w8.device, dtype=torch.float32)

@@ -153,7 +153,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
-    `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (a warning if targets name it).
+    `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (with a warning).
     Layers DeepSpeed ZeRO-3 partitioned (from_pretrained under a ZeRO-3 config) are gathered one at a time to be
     quantized, on every rank (a collective), and their fp8 layers partitioned again (zero3_repartition). Called inside
     deepspeed.zero.Init it raises. Weights on the meta device give meta fp8 layers of the same layout.
@@ -192,7 +192,7 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             left_dense.append(name)
             continue
         (skipped if name in inside_tuner else swaps).append(name)
-    if left_dense and targets is not None:
+    if left_dense:  # said with or without target_modules: a user who asked for the whole model expects it all in fp8
         warnings.warn(f"quantize_model left {len(left_dense)} layers dense (e.g. {left_dense[0]!r}): they are the "
                       f"out_proj of an nn.MultiheadAttention, whose forward reads out_proj.weight directly instead of "
                       f"calling the layer, so an fp8 weight there would break it", stacklevel=2)

@@ -1,19 +1,18 @@
-"""OneTrainer's DoRA on its fp8 layers through dorafp8 (dorafp8/onetrainer.py), issue 41.
+"""OneTrainer's DoRA on its fp8 layers through dorafp8 (dorafp8/onetrainer.py), issues 41 and 49.
 
-OneTrainer is not on PyPI and its code is not copied here: its semantics are re-implemented below, read from
-github.com/Nerogar/OneTrainer at commit 23df3832e8f213d64c337e39f9365ba46e99fed0 (2026-08-19):
-modules/module/LoRAModule.py (PeftBase, LoRAModule, DoRAModule: create_layer, initialize_weights, forward, state_dict
-with the module's prefix), modules/module/quantized/LinearFp8.py (quantize: scale = max(amax, 1e-12) / 448 in `_scale`,
-the tensor registered as the `scale` buffer; its forward dequantizes in the compute dtype),
-modules/module/quantized/LinearW8A8.py with dtype float8_e4m3fn and modules/util/quantization_util.py
-(quantize_fp8_tensorwise: scale = max(amax / 448, 1e-30), clamp to +-448; get_unquantized_weight). The
-re-implementation is written as a package `modules.module.LoRAModule`, the name OneTrainer imports it by, so that
-dorafp8's import hook finds it as it would find OneTrainer's.
+OneTrainer is not on PyPI and its code is not copied here: tests/integration/_onetrainer_twin.py re-states, in its
+own layout (namespace packages, no modules/__init__.py), what its source at commit
+23df3832e8f213d64c337e39f9365ba46e99fed0 computes: its fp8 layers (LinearFp8, LinearW8A8 in fp8, SVDQuant's
+LinearSVD), the loader's dtype conversion that turns their `scale` buffers into the train dtype, quantize_layers,
+get_unquantized_weight, and LoRAModule.py (PeftBase's linear and conv branches, LoRAModule's LinearSVD branch,
+DoRAModule, LoRAModuleWrapper). With ONETRAINER_DIR pointing at a OneTrainer checkout the same tests run against it
+(its requirements installed), through the same names, in OneTrainer's order: convert to dtype, quantize_layers,
+LoRAModuleWrapper, hook_to_module.
 
-The reference is that same DoRAModule's own forward on an nn.Linear holding the dequantized fp8 weight (w8 * scale in
-fp32), which is what OneTrainer computes on its fp8 layer. dorafp8's forward must give the same outputs and
-gradients, train to the same losses and leave the same state_dict (the keys OneTrainer saves), without ever forming
-the dense weight (OneTrainer's get_unquantized_weight is not called in the forward).
+The reference is OneTrainer's own DoRAModule forward on an nn.Linear holding the dequantized fp8 weight, which is what
+OneTrainer computes on its fp8 layer. dorafp8's forward must give the same outputs and gradients, train to the same
+losses and leave the same state_dict, without ever forming the dense weight (get_unquantized_weight is not called in
+the forward); on a layer whose whole weight it does not know (LinearSVD, a conv) OneTrainer's own forward runs.
 """
 
 import copy
@@ -21,252 +20,161 @@ import importlib
 import os
 import subprocess
 import sys
-import textwrap
+import types
 
 import pytest
 import torch
 from torch import nn
 
-import dorafp8  # noqa: F401  (installs the hook before the re-implemented OneTrainer is imported)
+import dorafp8  # noqa: F401  (installs the hooks before OneTrainer's checkout is on sys.path, as a script does)
 from tests._tolerance import assert_close, tol
+from tests.integration._onetrainer_twin import FILES
 
-ONETRAINER = '''
-import math
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-CALLS = {"get_unquantized_weight": 0}
+ONETRAINER_DIR = os.environ.get("ONETRAINER_DIR")
+TRAIN_DEVICE = torch.device("cpu")
 
 
-def quantize_fp8_tensorwise(x):  # modules/util/quantization_util.py
-    scale = (x.abs().max().float() / 448.0).clamp(min=1e-30)
-    return x.float().mul(1.0 / scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
-class LinearFp8(nn.Linear):  # modules/module/quantized/LinearFp8.py
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._scale = torch.tensor(1.0, dtype=torch.float)
-        self.register_buffer("scale", self._scale)
-        self.compute_dtype = None
-
-    def unquantized_weight(self, dtype, device):
-        return self.weight.detach().to(dtype) * self._scale.to(dtype=dtype, device=self.weight.device)
-
-    def quantize(self):
-        weight = self.weight.data
-        self._scale.copy_(torch.clamp(weight.abs().max(), min=1e-12) / torch.finfo(torch.float8_e4m3fn).max)
-        self.weight.data = weight.div_(self._scale).to(dtype=torch.float8_e4m3fn)
-
-    def forward(self, x):
-        weight = self.weight.detach().to(dtype=self.compute_dtype or x.dtype).mul_(self._scale)
-        return F.linear(x, weight, self.bias)
-
-
-class LinearW8A8(nn.Linear):  # modules/module/quantized/LinearW8A8.py, dtype=torch.float8_e4m3fn
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
-
-    def unquantized_weight(self, dtype, device):
-        return (self.weight.detach().float() * self.scale.to(device=self.weight.device)).to(dtype)
-
-    @torch.no_grad()
-    def quantize(self):
-        weight, scale = quantize_fp8_tensorwise(self.weight.detach())
-        self.requires_grad_(False)
-        self.weight.data = weight
-        self.scale.copy_(scale)
-
-
-def get_unquantized_weight(module, dtype, device):  # modules/util/quantization_util.py
-    CALLS["get_unquantized_weight"] += 1
-    if hasattr(module, "unquantized_weight"):
-        return module.unquantized_weight(dtype, device)
-    return module.weight.detach().to(dtype=dtype)
-
-
-class PeftBase(nn.Module):  # modules/module/LoRAModule.py: the linear case
-    def __init__(self, prefix, orig_module):
-        super().__init__()
-        self.prefix = prefix + "."
-        self._orig_module = [orig_module]
-        self.is_applied = False
-        self._initialized = False
-        self.op = F.linear
-        self.shape = torch.Size((orig_module.out_features, orig_module.in_features))
-
-    @property
-    def orig_module(self):
-        return self._orig_module[0]
-
-    def hook_to_module(self):
-        self.orig_forward = self.orig_module.forward
-        self.orig_module.forward = self.forward
-        self.is_applied = True
-
-    def make_weight(self, A, B):
-        return (B.view(B.size(0), -1) @ A.view(A.size(0), -1)).view(self.shape)
-
-    def check_initialized(self):
-        if not self._initialized:
-            raise RuntimeError(f"Module {self.prefix} is not initialized.")
-
-    def create_layer(self):
-        device = self.orig_module.weight.device
-        return (nn.Linear(self.orig_module.in_features, self.rank, bias=False, device=device),
-                nn.Linear(self.rank, self.orig_module.out_features, bias=False, device=device))
-
-
-class LoRAModule(PeftBase):
-    def __init__(self, prefix, orig_module, rank, alpha):
-        super().__init__(prefix, orig_module)
-        self.rank = rank
-        self.dropout = nn.Dropout(0)
-        self.register_buffer("alpha", torch.tensor(alpha))
-        self.initialize_weights()
-        self.alpha.requires_grad_(False)
-
-    def initialize_weights(self):
-        self._initialized = True
-        self.lora_down, self.lora_up = self.create_layer()
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
-
-
-class DoRAModule(LoRAModule):
-    def __init__(self, *args, **kwargs):
-        self.dora_scale = None
-        self.norm_epsilon = kwargs.pop("norm_epsilon", False)
-        self.decompose_output_axis = kwargs.pop("decompose_output_axis", False)
-        self.train_device = kwargs.pop("train_device")
-        super().__init__(*args, **kwargs)
-
-    def initialize_weights(self):
-        super().initialize_weights()
-        orig_weight = get_unquantized_weight(self.orig_module, torch.float, self.train_device)
-        self.dora_num_dims = orig_weight.dim() - 1
-        if self.decompose_output_axis:
-            self.dora_scale = nn.Parameter(torch.norm(orig_weight.reshape(orig_weight.shape[0], -1), dim=1,
-                                                      keepdim=True).reshape(orig_weight.shape[0], 1))
-        else:
-            self.dora_scale = nn.Parameter(torch.norm(orig_weight.transpose(1, 0).reshape(orig_weight.shape[1], -1),
-                                                      dim=1, keepdim=True).reshape(orig_weight.shape[1], 1)
-                                           .transpose(1, 0))
-
-    def forward(self, x, *args, **kwargs):
-        self.check_initialized()
-        A = self.lora_down.weight
-        B = self.lora_up.weight
-        orig_weight = get_unquantized_weight(self.orig_module, torch.float, self.train_device)
-        WP = orig_weight + (self.make_weight(A, B) * (self.alpha / self.rank))
-        eps = torch.finfo(WP.dtype).eps if self.norm_epsilon else 0.0
-        if self.decompose_output_axis:
-            norm = WP.detach().reshape(WP.shape[0], -1).norm(dim=1).reshape(WP.shape[0], 1) + eps
-        else:
-            norm = WP.detach().transpose(0, 1).reshape(WP.shape[1], -1).norm(dim=1, keepdim=True) \\
-                .reshape(WP.shape[1], 1).transpose(0, 1) + eps
-        WP = self.dora_scale * (WP / norm)
-        return self.op(self.dropout(x), WP, self.orig_module.bias)
-'''
+def write_twin(root) -> str:
+    """The twin's files under `root` (no __init__.py anywhere, as in OneTrainer); returns the folder for sys.path."""
+    for rel, text in FILES.items():
+        path = os.path.join(str(root), rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text.lstrip())
+    return str(root)
 
 
 @pytest.fixture(scope="module")
 def ot(tmp_path_factory):
-    """The re-implemented OneTrainer, imported as modules.module.LoRAModule after dorafp8 (as OneTrainer is)."""
-    root = tmp_path_factory.mktemp("onetrainer")
-    (root / "modules" / "module").mkdir(parents=True)
-    (root / "modules" / "__init__.py").write_text("")
-    (root / "modules" / "module" / "__init__.py").write_text("")
-    (root / "modules" / "module" / "LoRAModule.py").write_text(textwrap.dedent(ONETRAINER))
-    from dorafp8 import _install
-
-    _install.wait_for(_install.ONETRAINER_MODULE)  # what dorafp8 run does before the trainer's checkout is on sys.path
-    sys.path.insert(0, str(root))
+    """OneTrainer (the twin, or ONETRAINER_DIR), imported after dorafp8 from a folder put on sys.path after it."""
+    root = ONETRAINER_DIR or write_twin(tmp_path_factory.mktemp("onetrainer"))
+    sys.path.insert(0, root)
     try:
-        yield importlib.import_module("modules.module.LoRAModule")
+        lora = importlib.import_module("modules.module.LoRAModule")
+        quant = importlib.import_module("modules.util.quantization_util")
+        yield types.SimpleNamespace(
+            lora=lora, quant=quant, DoRAModule=lora.DoRAModule, LoRAModuleWrapper=lora.LoRAModuleWrapper,
+            DataType=importlib.import_module("modules.util.enum.DataType").DataType,
+            PeftType=importlib.import_module("modules.util.enum.ModelType").PeftType,
+            LinearFp8=importlib.import_module("modules.module.quantized.LinearFp8").LinearFp8,
+            make_svd_linear=importlib.import_module("modules.module.quantized.LinearSVD").make_svd_linear,
+            Loader=importlib.import_module("modules.modelLoader.mixin.HFModelLoaderMixin").HFModelLoaderMixin)
     finally:
-        sys.path.remove(str(root))
+        sys.path.remove(root)
         for name in [n for n in sys.modules if n == "modules" or n.startswith("modules.")]:
             del sys.modules[name]
 
 
+@pytest.fixture
+def calls(ot, monkeypatch):
+    """How often OneTrainer's DoRA dequantized a weight (its LoRAModule's get_unquantized_weight)."""
+    count = {"n": 0}
+    orig = ot.lora.get_unquantized_weight
+
+    def counted(*args, **kwargs):
+        count["n"] += 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(ot.lora, "get_unquantized_weight", counted)
+    return count
+
+
 class Net(nn.Module):
-    def __init__(self, linear):
+    def __init__(self):
         super().__init__()
-        self.fc1, self.fc2 = linear(24, 40), linear(40, 16, bias=False)
+        self.fc1, self.fc2 = nn.Linear(24, 40), nn.Linear(40, 16, bias=False)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _pair(ot, kind, output_axis, norm_epsilon, p):
-    """(OneTrainer's DoRA on its fp8 model, the same on an nn.Linear twin holding the dequantized weights): same
-    initial adapters (one seed), as OneTrainer builds them (LoRAModuleWrapper: a DoRAModule per layer, hooked)."""
+def _model(ot, kind, train="FLOAT_32"):
+    """Net as OneTrainer's loader and setup make it: its dtype conversion, then quantize_layers."""
     torch.manual_seed(0)
-    fp8 = Net(getattr(ot, kind))
-    for m in (fp8.fc1, fp8.fc2):
-        m.quantize()
-    dense = Net(nn.Linear)
+    net = Net()
+    DT = ot.DataType
+    svd = types.SimpleNamespace(svd_dtype=DT.BFLOAT_16, svd_rank=4, cache_dir=None, layer_filter="",
+                                layer_filter_regex=False)
+    dtype, quantization = {"LinearFp8": (DT.FLOAT_8, None), "LinearW8A8": (DT.FLOAT_W8A8, None),
+                           "LinearSVD": (DT.FLOAT_8, svd), "dense": (DT[train], None)}[kind]
+    ot.Loader()._convert_diffusers_sub_module_to_dtype(net, dtype, DT[train], quantization)
+    ot.quant.quantize_layers(net, TRAIN_DEVICE, DT[train], None)
+    if kind != "dense":
+        assert type(net.fc1).__name__ == kind and net.fc1.weight.dtype == torch.float8_e4m3fn
+    return net
+
+
+def _config(ot, output_axis, norm_epsilon, rank=4, alpha=8.0):
+    return types.SimpleNamespace(peft_type=ot.PeftType.LORA, lora_rank=rank, lora_alpha=alpha, lokr_dim=rank,
+                                 lora_decompose=True, lora_decompose_norm_epsilon=norm_epsilon,
+                                 lora_decompose_output_axis=output_axis, train_device="cpu", layer_filter_regex=False,
+                                 debug_mode=False)
+
+
+def _adapt(ot, net, output_axis=False, norm_epsilon=False, p=0.0):
+    """OneTrainer's DoRA on every layer of `net` (LoRAModuleWrapper, then hook_to_module), with adapters set to
+    values of their own (one seed: the same for every model of the same shapes)."""
+    torch.manual_seed(1)
+    wrapper = ot.LoRAModuleWrapper(net, "lora_unet", _config(ot, output_axis, norm_epsilon))
+    g = torch.Generator().manual_seed(2)
+    for m in wrapper.lora_modules.values():
+        m.dropout.p = p
+        with torch.no_grad():  # OneTrainer's lora_up starts at 0: give it (and dora_scale) other values
+            m.lora_up.weight.copy_(torch.randn(m.lora_up.weight.shape, generator=g) * 0.3)
+            m.dora_scale.mul_(1 + 0.2 * torch.randn(m.dora_scale.shape, generator=g))
+    wrapper.hook_to_module()
+    return wrapper
+
+
+def _dense_twin(ot, net):
+    """An nn.Linear model holding what OneTrainer dequantizes each layer of `net` to (in fp32)."""
+    dense = _model(ot, "dense")
     with torch.no_grad():
         for name in ("fc1", "fc2"):
-            q, d = getattr(fp8, name), getattr(dense, name)
-            d.weight.copy_(q.unquantized_weight(torch.float32, "cpu"))
+            q, d = getattr(net, name), getattr(dense, name)
+            d.weight.copy_(ot.quant.get_unquantized_weight(q, torch.float32, TRAIN_DEVICE))
             if q.bias is not None:
                 d.bias.copy_(q.bias)
-    nets = []
-    for net in (fp8, dense):
-        torch.manual_seed(1)
-        mods = {n: ot.DoRAModule(f"lora_unet.{n}", getattr(net, n), 4, 8.0, norm_epsilon=norm_epsilon,
-                                 decompose_output_axis=output_axis, train_device=torch.device("cpu"))
-                for n in ("fc1", "fc2")}
-        g = torch.Generator().manual_seed(2)
-        for m in mods.values():
-            m.dropout.p = p
-            m.hook_to_module()
-            with torch.no_grad():  # OneTrainer's lora_up starts at 0: give it (and dora_scale) other values
-                m.lora_up.weight.copy_(torch.randn(m.lora_up.weight.shape, generator=g) * 0.3)
-                m.dora_scale.mul_(1 + 0.2 * torch.randn(m.dora_scale.shape, generator=g))
-        nets.append((net, mods))
-    return nets
+    return dense
 
 
-def _params(mods):
-    return [p for m in mods.values() for p in (m.lora_down.weight, m.lora_up.weight, m.dora_scale)]
+def _pair(ot, kind, output_axis=False, norm_epsilon=False, p=0.0):
+    fp8 = _model(ot, kind)
+    dense = _dense_twin(ot, fp8)
+    return [(net, _adapt(ot, net, output_axis, norm_epsilon, p)) for net in (fp8, dense)]
+
+
+def _run(net, wrapper, x, calls):
+    """Output, gradients (x, then each adapter's parameters) and OneTrainer's dequantizations of one step."""
+    xi = x.clone().requires_grad_()
+    torch.manual_seed(3)  # the same dropout masks
+    calls["n"] = 0
+    y = net(xi)
+    (y.square().mean() + y.mean()).backward()
+    return y, [xi.grad] + [q.grad for q in wrapper.parameters()], calls["n"]
 
 
 @pytest.mark.parametrize("kind", ["LinearFp8", "LinearW8A8"])
 @pytest.mark.parametrize("output_axis", [False, True])
 @pytest.mark.parametrize("norm_epsilon", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_dora_module_on_fp8_matches_onetrainer_on_dequantized_weights(ot, kind, output_axis, norm_epsilon, p):
-    (fp8, fmods), (dense, dmods) = _pair(ot, kind, output_axis, norm_epsilon, p)
-    for m in (fp8, dense):
-        m.train()
+def test_dora_module_on_fp8_matches_onetrainer_on_dequantized_weights(ot, calls, kind, output_axis, norm_epsilon, p):
+    (fp8, fw), (dense, dw) = _pair(ot, kind, output_axis, norm_epsilon, p)
     x = torch.randn(3, 5, 24)
-    outs, grads = [], []
-    for net, mods in ((fp8, fmods), (dense, dmods)):
-        xi = x.clone().requires_grad_()
-        torch.manual_seed(3)  # the same dropout masks: both draw them from x's dropout, in the same order
-        ot.CALLS["get_unquantized_weight"] = 0
-        y = net(xi)
-        (y.square().mean() + y.mean()).backward()
-        outs.append(y)
-        grads.append([xi.grad] + [q.grad for q in _params(mods)])
-        if net is fp8:  # the dense fp32 weight is never formed: OneTrainer's dequantization is not called
-            assert ot.CALLS["get_unquantized_weight"] == 0
-    assert_close(outs[0], outs[1], tol(torch.float32), "outputs")
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert_close(a, b, 2 * tol(torch.float32), f"gradient {i} (x, then lora_down, lora_up, dora_scale per layer)")
+    y8, g8, n8 = _run(fp8, fw, x, calls)
+    yd, gd, _ = _run(dense, dw, x, calls)
+    assert n8 == 0  # the dense fp32 weight is never formed: OneTrainer's dequantization is not called
+    assert_close(y8, yd, tol(torch.float32), "outputs")
+    for i, (a, b) in enumerate(zip(g8, gd)):
+        assert_close(a, b, 2 * tol(torch.float32), f"gradient {i} (x, then each adapter's parameters)")
 
 
 @pytest.mark.parametrize("output_axis", [False, True])
 def test_training_and_saved_state_match_onetrainer(ot, output_axis):
-    (fp8, fmods), (dense, dmods) = _pair(ot, "LinearFp8", output_axis, True, 0.1)
+    pairs = _pair(ot, "LinearFp8", output_axis, True, 0.1)
     losses = []
-    for net, mods in ((fp8, fmods), (dense, dmods)):
-        opt = torch.optim.AdamW(_params(mods), lr=1e-2)
+    for net, wrapper in pairs:
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-2)
         torch.manual_seed(4)
         run = []
         for _ in range(3):
@@ -277,9 +185,7 @@ def test_training_and_saved_state_match_onetrainer(ot, output_axis):
             run.append(loss.detach())
         losses.append(torch.stack(run))
     assert_close(losses[0], losses[1], tol(torch.float32), "losses")
-    # what OneTrainer saves: LoRAModuleWrapper.state_dict() = each module's state_dict(prefix=module.prefix)
-    saved = [{k: v for m in mods.values() for k, v in m.state_dict(prefix=m.prefix).items()}
-             for mods in (fmods, dmods)]
+    saved = [wrapper.state_dict() for _, wrapper in pairs]  # what OneTrainer saves
     assert saved[0].keys() == saved[1].keys() == {
         f"lora_unet.{n}.{k}" for n in ("fc1", "fc2") for k in ("alpha", "dora_scale", "lora_down.weight",
                                                               "lora_up.weight")}
@@ -288,18 +194,78 @@ def test_training_and_saved_state_match_onetrainer(ot, output_axis):
         assert_close(saved[0][k], saved[1][k], 2 * tol(torch.float32), k)
 
 
-def test_other_layers_run_onetrainer_own_forward(ot):
-    """A dense layer (or one not yet quantized) keeps OneTrainer's forward; a copy of the model still works."""
-    assert hasattr(ot.DoRAModule.forward, "_dorafp8_orig")  # the hook ran when the module was imported
+def _own_forward(ot):
+    """OneTrainer's DoRAModule.forward as it was before dorafp8 replaced it."""
+    return getattr(ot.DoRAModule.forward, "_dorafp8_orig", ot.DoRAModule.forward)
+
+
+def test_svd_quant_layer_is_left_to_onetrainer(ot, calls, monkeypatch):
+    """SVDQuant (make_svd_linear(LinearFp8)): an nn.Linear with an e4m3 weight and `_scale`, whose weight also holds
+    svd_up @ svd_down. The fused path does not know that term, so it must not take the layer: OneTrainer's own forward
+    runs, to the bit. (Before issue 49 it took it and dropped the term: outputs off by about half their size.)"""
+    from dorafp8.onetrainer import fp8_parts
+
+    net = _model(ot, "LinearSVD")
+    assert net.fc1.svd_up.shape == (40, 4)
+    x = torch.randn(3, 24)
+    y, grads, n = _run(net, _adapt(ot, net, p=0.0), x, calls)
+    monkeypatch.setattr(ot.DoRAModule, "forward", _own_forward(ot))
+    net2 = _model(ot, "LinearSVD")
+    y2, grads2, _ = _run(net2, _adapt(ot, net2, p=0.0), x, calls)
+    assert_close(y, y2, 0.0, "outputs against OneTrainer's own")
+    for i, (a, b) in enumerate(zip(grads, grads2)):
+        assert_close(a, b, 0.0, f"gradient {i} against OneTrainer's own")
+    assert n == 2  # OneTrainer dequantized both layers (with their SVD terms)
+    assert fp8_parts(net.fc1) is None and fp8_parts(net.fc2) is None
+
+
+@pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_16"])
+@pytest.mark.parametrize("kind", ["LinearFp8", "LinearW8A8"])
+def test_scales_in_the_train_dtype_are_read_as_onetrainer_reads_them(ot, kind, train):
+    """OneTrainer's loader turns every non-quantized buffer into the train dtype before quantizing, `scale` (and with
+    it LinearFp8's `_scale`) included: the scale is then held rounded to bf16/fp16. What the fused path computes with
+    is exactly what OneTrainer dequantizes to."""
+    from dorafp8.onetrainer import fp8_parts
+
+    net = _model(ot, kind, train)
+    for layer in (net.fc1, net.fc2):
+        assert layer.scale.dtype == torch.__dict__[{"BFLOAT_16": "bfloat16", "FLOAT_16": "float16"}[train]]
+        w8, scale = fp8_parts(layer)
+        assert torch.equal(w8.float() * scale, ot.quant.get_unquantized_weight(layer, torch.float32, TRAIN_DEVICE))
+
+
+def test_conv_layers_run_onetrainer_own_forward(ot, calls):
+    """PeftBase's conv branch: DoRA on an nn.Conv2d is OneTrainer's own (dorafp8 takes fp8 linear layers only)."""
     torch.manual_seed(0)
-    net = Net(ot.LinearFp8)  # not quantized: bf16/fp32 weights
-    mods = {n: ot.DoRAModule(n, getattr(net, n), 4, 4.0, train_device=torch.device("cpu")) for n in ("fc1", "fc2")}
-    for m in mods.values():
-        m.hook_to_module()
-    ot.CALLS["get_unquantized_weight"] = 0
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    wrapper = _adapt(ot, net, output_axis=True)
+    assert sorted(wrapper.lora_modules) == ["0", "2"]
+    assert wrapper.lora_modules["0"].dora_scale.shape == (8, 1, 1, 1)
+    x = torch.randn(2, 3, 6, 6)
+    y = net[0](x)
+    m = wrapper.lora_modules["0"]
+    with torch.no_grad():
+        V = net[0].weight + (m.lora_up.weight.flatten(1) @ m.lora_down.weight.flatten(1)).view(8, 3, 3, 3) * 2.0
+        ref = nn.functional.conv2d(x, m.dora_scale * V / V.flatten(1).norm(dim=1).view(8, 1, 1, 1), net[0].bias,
+                                   padding=1)
+    assert_close(y, ref, tol(torch.float32), "conv output")
+    assert calls["n"] == 0 and net(x).shape == (2, 4, 6, 6)
+
+
+def test_other_layers_run_onetrainer_own_forward(ot, calls):
+    """A dense layer keeps OneTrainer's forward; a copy of the model still works."""
+    assert hasattr(ot.DoRAModule.forward, "_dorafp8_orig")  # the hook ran when the module was imported
+    net = _model(ot, "dense")
+    _adapt(ot, net)
+    calls["n"] = 0
     copy.deepcopy(net)(torch.randn(2, 24))
     net(torch.randn(2, 24))
-    assert ot.CALLS["get_unquantized_weight"] == 4  # two layers, in the model and in its copy
+    assert calls["n"] == 4  # two layers, in the model and in its copy
+
+
+def _python(code: str, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**{k: v for k, v in os.environ.items() if k != "DORAFP8_NO_PATCHES"}, **(env or {})})
 
 
 def test_dorafp8_run_waits_for_onetrainer_before_its_checkout_is_on_sys_path():
@@ -309,6 +275,77 @@ def test_dorafp8_run_waits_for_onetrainer_before_its_checkout_is_on_sys_path():
             "print(_install.ONETRAINER_MODULE in _install._pending)\n"
             "launcher.install({})\n"
             "print(_install.ONETRAINER_MODULE in _install._pending, _install._HOOK in sys.meta_path)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "DORAFP8_NO_PATCHES"})
+    out = _python(code)
     assert out.stdout.split("\n")[:2] == ["False", "True True"], out.stdout + out.stderr[-2000:]
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A folder holding OneTrainer (ONETRAINER_DIR, or the twin written there) and a script that builds DoRA on two
+    LinearFp8 layers with OneTrainer's LoRAModuleWrapper and runs three steps; the folder is put on sys.path only by
+    the script (argv[1]), as OneTrainer's scripts put their checkout there."""
+    root = ONETRAINER_DIR or write_twin(tmp_path / "OneTrainer")
+    (tmp_path / "train.py").write_text(f"""
+import sys, types
+sys.path.insert(0, sys.argv[1])
+import torch
+from modules.module.LoRAModule import DoRAModule, LoRAModuleWrapper
+from modules.module.quantized.LinearFp8 import LinearFp8
+from modules.util.enum.ModelType import PeftType
+net = torch.nn.Sequential(LinearFp8(16, 8), torch.nn.ReLU(), LinearFp8(8, 4))
+for m in (net[0], net[2]):
+    m.quantize()
+cfg = types.SimpleNamespace(peft_type=PeftType.LORA, lora_rank=2, lora_alpha=2.0, lokr_dim=2, lora_decompose=True,
+                            lora_decompose_norm_epsilon=False, lora_decompose_output_axis=False, train_device="cpu",
+                            layer_filter_regex=False, debug_mode=False)
+wrapper = LoRAModuleWrapper(net, "lora_unet", cfg)
+wrapper.hook_to_module()
+if "--import-dorafp8-now" in sys.argv:
+    import dorafp8
+for _ in range(3):
+    net(torch.randn(2, 16)).sum().backward()
+print("patched", hasattr(DoRAModule.forward, "_dorafp8_orig"))
+""")
+    return root
+
+
+_PATCHED = ("import sys\nfrom modules.module.LoRAModule import DoRAModule\n"
+            "print(hasattr(DoRAModule.forward, '_dorafp8_orig'))")
+
+
+def test_import_dorafp8_from_a_onetrainer_checkout(checkout):
+    """From a checkout (its `modules` a namespace package on sys.path), `import dorafp8` crashed with KeyError:
+    'modules' (issue 49); it must watch OneTrainer's module and hook it when it is imported."""
+    out = _python("import dorafp8\n" + _PATCHED, cwd=checkout)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["True"], out.stderr[-3000:]
+
+
+def test_import_dorafp8_before_the_checkout_joins_sys_path(checkout):
+    """OneTrainer's scripts put the checkout on sys.path after they start: `import dorafp8` first still hooks it."""
+    out = _python(f"import sys, dorafp8\nsys.path.insert(0, {checkout!r})\n" + _PATCHED)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["True"], out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("hooked_first", [True, False])
+def test_onetrainer_adapters_hooked_before_dorafp8_get_one_warning(checkout, tmp_path, hooked_first):
+    """Adapters OneTrainer hooked to their layers before `import dorafp8` keep the forward they bound (dense): said
+    once, naming the launcher. Importing OneTrainer's module first without hooking anything says nothing."""
+    if hooked_first:
+        out = _python(f"import sys\nsys.argv = ['train.py', {checkout!r}, '--import-dorafp8-now']\n"
+                      f"exec(open({str(tmp_path / 'train.py')!r}).read())", env={"PYTHONWARNINGS": "always"})
+    else:
+        out = _python(f"import sys\nsys.path.insert(0, {checkout!r})\nimport modules.module.LoRAModule\n"
+                      "import dorafp8\n" + _PATCHED, env={"PYTHONWARNINGS": "always"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("were hooked to their layers before dorafp8 was imported") == int(hooked_first), out.stderr
+    if hooked_first:
+        assert "dorafp8 run -- python scripts/train.py" in out.stderr
+
+
+def test_launcher_exit_report_counts_onetrainer_fused_calls(checkout, tmp_path):
+    """`dorafp8 run` reports the fused calls of every layer it ran, OneTrainer's included (it said nothing for them
+    before issue 49): 2 layers x 3 steps."""
+    out = subprocess.run([sys.executable, "-m", "dorafp8", "run", "--", "python", "train.py", checkout],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "patched True" in out.stdout, out.stderr[-3000:]
+    assert "2 dorafp8 DoRA/LoRA layers ran 6 forward calls" in out.stderr, out.stderr

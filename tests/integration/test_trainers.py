@@ -108,8 +108,10 @@ def _lf_config(model, out, data) -> str:
 
 
 def test_llamafactory_cli_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
-    pytest.importorskip("llamafactory", reason="llamafactory pins peft<=0.18.1: not installable beside the test "
-                                               "extra; run by hand (module docstring)")
+    pytest.importorskip("llamafactory", reason="llamafactory is not installed: 0.9.5 pins peft>=0.18.0,<=0.18.1 "
+                                               "(dorafp8's PEFT layers need peft 0.21's layer interface), "
+                                               "transformers<=5.6, trl<=0.24, datasets<=4.0, so it cannot be "
+                                               "installed beside the test extra; run by hand (module docstring)")
     data = tmp_path / "data"
     write_sft_data(data, alpaca=True)
     shutil.copytree(checkpoints / "deq", tmp_path / "deq")
@@ -143,6 +145,52 @@ def test_launcher_runs_scripts_modules_code_and_children(tmp_path):
     # imports torch; without the launcher nothing of it runs
     assert "probe ['child'] launcher" in _run(py + ["parent.py"], tmp_path)
     assert "probe ['child'] none" in _run([sys.executable, "parent.py"], tmp_path)
+
+
+def _venv(path, with_dorafp8: bool) -> str:
+    """Another interpreter: a venv of its own (no pip), seeing this environment's packages only if asked."""
+    import glob
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(str(path))
+    if with_dorafp8:
+        site = glob.glob(str(path / "lib" / "python3*" / "site-packages"))[0]
+        here = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch"))][0]
+        with open(os.path.join(site, "this_env.pth"), "w") as f:  # an `import` line runs: .pth files there count
+            f.write(f"import site; site.addsitedir({here!r})\n")
+    return str(path / "bin" / "python")
+
+
+def test_launcher_runs_exactly_the_command_given(tmp_path):
+    """The command forms of issue 49: interpreter flags, a `--` inside the command, another interpreter (handed
+    over to its own `dorafp8 run` where dorafp8 is installed there, refused naming it where not), a missing module."""
+    (tmp_path / "show.py").write_text(_PROBE + "; print('prefix', sys.prefix, 'unbuffered', "
+                                               "os.environ.get('PYTHONUNBUFFERED') or not sys.stdout.line_buffering)\n")
+    py = [sys.executable, "-m", "dorafp8", "run", "--"]
+    env = {}
+    out = _run(py + ["python", "-u", "show.py", "a"], tmp_path)
+    assert "probe ['a'] launcher" in out, out
+    out = _run(py + ["python", "-W", "error", "-X", "utf8", "show.py", "-E"], tmp_path)
+    assert "probe ['-E'] launcher" in out, out  # -E after the script is the script's
+    assert "probe ['--', '--lr', '1'] launcher" in _run(py + ["python", "show.py", "--", "--lr", "1"], tmp_path)
+    other = _venv(tmp_path / "other", with_dorafp8=True)
+    out = _run(py + [other, "show.py", "b"], tmp_path, **env)
+    assert f"probe ['b'] launcher\nprefix {tmp_path / 'other'}" in out, out  # ran in that interpreter, hooked
+    bare = _venv(tmp_path / "bare", with_dorafp8=False)
+    for argv, message in [
+        (["--quantize", "python", "show.py", "--", "--lr", "1"],
+         "'python show.py' comes before `--`, and everything after `--` is the command ('--lr 1'); put the whole "
+         "command after it: dorafp8 run --quantize -- python show.py --lr 1"),
+        (["--", bare, "show.py"], f"{bare} is another Python than dorafp8's ({sys.executable}) and has no dorafp8"),
+        (["--", "python", "-m", "nonexistent_mod"], f"dorafp8 run: no module named 'nonexistent_mod' in this Python "
+                                                    f"({sys.executable})"),
+        (["--", "python", "-I", "show.py"], "python -I ignores PYTHONPATH or site"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "dorafp8", "run"] + argv, cwd=tmp_path, env=_env(**env),
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "probe" not in r.stdout, r.stdout  # nothing ran in dorafp8's own interpreter instead
+        assert r.stderr.count("dorafp8 run:") == 1, r.stderr  # one message (argparse's has its usage line above)
 
 
 @pytest.mark.parametrize("argv, message", [
