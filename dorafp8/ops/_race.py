@@ -74,7 +74,7 @@ SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
 # The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
-TOL = {"float32": 1e-5, "float16": 2.5e-3, "bfloat16": 2e-2}  # tests/_tolerance.py's tol(dtype)
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}  # tests/_tolerance.py's tol(dtype)
 ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (module docstring)
 W8A8_REL = 2.0 ** -5
 

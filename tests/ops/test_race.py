@@ -355,3 +355,10 @@ def test_selftest_checks_headline_keys_now(race, monkeypatch):
     monkeypatch.setitem(_race.RACERS, "cpu", ())
     monkeypatch.delitem(_race.RACERS, "cpu")
     assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
+
+
+def test_the_child_bound_follows_the_tests_tolerances():
+    """The child's bound (_race.TOL, ROOM times it) is the tests' tol(dtype): the two cannot drift apart."""
+    from tests._tolerance import TOL
+
+    assert _race.TOL == {str(k).removeprefix("torch."): v for k, v in TOL.items()}
