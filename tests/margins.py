@@ -75,12 +75,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("pytest_args", nargs="*", help=f"what pytest runs (default: {' '.join(DEFAULT_TESTS)})")
     p.add_argument("--figure", action="append", help=f"a docs/figures/measured.py figure (default: {DEFAULT_FIGURES})")
-    p.add_argument("--settings", type=int, default=len(SETTINGS), help="run only the first N settings")
+    p.add_argument("--setting", type=int, action="append", choices=range(len(SETTINGS)),
+                   help="run only these settings (0-3: " + "; ".join(s for s, _ in SETTINGS) + "); default: all")
     p.add_argument("--top", type=int, default=30, help="lines of the table")
     args = p.parse_args(argv)
     tests = args.pytest_args or DEFAULT_TESTS
     figures = args.figure if args.figure is not None else ([] if args.pytest_args else DEFAULT_FIGURES)
-    settings = SETTINGS[:args.settings]
+    settings = [SETTINGS[i] for i in args.setting] if args.setting else SETTINGS
     records, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in settings:
