@@ -283,29 +283,58 @@ def locked(folder: str, what: str, timeout: Optional[float] = None):
         os.close(fd)  # releases the lock
 
 
-def _leftovers(folder: str, name: str) -> list[str]:
+def _flock(fd: int) -> bool:
+    """Takes the exclusive lock on `fd` without waiting: whether it got it (always, without fcntl)."""
+    if fcntl is None:
+        return True
     try:
-        return sorted(n for n in os.listdir(folder) if n.startswith(f".{name}.") and n.endswith(".partial"))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _leftovers(folder: str, name: str) -> list[str]:
+    """The stages named like ours in `folder` that no live writer holds (a live one's stage is locked)."""
+    try:
+        found = sorted(n for n in os.listdir(folder) if n.startswith(f".{name}.") and n.endswith(".partial"))
     except OSError:
         return []
+    left = []
+    for n in found:
+        try:
+            fd = os.open(os.path.join(folder, n), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            left.append(n)
+            continue
+        try:
+            if _flock(fd):
+                left.append(n)
+        finally:
+            os.close(fd)
+    return left
 
 
 @contextlib.contextmanager
 def staging(folder: str, name: str):
     """A new hidden folder `.<name>.<random>.partial` inside `folder` (so on its file system: the renames out of it
-    never cross disks), removed at the end. Stages that killed writers left are named in one warning, never removed:
-    this writer removes nothing it cannot prove it wrote."""
+    never cross disks), locked while it is in use, removed at the end. Stages nobody holds (left by writers that
+    were killed, or planted) are named in one warning, never removed: this writer removes nothing it cannot prove it
+    wrote."""
     left = _leftovers(folder, name)
     if left:
-        warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone "
-                      f"else; dorafp8 removes nothing it cannot prove it wrote: delete them if no export is running",
+        warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone else; "
+                      f"dorafp8 removes nothing it cannot prove it wrote: delete them if no export is running",
                       stacklevel=4)
     stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
     os.mkdir(stage)
+    fd = os.open(stage, os.O_RDONLY)
     try:
+        _flock(fd)  # tells other writers' _leftovers that this stage is live
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        os.close(fd)
 
 
 def fsync_file(path: str) -> None:

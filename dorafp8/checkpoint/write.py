@@ -84,10 +84,12 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     report = ExportReport(t.fmt, path)
     emit_args = dict(merge=merge, adapter_names=adapter_names)
     if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
-        os.makedirs(os.path.dirname(real), exist_ok=True)
+        if os.path.isdir(real):
+            raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
         writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
-        out = emit(t, writer, report, **emit_args)
-        writer.close()
+        with _made(os.path.dirname(real)):
+            out = emit(t, writer, report, **emit_args)
+            writer.close()
         report.files = [path]
     else:
         writer = ShardWriter("", t.stem, max_bytes, t.metadata)  # its folder: the stage, below
@@ -117,39 +119,46 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
     _check_folder(real, path, t.stem)
-    made = not os.path.isdir(real)
-    os.makedirs(real, exist_ok=True)
+    with _made(real), staging(real, t.stem) as stage:
+        writer.path = stage
+        out = emit(t, writer, report, **emit_args)
+        parts = writer.close()
+        write_config(t, stage, report, out)
+        with locked(real, f"path={path!r}"):
+            _check_folder(real, path, t.stem)
+            names = _publish(stage, real, t.stem, parts, writer.total)
+    report.files = [os.path.join(path, n) for n in names]
+    return out
+
+
+@contextlib.contextmanager
+def _made(folder: str):
+    """`folder` made if missing (with its parents), and removed again, if still empty, when the write fails."""
+    made = not os.path.isdir(folder)
+    os.makedirs(folder, exist_ok=True)
     try:
-        with staging(real, t.stem) as stage:
-            writer.path = stage
-            out = emit(t, writer, report, **emit_args)
-            parts = writer.close()
-            write_config(t, stage, report, out)
-            with locked(real, f"path={path!r}"):
-                _check_folder(real, path, t.stem)
-                names = _publish(stage, real, t.stem, parts, writer.total)
-        report.files = [os.path.join(path, n) for n in names]
-        return out
+        yield
     except BaseException:
         if made:
             with contextlib.suppress(OSError):
-                os.rmdir(real)
+                os.rmdir(folder)
         raise
 
 
 def _check_folder(real: str, path: str, stem: str) -> None:
     """Refuses, before anything is written, a folder where the new export would not be what loads: one holding
     `<stem>.safetensors` (transformers and dorafp8 read it instead of an index), which no export of this writer
-    makes, so it is not one it may remove; or an index name that is not a file."""
+    makes, so it is not one it may remove; or a folder where the index or config.json goes."""
     single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
     if os.path.lexists(os.path.join(real, single)):
         raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
                               f"instead of an index, so the new export would not be what loads; it is not a file "
                               f"this writer can prove an export wrote, so it is not removed: move it away (or delete "
                               f"it), or export to another folder")
-    if os.path.isdir(os.path.join(real, index)):
-        raise IsADirectoryError(f"path={path!r}: {index!r} there is a folder, where the export's index goes; move it "
-                                f"away, or export to another folder")
+    for name in (index, "config.json"):
+        if os.path.isdir(os.path.join(real, name)):
+            raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
+                                    f"move it away, or export to another folder")
 
 
 def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> list[str]:

@@ -371,6 +371,18 @@ def test_a_folder_holding_a_single_model_file_is_refused_before_anything_is_writ
     assert _tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("where,folder", [("one.safetensors", "one.safetensors"), ("ckpt", "ckpt/config.json"),
+                                          ("ckpt", f"ckpt/{INDEX}")])
+def test_a_folder_where_a_file_goes_is_refused_before_anything_is_written(tmp_path, where, folder):
+    """A folder named like the file an export writes (the single file, config.json, the index): refused naming the
+    argument, with nothing written (it was a raw error after everything was written, or a half-published export)."""
+    (tmp_path / folder).mkdir(parents=True)
+    before = _tree(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"path=.* folder"):
+        _export(_net(0), tmp_path / where, SHARDED)
+    assert _tree(tmp_path) == before
+
+
 # ---- loaders -----------------------------------------------------------------------------------------------------
 
 def _safetensors(path, header: str, data: bytes = b""):
