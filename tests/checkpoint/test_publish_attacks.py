@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -154,6 +155,33 @@ def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path)
         _export(a, dest, SHARDED)
         assert _tree(other) == theirs
         _user_files_intact(dest)
+
+
+def test_an_export_into_a_copy_never_touches_the_original(tmp_path):
+    """A folder (and what lies beside it) copied with `cp -a` after an export into it was killed, at each step in
+    turn: an export into the copy acted on the original path (the journal's absolute folder) and deleted the newer
+    export's shards there. Here the original stays byte for byte as it was, and the copy loads the new export."""
+    a, b = _net(0), _net(1)
+    step = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the killed writers' stages, named
+        while True:
+            step += 1
+            orig = tmp_path / f"orig{step}"
+            orig.mkdir()
+            _export(a, orig / "ckpt", SHARDED)
+            code, said = _in_child(lambda: _export(b, orig / "ckpt", SHARDED), kill_at=step)
+            assert code in (0, 9), said
+            copy = tmp_path / f"copy{step}"
+            subprocess.run(["cp", "-a", str(orig), str(copy)], check=True)
+            before = _tree(orig)
+            _export(a, copy / "ckpt", SHARDED)
+            assert _tree(orig) == before, f"killed at step {step}"
+            with torch.no_grad():
+                assert torch.equal(_output_of(copy / "ckpt"), a(X))
+            if code == 0:
+                break
+    assert step > 3
 
 
 # ---- two writers -------------------------------------------------------------------------------------------------
