@@ -243,6 +243,7 @@ def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
 # (the index, or the single file) that makes them the checkpoint. Nothing read from disk decides what is removed but
 # the rule of `previous_export`.
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
 
 
@@ -302,9 +303,12 @@ def _leftovers(folder: str, name: str) -> list[str]:
         return []
     left = []
     for n in found:
-        try:
-            fd = os.open(os.path.join(folder, n), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        path = os.path.join(folder, n)
+        try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW) if stat.S_ISDIR(os.lstat(path).st_mode) else None
         except OSError:
+            fd = None
+        if fd is None:
             left.append(n)
             continue
         try:
@@ -411,12 +415,13 @@ def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> list[s
     regular file of the recorded size and sha256. Anything else, in the index or in the folder, is left alone: an
     index that cannot be read so, a name of another form, a file changed since."""
     try:
-        fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return []
     try:
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode) or os.fstat(f.fileno()).st_size > MAX_JSON_BYTES:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
                 return []
             files = json.loads(f.read())["metadata"]["dorafp8_files"]
         items = list(files.items())

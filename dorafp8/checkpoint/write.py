@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import time
+import warnings
 from collections import Counter
 from typing import Optional
 
@@ -202,9 +203,14 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
         raise
-    for name in old:
-        with contextlib.suppress(FileNotFoundError):
+    for name in old:  # the export is published: what cannot be removed now only takes space
+        try:
             os.remove(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            warnings.warn(f"{folder}: the replaced export's {name!r} could not be removed ({e.strerror})",
+                          stacklevel=4)
     fsync_dir(folder)
     return names
 

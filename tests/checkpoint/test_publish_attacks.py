@@ -11,6 +11,7 @@ import pathlib
 import random
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import threading
@@ -36,14 +37,14 @@ INDEX = "model.safetensors.index.json"
 
 
 def _tree(root):
-    """Everything under `root` (links not followed): path -> bytes, 'dir' or ('link', target)."""
+    """Everything under `root` (links not followed): path -> bytes, 'dir', 'fifo' or ('link', target)."""
     out = {}
     for folder, dirs, names in os.walk(root):
         for n in dirs + names:
             p = os.path.join(folder, n)
             rel = os.path.relpath(p, root)
             out[rel] = ("link", os.readlink(p)) if os.path.islink(p) else "dir" if os.path.isdir(p) else \
-                open(p, "rb").read()
+                "fifo" if stat.S_ISFIFO(os.lstat(p).st_mode) else open(p, "rb").read()
     return out
 
 
@@ -109,6 +110,8 @@ def test_planted_stages_and_journals_touch_nothing_and_block_nothing(tmp_path, m
     inner.mkdir()
     (inner / ".publish.json").write_text(json.dumps({"folder": str(elsewhere), "replaces": ["victim.txt"]}))
     (dest / FORGED).write_bytes(b"mine")  # the user's file, under a name of the writer's own form
+    os.mkfifo(dest / f".model.{uuid.uuid4().hex}.partial")  # opening it would block for ever
+    (dest / ".model.not-a-stage.partial").symlink_to(elsewhere)
     before = {k: v for k, v in _tree(tmp_path).items() if not k.startswith("ckpt/") or k.startswith("ckpt/.")}
     a, b = _net(0), _net(1)
     with warnings.catch_warnings():
@@ -139,17 +142,19 @@ def _forge_index(dest, elsewhere):
 
 
 def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path):
-    """The previous index a link to another folder's index (a copy made with links, or planted), or not an object of
-    the expected form: the writer reads no list of files to remove from it, and removes nothing."""
+    """The previous index a link to another folder's index (a copy made with links, or planted), a FIFO, or not an
+    object of the expected form: the writer reads no list of files to remove from it, removes nothing, and works."""
     a = _net(0)
     other = tmp_path / "other"
     _export(a, other, SHARDED)
     theirs = _tree(other)
     dest = _user_folder(tmp_path)
-    for bad in ("link", b"[1, 2]", b'{"metadata": 5}', b'{"metadata": {"dorafp8_files": [1]}}', b"\xff"):
+    for bad in ("link", "fifo", b"[1, 2]", b'{"metadata": 5}', b'{"metadata": {"dorafp8_files": [1]}}', b"\xff"):
         (dest / INDEX).unlink(missing_ok=True)
         if bad == "link":
             os.symlink(other / INDEX, dest / INDEX)
+        elif bad == "fifo":
+            os.mkfifo(dest / INDEX)  # opening it to read would block for ever
         else:
             (dest / INDEX).write_bytes(bad)
         _export(a, dest, SHARDED)
