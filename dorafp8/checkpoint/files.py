@@ -408,26 +408,26 @@ def write_error(path: str, e: Exception) -> OSError:
     return OSError(code, f"writing {path}: {os.strerror(code)}{todo}")
 
 
-def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> list[str]:
-    """The files of the export in `folder` that a new one replaces, which are all a writer ever removes: those that
-    its index `index_name` (a regular file, not a link) lists in its "metadata" under "dorafp8_files", as dorafp8
-    writes it, where the name is a plain file name of `pattern` (the names writers give shards) and the file is a
-    regular file of the recorded size and sha256. Anything else, in the index or in the folder, is left alone: an
-    index that cannot be read so, a name of another form, a file changed since."""
+def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
+    """The files in `folder` that a new export may remove, as {name: {"size", "sha256"}}, which are all a writer ever
+    removes: those that the index `index_name` there (a regular file, not a link) lists in its "metadata" under
+    "dorafp8_files", as dorafp8 writes it, where the name is a plain file name of `pattern` (the names writers give
+    shards) and the file is a regular file of the recorded size and sha256. Anything else, in the index or in the
+    folder, is left alone: an index that cannot be read so, a name of another form, a file changed since."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
-        return []
+        return {}
     try:
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
-                return []
+                return {}
             files = json.loads(f.read())["metadata"]["dorafp8_files"]
         items = list(files.items())
     except (OSError, ValueError, RecursionError, LookupError, TypeError, AttributeError):
-        return []
-    out = []
+        return {}
+    out = {}
     for name, rec in items:
         if not (isinstance(name, str) and pattern.fullmatch(name) and isinstance(rec, dict)):
             continue
@@ -435,7 +435,7 @@ def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> list[s
         try:
             st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size") and sha256(path) == rec.get("sha256"):
-                out.append(name)
+                out[name] = {"size": st.st_size, "sha256": rec["sha256"]}
         except OSError:
             continue
     return out

@@ -167,10 +167,11 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
     A reader, or a kill at any point, finds the previous export or the new one: the shards go in first under fresh
     names (sink.shard_names) that no index names yet, then config.json (only if its bytes change: see below), then
     the index by one rename, the commit; then the previous export's shards that files.previous_export proves it
-    wrote are removed, and nothing else. The index records every shard's size and sha256 (what lets the next export
-    remove them, and only them) and config.json's sha256: config.json and the index are two files, so between their
-    two renames, or after a kill there, a reader can find a changed config.json beside the previous weights;
-    load_fp8_checkpoint refuses that pair, naming it. A failure before the commit removes the shards it moved in."""
+    wrote are removed, and nothing else. The index records every shard's size and sha256, and those of the shards it
+    replaces until they are removed (what lets the next export remove them, and only them), and config.json's
+    sha256: config.json and the index are two files, so between their two renames, or after a kill there, a reader
+    can find a changed config.json beside the previous weights; load_fp8_checkpoint refuses that pair, naming it. A
+    failure before the commit removes the shards it moved in."""
     index = f"{stem}.safetensors.index.json"
     names = shard_names(stem, len(parts), set(os.listdir(folder)))
     others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
@@ -181,13 +182,15 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
         fsync_file(staged)
         files[name] = {"size": os.path.getsize(staged), "sha256": sha256(staged)}
         weight_map.update(dict.fromkeys(keys, name))
-    meta = {"total_size": total, "dorafp8_files": files}
+    # the replaced export's files are listed too, until removed: an export interrupted before it removed them (a
+    # kill, an error) leaves them to the next one, which finds them in this index
+    old = previous_export(folder, index, shard_pattern(stem))
+    meta = {"total_size": total, "dorafp8_files": {**old, **files}}
     if "config.json" in others:
         meta["dorafp8_config_sha256"] = sha256(os.path.join(stage, "config.json"))
     with open(os.path.join(stage, index), "w") as f:
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     fsync_file(os.path.join(stage, index))
-    old = previous_export(folder, index, shard_pattern(stem))
     moved = []
     try:
         for name in names:

@@ -347,6 +347,64 @@ def test_a_kill_at_every_step_leaves_one_exports_config_and_weights(tmp_path, mo
     assert ("a", "a") in seen and ("b", "b") in seen and step > 3
 
 
+def test_an_error_at_every_step_leaves_one_exports_config_and_weights(tmp_path, monkeypatch):
+    """An OSError (a full disk, a Ctrl-C alike) raised at each rename or removal of an export in turn, in this
+    process: the export fails with it (or, raised after the commit, only warns), and the folder reads as one export's
+    config and weights, or is refused naming config.json; the failed export's shards are not left in the folder, and
+    the next export reads whole. (This one passes on the code before issue 48 too, whose journal undid such a
+    publish; it guards the new code's own cleanup.)"""
+    nets = {"a": _net(0), "b": _net(1)}
+    refs = _references(tmp_path, nets)
+    _with_configs(monkeypatch, nets)
+    dest = _user_folder(tmp_path)
+    real = {n: getattr(os, n) for n in ("replace", "rename", "remove", "unlink", "rmdir")}
+    step, seen = 0, set()
+    while True:
+        step += 1
+        _export(nets["a"], dest, SHARDED)
+        previous = _shards_of(dest)
+        count = [0]
+
+        def failing(name):
+            def f(*args, **kwargs):
+                count[0] += 1
+                if count[0] == step:
+                    raise OSError(28, f"injected at step {step}")
+                return real[name](*args, **kwargs)
+            return f
+
+        for name in real:
+            monkeypatch.setattr(os, name, failing(name))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _export(nets["b"], dest, SHARDED)
+        except OSError as e:
+            assert "injected" in str(e)
+        finally:
+            for name, f in real.items():
+                monkeypatch.setattr(os, name, f)
+        got = _read(dest, refs)
+        assert got in (("a", "a"), ("b", "b"), "refused"), f"failed at step {step}: {got}"
+        seen.add(got)
+        # no shard of the failed export outside an index; a stage only where the error hit its own removal
+        visible = {n for n in os.listdir(dest) if n[0] != "."}
+        assert visible <= {*USER_FILES, INDEX, "config.json", *_shards_of(dest), *previous}, f"step {step}"
+        assert all(re.fullmatch(r"\.model\.[0-9a-f]{32}\.partial", n) for n in os.listdir(dest) if n[0] == ".")
+        _user_files_intact(dest)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _export(nets["b"], dest, SHARDED)
+        assert _read(dest, refs) == ("b", "b")
+        if count[0] < step:  # no step left to fail
+            break
+    assert ("a", "a") in seen and ("b", "b") in seen and step > 3
+
+
+def _shards_of(dest):
+    return set(json.loads((dest / INDEX).read_text())["weight_map"].values())
+
+
 # ---- destinations ------------------------------------------------------------------------------------------------
 
 def test_a_folder_linked_to_another_disk_is_written_there(tmp_path):
