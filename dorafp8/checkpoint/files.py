@@ -8,39 +8,51 @@ wrapper (`safetensors_keys`, `open_safetensors`, `read_json`, `parse_json`) whos
 expected and what to do; a header is measured before it is parsed (`MAX_HEADER_BYTES`, `MAX_TENSORS`), so that a
 hostile one costs neither minutes nor gigabytes.
 
-Writing: a file is written under a temporary name beside its destination (`temporary_name`, which carries the
-writer's process id so that a later run can tell a dead writer's leftovers from a live one's: `remove_leftovers`),
-fsynced, and renamed into place; then the folder is fsynced (`replace`). A checkpoint of several files is written
-into a staging folder and moved into its destination by `publish`, so that a reader finds the old checkpoint or the
-new one whenever the writer stops; a write error names the file (`write_error`).
+Writing (save_file_atomic; write.py for a folder): one writer at a time per destination folder (`locked`: an OS
+lock, dropped by the OS when its holder dies), the files written into a staging folder inside the destination (on
+its file system, links resolved: `destination`, `staging`), fsynced, moved in under names no file there has, and made
+the checkpoint by one rename (the index, or the single file). A writer removes only the files that `previous_export`
+proves an export wrote; nothing else it finds on disk (a killed writer's stage, a planted one) is acted on. A write
+error names the file (`write_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import glob
+import hashlib
 import json
 import os
 import re
 import shutil
 import stat
+import time
 import uuid
+import warnings
 from typing import Optional
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; writers there are not kept apart
+    fcntl = None
 
 from .layouts import CheckpointFormatError
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header (it refuses larger ones)
 MAX_TENSORS = 300_000  # per safetensors file: a header of more is refused before it is parsed
+MAX_METADATA = 10_000  # entries of a safetensors header's __metadata__ (string to string)
+MAX_QUOTES = 2 * (5 * MAX_TENSORS + 2 * MAX_METADATA + 1)  # '"'s in a header of that many tensors and entries
 MAX_JSON_BYTES = 64 * 2**20  # an index or config.json (an index of 100,000 tensors is about 10 MB)
 DAMAGED = "the file is damaged or incomplete (an interrupted download?): download it again"
 
 
-def some(items, first: int = 6, sep: str = ", ") -> str:
-    """Items (names, problems) for an error message: all of them if few, else the first few and how many there are
-    (an error listing 100,000 keys is millions of characters nobody reads)."""
+def some(items, first: int = 6, sep: str = ", ", names: bool = True) -> str:
+    """Items for an error message: all of them if few, else the first few and how many there are (an error listing
+    100,000 keys is millions of characters nobody reads). names: the items are names read from a file, shown with
+    repr() (a terminal control character in a tensor name is shown escaped, not sent to the terminal); else they are
+    the messages of problems, shown as they are."""
     items = list(items)
-    shown = sep.join(map(str, items[:first]))
+    shown = sep.join(map(repr if names else str, items[:first]))
     return shown if len(items) <= first else f"{shown}{sep}... ({len(items)} in all)"
 
 
@@ -109,7 +121,10 @@ def file_in(folder: str, name, what: str, roots: Optional[list[str]] = None) -> 
 def parse_json(data: bytes, where: str, expected: str, todo: str = DAMAGED) -> dict:
     """`data` (the text of `where`) parsed as a JSON object; an error naming `where`, `expected` and `todo`."""
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_once)
+    except _Twice as e:
+        raise CheckpointFormatError(f"{where}: names {e.args[0]!r} twice (which one is meant?); expected {expected}; "
+                                    f"{todo}") from None
     except UnicodeDecodeError as e:
         raise CheckpointFormatError(f"{where}: not UTF-8 text (byte {e.start}); expected {expected}; {todo}") from None
     except json.JSONDecodeError as e:
@@ -122,20 +137,28 @@ def parse_json(data: bytes, where: str, expected: str, todo: str = DAMAGED) -> d
     return obj
 
 
-def read_json(path: str, expected: str) -> dict:
-    """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file."""
+def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict:
+    """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file. sha256_is: the
+    digest its bytes must have (config.json, as the index of the weights beside it records it)."""
     size = os.path.getsize(path)
     if size > MAX_JSON_BYTES:
         raise CheckpointFormatError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads for "
                                     f"{expected}; {DAMAGED}")
     with open(path, "rb") as f:
-        return parse_json(f.read(), path, expected)
+        data = f.read()
+    if sha256_is is not None and hashlib.sha256(data).hexdigest() != sha256_is:
+        raise CheckpointFormatError(f"{path}: not the file exported with the weights beside it (their index records "
+                                    f"another sha256): an export to this folder is being published, or was killed "
+                                    f"between the two; load again, or export again")
+    return parse_json(data, path, expected)
 
 
 def _check_header(path: str, where: str) -> None:
-    """Refuses a safetensors header of more than MAX_HEADER_BYTES or MAX_TENSORS entries, or longer than its file:
-    measured before anything is parsed, in bounded memory (each entry of the JSON header is an object, and an
-    object cannot be written without a '{', so the '{'s bound the entries from above)."""
+    """Refuses a safetensors header of more than MAX_HEADER_BYTES, MAX_TENSORS tensors or MAX_METADATA metadata
+    entries, longer than its file, or naming a tensor (or a metadata key) twice (safetensors keeps the last copy
+    silently). Measured before anything is parsed, in bounded memory: each tensor entry of the JSON header is an
+    object, and an object cannot be written without a '{'; each tensor entry holds 5 strings and each metadata entry
+    2, and a string cannot be written without two '"'. So the '{'s and '"'s bound both from above."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -147,16 +170,42 @@ def _check_header(path: str, where: str) -> None:
             raise CheckpointFormatError(f"{where}: its header length says {n} bytes, " + (
                 f"more than safetensors reads ({MAX_HEADER_BYTES})" if n > MAX_HEADER_BYTES else
                 f"but the file has {size}") + f": not a safetensors file, or a damaged one; {DAMAGED}")
-        objects, left = 0, n
+        objects, quotes, left = 0, 0, n
         while left:
             chunk = f.read(min(left, 2**20))
             objects += chunk.count(b"{")
+            quotes += chunk.count(b'"')
             left -= len(chunk)
-            if not chunk or objects > MAX_TENSORS + 2:
+            if not chunk or objects > MAX_TENSORS + 2 or quotes > MAX_QUOTES:
                 break
-    if objects > MAX_TENSORS + 2:  # the header itself and __metadata__
-        raise CheckpointFormatError(f"{where}: a header of more than {MAX_TENSORS} entries, more than dorafp8 reads "
-                                    f"from one file (refused before parsing it); {DAMAGED}")
+        if objects > MAX_TENSORS + 2 or quotes > MAX_QUOTES:  # + 2: the header itself and __metadata__
+            raise CheckpointFormatError(f"{where}: a header of more than {MAX_TENSORS} tensors or {MAX_METADATA} "
+                                        f"metadata entries, more than dorafp8 reads from one file (refused before "
+                                        f"parsing it); {DAMAGED}")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(n), object_pairs_hook=_once)
+        except _Twice as e:
+            raise CheckpointFormatError(f"{where}: its header names {e.args[0]!r} twice (which copy is meant?); "
+                                        f"{DAMAGED}") from None
+        except (ValueError, RecursionError):
+            return  # not JSON: safetensors says so, naming the file (open_safetensors)
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if isinstance(meta, dict) and len(meta) > MAX_METADATA:
+        raise CheckpointFormatError(f"{where}: {len(meta)} metadata entries in its header, more than the "
+                                    f"{MAX_METADATA} dorafp8 reads; {DAMAGED}")
+
+
+class _Twice(Exception):
+    """A JSON object with a key given twice (json keeps the last silently)."""
+
+
+def _once(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _Twice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
 
 
 @contextlib.contextmanager
@@ -188,47 +237,108 @@ def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
+#
+# No journal, nothing to finish or undo: one writer at a time per destination folder (an OS lock), files written in a
+# staging folder on the destination's own file system, moved in under fresh names nobody reads yet, and one rename
+# (the index, or the single file) that makes them the checkpoint. Nothing read from disk decides what is removed but
+# the rule of `previous_export`.
 
-JOURNAL = ".publish.json"  # in a staging folder: what publish() moves and removes, for a later run to finish or undo
-
-
-def temporary_name(folder: str, name: str) -> str:
-    """Where a writer writes `name` (a file or a staging folder) of `folder` before it is complete: hidden, with the
-    writer's process id (so that remove_leftovers of a later run knows whether its writer is still alive) and a
-    random part (two writers in one process)."""
-    return os.path.join(folder, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
-
-
-def remove_leftovers(folder: str, name: str) -> list[str]:
-    """What writers of `name` in `folder` killed before they finished left behind (temporary_name of a process that
-    no longer runs): a temporary file is removed; a staging folder is removed after its publish, if one had begun, is
-    finished (if it had renamed its commit, the index or the single file, into place) or undone (if not). A live
-    writer's are left alone. Returns the paths removed."""
-    removed = []
-    for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.partial")):
-        pid = path[len(os.path.join(folder, f".{name}.")):-len(".partial")].partition("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            finish_or_undo(path)
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-        removed.append(path)
-    return removed
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
+def destination(path: str, what: str = "path") -> str:
+    """`path` with its symlinks resolved (a folder linked to another disk is written on that disk); a dangling link is
+    refused naming `what`, before anything is written."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"{what}={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
+                                f"point it at a folder that exists, or remove the link")
+    return os.path.realpath(path)
+
+
+@contextlib.contextmanager
+def locked(folder: str, what: str, timeout: Optional[float] = None):
+    """Holds the OS's exclusive lock (flock) on the folder `folder` itself (nothing is created for it): a second
+    writer of the same folder, in this process or another, waits up to `timeout` seconds (LOCK_TIMEOUT), then is
+    refused naming `what`. The OS drops the lock when its holder dies, so a killed writer never blocks the next.
+    Where the file system has no locks (some network mounts), a warning says that writers are not kept apart."""
+    timeout = LOCK_TIMEOUT if timeout is None else timeout
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        deadline = time.monotonic() + timeout
+        while fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; "
+                                       f"wait for it to finish, or write elsewhere") from None
+                time.sleep(0.02)
+            except OSError as e:
+                warnings.warn(f"{what}: {folder} cannot be locked ({e.strerror}): two exports to it at once would "
+                              f"not be kept apart", stacklevel=4)
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int) -> bool:
+    """Takes the exclusive lock on `fd` without waiting: whether it got it (always, without fcntl)."""
+    if fcntl is None:
         return True
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except OSError:
+        return False
+
+
+def _leftovers(folder: str, name: str) -> list[str]:
+    """The stages named like ours in `folder` that no live writer holds (a live one's stage is locked)."""
+    try:
+        found = sorted(n for n in os.listdir(folder) if n.startswith(f".{name}.") and n.endswith(".partial"))
+    except OSError:
+        return []
+    left = []
+    for n in found:
+        path = os.path.join(folder, n)
+        try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW) if stat.S_ISDIR(os.lstat(path).st_mode) else None
+        except OSError:
+            fd = None
+        if fd is None:
+            left.append(n)
+            continue
+        try:
+            if _flock(fd):
+                left.append(n)
+        finally:
+            os.close(fd)
+    return left
+
+
+@contextlib.contextmanager
+def staging(folder: str, name: str):
+    """A new hidden folder `.<name>.<random>.partial` inside `folder` (so on its file system: the renames out of it
+    never cross disks), locked while it is in use, removed at the end. Stages nobody holds (left by writers that
+    were killed, or planted) are named in one warning, never removed: this writer removes nothing it cannot prove it
+    wrote."""
+    left = _leftovers(folder, name)
+    if left:
+        warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone else; "
+                      f"dorafp8 removes nothing it cannot prove it wrote: delete them if no export is running",
+                      stacklevel=4)
+    stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
+    os.mkdir(stage)
+    fd = os.open(stage, os.O_RDONLY)
+    try:
+        _flock(fd)  # tells other writers' _leftovers that this stage is live
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(fd)
 
 
 def fsync_file(path: str) -> None:
@@ -257,29 +367,34 @@ def replace(tmp: str, path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], staged: bool = False) -> None:
-    """safetensors' save_file of `tensors` to `path`, a write error raised naming `path`. staged: written whole or not
-    at all, in a staging folder beside `path` (temporary_name: safetensors puts its own temporary file beside its
-    target, so what a killed writer leaves is all in there, for remove_leftovers of the next write), fsynced, then
-    renamed into place. Without `staged`, `path` is in a staging folder already."""
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        for chunk in iter(lambda: f.read(2**22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: Optional[str] = None) -> None:
+    """safetensors' save_file of `tensors` to `path` (in a staging folder: safetensors puts its own temporary file
+    beside it), a write error raised naming `name` (default: `path`)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    folder, name = os.path.split(os.path.abspath(path))
-    stage = temporary_name(folder, name) if staged else None
-    if stage:
-        remove_leftovers(folder, name)
-        os.mkdir(stage)
     try:
-        try:
-            save_file(tensors, os.path.join(stage, name) if stage else path, metadata=metadata)
-        except (SafetensorError, OSError) as e:
-            raise write_error(path, e) from e
-        if stage:
-            replace(os.path.join(stage, name), path)
-    finally:
-        if stage:
-            shutil.rmtree(stage, ignore_errors=True)
+        save_file(tensors, path, metadata=metadata)
+    except (SafetensorError, OSError) as e:
+        raise write_error(name or path, e) from e
+
+
+def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
+    """One .safetensors file at `path`, whole or not at all: written in a staging folder beside the file `path`
+    resolves to, under the lock of that folder, fsynced, and renamed over it."""
+    real = destination(path)
+    folder, name = os.path.split(real)
+    with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
+        save_safetensors(tensors, os.path.join(stage, name), metadata, path)
+        replace(os.path.join(stage, name), real)
 
 
 def write_error(path: str, e: Exception) -> OSError:
@@ -293,51 +408,34 @@ def write_error(path: str, e: Exception) -> OSError:
     return OSError(code, f"writing {path}: {os.strerror(code)}{todo}")
 
 
-def publish(stage: str, folder: str, before: list[str], commit: str, after: list[str], replaces: list[str]) -> None:
-    """Moves the complete files of `stage` into `folder`, so that a reader of `folder`, whenever this stops (a crash,
-    a kill), finds the files it replaces or the new ones, never a mix: first `before` (new shards, under names no file
-    of `folder` has), then `commit` (the file a reader starts from: the index, or the only file) by one rename, then
-    `after` (config.json), then `replaces` (the replaced export's files: nothing else) are removed. Every file and
-    the folder are fsynced before each of those steps is taken as done. The plan is written to the stage first
-    (JOURNAL), so that remove_leftovers of a later run finishes a publish that got past its commit and undoes one
-    that did not."""
-    os.makedirs(folder, exist_ok=True)
-    fsync_dir(os.path.dirname(os.path.abspath(folder)))
-    for name in before + [commit] + after:
-        fsync_file(os.path.join(stage, name))
-    plan = {"folder": os.path.abspath(folder), "before": before, "commit": commit, "after": after,
-            "replaces": replaces}
-    with open(os.path.join(stage, JOURNAL), "w") as f:
-        json.dump(plan, f)
-        f.flush()
-        os.fsync(f.fileno())
-    for name in before:
-        os.replace(os.path.join(stage, name), os.path.join(folder, name))
-    fsync_dir(folder)
-    os.replace(os.path.join(stage, commit), os.path.join(folder, commit))
-    fsync_dir(folder)
-    finish_or_undo(stage)
-
-
-def finish_or_undo(stage: str) -> None:
-    """Takes a publish (of `stage`, per its JOURNAL) to its end if its commit was renamed into place, else back to
-    where it began. Nothing to do for a stage whose publish never began."""
+def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
+    """The files in `folder` that a new export may remove, as {name: {"size", "sha256"}}, which are all a writer ever
+    removes: those that the index `index_name` there (a regular file, not a link) lists in its "metadata" under
+    "dorafp8_files", as dorafp8 writes it, where the name is a plain file name of `pattern` (the names writers give
+    shards) and the file is a regular file of the recorded size and sha256. Anything else, in the index or in the
+    folder, is left alone: an index that cannot be read so, a name of another form, a file changed since."""
     try:
-        with open(os.path.join(stage, JOURNAL)) as f:
-            plan = json.load(f)
-        folder = plan["folder"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if os.path.exists(os.path.join(stage, plan["commit"])):  # not committed: the new shards go
-        for name in plan["before"]:
-            if not os.path.exists(os.path.join(stage, name)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(folder, name))
-    else:
-        for name in plan["after"]:
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(os.path.join(stage, name), os.path.join(folder, name))
-        for name in plan["replaces"]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, name))
-    fsync_dir(folder)
+        fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
+                return {}
+            files = json.loads(f.read())["metadata"]["dorafp8_files"]
+        items = list(files.items())
+    except (OSError, ValueError, RecursionError, LookupError, TypeError, AttributeError):
+        return {}
+    out = {}
+    for name, rec in items:
+        if not (isinstance(name, str) and pattern.fullmatch(name) and isinstance(rec, dict)):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size") and sha256(path) == rec.get("sha256"):
+                out[name] = {"size": st.st_size, "sha256": rec["sha256"]}
+        except OSError:
+            continue
+    return out

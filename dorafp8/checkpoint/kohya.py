@@ -44,7 +44,7 @@ from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.conv import DoraFP8ConvVariant
-from .files import open_safetensors, regular_file, save_safetensors, some
+from .files import open_safetensors, regular_file, save_file_atomic, some
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
 
 SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
@@ -208,12 +208,12 @@ def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
 
 
 def _write_atomic(tensors: dict, path, metadata: dict) -> None:
-    """`path` written whole or not at all (files.save_safetensors: staged, fsynced, renamed)."""
+    """`path` written whole or not at all (files.save_file_atomic: staged, fsynced, renamed)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
-    save_safetensors(tensors, path, metadata, staged=True)
+    save_file_atomic(tensors, path, metadata)
 
 
 # ---------------------------------------------------------------------------------------------------------- import
@@ -335,7 +335,7 @@ def _plan(root, sd, prefix, strict) -> dict:
     if not plan and not errors:
         errors.append("the file has no lora_down / lora_up keys")
     if errors:
-        raise ValueError("load_kohya_dora: " + some(errors, first=8, sep="; "))
+        raise ValueError("load_kohya_dora: " + some(errors, first=8, sep="; ", names=False))
     if unmatched:
         warnings.warn(f"load_kohya_dora skipped {len(unmatched)} keys that name no module of "
                       f"{type(root).__name__} (strict=False): {some(sorted(unmatched))}", stacklevel=3)

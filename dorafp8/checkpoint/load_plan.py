@@ -183,7 +183,7 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
                 plan.consumed[k] = "ignored"
                 report.kept[k] = "scales of weights that are not fp8 (ignored, as the writer's own loader does)"
     if errors:
-        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; "))
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
 
 
 def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optional[str]:
@@ -262,7 +262,7 @@ def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict,
         else:
             unexpected.append(k)
     if errors:
-        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; "))
+        raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
     by_module: dict[str, list[str]] = {}
     for n in model_t:
         by_module.setdefault(n.rpartition(".")[0], []).append(n)

@@ -1,30 +1,31 @@
 """Where a writer puts its tensors: TensorSink keeps them in a dict (the state dict handed to transformers'
-save_pretrained); ShardWriter writes them to safetensors files, sharded with an index, atomically (temporary part
-files renamed at the end, removed if the write fails); shard_names / shard_pattern: the names it gives shards."""
+save_pretrained); ShardWriter writes them to safetensors files (parts in a staging folder, or one file); shard_names /
+shard_pattern: the names shards are given."""
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import re
+import uuid
 
 import torch
 
-from .files import save_safetensors
+from .files import save_file_atomic, save_safetensors
 
 
 def parse_size(size) -> int:
-    """max_shard_size: an int (bytes) or '5GB', '500MiB', ..."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not m:
-        raise ValueError(f"max_shard_size must be an int (bytes) or like '5GB', got {size!r}")
-    unit = m.group(2)
-    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-            "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * mult)
+    """max_shard_size: a positive int (bytes) or '5GB', '500MiB', ...; anything else refused naming the argument."""
+    m = None if isinstance(size, (bool, int)) else re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?I?B)\s*",
+                                                               str(size).upper())
+    if m:
+        mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+                "GIB": 2**30, "TIB": 2**40}.get(m.group(2))
+        n = int(float(m.group(1)) * mult) if mult else None
+    else:
+        n = size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_shard_size must be a positive int (bytes) or like '5GB', got {size!r}")
+    return n
 
 
 class TensorSink:
@@ -47,18 +48,13 @@ class TensorSink:
 
 
 class ShardWriter(TensorSink):
-    """Writes the tensors to safetensors files of at most max_bytes each, every one under a temporary name until
-    close(): into the folder `path` (a staging folder: close() names the shards and writes their index there, and
-    the caller publishes them), or at close() to the one file `path` ending in .safetensors (files.save_safetensors:
-    through a staging folder of its own)."""
+    """Writes the tensors to safetensors files of at most max_bytes each: into the staging folder `path` as hidden
+    parts (close() returns them, and write.py names and publishes them), or at close() to the one file `path` ending
+    in .safetensors (files.save_file_atomic: whole or not at all)."""
 
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
         super().__init__()
         self.single = path.endswith(".safetensors")
-        self.dir = os.path.dirname(path) if self.single else path
-        self.made_dir = bool(self.dir) and not os.path.isdir(self.dir)
-        if self.dir:
-            os.makedirs(self.dir, exist_ok=True)
         self.path, self.stem, self.max, self.metadata = path, stem, max_bytes, metadata
         self.cur_bytes = 0
         self.parts: list[tuple[str, list[str]]] = []
@@ -72,52 +68,33 @@ class ShardWriter(TensorSink):
         self.cur_bytes += n
 
     def _flush(self) -> None:
-        tmp = os.path.join(self.dir, f".{self.stem}.part{len(self.parts)}.safetensors")
-        self.parts.append((tmp, list(self.cur)))  # before writing: discard() removes what a failed write began
+        tmp = os.path.join(self.path, f".{self.stem}.part{len(self.parts)}.safetensors")
         save_safetensors(self.cur, tmp, self.metadata)
+        self.parts.append((tmp, list(self.cur)))
         self.cur, self.cur_bytes = {}, 0
 
-    def discard(self) -> None:
-        """A write that failed half-way leaves nothing behind: its temporary shards, and the directory it made."""
-        for tmp, _ in self.parts:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        if self.made_dir and not os.listdir(self.dir):
-            os.rmdir(self.dir)
-
-    def close(self, taken=frozenset()) -> list[str]:
-        """Finishes the write: the one file renamed into place (fsynced), or the shards named (the names of
-        shard_names that `taken`, the files already in the destination, does not have) and their index written.
-        Returns the files' paths."""
+    def close(self) -> list[tuple[str, list[str]]]:
+        """Finishes the write: the one file written in place (returns []), or the last part written (returns the
+        parts, (file, its keys), in order)."""
         if self.single:
-            save_safetensors(self.cur, self.path, self.metadata, staged=True)
-            return [self.path]
+            save_file_atomic(self.cur, self.path, self.metadata)
+            return []
         if self.cur or not self.parts:
             self._flush()
-        n = len(self.parts)
-        names = [f"{self.stem}.safetensors"] if n == 1 else shard_names(self.stem, n, taken)
-        weight_map = {}
-        for (tmp, keys), name in zip(self.parts, names):
-            os.replace(tmp, os.path.join(self.dir, name))
-            weight_map.update({k: name for k in keys})
-        if n > 1:
-            with open(os.path.join(self.dir, f"{self.stem}.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))},
-                          f, indent=2)
-        return [os.path.join(self.dir, name) for name in names]
+        return self.parts
 
 
 def shard_names(stem: str, n: int, taken=frozenset()) -> list[str]:
-    """The names of n shards: `{stem}-00001-of-0000n.safetensors`, ..., or where any of those is taken (by the export
-    a new one replaces, which stays readable until the new index is in place), `{stem}-2-00001-of-0000n...`, and so
-    on: never a name a file of the destination has."""
-    for g in itertools.count(1):
-        tag = f"{stem}-" if g == 1 else f"{stem}-{g}-"
-        names = [f"{tag}{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    """Fresh names for the n shards of one export, `{stem}-{8 random hex}-00001-of-0000n.safetensors`, ..., none of
+    them in `taken` (the files of the destination): an export never writes over a file a reader may be reading."""
+    while True:
+        tag = uuid.uuid4().hex[:8]
+        names = [f"{stem}-{tag}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         if not set(names) & set(taken):
             return names
 
 
 def shard_pattern(stem: str) -> re.Pattern:
-    """The names shard_names gives for `stem`, and only those: what a writer may remove of an export it replaces."""
-    return re.compile(rf"{re.escape(stem)}(-[0-9]+)?-[0-9]{{5,}}-of-[0-9]{{5,}}\.safetensors")
+    """The names shard_names gives for `stem`, and only those (plain file names): the only files a writer may remove
+    of an export it replaces (files.previous_export)."""
+    return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{8}}-[0-9]{{5}}-of-[0-9]{{5}}\.safetensors")

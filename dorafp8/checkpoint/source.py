@@ -69,16 +69,20 @@ class CheckpointSource:
         each JSON file an object. The shards are the folder's model.safetensors (diffusion_pytorch_model.safetensors)
         if it has one, as transformers (diffusers) reads it first, else those its index names, else every
         *.safetensors file in it. So a folder that an export is replacing loads as the old export or the new one
-        at every step of its publish (write.py)."""
+        at every step of its publish (write.py); config.json, where the index records its sha256 (a dorafp8 export),
+        must have it: a reader never pairs one export's config with another's weights."""
         roots = allowed_roots(path)
+        config_sha256 = None  # what the index of a dorafp8 export records of its config.json
         single = next((n for n in SINGLE_NAMES if os.path.lexists(os.path.join(path, n))), None)
         index = next((n for n in INDEX_NAMES if os.path.lexists(os.path.join(path, n))), None)
         if single is not None:
             self.shards = [file_in(path, single, f"{path}: {single}", roots)]
         elif index is not None:
             self.index = file_in(path, index, f"{path}: {index}", roots)
-            weight_map = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}').get(
-                "weight_map")
+            index_obj = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}')
+            weight_map = index_obj.get("weight_map")
+            meta = index_obj.get("metadata")
+            config_sha256 = meta.get("dorafp8_config_sha256") if isinstance(meta, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointFormatError(f"{self.index}: its \"weight_map\" is not an object of tensor names to "
                                             f"shard file names; {DAMAGED}")
@@ -94,7 +98,8 @@ class CheckpointSource:
                 f"yourself and pass the state dict)" if others else ""))
         if os.path.lexists(os.path.join(path, "config.json")):
             cfg = file_in(path, "config.json", f"{path}: config.json", roots)
-            self.config = read_json(cfg, "a model config (a JSON object)")
+            self.config = read_json(cfg, "a model config (a JSON object)",
+                                    config_sha256 if isinstance(config_sha256, str) else None)
             if not isinstance(self.config.get("quantization_config") or {}, dict):
                 raise CheckpointFormatError(f"{cfg}: its \"quantization_config\" is a "
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "

@@ -9,10 +9,12 @@ written per tensor), and says so in the ExportReport.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-import shutil
+import stat
 import time
+import warnings
 from collections import Counter
 from typing import Optional
 
@@ -22,12 +24,12 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
-from .files import finish_or_undo, publish, read_json, remove_leftovers, temporary_name
-from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, CheckpointFormatError, canonical_format
+from .files import destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256, staging
+from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
-from .sink import ShardWriter, TensorSink, parse_size, shard_pattern
+from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
 
 logger = logging.getLogger("dorafp8")
 
@@ -76,31 +78,23 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     require("safetensors", what="writing fp8 checkpoints")
     t0 = time.time()
     path = os.fspath(path)
+    max_bytes = parse_size(max_shard_size)  # every argument is checked before anything is written
     t = resolve_target(model, fmt, granularity, block_size, prefix, metadata)
     check_destination(t, path, defaulted=fmt is None)
-    single = path.endswith(".safetensors")
-    # Write aside, then move into place: a directory checkpoint (shards, index, config.json) is written into a hidden
-    # staging directory next to `path` and published (files.publish) only once all of them are written, so a failure
-    # (a broken adapter, a full disk, Ctrl-C) leaves `path` as it was, and a kill leaves it loading as the old
-    # checkpoint or the new one, never a mix. A single file is a temporary file renamed. Either carries this
-    # process's id: what a killed writer left is finished or removed here, by the next write to the same path.
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(parent):
-        remove_leftovers(parent, os.path.basename(os.path.abspath(path)))
-    stage = path if single else _staging_dir(path)
-    writer = ShardWriter(stage, t.stem, parse_size(max_shard_size), t.metadata)
+    real = destination(path)
     report = ExportReport(t.fmt, path)
-    try:
-        out = emit(t, writer, report, merge=merge, adapter_names=adapter_names)
-        files = writer.close(taken=set() if single or not os.path.isdir(path) else set(os.listdir(path)))
-        if not single:
-            write_config(t, stage, report, out)
-    except BaseException:
-        writer.discard()
-        if not single:
-            shutil.rmtree(stage, ignore_errors=True)
-        raise
-    report.files = files if single else _publish(stage, path, t.stem, files)
+    emit_args = dict(merge=merge, adapter_names=adapter_names)
+    if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
+        if os.path.isdir(real):
+            raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
+        writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
+        with _made(os.path.dirname(real)):
+            out = emit(t, writer, report, **emit_args)
+            writer.close()
+        report.files = [path]
+    else:
+        writer = ShardWriter("", t.stem, max_bytes, t.metadata)  # its folder: the stage, below
+        out = _write_folder(t, path, real, writer, report, emit_args)
     report.tensors, report.bytes = writer.count, writer.total
     if out.ragged:
         report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
@@ -118,58 +112,121 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     return report
 
 
-def _staging_dir(path: str) -> str:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    stage = temporary_name(parent, os.path.basename(os.path.abspath(path)))
-    os.mkdir(stage)
-    return stage
-
-
-def _publish(stage: str, path: str, stem: str, files: list[str]) -> list[str]:
-    """Moves the finished checkpoint in `stage` into `path` (files.publish: readers see the old one or the new one,
-    never a mix) and returns the files' final paths. Other files in `path` are kept, except those of an earlier
-    export with the same stem that this one replaces (_replaced); nothing else is ever removed."""
-    names = [os.path.basename(f) for f in files]
-    index = f"{stem}.safetensors.index.json"
-    commit = index if len(names) > 1 else names[0]
-    written = set(os.listdir(stage))
-    after = sorted(written - set(names) - {index})  # config.json: right after the weights it describes
-    try:
-        publish(stage, path, names if len(names) > 1 else [], commit, after, _replaced(path, stem, len(names) == 1))
-    except BaseException:  # an error half-way (a kill runs nothing: the next write finishes or undoes it)
-        with contextlib.suppress(Exception):
-            finish_or_undo(stage)
-        raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return [os.path.join(path, n) for n in names]
-
-
-def _replaced(path: str, stem: str, single: bool) -> list[str]:
-    """The files of an earlier export into `path` that a new one with the same stem replaces, and that only a writer
-    would have written: the shards its index names under the names this writer gives (sink.shard_pattern; a user's
-    `model-v1.safetensors` or `model-backup.safetensors` never matches, and a name the index makes up outside the
-    folder cannot), then its index where the new export is one file (an old index would be read instead of it),
-    and its one file where the new export is sharded (transformers would read that instead of the new index)."""
-    if not os.path.isdir(path):
-        return []
-    out = []
-    index = os.path.join(path, f"{stem}.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            weight_map = read_json(index, "an index").get("weight_map")
-        except (CheckpointFormatError, OSError):
-            weight_map = None
-        names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
-        pattern = shard_pattern(stem)
-        out += sorted(n for n in names if isinstance(n, str) and pattern.fullmatch(n)
-                      and os.path.isfile(os.path.join(path, n)))
-        if single:
-            out.append(os.path.basename(index))
-    if not single and os.path.isfile(os.path.join(path, f"{stem}.safetensors")):
-        out.append(f"{stem}.safetensors")
+def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict):
+    """A folder checkpoint: the shards and config.json written into a staging folder inside `real` (the folder `path`
+    resolves to), then published under the folder's lock (_publish). A failure before the publish leaves the folder
+    as it was (and removes it if this write made it, empty)."""
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
+                                 f"as one file)")
+    _check_folder(real, path, t.stem)
+    with _made(real), staging(real, t.stem) as stage:
+        writer.path = stage
+        out = emit(t, writer, report, **emit_args)
+        parts = writer.close()
+        write_config(t, stage, report, out)
+        with locked(real, f"path={path!r}"):
+            _check_folder(real, path, t.stem)
+            names = _publish(stage, real, t.stem, parts, writer.total)
+    report.files = [os.path.join(path, n) for n in names]
     return out
+
+
+@contextlib.contextmanager
+def _made(folder: str):
+    """`folder` made if missing (with its parents), and removed again, if still empty, when the write fails."""
+    made = not os.path.isdir(folder)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
+
+def _check_folder(real: str, path: str, stem: str) -> None:
+    """Refuses, before anything is written, a folder where the new export would not be what loads: one holding
+    `<stem>.safetensors` (transformers and dorafp8 read it instead of an index), which no export of this writer
+    makes, so it is not one it may remove; or a folder where the index or config.json goes."""
+    single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
+    if os.path.lexists(os.path.join(real, single)):
+        raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
+                              f"instead of an index, so the new export would not be what loads; it is not a file "
+                              f"this writer can prove an export wrote, so it is not removed: move it away (or delete "
+                              f"it), or export to another folder")
+    for name in (index, "config.json"):
+        if os.path.isdir(os.path.join(real, name)):
+            raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
+                                    f"move it away, or export to another folder")
+
+
+def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> list[str]:
+    """Moves the finished export in `stage` into `folder` (whose lock the caller holds) and returns its shards' names.
+    A reader, or a kill at any point, finds the previous export or the new one: the shards go in first under fresh
+    names (sink.shard_names) that no index names yet, then config.json (only if its bytes change: see below), then
+    the index by one rename, the commit; then the previous export's shards that files.previous_export proves it
+    wrote are removed, and nothing else. The index records every shard's size and sha256, and those of the shards it
+    replaces until they are removed (what lets the next export remove them, and only them), and config.json's
+    sha256: config.json and the index are two files, so between their two renames, or after a kill there, a reader
+    can find a changed config.json beside the previous weights; load_fp8_checkpoint refuses that pair, naming it. A
+    failure before the commit removes the shards it moved in."""
+    index = f"{stem}.safetensors.index.json"
+    names = shard_names(stem, len(parts), set(os.listdir(folder)))
+    others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
+    files, weight_map = {}, {}
+    for (tmp, keys), name in zip(parts, names):
+        staged = os.path.join(stage, name)
+        os.replace(tmp, staged)
+        fsync_file(staged)
+        files[name] = {"size": os.path.getsize(staged), "sha256": sha256(staged)}
+        weight_map.update(dict.fromkeys(keys, name))
+    # the replaced export's files are listed too, until removed: an export interrupted before it removed them (a
+    # kill, an error) leaves them to the next one, which finds them in this index
+    old = previous_export(folder, index, shard_pattern(stem))
+    meta = {"total_size": total, "dorafp8_files": {**old, **files}}
+    if "config.json" in others:
+        meta["dorafp8_config_sha256"] = sha256(os.path.join(stage, "config.json"))
+    with open(os.path.join(stage, index), "w") as f:
+        json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    fsync_file(os.path.join(stage, index))
+    moved = []
+    try:
+        for name in names:
+            os.replace(os.path.join(stage, name), os.path.join(folder, name))
+            moved.append(name)
+        for name in others:
+            if not _same_bytes(os.path.join(stage, name), os.path.join(folder, name)):
+                replace(os.path.join(stage, name), os.path.join(folder, name))
+        fsync_dir(folder)
+        replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
+    except BaseException:
+        for name in moved:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+        raise
+    for name in old:  # the export is published: what cannot be removed now only takes space
+        try:
+            os.remove(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            warnings.warn(f"{folder}: the replaced export's {name!r} could not be removed ({e.strerror})",
+                          stacklevel=4)
+    fsync_dir(folder)
+    return names
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    """Whether the regular file (not a link) `b` holds exactly the bytes of `a`."""
+    try:
+        if not stat.S_ISREG(os.lstat(b).st_mode) or os.path.getsize(a) != os.path.getsize(b):
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:

@@ -259,9 +259,10 @@ def test_a_new_checkpoint_replaces_the_old_shards_and_index(tmp_path):
     (dest / "README.md").write_text("mine")
     dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", max_shard_size=200, verbose=False)
     assert any(n.endswith("index.json") for n in _tree(dest))
-    dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", verbose=False)  # one file now
+    dorafp8.save_fp8_checkpoint(net, dest, format="dorafp8", verbose=False)  # one shard now (and its index)
     names = sorted(_tree(dest))
-    assert "README.md" in names and not any(n.endswith("index.json") or "-of-" in n for n in names), names
+    assert len(names) == 3 and "README.md" in names and "model.safetensors.index.json" in names, names
+    assert sum("-of-00001." in n for n in names) == 1, names
     fresh = Net()
     dorafp8.load_fp8_checkpoint(fresh, dest, verbose=False)
     with torch.no_grad():

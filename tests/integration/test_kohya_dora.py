@@ -631,8 +631,8 @@ def test_a_damaged_or_strange_file_is_named_with_what_to_do(tmp_path, damage):
 
 def test_save_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
     """save_kohya_dora's temporary file is fsynced before its rename, and the folder after it (nothing was: a power
-    cut after the save could leave an empty file under the name). A killed save's temporary file is removed by the
-    next save to the same path."""
+    cut after the save could leave an empty file under the name). What a killed save left is not removed (nothing
+    proves who made it: issue 48) but named in a warning, and the next save to the same path works."""
     model, _, path, net = lycoris_file(tmp_path)
     net.restore()
     pm = dorafp8.load_kohya_dora(model, path)
@@ -643,8 +643,9 @@ def test_save_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
-    dorafp8.save_kohya_dora(pm, str(out / "dora.safetensors"))
-    assert [n for n in os.listdir(out)] == ["dora.safetensors"]
+    with pytest.warns(UserWarning, match=r"\.dora\.safetensors\.999999999-0123abcd\.partial.* left by exports"):
+        dorafp8.save_kohya_dora(pm, str(out / "dora.safetensors"))
+    assert sorted(os.listdir(out)) == sorted(["dora.safetensors", dead.name])
     assert any(p.startswith(str(out.resolve() / ".dora.safetensors.")) for p in synced) and str(out.resolve()) in synced
     assert len(load_file(out / "dora.safetensors")) == len(load_file(path))  # every key, under the module names
 
