@@ -395,14 +395,16 @@ def _transpose_w8_variants(arch: str) -> list[Variant]:
 
 
 def _dequant_variants(arch: str) -> list[Variant]:
-    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind."""
+    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the forward's and
+    the folded dgrad's (",rowf": gl's factors on the rows)."""
     bn, bk = DEQUANT_BLOCKS
-    return [Variant(f"{kind}-scale", dt_name,
-                    dict(w_ptr=FP8, scale_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
+    return [Variant(f"{kind}-scale{',rowf' if rowf else ''}", dt_name,
+                    dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
                          stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K),
-                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), SCAN_N=SCAN),
+                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), HAS_ROWF=rowf,
+                         SCAN_N=SCAN),
                     _fixed(BLOCK_N=bn, BLOCK_K=bk))
-            for (dt_name, dt), kind in itertools.product(DTYPES.items(), SCALE_KINDS)]
+            for (dt_name, dt), kind, rowf in itertools.product(DTYPES.items(), SCALE_KINDS, (False, True))]
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:

@@ -92,7 +92,7 @@ SUBSET = [
     *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
-    *[("dequant_w8", "bf16", f"{kind}-scale", BOTH) for kind in ("block", "row")],
+    *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale,rowf")],
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}
