@@ -34,6 +34,7 @@ from ..backends.base import fold_requested
 from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
+from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -393,6 +394,19 @@ def _transpose_w8_variants(arch: str) -> list[Variant]:
                     _fixed(BLOCK=TRANSPOSE_BLOCK))]
 
 
+def _dequant_variants(arch: str) -> list[Variant]:
+    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the forward's and
+    the folded dgrad's (",rowf": gl's factors on the rows)."""
+    bn, bk = DEQUANT_BLOCKS
+    return [Variant(f"{kind}-scale{',rowf' if rowf else ''}", dt_name,
+                    dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
+                         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K),
+                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), HAS_ROWF=rowf,
+                         SCAN_N=SCAN),
+                    _fixed(BLOCK_N=bn, BLOCK_K=bk))
+            for (dt_name, dt), kind, rowf in itertools.product(DTYPES.items(), SCALE_KINDS, (False, True))]
+
+
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
     bm, bk = QUANT_BLOCKS
     return [Variant("rowwise", dt_name, dict(t_ptr=dt, q_ptr=FP8, s_ptr=F32, M=LARGE_M, K=K, stride_t_m=K,
@@ -415,4 +429,5 @@ SPECS = [
     KernelSpec("rank_pieces", rank_pieces_kernel, _rank_pieces_variants, weight_arg=None),
     KernelSpec("forward_epilogue", fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
     KernelSpec("dgrad_epilogue", dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
+    KernelSpec("dequant_w8", dequant_w8_kernel, _dequant_variants, weight_arg=None),
 ]

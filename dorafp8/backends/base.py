@@ -151,7 +151,8 @@ class Backend(Protocol):
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
-# The folded dgrad, an option a backend offers by setting FOLDS_DGRAD = True (the Triton backend does). W8A16 only.
+# The folded dgrad, an option a backend offers by setting FOLDS_DGRAD = True (the Triton and cuBLAS backends do; the
+# cuBLAS one runs it by default, FOLDS_BY_DEFAULT, since it rides on its dequantize). W8A16 only.
 #   backward_pass(..., fold=True): gl (and gb, with dropout) come back as fp32 [N] factors, fl = f / rl and
 #     fb = srow / rb (ones without srow), instead of the [M, N] copies g * fl and g * fb; rs as without fold.
 #   dgrad(g, rl, ..., gb=g, fl=fl, fb=fb): the contract's dgrad of gl = g * fl and gb = g * fb, with the factors
@@ -168,7 +169,7 @@ FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
 OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS}
 
-# Opt-in, off by default: the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
+# Opt-in, off by default (for the fused GEMMs; backends/__init__.py folds_dgrad): the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
 # shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound
 # (`python -m dorafp8.kernel_report --predict`: dgrad 0.41 -> 0.50 ms, the layer 1.22x -> 1.30x the Linear). Predicted,
 # not measured: DORAFP8_FOLD_DGRAD=1 turns it on, for the layer and for the kernel report, until a GPU decides.

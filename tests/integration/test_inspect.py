@@ -91,6 +91,8 @@ SUBSET = [
     # and the forward's without dropout (MAY_SPILL says why it spills)
     *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
+    # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
+    *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale,rowf")],
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}

@@ -414,7 +414,7 @@ def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, d
             assert torch.equal(got, ref), (name, what, (got - ref).abs().max().item())
 
 
-@pytest.mark.backends("triton")  # the one backend that offers the fold (backends/base.py, FOLD_PARAMS)
+@pytest.mark.backends("triton")  # the fold is opt-in there (cublas folds by default: test_cublas.py)
 @pytest.mark.parametrize("per_row,dropout", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
 def test_folded_dgrad_opt_in_end_to_end(device, backend, per_row, dropout, monkeypatch):
     """DORAFP8_FOLD_DGRAD=1 (off by default: base.fold_requested) runs the layer's backward with gl's factors on the
