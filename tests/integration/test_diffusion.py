@@ -24,6 +24,7 @@ def test_peft_registration_survives_a_find_spec_probe():
 # ------------------------------------------------------------------------------------------ end to end, diffusers
 
 import copy  # noqa: E402
+import statistics  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -281,17 +282,25 @@ def test_unet_grad_scaler_gradient_checkpointing_and_accumulation():
     g_peft, l_peft, _ = _recipe_grads(pm_peft, batches, checkpointing=False)
     g_true, _, _ = _recipe_grads(pm_truth, batches, checkpointing=False, amp=False)
     assert set(g_plain) == set(g_peft) == set(g_true) and len(g_plain) == 3 * (24 + 60)
+    errs, errs_peft = [], []
     for name in g_plain:
         a, b = g_plain[name], g_ckpt[name]
         assert torch.isfinite(a).all(), name
         # recomputation is the same computation: equal up to the order of fp32 sums
-        assert (a - b).norm() <= 1e-4 * a.norm() + 1e-12, (name, (a - b).norm().item(), a.norm().item())
+        within(((a - b).norm() / a.norm().clamp_min(1e-30)).item(), 10 * tol(torch.float32), f"{name}: checkpointed")
         # fp16 rounding: some magnitude gradients are sums that cancel and are far off in fp16 for PEFT too
-        # (measured: up to 4x their own size for PEFT, 5x here; median 0.4% for both), so the bound is relative to
-        # PEFT's own error on the same tensor
+        # (measured: up to 4x their own size for PEFT, 5x here; median 0.4% for both), so each tensor's bound is
+        # relative to PEFT's own error on it: 5x it (seen: at most 1.9x, on such a sum), plus what the fp16 roundings
+        # along its path can add whatever PEFT's luck on that tensor (its error varies with the CPU's kernels: one
+        # lora_A at 0.3% for PEFT, 1.1% here, with ATEN_CPU_CAPABILITY=default; the old bound, 2x + 1e-3, failed
+        # there): fp16's tolerance once per layer of the UNet's deepest path (10). A wrong gradient is off by ~100%.
         t = g_true[name]
         err, err_peft = ((a - t).norm() / t.norm()).item(), ((g_peft[name] - t).norm() / t.norm()).item()
-        assert err <= 2 * err_peft + 1e-3, (name, err, err_peft)
+        within(err, 5 * err_peft + 10 * tol(torch.float16), f"{name}: fp16 gradient against fp32's")
+        errs.append(err)
+        errs_peft.append(err_peft)
+    # and over all tensors, no further from the fp32 truth than PEFT's own fp16 run, with 2x room
+    within(statistics.median(errs), 2 * statistics.median(errs_peft), "median fp16 gradient error against PEFT's")
     assert l_plain == pytest.approx(l_ckpt, rel=1e-5)
     assert l_plain == pytest.approx(l_peft, rel=1e-2)
     assert stepped  # the scaler found no inf or NaN in dorafp8's fp16 gradients
