@@ -59,12 +59,13 @@ def table(records: list[dict], settings: list[str], top: int) -> tuple[str, int]
         w = worst.setdefault(r["where"], {"what": r["what"], "bound": r["bound"], "rel": r["rel"], "by": {}})
         w["by"][r["setting"]] = max(w["by"].get(r["setting"], 0.0), r["ratio"])
     rows = sorted(worst.items(), key=lambda kv: -max(kv[1]["by"].values()))
-    lines = [f"{'check (where)':58} {'bound':>8} " + " ".join(f"{s[:12]:>12}" for s in settings)]
+    lines = [f"{'check (where: what)':58} {'bound':>8} " + " ".join(f"{s[:12]:>12}" for s in settings)]
     for where, w in rows[:top]:
         bound = f"{w['rel']:.0e}*" if w["rel"] is not None else f"{w['bound']:.3g}"
         ratios = " ".join(f"{w['by'].get(s, float('nan')):>12.3f}" for s in settings)
         mark = "  <- within 2x" if max(w["by"].values()) >= NEAR else ""
-        lines.append(f"{where[:58]:58} {bound:>8} {ratios}{mark}")
+        label = f"{where}: {w['what']}"
+        lines.append(f"{label[:58]:58} {bound:>8} {ratios}{mark}")
     near = sum(max(w["by"].values()) >= NEAR for w in worst.values())
     lines.append(f"{len(worst)} checks, {len(records)} measurements; {near} at {NEAR} of their bound or more "
                  "(ratio = figure / bound; * = assert_close's elementwise bound, the ratio its worst element's share)")
