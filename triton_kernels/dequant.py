@@ -32,19 +32,20 @@ def dequant_w8_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_N: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    # "only the first program" masks are tensor comparisons (t * 0 + pid == 0): Triton 3.9's interpreter refuses a
+    # mask made from a scalar comparison (an int32 mask)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     ok = mask_n[:, None] & (offs_k[None, :] < K)
     rows = offs_n.to(tl.int64)
     w = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-    first = (pid_n == 0) & (pid_k == 0)
     if SCALE_KIND == "tensor":
         f = tl.load(scale_ptr)
         w = w * f
         # fac = [1, 1]: the epilogues' factors, written by one program
         two = tl.arange(0, 2)
-        tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two < 2) & first)
+        tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two * 0 + pid_n + pid_k) == 0)
     elif SCALE_KIND == "row":
         # kappa = max |scale|, every program the same (the scale vector is N floats, read from L2 after the first)
         offs_s = tl.arange(0, SCAN_N)
@@ -56,14 +57,15 @@ def dequant_w8_kernel(
         # the column of programs at pid_k = 0 writes rest = scale / kappa for its rows, the first also st = 1 / kappa
         srow = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
         # div_rn: the correctly rounded quotient, as torch's (plain '/' is approximate on GPUs)
-        tl.store(fac_ptr + offs_n, tl.math.div_rn(srow, kappa), mask=mask_n & (pid_k == 0))
+        tl.store(fac_ptr + offs_n, tl.math.div_rn(srow, kappa), mask=mask_n & ((offs_n * 0 + pid_k) == 0))
         one = tl.arange(0, 1)
-        tl.store(fac_ptr + N + one, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), kappa), mask=(one < 1) & first)
+        tl.store(fac_ptr + N + one, tl.math.div_rn(tl.full((1,), 1.0, tl.float32), kappa),
+                 mask=(one * 0 + pid_n + pid_k) == 0)
     else:  # block: f[j, k] = scale[j // b, k // b]
         sb = (offs_n // SCALE_BLOCK_SIZE)[:, None] * stride_scale_n + (offs_k // SCALE_BLOCK_SIZE)[None, :]
         w = w * tl.load(scale_ptr + sb, mask=ok, other=0.0)
         two = tl.arange(0, 2)
-        tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two < 2) & first)
+        tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two * 0 + pid_n + pid_k) == 0)
     if HAS_ROWF:  # the folded dgrad's column factors of gl, on the weight's rows (after the scale, in fp32)
         w = w * tl.load(rowf_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
     if out_ptr.dtype.element_ty == tl.bfloat16:
