@@ -32,8 +32,6 @@ def dequant_w8_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_N: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    # "only the first program" masks are tensor comparisons (t * 0 + pid == 0): Triton 3.9's interpreter refuses a
-    # mask made from a scalar comparison (an int32 mask)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -43,6 +41,8 @@ def dequant_w8_kernel(
     if SCALE_KIND == "tensor":
         f = tl.load(scale_ptr)
         w = w * f
+        # "only the first program" masks are tensor comparisons (t * 0 + pid == 0): Triton 3.9's interpreter refuses a
+        # mask made from a scalar comparison (an int32 mask)
         # fac = [1, 1]: the epilogues' factors, written by one program
         two = tl.arange(0, 2)
         tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two * 0 + pid_n + pid_k) == 0)
