@@ -5,8 +5,9 @@
 # below need only torch, Triton, numpy and pytest) and without the CUDA extension, and runs its tests with a Triton
 # cache of its own (a cold one: no entry compiled by anything else is read), in two processes as README's test
 # command does (pytest-xdist, whole files each: the kernel report's compiles beside the interpreter tests). It prints
-# its times. The venvs stay, as .venv does (deleting 5 GB took longer than the tests it saves nothing for); a leg's
-# next run starts from scratch. (Building the next leg's venv in the background while a leg tests saved nothing in a
+# its times. Each leg's venv (4 to 6 GB) is deleted when its tests have run, its pytest log kept beside it as
+# .venv-matrix/<leg>.log: kept, the three filled 15 GB more of a disk whose free space CI does not choose (CI once
+# failed in README's install with "No space left on device"). (Building the next leg's venv in the background while a leg tests saved nothing in a
 # CI run: the tests slowed by as much as the installs' 26 to 79 s.)
 #
 #   bash .ci/version_matrix.sh                       every leg
@@ -108,8 +109,9 @@ for leg in "${legs[@]}"; do
     # A skipped test would pass silently here (a missing compiler skips test_inspect.py whole): none may skip.
     # shellcheck disable=SC2086  # the test files are words
     TRITON_CACHE_DIR="$PWD/$venv/triton-cache" "$venv/bin/python" -m pytest ${TESTS[$leg]} -k "$SELECT" -q \
-        -n 2 --dist loadfile -p no:cacheprovider -rsx 2>&1 | tee "$venv/pytest.log" | { grep -v '^ptxas ' || true; }
-    summary=$(tail -n 1 "$venv/pytest.log")
+        -n 2 --dist loadfile -p no:cacheprovider -rsx 2>&1 | tee "$venv.log" | { grep -v '^ptxas ' || true; }
+    rm -rf "$venv"
+    summary=$(tail -n 1 "$venv.log")
     if [[ "$summary" == *skipped* ]]; then
         echo "matrix $leg: tests were skipped ($summary): each one must run in the matrix"
         exit 1
