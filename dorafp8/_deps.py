@@ -51,13 +51,13 @@ def untested_version(dist: str, version: str) -> str | None:
             f"pip install '{dist}>={oldest}'")
 
 
-# dorafp8's PEFT layers subclass PEFT 0.21's LoRA layers and variants (pyproject's `peft` extra requires it).
-PEFT_OLDEST = (0, 21)
+# dorafp8's PEFT layers subclass PEFT's LoRA layers and variants as peft 0.18 to 0.21 have them (dorafp8/peft/_compat.py
+# says where those differ; 0.18 is what LLaMA-Factory 0.9.5 installs); pyproject's `peft` extra requires the same.
+PEFT_OLDEST = (0, 18)
 
 
 def peft_too_old() -> str | None:
-    """None if peft is missing or at least PEFT_OLDEST, else a sentence naming the version, the fix and the trainer
-    that pins an older peft (LLaMA-Factory) with the command that runs it."""
+    """None if peft is missing or at least PEFT_OLDEST, else a sentence naming the version and the fix."""
     try:
         version = importlib.metadata.version("peft")
     except importlib.metadata.PackageNotFoundError:
@@ -65,9 +65,9 @@ def peft_too_old() -> str | None:
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None or (int(m[1]), int(m[2])) >= PEFT_OLDEST:
         return None
-    return (f"peft {version} is installed, and dorafp8's PEFT layers need peft>=0.21: pip install 'peft>=0.21'. "
-            f"LLaMA-Factory pins an older peft; with peft>=0.21 beside it, run it as `DISABLE_VERSION_CHECK=1 "
-            f"dorafp8 run --quantize -- llamafactory-cli train config.yaml` (docs/TRAINERS.md)")
+    oldest = ".".join(map(str, PEFT_OLDEST))
+    return (f"peft {version} is installed, and dorafp8's PEFT layers need peft>={oldest}: "
+            f"pip install 'peft>={oldest}'")
 
 
 def warn_if_untested_torch() -> None:

@@ -72,9 +72,9 @@ def _peft() -> None:
 
 
 def _refuse_fp8_layers_in_old_peft() -> None:
-    """On a peft older than dorafp8's layers need (LLaMA-Factory pins one), get_peft_model on an fp8 layer fails
-    with PEFT's own error deep in its DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
-    refuse it instead, naming the peft needed and the launcher. Everything else PEFT does is left alone."""
+    """On a peft older than dorafp8's layers support, get_peft_model on an fp8 layer fails with PEFT's own error deep
+    in its DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'): refuse it instead, naming the
+    peft needed. Everything else PEFT does is left alone."""
     from peft.tuners.lora.model import LoraModel
 
     from .nn import FP8WeightModule

@@ -40,6 +40,7 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
     """What DoRAFP8Conv1d/2d/3d add to PEFT's lora.Conv1d/2d/3d (see the module docstring)."""
 
     _dora_variant = DoraFP8ConvVariant
+    _peft_dora_variant = _DoraConvNdVariant
     _io_names = ("in_channels", "out_channels")
 
     # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
@@ -55,8 +56,8 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         shell = self.__dict__.get("_dorafp8_geometry_shell")
         return shell if shell is not None else super().get_base_layer()
 
-    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-        # PEFT 0.21's _ConvNd.update_layer builds lora_A / lora_B as `type(base_layer)(...)`, which for an FP8 conv
+    def update_layer(self, adapter_name, *args, **kwargs):
+        # PEFT's _ConvNd.update_layer builds lora_A / lora_B as `type(base_layer)(...)`, which for an FP8 conv
         # base would be two frozen fp8 convs. While it runs, get_base_layer() returns a shell: an nn.ConvNd of the
         # same geometry on the meta device (no memory), so PEFT builds the plain nn.ConvNd adapters it builds for
         # any conv, with its own initialisation. Device and dtype come from the real base
@@ -64,7 +65,7 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         shell = _geometry_shell(self._fp8_base())
         self.__dict__["_dorafp8_geometry_shell"] = shell
         try:
-            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+            super().update_layer(adapter_name, *args, **kwargs)
         finally:
             self.__dict__.pop("_dorafp8_geometry_shell", None)
         self.clear_weight_norm_cache()

@@ -18,6 +18,7 @@ from ..nn.convert import check_fp8_layer, zero3_gathered
 from ..norm_cache import WeightNormCache
 from ..ops import norm_divisor
 from ..quant import all_finite
+from . import _compat
 
 
 _MERGE_WARNING = (
@@ -119,16 +120,45 @@ class DoRAFP8Layer:
     _dora_variant: type
     _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
 
-    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+    def __init__(self, base_layer, adapter_name: str, config=None, r: int = 0, lora_alpha: int = 1, **kwargs):
         self._dorafp8_norm_cache = WeightNormCache()
-        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+        with _compat.quiet_layer_init():
+            super().__init__(base_layer, adapter_name, r=r, lora_alpha=lora_alpha,
+                             **_compat.layer_kwargs(config, kwargs))
 
     def _fp8_base(self):
         return self.get_base_layer()
 
     @property
-    def lora_variants(self):
+    def lora_variants(self):  # peft >= 0.20 picks the variant here
         return {(): None, ("use_dora",): self._dora_variant}
+
+    def resolve_lora_variant(self, **kwargs):
+        # peft 0.18 and 0.19 ask the layer class, whose answer is PEFT's own DoRA variant: this layer's instead. Any
+        # other variant (aLoRA, Arrow, ...) is refused, as peft >= 0.20 refuses it through lora_variants.
+        variant = super().resolve_lora_variant(**kwargs)
+        if variant is None or isinstance(variant, self._dora_variant):
+            return variant
+        if isinstance(variant, self._peft_dora_variant):
+            return self._dora_variant()
+        raise ValueError(f"{type(self).__name__} supports plain LoRA and DoRA only, not PEFT's "
+                         f"{type(variant).__name__}")
+
+    def update_layer(self, adapter_name, *args, **kwargs):
+        if not _compat.LAYER_SAYS_DTYPE:  # peft 0.18 read them with a function that does not know fp8 layers
+            self.in_features, self.out_features = self._get_in_out_features(self._fp8_base())
+        super().update_layer(adapter_name, *args, **kwargs)
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
+        if _compat.LAYER_SAYS_DTYPE:  # through _get_base_layer_device_and_dtype: the fp8 base's original dtype
+            return super()._move_adapter_to_device_of_base_layer(adapter_name, device)
+        # peft 0.18 would cast the adapters to the base weight's dtype, e4m3: its original dtype instead
+        base_device, dtype = self._get_base_layer_device_and_dtype(self._fp8_base())
+        for name in self.adapter_layer_names + self.other_param_names:
+            holder = getattr(self, name, None)
+            if isinstance(holder, nn.ModuleDict) and adapter_name in holder and not any(
+                    p.device.type == "meta" for p in holder[adapter_name].parameters()):
+                holder[adapter_name] = holder[adapter_name].to(device or base_device, dtype=dtype)
 
     @property
     def backend(self) -> str:
@@ -284,7 +314,9 @@ class DoRAFP8Layer:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new._dorafp8_norm_cache = WeightNormCache()
-        lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        with _compat.quiet_layer_init():
+            lora_layer.LoraLayer.__init__(new, fp8, ephemeral_gpu_offload=layer.ephemeral_gpu_offload, **layer.kwargs)
+        new.in_features, new.out_features = new._get_in_out_features(fp8)  # peft 0.18 cannot tell them
         for attr in ("r", "lora_alpha", "scaling", "use_dora", "use_rslora", "lora_bias", "merged_adapters",
                      "_disable_adapters", "_active_adapter", "cast_input_dtype_enabled") + attrs:
             if hasattr(layer, attr):

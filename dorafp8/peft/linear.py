@@ -42,8 +42,9 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     """
 
     _dora_variant = DoraFP8Variant
+    _peft_dora_variant = DoraLinearVariant
 
-    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+    def __init__(self, base_layer, adapter_name: str, config=None, r: int = 0, lora_alpha: int = 1, **kwargs):
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self.fan_in_fan_out = False  # the FP8Linear weight is always [out, in]
 

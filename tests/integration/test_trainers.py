@@ -9,8 +9,8 @@ exit report counts the fp8 layers and the DoRA layers' calls, so a run that sile
 - TRL's `trl sft` runs its training script in a child process (`accelerate launch`): this checks the launcher's
   environment hand-off too. trl is in the test extra.
 - LLaMA-Factory's `llamafactory-cli train` cannot be installed beside the test extra (llamafactory 0.9.5 pins
-  peft<=0.18.1, transformers<=5.6, datasets<=4.0, trl<=0.24): its test skips where it is missing, which is CI.
-  Run by hand in a venv with llamafactory and peft>=0.21 (docs/TRAINERS.md says how).
+  peft<=0.18.1, transformers<=5.6, datasets<=4.0, trl<=0.24): its test runs in a venv of its own with llamafactory as
+  pip resolves it, the peft it pins included (.ci/llamafactory.sh, a CI leg), and skips in any venv without it.
 """
 
 import json
@@ -108,19 +108,22 @@ def _lf_config(model, out, data) -> str:
 
 
 def test_llamafactory_cli_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
-    pytest.importorskip("llamafactory", reason="llamafactory is not installed: 0.9.5 pins peft>=0.18.0,<=0.18.1 "
-                                               "(dorafp8's PEFT layers need peft 0.21's layer interface), "
-                                               "transformers<=5.6, trl<=0.24, datasets<=4.0, so it cannot be "
-                                               "installed beside the test extra; run by hand (module docstring)")
+    """`dorafp8 run --quantize -- llamafactory-cli train` as a user runs it after `pip install llamafactory dorafp8`:
+    with the peft LLaMA-Factory's release pins (0.18.1 for 0.9.5) and its own version check on."""
+    pytest.importorskip("llamafactory", reason="llamafactory is not installed in this venv: its pins (peft<=0.18.1, "
+                                               "transformers<=5.6, trl<=0.24, datasets<=4.0 for 0.9.5) clash with "
+                                               "the test extra's; CI runs this test in a venv of its own "
+                                               "(.ci/llamafactory.sh)")
     data = tmp_path / "data"
     write_sft_data(data, alpaca=True)
     shutil.copytree(checkpoints / "deq", tmp_path / "deq")
     for name, model in (("fp8", checkpoints / "model"), ("ref", tmp_path / "deq")):
         (tmp_path / f"{name}.yaml").write_text(_lf_config(model, tmp_path / name, data))
     cli = os.path.join(BIN, "llamafactory-cli")
+    check = {"DISABLE_VERSION_CHECK": "0"}  # LLaMA-Factory's own check of its dependencies' versions runs
     log = _run([sys.executable, "-m", "dorafp8", "run", "--quantize", "--", cli, "train", "fp8.yaml"], tmp_path,
-               DISABLE_VERSION_CHECK="1")
-    _run([cli, "train", "ref.yaml"], tmp_path, DISABLE_VERSION_CHECK="1")
+               **check)
+    _run([cli, "train", "ref.yaml"], tmp_path, **check)
     _compare(tmp_path, tmp_path / "fp8", tmp_path / "ref", log)
 
 
@@ -212,9 +215,9 @@ def test_no_argument_still_prints_the_install_report():
     assert r.returncode == 0 and r.stdout.startswith(f"dorafp8 {dorafp8.__version__}")
 
 
-def test_peft_older_than_0_21_is_refused_naming_the_fix_and_the_launcher(monkeypatch):
-    """LLaMA-Factory pins peft<=0.20, where dorafp8's layers cannot work: get_peft_model on an fp8 layer failed deep
-    in PEFT's DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'). It is refused instead."""
+def test_peft_older_than_0_18_is_refused_naming_the_fix(monkeypatch):
+    """On a peft older than dorafp8's layers support, get_peft_model on an fp8 layer fails deep in PEFT's DoRA init
+    ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'). It is refused instead, naming the fix."""
     import importlib.metadata
 
     from peft import LoraConfig, get_peft_model
@@ -223,12 +226,11 @@ def test_peft_older_than_0_21_is_refused_naming_the_fix_and_the_launcher(monkeyp
     from dorafp8 import _install
 
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.18.1" if d == "peft" else real(d))
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.17.1" if d == "peft" else real(d))
     monkeypatch.setattr(LoraModel, "_create_new_module", LoraModel.__dict__["_create_new_module"])
     _install._peft()  # what `import peft` runs after `import dorafp8`
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     dorafp8.quantize_model(model)
-    with pytest.raises(RuntimeError, match=r"peft 0\.18\.1 is installed.*peft>=0\.21.*dorafp8 run --quantize -- "
-                                           r"llamafactory-cli train"):
+    with pytest.raises(RuntimeError, match=r"peft 0\.17\.1 is installed.*pip install 'peft>=0\.18'"):
         get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
