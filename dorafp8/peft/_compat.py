@@ -10,8 +10,9 @@ peft 0.18.x in its wheel and accepts up to 0.20 in its version check). Where the
   `_get_base_layer_device_and_dtype`); 0.18 reads them with functions that do not know the fp8 layers (it would cast
   new adapters to the base weight's dtype, e4m3).
 
-Checked against each release's own source (tests/integration/test_trainers.py runs LLaMA-Factory with the peft pip
-gives it; docs/TESTING.md).
+Read from each release's own source (0.18.0 and 0.18.1 differ in none of these). tests/peft/test_peft.py and
+test_conv.py pass with 0.18.1, 0.19.1, 0.20.0 and 0.21.2; CI runs them with 0.21 (README's venv) and test_peft.py with
+the 0.18.1 LLaMA-Factory installs (.ci/llamafactory.sh, with LLaMA-Factory's own CLI; docs/TESTING.md).
 """
 
 from __future__ import annotations
