@@ -1,7 +1,10 @@
 """What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
 process; the fastest of those that computed right.
 
-Trust on first use. The first call of a key (the op, N, K, M's power-of-two bucket, r's bucket, bias, scale kind and
+Trust on first use. The ops checked: a DoRA layer's step ("dora", its weight norm included), fp8_linear's ("linear"),
+and weight_norm called alone ("norm": PEFT's layers cache their norm that way, and it is the one backend kernel of the
+DoRA convs, whose convolutions are the platform's on a dequantized weight: nothing of theirs is picked here). The
+first call of a key (the op, N, K, M's power-of-two bucket (not for "norm"), r's bucket, bias, scale kind and
 block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switches that change kernels: DORAFP8_HOPPER_GEMM,
 DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
 capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
@@ -104,13 +107,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+RANKED = ("dora", "norm")  # the ops whose key holds the rank and the adapters' dtype
+
+
 def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="tensor", block=128, cdt, rdt=None,
             p=0.0, act_quant="") -> dict:
     """What the child runs for a call: everything that changes the kernel or its speed, M and r bucketed."""
     name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     return {"op": op, "device": str(device), "N": N, "K": K, "M": min(bucket(M), MAX_M), "mb": bucket(M),
-            "r": _pow2(r) if op == "dora" else 0, "bias": bool(bias), "scale": scale,
-            "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op == "dora"
+            "r": _pow2(r) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
+            "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
             "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}}
 
@@ -118,9 +124,10 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
 def describe(spec: dict) -> str:
     """A key as the cache file and the messages write it."""
     s = spec
-    parts = [s["op"], f"N={s['N']} K={s['K']} M<={s['mb']}", s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
+    parts = [s["op"], f"N={s['N']} K={s['K']}" + ("" if s["op"] == "norm" else f" M<={s['mb']}"),
+             s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
              "w8a8" if s["act_quant"] else "w8a16", s["scale"] + (str(s["block"]) if s["block"] else "")]
-    parts += [f"r<={s['r']}"] if s["op"] == "dora" else []
+    parts += [f"r<={s['r']}"] if s["op"] in RANKED else []
     parts += ["bias"] if s["bias"] else []
     parts += [f"p={s['p']:g}"] if s["p"] else []
     parts += [f"{k}={v}" for k, v in sorted(s["env"].items())]

@@ -15,7 +15,7 @@ import torch
 
 from ..quant import quantize_e4m3
 from ._race import ROOM, ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
-from .linear import dora_fp8_linear, fp8_linear
+from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 def _inputs(spec: dict, M: int, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(M)
@@ -32,6 +32,9 @@ def _inputs(spec: dict, M: int, device: torch.device) -> dict:
 
 def _step(spec: dict, t: dict, backend: str) -> dict:
     """One forward + backward on `backend`: {name: tensor} of y and every gradient."""
+    if spec["op"] == "norm":  # weight_norm alone (PEFT's cached norm, the convs' norms): no gradient
+        return {"y": weight_norm(t["w8"], t["scale"], t["A"], t["B"], 0.5, backend=backend,
+                                 block_size=spec["block"] or 128)}
     leaves = {k: t[k].clone().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
     torch.manual_seed(0)  # the same dropout mask for every backend
     kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)

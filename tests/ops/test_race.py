@@ -180,6 +180,10 @@ def test_the_key_separates_what_changes_a_kernel(monkeypatch):
     monkeypatch.delenv("DORAFP8_FOLD_DGRAD")
     assert key(M=128) == key() and key(r=3) == key()  # buckets: M 65..128, r 3..4
     assert key(block=64) == key()  # the block size matters only with block scales
+    # weight_norm alone: the rank and the adapters' dtype (its operands), not M (it has none)
+    norm = lambda **kw: _race.describe(_race.spec_of("norm", CPU, **dict(base, **kw)))  # noqa: E731
+    assert len({norm(), norm(r=16), norm(cdt=torch.float32, rdt=torch.float32), norm(scale="block"), key()}) == 5
+    assert norm(M=1) == norm(M=5000) and "M<=" not in norm()
 
 
 def test_a_new_build_is_checked_again(race, monkeypatch):
@@ -362,3 +366,33 @@ def test_the_child_bound_follows_the_tests_tolerances():
     from tests._tolerance import TOL
 
     assert _race.TOL == {str(k).removeprefix("torch."): v for k, v in TOL.items()}
+
+
+def test_the_norm_alone_and_the_convs_run_only_checked_kernels(race, used, monkeypatch):
+    """weight_norm called alone (PEFT's layer caches its norm that way: dorafp8/peft/linear.py) and the DoRA convs'
+    norms (their one backend kernel: the convolutions are the platform's, on a dequantized weight) take a checked
+    pick, as a layer's step does: a norm kernel that computes wrong values is never used. (They ran the static order,
+    unchecked, before.)"""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", planted("wrong-norm"))
+    w8, scale, A, B, m = _layer()
+    with pytest.warns(RuntimeWarning, match=r"'native' is not used by backend='auto' for norm N=24 K=32 "
+                                            r"float32/float32 w8a16 tensor r<=4 on cpu .*: y differs"):
+        n = dorafp8.weight_norm(w8, scale, A, B, s)
+    assert set(used) == {"reference"} and children(race) == 0  # the planted child does not log; the file does
+    assert list(_verdicts(race)["keys"]) == ["norm N=24 K=32 float32/float32 w8a16 tensor r<=4"]
+    torch.testing.assert_close(n, dorafp8.weight_norm(w8, scale, A, B, s, backend="reference"), rtol=0, atol=0)
+    # a DoRA conv: its norm is a new key ([8, 2 * 3 * 3] view), checked, and served by the pick
+    used.clear()
+    g = torch.Generator().manual_seed(5)
+    wc8, sc = dorafp8.quantize_e4m3(torch.randn(8, 18, generator=g) / 4)
+    wc8 = wc8.reshape(8, 2, 3, 3)
+    Ac, Bc, mc = torch.randn(r, 2, 3, 3, generator=g) / 4, torch.randn(8, r, 1, 1, generator=g), torch.rand(8) + .5
+    x = torch.randn(2, 2, 6, 6, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # native's second wrong verdict is logged, not warned
+        y = dorafp8.dora_fp8_conv(x, wc8, sc, Ac, Bc, mc, s)
+    assert "native" not in used and "norm N=8 K=18 float32/float32 w8a16 tensor r<=4" in _verdicts(race)["keys"]
+    monkeypatch.setenv("DORAFP8_RACE", "0")
+    torch.testing.assert_close(y, dorafp8.dora_fp8_conv(x, wc8, sc, Ac, Bc, mc, s, backend="reference"),
+                               rtol=0, atol=0)
