@@ -30,10 +30,11 @@ written: the next process checks again.
 
 Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
 kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
-capture or the random stream (the process's extra peak memory is zero; the child's is one forward + backward of the
-key at M <= 4096 plus the fp32 dequantized weight, on the same GPU, and it has ended before the step goes on). Under a
-torch.compile trace there is no child: a key checked in this process is used, else the static order (run one eager
-step, or `python -m dorafp8 selftest`, first).
+capture or the random stream (the process's extra peak memory is zero, measured; the child's, on the same GPU while
+the user's activations are live, is at most child_bytes: 8 fp32 copies of the weight and 12 fp32 [M, N + K]
+activations at M <= 4096, measured too, and it has ended before the step goes on). Under a torch.compile trace there
+is no child and no file read (either would break the graph): a key checked in this process is used, else the static
+order, unchecked (run one eager step, or `python -m dorafp8 selftest`, first).
 
 Several processes (torch.distributed): the first rank to meet a key claims it in the process group's store (one
 atomic add), resolves it (file or child) and publishes the verdicts; the others wait for them once (no polling, no
@@ -119,6 +120,14 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
             "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
             "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}}
+
+
+def child_bytes(spec: dict) -> int:
+    """What the child may hold at once on the device, in bytes: 8 fp32 copies of the weight [N, K] and 12 fp32
+    activations [M, N + K] at its largest M (at most MAX_M): the inputs and the reference's outputs at both shapes, and
+    one step of the fp32 reference, which dequantizes the weight in fp32. tests/ops/test_race.py measures it; a GPU
+    child records its own peak with each verdict (peak_mb)."""
+    return 4 * (8 * spec["N"] * spec["K"] + 12 * spec["M"] * (spec["N"] + spec["K"]))
 
 
 def describe(spec: dict) -> str:

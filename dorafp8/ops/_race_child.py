@@ -77,6 +77,11 @@ def _watchdog(limit: float) -> None:
     threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
 
 
+def _peak(device) -> int:
+    """The CUDA allocator's peak so far on a GPU, in bytes; 0 elsewhere (tests/ops/test_race.py measures the CPU's)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -95,6 +100,7 @@ def main(argv: list[str]) -> int:
         print(f"dorafp8-race {kind} {what}", flush=True)
 
     shapes = [m for m in (SMALL_M, spec["M"]) if m <= spec["M"]]
+    base = _peak(device)
     inputs = {M: _inputs(spec, M, device) for M in shapes}
     refs = {M: _step(spec, inputs[M], "reference") for M in shapes}
     passed = []
@@ -121,5 +127,8 @@ def main(argv: list[str]) -> int:
             _step(spec, big, c)
             _sync(device)
             times[c].append(time.perf_counter() - t0)
-    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2]} for c, ts in times.items()}))
+    # what the check held on the GPU at most (its bound: _race.child_bytes), kept with the verdicts
+    peak = {"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {}
+    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **peak}
+                              for c, ts in times.items()}))
     return 0

@@ -396,3 +396,86 @@ def test_the_norm_alone_and_the_convs_run_only_checked_kernels(race, used, monke
     monkeypatch.setenv("DORAFP8_RACE", "0")
     torch.testing.assert_close(y, dorafp8.dora_fp8_conv(x, wc8, sc, Ac, Bc, mc, s, backend="reference"),
                                rtol=0, atol=0)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Measures memory on CPU: the most bytes that tensors made by ops while it is on held at once (each storage
+    counted once, weakly referenced, until it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ref = self.live.get(st.data_ptr())
+                if st.data_ptr() and (ref is None or ref[0].expired()):
+                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("op,n,k,m", [("dora", 64, 32, 300), ("dora", 512, 256, 16), ("linear", 64, 32, 300),
+                                      ("norm", 512, 256, 1)], ids=["dora-activations", "dora-weight", "linear", "norm"])
+def test_the_races_extra_memory_is_measured_and_within_its_bound(race, monkeypatch, op, n, k, m):
+    """The user's process: a first call that checks (in a child) holds at most what a DORAFP8_RACE=0 call holds
+    (measured: 0 bytes more). The child: its peak, measured here by running it in this process, is within
+    _race.child_bytes, the bound the README states (8 fp32 weights and 12 fp32 [M, N + K] activations)."""
+    import contextlib
+    import io
+
+    from dorafp8.ops import _race_child
+
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit: None)  # it would end this process at the limit
+    spec = _race.spec_of(op, CPU, N=n, K=k, M=m, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    with LiveBytes() as child, contextlib.redirect_stdout(io.StringIO()) as out:
+        assert _race_child.main([json.dumps(dict(spec, cands=["native", "reference"]))]) == 0
+    assert '"native": {"ok": true' in out.getvalue()
+    assert 0 < child.peak <= _race.child_bytes(spec), (child.peak, _race.child_bytes(spec))
+    if op != "dora" or n != 64:
+        return
+    w8, scale, A, B, mag = _layer(n=n)
+    x = torch.randn(m, k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    peaks = []
+    for flag in ("1", "0"):  # a first call that checks, then the same call unchecked
+        monkeypatch.setenv("DORAFP8_RACE", flag)
+        _race.forget()
+        with LiveBytes() as user:
+            dorafp8.dora_fp8_linear(x, w8, scale, A, B, mag, s).float().sum().backward()
+        peaks.append(user.peak)
+    assert children(race) == 1 and peaks[0] == peaks[1] > 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static-shapes", "dynamic-shapes"])
+def test_a_key_first_met_inside_torch_compile_runs_the_static_order(race, used, monkeypatch, dynamic):
+    """A key met first inside a torch.compile trace, for each op the race checks (a DoRA layer, fp8_linear,
+    weight_norm alone): no child and no file read (fullgraph=True: a graph break would raise), the static order (here
+    native, where a check would have picked reference), the result of DORAFP8_RACE=0, and no verdict made up for it:
+    the next eager call checks it."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(native=2.0, reference=1.0))
+    w8, scale, A, B, m = _layer()
+    x = torch.randn(40, K)
+    calls = {"dora": lambda x, **kw: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s, **kw),
+             "linear": lambda x, **kw: dorafp8.fp8_linear(x, w8, scale, **kw),
+             "norm": lambda x, **kw: dorafp8.weight_norm(w8, scale, A, B, s, **kw) * x.sum()}
+    with torch.no_grad():
+        for op, call in calls.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+            torch.testing.assert_close(compiled(x), call(x, backend="native"), rtol=0, atol=0)
+            assert children(race) == 0 and set(used) == {"native"}, (op, used)
+        assert not os.listdir(race) or not _verdicts(race)["keys"]
+        call(x)  # eager: checked now, and the compiled function is traced again with the pick
+        assert children(race) == 1 and used[-1] == "reference"
+        used.clear()
+        compiled(x)
+        assert set(used) == {"reference"}
