@@ -25,8 +25,10 @@ once would do it again). Each costs one warning naming the backend, the GPU, the
 that reproduces it (one per backend and kind of failure in a process: later ones are logged at INFO); later processes
 read the verdict and neither retry nor warn. `auto` never runs a candidate
 without a passing verdict: if none passes, the `reference` backend serves (correct, slow). A result that says nothing
-of the kernel (the child ran out of GPU memory next to the user's job, or could not start) is used by nobody and not
-written: the next process checks again.
+of the kernel (the child ran out of GPU memory next to the user's job, could not start, or was SIGKILLed from outside:
+the OOM killer, an operator) is used by nobody and not written: the next process checks again. Entries of the file
+that are not verdicts of this shape (a damaged or hand-edited file), and result lines cut short, are dropped: their
+keys are checked again.
 
 Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
 kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
@@ -204,11 +206,28 @@ def cache_file(device: torch.device) -> str:
     return os.path.join(cache_dir(), f"race-{slug}-{tag}.json")
 
 
+def _verdict(v, inconclusive: bool = False) -> bool:
+    """Whether v reads as a verdict this module makes: {"ok": False, ...}, {"ok": True, "ms": a time}, or with
+    `inconclusive`, {"ok": None, ...} (the child's word that it learnt nothing of the kernel: never written)."""
+    if not isinstance(v, dict):
+        return False
+    ok, ms = v.get("ok"), v.get("ms")
+    if ok is None:
+        return inconclusive
+    return ok is False or (ok is True and isinstance(ms, (int, float)) and not isinstance(ms, bool)
+                           and 0 <= ms < float("inf"))
+
+
 def _read(path: str) -> dict:
+    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped, so that its key is
+    checked again rather than a step failing on it."""
     try:
         with open(path) as f:
             data = json.load(f)
         if isinstance(data.get("keys"), dict) and isinstance(data.get("broken"), dict):
+            data["keys"] = {k: {c: v for c, v in res.items() if _verdict(v)} for k, res in data["keys"].items()
+                            if isinstance(res, dict)}
+            data["broken"] = {c: why for c, why in data["broken"].items() if isinstance(why, str)}
             return data
     except (OSError, ValueError, AttributeError):
         pass
@@ -317,16 +336,16 @@ def check(spec: dict) -> tuple[dict, dict]:
     again without it."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
-        out, failure = _child(dict(spec, cands=todo))
+        out, failure, blame = _child(dict(spec, cands=todo))
         started = None
         for line in out.splitlines():
             if line.startswith("dorafp8-race start "):
                 started = line.split()[-1]
             elif line.startswith("dorafp8-race result "):
-                results.update(json.loads(line[len("dorafp8-race result "):]))
+                results.update(_results(line[len("dorafp8-race result "):], todo))
         if failure is None and all(c in results for c in todo):
             break
-        if started is None or started in results:  # the child failed outside any kernel: nothing is learnt
+        if started is None or started in results or not blame:  # outside any kernel, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
             break
@@ -336,8 +355,20 @@ def check(spec: dict) -> tuple[dict, dict]:
     return results, broken
 
 
-def _child(spec: dict) -> tuple[str, str | None]:
-    """(stdout, None) if the child ended well, else (what it wrote, why not): killed at the limit, or its exit."""
+def _results(text: str, cands) -> dict:
+    """A result line's verdicts of `cands`; nothing from a line cut short (a child killed as it wrote it) or of
+    another shape."""
+    try:
+        res = json.loads(text)
+    except ValueError:
+        return {}
+    return {c: v for c, v in res.items() if c in cands and _verdict(v, True)} if isinstance(res, dict) else {}
+
+
+def _child(spec: dict) -> tuple[str, str | None, bool]:
+    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran can be
+    blamed): killed at the limit, or its exit; not a SIGKILL from outside (the OOM killer, an operator), which says
+    nothing of the kernel."""
     env = dict(os.environ, DORAFP8_RACE="0", DORAFP8_RACE_PARENT=str(os.getpid()))
     env.pop("DORAFP8_BACKEND", None)
     limit = timeout_s()
@@ -345,20 +376,21 @@ def _child(spec: dict) -> tuple[str, str | None]:
         proc = subprocess.Popen(CHILD + [json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, start_new_session=True)
     except OSError as e:
-        return "", f"the child could not start: {e}"
+        return "", f"the child could not start: {e}", False
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed"
+        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed", True
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
-        return out, f"the child process exited with {proc.returncode}: {tail}"
-    return out, None
+        return (out, f"the child process exited with {proc.returncode}: {tail}",
+                proc.returncode != -signal.SIGKILL)
+    return out, None, True
 
 
 def _kill(proc) -> None:

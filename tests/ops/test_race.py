@@ -479,3 +479,43 @@ def test_a_key_first_met_inside_torch_compile_runs_the_static_order(race, used, 
         used.clear()
         compiled(x)
         assert set(used) == {"reference"}
+
+
+def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
+    """Entries of another shape in the verdict file (a hand edit, a damaged write, another tool's JSON) are dropped on
+    reading: their key is checked again, and the step runs (before, a verdict that was not a dict raised in it)."""
+    spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    what = _race.describe(spec)
+    path = _race.cache_file(CPU)
+    with open(path, "w") as f:
+        json.dump({"keys": {what: {"native": "yes", "reference": {"ok": True, "ms": "fast"}}, "x": 3},
+                   "broken": {"native": 5}}, f)
+    _step()
+    assert children(race) == 1 and set(used) == {"native"}
+    assert _verdicts(race)["keys"][what]["native"]["ok"] is True and _verdicts(race)["broken"] == {}
+
+
+def _killed_child(partial: str):
+    """A child that says it starts native, writes `partial` (a result line cut short) and is SIGKILLed from outside,
+    as the OOM killer would."""
+    code = ("import os, signal, sys\n"
+            "sys.stdout.write('dorafp8-race start native\\n' + " + repr(partial) + "); sys.stdout.flush()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    return [sys.executable, "-c", code]
+
+
+def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
+    """A SIGKILL the parent did not send (the OOM killer, an operator) says nothing of the kernel that ran: no verdict
+    is written, nothing is marked unusable, the step runs on the fallback, and the next process checks again. A
+    result line cut short by the kill is ignored, not parsed into the step's error."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr'))
+    with pytest.warns(RuntimeWarning, match="not checked, so not used .*exited with -9"):
+        _step()
+    assert set(used) == {"reference"}
+    data = _verdicts(race)
+    assert data["broken"] == {} and not any(data["keys"].values())  # no verdict written
+    _race.forget()
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step()
+    assert children(race) == 1 and set(used) == {"native"}
