@@ -465,21 +465,30 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
                      f"{cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")
 
 
+# fp32 registers a thread may give the accumulators and their partial-product twins (fit_reduction_block): 4 or 8
+# plain warps (255 registers a thread at most) spilled past about 96 (inspect); a "tma-ws" consumer warpgroup runs at
+# 232 (setmaxnreg, hopper.py), and its unblocked 128 x 128 tile already holds 64 a thread and does not spill.
+_ACC_REGS = {"": 96, "tma-ws": 128}
+
+
 def fit_reduction_block(configs, red_name: str, block_size: int, scale_kind: str, out_name: str = "",
-                        n_acc: int = 1):
+                        n_acc: int = 1, main_loop: str = ""):
     """With block scales, one reduction step must stay inside one scale block (the kernel scales each step's partial
     product by its block's scale): keep the configs whose reduction block divides `block_size`, or shrink it to do
-    so. Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit about
-    96 registers per thread (larger ones spilled, inspect)."""
+    so. Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit
+    _ACC_REGS a thread: in the "tma-ws" loop (main_loop) two consumer warpgroups of num_warps warps each hold half the
+    tile at 232 registers, so its 128 x 128 tiles stay whole (they shrank to 32 x 128 when the 4-warp budget was
+    applied to them); elsewhere num_warps warps hold it all."""
     if scale_kind != "block":
         return configs
+    ws = main_loop == "tma-ws"
     out, seen = [], set()
     for cfg in configs:
         kw = dict(cfg.kwargs)
         while block_size % kw[red_name]:
             kw[red_name] //= 2
-        # shrink the tile until the accumulators and their partial-product twins fit ~96 fp32 registers a thread
-        while out_name and 2 * n_acc * kw["BLOCK_M"] * kw[out_name] > 96 * 32 * cfg.num_warps and kw["BLOCK_M"] > 16:
+        budget = _ACC_REGS["tma-ws" if ws else ""] * 32 * cfg.num_warps * (2 if ws else 1)
+        while out_name and 2 * n_acc * kw["BLOCK_M"] * kw[out_name] > budget and kw["BLOCK_M"] > 16:
             kw["BLOCK_M"] //= 2
         key = tuple(sorted(kw.items())) + (cfg.num_stages, cfg.num_warps)
         if key not in seen:

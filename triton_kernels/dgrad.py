@@ -326,7 +326,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
                                  (quant and fp8_promote(gl.device)) or folded, quant)
         else:
             lists = ws_configs_for(arch_of(gl.device), "BLOCK_K", "BLOCK_N", M, quant)
-        return fit_reduction_block(lists, "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1)
+        return fit_reduction_block(lists, "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1,
+                                   main_loop)
 
     # W8A8's lists differ: quant in the tag
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded,

@@ -351,7 +351,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
                                  quant and fp8_promote(x.device), quant)
         else:
             lists = ws_configs_for(arch_of(x.device), "BLOCK_N", "BLOCK_K", M, quant)
-        return fit_reduction_block(lists, "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1)
+        return fit_reduction_block(lists, "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1,
+                                   main_loop)
 
     # W8A8's lists differ: quant in the tag
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, main_loop)

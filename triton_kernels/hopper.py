@@ -74,7 +74,11 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
 # consumer warpgroup's (Triton adds a producer warpgroup and splits B_OUT between two consumers: 384 threads a CTA,
 # one CTA per SM, the producer at 40 registers and the consumers at 232 by setmaxnreg). Read with kernel_report
 # (Triton 3.8): BLOCK_M = 256 spilled 2.8 KB (W8A16) and 5.1 KB (W8A8) a thread, and B_OUT = 256 (each consumer 128
-# rows) 2.5 and 4.7 KB, so the tile is 128 x 128 at most. Only one accumulator (ws_plan).
+# rows) 2.5 and 4.7 KB, so the tile is 128 x 128 at most. Only one accumulator (ws_plan). Block scales keep these
+# tiles, their steps cut to divide the scale block (_common.fit_reduction_block: the partial-product twin takes each
+# consumer thread from 64 to 128 accumulator registers; every block-scaled sm_90a variant compiled without spills,
+# Triton 3.8). Predicted, not measured: their main loop then runs the per-tensor one's tiles, plus a scale load and an
+# FMA per accumulator a step, where the 32 x 128 tiles it had before read each W8 tile 4 times as often.
 _WS_TABLE = {
     # (large M, small M)
     "sm90": (

@@ -107,8 +107,8 @@ def _rank_modes(dt_name, kind, adapter):
     return out
 
 
-def _configs(configs, red_name, kind, out_name, dropout):
-    return fit_reduction_block(configs, red_name, SCALE_BLOCK_SIZE, kind, out_name, 2 if dropout else 1)
+def _configs(configs, red_name, kind, out_name, dropout, loop):
+    return fit_reduction_block(configs, red_name, SCALE_BLOCK_SIZE, kind, out_name, 2 if dropout else 1, loop)
 
 
 def _weight_norm_variants(arch: str) -> list[Variant]:
@@ -176,7 +176,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                     lists = gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant)
                 else:
                     lists = ws_configs_for(arch, out_name, red_name, m, quant)
-                configs = _configs(lists, red_name, kind, out_name, dropout)
+                configs = _configs(lists, red_name, kind, out_name, dropout, loop)
                 suffix = "" if asked == picked else f",{loop}"
                 out.append(Variant(name + suffix, dt_name, args, constexprs, configs))
     return out

@@ -1,7 +1,10 @@
 """What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
 process; the fastest of those that computed right.
 
-Trust on first use. The first call of a key (the op, N, K, M's power-of-two bucket, r's bucket, bias, scale kind and
+Trust on first use. The ops checked: a DoRA layer's step ("dora", its weight norm included), fp8_linear's ("linear"),
+and weight_norm called alone ("norm": PEFT's layers cache their norm that way, and it is the one backend kernel of the
+DoRA convs, whose convolutions are the platform's on a dequantized weight: nothing of theirs is picked here). The
+first call of a key (the op, N, K, M's power-of-two bucket (not for "norm"), r's bucket, bias, scale kind and
 block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switches that change kernels: DORAFP8_HOPPER_GEMM,
 DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
 capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
@@ -22,15 +25,18 @@ once would do it again). Each costs one warning naming the backend, the GPU, the
 that reproduces it (one per backend and kind of failure in a process: later ones are logged at INFO); later processes
 read the verdict and neither retry nor warn. `auto` never runs a candidate
 without a passing verdict: if none passes, the `reference` backend serves (correct, slow). A result that says nothing
-of the kernel (the child ran out of GPU memory next to the user's job, or could not start) is used by nobody and not
-written: the next process checks again.
+of the kernel (the child ran out of GPU memory next to the user's job, could not start, or was SIGKILLed from outside:
+the OOM killer, an operator) is used by nobody and not written: the next process checks again. Entries of the file
+that are not verdicts of this shape (a damaged or hand-edited file), and result lines cut short, are dropped: their
+keys are checked again.
 
 Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
 kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
-capture or the random stream (the process's extra peak memory is zero; the child's is one forward + backward of the
-key at M <= 4096 plus the fp32 dequantized weight, on the same GPU, and it has ended before the step goes on). Under a
-torch.compile trace there is no child: a key checked in this process is used, else the static order (run one eager
-step, or `python -m dorafp8 selftest`, first).
+capture or the random stream (the process's extra peak memory is zero, measured; the child's, on the same GPU while
+the user's activations are live, is at most child_bytes: 8 fp32 copies of the weight and 12 fp32 [M, N + K]
+activations at M <= 4096, measured too, and it has ended before the step goes on). Under a torch.compile trace there
+is no child and no file read (either would break the graph): a key checked in this process is used, else the static
+order, unchecked (run one eager step, or `python -m dorafp8 selftest`, first).
 
 Several processes (torch.distributed): the first rank to meet a key claims it in the process group's store (one
 atomic add), resolves it (file or child) and publishes the verdicts; the others wait for them once (no polling, no
@@ -104,23 +110,35 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+RANKED = ("dora", "norm")  # the ops whose key holds the rank and the adapters' dtype
+
+
 def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="tensor", block=128, cdt, rdt=None,
             p=0.0, act_quant="") -> dict:
     """What the child runs for a call: everything that changes the kernel or its speed, M and r bucketed."""
     name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     return {"op": op, "device": str(device), "N": N, "K": K, "M": min(bucket(M), MAX_M), "mb": bucket(M),
-            "r": _pow2(r) if op == "dora" else 0, "bias": bool(bias), "scale": scale,
-            "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op == "dora"
+            "r": _pow2(r) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
+            "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
             "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}}
+
+
+def child_bytes(spec: dict) -> int:
+    """What the child may hold at once on the device, in bytes: 8 fp32 copies of the weight [N, K] and 12 fp32
+    activations [M, N + K] at its largest M (at most MAX_M): the inputs and the reference's outputs at both shapes, and
+    one step of the fp32 reference, which dequantizes the weight in fp32. tests/ops/test_race.py measures it; a GPU
+    child records its own peak with each verdict (peak_mb)."""
+    return 4 * (8 * spec["N"] * spec["K"] + 12 * spec["M"] * (spec["N"] + spec["K"]))
 
 
 def describe(spec: dict) -> str:
     """A key as the cache file and the messages write it."""
     s = spec
-    parts = [s["op"], f"N={s['N']} K={s['K']} M<={s['mb']}", s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
+    parts = [s["op"], f"N={s['N']} K={s['K']}" + ("" if s["op"] == "norm" else f" M<={s['mb']}"),
+             s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
              "w8a8" if s["act_quant"] else "w8a16", s["scale"] + (str(s["block"]) if s["block"] else "")]
-    parts += [f"r<={s['r']}"] if s["op"] == "dora" else []
+    parts += [f"r<={s['r']}"] if s["op"] in RANKED else []
     parts += ["bias"] if s["bias"] else []
     parts += [f"p={s['p']:g}"] if s["p"] else []
     parts += [f"{k}={v}" for k, v in sorted(s["env"].items())]
@@ -188,11 +206,28 @@ def cache_file(device: torch.device) -> str:
     return os.path.join(cache_dir(), f"race-{slug}-{tag}.json")
 
 
+def _verdict(v, inconclusive: bool = False) -> bool:
+    """Whether v reads as a verdict this module makes: {"ok": False, ...}, {"ok": True, "ms": a time}, or with
+    `inconclusive`, {"ok": None, ...} (the child's word that it learnt nothing of the kernel: never written)."""
+    if not isinstance(v, dict):
+        return False
+    ok, ms = v.get("ok"), v.get("ms")
+    if ok is None:
+        return inconclusive
+    return ok is False or (ok is True and isinstance(ms, (int, float)) and not isinstance(ms, bool)
+                           and 0 <= ms < float("inf"))
+
+
 def _read(path: str) -> dict:
+    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped, so that its key is
+    checked again rather than a step failing on it."""
     try:
         with open(path) as f:
             data = json.load(f)
         if isinstance(data.get("keys"), dict) and isinstance(data.get("broken"), dict):
+            data["keys"] = {k: {c: v for c, v in res.items() if _verdict(v)} for k, res in data["keys"].items()
+                            if isinstance(res, dict)}
+            data["broken"] = {c: why for c, why in data["broken"].items() if isinstance(why, str)}
             return data
     except (OSError, ValueError, AttributeError):
         pass
@@ -301,16 +336,16 @@ def check(spec: dict) -> tuple[dict, dict]:
     again without it."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
-        out, failure = _child(dict(spec, cands=todo))
+        out, failure, blame = _child(dict(spec, cands=todo))
         started = None
         for line in out.splitlines():
             if line.startswith("dorafp8-race start "):
                 started = line.split()[-1]
             elif line.startswith("dorafp8-race result "):
-                results.update(json.loads(line[len("dorafp8-race result "):]))
+                results.update(_results(line[len("dorafp8-race result "):], todo))
         if failure is None and all(c in results for c in todo):
             break
-        if started is None or started in results:  # the child failed outside any kernel: nothing is learnt
+        if started is None or started in results or not blame:  # outside any kernel, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
             break
@@ -320,8 +355,20 @@ def check(spec: dict) -> tuple[dict, dict]:
     return results, broken
 
 
-def _child(spec: dict) -> tuple[str, str | None]:
-    """(stdout, None) if the child ended well, else (what it wrote, why not): killed at the limit, or its exit."""
+def _results(text: str, cands) -> dict:
+    """A result line's verdicts of `cands`; nothing from a line cut short (a child killed as it wrote it) or of
+    another shape."""
+    try:
+        res = json.loads(text)
+    except ValueError:
+        return {}
+    return {c: v for c, v in res.items() if c in cands and _verdict(v, True)} if isinstance(res, dict) else {}
+
+
+def _child(spec: dict) -> tuple[str, str | None, bool]:
+    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran can be
+    blamed): killed at the limit, or its exit; not a SIGKILL from outside (the OOM killer, an operator), which says
+    nothing of the kernel."""
     env = dict(os.environ, DORAFP8_RACE="0", DORAFP8_RACE_PARENT=str(os.getpid()))
     env.pop("DORAFP8_BACKEND", None)
     limit = timeout_s()
@@ -329,20 +376,21 @@ def _child(spec: dict) -> tuple[str, str | None]:
         proc = subprocess.Popen(CHILD + [json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, start_new_session=True)
     except OSError as e:
-        return "", f"the child could not start: {e}"
+        return "", f"the child could not start: {e}", False
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed"
+        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed", True
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
-        return out, f"the child process exited with {proc.returncode}: {tail}"
-    return out, None
+        return (out, f"the child process exited with {proc.returncode}: {tail}",
+                proc.returncode != -signal.SIGKILL)
+    return out, None, True
 
 
 def _kill(proc) -> None:

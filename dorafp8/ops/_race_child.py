@@ -15,7 +15,7 @@ import torch
 
 from ..quant import quantize_e4m3
 from ._race import ROOM, ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
-from .linear import dora_fp8_linear, fp8_linear
+from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 def _inputs(spec: dict, M: int, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(M)
@@ -32,6 +32,9 @@ def _inputs(spec: dict, M: int, device: torch.device) -> dict:
 
 def _step(spec: dict, t: dict, backend: str) -> dict:
     """One forward + backward on `backend`: {name: tensor} of y and every gradient."""
+    if spec["op"] == "norm":  # weight_norm alone (PEFT's cached norm, the convs' norms): no gradient
+        return {"y": weight_norm(t["w8"], t["scale"], t["A"], t["B"], 0.5, backend=backend,
+                                 block_size=spec["block"] or 128)}
     leaves = {k: t[k].clone().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
     torch.manual_seed(0)  # the same dropout mask for every backend
     kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)
@@ -74,6 +77,11 @@ def _watchdog(limit: float) -> None:
     threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
 
 
+def _peak(device) -> int:
+    """The CUDA allocator's peak so far on a GPU, in bytes; 0 elsewhere (tests/ops/test_race.py measures the CPU's)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,6 +100,7 @@ def main(argv: list[str]) -> int:
         print(f"dorafp8-race {kind} {what}", flush=True)
 
     shapes = [m for m in (SMALL_M, spec["M"]) if m <= spec["M"]]
+    base = _peak(device)
     inputs = {M: _inputs(spec, M, device) for M in shapes}
     refs = {M: _step(spec, inputs[M], "reference") for M in shapes}
     passed = []
@@ -118,5 +127,8 @@ def main(argv: list[str]) -> int:
             _step(spec, big, c)
             _sync(device)
             times[c].append(time.perf_counter() - t0)
-    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2]} for c, ts in times.items()}))
+    # what the check held on the GPU at most (its bound: _race.child_bytes), kept with the verdicts
+    peak = {"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {}
+    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **peak}
+                              for c, ts in times.items()}))
     return 0

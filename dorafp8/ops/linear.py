@@ -202,7 +202,12 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
-    name = backends.resolve(backend, w8.device, backend_needs(scale, ""))
+    needs = backend_needs(scale, "")
+    name = backends.resolve(backend, w8.device, needs)
+    if _race.racing(backend, w8.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
+        rdt = torch.promote_types(lora_A.dtype, lora_B.dtype)
+        name = _race.choose("norm", name, w8.device, needs, N=N, K=K, M=1, r=r, scale=scale_kind(scale),
+                            block=block_size, cdt=rdt, rdt=rdt)
     with torch.no_grad():
         return _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling),
                                    block_size=block_size, backend=name)

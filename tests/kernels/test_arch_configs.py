@@ -222,3 +222,27 @@ def test_fp32_compute_is_refused_where_triton_runs_it_on_tf32(monkeypatch):
         if not exact:
             with pytest.raises(ValueError, match=rf"fp32 compute .* on sm_100 under Triton {version} .*triton>=3\.8"):
                 backends.resolve("triton", dev, frozenset({"fp32"}))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("m", [32, 4096])
+@pytest.mark.parametrize("block", [128, 64, 32])
+def test_block_scales_keep_the_hopper_loops_tiles(fp8, m, block):
+    """Block scales (DeepSeek's and Qwen3-FP8's 128 x 128) on the "tma-ws" loop: the step's reduction block divides the
+    scale block, and the tile stays the loop's own (128 x 128 at large M), which its two 232-register consumer
+    warpgroups hold with the partial-product twin (compiled for sm_90a without spills: test_inspect.py). The 4-warp
+    budget of the other loops shrank it to 32 x 128 before."""
+    from dorafp8.triton_kernels.hopper import ws_configs_for
+
+    plain = ws_configs_for("sm90", "BLOCK_N", "BLOCK_K", m, fp8)
+    fitted = C.fit_reduction_block(plain, "BLOCK_K", block, "block", "BLOCK_N", 1, "tma-ws")
+    tile = lambda c, bk: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bk, c.num_warps, c.num_stages)  # noqa: E731
+    # the fitted list: each tile with its step cut to divide the block (W8A8's 128- and 64-deep steps may then meet)
+    want = list(dict.fromkeys(tile(c, min(c.kwargs["BLOCK_K"], block)) for c in plain))
+    assert [tile(c, c.kwargs["BLOCK_K"]) for c in fitted] == want
+    assert all(block % c.kwargs["BLOCK_K"] == 0 for c in fitted)
+    assert m <= 64 or max(c.kwargs["BLOCK_M"] for c in fitted) == 128
+    # the cp.async loop's tiles keep their 4- and 8-warp budget (two fp32 tiles per accumulator in ~96 registers)
+    for c in C.fit_reduction_block(C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, m, False), "BLOCK_K", block,
+                                   "block", "BLOCK_N", 1, "async-copy"):
+        assert 2 * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 96 * 32 * c.num_warps or c.kwargs["BLOCK_M"] == 16

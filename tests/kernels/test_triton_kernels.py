@@ -511,3 +511,32 @@ def test_descriptor_scratch_allocator_is_set_for_the_call_only():
     inside = with_descriptor_scratch(lambda: _allocation._allocator.get())
     assert inside is not before and callable(inside)
     assert _allocation._allocator.get() is before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M", [37, 70], ids=["small-M", "large-M"])
+@pytest.mark.parametrize("act_quant", ["", "rowwise"], ids=["w8a16", "w8a8"])
+def test_block_scales_on_the_hopper_loops_own_tiles(device, M, act_quant, main_loops_seen, monkeypatch):
+    """The "tma-ws" loop with block scales on the tiles sm_90a runs (hopper.ws_configs_for("sm90"), the first of each
+    list, fitted by fit_reduction_block: 128 x 128 with 16-deep steps for the tests' 16 x 16 blocks at large M), under
+    the interpreter, against the fp64 contract and the reference: odd M, N and K (partial tiles, several scale blocks
+    a step apart, one tile holding 5 blocks of rows)."""
+    import sys
+
+    from dorafp8.triton_kernels import _common, hopper
+
+    if device == "cuda":
+        pytest.skip("on a GPU test_hopper_main_loop runs the device's own lists")
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")
+    monkeypatch.setattr(_common, "_TUNERS", {})  # tuners made with the interpreter's lists must not serve
+    for mod in ("forward", "dgrad"):
+        monkeypatch.setattr(sys.modules[f"dorafp8.triton_kernels.{mod}"], "ws_configs_for",
+                            lambda arch, *a, **k: hopper.ws_configs_for("sm90", *a, **k)[:1])
+    p = make_problem(M, 96, 80, 16, torch.bfloat16, device, "block", False, rank_dtype=torch.float32)
+    p["z_dtype"] = torch.bfloat16
+    check_forward(tk.forward, p, "nodrop", has_bias=True, act_quant=act_quant)
+    check_dgrad(tk.dgrad, p, "nodrop", act_quant)
+    assert {main for _, main in main_loops_seen} == {"tma-ws"}, main_loops_seen
+    tuned = [t for t in _common._TUNERS.values()]
+    assert tuned and all(len(t.configs) == 1 for t in tuned)
+    assert M <= 64 or {t.configs[0].kwargs["BLOCK_M"] for t in tuned} == {128}

@@ -1,6 +1,7 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/ops/_race.py's child) that plants a bad kernel:
-`_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), hanging
-(sleeps an hour), crashing the process (exit 7) or slow (0.2 s more)."""
+`_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
+weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7) or slow
+(0.2 s more)."""
 
 import os
 import sys
@@ -19,20 +20,22 @@ class Planted:
 
     def __getattr__(self, name):
         fn = getattr(self.mod, name)
-        return self._forward(fn) if name == "forward" else fn
+        return self._planted(fn, name) if name in ("forward", "weight_norm") else fn
 
     @staticmethod
-    def _forward(fn):
-        def forward(*args, **kw):
+    def _planted(fn, name):
+        def planted(*args, **kw):
             if MODE == "hang":
                 time.sleep(3600)
             if MODE == "crash":
                 os._exit(7)
             if MODE == "slow":
                 time.sleep(0.2)
-            y, z = fn(*args, **kw)
-            return (y * 1.25, z) if MODE == "wrong" else (y, z)
-        return forward
+            out = fn(*args, **kw)
+            if MODE == "wrong" and name == "forward":
+                return out[0] * 1.25, out[1]
+            return out * 1.25 if MODE == "wrong-norm" and name == "weight_norm" else out
+        return planted
 
 
 backends.module = lambda name: Planted(_real(name)) if name == VICTIM else _real(name)

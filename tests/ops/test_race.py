@@ -180,6 +180,10 @@ def test_the_key_separates_what_changes_a_kernel(monkeypatch):
     monkeypatch.delenv("DORAFP8_FOLD_DGRAD")
     assert key(M=128) == key() and key(r=3) == key()  # buckets: M 65..128, r 3..4
     assert key(block=64) == key()  # the block size matters only with block scales
+    # weight_norm alone: the rank and the adapters' dtype (its operands), not M (it has none)
+    norm = lambda **kw: _race.describe(_race.spec_of("norm", CPU, **dict(base, **kw)))  # noqa: E731
+    assert len({norm(), norm(r=16), norm(cdt=torch.float32, rdt=torch.float32), norm(scale="block"), key()}) == 5
+    assert norm(M=1) == norm(M=5000) and "M<=" not in norm()
 
 
 def test_a_new_build_is_checked_again(race, monkeypatch):
@@ -362,3 +366,156 @@ def test_the_child_bound_follows_the_tests_tolerances():
     from tests._tolerance import TOL
 
     assert _race.TOL == {str(k).removeprefix("torch."): v for k, v in TOL.items()}
+
+
+def test_the_norm_alone_and_the_convs_run_only_checked_kernels(race, used, monkeypatch):
+    """weight_norm called alone (PEFT's layer caches its norm that way: dorafp8/peft/linear.py) and the DoRA convs'
+    norms (their one backend kernel: the convolutions are the platform's, on a dequantized weight) take a checked
+    pick, as a layer's step does: a norm kernel that computes wrong values is never used. (They ran the static order,
+    unchecked, before.)"""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", planted("wrong-norm"))
+    w8, scale, A, B, m = _layer()
+    with pytest.warns(RuntimeWarning, match=r"'native' is not used by backend='auto' for norm N=24 K=32 "
+                                            r"float32/float32 w8a16 tensor r<=4 on cpu .*: y differs"):
+        n = dorafp8.weight_norm(w8, scale, A, B, s)
+    assert set(used) == {"reference"} and children(race) == 0  # the planted child does not log; the file does
+    assert list(_verdicts(race)["keys"]) == ["norm N=24 K=32 float32/float32 w8a16 tensor r<=4"]
+    torch.testing.assert_close(n, dorafp8.weight_norm(w8, scale, A, B, s, backend="reference"), rtol=0, atol=0)
+    # a DoRA conv: its norm is a new key ([8, 2 * 3 * 3] view), checked, and served by the pick
+    used.clear()
+    g = torch.Generator().manual_seed(5)
+    wc8, sc = dorafp8.quantize_e4m3(torch.randn(8, 18, generator=g) / 4)
+    wc8 = wc8.reshape(8, 2, 3, 3)
+    Ac, Bc, mc = torch.randn(r, 2, 3, 3, generator=g) / 4, torch.randn(8, r, 1, 1, generator=g), torch.rand(8) + .5
+    x = torch.randn(2, 2, 6, 6, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # native's second wrong verdict is logged, not warned
+        y = dorafp8.dora_fp8_conv(x, wc8, sc, Ac, Bc, mc, s)
+    assert "native" not in used and "norm N=8 K=18 float32/float32 w8a16 tensor r<=4" in _verdicts(race)["keys"]
+    monkeypatch.setenv("DORAFP8_RACE", "0")
+    torch.testing.assert_close(y, dorafp8.dora_fp8_conv(x, wc8, sc, Ac, Bc, mc, s, backend="reference"),
+                               rtol=0, atol=0)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Measures memory on CPU: the most bytes that tensors made by ops while it is on held at once (each storage
+    counted once, weakly referenced, until it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ref = self.live.get(st.data_ptr())
+                if st.data_ptr() and (ref is None or ref[0].expired()):
+                    self.live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("op,n,k,m", [("dora", 64, 32, 300), ("dora", 512, 256, 16), ("linear", 64, 32, 300),
+                                      ("norm", 512, 256, 1)], ids=["dora-activations", "dora-weight", "linear", "norm"])
+def test_the_races_extra_memory_is_measured_and_within_its_bound(race, monkeypatch, op, n, k, m):
+    """The user's process: a first call that checks (in a child) holds at most what a DORAFP8_RACE=0 call holds
+    (measured: 0 bytes more). The child: its peak, measured here by running it in this process, is within
+    _race.child_bytes, the bound the README states (8 fp32 weights and 12 fp32 [M, N + K] activations)."""
+    import contextlib
+    import io
+
+    from dorafp8.ops import _race_child
+
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit: None)  # it would end this process at the limit
+    spec = _race.spec_of(op, CPU, N=n, K=k, M=m, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    with LiveBytes() as child, contextlib.redirect_stdout(io.StringIO()) as out:
+        assert _race_child.main([json.dumps(dict(spec, cands=["native", "reference"]))]) == 0
+    assert '"native": {"ok": true' in out.getvalue()
+    assert 0 < child.peak <= _race.child_bytes(spec), (child.peak, _race.child_bytes(spec))
+    if op != "dora" or n != 64:
+        return
+    w8, scale, A, B, mag = _layer(n=n)
+    x = torch.randn(m, k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    peaks = []
+    for flag in ("1", "0"):  # a first call that checks, then the same call unchecked
+        monkeypatch.setenv("DORAFP8_RACE", flag)
+        _race.forget()
+        with LiveBytes() as user:
+            dorafp8.dora_fp8_linear(x, w8, scale, A, B, mag, s).float().sum().backward()
+        peaks.append(user.peak)
+    assert children(race) == 1 and peaks[0] == peaks[1] > 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static-shapes", "dynamic-shapes"])
+def test_a_key_first_met_inside_torch_compile_runs_the_static_order(race, used, monkeypatch, dynamic):
+    """A key met first inside a torch.compile trace, for each op the race checks (a DoRA layer, fp8_linear,
+    weight_norm alone): no child and no file read (fullgraph=True: a graph break would raise), the static order (here
+    native, where a check would have picked reference), the result of DORAFP8_RACE=0, and no verdict made up for it:
+    the next eager call checks it."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(native=2.0, reference=1.0))
+    w8, scale, A, B, m = _layer()
+    x = torch.randn(40, K)
+    calls = {"dora": lambda x, **kw: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s, **kw),
+             "linear": lambda x, **kw: dorafp8.fp8_linear(x, w8, scale, **kw),
+             "norm": lambda x, **kw: dorafp8.weight_norm(w8, scale, A, B, s, **kw) * x.sum()}
+    with torch.no_grad():
+        for op, call in calls.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+            torch.testing.assert_close(compiled(x), call(x, backend="native"), rtol=0, atol=0)
+            assert children(race) == 0 and set(used) == {"native"}, (op, used)
+        assert not os.listdir(race) or not _verdicts(race)["keys"]
+        call(x)  # eager: checked now, and the compiled function is traced again with the pick
+        assert children(race) == 1 and used[-1] == "reference"
+        used.clear()
+        compiled(x)
+        assert set(used) == {"reference"}
+
+
+def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
+    """Entries of another shape in the verdict file (a hand edit, a damaged write, another tool's JSON) are dropped on
+    reading: their key is checked again, and the step runs (before, a verdict that was not a dict raised in it)."""
+    spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    what = _race.describe(spec)
+    path = _race.cache_file(CPU)
+    with open(path, "w") as f:
+        json.dump({"keys": {what: {"native": "yes", "reference": {"ok": True, "ms": "fast"}}, "x": 3},
+                   "broken": {"native": 5}}, f)
+    _step()
+    assert children(race) == 1 and set(used) == {"native"}
+    assert _verdicts(race)["keys"][what]["native"]["ok"] is True and _verdicts(race)["broken"] == {}
+
+
+def _killed_child(partial: str):
+    """A child that says it starts native, writes `partial` (a result line cut short) and is SIGKILLed from outside,
+    as the OOM killer would."""
+    code = ("import os, signal, sys\n"
+            "sys.stdout.write('dorafp8-race start native\\n' + " + repr(partial) + "); sys.stdout.flush()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    return [sys.executable, "-c", code]
+
+
+def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
+    """A SIGKILL the parent did not send (the OOM killer, an operator) says nothing of the kernel that ran: no verdict
+    is written, nothing is marked unusable, the step runs on the fallback, and the next process checks again. A
+    result line cut short by the kill is ignored, not parsed into the step's error."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr'))
+    with pytest.warns(RuntimeWarning, match="not checked, so not used .*exited with -9"):
+        _step()
+    assert set(used) == {"reference"}
+    data = _verdicts(race)
+    assert data["broken"] == {} and not any(data["keys"].values())  # no verdict written
+    _race.forget()
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step()
+    assert children(race) == 1 and set(used) == {"native"}
