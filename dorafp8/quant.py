@@ -328,7 +328,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 # ---- Microscaled weights: MXFP8 and NVFP4 ----------------------------------------------------------------------------
 #
-# Two more weight kinds, dequantized a block of rows at a time by w0_rows, as the fp8 kinds are (never the whole weight):
+# Two more weight kinds, dequantized a block of rows at a time by w0_rows as the fp8 kinds are (never the whole weight):
 #   "mxfp8": w8 float8_e4m3fn [N, K], scale float8_e8m0fnu [N, ceil(K/32)] (OCP MX: a power of two per 32 weights of
 #            a row, the last block partial):                  W0[j, k] = 2^(e[j, k // 32] - 127) * w8[j, k]
 #   "nvfp4": w8 uint8 [N, K/2] holding e2m1 codes two per byte, the even column in the low nibble (ModelOpt's
