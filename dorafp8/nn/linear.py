@@ -116,6 +116,9 @@ class FP8Linear(FP8WeightModule):
         bias's dtype, else float32)."""
         block_size = block_size or DEFAULT_BLOCK
         out_features, in_features, scale = check_weight(w8, scale, block_size, global_scale)
+        if global_scale is not None and not (bool(torch.isfinite(global_scale).all()) and float(global_scale) > 0):
+            # checked once here, not on every call (a host sync): a NaN or inf one would make every output NaN
+            raise ValueError(f"global_scale must be a finite positive fp32 value, got {float(global_scale)!r}")
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
                   block_size=block_size, backend=backend, act_quant=act_quant)

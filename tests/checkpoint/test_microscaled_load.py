@@ -74,15 +74,17 @@ def test_loads_in_place_bit_exactly(tmp_path, writer):
     assert all(v.startswith({"nvfp4": "NVFP4", "mxfp8": "MXFP8"}[kind]) for v in report.fp8_layers.values())
 
 
-def test_nvfp4_layer_holds_0_5625_bytes_a_weight(tmp_path):
-    """Resident bytes of a loaded NVFP4 layer: the packed weight (0.5 a weight), its e4m3 scales (1 per 16) and one
-    fp32 global scale: 0.5625 bytes a weight plus 4 bytes a layer. Measured on the loaded tensors."""
-    path = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+@pytest.mark.parametrize("algo,per_weight,per_layer", [("NVFP4", 0.5625, 4), ("MXFP8", 1.03125, 0)])
+def test_resident_bytes_a_weight(tmp_path, algo, per_weight, per_layer):
+    """Resident bytes of a loaded layer, measured on its tensors: NVFP4 holds the packed weight (0.5 a weight), its
+    e4m3 scales (1 per 16) and one fp32 global scale: 0.5625 bytes a weight plus 4 a layer; MXFP8 its e4m3 weight and
+    an e8m0 scale per 32: 1.03125."""
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
     model = meta_model()
     load_fp8_checkpoint(model, path, verbose=False)
     for mod in _linears(model).values():
-        held = sum(t.numel() * t.element_size() for t in (mod.weight, mod.scale, mod.global_scale))
-        assert held == 0.5625 * mod.in_features * mod.out_features + 4
+        held = sum(t.numel() * t.element_size() for t in (mod.weight, mod.scale, mod.global_scale) if t is not None)
+        assert held == per_weight * mod.in_features * mod.out_features + per_layer
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------
@@ -136,6 +138,13 @@ def test_nan_block_scale_is_refused_and_the_model_put_back():
     with pytest.raises(CheckpointFormatError, match=r"0\.weight_scale: 1 of 16 nvfp4 scale values are NaN"):
         load_fp8_checkpoint(model, sd, verbose=False)
     assert type(model[0]) is nn.Linear
+
+
+def test_fp8linear_refuses_a_non_finite_global_scale():
+    packed, scale, _ = quant.quantize_nvfp4(torch.randn(4, 32))
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="global_scale must be a finite positive fp32 value"):
+            FP8Linear.from_fp8(packed, scale, global_scale=torch.tensor(bad))
 
 
 def test_mxfp8_with_a_wrong_scale_shape_is_refused():
