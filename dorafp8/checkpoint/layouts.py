@@ -75,7 +75,8 @@ DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 ALIASES = {"comfy": "comfyui", "scaled_fp8": "comfyui", "comfy_quant": "comfyui-quant", "ct": "compressed-tensors",
            "compressed_tensors": "compressed-tensors", "finegrained": "fine-grained", "fine_grained": "fine-grained",
            "fp8": "fine-grained", "fp8_scaled": "musubi", "kohya": "musubi", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-FORMATS = tuple(LAYOUTS) + tuple(DENSE_FORMATS)
+# What the writers (save_fp8_checkpoint, export_merged) write: the layouts but the read-only ones, and the dense ones.
+FORMATS = tuple(name for name, lay in LAYOUTS.items() if lay.write_granularities) + tuple(DENSE_FORMATS)
 
 # The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads
 # correctly on its own (compressed-tensors also needs the compressed-tensors package, and says so). In the others the

@@ -183,3 +183,20 @@ def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
         moved = cast(fresh)
         assert moved.weight.dtype == layer.weight.dtype and moved.scale.dtype == layer.scale.dtype
         assert torch.equal(moved(x), layer(x))
+
+
+def test_writers_refuse_microscaled_layers_before_writing(tmp_path):
+    """save_fp8_checkpoint and export_merged re-quantize to fp8 or write dense: a model holding NVFP4 layers is
+    refused with the reason (it crashed with an AttributeError before), and nothing is written."""
+    from dorafp8 import export_merged, save_fp8_checkpoint
+
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    model = meta_model()
+    load_fp8_checkpoint(model, path, verbose=False)
+    for write, fmt in ((save_fp8_checkpoint, None), (save_fp8_checkpoint, "dorafp8"), (export_merged, "bf16")):
+        out = tmp_path / f"out_{fmt}.safetensors"
+        with pytest.raises(ValueError, match=r"14 layers hold NVFP4 / MXFP8 weights .* does not write yet"):
+            write(model, str(out), format=fmt, verbose=False)
+        assert not out.exists()
+    with pytest.raises(ValueError, match="format must be one of"):  # modelopt is a layout to read, not to write
+        save_fp8_checkpoint(original_model(), str(tmp_path / "x.safetensors"), format="modelopt", verbose=False)
