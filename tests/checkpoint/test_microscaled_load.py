@@ -200,3 +200,25 @@ def test_writers_refuse_microscaled_layers_before_writing(tmp_path):
         assert not out.exists()
     with pytest.raises(ValueError, match="format must be one of"):  # modelopt is a layout to read, not to write
         save_fp8_checkpoint(original_model(), str(tmp_path / "x.safetensors"), format="modelopt", verbose=False)
+
+
+def test_from_pretrained_then_from_transformers_fp8(tmp_path):
+    """transformers' from_pretrained of a compressed-tensors NVFP4 checkpoint leaves its modules compressed on CPU
+    (weight_packed, weight_scale, weight_global_scale); from_transformers_fp8 swaps them for NVFP4 FP8Linear layers
+    holding those bytes, and the model computes what the dense twin on the format's dequantization computes."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    from dorafp8 import from_transformers_fp8
+
+    path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
+    file = read_all(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert from_transformers_fp8(model) == 14
+    for name, mod in _linears(model).items():
+        assert isinstance(mod, FP8Linear) and quant.scale_kind(mod.scale) == "nvfp4"
+        assert torch.equal(mod.weight, file[f"{name}.weight_packed"])
+        assert torch.equal(mod.scale.view(torch.uint8), file[f"{name}.weight_scale"].view(torch.uint8))
+    twin = _dense_twin(file, "weight_packed", reciprocal=True).eval()
+    with torch.no_grad():
+        assert_close(model(input_ids=IDS).logits, twin(input_ids=IDS).logits, tol(torch.float32), "logits")
