@@ -200,7 +200,8 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"
     algo = source.modelopt_algo()
-    if suffix.get("weight_scale_2") or algo:
+    # ModelOpt's own layout for its NVFP4 / MXFP8 exports; its FP8 export reads as compressed-tensors', as before
+    if suffix.get("weight_scale_2") or algo in ("NVFP4", "MXFP8"):
         signals["modelopt"] = ("'<layer>.weight_scale_2' (NVFP4's global scales)" if suffix.get("weight_scale_2")
                                else f"ModelOpt's quant_algo {algo!r}")
     elif suffix.get("weight_scale") and "comfyui-quant" not in signals:
@@ -222,13 +223,13 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
             f"{source.name}: no float8_e4m3fn weight, so this is not an fp8 checkpoint dorafp8 knows "
             f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. An unquantized checkpoint loads the usual way "
             f"(from_pretrained / load_state_dict); then dorafp8.quantize_model(model) puts it in fp8")
-    expected = {"fp8": "fine-grained", "compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}.get(method)
+    expected = {"fp8": "fine-grained", "compressed-tensors": "compressed-tensors"}.get(method)
     if expected and expected != name:
         raise CheckpointFormatError(f"{source.name}: config.json says quant_method={method!r} ({expected}) but the "
                                     f"keys look like {name} ({evidence}). Saw {what}")
     if name == "modelopt" and algo not in (None, "NVFP4", "MXFP8"):
-        raise CheckpointFormatError(f"{source.name}: ModelOpt quant_algo {algo!r}; dorafp8 loads ModelOpt's NVFP4 and "
-                                    f"MXFP8 checkpoints (and fp8 e4m3 ones in the other layouts)")
+        raise CheckpointFormatError(f"{source.name}: NVFP4 global scales ('<layer>.weight_scale_2') but ModelOpt's "
+                                    f"quant_algo is {algo!r}; dorafp8 loads ModelOpt's NVFP4 and MXFP8 exports")
     if not fp8_w and not nvfp4 and name != "comfyui-quant":
         raise CheckpointFormatError(f"{source.name}: looks like {LAYOUTS[name].description} ({evidence}) but holds "
                                     f"no float8_e4m3fn weight. Saw {what}")
