@@ -20,8 +20,11 @@ import torch
 E4M3 = torch.float8_e4m3fn
 # A scale's granularity, spelled the same everywhere (scale_kind(), the granularity= arguments, the reports, the
 # Triton kernels' SCALE_KIND constexpr): one fp32 value per "tensor", per output "row", or per b x b "block".
-ScaleKind = Literal["tensor", "row", "block"]
-SCALE_KINDS: tuple[ScaleKind, ...] = ("tensor", "row", "block")
+# The microscaled formats (see "Microscaled weights" below) are two more kinds, told apart by the scale's dtype: "mxfp8"
+# (e8m0 scale per 32 weights of a row) and "nvfp4" (e4m3 scale per 16 packed e2m1 weights, times a global scale).
+ScaleKind = Literal["tensor", "row", "block", "mxfp8", "nvfp4"]
+SCALE_KINDS: tuple[ScaleKind, ...] = ("tensor", "row", "block")  # fp8 granularities: what quantize_e4m3 writes
+MICRO_KINDS: tuple[ScaleKind, ...] = ("mxfp8", "nvfp4")
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
 
 # Rows quantized per block, so that the fp32 temporaries stay small for large weights.
@@ -186,7 +189,12 @@ def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -
 
 
 def scale_kind(scale: torch.Tensor) -> ScaleKind:
-    """"tensor", "row" or "block" for a scale normalized by check_scale."""
+    """"tensor", "row" or "block" for a scale normalized by check_scale; "mxfp8" for an e8m0 scale, "nvfp4" for an
+    e4m3 one (check_weight's)."""
+    if scale.dtype == E4M3:
+        return "nvfp4"
+    if scale.dtype == E8M0:
+        return "mxfp8"
     return SCALE_KINDS[scale.dim()]
 
 
@@ -270,9 +278,18 @@ def row_blocks(n_rows: int, width: int, block_size: int = 1):
         yield j0, min(n_rows, j0 + rows)
 
 
-def w0_rows(w8, scale, block_size, j0, j1):
-    """W0[j0:j1] in fp32 (a temporary of the block's size)."""
+def w0_rows(w8, scale, block_size, j0, j1, global_scale=None):
+    """W0[j0:j1] in fp32 (a temporary of the block's size), for every kind (global_scale: NVFP4's)."""
+    kind = scale_kind(scale)
+    if kind in MICRO_KINDS:
+        return micro_rows(w8, scale, global_scale, j0, j1)
     return w8[j0:j1].float().mul_(scale_rows(scale, block_size, j0, j1, w8.shape[1]))
+
+
+def row_step(scale: torch.Tensor, block_size: int) -> int:
+    """The multiple of rows a walk over the weight's rows takes at a time (row_blocks' block_size): whole blocks of
+    block scales, any number of rows otherwise (the microscaled kinds' blocks lie along a row)."""
+    return block_size if scale_kind(scale) == "block" else 1
 
 
 # Every float8 dtype this torch has: what a weight "already in fp8" may be.
@@ -307,3 +324,148 @@ def all_finite(t: torch.Tensor) -> bool:
         mask, bad = code
         return not bool(((t.detach().view(torch.uint8) & mask) == bad).any())
     return bool(torch.isfinite(t.detach()).all())
+
+
+# ---- Microscaled weights: MXFP8 and NVFP4 ----------------------------------------------------------------------------
+#
+# Two more weight kinds, dequantized a block of rows at a time by w0_rows as the fp8 kinds are (never the whole weight):
+#   "mxfp8": w8 float8_e4m3fn [N, K], scale float8_e8m0fnu [N, ceil(K/32)] (OCP MX: a power of two per 32 weights of
+#            a row, the last block partial):                  W0[j, k] = 2^(e[j, k // 32] - 127) * w8[j, k]
+#   "nvfp4": w8 uint8 [N, K/2] holding e2m1 codes two per byte, the even column in the low nibble (ModelOpt's
+#            `(q[..., 1::2] << 4) | q[..., 0::2]`, compressed-tensors' pack_fp4_to_uint8), scale float8_e4m3fn
+#            [N, K/16], global_scale fp32 [] (ModelOpt's `weight_scale_2`):
+#                                                             W0[j, k] = e2m1(w8)[j, k] * (scale[j, k // 16] * global)
+#            the block's factor formed in fp32 first, as ModelOpt's dequantize does; K a multiple of 16.
+# MXFP8's W0 is exact in fp32 (a power of two times an e4m3 value). NVFP4's is the exact product rounded to fp32 twice
+# at most (scale * global, then times the e2m1 value), as ModelOpt's own dequantize rounds it: within 2^-23 of it.
+
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+MXFP8_BLOCK = 32
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+# The 16 e2m1 codes: bit 3 the sign, bits 0-2 the magnitude's index (ModelOpt's e2m1_values, compressed-tensors' table).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def weight_dims(w8: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a weight as the kernels take it: a packed NVFP4 weight (uint8) holds two columns a byte."""
+    N, cols = w8.shape
+    return (N, 2 * cols) if w8.dtype == torch.uint8 else (N, cols)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The e2m1 values of a packed uint8 [n, c] as fp32 [n, 2c] (low nibble first)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return table[codes.int()]
+
+
+def e8m0_values(scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values 2^(e - 127) of an e8m0 scale (exact: 2^-127 is an fp32 subnormal; code 255 is NaN)."""
+    e = scale.view(torch.uint8).int()
+    out = torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e - 127)
+    return torch.where(e == 255, torch.nan, out)
+
+
+def micro_rows(w8, scale, global_scale, j0, j1) -> torch.Tensor:
+    """W0[j0:j1] in fp32 for the "mxfp8" and "nvfp4" kinds (a temporary of the rows' size, plus their codes)."""
+    if scale.dtype == E8M0:
+        K = w8.shape[1]
+        f = e8m0_values(scale[j0:j1]).repeat_interleave(MXFP8_BLOCK, dim=1)[:, :K]
+        return w8[j0:j1].float().mul_(f)
+    f = scale[j0:j1].float().mul_(global_scale.float())  # ModelOpt's per_block_scale = scale * weight_scale_2
+    return unpack_e2m1(w8[j0:j1]).mul_(f.repeat_interleave(NVFP4_BLOCK, dim=1))
+
+
+def _micro_scale_shape(kind: str, N: int, K: int) -> tuple[int, int]:
+    return (N, -(-K // MXFP8_BLOCK)) if kind == "mxfp8" else (N, K // NVFP4_BLOCK)
+
+
+def check_weight(w8, scale, block_size: int = DEFAULT_BLOCK, global_scale=None, name: str = "w8"
+                 ) -> tuple[int, int, torch.Tensor]:
+    """The one check of a weight argument of the ops, for every kind: (N, K, scale normalized). An fp8 e4m3 weight with
+    an fp32 scale ("tensor" / "row" / "block", check_scale), with an e8m0 scale ("mxfp8"), or a uint8 packed NVFP4
+    weight with its e4m3 scale and fp32 global_scale ("nvfp4"). Each error names the argument and what it expects."""
+    if isinstance(w8, torch.Tensor) and w8.dtype == torch.uint8:
+        if w8.dim() != 2:
+            raise ValueError(f"{name} (packed NVFP4) must be 2-D [out_features, in_features / 2], got shape "
+                             f"{tuple(w8.shape)}")
+        N, K = weight_dims(w8)
+        if K % NVFP4_BLOCK:
+            raise ValueError(f"{name} (packed NVFP4) holds {K} columns, not a multiple of {NVFP4_BLOCK}: NVFP4 has one "
+                             f"scale per {NVFP4_BLOCK} weights of a row")
+        check_micro_scale(scale, "nvfp4", N, K, "scale")
+        check_global_scale(global_scale, "global_scale")
+        return N, K, scale
+    check_fp8_weight(w8, name)
+    N, K = w8.shape
+    if isinstance(scale, torch.Tensor) and E8M0 is not None and scale.dtype == E8M0:
+        check_micro_scale(scale, "mxfp8", N, K, "scale")
+    else:
+        scale = check_scale(scale, N, K, block_size)
+    if global_scale is not None:
+        raise ValueError(f"global_scale is NVFP4's (a uint8 packed {name}); got one with a {scale_kind(scale)} scale")
+    return N, K, scale
+
+
+def check_micro_scale(scale, kind: str, N: int, K: int, name: str) -> None:
+    want = E8M0 if kind == "mxfp8" else E4M3
+    if not isinstance(scale, torch.Tensor) or scale.dtype != want:
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{name} of a {kind} weight must be {want}, got {got}")
+    shape = _micro_scale_shape(kind, N, K)
+    if tuple(scale.shape) != shape:
+        raise ValueError(f"{name} of a {kind} weight [{N}, {K}] must have shape {list(shape)} (one per "
+                         f"{MXFP8_BLOCK if kind == 'mxfp8' else NVFP4_BLOCK} weights of a row), got "
+                         f"{list(scale.shape)}")
+
+
+def check_global_scale(g, name: str) -> None:
+    if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.numel() != 1:
+        got = f"{g.dtype} {list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
+        raise TypeError(f"{name} of an NVFP4 weight must be one fp32 value (ModelOpt's weight_scale_2), got {got}")
+
+
+def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAULT_BLOCK,
+                      global_scale=None) -> torch.Tensor:
+    """W0 as a dense tensor of `dtype` for every kind (materializes the whole weight: for checking and export)."""
+    N, K, scale = check_weight(w8, scale, block_size, global_scale)
+    return w0_rows(w8, scale, block_size, 0, N, global_scale).to(dtype)
+
+
+def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: the block's scale is 2^(floor(log2 amax) -
+    8) (8: e4m3's largest exponent), the values w / scale rounded to e4m3 and saturated at 448. For tests and
+    fixtures: dorafp8 trains on the bytes a file holds."""
+    N, K = weight.shape
+    pad = -K % MXFP8_BLOCK
+    w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)
+    amax = w.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 8, torch.full_like(amax, -127)).clamp_(-127, 127)
+    scale = (exp + 127).to(torch.uint8).view(E8M0)
+    q = (w / e8m0_values(scale)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.reshape(N, -1)[:, :K].contiguous(), scale
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe
+    (NVFP4QTensor.quantize): global = amax / (6 * 448), each block's scale = e4m3(block amax / (6 * global)) (1 for an
+    all-zero block), the values w / (scale * global) rounded to the nearest e2m1 (ties to the even code) and packed
+    low nibble first. K must be a multiple of 16."""
+    N, K = weight.shape
+    if K % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs in_features a multiple of {NVFP4_BLOCK}, got {K}")
+    w = weight.detach().float().reshape(N, -1, NVFP4_BLOCK)
+    amax = w.abs().amax()
+    g = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    s = w.abs().amax(-1) / (E2M1_MAX * g)
+    s = torch.where(s == 0, torch.ones_like(s), s).to(E4M3)
+    x = (w / (s.float() * g)[..., None]).reshape(N, K)
+    mags = torch.tensor(E2M1_VALUES[:8], device=w.device)
+    mag = x.abs().clamp_(max=E2M1_MAX)
+    # nearest magnitude, ties to the even code (round-to-nearest-even on the e2m1 grid)
+    d = (mag[..., None] - mags).abs()
+    near = d == d.amin(-1, keepdim=True)
+    idx = torch.where(near.sum(-1) > 1, (near.int().argmax(-1) + 1) // 2 * 2, near.int().argmax(-1))
+    codes = (idx | (torch.signbit(x).int() << 3)).to(torch.uint8)
+    return (codes[:, 1::2] << 4) | codes[:, 0::2], s, g.reshape(())

@@ -86,8 +86,8 @@ def supports(name: str, device: torch.device | None = None) -> frozenset:
     """The FEATURES backend `name` computes (on `device`, where its module narrows them per device)."""
     mod = _load(name)
     if isinstance(mod, str):
-        return FEATURES
-    out = frozenset(getattr(mod, "SUPPORTS", FEATURES))
+        return base.FP8_FEATURES
+    out = frozenset(getattr(mod, "SUPPORTS", base.FP8_FEATURES))
     if device is not None and hasattr(mod, "unsupported_on"):
         out -= frozenset(mod.unsupported_on(torch.device(device)))
     return out
@@ -128,7 +128,8 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
     # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32
     # twin stays one name away: backend="reference" / DORAFP8_BACKEND=reference. Elsewhere the reference, as before.
-    return "native" if device.type == "cpu" else "reference"
+    # The microscaled weights (MXFP8, NVFP4) run on the reference wherever no faster backend computes them.
+    return "native" if device.type == "cpu" and needs <= supports("native") else "reference"
 
 
 def module(name: str) -> ModuleType:

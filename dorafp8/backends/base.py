@@ -45,7 +45,12 @@ FEATURES = {
     "block": "block weight scales",
     "rowwise": "act_quant='rowwise' (W8A8)",
     "fp32": "fp32 compute (fp32 activations, no autocast)",
+    "mxfp8": "MXFP8 weights (e8m0 scales per 32)",
+    "nvfp4": "NVFP4 weights (packed e2m1, e4m3 scales per 16, a global scale)",
 }
+# What a backend without a SUPPORTS computes: the fp8 features. The microscaled weight kinds are opt-in, so that no
+# backend="auto" ever picks a kernel that does not know them (the reference computes them everywhere).
+FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
 
 
 # What a zero weight norm is divided as: a row of W0 + s B A that is exactly zero (real checkpoints have them; fp8
@@ -78,7 +83,7 @@ def matmul_rows(t: Tensor | None) -> Tensor | None:
 
 def not_supported(backend: str, feature: str, detail: str = "", alternatives: tuple[str, ...] = ()) -> ValueError:
     """The one refusal every backend and the registry raise for a feature the backend does not compute."""
-    verb = "are" if feature == "block" else "is"
+    verb = "are" if feature in ("block", "mxfp8", "nvfp4") else "is"
     alt = f"backend='auto' or {' / '.join(repr(a) for a in alternatives)}" if alternatives else "backend='auto'"
     return ValueError(f"{FEATURES[feature]}{detail} {verb} not supported by the {backend} backend; use {alt}")
 
@@ -167,7 +172,11 @@ FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
 #   forward(..., act_quant="rowwise", x8=x8, sx=sx): x's quantization given; the forward does not quantize x again.
 # One read of x fewer and one launch fewer per W8A8 forward (docs/ARCHITECTURE.md, "The kernel plan").
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
-OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS}
+# NVFP4's global scale (ModelOpt's weight_scale_2), an option of the backends that compute "nvfp4" weights (flag
+# GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
+# (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
+GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
+OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS}
 
 # Opt-in, off by default (for the fused GEMMs; backends/__init__.py folds_dgrad): the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
 # shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound

@@ -3,7 +3,11 @@
 It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds
 a dequantized copy of the whole weight, nor an fp32 copy of a whole [M, N] or [M, K] activation: the fp8 weight is
 walked in blocks of rows and the activations in blocks of rows, each block at most `_BLOCK_BYTES` in fp32, so the
-peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The loops live inside the custom
+peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The microscaled weights (MXFP8,
+NVFP4: dorafp8/quant.py) are dequantized the same way, one block of rows at a time inside each GEMM, never kept
+between calls: their peak adds the block's codes (NVFP4: the unpacked e2m1 indices, 4 bytes each, and the fp32
+factor of the block's rows; at most 3 fp32 blocks of 16 MiB in all).
+ The loops live inside the custom
 ops (dorafp8/ops/linear.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
 """
 
@@ -11,8 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import E4M3_MAX, row_blocks, scale_kind, w0_rows
+from ..quant import E4M3_MAX, row_blocks, row_step, scale_kind, w0_rows, weight_dims
 from .base import magnitude_scale, norm_divisor
+
+
+# Every feature, the microscaled weights (MXFP8, NVFP4) included; NVFP4's global scale comes as `global_scale`.
+SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
+GLOBAL_SCALE = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -29,12 +38,12 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t8, sigma
 
 
-def weight_norm(w8, scale, block_size, A, B, s):
-    N, K = w8.shape
+def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
+    N, K = weight_dims(w8)
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
-        v = w0_rows(w8, scale, block_size, j0, j1)
+    for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
+        v = w0_rows(w8, scale, block_size, j0, j1, global_scale)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
@@ -62,20 +71,20 @@ def project_grad(v, a, mask, p, s, out_dtype):
     return out.mul_(s).to(out_dtype)
 
 
-def _base_gemm(x, w8, scale, block_size, act_quant):
+def _base_gemm(x, w8, scale, block_size, act_quant, global_scale=None):
     """x @ W0^T in fp32 [M, N] (x quantized per row first under W8A8), one block of weight rows at a time."""
     M = x.shape[0]
-    N, K = w8.shape
+    N, K = weight_dims(w8)
     x32, sx = quantize_rows(x) if act_quant else (x.float(), None)
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
-        out[:, j0:j1] = x32 @ w0_rows(w8, scale, block_size, j0, j1).T
+    for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
+        out[:, j0:j1] = x32 @ w0_rows(w8, scale, block_size, j0, j1, global_scale).T
     if sx is not None:
         out *= sx[:, None]
     return out
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, global_scale=None):
     cdt = x.dtype
     c = None if m is None else magnitude_scale(m, n)
     M, N = x.shape[0], w8.shape[0]
@@ -85,7 +94,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     B32 = None if B is None else B.float()
     # Blocks of activation rows: the fp32 [rows, N] temporaries stay bounded.
     for i0, i1 in row_blocks(M, max(N, x.shape[1])):
-        base = _base_gemm(x[i0:i1], w8, scale, block_size, act_quant)
+        base = _base_gemm(x[i0:i1], w8, scale, block_size, act_quant, global_scale)
         if c is None:
             yb = base
         else:
@@ -94,7 +103,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
                 zb = base.add_(lora)
                 yb = zb * c
             else:
-                zb = _base_gemm(xm[i0:i1], w8, scale, block_size, act_quant).mul_(1.0 / (1.0 - p)).add_(lora)
+                zb = _base_gemm(xm[i0:i1], w8, scale, block_size, act_quant, global_scale)
+                zb.mul_(1.0 / (1.0 - p)).add_(lora)
                 # x W0^T + (c - 1) * (xd W0^T) + c * s u B^T  ==  base + (c - 1) * z + lora
                 yb = base.add_((c - 1) * zb).add_(lora)
             if z is not None:
@@ -174,15 +184,16 @@ def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
     return dm, db.to(cdt), dB
 
 
-def _dgrad_gemm(t, w8, scale, block_size, act_quant):
-    """t @ W0' in fp32 [M, K], W0' = w8 with block scales applied (per-tensor and per-row scales are the caller's),
-    t quantized per row first under W8A8; one block of weight rows (= one slice of the reduction) at a time."""
-    N, K = w8.shape
+def _dgrad_gemm(t, w8, scale, block_size, act_quant, global_scale=None):
+    """t @ W0' in fp32 [M, K], W0' = w8 with block (and microscaled) scales applied (per-tensor and per-row scales are
+    the caller's), t quantized per row first under W8A8; one block of weight rows (= one slice of the reduction) at a
+    time."""
+    N, K = weight_dims(w8)
     t32, st = quantize_rows(t) if act_quant else (t.float(), None)
     out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)
-    blocked = scale_kind(scale) == "block"
-    for j0, j1 in row_blocks(N, K, block_size if blocked else 1):
-        w = w0_rows(w8, scale, block_size, j0, j1) if blocked else w8[j0:j1].float()
+    scaled = scale_kind(scale) not in ("tensor", "row")
+    for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
+        w = w0_rows(w8, scale, block_size, j0, j1, global_scale) if scaled else w8[j0:j1].float()
         out.addmm_(t32[:, j0:j1], w)
         del w  # before the next block is made
     if st is not None:
@@ -190,18 +201,19 @@ def _dgrad_gemm(t, w8, scale, block_size, act_quant):
     return out
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
     cdt = gl.dtype
-    M, K = gl.shape[0], w8.shape[1]
+    N, K = weight_dims(w8)
+    M = gl.shape[0]
     st = scale.float() if scale_kind(scale) == "tensor" else 1.0
     dx = torch.empty(M, K, dtype=cdt, device=gl.device)
     A32 = None if A is None else A.float()
-    for i0, i1 in row_blocks(M, max(K, w8.shape[0])):
-        out = _dgrad_gemm(gl[i0:i1], w8, scale, block_size, act_quant).mul_(rl * st)
+    for i0, i1 in row_blocks(M, max(K, N)):
+        out = _dgrad_gemm(gl[i0:i1], w8, scale, block_size, act_quant, global_scale).mul_(rl * st)
         if v is not None:
             out.addmm_(v[i0:i1].float(), A32, alpha=s)
             if mask is not None:
                 out.mul_(mask[i0:i1]).mul_(1.0 / (1.0 - p))
-                out.add_(_dgrad_gemm(gb[i0:i1], w8, scale, block_size, act_quant).mul_(rb * st))
+                out.add_(_dgrad_gemm(gb[i0:i1], w8, scale, block_size, act_quant, global_scale).mul_(rb * st))
         dx[i0:i1] = out
     return dx

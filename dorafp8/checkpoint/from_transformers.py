@@ -28,7 +28,7 @@ from torch import nn
 from ..backends import check_backend_name
 from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
-from ..quant import DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_scale
+from ..quant import DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_scale, check_weight
 from .files import read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
@@ -45,10 +45,11 @@ def _ct_fp8_linear_cls():
 
 
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
-          act_quant, dtype) -> FP8Linear:
+          act_quant, dtype, global_scale=None) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
-    new = FP8Linear.from_fp8(w8.detach(), scale.detach().float(), bias, backend=backend, dtype=dtype,
-                             block_size=block_size, act_quant=act_quant)
+    kept = scale.detach() if scale.dtype == E4M3 else scale.detach().float()  # NVFP4's e4m3 block scales as stored
+    new = FP8Linear.from_fp8(w8.detach(), kept, bias, backend=backend, dtype=dtype, block_size=block_size,
+                             act_quant=act_quant, global_scale=global_scale)
     new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape))
     return new
 
@@ -69,8 +70,11 @@ def _saved_quantization_config(model) -> Optional[dict]:
 
 
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
-    """The fp8 linear layers of a transformers model, each checked, and nothing changed: ([(name, module, scale,
-    block_size, format, extras)], names of layers whose weights are dense already, names of MoE expert blocks).
+    """The fp8 linear layers of a transformers model, each checked, and nothing changed: ([(name, module, weight,
+    scale, block_size, format, extras, global_scale)], names of layers whose weights are dense already, names of MoE
+    expert blocks). compressed-tensors' NVFP4 modules (still compressed: `weight_packed`, `weight_scale`,
+    `weight_global_scale`, as transformers leaves them without a GPU) come with the global scale as the factor W0
+    multiplies by (the reciprocal of the stored one).
     Raises on the first layer dorafp8 cannot hold (non-square blocks, ue8m0 scales, zero points, a scale that does
     not fit its weight)."""
     fg_linear, fg_experts = _finegrained_cls()
@@ -93,13 +97,25 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
             block_size = block_shape[0] if block_shape is not None else DEFAULT_BLOCK
             extras = {} if getattr(mod, "activation_scale", None) is None else {
                 "activation_scale": mod.activation_scale.detach()}
-            layers.append((name, mod, scale, block_size, "fine-grained", extras))
+            layers.append((name, mod, mod.weight, scale, block_size, "fine-grained", extras, None))
         elif ct_linear is not None and isinstance(mod, ct_linear):
             s = mod.weight_scale.detach().reshape(-1)
             if s.numel() == mod.out_features and bool((s == s[0]).all()):
                 s = s[:1]  # the kernel layout broadcasts per-tensor scales to [1, out]
             scale = s.reshape(()) if s.numel() == 1 else s
-            layers.append((name, mod, scale, DEFAULT_BLOCK, "compressed-tensors", {}))
+            layers.append((name, mod, mod.weight, scale, DEFAULT_BLOCK, "compressed-tensors", {}, None))
+        elif isinstance(mod, nn.Linear) and getattr(mod, "quantization_scheme", None) is not None \
+                and getattr(mod, "weight_packed", None) is not None and hasattr(mod, "weight_global_scale"):
+            g = mod.weight_global_scale.detach().float().reshape(())
+            if not (bool(torch.isfinite(g)) and float(g) > 0):
+                raise ValueError(f"{name}.weight_global_scale: {float(g)!r} is not a finite positive NVFP4 global "
+                                 f"scale")
+            check_weight(mod.weight_packed, mod.weight_scale, DEFAULT_BLOCK, 1.0 / g, name=f"{name}.weight_packed")
+            extras = {} if getattr(mod, "input_global_scale", None) is None else {
+                "input_global_scale": mod.input_global_scale.detach()}
+            layers.append((name, mod, mod.weight_packed, mod.weight_scale, DEFAULT_BLOCK, "compressed-tensors", extras,
+                           1.0 / g))
+            continue
         elif isinstance(mod, nn.Linear) and getattr(mod, "quantization_scheme", None) is not None \
                 and hasattr(mod, "weight_scale"):
             scheme = mod.quantization_scheme
@@ -119,11 +135,11 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
                     raise ValueError(f"{name}: block structure {block_shape} is not square")
                 block_size = block_shape[0]
             extras = {} if getattr(mod, "input_scale", None) is None else {"input_scale": mod.input_scale.detach()}
-            layers.append((name, mod, mod.weight_scale, block_size, "compressed-tensors", extras))
+            layers.append((name, mod, mod.weight, mod.weight_scale, block_size, "compressed-tensors", extras, None))
         else:
             continue
         # a layer was just found: what FP8Linear.from_fp8 would refuse, refused now, before any layer is swapped
-        _, mod, scale, block_size, fmt, _ = layers[-1]
+        _, mod, _, scale, block_size, fmt, _, _ = layers[-1]
         check_fp8_weight(mod.weight, f"{name}.weight")
         check_scale(scale.detach().float(), mod.weight.shape[0], mod.weight.shape[1], block_size,
                     name=f"{name}.{'weight_scale_inv' if fmt == 'fine-grained' else 'weight_scale'}")
@@ -133,7 +149,9 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
-    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many.
+    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many. A
+    compressed-tensors nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them on a
+    machine without a GPU) becomes NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
 
     dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
     weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
@@ -150,8 +168,8 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
     layers, dense, experts = _fp8_layers(model)
     # Built aside before the first swap: each new layer holds its old layer's fp8 bytes (no copy) and its own fp32
     # scale, so all of them together cost the scales only.
-    swaps = [(name, _make(mod, mod.weight, scale, block_size, fmt, extras, backend, act_quant, mdtype))
-             for name, mod, scale, block_size, fmt, extras in layers]
+    swaps = [(name, _make(mod, w, scale, block_size, fmt, extras, backend, act_quant, mdtype, g))
+             for name, mod, w, scale, block_size, fmt, extras, g in layers]
     if swaps:
         before = ModelState(model)
         try:

@@ -11,6 +11,15 @@ In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out
     musubi               <layer>.scale_weight        [1] or [], [out, 1], [out, in / g, 1] (1 x g)    (no marker)
     fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer and ComfyUI store it
 
+The microscaled kinds (dorafp8/quant.py, "Microscaled weights") load into the same layers, told apart by dtype:
+    modelopt             <layer>.weight uint8 [out, in/2] (NVFP4, e2m1 packed), <layer>.weight_scale e4m3 [out, in/16],
+                         <layer>.weight_scale_2 fp32 [] (ModelOpt's hf_quant_config.json quant_algo NVFP4),
+                         input_scale; or <layer>.weight e4m3 with <layer>.weight_scale e8m0 / uint8 [out, in/32] (MXFP8)
+    compressed-tensors   nvfp4-pack-quantized: <layer>.weight_packed uint8 [out, in/2], <layer>.weight_scale e4m3
+                         [out, in/16], <layer>.weight_global_scale fp32 [1] (its reciprocal: W0 = e2m1 * scale / g),
+                         input_global_scale; and the MXFP8 pair as above
+They are read only (a model holding them is not written back by save_fp8_checkpoint).
+
 docs/CHECKPOINTS.md has where each comes from and how it was checked.
 """
 
@@ -21,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..quant import E4M3
+from ..quant import E4M3, E8M0
 
 E5M2 = torch.float8_e5m2
 
@@ -56,6 +65,9 @@ LAYOUTS = {
     # re-quantized to per row: dorafp8/nn/group_scales.py)
     "musubi": Layout("musubi", "scale_weight", None, ("row", "tensor"),
                      "musubi-tuner / kohya `--fp8_scaled` (`scale_weight` per tensor, per row or per 1 x 64 block)"),
+    "modelopt": Layout("modelopt", "weight_scale", "input_scale", (),
+                       "NVIDIA ModelOpt NVFP4 (`weight` packed uint8, `weight_scale` e4m3 per 16, `weight_scale_2`) or "
+                       "MXFP8 (`weight_scale` e8m0 per 32)"),
     "fp8-cast": Layout("fp8-cast", None, None, ("tensor",),
                        "weights cast to float8_e4m3fn without a scale (scale 1)"),
 }
@@ -63,7 +75,8 @@ DENSE_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 ALIASES = {"comfy": "comfyui", "scaled_fp8": "comfyui", "comfy_quant": "comfyui-quant", "ct": "compressed-tensors",
            "compressed_tensors": "compressed-tensors", "finegrained": "fine-grained", "fine_grained": "fine-grained",
            "fp8": "fine-grained", "fp8_scaled": "musubi", "kohya": "musubi", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-FORMATS = tuple(LAYOUTS) + tuple(DENSE_FORMATS)
+# What the writers (save_fp8_checkpoint, export_merged) write: the layouts but the read-only ones, and the dense ones.
+FORMATS = tuple(name for name, lay in LAYOUTS.items() if lay.write_granularities) + tuple(DENSE_FORMATS)
 
 # The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads
 # correctly on its own (compressed-tensors also needs the compressed-tensors package, and says so). In the others the
@@ -74,7 +87,8 @@ TRANSFORMERS_FORMATS = ("compressed-tensors", "fine-grained", "fp8-cast") + tupl
 # safetensors' dtype names (safe_open's get_slice().get_dtype()), for reading a file's header without its data
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": E4M3, "F8_E5M2": E5M2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                      **({"F8_E8M0": E8M0} if E8M0 is not None else {})}
 GRANULARITY_NAMES = {"tensor": "per-tensor", "row": "per-row", "block": "per-block"}
 
 

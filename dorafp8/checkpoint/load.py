@@ -28,7 +28,7 @@ from ..nn import fp8_conv_class
 from ..nn import FP8Linear
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
-from ..quant import E4M3, E4M3_MAX, check_scale, scale_kind
+from ..quant import E4M3, E4M3_MAX, E8M0, check_scale, scale_kind
 from .files import parse_json, some
 from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
@@ -156,6 +156,8 @@ def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dt
         else:
             new = FP8Linear(mod.in_features, mod.out_features, bias=bias is not None, device="meta", dtype=orig,
                             block_size=p.block_size or None, backend=backend, act_quant=act_quant)
+            if p.kind == "nvfp4":  # filled from the checkpoint's global scale (_TensorLoader._scale)
+                new.global_scale = torch.empty((), dtype=torch.float32, device="meta")
             n_out = mod.out_features
         if bias is not None:
             new.bias = nn.Parameter(torch.empty(n_out, dtype=bias_dtype, device="meta"), requires_grad=False)
@@ -284,11 +286,35 @@ class _TensorLoader:
         sp = self.plan.scales[k]
         if not sp.keeps_fp8:
             return
+        if sp.kind is not None:
+            self._micro_scale(k, t, sp)
+            return
         mod = self.model.get_submodule(sp.module)
         sc = check_scale(_checked_scale(t, k), sp.N, sp.K, sp.block_size, name=k)
         set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
         mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
         self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block_size)
+
+    def _micro_scale(self, k: str, t: torch.Tensor, sp) -> None:
+        """A microscaled layer's scale, kept as stored (MXFP8's uint8 bytes viewed as e8m0), refused if a code is NaN
+        or (NVFP4) negative; NVFP4's global scale with it, as the factor W0 multiplies by (compressed-tensors stores
+        its reciprocal)."""
+        mod = self.model.get_submodule(sp.module)
+        sc = t.contiguous().view(E8M0) if sp.kind == "mxfp8" else t.contiguous()
+        bits = sc.view(torch.uint8)
+        bad = (bits == 255) if sp.kind == "mxfp8" else ((bits & 0x7F) == 0x7F) | ((bits & 0x80) != 0) & (bits != 0x80)
+        if bool(bad.any()):
+            raise CheckpointFormatError(f"{k}: {int(bad.sum())} of {bits.numel()} {sp.kind} scale values are NaN or "
+                                        f"negative (the file is damaged); nothing was loaded")
+        set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
+        p = self.plan.layers[sp.module]
+        if p.global_key is not None:
+            g = self.first[p.global_key].float().reshape(())
+            set_tensor(self.model, f"{sp.module}.global_scale", g if p.key.endswith(".weight") else 1.0 / g,
+                       param=False)
+        mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
+        self.report.fp8_layers[sp.module] = {"nvfp4": "NVFP4 (e4m3 per 16, fp32 global)",
+                                             "mxfp8": "MXFP8 (e8m0 per 32)"}[sp.kind]
 
     def _plain(self, k: str, t: torch.Tensor) -> None:
         m = self.plan.plain[k]
@@ -340,11 +366,17 @@ def _read_checked_first(plan: LoadPlan, source: CheckpointSource, device, report
     the model changes: the scales of fp8 tensors that get dequantized or re-quantized (needed with their tensor: 1 x g
     scales are 1/64 of their weight's elements), zero points and
     ComfyUI layer configs. key -> tensor, each read once (the loader takes them from here)."""
+    globals_ = {p.global_key for p in plan.layers.values() if p.global_key}
     keys = [p.scale_key for p in plan.layers.values() if (not p.fp8 or p.group) and p.scale_key] + \
-        [e for p in plan.layers.values() for e in p.extras if _is_checked_extra(e)]
+        [e for p in plan.layers.values() for e in p.extras if _is_checked_extra(e)] + sorted(globals_)
     first = {}
     for k, t in source.read(keys, device):
         report.bytes_read += t.numel() * t.element_size()
+        if k in globals_:
+            g = t.float().reshape(())
+            if not (bool(torch.isfinite(g)) and float(g) > 0 and bool(torch.isfinite(1.0 / g))):
+                raise CheckpointFormatError(f"{k}: NVFP4 global scale {float(g)!r} is not a finite positive number "
+                                            f"(with a finite reciprocal); the file is damaged. Nothing was loaded")
         if k.endswith("_zero_point") and bool((t.float() != 0).any()):
             raise CheckpointFormatError(f"{k}: non-zero zero point (asymmetric quantization) is not supported")
         if k.endswith(".comfy_quant"):
@@ -363,6 +395,8 @@ def _written(plan: LoadPlan, tied: dict) -> set[str]:
     for k, mod_name in plan.layer_of.items():
         if plan.layers[mod_name].fp8:
             out |= {f"{mod_name}.weight", f"{mod_name}.scale"}  # the scale read, or 1 where the layout has none
+            if plan.layers[mod_name].global_key:
+                out.add(f"{mod_name}.global_scale")
         else:
             out.add(plan.keys.names[k])  # dequantized into the module's own weight
     for m in plan.plain.values():

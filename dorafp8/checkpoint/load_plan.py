@@ -12,13 +12,13 @@ from torch import nn
 
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
-from ..quant import DEFAULT_BLOCK, E4M3, check_scale
+from ..quant import DEFAULT_BLOCK, E4M3, E8M0, MXFP8_BLOCK, NVFP4_BLOCK, check_scale
 from .files import some
 from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import FP8_CONV_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
-from .source import CheckpointSource, detect, layer_key
+from .source import CheckpointSource, detect, layer_key, nvfp4_weights
 
 
 def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
@@ -96,11 +96,12 @@ def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: Key
     info = source.info
     layer_of = {}  # fp8 weight key -> module name in the model
     layers: dict[str, LayerPlan] = {}
+    packed = set(nvfp4_weights(info).values()) if fmt in MICRO_FORMATS else set()
     for k in keys.ckpt_keys:
         m = keys.names[k]
-        if m is None or not k.endswith(".weight") or info[k][0] != E4M3:
+        if m is None or not ((k.endswith(".weight") and info[k][0] == E4M3) or k in packed):
             continue
-        mod_name = m[:-len(".weight")]
+        mod_name = m.rpartition(".")[0]
         try:
             mod = model.get_submodule(mod_name)
         except AttributeError:
@@ -122,6 +123,9 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         N, K = (shape_w[0], int(torch.Size(shape_w[1:]).numel())) if len(shape_w) >= 2 else (None, None)
         p = plan.layers[mod_name]
         mod = p.module
+        kind = _micro_kind(info, k, lay, fmt)
+        if kind == "nvfp4" and K is not None:
+            K *= 2  # two e2m1 values a byte
         if p.linear and (N, K) != (mod.out_features, mod.in_features):
             errors.append(f"{k}: shape {list(info[k][1])} in the checkpoint, [{mod.out_features}, "
                           f"{mod.in_features}] in the model's {mod_name!r}")
@@ -129,6 +133,9 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         if p.conv and tuple(shape_w) != tuple(mod.weight.shape):
             errors.append(f"{k}: shape {list(shape_w)} in the checkpoint, {list(mod.weight.shape)} in the model's "
                           f"{mod_name!r}")
+            continue
+        if kind is not None:
+            _plan_micro(plan, p, kind, k, mod_name, N, K, info, errors)
             continue
         scale_key = f"{lay}.{layout.scale_key}" if layout.scale_key else None
         if scale_key is None or scale_key not in info:
@@ -184,6 +191,66 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
                 report.kept[k] = "scales of weights that are not fp8 (ignored, as the writer's own loader does)"
     if errors:
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
+
+
+# The layouts whose files may hold microscaled weights (NVFP4, MXFP8), and the scale dtypes of MXFP8 in a file (e8m0
+# as safetensors' F8_E8M0, or its bytes as uint8, as compressed-tensors stores its MX scales).
+MICRO_FORMATS = ("modelopt", "compressed-tensors")
+MX_SCALE_DTYPES = tuple(d for d in (torch.uint8, E8M0) if d is not None)
+
+
+def _micro_kind(info: dict, k: str, lay: str, fmt: str) -> Optional[str]:
+    """"nvfp4" for a packed uint8 weight (nvfp4_weights), "mxfp8" for an e4m3 weight whose weight_scale is e8m0 or
+    uint8, None for the fp8 kinds."""
+    if fmt not in MICRO_FORMATS:
+        return None
+    if info[k][0] == torch.uint8:
+        return "nvfp4"
+    sk = f"{lay}.weight_scale"
+    return "mxfp8" if sk in info and info[sk][0] in MX_SCALE_DTYPES else None
+
+
+def _plan_micro(plan: LoadPlan, p: LayerPlan, kind: str, k: str, mod_name: str, N: int, K: int, info: dict,
+                errors: list) -> None:
+    """A microscaled layer's scale (and NVFP4's global scale) planned and its shapes and dtypes checked; every
+    problem goes to `errors`, naming the tensor."""
+    lay = layer_key(k)
+    if not p.linear:
+        errors.append(f"{k}: {kind} weights load into linear layers only, not {type(p.module).__name__} "
+                      f"{mod_name!r}")
+        return
+    block = NVFP4_BLOCK if kind == "nvfp4" else MXFP8_BLOCK
+    if kind == "nvfp4" and K % NVFP4_BLOCK:
+        errors.append(f"{k}: packed NVFP4 of shape {list(info[k][1])} holds {K} values a row, not a multiple of "
+                      f"{NVFP4_BLOCK} (one e4m3 scale per {NVFP4_BLOCK}): the packed size does not fit NVFP4")
+        return
+    sk = f"{lay}.weight_scale"
+    if sk not in info:
+        errors.append(f"{k} is {kind} but {sk!r} (its scale) is missing")
+        return
+    want_dtypes = (E4M3,) if kind == "nvfp4" else MX_SCALE_DTYPES
+    want = (N, K // NVFP4_BLOCK) if kind == "nvfp4" else (N, -(-K // MXFP8_BLOCK))
+    if info[sk][0] not in want_dtypes:
+        errors.append(f"{sk}: dtype {info[sk][0]}; a {kind} scale is {' or '.join(map(str, want_dtypes))}")
+        return
+    if tuple(info[sk][1]) != want:
+        errors.append(f"{sk}: shape {list(info[sk][1])}, but the [{N}, {K}] {kind} weight {k!r} needs {list(want)} "
+                      f"(one scale per {block} weights of a row)")
+        return
+    if kind == "nvfp4":
+        gk = f"{lay}.weight_scale_2" if k.endswith(".weight") else f"{lay}.weight_global_scale"
+        if info[gk][0] != torch.float32 or int(torch.Size(info[gk][1]).numel()) != 1:
+            errors.append(f"{gk}: {info[gk][0]} of shape {list(info[gk][1])}; NVFP4's global scale is one fp32 value")
+            return
+        p.global_key = gk
+        plan.consumed[gk] = "global"
+    p.kind, p.scale_key = kind, sk
+    plan.scales[sk] = ScalePlan(mod_name, N, K, DEFAULT_BLOCK, True, kind=kind)
+    plan.consumed[sk] = "scale"
+    for extra in ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point"):
+        if f"{lay}.{extra}" in info:
+            plan.consumed[f"{lay}.{extra}"] = "extra"
+            p.extras.append(f"{lay}.{extra}")
 
 
 def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optional[str]:

@@ -75,6 +75,8 @@ class LayerPlan:
     block_size: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
     group: Optional[int] = None            # g of 1 x g block scales (musubi), re-quantized to per row when read
     extras: list = field(default_factory=list)  # checkpoint keys kept with the layer (activation scales, ...)
+    kind: Optional[str] = None             # "nvfp4" / "mxfp8" for a microscaled weight (dorafp8/quant.py), else None
+    global_key: Optional[str] = None       # NVFP4: the key of its global scale (weight_scale_2 / weight_global_scale)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class ScalePlan:
     block_size: int
     keeps_fp8: bool
     group: Optional[int] = None  # 1 x g block scales [N, K / g, 1]: read before the weight, which is re-quantized
+    kind: Optional[str] = None   # "nvfp4" / "mxfp8": kept as stored (e4m3 / e8m0), not converted to fp32
 
 
 @dataclass

@@ -32,6 +32,7 @@ class CheckpointSource:
             require("safetensors", what="reading fp8 checkpoint files")
         self.state_dict = None
         self.config = None
+        self.hf_quant_config = None  # ModelOpt's hf_quant_config.json, beside config.json
         self.index = None  # the index file of a sharded folder
         self.metadata: dict = {}
         self.info: dict[str, tuple] = {}  # key -> (dtype or None, shape, shard index)
@@ -104,6 +105,9 @@ class CheckpointSource:
                 raise CheckpointFormatError(f"{cfg}: its \"quantization_config\" is a "
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "
                                             f"{DAMAGED}")
+        if os.path.lexists(os.path.join(path, "hf_quant_config.json")):
+            self.hf_quant_config = read_json(file_in(path, "hf_quant_config.json", f"{path}: hf_quant_config.json",
+                                                     roots), "ModelOpt's quantization config (a JSON object)")
 
     def where(self, i: int) -> str:
         """Shard i as errors name it: its path, and for a sharded checkpoint which shard of how many."""
@@ -114,6 +118,15 @@ class CheckpointSource:
 
     def quant_config(self) -> dict:
         return (self.config or {}).get("quantization_config") or {}
+
+    def modelopt_algo(self) -> Optional[str]:
+        """ModelOpt's quant_algo ("NVFP4", "MXFP8", "FP8", ...): from hf_quant_config.json's "quantization", or from
+        config.json's quantization_config with quant_method "modelopt"; None when neither says."""
+        hq = (self.hf_quant_config or {}).get("quantization")
+        if isinstance(hq, dict) and hq.get("quant_algo"):
+            return str(hq["quant_algo"])
+        qc = self.quant_config()
+        return str(qc["quant_algo"]) if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
 
     def read(self, keys: Iterable[str], device) -> Iterable[tuple[str, torch.Tensor]]:
         """(key, tensor) for `keys`, shard by shard, one tensor at a time."""
@@ -155,11 +168,14 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if e5m2:
         raise CheckpointFormatError(f"{source.name}: float8_e5m2 tensors (e.g. {e5m2[0]!r}); dorafp8 holds "
                                     f"float8_e4m3fn weights only. Saw {what}")
-    unsupported = {"weight_packed": "packed int4/fp4 weights (compressed-tensors pack-quantized / nvfp4-pack)",
-                   "weight_scale_2": "NVFP4 (two-level scales)", "weight_global_scale": "NVFP4 / tensor-group scales",
+    nvfp4 = nvfp4_weights(info)
+    unsupported = {"weight_packed": "packed int4 weights (compressed-tensors pack-quantized)",
+                   "weight_scale_2": "two-level scales on weights that are not packed NVFP4 (uint8)",
+                   "weight_global_scale": "tensor-group scales on weights that are not packed NVFP4 (uint8)",
                    "qweight": "GPTQ/AWQ int4", "SCB": "bitsandbytes int8", "absmax": "bitsandbytes 4-bit"}
     for s, why in unsupported.items():
-        if suffix.get(s):
+        if any(k.endswith("." + s) and f"{layer_key(k)}" not in nvfp4 for k in keys) if s in (
+                "weight_packed", "weight_scale_2", "weight_global_scale") else suffix.get(s):
             raise CheckpointFormatError(f"{source.name}: {why} (keys like '<layer>.{s}'); dorafp8 loads fp8 e4m3 "
                                         f"checkpoints only. Saw {what}")
     int8_scaled = [k for k in keys if info[k][0] == torch.int8 and k.endswith(".weight")
@@ -183,7 +199,12 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
         signals["comfyui"] = "'scaled_fp8' / '<layer>.scale_weight'"
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"
-    if suffix.get("weight_scale") and "comfyui-quant" not in signals:
+    algo = source.modelopt_algo()
+    # ModelOpt's own layout for its NVFP4 / MXFP8 exports; its FP8 export reads as compressed-tensors', as before
+    if suffix.get("weight_scale_2") or algo in ("NVFP4", "MXFP8"):
+        signals["modelopt"] = ("'<layer>.weight_scale_2' (NVFP4's global scales)" if suffix.get("weight_scale_2")
+                               else f"ModelOpt's quant_algo {algo!r}")
+    elif suffix.get("weight_scale") and "comfyui-quant" not in signals:
         signals["compressed-tensors"] = "'<layer>.weight_scale'"
     if any((layer_key(k) + ".scale") in info for k in fp8_w):
         signals["dorafp8"] = "fp8 '<layer>.weight' with '<layer>.scale'"
@@ -206,10 +227,26 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if expected and expected != name:
         raise CheckpointFormatError(f"{source.name}: config.json says quant_method={method!r} ({expected}) but the "
                                     f"keys look like {name} ({evidence}). Saw {what}")
-    if not fp8_w and name != "comfyui-quant":
+    if name == "modelopt" and algo not in (None, "NVFP4", "MXFP8"):
+        raise CheckpointFormatError(f"{source.name}: NVFP4 global scales ('<layer>.weight_scale_2') but ModelOpt's "
+                                    f"quant_algo is {algo!r}; dorafp8 loads ModelOpt's NVFP4 and MXFP8 exports")
+    if not fp8_w and not nvfp4 and name != "comfyui-quant":
         raise CheckpointFormatError(f"{source.name}: looks like {LAYOUTS[name].description} ({evidence}) but holds "
                                     f"no float8_e4m3fn weight. Saw {what}")
     return name, evidence
+
+
+def nvfp4_weights(info: dict) -> dict[str, str]:
+    """The layers whose weight is packed NVFP4: '<layer>' -> the key of its packed weight. ModelOpt's: a uint8
+    '<layer>.weight' beside '<layer>.weight_scale_2'; compressed-tensors' nvfp4-pack-quantized: a uint8
+    '<layer>.weight_packed' beside '<layer>.weight_global_scale'."""
+    out = {}
+    for k, (dtype, _, _) in info.items():
+        lay, _, suffix = k.rpartition(".")
+        global_key = {"weight": "weight_scale_2", "weight_packed": "weight_global_scale"}.get(suffix)
+        if global_key and dtype == torch.uint8 and f"{lay}.{global_key}" in info:
+            out[lay] = k
+    return out
 
 
 def detect_format(path_or_state_dict) -> tuple[str, str]:
@@ -228,15 +265,17 @@ def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
                                         f"supported; dorafp8 reads fp32/bf16/fp16 scales")
         block_shape = qc.get("weight_block_size")
     elif fmt == "compressed-tensors":
-        if qc.get("format") not in (None, "float-quantized", "naive-quantized", "mixed-precision"):
-            raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is not "
-                                        f"float-quantized fp8")
+        if qc.get("format") not in (None, "float-quantized", "naive-quantized", "mixed-precision",
+                                    "nvfp4-pack-quantized"):
+            raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is neither "
+                                        f"float-quantized fp8 nor nvfp4-pack-quantized")
         block_shape = None
         for g in (qc.get("config_groups") or {}).values():
             w = (g or {}).get("weights") or {}
-            if w and (w.get("type") != "float" or w.get("num_bits") != 8):
+            if w and (w.get("type") != "float" or w.get("num_bits") not in (4, 8)):
                 raise CheckpointFormatError(f"{source.name}: compressed-tensors weights of type {w.get('type')!r} "
-                                            f"with {w.get('num_bits')} bits: dorafp8 loads 8-bit float (fp8) only")
+                                            f"with {w.get('num_bits')} bits: dorafp8 loads float weights of 8 bits "
+                                            f"(fp8, MXFP8) and 4 bits (NVFP4) only")
             if w.get("strategy") == "block":
                 block_shape = w.get("block_structure")
     else:

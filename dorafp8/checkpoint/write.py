@@ -21,7 +21,7 @@ from typing import Optional
 from torch import nn
 
 from ..nn import FP8Linear
-from ..quant import DEFAULT_BLOCK, check_scale_kind, scale_kind
+from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
 from .files import destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256, staging
@@ -230,6 +230,12 @@ def _same_bytes(a: str, b: str) -> bool:
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:
+    micro = sorted(n for n, m in base_model(model).named_modules()
+                   if isinstance(m, FP8Linear) and scale_kind(m.scale) in MICRO_KINDS)
+    if micro:  # the writers re-quantize and emit fp8 only: refused before anything is written
+        raise ValueError(f"{len(micro)} layers hold NVFP4 / MXFP8 weights (e.g. {micro[0]!r}), which dorafp8 does not "
+                         f"write yet (nor merge into); keep the checkpoint they came from, save the adapter with "
+                         f"PEFT's save_pretrained, and merge on the dequantized model")
     src = source_of(model)
     if fmt is None:
         fmt = src.format or "compressed-tensors"

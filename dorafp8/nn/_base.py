@@ -13,7 +13,9 @@ import warnings
 import torch
 from torch import nn
 
-from ..quant import E4M3, check_scale, is_fp8
+from ..quant import E4M3, E8M0, check_micro_scale, check_scale, is_fp8
+
+MICRO_SCALE_DTYPES = (E4M3, E8M0)  # the scales of the microscaled kinds (MXFP8: e8m0, NVFP4: e4m3), kept as stored
 
 
 # diffusers.hooks.layerwise_casting._LAYERWISE_CASTING_HOOK: the name ModelMixin.enable_layerwise_casting registers
@@ -137,18 +139,20 @@ class FP8WeightModule(nn.Module):
         """The weight for the kernels: `weight`, or, where FSDP's MixedPrecisionPolicy(param_dtype=...) handed the
         forward an unsharded weight cast to that dtype, that weight cast back to fp8 (exact; dorafp8/distributed.py)."""
         w = self.weight
-        return w if w.dtype == E4M3 else recover_fp8_weight(self, w)
+        return w if w.dtype in (E4M3, torch.uint8) else recover_fp8_weight(self, w)
 
     def _apply(self, fn, recurse=True):
         # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
         # round trip through a wider float is exact, but a scale cast to bf16/fp16 is not: put back the storage
         # dtypes, taking the scale from the original.
-        scale = self.scale
+        scale, g = self.scale, getattr(self, "global_scale", None)
         super()._apply(fn, recurse)
-        if self.weight.dtype != E4M3:
+        if self.weight.dtype not in (E4M3, torch.uint8):  # a packed NVFP4 weight (uint8) is never cast
             self.weight = nn.Parameter(self.weight.data.to(E4M3), requires_grad=False)
-        if self.scale.dtype != torch.float32:
+        if self.scale.dtype != scale.dtype:  # fp32, or a microscaled kind's e8m0 / e4m3
             self.scale = scale.to(self.scale.device)
+        if g is not None and self.global_scale.dtype != g.dtype:
+            self.global_scale = g.to(self.global_scale.device)
         return self
 
     # ---- FSDP2's state_dict ----------------------------------------------------------------------------------------
@@ -172,15 +176,24 @@ class FP8WeightModule(nn.Module):
 
     _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
 
-    def _check_loaded_scale(self, scale, name: str) -> torch.Tensor:
-        """A state_dict's scale, checked against this weight's 2-D view and normalized ([N, 1] -> [N], [1] -> [])."""
-        w = self.weight
-        return check_scale(scale, w.shape[0], math.prod(w.shape[1:]), self.block_size, name=name)
+    def _check_loaded_scale(self, scale, name: str, weight=None) -> torch.Tensor:
+        """A state_dict's scale, checked against its weight (the state_dict's, else this one's 2-D view) and normalized
+        ([N, 1] -> [N], [1] -> []); a microscaled kind's scale (e8m0, e4m3) is checked and kept as it is."""
+        w = self.weight if weight is None else weight
+        N, K = w.shape[0], math.prod(w.shape[1:]) * (2 if w.dtype == torch.uint8 else 1)
+        if isinstance(scale, torch.Tensor) and scale.dtype in MICRO_SCALE_DTYPES:
+            check_micro_scale(scale, "nvfp4" if scale.dtype == E4M3 else "mxfp8", N, K, name)
+            return scale
+        return check_scale(scale, N, K, self.block_size, name=name)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         w = state_dict.get(prefix + "weight")
-        if w is not None and w.dtype != E4M3:
+        if w is not None and w.dtype == torch.uint8 and hasattr(self, "global_scale"):  # a packed NVFP4 weight
+            self.weight = nn.Parameter(torch.empty_like(w, device=self.weight.device), requires_grad=False)
+            g = state_dict.get(prefix + "global_scale")
+            self.global_scale = None if g is None else torch.empty((), dtype=torch.float32, device=self.weight.device)
+        elif w is not None and w.dtype != E4M3:
             error_msgs.append(f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its "
                               f"'{prefix}scale', got {w.dtype}; {self._float_weight_hint}")
             return
@@ -190,13 +203,14 @@ class FP8WeightModule(nn.Module):
             sc = sc.full_tensor()  # FSDP2's replicated scale (_save_to_state_dict): the buffer stays a plain tensor
         if sc is not None:
             try:
-                sc = self._check_loaded_scale(sc, prefix + "scale")
+                sc = self._check_loaded_scale(sc, prefix + "scale", w)
             except (TypeError, ValueError) as e:
                 error_msgs.append(str(e))
                 return
             state_dict[prefix + "scale"] = sc
-            if sc.shape != self.scale.shape:  # per-tensor / per-row / per-block: take the checkpoint's layout
-                self.scale = torch.empty(sc.shape, dtype=torch.float32, device=self.scale.device)
+            if sc.shape != self.scale.shape or sc.dtype != self.scale.dtype:  # take the checkpoint's kind
+                self.scale = torch.empty(sc.shape, dtype=sc.dtype if sc.dtype in MICRO_SCALE_DTYPES else
+                                         torch.float32, device=self.scale.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

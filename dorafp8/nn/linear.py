@@ -10,8 +10,8 @@ from torch import nn
 from ..backends import check_backend_name
 from ..ops import fp8_linear
 from ..quant import check_act_quant
-from ..quant import (DEFAULT_BLOCK, check_block_size, check_fp8_weight, check_scale, dequantize_e4m3,
-                     quantize_e4m3, scale_kind)
+from ..quant import (DEFAULT_BLOCK, check_block_size, check_weight, dequantize_weight, quantize_e4m3, scale_kind,
+                     weight_dims)
 from ._base import FP8WeightModule, fp8_cast_parts, peft_unregistered_hint
 from .torchao_fp8 import is_torchao_tensor, torchao_fp8_parts
 
@@ -32,6 +32,9 @@ class FP8Linear(FP8WeightModule):
     Casting the module (`.to(torch.bfloat16)`, `.half()`) moves it but keeps the fp8 weight and fp32 scale.
     `act_quant = "rowwise"` runs its base GEMMs W8A8 (activations quantized per row to e4m3; see docs/DORA_MATH.md),
     `None` (the default) W8A16. `backend` picks the kernels ("auto" by default).
+    It holds a microscaled weight the same way (from_fp8, or loaded from a checkpoint): MXFP8 (`weight` e4m3, `scale`
+    e8m0 [out, ceil(in/32)]) or NVFP4 (`weight` uint8 [out, in/2] packed, `scale` e4m3 [out, in/16], `global_scale`
+    fp32 []), dorafp8/quant.py's "Microscaled weights"; `global_scale` is None for every other kind.
     """
 
     block_size = DEFAULT_BLOCK  # class defaults: modules pickled before these attributes existed still load
@@ -50,6 +53,11 @@ class FP8Linear(FP8WeightModule):
         self.block_size = check_block_size(block_size or DEFAULT_BLOCK)
         self._init_fp8_storage((out_features, in_features), in_features, bias, dtype, device, per_row_scale,
                                block_size)
+        self.register_buffer("global_scale", None)  # NVFP4's; None (and not in the state_dict) for every other kind
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._buffers.setdefault("global_scale", None)  # a module pickled before NVFP4 layers existed
 
     @property
     def act_quant(self) -> Optional[str]:
@@ -100,37 +108,44 @@ class FP8Linear(FP8WeightModule):
     @classmethod
     def from_fp8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  backend: str = "auto", dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
-                 act_quant: Optional[str] = None) -> "FP8Linear":
+                 act_quant: Optional[str] = None, global_scale: Optional[torch.Tensor] = None) -> "FP8Linear":
         """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([], [out], [out, 1]
-        or [ceil(out/b), ceil(in/b)] with b = block_size, default 128). `dtype`: the weight's original precision,
-        used for the adapters PEFT creates on this layer (default: the bias's dtype, else float32)."""
-        check_fp8_weight(w8, "w8")
-        out_features, in_features = w8.shape
+        or [ceil(out/b), ceil(in/b)] with b = block_size, default 128); or a microscaled weight: MXFP8 (w8 e4m3, scale
+        e8m0 [out, ceil(in/32)]) or NVFP4 (w8 uint8 [out, in/2], scale e4m3 [out, in/16], global_scale fp32).
+        `dtype`: the weight's original precision, used for the adapters PEFT creates on this layer (default: the
+        bias's dtype, else float32)."""
         block_size = block_size or DEFAULT_BLOCK
-        scale = check_scale(scale, out_features, in_features, block_size)
+        out_features, in_features, scale = check_weight(w8, scale, block_size, global_scale)
+        if global_scale is not None and not (bool(torch.isfinite(global_scale).all()) and float(global_scale) > 0):
+            # checked once here, not on every call (a host sync): a NaN or inf one would make every output NaN
+            raise ValueError(f"global_scale must be a finite positive fp32 value, got {float(global_scale)!r}")
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
                   block_size=block_size, backend=backend, act_quant=act_quant)
         new.weight = nn.Parameter(w8, requires_grad=False)
         new.scale = scale.to(w8.device)
+        new.global_scale = None if global_scale is None else global_scale.reshape(()).to(w8.device)
         if bias is not None:
             new.bias = nn.Parameter(bias, requires_grad=False)  # its own dtype, as in nn.Linear
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.fp8_weight(), self.scale, self.bias, backend=self.backend,
-                          block_size=self.block_size, act_quant=self.act_quant)
+                          block_size=self.block_size, act_quant=self.act_quant, global_scale=self.global_scale)
 
     _float_weight_hint = ("quantize it with dorafp8.quantize_e4m3 (or load it into nn.Linear and use "
                           "FP8Linear.from_float)")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense weight scale * w8 [out, in] (for export and checking; materializes the whole weight)."""
-        return dequantize_e4m3(self.weight, self.scale, dtype, block_size=self.block_size)
+        """The dense weight W0 [out, in] (for export and checking; materializes the whole weight)."""
+        return dequantize_weight(self.weight, self.scale, dtype, block_size=self.block_size,
+                                 global_scale=self.global_scale)
 
     def extra_repr(self) -> str:
-        kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block"}
+        kind = {"tensor": "per-tensor", "row": "per-row", "block": f"per-{self.block_size}x{self.block_size}-block",
+                "mxfp8": "e8m0-per-32 (MXFP8)", "nvfp4": "e4m3-per-16 x global (NVFP4)"}
+        weight = "uint8 (packed e2m1)" if self.weight.dtype == torch.uint8 else "float8_e4m3fn"
         quant = f", act_quant={self.act_quant}" if self.act_quant else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight=float8_e4m3fn, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}"
+                f"weight={weight}, scale={kind[scale_kind(self.scale)]}{quant}, backend={self.backend}"
                 f"{peft_unregistered_hint()}")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..backends.base import NORM_EPS, norm_divisor  # noqa: F401 (the ops' names for them, as the backends use them)
-from ..quant import is_fp8, scale_kind
+from ..quant import MICRO_KINDS, is_fp8, scale_kind
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -84,5 +84,6 @@ def row_scale(scale: Tensor) -> Optional[Tensor]:
 def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None) -> frozenset:
     """What a call asks of its backend beyond W8A16 in a 16-bit compute dtype with a per-tensor or per-row scale
     (backends.FEATURES); cdt: the compute dtype of its base GEMMs (None: a call without them, the weight norm)."""
-    return (frozenset({"block"} if scale_kind(scale) == "block" else ()) | frozenset({act_quant} if act_quant else ())
+    kind = scale_kind(scale)
+    return (frozenset({kind} if kind in ("block", *MICRO_KINDS) else ()) | frozenset({act_quant} if act_quant else ())
             | frozenset({"fp32"} if cdt == torch.float32 else ()))

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_fp8_weight, check_scale, scale_kind
+from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
 from . import _race
 from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype, row_scale,
@@ -46,7 +46,7 @@ class DoRAFP8Function(torch.autograd.Function):
     tests/ops/test_launches.py counts them)."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend):
+    def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend, global_scale=None):
         M, N = x.shape[0], w8.shape[0]
         dropout = p > 0.0
         need_z = ctx.needs_input_grad[6]
@@ -71,24 +71,24 @@ class DoRAFP8Function(torch.autograd.Function):
                 # within the compute dtype's tolerance.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
                                        backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
-                                       x8=x8, sx=sx)
-        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n)
+                                       x8=x8, sx=sx, global_scale=global_scale)
+        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n, global_scale)
         ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, mask, u, z, w8, scale, A, B, m, n = ctx.saved_tensors
+        x, mask, u, z, w8, scale, A, B, m, n, global_scale = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
         g = rows(gy)
-        M, N, K = g.shape[0], w8.shape[0], w8.shape[1]
+        (M, (N, K)) = g.shape[0], weight_dims(w8)
         dx = dA = dB = dm = db = None
         if M == 0:  # an empty batch: zero gradients of the right shapes
             zeros = lambda t: torch.zeros_like(t)  # noqa: E731
             return (g.new_empty(0, K) if need_dx else None, None, None, g.new_zeros(N) if need_db else None,
                     zeros(A) if need_dA else None, zeros(B) if need_dB else None,
-                    zeros(m) if need_dm else None, None, None, None, None, None, None)
+                    zeros(m) if need_dm else None, None, None, None, None, None, None, None)
         srow = row_scale(scale)
         # The folded dgrad (backends/base.py, FOLD_PARAMS): the pass returns gl's per-column factors and the dgrad
         # applies them to the weight tiles, so gl = g * f is never written to memory. W8A8 quantizes gl itself.
@@ -108,33 +108,35 @@ class DoRAFP8Function(torch.autograd.Function):
                 elif srow is None or fold:
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder or factors)
                 dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
-                                   backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb, fl=fl, fb=fb)
+                                   backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb, fl=fl, fb=fb,
+                                   global_scale=global_scale)
             if need_dA:
                 dA = _ops.project_grad_op(v, x, mask=mask, p=p, s=s, out_dtype=A.dtype, backend=ctx.backend)
         return (dx, None, None, db if need_db else None, dA, dB if need_dB else None, dm if need_dm else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class FP8LinearFunction(torch.autograd.Function):
     """y = x W0^T + bias with a frozen fp8 weight: the backward is the input gradient (and bias')."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, block_size, act_quant, backend):
-        ctx.save_for_backward(w8, scale)
+    def forward(ctx, x, w8, scale, bias, block_size, act_quant, backend, global_scale=None):
+        ctx.save_for_backward(w8, scale, global_scale)
         ctx.block_size, ctx.act_quant, ctx.backend = block_size, act_quant, backend
         if x.shape[0] == 0:
             return x.new_empty(0, w8.shape[0])
-        y, _ = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant, backend=backend)
+        y, _ = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant, backend=backend,
+                               global_scale=global_scale)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        w8, scale = ctx.saved_tensors
+        w8, scale, global_scale = ctx.saved_tensors
         g = rows(gy)
         dx = db = None
         if g.shape[0] == 0:
-            return (g.new_empty(0, w8.shape[1]) if ctx.needs_input_grad[0] else None, None, None,
-                    g.new_zeros(w8.shape[0]) if ctx.needs_input_grad[3] else None, None, None, None)
+            return (g.new_empty(0, weight_dims(w8)[1]) if ctx.needs_input_grad[0] else None, None, None,
+                    g.new_zeros(w8.shape[0]) if ctx.needs_input_grad[3] else None, None, None, None, None)
         srow = row_scale(scale)
         if srow is None:  # nothing to scale in g: no pass over it unless the bias wants its gradient
             gl, rl = g, torch.ones((), dtype=torch.float32, device=g.device)
@@ -147,8 +149,8 @@ class FP8LinearFunction(torch.autograd.Function):
                 db = None
         if ctx.needs_input_grad[0]:
             dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
-                               backend=ctx.backend)
-        return dx, None, None, db, None, None, None
+                               backend=ctx.backend, global_scale=global_scale)
+        return dx, None, None, db, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,24 +186,23 @@ def _rank(lora_A, lora_B, K: int) -> int:
     return lora_B.shape[1]
 
 
-def _check_weight(w8, scale, block_size) -> tuple[int, int, Tensor]:
-    check_fp8_weight(w8)
-    N, K = w8.shape
+def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[int, int, Tensor]:
     check_block_size(block_size)
-    return N, K, check_scale(scale, N, K, block_size)
+    return check_weight(w8, scale, block_size, global_scale)
 
 
 def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
-                backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
+                backend: str | None = "auto", block_size: int = DEFAULT_BLOCK,
+                global_scale: Optional[Tensor] = None) -> Tensor:
     """n_j = || W0[j] + scaling * (lora_B @ lora_A)[j] ||_2 as fp32 [N], detached, never forming [N, K].
 
     W0 = scale * w8 with scale [] (per tensor), [N] (per row) or [ceil(N/b), ceil(K/b)] (per b x b block,
-    b = block_size)."""
-    N, K, scale = _check_weight(w8, scale, block_size)
+    b = block_size); or a microscaled weight (MXFP8, NVFP4 with its global_scale: dorafp8/quant.py)."""
+    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
-    _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B)
+    _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B, global_scale=global_scale)
     needs = backend_needs(scale, "")
     name = backends.resolve(backend, w8.device, needs)
     if _race.racing(backend, w8.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
@@ -210,20 +211,22 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
                             block=block_size, cdt=rdt, rdt=rdt)
     with torch.no_grad():
         return _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling),
-                                   block_size=block_size, backend=name)
+                                   block_size=block_size, backend=name, global_scale=global_scale)
 
 
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *,
-               backend: str | None = "auto", block_size: int = DEFAULT_BLOCK, act_quant: str | None = None) -> Tensor:
-    """x W0^T + bias without dequantizing w8 to memory; differentiable in x (and bias).
+               backend: str | None = "auto", block_size: int = DEFAULT_BLOCK, act_quant: str | None = None,
+               global_scale: Optional[Tensor] = None) -> Tensor:
+    """x W0^T + bias without dequantizing w8 to memory; differentiable in x (and bias). global_scale: an NVFP4
+    weight's (w8 packed uint8, scale e4m3; dorafp8/quant.py, "Microscaled weights").
 
     act_quant="rowwise" quantizes x (and the gradient, in the backward) per row to e4m3 for the base GEMM (W8A8,
     fp8 tensor cores; see docs/DORA_MATH.md for its accuracy); the default keeps activations in the compute dtype."""
-    N, K, scale = _check_weight(w8, scale, block_size)
+    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     if bias is not None:
         _check_float(bias, "bias", (N,))
-    _check_device(x, w8=w8, scale=scale, bias=bias)
+    _check_device(x, w8=w8, scale=scale, bias=bias, global_scale=global_scale)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
     needs = backend_needs(scale, mode, cdt)
@@ -233,14 +236,15 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     if _race.racing(backend, x.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
         name = _race.choose("linear", name, x.device, needs, N=N, K=K, M=x2d.shape[0], bias=b is not None,
                             scale=scale_kind(scale), block=block_size, cdt=cdt, act_quant=mode)
-    y = FP8LinearFunction.apply(x2d, w8, scale, b, block_size, mode, name)
+    y = FP8LinearFunction.apply(x2d, w8, scale, b, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
 
 
 def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, magnitude: Tensor,
                     scaling: float, bias: Optional[Tensor] = None, *, dropout_p: float = 0.0, training: bool = False,
                     backend: str | None = "auto", weight_norm: Optional[Tensor] = None,
-                    block_size: int = DEFAULT_BLOCK, act_quant: str | None = None) -> Tensor:
+                    block_size: int = DEFAULT_BLOCK, act_quant: str | None = None,
+                    global_scale: Optional[Tensor] = None) -> Tensor:
     """PEFT's DoRA Linear on an fp8 base:  y = m / ||W0 + s B A||_row * (x W0^T + s (x A^T) B^T) + bias.
 
     x [..., K] (fp32/bf16/fp16); w8 [N, K] float8_e4m3fn with its fp32 scale ([] per tensor, [N] per row, or
@@ -251,10 +255,12 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     equal dorafp8.weight_norm(w8, scale, lora_A, lora_B, scaling) for the current adapter weights.
     act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs on fp8 tensor cores; the low-rank path, the
     norm and every gradient of A, B, m stay in their dtypes).
+    global_scale: an NVFP4 weight's fp32 global scale (w8 packed uint8 [N, K/2], scale e4m3 [N, K/16]); an MXFP8
+    weight is w8 e4m3 with an e8m0 scale [N, ceil(K/32)] (dorafp8/quant.py, "Microscaled weights").
     Returns [..., N] in the compute dtype (see the module docstring). Gradients flow to x, lora_A, lora_B,
     magnitude (and bias if it requires grad); w8 and scale are frozen.
     """
-    N, K, scale = _check_weight(w8, scale, block_size)
+    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
@@ -267,7 +273,8 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     mode = check_act_quant(act_quant)
-    _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias)
+    _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias,
+                  global_scale=global_scale)
     if weight_norm is not None and (not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,)):
         raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
                          f"{list(getattr(weight_norm, 'shape', []))}")
@@ -282,8 +289,9 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         name = _race.choose("dora", name, x.device, needs, N=N, K=K, M=x2d.shape[0], r=r, bias=b is not None,
                             scale=scale_kind(scale), block=block_size, cdt=cdt, rdt=rdt, p=p, act_quant=mode)
     if weight_norm is None:
-        n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name)
+        n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name,
+                                global_scale=global_scale)
     else:
         n = weight_norm.detach().float()
-    y = DoRAFP8Function.apply(x2d, w8, scale, b, A, B, magnitude, n, s, p, block_size, mode, name)
+    y = DoRAFP8Function.apply(x2d, w8, scale, b, A, B, magnitude, n, s, p, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)

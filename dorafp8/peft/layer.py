@@ -230,6 +230,10 @@ class DoRAFP8Layer:
         if getattr(base, "groups", 1) > 1:
             problems.append(f"merging into a conv with groups={base.groups} is not supported (nor in PEFT); "
                             f"export the adapter and merge on the dense model instead")
+        if base.weight.dtype == torch.uint8 or base.scale.dtype != torch.float32:
+            problems.append(f"merging into a microscaled (NVFP4 / MXFP8) base is not supported yet (its "
+                            f"re-quantization by the format's recipe is not written); save the adapter and merge on "
+                            f"the dequantized model (FP8Linear.dequantize) instead")
         for a in names:
             if self.lora_bias.get(a) and base.bias is None:
                 problems.append(f"adapter {a!r} has a LoRA bias but the base layer has no bias to merge it into")

@@ -71,7 +71,8 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
 
     @staticmethod
     def _weight_norm(base, A, B, s):
-        return weight_norm(base.fp8_weight(), base.scale, A, B, s, backend=base.backend, block_size=base.block_size)
+        return weight_norm(base.fp8_weight(), base.scale, A, B, s, backend=base.backend, block_size=base.block_size,
+                           global_scale=base.global_scale)
 
     @staticmethod
     def _per_channel(v: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     @staticmethod
     def _base_product(base: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, base.fp8_weight(), base.scale, None, backend=base.backend, block_size=base.block_size,
-                          act_quant=base.act_quant)
+                          act_quant=base.act_quant, global_scale=base.global_scale)
 
     def _fused_call(self, x: torch.Tensor, a: str, p: float) -> torch.Tensor:
         base = self.get_base_layer()
@@ -88,7 +89,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
             x, base.fp8_weight(), base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
             dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
-            block_size=base.block_size, act_quant=base.act_quant)
+            block_size=base.block_size, act_quant=base.act_quant, global_scale=base.global_scale)
 
     # ---- conversion ----------------------------------------------------------------------------------------------
 

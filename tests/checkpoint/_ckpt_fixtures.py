@@ -13,6 +13,13 @@
   comfyui-quant       the same recipe with ComfyUI's newer keys: `<layer>.weight_scale` and `<layer>.comfy_quant`
                       (the JSON {"format": "float8_e4m3fn"} as uint8 bytes, comfy/ops.py MixedPrecisionOps).
   fp8-cast, dorafp8   a model cast to float8_e4m3fn; an FP8Linear model's state_dict.
+  compressed-tensors NVFP4  the compressed-tensors package, preset NVFP4A16 (nvfp4-pack-quantized): its generate_gparam
+                      and calculate_qparams for the global and block scales, its ModelCompressor for the packing.
+  modelopt            ModelOpt (nvidia-modelopt) needs CUDA to export; written here by the recipe of its own code
+                      (NVFP4QTensor.quantize: dorafp8.quant.quantize_nvfp4 follows it, packing `(q[..., 1::2] << 4) |
+                      q[..., 0::2]`) under the names its HF export writes (`weight` uint8, `weight_scale` e4m3,
+                      `weight_scale_2` and `input_scale` fp32) and its hf_quant_config.json; MXFP8 the same way with
+                      OCP MX scales (e8m0 bytes as uint8 under `weight_scale`).
 """
 
 from __future__ import annotations
@@ -100,6 +107,61 @@ def write_compressed_tensors(model, path: str, preset: str = "FP8_DYNAMIC", bloc
         comp.compress_model(m)
     _save_dir(m.state_dict(), path, m.config)
     comp.update_config(path)
+    return path
+
+
+def write_compressed_tensors_nvfp4(model, path: str) -> str:
+    """compressed-tensors' nvfp4-pack-quantized (preset NVFP4A16: weights only), by its own library."""
+    import copy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    m = copy.deepcopy(model)
+    apply_quantization_config(m, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        "NVFP4A16", ["Linear"])}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for mod in m.modules():
+            if getattr(mod, "quantization_scheme", None) is None or not hasattr(mod, "weight_scale"):
+                continue
+            args, w = mod.quantization_scheme.weights, mod.weight
+            g = generate_gparam(w.amin(), w.amax())  # what its observers compute for tensor_group
+            mod.weight_global_scale.copy_(g.reshape(mod.weight_global_scale.shape))
+            blocks = w.reshape(w.shape[0], -1, args.group_size)
+            scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=g)
+            mod.weight_scale.copy_(scale.reshape(mod.weight_scale.shape))
+            mod.weight_zero_point.copy_(zp.reshape(mod.weight_zero_point.shape))
+        comp = ModelCompressor.from_pretrained_model(m)
+        comp.compress_model(m)
+    _save_dir(m.state_dict(), path, m.config)
+    comp.update_config(path)
+    return path
+
+
+def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
+    """ModelOpt's HF export of NVFP4 or MXFP8 weights (see the module docstring), lm_head left dense as its export
+    excludes it by default."""
+    from dorafp8 import quant
+
+    sd = {}
+    for k, v in model.state_dict().items():
+        if not _is_linear_weight(k):
+            sd[k] = v
+            continue
+        lay = k[:-len(".weight")]
+        if algo == "NVFP4":
+            packed, scale, g = quant.quantize_nvfp4(v)
+            sd.update({k: packed, f"{lay}.weight_scale": scale, f"{lay}.weight_scale_2": g,
+                       f"{lay}.input_scale": torch.tensor(0.05)})
+        else:
+            w8, scale = quant.quantize_mxfp8(v)
+            sd.update({k: w8, f"{lay}.weight_scale": scale.view(torch.uint8)})
+    _save_dir(sd, path, model.config)
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.47.0"},
+                   "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
+                                    "group_size": 16 if algo == "NVFP4" else 32, "exclude_modules": ["lm_head"]}}, f)
     return path
 
 

@@ -334,6 +334,7 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     """Under "auto" a backend without block scales or W8A8 (cuda: SUPPORTS is fp32 compute only) is skipped for such
     calls, not picked and then refused."""
     from dorafp8 import backends
+    from dorafp8.backends import base
 
     monkeypatch.setattr(backends, "unavailable_reason",
                         lambda name, dev: None if name in ("cuda", "reference") else "not here")
@@ -344,7 +345,11 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     assert backends.resolve("auto", gpu, frozenset({"fp32"})) == "cuda"
     assert backends.supports("cuda") == frozenset({"fp32"})
     assert backends.supports("cublas") == frozenset({"block", "fp32"})
-    assert backends.supports("triton") == backends.FEATURES == backends.supports("reference")
+    assert backends.supports("triton") == base.FP8_FEATURES  # the microscaled kinds are the reference's alone
+    assert backends.supports("reference") == backends.FEATURES
+    for kind in ("nvfp4", "mxfp8"):  # on a GPU too: never a kernel that does not know the kind
+        assert backends.resolve("auto", gpu, frozenset({kind})) == "reference"
+        assert backends.resolve("auto", gpu, frozenset({kind, "fp32"})) == "reference"
 
 
 def test_outputs_are_not_views():

@@ -1,0 +1,249 @@
+"""NVFP4 and MXFP8 checkpoints through load_fp8_checkpoint: compressed-tensors' nvfp4-pack-quantized written by its own
+library, ModelOpt's NVFP4 and MXFP8 under its export's names (tests/checkpoint/_ckpt_fixtures.py). Each loads in place
+into FP8Linear layers holding the file's bytes (packed weights, e4m3 / e8m0 scales) bit for bit, and the model computes
+what the dense model on the format's own dequantization computes. Malformed files are refused naming the tensor,
+before the model changes."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dorafp8 import FP8Linear, load_fp8_checkpoint
+from dorafp8.checkpoint import CheckpointFormatError
+from dorafp8 import quant
+from tests._tolerance import assert_close, tol
+from tests.checkpoint._ckpt_fixtures import (IDS, LINEARS, meta_model, original_model, read_all,
+                                             write_compressed_tensors_nvfp4, write_modelopt)
+from tests.kernels.test_microscaled import dequant_64
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if n.split(".")[-1] in LINEARS}
+
+
+def _dense_twin(file: dict, packed_suffix: str, reciprocal: bool):
+    """The original model with every linear weight replaced by the file's dequantization in fp64 (rounded to fp32):
+    W0 = e2m1 * (scale * g) for ModelOpt, e2m1 * (scale / g) for compressed-tensors, e4m3 * 2^(e - 127) for MXFP8."""
+    model = original_model()
+    with torch.no_grad():
+        for name, mod in _linears(model).items():
+            w = file[f"{name}.{packed_suffix}"]
+            scale = file[f"{name}.weight_scale"]
+            if w.dtype == torch.uint8:
+                g = file[f"{name}.weight_global_scale" if reciprocal else f"{name}.weight_scale_2"].float()
+                g = (1.0 / g) if reciprocal else g
+                W = dequant_64(w, scale, g.reshape(()))
+            else:
+                W = dequant_64(w, scale.view(quant.E8M0))
+            mod.weight.copy_(W.float())
+    return model
+
+
+@pytest.mark.parametrize("writer", ["compressed-tensors", "modelopt-nvfp4", "modelopt-mxfp8"])
+def test_loads_in_place_bit_exactly(tmp_path, writer):
+    if writer == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+        path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
+        packed_suffix, fmt, kind = "weight_packed", "compressed-tensors", "nvfp4"
+    else:
+        algo = writer.split("-")[1].upper()
+        path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
+        packed_suffix, fmt, kind = "weight", "modelopt", algo.lower()
+    file = read_all(path)
+    model = meta_model()
+    report = load_fp8_checkpoint(model, path, verbose=False)
+    assert report.format == fmt
+    layers = _linears(model)
+    assert len(layers) == 14 and all(isinstance(m, FP8Linear) for m in layers.values())
+    for name, mod in layers.items():
+        w, scale = file[f"{name}.{packed_suffix}"], file[f"{name}.weight_scale"]
+        assert torch.equal(mod.weight.view(torch.uint8), w.view(torch.uint8)), name  # the bytes as stored
+        assert torch.equal(mod.scale.view(torch.uint8), scale.view(torch.uint8)), name
+        assert quant.scale_kind(mod.scale) == kind
+        if kind == "nvfp4":
+            g = file[f"{name}.weight_global_scale"] if fmt == "compressed-tensors" else file[f"{name}.weight_scale_2"]
+            want = 1.0 / g.float().reshape(()) if fmt == "compressed-tensors" else g.reshape(())
+            assert torch.equal(mod.global_scale, want), name
+        else:
+            assert mod.global_scale is None
+    twin = _dense_twin(file, packed_suffix, reciprocal=fmt == "compressed-tensors").eval()
+    with torch.no_grad():
+        assert_close(model(input_ids=IDS).logits, twin(input_ids=IDS).logits, tol(torch.float32), "logits")
+    assert all(v.startswith({"nvfp4": "NVFP4", "mxfp8": "MXFP8"}[kind]) for v in report.fp8_layers.values())
+
+
+@pytest.mark.parametrize("algo,per_weight,per_layer", [("NVFP4", 0.5625, 4), ("MXFP8", 1.03125, 0)])
+def test_resident_bytes_a_weight(tmp_path, algo, per_weight, per_layer):
+    """Resident bytes of a loaded layer, measured on its tensors: NVFP4 holds the packed weight (0.5 a weight), its
+    e4m3 scales (1 per 16) and one fp32 global scale: 0.5625 bytes a weight plus 4 a layer; MXFP8 its e4m3 weight and
+    an e8m0 scale per 32: 1.03125."""
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
+    model = meta_model()
+    load_fp8_checkpoint(model, path, verbose=False)
+    for mod in _linears(model).values():
+        held = sum(t.numel() * t.element_size() for t in (mod.weight, mod.scale, mod.global_scale) if t is not None)
+        assert held == per_weight * mod.in_features * mod.out_features + per_layer
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+
+
+def _tiny_nvfp4(in_features=32, out_features=8):
+    """A one-layer model and its ModelOpt NVFP4 state dict."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, out_features, bias=False))
+    packed, scale, g = quant.quantize_nvfp4(model[0].weight.detach()) if in_features % 16 == 0 else (
+        torch.zeros(out_features, in_features // 2, dtype=torch.uint8),
+        torch.ones(out_features, -(-in_features // 16)).to(quant.E4M3), torch.tensor(1.0))
+    return model, {"0.weight": packed, "0.weight_scale": scale, "0.weight_scale_2": g}
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda sd: sd.update({"0.weight_scale": sd["0.weight_scale"][:, :1].contiguous()}),
+     r"0\.weight_scale: shape \[8, 1\], but the \[8, 32\] nvfp4 weight '0\.weight' needs \[8, 2\]"),
+    (lambda sd: sd.update({"0.weight": sd["0.weight"][:, :15].contiguous()}),
+     r"0\.weight: shape \[8, 15\] in the checkpoint, \[8, 32\] in the model"),
+    (lambda sd: sd.update({"0.weight_scale_2": torch.tensor(float("inf"))}),
+     r"0\.weight_scale_2: NVFP4 global scale inf is not a finite positive number"),
+    (lambda sd: sd.update({"0.weight_scale_2": torch.tensor(float("nan"))}),
+     r"0\.weight_scale_2: NVFP4 global scale nan"),
+    (lambda sd: sd.update({"0.weight_scale_2": torch.tensor([1.0, 2.0])}),
+     r"0\.weight_scale_2: torch\.float32 of shape \[2\]; NVFP4's global scale is one fp32 value"),
+    (lambda sd: sd.update({"0.weight_scale": sd["0.weight_scale"].float()}),
+     r"0\.weight_scale: dtype torch\.float32; a nvfp4 scale is torch\.float8_e4m3fn"),
+])
+def test_malformed_nvfp4_is_refused_naming_the_tensor(damage, match):
+    model, sd = _tiny_nvfp4()
+    damage(sd)
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CheckpointFormatError, match=match):
+        load_fp8_checkpoint(model, sd, verbose=False)
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)  # nothing changed
+
+
+def test_packed_size_that_is_not_whole_nvfp4_blocks_is_refused():
+    """in_features = 24: 12 bytes a row, 1.5 blocks of 16: not NVFP4 as ModelOpt or compressed-tensors write it."""
+    model, sd = _tiny_nvfp4(in_features=24)
+    with pytest.raises(CheckpointFormatError, match=r"0\.weight: packed NVFP4 of shape \[8, 12\] holds 24 values a "
+                                                     r"row, not a multiple of 16"):
+        load_fp8_checkpoint(model, sd, verbose=False)
+
+
+def test_nan_block_scale_is_refused_and_the_model_put_back():
+    model, sd = _tiny_nvfp4()
+    sd["0.weight_scale"] = sd["0.weight_scale"].clone()
+    sd["0.weight_scale"].view(torch.uint8)[3, 1] = 0x7F  # e4m3 NaN
+    with pytest.raises(CheckpointFormatError, match=r"0\.weight_scale: 1 of 16 nvfp4 scale values are NaN"):
+        load_fp8_checkpoint(model, sd, verbose=False)
+    assert type(model[0]) is nn.Linear
+
+
+def test_fp8linear_refuses_a_non_finite_global_scale():
+    packed, scale, _ = quant.quantize_nvfp4(torch.randn(4, 32))
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="global_scale must be a finite positive fp32 value"):
+            FP8Linear.from_fp8(packed, scale, global_scale=torch.tensor(bad))
+
+
+def test_mxfp8_with_a_wrong_scale_shape_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(70, 8, bias=False))
+    w8, e = quant.quantize_mxfp8(model[0].weight.detach())
+    sd = {"0.weight": w8, "0.weight_scale": e.view(torch.uint8)[:, :2].contiguous()}
+    with pytest.raises(CheckpointFormatError, match=r"0\.weight_scale: shape \[8, 2\], but the \[8, 70\] mxfp8 "
+                                                     r"weight '0\.weight' needs \[8, 3\]"):
+        load_fp8_checkpoint(model, sd, verbose=False)
+    sd["0.weight_scale"] = e.view(torch.uint8)
+    load_fp8_checkpoint(model, sd, verbose=False)
+    assert torch.equal(model[0].scale.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
+    """An FP8Linear holding a microscaled weight: its state_dict loads into a fresh FP8Linear bit for bit (the layer
+    takes the file's kind), and .to(bf16) / .half() move nothing (weight, scale and global scale keep their dtypes)."""
+    torch.manual_seed(0)
+    W = torch.randn(8, 48)
+    if kind == "nvfp4":
+        packed, scale, g = quant.quantize_nvfp4(W)
+        layer = FP8Linear.from_fp8(packed, scale, torch.zeros(8), global_scale=g)
+    else:
+        layer = FP8Linear.from_fp8(*quant.quantize_mxfp8(W), torch.zeros(8))
+    fresh = FP8Linear(48, 8)
+    fresh.load_state_dict(layer.state_dict())
+    for name in ("weight", "scale", "global_scale"):
+        a, b = getattr(layer, name), getattr(fresh, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(
+            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))), name
+    x = torch.randn(3, 48)
+    assert torch.equal(fresh(x), layer(x))
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half()):
+        moved = cast(fresh)
+        assert moved.weight.dtype == layer.weight.dtype and moved.scale.dtype == layer.scale.dtype
+        assert torch.equal(moved(x), layer(x))
+
+
+def test_writers_refuse_microscaled_layers_before_writing(tmp_path):
+    """save_fp8_checkpoint and export_merged re-quantize to fp8 or write dense: a model holding NVFP4 layers is
+    refused with the reason (it crashed with an AttributeError before), and nothing is written."""
+    from dorafp8 import export_merged, save_fp8_checkpoint
+
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    model = meta_model()
+    load_fp8_checkpoint(model, path, verbose=False)
+    for write, fmt in ((save_fp8_checkpoint, None), (save_fp8_checkpoint, "dorafp8"), (export_merged, "bf16")):
+        out = tmp_path / f"out_{fmt}.safetensors"
+        with pytest.raises(ValueError, match=r"14 layers hold NVFP4 / MXFP8 weights .* does not write yet"):
+            write(model, str(out), format=fmt, verbose=False)
+        assert not out.exists()
+    with pytest.raises(ValueError, match="format must be one of"):  # modelopt is a layout to read, not to write
+        save_fp8_checkpoint(original_model(), str(tmp_path / "x.safetensors"), format="modelopt", verbose=False)
+
+
+def test_from_pretrained_then_from_transformers_fp8(tmp_path):
+    """transformers' from_pretrained of a compressed-tensors NVFP4 checkpoint leaves its modules compressed on CPU
+    (weight_packed, weight_scale, weight_global_scale); from_transformers_fp8 swaps them for NVFP4 FP8Linear layers
+    holding those bytes, and the model computes what the dense twin on the format's dequantization computes."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    from dorafp8 import from_transformers_fp8
+
+    path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
+    file = read_all(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert from_transformers_fp8(model) == 14
+    for name, mod in _linears(model).items():
+        assert isinstance(mod, FP8Linear) and quant.scale_kind(mod.scale) == "nvfp4"
+        assert torch.equal(mod.weight, file[f"{name}.weight_packed"])
+        assert torch.equal(mod.scale.view(torch.uint8), file[f"{name}.weight_scale"].view(torch.uint8))
+    twin = _dense_twin(file, "weight_packed", reciprocal=True).eval()
+    with torch.no_grad():
+        assert_close(model(input_ids=IDS).logits, twin(input_ids=IDS).logits, tol(torch.float32), "logits")
+
+
+def test_modelopt_fp8_export_still_loads_as_before(tmp_path):
+    """A ModelOpt FP8 export (e4m3 `weight`, fp32 `weight_scale`, quant_algo FP8 in hf_quant_config.json) is not one
+    of the microscaled layouts: it still reads as compressed-tensors' per-tensor fp8, as before."""
+    import json
+
+    from dorafp8.checkpoint import detect_format
+    from tests.checkpoint._ckpt_fixtures import _save_dir
+
+    model = original_model()
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(".weight") and k.split(".")[-2] in LINEARS:
+            w8, scale = quant.quantize_e4m3(v)
+            sd.update({k: w8, k + "_scale": scale})
+        else:
+            sd[k] = v
+    path = _save_dir(sd, str(tmp_path / "fp8"), model.config)
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}, f)
+    assert detect_format(path)[0] == "compressed-tensors"
+    target = meta_model()
+    load_fp8_checkpoint(target, path, verbose=False)
+    assert all(quant.scale_kind(m.scale) == "tensor" for m in _linears(target).values())

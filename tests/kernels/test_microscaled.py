@@ -1,0 +1,223 @@
+"""The microscaled weight kinds (dorafp8/quant.py, "Microscaled weights"): NVFP4 (e2m1 packed two per byte, e4m3
+scale per 16 along K, fp32 global scale) and MXFP8 (e4m3, e8m0 scale per 32 along K) through the reference backend,
+against fp64 of DoRA (tests/_ref.py) on a dequantization written here independently of dorafp8's (bit arithmetic, not
+its tables), for every compute dtype, with and without dropout, on odd shapes; the backend functions on NaN-bordered
+(strided) inputs; which backend "auto" picks for them; the refusals; and the reference's peak memory."""
+
+import pytest
+import torch
+
+import dorafp8
+from dorafp8 import backends, ops, quant
+from dorafp8._memory import MiB, PeakTemporaries
+from dorafp8.backends import reference
+from dorafp8.backends.base import magnitude_scale
+from tests._ref import dora_fp64
+from tests._tolerance import assert_close, tol
+from tests.kernels._kernel_ref import act
+
+KINDS = ("nvfp4", "mxfp8")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def e2m1_64(code: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (0..15) to fp64 by the bit layout: sign bit 3, exponent bits 1-2 (bias 1), mantissa bit 0."""
+    c = code.long()
+    e, mant = (c >> 1) & 3, (c & 1).double()
+    mag = torch.where(e == 0, 0.5 * mant, torch.pow(2.0, (e - 1).double()) * (1 + 0.5 * mant))
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def dequant_64(w, scale, g=None) -> torch.Tensor:
+    """W0 in fp64, from the bytes: NVFP4 low nibble = even column, factor scale * g rounded to fp32 once (ModelOpt's
+    dequantize forms it in fp32); MXFP8 factor 2^(e - 127)."""
+    if w.dtype == torch.uint8:
+        N, half = w.shape
+        codes = torch.empty(N, 2 * half, dtype=torch.uint8)
+        codes[:, 0::2], codes[:, 1::2] = w.cpu() & 15, w.cpu() >> 4
+        f = (scale.cpu().float() * g.cpu().float()).double()
+        return e2m1_64(codes) * f.repeat_interleave(16, dim=1)
+    K = w.shape[1]
+    f = torch.pow(2.0, scale.cpu().view(torch.uint8).double() - 127).repeat_interleave(32, dim=1)[:, :K]
+    return w.cpu().double() * f
+
+
+def make_weight(kind, N, K, seed=0):
+    """(w, scale, global_scale or None): rows of different magnitudes, quantized by the format's recipe."""
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=gen) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
+    if kind == "nvfp4":
+        return quant.quantize_nvfp4(W)
+    return (*quant.quantize_mxfp8(W), None)
+
+
+# ---- the formats' bits ---------------------------------------------------------------------------------------------
+
+
+def test_nvfp4_packs_the_even_column_in_the_low_nibble():
+    """ModelOpt packs `(q[..., 1::2] << 4) | q[..., 0::2]` and compressed-tensors `x[:, 0] | x[:, 1] << 4`: a row
+    [0.5, -1.0, 6.0, 0.0, ...] (scale 1, global 1) is bytes 0xA1, 0x07."""
+    row = torch.tensor([[0.5, -1.0, 6.0, 0.0] + [0.0] * 12])
+    packed, scale, g = quant.quantize_nvfp4(row)
+    # amax 6 -> global 6 / (6 * 448), block scale e4m3(6 / (6 * g)) = 448: the values stay themselves
+    assert packed[0, :2].tolist() == [0xA1, 0x07]
+    assert quant.unpack_e2m1(packed)[0, :4].tolist() == [0.5, -1.0, 6.0, 0.0]
+    assert torch.equal(quant.dequantize_weight(packed, scale, global_scale=g), row)
+
+
+def test_e2m1_and_e8m0_tables_match_the_bit_layout():
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes[1::2] << 4) | codes[0::2]
+    assert torch.equal(quant.unpack_e2m1(packed[None])[0].double(), e2m1_64(codes))
+    e = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8).view(quant.E8M0)
+    got = quant.e8m0_values(e)
+    assert got[:6].double().tolist() == [2.0 ** -127, 2.0 ** -126, 0.5, 1.0, 2.0, 2.0 ** 127]
+    assert torch.isnan(got[6])
+
+
+@pytest.mark.parametrize("kind,N,K", [("nvfp4", 33, 48), ("nvfp4", 5, 16), ("mxfp8", 33, 70), ("mxfp8", 3, 32)])
+def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
+    """MXFP8 exactly; NVFP4 within two fp32 roundings (the factor scale * global has 24 bits, so its product with
+    1.5, 3 or 6 rounds; ModelOpt's dequantize rounds it the same way)."""
+    w, scale, g = make_weight(kind, N, K)
+    got, ref = quant.dequantize_weight(w, scale, global_scale=g).double(), dequant_64(w, scale, g)
+    if kind == "mxfp8":
+        assert torch.equal(got, ref)
+    else:
+        assert ((got - ref).abs() <= 2.0 ** -23 * ref.abs()).all()
+        assert not torch.equal(got, dequant_64(w ^ 1, scale, g))  # the check sees a moved code
+
+
+# ---- DoRA on them, end to end (autograd), against fp64 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("chosen", ["reference", "auto"])
+def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen):
+    M, N, r, s = 7, 33, 3, 1.75
+    K = 48 if kind == "nvfp4" else 70  # MXFP8: a partial last block of 6
+    w, scale, g = make_weight(kind, N, K)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    A = torch.randn(r, K, generator=gen) / K ** 0.5
+    B = torch.randn(N, r, generator=gen) * 0.1
+    m = torch.rand(N, generator=gen) + 0.5
+    b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    torch.manual_seed(5)
+    y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True, backend=chosen,
+                                global_scale=g)
+    assert y.dtype == dtype
+    gy = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(gy)
+    torch.manual_seed(5)
+    keep = ops.dropout_mask(x, dropout) if dropout else None
+    yr, leaves = dora_fp64(x, dequant_64(w, scale, g), A, B, m, s, b, xd=None if keep is None else (keep, dropout))
+    yr.backward(gy.double())
+    rel = tol(dtype)
+    assert_close(y, yr, rel, "y")
+    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
+        assert_close(got, ref.grad, rel, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_linear_and_weight_norm_match_fp64(kind):
+    N, K = 17, 64
+    w, scale, g = make_weight(kind, N, K, seed=3)
+    W0 = dequant_64(w, scale, g)
+    x = torch.randn(5, K, dtype=torch.float32, requires_grad=True)
+    y = dorafp8.fp8_linear(x, w, scale, global_scale=g)
+    y.backward(torch.ones_like(y))
+    assert_close(y, x.detach().double() @ W0.T, tol(torch.float32), "y")
+    assert_close(x.grad, torch.ones(5, N, dtype=torch.float64) @ W0, tol(torch.float32), "dx")
+    A, B = torch.randn(2, K), torch.randn(N, 2)
+    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g)
+    assert_close(n, (W0 + 0.5 * B.double() @ A.double()).norm(dim=1), tol(torch.float32), "n")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
+    """The reference's forward and dgrad on strided activations whose rows sit in NaN-filled buffers: a read past a
+    row would make a NaN, which assert_close always fails."""
+    M, N, K, r, s, p = 6, 19, 64, 2, 0.5, 0.25
+    w, scale, g = make_weight(kind, N, K, seed=4)
+    W0 = dequant_64(w, scale, g)
+    gen = torch.Generator().manual_seed(2)
+    x = act(torch.randn(M, K, generator=gen), dtype, "cpu", True)
+    mask = torch.rand(M, K, generator=gen) >= p
+    xm = act(x.float() * mask, dtype, "cpu", True)
+    A, B = torch.randn(r, K, generator=gen) / 8, torch.randn(N, r, generator=gen) / 8
+    m, n = torch.rand(N, generator=gen) + 0.5, torch.rand(N, generator=gen) + 0.5
+    c = magnitude_scale(m, n).double()
+    u = act(xm.double() / (1 - p) @ A.double().T, torch.float32, "cpu", True)
+    y, z = reference.forward(x=x, w8=w, scale=scale, block_size=128, bias=None, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
+                             need_z=True, z_dtype=dtype, act_quant="", global_scale=g)
+    zr = xm.double() @ W0.T / (1 - p) + s * u.double() @ B.double().T
+    assert_close(z, zr, tol(dtype), "z")
+    lora = s * u.double() @ B.double().T
+    assert_close(y, x.double() @ W0.T + (c - 1) * (zr - lora) + c * lora, tol(dtype), "y")
+    gl = act(torch.randn(M, N, generator=gen), dtype, "cpu", True)
+    v = torch.randn(M, r, generator=gen)
+    one = torch.ones((), dtype=torch.float32)
+    dx = reference.dgrad(gl=gl, rl=one, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=None, p=0.0, gb=None,
+                         rb=None, act_quant="", global_scale=g)
+    assert_close(dx, gl.double() @ W0 + s * v.double() @ A.double(), tol(dtype), "dx")
+
+
+# ---- which backend computes them -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_picks_a_backend_that_computes_the_kind(kind):
+    """Only the reference computes the microscaled kinds: "auto" resolves to it on CPU (where fp8 goes to native) and
+    on a GPU (every other backend lacks the feature, so neither the static order nor the race can pick one);
+    a backend named for them is refused before any work."""
+    assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
+    assert backends.resolve("auto", torch.device("cpu"), frozenset()) == "native"  # fp8 unchanged
+    for name in backends.BACKENDS:
+        assert (kind in backends.supports(name)) == (name == "reference"), name
+    w, scale, g = make_weight(kind, 4, 32)
+    with pytest.raises(ValueError, match="not supported by the native backend"):
+        dorafp8.fp8_linear(torch.randn(2, 32), w, scale, backend="native", global_scale=g)
+
+
+# ---- refusals ----------------------------------------------------------------------------------------------------
+
+
+def test_malformed_microscaled_arguments_are_refused_by_name():
+    w, scale, g = make_weight("nvfp4", 4, 32)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"scale of a nvfp4 weight \[4, 32\] must have shape \[4, 2\]"):
+        dorafp8.fp8_linear(x, w, scale[:, :1].contiguous(), global_scale=g)
+    with pytest.raises(ValueError, match="holds 24 columns, not a multiple of 16"):
+        dorafp8.fp8_linear(torch.randn(2, 24), w[:, :12].contiguous(), scale, global_scale=g)
+    with pytest.raises(TypeError, match="global_scale of an NVFP4 weight must be one fp32 value"):
+        dorafp8.fp8_linear(x, w, scale)
+    w8, e = quant.quantize_mxfp8(torch.randn(4, 40))
+    with pytest.raises(ValueError, match=r"scale of a mxfp8 weight \[4, 40\] must have shape \[4, 2\]"):
+        dorafp8.fp8_linear(torch.randn(2, 40), w8, e[:, :1].contiguous())
+    with pytest.raises(ValueError, match="global_scale is NVFP4's"):
+        dorafp8.fp8_linear(torch.randn(2, 40), w8, e, global_scale=g)
+
+
+# ---- memory ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_never_holds_the_dense_weight(kind):
+    """The reference dequantizes one block of rows (16 MiB of fp32) at a time: a forward + backward of DoRA on a
+    [4096, 2048] weight (32 MiB dense in fp32) never has that much alive beyond its inputs and outputs. Peak:
+    about 3 blocks (the dequantized rows, NVFP4's int32 codes and its factor), 48 MiB at most."""
+    N, K, r = 4096, 2048, 4
+    w, scale, g = make_weight(kind, N, K)
+    x = torch.randn(2, K, requires_grad=True)
+    A, B = torch.randn(r, K, requires_grad=True), torch.zeros(N, r, requires_grad=True)
+    m = torch.ones(N, requires_grad=True)
+    with PeakTemporaries() as mode:
+        y = dorafp8.dora_fp8_linear(x, w, scale, A, B, m, 1.0, global_scale=g)
+        y.sum().backward()
+    assert mode.largest < N * K * 4, mode.largest / MiB
+    assert mode.peak <= 48 * MiB, mode.peak / MiB

@@ -1,0 +1,121 @@
+"""PEFT on NVFP4 and MXFP8 bases: get_peft_model(..., LoraConfig(use_dora=True)) on a tiny LLaMA loaded from such a
+checkpoint builds dorafp8's DoRA layers, which train as plain PEFT's DoRA does on the dequantized base (logits and
+every adapter gradient, dropout included); the adapter saves as PEFT's and reloads with plain PEFT on the dequantized
+base to the same outputs; a merge into such a base is refused before anything changes."""
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from peft import PeftModel, get_peft_model  # noqa: E402
+from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
+
+from dorafp8 import DoRAFP8Linear, load_fp8_checkpoint  # noqa: E402
+from tests._tolerance import assert_close  # noqa: E402
+from tests.checkpoint._ckpt_fixtures import meta_model, original_model, read_all, write_modelopt  # noqa: E402
+from tests.checkpoint.test_microscaled_load import _dense_twin  # noqa: E402
+from tests.peft.test_peft import IDS, _grads, _lora_config, _randomize_adapters, _run  # noqa: E402
+
+
+def _pair(tmp_path, algo, **cfg_kw):
+    """(plain PEFT on the dense dequantized twin, PEFT on the model loaded from the ModelOpt `algo` file), the same
+    adapters in both."""
+    path = write_modelopt(original_model(), str(tmp_path / algo), algo)
+    model = meta_model()
+    load_fp8_checkpoint(model, path, verbose=False)
+    twin = _dense_twin(read_all(path), "weight", reciprocal=False)
+    ours, plain = get_peft_model(model, _lora_config("llama", **cfg_kw)), get_peft_model(
+        twin, _lora_config("llama", **cfg_kw))
+    for mdl in (ours, plain):
+        _randomize_adapters(mdl)
+    return plain, ours, twin
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+@pytest.mark.parametrize("cfg_kw", [{}, {"lora_dropout": 0.1}])
+def test_dora_on_microscaled_base_matches_plain_peft(tmp_path, algo, cfg_kw):
+    plain, ours, _ = _pair(tmp_path, algo, **cfg_kw)
+    layers = [m for m in ours.modules() if isinstance(m, LoraLinear)]
+    assert len(layers) == 14 and all(isinstance(m, DoRAFP8Linear) for m in layers)
+    for mdl in (plain, ours):
+        mdl.train()
+    ref, got = _run(plain, IDS), _run(ours, IDS)
+    assert_close(got, ref, 5e-6, "logits")
+    g_ref, g_got = _grads(plain), _grads(ours)
+    assert g_ref.keys() == g_got.keys() and len(g_ref) == 42
+    for name in g_ref:
+        assert_close(g_got[name], g_ref[name], 5e-5, name)
+
+
+def test_adapter_reloads_with_plain_peft_on_the_dequantized_base(tmp_path):
+    plain, ours, _ = _pair(tmp_path, "NVFP4")
+    ours.eval()
+    with torch.no_grad():
+        want = ours(input_ids=IDS).logits
+    ours.save_pretrained(tmp_path / "adapter")
+    twin = _dense_twin(read_all(str(tmp_path / "NVFP4")), "weight", reciprocal=False)
+    loaded = PeftModel.from_pretrained(twin, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert_close(loaded(input_ids=IDS).logits, want, 5e-6, "logits")
+
+
+def test_merge_into_a_microscaled_base_is_refused(tmp_path):
+    _, ours, _ = _pair(tmp_path, "NVFP4")
+    before = {n: t.clone() for n, t in ours.state_dict().items()}
+    with pytest.raises(ValueError, match="microscaled"):
+        ours.merge_and_unload()
+    after = ours.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears():
+    """A small SD3-style MMDiT whose Linear layers hold NVFP4 and MXFP8 weights in turn: DoRA on
+    every attention and feed-forward Linear computes what plain PEFT computes on the dequantized weights (fp32:
+    output and every adapter gradient)."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    from peft import LoraConfig
+
+    from dorafp8 import FP8Linear, quant
+    from tests.integration.test_diffusion import _batches, small_dit
+
+    original = small_dit()
+    ours, twin = copy.deepcopy(original), copy.deepcopy(original)
+    kinds = []
+    for name, mod in list(ours.named_modules()):
+        if type(mod) is not torch.nn.Linear:
+            continue
+        w = mod.weight.detach()
+        if w.shape[1] % 16 == 0 and len(kinds) % 2 == 0:  # the two kinds taken in turn
+            packed, scale, g = quant.quantize_nvfp4(w)
+            layer = FP8Linear.from_fp8(packed, scale, mod.bias.detach().clone(), global_scale=g)
+        else:
+            w8, scale = quant.quantize_mxfp8(w)
+            layer = FP8Linear.from_fp8(w8, scale, mod.bias.detach().clone())
+        kinds.append(quant.scale_kind(layer.scale))
+        parent, _, attr = name.rpartition(".")
+        setattr(ours.get_submodule(parent), attr, layer)
+        twin.get_submodule(name).weight.data = layer.dequantize()
+    assert set(kinds) == {"nvfp4", "mxfp8"}
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+               "ff.net.0.proj", "ff.net.2"]
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
+    pm_ours, pm_peft = get_peft_model(ours, cfg), get_peft_model(twin, copy.deepcopy(cfg))
+    n_dora = sum(isinstance(m, DoRAFP8Linear) for m in pm_ours.modules())
+    assert n_dora == sum(isinstance(m, LoraLinear) for m in pm_peft.modules()) >= 16
+    for mdl in (pm_ours, pm_peft):
+        _randomize_adapters(mdl)
+    (kw, target), = _batches("dit", 1)
+    outs = []
+    for mdl in (pm_peft, pm_ours):
+        out = mdl(**kw).sample
+        (out - target).square().mean().backward()
+        outs.append(out)
+    assert_close(outs[1], outs[0], 5e-6, "output")
+    g_ref, g_got = _grads(pm_peft), _grads(pm_ours)
+    assert g_ref.keys() == g_got.keys() and len(g_ref) == 3 * n_dora
+    for name in g_ref:
+        assert_close(g_got[name], g_ref[name], 5e-5, name)
