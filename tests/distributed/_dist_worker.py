@@ -278,9 +278,9 @@ def run_accelerate(out):
     return res
 
 
-def run_trainer(out):
-    from transformers import Trainer, TrainingArguments
-
+def _trainer_rows():
+    """The global batches of C.data() as the Trainer's dataset: with train_sampling_strategy="sequential" and
+    GLOBAL_BATCH // WORLD rows per rank, step s trains on data()[s], each rank on its half."""
     ids = C.data().reshape(C.STEPS * C.GLOBAL_BATCH, C.SEQ)
 
     class Rows(torch.utils.data.Dataset):
@@ -290,14 +290,28 @@ def run_trainer(out):
         def __getitem__(self, i):
             return {"input_ids": ids[i], "labels": ids[i]}
 
-    args = TrainingArguments(
+    return Rows()
+
+
+def _trainer_args(out, **kwargs):
+    """TrainingArguments for STEPS plain SGD steps at C.LR on CPU over gloo: the reference run's optimizer."""
+    from transformers import TrainingArguments
+
+    kwargs = {"save_strategy": "no", **kwargs}
+    return TrainingArguments(
         output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=C.GLOBAL_BATCH // C.WORLD,
         max_steps=C.STEPS, learning_rate=C.LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[], use_cpu=True,
         ddp_backend="gloo", seed=0, disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
-        train_sampling_strategy="sequential")
+        train_sampling_strategy="sequential", **kwargs)
+
+
+def run_trainer(out):
+    from transformers import Trainer
+
+    args = _trainer_args(out)
     pm = C.build_model(seed=0)
-    trainer = Trainer(model=pm, args=args, train_dataset=Rows())
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
     trainer.train()
     res = {"wrapped_in": type(trainer.model_wrapped).__name__, "world_size": args.world_size,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -371,6 +385,20 @@ def emulate_nccl_fp8_transport():
     for owner, name in ((dist, "broadcast"), (dist, "all_gather_into_tensor"), (dist, "_all_gather_base"),
                         (dtensor_comm, "scatter")):
         setattr(owner, name, via_bytes(getattr(owner, name)))
+
+    # DTensor's Shard -> Replicate (full_tensor(), a full state_dict) all-gathers through the functional collectives,
+    # which return a new tensor: gathered as bytes, viewed back as fp8.
+    import torch.distributed._functional_collectives as funcol
+
+    gather = funcol.all_gather_single
+
+    def all_gather_single(t, *args, **kwargs):
+        if t.dtype not in FP8_DTYPES:
+            return gather(t, *args, **kwargs)
+        out = gather(t.view(torch.uint8), *args, **kwargs)
+        return (out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out).view(t.dtype)
+
+    funcol.all_gather_single = all_gather_single
 
 
 def save_base_model(out) -> str:
@@ -493,6 +521,90 @@ def run_fsdp2_ram(out):
         res["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(pm, state_dict=sd).items()}
         pm.save_pretrained(os.path.join(out, "adapter"), state_dict=sd)
     return res
+
+
+def allow_fsdp_on_cpu():
+    """accelerate selects FSDP on GPUs only: on a CPU (gloo) group AcceleratorState stays MULTI_CPU and drops the FSDP
+    plugin the Trainer gives it. Make it take the plugin, as a GPU group does; nothing else of accelerate changes."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    orig = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # what AcceleratorState re-reads
+
+    AcceleratorState.__init__ = __init__
+
+
+def _full_adapter(model):
+    """The trained adapter of an FSDP2 model, gathered the FSDP2 way (trainable tensors only), on rank 0 (else None)."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=True))
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model, state_dict=sd).items()} if RANK == 0 else None
+
+
+def _run_trainer_fsdp2(out, state_dict_type):
+    """The HF Trainer under accelerate's FSDP2 plugin, configured as users do (TrainingArguments(fsdp=True,
+    fsdp_config={"version": 2, ...})), with a checkpoint saved during training (save_strategy="steps"), then the
+    Trainer's save_model, then a second Trainer resuming from the checkpoint. fp8 collectives go as bytes."""
+    from peft import set_peft_model_state_dict
+    from transformers import Trainer
+
+    allow_fsdp_on_cpu()
+    emulate_nccl_fp8_transport()
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    if state_dict_type is not None:  # else the Trainer's default, FULL_STATE_DICT
+        fsdp_config["state_dict_type"] = state_dict_type
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config)
+    trainer = Trainer(model=C.build_model(seed=0), args=args, train_dataset=_trainer_rows())
+    plugin = trainer.accelerator.state.fsdp_plugin
+    res = {"is_fsdp2": trainer.accelerator.is_fsdp2, "state_dict_type": str(plugin.state_dict_type)}
+    trainer.train()
+    w = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
+    res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    res["adapter"] = _full_adapter(trainer.model)
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
+    res["checkpoint_files"] = sorted(os.listdir(ckpt)) if RANK == 0 else None
+    trainer.save_model(os.path.join(out, "adapter"))
+    dist.barrier()
+    res["save_model_wrote"] = os.path.isdir(os.path.join(out, "adapter"))
+    if state_dict_type == "SHARDED_STATE_DICT":
+        # transformers' save_model writes no model under SHARDED_STATE_DICT (any model); its documented recipe:
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(os.path.join(out, "adapter"))
+        plugin.set_state_dict_type("SHARDED_STATE_DICT")  # the checkpoint to resume from is sharded
+    if RANK == 0 and os.path.isfile(os.path.join(ckpt, "pytorch_model_fsdp.bin")):  # FULL_STATE_DICT's checkpoint
+        fsdp_bin = torch.load(os.path.join(ckpt, "pytorch_model_fsdp.bin"), weights_only=True)
+        res["fsdp_bin"] = {k: (str(v.dtype), tuple(v.shape)) for k, v in fsdp_bin.items()}
+        # torch cannot load the full state dict of an optimizer without state (plain SGD; AdamW has state), whatever
+        # the model: "AssertionError: Expected device to be set" (torch/distributed/checkpoint/state_dict.py,
+        # _load_optim_state_dict). The resume below then loads the model only, as the Trainer does without the file.
+        os.remove(os.path.join(ckpt, "optimizer.bin"))
+    dist.barrier()
+    # A fresh Trainer on a model whose adapters are other values resumes from the checkpoint: the trained adapter.
+    pm = C.build_model(seed=0)
+    set_peft_model_state_dict(pm, C.adapter_state(C.build_model(seed=1)))
+    resumed = Trainer(model=pm, args=_trainer_args(out, fsdp=True, fsdp_config=fsdp_config),
+                      train_dataset=_trainer_rows())
+    resumed.train(resume_from_checkpoint=ckpt)
+    res["resumed_adapter"] = _full_adapter(resumed.model)
+    return res
+
+
+def run_trainer_fsdp2_full(out):
+    return _run_trainer_fsdp2(out, None)
+
+
+def run_trainer_fsdp2_sharded(out):
+    return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT")
 
 
 def main():
