@@ -306,18 +306,38 @@ def _trainer_args(out, **kwargs):
         train_sampling_strategy="sequential", **kwargs)
 
 
-def run_trainer(out):
+# Reentrant gradient checkpointing, what LLaMA-Factory turns on by default (its use_reentrant_gc: true).
+REENTRANT_GC = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+
+
+def _count_forwards(pm) -> list:
+    """A list that grows by one at each forward of the first DoRA layer (q_proj of layer 0): under gradient
+    checkpointing each step runs it twice (the forward and its recomputation in the backward)."""
+    calls = []
+    pm.base_model.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def run_trainer(out, **kwargs):
     from transformers import Trainer
 
-    args = _trainer_args(out)
+    args = _trainer_args(out, **kwargs)
     pm = C.build_model(seed=0)
+    forwards = _count_forwards(pm)
     trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
     trainer.train()
     res = {"wrapped_in": type(trainer.model_wrapped).__name__, "world_size": args.world_size,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-           "adapter": C.adapter_state(pm)}
+           "adapter": C.adapter_state(pm), "forwards": len(forwards)}
     trainer.save_model(os.path.join(out, "adapter"))
     return res
+
+
+def run_trainer_reentrant_gc(out):
+    """Reentrant gradient checkpointing under DDP fails for any DoRA model (plain PEFT's too) with DDP's
+    find_unused_parameters=True, the Trainer's default for a PeftModel: "Expected to mark a variable ready only
+    once". ddp_find_unused_parameters=False, what docs/MULTI_GPU.md says, fixes it."""
+    return run_trainer(out, ddp_find_unused_parameters=False, **REENTRANT_GC)
 
 
 def run_race(out):
@@ -550,7 +570,7 @@ def _full_adapter(model):
     return {k: v.clone() for k, v in get_peft_model_state_dict(model, state_dict=sd).items()} if RANK == 0 else None
 
 
-def _run_trainer_fsdp2(out, state_dict_type):
+def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
     """The HF Trainer under accelerate's FSDP2 plugin, configured as users do (TrainingArguments(fsdp=True,
     fsdp_config={"version": 2, ...})), with a checkpoint saved during training (save_strategy="steps"), then the
     Trainer's save_model, then a second Trainer resuming from the checkpoint. fp8 collectives go as bytes."""
@@ -562,14 +582,17 @@ def _run_trainer_fsdp2(out, state_dict_type):
     fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     if state_dict_type is not None:  # else the Trainer's default, FULL_STATE_DICT
         fsdp_config["state_dict_type"] = state_dict_type
-    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config)
-    trainer = Trainer(model=C.build_model(seed=0), args=args, train_dataset=_trainer_rows())
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config, **kwargs)
+    pm = C.build_model(seed=0)
+    forwards = _count_forwards(pm)
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
     plugin = trainer.accelerator.state.fsdp_plugin
     res = {"is_fsdp2": trainer.accelerator.is_fsdp2, "state_dict_type": str(plugin.state_dict_type)}
     trainer.train()
     w = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
     res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    res["forwards"] = len(forwards)
     res["adapter"] = _full_adapter(trainer.model)
     ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
     res["checkpoint_files"] = sorted(os.listdir(ckpt)) if RANK == 0 else None
@@ -604,7 +627,7 @@ def run_trainer_fsdp2_full(out):
 
 
 def run_trainer_fsdp2_sharded(out):
-    return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT")
+    return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT", **REENTRANT_GC)  # and LLaMA-Factory's checkpointing
 
 
 def main():

@@ -48,6 +48,7 @@ def test_trainer_fsdp2_full_state_dict_saves_and_resumes(tmp_path, reference):
     res = _launch("trainer_fsdp2_full", tmp_path)
     assert "FULL_STATE_DICT" in res[0]["state_dict_type"]
     _check_trainer_job(res, reference, tmp_path)
+    assert all(r["forwards"] == 3 for r in res)  # no gradient checkpointing: one forward of a layer per step
     ckpt = set(res[0]["checkpoint_files"])
     assert {"adapter_model.safetensors", "adapter_config.json", "pytorch_model_fsdp.bin", "optimizer.bin"} <= ckpt
     _check_saved_adapter(tmp_path / "trainer" / "checkpoint-3", reference,  # the worker removed optimizer.bin
@@ -61,9 +62,10 @@ def test_trainer_fsdp2_full_state_dict_saves_and_resumes(tmp_path, reference):
 def test_trainer_fsdp2_sharded_state_dict_saves_and_resumes(tmp_path, reference):
     """SHARDED_STATE_DICT: the checkpoint is accelerate's DCP folder of the adapter; transformers' save_model writes
     no model under it (for any model), and its documented recipe (set_state_dict_type("FULL_STATE_DICT"), then
-    save_model) writes the adapter."""
+    save_model) writes the adapter. With reentrant gradient checkpointing (LLaMA-Factory's default)."""
     res = _launch("trainer_fsdp2_sharded", tmp_path)
     assert "SHARDED_STATE_DICT" in res[0]["state_dict_type"]
     assert not res[0]["save_model_wrote"]  # transformers' behaviour, the reason for the recipe in MULTI_GPU.md
     assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(res[0]["checkpoint_files"])
+    assert all(r["forwards"] == 6 for r in res)  # checkpointed: each step recomputes the layer's forward
     _check_trainer_job(res, reference, tmp_path)
