@@ -465,6 +465,18 @@ DS_Z3_CONFIG = {
 }
 
 
+def _deepspeed_steps_and_save(engine, pm, out, res):
+    """STEPS steps of a DeepSpeed engine; the adapter gathered into res and saved by rank 0."""
+    import deepspeed
+
+    res["losses"] = sgd_steps(engine, None, backward=engine.backward, step=engine.step)
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["adapter"] = C.adapter_state(pm)
+    if RANK == 0:
+        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=res["adapter"])
+    return res
+
+
 def run_zero3_init(out):
     """LLaMA-Factory's ZeRO-3 path: from_pretrained under a ZeRO-3 config (transformers builds the model inside
     deepspeed.zero.Init, which partitions every weight as it loads), quantize_model, PEFT DoRA, deepspeed.initialize,
@@ -498,12 +510,43 @@ def run_zero3_init(out):
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_Z3_CONFIG)
     w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     res["fp8_partition"] = (str(w.ds_tensor.dtype), w.ds_tensor.numel(), w.ds_numel)
-    res["losses"] = sgd_steps(engine, None, backward=engine.backward, step=engine.step)
-    with deepspeed.zero.GatheredParameters(trainable(pm)):
-        res["adapter"] = C.adapter_state(pm)
-    if RANK == 0:
-        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=res["adapter"])
-    return res
+    return _deepspeed_steps_and_save(engine, pm, out, res)
+
+
+# LLaMA-Factory's examples/deepspeed/ds_z2_config.json, "auto" resolved as for DS_Z3_CONFIG.
+DS_Z2_CONFIG = {**DS_Z3_CONFIG, "zero_optimization": {
+    "stage": 2, "allgather_partitions": True, "allgather_bucket_size": 64 * 64, "overlap_comm": False,
+    "reduce_scatter": True, "reduce_bucket_size": 64 * 64, "contiguous_gradients": True, "round_robin_gradients": True}}
+
+
+def _run_deepspeed_after_quantizing(out, config):
+    """A model quantized and given its adapters before DeepSpeed sees it (no zero.Init), then deepspeed.initialize
+    with `config`, STEPS steps, the adapter gathered and saved. fp8 collectives go as bytes."""
+    emulate_nccl_fp8_transport()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    pm = C.build_model(seed=0)
+    opt = torch.optim.SGD(trainable(pm), lr=C.LR)
+    engine, optimizer, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=config)
+    base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    w = base.weight
+    local = getattr(w, "ds_tensor", w)  # ZeRO-3: this rank's partition; ZeRO-2: the whole weight
+    res = {"fp8_partition": (str(local.dtype), local.numel(), getattr(w, "ds_numel", w.numel())),
+           "scale_dtype": str(base.scale.dtype),
+           # ZeRO-2: the frozen fp8 weights stay out of the optimizer, whose partition holds adapter tensors only
+           "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+           "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in trainable(pm))}
+    return _deepspeed_steps_and_save(engine, pm, out, res)
+
+
+def run_zero2(out):
+    return _run_deepspeed_after_quantizing(out, DS_Z2_CONFIG)
+
+
+def run_zero3_after_quantizing(out):
+    return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG)
 
 
 def run_fsdp2_ram(out):
