@@ -662,6 +662,8 @@ def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
                       train_dataset=_trainer_rows())
     resumed.train(resume_from_checkpoint=ckpt)
     res["resumed_adapter"] = _full_adapter(resumed.model)
+    with torch.no_grad():  # the resumed model computes what the trained one did: fp8 bytes, scales and adapters
+        res["resumed_logits"] = resumed.model.eval()(input_ids=C.probe_ids()).logits
     return res
 
 

@@ -20,7 +20,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.distributed.test_distributed import _check_saved_adapter, _check_training, _launch, reference  # noqa: F401
+from tests.distributed.test_distributed import (REL, _check_saved_adapter, _check_training, _launch,  # noqa: F401
+                                               reference)
 from tests._tolerance import assert_close
 
 if importlib.util.find_spec("accelerate") is None:
@@ -40,6 +41,8 @@ def _check_trainer_job(res, reference, tmp_path):
     assert resumed.keys() == reference["adapter"].keys()
     for k in resumed:
         assert_close(resumed[k], res[0]["adapter"][k], 0.0, f"resumed {k}")
+    for r in res:
+        assert_close(r["resumed_logits"], reference["logits"], REL, f"rank {r['rank']} logits after resuming")
 
 
 def test_trainer_fsdp2_full_state_dict_saves_and_resumes(tmp_path, reference):
