@@ -278,9 +278,9 @@ def run_accelerate(out):
     return res
 
 
-def run_trainer(out):
-    from transformers import Trainer, TrainingArguments
-
+def _trainer_rows():
+    """The global batches of C.data() as the Trainer's dataset: with train_sampling_strategy="sequential" and
+    GLOBAL_BATCH // WORLD rows per rank, step s trains on data()[s], each rank on its half."""
     ids = C.data().reshape(C.STEPS * C.GLOBAL_BATCH, C.SEQ)
 
     class Rows(torch.utils.data.Dataset):
@@ -290,20 +290,54 @@ def run_trainer(out):
         def __getitem__(self, i):
             return {"input_ids": ids[i], "labels": ids[i]}
 
-    args = TrainingArguments(
+    return Rows()
+
+
+def _trainer_args(out, **kwargs):
+    """TrainingArguments for STEPS plain SGD steps at C.LR on CPU over gloo: the reference run's optimizer."""
+    from transformers import TrainingArguments
+
+    kwargs = {"save_strategy": "no", **kwargs}
+    return TrainingArguments(
         output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=C.GLOBAL_BATCH // C.WORLD,
         max_steps=C.STEPS, learning_rate=C.LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[], use_cpu=True,
         ddp_backend="gloo", seed=0, disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
-        train_sampling_strategy="sequential")
+        train_sampling_strategy="sequential", **kwargs)
+
+
+# Reentrant gradient checkpointing, what LLaMA-Factory turns on by default (its use_reentrant_gc: true).
+REENTRANT_GC = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+
+
+def _count_forwards(pm) -> list:
+    """A list that grows by one at each forward of the first DoRA layer (q_proj of layer 0): under gradient
+    checkpointing each step runs it twice (the forward and its recomputation in the backward)."""
+    calls = []
+    pm.base_model.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def run_trainer(out, **kwargs):
+    from transformers import Trainer
+
+    args = _trainer_args(out, **kwargs)
     pm = C.build_model(seed=0)
-    trainer = Trainer(model=pm, args=args, train_dataset=Rows())
+    forwards = _count_forwards(pm)
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
     trainer.train()
     res = {"wrapped_in": type(trainer.model_wrapped).__name__, "world_size": args.world_size,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-           "adapter": C.adapter_state(pm)}
+           "adapter": C.adapter_state(pm), "forwards": len(forwards)}
     trainer.save_model(os.path.join(out, "adapter"))
     return res
+
+
+def run_trainer_reentrant_gc(out):
+    """Reentrant gradient checkpointing under DDP fails for any DoRA model (plain PEFT's too) with DDP's
+    find_unused_parameters=True, the Trainer's default for a PeftModel: "Expected to mark a variable ready only
+    once". ddp_find_unused_parameters=False, what docs/MULTI_GPU.md says, fixes it."""
+    return run_trainer(out, ddp_find_unused_parameters=False, **REENTRANT_GC)
 
 
 def run_race(out):
@@ -372,6 +406,20 @@ def emulate_nccl_fp8_transport():
                         (dtensor_comm, "scatter")):
         setattr(owner, name, via_bytes(getattr(owner, name)))
 
+    # DTensor's Shard -> Replicate (full_tensor(), a full state_dict) all-gathers through the functional collectives,
+    # which return a new tensor: gathered as bytes, viewed back as fp8.
+    import torch.distributed._functional_collectives as funcol
+
+    gather = funcol.all_gather_single
+
+    def all_gather_single(t, *args, **kwargs):
+        if t.dtype not in FP8_DTYPES:
+            return gather(t, *args, **kwargs)
+        out = gather(t.view(torch.uint8), *args, **kwargs)
+        return (out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out).view(t.dtype)
+
+    funcol.all_gather_single = all_gather_single
+
 
 def save_base_model(out) -> str:
     """Rank 0 writes the seed-0 base model of C.build_model (fp32, before quantization) for from_pretrained."""
@@ -417,6 +465,18 @@ DS_Z3_CONFIG = {
 }
 
 
+def _deepspeed_steps_and_save(engine, pm, out, res):
+    """STEPS steps of a DeepSpeed engine; the adapter gathered into res and saved by rank 0."""
+    import deepspeed
+
+    res["losses"] = sgd_steps(engine, None, backward=engine.backward, step=engine.step)
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["adapter"] = C.adapter_state(pm)
+    if RANK == 0:
+        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=res["adapter"])
+    return res
+
+
 def run_zero3_init(out):
     """LLaMA-Factory's ZeRO-3 path: from_pretrained under a ZeRO-3 config (transformers builds the model inside
     deepspeed.zero.Init, which partitions every weight as it loads), quantize_model, PEFT DoRA, deepspeed.initialize,
@@ -450,12 +510,43 @@ def run_zero3_init(out):
     engine, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=DS_Z3_CONFIG)
     w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     res["fp8_partition"] = (str(w.ds_tensor.dtype), w.ds_tensor.numel(), w.ds_numel)
-    res["losses"] = sgd_steps(engine, None, backward=engine.backward, step=engine.step)
-    with deepspeed.zero.GatheredParameters(trainable(pm)):
-        res["adapter"] = C.adapter_state(pm)
-    if RANK == 0:
-        pm.save_pretrained(os.path.join(out, "adapter"), state_dict=res["adapter"])
-    return res
+    return _deepspeed_steps_and_save(engine, pm, out, res)
+
+
+# LLaMA-Factory's examples/deepspeed/ds_z2_config.json, "auto" resolved as for DS_Z3_CONFIG.
+DS_Z2_CONFIG = {**DS_Z3_CONFIG, "zero_optimization": {
+    "stage": 2, "allgather_partitions": True, "allgather_bucket_size": 64 * 64, "overlap_comm": False,
+    "reduce_scatter": True, "reduce_bucket_size": 64 * 64, "contiguous_gradients": True, "round_robin_gradients": True}}
+
+
+def _run_deepspeed_after_quantizing(out, config):
+    """A model quantized and given its adapters before DeepSpeed sees it (no zero.Init), then deepspeed.initialize
+    with `config`, STEPS steps, the adapter gathered and saved. fp8 collectives go as bytes."""
+    emulate_nccl_fp8_transport()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    pm = C.build_model(seed=0)
+    opt = torch.optim.SGD(trainable(pm), lr=C.LR)
+    engine, optimizer, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=config)
+    base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    w = base.weight
+    local = getattr(w, "ds_tensor", w)  # ZeRO-3: this rank's partition; ZeRO-2: the whole weight
+    res = {"fp8_partition": (str(local.dtype), local.numel(), getattr(w, "ds_numel", w.numel())),
+           "scale_dtype": str(base.scale.dtype),
+           # ZeRO-2: the frozen fp8 weights stay out of the optimizer, whose partition holds adapter tensors only
+           "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+           "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in trainable(pm))}
+    return _deepspeed_steps_and_save(engine, pm, out, res)
+
+
+def run_zero2(out):
+    return _run_deepspeed_after_quantizing(out, DS_Z2_CONFIG)
+
+
+def run_zero3_after_quantizing(out):
+    return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG)
 
 
 def run_fsdp2_ram(out):
@@ -493,6 +584,95 @@ def run_fsdp2_ram(out):
         res["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(pm, state_dict=sd).items()}
         pm.save_pretrained(os.path.join(out, "adapter"), state_dict=sd)
     return res
+
+
+def allow_fsdp_on_cpu():
+    """accelerate selects FSDP on GPUs only: on a CPU (gloo) group AcceleratorState stays MULTI_CPU and drops the FSDP
+    plugin the Trainer gives it. Make it take the plugin, as a GPU group does; nothing else of accelerate changes."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    orig = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # what AcceleratorState re-reads
+
+    AcceleratorState.__init__ = __init__
+
+
+def _full_adapter(model):
+    """The trained adapter of an FSDP2 model, gathered the FSDP2 way (trainable tensors only), on rank 0 (else None)."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=True))
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model, state_dict=sd).items()} if RANK == 0 else None
+
+
+def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
+    """The HF Trainer under accelerate's FSDP2 plugin, configured as users do (TrainingArguments(fsdp=True,
+    fsdp_config={"version": 2, ...})), with a checkpoint saved during training (save_strategy="steps"), then the
+    Trainer's save_model, then a second Trainer resuming from the checkpoint. fp8 collectives go as bytes."""
+    from peft import set_peft_model_state_dict
+    from transformers import Trainer
+
+    allow_fsdp_on_cpu()
+    emulate_nccl_fp8_transport()
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    if state_dict_type is not None:  # else the Trainer's default, FULL_STATE_DICT
+        fsdp_config["state_dict_type"] = state_dict_type
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config, **kwargs)
+    pm = C.build_model(seed=0)
+    forwards = _count_forwards(pm)
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
+    plugin = trainer.accelerator.state.fsdp_plugin
+    res = {"is_fsdp2": trainer.accelerator.is_fsdp2, "state_dict_type": str(plugin.state_dict_type)}
+    trainer.train()
+    w = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
+    res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    res["forwards"] = len(forwards)
+    res["adapter"] = _full_adapter(trainer.model)
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
+    res["checkpoint_files"] = sorted(os.listdir(ckpt)) if RANK == 0 else None
+    trainer.save_model(os.path.join(out, "adapter"))
+    dist.barrier()
+    res["save_model_wrote"] = os.path.isdir(os.path.join(out, "adapter"))
+    if state_dict_type == "SHARDED_STATE_DICT":
+        # transformers' save_model writes no model under SHARDED_STATE_DICT (any model); its documented recipe:
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+        trainer.save_model(os.path.join(out, "adapter"))
+        plugin.set_state_dict_type("SHARDED_STATE_DICT")  # the checkpoint to resume from is sharded
+    if RANK == 0 and os.path.isfile(os.path.join(ckpt, "pytorch_model_fsdp.bin")):  # FULL_STATE_DICT's checkpoint
+        fsdp_bin = torch.load(os.path.join(ckpt, "pytorch_model_fsdp.bin"), weights_only=True)
+        res["fsdp_bin"] = {k: (str(v.dtype), tuple(v.shape)) for k, v in fsdp_bin.items()}
+        # torch cannot load the full state dict of an optimizer without state (plain SGD; AdamW has state), whatever
+        # the model: "AssertionError: Expected device to be set" (torch/distributed/checkpoint/state_dict.py,
+        # _load_optim_state_dict). The resume below then loads the model only, as the Trainer does without the file.
+        os.remove(os.path.join(ckpt, "optimizer.bin"))
+    dist.barrier()
+    # A fresh Trainer on a model whose adapters are other values resumes from the checkpoint: the trained adapter.
+    pm = C.build_model(seed=0)
+    set_peft_model_state_dict(pm, C.adapter_state(C.build_model(seed=1)))
+    resumed = Trainer(model=pm, args=_trainer_args(out, fsdp=True, fsdp_config=fsdp_config),
+                      train_dataset=_trainer_rows())
+    resumed.train(resume_from_checkpoint=ckpt)
+    res["resumed_adapter"] = _full_adapter(resumed.model)
+    with torch.no_grad():  # the resumed model computes what the trained one did: fp8 bytes, scales and adapters
+        res["resumed_logits"] = resumed.model.eval()(input_ids=C.probe_ids()).logits
+    return res
+
+
+def run_trainer_fsdp2_full(out):
+    return _run_trainer_fsdp2(out, None)
+
+
+def run_trainer_fsdp2_sharded(out):
+    return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT", **REENTRANT_GC)  # and LLaMA-Factory's checkpointing
 
 
 def main():

@@ -397,6 +397,20 @@ def test_hf_trainer(tmp_path, reference):
     res = _launch("trainer", tmp_path)
     for r in res:
         assert r["wrapped_in"] == "DistributedDataParallel" and r["world_size"] == 2
+        assert r["forwards"] == C.STEPS  # no gradient checkpointing: one forward of a layer per step
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference, extra_files=("training_args.bin",))
+
+
+def test_hf_trainer_reentrant_gradient_checkpointing_with_ddp_find_unused_parameters_false(tmp_path, reference):
+    """Issue #50, item 4: reentrant gradient checkpointing (LLaMA-Factory's default) under DDP failed with "Expected
+    to mark a variable ready only once", as plain PEFT DoRA does, with the Trainer's find_unused_parameters=True (its
+    default for a PeftModel); docs/MULTI_GPU.md gives ddp_find_unused_parameters=False, which this job sets."""
+    pytest.importorskip("accelerate")
+    res = _launch("trainer_reentrant_gc", tmp_path)
+    for r in res:
+        assert r["wrapped_in"] == "DistributedDataParallel"
+        assert r["forwards"] == 2 * C.STEPS  # checkpointed: each step recomputes the layer's forward
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference, extra_files=("training_args.bin",))
 

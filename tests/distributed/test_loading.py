@@ -8,8 +8,10 @@
 - FSDP2 with accelerate's cpu_ram_efficient_loading (LLaMA-Factory's fsdp2_config.yaml): accelerate's loader read
   `.device_mesh` off every state_dict entry and FP8Linear's `scale` buffer is no DTensor; it is now listed as one,
   replicated. Ranks other than 0 may hold the model on the meta device when it is quantized (transformers 4.x).
+- DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json) and ZeRO-3 without zero.Init, on a model quantized before
+  deepspeed.initialize: run by hand in issue #50, in the suite now.
 
-gloo has no fp8 types; NCCL moves fp8 as bytes. Both jobs therefore send every fp8 tensor of a collective as a uint8
+gloo has no fp8 types; NCCL moves fp8 as bytes. Every job therefore sends every fp8 tensor of a collective as a uint8
 view of its storage (tests/distributed/_dist_worker.py, emulate_nccl_fp8_transport): the bytes NCCL would move. The
 losses, the adapter and the saved adapter (reloaded with plain PEFT) must equal the single-process fp32 run's
 (tests/distributed/test_distributed.py's checks, relative 1e-5). Not run here: NCCL itself, bf16, the Trainer's own
@@ -45,6 +47,30 @@ def test_zero3_loaded_under_zero_init_through_the_launcher(tmp_path, reference):
         # built inside zero.Init (whose constructors would cast the fp8 weight and scale): refused, naming it
         for what in ("built_inside_zero_init", "quantized_inside_zero_init"):
             assert "deepspeed.zero.Init" in r[what] and "dorafp8.quantize_model(model) after zero.Init" in r[what]
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_zero2_with_llamafactorys_config(tmp_path, reference):
+    """DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json values) on a model quantized before deepspeed.initialize:
+    the fp8 weights stay whole and fp8 on every rank, the scales fp32, and the optimizer's partitions hold the adapter
+    tensors only (by hand in issue #50 before)."""
+    _needs("deepspeed", "the job runs DeepSpeed")
+    res = _launch("zero2", tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    for r in res:
+        assert r["fp8_partition"] == ("torch.float8_e4m3fn", 4096, 4096) and r["scale_dtype"] == "torch.float32"
+        assert r["optimizer_numel"] * C.WORLD == r["trainable_numel"] == 8768
+    _check_training(res, reference)
+    _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
+    """DeepSpeed ZeRO-3 without zero.Init: the model is quantized whole, then deepspeed.initialize partitions the fp8
+    weights as fp8 (half of a 64x64 weight on each rank); the scales stay fp32 (by hand in issue #50 before)."""
+    _needs("deepspeed", "the job runs DeepSpeed")
+    res = _launch("zero3_after_quantizing", tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    for r in res:
+        assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096) and r["scale_dtype"] == "torch.float32"
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
