@@ -12,10 +12,11 @@ from torch import nn
 
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
+from ..nn.convert import kept_in_precision
 from ..quant import DEFAULT_BLOCK, E4M3, check_scale
 from .files import some
 from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
-from .modules import FP8_CONV_TYPES, is_conv1d
+from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
 from .source import CheckpointSource, detect, layer_key
@@ -96,6 +97,7 @@ def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: Key
     info = source.info
     layer_of = {}  # fp8 weight key -> module name in the model
     layers: dict[str, LayerPlan] = {}
+    in_precision = kept_in_precision(model)  # the model casts their inputs to their weight dtype: dequantized
     for k in keys.ckpt_keys:
         m = keys.names[k]
         if m is None or not k.endswith(".weight") or info[k][0] != E4M3:
@@ -108,7 +110,8 @@ def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: Key
         layer_of[k] = mod_name
         linear = isinstance(mod, (nn.Linear, FP8Linear)) and not is_conv1d(mod)
         conv = isinstance(mod, FP8_CONV_TYPES) or fp8_conv_class(mod) is not None
-        layers[mod_name] = LayerPlan(k, mod, linear, conv, fp8=linear or conv)
+        fp8 = (linear or conv) and (mod_name not in in_precision or isinstance(mod, FP8_LAYER_TYPES))
+        layers[mod_name] = LayerPlan(k, mod, linear, conv, fp8=fp8)
     return LoadPlan(fmt, LAYOUTS[fmt], keys, layer_of, layers)
 
 
