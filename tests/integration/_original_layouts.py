@@ -152,3 +152,34 @@ def ldm_key(k: str, cfg: dict) -> str:
             return f"output_blocks.{i * per + per - 1}.{2 if has_attn else 1}.{rest}"
     return f"{'input' if where == 'down' else 'output'}_blocks.{n}.{0 if kind == 'resnets' else 1}." + \
         (res(rest) if kind == "resnets" else rest)
+
+
+# ---------------------------------------------------------------------------------------- Wan 2.1 / 2.2, its layout
+
+# diffusers' name -> Wan's (Wan2.1's wan/modules/model.py: blocks.N.self_attn.q, ffn.0, head.head, modulation, ...),
+# applied in this order to each key
+_WAN_NAMES = (("condition_embedder.time_embedder.linear_", "time_embedding.L"),
+              ("condition_embedder.text_embedder.linear_", "text_embedding.L"),
+              ("condition_embedder.time_proj", "time_projection.1"), (".attn1.", ".self_attn."),
+              (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+              (".to_out.0.", ".o."), (".norm2.", ".norm3."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+              ("proj_out", "head.head"))
+
+
+def wan_key(k: str) -> str:
+    """Wan's own name of the diffusers WanTransformer3DModel key `k` (text-to-video; no image embedder)."""
+    if k == "scale_shift_table":
+        return "head.modulation"
+    k = k.replace(".scale_shift_table", ".modulation")
+    for ours, theirs in _WAN_NAMES:
+        k = k.replace(ours, theirs)
+    # linear_1 / linear_2 -> .0 / .2 (Wan's nn.Sequential indices)
+    return k.replace("embedding.L1", "embedding.0").replace("embedding.L2", "embedding.2")
+
+
+def ltx_key(k: str) -> str:
+    """LTX-Video's own name of the diffusers LTXVideoTransformer3DModel key `k` (patchify_proj, adaln_single)."""
+    for ours, theirs in (("proj_in", "patchify_proj"), ("time_embed", "adaln_single"), ("norm_q", "q_norm"),
+                         ("norm_k", "k_norm")):
+        k = k.replace(ours, theirs)
+    return k

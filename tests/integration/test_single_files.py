@@ -1,7 +1,7 @@
-"""ComfyUI fp8_scaled single files in their original layouts (issue 53): SD 1.x / SDXL in the ldm layout, and Flux
-in BFL's (fused img_attn.qkv, single blocks' linear1 = q, k, v and the MLP), load in place into UNet2DConditionModel /
-FluxTransformer2DModel through diffusers' own conversion, bit-exactly against the dequantized file converted by
-diffusers, and train DoRA like PEFT on the dequantized model; diffusers' own from_single_file of such a file, which
+"""ComfyUI fp8_scaled single files in their original layouts (issue 53): SD 1.x / SDXL in the ldm layout, Wan and
+LTX-Video in theirs, and Flux in BFL's (fused img_attn.qkv, single blocks' linear1 = q, k, v and the MLP), load in
+place into the diffusers models through diffusers' own conversion, bit-exactly against the dequantized file converted
+by diffusers, and train DoRA like PEFT on the dequantized model; diffusers' own from_single_file of such a file, which
 loads it unscaled, is refused with dorafp8 imported."""
 
 import subprocess
@@ -19,6 +19,7 @@ from dorafp8.checkpoint import CheckpointFormatError  # noqa: E402
 from dorafp8.checkpoint.single_file import load_single_file  # noqa: E402
 from tests._tolerance import assert_close, tol  # noqa: E402
 from tests.integration import _original_layouts as layouts  # noqa: E402
+from tests.integration import _tiny_diffusers as tiny  # noqa: E402
 
 from diffusers.loaders.single_file_utils import (convert_flux_transformer_checkpoint_to_diffusers,  # noqa: E402
                                                  convert_ldm_unet_checkpoint)
@@ -147,6 +148,36 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
     assert "time_embedding.linear_1" in fp8 and ("add_embedding.linear_1" in fp8) == sdxl
     assert ("down_blocks.0.attentions.0.proj_in" in fp8) == sdxl  # a 1x1 conv in SD 1.x, dense in this file
     _train_like_peft(model, ref, ["to_q", "to_v", "ff.net.2", "time_emb_proj"], _unet_inputs(sdxl), (1, 4, 8, 8))
+
+
+_OWN_LAYOUTS = {  # family -> (its key names, diffusers' converter, DoRA targets, output shape)
+    "wan": (layouts.wan_key, "convert_wan_transformer_to_diffusers", ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "ltx": (layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers", ["to_q", "to_v", "ff.net.2"],
+            (1, 16, 8)),
+}
+
+
+@pytest.mark.parametrize("family", list(_OWN_LAYOUTS))
+def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
+    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head) and LTX-Video (patchify_proj, adaln_single) in their own
+    layouts. Wan's time embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense
+    layers; everything else keeps its bytes."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders import single_file_utils
+
+    own_key, converter, targets, out_shape = _OWN_LAYOUTS[family]
+    src, inputs = tiny.build(family)
+    sd = layouts.comfy_encode({own_key(k): v for k, v in src.state_dict().items()})
+    ref, _ = tiny.build(family)
+    ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
+    with init_empty_weights():  # keeps buffers (Wan's rotary tables) real
+        model = type(src).from_config(src.config)
+    load_single_file(model, dict(sd), verbose=False)
+    fp8 = _check_in_place(model, sd, ref, inputs)
+    kept = dorafp8.nn.convert.kept_in_precision(model)
+    assert len(fp8) == sum(isinstance(m, torch.nn.Linear) for n, m in ref.named_modules() if n not in kept)
+    assert family != "wan" or "condition_embedder.time_embedder.linear_1" in kept
+    _train_like_peft(model, ref, targets, inputs, out_shape)
 
 
 def test_unmappable_keys_are_refused_naming_key_and_model(flux_file):
