@@ -167,8 +167,11 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
         offsets = dict(zip(src, torch.tensor([0] + [tensors[s].shape[0] for s in srcs[:-1]]).cumsum(0).tolist()))
         rows = torch.tensor([offsets[i] for i in (tag >> _ROW_BITS).tolist()]) + (tag & ((1 << _ROW_BITS) - 1))
         whole = tensors[srcs[0]] if len(srcs) == 1 else torch.cat([tensors[s] for s in srcs])
-        n = whole.shape[0]
-        out[k] = whole if rows.numel() == n and torch.equal(rows, torch.arange(n)) else whole[rows]
+        start = int(rows[0]) if rows.numel() else 0
+        if torch.equal(rows, torch.arange(start, start + rows.numel())):  # a run of rows (q of a fused qkv): a view
+            out[k] = whole.narrow(0, start, rows.numel())
+        else:  # rows in another order (swapped adaLN halves): copied
+            out[k] = whole[rows]
         errors += _cut_extras(k, srcs, rows, tensors, extras, out)
     unread = [k for k in keys if k not in used]
     if unread:
