@@ -20,6 +20,8 @@ Public API:
     save_kohya_dora, load_kohya_dora      DoRA adapters as kohya / LyCORIS files (lora_down, lora_up, alpha,
                                           dora_scale) for ComfyUI and LyCORIS, and back (needs peft and safetensors;
                                           loaded on first use; dorafp8/checkpoint/kohya.py)
+    load_single_file                      a ComfyUI fp8_scaled single file in its original layout (ldm, BFL, ...) into
+                                          a diffusers model, through diffusers' own key conversion (needs diffusers)
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
     reuse_weight_norms                    a context in which DoRA layers on a GPU may reuse their weight norms
                                           (on the CPU they do whenever the adapters are unchanged; norm_cache.py)
@@ -43,7 +45,7 @@ dorafp8/_install.py).
 
 from . import _deps, _install
 from .backends import BACKENDS, available_backends
-from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, save_fp8_checkpoint
+from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, load_single_file, save_fp8_checkpoint
 from .distributed import install_ddp_support, install_fsdp_support
 from .nn import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear, quantize_model, set_act_quant
 from .norm_cache import reuse_weight_norms
@@ -59,7 +61,7 @@ __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",
     "weight_norm", "FP8Linear", "quantize_model", "set_act_quant", "DoRAFP8Linear", "convert_peft_model",
     "register_with_peft", "install_ddp_support", "install_fsdp_support", "load_fp8_checkpoint", "save_fp8_checkpoint",
-    "export_merged", "detect_format", "from_transformers_fp8", "reuse_weight_norms",
+    "export_merged", "detect_format", "load_single_file", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
     "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora", "register_with_lycoris",
 ]

@@ -20,7 +20,8 @@ needs to know about dorafp8's fp8 layers before the user's next line runs, with 
   correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
   quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
 - diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
-  (dorafp8/checkpoint/save_hooks.py);
+  (dorafp8/checkpoint/save_hooks.py), and its `from_single_file` of a ComfyUI fp8_scaled file must refuse instead of
+  loading the fp8 weights without their scales (dorafp8/checkpoint/single_file.py);
 - LyCORIS (lycoris-lora): `create_lycoris(model, ...)` must put its LoCon / DoRA modules on the fp8 layers (it saw
   none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
 - FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
@@ -109,6 +110,12 @@ def _diffusers() -> None:
     save_hooks.patch_diffusers()
 
 
+def _diffusers_single_file() -> None:
+    from .checkpoint import single_file
+
+    single_file.patch_from_single_file()
+
+
 def _lycoris() -> None:
     # Importing dorafp8.lycoris registers (its last line). When lycoris is being imported by dorafp8.lycoris, that
     # module is half-initialised here: it registers when it finishes.
@@ -135,6 +142,8 @@ _WATCHED = {
     "transformers.modeling_utils": (_transformers, "save_pretrained of fp8 models writes unscaled e4m3 weights, and "
                                                    "DoRAFP8Config is not registered"),
     "diffusers.models.modeling_utils": (_diffusers, "save_pretrained of fp8 models writes unscaled e4m3 weights"),
+    "diffusers.loaders.single_file_model": (_diffusers_single_file, "diffusers' from_single_file loads ComfyUI "
+                                                                    "fp8_scaled files without their scales"),
     "lycoris": (_lycoris, "create_lycoris makes no LyCORIS module for dorafp8's fp8 layers (call "
                           "dorafp8.register_with_lycoris() after fixing the cause)"),
     ONETRAINER_MODULE: (_onetrainer, "OneTrainer's DoRA on fp8 layers computes its own dense fp32 "

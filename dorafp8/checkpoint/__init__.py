@@ -5,6 +5,7 @@ Public API:
     save_fp8_checkpoint(model, path, format=None)                  -> ExportReport   (no merging)
     export_merged(model, path, format=None)                        -> ExportReport   (DoRA/LoRA adapters merged in)
     detect_format(path_or_state_dict)                              -> (format, what it saw)
+    load_single_file(diffusers_model, path)                        -> LoadReport  (original layouts: ldm, BFL, ...)
 
 The layouts (`format=`) are in layouts.py; docs/CHECKPOINTS.md has where each comes from and how it was checked.
 
@@ -21,6 +22,8 @@ The modules, each importing only those above it:
     write.py        save_fp8_checkpoint, export_merged, the state dict for transformers' save_pretrained
     from_transformers.py  from_transformers_fp8 (a transformers fp8 model -> FP8Linear layers)
     save_hooks.py   transformers' and diffusers' save_pretrained of a model with fp8 layers
+    single_file.py  load_single_file (original-layout single files through diffusers' converters), and the refusal
+                    of diffusers' from_single_file of scaled fp8 files
     hf_quantizer.py DoRAFP8Config (imports transformers: loaded on first use, never from here)
     kohya_names.py, kohya.py  save_kohya_dora / load_kohya_dora, DoRA adapters as kohya / LyCORIS files (imports
                     PEFT: loaded on first use by dorafp8.save_kohya_dora / load_kohya_dora, never from here)
@@ -29,8 +32,9 @@ The modules, each importing only those above it:
 from .layouts import DENSE_FORMATS, FORMATS, LAYOUTS, TRANSFORMERS_FORMATS, CheckpointFormatError
 from .load import load_fp8_checkpoint
 from .reports import ExportReport, LoadReport
+from .single_file import load_single_file
 from .source import detect_format
 from .write import export_merged, save_fp8_checkpoint
 
 __all__ = ["load_fp8_checkpoint", "save_fp8_checkpoint", "export_merged", "detect_format", "LoadReport",
-           "ExportReport", "CheckpointFormatError", "FORMATS", "DENSE_FORMATS", "TRANSFORMERS_FORMATS", "LAYOUTS"]
+           "ExportReport", "CheckpointFormatError", "load_single_file", "FORMATS", "DENSE_FORMATS", "TRANSFORMERS_FORMATS", "LAYOUTS"]

@@ -12,10 +12,11 @@ from torch import nn
 
 from ..nn import fp8_conv_class
 from ..nn import FP8Linear
+from ..nn.convert import kept_in_precision
 from ..quant import DEFAULT_BLOCK, E4M3, E8M0, MXFP8_BLOCK, NVFP4_BLOCK, check_scale
 from .files import some
 from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
-from .modules import FP8_CONV_TYPES, is_conv1d
+from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
 from .source import CheckpointSource, detect, layer_key, nvfp4_weights
@@ -97,6 +98,7 @@ def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: Key
     layer_of = {}  # fp8 weight key -> module name in the model
     layers: dict[str, LayerPlan] = {}
     packed = set(nvfp4_weights(info).values()) if fmt in MICRO_FORMATS else set()
+    in_precision = kept_in_precision(model)  # the model casts their inputs to their weight dtype: dequantized
     for k in keys.ckpt_keys:
         m = keys.names[k]
         if m is None or not ((k.endswith(".weight") and info[k][0] == E4M3) or k in packed):
@@ -109,7 +111,8 @@ def _plan_layers(model: nn.Module, source: CheckpointSource, fmt: str, keys: Key
         layer_of[k] = mod_name
         linear = isinstance(mod, (nn.Linear, FP8Linear)) and not is_conv1d(mod)
         conv = isinstance(mod, FP8_CONV_TYPES) or fp8_conv_class(mod) is not None
-        layers[mod_name] = LayerPlan(k, mod, linear, conv, fp8=linear or conv)
+        fp8 = (linear or conv) and (mod_name not in in_precision or isinstance(mod, FP8_LAYER_TYPES))
+        layers[mod_name] = LayerPlan(k, mod, linear, conv, fp8=fp8)
     return LoadPlan(fmt, LAYOUTS[fmt], keys, layer_of, layers)
 
 
@@ -218,6 +221,10 @@ def _plan_micro(plan: LoadPlan, p: LayerPlan, kind: str, k: str, mod_name: str, 
     if not p.linear:
         errors.append(f"{k}: {kind} weights load into linear layers only, not {type(p.module).__name__} "
                       f"{mod_name!r}")
+        return
+    if not p.fp8:  # a layer the model keeps in precision (kept_in_precision): only fp8 weights are dequantized there
+        errors.append(f"{k}: {kind} weight for {mod_name!r}, a layer the model keeps in full precision (it casts its "
+                      f"inputs to that layer's weight dtype); dequantizing {kind} into it is not supported")
         return
     block = NVFP4_BLOCK if kind == "nvfp4" else MXFP8_BLOCK
     if kind == "nvfp4" and K % NVFP4_BLOCK:

@@ -125,6 +125,23 @@ def name_list(arg) -> Optional[list]:
     return None if arg is None else ([arg] if isinstance(arg, str) else list(arg))
 
 
+def kept_in_precision(model: nn.Module) -> set:
+    """The names of the layers of `model` inside a module that its class (or a submodule's) lists in
+    `_keep_in_fp32_modules`, matched by name component as diffusers does (Wan's `time_embedder`, T5's `wo`). Such
+    models read that layer's weight dtype to cast its input (Wan: the timestep `.to()` the time embedder's dtype),
+    which an fp8 weight would make an e4m3 input; diffusers' and transformers' own quantizers leave these modules
+    unquantized, and so do quantize_model and load_fp8_checkpoint (they are small: embedders, norms)."""
+    kept = set()
+    for prefix, mod in model.named_modules():
+        keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())
+        if not keep:
+            continue
+        for name, _ in mod.named_modules():
+            if name and keep & set(name.split(".")):
+                kept.add(f"{prefix}.{name}" if prefix else name)
+    return kept
+
+
 def _matches(name: str, patterns: list) -> bool:
     """`name` is one of `patterns` or ends with '.' + one (PEFT's target_modules rule)."""
     return any(name == t or name.endswith("." + t) for t in patterns)
@@ -151,6 +168,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     kohya's and OneTrainer's fp8 casts) are wrapped losslessly, scale 1, with the bias in the layer's compute dtype
     (docs/DORA_MATH.md, "Dtype policy"); on a layerwise-casting model the layers diffusers left in high precision (its
     skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
+    Layers inside the modules a model lists in `_keep_in_fp32_modules` (Wan's time embedder, T5's `wo`; see
+    kept_in_precision) stay as they are, whatever target_modules says: the model casts their inputs to their weight's
+    dtype, so an fp8 weight there would break its forward (diffusers' and transformers' quantizers skip them too).
     PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
     touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
     `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (with a warning).
@@ -175,7 +195,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     # an fp8 weight there breaks its forward ("self and mat2 must have the same dtype"), so those stay dense.
     read_directly = {f"{n}.out_proj" if n else "out_proj" for n, m in model.named_modules()
                      if isinstance(m, nn.MultiheadAttention)}
-    swaps, skipped, candidates, left_dense = [], [], [], []
+    swaps, skipped, candidates, left_dense, kept = [], [], [], [], []
+    in_precision = kept_in_precision(model)
     for name, mod in model.named_modules():
         is_conv = isinstance(mod, _CONV_KINDS)
         if not (isinstance(mod, kinds) or is_conv):
@@ -191,6 +212,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         if name in read_directly:
             left_dense.append(name)
             continue
+        if name in in_precision:
+            kept.append(name)
+            continue
         (skipped if name in inside_tuner else swaps).append(name)
     if left_dense:  # said with or without target_modules: a user who asked for the whole model expects it all in fp8
         warnings.warn(f"quantize_model left {len(left_dense)} layers dense (e.g. {left_dense[0]!r}): they are the "
@@ -202,7 +226,11 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             f"quantizing them would turn the trainable lora_A/lora_B into frozen fp8. Quantize before get_peft_model, "
             f"or use dorafp8.convert_peft_model(model) to put the base weights of PEFT DoRA layers in fp8",
             stacklevel=2)
-    if targets is not None and not swaps and not skipped and not left_dense:
+    if kept:  # logged, not warned: diffusers' own quantizers do the same, and the layers are small
+        logging.getLogger("dorafp8").info(
+            "quantize_model left %d layers in their precision (e.g. %r): the model lists them in "
+            "_keep_in_fp32_modules and casts their inputs to their weight dtype", len(kept), kept[0])
+    if targets is not None and not swaps and not skipped and not left_dense and not kept:
         peft_hits = [n for n, m in model.named_modules() if tuner is not None and isinstance(m, tuner)
                      and _matches(n, targets)]
         if peft_hits:

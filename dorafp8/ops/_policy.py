@@ -42,7 +42,9 @@ def check_float(t, name: str, *, wider_ok: bool = False) -> None:
     why = ""
     if is_fp8(t):
         why = (f": only the frozen base weight (w8) is fp8, as float8_e4m3fn; pass {name} in one of those dtypes"
-               + (" (act_quant='rowwise' makes the linear ops quantize x to e4m3 themselves)" if name == "x" else ""))
+               + (" (act_quant='rowwise' makes the linear ops quantize x to e4m3 themselves; a model that casts a layer's "
+                  "input to that layer's weight dtype does this: leave that layer dense, quantize_model(..., "
+                  "exclude_modules=[its name]))" if name == "x" else ""))
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}{why}")
 
 

@@ -1,0 +1,224 @@
+"""ComfyUI / kijai fp8_scaled single files in their original layouts (ldm, BFL, MMDiT, Wan's, ...) into diffusers
+models, in place (load_single_file); diffusers' own `from_single_file` of such a file refused while dorafp8 is imported.
+
+Such a file holds e4m3 weights with a per-tensor `<layer>.scale_weight` (ComfyUI's newer files: `weight_scale` with a
+`comfy_quant` entry), sometimes `scale_input`, and a `scaled_fp8` marker. diffusers' `from_single_file` knows none
+of these keys: it drops the scales as unexpected keys and loads the raw e4m3 values (up to 448 where the weights
+are below 1), and the model outputs NaN without an error. `import dorafp8` wraps it (dorafp8/_install.py) so that
+such a checkpoint is refused, whether it comes as a path (the module's own `load_single_file_checkpoint` reads it) or
+as a dict (what `DiffusionPipeline.from_single_file` hands each component).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .layouts import CheckpointFormatError
+
+# the keys a scaled fp8 checkpoint carries beside its weights: ComfyUI's "scaled_fp8" files, and its newer
+# "comfy_quant" ones (layouts.py, comfyui and comfyui-quant)
+_SCALE_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
+
+
+def scaled_fp8_keys(checkpoint: dict) -> list[str]:
+    """The keys of `checkpoint` that say its fp8 weights are scaled (their scales and the `scaled_fp8` marker), when
+    it holds fp8 weights at all; [] otherwise."""
+    has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                  for t in checkpoint.values())
+    if not has_fp8:
+        return []
+    return [k for k in checkpoint if k.endswith(_SCALE_SUFFIXES) or k == "scaled_fp8" or k.endswith(".scaled_fp8")]
+
+
+def refuse_scaled_fp8(checkpoint, what: str) -> None:
+    """Raises ValueError if `checkpoint` (a state dict) is a scaled fp8 file that `what` would load unscaled."""
+    if not isinstance(checkpoint, dict):
+        return
+    keys = scaled_fp8_keys(checkpoint)
+    if keys:
+        raise ValueError(
+            f"{what}: this checkpoint is a ComfyUI-style fp8_scaled file (fp8 weights with their scales under keys "
+            f"such as {keys[0]!r}, {len(keys)} in all); diffusers' from_single_file does not read these scales and "
+            f"would load the raw fp8 values unscaled (NaN outputs, no error). Load it in place with dorafp8 instead, "
+            f"keeping its fp8 bytes and scales: model = <ModelClass>.from_config(config) (on the meta device: "
+            f"`with torch.device('meta'):`), then dorafp8.load_single_file(model, path) (docs/CHECKPOINTS.md, "
+            f"\"Diffusion models\")")
+
+
+def patch_from_single_file() -> None:
+    """Wraps diffusers' FromOriginalModelMixin.from_single_file (a dict checkpoint) and the module's
+    load_single_file_checkpoint (a path) so that both refuse scaled fp8 checkpoints. Idempotent."""
+    from diffusers.loaders import single_file_model as sfm
+
+    mixin = sfm.FromOriginalModelMixin
+    orig = mixin.__dict__["from_single_file"].__func__
+    if not hasattr(orig, "_dorafp8_orig"):
+        @functools.wraps(orig)
+        def from_single_file(cls, pretrained_model_link_or_path_or_dict=None, **kwargs):
+            refuse_scaled_fp8(pretrained_model_link_or_path_or_dict, f"{cls.__name__}.from_single_file")
+            return orig(cls, pretrained_model_link_or_path_or_dict, **kwargs)
+
+        from_single_file._dorafp8_orig = orig
+        mixin.from_single_file = classmethod(from_single_file)
+    load = sfm.load_single_file_checkpoint
+    if not hasattr(load, "_dorafp8_orig"):
+        @functools.wraps(load)
+        def load_single_file_checkpoint(*args, **kwargs):
+            checkpoint = load(*args, **kwargs)
+            refuse_scaled_fp8(checkpoint, "from_single_file")
+            return checkpoint
+
+        load_single_file_checkpoint._dorafp8_orig = load
+        sfm.load_single_file_checkpoint = load_single_file_checkpoint
+
+
+_ROW_BITS = 32  # a row tag: source index << 32 | row
+
+
+def _row_tags(state_dict: dict) -> tuple[list, dict]:
+    """(keys, tags): every tensor of `state_dict` replaced by an int64 vector with one entry per row (dim 0) naming
+    the tensor and the row: what diffusers' converters do to rows (rename, chunk, split, concatenate, swap halves)
+    they then do to these, and the result says where each row of each converted tensor comes from."""
+    keys = list(state_dict)
+    tags = {}
+    for i, k in enumerate(keys):
+        t = state_dict[k]
+        tags[k] = (torch.arange(t.shape[0], dtype=torch.int64) | (i << _ROW_BITS)) if t.dim() else \
+            torch.tensor(i << _ROW_BITS)
+    return keys, tags
+
+
+def _model_name(model: nn.Module) -> str:
+    return type(model).__name__
+
+
+def converter_for(model: nn.Module):
+    """diffusers' single-file converter for `model`'s class (SINGLE_FILE_LOADABLE_CLASSES), called as diffusers
+    calls it; a ValueError names the class when diffusers has none."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(_model_name(model))
+    if entry is None:
+        raise ValueError(f"diffusers has no single-file conversion for {_model_name(model)} (its "
+                         f"SINGLE_FILE_LOADABLE_CLASSES): load a file with diffusers' key names with "
+                         f"dorafp8.load_fp8_checkpoint instead")
+    fn = entry["checkpoint_mapping_fn"]
+    config = dict(getattr(model, "config", {}))
+    return lambda checkpoint: fn(checkpoint=checkpoint, config=config)
+
+
+def _layer_extras(state_dict: dict) -> dict:
+    """weight key -> {"scale_weight": t, "scale_input": t} of the file's layers that have them."""
+    extras = {}
+    for k, v in state_dict.items():
+        for suffix in ("scale_weight", "scale_input"):
+            if k.endswith("." + suffix):
+                extras.setdefault(k[:-len(suffix)] + "weight", {})[suffix] = v
+    return extras
+
+
+def _same(tensors: list) -> bool:
+    return all(t.shape == tensors[0].shape and torch.equal(t, tensors[0]) for t in tensors[1:])
+
+
+def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
+    """A single file in its original layout (ldm, BFL, ...; fp8 weights with ComfyUI's `scale_weight`, per tensor or
+    per row, and `scale_input`, or dense) -> the same tensors under `model`'s diffusers names, in ComfyUI's encoding:
+    fp8 bytes as they are, each piece of a fused weight with the per-tensor scale of the weight it was cut from (per
+    row scales cut with their rows) and its `scale_input`.
+
+    The mapping is diffusers' own converter, run on row tags (_row_tags) rather than on the tensors: it only renames
+    and cuts or joins rows, and the tags it returns say which rows of which original tensor each diffusers tensor is.
+    What it does not map (a key it leaves unread), or maps in a way that is not a choice of rows, is refused naming
+    the key and the model; so is a joined tensor whose pieces have different per-tensor scales."""
+    name = _model_name(model)
+    newer = [k for k in state_dict if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]
+    if newer:
+        raise CheckpointFormatError(f"{newer[0]!r}: ComfyUI's comfy_quant encoding (weight_scale, comfy_quant) is not "
+                                    f"read in original layouts here, only its scaled_fp8 one (scale_weight); nothing "
+                                    f"was loaded into {name}")
+    extras = _layer_extras(state_dict)
+    tensors = {k: v for k, v in state_dict.items()
+               if not (k.endswith(_SCALE_SUFFIXES) or k == "scaled_fp8" or k.endswith(".scaled_fp8"))}
+    keys, tags = _row_tags(tensors)
+    try:
+        converted = converter_for(model)(dict(tags))
+    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        raise CheckpointFormatError(f"diffusers' single-file conversion for {name} failed on this file "
+                                    f"({type(e).__name__}: {e}): it is not in the layout diffusers converts for "
+                                    f"{name}") from e
+    out, used, errors = {}, set(), []
+    for k, tag in converted.items():
+        ok = isinstance(tag, torch.Tensor) and tag.dtype == torch.int64
+        src = torch.unique(tag >> _ROW_BITS).tolist() if ok else [-1]
+        if any(not 0 <= i < len(keys) for i in src):
+            errors.append(f"{k!r}: diffusers' conversion computes it from the file's values, not by choosing rows")
+            continue
+        srcs = [keys[i] for i in src]
+        used |= set(srcs)
+        if tag.dim() == 0:
+            out[k] = tensors[srcs[0]]
+            continue
+        # each row of k as a row of the sources stacked in `src` order
+        offsets = dict(zip(src, torch.tensor([0] + [tensors[s].shape[0] for s in srcs[:-1]]).cumsum(0).tolist()))
+        rows = torch.tensor([offsets[i] for i in (tag >> _ROW_BITS).tolist()]) + (tag & ((1 << _ROW_BITS) - 1))
+        whole = tensors[srcs[0]] if len(srcs) == 1 else torch.cat([tensors[s] for s in srcs])
+        start = int(rows[0]) if rows.numel() else 0
+        if torch.equal(rows, torch.arange(start, start + rows.numel())):  # a run of rows (q of a fused qkv): a view
+            out[k] = whole.narrow(0, start, rows.numel())
+        else:  # rows in another order (swapped adaLN halves): copied
+            out[k] = whole[rows]
+        errors += _cut_extras(k, srcs, rows, tensors, extras, out)
+    unread = [k for k in keys if k not in used]
+    if unread:
+        errors.append(f"{len(unread)} tensors of the file are not mapped by diffusers' conversion for {name}: "
+                      + ", ".join(repr(k) for k in unread[:8]) + (", ..." if len(unread) > 8 else ""))
+    if errors:
+        raise CheckpointFormatError(f"the single file does not map onto {name}: " + "; ".join(errors[:8]))
+    if any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in state_dict):
+        out["scaled_fp8"] = torch.tensor([], dtype=torch.float8_e4m3fn)
+    return out
+
+
+def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: dict, out: dict) -> list:
+    """Puts the scale_weight / scale_input of the sources of diffusers tensor `k` into `out` under k's layer: a
+    per-tensor one as it is (shared by the pieces cut from it), per-row ones cut with the rows. Returns errors."""
+    errors = []
+    lay = k[:-len(".weight")] if k.endswith(".weight") else k
+    for suffix in ("scale_weight", "scale_input"):
+        parts = [extras.get(s, {}).get(suffix) for s in srcs]
+        if all(p is None for p in parts):
+            continue
+        per_row = all(p is not None and p.numel() == tensors[s].shape[0] > 1 for p, s in zip(parts, srcs))
+        if not per_row and (any(p is None for p in parts) or not _same(parts)):
+            errors.append(f"{k!r} joins {srcs}, whose {suffix}s differ: one per-tensor {suffix} cannot hold them")
+        elif per_row:
+            out[f"{lay}.{suffix}"] = torch.cat([p.reshape(-1) for p in parts])[rows].reshape(
+                (-1,) + tuple(parts[0].shape[1:]))
+        else:
+            out[f"{lay}.{suffix}"] = parts[0].clone()
+    return errors
+
+
+def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtype: Optional[torch.dtype] = None,
+                     backend: str = "auto", verbose: bool = True):
+    """Loads a single file in its original layout (a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5,
+    Wan, HunyuanVideo, LTX, or a dense one) into the diffusers `model` (built from its config, on the meta device or
+    not), in place: the fp8 weights keep their bytes and scales (FP8Linear layers), fused projections are cut by rows
+    sharing their per-tensor scale (to_diffusers_layout), everything else is loaded as load_fp8_checkpoint loads it.
+    Returns load_fp8_checkpoint's LoadReport."""
+    from .load import load_fp8_checkpoint
+
+    state_dict = path_or_state_dict
+    if not isinstance(state_dict, dict):
+        from safetensors.torch import load_file
+
+        state_dict = load_file(str(path_or_state_dict))
+    converted = to_diffusers_layout(model, state_dict)
+    fmt = "comfyui" if any(k.endswith(".scale_weight") for k in converted) else "auto"
+    return load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,
+                               verbose=verbose)

@@ -1,0 +1,212 @@
+"""ComfyUI fp8_scaled single files in their original layouts (issue 53): SD 1.x / SDXL in the ldm layout, Wan and
+LTX-Video in theirs, and Flux in BFL's (fused img_attn.qkv, single blocks' linear1 = q, k, v and the MLP), load in
+place into the diffusers models through diffusers' own conversion, bit-exactly against the dequantized file converted
+by diffusers, and train DoRA like PEFT on the dequantized model; diffusers' own from_single_file of such a file, which
+loads it unscaled, is refused with dorafp8 imported."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+
+import dorafp8  # noqa: E402
+from dorafp8 import FP8Linear  # noqa: E402
+from dorafp8.checkpoint import CheckpointFormatError  # noqa: E402
+from dorafp8.checkpoint.single_file import load_single_file  # noqa: E402
+from tests._tolerance import assert_close, tol  # noqa: E402
+from tests.integration import _original_layouts as layouts  # noqa: E402
+from tests.integration import _tiny_diffusers as tiny  # noqa: E402
+
+from diffusers.loaders.single_file_utils import (convert_flux_transformer_checkpoint_to_diffusers,  # noqa: E402
+                                                 convert_ldm_unet_checkpoint)
+
+
+def _flux_inputs():
+    g = torch.Generator().manual_seed(1)
+    cfg = layouts.flux_config()
+    return dict(hidden_states=torch.randn(1, 4, cfg["in_channels"], generator=g),
+                encoder_hidden_states=torch.randn(1, 3, cfg["joint_attention_dim"], generator=g),
+                pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g),
+                timestep=torch.tensor([0.5]), img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(3, 3),
+                guidance=torch.tensor([3.5]))
+
+
+def _flux_model():
+    with torch.device("meta"):
+        return diffusers.FluxTransformer2DModel(**layouts.flux_config())
+
+
+@pytest.fixture(scope="module")
+def flux_file():
+    """(comfy state dict in BFL's layout, the diffusers model loaded by diffusers' converter from its dequantized
+    values: the reference)."""
+    cfg = layouts.flux_config()
+    sd = layouts.comfy_encode(layouts.random_tensors(layouts.flux_bfl_shapes(cfg)))
+    ref = diffusers.FluxTransformer2DModel(**cfg).eval()
+    dense = convert_flux_transformer_checkpoint_to_diffusers(layouts.dequantize(sd))
+    ref.load_state_dict(dense, strict=True)  # the key list is BFL's as diffusers reads it: every key, every shape
+    return sd, ref
+
+
+def _out(model, inputs):
+    return model(**inputs, return_dict=False)[0]
+
+
+def _check_in_place(model, sd, ref, inputs):
+    """`model`, loaded from the comfy file `sd`, holds the file's bytes and scales, equals `ref` (diffusers' own
+    conversion of the dequantized file) bit for bit once dequantized, and computes what it computes."""
+    ref_sd = ref.state_dict()
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert fp8
+    for name in fp8:
+        mod = model.get_submodule(name)
+        assert mod.weight.dtype == torch.float8_e4m3fn and mod.scale.dim() == 0, name
+        assert torch.equal(mod.weight.float() * mod.scale, ref_sd[f"{name}.weight"]), name
+    for k, v in model.state_dict().items():
+        if v.dtype != torch.float8_e4m3fn and not k.endswith(".scale"):
+            assert torch.equal(v, ref_sd[k]), k
+    with torch.no_grad():
+        assert_close(_out(model, inputs), _out(ref, inputs), tol(torch.float32), "loaded in place vs dequantized")
+    return fp8
+
+
+def _train_like_peft(model, ref, targets, inputs, out_shape):
+    """A few DoRA steps on the fp8 model and with plain PEFT on the dequantized one: the same losses."""
+    losses = {}
+    for kind, base in (("ours", model), ("peft", ref)):
+        torch.manual_seed(0)
+        pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets))
+        assert (kind == "ours") == any(type(m).__name__ == "DoRAFP8Linear" for m in pm.modules())
+        g = torch.Generator().manual_seed(3)
+        for n, p in pm.named_parameters():  # lora_B starts at 0: give it values so the DoRA terms are exercised
+            if "lora_B" in n:
+                p.data.normal_(0, 0.02, generator=g)
+        opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-3)
+        losses[kind] = []
+        for step in range(3):
+            target = torch.randn(out_shape, generator=torch.Generator().manual_seed(10 + step))
+            loss = (_out(pm, inputs) - target).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[kind].append(loss.item())
+        pm.unload()
+    for a, b in zip(losses["ours"], losses["peft"]):
+        assert abs(a - b) <= 4 * tol(torch.float32) * abs(b), losses
+
+
+def test_flux_bfl_file_loads_in_place_bit_exactly(flux_file):
+    sd, ref = flux_file
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    fp8 = _check_in_place(model, sd, ref, _flux_inputs())
+    assert len(fp8) == sum(isinstance(m, torch.nn.Linear) for m in ref.modules())  # Flux keeps nothing in fp32
+    # the pieces of the fused weights share their file's scale, bytes as stored
+    q = model.single_transformer_blocks[0].attn.to_q
+    mlp = model.single_transformer_blocks[0].proj_mlp
+    linear1 = sd[layouts.COMFY_PREFIX + "single_blocks.0.linear1.weight"]
+    assert torch.equal(q.weight.view(torch.uint8), linear1[:layouts.FLUX_WIDTH].view(torch.uint8))
+    assert torch.equal(mlp.weight.view(torch.uint8), linear1[3 * layouts.FLUX_WIDTH:].view(torch.uint8))
+    assert q.scale == mlp.scale == sd[layouts.COMFY_PREFIX + "single_blocks.0.linear1.scale_weight"]
+
+
+def test_flux_trains_dora_like_peft_on_the_dequantized_model(flux_file):
+    sd, ref = flux_file
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    _train_like_peft(model, ref, ["to_q", "to_v", "proj_mlp", "ff.net.2"], _flux_inputs(), (1, 4, 8))
+
+
+def _unet_inputs(sdxl):
+    g = torch.Generator().manual_seed(1)
+    x = dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([500]),
+             encoder_hidden_states=torch.randn(1, 5, 32, generator=g))
+    if sdxl:
+        x["added_cond_kwargs"] = dict(text_embeds=torch.randn(1, 16, generator=g),
+                                      time_ids=torch.tensor([[8.0, 8.0, 0.0, 0.0, 8.0, 8.0]]))
+    return x
+
+
+@pytest.mark.parametrize("sdxl", [False, True], ids=["sd15", "sdxl"])
+def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
+    """SD 1.x / SDXL in the ldm layout (input_blocks / middle_block / output_blocks), its linear weights fp8_scaled
+    and its convolutions dense (a mixed file)."""
+    cfg = layouts.unet_config(sdxl)
+    torch.manual_seed(0)
+    src = diffusers.UNet2DConditionModel(**cfg)
+    sd = layouts.comfy_encode({layouts.ldm_key(k, cfg): v for k, v in src.state_dict().items()})
+    ref = diffusers.UNet2DConditionModel(**cfg).eval()
+    ref.load_state_dict(convert_ldm_unet_checkpoint(layouts.dequantize(sd, prefix=""), config=cfg), strict=True)
+    with torch.device("meta"):
+        model = diffusers.UNet2DConditionModel(**cfg)
+    load_single_file(model, dict(sd), verbose=False)
+    fp8 = _check_in_place(model, sd, ref, _unet_inputs(sdxl))
+    assert "time_embedding.linear_1" in fp8 and ("add_embedding.linear_1" in fp8) == sdxl
+    assert ("down_blocks.0.attentions.0.proj_in" in fp8) == sdxl  # a 1x1 conv in SD 1.x, dense in this file
+    _train_like_peft(model, ref, ["to_q", "to_v", "ff.net.2", "time_emb_proj"], _unet_inputs(sdxl), (1, 4, 8, 8))
+
+
+_OWN_LAYOUTS = {  # family -> (its key names, diffusers' converter, DoRA targets, output shape)
+    "wan": (layouts.wan_key, "convert_wan_transformer_to_diffusers", ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "ltx": (layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers", ["to_q", "to_v", "ff.net.2"],
+            (1, 16, 8)),
+}
+
+
+@pytest.mark.parametrize("family", list(_OWN_LAYOUTS))
+def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
+    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head) and LTX-Video (patchify_proj, adaln_single) in their own
+    layouts. Wan's time embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense
+    layers; everything else keeps its bytes."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders import single_file_utils
+
+    own_key, converter, targets, out_shape = _OWN_LAYOUTS[family]
+    src, inputs = tiny.build(family)
+    sd = layouts.comfy_encode({own_key(k): v for k, v in src.state_dict().items()})
+    ref, _ = tiny.build(family)
+    ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
+    with init_empty_weights():  # keeps buffers (Wan's rotary tables) real
+        model = type(src).from_config(src.config)
+    load_single_file(model, dict(sd), verbose=False)
+    fp8 = _check_in_place(model, sd, ref, inputs)
+    kept = dorafp8.nn.convert.kept_in_precision(model)
+    assert len(fp8) == sum(isinstance(m, torch.nn.Linear) for n, m in ref.named_modules() if n not in kept)
+    assert family != "wan" or "condition_embedder.time_embedder.linear_1" in kept
+    _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_unmappable_keys_are_refused_naming_key_and_model(flux_file):
+    sd, _ = flux_file
+    extra = dict(sd)
+    extra[layouts.COMFY_PREFIX + "double_blocks.0.img_attn.extra.weight"] = torch.zeros(4, 4)
+    with pytest.raises(CheckpointFormatError, match=r"FluxTransformer2DModel.*double_blocks\.0\.img_attn\.extra\.weight"):
+        load_single_file(_flux_model(), extra, verbose=False)
+
+
+def test_diffusers_from_single_file_is_refused_with_dorafp8_imported(flux_file, tmp_path):
+    """Without dorafp8, diffusers' from_single_file loads this file's e4m3 values without their scales (checked in a
+    subprocess: the weights come out far larger than the file's dequantized ones); with it imported, it is refused."""
+    from safetensors.torch import save_file
+
+    sd, ref = flux_file
+    path = tmp_path / "flux1-fp8_scaled.safetensors"
+    save_file(sd, str(path))
+    cfg_dir = tmp_path / "config"
+    ref.save_config(str(cfg_dir))
+    code = (f"import torch, diffusers\n"
+            f"m = diffusers.FluxTransformer2DModel.from_single_file({str(path)!r}, config={str(cfg_dir)!r}, "
+            f"torch_dtype=torch.float32)\n"
+            f"print(float(m.transformer_blocks[0].attn.to_out[0].weight.abs().max()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    unscaled = float(out.stdout.strip().splitlines()[-1])
+    assert unscaled > 50 * float(ref.transformer_blocks[0].attn.to_out[0].weight.abs().max())
+    with pytest.raises(ValueError, match="fp8_scaled.*load_single_file"):
+        diffusers.FluxTransformer2DModel.from_single_file(str(path), config=str(cfg_dir))
+    with pytest.raises(ValueError, match="fp8_scaled"):
+        diffusers.FluxTransformer2DModel.from_single_file(dict(sd), config=str(cfg_dir))
