@@ -55,6 +55,16 @@ FEATURES = {
 # of norm 1e-13 by 0.1, and DoRA at init would no longer be the base layer there).
 NORM_EPS = 1e-12
 
+# The test suite sets this True (tests/conftest.py, a fixture): the kernels' outputs then start as NaN, so a tile a
+# kernel never writes fails its test instead of passing on whatever the memory held. Never set in a user's process.
+POISON_OUTPUTS = False
+
+
+def empty(shape, dtype: torch.dtype, device) -> Tensor:
+    """A kernel's output buffer: torch.empty, NaN-filled under the tests (POISON_OUTPUTS)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
 
 def norm_divisor(n: Tensor) -> Tensor:
     """n with NORM_EPS where it is 0 (same dtype and shape): what every DoRA formula divides by (c = m / n, dm's

@@ -5,7 +5,7 @@ One class, `CudaBackend`, adapts the contract to a *launcher*: an object with th
 are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/kernels/test_cuda_emulated.py) build the same class on the
 emulator's launchers, which run the kernels of csrc/ on CPU, so the operand preparation below is tested without a GPU.
 The adapter turns the contract's Optional arguments into what the launcher takes, casts the small operands to the
-dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests set) and makes an
+dtypes the kernels read, allocates the outputs (NaN-filled under the tests: base.POISON_OUTPUTS) and makes an
 activation contiguous only when its last dim is strided (the kernels take any row stride). The binding checks every
 tensor again and launches on the current CUDA stream; the kernels and their design notes are in csrc/weight_norm.cu,
 forward.cu and dgrad.cu (shared device code in csrc/common/).
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_build
-from .base import magnitude_scale, not_supported
+from .base import empty as _empty, magnitude_scale, not_supported
 
 try:
     from dorafp8 import _C
@@ -149,13 +149,6 @@ def rank_ops(device: torch.device) -> ModuleType:
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("DORAFP8_POISON") == "1":  # tests: a tile the kernel never writes stays NaN and fails
-        out.fill_(float("nan"))
-    return out
-
 
 def _rows(t: Tensor) -> Tensor:
     """t as a 2-D tensor with unit stride in its last dim (any row stride: the kernels take it)."""
