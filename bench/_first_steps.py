@@ -1,5 +1,5 @@
 """The steps of bench/first_contact.py, each in a child process (`first_contact.py --step NAME [--job J]`). Each puts
-what it finds into the command's results file as soon as it has it (first_contact.publish). Sizes: GPU below, and
+what it finds into the command's results file as soon as it has it (_first_io.publish). Sizes: GPU below, and
 tiny ones with --smoke (CPU, reference / native backends: the machinery, no speed claims)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-import first_contact as F
+import _first_io as F
 
 RESULTS = os.environ.get("FIRST_CONTACT_RESULTS", "")
 WORK = os.environ.get("FIRST_CONTACT_WORK", "")
@@ -476,8 +476,8 @@ def sanitizer() -> int:
         if what == "cuda" and not built:
             put("tests", "sanitizer-cuda", {"skipped": "the CUDA extension was not built"})
             continue
-        rcs.append(_pytest(f"sanitizer-{what}", [path, "-k", sel], {"DORAFP8_POISON": "1",
-                           "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},  # one cudaMalloc per tensor: writes past its end
+        rcs.append(_pytest(f"sanitizer-{what}", [path, "-k", sel],  # the tests' conftest NaN-fills outputs
+                           {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},  # one cudaMalloc per tensor: writes past its end
                            prefix=["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
                                    "--print-limit", "20"]))
     return max(rcs, default=0)

@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
-import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import signal
 import subprocess
@@ -38,8 +35,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from _first_io import HERE, KILL_GRACE_S, ROOT, publish
+
 
 # The device tool's session (bench/README.md, "On a lent GPU"): the issue allows each command five minutes of its ten.
 COMMAND_S = 300
@@ -49,7 +46,6 @@ SESSION_S, START_S, IDLE_S = 900, 120, 30  # device time of a session; one machi
 # one). So under --smoke a step is stopped only when it hangs, or at a cap named in FIRST_CONTACT_CAPS.
 SMOKE_HANG_S = 900
 SPARE_S = 15  # of each command's 300 s, kept from the steps: the parent's start, the last kill's grace, the writes
-KILL_GRACE_S = 5  # SIGINT first (pytest prints its summary), SIGKILL this much later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,32 +131,6 @@ def plan_text() -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Results: one JSON file, updated in place by the parent and every child
-
-
-def publish(path: str, section: str, key: str | None, value) -> None:
-    """data[section][key] = value (key None: data[section] = value) in the JSON file at `path`: under a lock (the
-    correctness processes write at once), then a temporary file renamed over it, so that a reader (or a kill) never
-    meets half a file."""
-    lock = os.path.join(tempfile.gettempdir(), "first_contact-" + hashlib.sha1(path.encode()).hexdigest()[:12])
-    with open(lock, "a") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            data = {}
-        if key is None:
-            data[section] = value
-        else:
-            data.setdefault(section, {})[key] = value
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
-
-
-def finite(x):
-    """A float JSON can hold (NaN and infinities become None)."""
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

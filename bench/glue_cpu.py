@@ -22,7 +22,6 @@ import statistics
 import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["DORAFP8_POISON"] = "0"
 
 import torch  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402

@@ -17,7 +17,6 @@ import argparse
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launchers' CPU path (nothing is run)
-os.environ["DORAFP8_POISON"] = "0"
 
 import torch  # noqa: E402
 

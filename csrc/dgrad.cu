@@ -157,49 +157,7 @@ __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParam
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= pre;
-  if (lora && p.rank_f32) {
-    // fp32 v, A: FMA on the lane's own accumulator positions (rows g, g + 8; columns 16 c2 + 4t + e).
-    const float* __restrict__ v = static_cast<const float*>(p.v);
-    float* sv = reinterpret_cast<float*>(smem);       // [BM][kRankPitchF] v chunk
-    float* sa = sv + BM * kRankPitchF;                // [32][BK] A chunk
-    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();  // everyone is done with the previous contents of shared memory
-      load_tile_f32<BM, kRankChunk, kRankPitchF>(sv, v, p.r, M, p.r, m0, q0, tid);
-      op.load_rank_f32(sa, q0, tid);
-      block_sync();
-#pragma unroll 4
-      for (int q = 0; q < kRankChunk; ++q) {
-        float va[MT][2], av[NT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) va[mt][h] = sld<float>(sv + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
-        op.rank_cols_f32(av, sa, q, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = fmaf(va[mt][e >> 1], av[nt][e & 1], acc[mt][nt][e]);
-      }
-    }
-  } else if (lora) {
-    const uint16_t* __restrict__ v = static_cast<const uint16_t*>(p.v);
-    uint8_t* sv = smem;                               // [BM][32] v chunk
-    uint8_t* sa = smem + BM * kRankChunk * 2;         // [32][BK] A chunk, 2 BK-byte rows, columns interleaved
-    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();  // everyone is done with the previous contents of shared memory
-      load_tile32_scalar<BM, kSwzLdsm>(sv, v, p.r, M, p.r, m0, q0, tid);
-      op.load_rank(sa, q0, tid);
-      block_sync();
-#pragma unroll
-      for (int kk = 0; kk < kRankChunk / 16; ++kk) {
-        uint32_t bfr[NT][2];
-        op.rank_frags(bfr, sa, kk, lane);
-        mma_rows<T, kSwzLdsm, false>(acc, acc, sv, sv, wm0, kk, lane, bfr);
-      }
-    }
-  }
+  if (lora) mma_rank_term<T, Cfg>(acc, op, p.v, p.rank_f32, p.r, M, m0, smem, tid, lane, wm0, g);
 
   // ---- store: lane (g, t) holds rows g, g + 8 x columns 16c + 4t .. 16c + 4t + 3 of each 16-column group c
   const float post = lora ? p.s : 1.f;

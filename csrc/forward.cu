@@ -170,49 +170,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
       }
   }
   float (&racc)[MT][NT][4] = DROP ? acc2 : acc;  // z's accumulator: + u B^T
-  if (lora && p.rank_f32) {
-    // fp32 u, B: FMA on the lane's own accumulator positions (rows g, g + 8; columns 2t, 2t + 1 of each n8 tile).
-    const float* __restrict__ u = static_cast<const float*>(p.u);
-    float* su = reinterpret_cast<float*>(smem);     // [BM][kRankPitchF] u chunk
-    float* sb = su + BM * kRankPitchF;              // [BN][kRankPitchF] B chunk (rows = output columns)
-    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();  // everyone is done with the previous contents of shared memory
-      load_tile_f32<BM, kRankChunk, kRankPitchF>(su, u, p.r, M, p.r, m0, q0, tid);
-      op.load_rank_f32(sb, q0, tid);
-      block_sync();
-#pragma unroll 4
-      for (int q = 0; q < kRankChunk; ++q) {
-        float ua[MT][2], bv[NT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) ua[mt][h] = sld<float>(su + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
-        op.rank_cols_f32(bv, sb, q, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) racc[mt][nt][e] = fmaf(ua[mt][e >> 1], bv[nt][e & 1], racc[mt][nt][e]);
-      }
-    }
-  } else if (lora) {
-    const uint16_t* __restrict__ u = static_cast<const uint16_t*>(p.u);
-    uint8_t* su = smem;                                 // [BM][32] u chunk
-    uint8_t* sb = smem + BM * kRankChunk * 2;           // [BN][32] B chunk (rows = output columns)
-    for (int q0 = 0; q0 < p.r; q0 += kRankChunk) {
-      block_sync();  // everyone is done with the previous contents of shared memory
-      load_tile32_scalar<BM, kSwzPairs>(su, u, p.r, M, p.r, m0, q0, tid);
-      op.load_rank(sb, q0, tid);
-      block_sync();
-#pragma unroll
-      for (int kk = 0; kk < kRankChunk / 16; ++kk) {
-        uint32_t bfr[NT][2];
-        op.rank_frags(bfr, sb, kk, lane);
-        mma_rows<T, kSwzPairs, false>(racc, racc, su, su, wm0, kk, lane, bfr);
-      }
-    }
-  }
+  if (lora) mma_rank_term<T, Cfg>(racc, op, p.u, p.rank_f32, p.r, M, m0, smem, tid, lane, wm0, g);
 
   // ---- store: lane (g, t) holds rows g, g + 8 x columns 2t, 2t + 1 of each m16 x n8 tile
   const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};

@@ -1,26 +1,7 @@
 """Counting the GPU kernels a piece of code launches and the bytes they move, on CPU as well as on GPU (for the tests
-and bench/glue_cpu.py).
+and bench/glue_cpu.py): `LaunchRecorder` (Triton launches and PyTorch ops that would launch), and `dry_run`.
 
-`LaunchRecorder` sees two kinds of launch:
-- every Triton kernel the dorafp8.triton_kernels launchers start (an observer on their one launch helper,
-  triton_kernels._common.launch), under the interpreter or on a GPU;
-- every PyTorch op that would launch a kernel on a GPU: a TorchDispatchMode sees each aten op and counts those that
-  write tensor data (factories that only allocate, such as empty, and views, such as select or reshape, launch
-  nothing). dorafp8's custom ops are one opaque op each to a dispatch mode, so it runs their implementation under
-  itself to see the launches inside them (as dorafp8._memory does).
-It also lists the ops that make the host wait for the device (`.item()`, `nonzero`, ...), which a path that CUDA
-graphs can capture must not have.
-
-The bytes are a MODEL, not a measurement: a launch moves each distinct tensor it is handed (a kernel's tensor
-arguments; an op's inputs and outputs) once, read or written, by its own element count and size. It assumes that what
-one launch reads twice (the weight tiles every row block of a GEMM reads) comes from the cache the second time, and it
-counts a tensor a launch takes but, in its variant, never touches (the launchers pass an aliased or tiny placeholder
-there). That is how kernel fusion is argued: it removes whole tensors from the list.
-
-`dry_run(sms, blocks)`: the Triton kernels are recorded but not run, and the launchers make the choices they would
-make on a GPU with `sms` SMs holding `blocks` blocks of each kernel, so that a shape too large for the interpreter
-still gives its launch list and bytes (PyTorch ops between the kernels still run, on CPU, but for matrix products,
-whose results are allocated, not computed).
+The bytes are a model, not a measurement. What it sees and assumes: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

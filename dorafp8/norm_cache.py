@@ -1,27 +1,8 @@
 """When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it.
 
-n depends on the adapters A and B, which every optimizer step changes. PyTorch's version counters do not see every
-write: torch's fused AdamW and SGD (`adamw_torch_fused`, the HF Trainer's default), bitsandbytes' 8-bit and paged
-optimizers, Prodigy, and anything written through `.data` change a parameter without bumping its `_version`. A
-cache keyed on version counters therefore reused the step-0 norm for a whole run. So a norm is reused only where it
-is provably the norm of the current values:
-
-- On the CPU, a cached norm is reused when the adapters (and the weight scale) still equal the copies taken when it
-  was computed. The comparison is exact whatever wrote the tensors, reads 2 r (N + K) values where the norm reads the
-  N K fp8 weight and does 2 N K r multiply-adds, and costs no host synchronisation. It keeps the norm across the
-  micro-batches of a gradient-accumulation step and across evaluation batches, as before.
-- On a GPU the same comparison would need a host sync per layer call, which stalls the launch queue and costs more
-  than the norm itself (one pass over the fp8 weight: N K bytes and 2 N K r FLOPs, small next to the forward's
-  2 M N K; docs/DORA_MATH.md, "The weight-norm cache", has the numbers). So there the norm is recomputed on every
-  call, as PEFT does, unless the caller opens `reuse_weight_norms()`, promising that while it is open nothing but
-  optimizer steps and in-place tensor ops (which the key below sees) writes the adapters.
-- Never under torch.compile (the compiled graph recomputes) or on sharded parameters (FSDP, ZeRO-3:
-  dorafp8/distributed.py), where the tensors are refilled in place.
-
-Every key also holds the count of optimizer steps taken in this process (a global step hook on
-torch.optim.Optimizer, which bitsandbytes, Prodigy, schedule-free, Lion, transformers' Adafactor and DeepSpeed's
-optimizers all subclass; it is what invalidates the cache inside `reuse_weight_norms()`), the version counter,
-address, dtype, device and shape of A, B, the fp8 weight and its scale, the scaling and the backend.
+Only where it is provably current: on CPU when the adapters still equal the copies taken with it; on a GPU only inside
+`reuse_weight_norms()`, which the caller opens (a comparison there would need a host sync). Why version counters are
+not enough: docs/ARCHITECTURE.md, "Design notes, by module"; docs/DORA_MATH.md, "The weight-norm cache".
 """
 
 from __future__ import annotations

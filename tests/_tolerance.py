@@ -12,7 +12,7 @@ tests/kernels/_kernel_ref.py), another backend's output, or PEFT's. The bound ha
 
 A check relative to the element alone would fail on cancellation; one relative to the scale alone
 (max|out - ref| <= rel * max|ref|) would not see a small element that is wrong. The bound is at most
-2 * rel * max|ref| anywhere. NaN in `out` always fails (a tile a kernel never wrote, with DORAFP8_POISON=1).
+2 * rel * max|ref| anywhere. NaN in `out` always fails (a tile a kernel never wrote: the tests NaN-fill outputs).
 
 tol(dtype) is `rel` for results computed in `dtype` (the compute dtype of the activations, or the rank dtype of the
 low-rank path; where several dtypes meet, the least precise). u below is the dtype's unit roundoff.

@@ -2,14 +2,13 @@
 
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton backend runs in Triton's interpreter on CPU tensors. It must be switched on before
 # any @triton.jit kernel is defined, i.e. before dorafp8.triton_kernels is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Kernels fill their outputs with NaN before launch in tests, so an unwritten tile cannot pass.
-os.environ.setdefault("DORAFP8_POISON", "1")
 # On a GPU backend="auto" checks the backends in a child process at each new key (dorafp8/ops/_race.py): the tests run
 # the static order, the same on every run; tests/ops/test_race.py turns the checks on where it tests them.
 os.environ.setdefault("DORAFP8_RACE", "0")
@@ -17,6 +16,18 @@ os.environ.setdefault("DORAFP8_RACE", "0")
 # Every device here. A test that takes `backend` without `device` runs on the last one: the GPU where there is one.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 _LOOKED_AT = set()  # the devices whose backends were listed, for the summary
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _poison_outputs():
+    """Kernels fill their outputs with NaN before launch in tests, so an unwritten tile cannot pass (a test may turn
+    it off with monkeypatch.setattr(base, "POISON_OUTPUTS", False)). Not an environment variable: a user's process
+    never fills them."""
+    from dorafp8.backends import base
+
+    base.POISON_OUTPUTS = True
+    yield
+    base.POISON_OUTPUTS = False
 
 
 def pytest_configure(config):

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import base as _base
 from ..backends.base import NORM_EPS as _NORM_EPS
 from ._pins import pinned
 
@@ -91,16 +92,8 @@ def launch(kernel, grid):
     return run
 
 
-def poison_outputs() -> bool:
-    """DORAFP8_POISON=1 (tests) fills every output with NaN before the launch so an unwritten tile cannot pass."""
-    return os.environ.get("DORAFP8_POISON") == "1"
-
-
 def alloc(shape, dtype, device) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if poison_outputs():
-        out.fill_(float("nan"))
-    return out
+    return _base.empty(shape, dtype, device)  # NaN-filled under the tests (base.POISON_OUTPUTS)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -412,12 +405,12 @@ _TUNERS: dict = {}
 
 def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
-    (one or two accumulators, small or large M) keep separate config lists and caches. With DORAFP8_POISON=1 the
+    (one or two accumulators, small or large M) keep separate config lists and caches. Under the tests' NaN fill the
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
     arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
     pin: this launcher's name in DORAFP8_PIN_CONFIGS (_pins.pinned)."""
-    poison = poison_outputs()
+    poison = _base.POISON_OUTPUTS
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)
     else:

@@ -1,32 +1,7 @@
-"""The backward pass over g: one read of g (and z) that prepares everything the DoRA backward needs from them, and a
-small kernel that finishes its reductions. Two launches, no PyTorch op between or around them.
+"""The backward pass over g: one read of g (and z) that prepares gl, gb, v, dm, db and dB for the DoRA backward, and
+a small kernel (dora_bwd_finish_kernel) that sums the partials in a fixed order: two launches, no atomics.
 
-    c  = m / max(n, eps)  per column, in-kernel (as the forward computes it)
-    gl = g * fl           the dgrad's left operand (fl = f / rl, f = c * srow, or (c - 1) * srow with dropout);
-                          with FOLD, fl itself [N] (the dgrad applies it to its W8 tiles: dgrad.py)
-    gb = g * fb           with dropout and per-row scales: the plain base term's operand (fb = srow / rb)
-    v  = (g * c) B        [M, r], fp32 products (the 16-bit dot takes g * c / max|c|, rescaled in fp32: no overflow)
-    dm = sum_i g * z / max(n, eps)      [N]  in m's dtype
-    db = sum_i g                        [N]  in g's dtype
-    dB = s * c * (g^T u)                [N, r] in B's dtype
-
-rl = max|f|, rb = max|srow| and max|c| are maxima over all N: every program computes them itself from m, n and srow
-(N fp32 loads each, from L2; the same values in every program, since a maximum does not round) instead of waiting for
-a separate launch, and the first program stores rl and rb for the dgrad.
-
-The pass: program (i, j) owns a group of rows (STEPS blocks of BLOCK_M) and a group of columns (CSTEPS blocks of
-BLOCK_N). For each of its column blocks it sweeps its rows: the column sums (dm, db, dB) accumulate in registers over
-the rows and are written once, as one partial per row group; v accumulates over the program's columns in its own slice
-of the v partial (stored, then re-read and added at the next column block: a read-modify-write that stays in L2), one
-partial per column group. So there are as many partial copies of v as column groups and of (dm, db, dB) as row groups,
-and their number is chosen, not implied by the tile: _grid_shape picks the split of the programs that fit in one wave
-(SMs x resident blocks, read from the compiled kernel) between rows and columns that makes the partials smallest
-(about 8 r sqrt(programs * M * N) bytes). Before, the column groups were the BLOCK_N tiles themselves, and BLOCK_N
-shrinks as r grows (the [BLOCK_N, r] accumulator must fit registers), so the v partials grew as r^2: 3.8 GB at
-M = 8192, N = 14336, r = 128 with fp32 adapters; 176 MiB of partials in all there now (an H100's 264 programs).
-
-The finishing kernel (dora_bwd_finish_kernel) sums the partials in a fixed order and applies the final scalings and
-casts: no atomics anywhere, so the gradients are the same run to run.
+The formulas, the grid and its partials: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

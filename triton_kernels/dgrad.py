@@ -1,25 +1,9 @@
 """DoRA input gradient: one dgrad GEMM over the fp8 weight with the rank-r term s v A in its epilogue.
 
-The left operands come prepared by the backward pass (triton_kernels/backward.py): gl = g * f / rl with f = c * srow
-(no dropout) or (c - 1) * srow (dropout), and gb = g * srow / rb, so the GEMM only multiplies (contract:
-dorafp8/backends/__init__.py, `dgrad`):
+    dx = rl * st * (gl W8') + s v A     (dropout: rb * st * (gb W8') + mask / (1 - p) * (...))
 
-    plain:      dx = rl * st * (gl W8')
-    no dropout: dx = rl * st * (gl W8') + s v A
-    dropout:    dx = rb * st * (gb W8') + mask / (1 - p) * (rl * st * (gl W8') + s v A)
-
-with st the per-tensor scale (1 otherwise) and W8' = w8 with block scales applied per block of the reduction, in fp32.
-The W8 tile is converted fp8 -> compute dtype before the dot (on Hopper it is wgmma's register operand).
-
-Folded (FOLDED, a DoRA layer's W8A16 backward under DORAFP8_FOLD_DGRAD=1, off by default: backends/base.py):
-gl_ptr is g itself and fl, fb [N] are the factors of gl and gb (backward_pass(fold=True)); each row of the W8 tile is
-multiplied by its factor in fp32 as it is converted (gemm.py, RED_FACTOR), so gl and gb are never written to memory:
-(g * fl) W8 = g (fl * W8).
-
-W8A8 (act_quant="rowwise"): gl (and gb) are quantized per row to e4m3 and multiplied by the transposed weight W8^T
-[K, N], made contiguous once per call, because fp8 MMA wants both operands K-major and the reduction here runs along
-N, W8's strided dimension. That transient copy costs N * K bytes of memory and one read + write of W8 per call.
-`_dgrad_epilogue` also serves the cuBLAS strategy (`dgrad_epilogue_kernel`).
+gl and gb come from the backward pass (backward.py); the folded variant, W8A8's W8^T and the cuBLAS strategy's use
+of `_dgrad_epilogue`: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

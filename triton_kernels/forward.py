@@ -1,19 +1,9 @@
 """DoRA forward: one GEMM over the fp8 weight with the rank-r correction, magnitude and bias in its epilogue.
 
-    no dropout: y = c * (x W0^T + s u B^T) + bias                      z = x W0^T + s u B^T
-    dropout:    y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T  z = xd W0^T + s u B^T
-    plain:      y = x W0^T + bias                                      (m is None)
+    y = c * (x W0^T + s u B^T) + bias,  z = x W0^T + s u B^T,  c = m / n     (dropout and plain forms: see below)
 
-with c = m / n (NORM_EPS where n = 0), computed in the epilogue from the magnitude m and the weight norm n.
-
-where xd W0^T = (xm W0^T) / (1 - p): the kernel multiplies xm = x * mask (exact in the compute dtype) and scales the
-fp32 product, so the dropout scaling never rounds an operand.
-
-W8A16 (default): W8 tiles are converted to the compute dtype in registers (exact) and multiplied by x tiles.
-W8A8 (act_quant="rowwise"): x (and xm) are first quantized per row to e4m3 (triton_kernels/quant.py) and the GEMM
-multiplies e4m3 by e4m3 on fp8 tensor cores; the row scales of x join the weight scale in the epilogue.
-The same epilogue (`_fwd_epilogue`) also serves the cuBLAS strategy (dorafp8/backends/cublas.py), where the base
-product comes from cuBLAS and `fwd_epilogue_kernel` applies the rest.
+W8A16 converts W8 tiles in registers; W8A8 multiplies e4m3 by e4m3. `_fwd_epilogue` also serves the cuBLAS strategy.
+The dropout form and the details: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
 """The main loop of the two fp8 GEMMs, forward (dora_fwd_kernel) and dgrad (dora_dgrad_kernel).
 
-Both compute a TRANSPOSED output tile ("swap AB"): out^T [B_OUT, BLOCK_M] = W-tile [B_OUT, B_RED] @ act^T
-[B_RED, BLOCK_M], summed over the reduction in steps of B_RED:
-
-    forward: y^T  = W8   x^T    B_OUT = BLOCK_N, reduction K in BLOCK_K steps, second operand xm (dropout)
-    dgrad:   dx^T = W8^T gl^T   B_OUT = BLOCK_K, reduction N in BLOCK_N steps, second operand gb (dropout)
-
-The W8 tile, which must be converted in registers anyway (W8A16), is then the A operand, which Hopper's wgmma reads
-straight from registers, while act^T streams to shared memory untouched (async copies, overlapped wgmma). It also
-lets BLOCK_M be 16 for small batches (wgmma's N may be small, its M must be 64). Under W8A8 both operands are e4m3 and
-must both be K-major for fp8 MMA: the forward's W8 and x rows are; the dgrad reads W8^T [K, N], made contiguous by its
-launcher.
-
-The two kernels are the same computation up to which operand is transposed, and everything that differs is
-addressing, which each kernel sets up before the loop and hands over: the pointers of the first W8 tile in the
-orientation it needs and W8's stride along the reduction (forward: rows of W8, stride 1; dgrad: columns of W8,
-stride its row stride, or rows of W8^T under W8A8, stride 1), and the offsets of the block scale of each row of the
-out^T tile at reduction 0 with the scale grid's stride along the reduction (forward: the grid's rows are W8's rows,
-the output, and its columns the reduction, stride 1; dgrad: the other way round, stride the grid's row stride). The
-activation tiles are act^T with the reduction contiguous in both. The epilogues stay in the kernels' own modules:
-they share the transposed tile's conventions but not their formulas.
-
-Moving the two loops here kept what they compile to (`python -m dorafp8.kernel_report`, every variant and config,
-sm_90a and sm_89): registers, spills, shared memory and MMA instructions are unchanged everywhere, the dgrad's PTX
-is the same instruction for instruction, and the forward's differs only where its old loop did things in the other
-order of the two below. Both orders are chosen for that:
-- the scale's address adds the scalar reduction offset to scale_ptr before the per-row offsets, as the dgrad did
-  (added to a vector of pointers it cost the dgrad a sign extension and up to 8 registers under W8A8; the forward,
-  which had it that way, compiles to the same SASS either way);
-- the act pointers advance before the act2 pointers, the dgrad's order; the forward had the other, and neither suits
-  both: act2 first costs the dgrad's sm_90a dropout kernels 13 instructions, act first costs the forward one
-  register move in the main loop of one sm_90a config (64 x 64 x 64, 4 warps, dropout, per-row scale).
+Both compute a transposed output tile, out^T = W-tile @ act^T, summed over the reduction: the W8 tile, converted in
+registers, is the A operand wgmma reads from registers. Each kernel sets up its addressing and hands it over; the
+epilogues stay in the kernels' modules. Why this shape and order: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations

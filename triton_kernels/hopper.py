@@ -1,37 +1,7 @@
 """The Hopper main loop of the fp8 GEMMs (forward and dgrad): when it is used, its tiles, its grid, and what it needs at
-launch. The kernels' MAIN_LOOP constexpr names the loop:
-
-    "async-copy"  plain loads, which Triton pipelines as cp.async (LDGSTS) into shared memory, with two CTA-wide
-                  barriers (BAR.SYNC) per reduction step; one program per output tile (gemm.w8_gemm_loop). Every GPU.
-    "tma"         the same steps on tensor descriptors (TMA loads into a ring of stages guarded by mbarriers) and a
-                  persistent tile loop (one program per SM, grouped tile order); Triton's pipeliner still puts CTA-wide
-                  barriers around each TMA issue (5 BAR.SYNC per step, sm_90a, Triton 3.8). Kept to compare.
-    "tma-ws"      "tma" with the tile loop warp-specialized (tl.range(..., warp_specialize=True)): a producer warpgroup
-                  issues the TMA loads, two consumer warpgroups (setmaxnreg: 232 registers each) each convert and
-                  multiply half of the W8 tile and wait on mbarriers and on named barriers of their own 128 threads,
-                  never on a CTA-wide one; the producer runs ahead into the next tile while the consumers run the
-                  epilogue. Under W8A8 each warpgroup's promotion adds (FADD) overlap the other's QGMMA. sm_90a.
-
-What `python -m dorafp8.kernel_report` reads for each (docs/INSPECT.md, "The Hopper main loop"). The dgrad takes the
-reduction along W8's rows; TMA with W8 [N, K] untransposed made Triton 3.8 abort (an fp8 tile of 64 bytes along its
-contiguous dim "too small for the swizzle byte size 128"), and cp.async read it with one-byte loads (32 LDS.U8 per
-thread and step): so the Hopper dgrad reads W8^T [K, N], made by `transpose_w8` for the call (N K bytes read and
-written: 32 MiB, about 11 us at 3.0 TB/s, for 4096 x 4096), as W8A8's dgrad always did, and its main loop is the
-forward's.
-
-What Triton's warp specialization on Hopper (3.6 to 3.9) takes, read by compiling (its partitioner,
-NVGPUWarpSpecialization, aborts otherwise): one dot per loop iteration, and in the epilogue at most one loop holding a
-dot, whose operands come by TMA. So "tma-ws" runs without dropout only (two accumulators are two dots a step), the
-epilogue's rank-r term comes by descriptors, and PEFT's fp32 adapters, whose products into 16-bit outputs are
-split_dot's three bf16 products (epilogue_dot.py), take them as one bf16 dot over a rank three times as long:
-`rank_pieces` writes [Th | Tl | Th] of the tile-side operand (B, or A^T) and [Vl | Vh | Vh] of the token side (u, or
-v), so that their product is split_dot's Th Vl + Tl Vh + Th Vh, the same pieces and products summed in one fp32
-accumulator (one launch, (M + N) 3 r 2 bytes: 1.1 MiB at M = 8192, N = 4096, r = 16). An fp32 output (exact fp32 rank
-products on CUDA cores) keeps the cp.async loop.
-
-DORAFP8_HOPPER_GEMM: unset, the Hopper loop on sm_90 wherever the tensors allow TMA (tma_ready); "0" the cp.async loop
-everywhere (to compare on a GPU); "1" also under Triton's interpreter and in dry runs (tests, the kernel report's
-predicted plan), where TMA descriptors and the tile loop run as plain code.
+launch. MAIN_LOOP names the loop: "async-copy" (cp.async, one program per tile, every GPU), "tma" (kept for the
+kernel report) and "tma-ws" (TMA, persistent, warp-specialized; sm_90a). DORAFP8_HOPPER_GEMM=0 picks "async-copy"
+everywhere. What each loop is and why: docs/ARCHITECTURE.md, "Design notes, by module"; docs/INSPECT.md.
 """
 
 from __future__ import annotations

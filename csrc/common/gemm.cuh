@@ -22,19 +22,20 @@
 //   w8_frags<T>(b, sw, kk, lane)  the warp's 4 converted B fragments (k16 x n8) of reduction step kk;
 //   load_rank(sb, q0, tid), rank_frags(b, sb, kk, lane)
 //                                 the same two for the 16-bit right rank operand (B [N, r] in forward, A [r, K] in
-//                                 dgrad) in the rank-r term's chunks of kRankChunk ranks;
+//                                 dgrad) in mma_rank_term's chunks of kRankChunk ranks;
 //   load_rank_f32(sb, q0, tid), rank_cols_f32(b, sb, q, lane)
 //                                 its fp32 chunk, and rank q's values at the lane's accumulator columns:
 //                                 b[nt][h] multiplies accumulator elements h and 2 + h of n8 tile nt.
 // The accumulator element [mt][nt][e] of a lane (g, t) is row wm0 + 16 mt + g + 8 (e >> 1) of the block tile; its
 // column is the policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: its even/odd interleave, see dgrad.cu).
 //
-// The loops stay in the kernels, which call these pieces from lambdas: the main loop's two stage lambdas, and the
-// rank-r term's chunk loops (alike in forward.cu and dgrad.cu but for the names). Measured with nvcc 13.0: the same
-// code behind one more function boundary (a main-loop function that takes the operands and builds the stage lambdas
-// itself, or a rank-term function) comes out of nvcc with other instructions hoisted and placed, and ptxas then needs
-// 96 registers instead of 80 for forward_mma_kernel<bf16, 64, 128, false> on sm_90a (three blocks per SM down to two)
-// and spills in forward_mma_kernel<*, 32, 256, true>, which is at the 128-register bound of __launch_bounds__(256, 2).
+// The main loop stays in the kernels, which call these pieces from its two stage lambdas. Measured with nvcc 13.0: a
+// main-loop function that takes the operands and builds the stage lambdas itself comes out of nvcc with other
+// instructions hoisted and placed, and ptxas then needs 96 registers instead of 80 for forward_mma_kernel<bf16, 64,
+// 128, false> on sm_90a (three blocks per SM down to two) and spills in forward_mma_kernel<*, 32, 256, true>, at the
+// 128-register bound of __launch_bounds__(256, 2). The rank-r term is one function, mma_rank_term: against the two
+// copies it replaced (kernel report, nvcc 13.0, all 64 mma kernels of 4 targets) no spill, and every register count
+// that moved stayed between 84 and 128 (two blocks per SM either way).
 // Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on every target.
 #pragma once
 
@@ -164,6 +165,60 @@ __device__ __forceinline__ void mma_pipeline(int64_t red, LoadStage&& load_stage
     compute_stage(rt % kStages);
   }
   cp_async_wait<0>();
+}
+
+// The rank-r term of both epilogues, acc += tok [rows m0 .. m0 + BM, r] x the policy's right rank operand (B^T in
+// forward, A in dgrad), in chunks of kRankChunk ranks through shared memory (the pipeline's, free by now). tok is u
+// (forward) or v (dgrad), [M, r] row-major. rank_f32 (fp32 adapters on 16-bit activations): fp32 FMA on the lane's own
+// accumulator positions (rows g, g + 8; the policy's columns, rank_cols_f32), so the adapters are never rounded to 16
+// bits; else 16-bit tok and operand through the mma, A fragments in the policy's swizzle (kSwzA).
+template <typename T, class Cfg, class Op>
+__device__ __forceinline__ void mma_rank_term(float (&acc)[Cfg::MT][Cfg::NT][4], const Op& op, const void* tok,
+                                              bool rank_f32, int r, int64_t M, int64_t m0, uint8_t* smem, int tid,
+                                              int lane, int wm0, int g) {
+  constexpr int BM = Cfg::BM, MT = Cfg::MT, NT = Cfg::NT;
+  if (rank_f32) {
+    const float* __restrict__ t32 = static_cast<const float*>(tok);
+    float* st = reinterpret_cast<float*>(smem);  // [BM][kRankPitchF] tok chunk
+    float* so = st + BM * kRankPitchF;           // the operand's chunk (load_rank_f32's layout)
+    for (int q0 = 0; q0 < r; q0 += kRankChunk) {
+      block_sync();  // everyone is done with the previous contents of shared memory
+      load_tile_f32<BM, kRankChunk, kRankPitchF>(st, t32, r, M, r, m0, q0, tid);
+      op.load_rank_f32(so, q0, tid);
+      block_sync();
+#pragma unroll 4
+      for (int q = 0; q < kRankChunk; ++q) {
+        float ta[MT][2], ov[NT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) ta[mt][h] = sld<float>(st + (wm0 + mt * 16 + g + 8 * h) * kRankPitchF + q);
+        op.rank_cols_f32(ov, so, q, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = fmaf(ta[mt][e >> 1], ov[nt][e & 1], acc[mt][nt][e]);
+      }
+    }
+  } else {
+    const uint16_t* __restrict__ t16 = static_cast<const uint16_t*>(tok);
+    uint8_t* st = smem;                        // [BM][32] tok chunk
+    uint8_t* so = smem + BM * kRankChunk * 2;  // the operand's chunk (load_rank's layout)
+    for (int q0 = 0; q0 < r; q0 += kRankChunk) {
+      block_sync();  // everyone is done with the previous contents of shared memory
+      load_tile32_scalar<BM, Op::kSwzA>(st, t16, r, M, r, m0, q0, tid);
+      op.load_rank(so, q0, tid);
+      block_sync();
+#pragma unroll
+      for (int kk = 0; kk < kRankChunk / 16; ++kk) {
+        uint32_t bfr[NT][2];
+        op.rank_frags(bfr, so, kk, lane);
+        mma_rows<T, Op::kSwzA, false>(acc, acc, st, st, wm0, kk, lane, bfr);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ host side

@@ -1,30 +1,9 @@
 """The backend contract: what every implementation of the DoRA-FP8 kernels computes, as a typed Protocol.
 
-A backend is a module (or an object) with the six functions of `Backend` below, the parameters named as there, plus
-`unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (the FEATURES it computes; all by default).
-The custom ops (dorafp8/ops/_custom_ops.py) call these functions with keyword arguments only, so a backend's
-parameter order is free but its parameter names are not: tests/ops/test_backend_contract.py checks every backend against this
-Protocol. The autograd Functions in dorafp8/ops draw the dropout mask and call these; everything else, c = m / n and
-the final scalings and dtypes of the gradients included, is the backend's, so that a fused backend launches no
-PyTorch op between its kernels. The reference backend (reference.py) is the twin every other one is tested against.
-
-Names: x [M, K]; w8 [N, K] float8_e4m3fn; rank r; "cdt" = the compute dtype of the activations (fp32/bf16/fp16);
-"rdt" = the rank dtype of the low-rank path (u, v, A, B; fp32/bf16/fp16, see docs/DORA_MATH.md "Dtype policy").
-All accumulation is fp32.
-
-Weight scale (`scale`, fp32, with `block_size` an int; its kind is dorafp8.quant.scale_kind(scale)):
-W0 = scale * w8 where scale is
-    []                      "tensor": per tensor                         (block_size ignored)
-    [N]                     "row":    per output row                     (block_size ignored)
-    [ceil(N/b), ceil(K/b)]  "block":  per b x b block, b = block_size: W0[j, k] = scale[j // b, k // b] * w8[j, k]
-Block scales are applied per block of the reduction in fp32 (acc += scale_blk * partial), never rounded into an
-operand.
-
-act_quant: "" (W8A16: activations in cdt, exact up to cdt) or "rowwise" (W8A8: the left operand of each base GEMM is
-quantized per row to e4m3 with an fp32 scale amax / 448 (1 for an all-zero row), and the base GEMM multiplies e4m3 by
-e4m3 with fp32 accumulation; see docs/DORA_MATH.md). dorafp8.quant.check_act_quant is the one place that spells it.
-
-M >= 1 (the caller handles empty batches). x, xm, g, gl, gb have unit stride in their last dim (any row stride).
+A backend is a module (or object) with the six functions of `Backend` below, named parameters as there, plus
+`unavailable_reason(device)` and optionally `SUPPORTS`; tests/ops/test_backend_contract.py checks each one. Names,
+scale kinds and the rest of the contract: docs/DORA_MATH.md ("Backends and their contract") and
+docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations
@@ -59,6 +38,16 @@ FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
 # it is, however small: c = m / n is PEFT's value wherever PEFT's is finite (a clamp at NORM_EPS would scale a row
 # of norm 1e-13 by 0.1, and DoRA at init would no longer be the base layer there).
 NORM_EPS = 1e-12
+
+# The test suite sets this True (tests/conftest.py, a fixture): the kernels' outputs then start as NaN, so a tile a
+# kernel never writes fails its test instead of passing on whatever the memory held. Never set in a user's process.
+POISON_OUTPUTS = False
+
+
+def empty(shape, dtype: torch.dtype, device) -> Tensor:
+    """A kernel's output buffer: torch.empty, NaN-filled under the tests (POISON_OUTPUTS)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
 def norm_divisor(n: Tensor) -> Tensor:

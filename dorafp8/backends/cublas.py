@@ -1,21 +1,9 @@
 """cuBLAS strategy: the backend contract (dorafp8/backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done as well as that can be done: each call dequantizes the layer's W8 into a
-transient buffer in the compute dtype in one launch (triton_kernels/dequant.py: 1 byte read, 2 written per weight;
-one layer at a time, freed when the call returns, never kept), runs the base
-GEMMs through torch.matmul (cuBLAS on a GPU), and applies the DoRA epilogues with the fused Triton kernels
-(triton_kernels/forward.py `fwd_epilogue_kernel`, dgrad.py `dgrad_epilogue_kernel`). The backward pass, the
-rank-r GEMMs and the weight norm are the Triton backend's. It is the yardstick the fused kernels must beat:
-`backend="auto"` checks and times it against them at each new layer key on a GPU and runs it where it is faster
-(dorafp8/ops/_race.py).
-
-The base products come back from the matmul in the compute dtype, so z (hence dm) carries that rounding, as PEFT's
-16-bit base layer does; the fused kernels keep the base product in fp32 up to their epilogue.
-The transient holds W8 times its scale, rounded once to the compute dtype (per row: times the largest row scale, the
-rows' ratios applied in fp32 by the epilogue), as a user would dequantize it: W8 alone reaches 448, and products with
-it could overflow fp16 where the result does not.
-W8A8 is not offered here: the fused Triton kernels and bench's `linear-fp8-rowwise` (torch._scaled_mm) cover it.
-It runs wherever the Triton backend runs (on CPU under TRITON_INTERPRET=1, with CPU matmuls, for the tests).
+What a user who dequantizes would do, done well: W8 dequantized per call in one launch (triton_kernels/dequant.py),
+the base GEMMs through torch.matmul (cuBLAS on a GPU), the DoRA epilogues, backward pass, rank-r GEMMs and weight norm
+from the Triton kernels. The yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md, "Design
+notes, by module".
 """
 
 from __future__ import annotations

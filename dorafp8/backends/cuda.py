@@ -1,32 +1,8 @@
 """CUDA C++ backend: the backend contract of dorafp8/backends/base.py on the kernels of csrc/ (module dorafp8._C).
 
-One class, `CudaBackend`, adapts the contract to a *launcher*: an object with the binding's three entry points
-(`weight_norm`, `forward`, `dgrad`, see csrc/binding.cpp for their argument lists). The module's contract functions
-are those of `CudaBackend(dorafp8._C)`; the CPU tests (tests/kernels/test_cuda_emulated.py) build the same class on the
-emulator's launchers, which run the kernels of csrc/ on CPU, so the operand preparation below is tested without a GPU.
-The adapter turns the contract's Optional arguments into what the launcher takes, casts the small operands to the
-dtypes the kernels read, allocates the outputs (NaN-filled when DORAFP8_POISON=1, as the tests set) and makes an
-activation contiguous only when its last dim is strided (the kernels take any row stride). The binding checks every
-tensor again and launches on the current CUDA stream; the kernels and their design notes are in csrc/weight_norm.cu,
-forward.cu and dgrad.cu (shared device code in csrc/common/).
-
-What the CUDA kernels cover, and what they do not:
-  * Weight scales per tensor ([]) and per row ([N]). Block scales ([ceil(N/b), ceil(K/b)]) raise a ValueError naming
-    the `scale` argument: use backend='triton' or 'reference'.
-  * W8A16 only: act_quant='rowwise' (W8A8) raises a ValueError, same advice.
-  * The rank dtype: u, B (forward) and v, A (dgrad) are read in the compute dtype when they have it, else in fp32 (an
-    exact upcast: fp32 adapters on bf16/fp16 activations keep their fp32 values, and the rank-r products run as fp32
-    FMA). The kernels never round the low-rank path below its rank dtype.
-  * z: the kernel writes it in the compute dtype, or in fp32 when z_dtype is not the compute dtype; any z_dtype
-    other than those two is the fp32 result rounded once to it.
-  * project, project_grad, backward_pass (rank-r GEMMs and the one pass over g) are not CUDA C++ kernels: they are
-    the Triton backend's when Triton can run on the device, else the reference's (`rank_ops`).
-
-The extension is optional. An install from a checkout on a machine with nvcc and a GPU builds it (setup.py;
-`DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation` without a GPU); otherwise (a wheel, an isolated
-build) the first call that names backend="cuda" builds it for the GPU at hand into a per-user cache (`prepare`, which
-the registry calls for a backend named explicitly; dorafp8/backends/cuda_build.py). backend="auto" never builds:
-without the extension this backend reports why in `unavailable_reason`, and the registry passes over it.
+`CudaBackend` adapts the contract to a launcher with the binding's entry points (csrc/binding.cpp): dorafp8._C on a
+GPU, the CPU emulator's in tests/kernels/test_cuda_emulated.py. Per-tensor and per-row scales, W8A16 only: block
+scales and W8A8 raise a ValueError naming the alternatives. Details: docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations
@@ -41,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_build
-from .base import magnitude_scale, not_supported
+from .base import empty as _empty, magnitude_scale, not_supported
 
 try:
     from dorafp8 import _C
@@ -149,13 +125,6 @@ def rank_ops(device: torch.device) -> ModuleType:
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("DORAFP8_POISON") == "1":  # tests: a tile the kernel never writes stays NaN and fails
-        out.fill_(float("nan"))
-    return out
-
 
 def _rows(t: Tensor) -> Tensor:
     """t as a 2-D tensor with unit stride in its last dim (any row stride: the kernels take it)."""

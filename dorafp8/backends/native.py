@@ -1,26 +1,9 @@
 """Native backend: the backend contract (dorafp8/backends/base.py) in PyTorch, with the base GEMMs done by the platform's
-matmul in the compute dtype (oneDNN/MKL on CPU: bf16 and fp16 products accumulate in fp32 there too).
+matmul in the compute dtype (oneDNN/MKL on CPU).
 
-It is the reference backend (dorafp8/backends/reference.py) with one change: where the reference upcasts x and the weight
-rows to fp32 and multiplies in fp32, this backend dequantizes a block of weight rows into the compute dtype (w8 ->
-bf16/fp16/fp32 is exact; per-tensor and per-row scales stay out of it and are applied in the fp32 epilogue, block
-scales are applied while dequantizing, so such a W0 is rounded once into the compute dtype) and multiplies x by it in
-the compute dtype. The product comes back rounded to the compute dtype once, before the fp32 epilogue (the reference
-keeps it in fp32 until the output is rounded). That is what PEFT does under autocast, and what the cublas strategy
-does on a GPU; on a CPU with bf16 units it is several times faster than the fp32 GEMMs. In fp32 it is the reference
-up to the order of the fp32 accumulation. Every fp8 conversion is dorafp8/_fp8_cast.py's (exact; on CPU the faster of
-PyTorch's own and a table lookup, timed on the running torch); the weight norm is the reference's with it; the rank-r
-products and W8A8 are the reference's own code; the epilogues and the backward pass over g compute the reference's
-fp32 formulas with fewer passes over memory (fused multiply-adds written straight into their output dtype).
-
-Memory: as the reference, bounded blocks: a transient of at most one block of weight rows (16 MiB of fp32 worth of
-elements) in the compute dtype, and fp32 epilogue temporaries over blocks of activation rows; plus, when the weight
-spans several blocks, the [M, N] base product in the compute dtype (an output-sized tensor).
-
-W8A8 and fp16 compute run the reference's code (see _reference_cases below).
-
-`backend="auto"` uses this backend on CPU (exact twin on request: backend="reference" or DORAFP8_BACKEND=reference;
-the kernel tests compare every backend with the reference, this one included: tests/kernels/test_native_backend.py).
+It is the reference backend with one change: a block of weight rows is dequantized into the compute dtype and
+multiplied there, as PEFT under autocast and the cublas strategy do. Details: docs/ARCHITECTURE.md, "Design notes, by
+module".
 """
 
 from __future__ import annotations

@@ -52,25 +52,34 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     becomes an FP8Linear holding those bytes and their scale (converted to fp32 exactly); everything else (norms,
     embeddings, lm_head, biases) is loaded into the model's own tensors, cast to their dtype.
 
-    model: an nn.Module, typically built on the meta device (`with accelerate.init_empty_weights():
-        AutoModelForCausalLM.from_config(cfg)`, `with torch.device("meta"): ...`, a diffusers model built the same
-        way); its tensors are materialized on `device` as they are read. A model with real weights works too.
-    path_or_state_dict: a .safetensors file, a directory (sharded with model.safetensors.index.json, or not), or a
-        dict of tensors. Shards are read one at a time, one tensor at a time.
-    format: "auto" (detected from the keys, dtypes and config.json; an error names what it saw if it cannot tell)
-        or one of LAYOUTS: comfyui, comfyui-quant, compressed-tensors, fine-grained, dorafp8, musubi, fp8-cast.
-    dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
-    block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
-    key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
-        (ComfyUI's 'model.diffusion_model.', ...) is found and stripped automatically.
-    strict: model tensors that the checkpoint lacks, or checkpoint tensors that fit nothing, are an error (checked
-        before any data is read). With strict=False they are reported; missing ones stay as they were (on the meta
-        device: initialized by the model's own initializer, transformers' _init_weights, where it has one).
-    backend, act_quant: given to the FP8Linear layers (see FP8Linear).
-    verbose: print the report (and a line per shard for sharded checkpoints); it is always logged on the "dorafp8"
-        logger.
-    Returns a LoadReport; `model.dorafp8_checkpoint` keeps it (save_fp8_checkpoint uses it to write the same layout
-    back). All or nothing: an error, whenever it comes, leaves the model as it was (see the module docstring).
+    All or nothing: an error, whenever it comes, leaves the model as it was.
+
+    Args:
+        model: an nn.Module, typically built on the meta device (`with accelerate.init_empty_weights():
+            AutoModelForCausalLM.from_config(cfg)`, `with torch.device("meta"): ...`, or a diffusers model built the
+            same way); its tensors are materialized on `device` as they are read. A model with real weights works too.
+        path_or_state_dict: a .safetensors file, a directory (sharded with model.safetensors.index.json, or not), or a
+            dict of tensors. Shards are read one at a time, one tensor at a time.
+        format: "auto" (detected from the keys, dtypes and config.json) or one of LAYOUTS: comfyui, comfyui-quant,
+            compressed-tensors, fine-grained, dorafp8, musubi, fp8-cast.
+        device: where the loaded tensors go.
+        dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
+        block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
+        key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
+            (ComfyUI's 'model.diffusion_model.', ...) is found and stripped.
+        strict: model tensors the checkpoint lacks, or checkpoint tensors that fit nothing, are an error (checked
+            before any data is read). False: they are reported; missing ones stay as they were (on the meta device:
+            initialized by the model's own initializer, transformers' _init_weights, where it has one).
+        backend, act_quant: given to the FP8Linear layers (see FP8Linear).
+        verbose: print the report (and a line per shard); it is always logged on the "dorafp8" logger.
+
+    Returns:
+        A LoadReport, also kept as `model.dorafp8_checkpoint` (save_fp8_checkpoint writes the same layout back).
+
+    Raises:
+        CheckpointFormatError (a ValueError): a format it cannot tell or read, keys or shapes that do not fit the
+            model (strict), a file or config it does not accept; the message names what it saw and what to do.
+        FileNotFoundError, OSError: a path or shard that cannot be read.
     """
     t0 = time.time()
     source = CheckpointSource(path_or_state_dict)

@@ -152,34 +152,40 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                    act_quant: Optional[str] = None, include_conv: bool = False,
                    exclude_modules: Optional[Iterable[str]] = None, verbose: bool = True) -> nn.Module:
     """Replaces nn.Linear (and transformers' Conv1D) layers of `model` by FP8Linear, and nn.Conv1d/2d/3d layers by
-    FP8Conv1d/2d/3d (dorafp8/nn/conv.py), in place.
+    FP8Conv1d/2d/3d, in place; all or nothing (every layer is checked before the first is swapped).
 
-    target_modules: names (or name suffixes, like PEFT's target_modules) of the layers to quantize, linear or conv;
-    None quantizes every nn.Linear/Conv1D except those named like an output head (`lm_head`), plus every
-    nn.Conv1d/2d/3d if include_conv=True (default False: a None-target call quantizes what it always did; diffusion
-    models want include_conv=True, see docs/DIFFUSION.md). Explicit targets that match no layer are an error.
-    exclude_modules: names (or name suffixes) of layers left as they are, whatever target_modules says.
-    per_row_scale / block_size choose the scale (default: one per tensor; for convs per_row_scale means one per
-    output channel); act_quant="rowwise" makes the linear layers' base GEMMs W8A8 (set_act_quant changes it later;
-    conv layers always run W8A16). Linear layers torchao quantized to fp8 (`quantize_(model,
-    Float8WeightOnlyConfig())`: a Float8Tensor weight) keep their bytes and scales (dorafp8/nn/torchao_fp8.py); 1 x g
-    group scales are re-quantized to per-row ones with a QuantizationWarning giving the error. Layers whose weight is
-    already float8_e4m3fn (diffusers' enable_layerwise_casting,
-    kohya's and OneTrainer's fp8 casts) are wrapped losslessly, scale 1, with the bias in the layer's compute dtype
-    (docs/DORA_MATH.md, "Dtype policy"); on a layerwise-casting model the layers diffusers left in high precision (its
-    skip patterns: norms, patch embeddings) are quantized like any other unless target_modules leaves them out.
-    Layers inside the modules a model lists in `_keep_in_fp32_modules` (Wan's time embedder, T5's `wo`; see
-    kept_in_precision) stay as they are, whatever target_modules says: the model casts their inputs to their weight's
-    dtype, so an fp8 weight there would break its forward (diffusers' and transformers' quantizers skip them too).
-    PEFT adapter layers and everything inside them (lora_A/lora_B, and the base layer a PEFT layer wraps) are never
-    touched: to put the base weights of an existing PEFT DoRA model in fp8, use dorafp8.convert_peft_model. Nor is the
-    `out_proj` of an nn.MultiheadAttention, whose forward reads its weight directly (with a warning).
-    Layers DeepSpeed ZeRO-3 partitioned (from_pretrained under a ZeRO-3 config) are gathered one at a time to be
-    quantized, on every rank (a collective), and their fp8 layers partitioned again (zero3_repartition). Called inside
-    deepspeed.zero.Init it raises. Weights on the meta device give meta fp8 layers of the same layout.
-    Returns `model` (so that `model = quantize_model(model)` chains into get_peft_model). verbose: print one line
-    saying how many layers were swapped and what their weights take now, against bf16 and fp32 (it is always logged
-    on the "dorafp8" logger).
+    Args:
+        model: any nn.Module. PEFT adapter layers and what they wrap are never touched (for a PEFT DoRA model, use
+            dorafp8.convert_peft_model), nor the `out_proj` of an nn.MultiheadAttention (it reads its weight
+            directly; a warning says so).
+        target_modules: names or name suffixes (as PEFT's) of the layers to quantize. None: every nn.Linear/Conv1D but
+            an output head (`lm_head`), and every nn.Conv1d/2d/3d if include_conv.
+        per_row_scale: one scale per output row (per output channel for convs) instead of one per tensor.
+        block_size: b for b x b block scales (linear layers), instead of the above.
+        backend: the backend name the layers' ops use ("auto" by default).
+        act_quant: "rowwise" runs the linear layers' base GEMMs W8A8 (set_act_quant changes it later); convs stay
+            W8A16.
+        include_conv: with target_modules=None, also the conv layers (diffusion models: docs/DIFFUSION.md).
+        exclude_modules: names or name suffixes of layers left as they are, whatever target_modules says.
+        verbose: print one line with how many layers were swapped and what their weights take now, against bf16 and
+            fp32 (always logged on the "dorafp8" logger).
+
+    Returns:
+        `model`, so that `model = quantize_model(model)` chains into get_peft_model.
+
+    Raises:
+        ValueError: explicit target_modules that match no layer (or only PEFT adapter layers); an unknown backend
+            or act_quant; a layer it cannot quantize (the error names the layer and why).
+        TypeError: a torchao weight layout it does not read.
+        RuntimeError: called inside DeepSpeed's deepspeed.zero.Init.
+
+    What it keeps as it is (docs/DORA_MATH.md, "Dtype policy"; docs/CHECKPOINTS.md): torchao fp8 weights keep their
+    bytes and scales (1 x g groups are re-quantized per row, with a QuantizationWarning giving the error); weights
+    already float8_e4m3fn (diffusers' layerwise casting, kohya's and OneTrainer's casts) are wrapped losslessly with
+    scale 1. Layers inside the modules a model lists in `_keep_in_fp32_modules` (Wan's time embedder, T5's `wo`; see
+    kept_in_precision) stay dense whatever target_modules says: the model casts their inputs to their weight's dtype
+    (diffusers' and transformers' quantizers skip them too). ZeRO-3 partitioned layers are gathered one at a time on every rank and partitioned again; meta weights
+    give meta fp8 layers.
     """
     check_backend_name(backend)
     check_act_quant(act_quant)

@@ -251,7 +251,7 @@ def environment(shim_dir: Path) -> dict:
         path = shim_dir / name
         path.write_text(f'#!/bin/sh\nexec {cmd} "$@"\n')
         path.chmod(0o755)
-    # as a user runs them: none of the test suite's switches (TRITON_INTERPRET, DORAFP8_POISON, ...)
+    # as a user runs them: none of the test suite's switches (TRITON_INTERPRET, DORAFP8_RACE, ...)
     env = {k: v for k, v in os.environ.items()
            if k != "TRITON_INTERPRET" and not k.startswith(("DORAFP8_", "PYTEST_"))}
     env.update(PATH=f"{shim_dir}{os.pathsep}{env.get('PATH', '')}", CUDA_VISIBLE_DEVICES="", DOC_REPO_ROOT=str(ROOT),

@@ -45,7 +45,7 @@ SMOKE_JOBS = ("w8a16", "w8a8")  # --smoke's checks: native (W8A16) and reference
 
 def _env(out, **extra):
     env = dict(os.environ, OUT=str(out), **extra)
-    for k in ("DORAFP8_BACKEND", "DORAFP8_POISON", "DRY_RUN", "FIRST_CONTACT_STEPS", "FIRST_CONTACT_CAPS",
+    for k in ("DORAFP8_BACKEND", "DRY_RUN", "FIRST_CONTACT_STEPS", "FIRST_CONTACT_CAPS",
               "FIRST_CONTACT_PROVIDERS"):
         if k not in extra:
             env.pop(k, None)

@@ -133,7 +133,7 @@ def test_a_dora_layer_keeps_z_u_n_and_the_mask_for_its_backward(dropout):
     u [M, r] in fp32, the norm n [N] in fp32 and, with dropout, the bool mask [M, K]: nothing else beyond its input
     and parameters (docs/DORA_MATH.md, "Dtype policy"). PEFT 0.21's DoRA keeps on the same layer an fp32 copy of x,
     the base output, its fp32 low-rank output and the identity matrix it pushes through the adapters to form B A;
-    PEFT's plain LoRA an fp32 copy of x (README.md, "What the demo shows", quotes these figures)."""
+    PEFT's plain LoRA an fp32 copy of x (docs/GUIDE.md, "What the demo shows", quotes these figures)."""
     from peft import LoraConfig, get_peft_model
 
     M, K, N, r = 512, 256, 384, 16

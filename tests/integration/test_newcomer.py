@@ -333,7 +333,7 @@ def test_fp8_weights_are_taken_losslessly():
 # ---------------------------------------------------------------------------------------------------- README claims
 
 def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
-    """README, "Accuracy": onto the dequantized fp8 base the saved adapter is exact; onto the original-precision
+    """docs/GUIDE.md, "Accuracy": onto the dequantized fp8 base the saved adapter is exact; onto the original-precision
     model the outputs move by about the fp8 error of the base."""
     base = _llama(hidden=64)
     original = copy.deepcopy(base.state_dict())

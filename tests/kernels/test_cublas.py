@@ -15,6 +15,7 @@ from tests.kernels._kernel_ref import (check_dgrad, check_folded_dgrad, check_fo
                                       shape_id)
 
 from dorafp8 import backends  # noqa: E402
+from dorafp8.backends import base  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -29,7 +30,7 @@ if HAS_CUDA:
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("DORAFP8_POISON", "1")
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
@@ -87,7 +88,7 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
     x, A, B, m = (t.requires_grad_() for t in leaves)
     n, gy = torch.ones(N), torch.empty(M, N, dtype=torch.bfloat16)
-    monkeypatch.delenv("DORAFP8_POISON")  # a GPU run's launches: no NaN fills
+    monkeypatch.setattr(base, "POISON_OUTPUTS", False)  # a GPU run's launches: no NaN fills
     with LaunchRecorder() as rec, dry_run(rec, 132, 2):
         dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n).backward(gy)
     assert rec.names() == PLAN, rec.table()

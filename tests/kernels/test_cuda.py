@@ -6,7 +6,7 @@ argument checks must answer (without it these tests skip with the reason, unless
 .ci/run sets after force-building it), and the backend must say why it cannot run on CPU. The kernel tests need a CUDA
 GPU: every op in bf16, fp16 and fp32 (and fp32 adapters on 16-bit activations), odd shapes (M = 1, 37; N = 70, 129;
 K = 50, 4096; r = 1 .. 256), bias, the three modes (plain, no dropout, dropout), per-tensor and per-row scales, strided
-activations, and outputs that start as NaN (DORAFP8_POISON=1) so that a tile the kernel never writes fails. Block
+activations, and outputs that start as NaN (base.POISON_OUTPUTS) so that a tile the kernel never writes fails. Block
 scales and W8A8 are refused with a ValueError (the Triton and reference backends have them). The same adapter runs
 the same kernel source on CPU under an emulator in tests/kernels/test_cuda_emulated.py.
 """
@@ -19,6 +19,7 @@ import torch
 
 import dorafp8.backends.cuda as cb
 from dorafp8 import backends, quantize_e4m3
+from dorafp8.backends import base
 from tests._tolerance import assert_close, tol
 from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_forward, check_project,
                                        check_weight_norm, d, forward_64, make_problem, shape_id, w0_64)
@@ -54,7 +55,7 @@ SHAPES = [
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("DORAFP8_POISON", "1")
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
 
 
 # ------------------------------------------------------------------------------------------------------ CPU tests

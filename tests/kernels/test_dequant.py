@@ -14,6 +14,7 @@ from tests._tolerance import assert_close  # noqa: E402
 from tests.kernels._kernel_ref import quantize_e4m3  # noqa: E402
 
 from dorafp8 import backends  # noqa: E402
+from dorafp8.backends import base  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if backends.unavailable_reason("triton", torch.device(DEVICE)) is not None:
@@ -28,7 +29,7 @@ SHAPES = [(1, 1, 128), (37, 70, 16), (130, 45, 20)]
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("DORAFP8_POISON", "1")
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
 
 
 def _weight(N, K, kind, block):

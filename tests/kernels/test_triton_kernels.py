@@ -4,7 +4,7 @@ dorafp8.backends.reference.
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (slow: shapes stay tiny, a few tens per dim,
 yet cross every block edge of the interpreter's single 16 x 32 x 32 config). With a GPU the same tests run on cuda,
 plus a few larger shapes, and bf16 (whose tl.dot the interpreter cannot execute) is checked too.
-Every output starts as NaN (DORAFP8_POISON=1) so that a tile the kernel never writes fails.
+Every output starts as NaN (base.POISON_OUTPUTS) so that a tile the kernel never writes fails.
 """
 
 import os
@@ -22,6 +22,7 @@ tk = pytest.importorskip("dorafp8.triton_kernels")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from dorafp8.backends import base  # noqa: E402
 from dorafp8.triton_kernels.epilogue_dot import split_dot  # noqa: E402
 from dorafp8.triton_kernels.gemm import w8_to  # noqa: E402
 
@@ -57,7 +58,7 @@ if HAS_CUDA:  # real GPU configs: larger tiles, several K steps, r over 64 (two 
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setenv("DORAFP8_POISON", "1")
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
