@@ -160,8 +160,8 @@ class FP8ConvNd(FP8WeightModule):
     def _float_weight_hint(self) -> str:
         return f"load it into nn.{NN_CONV[self._nd].__name__} and use {type(self).__name__}.from_float"
 
-    def _check_loaded_scale(self, scale, name: str) -> torch.Tensor:
-        return super()._check_loaded_scale(_squeeze_channel_scale(scale, self.out_channels), name)
+    def _check_loaded_scale(self, scale, name: str, weight=None) -> torch.Tensor:
+        return super()._check_loaded_scale(_squeeze_channel_scale(scale, self.out_channels), name, weight)
 
     def extra_repr(self) -> str:
         kind = {"tensor": "per-tensor", "row": "per-channel", "block": f"per-{self.block_size}x{self.block_size}-block"}
