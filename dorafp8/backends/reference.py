@@ -6,9 +6,8 @@ walked in blocks of rows and the activations in blocks of rows, each block at mo
 peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The microscaled weights (MXFP8,
 NVFP4: dorafp8/quant.py) are dequantized the same way, one block of rows at a time inside each GEMM, never kept
 between calls: their peak adds the block's codes (NVFP4: the unpacked e2m1 indices, 4 bytes each, and the fp32
-factor of the block's rows; at most 3 fp32 blocks of 16 MiB in all).
- The loops live inside the custom
-ops (dorafp8/ops/linear.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
+factor of the block's rows; at most 3 fp32 blocks of 16 MiB in all). The loops live inside the custom ops
+(dorafp8/ops/linear.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
 """
 
 from __future__ import annotations
