@@ -4,11 +4,9 @@ one writer of the results file. Its own module, so that neither imports the othe
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import math
 import os
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -19,8 +17,9 @@ def publish(path: str, section: str, key: str | None, value) -> None:
     """data[section][key] = value (key None: data[section] = value) in the JSON file at `path`: under a lock (the
     correctness processes write at once), then a temporary file renamed over it, so that a reader (or a kill) never
     meets half a file."""
-    lock = os.path.join(tempfile.gettempdir(), "first_contact-" + hashlib.sha1(path.encode()).hexdigest()[:12])
-    with open(lock, "a") as lk:
+    # the lock is the results' own folder (flock takes a directory): no lock file, nothing in a shared /tmp to plant
+    lk = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             with open(path) as f:
@@ -34,6 +33,8 @@ def publish(path: str, section: str, key: str | None, value) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(data, f, indent=1, default=str)
         os.replace(path + ".tmp", path)
+    finally:
+        os.close(lk)  # releases the lock
 
 
 def finite(x):

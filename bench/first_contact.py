@@ -29,6 +29,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,7 +238,14 @@ def run_command(command: str, smoke: bool) -> int:
     out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out", "first_contact"))
     os.makedirs(out, exist_ok=True)
     results = os.path.join(out, RESULTS[command])
-    work = tempfile.mkdtemp(prefix="first_contact-")
+    work = tempfile.mkdtemp(prefix="first_contact-")  # the steps' race cache and pins: this run's alone, removed after
+    try:
+        return _run_steps(command, smoke, t0, out, results, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, work: str) -> int:
     only = [s for s in os.environ.get("FIRST_CONTACT_STEPS", "").split(",") if s]
     caps = dict(kv.split("=") for kv in os.environ.get("FIRST_CONTACT_CAPS", "").split(",") if kv)
     steps = [s for s in STEPS[command] if not only or s.name in only]

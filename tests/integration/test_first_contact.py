@@ -122,8 +122,8 @@ def test_pins_from_the_model_picks():
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """`first_contact.py --smoke` with the sections of its results file looked at every 0.2 s while it runs."""
-    out = tmp_path_factory.mktemp("first")
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--smoke"], env=_env(out), stdout=subprocess.PIPE,
+    out, tmp = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("first_tmp")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--smoke"], env=_env(out, TMPDIR=str(tmp)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     seen = []
     while proc.poll() is None:
@@ -134,6 +134,8 @@ def smoke(tmp_path_factory):
         time.sleep(0.2)
     log = proc.stdout.read()
     assert proc.returncode == 0, log[-4000:]
+    # its scratch folder (race cache, pins) removed, and no lock or scratch file left in the temporary folder
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("first_contact")] == []
     return out, _results(out), seen
 
 
