@@ -36,7 +36,7 @@ Nothing of it runs in the user's process but a file read and a subprocess wait: 
 kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
 capture or the random stream (the process's extra peak memory is zero, measured). The child's, on the same GPU
 while the user's activations are live, is at most budget(): the layer's own step at the call's M (step_bytes: x, y,
-dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 1 MiB (FLOOR) for a
+dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 4 MiB (FLOOR) for a
 layer whose step holds less, and never more than 256 MiB (CAP); plan() sizes what it runs by a cost model
 (trial_bytes, measured by tests/ops/test_race.py), a GPU child records its peak with each verdict, and it has ended
 before the step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
@@ -131,7 +131,7 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
 
 
 CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer
-FLOOR = 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
+FLOOR = 4 * 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
 # The child's cost model, an upper bound of what it holds at once in bytes (tests/ops/test_race.py measures it): per
 # weight element, its fp8 copy and a 16-bit copy (cublas dequantizes the whole weight), and at most BLOCKS of fp32
 # blocks of rows (the reference's); per element of M x (N + K), a + b * (the compute dtype's size): the inputs, one
@@ -140,7 +140,7 @@ FLOOR = 2 ** 20  # what a layer whose whole step holds less may use: the child's
 W_COST = 3
 BLOCKS = 2 * 16 * 2 ** 20
 A_COST = {"check": (12, 4), "time": (8, 2)}
-R_COST = 24
+R_COST = 16
 FIXED = 2 ** 19
 
 
@@ -177,19 +177,24 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 def plan(spec: dict) -> dict:
     """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M;
-    else as many as fit, N's remainder mod 256 kept, so that the same tiles meet the same edge), checked against the
-    reference at M = SMALL_M and at the largest M that fits (`check`), timed at the largest M that fits (`time`);
-    both at most the key's M."""
+    else as many as fit, N's remainder mod 256 kept, so that the same tiles meet the same edge; 16 at least), checked
+    against the reference at M = SMALL_M (less if 16 rows do not fit) and at the largest M that fits (`check`), timed
+    at the largest M that fits (`time`); both at most the key's M. `fits`: False where even that does not fit (the
+    adapters, r x (N + K), most of the layer's step): the child then runs it all the same."""
     N, K, M, cap = spec["N"], spec["K"], spec["M"], budget(spec)
-    small = min(SMALL_M, M)
-    rows = N
+    small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
         rows = rows - 256 if rows > 256 + N % 256 else max(16, rows // 2)
+    while small > 1 and trial_bytes(spec, rows, small, "check") > cap:  # a narrow layer with a wide K, few tokens
+        small //= 2
 
     def most(phase):
         per = trial_bytes(spec, rows, 1, phase) - trial_bytes(spec, rows, 0, phase)
         return max(small, min(M, (cap - trial_bytes(spec, rows, 0, phase)) // max(per, 1)))
-    return {"rows": rows, "check": sorted({small, most("check")}), "time": most("time"), "budget": cap}
+    todo = {"rows": rows, "check": sorted({small, most("check")}), "time": most("time"), "budget": cap}
+    need = max([trial_bytes(spec, rows, m, "check") for m in todo["check"]] + [trial_bytes(spec, rows, todo["time"],
+                                                                                         "time")])
+    return dict(todo, fits=need <= cap)
 
 
 def describe(spec: dict) -> str:
