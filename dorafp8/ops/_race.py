@@ -38,8 +38,9 @@ capture or the random stream (the process's extra peak memory is zero, measured)
 while the user's activations are live, is at most budget(): the layer's own step at the call's M (step_bytes: x, y,
 dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 4 MiB (FLOOR) for a
 layer whose step holds less, and never more than 256 MiB (CAP); plan() sizes what it runs by a cost model
-(trial_bytes, measured by tests/ops/test_race.py), a GPU child records its peak with each verdict, and it has ended
-before the step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
+(trial_bytes, measured by tests/ops/test_race.py; where even 16 rows at M = 1 do not fit, a layer whose adapters are
+most of its step, it runs those anyway), a GPU child records its peak with each verdict, and it has ended before the
+step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
 is no child and no file read (either would break the graph), and under a CUDA graph capture no child: a key checked
 in this process is used (under a capture, also the file's verdicts), else the static order, unchecked (run one eager
 step, or `python -m dorafp8 selftest`, first).

@@ -4,8 +4,10 @@ real one with a planted bad kernel (tests/ops/_race_child.py: wrong, hanging, cr
 prints verdicts (cheap: no torch import). What is checked: a wrong kernel is never picked; a hanging or crashing one
 costs one warning and a fallback within the limit, and is not tried again by the next process; the key separates what
 changes a kernel; a new build is checked again; a first call under checkpointing, saved-tensor hooks, autocast and
-inference mode is the same as with DORAFP8_RACE=0 and dispatches no extra op in the user's process. The same verdict
-on every rank of a 2-process job: tests/distributed/test_distributed.py, test_race_verdicts_are_shared."""
+inference mode is the same as with DORAFP8_RACE=0 and dispatches no extra op in the user's process; under a CUDA graph
+capture no child starts; the child's peak memory (measured) is within _race.budget. The same verdict on every rank of
+a 2-process job, and a first step under DDP and FSDP2 the same as with DORAFP8_RACE=0:
+tests/distributed/test_distributed.py, test_race_verdicts_are_shared and test_a_first_step_under_ddp_and_fsdp2_..."""
 
 import json
 import shlex
