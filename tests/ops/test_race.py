@@ -605,3 +605,15 @@ def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
     used.clear()
     _step()
     assert children(race) == 1 and set(used) == {"native"}
+
+
+def test_a_crash_in_the_reference_blames_no_candidate(race, used, monkeypatch):
+    """The child checks at two M, the reference run for each: a crash in the reference's second run, after native
+    has started and passed at M = 37, is inconclusive (it writes "start reference" first), not native's fault."""
+    spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    assert len(_race.plan(spec)["check"]) == 2
+    monkeypatch.setattr(_race, "CHILD", planted("crash-second", "reference"))
+    with pytest.warns(RuntimeWarning, match="not checked, so not used .*exited with 7"):
+        _step()
+    data = _verdicts(race)
+    assert data["broken"] == {} and not any(data["keys"].values())  # no verdict written
