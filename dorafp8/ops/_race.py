@@ -10,11 +10,13 @@ DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON fil
 capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
 dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
 (`python -m dorafp8 check SPEC`, time limit DORAFP8_RACE_TIMEOUT_S, 300 s) runs each candidate of RACERS that can
-run here, on random inputs of the key's shape at M = 37 and at M = min(bucket, 4096): y, dx, dA, dB, dm (and db)
+run here, on random inputs of the key's shape (plan(): its first rows of the weight where the whole does not fit the
+memory bound below) at M = 37 and at the largest M up to the key's that fits: y, dx, dA, dB, dm (and db)
 against the fp32 `reference` backend on the same inputs, each element within ROOM * tol(dtype) * (|ref| + max|ref|)
 (tests/_tolerance.py's bound with twice the room its backend-against-reference checks get, since no GPU run has
 measured it at these K: a wrong tile, swizzle or phase is off by the output's scale, far outside; W8A8 at least
-2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians); the pick is the
+2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians) at the largest M
+that fits, without the reference, one candidate's outputs alive at a time; the pick is the
 first in the static order (triton, cuda, cublas) within MARGIN of the fastest, so that close ones do not flip between
 runs. The verdicts go into the file atomically (re-read and merged:
 several processes may write), and later processes use them without a child.
@@ -32,11 +34,16 @@ keys are checked again.
 
 Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
 kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
-capture or the random stream (the process's extra peak memory is zero, measured; the child's, on the same GPU while
-the user's activations are live, is at most child_bytes: 8 fp32 copies of the weight and 12 fp32 [M, N + K]
-activations at M <= 4096, measured too, and it has ended before the step goes on). Under a torch.compile trace there
-is no child and no file read (either would break the graph): a key checked in this process is used, else the static
-order, unchecked (run one eager step, or `python -m dorafp8 selftest`, first).
+capture or the random stream (the process's extra peak memory is zero, measured). The child's, on the same GPU
+while the user's activations are live, is at most budget(): the layer's own step at the call's M (step_bytes: x, y,
+dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 4 MiB (FLOOR) for a
+layer whose step holds less, and never more than 256 MiB (CAP); plan() sizes what it runs by a cost model
+(trial_bytes, measured by tests/ops/test_race.py; where even 16 rows at M = 1 do not fit, a layer whose adapters are
+most of its step, it runs those anyway), a GPU child records its peak with each verdict, and it has ended before the
+step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
+is no child and no file read (either would break the graph), and under a CUDA graph capture no child: a key checked
+in this process is used (under a capture, also the file's verdicts), else the static order, unchecked (run one eager
+step, or `python -m dorafp8 selftest`, first).
 
 Several processes (torch.distributed): the first rank to meet a key claims it in the process group's store (one
 atomic add), resolves it (file or child) and publishes the verdicts; the others wait for them once (no polling, no
@@ -121,15 +128,74 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
             "r": _pow2(r) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
             "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
-            "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}}
+            "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}, "at": M}
 
 
-def child_bytes(spec: dict) -> int:
-    """What the child may hold at once on the device, in bytes: 8 fp32 copies of the weight [N, K] and 12 fp32
-    activations [M, N + K] at its largest M (at most MAX_M): the inputs and the reference's outputs at both shapes, and
-    one step of the fp32 reference, which dequantizes the weight in fp32. tests/ops/test_race.py measures it; a GPU
-    child records its own peak with each verdict (peak_mb)."""
-    return 4 * (8 * spec["N"] * spec["K"] + 12 * spec["M"] * (spec["N"] + spec["K"]))
+CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer
+FLOOR = 4 * 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
+# The child's cost model, an upper bound of what it holds at once in bytes (tests/ops/test_race.py measures it): per
+# weight element, its fp8 copy and a 16-bit copy (cublas dequantizes the whole weight), and at most BLOCKS of fp32
+# blocks of rows (the reference's); per element of M x (N + K), a + b * (the compute dtype's size): the inputs, one
+# backend's step and, to check, the reference's outputs; per element of r x (N + K), the adapters, their gradients and
+# fp32 copies; and the comparison's blocks.
+W_COST = 3
+BLOCKS = 2 * 16 * 2 ** 20
+A_COST = {"check": (12, 4), "time": (8, 2)}
+R_COST = 16
+FIXED = 2 ** 19
+
+
+def _size(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize if dtype else 0
+
+
+def step_bytes(spec: dict, M: int) -> int:
+    """What the layer's own step at M holds: x, y, dy, dx in the compute dtype, the fp8 weight and its scales, the
+    adapters A, B, m (and bias) and their gradients."""
+    N, K, r = spec["N"], spec["K"], spec["r"]
+    act = 0 if spec["op"] == "norm" else 2 * M * (N + K) * _size(spec["cdt"])
+    scales = 4 * (N if spec["scale"] == "row" else -(-N // spec["block"]) * -(-K // spec["block"])
+                  if spec["block"] else 1)
+    adapters = 2 * (r * (N + K) * _size(spec["rdt"]) + 4 * N * bool(spec["rdt"]) + N * _size(spec["cdt"])
+                    * spec["bias"])
+    return act + N * K + scales + adapters
+
+
+def budget(spec: dict) -> int:
+    """The most the child may hold on the device at once: the layer's own step (step_bytes) at the M of the call
+    that met the key (else the smallest of its bucket), FLOOR at least, CAP at most."""
+    low = spec["mb"] // 2 + 1 if spec["mb"] > 16 else 1
+    return min(max(step_bytes(spec, min(spec.get("at") or low, MAX_M)), FLOOR), CAP)
+
+
+def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
+    """The cost model's bound of what the child holds with n weight rows at M, checking or timing."""
+    a, b = A_COST[phase]
+    act = 0 if spec["op"] == "norm" else (a + b * _size(spec["cdt"])) * M * (n + spec["K"])
+    w = n * spec["K"]
+    return W_COST * w + min(4 * w, BLOCKS) + R_COST * (n + spec["K"]) * max(spec["r"], 1) + act + FIXED
+
+
+def plan(spec: dict) -> dict:
+    """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M;
+    else as many as fit, N's remainder mod 256 kept, so that the same tiles meet the same edge; 16 at least), checked
+    against the reference at M = SMALL_M (less if 16 rows do not fit) and at the largest M that fits (`check`), timed
+    at the largest M that fits (`time`); both at most the key's M. `fits`: False where even that does not fit (the
+    adapters, r x (N + K), most of the layer's step): the child then runs it all the same."""
+    N, K, M, cap = spec["N"], spec["K"], spec["M"], budget(spec)
+    small, rows = min(SMALL_M, M), N
+    while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
+        rows = rows - 256 if rows > 256 + N % 256 else max(16, rows // 2)
+    while small > 1 and trial_bytes(spec, rows, small, "check") > cap:  # a narrow layer with a wide K, few tokens
+        small //= 2
+
+    def most(phase):
+        per = trial_bytes(spec, rows, 1, phase) - trial_bytes(spec, rows, 0, phase)
+        return max(small, min(M, (cap - trial_bytes(spec, rows, 0, phase)) // max(per, 1)))
+    todo = {"rows": rows, "check": sorted({small, most("check")}), "time": most("time"), "budget": cap}
+    need = max([trial_bytes(spec, rows, m, "check") for m in todo["check"]] + [trial_bytes(spec, rows, todo["time"],
+                                                                                         "time")])
+    return dict(todo, fits=need <= cap)
 
 
 def describe(spec: dict) -> str:
@@ -295,10 +361,20 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
         _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static
         return _PICKS[key]
     what = key[1]
+    if _capturing():  # a CUDA graph being captured: no child inside it; the file's verdicts, else the static order
+        known = _file(path)["keys"].get(what, {})
+        return pick_of(known, cands) if all(c in known for c in cands) else static
     results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
     pick = _PICKS[key] = pick_of(results, cands)
     log.debug("dorafp8 race: %s -> %s (%s)", what, pick, results)
     return pick
+
+
+def _capturing() -> bool:
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # no CUDA here
+        return False
 
 
 def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
@@ -311,6 +387,9 @@ def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
     _save(path, device, what, results, broken)
     info, vers = _device_info(device), _versions()
     for c, v in results.items():
+        if (v.get("peak_mb") or 0) > (v.get("budget_mb") or float("inf")):  # the cost model fell short on this GPU
+            log.warning("dorafp8 race: the check of %s held %s MiB, more than its bound of %s MiB (please report)",
+                        what, v["peak_mb"], v["budget_mb"])
         if v.get("ok") is not True:
             if (device, c, v.get("ok")) in _WARNED:  # one warning per backend and kind in a process; the rest logged
                 log.info("dorafp8 race: %s not used for %s: %s", c, what, v.get("error"))
@@ -345,7 +424,7 @@ def check(spec: dict) -> tuple[dict, dict]:
                 results.update(_results(line[len("dorafp8-race result "):], todo))
         if failure is None and all(c in results for c in todo):
             break
-        if started is None or started in results or not blame:  # outside any kernel, or killed from outside
+        if started not in todo or started in results or not blame:  # outside any candidate, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
             break

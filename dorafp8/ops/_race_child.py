@@ -1,8 +1,8 @@
 """The child process of dorafp8/ops/_race.py, `python -m dorafp8 check SPEC`: each candidate backend of SPEC against
 the fp32 reference backend on random inputs of SPEC's key (y and every gradient), then the passing ones timed in
-interleaved rounds. It writes "dorafp8-race start C" before each run of C (so that the parent can blame the one that
-hangs or crashes it) and "dorafp8-race result {C: verdict}" lines; a watchdog ends it at the time limit or when its
-parent is gone."""
+interleaved rounds, at the shapes _race.plan gives so that it holds at most _race.budget. It writes "dorafp8-race
+start C" before each run of C (so that the parent can blame the one that hangs or crashes it) and "dorafp8-race
+result {C: verdict}" lines; a watchdog ends it at the time limit or when its parent is gone."""
 
 from __future__ import annotations
 
@@ -13,21 +13,26 @@ import time
 
 import torch
 
-from ..quant import quantize_e4m3
-from ._race import ROOM, ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
+from ..quant import E4M3, row_blocks
+from ._race import ROOM, ROUNDS, TOL, W8A8_REL, plan, timeout_s
 from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
-def _inputs(spec: dict, M: int, device: torch.device) -> dict:
+def _inputs(spec: dict, M: int, rows: int, device: torch.device) -> dict:
+    """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy of
+    the whole weight)."""
     g = torch.Generator().manual_seed(M)
-    N, K, r = spec["N"], spec["K"], max(spec["r"], 1)
+    K, r, bs = spec["K"], max(spec["r"], 1), spec["block"]
     cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
-    w = torch.randn(N, K, generator=g) / K ** 0.5
-    w8, scale = quantize_e4m3(w, per_row=spec["scale"] == "row", block_size=spec["block"] or None)
-    t = {"x": torch.randn(M, K, generator=g).to(cdt), "w8": w8, "scale": scale,
-         "A": (torch.randn(r, K, generator=g) / K ** 0.5).to(rdt), "B": (torch.randn(N, r, generator=g) / r).to(rdt),
-         "m": torch.rand(N, generator=g) + 0.5, "gy": torch.randn(M, N, generator=g).to(cdt),
-         "bias": torch.randn(N, generator=g).to(cdt) if spec["bias"] else None}
-    return {k: None if v is None else v.to(device) for k, v in t.items()}
+    w8 = torch.empty(rows, K, dtype=E4M3, device=device)
+    for j0, j1 in row_blocks(rows, 64 * K):  # fp8 codes of N(0, 64^2), in blocks of 256 KiB of fp32
+        w8[j0:j1] = (torch.randn(j1 - j0, K, generator=g) * 64).clamp_(-448, 448).to(E4M3).to(device)
+    shape = (rows,) if spec["scale"] == "row" else (-(-rows // bs), -(-K // bs)) if bs else ()
+    scale = ((torch.rand(shape, generator=g) + 0.5) / (64 * K ** 0.5)).to(device)
+    t = {"x": torch.randn(M, K, generator=g, dtype=cdt), "scale": scale,
+         "A": (torch.randn(r, K, generator=g) / K ** 0.5).to(rdt), "B": (torch.randn(rows, r, generator=g) / r).to(rdt),
+         "m": torch.rand(rows, generator=g) + 0.5, "gy": torch.randn(M, rows, generator=g, dtype=cdt),
+         "bias": torch.randn(rows, generator=g, dtype=cdt) if spec["bias"] else None}
+    return dict({k: None if v is None else v.to(device) for k, v in t.items()}, w8=w8)
 
 
 def _step(spec: dict, t: dict, backend: str) -> dict:
@@ -35,12 +40,13 @@ def _step(spec: dict, t: dict, backend: str) -> dict:
     if spec["op"] == "norm":  # weight_norm alone (PEFT's cached norm, the convs' norms): no gradient
         return {"y": weight_norm(t["w8"], t["scale"], t["A"], t["B"], 0.5, backend=backend,
                                  block_size=spec["block"] or 128)}
-    leaves = {k: t[k].clone().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
+    # the inputs themselves are the leaves (detach: no copy), so that the step holds what a layer's step holds
+    leaves = {k: t[k].detach().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
     torch.manual_seed(0)  # the same dropout mask for every backend
     kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)
     if spec["op"] == "dora":
         y = dora_fp8_linear(leaves["x"], t["w8"], t["scale"], leaves["A"], leaves["B"], leaves["m"], 0.5,
-                                    leaves.get("bias"), dropout_p=spec["p"], training=True, **kw)
+                            leaves.get("bias"), dropout_p=spec["p"], training=True, **kw)
     else:
         leaves = {k: v for k, v in leaves.items() if k in ("x", "bias")}
         y = fp8_linear(leaves["x"], t["w8"], t["scale"], leaves.get("bias"), **kw)
@@ -49,16 +55,22 @@ def _step(spec: dict, t: dict, backend: str) -> dict:
 
 
 def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
-    """Which output is outside the bound, and by how much; None if all are within."""
+    """Which output is outside the bound, and by how much; None if all are within. Compared a block of rows at a
+    time: the fp64 temporaries stay small."""
     rel = ROOM * max(TOL[spec["cdt"]], TOL.get(spec["rdt"], 0.0))
     rel = max(rel, W8A8_REL) if spec["act_quant"] else rel
     for k, r in ref.items():
         o = out.get(k)
         if o is None or o.shape != r.shape:
             return f"{k} missing or of shape {None if o is None else list(o.shape)}, expected {list(r.shape)}"
-        o, r = o.double(), r.double()
-        bound = rel * (r.abs() + r.abs().max())
-        used = ((o - r).abs() / bound.clamp_min(1e-30)).nan_to_num(float("inf")).max().item()
+        o, r = o.reshape(r.shape[0], -1), r.reshape(r.shape[0], -1)
+        blocks = list(row_blocks(r.shape[0], 256 * r.shape[1]))  # 64 KiB of fp32: 128 KiB per fp64 temporary
+        top = max(r[i0:i1].abs().amax().double().item() for i0, i1 in blocks) if r.numel() else 0.0
+        used = 0.0
+        for i0, i1 in blocks:
+            rb = r[i0:i1].double()
+            bound = rb.abs().add_(top).mul_(rel).clamp_min_(1e-30)
+            used = max(used, rb.sub_(o[i0:i1].double()).abs_().div_(bound).nan_to_num_(float("inf")).max().item())
         if used > 1:
             return f"{k} differs from the fp32 reference by {used:.3g}x the allowed error (rel {rel:g})"
     return None
@@ -99,36 +111,48 @@ def main(argv: list[str]) -> int:
     def say(kind, what):
         print(f"dorafp8-race {kind} {what}", flush=True)
 
-    shapes = [m for m in (SMALL_M, spec["M"]) if m <= spec["M"]]
+    todo = plan(spec)
     base = _peak(device)
-    inputs = {M: _inputs(spec, M, device) for M in shapes}
-    refs = {M: _step(spec, inputs[M], "reference") for M in shapes}
-    passed = []
-    for c in spec["cands"]:
-        say("start", c)
-        try:
-            why = next((w for M in shapes for w in [_wrong(spec, _step(spec, inputs[M], c), refs[M])] if w), None)
-            verdict = {"ok": why is None, "error": why}
-        except torch.OutOfMemoryError as e:
-            verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
-        except Exception as e:
-            verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
-        if verdict["ok"]:
-            passed.append(c)
-        else:
-            say("result", json.dumps({c: verdict}))
-    times = {c: [] for c in passed}
-    big = inputs[spec["M"]]
-    for i in range(ROUNDS if len(passed) > 1 else 1):
-        for c in passed[i % len(passed):] + passed[:i % len(passed)]:  # interleaved, the order rotated each round
+    failed = {}
+    for M in todo["check"]:  # one M's inputs, the reference's outputs and one candidate's at a time
+        t = _inputs(spec, M, todo["rows"], device)
+        say("start", "reference")  # a hang or crash in it blames no candidate
+        ref = _step(spec, t, "reference")
+        for c in [c for c in spec["cands"] if c not in failed]:
             say("start", c)
-            _sync(device)
-            t0 = time.perf_counter()
-            _step(spec, big, c)
-            _sync(device)
-            times[c].append(time.perf_counter() - t0)
-    # what the check held on the GPU at most (its bound: _race.child_bytes), kept with the verdicts
-    peak = {"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {}
-    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **peak}
+            try:
+                why = _wrong(spec, _step(spec, t, c), ref)
+                verdict = None if why is None else {"ok": False, "error": why}
+            except torch.OutOfMemoryError as e:
+                verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
+            except Exception as e:
+                verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+            if verdict is not None:
+                failed[c] = verdict
+                say("result", json.dumps({c: verdict}))
+        del t, ref
+    passed = [c for c in spec["cands"] if c not in failed]
+    if not passed:
+        return 0
+    times = {c: [] for c in passed}
+    t = _inputs(spec, todo["time"], todo["rows"], device)
+    try:
+        for i in range(ROUNDS if len(passed) > 1 else 1):
+            for c in passed[i % len(passed):] + passed[:i % len(passed)]:  # interleaved, rotated each round
+                say("start", c)
+                _sync(device)
+                t0 = time.perf_counter()
+                _step(spec, t, c)  # its outputs freed at once: one candidate's at a time
+                _sync(device)
+                times[c].append(time.perf_counter() - t0)
+    except torch.OutOfMemoryError as e:  # next to the user's job: says nothing of the kernels (checked again later)
+        say("result", json.dumps({c: {"ok": None, "error": f"out of memory while timing ({e})"[:300]}
+                                  for c in passed}))
+        return 0
+    # what was timed, and what the child held on the GPU at most against its bound (_race.budget), kept with the
+    # verdicts
+    info = {"rows": todo["rows"], "M": todo["time"], "budget_mb": round(todo["budget"] / 2 ** 20, 1)}
+    info.update({"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {})
+    say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **info}
                               for c, ts in times.items()}))
     return 0

@@ -4,8 +4,8 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | zero3_init | fsdp2_ram (the last two:
-tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | zero3_init | fsdp2_ram (the
+last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
 half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
 run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
@@ -380,6 +380,64 @@ def run_race(out):
         res["children_after_shared"] = f.read().split()
     res["own_key"] = step(300) if RANK == 1 else step(40, N=16)  # keys the other rank never meets
     return res
+
+
+def _race_first_steps(out, wrap):
+    """The model's first steps under a wrapper (DDP, FSDP2) with backend="auto" checking kernels in a child
+    (dorafp8/ops/_race.py; the CPU made a device that races native against reference, a fake child that prefers
+    native, the static order's pick, on both ranks), then the same steps with DORAFP8_RACE=0: losses, this rank's
+    adapter values (its shards under FSDP2) and the backends run, each time; and the keys each rank's children
+    checked."""
+    from dorafp8 import backends
+    from dorafp8.ops import _race
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    _race.RACERS["cpu"] = ("native", "reference")
+    log = os.path.join(out, "children.log")
+    _race.CHILD = [sys.executable, "-c", (
+        "import json, sys\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "line = ' '.join(str(spec[k]) for k in ('op', 'N', 'K', 'mb', 'r'))\n"
+        f"open({log!r}, 'a').write('{RANK} ' + line + '\\n')\n"
+        "res = {c: {'ok': True, 'ms': 1.0 if c == 'native' else 2.0} for c in spec['cands']}\n"
+        "print('dorafp8-race result ' + json.dumps(res))")]
+    os.environ.pop("DORAFP8_BACKEND", None)
+    used, real = [], backends.module
+    backends.module = lambda name: used.append(name) or real(name)
+    res = {}
+    for flag in ("1", "0"):
+        os.environ.update(DORAFP8_CACHE_DIR=os.path.join(out, f"cache{RANK}"), DORAFP8_RACE=flag)
+        _race.forget()
+        pm = C.build_model(seed=0)  # its magnitudes' first norms on "reference"
+        for layer in pm.modules():
+            if isinstance(layer, dorafp8.FP8Linear):
+                layer.backend = "auto"  # build_model's is "reference": forced, never checked
+        model = wrap(pm)
+        used.clear()
+        losses = sgd_steps(model, torch.optim.SGD(trainable(model), lr=C.LR))
+        adapter = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                   for n, p in pm.named_parameters() if p.requires_grad}
+        res[flag] = {"losses": losses, "adapter": adapter, "used": sorted(set(used))}
+        dist.barrier()
+    with open(log) as f:
+        res["children"] = f.read().splitlines()
+    return res
+
+
+def run_race_ddp(out):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return _race_first_steps(out, DDP)
+
+
+def run_race_fsdp2(out):
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(pm):
+        for layer in pm.base_model.model.model.layers:
+            fully_shard(layer)
+        return fully_shard(pm)
+    return _race_first_steps(out, wrap)
 
 
 # ---- loading paths: DeepSpeed ZeRO-3 through zero.Init, FSDP2 with cpu_ram_efficient_loading -----------------------

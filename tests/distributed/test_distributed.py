@@ -425,3 +425,22 @@ def test_race_verdicts_are_shared(tmp_path):
     want = ["reference"] if claimer == 0 else ["native"]
     assert r0["shared"] == r1["shared"] == want
     assert r1["own_key"] == ["native"] and r0["own_key"] == ["reference"]
+
+
+@pytest.mark.parametrize("engine", ["race_ddp", "race_fsdp2"])
+def test_a_first_step_under_ddp_and_fsdp2_that_checks_is_the_same_as_without_the_race(tmp_path, engine):
+    """backend="auto"'s first-use check under DDP and FSDP2 (issue 47): the first steps with the race on (a child per
+    key, in one rank or the other, never both) give the losses and adapter values of DORAFP8_RACE=0 exactly, on
+    both ranks, running the same backends."""
+    r0, r1 = _launch(engine, tmp_path)
+    children = r0["children"]
+    assert children == r1["children"] and children  # every key checked, by a child of one rank only
+    keys = [line.split(" ", 1)[1] for line in children]
+    assert len(keys) == len(set(keys)) and {line.split()[0] for line in children} <= {"0", "1"}
+    for r in (r0, r1):
+        assert r["1"]["losses"] == r["0"]["losses"] and r["1"]["used"] == r["0"]["used"] == ["native"]
+        assert r["1"]["adapter"].keys() == r["0"]["adapter"].keys()
+        for name, t in r["1"]["adapter"].items():
+            assert torch.equal(t, r["0"]["adapter"][name]), name
+    assert r0["1"]["losses"] == r1["1"]["losses"]
+

@@ -1,7 +1,7 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/ops/_race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
-weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7) or slow
-(0.2 s more)."""
+weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
+its second forward with "crash-second") or slow (0.2 s more)."""
 
 import os
 import sys
@@ -11,6 +11,7 @@ from dorafp8 import backends
 from dorafp8.ops import race_check
 
 MODE, VICTIM = sys.argv[1], sys.argv[2]
+CALLS = []
 _real = backends.module
 
 
@@ -27,7 +28,8 @@ class Planted:
         def planted(*args, **kw):
             if MODE == "hang":
                 time.sleep(3600)
-            if MODE == "crash":
+            CALLS.append(name)
+            if MODE == "crash" or (MODE == "crash-second" and CALLS.count("forward") == 2):
                 os._exit(7)
             if MODE == "slow":
                 time.sleep(0.2)
