@@ -9,7 +9,7 @@
 #   - tests/peft/test_peft.py: dorafp8's PEFT layers against PEFT's own DoRA, built by get_peft_model and converted,
 #     merged, saved and loaded;
 #   - tests/integration/test_llamafactory_multi.py: LLaMA-Factory's own ZeRO-3 and FSDP2 config files through the
-#     launcher, 2 CPU processes over gloo, against one process (about 3 minutes on 2 cores). It needs deepspeed, which
+#     launcher, 2 CPU processes over gloo, against one process (3.7 minutes on 2 busy cores). It needs deepspeed, which
 #     LLaMA-Factory's ZeRO configs need and its package does not install; DeepSpeed compiles its CPU shared-memory op
 #     on first use (a C++ compiler; cached in ~/.cache/torch_extensions, as for tests/distributed/test_loading.py).
 # None may skip. The venv (about 6.5 GB) is deleted when the tests have run; the pytest log is kept as
