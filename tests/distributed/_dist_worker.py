@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import _dist_common as C
+from _cpu_stand_ins import allow_fsdp_on_cpu, emulate_nccl_fp8_transport  # noqa: F401
 import dorafp8
 from dorafp8.distributed import FP8_DTYPES, install_ddp_support, params_are_sharded, uninstall_ddp_support
 
@@ -443,42 +444,6 @@ def run_race_fsdp2(out):
 # ---- loading paths: DeepSpeed ZeRO-3 through zero.Init, FSDP2 with cpu_ram_efficient_loading -----------------------
 
 
-def emulate_nccl_fp8_transport():
-    """gloo has no fp8 types ("Invalid scalar type"); NCCL moves fp8 as its bytes (ncclFloat8e4m3, or ncclUint8 before
-    NCCL 2.24). So that gloo can stand in for NCCL, every fp8 tensor given to these collectives (and DTensor's
-    scatter, which distribute_tensor uses) goes as a uint8 view of the same storage: the bytes NCCL would move.
-    Installed before DeepSpeed's comm backend reads the functions."""
-    import torch.distributed.tensor._collective_utils as dtensor_comm
-
-    def as_bytes(a):
-        if isinstance(a, (list, tuple)):
-            return type(a)(as_bytes(t) for t in a)
-        return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES else a
-
-    def via_bytes(fn):
-        def wrapper(*args, **kwargs):
-            return fn(*as_bytes(args), **{k: as_bytes(v) for k, v in kwargs.items()})
-        return wrapper
-
-    for owner, name in ((dist, "broadcast"), (dist, "all_gather_into_tensor"), (dist, "_all_gather_base"),
-                        (dtensor_comm, "scatter")):
-        setattr(owner, name, via_bytes(getattr(owner, name)))
-
-    # DTensor's Shard -> Replicate (full_tensor(), a full state_dict) all-gathers through the functional collectives,
-    # which return a new tensor: gathered as bytes, viewed back as fp8.
-    import torch.distributed._functional_collectives as funcol
-
-    gather = funcol.all_gather_single
-
-    def all_gather_single(t, *args, **kwargs):
-        if t.dtype not in FP8_DTYPES:
-            return gather(t, *args, **kwargs)
-        out = gather(t.view(torch.uint8), *args, **kwargs)
-        return (out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out).view(t.dtype)
-
-    funcol.all_gather_single = all_gather_single
-
-
 def save_base_model(out) -> str:
     """Rank 0 writes the seed-0 base model of C.build_model (fp32, before quantization) for from_pretrained."""
     path = os.path.join(out, "base")
@@ -642,23 +607,6 @@ def run_fsdp2_ram(out):
         res["adapter"] = {k: v.clone() for k, v in get_peft_model_state_dict(pm, state_dict=sd).items()}
         pm.save_pretrained(os.path.join(out, "adapter"), state_dict=sd)
     return res
-
-
-def allow_fsdp_on_cpu():
-    """accelerate selects FSDP on GPUs only: on a CPU (gloo) group AcceleratorState stays MULTI_CPU and drops the FSDP
-    plugin the Trainer gives it. Make it take the plugin, as a GPU group does; nothing else of accelerate changes."""
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    orig = AcceleratorState.__init__
-
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # what AcceleratorState re-reads
-
-    AcceleratorState.__init__ = __init__
 
 
 def _full_adapter(model):

@@ -40,9 +40,9 @@ STEPS = 4
 
 
 def _env(**extra):
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), **extra)
+    return {**dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
+                   PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])), **extra}
 
 
 def _run(cmd, cwd, **env):
@@ -99,12 +99,13 @@ def test_trl_sft_through_the_launcher_matches_peft_on_dequantized_weights(checkp
     _compare(tmp_path, tmp_path / "fp8", tmp_path / "ref", log)
 
 
-def _lf_config(model, out, data) -> str:
+def _lf_config(model, out, data, batch: int = 4, more: str = "learning_rate: 1.0e-3\nuse_cpu: true\n") -> str:
+    """A LLaMA-Factory training config: DoRA on every linear layer, `batch` sequences per process, fp32; `more`: the
+    rest (test_llamafactory_multi.py puts an engine's config file and its optimizer there)."""
     return (f"model_name_or_path: {model}\nstage: sft\ndo_train: true\nfinetuning_type: lora\nuse_dora: true\n"
             f"lora_target: all\nlora_rank: 8\nlora_alpha: 16\ndataset: tiny\ndataset_dir: {data}\ntemplate: empty\n"
-            f"cutoff_len: 32\noutput_dir: {out}\noverwrite_output_dir: true\nper_device_train_batch_size: 4\n"
-            f"learning_rate: 1.0e-3\nmax_steps: {STEPS}\nlogging_steps: 1\nsave_steps: {STEPS}\nseed: 0\n"
-            f"report_to: none\nbf16: false\nuse_cpu: true\n")
+            f"cutoff_len: 32\noutput_dir: {out}\noverwrite_output_dir: true\nper_device_train_batch_size: {batch}\n"
+            f"max_steps: {STEPS}\nlogging_steps: 1\nsave_steps: {STEPS}\nseed: 0\nreport_to: none\nbf16: false\n{more}")
 
 
 def test_llamafactory_cli_through_the_launcher_matches_peft_on_dequantized_weights(checkpoints, tmp_path):
