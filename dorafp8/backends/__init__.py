@@ -140,16 +140,6 @@ def module(name: str) -> ModuleType:
     return mod
 
 
-def folds_dgrad(name: str) -> bool:
-    """Whether a concrete backend runs the folded dgrad (base.py, FOLD_PARAMS): it offers it (FOLDS_DGRAD) and
-    DORAFP8_FOLD_DGRAD=1 asks for it (base.fold_requested; off by default). Its backward pass then hands back the
-    per-column factors of gl instead of gl, and its dgrad applies them to the weight tiles. A backend whose fold costs
-    nothing (the cuBLAS strategy's: on its dequantize) sets FOLDS_BY_DEFAULT and folds without being asked."""
-    mod = module(name)
-    asked = base.fold_requested() or getattr(mod, "FOLDS_BY_DEFAULT", False)
-    return bool(getattr(mod, "FOLDS_DGRAD", False)) and bool(asked)
-
-
 def quants_in_project(name: str) -> bool:
     """Whether a concrete backend quantizes x for W8A8 in its projection (base.py, QUANT_PARAMS): it offers it."""
     return bool(getattr(module(name), "QUANTS_IN_PROJECT", False))

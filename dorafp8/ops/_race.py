@@ -6,7 +6,7 @@ and weight_norm called alone ("norm": PEFT's layers cache their norm that way, a
 DoRA convs, whose convolutions are the platform's on a dequantized weight: nothing of theirs is picked here). The
 first call of a key (the op, N, K, M's power-of-two bucket (not for "norm"), r's bucket, bias, scale kind and
 block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switches that change kernels: DORAFP8_HOPPER_GEMM,
-DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
+DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
 capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
 dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
 (`python -m dorafp8 check SPEC`, time limit DORAFP8_RACE_TIMEOUT_S, 300 s) runs each candidate of RACERS that can
@@ -76,7 +76,7 @@ MARGIN = 0.05  # a candidate later in the static order is picked only if it is t
 ROUNDS = 7  # timed calls per candidate, interleaved
 MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
-SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
+SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_PIN_CONFIGS")
 # The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]

@@ -173,11 +173,8 @@ def test_the_key_separates_what_changes_a_kernel(monkeypatch):
             key(cdt=torch.float16)]
     monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "0")
     keys.append(key())
-    monkeypatch.setenv("DORAFP8_FOLD_DGRAD", "1")
-    keys.append(key())
     assert len(set(keys)) == len(keys), keys
     monkeypatch.delenv("DORAFP8_HOPPER_GEMM")
-    monkeypatch.delenv("DORAFP8_FOLD_DGRAD")
     assert key(M=128) == key() and key(r=3) == key()  # buckets: M 65..128, r 3..4
     assert key(block=64) == key()  # the block size matters only with block scales
     # weight_norm alone: the rank and the adapters' dtype (its operands), not M (it has none)
