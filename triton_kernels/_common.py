@@ -409,7 +409,7 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
     arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
-    pin: this launcher's name in DORAFP8_PIN_CONFIGS (_pins.pinned)."""
+    pin: this launcher's name for _pins.pin_configs (_pins.pinned)."""
     poison = _base.POISON_OUTPUTS
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)
