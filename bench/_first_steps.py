@@ -112,7 +112,7 @@ def _out(argv) -> str:
 
 
 def pins_from(rows: list[dict], norm_config: str) -> dict:
-    """DORAFP8_PIN_CONFIGS's file from the model's picks (kernel_report.predict.headline's rows): per GEMM and mode the
+    """The pins file (first_contact.py --pins: _pins.pin_configs in each step's process) from the model's picks (kernel_report.predict.headline's rows): per GEMM and mode the
     config of each main loop (a launcher keeps the one in its list: triton_kernels/_pins.py), the weight norm (not
     modelled: its list's first config)."""
     pins: dict = {"weight_norm": norm_config}
@@ -484,7 +484,7 @@ def sanitizer() -> int:
 
 
 def grid() -> int:
-    """The rest of the grid: dropout, the autotuned configs (DORAFP8_PIN_CONFIGS is unset here), the CUDA backend."""
+    """The rest of the grid: dropout, the autotuned configs (nothing pinned here), the CUDA backend."""
     import _cases as C
 
     M = SIZE["time"][:1]

@@ -166,10 +166,6 @@ def child_env(work: str, results: str, smoke: bool, step: Step) -> dict:
                PYTHONUNBUFFERED="1", MPLBACKEND="Agg", FIRST_CONTACT_WORK=work, FIRST_CONTACT_RESULTS=results,
                FIRST_CONTACT_SMOKE="1" if smoke else "0", DORAFP8_RACE="0", DORAFP8_COMMIT=commit())
     env.pop("DORAFP8_BACKEND", None)  # every provider names its backend
-    env.pop("DORAFP8_PIN_CONFIGS", None)
-    pins = os.path.join(work, "pins.json")
-    if os.path.exists(pins) and step.name != "grid":  # the grid times the autotuned configs
-        env["DORAFP8_PIN_CONFIGS"] = pins
     return env
 
 
@@ -179,6 +175,9 @@ RUNNING: list = []  # the step processes this command started
 def start(step: Step, job: str | None, env: dict, log) -> subprocess.Popen:
     """A step's child, in a process group of its own (stop() ends it with what it started: pytest's workers)."""
     argv = [sys.executable, os.path.abspath(__file__), "--step", step.name] + (["--job", job] if job else [])
+    pins = os.path.join(env["FIRST_CONTACT_WORK"], "pins.json")
+    if os.path.exists(pins) and step.name != "grid":  # the grid times the autotuned configs
+        argv += ["--pins", pins]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     RUNNING.append(proc)
     return proc
@@ -220,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference / native backends")
     ap.add_argument("--step", help=argparse.SUPPRESS)  # a child: run this step
     ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--pins", help=argparse.SUPPRESS)  # a child: the pins step's file (_pins.pin_configs)
     args = ap.parse_args(argv)
     if os.environ.get("DRY_RUN") == "1":
         print(plan_text())
@@ -227,6 +227,11 @@ def main(argv=None) -> int:
     if args.step:
         import _first_steps
 
+        if args.pins:  # the launchers in this step's process run the model's picks alone
+            from dorafp8.triton_kernels._pins import pin_configs
+
+            with open(args.pins) as f:
+                pin_configs(json.load(f))
         return _first_steps.run(args.step, args.job)
     return run_command("more" if args.more else "first", args.smoke)
 

@@ -196,7 +196,7 @@ def kernels_md(first: dict) -> str:
     """Each profiled layer's kernels, measured, beside the model's prediction of the same launch."""
     model, out = first.get("model", {}), ["# Per-kernel times against the kernel report's model", ""]
     if "pins" in model:
-        out += [f"Pinned configs (the model's picks, DORAFP8_PIN_CONFIGS): `{json.dumps(model['pins'])}`; predicted "
+        out += [f"Pinned configs (the model's picks, _pins.pin_configs): `{json.dumps(model['pins'])}`; predicted "
                 f"on {model['device']}, cuBLAS bf16 Linear forward + dgrad {model['linear_us']:.1f} us.", ""]
     else:
         out += [f"No model for this GPU: {model.get('skipped', 'the pins step did not run')}.", ""]

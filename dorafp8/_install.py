@@ -1,55 +1,23 @@
-"""Everything `import dorafp8` changes outside dorafp8, in one place, with one opt-out: DORAFP8_NO_PATCHES=1.
+"""Everything `import dorafp8` changes in other libraries, in one place; DORAFP8_NO_PATCHES=1 changes none of it.
 
-1. DDP over gloo broadcasts fp8 weights as bytes (dorafp8/distributed.py explains why; idempotent).
-2. PEFT, transformers, diffusers, LyCORIS and FSDP2 learn about dorafp8 without being imported (below).
+- torch DDP (gloo): fp8 weights are broadcast as bytes (distributed.install_ddp_support).
+- PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (dorafp8.peft); a PEFT too old for
+  them refuses fp8 layers, naming the version needed.
+- transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers
+  (checkpoint/save_hooks.py, checkpoint/hf_quantizer.py).
+- diffusers: save_pretrained of fp8 models refuses, naming dorafp8's writers; from_single_file refuses ComfyUI
+  fp8_scaled files (checkpoint/single_file.py).
+- LyCORIS: create_lycoris puts its modules on fp8 layers and computes them through the fused ops (lycoris.py).
+- OneTrainer: its DoRAModule on fp8 layers computes through the fused op (onetrainer.py).
+- FSDP2: MixedPrecisionPolicy leaves fp8 weights in fp8; FSDP1 on fp8 weights is refused, naming FSDP2.
 
-With DORAFP8_NO_PATCHES=1 nothing is changed: call dorafp8.register_with_peft(), dorafp8.register_with_lycoris(),
-dorafp8.install_ddp_support() and dorafp8.install_fsdp_support() yourself where you need them (save_pretrained of fp8
-models is then transformers' own, which loses the scales: quantize_model, load_fp8_checkpoint and
-from_transformers_fp8 warn so, naming save_fp8_checkpoint; dorafp8/nn/save_warning.py). PEFT's errors on layers it
-does not know name nothing of dorafp8, so until register_with_peft() has run an fp8 layer's repr (which PEFT's "not
-supported" error prints) names it, and the first fp8 layer made warns once (for target_modules="all-linear", whose
-error cannot): nn/_base.py.
-
-Importing peft, transformers, diffusers, lycoris or FSDP2 takes seconds, so `import dorafp8` must not do it. But each
-needs to know about dorafp8's fp8 layers before the user's next line runs, with nothing more imported by the user:
-
-- peft: `quantize_model(model)` then `get_peft_model(model, LoraConfig(use_dora=True, ...))` must build
-  DoRAFP8Linear layers (dorafp8.peft.register_with_peft);
-- transformers: `save_pretrained` of a model holding fp8 layers must write a checkpoint `from_pretrained` reads
-  correctly (before, it wrote raw e4m3 values that loaded without their scales), and `DoRAFP8Config` must be in its
-  quantizer registry (dorafp8/checkpoint/save_hooks.py, dorafp8/checkpoint/hf_quantizer.py);
-- diffusers: its `save_pretrained` of such a model must refuse, naming dorafp8's writers
-  (dorafp8/checkpoint/save_hooks.py), and its `from_single_file` of a ComfyUI fp8_scaled file must refuse instead of
-  loading the fp8 weights without their scales (dorafp8/checkpoint/single_file.py);
-- LyCORIS (lycoris-lora): `create_lycoris(model, ...)` must put its LoCon / DoRA modules on the fp8 layers (it saw
-  none: "No LyCORIS modules were created") and compute them through the fused ops (dorafp8.lycoris);
-- FSDP2: MixedPrecisionPolicy(param_dtype=...) must leave the fp8 weights of dorafp8 layers in fp8
-  (dorafp8.distributed.install_fsdp_support).
-- OneTrainer (its modules.module.LoRAModule, imported from its checkout): its DoRAModule on fp8 linear layers must
-  compute through the fused op (dorafp8.onetrainer);
-- FSDP1: wrapping a model with fp8 weights must be refused at once, naming FSDP2 (it fails later, deep in its
-  flattening, otherwise: dorafp8.distributed.install_fsdp1_refusal).
-
-So for each watched module: if it is already imported when dorafp8 is, its hook runs at once (no import cost: it is
-loaded); otherwise a post-import hook on `sys.meta_path` runs it right after that module has finished executing.
-transformers and diffusers load their model classes lazily, so the watched modules are the ones that define
-PreTrainedModel and ModelMixin, not the packages; for FSDP2, the one that defines FSDPParam (its module differs
-between torch releases: dorafp8.distributed.FSDP_PARAM_MODULES names both). Only modules that exist when dorafp8 is
-imported are watched (looked up without importing them or their packages, `_exists`; namespace packages included):
-the FSDP2 module of another torch release, or a library that is not installed, can never arrive, and waiting for it
-kept the finder at sys.meta_path[0], consulted on every import, for the life of the process. The exception is
-OneTrainer's module, whose checkout joins sys.path after its scripts start: a path hook (consulted once per folder
-new to the import system, not per import) watches it once a folder holding it arrives. OneTrainer imported before
-dorafp8 is hooked at once, but adapters it already hooked to their layers keep the forward they bound: a warning
-says so, once, and what to do. The finder removes itself once every
-watched module has been loaded. A library installed after `import dorafp8` in the same process is not watched: call
-dorafp8.register_with_peft() or dorafp8.register_with_lycoris() for it.
+Each hook runs when its library is imported (at once if it is loaded), nothing imported for it, through the one
+import finder (_after_import.py). How and why: docs/ARCHITECTURE.md, "Import hooks".
 """
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -58,6 +26,8 @@ import warnings
 
 import torch
 
+from . import _after_import
+from ._after_import import _HOOK, _waiting as _pending  # noqa: F401  (what is waited for: the tests look)
 from ._deps import peft_too_old
 from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
                           install_fsdp_support)
@@ -153,7 +123,6 @@ _WATCHED = {
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }
-_pending: set = set()
 
 
 def _run(name: str) -> None:
@@ -163,59 +132,6 @@ def _run(name: str) -> None:
     except Exception as e:  # never break the user's import because of dorafp8
         warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
                       RuntimeWarning, stacklevel=3)
-
-
-class _RunAfterExec(importlib.abc.Loader):
-    """Wraps the real loader of a watched module: executes the module, then runs its hook."""
-
-    def __init__(self, loader, name: str):
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _pending.discard(self._name)
-        if not _pending:
-            uninstall()  # everything watched is loaded
-        _run(self._name)
-
-    def __getattr__(self, name):  # get_resource_reader, is_package, get_source, ... of the real loader
-        return getattr(self._loader, name)
-
-
-class _ImportHook(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _pending:
-            return None
-        # Ask the other finders for the real spec (without this hook, so it cannot recurse), then wrap its loader.
-        # The hook stays installed until that loader has run: a bare importlib.util.find_spec("peft") -- diffusers
-        # and transformers probe optional packages that way before importing them -- only looks, and the import
-        # that follows must find the hook again (it used to be gone by then, and PEFT never learnt of FP8Linear).
-        uninstall()
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            install_finder()
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _RunAfterExec(spec.loader, fullname)
-        return spec
-
-
-_HOOK = _ImportHook()
-
-
-def uninstall() -> None:
-    while _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
-
-
-def install_finder() -> None:
-    if _pending and _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
 
 
 def install() -> None:
@@ -266,8 +182,7 @@ def _path_hook(folder):
     for name in [n for n in _late if _in_folder(folder, n.split("."))]:
         _late.discard(name)
         if sys.modules.get(name) is None:
-            _pending.add(name)
-            install_finder()
+            _wait(name)
     if not _late:
         _remove_path_hook()
     raise ImportError("dorafp8 only looks")  # not a finder for this folder: the next hook's
@@ -283,18 +198,17 @@ def watch_imports() -> None:
     may arrive with a folder added to sys.path. Idempotent (each hook is)."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
-            _pending.discard(name)
+            _after_import.forget(name)
             _late.discard(name)
             if name in _LATE:
                 _warn_imported_first(name)
             _run(name)
         elif _exists(name):
-            _pending.add(name)
+            _wait(name)
         elif name in _LATE:
             _late.add(name)
     if _late and _path_hook not in sys.path_hooks:
         sys.path_hooks.insert(0, _path_hook)
-    install_finder()
 
 
 def _warn_imported_first(name: str) -> None:
@@ -340,8 +254,7 @@ def watch(name: str, hook, consequence: str) -> None:
             finally:
                 hook()
         _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
-    _pending.add(name)  # asked for by name: waited for even if it cannot be found yet (a checkout joins sys.path later)
-    install_finder()
+    _wait(name)  # asked for by name: waited for even if it cannot be found yet (a checkout joins sys.path later)
 
 
 def wait_for(name: str) -> None:
@@ -350,5 +263,9 @@ def wait_for(name: str) -> None:
     if sys.modules.get(name) is not None:
         _run(name)
     else:
-        _pending.add(name)
-        install_finder()
+        _wait(name)
+
+
+def _wait(name: str) -> None:
+    """_run(name) once module `name` has been imported (dorafp8/_after_import.py, the one finder)."""
+    _after_import.when_imported(name, functools.partial(_run, name))

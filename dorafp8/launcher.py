@@ -43,51 +43,27 @@ ENV = "DORAFP8_RUN"
 _LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
 
 _SITE = '''"""Written by `dorafp8 run` (dorafp8/launcher.py): dorafp8 in every Python process the command starts, installed
-right after that process imports torch; then the sitecustomize this one shadows, if any."""
-import importlib.abc, importlib.util, os, sys
+right after that process imports torch, by dorafp8's own import finder (loaded by its path: it imports neither torch
+nor dorafp8); then the sitecustomize this one shadows, if any."""
+import importlib.util, os, sys
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    # Stays on sys.meta_path until torch has run: a bare importlib.util.find_spec("torch") (transformers probes it so)
-    # only looks, and the import after it must find this again.
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch" or self.__dict__.get("busy"):
-            return None
-        self.busy = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self.busy = False
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ThenDorafp8(spec.loader, self)
-        return spec
-
-
-class _ThenDorafp8(importlib.abc.Loader):
-    def __init__(self, loader, finder):
-        self.loader, self.finder = loader, finder
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
-        from dorafp8.launcher import install_from_env
-        install_from_env()
-
-    def __getattr__(self, name):  # the real loader's get_resource_reader, is_package, ...
-        return getattr(self.__dict__["loader"], name)
+def _install():
+    from dorafp8.launcher import install_from_env
+    install_from_env()
 
 
 if os.environ.get("DORAFP8_RUN") and "torch" not in sys.modules:
-    sys.meta_path.insert(0, _AfterTorch())
+    _spec = importlib.util.spec_from_file_location("dorafp8._after_import", {finder!r})
+    _finder = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+    if _finder.__spec__ is _spec:
+        _spec.loader.exec_module(_finder)
+    _finder.when_imported("torch", _install)
 _here = os.path.dirname(os.path.abspath(__file__))
 for _p in sys.path:
     _f = os.path.join(_p or ".", "sitecustomize.py")
     if os.path.abspath(_p or ".") != _here and os.path.isfile(_f):
-        exec(compile(open(_f).read(), _f, "exec"), {"__name__": "sitecustomize", "__file__": _f})
+        exec(compile(open(_f).read(), _f, "exec"), {{"__name__": "sitecustomize", "__file__": _f}})
         break
 '''
 
@@ -411,7 +387,7 @@ def _export(options: dict) -> None:
     site = tempfile.mkdtemp(prefix="dorafp8-run-")
     _STATE["site"] = site
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(_SITE)
+        f.write(_SITE.format(finder=os.path.join(os.path.dirname(os.path.abspath(__file__)), "_after_import.py")))
     atexit.register(shutil.rmtree, site, ignore_errors=True)
     os.environ[ENV] = json.dumps(options)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)

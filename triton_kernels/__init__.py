@@ -44,9 +44,6 @@ except ImportError as e:  # triton missing or too old
     def planning_for_gpu(sms, blocks):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
-# The folded dgrad (dorafp8/backends/base.py, FOLD_PARAMS): backward_pass(fold=True) returns gl's factors and dgrad
-# applies them to the W8 tiles (gemm.py, RED_FACTOR). Offered here; run only where DORAFP8_FOLD_DGRAD=1 asks for it.
-FOLDS_DGRAD = True
 # W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
 QUANTS_IN_PROJECT = True
 

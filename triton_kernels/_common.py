@@ -331,9 +331,9 @@ _INTERP_GEMM = (16, 32, 32, 1, 4)
 
 
 # Two-accumulator (dropout) main loops that hold more per step than a tile of each operand: FP8_PROMOTE (W8A8 on
-# sm_90) adds a zeroed partial tile per accumulator, the folded dgrad (RED_FACTOR) two weight tiles and their fp32
-# source. The tiles holding 64 accumulator elements per thread (128 x 64 on 4 warps, 128 x 128 on 8) spilled there
-# (inspect, sm_90a: 16 to 56 bytes promoted, 36 and 84 folded), so those kernels keep the tiles of at most 32.
+# sm_90) adds a zeroed partial tile per accumulator. The tiles holding 64 accumulator elements per thread (128 x 64 on
+# 4 warps, 128 x 128 on 8) spilled there (inspect, sm_90a: 16 to 56 bytes), so those kernels keep the tiles of at most
+# 32.
 _LEAN_TWO_ACC_MAX_ELEMS = 32
 
 
@@ -355,7 +355,7 @@ def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: 
                      lean: bool = False, fp8_dot: bool = False):
     """gemm_configs for an arch named as arch_of names it ("sm90", "sm89", "interp"), without a device: the launchers
     reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
-    lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for; the folded dgrad): with two
+    lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for): with two
     accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread.
     fp8_dot: the base GEMM multiplies e4m3 by e4m3 (W8A8), which adds _FP8_DOT_LARGE's tiles where the arch has them."""
     if arch == "interp":
@@ -409,7 +409,7 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
     arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
-    pin: this launcher's name in DORAFP8_PIN_CONFIGS (_pins.pinned)."""
+    pin: this launcher's name for _pins.pin_configs (_pins.pinned)."""
     poison = _base.POISON_OUTPUTS
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)

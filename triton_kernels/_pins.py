@@ -1,10 +1,7 @@
-"""DORAFP8_PIN_CONFIGS: one autotune config per launcher, named in a JSON file, instead of its list (what a first GPU
-run uses, so that a cold machine compiles each kernel once and autotunes nothing: bench/first_contact.py)."""
+"""Pinned autotune configs: one config per launcher instead of its list, set in-process with pin_configs (what a first
+GPU run uses, so that a cold machine compiles each kernel once and autotunes nothing: bench/first_contact.py)."""
 
 from __future__ import annotations
-
-import json
-import os
 
 _PINS: dict = {}
 
@@ -14,21 +11,18 @@ def config_name(cfg) -> str:
     return ",".join([f"{k}={v}" for k, v in cfg.kwargs.items()] + [f"w{cfg.num_warps}", f"s{cfg.num_stages}"])
 
 
+def pin_configs(pins: dict) -> None:
+    """Pins configs for this process. Args: pins, {pin: config_name or [config_name, ...]} with the pins
+    "forward/w8a16", "forward/w8a8", "dgrad/w8a16", "dgrad/w8a8", "weight_norm"; {} unpins. Raises: TypeError if
+    pins is not such a dict."""
+    if not isinstance(pins, dict) or not all(isinstance(v, (str, list)) for v in pins.values()):
+        raise TypeError(f"pins must be a dict {{pin: config name or [names]}}, got {pins!r}")
+    _PINS.clear()
+    _PINS.update(pins)
+
+
 def pinned(pin: str | None, configs: list) -> list:
-    """The configs a launcher tunes over: `configs`, or the one DORAFP8_PIN_CONFIGS pins for `pin` when the list holds
-    it. That variable names a JSON file {pin: config_name or [config_name, ...]}, pins "forward/w8a16", "forward/w8a8", "dgrad/w8a16",
-    "dgrad/w8a8", "weight_norm" (bench/first_contact.py pins the kernel report's model picks). Read once per
-    process."""
-    path = os.environ.get("DORAFP8_PIN_CONFIGS")
-    if not path or pin is None:
-        return configs
-    if path not in _PINS:
-        try:
-            with open(path) as f:
-                _PINS[path] = dict(json.load(f))
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"DORAFP8_PIN_CONFIGS must name a JSON file of {{pin: config}}, got {path!r}: "
-                             f"{type(e).__name__}: {e}") from None
-    want = _PINS[path].get(pin)
+    """The configs a launcher tunes over: `configs`, or the ones pin_configs pinned for `pin` that the list holds."""
+    want = _PINS.get(pin) if pin is not None else None
     want = [want] if isinstance(want, str) else list(want or ())  # a name, or one per main loop
     return [c for c in configs if config_name(c) in want] or configs

@@ -39,7 +39,6 @@ def dora_bwd_pass_kernel(
     HAS_SROW: tl.constexpr,     # per-row weight scales srow [N]
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
-    FOLD: tl.constexpr,         # gl_ptr, gb_ptr are [N] fp32: store the factors fl, fb, not g scaled by them
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
     BLOCK_R: tl.constexpr,
@@ -49,8 +48,6 @@ def dora_bwd_pass_kernel(
 ):
     NORM_L: tl.constexpr = HAS_ADAPTER or HAS_SROW  # gl = g * f / rl (else gl is g)
     NORM_B: tl.constexpr = HAS_ADAPTER and HAS_DROPOUT and HAS_SROW  # gb = g * srow / rb (else g, or none)
-    WRITE_GL: tl.constexpr = NORM_L and not FOLD
-    WRITE_GB: tl.constexpr = NORM_B and not FOLD
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
 
     # The maxima over all N (see the module docstring), elementwise first, reduced once at the end.
@@ -107,11 +104,6 @@ def dora_bwd_pass_kernel(
             if NORM_B:
                 fb = tl.math.div_rn(sr, rb)
         fl = tl.math.div_rn(f, rl)
-        if FOLD:  # the factors themselves, once per column (by the first row group)
-            if pid_m == 0:
-                tl.store(gl_ptr + offs_n, fl, mask=mask_n)
-                if HAS_DROPOUT:
-                    tl.store(gb_ptr + offs_n, fb, mask=mask_n)
         db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         dm_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         dB_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
@@ -122,10 +114,10 @@ def dora_bwd_pass_kernel(
             tile = mask_m[:, None] & mask_n[None, :]
             g = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
             db_acc += tl.sum(g, axis=0)
-            if WRITE_GL:
+            if NORM_L:
                 tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :],
                          (g * fl[None, :]).to(gl_ptr.dtype.element_ty), mask=tile)
-            if WRITE_GB:
+            if NORM_B:
                 tl.store(gb_ptr + rows[:, None] * stride_gb_m + offs_n[None, :],
                          (g * fb[None, :]).to(gb_ptr.dtype.element_ty), mask=tile)
             if HAS_ADAPTER:
@@ -233,27 +225,22 @@ def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, i
     return steps, csteps, cdiv(tiles_m, steps), cdiv(tiles_n, csteps)
 
 
-def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, fold=False):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     """See dorafp8/backends/base.py. g [M, N] (any row stride), z [M, N] (any float dtype), m [N] (any float dtype),
-    n / srow [N] fp32. fold: gl (and gb with dropout) come back as the fp32 [N] factors for dgrad's fl, fb."""
+    n / srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device
     adapter = m is not None
     f32 = dict(dtype=torch.float32, device=dev)
     has_srow = srow is not None
-    fold = bool(fold) and adapter
-    write_gl = (adapter or has_srow) and not fold
-    write_gb = adapter and dropout and has_srow and not fold
+    write_gl = adapter or has_srow
+    write_gb = adapter and dropout and has_srow
     need_dm = adapter and need_dm
     need_dB = adapter and need_dB
     r = B.shape[1] if adapter else 1
-    if fold:  # [N] factors, not [M, N] copies of g
-        gl = alloc((N,), torch.float32, dev)
-        gb = alloc((N,), torch.float32, dev) if dropout else None
-    else:
-        gl = alloc((M, N), cdt, dev) if write_gl else g
-        gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
+    gl = alloc((M, N), cdt, dev) if write_gl else g
+    gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
     rs = alloc((2,), torch.float32, dev)  # (rl, rb), written by the pass (1 where they are 1)
     v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
     db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
@@ -270,12 +257,12 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, fold=Fal
     ph = rs  # placeholder for pointers a variant never reads
     srow = vector(srow, torch.float32) if has_srow else ph
     consts = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=bool(dropout), HAS_SROW=has_srow, NEED_DM=need_dm,
-                  NEED_DBB=need_dB, FOLD=fold, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
+                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
                   BLOCK_N=bn, SCAN=SCAN_N, num_warps=warps, num_stages=stages)
 
     def args(steps, csteps, vpart, dmpart, dbpart, dBpart):
         return (g, z if need_dm else ph, m if adapter else ph, n if adapter else ph, srow, B if adapter else ph,
-                u if need_dB else ph, gl if (write_gl or fold) else ph, gb if (write_gb or (fold and dropout)) else ph,
+                u if need_dB else ph, gl if write_gl else ph, gb if write_gb else ph,
                 rs, vpart, dmpart, dbpart,
                 dBpart, M, N, r, steps, csteps,
                 g.stride(0), z.stride(0) if need_dm else 0, B.stride(0) if adapter else 0,

@@ -25,10 +25,10 @@ SCAN = 1024  # the chunk of the row scales that each program reads to find kappa
 
 @triton.jit
 def dequant_w8_kernel(
-    w_ptr, scale_ptr, rowf_ptr, out_ptr, fac_ptr,
+    w_ptr, scale_ptr, out_ptr, fac_ptr,
     N, K,
     stride_w_n, stride_scale_n, stride_out_n,
-    SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, HAS_ROWF: tl.constexpr,
+    SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_N: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -66,19 +66,15 @@ def dequant_w8_kernel(
         w = w * tl.load(scale_ptr + sb, mask=ok, other=0.0)
         two = tl.arange(0, 2)
         tl.store(fac_ptr + two, tl.full((2,), 1.0, tl.float32), mask=(two * 0 + pid_n + pid_k) == 0)
-    if HAS_ROWF:  # the folded dgrad's column factors of gl, on the weight's rows (after the scale, in fp32)
-        w = w * tl.load(rowf_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
     if out_ptr.dtype.element_ty == tl.bfloat16:
         w = bf16_value(w)  # rounded to nearest even, then cast exactly: the interpreter's own cast truncates
     tl.store(out_ptr + rows[:, None] * stride_out_n + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
-               rowf: torch.Tensor | None = None):
+def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
     """(W, fac): W [N, K] in `dtype` as the module docstring says, and fac fp32 ([N + 1] per row, [2] otherwise):
     fac[:-1] the forward epilogue's scale (per tensor a 0-dim view fac[0] fits), fac[-1] the dgrad epilogue's. Any
-    block size (the kernel reads each weight's block scale, it does not step through blocks). rowf, fp32 [N]: a
-    factor per row, applied after the scale (the folded dgrad's fl or fb: backends/base.py, FOLD_PARAMS)."""
+    block size (the kernel reads each weight's block scale, it does not step through blocks)."""
     N = w8.shape[0]
     row = scale.dim() == 1 and scale.numel() == N  # [1] for N = 1: a row scale, as dorafp8.quant.scale_kind and
     scale, kind = check_weight(w8, scale, block_size, any_block=True)  # the backward's srow take it, not a tensor's
@@ -86,9 +82,6 @@ def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: to
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     N, K = w8.shape
-    if rowf is not None and (rowf.dtype != torch.float32 or rowf.numel() != N or rowf.device != w8.device):
-        raise ValueError(f"rowf must be fp32 [{N}] on {w8.device}, got {rowf.dtype} {tuple(rowf.shape)} on "
-                         f"{rowf.device}")
     out = alloc((N, K), dtype, w8.device)
     fac = alloc((N + 1 if kind == "row" else 2,), torch.float32, w8.device)
     if N == 0 or K == 0:
@@ -96,17 +89,16 @@ def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: to
         return out, fac
     bn, bk = (16, 32) if interpreting() else DEQUANT_BLOCKS
     launch(dequant_w8_kernel, (cdiv(N, bn), cdiv(K, bk)))(
-        w8, scale, scale if rowf is None else rowf.reshape(-1).contiguous(), out, fac,  # (scale: a placeholder)
+        w8, scale, out, fac,
         N, K, w8.stride(0), scale.stride(0) if kind == "block" else 0, out.stride(0),
-        SCALE_KIND=kind, SCALE_BLOCK_SIZE=block_size if kind == "block" else 1, HAS_ROWF=rowf is not None,
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=block_size if kind == "block" else 1,
         BLOCK_N=bn, BLOCK_K=bk,
         SCAN_N=64 if interpreting() else SCAN,
     )
     return out, fac
 
 
-def dequant_w8_ref(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
-                   rowf: torch.Tensor | None = None):
+def dequant_w8_ref(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
     """The reference twin of dequant_w8, in PyTorch (fp32 products, rounded once to dtype)."""
     from ..quant import scale_kind, scale_rows
 
@@ -120,4 +112,4 @@ def dequant_w8_ref(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype
         f = scale_rows(scale, block_size, 0, N, K) if kind == "block" else scale
         fac = torch.ones(2, dtype=torch.float32, device=w8.device)
     w = w8.float() * f
-    return (w if rowf is None else w * rowf.reshape(-1, 1)).to(dtype), fac
+    return w.to(dtype), fac

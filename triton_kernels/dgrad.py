@@ -2,8 +2,8 @@
 
     dx = rl * st * (gl W8') + s v A     (dropout: rb * st * (gb W8') + mask / (1 - p) * (...))
 
-gl and gb come from the backward pass (backward.py); the folded variant, W8A8's W8^T and the cuBLAS strategy's use
-of `_dgrad_epilogue`: docs/ARCHITECTURE.md, "Design notes, by module".
+gl and gb come from the backward pass (backward.py); W8A8's W8^T and the cuBLAS strategy's use of `_dgrad_epilogue`:
+docs/ARCHITECTURE.md, "Design notes, by module".
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket,
-                      scale_block_size, vector, w8_via_f32)
+                      scale_block_size, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
 from .gemm import w8_gemm_loop, w8_gemm_loop_tma
@@ -76,8 +76,7 @@ def _dgrad_epilogue(
 @triton.jit
 def dora_dgrad_kernel(
     # Pointers
-    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr,
-    dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
@@ -89,7 +88,6 @@ def dora_dgrad_kernel(
     # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
-    FOLDED: tl.constexpr,       # gl_ptr is g and the W8 tile takes fl (and fb) per row: gl = g * fl is never stored
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight
     SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
@@ -106,7 +104,7 @@ def dora_dgrad_kernel(
     BLOCK_K: tl.constexpr,      # output columns (the K of x)
     BLOCK_N: tl.constexpr,      # reduction chunk (the N of y)
     GROUP_M: tl.constexpr,
-    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile), "tma" or "tma-ws" (persistent, W8^T): hopper.py
+    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile) or "tma-ws" (persistent, W8^T): hopper.py
 ):
     # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -114,10 +112,10 @@ def dora_dgrad_kernel(
     if MAIN_LOOP == "async-copy":
         pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M)
         _dgrad_tile(pid_m, pid_k, None, None, None, None, None,
-                    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr,
+                    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr,
                     mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
                     stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
                     W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K, BLOCK_N,
                     MAIN_LOOP)
     else:
@@ -125,7 +123,7 @@ def dora_dgrad_kernel(
         # made once per program, TMA zero-fills outside the tensors.
         gl_desc = tl.make_tensor_descriptor(gl_ptr, [M, N], [stride_gl_m, 1], [BLOCK_M, BLOCK_N])
         gb_desc = gl_desc
-        if HAS_DROPOUT and not FOLDED:
+        if HAS_DROPOUT:
             gb_desc = tl.make_tensor_descriptor(gb_ptr, [M, N], [stride_gb_m, 1], [BLOCK_M, BLOCK_N])
         w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [stride_w, 1], [BLOCK_K, BLOCK_N])
         v_desc = None
@@ -137,10 +135,10 @@ def dora_dgrad_kernel(
                              warp_specialize=MAIN_LOOP == "tma-ws"):
             pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, tile)
             _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
-                        gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr,
+                        gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr,
                         a_ptr, mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n,
                         stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                        HAS_ADAPTER, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT,
+                        HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT,
                         IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K,
                         BLOCK_N, MAIN_LOOP)
 
@@ -148,10 +146,10 @@ def dora_dgrad_kernel(
 @triton.jit
 def _dgrad_tile(
     pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,  # the tile; descriptors (None for "async-copy")
-    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, fl_ptr, fb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
     stride_mask_m, stride_dx_m, s, inv_keep,
-    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, FOLDED: tl.constexpr, SCALE_KIND: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr,
     SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -179,13 +177,12 @@ def _dgrad_tile(
         glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
         gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
         acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
-                                  mask_m, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND, SCALE_BLOCK_SIZE,
-                                  ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
+                                  mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
+                                  W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
     else:
         acc, acc_b = w8_gemm_loop_tma(w_desc, gl_desc, gb_desc, pid_k * BLOCK_K, pid_m * BLOCK_M, scale_ptr, s_offs,
-                                      stride_scale_n, mask_k, N, fl_ptr, fb_ptr, HAS_DROPOUT, FOLDED, SCALE_KIND,
-                                      SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K,
-                                      BLOCK_M, BLOCK_N)
+                                      stride_scale_n, mask_k, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT,
+                                      DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
 
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
@@ -248,32 +245,18 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl=None, fb=None):
-    """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride. With fl (and, with
-    dropout, fb), fp32 [N]: gl and gb are g itself and the left operands g * fl, g * fb are formed on the W8 tiles
-    (the backward pass's fold=True)."""
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
+    """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride."""
     scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
     N, K = w8.shape
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
-    folded = fl is not None
     quant = bool(act_quant)
-    if folded:
-        if quant:
-            raise ValueError(f"act_quant={act_quant!r} quantizes gl itself: it cannot take the factors fl, fb")
-        fl = vector(fl, torch.float32)
-        if has_dropout and fb is None:
-            raise ValueError("dropout with fl needs fb, the plain base term's factors [N]")
-        fb = vector(fb, torch.float32) if has_dropout else fl
-        if tuple(fl.shape) != (N,) or tuple(fb.shape) != (N,):
-            raise ValueError(f"fl and fb must be [{N}], got {tuple(fl.shape)} and {tuple(fb.shape)}")
     r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, gl.device, v, A, mask, p, gb, rb, rl)
     gb = check_activation(gb, "gb", N) if has_dropout else gl
     rl = rl.reshape(1).float()
-    if not folded:
-        fl = fb = rl  # placeholders, never read
     if M == 0 or K == 0:
         return dx
 
@@ -290,7 +273,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
     # The Hopper loop reads W8^T [K, N] (hopper.py says why): TMA must address its rows too (N bytes, 16-aligned)
     main_loop = gemm_main_loop(gl.device, fp32_tiles, gl, gb, w8) if N % 16 == 0 else "async-copy"
     rk = rank_dot((cdt,), r, v.dtype, A.dtype)
-    main_loop, rank_mode = ws_plan(main_loop, has_dropout, rk if has_adapter and float(s) != 0.0 else None, folded)
+    main_loop, rank_mode = ws_plan(main_loop, has_dropout, rk if has_adapter and float(s) != 0.0 else None)
     if rank_mode == "direct" and not tma_ready(v, A):
         main_loop, rank_mode = "async-copy", ""
     if main_loop == "async-copy":  # Triton 3.8 serializes some cp.async loops' tensor-core epilogues (rank_fma_for)
@@ -307,25 +290,25 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl
     def configs():  # made once per tag and arch: see autotuned
         if main_loop == "async-copy":
             lists = gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
-                                 (quant and fp8_promote(gl.device)) or folded, quant)
+                                 quant and fp8_promote(gl.device), quant)
         else:
             lists = ws_configs_for(arch_of(gl.device), "BLOCK_K", "BLOCK_N", M, quant)
         return fit_reduction_block(lists, "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1,
                                    main_loop)
 
     # W8A8's lists differ: quant in the tag
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, folded,
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant,
            main_loop)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
                        pin="dgrad/w8a8" if quant else "dgrad/w8a16")
     launch_gemm(
         kernel, gemm_grid(main_loop, M, K, "BLOCK_K", gl.device), main_loop, gl.device,
-        gl, gb, sgl, sgb, rl, rb, fl, fb, w, scale, v_k, A_k, mask, dx,
+        gl, gb, sgl, sgb, rl, rb, w, scale, v_k, A_k, mask, dx,
         M, N, K, r_k, m_bucket(M),
         gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v_k.stride(0),
         v_k.stride(1), A_k.stride(0), A_k.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
-        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, FOLDED=folded, SCALE_KIND=kind,
+        HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
         SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
         IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), MAIN_LOOP=main_loop, **rk,
     )

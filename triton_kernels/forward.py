@@ -143,7 +143,7 @@ def dora_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile), "tma" or "tma-ws" (persistent): hopper.py
+    MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile) or "tma-ws" (persistent): hopper.py
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -212,13 +212,12 @@ def _fwd_tile(
         xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
         xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
         acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
-                                  scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT,
-                                  DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
+                                  HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
+                                  FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
     else:
         acc, acc_d = w8_gemm_loop_tma(w_desc, x_desc, xm_desc, pid_n * BLOCK_N, pid_m * BLOCK_M, scale_ptr, s_offs,
-                                      1, mask_n, K, scale_ptr, scale_ptr, HAS_DROPOUT, False, SCALE_KIND,
-                                      SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_N,
-                                      BLOCK_M, BLOCK_K)
+                                      1, mask_n, K, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT,
+                                      IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
 
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   sx_ptr, sxm_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,

@@ -29,37 +29,25 @@ def w8_to(w, DOT_DT: tl.constexpr, VIA_F32: tl.constexpr):
 
 
 @triton.jit
-def _w8_step(w, at, act2_ptrs, acc, acc2, r0, offs_red, red_ok, mask_m, scale_ptr, s_offs, stride_s_red, mask_out,
-             redf_ptr, redf2_ptr, TWO_ACC: tl.constexpr, RED_FACTOR: tl.constexpr, SCALE_KIND: tl.constexpr,
-             SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
-             W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
-             A2T=None):
+def _w8_step(w, at, act2_ptrs, acc, acc2, r0, red_ok, mask_m, scale_ptr, s_offs, stride_s_red, mask_out,
+             TWO_ACC: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr,
+             ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr,
+             FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, A2T=None):
     """One reduction step of both main loops: the W8 tile w [B_OUT, B_RED] and act^T at [B_RED, BLOCK_M] loaded (with
     TWO_ACC, act2^T from act2_ptrs, or given as A2T by the TMA loop), converted and multiplied into (acc, acc2)."""
-    w2 = w
     if not ACT_QUANT:
-        if RED_FACTOR:
-            # e4m3 -> fp32 is exact; W8 * f is rounded once into DOT_DT (|f| <= 1, normalized by the backward
-            # pass, so |W'| <= 448 cannot overflow fp16)
-            wf = w.to(tl.float32)
-            w = (wf * tl.load(redf_ptr + r0 + offs_red, mask=red_ok, other=0.0)[None, :]).to(DOT_DT)
-            if TWO_ACC:
-                w2 = (wf * tl.load(redf2_ptr + r0 + offs_red, mask=red_ok, other=0.0)[None, :]).to(DOT_DT)
-        else:
-            # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before
-            # the dot (on Hopper it is wgmma's register operand): the scale waits for fp32.
-            w = w8_to(w, DOT_DT, W8_VIA_F32)
-            w2 = w
+        # fp8 -> compute dtype is exact (e4m3 fits fp16 and bf16) and nothing else touches the W8 tile before the dot
+        # (on Hopper it is wgmma's register operand): the scale waits for fp32.
+        w = w8_to(w, DOT_DT, W8_VIA_F32)
         at = at.to(DOT_DT)
     a2t = at
     if TWO_ACC:
-        if not RED_FACTOR:
-            if A2T is None:
-                a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
-            else:
-                a2t = A2T
-            if not ACT_QUANT:
-                a2t = a2t.to(DOT_DT)
+        if A2T is None:
+            a2t = tl.load(act2_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
+        else:
+            a2t = A2T
+        if not ACT_QUANT:
+            a2t = a2t.to(DOT_DT)
     if SCALE_KIND == "block":
         # This step lies in one block along the reduction: scale its partial product per out^T row, in fp32.
         # (scale_ptr + scalar) + s_offs, not pointers + scalar: see the module docstring
@@ -67,17 +55,17 @@ def _w8_step(w, at, act2_ptrs, acc, acc2, r0, offs_red, red_ok, mask_m, scale_pt
                        other=0.0)[:, None]
         acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
         if TWO_ACC:
-            acc2 += dot(w2, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
+            acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE) * sblk
     elif ACT_QUANT and FP8_PROMOTE:
         # fp8 wgmma (Hopper) accumulates in reduced precision: each step's product starts from zero and joins acc
         # in fp32 (_common.fp8_promote_for), like the block-scale steps above.
         acc += dot(w, at, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
         if TWO_ACC:
-            acc2 += dot(w2, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
+            acc2 += dot(w, a2t, tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32), IEEE)
     else:
         acc = dot(w, at, acc, IEEE)
         if TWO_ACC:
-            acc2 = dot(w2, a2t, acc2, IEEE)
+            acc2 = dot(w, a2t, acc2, IEEE)
     return acc, acc2
 
 
@@ -89,9 +77,7 @@ def w8_gemm_loop(
                              # scale at reduction 0 from scale_ptr; the scale grid's stride along the reduction
     mask_out, mask_m,        # [B_OUT], [BLOCK_M]
     RED,                     # length of the reduction
-    redf_ptr, redf2_ptr,     # fp32 [RED] factors along the reduction (read only with RED_FACTOR)
     TWO_ACC: tl.constexpr,   # act2 given (dropout): a second accumulator act2 W^T shares every W8 tile
-    RED_FACTOR: tl.constexpr,  # W8 tile times redf per reduction index (acc2: times redf2, on act): the dgrad's f
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
@@ -100,11 +86,7 @@ def w8_gemm_loop(
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
     left to the epilogue. acc2 is zeros (dead code, removed) without TWO_ACC. Masked rows and the ragged end of the
     reduction load zeros, so they add exactly 0. The loads are plain (Triton pipelines them as asynchronous copies,
-    cp.async, guarded by CTA-wide barriers); w8_gemm_loop_tma is the same loop on tensor descriptors.
-
-    RED_FACTOR (the dgrad, W8A16): W'[o, j] = W8[o, j] * redf[j], formed in fp32 as the tile is converted and rounded
-    once into DOT_DT, and acc2 = act (W8 * redf2)^T on the same act tile (act2 is not read). The dgrad's left operand
-    g * f (f per column of g, the reduction there) is then never written to memory: (g * f) W8 = g (f * W8)."""
+    cp.async, guarded by CTA-wide barriers); w8_gemm_loop_tma is the same loop on tensor descriptors."""
     offs_red = tl.arange(0, B_RED)
     acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
@@ -112,11 +94,11 @@ def w8_gemm_loop(
         red_ok = offs_red < RED - r0
         w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
         at = tl.load(act_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
-        acc, acc2 = _w8_step(w, at, act2_ptrs, acc, acc2, r0, offs_red, red_ok, mask_m, scale_ptr, s_offs,
-                             stride_s_red, mask_out, redf_ptr, redf2_ptr, TWO_ACC, RED_FACTOR, SCALE_KIND,
-                             SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, B_OUT, BLOCK_M)
+        acc, acc2 = _w8_step(w, at, act2_ptrs, acc, acc2, r0, red_ok, mask_m, scale_ptr, s_offs, stride_s_red,
+                             mask_out, TWO_ACC, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
+                             FP8_PROMOTE, B_OUT, BLOCK_M)
         act_ptrs += B_RED  # before act2_ptrs: see the module docstring
-        if TWO_ACC and not RED_FACTOR:
+        if TWO_ACC:
             act2_ptrs += B_RED
         w_ptrs += B_RED * stride_w_red
     return acc, acc2
@@ -127,8 +109,8 @@ def w8_gemm_loop_tma(
     w_desc, act_desc, act2_desc,  # tensor descriptors: W8 (or W8^T) [OUT, RED] in [B_OUT, B_RED] boxes, act and act2
                              # [M, RED] in [BLOCK_M, B_RED] boxes (hopper.py makes them)
     off_out, off_m,          # the tile's first out^T row and first activation row
-    scale_ptr, s_offs, stride_s_red, mask_out, RED, redf_ptr, redf2_ptr,  # as in w8_gemm_loop
-    TWO_ACC: tl.constexpr, RED_FACTOR: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr,
+    scale_ptr, s_offs, stride_s_red, mask_out, RED,  # as in w8_gemm_loop
+    TWO_ACC: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr,
     ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr,
     FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr, BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
 ):
@@ -137,17 +119,15 @@ def w8_gemm_loop_tma(
     masked. Triton pipelines the descriptor loads into a ring of shared-memory stages guarded by mbarriers; under warp
     specialization (the kernels' tile loop) a producer warp issues them and two consumer warpgroups each convert and
     multiply half of the W8 tile, with no CTA-wide barrier in the loop (docs/INSPECT.md, "The Hopper main loop")."""
-    offs_red = tl.arange(0, B_RED)
     acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     for r0 in range(0, RED, B_RED):
-        red_ok = offs_red < RED - r0  # read by RED_FACTOR's and the block scales' loads only
         w = w_desc.load([off_out, r0])
         at = act_desc.load([off_m, r0]).T
         a2t = at
-        if TWO_ACC and not RED_FACTOR:
+        if TWO_ACC:
             a2t = act2_desc.load([off_m, r0]).T
-        acc, acc2 = _w8_step(w, at, None, acc, acc2, r0, offs_red, red_ok, None, scale_ptr, s_offs, stride_s_red,
-                             mask_out, redf_ptr, redf2_ptr, TWO_ACC, RED_FACTOR, SCALE_KIND, SCALE_BLOCK_SIZE,
-                             ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, B_OUT, BLOCK_M, A2T=a2t)
+        acc, acc2 = _w8_step(w, at, None, acc, acc2, r0, None, None, scale_ptr, s_offs, stride_s_red, mask_out,
+                             TWO_ACC, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE,
+                             B_OUT, BLOCK_M, A2T=a2t)
     return acc, acc2

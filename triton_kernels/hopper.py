@@ -1,6 +1,6 @@
 """The Hopper main loop of the fp8 GEMMs (forward and dgrad): when it is used, its tiles, its grid, and what it needs at
-launch. MAIN_LOOP names the loop: "async-copy" (cp.async, one program per tile, every GPU), "tma" (kept for the
-kernel report) and "tma-ws" (TMA, persistent, warp-specialized; sm_90a). DORAFP8_HOPPER_GEMM=0 picks "async-copy"
+launch. MAIN_LOOP names the loop: "async-copy" (cp.async, one program per tile, every GPU) or "tma-ws" (TMA,
+persistent, warp-specialized; sm_90a). DORAFP8_HOPPER_GEMM=0 picks "async-copy"
 everywhere. What each loop is and why: docs/ARCHITECTURE.md, "Design notes, by module"; docs/INSPECT.md.
 """
 
@@ -18,7 +18,7 @@ from .occupancy import sm_props
 from .epilogue_dot import bf16_value
 
 ENV = "DORAFP8_HOPPER_GEMM"
-MAIN_LOOPS = ("async-copy", "tma", "tma-ws")
+MAIN_LOOPS = ("async-copy", "tma-ws")
 
 
 def main_loop_for(arch: str) -> str:
@@ -148,13 +148,13 @@ def launch_gemm(kernel, grid, main_loop: str, device: torch.device, *args, **kwa
     return run(*args, **kwargs)
 
 
-def ws_plan(loop: str, dropout: bool, rank: dict | None, folded: bool = False) -> tuple[str, str]:
+def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
     """(main loop, rank mode) of a GEMM launch whose tensors allow `loop` (gemm_main_loop): "tma-ws" falls back to
-    "async-copy" where the partitioner cannot take it (the module docstring; the folded dgrad's per-step factor loads
-    too). rank: the epilogue's rank_dot constexprs (None without a rank-r term). Rank mode: "" (none, or pointer
-    loads: "async-copy"), "direct" (descriptors on the rank operands as they are: 16-bit), "pieces" (rank_pieces' bf16
-    operands for split_dot's products)."""
-    if loop == "tma-ws" and (dropout or folded or (rank and rank["LORA_IEEE"] and not rank["LORA_SPLIT"])):
+    "async-copy" where the partitioner cannot take it (the module docstring). rank: the epilogue's rank_dot
+    constexprs (None without a rank-r term). Rank mode: "" (none, or pointer loads: "async-copy"), "direct"
+    (descriptors on the rank operands as they are: 16-bit), "pieces" (rank_pieces' bf16 operands for split_dot's
+    products)."""
+    if loop == "tma-ws" and (dropout or (rank and rank["LORA_IEEE"] and not rank["LORA_SPLIT"])):
         return "async-copy", ""
     if loop == "async-copy" or rank is None:
         return loop, ""

@@ -30,7 +30,6 @@ import torch
 
 import triton
 
-from ..backends.base import fold_requested
 from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
@@ -131,7 +130,7 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
 
 
 # The headline variants (kernel_report.predict) are also compiled with the main loops the launchers do not pick on that
-# arch, so that the report can set them side by side: on sm_90a the cp.async loop and TMA without warp specialization.
+# arch, so that the report can set them side by side: on sm_90a the cp.async loop.
 # The small-M one is where the cp.async loop's small-M lists get compiled on sm_90a (the launchers' fallback there).
 COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
             "adapter,tensor-scale,M<=64,fp32-rank,r=16")
@@ -141,7 +140,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
     kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (its runtime args, its
     constexprs beyond the shared ones). The main loop is the launchers' (hopper.gemm_main_loop, tensors aligned as
-    here); a variant with another is named with it (",async-copy", ",tma")."""
+    here); a variant with another is named with it (",async-copy")."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
@@ -157,7 +156,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
             for asked in loops:
                 rdt = torch.float32 if rank_dt == "fp32" else dt
                 rk = rank_dot((dt,), r, rdt)  # as the launchers
-                loop, rank_mode = ws_plan(asked, dropout, rk if adapter else None, dgrad and _folded(adapter, quant))
+                loop, rank_mode = ws_plan(asked, dropout, rk if adapter else None)
                 if loop == "async-copy":
                     rk = rank_dot((dt,), r, rdt, fma=rank_fma_for(arch, dgrad, dropout))
                 if loop != asked and asked != picked:
@@ -171,8 +170,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                                   HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant,
                                   W8_VIA_F32=w8_via_f32_for(arch), FP8_PROMOTE=fp8_promote_for(arch),
                                   MAIN_LOOP=loop, **rk)
-                if loop != "tma-ws":  # "tma" on the cp.async loop's tiles: the same steps, loaded otherwise
-                    lean = (quant and fp8_promote_for(arch)) or extra.get("FOLDED", False)  # as the launchers
+                if loop == "async-copy":
+                    lean = quant and fp8_promote_for(arch)  # as the launchers
                     lists = gemm_configs_for(arch, out_name, red_name, dropout, m, fp32_tiles, lean, quant)
                 else:
                     lists = ws_configs_for(arch, out_name, red_name, m, quant)
@@ -180,12 +179,6 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                 suffix = "" if asked == picked else f",{loop}"
                 out.append(Variant(name + suffix, dt_name, args, constexprs, configs))
     return out
-
-
-def _folded(adapter, quant):
-    # a DoRA layer's W8A16 dgrad is folded (gl's factors on the W8 tiles) where DORAFP8_FOLD_DGRAD=1 asks for it, as
-    # at run time (backends/base.py, fold_requested); the plain FP8Linear's and W8A8's never are
-    return adapter and not quant and fold_requested()
 
 
 def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
@@ -206,7 +199,7 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     # W8A8 and the Hopper loops read W8^T [K, N] (dgrad.py, hopper.py), the cp.async W8A16 loop W8 [N, K]
     w8t = quant or loop != "async-copy"
     args = dict(
-        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, fl_ptr=F32, fb_ptr=F32, w_ptr=FP8,
+        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8,
         scale_ptr=F32, v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
         stride_gl_m=N, stride_gb_m=N, stride_w=N if w8t else K,
@@ -215,7 +208,7 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
     )
-    return args, dict(FOLDED=_folded(adapter, quant))
+    return args, {}
 
 
 def _forward_variants(arch: str) -> list[Variant]:
@@ -284,13 +277,10 @@ def _dgrad_epilogue_variants(arch: str) -> list[Variant]:
 
 def _bwd_pass_variants(arch: str) -> list[Variant]:
     out = []
-    # (adapter, dropout, srow, fold, name): with DORAFP8_FOLD_DGRAD=1 a DoRA layer's W8A16 pass folds (it writes gl's
-    # factors, not gl) and its W8A8 pass, which writes gl for the dgrad to quantize, becomes a variant of its own
-    fold = fold_requested()
-    modes = [(False, False, True, False, "plain,row-scale"), (True, False, False, fold, "adapter"),
-             (True, True, False, fold, "adapter+dropout"), (True, True, True, fold, "adapter+dropout,row-scale")]
-    modes += [(True, False, False, False, "adapter,w8a8")] if fold else []
-    for (dt_name, dt), rdt_name, (adapter, dropout, srow, fold, mode), r in itertools.product(
+    # (adapter, dropout, srow, name)
+    modes = [(False, False, True, "plain,row-scale"), (True, False, False, "adapter"),
+             (True, True, False, "adapter+dropout"), (True, True, True, "adapter+dropout,row-scale")]
+    for (dt_name, dt), rdt_name, (adapter, dropout, srow, mode), r in itertools.product(
             DTYPES.items(), ("same", "fp32"), modes, (16, 128)):
         rdt = dt if rdt_name == "same" else torch.float32
         if rdt_name == "fp32" and dt == torch.float32:
@@ -298,15 +288,14 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         v_dt, v_ieee = dot_dtype(dt, rdt)
         bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
         args = dict(
-            g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=F32 if fold else dt,
-            gb_ptr=F32 if fold else dt,
+            g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=dt, gb_ptr=dt,
             rs_ptr=F32, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
             M=LARGE_M, N=N, R=r, STEPS=8, CSTEPS=2,
             stride_g_m=N, stride_z_m=N, stride_b_n=r, stride_b_r=1, stride_u_m=r, stride_u_r=1, stride_gl_m=N,
             stride_gb_m=N,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_SROW=srow, NEED_DM=adapter,
-                          NEED_DBB=adapter, FOLD=fold, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
+                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
                           BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn, SCAN=SCAN_N)
         name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
         out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))
@@ -395,16 +384,15 @@ def _transpose_w8_variants(arch: str) -> list[Variant]:
 
 
 def _dequant_variants(arch: str) -> list[Variant]:
-    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the forward's and
-    the folded dgrad's (",rowf": gl's factors on the rows)."""
+    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind."""
     bn, bk = DEQUANT_BLOCKS
-    return [Variant(f"{kind}-scale{',rowf' if rowf else ''}", dt_name,
-                    dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
+    return [Variant(f"{kind}-scale", dt_name,
+                    dict(w_ptr=FP8, scale_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
                          stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K),
-                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), HAS_ROWF=rowf,
+                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE),
                          SCAN_N=SCAN),
                     _fixed(BLOCK_N=bn, BLOCK_K=bk))
-            for (dt_name, dt), kind, rowf in itertools.product(DTYPES.items(), SCALE_KINDS, (False, True))]
+            for (dt_name, dt), kind in itertools.product(DTYPES.items(), SCALE_KINDS)]
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:

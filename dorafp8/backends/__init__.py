@@ -20,7 +20,6 @@ kept: the device and the installed extensions do not change within a process.
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 
@@ -30,14 +29,6 @@ from . import base
 
 BACKENDS = ("reference", "triton", "cuda", "cublas", "native")
 _CHOICES = ("auto",) + BACKENDS
-# Which module implements each backend (imported lazily: triton and the CUDA extension are optional).
-_MODULES = {
-    "reference": "dorafp8.backends.reference",
-    "triton": "dorafp8.triton_kernels",
-    "cuda": "dorafp8.backends.cuda",
-    "cublas": "dorafp8.backends.cublas",
-    "native": "dorafp8.backends.native",
-}
 _loaded: dict[str, ModuleType | str] = {}
 _reasons: dict[tuple[str, torch.device], str | None] = {}
 
@@ -50,11 +41,27 @@ def check_backend_name(name: str | None) -> str:
     return name
 
 
+def _import(name: str) -> ModuleType:
+    """The module that implements backend `name` (one of BACKENDS), by a plain import, made on first use: Triton and
+    the CUDA extension are optional and slow to import."""
+    if name == "triton":
+        from .. import triton_kernels as mod  # triton_kernels/ in the repository
+    elif name == "cublas":
+        from . import cublas as mod
+    elif name == "cuda":
+        from . import cuda as mod
+    elif name == "native":
+        from . import native as mod
+    else:
+        from . import reference as mod
+    return mod
+
+
 def _load(name: str) -> ModuleType | str:
     """The backend's module, or a string saying why it could not be imported."""
     if name not in _loaded:
         try:
-            _loaded[name] = importlib.import_module(_MODULES[name])
+            _loaded[name] = _import(name)
         except Exception as e:  # ImportError, or triton failing to initialise
             _loaded[name] = f"backend {name!r} could not be imported: {type(e).__name__}: {e}"
     return _loaded[name]
@@ -138,16 +145,6 @@ def module(name: str) -> ModuleType:
     if isinstance(mod, str):
         raise RuntimeError(mod)
     return mod
-
-
-def folds_dgrad(name: str) -> bool:
-    """Whether a concrete backend runs the folded dgrad (base.py, FOLD_PARAMS): it offers it (FOLDS_DGRAD) and
-    DORAFP8_FOLD_DGRAD=1 asks for it (base.fold_requested; off by default). Its backward pass then hands back the
-    per-column factors of gl instead of gl, and its dgrad applies them to the weight tiles. A backend whose fold costs
-    nothing (the cuBLAS strategy's: on its dequantize) sets FOLDS_BY_DEFAULT and folds without being asked."""
-    mod = module(name)
-    asked = base.fold_requested() or getattr(mod, "FOLDS_BY_DEFAULT", False)
-    return bool(getattr(mod, "FOLDS_DGRAD", False)) and bool(asked)
 
 
 def quants_in_project(name: str) -> bool:

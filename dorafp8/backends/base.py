@@ -9,7 +9,6 @@ docs/ARCHITECTURE.md, "Design notes, by module".
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Optional, Protocol
 
 import torch
@@ -145,15 +144,6 @@ class Backend(Protocol):
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
-# The folded dgrad, an option a backend offers by setting FOLDS_DGRAD = True (the Triton and cuBLAS backends do; the
-# cuBLAS one runs it by default, FOLDS_BY_DEFAULT, since it rides on its dequantize). W8A16 only.
-#   backward_pass(..., fold=True): gl (and gb, with dropout) come back as fp32 [N] factors, fl = f / rl and
-#     fb = srow / rb (ones without srow), instead of the [M, N] copies g * fl and g * fb; rs as without fold.
-#   dgrad(g, rl, ..., gb=g, fl=fl, fb=fb): the contract's dgrad of gl = g * fl and gb = g * fb, with the factors
-#     applied to the fp8 weight tiles as they are converted, (g * f) W0 = g (f * W0): gl is never written to memory
-#     (one [M, N] write and read fewer per backward; docs/ARCHITECTURE.md, "The kernel plan").
-FOLD_PARAMS = {"backward_pass": ("fold",), "dgrad": ("fl", "fb")}
-
 # W8A8's quantization of x in the projection, an option a backend offers by setting QUANTS_IN_PROJECT = True (the
 # Triton backend does; run whenever act_quant="rowwise"):
 #   project(..., quant=True): (u, a8, sa): u as without it, and `a` itself (never masked) quantized per row by the
@@ -165,19 +155,7 @@ QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
 # GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
 # (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS}
-
-# Opt-in, off by default (for the fused GEMMs; backends/__init__.py folds_dgrad): the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
-# shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound
-# (`python -m dorafp8.kernel_report --predict`: dgrad 0.41 -> 0.50 ms, the layer 1.22x -> 1.30x the Linear). Predicted,
-# not measured: DORAFP8_FOLD_DGRAD=1 turns it on, for the layer and for the kernel report, until a GPU decides.
-FOLD_ENV = "DORAFP8_FOLD_DGRAD"
-
-
-def fold_requested() -> bool:
-    """Whether DORAFP8_FOLD_DGRAD=1 asks for the folded dgrad (read at each call, so a test can set it)."""
-    return os.environ.get(FOLD_ENV) == "1"
-
+OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS}
 
 def signature_mismatches(impl) -> list[str]:
     """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""

@@ -19,11 +19,6 @@ from ..triton_kernels.forward import forward_epilogue
 
 
 SUPPORTS = frozenset({"block", "fp32"})  # no W8A8 (act_quant="rowwise") (see the module docstring)
-# The folded dgrad (base.py, FOLD_PARAMS), on by default here: gl's factors ride on the dequantize, which reads and
-# writes the same bytes with or without them, and the backward pass no longer writes g * fl ([M, N], then read again
-# by the matmul): 64 MiB fewer at the headline. (The fused GEMMs pay for it in their main loop: opt-in there.)
-FOLDS_DGRAD = True
-FOLDS_BY_DEFAULT = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -37,13 +32,13 @@ project_grad = tk.project_grad
 backward_pass = tk.backward_pass
 
 
-def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, rowf=None):
+def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
     """(W, fac): one layer's transient W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes it
     (so a 16-bit product stays in range: W8 alone reaches 448), in one launch that reads 1 byte and writes 2 per
     weight (triton_kernels/dequant.py: per tensor the scale, per row the largest row scale kappa, whose ratios the
     epilogue applies, per block the scales themselves), and the factors the epilogues need, written by the same
-    launch: fac[:-1] the forward's, fac[-1] the dgrad's. rowf: the folded dgrad's factors, on W's rows."""
-    return dequant_w8(w8, scale, block_size, dtype, rowf)
+    launch: fac[:-1] the forward's, fac[-1] the dgrad's."""
+    return dequant_w8(w8, scale, block_size, dtype)
 
 
 def _forward_rest(fac: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -69,18 +64,12 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, m, n, u, B, s, need_z, z_dtype, x.dtype)
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl=None, fb=None):
-    """The contract's dgrad; with fl (and fb with dropout), the folded one (base.py, FOLD_PARAMS): gl, gb are g
-    itself and the factors go onto the transient weight's rows as it is dequantized, (g * fl) W = g (fl * W), in
-    fp32 before its one rounding, so the backward pass writes no [M, N] copy of g."""
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     _not_w8a8(act_quant)
     dropout = v is not None and mask is not None
-    w, fac = _transient_weight(w8, scale, block_size, gl.dtype, fl)
+    w, fac = _transient_weight(w8, scale, block_size, gl.dtype)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     t = gl @ w
-    if dropout and fl is not None:  # the plain base term's weight carries fb, not fl
-        del w
-        w, _ = _transient_weight(w8, scale, block_size, gl.dtype, fb)
     tb = gb @ w if dropout else None
     del w
     # The contract's st (per-tensor scale, applied in the epilogue) is now in w: per tensor the epilogue multiplies by

@@ -100,29 +100,22 @@ def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None
 def backward_pass_op(g: Tensor, srow: Optional[Tensor], backend: str, z: Optional[Tensor] = None,
                      m: Optional[Tensor] = None, n: Optional[Tensor] = None, B: Optional[Tensor] = None,
                      u: Optional[Tensor] = None, s: float = 0.0, dropout: bool = False, need_dm: bool = False,
-                     need_dB: bool = False, fold: bool = False
+                     need_dB: bool = False
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The plain FP8 linear leaves the DoRA arguments (z, m, n, B, u, s, dropout, need_dm, need_dB) at their
-    defaults. Returns (gl, rs, gb, v, dm, db, dB), absent ones as empty placeholders; with fold (backends whose
-    FOLDS_DGRAD is set: base.py, FOLD_PARAMS) gl and gb are the fp32 [N] factors."""
-    extra = {"fold": True} if fold else {}
+    defaults. Returns (gl, rs, gb, v, dm, db, dB), absent ones as empty placeholders."""
     out = backends.module(backend).backward_pass(g=g, z=z, m=m, n=n, srow=srow, B=B, u=u, s=s, dropout=dropout,
-                                                 need_dm=need_dm, need_dB=need_dB, **extra)
+                                                 need_dm=need_dm, need_dB=need_dB)
     # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
     return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
 
 
 @backward_pass_op.register_fake
-def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=False, need_dm=False, need_dB=False,
-      fold=False):
+def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=False, need_dm=False, need_dB=False):
     M, N = g.shape
     adapter = m is not None
-    if fold and adapter:
-        gl = g.new_empty(N, dtype=torch.float32)
-        gb = g.new_empty(N, dtype=torch.float32) if dropout else g.new_empty(0)
-    else:
-        gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
-        gb = g.new_empty(M, N) if (adapter and dropout and srow is not None) else g.new_empty(0)
+    gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
+    gb = g.new_empty(M, N) if (adapter and dropout and srow is not None) else g.new_empty(0)
     v = g.new_empty(M, B.shape[1], dtype=B.dtype) if adapter else g.new_empty(0)
     dm = g.new_empty(N, dtype=m.dtype) if (adapter and need_dm) else g.new_empty(0)
     dB = g.new_empty(N, B.shape[1], dtype=B.dtype) if (adapter and need_dB) else g.new_empty(0)
@@ -132,19 +125,16 @@ def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=F
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())
 def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, act_quant: str, backend: str,
              v: Optional[Tensor] = None, A: Optional[Tensor] = None, s: float = 0.0, mask: Optional[Tensor] = None,
-             p: float = 0.0, gb: Optional[Tensor] = None, rb: Optional[Tensor] = None, fl: Optional[Tensor] = None,
-             fb: Optional[Tensor] = None, global_scale: Optional[Tensor] = None) -> Tensor:
-    """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults; fl, fb: the
-    folded dgrad (gl is g; base.py, FOLD_PARAMS)."""
-    extra = {"fl": fl, "fb": fb} if fl is not None else {}
-    extra.update(_global(global_scale))
+             p: float = 0.0, gb: Optional[Tensor] = None, rb: Optional[Tensor] = None,
+             global_scale: Optional[Tensor] = None) -> Tensor:
+    """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults."""
     return backends.module(backend).dgrad(gl=gl, rl=rl, w8=w8, scale=scale, block_size=block_size, v=v, A=A, s=s,
-                                          mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant, **extra)
+                                          mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant, **_global(global_scale))
 
 
 @dgrad_op.register_fake
 def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, mask=None, p=0.0, gb=None, rb=None,
-      fl=None, fb=None, global_scale=None):
+      global_scale=None):
     return gl.new_empty(gl.shape[0], weight_dims(w8)[1])
 
 

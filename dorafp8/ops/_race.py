@@ -5,11 +5,11 @@ Trust on first use. The ops checked: a DoRA layer's step ("dora", its weight nor
 and weight_norm called alone ("norm": PEFT's layers cache their norm that way, and it is the one backend kernel of the
 DoRA convs, whose convolutions are the platform's on a dequantized weight: nothing of theirs is picked here). The
 first call of a key (the op, N, K, M's power-of-two bucket (not for "norm"), r's bucket, bias, scale kind and
-block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switches that change kernels: DORAFP8_HOPPER_GEMM,
-DORAFP8_FOLD_DGRAD, DORAFP8_PIN_CONFIGS) on a GPU looks the key up in a JSON file named after the device (name,
+block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switch that changes kernels: DORAFP8_HOPPER_GEMM)
+on a GPU looks the key up in a JSON file named after the device (name,
 capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
 dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
-(`python -m dorafp8 check SPEC`, time limit DORAFP8_RACE_TIMEOUT_S, 300 s) runs each candidate of RACERS that can
+(`python -m dorafp8 check SPEC PARENT_PID`, time limit TIMEOUT_S, 300 s) runs each candidate of RACERS that can
 run here, on random inputs of the key's shape (plan(): its first rows of the weight where the whole does not fit the
 memory bound below) at M = 37 and at the largest M up to the key's that fits: y, dx, dA, dB, dm (and db)
 against the fp32 `reference` backend on the same inputs, each element within ROOM * tol(dtype) * (|ref| + max|ref|)
@@ -83,7 +83,7 @@ MARGIN = 0.05  # a candidate later in the static order is picked only if it is t
 ROUNDS = 7  # timed calls per candidate, interleaved
 MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
-SWITCHES = ("DORAFP8_HOPPER_GEMM", "DORAFP8_FOLD_DGRAD", "DORAFP8_PIN_CONFIGS")
+SWITCHES = ("DORAFP8_HOPPER_GEMM",)
 # The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
@@ -104,8 +104,11 @@ def racing(backend: str | None, device: torch.device) -> bool:
             and os.environ.get("DORAFP8_RACE", "1") != "0")
 
 
+TIMEOUT_S = 300.0  # what a child may take: a kernel that hangs is dropped on this GPU after it
+
+
 def timeout_s() -> float:
-    return float(os.environ.get("DORAFP8_RACE_TIMEOUT_S", "300"))
+    return float(TIMEOUT_S)
 
 
 def bucket(n: int) -> int:
@@ -448,11 +451,12 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran can be
     blamed): killed at the limit, or its exit; not a SIGKILL from outside (the OOM killer, an operator), which says
     nothing of the kernel."""
-    env = dict(os.environ, DORAFP8_RACE="0", DORAFP8_RACE_PARENT=str(os.getpid()))
+    env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     limit = timeout_s()
-    try:
-        proc = subprocess.Popen(CHILD + [json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    try:  # the limit and this process's id go with the spec: the child's watchdog ends it at either
+        proc = subprocess.Popen(CHILD + [json.dumps(dict(spec, limit_s=limit)), str(os.getpid())],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, start_new_session=True)
     except OSError as e:
         return "", f"the child could not start: {e}", False
@@ -461,7 +465,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (DORAFP8_RACE_TIMEOUT_S) and was killed", True
+        return out, f"it did not finish within {limit:g} s (ops/_race.py, TIMEOUT_S) and was killed", True
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise

@@ -76,10 +76,10 @@ def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
     return None
 
 
-def _watchdog(limit: float) -> None:
+def _watchdog(limit: float, parent: int) -> None:
     """The child ends itself at the time limit, or when its parent is gone (a parent killed by SIGKILL cannot kill
     it), even while a hanging kernel blocks its main thread."""
-    parent, end = int(os.environ.get("DORAFP8_RACE_PARENT") or os.getppid()), time.monotonic() + limit
+    end = time.monotonic() + limit
 
     def watch():
         while time.monotonic() < end and os.getppid() == parent:
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
     the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
     spec = json.loads(argv[0])
-    _watchdog(timeout_s())
+    _watchdog(float(spec.get("limit_s", timeout_s())), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False

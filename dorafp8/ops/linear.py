@@ -90,25 +90,19 @@ class DoRAFP8Function(torch.autograd.Function):
                     zeros(A) if need_dA else None, zeros(B) if need_dB else None,
                     zeros(m) if need_dm else None, None, None, None, None, None, None, None)
         srow = row_scale(scale)
-        # The folded dgrad (backends/base.py, FOLD_PARAMS): the pass returns gl's per-column factors and the dgrad
-        # applies them to the weight tiles, so gl = g * f is never written to memory. W8A8 quantizes gl itself.
-        fold = bool(need_dx) and not ctx.act_quant and backends.folds_dgrad(ctx.backend)
         with torch.autocast(g.device.type, enabled=False):
             # dm, dB, db come back final (scaled, in their parameters' dtypes); rs = (rl, rb) stays on the device.
             gl, rs, gb, v, dm, db, dB = _ops.backward_pass_op(
                 g, srow, backend=ctx.backend, z=z if need_dm else None, m=m, n=n, B=B, u=u if need_dB else None,
-                s=s, dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB), fold=fold)
+                s=s, dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB))
             if need_dx:
                 rl, rb = rs[0], rs[1]  # 0-dim views: no copy
-                fl = fb = None
-                if fold:  # gl, gb came back as the factors: the dgrad's operand is g itself
-                    fl, fb, gl = gl, gb, g
                 if mask is None:
-                    gb = rb = fb = None
-                elif srow is None or fold:
-                    gb = g  # the plain base term's operand is g itself (the op returned a placeholder or factors)
+                    gb = rb = None
+                elif srow is None:
+                    gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
                 dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
-                                   backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb, fl=fl, fb=fb,
+                                   backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb,
                                    global_scale=global_scale)
             if need_dA:
                 dA = _ops.project_grad_op(v, x, mask=mask, p=p, s=s, out_dtype=A.dtype, backend=ctx.backend)

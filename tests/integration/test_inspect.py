@@ -31,7 +31,6 @@ import time
 import pytest
 
 import dorafp8.kernel_report as insp
-from dorafp8.backends.base import fold_requested
 
 pytestmark = pytest.mark.skipif(
     bool(insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()),
@@ -92,7 +91,7 @@ SUBSET = [
     *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
-    *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale,rowf")],
+    *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale")],
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}
@@ -181,8 +180,7 @@ def test_sm90_w8_feeds_wgmma_from_registers(records):
 # at r = 64 on its 64 x 128 x 64 tile (C7515: the fp32 rank-r dots write the accumulators between wgmma stages), the
 # backward pass's heaviest variant on sm_120 (16 bytes), the dgrad with dropout and fp32 adapters at r = 64 on its
 # 64 x 128 x 64 8-warp tile on sm_89 (20 bytes: ptxas keeps it at 128 registers since the rank-r term became
-# split_dot's bf16 products; the fp32 FMAs before took 158 and no spill; the 4-warp tile beside it does not spill),
-# and, with DORAFP8_FOLD_DGRAD=1, one folded dgrad tile on sm_120 (16 bytes).
+# split_dot's bf16 products; the fp32 FMAs before took 158 and no spill; the 4-warp tile beside it does not spill).
 KNOWN_SERIALIZED = {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
                      "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4")}
 MAY_SPILL = {("backward_pass", "sm_120", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", "w4,s2"),
@@ -196,10 +194,6 @@ MAY_SPILL = {("backward_pass", "sm_120", "bf16", "adapter+dropout,row-scale,r=12
 # (8 and 16 bytes on sm_90a, 3.9). That strategy is opt-in (backend="cublas"; "auto" never picks it).
 MAY_SPILL |= {("forward_epilogue", arch, "bf16", f"{mode},fp32-rank,r={r}", "BLOCK_M=16,BLOCK_N=64,w4,s3")
               for arch in insp.ARCHS for mode in ("adapter", "adapter+dropout") for r in (16, 64)}
-if fold_requested():  # the opt-in folded dgrad (W8 * f formed in fp32) at ptxas's 128-register cap of this 8-warp
-    # tile on sm_120: 16 bytes (converting through fp16 first does not change it)
-    MAY_SPILL.add(("dgrad", "sm_120", "bf16", "adapter,row-scale,M>64",
-                   "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4"))
 
 
 # Serialized under one Triton version only, as KNOWN_SPILLS below: Triton 3.8 serializes the sm_90a dgrad with dropout and
@@ -237,13 +231,12 @@ def test_sm90_wgmma_not_serialized(records):
 def _hopper_loop(r):
     """Whether a record is a GEMM in the warp-specialized Hopper loop: sm_90a, the launchers' loop there
     (hopper.main_loop_for; DORAFP8_HOPPER_GEMM=0 keeps the old one), not a compared loop, and not what ws_plan keeps on
-    the cp.async loop (dropout, fp32 compute, the folded dgrad)."""
+    the cp.async loop (dropout, fp32 compute)."""
     from dorafp8.triton_kernels.hopper import main_loop_for
 
     return (r["backend"] == "triton" and r["kernel"] in GEMMS and r["arch"] == "sm_90a" and r["dtype"] != "fp32"
             and main_loop_for("sm90") == "tma-ws" and "dropout" not in r["variant"]
-            and not r["variant"].endswith((",async-copy", ",tma"))
-            and not (r["kernel"] == "dgrad" and W8A8 not in r["variant"] and fold_requested()))
+            and not r["variant"].endswith(",async-copy"))
 
 
 def test_sm90_gemms_run_the_hopper_main_loop(records):
@@ -438,11 +431,9 @@ def _listed_configs(table: str) -> dict[str, set[str]]:
                             for c in ws_configs_for(table, o, red, m, fp8)}
     for kernel, (o, red) in (("forward", ("BLOCK_N", "BLOCK_K")), ("dgrad", ("BLOCK_K", "BLOCK_N"))):
         # the lists as the launchers pick them: W8A16; W8A8 (fp8_dot: _FP8_DOT_LARGE's tiles where the arch has
-        # them); the lean two-accumulator lists of W8A8 where it promotes (sm_90) and of the DoRA dgrad under W8A16
-        # where DORAFP8_FOLD_DGRAD=1 folds it (dgrad.py)
-        folded = kernel == "dgrad" and fold_requested()
+        # them); the lean two-accumulator lists of W8A8 where it promotes (sm_90)
         for two_acc, lean, fp8_dot in ((False, False, False), (False, False, True),
-                                       (True, fp8_promote_for(table), True), (True, folded, False)):
+                                       (True, fp8_promote_for(table), True), (True, False, False)):
             for m in (32, 4096):
                 out[kernel] |= {insp.config_str(c)
                                 for c in gemm_configs_for(table, o, red, two_acc, m, False, lean, fp8_dot)}

@@ -148,29 +148,27 @@ def test_two_accumulator_lists_under_triton_3_8(monkeypatch):
         assert changed == ([3, 7] if table in ("sm89", "sm120") else []), table
 
 
-def test_pinned_configs(monkeypatch, tmp_path):
-    """DORAFP8_PIN_CONFIGS (bench/first_contact.py): a launcher whose list holds its pin tunes over that config alone;
+def test_pinned_configs(monkeypatch):
+    """_pins.pin_configs (bench/first_contact.py): a launcher whose list holds its pin tunes over that config alone;
     a list without it, or a launcher without a pin, keeps its list; configs are named as the kernel report names
-    them; a file that cannot be read is an error naming the variable."""
-    import json
-
+    them; pins that are not a dict of names are refused."""
     from dorafp8.kernel_report.parsers import config_str
     from dorafp8.triton_kernels import _pins as Pins
 
     big = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 8192, False)
     small = C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 64, False)
     assert [Pins.config_name(c) for c in big + small] == [config_str(c) for c in big + small]
-    pins = tmp_path / "pins.json"
     assert Pins.config_name(big[0]) not in {Pins.config_name(c) for c in small}
-    pins.write_text(json.dumps({"forward/w8a16": Pins.config_name(big[0])}))
-    monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(pins))
     monkeypatch.setattr(Pins, "_PINS", {})
+    assert Pins.pinned("forward/w8a16", big) == big  # nothing pinned
+    Pins.pin_configs({"forward/w8a16": Pins.config_name(big[0])})
     assert Pins.pinned("forward/w8a16", big) == [big[0]]
     assert Pins.pinned("forward/w8a16", small) == small and Pins.pinned("dgrad/w8a16", big) == big
     assert Pins.pinned(None, big) == big
-    monkeypatch.setenv("DORAFP8_PIN_CONFIGS", str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="DORAFP8_PIN_CONFIGS must name a JSON file"):
-        Pins.pinned("forward/w8a16", big)
+    with pytest.raises(TypeError, match="pins must be a dict"):
+        Pins.pin_configs(["forward/w8a16"])
+    Pins.pin_configs({})
+    assert Pins.pinned("forward/w8a16", big) == big
 
 
 def test_the_launchers_name_their_pins(monkeypatch):

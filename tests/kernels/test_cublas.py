@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.kernels._kernel_ref import (check_dgrad, check_folded_dgrad, check_forward, make_problem,  # noqa: E402
+from tests.kernels._kernel_ref import (check_dgrad, check_forward, make_problem,  # noqa: E402
                                       shape_id)
 
 from dorafp8 import backends  # noqa: E402
@@ -42,24 +42,6 @@ def test_forward_and_dgrad(shape, dtype, mode, scale):
     p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided)
     check_forward(cb.forward, p, mode, has_bias=mode != "plain")
     check_dgrad(cb.dgrad, p, mode)
-
-
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=shape_id)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
-@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
-def test_folded_dgrad(shape, dtype, mode, scale):
-    """The fold the strategy runs by default (gl's factors on the dequantized weight's rows) against fp64 and the
-    reference's unfolded dgrad; 16-bit activations with PEFT's fp32 adapters too."""
-    M, K, N, r, strided = shape
-    for rdt in {dtype, torch.float32}:
-        p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided, rank_dtype=rdt)
-        check_folded_dgrad(cb.backward_pass, cb.dgrad, p, mode)
-
-
-def test_folds_by_default(monkeypatch):
-    monkeypatch.delenv("DORAFP8_FOLD_DGRAD", raising=False)
-    assert backends.folds_dgrad("cublas") and not backends.folds_dgrad("triton")
 
 
 def test_refuses_w8a8():
@@ -96,9 +78,8 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
         sizes = sum(math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in launch.shapes)
         assert launch.nbytes == sizes, f"{launch.name}: {launch.nbytes} bytes recorded, its tensors hold {sizes}"
     # by hand, from the shapes: the dequantize reads W8 (1 byte a weight) and the scale and writes W (2 bytes) and its
-    # factors (2 floats, or N + 1 per row), the dgrad's also gl's factors (the fold: N floats); each matrix product
-    # reads its operands and writes its result once
+    # factors (2 floats, or N + 1 per row); each matrix product reads its operands and writes its result once
     dequant = N * K * 3 + (4 + 8 if kind == "tensor" else 4 * N + 4 * (N + 1))
-    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant, dequant + 4 * N]
+    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant, dequant]
     assert [lc.nbytes for lc in rec.launches if lc.name == "aten:mm.default"] == [
         2 * (M * K + N * K + M * N), 2 * (M * N + N * K + M * K)]

@@ -71,20 +71,3 @@ def test_empty_and_bad_dtype():
     assert w.shape == (0, 8) and torch.equal(fac, torch.ones(1, device=DEVICE))
     with pytest.raises(ValueError, match="dtype must be"):
         dequant_w8(w8, scale, 16, torch.float64)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["tensor", "row", "block"])
-def test_dequant_with_row_factors(dtype, kind):
-    """The folded dgrad's factors (|rowf| <= 1, zeros and negatives among them) on the rows, after the scale."""
-    N, K, block = 37, 70, 16
-    w8, scale = _weight(N, K, kind, block)
-    rowf = torch.linspace(-1.0, 1.0, N, device=DEVICE)
-    rowf[::7] = 0.0
-    w, fac = dequant_w8(w8, scale, block, dtype, rowf)
-    ref, ref_fac = dequant_w8_ref(w8, scale, block, dtype, rowf)
-    assert torch.equal(w, ref) and torch.equal(fac, ref_fac)
-    plain, _ = dequant_w8_ref(w8, scale, block, torch.float64)
-    assert_close(w.double(), plain * rowf.double().reshape(-1, 1), 2 * torch.finfo(dtype).eps, f"rowf {kind}")
-    with pytest.raises(ValueError, match="rowf must be fp32"):
-        dequant_w8(w8, scale, block, dtype, rowf[1:])

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
-from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad, check_folded_dgrad,  # noqa: E402
+from tests.kernels._kernel_ref import (P, S, check_backward_pass, check_dgrad,  # noqa: E402
                                        check_forward, check_project, check_weight_norm, make_problem, shape_id)
 
 tk = pytest.importorskip("dorafp8.triton_kernels")
@@ -210,20 +210,6 @@ def test_dgrad(device, shape, dtype, mode, scale, act_quant):
     M, K, N, r, strided = shape
     p = make_problem(M, K, N, r, dtype, device, scale, strided)
     check_dgrad(tk.dgrad, p, mode, act_quant)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
-@pytest.mark.parametrize("scale", SCALES)
-def test_folded_dgrad(device, shape, dtype, mode, scale):
-    # What a DoRA backward runs on this backend (W8A16): the pass hands back gl's factors, the dgrad applies them to
-    # the W8 tiles (gemm.py, RED_FACTOR), so gl is never written out.
-    assert tk.FOLDS_DGRAD
-    M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, dtype, device, scale, strided)
-    check_folded_dgrad(tk.backward_pass, tk.dgrad, p, mode)
 
 
 @pytest.mark.parametrize("device", DEVICES)

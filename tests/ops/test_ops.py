@@ -417,29 +417,3 @@ def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, d
         assert 0 < (out > 0).sum() < out.numel()  # relu_ keeps some entries and zeroes others
         for what, got, ref in zip(("dx", "dA", "dB", "dm"), grads[1], grads[0]):
             assert torch.equal(got, ref), (name, what, (got - ref).abs().max().item())
-
-
-@pytest.mark.backends("triton")  # the fold is opt-in there (cublas folds by default: test_cublas.py)
-@pytest.mark.parametrize("per_row,dropout", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
-def test_folded_dgrad_opt_in_end_to_end(device, backend, per_row, dropout, monkeypatch):
-    """DORAFP8_FOLD_DGRAD=1 (off by default: base.fold_requested) runs the layer's backward with gl's factors on the
-    weight tiles; the gradients stay those of fp64, with and without dropout, per-tensor and per-row scales."""
-    from dorafp8 import backends
-
-    assert not backends.folds_dgrad(backend)  # the default
-    monkeypatch.setenv("DORAFP8_FOLD_DGRAD", "1")
-    assert backends.folds_dgrad(backend)
-    M, K, N, r, s = 37, 50, 70, 3, 0.75
-    x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device, per_row=per_row)
-    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
-    torch.manual_seed(5)
-    y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True, backend=backend)
-    gy = torch.randn_like(y)
-    y.backward(gy)
-    torch.manual_seed(5)
-    keep = ops.dropout_mask(x, dropout) if dropout else None
-    W0 = dorafp8.dequantize_e4m3(w8, scale, torch.float64)
-    yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=None if keep is None else (keep, dropout))
-    yr.backward(gy.double())
-    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
-        assert_close(got, ref.grad, tol(torch.float32), name)

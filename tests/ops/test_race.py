@@ -147,7 +147,7 @@ LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-cor
 @pytest.mark.parametrize("mode,error", [("hang", f"did not finish within {LIMIT_S} s"), ("crash", "exited with 7")])
 def test_a_hanging_or_crashing_kernel_warns_once_and_is_not_tried_again(race, used, monkeypatch, mode, error):
     monkeypatch.setattr(_race, "CHILD", planted(mode))
-    monkeypatch.setenv("DORAFP8_RACE_TIMEOUT_S", str(LIMIT_S))
+    monkeypatch.setattr(_race, "TIMEOUT_S", LIMIT_S)
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match=error) as w:
         _step()
@@ -175,11 +175,8 @@ def test_the_key_separates_what_changes_a_kernel(monkeypatch):
             key(cdt=torch.float16)]
     monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "0")
     keys.append(key())
-    monkeypatch.setenv("DORAFP8_FOLD_DGRAD", "1")
-    keys.append(key())
     assert len(set(keys)) == len(keys), keys
     monkeypatch.delenv("DORAFP8_HOPPER_GEMM")
-    monkeypatch.delenv("DORAFP8_FOLD_DGRAD")
     assert key(M=128) == key() and key(r=3) == key()  # buckets: M 65..128, r 3..4
     assert key(block=64) == key()  # the block size matters only with block scales
     # weight_norm alone: the rank and the adapters' dtype (its operands), not M (it has none)
@@ -311,10 +308,10 @@ def test_the_child_never_outlives_its_limit_or_its_parent(tmp_path):
     """A parent killed by SIGKILL cannot kill its child: the child's watchdog ends it when the parent is gone (or at
     the limit), even while a hanging kernel blocks it."""
     spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
-    env = dict(os.environ, DORAFP8_RACE_TIMEOUT_S="600", PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
-    cmd = " ".join(shlex.quote(a) for a in planted("hang") + [json.dumps(dict(spec, cands=["native"]))])
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
+    cmd = " ".join(shlex.quote(a) for a in planted("hang") + [json.dumps(dict(spec, cands=["native"], limit_s=600))])
     # the shell starts the child and exits: the child's parent is gone before it runs anything
-    out = subprocess.run(["sh", "-c", f"DORAFP8_RACE_PARENT=$$ {cmd} >/dev/null 2>&1 & echo $!"], env=env,
+    out = subprocess.run(["sh", "-c", f"{cmd} $$ >/dev/null 2>&1 & echo $!"], env=env,
                          capture_output=True, text=True, timeout=30)
     pid = int(out.stdout.split()[-1])
     end = time.monotonic() + 90
@@ -324,9 +321,9 @@ def test_the_child_never_outlives_its_limit_or_its_parent(tmp_path):
     # its own limit, with its parent alive
     # (20 s: the limit counts from the child's start, and importing torch took over 3 s on a loaded 2-core machine,
     # so the hang was never reached)
-    env["DORAFP8_RACE_TIMEOUT_S"] = "20"
     t0 = time.monotonic()
-    done = subprocess.run(planted("hang") + [json.dumps(dict(spec, cands=["native"]))], env=env, capture_output=True,
+    done = subprocess.run(planted("hang") + [json.dumps(dict(spec, cands=["native"], limit_s=20))], env=env,
+                          capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 70 and "dorafp8-race start native" in done.stdout and time.monotonic() - t0 < 120
 
@@ -467,7 +464,7 @@ def _child_peak(monkeypatch, spec) -> int:
 
     from dorafp8.ops import _race_child
 
-    monkeypatch.setattr(_race_child, "_watchdog", lambda limit: None)  # it would end this process at the limit
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit, parent: None)  # it would end this process at the limit
     with LiveBytes() as child, contextlib.redirect_stdout(io.StringIO()) as out:
         assert _race_child.main([json.dumps(dict(spec, cands=["native", "reference"]))]) == 0
     assert '"native": {"ok": true' in out.getvalue() and '"reference": {"ok": true' in out.getvalue()
