@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..quant import quantize_e4m3
+from ..quant import quantize_e4m3, quantize_mxfp8, quantize_nvfp4
 from ._race import ROOM, ROUNDS, SMALL_M, TOL, W8A8_REL, timeout_s
 from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
@@ -22,8 +22,14 @@ def _inputs(spec: dict, M: int, device: torch.device) -> dict:
     N, K, r = spec["N"], spec["K"], max(spec["r"], 1)
     cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
     w = torch.randn(N, K, generator=g) / K ** 0.5
-    w8, scale = quantize_e4m3(w, per_row=spec["scale"] == "row", block_size=spec["block"] or None)
-    t = {"x": torch.randn(M, K, generator=g).to(cdt), "w8": w8, "scale": scale,
+    gs = None
+    if spec["scale"] == "nvfp4":  # the microscaled kinds by their own recipes (dorafp8/quant.py)
+        w8, scale, gs = quantize_nvfp4(w)
+    elif spec["scale"] == "mxfp8":
+        w8, scale = quantize_mxfp8(w)
+    else:
+        w8, scale = quantize_e4m3(w, per_row=spec["scale"] == "row", block_size=spec["block"] or None)
+    t = {"x": torch.randn(M, K, generator=g).to(cdt), "w8": w8, "scale": scale, "global_scale": gs,
          "A": (torch.randn(r, K, generator=g) / K ** 0.5).to(rdt), "B": (torch.randn(N, r, generator=g) / r).to(rdt),
          "m": torch.rand(N, generator=g) + 0.5, "gy": torch.randn(M, N, generator=g).to(cdt),
          "bias": torch.randn(N, generator=g).to(cdt) if spec["bias"] else None}
@@ -34,10 +40,11 @@ def _step(spec: dict, t: dict, backend: str) -> dict:
     """One forward + backward on `backend`: {name: tensor} of y and every gradient."""
     if spec["op"] == "norm":  # weight_norm alone (PEFT's cached norm, the convs' norms): no gradient
         return {"y": weight_norm(t["w8"], t["scale"], t["A"], t["B"], 0.5, backend=backend,
-                                 block_size=spec["block"] or 128)}
+                                 block_size=spec["block"] or 128, global_scale=t["global_scale"])}
     leaves = {k: t[k].clone().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
     torch.manual_seed(0)  # the same dropout mask for every backend
-    kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)
+    kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None,
+              global_scale=t["global_scale"])
     if spec["op"] == "dora":
         y = dora_fp8_linear(leaves["x"], t["w8"], t["scale"], leaves["A"], leaves["B"], leaves["m"], 0.5,
                                     leaves.get("bias"), dropout_p=spec["p"], training=True, **kw)

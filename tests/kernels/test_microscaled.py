@@ -172,13 +172,13 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_picks_a_backend_that_computes_the_kind(kind):
-    """Only the reference computes the microscaled kinds: "auto" resolves to it on CPU (where fp8 goes to native) and
-    on a GPU (every other backend lacks the feature, so neither the static order nor the race can pick one);
-    a backend named for them is refused before any work."""
+    """The reference and the cuBLAS strategy compute the microscaled kinds: "auto" resolves to the reference on CPU
+    (where fp8 goes to native; on a GPU to cublas: tests/kernels/test_dequant_micro.py); a backend named for them
+    that lacks them is refused before any work."""
     assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
     assert backends.resolve("auto", torch.device("cpu"), frozenset()) == "native"  # fp8 unchanged
     for name in backends.BACKENDS:
-        assert (kind in backends.supports(name)) == (name == "reference"), name
+        assert (kind in backends.supports(name)) == (name in ("reference", "cublas")), name
     w, scale, g = make_weight(kind, 4, 32)
     with pytest.raises(ValueError, match="not supported by the native backend"):
         dorafp8.fp8_linear(torch.randn(2, 32), w, scale, backend="native", global_scale=g)
