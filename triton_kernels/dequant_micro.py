@@ -22,6 +22,12 @@ from ._common import alloc, cdiv, interpreting, launch
 from .epilogue_dot import bf16_value
 
 MICRO_BLOCKS = (64, 128)  # (BLOCK_N, BLOCK_K) on a GPU, as dequant.py's DEQUANT_BLOCKS
+
+
+def micro_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) on a GPU: fp32 outputs take half the rows (64 spilled 16 bytes on sm_90a, sm_100a and
+    sm_120 for MXFP8: python -m dorafp8.kernel_report --kernel dequant_micro)."""
+    return (MICRO_BLOCKS[0] // 2, MICRO_BLOCKS[1]) if dtype == torch.float32 else MICRO_BLOCKS
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
@@ -95,7 +101,7 @@ def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, glo
     out = alloc((N, K), dtype, w8.device)
     if N == 0 or K == 0:
         return out
-    bn, bk = (16, 32) if interpreting() else MICRO_BLOCKS
+    bn, bk = (16, 32) if interpreting() else micro_blocks(dtype)
     sc = scale if nvfp4 else scale.view(torch.uint8)  # e8m0 has no Triton dtype: its bytes
     launch(dequant_micro_kernel, (cdiv(N, bn), cdiv(K, bk)))(
         w8, sc, global_scale if nvfp4 else sc, sc if rowf is None else rowf.reshape(-1).contiguous(), out,  # (sc:
