@@ -1,8 +1,8 @@
 """The microscaled kinds (NVFP4, MXFP8) on the cuBLAS strategy: its dequantize (triton_kernels/dequant_micro.py)
 against the reference's fp32 dequantize bit for bit and against fp64 from the bytes (tests/kernels/test_microscaled.py's
 bit-level decoding, independent of both), every code and scale byte, strided rows and the folded dgrad's row factors;
-then DoRA forward + backward through the strategy against fp64 on the dequantized weight for every dtype and dropout
-setting, the weight norm, and what backend="auto" picks. Under the interpreter with outputs poisoned with NaN (an
+the plain linear and the weight norm through the strategy against fp64, and what backend="auto" picks. (DoRA forward +
+backward through it against fp64 for every dtype and dropout setting: test_microscaled.py, backend "cublas".) Under the interpreter with outputs poisoned with NaN (an
 unwritten tile fails), on shapes that are not multiples of its tiles (16 x 32 there)."""
 
 import os
@@ -14,9 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dorafp8  # noqa: E402
-from dorafp8 import backends, ops, quant  # noqa: E402
+from dorafp8 import backends, quant  # noqa: E402
 from dorafp8.backends import base  # noqa: E402
-from tests._ref import dora_fp64  # noqa: E402
 from tests._tolerance import assert_close, tol  # noqa: E402
 from tests.kernels.test_microscaled import DTYPES, KINDS, dequant_64, make_weight  # noqa: E402
 
@@ -101,37 +100,6 @@ def test_refusals():
 
 
 # ---- DoRA on the cuBLAS strategy ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_dora_on_cublas_matches_fp64(kind, dtype, dropout):
-    """y, dx, dA, dB, dm and db against fp64 on the dequantized weight; the strategy's fold (on by default) included."""
-    M, N, r, s = 7, 37, 3, 1.75
-    K = 80 if kind == "nvfp4" else 70
-    w, scale, g = make_weight(kind, N, K)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    A = torch.randn(r, K, generator=gen) / K ** 0.5
-    B = torch.randn(N, r, generator=gen) * 0.1
-    m = torch.rand(N, generator=gen) + 0.5
-    b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
-    gy = torch.randn(M, N, generator=gen).to(dtype)
-    xl, Al, Bl, ml, bl = (t.clone().to(DEVICE).requires_grad_() for t in (x, A, B, m, b))
-    torch.manual_seed(5)
-    y = dorafp8.dora_fp8_linear(xl, *_on(w, scale, None)[:2], Al, Bl, ml, s, bl, dropout_p=dropout, training=True,
-                                backend="cublas", global_scale=None if g is None else g.to(DEVICE))
-    y.backward(gy.to(DEVICE))
-    torch.manual_seed(5)
-    keep = ops.dropout_mask(xl.detach(), dropout).cpu() if dropout else None
-    yr, leaves = dora_fp64(x, dequant_64(w, scale, g), A, B, m, s, b, xd=None if keep is None else (keep, dropout))
-    yr.backward(gy.double())
-    rel = tol(dtype)
-    assert_close(y, yr, rel, "y")
-    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
-        assert_close(got, ref.grad, 2 * rel, name)
-    assert_close(bl.grad, gy.double().sum(0), rel, "db")
 
 
 @pytest.mark.parametrize("kind", KINDS)

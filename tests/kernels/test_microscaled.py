@@ -94,8 +94,11 @@ def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("chosen", ["reference", "auto"])
+@pytest.mark.parametrize("chosen", ["reference", "auto", "cublas"])
 def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen):
+    """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py), on CPU under Triton's interpreter."""
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     M, N, r, s = 7, 33, 3, 1.75
     K = 48 if kind == "nvfp4" else 70  # MXFP8: a partial last block of 6
     w, scale, g = make_weight(kind, N, K)
