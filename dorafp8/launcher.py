@@ -11,6 +11,11 @@ learn of the fp8 layers as they are imported: dorafp8/_install.py), with what th
   --per-row-scale   with --quantize, one scale per output row instead of one per tensor
   --w8a8            the fp8 linear layers' base GEMMs take fp8 activations too (dorafp8.set_act_quant "rowwise")
 
+Quantized checkpoints need no option: a transformers `from_pretrained` of a compressed-tensors fp8 or NVFP4 or a
+fine-grained fp8 checkpoint gets its quantized layers swapped for dorafp8's, holding the same bytes
+(from_transformers_fp8), and one of a local ModelOpt NVFP4 / MXFP8 export folder (`hf_quant_config.json`), which
+transformers cannot load, is built on the meta device and loaded by load_fp8_checkpoint.
+
 The command is exactly what follows `--`, as you would type it: a script (`train.py args`, `python train.py args`), a
 module (`-m pkg.mod args`, `python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train
 cfg.yaml`, `trl sft ...`: its `console_scripts` entry point, or a Python script found on PATH). Interpreter flags
@@ -131,10 +136,12 @@ def install(options: dict) -> None:
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     # OneTrainer's scripts put its checkout on sys.path after this runs: wait for its module whatever sys.path holds
     _install.wait_for(_install.ONETRAINER_MODULE)
-    if options.get("quantize"):
-        for module, cls in _LOADERS.items():
+    # transformers' loads are watched always (a quantized checkpoint is held by dorafp8's layers: _on_load); dense
+    # models, and diffusers' loads, only under --quantize
+    for module, cls in _LOADERS.items():
+        if options.get("quantize") or cls == "PreTrainedModel":
             _install.watch(module, functools.partial(_quantize_on_load, module, cls),
-                           f"--quantize does not quantize the models {cls}.from_pretrained loads")
+                           f"dorafp8 run does not see the models {cls}.from_pretrained loads")
     atexit.register(_report)
 
 
@@ -156,15 +163,87 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
         # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
         _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
         try:
-            out = orig(klass, *args, **kwargs)
+            out = _modelopt_load(klass, args, kwargs) if _DEPTH.n == 1 else None
+            out = orig(klass, *args, **kwargs) if out is None else out
         finally:
             _DEPTH.n -= 1
         if _DEPTH.n == 0:
-            _quantize(out[0] if isinstance(out, tuple) else out)
+            _on_load(out[0] if isinstance(out, tuple) else out)
         return out
 
     from_pretrained._dorafp8_orig = orig
     cls.from_pretrained = classmethod(from_pretrained)
+
+
+def _modelopt_export(path) -> str | None:
+    """The quant_algo ("NVFP4", "MXFP8") of a local ModelOpt export folder (its hf_quant_config.json), else None.
+    transformers has no ModelOpt quantizer: from_pretrained would refuse NVFP4's packed weights (a size mismatch) and
+    load MXFP8's e4m3 values without their scales."""
+    cfg = os.path.join(str(path), "hf_quant_config.json") if isinstance(path, (str, os.PathLike)) else ""
+    if not cfg or not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg) as f:
+            algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return algo if algo in ("NVFP4", "MXFP8") else None
+
+
+def _modelopt_load(klass, args, kwargs):
+    """A transformers model from a ModelOpt NVFP4 / MXFP8 export, by the package's loader: built on the meta device
+    from its config and loaded in place by load_fp8_checkpoint (FP8Linear layers holding the file's bytes); None
+    (transformers loads it) for anything else. dtype / torch_dtype is honoured ("auto": the config's)."""
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    algo = _modelopt_export(path)
+    if algo is None:
+        return None
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    import dorafp8
+
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path)
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with init_empty_weights():
+        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    report = dorafp8.load_fp8_checkpoint(model, str(path), dtype=dtype, verbose=False)
+    _STATE["quantized"] += len(report.fp8_layers)
+    _STATE["models"] += 1
+    print(f"dorafp8 run: {klass.__name__}.from_pretrained -> {len(report.fp8_layers)} layers of its ModelOpt {algo} "
+          f"export held by dorafp8 (load_fp8_checkpoint)", file=sys.stderr)
+    return model.eval()
+
+
+def _on_load(model) -> None:
+    """What a finished from_pretrained gets: a model loaded with a quantization config (compressed-tensors fp8 or
+    NVFP4, fine-grained fp8) has its quantized layers swapped for dorafp8's holding the same bytes
+    (from_transformers_fp8); a dense one is quantized under --quantize."""
+    if getattr(model, "dorafp8_checkpoint", None) is not None:  # loaded by _modelopt_load
+        return
+    if getattr(model, "hf_quantizer", None) is None:
+        if _STATE["options"].get("quantize"):
+            _quantize(model)
+        return
+    import dorafp8
+
+    name = type(model).__name__
+    try:
+        n = dorafp8.from_transformers_fp8(model, act_quant="rowwise" if _STATE["options"].get("w8a8") else None)
+    except ValueError as e:  # a layer dorafp8 cannot hold: the model stays as transformers loaded it
+        print(f"dorafp8 run: {name} was loaded with a quantization config dorafp8 cannot hold ({e}); left as "
+              f"loaded", file=sys.stderr)
+        return
+    if not n:  # nothing dorafp8 reads (its own DoRAFP8Config's layers are dorafp8's already; bitsandbytes, GPTQ...)
+        return
+    _STATE["quantized"] += n
+    _STATE["models"] += 1
+    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers of its quantized checkpoint held by dorafp8 "
+          f"(from_transformers_fp8)", file=sys.stderr)
 
 
 def _quantize(model) -> None:
@@ -173,10 +252,6 @@ def _quantize(model) -> None:
 
     opts = _STATE["options"]
     name = type(model).__name__
-    if getattr(model, "hf_quantizer", None) is not None:
-        print(f"dorafp8 run: {name} was loaded with a quantization config; --quantize leaves it as loaded "
-              f"(an fp8 checkpoint: dorafp8.from_transformers_fp8)", file=sys.stderr)
-        return
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
                            per_row_scale=opts.get("per_row_scale", False),

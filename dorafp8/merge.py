@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .ops import norm_divisor
-from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, quantize_e4m3, row_blocks,
-                    scale_kind, scale_rows, w0_rows)
+from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, micro_rows, nvfp4_global_scale,
+                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, scale_kind, scale_rows, w0_rows)
 
 RowFn = Callable[[int, int], torch.Tensor]
 
@@ -76,9 +76,11 @@ def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
     return terms
 
 
-def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int) -> torch.Tensor:
-    """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32."""
-    w = w0_rows(w8, scale, block_size, j0, j1)
+def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int,
+                global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32 (global_scale:
+    an NVFP4 base's)."""
+    w = w0_rows(w8, scale, block_size, j0, j1, global_scale)
     for A, B, s, mag, _ in terms:
         w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A
         if mag is not None:  # DoRA: W' = m / ||V|| * V, a zero norm divided as the forward does
@@ -107,23 +109,14 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
     stats = RequantStats()
     tensor_scale = None
     if dense_dtype is None and granularity == "tensor":
-        amax = torch.zeros((), dtype=torch.float32, device=device)
-        for j0, j1 in row_blocks(n_rows, n_cols):
-            r = rows_fn(j0, j1)
-            amax = torch.maximum(amax.to(r.device), torch.where(torch.isfinite(r), r.abs(), 0).amax())
-            del r
-        tensor_scale = amax / E4M3_MAX  # non-finite values are left out here, counted below; the caller decides
+        tensor_scale = _amax(rows_fn, n_rows, n_cols, device) / E4M3_MAX
         tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
     out = None
     scales = []
     for j0, j1 in row_blocks(n_rows, n_cols, mult):
-        r = rows_fn(j0, j1)
+        r = _finite_rows(rows_fn, j0, j1, stats)
         if out is None:
             out = torch.empty(n_rows, n_cols, dtype=dense_dtype or E4M3, device=r.device)
-        bad = ~torch.isfinite(r)
-        if bad.any():
-            stats.nonfinite += int(bad.sum())
-            r = torch.where(bad, torch.zeros_like(r), r)
         if dense_dtype is not None:
             q = r.to(dense_dtype)
             back = q.float()
@@ -137,11 +130,56 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
             back = q.float().mul_(scale_rows(s, block_size, 0, j1 - j0, n_cols))
         out[j0:j1] = q
         del q
-        # row sums of squares in fp32, their total in fp64: no fp64 copy of the block
-        stats.ref2 += float(torch.linalg.vector_norm(r, dim=1).double().square().sum())
-        stats.err2 += float(torch.linalg.vector_norm(back.sub_(r), dim=1).double().square().sum())
+        _add_error(stats, r, back)
         del r, back
     if dense_dtype is not None:
         return out, None, stats
     scale = tensor_scale if granularity == "tensor" else torch.cat(scales, dim=0)
     return out, scale, stats
+
+
+def _amax(rows_fn: RowFn, n_rows: int, n_cols: int, device) -> torch.Tensor:
+    """max |rows| over the finite values, fp32 [] (non-finite ones are left out here, counted by the pass after)."""
+    amax = torch.zeros((), dtype=torch.float32, device=device)
+    for j0, j1 in row_blocks(n_rows, n_cols):
+        r = rows_fn(j0, j1)
+        amax = torch.maximum(amax.to(r.device), torch.where(torch.isfinite(r), r.abs(), 0).amax())
+        del r
+    return amax
+
+
+def _finite_rows(rows_fn: RowFn, j0: int, j1: int, stats: RequantStats) -> torch.Tensor:
+    """rows_fn(j0, j1) with its non-finite values counted in stats and set to 0 (the caller decides)."""
+    r = rows_fn(j0, j1)
+    bad = ~torch.isfinite(r)
+    if bad.any():
+        stats.nonfinite += int(bad.sum())
+        r = torch.where(bad, torch.zeros_like(r), r)
+    return r
+
+
+def _add_error(stats: RequantStats, r: torch.Tensor, back: torch.Tensor) -> None:
+    """Row sums of squares of r and of back - r (back overwritten) in fp32, their totals in fp64: no fp64 copy."""
+    stats.ref2 += float(torch.linalg.vector_norm(r, dim=1).double().square().sum())
+    stats.err2 += float(torch.linalg.vector_norm(back.sub_(r), dim=1).double().square().sum())
+
+
+def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None):
+    """requantize for the microscaled kinds, by their own recipes (dorafp8/quant.py): (w, scale, global_scale, stats).
+    "nvfp4": ModelOpt's (quantize_nvfp4) with the global scale of the whole merged weight, found by a first pass over
+    the rows (so rows_fn is called twice per block): w packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32
+    []. "mxfp8": the OCP MX recipe (quantize_mxfp8), row-local: w e4m3 [N, K], scale e8m0, global_scale None.
+    stats.rel_error as requantize's, against the fp32 rows."""
+    g = nvfp4_global_scale(_amax(rows_fn, n_rows, n_cols, device)) if kind == "nvfp4" else None
+    stats = RequantStats()
+    w = scale = None
+    for j0, j1 in row_blocks(n_rows, n_cols):
+        r = _finite_rows(rows_fn, j0, j1, stats)
+        q, s = quantize_nvfp4(r, g)[:2] if kind == "nvfp4" else quantize_mxfp8(r)
+        if w is None:  # written in place, block by block: no second copy of the weight
+            w = q.new_empty(n_rows, q.shape[1])
+            scale = s.new_empty(n_rows, s.shape[1])
+        w[j0:j1], scale[j0:j1] = q, s
+        _add_error(stats, r, micro_rows(q, s, g, 0, j1 - j0))
+        del r, q, s
+    return w, scale, g, stats

@@ -447,17 +447,25 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(N, -1)[:, :K].contiguous(), scale
 
 
-def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 global scale (weight_scale_2) of a tensor whose largest |value| is amax: amax / (6 * 448), so
+    that the largest block scale is e4m3's 448; 1 for an all-zero tensor."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+
+
+def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe
     (NVFP4QTensor.quantize): global = amax / (6 * 448), each block's scale = e4m3(block amax / (6 * global)) (1 for an
     all-zero block), the values w / (scale * global) rounded to the nearest e2m1 (ties to the even code) and packed
-    low nibble first. K must be a multiple of 16."""
+    low nibble first. K must be a multiple of 16. global_scale: the whole tensor's (nvfp4_global_scale), for rows of
+    it quantized a block at a time (the merge)."""
     N, K = weight.shape
     if K % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs in_features a multiple of {NVFP4_BLOCK}, got {K}")
     w = weight.detach().float().reshape(N, -1, NVFP4_BLOCK)
-    amax = w.abs().amax()
-    g = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    g = nvfp4_global_scale(w.abs().amax()) if global_scale is None else global_scale.float().reshape(())
     s = w.abs().amax(-1) / (E2M1_MAX * g)
     s = torch.where(s == 0, torch.ones_like(s), s).to(E4M3)
     x = (w / (s.float() * g)[..., None]).reshape(N, K)

@@ -34,6 +34,7 @@ from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
+from .dequant_micro import dequant_micro_kernel, micro_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -395,6 +396,19 @@ def _dequant_variants(arch: str) -> list[Variant]:
             for (dt_name, dt), kind in itertools.product(DTYPES.items(), SCALE_KINDS)]
 
 
+def _dequant_micro_variants(arch: str) -> list[Variant]:
+    """The cuBLAS strategy's unpack of the microscaled kinds (dequant_micro.py): NVFP4 (uint8 codes, e4m3 scales, the
+    global scale) and MXFP8 (e4m3, the e8m0 bytes as uint8), every compute dtype."""
+    out = []
+    for (dt_name, dt), nvfp4 in itertools.product(DTYPES.items(), (True, False)):
+        bn, bk = micro_blocks(dt)
+        w, sc, per = (U8, FP8, K // 16) if nvfp4 else (FP8, U8, K // 32)
+        args = dict(w_ptr=w, scale_ptr=sc, g_ptr=F32 if nvfp4 else sc, out_ptr=dt,
+                    N=N, K=K, stride_w_n=K // 2 if nvfp4 else K, stride_scale_n=per, stride_out_n=K)
+        out.append(Variant("nvfp4" if nvfp4 else "mxfp8", dt_name, args, dict(NVFP4=nvfp4), _fixed(BLOCK_N=bn, BLOCK_K=bk)))
+    return out
+
+
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
     bm, bk = QUANT_BLOCKS
     return [Variant("rowwise", dt_name, dict(t_ptr=dt, q_ptr=FP8, s_ptr=F32, M=LARGE_M, K=K, stride_t_m=K,
@@ -418,4 +432,5 @@ SPECS = [
     KernelSpec("forward_epilogue", fwd_epilogue_kernel, _fwd_epilogue_variants, weight_arg=None),
     KernelSpec("dgrad_epilogue", dgrad_epilogue_kernel, _dgrad_epilogue_variants, weight_arg=None),
     KernelSpec("dequant_w8", dequant_w8_kernel, _dequant_variants, weight_arg=None),
+    KernelSpec("dequant_micro", dequant_micro_kernel, _dequant_micro_variants, weight_arg=None),
 ]

@@ -338,7 +338,8 @@ def sdxl_walkthrough(png=None):
 def layer_memory():
     """One 4096 x 4096 DoRA layer (r 16, PEFT's fp32 adapters, 64 tokens, bf16 autocast, CPU): the bytes of its base
     weight and the peak of temporaries of a training step (forward and backward, after a warm-up step), PEFT's DoRA on
-    the bf16 nn.Linear against dorafp8 on its fp8 quantization."""
+    the bf16 nn.Linear against dorafp8 on its fp8 quantization and on its NVFP4 one (ModelOpt's recipe; on CPU the
+    reference backend, which dequantizes 16 MiB blocks of fp32 rows)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -351,6 +352,9 @@ def layer_memory():
     models = {"PEFT, bf16 base": get_peft_model(copy.deepcopy(base), LoraConfig(**cfg)),
               "dorafp8, fp8 base": get_peft_model(dorafp8.quantize_model(copy.deepcopy(base), verbose=False),
                                                   LoraConfig(**cfg))}
+    packed, scale, g = dorafp8.quant.quantize_nvfp4(base[0].weight)
+    nvfp4 = torch.nn.Sequential(dorafp8.FP8Linear.from_fp8(packed, scale, global_scale=g, dtype=torch.bfloat16))
+    models["dorafp8, NVFP4 base"] = get_peft_model(nvfp4, LoraConfig(**cfg))
     x = torch.randn(64, 4096, dtype=torch.bfloat16, requires_grad=True)
     rows = {"base weight": [], "peak of a training step's temporaries": []}
     for model in models.values():

@@ -129,13 +129,16 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
     # The static order: triton's kernels are autotuned, so it goes first; ops/_race.py checks and measures instead.
-    for cand in ("triton", "cuda"):
+    # The microscaled weights (MXFP8, NVFP4), which neither fused backend computes yet, go to the cuBLAS strategy
+    # (its dequantize unpacks them in tiles: triton_kernels/dequant_micro.py); fp8 keeps the order it had.
+    micro = ("cublas",) if needs & {"mxfp8", "nvfp4"} else ()
+    for cand in ("triton", "cuda") + micro:
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
     # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
     # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32
     # twin stays one name away: backend="reference" / DORAFP8_BACKEND=reference. Elsewhere the reference, as before.
-    # The microscaled weights (MXFP8, NVFP4) run on the reference wherever no faster backend computes them.
+    # The microscaled weights (MXFP8, NVFP4) run on the reference wherever no faster backend computes them (on CPU).
     return "native" if device.type == "cpu" and needs <= supports("native") else "reference"
 
 

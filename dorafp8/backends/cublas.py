@@ -1,6 +1,7 @@
 """cuBLAS strategy: the backend contract (dorafp8/backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done well: W8 dequantized per call in one launch (triton_kernels/dequant.py),
+What a user who dequantizes would do, done well: W8 dequantized per call in one launch (triton_kernels/dequant.py; an
+MXFP8 or NVFP4 weight by triton_kernels/dequant_micro.py),
 the base GEMMs through torch.matmul (cuBLAS on a GPU), the DoRA epilogues, backward pass, rank-r GEMMs and weight norm
 from the Triton kernels. The yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md, "Design
 notes, by module".
@@ -12,13 +13,17 @@ import torch
 
 from .. import triton_kernels as tk
 from .base import matmul_rows, not_supported
-from ..quant import scale_kind
+from ..quant import E4M3, MICRO_KINDS, row_blocks, scale_kind, weight_dims
 from ..triton_kernels.dequant import dequant_w8
+from ..triton_kernels.dequant_micro import dequant_micro
 from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
 
-SUPPORTS = frozenset({"block", "fp32"})  # no W8A8 (act_quant="rowwise") (see the module docstring)
+SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise") (module docstring)
+# The microscaled kinds (dorafp8/quant.py, "Microscaled weights"): dequantized in tiles by
+# triton_kernels/dequant_micro.py, whose factors are all in W, so the epilogues see a per-tensor scale of 1.
+GLOBAL_SCALE = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -26,26 +31,53 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None if why is None else f"the cuBLAS strategy's epilogues are Triton kernels: {why}"
 
 
-weight_norm = tk.weight_norm
 project = tk.project
 project_grad = tk.project_grad
 backward_pass = tk.backward_pass
 
 
-def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
+def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
+    """The Triton weight norm; for a microscaled weight, its rows dequantized to fp32 a block at a time
+    (dequant_micro, at most 16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight."""
+    if scale_kind(scale) not in MICRO_KINDS:
+        return tk.weight_norm(w8, scale, block_size, A, B, s)
+    N, K = weight_dims(w8)
+    A32 = A.float()
+    n = torch.empty(N, dtype=torch.float32, device=w8.device)
+    for j0, j1 in row_blocks(N, K):
+        v = dequant_micro(w8[j0:j1], scale[j0:j1], torch.float32, global_scale)
+        v.addmm_(B[j0:j1].float(), A32, alpha=s)
+        n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
+    return n
+
+
+def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
+                      global_scale=None):
     """(W, fac): one layer's transient W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes it
     (so a 16-bit product stays in range: W8 alone reaches 448), in one launch that reads 1 byte and writes 2 per
     weight (triton_kernels/dequant.py: per tensor the scale, per row the largest row scale kappa, whose ratios the
     epilogue applies, per block the scales themselves), and the factors the epilogues need, written by the same
-    launch: fac[:-1] the forward's, fac[-1] the dgrad's."""
+    launch: fac[:-1] the forward's, fac[-1] the dgrad's. A microscaled weight's factors are all in W (dequant_micro):
+    fac = [1, 1], as for a per-tensor scale."""
+    if scale_kind(scale) in MICRO_KINDS:
+        return (dequant_micro(w8, scale, dtype, global_scale),
+                torch.ones(2, dtype=torch.float32, device=w8.device))
     return dequant_w8(w8, scale, block_size, dtype)
+
+
+def _epilogue_w8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8 as the epilogues take it (they check it and read only the scale's kind): for a microscaled weight, whose
+    epilogue scale is a per-tensor 1 (fac), an empty e4m3 stand-in [N, 0]."""
+    if scale_kind(scale) in MICRO_KINDS:
+        return torch.empty(w8.shape[0], 0, dtype=E4M3, device=w8.device)
+    return w8
 
 
 def _forward_rest(fac: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The scale left for the forward epilogue (views, no launch): per tensor 1 (fac[0]), per row scale / kappa
     (fac[:N]); a block scale tells the epilogue that the scales were applied already."""
     kind = scale_kind(scale)
-    return fac[0] if kind == "tensor" else fac[:-1] if kind == "row" else scale
+    return fac[0] if kind in ("tensor", *MICRO_KINDS) else fac[:-1] if kind == "row" else scale
 
 
 def _not_w8a8(act_quant):
@@ -53,27 +85,29 @@ def _not_w8a8(act_quant):
         raise not_supported("cublas", "rowwise", alternatives=("triton", "reference"))  # _scaled_mm, no fused epilogue
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, global_scale=None):
     _not_w8a8(act_quant)
-    w, fac = _transient_weight(w8, scale, block_size, x.dtype)
+    w, fac = _transient_weight(w8, scale, block_size, x.dtype, global_scale=global_scale)
     x, xm = matmul_rows(x), matmul_rows(xm)
     base = x @ w.T
     base_d = xm @ w.T if (m is not None and xm is not None) else None
     del w
     rest = _forward_rest(fac, scale)
+    w8 = _epilogue_w8(w8, scale)
     return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, m, n, u, B, s, need_z, z_dtype, x.dtype)
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
     _not_w8a8(act_quant)
     dropout = v is not None and mask is not None
-    w, fac = _transient_weight(w8, scale, block_size, gl.dtype)
+    w, fac = _transient_weight(w8, scale, block_size, gl.dtype, global_scale)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     t = gl @ w
     tb = gb @ w if dropout else None
     del w
     # The contract's st (per-tensor scale, applied in the epilogue) is now in w: per tensor the epilogue multiplies by
     # 1 (fac[-1]); per row (scales in gl already) it divides the kappa out again (fac[-1] = 1 / kappa); block scales
-    # are in w.
+    # are in w (and microscaled weights' factors: fac = [1, 1]).
     st = scale if scale_kind(scale) == "block" else fac[-1]
+    w8 = _epilogue_w8(w8, scale)
     return dgrad_epilogue(t, tb, rl, w8, st, block_size, v, A, s, mask, p, rb, gl.dtype)

@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from ..quant import E4M3, row_blocks
+from ..quant import E4M3, quantize_mxfp8, quantize_nvfp4, row_blocks
 from ._race import ROOM, ROUNDS, TOL, W8A8_REL, plan, timeout_s
 from .linear import dora_fp8_linear, fp8_linear, weight_norm
+
 
 def _inputs(spec: dict, M: int, rows: int, device: torch.device) -> dict:
     """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy of
@@ -23,27 +24,42 @@ def _inputs(spec: dict, M: int, rows: int, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(M)
     K, r, bs = spec["K"], max(spec["r"], 1), spec["block"]
     cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
-    w8 = torch.empty(rows, K, dtype=E4M3, device=device)
-    for j0, j1 in row_blocks(rows, 64 * K):  # fp8 codes of N(0, 64^2), in blocks of 256 KiB of fp32
-        w8[j0:j1] = (torch.randn(j1 - j0, K, generator=g) * 64).clamp_(-448, 448).to(E4M3).to(device)
-    shape = (rows,) if spec["scale"] == "row" else (-(-rows // bs), -(-K // bs)) if bs else ()
-    scale = ((torch.rand(shape, generator=g) + 0.5) / (64 * K ** 0.5)).to(device)
-    t = {"x": torch.randn(M, K, generator=g, dtype=cdt), "scale": scale,
+    if spec["scale"] in ("nvfp4", "mxfp8"):  # the microscaled kinds by their own recipes (dorafp8/quant.py), a
+        w8, scale, gs = _micro_weight(spec["scale"], rows, K, g)  # block of rows at a time
+    else:
+        w8, gs = torch.empty(rows, K, dtype=E4M3), None
+        for j0, j1 in row_blocks(rows, 64 * K):  # fp8 codes of N(0, 64^2), in blocks of 256 KiB of fp32
+            w8[j0:j1] = (torch.randn(j1 - j0, K, generator=g) * 64).clamp_(-448, 448).to(E4M3)
+        shape = (rows,) if spec["scale"] == "row" else (-(-rows // bs), -(-K // bs)) if bs else ()
+        scale = (torch.rand(shape, generator=g) + 0.5) / (64 * K ** 0.5)
+    t = {"x": torch.randn(M, K, generator=g, dtype=cdt), "scale": scale, "w8": w8, "global_scale": gs,
          "A": (torch.randn(r, K, generator=g) / K ** 0.5).to(rdt), "B": (torch.randn(rows, r, generator=g) / r).to(rdt),
          "m": torch.rand(rows, generator=g) + 0.5, "gy": torch.randn(M, rows, generator=g, dtype=cdt),
          "bias": torch.randn(rows, generator=g, dtype=cdt) if spec["bias"] else None}
-    return dict({k: None if v is None else v.to(device) for k, v in t.items()}, w8=w8)
+    return {k: None if v is None else v.to(device) for k, v in t.items()}
+
+
+def _micro_weight(kind: str, rows: int, K: int, g: torch.Generator):
+    """An NVFP4 or MXFP8 weight of N(0, 1/K) values, quantized a block of rows at a time (NVFP4 with one global
+    scale for all: ModelOpt's global for an amax of 8 standard deviations, which no sample of this size reaches)."""
+    gs = torch.tensor(8.0 / K ** 0.5 / (6 * 448)) if kind == "nvfp4" else None
+    parts = []
+    for j0, j1 in row_blocks(rows, 64 * K):
+        w = torch.randn(j1 - j0, K, generator=g) / K ** 0.5
+        parts.append(quantize_nvfp4(w, gs)[:2] if gs is not None else quantize_mxfp8(w))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), gs
 
 
 def _step(spec: dict, t: dict, backend: str) -> dict:
     """One forward + backward on `backend`: {name: tensor} of y and every gradient."""
     if spec["op"] == "norm":  # weight_norm alone (PEFT's cached norm, the convs' norms): no gradient
         return {"y": weight_norm(t["w8"], t["scale"], t["A"], t["B"], 0.5, backend=backend,
-                                 block_size=spec["block"] or 128)}
+                                 block_size=spec["block"] or 128, global_scale=t["global_scale"])}
     # the inputs themselves are the leaves (detach: no copy), so that the step holds what a layer's step holds
     leaves = {k: t[k].detach().requires_grad_() for k in ("x", "A", "B", "m", "bias") if t[k] is not None}
     torch.manual_seed(0)  # the same dropout mask for every backend
-    kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None)
+    kw = dict(backend=backend, block_size=spec["block"] or 128, act_quant=spec["act_quant"] or None,
+              global_scale=t["global_scale"])
     if spec["op"] == "dora":
         y = dora_fp8_linear(leaves["x"], t["w8"], t["scale"], leaves["A"], leaves["B"], leaves["m"], 0.5,
                             leaves.get("bias"), dropout_p=spec["p"], training=True, **kw)

@@ -26,6 +26,14 @@ _MERGE_WARNING = (
     "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
     "deploy and reports the error of every layer"
 )
+# A microscaled base is re-quantized in its own format (dorafp8/merge.py, requantize_micro). The errors: the recipes'
+# relative Frobenius error on a Gaussian [1024, 1024] weight, measured (tests/peft/test_microscaled_peft.py bounds
+# the merged layers'): 4-bit e2m1 loses far more than e4m3.
+_MICRO_RECIPE = {"nvfp4": "ModelOpt's NVFP4 recipe (e2m1 values, an e4m3 scale per 16, a new global scale; about 9.5% "
+                          "relative error on Gaussian weights)",
+                 "mxfp8": "the OCP MX recipe (e4m3 values, an e8m0 scale per 32; about 2.9% relative error)"}
+_MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quantizes the merged weight by {} (each "
+                        "layer's in last_merge_error). Merging on the dense model loses none of it")
 
 
 def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
@@ -230,10 +238,6 @@ class DoRAFP8Layer:
         if getattr(base, "groups", 1) > 1:
             problems.append(f"merging into a conv with groups={base.groups} is not supported (nor in PEFT); "
                             f"export the adapter and merge on the dense model instead")
-        if base.weight.dtype == torch.uint8 or base.scale.dtype != torch.float32:
-            problems.append(f"merging into a microscaled (NVFP4 / MXFP8) base is not supported yet (its "
-                            f"re-quantization by the format's recipe is not written); save the adapter and merge on "
-                            f"the dequantized model (FP8Linear.dequantize) instead")
         for a in names:
             if self.lora_bias.get(a) and base.bias is None:
                 problems.append(f"adapter {a!r} has a LoRA bias but the base layer has no bias to merge it into")
@@ -253,8 +257,8 @@ class DoRAFP8Layer:
         so unmerge() restores it exactly. The relative error of the re-quantization is `last_merge_error`."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
-        from ..merge import adapter_terms, merged_rows, requantize
-        from ..quant import scale_kind
+        from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
+        from ..quant import MICRO_KINDS, scale_kind, weight_dims
 
         adapter_names = check_adapters_to_merge(self, adapter_names)
         if not adapter_names:
@@ -267,8 +271,15 @@ class DoRAFP8Layer:
         w2 = w8.reshape(w8.shape[0], -1)  # a conv's [C_out, C_in * kernel] view: B A is B2 @ A2 there (groups=1)
         gran = self.merge_granularity if self.merge_granularity != "keep" else scale_kind(scale)
         terms = adapter_terms(self, adapter_names)
-        new_w8, new_scale, stats = requantize(lambda j0, j1: merged_rows(w2, scale, block_size, terms, j0, j1),
-                                              w2.shape[0], w2.shape[1], gran, block_size=block_size, device=w8.device)
+        g = getattr(base, "global_scale", None)
+        rows = lambda j0, j1: merged_rows(w2, scale, block_size, terms, j0, j1, g)  # noqa: E731
+        if scale_kind(scale) in MICRO_KINDS:  # re-quantized in its own format, whatever merge_granularity says
+            gran = scale_kind(scale)
+            new_w8, new_scale, new_g, stats = requantize_micro(rows, *weight_dims(w2), gran, device=w8.device)
+        else:
+            new_w8, new_scale, stats = requantize(rows, w2.shape[0], w2.shape[1], gran, block_size=block_size,
+                                                  device=w8.device)
+            new_g = None
         if stats.nonfinite:
             raise ValueError(f"NaNs detected in the merged weights ({stats.nonfinite} non-finite values). The "
                              f"adapter {adapter_names} seems to be broken")
@@ -277,10 +288,13 @@ class DoRAFP8Layer:
             if self.lora_bias.get(a):
                 bias = nn.Parameter((bias.float() + self.lora_B[a].bias.float() * self.scaling[a]).to(bias.dtype),
                                     requires_grad=False)
-        warnings.warn(_MERGE_WARNING.format(f"per-{gran}", type(self).__name__), stacklevel=2)
-        self.__dict__.setdefault("_dorafp8_premerge", []).append((base.weight, base.scale, base.bias))
+        warnings.warn(_MICRO_MERGE_WARNING.format(gran.upper(), _MICRO_RECIPE[gran]) if new_scale.dtype != torch.float32
+                      else _MERGE_WARNING.format(f"per-{gran}", type(self).__name__), stacklevel=2)
+        self.__dict__.setdefault("_dorafp8_premerge", []).append((base.weight, base.scale, base.bias, g))
         base.weight = nn.Parameter(new_w8.reshape(w8.shape), requires_grad=False)
         base.scale = new_scale.to(w8.device)
+        if new_g is not None:
+            base.global_scale = new_g.to(w8.device)
         if bias is not base.bias:
             base.bias = bias
         self.last_merge_error = stats.rel_error
@@ -297,7 +311,9 @@ class DoRAFP8Layer:
             raise RuntimeError("this layer's fp8 base was merged without keeping the original (loaded merged?); "
                                "reload the base checkpoint to unmerge")
         base = self._fp8_base()
-        base.weight, base.scale, base.bias = stash[0]
+        base.weight, base.scale, base.bias, g = stash[0]
+        if g is not None:
+            base.global_scale = g
         stash.clear()
         self.merged_adapters.clear()
         self.clear_weight_norm_cache()

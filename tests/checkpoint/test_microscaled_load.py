@@ -247,3 +247,55 @@ def test_modelopt_fp8_export_still_loads_as_before(tmp_path):
     target = meta_model()
     load_fp8_checkpoint(target, path, verbose=False)
     assert all(quant.scale_kind(m.scale) == "tensor" for m in _linears(target).values())
+
+
+_RUN_SCRIPT = """
+import json, sys, torch, transformers
+from peft import LoraConfig, get_peft_model
+from dorafp8 import DoRAFP8Linear, FP8Linear, quant
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+ids = torch.tensor(json.loads(sys.argv[3]))
+with torch.no_grad():
+    torch.save(model(input_ids=ids).logits, sys.argv[2] + ".pt")
+peft_model = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj", "down_proj"]))
+peft_model(input_ids=ids).logits.sum().backward()
+dora = [m for m in peft_model.modules() if isinstance(m, DoRAFP8Linear)]
+json.dump({"layers": len(layers), "kinds": sorted({quant.scale_kind(m.scale) for m in layers}), "dora": len(dora),
+           "grads": all(m.lora_A["default"].weight.grad is not None for m in dora)}, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.parametrize("writer", ["compressed-tensors", "modelopt-nvfp4", "modelopt-mxfp8"])
+def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
+    """`dorafp8 run -- <script>` whose script calls transformers' AutoModelForCausalLM.from_pretrained(path) alone: a
+    compressed-tensors NVFP4 checkpoint gets its layers held by dorafp8's (from_transformers_fp8), a ModelOpt NVFP4 or
+    MXFP8 export (which transformers cannot load) is loaded by load_fp8_checkpoint; the model computes what the
+    dense twin on the format's dequantization computes, and PEFT's DoRA on it is dorafp8's and trains."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    if writer == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+        path, packed_suffix, reciprocal = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct")), \
+            "weight_packed", True
+    else:
+        algo = writer.split("-")[1].upper()
+        path, packed_suffix, reciprocal = write_modelopt(original_model(), str(tmp_path / "mo"), algo), "weight", False
+    script, out = tmp_path / "train.py", tmp_path / "out.json"
+    script.write_text(_RUN_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "dorafp8", "run", "--", str(script), path, str(out),
+                           json.dumps(IDS.tolist())], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "14 layers of its" in proc.stderr and "held by dorafp8" in proc.stderr, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    kind = "mxfp8" if writer.endswith("mxfp8") else "nvfp4"
+    assert got == {"layers": 14, "kinds": [kind], "dora": 4, "grads": True}
+    twin = _dense_twin(read_all(path), packed_suffix, reciprocal=reciprocal).eval()
+    with torch.no_grad():
+        assert_close(torch.load(str(out) + ".pt"), twin(input_ids=IDS).logits, tol(torch.float32), "logits")

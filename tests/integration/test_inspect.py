@@ -92,6 +92,7 @@ SUBSET = [
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
     *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale")],
+    *[("dequant_micro", "bf16", v, BOTH) for v in ("nvfp4", "mxfp8")],
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}

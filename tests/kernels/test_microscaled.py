@@ -94,8 +94,11 @@ def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("chosen", ["reference", "auto"])
+@pytest.mark.parametrize("chosen", ["reference", "auto", "cublas"])
 def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen):
+    """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py), on CPU under Triton's interpreter."""
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     M, N, r, s = 7, 33, 3, 1.75
     K = 48 if kind == "nvfp4" else 70  # MXFP8: a partial last block of 6
     w, scale, g = make_weight(kind, N, K)
@@ -172,13 +175,13 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_picks_a_backend_that_computes_the_kind(kind):
-    """Only the reference computes the microscaled kinds: "auto" resolves to it on CPU (where fp8 goes to native) and
-    on a GPU (every other backend lacks the feature, so neither the static order nor the race can pick one);
-    a backend named for them is refused before any work."""
+    """The reference and the cuBLAS strategy compute the microscaled kinds: "auto" resolves to the reference on CPU
+    (where fp8 goes to native; on a GPU to cublas: tests/kernels/test_dequant_micro.py); a backend named for them
+    that lacks them is refused before any work."""
     assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
     assert backends.resolve("auto", torch.device("cpu"), frozenset()) == "native"  # fp8 unchanged
     for name in backends.BACKENDS:
-        assert (kind in backends.supports(name)) == (name == "reference"), name
+        assert (kind in backends.supports(name)) == (name in ("reference", "cublas")), name
     w, scale, g = make_weight(kind, 4, 32)
     with pytest.raises(ValueError, match="not supported by the native backend"):
         dorafp8.fp8_linear(torch.randn(2, 32), w, scale, backend="native", global_scale=g)

@@ -47,6 +47,9 @@ def planted(mode, victim="native"):
     return [sys.executable, os.path.join(HERE, "_race_child.py"), mode, victim]
 
 
+REAL_CHILD = list(_race.CHILD)  # the real child's command, before the fixture replaces it
+
+
 @pytest.fixture
 def race(monkeypatch, tmp_path):
     """The CPU races `native` alone; verdicts go to tmp_path; the fake child (native at 1 ms) by default."""
@@ -117,6 +120,46 @@ def test_the_real_child_checks_and_times_then_the_file_serves(race, used, monkey
     used.clear()
     _step(50)  # same M bucket
     assert set(used) == {"reference"}
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("mode", ["real", "wrong"])
+def test_a_microscaled_key_is_checked_on_its_own_kind(race, used, monkeypatch, kind, mode):
+    """An NVFP4 / MXFP8 layer's key: the real child builds its inputs by the kind's recipe and checks the cuBLAS
+    strategy (the one racer that computes the kind) against the reference; right, it is picked; made wrong, never."""
+    if backends.unavailable_reason("cublas", torch.device("cpu")) is not None:
+        pytest.skip(backends.unavailable_reason("cublas", torch.device("cpu")))
+    from dorafp8 import quant
+
+    monkeypatch.setitem(_race.RACERS, "cpu", ("cublas",))
+    monkeypatch.setattr(_race, "CHILD", REAL_CHILD if mode == "real" else planted("wrong", "cublas"))
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(1)) / K ** 0.5
+    w, scale, g = quant.quantize_nvfp4(W) if kind == "nvfp4" else (*quant.quantize_mxfp8(W), None)
+    _, _, A, B, m = _layer()
+    x = torch.randn(40, K, dtype=torch.bfloat16).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dorafp8.dora_fp8_linear(x, w, scale, A, B, m, s, global_scale=g).float().sum().backward()
+    assert any("'cublas' is not used" in str(c.message) for c in caught) == (mode == "wrong")
+    verdicts = _verdicts(race)["keys"]
+    assert verdicts and all(kind in what for what in verdicts), verdicts
+    assert all(v["cublas"]["ok"] == (mode == "real") for v in verdicts.values()), verdicts
+    assert ("cublas" in used) == (mode == "real")
+    if mode == "wrong":
+        assert "reference" in used
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+def test_the_child_builds_inputs_of_the_keys_kind(kind):
+    """The child's inputs for a microscaled key are of that kind (its recipe's bytes, scales and global scale): with a
+    per-tensor fp8 weight instead, the check would pass without running the kind's unpack at all."""
+    from dorafp8 import quant
+    from dorafp8.ops import _race_child
+
+    spec = _race.spec_of("dora", torch.device("cpu"), N=N, K=K, M=8, r=r, scale=kind, cdt=torch.bfloat16)
+    t = _race_child._inputs(spec, 8, N, torch.device("cpu"))
+    assert quant.scale_kind(t["scale"]) == kind and quant.weight_dims(t["w8"]) == (N, K)
+    assert (t["w8"].dtype == torch.uint8) == (kind == "nvfp4") and (t["global_scale"] is None) == (kind == "mxfp8")
 
 
 def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
