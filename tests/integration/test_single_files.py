@@ -150,33 +150,56 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
     _train_like_peft(model, ref, ["to_q", "to_v", "ff.net.2", "time_emb_proj"], _unet_inputs(sdxl), (1, 4, 8, 8))
 
 
-_OWN_LAYOUTS = {  # family -> (its key names, diffusers' converter, DoRA targets, output shape)
-    "wan": (layouts.wan_key, "convert_wan_transformer_to_diffusers", ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
-    "ltx": (layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers", ["to_q", "to_v", "ff.net.2"],
-            (1, 16, 8)),
+_OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
+    "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+            ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "ltx": (lambda: tiny.build("ltx"), layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers",
+            ["to_q", "to_v", "ff.net.2"], (1, 16, 8)),
+    "sd35": (layouts.sd35_model, layouts.sd3_key, "convert_sd3_transformer_checkpoint_to_diffusers",
+             ["to_q", "to_v", "add_k_proj", "ff.net.2", "norm1.linear"], (1, 4, 8, 8)),
+    "hunyuan_video": (lambda: layouts.hunyuan_model(False), layouts.hunyuan_key,
+                      "convert_hunyuan_video_transformer_to_diffusers",
+                      ["to_q", "to_v", "add_q_proj", "ff.net.2", "ff_context.net.0.proj"], (1, 4, 1, 2, 2)),
+    "hunyuan_video_3072": (lambda: layouts.hunyuan_model(True), layouts.hunyuan_key,
+                           "convert_hunyuan_video_transformer_to_diffusers", ["to_q", "to_v", "proj_mlp", "proj_out"],
+                           (1, 4, 1, 2, 2)),
 }
 
 
 @pytest.mark.parametrize("family", list(_OWN_LAYOUTS))
 def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
-    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head) and LTX-Video (patchify_proj, adaln_single) in their own
-    layouts. Wan's time embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense
-    layers; everything else keeps its bytes."""
+    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head), LTX-Video (patchify_proj, adaln_single), SD3.5 in MMDiT's
+    layout (joint_blocks.N.x_block.attn.qkv and context_block's, a second attention attn2.qkv, RMS ln_q / ln_k) and
+    HunyuanVideo in its own (double_blocks.N.img_attn_qkv / txt_attn_qkv, the token refiner's self_attn_qkv; and,
+    at the 3072 width diffusers' conversion hard-codes, a single block's linear1 = q, k, v and the MLP). Wan's time
+    embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense layers; everything
+    else keeps its bytes."""
     from accelerate import init_empty_weights
     from diffusers.loaders import single_file_utils
 
-    own_key, converter, targets, out_shape = _OWN_LAYOUTS[family]
-    src, inputs = tiny.build(family)
-    sd = layouts.comfy_encode({own_key(k): v for k, v in src.state_dict().items()})
-    ref, _ = tiny.build(family)
+    build, own_key, converter, targets, out_shape = _OWN_LAYOUTS[family]
+    src, inputs = build()
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key))
+    del src
+    ref, _ = build()
     ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
     with init_empty_weights():  # keeps buffers (Wan's rotary tables) real
-        model = type(src).from_config(src.config)
+        model = type(ref).from_config(ref.config)
     load_single_file(model, dict(sd), verbose=False)
     fp8 = _check_in_place(model, sd, ref, inputs)
     kept = dorafp8.nn.convert.kept_in_precision(model)
     assert len(fp8) == sum(isinstance(m, torch.nn.Linear) for n, m in ref.named_modules() if n not in kept)
     assert family != "wan" or "condition_embedder.time_embedder.linear_1" in kept
+    if family.startswith("hunyuan_video") or family == "sd35":  # the fused weights' pieces: the file's bytes, its scale
+        fused = [k for k in sd if k.endswith(("qkv.weight", "linear1.weight"))]
+        assert fused
+        for k in fused:
+            pieces = [n for n in fp8 if own_key(n + ".weight")[0] == k[len(layouts.COMFY_PREFIX):]]
+            assert len(pieces) in (3, 4), (k, pieces)
+            rows = torch.cat([model.get_submodule(n).weight.view(torch.uint8) for n in
+                              sorted(pieces, key=lambda n: own_key(n + ".weight")[1])])
+            assert torch.equal(rows, sd[k].view(torch.uint8)), k
+            assert all(model.get_submodule(n).scale == sd[k[:-len("weight")] + "scale_weight"] for n in pieces)
     _train_like_peft(model, ref, targets, inputs, out_shape)
 
 
