@@ -281,7 +281,8 @@ def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.CO
             elif "lora_magnitude_vector" in n:
                 p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
     pm_ref = peft.get_peft_model(ref, config)
-    pm_ref.load_state_dict({n: p for n, p in pm.state_dict().items() if "lora_" in n}, strict=False)
+    res = pm_ref.load_state_dict({n: p for n, p in pm.state_dict().items() if "lora_" in n}, strict=False)
+    assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
     merged = pm_ref.merge_and_unload().state_dict()
 
     out = tmp_path / "dora_for_comfyui.safetensors"
@@ -337,3 +338,18 @@ def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_pa
     sd, ref, model, _ = _own_case(family)
     targets = _OWN_LAYOUTS[family][3]
     _export_matches_comfyui(model, ref, sd, targets, tmp_path, as_path=family == "wan")
+
+
+def test_export_onto_another_file_is_refused(tmp_path):
+    """The export takes the rows from the file it is given: a file whose weight differs from the base the model
+    was loaded with (another checkpoint of the same model) is refused naming the layer, and nothing is written."""
+    sd, _, model, _ = _own_case("sd35")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    other = dict(sd)
+    key = layouts.COMFY_PREFIX + "joint_blocks.1.x_block.attn.qkv.scale_weight"
+    other[key] = other[key] * 1.5
+    out = tmp_path / "dora.safetensors"
+    with pytest.raises(ValueError, match=r"transformer_blocks\.1\.attn\.to_q: its base weight is not rows of "
+                                         r"model\.diffusion_model\.joint_blocks\.1\.x_block\.attn\.qkv\.weight"):
+        dorafp8.save_single_file_dora(pm, str(out), other)
+    assert not out.exists()
