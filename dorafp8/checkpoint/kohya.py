@@ -3,6 +3,10 @@
 
     save_kohya_dora(model, path)   a PEFT (or dorafp8) DoRA adapter -> one .safetensors file
     load_kohya_dora(model, path)   such a file (ours, or one LyCORIS or a kohya-style trainer wrote) -> a PEFT DoRA model
+    save_single_file_dora(model, path, single_file)   the same layout keyed by a ComfyUI single file's own weights
+
+Long because it holds both directions of one layout, each with its checks, and the single-file export, which builds
+on the export's per-layer tensors and checks.
 
 The math each consumer applies, read from its code (docs/DIFFUSION.md, "DoRA files for ComfyUI and kohya tools"):
 
