@@ -333,7 +333,7 @@ def test_ldm_unet_export_maps_onto_the_ldm_file_as_comfyui_loads_it(sdxl, tmp_pa
     assert any(".input_blocks." in k and k.endswith("in_layers.2.weight") for k in written)  # a dense conv too
 
 
-@pytest.mark.parametrize("family", ["wan", "ltx", "sd35", "hunyuan_video"])
+@pytest.mark.parametrize("family", ["wan", "ltx", "sd35", "hunyuan_video", "hunyuan_video_3072"])
 def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_path):
     sd, ref, model, _ = _own_case(family)
     targets = _OWN_LAYOUTS[family][3]
