@@ -20,6 +20,8 @@ Public API:
     save_kohya_dora, load_kohya_dora      DoRA adapters as kohya / LyCORIS files (lora_down, lora_up, alpha,
                                           dora_scale) for ComfyUI and LyCORIS, and back (needs peft and safetensors;
                                           loaded on first use; dorafp8/checkpoint/kohya.py)
+    save_single_file_dora                 the same, keyed in a ComfyUI single file's own layout (lora_unet_ + its
+                                          weights' names, fused pieces joined), for ComfyUI on that file
     load_single_file                      a ComfyUI fp8_scaled single file in its original layout (ldm, BFL, ...) into
                                           a diffusers model, through diffusers' own key conversion (needs diffusers)
     from_transformers_fp8                 a transformers model loaded with an fp8 quantization config -> FP8Linear
@@ -63,13 +65,14 @@ __all__ = [
     "register_with_peft", "install_ddp_support", "install_fsdp_support", "load_fp8_checkpoint", "save_fp8_checkpoint",
     "export_merged", "detect_format", "load_single_file", "from_transformers_fp8", "reuse_weight_norms",
     "FP8Conv1d", "FP8Conv2d", "FP8Conv3d", "dora_fp8_conv", "fp8_conv", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
-    "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora", "register_with_lycoris",
+    "DoRAFP8Conv3d", "DoRAFP8Config", "save_kohya_dora", "load_kohya_dora", "save_single_file_dora",
+    "register_with_lycoris",
 ]
 
 _PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
 _PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
 _TRANSFORMERS_NAMES = ("DoRAFP8Config",)
-_KOHYA_NAMES = ("save_kohya_dora", "load_kohya_dora")
+_KOHYA_NAMES = ("save_kohya_dora", "load_kohya_dora", "save_single_file_dora")
 _LYCORIS_NAMES = ("register_with_lycoris",)
 
 

@@ -3,6 +3,10 @@
 
     save_kohya_dora(model, path)   a PEFT (or dorafp8) DoRA adapter -> one .safetensors file
     load_kohya_dora(model, path)   such a file (ours, or one LyCORIS or a kohya-style trainer wrote) -> a PEFT DoRA model
+    save_single_file_dora(model, path, single_file)   the same layout keyed by a ComfyUI single file's own weights
+
+Long because it holds both directions of one layout, each with its checks, and the single-file export, which builds
+on the export's per-layer tensors and checks.
 
 The math each consumer applies, read from its code (docs/DIFFUSION.md, "DoRA files for ComfyUI and kohya tools"):
 
@@ -21,6 +25,7 @@ Which key names each consumer maps: kohya_names.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -204,6 +209,139 @@ def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
         # flux_to_diffusers, mmdit_to_diffusers): its rows would get the other half's magnitudes.
         out.append(f"{name}: ComfyUI reorders this layer's rows (swap_scale_shift) but not its dora_scale; leave "
                    f"norm_out.linear out of DoRA targets for a ComfyUI file")
+    return out
+
+
+# ------------------------------------------------------------------------------ export onto an original single file
+
+_ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # a full checkpoint's, ComfyUI's model's
+
+
+def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_name: Optional[str] = None,
+                          dtype: Optional[torch.dtype] = None) -> dict[str, list[str]]:
+    """Writes the DoRA (or LoRA) adapter of `model`, a diffusers model loaded from the single file `single_file` (its
+    path or state dict) by load_single_file, as a kohya file in that single file's own layout, for ComfyUI's LoRA
+    loader on the same file: one layer per original weight the adapter touches, keyed `lora_unet_` + the original key
+    without its prefix and `.weight`, '.' -> '_' (the name comfy/lora.py model_lora_keys_unet gives every weight of
+    any model), dora_scale in ComfyUI's current math (save_kohya_dora's "comfyui").
+
+    Which rows of which original weight each adapted layer is comes from diffusers' converter (row_map), as when the
+    file was loaded. A fused weight (Flux's img_attn.qkv and single blocks' linear1, SD3's and HunyuanVideo's qkv)
+    gets its adapted pieces as one layer: lora_down the pieces' lora_down stacked, lora_up block-diagonal with each
+    piece's alpha / rank folded in (alpha = the total rank), rows no piece adapts zero in lora_up and, for DoRA, with
+    dora_scale ||W|| + eps, which ComfyUI's weight_decompose leaves as they are. Reordered rows (diffusers' swapped
+    adaLN halves) go back to the file's order. Returns {original weight key: the modules written into it}.
+
+    Refused, before anything is written: a layer diffusers' conversion does not take from the file, or whose base
+    weight is not the file's (another file, or trained on something else)."""
+    from .single_file import is_scale_key, row_map
+
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    root = _root(model)
+    layers = _lora_layers(root)
+    adapter = _pick_adapter(layers, adapter_name)
+    layers = {n: m for n, m in layers.items() if adapter in m.lora_A}
+    problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, "comfyui", None)]
+    if problems:
+        raise ValueError("save_single_file_dora cannot write this adapter: " + "; ".join(problems))
+    with _original_file(single_file) as (shapes, get):
+        keys, converted = row_map(root, {k: v for k, v in shapes.items() if not is_scale_key(k)})
+        pieces: dict[str, list] = {}  # original key -> [(module name, its rows, the original's rows)]
+        for n in layers:
+            tag = converted.get(f"{n}.weight")
+            if not isinstance(tag, torch.Tensor) or tag.dim() != 1:
+                problems.append(f"{n}: diffusers' conversion for {type(root).__name__} takes no rows of this file "
+                                f"for {n}.weight")
+                continue
+            src = tag >> 32
+            for i in torch.unique(src).tolist():
+                ours = (src == i).nonzero().reshape(-1)
+                pieces.setdefault(keys[i], []).append((n, ours, tag[ours] & ((1 << 32) - 1)))
+        tensors, written = {}, {}
+        for key, parts in pieces.items():
+            w = _dequantized(key, get, shapes)
+            problems += _not_the_base(key, w, parts, layers)
+            layer_key = _comfy_key(key)
+            if layer_key is None:
+                problems.append(f"{key}: not a weight of the diffusion model (expected a name ending in .weight)")
+                continue
+            for suffix, t in _fused_layer(w, parts, layers, adapter, dtype).items():
+                tensors[f"{layer_key}.{suffix}"] = t
+            written[key] = [n for n, _, _ in parts]
+    if problems:
+        raise ValueError("save_single_file_dora cannot write this adapter: " + "; ".join(problems[:8]))
+    dora = any(layer.use_dora.get(adapter) for layer in layers.values())
+    meta = {"ss_network_module": "networks.lora", META_DORA_SCALE: "comfyui" if dora else "none",
+            "dorafp8_source": "dorafp8.save_single_file_dora"}
+    _write_atomic(tensors, path, meta)
+    return written
+
+
+@contextlib.contextmanager
+def _original_file(single_file):
+    """({key: shape}, get(key) -> tensor) of a single file given as a path (read lazily) or a state dict."""
+    if isinstance(single_file, dict):
+        yield {k: tuple(v.shape) for k, v in single_file.items()}, single_file.__getitem__
+        return
+    where = f"single_file {os.fspath(single_file)!r}"
+    with open_safetensors(regular_file(os.fspath(single_file), "single_file"), where) as f:
+        yield {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, f.get_tensor
+
+
+def _dequantized(key: str, get, shapes: dict) -> torch.Tensor:
+    """The original weight `key` as the file stands for it, float32 (e4m3 / e5m2 times its scale_weight, per tensor
+    or per row), as [out, in * kernel] rows."""
+    w = get(key)
+    scale_key = key[:-len("weight")] + "scale_weight"
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale_key in shapes:
+        scale = get(scale_key).float()
+        w = w.float() * (scale.reshape((-1,) + (1,) * (w.dim() - 1)) if scale.numel() > 1 else scale)
+    w = w.float()
+    return w.reshape(w.shape[0], -1)
+
+
+def _not_the_base(key: str, w: torch.Tensor, parts: list, layers: dict) -> list[str]:
+    out = []
+    for n, ours, theirs in parts:
+        base = base_weight_rows(layers[n])[ours].to(w.device)
+        if base.shape != w[theirs].shape or not torch.allclose(base, w[theirs], rtol=1e-2,
+                                                                 atol=1e-2 * float(w[theirs].abs().max())):
+            out.append(f"{n}: its base weight is not rows of {key} in this file (was the model loaded from it?)")
+    return out
+
+
+def _comfy_key(key: str) -> Optional[str]:
+    if not key.endswith(".weight"):
+        return None
+    for p in _ORIGINAL_PREFIXES:
+        if key.startswith(p):
+            key = key[len(p):]
+            break
+    return "lora_unet_" + key[:-len(".weight")].replace(".", "_")
+
+
+def _fused_layer(w: torch.Tensor, parts: list, layers: dict, adapter: str, dtype) -> dict[str, torch.Tensor]:
+    """One original weight's kohya tensors from the adapted pieces `parts` of it (see save_single_file_dora)."""
+    per = [(layer_tensors(layers[n], adapter, "comfyui"), ours, theirs) for n, ours, theirs in parts]
+    rank = sum(t["lora_down.weight"].shape[0] for t, _, _ in per)
+    down = torch.cat([t["lora_down.weight"].float() for t, _, _ in per])
+    up = torch.zeros(w.shape[0], rank)
+    col = 0
+    for t, ours, theirs in per:
+        r = t["lora_down.weight"].shape[0]
+        scaling = float(t["alpha"]) / r
+        up[theirs, col:col + r] = t["lora_up.weight"].float().reshape(-1, r)[ours] * scaling
+        col += r
+    out = {"lora_down.weight": down.to(dtype or per[0][0]["lora_down.weight"].dtype).contiguous(),
+           "lora_up.weight": up.reshape((w.shape[0], rank) + (1,) * (down.dim() - 2)).to(
+               dtype or per[0][0]["lora_up.weight"].dtype).contiguous(),
+           "alpha": torch.tensor(float(rank), dtype=torch.float32)}
+    if "dora_scale" in per[0][0]:
+        ds = (w.double().norm(dim=1) + _EPS32).float()  # rows no piece adapts: ComfyUI's identity
+        for t, ours, theirs in per:
+            ds[theirs] = t["dora_scale"].reshape(-1)[ours]
+        out["dora_scale"] = ds.reshape((-1,) + (1,) * (down.dim() - 1)).contiguous()
     return out
 
 

@@ -79,17 +79,39 @@ def patch_from_single_file() -> None:
 _ROW_BITS = 32  # a row tag: source index << 32 | row
 
 
-def _row_tags(state_dict: dict) -> tuple[list, dict]:
-    """(keys, tags): every tensor of `state_dict` replaced by an int64 vector with one entry per row (dim 0) naming
-    the tensor and the row: what diffusers' converters do to rows (rename, chunk, split, concatenate, swap halves)
-    they then do to these, and the result says where each row of each converted tensor comes from."""
-    keys = list(state_dict)
+def _row_tags(shapes: dict) -> tuple[list, dict]:
+    """(keys, tags): every tensor of a state dict ({key: shape}) replaced by an int64 vector with one entry per row
+    (dim 0) naming the tensor and the row: what diffusers' converters do to rows (rename, chunk, split, concatenate,
+    swap halves) they then do to these, and the result says where each row of each converted tensor comes from."""
+    keys = list(shapes)
     tags = {}
     for i, k in enumerate(keys):
-        t = state_dict[k]
-        tags[k] = (torch.arange(t.shape[0], dtype=torch.int64) | (i << _ROW_BITS)) if t.dim() else \
+        shape = tuple(shapes[k])
+        tags[k] = (torch.arange(shape[0], dtype=torch.int64) | (i << _ROW_BITS)) if shape else \
             torch.tensor(i << _ROW_BITS)
     return keys, tags
+
+
+def row_map(model: nn.Module, shapes: dict) -> tuple[list, dict]:
+    """(keys, converted): diffusers' converter for `model` run on the row tags of a single file's tensors
+    ({key: shape}, its weights without their scales): converted[diffusers key] >> 32 indexes `keys`, & (2**32 - 1)
+    is the row of that file tensor. Keys some converters leave with a full checkpoint's `model.diffusion_model.`
+    prefix (HunyuanVideo's) come without it."""
+    keys, tags = _row_tags(shapes)
+    try:
+        converted = converter_for(model)(dict(tags))
+    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        name = _model_name(model)
+        raise CheckpointFormatError(f"diffusers' single-file conversion for {name} failed on this file "
+                                    f"({type(e).__name__}: {e}): it is not in the layout diffusers converts for "
+                                    f"{name}") from e
+    prefix = "model.diffusion_model."
+    return keys, {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in converted.items()}
+
+
+def is_scale_key(k: str) -> bool:
+    """A scale or marker key of a scaled fp8 file, beside its weights."""
+    return k.endswith(_SCALE_SUFFIXES) or k == "scaled_fp8" or k.endswith(".scaled_fp8")
 
 
 def _model_name(model: nn.Module) -> str:
@@ -142,15 +164,8 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
                                     f"read in original layouts here, only its scaled_fp8 one (scale_weight); nothing "
                                     f"was loaded into {name}")
     extras = _layer_extras(state_dict)
-    tensors = {k: v for k, v in state_dict.items()
-               if not (k.endswith(_SCALE_SUFFIXES) or k == "scaled_fp8" or k.endswith(".scaled_fp8"))}
-    keys, tags = _row_tags(tensors)
-    try:
-        converted = converter_for(model)(dict(tags))
-    except (KeyError, IndexError, RuntimeError, ValueError) as e:
-        raise CheckpointFormatError(f"diffusers' single-file conversion for {name} failed on this file "
-                                    f"({type(e).__name__}: {e}): it is not in the layout diffusers converts for "
-                                    f"{name}") from e
+    tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k)}
+    keys, converted = row_map(model, {k: v.shape for k, v in tensors.items()})
     out, used, errors = {}, set(), []
     for k, tag in converted.items():
         ok = isinstance(tag, torch.Tensor) and tag.dtype == torch.int64

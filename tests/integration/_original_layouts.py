@@ -183,3 +183,142 @@ def ltx_key(k: str) -> str:
                          ("norm_k", "k_norm")):
         k = k.replace(ours, theirs)
     return k
+
+
+# ------------------------------------------------------------------------ SD3.5 (MMDiT) and HunyuanVideo, fused qkv
+
+def _fused_key(k: str, top: tuple, blocks: tuple) -> tuple[str, int]:
+    """(original key, position among the pieces fused into it) of the diffusers key `k`: `top` and each block
+    kind's table list (diffusers module, original module, position); a module not listed keeps its name."""
+    import re
+
+    for pattern, orig_prefix, table in ((r"", "", top),) + blocks:
+        m = re.match(pattern, k)
+        if not m or (not pattern and any(re.match(p, k) for p, _, _ in blocks)):
+            continue
+        rest, prefix = k[m.end():], orig_prefix.format(*m.groups())
+        for ours, theirs, pos in table:
+            if rest == ours or rest.startswith(ours + "."):
+                return prefix + theirs + rest[len(ours):], pos
+        return prefix + rest, 0
+    raise AssertionError(k)
+
+
+def fuse(state_dict: dict, key) -> dict:
+    """`state_dict` (diffusers names) in an original layout: key(k) = the original key, or (original key, position);
+    the pieces of one original key concatenated by rows in position order (q, k, v, then the MLP), the way the
+    family fuses them."""
+    groups: dict = {}
+    for k, t in state_dict.items():
+        name = key(k)
+        name, pos = (name, 0) if isinstance(name, str) else name
+        groups.setdefault(name, []).append((pos, t))
+    return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) if len(parts) > 1 else parts[0][1]
+            for name, parts in groups.items()}
+
+
+def _qkv(ours: str, theirs: str, names=("to_q", "to_k", "to_v")) -> list:
+    return [(f"{ours}{n}", theirs, i) for i, n in enumerate(names)]
+
+
+# diffusers' SD3Transformer2DModel -> MMDiT's names (SD3 / SD3.5's sd3_impls mmditx.py, the keys diffusers'
+# convert_sd3_transformer_checkpoint_to_diffusers reads)
+_SD3_TOP = (("pos_embed.pos_embed", "pos_embed", 0), ("pos_embed.proj", "x_embedder.proj", 0),
+            ("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0", 0),
+            ("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2", 0),
+            ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0", 0),
+            ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2", 0), ("proj_out", "final_layer.linear", 0),
+            ("norm_out.linear", "final_layer.adaLN_modulation.1", 0))
+_SD3_BLOCK = tuple(
+    _qkv("attn.", "x_block.attn.qkv") + _qkv("attn.", "context_block.attn.qkv", ("add_q_proj", "add_k_proj",
+                                                                              "add_v_proj"))
+    + _qkv("attn2.", "x_block.attn2.qkv")
+    + [("attn.norm_q", "x_block.attn.ln_q", 0), ("attn.norm_k", "x_block.attn.ln_k", 0),
+       ("attn.norm_added_q", "context_block.attn.ln_q", 0), ("attn.norm_added_k", "context_block.attn.ln_k", 0),
+       ("attn2.norm_q", "x_block.attn2.ln_q", 0), ("attn2.norm_k", "x_block.attn2.ln_k", 0),
+       ("attn.to_out.0", "x_block.attn.proj", 0), ("attn.to_add_out", "context_block.attn.proj", 0),
+       ("attn2.to_out.0", "x_block.attn2.proj", 0), ("norm1.linear", "x_block.adaLN_modulation.1", 0),
+       ("norm1_context.linear", "context_block.adaLN_modulation.1", 0), ("ff.net.0.proj", "x_block.mlp.fc1", 0),
+       ("ff.net.2", "x_block.mlp.fc2", 0), ("ff_context.net.0.proj", "context_block.mlp.fc1", 0),
+       ("ff_context.net.2", "context_block.mlp.fc2", 0)])
+
+
+def sd3_key(k: str) -> tuple[str, int]:
+    """MMDiT's (SD3 / SD3.5) name of the diffusers SD3Transformer2DModel key `k`, and its place in a fused qkv."""
+    return _fused_key(k, _SD3_TOP, ((r"transformer_blocks\.(\d+)\.", "joint_blocks.{}.", _SD3_BLOCK),))
+
+
+def sd35_model():
+    """A tiny SD3.5 (medium's shape: RMS qk norms, a second attention in the first block) and its inputs."""
+    from diffusers import SD3Transformer2DModel
+
+    from tests.integration._tiny_diffusers import _randn
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8,
+                                  dual_attention_layers=(0,), qk_norm="rms_norm")
+    inputs = dict(hidden_states=_randn(1, 4, 8, 8), encoder_hidden_states=_randn(1, 5, 16),
+                  pooled_projections=_randn(1, 16), timestep=torch.tensor([500]))
+    return model.eval(), inputs
+
+
+# diffusers' HunyuanVideoTransformer3DModel -> HunyuanVideo's names (hyvideo/modules/models.py and token_refiner.py,
+# the keys diffusers' convert_hunyuan_video_transformer_to_diffusers reads)
+_HY_TOP = (("x_embedder", "img_in", 0), ("time_text_embed.timestep_embedder.linear_1", "time_in.mlp.0", 0),
+           ("time_text_embed.timestep_embedder.linear_2", "time_in.mlp.2", 0),
+           ("time_text_embed.guidance_embedder.linear_1", "guidance_in.mlp.0", 0),
+           ("time_text_embed.guidance_embedder.linear_2", "guidance_in.mlp.2", 0),
+           ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer", 0),
+           ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer", 0),
+           ("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0", 0),
+           ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2", 0),
+           ("context_embedder.time_text_embed.text_embedder", "txt_in.c_embedder", 0),
+           ("context_embedder.proj_in", "txt_in.input_embedder", 0),
+           ("norm_out.linear", "final_layer.adaLN_modulation.1", 0), ("proj_out", "final_layer.linear", 0))
+_HY_REFINER = tuple(_qkv("attn.", "self_attn_qkv") + [
+    ("attn.to_out.0", "self_attn_proj", 0), ("ff.net.0.proj", "mlp.fc1", 0), ("ff.net.2", "mlp.fc2", 0),
+    ("norm_out.linear", "adaLN_modulation.1", 0)])
+_HY_DOUBLE = tuple(
+    _qkv("attn.", "img_attn_qkv") + _qkv("attn.", "txt_attn_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+    + [("norm1.linear", "img_mod.linear", 0), ("norm1_context.linear", "txt_mod.linear", 0),
+       ("attn.norm_q", "img_attn_q_norm", 0), ("attn.norm_k", "img_attn_k_norm", 0),
+       ("attn.norm_added_q", "txt_attn_q_norm", 0), ("attn.norm_added_k", "txt_attn_k_norm", 0),
+       ("attn.to_out.0", "img_attn_proj", 0), ("attn.to_add_out", "txt_attn_proj", 0),
+       ("ff.net.0.proj", "img_mlp.fc1", 0), ("ff.net.2", "img_mlp.fc2", 0),
+       ("ff_context.net.0.proj", "txt_mlp.fc1", 0), ("ff_context.net.2", "txt_mlp.fc2", 0)])
+_HY_SINGLE = tuple(_qkv("attn.", "linear1") + [
+    ("proj_mlp", "linear1", 3), ("proj_out", "linear2", 0), ("attn.norm_q", "q_norm", 0),
+    ("attn.norm_k", "k_norm", 0), ("norm.linear", "modulation.linear", 0)])
+
+
+def hunyuan_key(k: str) -> tuple[str, int]:
+    """HunyuanVideo's name of the diffusers HunyuanVideoTransformer3DModel key `k`, and its place in a fused
+    weight (qkv; the single blocks' linear1 = q, k, v and the MLP)."""
+    return _fused_key(k, _HY_TOP, (
+        (r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)\.", "txt_in.individual_token_refiner.blocks.{}.",
+         _HY_REFINER),
+        (r"transformer_blocks\.(\d+)\.", "double_blocks.{}.", _HY_DOUBLE),
+        (r"single_transformer_blocks\.(\d+)\.", "single_blocks.{}.", _HY_SINGLE)))
+
+
+def hunyuan_model(full_width: bool):
+    """A tiny HunyuanVideo with a double block and a token refiner block and no single block (diffusers' conversion
+    splits a single block's linear1 at a hard-coded 3072), or (full_width) the 3072 width (24 heads of 128) with
+    one single block and nothing else; and its inputs."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from tests.integration._tiny_diffusers import _randn
+
+    torch.manual_seed(0)
+    width = dict(num_attention_heads=24, attention_head_dim=128, rope_axes_dim=(16, 56, 56)) if full_width else \
+        dict(num_attention_heads=2, attention_head_dim=8, rope_axes_dim=(2, 2, 4))
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_layers=0 if full_width else 1, num_single_layers=1 if full_width else 0,
+        num_refiner_layers=0 if full_width else 1, patch_size=1, patch_size_t=1, text_embed_dim=16,
+        pooled_projection_dim=8, **width)
+    inputs = dict(hidden_states=_randn(1, 4, 1, 2, 2), timestep=torch.tensor([500]),
+                  encoder_hidden_states=_randn(1, 3, 16), encoder_attention_mask=torch.ones(1, 3),
+                  pooled_projections=_randn(1, 8), guidance=torch.tensor([3500.0]))
+    return model.eval(), inputs

@@ -131,10 +131,9 @@ def _unet_inputs(sdxl):
     return x
 
 
-@pytest.mark.parametrize("sdxl", [False, True], ids=["sd15", "sdxl"])
-def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
-    """SD 1.x / SDXL in the ldm layout (input_blocks / middle_block / output_blocks), its linear weights fp8_scaled
-    and its convolutions dense (a mixed file)."""
+def _ldm_case(sdxl):
+    """(the comfy file in the ldm layout, the reference loaded by diffusers' converter from its dequantized values,
+    the model loaded in place from it)."""
     cfg = layouts.unet_config(sdxl)
     torch.manual_seed(0)
     src = diffusers.UNet2DConditionModel(**cfg)
@@ -144,39 +143,78 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
     with torch.device("meta"):
         model = diffusers.UNet2DConditionModel(**cfg)
     load_single_file(model, dict(sd), verbose=False)
+    return sd, ref, model
+
+
+@pytest.mark.parametrize("sdxl", [False, True], ids=["sd15", "sdxl"])
+def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
+    """SD 1.x / SDXL in the ldm layout (input_blocks / middle_block / output_blocks), its linear weights fp8_scaled
+    and its convolutions dense (a mixed file)."""
+    sd, ref, model = _ldm_case(sdxl)
     fp8 = _check_in_place(model, sd, ref, _unet_inputs(sdxl))
     assert "time_embedding.linear_1" in fp8 and ("add_embedding.linear_1" in fp8) == sdxl
     assert ("down_blocks.0.attentions.0.proj_in" in fp8) == sdxl  # a 1x1 conv in SD 1.x, dense in this file
     _train_like_peft(model, ref, ["to_q", "to_v", "ff.net.2", "time_emb_proj"], _unet_inputs(sdxl), (1, 4, 8, 8))
 
 
-_OWN_LAYOUTS = {  # family -> (its key names, diffusers' converter, DoRA targets, output shape)
-    "wan": (layouts.wan_key, "convert_wan_transformer_to_diffusers", ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
-    "ltx": (layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers", ["to_q", "to_v", "ff.net.2"],
-            (1, 16, 8)),
+_OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
+    "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+            ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "ltx": (lambda: tiny.build("ltx"), layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers",
+            ["to_q", "to_v", "ff.net.2"], (1, 16, 8)),
+    "sd35": (layouts.sd35_model, layouts.sd3_key, "convert_sd3_transformer_checkpoint_to_diffusers",
+             ["to_q", "to_v", "add_k_proj", "ff.net.2", "norm1.linear"], (1, 4, 8, 8)),
+    "hunyuan_video": (lambda: layouts.hunyuan_model(False), layouts.hunyuan_key,
+                      "convert_hunyuan_video_transformer_to_diffusers",
+                      ["to_q", "to_v", "add_q_proj", "ff.net.2", "ff_context.net.0.proj"], (1, 4, 1, 2, 2)),
+    "hunyuan_video_3072": (lambda: layouts.hunyuan_model(True), layouts.hunyuan_key,
+                           "convert_hunyuan_video_transformer_to_diffusers", ["to_q", "to_v", "proj_mlp", "proj_out"],
+                           (1, 4, 1, 2, 2)),
 }
+
+
+def _own_case(family):
+    """(the comfy file in the family's own layout, the reference loaded by diffusers' converter from its dequantized
+    values, the model loaded in place from it, inputs)."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders import single_file_utils
+
+    build, own_key, converter, _, _ = _OWN_LAYOUTS[family]
+    src, inputs = build()
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key))
+    del src
+    ref, _ = build()
+    ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
+    with init_empty_weights():  # keeps buffers (Wan's rotary tables) real
+        model = type(ref).from_config(ref.config)
+    load_single_file(model, dict(sd), verbose=False)
+    return sd, ref, model, inputs
 
 
 @pytest.mark.parametrize("family", list(_OWN_LAYOUTS))
 def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
-    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head) and LTX-Video (patchify_proj, adaln_single) in their own
-    layouts. Wan's time embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense
-    layers; everything else keeps its bytes."""
-    from accelerate import init_empty_weights
-    from diffusers.loaders import single_file_utils
-
-    own_key, converter, targets, out_shape = _OWN_LAYOUTS[family]
-    src, inputs = tiny.build(family)
-    sd = layouts.comfy_encode({own_key(k): v for k, v in src.state_dict().items()})
-    ref, _ = tiny.build(family)
-    ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
-    with init_empty_weights():  # keeps buffers (Wan's rotary tables) real
-        model = type(src).from_config(src.config)
-    load_single_file(model, dict(sd), verbose=False)
+    """Wan 2.1 (blocks.N.self_attn.q, ffn.0, head.head), LTX-Video (patchify_proj, adaln_single), SD3.5 in MMDiT's
+    layout (joint_blocks.N.x_block.attn.qkv and context_block's, a second attention attn2.qkv, RMS ln_q / ln_k) and
+    HunyuanVideo in its own (double_blocks.N.img_attn_qkv / txt_attn_qkv, the token refiner's self_attn_qkv; and,
+    at the 3072 width diffusers' conversion hard-codes, a single block's linear1 = q, k, v and the MLP). Wan's time
+    embedder, which it keeps in fp32 and casts the timestep to, is dequantized into its dense layers; everything
+    else keeps its bytes."""
+    _, own_key, _, targets, out_shape = _OWN_LAYOUTS[family]
+    sd, ref, model, inputs = _own_case(family)
     fp8 = _check_in_place(model, sd, ref, inputs)
     kept = dorafp8.nn.convert.kept_in_precision(model)
     assert len(fp8) == sum(isinstance(m, torch.nn.Linear) for n, m in ref.named_modules() if n not in kept)
     assert family != "wan" or "condition_embedder.time_embedder.linear_1" in kept
+    if family.startswith("hunyuan_video") or family == "sd35":  # the fused weights' pieces: the file's bytes, its scale
+        fused = [k for k in sd if k.endswith(("qkv.weight", "linear1.weight"))]
+        assert fused
+        for k in fused:
+            pieces = [n for n in fp8 if own_key(n + ".weight")[0] == k[len(layouts.COMFY_PREFIX):]]
+            assert len(pieces) in (3, 4), (k, pieces)
+            rows = torch.cat([model.get_submodule(n).weight.view(torch.uint8) for n in
+                              sorted(pieces, key=lambda n: own_key(n + ".weight")[1])])
+            assert torch.equal(rows, sd[k].view(torch.uint8)), k
+            assert all(model.get_submodule(n).scale == sd[k[:-len("weight")] + "scale_weight"] for n in pieces)
     _train_like_peft(model, ref, targets, inputs, out_shape)
 
 
@@ -210,3 +248,108 @@ def test_diffusers_from_single_file_is_refused_with_dorafp8_imported(flux_file, 
         diffusers.FluxTransformer2DModel.from_single_file(str(path), config=str(cfg_dir))
     with pytest.raises(ValueError, match="fp8_scaled"):
         diffusers.FluxTransformer2DModel.from_single_file(dict(sd), config=str(cfg_dir))
+
+
+# ------------------------------------------------------------------------------------------- export back, for ComfyUI
+
+def _comfy_key_map(sd: dict) -> dict:
+    """ComfyUI's LoRA key map for a model loaded from the single file `sd`, derived from the file's own key list:
+    comfy/lora.py model_lora_keys_unet maps `lora_unet_` + each `diffusion_model.` weight key of the model (the
+    file's keys with a full checkpoint's `model.` dropped) without `.weight`, '.' -> '_', onto that weight."""
+    return {"lora_unet_" + k[len(layouts.COMFY_PREFIX):-len(".weight")].replace(".", "_"): k
+            for k in sd if k.startswith(layouts.COMFY_PREFIX) and k.endswith(".weight")}
+
+
+def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.COMFY_PREFIX, as_path=False):
+    """DoRA on `model` (loaded in place from the comfy file `sd`), its adapters perturbed as training would leave
+    them, exported with save_single_file_dora. Through ComfyUI's key map (_comfy_key_map) every key is loaded, and
+    ComfyUI's LoRA math (its weight_decompose: a twin in test_kohya_dora.py, re-implemented from comfy/weight_adapter)
+    applied to the dequantized file gives a file that diffusers' converter turns into the weights PEFT merges on the
+    dequantized model `ref` with the same adapters."""
+    from safetensors.torch import load_file, save_file
+
+    from dorafp8.checkpoint.single_file import converter_for
+    from tests.integration.test_kohya_dora import comfy_calculate_weight, comfy_load_lora
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
+    pm = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=g)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    pm_ref = peft.get_peft_model(ref, config)
+    res = pm_ref.load_state_dict({n: p for n, p in pm.state_dict().items() if "lora_" in n}, strict=False)
+    assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
+    merged = pm_ref.merge_and_unload().state_dict()
+
+    out = tmp_path / "dora_for_comfyui.safetensors"
+    source = dict(sd)
+    if as_path:
+        source = tmp_path / "single_file.safetensors"
+        save_file(sd, str(source))
+    written = dorafp8.save_single_file_dora(pm, str(out), source)
+    lora = load_file(str(out))
+    key_map = _comfy_key_map(sd)
+    to_load = {x: key_map[x] for x in {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0]
+                                       for k in lora}}  # raises KeyError on a key ComfyUI does not map
+    patches, left = comfy_load_lora(lora, to_load)
+    assert not left and set(patches) == set(written), (left, set(patches) ^ set(written))
+    patched = layouts.dequantize(sd, prefix=prefix)
+    for key, (up, down, alpha, dora_scale) in patches.items():
+        patched[key[len(prefix):]] = comfy_calculate_weight(patched[key[len(prefix):]], up, down, alpha, dora_scale)
+    converted = converter_for(ref)(patched)
+    changed = [k for k, v in merged.items() if not torch.equal(converted[k], v)]  # the rest: bit for bit
+    assert changed
+    for k in changed:
+        assert_close(converted[k], merged[k], tol(torch.float32), f"ComfyUI's merge of the export vs PEFT's: {k}")
+    return written
+
+
+def test_flux_export_maps_onto_the_bfl_file_as_comfyui_loads_it(flux_file, tmp_path):
+    """Flux: to_q and proj_mlp become one layer on the fused linear1 (the unadapted k and v rows left as they are),
+    to_q one on img_attn.qkv, norm_out.linear goes back to BFL's row order (diffusers swaps its halves)."""
+    import copy
+
+    sd, ref = flux_file
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    written = _export_matches_comfyui(model, copy.deepcopy(ref), sd, ["to_q", "proj_mlp", "norm_out.linear"],
+                                      tmp_path)
+    p = layouts.COMFY_PREFIX
+    assert sorted(written[p + "single_blocks.0.linear1.weight"]) == [
+        "single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp"]
+    assert written[p + "double_blocks.0.img_attn.qkv.weight"] == ["transformer_blocks.0.attn.to_q"]
+    assert written[p + "final_layer.adaLN_modulation.1.weight"] == ["norm_out.linear"]
+
+
+@pytest.mark.parametrize("sdxl", [False, True], ids=["sd15", "sdxl"])
+def test_ldm_unet_export_maps_onto_the_ldm_file_as_comfyui_loads_it(sdxl, tmp_path):
+    sd, ref, model = _ldm_case(sdxl)
+    written = _export_matches_comfyui(model, ref, sd, ["to_q", "to_v", "ff.net.2", "time_emb_proj", "conv1"],
+                                      tmp_path, prefix="")
+    assert any(".input_blocks." in k and k.endswith("in_layers.2.weight") for k in written)  # a dense conv too
+
+
+@pytest.mark.parametrize("family", ["wan", "ltx", "sd35", "hunyuan_video", "hunyuan_video_3072"])
+def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_path):
+    sd, ref, model, _ = _own_case(family)
+    targets = _OWN_LAYOUTS[family][3]
+    _export_matches_comfyui(model, ref, sd, targets, tmp_path, as_path=family == "wan")
+
+
+def test_export_onto_another_file_is_refused(tmp_path):
+    """The export takes the rows from the file it is given: a file whose weight differs from the base the model
+    was loaded with (another checkpoint of the same model) is refused naming the layer, and nothing is written."""
+    sd, _, model, _ = _own_case("sd35")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    other = dict(sd)
+    key = layouts.COMFY_PREFIX + "joint_blocks.1.x_block.attn.qkv.scale_weight"
+    other[key] = other[key] * 1.5
+    out = tmp_path / "dora.safetensors"
+    with pytest.raises(ValueError, match=r"transformer_blocks\.1\.attn\.to_q: its base weight is not rows of "
+                                         r"model\.diffusion_model\.joint_blocks\.1\.x_block\.attn\.qkv\.weight"):
+        dorafp8.save_single_file_dora(pm, str(out), other)
+    assert not out.exists()
