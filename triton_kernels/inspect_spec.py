@@ -395,16 +395,26 @@ def _transpose_w8_variants(arch: str) -> list[Variant]:
 
 
 def _dequant_variants(arch: str) -> list[Variant]:
-    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the forward's and
-    the folded dgrad's (",rowf": gl's factors on the rows)."""
+    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the plain one, the
+    folded dgrad's (",rowf": gl's factors on the rows) and the merged weight W0 + s B A with PEFT's fp32 adapters at
+    r = 16 (",merged"; the dgrad's with its gain rl, ",gain", but in fp16, where the dgrad does not merge)."""
     bn, bk = DEQUANT_BLOCKS
-    return [Variant(f"{kind}-scale{',rowf' if rowf else ''}", dt_name,
-                    dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
-                         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K),
-                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), HAS_ROWF=rowf,
-                         SCAN_N=SCAN),
-                    _fixed(BLOCK_N=bn, BLOCK_K=bk))
-            for (dt_name, dt), kind, rowf in itertools.product(DTYPES.items(), SCALE_KINDS, (False, True))]
+    r = 16
+    out = []
+    for (dt_name, dt), kind, mode in itertools.product(DTYPES.items(), SCALE_KINDS, ("", ",rowf", ",merged")):
+        merge = mode == ",merged"
+        rk = rank_dot((F32,), r, F32, F32, split=False) if merge else rank_dot((F32,), 1, F32)
+        for gain in (False, True) if merge and dt != torch.float16 else (False,):
+            out.append(Variant(
+                f"{kind}-scale{mode}{',gain' if gain else ''}", dt_name,
+                dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, a_ptr=F32, b_ptr=F32,
+                     gain_ptr=F32, N=N, K=K, R=r if merge else 0,
+                     stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K,
+                     stride_a_r=K if merge else 0, stride_b_n=r if merge else 0, s=0.5),
+                dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE),
+                     HAS_ROWF=mode == ",rowf", MERGE=merge, HAS_GAIN=gain, SCAN_N=SCAN, **rk),
+                _fixed(BLOCK_N=bn, BLOCK_K=bk)))
+    return out
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:
