@@ -20,6 +20,8 @@ from ._common import alloc, cdiv, check_weight, interpreting, launch
 from .epilogue_dot import bf16_value, rank_dot, rank_dot_into
 
 DEQUANT_BLOCKS = (64, 128)  # (BLOCK_N, BLOCK_K) on a GPU: 8 KiB of fp8 in, 16 KiB out a program
+# the merged weight's: its fp32 rank-r tile beside W's spilled 16-32 bytes at 64 x 128 (sm_89, sm_100a, inspect)
+MERGE_BLOCKS = (64, 64)
 SCAN = 1024  # the chunk of the row scales that each program reads to find kappa
 
 
@@ -124,7 +126,7 @@ def _launch(w8, scale, kind, block_size, out, fac, rowf=None, A=None, B=None, s=
     # (without A the rank constexprs are unused: rank_dot's for r = 1, as inspect_spec compiles them)
     rk = rank_dot((torch.float32,), A.shape[0], A.dtype, B.dtype, split=False) if lora else rank_dot(
         (torch.float32,), 1, torch.float32)
-    bn, bk = (16, 32) if interpreting() else DEQUANT_BLOCKS
+    bn, bk = (16, 32) if interpreting() else MERGE_BLOCKS if merge else DEQUANT_BLOCKS
     ph = scale  # a placeholder pointer, never read
     launch(dequant_w8_kernel, (cdiv(N, bn), cdiv(K, bk)))(
         w8, scale, ph if rowf is None else rowf, out, fac,

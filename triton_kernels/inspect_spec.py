@@ -34,7 +34,7 @@ from ..backends.base import fold_requested
 from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
-from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
+from .dequant import DEQUANT_BLOCKS, MERGE_BLOCKS, SCAN, dequant_w8_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -398,7 +398,6 @@ def _dequant_variants(arch: str) -> list[Variant]:
     """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the plain one, the
     folded dgrad's (",rowf": gl's factors on the rows) and the merged weight W0 + s B A with PEFT's fp32 adapters at
     r = 16 (",merged"; the dgrad's with its gain rl, ",gain", but in fp16, where the dgrad does not merge)."""
-    bn, bk = DEQUANT_BLOCKS
     r = 16
     out = []
     for (dt_name, dt), kind, mode in itertools.product(DTYPES.items(), SCALE_KINDS, ("", ",rowf", ",merged")):
@@ -413,7 +412,7 @@ def _dequant_variants(arch: str) -> list[Variant]:
                      stride_a_r=K if merge else 0, stride_b_n=r if merge else 0, s=0.5),
                 dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE),
                      HAS_ROWF=mode == ",rowf", MERGE=merge, HAS_GAIN=gain, SCAN_N=SCAN, **rk),
-                _fixed(BLOCK_N=bn, BLOCK_K=bk)))
+                _fixed(**dict(zip(("BLOCK_N", "BLOCK_K"), MERGE_BLOCKS if merge else DEQUANT_BLOCKS)))))
     return out
 
 
