@@ -34,7 +34,7 @@ from ..backends.base import fold_requested
 from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
-from .dequant import DEQUANT_BLOCKS, MERGE_BLOCKS, SCAN, dequant_w8_kernel
+from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
@@ -395,25 +395,16 @@ def _transpose_w8_variants(arch: str) -> list[Variant]:
 
 
 def _dequant_variants(arch: str) -> list[Variant]:
-    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the plain one, the
-    folded dgrad's (",rowf": gl's factors on the rows) and the merged weight W0 + s B A with PEFT's fp32 adapters at
-    r = 16 (",merged"; the dgrad's with its gain rl, ",gain", but in fp16, where the dgrad does not merge)."""
-    r = 16
-    out = []
-    for (dt_name, dt), kind, mode in itertools.product(DTYPES.items(), SCALE_KINDS, ("", ",rowf", ",merged")):
-        merge = mode == ",merged"
-        rk = rank_dot((F32,), r, F32, F32, split=False) if merge else rank_dot((F32,), 1, F32)
-        for gain in (False, True) if merge and dt != torch.float16 else (False,):
-            out.append(Variant(
-                f"{kind}-scale{mode}{',gain' if gain else ''}", dt_name,
-                dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, a_ptr=F32, b_ptr=F32,
-                     gain_ptr=F32, N=N, K=K, R=r if merge else 0,
-                     stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K,
-                     stride_a_r=K if merge else 0, stride_b_n=r if merge else 0, s=0.5),
-                dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE),
-                     HAS_ROWF=mode == ",rowf", MERGE=merge, HAS_GAIN=gain, SCAN_N=SCAN, **rk),
-                _fixed(**dict(zip(("BLOCK_N", "BLOCK_K"), MERGE_BLOCKS if merge else DEQUANT_BLOCKS)))))
-    return out
+    """The cuBLAS strategy's one-pass dequantize (dequant.py): every compute dtype and scale kind, the forward's and
+    the folded dgrad's (",rowf": gl's factors on the rows)."""
+    bn, bk = DEQUANT_BLOCKS
+    return [Variant(f"{kind}-scale{',rowf' if rowf else ''}", dt_name,
+                    dict(w_ptr=FP8, scale_ptr=F32, rowf_ptr=F32, out_ptr=dt, fac_ptr=F32, N=N, K=K, stride_w_n=K,
+                         stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0, stride_out_n=K),
+                    dict(SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), HAS_ROWF=rowf,
+                         SCAN_N=SCAN),
+                    _fixed(BLOCK_N=bn, BLOCK_K=bk))
+            for (dt_name, dt), kind, rowf in itertools.product(DTYPES.items(), SCALE_KINDS, (False, True))]
 
 
 def _rowwise_quant_variants(arch: str) -> list[Variant]:

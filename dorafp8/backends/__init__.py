@@ -150,11 +150,6 @@ def folds_dgrad(name: str) -> bool:
     return bool(getattr(mod, "FOLDS_DGRAD", False)) and bool(asked)
 
 
-def merges_adapter(name: str) -> bool:
-    """Whether a concrete backend takes A in its forward and B in its dgrad (base.py, MERGE_PARAMS)."""
-    return bool(getattr(module(name), "MERGES_ADAPTER", False))
-
-
 def quants_in_project(name: str) -> bool:
     """Whether a concrete backend quantizes x for W8A8 in its projection (base.py, QUANT_PARAMS): it offers it."""
     return bool(getattr(module(name), "QUANTS_IN_PROJECT", False))

@@ -165,16 +165,7 @@ QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
 # GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
 # (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-# The merged weight, an option a backend offers by setting MERGES_ADAPTER = True (the cuBLAS strategy does):
-#   forward(..., A=A): A [r, K] too (u = xd A^T is still given), so that without dropout the backend may multiply x
-#     by W0 + s B A, whose product is z, instead of adding s u B^T in an epilogue.
-#   dgrad(..., B=B): B [N, r] too, with the promise that v = rl * gl B (what backward_pass returns, no dropout), so
-#     that the backend may compute dx = gl (rl (W0 + s B A)) (per-tensor and block scales, where gl = g c / rl).
-# Without dropout the cuBLAS strategy's forward epilogue then reads and writes one [M, N] tensor fewer and its dgrad
-# has none (docs/INSPECT.md, "Predicted time").
-MERGE_PARAMS = {"forward": ("A",), "dgrad": ("B",)}
-OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS,
-           "MERGES_ADAPTER": MERGE_PARAMS}
+OPTIONS = {"FOLDS_DGRAD": FOLD_PARAMS, "QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS}
 
 # Opt-in, off by default (for the fused GEMMs; backends/__init__.py folds_dgrad): the fold saves one [M, N] write and read (64 MiB, about 0.02 ms on an H100 at the headline
 # shape) but puts one fp32 multiply per W8 element into a dgrad main loop that the sm_90a read finds issue-bound

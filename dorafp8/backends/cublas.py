@@ -4,12 +4,6 @@ What a user who dequantizes would do, done well: W8 dequantized per call in one 
 the base GEMMs through torch.matmul (cuBLAS on a GPU), the DoRA epilogues, backward pass, rank-r GEMMs and weight norm
 from the Triton kernels. The yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md, "Design
 notes, by module".
-
-Without dropout the rank-r term rides on the dequantize (MERGES_ADAPTER: base.py, MERGE_PARAMS): the forward's
-weight is W0 + s B A, so cuBLAS writes z itself and the epilogue only forms y = c z + bias; the dgrad's is
-rl (W0 + s B A), so cuBLAS writes dx and no epilogue runs (tensor and block scales, bf16 or fp32: per row gl holds
-the row scales, and fp16 keeps rl off the weight). The plain FP8 linear: W0, x W0^T + bias in one addmm, and
-dx = gl (rl W0), no epilogue either.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import torch
 from .. import triton_kernels as tk
 from .base import matmul_rows, not_supported
 from ..quant import scale_kind
-from ..triton_kernels.dequant import dequant_w8, merged_weight
+from ..triton_kernels.dequant import dequant_w8
 from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
@@ -29,9 +23,7 @@ SUPPORTS = frozenset({"block", "fp32"})  # no W8A8 (act_quant="rowwise") (see th
 # writes the same bytes with or without them, and the backward pass no longer writes g * fl ([M, N], then read again
 # by the matmul): 64 MiB fewer at the headline. (The fused GEMMs pay for it in their main loop: opt-in there.)
 FOLDS_DGRAD = True
-# The merged weight (below) takes gl itself, not its factors: the fold stays an opt-in here too.
-FOLDS_BY_DEFAULT = False
-MERGES_ADAPTER = True  # forward(..., A=A), dgrad(..., B=B): base.py, MERGE_PARAMS
+FOLDS_BY_DEFAULT = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -66,20 +58,10 @@ def _not_w8a8(act_quant):
         raise not_supported("cublas", "rowwise", alternatives=("triton", "reference"))  # _scaled_mm, no fused epilogue
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, A=None):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
     _not_w8a8(act_quant)
-    x, xm = matmul_rows(x), matmul_rows(xm)
-    if m is None:  # the plain FP8 linear: y = x W0^T + bias, the bias added by the matmul (cuBLASLt's epilogue)
-        w, _ = merged_weight(w8, scale, block_size, x.dtype)
-        return (x @ w.T if bias is None else torch.addmm(bias, x, w.T)), None
-    # z = x (W0 + s B A)^T from cuBLAS (in x's dtype: the op's z_dtype), then y = c z + bias
-    if A is not None and m is not None and xm is None and (z_dtype == x.dtype or not need_z):
-        w, one = merged_weight(w8, scale, block_size, x.dtype, A, B, s)
-        z = x @ w.T
-        del w
-        y, _ = forward_epilogue(z, None, p, w8, one, block_size, bias, m, n, u, B, 0.0, False, z_dtype, x.dtype)
-        return y, (z if need_z else None)
     w, fac = _transient_weight(w8, scale, block_size, x.dtype)
+    x, xm = matmul_rows(x), matmul_rows(xm)
     base = x @ w.T
     base_d = xm @ w.T if (m is not None and xm is not None) else None
     del w
@@ -87,23 +69,11 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, m, n, u, B, s, need_z, z_dtype, x.dtype)
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl=None, fb=None, B=None):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, fl=None, fb=None):
     """The contract's dgrad; with fl (and fb with dropout), the folded one (base.py, FOLD_PARAMS): gl, gb are g
     itself and the factors go onto the transient weight's rows as it is dequantized, (g * fl) W = g (fl * W), in
-    fp32 before its one rounding, so the backward pass writes no [M, N] copy of g. With B (MERGE_PARAMS: v = rl gl B,
-    as the backward pass made them), dx = gl (rl (W0 + s B A)), one matrix product and no epilogue, where that holds
-    exactly (tensor and block scales, no dropout, no fold) and rl cannot push the weight out of range (not fp16); the
-    plain linear's dx = gl (rl W0), or per row gl (rl W8) (gl holds the row scales), likewise."""
+    fp32 before its one rounding, so the backward pass writes no [M, N] copy of g."""
     _not_w8a8(act_quant)
-    plain, kind = v is None, scale_kind(scale)
-    if fl is None and mask is None and (plain or B is not None):
-        w = None
-        if plain and kind == "row":  # rl as the weight's per-tensor scale
-            w, _ = merged_weight(w8, rl, block_size, gl.dtype)
-        elif kind != "row" and (plain or gl.dtype != torch.float16):
-            w, _ = merged_weight(w8, scale, block_size, gl.dtype, *(() if plain else (A, B)), s=s, gain=rl)
-        if w is not None:
-            return matmul_rows(gl) @ w
     dropout = v is not None and mask is not None
     w, fac = _transient_weight(w8, scale, block_size, gl.dtype, fl)
     gl, gb = matmul_rows(gl), matmul_rows(gb)

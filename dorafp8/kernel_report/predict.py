@@ -262,8 +262,6 @@ def launch_seconds(launch: dict, end: str, shape: dict | None = None) -> float:
     dims = [(shape or HEADLINE)[k] for k in ("M", "N", "K", "r")]
     if launch["name"] in RANK_FLOPS:
         return max(t, RANK_FLOPS[launch["name"]](*dims) / fp32_rate)
-    if launch["name"] == "triton:dequant_w8_kernel" and [dims[1], dims[3]] in [s for s, _ in launch.get("shapes", [])]:
-        return max(t, 2 * dims[1] * dims[2] * dims[3] / fp32_rate)  # the merged weight's B A: exact fp32 products
     if flops:
         fp32 = any("float32" in str(d) for _, d in launch.get("shapes", [])[:2])
         return max(t, flops / (fp32_rate if fp32 else R["yardstick"].pick(end)))

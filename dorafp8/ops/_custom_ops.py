@@ -29,11 +29,6 @@ def _global(global_scale) -> dict:
     return {} if global_scale is None else {"global_scale": global_scale}
 
 
-def _merge(backend: str, name: str, t) -> dict:
-    """The other adapter factor for a backend that merges it into its weight (base.py, MERGE_PARAMS), else nothing."""
-    return {name: t} if t is not None and backends.merges_adapter(backend) else {}
-
-
 @weight_norm_op.register_fake
 def _(w8, scale, A, B, s, block_size, backend, global_scale=None):
     return w8.new_empty(w8.shape[0], dtype=torch.float32)
@@ -81,14 +76,12 @@ def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], blo
                backend: str, m: Optional[Tensor] = None, n: Optional[Tensor] = None, u: Optional[Tensor] = None,
                B: Optional[Tensor] = None, s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0,
                need_z: bool = False, x8: Optional[Tensor] = None, sx: Optional[Tensor] = None,
-               global_scale: Optional[Tensor] = None, A: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               global_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
     wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy". x8, sx: x quantized by project_quant_op
-    (W8A8 on a backend with QUANTS_IN_PROJECT). A: lora_A, for a backend with MERGES_ADAPTER (base.py,
-    MERGE_PARAMS)."""
+    (W8A8 on a backend with QUANTS_IN_PROJECT)."""
     extra = {"x8": x8, "sx": sx} if x8 is not None else {}
     extra.update(_global(global_scale))
-    extra.update(_merge(backend, "A", A))
     y, z = backends.module(backend).forward(
         x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
         need_z=need_z, z_dtype=x.dtype, act_quant=act_quant, **extra)
@@ -97,7 +90,7 @@ def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], blo
 
 @forward_op.register_fake
 def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None, B=None, s=0.0, xm=None, p=0.0,
-      need_z=False, x8=None, sx=None, global_scale=None, A=None):
+      need_z=False, x8=None, sx=None, global_scale=None):
     y = x.new_empty(x.shape[0], w8.shape[0])
     want_z = need_z and m is not None
     return y, (x.new_empty(x.shape[0], w8.shape[0]) if want_z else x.new_empty(0))
@@ -140,19 +133,18 @@ def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=F
 def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, act_quant: str, backend: str,
              v: Optional[Tensor] = None, A: Optional[Tensor] = None, s: float = 0.0, mask: Optional[Tensor] = None,
              p: float = 0.0, gb: Optional[Tensor] = None, rb: Optional[Tensor] = None, fl: Optional[Tensor] = None,
-             fb: Optional[Tensor] = None, global_scale: Optional[Tensor] = None, B: Optional[Tensor] = None) -> Tensor:
+             fb: Optional[Tensor] = None, global_scale: Optional[Tensor] = None) -> Tensor:
     """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults; fl, fb: the
-    folded dgrad (gl is g; base.py, FOLD_PARAMS); B: lora_B, for a backend with MERGES_ADAPTER (MERGE_PARAMS)."""
+    folded dgrad (gl is g; base.py, FOLD_PARAMS)."""
     extra = {"fl": fl, "fb": fb} if fl is not None else {}
     extra.update(_global(global_scale))
-    extra.update(_merge(backend, "B", B))
     return backends.module(backend).dgrad(gl=gl, rl=rl, w8=w8, scale=scale, block_size=block_size, v=v, A=A, s=s,
                                           mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant, **extra)
 
 
 @dgrad_op.register_fake
 def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, mask=None, p=0.0, gb=None, rb=None,
-      fl=None, fb=None, global_scale=None, B=None):
+      fl=None, fb=None, global_scale=None):
     return gl.new_empty(gl.shape[0], weight_dims(w8)[1])
 
 

@@ -71,7 +71,7 @@ class DoRAFP8Function(torch.autograd.Function):
                 # within the compute dtype's tolerance.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
                                        backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
-                                       x8=x8, sx=sx, global_scale=global_scale, A=A)
+                                       x8=x8, sx=sx, global_scale=global_scale)
         ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n, global_scale)
         ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
         return y
@@ -109,7 +109,7 @@ class DoRAFP8Function(torch.autograd.Function):
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder or factors)
                 dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
                                    backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb, fl=fl, fb=fb,
-                                   global_scale=global_scale, B=B)
+                                   global_scale=global_scale)
             if need_dA:
                 dA = _ops.project_grad_op(v, x, mask=mask, p=p, s=s, out_dtype=A.dtype, backend=ctx.backend)
         return (dx, None, None, db if need_db else None, dA, dB if need_dB else None, dm if need_dm else None,

@@ -93,9 +93,6 @@ SUBSET = [
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
     *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale,rowf")],
-    # and the merged weight W0 + s B A, its heaviest (the dgrad's, with rl), and fp32's per row
-    ("dequant_w8", "bf16", "block-scale,merged,gain", BOTH),
-    ("dequant_w8", "fp32", "row-scale,merged,gain", BOTH),
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}

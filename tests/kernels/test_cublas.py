@@ -37,43 +37,11 @@ def _poison(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
 @pytest.mark.parametrize("scale", ["tensor", "row", "block"])
-@pytest.mark.parametrize("merge", [False, True], ids=["", "merged"])
-def test_forward_and_dgrad(shape, dtype, mode, scale, merge):
-    """merged: with the other adapter factor (base.py, MERGE_PARAMS), as the autograd layer calls this backend: the
-    forward multiplies by W0 + s B A and the dgrad by rl (W0 + s B A) where that holds (no dropout; the dgrad with
-    tensor and block scales, not fp16), else the same calls as without; PEFT's fp32 adapters on 16-bit too."""
+def test_forward_and_dgrad(shape, dtype, mode, scale):
     M, K, N, r, strided = shape
-    for rdt in dict.fromkeys((dtype, torch.float32) if merge else (dtype,)):
-        p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided, rank_dtype=rdt)
-        if merge:
-            p["z_dtype"] = dtype  # as the autograd layer asks for it: z in the compute dtype
-        fwd = (lambda *a: cb.forward(*a, A=p["A"])) if merge else cb.forward
-        dgrad = (lambda *a: cb.dgrad(*a, B=p["B"])) if merge else cb.dgrad
-        check_forward(fwd, p, mode, has_bias=mode != "plain")
-        check_dgrad(dgrad, p, mode)
-
-
-@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_merged_launches(scale, dtype, monkeypatch):
-    """The merged weight is what runs where it holds (not a silent fallback to the epilogues): the forward is the
-    dequantize, one product and the column scale; the dgrad the dequantize and one product."""
-    from dorafp8._launches import LaunchRecorder
-
-    monkeypatch.setattr(base, "POISON_OUTPUTS", False)  # a GPU run's launches: no NaN fills
-
-    p = make_problem(20, 33, 17, 4, dtype, DEVICE, scale, False)
-    gl, rs, _, v, *_ = backends.module("reference").backward_pass(p["g"], None, p["m"], p["n"], None, p["B"], None,
-                                                                  0.5, False, False, False)
-    with LaunchRecorder() as fwd:
-        cb.forward(p["x"], p["w8"], p["sigma"], p["block"], None, p["m"], p["n"], p["u_nodrop"], p["B"], 0.5, None,
-                   0.0, True, dtype, "", A=p["A"])
-    assert fwd.names() == ["triton:dequant_w8_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel"], fwd.table()
-    with LaunchRecorder() as bwd:
-        cb.dgrad(gl, rs[0], p["w8"], p["sigma"], p["block"], v, p["A"], 0.5, None, 0.0, None, None, "", B=p["B"])
-    merged = scale != "row" and dtype != torch.float16
-    want = ["triton:dequant_w8_kernel", "aten:mm.default"] + ([] if merged else ["triton:dgrad_epilogue_kernel"])
-    assert bwd.names() == want, bwd.table()
+    p = make_problem(M, K, N, r, dtype, DEVICE, scale, strided)
+    check_forward(cb.forward, p, mode, has_bias=mode != "plain")
+    check_dgrad(cb.dgrad, p, mode)
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=shape_id)
@@ -89,26 +57,9 @@ def test_folded_dgrad(shape, dtype, mode, scale):
         check_folded_dgrad(cb.backward_pass, cb.dgrad, p, mode)
 
 
-@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_plain_linear_is_two_products(scale, dtype):
-    """The plain FP8 linear: W0 dequantized with its scales, x W0^T + bias in one addmm (the bias in the matmul's own
-    epilogue), dx = gl (rl W0) (per row gl (rl W8)): against fp64 and the reference, and no epilogue launch."""
-    from dorafp8._launches import LaunchRecorder
-
-    p = make_problem(37, 50, 70, 3, dtype, DEVICE, scale, True)
-    with LaunchRecorder() as rec:
-        check_forward(cb.forward, p, "plain", has_bias=True)
-        check_dgrad(cb.dgrad, p, "plain")
-    mine = [n for n in rec.names() if n.startswith("triton:") or n in ("aten:mm.default", "aten:addmm.default")]
-    assert [n for n in mine if "epilogue" in n] == [] and mine.count("triton:dequant_w8_kernel") == 2, rec.table()
-
-
-def test_folds_only_when_asked(monkeypatch):
-    """The merged dgrad takes gl itself: the fold is opt-in here as for the fused kernels."""
+def test_folds_by_default(monkeypatch):
     monkeypatch.delenv("DORAFP8_FOLD_DGRAD", raising=False)
-    assert not backends.folds_dgrad("cublas") and not backends.folds_dgrad("triton")
-    assert backends.merges_adapter("cublas") and not backends.merges_adapter("triton")
+    assert backends.folds_dgrad("cublas") and not backends.folds_dgrad("triton")
 
 
 def test_refuses_w8a8():
@@ -123,9 +74,7 @@ def test_refuses_w8a8():
 # docstring, so that neither can drift without this failing.
 PLAN = ["triton:project_kernel", "triton:dequant_w8_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel",
         "triton:dora_bwd_pass_kernel", "triton:dora_bwd_finish_kernel", "triton:dequant_w8_kernel", "aten:mm.default",
-        "triton:project_grad_kernel", "triton:sum_splits_kernel"]
-# per row the dgrad keeps its epilogue (gl holds the row scales: cublas.dgrad)
-PLAN_ROW = PLAN[:8] + ["triton:dgrad_epilogue_kernel"] + PLAN[8:]
+        "triton:dgrad_epilogue_kernel", "triton:project_grad_kernel", "triton:sum_splits_kernel"]
 
 
 @pytest.mark.parametrize("kind", ["tensor", "row"])
@@ -142,17 +91,14 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
     monkeypatch.setattr(base, "POISON_OUTPUTS", False)  # a GPU run's launches: no NaN fills
     with LaunchRecorder() as rec, dry_run(rec, 132, 2):
         dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n).backward(gy)
-    assert rec.names() == (PLAN if kind == "tensor" else PLAN_ROW), rec.table()
+    assert rec.names() == PLAN, rec.table()
     for launch in rec.launches:
         sizes = sum(math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in launch.shapes)
         assert launch.nbytes == sizes, f"{launch.name}: {launch.nbytes} bytes recorded, its tensors hold {sizes}"
-    # by hand, from the shapes: the forward's dequantize reads W8 (1 byte a weight), the scale, A and B (fp32) and
-    # writes the merged weight (2 bytes) and its factor pair (2 floats); the dgrad's, tensor scale, the same and rl;
-    # per row, the plain dequantize: W8, the scale, W, and N + 1 factors; each matrix product reads its operands and
-    # writes its result once
-    sc = 4 if kind == "tensor" else 4 * N
-    merged = N * K * 3 + sc + 8 + 4 * r * K + 4 * N * r
-    dgrad = merged + 4 if kind == "tensor" else N * K * 3 + sc + 4 * (N + 1)
-    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [merged, dgrad]
+    # by hand, from the shapes: the dequantize reads W8 (1 byte a weight) and the scale and writes W (2 bytes) and its
+    # factors (2 floats, or N + 1 per row), the dgrad's also gl's factors (the fold: N floats); each matrix product
+    # reads its operands and writes its result once
+    dequant = N * K * 3 + (4 + 8 if kind == "tensor" else 4 * N + 4 * (N + 1))
+    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant, dequant + 4 * N]
     assert [lc.nbytes for lc in rec.launches if lc.name == "aten:mm.default"] == [
         2 * (M * K + N * K + M * N), 2 * (M * N + N * K + M * K)]

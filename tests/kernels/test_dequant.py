@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if backends.unavailable_reason("triton", torch.device(DEVICE)) is not None:
     pytest.skip(backends.unavailable_reason("triton", torch.device(DEVICE)), allow_module_level=True)
 
-from dorafp8.triton_kernels.dequant import dequant_w8, dequant_w8_ref, merged_weight, merged_weight_ref  # noqa: E402
+from dorafp8.triton_kernels.dequant import dequant_w8, dequant_w8_ref  # noqa: E402
 
 # (N, K, block size): odd sizes across several tiles (16 x 32 in the interpreter), a block size that is no multiple of
 # 16, more rows than the kappa scan's chunk (64 in the interpreter)
@@ -88,38 +88,3 @@ def test_dequant_with_row_factors(dtype, kind):
     assert_close(w.double(), plain * rowf.double().reshape(-1, 1), 2 * torch.finfo(dtype).eps, f"rowf {kind}")
     with pytest.raises(ValueError, match="rowf must be fp32"):
         dequant_w8(w8, scale, block, dtype, rowf[1:])
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["tensor", "row", "block"])
-@pytest.mark.parametrize("rdt", [torch.float32, torch.bfloat16], ids=str)
-def test_merged_weight_against_fp64(shape, dtype, kind, rdt):
-    """gain (W0 + s B A), rounded once: the cuBLAS strategy's merged weight (every row its own scale, a negative one
-    too), against fp64 and its PyTorch twin; r = 20 takes two rank chunks of 16 with a masked tail."""
-    N, K, block = shape
-    w8, scale = _weight(N, K, kind, block)
-    gen = torch.Generator().manual_seed(3)
-    A = (torch.randn(20, K, generator=gen) / K ** 0.5).to(rdt).to(DEVICE)
-    B = (torch.randn(N, 20, generator=gen) * 0.1).to(rdt).to(DEVICE)
-    for gain in (None, torch.tensor(0.37, device=DEVICE)):
-        w, one = merged_weight(w8, scale, block, dtype, A, B, 0.75, gain)
-        assert w.dtype == dtype and tuple(w.shape) == (N, K) and one.dim() == 0 and one.item() == 1.0
-        ref, _ = merged_weight_ref(w8, scale, block, dtype, A, B, 0.75, gain)
-        assert_close(w.double(), ref.double(), 2 * torch.finfo(dtype).eps, f"merged {kind} vs twin")
-        w0, _ = dequant_w8_ref(w8, scale, block, torch.float64)
-        if kind == "row":  # dequant_w8 leaves scale / kappa to the epilogue: the merged weight has it
-            w0 = w0 * (scale.double() / scale.double().abs().max()).reshape(-1, 1)
-        want = (w0 + 0.75 * B.double() @ A.double()) * (1.0 if gain is None else gain.double())
-        assert_close(w.double(), want, 2 * torch.finfo(dtype).eps, f"merged {kind} {dtype} vs fp64")
-
-
-def test_merged_weight_refuses_wrong_factors():
-    w8, scale = _weight(4, 8, "tensor", 16)
-    A, B = torch.ones(2, 8, device=DEVICE), torch.ones(4, 2, device=DEVICE)
-    with pytest.raises(ValueError, match="A must be"):
-        merged_weight(w8, scale, 16, torch.bfloat16, A.T, B, 1.0)
-    with pytest.raises(ValueError, match="gain must be"):
-        merged_weight(w8, scale, 16, torch.bfloat16, A, B, 1.0, torch.ones(2, device=DEVICE))
-    w, one = merged_weight(w8[:0], scale, 16, torch.bfloat16, A, B[:0], 1.0)
-    assert w.shape == (0, 8) and one.item() == 1.0
