@@ -23,7 +23,8 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
-from .predict import (CPU_GLUE_S, HEADLINE, HEADLINE_VARIANTS, RATES, headline, launches_subprocess, layer_table,
+from .predict import (CPU_GLUE_S, ENDS, HEADLINE, HEADLINE_VARIANTS, RATES, SMALL_MS, dora_floor_bytes, headline,
+                      launches_subprocess, layer_seconds, layer_table, linear_bytes,
                       linear_seconds, measured)
 from .triton_driver import SPEC_MODULE
 
@@ -250,14 +251,32 @@ def format_prediction(records: list[dict], results_dir: str | None = None) -> st
         lines.append(f"  {p['mode']:5}  {p['loop']:10}  {p['kernel']:7}  {_ms(p['lo']['seconds'], p['hi']['seconds'])}"
                      f" ms  bound by {p['lo']['bound']}/{p['hi']['bound']}, {p['lo']['step_cycles']:.0f} cycles a "
                      f"step  {p['config']}{meas}")
-    table = layer_table(records, launches_subprocess())
-    lines.append(f"  forward + backward{'':22}launches   MiB     predicted ms    vs the Linear   measured ms")
-    rows = [dict(name="cuBLAS bf16 Linear", launches=2, bytes=2 * (M * K + N * K + M * N) * 2, lo=lin, hi=lin)]
+    cublas = "dequantize + cuBLAS"
+    launches = launches_subprocess(small=[(cublas, m) for m in SMALL_MS])
+    small = {k: launches.pop(k) for k in [k for k in launches if " @ " in k]}
+    table = layer_table(records, launches)
+    floor = dora_floor_bytes(M, N, K)
+    lines.append(f"  forward + backward{'':22}launches   MiB  over floor    predicted ms    vs the Linear   "
+                 "measured ms")
+    rows = [dict(name="cuBLAS bf16 Linear", launches=2, bytes=linear_bytes(M, N, K), lo=lin, hi=lin)]
     for row in rows + table:
         got = seen["layers"].get(row["name"])
         meas = f"{got[0][0]:.3f} ({got[0][1]})" if got else "-"
-        lines.append(f"    {row['name']:36}  {row['launches']:8}  {row['bytes'] / 2**20:6.0f}  "
+        over = "-" if row is rows[0] else f"{(row['bytes'] - floor) / 2**20:+.0f}"
+        lines.append(f"    {row['name']:36}  {row['launches']:8}  {row['bytes'] / 2**20:6.0f}  {over:>10}  "
                      f"{_ms(row['lo'], row['hi']):>14}  {_x(row['lo'], row['hi'], lin):>13}   {meas}")
+    lines.append(f"  DoRA's floor (keeping z): the Linear's {linear_bytes(M, N, K) / 2**20:.0f} MiB + x again for dA, "
+                 f"g again, z written and read back = {floor / 2**20:.0f} MiB ({floor / 1e6:.0f} MB); 'over floor' is "
+                 f"each strategy's own overhead, MiB")
+    for key, lcs in small.items():
+        m = int(key.split(" @ ")[1])
+        shape = dict(HEADLINE, M=m)
+        t = {end: layer_seconds({}, lcs, end, shape)["seconds"] for end in ENDS}
+        nbytes = sum(lc["nbytes"] for lc in lcs)
+        lines.append(f"    {cublas + f' at M = {m}':36}  {len(lcs):8}  {nbytes / 2**20:6.0f}  "
+                     f"{(nbytes - dora_floor_bytes(m, N, K)) / 2**20:+10.0f}  {_ms(t['lo'], t['hi']):>14}  "
+                     f"{_x(t['lo'], t['hi'], linear_seconds(m, N, K)):>13}   (the Linear at M = {m}: "
+                     f"{linear_seconds(m, N, K) * 1e3:.3f} ms, {linear_bytes(m, N, K) / 2**20:.0f} MiB)")
     lo, hi = CPU_GLUE_S
     lines.append(f"  the CPU: {lo * 1e3:.2f}-{hi * 1e3:.2f} ms of Python around the kernels per forward + backward "
                  f"(measured on this project's CPU at M = 256, bench/glue_cpu.py; Triton's own launch path not in it): "

@@ -184,6 +184,19 @@ def linear_seconds(M: int, N: int, K: int) -> float:
     return 2 * (2.0 * M * N * K) / RATES["yardstick"].lo
 
 
+def linear_bytes(M: int, N: int, K: int) -> int:
+    """The yardstick's bytes: each of its two GEMMs reads its two bf16 operands and writes its result once."""
+    return 2 * (M * K + N * K + M * N) * 2
+
+
+def dora_floor_bytes(M: int, N: int, K: int) -> int:
+    """DoRA's own floor, for the design that keeps z (bf16 activations, g and z): the Linear's bytes, plus x read
+    again for dA = s v^T x, g read again by the pass that forms db, dm, v and dB, and z written by the forward and
+    read back for dm. What a strategy moves beyond it is its own overhead (the adapters' [*, r] tensors, fp8 or not,
+    are too small to count)."""
+    return linear_bytes(M, N, K) + M * K * 2 + M * N * 2 + 2 * M * N * 2
+
+
 # --- the headline (python -m dorafp8.kernel_report --predict) ------------------------------------------------------
 
 HEADLINE = dict(M=8192, N=4096, K=4096, r=16)  # bf16 activations, fp32 adapters (PEFT's default), norm cached
@@ -238,40 +251,43 @@ RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 2 * M * K * r,
               "triton:project_grad_kernel": lambda M, N, K, r: 2 * M * K * r}
 
 
-def launch_seconds(launch: dict, end: str) -> float:
+def launch_seconds(launch: dict, end: str, shape: dict | None = None) -> float:
     """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (a rank-r kernel's on
-    CUDA cores; a matrix product's at the yardstick's rate, or CUDA cores' with fp32 operands)."""
+    CUDA cores; a matrix product's at the yardstick's rate, or CUDA cores' with fp32 operands). shape: M, N, K, r
+    (default the headline's)."""
     R = RATES
     t = launch["nbytes"] / R["hbm"].pick(end)
     flops = launch.get("flops") or 0
     fp32_rate = SMS * CLOCK_HZ * R["fp32_flops"].pick(end)
+    dims = [(shape or HEADLINE)[k] for k in ("M", "N", "K", "r")]
     if launch["name"] in RANK_FLOPS:
-        flops = RANK_FLOPS[launch["name"]](*(HEADLINE[k] for k in ("M", "N", "K", "r")))
-        return max(t, flops / fp32_rate)
+        return max(t, RANK_FLOPS[launch["name"]](*dims) / fp32_rate)
     if flops:
         fp32 = any("float32" in str(d) for _, d in launch.get("shapes", [])[:2])
         return max(t, flops / (fp32_rate if fp32 else R["yardstick"].pick(end)))
     return t
 
 
-def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo") -> dict:
+def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo", shape: dict | None = None) -> dict:
     """A forward + backward: the fused GEMM launches at their predictions (gemms: {"forward": s, "dgrad": s}; none
     for the other strategies), every other launch at launch_seconds, and a gap per launch."""
     other = [lc for lc in launches if lc["name"] not in GEMM_KERNELS]
-    t_other = sum(launch_seconds(lc, end) for lc in other)
+    t_other = sum(launch_seconds(lc, end, shape) for lc in other)
     t_gaps = len(launches) * RATES["launch_gap_s"].pick(end)
     return dict(seconds=sum(gemms.values()) + t_other + t_gaps, other_s=t_other, gaps_s=t_gaps,
                 launches=len(launches), other_launches=len(other), bytes=sum(lc["nbytes"] for lc in launches))
 
 
-def _headline_leaves(act_quant, hopper: bool, backend: str):
-    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend`, from a dry run."""
+def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None):
+    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend` (at M tokens if given), from
+    a dry run."""
     import torch
 
     import dorafp8
     from dorafp8._launches import LaunchRecorder, dry_run
 
-    M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
+    N, K, r = (HEADLINE[k] for k in ("N", "K", "r"))
+    M = M or HEADLINE["M"]
     w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
     x, A, B, m = (t.requires_grad_() for t in leaves)
@@ -311,22 +327,28 @@ STRATEGIES = {  # name -> (backend, act_quant, Hopper loop)
 }
 
 
-def strategy_launches(name: str) -> list[dict]:
-    """The launches of one strategy's headline forward + backward (needs the Triton backend importable here, i.e.
-    TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()); "PEFT DoRA" needs peft."""
+# The other token counts the cuBLAS strategy's targets are set at (issue 52): --predict prints it there too.
+SMALL_MS = (1024, 256)
+
+
+def strategy_launches(name: str, M: int | None = None) -> list[dict]:
+    """The launches of one strategy's headline forward + backward (at M tokens if given) (needs the Triton backend
+    importable here, i.e. TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()); "PEFT DoRA"
+    needs peft."""
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:
         backend, act_quant, hopper = STRATEGIES[name]
         os.environ["DORAFP8_HOPPER_GEMM"] = "1" if hopper else "0"
-        rec = _headline_leaves(act_quant, hopper, backend)
+        rec = _headline_leaves(act_quant, hopper, backend, M)
     return [dict(name=lc.name, nbytes=lc.nbytes, flops=lc.flops, shapes=[(list(s), str(d)) for s, d in lc.shapes])
             for lc in rec.launches]
 
 
-def launches_subprocess(names=None) -> dict[str, list]:
+def launches_subprocess(names=None, small=()) -> dict[str, list]:
     """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (the kernel report's
-    own processes must not set it: it changes what @triton.jit returns); PEFT's DoRA where peft is installed."""
+    own processes must not set it: it changes what @triton.jit returns); PEFT's DoRA where peft is installed. small:
+    (strategy, M) pairs, keyed "strategy @ M"."""
     import importlib.util
     import subprocess
     import sys
@@ -335,7 +357,8 @@ def launches_subprocess(names=None) -> dict[str, list]:
     if "PEFT DoRA" in names and importlib.util.find_spec("peft") is None:
         names.remove("PEFT DoRA")
     code = ("import json, sys; from dorafp8.kernel_report.predict import strategy_launches as s; "
-            f"print(json.dumps({{n: s(n) for n in {names!r}}}))")
+            f"d = {{n: s(n) for n in {names!r}}}; d.update({{f'{{n}} @ {{m}}': s(n, m) for n, m in {list(small)!r}}}); "
+            "print(json.dumps(d))")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode:

@@ -805,6 +805,9 @@ def test_predicted_step_follows_its_model():
     assert pr.predict_gemm(_gemm_rec(mma=4, instrs=100), M, N, K, 3e12, "lo")["seconds"] == pytest.approx(1.0)
     # the yardstick: the Linear's two GEMMs at cuBLAS's measured 798 TFLOP/s
     assert pr.linear_seconds(M, N, K) == pytest.approx(4 * M * N * K / 798e12)
+    # its bytes, and DoRA's floor (issue 52): x again for dA, g again, z written and read back, 256 MiB beyond it
+    assert pr.linear_bytes(8192, 4096, 4096) == 320 * 2**20
+    assert pr.dora_floor_bytes(8192, 4096, 4096) - pr.linear_bytes(8192, 4096, 4096) == 256 * 2**20
 
 
 def test_layer_prediction_adds_every_other_launch():
@@ -865,7 +868,7 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
     records = [dict(_gemm_rec(f"{pr.HEADLINE_VARIANTS['W8A16']}", kernel=k, **ws), arch="sm_90a", backend="triton",
                     error=None, dtype="bf16") for k in GEMMS]
     gemms = [dict(name="triton:dora_fwd_kernel", nbytes=1), dict(name="triton:dora_dgrad_kernel", nbytes=1)]
-    monkeypatch.setattr(cli, "launches_subprocess", lambda: {"W8A16": gemms})
+    monkeypatch.setattr(cli, "launches_subprocess", lambda small=(): {"W8A16": gemms})
     out = cli.format_prediction(records, str(tmp_path))
     assert out.startswith("PREDICTED, not measured")
     fwd = next(line for line in out.splitlines() if "W8A16" in line and "forward " in line)
@@ -877,3 +880,7 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
     assert linear.rstrip().endswith("0.701 (NVIDIA H100 80GB HBM3)")
     assert all(f"    {name} " in out for name in pr.RATES)  # every rate, with its source
     assert "the CPU: 0.35-0.44 ms" in out  # and the measured CPU floor of a step
+    # DoRA's byte floor, and each strategy's bytes over it (here W8A16's two 1-byte launches)
+    assert "= 576 MiB (604 MB)" in out
+    assert layer.split()[1:4] == ["2", "0", "-576"]
+
