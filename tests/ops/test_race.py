@@ -103,6 +103,22 @@ def _verdicts(tmp_path):
     return json.loads((tmp_path / path).read_text())
 
 
+def test_a_key_that_cannot_be_checked_within_the_bound_runs_on_the_reference(race, used, monkeypatch):
+    """Where even 16 rows at M = 1 would hold more than budget(spec) (a narrow layer whose adapters are most of its
+    step), no child starts (the bound has no exception) and the reference serves the key, with no warning."""
+    monkeypatch.setattr(_race, "CAP", 1024)  # no check fits in 1 KiB
+    monkeypatch.setattr(_race, "CHILD", ["false"])  # a child that fails if started
+    spec = _race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    assert not _race.plan(spec)["fits"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _step()
+    assert set(used) == {"reference"} and children(race) == 0
+    monkeypatch.setenv("DORAFP8_RACE", "0")
+    for a, b in zip(got, _step(backend="reference")):
+        assert torch.equal(a, b)
+
+
 def test_the_real_child_checks_and_times_then_the_file_serves(race, used, monkeypatch):
     monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
     monkeypatch.setattr(_race, "CHILD", planted("slow", "native"))  # native correct, but 0.2 s slower per call
