@@ -11,20 +11,20 @@ import importlib.abc
 import importlib.util
 import sys
 
-_waiting: dict = {}  # module name -> the callback to run once it has been executed
+waiting: dict = {}  # module name -> the callback to run once it has been executed
 
 
 def when_imported(name: str, callback) -> None:
     """Runs `callback()` once module `name` has finished executing (its import, not a bare find_spec). Replaces a
     callback already waiting for `name`; the caller runs it itself where the module is loaded already."""
-    _waiting[name] = callback
+    waiting[name] = callback
     install_finder()
 
 
 def forget(name: str) -> None:
     """No longer waits for `name`."""
-    _waiting.pop(name, None)
-    if not _waiting:
+    waiting.pop(name, None)
+    if not waiting:
         uninstall()
 
 
@@ -42,8 +42,8 @@ class _RunAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _waiting.pop(self._name, None)
-        if not _waiting:
+        waiting.pop(self._name, None)
+        if not waiting:
             uninstall()  # everything waited for is loaded
         self._callback()
 
@@ -53,7 +53,7 @@ class _RunAfterExec(importlib.abc.Loader):
 
 class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _waiting:
+        if fullname not in waiting:
             return None
         # Ask the other finders for the real spec (without this hook, so it cannot recurse), then wrap its loader.
         # The hook stays installed until that loader has run: a bare importlib.util.find_spec("peft") (diffusers and
@@ -65,21 +65,21 @@ class _ImportHook(importlib.abc.MetaPathFinder):
             install_finder()
         if spec is None or spec.loader is None:
             return None
-        callback = _waiting.get(fullname)
+        callback = waiting.get(fullname)
         if callback is None:
             return None
         spec.loader = _RunAfterExec(spec.loader, fullname, callback)
         return spec
 
 
-_HOOK = _ImportHook()
+HOOK = _ImportHook()
 
 
 def uninstall() -> None:
-    while _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
+    while HOOK in sys.meta_path:
+        sys.meta_path.remove(HOOK)
 
 
 def install_finder() -> None:
-    if _waiting and _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
+    if waiting and HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, HOOK)

@@ -1,5 +1,6 @@
 """What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
 process; the fastest of those that computed right.
+Long because the check, its memory plan, the verdict file and the ranks' agreement are one protocol, read together.
 
 Trust on first use. The ops checked: a DoRA layer's step ("dora", its weight norm included), fp8_linear's ("linear"),
 and weight_norm called alone ("norm": PEFT's layers cache their norm that way, and it is the one backend kernel of the
@@ -39,7 +40,7 @@ while the user's activations are live, is at most budget(): the layer's own step
 dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 4 MiB (FLOOR) for a
 layer whose step holds less, and never more than 256 MiB (CAP); plan() sizes what it runs by a cost model
 (trial_bytes, measured by tests/ops/test_race.py; where even 16 rows at M = 1 do not fit, a layer whose adapters are
-most of its step, it runs those anyway), a GPU child records its peak with each verdict, and it has ended before the
+most of its step, no child starts and the reference serves the key), a GPU child records its peak with each verdict, and it has ended before the
 step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
 is no child and no file read (either would break the graph), and under a CUDA graph capture no child: a key checked
 in this process is used (under a capture, also the file's verdicts), else the static order, unchecked (run one eager
