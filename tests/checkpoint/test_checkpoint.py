@@ -5,6 +5,7 @@ within the merge error they report. Checkpoints are written by each layout's own
 
 import copy
 import os
+import tempfile
 import warnings
 from unittest import mock
 
@@ -497,10 +498,10 @@ def _trainer_steps(pm, steps=2):
         def __getitem__(self, i):
             return {"input_ids": IDS[i % 2], "labels": IDS[i % 2]}
 
-    args = TrainingArguments(output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dorafp8_trainer"),
-                             max_steps=steps, per_device_train_batch_size=2, report_to=[], use_cpu=True,
-                             save_strategy="no", learning_rate=1e-2, disable_tqdm=True)
-    return Trainer(model=pm, args=args, train_dataset=Rows()).train()
+    with tempfile.TemporaryDirectory() as out:  # this run's own, removed after (not a fixed name in a shared /tmp)
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, save_strategy="no", learning_rate=1e-2, disable_tqdm=True)
+        return Trainer(model=pm, args=args, train_dataset=Rows()).train()
 
 
 @pytest.mark.parametrize("case", [pytest.param("ct-channel", marks=pytest.mark.skipif(not HAVE_CT, reason="needs "
