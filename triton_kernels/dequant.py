@@ -24,6 +24,17 @@ SCAN = 1024  # the chunk of the row scales that each program reads to find kappa
 
 
 @triton.jit
+def weight_tile(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's BLOCK_N x BLOCK_K tile of an [N, K] weight: its program ids, rows and columns, the rows' mask,
+    the tile's mask, and the rows as int64 (row offsets of a large weight pass 2^31). Shared with dequant_micro.py."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    return pid_n, pid_k, offs_n, offs_k, mask_n, mask_n[:, None] & (offs_k[None, :] < K), offs_n.to(tl.int64)
+
+
+@triton.jit
 def dequant_w8_kernel(
     w_ptr, scale_ptr, out_ptr, fac_ptr,
     N, K,
@@ -31,12 +42,7 @@ def dequant_w8_kernel(
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN_N: tl.constexpr,
 ):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    ok = mask_n[:, None] & (offs_k[None, :] < K)
-    rows = offs_n.to(tl.int64)
+    pid_n, pid_k, offs_n, offs_k, mask_n, ok, rows = weight_tile(N, K, BLOCK_N, BLOCK_K)
     w = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
     if SCALE_KIND == "tensor":
         f = tl.load(scale_ptr)

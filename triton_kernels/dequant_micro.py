@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import alloc, cdiv, interpreting, launch
+from .dequant import weight_tile
 from .epilogue_dot import bf16_value
 
 MICRO_BLOCKS = (64, 128)  # (BLOCK_N, BLOCK_K) on a GPU, as dequant.py's DEQUANT_BLOCKS
@@ -53,12 +54,7 @@ def dequant_micro_kernel(
     stride_w_n, stride_scale_n, stride_out_n,
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    ok = mask_n[:, None] & (offs_k[None, :] < K)
-    rows = offs_n.to(tl.int64)
+    _, _, offs_n, offs_k, _, ok, rows = weight_tile(N, K, BLOCK_N, BLOCK_K)
     if NVFP4:
         # each byte is read by the two columns it holds (the second read hits L1): codes low nibble first
         byte = tl.load(w_ptr + rows[:, None] * stride_w_n + (offs_k // 2)[None, :], mask=ok, other=0).to(tl.int32)
