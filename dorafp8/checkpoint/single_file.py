@@ -31,7 +31,7 @@ def scaled_fp8_keys(checkpoint: dict) -> list[str]:
                   for t in checkpoint.values())
     if not has_fp8:
         return []
-    return [k for k in checkpoint if k.endswith(_SCALE_SUFFIXES) or k == "scaled_fp8" or k.endswith(".scaled_fp8")]
+    return [k for k in checkpoint if is_scale_key(k)]
 
 
 def refuse_scaled_fp8(checkpoint, what: str) -> None:
