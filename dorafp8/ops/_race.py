@@ -108,10 +108,6 @@ def racing(backend: str | None, device: torch.device) -> bool:
 TIMEOUT_S = 300.0  # what a child may take: a kernel that hangs is dropped on this GPU after it
 
 
-def timeout_s() -> float:
-    return float(TIMEOUT_S)
-
-
 def bucket(n: int) -> int:
     """n's bucket: the power of two at or above it (16 at least), as the Triton autotuner keys M."""
     return 1 << max(4, (n - 1).bit_length())
@@ -459,7 +455,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     nothing of the kernel."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
-    limit = timeout_s()
+    limit = TIMEOUT_S
     try:  # the limit and this process's id go with the spec: the child's watchdog ends it at either
         proc = subprocess.Popen(CHILD + [json.dumps(dict(spec, limit_s=limit)), str(os.getpid())],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -511,7 +507,7 @@ def _shared(path: str, what: str, resolve):
             store.set(name, json.dumps(results))  # even empty: the others must not wait for nothing
         return results
     try:
-        store.wait([name], datetime.timedelta(seconds=timeout_s() * (len(RACERS.get("cuda", ())) + 1) + 60))
+        store.wait([name], datetime.timedelta(seconds=TIMEOUT_S * (len(RACERS.get("cuda", ())) + 1) + 60))
         results = json.loads(store.get(name))
     except Exception as e:  # the claiming rank died: resolve alone
         log.debug("dorafp8 race: no verdict from the store for %s (%s)", what, e)

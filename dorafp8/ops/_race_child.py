@@ -14,7 +14,8 @@ import time
 import torch
 
 from ..quant import E4M3, quantize_mxfp8, quantize_nvfp4, row_blocks
-from ._race import ROOM, ROUNDS, TOL, W8A8_REL, plan, timeout_s
+from . import _race
+from ._race import ROOM, ROUNDS, TOL, W8A8_REL, plan
 from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 
@@ -119,7 +120,7 @@ def main(argv: list[str]) -> int:
     """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
     the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
     spec = json.loads(argv[0])
-    _watchdog(float(spec.get("limit_s", timeout_s())), int(argv[1]) if len(argv) > 1 else os.getppid())
+    _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False
