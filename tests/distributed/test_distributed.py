@@ -210,7 +210,8 @@ def _launch(engine: str, out, *, quantize_on_load: bool = False, env: dict | Non
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(out), **(env or {}))  # torchrun leaves a torchelastic_* folder in the temp folder
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     launcher = ["-m", "dorafp8", "run", "--quantize", "--"] if quantize_on_load else []

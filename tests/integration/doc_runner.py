@@ -254,7 +254,10 @@ def environment(shim_dir: Path) -> dict:
     # as a user runs them: none of the test suite's switches (TRITON_INTERPRET, DORAFP8_RACE, ...)
     env = {k: v for k, v in os.environ.items()
            if k != "TRITON_INTERPRET" and not k.startswith(("DORAFP8_", "PYTEST_"))}
+    # TMPDIR inside the work folder: torchrun leaves a torchelastic_* folder in the temp folder at every job
+    (tmp := shim_dir.parent / "tmp").mkdir(exist_ok=True)
     env.update(PATH=f"{shim_dir}{os.pathsep}{env.get('PATH', '')}", CUDA_VISIBLE_DEVICES="", DOC_REPO_ROOT=str(ROOT),
+               TMPDIR=str(tmp),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p))
     return env

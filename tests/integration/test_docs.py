@@ -10,6 +10,7 @@ attached to a block, or a script no command runs fails test_every_block_is_run_o
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -130,6 +131,7 @@ def test_a_slow_block_fails_by_its_limit_and_a_dead_runner_keeps_what_ran(tmp_pa
                    "```python\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n```\n")
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, str(doc_runner.HERE / "doc_runner.py"), str(doc), "--json-out", str(out)],
-                          capture_output=True, text=True, check=False, cwd=doc_runner.ROOT)
+                          capture_output=True, text=True, check=False, cwd=doc_runner.ROOT,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))  # its temp folder dies with it, not in /tmp
     assert proc.returncode == -signal.SIGKILL
     assert [r["status"] for r in json.loads(out.read_text()).values()] == ["passed"]

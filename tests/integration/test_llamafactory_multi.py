@@ -82,6 +82,7 @@ def _two_processes(engine, command, more, checkpoints, reference, tmp_path, **la
     env = {"PATH": os.pathsep.join([BIN, os.environ["PATH"]]),  # as in an activated venv: LLaMA-Factory runs torchrun
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), REPO, os.environ.get("PYTHONPATH", "")]),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
+           "TMPDIR": str(tmp_path),  # torchrun leaves a torchelastic_* folder in the temp folder
            **launch_env}
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
