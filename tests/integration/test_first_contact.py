@@ -366,6 +366,7 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     assert text[:text.index(b)] == before[:before.index(b)] and text[text.index(e):] == before[before.index(e):]
     block = text[text.index(b):text.index(e)]
     assert "Stand-in GPU" in block and "CPU" not in block  # the smoke run makes no speed claims
+    assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
     for M in C.FIRST_TOKENS:
         row = next(line for line in block.splitlines() if line.startswith(f"| {M} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
