@@ -1,13 +1,8 @@
-"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
+"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 e4m3 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
 ComfyUI, compressed-tensors and the fine-grained (DeepSeek-V3 / Qwen3-FP8) format: W0 = scale * W8 with an fp32 scale
-per tensor, per output row, or per b x b block; scale = amax|W| / 448 over what it covers, W8 = clamp(W / scale)
-rounded to nearest even.
-
-Scale shapes (`check_scale` normalizes to one of these):
-    []                      per tensor
-    [N]                     per output row (a checkpoint's [N, 1] is accepted)
-    [ceil(N/b), ceil(K/b)]  per block of b x b, b = block_size (128 by default, as in fine-grained fp8 checkpoints)
-"""
+per tensor ([]), per output row ([N]) or per b x b block ([ceil(N/b), ceil(K/b)], b = 128 by default); scale =
+amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even. `check_scale` normalizes a scale to
+one of these shapes."""
 
 from __future__ import annotations
 

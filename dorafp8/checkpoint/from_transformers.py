@@ -1,20 +1,10 @@
 """transformers models loaded with an fp8 quantization config, turned into dorafp8 FP8Linear layers.
 
-`from_pretrained` builds fp8 layers that have no backward through the weight's scale and cannot take a DoRA adapter:
-  - FineGrainedFP8Config (quant_method "fp8": DeepSeek-V3, Qwen3-FP8): transformers.integrations.finegrained_fp8's
-    FP8Linear, weight e4m3 [out, in] + `weight_scale_inv` [ceil(out/b), ceil(in/b)] (or () per tensor),
-    `block_size` (b, b);
-  - compressed-tensors float-quantized (Neural Magic / Red Hat FP8): a plain nn.Linear carrying a
-    `quantization_scheme`, weight e4m3 + `weight_scale` [1] / [out, 1] / blocks (compressed state, with a
-    decompress-on-first-forward hook on the model), or transformers' CompressedTensorsFP8Linear (`weight_scale`
-    [1, out], its optimized inference path on recent GPUs).
-from_transformers_fp8 swaps each of them for a dorafp8 FP8Linear holding the same bytes and the same scale (fp32),
-so that get_peft_model(..., LoraConfig(use_dora=True)) builds DoRAFP8Linear layers and the Trainer can train.
-
-On a machine without a GPU transformers dequantizes FineGrainedFP8 checkpoints to bf16 while loading (the fp8 bytes
-are gone before this function could see them): build the model from its config on the meta device and use
-dorafp8.load_fp8_checkpoint instead (docs/CHECKPOINTS.md).
-"""
+`from_pretrained` of a FineGrainedFP8 or compressed-tensors fp8 checkpoint builds layers that cannot take a DoRA
+adapter; from_transformers_fp8 swaps each for an FP8Linear holding the same bytes and scale (fp32), so that
+get_peft_model builds DoRAFP8Linear layers. Without a GPU transformers dequantizes FineGrainedFP8 while loading: build
+the model on the meta device and use load_fp8_checkpoint instead (docs/CHECKPOINTS.md). The layer classes each
+format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_transformers.py"."""
 
 from __future__ import annotations
 

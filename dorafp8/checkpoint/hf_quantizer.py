@@ -1,20 +1,9 @@
 """dorafp8 in transformers' quantizer registry: `from_pretrained(path, quantization_config=DoRAFP8Config(...))`.
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                 quantization_config=dorafp8.DoRAFP8Config(granularity="row"))
-
-loads the dense checkpoint and turns its linear layers into dorafp8 FP8Linear layers (what dorafp8.quantize_model does
-after a plain from_pretrained), ready for get_peft_model(..., LoraConfig(use_dora=True)). The weights are quantized
-after they are loaded, so loading peaks at the dense model in `dtype`, as quantize_model after from_pretrained does.
-
-Saving: `model.save_pretrained(path)` writes compressed-tensors (or fine-grained FP8), which transformers and vLLM load
-with `from_pretrained(path)` alone, without dorafp8 (dorafp8/checkpoint/save_hooks.py). "dorafp8" is never written as a
-checkpoint's quant_method: transformers skips a quant_method it does not know with a warning and would load the raw
-e4m3 values, so a checkpoint that needed dorafp8 imported would load wrong wherever it is not.
-
-This module imports transformers; dorafp8/_install.py registers it once transformers defines its models, and
-`dorafp8.DoRAFP8Config` imports it on first use.
-"""
+It loads a dense checkpoint and turns its linear layers into FP8Linear layers, as quantize_model after a plain
+from_pretrained does (and with the same peak: the dense model in `dtype`). save_pretrained then writes
+compressed-tensors or fine-grained FP8, never a "dorafp8" quant_method (transformers would load that wrong without
+dorafp8). This module imports transformers: dorafp8/_install.py registers it once transformers is imported."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """DoRA adapters as kohya / LyCORIS files, the layout ComfyUI, Forge and LyCORIS read: per layer `lora_down.weight`,
-`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`.
-
-    save_kohya_dora(model, path)   a PEFT (or dorafp8) DoRA adapter -> one .safetensors file
-    load_kohya_dora(model, path)   such a file (ours, or one LyCORIS or a kohya-style trainer wrote) -> a PEFT DoRA model
-    save_single_file_dora(model, path, single_file)   the same layout keyed by a ComfyUI single file's own weights
-
+`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`:
+save_kohya_dora, load_kohya_dora and save_single_file_dora (keyed by a ComfyUI single file's own weights).
 Long because it holds both directions of one layout, each with its checks, and the single-file export, which builds
 on the export's per-layer tensors and checks.
 
-The math each consumer applies, read from its code (docs/DIFFUSION.md, "DoRA files for ComfyUI and kohya tools"):
-
-    PEFT 0.21        W' = (W + s B A) * m / ||W + s B A||           m [out], the norm per output row, detached
-    LyCORIS LoCon    W' = (W + s B A) * dora_scale / (||W + s B A|| + eps)       (dora_wd=True, wd_on_out=True:
-                     lycoris/modules/locon.py, lycoris/functional/general.py; its weight loader always assumes it)
-    ComfyUI          W' = (W + s B A) * dora_scale / (||W|| + eps)   when dora_scale.shape[0] == out (the output
-                     axis), the norm of the base without the update (comfy/weight_adapter/base.py weight_decompose)
-
-with s = alpha / rank (lora_down's first dimension) and eps float32's machine epsilon. dora_scale is therefore PEFT's
-magnitude for LyCORIS (`dora_scale="lycoris"`, the default), and m * (||W|| + eps) / ||W + s B A|| for ComfyUI's
-current loader (`dora_scale="comfyui"`), computed from the layer's base as the model holds it. Both are shaped
-[out, 1, ...] like the weight: ComfyUI reads the axis from the shape, and a 1-D [out] broadcasts wrongly there.
-Which key names each consumer maps: kohya_names.py.
-"""
+The math each consumer applies, and so what `dora_scale` holds for each: docs/ARCHITECTURE.md,
+"dorafp8/checkpoint/kohya.py"; which key names each maps: kohya_names.py."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """ComfyUI / kijai fp8_scaled single files in their original layouts (ldm, BFL, MMDiT, Wan's, ...) into diffusers
 models, in place (load_single_file); diffusers' own `from_single_file` of such a file refused while dorafp8 is imported.
 
-Such a file holds e4m3 weights with a per-tensor `<layer>.scale_weight` (ComfyUI's newer files: `weight_scale` with a
-`comfy_quant` entry), sometimes `scale_input`, and a `scaled_fp8` marker. diffusers' `from_single_file` knows none
-of these keys: it drops the scales as unexpected keys and loads the raw e4m3 values (up to 448 where the weights
-are below 1), and the model outputs NaN without an error. `import dorafp8` wraps it (dorafp8/_install.py) so that
-such a checkpoint is refused, whether it comes as a path (the module's own `load_single_file_checkpoint` reads it) or
-as a dict (what `DiffusionPipeline.from_single_file` hands each component).
-"""
+diffusers' `from_single_file` drops the files' scale keys as unexpected and loads the raw e4m3 values, and the model
+outputs NaN without an error; `import dorafp8` wraps it (dorafp8/_install.py) so that such a checkpoint is refused,
+whether it comes as a path or as a dict (what `DiffusionPipeline.from_single_file` hands each component)."""
 
 from __future__ import annotations
 

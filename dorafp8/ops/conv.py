@@ -1,18 +1,10 @@
 """FP8 convolutions as functional ops with their autograd: fp8_conv and dora_fp8_conv (PEFT's `DoraConv2dLayer`
 semantics; docs/DORA_MATH.md, "Convolutions"). The modules FP8Conv1d / FP8Conv2d / FP8Conv3d are dorafp8/nn/conv.py.
 
-The weight [C_out, C_in/groups, *kernel] is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale
-of dorafp8.quant applies: per tensor (default), per output channel (= per row of the view, `per_row_scale=True`), or
-per b x b block of the view.
-
-How a call runs (any device): the layer's weight is dequantized into a transient tensor in the compute dtype (one
-layer at a time, in fp32 row blocks of at most 16 MiB, so there is never an fp32 copy of a whole large weight; the
-transient is freed when the call returns) and the platform's convolution runs on it (oneDNN on CPU, cuDNN on a GPU).
-Nothing dequantized is kept between the forward and the backward: the backward dequantizes again and takes the input
-gradient with convolution_backward (the transposed convolution). The DoRA weight norm is the backend's `weight_norm`
-op on the 2-D view of the fp8 weight (it never forms [N, K] in full either). The DoRA scalars (c = m / n) and the
-epilogue are fp32; the output has the compute dtype (autocast's, else x's), as in dorafp8.ops.
-"""
+The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view (every scale of dorafp8.quant applies). A call
+dequantizes the layer into a transient in the compute dtype (in fp32 row blocks of at most 16 MiB) and runs the
+platform's convolution on it; nothing dequantized is kept for the backward, which dequantizes again. The DoRA weight
+norm is the backend's `weight_norm` op; the DoRA scalars are fp32, the output has the compute dtype."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """DoRA on an FP8 base as autograd Functions over the backend kernels.
 
-Hops from the public API to a kernel:
-    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask)  ->
-    torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
-    backend module (dorafp8.backends.reference / dorafp8.triton_kernels / dorafp8.backends.cuda / dorafp8.backends.cublas)
-    ->  kernel.
-
-The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends/base.py.
-
-Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
-autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
-the adapter gradients) is the autocast dtype under autocast, else the adapters' own dtype, as in PEFT (which casts x to
-lora_A's dtype): fp32 adapters on bf16 activations get an fp32 low-rank path and fp32-accurate dA, dB. The weight
-norm, c = m / n and every accumulation are fp32; the output has the compute dtype, and so has z, the product the
-forward keeps for dm.
-"""
+dora_fp8_linear (checks, dtype policy, weight norm) -> DoRAFP8Function (autograd, dropout mask) -> torch.ops.dorafp8.*
+(custom ops, opaque to torch.compile) -> the backend module -> the kernel. The formulas and the dtype policy (compute
+dtype of the base path, rank dtype of the low-rank path, fp32 norms and accumulation) are docs/DORA_MATH.md's; the
+backend contract is dorafp8/backends/base.py."""
 
 from __future__ import annotations
 
