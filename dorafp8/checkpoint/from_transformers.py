@@ -139,16 +139,23 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
-    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many. A
-    compressed-tensors nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them on a
-    machine without a GPU) becomes NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
+    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place. A compressed-tensors
+    nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them without a GPU) becomes
+    NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
 
-    dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
-    weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
-    warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The model
-    remembers the layout, so dorafp8.save_fp8_checkpoint / export_merged write it back in that layout.
-    All or nothing: every layer is checked and its FP8Linear built before the first swap; an error leaves the model as
-    it was."""
+    Layers whose weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they
+    are, with a warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The
+    model remembers the layout, so save_fp8_checkpoint / export_merged write it back in that layout. All or nothing:
+    every layer is checked and its FP8Linear built before the first swap; an error leaves the model as it was.
+
+    Args:
+        model: the transformers model, as from_pretrained returned it.
+        backend, act_quant: given to the FP8Linear layers (see FP8Linear).
+        dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype).
+
+    Returns:
+        How many layers were swapped.
+    """
     check_backend_name(backend)
     check_act_quant(act_quant)
     cfg = getattr(model, "config", None)

@@ -23,15 +23,21 @@ QUANT_METHOD = "dorafp8"
 class DoRAFP8Config(QuantizationConfigMixin):
     """Quantize a dense checkpoint into dorafp8 FP8Linear layers while from_pretrained loads it.
 
-    granularity: the weight scale: "tensor" (one fp32 scale per layer, the default), "row" (one per output row, loses
-        least), or "block" (one per block_size x block_size block, default 128).
-    act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs, activations quantized per row; see
-        dorafp8.set_act_quant).
-    target_modules: names or name suffixes of the linear layers to quantize (PEFT's rule); None: every nn.Linear
-        (and transformers' Conv1D) but the output head `lm_head`, as dorafp8.quantize_model.
-    modules_to_not_convert: names or name suffixes left in the checkpoint's precision (the model's
-        _keep_in_fp32_modules are always left).
-    backend: the FP8Linear kernels ("auto").
+    Args:
+        granularity: the weight scale: "tensor" (one fp32 scale per layer, the default), "row" (one per output row,
+            loses least), or "block" (one per block_size x block_size block).
+        block_size: with granularity="block", the block size (default 128).
+        act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs, activations quantized per row; see
+            dorafp8.set_act_quant).
+        target_modules: names or name suffixes of the linear layers to quantize (PEFT's rule); None: every nn.Linear
+            (and transformers' Conv1D) but the output head `lm_head`, as dorafp8.quantize_model.
+        modules_to_not_convert: names or name suffixes left in the checkpoint's precision (the model's
+            _keep_in_fp32_modules are always left).
+        backend: the FP8Linear kernels ("auto").
+
+    Raises:
+        TypeError: an argument it does not take.
+        ValueError: an unknown granularity, act_quant or backend, or block_size without granularity="block".
     """
 
     def __init__(self, granularity: str = "tensor", block_size: Optional[int] = None, act_quant: Optional[str] = None,

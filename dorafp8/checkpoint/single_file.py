@@ -217,11 +217,20 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
 
 def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtype: Optional[torch.dtype] = None,
                      backend: str = "auto", verbose: bool = True):
-    """Loads a single file in its original layout (a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5,
-    Wan, HunyuanVideo, LTX, or a dense one) into the diffusers `model` (built from its config, on the meta device or
-    not), in place: the fp8 weights keep their bytes and scales (FP8Linear layers), fused projections are cut by rows
-    sharing their per-tensor scale (to_diffusers_layout), everything else is loaded as load_fp8_checkpoint loads it.
-    Returns load_fp8_checkpoint's LoadReport."""
+    """Loads a single file in its original layout into a diffusers model, in place.
+
+    The fp8 weights keep their bytes and scales (FP8Linear layers), fused projections are cut by rows sharing their
+    per-tensor scale (to_diffusers_layout), everything else is loaded as load_fp8_checkpoint loads it.
+
+    Args:
+        model: the diffusers model, built from its config (on the meta device or not).
+        path_or_state_dict: a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5, Wan, HunyuanVideo or
+            LTX, or a dense one; its path or its state dict.
+        device, dtype, backend, verbose: as for load_fp8_checkpoint.
+
+    Returns:
+        load_fp8_checkpoint's LoadReport.
+    """
     from .load import load_fp8_checkpoint
 
     state_dict = path_or_state_dict

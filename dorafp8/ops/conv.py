@@ -322,9 +322,19 @@ def _check_conv_args(x, w8, scale, bias, block_size, groups):
 
 def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0, dilation=1,
              groups: int = 1, *, block_size: int = DEFAULT_BLOCK) -> Tensor:
-    """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics, zero padding given as ints), differentiable in x and bias.
-    w8 [C_out, C_in/groups, *kernel] float8_e4m3fn; scale per tensor, per output channel or per block of the 2-D view.
-    Output in the compute dtype (autocast's, else x's)."""
+    """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics), differentiable in x and bias.
+
+    Args:
+        x: [batch, C_in, *spatial].
+        w8, scale: the base weight [C_out, C_in/groups, *kernel] float8_e4m3fn and its fp32 scale: per tensor, per
+            output channel or per block of the 2-D view.
+        bias: [C_out], or None.
+        stride, padding, dilation, groups: as F.convNd's (zero padding, given as ints).
+        block_size: b, for block scales.
+
+    Returns:
+        The output in the compute dtype (autocast's, else x's).
+    """
     nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"))
     cdt = compute_dtype(x)
@@ -344,13 +354,26 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
 
         y = m / ||W0 + s L||_channel * (conv(x, W0) + s * conv1x1(conv(x, lora_A), lora_B)) + bias
 
-    x [batch, C_in, *spatial]; w8 [C_out, C_in/groups, *kernel] float8_e4m3fn with its fp32 scale; lora_A
-    [r, C_in, *kernel]; lora_B [C_out, r/groups, 1, ...]; magnitude with C_out elements (PEFT stores [1, C_out, 1, 1]);
-    scaling = lora_alpha / r. The base conv uses stride/padding/dilation/groups (zero padding, ints); lora_A uses
-    lora_stride/lora_padding/lora_dilation (default: the base's; PEFT 0.21's lora_A takes the base's stride and
-    padding and dilation 1), groups 1; lora_B is 1x1 with the base's groups. training and dropout_p > 0: PEFT's dropout
-    semantics (the base term sees x, the DoRA terms see dropout(x)). weight_norm: a precomputed detached norm (fp32
-    [C_out]) to reuse. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires grad)."""
+    Args:
+        x: [batch, C_in, *spatial].
+        w8, scale: the base weight [C_out, C_in/groups, *kernel] float8_e4m3fn and its fp32 scale (as fp8_conv).
+        lora_A, lora_B: [r, C_in, *kernel] and [C_out, r/groups, 1, ...] (1x1, with the base's groups).
+        magnitude: C_out elements (PEFT stores [1, C_out, 1, 1]).
+        scaling: lora_alpha / r.
+        bias: [C_out], or None.
+        stride, padding, dilation, groups: the base conv's (zero padding, ints).
+        lora_stride, lora_padding, lora_dilation: lora_A's (default: the base's; PEFT 0.21's lora_A takes the base's
+            stride and padding and dilation 1); its groups are 1.
+        dropout_p, training: with training=True and dropout_p > 0, PEFT's dropout semantics (the base term sees x,
+            the DoRA terms see dropout(x)).
+        backend: a backend name, or "auto" (dorafp8.BACKENDS).
+        weight_norm: a precomputed detached norm (fp32 [C_out]) to reuse.
+        block_size: b, for block scales.
+
+    Returns:
+        The output in the compute dtype. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires
+        grad).
+    """
     nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     C = w8.shape[0]
     r = lora_A.shape[0] if isinstance(lora_A, torch.Tensor) and lora_A.dim() == nd + 2 else None
