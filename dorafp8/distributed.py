@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-# The FSDP / ZeRO-3 helpers this docstring explains live with the fp8 module base, which needs them; and the fp8 dtype
+# The FSDP / ZeRO-3 helpers (docs/ARCHITECTURE.md) live with the fp8 module base, which needs them; and the fp8 dtype
 # facts with the recipe. Both are named here too, where the distributed story is told.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
 from .quant import FP8_DTYPES, is_fp8
@@ -158,7 +158,7 @@ def _fsdp_param_class(import_it: bool):
 
 def install_fsdp_support(import_fsdp: bool = True) -> bool:
     """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
-    all-gathered and reach the forward as fp8, whatever the group's policy (the module docstring says why). Wraps
+    all-gathered and reach the forward as fp8, whatever the group's policy (docs/ARCHITECTURE.md says why). Wraps
     `FSDPParam.init_dtype_attrs`; idempotent. `import dorafp8` runs it as soon as FSDP2 is imported (importing FSDP2
     takes a second or more, so dorafp8 does not do it itself). Returns whether the support is installed (False where
     torch.distributed or FSDP2 is unavailable, or `import_fsdp=False` and FSDP2 is not imported yet)."""

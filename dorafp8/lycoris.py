@@ -135,7 +135,7 @@ class _AdapterNorm(torch.autograd.Function):
 class FP8LoConModule(LoConModule):
     """LyCORIS's LoConModule (algo "locon" / "lora") on a dorafp8 FP8Linear / FP8Conv1d/2d/3d: LyCORIS's parameters,
     state_dict and save_weights keys (lora_down / lora_up / lora_mid / alpha / dora_scale), its forward computed by
-    dora_fp8_linear / dora_fp8_conv on the fp8 weight (the module docstring gives the math). Built by converting a
+    dora_fp8_linear / dora_fp8_conv on the fp8 weight (docs/ARCHITECTURE.md gives the math). Built by converting a
     LoConModule LyCORIS made (register_with_lycoris), never directly."""
 
     # What the forward reads of LyCORIS's LoConModule: a release that renamed one is refused on conversion.

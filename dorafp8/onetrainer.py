@@ -54,7 +54,7 @@ def fp8_parts(layer: nn.Module):
 
 
 def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """OneTrainer's DoRAModule.forward (the module docstring) on the fp8 weight w8 * scale."""
+    """OneTrainer's DoRAModule.forward (docs/ARCHITECTURE.md) on the fp8 weight w8 * scale."""
     layer = module.orig_module
     A, B = module.lora_down.weight, module.lora_up.weight
     s = float(module.alpha) / module.rank
@@ -71,7 +71,7 @@ def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor
 
 
 def register_with_onetrainer() -> bool:
-    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (the module docstring). Runs when
+    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (docs/ARCHITECTURE.md). Runs when
     OneTrainer's modules.module.LoRAModule is imported after `import dorafp8` (dorafp8/_install.py), so
     `dorafp8 run -- python scripts/train.py ...` needs nothing else. Idempotent; returns whether it is installed
     (False where that module is not OneTrainer's: no DoRAModule with the attributes read here)."""

@@ -115,7 +115,7 @@ def step_cycles(rec: dict, end: str) -> dict:
 
 
 def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
-    """(cycles of one step, what bounds it, the pipes) under the loop's overlap rules (the module docstring)."""
+    """(cycles of one step, what bounds it, the pipes) under the loop's overlap rules (docs/INSPECT.md)."""
     pipes = step_cycles(rec, end)
     mix = rec["main_loop"]
     bound = max(pipes, key=pipes.get)

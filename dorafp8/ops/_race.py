@@ -42,7 +42,7 @@ SWITCHES = ("DORAFP8_HOPPER_GEMM",)
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}  # tests/_tolerance.py's tol(dtype)
-ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (module docstring)
+ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (docs/ARCHITECTURE.md)
 W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
@@ -296,7 +296,7 @@ def pick_of(results: dict, cands) -> str:
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend for a call under racing(): its key's pick, checked now in a child if new (module docstring).
+    """The backend for a call under racing(): its key's pick, checked now in a child if new (docs/ARCHITECTURE.md).
     static: what backends.resolve chose; call: spec_of's keywords."""
     if call["M"] == 0:
         return static
