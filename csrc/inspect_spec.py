@@ -1,19 +1,12 @@
 """Every kernel that the CUDA files of csrc/ instantiate, for `python -m dorafp8.kernel_report --backend cuda`
-(docs/INSPECT.md).
+(docs/INSPECT.md). Update it with the kernels: the tool fails (never skips) when the kernels compiled from a file and
+that file's rows below differ.
 
-Update this table together with the kernels. The tool compiles each file of build_spec.py's CUDA_SOURCES on its own for
-each target the extension is built for (build_spec.py's DEFAULT_CUDA_ARCHS) with build_spec.py's nvcc flags, and fails
-(it does not skip) when the kernels compiled from a file and the rows of that file below differ.
-
-One row per kernel instantiation:
-  source   the file in csrc/ that defines it (its smem expression is evaluated in that file's translation unit)
-  kernel   the kernel's name in namespace dorafp8::detail
-  targs    its template arguments as the demangler spells them ("__nv_bfloat16, 64, true"), None if not a template
-  variant  which launcher path runs it; dtype: the compute dtype (weight_norm: the dtype of A and B)
-  config   its tile shape, for the table
-  smem     the dynamic shared memory its launcher asks for, as a C++ expression evaluated in host code inside
-           namespace dorafp8::detail (ptxas reports only static shared memory; the tool adds the two)
-"""
+One row per kernel instantiation: source (the file in csrc/ that defines it; its smem expression is evaluated in that
+file's translation unit), kernel (its name in namespace dorafp8::detail), targs (its template arguments as the
+demangler spells them, None if not a template), variant (which launcher path runs it), dtype (the compute dtype;
+weight_norm: that of A and B), config (its tile shape, for the table), smem (the dynamic shared memory its launcher
+asks for, a C++ expression evaluated in host code in dorafp8::detail; ptxas reports only static shared memory)."""
 
 _16BIT = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 # (BM, BN, DROP, variant): launch_gemm_tiles (common/gemm.cuh, for forward and dgrad alike) picks 64 x 128 tiles

@@ -1,20 +1,9 @@
 """Exact float8_e4m3fn -> fp16 / bf16 / fp32 conversion that is fast on CPU.
 
-Two exact conversions compete on CPU: PyTorch's own (`w8.to(dtype)`, one pass) and a table lookup: the codes times
-the scale, computed in fp32 and rounded into the target dtype (exactly what the elementwise product rounds to),
-gathered by index_select (two passes: the codes as int32 indices, then the gather; two bytes per index on large
-blocks), so that a per-tensor scale costs no pass of its own. Which is faster depends on the torch release and on the
-machine: PyTorch's conversion was element by element (about 4 ns per element) in the releases this was first written
-for, and a busy machine punishes every extra pass (each is a parallel region whose threads wait for the slowest). So
-the first conversion of a large block into each dtype (and with each kind of scale) times both on that block, in
-turn, and the faster serves the rest of the process (`_choice`); both give the same bits, so the choice changes only
-the time. An earlier version converted large blocks with ten integer passes over int16, which under torch 2.14 on a
-busy 2-core machine took twice as long as PyTorch's own conversion (issue 40).
-
-Blocks under _LUT_MAX elements (most layers of small models) always take the lookup, and under _SMALL PyTorch's own
-conversion: there timing would cost more than it saves. On other devices the native conversion is used (it is a
-vectorized kernel there).
-"""
+On CPU two exact conversions compete, PyTorch's own and a table lookup (the codes times the scale, gathered by
+index): the first large block of each kind times both and the faster serves the rest of the process (`_choice`); both
+give the same bits. Small blocks always take one or the other without timing; other devices use PyTorch's. Why:
+docs/ARCHITECTURE.md, "dorafp8/_fp8_cast.py"."""
 
 from __future__ import annotations
 

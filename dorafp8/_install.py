@@ -1,19 +1,11 @@
-"""Everything `import dorafp8` changes in other libraries, in one place; DORAFP8_NO_PATCHES=1 changes none of it.
+"""Everything `import dorafp8` changes in other libraries, each when that library is imported (one import finder:
+_after_import.py); DORAFP8_NO_PATCHES=1 changes none of it. How and why: docs/ARCHITECTURE.md, "Import hooks".
 
-- torch DDP (gloo): fp8 weights are broadcast as bytes (distributed.install_ddp_support).
-- PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (dorafp8.peft); a PEFT too old for
-  them refuses fp8 layers, naming the version needed.
-- transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers
-  (checkpoint/save_hooks.py, checkpoint/hf_quantizer.py).
-- diffusers: save_pretrained of fp8 models refuses, naming dorafp8's writers; from_single_file refuses ComfyUI
-  fp8_scaled files (checkpoint/single_file.py).
-- LyCORIS: create_lycoris puts its modules on fp8 layers and computes them through the fused ops (lycoris.py).
-- OneTrainer: its DoRAModule on fp8 layers computes through the fused op (onetrainer.py).
-- FSDP2: MixedPrecisionPolicy leaves fp8 weights in fp8; FSDP1 on fp8 weights is refused, naming FSDP2.
-
-Each hook runs when its library is imported (at once if it is loaded), nothing imported for it, through the one
-import finder (_after_import.py). How and why: docs/ARCHITECTURE.md, "Import hooks".
-"""
+- torch DDP: fp8 weights broadcast as bytes. FSDP2: fp8 weights stay fp8 under a MixedPrecisionPolicy; FSDP1 refused.
+- PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (too old a PEFT refused, naming why).
+- transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers.
+- diffusers: save_pretrained of fp8 models and from_single_file of fp8_scaled files refuse, naming dorafp8's calls.
+- LyCORIS and OneTrainer: their DoRA modules on fp8 layers compute through the fused ops."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """python -m dorafp8.demo: PEFT's DoRA vs dorafp8 side by side, with what a user decides on (CPU: about a minute).
 
-1. Trains a LLaMA-style model built from a config (no download) for a few AdamW steps on the same synthetic batches,
-   four ways: PEFT's DoRA on the original-precision base, PEFT's DoRA on the fp8 base dequantized to full precision
-   (the exact twin of dorafp8's math), dorafp8 on the fp8 weights themselves, and dorafp8 with the activations in fp8
-   too (W8A8, act_quant="rowwise"). Prints the loss curves, and how far dorafp8's curve is from its twin's next to
-   how far PEFT's own curve moves when its base weights move by one fp32 ulp (a fifth run, the yardstick of fp32
-   rounding).
-2. Measures memory: the bytes the base weights of the DoRA layers occupy, and the peak memory a training step
-   allocates on top of the model, for the model and for one 4096 x 4096 layer (a 7B-class projection).
-   On CPU the allocations are tracked op by op (dorafp8._memory); on a GPU by torch.cuda.max_memory_allocated.
-3. Timing: on a GPU, the speed ratio of the step; on CPU no speed claim (see the note it prints).
-
-With matplotlib installed it also draws the loss curves and the measured memory: --plot PATH (default
-dorafp8_demo.png in the current directory) and PATH with `_memory` before its extension; --no-plot to skip.
-"""
+Trains a tiny LLaMA (no download) four ways (PEFT's DoRA on the original and on the dequantized fp8 base, dorafp8 on
+the fp8 weights, and with fp8 activations too) and prints the loss curves beside fp32 rounding's yardstick; measures
+the base weights' bytes and a step's peak memory, for the model and one 4096 x 4096 layer; on a GPU, the step's speed
+(on CPU no speed claim). With matplotlib it draws the curves and the memory: --plot PATH (default dorafp8_demo.png,
+and PATH with `_memory`); --no-plot to skip."""
 
 from __future__ import annotations
 

@@ -1,44 +1,9 @@
 """Multi-process training on fp8 bases: DDP (and so accelerate and the HF Trainer), FSDP2, and what DeepSpeed sees.
 
-Nothing here has to be called: `import dorafp8` installs the DDP support, and the layers detect sharding themselves.
-docs/MULTI_GPU.md is the user-facing account; this docstring is the why.
-
-DDP. `DistributedDataParallel(model)` broadcasts every parameter (and, with broadcast_buffers=True, every buffer)
-from rank 0 when it wraps the model, through `_sync_module_states` (torch/distributed/utils.py), which DDP calls from
-__init__ and from Join's final sync. gloo has no fp8 types (`RuntimeError: Invalid scalar type`); NCCL broadcasts
-fp8 (as ncclFloat8e4m3, or as ncclUint8 before NCCL 2.24). DDP skips only the names listed on the *root* module it
-is given (`_ddp_params_and_buffers_to_ignore`, root-relative names; the per-tensor `_ddp_ignored` flag is read by
-DDP's mixed precision and by Dynamo, not by this sync), and that root (a PeftModel, accelerate's or the Trainer's
-model) does not exist yet when quantize_model or PEFT make the layers, so no list made then has the right names.
-So `install_ddp_support()` wraps that one function, in DDP's module namespace only: the fp8 tensors among what would
-be broadcast go as their raw bytes (uint8 views of the same storage, written in place), the rest goes to the
-original function unchanged. Rank 0's fp8 bytes win, as any other parameter's would; FP8Linear's `scale` goes with
-its weight even with broadcast_buffers=False (the pair is one tensor). The per-step buffer broadcast
-(broadcast_buffers=True) moves buffers only: the small fp32 `scale`, never the fp8 weights, which are parameters.
-
-FSDP2. `fully_shard` shards the fp8 weight like any parameter (dim 0, so each rank holds whole rows); a group
-mixing dtypes is all-gathered as uint8 bytes, so gloo never sees fp8 there (a group of fp8 parameters only would be
-gathered as fp8: fine on NCCL, not on gloo). Inside the forward the weight, lora_A and lora_B are the unsharded
-full tensors, so the DoRA weight norm is computed from the full weight after the all-gather: no extra collective,
-and exactly the single-process norm. The norm cache cannot be trusted there: FSDP2 refills the same unsharded
-parameter objects in place on every all-gather without bumping their version counters
-(torch.autograd._unsafe_preserve_version_counter in its copy-out) and re-allocates their freed storage, which may
-come back at the same address, so a (version, data_ptr) key can match across an optimizer step and return a stale
-norm. Layers under FSDP (1 or 2; `_is_fsdp_managed_module`, which fully_shard sets on every module it manages) or
-DeepSpeed ZeRO-3 (parameters with `ds_id`) therefore compute the norm on every forward (`params_are_sharded`).
-Mixed precision. MixedPrecisionPolicy(param_dtype=bf16) makes FSDP2 cast every floating-point parameter of the
-group for the all-gather, fp8 included (it only exempts non-floating-point ones): the fp8 weight would travel and sit
-unsharded as bf16, twice its size, and reach the forward as bf16. That happens to every fp8 layer in a group with a
-param_dtype, which is where a model's fp8 layers without an adapter (an MLP left out of target_modules) always are:
-they cannot get a group of their own without it, because a group of fp8 weights only is all-gathered as fp8, which
-gloo cannot do. So `install_fsdp_support()` (run when FSDP2's parameter module is imported, see _install.py) wraps
-`FSDPParam.init_dtype_attrs`, where each parameter's all-gather dtype is settled at lazy init: the fp8 `weight` of a
-dorafp8 layer (FP8WeightModule) keeps no param_dtype, the state torch's own per-parameter override
-(MixedPrecisionPolicy.param_dtype_override_fn returning the parameter's dtype, torch >= 2.15) leads to. Its group then
-mixes dtypes and is all-gathered as bytes; nothing else in the group changes (bf16 adapters, norms, inputs). Without
-the support (DORAFP8_NO_PATCHES=1, a torch without that method), `recover_fp8_weight` casts a widened weight back in
-the forward (exact: every e4m3 value is a bf16/fp16/fp32 value) and warns once about the doubled traffic and memory.
-"""
+Nothing here has to be called: `import dorafp8` installs the DDP support (fp8 weights broadcast as bytes) and the
+FSDP2 support (fp8 weights keep fp8 under a MixedPrecisionPolicy), and the layers detect sharding themselves (then
+compute the weight norm on every forward). docs/MULTI_GPU.md is the user's account; the why of each:
+docs/ARCHITECTURE.md, "dorafp8/distributed.py"."""
 
 from __future__ import annotations
 
@@ -50,7 +15,7 @@ import warnings
 
 import torch
 
-# The FSDP / ZeRO-3 helpers this docstring explains live with the fp8 module base, which needs them; and the fp8 dtype
+# The FSDP / ZeRO-3 helpers (docs/ARCHITECTURE.md) live with the fp8 module base, which needs them; and the fp8 dtype
 # facts with the recipe. Both are named here too, where the distributed story is told.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
 from .quant import FP8_DTYPES, is_fp8
@@ -193,7 +158,7 @@ def _fsdp_param_class(import_it: bool):
 
 def install_fsdp_support(import_fsdp: bool = True) -> bool:
     """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
-    all-gathered and reach the forward as fp8, whatever the group's policy (the module docstring says why). Wraps
+    all-gathered and reach the forward as fp8, whatever the group's policy (docs/ARCHITECTURE.md says why). Wraps
     `FSDPParam.init_dtype_attrs`; idempotent. `import dorafp8` runs it as soon as FSDP2 is imported (importing FSDP2
     takes a second or more, so dorafp8 does not do it itself). Returns whether the support is installed (False where
     torch.distributed or FSDP2 is unavailable, or `import_fsdp=False` and FSDP2 is not imported yet)."""

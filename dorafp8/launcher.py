@@ -1,31 +1,10 @@
 """`dorafp8 run [options] -- <command>`: any trainer, unchanged, with dorafp8 installed in its own process.
 
-A trainer that builds its model and calls PEFT itself (LLaMA-Factory's `llamafactory-cli train`, TRL's `trl sft`,
-OneTrainer, your script) has no line where `import dorafp8` or `quantize_model` could go without editing it. This
-runs its command in this process after `import dorafp8` (PEFT, transformers, diffusers, LyCORIS and OneTrainer then
-learn of the fp8 layers as they are imported: dorafp8/_install.py), with what the trainer cannot say itself:
-
-  --quantize        every model `from_pretrained` loads (transformers' PreTrainedModel, diffusers' ModelMixin) is
-                    put in fp8 right after loading (dorafp8.quantize_model: every nn.Linear but lm_head)
-  --include-conv    with --quantize, the nn.Conv1d/2d/3d layers too (diffusion models)
-  --per-row-scale   with --quantize, one scale per output row instead of one per tensor
-  --w8a8            the fp8 linear layers' base GEMMs take fp8 activations too (dorafp8.set_act_quant "rowwise")
-
-Quantized checkpoints need no option: a transformers `from_pretrained` of a compressed-tensors fp8 or NVFP4 or a
-fine-grained fp8 checkpoint gets its quantized layers swapped for dorafp8's, holding the same bytes
-(from_transformers_fp8), and one of a local ModelOpt NVFP4 / MXFP8 export folder (`hf_quant_config.json`), which
-transformers cannot load, is built on the meta device and loaded by load_fp8_checkpoint.
-
-The command is exactly what follows `--`, as you would type it: a script (`train.py args`, `python train.py args`), a
-module (`-m pkg.mod args`, `python -m pkg.mod args`), `python -c code` or a console command (`llamafactory-cli train
-cfg.yaml`, `trl sft ...`: its `console_scripts` entry point, or a Python script found on PATH). Interpreter flags
-(`python -u train.py`) take a child process of this interpreter; another interpreter (`/other/venv/bin/python`) gets
-the command handed to its own `dorafp8 run`, or is refused, naming it, where dorafp8 is not installed there. Trainers
-start worker processes of their own (`trl sft` runs its script under `accelerate launch`; torchrun starts one per
-GPU): the options travel in the environment (DORAFP8_RUN) with a `sitecustomize` on PYTHONPATH that does the same in
-every Python process the command starts, once that process imports torch. At exit each process that ran dorafp8's
-fused op (PEFT's, LyCORIS's or OneTrainer's layers) says how many layers, and how often.
-"""
+A trainer that builds its model and calls PEFT itself (llamafactory-cli, trl, OneTrainer, your script) has no line
+where `import dorafp8` could go: this runs its command after `import dorafp8`, with --quantize, --include-conv,
+--per-row-scale and --w8a8 applied to every model it loads (`dorafp8 run --help`; docs/TRAINERS.md). The options reach
+the worker processes the command starts through DORAFP8_RUN and a sitecustomize (docs/ARCHITECTURE.md,
+"dorafp8/launcher.py")."""
 
 from __future__ import annotations
 

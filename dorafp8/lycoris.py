@@ -2,44 +2,9 @@
 by dorafp8's fused ops (dora_fp8_linear / dora_fp8_conv), with LyCORIS's own parameters and state_dict keys, so that
 `network.save_weights(...)` writes an ordinary LyCORIS file.
 
-Why LyCORIS saw nothing: `create_lycoris(model, ...)` (lycoris/wrapper.py, LycorisNetwork.__init__; kohya's entry
-lycoris/kohya.py, LycorisNetworkKohya.__init__) takes a layer when its class name is in the preset's target list
-("Linear", "Conv2d", or a block such as "Transformer2DModel") and, inside a block, when `isinstance(layer, nn.Linear)`
-or `isinstance(layer, nn.Conv2d)` holds; LoConModule (lycoris/modules/locon.py) then reads the layer's geometry and its
-dense `.weight`, and its forward rebuilds the dense W + s U D on every call. FP8Linear / FP8Conv2d are neither.
-
-The hook (register_with_lycoris; `import dorafp8` runs it when lycoris is imported) wraps three constructors; each
-does nothing different unless a dorafp8 fp8 layer is involved:
- 1. LycorisNetwork.__init__ and LycorisNetworkKohya.__init__: while LyCORIS walks the model, each fp8 layer wears a
-    "view" class, a subclass of its own class and of the torch class it stands for, with that class's name; `weight`
-    reads as the dequantized fp32 weight (a transient, one layer at a time), and called as a constructor (LoConModule
-    builds its conv adapters with `type(org_module)(...)`) it builds the plain torch layer. LyCORIS's discovery,
-    presets, names, module construction (the same random numbers as on the dense model) and dora_scale init run
-    unchanged; the layers get their class back when __init__ returns.
- 2. LoConModule.__init__: a LoConModule built on an fp8 layer (by 1., or by create_lycoris_from_weights and kohya's
-    create_network_from_weights, which hand it the layer directly) becomes an FP8LoConModule: the same object and
-    parameters, a forward through the fused ops.
- 3. LycorisBaseModule.__init__: any other algorithm on an fp8 layer raises, naming the layer and the fix.
-Why this hook: it leans on what LyCORIS has kept across releases (tested: 3.4 and 4.1): class-name and isinstance
-discovery, and LoConModule's attribute names, which conversion checks, with an error naming any that is missing. It
-does not depend on the bodies of LyCORIS's functions. The alternatives copy more of LyCORIS (re-implementing its
-discovery and presets) or change what everyone else sees (making FP8Linear an nn.Linear would make PEFT and diffusers
-treat it as a dense layer).
-
-The math (LoConModule.forward without bypass_mode; lycoris/functional/general.py weight_decompose) and its mapping.
-W0 is the dequantized base [N, K] (a conv's [C_out, C_in * kh * kw] view), D = lora_down [r, K] (with Tucker, lora_mid
-composed into it), U = lora_up [N, r] times `scalar` (times the rank-dropout mask on its rows in training),
-s = alpha / r (alpha / sqrt(r) with rs_lora), V = W0 + s U D, mult = the multiplier:
-  no dora_wd:                y = x W0^T + b + mult s (x D^T) U^T          the fused op with c = 1
-  dora_wd, wd_on_out=True:   n_j = ||V[j, :]|| + eps, c = m / n            y = c * (x W0^T + s (x D^T) U^T) + b
-  dora_wd, wd_on_out=False:  n_k = ||V[:, k]|| + eps (a conv: per input channel, over C_out and the kernel),
-                             c = m / n, y = (x * c) W0^T + s ((x * c) D^T) U^T + b   (the fused op with c = 1 on x * c)
-with c -> mult (c - 1) + 1 when mult != 1. Where LyCORIS's DoRA differs from PEFT's (what the fused ops implement), and
-how each is carried over exactly: (a) LyCORIS differentiates through the norm (PEFT and the DoRA paper detach it): the
-op gets the magnitude m * (n / n') with n' the same norm carrying _AdapterNorm's gradient, d||V|| = V / ||V|| pulled
-back to U and D (V formed in fp32 row blocks from the fp8 weight, never whole); (b) eps is added to the norm, not a
-clamp (torch.finfo(dora_scale.dtype).eps, 1.2e-7 for fp32); (c) the multiplier blends c; (d) the column axis scales x.
-"""
+register_with_lycoris (run by `import dorafp8` when lycoris is imported) wraps three LyCORIS constructors, each
+unchanged unless a dorafp8 fp8 layer is involved. Why this hook, and LyCORIS's math mapped onto the fused ops:
+docs/ARCHITECTURE.md, "dorafp8/lycoris.py"."""
 
 from __future__ import annotations
 
@@ -170,7 +135,7 @@ class _AdapterNorm(torch.autograd.Function):
 class FP8LoConModule(LoConModule):
     """LyCORIS's LoConModule (algo "locon" / "lora") on a dorafp8 FP8Linear / FP8Conv1d/2d/3d: LyCORIS's parameters,
     state_dict and save_weights keys (lora_down / lora_up / lora_mid / alpha / dora_scale), its forward computed by
-    dora_fp8_linear / dora_fp8_conv on the fp8 weight (the module docstring gives the math). Built by converting a
+    dora_fp8_linear / dora_fp8_conv on the fp8 weight (docs/ARCHITECTURE.md gives the math). Built by converting a
     LoConModule LyCORIS made (register_with_lycoris), never directly."""
 
     # What the forward reads of LyCORIS's LoConModule: a release that renamed one is refused on conversion.

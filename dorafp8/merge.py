@@ -1,15 +1,9 @@
 """Merging adapters into an fp8 base, one block of rows at a time, and re-quantizing the result.
 
-A DoRA adapter changes row j of the weight to  W'_j = m_j / ||V_j|| * V_j  with V = W0 + s B A (PEFT's merge,
-docs/DORA_MATH.md; a zero norm is divided as ops.NORM_EPS, dorafp8's, so that an all-zero row merges to zeros instead
-of 0/0 = NaN). A plain LoRA adapter adds s B A. Every one of these is row-local, so a merged weight can be
-computed in fp32 blocks of rows and never exists as a dense fp32 copy of the layer, let alone of the model; several
-adapters merge in sequence within each block, as PEFT merges them one after the other.
-
-`requantize` turns a row-block producer into (e4m3 bytes, scale) with one scale per tensor, per row or per
-b x b block, by the recipe of dorafp8/quant.py, and measures the relative error of what it wrote against the fp32
-rows (||Wq - W'||_F / ||W'||_F): the "merge error" that export_merged and merge_and_unload report.
-"""
+DoRA's merge W'_j = m_j / ||V_j|| * V_j (V = W0 + s B A; docs/DORA_MATH.md) and LoRA's W0 + s B A are row-local, so a
+merged weight is computed in fp32 blocks of rows and never exists as a dense fp32 copy; several adapters merge in
+sequence within each block. `requantize` turns the rows into e4m3 bytes and a scale (per tensor, row or block) and
+measures ||Wq - W'||_F / ||W'||_F, the "merge error" export_merged and merge_and_unload report."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """OneTrainer's DoRA on its fp8 layers, computed by dorafp8's fused op with OneTrainer's own semantics.
 
-OneTrainer (github.com/Nerogar/OneTrainer, not on PyPI) uses neither PEFT nor LyCORIS: its DoRAModule
-(modules/module/LoRAModule.py) hooks a layer's forward and, on every call, dequantizes the layer's whole weight to
-fp32, adds the low-rank update and normalizes it, a dense [out, in] fp32 weight (and its autograd copies) per layer
-and step. Read at commit 23df3832e8f213d64c337e39f9365ba46e99fed0 (2026-08-19), what it computes on a linear layer:
-
-    W  = get_unquantized_weight(orig_module, float32)      its fp8 layers: weight (e4m3) * scale, in fp32
-    V  = W + (lora_up.weight @ lora_down.weight) * (alpha / rank)
-    n  = ||V|| detached, per output row (lora_decompose_output_axis) or per input column (the default), + eps
-         with eps = finfo(V.dtype).eps (fp32's 1.2e-7) if lora_decompose_norm_epsilon, else 0
-    y  = F.linear(dropout(x), dora_scale * V / n, orig_module.bias)      dropout on the input, base included
-    dora_scale: [out, 1] (output axis) or [1, in]; initialised to the norm of W on that axis
-
-Its fp8 layers (modules/module/quantized): LinearFp8, an nn.Linear with an e4m3 weight and one scale (`_scale`,
-the tensor its `scale` buffer was registered with), and LinearW8A8 with dtype float8_e4m3fn (an e4m3 weight, one
-`scale` buffer; its int8 variant and compressed weights are not fp8). OneTrainer's loader converts every buffer to
-the train dtype before quantizing, so the scale is held in bf16/fp16 there; w8 * scale in fp32 reads it as stored, as
-OneTrainer does. DoRA on either computes the formula above: OneTrainer's DoRAModule never calls the layer's own
-forward, so W8A8's fp8 activations do not apply there either.
-
-register_with_onetrainer() replaces DoRAModule.forward by one that, on such a layer (fp8_parts: one of those exact
-classes, or a plain nn.Linear, with an e4m3 weight and one scale), computes the same y through dora_fp8_linear: the
-output axis is the fused op with m = dora_scale and the norm n passed in; the input axis scales x by c = dora_scale
-/ n and runs the fused op with m = n = 1 (x (V diag(c))^T = (x * c) V^T), the column norms taken from the fp8 weight
-in fp32 row blocks (dorafp8.merge.column_norms). Nothing dense is formed and nothing dequantized is kept for the
-backward. Any other layer (dense, int8, a conv, a fused qkv group, an SVDQuant LinearSVD whose weight also holds
-svd_up @ svd_down, any subclass) runs OneTrainer's own forward: the fused path takes only the layers whose whole
-weight it knows. Parameters, state_dict keys and the files OneTrainer saves are untouched: only the forward changes.
-"""
+register_with_onetrainer() replaces OneTrainer's DoRAModule.forward by one that, on a LinearFp8 or fp8 LinearW8A8
+layer, computes the same output through dora_fp8_linear without forming the dense weight; every other layer runs
+OneTrainer's own forward, and parameters, state_dict keys and saved files are untouched. OneTrainer's formula, read
+from its source, and how it maps onto the fused op: docs/ARCHITECTURE.md, "dorafp8/onetrainer.py"."""
 
 from __future__ import annotations
 
@@ -78,7 +54,7 @@ def fp8_parts(layer: nn.Module):
 
 
 def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """OneTrainer's DoRAModule.forward (the module docstring) on the fp8 weight w8 * scale."""
+    """OneTrainer's DoRAModule.forward (docs/ARCHITECTURE.md) on the fp8 weight w8 * scale."""
     layer = module.orig_module
     A, B = module.lora_down.weight, module.lora_up.weight
     s = float(module.alpha) / module.rank
@@ -95,7 +71,7 @@ def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor
 
 
 def register_with_onetrainer() -> bool:
-    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (the module docstring). Runs when
+    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (docs/ARCHITECTURE.md). Runs when
     OneTrainer's modules.module.LoRAModule is imported after `import dorafp8` (dorafp8/_install.py), so
     `dorafp8 run -- python scripts/train.py ...` needs nothing else. Idempotent; returns whether it is installed
     (False where that module is not OneTrainer's: no DoRAModule with the attributes read here)."""

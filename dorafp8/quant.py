@@ -1,13 +1,8 @@
-"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
+"""The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 e4m3 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
 ComfyUI, compressed-tensors and the fine-grained (DeepSeek-V3 / Qwen3-FP8) format: W0 = scale * W8 with an fp32 scale
-per tensor, per output row, or per b x b block; scale = amax|W| / 448 over what it covers, W8 = clamp(W / scale)
-rounded to nearest even.
-
-Scale shapes (`check_scale` normalizes to one of these):
-    []                      per tensor
-    [N]                     per output row (a checkpoint's [N, 1] is accepted)
-    [ceil(N/b), ceil(K/b)]  per block of b x b, b = block_size (128 by default, as in fine-grained fp8 checkpoints)
-"""
+per tensor ([]), per output row ([N]) or per b x b block ([ceil(N/b), ceil(K/b)], b = 128 by default); scale =
+amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even. `check_scale` normalizes a scale to
+one of these shapes."""
 
 from __future__ import annotations
 
@@ -82,10 +77,22 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: in
                   name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a float weight [N, K] to (w8 float8_e4m3fn [N, K], scale fp32).
 
-    scale is a 0-dim tensor (per tensor, the default), [N] with per_row=True, or [ceil(N/b), ceil(K/b)] with
-    block_size=b. An all-zero tensor (row, block) gets scale 1. Non-finite values are a ValueError: they would
-    silently become NaN or saturate. A per-tensor quantization that loses much more than usual (see LOSSY_*) emits a
-    QuantizationWarning naming per_row=True. `name` (e.g. the module's name) is used in those messages.
+    An all-zero tensor (row, block) gets scale 1. A per-tensor quantization that loses much more than usual (see
+    LOSSY_*) emits a QuantizationWarning naming per_row=True.
+
+    Args:
+        weight: a 2-D float tensor.
+        per_row: one scale per row: scale [N].
+        block_size: b for one scale per b x b block: scale [ceil(N/b), ceil(K/b)]. Neither: one 0-dim scale.
+        name: the module's name, used in the messages.
+
+    Returns:
+        (w8, scale), with weight ~= scale * w8.
+
+    Raises:
+        TypeError: a weight that is not a floating-point tensor (or already fp8).
+        ValueError: non-finite values (they would silently become NaN or saturate), a weight that is not 2-D or is
+            empty, or per_row together with block_size.
     """
     what, rows = _check_quant_args(weight, per_row, block_size, name)
     N, K = weight.shape
@@ -168,7 +175,16 @@ def _warn_if_lossy(counts: torch.Tensor, row_sq: torch.Tensor, what: str) -> Non
 def dequantize_e4m3(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, *,
                     block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
     """scale * w8 as a dense tensor of `dtype` (computed in fp32). Materializes the whole weight: for checking and
-    for exporting, not for the training path."""
+    for exporting, not for the training path.
+
+    Args:
+        w8, scale: as quantize_e4m3 returns them.
+        dtype: the dtype of the result.
+        block_size: b, for block scales.
+
+    Returns:
+        The dense [N, K] weight.
+    """
     check_fp8_weight(w8)
     N, K = w8.shape
     scale = check_scale(scale, N, K, block_size)

@@ -1,19 +1,10 @@
-"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/__init__.py.
+"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/base.py.
 
-    weight_norm   -> weight_norm.py  dora_weight_norm_kernel
-    project       -> lowrank.py      project_kernel          (u = xd A^T; W8A8: x's row quantization too)
-    project_grad  -> lowrank.py      project_grad_kernel     (dA; sum_splits_kernel when M is split)
-    forward       -> forward.py      dora_fwd_kernel         (W8A8: xm's quantization first, with dropout)
-    backward_pass -> backward.py     dora_bwd_pass_kernel, dora_bwd_finish_kernel
-    dgrad         -> dgrad.py        dora_dgrad_kernel       (W8A8: quant.py first)
-
-forward and dgrad share their main loop (gemm.py w8_gemm_loop) and differ in addressing and epilogue. Every launch
-goes through _common.launch, which `launch_observers()` can watch (dorafp8._launches counts launches and bytes with
-it; `planning_for_gpu` makes the launchers plan for a GPU during a dry run).
-
-Runs on CUDA GPUs, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run
-without a GPU. Triton is optional: if it does not import, this module still imports and says why it cannot run.
-"""
+weight_norm, project / project_grad, forward, backward_pass and dgrad are the launchers of weight_norm.py, lowrank.py,
+forward.py, backward.py and dgrad.py (forward and dgrad share gemm.py's main loop); every launch goes through
+_common.launch, which `launch_observers()` can watch. Runs on CUDA GPUs, and on CPU under Triton's interpreter
+(TRITON_INTERPRET=1: the tests). Triton is optional: without it this module still imports and says why it cannot
+run."""
 
 from __future__ import annotations
 

@@ -3,12 +3,9 @@
     W[j, k] = cdt(f[j, k] * w8[j, k]),   f = the scale (per tensor), kappa = max_j |scale[j]| (per row), or
                                           scale[j // b, k // b] (per b x b block), applied in fp32 registers
 
-1 byte read and 2 written per weight (the fp32 temporaries of a PyTorch dequantize moved about 15). Per row the
-copy takes kappa, not each row's scale, so that the dgrad's operand (g with the row scales already in it) is not
-scaled twice; the same launch writes the factors the epilogues then need, so that no PyTorch op runs between it and
-them: fac = [rest..., st] with rest the forward epilogue's scale (per tensor 1, per row scale / kappa [N]) and st the
-dgrad epilogue's (per tensor 1, per row 1 / kappa). Block scales are in W entirely (fac = [1, 1], unused).
-"""
+1 byte read and 2 written per weight. The same launch writes the factors the epilogues need (per row: scale / kappa
+and 1 / kappa), so that no PyTorch op runs between it and them. Why kappa: docs/ARCHITECTURE.md,
+"triton_kernels/dequant.py"."""
 
 from __future__ import annotations
 

@@ -4,12 +4,8 @@ cuBLAS strategy (dorafp8/backends/cublas.py), in tiles, with the factors applied
     NVFP4: W[j, k] = cdt(e2m1(w8)[j, k] * (fp32(scale[j, k // 16]) * global))   w8 uint8 [N, K/2], two codes a byte
     MXFP8: W[j, k] = cdt(fp32(w8[j, k]) * 2^(e[j, k // 32] - 127))               w8 e4m3 [N, K], e the e8m0 bytes
 
-each product rounded once, exactly as dorafp8.quant.micro_rows forms it in fp32 (the tests compare bit for bit). NVFP4
-reads 0.5 + 1/16 bytes and MXFP8 1 + 1/32 a weight, and both write 2 (16-bit): no fp32 copy of the weight and no
-unpacked codes ever reach memory. The e2m1 and e8m0 values are built from their bits (exact, no table): an e2m1 code
-s.ee.m is (-1)^s * 2^(ee - 1) * (1 + m / 2) for ee > 0 and (-1)^s * m / 2 for ee = 0; an e8m0 byte e is the fp32 whose
-exponent field is e (e = 0: 2^-127, the subnormal 2^22 bits; e = 255: NaN).
-"""
+each product rounded once, as dorafp8.quant.micro_rows forms it (the tests compare bit for bit). How the e2m1 and
+e8m0 values are built from their bits: docs/ARCHITECTURE.md, "triton_kernels/dequant_micro.py"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""The variants of every Triton kernel in this package, for `python -m dorafp8.kernel_report`
-(docs/INSPECT.md).
+"""The variants of every Triton kernel in this package, for `python -m dorafp8.kernel_report` (docs/INSPECT.md).
 
 THIS is the one place to update when a kernel is added, or a kernel parameter, a constexpr or a launcher's choice
-changes. The tool compiles every Variant below under every config in its `configs`, ahead of time for GPUs it does
-not have, and fails loudly when a variant's arguments no longer match the kernel's parameters (names, and which are
-tl.constexpr) and when a module here has a @triton.jit function named `*_kernel` that SPECS does not list.
-
-A Variant mirrors one way a launcher calls its kernel: `args` are the runtime arguments the launcher passes for a
-representative problem (torch dtypes stand for 16-byte-aligned tensors, as in JITFunction.warmup; integers are given
-as the launcher would pass them, since Triton specializes on them: 1 becomes a constexpr, multiples of 16 get a
-divisibility hint), `constexprs` the tl.constexpr arguments other than the autotuned ones, and `configs` the
-autotuner's candidates for that call on that arch, from the same functions the launchers use. Constexprs and sizes
-are computed with the launchers' own helpers (dot_dtype, block_r, m_bucket) so that the two cannot drift apart.
-
-Pinned, to keep the variant count sane (each is one compile per config per arch): a representative problem
-N = K = 4096, rank 64 (BLOCK_R = 64, the largest rank chunk, the most registers in the epilogues), bias present and
-z wanted whenever the launcher can produce it (the fuller epilogues), block scales of 128 x 128. Everything that
-changes the main loop or picks a different config list varies: adapter / dropout, the scale kind, W8A8, small M.
-Kernels that are not autotuned list their one launch config (the launcher's block sizes and warps).
-"""
+changes: the report compiles every Variant below under every config in its `configs`, and fails loudly when a
+variant no longer matches its kernel or a `*_kernel` here is not listed. What a Variant holds and what is pinned:
+docs/INSPECT.md, "What it does" and "Adding a kernel or a constexpr"."""
 
 from __future__ import annotations
 

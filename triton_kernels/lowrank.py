@@ -1,18 +1,11 @@
 """The skinny GEMMs of the rank-r path, with mixed dtypes and fp32 accumulation:
 
-    project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward
-                        (quant=True, W8A8: also x's per-row e4m3 quantization, from the same sweep of x's rows)
+    project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward (W8A8: also x's quantization)
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
-With a dropout mask, a is x and the kernels form xd = x * mask / (1 - p) in fp32 as they load it, as PEFT forms the
-dropped-out input in the adapters' dtype: exact for fp32 adapters, and no xd to store between forward and backward.
-
-The activations (a) are in the compute dtype, the adapter side in the rank dtype, which may be wider: fp32 adapters
-on bf16 activations compute in fp32 from the exact bf16 values, as PEFT does (it casts x to lora_A's dtype), without
-an fp32 copy of the activation in memory. Equal 16-bit dtypes use the tensor cores.
-project_grad reduces over M, which is long: programs split M and write fp32 partials that a second small kernel sums
-in a fixed order, scales by s and rounds once (deterministic, no atomics); with one split the GEMM writes dA itself.
-"""
+A dropout mask is applied as a is loaded (no xd stored); fp32 adapters on 16-bit activations compute in fp32 from the
+exact values, as PEFT does. project_grad splits M and sums the fp32 partials in a fixed order (deterministic, no
+atomics). Details: docs/ARCHITECTURE.md, "triton_kernels/lowrank.py"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module implementing the contract in dorafp8/backends/base.py (the typed Protocol `Backend`:
-weight_norm, project, project_grad, forward, backward_pass, dgrad, called with keyword arguments) plus
-`unavailable_reason(device) -> str | None` and optionally `SUPPORTS` (which of base.FEATURES it computes).
-
-Selection: backend="auto" (or None) means $DORAFP8_BACKEND if set, else the static order of the backends that can run
-on the tensors' device: triton > cuda > reference on a GPU, native on CPU (native.py: the reference with its base GEMMs
-in the compute dtype; the reference itself stays the exact fp32 twin every backend is tested against). On a GPU the
-linear ops then run the fastest of triton, cuda and `cublas` (dequantize one layer into a transient buffer, cuBLAS
-for the base GEMMs, fused epilogues) that a child process checked against the reference at the layer key's first call
-(dorafp8/ops/_race.py); resolve() is the order ties go to, and what runs where nothing is checked (DORAFP8_RACE=0, a
-torch.compile trace of a key not checked in the process).
-
-Refusals: a backend asked for by name (argument or environment) that cannot run raises with the reason, and one that
-cannot compute what the call needs (block scales, W8A8) raises base.not_supported's ValueError before any work; under
-"auto" either is passed over quietly. Whether a backend can run on a device is probed once per (backend, device) and
-kept: the device and the installed extensions do not change within a process.
-"""
+Every backend is a module implementing the contract of dorafp8/backends/base.py, plus `unavailable_reason(device)` and
+optionally `SUPPORTS`. backend="auto" means $DORAFP8_BACKEND if set, else, on a GPU, the fastest checked backend
+(dorafp8/ops/_race.py) with resolve()'s static order where nothing is checked; native on CPU. A backend named by the
+user that cannot run, or cannot compute what the call needs, raises; under "auto" it is passed over.
+Details: docs/ARCHITECTURE.md, "dorafp8/backends/__init__.py"."""
 
 from __future__ import annotations
 

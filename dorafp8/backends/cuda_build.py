@@ -1,22 +1,10 @@
 """The CUDA extension built on first use of backend="cuda", where the install did not build it.
 
-A wheel is pure Python (py3-none-any: one wheel for every torch, CUDA and GPU), so `pip install dorafp8` never brings
-dorafp8._C, and neither does an isolated build from the sdist (torch is absent at build time). The wheel ships the
-sources (csrc/ as dorafp8/csrc/ package data, with build_spec.py, the file list and flags setup.py builds with), so
-the first call that asks for backend="cuda" by name builds them with torch.utils.cpp_extension.load (ninja, the
-flags of build_spec.py) against the torch that runs, for the GPU at hand, into a per-user cache:
-
-    $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8  /  cuda_ext/<key>/
-
-where the key hashes every source and header, the flags, the archs, the Python, torch and CUDA versions: a new
-torch, another GPU or other sources build anew, and everything else loads the cached build in a second. nvcc runs
-for minutes, so a line says so when it starts, one every 30 s while it runs, and one when it is done. A build that
-cannot run here (no nvcc, a CPU-only torch, no sources) is not tried: the backend's reason says what is missing.
-backend="auto" never builds: it passes over a CUDA backend that is not built, as before. An install-time build
-(`pip install -e . --no-build-isolation` from a checkout, on a machine with nvcc and a GPU: setup.py) is used as
-it is. DORAFP8_FORCE_CUDA_BUILD=1 builds even where torch sees no GPU (the tests, on a machine with nvcc and no GPU);
-DORAFP8_CUDA_ARCHS chooses the archs, as for setup.py.
-"""
+A wheel is pure Python, so `pip install dorafp8` never brings dorafp8._C; it ships csrc/, and the first call that
+asks for backend="cuda" by name builds it with torch.utils.cpp_extension.load into a per-user cache
+($DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8), keyed by sources, flags, archs and
+versions. backend="auto" never builds. DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py.
+Details: docs/ARCHITECTURE.md, "dorafp8/backends/cuda_build.py"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Reference backend: the backend contract (dorafp8/backends/base.py) in plain PyTorch.
 
-It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds
-a dequantized copy of the whole weight, nor an fp32 copy of a whole [M, N] or [M, K] activation: the fp8 weight is
-walked in blocks of rows and the activations in blocks of rows, each block at most `_BLOCK_BYTES` in fp32, so the
-peak extra memory is a few such blocks (plus the outputs) whatever M, N and K are. The microscaled weights (MXFP8,
-NVFP4: dorafp8/quant.py) are dequantized the same way, one block of rows at a time inside each GEMM, never kept
-between calls: their peak adds the block's codes (NVFP4: the unpacked e2m1 indices, 4 bytes each, and the fp32
-factor of the block's rows; at most 3 fp32 blocks of 16 MiB in all). The loops live inside the custom ops
-(dorafp8/ops/linear.py), which torch.compile sees as opaque, so they do not pin any size in a compiled graph.
-"""
+It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds a
+dequantized copy of the whole weight nor an fp32 copy of a whole activation: weights (microscaled ones too) and
+activations are walked in row blocks of at most `_BLOCK_BYTES` in fp32, so the extra peak is a few such blocks,
+whatever the shape. The loops live inside the custom ops, which torch.compile sees as opaque."""
 
 from __future__ import annotations
 

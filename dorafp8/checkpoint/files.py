@@ -1,20 +1,10 @@
 """Checkpoint files that come from strangers, read, and the user's folders written into, safely.
 
-Reading: every file a loader opens is checked first (`regular_file`, `file_in`): a regular file (a FIFO would block
-the open for ever, a device never ends), and for a name taken from a checkpoint folder or its index, one inside that
-folder once symlinks are resolved (or inside the `blobs/` of the Hugging Face cache repository whose snapshot the
-folder is: the cache links every snapshot file there). Every safetensors header and JSON file is read through one
-wrapper (`safetensors_keys`, `open_safetensors`, `read_json`, `parse_json`) whose error names the file, what was
-expected and what to do; a header is measured before it is parsed (`MAX_HEADER_BYTES`, `MAX_TENSORS`), so that a
-hostile one costs neither minutes nor gigabytes.
-
-Writing (save_file_atomic; write.py for a folder): one writer at a time per destination folder (`locked`: an OS
-lock, dropped by the OS when its holder dies), the files written into a staging folder inside the destination (on
-its file system, links resolved: `destination`, `staging`), fsynced, moved in under names no file there has, and made
-the checkpoint by one rename (the index, or the single file). A writer removes only the files that `previous_export`
-proves an export wrote; nothing else it finds on disk (a killed writer's stage, a planted one) is acted on. A write
-error names the file (`write_error`).
-"""
+Reading: every file is checked before it is opened (a regular file, inside its folder once links are resolved) and
+every header and JSON file is measured before it is parsed, through one wrapper whose error names the file. Writing:
+one writer per folder (an OS lock), files staged inside the destination, fsynced and made the checkpoint by one
+rename; only files an earlier export provably wrote are removed. Details: docs/ARCHITECTURE.md,
+"dorafp8/checkpoint/files.py"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """transformers models loaded with an fp8 quantization config, turned into dorafp8 FP8Linear layers.
 
-`from_pretrained` builds fp8 layers that have no backward through the weight's scale and cannot take a DoRA adapter:
-  - FineGrainedFP8Config (quant_method "fp8": DeepSeek-V3, Qwen3-FP8): transformers.integrations.finegrained_fp8's
-    FP8Linear, weight e4m3 [out, in] + `weight_scale_inv` [ceil(out/b), ceil(in/b)] (or () per tensor),
-    `block_size` (b, b);
-  - compressed-tensors float-quantized (Neural Magic / Red Hat FP8): a plain nn.Linear carrying a
-    `quantization_scheme`, weight e4m3 + `weight_scale` [1] / [out, 1] / blocks (compressed state, with a
-    decompress-on-first-forward hook on the model), or transformers' CompressedTensorsFP8Linear (`weight_scale`
-    [1, out], its optimized inference path on recent GPUs).
-from_transformers_fp8 swaps each of them for a dorafp8 FP8Linear holding the same bytes and the same scale (fp32),
-so that get_peft_model(..., LoraConfig(use_dora=True)) builds DoRAFP8Linear layers and the Trainer can train.
-
-On a machine without a GPU transformers dequantizes FineGrainedFP8 checkpoints to bf16 while loading (the fp8 bytes
-are gone before this function could see them): build the model from its config on the meta device and use
-dorafp8.load_fp8_checkpoint instead (docs/CHECKPOINTS.md).
-"""
+`from_pretrained` of a FineGrainedFP8 or compressed-tensors fp8 checkpoint builds layers that cannot take a DoRA
+adapter; from_transformers_fp8 swaps each for an FP8Linear holding the same bytes and scale (fp32), so that
+get_peft_model builds DoRAFP8Linear layers. Without a GPU transformers dequantizes FineGrainedFP8 while loading: build
+the model on the meta device and use load_fp8_checkpoint instead (docs/CHECKPOINTS.md). The layer classes each
+format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_transformers.py"."""
 
 from __future__ import annotations
 
@@ -149,16 +139,23 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
-    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place; returns how many. A
-    compressed-tensors nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them on a
-    machine without a GPU) becomes NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
+    fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place. A compressed-tensors
+    nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them without a GPU) becomes
+    NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
 
-    dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype). Layers whose
-    weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they are, with a
-    warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The model
-    remembers the layout, so dorafp8.save_fp8_checkpoint / export_merged write it back in that layout.
-    All or nothing: every layer is checked and its FP8Linear built before the first swap; an error leaves the model as
-    it was."""
+    Layers whose weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they
+    are, with a warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The
+    model remembers the layout, so save_fp8_checkpoint / export_merged write it back in that layout. All or nothing:
+    every layer is checked and its FP8Linear built before the first swap; an error leaves the model as it was.
+
+    Args:
+        model: the transformers model, as from_pretrained returned it.
+        backend, act_quant: given to the FP8Linear layers (see FP8Linear).
+        dtype: the dtype of the adapters PEFT will create on these layers (default: the model's dtype).
+
+    Returns:
+        How many layers were swapped.
+    """
     check_backend_name(backend)
     check_act_quant(act_quant)
     cfg = getattr(model, "config", None)

@@ -1,20 +1,9 @@
 """dorafp8 in transformers' quantizer registry: `from_pretrained(path, quantization_config=DoRAFP8Config(...))`.
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                 quantization_config=dorafp8.DoRAFP8Config(granularity="row"))
-
-loads the dense checkpoint and turns its linear layers into dorafp8 FP8Linear layers (what dorafp8.quantize_model does
-after a plain from_pretrained), ready for get_peft_model(..., LoraConfig(use_dora=True)). The weights are quantized
-after they are loaded, so loading peaks at the dense model in `dtype`, as quantize_model after from_pretrained does.
-
-Saving: `model.save_pretrained(path)` writes compressed-tensors (or fine-grained FP8), which transformers and vLLM load
-with `from_pretrained(path)` alone, without dorafp8 (dorafp8/checkpoint/save_hooks.py). "dorafp8" is never written as a
-checkpoint's quant_method: transformers skips a quant_method it does not know with a warning and would load the raw
-e4m3 values, so a checkpoint that needed dorafp8 imported would load wrong wherever it is not.
-
-This module imports transformers; dorafp8/_install.py registers it once transformers defines its models, and
-`dorafp8.DoRAFP8Config` imports it on first use.
-"""
+It loads a dense checkpoint and turns its linear layers into FP8Linear layers, as quantize_model after a plain
+from_pretrained does (and with the same peak: the dense model in `dtype`). save_pretrained then writes
+compressed-tensors or fine-grained FP8, never a "dorafp8" quant_method (transformers would load that wrong without
+dorafp8). This module imports transformers: dorafp8/_install.py registers it once transformers is imported."""
 
 from __future__ import annotations
 
@@ -34,15 +23,21 @@ QUANT_METHOD = "dorafp8"
 class DoRAFP8Config(QuantizationConfigMixin):
     """Quantize a dense checkpoint into dorafp8 FP8Linear layers while from_pretrained loads it.
 
-    granularity: the weight scale: "tensor" (one fp32 scale per layer, the default), "row" (one per output row, loses
-        least), or "block" (one per block_size x block_size block, default 128).
-    act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs, activations quantized per row; see
-        dorafp8.set_act_quant).
-    target_modules: names or name suffixes of the linear layers to quantize (PEFT's rule); None: every nn.Linear
-        (and transformers' Conv1D) but the output head `lm_head`, as dorafp8.quantize_model.
-    modules_to_not_convert: names or name suffixes left in the checkpoint's precision (the model's
-        _keep_in_fp32_modules are always left).
-    backend: the FP8Linear kernels ("auto").
+    Args:
+        granularity: the weight scale: "tensor" (one fp32 scale per layer, the default), "row" (one per output row,
+            loses least), or "block" (one per block_size x block_size block).
+        block_size: with granularity="block", the block size (default 128).
+        act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs, activations quantized per row; see
+            dorafp8.set_act_quant).
+        target_modules: names or name suffixes of the linear layers to quantize (PEFT's rule); None: every nn.Linear
+            (and transformers' Conv1D) but the output head `lm_head`, as dorafp8.quantize_model.
+        modules_to_not_convert: names or name suffixes left in the checkpoint's precision (the model's
+            _keep_in_fp32_modules are always left).
+        backend: the FP8Linear kernels ("auto").
+
+    Raises:
+        TypeError: an argument it does not take.
+        ValueError: an unknown granularity, act_quant or backend, or block_size without granularity="block".
     """
 
     def __init__(self, granularity: str = "tensor", block_size: Optional[int] = None, act_quant: Optional[str] = None,

@@ -1,27 +1,11 @@
 """DoRA adapters as kohya / LyCORIS files, the layout ComfyUI, Forge and LyCORIS read: per layer `lora_down.weight`,
-`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`.
-
-    save_kohya_dora(model, path)   a PEFT (or dorafp8) DoRA adapter -> one .safetensors file
-    load_kohya_dora(model, path)   such a file (ours, or one LyCORIS or a kohya-style trainer wrote) -> a PEFT DoRA model
-    save_single_file_dora(model, path, single_file)   the same layout keyed by a ComfyUI single file's own weights
-
+`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`:
+save_kohya_dora, load_kohya_dora and save_single_file_dora (keyed by a ComfyUI single file's own weights).
 Long because it holds both directions of one layout, each with its checks, and the single-file export, which builds
 on the export's per-layer tensors and checks.
 
-The math each consumer applies, read from its code (docs/DIFFUSION.md, "DoRA files for ComfyUI and kohya tools"):
-
-    PEFT 0.21        W' = (W + s B A) * m / ||W + s B A||           m [out], the norm per output row, detached
-    LyCORIS LoCon    W' = (W + s B A) * dora_scale / (||W + s B A|| + eps)       (dora_wd=True, wd_on_out=True:
-                     lycoris/modules/locon.py, lycoris/functional/general.py; its weight loader always assumes it)
-    ComfyUI          W' = (W + s B A) * dora_scale / (||W|| + eps)   when dora_scale.shape[0] == out (the output
-                     axis), the norm of the base without the update (comfy/weight_adapter/base.py weight_decompose)
-
-with s = alpha / rank (lora_down's first dimension) and eps float32's machine epsilon. dora_scale is therefore PEFT's
-magnitude for LyCORIS (`dora_scale="lycoris"`, the default), and m * (||W|| + eps) / ||W + s B A|| for ComfyUI's
-current loader (`dora_scale="comfyui"`), computed from the layer's base as the model holds it. Both are shaped
-[out, 1, ...] like the weight: ComfyUI reads the axis from the shape, and a 1-D [out] broadcasts wrongly there.
-Which key names each consumer maps: kohya_names.py.
-"""
+The math each consumer applies, and so what `dora_scale` holds for each: docs/ARCHITECTURE.md,
+"dorafp8/checkpoint/kohya.py"; which key names each maps: kohya_names.py."""
 
 from __future__ import annotations
 
@@ -70,21 +54,35 @@ _OTHER_ALGOS = {"lora_mid.weight": "LoCon's Tucker-decomposed conv (use_tucker)"
 def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] = None, prefix: Optional[str] = "auto",
                     names: str = "auto", dora_scale: str = "lycoris",
                     dtype: Optional[torch.dtype] = None) -> dict[str, str]:
-    """Writes the DoRA (or LoRA) adapter `adapter_name` of `model` (a PeftModel, or a model with PEFT's LoRA layers,
-    e.g. after diffusers' `add_adapter`) to the safetensors file `path` in the kohya / LyCORIS layout, and returns
-    {module name: key prefix} of the layers written.
+    """Writes a DoRA (or LoRA) adapter of `model` to the safetensors file `path` in the kohya / LyCORIS layout.
 
-    prefix: "auto" (`lora_unet_` for a UNet2DConditionModel, `lora_transformer_` for SD3 and Flux transformers, the
-    module names as they are otherwise), a prefix (e.g. "lycoris" for LyCORIS's own loader), or None (module names).
-    names: "diffusers" (the model's module names), "sgm" (for a UNet2DConditionModel: the original UNet's names,
-    input_blocks / middle_block / output_blocks, as kohya's SDXL scripts write them) or "auto" (what kohya's scripts
-    write: "sgm" for an SDXL UNet under `lora_unet`, else "diffusers"). ComfyUI and diffusers map both; LyCORIS's
-    loaders on a diffusers model need "diffusers" (kohya_names.py).
-    dora_scale: "lycoris" (PEFT's magnitude, which LyCORIS divides by ||W + s B A||) or "comfyui" (pre-multiplied by
-    ||W|| / ||W + s B A|| of this model's base, for ComfyUI's loader, which divides by ||W||; see the module
-    docstring). dtype: the dtype of lora_down / lora_up (default: the adapters'); dora_scale and alpha are float32.
+    Every check runs before the file is written (to a temporary name, then renamed): a failure writes nothing.
 
-    Every check runs before the file is written (to a temporary name, then renamed): a failure writes nothing."""
+    Args:
+        model: a PeftModel, or a model with PEFT's LoRA layers (e.g. after diffusers' `add_adapter`).
+        path: the .safetensors file to write.
+        adapter_name: the adapter to write; default: the model's only one.
+        prefix: "auto" (`lora_unet_` for a UNet2DConditionModel, `lora_transformer_` for SD3 and Flux transformers,
+            the module names as they are otherwise), a prefix (e.g. "lycoris" for LyCORIS's own loader), or None
+            (module names).
+        names: "diffusers" (the model's module names), "sgm" (for a UNet2DConditionModel: the original UNet's names,
+            input_blocks / middle_block / output_blocks, as kohya's SDXL scripts write them) or "auto" ("sgm" for an
+            SDXL UNet under `lora_unet`, else "diffusers"). ComfyUI and diffusers map both; LyCORIS's loaders on a
+            diffusers model need "diffusers" (kohya_names.py).
+        dora_scale: "lycoris" (PEFT's magnitude, which LyCORIS divides by ||W + s B A||) or "comfyui" (pre-multiplied
+            by ||W|| / ||W + s B A|| of this model's base, for ComfyUI's loader, which divides by ||W||;
+            docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py").
+        dtype: the dtype of lora_down / lora_up (default: the adapters'); dora_scale and alpha are float32.
+
+    Returns:
+        {module name: key prefix} of the layers written.
+
+    Raises:
+        TypeError: a model that is not an nn.Module, or a dtype that is not a floating torch.dtype.
+        ValueError: an unknown dora_scale, no adapter (or several and no adapter_name), or a layer this layout cannot
+            hold (the message lists them).
+        FileNotFoundError: path's folder does not exist.
+    """
     if dora_scale not in DORA_SCALE_KINDS:
         raise ValueError(f"dora_scale must be one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -219,21 +217,33 @@ _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # a full ch
 
 def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_name: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> dict[str, list[str]]:
-    """Writes the DoRA (or LoRA) adapter of `model`, a diffusers model loaded from the single file `single_file` (its
-    path or state dict) by load_single_file, as a kohya file in that single file's own layout, for ComfyUI's LoRA
-    loader on the same file: one layer per original weight the adapter touches, keyed `lora_unet_` + the original key
-    without its prefix and `.weight`, '.' -> '_' (the name comfy/lora.py model_lora_keys_unet gives every weight of
-    any model), dora_scale in ComfyUI's current math (save_kohya_dora's "comfyui").
+    """Writes the DoRA (or LoRA) adapter of `model` as a kohya file in a ComfyUI single file's own layout, for
+    ComfyUI's LoRA loader on that file: one layer per original weight the adapter touches, keyed `lora_unet_` + the
+    original key without its prefix and `.weight`, '.' -> '_' (the name comfy/lora.py gives every weight of any
+    model), dora_scale in ComfyUI's current math (save_kohya_dora's "comfyui").
 
     Which rows of which original weight each adapted layer is comes from diffusers' converter (row_map), as when the
     file was loaded. A fused weight (Flux's img_attn.qkv and single blocks' linear1, SD3's and HunyuanVideo's qkv)
     gets its adapted pieces as one layer: lora_down the pieces' lora_down stacked, lora_up block-diagonal with each
     piece's alpha / rank folded in (alpha = the total rank), rows no piece adapts zero in lora_up and, for DoRA, with
     dora_scale ||W|| + eps, which ComfyUI's weight_decompose leaves as they are. Reordered rows (diffusers' swapped
-    adaLN halves) go back to the file's order. Returns {original weight key: the modules written into it}.
+    adaLN halves) go back to the file's order.
 
-    Refused, before anything is written: a layer diffusers' conversion does not take from the file, or whose base
-    weight is not the file's (another file, or trained on something else)."""
+    Args:
+        model: a diffusers model loaded from `single_file` by load_single_file, with a PEFT adapter.
+        path: the .safetensors file to write.
+        single_file: the single file's path or state dict.
+        adapter_name: the adapter to write; default: the model's only one.
+        dtype: the dtype of lora_down / lora_up (default: the adapters').
+
+    Returns:
+        {original weight key: the modules written into it}.
+
+    Raises:
+        TypeError: a dtype that is not a floating torch.dtype.
+        ValueError: before anything is written, a layer diffusers' conversion does not take from the file, or whose
+            base weight is not the file's (another file, or trained on something else).
+    """
     from .single_file import is_scale_key, row_map
 
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -358,22 +368,34 @@ def _write_atomic(tensors: dict, path, metadata: dict) -> None:
 
 def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", prefix: Optional[str] = "auto",
                     dora_scale: str = "auto", strict: bool = True) -> PeftModel:
-    """Turns a kohya / LyCORIS LoRA or DoRA file (`file`: a .safetensors path or a state dict) into a PEFT adapter
-    `adapter_name` on `model`, and returns the PeftModel. `model` is the base (dense or with dorafp8's fp8 layers, on
-    which PEFT builds dorafp8's DoRA layers): it is wrapped with get_peft_model, its layers replaced in place as PEFT
-    does; or a PeftModel, to which the adapter is added (not activated: `set_adapter` does).
+    """Turns a kohya / LyCORIS LoRA or DoRA file into a PEFT adapter on `model`.
 
-    prefix: "auto" (module names, or `lora_unet_` / `lora_transformer_` / `lycoris_` + the names with '.' -> '_',
-    on a UNet2DConditionModel also kohya's SGM UNet names), a prefix, or None (module names only). dora_scale:
-    "auto" (the kind save_kohya_dora recorded in the file, else "lycoris"), "lycoris" or "comfyui" (see
-    save_kohya_dora). Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1, as kohya's
-    and ComfyUI's loaders), and DoRA's magnitude from dora_scale (output axis only: an input-axis dora_scale,
-    LyCORIS's wd_on_out=False, has no PEFT equivalent and is refused).
+    Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1, as kohya's and ComfyUI's
+    loaders), and DoRA's magnitude from dora_scale. All or nothing: every key is matched and checked before the model
+    changes, and a failure after that puts the model back as it was.
 
-    All or nothing: every key is matched and checked before the model changes, and a failure after that puts the
-    model back as it was. Keys of other LyCORIS algorithms (LoHa, LoKr, Tucker's lora_mid, ...) are an error; keys of
-    modules the model does not have are an error naming them, or with strict=False skipped with a warning naming
-    them (a kohya SDXL file's text-encoder keys, when loading its UNet part)."""
+    Args:
+        model: the base (dense or with dorafp8's fp8 layers, on which PEFT builds dorafp8's DoRA layers), wrapped
+            with get_peft_model, its layers replaced in place as PEFT does; or a PeftModel, to which the adapter is
+            added (not activated: `set_adapter` does).
+        file: a .safetensors path or a state dict.
+        adapter_name: the new adapter's name.
+        prefix: "auto" (module names, or `lora_unet_` / `lora_transformer_` / `lycoris_` + the names with '.' -> '_',
+            on a UNet2DConditionModel also kohya's SGM UNet names), a prefix, or None (module names only).
+        dora_scale: "auto" (the kind save_kohya_dora recorded in the file, else "lycoris"), "lycoris" or "comfyui"
+            (see save_kohya_dora).
+        strict: keys of modules the model does not have are an error naming them; False: skipped with a warning
+            naming them (a kohya SDXL file's text-encoder keys, when loading its UNet part).
+
+    Returns:
+        The PeftModel.
+
+    Raises:
+        ValueError: an unknown dora_scale, an empty or existing adapter_name, a model with PEFT layers that is not a
+            PeftModel, keys of other LyCORIS algorithms (LoHa, LoKr, Tucker's lora_mid, ...), an input-axis
+            dora_scale (LyCORIS's wd_on_out=False: no PEFT equivalent), or (strict) keys that fit no module.
+        TypeError: a state dict that does not map str keys to tensors.
+    """
     if dora_scale not in ("auto",) + DORA_SCALE_KINDS:
         raise ValueError(f"dora_scale must be 'auto' or one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
     if not isinstance(adapter_name, str) or not adapter_name:

@@ -1,20 +1,8 @@
 """Key names of kohya / LyCORIS files: which module a key prefix like `lora_unet_down_blocks_0_..._to_q` names.
 
-A kohya key prefix is `{prefix}_{module name with '.' -> '_'}`. Which prefix and which module names a consumer maps:
-
-    ComfyUI   comfy/lora.py model_lora_keys_unet: `lora_unet_` + the diffusers UNet names of comfy.utils.unet_to_diffusers
-              and + its own (SGM) UNet names; `lora_transformer_` (OneTrainer's) and `lycoris_` + diffusers names for
-              SD3 and Flux (comfy.utils.mmdit_to_diffusers, flux_to_diffusers, onto fused qkv slices for Flux)
-    diffusers loaders/lora_conversion_utils.py: `lora_unet_` + diffusers or SGM names (_convert_unet_lora_key,
-              _maybe_map_sgm_blocks_to_diffusers); for Flux `lora_unet_` + BFL names or `lora_transformer_` +
-              diffusers names (_convert_kohya_flux_lora_to_diffusers)
-    LyCORIS   lycoris/wrapper.py create_lycoris_from_weights: `{LycorisNetwork.LORA_PREFIX}_` (default `lycoris`) +
-              the model's own module names; lycoris/kohya.py: `lora_unet_` + them
-
-kohya's sd-scripts builds SDXL's UNet with the original (SGM / LDM) module names (input_blocks / middle_block /
-output_blocks): `sgm_unet_names` maps a diffusers UNet2DConditionModel's names to those, as ComfyUI's
-comfy.utils.unet_to_diffusers does in the other direction.
-"""
+A kohya key prefix is `{prefix}_{module name with '.' -> '_'}`; `sgm_unet_names` maps a diffusers UNet's names to the
+original (SGM / LDM) ones kohya's sd-scripts uses for SDXL. Which prefix and module names ComfyUI, diffusers and
+LyCORIS each map, read from their source: docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya_names.py"."""
 
 from __future__ import annotations
 

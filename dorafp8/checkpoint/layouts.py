@@ -1,27 +1,9 @@
 """The fp8 layouts dorafp8 reads and writes, their names and aliases, and the dense formats it writes.
 
-In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`:
-
-    name                 weight scale                scale shape                        also in the file
-    comfyui              <layer>.scale_weight        ()                                 `scaled_fp8` marker, scale_input
-    comfyui-quant        <layer>.weight_scale        ()                                 <layer>.comfy_quant, input_scale
-    compressed-tensors   <layer>.weight_scale        [1], [out, 1] or [ceil(out/b), ceil(in/b)]   input_scale (static)
-    fine-grained         <layer>.weight_scale_inv    [ceil(out/b), ceil(in/b)], b = 128; or ()   activation_scale
-    dorafp8              <layer>.scale               [], [out] or blocks (FP8Linear's own state_dict)
-    musubi               <layer>.scale_weight        [1] or [], [out, 1], [out, in / g, 1] (1 x g)    (no marker)
-    fp8-cast             none (scale 1)              a model cast to float8_e4m3fn, as OneTrainer and ComfyUI store it
-
-The microscaled kinds (dorafp8/quant.py, "Microscaled weights") load into the same layers, told apart by dtype:
-    modelopt             <layer>.weight uint8 [out, in/2] (NVFP4, e2m1 packed), <layer>.weight_scale e4m3 [out, in/16],
-                         <layer>.weight_scale_2 fp32 [] (ModelOpt's hf_quant_config.json quant_algo NVFP4),
-                         input_scale; or <layer>.weight e4m3 with <layer>.weight_scale e8m0 / uint8 [out, in/32] (MXFP8)
-    compressed-tensors   nvfp4-pack-quantized: <layer>.weight_packed uint8 [out, in/2], <layer>.weight_scale e4m3
-                         [out, in/16], <layer>.weight_global_scale fp32 [1] (its reciprocal: W0 = e2m1 * scale / g),
-                         input_global_scale; and the MXFP8 pair as above
-They are read only (a model holding them is not written back by save_fp8_checkpoint).
-
-docs/CHECKPOINTS.md has where each comes from and how it was checked.
-"""
+In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`; the
+layouts differ in the scale's key and shape (LAYOUTS below). Microscaled NVFP4 / MXFP8 files (modelopt,
+compressed-tensors) load into the same layers and are never written back. The table of keys and shapes, where each
+layout comes from and how it was checked: docs/CHECKPOINTS.md."""
 
 from __future__ import annotations
 

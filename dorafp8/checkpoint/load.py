@@ -1,18 +1,9 @@
 """load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored.
 
-Loading never re-quantizes: the e4m3 bytes of every fp8 weight go into an FP8Linear as they are, with the scale
-converted to fp32 exactly. The one exception is a scale dorafp8's kernels cannot hold, musubi's 1 x g blocks: such a
-layer is re-quantized to per-row scales as it is read, with the error measured and warned about
-(dorafp8/nn/group_scales.py). Loading is all or nothing, in two steps:
-  - check: everything is planned and checked from the checkpoint's keys, dtypes and shapes before any data is read
-    (load_plan.py); the new fp8 layers are built aside on the meta device (_build_fp8_modules: every swap is
-    possible); the few small tensors whose values can refuse a load (zero points, ComfyUI layer configs) are read and
-    checked; and what would be left on the meta device with nothing to compute it is found (_left_on_meta);
-  - act: the layers are swapped in and filled as the tensors are read, one shard and one tensor at a time
-    (_TensorLoader), so a model built on the meta device only ever holds its own weights.
-What can still fail while acting (a shard that cannot be read, a model's own initializer, running out of memory) puts
-the model back as it was (modules.ModelState).
-"""
+Loading never re-quantizes (but for musubi's 1 x g scales: nn/group_scales.py) and is all or nothing: everything is
+planned and checked from the keys, dtypes and shapes before any data is read (load_plan.py), then the layers are
+swapped in and filled one shard and one tensor at a time; what still fails while filling puts the model back as it
+was (modules.ModelState). The two steps in detail: docs/ARCHITECTURE.md, "dorafp8/checkpoint/load.py"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""save_pretrained of a transformers or diffusers model that holds dorafp8 fp8 layers (issue 24).
+"""save_pretrained of a transformers or diffusers model that holds dorafp8 fp8 layers.
 
-Left alone, both libraries write the state dict: each fp8 weight's raw e4m3 values under `<layer>.weight` and its
-scale under `<layer>.scale`, a key their `from_pretrained` does not know. Loading that checkpoint puts the unscaled
-values into the model (a LLaMA's logits were off by a relative 1.41, 0% argmax agreement), and the only sign is the
-scales among transformers' UNEXPECTED keys. So dorafp8/_install.py wraps both methods as soon as the libraries
-define them:
-
-- transformers: the fp8 layers are written in a layout transformers (and vLLM) read on their own, compressed-tensors
-  or fine-grained FP8, with its quantization_config in config.json (write.save_pretrained_state picks it);
-  everything else save_pretrained does (config, generation config, sharding, hub upload) is left to it;
-- diffusers: no layout diffusers reads covers fp8 weights with scales (its one fp8 scheme, BFL's fp8r, is per-row
-  linear layers read by from_single_file), so save_pretrained refuses, naming dorafp8's writers.
-"""
+Left alone, both libraries write each fp8 weight's raw e4m3 values and its scale under a key their from_pretrained
+does not know, and the checkpoint loads wrong with only a warning. So dorafp8/_install.py wraps both: transformers'
+writes the fp8 layers as compressed-tensors or fine-grained FP8 (which transformers and vLLM read on their own);
+diffusers', which has no layout for scaled fp8 weights, refuses, naming dorafp8's writers."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """ComfyUI / kijai fp8_scaled single files in their original layouts (ldm, BFL, MMDiT, Wan's, ...) into diffusers
 models, in place (load_single_file); diffusers' own `from_single_file` of such a file refused while dorafp8 is imported.
 
-Such a file holds e4m3 weights with a per-tensor `<layer>.scale_weight` (ComfyUI's newer files: `weight_scale` with a
-`comfy_quant` entry), sometimes `scale_input`, and a `scaled_fp8` marker. diffusers' `from_single_file` knows none
-of these keys: it drops the scales as unexpected keys and loads the raw e4m3 values (up to 448 where the weights
-are below 1), and the model outputs NaN without an error. `import dorafp8` wraps it (dorafp8/_install.py) so that
-such a checkpoint is refused, whether it comes as a path (the module's own `load_single_file_checkpoint` reads it) or
-as a dict (what `DiffusionPipeline.from_single_file` hands each component).
-"""
+diffusers' `from_single_file` drops the files' scale keys as unexpected and loads the raw e4m3 values, and the model
+outputs NaN without an error; `import dorafp8` wraps it (dorafp8/_install.py) so that such a checkpoint is refused,
+whether it comes as a path or as a dict (what `DiffusionPipeline.from_single_file` hands each component)."""
 
 from __future__ import annotations
 
@@ -221,11 +217,20 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
 
 def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtype: Optional[torch.dtype] = None,
                      backend: str = "auto", verbose: bool = True):
-    """Loads a single file in its original layout (a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5,
-    Wan, HunyuanVideo, LTX, or a dense one) into the diffusers `model` (built from its config, on the meta device or
-    not), in place: the fp8 weights keep their bytes and scales (FP8Linear layers), fused projections are cut by rows
-    sharing their per-tensor scale (to_diffusers_layout), everything else is loaded as load_fp8_checkpoint loads it.
-    Returns load_fp8_checkpoint's LoadReport."""
+    """Loads a single file in its original layout into a diffusers model, in place.
+
+    The fp8 weights keep their bytes and scales (FP8Linear layers), fused projections are cut by rows sharing their
+    per-tensor scale (to_diffusers_layout), everything else is loaded as load_fp8_checkpoint loads it.
+
+    Args:
+        model: the diffusers model, built from its config (on the meta device or not).
+        path_or_state_dict: a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5, Wan, HunyuanVideo or
+            LTX, or a dense one; its path or its state dict.
+        device, dtype, backend, verbose: as for load_fp8_checkpoint.
+
+    Returns:
+        load_fp8_checkpoint's LoadReport.
+    """
     from .load import load_fp8_checkpoint
 
     state_dict = path_or_state_dict

@@ -37,14 +37,36 @@ logger = logging.getLogger("dorafp8")
 def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *, granularity: Optional[str] = None,
                         block_size: Optional[int] = None, max_shard_size="5GB", prefix: Optional[str] = None,
                         metadata: Optional[dict] = None, verbose: bool = True) -> ExportReport:
-    """Writes the model's weights as they are, fp8 layers in `format` (default: the layout it was loaded from, else
-    compressed-tensors). Adapters are not merged (see export_merged) nor written (PEFT's save_pretrained does that).
+    """Writes the model's weights as they are, fp8 layers in `format`. Adapters are neither merged (see export_merged)
+    nor written (PEFT's save_pretrained does that).
 
     Each fp8 layer keeps its bytes and scale when the layout can hold them (a model loaded with load_fp8_checkpoint
     and saved in the same format gives back the same tensors, in the same dtypes and shapes); a per-tensor scale is
     broadcast losslessly where the layout wants rows or blocks; anything else is re-quantized from the fp32 weight and
-    reported. path: a directory (model.safetensors or shards + index, and config.json for a transformers model) or a
-    .safetensors file. Returns an ExportReport."""
+    reported.
+
+    Args:
+        model: a model with dorafp8 fp8 layers (a PeftModel too: its base is written).
+        path: a folder (model.safetensors or shards + index, and config.json for a transformers model) or a
+            .safetensors file.
+        format: one of LAYOUTS; default: the layout the model was loaded from, else compressed-tensors.
+        granularity: "tensor", "row" or "block": the scale of re-quantized layers, where the layout allows it.
+        block_size: b for block scales (default 128).
+        max_shard_size: the largest shard, as transformers spells it ("5GB").
+        prefix: put in front of every key (e.g. ComfyUI's "model.diffusion_model."); default: the prefix the
+            checkpoint the model was loaded from had (none for any other model).
+        metadata: extra safetensors metadata.
+        verbose: print the report.
+
+    Returns:
+        An ExportReport.
+
+    Raises:
+        ValueError: a layout that cannot hold this model (NVFP4 / MXFP8 layers, a granularity the layout does not
+            store); CheckpointFormatError (a ValueError) for an unknown format.
+        IsADirectoryError, NotADirectoryError, FileExistsError: a path that is not what its name says, or a folder
+            holding a checkpoint of another kind; nothing is written then.
+    """
     return _write(model, path, format, merge=False, adapter_names=None, granularity=granularity,
                   block_size=block_size, max_shard_size=max_shard_size, prefix=prefix, metadata=metadata,
                   verbose=verbose)
@@ -56,16 +78,27 @@ def export_merged(model: nn.Module, path, format: Optional[str] = None, *, adapt
     """Merges each layer's DoRA (or LoRA) adapters into its fp8 base and writes a checkpoint to deploy.
 
     For a DoRA adapter the merged row j is m_j / max(||V_j||, NORM_EPS) * V_j with V = W0 + s B A, computed in fp32
-    one block of rows at a time (never a dense fp32 copy of a layer, let alone of the model); several active
-    adapters merge in sequence, as PEFT merges them. The merged weight is re-quantized to e4m3 in `format`:
-    compressed-tensors (default unless the model was loaded from another layout; one scale per row, which loses
-    least), comfyui / comfyui-quant (per tensor, what ComfyUI reads), fine-grained (per 128 x 128 block, or
-    block_size), dorafp8; or written dense: bf16, fp16, fp32. `granularity` ("row", "tensor", "block") overrides
-    the scale of the merged layers where the layout allows it. Layers without adapters keep their bytes.
+    one block of rows at a time (never a dense fp32 copy of a layer); several active adapters merge in sequence, as
+    PEFT merges them. Layers without adapters keep their bytes. The model itself is not changed.
 
-    Returns an ExportReport with the merge error of every layer: ||written - merged||_F / ||merged||_F against the
-    merged weight evaluated in fp32 from the unmerged adapters (the weight the trained model computes with), and
-    its worst and mean (printed with verbose). The model itself is not changed."""
+    Args:
+        model: a PeftModel (or a model with PEFT's LoRA layers) on dorafp8 fp8 layers.
+        path: a folder or a .safetensors file, as for save_fp8_checkpoint.
+        format: compressed-tensors (default unless the model was loaded from another layout; one scale per row,
+            which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads), fine-grained (per
+            128 x 128 block, or block_size), dorafp8; or dense: bf16, fp16, fp32.
+        adapter_names: the adapters to merge; default: the active ones.
+        granularity: "row", "tensor" or "block": the scale of the merged layers, where the layout allows it.
+        block_size, max_shard_size, prefix, metadata, verbose: as for save_fp8_checkpoint.
+
+    Returns:
+        An ExportReport with the merge error of every layer, ||written - merged||_F / ||merged||_F against the merged
+        weight evaluated in fp32 from the unmerged adapters (the weight the trained model computes with), and its
+        worst and mean (printed with verbose).
+
+    Raises:
+        ValueError, IsADirectoryError, NotADirectoryError, FileExistsError: as save_fp8_checkpoint.
+    """
     return _write(model, path, format, merge=True, adapter_names=adapter_names, granularity=granularity,
                   block_size=block_size, max_shard_size=max_shard_size, prefix=prefix, metadata=metadata,
                   verbose=verbose)

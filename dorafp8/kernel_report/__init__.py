@@ -3,16 +3,8 @@ statically (registers, spills, shared memory, matrix instructions, where the fp8
 
     python -m dorafp8.kernel_report --help          (docs/INSPECT.md)
 
-The parts, each importable on its own (none imports this file's names, so there is no cycle):
-  records.py        targets, record fields, SpecError
-  parsers.py        ptxas -v, PTX and TTGIR readers (plain text)
-  triton_driver.py  Triton ahead-of-time compiles (the code that reaches into Triton's internals)
-  cuda_driver.py    nvcc compiles of csrc/, and where those sources are
-  pool.py           worker processes and run()
-  cli.py            the table and the command line
-
-The names below are the public API (what tests/integration/test_inspect.py and tests/kernels/test_cuda_emulated.py use).
-"""
+The parts (records, parsers, triton_driver, cuda_driver, pool, cli) each import on their own; the names below are the
+public API that tests/integration/test_inspect.py and tests/kernels/test_cuda_emulated.py use."""
 
 from .cli import format_table, main, problems_of
 from .cuda_driver import (cuda_dir, cuda_sources, cuda_spec_by_source, cuda_unavailable_reason, load_cuda_spec,

@@ -1,17 +1,11 @@
 """python -m dorafp8.kernel_report: what the compilers make of dorafp8's GPU kernels, read statically, without a GPU.
 
-Compiles every Triton kernel (in every variant its launcher can produce, under every autotune config the launcher can
-pick; the variants are listed in triton_kernels/inspect_spec.py) and the CUDA C++ kernels of csrc/ (the files of
-csrc/build_spec.py's CUDA_SOURCES, each compiled on its own; the kernels are listed in csrc/inspect_spec.py) for sm_90a,
-sm_89, sm_100a and sm_120, and reports per kernel x variant x config x arch: registers per thread, spill bytes and
-shared memory from ptxas -v, which matrix instruction the kernel uses (wgmma / tcgen05 / mma.sync / none), and whether
-the fp8 weight tile feeds it from registers or from shared memory. See docs/INSPECT.md.
+Compiles every Triton kernel variant (triton_kernels/inspect_spec.py) and the CUDA kernels of csrc/ for sm_90a, sm_89,
+sm_100a and sm_120, and reports per kernel x variant x config x arch registers, spills, shared memory, the matrix
+instruction and where the fp8 weight tile comes from (docs/INSPECT.md).
 
-    python -m dorafp8.kernel_report                       # everything, as a table (--list says how many compiles)
-    python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2
-    python -m dorafp8.kernel_report --backend cuda --json
-    python -m dorafp8.kernel_report --list                # what it would compile, and how many; compiles nothing
-"""
+    python -m dorafp8.kernel_report --list                # what it would compile; compiles nothing
+    python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a --dtype bf16 --jobs 2"""
 
 from __future__ import annotations
 

@@ -1,28 +1,9 @@
 """Predicted times for the fp8 GEMM kernels, a whole layer, and the strategies it is weighed against: a PREDICTION,
-never a measurement (docs/INSPECT.md, "Predicted time"; README's performance section quotes it as one).
+never a measurement (docs/INSPECT.md, "Predicted time"; README quotes it as one).
 
-Every rate the model uses is in RATES with where it comes from: documented (a datasheet or NVIDIA's CUDA guide),
-measured (on the H100 lent to the project: a bf16 8192^3 matmul at 769-798 TFLOP/s, copies at 3.0 TB/s)
-or assumed; an unknown rate is a range,
-and so is every prediction (lo: every range at its fast end, hi: at its slow end). What the model adds up, per GEMM
-kernel, from its kernel-report record:
-- a reduction step's cycles on each pipe of one SM: tensor cores (the step's FLOPs), instruction issue, the conversion
-  pipes (F2F; F2FP, whose rate no document states: a range), fp32 adds (W8A8's promotion), and shared memory (its 128
-  bytes a clock carry the LDS, the TMA or cp.async fills of every stage and, where the tensor cores' operand reads
-  share them, which no document states: a range, wgmma's shared-memory operands);
-- how the step's pipes overlap: in the cp.async loop ("async-copy") every warp waits at the CTA-wide barriers of each
-  step (a cost per barrier), and W8A8's promotion drains the wgmma before its adds, which then add to the tensor
-  time; in the warp-specialized loop ("tma-ws") each consumer warpgroup's chain (its wgmma, then its conversion or its
-  adds) runs beside the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
-- per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs) and the epilogue's rank-r products
-  on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its
-  first loads (a persistent warp-specialized kernel's producer fetches the next tile's during the epilogue);
-- the tiles of the busiest SM (one CTA per SM in both loops at the headline tiles), and the HBM bytes as a floor.
-For a layer: the GEMMs, every other launch of a dry run of the backend at the headline shape (dorafp8._launches: the
-launchers plan for an H100, nothing runs) at the longer of its bytes over HBM and its rank-r FLOPs on CUDA cores (fp32
-adapters), a matrix product of the cuBLAS strategy or of PEFT's DoRA at the yardstick's rate (fp32 ones at CUDA cores'),
-and a gap between launches. The yardstick is cuBLAS's bf16 Linear forward + input gradient at the rate measured.
-"""
+Every rate the model uses is in RATES with where it comes from (documented, measured or assumed); an unknown rate is a
+range, and so is every prediction (lo: every range at its fast end, hi: at its slow end). What the model adds up per
+kernel and per layer: docs/INSPECT.md, "Predicted time"."""
 
 from __future__ import annotations
 
@@ -134,7 +115,7 @@ def step_cycles(rec: dict, end: str) -> dict:
 
 
 def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
-    """(cycles of one step, what bounds it, the pipes) under the loop's overlap rules (the module docstring)."""
+    """(cycles of one step, what bounds it, the pipes) under the loop's overlap rules (docs/INSPECT.md)."""
     pipes = step_cycles(rec, end)
     mix = rec["main_loop"]
     bound = max(pipes, key=pipes.get)

@@ -1,14 +1,9 @@
 """The main loop's instruction mix, read from SASS (nvdisasm's text of a cubin): plain text in, plain data out.
 
-What the tensor cores wait for is decided in the GEMM main loop, one reduction step per iteration: how the fp8 weight
-tile turns into the MMA's input type (F2FP unpacks, F2F conversions, PRMT byte shuffles, I2F), how wide the shared
-and global loads are, and how many MMA instructions that feeds. PTX hides most of it (ptxas picks the conversion
-instructions and the load widths), so the report reads the SASS.
-
-The main loop is the first loop (a backward branch to a label) holding an MMA instruction. Triton does not unroll
-these loops (its pipeliner keeps one reduction step per iteration: the loads of a later step and the MMAs of this
-one), so the counts are per reduction step and per thread; docs/INSPECT.md says how the prediction uses them.
-"""
+The main loop is the first loop (a backward branch to a label) holding an MMA instruction; Triton keeps one reduction
+step per iteration, so the counts (conversions, load widths, MMAs) are per reduction step and per thread. PTX hides
+most of this (ptxas picks the conversions and load widths), hence SASS. How the prediction uses them:
+docs/INSPECT.md, "The main loop (what the SASS shows)"."""
 
 from __future__ import annotations
 

@@ -220,12 +220,12 @@ def _dtensor_class():
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
-# ---- FSDP / ZeRO-3 (why: dorafp8/distributed.py's docstring) ---------------------------------------------------------
+# ---- FSDP / ZeRO-3 (why: docs/ARCHITECTURE.md, dorafp8/distributed.py) -----------------------------------------------
 
 
 def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
     """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
-    parameters in place between steps without bumping their version counters (see the module docstring)."""
+    parameters in place between steps without bumping their version counters (docs/MULTI_GPU.md)."""
     return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
 
 

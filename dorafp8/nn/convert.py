@@ -184,8 +184,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
     already float8_e4m3fn (diffusers' layerwise casting, kohya's and OneTrainer's casts) are wrapped losslessly with
     scale 1. Layers inside the modules a model lists in `_keep_in_fp32_modules` (Wan's time embedder, T5's `wo`; see
     kept_in_precision) stay dense whatever target_modules says: the model casts their inputs to their weight's dtype
-    (diffusers' and transformers' quantizers skip them too). ZeRO-3 partitioned layers are gathered one at a time on every rank and partitioned again; meta weights
-    give meta fp8 layers.
+    (diffusers' and transformers' quantizers skip them too). ZeRO-3 partitioned layers are gathered one at a time on
+    every rank and partitioned again; meta weights give meta fp8 layers.
     """
     check_backend_name(backend)
     check_act_quant(act_quant)
@@ -306,10 +306,20 @@ def _warn_if_backend_cannot_run(backend: str, layers: list) -> None:
 
 
 def set_act_quant(model: nn.Module, mode: Optional[str]) -> int:
-    """Sets the activation quantization of every FP8Linear in `model` (PEFT layers on them included): "rowwise"
-    (W8A8 base GEMMs) or None (W8A16). Saved adapters are unaffected. Returns how many layers were set.
-    All or nothing: the mode is checked before the first layer is set, and a failure while setting them puts the
-    layers already set back to their modes."""
+    """Sets the activation quantization of every FP8Linear in `model` (PEFT layers on them included). Saved adapters
+    are unaffected. All or nothing: the mode is checked before the first layer is set, and a failure while setting
+    them puts the layers already set back to their modes.
+
+    Args:
+        model: any nn.Module.
+        mode: "rowwise" (W8A8 base GEMMs) or None (W8A16).
+
+    Returns:
+        How many layers were set.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
     check_act_quant(mode)
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     before = [m.act_quant for m in layers]

@@ -1,23 +1,10 @@
-"""Weights quantized with one scale per 1 x g group (per output row, per g consecutive input columns), mapped onto the
-per-row scales dorafp8's layers hold.
+"""Weights quantized with one scale per 1 x g group (musubi-tuner / kohya `--fp8_scaled`, torchao PerGroup), mapped onto
+the per-row scales dorafp8's layers hold.
 
-Two sources make them: musubi-tuner / kohya sd-scripts `--fp8_scaled` (fp8_optimization_utils.py quantize_weight,
-"block" mode, g = 64 by default: scale_weight [out, in / g, 1]) and torchao's Float8Tensor with PerGroup(g) or
-PerBlock([1, g]) granularity (scale [out, in / g]). In both W0[n, k] = scale[n, k // g] * w8[n, k].
-
-dorafp8's kernels hold one scale per tensor, per row or per square b x b block: in every GEMM one reduction step lies
-in one scale block, and the step's partial product is scaled in fp32. A 1 x g scale varies along the reduction of the
-input-gradient GEMM (dx = g W, summed over the output rows) from one row to the next, so it cannot be applied that
-way; supporting it would touch the scale's representation everywhere a block size is read (docs/CHECKPOINTS.md,
-"1 x 64 block scales", has the count and the numbers). Such a weight is therefore re-quantized to per-row scales,
-once, when it is loaded, with the error measured and reported (QuantizationWarning):
-
-    s_row[n] = max_c scale[n, c]        (no value grows: every ratio below is <= 1, so nothing saturates)
-    w8'[n, k] = e4m3(w8[n, k] * (scale[n, k // g] / s_row[n]))
-
-The group with the largest scale keeps its bytes exactly (ratio 1), and so does any group whose ratio is a power of
-two; the others take one e4m3 rounding (about 2.4% relative on a real model's layers, measured in the doc above).
-"""
+dorafp8's kernels cannot apply a scale that varies along the input-gradient GEMM's reduction, so such a weight is
+re-quantized to per-row scales once, when loaded, with s_row[n] = max of the row's group scales (nothing saturates)
+and the error measured and warned about (QuantizationWarning). Why, and the error it costs: docs/ARCHITECTURE.md,
+"dorafp8/nn/group_scales.py", and docs/CHECKPOINTS.md, "1 x 64 block scales"."""
 
 from __future__ import annotations
 

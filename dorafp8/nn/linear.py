@@ -30,11 +30,21 @@ class FP8Linear(FP8WeightModule):
     state_dict keys: `weight` (fp8 bytes), `scale` (fp32: [] per tensor, [out_features] per row, or
     [ceil(out/b), ceil(in/b)] per b x b block with b = `block_size`), `bias`.
     Casting the module (`.to(torch.bfloat16)`, `.half()`) moves it but keeps the fp8 weight and fp32 scale.
-    `act_quant = "rowwise"` runs its base GEMMs W8A8 (activations quantized per row to e4m3; see docs/DORA_MATH.md),
-    `None` (the default) W8A16. `backend` picks the kernels ("auto" by default).
     It holds a microscaled weight the same way (from_fp8, or loaded from a checkpoint): MXFP8 (`weight` e4m3, `scale`
     e8m0 [out, ceil(in/32)]) or NVFP4 (`weight` uint8 [out, in/2] packed, `scale` e4m3 [out, in/16], `global_scale`
     fp32 []), dorafp8/quant.py's "Microscaled weights"; `global_scale` is None for every other kind.
+
+    Args:
+        in_features, out_features, bias: as nn.Linear's (the weight starts at zeros: from_float / from_fp8 fill it).
+        device: where the tensors are made.
+        dtype: the dtype the weight had before quantization: the bias keeps it, and PEFT creates adapters in it.
+        per_row_scale: one scale per output row; block_size: one per b x b block; neither: one per tensor.
+        backend: the kernels ("auto" by default).
+        act_quant: None (the default, W8A16) or "rowwise": base GEMMs W8A8, activations quantized per row to e4m3
+            (docs/DORA_MATH.md).
+
+    Raises:
+        ValueError: an unknown backend or act_quant, or a block size it cannot use.
     """
 
     block_size = DEFAULT_BLOCK  # class defaults: modules pickled before these attributes existed still load

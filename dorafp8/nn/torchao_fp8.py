@@ -1,17 +1,10 @@
 """Linear layers whose weight torchao quantized to fp8 (`quantize_(model, Float8WeightOnlyConfig())`, or
 Float8DynamicActivationFloat8WeightConfig): their e4m3 bytes and scales, as FP8Linear holds them.
 
-torchao 0.18's Float8Tensor (torchao/quantization/quantize_/workflows/float8/float8_tensor.py) holds `qdata` (the fp8
-values, [out, in]), `scale` (fp32, [out / bn, in / bk]), `block_size` ([bn, bk], the elements one scale covers) and
-`dtype` (the original dtype). Its dequantize() is `qdata.float() * scale` (quant_primitives._dequantize_affine_float8,
-the scale expanded over its block): the scale multiplies, as dorafp8's does, so the bytes and scales are taken as they
-are for per-tensor (PerTensor: block [out, in], scale [1, 1]), per-row (PerRow(): block [1, in], scale [out, 1]) and
-square-block (PerBlock([b, b])) weights. 1 x g groups (PerGroup(g), PerBlock([1, g])) are re-quantized to per-row
-scales with the error measured (group_scales.py says why). Anything else is an error naming what is supported.
-
-torchao is never imported here: a tensor is recognized by its class's module name, so a model without torchao tensors
-costs nothing (torchao takes seconds to import).
-"""
+torchao's Float8Tensor dequantizes as qdata * scale, as dorafp8 does, so per-tensor, per-row and square-block weights
+are taken as they are; 1 x g groups are re-quantized to per-row scales (group_scales.py); anything else raises.
+torchao is never imported here (a tensor is recognized by its class's module name). The fields read:
+docs/ARCHITECTURE.md, "dorafp8/nn/torchao_fp8.py"."""
 
 from __future__ import annotations
 

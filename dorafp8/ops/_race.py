@@ -2,57 +2,10 @@
 process; the fastest of those that computed right.
 Long because the check, its memory plan, the verdict file and the ranks' agreement are one protocol, read together.
 
-Trust on first use. The ops checked: a DoRA layer's step ("dora", its weight norm included), fp8_linear's ("linear"),
-and weight_norm called alone ("norm": PEFT's layers cache their norm that way, and it is the one backend kernel of the
-DoRA convs, whose convolutions are the platform's on a dequantized weight: nothing of theirs is picked here). The
-first call of a key (the op, N, K, M's power-of-two bucket (not for "norm"), r's bucket, bias, scale kind and
-block size, compute and adapter dtypes, dropout p, W8A16 / W8A8, the switch that changes kernels: DORAFP8_HOPPER_GEMM)
-on a GPU looks the key up in a JSON file named after the device (name,
-capability, driver), the torch and Triton versions and a build id (a hash of the kernel sources: dorafp8/backends,
-dorafp8/ops, the Triton kernels, csrc and the built extension). If it is not there, a child process
-(`python -m dorafp8 check SPEC PARENT_PID`, time limit TIMEOUT_S, 300 s) runs each candidate of RACERS that can
-run here, on random inputs of the key's shape (plan(): its first rows of the weight where the whole does not fit the
-memory bound below) at M = 37 and at the largest M up to the key's that fits: y, dx, dA, dB, dm (and db)
-against the fp32 `reference` backend on the same inputs, each element within ROOM * tol(dtype) * (|ref| + max|ref|)
-(tests/_tolerance.py's bound with twice the room its backend-against-reference checks get, since no GPU run has
-measured it at these K: a wrong tile, swizzle or phase is off by the output's scale, far outside; W8A8 at least
-2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians) at the largest M
-that fits, without the reference, one candidate's outputs alive at a time; the pick is the
-first in the static order (triton, cuda, cublas) within MARGIN of the fastest, so that close ones do not flip between
-runs. The verdicts go into the file atomically (re-read and merged:
-several processes may write), and later processes use them without a child.
-
-A candidate that computes wrong values or raises is unusable for that key; one that hangs past the limit (the child is
-killed with its process group) or crashes the child is unusable on this GPU for every key (a kernel that deadlocks
-once would do it again). Each costs one warning naming the backend, the GPU, the versions, the error and the command
-that reproduces it (one per backend and kind of failure in a process: later ones are logged at INFO); later processes
-read the verdict and neither retry nor warn. `auto` never runs a candidate
-without a passing verdict: if none passes, the `reference` backend serves (correct, slow). A result that says nothing
-of the kernel (the child ran out of GPU memory next to the user's job, could not start, or was SIGKILLed from outside:
-the OOM killer, an operator) is used by nobody and not written: the next process checks again. Entries of the file
-that are not verdicts of this shape (a damaged or hand-edited file), and result lines cut short, are dropped: their
-keys are checked again.
-
-Nothing of it runs in the user's process but a file read and a subprocess wait: no tensor is allocated there, no
-kernel launched, nothing enters the autograd graph, hooks, checkpointing, autocast, inference mode, a CUDA graph
-capture or the random stream (the process's extra peak memory is zero, measured). The child's, on the same GPU
-while the user's activations are live, is at most budget(): the layer's own step at the call's M (step_bytes: x, y,
-dy, dx in the compute dtype, the fp8 weight and its scales, the adapters and their gradients), 4 MiB (FLOOR) for a
-layer whose step holds less, and never more than 256 MiB (CAP); plan() sizes what it runs by a cost model
-(trial_bytes, measured by tests/ops/test_race.py; where even 16 rows at M = 1 do not fit, a layer whose adapters are
-most of its step, no child starts and the reference serves the key), a GPU child records its peak with each verdict, and it has ended before the
-step goes on. Its CUDA context (a process of its own) is not counted. Under a torch.compile trace there
-is no child and no file read (either would break the graph), and under a CUDA graph capture no child: a key checked
-in this process is used (under a capture, also the file's verdicts), else the static order, unchecked (run one eager
-step, or `python -m dorafp8 selftest`, first).
-
-Several processes (torch.distributed): the first rank to meet a key claims it in the process group's store (one
-atomic add), resolves it (file or child) and publishes the verdicts; the others wait for them once (no polling, no
-collective: ranks that meet different shapes cannot deadlock). Every rank then runs the same pick.
-
-Off: DORAFP8_RACE=0 (the static order, unchecked); a backend named by `backend=` or $DORAFP8_BACKEND is used as named.
-`python -m dorafp8` prints the verdicts (race_report); `python -m dorafp8 selftest` checks a few headline keys now.
-"""
+The first call of a key looks its verdict up in a file per device and versions, or has a child process check every
+candidate against the reference and time the ones that pass; nothing runs in the user's process but a file read and a
+wait. DORAFP8_RACE=0 turns it off. The protocol, its memory bound and its failure cases: docs/ARCHITECTURE.md,
+"dorafp8/ops/_race.py"."""
 
 from __future__ import annotations
 
@@ -89,7 +42,7 @@ SWITCHES = ("DORAFP8_HOPPER_GEMM",)
 # crashing kernels.
 CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}  # tests/_tolerance.py's tol(dtype)
-ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (module docstring)
+ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (docs/ARCHITECTURE.md)
 W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
@@ -343,7 +296,7 @@ def pick_of(results: dict, cands) -> str:
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend for a call under racing(): its key's pick, checked now in a child if new (module docstring).
+    """The backend for a call under racing(): its key's pick, checked now in a child if new (docs/ARCHITECTURE.md).
     static: what backends.resolve chose; call: spec_of's keywords."""
     if call["M"] == 0:
         return static

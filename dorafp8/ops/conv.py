@@ -1,18 +1,10 @@
 """FP8 convolutions as functional ops with their autograd: fp8_conv and dora_fp8_conv (PEFT's `DoraConv2dLayer`
 semantics; docs/DORA_MATH.md, "Convolutions"). The modules FP8Conv1d / FP8Conv2d / FP8Conv3d are dorafp8/nn/conv.py.
 
-The weight [C_out, C_in/groups, *kernel] is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale
-of dorafp8.quant applies: per tensor (default), per output channel (= per row of the view, `per_row_scale=True`), or
-per b x b block of the view.
-
-How a call runs (any device): the layer's weight is dequantized into a transient tensor in the compute dtype (one
-layer at a time, in fp32 row blocks of at most 16 MiB, so there is never an fp32 copy of a whole large weight; the
-transient is freed when the call returns) and the platform's convolution runs on it (oneDNN on CPU, cuDNN on a GPU).
-Nothing dequantized is kept between the forward and the backward: the backward dequantizes again and takes the input
-gradient with convolution_backward (the transposed convolution). The DoRA weight norm is the backend's `weight_norm`
-op on the 2-D view of the fp8 weight (it never forms [N, K] in full either). The DoRA scalars (c = m / n) and the
-epilogue are fp32; the output has the compute dtype (autocast's, else x's), as in dorafp8.ops.
-"""
+The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view (every scale of dorafp8.quant applies). A call
+dequantizes the layer into a transient in the compute dtype (in fp32 row blocks of at most 16 MiB) and runs the
+platform's convolution on it; nothing dequantized is kept for the backward, which dequantizes again. The DoRA weight
+norm is the backend's `weight_norm` op; the DoRA scalars are fp32, the output has the compute dtype."""
 
 from __future__ import annotations
 
@@ -330,9 +322,19 @@ def _check_conv_args(x, w8, scale, bias, block_size, groups):
 
 def fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0, dilation=1,
              groups: int = 1, *, block_size: int = DEFAULT_BLOCK) -> Tensor:
-    """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics, zero padding given as ints), differentiable in x and bias.
-    w8 [C_out, C_in/groups, *kernel] float8_e4m3fn; scale per tensor, per output channel or per block of the 2-D view.
-    Output in the compute dtype (autocast's, else x's)."""
+    """conv(x, scale * w8) + bias (F.conv1d/2d/3d semantics), differentiable in x and bias.
+
+    Args:
+        x: [batch, C_in, *spatial].
+        w8, scale: the base weight [C_out, C_in/groups, *kernel] float8_e4m3fn and its fp32 scale: per tensor, per
+            output channel or per block of the 2-D view.
+        bias: [C_out], or None.
+        stride, padding, dilation, groups: as F.convNd's (zero padding, given as ints).
+        block_size: b, for block scales.
+
+    Returns:
+        The output in the compute dtype (autocast's, else x's).
+    """
     nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"))
     cdt = compute_dtype(x)
@@ -352,13 +354,26 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
 
         y = m / ||W0 + s L||_channel * (conv(x, W0) + s * conv1x1(conv(x, lora_A), lora_B)) + bias
 
-    x [batch, C_in, *spatial]; w8 [C_out, C_in/groups, *kernel] float8_e4m3fn with its fp32 scale; lora_A
-    [r, C_in, *kernel]; lora_B [C_out, r/groups, 1, ...]; magnitude with C_out elements (PEFT stores [1, C_out, 1, 1]);
-    scaling = lora_alpha / r. The base conv uses stride/padding/dilation/groups (zero padding, ints); lora_A uses
-    lora_stride/lora_padding/lora_dilation (default: the base's; PEFT 0.21's lora_A takes the base's stride and
-    padding and dilation 1), groups 1; lora_B is 1x1 with the base's groups. training and dropout_p > 0: PEFT's dropout
-    semantics (the base term sees x, the DoRA terms see dropout(x)). weight_norm: a precomputed detached norm (fp32
-    [C_out]) to reuse. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires grad)."""
+    Args:
+        x: [batch, C_in, *spatial].
+        w8, scale: the base weight [C_out, C_in/groups, *kernel] float8_e4m3fn and its fp32 scale (as fp8_conv).
+        lora_A, lora_B: [r, C_in, *kernel] and [C_out, r/groups, 1, ...] (1x1, with the base's groups).
+        magnitude: C_out elements (PEFT stores [1, C_out, 1, 1]).
+        scaling: lora_alpha / r.
+        bias: [C_out], or None.
+        stride, padding, dilation, groups: the base conv's (zero padding, ints).
+        lora_stride, lora_padding, lora_dilation: lora_A's (default: the base's; PEFT 0.21's lora_A takes the base's
+            stride and padding and dilation 1); its groups are 1.
+        dropout_p, training: with training=True and dropout_p > 0, PEFT's dropout semantics (the base term sees x,
+            the DoRA terms see dropout(x)).
+        backend: a backend name, or "auto" (dorafp8.BACKENDS).
+        weight_norm: a precomputed detached norm (fp32 [C_out]) to reuse.
+        block_size: b, for block scales.
+
+    Returns:
+        The output in the compute dtype. Gradients flow to x, lora_A, lora_B, magnitude (and bias if it requires
+        grad).
+    """
     nd, scale = _check_conv_args(x, w8, scale, bias, block_size, groups)
     C = w8.shape[0]
     r = lora_A.shape[0] if isinstance(lora_A, torch.Tensor) and lora_A.dim() == nd + 2 else None

@@ -1,20 +1,9 @@
 """DoRA on an FP8 base as autograd Functions over the backend kernels.
 
-Hops from the public API to a kernel:
-    dora_fp8_linear (checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask)  ->
-    torch.ops.dorafp8.* (custom ops, opaque to torch.compile)  ->
-    backend module (dorafp8.backends.reference / dorafp8.triton_kernels / dorafp8.backends.cuda / dorafp8.backends.cublas)
-    ->  kernel.
-
-The formulas are those of docs/DORA_MATH.md (PEFT 0.21 semantics); the backend contract is in dorafp8/backends/base.py.
-
-Dtype policy (docs/DORA_MATH.md, "Dtype policy"): the compute dtype (cdt) of the base path is the autocast dtype when
-autocast is on for x's device, else x's dtype. The rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and
-the adapter gradients) is the autocast dtype under autocast, else the adapters' own dtype, as in PEFT (which casts x to
-lora_A's dtype): fp32 adapters on bf16 activations get an fp32 low-rank path and fp32-accurate dA, dB. The weight
-norm, c = m / n and every accumulation are fp32; the output has the compute dtype, and so has z, the product the
-forward keeps for dm.
-"""
+dora_fp8_linear (checks, dtype policy, weight norm) -> DoRAFP8Function (autograd, dropout mask) -> torch.ops.dorafp8.*
+(custom ops, opaque to torch.compile) -> the backend module -> the kernel. The formulas and the dtype policy (compute
+dtype of the base path, rank dtype of the low-rank path, fp32 norms and accumulation) are docs/DORA_MATH.md's; the
+backend contract is dorafp8/backends/base.py."""
 
 from __future__ import annotations
 
@@ -190,8 +179,18 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
                 global_scale: Optional[Tensor] = None) -> Tensor:
     """n_j = || W0[j] + scaling * (lora_B @ lora_A)[j] ||_2 as fp32 [N], detached, never forming [N, K].
 
-    W0 = scale * w8 with scale [] (per tensor), [N] (per row) or [ceil(N/b), ceil(K/b)] (per b x b block,
-    b = block_size); or a microscaled weight (MXFP8, NVFP4 with its global_scale: dorafp8/quant.py)."""
+    Args:
+        w8, scale: the fp8 base weight [N, K] and its fp32 scale, W0 = scale * w8: scale [] (per tensor), [N] (per
+            row) or [ceil(N/b), ceil(K/b)] (per b x b block); or a microscaled weight (MXFP8, NVFP4: dorafp8/quant.py).
+        lora_A, lora_B: the adapter, [r, K] and [N, r].
+        scaling: lora_alpha / r (or / sqrt(r)).
+        backend: a backend name, or "auto" (dorafp8.BACKENDS).
+        block_size: b, for block scales.
+        global_scale: an NVFP4 weight's fp32 global scale; None otherwise.
+
+    Returns:
+        The norms, fp32 [N], with no autograd history.
+    """
     N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
@@ -211,11 +210,26 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *,
                backend: str | None = "auto", block_size: int = DEFAULT_BLOCK, act_quant: str | None = None,
                global_scale: Optional[Tensor] = None) -> Tensor:
-    """x W0^T + bias without dequantizing w8 to memory; differentiable in x (and bias). global_scale: an NVFP4
-    weight's (w8 packed uint8, scale e4m3; dorafp8/quant.py, "Microscaled weights").
+    """x W0^T + bias without dequantizing w8 to memory; differentiable in x (and bias).
 
-    act_quant="rowwise" quantizes x (and the gradient, in the backward) per row to e4m3 for the base GEMM (W8A8,
-    fp8 tensor cores; see docs/DORA_MATH.md for its accuracy); the default keeps activations in the compute dtype."""
+    Args:
+        x: [..., K], fp32 / bf16 / fp16.
+        w8, scale: the fp8 base weight [N, K] and its scale, as for dora_fp8_linear.
+        bias: [N], or None.
+        backend: a backend name, or "auto" (dorafp8.BACKENDS).
+        block_size: b, for block scales.
+        act_quant: None (activations in the compute dtype) or "rowwise": x (and, in the backward, the gradient)
+            quantized per row to e4m3 for the base GEMM (W8A8, fp8 tensor cores; accuracy: docs/DORA_MATH.md).
+        global_scale: an NVFP4 weight's fp32 global scale (w8 packed uint8, scale e4m3; dorafp8/quant.py,
+            "Microscaled weights"); None otherwise.
+
+    Returns:
+        [..., N] in the compute dtype (autocast's, else x's).
+
+    Raises:
+        TypeError, ValueError: as dora_fp8_linear, naming the argument and what it expected.
+        RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
+    """
     N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     if bias is not None:
@@ -241,18 +255,34 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
                     global_scale: Optional[Tensor] = None) -> Tensor:
     """PEFT's DoRA Linear on an fp8 base:  y = m / ||W0 + s B A||_row * (x W0^T + s (x A^T) B^T) + bias.
 
-    x [..., K] (fp32/bf16/fp16); w8 [N, K] float8_e4m3fn with its fp32 scale ([] per tensor, [N] per row, or
-    [ceil(N/b), ceil(K/b)] per b x b block with b = block_size); lora_A [r, K]; lora_B [N, r]; magnitude [N];
-    scaling = lora_alpha / r (or / sqrt(r)). With training=True and dropout_p > 0, PEFT's dropout semantics: the base
-    term sees x, the DoRA terms see dropout(x).
-    weight_norm: a precomputed detached norm (fp32 [N]) to reuse, e.g. across gradient-accumulation steps; it must
-    equal dorafp8.weight_norm(w8, scale, lora_A, lora_B, scaling) for the current adapter weights.
-    act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs on fp8 tensor cores; the low-rank path, the
-    norm and every gradient of A, B, m stay in their dtypes).
-    global_scale: an NVFP4 weight's fp32 global scale (w8 packed uint8 [N, K/2], scale e4m3 [N, K/16]); an MXFP8
-    weight is w8 e4m3 with an e8m0 scale [N, ceil(K/32)] (dorafp8/quant.py, "Microscaled weights").
-    Returns [..., N] in the compute dtype (see the module docstring). Gradients flow to x, lora_A, lora_B,
-    magnitude (and bias if it requires grad); w8 and scale are frozen.
+    Args:
+        x: [..., K], fp32 / bf16 / fp16.
+        w8: the frozen base weight, [N, K] float8_e4m3fn; or a microscaled one (see global_scale).
+        scale: w8's fp32 scale, W0 = scale * w8: [] per tensor, [N] per row, or [ceil(N/b), ceil(K/b)] per b x b block.
+        lora_A, lora_B, magnitude: the adapter, [r, K], [N, r] and [N].
+        scaling: lora_alpha / r (or / sqrt(r)).
+        bias: [N], or None.
+        dropout_p, training: with training=True and dropout_p > 0, PEFT's dropout semantics: the base term sees x,
+            the DoRA terms see dropout(x).
+        backend: a backend name, or "auto" (dorafp8.BACKENDS).
+        weight_norm: a precomputed detached norm (fp32 [N]) to reuse, e.g. across gradient-accumulation steps; it
+            must equal dorafp8.weight_norm(w8, scale, lora_A, lora_B, scaling) for the current adapter weights.
+        block_size: b, for block scales.
+        act_quant: None (W8A16, the default) or "rowwise" (W8A8 base GEMMs on fp8 tensor cores; the low-rank path,
+            the norm and every gradient of A, B, m stay in their dtypes).
+        global_scale: an NVFP4 weight's fp32 global scale (w8 packed uint8 [N, K/2], scale e4m3 [N, K/16]); an MXFP8
+            weight is w8 e4m3 with an e8m0 scale [N, ceil(K/32)] (dorafp8/quant.py, "Microscaled weights").
+
+    Returns:
+        [..., N] in the compute dtype (autocast's, else x's; docs/DORA_MATH.md, "Dtype policy"). Gradients flow to x,
+        lora_A, lora_B, magnitude (and bias if it requires grad); w8 and scale are frozen.
+
+    Raises:
+        TypeError: a tensor of another dtype than expected, or a scaling that is not a real number.
+        ValueError: a shape that does not fit (the message names the argument and the shape expected), inputs on
+            different devices, dropout_p outside [0, 1), an unknown backend or act_quant, or a named backend that
+            cannot compute this call (block scales, W8A8).
+        RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
     """
     N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)

@@ -1,19 +1,10 @@
 """PEFT's LoRA layer interface across the releases dorafp8's layers support, 0.18 to 0.21 (LLaMA-Factory 0.9.5 pins
-peft 0.18.x in its wheel and accepts up to 0.20 in its version check). Where they differ for what dorafp8 touches:
+peft 0.18.x): how a layer gets its options (a LoraConfig from 0.19, separate keywords in 0.18), how it picks its
+variant (`lora_variants` from 0.20, `resolve_lora_variant` before), and how its in/out features and adapter dtype are
+found (the layer is asked from 0.19; 0.18 reads them with functions that do not know fp8 layers).
 
-- how a layer gets its options: peft >= 0.19 passes the LoraConfig (`config=`) to the constructor and to
-  `update_layer`; 0.18 passes each option separately (`lora_dropout=`, `use_dora=`, ...).
-- how a layer picks its variant: peft >= 0.20 looks the requested options up in the layer's `lora_variants`; 0.18 and
-  0.19 call each layer class's own `resolve_lora_variant`, which returns PEFT's DoRA variant (DoRAFP8Layer swaps it
-  for its own).
-- in/out features and the adapters' device and dtype: peft >= 0.19 asks the layer (`_get_in_out_features`,
-  `_get_base_layer_device_and_dtype`); 0.18 reads them with functions that do not know the fp8 layers (it would cast
-  new adapters to the base weight's dtype, e4m3).
-
-Read from each release's own source (0.18.0 and 0.18.1 differ in none of these). tests/peft/test_peft.py and
-test_conv.py pass with 0.18.1, 0.19.1, 0.20.0 and 0.21.2; CI runs them with 0.21 (README's venv) and test_peft.py with
-the 0.18.1 LLaMA-Factory installs (.ci/llamafactory.sh, with LLaMA-Factory's own CLI; docs/TESTING.md).
-"""
+Read from each release's own source; tests/peft/test_peft.py and test_conv.py pass with 0.18.1, 0.19.1, 0.20.0 and
+0.21.2 (docs/TESTING.md)."""
 
 from __future__ import annotations
 

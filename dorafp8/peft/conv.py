@@ -1,14 +1,10 @@
 """PEFT integration for convolutions: DoRAFP8Conv1d / DoRAFP8Conv2d / DoRAFP8Conv3d, PEFT's own `lora.Conv1d/2d/3d`
 on an FP8 conv base (dorafp8/nn/conv.py).
 
-Everything PEFT does around a conv LoRA layer keeps working, with PEFT 0.21's exact layout: lora_A is an nn.ConvNd
-[r, C_in, *kernel] with the base's stride and padding (PEFT gives it dilation 1 and groups 1), lora_B a 1 x 1 nn.ConvNd
-[C_out, r/groups, 1, ...] with the base's groups, the DoRA magnitude `lora_magnitude_vector.<name>.weight` has shape
-[1, C_out, 1, ...] (PEFT's DoraConvNdLayer), so the adapter files are PEFT's. What changes: the base is an FP8 conv,
-the magnitude starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero
-padding) is one dorafp8 call (dorafp8.nn.conv.dora_fp8_conv): no dense B A, no dense W0 + s B A, no dequantized
-weight kept for the backward.
-"""
+PEFT 0.21's layout is kept exactly (lora_A, lora_B and `lora_magnitude_vector` as PEFT's DoraConvNdLayer shapes them),
+so the adapter files are PEFT's. What changes: the base is an FP8 conv, the magnitude starts from the fp8 weight's
+norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one dora_fp8_conv call, with no
+dense B A, no dense W0 + s B A and no dequantized weight kept for the backward."""
 
 from __future__ import annotations
 

@@ -26,10 +26,23 @@ from .linear import DoRAFP8Linear
 
 
 def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> int:
-    """Swaps every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a DoRAFP8Linear, and
-    every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py), quantizing its base weight to fp8,
-    in place (a base torchao quantized to fp8, PEFT's TorchaoLoraLinear, keeps its bytes and scales:
-    dorafp8/nn/torchao_fp8.py). Returns how many layers were swapped."""
+    """Swaps, in place, every PEFT DoRA Linear in `peft_model` (on nn.Linear or transformers' Conv1D) for a
+    DoRAFP8Linear, and every PEFT DoRA Conv1d/2d/3d for a DoRAFP8Conv1d/2d/3d (dorafp8/peft/conv.py), quantizing its
+    base weight to fp8 (a base torchao quantized to fp8, PEFT's TorchaoLoraLinear, keeps its bytes and scales:
+    dorafp8/nn/torchao_fp8.py). All or nothing: every layer is checked before the first swap.
+
+    Args:
+        peft_model: a PeftModel (or any module holding PEFT DoRA layers).
+        backend: the backend name the new layers' ops use ("auto" by default).
+        per_row_scale: one scale per output row (per output channel for convs) instead of one per tensor.
+
+    Returns:
+        How many layers were swapped (a warning if none).
+
+    Raises:
+        ValueError: an unknown backend, or a layer it cannot convert (merged adapters, another variant, a base it
+            cannot quantize); the message names the layer.
+    """
     check_backend_name(backend)
     names = [name for name, mod in peft_model.named_modules()
              if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)

@@ -206,6 +206,17 @@ def test_module_size(name):
         assert "Long because" in head, f"{MODULES[name].relative_to(ROOT)} has {n} lines and no 'Long because' reason"
 
 
+def test_module_docstrings_are_short():
+    """A module (dorafp8/, triton_kernels/, csrc/) opens with what it is for, in at most ~8 lines (10 allowed); its
+    rationale and history go to docs/ARCHITECTURE.md ("Design notes, by module") or docs/INSPECT.md."""
+    long = []
+    for path in sorted([*MODULES.values(), *(ROOT / "csrc").glob("*.py")]):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc and len(doc.splitlines()) > 10:
+            long.append(f"{path.relative_to(ROOT)}: {len(doc.splitlines())} lines")
+    assert not long, "module docstrings over 10 lines:\n" + "\n".join(long)
+
+
 def _pyproject() -> dict:
     try:
         import tomllib
