@@ -326,10 +326,11 @@ def _measure(section, key, cases) -> int:
 
 def race() -> int:
     """backend="auto" as a user meets it: the first call of a key checks the candidates in a child process
-    (dorafp8/ops/_race.py) and runs the pick; later calls read it. Records the verdicts and what the first call cost."""
+    (dorafp8/backends/race.py) and runs the pick; later calls read it. Records the verdicts and what the first call
+    cost."""
     import dorafp8
     from dorafp8 import backends
-    from dorafp8.ops import _race
+    from dorafp8.backends import race as _race
 
     os.environ.update(DORAFP8_RACE="1", DORAFP8_CACHE_DIR=os.path.join(WORK, "race"))
     if SMOKE:

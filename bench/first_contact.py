@@ -75,7 +75,7 @@ STEPS = {
         Step("time", 45, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
              grows=True, compiles="none new (the correct step's kernels, Triton's disk cache)"),
         Step("race", 40, "backend='auto' at M 8192: its first call checks and times the candidates in a child "
-                         "process (dorafp8/ops/_race.py); the verdicts, the pick and what that first call cost",
+                         "process (dorafp8/backends/race.py); the verdicts, the pick and what that first call cost",
              compiles="the child's: the correct step's kernels again at M 8192 and 37 (Triton's disk cache)"),
         Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192",
              compiles="none new"),

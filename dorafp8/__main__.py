@@ -41,7 +41,7 @@ def report() -> str:
 
 
 def race_lines() -> list[str]:
-    """What backend="auto" picked on this machine's GPUs, and how the other candidates timed (dorafp8/ops/_race.py)."""
+    """What backend="auto" picked on this machine's GPUs, and how the other candidates timed (backends/race.py)."""
     from dorafp8.ops import race_report
 
     return race_report()
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import main as run
 
         return run(argv[1:])
-    if argv and argv[0] in ("selftest", "check"):  # dorafp8/ops/_race.py: check kernels on this GPU now
+    if argv and argv[0] in ("selftest", "check"):  # dorafp8/backends/race.py: check kernels on this GPU now
         from .ops import race_check, race_selftest
 
         if argv[0] == "check":  # the child backend="auto" runs (and the command its warnings print)

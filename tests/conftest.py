@@ -9,7 +9,7 @@ import torch
 # any @triton.jit kernel is defined, i.e. before dorafp8.triton_kernels is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# On a GPU backend="auto" checks the backends in a child process at each new key (dorafp8/ops/_race.py): the tests run
+# On a GPU backend="auto" checks the backends in a child process at each new key (dorafp8/backends/race.py): the tests run
 # the static order, the same on every run; tests/ops/test_race.py turns the checks on where it tests them.
 os.environ.setdefault("DORAFP8_RACE", "0")
 

@@ -2,8 +2,9 @@
 
 Every backend is a module implementing the contract of dorafp8/backends/base.py, plus `unavailable_reason(device)` and
 optionally `SUPPORTS`. backend="auto" means $DORAFP8_BACKEND if set, else, on a GPU, the fastest checked backend
-(dorafp8/ops/_race.py) with resolve()'s static order where nothing is checked; native on CPU. A backend named by the
-user that cannot run, or cannot compute what the call needs, raises; under "auto" it is passed over.
+(backends/race.py, whose select() decides each call) with resolve()'s static order where nothing is checked; native
+on CPU. A backend named by the user that cannot run, or cannot compute what the call needs, raises; under "auto" it is
+passed over.
 Details: docs/ARCHITECTURE.md, "dorafp8/backends/__init__.py"."""
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
-    # The static order: triton's kernels are autotuned, so it goes first; ops/_race.py checks and measures instead.
+    # The static order: triton's kernels are autotuned, so it goes first; backends/race.py checks and measures instead.
     # The microscaled weights (MXFP8, NVFP4), which neither fused backend computes yet, go to the cuBLAS strategy
     # (its dequantize unpacks them in tiles: triton_kernels/dequant_micro.py); fp8 keeps the order it had.
     micro = ("cublas",) if needs & {"mxfp8", "nvfp4"} else ()

@@ -1,4 +1,4 @@
-"""The child process of dorafp8/ops/_race.py, `python -m dorafp8 check SPEC`: each candidate backend of SPEC against
+"""The child process of dorafp8/backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend of SPEC against
 the fp32 reference backend on random inputs of SPEC's key (y and every gradient), then the passing ones timed in
 interleaved rounds, at the shapes _race.plan gives so that it holds at most _race.budget. It writes "dorafp8-race
 start C" before each run of C (so that the parent can blame the one that hangs or crashes it) and "dorafp8-race
@@ -13,9 +13,9 @@ import time
 
 import torch
 
+from ..backends import race as _race
+from ..backends.race import ROOM, ROUNDS, TOL, W8A8_REL, plan
 from ..quant import E4M3, quantize_mxfp8, quantize_nvfp4, row_blocks
-from . import _race
-from ._race import ROOM, ROUNDS, TOL, W8A8_REL, plan
 from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 

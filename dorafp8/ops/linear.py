@@ -7,6 +7,7 @@ backend contract is dorafp8/backends/base.py."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -14,9 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
-from . import _race
 from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype, row_scale,
                       rows)
 
@@ -196,12 +197,9 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
     _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B, global_scale=global_scale)
-    needs = backend_needs(scale, "")
-    name = backends.resolve(backend, w8.device, needs)
-    if _race.racing(backend, w8.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
-        rdt = torch.promote_types(lora_A.dtype, lora_B.dtype)
-        name = _race.choose("norm", name, w8.device, needs, N=N, K=K, M=1, r=r, scale=scale_kind(scale),
-                            block=block_size, cdt=rdt, rdt=rdt)
+    rdt = torch.promote_types(lora_A.dtype, lora_B.dtype)
+    name = race.select("norm", backend, w8.device, backend_needs(scale, ""), N=N, K=K, M=1, r=r,
+                       scale=scale_kind(scale), block=block_size, cdt=rdt, rdt=rdt)
     with torch.no_grad():
         return _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), float(scaling),
                                    block_size=block_size, backend=name, global_scale=global_scale)
@@ -237,13 +235,11 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     _check_device(x, w8=w8, scale=scale, bias=bias, global_scale=global_scale)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
-    needs = backend_needs(scale, mode, cdt)
-    name = backends.resolve(backend, x.device, needs)
+    name = race.select("linear", backend, x.device, backend_needs(scale, mode, cdt), N=N, K=K,
+                       M=math.prod(x.shape[:-1]), bias=bias is not None, scale=scale_kind(scale), block=block_size,
+                       cdt=cdt, act_quant=mode)
     x2d = rows(x.reshape(-1, K).to(cdt))
     b = None if bias is None else bias.to(cdt)
-    if _race.racing(backend, x.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
-        name = _race.choose("linear", name, x.device, needs, N=N, K=K, M=x2d.shape[0], bias=b is not None,
-                            scale=scale_kind(scale), block=block_size, cdt=cdt, act_quant=mode)
     y = FP8LinearFunction.apply(x2d, w8, scale, b, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
 
@@ -303,15 +299,13 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "
                          f"{list(getattr(weight_norm, 'shape', []))}")
     cdt = compute_dtype(x)
-    needs = backend_needs(scale, mode, cdt)
-    name = backends.resolve(backend, x.device, needs)
     rdt = rank_dtype(x, lora_A, lora_B)
-    x2d = rows(x.reshape(-1, K).to(cdt))
     p = float(dropout_p) if training else 0.0
+    name = race.select("dora", backend, x.device, backend_needs(scale, mode, cdt), N=N, K=K,
+                       M=math.prod(x.shape[:-1]), r=r, bias=bias is not None, scale=scale_kind(scale),
+                       block=block_size, cdt=cdt, rdt=rdt, p=p, act_quant=mode)
+    x2d = rows(x.reshape(-1, K).to(cdt))
     b, A, B, s = None if bias is None else bias.to(cdt), lora_A.to(rdt), lora_B.to(rdt), float(scaling)
-    if _race.racing(backend, x.device):  # backend="auto" on a GPU: a kernel checked there (ops/_race.py)
-        name = _race.choose("dora", name, x.device, needs, N=N, K=K, M=x2d.shape[0], r=r, bias=b is not None,
-                            scale=scale_kind(scale), block=block_size, cdt=cdt, rdt=rdt, p=p, act_quant=mode)
     if weight_norm is None:
         n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name,
                                 global_scale=global_scale)

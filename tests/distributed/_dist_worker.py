@@ -342,12 +342,12 @@ def run_trainer_reentrant_gc(out):
 
 
 def run_race(out):
-    """backend="auto" on a GPU checks kernels in a child process (dorafp8/ops/_race.py), with the CPU made a device
+    """backend="auto" on a GPU checks kernels in a child process (dorafp8/backends/race.py), with the CPU made a device
     that races native against reference and a fake child that answers at once, each rank's child preferring another
     backend (rank 0's reference, rank 1's native). Both ranks meet a key at once: one child runs, every rank gets its
     verdict. Keys the other rank never meets: each rank resolves its own, nobody waits for the other."""
     from dorafp8 import backends
-    from dorafp8.ops import _race
+    from dorafp8.backends import race as _race
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     _race.RACERS["cpu"] = ("native", "reference")
@@ -385,12 +385,12 @@ def run_race(out):
 
 def _race_first_steps(out, wrap):
     """The model's first steps under a wrapper (DDP, FSDP2) with backend="auto" checking kernels in a child
-    (dorafp8/ops/_race.py; the CPU made a device that races native against reference, a fake child that prefers
+    (dorafp8/backends/race.py; the CPU made a device that races native against reference, a fake child that prefers
     native, the static order's pick, on both ranks), then the same steps with DORAFP8_RACE=0: losses, this rank's
     adapter values (its shards under FSDP2) and the backends run, each time; and the keys each rank's children
     checked."""
     from dorafp8 import backends
-    from dorafp8.ops import _race
+    from dorafp8.backends import race as _race
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     _race.RACERS["cpu"] = ("native", "reference")

@@ -417,7 +417,7 @@ def test_hf_trainer_reentrant_gradient_checkpointing_with_ddp_find_unused_parame
 
 
 def test_race_verdicts_are_shared(tmp_path):
-    """backend="auto"'s kernel checks under torch.distributed (dorafp8/ops/_race.py): two ranks meeting a key at once
+    """backend="auto"'s kernel checks under torch.distributed (dorafp8/backends/race.py): two ranks meeting a key at once
     run one child between them and both run its pick, though each rank's own child would pick another; a key only
     one rank meets is resolved by that rank without waiting for the other (no deadlock: the job ends)."""
     r0, r1 = _launch("race", tmp_path)

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m dorafp8 check SPEC` (dorafp8/ops/_race.py's child) that plants a bad kernel:
+"""A stand-in for `python -m dorafp8 check SPEC` (dorafp8/backends/race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
 its second forward with "crash-second") or slow (0.2 s more)."""

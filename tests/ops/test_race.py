@@ -1,4 +1,4 @@
-"""backend="auto" on a GPU runs only kernels checked there, in a child process (dorafp8/ops/_race.py), tested on CPU:
+"""backend="auto" on a GPU runs only kernels checked there, in a child process (dorafp8/backends/race.py), tested on CPU:
 the CPU made a device that races (`native`, or `native` and `reference`, as candidates), and the child either the
 real one with a planted bad kernel (tests/ops/_race_child.py: wrong, hanging, crashing, slow) or a fake that only
 prints verdicts (cheap: no torch import). What is checked: a wrong kernel is never picked; a hanging or crashing one
@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dorafp8
 from dorafp8 import backends
-from dorafp8.ops import _race
+from dorafp8.backends import race as _race
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N, K, r, s = 24, 32, 4, 0.5

@@ -5,7 +5,7 @@ Long because the check, its memory plan, the verdict file and the ranks' agreeme
 The first call of a key looks its verdict up in a file per device and versions, or has a child process check every
 candidate against the reference and time the ones that pass; nothing runs in the user's process but a file read and a
 wait. DORAFP8_RACE=0 turns it off. The protocol, its memory bound and its failure cases: docs/ARCHITECTURE.md,
-"dorafp8/ops/_race.py"."""
+"dorafp8/backends/race.py"."""
 
 from __future__ import annotations
 
@@ -56,6 +56,15 @@ def racing(backend: str | None, device: torch.device) -> bool:
     $DORAFP8_BACKEND, DORAFP8_RACE not 0, a device type that races."""
     return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
             and os.environ.get("DORAFP8_RACE", "1") != "0")
+
+
+def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
+    """The backend one call of `op` ("dora", "linear", "norm") runs, decided here once per call: `backend` or
+    $DORAFP8_BACKEND if either names one (backends.resolve refuses it, with the reason, where it cannot run or lacks
+    what the call `needs`); else, where racing(), the pick checked for the call's key (choose; call: spec_of's
+    keywords); else the static order (backends.resolve)."""
+    static = backends.resolve(backend, device, needs)
+    return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
 
 TIMEOUT_S = 300.0  # what a child may take: a kernel that hangs is dropped on this GPU after it
@@ -420,7 +429,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (ops/_race.py, TIMEOUT_S) and was killed", True
+        return out, f"it did not finish within {limit:g} s (backends/race.py, TIMEOUT_S) and was killed", True
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise
