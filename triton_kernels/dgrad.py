@@ -109,38 +109,29 @@ def dora_dgrad_kernel(
     # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_k = tl.cdiv(K, BLOCK_K)
-    if MAIN_LOOP == "async-copy":
-        pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M)
-        _dgrad_tile(pid_m, pid_k, None, None, None, None, None,
+    gl_desc, gb_desc, w_desc, v_desc, a_desc = None, None, None, None, None  # "async-copy": pointers
+    first, last, step = 0, 1, 1  # "async-copy": a program per tile, so the tile loop runs once (folded away)
+    if MAIN_LOOP != "async-copy":
+        # w_ptr is W8^T [K, N] (hopper.transpose_w8), so the W8 tile is rows of it, as in the forward; descriptors
+        # made once per program, TMA zero-fills outside the tensors. The tile loop as in the forward.
+        gl_desc = tl.make_tensor_descriptor(gl_ptr, [M, N], [stride_gl_m, 1], [BLOCK_M, BLOCK_N])
+        gb_desc = gl_desc
+        if HAS_DROPOUT:
+            gb_desc = tl.make_tensor_descriptor(gb_ptr, [M, N], [stride_gb_m, 1], [BLOCK_M, BLOCK_N])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [stride_w, 1], [BLOCK_K, BLOCK_N])
+        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_dgrad_epilogue)
+            v_desc = tl.make_tensor_descriptor(v_ptr, [M, R], [stride_v_m, 1], [BLOCK_M, BLOCK_R])
+            a_desc = tl.make_tensor_descriptor(a_ptr, [R, K], [stride_a_r, 1], [BLOCK_R, BLOCK_K])
+        first, last, step = tl.program_id(0), num_pid_m * num_pid_k, tl.num_programs(0)
+    for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
+        pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
+        _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
                     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr,
                     mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
                     stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
                     HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
                     W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K, BLOCK_N,
                     MAIN_LOOP)
-    else:
-        # w_ptr is W8^T [K, N] (hopper.transpose_w8), so the W8 tile is rows of it, as in the forward; descriptors
-        # made once per program, TMA zero-fills outside the tensors.
-        gl_desc = tl.make_tensor_descriptor(gl_ptr, [M, N], [stride_gl_m, 1], [BLOCK_M, BLOCK_N])
-        gb_desc = gl_desc
-        if HAS_DROPOUT:
-            gb_desc = tl.make_tensor_descriptor(gb_ptr, [M, N], [stride_gb_m, 1], [BLOCK_M, BLOCK_N])
-        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [stride_w, 1], [BLOCK_K, BLOCK_N])
-        v_desc = None
-        a_desc = None
-        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_dgrad_epilogue)
-            v_desc = tl.make_tensor_descriptor(v_ptr, [M, R], [stride_v_m, 1], [BLOCK_M, BLOCK_R])
-            a_desc = tl.make_tensor_descriptor(a_ptr, [R, K], [stride_a_r, 1], [BLOCK_R, BLOCK_K])
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_k, tl.num_programs(0),
-                             warp_specialize=MAIN_LOOP == "tma-ws"):
-            pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, tile)
-            _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
-                        gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr,
-                        a_ptr, mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n,
-                        stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                        HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT,
-                        IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K,
-                        BLOCK_N, MAIN_LOOP)
 
 
 @triton.jit

@@ -147,16 +147,9 @@ def dora_fwd_kernel(
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if MAIN_LOOP == "async-copy":
-        pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M)
-        _fwd_tile(pid_m, pid_n, None, None, None, None, None,
-                  x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
-                  z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
-                  stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
-                  DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
-                  BLOCK_K, MAIN_LOOP)
-    else:
+    x_desc, xm_desc, w_desc, u_desc, b_desc = None, None, None, None, None  # "async-copy": pointers
+    first, last, step = 0, 1, 1  # "async-copy": a program per tile, so the tile loop runs once (folded away)
+    if MAIN_LOOP != "async-copy":
         # Descriptors made once per program; TMA zero-fills outside [M, K] and [N, K] (hopper.tma_ready checked
         # the alignment it needs). The tile loop: this program's tiles in grouped order, every num_programs-th.
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_x_m, 1], [BLOCK_M, BLOCK_K])
@@ -164,21 +157,19 @@ def dora_fwd_kernel(
         if HAS_DROPOUT:
             xm_desc = tl.make_tensor_descriptor(xm_ptr, [M, K], [stride_xm_m, 1], [BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_w_n, 1], [BLOCK_N, BLOCK_K])
-        u_desc = None
-        b_desc = None
         if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_lora_into says why)
             u_desc = tl.make_tensor_descriptor(u_ptr, [M, R], [stride_u_m, 1], [BLOCK_M, BLOCK_R])
             b_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_b_n, 1], [BLOCK_N, BLOCK_R])
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
-                             warp_specialize=MAIN_LOOP == "tma-ws"):
-            pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M, tile)
-            _fwd_tile(pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,
-                      x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
-                      z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
-                      stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
-                      HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
-                      DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
-                      BLOCK_K, MAIN_LOOP)
+        first, last, step = tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)
+    for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
+        pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
+        _fwd_tile(pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,
+                  x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
+                  z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
+                  stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
+                  HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
+                  DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
+                  BLOCK_K, MAIN_LOOP)
 
 
 @triton.jit
