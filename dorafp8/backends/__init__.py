@@ -34,7 +34,7 @@ def _import(name: str) -> ModuleType:
     """The module that implements backend `name` (one of BACKENDS), by a plain import, made on first use: Triton and
     the CUDA extension are optional and slow to import."""
     if name == "triton":
-        from .. import triton_kernels as mod  # triton_kernels/ in the repository
+        import dorafp8.triton_kernels as mod  # triton_kernels/ in the repository
     elif name == "cublas":
         from . import cublas as mod
     elif name == "cuda":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import triton_kernels as tk
+import dorafp8.triton_kernels as tk
 from .base import matmul_rows, not_supported
 from ..quant import E4M3, MICRO_KINDS, row_blocks, scale_kind, weight_dims
 from ..triton_kernels.dequant import dequant_w8

@@ -20,7 +20,7 @@ from . import cuda_build
 from .base import empty as _empty, magnitude_scale, not_supported
 
 try:
-    from dorafp8 import _C
+    import dorafp8._C as _C
 except ImportError as e:  # not built (CPU-only install, isolated build) or built against another torch
     _C = None
     _IMPORT_ERROR: Optional[BaseException] = e
@@ -118,7 +118,7 @@ def rank_ops(device: torch.device) -> ModuleType:
     from . import reference
 
     try:
-        from .. import triton_kernels
+        import dorafp8.triton_kernels as triton_kernels
     except Exception:  # triton missing, or failing to initialise: the registry treats both as unavailable
         return reference
     return triton_kernels if triton_kernels.unavailable_reason(device) is None else reference

@@ -69,7 +69,7 @@ def _imports(name: str):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("dorafp8"):
+                if a.name.startswith("dorafp8") and a.name not in EXTENSIONS:
                     yield a.name, None, node.lineno
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(name, node.level, node.module) if node.level else (node.module or "")
