@@ -166,6 +166,7 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
     extras = _layer_extras(state_dict)
     tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k)}
     keys, converted = row_map(model, {k: v.shape for k, v in tensors.items()})
+    known = set(model.state_dict())
     out, used, errors = {}, set(), []
     for k, tag in converted.items():
         ok = isinstance(tag, torch.Tensor) and tag.dtype == torch.int64
@@ -175,6 +176,9 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
             continue
         srcs = [keys[i] for i in src]
         used |= set(srcs)
+        if k not in known:  # a key the converter passes through unrenamed (Wan FLF2V's img_emb.emb_pos)
+            errors.append(f"{srcs[0]!r}: diffusers' conversion for {name} names it {k!r}, which {name} does not have")
+            continue
         if tag.dim() == 0:
             out[k] = tensors[srcs[0]]
             continue

@@ -121,6 +121,28 @@ def test_flux_trains_dora_like_peft_on_the_dequantized_model(flux_file):
     _train_like_peft(model, ref, ["to_q", "to_v", "proj_mlp", "ff.net.2"], _flux_inputs(), (1, 4, 8))
 
 
+def test_flux_kontext_file_loads_and_trains_with_reference_image_tokens(flux_file):
+    """A Flux.1 Kontext [dev] file has Flux.1 [dev]'s keys and shapes (BFL's one Flux class; diffusers reads it as
+    flux-dev, infer_diffusers_model_type): what differs is the input, the reference image's latent tokens appended
+    to the noisy ones, their position ids offset by 1 in the first axis (FluxKontextPipeline). Loaded in place, the
+    model computes on those inputs what diffusers' conversion of the dequantized file computes, and trains like PEFT."""
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    sd, ref = flux_file
+    assert infer_diffusers_model_type(sd) == "flux-dev"
+    inputs = _flux_inputs()
+    image = torch.randn(1, 4, layouts.flux_config()["in_channels"], generator=torch.Generator().manual_seed(7))
+    inputs["hidden_states"] = torch.cat([inputs["hidden_states"], image], dim=1)
+    ids = torch.zeros(8, 3)
+    ids[4:, 0] = 1  # the reference image's tokens
+    ids[:, 1], ids[:, 2] = torch.arange(8) % 4 // 2, torch.arange(8) % 2
+    inputs["img_ids"] = ids
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    _check_in_place(model, sd, ref, inputs)
+    _train_like_peft(model, ref, ["to_q", "to_k", "proj_mlp"], inputs, (1, 8, 8))
+
+
 def _unet_inputs(sdxl):
     g = torch.Generator().manual_seed(1)
     x = dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([500]),
@@ -160,6 +182,12 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
 _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
     "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
             ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "wan21_i2v": (lambda: layouts.wan_model("wan21_i2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                  ["to_q", "add_k_proj", "add_v_proj", "image_embedder.ff.net.0.proj"], (1, 4, 2, 4, 4)),
+    "wan22_i2v": (lambda: layouts.wan_model("wan22_i2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                  ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "wan22_ti2v": (lambda: layouts.wan_model("wan22_ti2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                   ["to_q", "to_v", "ffn.net.2", "proj_out"], (1, 12, 2, 4, 4)),
     "ltx": (lambda: tiny.build("ltx"), layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers",
             ["to_q", "to_v", "ff.net.2"], (1, 16, 8)),
     "sd35": (layouts.sd35_model, layouts.sd3_key, "convert_sd3_transformer_checkpoint_to_diffusers",
@@ -216,6 +244,47 @@ def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
             assert torch.equal(rows, sd[k].view(torch.uint8)), k
             assert all(model.get_submodule(n).scale == sd[k[:-len("weight")] + "scale_weight"] for n in pieces)
     _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_wan22_t2v_experts_load_as_two_models():
+    """Wan 2.2 t2v A14B comes as two files in Wan 2.1's layout, the high-noise and the low-noise expert (ComfyUI's
+    wan2.2_t2v_{high,low}_noise_14B_fp8_scaled): each loads into its own WanTransformer3DModel (diffusers'
+    `transformer` and `transformer_2`), bit-exactly against diffusers' conversion of its own dequantized file."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    models, refs = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        src, inputs = tiny.wan()
+        sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), layouts.wan_key))
+        ref = type(src).from_config(src.config).eval()
+        ref.load_state_dict(convert_wan_transformer_to_diffusers(layouts.dequantize(sd)), strict=True)
+        with init_empty_weights():
+            model = type(ref).from_config(ref.config)
+        load_single_file(model, sd, verbose=False)
+        _check_in_place(model, sd, ref, inputs)
+        models.append(model)
+        refs.append(ref)
+    with torch.no_grad():
+        assert not torch.equal(_out(models[0], inputs), _out(models[1], inputs))  # two experts, not one file twice
+
+
+def test_wan_flf2v_position_embedding_is_refused_naming_key_and_model():
+    """Wan 2.1 FLF2V's img_emb.emb_pos: diffusers' converter (0.42) passes it through unrenamed, so it fits nothing
+    in the model (its condition_embedder.image_embedder.pos_embed): refused naming the file's key and the model,
+    before the model changes."""
+    model, _ = layouts.wan_model("wan21_i2v")
+    cfg = dict(model.config, pos_embed_seq_len=6)
+    src = type(model)(**cfg)
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), layouts.wan_key))
+    assert layouts.COMFY_PREFIX + "img_emb.emb_pos" in sd
+    with torch.device("meta"):
+        target = type(model)(**cfg)
+    with pytest.raises(CheckpointFormatError, match=r"'model\.diffusion_model\.img_emb\.emb_pos'.*"
+                                                    r"WanTransformer3DModel does not have"):
+        load_single_file(target, sd, verbose=False)
+    assert target.condition_embedder.image_embedder.pos_embed.is_meta
 
 
 def test_unmappable_keys_are_refused_naming_key_and_model(flux_file):
@@ -333,7 +402,8 @@ def test_ldm_unet_export_maps_onto_the_ldm_file_as_comfyui_loads_it(sdxl, tmp_pa
     assert any(".input_blocks." in k and k.endswith("in_layers.2.weight") for k in written)  # a dense conv too
 
 
-@pytest.mark.parametrize("family", ["wan", "ltx", "sd35", "hunyuan_video", "hunyuan_video_3072"])
+@pytest.mark.parametrize("family", ["wan", "wan21_i2v", "wan22_ti2v", "ltx", "sd35", "hunyuan_video",
+                                    "hunyuan_video_3072"])
 def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_path):
     sd, ref, model, _ = _own_case(family)
     targets = _OWN_LAYOUTS[family][3]
