@@ -75,12 +75,17 @@ def random_tensors(shapes: dict, seed: int = 0) -> dict:
     return out
 
 
-def comfy_encode(tensors: dict, prefix: str = COMFY_PREFIX) -> dict:
+def comfy_encode(tensors: dict, prefix: str = COMFY_PREFIX, scale_shape: str = "tensor") -> dict:
     """ComfyUI's fp8_scaled encoding of a state dict: every 2-D weight e4m3 with its fp32 `scale_weight` (ComfyUI's
-    per-tensor recipe), the rest as it is, the `scaled_fp8` marker, and ComfyUI's key prefix."""
+    per-tensor recipe; or scale_shape "[out]" / "[out, 1]": one amax / 448 per row, as some converters write), the
+    rest as it is, the `scaled_fp8` marker, and ComfyUI's key prefix."""
     sd = {}
     for k, t in tensors.items():
-        if k.endswith(".weight") and t.dim() == 2:
+        if k.endswith(".weight") and t.dim() == 2 and scale_shape != "tensor":
+            scale = t.abs().amax(1, keepdim=True).float() / torch.finfo(torch.float8_e4m3fn).max
+            sd[prefix + k] = (t / scale).to(torch.float8_e4m3fn)
+            sd[prefix + k[:-len("weight")] + "scale_weight"] = scale if scale_shape == "[out, 1]" else scale[:, 0]
+        elif k.endswith(".weight") and t.dim() == 2:
             sd[prefix + k], sd[prefix + k[:-len("weight")] + "scale_weight"] = _comfy_quantize(t)
         else:
             sd[prefix + k] = t
@@ -94,8 +99,9 @@ def dequantize(sd: dict, prefix: str = COMFY_PREFIX) -> dict:
     for k, t in sd.items():
         if k.endswith(("scale_weight", "scaled_fp8")):
             continue
-        if t.dtype == torch.float8_e4m3fn:
-            t = t.float() * sd[k[:-len("weight")] + "scale_weight"]
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = sd[k[:-len("weight")] + "scale_weight"]
+            t = t.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
         out[k[len(prefix):] if k.startswith(prefix) else k] = t
     return out
 

@@ -56,16 +56,18 @@ def _out(model, inputs):
     return model(**inputs, return_dict=False)[0]
 
 
-def _check_in_place(model, sd, ref, inputs):
-    """`model`, loaded from the comfy file `sd`, holds the file's bytes and scales, equals `ref` (diffusers' own
-    conversion of the dequantized file) bit for bit once dequantized, and computes what it computes."""
+def _check_in_place(model, sd, ref, inputs, per_row=False):
+    """`model`, loaded from the comfy file `sd`, holds the file's bytes and scales (per tensor, or per row), equals
+    `ref` (diffusers' own conversion of the dequantized file) bit for bit once dequantized, and computes what it
+    computes."""
     ref_sd = ref.state_dict()
     fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     assert fp8
     for name in fp8:
         mod = model.get_submodule(name)
-        assert mod.weight.dtype == torch.float8_e4m3fn and mod.scale.dim() == 0, name
-        assert torch.equal(mod.weight.float() * mod.scale, ref_sd[f"{name}.weight"]), name
+        assert mod.weight.dtype == torch.float8_e4m3fn and mod.scale.dim() == int(per_row), name
+        scale = mod.scale[:, None] if per_row else mod.scale
+        assert torch.equal(mod.weight.float() * scale, ref_sd[f"{name}.weight"]), name
     for k, v in model.state_dict().items():
         if v.dtype != torch.float8_e4m3fn and not k.endswith(".scale"):
             assert torch.equal(v, ref_sd[k]), k
@@ -201,15 +203,17 @@ _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' conve
 }
 
 
-def _own_case(family):
+def _own_case(family, scale_shape="tensor", encode=None):
     """(the comfy file in the family's own layout, the reference loaded by diffusers' converter from its dequantized
-    values, the model loaded in place from it, inputs)."""
+    values, the model loaded in place from it, inputs). scale_shape: comfy_encode's; encode(sd) -> sd: the file
+    re-encoded before it is used."""
     from accelerate import init_empty_weights
     from diffusers.loaders import single_file_utils
 
     build, own_key, converter, _, _ = _OWN_LAYOUTS[family]
     src, inputs = build()
-    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key))
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key), scale_shape=scale_shape)
+    sd = encode(sd) if encode else sd
     del src
     ref, _ = build()
     ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
@@ -423,3 +427,137 @@ def test_export_onto_another_file_is_refused(tmp_path):
                                          r"model\.diffusion_model\.joint_blocks\.1\.x_block\.attn\.qkv\.weight"):
         dorafp8.save_single_file_dora(pm, str(out), other)
     assert not out.exists()
+
+
+# ------------------------------------------------------------- what the community's files carry: per-row scales,
+# scale_input, e5m2
+
+def _pieces(model, fp8, own_key, key):
+    """The FP8Linear layers cut from the file's fused `key`, in the file's row order."""
+    pieces = [n for n in fp8 if own_key(n + ".weight")[0] == key[len(layouts.COMFY_PREFIX):]]
+    return [model.get_submodule(n) for n in sorted(pieces, key=lambda n: own_key(n + ".weight")[1])]
+
+
+@pytest.mark.parametrize("scale_shape", ["[out]", "[out, 1]"])
+@pytest.mark.parametrize("family", ["sd35", "hunyuan_video_3072"])
+def test_per_row_scales_are_cut_with_the_rows_of_fused_weights(family, scale_shape):
+    """A file with one scale_weight per row ([out] or [out, 1]) of SD3.5 (fused qkv, the final adaLN's halves swapped
+    by diffusers) and of HunyuanVideo's 3072-wide single block (linear1 = q, k, v and the MLP): each piece keeps its
+    rows' bytes and scales, bit-exact against diffusers' conversion of the dequantized file, and trains like PEFT."""
+    own_key, targets, out_shape = _OWN_LAYOUTS[family][1], _OWN_LAYOUTS[family][3], _OWN_LAYOUTS[family][4]
+    sd, ref, model, inputs = _own_case(family, scale_shape=scale_shape)
+    fp8 = _check_in_place(model, sd, ref, inputs, per_row=True)
+    fused = [k for k in sd if k.endswith(("qkv.weight", "linear1.weight"))]
+    assert fused
+    for k in fused:
+        pieces = _pieces(model, fp8, own_key, k)
+        assert len(pieces) in (3, 4), k
+        assert torch.equal(torch.cat([p.scale for p in pieces]), sd[k[:-len("weight")] + "scale_weight"].reshape(-1))
+    _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_scale_input_is_kept_on_its_layers_and_noted_once(capsys):
+    """ComfyUI's `scale_input` (a static per-tensor activation scale) is not used: dorafp8's W8A8 (act_quant=
+    'rowwise') scales activations per row as it runs. It is never dropped silently: each piece of a fused weight keeps
+    its file's value (written back on save), and the printed report says once why it is not used."""
+    def with_scale_input(sd):
+        weights = [k for k in sd if k.endswith(".scale_weight")]
+        return dict(sd, **{k[:-len("scale_weight")] + "scale_input": torch.tensor(0.01 * (i + 1))
+                           for i, k in enumerate(weights)})
+
+    from dorafp8.checkpoint.single_file import to_diffusers_layout
+
+    sd, ref, _, inputs = _own_case("sd35", encode=with_scale_input)
+    with torch.device("meta"):
+        model = type(ref).from_config(ref.config)
+    capsys.readouterr()
+    report = load_single_file(model, dict(sd), verbose=True)
+    printed = capsys.readouterr().out
+    fp8 = _check_in_place(model, sd, ref, inputs)
+    notes = [line for line in printed.splitlines() if "static activation scales (not used: act_quant='rowwise'" in line]
+    assert len(notes) == 1 and f"{len(fp8)} static activation scales" in notes[0], printed
+    assert len([k for k, why in report.kept.items() if k.endswith(".scale_input")]) == len(fp8)
+    converted = to_diffusers_layout(model, sd)
+    for name in fp8:
+        assert torch.equal(model.get_submodule(name)._dorafp8_source.extras["scale_input"],
+                           converted[name + ".scale_input"]), name
+    q, k, v = _pieces(model, fp8, layouts.sd3_key, layouts.COMFY_PREFIX + "joint_blocks.0.x_block.attn.qkv.weight")
+    file_value = sd[layouts.COMFY_PREFIX + "joint_blocks.0.x_block.attn.qkv.scale_input"]
+    assert all(torch.equal(p._dorafp8_source.extras["scale_input"], file_value) for p in (q, k, v))
+
+
+def _e5m2_file(tensors):
+    """A comfy file in e5m2, as a tool writing e5m2 writes it, of the dense state dict `tensors` (an original layout):
+    each 2-D weight with scale = amax / 57344 (e5m2's largest value), weight / scale cast to float8_e5m2; the marker
+    in e5m2 (ComfyUI reads its dtype)."""
+    out = {}
+    for k, t in tensors.items():
+        if k.endswith(".weight") and t.dim() == 2:
+            scale = t.abs().max() / torch.finfo(torch.float8_e5m2).max
+            out[layouts.COMFY_PREFIX + k] = (t / scale).to(torch.float8_e5m2)
+            out[layouts.COMFY_PREFIX + k[:-len("weight")] + "scale_weight"] = scale
+        else:
+            out[layouts.COMFY_PREFIX + k] = t
+    out[layouts.COMFY_PREFIX + "scaled_fp8"] = torch.tensor([], dtype=torch.float8_e5m2)
+    return out
+
+
+def _wan_e5m2_file():
+    """(the e5m2 Wan file, its source model, inputs); one weight holds a value e5m2 keeps and e4m3 cannot after
+    the shift (1.25 * 2**-10 of 448, its largest)."""
+    src, inputs = tiny.build("wan")
+    dense = layouts.fuse(src.state_dict(), layouts.wan_key)
+    w = dense["blocks.0.self_attn.q.weight"]
+    w[0, 0] = 0.15625 * w.abs().max() / torch.finfo(torch.float8_e5m2).max  # 1.25 * 2**-3 in e5m2's units
+    return _e5m2_file(dense), src, inputs
+
+
+def test_e5m2_file_loads_as_e4m3_with_the_error_stated():
+    """An e5m2 fp8_scaled Wan file: each weight is shifted by a power of two into e4m3 (its scale by the inverse),
+    exact for every value e4m3 can hold after the shift; the warning states how many weights were converted, how
+    many exactly, and the worst change, and these are what the loaded model holds against diffusers' conversion of
+    the dequantized e5m2 file."""
+    import re
+
+    from accelerate import init_empty_weights
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd, src, inputs = _wan_e5m2_file()
+    ref = type(src).from_config(src.config).eval()
+    ref.load_state_dict(convert_wan_transformer_to_diffusers(layouts.dequantize(sd)), strict=True)
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    with pytest.warns(dorafp8.quant.QuantizationWarning, match="float8_e5m2") as caught:
+        load_single_file(model, dict(sd), verbose=False)
+    n, exact, worst = re.search(r"(\d+) float8_e5m2 weights .*: (\d+) exactly; .* changes by (\S+) of",
+                                str(caught[0].message)).groups()
+    ref_sd, errors = ref.state_dict(), []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not isinstance(mod, FP8Linear):  # kept in precision: dequantized
+            w = mod.weight
+        elif isinstance(mod, FP8Linear):
+            assert mod.weight.dtype == torch.float8_e4m3fn
+            w = mod.weight.float() * mod.scale
+        else:
+            continue
+        want = ref_sd[name + ".weight"]
+        errors.append(float((w.detach() - want).abs().max() / want.abs().max()))
+    assert int(n) == len(errors) == sum(t.dtype == torch.float8_e5m2 and t.dim() == 2 for t in sd.values())
+    assert int(exact) == errors.count(0.0) == int(n) - 1  # the one value below e4m3's range after the shift
+    assert float(worst) == pytest.approx(max(errors), rel=1e-2) and max(errors) <= 2.0 ** -10 / 256
+    with torch.no_grad():
+        assert_close(_out(model, inputs), _out(ref, inputs), tol(torch.float32), "e5m2 loaded as e4m3 vs e5m2")
+
+
+def test_e5m2_weights_with_scales_are_refused_by_load_fp8_checkpoint():
+    """load_fp8_checkpoint holds e4m3 only: an e5m2 weight with its scale_weight, in diffusers' key names with the
+    format given (so that detection, which refuses e5m2, is skipped), is refused naming the dtype, not loaded as a
+    dense weight without its scale."""
+    from dorafp8.checkpoint.single_file import to_diffusers_layout
+
+    sd, src, _ = _wan_e5m2_file()
+    with torch.device("meta"):
+        model = type(src).from_config(src.config)
+    converted = to_diffusers_layout(model, sd)
+    with pytest.raises(CheckpointFormatError, match=r"blocks\.0\.attn1\.to_q\.weight: float8_e5m2 with its scale"):
+        dorafp8.load_fp8_checkpoint(model, converted, format="comfyui", verbose=False)
