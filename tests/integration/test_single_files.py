@@ -333,6 +333,20 @@ def _comfy_key_map(sd: dict) -> dict:
             for k in sd if k.startswith(layouts.COMFY_PREFIX) and k.endswith(".weight")}
 
 
+def _trained_dora(model, targets):
+    """(PEFT DoRA on `model`, its config), the adapters perturbed as training would leave them."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
+    pm = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=g)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    return pm, config
+
+
 def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.COMFY_PREFIX, as_path=False):
     """DoRA on `model` (loaded in place from the comfy file `sd`), its adapters perturbed as training would leave
     them, exported with save_single_file_dora. Through ComfyUI's key map (_comfy_key_map) every key is loaded, and
@@ -344,15 +358,7 @@ def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.CO
     from dorafp8.checkpoint.single_file import converter_for
     from tests.integration.test_kohya_dora import comfy_calculate_weight, comfy_load_lora
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
-    pm = peft.get_peft_model(model, config)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=g)
-            elif "lora_magnitude_vector" in n:
-                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    pm, config = _trained_dora(model, targets)
     pm_ref = peft.get_peft_model(ref, config)
     res = pm_ref.load_state_dict({n: p for n, p in pm.state_dict().items() if "lora_" in n}, strict=False)
     assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
@@ -412,6 +418,34 @@ def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_pa
     sd, ref, model, _ = _own_case(family)
     targets = _OWN_LAYOUTS[family][3]
     _export_matches_comfyui(model, ref, sd, targets, tmp_path, as_path=family == "wan")
+
+
+@pytest.mark.parametrize("family", ["sd35", "hunyuan_video_3072"])
+def test_single_file_export_loads_back_with_load_kohya_dora(family, tmp_path):
+    """save_single_file_dora's file (keyed by the single file's weights, fused pieces as one layer) read back by
+    load_kohya_dora(single_file=) into a fresh model loaded from the same file: the same modules adapted, each at its
+    own rank, and the same outputs. SD3.5: fused qkv and the final adaLN's swapped halves; HunyuanVideo at 3072:
+    linear1's q, v and MLP pieces. Without single_file= the file is refused, naming the argument."""
+    from accelerate import init_empty_weights
+
+    targets = _OWN_LAYOUTS[family][3] + (["norm_out.linear"] if family == "sd35" else [])
+    sd, ref, model, inputs = _own_case(family)
+    pm, _ = _trained_dora(model, targets)
+    out = tmp_path / "dora_for_comfyui.safetensors"
+    dorafp8.save_single_file_dora(pm, str(out), dict(sd))
+    with init_empty_weights():
+        fresh = type(ref).from_config(ref.config)
+    load_single_file(fresh, dict(sd), verbose=False)
+    with pytest.raises(ValueError, match="save_single_file_dora.*pass single_file="):
+        dorafp8.load_kohya_dora(fresh, str(out))
+    back = dorafp8.load_kohya_dora(fresh, str(out), single_file=dict(sd))
+
+    def ranks(m):
+        return {n: mod.r["default"] for n, mod in m.named_modules() if isinstance(mod, peft.tuners.lora.LoraLayer)}
+
+    assert ranks(back) == ranks(pm) and set(ranks(pm).values()) == {4}
+    with torch.no_grad():
+        assert_close(_out(back, inputs), _out(pm, inputs), tol(torch.float32), "reloaded export vs trained")
 
 
 def test_export_onto_another_file_is_refused(tmp_path):
