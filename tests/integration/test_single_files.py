@@ -412,7 +412,7 @@ def test_ldm_unet_export_maps_onto_the_ldm_file_as_comfyui_loads_it(sdxl, tmp_pa
     assert any(".input_blocks." in k and k.endswith("in_layers.2.weight") for k in written)  # a dense conv too
 
 
-@pytest.mark.parametrize("family", ["wan", "wan21_i2v", "wan22_ti2v", "ltx", "sd35", "hunyuan_video",
+@pytest.mark.parametrize("family", ["wan", "wan21_i2v", "wan22_i2v", "wan22_ti2v", "ltx", "sd35", "hunyuan_video",
                                     "hunyuan_video_3072"])
 def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_path):
     sd, ref, model, _ = _own_case(family)
@@ -446,6 +446,30 @@ def test_single_file_export_loads_back_with_load_kohya_dora(family, tmp_path):
     assert ranks(back) == ranks(pm) and set(ranks(pm).values()) == {4}
     with torch.no_grad():
         assert_close(_out(back, inputs), _out(pm, inputs), tol(torch.float32), "reloaded export vs trained")
+
+
+def test_kohya_lora_on_a_fused_weight_loads_onto_its_pieces():
+    """A plain LoRA keyed by a fused weight of the file (as kohya's scripts train on the original model: one
+    lora_down, lora_up over all of SD3.5's qkv rows) goes onto q, k and v, each with the whole lora_down and its rows
+    of lora_up: the model computes what diffusers' conversion of the dequantized file with W + alpha / r * up @ down
+    computes."""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    sd, ref, model, inputs = _own_case("sd35")
+    qkv = "joint_blocks.0.x_block.attn.qkv.weight"
+    w = sd[layouts.COMFY_PREFIX + qkv]
+    g = torch.Generator().manual_seed(11)
+    down, up = 0.1 * torch.randn(4, w.shape[1], generator=g), 0.1 * torch.randn(w.shape[0], 4, generator=g)
+    name = "lora_unet_" + qkv[:-len(".weight")].replace(".", "_")
+    lora = {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(2.0)}
+    back = dorafp8.load_kohya_dora(model, lora, single_file=dict(sd))
+    assert {n: m.r["default"] for n, m in back.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)} == {
+        f"base_model.model.transformer_blocks.0.attn.{p}": 4 for p in ("to_q", "to_k", "to_v")}
+    patched = layouts.dequantize(sd)
+    patched[qkv] = patched[qkv] + 0.5 * up @ down
+    ref.load_state_dict(convert_sd3_transformer_checkpoint_to_diffusers(patched), strict=True)
+    with torch.no_grad():
+        assert_close(_out(back, inputs), _out(ref, inputs), tol(torch.float32), "kohya LoRA on qkv vs its merge")
 
 
 def test_export_onto_another_file_is_refused(tmp_path):
