@@ -33,7 +33,9 @@ def flux_bfl_shapes(cfg) -> dict:
     def qk_norm(prefix):
         shapes[f"{prefix}.query_norm.scale"] = shapes[f"{prefix}.key_norm.scale"] = (head,)
 
-    for emb, k_in in (("time_in", 256), ("vector_in", cfg["pooled_projection_dim"]), ("guidance_in", 256)):
+    embedders = (("time_in", 256), ("vector_in", cfg["pooled_projection_dim"])) + \
+        ((("guidance_in", 256),) if cfg.get("guidance_embeds") else ())  # schnell has none
+    for emb, k_in in embedders:
         lin(f"{emb}.in_layer", d, k_in)
         lin(f"{emb}.out_layer", d, d)
     lin("txt_in", d, cfg["joint_attention_dim"])

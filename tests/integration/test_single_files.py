@@ -145,6 +145,29 @@ def test_flux_kontext_file_loads_and_trains_with_reference_image_tokens(flux_fil
     _train_like_peft(model, ref, ["to_q", "to_k", "proj_mlp"], inputs, (1, 8, 8))
 
 
+def test_flux_schnell_file_with_per_row_scales_loads_in_place_bit_exactly():
+    """Flux.1 [schnell] (no guidance_in; diffusers reads it as flux-schnell) in BFL's layout with one scale_weight per
+    row ([out, 1]): the fused img_attn.qkv and single blocks' linear1 (q, k, v and the MLP) are cut with their rows'
+    scales, bit-exact against diffusers' conversion of the dequantized file."""
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    cfg = dict(layouts.flux_config(), guidance_embeds=False)
+    sd = layouts.comfy_encode(layouts.random_tensors(layouts.flux_bfl_shapes(cfg)), scale_shape="[out, 1]")
+    assert infer_diffusers_model_type(sd) == "flux-schnell"
+    ref = diffusers.FluxTransformer2DModel(**cfg).eval()
+    ref.load_state_dict(convert_flux_transformer_checkpoint_to_diffusers(layouts.dequantize(sd)), strict=True)
+    with torch.device("meta"):
+        model = diffusers.FluxTransformer2DModel(**cfg)
+    load_single_file(model, dict(sd), verbose=False)
+    _check_in_place(model, sd, ref, dict(_flux_inputs(), guidance=None), per_row=True)
+    p = layouts.COMFY_PREFIX
+    block, single = model.transformer_blocks[0].attn, model.single_transformer_blocks[0]
+    for key, pieces in ((p + "double_blocks.0.img_attn.qkv.scale_weight", (block.to_q, block.to_k, block.to_v)),
+                        (p + "single_blocks.0.linear1.scale_weight",
+                         (single.attn.to_q, single.attn.to_k, single.attn.to_v, single.proj_mlp))):
+        assert torch.equal(torch.cat([m.scale for m in pieces]), sd[key].reshape(-1)), key
+
+
 def _unet_inputs(sdxl):
     g = torch.Generator().manual_seed(1)
     x = dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([500]),
