@@ -238,6 +238,9 @@ def _e5m2_to_e4m3(state_dict: dict) -> dict:
     for k in e5m2:
         w = state_dict[k].float()
         amax = float(w.abs().max())
+        if amax != amax or amax == float("inf"):  # e5m2 has inf and NaN, e4m3 no inf
+            raise CheckpointFormatError(f"{k}: a float8_e5m2 weight with inf or NaN values (the file is damaged); "
+                                        f"nothing was loaded")
         shift = 8 - int(torch.tensor(amax).log2().floor()) if amax > 0 else 0
         w8 = (w * 2.0 ** shift).to(torch.float8_e4m3fn)
         err = float((w8.float() * 2.0 ** -shift - w).abs().max()) / amax if amax > 0 else 0.0
@@ -245,7 +248,7 @@ def _e5m2_to_e4m3(state_dict: dict) -> dict:
         worst = max(worst, (err, k))
         sk = k[:-len("weight")] + "scale_weight"
         scale = state_dict.get(sk, torch.tensor(1.0))
-        out[k], out[sk] = w8, scale * 2.0 ** -shift
+        out[k], out[sk] = w8, scale.float() * 2.0 ** -shift  # fp32: a bf16 / fp16 scale could underflow
     from ..quant import QuantizationWarning
 
     warnings.warn(f"load_single_file: {len(e5m2)} float8_e5m2 weights converted to float8_e4m3fn (each shifted by a "

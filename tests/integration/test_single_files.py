@@ -630,6 +630,19 @@ def test_e5m2_file_loads_as_e4m3_with_the_error_stated():
         assert_close(_out(model, inputs), _out(ref, inputs), tol(torch.float32), "e5m2 loaded as e4m3 vs e5m2")
 
 
+def test_e5m2_inf_is_refused_naming_the_weight():
+    """e5m2 has inf (e4m3 has none): a weight holding one is refused, naming it, before the model changes."""
+    sd, src, _ = _wan_e5m2_file()
+    key = layouts.COMFY_PREFIX + "blocks.0.ffn.0.weight"
+    sd[key] = sd[key].clone()
+    sd[key][0, 0] = float("inf")
+    with torch.device("meta"):
+        model = type(src).from_config(src.config)
+    with pytest.raises(CheckpointFormatError, match=r"blocks\.0\.ffn\.0\.weight: a float8_e5m2 weight with inf"):
+        load_single_file(model, sd, verbose=False)
+    assert model.blocks[0].ffn.net[0].proj.weight.is_meta
+
+
 def test_e5m2_weights_with_scales_are_refused_by_load_fp8_checkpoint():
     """load_fp8_checkpoint holds e4m3 only: an e5m2 weight with its scale_weight, in diffusers' key names with the
     format given (so that detection, which refuses e5m2, is skipped), is refused naming the dtype, not loaded as a
