@@ -355,6 +355,64 @@ def _fused_layer(w: torch.Tensor, parts: list, layers: dict, adapter: str, dtype
     return out
 
 
+def _to_module_layout(root: nn.Module, sd: dict, single_file) -> dict:
+    """A kohya file keyed by a single file's own weights (save_single_file_dora's, or any LoRA ComfyUI maps onto that
+    file with model_lora_keys_unet's `lora_unet_` names) -> the same adapters keyed by `root`'s module names.
+
+    Each module that diffusers' converter cuts from an original weight (row_map) gets that layer's lora_down as its
+    lora_A and the rows of lora_up (and dora_scale) it takes, in its own row order: the product, and ComfyUI's
+    per-row DoRA, are the file's on those rows. Of lora_down, only the columns those rows of lora_up use are kept
+    (save_single_file_dora's block-diagonal pieces come back at their own rank), with alpha scaled with the rank so
+    that alpha / rank stays the file's. A module none of whose rows the file changes (lora_up zero there, dora_scale
+    ComfyUI's identity ||W|| + eps or none) gets no adapter."""
+    from .single_file import is_scale_key, row_map
+
+    groups, _ = _group(sd)
+    with _original_file(single_file) as (shapes, get):
+        by_comfy_key = {_comfy_key(k): k for k in shapes if not is_scale_key(k) and _comfy_key(k)}
+        keys, converted = row_map(root, {k: v for k, v in shapes.items() if not is_scale_key(k)})
+        out, errors, owner = {}, [], {}
+        for name, parts in groups.items():
+            key = by_comfy_key.get(name)
+            if key is None or "lora_down.weight" not in parts or "lora_up.weight" not in parts:
+                errors.append(f"{name}: names no weight of the single file" if key is None else
+                              f"{name}: has {sorted(parts)} but needs both lora_down.weight and lora_up.weight")
+                continue
+            down, up = parts["lora_down.weight"], parts["lora_up.weight"]
+            up2 = up.reshape(up.shape[0], -1)
+            ds = parts.get("dora_scale")
+            identity = None if ds is None else (_dequantized(key, get, shapes).double().norm(dim=1) + _EPS32).float()
+            src_index = keys.index(key)
+            for mod_key, tag in converted.items():
+                if not (mod_key.endswith(".weight") and isinstance(tag, torch.Tensor) and tag.dim() == 1):
+                    continue
+                mine = (tag >> 32) == src_index
+                if not bool(mine.any()):
+                    continue
+                n = mod_key[:-len(".weight")]
+                if n in owner or not bool(mine.all()):
+                    errors.append(f"{n}: takes rows of two of the single file's weights ({key} and "
+                                  f"{owner.get(n, 'another')}); one adapter per module cannot hold two layers")
+                    continue
+                owner[n] = key
+                theirs = tag & ((1 << 32) - 1)
+                rows = up2[theirs].float()
+                cols = (rows != 0).any(dim=0).nonzero().reshape(-1)
+                changed = ds is not None and not torch.equal(ds.reshape(-1)[theirs].float(), identity[theirs])
+                if cols.numel() == 0 and not changed:
+                    continue
+                cols = cols if cols.numel() else torch.arange(down.shape[0])
+                out[f"{n}.lora_down.weight"] = down[cols].contiguous()
+                out[f"{n}.lora_up.weight"] = up[theirs][:, cols].contiguous()
+                out[f"{n}.alpha"] = torch.tensor(float(parts.get("alpha", torch.tensor(float(down.shape[0]))))
+                                                 * cols.numel() / down.shape[0])
+                if ds is not None:
+                    out[f"{n}.dora_scale"] = ds[theirs].contiguous()
+    if errors:
+        raise ValueError("load_kohya_dora (single_file=): " + some(errors, first=8, sep="; ", names=False))
+    return out
+
+
 def _write_atomic(tensors: dict, path, metadata: dict) -> None:
     """`path` written whole or not at all (files.save_file_atomic: staged, fsynced, renamed)."""
     path = os.fspath(path)
@@ -367,7 +425,7 @@ def _write_atomic(tensors: dict, path, metadata: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------- import
 
 def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", prefix: Optional[str] = "auto",
-                    dora_scale: str = "auto", strict: bool = True) -> PeftModel:
+                    dora_scale: str = "auto", strict: bool = True, single_file=None) -> PeftModel:
     """Turns a kohya / LyCORIS LoRA or DoRA file into a PEFT adapter on `model`.
 
     Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1, as kohya's and ComfyUI's
@@ -386,6 +444,9 @@ def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", pr
             (see save_kohya_dora).
         strict: keys of modules the model does not have are an error naming them; False: skipped with a warning
             naming them (a kohya SDXL file's text-encoder keys, when loading its UNet part).
+        single_file: for a file keyed by a ComfyUI single file's own weights (save_single_file_dora's, `lora_unet_`
+            + the original key), that single file (path or state dict), from which `model` was loaded
+            (load_single_file): each layer goes onto the modules diffusers' converter cuts from its weight.
 
     Returns:
         The PeftModel.
@@ -401,6 +462,12 @@ def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", pr
     if not isinstance(adapter_name, str) or not adapter_name:
         raise ValueError(f"adapter_name must be a non-empty string, got {adapter_name!r}")
     sd, meta = _read(file)
+    if single_file is not None:
+        sd, prefix = _to_module_layout(_root(model), sd, single_file), None
+    elif meta.get("dorafp8_source") == "dorafp8.save_single_file_dora":
+        raise ValueError("load_kohya_dora: this file was written by save_single_file_dora, keyed by a single file's "
+                         "own weights, not by the model's modules: pass single_file= (the file the model was loaded "
+                         "from)")
     if dora_scale == "auto":
         dora_scale = "comfyui" if meta.get(META_DORA_SCALE) == "comfyui" else "lycoris"
     peft_model = model if isinstance(model, PeftModel) else None

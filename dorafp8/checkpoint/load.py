@@ -349,8 +349,8 @@ class _TensorLoader:
             mod._dorafp8_source.extras[k.rpartition(".")[2]] = t
         self.report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
                                "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
-                               "zero)"}.get(k.rpartition(".")[2], "static activation scales (unused by dorafp8; "
-                                                                   "written back on save)")
+                               "zero)"}.get(k.rpartition(".")[2], "static activation scales (not used: "
+                               "act_quant='rowwise' scales activations per row as it runs; written back on save)")
 
 
 # ---- the checks that need more than the plan --------------------------------------------------------------------

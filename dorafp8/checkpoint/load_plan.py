@@ -189,7 +189,10 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
     for k in plan.keys.ckpt_keys:  # scales of weights that are not fp8 (transformers writes some): the weight is dense
         if k not in plan.consumed and layout.scale_key and k.endswith("." + layout.scale_key):
             w = f"{layer_key(k)}.weight"
-            if w in info and info[w][0] != E4M3:
+            if w in info and info[w][0] == torch.float8_e5m2:  # not a dense weight: cast without its scale, wrong
+                errors.append(f"{w}: float8_e5m2 with its scale {k!r}; dorafp8 holds float8_e4m3fn weights only "
+                              f"(load_single_file converts a single file's e5m2 weights)")
+            elif w in info and info[w][0] != E4M3:
                 plan.consumed[k] = "ignored"
                 report.kept[k] = "scales of weights that are not fp8 (ignored, as the writer's own loader does)"
     if errors:

@@ -8,6 +8,7 @@ whether it comes as a path or as a dict (what `DiffusionPipeline.from_single_fil
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -162,6 +163,7 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
     extras = _layer_extras(state_dict)
     tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k)}
     keys, converted = row_map(model, {k: v.shape for k, v in tensors.items()})
+    known = set(model.state_dict())
     out, used, errors = {}, set(), []
     for k, tag in converted.items():
         ok = isinstance(tag, torch.Tensor) and tag.dtype == torch.int64
@@ -171,6 +173,9 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
             continue
         srcs = [keys[i] for i in src]
         used |= set(srcs)
+        if k not in known:  # a key the converter passes through unrenamed (Wan FLF2V's img_emb.emb_pos)
+            errors.append(f"{srcs[0]!r}: diffusers' conversion for {name} names it {k!r}, which {name} does not have")
+            continue
         if tag.dim() == 0:
             out[k] = tensors[srcs[0]]
             continue
@@ -215,6 +220,40 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
     return errors
 
 
+def _e5m2_to_e4m3(state_dict: dict) -> dict:
+    """`state_dict` with its float8_e5m2 weights (some tools write ComfyUI's scaled files in e5m2; the `scaled_fp8`
+    marker's dtype says which) as e4m3 bytes with their scale_weight: dorafp8's layers hold e4m3 only. Each tensor is
+    multiplied by the power of two 2**k that brings its largest value to [256, 448] (exact), cast to e4m3 and its
+    scale (1 where it has none) divided by 2**k (exact): e5m2's 2 mantissa bits fit e4m3's 3, so every value of at
+    least 2**-7 after the shift is kept exactly; smaller ones round to e4m3's step 2**-9. One QuantizationWarning
+    states the worst change (of the tensor's largest value) and how many tensors were converted exactly."""
+    e5m2 = [k for k, t in state_dict.items() if t.dtype == torch.float8_e5m2 and k.endswith(".weight")]
+    if not e5m2:
+        return state_dict
+    out, worst, exact = dict(state_dict), (0.0, ""), 0
+    for k in e5m2:
+        w = state_dict[k].float()
+        amax = float(w.abs().max())
+        if amax != amax or amax == float("inf"):  # e5m2 has inf and NaN, e4m3 no inf
+            raise CheckpointFormatError(f"{k}: a float8_e5m2 weight with inf or NaN values (the file is damaged); "
+                                        f"nothing was loaded")
+        shift = 8 - int(torch.tensor(amax).log2().floor()) if amax > 0 else 0
+        w8 = (w * 2.0 ** shift).to(torch.float8_e4m3fn)
+        err = float((w8.float() * 2.0 ** -shift - w).abs().max()) / amax if amax > 0 else 0.0
+        exact += err == 0
+        worst = max(worst, (err, k))
+        sk = k[:-len("weight")] + "scale_weight"
+        scale = state_dict.get(sk, torch.tensor(1.0))
+        out[k], out[sk] = w8, scale.float() * 2.0 ** -shift  # fp32: a bf16 / fp16 scale could underflow
+    from ..quant import QuantizationWarning
+
+    warnings.warn(f"load_single_file: {len(e5m2)} float8_e5m2 weights converted to float8_e4m3fn (each shifted by a "
+                  f"power of two, its scale_weight by the inverse): {exact} exactly; the worst, {worst[1]!r}, changes "
+                  f"by {worst[0]:.3g} of its largest value (values below e4m3's range after the shift round)",
+                  QuantizationWarning, stacklevel=3)
+    return out
+
+
 def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtype: Optional[torch.dtype] = None,
                      backend: str = "auto", verbose: bool = True):
     """Loads a single file in its original layout into a diffusers model, in place.
@@ -238,7 +277,7 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
         from safetensors.torch import load_file
 
         state_dict = load_file(str(path_or_state_dict))
-    converted = to_diffusers_layout(model, state_dict)
+    converted = to_diffusers_layout(model, _e5m2_to_e4m3(state_dict))
     fmt = "comfyui" if any(k.endswith(".scale_weight") for k in converted) else "auto"
     return load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,
                                verbose=verbose)

@@ -33,7 +33,9 @@ def flux_bfl_shapes(cfg) -> dict:
     def qk_norm(prefix):
         shapes[f"{prefix}.query_norm.scale"] = shapes[f"{prefix}.key_norm.scale"] = (head,)
 
-    for emb, k_in in (("time_in", 256), ("vector_in", cfg["pooled_projection_dim"]), ("guidance_in", 256)):
+    embedders = (("time_in", 256), ("vector_in", cfg["pooled_projection_dim"])) + \
+        ((("guidance_in", 256),) if cfg.get("guidance_embeds") else ())  # schnell has none
+    for emb, k_in in embedders:
         lin(f"{emb}.in_layer", d, k_in)
         lin(f"{emb}.out_layer", d, d)
     lin("txt_in", d, cfg["joint_attention_dim"])
@@ -75,12 +77,17 @@ def random_tensors(shapes: dict, seed: int = 0) -> dict:
     return out
 
 
-def comfy_encode(tensors: dict, prefix: str = COMFY_PREFIX) -> dict:
+def comfy_encode(tensors: dict, prefix: str = COMFY_PREFIX, scale_shape: str = "tensor") -> dict:
     """ComfyUI's fp8_scaled encoding of a state dict: every 2-D weight e4m3 with its fp32 `scale_weight` (ComfyUI's
-    per-tensor recipe), the rest as it is, the `scaled_fp8` marker, and ComfyUI's key prefix."""
+    per-tensor recipe; or scale_shape "[out]" / "[out, 1]": one amax / 448 per row, as some converters write), the
+    rest as it is, the `scaled_fp8` marker, and ComfyUI's key prefix."""
     sd = {}
     for k, t in tensors.items():
-        if k.endswith(".weight") and t.dim() == 2:
+        if k.endswith(".weight") and t.dim() == 2 and scale_shape != "tensor":
+            scale = t.abs().amax(1, keepdim=True).float() / torch.finfo(torch.float8_e4m3fn).max
+            sd[prefix + k] = (t / scale).to(torch.float8_e4m3fn)
+            sd[prefix + k[:-len("weight")] + "scale_weight"] = scale if scale_shape == "[out, 1]" else scale[:, 0]
+        elif k.endswith(".weight") and t.dim() == 2:
             sd[prefix + k], sd[prefix + k[:-len("weight")] + "scale_weight"] = _comfy_quantize(t)
         else:
             sd[prefix + k] = t
@@ -94,8 +101,9 @@ def dequantize(sd: dict, prefix: str = COMFY_PREFIX) -> dict:
     for k, t in sd.items():
         if k.endswith(("scale_weight", "scaled_fp8")):
             continue
-        if t.dtype == torch.float8_e4m3fn:
-            t = t.float() * sd[k[:-len("weight")] + "scale_weight"]
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = sd[k[:-len("weight")] + "scale_weight"]
+            t = t.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
         out[k[len(prefix):] if k.startswith(prefix) else k] = t
     return out
 
@@ -156,9 +164,16 @@ def ldm_key(k: str, cfg: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- Wan 2.1 / 2.2, its layout
 
-# diffusers' name -> Wan's (Wan2.1's wan/modules/model.py: blocks.N.self_attn.q, ffn.0, head.head, modulation, ...),
-# applied in this order to each key
-_WAN_NAMES = (("condition_embedder.time_embedder.linear_", "time_embedding.L"),
+# diffusers' name -> Wan's (Wan2.1's wan/modules/model.py: blocks.N.self_attn.q, ffn.0, head.head, modulation, ...;
+# i2v: MLPProj img_emb.proj = LayerNorm, Linear, GELU, Linear, LayerNorm and WanI2VCrossAttention's k_img, v_img,
+# norm_k_img), applied in this order to each key
+_WAN_NAMES = (("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+              ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+              ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+              ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+              ("condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"), (".add_k_proj.", ".k_img."),
+              (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."),
+              ("condition_embedder.time_embedder.linear_", "time_embedding.L"),
               ("condition_embedder.text_embedder.linear_", "text_embedding.L"),
               ("condition_embedder.time_proj", "time_projection.1"), (".attn1.", ".self_attn."),
               (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
@@ -167,7 +182,7 @@ _WAN_NAMES = (("condition_embedder.time_embedder.linear_", "time_embedding.L"),
 
 
 def wan_key(k: str) -> str:
-    """Wan's own name of the diffusers WanTransformer3DModel key `k` (text-to-video; no image embedder)."""
+    """Wan's own name of the diffusers WanTransformer3DModel key `k` (Wan 2.1 / 2.2, t2v, i2v and ti2v)."""
     if k == "scale_shift_table":
         return "head.modulation"
     k = k.replace(".scale_shift_table", ".modulation")
@@ -175,6 +190,32 @@ def wan_key(k: str) -> str:
         k = k.replace(ours, theirs)
     # linear_1 / linear_2 -> .0 / .2 (Wan's nn.Sequential indices)
     return k.replace("embedding.L1", "embedding.0").replace("embedding.L2", "embedding.2")
+
+
+def wan_model(variant: str):
+    """A tiny WanTransformer3DModel of a Wan variant and its inputs: "wan21_i2v" (Wan 2.1 i2v / FLF2V: the image
+    embedder img_emb and the cross-attention's k_img / v_img, image latents and a mask as extra input channels;
+    diffusers' attention takes the last 512 context tokens as text), "wan22_i2v" (Wan 2.2 i2v A14B: the extra input
+    channels, no image embedder), "wan22_ti2v" (Wan 2.2 TI2V 5B: as many output channels as input ones, one
+    timestep per token)."""
+    from diffusers import WanTransformer3DModel
+
+    from tests.integration._tiny_diffusers import _randn
+
+    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=9, out_channels=4,
+               text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+    inputs = dict(hidden_states=_randn(1, 9, 2, 4, 4), timestep=torch.tensor([500]),
+                  encoder_hidden_states=_randn(1, 5, 16))
+    if variant == "wan21_i2v":
+        cfg.update(image_dim=8, added_kv_proj_dim=16)
+        inputs.update(encoder_hidden_states=_randn(1, 512, 16), encoder_hidden_states_image=_randn(1, 3, 8, seed=2))
+    elif variant == "wan22_ti2v":
+        cfg.update(in_channels=12, out_channels=12)
+        inputs.update(hidden_states=_randn(1, 12, 2, 4, 4), timestep=torch.linspace(0, 900, 8).round()[None])
+    else:
+        assert variant == "wan22_i2v", variant
+    torch.manual_seed(0)
+    return WanTransformer3DModel(**cfg).eval(), inputs
 
 
 def ltx_key(k: str) -> str:

@@ -56,16 +56,18 @@ def _out(model, inputs):
     return model(**inputs, return_dict=False)[0]
 
 
-def _check_in_place(model, sd, ref, inputs):
-    """`model`, loaded from the comfy file `sd`, holds the file's bytes and scales, equals `ref` (diffusers' own
-    conversion of the dequantized file) bit for bit once dequantized, and computes what it computes."""
+def _check_in_place(model, sd, ref, inputs, per_row=False):
+    """`model`, loaded from the comfy file `sd`, holds the file's bytes and scales (per tensor, or per row), equals
+    `ref` (diffusers' own conversion of the dequantized file) bit for bit once dequantized, and computes what it
+    computes."""
     ref_sd = ref.state_dict()
     fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     assert fp8
     for name in fp8:
         mod = model.get_submodule(name)
-        assert mod.weight.dtype == torch.float8_e4m3fn and mod.scale.dim() == 0, name
-        assert torch.equal(mod.weight.float() * mod.scale, ref_sd[f"{name}.weight"]), name
+        assert mod.weight.dtype == torch.float8_e4m3fn and mod.scale.dim() == int(per_row), name
+        scale = mod.scale[:, None] if per_row else mod.scale
+        assert torch.equal(mod.weight.float() * scale, ref_sd[f"{name}.weight"]), name
     for k, v in model.state_dict().items():
         if v.dtype != torch.float8_e4m3fn and not k.endswith(".scale"):
             assert torch.equal(v, ref_sd[k]), k
@@ -121,6 +123,51 @@ def test_flux_trains_dora_like_peft_on_the_dequantized_model(flux_file):
     _train_like_peft(model, ref, ["to_q", "to_v", "proj_mlp", "ff.net.2"], _flux_inputs(), (1, 4, 8))
 
 
+def test_flux_kontext_file_loads_and_trains_with_reference_image_tokens(flux_file):
+    """A Flux.1 Kontext [dev] file has Flux.1 [dev]'s keys and shapes (BFL's one Flux class; diffusers reads it as
+    flux-dev, infer_diffusers_model_type): what differs is the input, the reference image's latent tokens appended
+    to the noisy ones, their position ids offset by 1 in the first axis (FluxKontextPipeline). Loaded in place, the
+    model computes on those inputs what diffusers' conversion of the dequantized file computes, and trains like PEFT."""
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    sd, ref = flux_file
+    assert infer_diffusers_model_type(sd) == "flux-dev"
+    inputs = _flux_inputs()
+    image = torch.randn(1, 4, layouts.flux_config()["in_channels"], generator=torch.Generator().manual_seed(7))
+    inputs["hidden_states"] = torch.cat([inputs["hidden_states"], image], dim=1)
+    ids = torch.zeros(8, 3)
+    ids[4:, 0] = 1  # the reference image's tokens
+    ids[:, 1], ids[:, 2] = torch.arange(8) % 4 // 2, torch.arange(8) % 2
+    inputs["img_ids"] = ids
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    _check_in_place(model, sd, ref, inputs)
+    _train_like_peft(model, ref, ["to_q", "to_k", "proj_mlp"], inputs, (1, 8, 8))
+
+
+def test_flux_schnell_file_with_per_row_scales_loads_in_place_bit_exactly():
+    """Flux.1 [schnell] (no guidance_in; diffusers reads it as flux-schnell) in BFL's layout with one scale_weight per
+    row ([out, 1]): the fused img_attn.qkv and single blocks' linear1 (q, k, v and the MLP) are cut with their rows'
+    scales, bit-exact against diffusers' conversion of the dequantized file."""
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    cfg = dict(layouts.flux_config(), guidance_embeds=False)
+    sd = layouts.comfy_encode(layouts.random_tensors(layouts.flux_bfl_shapes(cfg)), scale_shape="[out, 1]")
+    assert infer_diffusers_model_type(sd) == "flux-schnell"
+    ref = diffusers.FluxTransformer2DModel(**cfg).eval()
+    ref.load_state_dict(convert_flux_transformer_checkpoint_to_diffusers(layouts.dequantize(sd)), strict=True)
+    with torch.device("meta"):
+        model = diffusers.FluxTransformer2DModel(**cfg)
+    load_single_file(model, dict(sd), verbose=False)
+    _check_in_place(model, sd, ref, dict(_flux_inputs(), guidance=None), per_row=True)
+    p = layouts.COMFY_PREFIX
+    block, single = model.transformer_blocks[0].attn, model.single_transformer_blocks[0]
+    for key, pieces in ((p + "double_blocks.0.img_attn.qkv.scale_weight", (block.to_q, block.to_k, block.to_v)),
+                        (p + "single_blocks.0.linear1.scale_weight",
+                         (single.attn.to_q, single.attn.to_k, single.attn.to_v, single.proj_mlp))):
+        assert torch.equal(torch.cat([m.scale for m in pieces]), sd[key].reshape(-1)), key
+
+
 def _unet_inputs(sdxl):
     g = torch.Generator().manual_seed(1)
     x = dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([500]),
@@ -160,6 +207,12 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
 _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
     "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
             ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "wan21_i2v": (lambda: layouts.wan_model("wan21_i2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                  ["to_q", "add_k_proj", "add_v_proj", "image_embedder.ff.net.0.proj"], (1, 4, 2, 4, 4)),
+    "wan22_i2v": (lambda: layouts.wan_model("wan22_i2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                  ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
+    "wan22_ti2v": (lambda: layouts.wan_model("wan22_ti2v"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
+                   ["to_q", "to_v", "ffn.net.2", "proj_out"], (1, 12, 2, 4, 4)),
     "ltx": (lambda: tiny.build("ltx"), layouts.ltx_key, "convert_ltx_transformer_checkpoint_to_diffusers",
             ["to_q", "to_v", "ff.net.2"], (1, 16, 8)),
     "sd35": (layouts.sd35_model, layouts.sd3_key, "convert_sd3_transformer_checkpoint_to_diffusers",
@@ -173,15 +226,17 @@ _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' conve
 }
 
 
-def _own_case(family):
+def _own_case(family, scale_shape="tensor", encode=None):
     """(the comfy file in the family's own layout, the reference loaded by diffusers' converter from its dequantized
-    values, the model loaded in place from it, inputs)."""
+    values, the model loaded in place from it, inputs). scale_shape: comfy_encode's; encode(sd) -> sd: the file
+    re-encoded before it is used."""
     from accelerate import init_empty_weights
     from diffusers.loaders import single_file_utils
 
     build, own_key, converter, _, _ = _OWN_LAYOUTS[family]
     src, inputs = build()
-    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key))
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), own_key), scale_shape=scale_shape)
+    sd = encode(sd) if encode else sd
     del src
     ref, _ = build()
     ref.load_state_dict(getattr(single_file_utils, converter)(layouts.dequantize(sd)), strict=True)
@@ -216,6 +271,47 @@ def test_own_layout_file_loads_in_place_and_trains_like_peft(family):
             assert torch.equal(rows, sd[k].view(torch.uint8)), k
             assert all(model.get_submodule(n).scale == sd[k[:-len("weight")] + "scale_weight"] for n in pieces)
     _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_wan22_t2v_experts_load_as_two_models():
+    """Wan 2.2 t2v A14B comes as two files in Wan 2.1's layout, the high-noise and the low-noise expert (ComfyUI's
+    wan2.2_t2v_{high,low}_noise_14B_fp8_scaled): each loads into its own WanTransformer3DModel (diffusers'
+    `transformer` and `transformer_2`), bit-exactly against diffusers' conversion of its own dequantized file."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    models, refs = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        src, inputs = tiny.wan()
+        sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), layouts.wan_key))
+        ref = type(src).from_config(src.config).eval()
+        ref.load_state_dict(convert_wan_transformer_to_diffusers(layouts.dequantize(sd)), strict=True)
+        with init_empty_weights():
+            model = type(ref).from_config(ref.config)
+        load_single_file(model, sd, verbose=False)
+        _check_in_place(model, sd, ref, inputs)
+        models.append(model)
+        refs.append(ref)
+    with torch.no_grad():
+        assert not torch.equal(_out(models[0], inputs), _out(models[1], inputs))  # two experts, not one file twice
+
+
+def test_wan_flf2v_position_embedding_is_refused_naming_key_and_model():
+    """Wan 2.1 FLF2V's img_emb.emb_pos: diffusers' converter (0.42) passes it through unrenamed, so it fits nothing
+    in the model (its condition_embedder.image_embedder.pos_embed): refused naming the file's key and the model,
+    before the model changes."""
+    model, _ = layouts.wan_model("wan21_i2v")
+    cfg = dict(model.config, pos_embed_seq_len=6)
+    src = type(model)(**cfg)
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), layouts.wan_key))
+    assert layouts.COMFY_PREFIX + "img_emb.emb_pos" in sd
+    with torch.device("meta"):
+        target = type(model)(**cfg)
+    with pytest.raises(CheckpointFormatError, match=r"'model\.diffusion_model\.img_emb\.emb_pos'.*"
+                                                    r"WanTransformer3DModel does not have"):
+        load_single_file(target, sd, verbose=False)
+    assert target.condition_embedder.image_embedder.pos_embed.is_meta
 
 
 def test_unmappable_keys_are_refused_naming_key_and_model(flux_file):
@@ -260,6 +356,20 @@ def _comfy_key_map(sd: dict) -> dict:
             for k in sd if k.startswith(layouts.COMFY_PREFIX) and k.endswith(".weight")}
 
 
+def _trained_dora(model, targets):
+    """(PEFT DoRA on `model`, its config), the adapters perturbed as training would leave them."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
+    pm = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=g)
+            elif "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    return pm, config
+
+
 def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.COMFY_PREFIX, as_path=False):
     """DoRA on `model` (loaded in place from the comfy file `sd`), its adapters perturbed as training would leave
     them, exported with save_single_file_dora. Through ComfyUI's key map (_comfy_key_map) every key is loaded, and
@@ -271,15 +381,7 @@ def _export_matches_comfyui(model, ref, sd, targets, tmp_path, prefix=layouts.CO
     from dorafp8.checkpoint.single_file import converter_for
     from tests.integration.test_kohya_dora import comfy_calculate_weight, comfy_load_lora
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
-    pm = peft.get_peft_model(model, config)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=g)
-            elif "lora_magnitude_vector" in n:
-                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    pm, config = _trained_dora(model, targets)
     pm_ref = peft.get_peft_model(ref, config)
     res = pm_ref.load_state_dict({n: p for n, p in pm.state_dict().items() if "lora_" in n}, strict=False)
     assert not res.unexpected_keys and not [k for k in res.missing_keys if "lora_" in k]
@@ -333,11 +435,64 @@ def test_ldm_unet_export_maps_onto_the_ldm_file_as_comfyui_loads_it(sdxl, tmp_pa
     assert any(".input_blocks." in k and k.endswith("in_layers.2.weight") for k in written)  # a dense conv too
 
 
-@pytest.mark.parametrize("family", ["wan", "ltx", "sd35", "hunyuan_video", "hunyuan_video_3072"])
+@pytest.mark.parametrize("family", ["wan", "wan21_i2v", "wan22_i2v", "wan22_ti2v", "ltx", "sd35", "hunyuan_video",
+                                    "hunyuan_video_3072"])
 def test_own_layout_export_maps_onto_the_file_as_comfyui_loads_it(family, tmp_path):
     sd, ref, model, _ = _own_case(family)
     targets = _OWN_LAYOUTS[family][3]
     _export_matches_comfyui(model, ref, sd, targets, tmp_path, as_path=family == "wan")
+
+
+@pytest.mark.parametrize("family", ["sd35", "hunyuan_video_3072"])
+def test_single_file_export_loads_back_with_load_kohya_dora(family, tmp_path):
+    """save_single_file_dora's file (keyed by the single file's weights, fused pieces as one layer) read back by
+    load_kohya_dora(single_file=) into a fresh model loaded from the same file: the same modules adapted, each at its
+    own rank, and the same outputs. SD3.5: fused qkv and the final adaLN's swapped halves; HunyuanVideo at 3072:
+    linear1's q, v and MLP pieces. Without single_file= the file is refused, naming the argument."""
+    from accelerate import init_empty_weights
+
+    targets = _OWN_LAYOUTS[family][3] + (["norm_out.linear"] if family == "sd35" else [])
+    sd, ref, model, inputs = _own_case(family)
+    pm, _ = _trained_dora(model, targets)
+    out = tmp_path / "dora_for_comfyui.safetensors"
+    dorafp8.save_single_file_dora(pm, str(out), dict(sd))
+    with init_empty_weights():
+        fresh = type(ref).from_config(ref.config)
+    load_single_file(fresh, dict(sd), verbose=False)
+    with pytest.raises(ValueError, match="save_single_file_dora.*pass single_file="):
+        dorafp8.load_kohya_dora(fresh, str(out))
+    back = dorafp8.load_kohya_dora(fresh, str(out), single_file=dict(sd))
+
+    def ranks(m):
+        return {n: mod.r["default"] for n, mod in m.named_modules() if isinstance(mod, peft.tuners.lora.LoraLayer)}
+
+    assert ranks(back) == ranks(pm) and set(ranks(pm).values()) == {4}
+    with torch.no_grad():
+        assert_close(_out(back, inputs), _out(pm, inputs), tol(torch.float32), "reloaded export vs trained")
+
+
+def test_kohya_lora_on_a_fused_weight_loads_onto_its_pieces():
+    """A plain LoRA keyed by a fused weight of the file (as kohya's scripts train on the original model: one
+    lora_down, lora_up over all of SD3.5's qkv rows) goes onto q, k and v, each with the whole lora_down and its rows
+    of lora_up: the model computes what diffusers' conversion of the dequantized file with W + alpha / r * up @ down
+    computes."""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    sd, ref, model, inputs = _own_case("sd35")
+    qkv = "joint_blocks.0.x_block.attn.qkv.weight"
+    w = sd[layouts.COMFY_PREFIX + qkv]
+    g = torch.Generator().manual_seed(11)
+    down, up = 0.1 * torch.randn(4, w.shape[1], generator=g), 0.1 * torch.randn(w.shape[0], 4, generator=g)
+    name = "lora_unet_" + qkv[:-len(".weight")].replace(".", "_")
+    lora = {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(2.0)}
+    back = dorafp8.load_kohya_dora(model, lora, single_file=dict(sd))
+    assert {n: m.r["default"] for n, m in back.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)} == {
+        f"base_model.model.transformer_blocks.0.attn.{p}": 4 for p in ("to_q", "to_k", "to_v")}
+    patched = layouts.dequantize(sd)
+    patched[qkv] = patched[qkv] + 0.5 * up @ down
+    ref.load_state_dict(convert_sd3_transformer_checkpoint_to_diffusers(patched), strict=True)
+    with torch.no_grad():
+        assert_close(_out(back, inputs), _out(ref, inputs), tol(torch.float32), "kohya LoRA on qkv vs its merge")
 
 
 def test_export_onto_another_file_is_refused(tmp_path):
@@ -353,3 +508,152 @@ def test_export_onto_another_file_is_refused(tmp_path):
                                          r"model\.diffusion_model\.joint_blocks\.1\.x_block\.attn\.qkv\.weight"):
         dorafp8.save_single_file_dora(pm, str(out), other)
     assert not out.exists()
+
+
+# ------------------------------------------------------------- what the community's files carry: per-row scales,
+# scale_input, e5m2
+
+def _pieces(model, fp8, own_key, key):
+    """The FP8Linear layers cut from the file's fused `key`, in the file's row order."""
+    pieces = [n for n in fp8 if own_key(n + ".weight")[0] == key[len(layouts.COMFY_PREFIX):]]
+    return [model.get_submodule(n) for n in sorted(pieces, key=lambda n: own_key(n + ".weight")[1])]
+
+
+@pytest.mark.parametrize("family, scale_shape", [("sd35", "[out]"), ("sd35", "[out, 1]"),
+                                                 ("hunyuan_video_3072", "[out, 1]")])
+def test_per_row_scales_are_cut_with_the_rows_of_fused_weights(family, scale_shape):
+    """A file with one scale_weight per row ([out] or [out, 1]) of SD3.5 (fused qkv, the final adaLN's halves swapped
+    by diffusers) and of HunyuanVideo's 3072-wide single block (linear1 = q, k, v and the MLP): each piece keeps its
+    rows' bytes and scales, bit-exact against diffusers' conversion of the dequantized file; SD3.5 trains like PEFT
+    (the 3072-wide block's steps take a minute on a CPU)."""
+    own_key, targets, out_shape = _OWN_LAYOUTS[family][1], _OWN_LAYOUTS[family][3], _OWN_LAYOUTS[family][4]
+    sd, ref, model, inputs = _own_case(family, scale_shape=scale_shape)
+    fp8 = _check_in_place(model, sd, ref, inputs, per_row=True)
+    fused = [k for k in sd if k.endswith(("qkv.weight", "linear1.weight"))]
+    assert fused
+    for k in fused:
+        pieces = _pieces(model, fp8, own_key, k)
+        assert len(pieces) in (3, 4), k
+        assert torch.equal(torch.cat([p.scale for p in pieces]), sd[k[:-len("weight")] + "scale_weight"].reshape(-1))
+    if family == "sd35":
+        _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_scale_input_is_kept_on_its_layers_and_noted_once(capsys):
+    """ComfyUI's `scale_input` (a static per-tensor activation scale) is not used: dorafp8's W8A8 (act_quant=
+    'rowwise') scales activations per row as it runs. It is never dropped silently: each piece of a fused weight keeps
+    its file's value (written back on save), and the printed report says once why it is not used."""
+    def with_scale_input(sd):
+        weights = [k for k in sd if k.endswith(".scale_weight")]
+        return dict(sd, **{k[:-len("scale_weight")] + "scale_input": torch.tensor(0.01 * (i + 1))
+                           for i, k in enumerate(weights)})
+
+    from dorafp8.checkpoint.single_file import to_diffusers_layout
+
+    sd, ref, _, inputs = _own_case("sd35", encode=with_scale_input)
+    with torch.device("meta"):
+        model = type(ref).from_config(ref.config)
+    capsys.readouterr()
+    report = load_single_file(model, dict(sd), verbose=True)
+    printed = capsys.readouterr().out
+    fp8 = _check_in_place(model, sd, ref, inputs)
+    notes = [line for line in printed.splitlines() if "static activation scales (not used: act_quant='rowwise'" in line]
+    assert len(notes) == 1 and f"{len(fp8)} static activation scales" in notes[0], printed
+    assert len([k for k, why in report.kept.items() if k.endswith(".scale_input")]) == len(fp8)
+    converted = to_diffusers_layout(model, sd)
+    for name in fp8:
+        assert torch.equal(model.get_submodule(name)._dorafp8_source.extras["scale_input"],
+                           converted[name + ".scale_input"]), name
+    q, k, v = _pieces(model, fp8, layouts.sd3_key, layouts.COMFY_PREFIX + "joint_blocks.0.x_block.attn.qkv.weight")
+    file_value = sd[layouts.COMFY_PREFIX + "joint_blocks.0.x_block.attn.qkv.scale_input"]
+    assert all(torch.equal(p._dorafp8_source.extras["scale_input"], file_value) for p in (q, k, v))
+
+
+def _e5m2_file(tensors):
+    """A comfy file in e5m2, as a tool writing e5m2 writes it, of the dense state dict `tensors` (an original layout):
+    each 2-D weight with scale = amax / 57344 (e5m2's largest value), weight / scale cast to float8_e5m2; the marker
+    in e5m2 (ComfyUI reads its dtype)."""
+    out = {}
+    for k, t in tensors.items():
+        if k.endswith(".weight") and t.dim() == 2:
+            scale = t.abs().max() / torch.finfo(torch.float8_e5m2).max
+            out[layouts.COMFY_PREFIX + k] = (t / scale).to(torch.float8_e5m2)
+            out[layouts.COMFY_PREFIX + k[:-len("weight")] + "scale_weight"] = scale
+        else:
+            out[layouts.COMFY_PREFIX + k] = t
+    out[layouts.COMFY_PREFIX + "scaled_fp8"] = torch.tensor([], dtype=torch.float8_e5m2)
+    return out
+
+
+def _wan_e5m2_file():
+    """(the e5m2 Wan file, its source model, inputs); one weight holds a value e5m2 keeps and e4m3 cannot after
+    the shift (1.25 * 2**-10 of 448, its largest)."""
+    src, inputs = tiny.build("wan")
+    dense = layouts.fuse(src.state_dict(), layouts.wan_key)
+    w = dense["blocks.0.self_attn.q.weight"]
+    w[0, 0] = 0.15625 * w.abs().max() / torch.finfo(torch.float8_e5m2).max  # 1.25 * 2**-3 in e5m2's units
+    return _e5m2_file(dense), src, inputs
+
+
+def test_e5m2_file_loads_as_e4m3_with_the_error_stated():
+    """An e5m2 fp8_scaled Wan file: each weight is shifted by a power of two into e4m3 (its scale by the inverse),
+    exact for every value e4m3 can hold after the shift; the warning states how many weights were converted, how
+    many exactly, and the worst change, and these are what the loaded model holds against diffusers' conversion of
+    the dequantized e5m2 file."""
+    import re
+
+    from accelerate import init_empty_weights
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd, src, inputs = _wan_e5m2_file()
+    ref = type(src).from_config(src.config).eval()
+    ref.load_state_dict(convert_wan_transformer_to_diffusers(layouts.dequantize(sd)), strict=True)
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    with pytest.warns(dorafp8.quant.QuantizationWarning, match="float8_e5m2") as caught:
+        load_single_file(model, dict(sd), verbose=False)
+    n, exact, worst = re.search(r"(\d+) float8_e5m2 weights .*: (\d+) exactly; .* changes by (\S+) of",
+                                str(caught[0].message)).groups()
+    ref_sd, errors = ref.state_dict(), []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not isinstance(mod, FP8Linear):  # kept in precision: dequantized
+            w = mod.weight
+        elif isinstance(mod, FP8Linear):
+            assert mod.weight.dtype == torch.float8_e4m3fn
+            w = mod.weight.float() * mod.scale
+        else:
+            continue
+        want = ref_sd[name + ".weight"]
+        errors.append(float((w.detach() - want).abs().max() / want.abs().max()))
+    assert int(n) == len(errors) == sum(t.dtype == torch.float8_e5m2 and t.dim() == 2 for t in sd.values())
+    assert int(exact) == errors.count(0.0) == int(n) - 1  # the one value below e4m3's range after the shift
+    assert float(worst) == pytest.approx(max(errors), rel=1e-2) and max(errors) <= 2.0 ** -10 / 256
+    with torch.no_grad():
+        assert_close(_out(model, inputs), _out(ref, inputs), tol(torch.float32), "e5m2 loaded as e4m3 vs e5m2")
+
+
+def test_e5m2_inf_is_refused_naming_the_weight():
+    """e5m2 has inf (e4m3 has none): a weight holding one is refused, naming it, before the model changes."""
+    sd, src, _ = _wan_e5m2_file()
+    key = layouts.COMFY_PREFIX + "blocks.0.ffn.0.weight"
+    sd[key] = sd[key].clone()
+    sd[key][0, 0] = float("inf")
+    with torch.device("meta"):
+        model = type(src).from_config(src.config)
+    with pytest.raises(CheckpointFormatError, match=r"blocks\.0\.ffn\.0\.weight: a float8_e5m2 weight with inf"):
+        load_single_file(model, sd, verbose=False)
+    assert model.blocks[0].ffn.net[0].proj.weight.is_meta
+
+
+def test_e5m2_weights_with_scales_are_refused_by_load_fp8_checkpoint():
+    """load_fp8_checkpoint holds e4m3 only: an e5m2 weight with its scale_weight, in diffusers' key names with the
+    format given (so that detection, which refuses e5m2, is skipped), is refused naming the dtype, not loaded as a
+    dense weight without its scale."""
+    from dorafp8.checkpoint.single_file import to_diffusers_layout
+
+    sd, src, _ = _wan_e5m2_file()
+    with torch.device("meta"):
+        model = type(src).from_config(src.config)
+    converted = to_diffusers_layout(model, sd)
+    with pytest.raises(CheckpointFormatError, match=r"blocks\.0\.attn1\.to_q\.weight: float8_e5m2 with its scale"):
+        dorafp8.load_fp8_checkpoint(model, converted, format="comfyui", verbose=False)
