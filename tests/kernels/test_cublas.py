@@ -54,8 +54,10 @@ def test_refuses_w8a8():
 # dry run of one forward + backward (nothing runs; the launchers plan for an H100), each launch's bytes checked
 # against the sizes of the tensors it was handed, and the strategy's launches against the plan of the module
 # docstring, so that neither can drift without this failing.
-PLAN = ["triton:project_kernel", "triton:dequant_w8_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel",
-        "triton:dora_bwd_pass_kernel", "triton:dora_bwd_finish_kernel", "triton:dequant_w8_kernel", "aten:mm.default",
+# At this shape (M >= 2 N K / (N + K)) the forward's W is kept for the dgrad (ops/_policy.py keeps_weight): one
+# dequantize a step.
+PLAN = ["triton:dequant_w8_kernel", "triton:project_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel",
+        "triton:dora_bwd_pass_kernel", "triton:dora_bwd_finish_kernel", "aten:mm.default",
         "triton:dgrad_epilogue_kernel", "triton:project_grad_kernel", "triton:sum_splits_kernel"]
 
 
@@ -80,6 +82,74 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
     # by hand, from the shapes: the dequantize reads W8 (1 byte a weight) and the scale and writes W (2 bytes) and its
     # factors (2 floats, or N + 1 per row); each matrix product reads its operands and writes its result once
     dequant = N * K * 3 + (4 + 8 if kind == "tensor" else 4 * N + 4 * (N + 1))
-    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant, dequant]
+    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant]
     assert [lc.nbytes for lc in rec.launches if lc.name == "aten:mm.default"] == [
         2 * (M * K + N * K + M * N), 2 * (M * N + N * K + M * K)]
+
+
+# The forward's dequantized weight kept for the dgrad (backends/base.py KEEP_WEIGHT_PARAMS, ops/_policy.py
+# keeps_weight): the same W, so the same results; what could go wrong is the plumbing (the autograd Function saving
+# and passing it, the factors that ride with it). End to end against fp64, on every weight kind, dtype and dropout
+# setting, with the rule forced on at a small shape (on its own it keeps W from M >= 2 N K / (N + K) tokens).
+KEEP_KINDS = ["tensor", "row", "block", "nvfp4", "mxfp8"]
+
+
+def _weight_of_kind(kind, N, K):
+    from dorafp8 import quant
+
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(N, K, generator=gen) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
+    if kind == "nvfp4":
+        return quant.quantize_nvfp4(W)
+    if kind == "mxfp8":
+        return (*quant.quantize_mxfp8(W), None)
+    return (*quant.quantize_e4m3(W, per_row=kind == "row", block_size=16 if kind == "block" else None), None)
+
+
+@pytest.mark.parametrize("kind", KEEP_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_kept_weight_matches_fp64(kind, dtype, dropout, monkeypatch):
+    import dorafp8
+    from dorafp8 import ops, quant
+    from dorafp8._launches import LaunchRecorder
+    from dorafp8.ops import linear
+    from tests._ref import dora_fp64
+    from tests._tolerance import assert_close, tol
+
+    monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
+    M, N, K, r, s = 9, 40, 64, 3, 1.75
+    w, scale, g = _weight_of_kind(kind, N, K)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    A = torch.randn(r, K, generator=gen) / K ** 0.5
+    B = torch.randn(N, r, generator=gen) * 0.1
+    m = torch.rand(N, generator=gen) + 0.5
+    b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
+    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    gy = torch.randn(M, N, generator=gen).to(dtype)
+    n = dorafp8.weight_norm(w, scale, A, B, s, backend="cublas", block_size=16, global_scale=g)
+    torch.manual_seed(5)
+    with LaunchRecorder() as rec:  # (the norm given: for a microscaled weight it dequantizes blocks of rows too)
+        y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True,
+                                    backend="cublas", block_size=16, global_scale=g, weight_norm=n)
+        y.backward(gy)
+    dequants = [n for n in rec.names() if n.startswith("triton:dequant")]
+    assert len(dequants) == 1, rec.table()  # the backward multiplied by the forward's W
+    torch.manual_seed(5)
+    keep = ops.dropout_mask(x, dropout) if dropout else None
+    W0 = quant.dequantize_weight(w, scale, torch.float64, block_size=16, global_scale=g)
+    yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=None if keep is None else (keep, dropout))
+    yr.backward(gy.double())
+    assert_close(y, yr, tol(dtype), "y")
+    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
+        assert_close(got, ref.grad, tol(dtype), name)
+
+
+def test_weight_kept_only_where_the_rule_allows():
+    """keeps_weight: W [N, K] is kept when it is at most half the size of x and z (which the layer keeps anyway)."""
+    from dorafp8.ops._policy import keeps_weight
+
+    assert keeps_weight(8192, 4096, 4096) and keeps_weight(4096, 4096, 4096)
+    assert not keeps_weight(4095, 4096, 4096) and not keeps_weight(1024, 4096, 4096)
+    assert keeps_weight(2 * 4096 * 11008 // (4096 + 11008) + 1, 11008, 4096)
