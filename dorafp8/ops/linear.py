@@ -54,6 +54,7 @@ class DoRAFP8Function(torch.autograd.Function):
             # The kept part of x, unscaled: exact in the compute dtype; the kernels apply 1 / (1 - p) in fp32.
             mask = dropout_mask(x, p) if dropout else None
             xm = x * mask if dropout else None
+            kept = {}  # the forward's dequantized weight, kept for the dgrad (_policy.keeps_weight says when)
             if M == 0:
                 y, z = x.new_empty(0, N), x.new_empty(0, N)
                 u = x.new_empty(0, A.shape[0], dtype=A.dtype)
@@ -63,7 +64,6 @@ class DoRAFP8Function(torch.autograd.Function):
                 # W8A8 on a backend that offers it: the same read of x quantizes it for the base GEMM
                 # (backends/base.py, QUANT_PARAMS).
                 x8 = sx = None
-                kept = {}  # the forward's dequantized weight, kept for the dgrad (_policy.keeps_weight says when)
                 if (ctx.needs_input_grad[0] and getattr(backends.module(backend), "KEEPS_WEIGHT", False)
                         and keeps_weight(M, N, x.shape[1])):
                     W, fac = _ops.dequant_op(w8, scale, block_size, x.dtype, backend, global_scale)

@@ -94,56 +94,20 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
 KEEP_KINDS = ["tensor", "row", "block", "nvfp4", "mxfp8"]
 
 
-def _weight_of_kind(kind, N, K):
-    from dorafp8 import quant
-
-    gen = torch.Generator().manual_seed(3)
-    W = torch.randn(N, K, generator=gen) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
-    if kind == "nvfp4":
-        return quant.quantize_nvfp4(W)
-    if kind == "mxfp8":
-        return (*quant.quantize_mxfp8(W), None)
-    return (*quant.quantize_e4m3(W, per_row=kind == "row", block_size=16 if kind == "block" else None), None)
-
-
 @pytest.mark.parametrize("kind", KEEP_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_kept_weight_matches_fp64(kind, dtype, dropout, monkeypatch):
-    import dorafp8
-    from dorafp8 import ops, quant
     from dorafp8._launches import LaunchRecorder
     from dorafp8.ops import linear
-    from tests._ref import dora_fp64
-    from tests._tolerance import assert_close, tol
+    from tests.kernels.test_microscaled import check_dora_end_to_end, make_weight
 
     monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
-    M, N, K, r, s = 9, 40, 64, 3, 1.75
-    w, scale, g = _weight_of_kind(kind, N, K)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    A = torch.randn(r, K, generator=gen) / K ** 0.5
-    B = torch.randn(N, r, generator=gen) * 0.1
-    m = torch.rand(N, generator=gen) + 0.5
-    b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
-    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
-    gy = torch.randn(M, N, generator=gen).to(dtype)
-    n = dorafp8.weight_norm(w, scale, A, B, s, backend="cublas", block_size=16, global_scale=g)
-    torch.manual_seed(5)
-    with LaunchRecorder() as rec:  # (the norm given: for a microscaled weight it dequantizes blocks of rows too)
-        y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True,
-                                    backend="cublas", block_size=16, global_scale=g, weight_norm=n)
-        y.backward(gy)
+    with LaunchRecorder() as rec:  # (the norm by the reference: cuBLAS's dequantizes a microscaled weight's rows)
+        check_dora_end_to_end(*make_weight(kind, 40, 64, seed=3), dtype, dropout, "cublas", M=9, r=3, weight_norm=True,
+                              block_size=16)
     dequants = [n for n in rec.names() if n.startswith("triton:dequant")]
-    assert len(dequants) == 1, rec.table()  # the backward multiplied by the forward's W
-    torch.manual_seed(5)
-    keep = ops.dropout_mask(x, dropout) if dropout else None
-    W0 = quant.dequantize_weight(w, scale, torch.float64, block_size=16, global_scale=g)
-    yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=None if keep is None else (keep, dropout))
-    yr.backward(gy.double())
-    assert_close(y, yr, tol(dtype), "y")
-    for name, got, ref in zip(("dx", "dA", "dB", "dm"), (xl.grad, Al.grad, Bl.grad, ml.grad), leaves):
-        assert_close(got, ref.grad, tol(dtype), name)
+    assert len(dequants) == 1, rec.table()  # the forward's: the dgrad took its W
 
 
 def test_weight_kept_only_where_the_rule_allows():
@@ -153,3 +117,34 @@ def test_weight_kept_only_where_the_rule_allows():
     assert keeps_weight(8192, 4096, 4096) and keeps_weight(4096, 4096, 4096)
     assert not keeps_weight(4095, 4096, 4096) and not keeps_weight(1024, 4096, 4096)
     assert keeps_weight(2 * 4096 * 11008 // (4096 + 11008) + 1, 11008, 4096)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_kept_weight_under_activation_checkpointing(reentrant, monkeypatch):
+    """Under torch.utils.checkpoint the kept W is saved as x and z are: not held from the first forward (reentrant:
+    it runs without grad; non-reentrant: its saved tensors are dropped), made again by the recomputation and used by
+    that step's dgrad. The same gradients as without checkpointing, and the step's three dequantizes (forward,
+    recomputation, none in the backward) instead of four."""
+    import dorafp8
+    from dorafp8._launches import LaunchRecorder
+    from dorafp8.ops import linear
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
+    M, N, K, r = 9, 48, 48, 3  # two layers of the same weight: N = K
+    gen = torch.Generator().manual_seed(0)
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(N, K, generator=gen) * 0.05, per_row=True)
+    A, B = torch.randn(r, K, generator=gen) / 8, torch.randn(N, r, generator=gen) / 8
+    m = torch.rand(N, generator=gen) + 0.5
+    n = dorafp8.weight_norm(w8, scale, A, B, 2.0, backend="reference")
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+
+    def layer(t):
+        return dorafp8.dora_fp8_linear(t, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n)
+
+    layer(layer(x)).square().sum().backward()
+    want, x.grad = x.grad, None
+    with LaunchRecorder() as rec:
+        checkpoint(lambda t: layer(layer(t)), x, use_reentrant=reentrant).square().sum().backward()
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+    assert sum(name.startswith("triton:dequant") for name in rec.names()) == 4, rec.table()  # 2 layers x 2 forwards
