@@ -13,10 +13,12 @@ kernel, from its kernel-report record:
 - how the step's pipes overlap: in the cp.async loop ("async-copy") every warp waits at the CTA-wide barriers of each
   step (a cost per barrier), and W8A8's promotion drains the wgmma before its adds, which then add to the tensor
   time; in the warp-specialized loop ("tma-ws") each consumer warpgroup's chain (its wgmma, then its conversion or its
-  adds) runs beside the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
+  adds: each F2FP at its scheduler's share of the conversion rate, and F2FP's latency before each wgmma) runs beside
+  the other's, so the step is the longest of the SM's pipes and of one warpgroup's chain;
 - per tile, the instructions outside the loops (the epilogue; SASS, kernel_instrs) and the epilogue's rank-r products
   on the tensor cores, which nothing overlaps with one CTA per SM, and where a CTA starts on a tile, the latency of its
-  first loads (a persistent warp-specialized kernel's producer fetches the next tile's during the epilogue);
+  first loads (a persistent warp-specialized kernel's producer fetches the next tile's during the epilogue; its setup,
+  outside its tile loops, runs once per CTA: kernel_instrs - tile_instrs);
 - the tiles of the busiest SM (one CTA per SM in both loops at the headline tiles), and the HBM bytes as a floor.
 For a layer: the GEMMs, every other launch of a dry run of the backend at the headline shape (dorafp8._launches: the
 launchers plan for an H100, nothing runs) at the longer of its bytes over HBM and its rank-r FLOPs on CUDA cores (fp32
