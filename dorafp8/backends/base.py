@@ -155,7 +155,14 @@ QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
 # GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
 # (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS}
+# The weight dequantized once a step, an option of a backend that multiplies a dequantized copy (flag
+# KEEPS_WEIGHT = True: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype, global_scale=None) -> (W, fac),
+# the weight in the compute dtype and the factors its epilogues need; forward / dgrad(..., weight=W, weight_fac=fac)
+# multiply by it instead of dequantizing again. The autograd layer keeps (W, fac) from the forward for the backward
+# under the rule of dorafp8/ops/_policy.py keeps_weight (its memory: N K 16-bit values a layer).
+KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
+OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS}
+
 
 def signature_mismatches(impl) -> list[str]:
     """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""
@@ -176,4 +183,6 @@ def signature_mismatches(impl) -> list[str]:
         got = [p for p in got if p not in extra]  # the options' parameters come on top of the contract's
         if sorted(got) != sorted(want):
             out.append(f"{name}: parameters {got}, the contract's are {want}")
+    if getattr(impl, "KEEPS_WEIGHT", False) and not callable(getattr(impl, "dequantize", None)):
+        out.append("dequantize: KEEPS_WEIGHT is set but it is missing")
     return out

@@ -24,6 +24,9 @@ SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant=
 # The microscaled kinds (dorafp8/quant.py, "Microscaled weights"): dequantized in tiles by
 # triton_kernels/dequant_micro.py, whose factors are all in W, so the epilogues see a per-tensor scale of 1.
 GLOBAL_SCALE = True
+# The forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS; the rule: dorafp8/ops/_policy.py
+# keeps_weight).
+KEEPS_WEIGHT = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -51,9 +54,9 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
     return n
 
 
-def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
-                      global_scale=None):
-    """(W, fac): one layer's transient W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes it
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, global_scale=None):
+    """(W, fac): one layer's W = W8 * (its scale) in the compute dtype (transient, or kept from the forward for the
+    dgrad: KEEPS_WEIGHT), as a user who dequantizes makes it
     (so a 16-bit product stays in range: W8 alone reaches 448), in one launch that reads 1 byte and writes 2 per
     weight (triton_kernels/dequant.py: per tensor the scale, per row the largest row scale kappa, whose ratios the
     epilogue applies, per block the scales themselves), and the factors the epilogues need, written by the same
@@ -63,6 +66,14 @@ def _transient_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dt
         return (dequant_micro(w8, scale, dtype, global_scale),
                 torch.ones(2, dtype=torch.float32, device=w8.device))
     return dequant_w8(w8, scale, block_size, dtype)
+
+
+def _weight(w8, scale, block_size, dtype, global_scale, weight, weight_fac):
+    """(W, fac): the kept ones if given in `dtype` (the forward's, for the same w8 and scale), else a transient
+    dequantize."""
+    if weight is not None and weight.dtype == dtype:
+        return weight, weight_fac
+    return dequantize(w8, scale, block_size, dtype, global_scale)
 
 
 def _epilogue_w8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -85,9 +96,10 @@ def _not_w8a8(act_quant):
         raise not_supported("cublas", "rowwise", alternatives=("triton", "reference"))  # _scaled_mm, no fused epilogue
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, global_scale=None):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, global_scale=None,
+            weight=None, weight_fac=None):
     _not_w8a8(act_quant)
-    w, fac = _transient_weight(w8, scale, block_size, x.dtype, global_scale=global_scale)
+    w, fac = _weight(w8, scale, block_size, x.dtype, global_scale, weight, weight_fac)
     x, xm = matmul_rows(x), matmul_rows(xm)
     base = x @ w.T
     base_d = xm @ w.T if (m is not None and xm is not None) else None
@@ -97,10 +109,11 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     return forward_epilogue(base, base_d, p, w8, rest, block_size, bias, m, n, u, B, s, need_z, z_dtype, x.dtype)
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None, weight=None,
+          weight_fac=None):
     _not_w8a8(act_quant)
     dropout = v is not None and mask is not None
-    w, fac = _transient_weight(w8, scale, block_size, gl.dtype, global_scale)
+    w, fac = _weight(w8, scale, block_size, gl.dtype, global_scale, weight, weight_fac)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     t = gl @ w
     tb = gb @ w if dropout else None

@@ -31,9 +31,11 @@ CLOCK_HZ = 1.83e9  # the clock NVIDIA's peak figures are quoted at
 RATES = {
     "tensor": Rate(4096, 4096, "documented: 989.4 dense bf16 TFLOP/s (H100 SXM datasheet) = 132 SMs x 1.83 GHz x "
                                "4096 FLOP a clock; e4m3 twice that"),
-    "efficiency": Rate(798 / 989.4, 769 / 989.4, "measured: cuBLAS's bf16 8192^3 GEMM reached 769-798 TFLOP/s on the "
-                                                "project's H100, a fraction of the peak that the model applies to "
-                                                "every pipe (the clock under load, power), the yardstick's own"),
+    "efficiency": Rate(798 / 989.4 / (15.52 / 16), 769 / 989.4,
+                       "measured: cuBLAS's bf16 8192^3 GEMM reached 769-798 TFLOP/s on the project's H100, a fraction "
+                       "of the peak that the model applies to every pipe (the clock under load, power); the fast end "
+                       "takes cuBLAS's own wave loss out of it (2048 tiles of 128 x 256 on 132 SMs: 15.52 waves in "
+                       "16), which the model charges the package's kernels on their own, the slow end keeps it"),
     "yardstick": Rate(798e12, 798e12, "measured: cuBLAS bf16, 8192^3, the project's H100 (FLOP/s): the Linear, the "
                                       "cuBLAS strategy's and PEFT's 16-bit matrix products"),
     "issue": Rate(4, 4, "documented: four schedulers, one warp-instruction a clock each"),
@@ -49,6 +51,8 @@ RATES = {
                                "(not at all, to fully)"),
     "barrier": Rate(20, 40, "assumed: cycles a CTA-wide barrier costs a step when its warps arrive together"),
     "chain": Rate(0, 60, "assumed: latency a warp-specialized consumer's step leaves exposed (mbarrier, LDS)"),
+    "f2fp_latency": Rate(6, 12, "assumed: cycles from a packed conversion (F2FP) to its result, which the wgmma it "
+                                "feeds waits on: exposed once per wgmma in a consumer's chain"),
     "epilogue": Rate(1.0, 2.0, "assumed: the epilogue's instructions at issue rate (1) to twice that (its loads and "
                                "stores' latency)"),
     "first_load_s": Rate(0.6e-6, 1.2e-6, "assumed: the latency of a CTA's first tile loads (HBM)"),
@@ -109,8 +113,13 @@ def step_cycles(rec: dict, end: str) -> dict:
         smem=lds + (fills + R["mma_smem"].pick(end) * operands) / R["smem"].pick(end),
     )
     ws = rec.get("ws_consumers") or 0
-    if ws:  # one warpgroup: its share of the tensor work, then its own instructions (one warp per scheduler)
-        pipes["chain"] = tensor / ws + mix["instrs"] + R["chain"].pick(end)
+    if ws:  # one warpgroup: its share of the tensor work, then its own instructions (one warp per scheduler), each
+        # F2FP holding its scheduler's quarter of the conversion rate for a warp's 32 lanes, and the last conversion's
+        # latency before each of its wgmma (the W8 operand is converted for each)
+        f2fp = mix["f2fp_unpack"] + mix["f2fp_pack"]
+        wgmmas = mix.get("mma", 0)
+        pipes["chain"] = (tensor / ws + mix["instrs"] + f2fp * (32 * 4 / R["f2fp"].pick(end) - 1)
+                          + (wgmmas * R["f2fp_latency"].pick(end) if f2fp else 0) + R["chain"].pick(end))
     return pipes
 
 
@@ -147,12 +156,15 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: s
     loop_instrs = rec["main_loop"]["instrs"] * max(1, ws) + ((rec.get("producer_loop") or {}).get("instrs", 0))
     # the epilogue and the prologue, once per tile: every warp runs them in the plain loop; under warp specialization
     # each partition runs its own code on its 4 warps, all on the same four schedulers
-    outside = max(0, (rec.get("kernel_instrs") or 0) - loop_instrs)
-    per_tile = outside * (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)
-    per_tile += rank / R["tensor"].pick(end)
+    # a persistent kernel runs what lies outside its tile loops (its setup) once per CTA, the rest once per tile
+    every = rec.get("kernel_instrs") or 0
+    in_tiles = rec.get("tile_instrs") if rec.get("tile_loop") and rec.get("tile_instrs") else every
+    issue = (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)  # cycles per instruction
+    per_tile = max(0, in_tiles - loop_instrs) * issue + rank / R["tensor"].pick(end)
+    setup = (every - in_tiles) * issue
     first_loads = R["first_load_s"].pick(end) * CLOCK_HZ
     starts = 1 if rec.get("tile_loop") else tiles_sm  # a persistent CTA starts once, a plain one per tile
-    total = tiles_sm * (math.ceil(red / b_red) * cycles + per_tile) + starts * first_loads
+    total = tiles_sm * (math.ceil(red / b_red) * cycles + per_tile) + starts * first_loads + setup
     t_compute = total / (CLOCK_HZ * R["efficiency"].pick(end))
     t_hbm = hbm_bytes / R["hbm"].pick(end)
     return dict(seconds=max(t_compute, t_hbm), compute_s=t_compute, hbm_s=t_hbm,

@@ -27,7 +27,8 @@ FIELDS = (
     "mma", "mma_shapes", "w_operand", "w8_dots", "w8_side", "wgmma_a_regs", "wgmma_a_smem",
     "tcgen05_a_tmem", "tcgen05_a_smem",
     "regs", "spill_stores", "spill_loads", "spill_bytes", "stack_bytes", "smem_bytes", "smem_static", "smem_limit",
-    "ptxas_notes", "main_loop", "ws_consumers", "tile_loop", "producer_loop", "kernel_instrs", "compile_s", "error",
+    "ptxas_notes", "main_loop", "ws_consumers", "tile_loop", "producer_loop", "kernel_instrs", "tile_instrs",
+    "compile_s", "error",
 )
 
 

@@ -134,13 +134,20 @@ def main_loop_mix(text: str) -> dict | None:
 def pipeline(text: str) -> dict:
     """What the main loop's SASS says of its pipeline beyond the mix: whether the main loop lies inside another loop
     (a persistent kernel's tile loop), the mix of the producer's loop under warp specialization (the first innermost
-    loop that issues TMA loads and holds no MMA; None without one) and kernel_instrs, every instruction of the kernel
-    (what lies outside the loops runs once per tile or program: predict.py's per-tile cost)."""
+    loop that issues TMA loads and holds no MMA; None without one), kernel_instrs, every instruction of the kernel
+    (what lies outside the loops runs once per tile or program: predict.py's per-tile cost), and tile_instrs, those
+    inside a persistent kernel's tile loops (None without one: the rest is its once-per-CTA setup).""" 
     instrs = parse_sass(text)
     every = loops(instrs)
     main = _holding(instrs, every, _is_mma)
     producer = [r for r in _holding(instrs, every, _is_tma_load)
                 if not any(e.get("op") and _is_mma(e) for e in instrs[r[0]:r[1] + 1])]
     nested = bool(main) and any(o[0] < main[0][0] and main[0][1] < o[1] for o in every)
+    # a persistent kernel's tile loops: the outermost loops holding an MMA or a TMA load (every partition's); what
+    # lies outside them (the setup: arguments, descriptors, barriers' init) runs once per CTA, not once per tile
+    work = [r for r in every if any(e.get("op") and (_is_mma(e) or _is_tma_load(e)) for e in instrs[r[0]:r[1] + 1])]
+    outer = [r for r in work if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in work)]
+    inside = {i for r in outer for i in range(r[0], r[1] + 1)}  # (ranges may overlap: each instruction once)
+    tile_instrs = sum("op" in instrs[i] for i in inside) if nested else None
     return dict(tile_loop=nested, producer_loop=mix(instrs[producer[0][0]:producer[0][1] + 1]) if producer else None,
-                kernel_instrs=sum("op" in e for e in instrs))
+                kernel_instrs=sum("op" in e for e in instrs), tile_instrs=tile_instrs)

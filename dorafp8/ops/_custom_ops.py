@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..quant import weight_dims
+from ..quant import scale_kind, weight_dims
 
 
 @torch.library.custom_op("dorafp8::weight_norm", mutates_args=())
@@ -71,17 +71,40 @@ def _(v, a, mask, p, s, out_dtype, backend):
     return a.new_empty(v.shape[1], a.shape[1], dtype=out_dtype)
 
 
+def _kept(weight, weight_fac) -> dict:
+    """The kept dequantized weight as the backends take it (base.py, KEEP_WEIGHT_PARAMS): only when there is one."""
+    return {} if weight is None else {"weight": weight, "weight_fac": weight_fac}
+
+
+@torch.library.custom_op("dorafp8::dequant", mutates_args=())
+def dequant_op(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype, backend: str,
+               global_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(W, fac): the weight in `dtype` and its epilogues' factors, made once a step by a backend with KEEPS_WEIGHT
+    (base.py) for its forward and dgrad."""
+    return backends.module(backend).dequantize(w8=w8, scale=scale, block_size=block_size, dtype=dtype,
+                                               **_global(global_scale))
+
+
+@dequant_op.register_fake
+def _(w8, scale, block_size, dtype, backend, global_scale=None):
+    N, K = weight_dims(w8)
+    rows = scale_kind(scale) == "row"  # a row scale's fac: N + 1
+    return w8.new_empty(N, K, dtype=dtype), w8.new_empty(N + 1 if rows else 2, dtype=torch.float32)
+
+
 @torch.library.custom_op("dorafp8::forward", mutates_args=())
 def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], block_size: int, act_quant: str,
                backend: str, m: Optional[Tensor] = None, n: Optional[Tensor] = None, u: Optional[Tensor] = None,
                B: Optional[Tensor] = None, s: float = 0.0, xm: Optional[Tensor] = None, p: float = 0.0,
                need_z: bool = False, x8: Optional[Tensor] = None, sx: Optional[Tensor] = None,
-               global_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               global_scale: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+               weight_fac: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
     wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy". x8, sx: x quantized by project_quant_op
-    (W8A8 on a backend with QUANTS_IN_PROJECT)."""
+    (W8A8 on a backend with QUANTS_IN_PROJECT). weight, weight_fac: dequant_op's (a backend with KEEPS_WEIGHT)."""
     extra = {"x8": x8, "sx": sx} if x8 is not None else {}
     extra.update(_global(global_scale))
+    extra.update(_kept(weight, weight_fac))
     y, z = backends.module(backend).forward(
         x=x, w8=w8, scale=scale, block_size=block_size, bias=bias, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
         need_z=need_z, z_dtype=x.dtype, act_quant=act_quant, **extra)
@@ -90,7 +113,7 @@ def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], blo
 
 @forward_op.register_fake
 def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None, B=None, s=0.0, xm=None, p=0.0,
-      need_z=False, x8=None, sx=None, global_scale=None):
+      need_z=False, x8=None, sx=None, global_scale=None, weight=None, weight_fac=None):
     y = x.new_empty(x.shape[0], w8.shape[0])
     want_z = need_z and m is not None
     return y, (x.new_empty(x.shape[0], w8.shape[0]) if want_z else x.new_empty(0))
@@ -126,15 +149,18 @@ def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=F
 def dgrad_op(gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, act_quant: str, backend: str,
              v: Optional[Tensor] = None, A: Optional[Tensor] = None, s: float = 0.0, mask: Optional[Tensor] = None,
              p: float = 0.0, gb: Optional[Tensor] = None, rb: Optional[Tensor] = None,
-             global_scale: Optional[Tensor] = None) -> Tensor:
-    """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults."""
+             global_scale: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+             weight_fac: Optional[Tensor] = None) -> Tensor:
+    """The plain FP8 linear leaves the DoRA arguments (v, A, s, mask, p, gb, rb) at their defaults. weight,
+    weight_fac: the forward's dequant_op results, kept (a backend with KEEPS_WEIGHT)."""
     return backends.module(backend).dgrad(gl=gl, rl=rl, w8=w8, scale=scale, block_size=block_size, v=v, A=A, s=s,
-                                          mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant, **_global(global_scale))
+                                          mask=mask, p=p, gb=gb, rb=rb, act_quant=act_quant, **_global(global_scale),
+                                          **_kept(weight, weight_fac))
 
 
 @dgrad_op.register_fake
 def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, mask=None, p=0.0, gb=None, rb=None,
-      global_scale=None):
+      global_scale=None, weight=None, weight_fac=None):
     return gl.new_empty(gl.shape[0], weight_dims(w8)[1])
 
 
@@ -161,7 +187,8 @@ def eager_fast_path(op):
     return call
 
 
-_OPS = (weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op, dgrad_op)
+_OPS = (weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op, dgrad_op,
+        dequant_op)
 _IMPLEMENTATIONS = {op._name: op._init_fn for op in _OPS}
 
 
@@ -170,5 +197,5 @@ def custom_op_implementation(name: str):
     return _IMPLEMENTATIONS[name]
 
 
-(weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op,
- dgrad_op) = map(eager_fast_path, _OPS)
+(weight_norm_op, project_op, project_quant_op, project_grad_op, forward_op, backward_pass_op, dgrad_op,
+ dequant_op) = map(eager_fast_path, _OPS)

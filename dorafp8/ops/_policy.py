@@ -89,3 +89,13 @@ def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None)
     kind = scale_kind(scale)
     return (frozenset({kind} if kind in ("block", *MICRO_KINDS) else ()) | frozenset({act_quant} if act_quant else ())
             | frozenset({"fp32"} if cdt == torch.float32 else ()))
+
+
+def keeps_weight(M: int, N: int, K: int) -> bool:
+    """Whether a backend with KEEPS_WEIGHT (dorafp8/backends/base.py) keeps the forward's dequantized weight W [N, K]
+    for the backward of the same step, instead of dequantizing it again (one launch and 3 N K bytes fewer): when W
+    is at most half the size of x [M, K] and z [M, N], which the layer keeps for its backward anyway (M >= 2 N K /
+    (N + K): 4096 tokens for a 4096 x 4096 layer), so that it adds at most half to the layer's saved memory.
+    W is saved as they are (ctx.save_for_backward), so activation checkpointing and offloading hooks treat it as
+    they treat them: a checkpointed layer holds no W between its forward and its recomputation."""
+    return 2 * N * K <= M * (N + K)

@@ -18,8 +18,8 @@ from .. import backends
 from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
-from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, rank_dtype, row_scale,
-                      rows)
+from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, keeps_weight, rank_dtype,
+                      row_scale, rows)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd Functions
@@ -44,6 +44,7 @@ class DoRAFP8Function(torch.autograd.Function):
             # The kept part of x, unscaled: exact in the compute dtype; the kernels apply 1 / (1 - p) in fp32.
             mask = dropout_mask(x, p) if dropout else None
             xm = x * mask if dropout else None
+            kept = {}  # the forward's dequantized weight, kept for the dgrad (_policy.keeps_weight says when)
             if M == 0:
                 y, z = x.new_empty(0, N), x.new_empty(0, N)
                 u = x.new_empty(0, A.shape[0], dtype=A.dtype)
@@ -53,6 +54,10 @@ class DoRAFP8Function(torch.autograd.Function):
                 # W8A8 on a backend that offers it: the same read of x quantizes it for the base GEMM
                 # (backends/base.py, QUANT_PARAMS).
                 x8 = sx = None
+                if (ctx.needs_input_grad[0] and getattr(backends.module(backend), "KEEPS_WEIGHT", False)
+                        and keeps_weight(M, N, x.shape[1])):
+                    W, fac = _ops.dequant_op(w8, scale, block_size, x.dtype, backend, global_scale)
+                    kept = dict(weight=W, weight_fac=fac)
                 if act_quant and backends.quants_in_project(backend):
                     u, x8, sx = _ops.project_quant_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
                 else:
@@ -61,14 +66,15 @@ class DoRAFP8Function(torch.autograd.Function):
                 # within the compute dtype's tolerance.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
                                        backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
-                                       x8=x8, sx=sx, global_scale=global_scale)
-        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n, global_scale)
+                                       x8=x8, sx=sx, global_scale=global_scale, **kept)
+        ctx.save_for_backward(x, mask, u, z if need_z else None, w8, scale, A, B, m, n, global_scale,
+                              kept.get("weight"), kept.get("weight_fac"))
         ctx.s, ctx.p, ctx.block_size, ctx.act_quant, ctx.backend = s, p, block_size, act_quant, backend
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, mask, u, z, w8, scale, A, B, m, n, global_scale = ctx.saved_tensors
+        x, mask, u, z, w8, scale, A, B, m, n, global_scale, W, fac = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
         s, p = ctx.s, ctx.p
         g = rows(gy)
@@ -93,7 +99,7 @@ class DoRAFP8Function(torch.autograd.Function):
                     gb = g  # the plain base term's operand is g itself (the op returned a placeholder)
                 dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,
                                    backend=ctx.backend, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb,
-                                   global_scale=global_scale)
+                                   global_scale=global_scale, weight=W, weight_fac=fac)
             if need_dA:
                 dA = _ops.project_grad_op(v, x, mask=mask, p=p, s=s, out_dtype=A.dtype, backend=ctx.backend)
         return (dx, None, None, db if need_db else None, dA, dB if need_dB else None, dm if need_dm else None,

@@ -86,20 +86,25 @@ def test_compiled_training_step_does_not_pin_the_token_count():
     assert 1 <= len(frames) <= 2, f"{len(frames)} compilations for 10 token counts"
 
 
-def test_compile_fullgraph_w8a8_on_triton():
-    """W8A8 on the Triton backend (the interpreter here) takes x's quantization from the projection's custom op
-    (project_quant, backends/base.py QUANT_PARAMS): it compiles into one graph with the eager values and gradients."""
+@pytest.mark.parametrize("chosen, act_quant", [("triton", "rowwise"), ("cublas", None)])
+def test_compile_fullgraph_backend_options(chosen, act_quant):
+    """The backends' options compile into one graph with the eager values and gradients: W8A8 on the Triton backend
+    (the interpreter here) takes x's quantization from the projection's custom op (project_quant, backends/base.py
+    QUANT_PARAMS); the cuBLAS strategy dequantizes once (dequant, KEEP_WEIGHT_PARAMS: M here is past
+    ops/_policy.py keeps_weight's threshold) and its dgrad takes the forward's W and per-row factors."""
     from dorafp8 import backends
+    from dorafp8.ops._policy import keeps_weight
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reason = backends.unavailable_reason("triton", dev)
+    reason = backends.unavailable_reason(chosen, dev)
     if reason:
         pytest.skip(reason)
     assert backends.quants_in_project("triton")
     torch.manual_seed(0)
-    M, K, N, r = 24, 64, 48, 4
+    M, K, N, r = 96, 64, 48, 4
+    assert keeps_weight(M, N, K)
     W = torch.randn(N, K, device=dev) * 0.05
-    w8, scale = W.to(torch.float8_e4m3fn), torch.tensor(1.0, device=dev)
+    w8, scale = W.to(torch.float8_e4m3fn), torch.linspace(0.5, 2.0, N, device=dev)  # per row
     A = (torch.randn(r, K, device=dev) / 8).requires_grad_()
     B = (torch.randn(N, r, device=dev) / 8).requires_grad_()
     m = (W.norm(dim=1) * 1.1).requires_grad_()
@@ -107,7 +112,7 @@ def test_compile_fullgraph_w8a8_on_triton():
     leaves = (x, A, B, m)
 
     def f(x):
-        return dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="triton", act_quant="rowwise")
+        return dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend=chosen, act_quant=act_quant)
 
     y = f(x)
     y.square().sum().backward()

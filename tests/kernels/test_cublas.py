@@ -54,8 +54,10 @@ def test_refuses_w8a8():
 # dry run of one forward + backward (nothing runs; the launchers plan for an H100), each launch's bytes checked
 # against the sizes of the tensors it was handed, and the strategy's launches against the plan of the module
 # docstring, so that neither can drift without this failing.
-PLAN = ["triton:project_kernel", "triton:dequant_w8_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel",
-        "triton:dora_bwd_pass_kernel", "triton:dora_bwd_finish_kernel", "triton:dequant_w8_kernel", "aten:mm.default",
+# At this shape (M >= 2 N K / (N + K)) the forward's W is kept for the dgrad (ops/_policy.py keeps_weight): one
+# dequantize a step.
+PLAN = ["triton:dequant_w8_kernel", "triton:project_kernel", "aten:mm.default", "triton:fwd_epilogue_kernel",
+        "triton:dora_bwd_pass_kernel", "triton:dora_bwd_finish_kernel", "aten:mm.default",
         "triton:dgrad_epilogue_kernel", "triton:project_grad_kernel", "triton:sum_splits_kernel"]
 
 
@@ -80,6 +82,69 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
     # by hand, from the shapes: the dequantize reads W8 (1 byte a weight) and the scale and writes W (2 bytes) and its
     # factors (2 floats, or N + 1 per row); each matrix product reads its operands and writes its result once
     dequant = N * K * 3 + (4 + 8 if kind == "tensor" else 4 * N + 4 * (N + 1))
-    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant, dequant]
+    assert [lc.nbytes for lc in rec.launches if lc.name == "triton:dequant_w8_kernel"] == [dequant]
     assert [lc.nbytes for lc in rec.launches if lc.name == "aten:mm.default"] == [
         2 * (M * K + N * K + M * N), 2 * (M * N + N * K + M * K)]
+
+
+# The forward's dequantized weight kept for the dgrad (backends/base.py KEEP_WEIGHT_PARAMS, ops/_policy.py
+# keeps_weight): the same W, so the same results; what could go wrong is the plumbing (the autograd Function saving
+# and passing it, the factors that ride with it). End to end against fp64, on every weight kind, dtype and dropout
+# setting, with the rule forced on at a small shape (on its own it keeps W from M >= 2 N K / (N + K) tokens).
+KEEP_KINDS = ["tensor", "row", "block", "nvfp4", "mxfp8"]
+
+
+@pytest.mark.parametrize("kind", KEEP_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_kept_weight_matches_fp64(kind, dtype, dropout, monkeypatch):
+    from dorafp8._launches import LaunchRecorder
+    from dorafp8.ops import linear
+    from tests.kernels.test_microscaled import check_dora_end_to_end, make_weight
+
+    monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
+    with LaunchRecorder() as rec:  # (the norm by the reference: cuBLAS's dequantizes a microscaled weight's rows)
+        check_dora_end_to_end(*make_weight(kind, 40, 64, seed=3), dtype, dropout, "cublas", M=9, r=3, weight_norm=True,
+                              block_size=16)
+    dequants = [n for n in rec.names() if n.startswith("triton:dequant")]
+    assert len(dequants) == 1, rec.table()  # the forward's: the dgrad took its W
+
+
+def test_weight_kept_only_where_the_rule_allows():
+    """keeps_weight: W [N, K] is kept when it is at most half the size of x and z (which the layer keeps anyway)."""
+    from dorafp8.ops._policy import keeps_weight
+
+    assert keeps_weight(8192, 4096, 4096) and keeps_weight(4096, 4096, 4096)
+    assert not keeps_weight(4095, 4096, 4096) and not keeps_weight(1024, 4096, 4096)
+    assert keeps_weight(2 * 4096 * 11008 // (4096 + 11008) + 1, 11008, 4096)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_kept_weight_under_activation_checkpointing(reentrant, monkeypatch):
+    """Under torch.utils.checkpoint the kept W is saved as x and z are: not held from the first forward (reentrant:
+    it runs without grad; non-reentrant: its saved tensors are dropped), made again by the recomputation and used by
+    that step's dgrad. The same gradients as without checkpointing, and the step's three dequantizes (forward,
+    recomputation, none in the backward) instead of four."""
+    import dorafp8
+    from dorafp8._launches import LaunchRecorder
+    from dorafp8.ops import linear
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
+    M, N, K, r = 9, 48, 48, 3  # two layers of the same weight: N = K
+    gen = torch.Generator().manual_seed(0)
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(N, K, generator=gen) * 0.05, per_row=True)
+    A, B = torch.randn(r, K, generator=gen) / 8, torch.randn(N, r, generator=gen) / 8
+    m = torch.rand(N, generator=gen) + 0.5
+    n = dorafp8.weight_norm(w8, scale, A, B, 2.0, backend="reference")
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+
+    def layer(t):
+        return dorafp8.dora_fp8_linear(t, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n)
+
+    layer(layer(x)).square().sum().backward()
+    want, x.grad = x.grad, None
+    with LaunchRecorder() as rec:
+        checkpoint(lambda t: layer(layer(t)), x, use_reentrant=reentrant).square().sum().backward()
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+    assert sum(name.startswith("triton:dequant") for name in rec.names()) == 4, rec.table()  # 2 layers x 2 forwards

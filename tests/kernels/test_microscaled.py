@@ -48,6 +48,8 @@ def make_weight(kind, N, K, seed=0):
     W = torch.randn(N, K, generator=gen) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
     if kind == "nvfp4":
         return quant.quantize_nvfp4(W)
+    if kind != "mxfp8":  # the fp8 kinds too, for tests that cover every kind (test_cublas.py), blocks of 16
+        return (*quant.quantize_e4m3(W, per_row=kind == "row", block_size=16 if kind == "block" else None), None)
     return (*quant.quantize_mxfp8(W), None)
 
 
@@ -99,9 +101,19 @@ def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chose
     """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py), on CPU under Triton's interpreter."""
     if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
         pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
-    M, N, r, s = 7, 33, 3, 1.75
+    M, N, r = 7, 33, 3
     K = 48 if kind == "nvfp4" else 70  # MXFP8: a partial last block of 6
     w, scale, g = make_weight(kind, N, K)
+    check_dora_end_to_end(w, scale, g, dtype, dropout, chosen, M, r, W0=dequant_64(w, scale, g))
+
+
+def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0=None, weight_norm=False, **kw):
+    """dora_fp8_linear's y and gradients on `backend` against fp64 on the dequantized weight W0 (default: the
+    package's dequantize_weight); weight_norm: the norm computed first by the reference backend and passed (so that
+    the backend under test launches no norm); kw: to dora_fp8_linear."""
+    if W0 is None:
+        W0 = quant.dequantize_weight(w, scale, torch.float64, global_scale=g, **kw)
+    N, K = W0.shape
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(M, K, generator=gen).to(dtype)
     A = torch.randn(r, K, generator=gen) / K ** 0.5
@@ -109,15 +121,18 @@ def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chose
     m = torch.rand(N, generator=gen) + 0.5
     b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
     xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    if weight_norm:
+        kw["weight_norm"] = dorafp8.weight_norm(w, scale, A, B, s, backend="reference", global_scale=g,
+                                                block_size=kw.get("block_size", quant.DEFAULT_BLOCK))
     torch.manual_seed(5)
-    y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True, backend=chosen,
-                                global_scale=g)
+    y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True, backend=backend,
+                                global_scale=g, **kw)
     assert y.dtype == dtype
     gy = torch.randn(y.shape, generator=gen).to(dtype)
     y.backward(gy)
     torch.manual_seed(5)
     keep = ops.dropout_mask(x, dropout) if dropout else None
-    yr, leaves = dora_fp64(x, dequant_64(w, scale, g), A, B, m, s, b, xd=None if keep is None else (keep, dropout))
+    yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=None if keep is None else (keep, dropout))
     yr.backward(gy.double())
     rel = tol(dtype)
     assert_close(y, yr, rel, "y")

@@ -266,3 +266,20 @@ def test_programs_that_fit_read_the_compiled_kernel(monkeypatch):
     for _ in range(2):
         assert occupancy.programs_that_fit(Kernel(), key, (), {"num_warps": 4}, dev) == 2 * 132
     assert len(warmups) == 1
+
+
+@pytest.mark.parametrize("strategy", ["W8A16", "W8A8", "dequantize + cuBLAS"])
+def test_predicted_bytes_are_the_recorded_tensors_sizes(strategy, monkeypatch):
+    """The bytes `--predict` times each launch by (kernel_report.predict.strategy_launches, the dicts that
+    layer_seconds adds up) are the sizes of the distinct tensors the recorder saw the launch handed, recomputed here
+    from their shapes and dtypes: so the byte counts issue 52's targets rest on cannot drift from the tensors."""
+    from dorafp8.kernel_report import predict as pr
+
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")  # strategy_launches sets it: restored after the test
+    launches = pr.strategy_launches(strategy)
+    for lc in launches:
+        sizes = sum(math.prod(shape) * getattr(torch, dt.replace("torch.", "")).itemsize for shape, dt in lc["shapes"])
+        assert lc["nbytes"] == sizes, f"{lc['name']}: predicted {lc['nbytes']} bytes, its tensors hold {sizes}"
+        if lc["name"] not in pr.GEMM_KERNELS and not lc["flops"] and lc["name"] not in pr.RANK_FLOPS:
+            assert pr.launch_seconds(lc, "lo") == pytest.approx(sizes / pr.RATES["hbm"].lo), lc["name"]
+    assert pr.layer_seconds({}, launches)["bytes"] == sum(lc["nbytes"] for lc in launches)
