@@ -28,7 +28,7 @@ def micro_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) on a GPU: fp32 outputs take half the rows (64 spilled 16 bytes on sm_90a, sm_100a and
     sm_120 for MXFP8: python -m dorafp8.kernel_report --kernel dequant_micro)."""
     return (MICRO_BLOCKS[0] // 2, MICRO_BLOCKS[1]) if dtype == torch.float32 else MICRO_BLOCKS
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
 @triton.jit
@@ -48,6 +48,36 @@ def e8m0_to_f32(e):
 
 
 @triton.jit
+def micro_values(w_ptr, scale_ptr, g_ptr, n, k, stride_w_n, stride_scale_n, ok, NVFP4: tl.constexpr):
+    """fp32 W0[n, k] (the module docstring's products) at weight rows n (int64) and columns k, index tiles that
+    broadcast to one shape (ok its mask; masked elements are 0). Any orientation: the GEMMs' main loop reads the
+    forward's tile [rows, K] and the dgrad's transposed one [K, rows] through it (gemm.py), this module's kernel
+    [rows, K]."""
+    if NVFP4:
+        # each byte is read by the two columns it holds (the second read hits L1): codes low nibble first
+        byte = tl.load(w_ptr + n * stride_w_n + k // 2, mask=ok, other=0).to(tl.int32)
+        w = e2m1_to_f32((byte >> ((k % 2) * 4)) & 15)
+        sc = tl.load(scale_ptr + n * stride_scale_n + k // 16, mask=ok, other=0.0)
+        f = sc.to(tl.float32) * tl.load(g_ptr)  # the block's factor in fp32 first, as ModelOpt's dequantize forms it
+    else:
+        w = tl.load(w_ptr + n * stride_w_n + k, mask=ok, other=0.0).to(tl.float32)
+        e = tl.load(scale_ptr + n * stride_scale_n + k // 32, mask=ok, other=127)
+        f = e8m0_to_f32(e.to(tl.int32))
+    return w * f
+
+
+@triton.jit
+def micro_to(w_ptr, scale_ptr, g_ptr, n, k, stride_w_n, stride_scale_n, ok, NVFP4: tl.constexpr,
+             DT: tl.constexpr):
+    """micro_values rounded once to DT, the same bits on a GPU and in the interpreter (whose fp32 -> bf16 cast
+    truncates: bf16_value rounds to nearest even first, then the cast is exact)."""
+    w = micro_values(w_ptr, scale_ptr, g_ptr, n, k, stride_w_n, stride_scale_n, ok, NVFP4)
+    if DT == tl.bfloat16:
+        w = bf16_value(w)
+    return w.to(DT)
+
+
+@triton.jit
 def dequant_micro_kernel(
     w_ptr, scale_ptr, g_ptr, out_ptr,
     N, K,
@@ -55,47 +85,58 @@ def dequant_micro_kernel(
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     _, _, offs_n, offs_k, _, ok, rows = weight_tile(N, K, BLOCK_N, BLOCK_K)
-    if NVFP4:
-        # each byte is read by the two columns it holds (the second read hits L1): codes low nibble first
-        byte = tl.load(w_ptr + rows[:, None] * stride_w_n + (offs_k // 2)[None, :], mask=ok, other=0).to(tl.int32)
-        w = e2m1_to_f32((byte >> ((offs_k % 2) * 4)[None, :]) & 15)
-        sc = tl.load(scale_ptr + rows[:, None] * stride_scale_n + (offs_k // 16)[None, :], mask=ok, other=0.0)
-        f = sc.to(tl.float32) * tl.load(g_ptr)  # the block's factor in fp32 first, as ModelOpt's dequantize forms it
-    else:
-        w = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-        e = tl.load(scale_ptr + rows[:, None] * stride_scale_n + (offs_k // 32)[None, :], mask=ok, other=127)
-        f = e8m0_to_f32(e.to(tl.int32))
-    w = w * f
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        w = bf16_value(w)  # rounded to nearest even, then cast exactly: the interpreter's own cast truncates
-    tl.store(out_ptr + rows[:, None] * stride_out_n + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
+    w = micro_to(w_ptr, scale_ptr, g_ptr, rows[:, None], offs_k[None, :], stride_w_n, stride_scale_n, ok, NVFP4,
+                 out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_out_n + offs_k[None, :], w, mask=ok)
 
 
-def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
-    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
-    of a weight's rows). The shapes are checked by the ops
-    (dorafp8.quant.check_weight); this checks what the kernel's addressing needs."""
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None):
+    """(N, K, nvfp4, sc, g): a microscaled weight's sizes and its scale and global scale as the kernels read them (the
+    e8m0 bytes as uint8, which Triton has no dtype for; MXFP8's g a placeholder, never read). Checks what the
+    kernels' addressing needs; the shapes are checked by the ops (dorafp8.quant.check_weight)."""
     nvfp4 = w8.dtype == torch.uint8
-    if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != _E8M0):
+    if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != E8M0):
         raise ValueError(f"w8 {w8.dtype} with scale {scale.dtype} is neither NVFP4 (uint8, float8_e4m3fn) nor MXFP8 "
                          f"(float8_e4m3fn, float8_e8m0fnu)")
     if nvfp4 and (global_scale is None or global_scale.dtype != torch.float32 or global_scale.numel() != 1):
         raise ValueError("global_scale must be one fp32 value for an NVFP4 weight")
     if w8.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("w8 and scale must have unit stride in their last dim")
-    N, K = w8.shape[0], w8.shape[1] * (2 if nvfp4 else 1)
+    sc = scale if nvfp4 else scale.view(torch.uint8)
+    return w8.shape[0], w8.shape[1] * (2 if nvfp4 else 1), nvfp4, sc, global_scale if nvfp4 else sc
+
+
+def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
+    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
+    of a weight's rows)."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    N, K, nvfp4, sc, g = micro_args(w8, scale, global_scale)
     out = alloc((N, K), dtype, w8.device)
     if N == 0 or K == 0:
         return out
     bn, bk = (16, 32) if interpreting() else micro_blocks(dtype)
-    sc = scale if nvfp4 else scale.view(torch.uint8)  # e8m0 has no Triton dtype: its bytes
     launch(dequant_micro_kernel, (cdiv(N, bn), cdiv(K, bk)))(
-        w8, sc, global_scale if nvfp4 else sc, out,  # (MXFP8: sc stands in for the global scale, unread)
+        w8, sc, g, out,
         N, K, w8.stride(0), sc.stride(0), out.stride(0),
         NVFP4=nvfp4, BLOCK_N=bn, BLOCK_K=bk,
     )
     return out
+
+
+def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
+    """The weight norm of a microscaled weight: its rows dequantized to fp32 a block at a time (dequant_micro, at most
+    16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight. The Triton backend's and the
+    cuBLAS strategy's."""
+    from ..quant import row_blocks, weight_dims
+
+    N, K = weight_dims(w8)
+    A32 = A.float()
+    n = torch.empty(N, dtype=torch.float32, device=w8.device)
+    for j0, j1 in row_blocks(N, K):
+        v = dequant_micro(w8[j0:j1], scale[j0:j1], torch.float32, global_scale)
+        v.addmm_(B[j0:j1].float(), A32, alpha=s)
+        n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
+    return n

@@ -18,8 +18,8 @@ against the fp32 `reference` backend on the same inputs, each element within ROO
 measured it at these K: a wrong tile, swizzle or phase is off by the output's scale, far outside; W8A8 at least
 2^-5). The candidates that pass are then timed in interleaved rounds (ROUNDS calls each, medians) at the largest M
 that fits, without the reference, one candidate's outputs alive at a time; the pick is the
-first in the static order (triton, cuda, cublas) within MARGIN of the fastest, so that close ones do not flip between
-runs. The verdicts go into the file atomically (re-read and merged:
+first in the static order (backends.resolve's pick, then triton, cuda, cublas) within MARGIN of the fastest, so
+that close ones do not flip between runs. The verdicts go into the file atomically (re-read and merged:
 several processes may write), and later processes use them without a child.
 
 A candidate that computes wrong values or raises is unusable for that key; one that hangs past the limit (the child is
@@ -356,7 +356,9 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
         return static
     path = cache_file(device)
     broken = _file(path)["broken"]
-    cands = [c for c in RACERS[device.type] if c not in broken
+    # static first: ties go to backends.resolve's pick (cublas for the microscaled weights, triton for fp8)
+    order = sorted(RACERS[device.type], key=lambda c: c != static)
+    cands = [c for c in order if c not in broken
              and backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
     if not cands:
         _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static
