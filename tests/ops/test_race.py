@@ -165,6 +165,17 @@ def test_a_microscaled_key_is_checked_on_its_own_kind(race, used, monkeypatch, k
         assert "reference" in used
 
 
+@pytest.mark.parametrize("static", ["cublas", "triton"])
+def test_ties_go_to_the_static_pick(race, monkeypatch, static):
+    """Candidates within MARGIN of each other: the pick is backends.resolve's (cublas for an NVFP4 key on a GPU, whose
+    fused Triton loop is not measured yet), then the racers' order; before, always the racers' first (triton)."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("triton", "cublas"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(triton=1.0, cublas=1.01))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    call = dict(N=N, K=K, M=40, r=r, scale="nvfp4", cdt=torch.bfloat16)
+    assert _race.choose("dora", static, CPU, frozenset({"nvfp4"}), **call) == static
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 def test_the_child_builds_inputs_of_the_keys_kind(kind):
     """The child's inputs for a microscaled key are of that kind (its recipe's bytes, scales and global scale): with a
