@@ -126,17 +126,21 @@ def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chose
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_plain_linear_and_weight_norm_match_fp64(kind):
+@pytest.mark.parametrize("chosen", ["auto", "triton"])
+def test_plain_linear_and_weight_norm_match_fp64(kind, chosen):
+    """The plain linear (no adapter: the kernels' other epilogue) and the weight norm; triton: its fused GEMMs."""
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     N, K = 17, 64
     w, scale, g = make_weight(kind, N, K, seed=3)
     W0 = dequant_64(w, scale, g)
     x = torch.randn(5, K, dtype=torch.float32, requires_grad=True)
-    y = dorafp8.fp8_linear(x, w, scale, global_scale=g)
+    y = dorafp8.fp8_linear(x, w, scale, global_scale=g, backend=chosen)
     y.backward(torch.ones_like(y))
     assert_close(y, x.detach().double() @ W0.T, tol(torch.float32), "y")
     assert_close(x.grad, torch.ones(5, N, dtype=torch.float64) @ W0, tol(torch.float32), "dx")
     A, B = torch.randn(2, K), torch.randn(N, 2)
-    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g)
+    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g, backend=chosen)
     assert_close(n, (W0 + 0.5 * B.double() @ A.double()).norm(dim=1), tol(torch.float32), "n")
 
 
