@@ -172,13 +172,12 @@ def _dgrad_tile(
         glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
         gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
         if SCALE_KIND == "nvfp4" or SCALE_KIND == "mxfp8":
-            # The microscaled W tile is read transposed, [K, rows], through the forward's unpack (gemm.py): NVFP4
-            # packs along K, now the tile's first dim, so a byte's two codes land in two adjacent rows of the tile,
-            # read from W's own [N, K / 2] layout (no transposed copy of W, as W8A16's fp8 dgrad reads W8 [N, K]).
+            # The microscaled W tile is unpacked as the forward's, [rows, K] (NVFP4 packs along K), from W's own
+            # [N, K / 2] layout, and transposed in registers (gemm.py): no transposed copy of W.
             acc, acc_b = w8_gemm_loop(w_ptr, stride_w, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
                                       mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
                                       W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N,
-                                      w_ptr, offs_n.to(tl.int64)[None, :], offs_k[:, None], stride_w, g_ptr, True)
+                                      w_ptr, offs_n, pid_k * BLOCK_K, K, stride_w, g_ptr, True)
         else:
             if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
                 w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]

@@ -215,7 +215,7 @@ def _fwd_tile(
             acc, acc_d = w8_gemm_loop(w_ptr, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_n, mask_m,
                                       K, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
                                       W8_VIA_F32, FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K,
-                                      w_ptr, rows_n[:, None], offs_k[None, :], stride_w_n, g_ptr, False)
+                                      w_ptr, rows_n, 0, K, stride_w_n, g_ptr, False)
         else:
             w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
             acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_weight, dot, scale_block_size
-from .dequant_micro import E8M0, micro_args, micro_to
+from .dequant_micro import E8M0, micro_args, micro_tile
 
 MICRO = ("nvfp4", "mxfp8")  # the microscaled SCALE_KINDs (dorafp8/quant.py, "Microscaled weights")
 STRIDED = ("block",) + MICRO  # the kinds whose scale grid the kernels address by its row stride
@@ -111,7 +111,8 @@ def w8_gemm_loop(
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
-    micro_w=None, micro_n=None, micro_k=None, stride_w_n=0, g_ptr=None, MICRO_RED_N: tl.constexpr = False,
+    micro_w=None, micro_rows=None, micro_k0=0, micro_K=0, stride_w_n=0, g_ptr=None,
+    MICRO_RED_N: tl.constexpr = False,
 ):
     """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
@@ -119,27 +120,26 @@ def w8_gemm_loop(
     reduction load zeros, so they add exactly 0. The loads are plain (Triton pipelines them as asynchronous copies,
     cp.async, guarded by CTA-wide barriers); w8_gemm_loop_tma is the same loop on tensor descriptors.
 
-    A microscaled weight (SCALE_KIND "nvfp4" / "mxfp8", W8A16 only) is read through dequant_micro.micro_to instead of
-    w_ptrs: its codes and scales at weight rows micro_n (int64) and columns micro_k, index tiles broadcasting to
-    [B_OUT, B_RED] for the first step (forward [rows, K], dgrad the transposed [K, rows]), the reduction along K
-    (forward) or the rows (MICRO_RED_N, dgrad); micro_w the weight, stride_w_n its row stride, scale_ptr its scales
-    (row stride stride_s_red), g_ptr NVFP4's global scale. Every factor is applied in fp32 and the product rounded
-    once to DOT_DT, in registers (the cuBLAS strategy's dequantize, without the copy): the epilogue sees a scale of
-    1."""
+    A microscaled weight (SCALE_KIND "nvfp4" / "mxfp8", W8A16 only) is read through dequant_micro.micro_tile instead
+    of w_ptrs: micro_w the weight, stride_w_n its row stride, scale_ptr its scales (row stride stride_s_red), g_ptr
+    NVFP4's global scale. The forward's tile is W's rows micro_rows (int64 [B_OUT]) at columns r0.. (the reduction
+    is K); the dgrad's (MICRO_RED_N: the reduction runs over W's rows) is W's rows r0.. at columns micro_k0..
+    (< micro_K), read as [rows, K], where NVFP4's bytes lie packed along K, and transposed in registers. Every factor
+    is applied in fp32 and the product rounded once to DOT_DT, in registers (the cuBLAS strategy's dequantize, without
+    the copy): the epilogue sees a scale of 1."""
     offs_red = tl.arange(0, B_RED)
     acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     for r0 in range(0, RED, B_RED):
         red_ok = offs_red < RED - r0
         if SCALE_KIND == "nvfp4" or SCALE_KIND == "mxfp8":
-            n = micro_n
-            k = micro_k
-            if MICRO_RED_N:
-                n = micro_n + r0
+            if MICRO_RED_N:  # the dgrad: rows of W along the reduction, its tile [rows, K] transposed
+                w = tl.trans(micro_tile(micro_w, scale_ptr, g_ptr, (r0 + offs_red).to(tl.int64), red_ok, micro_k0,
+                                        micro_K, stride_w_n, stride_s_red, SCALE_KIND == "nvfp4", DOT_DT, B_RED,
+                                        B_OUT))
             else:
-                k = micro_k + r0
-            w = micro_to(micro_w, scale_ptr, g_ptr, n, k, stride_w_n, stride_s_red, mask_out[:, None] & red_ok[None, :],
-                         SCALE_KIND == "nvfp4", DOT_DT)
+                w = micro_tile(micro_w, scale_ptr, g_ptr, micro_rows, mask_out, r0, RED, stride_w_n, stride_s_red,
+                               SCALE_KIND == "nvfp4", DOT_DT, B_OUT, B_RED)
         else:
             w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
             w_ptrs += B_RED * stride_w_red
