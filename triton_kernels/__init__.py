@@ -37,6 +37,10 @@ except ImportError as e:  # triton missing or too old
 
 # W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
 QUANTS_IN_PROJECT = True
+# The fp8 features and the microscaled weights (MXFP8, NVFP4: unpacked in the GEMMs' main loop, gemm.py; W8A16 only),
+# NVFP4's global scale as `global_scale` (dorafp8/backends/base.py, GLOBAL_SCALE_PARAMS).
+SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
+GLOBAL_SCALE = True
 
 __all__ = ["unavailable_reason", "unsupported_on", "weight_norm", "project", "project_grad", "forward",
            "backward_pass", "dgrad", "launch_observers", "planning_for_gpu"]

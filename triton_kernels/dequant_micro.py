@@ -24,7 +24,7 @@ def micro_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) on a GPU: fp32 outputs take half the rows (64 spilled 16 bytes on sm_90a, sm_100a and
     sm_120 for MXFP8: python -m dorafp8.kernel_report --kernel dequant_micro)."""
     return (MICRO_BLOCKS[0] // 2, MICRO_BLOCKS[1]) if dtype == torch.float32 else MICRO_BLOCKS
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
 @triton.jit
@@ -44,54 +44,99 @@ def e8m0_to_f32(e):
 
 
 @triton.jit
+def micro_tile(w_ptr, scale_ptr, g_ptr, rows, row_ok, k0, K, stride_w_n, stride_scale_n, NVFP4: tl.constexpr,
+               DT: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """W0[rows, k0:k0 + BK] in DT, [R, BK] (rows int64 [R]; masked rows and columns past K are 0): the module
+    docstring's products in fp32, rounded once to DT, the same bits on a GPU and in the interpreter (whose fp32 ->
+    bf16 cast truncates: bf16_value rounds to nearest even first, then the cast is exact). The GEMMs' main loop reads
+    its weight tiles through it (gemm.py; the dgrad transposes the tile), this module's kernel its copy.
+
+    NVFP4 (BK a multiple of 16, k0 too): the tile's BK / 2 packed bytes and BK / 16 scales a row are loaded as they lie
+    and widened in registers (the codes interleaved low nibble first, each scale repeated 16 times), so that no
+    per-element address is formed: one formed per element (byte k // 2, scale k // 16) spilled up to 1.3 KB on sm_90a.
+    MXFP8: the e4m3 tile loaded as it lies, its e8m0 byte gathered per element (L1 hits)."""
+    if NVFP4:
+        offs_b = k0 // 2 + tl.arange(0, BK // 2)
+        byte = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_b[None, :],
+                       mask=row_ok[:, None] & (offs_b < K // 2)[None, :], other=0).to(tl.int32)
+        w = tl.interleave(e2m1_to_f32(byte & 15), e2m1_to_f32(byte >> 4))
+        offs_s = k0 // 16 + tl.arange(0, BK // 16)
+        sc = tl.load(scale_ptr + rows[:, None] * stride_scale_n + offs_s[None, :],
+                     mask=row_ok[:, None] & (offs_s < K // 16)[None, :], other=0.0)
+        f = sc.to(tl.float32) * tl.load(g_ptr)  # the block's factor in fp32 first, as ModelOpt's dequantize forms it
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (R, BK // 16, 16)), (R, BK))
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        ok = row_ok[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        e = tl.load(scale_ptr + rows[:, None] * stride_scale_n + (offs_k // 32)[None, :], mask=ok, other=127)
+        f = e8m0_to_f32(e.to(tl.int32))
+    w = w * f
+    if DT == tl.bfloat16:
+        w = bf16_value(w)
+    return w.to(DT)
+
+
+@triton.jit
 def dequant_micro_kernel(
     w_ptr, scale_ptr, g_ptr, out_ptr,
     N, K,
     stride_w_n, stride_scale_n, stride_out_n,
     NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    _, _, offs_n, offs_k, _, ok, rows = weight_tile(N, K, BLOCK_N, BLOCK_K)
-    if NVFP4:
-        # each byte is read by the two columns it holds (the second read hits L1): codes low nibble first
-        byte = tl.load(w_ptr + rows[:, None] * stride_w_n + (offs_k // 2)[None, :], mask=ok, other=0).to(tl.int32)
-        w = e2m1_to_f32((byte >> ((offs_k % 2) * 4)[None, :]) & 15)
-        sc = tl.load(scale_ptr + rows[:, None] * stride_scale_n + (offs_k // 16)[None, :], mask=ok, other=0.0)
-        f = sc.to(tl.float32) * tl.load(g_ptr)  # the block's factor in fp32 first, as ModelOpt's dequantize forms it
-    else:
-        w = tl.load(w_ptr + rows[:, None] * stride_w_n + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-        e = tl.load(scale_ptr + rows[:, None] * stride_scale_n + (offs_k // 32)[None, :], mask=ok, other=127)
-        f = e8m0_to_f32(e.to(tl.int32))
-    w = w * f
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        w = bf16_value(w)  # rounded to nearest even, then cast exactly: the interpreter's own cast truncates
-    tl.store(out_ptr + rows[:, None] * stride_out_n + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
+    _, pid_k, offs_n, offs_k, mask_n, ok, rows = weight_tile(N, K, BLOCK_N, BLOCK_K)
+    w = micro_tile(w_ptr, scale_ptr, g_ptr, rows, mask_n, pid_k * BLOCK_K, K, stride_w_n, stride_scale_n, NVFP4,
+                   out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * stride_out_n + offs_k[None, :], w, mask=ok)
 
 
-def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
-    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
-    of a weight's rows). The shapes are checked by the ops
-    (dorafp8.quant.check_weight); this checks what the kernel's addressing needs."""
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None):
+    """(N, K, nvfp4, sc, g): a microscaled weight's sizes and its scale and global scale as the kernels read them (the
+    e8m0 bytes as uint8, which Triton has no dtype for; MXFP8's g a placeholder, never read). Checks what the
+    kernels' addressing needs; the shapes are checked by the ops (dorafp8.quant.check_weight)."""
     nvfp4 = w8.dtype == torch.uint8
-    if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != _E8M0):
+    if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != E8M0):
         raise ValueError(f"w8 {w8.dtype} with scale {scale.dtype} is neither NVFP4 (uint8, float8_e4m3fn) nor MXFP8 "
                          f"(float8_e4m3fn, float8_e8m0fnu)")
     if nvfp4 and (global_scale is None or global_scale.dtype != torch.float32 or global_scale.numel() != 1):
         raise ValueError("global_scale must be one fp32 value for an NVFP4 weight")
     if w8.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("w8 and scale must have unit stride in their last dim")
-    N, K = w8.shape[0], w8.shape[1] * (2 if nvfp4 else 1)
+    sc = scale if nvfp4 else scale.view(torch.uint8)
+    return w8.shape[0], w8.shape[1] * (2 if nvfp4 else 1), nvfp4, sc, global_scale if nvfp4 else sc
+
+
+def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
+    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
+    of a weight's rows)."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    N, K, nvfp4, sc, g = micro_args(w8, scale, global_scale)
     out = alloc((N, K), dtype, w8.device)
     if N == 0 or K == 0:
         return out
     bn, bk = (16, 32) if interpreting() else micro_blocks(dtype)
-    sc = scale if nvfp4 else scale.view(torch.uint8)  # e8m0 has no Triton dtype: its bytes
     launch(dequant_micro_kernel, (cdiv(N, bn), cdiv(K, bk)))(
-        w8, sc, global_scale if nvfp4 else sc, out,  # (MXFP8: sc stands in for the global scale, unread)
+        w8, sc, g, out,
         N, K, w8.stride(0), sc.stride(0), out.stride(0),
         NVFP4=nvfp4, BLOCK_N=bn, BLOCK_K=bk,
     )
     return out
+
+
+def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
+    """The weight norm of a microscaled weight: its rows dequantized to fp32 a block at a time (dequant_micro, at most
+    16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight. The Triton backend's and the
+    cuBLAS strategy's."""
+    from ..quant import row_blocks, weight_dims
+
+    N, K = weight_dims(w8)
+    A32 = A.float()
+    n = torch.empty(N, dtype=torch.float32, device=w8.device)
+    for j0, j1 in row_blocks(N, K):
+        v = dequant_micro(w8[j0:j1], scale[j0:j1], torch.float32, global_scale)
+        v.addmm_(B[j0:j1].float(), A32, alpha=s)
+        n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
+    return n

@@ -17,7 +17,7 @@ from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_w
                       scale_block_size, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
-from .gemm import w8_gemm_loop, w8_gemm_loop_tma
+from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
 from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, transpose_w8, ws_configs_for,
                      ws_plan, ws_rank_dot)
 
@@ -76,7 +76,7 @@ def _dgrad_epilogue(
 @triton.jit
 def dora_dgrad_kernel(
     # Pointers
-    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
@@ -88,7 +88,8 @@ def dora_dgrad_kernel(
     # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
-    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight
+    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight;
+                                # "nvfp4" / "mxfp8" (microscaled: in the W tile, W8A16 only; g_ptr NVFP4's global)
     SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
     ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
     HAS_LORA: tl.constexpr,     # s != 0
@@ -126,7 +127,7 @@ def dora_dgrad_kernel(
     for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
         pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
         _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
-                    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr,
+                    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr,
                     mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
                     stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
                     HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
@@ -137,7 +138,7 @@ def dora_dgrad_kernel(
 @triton.jit
 def _dgrad_tile(
     pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,  # the tile; descriptors (None for "async-copy")
-    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
+    gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
     stride_mask_m, stride_dx_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr,
@@ -159,17 +160,25 @@ def _dgrad_tile(
     # grid [ceil(N/b), ceil(K/b)] has the reduction along its rows, the output columns along its columns.
     s_offs = offs_k // SCALE_BLOCK_SIZE
     if MAIN_LOOP == "async-copy":
-        if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
-            w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
-            stride_w_red = 1
-        else:  # W8 [N, K]
-            w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
-            stride_w_red = stride_w
         glt_ptrs = gl_ptr + rows_m[None, :] * stride_gl_m + offs_n[:, None]
         gbt_ptrs = gb_ptr + rows_m[None, :] * stride_gb_m + offs_n[:, None]
-        acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
-                                  mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
-                                  W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
+        if SCALE_KIND == "nvfp4" or SCALE_KIND == "mxfp8":
+            # The microscaled W tile is unpacked as the forward's, [rows, K] (NVFP4 packs along K), from W's own
+            # [N, K / 2] layout, and transposed in registers (gemm.py): no transposed copy of W.
+            acc, acc_b = w8_gemm_loop(w_ptr, stride_w, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_k,
+                                      mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
+                                      W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N,
+                                      w_ptr, offs_n, pid_k * BLOCK_K, K, stride_w, g_ptr, True)
+        else:
+            if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
+                w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
+                stride_w_red = 1
+            else:  # W8 [N, K]
+                w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+                stride_w_red = stride_w
+            acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n,
+                                      mask_k, mask_m, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT,
+                                      IEEE, W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N)
     else:
         acc, acc_b = w8_gemm_loop_tma(w_desc, gl_desc, gb_desc, pid_k * BLOCK_K, pid_m * BLOCK_M, scale_ptr, s_offs,
                                       stride_scale_n, mask_k, N, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT,
@@ -236,10 +245,10 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
-    """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride."""
-    scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
-    N, K = w8.shape
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
+    """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride. A microscaled weight
+    (NVFP4 with its global_scale, MXFP8) is unpacked in the main loop's registers, read transposed (_dgrad_tile)."""
+    N, K, scale, g, kind = weight_args(w8, scale, block_size, act_quant, global_scale)
     gl = check_activation(gl, "gl", N)
     M, cdt = gl.shape[0], gl.dtype
     has_adapter = v is not None
@@ -262,7 +271,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
     ieee = ieee and not quant
     fp32_tiles = cdt == torch.float32 and not quant
     # The Hopper loop reads W8^T [K, N] (hopper.py says why): TMA must address its rows too (N bytes, 16-aligned)
-    main_loop = gemm_main_loop(gl.device, fp32_tiles, gl, gb, w8) if N % 16 == 0 else "async-copy"
+    main_loop = gemm_main_loop(gl.device, fp32_tiles, gl, gb, w8) if N % 16 == 0 and kind not in MICRO else "async-copy"
     rk = rank_dot((cdt,), r, v.dtype, A.dtype)
     main_loop, rank_mode = ws_plan(main_loop, has_dropout, rk if has_adapter and float(s) != 0.0 else None)
     if rank_mode == "direct" and not tma_ready(v, A):
@@ -288,15 +297,14 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
                                    main_loop)
 
     # W8A8's lists differ: quant in the tag
-    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant,
-           main_loop)
+    tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
                        pin="dgrad/w8a8" if quant else "dgrad/w8a16")
     launch_gemm(
         kernel, gemm_grid(main_loop, M, K, "BLOCK_K", gl.device), main_loop, gl.device,
-        gl, gb, sgl, sgb, rl, rb, w, scale, v_k, A_k, mask, dx,
+        gl, gb, sgl, sgb, rl, rb, w, scale, g, v_k, A_k, mask, dx,
         M, N, K, r_k, m_bucket(M),
-        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind == "block" else 0, v_k.stride(0),
+        gl.stride(0), gb.stride(0), w.stride(0), scale.stride(0) if kind in STRIDED else 0, v_k.stride(0),
         v_k.stride(1), A_k.stride(0), A_k.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,

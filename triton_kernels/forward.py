@@ -16,7 +16,7 @@ from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_w
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale,
                       scale_block_size, vector, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
-from .gemm import w8_gemm_loop, w8_gemm_loop_tma
+from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
 from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, ws_configs_for, ws_plan,
                      ws_rank_dot)
 
@@ -113,7 +113,7 @@ def _fwd_epilogue(
 @triton.jit
 def dora_fwd_kernel(
     # Pointers
-    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
@@ -127,7 +127,8 @@ def dora_fwd_kernel(
     HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,
     NEED_Z: tl.constexpr,
-    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (epilogue) / "block" (inside the K loop): see check_weight
+    SCALE_KIND: tl.constexpr,   # "tensor" / "row" (epilogue) / "block" (inside the K loop): see check_weight;
+                                # "nvfp4" / "mxfp8" (microscaled: in the W tile, W8A16 only; g_ptr NVFP4's global)
     SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_K divides it
     ACT_QUANT: tl.constexpr,    # x, xm are e4m3 with row scales sx, sxm (W8A8); else in the compute dtype
     HAS_LORA: tl.constexpr,     # s != 0: the rank-r term is there
@@ -164,9 +165,9 @@ def dora_fwd_kernel(
     for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
         pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
         _fwd_tile(pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,
-                  x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr,
-                  z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r,
-                  stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
+                  x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr,
+                  y_ptr, z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m,
+                  stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA,
                   DOT_DT, IEEE, W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N,
                   BLOCK_K, MAIN_LOOP)
@@ -175,7 +176,7 @@ def dora_fwd_kernel(
 @triton.jit
 def _fwd_tile(
     pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,  # the tile; descriptors (None for "async-copy")
-    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
+    x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
     stride_y_m, stride_z_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
@@ -199,12 +200,18 @@ def _fwd_tile(
     # block-scale grid [ceil(N/b), ceil(K/b)] has the output rows as its rows, the reduction along its columns.
     s_offs = (offs_n // SCALE_BLOCK_SIZE).to(tl.int64) * stride_scale_n
     if MAIN_LOOP == "async-copy":
-        w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
         xt_ptrs = x_ptr + rows_m[None, :] * stride_x_m + offs_k[:, None]
         xmt_ptrs = xm_ptr + rows_m[None, :] * stride_xm_m + offs_k[:, None]
-        acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
-                                  HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
-                                  FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
+        if SCALE_KIND == "nvfp4" or SCALE_KIND == "mxfp8":  # the W tile [rows, K] unpacked in registers (gemm.py)
+            acc, acc_d = w8_gemm_loop(w_ptr, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, stride_scale_n, mask_n, mask_m,
+                                      K, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE,
+                                      W8_VIA_F32, FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K,
+                                      w_ptr, rows_n, 0, K, stride_w_n, g_ptr, False)
+        else:
+            w_ptrs = w_ptr + rows_n[:, None] * stride_w_n + offs_k[None, :]
+            acc, acc_d = w8_gemm_loop(w_ptrs, 1, xt_ptrs, xmt_ptrs, scale_ptr, s_offs, 1, mask_n, mask_m, K,
+                                      HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
+                                      FP8_PROMOTE, BLOCK_N, BLOCK_M, BLOCK_K)
     else:
         acc, acc_d = w8_gemm_loop_tma(w_desc, x_desc, xm_desc, pid_n * BLOCK_N, pid_m * BLOCK_M, scale_ptr, s_offs,
                                       1, mask_n, K, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT,
@@ -279,11 +286,12 @@ def _inv_keep(p: float) -> float:
     return 1.0 / (1.0 - p) if p < 1.0 else 0.0
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, x8=None, sx=None):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, x8=None, sx=None,
+            global_scale=None):
     """(y, z); see dorafp8/backends/base.py. x, xm [M, K], u [M, r] may have any row stride. x8, sx: x already
-    quantized per row (W8A8, by project(quant=True): base.py, QUANT_PARAMS)."""
-    scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
-    N, K = w8.shape
+    quantized per row (W8A8, by project(quant=True): base.py, QUANT_PARAMS). A microscaled weight (NVFP4 with its
+    global_scale, MXFP8) is unpacked in the main loop's registers (gemm.py): W8A16 on the cp.async loop only."""
+    N, K, scale, g, kind = weight_args(w8, scale, block_size, act_quant, global_scale)
     x = check_activation(x, "x", K)
     M, cdt = x.shape[0], x.dtype
     has_adapter = m is not None
@@ -316,8 +324,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     ieee = ieee and not quant  # e4m3 x e4m3 always runs on tensor cores
     fp32_tiles = cdt == torch.float32 and not quant
     rk = rank_dot((cdt, z.dtype), r, u.dtype, B.dtype)
-    main_loop, rank_mode = ws_plan(gemm_main_loop(x.device, fp32_tiles, x, xm, w8), has_dropout,
-                                   rk if has_adapter and float(s) != 0.0 else None)
+    main_loop = "async-copy" if kind in MICRO else gemm_main_loop(x.device, fp32_tiles, x, xm, w8)
+    main_loop, rank_mode = ws_plan(main_loop, has_dropout, rk if has_adapter and float(s) != 0.0 else None)
     if rank_mode == "direct" and not tma_ready(u, B):
         main_loop, rank_mode = "async-copy", ""
     if main_loop == "async-copy":  # Triton 3.8 serializes some cp.async loops' tensor-core epilogues (rank_fma_for)
@@ -335,14 +343,14 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
                                    main_loop)
 
     # W8A8's lists differ: quant in the tag
-    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_block_size(kind, block_size), quant, main_loop)
+    tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device,
                        pin="forward/w8a8" if quant else "forward/w8a16")
     launch_gemm(
         kernel, gemm_grid(main_loop, M, N, "BLOCK_N", x.device), main_loop, x.device,
-        x, xm, sx, sxm, w8, scale, bias_t, m, n, u_k, B_k, y, z,
+        x, xm, sx, sxm, w8, scale, g, bias_t, m, n, u_k, B_k, y, z,
         M, N, K, r_k, m_bucket(M),
-        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind == "block" else 0, u_k.stride(0),
+        x.stride(0), xm.stride(0), w8.stride(0), scale.stride(0) if kind in STRIDED else 0, u_k.stride(0),
         u_k.stride(1), B_k.stride(0), B_k.stride(1), y.stride(0), z.stride(0),
         float(s), _inv_keep(p),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, HAS_BIAS=bias is not None, NEED_Z=want_z,

@@ -7,10 +7,38 @@ epilogues stay in the kernels' modules. Why this shape and order: docs/ARCHITECT
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import dot
+from ._common import check_weight, dot, scale_block_size
+from .dequant_micro import E8M0, micro_args, micro_tile
+
+MICRO = ("nvfp4", "mxfp8")  # the microscaled SCALE_KINDs (dorafp8/quant.py, "Microscaled weights")
+STRIDED = ("block",) + MICRO  # the kinds whose scale grid the kernels address by its row stride
+
+
+def weight_args(w8, scale, block_size, act_quant, global_scale):
+    """(N, K, scale, g, kind): the GEMM launchers' weight check for every kind, with the scale (and NVFP4's global
+    scale g; a placeholder otherwise, never read) as the kernels read them. The microscaled kinds run W8A16 only."""
+    if w8.dtype != torch.uint8 and scale.dtype != E8M0:
+        if global_scale is not None:
+            raise ValueError("global_scale is NVFP4's (a uint8 packed w8); got one with an fp8 weight")
+        scale, kind = check_weight(w8, scale, block_size, act_quant=act_quant)
+        return *w8.shape, scale, scale, kind
+    N, K, nvfp4, sc, g = micro_args(w8, scale, global_scale)
+    kind = "nvfp4" if nvfp4 else "mxfp8"
+    if act_quant:
+        raise ValueError(f"act_quant={act_quant!r} (W8A8) with an {kind} weight is not supported by the triton "
+                         f"backend (its microscaled loop is W8A16: the weight unpacked to the activations' dtype); use "
+                         f"act_quant=None, or backend='reference'")
+    return N, K, sc, g, kind
+
+
+def scale_tag(kind: str, block_size: int):
+    """The scale's part of a GEMM launcher's autotune tag: the microscaled kinds by name, else the block size the
+    kernel reads (scale_block_size)."""
+    return kind if kind in MICRO else scale_block_size(kind, block_size)
 
 
 @triton.jit
@@ -21,7 +49,9 @@ def w8_to(w, DOT_DT: tl.constexpr, VIA_F32: tl.constexpr):
     Triton's e4m3 -> bf16 goes through fp16 and makes every element an F2F.BF16.F16 (the slow conversion pipe: 16 per
     clock per SM on Hopper) plus a PRMT per pair; Triton 3.9 unpacks e4m3 to bf16 natively on Blackwell, and fp16 is
     one unpack either way."""
-    if VIA_F32 and DOT_DT == tl.bfloat16:
+    if w.dtype == DOT_DT:  # a microscaled tile, converted when it was read (w8_gemm_loop)
+        out = w
+    elif VIA_F32 and DOT_DT == tl.bfloat16:
         out = w.to(tl.float32).to(DOT_DT)
     else:
         out = w.to(DOT_DT)
@@ -81,18 +111,38 @@ def w8_gemm_loop(
     SCALE_KIND: tl.constexpr, SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, B_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, B_RED: tl.constexpr,
+    micro_w=None, micro_rows=None, micro_k0=0, micro_K=0, stride_w_n=0, g_ptr=None,
+    MICRO_RED_N: tl.constexpr = False,
 ):
     """(acc, acc2): fp32 [B_OUT, BLOCK_M] = (act W'^T)^T and (act2 W'^T)^T, W' = W8 with block scales applied per
     reduction block (B_RED divides SCALE_BLOCK_SIZE, so one step lies in one block); per-tensor and per-row scales are
     left to the epilogue. acc2 is zeros (dead code, removed) without TWO_ACC. Masked rows and the ragged end of the
     reduction load zeros, so they add exactly 0. The loads are plain (Triton pipelines them as asynchronous copies,
-    cp.async, guarded by CTA-wide barriers); w8_gemm_loop_tma is the same loop on tensor descriptors."""
+    cp.async, guarded by CTA-wide barriers); w8_gemm_loop_tma is the same loop on tensor descriptors.
+
+    A microscaled weight (SCALE_KIND "nvfp4" / "mxfp8", W8A16 only) is read through dequant_micro.micro_tile instead
+    of w_ptrs: micro_w the weight, stride_w_n its row stride, scale_ptr its scales (row stride stride_s_red), g_ptr
+    NVFP4's global scale. The forward's tile is W's rows micro_rows (int64 [B_OUT]) at columns r0.. (the reduction
+    is K); the dgrad's (MICRO_RED_N: the reduction runs over W's rows) is W's rows r0.. at columns micro_k0..
+    (< micro_K), read as [rows, K], where NVFP4's bytes lie packed along K, and transposed in registers. Every factor
+    is applied in fp32 and the product rounded once to DOT_DT, in registers (the cuBLAS strategy's dequantize, without
+    the copy): the epilogue sees a scale of 1."""
     offs_red = tl.arange(0, B_RED)
     acc = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((B_OUT, BLOCK_M), dtype=tl.float32)
     for r0 in range(0, RED, B_RED):
         red_ok = offs_red < RED - r0
-        w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
+        if SCALE_KIND == "nvfp4" or SCALE_KIND == "mxfp8":
+            if MICRO_RED_N:  # the dgrad: rows of W along the reduction, its tile [rows, K] transposed
+                w = tl.trans(micro_tile(micro_w, scale_ptr, g_ptr, (r0 + offs_red).to(tl.int64), red_ok, micro_k0,
+                                        micro_K, stride_w_n, stride_s_red, SCALE_KIND == "nvfp4", DOT_DT, B_RED,
+                                        B_OUT))
+            else:
+                w = micro_tile(micro_w, scale_ptr, g_ptr, micro_rows, mask_out, r0, RED, stride_w_n, stride_s_red,
+                               SCALE_KIND == "nvfp4", DOT_DT, B_OUT, B_RED)
+        else:
+            w = tl.load(w_ptrs, mask=mask_out[:, None] & red_ok[None, :], other=0.0)
+            w_ptrs += B_RED * stride_w_red
         at = tl.load(act_ptrs, mask=red_ok[:, None] & mask_m[None, :], other=0.0)
         acc, acc2 = _w8_step(w, at, act2_ptrs, acc, acc2, r0, red_ok, mask_m, scale_ptr, s_offs, stride_s_red,
                              mask_out, TWO_ACC, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, DOT_DT, IEEE, W8_VIA_F32,
@@ -100,7 +150,6 @@ def w8_gemm_loop(
         act_ptrs += B_RED  # before act2_ptrs: see the module docstring
         if TWO_ACC:
             act2_ptrs += B_RED
-        w_ptrs += B_RED * stride_w_red
     return acc, acc2
 
 

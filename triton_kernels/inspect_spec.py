@@ -23,6 +23,7 @@ from .dequant_micro import dequant_micro_kernel, micro_blocks
 from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
+from .gemm import MICRO
 from .hopper import (MAIN_LOOPS, PIECES_BLOCKS, TRANSPOSE_BLOCK, main_loop_for, rank_pieces_kernel, transpose_w8_kernel,
                      ws_configs_for, ws_plan, ws_rank_dot)
 from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
@@ -68,10 +69,12 @@ SCALE_KINDS = ("tensor", "row", "block")  # the kernels' SCALE_KIND, as check_we
 
 
 def _gemm_modes():
-    """(dtype name, scale kind, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales and W8A8
-    in bf16 (they change the main loop, not the dtype handling), W8A8 with per-tensor and block scales."""
+    """(dtype name, scale kind, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales, W8A8 and
+    the microscaled kinds (NVFP4, MXFP8) in bf16 (they change the main loop, not the dtype handling), W8A8 with
+    per-tensor and block scales."""
     out = [(dt, kind, False) for dt in DTYPES for kind in ("tensor", "row")]
     out += [("bf16", "block", False), ("bf16", "tensor", True), ("bf16", "block", True)]
+    out += [("bf16", kind, False) for kind in MICRO]  # the microscaled weights: W8A16 only, the cp.async loop
     return out
 
 
@@ -133,7 +136,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
         dt = DTYPES[dt_name]
         dot_dt, ieee = dot_dtype(dt)
         fp32_tiles = dt == torch.float32 and not quant
-        picked = "async-copy" if fp32_tiles else main_loop_for(arch)
+        picked = "async-copy" if fp32_tiles or kind in MICRO else main_loop_for(arch)  # as the launchers
         # without an adapter the launchers pass r = 1 and placeholders (never read)
         for rank_dt, r, rank_name in _rank_modes(dt_name, kind, adapter):
             name = _variant_name(mode, kind, quant, m, rank_name)
@@ -167,13 +170,25 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
     return out
 
 
+def _weight_args(kind):
+    """(w_ptr, scale_ptr, g_ptr) dtypes, W's row stride and the scale's, as the GEMM launchers pass them for a weight
+    kind (gemm.weight_args): NVFP4 packed bytes [N, K / 2] with e4m3 scales per 16 and its fp32 global scale, MXFP8
+    e4m3 with the e8m0 bytes per 32 (uint8); the fp8 kinds' g_ptr is their scale (a placeholder)."""
+    if kind == "nvfp4":
+        return (U8, FP8, F32), K // 2, K // 16
+    if kind == "mxfp8":
+        return (FP8, U8, U8), K, K // 32
+    return (FP8, F32, F32), K, K // SCALE_BLOCK_SIZE if kind == "block" else 0
+
+
 def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     # z in the compute dtype, as the custom op asks for it (z_dtype=x.dtype)
+    (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
-        x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=FP8, scale_ptr=F32, bias_ptr=dt, m_ptr=F32,
+        x_ptr=act, xm_ptr=act, sx_ptr=F32, sxm_ptr=F32, w_ptr=w, scale_ptr=sc, g_ptr=g, bias_ptr=dt, m_ptr=F32,
         n_ptr=F32, u_ptr=rdt, b_ptr=rdt, y_ptr=dt, z_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-        stride_x_m=K, stride_xm_m=K, stride_w_n=K, stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
+        stride_x_m=K, stride_xm_m=K, stride_w_n=stride_w, stride_scale_n=stride_s,
         stride_u_m=r if adapter else 1, stride_u_r=1, stride_b_n=r if adapter else 1, stride_b_r=1,
         stride_y_m=N, stride_z_m=N,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
@@ -184,12 +199,13 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
 def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     # W8A8 and the Hopper loops read W8^T [K, N] (dgrad.py, hopper.py), the cp.async W8A16 loop W8 [N, K]
     w8t = quant or loop != "async-copy"
+    (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
-        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=FP8,
-        scale_ptr=F32, v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
+        gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=w,
+        scale_ptr=sc, g_ptr=g, v_ptr=rdt, a_ptr=rdt, mask_ptr=U8 if dropout else F32, dx_ptr=dt,
         M=m, N=N, K=K, R=r, M_BUCKET=m_bucket(m),
-        stride_gl_m=N, stride_gb_m=N, stride_w=N if w8t else K,
-        stride_scale_n=K // SCALE_BLOCK_SIZE if kind == "block" else 0,
+        stride_gl_m=N, stride_gb_m=N, stride_w=N if w8t else stride_w,
+        stride_scale_n=stride_s,
         stride_v_m=r if adapter else 1, stride_v_r=1, stride_a_r=K if adapter else 1, stride_a_k=1,
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ._common import (dot, alloc, autotuned, block_r, cdiv, check_weight, dot_dtype, launch, scale_block_size,
                       weight_norm_configs)
+from .dequant_micro import E8M0, weight_norm_micro
 
 
 @triton.jit
@@ -97,8 +98,12 @@ def weight_norm_block_r(r: int, ieee: bool) -> int:
 
 
 def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
-                s: float) -> torch.Tensor:
-    """n [N] fp32; see dorafp8/backends/__init__.py. A [r, K], B [N, r] in any float dtype (any strides)."""
+                s: float, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """n [N] fp32; see dorafp8/backends/__init__.py. A [r, K], B [N, r] in any float dtype (any strides). A
+    microscaled weight's (NVFP4 with its global_scale, MXFP8): dequant_micro.weight_norm_micro (once per weight and
+    adapter update, not per step: the norm cache)."""
+    if w8.dtype == torch.uint8 or scale.dtype == E8M0:
+        return weight_norm_micro(w8, scale, A, B, s, global_scale)
     scale, kind = check_weight(w8, scale, block_size, any_block=True)  # scales are gathered per element: any b works
     N, K = w8.shape
     r = A.shape[0]

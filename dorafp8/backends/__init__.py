@@ -118,10 +118,12 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
     # The static order: triton's kernels are autotuned, so it goes first; backends/race.py checks and measures instead.
-    # The microscaled weights (MXFP8, NVFP4), which neither fused backend computes yet, go to the cuBLAS strategy
-    # (its dequantize unpacks them in tiles: triton_kernels/dequant_micro.py); fp8 keeps the order it had.
-    micro = ("cublas",) if needs & {"mxfp8", "nvfp4"} else ()
-    for cand in ("triton", "cuda") + micro:
+    # The microscaled weights (MXFP8, NVFP4) go to the cuBLAS strategy first (its dequantize unpacks them in tiles:
+    # triton_kernels/dequant_micro.py), whose base GEMMs are cuBLAS's own; the Triton backend's fused W4A16 / MXFP8
+    # loop (triton_kernels/gemm.py) is not measured on a GPU yet, so only the race (race.py) picks it, after
+    # checking it. fp8 keeps the order it had.
+    order = ("cublas", "triton", "cuda") if needs & {"mxfp8", "nvfp4"} else ("triton", "cuda")
+    for cand in order:
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
     # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as

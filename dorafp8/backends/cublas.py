@@ -13,9 +13,9 @@ import torch
 
 import dorafp8.triton_kernels as tk
 from .base import matmul_rows, not_supported
-from ..quant import E4M3, MICRO_KINDS, row_blocks, scale_kind, weight_dims
+from ..quant import E4M3, MICRO_KINDS, scale_kind
 from ..triton_kernels.dequant import dequant_w8
-from ..triton_kernels.dequant_micro import dequant_micro
+from ..triton_kernels.dequant_micro import dequant_micro, weight_norm_micro
 from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
@@ -40,18 +40,10 @@ backward_pass = tk.backward_pass
 
 
 def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
-    """The Triton weight norm; for a microscaled weight, its rows dequantized to fp32 a block at a time
-    (dequant_micro, at most 16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight."""
+    """The Triton weight norm; a microscaled weight's is dequant_micro.weight_norm_micro's (no dense copy)."""
     if scale_kind(scale) not in MICRO_KINDS:
         return tk.weight_norm(w8, scale, block_size, A, B, s)
-    N, K = weight_dims(w8)
-    A32 = A.float()
-    n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in row_blocks(N, K):
-        v = dequant_micro(w8[j0:j1], scale[j0:j1], torch.float32, global_scale)
-        v.addmm_(B[j0:j1].float(), A32, alpha=s)
-        n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
-    return n
+    return weight_norm_micro(w8, scale, A, B, s, global_scale)
 
 
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, global_scale=None):

@@ -318,7 +318,9 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
         return static
     path = cache_file(device)
     broken = _file(path)["broken"]
-    cands = [c for c in RACERS[device.type] if c not in broken
+    # static first: ties go to backends.resolve's pick (cublas for the microscaled weights, triton for fp8)
+    order = sorted(RACERS[device.type], key=lambda c: c != static)
+    cands = [c for c in order if c not in broken
              and backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
     if not cands:
         _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static

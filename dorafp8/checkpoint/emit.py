@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from ..merge import adapter_terms, merged_rows, requantize
-from ..quant import E4M3, scale_kind
-from ..quant import w0_rows
+from ..quant import E4M3, scale_kind, w0_rows, weight_dims
 from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_layer_class
 from .plan import LayerSource, WriteTarget, Written, layer_source_of
@@ -151,7 +150,10 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
     w8, scale, layer_block_size = fp8.fp8_weight(), fp8.scale, fp8.block_size
     w_shape = w8.shape  # a conv weight [C_out, C_in/groups, *kernel] is handled as its 2-D view, written as is
     w8 = w8.reshape(w_shape[0], -1)
-    N, K = w8.shape
+    N, K = weight_dims(w8)  # a packed NVFP4 weight holds two columns a byte
+    g_scale = getattr(fp8, "global_scale", None)  # NVFP4's (microscaled layers are written dense: write.py)
+    if w8.dtype == torch.uint8:
+        w_shape = (N, K)
     names_ = []
     if tuner is not None:
         if merge:
@@ -170,8 +172,8 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
                 raise RuntimeError(f"{name}: cannot merge lora_bias of adapter {a!r}: the base layer has no bias")
             bias = bias.float() + tuner.lora_B[a].bias.detach().float() * tuner.scaling[a]
 
-    def rows(j0, j1, _w8=w8, _s=scale, _layer_block_size=layer_block_size, _t=terms):
-        return merged_rows(_w8, _s, _layer_block_size, _t, j0, j1)
+    def rows(j0, j1, _w8=w8, _s=scale, _layer_block_size=layer_block_size, _t=terms, _g=g_scale):
+        return merged_rows(_w8, _s, _layer_block_size, _t, j0, j1, _g)
     cur = scale_kind(scale)
     entry = {"adapters": [term[4] for term in terms]}
     fmeta = layer_source_of(fp8)

@@ -25,7 +25,7 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
 from .files import destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256, staging
-from .layouts import DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
+from .layouts import ALIASES, DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
@@ -262,16 +262,29 @@ def _same_bytes(a: str, b: str) -> bool:
         return False
 
 
+def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
+    """NVFP4 and MXFP8 layers are written dense only (emit.py dequantizes them, merged or not): the fp8 layouts'
+    writers hold e4m3 with fp32 scales, and this package has no NVFP4 / MXFP8 writer (the checkpoint the layers came
+    from is the deployable quantized base; re-quantizing a merged weight to NVFP4 costs about 9.5% of it: docs/GUIDE.md).
+    Refused before anything is written, naming each kind's layers and the alternatives."""
+    kinds: dict[str, list[str]] = {}
+    for n, m in base_model(model).named_modules():
+        if isinstance(m, FP8Linear) and scale_kind(m.scale) in MICRO_KINDS:
+            kinds.setdefault(scale_kind(m.scale), []).append(n)
+    if kinds:
+        held = " and ".join(f"{len(v)} {k.upper()} layers (e.g. {sorted(v)[0]!r})" for k, v in sorted(kinds.items()))
+        raise ValueError(f"the model holds {held}, which format={fmt!r} cannot hold (its layout is e4m3 with fp32 "
+                         f"scales) and which dorafp8 does not write in their own formats: write them dense with "
+                         f"format='bf16', 'fp16' or 'fp32' (export_merged merges the adapters in), or keep the "
+                         f"checkpoint they came from and save the adapter with PEFT's save_pretrained")
+
+
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:
-    micro = sorted(n for n, m in base_model(model).named_modules()
-                   if isinstance(m, FP8Linear) and scale_kind(m.scale) in MICRO_KINDS)
-    if micro:  # the writers re-quantize and emit fp8 only: refused before anything is written
-        raise ValueError(f"{len(micro)} layers hold NVFP4 / MXFP8 weights (e.g. {micro[0]!r}), which dorafp8 does not "
-                         f"write yet (nor merge into); keep the checkpoint they came from, save the adapter with "
-                         f"PEFT's save_pretrained, and merge on the dequantized model")
     src = source_of(model)
     if fmt is None:
         fmt = src.format or "compressed-tensors"
+    if ALIASES.get(str(fmt).lower(), str(fmt).lower()) not in DENSE_FORMATS:
+        _refuse_microscaled(model, fmt)  # first: their source's layout (modelopt) is one this package only reads
     fmt = canonical_format(fmt)
     dense_dtype = DENSE_FORMATS.get(fmt)
     layout = LAYOUTS.get(fmt)

@@ -185,19 +185,30 @@ def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
         assert torch.equal(moved(x), layer(x))
 
 
-def test_writers_refuse_microscaled_layers_before_writing(tmp_path):
-    """save_fp8_checkpoint and export_merged re-quantize to fp8 or write dense: a model holding NVFP4 layers is
-    refused with the reason (it crashed with an AttributeError before), and nothing is written."""
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_writers_refuse_microscaled_layers_in_fp8_layouts_and_write_them_dense(tmp_path, algo):
+    """save_fp8_checkpoint and export_merged in an fp8 layout (e4m3 with fp32 scales) refuse a model holding NVFP4 /
+    MXFP8 layers before writing anything, naming the kind, a layer and the dense alternative; in a dense format they
+    write each layer's dequantization (save) or its merge (export, here with no adapter: the same), bit for bit the
+    reference dequantize's fp32 (it refused every format before, dense ones too)."""
     from dorafp8 import export_merged, save_fp8_checkpoint
 
-    path = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
     model = meta_model()
     load_fp8_checkpoint(model, path, verbose=False)
-    for write, fmt in ((save_fp8_checkpoint, None), (save_fp8_checkpoint, "dorafp8"), (export_merged, "bf16")):
+    for write, fmt in ((save_fp8_checkpoint, None), (save_fp8_checkpoint, "dorafp8"), (export_merged, "comfyui")):
         out = tmp_path / f"out_{fmt}.safetensors"
-        with pytest.raises(ValueError, match=r"14 layers hold NVFP4 / MXFP8 weights .* does not write yet"):
+        with pytest.raises(ValueError, match=rf"14 {algo} layers \(e.g. '.*'\), which format=.* cannot hold .* "
+                                             rf"format='bf16', 'fp16' or 'fp32'"):
             write(model, str(out), format=fmt, verbose=False)
         assert not out.exists()
+    for write in (save_fp8_checkpoint, export_merged):
+        out = tmp_path / f"dense_{write.__name__}.safetensors"
+        write(model, str(out), format="fp32", verbose=False)
+        file = read_all(str(out))
+        for name, mod in _linears(model).items():
+            want = quant.dequantize_weight(mod.weight, mod.scale, global_scale=mod.global_scale)
+            assert torch.equal(file[f"{name}.weight"], want), name
     with pytest.raises(ValueError, match="format must be one of"):  # modelopt is a layout to read, not to write
         save_fp8_checkpoint(original_model(), str(tmp_path / "x.safetensors"), format="modelopt", verbose=False)
 

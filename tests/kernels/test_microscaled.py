@@ -10,7 +10,6 @@ import torch
 import dorafp8
 from dorafp8 import backends, ops, quant
 from dorafp8._memory import MiB, PeakTemporaries
-from dorafp8.backends import reference
 from dorafp8.backends.base import magnitude_scale
 from tests._ref import dora_fp64
 from tests._tolerance import assert_close, tol
@@ -96,9 +95,10 @@ def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("chosen", ["reference", "auto", "cublas"])
+@pytest.mark.parametrize("chosen", ["reference", "auto", "cublas", "triton"])
 def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen):
-    """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py), on CPU under Triton's interpreter."""
+    """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py); triton: the fused kernels, the weight unpacked
+    in the main loop (triton_kernels/gemm.py); both on CPU under Triton's interpreter."""
     if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
         pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     M, N, r = 7, 33, 3
@@ -141,26 +141,37 @@ def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_plain_linear_and_weight_norm_match_fp64(kind):
+@pytest.mark.parametrize("chosen", ["auto", "triton"])
+def test_plain_linear_and_weight_norm_match_fp64(kind, chosen):
+    """The plain linear (no adapter: the kernels' other epilogue) and the weight norm; triton: its fused GEMMs."""
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     N, K = 17, 64
     w, scale, g = make_weight(kind, N, K, seed=3)
     W0 = dequant_64(w, scale, g)
     x = torch.randn(5, K, dtype=torch.float32, requires_grad=True)
-    y = dorafp8.fp8_linear(x, w, scale, global_scale=g)
+    y = dorafp8.fp8_linear(x, w, scale, global_scale=g, backend=chosen)
     y.backward(torch.ones_like(y))
     assert_close(y, x.detach().double() @ W0.T, tol(torch.float32), "y")
     assert_close(x.grad, torch.ones(5, N, dtype=torch.float64) @ W0, tol(torch.float32), "dx")
     A, B = torch.randn(2, K), torch.randn(N, 2)
-    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g)
+    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g, backend=chosen)
     assert_close(n, (W0 + 0.5 * B.double() @ A.double()).norm(dim=1), tol(torch.float32), "n")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
-    """The reference's forward and dgrad on strided activations whose rows sit in NaN-filled buffers: a read past a
-    row would make a NaN, which assert_close always fails."""
-    M, N, K, r, s, p = 6, 19, 64, 2, 0.5, 0.25
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,K", [("reference", 64), ("triton", 48), ("triton", 80)])
+def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K):
+    """The forward and dgrad (with and without dropout) of the reference and of the Triton kernels (the weight
+    unpacked in their main loop, in the interpreter) on strided activations whose rows sit in NaN-filled buffers,
+    into NaN-filled outputs (the tests' poisoning): a read past a row or a tile left unwritten makes a NaN, which
+    assert_close always fails. Odd M and N; K = 48 and 80 split the interpreter's reduction blocks unevenly (MXFP8: 80
+    ends in a partial block of 16)."""
+    if backends.unavailable_reason(name, torch.device("cpu")):
+        pytest.skip(backends.unavailable_reason(name, torch.device("cpu")))
+    be = backends.module(name)
+    M, N, r, s, p = 5, 19, 2, 0.5, 0.25
     w, scale, g = make_weight(kind, N, K, seed=4)
     W0 = dequant_64(w, scale, g)
     gen = torch.Generator().manual_seed(2)
@@ -171,8 +182,8 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
     m, n = torch.rand(N, generator=gen) + 0.5, torch.rand(N, generator=gen) + 0.5
     c = magnitude_scale(m, n).double()
     u = act(xm.double() / (1 - p) @ A.double().T, torch.float32, "cpu", True)
-    y, z = reference.forward(x=x, w8=w, scale=scale, block_size=128, bias=None, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
-                             need_z=True, z_dtype=dtype, act_quant="", global_scale=g)
+    y, z = be.forward(x=x, w8=w, scale=scale, block_size=128, bias=None, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
+                      need_z=True, z_dtype=dtype, act_quant="", global_scale=g)
     zr = xm.double() @ W0.T / (1 - p) + s * u.double() @ B.double().T
     assert_close(z, zr, tol(dtype), "z")
     lora = s * u.double() @ B.double().T
@@ -180,9 +191,16 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
     gl = act(torch.randn(M, N, generator=gen), dtype, "cpu", True)
     v = torch.randn(M, r, generator=gen)
     one = torch.ones((), dtype=torch.float32)
-    dx = reference.dgrad(gl=gl, rl=one, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=None, p=0.0, gb=None,
-                         rb=None, act_quant="", global_scale=g)
+    dx = be.dgrad(gl=gl, rl=one, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=None, p=0.0, gb=None,
+                  rb=None, act_quant="", global_scale=g)
     assert_close(dx, gl.double() @ W0 + s * v.double() @ A.double(), tol(dtype), "dx")
+    # dropout: dx = rb (gb W0) + mask / (1 - p) (rl (gl W0) + s v A), rl and rb not 1
+    gb = act(torch.randn(M, N, generator=gen), dtype, "cpu", True)
+    rl, rb = torch.tensor(0.75), torch.tensor(1.25)
+    dx = be.dgrad(gl=gl, rl=rl, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb,
+                  act_quant="", global_scale=g)
+    inner = 0.75 * gl.double() @ W0 + s * v.double() @ A.double()
+    assert_close(dx, 1.25 * gb.double() @ W0 + mask.double() / (1 - p) * inner, tol(dtype), "dx (dropout)")
 
 
 # ---- which backend computes them -------------------------------------------------------------------------------------
@@ -190,13 +208,13 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_picks_a_backend_that_computes_the_kind(kind):
-    """The reference and the cuBLAS strategy compute the microscaled kinds: "auto" resolves to the reference on CPU
-    (where fp8 goes to native; on a GPU to cublas: tests/kernels/test_dequant_micro.py); a backend named for them
-    that lacks them is refused before any work."""
+    """The reference, the cuBLAS strategy and the Triton kernels compute the microscaled kinds: "auto" resolves to
+    the reference on CPU (where fp8 goes to native; on a GPU to cublas: tests/kernels/test_dequant_micro.py); a
+    backend named for them that lacks them is refused before any work."""
     assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
     assert backends.resolve("auto", torch.device("cpu"), frozenset()) == "native"  # fp8 unchanged
     for name in backends.BACKENDS:
-        assert (kind in backends.supports(name)) == (name in ("reference", "cublas")), name
+        assert (kind in backends.supports(name)) == (name in ("reference", "cublas", "triton")), name
     w, scale, g = make_weight(kind, 4, 32)
     with pytest.raises(ValueError, match="not supported by the native backend"):
         dorafp8.fp8_linear(torch.randn(2, 32), w, scale, backend="native", global_scale=g)
@@ -219,6 +237,10 @@ def test_malformed_microscaled_arguments_are_refused_by_name():
         dorafp8.fp8_linear(torch.randn(2, 40), w8, e[:, :1].contiguous())
     with pytest.raises(ValueError, match="global_scale is NVFP4's"):
         dorafp8.fp8_linear(torch.randn(2, 40), w8, e, global_scale=g)
+    if backends.unavailable_reason("triton", torch.device("cpu")) is None:  # its microscaled loop is W8A16 only
+        with pytest.raises(ValueError, match="act_quant='rowwise' .W8A8. with an nvfp4 weight is not supported by "
+                                             "the triton backend"):
+            dorafp8.fp8_linear(x, w, scale, act_quant="rowwise", backend="triton", global_scale=g)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------

@@ -140,15 +140,16 @@ def test_the_real_child_checks_and_times_then_the_file_serves(race, used, monkey
 
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("mode", ["real", "wrong"])
-def test_a_microscaled_key_is_checked_on_its_own_kind(race, used, monkeypatch, kind, mode):
-    """An NVFP4 / MXFP8 layer's key: the real child builds its inputs by the kind's recipe and checks the cuBLAS
-    strategy (the one racer that computes the kind) against the reference; right, it is picked; made wrong, never."""
-    if backends.unavailable_reason("cublas", torch.device("cpu")) is not None:
-        pytest.skip(backends.unavailable_reason("cublas", torch.device("cpu")))
+@pytest.mark.parametrize("racer", ["cublas", "triton"])
+def test_a_microscaled_key_is_checked_on_its_own_kind(race, used, monkeypatch, kind, mode, racer):
+    """An NVFP4 / MXFP8 layer's key: the real child builds its inputs by the kind's recipe and checks the racer (the
+    cuBLAS strategy, or the fused Triton kernels) against the reference; right, it is picked; made wrong, never."""
+    if backends.unavailable_reason(racer, torch.device("cpu")) is not None:
+        pytest.skip(backends.unavailable_reason(racer, torch.device("cpu")))
     from dorafp8 import quant
 
-    monkeypatch.setitem(_race.RACERS, "cpu", ("cublas",))
-    monkeypatch.setattr(_race, "CHILD", REAL_CHILD if mode == "real" else planted("wrong", "cublas"))
+    monkeypatch.setitem(_race.RACERS, "cpu", (racer,))
+    monkeypatch.setattr(_race, "CHILD", REAL_CHILD if mode == "real" else planted("wrong", racer))
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(1)) / K ** 0.5
     w, scale, g = quant.quantize_nvfp4(W) if kind == "nvfp4" else (*quant.quantize_mxfp8(W), None)
     _, _, A, B, m = _layer()
@@ -156,13 +157,24 @@ def test_a_microscaled_key_is_checked_on_its_own_kind(race, used, monkeypatch, k
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dorafp8.dora_fp8_linear(x, w, scale, A, B, m, s, global_scale=g).float().sum().backward()
-    assert any("'cublas' is not used" in str(c.message) for c in caught) == (mode == "wrong")
+    assert any(f"'{racer}' is not used" in str(c.message) for c in caught) == (mode == "wrong")
     verdicts = _verdicts(race)["keys"]
     assert verdicts and all(kind in what for what in verdicts), verdicts
-    assert all(v["cublas"]["ok"] == (mode == "real") for v in verdicts.values()), verdicts
-    assert ("cublas" in used) == (mode == "real")
+    assert all(v[racer]["ok"] == (mode == "real") for v in verdicts.values()), verdicts
+    assert (racer in used) == (mode == "real")
     if mode == "wrong":
         assert "reference" in used
+
+
+@pytest.mark.parametrize("static", ["cublas", "triton"])
+def test_ties_go_to_the_static_pick(race, monkeypatch, static):
+    """Candidates within MARGIN of each other: the pick is backends.resolve's (cublas for an NVFP4 key on a GPU, whose
+    fused Triton loop is not measured yet), then the racers' order; before, always the racers' first (triton)."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("triton", "cublas"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(triton=1.0, cublas=1.01))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    call = dict(N=N, K=K, M=40, r=r, scale="nvfp4", cdt=torch.bfloat16)
+    assert _race.choose("dora", static, CPU, frozenset({"nvfp4"}), **call) == static
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
