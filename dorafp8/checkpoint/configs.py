@@ -58,6 +58,8 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
     transformers would load wrong (before anything is written)."""
     if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
         return
+    if t.fmt == "modelopt":  # ModelOpt's own export layout, hf_quant_config.json beside it (modelopt_config)
+        return
     file_hint = ("Write it to a single file instead (a path ending in .safetensors, no config.json), or to "
                  "format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
                  "load_fp8_checkpoint too)")
@@ -120,7 +122,21 @@ def diffusers_guard(fmt: str) -> dict:
                     f"their scales: {DIFFUSERS_LOAD_HINT}"}
 
 
+def modelopt_config(out: Written) -> dict:
+    """hf_quant_config.json as ModelOpt's HF export writes it (what load_fp8_checkpoint and `dorafp8 run` read to know
+    an MXFP8 export from compressed-tensors' fp8; NVFP4's weight_scale_2 says it on its own): one quant_algo, the
+    group size, and the linears left dense."""
+    (kind, _), = out.groups  # write._check_modelopt: one kind a file
+    return {"producer": {"name": "dorafp8"},
+            "quantization": {"quant_algo": kind.upper(), "kv_cache_quant_algo": None,
+                             "group_size": 16 if kind == "nvfp4" else 32,
+                             "exclude_modules": sorted(set(out.dense_linears))}}
+
+
 def write_config(t: WriteTarget, path: str, report: ExportReport, out: Written) -> None:
+    if t.fmt == "modelopt":
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump(modelopt_config(out), f, indent=2)
     if t.config_kind == "diffusers":
         t.base.save_config(path)
         if t.layout is not None:

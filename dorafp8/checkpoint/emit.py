@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..merge import adapter_terms, merged_rows, requantize
+from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
 from ..quant import E4M3, scale_kind, w0_rows, weight_dims
 from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_layer_class
@@ -143,7 +143,6 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
     """One fp8 layer (or the PEFT layer on it): its weight, scale, bias and extras in t's layout."""
     fmt, layout, dense_dtype, granularity, block_size = t.fmt, t.layout, t.dense_dtype, t.granularity, t.block_size
     key_of = t.key_of
-    src_dtypes = t.src.dtypes if t.same else {}
     comfy_meta_layers = "_quantization_metadata" in t.metadata
     tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
     fp8 = base_layer(obj)
@@ -151,7 +150,7 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
     w_shape = w8.shape  # a conv weight [C_out, C_in/groups, *kernel] is handled as its 2-D view, written as is
     w8 = w8.reshape(w_shape[0], -1)
     N, K = weight_dims(w8)  # a packed NVFP4 weight holds two columns a byte
-    g_scale = getattr(fp8, "global_scale", None)  # NVFP4's (microscaled layers are written dense: write.py)
+    g_scale = getattr(fp8, "global_scale", None)  # NVFP4's
     if w8.dtype == torch.uint8:
         w_shape = (N, K)
     names_ = []
@@ -186,6 +185,9 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         if bias is not None:
             sink.add(key_of(f"{name}.bias"), bias.to(dense_dtype))
         del W
+        return
+    if fmt == "modelopt":
+        _emit_micro_layer(t, sink, report, out, name, fp8, rows, terms, entry, bias)
         return
     allowed = layout.write_granularities
     keep_ok = cur in allowed and granularity in (None, cur) and not (cur == "block" and layer_block_size != block_size)
@@ -222,17 +224,56 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
                              f"another format (compressed-tensors keeps per-row scales)")
     else:
         sink.add(key_of(f"{name}.{layout.scale_key}"), layout_scale(fmt, sn, N, fmeta))
+    extras = _emit_bias_and_extras(t, sink, name, fp8, bias)
+    if fmt == "comfyui-quant" and not comfy_meta_layers and "comfy_quant" not in extras:
+        comfy_quant = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+        extras["comfy_quant"] = comfy_quant
+        sink.add(key_of(f"{name}.comfy_quant"), comfy_quant)
+    out.groups.setdefault((g, act_mode(fp8, layout, extras)), []).append(name)
+    del w8n, sn
+
+
+def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.Module, bias) -> dict:
+    """A layer's bias (in the base's dtype, or the file's where that loses nothing) and the extra tensors it was
+    loaded with from a file of t's layout (static activation scales, ...); returns those extras."""
     if bias is not None:
         bt = bias.to(fp8.bias.dtype) if fp8.bias is not None else bias
-        sd = src_dtypes.get(f"{name}.bias")
+        sd = (t.src.dtypes if t.same else {}).get(f"{name}.bias")
         if sd is not None and sd != bt.dtype and torch.equal(bt.to(sd).to(bt.dtype), bt):
             bt = bt.to(sd)
-        sink.add(key_of(f"{name}.bias"), bt)
-    extras = dict(fmeta.extras) if fmeta is not None and fmeta.format == fmt else {}
-    if fmt == "comfyui-quant" and not comfy_meta_layers and "comfy_quant" not in extras:
-        extras["comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
-                                             dtype=torch.uint8)
-    out.groups.setdefault((g, act_mode(fp8, layout, extras)), []).append(name)
+        sink.add(t.key_of(f"{name}.bias"), bt)
+    fmeta = layer_source_of(fp8)
+    extras = dict(fmeta.extras) if fmeta is not None and fmeta.format == t.fmt else {}
     for ek, ev in extras.items():
-        sink.add(key_of(f"{name}.{ek}"), ev)
-    del w8n, sn
+        sink.add(t.key_of(f"{name}.{ek}"), ev)
+    return extras
+
+
+def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
+                      fp8: nn.Module, rows, terms: list, entry: dict, bias) -> None:
+    """An NVFP4 / MXFP8 layer in ModelOpt's layout (what load_fp8_checkpoint reads: source.nvfp4_weights,
+    load_plan._micro_kind): NVFP4 as `weight` packed uint8 [N, K/2], `weight_scale` e4m3 [N, K/16], `weight_scale_2`
+    fp32 []; MXFP8 as `weight` e4m3 [N, K], `weight_scale` e8m0 bytes (uint8, as ModelOpt stores them; e8m0 where the
+    file it came from had that dtype) [N, ceil(K/32)]. Kept bit for bit without adapters; merged, re-quantized by the
+    layer's own recipe (merge.requantize_micro: NVFP4 with the merged weight's global scale), the error reported."""
+    kind = scale_kind(fp8.scale)
+    if terms:
+        w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device)
+        if st.nonfinite:
+            raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
+                             f"(the adapter seems to be broken); nothing usable can be written")
+        entry.update(action="merged", rel_error=st.rel_error)
+    else:
+        w, scale, g = fp8.weight.detach(), fp8.scale, fp8.global_scale
+        entry.update(action="kept", rel_error=0.0)
+    entry["granularity"] = kind
+    report.layers[name] = entry
+    fmeta = layer_source_of(fp8)
+    if kind == "mxfp8" and not (fmeta is not None and fmeta.format == t.fmt and fmeta.scale_dtype == scale.dtype):
+        scale = scale.view(torch.uint8)
+    sink.add(t.key_of(f"{name}.weight"), w)
+    sink.add(t.key_of(f"{name}.weight_scale"), scale)
+    if g is not None:
+        sink.add(t.key_of(f"{name}.weight_scale_2"), g.detach().float().reshape(()))
+    _emit_bias_and_extras(t, sink, name, fp8, bias)
+    out.groups.setdefault((kind, "none"), []).append(name)

@@ -2,8 +2,9 @@
 
 In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`; the
 layouts differ in the scale's key and shape (LAYOUTS below). Microscaled NVFP4 / MXFP8 files (modelopt,
-compressed-tensors) load into the same layers and are never written back. The table of keys and shapes, where each
-layout comes from and how it was checked: docs/CHECKPOINTS.md."""
+compressed-tensors) load into the same layers; the writers write them back in ModelOpt's layout only (format
+"modelopt", which FORMATS leaves out: it holds no fp8 layer; write.py), or dense. The table of keys and shapes,
+where each layout comes from and how it was checked: docs/CHECKPOINTS.md."""
 
 from __future__ import annotations
 

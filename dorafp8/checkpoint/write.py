@@ -25,7 +25,7 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
 from .files import destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256, staging
-from .layouts import ALIASES, DENSE_FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
+from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
@@ -49,7 +49,9 @@ def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *,
         model: a model with dorafp8 fp8 layers (a PeftModel too: its base is written).
         path: a folder (model.safetensors or shards + index, and config.json for a transformers model) or a
             .safetensors file.
-        format: one of LAYOUTS; default: the layout the model was loaded from, else compressed-tensors.
+        format: one of FORMATS, or modelopt for a model whose fp8 layers are all NVFP4 or all MXFP8 (ModelOpt's
+            layout: each layer kept as loaded, or re-quantized by its own recipe where export_merged merges it);
+            default: the layout the model was loaded from, else compressed-tensors.
         granularity: "tensor", "row" or "block": the scale of re-quantized layers, where the layout allows it.
         block_size: b for block scales (default 128).
         max_shard_size: the largest shard, as transformers spells it ("5GB").
@@ -62,8 +64,9 @@ def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *,
         An ExportReport.
 
     Raises:
-        ValueError: a layout that cannot hold this model (NVFP4 / MXFP8 layers, a granularity the layout does not
-            store); CheckpointFormatError (a ValueError) for an unknown format.
+        ValueError: a layout that cannot hold this model (NVFP4 / MXFP8 layers in an fp8 layout, fp8 ones or both
+            kinds in modelopt, a granularity the layout does not store); CheckpointFormatError (a ValueError) for an
+            unknown format.
         IsADirectoryError, NotADirectoryError, FileExistsError: a path that is not what its name says, or a folder
             holding a checkpoint of another kind; nothing is written then.
     """
@@ -86,7 +89,9 @@ def export_merged(model: nn.Module, path, format: Optional[str] = None, *, adapt
         path: a folder or a .safetensors file, as for save_fp8_checkpoint.
         format: compressed-tensors (default unless the model was loaded from another layout; one scale per row,
             which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads), fine-grained (per
-            128 x 128 block, or block_size), dorafp8; or dense: bf16, fp16, fp32.
+            128 x 128 block, or block_size), dorafp8; or dense: bf16, fp16, fp32. A model on NVFP4 / MXFP8
+            layers: modelopt (the default for one loaded from it; merged layers re-quantized by the NVFP4 / MXFP8
+            recipe of dorafp8/quant.py, the layer's kind) or dense.
         adapter_names: the adapters to merge; default: the active ones.
         granularity: "row", "tensor" or "block": the scale of the merged layers, where the layout allows it.
         block_size, max_shard_size, prefix, metadata, verbose: as for save_fp8_checkpoint.
@@ -262,33 +267,63 @@ def _same_bytes(a: str, b: str) -> bool:
         return False
 
 
-def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
-    """NVFP4 and MXFP8 layers are written dense only (emit.py dequantizes them, merged or not): the fp8 layouts'
-    writers hold e4m3 with fp32 scales, and this package has no NVFP4 / MXFP8 writer (the checkpoint the layers came
-    from is the deployable quantized base; re-quantizing a merged weight to NVFP4 costs about 9.5% of it: docs/GUIDE.md).
-    Refused before anything is written, naming each kind's layers and the alternatives."""
+def _layer_kinds(model: nn.Module) -> dict[str, list[str]]:
+    """The model's fp8 layers by scale kind ("tensor", "row", "block", "nvfp4", "mxfp8"; "conv" for fp8 convs)."""
     kinds: dict[str, list[str]] = {}
-    for n, m in base_model(model).named_modules():
-        if isinstance(m, FP8Linear) and scale_kind(m.scale) in MICRO_KINDS:
-            kinds.setdefault(scale_kind(m.scale), []).append(n)
+    for n, m in fp8_modules(base_model(model)).items():
+        kinds.setdefault(scale_kind(m.scale) if isinstance(m, FP8Linear) else "conv", []).append(n)
+    return kinds
+
+
+def _held(kinds: dict[str, list[str]]) -> str:
+    return " and ".join(f"{len(v)} {k.upper()} layers (e.g. {sorted(v)[0]!r})" for k, v in sorted(kinds.items()))
+
+
+def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
+    """NVFP4 and MXFP8 layers are written in ModelOpt's layout (format='modelopt') or dense (emit.py dequantizes
+    them, merged or not): the fp8 layouts hold e4m3 with fp32 scales. Refused before anything is written, naming
+    each kind's layers and the alternatives."""
+    kinds = {k: v for k, v in _layer_kinds(model).items() if k in MICRO_KINDS}
     if kinds:
-        held = " and ".join(f"{len(v)} {k.upper()} layers (e.g. {sorted(v)[0]!r})" for k, v in sorted(kinds.items()))
-        raise ValueError(f"the model holds {held}, which format={fmt!r} cannot hold (its layout is e4m3 with fp32 "
-                         f"scales) and which dorafp8 does not write in their own formats: write them dense with "
-                         f"format='bf16', 'fp16' or 'fp32' (export_merged merges the adapters in), or keep the "
-                         f"checkpoint they came from and save the adapter with PEFT's save_pretrained")
+        raise ValueError(f"the model holds {_held(kinds)}, which format={fmt!r} cannot hold (its layout is e4m3 with "
+                         f"fp32 scales): write them in their own format with format='modelopt' (ModelOpt's layout, "
+                         f"which load_fp8_checkpoint reads), or dense with format='bf16', 'fp16' or 'fp32' "
+                         f"(export_merged merges the adapters in either way)")
+
+
+def _check_modelopt(model: nn.Module, granularity) -> None:
+    """format='modelopt' writes NVFP4 or MXFP8 layers, each in its own kind (kept, or re-quantized by its recipe once
+    merged), as ModelOpt's export lays them out; one quant_algo a file, as its hf_quant_config.json says. Anything
+    else is refused before anything is written."""
+    if granularity is not None:
+        raise ValueError(f"granularity={granularity!r}: format='modelopt' writes each NVFP4 / MXFP8 layer in its own "
+                         f"kind; granularity= applies to the fp8 formats")
+    kinds = _layer_kinds(model)
+    other = {k: v for k, v in kinds.items() if k not in MICRO_KINDS}
+    micro = {k: v for k, v in kinds.items() if k in MICRO_KINDS}
+    if other:
+        raise ValueError(f"the model holds {_held(other)}, which format='modelopt' does not hold (dorafp8 writes "
+                         f"ModelOpt's NVFP4 and MXFP8 layers only): write an fp8 format (compressed-tensors) or a "
+                         f"dense one")
+    if len(micro) != 1:
+        raise ValueError(f"format='modelopt' writes a model whose fp8 layers are all NVFP4 or all MXFP8 (one "
+                         f"quant_algo a file); this one holds {_held(micro) or 'none'}: write a dense format "
+                         f"(bf16, fp16, fp32)" + ("" if micro else " or an fp8 one (compressed-tensors)"))
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:
     src = source_of(model)
     if fmt is None:
         fmt = src.format or "compressed-tensors"
-    if ALIASES.get(str(fmt).lower(), str(fmt).lower()) not in DENSE_FORMATS:
-        _refuse_microscaled(model, fmt)  # first: their source's layout (modelopt) is one this package only reads
-    fmt = canonical_format(fmt)
+    name = ALIASES.get(str(fmt).lower(), str(fmt).lower())
+    if name == "modelopt":  # not in FORMATS: it holds NVFP4 / MXFP8 layers only
+        _check_modelopt(model, granularity)
+    elif name not in DENSE_FORMATS:
+        _refuse_microscaled(model, fmt)  # first: a model loaded from modelopt defaults to it, and is written there
+    fmt = canonical_format(fmt, FORMATS + ("modelopt",))
     dense_dtype = DENSE_FORMATS.get(fmt)
     layout = LAYOUTS.get(fmt)
-    if granularity is not None:
+    if granularity is not None:  # (modelopt refused it above)
         if dense_dtype is not None:
             raise ValueError(f"granularity= applies to fp8 formats, not {fmt}")
         check_scale_kind(granularity)

@@ -196,10 +196,11 @@ def test_writers_refuse_microscaled_layers_in_fp8_layouts_and_write_them_dense(t
     path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
     model = meta_model()
     load_fp8_checkpoint(model, path, verbose=False)
-    for write, fmt in ((save_fp8_checkpoint, None), (save_fp8_checkpoint, "dorafp8"), (export_merged, "comfyui")):
+    for write, fmt in ((save_fp8_checkpoint, "compressed-tensors"), (save_fp8_checkpoint, "dorafp8"),
+                       (export_merged, "comfyui")):
         out = tmp_path / f"out_{fmt}.safetensors"
         with pytest.raises(ValueError, match=rf"14 {algo} layers \(e.g. '.*'\), which format=.* cannot hold .* "
-                                             rf"format='bf16', 'fp16' or 'fp32'"):
+                                             rf"format='modelopt' .* format='bf16', 'fp16' or 'fp32'"):
             write(model, str(out), format=fmt, verbose=False)
         assert not out.exists()
     for write in (save_fp8_checkpoint, export_merged):
@@ -209,8 +210,122 @@ def test_writers_refuse_microscaled_layers_in_fp8_layouts_and_write_them_dense(t
         for name, mod in _linears(model).items():
             want = quant.dequantize_weight(mod.weight, mod.scale, global_scale=mod.global_scale)
             assert torch.equal(file[f"{name}.weight"], want), name
-    with pytest.raises(ValueError, match="format must be one of"):  # modelopt is a layout to read, not to write
+    with pytest.raises(ValueError, match=r"format='modelopt' writes a model whose fp8 layers are all NVFP4 or all "
+                                         r"MXFP8 \(one quant_algo a file\); this one holds none"):
         save_fp8_checkpoint(original_model(), str(tmp_path / "x.safetensors"), format="modelopt", verbose=False)
+    with pytest.raises(ValueError, match=r"granularity='row': format='modelopt' writes each NVFP4 / MXFP8 layer"):
+        save_fp8_checkpoint(model, str(tmp_path / "x.safetensors"), format="modelopt", granularity="row",
+                            verbose=False)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def _dora_on(model, seed=1):
+    """PEFT's DoRA (dorafp8's layers) on q_proj and down_proj of `model`, with B and the magnitude moved off their
+    initial values so that merging changes every adapted weight."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                  target_modules=["q_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n or "lora_magnitude" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=g) * (p.abs().mean() + 0.1))
+    return peft_model
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
+    """export_merged of a DoRA on a ModelOpt NVFP4 / MXFP8 model writes ModelOpt's layout (its default: the layout the
+    model came from): load_fp8_checkpoint reads it into a fresh model whose merged layers hold bit for bit the layer's
+    recipe (quant.quantize_nvfp4 / quantize_mxfp8) applied to the merged weight the trained model computes with
+    (merge.merged_rows, fp32), and whose other layers keep the source's bytes; the reported merge error is the
+    loaded weight's against the merged weight in fp64, and each merged layer's outputs are within it of the dense
+    merged layer's (||dW X||_F <= err ||W'||_F ||X||_F). save_fp8_checkpoint writes the source file's tensors back."""
+    import json
+
+    from dorafp8 import export_merged, merge, save_fp8_checkpoint
+
+    pytest.importorskip("peft")
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    peft_model = _dora_on(model)
+    out = str(tmp_path / "merged")
+    report = export_merged(peft_model, out, verbose=False)
+    assert report.format == "modelopt"
+    with open(os.path.join(out, "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["quant_algo"] == algo
+    fresh = meta_model()
+    load_report = load_fp8_checkpoint(fresh, out, verbose=False)
+    assert load_report.format == "modelopt"
+    kind, source = algo.lower(), read_all(src)
+    trained, loaded = _linears(peft_model.base_model.model), _linears(fresh)
+    merged = {n for n in trained if n.endswith(("q_proj", "down_proj"))}
+    assert len(merged) == 4 and {n for n, d in report.layers.items() if d["action"] == "merged"} == merged
+    g = torch.Generator().manual_seed(2)
+    for name, layer in trained.items():
+        got = loaded[name]
+        assert quant.scale_kind(got.scale) == kind, name
+        if name not in merged:
+            assert torch.equal(got.weight.view(torch.uint8), source[f"{name}.weight"].view(torch.uint8)), name
+            assert torch.equal(got.scale.view(torch.uint8), source[f"{name}.weight_scale"].view(torch.uint8)), name
+            continue
+        base = layer.get_base_layer()
+        rows = merge.merged_rows(base.weight, base.scale, base.block_size, merge.adapter_terms(layer, ["default"]),
+                                 0, base.out_features, base.global_scale)
+        want = quant.quantize_nvfp4(rows) if kind == "nvfp4" else quant.quantize_mxfp8(rows)
+        assert torch.equal(got.weight.view(torch.uint8), want[0].view(torch.uint8)), name
+        assert torch.equal(got.scale.view(torch.uint8), want[1].view(torch.uint8)), name
+        if kind == "nvfp4":
+            assert torch.equal(got.global_scale, want[2]), name
+        # the dense merged weight in fp64: DoRA's m / ||V|| * V, V = W0 + s B A (docs/DORA_MATH.md)
+        A, B = (layer.lora_A["default"].weight.detach().double(), layer.lora_B["default"].weight.detach().double())
+        V = dequant_64(base.weight, base.scale, base.global_scale) + layer.scaling["default"] * B @ A
+        m = layer.lora_magnitude_vector["default"].weight.detach().double().reshape(-1, 1)
+        W = m / V.norm(dim=1, keepdim=True) * V
+        deq = dequant_64(got.weight, got.scale, got.global_scale)
+        err = report.layers[name]["rel_error"]
+        assert 0 < err < (0.2 if kind == "nvfp4" else 0.05), (name, err)
+        assert abs(float((deq - W).norm() / W.norm()) - err) <= 1e-5, name
+        X = torch.randn(5, base.in_features, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            y = got(X.float()).double() - (0 if got.bias is None else got.bias.double())
+        bound = err * float(W.norm() * X.norm()) * 1.001 + tol(torch.float32) * float((X @ W.T).norm())
+        assert float((y - X @ W.T).norm()) <= bound, name
+    saved = str(tmp_path / "saved")
+    save_fp8_checkpoint(model, saved, verbose=False)
+    again = read_all(saved)
+    assert set(again) == set(source), set(again) ^ set(source)
+    for k, v in source.items():
+        assert again[k].dtype == v.dtype and again[k].shape == v.shape, k
+        assert torch.equal(again[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_damaged_modelopt_export_is_refused(tmp_path):
+    """An export_merged NVFP4 file with its merged layer's global scale made inf, or a block scale cut, is refused by
+    the loader naming the tensor, as a ModelOpt file damaged the same way is."""
+    from safetensors.torch import save_file
+
+    from dorafp8 import export_merged
+
+    pytest.importorskip("peft")
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    out = str(tmp_path / "merged.safetensors")
+    export_merged(_dora_on(model), out, verbose=False)
+    layer = "model.layers.0.self_attn.q_proj"
+    for key, bad, match in ((f"{layer}.weight_scale_2", lambda t: torch.tensor(float("inf")),
+                             rf"{layer}\.weight_scale_2: NVFP4 global scale inf is not a finite positive number"),
+                            (f"{layer}.weight_scale", lambda t: t[:, :1].contiguous(),
+                             rf"{layer}\.weight_scale: shape \[\d+, 1\], but the .* nvfp4 weight")):
+        sd = read_all(out)
+        sd[key] = bad(sd[key])
+        damaged = str(tmp_path / "damaged.safetensors")
+        save_file(sd, damaged)
+        with pytest.raises(CheckpointFormatError, match=match):
+            load_fp8_checkpoint(meta_model(), damaged, verbose=False)
 
 
 def test_from_pretrained_then_from_transformers_fp8(tmp_path):
