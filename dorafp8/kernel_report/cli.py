@@ -242,7 +242,7 @@ def format_prediction(records: list[dict], results_dir: str | None = None) -> st
     for p in headline(records):
         got = seen["kernels"].get(kernels[p["kernel"]]) if (p["mode"], p["loop"]) == ("W8A16", "tma-ws") else None
         meas = f"  measured {got[0][0] / 1e3:.3f} ms ({got[0][1]})" if got else ""
-        lines.append(f"  {p['mode']:5}  {p['loop']:10}  {p['kernel']:7}  {_ms(p['lo']['seconds'], p['hi']['seconds'])}"
+        lines.append(f"  {p['mode']:11}  {p['loop']:10}  {p['kernel']:7}  {_ms(p['lo']['seconds'], p['hi']['seconds'])}"
                      f" ms  bound by {p['lo']['bound']}/{p['hi']['bound']}, {p['lo']['step_cycles']:.0f} cycles a "
                      f"step  {p['config']}{meas}")
     cublas = "dequantize + cuBLAS"

@@ -100,7 +100,8 @@ def step_cycles(rec: dict, end: str) -> dict:
         issue += 4 * prod["instrs"]
     lds = sum(mix[k] * max(1.0, _LDS_BYTES[k] * 32 / R["smem"].pick(end)) for k in _LDS_BYTES) * warps
     act = 1 if fp8 else 2
-    fills = b_out * b_red + bm * b_red * act * (2 if two else 1)  # W8 tile and the activation tiles, every step
+    # the weight tile (its bytes a weight: W_BYTES) and the activation tiles, every step
+    fills = b_out * b_red * weight_bytes(rec["variant"]) + bm * b_red * act * (2 if two else 1)
     operands = (b_out // 64) * bm * b_red * act * (2 if two else 1)  # B: read by each m64 wgmma
     if rec["w_operand"] == "shared":
         operands += b_out * b_red  # A from shared memory too (W8A8)
@@ -194,25 +195,41 @@ def dora_floor_bytes(M: int, N: int, K: int) -> int:
 
 HEADLINE = dict(M=8192, N=4096, K=4096, r=16)  # bf16 activations, fp32 adapters (PEFT's default), norm cached
 HEADLINE_VARIANTS = {"W8A16": "adapter,tensor-scale,M>64,fp32-rank,r=16",
-                     "W8A8": "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16"}
-# The main loops compared (inspect_spec.COMPARED compiles the headline variants in both on sm_90a)
+                     "W8A8": "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
+                     # the microscaled bases (W4A16 / W8A16 on NVFP4 / MXFP8 weights): the cp.async loop only
+                     "NVFP4 W4A16": "adapter,nvfp4-scale,M>64,fp32-rank,r=16",
+                     "MXFP8 W8A16": "adapter,mxfp8-scale,M>64,fp32-rank,r=16"}
+# The main loops compared (inspect_spec.COMPARED compiles the fp8 headline variants in both on sm_90a)
 LOOPS = ("tma-ws", "async-copy")
+MICRO_MODES = {"NVFP4 W4A16": "nvfp4", "MXFP8 W8A16": "mxfp8"}  # mode -> the weight's kind (dorafp8/quant.py)
+# A weight's bytes in HBM and in the kernel's shared-memory tile: e4m3 1; NVFP4 half a byte and an e4m3 scale per 16;
+# MXFP8 one byte and an e8m0 scale per 32
+W_BYTES = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32}
 
 
-def _suffix(loop: str) -> str:
+def weight_bytes(variant: str) -> float:
+    """Bytes a weight of a record's variant ("adapter,nvfp4-scale,..."): W_BYTES, else 1 (e4m3)."""
+    return next((b for kind, b in W_BYTES.items() if f"{kind}-scale" in variant), 1.0)
+
+
+def _suffix(loop: str, mode: str = "W8A16") -> str:
     """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick (hopper.main_loop_for: the
-    Hopper loop unless DORAFP8_HOPPER_GEMM=0), ",<loop>" for the compared one."""
+    Hopper loop unless DORAFP8_HOPPER_GEMM=0; the microscaled kinds' only loop, cp.async), ",<loop>" for the compared
+    one; None where the mode has no such loop."""
+    if mode in MICRO_MODES:
+        return "" if loop == "async-copy" else None
     picked = "async-copy" if os.environ.get("DORAFP8_HOPPER_GEMM") == "0" else "tma-ws"
     return "" if loop == picked else f",{loop}"
 
 
-def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int) -> float:
-    """Bytes a GEMM kernel must move at least: W8 once, its activation in, its output out (the forward also writes z
-    for the backward; 2-byte activations, 1-byte under W8A8, whose quantized copies the quantizer wrote)."""
+def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int, w_bytes: float = 1.0) -> float:
+    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in, its output out
+    (the forward also writes z for the backward; 2-byte activations, 1-byte under W8A8, whose quantized copies the
+    quantizer wrote)."""
     act = 1 if fp8_act else 2
     if kernel == "forward":
-        return M * K * act + N * K + M * N * 2 + M * N * z_bytes
-    return M * N * act + N * K + M * K * 2
+        return M * K * act + N * K * w_bytes + M * N * 2 + M * N * z_bytes
+    return M * N * act + N * K * w_bytes + M * K * 2
 
 
 def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
@@ -222,10 +239,12 @@ def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
     out = []
     for mode, variant in HEADLINE_VARIANTS.items():
         for loop in LOOPS:
+            if _suffix(loop, mode) is None:
+                continue
             for kernel, (o, red) in (("forward", (N, K)), ("dgrad", (K, N))):
-                recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant + _suffix(loop)
+                recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant + _suffix(loop, mode)
                         and x["arch"] == "sm_90a" and x["backend"] == "triton" and not x["error"] and x["main_loop"]]
-                hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes)
+                hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes, weight_bytes(variant))
                 preds = [({end: predict_gemm(x, M, o, red, hbm, end, HEADLINE["r"]) for end in ENDS}, x)
                          for x in recs]
                 if preds:
@@ -271,9 +290,24 @@ def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo"
                 launches=len(launches), other_launches=len(other), bytes=sum(lc["nbytes"] for lc in launches))
 
 
-def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None):
-    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend` (at M tokens if given), from
-    a dry run."""
+def _headline_weight(kind: str | None, N: int, K: int):
+    """(weight, scale, global scale) of the headline's base: e4m3 per tensor, or an NVFP4 / MXFP8 one (zeros: a dry
+    run reads no value)."""
+    import torch
+
+    from dorafp8 import quant
+
+    if kind == "nvfp4":
+        return (torch.zeros(N, K // 2, dtype=torch.uint8), torch.ones(N, K // 16).to(quant.E4M3), torch.ones(()))
+    if kind == "mxfp8":
+        return (torch.zeros(N, K, dtype=quant.E4M3), torch.full((N, K // 32), 127, dtype=torch.uint8).view(quant.E8M0),
+                None)
+    return torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.ones(()), None
+
+
+def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None, kind: str | None = None):
+    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend` (at M tokens if given; on a
+    base of `kind`, "nvfp4" / "mxfp8", if given), from a dry run."""
     import torch
 
     import dorafp8
@@ -281,12 +315,13 @@ def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None
 
     N, K, r = (HEADLINE[k] for k in ("N", "K", "r"))
     M = M or HEADLINE["M"]
-    w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    w8, scale, g = _headline_weight(kind, N, K)
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
     x, A, B, m = (t.requires_grad_() for t in leaves)
-    scale, n = torch.ones(()), torch.ones(N)
+    n = torch.ones(N)
     with LaunchRecorder() as rec, dry_run(rec, SMS, 2):
-        y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend=backend, weight_norm=n, act_quant=act_quant)
+        y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend=backend, weight_norm=n, act_quant=act_quant,
+                                    global_scale=g)
         y.backward(torch.empty(M, N, dtype=torch.bfloat16))
     return rec
 
@@ -313,10 +348,14 @@ def _peft_dora():
     return rec
 
 
-STRATEGIES = {  # name -> (backend, act_quant, Hopper loop)
+STRATEGIES = {  # name -> (backend, act_quant, Hopper loop[, the base's microscaled kind])
     "W8A16": ("triton", None, True), "W8A16, cp.async loop": ("triton", None, False),
     "W8A8": ("triton", "rowwise", True), "W8A8, cp.async loop": ("triton", "rowwise", False),
     "dequantize + cuBLAS": ("cublas", None, False),
+    "NVFP4 W4A16, cp.async loop": ("triton", None, False, "nvfp4"),
+    "NVFP4 dequantize + cuBLAS": ("cublas", None, False, "nvfp4"),
+    "MXFP8 W8A16, cp.async loop": ("triton", None, False, "mxfp8"),
+    "MXFP8 dequantize + cuBLAS": ("cublas", None, False, "mxfp8"),
 }
 
 
@@ -331,9 +370,9 @@ def strategy_launches(name: str, M: int | None = None) -> list[dict]:
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:
-        backend, act_quant, hopper = STRATEGIES[name]
+        backend, act_quant, hopper, *kind = STRATEGIES[name]
         os.environ["DORAFP8_HOPPER_GEMM"] = "1" if hopper else "0"
-        rec = _headline_leaves(act_quant, hopper, backend, M)
+        rec = _headline_leaves(act_quant, hopper, backend, M, *kind)
     return [dict(name=lc.name, nbytes=lc.nbytes, flops=lc.flops, shapes=[(list(s), str(d)) for s, d in lc.shapes])
             for lc in rec.launches]
 

@@ -852,6 +852,40 @@ def test_layer_prediction_adds_every_other_launch():
     assert len(new) == len(old) + 3
 
 
+def test_microscaled_headline_rows():
+    """The NVFP4 / MXFP8 bases' headline rows (issue 54): their variants in the cp.async loop, their only one (named
+    without a suffix: a ",tma-ws" record is not taken), the weight's bytes (0.5625 a weight NVFP4, 1.03125 MXFP8) in
+    the GEMM's HBM floor and in its tile fills; their strategies' dry runs launch the fused GEMMs once each (Triton)
+    or the weight's unpack (cuBLAS), on a base of their kind."""
+    from dorafp8.kernel_report import predict as pr
+
+    M, N, K = 8192, 4096, 4096
+    for mode, (kind, per) in zip(pr.MICRO_MODES, (("nvfp4", 0.5625), ("mxfp8", 1.03125))):
+        variant = pr.HEADLINE_VARIANTS[mode]
+        assert pr.MICRO_MODES[mode] == kind and pr.weight_bytes(variant) == per
+        recs = [dict(_gemm_rec(variant + suffix, kernel=k, mma=4, instrs=100), arch="sm_90a", backend="triton",
+                     error=None, dtype="bf16") for k in GEMMS for suffix in ("", ",tma-ws")]
+        rows = [r for r in pr.headline(recs) if r["mode"] == mode]
+        assert sorted((r["loop"], r["kernel"]) for r in rows) == [("async-copy", "dgrad"), ("async-copy", "forward")]
+        assert pr.gemm_hbm_bytes("forward", M, N, K, False, 2, per) == (
+            pr.gemm_hbm_bytes("forward", M, N, K, False, 2) - (1 - per) * N * K)
+        # the slow end's shared memory: the 128 x 64 weight tile's fill at `per` bytes a weight instead of 1
+        fp8, micro = (pr.step_cycles(_gemm_rec(v, mma=4, instrs=100), "hi")["smem"]
+                      for v in ("adapter,tensor-scale,M>64", variant))
+        assert fp8 - micro == pytest.approx((1 - per) * 128 * 64 / 128)
+    launches = pr.launches_subprocess(["NVFP4 W4A16, cp.async loop", "MXFP8 W8A16, cp.async loop",
+                                       "NVFP4 dequantize + cuBLAS", "MXFP8 dequantize + cuBLAS"])
+    for name, lcs in launches.items():
+        kernels = [lc["name"] for lc in lcs]
+        if "cuBLAS" in name:
+            assert "triton:dequant_micro_kernel" in kernels, (name, kernels)
+        else:
+            assert kernels.count("triton:dora_fwd_kernel") == 1 and kernels.count("triton:dora_dgrad_kernel") == 1
+    # the packed weight: the fused NVFP4 layer moves less than the MXFP8 one
+    nbytes = {n: sum(lc["nbytes"] for lc in lcs) for n, lcs in launches.items()}
+    assert nbytes["NVFP4 W4A16, cp.async loop"] < nbytes["MXFP8 W8A16, cp.async loop"]
+
+
 def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatch):
     """Where bench/results/ holds a GPU run (here a synthetic one, in bench/run.py's and ncu_profile.py's formats),
     --predict prints each measurement beside its prediction: the layers from results.json, the W8A16 GEMM kernels
