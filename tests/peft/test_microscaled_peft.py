@@ -3,6 +3,8 @@ checkpoint builds dorafp8's DoRA layers, which train as plain PEFT's DoRA does o
 every adapter gradient, dropout included); the adapter saves as PEFT's and reloads with plain PEFT on the dequantized
 base to the same outputs; a merge into such a base re-quantizes by the format's own recipe."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -33,12 +35,33 @@ def _pair(tmp_path, algo, **cfg_kw):
     return plain, ours, twin
 
 
+def _on_backend(model, backend: str, monkeypatch) -> Counter:
+    """Every FP8Linear of `model` on `backend` (tests/conftest.py's parametrization: "triton" runs the fused kernels,
+    in Triton's interpreter without a GPU). Returns the calls of the Triton backend's fused forward and dgrad
+    launchers, counted from here on."""
+    import dorafp8.triton_kernels as tk
+    from dorafp8 import FP8Linear
+
+    calls: Counter = Counter()
+    for name in ("forward", "dgrad"):
+        def counted(*a, _orig=getattr(tk, name), _name=name, **kw):
+            calls[_name] += 1
+            return _orig(*a, **kw)
+        monkeypatch.setattr(tk, name, counted)
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.backend = backend
+    return calls
+
+
+@pytest.mark.backends("reference", "triton")
 @pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
 @pytest.mark.parametrize("cfg_kw", [{}, {"lora_dropout": 0.1}])
-def test_dora_on_microscaled_base_matches_plain_peft(tmp_path, algo, cfg_kw):
+def test_dora_on_microscaled_base_matches_plain_peft(tmp_path, algo, cfg_kw, backend, monkeypatch):
     plain, ours, _ = _pair(tmp_path, algo, **cfg_kw)
     layers = [m for m in ours.modules() if isinstance(m, LoraLinear)]
     assert len(layers) == 14 and all(isinstance(m, DoRAFP8Linear) for m in layers)
+    calls = _on_backend(ours, backend, monkeypatch)
     for mdl in (plain, ours):
         mdl.train()
     ref, got = _run(plain, IDS), _run(ours, IDS)
@@ -47,6 +70,9 @@ def test_dora_on_microscaled_base_matches_plain_peft(tmp_path, algo, cfg_kw):
     assert g_ref.keys() == g_got.keys() and len(g_ref) == 42
     for name in g_ref:
         assert_close(g_got[name], g_ref[name], 5e-5, name)
+    # on triton every layer's forward by the fused kernels, and every input gradient that is needed (not those of
+    # layer 0's q, k and v, whose input is the frozen embedding's output); none on the reference
+    assert calls == (Counter(forward=14, dgrad=11) if backend == "triton" else Counter()), calls
 
 
 def test_adapter_reloads_with_plain_peft_on_the_dequantized_base(tmp_path):
@@ -114,7 +140,8 @@ def test_merge_requantizes_by_the_formats_recipe(tmp_path, algo, monkeypatch):
     assert kinds == {algo.lower()}
 
 
-def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears():
+@pytest.mark.backends("reference", "triton")
+def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears(backend, monkeypatch):
     """A small SD3-style MMDiT whose Linear layers hold NVFP4 and MXFP8 weights in turn: DoRA on
     every attention and feed-forward Linear computes what plain PEFT computes on the dequantized weights (fp32:
     output and every adapter gradient)."""
@@ -152,6 +179,7 @@ def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears():
     assert n_dora == sum(isinstance(m, LoraLinear) for m in pm_peft.modules()) >= 16
     for mdl in (pm_ours, pm_peft):
         _randomize_adapters(mdl)
+    calls = _on_backend(pm_ours, backend, monkeypatch)
     (kw, target), = _batches("dit", 1)
     outs = []
     for mdl in (pm_peft, pm_ours):
@@ -163,3 +191,4 @@ def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears():
     assert g_ref.keys() == g_got.keys() and len(g_ref) == 3 * n_dora
     for name in g_ref:
         assert_close(g_got[name], g_ref[name], 5e-5, name)
+    assert (calls["forward"] >= n_dora and calls["dgrad"] > 0) if backend == "triton" else not calls, calls
