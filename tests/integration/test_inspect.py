@@ -93,6 +93,9 @@ SUBSET = [
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
     *[("dequant_w8", "bf16", v, BOTH) for v in ("block-scale", "row-scale")],
     *[("dequant_micro", "bf16", v, BOTH) for v in ("nvfp4", "mxfp8")],
+    # the fused kernels on NVFP4 / MXFP8 weights (the tile unpacked in the cp.async loop: dequant_micro.micro_tile),
+    # in their headline variant
+    *[(k, "bf16", f"adapter,{kind}-scale,M>64,fp32-rank,r=16", BOTH) for k in GEMMS for kind in ("nvfp4", "mxfp8")],
 ]
 W8A8 = "w8a8"
 _WANTED = {(k, dt, v, a) for k, dt, v, archs in SUBSET for a in archs if a in ARCHS}
@@ -202,8 +205,15 @@ MAY_SPILL |= {("forward_epilogue", arch, "bf16", f"{mode},fp32-rank,r={r}", "BLO
 # (epilogue_dot.rank_fma_for); 3.6, 3.7 and 3.9 only the 64 x 128 x 64 one at r = 64. Kept in the list: the autotuner
 # times them against the two unserialized tiles beside them, and with 16-bit adapters they are not serialized.
 KNOWN_SERIALIZED_BY_TRITON: dict[str, set] = {
+    # Found when the NVFP4 / MXFP8 GEMMs joined the subset (issue 54), left open: their dgrad's wgmma is serialized
+    # (C7512 / C7515) on the three 8-warp sm_90a tiles, not on the 128 x 128 x 64 four-warp one. kernel_report's
+    # prediction does not charge it (docs/INSPECT.md says so).
     "3.8": {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
-             "BLOCK_M=128,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")},
+             "BLOCK_M=128,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")}
+           | {("dgrad", "sm_90a", "bf16", f"adapter,{kind}-scale,M>64,fp32-rank,r=16", cfg)
+              for kind in ("nvfp4", "mxfp8") for cfg in ("BLOCK_M=128,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4",
+                                                          "BLOCK_M=128,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3",
+                                                          "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4")},
 }
 
 
@@ -237,7 +247,12 @@ def _hopper_loop(r):
 
     return (r["backend"] == "triton" and r["kernel"] in GEMMS and r["arch"] == "sm_90a" and r["dtype"] != "fp32"
             and main_loop_for("sm90") == "tma-ws" and "dropout" not in r["variant"]
-            and not r["variant"].endswith(",async-copy"))
+            and not r["variant"].endswith(",async-copy") and not _micro(r))
+
+
+def _micro(r):
+    """Whether a record is a GEMM on NVFP4 / MXFP8 weights, which the launchers run in the cp.async loop only."""
+    return any(f"{kind}-scale" in r["variant"] for kind in ("nvfp4", "mxfp8"))
 
 
 def test_sm90_gemms_run_the_hopper_main_loop(records):
@@ -274,12 +289,16 @@ def test_sm90_old_loop_is_what_issue_42_read(records):
 def test_sm100_gemms_use_tcgen05_with_w8_from_tensor_memory(records):
     # tcgen05.mma cannot read registers: the W8 tile, converted in registers, goes to tensor memory as the A operand
     # (one store per K step, which wgmma's register operand needs not), while act^T streams to shared memory as on
-    # Hopper.
+    # Hopper. But the NVFP4 / MXFP8 dgrad's unpacked tile reaches tcgen05 from shared memory under Triton 3.8 (why is
+    # not read yet): found when they joined the subset (issue 54), left open; tcgen05 on their dtype is still checked.
     recs = _w8a16(_select(records, "triton", GEMMS, "sm_100a", MMA_TYPES))
     assert recs
-    _none_of([r for r in recs if (r["mma"], r["w_operand"], r["w8_side"]) != (
-        f"tcgen05 {MMA_TYPES[r['dtype']]}", "tensor memory", "A") or not r["tcgen05_a_tmem"]],
+    micro_dgrad = [r for r in recs if _micro(r) and r["kernel"] == "dgrad"]
+    _none_of([r for r in recs if r not in micro_dgrad and ((r["mma"], r["w_operand"], r["w8_side"]) != (
+        f"tcgen05 {MMA_TYPES[r['dtype']]}", "tensor memory", "A") or not r["tcgen05_a_tmem"])],
              "do not use tcgen05.mma on their dtype with the W8 tile as the A operand from tensor memory")
+    _none_of([r for r in micro_dgrad if r["mma"] != f"tcgen05 {MMA_TYPES[r['dtype']]}"],
+             "do not use tcgen05.mma on their dtype")
 
 
 def test_mma_sync_gemms_take_w8_from_registers(records):
@@ -374,6 +393,10 @@ def test_mma_reader_on_known_ptx():
 # test_no_spills xfails naming them, still fails on any other spill, and fails when one of them no longer spills (then
 # remove it here). CI's version matrix runs this file under the older Tritons (docs/TESTING.md, "Version matrix").
 KNOWN_SPILLS: dict[str, set] = {
+    # Found when the NVFP4 / MXFP8 GEMMs joined the subset (issue 54), left open: the MXFP8 forward's 128 x 64 x 64
+    # eight-warp tile at 128 registers spills 24 bytes on sm_89 and 32 on sm_120 under Triton 3.8 (fp32 adapters, r=16)
+    "3.8": {("forward", arch, "bf16", "adapter,mxfp8-scale,M>64,fp32-rank,r=16",
+             "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,GROUP_M=8,w8,s4") for arch in ("sm_89", "sm_120")},
     # Triton 3.6 on sm_100a, read when the matrix first inspected that target under 3.6: 8 bytes at 96 registers in the
     # dgrad with dropout on its 64 x 64 x 64 four-warp tile (the same with the weight tile converted through fp16), and
     # in the W8A8 dgrad with dropout on its 128 x 64 x 64 one; 3.7 to 3.9 spill neither. (Triton 3.6 also spilled 8
