@@ -112,9 +112,9 @@ def _out(argv) -> str:
 
 
 def pins_from(rows: list[dict], norm_config: str) -> dict:
-    """The pins file (first_contact.py --pins: _pins.pin_configs in each step's process) from the model's picks (kernel_report.predict.headline's rows): per GEMM and mode the
-    config of each main loop (a launcher keeps the one in its list: triton_kernels/_pins.py), the weight norm (not
-    modelled: its list's first config)."""
+    """The pins file (first_contact.py --pins: _pins.pin_configs in each step's process) from the model's picks
+    (kernel_report.predict.headline's rows): per GEMM and mode the config of each main loop (a launcher keeps the one
+    in its list: triton_kernels/_pins.py), the weight norm (not modelled: its list's first config)."""
     pins: dict = {"weight_norm": norm_config}
     for r in rows:
         pins.setdefault(f"{r['kernel']}/{r['mode'].lower()}", []).append(r["config"])
@@ -134,8 +134,8 @@ def pins() -> int:
                                            "the launchers autotune"})
             return 0
     from dorafp8.kernel_report import run as report
-    from dorafp8.kernel_report.predict import HEADLINE, HEADLINE_VARIANTS, headline, launches_subprocess, layer_table
-    from dorafp8.kernel_report.predict import linear_seconds
+    from dorafp8.kernel_report.predict import HEADLINE, HEADLINE_VARIANTS, STRATEGIES, headline, launches_subprocess
+    from dorafp8.kernel_report.predict import layer_table, linear_seconds
     from dorafp8.triton_kernels._common import weight_norm_configs_for
     from dorafp8.triton_kernels._pins import config_name
 
@@ -143,7 +143,7 @@ def pins() -> int:
 
     def headline_gemm(job):
         if job["kernel"] not in ("forward", "dgrad") or job["variant"] not in (
-                [HEADLINE_VARIANTS["W8A16"]] if SMOKE else [v + s for v in HEADLINE_VARIANTS.values()
+                [HEADLINE_VARIANTS["W8A16"]] if SMOKE else [HEADLINE_VARIANTS[m] + s for m in ("W8A16", "W8A8")
                                                             for s in ("", ",tma-ws", ",async-copy")]):
             return False
         if SMOKE:  # the first config of each kernel and variant only
@@ -167,7 +167,9 @@ def pins() -> int:
              "gemms": [dict(r, us_lo=r["lo"]["seconds"] * 1e6, us_hi=r["hi"]["seconds"] * 1e6) for r in rows]}
     put("model", None, model)
     # every launch of each strategy at its modelled bytes (an interpreter dry run), the layer at both ends
-    strategies = ["W8A16"] if SMOKE else None
+    # the fp8 strategies only: the pins are theirs, and the microscaled bases' compiles and dry runs would lengthen
+    # the GPU's first step (`python -m dorafp8.kernel_report --predict` models those)
+    strategies = ["W8A16"] if SMOKE else [n for n, v in STRATEGIES.items() if len(v) == 3] + ["PEFT DoRA"]
     model["layers"] = layer_table(records, launches_subprocess(strategies))
     put("model", None, model)
     print(f"pins: {picks}; {len(records)} compiles in {model['compile_s']} s")
