@@ -147,6 +147,35 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def _reach(start: str) -> set:
+    g, seen, todo = _graph(), set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(g[m])
+    return seen
+
+
+# Each Triton launcher module (triton_kernels/ installed as dorafp8.triton_kernels) and the CUDA backend's adapter
+# over the compiled csrc/ kernels (dorafp8._C).
+KERNEL_MODULES = ["dorafp8.triton_kernels." + m for m in ("forward", "dgrad", "backward", "lowrank", "weight_norm",
+                                                          "gemm", "dequant", "dequant_micro")] + ["dorafp8.backends.cuda"]
+
+
+@pytest.mark.parametrize("op", ["dorafp8.ops.linear", "dorafp8.ops.conv"])
+def test_an_op_reaches_every_kernel_by_plain_imports(op):
+    """An op's kernel is found by reading: a chain of plain `import` statements (no string table, no importlib) runs
+    from the op's module to each kernel module, and the CUDA adapter imports the extension built from csrc/."""
+    reached = _reach(op)
+    backends = {"dorafp8.triton_kernels"} | {f"dorafp8.backends.{b}" for b in ("cublas", "cuda", "native", "reference")}
+    assert "dorafp8.backends" in reached and not backends - _graph()["dorafp8.backends"], (
+        "the registry (dorafp8/backends/__init__.py) imports each backend's module itself")
+    assert not [k for k in KERNEL_MODULES if k not in reached], sorted(set(KERNEL_MODULES) - reached)
+    cuda = ast.parse(MODULES["dorafp8.backends.cuda"].read_text())
+    assert any(isinstance(n, ast.Import) and any(a.name == "dorafp8._C" for a in n.names) for n in ast.walk(cuda))
+
+
 def _package_of(name: str) -> str:
     return name if _is_package(name) else name.rpartition(".")[0]
 
