@@ -1,7 +1,9 @@
 """PEFT on NVFP4 and MXFP8 bases: get_peft_model(..., LoraConfig(use_dora=True)) on a tiny LLaMA loaded from such a
 checkpoint builds dorafp8's DoRA layers, which train as plain PEFT's DoRA does on the dequantized base (logits and
-every adapter gradient, dropout included); the adapter saves as PEFT's and reloads with plain PEFT on the dequantized
-base to the same outputs; a merge into such a base re-quantizes by the format's own recipe."""
+every adapter gradient, dropout included); a tiny LLaMA and a small DiT on such layers, in every dtype a model is held
+in and with dropout, compute what PEFT's DoRA computes in fp64 on the dequantized weights; the adapter saves as
+PEFT's and reloads with plain PEFT on the dequantized base to the same outputs; a merge into such a base
+re-quantizes by the format's own recipe."""
 
 import copy
 from collections import Counter
