@@ -127,9 +127,18 @@ def parse_json(data: bytes, where: str, expected: str, todo: str = DAMAGED) -> d
     return obj
 
 
+# the JSON files beside the weights whose sha256 a dorafp8 export's index records (metadata key `sha256_key(name)`)
+# and the loader checks: a reader never pairs one export's config (or ModelOpt's quant_algo) with another's weights
+CHECKED_JSON = ("config.json", "hf_quant_config.json")
+
+
+def sha256_key(name: str) -> str:
+    return f"dorafp8_{name[:-len('.json')]}_sha256"  # "dorafp8_config_sha256", as exports before hf_quant_config
+
+
 def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict:
     """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file. sha256_is: the
-    digest its bytes must have (config.json, as the index of the weights beside it records it)."""
+    digest its bytes must have (a CHECKED_JSON file, as the index of the weights beside it records it)."""
     size = os.path.getsize(path)
     if size > MAX_JSON_BYTES:
         raise CheckpointFormatError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads for "

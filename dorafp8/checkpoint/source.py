@@ -10,7 +10,8 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from ..quant import E4M3
-from .files import DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file, safetensors_keys
+from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file,
+                    safetensors_keys, sha256_key)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
 SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -70,10 +71,10 @@ class CheckpointSource:
         each JSON file an object. The shards are the folder's model.safetensors (diffusion_pytorch_model.safetensors)
         if it has one, as transformers (diffusers) reads it first, else those its index names, else every
         *.safetensors file in it. So a folder that an export is replacing loads as the old export or the new one
-        at every step of its publish (write.py); config.json, where the index records its sha256 (a dorafp8 export),
-        must have it: a reader never pairs one export's config with another's weights."""
+        at every step of its publish (write.py); config.json and hf_quant_config.json, where the index records their
+        sha256 (a dorafp8 export), must have it: a reader never pairs one export's config with another's weights."""
         roots = allowed_roots(path)
-        config_sha256 = None  # what the index of a dorafp8 export records of its config.json
+        recorded = {}  # what the index of a dorafp8 export records of its config.json and hf_quant_config.json
         single = next((n for n in SINGLE_NAMES if os.path.lexists(os.path.join(path, n))), None)
         index = next((n for n in INDEX_NAMES if os.path.lexists(os.path.join(path, n))), None)
         if single is not None:
@@ -83,7 +84,8 @@ class CheckpointSource:
             index_obj = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}')
             weight_map = index_obj.get("weight_map")
             meta = index_obj.get("metadata")
-            config_sha256 = meta.get("dorafp8_config_sha256") if isinstance(meta, dict) else None
+            recorded = {n: meta.get(sha256_key(n)) for n in CHECKED_JSON} if isinstance(meta, dict) else {}
+            recorded = {n: v for n, v in recorded.items() if isinstance(v, str)}
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointFormatError(f"{self.index}: its \"weight_map\" is not an object of tensor names to "
                                             f"shard file names; {DAMAGED}")
@@ -99,15 +101,15 @@ class CheckpointSource:
                 f"yourself and pass the state dict)" if others else ""))
         if os.path.lexists(os.path.join(path, "config.json")):
             cfg = file_in(path, "config.json", f"{path}: config.json", roots)
-            self.config = read_json(cfg, "a model config (a JSON object)",
-                                    config_sha256 if isinstance(config_sha256, str) else None)
+            self.config = read_json(cfg, "a model config (a JSON object)", recorded.get("config.json"))
             if not isinstance(self.config.get("quantization_config") or {}, dict):
                 raise CheckpointFormatError(f"{cfg}: its \"quantization_config\" is a "
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "
                                             f"{DAMAGED}")
         if os.path.lexists(os.path.join(path, "hf_quant_config.json")):
             self.hf_quant_config = read_json(file_in(path, "hf_quant_config.json", f"{path}: hf_quant_config.json",
-                                                     roots), "ModelOpt's quantization config (a JSON object)")
+                                                     roots), "ModelOpt's quantization config (a JSON object)",
+                                             recorded.get("hf_quant_config.json"))
 
     def where(self, i: int) -> str:
         """Shard i as errors name it: its path, and for a sharded checkpoint which shard of how many."""

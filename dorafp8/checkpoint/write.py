@@ -24,7 +24,8 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config
 from .emit import emit
-from .files import destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256, staging
+from .files import (CHECKED_JSON, destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256,
+                    sha256_key, staging)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -206,9 +207,10 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
     names (sink.shard_names) that no index names yet, then config.json (only if its bytes change: see below), then
     the index by one rename, the commit; then the previous export's shards that files.previous_export proves it
     wrote are removed, and nothing else. The index records every shard's size and sha256, and those of the shards it
-    replaces until they are removed (what lets the next export remove them, and only them), and config.json's
-    sha256: config.json and the index are two files, so between their two renames, or after a kill there, a reader
-    can find a changed config.json beside the previous weights; load_fp8_checkpoint refuses that pair, naming it. A
+    replaces until they are removed (what lets the next export remove them, and only them), and the sha256 of
+    config.json and of hf_quant_config.json (files.CHECKED_JSON): each and the index are two files, so between their
+    renames, or after a kill there, a reader can find a changed config.json (or ModelOpt's quant_algo) beside the
+    previous weights; load_fp8_checkpoint refuses that pair, naming it. A
     failure before the commit removes the shards it moved in."""
     index = f"{stem}.safetensors.index.json"
     names = shard_names(stem, len(parts), set(os.listdir(folder)))
@@ -224,8 +226,7 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
     # kill, an error) leaves them to the next one, which finds them in this index
     old = previous_export(folder, index, shard_pattern(stem))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
-    if "config.json" in others:
-        meta["dorafp8_config_sha256"] = sha256(os.path.join(stage, "config.json"))
+    meta.update({sha256_key(n): sha256(os.path.join(stage, n)) for n in CHECKED_JSON if n in others})
     with open(os.path.join(stage, index), "w") as f:
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     fsync_file(os.path.join(stage, index))

@@ -5,6 +5,7 @@ what the dense model on the format's own dequantization computes. Malformed file
 before the model changes."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -300,6 +301,29 @@ def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
     for k, v in source.items():
         assert again[k].dtype == v.dtype and again[k].shape == v.shape, k
         assert torch.equal(again[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])
+def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, name):
+    """The index of a ModelOpt-layout export records the sha256 of config.json and of hf_quant_config.json (whose
+    quant_algo says how the weights read): one changed after the export (another export's, half published; or
+    edited) is refused naming it, as a reader must not pair it with these weights; the export as written loads."""
+    import json
+
+    from dorafp8 import export_merged
+
+    pytest.importorskip("peft")
+    model = meta_model()
+    load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4"), verbose=False)
+    out = tmp_path / "merged"
+    export_merged(_dora_on(model), str(out), verbose=False)
+    load_fp8_checkpoint(meta_model(), str(out), verbose=False)
+    path = out / name
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps({**obj, "edited": True}))
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(path))}: not the file exported with the "
+                                                    rf"weights beside it"):
+        load_fp8_checkpoint(meta_model(), str(out), verbose=False)
 
 
 def test_a_damaged_modelopt_export_is_refused(tmp_path):

@@ -1,8 +1,11 @@
 """PEFT on NVFP4 and MXFP8 bases: get_peft_model(..., LoraConfig(use_dora=True)) on a tiny LLaMA loaded from such a
 checkpoint builds dorafp8's DoRA layers, which train as plain PEFT's DoRA does on the dequantized base (logits and
-every adapter gradient, dropout included); the adapter saves as PEFT's and reloads with plain PEFT on the dequantized
-base to the same outputs; a merge into such a base re-quantizes by the format's own recipe."""
+every adapter gradient, dropout included); a tiny LLaMA and a small DiT on such layers, in every dtype a model is held
+in and with dropout, compute what PEFT's DoRA computes in fp64 on the dequantized weights; the adapter saves as
+PEFT's and reloads with plain PEFT on the dequantized base to the same outputs; a merge into such a base
+re-quantizes by the format's own recipe."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -15,9 +18,10 @@ from peft import PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.lora.layer import Linear as LoraLinear  # noqa: E402
 
 from dorafp8 import DoRAFP8Linear, load_fp8_checkpoint  # noqa: E402
-from tests._tolerance import assert_close  # noqa: E402
+from tests._tolerance import assert_close, tol  # noqa: E402
 from tests.checkpoint._ckpt_fixtures import meta_model, original_model, read_all, write_modelopt  # noqa: E402
 from tests.checkpoint.test_microscaled_load import _dense_twin  # noqa: E402
+from tests.kernels.test_microscaled import dequant_64  # noqa: E402
 from tests.peft.test_peft import IDS, _grads, _lora_config, _randomize_adapters, _run  # noqa: E402
 
 
@@ -140,55 +144,105 @@ def test_merge_requantizes_by_the_formats_recipe(tmp_path, algo, monkeypatch):
     assert kinds == {algo.lower()}
 
 
-@pytest.mark.backends("reference", "triton")
-def test_dora_on_a_tiny_dit_with_nvfp4_and_mxfp8_linears(backend, monkeypatch):
-    """A small SD3-style MMDiT whose Linear layers hold NVFP4 and MXFP8 weights in turn: DoRA on
-    every attention and feed-forward Linear computes what plain PEFT computes on the dequantized weights (fp32:
-    output and every adapter gradient)."""
-    pytest.importorskip("diffusers")
-    import copy
-
-    from peft import LoraConfig
-
+def _micro_in_turn(model) -> dict:
+    """Every nn.Linear of `model` but an output head (lm_head) replaced in place by an FP8Linear holding its NVFP4 and
+    its MXFP8 quantization in turn (MXFP8 where K is no multiple of 16); returns the new layers by name."""
     from dorafp8 import FP8Linear, quant
+
+    layers = {}
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not torch.nn.Linear or name.endswith("lm_head"):
+            continue
+        w, bias = mod.weight.detach(), None if mod.bias is None else mod.bias.detach().clone()
+        if w.shape[1] % 16 == 0 and len(layers) % 2 == 0:
+            packed, scale, g = quant.quantize_nvfp4(w)
+            layer = FP8Linear.from_fp8(packed, scale, bias, global_scale=g)
+        else:
+            layer = FP8Linear.from_fp8(*quant.quantize_mxfp8(w), bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+        layers[name] = layer
+    assert {quant.scale_kind(m.scale) for m in layers.values()} == {"nvfp4", "mxfp8"}
+    return layers
+
+
+def _tiny(kind: str):
+    """(model, LoraConfig target_modules, the inputs of one batch, the output of a forward): test_peft.py's tiny
+    LLaMA (biases on every Linear; 2 x 11 tokens) or test_diffusion.py's small SD3-style MMDiT (joint attention)."""
+    if kind == "llama":
+        from tests.peft.test_peft import LLAMA_TARGETS, _base_model
+
+        return _base_model("llama"), LLAMA_TARGETS, {"input_ids": IDS}, lambda out: out.logits
+    pytest.importorskip("diffusers")
     from tests.integration.test_diffusion import _batches, small_dit
 
-    original = small_dit()
-    ours, twin = copy.deepcopy(original), copy.deepcopy(original)
-    kinds = []
-    for name, mod in list(ours.named_modules()):
-        if type(mod) is not torch.nn.Linear:
-            continue
-        w = mod.weight.detach()
-        if w.shape[1] % 16 == 0 and len(kinds) % 2 == 0:  # the two kinds taken in turn
-            packed, scale, g = quant.quantize_nvfp4(w)
-            layer = FP8Linear.from_fp8(packed, scale, mod.bias.detach().clone(), global_scale=g)
-        else:
-            w8, scale = quant.quantize_mxfp8(w)
-            layer = FP8Linear.from_fp8(w8, scale, mod.bias.detach().clone())
-        kinds.append(quant.scale_kind(layer.scale))
-        parent, _, attr = name.rpartition(".")
-        setattr(ours.get_submodule(parent), attr, layer)
-        twin.get_submodule(name).weight.data = layer.dequantize()
-    assert set(kinds) == {"nvfp4", "mxfp8"}
     targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                "ff.net.0.proj", "ff.net.2"]
-    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets)
-    pm_ours, pm_peft = get_peft_model(ours, cfg), get_peft_model(twin, copy.deepcopy(cfg))
-    n_dora = sum(isinstance(m, DoRAFP8Linear) for m in pm_ours.modules())
-    assert n_dora == sum(isinstance(m, LoraLinear) for m in pm_peft.modules()) >= 16
-    for mdl in (pm_ours, pm_peft):
-        _randomize_adapters(mdl)
-    calls = _on_backend(pm_ours, backend, monkeypatch)
-    (kw, target), = _batches("dit", 1)
+    (inputs, _), = _batches("dit", 1)
+    # one 8 x 8 latent (16 patches; the model crops its position embedding to it): the interpreter's time
+    inputs = {k: v[:1, :, :8, :8] if k == "hidden_states" else v[:1] for k, v in inputs.items()}
+    return small_dit(), targets, inputs, lambda out: out.sample
+
+
+# how PEFT users hold a model: (the dtype of the model and of its adapters, the autocast dtype or None)
+HELD = {"fp32": (torch.float32, None), "bf16-autocast": (torch.float32, torch.bfloat16),
+        "bf16": (torch.bfloat16, None), "fp16-autocast": (torch.float32, torch.float16),
+        "fp16": (torch.float16, None)}
+
+
+@pytest.mark.backends("reference", "triton")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("held", HELD)
+@pytest.mark.parametrize("kind", ["llama", "dit"])
+def test_dora_on_nvfp4_and_mxfp8_linears_matches_fp64(kind, held, dropout, backend, monkeypatch):
+    """A tiny LLaMA and a small SD3-style DiT whose Linear layers hold NVFP4 and MXFP8 weights in turn, DoRA on every
+    attention and MLP / feed-forward Linear, held as PEFT users hold them (fp32; fp32 model and adapters under bf16
+    or fp16 autocast; the model cast to bf16 or fp16, adapters with it), with and without dropout: the output and
+    every adapter gradient against PEFT's DoRA in fp64 on the same values. Those are the weights dequantized from
+    their bytes by tests/kernels/test_microscaled.py's dequant_64 (bit arithmetic, not dorafp8's dequantization),
+    every other parameter as rounded to the model's dtype, the inputs as ours get them, and the same dropout masks
+    (one seed: dorafp8 draws PEFT's mask, dorafp8/ops/_policy.py dropout_mask, whatever the dtype it draws it in).
+    Tolerance: the output 2 tol(compute dtype) (tests/_tolerance.py: a check between two computations that each
+    carry the dtype's error, as the model's own 16-bit ops add theirs to PEFT's run too; seen: at most 0.9 tol here,
+    0.7 tol for plain PEFT held the same way), each gradient 5 tol (a backward through the whole model: the output's
+    error, then two GEMMs a layer on the way back; seen: at most 2.9 tol, a bf16-autocast DiT's lora_A, where plain
+    PEFT held the same way is at 2.5 tol). A weight off by a block's scale or by NVFP4's global scale, or a dropped
+    input gradient not scaled by 1 / (1 - p), is off by more (all seen failing, in bf16 too)."""
+    from peft import LoraConfig
+
+    dtype, autocast = HELD[held]
+    model, targets, inputs, out_of = _tiny(kind)
+    ours, ref = copy.deepcopy(model), copy.deepcopy(model)
+    layers = _micro_in_turn(ours)
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=targets, lora_dropout=dropout)
+    ours, ref = get_peft_model(ours, cfg), get_peft_model(ref, copy.deepcopy(cfg))
+    _randomize_adapters(ours)
+    ours.to(dtype)
+    ref.to(dtype).double()  # every parameter rounded as ours are, then exact in fp64
+    adapters = {k: v for k, v in ours.state_dict().items() if "lora_" in k}
+    assert not ref.load_state_dict(adapters, strict=False).unexpected_keys
+    for name, lay in layers.items():
+        ref.base_model.model.get_submodule(name).weight.data = dequant_64(lay.weight, lay.scale, lay.global_scale)
+    n_dora = sum(isinstance(m, DoRAFP8Linear) for m in ours.modules())
+    assert n_dora == sum(isinstance(m, LoraLinear) for m in ref.modules()) >= 14
+    calls = _on_backend(ours, backend, monkeypatch)
+    # the same inputs (rounded to the model's dtype) and cotangent (bf16 values: exact in fp16 and fp64) for both
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     outs = []
-    for mdl in (pm_peft, pm_ours):
-        out = mdl(**kw).sample
-        (out - target).square().mean().backward()
+    for mdl, cast in ((ours, autocast), (ref, None)):
+        mdl.train()
+        torch.manual_seed(5)  # the dropout masks
+        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
+            out = out_of(mdl(**{k: v.double() if mdl is ref and v.is_floating_point() else v
+                                for k, v in inputs.items()}))
+        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).double()
+        (out.double() * cot).sum().backward()
         outs.append(out)
-    assert_close(outs[1], outs[0], 5e-6, "output")
-    g_ref, g_got = _grads(pm_peft), _grads(pm_ours)
-    assert g_ref.keys() == g_got.keys() and len(g_ref) == 3 * n_dora
-    for name in g_ref:
-        assert_close(g_got[name], g_ref[name], 5e-5, name)
+    rel = tol(autocast or dtype)
+    assert outs[0].dtype == (autocast or dtype)
+    assert_close(outs[0], outs[1], 2 * rel, "output")
+    got, want = _grads(ours), _grads(ref)
+    assert got.keys() == want.keys() and len(want) == 3 * n_dora
+    for name in want:
+        assert_close(got[name], want[name], 5 * rel, name)
     assert (calls["forward"] >= n_dora and calls["dgrad"] > 0) if backend == "triton" else not calls, calls
