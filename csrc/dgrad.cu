@@ -131,9 +131,8 @@ template <bool DROP> __global__ void __launch_bounds__(kThreads) dgrad_simt_kern
   simt_kernel_body<DgradGemm, DROP>(p);
 }
 
-// The family launch_gemm, mma_kernel_body and simt_kernel_body (common/gemm.cuh) run: output columns K, reduction N,
-// activations gl (and gb with dropout), and the two kernels' epilogues. acc: gl W8 (the adapter term); acc2 (acc[1]
-// in the SIMT kernel): gb W8 (dropout's plain base term).
+// The family common/gemm.cuh runs: output columns K, reduction N, activations gl (and gb with dropout), the kernels'
+// epilogues. acc: gl W8 (the adapter term); acc2 (acc[1] in the SIMT kernel): gb W8 (dropout's plain base term).
 struct DgradGemm {
   using Params = DgradParams;
   template <int BM, int BK, bool DROP> using Cfg = DgradCfg<BM, BK, DROP>;

@@ -119,8 +119,7 @@ template <bool DROP> __global__ void __launch_bounds__(kThreads) forward_simt_ke
   simt_kernel_body<ForwardGemm, DROP>(p);
 }
 
-// The family launch_gemm, mma_kernel_body and simt_kernel_body (common/gemm.cuh) run: output columns N, reduction K,
-// activations x (and xm with dropout), and the two kernels' epilogues.
+// The family common/gemm.cuh runs: output columns N, reduction K, activations x (and xm with dropout), the epilogues.
 struct ForwardGemm {
   using Params = ForwardParams;
   template <int BM, int BN, bool DROP> using Cfg = FwdCfg<BM, BN, DROP>;

@@ -157,9 +157,8 @@ def gemm_tile(tile, num_pid_m, num_pid_c, GROUP_M: tl.constexpr, M, COLS, BLOCK_
 @triton.jit
 def epilogue_tile(t_ptr, t2_ptr, M, COLS, stride_t, stride_t2, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_C: tl.constexpr):
-    """The stand-alone epilogue kernels' tile (program (pid_m, pid_c) of a 2-D grid): (offs_m, offs_c, mask_m, mask_c,
-    acc, acc2), the fp32 TRANSPOSED tiles [BLOCK_C, BLOCK_M] of t and, with HAS_DROPOUT, t2 (else acc2 is acc), both
-    [M, COLS] with unit last stride."""
+    """The stand-alone epilogue kernels' tile (a 2-D grid): (offs_m, offs_c, mask_m, mask_c, acc, acc2), the fp32
+    TRANSPOSED tiles [BLOCK_C, BLOCK_M] of t and (HAS_DROPOUT, else acc2 is acc) t2, both [M, COLS]."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M

@@ -153,11 +153,9 @@ def gemm_schedule(a_ptr, a2_ptr, w_ptr, t_ptr, o_ptr, M, RED, COLS, R, stride_a,
                   stride_o, HAS_DROPOUT: tl.constexpr, HAS_RANK: tl.constexpr, O_RANK_ROWS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr, BLOCK_R: tl.constexpr,
                   MAIN_LOOP: tl.constexpr):
-    """A GEMM kernel's tile loop over its [M, COLS] output, (num_pid_m, num_pid_c, first, last, step), and its main
-    loop's descriptors (a, a2, w, t, o: None for "async-copy", which runs one tile per program). The operands: the
-    activations a, a2 [M, RED], W [COLS, RED] (forward's W8, dgrad's W8^T), and with HAS_RANK the epilogue's rank
-    operands t [M, R] and o ([R, COLS] if O_RANK_ROWS, else [COLS, R]), all with unit last stride. Descriptors are
-    made once per program; TMA zero-fills outside the tensors (tma_ready checked the alignment it needs)."""
+    """A GEMM kernel's tile loop over [M, COLS], (num_pid_m, num_pid_c, first, last, step), and the descriptors (None
+    for "async-copy") of a, a2 [M, RED], W [COLS, RED], and with HAS_RANK t [M, R], o ([R, COLS] if O_RANK_ROWS else
+    [COLS, R]). Made once per program; TMA zero-fills outside the tensors (tma_ready checked their alignment)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_c = tl.cdiv(COLS, BLOCK_C)
     a_desc, a2_desc, w_desc, t_desc, o_desc = None, None, None, None, None
@@ -180,10 +178,8 @@ def gemm_schedule(a_ptr, a2_ptr, w_ptr, t_ptr, o_ptr, M, RED, COLS, R, stride_a,
 
 def gemm_kernel(fn, tag, pin, outputs, device, main_loop, out_block, red_block, has_dropout, M, fp32_tiles, quant,
                 lean, block_size, kind):
-    """The autotuned GEMM kernel `fn` (forward's or dgrad's) for one launch: its config lists (the cp.async loop's,
-    lean ones with FP8_PROMOTE's W8A8, or the warp-specialized loop's for the device; out_block x red_block tiles, the
-    reduction block fitted to the block scales), made once per tag and arch (_common.autotuned); pin names its pinned
-    configs ("forward", "dgrad")."""
+    """The autotuned GEMM kernel `fn` (forward's, dgrad's) of a launch: its main loop's config lists for the device
+    (lean: FP8_PROMOTE's W8A8), fitted to the block scales, made once per tag and arch (_common.autotuned)."""
     from ._common import arch_of, autotuned, fit_reduction_block, gemm_configs
 
     def configs():

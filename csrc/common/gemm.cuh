@@ -29,12 +29,9 @@
 // The accumulator element [mt][nt][e] of a lane (g, t) is row wm0 + 16 mt + g + 8 (e >> 1) of the block tile; its
 // column is the policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: its even/odd interleave, see dgrad.cu).
 //
-// mma_kernel_body and simt_kernel_body are the kernels up to their epilogues (each kernel file's family supplies the
-// operand policy and the epilogues). Measured with nvcc 13.0 against the kernels written out in each file: the
-// forward mma kernels' SASS is identical on sm_89 and sm_90a; the dgrad mma and SIMT kernels move by at most 8
-// instructions. Store loops through a lambda (for_each-style) added up to 8% instructions to forward's mma
-// epilogue: those loops stay written out. The rank-r term is one function, mma_rank_term (no spill, register counts
-// between 84 and 128 on all 64 mma kernels of 4 targets when it replaced two copies).
+// mma_kernel_body and simt_kernel_body are both kernels up to their epilogues (nvcc 13.0, against the kernels written
+// out: forward's mma SASS identical on sm_89 and sm_90a, the others within 8 instructions per kernel, no spill). The
+// mma stores stay written out in each epilogue: through a lambda they cost forward's up to 8% more instructions.
 // Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on every target.
 #pragma once
 
