@@ -26,6 +26,8 @@
 namespace dorafp8 {
 namespace detail {
 
+struct DgradGemm;  // the family of the two kernels (at the end): common/gemm.cuh's kernel bodies run its pieces
+
 // ================================================================================================ dgrad (mma)
 
 template <int BM, int BK, bool DROP>  // BK: output columns (of K) per block; the reduction (N) runs in steps of BR = 32
@@ -120,149 +122,120 @@ struct DgradOperands {
   }
 };
 
-template <typename T, int BM, int BK_, bool DROP>  // two blocks per SM, as forward (forward.cu)
+template <typename T, int BM, int BK, bool DROP>  // two blocks per SM, as forward (forward.cu)
 __global__ void __launch_bounds__(kThreads, 2) dgrad_mma_kernel(const DgradParams p, bool vec_g, bool vec_w) {
-  using Cfg = DgradCfg<BM, BK_, DROP>;
-  constexpr int BK = Cfg::BN, MT = Cfg::MT, NT = Cfg::NT;
-  DORA_SMEM(smem);
-
-  const MmaWarp w = mma_warp<Cfg>();
-  const int tid = w.tid, lane = w.lane, wm0 = w.wm0, wk0 = w.wn0, g = w.g, t = w.t;
-  const int64_t M = p.M, N = p.N, K = p.K;
-  int64_t m0, k0;
-  mma_block_origin<Cfg>(M, K, p.group_m, m0, k0);
-  const uint16_t* __restrict__ gl = static_cast<const uint16_t*>(p.gl);
-  const uint16_t* __restrict__ gb = static_cast<const uint16_t*>(p.gb);
-  const DgradOperands<BK> op{p, N, K, k0, wk0, vec_w};
-
-  // acc: gl W8 (the adapter term); acc2: gb W8 (dropout's plain base term). Both share every converted W8 fragment.
-  float acc[MT][NT][4], acc2[MT][NT][4];
-  zero(acc);
-  if (DROP) zero(acc2);
-  auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
-  auto load_stage = [&](int s, int rt) {
-    mma_load_stage<Cfg>(stage_ptr(s), op, gl, p.ldgl, gb, p.ldgb, M, N, m0, rt, vec_g, tid);
-  };
-  auto compute_stage = [&](int s) { mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0); };
-  mma_pipeline<Cfg>(N, load_stage, compute_stage);
-
-  // ---- epilogue: acc = rl st (gl W8) / s, then s v A accumulated into it (times s at the store)
-  const float st = p.scale_per_row ? 1.f : p.scale[0];  // per-row scales are already in gl, gb
-  const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
-  const float al = p.rl[0] * st;
-  const float pre = lora ? div_rn(al, p.s) : al;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= pre;
-  if (lora) mma_rank_term<T, Cfg>(acc, op, p.v, p.rank_f32, p.r, M, m0, smem, tid, lane, wm0, g);
-
-  // ---- store: lane (g, t) holds rows g, g + 8 x columns 16c + 4t .. 16c + 4t + 3 of each 16-column group c
-  const float post = lora ? p.s : 1.f;
-  const float ab = DROP ? p.rb[0] * st : 0.f;  // gb's factor
-  T* __restrict__ dx = static_cast<T*>(p.dx);
-  const bool quad_ok = (K & 3) == 0 && reinterpret_cast<uintptr_t>(dx) % 8 == 0;  // 8-byte aligned stores of 4
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i = m0 + wm0 + mt * 16 + g + 8 * h;
-      if (i >= M) continue;
-#pragma unroll
-      for (int c2 = 0; c2 < 2; ++c2) {
-        const int64_t col = k0 + wk0 + 16 * c2 + 4 * t;
-        if (col >= K) continue;
-        float out[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // e: column col + e = (even, odd, even, odd) tile, element (2h, 2h, 2h+1, 2h+1)
-          const int nt = 2 * c2 + (e & 1), el = 2 * h + (e >> 1);
-          if (!DROP) {
-            out[e] = post * acc[mt][nt][el];
-          } else {  // rb st (gb W8) + mask / (1 - p) * (rl st (gl W8) + s v A)
-            const float base = ab * acc2[mt][nt][el];
-            const bool keep = col + e < K && p.mask[i * p.ldmask + col + e] != 0;
-            out[e] = keep ? fmaf(p.inv_keep * post, acc[mt][nt][el], base) : base;
-          }
-        }
-        T* o = dx + i * K + col;
-        if (quad_ok && col + 3 < K) {
-          store_pair<T>(o, out[0], out[1]);
-          store_pair<T>(o + 2, out[2], out[3]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (col + e < K) o[e] = from_f32<T>(out[e]);
-        }
-      }
-    }
+  mma_kernel_body<DgradGemm, T, BM, BK, DROP>(p, vec_g, vec_w);
 }
 
-// ================================================================================================ fp32 (SIMT)
+template <bool DROP> __global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams p) {
+  simt_kernel_body<DgradGemm, DROP>(p);
+}
 
-template <bool DROP>
-__global__ void __launch_bounds__(kThreads) dgrad_simt_kernel(const DgradParams p) {
-  constexpr int NA = DROP ? 2 : 1;  // acc[0]: gl W8 (the adapter term); acc[1]: gb W8 (dropout's base term)
-  DORA_SMEM(smem);
-  float* sA = reinterpret_cast<float*>(smem);
-  float* sB = sA + NA * kSimtR * kSimtPitch;
-  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-  const int64_t M = p.M, N = p.N, K = p.K;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, k0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
+// The family common/gemm.cuh runs: output columns K, reduction N, activations gl (and gb with dropout), the kernels'
+// epilogues. acc: gl W8 (the adapter term); acc2 (acc[1] in the SIMT kernel): gb W8 (dropout's plain base term).
+struct DgradGemm {
+  using Params = DgradParams;
+  template <int BM, int BK, bool DROP> using Cfg = DgradCfg<BM, BK, DROP>;
+  static bool dropout(const Params& p) { return p.mask != nullptr; }
+  static __host__ __device__ const void* act(const Params& p, int i) { return i == 0 ? p.gl : p.gb; }
+  static __host__ __device__ int64_t ld(const Params& p, int i) { return i == 0 ? p.ldgl : p.ldgb; }
+  template <bool DROP> static auto simt_kernel() { return dgrad_simt_kernel<DROP>; }
+  template <int BK> using Operands = DgradOperands<BK>;
+  static constexpr bool kRedContig = false;
 
-  float acc[NA][4][4];
-  zero(acc);
-  simt_w8_gemm<false>(acc, static_cast<const float*>(p.gl), p.ldgl, static_cast<const float*>(p.gb), p.ldgb, p.w8, M,
-                      N, K, m0, k0, sA, sB, tid);
-
-  const float st = p.scale_per_row ? 1.f : p.scale[0];
-  const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
-  const float al = p.rl[0] * st;
-  const float pre = lora ? div_rn(al, p.s) : al;
+  // dgrad_mma_kernel after its main loop: acc = rl st (gl W8) / s, then s v A accumulated into it (times s at the
+  // store); dropout's two terms combined with the mask.
+  template <typename T, class Cfg>
+  static __device__ __forceinline__ void mma_epilogue(const DgradParams& p, const DgradOperands<Cfg::BN>& op,
+                                                      float (&acc)[Cfg::MT][Cfg::NT][4],
+                                                      float (&acc2)[Cfg::MT][Cfg::NT][4], uint8_t* smem,
+                                                      const MmaWarp& w, int64_t m0, int64_t k0) {
+    constexpr bool DROP = Cfg::DROP;
+    const int64_t M = p.M, K = p.K;
+    const float st = p.scale_per_row ? 1.f : p.scale[0];  // per-row scales are already in gl, gb
+    const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
+    const float al = p.rl[0] * st;
+    const float pre = lora ? div_rn(al, p.s) : al;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+    for (int mt = 0; mt < Cfg::MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[0][i][j] *= pre;
-  if (lora) {
-    simt_rank_gemm<0, false>(acc, static_cast<const float*>(p.v), static_cast<const float*>(p.A), p.r, M, K, m0, k0,
-                             sA, sB, tid);
+      for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= pre;
+    if (lora) mma_rank_term<T, Cfg>(acc, op, p.v, p.rank_f32, p.r, M, m0, smem, w.tid, w.lane, w.wm0, w.g);
+
+    // ---- store: lane (g, t) holds rows g, g + 8 x columns 16c + 4t .. 16c + 4t + 3 of each 16-column group c
+    const float post = lora ? p.s : 1.f;
+    const float ab = DROP ? p.rb[0] * st : 0.f;  // gb's factor
+    T* __restrict__ dx = static_cast<T*>(p.dx);
+    const bool quad_ok = (K & 3) == 0 && reinterpret_cast<uintptr_t>(dx) % 8 == 0;  // 8-byte aligned stores of 4
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t i = m0 + w.wm0 + mt * 16 + w.g + 8 * h;
+        if (i >= M) continue;
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const int64_t col = k0 + w.wn0 + 16 * c2 + 4 * w.t;
+          if (col >= K) continue;
+          float out[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // column col + e: (even, odd, even, odd) tile, element (2h, 2h, 2h+1, 2h+1)
+            const int nt = 2 * c2 + (e & 1), el = 2 * h + (e >> 1);
+            if (!DROP) {
+              out[e] = post * acc[mt][nt][el];
+            } else {  // rb st (gb W8) + mask / (1 - p) * (rl st (gl W8) + s v A)
+              const float base = ab * acc2[mt][nt][el];
+              const bool keep = col + e < K && p.mask[i * p.ldmask + col + e] != 0;
+              out[e] = keep ? fmaf(p.inv_keep * post, acc[mt][nt][el], base) : base;
+            }
+          }
+          T* o = dx + i * K + col;
+          if (quad_ok && col + 3 < K) {
+            store_pair<T>(o, out[0], out[1]);
+            store_pair<T>(o + 2, out[2], out[3]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (col + e < K) o[e] = from_f32<T>(out[e]);
+          }
+        }
+      }
   }
 
-  const float post = lora ? p.s : 1.f;
-  const float ab = DROP ? p.rb[0] * st : 0.f;
-  float* __restrict__ dx = static_cast<float*>(p.dx);
+  // dgrad_simt_kernel after its main loop: as dgrad_mma_kernel's (v A by simt_rank_gemm).
+  template <bool DROP>
+  static __device__ __forceinline__ void simt_epilogue(const DgradParams& p, float (&acc)[DROP ? 2 : 1][4][4],
+                                                       float* sA, float* sB, int tid, int64_t m0, int64_t k0) {
+    constexpr int NA = DROP ? 2 : 1;
+    const int64_t M = p.M, K = p.K;
+    const float st = p.scale_per_row ? 1.f : p.scale[0];
+    const bool lora = p.v != nullptr && p.s != 0.f && p.r > 0;
+    const float al = p.rl[0] * st;
+    const float pre = lora ? div_rn(al, p.s) : al;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t ii = m0 + ty + 16 * i;
-    if (ii >= M) continue;
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t kk = k0 + tx + 16 * j;
-      if (kk >= K) continue;
+      for (int j = 0; j < 4; ++j) acc[0][i][j] *= pre;
+    if (lora) {
+      simt_rank_gemm<0, false>(acc, static_cast<const float*>(p.v), static_cast<const float*>(p.A), p.r, M, K, m0,
+                               k0, sA, sB, tid);
+    }
+    const float post = lora ? p.s : 1.f;
+    const float ab = DROP ? p.rb[0] * st : 0.f;
+    float* __restrict__ dx = static_cast<float*>(p.dx);
+    simt_lane_outputs(m0, k0, M, K, tid, [&](int i, int j, int64_t ii, int64_t kk) {
       float out = post * acc[0][i][j];
       if (DROP) {
         const float base = ab * acc[NA - 1][i][j];
         out = p.mask[ii * p.ldmask + kk] != 0 ? fmaf(p.inv_keep * post, acc[0][i][j], base) : base;
       }
       dx[ii * K + kk] = out;
-    }
+    });
   }
-}
 
-// ================================================================================================ launch
-
-// The family launch_gemm (common/gemm.cuh) dispatches: output columns K, activations gl (and gb with dropout).
-struct DgradGemm {
-  using Params = DgradParams;
-  template <int BM, int BK, bool DROP> using Cfg = DgradCfg<BM, BK, DROP>;
-  template <typename T, int BM, int BK, bool DROP>
-  static auto mma_kernel() { return dgrad_mma_kernel<T, BM, BK, DROP>; }
-  template <bool DROP> static auto simt_kernel() { return dgrad_simt_kernel<DROP>; }
-  static int64_t cols(const Params& p) { return p.K; }
-  static bool dropout(const Params& p) { return p.mask != nullptr; }
-  static const void* act(const Params& p, int i) { return i == 0 ? p.gl : p.gb; }
-  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldgl : p.ldgb; }
+  template <typename T, int BM, int BK, bool D> static auto mma_kernel() { return dgrad_mma_kernel<T, BM, BK, D>; }
 };
 
 }  // namespace detail

@@ -1,4 +1,4 @@
-// dorafp8 CUDA kernels, forward family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
+// dorafp8 CUDA kernels, forward family (contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
 // the 16-bit compute dtypes (the GEMM it shares with dgrad: common/gemm.cuh; block tiles, launch order and edge
 // handling: common/tiles.cuh) with its operand policy FwdOperands and its epilogue, forward_simt_kernel for fp32
 // (common/simt.cuh), and the entry point dorafp8::forward (launch_gemm, common/gemm.cuh).
@@ -25,6 +25,8 @@
 
 namespace dorafp8 {
 namespace detail {
+
+struct ForwardGemm;  // the family of the two kernels (at the end): common/gemm.cuh's kernel bodies run its pieces
 
 // ================================================================================================ forward (mma)
 
@@ -89,6 +91,12 @@ struct FwdOperands {
   }
 };
 
+// Two blocks per SM (at most 128 registers a thread): without the bound ptxas may take a few more and halve that.
+template <typename T, int BM, int BN, bool DROP>
+__global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
+  mma_kernel_body<ForwardGemm, T, BM, BN, DROP>(p, vec_x, vec_w);
+}
+
 // Per-column epilogue of forward (the contract's formulas). a1, a2: the final accumulators (see the kernel).
 struct FwdEpilogue {
   bool dora, drop;
@@ -107,88 +115,82 @@ struct FwdEpilogue {
   }
 };
 
-// Two blocks per SM (at most 128 registers a thread): without the bound ptxas may take a few more and halve that.
-template <typename T, int BM, int BN_, bool DROP>
-__global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardParams p, bool vec_x, bool vec_w) {
-  using Cfg = FwdCfg<BM, BN_, DROP>;
-  constexpr int BN = Cfg::BN, MT = Cfg::MT, NT = Cfg::NT;
-  DORA_SMEM(smem);
+template <bool DROP> __global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardParams p) {
+  simt_kernel_body<ForwardGemm, DROP>(p);
+}
 
-  const MmaWarp w = mma_warp<Cfg>();
-  const int tid = w.tid, lane = w.lane, wm0 = w.wm0, wn0 = w.wn0, g = w.g, t = w.t;
-  const int64_t M = p.M, N = p.N, K = p.K;
-  int64_t m0, n0;
-  mma_block_origin<Cfg>(M, N, p.group_m, m0, n0);
-  const uint16_t* __restrict__ x = static_cast<const uint16_t*>(p.x);
-  const uint16_t* __restrict__ xm = static_cast<const uint16_t*>(p.xm);
-  const FwdOperands<BN> op{p, N, K, n0, wn0, vec_w};
+// The family common/gemm.cuh runs: output columns N, reduction K, activations x (and xm with dropout), the epilogues.
+struct ForwardGemm {
+  using Params = ForwardParams;
+  template <int BM, int BN, bool DROP> using Cfg = FwdCfg<BM, BN, DROP>;
+  template <int BN> using Operands = FwdOperands<BN>;
+  static constexpr bool kRedContig = true;
+  static bool dropout(const Params& p) { return p.xm != nullptr; }
+  static __host__ __device__ const void* act(const Params& p, int i) { return i == 0 ? p.x : p.xm; }
+  static __host__ __device__ int64_t ld(const Params& p, int i) { return i == 0 ? p.ldx : p.ldxm; }
+  template <bool DROP> static auto simt_kernel() { return forward_simt_kernel<DROP>; }
 
-  // acc: x W8^T; acc2 (dropout): xm W8^T. Both share every converted W8 fragment.
-  float acc[MT][NT][4], acc2[MT][NT][4];
-  zero(acc);
-  if (DROP) zero(acc2);
-  auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
-  auto load_stage = [&](int s, int rt) {
-    mma_load_stage<Cfg>(stage_ptr(s), op, x, p.ldx, xm, p.ldxm, M, K, m0, rt, vec_x, tid);
-  };
-  auto compute_stage = [&](int s) {
-    mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0);
-  };
-  mma_pipeline<Cfg>(K, load_stage, compute_stage);
-
-  // ---- epilogue: fold scale; accumulate s u B^T into the same registers
-  const bool dora = p.c != nullptr;
-  const bool lora = dora && p.s != 0.f && p.r > 0;
-  // Per output column, not per accumulator element: a lane has 2 columns per n8 tile, so one scale load and one
-  // division serve the MT x 2 elements of a column. div_rn's slow path is a subroutine call; with one call per element
-  // (MT x NT x 4, 64 at BM = 64, BN = 256) ptxas spilled the live accumulators around them on sm_100 and sm_120 (up to
-  // 568 bytes per kernel). The column is a 32-bit offset into the block's columns: 64-bit column indices here stayed
-  // live until the stores and spilled in the 32 x 256 dropout tile on sm_90a and sm_89 (python -m
-  // dorafp8.kernel_report --backend cuda: no spills on any target with this form).
-  const float* __restrict__ scale = p.scale + (p.scale_per_row ? n0 : 0);
-  const int64_t cols_left = N - n0;
+  // forward_mma_kernel after its main loop: fold scale; accumulate s u B^T into the same registers; store.
+  template <typename T, class Cfg>
+  static __device__ __forceinline__ void mma_epilogue(const ForwardParams& p, const FwdOperands<Cfg::BN>& op,
+                                                      float (&acc)[Cfg::MT][Cfg::NT][4],
+                                                      float (&acc2)[Cfg::MT][Cfg::NT][4], uint8_t* smem,
+                                                      const MmaWarp& w, int64_t m0, int64_t n0) {
+    constexpr int MT = Cfg::MT, NT = Cfg::NT;
+    constexpr bool DROP = Cfg::DROP;
+    const int64_t M = p.M, N = p.N;
+    const bool dora = p.c != nullptr;
+    const bool lora = dora && p.s != 0.f && p.r > 0;
+    // Per output column, not per accumulator element: a lane has 2 columns per n8 tile, so one scale load and one
+    // division serve the MT x 2 elements of a column. div_rn's slow path is a subroutine call; with one call per
+    // element (MT x NT x 4, 64 at BM = 64, BN = 256) ptxas spilled the live accumulators around them on sm_100 and
+    // sm_120 (up to 568 bytes per kernel). The column is a 32-bit offset into the block's columns: 64-bit column
+    // indices here stayed live until the stores and spilled in the 32 x 256 dropout tile on sm_90a and sm_89 (python
+    // -m dorafp8.kernel_report --backend cuda: no spills on any target with this form).
+    const float* __restrict__ scale = p.scale + (p.scale_per_row ? n0 : 0);
+    const int64_t cols_left = N - n0;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    float sig[2], pre[2];
+    for (int nt = 0; nt < NT; ++nt) {
+      float sig[2], pre[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = wn0 + nt * 8 + 2 * t + h;  // the column in the block tile
-      sig[h] = c < cols_left ? scale[p.scale_per_row ? c : 0] : 0.f;
-      pre[h] = lora ? div_rn(sig[h], p.s) : sig[h];
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (!DROP) {
-          acc[mt][nt][e] *= pre[e & 1];
-        } else {
-          // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
-          acc[mt][nt][e] = sig[e & 1] * fmaf(-p.inv_keep, acc2[mt][nt][e], acc[mt][nt][e]);
-          acc2[mt][nt][e] *= pre[e & 1] * p.inv_keep;
-        }
+      for (int h = 0; h < 2; ++h) {
+        const int c = w.wn0 + nt * 8 + 2 * w.t + h;  // the column in the block tile
+        sig[h] = c < cols_left ? scale[p.scale_per_row ? c : 0] : 0.f;
+        pre[h] = lora ? div_rn(sig[h], p.s) : sig[h];
       }
-  }
-  float (&racc)[MT][NT][4] = DROP ? acc2 : acc;  // z's accumulator: + u B^T
-  if (lora) mma_rank_term<T, Cfg>(racc, op, p.u, p.rank_f32, p.r, M, m0, smem, tid, lane, wm0, g);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!DROP) {
+            acc[mt][nt][e] *= pre[e & 1];
+          } else {
+            // acc2 = xm W8 and xd W8 = xm W8 / (1 - p), in fp32: acc = scale (x - xd) W8, acc2 = scale xd W8 / s
+            acc[mt][nt][e] = sig[e & 1] * fmaf(-p.inv_keep, acc2[mt][nt][e], acc[mt][nt][e]);
+            acc2[mt][nt][e] *= pre[e & 1] * p.inv_keep;
+          }
+        }
+    }
+    float (&racc)[MT][NT][4] = DROP ? acc2 : acc;  // z's accumulator: + u B^T
+    if (lora) mma_rank_term<T, Cfg>(racc, op, p.u, p.rank_f32, p.r, M, m0, smem, w.tid, w.lane, w.wm0, w.g);
 
-  // ---- store: lane (g, t) holds rows g, g + 8 x columns 2t, 2t + 1 of each m16 x n8 tile
-  const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
-  T* __restrict__ y = static_cast<T*>(p.y);
-  T* __restrict__ z = p.z_f32 ? nullptr : static_cast<T*>(p.z);
-  float* __restrict__ z32 = p.z_f32 ? static_cast<float*>(p.z) : nullptr;  // fp32 z (fp32 adapters)
-  const T* __restrict__ bias = static_cast<const T*>(p.bias);
-  const bool pair_ok = (N & 1) == 0 && reinterpret_cast<uintptr_t>(y) % 4 == 0 &&
-                       reinterpret_cast<uintptr_t>(z) % 4 == 0;  // 4-byte aligned pair stores
+    // ---- store: lane (g, t) holds rows g, g + 8 x columns 2t, 2t + 1 of each m16 x n8 tile
+    const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
+    T* __restrict__ y = static_cast<T*>(p.y);
+    T* __restrict__ z = p.z_f32 ? nullptr : static_cast<T*>(p.z);
+    float* __restrict__ z32 = p.z_f32 ? static_cast<float*>(p.z) : nullptr;  // fp32 z (fp32 adapters)
+    const T* __restrict__ bias = static_cast<const T*>(p.bias);
+    const bool pair_ok = (N & 1) == 0 && reinterpret_cast<uintptr_t>(y) % 4 == 0 &&
+                         reinterpret_cast<uintptr_t>(z) % 4 == 0;  // 4-byte aligned pair stores
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t i = m0 + wm0 + mt * 16 + g + 8 * h;
+      const int64_t i = m0 + w.wm0 + mt * 16 + w.g + 8 * h;
       if (i >= M) continue;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const int64_t j = n0 + wn0 + nt * 8 + 2 * t;
+        const int64_t j = n0 + w.wn0 + nt * 8 + 2 * w.t;
         if (j >= N) continue;
         float yv[2], zv[2];
 #pragma unroll
@@ -216,80 +218,49 @@ __global__ void __launch_bounds__(kThreads, 2) forward_mma_kernel(const ForwardP
         }
       }
     }
-}
-
-// ================================================================================================ fp32 (SIMT)
-
-template <bool DROP>
-__global__ void __launch_bounds__(kThreads) forward_simt_kernel(const ForwardParams p) {
-  constexpr int NA = DROP ? 2 : 1;
-  DORA_SMEM(smem);
-  float* sA = reinterpret_cast<float*>(smem);
-  float* sB = sA + NA * kSimtR * kSimtPitch;
-  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-  const int64_t M = p.M, N = p.N, K = p.K;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, n0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
-
-  float acc[NA][4][4];
-  zero(acc);
-  simt_w8_gemm<true>(acc, static_cast<const float*>(p.x), p.ldx, static_cast<const float*>(p.xm), p.ldxm, p.w8, M, N,
-                     K, m0, n0, sA, sB, tid);
-
-  const bool dora = p.c != nullptr;
-  const bool lora = dora && p.s != 0.f && p.r > 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t jj = n0 + tx + 16 * j;
-    const float sig = jj < N ? p.scale[p.scale_per_row ? jj : 0] : 0.f;
-    const float pre = lora ? div_rn(sig, p.s) : sig;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (!DROP) {
-        acc[0][i][j] *= pre;
-      } else {
-        acc[0][i][j] = sig * fmaf(-p.inv_keep, acc[NA - 1][i][j], acc[0][i][j]);  // as forward_mma_kernel
-        acc[NA - 1][i][j] *= pre * p.inv_keep;
-      }
-    }
-  }
-  if (lora) {
-    simt_rank_gemm<NA - 1, true>(acc, static_cast<const float*>(p.u), static_cast<const float*>(p.B), p.r, M, N, m0,
-                                 n0, sA, sB, tid);
   }
 
-  const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
-  float* __restrict__ y = static_cast<float*>(p.y);
-  float* __restrict__ z = static_cast<float*>(p.z);
-  const float* __restrict__ bias = static_cast<const float*>(p.bias);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t ii = m0 + ty + 16 * i;
-    if (ii >= M) continue;
+  // forward_simt_kernel after its main loop: as forward_mma_kernel's (u B^T by simt_rank_gemm).
+  template <bool DROP>
+  static __device__ __forceinline__ void simt_epilogue(const ForwardParams& p, float (&acc)[DROP ? 2 : 1][4][4],
+                                                       float* sA, float* sB, int tid, int64_t m0, int64_t n0) {
+    constexpr int NA = DROP ? 2 : 1;
+    const int64_t M = p.M, N = p.N;
+    const int tx = tid & 15;
+    const bool dora = p.c != nullptr;
+    const bool lora = dora && p.s != 0.f && p.r > 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t jj = n0 + tx + 16 * j;
-      if (jj >= N) continue;
+      const float sig = jj < N ? p.scale[p.scale_per_row ? jj : 0] : 0.f;
+      const float pre = lora ? div_rn(sig, p.s) : sig;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (!DROP) {
+          acc[0][i][j] *= pre;
+        } else {
+          acc[0][i][j] = sig * fmaf(-p.inv_keep, acc[NA - 1][i][j], acc[0][i][j]);  // as forward_mma_kernel
+          acc[NA - 1][i][j] *= pre * p.inv_keep;
+        }
+      }
+    }
+    if (lora) {
+      simt_rank_gemm<NA - 1, true>(acc, static_cast<const float*>(p.u), static_cast<const float*>(p.B), p.r, M, N,
+                                   m0, n0, sA, sB, tid);
+    }
+    const FwdEpilogue epi{dora, DROP, lora ? p.s : 1.f};
+    float* __restrict__ y = static_cast<float*>(p.y);
+    float* __restrict__ z = static_cast<float*>(p.z);
+    const float* __restrict__ bias = static_cast<const float*>(p.bias);
+    simt_lane_outputs(m0, n0, M, N, tid, [&](int i, int j, int64_t ii, int64_t jj) {
       float yv, zv;
       epi(acc[0][i][j], acc[NA - 1][i][j], dora ? p.c[jj] : 1.f, bias != nullptr ? bias[jj] : 0.f, yv, zv);
       y[ii * N + jj] = yv;
       if (z != nullptr) z[ii * N + jj] = zv;
-    }
+    });
   }
-}
 
-// ================================================================================================ launch
-
-// The family launch_gemm (common/gemm.cuh) dispatches: output columns N, activations x (and xm with dropout).
-struct ForwardGemm {
-  using Params = ForwardParams;
-  template <int BM, int BN, bool DROP> using Cfg = FwdCfg<BM, BN, DROP>;
-  template <typename T, int BM, int BN, bool DROP>
-  static auto mma_kernel() { return forward_mma_kernel<T, BM, BN, DROP>; }
-  template <bool DROP> static auto simt_kernel() { return forward_simt_kernel<DROP>; }
-  static int64_t cols(const Params& p) { return p.N; }
-  static bool dropout(const Params& p) { return p.xm != nullptr; }
-  static const void* act(const Params& p, int i) { return i == 0 ? p.x : p.xm; }
-  static int64_t ld(const Params& p, int i) { return i == 0 ? p.ldx : p.ldxm; }
+  template <typename T, int BM, int BN, bool D> static auto mma_kernel() { return forward_mma_kernel<T, BM, BN, D>; }
 };
 
 }  // namespace detail

@@ -7,7 +7,7 @@
 //                     (common/tiles.cuh's header says why these shapes); FwdCfg and DgradCfg add their epilogues'
 //                     shared memory;
 //   mma_warp          a lane's place in the block tile; mma_block_origin: the block's tile in grouped order;
-//   mma_load_stage, mma_compute_stage, mma_pipeline
+//   mma_load_stage, mma_compute_stage, mma_pipeline (run by mma_kernel_body)
 //                     the main loop: a kStages-deep cp.async pipeline over the reduction in steps of 32, per stage
 //                     the activation tile (two with dropout: x and xm, gl and gb) and the fp8 tile; each converted W8
 //                     fragment feeds the mma of both accumulators (mma_rows, also the rank-r term's mma);
@@ -29,13 +29,9 @@
 // The accumulator element [mt][nt][e] of a lane (g, t) is row wm0 + 16 mt + g + 8 (e >> 1) of the block tile; its
 // column is the policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: its even/odd interleave, see dgrad.cu).
 //
-// The main loop stays in the kernels, which call these pieces from its two stage lambdas. Measured with nvcc 13.0: a
-// main-loop function that takes the operands and builds the stage lambdas itself comes out of nvcc with other
-// instructions hoisted and placed, and ptxas then needs 96 registers instead of 80 for forward_mma_kernel<bf16, 64,
-// 128, false> on sm_90a (three blocks per SM down to two) and spills in forward_mma_kernel<*, 32, 256, true>, at the
-// 128-register bound of __launch_bounds__(256, 2). The rank-r term is one function, mma_rank_term: against the two
-// copies it replaced (kernel report, nvcc 13.0, all 64 mma kernels of 4 targets) no spill, and every register count
-// that moved stayed between 84 and 128 (two blocks per SM either way).
+// mma_kernel_body and simt_kernel_body are both kernels up to their epilogues (nvcc 13.0, against the kernels written
+// out: forward's mma SASS identical on sm_89 and sm_90a, the others within 8 instructions per kernel, no spill). The
+// mma stores stay written out in each epilogue: through a lambda they cost forward's up to 8% more instructions.
 // Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on every target.
 #pragma once
 
@@ -111,13 +107,6 @@ __device__ __forceinline__ void mma_rows(float (&acc)[MT][NT][4], float (&acc2)[
     }
   }
 }
-
-// The main loop, acc (and acc2 with Cfg::DROP) += act (and act2) [rows m0 .. m0 + BM, reduction 0 .. red) x the
-// policy's W8 tiles, as each kernel strings it together (see this file's header for why not one function):
-//   auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
-//   auto load_stage = [&](int s, int rt) { mma_load_stage<Cfg>(stage_ptr(s), op, act, ld, act2, ld2, ..., rt, ...); };
-//   auto compute_stage = [&](int s) { mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, lane, wm0); };
-//   mma_pipeline<Cfg>(red, load_stage, compute_stage);
 
 // Stage rt of the pipeline into `stage`: the activation tile(s), rows m0 .. m0 + BM x reduction rt * 32 .. + 32 of
 // row-major 16-bit [M, red] matrices with row strides ld, ld2 (vec_act: 16-byte cp.async copies), and the fp8 tile.
@@ -221,21 +210,94 @@ __device__ __forceinline__ void mma_rank_term(float (&acc)[Cfg::MT][Cfg::NT][4],
   }
 }
 
+// ------------------------------------------------------------------------------------------------ kernel bodies
+
+// A family's output columns and reduction: G::kRedContig (forward) says W8's contiguous dim K is the reduction.
+template <class G>
+__host__ __device__ __forceinline__ int64_t gemm_cols(const typename G::Params& p) { return G::kRedContig ? p.N : p.K; }
+template <class G>
+__host__ __device__ __forceinline__ int64_t gemm_red(const typename G::Params& p) { return G::kRedContig ? p.K : p.N; }
+
+// The tensor-core kernel of family G (forward_mma_kernel, dgrad_mma_kernel are this with theirs) up to its epilogue:
+// the lane's and the block's place, the policy G::Operands<BN>, then acc (and acc2 with dropout) = act (and act2)
+// [rows m0 .. m0 + BM, reduction 0 .. red) x W8 through the pipeline, then G::mma_epilogue on the accumulators.
+template <class G, typename T, int BM, int BN, bool DROP>
+__device__ __forceinline__ void mma_kernel_body(const typename G::Params& p, bool vec_act, bool vec_w) {
+  using Cfg = typename G::template Cfg<BM, BN, DROP>;
+  DORA_SMEM(smem);
+  const MmaWarp w = mma_warp<Cfg>();
+  const int64_t M = p.M, red = gemm_red<G>(p);
+  int64_t m0, c0;
+  mma_block_origin<Cfg>(M, gemm_cols<G>(p), p.group_m, m0, c0);
+  const typename G::template Operands<BN> op{p, p.N, p.K, c0, w.wn0, vec_w};
+  const uint16_t* __restrict__ act = static_cast<const uint16_t*>(G::act(p, 0));
+  const uint16_t* __restrict__ act2 = static_cast<const uint16_t*>(G::act(p, 1));
+  // acc: act x W8; acc2 (dropout): act2 x W8. Both share every converted W8 fragment.
+  float acc[Cfg::MT][Cfg::NT][4], acc2[Cfg::MT][Cfg::NT][4];
+  zero(acc);
+  if (DROP) zero(acc2);
+  auto stage_ptr = [&](int s) { return smem + s * Cfg::kStageBytes; };
+  auto load_stage = [&](int s, int rt) {
+    mma_load_stage<Cfg>(stage_ptr(s), op, act, G::ld(p, 0), act2, G::ld(p, 1), M, red, m0, rt, vec_act, w.tid);
+  };
+  auto compute_stage = [&](int s) { mma_compute_stage<T, Cfg>(acc, acc2, stage_ptr(s), op, w.lane, w.wm0); };
+  mma_pipeline<Cfg>(red, load_stage, compute_stage);
+  G::template mma_epilogue<T, Cfg>(p, op, acc, acc2, smem, w, m0, c0);
+}
+
+// The fp32 SIMT kernel of family G (forward_simt_kernel, dgrad_simt_kernel) up to its epilogue: acc[0] (and acc[1]
+// with dropout) = act (and act2) x W8 for the block's kSimtTile x kSimtTile output tile at (m0, c0), then
+// G::simt_epilogue, which gets the shared memory (sA, sB) back for its rank-r GEMM.
+template <class G, bool DROP>
+__device__ __forceinline__ void simt_kernel_body(const typename G::Params& p) {
+  constexpr int NA = DROP ? 2 : 1;
+  DORA_SMEM(smem);
+  float* sA = reinterpret_cast<float*>(smem);
+  float* sB = sA + NA * kSimtR * kSimtPitch;
+  const int tid = threadIdx.x;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kSimtTile, c0 = static_cast<int64_t>(blockIdx.y) * kSimtTile;
+  float acc[NA][4][4];
+  zero(acc);
+  simt_w8_gemm<G::kRedContig>(acc, static_cast<const float*>(G::act(p, 0)), G::ld(p, 0),
+                              static_cast<const float*>(G::act(p, 1)), G::ld(p, 1), p.w8, p.M, p.N, p.K, m0, c0, sA, sB,
+                              tid);
+  G::template simt_epilogue<DROP>(p, acc, sA, sB, tid, m0, c0);
+}
+
+// For the SIMT epilogues' stores: out(i, j, ii, jj) for each of the thread's 4 x 4 outputs acc[.][i][j], at row
+// ii = m0 + ty + 16 i and column jj = c0 + tx + 16 j, inside the M x cols output.
+template <class Out>
+__device__ __forceinline__ void simt_lane_outputs(int64_t m0, int64_t c0, int64_t M, int64_t cols, int tid, Out&& out) {
+  const int tx = tid & 15, ty = tid >> 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t ii = m0 + ty + 16 * i;
+    if (ii >= M) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t jj = c0 + tx + 16 * j;
+      if (jj < cols) out(i, j, ii, jj);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ host side
 
 // The launch of forward or dgrad, from the kernel file's family G:
 //   G::Params, G::Cfg<BM, BN, DROP>     the params struct and the tensor-core kernel's config (its kSmem);
-//   G::mma_kernel<T, BM, BN, DROP>()    the tensor-core kernel, called (params, vec_act, vec_w);
-//   G::simt_kernel<DROP>()              the fp32 SIMT kernel, called (params) on a 2-D grid of kSimtTile tiles;
-//   G::cols(p), G::dropout(p)           the output columns (forward: N, dgrad: K), whether dropout runs;
-//   G::act(p, i), G::ld(p, i)           activation operand i (0, and 1 with dropout) and its row stride.
+//   G::mma_kernel<T, BM, BN, DROP>()    the tensor-core kernel (mma_kernel_body), called (params, vec_act, vec_w);
+//   G::simt_kernel<DROP>()              the fp32 SIMT kernel (simt_kernel_body), called (params) on a 2-D grid of
+//                                       kSimtTile tiles;
+//   G::kRedContig, G::dropout(p)        whether K is the reduction (gemm_cols, gemm_red), whether dropout runs;
+//   G::act(p, i), G::ld(p, i)           activation operand i (0, and 1 with dropout) and its row stride;
+//   G::Operands<BN>, G::mma_epilogue, G::simt_epilogue   the kernel bodies' operand policy and epilogues.
 template <class G, typename T, int BM, int BN, bool DROP>
 cudaError_t launch_gemm_mma(const typename G::Params& p, cudaStream_t stream) {
   using Cfg = typename G::template Cfg<BM, BN, DROP>;
   const bool vec_w = p.K % 16 == 0 && aligned16(p.w8);
   const bool vec_act = G::ld(p, 0) % 8 == 0 && aligned16(G::act(p, 0)) &&
                        (!DROP || (G::ld(p, 1) % 8 == 0 && aligned16(G::act(p, 1))));
-  return launch(G::template mma_kernel<T, BM, BN, DROP>(), ceil_div(p.M, BM) * ceil_div(G::cols(p), BN), 1,
+  return launch(G::template mma_kernel<T, BM, BN, DROP>(), ceil_div(p.M, BM) * ceil_div(gemm_cols<G>(p), BN), 1,
                 Cfg::kSmem, stream, p, vec_act, vec_w);
 }
 
@@ -253,10 +315,10 @@ cudaError_t launch_gemm_tiles(const typename G::Params& p, cudaStream_t stream) 
 
 template <class G>
 cudaError_t launch_gemm(const typename G::Params& p, DType dtype, cudaStream_t stream) {
-  if (p.M <= 0 || G::cols(p) <= 0) return cudaSuccess;
+  if (p.M <= 0 || gemm_cols<G>(p) <= 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32: {
-      const int64_t gm = ceil_div(p.M, kSimtTile), gc = ceil_div(G::cols(p), kSimtTile);
+      const int64_t gm = ceil_div(p.M, kSimtTile), gc = ceil_div(gemm_cols<G>(p), kSimtTile);
       return G::dropout(p) ? launch(G::template simt_kernel<true>(), gm, gc, simt_smem(2), stream, p)
                            : launch(G::template simt_kernel<false>(), gm, gc, simt_smem(1), stream, p);
     }
