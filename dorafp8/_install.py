@@ -240,8 +240,7 @@ def watch(name: str, hook, consequence: str) -> None:
 
 
 def wait_for(name: str) -> None:
-    """Waits for watched module `name` (a key of _WATCHED) even where it cannot be found yet (dorafp8 run, for
-    OneTrainer's module)."""
+    """Waits for watched module `name` even where it cannot be found yet (dorafp8 run, for OneTrainer's)."""
     if sys.modules.get(name) is not None:
         _run(name)
     else:

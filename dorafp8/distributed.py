@@ -17,11 +17,13 @@ from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa:
 from .quant import FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
-    """owner.attr = make_wrapper(owner.attr), unless it is dorafp8's wrapper already (which keeps the original as
-    `_dorafp8_orig`): installing twice wraps once."""
+    """owner.attr = make_wrapper(owner.attr), keeping the original as its `_dorafp8_orig`, unless it is dorafp8's
+    wrapper already: installing twice wraps once."""
     cur = getattr(owner, attr)
     if not hasattr(cur, "_dorafp8_orig"):
-        setattr(owner, attr, make_wrapper(cur))
+        new = make_wrapper(cur)
+        new._dorafp8_orig = cur
+        setattr(owner, attr, new)
 
 
 def _unwrap(owner, attr: str) -> None:
@@ -74,7 +76,6 @@ def _wrap_sync_module_states(orig):
             a["params_and_buffers_to_ignore"] = set(a["params_and_buffers_to_ignore"]) | set(names)
         return orig(*bound.args, **bound.kwargs)
 
-    _sync_module_states._dorafp8_orig = orig
     return _sync_module_states
 
 
@@ -125,7 +126,6 @@ def _wrap_init_dtype_attrs(orig):
             self.param_dtype = None  # all-gathered and used in its own dtype, as FSDP does for integer parameters
         return out
 
-    init_dtype_attrs._dorafp8_orig = orig
     return init_dtype_attrs
 
 
@@ -199,7 +199,6 @@ def _wrap_fsdp1_init(orig):
                 raise TypeError(FSDP1_REFUSAL.format(what=f"a module with {len(fp8)} fp8 weights (e.g. {fp8[0]!r})"))
         return orig(self, *args, **kwargs)
 
-    __init__._dorafp8_orig = orig
     return __init__
 
 

@@ -61,8 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    """(options, command) from `[options] -- command...` (the `--` may be left out when the command starts with no
-    dash)."""
+    """(options, command) from `[options] -- command...` (no `--` needed if the command starts with no dash)."""
     if "--" in argv:
         i = argv.index("--")
         mine, command = argv[:i], argv[i + 1:]
@@ -184,11 +183,16 @@ def _modelopt_load(klass, args, kwargs):
     with init_empty_weights():
         model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     report = dorafp8.load_fp8_checkpoint(model, str(path), dtype=dtype, verbose=False)
-    _STATE["quantized"] += len(report.fp8_layers)
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {klass.__name__}.from_pretrained -> {len(report.fp8_layers)} layers of its ModelOpt {algo} "
-          f"export held by dorafp8 (load_fp8_checkpoint)", file=sys.stderr)
+    _loaded(klass.__name__, len(report.fp8_layers),
+            f"of its ModelOpt {algo} export held by dorafp8 (load_fp8_checkpoint)")
     return model.eval()
+
+
+def _loaded(name: str, n: int, how: str) -> None:
+    """Counts a model whose from_pretrained put n layers in fp8, and says so."""
+    _STATE["quantized"] += n
+    _STATE["models"] += 1
+    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers {how}", file=sys.stderr)
 
 
 def _on_load(model) -> None:
@@ -209,12 +213,8 @@ def _on_load(model) -> None:
         print(f"dorafp8 run: {name} was loaded with a quantization config dorafp8 cannot hold ({e}); left as "
               f"loaded", file=sys.stderr)
         return
-    if not n:  # nothing dorafp8 reads (its own DoRAFP8Config's layers are dorafp8's already; bitsandbytes, GPTQ...)
-        return
-    _STATE["quantized"] += n
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers of its quantized checkpoint held by dorafp8 "
-          f"(from_transformers_fp8)", file=sys.stderr)
+    if n:  # else nothing dorafp8 reads (its own DoRAFP8Config's layers are dorafp8's already; bitsandbytes, GPTQ...)
+        _loaded(name, n, "of its quantized checkpoint held by dorafp8 (from_transformers_fp8)")
 
 
 def _quantize(model) -> None:
@@ -222,16 +222,12 @@ def _quantize(model) -> None:
     from .nn import FP8WeightModule
 
     opts = _STATE["options"]
-    name = type(model).__name__
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
                            per_row_scale=opts.get("per_row_scale", False),
                            act_quant="rowwise" if opts.get("w8a8") else None)
     n = sum(isinstance(m, FP8WeightModule) for m in model.modules()) - before
-    _STATE["quantized"] += n
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers in fp8"
-          f"{' (W8A8)' if opts.get('w8a8') else ''}", file=sys.stderr)
+    _loaded(type(model).__name__, n, "in fp8" + (" (W8A8)" if opts.get("w8a8") else ""))
 
 
 def _count_calls(owner, attr: str) -> None:

@@ -186,8 +186,7 @@ class FP8LoConModule(LoConModule):
                              layer.groups, backend=layer.backend, weight_norm=n, block_size=layer.block_size)
 
     def _norm(self, layer, A: Tensor, U: Tensor, axis: int) -> Tensor:
-        """LyCORIS's ||V|| + eps along `axis` (0: per output row / channel, 1: per input column / channel), with its
-        gradient."""
+        """LyCORIS's ||V|| + eps, with its gradient, per output (axis 0) or input (axis 1) row / channel."""
         w8 = layer.fp8_weight()
         group = math.prod(w8.shape[2:])  # axis 1 of a conv: the kernel's columns of one input channel
         n = _AdapterNorm.apply(A.reshape(A.shape[0], -1), U, w8.reshape(w8.shape[0], -1), layer.scale,

@@ -210,12 +210,8 @@ def open_safetensors(path: str, where: str, device: str = "cpu"):
 def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
     """(metadata, {key: (safetensors dtype name, shape)}) of the safetensors file `path`, from its header alone."""
     with open_safetensors(path, where) as f:
-        meta = f.metadata() or {}
-        info = {}
-        for k in f.keys():
-            sl = f.get_slice(k)
-            info[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return meta, info
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return f.metadata() or {}, {k: (sl.get_dtype(), tuple(sl.get_shape())) for k, sl in slices.items()}
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------

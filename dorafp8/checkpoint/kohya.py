@@ -79,10 +79,8 @@ def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] 
         raise ValueError(f"dora_scale must be one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
     root, prefix, adapter, layers = _export_layers("save_kohya_dora", model, adapter_name, dora_scale, prefix, dtype)
     keys = export_key_names(root, list(layers), prefix, names)
-    tensors = {}
-    for n, layer in layers.items():
-        for suffix, t in layer_tensors(layer, adapter, dora_scale, dtype).items():
-            tensors[f"{keys[n]}.{suffix}"] = t
+    tensors = {f"{keys[n]}.{suffix}": t for n, layer in layers.items()
+               for suffix, t in layer_tensors(layer, adapter, dora_scale, dtype).items()}
     dora = any(layer.use_dora.get(adapter) for layer in layers.values())
     ranks = {int(layer.r[adapter]) for layer in layers.values()}
     meta = {"ss_network_module": "lycoris.kohya",

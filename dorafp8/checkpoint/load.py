@@ -155,8 +155,7 @@ def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dt
 
 
 class _Progress:
-    """The lines a load prints: one per shard, and one at least every _PROGRESS_EVERY_S seconds. Counts
-    report.bytes_read."""
+    """The lines a load prints (one per shard, one at least every _PROGRESS_EVERY_S s); counts report.bytes_read."""
 
     def __init__(self, source: CheckpointSource, report: LoadReport, t0: float, verbose: bool):
         self.shards, self.report, self.t0, self.verbose = source.shards, report, t0, verbose
@@ -424,8 +423,7 @@ def _owner(inits: dict, mname: str) -> str | None:
 
 
 def _stuck(model: nn.Module, left: dict) -> list[str]:
-    """The tensors of `left` that nothing can compute: in a module that keeps some real tensors, or that no model
-    initializer owns."""
+    """The tensors of `left` that nothing can compute (in a module with real tensors, or no initializer's)."""
     inits = _initializers(model)
     return [f"{mname}.{n}" if mname else n for mname, (_, meta, whole) in left.items()
             if not whole or _owner(inits, mname) is None for n in meta]

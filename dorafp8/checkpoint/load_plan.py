@@ -334,12 +334,8 @@ def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict,
             unexpected.append(k)
     if errors:
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
-    by_module: dict[str, list[str]] = {}
-    for n in model_t:
-        by_module.setdefault(n.rpartition(".")[0], []).append(n)
-    covered = set()
-    for mod_name in plan.layers:  # the layer's own tensors (weight, scales) but its bias: that one is loaded
-        covered |= {n for n in by_module.get(mod_name, []) if not n.endswith(".bias")}
+    # the planned layers' own tensors (weight, scales) but their bias, which is loaded as a plain tensor
+    covered = {n for n in model_t if n.rpartition(".")[0] in plan.layers and not n.endswith(".bias")}
     for m in plan.plain.values():
         covered |= set(tied.get(m, [m]))
     missing = sorted(n for n in model_t if n not in covered)

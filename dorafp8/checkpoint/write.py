@@ -269,8 +269,7 @@ def _held(kinds: dict[str, list[str]]) -> str:
 
 
 def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
-    """Refuses NVFP4 and MXFP8 layers in an fp8 layout (e4m3 with fp32 scales): they go to format='modelopt' or
-    dense."""
+    """Refuses NVFP4 / MXFP8 layers in an fp8 layout (e4m3, fp32 scales): they go to format='modelopt' or dense."""
     kinds = {k: v for k, v in _layer_kinds(model).items() if k in MICRO_KINDS}
     if kinds:
         raise ValueError(f"the model holds {_held(kinds)}, which format={fmt!r} cannot hold (its layout is e4m3 with "
@@ -280,8 +279,7 @@ def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
 
 
 def _check_modelopt(model: nn.Module, granularity) -> None:
-    """format='modelopt' holds NVFP4 or MXFP8 layers, one quant_algo a file (its hf_quant_config.json): anything
-    else is refused."""
+    """format='modelopt' holds NVFP4 or MXFP8 layers, one quant_algo a file: anything else is refused."""
     if granularity is not None:
         raise ValueError(f"granularity={granularity!r}: format='modelopt' writes each NVFP4 / MXFP8 layer in its own "
                          f"kind; granularity= applies to the fp8 formats")
