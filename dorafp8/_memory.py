@@ -80,10 +80,6 @@ def peak_extra_bytes(fn, device: torch.device | str) -> int:
 
 def tensor_bytes(module: torch.nn.Module, predicate=lambda name, t: True) -> int:
     """Bytes held by a module's parameters and buffers (each storage counted once)."""
-    seen, total = set(), 0
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        st = t.untyped_storage()
-        if predicate(name, t) and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for name, t in [*module.named_parameters(), *module.named_buffers()] if predicate(name, t)}
+    return sum(storages.values())
