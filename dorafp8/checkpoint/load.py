@@ -302,10 +302,10 @@ class _TensorLoader:
 
     def _plain(self, k: str, t: torch.Tensor) -> None:
         m = self.plan.plain[k]
-        layers = self.plan.layers
+        mod_name = m.rpartition(".")[0]
         target = self.model_t.get(m)
         if target is None:  # the bias of a layer swapped for an FP8Linear
-            target = self.model.get_submodule(m.rpartition(".")[0]).bias
+            target = self.model.get_submodule(mod_name).bias
         if not t.is_floating_point():
             tdt = t.dtype
         elif self.dtype is not None or target.dtype in (E4M3, E5M2) or not target.is_floating_point():
@@ -316,10 +316,9 @@ class _TensorLoader:
             t = t.float()
             self.report.dequantized.append(m)
         value = t.to(tdt)
-        if isinstance(target, nn.Parameter) or m.rpartition(".")[0] in layers:
-            lin = m.rpartition(".")[0] in layers and layers[m.rpartition(".")[0]].fp8
-            value = nn.Parameter(value, requires_grad=(not lin) and target.requires_grad
-                                 and value.is_floating_point())
+        if isinstance(target, nn.Parameter) or mod_name in self.plan.layers:
+            fp8 = mod_name in self.plan.layers and self.plan.layers[mod_name].fp8  # an fp8 layer's bias stays frozen
+            value = nn.Parameter(value, requires_grad=not fp8 and target.requires_grad and value.is_floating_point())
         for alias in self.tied.get(m, [m]):
             set_tensor(self.model, alias, value, param=isinstance(value, nn.Parameter))
         self.src_dtypes[m] = t.dtype
