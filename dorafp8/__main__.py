@@ -37,14 +37,9 @@ def report() -> str:
         for name in backends.BACKENDS:
             why = backends.unavailable_reason(name, torch.device(dev))
             lines.append(f"  {name:<10} {'ok' if why is None else why}")
-    return "\n".join(lines + race_lines())
+    from dorafp8.ops import race_report  # what backend="auto" picked on this machine's GPUs, and the others' times
 
-
-def race_lines() -> list[str]:
-    """What backend="auto" picked on this machine's GPUs, and how the other candidates timed (backends/race.py)."""
-    from dorafp8.ops import race_report
-
-    return race_report()
+    return "\n".join(lines + race_report())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,6 @@
-"""dorafp8's one import finder: runs a callback right after a module has been imported, without importing it.
-
-Used by `import dorafp8` (dorafp8/_install.py: what it changes in other libraries) and by the sitecustomize that
-`dorafp8 run` puts in the processes its command starts (dorafp8/launcher.py), which loads this file by its path
-before torch or dorafp8 is imported: so it imports neither, nor anything of dorafp8.
-"""
+"""dorafp8's one import finder: runs a callback right after a module has been imported, without importing it. Used
+by `import dorafp8` (_install.py) and by the sitecustomize of `dorafp8 run` (launcher.py), which loads this file by
+its path before torch is imported: so it imports neither torch nor anything of dorafp8."""
 
 from __future__ import annotations
 
@@ -55,9 +52,8 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in waiting:
             return None
-        # Ask the other finders for the real spec (without this hook, so it cannot recurse), then wrap its loader.
-        # The hook stays installed until that loader has run: a bare importlib.util.find_spec("peft") (diffusers and
-        # transformers probe optional packages so) only looks, and the import that follows must find the hook again.
+        # The real spec from the other finders (without this hook: no recursion), its loader wrapped. The hook stays
+        # until that loader has run: a bare find_spec("peft") only looks, and the import that follows must find it.
         uninstall()
         try:
             spec = importlib.util.find_spec(fullname)

@@ -35,9 +35,8 @@ def _peft() -> None:
 
 
 def _refuse_fp8_layers_in_old_peft() -> None:
-    """On a peft older than dorafp8's layers support, get_peft_model on an fp8 layer fails with PEFT's own error deep
-    in its DoRA init ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'): refuse it instead, naming the
-    peft needed. Everything else PEFT does is left alone."""
+    """On too old a peft, get_peft_model on an fp8 layer is refused naming the peft needed (instead of PEFT's own error
+    deep in its DoRA init); everything else PEFT does is left alone."""
     from peft.tuners.lora.model import LoraModel
 
     from .nn import FP8WeightModule
@@ -94,9 +93,7 @@ def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
 
-# OneTrainer's module comes from a checkout (namespace packages), which its scripts put on sys.path after they start:
-# `import dorafp8` watches it where it can already be found and otherwise looks for it in every folder added to the
-# import path later (_LATE); `dorafp8 run`, the route for OneTrainer (docs/TRAINERS.md), waits for it regardless.
+# From a checkout its scripts put on sys.path after they start: watched late (_LATE), and by `dorafp8 run` regardless.
 ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
@@ -117,13 +114,15 @@ _WATCHED = {
 }
 
 
-def _run(name: str) -> None:
-    hook, consequence = _WATCHED[name]
+def _run(name: str, hook=None, consequence: str = "", stacklevel: int = 3) -> None:
+    """Runs `hook` (default: name's in _WATCHED); a failure warns, saying `consequence`."""
+    if hook is None:
+        hook, consequence = _WATCHED[name]
     try:
         hook()
     except Exception as e:  # never break the user's import because of dorafp8
         warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=stacklevel)
 
 
 def install() -> None:
@@ -135,10 +134,8 @@ def install() -> None:
 
 
 def _exists(name: str) -> bool:
-    """Whether module `name` is there to import, found without importing it or the packages above it
-    (importlib.util.find_spec("a.b.c") imports a.b: torch.distributed.fsdp's package, transformers). Below the
-    top-level name the package folders are searched as files: importlib's own search of a namespace package's child
-    (OneTrainer's `modules/`, which has no __init__.py) needs the parent imported (a KeyError otherwise)."""
+    """Whether module `name` is there to import, found without importing it or its packages (find_spec("a.b.c")
+    imports a.b): below the top-level name the package folders are searched as files (_in_folder)."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
@@ -163,9 +160,8 @@ def _in_folder(folder, parts: list) -> bool:
                                                         for suffix in importlib.machinery.all_suffixes())
 
 
-# Watched modules not found when dorafp8 was imported, that may arrive with a folder put on sys.path later: OneTrainer's
-# scripts put their checkout there after they start. A path hook is consulted once per folder new to the import system
-# (not per import); it looks in each for these modules and, finding one, watches it. It declines every folder.
+# Watched modules that may arrive with a folder put on sys.path later. A path hook is consulted once per new folder (not
+# per import): it looks there for them, watches one it finds, and declines every folder.
 _LATE = {ONETRAINER_MODULE}
 _late: set = set()
 
@@ -204,8 +200,8 @@ def watch_imports() -> None:
 
 
 def _warn_imported_first(name: str) -> None:
-    """A trainer imported before dorafp8 may have hooked its adapters to their layers already, each holding the
-    forward its class had then: those keep it. Said once, and only where such adapters exist."""
+    """Warns once where a trainer imported before dorafp8 has hooked adapters to their layers already (they keep the
+    forward their class had then)."""
     if name != ONETRAINER_MODULE or _WARNED:
         return
     import gc
@@ -224,17 +220,11 @@ _WARNED: list = []
 
 
 def watch(name: str, hook, consequence: str) -> None:
-    """Runs `hook()` once module `name` has been imported (at once if it is loaded), as for the modules above; a
-    failure warns, saying `consequence`. Hooks for the same module run in the order they were added. For what asks
-    for more than `import dorafp8` does (dorafp8.launcher's options); not subject to DORAFP8_NO_PATCHES, which the
-    caller checks."""
+    """Runs `hook()` once module `name` has been imported (at once if it is loaded), after its other hooks; a failure
+    warns, saying `consequence`. For dorafp8.launcher's options; the caller checks DORAFP8_NO_PATCHES."""
     if sys.modules.get(name) is not None:
         _WATCHED.setdefault(name, (hook, consequence))
-        try:
-            hook()
-        except Exception as e:
-            warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
-                          RuntimeWarning, stacklevel=2)
+        _run(name, hook, consequence, stacklevel=3)
         return
     prev = _WATCHED.get(name)
     if prev is None:
@@ -250,8 +240,7 @@ def watch(name: str, hook, consequence: str) -> None:
 
 
 def wait_for(name: str) -> None:
-    """Waits for watched module `name` (a key of _WATCHED) even where it cannot be found yet, as `import dorafp8` does
-    not: dorafp8 run, for OneTrainer's module, whose checkout its scripts put on sys.path after they start."""
+    """Waits for watched module `name` even where it cannot be found yet (dorafp8 run, for OneTrainer's)."""
     if sys.modules.get(name) is not None:
         _run(name)
     else:

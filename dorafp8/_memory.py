@@ -1,11 +1,7 @@
-"""Measuring the memory a piece of code allocates, on CPU as well as on GPU (for the demo, bench and tests).
-
-On CUDA the caching allocator keeps the numbers: the peak of `torch.cuda.max_memory_allocated` above what was
-allocated when the measurement started. On CPU nothing does, so `PeakTemporaries` watches every aten op through a
-TorchDispatchMode: each output whose storage none of the op's inputs had is a new allocation, counted until its
-storage dies. dorafp8's custom ops are one opaque op each to a dispatch mode, so the mode runs their backend
-implementation under itself instead, to see the temporaries made inside them too.
-"""
+"""Measuring the memory a piece of code allocates, on CPU as well as on GPU (for the demo, bench and tests). On CUDA:
+the peak of `torch.cuda.max_memory_allocated` above the start. On CPU `PeakTemporaries` watches every aten op (a
+TorchDispatchMode): an output whose storage no input had is a new allocation, counted until its storage dies; dorafp8's
+custom ops are run open, so that the temporaries inside them count too."""
 
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ def open_custom_op(func, args, kwargs):
 
 class PeakTemporaries(TorchDispatchMode):
     """CPU: `with PeakTemporaries() as m: ...` then m.peak (bytes of the most tensors alive at once that were made
-    inside the block) and m.largest (the largest single one).
-
-    An allocation is counted until its storage dies, not its first tensor: aten ops often return a view of a fresh
-    result (linear on a 3-D input is mm then _unsafe_view), and the view, or autograd's saved copy of it, keeps the
-    storage alive after the tensor the allocation was first seen in is gone."""
+    inside the block) and m.largest (the largest single one). Counted by storage, not tensor: a view of a fresh result
+    (linear on a 3-D input is mm then _unsafe_view) keeps the storage alive after the first tensor is gone."""
 
     def __init__(self):
         super().__init__()
@@ -87,10 +80,6 @@ def peak_extra_bytes(fn, device: torch.device | str) -> int:
 
 def tensor_bytes(module: torch.nn.Module, predicate=lambda name, t: True) -> int:
     """Bytes held by a module's parameters and buffers (each storage counted once)."""
-    seen, total = set(), 0
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        st = t.untyped_storage()
-        if predicate(name, t) and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for name, t in [*module.named_parameters(), *module.named_buffers()] if predicate(name, t)}
+    return sum(storages.values())

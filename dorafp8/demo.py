@@ -46,9 +46,8 @@ def _models(args, transformers, peft, dorafp8):
 
 
 def _nudged(model, seed=2):
-    """A copy of `model` whose frozen base weights each moved by one fp32 ulp, up or down at random: about the
-    rounding of dequantizing them (half an ulp). Trained like the others, it shows how far fp32 rounding alone moves
-    the loss curve here."""
+    """A copy of `model` whose frozen base weights each moved by one fp32 ulp at random (about the rounding of
+    dequantizing them): trained like the others, it shows how far fp32 rounding alone moves the loss curve."""
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

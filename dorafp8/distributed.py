@@ -1,9 +1,6 @@
 """Multi-process training on fp8 bases: DDP (and so accelerate and the HF Trainer), FSDP2, and what DeepSpeed sees.
-
-Nothing here has to be called: `import dorafp8` installs the DDP support (fp8 weights broadcast as bytes) and the
-FSDP2 support (fp8 weights keep fp8 under a MixedPrecisionPolicy), and the layers detect sharding themselves (then
-compute the weight norm on every forward). docs/MULTI_GPU.md is the user's account; the why of each:
-docs/ARCHITECTURE.md, "dorafp8/distributed.py"."""
+Nothing here has to be called: `import dorafp8` installs the DDP and FSDP2 support, and the layers detect sharding
+themselves. docs/MULTI_GPU.md is the user's account; the why: docs/ARCHITECTURE.md, "dorafp8/distributed.py"."""
 
 from __future__ import annotations
 
@@ -15,17 +12,18 @@ import warnings
 
 import torch
 
-# The FSDP / ZeRO-3 helpers (docs/ARCHITECTURE.md) live with the fp8 module base, which needs them; and the fp8 dtype
-# facts with the recipe. Both are named here too, where the distributed story is told.
+# The FSDP / ZeRO-3 helpers live with the fp8 module base, which needs them; named here too.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
 from .quant import FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
-    """owner.attr = make_wrapper(owner.attr), unless it is dorafp8's wrapper already (which keeps the original as
-    `_dorafp8_orig`): installing twice wraps once."""
+    """owner.attr = make_wrapper(owner.attr), keeping the original as its `_dorafp8_orig`, unless it is dorafp8's
+    wrapper already: installing twice wraps once."""
     cur = getattr(owner, attr)
     if not hasattr(cur, "_dorafp8_orig"):
-        setattr(owner, attr, make_wrapper(cur))
+        new = make_wrapper(cur)
+        new._dorafp8_orig = cur
+        setattr(owner, attr, new)
 
 
 def _unwrap(owner, attr: str) -> None:
@@ -41,16 +39,9 @@ def _unwrap(owner, attr: str) -> None:
 def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
     """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
     synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
-    names, tensors = [], []
-    for name, p in module.named_parameters():
-        if name not in ignore and is_fp8(p):
-            names.append(name)
-            tensors.append(p.detach())
-    if broadcast_buffers:
-        for name, b in module.named_buffers():
-            if name not in ignore and is_fp8(b):
-                names.append(name)
-                tensors.append(b.detach())
+    states = list(module.named_parameters()) + (list(module.named_buffers()) if broadcast_buffers else [])
+    fp8 = [(name, t) for name, t in states if name not in ignore and is_fp8(t)]
+    names, tensors = [name for name, _ in fp8], [t.detach() for _, t in fp8]
     extra = []
     if not broadcast_buffers:
         synced = set(names)
@@ -85,15 +76,13 @@ def _wrap_sync_module_states(orig):
             a["params_and_buffers_to_ignore"] = set(a["params_and_buffers_to_ignore"]) | set(names)
         return orig(*bound.args, **bound.kwargs)
 
-    _sync_module_states._dorafp8_orig = orig
     return _sync_module_states
 
 
 def install_ddp_support() -> bool:
     """Makes DistributedDataParallel's initial broadcast send fp8 parameters/buffers as raw bytes (uint8 views), so
-    that it works on gloo too. Wraps `torch.nn.parallel.distributed._sync_module_states` (the name DDP calls; the
-    function in torch.distributed.utils is left as it is). Idempotent; called on `import dorafp8`. Returns whether
-    the support is installed (False where torch.distributed is unavailable or DDP no longer has that function)."""
+    that it works on gloo too, by wrapping `torch.nn.parallel.distributed._sync_module_states`. Idempotent; called on
+    `import dorafp8`. Returns whether it is installed (False without torch.distributed or that function)."""
     if not torch.distributed.is_available():
         return False
     import torch.nn.parallel.distributed as ddp_module
@@ -118,9 +107,8 @@ def uninstall_ddp_support() -> None:
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------
 
-# Where FSDP2 defines FSDPParam: torch >= 2.6, and torch 2.4 / 2.5 (torch.distributed._composable.fsdp).
-FSDP_PARAM_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_param",
-                      "torch.distributed._composable.fsdp._fsdp_param")
+# Where FSDP2 defines FSDPParam (torch >= 2.6; dorafp8 needs torch >= 2.11).
+FSDP_PARAM_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_param",)
 
 
 def _keeps_fp8(fsdp_param) -> bool:
@@ -138,7 +126,6 @@ def _wrap_init_dtype_attrs(orig):
             self.param_dtype = None  # all-gathered and used in its own dtype, as FSDP does for integer parameters
         return out
 
-    init_dtype_attrs._dorafp8_orig = orig
     return init_dtype_attrs
 
 
@@ -158,10 +145,9 @@ def _fsdp_param_class(import_it: bool):
 
 def install_fsdp_support(import_fsdp: bool = True) -> bool:
     """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
-    all-gathered and reach the forward as fp8, whatever the group's policy (docs/ARCHITECTURE.md says why). Wraps
-    `FSDPParam.init_dtype_attrs`; idempotent. `import dorafp8` runs it as soon as FSDP2 is imported (importing FSDP2
-    takes a second or more, so dorafp8 does not do it itself). Returns whether the support is installed (False where
-    torch.distributed or FSDP2 is unavailable, or `import_fsdp=False` and FSDP2 is not imported yet)."""
+    all-gathered and reach the forward as fp8. Wraps `FSDPParam.init_dtype_attrs`; idempotent; `import dorafp8` runs
+    it once FSDP2 is imported. Returns whether it is installed (False without FSDP2, or with `import_fsdp=False` before
+    FSDP2 is imported)."""
     if not torch.distributed.is_available():
         return False
     cls = _fsdp_param_class(import_fsdp)
@@ -172,9 +158,8 @@ def install_fsdp_support(import_fsdp: bool = True) -> bool:
 
 
 def uninstall_fsdp_support() -> None:
-    """Puts back FSDP2's own `FSDPParam.init_dtype_attrs` (for tests and for debugging): groups with a param_dtype
-    then cast the fp8 weights again, and the forward casts them back (recover_fp8_weight, with a warning). It acts
-    on FSDP2 groups initialized afterwards (FSDP settles the dtypes at the first forward)."""
+    """Puts back FSDP2's own `FSDPParam.init_dtype_attrs` (for tests and for debugging), for FSDP2 groups initialized
+    afterwards: their fp8 weights are cast again, and cast back by the forward (recover_fp8_weight, with a warning)."""
     if torch.distributed.is_available():
         _unwrap(_fsdp_param_class(False), "init_dtype_attrs")
 
@@ -214,15 +199,13 @@ def _wrap_fsdp1_init(orig):
                 raise TypeError(FSDP1_REFUSAL.format(what=f"a module with {len(fp8)} fp8 weights (e.g. {fp8[0]!r})"))
         return orig(self, *args, **kwargs)
 
-    __init__._dorafp8_orig = orig
     return __init__
 
 
 def install_fsdp1_refusal() -> bool:
-    """Makes FullyShardedDataParallel (FSDP1) refuse, when it wraps, a module holding fp8 weights it would flatten,
-    with an error that names FSDP2 and how accelerate and the HF Trainer select it (FSDP1 itself fails later, in its
-    flattening, with 'Must flatten tensors with uniform dtype'). Wraps FullyShardedDataParallel.__init__; idempotent;
-    `import dorafp8` runs it when FSDP1's module is imported. Returns whether it is installed."""
+    """Makes FullyShardedDataParallel (FSDP1) refuse a module holding fp8 weights it would flatten, with an error naming
+    FSDP2 and how to select it. Wraps its __init__; idempotent; run when FSDP1's module is imported. Returns whether it
+    is installed."""
     mod = sys.modules.get(FSDP1_MODULE)
     cls = getattr(mod, "FullyShardedDataParallel", None)
     if cls is None:

@@ -1,10 +1,6 @@
-"""`dorafp8 run [options] -- <command>`: any trainer, unchanged, with dorafp8 installed in its own process.
-
-A trainer that builds its model and calls PEFT itself (llamafactory-cli, trl, OneTrainer, your script) has no line
-where `import dorafp8` could go: this runs its command after `import dorafp8`, with --quantize, --include-conv,
---per-row-scale and --w8a8 applied to every model it loads (`dorafp8 run --help`; docs/TRAINERS.md). The options reach
-the worker processes the command starts through DORAFP8_RUN and a sitecustomize (docs/ARCHITECTURE.md,
-"dorafp8/launcher.py")."""
+"""`dorafp8 run [options] -- <command>`: any trainer (llamafactory-cli, trl, OneTrainer, a script), unchanged, run after
+`import dorafp8` in its own process, with the options applied to every model it loads (docs/TRAINERS.md). Worker
+processes get them through DORAFP8_RUN and a sitecustomize (docs/ARCHITECTURE.md, "dorafp8/launcher.py")."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    """(options, command) from `[options] -- command...` (the `--` may be left out when the command starts with no
-    dash)."""
+    """(options, command) from `[options] -- command...` (no `--` needed if the command starts with no dash)."""
     if "--" in argv:
         i = argv.index("--")
         mine, command = argv[:i], argv[i + 1:]
@@ -106,17 +101,16 @@ def install(options: dict) -> None:
 
     from . import _install
 
-    # the exit report counts the fused calls of every integration's layers: PEFT's, LyCORIS's, OneTrainer's
+    # the exit report counts the fused calls of PEFT's, LyCORIS's and OneTrainer's layers
     _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
     _install.watch("dorafp8.lycoris", lambda: _count_calls(sys.modules["dorafp8.lycoris"].FP8LoConModule, "_fused"),
                    "the exit report does not count LyCORIS's fused calls")
     from . import onetrainer
 
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
-    # OneTrainer's scripts put its checkout on sys.path after this runs: wait for its module whatever sys.path holds
-    _install.wait_for(_install.ONETRAINER_MODULE)
-    # transformers' loads are watched always (a quantized checkpoint is held by dorafp8's layers: _on_load); dense
-    # models, and diffusers' loads, only under --quantize
+    _install.wait_for(_install.ONETRAINER_MODULE)  # its checkout joins sys.path after this runs
+    # transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load); diffusers' under
+    # --quantize
     for module, cls in _LOADERS.items():
         if options.get("quantize") or cls == "PreTrainedModel":
             _install.watch(module, functools.partial(_quantize_on_load, module, cls),
@@ -155,9 +149,8 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
 
 
 def _modelopt_export(path) -> str | None:
-    """The quant_algo ("NVFP4", "MXFP8") of a local ModelOpt export folder (its hf_quant_config.json), else None.
-    transformers has no ModelOpt quantizer: from_pretrained would refuse NVFP4's packed weights (a size mismatch) and
-    load MXFP8's e4m3 values without their scales."""
+    """The quant_algo ("NVFP4", "MXFP8") of a local ModelOpt export folder (its hf_quant_config.json), else None:
+    exports transformers, which has no ModelOpt quantizer, would refuse or load without their scales."""
     cfg = os.path.join(str(path), "hf_quant_config.json") if isinstance(path, (str, os.PathLike)) else ""
     if not cfg or not os.path.isfile(cfg):
         return None
@@ -170,9 +163,8 @@ def _modelopt_export(path) -> str | None:
 
 
 def _modelopt_load(klass, args, kwargs):
-    """A transformers model from a ModelOpt NVFP4 / MXFP8 export, by the package's loader: built on the meta device
-    from its config and loaded in place by load_fp8_checkpoint (FP8Linear layers holding the file's bytes); None
-    (transformers loads it) for anything else. dtype / torch_dtype is honoured ("auto": the config's)."""
+    """A transformers model from a ModelOpt NVFP4 / MXFP8 export, built on the meta device and loaded by
+    load_fp8_checkpoint (dtype / torch_dtype honoured); None (transformers loads it) for anything else."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     algo = _modelopt_export(path)
     if algo is None:
@@ -191,17 +183,21 @@ def _modelopt_load(klass, args, kwargs):
     with init_empty_weights():
         model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     report = dorafp8.load_fp8_checkpoint(model, str(path), dtype=dtype, verbose=False)
-    _STATE["quantized"] += len(report.fp8_layers)
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {klass.__name__}.from_pretrained -> {len(report.fp8_layers)} layers of its ModelOpt {algo} "
-          f"export held by dorafp8 (load_fp8_checkpoint)", file=sys.stderr)
+    _loaded(klass.__name__, len(report.fp8_layers),
+            f"of its ModelOpt {algo} export held by dorafp8 (load_fp8_checkpoint)")
     return model.eval()
 
 
+def _loaded(name: str, n: int, how: str) -> None:
+    """Counts a model whose from_pretrained put n layers in fp8, and says so."""
+    _STATE["quantized"] += n
+    _STATE["models"] += 1
+    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers {how}", file=sys.stderr)
+
+
 def _on_load(model) -> None:
-    """What a finished from_pretrained gets: a model loaded with a quantization config (compressed-tensors fp8 or
-    NVFP4, fine-grained fp8) has its quantized layers swapped for dorafp8's holding the same bytes
-    (from_transformers_fp8); a dense one is quantized under --quantize."""
+    """After from_pretrained: a model loaded with a quantization config gets its quantized layers swapped for
+    dorafp8's holding the same bytes (from_transformers_fp8); a dense one is quantized under --quantize."""
     if getattr(model, "dorafp8_checkpoint", None) is not None:  # loaded by _modelopt_load
         return
     if getattr(model, "hf_quantizer", None) is None:
@@ -217,12 +213,8 @@ def _on_load(model) -> None:
         print(f"dorafp8 run: {name} was loaded with a quantization config dorafp8 cannot hold ({e}); left as "
               f"loaded", file=sys.stderr)
         return
-    if not n:  # nothing dorafp8 reads (its own DoRAFP8Config's layers are dorafp8's already; bitsandbytes, GPTQ...)
-        return
-    _STATE["quantized"] += n
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers of its quantized checkpoint held by dorafp8 "
-          f"(from_transformers_fp8)", file=sys.stderr)
+    if n:  # else nothing dorafp8 reads (its own DoRAFP8Config's layers are dorafp8's already; bitsandbytes, GPTQ...)
+        _loaded(name, n, "of its quantized checkpoint held by dorafp8 (from_transformers_fp8)")
 
 
 def _quantize(model) -> None:
@@ -230,16 +222,12 @@ def _quantize(model) -> None:
     from .nn import FP8WeightModule
 
     opts = _STATE["options"]
-    name = type(model).__name__
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
                            per_row_scale=opts.get("per_row_scale", False),
                            act_quant="rowwise" if opts.get("w8a8") else None)
     n = sum(isinstance(m, FP8WeightModule) for m in model.modules()) - before
-    _STATE["quantized"] += n
-    _STATE["models"] += 1
-    print(f"dorafp8 run: {name}.from_pretrained -> {n} layers in fp8"
-          f"{' (W8A8)' if opts.get('w8a8') else ''}", file=sys.stderr)
+    _loaded(type(model).__name__, n, "in fp8" + (" (W8A8)" if opts.get("w8a8") else ""))
 
 
 def _count_calls(owner, attr: str) -> None:
@@ -308,9 +296,8 @@ def _is_python(name: str) -> bool:
 
 
 def _this_python(name: str) -> bool:
-    """Whether interpreter `name` is this process's: a bare `python` / `python3` stands for it (dorafp8's environment
-    is the one the command is meant for), a path must be this interpreter's own. Not by realpath: every venv's python
-    is a link to the same base interpreter, with other packages."""
+    """Whether interpreter `name` is this process's: a bare `python` is, a path must be this interpreter's own (not
+    by realpath: every venv's python links to the same base interpreter, with other packages)."""
     if os.sep not in name and (os.altsep is None or os.altsep not in name):
         return True
     try:
@@ -333,8 +320,8 @@ def _interpreter_flags(args: list[str]) -> list[str]:
 
 
 def _child(argv: list[str], hand_over: bool = False):
-    """Runs argv as a child process; dorafp8 reaches it through the sitecustomize _export puts on PYTHONPATH, or
-    (hand_over: another interpreter's own `dorafp8 run`, which exports its own) without it."""
+    """Runs argv as a child process, reached through _export's sitecustomize (hand_over: without it, for another
+    interpreter's own `dorafp8 run`)."""
     def run_child():
         env = None
         if hand_over:
@@ -347,8 +334,8 @@ def _child(argv: list[str], hand_over: bool = False):
 
 
 def _other_python(interp: str, args: list[str], options: dict):
-    """`/other/venv/bin/python ...`: hand over to that interpreter's own `dorafp8 run` when dorafp8 is installed
-    there (the command then runs in its environment, with dorafp8 in its process); refuse, naming it, otherwise."""
+    """`/other/venv/bin/python ...`: handed over to that interpreter's own `dorafp8 run` if dorafp8 is installed there;
+    refused, naming it, otherwise."""
     path = shutil.which(interp) or interp
     if not os.path.isfile(path):
         raise SystemExit(f"dorafp8 run: no such interpreter {interp!r}")
@@ -374,9 +361,8 @@ def _runner(command: list[str], options: dict | None = None):
         if not cmd:
             raise SystemExit("dorafp8 run: `python` with no script or -m module to run")
         if cmd[0].startswith("-") and cmd[0] not in ("-m", "-c"):
-            # interpreter flags (-u, -W error, -X dev, -O ...): this process has started, so they take a Python of
-            # their own, which dorafp8 reaches through the environment (its sitecustomize), unless a flag blinds
-            # that Python to it
+            # interpreter flags (-u, -X dev ...) take a Python of their own, reached through the sitecustomize unless
+            # a flag blinds it
             blind = [f for f in _interpreter_flags(cmd) if f in ("-I", "-E", "-S")]
             if blind:
                 raise SystemExit(f"dorafp8 run: python {blind[0]} ignores PYTHONPATH or site, through which dorafp8 "

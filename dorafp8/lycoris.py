@@ -1,10 +1,7 @@
-"""LyCORIS (the lycoris-lora package) on dorafp8's fp8 layers: LoCon / LoRA, with or without DoRA (`dora_wd`), computed
-by dorafp8's fused ops (dora_fp8_linear / dora_fp8_conv), with LyCORIS's own parameters and state_dict keys, so that
-`network.save_weights(...)` writes an ordinary LyCORIS file.
-
-register_with_lycoris (run by `import dorafp8` when lycoris is imported) wraps three LyCORIS constructors, each
-unchanged unless a dorafp8 fp8 layer is involved. Why this hook, and LyCORIS's math mapped onto the fused ops:
-docs/ARCHITECTURE.md, "dorafp8/lycoris.py"."""
+"""LyCORIS (lycoris-lora) on dorafp8's fp8 layers: LoCon / LoRA, with or without DoRA (`dora_wd`), computed by the
+fused ops with LyCORIS's own parameters and state_dict keys (`network.save_weights` writes an ordinary LyCORIS file).
+register_with_lycoris wraps three LyCORIS constructors, unchanged unless an fp8 layer is involved. Why this hook, and
+the math: docs/ARCHITECTURE.md, "dorafp8/lycoris.py"."""
 
 from __future__ import annotations
 
@@ -39,9 +36,7 @@ def _dense_weight(layer: nn.Module) -> Tensor:
                            block_size=layer.block_size).view(w8.shape)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 1. The view class fp8 layers wear while LyCORIS looks at them
-# ----------------------------------------------------------------------------------------------------------------
+# ---- 1. the view class fp8 layers wear while LyCORIS looks at them ---------------------------------------------------
 
 
 @functools.cache
@@ -87,9 +82,7 @@ def _modules_among(args, kwargs):
             yield from (t for t in v if isinstance(t, nn.Module))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The weight norm with LyCORIS's gradient
-# ----------------------------------------------------------------------------------------------------------------
+# ---- the weight norm with LyCORIS's gradient -------------------------------------------------------------------------
 
 
 class _AdapterNorm(torch.autograd.Function):
@@ -127,16 +120,12 @@ class _AdapterNorm(torch.autograd.Function):
                 dB.to(B.dtype) if ctx.needs_input_grad[1] else None) + (None,) * 7
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 2. The LoCon module on an fp8 layer
-# ----------------------------------------------------------------------------------------------------------------
+# ---- 2. the LoCon module on an fp8 layer -----------------------------------------------------------------------------
 
 
 class FP8LoConModule(LoConModule):
-    """LyCORIS's LoConModule (algo "locon" / "lora") on a dorafp8 FP8Linear / FP8Conv1d/2d/3d: LyCORIS's parameters,
-    state_dict and save_weights keys (lora_down / lora_up / lora_mid / alpha / dora_scale), its forward computed by
-    dora_fp8_linear / dora_fp8_conv on the fp8 weight (docs/ARCHITECTURE.md gives the math). Built by converting a
-    LoConModule LyCORIS made (register_with_lycoris), never directly."""
+    """LyCORIS's LoConModule (algo "locon" / "lora") on a dorafp8 FP8Linear / FP8ConvNd: LyCORIS's parameters and keys,
+    the forward computed by dora_fp8_linear / dora_fp8_conv. Made by converting a LoConModule LyCORIS built."""
 
     # What the forward reads of LyCORIS's LoConModule: a release that renamed one is refused on conversion.
     _LOCON_ATTRS = ("lora_down", "lora_up", "scale", "scalar", "multiplier", "wd", "tucker", "rank_dropout",
@@ -172,9 +161,8 @@ class FP8LoConModule(LoConModule):
     # ---- the forward ---------------------------------------------------------------------------------------------
 
     def _factors(self, device) -> tuple[Tensor, Tensor]:
-        """(D, U): lora_down as the fused op's lora_A (Tucker's lora_mid composed in: [r, C_in, *k]) and lora_up
-        [N, r] times `scalar` and, in training with rank_dropout, LyCORIS's mask on its rows (drawn as LoConModule
-        .make_weight draws it)."""
+        """(D, U): lora_down as lora_A (Tucker's lora_mid composed in) and lora_up [N, r] times `scalar`, with LyCORIS's
+        rank-dropout mask on its rows in training."""
         D = self.lora_down.weight
         if self.tucker:  # lycoris rebuild_tucker: dW[p, q, k] = sum_ij mid[i, j, k] up[p, i] down[j, q]
             D = torch.einsum("ij...,jq->iq...", self.lora_mid.weight, D.reshape(D.shape[0], -1))
@@ -198,8 +186,7 @@ class FP8LoConModule(LoConModule):
                              layer.groups, backend=layer.backend, weight_norm=n, block_size=layer.block_size)
 
     def _norm(self, layer, A: Tensor, U: Tensor, axis: int) -> Tensor:
-        """LyCORIS's ||V|| + eps along `axis` (0: per output row / channel, 1: per input column / channel), with its
-        gradient."""
+        """LyCORIS's ||V|| + eps, with its gradient, per output (axis 0) or input (axis 1) row / channel."""
         w8 = layer.fp8_weight()
         group = math.prod(w8.shape[2:])  # axis 1 of a conv: the kernel's columns of one input channel
         n = _AdapterNorm.apply(A.reshape(A.shape[0], -1), U, w8.reshape(w8.shape[0], -1), layer.scale,
@@ -270,9 +257,7 @@ class FP8LoConModule(LoConModule):
         return super().apply_to(**kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 3. The wraps
-# ----------------------------------------------------------------------------------------------------------------
+# ---- 3. the wraps ----------------------------------------------------------------------------------------------------
 
 
 def _network_init(orig):
@@ -324,11 +309,10 @@ def _wrap(cls: type, make) -> None:
 
 
 def register_with_lycoris() -> None:
-    """Teaches LyCORIS (lycoris-lora) dorafp8's fp8 layers: create_lycoris / LycorisNetwork, kohya's create_network
-    and create_lycoris_from_weights then put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear and
-    FP8Conv1d/2d/3d layers that compute through dorafp8's fused ops, with LyCORIS's own parameters and file keys; any
-    other algorithm on an fp8 layer raises. `import dorafp8` has it run when lycoris is imported (unless
-    DORAFP8_NO_PATCHES=1), and importing dorafp8.lycoris runs it. Idempotent."""
+    """Teaches LyCORIS dorafp8's fp8 layers: create_lycoris / LycorisNetwork, kohya's create_network and
+    create_lycoris_from_weights then put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear / FP8ConvNd layers,
+    computed by the fused ops; any other algorithm on an fp8 layer raises. Run by `import dorafp8` when lycoris is
+    imported (unless DORAFP8_NO_PATCHES=1). Idempotent."""
     from lycoris.wrapper import LycorisNetwork
 
     _wrap(LycorisNetwork, _network_init)

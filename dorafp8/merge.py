@@ -1,9 +1,6 @@
-"""Merging adapters into an fp8 base, one block of rows at a time, and re-quantizing the result.
-
-DoRA's merge W'_j = m_j / ||V_j|| * V_j (V = W0 + s B A; docs/DORA_MATH.md) and LoRA's W0 + s B A are row-local, so a
-merged weight is computed in fp32 blocks of rows and never exists as a dense fp32 copy; several adapters merge in
-sequence within each block. `requantize` turns the rows into e4m3 bytes and a scale (per tensor, row or block) and
-measures ||Wq - W'||_F / ||W'||_F, the "merge error" export_merged and merge_and_unload report."""
+"""Merging adapters into an fp8 base, one block of rows at a time, and re-quantizing the result. DoRA's merge
+W'_j = m_j / ||V_j|| * V_j (V = W0 + s B A) is row-local, so a merged weight is computed in fp32 row blocks, never
+whole; `requantize` measures ||Wq - W'||_F / ||W'||_F, the "merge error" export_merged and merge_and_unload report."""
 
 from __future__ import annotations
 
@@ -55,10 +52,8 @@ class RequantStats:
 
 
 def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
-    """(A fp32 [r, K], B [N, r], s, magnitude [N] or None for plain LoRA, name) for each adapter of a PEFT LoRA layer
-    (dorafp8's DoRAFP8Linear or DoRAFP8Conv*d), in merge order. A conv's adapters come as their [out, in * kernel]
-    views: lora_A [r, C_in, *k] -> [r, C_in * k], lora_B [C_out, r, 1, ...] -> [C_out, r], the magnitude
-    [1, C_out, 1, ...] -> [C_out]; with groups=1 the conv's B A is B2 @ A2 in that view."""
+    """(A fp32 [r, K], B [N, r], s, magnitude [N] or None for plain LoRA, name) for each adapter of a PEFT LoRA layer,
+    in merge order; a conv's as their [out, in * kernel] views (with groups=1 its B A is B2 @ A2 there)."""
     terms = []
     for a in adapter_names:
         if a not in layer.lora_A:
@@ -159,11 +154,9 @@ def _add_error(stats: RequantStats, r: torch.Tensor, back: torch.Tensor) -> None
 
 
 def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None):
-    """requantize for the microscaled kinds, by their own recipes (dorafp8/quant.py): (w, scale, global_scale, stats).
-    "nvfp4": ModelOpt's (quantize_nvfp4) with the global scale of the whole merged weight, found by a first pass over
-    the rows (so rows_fn is called twice per block): w packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32
-    []. "mxfp8": the OCP MX recipe (quantize_mxfp8), row-local: w e4m3 [N, K], scale e8m0, global_scale None.
-    stats.rel_error as requantize's, against the fp32 rows."""
+    """requantize for the microscaled kinds by their own recipes (quant.py): (w, scale, global_scale, stats). "nvfp4":
+    quantize_nvfp4 with the whole weight's global scale (a first pass: rows_fn is called twice per block); "mxfp8":
+    quantize_mxfp8, row-local, global_scale None. stats.rel_error as requantize's."""
     g = nvfp4_global_scale(_amax(rows_fn, n_rows, n_cols, device)) if kind == "nvfp4" else None
     stats = RequantStats()
     w = scale = None

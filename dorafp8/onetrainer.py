@@ -1,9 +1,6 @@
-"""OneTrainer's DoRA on its fp8 layers, computed by dorafp8's fused op with OneTrainer's own semantics.
-
-register_with_onetrainer() replaces OneTrainer's DoRAModule.forward by one that, on a LinearFp8 or fp8 LinearW8A8
-layer, computes the same output through dora_fp8_linear without forming the dense weight; every other layer runs
-OneTrainer's own forward, and parameters, state_dict keys and saved files are untouched. OneTrainer's formula, read
-from its source, and how it maps onto the fused op: docs/ARCHITECTURE.md, "dorafp8/onetrainer.py"."""
+"""OneTrainer's DoRA on its fp8 layers, computed by dorafp8's fused op with OneTrainer's own semantics: on a LinearFp8
+or fp8 LinearW8A8 layer, DoRAModule.forward runs dora_fp8_linear; anything else, and parameters, keys and files, stay
+OneTrainer's. Its formula mapped onto the fused op: docs/ARCHITECTURE.md, "dorafp8/onetrainer.py"."""
 
 from __future__ import annotations
 
@@ -20,10 +17,8 @@ from .quant import DEFAULT_BLOCK, E4M3
 LORA_MODULE = "modules.module.LoRAModule"  # OneTrainer imports it so, running from its checkout
 
 
-# The layer classes whose whole dequantized weight (what OneTrainer's get_unquantized_weight returns, the W its
-# DoRAModule recomposes) is w8 * scale, by (defining module, class name, the attribute holding the scale). Only these
-# exact classes: a subclass may add to the weight (make_svd_linear's LinearSVD adds svd_up @ svd_down; the fused qkv
-# group's _FusedLinear concatenates other layers) and is left to OneTrainer's own forward.
+# The exact classes whose whole dequantized weight (get_unquantized_weight) is w8 * scale: (module, class) -> the
+# scale's attribute. A subclass may add to the weight (LinearSVD adds svd_up @ svd_down) and is left to OneTrainer.
 KNOWN_LAYERS = {
     ("modules.module.quantized.LinearFp8", "LinearFp8"): "_scale",  # its unquantized_weight reads _scale
     ("modules.module.quantized.LinearW8A8", "LinearW8A8"): "scale",
@@ -31,10 +26,8 @@ KNOWN_LAYERS = {
 
 
 def fp8_parts(layer: nn.Module):
-    """(w8, scale) with w8 * scale (in fp32) exactly what OneTrainer dequantizes `layer` to, for a layer whose weight
-    is e4m3 and whose class is one whose whole weight dorafp8 knows: OneTrainer's LinearFp8 and LinearW8A8 (in fp8),
-    or a plain nn.Linear (OneTrainer reads its e4m3 weight unscaled). None for anything else, which then runs
-    OneTrainer's own forward: SVDQuant (LinearSVD), a fused qkv group, int8, compressed, conv, any subclass."""
+    """(w8, scale) with w8 * scale (fp32) exactly what OneTrainer dequantizes `layer` to, for an e4m3 LinearFp8,
+    LinearW8A8 or plain nn.Linear (read unscaled); None for anything else (OneTrainer's own forward then runs)."""
     cls = type(layer)
     w8 = getattr(layer, "weight", None)
     if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3 or getattr(layer, "_compressed", False):
@@ -71,10 +64,9 @@ def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor
 
 
 def register_with_onetrainer() -> bool:
-    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers (docs/ARCHITECTURE.md). Runs when
-    OneTrainer's modules.module.LoRAModule is imported after `import dorafp8` (dorafp8/_install.py), so
-    `dorafp8 run -- python scripts/train.py ...` needs nothing else. Idempotent; returns whether it is installed
-    (False where that module is not OneTrainer's: no DoRAModule with the attributes read here)."""
+    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers; run when modules.module.LoRAModule
+    is imported after `import dorafp8`. Idempotent; returns whether it is installed (False where that module has no
+    DoRAModule with the attributes read here)."""
     mod = sys.modules.get(LORA_MODULE)
     cls = getattr(mod, "DoRAModule", None)
     if cls is None or not all(hasattr(cls, a) for a in ("forward", "check_initialized", "make_weight")):

@@ -1,9 +1,6 @@
-"""fp8 checkpoints as people have them: load them into FP8Linear layers, write them back, export merged DoRA models.
-
-    load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format, load_single_file
-
-The layouts (`format=`) are in layouts.py; docs/CHECKPOINTS.md has where each comes from and how it was checked.
-What each module of this package does: docs/ARCHITECTURE.md, "dorafp8/checkpoint/"."""
+"""fp8 checkpoints as people have them: load them into FP8Linear layers, write them back, export merged DoRA models
+(load_fp8_checkpoint, save_fp8_checkpoint, export_merged, detect_format, load_single_file). The layouts (`format=`):
+layouts.py and docs/CHECKPOINTS.md; what each module here does: docs/ARCHITECTURE.md, "dorafp8/checkpoint/"."""
 
 from .layouts import DENSE_FORMATS, FORMATS, LAYOUTS, TRANSFORMERS_FORMATS, CheckpointFormatError
 from .load import load_fp8_checkpoint

@@ -1,6 +1,5 @@
-"""The config.json of a written directory, and the checks that it loads right: a transformers directory gets the
-quantization_config transformers reads (compressed-tensors or fine-grained FP8) and is refused in a layout
-transformers would load wrong; a diffusers one gets a guard that makes diffusers' from_pretrained refuse it."""
+"""The config.json of a written directory, and the checks that it loads right: the quantization_config transformers
+reads (a layout it would load wrong refused), or a guard that makes diffusers' from_pretrained refuse the folder."""
 
 from __future__ import annotations
 
@@ -19,15 +18,13 @@ from .reports import ExportReport
 
 
 def _writes_block(t: WriteTarget, m: nn.Module) -> bool:
-    """Whether the layer is written with block scales (the writer's choice below for a layer it does not merge;
-    a merged one takes granularity, else the layout's first kind: conservative where the two differ)."""
+    """Whether the layer is written with block scales (conservative where a merged layer could differ)."""
     return t.fmt == "fine-grained" or t.granularity == "block" or (t.granularity is None and
                                                                    scale_kind(m.scale) == "block")
 
 
 def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
-    """Why transformers' from_pretrained would not read this fp8 checkpoint correctly on its own (None if it would).
-    `why` says where the fix would go. Checked before anything is written."""
+    """Why transformers' from_pretrained would misread this fp8 checkpoint (None if it would not); `why`: the fix."""
     layers = fp8_modules(t.base)
     convs = [n for n, m in layers.items() if isinstance(m, FP8_CONV_TYPES)]
     if convs and t.fmt != "fp8-cast":  # fp8-cast has no scales: a plain cast reads it right
@@ -54,8 +51,7 @@ def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
 
 
 def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
-    """A directory that gets a transformers config.json looks like a model transformers loads: refuse to write one
-    transformers would load wrong (before anything is written)."""
+    """Refuses, before anything is written, a directory with a transformers config.json that it would load wrong."""
     if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
         return
     if t.fmt == "modelopt":  # ModelOpt's own export layout, hf_quant_config.json beside it (modelopt_config)
@@ -108,9 +104,8 @@ def quantization_config(t: WriteTarget, report: ExportReport, out: Written) -> O
             "sparsity_config": {}, "transform_config": {}}
 
 
-# diffusers reads no fp8 layout with scales: a directory written for a diffusers model carries this in config.json, so
-# that diffusers' from_pretrained refuses it ("Unknown quantization type, got dorafp8"; with dorafp8 imported, the
-# error below) instead of loading the raw e4m3 values without their scales
+# diffusers reads no fp8 layout with scales: a diffusers directory's config.json carries diffusers_guard, so that its
+# from_pretrained refuses it instead of loading the raw e4m3 values
 DIFFUSERS_LOAD_HINT = ("build the model on the meta device (with accelerate.init_empty_weights(): model = "
                        "ModelClass.from_config(ModelClass.load_config(path))) and call dorafp8.load_fp8_checkpoint("
                        "model, path)")
@@ -123,9 +118,8 @@ def diffusers_guard(fmt: str) -> dict:
 
 
 def modelopt_config(out: Written) -> dict:
-    """hf_quant_config.json as ModelOpt's HF export writes it (what load_fp8_checkpoint and `dorafp8 run` read to know
-    an MXFP8 export from compressed-tensors' fp8; NVFP4's weight_scale_2 says it on its own): one quant_algo, the
-    group size, and the linears left dense."""
+    """hf_quant_config.json as ModelOpt's HF export writes it (what tells an MXFP8 export from compressed-tensors'
+    fp8): one quant_algo, the group size, and the linears left dense."""
     (kind, _), = out.groups  # write._check_modelopt: one kind a file
     return {"producer": {"name": "dorafp8"},
             "quantization": {"quant_algo": kind.upper(), "kv_cache_quant_algo": None,

@@ -1,10 +1,6 @@
-"""Checkpoint files that come from strangers, read, and the user's folders written into, safely.
-
-Reading: every file is checked before it is opened (a regular file, inside its folder once links are resolved) and
-every header and JSON file is measured before it is parsed, through one wrapper whose error names the file. Writing:
-one writer per folder (an OS lock), files staged inside the destination, fsynced and made the checkpoint by one
-rename; only files an earlier export provably wrote are removed. Details: docs/ARCHITECTURE.md,
-"dorafp8/checkpoint/files.py"."""
+"""Checkpoint files that come from strangers, read, and the user's folders written into, safely: files checked before
+they are opened and measured before they are parsed; one writer per folder, files staged, fsynced and published by
+one rename; only files an earlier export provably wrote are removed (docs/ARCHITECTURE.md, ".../files.py")."""
 
 from __future__ import annotations
 
@@ -37,10 +33,8 @@ DAMAGED = "the file is damaged or incomplete (an interrupted download?): downloa
 
 
 def some(items, first: int = 6, sep: str = ", ", names: bool = True) -> str:
-    """Items for an error message: all of them if few, else the first few and how many there are (an error listing
-    100,000 keys is millions of characters nobody reads). names: the items are names read from a file, shown with
-    repr() (a terminal control character in a tensor name is shown escaped, not sent to the terminal); else they are
-    the messages of problems, shown as they are."""
+    """Items for an error message: all of them if few, else the first few and how many there are. names: shown with
+    repr() (names read from a file: a control character is escaped, not sent to the terminal); else as they are."""
     items = list(items)
     shown = sep.join(map(repr if names else str, items[:first]))
     return shown if len(items) <= first else f"{shown}{sep}... ({len(items)} in all)"
@@ -154,10 +148,8 @@ def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict
 
 def _check_header(path: str, where: str) -> None:
     """Refuses a safetensors header of more than MAX_HEADER_BYTES, MAX_TENSORS tensors or MAX_METADATA metadata
-    entries, longer than its file, or naming a tensor (or a metadata key) twice (safetensors keeps the last copy
-    silently). Measured before anything is parsed, in bounded memory: each tensor entry of the JSON header is an
-    object, and an object cannot be written without a '{'; each tensor entry holds 5 strings and each metadata entry
-    2, and a string cannot be written without two '"'. So the '{'s and '"'s bound both from above."""
+    entries, longer than its file, or naming a key twice. Counted before parsing, in bounded memory: each tensor entry
+    is an object (a '{') of 5 strings, each metadata entry 2 strings (two '"' each), so '{'s and '"'s bound both."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -227,20 +219,11 @@ def open_safetensors(path: str, where: str, device: str = "cpu"):
 def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
     """(metadata, {key: (safetensors dtype name, shape)}) of the safetensors file `path`, from its header alone."""
     with open_safetensors(path, where) as f:
-        meta = f.metadata() or {}
-        info = {}
-        for k in f.keys():
-            sl = f.get_slice(k)
-            info[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return meta, info
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return f.metadata() or {}, {k: (sl.get_dtype(), tuple(sl.get_shape())) for k, sl in slices.items()}
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
-#
-# No journal, nothing to finish or undo: one writer at a time per destination folder (an OS lock), files written in a
-# staging folder on the destination's own file system, moved in under fresh names nobody reads yet, and one rename
-# (the index, or the single file) that makes them the checkpoint. Nothing read from disk decides what is removed but
-# the rule of `previous_export`.
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
@@ -257,10 +240,8 @@ def destination(path: str, what: str = "path") -> str:
 
 @contextlib.contextmanager
 def locked(folder: str, what: str, timeout: Optional[float] = None):
-    """Holds the OS's exclusive lock (flock) on the folder `folder` itself (nothing is created for it): a second
-    writer of the same folder, in this process or another, waits up to `timeout` seconds (LOCK_TIMEOUT), then is
-    refused naming `what`. The OS drops the lock when its holder dies, so a killed writer never blocks the next.
-    Where the file system has no locks (some network mounts), a warning says that writers are not kept apart."""
+    """Holds the OS's exclusive lock (flock) on `folder` itself: a second writer waits up to `timeout` seconds
+    (LOCK_TIMEOUT), then is refused naming `what`. Where the file system has no locks, a warning says so."""
     timeout = LOCK_TIMEOUT if timeout is None else timeout
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -320,10 +301,9 @@ def _leftovers(folder: str, name: str) -> list[str]:
 
 @contextlib.contextmanager
 def staging(folder: str, name: str):
-    """A new hidden folder `.<name>.<random>.partial` inside `folder` (so on its file system: the renames out of it
-    never cross disks), locked while it is in use, removed at the end. Stages nobody holds (left by writers that
-    were killed, or planted) are named in one warning, never removed: this writer removes nothing it cannot prove it
-    wrote."""
+    """A new hidden folder `.<name>.<random>.partial` inside `folder` (the renames out of it never cross disks), locked
+    while in use, removed at the end. Stages nobody holds (killed writers', or planted) are named in a warning, never
+    removed."""
     left = _leftovers(folder, name)
     if left:
         warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone else; "
@@ -408,11 +388,9 @@ def write_error(path: str, e: Exception) -> OSError:
 
 
 def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
-    """The files in `folder` that a new export may remove, as {name: {"size", "sha256"}}, which are all a writer ever
-    removes: those that the index `index_name` there (a regular file, not a link) lists in its "metadata" under
-    "dorafp8_files", as dorafp8 writes it, where the name is a plain file name of `pattern` (the names writers give
-    shards) and the file is a regular file of the recorded size and sha256. Anything else, in the index or in the
-    folder, is left alone: an index that cannot be read so, a name of another form, a file changed since."""
+    """The files in `folder` that a new export may remove (all a writer ever removes), {name: {"size", "sha256"}}: those
+    the regular-file index `index_name` lists under metadata["dorafp8_files"], named by `pattern`, and still regular
+    files of the recorded size and sha256. Anything else is left alone."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:

@@ -1,10 +1,6 @@
-"""transformers models loaded with an fp8 quantization config, turned into dorafp8 FP8Linear layers.
-
-`from_pretrained` of a FineGrainedFP8 or compressed-tensors fp8 checkpoint builds layers that cannot take a DoRA
-adapter; from_transformers_fp8 swaps each for an FP8Linear holding the same bytes and scale (fp32), so that
-get_peft_model builds DoRAFP8Linear layers. Without a GPU transformers dequantizes FineGrainedFP8 while loading: build
-the model on the meta device and use load_fp8_checkpoint instead (docs/CHECKPOINTS.md). The layer classes each
-format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_transformers.py"."""
+"""transformers models loaded with an fp8 quantization config, turned into dorafp8 FP8Linear layers holding the same
+bytes and scales, so that get_peft_model builds DoRAFP8Linear layers on them (from_transformers_fp8). The layer
+classes each format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_transformers.py"."""
 
 from __future__ import annotations
 
@@ -60,13 +56,9 @@ def _saved_quantization_config(model) -> Optional[dict]:
 
 
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
-    """The fp8 linear layers of a transformers model, each checked, and nothing changed: ([(name, module, weight,
-    scale, block_size, format, extras, global_scale)], names of layers whose weights are dense already, names of MoE
-    expert blocks). compressed-tensors' NVFP4 modules (still compressed: `weight_packed`, `weight_scale`,
-    `weight_global_scale`, as transformers leaves them without a GPU) come with the global scale as the factor W0
-    multiplies by (the reciprocal of the stored one).
-    Raises on the first layer dorafp8 cannot hold (non-square blocks, ue8m0 scales, zero points, a scale that does
-    not fit its weight)."""
+    """The fp8 linear layers of a transformers model, each checked, nothing changed: ([(name, module, weight, scale,
+    block_size, format, extras, global_scale)], layers whose weights are dense already, MoE expert blocks); an NVFP4
+    global scale as the factor W0 is multiplied by. Raises on the first layer dorafp8 cannot hold."""
     fg_linear, fg_experts = _finegrained_cls()
     ct_linear = _ct_fp8_linear_cls()
     layers, dense, experts = [], [], []
@@ -143,10 +135,9 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
     nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them without a GPU) becomes
     NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
 
-    Layers whose weight is not fp8 any more (dequantized at load, or decompressed by a forward pass) are left as they
-    are, with a warning: their fp8 bytes cannot be recovered. MoE expert blocks (FP8Experts) are left as they are. The
-    model remembers the layout, so save_fp8_checkpoint / export_merged write it back in that layout. All or nothing:
-    every layer is checked and its FP8Linear built before the first swap; an error leaves the model as it was.
+    Layers whose weight is not fp8 any more (dequantized at load: build the model on the meta device and use
+    load_fp8_checkpoint instead) and MoE expert blocks are left as they are, with a warning. save_fp8_checkpoint writes
+    the same layout back. All or nothing: an error leaves the model as it was.
 
     Args:
         model: the transformers model, as from_pretrained returned it.
@@ -163,8 +154,7 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
     if mdtype in (E4M3, torch.float8_e5m2):
         mdtype = torch.bfloat16
     layers, dense, experts = _fp8_layers(model)
-    # Built aside before the first swap: each new layer holds its old layer's fp8 bytes (no copy) and its own fp32
-    # scale, so all of them together cost the scales only.
+    # Built before the first swap: each holds its old layer's fp8 bytes (no copy), so all of them cost the scales only.
     swaps = [(name, _make(mod, w, scale, block_size, fmt, extras, backend, act_quant, mdtype, g))
              for name, mod, w, scale, block_size, fmt, extras, g in layers]
     if swaps:

@@ -1,9 +1,7 @@
-"""dorafp8 in transformers' quantizer registry: `from_pretrained(path, quantization_config=DoRAFP8Config(...))`.
-
-It loads a dense checkpoint and turns its linear layers into FP8Linear layers, as quantize_model after a plain
-from_pretrained does (and with the same peak: the dense model in `dtype`). save_pretrained then writes
-compressed-tensors or fine-grained FP8, never a "dorafp8" quant_method (transformers would load that wrong without
-dorafp8). This module imports transformers: dorafp8/_install.py registers it once transformers is imported."""
+"""dorafp8 in transformers' quantizer registry: `from_pretrained(path, quantization_config=DoRAFP8Config(...))` loads
+a dense checkpoint and runs quantize_model on it (same peak: the dense model in `dtype`). save_pretrained then writes
+compressed-tensors or fine-grained FP8, never a "dorafp8" quant_method. Imports transformers: _install.py registers it
+once transformers is imported."""
 
 from __future__ import annotations
 

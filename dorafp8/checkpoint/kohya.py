@@ -1,11 +1,8 @@
-"""DoRA adapters as kohya / LyCORIS files, the layout ComfyUI, Forge and LyCORIS read: per layer `lora_down.weight`,
-`lora_up.weight`, `alpha` and `dora_scale` instead of PEFT's `lora_A` / `lora_B` / `lora_magnitude_vector`:
-save_kohya_dora, load_kohya_dora and save_single_file_dora (keyed by a ComfyUI single file's own weights).
-Long because it holds both directions of one layout, each with its checks, and the single-file export, which builds
-on the export's per-layer tensors and checks.
-
-The math each consumer applies, and so what `dora_scale` holds for each: docs/ARCHITECTURE.md,
-"dorafp8/checkpoint/kohya.py"; which key names each maps: kohya_names.py."""
+"""DoRA adapters as kohya / LyCORIS files (per layer `lora_down.weight`, `lora_up.weight`, `alpha`, `dora_scale`),
+the layout ComfyUI, Forge and LyCORIS read: save_kohya_dora, load_kohya_dora and save_single_file_dora (keyed by a
+ComfyUI single file's own weights). What `dora_scale` holds for each consumer: docs/ARCHITECTURE.md,
+"dorafp8/checkpoint/kohya.py"; which key names each maps: kohya_names.py. Long because it holds both directions of
+one layout and the single-file export, each with its checks."""
 
 from __future__ import annotations
 
@@ -54,24 +51,19 @@ _OTHER_ALGOS = {"lora_mid.weight": "LoCon's Tucker-decomposed conv (use_tucker)"
 def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] = None, prefix: Optional[str] = "auto",
                     names: str = "auto", dora_scale: str = "lycoris",
                     dtype: Optional[torch.dtype] = None) -> dict[str, str]:
-    """Writes a DoRA (or LoRA) adapter of `model` to the safetensors file `path` in the kohya / LyCORIS layout.
-
-    Every check runs before the file is written (to a temporary name, then renamed): a failure writes nothing.
+    """Writes a DoRA (or LoRA) adapter of `model` to the safetensors file `path` in the kohya / LyCORIS layout, whole
+    or not at all (every check runs first).
 
     Args:
         model: a PeftModel, or a model with PEFT's LoRA layers (e.g. after diffusers' `add_adapter`).
         path: the .safetensors file to write.
         adapter_name: the adapter to write; default: the model's only one.
         prefix: "auto" (`lora_unet_` for a UNet2DConditionModel, `lora_transformer_` for SD3 and Flux transformers,
-            the module names as they are otherwise), a prefix (e.g. "lycoris" for LyCORIS's own loader), or None
-            (module names).
-        names: "diffusers" (the model's module names), "sgm" (for a UNet2DConditionModel: the original UNet's names,
-            input_blocks / middle_block / output_blocks, as kohya's SDXL scripts write them) or "auto" ("sgm" for an
-            SDXL UNet under `lora_unet`, else "diffusers"). ComfyUI and diffusers map both; LyCORIS's loaders on a
-            diffusers model need "diffusers" (kohya_names.py).
+            else the module names), a prefix (e.g. "lycoris" for LyCORIS's own loader), or None (module names).
+        names: "diffusers" (the model's module names), "sgm" (a UNet2DConditionModel's original names, as kohya's
+            SDXL scripts write them) or "auto" ("sgm" for an SDXL UNet under `lora_unet`, else "diffusers").
         dora_scale: "lycoris" (PEFT's magnitude, which LyCORIS divides by ||W + s B A||) or "comfyui" (pre-multiplied
-            by ||W|| / ||W + s B A|| of this model's base, for ComfyUI's loader, which divides by ||W||;
-            docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py").
+            by ||W|| / ||W + s B A||, for ComfyUI's loader, which divides by ||W||).
         dtype: the dtype of lora_down / lora_up (default: the adapters'); dora_scale and alpha are float32.
 
     Returns:
@@ -85,21 +77,10 @@ def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] 
     """
     if dora_scale not in DORA_SCALE_KINDS:
         raise ValueError(f"dora_scale must be one of {DORA_SCALE_KINDS}, got {dora_scale!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
-    root = _root(model)
-    prefix = resolve_prefix(prefix, root)
-    layers = _lora_layers(root)
-    adapter = _pick_adapter(layers, adapter_name)
-    layers = {n: m for n, m in layers.items() if adapter in m.lora_A}
-    problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, dora_scale, prefix)]
-    if problems:
-        raise ValueError("save_kohya_dora cannot write this adapter: " + "; ".join(problems))
+    root, prefix, adapter, layers = _export_layers("save_kohya_dora", model, adapter_name, dora_scale, prefix, dtype)
     keys = export_key_names(root, list(layers), prefix, names)
-    tensors = {}
-    for n, layer in layers.items():
-        for suffix, t in layer_tensors(layer, adapter, dora_scale, dtype).items():
-            tensors[f"{keys[n]}.{suffix}"] = t
+    tensors = {f"{keys[n]}.{suffix}": t for n, layer in layers.items()
+               for suffix, t in layer_tensors(layer, adapter, dora_scale, dtype).items()}
     dora = any(layer.use_dora.get(adapter) for layer in layers.values())
     ranks = {int(layer.r[adapter]) for layer in layers.values()}
     meta = {"ss_network_module": "lycoris.kohya",
@@ -135,7 +116,7 @@ def layer_tensors(layer, adapter: str, dora_scale: str = "lycoris", dtype=None) 
 
 
 def base_weight_rows(layer) -> torch.Tensor:
-    """The layer's base weight as dense float32 rows [out, in * kernel] (an fp8 base dequantized, one layer at a time)."""
+    """The layer's base weight as dense float32 rows [out, in * kernel] (an fp8 base dequantized)."""
     base = layer.get_base_layer()
     if isinstance(base, (FP8Linear, FP8ConvNd)):
         w = base.dequantize(torch.float32)
@@ -159,6 +140,22 @@ def _root(model: nn.Module) -> nn.Module:
         raise TypeError(f"model must be an nn.Module (a PeftModel or a model with PEFT LoRA layers), got "
                         f"{type(model).__name__}")
     return model
+
+
+def _export_layers(who: str, model, adapter_name, dora_scale: str, prefix, dtype):
+    """(root, resolved prefix, adapter, {module name: LoRA layer}) of the adapter an export writes, every layer
+    checked before anything is written."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    root = _root(model)
+    prefix = resolve_prefix(prefix, root)
+    layers = _lora_layers(root)
+    adapter = _pick_adapter(layers, adapter_name)
+    layers = {n: m for n, m in layers.items() if adapter in m.lora_A}
+    problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, dora_scale, prefix)]
+    if problems:
+        raise ValueError(f"{who} cannot write this adapter: " + "; ".join(problems))
+    return root, prefix, adapter, layers
 
 
 def _lora_layers(root: nn.Module) -> dict[str, LoraLayer]:
@@ -219,15 +216,8 @@ def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_n
                           dtype: Optional[torch.dtype] = None) -> dict[str, list[str]]:
     """Writes the DoRA (or LoRA) adapter of `model` as a kohya file in a ComfyUI single file's own layout, for
     ComfyUI's LoRA loader on that file: one layer per original weight the adapter touches, keyed `lora_unet_` + the
-    original key without its prefix and `.weight`, '.' -> '_' (the name comfy/lora.py gives every weight of any
-    model), dora_scale in ComfyUI's current math (save_kohya_dora's "comfyui").
-
-    Which rows of which original weight each adapted layer is comes from diffusers' converter (row_map), as when the
-    file was loaded. A fused weight (Flux's img_attn.qkv and single blocks' linear1, SD3's and HunyuanVideo's qkv)
-    gets its adapted pieces as one layer: lora_down the pieces' lora_down stacked, lora_up block-diagonal with each
-    piece's alpha / rank folded in (alpha = the total rank), rows no piece adapts zero in lora_up and, for DoRA, with
-    dora_scale ||W|| + eps, which ComfyUI's weight_decompose leaves as they are. Reordered rows (diffusers' swapped
-    adaLN halves) go back to the file's order.
+    original key without its prefix and `.weight`, '.' -> '_', dora_scale as save_kohya_dora's "comfyui". A fused
+    weight (Flux's qkv) gets its adapted pieces as one layer (docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py").
 
     Args:
         model: a diffusers model loaded from `single_file` by load_single_file, with a PEFT adapter.
@@ -246,15 +236,8 @@ def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_n
     """
     from .single_file import is_scale_key, row_map
 
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
-    root = _root(model)
-    layers = _lora_layers(root)
-    adapter = _pick_adapter(layers, adapter_name)
-    layers = {n: m for n, m in layers.items() if adapter in m.lora_A}
-    problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, "comfyui", None)]
-    if problems:
-        raise ValueError("save_single_file_dora cannot write this adapter: " + "; ".join(problems))
+    root, _, adapter, layers = _export_layers("save_single_file_dora", model, adapter_name, "comfyui", None, dtype)
+    problems = []
     with _original_file(single_file) as (shapes, get):
         keys, converted = row_map(root, {k: v for k, v in shapes.items() if not is_scale_key(k)})
         pieces: dict[str, list] = {}  # original key -> [(module name, its rows, the original's rows)]
@@ -356,15 +339,10 @@ def _fused_layer(w: torch.Tensor, parts: list, layers: dict, adapter: str, dtype
 
 
 def _to_module_layout(root: nn.Module, sd: dict, single_file) -> dict:
-    """A kohya file keyed by a single file's own weights (save_single_file_dora's, or any LoRA ComfyUI maps onto that
-    file with model_lora_keys_unet's `lora_unet_` names) -> the same adapters keyed by `root`'s module names.
-
-    Each module that diffusers' converter cuts from an original weight (row_map) gets that layer's lora_down as its
-    lora_A and the rows of lora_up (and dora_scale) it takes, in its own row order: the product, and ComfyUI's
-    per-row DoRA, are the file's on those rows. Of lora_down, only the columns those rows of lora_up use are kept
-    (save_single_file_dora's block-diagonal pieces come back at their own rank), with alpha scaled with the rank so
-    that alpha / rank stays the file's. A module none of whose rows the file changes (lora_up zero there, dora_scale
-    ComfyUI's identity ||W|| + eps or none) gets no adapter."""
+    """A kohya file keyed by a single file's own weights (save_single_file_dora's, or any with ComfyUI's `lora_unet_`
+    names) -> the same adapters keyed by `root`'s module names: each module diffusers' converter cuts from a weight
+    gets its rows of lora_up (and dora_scale) and the columns of lora_down they use, alpha scaled to keep alpha / rank;
+    a module whose rows the file leaves unchanged gets no adapter (docs/ARCHITECTURE.md, ".../kohya.py")."""
     from .single_file import is_scale_key, row_map
 
     groups, _ = _group(sd)
@@ -428,14 +406,12 @@ def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", pr
                     dora_scale: str = "auto", strict: bool = True, single_file=None) -> PeftModel:
     """Turns a kohya / LyCORIS LoRA or DoRA file into a PEFT adapter on `model`.
 
-    Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1, as kohya's and ComfyUI's
-    loaders), and DoRA's magnitude from dora_scale. All or nothing: every key is matched and checked before the model
-    changes, and a failure after that puts the model back as it was.
+    Each layer gets the file's rank, alpha / rank as PEFT's scaling (alpha missing: 1) and DoRA's magnitude from
+    dora_scale. All or nothing: every key is checked first, and a later failure puts the model back as it was.
 
     Args:
-        model: the base (dense or with dorafp8's fp8 layers, on which PEFT builds dorafp8's DoRA layers), wrapped
-            with get_peft_model, its layers replaced in place as PEFT does; or a PeftModel, to which the adapter is
-            added (not activated: `set_adapter` does).
+        model: the base (dense or with dorafp8's fp8 layers), wrapped with get_peft_model, its layers replaced in
+            place; or a PeftModel, to which the adapter is added (not activated: `set_adapter` does).
         file: a .safetensors path or a state dict.
         adapter_name: the new adapter's name.
         prefix: "auto" (module names, or `lora_unet_` / `lora_transformer_` / `lycoris_` + the names with '.' -> '_',
@@ -444,9 +420,8 @@ def load_kohya_dora(model: nn.Module, file, *, adapter_name: str = "default", pr
             (see save_kohya_dora).
         strict: keys of modules the model does not have are an error naming them; False: skipped with a warning
             naming them (a kohya SDXL file's text-encoder keys, when loading its UNet part).
-        single_file: for a file keyed by a ComfyUI single file's own weights (save_single_file_dora's, `lora_unet_`
-            + the original key), that single file (path or state dict), from which `model` was loaded
-            (load_single_file): each layer goes onto the modules diffusers' converter cuts from its weight.
+        single_file: for a file keyed by a ComfyUI single file's own weights (save_single_file_dora's), that single
+            file (path or state dict), from which `model` was loaded (load_single_file).
 
     Returns:
         The PeftModel.

@@ -7,6 +7,7 @@ LyCORIS each map, read from their source: docs/ARCHITECTURE.md, "dorafp8/checkpo
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Optional
 
 from torch import nn
@@ -107,10 +108,7 @@ def export_key_names(root: nn.Module, modules: list, prefix: Optional[str], name
         if missing:
             raise ValueError(f"names='sgm': no SGM UNet name for {missing}; pass names='diffusers'")
     out = {m: key_name(rename.get(m, m), prefix) for m in modules}
-    seen = {}
-    for m, k in out.items():
-        seen.setdefault(k, []).append(m)
-    dup = {k: v for k, v in seen.items() if len(v) > 1}
+    dup = {k: [m for m in out if out[m] == k] for k, n in Counter(out.values()).items() if n > 1}
     if dup:
         raise ValueError(f"modules give the same key prefix: {dup}; pass prefix=None to write the module names as "
                          f"they are")

@@ -1,10 +1,7 @@
-"""The fp8 layouts dorafp8 reads and writes, their names and aliases, and the dense formats it writes.
-
-In every layout the dequantized weight is W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`; the
-layouts differ in the scale's key and shape (LAYOUTS below). Microscaled NVFP4 / MXFP8 files (modelopt,
-compressed-tensors) load into the same layers; the writers write them back in ModelOpt's layout only (format
-"modelopt", which FORMATS leaves out: it holds no fp8 layer; write.py), or dense. The table of keys and shapes,
-where each layout comes from and how it was checked: docs/CHECKPOINTS.md."""
+"""The fp8 layouts dorafp8 reads and writes, their names and aliases, and the dense formats it writes. In every layout
+W0 = scale * W8, W8 float8_e4m3fn [out, in] under `<layer>.weight`; they differ in the scale's key and shape. NVFP4 /
+MXFP8 layers are written back as "modelopt" only (not in FORMATS: it holds no fp8 layer) or dense. Where each layout
+comes from and how it was checked: docs/CHECKPOINTS.md."""
 
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ LAYOUTS = {
                            "Qwen3-FP8)"),
     "dorafp8": Layout("dorafp8", "scale", None, ("row", "tensor", "block"),
                       "dorafp8 FP8Linear state_dict (`scale` per tensor / row / block)"),
-    # musubi-tuner / kohya sd-scripts `--fp8_scaled` (fp8_optimization_utils.py optimize_state_dict_with_fp8): ComfyUI's
-    # key name, but in the model's dtype and without the `scaled_fp8` marker; 1 x g blocks are not written (read only,
-    # re-quantized to per row: dorafp8/nn/group_scales.py)
+    # musubi-tuner / kohya `--fp8_scaled`: ComfyUI's key name, in the model's dtype, without the `scaled_fp8` marker;
+    # 1 x g blocks are read only (re-quantized to per row: dorafp8/nn/group_scales.py)
     "musubi": Layout("musubi", "scale_weight", None, ("row", "tensor"),
                      "musubi-tuner / kohya `--fp8_scaled` (`scale_weight` per tensor, per row or per 1 x 64 block)"),
     "modelopt": Layout("modelopt", "weight_scale", "input_scale", (),
@@ -61,17 +57,14 @@ ALIASES = {"comfy": "comfyui", "scaled_fp8": "comfyui", "comfy_quant": "comfyui-
 # What the writers (save_fp8_checkpoint, export_merged) write: the layouts but the read-only ones, and the dense ones.
 FORMATS = tuple(name for name, lay in LAYOUTS.items() if lay.write_granularities) + tuple(DENSE_FORMATS)
 
-# The formats that a directory with a transformers config.json may hold: the ones transformers' from_pretrained reads
-# correctly on its own (compressed-tensors also needs the compressed-tensors package, and says so). In the others the
-# fp8 weights sit under `<layer>.weight` with their scale under a key transformers does not know, and from_pretrained
-# loads the raw e4m3 values into the model without a word (the scale keys are only listed as UNEXPECTED).
+# The formats a directory with a transformers config.json may hold: those from_pretrained reads right on its own (in
+# the others it loads the raw e4m3 values without their scales, listing the scale keys as UNEXPECTED).
 TRANSFORMERS_FORMATS = ("compressed-tensors", "fine-grained", "fp8-cast") + tuple(DENSE_FORMATS)
 
 # safetensors' dtype names (safe_open's get_slice().get_dtype()), for reading a file's header without its data
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": E4M3, "F8_E5M2": E5M2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-                      **({"F8_E8M0": E8M0} if E8M0 is not None else {})}
+                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E8M0": E8M0}
 GRANULARITY_NAMES = {"tensor": "per-tensor", "row": "per-row", "block": "per-block"}
 
 
@@ -89,9 +82,8 @@ def granularity_name(g: str, block_size: int) -> str:
 
 def cpu_fine_grained_read(N: int, K: int, b: int) -> str:
     """How transformers' dequantize-while-loading path (fine-grained FP8 without a GPU, transformers 5.23) reads an
-    [N, K] weight with b x b block scales, partial blocks counted (ceil): it takes the block from the scale grid,
-    N / ceil(N / b). "ok" where that is b or the grid is one block; "raises" where the grid does not divide the
-    weight; "wrong" where it divides it into other blocks (N = 96, b = 64: grid 2, blocks of 48 rows, silently)."""
+    [N, K] weight with b x b block scales (ceil), taking the block from the grid, N / ceil(N / b): "ok", "raises" (the
+    grid does not divide the weight) or "wrong" (other blocks: N = 96, b = 64 gives 48 rows, silently)."""
     dims = [(n, -(-n // b)) for n in (N, K)]
     if any(n % g for n, g in dims):
         return "raises"

@@ -1,12 +1,10 @@
-"""load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored.
-
-Loading never re-quantizes (but for musubi's 1 x g scales: nn/group_scales.py) and is all or nothing: everything is
-planned and checked from the keys, dtypes and shapes before any data is read (load_plan.py), then the layers are
-swapped in and filled one shard and one tensor at a time; what still fails while filling puts the model back as it
-was (modules.ModelState). The two steps in detail: docs/ARCHITECTURE.md, "dorafp8/checkpoint/load.py"."""
+"""load_fp8_checkpoint: an fp8 checkpoint into a model's FP8Linear / FP8ConvNd layers, bytes as stored (re-quantized
+only for musubi's 1 x g scales). All or nothing: planned and checked before any data is read (load_plan.py), then
+filled one tensor at a time, a failure putting the model back (docs/ARCHITECTURE.md, "dorafp8/checkpoint/load.py")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -15,8 +13,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..nn import fp8_conv_class
-from ..nn import FP8Linear
+from ..nn import FP8Linear, fp8_conv_class
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import E4M3, E4M3_MAX, E8M0, check_scale, scale_kind
@@ -40,27 +37,22 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
                         backend: str = "auto", act_quant: Optional[str] = None,
                         verbose: bool = True) -> LoadReport:
     """Loads an fp8 checkpoint into `model`, in place: every linear layer whose checkpoint weight is float8_e4m3fn
-    becomes an FP8Linear holding those bytes and their scale (converted to fp32 exactly); everything else (norms,
-    embeddings, lm_head, biases) is loaded into the model's own tensors, cast to their dtype.
-
-    All or nothing: an error, whenever it comes, leaves the model as it was.
+    becomes an FP8Linear holding those bytes and their scale (fp32, exact); everything else is loaded into the model's
+    own tensors, cast to their dtype. All or nothing: an error, whenever it comes, leaves the model as it was.
 
     Args:
         model: an nn.Module, typically built on the meta device (`with accelerate.init_empty_weights():
-            AutoModelForCausalLM.from_config(cfg)`, `with torch.device("meta"): ...`, or a diffusers model built the
-            same way); its tensors are materialized on `device` as they are read. A model with real weights works too.
+            AutoModelForCausalLM.from_config(cfg)`); its tensors are materialized on `device` as they are read.
         path_or_state_dict: a .safetensors file, a directory (sharded with model.safetensors.index.json, or not), or a
-            dict of tensors. Shards are read one at a time, one tensor at a time.
-        format: "auto" (detected from the keys, dtypes and config.json) or one of LAYOUTS: comfyui, comfyui-quant,
-            compressed-tensors, fine-grained, dorafp8, musubi, fp8-cast.
+            dict of tensors; read one shard and one tensor at a time.
+        format: "auto" (detected from the keys, dtypes and config.json) or one of LAYOUTS.
         device: where the loaded tensors go.
         dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
         block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
-        key_map: maps a checkpoint key to the model's name for it (or None to skip it); without it a common prefix
+        key_map: maps a checkpoint key to the model's name for it (or None to skip it); default: a common prefix
             (ComfyUI's 'model.diffusion_model.', ...) is found and stripped.
-        strict: model tensors the checkpoint lacks, or checkpoint tensors that fit nothing, are an error (checked
-            before any data is read). False: they are reported; missing ones stay as they were (on the meta device:
-            initialized by the model's own initializer, transformers' _init_weights, where it has one).
+        strict: model tensors the checkpoint lacks, or checkpoint tensors that fit nothing, are an error. False: they
+            are reported; missing ones stay as they were (on the meta device: the model's _init_weights, if any).
         backend, act_quant: given to the FP8Linear layers (see FP8Linear).
         verbose: print the report (and a line per shard); it is always logged on the "dorafp8" logger.
 
@@ -78,11 +70,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     cfg_block = config_block_size(source, fmt)
     mdtype = dtype or model_dtype(model)
     report = LoadReport(fmt, evidence, source.name, shards=len(source.shards))
-    # All or nothing: check everything, then change the model; what fails after the checks (a shard that cannot be
-    # read) puts it back. The record holds the model's modules and tensors by reference, never copies: on a model
-    # built on the meta device (the way to load a large one) it costs nothing, and the loaded tensors are the only
-    # copy. A model with real weights holds its old tensors beside the loaded ones until the load has succeeded:
-    # they are what a failure puts back, and the only way to undo it short of copying them.
+    # The record holds the model's tensors by reference: free on a meta-device model; a model with real weights holds
+    # its old tensors beside the loaded ones until the load has succeeded (what a failure puts back).
     before = ModelState(model)
     try:
         # accelerate's init_empty_weights re-creates parameters and so unties them (lm_head / embeddings): tied again
@@ -115,11 +104,9 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         if keys.marker_keys:
             source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
         report.seconds = time.time() - t0
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             model.dorafp8_checkpoint = report
             model._dorafp8_source = source_info
-        except (AttributeError, TypeError):
-            pass
     except BaseException:
         before.restore()
         raise
@@ -168,8 +155,7 @@ def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dt
 
 
 class _Progress:
-    """The lines a load prints while it reads: one per shard of a sharded checkpoint, and one at least every
-    _PROGRESS_EVERY_S seconds (a long single-file checkpoint). Counts report.bytes_read."""
+    """The lines a load prints (one per shard, one at least every _PROGRESS_EVERY_S s); counts report.bytes_read."""
 
     def __init__(self, source: CheckpointSource, report: LoadReport, t0: float, verbose: bool):
         self.shards, self.report, self.t0, self.verbose = source.shards, report, t0, verbose
@@ -191,7 +177,6 @@ class _Progress:
         self.n_in_shard += 1
         self.n_done += 1
         self.b_in_shard += nbytes
-        # a long shard (single-file checkpoints): a line now and then
         if time.time() - self.last_note > _PROGRESS_EVERY_S:
             self.last_note = time.time()
             self._say(f"dorafp8: ... {self.n_done}/{self.total} tensors, {self.report.bytes_read / 2**30:.2f} GiB "
@@ -205,9 +190,8 @@ class _Progress:
 
 
 def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
-    """t as fp32, refused if any value is NaN, infinite or negative, or so large that it times e4m3's largest value
-    (448) is infinite in fp32: such a scale would load without a word and turn its rows into NaN, inf or flipped
-    outputs (a damaged or mis-converted file). The load then puts the model back."""
+    """t as fp32, refused if any value is NaN, infinite, negative or overflows times e4m3's largest value (it would
+    turn its rows into NaN, inf or flipped outputs)."""
     f = t.float()
     bad = int((~torch.isfinite(f * E4M3_MAX) | (f < 0)).sum())
     if bad:
@@ -318,10 +302,10 @@ class _TensorLoader:
 
     def _plain(self, k: str, t: torch.Tensor) -> None:
         m = self.plan.plain[k]
-        layers = self.plan.layers
+        mod_name = m.rpartition(".")[0]
         target = self.model_t.get(m)
         if target is None:  # the bias of a layer swapped for an FP8Linear
-            target = self.model.get_submodule(m.rpartition(".")[0]).bias
+            target = self.model.get_submodule(mod_name).bias
         if not t.is_floating_point():
             tdt = t.dtype
         elif self.dtype is not None or target.dtype in (E4M3, E5M2) or not target.is_floating_point():
@@ -332,10 +316,9 @@ class _TensorLoader:
             t = t.float()
             self.report.dequantized.append(m)
         value = t.to(tdt)
-        if isinstance(target, nn.Parameter) or m.rpartition(".")[0] in layers:
-            lin = m.rpartition(".")[0] in layers and layers[m.rpartition(".")[0]].fp8
-            value = nn.Parameter(value, requires_grad=(not lin) and target.requires_grad
-                                 and value.is_floating_point())
+        if isinstance(target, nn.Parameter) or mod_name in self.plan.layers:
+            fp8 = mod_name in self.plan.layers and self.plan.layers[mod_name].fp8  # an fp8 layer's bias stays frozen
+            value = nn.Parameter(value, requires_grad=not fp8 and target.requires_grad and value.is_floating_point())
         for alias in self.tied.get(m, [m]):
             set_tensor(self.model, alias, value, param=isinstance(value, nn.Parameter))
         self.src_dtypes[m] = t.dtype
@@ -362,10 +345,8 @@ def _is_checked_extra(k: str) -> bool:
 
 
 def _read_checked_first(plan: LoadPlan, source: CheckpointSource, device, report: LoadReport) -> dict:
-    """Reads the small tensors needed before the others, and checks those whose values can refuse the load, before
-    the model changes: the scales of fp8 tensors that get dequantized or re-quantized (needed with their tensor: 1 x g
-    scales are 1/64 of their weight's elements), zero points and
-    ComfyUI layer configs. key -> tensor, each read once (the loader takes them from here)."""
+    """key -> tensor of the small tensors needed before the others (scales of dequantized or re-quantized fp8 tensors,
+    NVFP4 global scales, zero points, ComfyUI layer configs), read once and checked before the model changes."""
     globals_ = {p.global_key for p in plan.layers.values() if p.global_key}
     keys = [p.scale_key for p in plan.layers.values() if (not p.fp8 or p.group) and p.scale_key] + \
         [e for p in plan.layers.values() for e in p.extras if _is_checked_extra(e)] + sorted(globals_)
@@ -441,8 +422,7 @@ def _owner(inits: dict, mname: str) -> str | None:
 
 
 def _stuck(model: nn.Module, left: dict) -> list[str]:
-    """The tensors of `left` that nothing can compute: in a module that keeps some real tensors, or that no model
-    initializer owns."""
+    """The tensors of `left` that nothing can compute (in a module with real tensors, or no initializer's)."""
     inits = _initializers(model)
     return [f"{mname}.{n}" if mname else n for mname, (_, meta, whole) in left.items()
             if not whole or _owner(inits, mname) is None for n in meta]
@@ -456,10 +436,9 @@ def _stuck_error(stuck: list) -> CheckpointFormatError:
 
 
 def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
-    """Tensors still on the meta device after loading. A module all of whose own tensors are left (a rotary
-    embedding's inv_freq, a layer missing from the checkpoint under strict=False) is materialized and initialized by
-    the model's own initializer (transformers' _init_weights) when there is one; otherwise it is an error under
-    strict (zeros and a report line without)."""
+    """Tensors still on the meta device after loading, materialized: a module all of whose tensors are left (a rotary
+    embedding's inv_freq) is initialized by the model's _init_weights where it has one; else zeros (an error under
+    strict)."""
     left = _left_on_meta(model.named_modules())
     if not left:
         return

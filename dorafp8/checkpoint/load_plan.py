@@ -1,6 +1,5 @@
-"""Planning a load from the checkpoint's keys, dtypes and shapes alone, before any data is read: which checkpoint
-key goes to which model tensor, which modules get fp8 layers and with which scales; every mismatch is found here and
-raised together (CheckpointFormatError), so a failed load has read nothing and changed nothing."""
+"""Planning a load from the checkpoint's keys, dtypes and shapes alone, before any data is read: which key goes to
+which model tensor, which modules get fp8 layers with which scales; every mismatch is raised here, together."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn import fp8_conv_class
-from ..nn import FP8Linear
+from ..nn import FP8Linear, fp8_conv_class
 from ..nn.convert import kept_in_precision
 from ..quant import DEFAULT_BLOCK, E4M3, E8M0, MXFP8_BLOCK, NVFP4_BLOCK, check_scale
 from .files import some
@@ -199,10 +197,9 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
 
 
-# The layouts whose files may hold microscaled weights (NVFP4, MXFP8), and the scale dtypes of MXFP8 in a file (e8m0
-# as safetensors' F8_E8M0, or its bytes as uint8, as compressed-tensors stores its MX scales).
+# The layouts that may hold NVFP4 / MXFP8 weights; MXFP8's scale dtypes in a file (e8m0, or its bytes as uint8).
 MICRO_FORMATS = ("modelopt", "compressed-tensors")
-MX_SCALE_DTYPES = tuple(d for d in (torch.uint8, E8M0) if d is not None)
+MX_SCALE_DTYPES = (torch.uint8, E8M0)
 
 
 def _micro_kind(info: dict, k: str, lay: str, fmt: str) -> Optional[str]:
@@ -218,8 +215,7 @@ def _micro_kind(info: dict, k: str, lay: str, fmt: str) -> Optional[str]:
 
 def _plan_micro(plan: LoadPlan, p: LayerPlan, kind: str, k: str, mod_name: str, N: int, K: int, info: dict,
                 errors: list) -> None:
-    """A microscaled layer's scale (and NVFP4's global scale) planned and its shapes and dtypes checked; every
-    problem goes to `errors`, naming the tensor."""
+    """A microscaled layer's scale (and NVFP4's global scale) planned and checked; problems go to `errors`."""
     lay = layer_key(k)
     if not p.linear:
         errors.append(f"{k}: {kind} weights load into linear layers only, not {type(p.module).__name__} "
@@ -264,8 +260,7 @@ def _plan_micro(plan: LoadPlan, p: LayerPlan, kind: str, k: str, mod_name: str, 
 
 
 def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optional[str]:
-    """Why a 3-D musubi scale [N, K / g, 1] (one scale per output row and g input columns) cannot be read for the
-    layer of `p`, or None."""
+    """Why a musubi scale [N, K / g, 1] (1 x g blocks) cannot be read for the layer of `p`, or None."""
     if not (p.linear and p.fp8):
         return "1 x g block scales are read for linear layers only"
     if shape[0] != N or shape[2] != 1 or shape[1] < 1 or K % shape[1]:
@@ -295,9 +290,8 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _dtype_problems(k: str, dtype: Optional[torch.dtype], m: str, target: Optional[torch.Tensor]) -> list[str]:
-    """Why checkpoint tensor k (of `dtype`, None for one torch has no dtype for) cannot fill the model's tensor m:
-    it is cast to m's dtype, which is right between floating-point dtypes (fp8 ones included) and between integer
-    ones, and silently wrong across kinds (an int8 weight without scales into a float Linear, a bool buffer)."""
+    """Why checkpoint tensor k (of `dtype`, None if torch has none) cannot be cast into the model's tensor m: a cast
+    across kinds (an int8 weight into a float Linear, a bool buffer) would be silently wrong."""
     if target is None:
         return []
     if dtype is None:
@@ -340,12 +334,8 @@ def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict,
             unexpected.append(k)
     if errors:
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
-    by_module: dict[str, list[str]] = {}
-    for n in model_t:
-        by_module.setdefault(n.rpartition(".")[0], []).append(n)
-    covered = set()
-    for mod_name in plan.layers:  # the layer's own tensors (weight, scales) but its bias: that one is loaded
-        covered |= {n for n in by_module.get(mod_name, []) if not n.endswith(".bias")}
+    # the planned layers' own tensors (weight, scales) but their bias, which is loaded as a plain tensor
+    covered = {n for n in model_t if n.rpartition(".")[0] in plan.layers and not n.endswith(".bias")}
     for m in plan.plain.values():
         covered |= set(tied.get(m, [m]))
     missing = sorted(n for n in model_t if n not in covered)

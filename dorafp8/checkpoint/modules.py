@@ -78,12 +78,9 @@ def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
 
 
 class ModelState:
-    """What a model is made of, by reference, to put back after a failed operation (all or nothing): every module's
-    attributes and its parameter, buffer and submodule slots. Shallow: no tensor is copied, so for a model on the meta
-    device it costs nothing; a model with real weights keeps its old tensors alive until the record is dropped (they
-    are what would be put back). Restoring gives back the same module and tensor objects in the same places, which
-    undoes every change made by replacing modules and tensors (all that loading and swapping layers do); a change
-    written into an existing tensor is not undone."""
+    """Every module's attributes and parameter, buffer and submodule slots, by reference (no tensor copied), to put
+    back after a failed operation: undoes every replaced module or tensor, not a change written into a tensor
+    (docs/ARCHITECTURE.md, "All or nothing")."""
 
     def __init__(self, model: nn.Module):
         self._saved = [(mod, dict(mod.__dict__), dict(mod._parameters), dict(mod._buffers), dict(mod._modules),

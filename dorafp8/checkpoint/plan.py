@@ -1,12 +1,6 @@
-"""The typed records that loading and writing pass around.
-
-Two of them live on the model between a load and a save, as the attribute `_dorafp8_source`:
-- SourceInfo on the model: where it was loaded from (load_fp8_checkpoint, from_transformers_fp8), so that
-  save_fp8_checkpoint / export_merged write the same layout, key prefix, metadata and dtypes back;
-- LayerSource on each fp8 layer: the layout, scale dtype and shape and extra tensors (static activation scales,
-  comfy_quant) it was loaded with, so that a layer written back unchanged gives back the same tensors.
-The others carry one load's or one write's decisions from one step to the next.
-"""
+"""The typed records that loading and writing pass around. SourceInfo (on the model) and LayerSource (on each fp8
+layer) stay as `_dorafp8_source` between a load and a save, so that a model written back in its layout gives back the
+same tensors; the others carry one load's or one write's decisions from one step to the next."""
 
 from __future__ import annotations
 
@@ -68,9 +62,7 @@ class LayerPlan:
     module: nn.Module                 # the model's module (the FP8Linear / FP8ConvNd once built)
     linear: bool
     conv: bool
-    # the layer keeps the checkpoint's e4m3 bytes and scale (FP8Linear, FP8Conv1d/2d/3d); any other module holding
-    # an fp8 tensor (embedding, GPT-2's Conv1D) gets it dequantized
-    fp8: bool
+    fp8: bool  # keeps the e4m3 bytes and scale (FP8Linear / FP8ConvNd); else (embedding, Conv1D) dequantized
     scale_key: Optional[str] = None
     block_size: Optional[int] = None       # the block size of block scales, None for per-tensor / per-row ones
     group: Optional[int] = None            # g of 1 x g block scales (musubi), re-quantized to per row when read

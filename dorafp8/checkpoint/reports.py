@@ -54,8 +54,7 @@ class LoadReport:
 @dataclass
 class ExportReport:
     """What save_fp8_checkpoint / export_merged wrote. Per fp8 layer: what was done and the relative error of the
-    written weight against the fp32 weight the model computes with (for a merged layer: m / ||W0 + s B A|| *
-    (W0 + s B A), evaluated in fp32 from the unmerged adapters)."""
+    written weight against the fp32 one the model computes with (merged: evaluated from the unmerged adapters)."""
     format: str
     path: str
     files: list = field(default_factory=list)

@@ -1,8 +1,5 @@
-"""save_pretrained of a transformers or diffusers model that holds dorafp8 fp8 layers.
-
-Left alone, both libraries write each fp8 weight's raw e4m3 values and its scale under a key their from_pretrained
-does not know, and the checkpoint loads wrong with only a warning. So dorafp8/_install.py wraps both: transformers'
-writes the fp8 layers as compressed-tensors or fine-grained FP8 (which transformers and vLLM read on their own);
+"""save_pretrained of a transformers or diffusers model that holds dorafp8 fp8 layers (left alone, its checkpoint
+loads wrong): transformers' writes them as compressed-tensors or fine-grained FP8, which transformers and vLLM read;
 diffusers', which has no layout for scaled fp8 weights, refuses, naming dorafp8's writers."""
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from .write import save_pretrained_state
 
 @contextlib.contextmanager
 def _config_says(model: nn.Module, quantization_config: dict):
-    """config.quantization_config = the written layout's, for the save only. A model that DoRAFP8Config quantized
-    also has an hf_quantizer, whose state dict transformers' save_pretrained would take instead of the one it is
-    given (transformers 5): hidden for the save too."""
+    """config.quantization_config = the written layout's, for the save only; a DoRAFP8Config model's hf_quantizer
+    hidden too (transformers 5 would take its state dict instead of the one given)."""
     cfg = model.config
     had = hasattr(cfg, "quantization_config")
     old = getattr(cfg, "quantization_config", None)
@@ -102,9 +98,8 @@ def patch_transformers() -> None:
 
 
 class _DiffusersDoRAFP8Checkpoint:
-    """What diffusers' quantizer registry finds for quant_method 'dorafp8', the marker dorafp8's writers put in the
-    config.json of a diffusers directory: an error saying how to load it (without dorafp8 imported, diffusers says
-    "Unknown quantization type, got dorafp8")."""
+    """What diffusers' quantizer registry finds for quant_method 'dorafp8' (configs.diffusers_guard): an error saying
+    how to load the directory."""
 
     @classmethod
     def from_dict(cls, config: dict, *args, **kwargs):

@@ -1,9 +1,6 @@
 """ComfyUI / kijai fp8_scaled single files in their original layouts (ldm, BFL, MMDiT, Wan's, ...) into diffusers
-models, in place (load_single_file); diffusers' own `from_single_file` of such a file refused while dorafp8 is imported.
-
-diffusers' `from_single_file` drops the files' scale keys as unexpected and loads the raw e4m3 values, and the model
-outputs NaN without an error; `import dorafp8` wraps it (dorafp8/_install.py) so that such a checkpoint is refused,
-whether it comes as a path or as a dict (what `DiffusionPipeline.from_single_file` hands each component)."""
+models, in place (load_single_file). diffusers' own `from_single_file` would load such a file's raw e4m3 values without
+their scales (NaN outputs, no error): while dorafp8 is imported it refuses it, as a path or as a dict."""
 
 from __future__ import annotations
 
@@ -77,9 +74,8 @@ _ROW_BITS = 32  # a row tag: source index << 32 | row
 
 
 def _row_tags(shapes: dict) -> tuple[list, dict]:
-    """(keys, tags): every tensor of a state dict ({key: shape}) replaced by an int64 vector with one entry per row
-    (dim 0) naming the tensor and the row: what diffusers' converters do to rows (rename, chunk, split, concatenate,
-    swap halves) they then do to these, and the result says where each row of each converted tensor comes from."""
+    """(keys, tags): every tensor of a state dict ({key: shape}) as an int64 vector naming the tensor and each row:
+    what diffusers' converters do to rows they do to these, which then say where each converted row comes from."""
     keys = list(shapes)
     tags = {}
     for i, k in enumerate(keys):
@@ -145,15 +141,10 @@ def _same(tensors: list) -> bool:
 
 
 def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
-    """A single file in its original layout (ldm, BFL, ...; fp8 weights with ComfyUI's `scale_weight`, per tensor or
-    per row, and `scale_input`, or dense) -> the same tensors under `model`'s diffusers names, in ComfyUI's encoding:
-    fp8 bytes as they are, each piece of a fused weight with the per-tensor scale of the weight it was cut from (per
-    row scales cut with their rows) and its `scale_input`.
-
-    The mapping is diffusers' own converter, run on row tags (_row_tags) rather than on the tensors: it only renames
-    and cuts or joins rows, and the tags it returns say which rows of which original tensor each diffusers tensor is.
-    What it does not map (a key it leaves unread), or maps in a way that is not a choice of rows, is refused naming
-    the key and the model; so is a joined tensor whose pieces have different per-tensor scales."""
+    """A single file in its original layout (fp8 weights with ComfyUI's `scale_weight` and `scale_input`, or dense) ->
+    the same tensors under `model`'s diffusers names, fp8 bytes as they are, each piece of a fused weight with the
+    scales of the weight it was cut from. The mapping is diffusers' own converter run on row tags (row_map); a key it
+    leaves unread, a mapping that is not a choice of rows, or a join of different per-tensor scales is refused."""
     name = _model_name(model)
     newer = [k for k in state_dict if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]
     if newer:
@@ -221,12 +212,9 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
 
 
 def _e5m2_to_e4m3(state_dict: dict) -> dict:
-    """`state_dict` with its float8_e5m2 weights (some tools write ComfyUI's scaled files in e5m2; the `scaled_fp8`
-    marker's dtype says which) as e4m3 bytes with their scale_weight: dorafp8's layers hold e4m3 only. Each tensor is
-    multiplied by the power of two 2**k that brings its largest value to [256, 448] (exact), cast to e4m3 and its
-    scale (1 where it has none) divided by 2**k (exact): e5m2's 2 mantissa bits fit e4m3's 3, so every value of at
-    least 2**-7 after the shift is kept exactly; smaller ones round to e4m3's step 2**-9. One QuantizationWarning
-    states the worst change (of the tensor's largest value) and how many tensors were converted exactly."""
+    """`state_dict` with its float8_e5m2 weights as e4m3 bytes: each shifted by the power of two 2**k that brings its
+    largest value to [256, 448], its scale_weight divided by 2**k (exact: e5m2's 2 mantissa bits fit e4m3's 3; values
+    below 2**-7 after the shift round). One QuantizationWarning states the worst change."""
     e5m2 = [k for k, t in state_dict.items() if t.dtype == torch.float8_e5m2 and k.endswith(".weight")]
     if not e5m2:
         return state_dict

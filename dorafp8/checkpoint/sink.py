@@ -1,6 +1,5 @@
-"""Where a writer puts its tensors: TensorSink keeps them in a dict (the state dict handed to transformers'
-save_pretrained); ShardWriter writes them to safetensors files (parts in a staging folder, or one file); shard_names /
-shard_pattern: the names shards are given."""
+"""Where a writer puts its tensors: TensorSink (a dict, for transformers' save_pretrained) or ShardWriter (safetensors
+files); shard_names / shard_pattern: the names shards are given."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def parse_size(size) -> int:
 
 
 class TensorSink:
-    """Where the writer puts its tensors: in a dict, in order (the state dict handed to transformers' save_pretrained,
-    which shards and writes it itself). ShardWriter writes them to safetensors files instead."""
+    """The tensors in a dict, in order (the state dict handed to transformers' save_pretrained)."""
 
     def __init__(self):
         self.cur: dict = {}
@@ -48,9 +46,8 @@ class TensorSink:
 
 
 class ShardWriter(TensorSink):
-    """Writes the tensors to safetensors files of at most max_bytes each: into the staging folder `path` as hidden
-    parts (close() returns them, and write.py names and publishes them), or at close() to the one file `path` ending
-    in .safetensors (files.save_file_atomic: whole or not at all)."""
+    """Writes the tensors to safetensors files of at most max_bytes each: hidden parts in the staging folder `path`
+    (write.py publishes them), or at close() the one file `path` ending in .safetensors (save_file_atomic)."""
 
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
         super().__init__()
@@ -85,8 +82,8 @@ class ShardWriter(TensorSink):
 
 
 def shard_names(stem: str, n: int, taken=frozenset()) -> list[str]:
-    """Fresh names for the n shards of one export, `{stem}-{8 random hex}-00001-of-0000n.safetensors`, ..., none of
-    them in `taken` (the files of the destination): an export never writes over a file a reader may be reading."""
+    """Fresh names `{stem}-{8 random hex}-00001-of-0000n.safetensors`, ... for n shards, none in `taken`: an export
+    never writes over a file a reader may be reading."""
     while True:
         tag = uuid.uuid4().hex[:8]
         names = [f"{stem}-{tag}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -95,6 +92,5 @@ def shard_names(stem: str, n: int, taken=frozenset()) -> list[str]:
 
 
 def shard_pattern(stem: str) -> re.Pattern:
-    """The names shard_names gives for `stem`, and only those (plain file names): the only files a writer may remove
-    of an export it replaces (files.previous_export)."""
+    """The names shard_names gives for `stem`: the only files a writer may remove (files.previous_export)."""
     return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{8}}-[0-9]{{5}}-of-[0-9]{{5}}\.safetensors")

@@ -18,11 +18,6 @@ SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
 INDEX_NAMES = tuple(f"{n}.index.json" for n in SINGLE_NAMES)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Sources: a dict, a .safetensors file, or a directory (sharded with an index, or not)
-# ----------------------------------------------------------------------------------------------------------------
-
-
 class CheckpointSource:
     """Keys, dtypes and shapes of a checkpoint without reading its data; then the data, one shard at a time."""
 
@@ -67,20 +62,22 @@ class CheckpointSource:
                 self.info[k] = (SAFETENSORS_DTYPES.get(dtype), shape, i)
 
     def _read_folder(self, path: str) -> None:
-        """The shards and config.json of a checkpoint folder: each a regular file inside the folder (files.file_in),
-        each JSON file an object. The shards are the folder's model.safetensors (diffusion_pytorch_model.safetensors)
-        if it has one, as transformers (diffusers) reads it first, else those its index names, else every
-        *.safetensors file in it. So a folder that an export is replacing loads as the old export or the new one
-        at every step of its publish (write.py); config.json and hf_quant_config.json, where the index records their
-        sha256 (a dorafp8 export), must have it: a reader never pairs one export's config with another's weights."""
+        """The shards and config.json of a checkpoint folder, each a regular file inside it (files.file_in): its
+        model.safetensors if any (what transformers reads first), else those its index names, else every
+        *.safetensors. config.json and hf_quant_config.json must have the sha256 the index records, if it does: a
+        reader never pairs one export's config with another's weights (write._publish)."""
         roots = allowed_roots(path)
+
+        def inside(name: str, what: Optional[str] = None) -> str:
+            return file_in(path, name, what or f"{path}: {name}", roots)
+
         recorded = {}  # what the index of a dorafp8 export records of its config.json and hf_quant_config.json
         single = next((n for n in SINGLE_NAMES if os.path.lexists(os.path.join(path, n))), None)
         index = next((n for n in INDEX_NAMES if os.path.lexists(os.path.join(path, n))), None)
         if single is not None:
-            self.shards = [file_in(path, single, f"{path}: {single}", roots)]
+            self.shards = [inside(single)]
         elif index is not None:
-            self.index = file_in(path, index, f"{path}: {index}", roots)
+            self.index = inside(index)
             index_obj = read_json(self.index, 'a safetensors index, {"weight_map": {tensor name: shard file}}')
             weight_map = index_obj.get("weight_map")
             meta = index_obj.get("metadata")
@@ -89,26 +86,24 @@ class CheckpointSource:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointFormatError(f"{self.index}: its \"weight_map\" is not an object of tensor names to "
                                             f"shard file names; {DAMAGED}")
-            self.shards = [file_in(path, s, f"{self.index}: shard {s!r}", roots)
-                           for s in sorted(set(weight_map.values()))]
+            self.shards = [inside(s, f"{self.index}: shard {s!r}") for s in sorted(set(weight_map.values()))]
         else:
-            self.shards = [file_in(path, n, f"{path}: {n}", roots)
-                           for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+            self.shards = [inside(n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
         if not self.shards:
             others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
             raise FileNotFoundError(f"no .safetensors file in {path}" + (
                 f" (found {', '.join(others[:3])}: only safetensors checkpoints are read; load other formats "
                 f"yourself and pass the state dict)" if others else ""))
         if os.path.lexists(os.path.join(path, "config.json")):
-            cfg = file_in(path, "config.json", f"{path}: config.json", roots)
+            cfg = inside("config.json")
             self.config = read_json(cfg, "a model config (a JSON object)", recorded.get("config.json"))
             if not isinstance(self.config.get("quantization_config") or {}, dict):
                 raise CheckpointFormatError(f"{cfg}: its \"quantization_config\" is a "
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "
                                             f"{DAMAGED}")
         if os.path.lexists(os.path.join(path, "hf_quant_config.json")):
-            self.hf_quant_config = read_json(file_in(path, "hf_quant_config.json", f"{path}: hf_quant_config.json",
-                                                     roots), "ModelOpt's quantization config (a JSON object)",
+            self.hf_quant_config = read_json(inside("hf_quant_config.json"),
+                                             "ModelOpt's quantization config (a JSON object)",
                                              recorded.get("hf_quant_config.json"))
 
     def where(self, i: int) -> str:
@@ -146,9 +141,7 @@ class CheckpointSource:
                     yield k, f.get_tensor(k)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Detection
-# ----------------------------------------------------------------------------------------------------------------
+# ---- detection ---------------------------------------------------------------------------------------------------
 
 
 def layer_key(key: str) -> str:
@@ -239,9 +232,8 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
 
 
 def nvfp4_weights(info: dict) -> dict[str, str]:
-    """The layers whose weight is packed NVFP4: '<layer>' -> the key of its packed weight. ModelOpt's: a uint8
-    '<layer>.weight' beside '<layer>.weight_scale_2'; compressed-tensors' nvfp4-pack-quantized: a uint8
-    '<layer>.weight_packed' beside '<layer>.weight_global_scale'."""
+    """'<layer>' -> the key of its packed NVFP4 weight: a uint8 '.weight' beside '.weight_scale_2' (ModelOpt) or
+    '.weight_packed' beside '.weight_global_scale' (compressed-tensors)."""
     out = {}
     for k, (dtype, _, _) in info.items():
         lay, _, suffix = k.rpartition(".")

@@ -1,10 +1,7 @@
 """save_fp8_checkpoint and export_merged (a file or a directory), and the state dict dorafp8 hands transformers'
-save_pretrained: the target resolved from the model and the arguments and checked before anything is written, then
-the tensors emitted (emit.py) into a ShardWriter or a TensorSink, then config.json (configs.py).
-
-Writing re-quantizes only what changed (merged layers) or what the target layout cannot hold as is (a per-row layer
-written per tensor), and says so in the ExportReport.
-"""
+save_pretrained: the target checked before anything is written, the tensors emitted (emit.py) into a ShardWriter or
+a TensorSink, then config.json (configs.py). Only merged layers, or those the layout cannot hold as is, are
+re-quantized, and the ExportReport says so."""
 
 from __future__ import annotations
 
@@ -38,13 +35,9 @@ logger = logging.getLogger("dorafp8")
 def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *, granularity: Optional[str] = None,
                         block_size: Optional[int] = None, max_shard_size="5GB", prefix: Optional[str] = None,
                         metadata: Optional[dict] = None, verbose: bool = True) -> ExportReport:
-    """Writes the model's weights as they are, fp8 layers in `format`. Adapters are neither merged (see export_merged)
-    nor written (PEFT's save_pretrained does that).
-
-    Each fp8 layer keeps its bytes and scale when the layout can hold them (a model loaded with load_fp8_checkpoint
-    and saved in the same format gives back the same tensors, in the same dtypes and shapes); a per-tensor scale is
-    broadcast losslessly where the layout wants rows or blocks; anything else is re-quantized from the fp32 weight and
-    reported.
+    """Writes the model's weights as they are, fp8 layers in `format`; adapters are neither merged (see export_merged)
+    nor written. Each fp8 layer keeps its bytes and scale where the layout can hold them (a model loaded and saved in
+    the same format gives back the same tensors); anything else is re-quantized from the fp32 weight and reported.
 
     Args:
         model: a model with dorafp8 fp8 layers (a PeftModel too: its base is written).
@@ -79,11 +72,9 @@ def save_fp8_checkpoint(model: nn.Module, path, format: Optional[str] = None, *,
 def export_merged(model: nn.Module, path, format: Optional[str] = None, *, adapter_names=None,
                   granularity: Optional[str] = None, block_size: Optional[int] = None, max_shard_size="5GB",
                   prefix: Optional[str] = None, metadata: Optional[dict] = None, verbose: bool = True) -> ExportReport:
-    """Merges each layer's DoRA (or LoRA) adapters into its fp8 base and writes a checkpoint to deploy.
-
-    For a DoRA adapter the merged row j is m_j / max(||V_j||, NORM_EPS) * V_j with V = W0 + s B A, computed in fp32
-    one block of rows at a time (never a dense fp32 copy of a layer); several active adapters merge in sequence, as
-    PEFT merges them. Layers without adapters keep their bytes. The model itself is not changed.
+    """Merges each layer's DoRA (or LoRA) adapters into its fp8 base and writes a checkpoint to deploy: merged row j is
+    m_j / max(||V_j||, NORM_EPS) * V_j with V = W0 + s B A, in fp32 row blocks (merge.py), several adapters in
+    sequence as PEFT merges them. Layers without adapters keep their bytes. The model itself is not changed.
 
     Args:
         model: a PeftModel (or a model with PEFT's LoRA layers) on dorafp8 fp8 layers.
@@ -152,9 +143,8 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
 
 
 def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict):
-    """A folder checkpoint: the shards and config.json written into a staging folder inside `real` (the folder `path`
-    resolves to), then published under the folder's lock (_publish). A failure before the publish leaves the folder
-    as it was (and removes it if this write made it, empty)."""
+    """A folder checkpoint: shards and config.json written into a stage inside `real`, then published under the
+    folder's lock (_publish); a failure before that leaves the folder as it was."""
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
@@ -186,9 +176,8 @@ def _made(folder: str):
 
 
 def _check_folder(real: str, path: str, stem: str) -> None:
-    """Refuses, before anything is written, a folder where the new export would not be what loads: one holding
-    `<stem>.safetensors` (transformers and dorafp8 read it instead of an index), which no export of this writer
-    makes, so it is not one it may remove; or a folder where the index or config.json goes."""
+    """Refuses a folder where the new export would not be what loads (one holding `<stem>.safetensors`, read instead
+    of an index), or where the index or config.json is a folder."""
     single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
     if os.path.lexists(os.path.join(real, single)):
         raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
@@ -281,9 +270,7 @@ def _held(kinds: dict[str, list[str]]) -> str:
 
 
 def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
-    """NVFP4 and MXFP8 layers are written in ModelOpt's layout (format='modelopt') or dense (emit.py dequantizes
-    them, merged or not): the fp8 layouts hold e4m3 with fp32 scales. Refused before anything is written, naming
-    each kind's layers and the alternatives."""
+    """Refuses NVFP4 / MXFP8 layers in an fp8 layout (e4m3, fp32 scales): they go to format='modelopt' or dense."""
     kinds = {k: v for k, v in _layer_kinds(model).items() if k in MICRO_KINDS}
     if kinds:
         raise ValueError(f"the model holds {_held(kinds)}, which format={fmt!r} cannot hold (its layout is e4m3 with "
@@ -293,9 +280,7 @@ def _refuse_microscaled(model: nn.Module, fmt: str) -> None:
 
 
 def _check_modelopt(model: nn.Module, granularity) -> None:
-    """format='modelopt' writes NVFP4 or MXFP8 layers, each in its own kind (kept, or re-quantized by its recipe once
-    merged), as ModelOpt's export lays them out; one quant_algo a file, as its hf_quant_config.json says. Anything
-    else is refused before anything is written."""
+    """format='modelopt' holds NVFP4 or MXFP8 layers, one quant_algo a file: anything else is refused."""
     if granularity is not None:
         raise ValueError(f"granularity={granularity!r}: format='modelopt' writes each NVFP4 / MXFP8 layer in its own "
                          f"kind; granularity= applies to the fp8 formats")
@@ -363,12 +348,10 @@ def unmerged_adapter_layers(base: nn.Module) -> list[str]:
 
 
 def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, ExportReport]:
-    """(state dict, quantization_config, report) for transformers' save_pretrained of a model holding dorafp8 fp8
-    layers (save_hooks.py hands them to it): the fp8 layers in a layout transformers and vLLM read on their
-    own, keeping every layer's bytes and scales. fine-grained if the model was loaded from it and every layer still
-    fits it as is (per-tensor, or blocks of its size), else compressed-tensors (per-tensor, per-row and block scales,
-    any mix). Raises ValueError naming the fix where no such layout can hold the model: unmerged PEFT adapters (they
-    would be dropped), fp8 conv layers, blocks that do not divide a layer."""
+    """(state dict, quantization_config, report) for transformers' save_pretrained of a model with dorafp8 fp8 layers
+    (save_hooks.py), every layer's bytes and scales kept: fine-grained if the model was loaded from it and every layer
+    still fits it, else compressed-tensors. Raises ValueError naming the fix where neither can hold the model
+    (unmerged PEFT adapters, fp8 convs, blocks that do not divide a layer)."""
     base = base_model(model)
     unmerged = unmerged_adapter_layers(base)
     if unmerged:
