@@ -1,9 +1,7 @@
 """Exact float8_e4m3fn -> fp16 / bf16 / fp32 conversion that is fast on CPU.
 
-On CPU two exact conversions compete, PyTorch's own and a table lookup (the codes times the scale, gathered by
-index): the first large block of each kind times both and the faster serves the rest of the process (`_choice`); both
-give the same bits. Small blocks always take one or the other without timing; other devices use PyTorch's. Why:
-docs/ARCHITECTURE.md, "dorafp8/_fp8_cast.py"."""
+On CPU PyTorch's own conversion and a table lookup (same bits) race on the first large block of each kind; the faster
+serves the rest of the process (`_choice`). Other devices use PyTorch's. Why: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Counting the GPU kernels a piece of code launches and the bytes they move, on CPU as well as on GPU (for the tests
-and bench/glue_cpu.py): `LaunchRecorder` (Triton launches and PyTorch ops that would launch), and `dry_run`.
-
-The bytes are a model, not a measurement. What it sees and assumes: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+and bench/glue_cpu.py): `LaunchRecorder` and `dry_run`. The bytes are a model (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

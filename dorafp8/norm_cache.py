@@ -1,9 +1,6 @@
-"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it.
-
-Only where it is provably current: on CPU when the adapters still equal the copies taken with it; on a GPU only inside
-`reuse_weight_norms()`, which the caller opens (a comparison there would need a host sync). Why version counters are
-not enough: docs/ARCHITECTURE.md, "Design notes, by module"; docs/DORA_MATH.md, "The weight-norm cache".
-"""
+"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it: on CPU when the
+adapters still equal the copies taken with it; on a GPU only inside `reuse_weight_norms()` (a comparison would need a
+host sync). Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md, "The weight-norm cache"."""
 
 from __future__ import annotations
 

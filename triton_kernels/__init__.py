@@ -1,10 +1,8 @@
 """Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/base.py.
 
-weight_norm, project / project_grad, forward, backward_pass and dgrad are the launchers of weight_norm.py, lowrank.py,
-forward.py, backward.py and dgrad.py (forward and dgrad share gemm.py's main loop); every launch goes through
-_common.launch, which `launch_observers()` can watch. Runs on CUDA GPUs, and on CPU under Triton's interpreter
-(TRITON_INTERPRET=1: the tests). Triton is optional: without it this module still imports and says why it cannot
-run."""
+The launchers of weight_norm.py, lowrank.py, forward.py, backward.py and dgrad.py; every launch goes through
+_common.launch. Runs on CUDA GPUs, and on CPU under Triton's interpreter (TRITON_INTERPRET=1). Without Triton this
+module still imports and says why it cannot run."""
 
 from __future__ import annotations
 

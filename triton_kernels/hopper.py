@@ -1,8 +1,6 @@
 """The Hopper main loop of the fp8 GEMMs (forward and dgrad): when it is used, its tiles, its grid, and what it needs at
-launch. MAIN_LOOP names the loop: "async-copy" (cp.async, one program per tile, every GPU) or "tma-ws" (TMA,
-persistent, warp-specialized; sm_90a). DORAFP8_HOPPER_GEMM=0 picks "async-copy"
-everywhere. What each loop is and why: docs/ARCHITECTURE.md, "Design notes, by module"; docs/INSPECT.md.
-"""
+launch. MAIN_LOOP: "async-copy" (cp.async, every GPU) or "tma-ws" (TMA, persistent, warp-specialized; sm_90a);
+DORAFP8_HOPPER_GEMM=0 picks "async-copy" everywhere. Why: docs/ARCHITECTURE.md; docs/INSPECT.md."""
 
 from __future__ import annotations
 

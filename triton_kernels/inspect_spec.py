@@ -1,9 +1,7 @@
 """The variants of every Triton kernel in this package, for `python -m dorafp8.kernel_report` (docs/INSPECT.md).
 
-THIS is the one place to update when a kernel is added, or a kernel parameter, a constexpr or a launcher's choice
-changes: the report compiles every Variant below under every config in its `configs`, and fails loudly when a
-variant no longer matches its kernel or a `*_kernel` here is not listed. What a Variant holds and what is pinned:
-docs/INSPECT.md, "What it does" and "Adding a kernel or a constexpr"."""
+THE place to update when a kernel, a kernel parameter, a constexpr or a launcher's choice changes: the report compiles
+every Variant below under each of its `configs`, and fails loudly when one no longer matches its kernel."""
 
 from __future__ import annotations
 

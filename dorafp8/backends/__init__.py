@@ -1,11 +1,9 @@
 """Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module implementing the contract of dorafp8/backends/base.py, plus `unavailable_reason(device)` and
-optionally `SUPPORTS`. backend="auto" means $DORAFP8_BACKEND if set, else, on a GPU, the fastest checked backend
-(backends/race.py, whose select() decides each call) with resolve()'s static order where nothing is checked; native
-on CPU. A backend named by the user that cannot run, or cannot compute what the call needs, raises; under "auto" it is
-passed over.
-Details: docs/ARCHITECTURE.md, "dorafp8/backends/__init__.py"."""
+Every backend is a module implementing dorafp8/backends/base.py's contract, plus `unavailable_reason(device)` and
+optionally `SUPPORTS`. backend="auto": $DORAFP8_BACKEND if set, else on a GPU the fastest checked backend (race.py),
+else resolve()'s static order. A named backend that cannot run or compute the call raises; under "auto" it is passed
+over. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""cuBLAS strategy: the backend contract (dorafp8/backends/base.py) with the base GEMMs done by the platform's matmul.
+"""cuBLAS strategy: the backend contract (backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py; MXFP8 and
-NVFP4 by dequant_micro.py), once a step where the forward's copy is kept for the dgrad (ops/_policy.keeps_weight),
-the base GEMMs through torch.matmul (cuBLAS on a GPU), the DoRA epilogues, backward pass, rank-r GEMMs and weight norm
-from the Triton kernels. The yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md, "Design
-notes, by module".
-"""
+What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py,
+dequant_micro.py), the base GEMMs through torch.matmul, the rest from the Triton kernels. The yardstick the fused
+kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""CUDA C++ backend: the backend contract of dorafp8/backends/base.py on the kernels of csrc/ (module dorafp8._C).
+"""CUDA C++ backend: the backend contract of backends/base.py on the kernels of csrc/ (module dorafp8._C).
 
-`CudaBackend` adapts the contract to a launcher with the binding's entry points (csrc/binding.cpp): dorafp8._C on a
-GPU, the CPU emulator's in tests/kernels/test_cuda_emulated.py. Per-tensor and per-row scales, W8A16 only: block
-scales and W8A8 raise a ValueError naming the alternatives. Details: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+`CudaBackend` adapts the contract to a launcher with the binding's entry points: dorafp8._C on a GPU, the CPU emulator
+in tests/kernels/test_cuda_emulated.py. Per-tensor and per-row scales, W8A16 only. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

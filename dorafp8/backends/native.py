@@ -1,10 +1,6 @@
-"""Native backend: the backend contract (dorafp8/backends/base.py) in PyTorch, with the base GEMMs done by the platform's
-matmul in the compute dtype (oneDNN/MKL on CPU).
-
-It is the reference backend with one change: a block of weight rows is dequantized into the compute dtype and
-multiplied there, as PEFT under autocast and the cublas strategy do. Details: docs/ARCHITECTURE.md, "Design notes, by
-module".
-"""
+"""Native backend: the reference backend (backends/reference.py) with one change: a block of weight rows is dequantized
+into the compute dtype and multiplied there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does.
+Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
-process; the fastest of those that computed right.
-Long because the check, its memory plan, the verdict file and the ranks' agreement are one protocol, read together.
+"""What backend="auto" runs on a GPU: the fastest of the kernels checked right on this GPU, versions and build.
 
-The first call of a key looks its verdict up in a file per device and versions, or has a child process check every
-candidate against the reference and time the ones that pass; nothing runs in the user's process but a file read and a
-wait. DORAFP8_RACE=0 turns it off. The protocol, its memory bound and its failure cases: docs/ARCHITECTURE.md,
-"dorafp8/backends/race.py"."""
+A key's verdicts come from a file per device and versions, else from a child process that checks every candidate
+against the reference and times those that pass; DORAFP8_RACE=0 turns it off. The protocol, its memory bound and
+its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py"."""
 
 from __future__ import annotations
 
@@ -27,6 +24,7 @@ import warnings
 import torch
 
 from .. import backends
+from .cuda_build import cache_dir
 
 log = logging.getLogger("dorafp8.race")
 
@@ -59,10 +57,9 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` ("dora", "linear", "norm") runs, decided here once per call: `backend` or
-    $DORAFP8_BACKEND if either names one (backends.resolve refuses it, with the reason, where it cannot run or lacks
-    what the call `needs`); else, where racing(), the pick checked for the call's key (choose; call: spec_of's
-    keywords); else the static order (backends.resolve)."""
+    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names one
+    (backends.resolve refuses it where it cannot run or lacks what the call `needs`); else, where racing(), the pick
+    checked for the call's key (choose; call: spec_of's keywords); else the static order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -95,11 +92,9 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
 
 CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer
 FLOOR = 4 * 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
-# The child's cost model, an upper bound of what it holds at once in bytes (tests/ops/test_race.py measures it): per
-# weight element, its fp8 copy and a 16-bit copy (cublas dequantizes the whole weight), and at most BLOCKS of fp32
-# blocks of rows (the reference's); per element of M x (N + K), a + b * (the compute dtype's size): the inputs, one
-# backend's step and, to check, the reference's outputs; per element of r x (N + K), the adapters, their gradients and
-# fp32 copies; and the comparison's blocks.
+# The child's cost model, an upper bound in bytes (tests/ops/test_race.py measures it): per weight element its fp8 and
+# 16-bit copies, plus at most BLOCKS of the reference's fp32 row blocks; per element of M x (N + K), a + b * the compute
+# dtype's size (inputs, a step, the reference's outputs); per element of r x (N + K), the adapters and their gradients.
 W_COST = 3
 BLOCKS = 2 * 16 * 2 ** 20
 A_COST = {"check": (12, 4), "time": (8, 2)}
@@ -139,13 +134,11 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M;
-    else as many as fit, N's remainder mod 256 kept, so that the same tiles meet the same edge; 16 at least), checked
-    against the reference at M = SMALL_M (less if 16 rows do not fit) and at the largest M that fits (`check`), timed
-    at the largest M that fits (`time`); both at most the key's M. `fits`: False where even that does not fit (the
-    adapters, r x (N + K), most of the layer's step: a narrow layer at M <= 100): choose() then starts no child and
-    the key runs on the reference (PyTorch, needs no check; cheap at those sizes), so the bound has no exception."""
-    N, K, M, cap = spec["N"], spec["K"], spec["M"], budget(spec)
+    """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M, else
+    as many as fit, N mod 256 kept so that the same tiles meet the same edge; 16 at least), checked at M = SMALL_M (or
+    less) and at the largest M that fits (`check`), timed at the largest (`time`); both at most the key's M. `fits`:
+    False where even that does not fit (a narrow layer at M <= 100): the key then runs on the reference, unchecked."""
+    N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
         rows = rows - 256 if rows > 256 + N % 256 else max(16, rows // 2)
@@ -172,10 +165,6 @@ def describe(spec: dict) -> str:
     parts += [f"p={s['p']:g}"] if s["p"] else []
     parts += [f"{k}={v}" for k, v in sorted(s["env"].items())]
     return " ".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The cache file: one per device and versions and build
 
 
 def _device_info(device: torch.device) -> dict:
@@ -222,11 +211,6 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id()}
 
 
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8")
-
-
 def cache_file(device: torch.device) -> str:
     """The JSON file of `device`'s verdicts under these versions and this build."""
     info = _device_info(device)
@@ -248,8 +232,7 @@ def _verdict(v, inconclusive: bool = False) -> bool:
 
 
 def _read(path: str) -> dict:
-    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped, so that its key is
-    checked again rather than a step failing on it."""
+    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped: checked again."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -298,10 +281,6 @@ def pick_of(results: dict, cands) -> str:
         return FALLBACK
     best = min(results[c].get("ms") or 0.0 for c in ok)
     return next(c for c in ok if (results[c].get("ms") or 0.0) <= best * (1 + MARGIN))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The parent: choose
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:

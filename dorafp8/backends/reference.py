@@ -1,9 +1,6 @@
-"""Reference backend: the backend contract (dorafp8/backends/base.py) in plain PyTorch.
-
-It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds a
-dequantized copy of the whole weight nor an fp32 copy of a whole activation: weights (microscaled ones too) and
-activations are walked in row blocks of at most `_BLOCK_BYTES` in fp32, so the extra peak is a few such blocks,
-whatever the shape. The loops live inside the custom ops, which torch.compile sees as opaque."""
+"""Reference backend: the backend contract (backends/base.py) in plain PyTorch, fp32; the twin every kernel is tested
+against and the backend on CPU. Weights and activations are walked in fp32 row blocks of at most `_BLOCK_BYTES`, so
+the extra peak is a few blocks, whatever the shape."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Compiling the CUDA C++ kernels (csrc/) with nvcc for the report's targets (records.py) and reading the result.
 
-Where the sources are: an installed wheel ships them as package data in dorafp8/csrc/ (pyproject.toml's package data:
-the kernel files, their headers, build_spec.py with the file list and nvcc flags the extension is built with, and
-inspect_spec.py with the kernels to expect); a source checkout has them in csrc/ next to the package. cuda_dir()
-looks in that order and names both places when neither has them.
-"""
+The sources: dorafp8/csrc/ in an installed wheel (package data), else csrc/ next to the package (cuda_dir())."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Readers of what the compilers print (ptxas -v, PTX, TTGIR) and of Triton configs: plain text in, plain data out.
-
-No Triton, no torch and no subprocess here, so that these can be tested on any machine and imported by both drivers
-(triton_driver.py, cuda_driver.py) without dragging in the other's toolchain.
-"""
+"""Readers of what the compilers print (ptxas -v, PTX, TTGIR) and of Triton configs: plain text in, plain data out;
+no Triton, torch or subprocess, so that both drivers import them and any machine tests them."""
 
 from __future__ import annotations
 

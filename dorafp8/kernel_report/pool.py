@@ -1,8 +1,5 @@
-"""The worker processes that compile, and run(): the one entry point that compiles and reads the kernels.
-
-Compiling happens in workers, never in the calling process (see Worker), a few at a time (--jobs); the jobs are
-handed out from one queue by one thread per worker.
-"""
+"""The worker processes that compile, and run(): the one entry point that compiles and reads the kernels, in
+workers (never in the calling process), a few at a time (--jobs)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Predicted times for the fp8 GEMM kernels, a whole layer, and the strategies it is weighed against: a PREDICTION,
-never a measurement (docs/INSPECT.md, "Predicted time"; README quotes it as one).
-
-Every rate the model uses is in RATES with where it comes from (documented, measured or assumed); an unknown rate is a
-range, and so is every prediction (lo: every range at its fast end, hi: at its slow end). What the model adds up per
-kernel and per layer: docs/INSPECT.md, "Predicted time"."""
+never a measurement. Every rate is in RATES with its source; an unknown rate is a range, and so is every prediction
+(lo/hi: every range at its fast/slow end). The model: docs/INSPECT.md, "Predicted time"."""
 
 from __future__ import annotations
 

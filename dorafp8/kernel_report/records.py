@@ -1,8 +1,5 @@
-"""What every part of the kernel report shares: the targets, the record format and the error for a stale spec.
-
-A module of its own (stdlib only) so that the parsers, both drivers, the worker pool and the CLI can import it
-without importing one another.
-"""
+"""What every part of the kernel report shares: the targets, the record format and the error for a stale spec
+(stdlib only, so that the other parts import it without importing one another)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The main loop's instruction mix, read from SASS (nvdisasm's text of a cubin): plain text in, plain data out.
 
-The main loop is the first loop (a backward branch to a label) holding an MMA instruction; Triton keeps one reduction
-step per iteration, so the counts (conversions, load widths, MMAs) are per reduction step and per thread. PTX hides
-most of this (ptxas picks the conversions and load widths), hence SASS. How the prediction uses them:
-docs/INSPECT.md, "The main loop (what the SASS shows)"."""
+The main loop is the first loop holding an MMA instruction; Triton keeps one reduction step per iteration, so the
+counts are per step and per thread. docs/INSPECT.md, "The main loop (what the SASS shows)"."""
 
 from __future__ import annotations
 

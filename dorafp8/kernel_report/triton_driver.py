@@ -1,10 +1,7 @@
 """Compiling the Triton kernels ahead of time for a GPU this machine does not have, and reading the result.
 
-Runs in a worker process (pool.py), never with TRITON_INTERPRET set. The variants come from a spec module
-(default: dorafp8.triton_kernels.inspect_spec). Everything that reaches into Triton's internals is in
-`launch_options`, `bind` and `ptxas_log` below, written against Triton 3.6 .. 3.9 (what torch 2.11 .. 2.15 bring):
-they move between versions (docs/INSPECT.md, "Triton versions").
-"""
+Runs in a worker process (pool.py), never under TRITON_INTERPRET. What reaches into Triton's internals is in
+`launch_options`, `bind` and `ptxas_log`, written against Triton 3.6 .. 3.9 (docs/INSPECT.md, "Triton versions")."""
 
 from __future__ import annotations
 

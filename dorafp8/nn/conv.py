@@ -1,10 +1,7 @@
-"""FP8Conv1d / FP8Conv2d / FP8Conv3d: a frozen float8_e4m3fn conv weight with an fp32 scale (the functional ops and
-their autograd are dorafp8/ops/conv.py; how a call runs is said there).
+"""FP8Conv1d / FP8Conv2d / FP8Conv3d: a frozen float8_e4m3fn conv weight with an fp32 scale (ops: dorafp8/ops/conv.py).
 
-The weight [C_out, C_in/groups, *kernel] is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale
-of dorafp8.quant applies: per tensor (default), per output channel (= per row of the view, `per_row_scale=True`), or
-per b x b block of the view.
-"""
+The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale of dorafp8.quant applies: per
+tensor (default), per output channel (`per_row_scale=True`) or per b x b block of the view."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Weights quantized with one scale per 1 x g group (musubi-tuner / kohya `--fp8_scaled`, torchao PerGroup), mapped onto
-the per-row scales dorafp8's layers hold.
-
-dorafp8's kernels cannot apply a scale that varies along the input-gradient GEMM's reduction, so such a weight is
-re-quantized to per-row scales once, when loaded, with s_row[n] = max of the row's group scales (nothing saturates)
-and the error measured and warned about (QuantizationWarning). Why, and the error it costs: docs/ARCHITECTURE.md,
-"dorafp8/nn/group_scales.py", and docs/CHECKPOINTS.md, "1 x 64 block scales"."""
+per-row scales: re-quantized once when loaded, s_row[n] = max of the row's group scales, the error warned about
+(QuantizationWarning). Why: docs/ARCHITECTURE.md; docs/CHECKPOINTS.md, "1 x 64 block scales"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Linear layers whose weight torchao quantized to fp8 (`quantize_(model, Float8WeightOnlyConfig())`, or
-Float8DynamicActivationFloat8WeightConfig): their e4m3 bytes and scales, as FP8Linear holds them.
-
-torchao's Float8Tensor dequantizes as qdata * scale, as dorafp8 does, so per-tensor, per-row and square-block weights
-are taken as they are; 1 x g groups are re-quantized to per-row scales (group_scales.py); anything else raises.
-torchao is never imported here (a tensor is recognized by its class's module name). The fields read:
-docs/ARCHITECTURE.md, "dorafp8/nn/torchao_fp8.py"."""
+"""Linear layers whose weight torchao quantized to fp8 (Float8WeightOnlyConfig,
+Float8DynamicActivationFloat8WeightConfig): their e4m3 bytes and scales, as FP8Linear holds them. Per-tensor, per-row
+and square-block weights are taken as they are; 1 x g groups are re-quantized per row (group_scales.py); anything
+else raises. torchao is never imported here. The fields read: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The torch.library custom ops, one per backend function of the contract (dorafp8/backends/base.py).
-
-Registering them makes the autograd Functions in ops/linear.py traceable by torch.compile (the kernels stay opaque, with
-shapes given by the fake implementations). Custom ops cannot return None or an input, so an absent output is an empty
-placeholder and the Python side knows which it is. The backends are called with keyword arguments (the Protocol's
-names); the ops' arguments that only a DoRA call uses have defaults, so that a plain FP8 linear names none of them.
-"""
+"""The torch.library custom ops, one per backend function of the contract (backends/base.py), so that torch.compile
+traces the autograd Functions (the kernels stay opaque, shaped by the fake implementations). Custom ops cannot
+return None or an input: an absent output is an empty placeholder. Arguments only a DoRA call uses have defaults."""
 
 from __future__ import annotations
 

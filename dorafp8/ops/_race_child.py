@@ -1,8 +1,7 @@
-"""The child process of dorafp8/backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend of SPEC against
-the fp32 reference backend on random inputs of SPEC's key (y and every gradient), then the passing ones timed in
-interleaved rounds, at the shapes _race.plan gives so that it holds at most _race.budget. It writes "dorafp8-race
-start C" before each run of C (so that the parent can blame the one that hangs or crashes it) and "dorafp8-race
-result {C: verdict}" lines; a watchdog ends it at the time limit or when its parent is gone."""
+"""The child process of backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend against the fp32
+reference on random inputs of SPEC's key (y and every gradient), then the passing ones timed in interleaved rounds,
+at race.plan's shapes. It prints "dorafp8-race start C" before each run of C (so that the parent can blame a hang or
+crash) and "dorafp8-race result {C: verdict}" lines; a watchdog ends it at the limit or when its parent is gone."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """FP8 convolutions as functional ops with their autograd: fp8_conv and dora_fp8_conv (PEFT's `DoraConv2dLayer`
-semantics; docs/DORA_MATH.md, "Convolutions"). The modules FP8Conv1d / FP8Conv2d / FP8Conv3d are dorafp8/nn/conv.py.
-
-The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view (every scale of dorafp8.quant applies). A call
-dequantizes the layer into a transient in the compute dtype (in fp32 row blocks of at most 16 MiB) and runs the
-platform's convolution on it; nothing dequantized is kept for the backward, which dequantizes again. The DoRA weight
-norm is the backend's `weight_norm` op; the DoRA scalars are fp32, the output has the compute dtype."""
+semantics; docs/DORA_MATH.md, "Convolutions"). A call dequantizes the weight into a transient in the compute dtype
+(fp32 row blocks of at most 16 MiB) for the platform's convolution; the backward dequantizes again."""
 
 from __future__ import annotations
 
@@ -17,13 +13,9 @@ from torch import Tensor
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
-from ._policy import as_result, check_float, compute_dtype, dropout_mask, norm_divisor, rank_dtype
+from ._policy import (as_result, check_device, check_float, check_scaling_dropout, compute_dtype, dropout_mask,
+                      norm_divisor, rank_dtype)
 from .linear import weight_norm as linear_weight_norm
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _tuple(v, nd: int, name: str) -> tuple:
@@ -96,11 +88,6 @@ def _sum_but_channels(t: Tensor) -> Tensor:
     return t.sum(dim=[0] + list(range(2, t.dim())))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The weight norm: PEFT's _DoraConvNdLayer.get_weight_norm on the fp8 weight, through the backend's weight_norm op
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, groups: int = 1, *,
                      backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
     """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
@@ -134,11 +121,6 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
         n[t::groups] = linear_weight_norm(w2[t::groups].contiguous(), sc, A3[:, t].contiguous(), B2, scaling,
                                           backend=backend, block_size=block_size)
     return n
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd Functions
-# ----------------------------------------------------------------------------------------------------------------
 
 
 class FP8ConvFunction(torch.autograd.Function):
@@ -175,10 +157,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         no dropout:  y = c * (conv(x, W0) + s * lora_B(lora_A(x))) + b
         dropout:     y = conv(x, W0) + b + (c - 1) * conv(xd, W0) + c * s * lora_B(lora_A(xd))
 
-    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x) (PEFT's mask). x, bias in
-    the compute dtype; A, B in the rank dtype; the lora path runs in the rank dtype on xd formed there as PEFT forms
-    it; the base conv of the dropout term runs on xm = x * mask (exact in the compute dtype) and its 1 / (1 - p) is
-    applied in fp32, as in dorafp8.ops; the epilogue is fp32. Saves x and the mask, u = lora_A(xd), z = conv(xd, W0) + s * lora_B(u)
+    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x) (PEFT's mask). Dtypes as
+    DoRAFP8Function's; the epilogue is fp32. Saves x, the mask, u = lora_A(xd) and z = conv(xd, W0) + s * lora_B(u)
     (for dm), never a dequantized weight."""
 
     @staticmethod
@@ -202,8 +182,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         else:
             base_x, base_d = None, _conv(x, w, None, stride, padding, dilation, groups)
         del w
-        # The epilogue in fp32, each result rounded once into its dtype.
-        # z = conv(xd, W0) + s lora (a copy when base_d is fp32 and still needed, by the dropout formula)
+        # The epilogue in fp32, each result rounded once. z = conv(xd, W0) + s lora (a copy when base_d is fp32 and
+        # still needed, by the dropout formula)
         z32 = (base_d.clone() if dropout else _f32(base_d)).add_(lora, alpha=s)
         del lora
         y = torch.empty(z32.shape, dtype=cdt, device=x.device)
@@ -289,11 +269,6 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Functional API
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def _check_conv_args(x, w8, scale, bias, block_size, groups):
     check_e4m3(w8, "w8")
     nd = w8.dim() - 2
@@ -314,9 +289,7 @@ def _check_conv_args(x, w8, scale, bias, block_size, groups):
         check_float(bias, "bias")
         if bias.numel() != C:
             raise ValueError(f"bias must have {C} elements (one per output channel), got shape {list(bias.shape)}")
-    for name, t in (("w8", w8), ("scale", scale), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    check_device(x, w8=w8, scale=scale, bias=bias)
     return nd, scale
 
 
@@ -386,15 +359,11 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
                          f"{list(getattr(lora_B, 'shape', []))}")
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude)):
         check_float(t, name)
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    check_device(x, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude)
     if magnitude.numel() != C:
         raise ValueError(f"magnitude must have {C} elements (one per output channel), got shape "
                          f"{list(magnitude.shape)}")
-    if not isinstance(scaling, numbers.Real):
-        raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_scaling_dropout(scaling, dropout_p)
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"), groups)
     lora_geom = (_tuple(geom[0] if lora_stride is None else lora_stride, nd, "lora_stride"),
                  _tuple(geom[1] if lora_padding is None else lora_padding, nd, "lora_padding"),

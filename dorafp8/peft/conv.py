@@ -1,10 +1,8 @@
-"""PEFT integration for convolutions: DoRAFP8Conv1d / DoRAFP8Conv2d / DoRAFP8Conv3d, PEFT's own `lora.Conv1d/2d/3d`
-on an FP8 conv base (dorafp8/nn/conv.py).
+"""PEFT integration for convolutions: DoRAFP8Conv1d/2d/3d, PEFT's own `lora.Conv1d/2d/3d` on an FP8 conv base.
 
-PEFT 0.21's layout is kept exactly (lora_A, lora_B and `lora_magnitude_vector` as PEFT's DoraConvNdLayer shapes them),
-so the adapter files are PEFT's. What changes: the base is an FP8 conv, the magnitude starts from the fp8 weight's
-norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one dora_fp8_conv call, with no
-dense B A, no dense W0 + s B A and no dequantized weight kept for the backward."""
+PEFT 0.21's adapter layout is kept exactly, so the adapter files are PEFT's. The base is an FP8 conv, the magnitude
+starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one
+dora_fp8_conv call, with no dense B A, W0 + s B A or kept dequantized weight."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """DoRAFP8Linear: a PEFT LoRA Linear on an FP8Linear base (conversion and registration: dorafp8/peft/register.py).
 
-DoRAFP8Linear subclasses PEFT's own `lora.Linear`, so everything PEFT does around a layer keeps working:
-adapter state_dict keys (`lora_A.<name>.weight`, `lora_B.<name>.weight`, `lora_magnitude_vector.<name>.weight`),
-save_pretrained/load_adapter, set_adapter, disable_adapter, several adapters per layer. Only three things change:
-the base layer is an FP8Linear, the DoRA magnitude is initialised from the fp8 weight, and the forward of the usual
-case (one active DoRA adapter) is one fused dorafp8 call instead of PEFT's dense [N, K] temporaries.
-"""
+It subclasses PEFT's `lora.Linear`, so adapter keys, save_pretrained/load_adapter, set_adapter, disable_adapter and
+several adapters keep working. What changes: the FP8Linear base, the magnitude initialised from the fp8 weight, and
+the usual case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
 
 from __future__ import annotations
 
