@@ -64,9 +64,8 @@ def _convert(method: str, w8: torch.Tensor, factor, dtype: torch.dtype) -> torch
 
 def _choice(w8: torch.Tensor, factor, dtype: torch.dtype) -> tuple[str, torch.Tensor | None]:
     """The method for large blocks into `dtype` with such a factor, and, when this call measured it, the block
-    converted (so that the measuring is not wasted). Measured once per (dtype, kind of factor: none, a number or
-    0-dim tensor, a tensor per row or element, which cost the two methods different passes): each method _TRIALS
-    times, in turn, the fastest run of each."""
+    converted. Measured once per (dtype, kind of factor): each method _TRIALS times, in turn, the fastest run of
+    each."""
     key = (dtype, "none" if factor is None else "tensor" if _per_element(factor) else "scalar")
     method = _CHOICE.get(key)
     if method is not None:

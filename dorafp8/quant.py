@@ -13,10 +13,8 @@ from typing import Literal
 import torch
 
 E4M3 = torch.float8_e4m3fn
-# A scale's granularity, spelled the same everywhere (scale_kind(), the granularity= arguments, the reports, the
-# Triton kernels' SCALE_KIND constexpr): one fp32 value per "tensor", per output "row", or per b x b "block".
-# The microscaled formats (see "Microscaled weights" below) are two more kinds, told apart by the scale's dtype: "mxfp8"
-# (e8m0 scale per 32 weights of a row) and "nvfp4" (e4m3 scale per 16 packed e2m1 weights, times a global scale).
+# A scale's granularity, spelled the same everywhere down to the kernels' SCALE_KIND: one fp32 value per "tensor", per
+# output "row" or per b x b "block"; or a microscaled kind ("Microscaled weights" below), told by the scale's dtype.
 ScaleKind = Literal["tensor", "row", "block", "mxfp8", "nvfp4"]
 SCALE_KINDS: tuple[ScaleKind, ...] = ("tensor", "row", "block")  # fp8 granularities: what quantize_e4m3 writes
 MICRO_KINDS: tuple[ScaleKind, ...] = ("mxfp8", "nvfp4")
@@ -146,11 +144,9 @@ def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _warn_if_lossy(counts: torch.Tensor, row_sq: torch.Tensor, what: str) -> None:
-    """Warns when a per-tensor quantization lost much more than e4m3 usually does. The relative error of the whole
-    tensor alone would hide it: the few large values that set the single scale dominate its norm and keep their
-    precision (one weight of 1e4 among a million of 0.02: 0.1% over the tensor, while 72% of the weights became 0). So
-    the message gives what happened to the weights: how many became 0 (each lost entirely), and the relative error of
-    the median row (rows without a non-zero weight left out)."""
+    """Warns when a per-tensor quantization lost much more than e4m3 usually does. The whole tensor's relative error
+    would hide it (the large values that set the scale dominate its norm), so the message gives how many weights
+    became 0 and the median row's relative error."""
     err2, ref2 = row_sq
     rel_rows = torch.where(ref2 > 0, err2 / ref2, torch.nan).sqrt()  # NaN: a row without a non-zero weight
     rel = (err2.sum() / ref2.sum().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()

@@ -195,12 +195,9 @@ def dora_bwd_finish_kernel(
 
 
 def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once (dB accumulates in registers over
-    the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 8K values (32 per thread at 8 warps; the g and z
-    tiles need the rest: 256 columns spilled, inspect), or 2K with fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
-    16-bit operands take 8 warps from 2K accumulator values on: at r = 16 with dropout and per-row scales 4 warps
-    spilled 128 bytes with Triton 3.6 (inspect). Two stages: the pass streams g and z once, and three overflowed
-    Ada's shared memory."""
+    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
+    values (2K with fp32 operands), 8 warps from 2K values on for 16-bit operands, two stages: the larger choices
+    spilled or overflowed Ada's shared memory (kernel report)."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2

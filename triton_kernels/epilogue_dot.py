@@ -37,14 +37,10 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True,
 
 
 def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
-    """Whether a GEMM's epilogue must take its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch` (a config
-    tables' key, _common.arch_of) under the installed Triton: on Hopper under Triton 3.8, in the dgrad and in the
-    forward with dropout. There ptxas serializes the GEMM's wgmma (C7515, "non wgmma instructions defining accumulator
-    registers of a wgmma between start and end of the pipeline stage") when the epilogue multiplies on tensor cores:
-    read with torch 2.14.1 + Triton 3.8.0, every large-M dgrad config at PEFT's defaults (fp32 adapters, split_dot)
-    and most configs with dropout and 16-bit adapters (28 of 33 forward, 20 of 33 dgrad). The FMAs cost the step
-    about 6% at r = 16 (predicted), serialization its async overlap. Triton 3.6, 3.7 and 3.9 serialize none of
-    them (`python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a` reads it under the installed Triton)."""
+    """Whether a GEMM's epilogue must take its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch` under the
+    installed Triton: on Hopper under Triton 3.8, in the dgrad and in the forward with dropout, where ptxas
+    serializes the GEMM's wgmma (C7515) when the epilogue multiplies on tensor cores (read with Triton 3.8.0; 3.6,
+    3.7 and 3.9 serialize none). The FMAs cost the step about 6% at r = 16 (predicted)."""
     return arch == "sm90" and triton_version() == (3, 8) and (dgrad or dropout)
 
 

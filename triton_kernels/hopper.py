@@ -38,15 +38,9 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# Tiles of the "tma-ws" loop, rows (BLOCK_M, B_OUT, B_RED, stages, warps) as in _common's tables; warps are each
-# consumer warpgroup's (Triton adds a producer warpgroup and splits B_OUT between two consumers: 384 threads a CTA,
-# one CTA per SM, the producer at 40 registers and the consumers at 232 by setmaxnreg). Read with kernel_report
-# (Triton 3.8): BLOCK_M = 256 spilled 2.8 KB (W8A16) and 5.1 KB (W8A8) a thread, and B_OUT = 256 (each consumer 128
-# rows) 2.5 and 4.7 KB, so the tile is 128 x 128 at most. Only one accumulator (ws_plan). Block scales keep these
-# tiles, their steps cut to divide the scale block (_common.fit_reduction_block: the partial-product twin takes each
-# consumer thread from 64 to 128 accumulator registers; every block-scaled sm_90a variant compiled without spills,
-# Triton 3.8). Predicted, not measured: their main loop then runs the per-tensor one's tiles, plus a scale load and an
-# FMA per accumulator a step, where the 32 x 128 tiles it had before read each W8 tile 4 times as often.
+# Tiles of the "tma-ws" loop, rows (BLOCK_M, B_OUT, B_RED, stages, warps) as in _common's tables, warps per consumer
+# warpgroup (Triton adds a producer and splits B_OUT between two consumers). 128 x 128 at most: 256-wide tiles spilled
+# 2.5 to 5.1 KB a thread (Triton 3.8). Block scales keep these tiles (_common.fit_reduction_block).
 _WS_TABLE = {
     # (large M, small M)
     "sm90": (
@@ -86,10 +80,8 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def with_descriptor_scratch(fn, *args, **kwargs):
-    """fn(*args, **kwargs) where Triton can allocate the global scratch that tensor descriptors made in a kernel
-    (tl.make_tensor_descriptor) need on a GPU: 128 bytes a program. Triton asks its allocator (triton.set_allocator,
-    a context variable) for it at launch and fails without one; this sets one for this call only, in a copy of the
-    context, so a caller's own allocator (or none) is what the rest of the program sees."""
+    """fn(*args, **kwargs) with a Triton allocator for the global scratch that in-kernel tensor descriptors need (128
+    bytes a program), set for this call only, in a copy of the context."""
     def run():
         triton.set_allocator(_scratch)
         return fn(*args, **kwargs)
@@ -161,9 +153,8 @@ def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
 
 def ws_rank_dot(rank_mode: str, r: int, rank: dict) -> tuple[int, dict]:
     """(R, constexprs) of the epilogue's rank-r dot in `rank_mode` (ws_plan), from rank_dot's `rank`: "pieces" is one
-    bf16 dot over rank_pieces' 3 r (the interpreter multiplies the same bf16 values in fp32: _common.dot_dtype).
-    Both TMA modes take the rank 16 at a time: the partitioner gives the rank operands a ring of their own, as many
-    stages as the main loop's, and 64 at a time took 128 KB of the 128 x 128 x 64 four-stage tile's 227 (Triton 3.8)."""
+    bf16 dot over rank_pieces' 3 r. Both TMA modes take the rank 16 at a time: 64 took 128 KB of the 128 x 128 x 64
+    tile's shared memory (Triton 3.8)."""
     if rank_mode == "pieces":
         lora_dt, ieee = dot_dtype(torch.bfloat16)
         return 3 * r, dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=False, BLOCK_R=16)

@@ -41,10 +41,8 @@ def resident_blocks(n_regs: int, shared: int, num_warps: int, props) -> int:
 
 
 def programs_that_fit(kernel, key, args, kwargs, device: torch.device) -> int:
-    """SMs x resident blocks of `kernel` compiled for these arguments (a GPU only): the most programs that run in
-    one wave. Compiles the kernel (JITFunction.warmup; the launch that follows reuses it) the first time per key
-    and device; the launchers pass the constexprs and dtypes as the key, so later calls cost a dict lookup. The
-    runtime sizes the kernel reads are declared do_not_specialize there, so the probe compiles what is launched."""
+    """SMs x resident blocks of `kernel` compiled for these arguments (a GPU only): the most programs that run in one
+    wave. Compiles the kernel (JITFunction.warmup, which the launch then reuses) once per key and device."""
     plan = dry_run()
     if plan is not None:
         return plan["blocks"] * plan["sms"]

@@ -65,8 +65,8 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 def _prepare(name: str, device: torch.device) -> None:
-    """A backend named explicitly may first make itself ready (the CUDA backend builds its extension on first use:
-    backends/cuda_build.py); if it did, whether it can run is probed again. "auto" never asks for that."""
+    """Lets a backend named explicitly make itself ready (the CUDA backend builds its extension: cuda_build.py), then
+    probes it again. "auto" never asks for that."""
     mod = _load(name)
     prepare = None if isinstance(mod, str) else getattr(mod, "prepare", None)
     if prepare is not None and prepare(torch.device(device)):
@@ -115,19 +115,14 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
-    # The static order: triton's kernels are autotuned, so it goes first; backends/race.py checks and measures instead.
-    # The microscaled weights (MXFP8, NVFP4) go to the cuBLAS strategy first (its dequantize unpacks them in tiles:
-    # triton_kernels/dequant_micro.py), whose base GEMMs are cuBLAS's own; the Triton backend's fused W4A16 / MXFP8
-    # loop (triton_kernels/gemm.py) is not measured on a GPU yet, so only the race (race.py) picks it, after
-    # checking it. fp8 keeps the order it had.
+    # The static order: triton first (autotuned); the microscaled weights go to the cuBLAS strategy first, as the
+    # Triton backend's fused W4A16 / MXFP8 loop is not measured on a GPU yet (only the race picks it, after checking).
     order = ("cublas", "triton", "cuda") if needs & {"mxfp8", "nvfp4"} else ("triton", "cuda")
     for cand in order:
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
-    # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
-    # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32
-    # twin stays one name away: backend="reference" / DORAFP8_BACKEND=reference. Elsewhere the reference, as before.
-    # The microscaled weights (MXFP8, NVFP4) run on the reference wherever no faster backend computes them (on CPU).
+    # CPU: "native" (as fast as PEFT under bf16 autocast, where the fp32 reference is several times slower); the exact
+    # twin stays one name away (backend="reference"). Elsewhere, and for what native lacks, the reference.
     return "native" if device.type == "cpu" and needs <= supports("native") else "reference"
 
 

@@ -12,11 +12,8 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-# What a backend may compute beyond W8A16 with per-tensor / per-row scales, named by the values that ask for it (the
-# scale kind "block", the act_quant mode "rowwise", fp32 compute), and how a refusal names it. A backend narrows it
-# with a module-level `SUPPORTS`, and per device with an optional `unsupported_on(device) -> {feature: why}`; the
-# registry passes over a backend that lacks what a call needs under backend="auto", and refuses with not_supported()
-# when the backend is named.
+# What a backend may compute beyond W8A16 with per-tensor / per-row scales, and how a refusal names it. A backend
+# narrows it with `SUPPORTS`, per device with an optional `unsupported_on(device) -> {feature: why}`.
 FEATURES = {
     "block": "block weight scales",
     "rowwise": "act_quant='rowwise' (W8A8)",
@@ -29,11 +26,8 @@ FEATURES = {
 FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
 
 
-# What a zero weight norm is divided as: a row of W0 + s B A that is exactly zero (real checkpoints have them; fp8
-# underflow of tiny rows adds more) would give c = 0 / 0 = NaN, as in PEFT 0.21; taken as NORM_EPS it gives c = m /
-# NORM_EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients. Every other norm is divided as
-# it is, however small: c = m / n is PEFT's value wherever PEFT's is finite (a clamp at NORM_EPS would scale a row
-# of norm 1e-13 by 0.1, and DoRA at init would no longer be the base layer there).
+# What a zero weight norm is divided as: an all-zero row of W0 + s B A gives c = m / NORM_EPS, 0 at DoRA's init (m = n
+# = 0), where PEFT 0.21 gives NaN. Every other norm is divided as it is (a clamp would change c for tiny rows).
 NORM_EPS = 1e-12
 
 # The test suite sets this True (tests/conftest.py, a fixture): the kernels' outputs then start as NaN, so a tile a
@@ -60,8 +54,7 @@ def magnitude_scale(m: Tensor, n: Tensor) -> Tensor:
 
 def matmul_rows(t: Tensor | None) -> Tensor | None:
     """t as an operand of the platform's matmul: a CPU bf16 tensor with strided rows becomes contiguous, because torch
-    2.14's CPU bf16 matmul reads past the end of each such row (into what follows it in memory) and multiplies that by
-    zero, so a NaN or inf there made NaN outputs (the kernel tests' strided activations sit in NaN-filled buffers)."""
+    2.14's CPU bf16 matmul reads past each such row and multiplies that by zero (NaN there made NaN outputs)."""
     if t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.is_contiguous():
         return t
     return t.contiguous()
@@ -142,22 +135,15 @@ class Backend(Protocol):
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
-# W8A8's quantization of x in the projection, an option a backend offers by setting QUANTS_IN_PROJECT = True (the
-# Triton backend does; run whenever act_quant="rowwise"):
-#   project(..., quant=True): (u, a8, sa): u as without it, and `a` itself (never masked) quantized per row by the
-#     contract's act_quant recipe, e4m3 [M, K] and fp32 [M], from the same read of `a` as u.
-#   forward(..., act_quant="rowwise", x8=x8, sx=sx): x's quantization given; the forward does not quantize x again.
-# One read of x fewer and one launch fewer per W8A8 forward (docs/ARCHITECTURE.md, "The kernel plan").
+# W8A8's quantization of x in the projection (flag QUANTS_IN_PROJECT = True): project(..., quant=True) -> (u, a8, sa),
+# `a` (never masked) quantized per row, e4m3 [M, K] and fp32 [M], from the same read as u; forward(..., x8=x8, sx=sx)
+# then does not quantize x again (docs/ARCHITECTURE.md, "The kernel plan").
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
-# NVFP4's global scale (ModelOpt's weight_scale_2), an option of the backends that compute "nvfp4" weights (flag
-# GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
-# (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
+# NVFP4's global scale g (flag GLOBAL_SCALE = True), passed only with an NVFP4 weight: W0 = e2m1(w8) * (scale * g).
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-# The weight dequantized once a step, an option of a backend that multiplies a dequantized copy (flag
-# KEEPS_WEIGHT = True: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype, global_scale=None) -> (W, fac),
-# the weight in the compute dtype and the factors its epilogues need; forward / dgrad(..., weight=W, weight_fac=fac)
-# multiply by it instead of dequantizing again. The autograd layer keeps (W, fac) from the forward for the backward
-# under the rule of dorafp8/ops/_policy.py keeps_weight (its memory: N K 16-bit values a layer).
+# The weight dequantized once a step (flag KEEPS_WEIGHT = True: the cuBLAS strategy): dequantize(w8, scale, block_size,
+# dtype, global_scale=None) -> (W, fac); forward / dgrad(..., weight=W, weight_fac=fac) multiply by it instead of
+# dequantizing again (when: ops/_policy.py keeps_weight).
 KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
 OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS}
 

@@ -17,13 +17,9 @@ from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
 
-SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise") (module docstring)
-# The microscaled kinds (dorafp8/quant.py, "Microscaled weights"): dequantized in tiles by
-# triton_kernels/dequant_micro.py, whose factors are all in W, so the epilogues see a per-tensor scale of 1.
-GLOBAL_SCALE = True
-# The forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS; the rule: dorafp8/ops/_policy.py
-# keeps_weight).
-KEEPS_WEIGHT = True
+SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise")
+GLOBAL_SCALE = True  # microscaled weights: dequant_micro puts every factor in W; the epilogues see a scale of 1
+KEEPS_WEIGHT = True  # the forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -44,13 +40,9 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
 
 
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, global_scale=None):
-    """(W, fac): one layer's W = W8 * (its scale) in the compute dtype (transient, or kept from the forward for the
-    dgrad: KEEPS_WEIGHT), as a user who dequantizes makes it
-    (so a 16-bit product stays in range: W8 alone reaches 448), in one launch that reads 1 byte and writes 2 per
-    weight (triton_kernels/dequant.py: per tensor the scale, per row the largest row scale kappa, whose ratios the
-    epilogue applies, per block the scales themselves), and the factors the epilogues need, written by the same
-    launch: fac[:-1] the forward's, fac[-1] the dgrad's. A microscaled weight's factors are all in W (dequant_micro):
-    fac = [1, 1], as for a per-tensor scale."""
+    """(W, fac): one layer's W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes it, in one
+    launch (triton_kernels/dequant.py) that also writes the factors the epilogues need: fac[:-1] the forward's, fac[-1]
+    the dgrad's. A microscaled weight's factors are all in W (dequant_micro): fac = [1, 1]."""
     if scale_kind(scale) in MICRO_KINDS:
         return (dequant_micro(w8, scale, dtype, global_scale),
                 torch.ones(2, dtype=torch.float32, device=w8.device))

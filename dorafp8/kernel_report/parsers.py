@@ -20,13 +20,9 @@ _PTXAS_NOTE_FN = re.compile(r"function '([^']+)'")
 
 def parse_ptxas_log(log: str) -> dict[str, dict]:
     """{entry function (mangled name): regs, spill_stores, spill_loads, stack_bytes, smem_static, ptxas_notes} from
-    ptxas -v.
-
-    ptxas prints, per entry: "Compiling entry function 'X'", "Function properties for X" followed by the stack and
-    spill line, then "Used N registers, ..., M bytes smem" (static shared memory only). Properties of non-inlined
-    callees (.func) are printed under their own names and are not added to the entry's. Warnings and numbered
-    advisories such as "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized ..." go to
-    ptxas_notes of the function they name (of every entry if they name none)."""
+    ptxas -v. Properties of non-inlined callees (.func) are not added to the entry's. Warnings and advisories such as
+    "(C7512) ... wgmma.mma_async instructions are serialized" go to ptxas_notes of the function they name (of every
+    entry if they name none)."""
     out: dict[str, dict] = {}
     notes: list[str] = []
     current = props_for = None
@@ -71,10 +67,8 @@ _WGMMA = re.compile(r"wgmma\.mma_async(?:\.sp)?\.sync\.aligned\.(m\d+n\d+k\d+)\.
 _WGMMA_A = re.compile(r"wgmma\.mma_async\S*\s+\{[^}]*\}\s*,\s*(\{|%)")
 _MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)((?:\.[\w:]+)+)")
 _MMA_LAYOUT = {"row", "col", "satfinite"}
-# Blackwell's tcgen05.mma (sm_100a): "tcgen05.mma.cta_group::1.kind::f16 [d], a, b, idesc, ...". The accumulator d is
-# in tensor memory ([%r]); A is a tensor-memory address ([%r]) or a shared-memory descriptor (%rd); B is always a
-# descriptor. The operand types and the shape are in the instruction descriptor (a run-time value), not in the
-# mnemonic: only the kind (f16: bf16 or fp16 operands; f8f6f4: fp8/fp6/fp4; tf32; i8) is.
+# Blackwell's tcgen05.mma (sm_100a): "tcgen05.mma.cta_group::1.kind::f16 [d], a, b, idesc, ...": A is a tensor-memory
+# address ([%r]) or a shared-memory descriptor (%rd); the types and shape are in idesc, only the kind in the mnemonic.
 _TCGEN05 = re.compile(r"\btcgen05\.mma(?:\.sp)?\.cta_group::\d\.kind::(\w+)\s+\[[^\]]*\]\s*,\s*(\[|%)")
 # fp32 FMAs, scalar or packed in pairs (fma.rn.f32x2: Blackwell, which Triton 3.6 emits for sm_120's fp32 dots)
 _FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32(?:x2)?\b")

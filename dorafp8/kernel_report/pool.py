@@ -19,10 +19,8 @@ from .records import ARCHS, BACKENDS, SpecError, new_record
 
 
 def worker_main() -> None:
-    """Serves one JSON request per stdin line with one JSON reply per line.
-
-    Anything the compilers print goes to stderr: fd 1 is pointed at fd 2 and the replies use a private copy of the
-    original stdout, so a chatty ptxas or Triton cannot break the protocol."""
+    """Serves one JSON request per stdin line with one JSON reply per line; what the compilers print goes to stderr (fd
+    1 points at fd 2; the replies use a private copy of stdout)."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -58,11 +56,8 @@ worker_main()
 
 
 class Worker:
-    """One worker process (worker_main).
-
-    Compiling happens in workers, never in the calling process, because TRITON_INTERPRET=1 (the tests set it when
-    there is no GPU) makes @triton.jit return interpreter objects that cannot be compiled, and it takes effect when
-    the kernel modules are imported: the workers start without it, whatever the caller has already imported."""
+    """One worker process (worker_main). Compiling happens in workers, never in the calling process: TRITON_INTERPRET=1
+    (the tests set it) makes @triton.jit return interpreter objects when the kernel modules are imported."""
 
     def __init__(self):
         self._start()
@@ -75,11 +70,8 @@ class Worker:
         self.arch = None  # the arch this process has compiled Triton kernels for
 
     def call(self, req: dict) -> dict:
-        # One process compiles Triton kernels for one arch only. Triton 3.6 lowers fp8 conversions from a table built
-        # once per process, on its first compile (a function-local static in FpToFpOpConversion::getConversionFunc):
-        # after an sm_90a compile, sm_89 got sm_90-only PTX (ptxas: "cvt with .bf16.f16 requires .target sm_90"), and
-        # after an sm_89 compile, sm_90a silently got sm_89's conversions. Jobs come arch by arch, so a worker
-        # restarts at most once per arch (2-3 s).
+        # One process compiles for one arch only: Triton 3.6 builds its fp8 conversion table once per process, on its
+        # first compile, for that arch (docs/INSPECT.md, "Triton versions"). Jobs come arch by arch.
         if req["op"] == "triton":
             if self.arch not in (None, req["arch"]):
                 self.close()
@@ -161,11 +153,9 @@ def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
 
 def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Select | None = None,
          all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE) -> list[dict]:
-    """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config
-    x arch, with only the fields that name it (backend, kernel, variant, dtype, arch, config, autotune_pick), in
-    run()'s order. Needs Triton importable (the spec imports the kernels; one worker lists them, as in run()) and the
-    CUDA sources, not the compilers. Raises SpecError as run() does for a Triton spec that disagrees with its kernels
-    (the CUDA spec is checked against the kernels only when they are compiled)."""
+    """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config x
+    arch with the fields that name it, in run()'s order. Needs Triton importable and the CUDA sources, not the
+    compilers. Raises SpecError as run() does for a Triton spec that disagrees with its kernels."""
     archs, backends = list(archs), list(backends)
     select = select or (lambda job: True)
     if unknown := set(archs) - set(ARCHS):

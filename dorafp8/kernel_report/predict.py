@@ -425,10 +425,8 @@ MEASURED_AS = {("dorafp8-triton", "fwd+bwd-cachednorm"): "W8A16", ("dorafp8-trit
 
 
 def measured(results_dir: str) -> dict:
-    """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel
-    name: [(us, device)]}} from bench/results/*/results.json (bench/run.py's records: 4096 x 4096, r 16, bf16, M 8192,
-    no dropout, status ok) and ncu_kernels.json (bench/ncu_profile.py find: one W8A16 call's kernels). Empty where
-    none has run."""
+    """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel name:
+    [(us, device)]}} from bench/results/*/results.json and ncu_kernels.json; empty where none has run."""
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     layers, kernels = {}, {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*", "results.json"))):

@@ -94,10 +94,8 @@ def list_jobs(req: dict) -> list[dict]:
 
 # --- Triton internals, 3.6 .. 3.9 ------------------------------------------------------------------------------------
 
-# The compile options JITFunction.run fills in from Triton's knobs before binding the arguments, by version: 3.6 .. 3.8
-# pass instrumentation_mode, 3.9 also fpsan_homomorphic_casts (reading a knob the installed Triton lacks is an
-# AttributeError, which made every record an error before 3.9). Each is passed only if the installed Triton has the
-# knob and its CUDA options take it, as run() itself would; _pack_args rejects options it does not know.
+# The compile options JITFunction.run fills in from Triton's knobs (3.6 .. 3.8: instrumentation_mode; 3.9 also
+# fpsan_homomorphic_casts), each passed only where the installed Triton has the knob and its CUDA options take it.
 _KNOB_OPTIONS = ("instrumentation_mode", "fpsan_homomorphic_casts")
 
 
@@ -115,10 +113,8 @@ def launch_options(fn, backend) -> dict:
 
 def bind(fn, backend, args: dict, kwargs: dict):
     """(options, signature, constexprs, attrs) for triton.compile, made by the JIT's own binder and _pack_args from
-    example arguments (torch dtypes stand for 16-byte-aligned tensors), so the specializations (an integer equal to 1
-    becomes a constexpr, multiples of 16 get divisibility hints) are those a real launch compiles with. _pack_args
-    is the kernel's own method, so its version-specific handling (3.6 and 3.9 fill the attributes differently) comes
-    with the installed Triton."""
+    example arguments (torch dtypes stand for 16-byte-aligned tensors), so the specializations are those a real
+    launch compiles with, as the installed Triton makes them."""
     from triton.runtime.jit import MockTensor, create_function_from_signature
 
     binder = create_function_from_signature(fn.signature, fn.params, backend)

@@ -44,13 +44,10 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
     """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8.
-
-    The weight is kept byte for byte (scale 1 is exact; re-quantizing it would move it). The original precision is
-    gone from such a layer, so `dtype` (the bias's storage dtype, and the dtype PEFT creates adapters in) is the dtype
-    the layer computes in: the layerwise-casting hook's compute_dtype, else the bias's dtype if it is not fp8, else
-    float32. The bias is never kept in fp8: it is converted to `dtype`, exactly (every e4m3 value is a bf16/fp16
-    value). Another fp8 format (e5m2, ...) is a TypeError: converting it to e4m3 is not exact."""
+    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8. The weight is
+    kept byte for byte (scale 1). `dtype`, the layer's compute dtype (the casting hook's compute_dtype, else a
+    non-fp8 bias's dtype, else float32), is the bias's (converted exactly) and PEFT's adapters'. Another fp8 format
+    is a TypeError."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)
@@ -70,9 +67,7 @@ _warned_peft_unregistered = False
 
 def peft_unregistered() -> bool:
     """Whether DORAFP8_NO_PATCHES=1 kept `import dorafp8` from teaching PEFT its layers and nothing has done it since
-    (dorafp8.register_with_peft() imports dorafp8.peft, whose import registers). PEFT's own errors then say nothing of
-    dorafp8: target_modules="all-linear" finds no layer ("No `target_modules` passed but also no `target_parameters`
-    found") and named ones are "not supported"."""
+    (dorafp8.register_with_peft()): PEFT's own errors then say nothing of dorafp8."""
     return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
 
 
@@ -158,11 +153,9 @@ class FP8WeightModule(nn.Module):
     # ---- FSDP2's state_dict ----------------------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Under FSDP2 every parameter is a DTensor and `scale`, a buffer, is not: FSDP2 leaves buffers whole on every
-        # rank. Code that treats a sharded model's state_dict as all DTensors (accelerate's fsdp2_load_full_state_dict,
-        # under cpu_ram_efficient_loading, reads `.device_mesh` off every entry) then fails on it. So, while the weight
-        # is a DTensor, the scale is listed as what it is: replicated on the weight's mesh. full_tensor() of it needs
-        # no collective, and _load_from_state_dict takes it back as a plain tensor.
+        # Under FSDP2 the weight is a DTensor and the `scale` buffer is not; code that reads `.device_mesh` off every
+        # state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on it, so it is listed as replicated on the
+        # weight's mesh (_load_from_state_dict takes it back as a plain tensor).
         super()._save_to_state_dict(destination, prefix, keep_vars)
         dtensor = _dtensor_class()
         key, w = prefix + "scale", self.weight

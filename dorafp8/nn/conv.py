@@ -55,11 +55,9 @@ class FP8ConvNd(FP8WeightModule):
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", name: str | None = None):
-        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor
-        (default), per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view.
-        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer
-        stores it) is kept byte for byte with scale 1; its bias and the adapter dtype are then the layer's compute
-        dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and errors."""
+        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor (default),
+        per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view. A float8_e4m3fn
+        weight is kept byte for byte with scale 1 (fp8_cast_parts). `name` is used in messages."""
         want = NN_CONV[cls._nd]
         if not isinstance(module, want):
             raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")

@@ -66,11 +66,9 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
 
 
 def zero3_gathered(module: nn.Module, name: str | None = None):
-    """A context in which `module`'s own parameters are whole on every rank: deepspeed.zero.GatheredParameters over
-    those DeepSpeed ZeRO-3 partitioned (a model from_pretrained loaded under a ZeRO-3 config, where each rank holds a
-    slice and the parameter itself has 0 elements), read-only, so that ZeRO drops the gathered copies on exit; no-op
-    for a module without partitioned parameters. It is a collective: every rank must enter it for the same modules in
-    the same order, which quantize_model does (the same model on every rank, walked in the same order)."""
+    """A context in which `module`'s own DeepSpeed ZeRO-3 partitioned parameters are whole on every rank
+    (deepspeed.zero.GatheredParameters, read-only); a no-op without partitioned parameters. A collective: every rank
+    must enter it for the same modules in the same order, as quantize_model does."""
     params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext()
@@ -84,12 +82,10 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
 
 
 def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
-    """Partitions the parameters of `new` (the fp8 layer that replaces `old`) at once, as ZeRO-3 partitioned `old`'s,
-    when `old`'s were partitioned under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig, which
-    the HF Trainer and LLaMA-Factory set): deepspeed.zero.Init(module=new) with that config and `old`'s process group.
-    It moves no dtype (fp8 stays fp8) and is local (each rank keeps its slice). Without that config (a zero.Init of
-    the user's own), nothing is done here, and deepspeed.initialize partitions them. Returns whether it partitioned.
-    Why now: until then every rank would hold the whole fp8 model, the memory ZeRO-3 is used to avoid."""
+    """Partitions the parameters of `new` (the fp8 layer replacing `old`) at once, as ZeRO-3 partitioned `old`'s, when
+    that was under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig):
+    deepspeed.zero.Init(module=new) with that config and `old`'s process group, so that no rank holds the whole fp8
+    model. Returns whether it did."""
     old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
     hf_ds = sys.modules.get("transformers.integrations.deepspeed")
     config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
@@ -127,10 +123,9 @@ def name_list(arg) -> Optional[list]:
 
 def kept_in_precision(model: nn.Module) -> set:
     """The names of the layers of `model` inside a module that its class (or a submodule's) lists in
-    `_keep_in_fp32_modules`, matched by name component as diffusers does (Wan's `time_embedder`, T5's `wo`). Such
-    models read that layer's weight dtype to cast its input (Wan: the timestep `.to()` the time embedder's dtype),
-    which an fp8 weight would make an e4m3 input; diffusers' and transformers' own quantizers leave these modules
-    unquantized, and so do quantize_model and load_fp8_checkpoint (they are small: embedders, norms)."""
+    `_keep_in_fp32_modules`, matched by name component as diffusers does. Such models cast a layer's input to its
+    weight dtype, which fp8 would make e4m3; diffusers' and transformers' quantizers leave them dense, and so do
+    quantize_model and load_fp8_checkpoint."""
     kept = set()
     for prefix, mod in model.named_modules():
         keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())

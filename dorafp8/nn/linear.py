@@ -80,14 +80,12 @@ class FP8Linear(FP8WeightModule):
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> "FP8Linear":
-        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one
-        scale per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
+        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one scale
+        per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
 
-        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer and
-        others store it) is kept byte for byte with scale 1: re-quantizing it would move it. Its bias and the adapter
-        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). A torchao Float8Tensor weight
-        (`quantize_(model, Float8WeightOnlyConfig())`) keeps its bytes and scales (dorafp8/nn/torchao_fp8.py);
-        per_row_scale and block_size then do not apply. `name` is used in warnings and errors.
+        A float8_e4m3fn weight is kept byte for byte with scale 1 (fp8_cast_parts); a torchao Float8Tensor weight
+        keeps its bytes and scales (torchao_fp8.py), per_row_scale and block_size then not applying. `name` is used
+        in messages.
         """
         conv1d = conv1d_class()
         if isinstance(module, nn.Linear):

@@ -51,11 +51,9 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         return shell if shell is not None else super().get_base_layer()
 
     def update_layer(self, adapter_name, *args, **kwargs):
-        # PEFT's _ConvNd.update_layer builds lora_A / lora_B as `type(base_layer)(...)`, which for an FP8 conv
-        # base would be two frozen fp8 convs. While it runs, get_base_layer() returns a shell: an nn.ConvNd of the
-        # same geometry on the meta device (no memory), so PEFT builds the plain nn.ConvNd adapters it builds for
-        # any conv, with its own initialisation. Device and dtype come from the real base
-        # (_get_base_layer_device_and_dtype), and the DoRA variant reads the real base (_fp8_base).
+        # PEFT's update_layer builds lora_A / lora_B as `type(base_layer)(...)`: while it runs, get_base_layer()
+        # returns a meta-device nn.ConvNd of the same geometry, so the adapters are plain convs. Device and dtype come
+        # from the real base (_get_base_layer_device_and_dtype), as does the DoRA variant (_fp8_base).
         shell = _geometry_shell(self._fp8_base())
         self.__dict__["_dorafp8_geometry_shell"] = shell
         try:

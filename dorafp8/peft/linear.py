@@ -31,11 +31,8 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
 
     Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
-    PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these.
-    The weight norm is computed once per forward and reused by its backward. Across calls it is reused only where it
-    provably equals the norm of the current adapters, whatever wrote them (fused or 8-bit optimizers, `.data`): on
-    the CPU by comparing the adapters with copies, on a GPU inside `dorafp8.reuse_weight_norms()`
-    (dorafp8/norm_cache.py).
+    PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these. The
+    weight norm is reused across calls only where it provably equals the current adapters' (dorafp8/norm_cache.py).
     """
 
     _dora_variant = DoraFP8Variant
