@@ -145,8 +145,8 @@ def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
 
 def _warn_if_lossy(counts: torch.Tensor, row_sq: torch.Tensor, what: str) -> None:
     """Warns when a per-tensor quantization lost much more than e4m3 usually does. The whole tensor's relative error
-    would hide it (the large values that set the scale dominate its norm), so the message gives how many weights
-    became 0 and the median row's relative error."""
+    would hide it (the large values that set the scale dominate its norm), so the message gives how many weights became
+    0 and the median row's relative error."""
     err2, ref2 = row_sq
     rel_rows = torch.where(ref2 > 0, err2 / ref2, torch.nan).sqrt()  # NaN: a row without a non-zero weight
     rel = (err2.sum() / ref2.sum().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()

@@ -25,18 +25,13 @@ except ImportError as e:  # triton missing or too old
     def _missing(*args, **kwargs):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
-    weight_norm = forward = dgrad = backward_pass = project = project_grad = _missing
+    weight_norm = forward = dgrad = backward_pass = project = project_grad = planning_for_gpu = _missing
 
     def launch_observers() -> list:
         return []  # nothing launches
 
-    def planning_for_gpu(sms, blocks):
-        raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
-
-# W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
-QUANTS_IN_PROJECT = True
-# The fp8 features and the microscaled weights (MXFP8, NVFP4: unpacked in the GEMMs' main loop, gemm.py; W8A16 only),
-# NVFP4's global scale as `global_scale` (dorafp8/backends/base.py, GLOBAL_SCALE_PARAMS).
+QUANTS_IN_PROJECT = True  # W8A8: project(quant=True) quantizes x in the same read as u; forward takes it (x8, sx)
+# The fp8 features and the microscaled weights (unpacked in the GEMMs' main loop, gemm.py; W8A16 only).
 SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
 GLOBAL_SCALE = True
 

@@ -1,6 +1,6 @@
 """Pieces shared by the Triton kernels: the dot helper, launch-time choices, the argument checks and the autotune
-configs per arch and Triton version (why each table holds what it does: docs/ARCHITECTURE.md, "triton_kernels/_common.py").
-The Hopper main loop's own choices are in hopper.py."""
+configs per arch and Triton version (why each table holds what it does: docs/ARCHITECTURE.md). The Hopper main
+loop's own choices are in hopper.py."""
 
 from __future__ import annotations
 

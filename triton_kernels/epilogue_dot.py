@@ -38,9 +38,9 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True,
 
 def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
     """Whether a GEMM's epilogue must take its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch` under the
-    installed Triton: on Hopper under Triton 3.8, in the dgrad and in the forward with dropout, where ptxas
-    serializes the GEMM's wgmma (C7515) when the epilogue multiplies on tensor cores (read with Triton 3.8.0; 3.6,
-    3.7 and 3.9 serialize none). The FMAs cost the step about 6% at r = 16 (predicted)."""
+    installed Triton: on Hopper under Triton 3.8, in the dgrad and in the forward with dropout, where ptxas serializes
+    the GEMM's wgmma (C7515) when the epilogue multiplies on tensor cores (read with Triton 3.8.0; 3.6, 3.7 and 3.9
+    serialize none). The FMAs cost the step about 6% at r = 16 (predicted)."""
     return arch == "sm90" and triton_version() == (3, 8) and (dgrad or dropout)
 
 

@@ -83,9 +83,8 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
 
 def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
     """Partitions the parameters of `new` (the fp8 layer replacing `old`) at once, as ZeRO-3 partitioned `old`'s, when
-    that was under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig):
-    deepspeed.zero.Init(module=new) with that config and `old`'s process group, so that no rank holds the whole fp8
-    model. Returns whether it did."""
+    that was under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig): deepspeed.zero.Init(module=new)
+    with that config and `old`'s process group, so that no rank holds the whole fp8 model. Returns whether it did."""
     old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
     hf_ds = sys.modules.get("transformers.integrations.deepspeed")
     config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
@@ -123,9 +122,9 @@ def name_list(arg) -> Optional[list]:
 
 def kept_in_precision(model: nn.Module) -> set:
     """The names of the layers of `model` inside a module that its class (or a submodule's) lists in
-    `_keep_in_fp32_modules`, matched by name component as diffusers does. Such models cast a layer's input to its
-    weight dtype, which fp8 would make e4m3; diffusers' and transformers' quantizers leave them dense, and so do
-    quantize_model and load_fp8_checkpoint."""
+    `_keep_in_fp32_modules`, matched by name component as diffusers does. Such models cast a layer's input to its weight
+    dtype, which fp8 would make e4m3; diffusers' and transformers' quantizers leave them dense, and so do quantize_model
+    and load_fp8_checkpoint."""
     kept = set()
     for prefix, mod in model.named_modules():
         keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())

@@ -83,9 +83,9 @@ class FP8Linear(FP8WeightModule):
         """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one scale
         per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
 
-        A float8_e4m3fn weight is kept byte for byte with scale 1 (fp8_cast_parts); a torchao Float8Tensor weight
-        keeps its bytes and scales (torchao_fp8.py), per_row_scale and block_size then not applying. `name` is used
-        in messages.
+        A float8_e4m3fn weight is kept byte for byte with scale 1 (fp8_cast_parts); a torchao Float8Tensor weight keeps
+        its bytes and scales (torchao_fp8.py), per_row_scale and block_size then not applying. `name` is used in
+        messages.
         """
         conv1d = conv1d_class()
         if isinstance(module, nn.Linear):

@@ -92,8 +92,8 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
                      backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
     """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
     the dense weight; L is PEFT 0.21's lora weight, (lora_B.view(-1, r) @ lora_A.view(r, -1)) reshaped to W0's shape.
-    With groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]): g calls over the rows o =
-    t (mod g).
+    With groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]): g calls over the rows o = t
+    (mod g).
 
     w8 [C_out, C_in/g, *k] float8_e4m3fn; scale per tensor, per output channel [C_out], or per block of the 2-D view
     (groups = 1 only); lora_A [r, C_in, *k]; lora_B [C_out, r/g, 1, ...]."""

@@ -26,9 +26,8 @@ _MERGE_WARNING = (
     "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
     "deploy and reports the error of every layer"
 )
-# A microscaled base is re-quantized in its own format (dorafp8/merge.py, requantize_micro). The errors: the recipes'
-# relative Frobenius error on a Gaussian [1024, 1024] weight, measured (tests/peft/test_microscaled_peft.py bounds
-# the merged layers'): 4-bit e2m1 loses far more than e4m3.
+# A microscaled base is re-quantized in its own format (merge.requantize_micro); the errors: measured on a Gaussian
+# [1024, 1024] weight (tests/peft/test_microscaled_peft.py bounds the merged layers').
 _MICRO_RECIPE = {"nvfp4": "ModelOpt's NVFP4 recipe (e2m1 values, an e4m3 scale per 16, a new global scale; about 9.5% "
                           "relative error on Gaussian weights)",
                  "mxfp8": "the OCP MX recipe (e4m3 values, an e8m0 scale per 32; about 2.9% relative error)"}
@@ -62,16 +61,10 @@ class FP8DoraVariantMixin:
                     "re-quantizes to e4m3")
 
     @classmethod
-    def merge_safe(cls, module, active_adapter, orig_weight):
+    def _refuse_merge(cls, module, active_adapter, orig_weight):
         raise NotImplementedError(cls._merge_error)
 
-    @classmethod
-    def merge_unsafe(cls, module, active_adapter, orig_weight):
-        raise NotImplementedError(cls._merge_error)
-
-    @classmethod
-    def unmerge(cls, module, active_adapter, orig_weight):
-        raise NotImplementedError(cls._merge_error)
+    merge_safe = merge_unsafe = unmerge = _refuse_merge
 
     @classmethod
     def init(cls, module: "DoRAFP8Layer", adapter_name: str, **kwargs: Any) -> None:
@@ -81,9 +74,7 @@ class FP8DoraVariantMixin:
         lora_A = module.lora_A[adapter_name].weight
         dtype = lora_A.dtype
         if lora_A.device.type == "meta":
-            # PeftModel.from_pretrained / load_adapter with low_cpu_mem_usage=True make the adapters on the meta
-            # device and assign the file's tensors (the magnitude's too) afterwards; PEFT's DoRA init gives a meta
-            # magnitude there as well. The norm of meta adapters cannot be computed, and is not needed.
+            # low_cpu_mem_usage=True: meta adapters, the file's tensors assigned afterwards (PEFT's DoRA init too)
             m = torch.empty(module.out_features, dtype=dtype, device="meta")
         else:
             with zero3_gathered(module.get_base_layer()):  # a base ZeRO-3 partitioned: whole for the norm, as PEFT
@@ -182,8 +173,7 @@ class DoRAFP8Layer:
 
     def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
         """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
-        equals the norm of the current tensors (dorafp8/norm_cache.py says where: always on the CPU, inside
-        `dorafp8.reuse_weight_norms()` on a GPU)."""
+        equals the norm of the current tensors (dorafp8/norm_cache.py)."""
         base = self._fp8_base()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
@@ -227,9 +217,8 @@ class DoRAFP8Layer:
         return [a for a in names if a in self.lora_A and a not in self.merged_adapters]
 
     def merge_problems(self, adapter_names=None) -> list[str]:
-        """Why merge(adapter_names) would fail, found without changing anything: PEFT's merge_and_unload and
-        merge_adapter ask every layer first (register.check_model_merge), so that a model is merged whole or not at
-        all."""
+        """Why merge(adapter_names) would fail, found without changing anything (register.check_model_merge asks every
+        layer first, so that a model is merged whole or not at all)."""
         names = self._adapters_to_merge(adapter_names)
         if not names:
             return []

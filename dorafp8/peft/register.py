@@ -118,8 +118,8 @@ def _fp8_all_linear_names(model: nn.Module) -> set[str]:
 
 def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.Module:
     """The FP8Linear / FP8ConvNd that DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
-    (diffusers' enable_layerwise_casting, kohya's and OneTrainer's fp8 casts; PEFT's DoRA init fails on it): exact,
-    its e4m3 bytes with scale 1. The new layer has no hook; the model's other layers keep theirs."""
+    (diffusers' enable_layerwise_casting, kohya's and OneTrainer's fp8 casts; PEFT's DoRA init fails on it): exact, its
+    e4m3 bytes with scale 1. The new layer has no hook; the model's other layers keep theirs."""
     if target is not base:  # the base of another adapter layer: swapping it would change that layer under it
         kind = f"{type(target).__module__}.{type(target).__qualname__}"
         raise ValueError(f"{name!r} is a {type(base).__name__} with a {base.weight.dtype} weight inside the adapter "
@@ -136,8 +136,8 @@ def register_with_peft() -> None:
     same bytes with scale 1 (_fp8_cast_base); plain LoRA on such a layer is left to PEFT.
 
     It wraps LoraModel._create_new_module's dispatchers and tuners_utils._maybe_include_all_linear_layers, and makes
-    merge_and_unload and merge_adapter check every layer before merging any (check_model_merge). Idempotent; runs
-    when peft is imported (dorafp8/_install.py).
+    merge_and_unload and merge_adapter check every layer before merging any (check_model_merge). Idempotent; runs when
+    peft is imported (dorafp8/_install.py).
     """
     global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:
