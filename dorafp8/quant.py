@@ -29,9 +29,8 @@ class QuantizationWarning(UserWarning):
     """Per-tensor fp8 quantization lost much more than e4m3's usual ~2.6% (an outlier weight or a tiny row)."""
 
 
-# When quantize_e4m3 warns. e4m3 keeps 3 mantissa bits: on Gaussian, uniform, Laplace or Student-t weights the
-# relative Frobenius error is 2.4-2.7% and well under 0.1% of the non-zero weights underflow to zero. A per-tensor
-# scale set by one outlier (1e4 among weights of 0.02) flushes most of the tensor to zero instead.
+# When quantize_e4m3 warns: usual weights lose 2.4-2.7% (relative Frobenius) and well under 0.1% of them underflow; a
+# per-tensor scale set by one outlier flushes most of the tensor to zero instead.
 LOSSY_FLUSHED_FRACTION = 0.01   # more than 1% of the non-zero weights became 0
 LOSSY_REL_ERROR = 0.05          # relative Frobenius error above 5% (twice e4m3's usual)
 
@@ -216,9 +215,8 @@ def check_scale_kind(kind, name: str = "granularity") -> ScaleKind:
     return kind
 
 
-# act_quant, the activation recipe of the base GEMMs: "" (W8A16, activations in the compute dtype) or "rowwise" (W8A8:
-# activations quantized per row to e4m3). The public API spells the default None; check_act_quant is the one place
-# that validates and normalizes it (None / "" / "none" -> "").
+# act_quant, the activation recipe of the base GEMMs: "" (W8A16) or "rowwise" (W8A8: activations quantized per row to
+# e4m3); check_act_quant normalizes the public spellings (None / "" / "none" -> "").
 ACT_QUANT_MODES = ("", "rowwise")
 
 
@@ -313,9 +311,8 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_DTYPES
 
 
-# The codes that are not finite numbers in each float8 format, as (bit mask, code): a byte b is NaN or inf where
-# b & mask == code. torch's isfinite has no float8 kernel on some releases (2.14: '"isfinite" not implemented for
-# 'Float8_e4m3fn''), and upcasting a whole weight to test it costs 4 bytes an element; the bits answer exactly.
+# The codes that are not finite in each float8 format, as (bit mask, code): NaN or inf where b & mask == code (torch
+# 2.14's isfinite has no float8 kernel, and upcasting a weight costs 4 bytes an element).
 _FP8_NONFINITE = {name: code for name, code in (
     ("float8_e4m3fn", (0x7F, 0x7F)),     # S.1111.111 is NaN; no infinities
     ("float8_e5m2", (0x7C, 0x7C)),       # exponent 11111: inf (mantissa 0) or NaN
@@ -446,9 +443,8 @@ def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAU
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: the block's scale is 2^(floor(log2 amax) -
-    8) (8: e4m3's largest exponent), the values w / scale rounded to e4m3 and saturated at 448. For tests and
-    fixtures: dorafp8 trains on the bytes a file holds."""
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: scale 2^(floor(log2 amax) - 8), values w /
+    scale rounded to e4m3, saturated at 448. For tests and fixtures."""
     N, K = weight.shape
     pad = -K % MXFP8_BLOCK
     w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)

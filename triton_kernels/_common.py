@@ -44,9 +44,8 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Launch observers (dorafp8._launches registers one; none costs a list check). observe(kernel, grid, args, kwargs)
-# returns True when it handled the launch itself (launched it, or skipped it in a dry run, during which the launchers
-# plan for the GPU that _DRY_RUN = {"sms": ..., "blocks": ...} describes).
+# Launch observers (dorafp8._launches registers one): observe(kernel, grid, args, kwargs) -> True when it handled the
+# launch itself (or skipped it in a dry run, where the launchers plan for the GPU _DRY_RUN describes).
 LAUNCH_OBSERVERS: list = []
 _DRY_RUN = None
 
@@ -95,10 +94,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 def dot_dtype(*dtypes: torch.dtype):
-    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (then input_precision
-    "ieee": no tf32, fp32 results must be fp32-accurate). Mixed or non-16-bit dtypes compute in fp32. Under the
-    interpreter bf16 tl.dot multiplies raw bit patterns (triton #11584), so bf16 tiles go through fp32 there,
-    which is exact (bf16 x bf16 products fit fp32)."""
+    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (then input_precision "ieee").
+    Mixed or non-16-bit dtypes compute in fp32, and so do bf16 tiles under the interpreter, whose bf16 tl.dot multiplies
+    raw bit patterns (triton #11584)."""
     dt = dtypes[0]
     if any(d != dt for d in dtypes) or dt not in (torch.float16, torch.bfloat16):
         return tl.float32, True
@@ -108,9 +106,8 @@ def dot_dtype(*dtypes: torch.dtype):
 
 
 def block_r(r: int, ieee: bool = False) -> int:
-    """The rank chunk of the rank-r dots in the kernels' epilogues. fp32 (ieee) dots run on CUDA cores with both
-    operand tiles in registers: chunks of 64 spilled up to 18 KB per thread in the forward and dgrad on sm_90a with
-    fp32 adapters (python -m dorafp8.kernel_report, variants "fp32-rank,r=64"), so they take 16 at a time."""
+    """The rank chunk of the rank-r dots in the kernels' epilogues: fp32 (ieee) dots, with both tiles in registers, take
+    16 at a time (chunks of 64 spilled up to 18 KB a thread on sm_90a)."""
     cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
     return max(_DOT_MIN, min(cap, next_pow2(r)))
 
@@ -302,9 +299,9 @@ def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
                      lean: bool = False, fp8_dot: bool = False):
-    """gemm_configs for an arch named as arch_of names it ("sm90", "sm89", "interp"), without a device (the kernel
-    report's way in). lean: a main loop with FP8_PROMOTE (two accumulators keep tiles of at most
-    _LEAN_TWO_ACC_MAX_ELEMS per thread); fp8_dot: W8A8, which adds _FP8_DOT_LARGE's tiles where the arch has them."""
+    """gemm_configs for an arch named as arch_of names it, without a device (the kernel report's way in). lean: a
+    main loop with FP8_PROMOTE (two accumulators keep the smaller tiles); fp8_dot: W8A8, which adds _FP8_DOT_LARGE's
+    tiles."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:

@@ -18,9 +18,8 @@ from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
 SCAN_N = 512  # columns per step of the maxima's scan over N
-# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 1024 elements of v, or 128 columns of dm, db and
-# [128, 16] chunks of dB, per program: 48-64 registers, no spills (inspect; 128 x 64 took 252 registers with fp32
-# adapters at r = 128, and 64 x 64 and 32 x 32 spilled a few bytes in some variants).
+# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 48-64 registers, no spills (larger and some smaller
+# chunks of dB spilled; kernel report).
 FINISH_BLOCKS = (1024, 128, 16)
 
 
@@ -211,9 +210,8 @@ _INTERP_PROGRAMS = 2
 
 
 def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, int, int, int]:
-    """(STEPS, CSTEPS, row groups pm, column groups pn) for `programs` programs (those that fit in one wave): the split
-    pm x pn = programs that makes the partials, 4 r (pn M + pm N) bytes, smallest, i.e. pn ~ sqrt(programs N / M),
-    each at most the number of tiles along its dimension."""
+    """(STEPS, CSTEPS, row groups pm, column groups pn) for `programs` programs: the split pm x pn = programs with the
+    fewest partial bytes, 4 r (pn M + pm N): pn ~ sqrt(programs N / M), each at most the tiles along its dimension."""
     tiles_m, tiles_n = cdiv(M, bm), cdiv(N, bn)
     pn = max(1, min(tiles_n, round(math.sqrt(programs * N / M))))
     pm = max(1, min(tiles_m, cdiv(programs, pn)))

@@ -91,9 +91,8 @@ def dequant_micro_kernel(
 
 
 def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None):
-    """(N, K, nvfp4, sc, g): a microscaled weight's sizes and its scale and global scale as the kernels read them (the
-    e8m0 bytes as uint8, which Triton has no dtype for; MXFP8's g a placeholder, never read). Checks what the
-    kernels' addressing needs; the shapes are checked by the ops (dorafp8.quant.check_weight)."""
+    """(N, K, nvfp4, sc, g): a microscaled weight's sizes, its scale (e8m0 bytes as uint8) and global scale (MXFP8's a
+    placeholder) as the kernels read them; checks what their addressing needs."""
     nvfp4 = w8.dtype == torch.uint8
     if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != E8M0):
         raise ValueError(f"w8 {w8.dtype} with scale {scale.dtype} is neither NVFP4 (uint8, float8_e4m3fn) nor MXFP8 "
@@ -127,9 +126,8 @@ def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, glo
 
 
 def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
-    """The weight norm of a microscaled weight: its rows dequantized to fp32 a block at a time (dequant_micro, at most
-    16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight. The Triton backend's and the
-    cuBLAS strategy's."""
+    """The weight norm of a microscaled weight: rows dequantized to fp32 a block at a time (at most 16 MiB) and W0 + s B
+    A's row norms taken by torch, never a dense copy."""
     from ..quant import row_blocks, weight_dims
 
     N, K = weight_dims(w8)

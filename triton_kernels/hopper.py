@@ -210,9 +210,8 @@ def _padded(n: int) -> int:
 
 
 def rank_pieces(v: torch.Tensor, t: torch.Tensor, t_rank_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v3, t3) bf16 for the "pieces" rank mode (ws_plan). v: the token side [V, r] (u, or v) -> v3 [V, 3 r]. t: the
-    tile side, B [N, r] -> t3 [N, 3 r], or with t_rank_rows A [r, K] -> t3 [3 r, K]. Rows are padded to a multiple of
-    8 elements (TMA's 16-byte row stride); the padding is never read (the descriptors' width is the tensor's)."""
+    """(v3, t3) bf16 for the "pieces" rank mode (ws_plan): v [V, r] (u, or v) -> [V, 3 r]; B [N, r] -> [N, 3 r], or with
+    t_rank_rows A [r, K] -> [3 r, K]. Rows padded to a multiple of 8 elements (TMA), the padding never read."""
     r = v.shape[1]
     if t_rank_rows:
         t3 = torch.empty((3 * r, _padded(t.shape[1])), dtype=torch.bfloat16, device=t.device)

@@ -28,9 +28,8 @@ from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_spl
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
-# Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, _common.arch_of, and
-# the compute capability for triton.compile). Triton compiles every capability from 90 on for its arch-specific target:
-# 90 as sm_90a (which wgmma needs), 100 as sm_100a (tcgen05), 120 as sm_120a.
+# Targets -> (the config tables' arch, _common.arch_of, and the capability for triton.compile, which compiles 90 and
+# up for the arch-specific target: sm_90a, sm_100a, sm_120a).
 ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89), "sm_100a": ("sm100", 100), "sm_120": ("sm120", 120)}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,9 +115,8 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
-# The headline variants (kernel_report.predict) are also compiled with the main loops the launchers do not pick on that
-# arch, so that the report can set them side by side: on sm_90a the cp.async loop.
-# The small-M one is where the cp.async loop's small-M lists get compiled on sm_90a (the launchers' fallback there).
+# The headline variants also compiled with the main loop the launchers do not pick on sm_90a (the cp.async loop), for
+# the report to set side by side; the small-M one compiles the cp.async loop's small-M lists there.
 COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
             "adapter,tensor-scale,M<=64,fp32-rank,r=16")
 

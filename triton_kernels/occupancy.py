@@ -30,9 +30,8 @@ def sm_props(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def resident_blocks(n_regs: int, shared: int, num_warps: int, props) -> int:
-    """How many blocks of a compiled kernel one SM holds at once: the CUDA occupancy rules (registers allocated per
-    warp in units of 256, i.e. per thread rounded up to 8; 1 KiB of shared memory reserved per block; the SM's
-    thread and 32-block limits). What `python -m dorafp8.kernel_report` prints (regs, smem) is what this reads."""
+    """How many blocks of a compiled kernel one SM holds at once, by the CUDA occupancy rules (registers per warp in
+    units of 256, 1 KiB of shared memory reserved per block, the SM's thread and 32-block limits)."""
     _, regs_sm, threads_sm, smem_sm = props
     by_regs = regs_sm // (max(8, -(-n_regs // 8) * 8) * 32 * num_warps)
     by_smem = smem_sm // (shared + 1024) if shared else 32

@@ -134,10 +134,9 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M, else
-    as many as fit, N mod 256 kept so that the same tiles meet the same edge; 16 at least), checked at M = SMALL_M (or
-    less) and at the largest M that fits (`check`), timed at the largest (`time`); both at most the key's M. `fits`:
-    False where even that does not fit (a narrow layer at M <= 100): the key then runs on the reference, unchecked."""
+    """The weight's first `rows` rows the child runs within budget(spec) (all N if they fit at the small M, else as many
+    as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and at the largest M that fits (`check`), timed
+    at the largest (`time`). `fits` False (a narrow layer at M <= 100): the key runs on the reference, unchecked."""
     N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
@@ -358,9 +357,8 @@ def reproduce(spec: dict) -> str:
 
 
 def check(spec: dict) -> tuple[dict, dict]:
-    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate:
-    error} for those that hung or crashed it). A candidate that kills the child is blamed and the others are run
-    again without it."""
+    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate: error}
+    for those that hung or crashed it, the others run again without it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))
@@ -393,9 +391,8 @@ def _results(text: str, cands) -> dict:
 
 
 def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran can be
-    blamed): killed at the limit, or its exit; not a SIGKILL from outside (the OOM killer, an operator), which says
-    nothing of the kernel."""
+    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran is to blame:
+    not for a SIGKILL from outside, the OOM killer or an operator)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     limit = TIMEOUT_S

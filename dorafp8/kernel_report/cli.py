@@ -227,9 +227,8 @@ def _x(lo: float, hi: float, lin: float) -> str:
 
 
 def format_prediction(records: list[dict], results_dir: str | None = None) -> str:
-    """--predict's output: per mode, main loop and GEMM the fastest predicted config, both ends of the ranges; then
-    every strategy's forward + backward against the Linear, beside what GPU runs measured (bench/results/), if any;
-    then the rates assumed and where each comes from."""
+    """--predict's output: per mode, main loop and GEMM the fastest predicted config; every strategy's forward +
+    backward against the Linear, beside what GPU runs measured; then the rates assumed and their sources."""
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     lin = linear_seconds(M, N, K)
     seen = measured(results_dir) if results_dir else dict(layers={}, kernels={})

@@ -75,10 +75,9 @@ _FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32(?:x2)?\b")
 
 
 def classify_mma(ptx: str) -> dict:
-    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", "tcgen05
-    kind::f16", several joined by " + ", "fma" when there are none but fp32 FMAs, else "none"), their shapes (not
-    tcgen05's: they are in its run-time descriptor), how many wgmma take A from registers and how many from a
-    shared-memory descriptor, and how many tcgen05.mma take A from tensor memory and how many from shared memory."""
+    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", "tcgen05 kind::f16",
+    several joined by " + ", "fma" when only fp32 FMAs, else "none"), their shapes (not tcgen05's), and where wgmma and
+    tcgen05.mma take A from (registers, shared memory, tensor memory)."""
     kinds, shapes = set(), set()
     for shape, d, a, b in _WGMMA.findall(ptx):
         kinds.add(f"wgmma {a}.{b}->{d}")

@@ -43,9 +43,8 @@ def worker_main() -> None:
         replies.flush()
 
 
-# A worker imports the kernel report and the kernel modules without running dorafp8/__init__.py, which imports peft and
-# transformers (5-10 s per process, for nothing the worker uses): the package module is created from its spec but not
-# executed, so that its submodules (found through its __path__, or the editable-install finder) import as usual.
+# A worker imports the kernel modules without running dorafp8/__init__.py (5-10 s of peft and transformers): the
+# package module is created from its spec but not executed, and its submodules import as usual.
 _WORKER_BOOT = """
 import importlib.util, sys
 pkg = importlib.util.module_from_spec(importlib.util.find_spec("dorafp8"))

@@ -138,9 +138,8 @@ def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
 
 def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo", r: int = 0) -> dict:
     """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
-    kernel-report record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product
-    (a [B_OUT, r] x [r, BLOCK_M] dot per tile and accumulator) runs on the tensor cores after the main loop: three
-    bf16 products for PEFT's fp32 adapters ("fp32-rank" variants: split_dot's, or rank_pieces' one dot over 3 r)."""
+    record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product runs on the
+    tensor cores after the main loop (three bf16 products for fp32 adapters)."""
     from ..triton_kernels.epilogue_dot import LORA_PIECES  # here: this module's top needs no torch
 
     R = RATES
@@ -181,10 +180,9 @@ def linear_bytes(M: int, N: int, K: int) -> int:
 
 
 def dora_floor_bytes(M: int, N: int, K: int) -> int:
-    """DoRA's own floor, for the design that keeps z (bf16 activations, g and z): the Linear's bytes, plus x read
-    again for dA = s v^T x, g read again by the pass that forms db, dm, v and dB, and z written by the forward and
-    read back for dm. What a strategy moves beyond it is its own overhead (the adapters' [*, r] tensors, fp8 or not,
-    are too small to count)."""
+    """DoRA's own floor, for the design that keeps z: the Linear's bytes, plus x read again for dA, g read again by the
+    backward pass, and z written by the forward and read back for dm. What a strategy moves beyond it is its own
+    overhead."""
     return linear_bytes(M, N, K) + M * K * 2 + M * N * 2 + 2 * M * N * 2
 
 
@@ -210,8 +208,7 @@ def weight_bytes(variant: str) -> float:
 
 
 def _suffix(loop: str, mode: str = "W8A16") -> str:
-    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick (hopper.main_loop_for: the
-    Hopper loop unless DORAFP8_HOPPER_GEMM=0; the microscaled kinds' only loop, cp.async), ",<loop>" for the compared
+    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick, ",<loop>" for the compared
     one; None where the mode has no such loop."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
@@ -361,9 +358,8 @@ SMALL_MS = (1024, 256)
 
 
 def strategy_launches(name: str, M: int | None = None) -> list[dict]:
-    """The launches of one strategy's headline forward + backward (at M tokens if given) (needs the Triton backend
-    importable here, i.e. TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()); "PEFT DoRA"
-    needs peft."""
+    """The launches of one strategy's headline forward + backward (at M tokens if given); needs the Triton backend
+    importable (launches_subprocess); "PEFT DoRA" needs peft."""
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:
@@ -375,9 +371,8 @@ def strategy_launches(name: str, M: int | None = None) -> list[dict]:
 
 
 def launches_subprocess(names=None, small=()) -> dict[str, list]:
-    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (the kernel report's
-    own processes must not set it: it changes what @triton.jit returns); PEFT's DoRA where peft is installed. small:
-    (strategy, M) pairs, keyed "strategy @ M"."""
+    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (which the report's own
+    processes must not set); PEFT's DoRA where peft is installed. small: (strategy, M) pairs, keyed "strategy @ M"."""
     import importlib.util
     import subprocess
     import sys

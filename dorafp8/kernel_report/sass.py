@@ -120,10 +120,9 @@ def _is_tma_load(e: dict) -> bool:
 
 
 def main_loop_mix(text: str) -> dict | None:
-    """The instruction mix of the main loop, None if no loop holds an MMA instruction. The main loop is the first
-    innermost loop in program order that holds one: dorafp8's kernels run their main GEMM before their epilogue, whose
-    rank-r GEMM can be a loop of MMAs too (as many per iteration, or more); a persistent kernel's tile loop holds both.
-    Under warp specialization each consumer warpgroup has its own copy of the loop, the first is its."""
+    """The instruction mix of the main loop: the first innermost loop in program order that holds an MMA instruction
+    (the main GEMM runs before the epilogue's rank-r GEMM); None if there is none. Under warp specialization, the first
+    consumer warpgroup's copy."""
     instrs = parse_sass(text)
     found = _holding(instrs, loops(instrs), _is_mma)
     return mix(instrs[found[0][0]:found[0][1] + 1]) if found else None

@@ -124,9 +124,8 @@ def bind(fn, backend, args: dict, kwargs: dict):
 
 @contextlib.contextmanager
 def ptxas_log_printed(out: io.StringIO):
-    """Inside it, Triton's make_cubin prints ptxas -v's log (knobs.nvidia.dump_ptxas_log, 3.6 .. 3.9) into out: the
-    log of Triton's own ptxas with its own flags (which change between versions: 3.9 adds --regAllocOptLevel=2, which
-    changes register counts), so the numbers are those of the cubin Triton builds."""
+    """Inside it, Triton's make_cubin prints the log of its own ptxas -v run, with its own flags (3.9 adds
+    --regAllocOptLevel=2), into out: the figures of the cubin Triton builds."""
     from triton import knobs
 
     saved = knobs.nvidia.dump_ptxas_log

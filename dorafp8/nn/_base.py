@@ -92,9 +92,8 @@ def warn_if_peft_unregistered() -> None:
 
 
 def zero3_init_active() -> bool:
-    """Whether DeepSpeed's `deepspeed.zero.Init` context (ZeRO-3's partitioned construction, which transformers'
-    from_pretrained enters under a ZeRO-3 config) is open now. Read from the module DeepSpeed keeps it in, without
-    importing deepspeed."""
+    """Whether DeepSpeed's `deepspeed.zero.Init` (ZeRO-3's partitioned construction) is open now, read from the module
+    DeepSpeed keeps it in, without importing deepspeed."""
     pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     return getattr(pp, "zero_init_context", 0) > 0
 
@@ -137,9 +136,8 @@ class FP8WeightModule(nn.Module):
         return w if w.dtype in (E4M3, torch.uint8) else recover_fp8_weight(self, w)
 
     def _apply(self, fn, recurse=True):
-        # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
-        # round trip through a wider float is exact, but a scale cast to bf16/fp16 is not: put back the storage
-        # dtypes, taking the scale from the original.
+        # nn.Module.to(dtype)/.half() cast fp8 as a float: the weight's round trip is exact, the scale's is not, so
+        # the storage dtypes are put back, the scale taken from the original.
         scale, g = self.scale, getattr(self, "global_scale", None)
         super()._apply(fn, recurse)
         if self.weight.dtype not in (E4M3, torch.uint8):  # a packed NVFP4 weight (uint8) is never cast

@@ -32,9 +32,8 @@ def _linear_kinds() -> tuple:
 
 def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                  backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> nn.Module:
-    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (an
-    FP8Conv1d/2d/3d; act_quant does not apply): its weight quantized, or kept as it is when it is already
-    float8_e4m3fn (scale 1)."""
+    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (act_quant does not
+    apply): its weight quantized, or kept with scale 1 when it is float8_e4m3fn already."""
     conv_cls = fp8_conv_class(module)
     if conv_cls is not None:
         return conv_cls.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
@@ -121,10 +120,9 @@ def name_list(arg) -> Optional[list]:
 
 
 def kept_in_precision(model: nn.Module) -> set:
-    """The names of the layers of `model` inside a module that its class (or a submodule's) lists in
-    `_keep_in_fp32_modules`, matched by name component as diffusers does. Such models cast a layer's input to its weight
-    dtype, which fp8 would make e4m3; diffusers' and transformers' quantizers leave them dense, and so do quantize_model
-    and load_fp8_checkpoint."""
+    """The names of the layers inside the modules `model` (or a submodule) lists in `_keep_in_fp32_modules`, matched by
+    name component as diffusers does: such models cast a layer's input to its weight dtype, so diffusers', transformers'
+    and dorafp8's quantizers leave them dense."""
     kept = set()
     for prefix, mod in model.named_modules():
         keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())
@@ -248,9 +246,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                           f"(e.g. {done[0]!r}), and per_row_scale / block_size apply only when quantizing a float "
                           f"weight; their scales are left as they are", stacklevel=2)
     _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
-    # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
-    # Layers DeepSpeed ZeRO-3 partitioned are gathered for the check and again for the swap, one at a time; their fp8
-    # replacements are partitioned again at once (zero3_repartition).
+    # All or nothing: every layer is checked before the first is swapped; ZeRO-3 partitioned layers are gathered one at
+    # a time for the check and the swap, their replacements partitioned again (zero3_repartition).
     for name in swaps:
         mod = model.get_submodule(name)
         with zero3_gathered(mod, name):

@@ -47,8 +47,7 @@ _COLLECTING: list[list] = []
 
 def report_regrouped(name: str, group: int, rel_error: float, source: str) -> None:
     """Says that layer `name` was re-quantized from 1 x `group` scales to per-row ones: collected by the enclosing
-    collect_regrouped() (quantize_model, convert_peft_model, load_fp8_checkpoint warn once for all their layers),
-    else a QuantizationWarning now."""
+    collect_regrouped() (one warning for all layers), else a QuantizationWarning now."""
     entry = (name or "layer", group, rel_error)
     if _COLLECTING:
         _COLLECTING[-1].append(entry)

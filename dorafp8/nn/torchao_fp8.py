@@ -78,9 +78,8 @@ def _finite_scale(s: torch.Tensor, name: Optional[str]) -> None:
 
 
 def _zero_blocks_fixed(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao computes scale = amax / 448 with no floor, so an all-zero row (block, group) gets scale 0 and its
-    values 0 / 0 = NaN (its own dequantize() and forward give NaN there). The weight there was zero: its bytes become
-    +0 and its scale 1 (quantize_e4m3's convention for all-zero rows), which dequantizes to the zeros it was."""
+    """torchao's scale = amax / 448 has no floor: an all-zero row (block, group) gets scale 0 and NaN values. Those
+    bytes become +0 with scale 1 (quantize_e4m3's convention), the zeros the weight was."""
     zero = s == 0
     if not bool(zero.any()):
         return q, s

@@ -95,9 +95,8 @@ def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], blo
                need_z: bool = False, x8: Optional[Tensor] = None, sx: Optional[Tensor] = None,
                global_scale: Optional[Tensor] = None, weight: Optional[Tensor] = None,
                weight_fac: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
-    wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy". x8, sx: x quantized by project_quant_op
-    (W8A8 on a backend with QUANTS_IN_PROJECT). weight, weight_fac: dequant_op's (a backend with KEEPS_WEIGHT)."""
+    """The plain FP8 linear leaves the DoRA arguments at their defaults. z, when wanted, has the compute dtype. x8, sx:
+    project_quant_op's (QUANTS_IN_PROJECT); weight, weight_fac: dequant_op's (KEEPS_WEIGHT)."""
     extra = {"x8": x8, "sx": sx} if x8 is not None else {}
     extra.update(_global(global_scale))
     extra.update(_kept(weight, weight_fac))

@@ -26,9 +26,8 @@ def as_result(y: Tensor, shape) -> Tensor:
 
 
 def check_float(t, name: str, *, wider_ok: bool = False) -> None:
-    """The one check of a float argument of the ops (x, lora_A, lora_B, magnitude, bias): a float32, bfloat16 or
-    float16 tensor (with wider_ok, any other float that is not fp8, e.g. float64, too). The TypeError names the
-    argument and the dtypes expected, and for an fp8 tensor says where fp8 belongs."""
+    """The one check of a float argument of the ops (x, lora_A, lora_B, magnitude, bias): a float32, bfloat16 or float16
+    tensor (with wider_ok, any non-fp8 float too). The TypeError names the argument, and for fp8 where fp8 belongs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype in ACT_DTYPES or (wider_ok and t.is_floating_point() and not is_fp8(t)):
@@ -99,8 +98,7 @@ def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None)
 
 
 def keeps_weight(M: int, N: int, K: int) -> bool:
-    """Whether a backend with KEEPS_WEIGHT (backends/base.py) keeps the forward's dequantized weight W [N, K] for the
-    backward instead of dequantizing it again: when W is at most half the size of x [M, K] and z [M, N], which the
-    layer saves anyway, so that it adds at most half to the saved memory. W is saved with them (ctx.save_for_backward),
-    so activation checkpointing and offloading treat it alike."""
+    """Whether a backend with KEEPS_WEIGHT keeps the forward's dequantized weight W [N, K] for the backward: when W is
+    at most half the size of x [M, K] and z [M, N], which the layer saves anyway. Saved with them, so activation
+    checkpointing and offloading treat it alike."""
     return 2 * N * K <= M * (N + K)

@@ -29,9 +29,8 @@ def _tuple(v, nd: int, name: str) -> tuple:
 
 
 def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
-    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over the
-    reference's row blocks of the [C_out, rest] view (fp32 temporaries of at most a block) and rounded once into
-    `dtype`."""
+    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call, computed in fp32 over row blocks
+    of the [C_out, rest] view and rounded once."""
     C = w8.shape[0]
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]

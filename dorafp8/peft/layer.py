@@ -51,10 +51,9 @@ def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name
 
 
 class FP8DoraVariantMixin:
-    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
-    dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product
-    taken from the fp8 layer. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class for the layer
-    type and the magnitude m [N] in the shape it holds."""
+    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a dense
+    weight, and PEFT's general-path composition. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class
+    and m [N] in the shape it holds."""
 
     _merge_error = ("the DoRA variant on an fp8 base does not merge into a dense weight: the layer's own merge() "
                     "(and PEFT's merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and "
@@ -110,11 +109,10 @@ class FP8DoraVariantMixin:
 
 
 class DoRAFP8Layer:
-    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the per-adapter
-    weight-norm cache, the dispatch to the fused op, and the conversion from a PEFT layer. A layer class gives
-    `_dora_variant`, `_fp8_base()` (its FP8Linear / FP8ConvNd), `_weight_norm(base, A, B, s)`, `_per_channel(v)`
-    (a per-output-channel vector shaped to broadcast over outputs), `_base_product(base, x)` (the base without bias)
-    and `_fused_call(x, adapter, dropout_p)`."""
+    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the weight-norm
+    cache, the dispatch to the fused op, the merge and the conversion from a PEFT layer. A layer class gives
+    `_dora_variant`, `_fp8_base()`, `_weight_norm(base, A, B, s)`, `_per_channel(v)`, `_base_product(base, x)` (without
+    bias) and `_fused_call(x, adapter, dropout_p)`."""
 
     _dora_variant: type
     _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features

@@ -98,11 +98,8 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     @classmethod
     def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
                   per_row_scale: bool = False) -> "DoRAFP8Linear":
-        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), with the base quantized to fp8.
-
-        The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
-        shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded.
-        """
+        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), the base quantized to fp8. It
+        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(
