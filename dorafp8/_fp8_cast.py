@@ -31,9 +31,8 @@ def _codes(device, pairs: bool = False, dtype: torch.dtype = torch.float32) -> t
 
 
 def _lookup(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
-    """The codes times the factor (a number, a one-element tensor, or None), rounded into dtype, gathered. Two bytes
-    at a time where w8 is contiguous, of an even size and larger than that table (65536 pairs): half the indices to
-    write and read."""
+    """The codes times the factor (a number, a one-element tensor, or None), rounded into dtype, gathered; two bytes at
+    a time where w8 is contiguous, even-sized and larger than that table (65536 pairs)."""
     pairs = w8.is_contiguous() and w8.numel() % 2 == 0 and w8.numel() > (1 << 17)
     if factor is None:
         table = _codes(w8.device, pairs, dtype)

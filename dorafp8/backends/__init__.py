@@ -95,9 +95,8 @@ def _why_not(name: str, feature: str, device: torch.device) -> str:
 
 
 def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
-    """Resolves a backend name ("auto", None or one of BACKENDS) to the concrete backend that runs on `device`.
-    Under "auto" a backend that cannot compute what the call `needs` (see FEATURES) is passed over; a backend named
-    explicitly is used as named, or refused with base.not_supported's error."""
+    """Resolves a backend name ("auto", None or one of BACKENDS) to the backend that runs on `device`: under "auto" one
+    that cannot compute what the call `needs` is passed over; a named one is used, or refused (base.not_supported)."""
     name = check_backend_name(name)
     if name == "auto":
         env = os.environ.get("DORAFP8_BACKEND")

@@ -99,9 +99,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     t = gl @ w
     tb = gb @ w if dropout else None
     del w
-    # The contract's st (per-tensor scale, applied in the epilogue) is now in w: per tensor the epilogue multiplies by
-    # 1 (fac[-1]); per row (scales in gl already) it divides the kappa out again (fac[-1] = 1 / kappa); block scales
-    # are in w (and microscaled weights' factors: fac = [1, 1]).
+    # The scales are in w now: the epilogue's st is fac[-1] (1 per tensor, 1 / kappa per row); a block scale tells it
+    # they were applied.
     st = scale if scale_kind(scale) == "block" else fac[-1]
     w8 = _epilogue_w8(w8, scale)
     return dgrad_epilogue(t, tb, rl, w8, st, block_size, v, A, s, mask, p, rb, gl.dtype)

@@ -120,8 +120,6 @@ def rank_ops(device: torch.device) -> ModuleType:
     return triton_kernels if triton_kernels.unavailable_reason(device) is None else reference
 
 
-# ---------------------------------------------------------------------------------------------------------- helpers
-
 def _rows(t: Tensor) -> Tensor:
     """t as a 2-D tensor with unit stride in its last dim (any row stride: the kernels take it)."""
     if t.dim() != 2:
@@ -160,8 +158,6 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
     a = _rows(a)
     return a, sc, _empty((a.shape[0], out_cols), a.dtype, a.device)
 
-
-# ---------------------------------------------------------------------------------------------------------- contract
 
 class CudaBackend:
     """The backend contract (dorafp8/backends/base.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,

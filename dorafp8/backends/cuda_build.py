@@ -140,9 +140,8 @@ def build(device: torch.device) -> ModuleType:
     default_jobs = "MAX_JOBS" not in os.environ
     saved_home = cpp_extension.CUDA_HOME
     try:
-        # What torch's loader reads: its CUDA_HOME (guessed at its import, maybe from a wrapper script on PATH) and
-        # MAX_JOBS (ninja's parallel jobs); set for this build only. The archs are in our -gencode flags, so torch
-        # adds none of its own.
+        # What torch's loader reads, set for this build only: CUDA_HOME (its own guess may be a wrapper script's) and
+        # MAX_JOBS; the archs are in our -gencode flags.
         cpp_extension.CUDA_HOME = str(cuda_home())
         if default_jobs:
             os.environ["MAX_JOBS"] = p["max_jobs"]

@@ -28,9 +28,8 @@ def weight_norm(w8, scale, block_size, A, B, s):
 
 
 def project(a, b, out_dtype, mask, p):
-    """a' b^T in out_dtype. When a, b and out_dtype are one dtype (bf16 under autocast): the platform's matmul in that
-    dtype, which accumulates in fp32 and rounds once, as the reference does, on a' = a * (mask / (1 - p)) formed in
-    that dtype as PEFT's dropout forms it; otherwise the reference's (a' in fp32)."""
+    """a' b^T in out_dtype: where a, b and out_dtype are one dtype, the platform's matmul in it (fp32 accumulation, one
+    rounding) on a' = a * (mask / (1 - p)) formed there as PEFT's dropout forms it; else the reference's."""
     if a.dtype == b.dtype == out_dtype:
         if mask is not None:
             a = a * mask.to(a.dtype).div_(1.0 - p)

@@ -192,9 +192,8 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)
     depth = 0
 
-    # MLIR's printer reuses a name in a region after a sibling region that had it has closed (the rank-r epilogue's
-    # loop reuses the main loop's names), so a name may be defined more than once: each definition gets its own key,
-    # and a use is the latest definition above it, the only one still in scope there.
+    # MLIR reuses a name after a sibling region that had it has closed: each definition gets its own key, and a use is
+    # the latest definition above it.
     latest: dict[str, str] = {}
 
     def define(name: str, lineno: int) -> str:
@@ -280,9 +279,8 @@ def ws_consumers(ttgir: str) -> int:
 
 
 def w8_operand(dots: list[dict]) -> dict:
-    """From ttgir_dots: w_operand ("registers" | "shared" | "tensor memory" | "mixed" | None: where the dots the weight
-    tile feeds read it from), w8_dots (how many dots it feeds) and w8_side ("A", "B", "AB" if both operands come from
-    it, or None)."""
+    """From ttgir_dots: w_operand (where the dots the weight tile feeds read it: "registers", "shared", "tensor memory",
+    "mixed" or None), w8_dots (how many it feeds) and w8_side ("A", "B", "AB" or None)."""
     kinds = {d[side.lower()] for d in dots for side in d["w8"]}
     sides = "".join(sorted({side for d in dots for side in d["w8"]}))
     return dict(w_operand=(kinds.pop() if len(kinds) == 1 else "mixed") if kinds else None,

@@ -151,9 +151,8 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: s
     tiles_sm = math.ceil(tiles / SMS)  # one CTA per SM at these tiles (registers, or the persistent grid)
     ws = rec.get("ws_consumers") or 0
     loop_instrs = rec["main_loop"]["instrs"] * max(1, ws) + ((rec.get("producer_loop") or {}).get("instrs", 0))
-    # the epilogue and the prologue, once per tile: every warp runs them in the plain loop; under warp specialization
-    # each partition runs its own code on its 4 warps, all on the same four schedulers
-    # a persistent kernel runs what lies outside its tile loops (its setup) once per CTA, the rest once per tile
+    # the epilogue and prologue, once per tile, on every warp (warp specialization: each partition on its 4 warps); a
+    # persistent kernel runs what lies outside its tile loops once per CTA
     every = rec.get("kernel_instrs") or 0
     in_tiles = rec.get("tile_instrs") if rec.get("tile_loop") and rec.get("tile_instrs") else every
     issue = (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)  # cycles per instruction
@@ -217,9 +216,8 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
 
 
 def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int, w_bytes: float = 1.0) -> float:
-    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in, its output out
-    (the forward also writes z for the backward; 2-byte activations, 1-byte under W8A8, whose quantized copies the
-    quantizer wrote)."""
+    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in (1 byte under W8A8,
+    else 2), its output out (and the forward's z)."""
     act = 1 if fp8_act else 2
     if kernel == "forward":
         return M * K * act + N * K * w_bytes + M * N * 2 + M * N * z_bytes
@@ -258,9 +256,8 @@ RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 2 * M * K * r,
 
 
 def launch_seconds(launch: dict, end: str, shape: dict | None = None) -> float:
-    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (a rank-r kernel's on
-    CUDA cores; a matrix product's at the yardstick's rate, or CUDA cores' with fp32 operands). shape: M, N, K, r
-    (default the headline's)."""
+    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (on CUDA cores, or at the
+    yardstick's rate for a 16-bit matrix product). shape: M, N, K, r (default the headline's)."""
     R = RATES
     t = launch["nbytes"] / R["hbm"].pick(end)
     flops = launch.get("flops") or 0

@@ -15,9 +15,7 @@ _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 # Blackwell's tensor-core MMAs (UTCHMMA, UTCQMMA, ... issued by one thread for the CTA).
 _MMA = re.compile(r"^(HGMMA|QGMMA|IGMMA|HMMA|QMMA|IMMA|OMMA|UTC\w*MMA)$")
 
-# Fields of the mix, in report order (docs/INSPECT.md, "Main loop"). The pipeline's: utmaldg (TMA loads), mbar_wait
-# (mbarrier waits, SYNCS.PHASECHK), bar_cta (BAR.SYNC over the whole CTA: "BAR.SYNC 0x0"), bar_named (a barrier of a
-# given thread count, "BAR.SYNC 0x2, 0x80": one warpgroup's 128 threads under warp specialization).
+# Fields of the mix, in report order (docs/INSPECT.md, "Main loop", says what each counts).
 MIX_FIELDS = ("mma", "f2f", "f2fp_unpack", "f2fp_pack", "prmt", "i2f", "lds8", "lds16", "lds32", "lds64", "lds128",
               "ldsm", "ldg", "ldgsts", "fp32_alu", "utmaldg", "mbar_wait", "bar_cta", "bar_named", "instrs")
 

@@ -148,8 +148,6 @@ class FP8WeightModule(nn.Module):
             self.global_scale = g.to(self.global_scale.device)
         return self
 
-    # ---- FSDP2's state_dict ----------------------------------------------------------------------------------------
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Under FSDP2 the weight is a DTensor and the `scale` buffer is not; code that reads `.device_mesh` off every
         # state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on it, so it is listed as replicated on the
@@ -162,8 +160,6 @@ class FP8WeightModule(nn.Module):
 
             destination[key] = dtensor.from_local(destination[key], w.device_mesh,
                                                   [Replicate()] * w.device_mesh.ndim, run_check=False)
-
-    # ---- loading ---------------------------------------------------------------------------------------------------
 
     _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
 
@@ -224,9 +220,8 @@ _WARNED_RECAST = False
 
 
 def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
-    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it). With
-    dorafp8's FSDP support installed (dorafp8/distributed.py) FSDP2 does not cast them, and this is not reached."""
+    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy cast to a wider float: cast
+    back, exactly (not reached with dorafp8/distributed.py installed); anything else that is not fp8, as it is."""
     global _WARNED_RECAST
     if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return w

@@ -50,8 +50,6 @@ class FP8ConvNd(FP8WeightModule):
         shape = tuple(proto.weight.shape)
         self._init_fp8_storage(shape, math.prod(shape[1:]), bias, dtype, device, per_row_scale, block_size)
 
-    # ---- construction --------------------------------------------------------------------------------------------
-
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", name: str | None = None):
@@ -100,12 +98,9 @@ class FP8ConvNd(FP8WeightModule):
             new.bias = nn.Parameter(bias, requires_grad=False)
         return new
 
-    # ---- what a call uses ----------------------------------------------------------------------------------------
-
     def conv_padding(self) -> Optional[tuple]:
-        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else
-        None: padding_mode 'reflect'/'replicate'/'circular', or an asymmetric padding='same'; those pad x first
-        (pad_input)."""
+        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else None
+        (another padding_mode, or an asymmetric padding='same': pad_input pads x first)."""
         if self.padding_mode != "zeros":
             return None
         if isinstance(self.padding, str):
@@ -148,8 +143,6 @@ class FP8ConvNd(FP8WeightModule):
         if self.bias is not None:
             conv.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         return conv
-
-    # ---- nn.Module plumbing (as FP8Linear) -----------------------------------------------------------------------
 
     @property
     def _float_weight_hint(self) -> str:

@@ -14,9 +14,8 @@ from ..quant import E4M3, QuantizationWarning, row_blocks
 
 
 def groups_to_rows(w8: torch.Tensor, gscale: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(w8' e4m3 [N, K], per-row scale fp32 [N], the relative Frobenius error ||W' - W0|| / ||W0||) for a weight with
-    1 x `group` scales: w8 e4m3 [N, K], gscale [N, K / group] (any float dtype, converted exactly to fp32).
-    Computed in blocks of rows (fp32 temporaries of at most a few MiB); W0 is the weight the file holds."""
+    """(w8' e4m3 [N, K], per-row scale fp32 [N], relative Frobenius error ||W' - W0|| / ||W0||) for a weight w8 e4m3 [N,
+    K] with 1 x `group` scales gscale [N, K / group] (any float dtype), computed in blocks of rows."""
     N, K = w8.shape
     G = K // group
     if group < 1 or G * group != K or tuple(gscale.shape) != (N, G):

@@ -219,9 +219,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
             db = _as(_sum_but_channels(g32), cdt)
         if need_dm:
             dm = _as((_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape), ctx.m_dtype)
-        # g * c in the compute dtype: the output gradient of the lora path (times s, applied to its small results
-        # below) and, without dropout, of the base conv. fp16: scaled by 1 / max|c| so that it cannot overflow
-        # where g does not (the transposed conv's result is scaled back in fp32).
+        # g * c in the compute dtype, the output gradient of the lora path (times s) and, without dropout, of the base
+        # conv; fp16: scaled by 1 / max|c| so that it cannot overflow where g does not (scaled back in fp32).
         rc = c.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) if cdt == torch.float16 else None
         gc = torch.empty(gy.shape, dtype=cdt, device=gy.device)
         torch.mul(g32, cv if rc is None else cv / rc, out=gc)

@@ -37,8 +37,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
     _peft_dora_variant = _DoraConvNdVariant
     _io_names = ("in_channels", "out_channels")
 
-    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
-
     def _fp8_base(self) -> FP8ConvNd:
         """The FP8 conv base (also while update_layer shows PEFT a geometry shell, see there)."""
         layer = self
@@ -74,8 +72,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
             return real.weight.device, real.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
 
-    # ---- dorafp8 -------------------------------------------------------------------------------------------------
-
     @staticmethod
     def _weight_norm(base, A, B, s):
         """The per-output-channel norm ||W0 + s L|| ([C_out]) in the conv layout (dora_weight_norm caches it)."""
@@ -105,8 +101,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
             base.dilation, base.groups, lora_stride=lora_A.stride, lora_padding=_lora_padding(lora_A),
             lora_dilation=lora_A.dilation, dropout_p=p, training=self.training, backend=base.backend,
             weight_norm=self.dora_weight_norm(a), block_size=base.block_size)
-
-    # ---- conversion ----------------------------------------------------------------------------------------------
 
     @classmethod
     def check_peft_layer(cls, layer: lora_layer._ConvNd, *, per_row_scale: bool = False, name: str | None = None):
@@ -155,9 +149,8 @@ class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
 
 
 class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
-    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (see dorafp8/peft/conv.py). Build it with get_peft_model on a
-    model whose convs are FP8Conv2d (dorafp8.quantize_model(model, include_conv=True)), or convert a PEFT DoRA model
-    with dorafp8.convert_peft_model."""
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base: get_peft_model builds it on a model quantized with
+    quantize_model(model, include_conv=True), or convert_peft_model converts a PEFT DoRA model."""
 
 
 class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):

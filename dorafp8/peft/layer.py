@@ -204,8 +204,6 @@ class DoRAFP8Layer:
         dropout = self.lora_dropout[a]
         return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
 
-    # ---- merging --------------------------------------------------------------------------------------------------
-
     # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
     merge_granularity = "row"
 

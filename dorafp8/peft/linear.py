@@ -42,8 +42,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self.fan_in_fan_out = False  # the FP8Linear weight is always [out, in]
 
-    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
-
     def _get_in_out_features(self, module):
         if isinstance(module, FP8Linear):
             return module.in_features, module.out_features
@@ -60,8 +58,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         also rescales rows, see merge)."""
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         return ((B.float() @ A.float()) * self.scaling[adapter]).to(B.dtype)
-
-    # ---- dorafp8 -------------------------------------------------------------------------------------------------
 
     @staticmethod
     def _weight_norm(base, A, B, s):
@@ -84,8 +80,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
             dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
             block_size=base.block_size, act_quant=base.act_quant, global_scale=base.global_scale)
-
-    # ---- conversion ----------------------------------------------------------------------------------------------
 
     @classmethod
     def check_peft_layer(cls, layer: lora_layer.Linear, *, per_row_scale: bool = False, name: str | None = None):
