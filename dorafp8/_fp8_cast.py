@@ -62,9 +62,8 @@ def _convert(method: str, w8: torch.Tensor, factor, dtype: torch.dtype) -> torch
 
 
 def _choice(w8: torch.Tensor, factor, dtype: torch.dtype) -> tuple[str, torch.Tensor | None]:
-    """The method for large blocks into `dtype` with such a factor, and, when this call measured it, the block
-    converted. Measured once per (dtype, kind of factor): each method _TRIALS times, in turn, the fastest run of
-    each."""
+    """The method for large blocks into `dtype` with such a factor, and the block converted if this call measured it:
+    once per (dtype, kind of factor), each method _TRIALS times in turn, the fastest run of each."""
     key = (dtype, "none" if factor is None else "tensor" if _per_element(factor) else "scalar")
     method = _CHOICE.get(key)
     if method is not None:
@@ -102,6 +101,6 @@ def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e4m3_scaled_fp32(w8: torch.Tensor, factor) -> torch.Tensor:
-    """w8 * factor in fp32 (factor a number or an fp32 tensor broadcastable against w8): one rounding, as
-    w8.float() * factor."""
+    """w8 * factor in fp32 (a number or an fp32 tensor broadcastable against w8), rounded once as w8.float() *
+    factor."""
     return _cpu_convert(w8, factor, torch.float32)

@@ -1,8 +1,7 @@
 """The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 e4m3 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
 ComfyUI, compressed-tensors and the fine-grained (DeepSeek-V3 / Qwen3-FP8) format: W0 = scale * W8 with an fp32 scale
 per tensor ([]), per output row ([N]) or per b x b block ([ceil(N/b), ceil(K/b)], b = 128 by default); scale =
-amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even. `check_scale` normalizes a scale to
-one of these shapes."""
+amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even (check_scale normalizes a scale)."""
 
 from __future__ import annotations
 
@@ -200,8 +199,7 @@ def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -
 
 
 def scale_kind(scale: torch.Tensor) -> ScaleKind:
-    """"tensor", "row" or "block" for a scale normalized by check_scale; "mxfp8" for an e8m0 scale, "nvfp4" for an
-    e4m3 one (check_weight's)."""
+    """"tensor", "row" or "block" for a scale normalized by check_scale; "mxfp8" for an e8m0 scale, "nvfp4" for e4m3."""
     if scale.dtype == E4M3:
         return "nvfp4"
     if scale.dtype == E8M0:

@@ -299,9 +299,8 @@ def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
                      lean: bool = False, fp8_dot: bool = False):
-    """gemm_configs for an arch named as arch_of names it, without a device (the kernel report's way in). lean: a
-    main loop with FP8_PROMOTE (two accumulators keep the smaller tiles); fp8_dot: W8A8, which adds _FP8_DOT_LARGE's
-    tiles."""
+    """gemm_configs for an arch named as arch_of names it, without a device (the kernel report's way in). lean:
+    FP8_PROMOTE's main loop (two accumulators keep smaller tiles); fp8_dot: W8A8 (adds _FP8_DOT_LARGE's tiles)."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -367,9 +366,8 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
 def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
                  any_block: bool = False, act_quant: str = "") -> tuple[torch.Tensor, str]:
     """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)], b =
-    block_size); returns (the scale, contiguous, and its kind, the kernels' SCALE_KIND: "tensor", "row" or "block").
-    The GEMMs' reduction steps must fit in a scale block: b a multiple of 16 (unless any_block), of FP8_DOT_MIN_K under
-    W8A8 on a GPU."""
+    block_size); returns (the scale, contiguous, and its kind, the kernels' SCALE_KIND: "tensor", "row" or "block"). A
+    GEMM step must fit in a scale block: b a multiple of 16 (unless any_block), of FP8_DOT_MIN_K under W8A8 on a GPU."""
     if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
         raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
     if w8.stride(1) != 1:

@@ -221,8 +221,7 @@ def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, i
 
 
 def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
-    """See dorafp8/backends/base.py. g [M, N] (any row stride), z [M, N] (any float dtype), m [N] (any float dtype),
-    n / srow [N] fp32."""
+    """See backends/base.py. g [M, N] (any row stride), z [M, N] and m [N] (any float dtype), n, srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device

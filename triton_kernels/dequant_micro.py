@@ -107,9 +107,8 @@ def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
 
 def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
                   ) -> torch.Tensor:
-    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
-    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
-    of a weight's rows)."""
+    """W0 [N, K] in `dtype` of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) or an
+    MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block of a weight's rows)."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     N, K, nvfp4, sc, g = micro_args(w8, scale, global_scale)

@@ -140,10 +140,9 @@ def launch_gemm(kernel, grid, main_loop: str, device: torch.device, *args, **kwa
 
 def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
     """(main loop, rank mode) of a GEMM launch whose tensors allow `loop` (gemm_main_loop): "tma-ws" falls back to
-    "async-copy" where the partitioner cannot take it (the module docstring). rank: the epilogue's rank_dot
-    constexprs (None without a rank-r term). Rank mode: "" (none, or pointer loads: "async-copy"), "direct"
-    (descriptors on the rank operands as they are: 16-bit), "pieces" (rank_pieces' bf16 operands for split_dot's
-    products)."""
+    "async-copy" where the partitioner cannot take it. rank: the epilogue's rank_dot constexprs (None without a rank-r
+    term). Rank mode: "" (none, or "async-copy"'s pointer loads), "direct" (descriptors on 16-bit rank operands as they
+    are) or "pieces" (rank_pieces' bf16 operands)."""
     if loop == "tma-ws" and (dropout or (rank and rank["LORA_IEEE"] and not rank["LORA_SPLIT"])):
         return "async-copy", ""
     if loop == "async-copy" or rank is None:

@@ -76,9 +76,8 @@ class Backend(Protocol):
 
     def project(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float) -> Tensor:
         """a' @ b^T (u = xd A^T in the forward). a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in
-        out_dtype, fp32 accumulation of the exact products. a' = a, or a * mask / (1 - p) computed in fp32 when a
-        dropout mask (bool [M, K]) is given: the dropped-out activation as PEFT forms it (in the adapters' dtype),
-        without materializing it."""
+        out_dtype, fp32 accumulation of the exact products. a' = a, or with a dropout mask (bool [M, K]) the
+        dropped-out activation a * mask / (1 - p) as PEFT forms it, computed in fp32, never materialized."""
 
     def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float,
                      out_dtype: torch.dtype) -> Tensor:
@@ -97,8 +96,7 @@ class Backend(Protocol):
           dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
         with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in
         cdt: the 1 / (1 - p) of dropout would round xd in cdt, so it is applied to the fp32 product instead).
-        z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N]
-        cdt."""
+        z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y [M, N], bias [N]: cdt."""
 
     def backward_pass(self, g: Tensor, z: Optional[Tensor], m: Optional[Tensor], n: Optional[Tensor],
                       srow: Optional[Tensor], B: Optional[Tensor], u: Optional[Tensor], s: float, dropout: bool,
@@ -129,8 +127,7 @@ class Backend(Protocol):
           v is None:                  dx = base(gl, rl) * scale_t
           no dropout (mask is None):  dx = base(gl, rl) * scale_t + s v A
           dropout (mask bool [M, K]): dx = base(gb, rb) * scale_t + mask / (1 - p) * (base(gl, rl) * scale_t + s v A)
-        with scale_t the per-tensor scale (1 for per-row and block scales). dx is [M, K] cdt; v [M, r], A [r, K]
-        rdt."""
+        with scale_t the per-tensor scale (1 for per-row and block scales). dx [M, K] cdt; v [M, r], A [r, K] rdt."""
 
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")

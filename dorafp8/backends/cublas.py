@@ -50,8 +50,7 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: to
 
 
 def _weight(w8, scale, block_size, dtype, global_scale, weight, weight_fac):
-    """(W, fac): the kept ones if given in `dtype` (the forward's, for the same w8 and scale), else a transient
-    dequantize."""
+    """(W, fac): the kept ones if given in `dtype` (the forward's, same w8 and scale), else a transient dequantize."""
     if weight is not None and weight.dtype == dtype:
         return weight, weight_fac
     return dequantize(w8, scale, block_size, dtype, global_scale)

@@ -273,8 +273,7 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
 
 
 def pick_of(results: dict, cands) -> str:
-    """The first candidate in `cands`' order that passed and is within MARGIN of the fastest that passed; FALLBACK
-    if none passed."""
+    """The first candidate in `cands`' order that passed and is within MARGIN of the fastest that did; else FALLBACK."""
     ok = [c for c in cands if (results.get(c) or {}).get("ok")]
     if not ok:
         return FALLBACK
@@ -381,8 +380,7 @@ def check(spec: dict) -> tuple[dict, dict]:
 
 
 def _results(text: str, cands) -> dict:
-    """A result line's verdicts of `cands`; nothing from a line cut short (a child killed as it wrote it) or of
-    another shape."""
+    """A result line's verdicts of `cands`; none from a line of another shape or cut short (a child killed mid-line)."""
     try:
         res = json.loads(text)
     except ValueError:

@@ -127,8 +127,7 @@ def match_cuda_kernels(demangled: dict[str, str], rows: list[dict], source: str 
 
 
 def cuda_spec_by_source(rows: list[dict]) -> dict[str, list[int]]:
-    """{each of build_spec.py's CUDA_SOURCES: the indices of its rows in the spec}; SpecError for a row of another
-    file."""
+    """{each of build_spec.py's CUDA_SOURCES: its rows' indices in the spec}; SpecError for a row of another file."""
     sources = cuda_sources()
     if stray := sorted({r["source"] for r in rows} - set(sources)):
         raise SpecError(f"csrc/inspect_spec.py has rows of {stray}, which are not in build_spec.py's "

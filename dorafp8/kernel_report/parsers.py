@@ -20,9 +20,8 @@ _PTXAS_NOTE_FN = re.compile(r"function '([^']+)'")
 
 def parse_ptxas_log(log: str) -> dict[str, dict]:
     """{entry function (mangled name): regs, spill_stores, spill_loads, stack_bytes, smem_static, ptxas_notes} from
-    ptxas -v. Properties of non-inlined callees (.func) are not added to the entry's. Warnings and advisories such as
-    "(C7512) ... wgmma.mma_async instructions are serialized" go to ptxas_notes of the function they name (of every
-    entry if they name none)."""
+    ptxas -v; callees' (.func) properties are not added. Warnings and advisories ("(C7512) ... serialized") go to the
+    ptxas_notes of the function they name, else of every entry."""
     out: dict[str, dict] = {}
     notes: list[str] = []
     current = props_for = None
@@ -272,8 +271,7 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
 
 
 def ws_consumers(ttgir: str) -> int:
-    """How many warp-specialized partitions of a TTGIR kernel hold a dot (its consumer warpgroups), 0 without warp
-    specialization."""
+    """How many warp-specialized partitions of a TTGIR kernel hold a dot (its consumer warpgroups); 0 without."""
     parts = re.split(r"(?m)^\s*partition\d+\(", ttgir)[1:]
     return sum("warp_group_dot" in p or "tc_gen5_mma" in p for p in parts)
 

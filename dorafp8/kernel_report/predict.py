@@ -179,9 +179,8 @@ def linear_bytes(M: int, N: int, K: int) -> int:
 
 
 def dora_floor_bytes(M: int, N: int, K: int) -> int:
-    """DoRA's own floor, for the design that keeps z: the Linear's bytes, plus x read again for dA, g read again by the
-    backward pass, and z written by the forward and read back for dm. What a strategy moves beyond it is its own
-    overhead."""
+    """DoRA's own floor for the design that keeps z: the Linear's bytes, x read again for dA, g again by the backward
+    pass, z written and read back for dm. What a strategy moves beyond it is its overhead."""
     return linear_bytes(M, N, K) + M * K * 2 + M * N * 2 + 2 * M * N * 2
 
 
@@ -282,8 +281,8 @@ def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo"
 
 
 def _headline_weight(kind: str | None, N: int, K: int):
-    """(weight, scale, global scale) of the headline's base: e4m3 per tensor, or an NVFP4 / MXFP8 one (zeros: a dry
-    run reads no value)."""
+    """(weight, scale, global scale) of the headline's base, e4m3 per tensor or NVFP4 / MXFP8 (zeros: a dry run reads no
+    value)."""
     import torch
 
     from dorafp8 import quant

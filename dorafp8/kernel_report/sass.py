@@ -118,9 +118,8 @@ def _is_tma_load(e: dict) -> bool:
 
 
 def main_loop_mix(text: str) -> dict | None:
-    """The instruction mix of the main loop: the first innermost loop in program order that holds an MMA instruction
-    (the main GEMM runs before the epilogue's rank-r GEMM); None if there is none. Under warp specialization, the first
-    consumer warpgroup's copy."""
+    """The instruction mix of the main loop, the first innermost loop holding an MMA instruction (the main GEMM runs
+    before the epilogue's); None if none does. Under warp specialization, the first consumer warpgroup's copy."""
     instrs = parse_sass(text)
     found = _holding(instrs, loops(instrs), _is_mma)
     return mix(instrs[found[0][0]:found[0][1] + 1]) if found else None

@@ -44,10 +44,9 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
     """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8. The weight is
-    kept byte for byte (scale 1). `dtype`, the layer's compute dtype (the casting hook's compute_dtype, else a non-fp8
-    bias's dtype, else float32), is the bias's (converted exactly) and PEFT's adapters'. Another fp8 format is a
-    TypeError."""
+    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8 (other fp8
+    formats: TypeError). The weight is kept byte for byte; `dtype`, the layer's compute dtype (the casting hook's, else
+    a non-fp8 bias's, else float32), is the bias's (converted exactly) and PEFT's adapters'."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)

@@ -21,12 +21,10 @@ NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 class FP8ConvNd(FP8WeightModule):
-    """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per
-    tensor, [C_out] per output channel, or [ceil(C_out/b), ceil(C_in/groups*prod(kernel)/b)] per b x b block of the
-    2-D view. Keeps nn.ConvNd's attributes (in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-    padding_mode); state_dict keys `weight`, `scale`, `bias`. `.to(dtype)` / `.half()` keep the fp8 weight and fp32
-    scale. `backend` picks the kernels of the DoRA weight norm; the convolutions are the platform's (see the module
-    docstring)."""
+    """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per tensor,
+    [C_out] per output channel, or per b x b block of the 2-D view. Keeps nn.ConvNd's attributes; state_dict keys
+    `weight`, `scale`, `bias`; `.to(dtype)` / `.half()` keep the fp8 weight and fp32 scale. `backend` picks the DoRA
+    weight norm's kernels; the convolutions are the platform's."""
 
     _nd = 2
     block_size = DEFAULT_BLOCK

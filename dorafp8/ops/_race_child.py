@@ -19,8 +19,7 @@ from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 
 def _inputs(spec: dict, M: int, rows: int, device: torch.device) -> dict:
-    """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy of
-    the whole weight)."""
+    """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy)."""
     g = torch.Generator().manual_seed(M)
     K, r, bs = spec["K"], max(spec["r"], 1), spec["block"]
     cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
