@@ -34,11 +34,9 @@ def _watch_optimizer_steps() -> None:
 def reuse_weight_norms():
     """Lets DoRA layers on a GPU reuse their weight norms while the context is open (on the CPU they always may).
 
-    Inside it a layer recomputes its norm only after an optimizer step (any torch.optim.Optimizer, fused or not) or an
-    in-place op on its tensors; a write that neither sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom
-    CUDA kernel outside an optimizer) must not happen while it is open. Use it around the micro-batches of a
-    gradient-accumulation step or around generation; it saves one pass over each fp8 weight per call. Nests; per
-    thread."""
+    Inside it a layer recomputes its norm only after an optimizer step or an in-place op on its tensors; a write neither
+    sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom kernel) must not happen while it is open. Use it
+    around the micro-batches of a gradient-accumulation step or around generation. Nests; per thread."""
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield

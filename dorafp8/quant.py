@@ -142,9 +142,8 @@ def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _warn_if_lossy(counts: torch.Tensor, row_sq: torch.Tensor, what: str) -> None:
-    """Warns when a per-tensor quantization lost much more than e4m3 usually does. The whole tensor's relative error
-    would hide it (the large values that set the scale dominate its norm), so the message gives how many weights became
-    0 and the median row's relative error."""
+    """Warns when a per-tensor quantization lost much more than e4m3 usually does: with how many weights became 0 and
+    the median row's error, as the largest values dominate the whole tensor's relative error."""
     err2, ref2 = row_sq
     rel_rows = torch.where(ref2 > 0, err2 / ref2, torch.nan).sqrt()  # NaN: a row without a non-zero weight
     rel = (err2.sum() / ref2.sum().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
@@ -390,9 +389,8 @@ def _micro_scale_shape(kind: str, N: int, K: int) -> tuple[int, int]:
 
 def check_weight(w8, scale, block_size: int = DEFAULT_BLOCK, global_scale=None, name: str = "w8"
                  ) -> tuple[int, int, torch.Tensor]:
-    """The one check of a weight argument of the ops, for every kind: (N, K, scale normalized). An fp8 e4m3 weight with
-    an fp32 scale ("tensor" / "row" / "block", check_scale), with an e8m0 scale ("mxfp8"), or a uint8 packed NVFP4
-    weight with its e4m3 scale and fp32 global_scale ("nvfp4"). Each error names the argument and what it expects."""
+    """The one check of a weight argument of the ops, for every kind: (N, K, scale normalized). e4m3 with an fp32 scale
+    (check_scale) or an e8m0 one ("mxfp8"), or packed NVFP4 uint8 with e4m3 scales and global_scale ("nvfp4")."""
     if isinstance(w8, torch.Tensor) and w8.dtype == torch.uint8:
         if w8.dim() != 2:
             raise ValueError(f"{name} (packed NVFP4) must be 2-D [out_features, in_features / 2], got shape "
@@ -462,11 +460,10 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe
-    (NVFP4QTensor.quantize): global = amax / (6 * 448), each block's scale = e4m3(block amax / (6 * global)) (1 for an
-    all-zero block), the values w / (scale * global) rounded to the nearest e2m1 (ties to the even code) and packed
-    low nibble first. K must be a multiple of 16. global_scale: the whole tensor's (nvfp4_global_scale), for rows of
-    it quantized a block at a time (the merge)."""
+    """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe: global = amax /
+    (6 * 448), block scale = e4m3(block amax / (6 * global)) (1 for an all-zero block), values w / (scale * global)
+    rounded to the nearest e2m1 (ties to even), packed low nibble first; K a multiple of 16. global_scale: the whole
+    tensor's (nvfp4_global_scale), for rows quantized a block at a time (the merge)."""
     N, K = weight.shape
     if K % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs in_features a multiple of {NVFP4_BLOCK}, got {K}")

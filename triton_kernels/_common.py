@@ -94,9 +94,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 def dot_dtype(*dtypes: torch.dtype):
-    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (then input_precision "ieee").
-    Mixed or non-16-bit dtypes compute in fp32, and so do bf16 tiles under the interpreter, whose bf16 tl.dot multiplies
-    raw bit patterns (triton #11584)."""
+    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (input_precision "ieee").
+    Mixed or non-16-bit dtypes compute in fp32; so do bf16 tiles in the interpreter (its bf16 tl.dot: triton #11584)."""
     dt = dtypes[0]
     if any(d != dt for d in dtypes) or dt not in (torch.float16, torch.bfloat16):
         return tl.float32, True
@@ -205,18 +204,16 @@ def w8_via_f32(device) -> bool:
 
 
 def w8_via_f32_for(arch: str) -> bool:
-    """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to) on `arch` under the installed Triton: convert the e4m3 weight
-    tile to bf16 through fp32 wherever Triton's own e4m3 -> bf16 goes through fp16 and the slow F2F.BF16.F16: on Ada
-    and Hopper always, on Blackwell before Triton 3.9 (docs/INSPECT.md; the kernel report shows both)."""
+    """W8_VIA_F32 (gemm.w8_to) on `arch` under the installed Triton: e4m3 -> bf16 through fp32 where Triton's own goes
+    through fp16 and the slow F2F.BF16.F16: Ada and Hopper, and Blackwell before Triton 3.9 (docs/INSPECT.md)."""
     if arch == "interp":  # exact either way (the interpreter computes bf16 tiles in fp32 anyway)
         return False
     return arch in ("sm90", "sm89") or triton_version() < (3, 9)
 
 
 def fp32_dots_exact_for(arch: str) -> bool:
-    """Whether the installed Triton keeps the GEMMs' fp32 main-loop dots (input_precision="ieee") exact on `arch`:
-    Triton 3.6 and 3.7 silently lower them to tf32 tcgen05.mma on sm_100a (read from their PTX), where the backend
-    then refuses fp32 compute (unsupported_on in __init__.py)."""
+    """Whether the installed Triton keeps the GEMMs' fp32 main-loop dots exact on `arch`: 3.6 and 3.7 lower them to tf32
+    tcgen05.mma on sm_100a, where the backend then refuses fp32 compute (unsupported_on in __init__.py)."""
     return not (arch == "sm100" and triton_version() < (3, 8))
 
 
@@ -225,9 +222,8 @@ def fp8_promote(device) -> bool:
 
 
 def fp8_promote_for(arch: str) -> bool:
-    """FP8_PROMOTE of the fp8 GEMM kernels (gemm.w8_gemm_loop, W8A8): on Hopper wgmma keeps e4m3 products in a ~14-bit
-    accumulator for the whole reduction; with this each step's product is added to the fp32 accumulator in software,
-    as FBGEMM and DeepGEMM promote (docs/DORA_MATH.md, "Accuracy contract")."""
+    """FP8_PROMOTE (gemm.w8_gemm_loop, W8A8) on `arch`: on Hopper wgmma keeps e4m3 products in a ~14-bit accumulator, so
+    each step's product is added to the fp32 accumulator in software (docs/DORA_MATH.md, "Accuracy contract")."""
     return arch == "sm90"  # arch_of_capability: 9.x only (interp: the interpreter's dots are exact fp32)
 
 
@@ -346,10 +342,9 @@ _TUNERS: dict = {}
 
 
 def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
-    """One triton.autotune wrapper per (kernel, variant, config list), each with its own configs and cache. Under the
-    tests' NaN fill the outputs are restored after each benchmarked config, so a config that skips a tile cannot hide
-    behind one that wrote it. `configs` may be a function making the list once per (tag, device arch).
-    pin: this launcher's name for _pins.pin_configs (_pins.pinned)."""
+    """One triton.autotune wrapper per (kernel, variant, config list), each with its own cache. Under the tests' NaN
+    fill the outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
+    that wrote it. `configs` may be a function, called once per (tag, device arch); pin: _pins.pinned's name."""
     poison = _base.POISON_OUTPUTS
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)
@@ -402,9 +397,8 @@ _ACC_REGS = {"": 96, "tma-ws": 128}
 
 def fit_reduction_block(configs, red_name: str, block_size: int, scale_kind: str, out_name: str = "",
                         n_acc: int = 1, main_loop: str = ""):
-    """With block scales, one reduction step must stay inside one scale block: the reduction block shrinks until it
-    divides `block_size`. Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2
-    fp32 tiles fit _ACC_REGS a thread (in the "tma-ws" loop two consumer warpgroups each hold half the tile)."""
+    """With block scales a reduction step stays inside one scale block: the reduction block shrinks until it divides
+    `block_size`, then BLOCK_M until the accumulators and their partial-product twins fit _ACC_REGS a thread."""
     if scale_kind != "block":
         return configs
     ws = main_loop == "tma-ws"

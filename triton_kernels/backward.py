@@ -195,8 +195,7 @@ def dora_bwd_finish_kernel(
 
 def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
-    values (2K with fp32 operands), 8 warps from 2K values on for 16-bit operands, two stages: the larger choices
-    spilled or overflowed Ada's shared memory (kernel report)."""
+    values (2K with fp32 operands), 8 warps from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2

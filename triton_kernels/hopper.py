@@ -38,9 +38,8 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# Tiles of the "tma-ws" loop, rows (BLOCK_M, B_OUT, B_RED, stages, warps) as in _common's tables, warps per consumer
-# warpgroup (Triton adds a producer and splits B_OUT between two consumers). 128 x 128 at most: 256-wide tiles spilled
-# 2.5 to 5.1 KB a thread (Triton 3.8). Block scales keep these tiles (_common.fit_reduction_block).
+# Tiles of the "tma-ws" loop as in _common's tables, warps per consumer warpgroup; 128 x 128 at most (256-wide tiles
+# spilled, docs/ARCHITECTURE.md).
 _WS_TABLE = {
     # (large M, small M)
     "sm90": (
@@ -139,10 +138,9 @@ def launch_gemm(kernel, grid, main_loop: str, device: torch.device, *args, **kwa
 
 
 def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
-    """(main loop, rank mode) of a GEMM launch whose tensors allow `loop` (gemm_main_loop): "tma-ws" falls back to
-    "async-copy" where the partitioner cannot take it. rank: the epilogue's rank_dot constexprs (None without a rank-r
-    term). Rank mode: "" (none, or "async-copy"'s pointer loads), "direct" (descriptors on 16-bit rank operands as they
-    are) or "pieces" (rank_pieces' bf16 operands)."""
+    """(main loop, rank mode) of a GEMM launch whose tensors allow `loop`: "tma-ws" falls back to "async-copy" where the
+    partitioner cannot take it. rank: rank_dot's constexprs (None without). Rank mode: "" (none, or pointer loads),
+    "direct" (descriptors on 16-bit rank operands) or "pieces" (rank_pieces' bf16 operands)."""
     if loop == "tma-ws" and (dropout or (rank and rank["LORA_IEEE"] and not rank["LORA_SPLIT"])):
         return "async-copy", ""
     if loop == "async-copy" or rank is None:
@@ -151,9 +149,8 @@ def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
 
 
 def ws_rank_dot(rank_mode: str, r: int, rank: dict) -> tuple[int, dict]:
-    """(R, constexprs) of the epilogue's rank-r dot in `rank_mode` (ws_plan), from rank_dot's `rank`: "pieces" is one
-    bf16 dot over rank_pieces' 3 r. Both TMA modes take the rank 16 at a time: 64 took 128 KB of the 128 x 128 x 64
-    tile's shared memory (Triton 3.8)."""
+    """(R, constexprs) of the epilogue's rank-r dot in `rank_mode` (ws_plan): "pieces" is one bf16 dot over 3 r; both
+    TMA modes take 16 of r at a time (64 took 128 KB of the 128 x 128 x 64 tile's shared memory, Triton 3.8)."""
     if rank_mode == "pieces":
         lora_dt, ieee = dot_dtype(torch.bfloat16)
         return 3 * r, dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=False, BLOCK_R=16)

@@ -132,15 +132,13 @@ class Backend(Protocol):
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
-# W8A8's quantization of x in the projection (flag QUANTS_IN_PROJECT = True): project(..., quant=True) -> (u, a8, sa),
-# `a` (never masked) quantized per row, e4m3 [M, K] and fp32 [M], from the same read as u; forward(..., x8=x8, sx=sx)
-# then does not quantize x again (docs/ARCHITECTURE.md, "The kernel plan").
+# W8A8's quantization of x in the projection (flag QUANTS_IN_PROJECT): project(..., quant=True) -> (u, a8, sa), `a`
+# quantized per row (e4m3 [M, K], fp32 [M]) in the same read as u; forward(..., x8=x8, sx=sx) takes it.
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
 # NVFP4's global scale g (flag GLOBAL_SCALE = True), passed only with an NVFP4 weight: W0 = e2m1(w8) * (scale * g).
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-# The weight dequantized once a step (flag KEEPS_WEIGHT = True: the cuBLAS strategy): dequantize(w8, scale, block_size,
-# dtype, global_scale=None) -> (W, fac); forward / dgrad(..., weight=W, weight_fac=fac) multiply by it instead of
-# dequantizing again (when: ops/_policy.py keeps_weight).
+# The weight dequantized once a step (flag KEEPS_WEIGHT: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype,
+# global_scale=None) -> (W, fac), which forward / dgrad(..., weight=W, weight_fac=fac) then use (ops/_policy.py).
 KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
 OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS}
 

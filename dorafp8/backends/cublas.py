@@ -40,9 +40,8 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
 
 
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, global_scale=None):
-    """(W, fac): one layer's W = W8 * (its scale) in the compute dtype, as a user who dequantizes makes it, in one
-    launch (triton_kernels/dequant.py) that also writes the factors the epilogues need: fac[:-1] the forward's, fac[-1]
-    the dgrad's. A microscaled weight's factors are all in W (dequant_micro): fac = [1, 1]."""
+    """(W, fac): W = W8 * scale in the compute dtype, as a user who dequantizes makes it, and the epilogues' factors
+    (fac[:-1] the forward's, fac[-1] the dgrad's; [1, 1] for a microscaled weight), in one launch."""
     if scale_kind(scale) in MICRO_KINDS:
         return (dequant_micro(w8, scale, dtype, global_scale),
                 torch.ones(2, dtype=torch.float32, device=w8.device))

@@ -65,8 +65,7 @@ def _not_built() -> str:
 
 def prepare(device: torch.device) -> bool:
     """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not
-    (cuda_build.py). Returns whether it built; a failed build raises its RuntimeError, here and in unavailable_reason
-    for the rest of the process. Nothing is tried where the extension is there or a build cannot run here."""
+    (cuda_build.py) and returns whether it did; a failed build raises, here and in unavailable_reason from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
     if (_C is not None or _build_error is not None or device.type != "cuda"

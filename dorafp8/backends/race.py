@@ -58,8 +58,8 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
     """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names one
-    (backends.resolve refuses it where it cannot run or lacks what the call `needs`); else, where racing(), the pick
-    checked for the call's key (choose; call: spec_of's keywords); else the static order."""
+    (backends.resolve refuses what cannot serve the call), else under racing() the key's checked pick, else the static
+    order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -92,9 +92,8 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
 
 CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer
 FLOOR = 4 * 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
-# The child's cost model, an upper bound in bytes (tests/ops/test_race.py measures it): per weight element its fp8 and
-# 16-bit copies, plus at most BLOCKS of the reference's fp32 row blocks; per element of M x (N + K), a + b * the compute
-# dtype's size (inputs, a step, the reference's outputs); per element of r x (N + K), the adapters and their gradients.
+# The child's cost model, a bound in bytes (tests/ops/test_race.py measures it): per weight element W_COST plus BLOCKS
+# of fp32 row blocks; per element of M x (N + K), a + b * the compute dtype's size; per element of r x (N + K), R_COST.
 W_COST = 3
 BLOCKS = 2 * 16 * 2 ** 20
 A_COST = {"check": (12, 4), "time": (8, 2)}
@@ -107,8 +106,7 @@ def _size(dtype: str) -> int:
 
 
 def step_bytes(spec: dict, M: int) -> int:
-    """What the layer's own step at M holds: x, y, dy, dx in the compute dtype, the fp8 weight and its scales, the
-    adapters A, B, m (and bias) and their gradients."""
+    """The bytes of the layer's own step at M: x, y, dy, dx, the fp8 weight, its scales, the adapters and gradients."""
     N, K, r = spec["N"], spec["K"], spec["r"]
     act = 0 if spec["op"] == "norm" else 2 * M * (N + K) * _size(spec["cdt"])
     scales = 4 * (N if spec["scale"] == "row" else -(-N // spec["block"]) * -(-K // spec["block"])
@@ -119,8 +117,8 @@ def step_bytes(spec: dict, M: int) -> int:
 
 
 def budget(spec: dict) -> int:
-    """The most the child may hold on the device at once: the layer's own step (step_bytes) at the M of the call
-    that met the key (else the smallest of its bucket), FLOOR at least, CAP at most."""
+    """The most the child may hold on the device: the layer's own step (step_bytes) at the M that met the key (else the
+    smallest of its bucket), within [FLOOR, CAP]."""
     low = spec["mb"] // 2 + 1 if spec["mb"] > 16 else 1
     return min(max(step_bytes(spec, min(spec.get("at") or low, MAX_M)), FLOOR), CAP)
 
@@ -219,8 +217,8 @@ def cache_file(device: torch.device) -> str:
 
 
 def _verdict(v, inconclusive: bool = False) -> bool:
-    """Whether v reads as a verdict this module makes: {"ok": False, ...}, {"ok": True, "ms": a time}, or with
-    `inconclusive`, {"ok": None, ...} (the child's word that it learnt nothing of the kernel: never written)."""
+    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": a time}, or with `inconclusive` {"ok": None,
+    ...} (the child learnt nothing of the kernel: never written)."""
     if not isinstance(v, dict):
         return False
     ok, ms = v.get("ok"), v.get("ms")

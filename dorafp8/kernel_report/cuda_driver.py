@@ -136,9 +136,8 @@ def cuda_spec_by_source(rows: list[dict]) -> dict[str, list[int]]:
 
 
 def compile_job(job: dict) -> list[dict]:
-    """Compiles one file of csrc/ (job["source"], a translation unit as in the extension build) for one arch with the
-    extension's nvcc flags; one record per kernel instantiation, in the spec's order. The nvcc run builds a host program
-    that #includes the file and prints each kernel's dynamic shared memory; it keeps the PTX and prints ptxas -v."""
+    """Compiles one file of csrc/ (a translation unit, as in the extension build) for one arch with the extension's
+    flags: one record per kernel instantiation, with its host program's dynamic shared memory and ptxas -v's figures."""
     arch, source = job["arch"], job["source"]
     code = CUDA_CODE[arch]  # "90a": what the extension builds for this target
     spec = load_cuda_spec(Path(job["cuda_spec"]) if job.get("cuda_spec") else None)

@@ -74,9 +74,8 @@ _FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32(?:x2)?\b")
 
 
 def classify_mma(ptx: str) -> dict:
-    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", "tcgen05 kind::f16",
-    several joined by " + ", "fma" when only fp32 FMAs, else "none"), their shapes (not tcgen05's), and where wgmma and
-    tcgen05.mma take A from (registers, shared memory, tensor memory)."""
+    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "tcgen05 kind::f16", several joined by " + ",
+    "fma" or "none"), their shapes (not tcgen05's), and where wgmma and tcgen05.mma take A from."""
     kinds, shapes = set(), set()
     for shape, d, a, b in _WGMMA.findall(ptx):
         kinds.add(f"wgmma {a}.{b}->{d}")
@@ -175,17 +174,14 @@ def _dot(op: str, code: str, operands: list[str]) -> dict:
 
 
 def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
-    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8": which
-    operands ("A", "B", "AB" or "") are computed from `weight_arg` (the fp8 weight pointer parameter, e.g. "w_ptr")};
-    "a"/"b": "registers" (a tensor: wgmma reads it from registers; mma.sync always does), "shared" (a memdesc: wgmma and
-    tcgen05 read it from shared memory) or "tensor memory" (tcgen05's A operand on sm_100a, a tensor-memory memdesc);
-    "types": the element types as "bf16.bf16->f32" (A.B->accumulator).
+    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8"}: "a"/"b"
+    "registers" (a tensor), "shared" (a memdesc) or "tensor memory" (tcgen05's A on sm_100a); "types" as
+    "bf16.bf16->f32"; "w8" the operands ("A", "B", "AB" or "") computed from `weight_arg` (the fp8 weight pointer
+    parameter, e.g. "w_ptr").
 
-    The W8 operand is found by data flow, not by names: a backward slice over the SSA def-use graph from each operand,
-    through loop-carried values (scf.for iter_args: to their initial value) and shared-memory buffers (a buffer is
-    computed from whatever is copied or stored into it, tensor memory too), reaching the kernel parameter `%weight_arg`.
-    Async tokens are not followed (they only order copies) and loop results are not entered. A name defined twice
-    (in sibling regions) is two values."""
+    W8 is found by data flow, not names: a backward slice over the SSA def-use graph from each operand, through
+    loop-carried values (to their initial value) and shared- or tensor-memory buffers (computed from what is copied or
+    stored into them), reaching `%weight_arg`. Async tokens and loop results are not followed."""
     edges: dict[str, set[str]] = defaultdict(set)
     dots = []
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)

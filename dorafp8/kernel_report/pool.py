@@ -101,11 +101,9 @@ Select = Callable[[dict], bool]
 def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Optional[Select] = None,
         jobs: int = 2, all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE,
         progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Compiles and reads the kernels; returns one record per kernel x variant x config x arch (FIELDS).
-
-    select(job) -> bool filters Triton jobs before compiling and CUDA records after (job: a dict with backend,
-    kernel, variant, dtype, arch, config). Raises SpecError if a spec and its kernels disagree, RuntimeError if a
-    backend cannot run here (see cuda_unavailable_reason / triton_unavailable_reason)."""
+    """Compiles and reads the kernels; returns one record per kernel x variant x config x arch (FIELDS). select(job)
+    filters Triton jobs before compiling and CUDA records after. Raises SpecError if a spec and its kernels disagree,
+    RuntimeError if a backend cannot run here (cuda_unavailable_reason / triton_unavailable_reason)."""
     archs, backends = list(archs), list(backends)
     select = select or (lambda job: True)
     if unknown := set(archs) - set(ARCHS):
@@ -153,8 +151,7 @@ def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
 def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Select | None = None,
          all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE) -> list[dict]:
     """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config x
-    arch with the fields that name it, in run()'s order. Needs Triton importable and the CUDA sources, not the
-    compilers. Raises SpecError as run() does for a Triton spec that disagrees with its kernels."""
+    arch with its naming fields, in run()'s order (needs Triton and the CUDA sources; SpecError as run())."""
     archs, backends = list(archs), list(backends)
     select = select or (lambda job: True)
     if unknown := set(archs) - set(ARCHS):

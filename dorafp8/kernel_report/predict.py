@@ -137,9 +137,8 @@ def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
 
 
 def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo", r: int = 0) -> dict:
-    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
-    record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product runs on the
-    tensor cores after the main loop (three bf16 products for fp32 adapters)."""
+    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its record
+    at one end of the ranges, and what bounds it. r: the adapters' rank (its epilogue product on tensor cores)."""
     from ..triton_kernels.epilogue_dot import LORA_PIECES  # here: this module's top needs no torch
 
     R = RATES

@@ -126,11 +126,9 @@ def main_loop_mix(text: str) -> dict | None:
 
 
 def pipeline(text: str) -> dict:
-    """What the main loop's SASS says of its pipeline beyond the mix: whether the main loop lies inside another loop
-    (a persistent kernel's tile loop), the mix of the producer's loop under warp specialization (the first innermost
-    loop that issues TMA loads and holds no MMA; None without one), kernel_instrs, every instruction of the kernel
-    (what lies outside the loops runs once per tile or program: predict.py's per-tile cost), and tile_instrs, those
-    inside a persistent kernel's tile loops (None without one: the rest is its once-per-CTA setup).""" 
+    """What the SASS says of the main loop's pipeline beyond the mix: whether it lies inside a persistent kernel's tile
+    loop, the producer's loop mix under warp specialization (None without), kernel_instrs (every instruction: what lies
+    outside the loops runs once per tile) and tile_instrs (inside the tile loops; None without one)."""
     instrs = parse_sass(text)
     every = loops(instrs)
     main = _holding(instrs, every, _is_mma)

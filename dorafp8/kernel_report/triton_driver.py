@@ -113,8 +113,7 @@ def launch_options(fn, backend) -> dict:
 
 def bind(fn, backend, args: dict, kwargs: dict):
     """(options, signature, constexprs, attrs) for triton.compile, made by the JIT's own binder and _pack_args from
-    example arguments (torch dtypes stand for 16-byte-aligned tensors), so the specializations are those a real launch
-    compiles with, as the installed Triton makes them."""
+    example arguments (torch dtypes stand for aligned tensors): the specializations a real launch compiles with."""
     from triton.runtime.jit import MockTensor, create_function_from_signature
 
     binder = create_function_from_signature(fn.signature, fn.params, backend)

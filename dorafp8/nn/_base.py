@@ -44,9 +44,8 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
     """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8 (other fp8
-    formats: TypeError). The weight is kept byte for byte; `dtype`, the layer's compute dtype (the casting hook's, else
-    a non-fp8 bias's, else float32), is the bias's (converted exactly) and PEFT's adapters'."""
+    (layerwise casting, kohya's and OneTrainer's casts), the weight kept byte for byte; None if it is not fp8. `dtype`
+    (the casting hook's compute dtype, else a non-fp8 bias's, else fp32) is the bias's and the adapters'."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)
@@ -148,9 +147,8 @@ class FP8WeightModule(nn.Module):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Under FSDP2 the weight is a DTensor and the `scale` buffer is not; code that reads `.device_mesh` off every
-        # state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on it, so it is listed as replicated on the
-        # weight's mesh (_load_from_state_dict takes it back as a plain tensor).
+        # Under FSDP2 the `scale` buffer is listed as replicated on the weight's mesh: code that reads `.device_mesh`
+        # off every state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on a plain tensor.
         super()._save_to_state_dict(destination, prefix, keep_vars)
         dtensor = _dtensor_class()
         key, w = prefix + "scale", self.weight

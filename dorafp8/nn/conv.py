@@ -21,10 +21,9 @@ NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 class FP8ConvNd(FP8WeightModule):
-    """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per tensor,
-    [C_out] per output channel, or per b x b block of the 2-D view. Keeps nn.ConvNd's attributes; state_dict keys
-    `weight`, `scale`, `bias`; `.to(dtype)` / `.half()` keep the fp8 weight and fp32 scale. `backend` picks the DoRA
-    weight norm's kernels; the convolutions are the platform's."""
+    """A frozen ConvNd with a float8_e4m3fn weight [C_out, C_in/groups, *kernel] and an fp32 `scale` ([] per tensor,
+    [C_out] per channel, or per b x b block of the 2-D view), keeping nn.ConvNd's attributes; state_dict keys `weight`,
+    `scale`, `bias`. `backend` picks the DoRA weight norm's kernels; the convolutions are the platform's."""
 
     _nd = 2
     block_size = DEFAULT_BLOCK
@@ -76,9 +75,8 @@ class FP8ConvNd(FP8WeightModule):
     def from_fp8(cls, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *, stride=1, padding=0, dilation=1,
                  groups: int = 1, padding_mode: str = "zeros", backend: str = "auto",
                  dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None):
-        """An FP8 conv holding `w8` (float8_e4m3fn [C_out, C_in/groups, *kernel], kept as is) and its fp32 `scale`
-        ([], [C_out] (or [C_out, 1, ...]), or per block of the 2-D view with b = block_size, default 128). `dtype`:
-        the weight's original precision, for the adapters PEFT creates (default: the bias's dtype, else float32)."""
+        """An FP8 conv holding `w8` (float8_e4m3fn [C_out, C_in/groups, *kernel], kept as is) and its fp32 `scale` ([],
+        [C_out] or per block, b = block_size); `dtype`: for PEFT's adapters (default: the bias's, else float32)."""
         nd = cls._nd
         if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3 or w8.dim() != nd + 2:
             raise TypeError(f"w8 must be a float8_e4m3fn tensor [C_out, C_in/groups, *kernel] with {nd} kernel dims, "

@@ -65,9 +65,8 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
 
 
 def zero3_gathered(module: nn.Module, name: str | None = None):
-    """A context in which `module`'s own DeepSpeed ZeRO-3 partitioned parameters are whole on every rank
-    (deepspeed.zero.GatheredParameters, read-only); a no-op without partitioned parameters. A collective: every rank
-    must enter it for the same modules in the same order, as quantize_model does."""
+    """A context in which `module`'s own ZeRO-3 partitioned parameters are whole on every rank (read-only
+    GatheredParameters; a no-op without any). A collective: every rank enters it for the same modules, in order."""
     params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext()
@@ -81,9 +80,8 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
 
 
 def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
-    """Partitions the parameters of `new` (the fp8 layer replacing `old`) at once, as ZeRO-3 partitioned `old`'s, when
-    that was under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig): deepspeed.zero.Init(module=new)
-    with that config and `old`'s process group, so that no rank holds the whole fp8 model. Returns whether it did."""
+    """Partitions `new`'s parameters at once as ZeRO-3 partitioned those of `old` (the layer it replaces), when under
+    transformers' HfDeepSpeedConfig: deepspeed.zero.Init(module=new), `old`'s process group. Returns whether it did."""
     old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
     hf_ds = sys.modules.get("transformers.integrations.deepspeed")
     config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
@@ -120,9 +118,8 @@ def name_list(arg) -> Optional[list]:
 
 
 def kept_in_precision(model: nn.Module) -> set:
-    """The names of the layers inside the modules `model` (or a submodule) lists in `_keep_in_fp32_modules`, matched by
-    name component as diffusers does: such models cast a layer's input to its weight dtype, so diffusers', transformers'
-    and dorafp8's quantizers leave them dense."""
+    """The names of the layers inside modules that `model` (or a submodule) lists in `_keep_in_fp32_modules`, matched by
+    name component as diffusers does: their inputs are cast to their weight dtype, so they stay dense."""
     kept = set()
     for prefix, mod in model.named_modules():
         keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())

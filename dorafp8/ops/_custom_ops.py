@@ -159,9 +159,8 @@ def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, 
     return gl.new_empty(gl.shape[0], weight_dims(w8)[1])
 
 
-# Eager fast path: a custom-op call costs tens of microseconds of dispatch (24 ms of a 160 ms CPU UNet step,
-# bench/diffusion_cpu.py), so outside torch.compile, dispatch modes and tensor subclasses the op's own implementation
-# is called directly (same code, same placeholders).
+# Eager fast path: a custom-op call costs tens of microseconds (bench/diffusion_cpu.py), so outside torch.compile,
+# dispatch modes and tensor subclasses the op's own implementation is called directly.
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 

@@ -19,9 +19,8 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def as_result(y: Tensor, shape) -> Tensor:
-    """An op's fresh result `y` in `shape` as a tensor of its own, not a view, without a copy: FSDP2 warns when a module
-    returns a view. aten._unsafe_view is how aten's own ops (F.linear) reshape results; the view relation it drops
-    protects nothing here, as y is neither returned nor saved."""
+    """An op's fresh result `y` in `shape` as a tensor of its own, not a view (FSDP2 warns on views), without a copy:
+    aten._unsafe_view, as aten's own ops reshape results (y is neither returned nor saved)."""
     return torch.ops.aten._unsafe_view(y, shape)
 
 
@@ -98,7 +97,6 @@ def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None)
 
 
 def keeps_weight(M: int, N: int, K: int) -> bool:
-    """Whether a backend with KEEPS_WEIGHT keeps the forward's dequantized weight W [N, K] for the backward: when W is
-    at most half the size of x [M, K] and z [M, N], which the layer saves anyway. Saved with them, so activation
-    checkpointing and offloading treat it alike."""
+    """Whether a backend with KEEPS_WEIGHT keeps the forward's dequantized W [N, K] for the backward: when W is at most
+    half of x [M, K] and z [M, N], which the layer saves anyway (and with which checkpointing treats it)."""
     return 2 * N * K <= M * (N + K)

@@ -115,8 +115,7 @@ def _sync(device):
 
 
 def main(argv: list[str]) -> int:
-    """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
-    the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
+    """The child (the module docstring): checks, then times, spec's candidates."""
     spec = json.loads(argv[0])
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
@@ -164,8 +163,7 @@ def main(argv: list[str]) -> int:
         say("result", json.dumps({c: {"ok": None, "error": f"out of memory while timing ({e})"[:300]}
                                   for c in passed}))
         return 0
-    # what was timed, and what the child held on the GPU at most against its bound (_race.budget), kept with the
-    # verdicts
+    # what was timed, and the child's GPU peak against its bound (_race.budget), kept with the verdicts
     info = {"rows": todo["rows"], "M": todo["time"], "budget_mb": round(todo["budget"] / 2 ** 20, 1)}
     info.update({"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {})
     say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **info}

@@ -90,12 +90,10 @@ def _sum_but_channels(t: Tensor) -> Tensor:
 def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, groups: int = 1, *,
                      backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
     """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
-    the dense weight; L is PEFT 0.21's lora weight, (lora_B.view(-1, r) @ lora_A.view(r, -1)) reshaped to W0's shape.
-    With groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]): g calls over the rows o = t
-    (mod g).
-
-    w8 [C_out, C_in/g, *k] float8_e4m3fn; scale per tensor, per output channel [C_out], or per block of the 2-D view
-    (groups = 1 only); lora_A [r, C_in, *k]; lora_B [C_out, r/g, 1, ...]."""
+    the dense weight; L is PEFT 0.21's lora weight, (lora_B.view(-1, r) @ lora_A.view(r, -1)) reshaped to W0's shape:
+    with groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]), g calls over o = t (mod g).
+    Shapes: w8 [C_out, C_in/g, *k], lora_A [r, C_in, *k], lora_B [C_out, r/g, 1, ...]; block scales with groups = 1
+    only."""
     C = w8.shape[0]
     r = lora_A.shape[0]
     if lora_A.numel() % r or lora_B.numel() % r:
@@ -155,9 +153,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         no dropout:  y = c * (conv(x, W0) + s * lora_B(lora_A(x))) + b
         dropout:     y = conv(x, W0) + b + (c - 1) * conv(xd, W0) + c * s * lora_B(lora_A(xd))
 
-    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x) (PEFT's mask). Dtypes as
-    DoRAFP8Function's; the epilogue is fp32. Saves x, the mask, u = lora_A(xd) and z = conv(xd, W0) + s * lora_B(u)
-    (for dm), never a dequantized weight."""
+    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x). Dtypes as DoRAFP8Function's;
+    saves x, the mask, u = lora_A(xd) and z = conv(xd, W0) + s * lora_B(u), never a dequantized weight."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, geom, lora_geom):

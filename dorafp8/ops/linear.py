@@ -19,9 +19,8 @@ from ._policy import (as_result, backend_needs, check_device, check_float, check
 
 class DoRAFP8Function(torch.autograd.Function):
     """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, m the magnitude
-    (any float dtype), n a detached fp32 norm (unclamped: the backends clamp it and form c = m / n themselves).
-    No host reads and no PyTorch kernels between the backend calls (but dropout's mask and xm): CUDA-graph friendly
-    (docs/ARCHITECTURE.md, "The kernel plan"; tests/ops/test_launches.py counts the launches)."""
+    (any float dtype), n a detached unclamped fp32 norm. No host reads and no PyTorch kernels between the backend calls
+    (but dropout's mask and xm): CUDA-graph friendly (docs/ARCHITECTURE.md, "The kernel plan")."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend, global_scale=None):

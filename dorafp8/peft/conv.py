@@ -49,9 +49,8 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         return shell if shell is not None else super().get_base_layer()
 
     def update_layer(self, adapter_name, *args, **kwargs):
-        # PEFT's update_layer builds lora_A / lora_B as `type(base_layer)(...)`: while it runs, get_base_layer()
-        # returns a meta-device nn.ConvNd of the same geometry, so the adapters are plain convs. Device and dtype come
-        # from the real base (_get_base_layer_device_and_dtype), as does the DoRA variant (_fp8_base).
+        # PEFT's update_layer builds lora_A / lora_B as `type(base_layer)(...)`: while it runs, get_base_layer() is a
+        # meta nn.ConvNd of the same geometry (device, dtype and the DoRA variant still read the real base).
         shell = _geometry_shell(self._fp8_base())
         self.__dict__["_dorafp8_geometry_shell"] = shell
         try:

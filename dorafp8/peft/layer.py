@@ -51,9 +51,8 @@ def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name
 
 
 class FP8DoraVariantMixin:
-    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a dense
-    weight, and PEFT's general-path composition. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class
-    and m [N] in the shape it holds."""
+    """What the DoRA variants on fp8 bases share: the magnitude's init from the fp8 weight, no dense merge, PEFT's
+    general-path composition. A variant gives `_magnitude(module, m)`: PEFT's holder class and m [N] shaped for it."""
 
     _merge_error = ("the DoRA variant on an fp8 base does not merge into a dense weight: the layer's own merge() "
                     "(and PEFT's merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and "
@@ -109,10 +108,9 @@ class FP8DoraVariantMixin:
 
 
 class DoRAFP8Layer:
-    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the weight-norm
-    cache, the dispatch to the fused op, the merge and the conversion from a PEFT layer. A layer class gives
-    `_dora_variant`, `_fp8_base()`, `_weight_norm(base, A, B, s)`, `_per_channel(v)`, `_base_product(base, x)` (without
-    bias) and `_fused_call(x, adapter, dropout_p)`."""
+    """What the dorafp8 PEFT layers share: backend switch, weight-norm cache, fused dispatch, merge, conversion. A layer
+    class gives `_dora_variant`, `_fp8_base()`, `_weight_norm(base, A, B, s)`, `_per_channel(v)`, `_base_product(base,
+    x)` (without bias) and `_fused_call(x, adapter, dropout_p)`."""
 
     _dora_variant: type
     _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
@@ -235,11 +233,10 @@ class DoRAFP8Layer:
         return problems
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or the named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
-        NORM_EPS) with V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), over the [out, in * kernel]
-        view of the weight in fp32 row blocks, re-quantized to e4m3 with `merge_granularity` scales (warns that it
-        re-quantizes). Every check runs before anything changes (merge_problems). The pre-merge fp8 weight is kept,
-        so unmerge() restores it exactly. The relative error of the re-quantization is `last_merge_error`."""
+        """Merges the active (or named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
+        NORM_EPS), V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA one), in fp32 row blocks, re-quantized with
+        `merge_granularity` scales (warned about; the error in `last_merge_error`). All checks run first
+        (merge_problems); unmerge() restores the kept pre-merge bytes."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         from ..merge import adapter_terms, merged_rows, requantize, requantize_micro

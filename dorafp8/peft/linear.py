@@ -28,12 +28,10 @@ class DoraFP8Variant(FP8DoraVariantMixin, DoraLinearVariant):
 
 
 class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
-    """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
-
-    Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
-    PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these. The weight
-    norm is reused across calls only where it provably equals the current adapters' (dorafp8/norm_cache.py).
-    """
+    """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer). Build it with
+    `DoRAFP8Linear.from_peft(peft_dora_linear)` or `dorafp8.convert_peft_model(peft_model)`, or let PEFT build it: after
+    `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these. The weight norm is reused across
+    calls only where it provably equals the current adapters' (dorafp8/norm_cache.py)."""
 
     _dora_variant = DoraFP8Variant
     _peft_dora_variant = DoraLinearVariant
