@@ -101,6 +101,5 @@ def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e4m3_scaled_fp32(w8: torch.Tensor, factor) -> torch.Tensor:
-    """w8 * factor in fp32 (a number or an fp32 tensor broadcastable against w8), rounded once as w8.float() *
-    factor."""
+    """w8 * factor (a number or a broadcastable fp32 tensor) in fp32, rounded once, as w8.float() * factor."""
     return _cpu_convert(w8, factor, torch.float32)

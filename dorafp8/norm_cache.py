@@ -21,8 +21,7 @@ def _count_step(optimizer, args, kwargs) -> None:
 
 
 def _watch_optimizer_steps() -> None:
-    """Counts every torch.optim.Optimizer step, before and after it (so that a step that raises half-way still
-    counts). Registered once, on the first cached norm."""
+    """Counts every torch.optim.Optimizer step, before and after it (a step that raises half-way counts too)."""
     global _step_hooks
     if _step_hooks is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

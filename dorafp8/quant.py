@@ -59,8 +59,7 @@ def _nonfinite(what: str, where: str) -> ValueError:
 
 def check_quantizable(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,
                       name: str | None = None) -> None:
-    """Raises what quantize_e4m3(weight, ...) would raise, without quantizing (reads the weight once, in blocks of
-    rows): what quantize_model checks on every layer before it swaps the first."""
+    """Raises what quantize_e4m3(weight, ...) would, without quantizing: one read in blocks of rows."""
     what, rows = _check_quant_args(weight, per_row, block_size, name)
     # One flag per row, read back once per weight (one host sync on a GPU, not one per block of rows).
     ok = torch.cat([torch.isfinite(weight[j0:j0 + rows].detach()).all(dim=1)

@@ -125,8 +125,8 @@ def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, glo
 
 
 def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
-    """The weight norm of a microscaled weight: rows dequantized to fp32 a block at a time (at most 16 MiB) and W0 + s B
-    A's row norms taken by torch, never a dense copy."""
+    """The weight norm of a microscaled weight, its rows dequantized to fp32 a block at a time (at most 16 MiB) and the
+    row norms of W0 + s B A taken by torch: never a dense copy."""
     from ..quant import row_blocks, weight_dims
 
     N, K = weight_dims(w8)

@@ -35,9 +35,8 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True,
 
 
 def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
-    """Whether a GEMM's epilogue takes its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch`: on Hopper
-    under Triton 3.8, in the dgrad and the dropout forward, where ptxas serializes the wgmma (C7515) otherwise (~6% a
-    step)."""
+    """Whether a GEMM's epilogue takes its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch`: Hopper under
+    Triton 3.8, in the dgrad and the dropout forward, where ptxas serializes the wgmma (C7515) otherwise."""
     return arch == "sm90" and triton_version() == (3, 8) and (dgrad or dropout)
 
 
