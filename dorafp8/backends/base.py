@@ -26,8 +26,8 @@ FEATURES = {
 FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
 
 
-# What a zero weight norm is divided as: an all-zero row of W0 + s B A gives c = m / NORM_EPS, 0 at DoRA's init (m = n
-# = 0), where PEFT 0.21 gives NaN. Every other norm is divided as it is (a clamp would change c for tiny rows).
+# What a zero weight norm is divided as: an all-zero row of W0 + s B A gets c = m / NORM_EPS (0 at DoRA's init, where
+# PEFT 0.21 gives NaN). Every other norm is divided as it is (a clamp would change c for tiny rows).
 NORM_EPS = 1e-12
 
 # The test suite sets this True (tests/conftest.py, a fixture): the kernels' outputs then start as NaN, so a tile a

@@ -113,8 +113,7 @@ def _say(msg: str) -> None:
 
 
 def build(device: torch.device) -> ModuleType:
-    """dorafp8._C built for `device` (or from the cache); else a RuntimeError saying what failed and what runs
-    instead."""
+    """dorafp8._C built for `device` (or from the cache); else a RuntimeError: what failed, what runs instead."""
     why = why_not()
     if why is not None:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built here: {why}")

@@ -132,8 +132,8 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """The weight's first `rows` rows the child runs within budget(spec) (all N if they fit at the small M, else as many
-    as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and at the largest M that fits (`check`), timed
+    """What the child runs within budget(spec): the first `rows` weight rows (all N if they fit at the small M, else as
+    many as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and the largest M that fits (`check`), timed
     at the largest (`time`). `fits` False (a narrow layer at M <= 100): the key runs on the reference, unchecked."""
     N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N

@@ -92,8 +92,7 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
     """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
     the dense weight; L is PEFT 0.21's lora weight, (lora_B.view(-1, r) @ lora_A.view(r, -1)) reshaped to W0's shape:
     with groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]), g calls over o = t (mod g).
-    Shapes: w8 [C_out, C_in/g, *k], lora_A [r, C_in, *k], lora_B [C_out, r/g, 1, ...]; block scales with groups = 1
-    only."""
+    Shapes: w8 [C_out, C_in/g, *k], lora_A [r, C_in, *k], lora_B [C_out, r/g, 1, ...]; block scales need groups = 1."""
     C = w8.shape[0]
     r = lora_A.shape[0]
     if lora_A.numel() % r or lora_B.numel() % r:

@@ -17,6 +17,7 @@ from . import _custom_ops as _ops
 from ._policy import (as_result, backend_needs, check_device, check_float, check_scaling_dropout, compute_dtype,
                       dropout_mask, keeps_weight, rank_dtype, row_scale, rows)
 
+
 class DoRAFP8Function(torch.autograd.Function):
     """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, m the magnitude
     (any float dtype), n a detached unclamped fp32 norm. No host reads and no PyTorch kernels between the backend calls
