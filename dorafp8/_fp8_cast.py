@@ -1,9 +1,7 @@
 """Exact float8_e4m3fn -> fp16 / bf16 / fp32 conversion that is fast on CPU.
 
-On CPU two exact conversions compete, PyTorch's own and a table lookup (the codes times the scale, gathered by
-index): the first large block of each kind times both and the faster serves the rest of the process (`_choice`); both
-give the same bits. Small blocks always take one or the other without timing; other devices use PyTorch's. Why:
-docs/ARCHITECTURE.md, "dorafp8/_fp8_cast.py"."""
+On CPU PyTorch's own conversion and a table lookup (same bits) race on the first large block of each kind; the faster
+serves the rest of the process (`_choice`). Other devices use PyTorch's. Why: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ def _codes(device, pairs: bool = False, dtype: torch.dtype = torch.float32) -> t
 
 
 def _lookup(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
-    """The codes times the factor (a number, a one-element tensor, or None), rounded into dtype, gathered. Two bytes
-    at a time where w8 is contiguous, of an even size and larger than that table (65536 pairs): half the indices to
-    write and read."""
+    """The codes times the factor (a number, a one-element tensor, or None), rounded into dtype, gathered; two bytes at
+    a time where w8 is contiguous, even-sized and larger than that table (65536 pairs)."""
     pairs = w8.is_contiguous() and w8.numel() % 2 == 0 and w8.numel() > (1 << 17)
     if factor is None:
         table = _codes(w8.device, pairs, dtype)
@@ -65,10 +62,8 @@ def _convert(method: str, w8: torch.Tensor, factor, dtype: torch.dtype) -> torch
 
 
 def _choice(w8: torch.Tensor, factor, dtype: torch.dtype) -> tuple[str, torch.Tensor | None]:
-    """The method for large blocks into `dtype` with such a factor, and, when this call measured it, the block
-    converted (so that the measuring is not wasted). Measured once per (dtype, kind of factor: none, a number or
-    0-dim tensor, a tensor per row or element, which cost the two methods different passes): each method _TRIALS
-    times, in turn, the fastest run of each."""
+    """The method for large blocks into `dtype` with such a factor, and the block converted if this call measured it:
+    once per (dtype, kind of factor), each method _TRIALS times in turn, the fastest run of each."""
     key = (dtype, "none" if factor is None else "tensor" if _per_element(factor) else "scalar")
     method = _CHOICE.get(key)
     if method is not None:
@@ -106,6 +101,5 @@ def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e4m3_scaled_fp32(w8: torch.Tensor, factor) -> torch.Tensor:
-    """w8 * factor in fp32 (factor a number or an fp32 tensor broadcastable against w8): one rounding, as
-    w8.float() * factor."""
+    """w8 * factor (a number or a broadcastable fp32 tensor) in fp32, rounded once, as w8.float() * factor."""
     return _cpu_convert(w8, factor, torch.float32)

@@ -1,8 +1,5 @@
 """Counting the GPU kernels a piece of code launches and the bytes they move, on CPU as well as on GPU (for the tests
-and bench/glue_cpu.py): `LaunchRecorder` (Triton launches and PyTorch ops that would launch), and `dry_run`.
-
-The bytes are a model, not a measurement. What it sees and assumes: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+and bench/glue_cpu.py): `LaunchRecorder` and `dry_run`. The bytes are a model (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -25,21 +22,6 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 # aten ops whose result the host waits for: a sync that drains the launch queue and breaks CUDA graph capture.
 _SYNCS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "masked_select",
           "_assert_async", "unique", "_unique2"}
-
-
-def _tensor_bytes(tensors) -> int:
-    """Bytes of the distinct tensors (by address, element count and dtype), each once."""
-    seen = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        key = (t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
 
 
 def _is_view(func) -> bool:
@@ -67,8 +49,7 @@ def _matmul_flops(name, args) -> int:
 
 
 class LaunchRecorder(TorchDispatchMode):
-    """`with LaunchRecorder() as rec: ...` then rec.launches (a Launch each), rec.syncs (names of host syncs),
-    rec.nbytes, rec.names()."""
+    """`with LaunchRecorder() as rec: ...`, then rec.launches, rec.syncs (host syncs), rec.nbytes, rec.names()."""
 
     def __init__(self):
         super().__init__()
@@ -92,11 +73,11 @@ class LaunchRecorder(TorchDispatchMode):
         return True  # launched (or, in a dry run, skipped) here
 
     def _record(self, name, tensors, flops=0):
-        counted = {}
+        counted = {}  # the distinct tensors (by address, element count and dtype), each once
         for t in tensors:
-            key = (t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype)
-            counted.setdefault(key, (tuple(t.shape), t.dtype))
-        self.launches.append(Launch(name, _tensor_bytes(tensors), list(counted.values()), flops))
+            counted.setdefault((t.data_ptr() if t.device.type != "meta" else id(t), t.numel(), t.dtype), t)
+        self.launches.append(Launch(name, sum(t.numel() * t.element_size() for t in counted.values()),
+                                    [(tuple(t.shape), t.dtype) for t in counted.values()], flops))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":

@@ -1,9 +1,6 @@
-"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it.
-
-Only where it is provably current: on CPU when the adapters still equal the copies taken with it; on a GPU only inside
-`reuse_weight_norms()`, which the caller opens (a comparison there would need a host sync). Why version counters are
-not enough: docs/ARCHITECTURE.md, "Design notes, by module"; docs/DORA_MATH.md, "The weight-norm cache".
-"""
+"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it: on CPU when the
+adapters still equal the copies taken with it; on a GPU only inside `reuse_weight_norms()` (a comparison would need a
+host sync). Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md, "The weight-norm cache"."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ def _count_step(optimizer, args, kwargs) -> None:
 
 
 def _watch_optimizer_steps() -> None:
-    """Counts every torch.optim.Optimizer step, before and after it (so that a step that raises half-way still
-    counts). Registered once, on the first cached norm."""
+    """Counts every torch.optim.Optimizer step, before and after it (a step that raises half-way counts too)."""
     global _step_hooks
     if _step_hooks is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -37,11 +33,9 @@ def _watch_optimizer_steps() -> None:
 def reuse_weight_norms():
     """Lets DoRA layers on a GPU reuse their weight norms while the context is open (on the CPU they always may).
 
-    Inside it a layer recomputes its norm only after an optimizer step (any torch.optim.Optimizer, fused or not) or an
-    in-place op on its tensors; a write that neither sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom
-    CUDA kernel outside an optimizer) must not happen while it is open. Use it around the micro-batches of a
-    gradient-accumulation step or around generation; it saves one pass over each fp8 weight per call. Nests; per
-    thread."""
+    Inside it a layer recomputes its norm only after an optimizer step or an in-place op on its tensors; a write neither
+    sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom kernel) must not happen while it is open. Use it
+    around the micro-batches of a gradient-accumulation step or around generation. Nests; per thread."""
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield

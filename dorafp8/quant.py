@@ -1,8 +1,7 @@
 """The FP8 e4m3 recipe (docs/DORA_MATH.md, "FP8 e4m3 recipe"), interoperable with the fp8 checkpoints of OneTrainer,
 ComfyUI, compressed-tensors and the fine-grained (DeepSeek-V3 / Qwen3-FP8) format: W0 = scale * W8 with an fp32 scale
 per tensor ([]), per output row ([N]) or per b x b block ([ceil(N/b), ceil(K/b)], b = 128 by default); scale =
-amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even. `check_scale` normalizes a scale to
-one of these shapes."""
+amax|W| / 448 over what it covers, W8 = clamp(W / scale) rounded to nearest even (check_scale normalizes a scale)."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ from typing import Literal
 import torch
 
 E4M3 = torch.float8_e4m3fn
-# A scale's granularity, spelled the same everywhere (scale_kind(), the granularity= arguments, the reports, the
-# Triton kernels' SCALE_KIND constexpr): one fp32 value per "tensor", per output "row", or per b x b "block".
-# The microscaled formats (see "Microscaled weights" below) are two more kinds, told apart by the scale's dtype: "mxfp8"
-# (e8m0 scale per 32 weights of a row) and "nvfp4" (e4m3 scale per 16 packed e2m1 weights, times a global scale).
+# A scale's granularity, spelled the same everywhere down to the kernels' SCALE_KIND: one fp32 value per "tensor", per
+# output "row" or per b x b "block"; or a microscaled kind ("Microscaled weights" below), told by the scale's dtype.
 ScaleKind = Literal["tensor", "row", "block", "mxfp8", "nvfp4"]
 SCALE_KINDS: tuple[ScaleKind, ...] = ("tensor", "row", "block")  # fp8 granularities: what quantize_e4m3 writes
 MICRO_KINDS: tuple[ScaleKind, ...] = ("mxfp8", "nvfp4")
@@ -31,9 +28,8 @@ class QuantizationWarning(UserWarning):
     """Per-tensor fp8 quantization lost much more than e4m3's usual ~2.6% (an outlier weight or a tiny row)."""
 
 
-# When quantize_e4m3 warns. e4m3 keeps 3 mantissa bits: on Gaussian, uniform, Laplace or Student-t weights the
-# relative Frobenius error is 2.4-2.7% and well under 0.1% of the non-zero weights underflow to zero. A per-tensor
-# scale set by one outlier (1e4 among weights of 0.02) flushes most of the tensor to zero instead.
+# When quantize_e4m3 warns: usual weights lose 2.4-2.7% (relative Frobenius) and well under 0.1% of them underflow; a
+# per-tensor scale set by one outlier flushes most of the tensor to zero instead.
 LOSSY_FLUSHED_FRACTION = 0.01   # more than 1% of the non-zero weights became 0
 LOSSY_REL_ERROR = 0.05          # relative Frobenius error above 5% (twice e4m3's usual)
 
@@ -63,8 +59,7 @@ def _nonfinite(what: str, where: str) -> ValueError:
 
 def check_quantizable(weight: torch.Tensor, *, per_row: bool = False, block_size: int | None = None,
                       name: str | None = None) -> None:
-    """Raises what quantize_e4m3(weight, ...) would raise, without quantizing (reads the weight once, in blocks of
-    rows): what quantize_model checks on every layer before it swaps the first."""
+    """Raises what quantize_e4m3(weight, ...) would, without quantizing: one read in blocks of rows."""
     what, rows = _check_quant_args(weight, per_row, block_size, name)
     # One flag per row, read back once per weight (one host sync on a GPU, not one per block of rows).
     ok = torch.cat([torch.isfinite(weight[j0:j0 + rows].detach()).all(dim=1)
@@ -146,11 +141,8 @@ def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _warn_if_lossy(counts: torch.Tensor, row_sq: torch.Tensor, what: str) -> None:
-    """Warns when a per-tensor quantization lost much more than e4m3 usually does. The relative error of the whole
-    tensor alone would hide it: the few large values that set the single scale dominate its norm and keep their
-    precision (one weight of 1e4 among a million of 0.02: 0.1% over the tensor, while 72% of the weights became 0). So
-    the message gives what happened to the weights: how many became 0 (each lost entirely), and the relative error of
-    the median row (rows without a non-zero weight left out)."""
+    """Warns when a per-tensor quantization lost much more than e4m3 usually does: with how many weights became 0 and
+    the median row's error, as the largest values dominate the whole tensor's relative error."""
     err2, ref2 = row_sq
     rel_rows = torch.where(ref2 > 0, err2 / ref2, torch.nan).sqrt()  # NaN: a row without a non-zero weight
     rel = (err2.sum() / ref2.sum().clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
@@ -205,8 +197,7 @@ def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -
 
 
 def scale_kind(scale: torch.Tensor) -> ScaleKind:
-    """"tensor", "row" or "block" for a scale normalized by check_scale; "mxfp8" for an e8m0 scale, "nvfp4" for an
-    e4m3 one (check_weight's)."""
+    """"tensor", "row" or "block" for a scale normalized by check_scale; "mxfp8" for an e8m0 scale, "nvfp4" for e4m3."""
     if scale.dtype == E4M3:
         return "nvfp4"
     if scale.dtype == E8M0:
@@ -220,9 +211,8 @@ def check_scale_kind(kind, name: str = "granularity") -> ScaleKind:
     return kind
 
 
-# act_quant, the activation recipe of the base GEMMs: "" (W8A16, activations in the compute dtype) or "rowwise" (W8A8:
-# activations quantized per row to e4m3). The public API spells the default None; check_act_quant is the one place
-# that validates and normalizes it (None / "" / "none" -> "").
+# act_quant, the activation recipe of the base GEMMs: "" (W8A16) or "rowwise" (W8A8: activations quantized per row to
+# e4m3); check_act_quant normalizes the public spellings (None / "" / "none" -> "").
 ACT_QUANT_MODES = ("", "rowwise")
 
 
@@ -317,9 +307,8 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_DTYPES
 
 
-# The codes that are not finite numbers in each float8 format, as (bit mask, code): a byte b is NaN or inf where
-# b & mask == code. torch's isfinite has no float8 kernel on some releases (2.14: '"isfinite" not implemented for
-# 'Float8_e4m3fn''), and upcasting a whole weight to test it costs 4 bytes an element; the bits answer exactly.
+# The codes that are not finite in each float8 format, as (bit mask, code): NaN or inf where b & mask == code (torch
+# 2.14's isfinite has no float8 kernel, and upcasting a weight costs 4 bytes an element).
 _FP8_NONFINITE = {name: code for name, code in (
     ("float8_e4m3fn", (0x7F, 0x7F)),     # S.1111.111 is NaN; no infinities
     ("float8_e5m2", (0x7C, 0x7C)),       # exponent 11111: inf (mantissa 0) or NaN
@@ -399,9 +388,8 @@ def _micro_scale_shape(kind: str, N: int, K: int) -> tuple[int, int]:
 
 def check_weight(w8, scale, block_size: int = DEFAULT_BLOCK, global_scale=None, name: str = "w8"
                  ) -> tuple[int, int, torch.Tensor]:
-    """The one check of a weight argument of the ops, for every kind: (N, K, scale normalized). An fp8 e4m3 weight with
-    an fp32 scale ("tensor" / "row" / "block", check_scale), with an e8m0 scale ("mxfp8"), or a uint8 packed NVFP4
-    weight with its e4m3 scale and fp32 global_scale ("nvfp4"). Each error names the argument and what it expects."""
+    """The one check of a weight argument of the ops, for every kind: (N, K, scale normalized). e4m3 with an fp32 scale
+    (check_scale) or an e8m0 one ("mxfp8"), or packed NVFP4 uint8 with e4m3 scales and global_scale ("nvfp4")."""
     if isinstance(w8, torch.Tensor) and w8.dtype == torch.uint8:
         if w8.dim() != 2:
             raise ValueError(f"{name} (packed NVFP4) must be 2-D [out_features, in_features / 2], got shape "
@@ -450,9 +438,8 @@ def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAU
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: the block's scale is 2^(floor(log2 amax) -
-    8) (8: e4m3's largest exponent), the values w / scale rounded to e4m3 and saturated at 448. For tests and
-    fixtures: dorafp8 trains on the bytes a file holds."""
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: scale 2^(floor(log2 amax) - 8), values w /
+    scale rounded to e4m3, saturated at 448. For tests and fixtures."""
     N, K = weight.shape
     pad = -K % MXFP8_BLOCK
     w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)
@@ -472,11 +459,10 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe
-    (NVFP4QTensor.quantize): global = amax / (6 * 448), each block's scale = e4m3(block amax / (6 * global)) (1 for an
-    all-zero block), the values w / (scale * global) rounded to the nearest e2m1 (ties to the even code) and packed
-    low nibble first. K must be a multiple of 16. global_scale: the whole tensor's (nvfp4_global_scale), for rows of
-    it quantized a block at a time (the merge)."""
+    """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe: global = amax /
+    (6 * 448), block scale = e4m3(block amax / (6 * global)) (1 for an all-zero block), values w / (scale * global)
+    rounded to the nearest e2m1 (ties to even), packed low nibble first; K a multiple of 16. global_scale: the whole
+    tensor's (nvfp4_global_scale), for rows quantized a block at a time (the merge)."""
     N, K = weight.shape
     if K % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs in_features a multiple of {NVFP4_BLOCK}, got {K}")

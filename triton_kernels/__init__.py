@@ -1,10 +1,8 @@
 """Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/base.py.
 
-weight_norm, project / project_grad, forward, backward_pass and dgrad are the launchers of weight_norm.py, lowrank.py,
-forward.py, backward.py and dgrad.py (forward and dgrad share gemm.py's main loop); every launch goes through
-_common.launch, which `launch_observers()` can watch. Runs on CUDA GPUs, and on CPU under Triton's interpreter
-(TRITON_INTERPRET=1: the tests). Triton is optional: without it this module still imports and says why it cannot
-run."""
+The launchers of weight_norm.py, lowrank.py, forward.py, backward.py and dgrad.py; every launch goes through
+_common.launch. Runs on CUDA GPUs, and on CPU under Triton's interpreter (TRITON_INTERPRET=1). Without Triton this
+module still imports and says why it cannot run."""
 
 from __future__ import annotations
 
@@ -27,18 +25,13 @@ except ImportError as e:  # triton missing or too old
     def _missing(*args, **kwargs):
         raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
 
-    weight_norm = forward = dgrad = backward_pass = project = project_grad = _missing
+    weight_norm = forward = dgrad = backward_pass = project = project_grad = planning_for_gpu = _missing
 
     def launch_observers() -> list:
         return []  # nothing launches
 
-    def planning_for_gpu(sms, blocks):
-        raise RuntimeError(f"dorafp8 triton backend unavailable: {_IMPORT_ERROR}")
-
-# W8A8: project(quant=True) quantizes x per row in the same read of x as u (lowrank.py); forward takes it (x8, sx).
-QUANTS_IN_PROJECT = True
-# The fp8 features and the microscaled weights (MXFP8, NVFP4: unpacked in the GEMMs' main loop, gemm.py; W8A16 only),
-# NVFP4's global scale as `global_scale` (dorafp8/backends/base.py, GLOBAL_SCALE_PARAMS).
+QUANTS_IN_PROJECT = True  # W8A8: project(quant=True) quantizes x in the same read as u; forward takes it (x8, sx)
+# The fp8 features and the microscaled weights (unpacked in the GEMMs' main loop, gemm.py; W8A16 only).
 SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
 GLOBAL_SCALE = True
 

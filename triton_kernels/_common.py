@@ -1,7 +1,6 @@
-"""Pieces shared by the three Triton kernels: the dot helper, launch-time choices and the autotune configs.
-
-Long because it is the one home of every launch-time choice the kernels share (the config tables per arch and Triton
-version, occupancy, the argument checks), each of them short; the Hopper main loop's own choices are in hopper.py."""
+"""Pieces shared by the Triton kernels: the dot helper, launch-time choices, the argument checks and the autotune
+configs per arch and Triton version (why each table holds what it does: docs/ARCHITECTURE.md). The Hopper main
+loop's own choices are in hopper.py."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from ..backends import base as _base
 from ..backends.base import NORM_EPS as _NORM_EPS
 from ._pins import pinned
 
-# Rank chunk of the rank-r epilogues (u B^T, v A, B A). The interpreter uses 16 so that the tests cross a chunk
-# with r = 20; on a GPU 64 keeps the [BLOCK_M, BLOCK_R] and [BLOCK_R, BLOCK_N] tiles small enough for registers
-# while r = 128 or 256 simply loops 2 or 4 times.
+# Rank chunk of the rank-r epilogues (u B^T, v A, B A): 16 under the interpreter, so that the tests cross a chunk with
+# r = 20; 64 on a GPU keeps the rank tiles in registers (r = 256 loops 4 times).
 _MAX_BLOCK_R_GPU = 64
 _MAX_BLOCK_R_INTERP = 16
 _MAX_BLOCK_R_IEEE = 16
@@ -46,12 +44,8 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Launch observers. dorafp8._launches registers one to count the launches of a forward + backward and the bytes of
-# their tensor arguments (tests/ops/test_launches.py); nothing else does, and with none registered a launch costs one
-# list check. observe(kernel, grid, args, kwargs) returns True when it handled the launch itself: it launched the
-# kernel, or skipped it in a dry run, which records what a GPU would run at a shape too large to run in the
-# interpreter; during one the launchers make their GPU choices (tiles, grids) for the SM count and resident blocks
-# that _DRY_RUN = {"sms": ..., "blocks": ...} gives.
+# Launch observers (dorafp8._launches registers one): observe(kernel, grid, args, kwargs) -> True when it handled the
+# launch itself (or skipped it in a dry run, where the launchers plan for the GPU _DRY_RUN describes).
 LAUNCH_OBSERVERS: list = []
 _DRY_RUN = None
 
@@ -100,10 +94,8 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 def dot_dtype(*dtypes: torch.dtype):
-    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (then input_precision
-    "ieee": no tf32, fp32 results must be fp32-accurate). Mixed or non-16-bit dtypes compute in fp32. Under the
-    interpreter bf16 tl.dot multiplies raw bit patterns (triton #11584), so bf16 tiles go through fp32 there,
-    which is exact (bf16 x bf16 products fit fp32)."""
+    """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (input_precision "ieee").
+    Mixed or non-16-bit dtypes compute in fp32; so do bf16 tiles in the interpreter (its bf16 tl.dot: triton #11584)."""
     dt = dtypes[0]
     if any(d != dt for d in dtypes) or dt not in (torch.float16, torch.bfloat16):
         return tl.float32, True
@@ -113,9 +105,8 @@ def dot_dtype(*dtypes: torch.dtype):
 
 
 def block_r(r: int, ieee: bool = False) -> int:
-    """The rank chunk of the rank-r dots in the kernels' epilogues. fp32 (ieee) dots run on CUDA cores with both
-    operand tiles in registers: chunks of 64 spilled up to 18 KB per thread in the forward and dgrad on sm_90a with
-    fp32 adapters (python -m dorafp8.kernel_report, variants "fp32-rank,r=64"), so they take 16 at a time."""
+    """The rank chunk of the rank-r dots in the kernels' epilogues: fp32 (ieee) dots, with both tiles in registers, take
+    16 at a time (chunks of 64 spilled up to 18 KB a thread on sm_90a)."""
     cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
     return max(_DOT_MIN, min(cap, next_pow2(r)))
 
@@ -210,23 +201,8 @@ def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
     return acc
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Autotune configs. The GEMM kernels tile [BLOCK_M, B_OUT] outputs (forward: B_OUT = BLOCK_N, reduction BLOCK_K;
-# dgrad: B_OUT = BLOCK_K, reduction BLOCK_N); rows below are (BLOCK_M, B_OUT, B_RED, stages, warps). Both kernels
-# compute the transposed tile (out^T = W-tile @ act^T), so on Hopper B_OUT is wgmma's M (64 per warpgroup: 64 with
-# 4 warps, 128 with 8) and BLOCK_M its N, which may be as small as 16 for short batches.
-# sm_90 (Hopper): 227 KB shared memory per block; stage = BLOCK_M * B_RED * 2 bytes (activations) + B_OUT * B_RED
-# (fp8), and the rank-r epilogue pipelines its B and u chunks with the same stages.
-# sm_89 (Ada): 99 KB shared memory per block, so fewer stages / smaller tiles; mma.sync takes both operands from
-# registers there, so the orientation costs nothing.
-# sm_100 (B200): 227 KB like Hopper; tcgen05.mma takes A from tensor memory or shared memory, never registers, so the
-# converted W8 tile goes registers -> tensor memory -> MMA (Triton does that itself), the accumulator lives in tensor
-# memory. sm_120 (RTX 5090, RTX PRO 6000): 99 KB like Ada and Ada's mma.sync (plus fp8 mma.sync), so Ada's lists.
-# Each arch's list holds only configs whose shared memory fits it, checked by tests/integration/test_inspect.py with the
-# kernel report's compiled figures: one over the limit fails at launch (the autotuner skips it) and a list of them
-# would leave nothing to pick.
-# Small M (decode, short batches) is weight-bandwidth bound: narrow BLOCK_M, B_OUT 64 for more programs, long B_RED.
-# ----------------------------------------------------------------------------------------------------------------------
+# Autotune configs: rows are (BLOCK_M, B_OUT, B_RED, stages, warps), B_OUT the output-column block (forward BLOCK_N,
+# dgrad BLOCK_K) and B_RED the reduction block. Each arch's list fits its shared memory (test_inspect.py checks).
 
 def arch_of(device: torch.device) -> str:
     """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA."""
@@ -236,12 +212,8 @@ def arch_of(device: torch.device) -> str:
 
 
 def arch_of_capability(major: int, minor: int) -> str:
-    """The config tables' key for a compute capability. Each table's configs fit its arch's shared memory per block
-    (SMEM_LIMIT of dorafp8.kernel_report: 227 KB on 9.0 and 10.x, 99 KB on 8.9 and 12.x). Capabilities with no table of
-    their own take the closest list that fits them: Ampere (8.0 has 163 KB, 8.6 and 8.7 99 KB) Ada's; 10.3 (B300,
-    227 KB, the same tensor cores as 10.0) datacenter Blackwell's; 12.1 (DGX Spark) and anything unknown (11.x, 13.x
-    and later) consumer Blackwell's, a 99 KB list like Ada's, which fits every GPU the Triton backend runs on (sm_80
-    and newer)."""
+    """The config tables' key for a compute capability: Ampere takes Ada's list, 10.x datacenter Blackwell's, and
+    12.x and anything unknown consumer Blackwell's 99 KB list, which fits every GPU the Triton backend runs on."""
     if major == 9:
         return "sm90"
     if major == 10:
@@ -262,24 +234,16 @@ def w8_via_f32(device) -> bool:
 
 
 def w8_via_f32_for(arch: str) -> bool:
-    """W8_VIA_F32 of the fp8 GEMM kernels (gemm.w8_to) on `arch` under the installed Triton:
-    convert the e4m3 weight tile to bf16 through fp32 wherever Triton's e4m3 -> bf16 goes through fp16 and the slow
-    F2F.BF16.F16 (per element, plus a PRMT per pair): on Ada and Hopper always (sm_89 under Triton 3.6 even fails in
-    ptxas: "cvt .bf16.f16 requires sm_90"), and on Blackwell (sm_100a, sm_120) under Triton 3.6 to 3.8, read with
-    each of them (32 F2F + 16 PRMT per step of the 64 x 128 x 64 forward tile). Triton 3.9 unpacks e4m3 to bf16
-    natively on Blackwell, which the fp32 route would only lengthen. `python -m dorafp8.kernel_report` shows the
-    instruction counts of both."""
+    """W8_VIA_F32 (gemm.w8_to) on `arch` under the installed Triton: e4m3 -> bf16 through fp32 where Triton's own goes
+    through fp16 and the slow F2F.BF16.F16: Ada and Hopper, and Blackwell before Triton 3.9 (docs/INSPECT.md)."""
     if arch == "interp":  # exact either way (the interpreter computes bf16 tiles in fp32 anyway)
         return False
     return arch in ("sm90", "sm89") or triton_version() < (3, 9)
 
 
 def fp32_dots_exact_for(arch: str) -> bool:
-    """Whether the installed Triton keeps the GEMMs' fp32 main-loop dots (input_precision="ieee") exact on `arch`.
-    Triton 3.6 and 3.7 lower an fp32 dot whose first operand is computed in registers (our converted W8 tile) to
-    tcgen05.mma kind::tf32 on sm_100a whatever input_precision says: 10-bit products, silently (read from their PTX;
-    3.8 and 3.9 make FMAs, as they and 3.6 / 3.7 do on the other targets). There the backend refuses fp32 compute
-    (unsupported_on in __init__.py): under backend="auto" another backend takes it."""
+    """Whether the installed Triton keeps the GEMMs' fp32 main-loop dots exact on `arch`: 3.6 and 3.7 lower them to tf32
+    tcgen05.mma on sm_100a, where the backend then refuses fp32 compute (unsupported_on in __init__.py)."""
     return not (arch == "sm100" and triton_version() < (3, 8))
 
 
@@ -288,25 +252,14 @@ def fp8_promote(device) -> bool:
 
 
 def fp8_promote_for(arch: str) -> bool:
-    """FP8_PROMOTE of the fp8 GEMM kernels (gemm.w8_gemm_loop, W8A8): on Hopper, wgmma keeps e4m3 products in a
-    reduced-precision accumulator (about 14 bits, DeepSeek-V3 section 3.3.2) for as long as Triton lets it: the whole
-    reduction by default (max_num_imprecise_acc is 2**30 on sm_90). With this each reduction step's product starts
-    from zero and is added to the fp32 accumulator in software, so wgmma accumulates at most B_RED (64) products, as
-    FBGEMM and DeepGEMM promote every 128. Not on Ada (mma.sync) nor Blackwell: docs/DORA_MATH.md, "Accuracy contract"."""
+    """FP8_PROMOTE (gemm.w8_gemm_loop, W8A8) on `arch`: on Hopper wgmma keeps e4m3 products in a ~14-bit accumulator, so
+    each step's product is added to the fp32 accumulator in software (docs/DORA_MATH.md, "Accuracy contract")."""
     return arch == "sm90"  # arch_of_capability: 9.x only (interp: the interpreter's dots are exact fp32)
 
 
 _GEMM_TABLE = {
-    # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators).
-    # Pruned by what `python -m dorafp8.kernel_report` showed: on sm_90 the 256 x 128 / 128 x 256 tiles ran out of
-    # registers (spills, serialized wgmma) and every BLOCK of 128 in the reduction made ptxas serialize the wgmma
-    # (C7515), so the reduction block is 64 and small M gets more stages instead, and an output block of 128
-    # (two wgmma M-halves) on 4 warps serialized too, so those use 8 warps (one warpgroup per half); on sm_89 one
-    # accumulator tile per 4 warps of 64 x 128 (and two with dropout) spilled, so those tiles use 8 warps.
-    # sm_100: Hopper's lists, less the 128 x 128 x 64 four-stage tile, which spilled there (8 bytes, Triton 3.9).
-    # sm_120: Ada's lists; Hopper's did not all fit (128 x 64 x 64 four-stage with dropout: 108 KB of shared memory, and
-    # it and 128 x 128 x 64 with dropout spilled), and Ada's 128 x 64 x 64 with dropout spilled in the dgrad, so that
-    # one is 64 x 128 x 64 four-stage here, which fits without spills in both kernels.
+    # arch: (large-M single accumulator, large-M two accumulators (dropout), small M <= 64, small M two accumulators),
+    # pruned by what the kernel report showed (docs/ARCHITECTURE.md, "triton_kernels/_common.py").
     "sm90": (
         [(128, 128, 64, 4, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4)],
         [(128, 128, 64, 3, 8), (64, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)],
@@ -332,20 +285,15 @@ _GEMM_TABLE = {
         [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4), (32, 64, 64, 4, 4)],
     ),
 }
-# Triton 3.8 stages the W8 tile of the two-accumulator (dropout) main loops through shared memory on the mma.sync
-# targets (3.6, 3.7 and 3.9 load it straight into registers: 49 -> 64 KB at 64 x 128 x 64, three stages) and then runs
-# out of registers: read with 3.8.0, the sm_89 forward spilled 16 to 88 bytes at 255 registers on 64 x 128 x 64 and
-# 64 x 64 x 64 (4 warps), the sm_89 dgrad 24 on the latter, the sm_120 forward 84 on it. Under 3.8 those targets'
-# two-accumulator large-M lists are these instead, none of which spills there in either kernel (bf16 and fp16, tensor
-# and row scales, 16-bit and fp32 adapters, W8A16 and W8A8).
+# Triton 3.8's two-accumulator (dropout) large-M lists on the mma.sync targets, where its staging of the W8 tile
+# through shared memory spilled the usual ones.
 _TWO_ACC_LARGE_BY_TRITON = {
     (3, 8): {
         "sm89": [(128, 64, 64, 3, 8), (64, 64, 64, 3, 8), (32, 64, 64, 4, 4)],
         "sm120": [(64, 128, 64, 3, 8), (64, 128, 64, 4, 8)],
     },
 }
-# fp32 compute (input_precision="ieee": CUDA-core FMA, no tensor cores) stages 4-byte activation tiles; big tiles buy
-# nothing there and overflow Ada's shared memory, so it gets its own small list on every GPU.
+# fp32 compute (CUDA-core FMA) stages 4-byte activation tiles: its own small list on every GPU.
 _FP32_GEMM = (
     [(64, 64, 32, 2, 4), (64, 128, 32, 2, 8), (32, 64, 64, 2, 4)],
     [(16, 64, 64, 2, 4), (32, 64, 32, 2, 4), (16, 128, 32, 2, 4)],
@@ -360,18 +308,12 @@ _FP32_GEMM_TWO_ACC = (
 _INTERP_GEMM = (16, 32, 32, 1, 4)
 
 
-# Two-accumulator (dropout) main loops that hold more per step than a tile of each operand: FP8_PROMOTE (W8A8 on
-# sm_90) adds a zeroed partial tile per accumulator. The tiles holding 64 accumulator elements per thread (128 x 64 on
-# 4 warps, 128 x 128 on 8) spilled there (inspect, sm_90a: 16 to 56 bytes), so those kernels keep the tiles of at most
-# 32.
+# Two-accumulator main loops with FP8_PROMOTE (W8A8 on sm_90) add a partial tile per accumulator: tiles of 64
+# accumulator elements per thread spilled there, so they keep those of at most 32.
 _LEAN_TWO_ACC_MAX_ELEMS = 32
 
 
-# W8A8 on sm_90 (e4m3 x e4m3 wgmma, both operands from shared memory, FP8_PROMOTE): a reduction block of 128 halves
-# the promotion's per-element cost (one fp32 add per accumulator element per step: 64 per thread on 128 x 128 / 8
-# warps), which made the 64-deep step bound by instruction issue, and puts the promotion at the interval FBGEMM and
-# DeepGEMM use (128). The sm_90a read (python -m dorafp8.kernel_report, Triton 3.9): 218 registers, no spill, no
-# serialized wgmma, 174 instructions per 128-deep step against 139 per 64-deep one. Large M, one accumulator only.
+# W8A8 on sm_90: a reduction block of 128 halves FP8_PROMOTE's per-element cost (large M, one accumulator only).
 _FP8_DOT_LARGE = {"sm90": [(128, 128, 128, 3, 8), (128, 128, 128, 4, 8), (64, 128, 128, 4, 8)]}
 
 
@@ -383,11 +325,8 @@ def gemm_configs(device, out_name: str, red_name: str, two_acc: bool, m: int, fp
 
 def gemm_configs_for(arch: str, out_name: str, red_name: str, two_acc: bool, m: int, fp32: bool,
                      lean: bool = False, fp8_dot: bool = False):
-    """gemm_configs for an arch named as arch_of names it ("sm90", "sm89", "interp"), without a device: the launchers
-    reach it through gemm_configs, `python -m dorafp8.kernel_report` directly (it compiles for GPUs it does not have).
-    lean: a main loop that holds more per step (W8A8 with FP8_PROMOTE, fp8_promote_for): with two
-    accumulators, only tiles of at most _LEAN_TWO_ACC_MAX_ELEMS accumulator elements per thread.
-    fp8_dot: the base GEMM multiplies e4m3 by e4m3 (W8A8), which adds _FP8_DOT_LARGE's tiles where the arch has them."""
+    """gemm_configs for an arch named as arch_of names it, without a device (the kernel report's way in). lean:
+    FP8_PROMOTE's main loop (two accumulators keep smaller tiles); fp8_dot: W8A8 (adds _FP8_DOT_LARGE's tiles)."""
     if arch == "interp":
         rows = [_INTERP_GEMM]
     elif fp32:
@@ -415,8 +354,7 @@ _WEIGHT_NORM_TABLE = {  # arch: [(BLOCK_N, BLOCK_K, stages, warps)]
     "sm100": [(64, 128, 3, 4), (128, 64, 3, 8), (32, 128, 3, 4), (64, 256, 3, 8), (128, 128, 3, 8)],
     "sm120": [(64, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (32, 128, 3, 4)],
 }
-# fp32 adapters: B A on CUDA cores (ieee), whose [BLOCK_N, BLOCK_K] fp32 product and operands spilled at
-# BLOCK_K >= 128 with 4 warps (inspect); smaller tiles, more warps.
+# fp32 adapters: B A on CUDA cores spilled at BLOCK_K >= 128 with 4 warps: smaller tiles, more warps.
 _WEIGHT_NORM_FP32 = [(32, 64, 3, 4), (64, 64, 3, 8), (32, 128, 2, 8)]
 
 
@@ -434,12 +372,9 @@ _TUNERS: dict = {}
 
 
 def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
-    """One triton.autotune wrapper per (kernel, variant, config list), so variants with different register needs
-    (one or two accumulators, small or large M) keep separate config lists and caches. Under the tests' NaN fill the
-    outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
-    that wrote it. `configs` may be a function that makes the list: with `device` given, the tag and the device's
-    arch must then determine the list, which is made once per (tag, arch), not on every call (bench/glue_cpu.py).
-    pin: this launcher's name for _pins.pin_configs (_pins.pinned)."""
+    """One triton.autotune wrapper per (kernel, variant, config list), each with its own cache. Under the tests' NaN
+    fill the outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
+    that wrote it. `configs` may be a function, called once per (tag, device arch); pin: _pins.pinned's name."""
     poison = _base.POISON_OUTPUTS
     if callable(configs):
         k = (id(kernel), tag, arch_of(device), poison)
@@ -456,11 +391,8 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
 def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
                  any_block: bool = False, act_quant: str = "") -> tuple[torch.Tensor, str]:
     """Validates W8 [N, K] fp8 e4m3 (unit stride in K) and its fp32 scale ([], [N] or [ceil(N/b), ceil(K/b)], b =
-    block_size); returns (the scale, contiguous, and its kind: "tensor", "row" or "block"). The kind is the kernels'
-    SCALE_KIND constexpr, spelled as dorafp8.quant.scale_kind spells it, so that one word means one thing from the
-    Python API down to the kernels. The GEMMs step through the reduction in blocks that must fit in a scale
-    block, so they need b to be a multiple of 16 (any_block=False); under W8A8 (act_quant) on a GPU, of
-    FP8_DOT_MIN_K: the fp8 tensor-core dot reduces at least 32 at a time (b = 16 compiles in neither sm_90 loop)."""
+    block_size); returns (the scale, contiguous, and its kind, the kernels' SCALE_KIND: "tensor", "row" or "block"). A
+    GEMM step must fit in a scale block: b a multiple of 16 (unless any_block), of FP8_DOT_MIN_K under W8A8 on a GPU."""
     if w8.dtype != torch.float8_e4m3fn or w8.dim() != 2:
         raise ValueError(f"w8 must be a 2-D float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
     if w8.stride(1) != 1:
@@ -488,20 +420,15 @@ def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,
                      f"{cdiv(K, block_size)}] (block_size {block_size}), got {tuple(scale.shape)}")
 
 
-# fp32 registers a thread may give the accumulators and their partial-product twins (fit_reduction_block): 4 or 8
-# plain warps (255 registers a thread at most) spilled past about 96 (inspect); a "tma-ws" consumer warpgroup runs at
-# 232 (setmaxnreg, hopper.py), and its unblocked 128 x 128 tile already holds 64 a thread and does not spill.
+# fp32 registers a thread may give the accumulators and their partial-product twins (fit_reduction_block): plain
+# warps spilled past about 96; a "tma-ws" consumer warpgroup runs at 232 (setmaxnreg, hopper.py).
 _ACC_REGS = {"": 96, "tma-ws": 128}
 
 
 def fit_reduction_block(configs, red_name: str, block_size: int, scale_kind: str, out_name: str = "",
                         n_acc: int = 1, main_loop: str = ""):
-    """With block scales, one reduction step must stay inside one scale block (the kernel scales each step's partial
-    product by its block's scale): keep the configs whose reduction block divides `block_size`, or shrink it to do
-    so. Each accumulator then has a partial-product twin, so BLOCK_M shrinks until the n_acc * 2 fp32 tiles fit
-    _ACC_REGS a thread: in the "tma-ws" loop (main_loop) two consumer warpgroups of num_warps warps each hold half the
-    tile at 232 registers, so its 128 x 128 tiles stay whole (they shrank to 32 x 128 when the 4-warp budget was
-    applied to them); elsewhere num_warps warps hold it all."""
+    """With block scales a reduction step stays inside one scale block: the reduction block shrinks until it divides
+    `block_size`, then BLOCK_M until the accumulators and their partial-product twins fit _ACC_REGS a thread."""
     if scale_kind != "block":
         return configs
     ws = main_loop == "tma-ws"

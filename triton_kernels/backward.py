@@ -18,9 +18,8 @@ from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
 SCAN_N = 512  # columns per step of the maxima's scan over N
-# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 1024 elements of v, or 128 columns of dm, db and
-# [128, 16] chunks of dB, per program: 48-64 registers, no spills (inspect; 128 x 64 took 252 registers with fp32
-# adapters at r = 128, and 64 x 64 and 32 x 32 spilled a few bytes in some variants).
+# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 48-64 registers, no spills (larger and some smaller
+# chunks of dB spilled; kernel report).
 FINISH_BLOCKS = (1024, 128, 16)
 
 
@@ -195,12 +194,8 @@ def dora_bwd_finish_kernel(
 
 
 def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once (dB accumulates in registers over
-    the rows), the BLOCK_N x BLOCK_R fp32 dB accumulator at most 8K values (32 per thread at 8 warps; the g and z
-    tiles need the rest: 256 columns spilled, inspect), or 2K with fp32 operands, whose CUDA-core dots hold both tiles in registers (at r = 128 the larger tiles spilled, inspect).
-    16-bit operands take 8 warps from 2K accumulator values on: at r = 16 with dropout and per-row scales 4 warps
-    spilled 128 bytes with Triton 3.6 (inspect). Two stages: the pass streams g and z once, and three overflowed
-    Ada's shared memory."""
+    """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
+    values (2K with fp32 operands), 8 warps from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
@@ -214,9 +209,8 @@ _INTERP_PROGRAMS = 2
 
 
 def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, int, int, int]:
-    """(STEPS, CSTEPS, row groups pm, column groups pn) for `programs` programs (those that fit in one wave): the split
-    pm x pn = programs that makes the partials, 4 r (pn M + pm N) bytes, smallest, i.e. pn ~ sqrt(programs N / M),
-    each at most the number of tiles along its dimension."""
+    """(STEPS, CSTEPS, row groups pm, column groups pn) for `programs` programs: the split pm x pn = programs with the
+    fewest partial bytes, 4 r (pn M + pm N): pn ~ sqrt(programs N / M), each at most the tiles along its dimension."""
     tiles_m, tiles_n = cdiv(M, bm), cdiv(N, bn)
     pn = max(1, min(tiles_n, round(math.sqrt(programs * N / M))))
     pm = max(1, min(tiles_m, cdiv(programs, pn)))
@@ -226,8 +220,7 @@ def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, i
 
 
 def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
-    """See dorafp8/backends/base.py. g [M, N] (any row stride), z [M, N] (any float dtype), m [N] (any float dtype),
-    n / srow [N] fp32."""
+    """See backends/base.py. g [M, N] (any row stride), z [M, N] and m [N] (any float dtype), n, srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
     M, cdt, dev = g.shape[0], g.dtype, g.device

@@ -75,9 +75,8 @@ def dequant_w8_kernel(
 
 
 def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
-    """(W, fac): W [N, K] in `dtype` as the module docstring says, and fac fp32 ([N + 1] per row, [2] otherwise):
-    fac[:-1] the forward epilogue's scale (per tensor a 0-dim view fac[0] fits), fac[-1] the dgrad epilogue's. Any
-    block size (the kernel reads each weight's block scale, it does not step through blocks)."""
+    """(W, fac): W [N, K] in `dtype` (the module docstring) and fac fp32 ([N + 1] per row, else [2]): fac[:-1] the
+    forward epilogue's scale, fac[-1] the dgrad's. Any block size."""
     N = w8.shape[0]
     row = scale.dim() == 1 and scale.numel() == N  # [1] for N = 1: a row scale, as dorafp8.quant.scale_kind and
     scale, kind = check_weight(w8, scale, block_size, any_block=True)  # the backward's srow take it, not a tensor's

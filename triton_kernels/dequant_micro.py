@@ -91,9 +91,8 @@ def dequant_micro_kernel(
 
 
 def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None):
-    """(N, K, nvfp4, sc, g): a microscaled weight's sizes and its scale and global scale as the kernels read them (the
-    e8m0 bytes as uint8, which Triton has no dtype for; MXFP8's g a placeholder, never read). Checks what the
-    kernels' addressing needs; the shapes are checked by the ops (dorafp8.quant.check_weight)."""
+    """(N, K, nvfp4, sc, g): a microscaled weight's sizes, its scale (e8m0 bytes as uint8) and global scale (MXFP8's a
+    placeholder) as the kernels read them; checks what their addressing needs."""
     nvfp4 = w8.dtype == torch.uint8
     if nvfp4 != (scale.dtype == torch.float8_e4m3fn) or (not nvfp4 and scale.dtype != E8M0):
         raise ValueError(f"w8 {w8.dtype} with scale {scale.dtype} is neither NVFP4 (uint8, float8_e4m3fn) nor MXFP8 "
@@ -108,9 +107,8 @@ def micro_args(w8: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
 
 def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, global_scale: torch.Tensor | None = None
                   ) -> torch.Tensor:
-    """W0 [N, K] in `dtype` (the module docstring) of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16],
-    global_scale fp32 []) or an MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block
-    of a weight's rows)."""
+    """W0 [N, K] in `dtype` of an NVFP4 weight (w8 uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) or an
+    MXFP8 one (w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]); rows may be strided (a block of a weight's rows)."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     N, K, nvfp4, sc, g = micro_args(w8, scale, global_scale)
@@ -127,9 +125,8 @@ def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, glo
 
 
 def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
-    """The weight norm of a microscaled weight: its rows dequantized to fp32 a block at a time (dequant_micro, at most
-    16 MiB) and W0 + s B A's row norms taken by torch: never a dense copy of the weight. The Triton backend's and the
-    cuBLAS strategy's."""
+    """The weight norm of a microscaled weight, its rows dequantized to fp32 a block at a time (at most 16 MiB) and the
+    row norms of W0 + s B A taken by torch: never a dense copy."""
     from ..quant import row_blocks, weight_dims
 
     N, K = weight_dims(w8)

@@ -17,13 +17,11 @@ LORA_PIECES = 3
 
 
 def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True, fma: bool = False) -> dict:
-    """The constexprs of an epilogue's rank-r dot (LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R): rank-side operands (u, B
-    or v, A) in rank_dtypes, the term landing in outputs of the dtypes `outs` (y and z, or dx). 16-bit rank operands
-    of one dtype: tensor cores in that dtype. Otherwise the operands are taken in fp32; then 16-bit outputs get
-    split_dot (error within 2^-14 of the products' magnitudes: 2^6 below bf16's rounding, 2^3 below fp16's), and an
-    fp32 output (or z kept in fp32) exact fp32 products on CUDA cores (ieee). split=False: exact fp32 products
-    whatever the outputs (the cuBLAS strategy's stand-alone epilogues, memory-bound, where the FMAs cost nothing).
-    fma=True: exact fp32 products on CUDA cores whatever the operands and outputs (rank_fma_for says where)."""
+    """The constexprs of an epilogue's rank-r dot (LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R): rank-side operands (u, B or
+    v, A) in rank_dtypes, the term landing in outputs of the dtypes `outs` (y and z, or dx). 16-bit rank operands of one
+    dtype: tensor cores in that dtype. Otherwise fp32 operands: 16-bit outputs get split_dot (error within 2^-14 of the
+    products' magnitudes), an fp32 output exact fp32 products on CUDA cores (ieee). split=False (the memory-bound cuBLAS
+    strategy's epilogues) and fma=True (rank_fma_for) take exact fp32 products whatever the outputs."""
     if fma:  # the rank operands taken in fp32 and never split: exact fp32 products
         rank_dtypes, split = (torch.float32,), False
     lora_dt, ieee = dot_dtype(*rank_dtypes)
@@ -37,14 +35,8 @@ def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True,
 
 
 def rank_fma_for(arch: str, dgrad: bool, dropout: bool) -> bool:
-    """Whether a GEMM's epilogue must take its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch` (a config
-    tables' key, _common.arch_of) under the installed Triton: on Hopper under Triton 3.8, in the dgrad and in the
-    forward with dropout. There ptxas serializes the GEMM's wgmma (C7515, "non wgmma instructions defining accumulator
-    registers of a wgmma between start and end of the pipeline stage") when the epilogue multiplies on tensor cores:
-    read with torch 2.14.1 + Triton 3.8.0, every large-M dgrad config at PEFT's defaults (fp32 adapters, split_dot)
-    and most configs with dropout and 16-bit adapters (28 of 33 forward, 20 of 33 dgrad). The FMAs cost the step
-    about 6% at r = 16 (predicted), serialization its async overlap. Triton 3.6, 3.7 and 3.9 serialize none of
-    them (`python -m dorafp8.kernel_report --kernel dgrad --arch sm_90a` reads it under the installed Triton)."""
+    """Whether a GEMM's epilogue takes its rank-r term as exact fp32 FMAs (rank_dot(fma=True)) on `arch`: Hopper under
+    Triton 3.8, in the dgrad and the dropout forward, where ptxas serializes the wgmma (C7515) otherwise."""
     return arch == "sm90" and triton_version() == (3, 8) and (dgrad or dropout)
 
 

@@ -1,8 +1,6 @@
 """The Hopper main loop of the fp8 GEMMs (forward and dgrad): when it is used, its tiles, its grid, and what it needs at
-launch. MAIN_LOOP names the loop: "async-copy" (cp.async, one program per tile, every GPU) or "tma-ws" (TMA,
-persistent, warp-specialized; sm_90a). DORAFP8_HOPPER_GEMM=0 picks "async-copy"
-everywhere. What each loop is and why: docs/ARCHITECTURE.md, "Design notes, by module"; docs/INSPECT.md.
-"""
+launch. MAIN_LOOP: "async-copy" (cp.async, every GPU) or "tma-ws" (TMA, persistent, warp-specialized; sm_90a);
+DORAFP8_HOPPER_GEMM=0 picks "async-copy" everywhere. Why: docs/ARCHITECTURE.md; docs/INSPECT.md."""
 
 from __future__ import annotations
 
@@ -32,23 +30,16 @@ def main_loop_for(arch: str) -> str:
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether a tensor descriptor can address each 2-D tensor: unit last stride, base and row stride 16-byte aligned
-    (TMA's rules; a descriptor over a misaligned tensor faults)."""
+    """Whether a tensor descriptor can address each 2-D tensor (TMA's rules): unit last stride, base and row stride
+    16-byte aligned."""
     for t in tensors:
         if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
     return True
 
 
-# Tiles of the "tma-ws" loop, rows (BLOCK_M, B_OUT, B_RED, stages, warps) as in _common's tables; warps are each
-# consumer warpgroup's (Triton adds a producer warpgroup and splits B_OUT between two consumers: 384 threads a CTA,
-# one CTA per SM, the producer at 40 registers and the consumers at 232 by setmaxnreg). Read with kernel_report
-# (Triton 3.8): BLOCK_M = 256 spilled 2.8 KB (W8A16) and 5.1 KB (W8A8) a thread, and B_OUT = 256 (each consumer 128
-# rows) 2.5 and 4.7 KB, so the tile is 128 x 128 at most. Only one accumulator (ws_plan). Block scales keep these
-# tiles, their steps cut to divide the scale block (_common.fit_reduction_block: the partial-product twin takes each
-# consumer thread from 64 to 128 accumulator registers; every block-scaled sm_90a variant compiled without spills,
-# Triton 3.8). Predicted, not measured: their main loop then runs the per-tensor one's tiles, plus a scale load and an
-# FMA per accumulator a step, where the 32 x 128 tiles it had before read each W8 tile 4 times as often.
+# Tiles of the "tma-ws" loop as in _common's tables, warps per consumer warpgroup; 128 x 128 at most (256-wide tiles
+# spilled, docs/ARCHITECTURE.md).
 _WS_TABLE = {
     # (large M, small M)
     "sm90": (
@@ -88,10 +79,8 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def with_descriptor_scratch(fn, *args, **kwargs):
-    """fn(*args, **kwargs) where Triton can allocate the global scratch that tensor descriptors made in a kernel
-    (tl.make_tensor_descriptor) need on a GPU: 128 bytes a program. Triton asks its allocator (triton.set_allocator,
-    a context variable) for it at launch and fails without one; this sets one for this call only, in a copy of the
-    context, so a caller's own allocator (or none) is what the rest of the program sees."""
+    """fn(*args, **kwargs) with a Triton allocator for the global scratch that in-kernel tensor descriptors need (128
+    bytes a program), set for this call only, in a copy of the context."""
     def run():
         triton.set_allocator(_scratch)
         return fn(*args, **kwargs)
@@ -194,11 +183,9 @@ def gemm_kernel(fn, tag, pin, outputs, device, main_loop, out_block, red_block, 
 
 
 def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
-    """(main loop, rank mode) of a GEMM launch whose tensors allow `loop` (gemm_main_loop): "tma-ws" falls back to
-    "async-copy" where the partitioner cannot take it (the module docstring). rank: the epilogue's rank_dot
-    constexprs (None without a rank-r term). Rank mode: "" (none, or pointer loads: "async-copy"), "direct"
-    (descriptors on the rank operands as they are: 16-bit), "pieces" (rank_pieces' bf16 operands for split_dot's
-    products)."""
+    """(main loop, rank mode) of a GEMM launch whose tensors allow `loop`: "tma-ws" falls back to "async-copy" where the
+    partitioner cannot take it. rank: rank_dot's constexprs (None without). Rank mode: "" (none, or pointer loads),
+    "direct" (descriptors on 16-bit rank operands) or "pieces" (rank_pieces' bf16 operands)."""
     if loop == "tma-ws" and (dropout or (rank and rank["LORA_IEEE"] and not rank["LORA_SPLIT"])):
         return "async-copy", ""
     if loop == "async-copy" or rank is None:
@@ -207,10 +194,8 @@ def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
 
 
 def ws_rank_dot(rank_mode: str, r: int, rank: dict) -> tuple[int, dict]:
-    """(R, constexprs) of the epilogue's rank-r dot in `rank_mode` (ws_plan), from rank_dot's `rank`: "pieces" is one
-    bf16 dot over rank_pieces' 3 r (the interpreter multiplies the same bf16 values in fp32: _common.dot_dtype).
-    Both TMA modes take the rank 16 at a time: the partitioner gives the rank operands a ring of their own, as many
-    stages as the main loop's, and 64 at a time took 128 KB of the 128 x 128 x 64 four-stage tile's 227 (Triton 3.8)."""
+    """(R, constexprs) of the epilogue's rank-r dot in `rank_mode` (ws_plan): "pieces" is one bf16 dot over 3 r; both
+    TMA modes take 16 of r at a time (64 took 128 KB of the 128 x 128 x 64 tile's shared memory, Triton 3.8)."""
     if rank_mode == "pieces":
         lora_dt, ieee = dot_dtype(torch.bfloat16)
         return 3 * r, dict(LORA_DT=lora_dt, LORA_IEEE=ieee, LORA_SPLIT=False, BLOCK_R=16)
@@ -266,9 +251,8 @@ def _padded(n: int) -> int:
 
 
 def rank_pieces(v: torch.Tensor, t: torch.Tensor, t_rank_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v3, t3) bf16 for the "pieces" rank mode (ws_plan). v: the token side [V, r] (u, or v) -> v3 [V, 3 r]. t: the
-    tile side, B [N, r] -> t3 [N, 3 r], or with t_rank_rows A [r, K] -> t3 [3 r, K]. Rows are padded to a multiple of
-    8 elements (TMA's 16-byte row stride); the padding is never read (the descriptors' width is the tensor's)."""
+    """(v3, t3) bf16 for the "pieces" rank mode (ws_plan): v [V, r] (u, or v) -> [V, 3 r]; B [N, r] -> [N, 3 r], or with
+    t_rank_rows A [r, K] -> [3 r, K]. Rows padded to a multiple of 8 elements (TMA), the padding never read."""
     r = v.shape[1]
     if t_rank_rows:
         t3 = torch.empty((3 * r, _padded(t.shape[1])), dtype=torch.bfloat16, device=t.device)

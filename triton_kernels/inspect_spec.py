@@ -1,9 +1,7 @@
 """The variants of every Triton kernel in this package, for `python -m dorafp8.kernel_report` (docs/INSPECT.md).
 
-THIS is the one place to update when a kernel is added, or a kernel parameter, a constexpr or a launcher's choice
-changes: the report compiles every Variant below under every config in its `configs`, and fails loudly when a
-variant no longer matches its kernel or a `*_kernel` here is not listed. What a Variant holds and what is pinned:
-docs/INSPECT.md, "What it does" and "Adding a kernel or a constexpr"."""
+THE place to update when a kernel, a kernel parameter, a constexpr or a launcher's choice changes: the report compiles
+every Variant below under each of its `configs`, and fails loudly when one no longer matches its kernel."""
 
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_spl
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
-# Targets, as the inspection tool names them -> (the launchers' name for the arch's config tables, _common.arch_of, and
-# the compute capability for triton.compile). Triton compiles every capability from 90 on for its arch-specific target:
-# 90 as sm_90a (which wgmma needs), 100 as sm_100a (tcgen05), 120 as sm_120a.
+# Targets -> (the config tables' arch, _common.arch_of, and the capability for triton.compile, which compiles 90 and
+# up for the arch-specific target: sm_90a, sm_100a, sm_120a).
 ARCHS = {"sm_90a": ("sm90", 90), "sm_89": ("sm89", 89), "sm_100a": ("sm100", 100), "sm_120": ("sm120", 120)}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,9 +66,8 @@ SCALE_KINDS = ("tensor", "row", "block")  # the kernels' SCALE_KIND, as check_we
 
 
 def _gemm_modes():
-    """(dtype name, scale kind, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales, W8A8 and
-    the microscaled kinds (NVFP4, MXFP8) in bf16 (they change the main loop, not the dtype handling), W8A8 with
-    per-tensor and block scales."""
+    """(dtype name, scale kind, W8A8): every dtype with per-tensor and per-row scales in W8A16; block scales, W8A8
+    (per-tensor and block) and the microscaled kinds in bf16 (they change the main loop, not the dtype handling)."""
     out = [(dt, kind, False) for dt in DTYPES for kind in ("tensor", "row")]
     out += [("bf16", "block", False), ("bf16", "tensor", True), ("bf16", "block", True)]
     out += [("bf16", kind, False) for kind in MICRO]  # the microscaled weights: W8A16 only, the cp.async loop
@@ -83,10 +79,9 @@ def _variant_name(mode, kind, quant, m, rank=""):
 
 
 def _rank_modes(dt_name, kind, adapter):
-    """(rank dtype, r, name suffix) of the adapter: 16-bit adapters at r = 64 (the largest rank chunk) everywhere;
-    fp32 adapters (what PEFT creates, so what the headline benchmark runs) on bf16 activations at r = 16 with every
-    scale kind, and at r = 64 with per-tensor scales. fp32 adapters make the rank-r epilogue fp32 CUDA-core dots and
-    z fp32, the most registers the GEMM kernels have."""
+    """(rank dtype, r, name suffix) of the adapter: 16-bit at r = 64 (the largest rank chunk) everywhere; fp32 (PEFT's,
+    the headline's) on bf16 activations at r = 16 with every scale kind and at r = 64 per tensor: fp32 adapters make the
+    rank-r epilogue fp32 CUDA-core dots and z fp32, the most registers the GEMM kernels have."""
     out = [("same", RANK if adapter else 1, "")]
     if adapter and dt_name == "bf16":
         out.append(("fp32", 16, ",fp32-rank,r=16"))
@@ -118,18 +113,17 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
-# The headline variants (kernel_report.predict) are also compiled with the main loops the launchers do not pick on that
-# arch, so that the report can set them side by side: on sm_90a the cp.async loop.
-# The small-M one is where the cp.async loop's small-M lists get compiled on sm_90a (the launchers' fallback there).
+# The headline variants also compiled with the main loop the launchers do not pick on sm_90a (the cp.async loop), for
+# the report to set side by side; the small-M one compiles the cp.async loop's small-M lists there.
 COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
             "adapter,tensor-scale,M<=64,fp32-rank,r=16")
 
 
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
-    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (its runtime args, its
-    constexprs beyond the shared ones). The main loop is the launchers' (hopper.gemm_main_loop, tensors aligned as
-    here); a variant with another is named with it (",async-copy")."""
+    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (runtime args, extra
+    constexprs); a variant whose main loop is not the launchers' (hopper.gemm_main_loop) is named with it
+    (",async-copy")."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):
@@ -171,9 +165,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
 
 
 def _weight_args(kind):
-    """(w_ptr, scale_ptr, g_ptr) dtypes, W's row stride and the scale's, as the GEMM launchers pass them for a weight
-    kind (gemm.weight_args): NVFP4 packed bytes [N, K / 2] with e4m3 scales per 16 and its fp32 global scale, MXFP8
-    e4m3 with the e8m0 bytes per 32 (uint8); the fp8 kinds' g_ptr is their scale (a placeholder)."""
+    """(w_ptr, scale_ptr, g_ptr) dtypes, W's and the scale's row strides, as the GEMM launchers pass them for a weight
+    kind (gemm.weight_args); the fp8 kinds' g_ptr is their scale (a placeholder)."""
     if kind == "nvfp4":
         return (U8, FP8, F32), K // 2, K // 16
     if kind == "mxfp8":
@@ -222,16 +215,15 @@ def _dgrad_variants(arch: str) -> list[Variant]:
 
 
 def _fixed(num_warps=4, num_stages=3, **blocks):
-    """The one launch config of a kernel that is not autotuned (the launchers' warps and stages; Triton's default
-    stages are 3)."""
+    """The one launch config of a kernel that is not autotuned (the launchers' warps and stages; Triton's default:
+    3)."""
     return [triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)]
 
 
 def _epilogue_rank_modes(dt_name, dt, adapter):
-    """(rank dtype, r, name suffix, rank_dot's constexprs) of the cuBLAS strategy's epilogue kernels, for _rank_modes'
-    adapters (16-bit at r = 64; PEFT's fp32 ones on bf16 at r = 16 and 64). Those epilogues keep fp32 rank products
-    exact (rank_dot(split=False)), so fp32 adapters make their dots fp32 (LORA_IEEE) and their tiles epilogue_blocks'
-    smaller ones, as the launchers choose."""
+    """(rank dtype, r, name suffix, rank_dot's constexprs) of the cuBLAS strategy's epilogue kernels for _rank_modes'
+    adapters: those epilogues keep fp32 rank products exact (rank_dot(split=False)), so fp32 adapters make their dots
+    fp32 (LORA_IEEE) and their tiles epilogue_blocks' smaller ones, as the launchers choose."""
     out = []
     for rank_dt, r, rank_name in _rank_modes(dt_name, "tensor", adapter):
         rdt = F32 if rank_dt == "fp32" else dt
@@ -306,8 +298,7 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
 
 def _rank_gemm_variants(kernel_args, **extra_constexprs):
     """Variants of the rank-r GEMMs (project, project_grad): activations in each dtype, the rank path in the same dtype
-    or fp32 (fp32 adapters on 16-bit activations), with and without the dropout mask; `kernel_args(dt, rdt, mask)`
-    gives the kernel's runtime arguments."""
+    or fp32, with and without the dropout mask; `kernel_args(dt, rdt, mask)` gives the runtime arguments."""
     def variants(arch: str) -> list[Variant]:
         out = []
         for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):

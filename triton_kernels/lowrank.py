@@ -20,9 +20,8 @@ from .quant import quant_rows
 
 
 def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, BLOCK_R, num_stages) on a GPU, for both kernels. fp32 operands (ieee) multiply on CUDA
-    cores with both tiles in registers: at 64 x 128 x 64 they spilled and overflowed Ada's shared memory (inspect),
-    so they get smaller tiles, a rank chunk of at most 32 and two stages."""
+    """(BLOCK_M, BLOCK_K, BLOCK_R, num_stages) on a GPU, for both kernels: fp32 operands (ieee) take smaller tiles, a
+    rank chunk of at most 32 and two stages (64 x 128 x 64 spilled and overflowed Ada's shared memory)."""
     if ieee:
         return 32, 64, min(block_r(R), 32), 2
     return 64, 128, block_r(R), 3
@@ -126,9 +125,8 @@ def _mask_args(mask, p, a):
 
 def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None, p: float = 0.0,
             quant: bool = False):
-    """a' @ b^T, [M, r] in out_dtype (a' = a * mask / (1 - p) with a mask); see the module docstring. quant=True
-    (W8A8, backends/base.py QUANT_PARAMS): (u, a8, sa), a itself quantized per row (quant.py's recipe) by the same
-    kernel, whose first sweep over a's rows takes their maxima along with u and whose second quantizes them."""
+    """a' @ b^T, [M, r] in out_dtype (a' = a * mask / (1 - p) with a mask). quant=True (W8A8, base.py QUANT_PARAMS): (u,
+    a8, sa), a quantized per row (quant.py's recipe) in the same kernel."""
     K = b.shape[1]
     a = check_activation(a, "a", K)
     M, R = a.shape[0], b.shape[0]

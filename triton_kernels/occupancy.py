@@ -30,9 +30,8 @@ def sm_props(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def resident_blocks(n_regs: int, shared: int, num_warps: int, props) -> int:
-    """How many blocks of a compiled kernel one SM holds at once: the CUDA occupancy rules (registers allocated per
-    warp in units of 256, i.e. per thread rounded up to 8; 1 KiB of shared memory reserved per block; the SM's
-    thread and 32-block limits). What `python -m dorafp8.kernel_report` prints (regs, smem) is what this reads."""
+    """How many blocks of a compiled kernel one SM holds at once, by the CUDA occupancy rules (registers per warp in
+    units of 256, 1 KiB of shared memory reserved per block, the SM's thread and 32-block limits)."""
     _, regs_sm, threads_sm, smem_sm = props
     by_regs = regs_sm // (max(8, -(-n_regs // 8) * 8) * 32 * num_warps)
     by_smem = smem_sm // (shared + 1024) if shared else 32
@@ -41,10 +40,8 @@ def resident_blocks(n_regs: int, shared: int, num_warps: int, props) -> int:
 
 
 def programs_that_fit(kernel, key, args, kwargs, device: torch.device) -> int:
-    """SMs x resident blocks of `kernel` compiled for these arguments (a GPU only): the most programs that run in
-    one wave. Compiles the kernel (JITFunction.warmup; the launch that follows reuses it) the first time per key
-    and device; the launchers pass the constexprs and dtypes as the key, so later calls cost a dict lookup. The
-    runtime sizes the kernel reads are declared do_not_specialize there, so the probe compiles what is launched."""
+    """SMs x resident blocks of `kernel` compiled for these arguments (a GPU only): the most programs that run in one
+    wave. Compiles the kernel (JITFunction.warmup, which the launch then reuses) once per key and device."""
     plan = dry_run()
     if plan is not None:
         return plan["blocks"] * plan["sms"]

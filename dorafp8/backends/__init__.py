@@ -1,11 +1,9 @@
 """Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module implementing the contract of dorafp8/backends/base.py, plus `unavailable_reason(device)` and
-optionally `SUPPORTS`. backend="auto" means $DORAFP8_BACKEND if set, else, on a GPU, the fastest checked backend
-(backends/race.py, whose select() decides each call) with resolve()'s static order where nothing is checked; native
-on CPU. A backend named by the user that cannot run, or cannot compute what the call needs, raises; under "auto" it is
-passed over.
-Details: docs/ARCHITECTURE.md, "dorafp8/backends/__init__.py"."""
+Every backend is a module implementing dorafp8/backends/base.py's contract, plus `unavailable_reason(device)` and
+optionally `SUPPORTS`. backend="auto": $DORAFP8_BACKEND if set, else on a GPU the fastest checked backend (race.py),
+else resolve()'s static order. A named backend that cannot run or compute the call raises; under "auto" it is passed
+over. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -67,8 +65,8 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 def _prepare(name: str, device: torch.device) -> None:
-    """A backend named explicitly may first make itself ready (the CUDA backend builds its extension on first use:
-    backends/cuda_build.py); if it did, whether it can run is probed again. "auto" never asks for that."""
+    """Lets a backend named explicitly make itself ready (the CUDA backend builds its extension: cuda_build.py), then
+    probes it again. "auto" never asks for that."""
     mod = _load(name)
     prepare = None if isinstance(mod, str) else getattr(mod, "prepare", None)
     if prepare is not None and prepare(torch.device(device)):
@@ -97,9 +95,8 @@ def _why_not(name: str, feature: str, device: torch.device) -> str:
 
 
 def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
-    """Resolves a backend name ("auto", None or one of BACKENDS) to the concrete backend that runs on `device`.
-    Under "auto" a backend that cannot compute what the call `needs` (see FEATURES) is passed over; a backend named
-    explicitly is used as named, or refused with base.not_supported's error."""
+    """Resolves a backend name ("auto", None or one of BACKENDS) to the backend that runs on `device`: under "auto" one
+    that cannot compute what the call `needs` is passed over; a named one is used, or refused (base.not_supported)."""
     name = check_backend_name(name)
     if name == "auto":
         env = os.environ.get("DORAFP8_BACKEND")
@@ -117,19 +114,14 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))
         return name
-    # The static order: triton's kernels are autotuned, so it goes first; backends/race.py checks and measures instead.
-    # The microscaled weights (MXFP8, NVFP4) go to the cuBLAS strategy first (its dequantize unpacks them in tiles:
-    # triton_kernels/dequant_micro.py), whose base GEMMs are cuBLAS's own; the Triton backend's fused W4A16 / MXFP8
-    # loop (triton_kernels/gemm.py) is not measured on a GPU yet, so only the race (race.py) picks it, after
-    # checking it. fp8 keeps the order it had.
+    # The static order: triton first (autotuned); the microscaled weights go to the cuBLAS strategy first, as the
+    # Triton backend's fused W4A16 / MXFP8 loop is not measured on a GPU yet (only the race picks it, after checking).
     order = ("cublas", "triton", "cuda") if needs & {"mxfp8", "nvfp4"} else ("triton", "cuda")
     for cand in order:
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
-    # CPU: "native" (the reference with its base GEMMs in the compute dtype on the platform's matmul: as fast as
-    # PEFT under bf16 autocast, where the fp32 reference is several times slower; identical in fp32). The exact fp32
-    # twin stays one name away: backend="reference" / DORAFP8_BACKEND=reference. Elsewhere the reference, as before.
-    # The microscaled weights (MXFP8, NVFP4) run on the reference wherever no faster backend computes them (on CPU).
+    # CPU: "native" (as fast as PEFT under bf16 autocast, where the fp32 reference is several times slower); the exact
+    # twin stays one name away (backend="reference"). Elsewhere, and for what native lacks, the reference.
     return "native" if device.type == "cpu" and needs <= supports("native") else "reference"
 
 

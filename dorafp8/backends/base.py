@@ -1,10 +1,8 @@
 """The backend contract: what every implementation of the DoRA-FP8 kernels computes, as a typed Protocol.
 
-A backend is a module (or object) with the six functions of `Backend` below, named parameters as there, plus
-`unavailable_reason(device)` and optionally `SUPPORTS`; tests/ops/test_backend_contract.py checks each one. Names,
-scale kinds and the rest of the contract: docs/DORA_MATH.md ("Backends and their contract") and
-docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+A backend is a module with the six functions of `Backend` below, plus `unavailable_reason(device)` and optionally
+`SUPPORTS` (tests/ops/test_backend_contract.py checks each). Details: docs/DORA_MATH.md, "Backends and their
+contract", and docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -14,11 +12,8 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-# What a backend may compute beyond W8A16 with per-tensor / per-row scales, named by the values that ask for it (the
-# scale kind "block", the act_quant mode "rowwise", fp32 compute), and how a refusal names it. A backend narrows it
-# with a module-level `SUPPORTS`, and per device with an optional `unsupported_on(device) -> {feature: why}`; the
-# registry passes over a backend that lacks what a call needs under backend="auto", and refuses with not_supported()
-# when the backend is named.
+# What a backend may compute beyond W8A16 with per-tensor / per-row scales, and how a refusal names it. A backend
+# narrows it with `SUPPORTS`, per device with an optional `unsupported_on(device) -> {feature: why}`.
 FEATURES = {
     "block": "block weight scales",
     "rowwise": "act_quant='rowwise' (W8A8)",
@@ -31,11 +26,8 @@ FEATURES = {
 FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
 
 
-# What a zero weight norm is divided as: a row of W0 + s B A that is exactly zero (real checkpoints have them; fp8
-# underflow of tiny rows adds more) would give c = 0 / 0 = NaN, as in PEFT 0.21; taken as NORM_EPS it gives c = m /
-# NORM_EPS, which at DoRA's init (m = n = 0) is 0: a zero output row, zero gradients. Every other norm is divided as
-# it is, however small: c = m / n is PEFT's value wherever PEFT's is finite (a clamp at NORM_EPS would scale a row
-# of norm 1e-13 by 0.1, and DoRA at init would no longer be the base layer there).
+# What a zero weight norm is divided as: an all-zero row of W0 + s B A gets c = m / NORM_EPS (0 at DoRA's init, where
+# PEFT 0.21 gives NaN). Every other norm is divided as it is (a clamp would change c for tiny rows).
 NORM_EPS = 1e-12
 
 # The test suite sets this True (tests/conftest.py, a fixture): the kernels' outputs then start as NaN, so a tile a
@@ -62,8 +54,7 @@ def magnitude_scale(m: Tensor, n: Tensor) -> Tensor:
 
 def matmul_rows(t: Tensor | None) -> Tensor | None:
     """t as an operand of the platform's matmul: a CPU bf16 tensor with strided rows becomes contiguous, because torch
-    2.14's CPU bf16 matmul reads past the end of each such row (into what follows it in memory) and multiplies that by
-    zero, so a NaN or inf there made NaN outputs (the kernel tests' strided activations sit in NaN-filled buffers)."""
+    2.14's CPU bf16 matmul reads past each such row and multiplies that by zero (NaN there made NaN outputs)."""
     if t is None or t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.is_contiguous():
         return t
     return t.contiguous()
@@ -85,9 +76,8 @@ class Backend(Protocol):
 
     def project(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float) -> Tensor:
         """a' @ b^T (u = xd A^T in the forward). a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in
-        out_dtype, fp32 accumulation of the exact products. a' = a, or a * mask / (1 - p) computed in fp32 when a
-        dropout mask (bool [M, K]) is given: the dropped-out activation as PEFT forms it (in the adapters' dtype),
-        without materializing it."""
+        out_dtype, fp32 accumulation of the exact products. a' = a, or with a dropout mask (bool [M, K]) the
+        dropped-out activation a * mask / (1 - p) as PEFT forms it, computed in fp32, never materialized."""
 
     def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float,
                      out_dtype: torch.dtype) -> Tensor:
@@ -106,8 +96,7 @@ class Backend(Protocol):
           dropout:                 y = x W0^T + bias + (c - 1) * (xd W0^T) + c * s u B^T
         with xd W0^T = (xm W0^T) / (1 - p) in fp32, where xm = x * mask is the kept part of x, unscaled (exact in
         cdt: the 1 / (1 - p) of dropout would round xd in cdt, so it is applied to the fp32 product instead).
-        z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y is [M, N] cdt; bias [N]
-        cdt."""
+        z = xd W0^T + s u B^T (xd = x without dropout) in z_dtype if need_z else None. y [M, N], bias [N]: cdt."""
 
     def backward_pass(self, g: Tensor, z: Optional[Tensor], m: Optional[Tensor], n: Optional[Tensor],
                       srow: Optional[Tensor], B: Optional[Tensor], u: Optional[Tensor], s: float, dropout: bool,
@@ -138,28 +127,18 @@ class Backend(Protocol):
           v is None:                  dx = base(gl, rl) * scale_t
           no dropout (mask is None):  dx = base(gl, rl) * scale_t + s v A
           dropout (mask bool [M, K]): dx = base(gb, rb) * scale_t + mask / (1 - p) * (base(gl, rl) * scale_t + s v A)
-        with scale_t the per-tensor scale (1 for per-row and block scales). dx is [M, K] cdt; v [M, r], A [r, K]
-        rdt."""
+        with scale_t the per-tensor scale (1 for per-row and block scales). dx [M, K] cdt; v [M, r], A [r, K] rdt."""
 
 
 CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass", "dgrad")
 
-# W8A8's quantization of x in the projection, an option a backend offers by setting QUANTS_IN_PROJECT = True (the
-# Triton backend does; run whenever act_quant="rowwise"):
-#   project(..., quant=True): (u, a8, sa): u as without it, and `a` itself (never masked) quantized per row by the
-#     contract's act_quant recipe, e4m3 [M, K] and fp32 [M], from the same read of `a` as u.
-#   forward(..., act_quant="rowwise", x8=x8, sx=sx): x's quantization given; the forward does not quantize x again.
-# One read of x fewer and one launch fewer per W8A8 forward (docs/ARCHITECTURE.md, "The kernel plan").
+# W8A8's quantization of x in the projection (flag QUANTS_IN_PROJECT): project(..., quant=True) -> (u, a8, sa), `a`
+# quantized per row (e4m3 [M, K], fp32 [M]) in the same read as u; forward(..., x8=x8, sx=sx) takes it.
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
-# NVFP4's global scale (ModelOpt's weight_scale_2), an option of the backends that compute "nvfp4" weights (flag
-# GLOBAL_SCALE = True): weight_norm / forward / dgrad(..., global_scale=g), W0 = e2m1(w8) * (scale * g)
-# (dorafp8/quant.py, "Microscaled weights"). Passed only with an NVFP4 weight.
+# NVFP4's global scale g (flag GLOBAL_SCALE = True), passed only with an NVFP4 weight: W0 = e2m1(w8) * (scale * g).
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
-# The weight dequantized once a step, an option of a backend that multiplies a dequantized copy (flag
-# KEEPS_WEIGHT = True: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype, global_scale=None) -> (W, fac),
-# the weight in the compute dtype and the factors its epilogues need; forward / dgrad(..., weight=W, weight_fac=fac)
-# multiply by it instead of dequantizing again. The autograd layer keeps (W, fac) from the forward for the backward
-# under the rule of dorafp8/ops/_policy.py keeps_weight (its memory: N K 16-bit values a layer).
+# The weight dequantized once a step (flag KEEPS_WEIGHT: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype,
+# global_scale=None) -> (W, fac), which forward / dgrad(..., weight=W, weight_fac=fac) then use (ops/_policy.py).
 KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
 OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS}
 

@@ -1,11 +1,8 @@
-"""cuBLAS strategy: the backend contract (dorafp8/backends/base.py) with the base GEMMs done by the platform's matmul.
+"""cuBLAS strategy: the backend contract (backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py; MXFP8 and
-NVFP4 by dequant_micro.py), once a step where the forward's copy is kept for the dgrad (ops/_policy.keeps_weight),
-the base GEMMs through torch.matmul (cuBLAS on a GPU), the DoRA epilogues, backward pass, rank-r GEMMs and weight norm
-from the Triton kernels. The yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md, "Design
-notes, by module".
-"""
+What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py,
+dequant_micro.py), the base GEMMs through torch.matmul, the rest from the Triton kernels. The yardstick the fused
+kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -20,13 +17,9 @@ from ..triton_kernels.dgrad import dgrad_epilogue
 from ..triton_kernels.forward import forward_epilogue
 
 
-SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise") (module docstring)
-# The microscaled kinds (dorafp8/quant.py, "Microscaled weights"): dequantized in tiles by
-# triton_kernels/dequant_micro.py, whose factors are all in W, so the epilogues see a per-tensor scale of 1.
-GLOBAL_SCALE = True
-# The forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS; the rule: dorafp8/ops/_policy.py
-# keeps_weight).
-KEEPS_WEIGHT = True
+SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise")
+GLOBAL_SCALE = True  # microscaled weights: dequant_micro puts every factor in W; the epilogues see a scale of 1
+KEEPS_WEIGHT = True  # the forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -47,13 +40,8 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
 
 
 def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, global_scale=None):
-    """(W, fac): one layer's W = W8 * (its scale) in the compute dtype (transient, or kept from the forward for the
-    dgrad: KEEPS_WEIGHT), as a user who dequantizes makes it
-    (so a 16-bit product stays in range: W8 alone reaches 448), in one launch that reads 1 byte and writes 2 per
-    weight (triton_kernels/dequant.py: per tensor the scale, per row the largest row scale kappa, whose ratios the
-    epilogue applies, per block the scales themselves), and the factors the epilogues need, written by the same
-    launch: fac[:-1] the forward's, fac[-1] the dgrad's. A microscaled weight's factors are all in W (dequant_micro):
-    fac = [1, 1], as for a per-tensor scale."""
+    """(W, fac): W = W8 * scale in the compute dtype, as a user who dequantizes makes it, and the epilogues' factors
+    (fac[:-1] the forward's, fac[-1] the dgrad's; [1, 1] for a microscaled weight), in one launch."""
     if scale_kind(scale) in MICRO_KINDS:
         return (dequant_micro(w8, scale, dtype, global_scale),
                 torch.ones(2, dtype=torch.float32, device=w8.device))
@@ -61,8 +49,7 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: to
 
 
 def _weight(w8, scale, block_size, dtype, global_scale, weight, weight_fac):
-    """(W, fac): the kept ones if given in `dtype` (the forward's, for the same w8 and scale), else a transient
-    dequantize."""
+    """(W, fac): the kept ones if given in `dtype` (the forward's, same w8 and scale), else a transient dequantize."""
     if weight is not None and weight.dtype == dtype:
         return weight, weight_fac
     return dequantize(w8, scale, block_size, dtype, global_scale)
@@ -110,9 +97,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     t = gl @ w
     tb = gb @ w if dropout else None
     del w
-    # The contract's st (per-tensor scale, applied in the epilogue) is now in w: per tensor the epilogue multiplies by
-    # 1 (fac[-1]); per row (scales in gl already) it divides the kappa out again (fac[-1] = 1 / kappa); block scales
-    # are in w (and microscaled weights' factors: fac = [1, 1]).
+    # The scales are in w now: the epilogue's st is fac[-1] (1 per tensor, 1 / kappa per row); a block scale tells it
+    # they were applied.
     st = scale if scale_kind(scale) == "block" else fac[-1]
     w8 = _epilogue_w8(w8, scale)
     return dgrad_epilogue(t, tb, rl, w8, st, block_size, v, A, s, mask, p, rb, gl.dtype)

@@ -1,9 +1,7 @@
-"""CUDA C++ backend: the backend contract of dorafp8/backends/base.py on the kernels of csrc/ (module dorafp8._C).
+"""CUDA C++ backend: the backend contract of backends/base.py on the kernels of csrc/ (module dorafp8._C).
 
-`CudaBackend` adapts the contract to a launcher with the binding's entry points (csrc/binding.cpp): dorafp8._C on a
-GPU, the CPU emulator's in tests/kernels/test_cuda_emulated.py. Per-tensor and per-row scales, W8A16 only: block
-scales and W8A8 raise a ValueError naming the alternatives. Details: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+`CudaBackend` adapts the contract to a launcher with the binding's entry points: dorafp8._C on a GPU, the CPU emulator
+in tests/kernels/test_cuda_emulated.py. Per-tensor and per-row scales, W8A16 only. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -67,10 +65,7 @@ def _not_built() -> str:
 
 def prepare(device: torch.device) -> bool:
     """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not
-    (cuda_build.py: for this GPU, into a per-user cache, saying so while nvcc runs). Returns whether it built; a build
-    that fails raises its RuntimeError, here and in unavailable_reason for the rest of the process. Nothing is tried
-    where the extension is there, the device is not a GPU (unless DORAFP8_FORCE_CUDA_BUILD=1) or the build cannot
-    run (unavailable_reason says why)."""
+    (cuda_build.py) and returns whether it did; a failed build raises, here and in unavailable_reason from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
     if (_C is not None or _build_error is not None or device.type != "cuda"
@@ -124,8 +119,6 @@ def rank_ops(device: torch.device) -> ModuleType:
     return triton_kernels if triton_kernels.unavailable_reason(device) is None else reference
 
 
-# ---------------------------------------------------------------------------------------------------------- helpers
-
 def _rows(t: Tensor) -> Tensor:
     """t as a 2-D tensor with unit stride in its last dim (any row stride: the kernels take it)."""
     if t.dim() != 2:
@@ -164,8 +157,6 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
     a = _rows(a)
     return a, sc, _empty((a.shape[0], out_cols), a.dtype, a.device)
 
-
-# ---------------------------------------------------------------------------------------------------------- contract
 
 class CudaBackend:
     """The backend contract (dorafp8/backends/base.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,

@@ -1,10 +1,8 @@
 """The CUDA extension built on first use of backend="cuda", where the install did not build it.
 
-A wheel is pure Python, so `pip install dorafp8` never brings dorafp8._C; it ships csrc/, and the first call that
-asks for backend="cuda" by name builds it with torch.utils.cpp_extension.load into a per-user cache
-($DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8), keyed by sources, flags, archs and
-versions. backend="auto" never builds. DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py.
-Details: docs/ARCHITECTURE.md, "dorafp8/backends/cuda_build.py"."""
+The first call that names backend="cuda" builds csrc/ with torch.utils.cpp_extension.load into a per-user cache
+(cache_dir()), keyed by sources, flags, archs and versions; backend="auto" never builds.
+DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -87,10 +85,10 @@ def build_spec() -> dict:
     return runpy.run_path(str(source_dir() / "build_spec.py"))
 
 
-def cache_root() -> Path:
-    if os.environ.get("DORAFP8_CACHE_DIR"):
-        return Path(os.environ["DORAFP8_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dorafp8"
+def cache_dir() -> str:
+    """dorafp8's per-user cache: $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8")
 
 
 def plan(device: torch.device) -> dict:
@@ -106,7 +104,7 @@ def plan(device: torch.device) -> dict:
                .encode())
     return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,
                 extra_include_paths=[str(src)] + spec["wheel_include_dirs"](), archs=target,
-                build_directory=cache_root() / "cuda_ext" / f"sm_{'_'.join(target)}-{key.hexdigest()[:16]}",
+                build_directory=Path(cache_dir()) / "cuda_ext" / f"sm_{'_'.join(target)}-{key.hexdigest()[:16]}",
                 max_jobs=spec["default_max_jobs"]())
 
 
@@ -115,8 +113,7 @@ def _say(msg: str) -> None:
 
 
 def build(device: torch.device) -> ModuleType:
-    """dorafp8._C built for `device` (or loaded from the cache); RuntimeError saying what failed and what runs
-    without it."""
+    """dorafp8._C built for `device` (or from the cache); else a RuntimeError: what failed, what runs instead."""
     why = why_not()
     if why is not None:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built here: {why}")
@@ -142,9 +139,8 @@ def build(device: torch.device) -> ModuleType:
     default_jobs = "MAX_JOBS" not in os.environ
     saved_home = cpp_extension.CUDA_HOME
     try:
-        # What torch's loader reads: its CUDA_HOME (guessed at its import, maybe from a wrapper script on PATH) and
-        # MAX_JOBS (ninja's parallel jobs); set for this build only. The archs are in our -gencode flags, so torch
-        # adds none of its own.
+        # What torch's loader reads, set for this build only: CUDA_HOME (its own guess may be a wrapper script's) and
+        # MAX_JOBS; the archs are in our -gencode flags.
         cpp_extension.CUDA_HOME = str(cuda_home())
         if default_jobs:
             os.environ["MAX_JOBS"] = p["max_jobs"]

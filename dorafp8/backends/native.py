@@ -1,10 +1,6 @@
-"""Native backend: the backend contract (dorafp8/backends/base.py) in PyTorch, with the base GEMMs done by the platform's
-matmul in the compute dtype (oneDNN/MKL on CPU).
-
-It is the reference backend with one change: a block of weight rows is dequantized into the compute dtype and
-multiplied there, as PEFT under autocast and the cublas strategy do. Details: docs/ARCHITECTURE.md, "Design notes, by
-module".
-"""
+"""Native backend: the reference backend (backends/reference.py) with one change: a block of weight rows is dequantized
+into the compute dtype and multiplied there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does.
+Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ def weight_norm(w8, scale, block_size, A, B, s):
 
 
 def project(a, b, out_dtype, mask, p):
-    """a' b^T in out_dtype. When a, b and out_dtype are one dtype (bf16 under autocast): the platform's matmul in that
-    dtype, which accumulates in fp32 and rounds once, as the reference does, on a' = a * (mask / (1 - p)) formed in
-    that dtype as PEFT's dropout forms it; otherwise the reference's (a' in fp32)."""
+    """a' b^T in out_dtype: where a, b and out_dtype are one dtype, the platform's matmul in it (fp32 accumulation, one
+    rounding) on a' = a * (mask / (1 - p)) formed there as PEFT's dropout forms it; else the reference's."""
     if a.dtype == b.dtype == out_dtype:
         if mask is not None:
             a = a * mask.to(a.dtype).div_(1.0 - p)

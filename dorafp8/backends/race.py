@@ -1,11 +1,8 @@
-"""What backend="auto" runs on a GPU: only kernels checked on this GPU, with these versions and this build, in a child
-process; the fastest of those that computed right.
-Long because the check, its memory plan, the verdict file and the ranks' agreement are one protocol, read together.
+"""What backend="auto" runs on a GPU: the fastest of the kernels checked right on this GPU, versions and build.
 
-The first call of a key looks its verdict up in a file per device and versions, or has a child process check every
-candidate against the reference and time the ones that pass; nothing runs in the user's process but a file read and a
-wait. DORAFP8_RACE=0 turns it off. The protocol, its memory bound and its failure cases: docs/ARCHITECTURE.md,
-"dorafp8/backends/race.py"."""
+A key's verdicts come from a file per device and versions, else from a child process that checks every candidate
+against the reference and times those that pass; DORAFP8_RACE=0 turns it off. The protocol, its memory bound and
+its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py"."""
 
 from __future__ import annotations
 
@@ -27,6 +24,7 @@ import warnings
 import torch
 
 from .. import backends
+from .cuda_build import cache_dir
 
 log = logging.getLogger("dorafp8.race")
 
@@ -59,10 +57,9 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` ("dora", "linear", "norm") runs, decided here once per call: `backend` or
-    $DORAFP8_BACKEND if either names one (backends.resolve refuses it, with the reason, where it cannot run or lacks
-    what the call `needs`); else, where racing(), the pick checked for the call's key (choose; call: spec_of's
-    keywords); else the static order (backends.resolve)."""
+    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names one
+    (backends.resolve refuses what cannot serve the call), else under racing() the key's checked pick, else the static
+    order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -95,11 +92,8 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
 
 CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer
 FLOOR = 4 * 2 ** 20  # what a layer whose whole step holds less may use: the child's own small tensors
-# The child's cost model, an upper bound of what it holds at once in bytes (tests/ops/test_race.py measures it): per
-# weight element, its fp8 copy and a 16-bit copy (cublas dequantizes the whole weight), and at most BLOCKS of fp32
-# blocks of rows (the reference's); per element of M x (N + K), a + b * (the compute dtype's size): the inputs, one
-# backend's step and, to check, the reference's outputs; per element of r x (N + K), the adapters, their gradients and
-# fp32 copies; and the comparison's blocks.
+# The child's cost model, a bound in bytes (tests/ops/test_race.py measures it): per weight element W_COST plus BLOCKS
+# of fp32 row blocks; per element of M x (N + K), a + b * the compute dtype's size; per element of r x (N + K), R_COST.
 W_COST = 3
 BLOCKS = 2 * 16 * 2 ** 20
 A_COST = {"check": (12, 4), "time": (8, 2)}
@@ -112,8 +106,7 @@ def _size(dtype: str) -> int:
 
 
 def step_bytes(spec: dict, M: int) -> int:
-    """What the layer's own step at M holds: x, y, dy, dx in the compute dtype, the fp8 weight and its scales, the
-    adapters A, B, m (and bias) and their gradients."""
+    """The bytes of the layer's own step at M: x, y, dy, dx, the fp8 weight, its scales, the adapters and gradients."""
     N, K, r = spec["N"], spec["K"], spec["r"]
     act = 0 if spec["op"] == "norm" else 2 * M * (N + K) * _size(spec["cdt"])
     scales = 4 * (N if spec["scale"] == "row" else -(-N // spec["block"]) * -(-K // spec["block"])
@@ -124,8 +117,8 @@ def step_bytes(spec: dict, M: int) -> int:
 
 
 def budget(spec: dict) -> int:
-    """The most the child may hold on the device at once: the layer's own step (step_bytes) at the M of the call
-    that met the key (else the smallest of its bucket), FLOOR at least, CAP at most."""
+    """The most the child may hold on the device: the layer's own step (step_bytes) at the M that met the key (else the
+    smallest of its bucket), within [FLOOR, CAP]."""
     low = spec["mb"] // 2 + 1 if spec["mb"] > 16 else 1
     return min(max(step_bytes(spec, min(spec.get("at") or low, MAX_M)), FLOOR), CAP)
 
@@ -139,13 +132,10 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """What the child runs within budget(spec): the weight's first `rows` rows (all N if they fit at the small M;
-    else as many as fit, N's remainder mod 256 kept, so that the same tiles meet the same edge; 16 at least), checked
-    against the reference at M = SMALL_M (less if 16 rows do not fit) and at the largest M that fits (`check`), timed
-    at the largest M that fits (`time`); both at most the key's M. `fits`: False where even that does not fit (the
-    adapters, r x (N + K), most of the layer's step: a narrow layer at M <= 100): choose() then starts no child and
-    the key runs on the reference (PyTorch, needs no check; cheap at those sizes), so the bound has no exception."""
-    N, K, M, cap = spec["N"], spec["K"], spec["M"], budget(spec)
+    """What the child runs within budget(spec): the first `rows` weight rows (all N if they fit at the small M, else as
+    many as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and the largest M that fits (`check`), timed
+    at the largest (`time`). `fits` False (a narrow layer at M <= 100): the key runs on the reference, unchecked."""
+    N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
         rows = rows - 256 if rows > 256 + N % 256 else max(16, rows // 2)
@@ -172,10 +162,6 @@ def describe(spec: dict) -> str:
     parts += [f"p={s['p']:g}"] if s["p"] else []
     parts += [f"{k}={v}" for k, v in sorted(s["env"].items())]
     return " ".join(parts)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The cache file: one per device and versions and build
 
 
 def _device_info(device: torch.device) -> dict:
@@ -222,11 +208,6 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id()}
 
 
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8")
-
-
 def cache_file(device: torch.device) -> str:
     """The JSON file of `device`'s verdicts under these versions and this build."""
     info = _device_info(device)
@@ -236,8 +217,8 @@ def cache_file(device: torch.device) -> str:
 
 
 def _verdict(v, inconclusive: bool = False) -> bool:
-    """Whether v reads as a verdict this module makes: {"ok": False, ...}, {"ok": True, "ms": a time}, or with
-    `inconclusive`, {"ok": None, ...} (the child's word that it learnt nothing of the kernel: never written)."""
+    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": a time}, or with `inconclusive` {"ok": None,
+    ...} (the child learnt nothing of the kernel: never written)."""
     if not isinstance(v, dict):
         return False
     ok, ms = v.get("ok"), v.get("ms")
@@ -248,8 +229,7 @@ def _verdict(v, inconclusive: bool = False) -> bool:
 
 
 def _read(path: str) -> dict:
-    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped, so that its key is
-    checked again rather than a step failing on it."""
+    """The file's verdicts; an entry of another shape (a damaged or hand-edited file) is dropped: checked again."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -291,17 +271,12 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
 
 
 def pick_of(results: dict, cands) -> str:
-    """The first candidate in `cands`' order that passed and is within MARGIN of the fastest that passed; FALLBACK
-    if none passed."""
+    """The first candidate in `cands`' order that passed and is within MARGIN of the fastest that did; else FALLBACK."""
     ok = [c for c in cands if (results.get(c) or {}).get("ok")]
     if not ok:
         return FALLBACK
     best = min(results[c].get("ms") or 0.0 for c in ok)
     return next(c for c in ok if (results[c].get("ms") or 0.0) <= best * (1 + MARGIN))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The parent: choose
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
@@ -379,9 +354,8 @@ def reproduce(spec: dict) -> str:
 
 
 def check(spec: dict) -> tuple[dict, dict]:
-    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate:
-    error} for those that hung or crashed it). A candidate that kills the child is blamed and the others are run
-    again without it."""
+    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate: error}
+    for those that hung or crashed it, the others run again without it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))
@@ -404,8 +378,7 @@ def check(spec: dict) -> tuple[dict, dict]:
 
 
 def _results(text: str, cands) -> dict:
-    """A result line's verdicts of `cands`; nothing from a line cut short (a child killed as it wrote it) or of
-    another shape."""
+    """A result line's verdicts of `cands`; none from a line of another shape or cut short (a child killed mid-line)."""
     try:
         res = json.loads(text)
     except ValueError:
@@ -414,9 +387,8 @@ def _results(text: str, cands) -> dict:
 
 
 def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran can be
-    blamed): killed at the limit, or its exit; not a SIGKILL from outside (the OOM killer, an operator), which says
-    nothing of the kernel."""
+    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran is to blame:
+    not for a SIGKILL from outside, the OOM killer or an operator)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     limit = TIMEOUT_S

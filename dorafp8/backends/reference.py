@@ -1,9 +1,6 @@
-"""Reference backend: the backend contract (dorafp8/backends/base.py) in plain PyTorch.
-
-It is the twin every kernel is tested against and the backend that runs on CPU. It computes in fp32 and never holds a
-dequantized copy of the whole weight nor an fp32 copy of a whole activation: weights (microscaled ones too) and
-activations are walked in row blocks of at most `_BLOCK_BYTES` in fp32, so the extra peak is a few such blocks,
-whatever the shape. The loops live inside the custom ops, which torch.compile sees as opaque."""
+"""Reference backend: the backend contract (backends/base.py) in plain PyTorch, fp32; the twin every kernel is tested
+against and the backend on CPU. Weights and activations are walked in fp32 row blocks of at most `_BLOCK_BYTES`, so
+the extra peak is a few blocks, whatever the shape."""
 
 from __future__ import annotations
 
@@ -119,9 +116,8 @@ def _normalized(f, device):
 
 
 def grad_factors(c, srow, dropout, device):
-    """The per-column factors of backward_pass's scaled copies of g, each with its scalar as _normalized gives them:
-    (fl, rl) for gl = g * fl (fl None: gl is g itself), and, with an adapter and dropout, (fb, rb) for gb = g * fb
-    (fb None: gb is g itself); (None, None) without."""
+    """The per-column factors of backward_pass's scaled copies of g, with their scalars (_normalized): (fl, rl) for gl =
+    g * fl and, with an adapter and dropout, (fb, rb) for gb = g * fb (None: g itself); (None, None) without."""
     sr = None if srow is None else srow.float()
     if c is None:
         f = sr
@@ -179,9 +175,8 @@ def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
 
 
 def _dgrad_gemm(t, w8, scale, block_size, act_quant, global_scale=None):
-    """t @ W0' in fp32 [M, K], W0' = w8 with block (and microscaled) scales applied (per-tensor and per-row scales are
-    the caller's), t quantized per row first under W8A8; one block of weight rows (= one slice of the reduction) at a
-    time."""
+    """t @ W0' in fp32 [M, K], W0' = w8 with block (and microscaled) scales applied, t quantized per row first under
+    W8A8; one block of weight rows (a slice of the reduction) at a time."""
     N, K = weight_dims(w8)
     t32, st = quantize_rows(t) if act_quant else (t.float(), None)
     out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)

@@ -1,10 +1,6 @@
 """The kernel report: dorafp8's GPU kernels compiled ahead of time for sm_90a, sm_89, sm_100a and sm_120 and read
-statically (registers, spills, shared memory, matrix instructions, where the fp8 weight tile comes from), without a GPU.
-
-    python -m dorafp8.kernel_report --help          (docs/INSPECT.md)
-
-The parts (records, parsers, triton_driver, cuda_driver, pool, cli) each import on their own; the names below are the
-public API that tests/integration/test_inspect.py and tests/kernels/test_cuda_emulated.py use."""
+statically, without a GPU: `python -m dorafp8.kernel_report --help` (docs/INSPECT.md). The names below are the API
+that tests/integration/test_inspect.py and tests/kernels/test_cuda_emulated.py use."""
 
 from .cli import format_table, main, problems_of
 from .cuda_driver import (cuda_dir, cuda_sources, cuda_spec_by_source, cuda_unavailable_reason, load_cuda_spec,

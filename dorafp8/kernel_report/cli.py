@@ -33,9 +33,7 @@ _COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dt
 
 def loop_str(mix: dict | None) -> str:
     """A main-loop mix (sass.MIX_FIELDS) in a table cell: "4 mma, cvt 16u+16p+0 F2F, 0 PRMT, lds 16x2B 11x4B, bar 2,
-    214". cvt: F2FP unpacks + F2FP packs + F2F; lds: shared loads by width (B: bytes), LDSM as "m"; bar: CTA-wide
-    barriers, then (where there are any) mbar: mbarrier waits, tma: TMA loads; the last figure is every instruction of
-    the loop."""
+    214" (docs/INSPECT.md explains the columns)."""
     if mix is None:
         return "-"
     widths = [("lds8", "1B"), ("lds16", "2B"), ("lds32", "4B"), ("lds64", "8B"), ("lds128", "16B"), ("ldsm", "m")]
@@ -74,6 +72,14 @@ def problems_of(rec: dict) -> list[str]:
     return out
 
 
+def _table(heads: list[str], rows: list[list[str]], numeric=frozenset()) -> list[str]:
+    """heads, a rule and rows in aligned columns (right-aligned under the `numeric` heads)."""
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
+    fmt = lambda row: "  ".join(x.rjust(w) if h in numeric else x.ljust(w)  # noqa: E731
+                                for x, w, h in zip(row, widths, heads)).rstrip()
+    return [fmt(heads), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
 def format_table(records: list[dict]) -> str:
     def cell(rec, key):
         v = rec[key]
@@ -85,13 +91,8 @@ def format_table(records: list[dict]) -> str:
             return pipeline_str(rec)
         return "-" if v is None else str(v)
 
-    heads = [h for _, h in _COLUMNS] + ["!"]
     rows = [[cell(r, k) for k, _ in _COLUMNS] + [" ".join(problems_of(r))] for r in records]
-    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
-    numeric = {"regs", "spill", "smem"}
-    fmt = lambda row: "  ".join(x.rjust(w) if h in numeric else x.ljust(w)
-                                for x, w, h in zip(row, widths, heads)).rstrip()
-    lines = [fmt(heads), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    lines = _table([h for _, h in _COLUMNS] + ["!"], rows, numeric={"regs", "spill", "smem"})
     errors = [r for r in records if r["error"]]
     lines.append("")
     lines.append(f"{len(records)} compiled: {sum(bool(r['spill_bytes']) for r in records if not r['error'])} with "
@@ -183,10 +184,7 @@ def _list(args, backends) -> int:
     nvcc_runs = len(cuda_jobs(archs, select)) if "cuda" in backends else 0
     rows = [[("yes" if r[k] else "no") if k == "autotune_pick" else str(r[k]) for k, _ in _LIST_COLUMNS]
             for r in records]
-    heads = [h for _, h in _LIST_COLUMNS]
-    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
-    for row in [heads, ["-" * w for w in widths], *rows]:
-        print("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+    print("\n".join(_table([h for _, h in _LIST_COLUMNS], rows)))
     print()
     print(count_line(records, nvcc_runs))
     return 0
@@ -229,9 +227,8 @@ def _x(lo: float, hi: float, lin: float) -> str:
 
 
 def format_prediction(records: list[dict], results_dir: str | None = None) -> str:
-    """--predict's output: per mode, main loop and GEMM the fastest predicted config, both ends of the ranges; then
-    every strategy's forward + backward against the Linear, beside what GPU runs measured (bench/results/), if any;
-    then the rates assumed and where each comes from."""
+    """--predict's output: per mode, main loop and GEMM the fastest predicted config; every strategy's forward +
+    backward against the Linear, beside what GPU runs measured; then the rates assumed and their sources."""
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     lin = linear_seconds(M, N, K)
     seen = measured(results_dir) if results_dir else dict(layers={}, kernels={})

@@ -1,10 +1,6 @@
 """Compiling the CUDA C++ kernels (csrc/) with nvcc for the report's targets (records.py) and reading the result.
 
-Where the sources are: an installed wheel ships them as package data in dorafp8/csrc/ (pyproject.toml's package data:
-the kernel files, their headers, build_spec.py with the file list and nvcc flags the extension is built with, and
-inspect_spec.py with the kernels to expect); a source checkout has them in csrc/ next to the package. cuda_dir()
-looks in that order and names both places when neither has them.
-"""
+The sources: dorafp8/csrc/ in an installed wheel (package data), else csrc/ next to the package (cuda_dir())."""
 
 from __future__ import annotations
 
@@ -131,8 +127,7 @@ def match_cuda_kernels(demangled: dict[str, str], rows: list[dict], source: str 
 
 
 def cuda_spec_by_source(rows: list[dict]) -> dict[str, list[int]]:
-    """{each of build_spec.py's CUDA_SOURCES: the indices of its rows in the spec}; SpecError for a row of another
-    file."""
+    """{each of build_spec.py's CUDA_SOURCES: its rows' indices in the spec}; SpecError for a row of another file."""
     sources = cuda_sources()
     if stray := sorted({r["source"] for r in rows} - set(sources)):
         raise SpecError(f"csrc/inspect_spec.py has rows of {stray}, which are not in build_spec.py's "
@@ -141,12 +136,8 @@ def cuda_spec_by_source(rows: list[dict]) -> dict[str, list[int]]:
 
 
 def compile_job(job: dict) -> list[dict]:
-    """Compiles one file of csrc/ (job["source"], as the extension build does: each kernel file is a translation unit
-    of its own) for one arch with the extension's nvcc flags; one record per kernel instantiation, in the spec's order.
-
-    One nvcc run builds a small host program that #includes the file (so the device code is exactly the extension's)
-    and prints the dynamic shared memory of each of its kernels from the launchers' own constants; the same run keeps
-    the PTX (-keep) and prints ptxas -v."""
+    """Compiles one file of csrc/ (a translation unit, as in the extension build) for one arch with the extension's
+    flags: one record per kernel instantiation, with its host program's dynamic shared memory and ptxas -v's figures."""
     arch, source = job["arch"], job["source"]
     code = CUDA_CODE[arch]  # "90a": what the extension builds for this target
     spec = load_cuda_spec(Path(job["cuda_spec"]) if job.get("cuda_spec") else None)

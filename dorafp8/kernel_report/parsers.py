@@ -1,8 +1,5 @@
-"""Readers of what the compilers print (ptxas -v, PTX, TTGIR) and of Triton configs: plain text in, plain data out.
-
-No Triton, no torch and no subprocess here, so that these can be tested on any machine and imported by both drivers
-(triton_driver.py, cuda_driver.py) without dragging in the other's toolchain.
-"""
+"""Readers of what the compilers print (ptxas -v, PTX, TTGIR) and of Triton configs: plain text in, plain data out;
+no Triton, torch or subprocess, so that both drivers import them and any machine tests them."""
 
 from __future__ import annotations
 
@@ -23,13 +20,8 @@ _PTXAS_NOTE_FN = re.compile(r"function '([^']+)'")
 
 def parse_ptxas_log(log: str) -> dict[str, dict]:
     """{entry function (mangled name): regs, spill_stores, spill_loads, stack_bytes, smem_static, ptxas_notes} from
-    ptxas -v.
-
-    ptxas prints, per entry: "Compiling entry function 'X'", "Function properties for X" followed by the stack and
-    spill line, then "Used N registers, ..., M bytes smem" (static shared memory only). Properties of non-inlined
-    callees (.func) are printed under their own names and are not added to the entry's. Warnings and numbered
-    advisories such as "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized ..." go to
-    ptxas_notes of the function they name (of every entry if they name none)."""
+    ptxas -v; callees' (.func) properties are not added. Warnings and advisories ("(C7512) ... serialized") go to the
+    ptxas_notes of the function they name, else of every entry."""
     out: dict[str, dict] = {}
     notes: list[str] = []
     current = props_for = None
@@ -74,20 +66,16 @@ _WGMMA = re.compile(r"wgmma\.mma_async(?:\.sp)?\.sync\.aligned\.(m\d+n\d+k\d+)\.
 _WGMMA_A = re.compile(r"wgmma\.mma_async\S*\s+\{[^}]*\}\s*,\s*(\{|%)")
 _MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)((?:\.[\w:]+)+)")
 _MMA_LAYOUT = {"row", "col", "satfinite"}
-# Blackwell's tcgen05.mma (sm_100a): "tcgen05.mma.cta_group::1.kind::f16 [d], a, b, idesc, ...". The accumulator d is
-# in tensor memory ([%r]); A is a tensor-memory address ([%r]) or a shared-memory descriptor (%rd); B is always a
-# descriptor. The operand types and the shape are in the instruction descriptor (a run-time value), not in the
-# mnemonic: only the kind (f16: bf16 or fp16 operands; f8f6f4: fp8/fp6/fp4; tf32; i8) is.
+# Blackwell's tcgen05.mma (sm_100a): "tcgen05.mma.cta_group::1.kind::f16 [d], a, b, idesc, ...": A is a tensor-memory
+# address ([%r]) or a shared-memory descriptor (%rd); the types and shape are in idesc, only the kind in the mnemonic.
 _TCGEN05 = re.compile(r"\btcgen05\.mma(?:\.sp)?\.cta_group::\d\.kind::(\w+)\s+\[[^\]]*\]\s*,\s*(\[|%)")
 # fp32 FMAs, scalar or packed in pairs (fma.rn.f32x2: Blackwell, which Triton 3.6 emits for sm_120's fp32 dots)
 _FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f32(?:x2)?\b")
 
 
 def classify_mma(ptx: str) -> dict:
-    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "mma.sync f16.f16->f32", "tcgen05
-    kind::f16", several joined by " + ", "fma" when there are none but fp32 FMAs, else "none"), their shapes (not
-    tcgen05's: they are in its run-time descriptor), how many wgmma take A from registers and how many from a
-    shared-memory descriptor, and how many tcgen05.mma take A from tensor memory and how many from shared memory."""
+    """The matrix instructions of PTX text: mma ("wgmma bf16.bf16->f32", "tcgen05 kind::f16", several joined by " + ",
+    "fma" or "none"), their shapes (not tcgen05's), and where wgmma and tcgen05.mma take A from."""
     kinds, shapes = set(), set()
     for shape, d, a, b in _WGMMA.findall(ptx):
         kinds.add(f"wgmma {a}.{b}->{d}")
@@ -186,25 +174,21 @@ def _dot(op: str, code: str, operands: list[str]) -> dict:
 
 
 def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
-    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8": which
-    operands ("A", "B", "AB" or "") are computed from `weight_arg` (the fp8 weight pointer parameter, e.g. "w_ptr")};
-    "a"/"b": "registers" (a tensor: wgmma reads it from registers; mma.sync always does), "shared" (a memdesc: wgmma and
-    tcgen05 read it from shared memory) or "tensor memory" (tcgen05's A operand on sm_100a, a tensor-memory memdesc);
-    "types": the element types as "bf16.bf16->f32" (A.B->accumulator).
+    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8"}: "a"/"b"
+    "registers" (a tensor), "shared" (a memdesc) or "tensor memory" (tcgen05's A on sm_100a); "types" as
+    "bf16.bf16->f32"; "w8" the operands ("A", "B", "AB" or "") computed from `weight_arg` (the fp8 weight pointer
+    parameter, e.g. "w_ptr").
 
-    The W8 operand is found by data flow, not by names: a backward slice over the SSA def-use graph from each operand,
-    through loop-carried values (scf.for iter_args: to their initial value) and shared-memory buffers (a buffer is
-    computed from whatever is copied or stored into it, tensor memory too), reaching the kernel parameter `%weight_arg`.
-    Async tokens are not followed (they only order copies) and loop results are not entered. A name defined twice
-    (in sibling regions) is two values."""
+    W8 is found by data flow, not names: a backward slice over the SSA def-use graph from each operand, through
+    loop-carried values (to their initial value) and shared- or tensor-memory buffers (computed from what is copied or
+    stored into them), reaching `%weight_arg`. Async tokens and loop results are not followed."""
     edges: dict[str, set[str]] = defaultdict(set)
     dots = []
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)
     depth = 0
 
-    # MLIR's printer reuses a name in a region after a sibling region that had it has closed (the rank-r epilogue's
-    # loop reuses the main loop's names), so a name may be defined more than once: each definition gets its own key,
-    # and a use is the latest definition above it, the only one still in scope there.
+    # MLIR reuses a name after a sibling region that had it has closed: each definition gets its own key, and a use is
+    # the latest definition above it.
     latest: dict[str, str] = {}
 
     def define(name: str, lineno: int) -> str:
@@ -283,16 +267,14 @@ def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
 
 
 def ws_consumers(ttgir: str) -> int:
-    """How many warp-specialized partitions of a TTGIR kernel hold a dot (its consumer warpgroups), 0 without warp
-    specialization."""
+    """How many warp-specialized partitions of a TTGIR kernel hold a dot (its consumer warpgroups); 0 without."""
     parts = re.split(r"(?m)^\s*partition\d+\(", ttgir)[1:]
     return sum("warp_group_dot" in p or "tc_gen5_mma" in p for p in parts)
 
 
 def w8_operand(dots: list[dict]) -> dict:
-    """From ttgir_dots: w_operand ("registers" | "shared" | "tensor memory" | "mixed" | None: where the dots the weight
-    tile feeds read it from), w8_dots (how many dots it feeds) and w8_side ("A", "B", "AB" if both operands come from
-    it, or None)."""
+    """From ttgir_dots: w_operand (where the dots the weight tile feeds read it: "registers", "shared", "tensor memory",
+    "mixed" or None), w8_dots (how many it feeds) and w8_side ("A", "B", "AB" or None)."""
     kinds = {d[side.lower()] for d in dots for side in d["w8"]}
     sides = "".join(sorted({side for d in dots for side in d["w8"]}))
     return dict(w_operand=(kinds.pop() if len(kinds) == 1 else "mixed") if kinds else None,

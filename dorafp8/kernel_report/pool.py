@@ -1,8 +1,5 @@
-"""The worker processes that compile, and run(): the one entry point that compiles and reads the kernels.
-
-Compiling happens in workers, never in the calling process (see Worker), a few at a time (--jobs); the jobs are
-handed out from one queue by one thread per worker.
-"""
+"""The worker processes that compile, and run(): the one entry point that compiles and reads the kernels, in
+workers (never in the calling process), a few at a time (--jobs)."""
 
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ from .records import ARCHS, BACKENDS, SpecError, new_record
 
 
 def worker_main() -> None:
-    """Serves one JSON request per stdin line with one JSON reply per line.
-
-    Anything the compilers print goes to stderr: fd 1 is pointed at fd 2 and the replies use a private copy of the
-    original stdout, so a chatty ptxas or Triton cannot break the protocol."""
+    """Serves one JSON request per stdin line with one JSON reply per line; what the compilers print goes to stderr (fd
+    1 points at fd 2; the replies use a private copy of stdout)."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -48,9 +43,8 @@ def worker_main() -> None:
         replies.flush()
 
 
-# A worker imports the kernel report and the kernel modules without running dorafp8/__init__.py, which imports peft and
-# transformers (5-10 s per process, for nothing the worker uses): the package module is created from its spec but not
-# executed, so that its submodules (found through its __path__, or the editable-install finder) import as usual.
+# A worker imports the kernel modules without running dorafp8/__init__.py (5-10 s of peft and transformers): the
+# package module is created from its spec but not executed, and its submodules import as usual.
 _WORKER_BOOT = """
 import importlib.util, sys
 pkg = importlib.util.module_from_spec(importlib.util.find_spec("dorafp8"))
@@ -61,11 +55,8 @@ worker_main()
 
 
 class Worker:
-    """One worker process (worker_main).
-
-    Compiling happens in workers, never in the calling process, because TRITON_INTERPRET=1 (the tests set it when
-    there is no GPU) makes @triton.jit return interpreter objects that cannot be compiled, and it takes effect when
-    the kernel modules are imported: the workers start without it, whatever the caller has already imported."""
+    """One worker process (worker_main). Compiling happens in workers, never in the calling process: TRITON_INTERPRET=1
+    (the tests set it) makes @triton.jit return interpreter objects when the kernel modules are imported."""
 
     def __init__(self):
         self._start()
@@ -78,11 +69,8 @@ class Worker:
         self.arch = None  # the arch this process has compiled Triton kernels for
 
     def call(self, req: dict) -> dict:
-        # One process compiles Triton kernels for one arch only. Triton 3.6 lowers fp8 conversions from a table built
-        # once per process, on its first compile (a function-local static in FpToFpOpConversion::getConversionFunc):
-        # after an sm_90a compile, sm_89 got sm_90-only PTX (ptxas: "cvt with .bf16.f16 requires .target sm_90"), and
-        # after an sm_89 compile, sm_90a silently got sm_89's conversions. Jobs come arch by arch, so a worker
-        # restarts at most once per arch (2-3 s).
+        # One process compiles for one arch only: Triton 3.6 builds its fp8 conversion table once per process, on its
+        # first compile, for that arch (docs/INSPECT.md, "Triton versions"). Jobs come arch by arch.
         if req["op"] == "triton":
             if self.arch not in (None, req["arch"]):
                 self.close()
@@ -113,11 +101,9 @@ Select = Callable[[dict], bool]
 def run(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Optional[Select] = None,
         jobs: int = 2, all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE,
         progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Compiles and reads the kernels; returns one record per kernel x variant x config x arch (FIELDS).
-
-    select(job) -> bool filters Triton jobs before compiling and CUDA records after (job: a dict with backend,
-    kernel, variant, dtype, arch, config). Raises SpecError if a spec and its kernels disagree, RuntimeError if a
-    backend cannot run here (see cuda_unavailable_reason / triton_unavailable_reason)."""
+    """Compiles and reads the kernels; returns one record per kernel x variant x config x arch (FIELDS). select(job)
+    filters Triton jobs before compiling and CUDA records after. Raises SpecError if a spec and its kernels disagree,
+    RuntimeError if a backend cannot run here (cuda_unavailable_reason / triton_unavailable_reason)."""
     archs, backends = list(archs), list(backends)
     select = select or (lambda job: True)
     if unknown := set(archs) - set(ARCHS):
@@ -164,11 +150,8 @@ def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
 
 def plan(archs: Iterable[str] = ARCHS, backends: Iterable[str] = BACKENDS, select: Select | None = None,
          all_configs: bool = False, spec_module: str = triton_driver.SPEC_MODULE) -> list[dict]:
-    """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config
-    x arch, with only the fields that name it (backend, kernel, variant, dtype, arch, config, autotune_pick), in
-    run()'s order. Needs Triton importable (the spec imports the kernels; one worker lists them, as in run()) and the
-    CUDA sources, not the compilers. Raises SpecError as run() does for a Triton spec that disagrees with its kernels
-    (the CUDA spec is checked against the kernels only when they are compiled)."""
+    """What run() with the same arguments would compile, without compiling: one record per kernel x variant x config x
+    arch with its naming fields, in run()'s order (needs Triton and the CUDA sources; SpecError as run())."""
     archs, backends = list(archs), list(backends)
     select = select or (lambda job: True)
     if unknown := set(archs) - set(ARCHS):

@@ -1,9 +1,6 @@
 """Predicted times for the fp8 GEMM kernels, a whole layer, and the strategies it is weighed against: a PREDICTION,
-never a measurement (docs/INSPECT.md, "Predicted time"; README quotes it as one).
-
-Every rate the model uses is in RATES with where it comes from (documented, measured or assumed); an unknown rate is a
-range, and so is every prediction (lo: every range at its fast end, hi: at its slow end). What the model adds up per
-kernel and per layer: docs/INSPECT.md, "Predicted time"."""
+never a measurement. Every rate is in RATES with its source; an unknown rate is a range, and so is every prediction
+(lo/hi: every range at its fast/slow end). The model: docs/INSPECT.md, "Predicted time"."""
 
 from __future__ import annotations
 
@@ -140,10 +137,8 @@ def step_time(rec: dict, end: str) -> tuple[float, str, dict]:
 
 
 def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: str = "lo", r: int = 0) -> dict:
-    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its
-    kernel-report record, at one end of the ranges, and what bounds it. r: the adapters' rank, whose epilogue product
-    (a [B_OUT, r] x [r, BLOCK_M] dot per tile and accumulator) runs on the tensor cores after the main loop: three
-    bf16 products for PEFT's fp32 adapters ("fp32-rank" variants: split_dot's, or rank_pieces' one dot over 3 r)."""
+    """Predicted seconds of one fp8 GEMM kernel (forward: out N, reduction K; dgrad: out K, reduction N) from its record
+    at one end of the ranges, and what bounds it. r: the adapters' rank (its epilogue product on tensor cores)."""
     from ..triton_kernels.epilogue_dot import LORA_PIECES  # here: this module's top needs no torch
 
     R = RATES
@@ -155,9 +150,8 @@ def predict_gemm(rec: dict, M: int, out: int, red: int, hbm_bytes: float, end: s
     tiles_sm = math.ceil(tiles / SMS)  # one CTA per SM at these tiles (registers, or the persistent grid)
     ws = rec.get("ws_consumers") or 0
     loop_instrs = rec["main_loop"]["instrs"] * max(1, ws) + ((rec.get("producer_loop") or {}).get("instrs", 0))
-    # the epilogue and the prologue, once per tile: every warp runs them in the plain loop; under warp specialization
-    # each partition runs its own code on its 4 warps, all on the same four schedulers
-    # a persistent kernel runs what lies outside its tile loops (its setup) once per CTA, the rest once per tile
+    # the epilogue and prologue, once per tile, on every warp (warp specialization: each partition on its 4 warps); a
+    # persistent kernel runs what lies outside its tile loops once per CTA
     every = rec.get("kernel_instrs") or 0
     in_tiles = rec.get("tile_instrs") if rec.get("tile_loop") and rec.get("tile_instrs") else every
     issue = (4 if ws else warps) / R["issue"].pick(end) * R["epilogue"].pick(end)  # cycles per instruction
@@ -184,10 +178,8 @@ def linear_bytes(M: int, N: int, K: int) -> int:
 
 
 def dora_floor_bytes(M: int, N: int, K: int) -> int:
-    """DoRA's own floor, for the design that keeps z (bf16 activations, g and z): the Linear's bytes, plus x read
-    again for dA = s v^T x, g read again by the pass that forms db, dm, v and dB, and z written by the forward and
-    read back for dm. What a strategy moves beyond it is its own overhead (the adapters' [*, r] tensors, fp8 or not,
-    are too small to count)."""
+    """DoRA's own floor for the design that keeps z: the Linear's bytes, x read again for dA, g again by the backward
+    pass, z written and read back for dm. What a strategy moves beyond it is its overhead."""
     return linear_bytes(M, N, K) + M * K * 2 + M * N * 2 + 2 * M * N * 2
 
 
@@ -213,8 +205,7 @@ def weight_bytes(variant: str) -> float:
 
 
 def _suffix(loop: str, mode: str = "W8A16") -> str:
-    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick (hopper.main_loop_for: the
-    Hopper loop unless DORAFP8_HOPPER_GEMM=0; the microscaled kinds' only loop, cp.async), ",<loop>" for the compared
+    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick, ",<loop>" for the compared
     one; None where the mode has no such loop."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
@@ -223,9 +214,8 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
 
 
 def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int, w_bytes: float = 1.0) -> float:
-    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in, its output out
-    (the forward also writes z for the backward; 2-byte activations, 1-byte under W8A8, whose quantized copies the
-    quantizer wrote)."""
+    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in (1 byte under W8A8,
+    else 2), its output out (and the forward's z)."""
     act = 1 if fp8_act else 2
     if kernel == "forward":
         return M * K * act + N * K * w_bytes + M * N * 2 + M * N * z_bytes
@@ -264,9 +254,8 @@ RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 2 * M * K * r,
 
 
 def launch_seconds(launch: dict, end: str, shape: dict | None = None) -> float:
-    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (a rank-r kernel's on
-    CUDA cores; a matrix product's at the yardstick's rate, or CUDA cores' with fp32 operands). shape: M, N, K, r
-    (default the headline's)."""
+    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (on CUDA cores, or at the
+    yardstick's rate for a 16-bit matrix product). shape: M, N, K, r (default the headline's)."""
     R = RATES
     t = launch["nbytes"] / R["hbm"].pick(end)
     flops = launch.get("flops") or 0
@@ -291,8 +280,8 @@ def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo"
 
 
 def _headline_weight(kind: str | None, N: int, K: int):
-    """(weight, scale, global scale) of the headline's base: e4m3 per tensor, or an NVFP4 / MXFP8 one (zeros: a dry
-    run reads no value)."""
+    """(weight, scale, global scale) of the headline's base, e4m3 per tensor or NVFP4 / MXFP8 (zeros: a dry run reads no
+    value)."""
     import torch
 
     from dorafp8 import quant
@@ -364,9 +353,8 @@ SMALL_MS = (1024, 256)
 
 
 def strategy_launches(name: str, M: int | None = None) -> list[dict]:
-    """The launches of one strategy's headline forward + backward (at M tokens if given) (needs the Triton backend
-    importable here, i.e. TRITON_INTERPRET=1 without a GPU: call it through launches_subprocess()); "PEFT DoRA"
-    needs peft."""
+    """The launches of one strategy's headline forward + backward (at M tokens if given); needs the Triton backend
+    importable (launches_subprocess); "PEFT DoRA" needs peft."""
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:
@@ -378,9 +366,8 @@ def strategy_launches(name: str, M: int | None = None) -> list[dict]:
 
 
 def launches_subprocess(names=None, small=()) -> dict[str, list]:
-    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (the kernel report's
-    own processes must not set it: it changes what @triton.jit returns); PEFT's DoRA where peft is installed. small:
-    (strategy, M) pairs, keyed "strategy @ M"."""
+    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (which the report's own
+    processes must not set); PEFT's DoRA where peft is installed. small: (strategy, M) pairs, keyed "strategy @ M"."""
     import importlib.util
     import subprocess
     import sys
@@ -428,10 +415,8 @@ MEASURED_AS = {("dorafp8-triton", "fwd+bwd-cachednorm"): "W8A16", ("dorafp8-trit
 
 
 def measured(results_dir: str) -> dict:
-    """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel
-    name: [(us, device)]}} from bench/results/*/results.json (bench/run.py's records: 4096 x 4096, r 16, bf16, M 8192,
-    no dropout, status ok) and ncu_kernels.json (bench/ncu_profile.py find: one W8A16 call's kernels). Empty where
-    none has run."""
+    """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel name:
+    [(us, device)]}} from bench/results/*/results.json and ncu_kernels.json; empty where none has run."""
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     layers, kernels = {}, {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*", "results.json"))):

@@ -1,23 +1,18 @@
-"""What every part of the kernel report shares: the targets, the record format and the error for a stale spec.
-
-A module of its own (stdlib only) so that the parsers, both drivers, the worker pool and the CLI can import it
-without importing one another.
-"""
+"""What every part of the kernel report shares: the targets, the record format and the error for a stale spec
+(stdlib only, so that the other parts import it without importing one another)."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 # Hopper (H100, H200), Ada (RTX 4090, L40S), datacenter Blackwell (B200) and consumer / workstation Blackwell (RTX 5090,
-# RTX PRO 6000). Triton compiles every capability from 90 on for its arch-specific target (sm_100a, sm_120a); the CUDA
-# part compiles each as the extension builds it (CUDA_CODE).
+# RTX PRO 6000).
 ARCHS = ("sm_90a", "sm_89", "sm_100a", "sm_120")
 # Largest shared memory one block may use (with the opt-in launchers and Triton do; CUDA C++ Programming Guide, table
 # of technical specifications per compute capability): 9.0 and 10.0 227 KB, 8.9 and 12.0 99 KB.
 SMEM_LIMIT = {"sm_90a": 232448, "sm_89": 101376, "sm_100a": 232448, "sm_120": 101376}
-# nvcc's code for each target, as setup.py's default DORAFP8_CUDA_ARCHS builds dorafp8._C: plain sm_100 rather than
-# sm_100a, because the CUDA kernels use no instruction only sm_100a has (mma.sync, cp.async, ldmatrix) and a plain
-# sm_100 cubin also runs on sm_103 (B300), which an sm_100a cubin does not.
+# nvcc's code for each target, as setup.py's default DORAFP8_CUDA_ARCHS builds dorafp8._C (plain sm_100: the kernels
+# need nothing only sm_100a has, and it also runs on sm_103).
 CUDA_CODE = {"sm_90a": "90a", "sm_89": "89", "sm_100a": "100", "sm_120": "120"}
 BACKENDS = ("triton", "cuda")
 

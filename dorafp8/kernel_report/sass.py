@@ -1,9 +1,7 @@
 """The main loop's instruction mix, read from SASS (nvdisasm's text of a cubin): plain text in, plain data out.
 
-The main loop is the first loop (a backward branch to a label) holding an MMA instruction; Triton keeps one reduction
-step per iteration, so the counts (conversions, load widths, MMAs) are per reduction step and per thread. PTX hides
-most of this (ptxas picks the conversions and load widths), hence SASS. How the prediction uses them:
-docs/INSPECT.md, "The main loop (what the SASS shows)"."""
+The main loop is the first loop holding an MMA instruction; Triton keeps one reduction step per iteration, so the
+counts are per step and per thread. docs/INSPECT.md, "The main loop (what the SASS shows)"."""
 
 from __future__ import annotations
 
@@ -17,9 +15,7 @@ _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 # Blackwell's tensor-core MMAs (UTCHMMA, UTCQMMA, ... issued by one thread for the CTA).
 _MMA = re.compile(r"^(HGMMA|QGMMA|IGMMA|HMMA|QMMA|IMMA|OMMA|UTC\w*MMA)$")
 
-# Fields of the mix, in report order (docs/INSPECT.md, "Main loop"). The pipeline's: utmaldg (TMA loads), mbar_wait
-# (mbarrier waits, SYNCS.PHASECHK), bar_cta (BAR.SYNC over the whole CTA: "BAR.SYNC 0x0"), bar_named (a barrier of a
-# given thread count, "BAR.SYNC 0x2, 0x80": one warpgroup's 128 threads under warp specialization).
+# Fields of the mix, in report order (docs/INSPECT.md, "Main loop", says what each counts).
 MIX_FIELDS = ("mma", "f2f", "f2fp_unpack", "f2fp_pack", "prmt", "i2f", "lds8", "lds16", "lds32", "lds64", "lds128",
               "ldsm", "ldg", "ldgsts", "fp32_alu", "utmaldg", "mbar_wait", "bar_cta", "bar_named", "instrs")
 
@@ -122,21 +118,17 @@ def _is_tma_load(e: dict) -> bool:
 
 
 def main_loop_mix(text: str) -> dict | None:
-    """The instruction mix of the main loop, None if no loop holds an MMA instruction. The main loop is the first
-    innermost loop in program order that holds one: dorafp8's kernels run their main GEMM before their epilogue, whose
-    rank-r GEMM can be a loop of MMAs too (as many per iteration, or more); a persistent kernel's tile loop holds both.
-    Under warp specialization each consumer warpgroup has its own copy of the loop, the first is its."""
+    """The instruction mix of the main loop, the first innermost loop holding an MMA instruction (the main GEMM runs
+    before the epilogue's); None if none does. Under warp specialization, the first consumer warpgroup's copy."""
     instrs = parse_sass(text)
     found = _holding(instrs, loops(instrs), _is_mma)
     return mix(instrs[found[0][0]:found[0][1] + 1]) if found else None
 
 
 def pipeline(text: str) -> dict:
-    """What the main loop's SASS says of its pipeline beyond the mix: whether the main loop lies inside another loop
-    (a persistent kernel's tile loop), the mix of the producer's loop under warp specialization (the first innermost
-    loop that issues TMA loads and holds no MMA; None without one), kernel_instrs, every instruction of the kernel
-    (what lies outside the loops runs once per tile or program: predict.py's per-tile cost), and tile_instrs, those
-    inside a persistent kernel's tile loops (None without one: the rest is its once-per-CTA setup).""" 
+    """What the SASS says of the main loop's pipeline beyond the mix: whether it lies inside a persistent kernel's tile
+    loop, the producer's loop mix under warp specialization (None without), kernel_instrs (every instruction: what lies
+    outside the loops runs once per tile) and tile_instrs (inside the tile loops; None without one)."""
     instrs = parse_sass(text)
     every = loops(instrs)
     main = _holding(instrs, every, _is_mma)

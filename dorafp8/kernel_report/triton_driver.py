@@ -1,10 +1,7 @@
 """Compiling the Triton kernels ahead of time for a GPU this machine does not have, and reading the result.
 
-Runs in a worker process (pool.py), never with TRITON_INTERPRET set. The variants come from a spec module
-(default: dorafp8.triton_kernels.inspect_spec). Everything that reaches into Triton's internals is in
-`launch_options`, `bind` and `ptxas_log` below, written against Triton 3.6 .. 3.9 (what torch 2.11 .. 2.15 bring):
-they move between versions (docs/INSPECT.md, "Triton versions").
-"""
+Runs in a worker process (pool.py), never under TRITON_INTERPRET. What reaches into Triton's internals is in
+`launch_options`, `bind` and `ptxas_log`, written against Triton 3.6 .. 3.9 (docs/INSPECT.md, "Triton versions")."""
 
 from __future__ import annotations
 
@@ -97,10 +94,8 @@ def list_jobs(req: dict) -> list[dict]:
 
 # --- Triton internals, 3.6 .. 3.9 ------------------------------------------------------------------------------------
 
-# The compile options JITFunction.run fills in from Triton's knobs before binding the arguments, by version: 3.6 .. 3.8
-# pass instrumentation_mode, 3.9 also fpsan_homomorphic_casts (reading a knob the installed Triton lacks is an
-# AttributeError, which made every record an error before 3.9). Each is passed only if the installed Triton has the
-# knob and its CUDA options take it, as run() itself would; _pack_args rejects options it does not know.
+# The compile options JITFunction.run fills in from Triton's knobs (3.6 .. 3.8: instrumentation_mode; 3.9 also
+# fpsan_homomorphic_casts), each passed only where the installed Triton has the knob and its CUDA options take it.
 _KNOB_OPTIONS = ("instrumentation_mode", "fpsan_homomorphic_casts")
 
 
@@ -118,10 +113,7 @@ def launch_options(fn, backend) -> dict:
 
 def bind(fn, backend, args: dict, kwargs: dict):
     """(options, signature, constexprs, attrs) for triton.compile, made by the JIT's own binder and _pack_args from
-    example arguments (torch dtypes stand for 16-byte-aligned tensors), so the specializations (an integer equal to 1
-    becomes a constexpr, multiples of 16 get divisibility hints) are those a real launch compiles with. _pack_args
-    is the kernel's own method, so its version-specific handling (3.6 and 3.9 fill the attributes differently) comes
-    with the installed Triton."""
+    example arguments (torch dtypes stand for aligned tensors): the specializations a real launch compiles with."""
     from triton.runtime.jit import MockTensor, create_function_from_signature
 
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -131,9 +123,8 @@ def bind(fn, backend, args: dict, kwargs: dict):
 
 @contextlib.contextmanager
 def ptxas_log_printed(out: io.StringIO):
-    """Inside it, Triton's make_cubin prints ptxas -v's log (knobs.nvidia.dump_ptxas_log, 3.6 .. 3.9) into out: the
-    log of Triton's own ptxas with its own flags (which change between versions: 3.9 adds --regAllocOptLevel=2, which
-    changes register counts), so the numbers are those of the cubin Triton builds."""
+    """Inside it, Triton's make_cubin prints the log of its own ptxas -v run, with its own flags (3.9 adds
+    --regAllocOptLevel=2), into out: the figures of the cubin Triton builds."""
     from triton import knobs
 
     saved = knobs.nvidia.dump_ptxas_log

@@ -44,13 +44,8 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
     """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts), or None if `weight` is not fp8.
-
-    The weight is kept byte for byte (scale 1 is exact; re-quantizing it would move it). The original precision is
-    gone from such a layer, so `dtype` (the bias's storage dtype, and the dtype PEFT creates adapters in) is the dtype
-    the layer computes in: the layerwise-casting hook's compute_dtype, else the bias's dtype if it is not fp8, else
-    float32. The bias is never kept in fp8: it is converted to `dtype`, exactly (every e4m3 value is a bf16/fp16
-    value). Another fp8 format (e5m2, ...) is a TypeError: converting it to e4m3 is not exact."""
+    (layerwise casting, kohya's and OneTrainer's casts), the weight kept byte for byte; None if it is not fp8. `dtype`
+    (the casting hook's compute dtype, else a non-fp8 bias's, else fp32) is the bias's and the adapters'."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)
@@ -70,9 +65,7 @@ _warned_peft_unregistered = False
 
 def peft_unregistered() -> bool:
     """Whether DORAFP8_NO_PATCHES=1 kept `import dorafp8` from teaching PEFT its layers and nothing has done it since
-    (dorafp8.register_with_peft() imports dorafp8.peft, whose import registers). PEFT's own errors then say nothing of
-    dorafp8: target_modules="all-linear" finds no layer ("No `target_modules` passed but also no `target_parameters`
-    found") and named ones are "not supported"."""
+    (dorafp8.register_with_peft()): PEFT's own errors then say nothing of dorafp8."""
     return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
 
 
@@ -97,9 +90,8 @@ def warn_if_peft_unregistered() -> None:
 
 
 def zero3_init_active() -> bool:
-    """Whether DeepSpeed's `deepspeed.zero.Init` context (ZeRO-3's partitioned construction, which transformers'
-    from_pretrained enters under a ZeRO-3 config) is open now. Read from the module DeepSpeed keeps it in, without
-    importing deepspeed."""
+    """Whether DeepSpeed's `deepspeed.zero.Init` (ZeRO-3's partitioned construction) is open now, read from the module
+    DeepSpeed keeps it in, without importing deepspeed."""
     pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     return getattr(pp, "zero_init_context", 0) > 0
 
@@ -142,9 +134,8 @@ class FP8WeightModule(nn.Module):
         return w if w.dtype in (E4M3, torch.uint8) else recover_fp8_weight(self, w)
 
     def _apply(self, fn, recurse=True):
-        # nn.Module.to(dtype)/.half() treat fp8 as floating point and would cast the weight and the scale. The fp8
-        # round trip through a wider float is exact, but a scale cast to bf16/fp16 is not: put back the storage
-        # dtypes, taking the scale from the original.
+        # nn.Module.to(dtype)/.half() cast fp8 as a float: the weight's round trip is exact, the scale's is not, so
+        # the storage dtypes are put back, the scale taken from the original.
         scale, g = self.scale, getattr(self, "global_scale", None)
         super()._apply(fn, recurse)
         if self.weight.dtype not in (E4M3, torch.uint8):  # a packed NVFP4 weight (uint8) is never cast
@@ -155,14 +146,9 @@ class FP8WeightModule(nn.Module):
             self.global_scale = g.to(self.global_scale.device)
         return self
 
-    # ---- FSDP2's state_dict ----------------------------------------------------------------------------------------
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Under FSDP2 every parameter is a DTensor and `scale`, a buffer, is not: FSDP2 leaves buffers whole on every
-        # rank. Code that treats a sharded model's state_dict as all DTensors (accelerate's fsdp2_load_full_state_dict,
-        # under cpu_ram_efficient_loading, reads `.device_mesh` off every entry) then fails on it. So, while the weight
-        # is a DTensor, the scale is listed as what it is: replicated on the weight's mesh. full_tensor() of it needs
-        # no collective, and _load_from_state_dict takes it back as a plain tensor.
+        # Under FSDP2 the `scale` buffer is listed as replicated on the weight's mesh: code that reads `.device_mesh`
+        # off every state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on a plain tensor.
         super()._save_to_state_dict(destination, prefix, keep_vars)
         dtensor = _dtensor_class()
         key, w = prefix + "scale", self.weight
@@ -171,8 +157,6 @@ class FP8WeightModule(nn.Module):
 
             destination[key] = dtensor.from_local(destination[key], w.device_mesh,
                                                   [Replicate()] * w.device_mesh.ndim, run_check=False)
-
-    # ---- loading ---------------------------------------------------------------------------------------------------
 
     _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
 
@@ -233,9 +217,8 @@ _WARNED_RECAST = False
 
 
 def recover_fp8_weight(module: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy(param_dtype=...) cast to a
-    wider float: cast back, exactly. Anything else that is not fp8 is returned as is (the ops then reject it). With
-    dorafp8's FSDP support installed (dorafp8/distributed.py) FSDP2 does not cast them, and this is not reached."""
+    """The fp8 weight of an FP8Linear whose unsharded weight FSDP's MixedPrecisionPolicy cast to a wider float: cast
+    back, exactly (not reached with dorafp8/distributed.py installed); anything else that is not fp8, as it is."""
     global _WARNED_RECAST
     if not (params_are_sharded(module) and w.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return w

@@ -1,10 +1,7 @@
-"""FP8Conv1d / FP8Conv2d / FP8Conv3d: a frozen float8_e4m3fn conv weight with an fp32 scale (the functional ops and
-their autograd are dorafp8/ops/conv.py; how a call runs is said there).
+"""FP8Conv1d / FP8Conv2d / FP8Conv3d: a frozen float8_e4m3fn conv weight with an fp32 scale (ops: dorafp8/ops/conv.py).
 
-The weight [C_out, C_in/groups, *kernel] is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale
-of dorafp8.quant applies: per tensor (default), per output channel (= per row of the view, `per_row_scale=True`), or
-per b x b block of the view.
-"""
+The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view, so every scale of dorafp8.quant applies: per
+tensor (default), per output channel (`per_row_scale=True`) or per b x b block of the view."""
 
 from __future__ import annotations
 
@@ -24,12 +21,9 @@ NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 class FP8ConvNd(FP8WeightModule):
-    """A frozen ConvNd whose weight is float8_e4m3fn [C_out, C_in/groups, *kernel] with an fp32 `scale`: [] per
-    tensor, [C_out] per output channel, or [ceil(C_out/b), ceil(C_in/groups*prod(kernel)/b)] per b x b block of the
-    2-D view. Keeps nn.ConvNd's attributes (in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-    padding_mode); state_dict keys `weight`, `scale`, `bias`. `.to(dtype)` / `.half()` keep the fp8 weight and fp32
-    scale. `backend` picks the kernels of the DoRA weight norm; the convolutions are the platform's (see the module
-    docstring)."""
+    """A frozen ConvNd with a float8_e4m3fn weight [C_out, C_in/groups, *kernel] and an fp32 `scale` ([] per tensor,
+    [C_out] per channel, or per b x b block of the 2-D view), keeping nn.ConvNd's attributes; state_dict keys `weight`,
+    `scale`, `bias`. `backend` picks the DoRA weight norm's kernels; the convolutions are the platform's."""
 
     _nd = 2
     block_size = DEFAULT_BLOCK
@@ -53,16 +47,12 @@ class FP8ConvNd(FP8WeightModule):
         shape = tuple(proto.weight.shape)
         self._init_fp8_storage(shape, math.prod(shape[1:]), bias, dtype, device, per_row_scale, block_size)
 
-    # ---- construction --------------------------------------------------------------------------------------------
-
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", name: str | None = None):
-        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor
-        (default), per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view.
-        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer
-        stores it) is kept byte for byte with scale 1; its bias and the adapter dtype are then the layer's compute
-        dtype (dorafp8._fp8_module.fp8_cast_parts). `name` is used in warnings and errors."""
+        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor (default),
+        per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view. A float8_e4m3fn
+        weight is kept byte for byte with scale 1 (fp8_cast_parts). `name` is used in messages."""
         want = NN_CONV[cls._nd]
         if not isinstance(module, want):
             raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")
@@ -85,9 +75,8 @@ class FP8ConvNd(FP8WeightModule):
     def from_fp8(cls, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *, stride=1, padding=0, dilation=1,
                  groups: int = 1, padding_mode: str = "zeros", backend: str = "auto",
                  dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None):
-        """An FP8 conv holding `w8` (float8_e4m3fn [C_out, C_in/groups, *kernel], kept as is) and its fp32 `scale`
-        ([], [C_out] (or [C_out, 1, ...]), or per block of the 2-D view with b = block_size, default 128). `dtype`:
-        the weight's original precision, for the adapters PEFT creates (default: the bias's dtype, else float32)."""
+        """An FP8 conv holding `w8` (float8_e4m3fn [C_out, C_in/groups, *kernel], kept as is) and its fp32 `scale` ([],
+        [C_out] or per block, b = block_size); `dtype`: for PEFT's adapters (default: the bias's, else float32)."""
         nd = cls._nd
         if not isinstance(w8, torch.Tensor) or w8.dtype != E4M3 or w8.dim() != nd + 2:
             raise TypeError(f"w8 must be a float8_e4m3fn tensor [C_out, C_in/groups, *kernel] with {nd} kernel dims, "
@@ -105,12 +94,9 @@ class FP8ConvNd(FP8WeightModule):
             new.bias = nn.Parameter(bias, requires_grad=False)
         return new
 
-    # ---- what a call uses ----------------------------------------------------------------------------------------
-
     def conv_padding(self) -> Optional[tuple]:
-        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else
-        None: padding_mode 'reflect'/'replicate'/'circular', or an asymmetric padding='same'; those pad x first
-        (pad_input)."""
+        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else None
+        (another padding_mode, or an asymmetric padding='same': pad_input pads x first)."""
         if self.padding_mode != "zeros":
             return None
         if isinstance(self.padding, str):
@@ -153,8 +139,6 @@ class FP8ConvNd(FP8WeightModule):
         if self.bias is not None:
             conv.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         return conv
-
-    # ---- nn.Module plumbing (as FP8Linear) -----------------------------------------------------------------------
 
     @property
     def _float_weight_hint(self) -> str:

@@ -32,9 +32,8 @@ def _linear_kinds() -> tuple:
 
 def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                  backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> nn.Module:
-    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (an
-    FP8Conv1d/2d/3d; act_quant does not apply): its weight quantized, or kept as it is when it is already
-    float8_e4m3fn (scale 1)."""
+    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (act_quant does not
+    apply): its weight quantized, or kept with scale 1 when it is float8_e4m3fn already."""
     conv_cls = fp8_conv_class(module)
     if conv_cls is not None:
         return conv_cls.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
@@ -66,11 +65,8 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
 
 
 def zero3_gathered(module: nn.Module, name: str | None = None):
-    """A context in which `module`'s own parameters are whole on every rank: deepspeed.zero.GatheredParameters over
-    those DeepSpeed ZeRO-3 partitioned (a model from_pretrained loaded under a ZeRO-3 config, where each rank holds a
-    slice and the parameter itself has 0 elements), read-only, so that ZeRO drops the gathered copies on exit; no-op
-    for a module without partitioned parameters. It is a collective: every rank must enter it for the same modules in
-    the same order, which quantize_model does (the same model on every rank, walked in the same order)."""
+    """A context in which `module`'s own ZeRO-3 partitioned parameters are whole on every rank (read-only
+    GatheredParameters; a no-op without any). A collective: every rank enters it for the same modules, in order."""
     params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext()
@@ -84,12 +80,8 @@ def zero3_gathered(module: nn.Module, name: str | None = None):
 
 
 def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
-    """Partitions the parameters of `new` (the fp8 layer that replaces `old`) at once, as ZeRO-3 partitioned `old`'s,
-    when `old`'s were partitioned under the ZeRO-3 config transformers loads models with (HfDeepSpeedConfig, which
-    the HF Trainer and LLaMA-Factory set): deepspeed.zero.Init(module=new) with that config and `old`'s process group.
-    It moves no dtype (fp8 stays fp8) and is local (each rank keeps its slice). Without that config (a zero.Init of
-    the user's own), nothing is done here, and deepspeed.initialize partitions them. Returns whether it partitioned.
-    Why now: until then every rank would hold the whole fp8 model, the memory ZeRO-3 is used to avoid."""
+    """Partitions `new`'s parameters at once as ZeRO-3 partitioned those of `old` (the layer it replaces), when under
+    transformers' HfDeepSpeedConfig: deepspeed.zero.Init(module=new), `old`'s process group. Returns whether it did."""
     old_params = [p for p in old.parameters(recurse=False) if hasattr(p, "ds_id")]
     hf_ds = sys.modules.get("transformers.integrations.deepspeed")
     config = hf_ds.deepspeed_config() if hf_ds is not None and old_params else None
@@ -126,11 +118,8 @@ def name_list(arg) -> Optional[list]:
 
 
 def kept_in_precision(model: nn.Module) -> set:
-    """The names of the layers of `model` inside a module that its class (or a submodule's) lists in
-    `_keep_in_fp32_modules`, matched by name component as diffusers does (Wan's `time_embedder`, T5's `wo`). Such
-    models read that layer's weight dtype to cast its input (Wan: the timestep `.to()` the time embedder's dtype),
-    which an fp8 weight would make an e4m3 input; diffusers' and transformers' own quantizers leave these modules
-    unquantized, and so do quantize_model and load_fp8_checkpoint (they are small: embedders, norms)."""
+    """The names of the layers inside modules that `model` (or a submodule) lists in `_keep_in_fp32_modules`, matched by
+    name component as diffusers does: their inputs are cast to their weight dtype, so they stay dense."""
     kept = set()
     for prefix, mod in model.named_modules():
         keep = set(getattr(mod, "_keep_in_fp32_modules", None) or ())
@@ -254,9 +243,8 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
                           f"(e.g. {done[0]!r}), and per_row_scale / block_size apply only when quantizing a float "
                           f"weight; their scales are left as they are", stacklevel=2)
     _warn_if_backend_cannot_run(backend, [model.get_submodule(n) for n in swaps])
-    # All or nothing: every layer is checked (dtype, shape, non-finite weights) before the first one is swapped.
-    # Layers DeepSpeed ZeRO-3 partitioned are gathered for the check and again for the swap, one at a time; their fp8
-    # replacements are partitioned again at once (zero3_repartition).
+    # All or nothing: every layer is checked before the first is swapped; ZeRO-3 partitioned layers are gathered one at
+    # a time for the check and the swap, their replacements partitioned again (zero3_repartition).
     for name in swaps:
         mod = model.get_submodule(name)
         with zero3_gathered(mod, name):

@@ -1,10 +1,6 @@
 """Weights quantized with one scale per 1 x g group (musubi-tuner / kohya `--fp8_scaled`, torchao PerGroup), mapped onto
-the per-row scales dorafp8's layers hold.
-
-dorafp8's kernels cannot apply a scale that varies along the input-gradient GEMM's reduction, so such a weight is
-re-quantized to per-row scales once, when loaded, with s_row[n] = max of the row's group scales (nothing saturates)
-and the error measured and warned about (QuantizationWarning). Why, and the error it costs: docs/ARCHITECTURE.md,
-"dorafp8/nn/group_scales.py", and docs/CHECKPOINTS.md, "1 x 64 block scales"."""
+per-row scales: re-quantized once when loaded, s_row[n] = max of the row's group scales, the error warned about
+(QuantizationWarning). Why: docs/ARCHITECTURE.md; docs/CHECKPOINTS.md, "1 x 64 block scales"."""
 
 from __future__ import annotations
 
@@ -18,9 +14,8 @@ from ..quant import E4M3, QuantizationWarning, row_blocks
 
 
 def groups_to_rows(w8: torch.Tensor, gscale: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(w8' e4m3 [N, K], per-row scale fp32 [N], the relative Frobenius error ||W' - W0|| / ||W0||) for a weight with
-    1 x `group` scales: w8 e4m3 [N, K], gscale [N, K / group] (any float dtype, converted exactly to fp32).
-    Computed in blocks of rows (fp32 temporaries of at most a few MiB); W0 is the weight the file holds."""
+    """(w8' e4m3 [N, K], per-row scale fp32 [N], relative Frobenius error ||W' - W0|| / ||W0||) for a weight w8 e4m3 [N,
+    K] with 1 x `group` scales gscale [N, K / group] (any float dtype), computed in blocks of rows."""
     N, K = w8.shape
     G = K // group
     if group < 1 or G * group != K or tuple(gscale.shape) != (N, G):
@@ -51,8 +46,7 @@ _COLLECTING: list[list] = []
 
 def report_regrouped(name: str, group: int, rel_error: float, source: str) -> None:
     """Says that layer `name` was re-quantized from 1 x `group` scales to per-row ones: collected by the enclosing
-    collect_regrouped() (quantize_model, convert_peft_model, load_fp8_checkpoint warn once for all their layers),
-    else a QuantizationWarning now."""
+    collect_regrouped() (one warning for all layers), else a QuantizationWarning now."""
     entry = (name or "layer", group, rel_error)
     if _COLLECTING:
         _COLLECTING[-1].append(entry)

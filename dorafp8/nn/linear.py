@@ -80,15 +80,10 @@ class FP8Linear(FP8WeightModule):
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> "FP8Linear":
-        """Quantizes an nn.Linear (or transformers' Conv1D, whose weight is [in, out]) into an FP8Linear, with one
-        scale per tensor (default), per row (per_row_scale=True) or per block_size x block_size block.
-
-        A weight that is already float8_e4m3fn (diffusers' layerwise casting, a model cast to fp8 as OneTrainer and
-        others store it) is kept byte for byte with scale 1: re-quantizing it would move it. Its bias and the adapter
-        dtype are then the layer's compute dtype (dorafp8._fp8_module.fp8_cast_parts). A torchao Float8Tensor weight
-        (`quantize_(model, Float8WeightOnlyConfig())`) keeps its bytes and scales (dorafp8/nn/torchao_fp8.py);
-        per_row_scale and block_size then do not apply. `name` is used in warnings and errors.
-        """
+        """Quantizes an nn.Linear (or transformers' Conv1D, weight [in, out]) into an FP8Linear with one scale per
+        tensor (default), per row (per_row_scale=True) or per block_size x block_size block. A float8_e4m3fn weight is
+        kept byte for byte with scale 1 (fp8_cast_parts); a torchao Float8Tensor keeps its bytes and scales
+        (torchao_fp8.py), per_row_scale and block_size then not applying. `name` is used in messages."""
         conv1d = conv1d_class()
         if isinstance(module, nn.Linear):
             weight = module.weight
@@ -119,11 +114,10 @@ class FP8Linear(FP8WeightModule):
     def from_fp8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  backend: str = "auto", dtype: Optional[torch.dtype] = None, block_size: Optional[int] = None,
                  act_quant: Optional[str] = None, global_scale: Optional[torch.Tensor] = None) -> "FP8Linear":
-        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([], [out], [out, 1]
-        or [ceil(out/b), ceil(in/b)] with b = block_size, default 128); or a microscaled weight: MXFP8 (w8 e4m3, scale
-        e8m0 [out, ceil(in/32)]) or NVFP4 (w8 uint8 [out, in/2], scale e4m3 [out, in/16], global_scale fp32).
-        `dtype`: the weight's original precision, used for the adapters PEFT creates on this layer (default: the
-        bias's dtype, else float32)."""
+        """An FP8Linear holding `w8` (float8_e4m3fn [out, in], kept as is) and its fp32 `scale` ([], [out], [out, 1] or
+        [ceil(out/b), ceil(in/b)], b = block_size, default 128); or a microscaled weight (MXFP8: scale e8m0 [out,
+        ceil(in/32)]; NVFP4: w8 uint8 [out, in/2], scale e4m3 [out, in/16], global_scale fp32). `dtype`: the weight's
+        original precision, for PEFT's adapters (default: the bias's dtype, else float32)."""
         block_size = block_size or DEFAULT_BLOCK
         out_features, in_features, scale = check_weight(w8, scale, block_size, global_scale)
         if global_scale is not None and not (bool(torch.isfinite(global_scale).all()) and float(global_scale) > 0):

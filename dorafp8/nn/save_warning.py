@@ -1,12 +1,8 @@
 """A warning where a library's own save_pretrained would write a model's fp8 layers without their scales.
 
-After `import dorafp8`, transformers' and diffusers' save_pretrained are wrapped (dorafp8/checkpoint/save_hooks.py):
-transformers' writes the fp8 layers in a layout its from_pretrained reads, diffusers' refuses. With
-DORAFP8_NO_PATCHES=1 (or where that hook failed) they are the libraries' own, which write each fp8 weight's raw e4m3
-values, and its scale under a key their from_pretrained does not know: the checkpoint reloads without the scales,
-silently wrong. The entry points that put fp8 layers into such a model (quantize_model, load_fp8_checkpoint,
-from_transformers_fp8) say so, with the fix, before anything is saved. Neither library is imported here.
-"""
+With DORAFP8_NO_PATCHES=1 (or where checkpoint/save_hooks.py failed) transformers' and diffusers' save_pretrained
+write each fp8 weight's scale under a key their from_pretrained does not know: a silently wrong reload. The entry
+points that put fp8 layers into such a model say so, with the fix. Neither library is imported here."""
 
 from __future__ import annotations
 

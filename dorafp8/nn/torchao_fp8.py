@@ -1,10 +1,7 @@
-"""Linear layers whose weight torchao quantized to fp8 (`quantize_(model, Float8WeightOnlyConfig())`, or
-Float8DynamicActivationFloat8WeightConfig): their e4m3 bytes and scales, as FP8Linear holds them.
-
-torchao's Float8Tensor dequantizes as qdata * scale, as dorafp8 does, so per-tensor, per-row and square-block weights
-are taken as they are; 1 x g groups are re-quantized to per-row scales (group_scales.py); anything else raises.
-torchao is never imported here (a tensor is recognized by its class's module name). The fields read:
-docs/ARCHITECTURE.md, "dorafp8/nn/torchao_fp8.py"."""
+"""Linear layers whose weight torchao quantized to fp8 (Float8WeightOnlyConfig,
+Float8DynamicActivationFloat8WeightConfig): their e4m3 bytes and scales, as FP8Linear holds them. Per-tensor, per-row
+and square-block weights are taken as they are; 1 x g groups are re-quantized per row (group_scales.py); anything
+else raises. torchao is never imported here. The fields read: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -81,9 +78,8 @@ def _finite_scale(s: torch.Tensor, name: Optional[str]) -> None:
 
 
 def _zero_blocks_fixed(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao computes scale = amax / 448 with no floor, so an all-zero row (block, group) gets scale 0 and its
-    values 0 / 0 = NaN (its own dequantize() and forward give NaN there). The weight there was zero: its bytes become
-    +0 and its scale 1 (quantize_e4m3's convention for all-zero rows), which dequantizes to the zeros it was."""
+    """torchao's scale = amax / 448 has no floor: an all-zero row (block, group) gets scale 0 and NaN values. Those
+    bytes become +0 with scale 1 (quantize_e4m3's convention), the zeros the weight was."""
     zero = s == 0
     if not bool(zero.any()):
         return q, s
@@ -94,9 +90,8 @@ def _zero_blocks_fixed(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> tu
 
 
 def torchao_fp8_parts(w, name: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[int]]:
-    """(w8 e4m3 [N, K], fp32 scale, block_size or None) that FP8Linear.from_fp8 takes, for a torchao Float8Tensor:
-    its own bytes and scales (per tensor, row, square block), or per-row ones re-quantized from 1 x g groups (the
-    error goes to report_regrouped)."""
+    """(w8 e4m3 [N, K], fp32 scale, block_size or None) for FP8Linear.from_fp8 from a torchao Float8Tensor: its own
+    bytes and scales, or per-row ones re-quantized from 1 x g groups (report_regrouped)."""
     kind, b = _layout(w, name)
     q, s = w.qdata.detach(), w.scale.detach().float()
     _finite_scale(s, name)

@@ -1,11 +1,6 @@
 """The functional ops (autograd-capable, dispatched to a backend): the DoRA and plain fp8 linear and conv, the weight
-norm, and the policy every op follows.
-
-Hops from the public API to a kernel:
-    dora_fp8_linear (ops/linear.py: checks, dtype policy, weight norm)  ->  DoRAFP8Function (autograd: dropout mask,
-    c = m / n, the final scalings of dm/dA/dB)  ->  torch.ops.dorafp8.* (ops/_custom_ops.py, opaque to torch.compile)
-    ->  backend module (dorafp8/backends/: reference, native, cuda, cublas; or dorafp8.triton_kernels)  ->  kernel.
-"""
+norm, and the policy every op follows. A call goes dora_fp8_linear (ops/linear.py) -> DoRAFP8Function ->
+torch.ops.dorafp8.* (ops/_custom_ops.py) -> a backend module (dorafp8/backends/) -> a kernel."""
 
 from ._custom_ops import custom_op_implementation
 from ._policy import NORM_EPS, compute_dtype, dropout_mask, norm_divisor, rank_dtype

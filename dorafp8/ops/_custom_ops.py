@@ -1,10 +1,6 @@
-"""The torch.library custom ops, one per backend function of the contract (dorafp8/backends/base.py).
-
-Registering them makes the autograd Functions in ops/linear.py traceable by torch.compile (the kernels stay opaque, with
-shapes given by the fake implementations). Custom ops cannot return None or an input, so an absent output is an empty
-placeholder and the Python side knows which it is. The backends are called with keyword arguments (the Protocol's
-names); the ops' arguments that only a DoRA call uses have defaults, so that a plain FP8 linear names none of them.
-"""
+"""The torch.library custom ops, one per backend function of the contract (backends/base.py), so that torch.compile
+traces the autograd Functions (the kernels stay opaque, shaped by the fake implementations). Custom ops cannot
+return None or an input: an absent output is an empty placeholder. Arguments only a DoRA call uses have defaults."""
 
 from __future__ import annotations
 
@@ -99,9 +95,8 @@ def forward_op(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor], blo
                need_z: bool = False, x8: Optional[Tensor] = None, sx: Optional[Tensor] = None,
                global_scale: Optional[Tensor] = None, weight: Optional[Tensor] = None,
                weight_fac: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """The plain FP8 linear leaves the DoRA arguments (m, n, u, B, s, xm, p, need_z) at their defaults. z, when
-    wanted, has the compute dtype (x's): docs/DORA_MATH.md, "Dtype policy". x8, sx: x quantized by project_quant_op
-    (W8A8 on a backend with QUANTS_IN_PROJECT). weight, weight_fac: dequant_op's (a backend with KEEPS_WEIGHT)."""
+    """The plain FP8 linear leaves the DoRA arguments at their defaults. z, when wanted, has the compute dtype. x8, sx:
+    project_quant_op's (QUANTS_IN_PROJECT); weight, weight_fac: dequant_op's (KEEPS_WEIGHT)."""
     extra = {"x8": x8, "sx": sx} if x8 is not None else {}
     extra.update(_global(global_scale))
     extra.update(_kept(weight, weight_fac))
@@ -164,12 +159,8 @@ def _(gl, rl, w8, scale, block_size, act_quant, backend, v=None, A=None, s=0.0, 
     return gl.new_empty(gl.shape[0], weight_dims(w8)[1])
 
 
-# Eager fast path. A call through a torch.library custom op costs tens of microseconds of Python dispatch (measured
-# on CPU: ~390 calls, 24 ms of a 160 ms bf16 training step of a small diffusers UNet; bench/diffusion_cpu.py). Outside
-# torch.compile, with no TorchDispatchMode active and plain tensors, the op's own implementation (the decorated
-# function above: same code, same placeholders) is called directly. Under torch.compile, which needs the opaque op in
-# its graph, under a dispatch mode (FakeTensorMode, dorafp8._memory.PeakTemporaries) or with tensor subclasses, the
-# custom op is called as before.
+# Eager fast path: a custom-op call costs tens of microseconds (bench/diffusion_cpu.py), so outside torch.compile,
+# dispatch modes and tensor subclasses the op's own implementation is called directly.
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 

@@ -1,15 +1,12 @@
-"""The dtype, dropout and norm-clamp rules every op follows (docs/DORA_MATH.md, "Dtype policy").
+"""The argument checks, dtype, dropout and norm-clamp rules every op follows (docs/DORA_MATH.md, "Dtype policy").
 
-The compute dtype (cdt) of the base path is the autocast dtype when autocast is on for x's device, else x's dtype. The
-rank dtype (rdt) of the low-rank path (u = xd A^T, v = gc B and the adapter gradients) is the autocast dtype under
-autocast, else the adapters' own dtype, as in PEFT (which casts x to lora_A's dtype): fp32 adapters on bf16
-activations get an fp32 low-rank path and fp32-accurate dA, dB. The weight norm, c = m / n and every accumulation are
-fp32; the output has the compute dtype, and so has z, the forward's product kept for dm (within the compute dtype's
-tolerance, as PEFT's dm: docs/DORA_MATH.md says why).
-"""
+The compute dtype (cdt) of the base path is autocast's, else x's. The rank dtype (rdt) of the low-rank path is
+autocast's, else the adapters' own, as in PEFT: fp32 adapters on bf16 activations get an fp32 low-rank path. The weight
+norm, c = m / n and every accumulation are fp32; the output and z (kept for dm) have the compute dtype."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -22,19 +19,14 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def as_result(y: Tensor, shape) -> Tensor:
-    """An op's fresh result `y` (which nothing else holds) in `shape`, as a tensor of its own instead of a view of y,
-    without a copy. A view would read as one to anyone who checks `._base`: FSDP2 warns when a module it wraps returns
-    a view ("returned a view tensor"), because an in-place op on a view drops the pre-backward hook it registers on
-    the output. aten._unsafe_view is what aten's own ops (F.linear, matmul) reshape their results with: the same
-    storage, a reshape of the gradient in the backward. The view relation it leaves out protects nothing here: y is
-    not returned, and the autograd Functions do not save it."""
+    """An op's fresh result `y` in `shape` as a tensor of its own, not a view (FSDP2 warns on views), without a copy:
+    aten._unsafe_view, as aten's own ops reshape results (y is neither returned nor saved)."""
     return torch.ops.aten._unsafe_view(y, shape)
 
 
 def check_float(t, name: str, *, wider_ok: bool = False) -> None:
-    """The one check of a float argument of the ops (x, lora_A, lora_B, magnitude, bias): a float32, bfloat16 or
-    float16 tensor (with wider_ok, any other float that is not fp8, e.g. float64, too). The TypeError names the
-    argument and the dtypes expected, and for an fp8 tensor says where fp8 belongs."""
+    """The one check of a float argument of the ops (x, lora_A, lora_B, magnitude, bias): a float32, bfloat16 or float16
+    tensor (with wider_ok, any non-fp8 float too). The TypeError names the argument, and for fp8 where fp8 belongs."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype in ACT_DTYPES or (wider_ok and t.is_floating_point() and not is_fp8(t)):
@@ -46,6 +38,19 @@ def check_float(t, name: str, *, wider_ok: bool = False) -> None:
                   "input to that layer's weight dtype does this: leave that layer dense, quantize_model(..., "
                   "exclude_modules=[its name]))" if name == "x" else ""))
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}{why}")
+
+
+def check_device(ref: Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
+
+
+def check_scaling_dropout(scaling, dropout_p) -> None:
+    if not isinstance(scaling, numbers.Real):
+        raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
 def dropout_mask(x: Tensor, p: float) -> Tensor:
@@ -92,10 +97,6 @@ def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None)
 
 
 def keeps_weight(M: int, N: int, K: int) -> bool:
-    """Whether a backend with KEEPS_WEIGHT (dorafp8/backends/base.py) keeps the forward's dequantized weight W [N, K]
-    for the backward of the same step, instead of dequantizing it again (one launch and 3 N K bytes fewer): when W
-    is at most half the size of x [M, K] and z [M, N], which the layer keeps for its backward anyway (M >= 2 N K /
-    (N + K): 4096 tokens for a 4096 x 4096 layer), so that it adds at most half to the layer's saved memory.
-    W is saved as they are (ctx.save_for_backward), so activation checkpointing and offloading hooks treat it as
-    they treat them: a checkpointed layer holds no W between its forward and its recomputation."""
+    """Whether a backend with KEEPS_WEIGHT keeps the forward's dequantized W [N, K] for the backward: when W is at most
+    half of x [M, K] and z [M, N], which the layer saves anyway (and with which checkpointing treats it)."""
     return 2 * N * K <= M * (N + K)

@@ -1,8 +1,7 @@
-"""The child process of dorafp8/backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend of SPEC against
-the fp32 reference backend on random inputs of SPEC's key (y and every gradient), then the passing ones timed in
-interleaved rounds, at the shapes _race.plan gives so that it holds at most _race.budget. It writes "dorafp8-race
-start C" before each run of C (so that the parent can blame the one that hangs or crashes it) and "dorafp8-race
-result {C: verdict}" lines; a watchdog ends it at the time limit or when its parent is gone."""
+"""The child process of backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend against the fp32
+reference on random inputs of SPEC's key (y and every gradient), then the passing ones timed in interleaved rounds,
+at race.plan's shapes. It prints "dorafp8-race start C" before each run of C (so that the parent can blame a hang or
+crash) and "dorafp8-race result {C: verdict}" lines; a watchdog ends it at the limit or when its parent is gone."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from .linear import dora_fp8_linear, fp8_linear, weight_norm
 
 
 def _inputs(spec: dict, M: int, rows: int, device: torch.device) -> dict:
-    """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy of
-    the whole weight)."""
+    """Random inputs of the key with the weight's first `rows` rows, made a block of rows at a time (no fp32 copy)."""
     g = torch.Generator().manual_seed(M)
     K, r, bs = spec["K"], max(spec["r"], 1), spec["block"]
     cdt, rdt = getattr(torch, spec["cdt"]), getattr(torch, spec["rdt"] or spec["cdt"])
@@ -117,8 +115,7 @@ def _sync(device):
 
 
 def main(argv: list[str]) -> int:
-    """The child: checks then times spec's candidates; a line "dorafp8-race start C" before each run of C (so that
-    the parent can blame the one that hangs or crashes), a line "dorafp8-race result {C: verdict}" after."""
+    """The child (the module docstring): checks, then times, spec's candidates."""
     spec = json.loads(argv[0])
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
@@ -166,8 +163,7 @@ def main(argv: list[str]) -> int:
         say("result", json.dumps({c: {"ok": None, "error": f"out of memory while timing ({e})"[:300]}
                                   for c in passed}))
         return 0
-    # what was timed, and what the child held on the GPU at most against its bound (_race.budget), kept with the
-    # verdicts
+    # what was timed, and the child's GPU peak against its bound (_race.budget), kept with the verdicts
     info = {"rows": todo["rows"], "M": todo["time"], "budget_mb": round(todo["budget"] / 2 ** 20, 1)}
     info.update({"peak_mb": round((_peak(device) - base) / 2 ** 20, 1)} if device.type == "cuda" else {})
     say("result", json.dumps({c: {"ok": True, "ms": 1e3 * sorted(ts)[len(ts) // 2], **info}

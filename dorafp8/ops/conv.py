@@ -1,10 +1,6 @@
 """FP8 convolutions as functional ops with their autograd: fp8_conv and dora_fp8_conv (PEFT's `DoraConv2dLayer`
-semantics; docs/DORA_MATH.md, "Convolutions"). The modules FP8Conv1d / FP8Conv2d / FP8Conv3d are dorafp8/nn/conv.py.
-
-The weight is quantized on its [C_out, C_in/groups * prod(kernel)] view (every scale of dorafp8.quant applies). A call
-dequantizes the layer into a transient in the compute dtype (in fp32 row blocks of at most 16 MiB) and runs the
-platform's convolution on it; nothing dequantized is kept for the backward, which dequantizes again. The DoRA weight
-norm is the backend's `weight_norm` op; the DoRA scalars are fp32, the output has the compute dtype."""
+semantics; docs/DORA_MATH.md, "Convolutions"). A call dequantizes the weight into a transient in the compute dtype
+(fp32 row blocks of at most 16 MiB) for the platform's convolution; the backward dequantizes again."""
 
 from __future__ import annotations
 
@@ -17,13 +13,9 @@ from torch import Tensor
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
-from ._policy import as_result, check_float, compute_dtype, dropout_mask, norm_divisor, rank_dtype
+from ._policy import (as_result, check_device, check_float, check_scaling_dropout, compute_dtype, dropout_mask,
+                      norm_divisor, rank_dtype)
 from .linear import weight_norm as linear_weight_norm
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _tuple(v, nd: int, name: str) -> tuple:
@@ -37,9 +29,8 @@ def _tuple(v, nd: int, name: str) -> tuple:
 
 
 def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
-    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call. Computed in fp32 over the
-    reference's row blocks of the [C_out, rest] view (fp32 temporaries of at most a block) and rounded once into
-    `dtype`."""
+    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call, computed in fp32 over row blocks
+    of the [C_out, rest] view and rounded once."""
     C = w8.shape[0]
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
@@ -96,21 +87,12 @@ def _sum_but_channels(t: Tensor) -> Tensor:
     return t.sum(dim=[0] + list(range(2, t.dim())))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The weight norm: PEFT's _DoraConvNdLayer.get_weight_norm on the fp8 weight, through the backend's weight_norm op
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, groups: int = 1, *,
                      backend: str | None = "auto", block_size: int = DEFAULT_BLOCK) -> Tensor:
     """n_o = || W0[o] + scaling * L[o] ||_2 over all but the output-channel dim, fp32 [C_out], detached, never forming
-    the dense weight. L is PEFT 0.21's lora weight in the conv layout: (lora_B.view(-1, r) @ lora_A.view(r, -1))
-    reshaped to W0's shape. With groups = 1 that is B A on the [C_out, C_in * prod(kernel)] view; with groups = g
-    PEFT's reshape makes row o of the view (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]), so the norm is
-    g calls of the op over the rows o = t (mod g).
-
-    w8 [C_out, C_in/g, *k] float8_e4m3fn; scale per tensor, per output channel [C_out], or per block of the 2-D view
-    (groups = 1 only); lora_A [r, C_in, *k]; lora_B [C_out, r/g, 1, ...]."""
+    the dense weight; L is PEFT 0.21's lora weight, (lora_B.view(-1, r) @ lora_A.view(r, -1)) reshaped to W0's shape:
+    with groups = g, row o is (B.view(C_out/g, r)[o // g]) @ (A.view(r, g, -1)[:, o % g]), g calls over o = t (mod g).
+    Shapes: w8 [C_out, C_in/g, *k], lora_A [r, C_in, *k], lora_B [C_out, r/g, 1, ...]; block scales need groups = 1."""
     C = w8.shape[0]
     r = lora_A.shape[0]
     if lora_A.numel() % r or lora_B.numel() % r:
@@ -134,11 +116,6 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
         n[t::groups] = linear_weight_norm(w2[t::groups].contiguous(), sc, A3[:, t].contiguous(), B2, scaling,
                                           backend=backend, block_size=block_size)
     return n
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd Functions
-# ----------------------------------------------------------------------------------------------------------------
 
 
 class FP8ConvFunction(torch.autograd.Function):
@@ -175,11 +152,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         no dropout:  y = c * (conv(x, W0) + s * lora_B(lora_A(x))) + b
         dropout:     y = conv(x, W0) + b + (c - 1) * conv(xd, W0) + c * s * lora_B(lora_A(xd))
 
-    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x) (PEFT's mask). x, bias in
-    the compute dtype; A, B in the rank dtype; the lora path runs in the rank dtype on xd formed there as PEFT forms
-    it; the base conv of the dropout term runs on xm = x * mask (exact in the compute dtype) and its 1 / (1 - p) is
-    applied in fp32, as in dorafp8.ops; the epilogue is fp32. Saves x and the mask, u = lora_A(xd), z = conv(xd, W0) + s * lora_B(u)
-    (for dm), never a dequantized weight."""
+    with c = m / n (NORM_EPS where n = 0) per output channel (fp32) and xd = dropout(x). Dtypes as DoRAFP8Function's;
+    saves x, the mask, u = lora_A(xd) and z = conv(xd, W0) + s * lora_B(u), never a dequantized weight."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, geom, lora_geom):
@@ -202,8 +176,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         else:
             base_x, base_d = None, _conv(x, w, None, stride, padding, dilation, groups)
         del w
-        # The epilogue in fp32, each result rounded once into its dtype.
-        # z = conv(xd, W0) + s lora (a copy when base_d is fp32 and still needed, by the dropout formula)
+        # The epilogue in fp32, each result rounded once. z = conv(xd, W0) + s lora (a copy when base_d is fp32 and
+        # still needed, by the dropout formula)
         z32 = (base_d.clone() if dropout else _f32(base_d)).add_(lora, alpha=s)
         del lora
         y = torch.empty(z32.shape, dtype=cdt, device=x.device)
@@ -241,9 +215,8 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
             db = _as(_sum_but_channels(g32), cdt)
         if need_dm:
             dm = _as((_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape), ctx.m_dtype)
-        # g * c in the compute dtype: the output gradient of the lora path (times s, applied to its small results
-        # below) and, without dropout, of the base conv. fp16: scaled by 1 / max|c| so that it cannot overflow
-        # where g does not (the transposed conv's result is scaled back in fp32).
+        # g * c in the compute dtype, the output gradient of the lora path (times s) and, without dropout, of the base
+        # conv; fp16: scaled by 1 / max|c| so that it cannot overflow where g does not (scaled back in fp32).
         rc = c.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) if cdt == torch.float16 else None
         gc = torch.empty(gy.shape, dtype=cdt, device=gy.device)
         torch.mul(g32, cv if rc is None else cv / rc, out=gc)
@@ -289,11 +262,6 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         return dx, None, None, db, dA, dB, dm, None, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Functional API
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def _check_conv_args(x, w8, scale, bias, block_size, groups):
     check_e4m3(w8, "w8")
     nd = w8.dim() - 2
@@ -314,9 +282,7 @@ def _check_conv_args(x, w8, scale, bias, block_size, groups):
         check_float(bias, "bias")
         if bias.numel() != C:
             raise ValueError(f"bias must have {C} elements (one per output channel), got shape {list(bias.shape)}")
-    for name, t in (("w8", w8), ("scale", scale), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    check_device(x, w8=w8, scale=scale, bias=bias)
     return nd, scale
 
 
@@ -386,15 +352,11 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
                          f"{list(getattr(lora_B, 'shape', []))}")
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B), ("magnitude", magnitude)):
         check_float(t, name)
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must be on one device")
+    check_device(x, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude)
     if magnitude.numel() != C:
         raise ValueError(f"magnitude must have {C} elements (one per output channel), got shape "
                          f"{list(magnitude.shape)}")
-    if not isinstance(scaling, numbers.Real):
-        raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_scaling_dropout(scaling, dropout_p)
     geom = (_tuple(stride, nd, "stride"), _tuple(padding, nd, "padding"), _tuple(dilation, nd, "dilation"), groups)
     lora_geom = (_tuple(geom[0] if lora_stride is None else lora_stride, nd, "lora_stride"),
                  _tuple(geom[1] if lora_padding is None else lora_padding, nd, "lora_padding"),

@@ -1,14 +1,10 @@
-"""DoRA on an FP8 base as autograd Functions over the backend kernels.
-
-dora_fp8_linear (checks, dtype policy, weight norm) -> DoRAFP8Function (autograd, dropout mask) -> torch.ops.dorafp8.*
-(custom ops, opaque to torch.compile) -> the backend module -> the kernel. The formulas and the dtype policy (compute
-dtype of the base path, rank dtype of the low-rank path, fp32 norms and accumulation) are docs/DORA_MATH.md's; the
-backend contract is dorafp8/backends/base.py."""
+"""DoRA on an FP8 base as autograd Functions over the backend kernels: dora_fp8_linear (checks, dtype policy, weight
+norm) -> DoRAFP8Function (autograd, dropout mask) -> torch.ops.dorafp8.* -> the backend -> the kernel. Formulas and
+dtype policy: docs/DORA_MATH.md; the backend contract: backends/base.py."""
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
@@ -18,22 +14,14 @@ from .. import backends
 from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
-from ._policy import (as_result, backend_needs, check_float, compute_dtype, dropout_mask, keeps_weight, rank_dtype,
-                      row_scale, rows)
-
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd Functions
-# ----------------------------------------------------------------------------------------------------------------
+from ._policy import (as_result, backend_needs, check_device, check_float, check_scaling_dropout, compute_dtype,
+                      dropout_mask, keeps_weight, rank_dtype, row_scale, rows)
 
 
 class DoRAFP8Function(torch.autograd.Function):
     """y = DoRA(x) on a frozen fp8 base; x2d and bias in the compute dtype, A and B in the rank dtype, m the magnitude
-    (any float dtype), n a detached fp32 norm (unclamped: the backends clamp it and form c = m / n themselves).
-
-    Between the backend calls there is no PyTorch op that launches a kernel (no dropout: none at all; dropout: the mask
-    and xm), and nothing reads a value on the host: the path is CUDA-graph friendly, and with the Triton backend it
-    is 2 launches forward and 5 backward (docs/ARCHITECTURE.md, "The kernel plan";
-    tests/ops/test_launches.py counts them)."""
+    (any float dtype), n a detached unclamped fp32 norm. No host reads and no PyTorch kernels between the backend calls
+    (but dropout's mask and xm): CUDA-graph friendly (docs/ARCHITECTURE.md, "The kernel plan")."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, A, B, m, n, s, p, block_size, act_quant, backend, global_scale=None):
@@ -49,10 +37,8 @@ class DoRAFP8Function(torch.autograd.Function):
                 y, z = x.new_empty(0, N), x.new_empty(0, N)
                 u = x.new_empty(0, A.shape[0], dtype=A.dtype)
             else:
-                # The low-rank path takes x and the mask: it forms x * mask / (1 - p) in the rank dtype, as PEFT
-                # does (exact for fp32 adapters on 16-bit activations).
-                # W8A8 on a backend that offers it: the same read of x quantizes it for the base GEMM
-                # (backends/base.py, QUANT_PARAMS).
+                # The low-rank path forms x * mask / (1 - p) in the rank dtype, as PEFT does; under W8A8 the same
+                # read of x may quantize it for the base GEMM (backends/base.py, QUANT_PARAMS).
                 x8 = sx = None
                 if (ctx.needs_input_grad[0] and getattr(backends.module(backend), "KEEPS_WEIGHT", False)
                         and keeps_weight(M, N, x.shape[1])):
@@ -62,8 +48,7 @@ class DoRAFP8Function(torch.autograd.Function):
                     u, x8, sx = _ops.project_quant_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
                 else:
                     u = _ops.project_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
-                # z (for dm) comes back in the compute dtype: docs/DORA_MATH.md, "Dtype policy", says why that is
-                # within the compute dtype's tolerance.
+                # z (for dm) in the compute dtype: docs/DORA_MATH.md, "Dtype policy", says why.
                 y, z = _ops.forward_op(x, w8, scale, bias, block_size=block_size, act_quant=act_quant,
                                        backend=backend, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p, need_z=need_z,
                                        x8=x8, sx=sx, global_scale=global_scale, **kept)
@@ -143,11 +128,6 @@ class FP8LinearFunction(torch.autograd.Function):
         return dx, None, None, db, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Public functional API
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def _check_float(t, name: str, shape: tuple) -> None:
     check_float(t, name, wider_ok=True)
     if tuple(t.shape) != shape:
@@ -158,12 +138,6 @@ def _check_x(x, K: int) -> None:
     check_float(x, "x")
     if x.dim() < 1 or x.shape[-1] != K:
         raise ValueError(f"x must have in_features={K} as its last dimension, got shape {list(x.shape)}")
-
-
-def _check_device(ref: Tensor, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
 def _rank(lora_A, lora_B, K: int) -> int:
@@ -202,7 +176,7 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
-    _check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B, global_scale=global_scale)
+    check_device(w8, scale=scale, lora_A=lora_A, lora_B=lora_B, global_scale=global_scale)
     rdt = torch.promote_types(lora_A.dtype, lora_B.dtype)
     name = race.select("norm", backend, w8.device, backend_needs(scale, ""), N=N, K=K, M=1, r=r,
                        scale=scale_kind(scale), block=block_size, cdt=rdt, rdt=rdt)
@@ -238,7 +212,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     _check_x(x, K)
     if bias is not None:
         _check_float(bias, "bias", (N,))
-    _check_device(x, w8=w8, scale=scale, bias=bias, global_scale=global_scale)
+    check_device(x, w8=w8, scale=scale, bias=bias, global_scale=global_scale)
     mode = check_act_quant(act_quant)
     cdt = compute_dtype(x)
     name = race.select("linear", backend, x.device, backend_needs(scale, mode, cdt), N=N, K=K,
@@ -294,12 +268,9 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     _check_float(magnitude, "magnitude", (N,))
     if bias is not None:
         _check_float(bias, "bias", (N,))
-    if not isinstance(scaling, numbers.Real):
-        raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_scaling_dropout(scaling, dropout_p)
     mode = check_act_quant(act_quant)
-    _check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias,
+    check_device(x, w8=w8, scale=scale, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, bias=bias,
                   global_scale=global_scale)
     if weight_norm is not None and (not isinstance(weight_norm, torch.Tensor) or tuple(weight_norm.shape) != (N,)):
         raise ValueError(f"weight_norm must be an fp32 tensor of shape [{N}], got "

@@ -1,10 +1,6 @@
-"""PEFT's LoRA layer interface across the releases dorafp8's layers support, 0.18 to 0.21 (LLaMA-Factory 0.9.5 pins
-peft 0.18.x): how a layer gets its options (a LoraConfig from 0.19, separate keywords in 0.18), how it picks its
-variant (`lora_variants` from 0.20, `resolve_lora_variant` before), and how its in/out features and adapter dtype are
-found (the layer is asked from 0.19; 0.18 reads them with functions that do not know fp8 layers).
-
-Read from each release's own source; tests/peft/test_peft.py and test_conv.py pass with 0.18.1, 0.19.1, 0.20.0 and
-0.21.2 (docs/TESTING.md)."""
+"""PEFT's LoRA layer interface across the releases dorafp8's layers support, 0.18 to 0.21: how a layer gets its options
+(a LoraConfig from 0.19, keywords in 0.18), picks its variant (`lora_variants` from 0.20) and finds its in/out
+features and adapter dtype. Read from each release's source; tests/peft/ pass with each (docs/TESTING.md)."""
 
 from __future__ import annotations
 

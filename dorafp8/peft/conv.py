@@ -1,10 +1,8 @@
-"""PEFT integration for convolutions: DoRAFP8Conv1d / DoRAFP8Conv2d / DoRAFP8Conv3d, PEFT's own `lora.Conv1d/2d/3d`
-on an FP8 conv base (dorafp8/nn/conv.py).
+"""PEFT integration for convolutions: DoRAFP8Conv1d/2d/3d, PEFT's own `lora.Conv1d/2d/3d` on an FP8 conv base.
 
-PEFT 0.21's layout is kept exactly (lora_A, lora_B and `lora_magnitude_vector` as PEFT's DoraConvNdLayer shapes them),
-so the adapter files are PEFT's. What changes: the base is an FP8 conv, the magnitude starts from the fp8 weight's
-norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one dora_fp8_conv call, with no
-dense B A, no dense W0 + s B A and no dequantized weight kept for the backward."""
+PEFT 0.21's adapter layout is kept exactly, so the adapter files are PEFT's. The base is an FP8 conv, the magnitude
+starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one
+dora_fp8_conv call, with no dense B A, W0 + s B A or kept dequantized weight."""
 
 from __future__ import annotations
 
@@ -39,8 +37,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
     _peft_dora_variant = _DoraConvNdVariant
     _io_names = ("in_channels", "out_channels")
 
-    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
-
     def _fp8_base(self) -> FP8ConvNd:
         """The FP8 conv base (also while update_layer shows PEFT a geometry shell, see there)."""
         layer = self
@@ -53,11 +49,8 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         return shell if shell is not None else super().get_base_layer()
 
     def update_layer(self, adapter_name, *args, **kwargs):
-        # PEFT's _ConvNd.update_layer builds lora_A / lora_B as `type(base_layer)(...)`, which for an FP8 conv
-        # base would be two frozen fp8 convs. While it runs, get_base_layer() returns a shell: an nn.ConvNd of the
-        # same geometry on the meta device (no memory), so PEFT builds the plain nn.ConvNd adapters it builds for
-        # any conv, with its own initialisation. Device and dtype come from the real base
-        # (_get_base_layer_device_and_dtype), and the DoRA variant reads the real base (_fp8_base).
+        # PEFT's update_layer builds lora_A / lora_B as `type(base_layer)(...)`: while it runs, get_base_layer() is a
+        # meta nn.ConvNd of the same geometry (device, dtype and the DoRA variant still read the real base).
         shell = _geometry_shell(self._fp8_base())
         self.__dict__["_dorafp8_geometry_shell"] = shell
         try:
@@ -77,8 +70,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
         if base_layer is real or base_layer is self.__dict__.get("_dorafp8_geometry_shell"):
             return real.weight.device, real.orig_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
-
-    # ---- dorafp8 -------------------------------------------------------------------------------------------------
 
     @staticmethod
     def _weight_norm(base, A, B, s):
@@ -110,8 +101,6 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
             lora_dilation=lora_A.dilation, dropout_p=p, training=self.training, backend=base.backend,
             weight_norm=self.dora_weight_norm(a), block_size=base.block_size)
 
-    # ---- conversion ----------------------------------------------------------------------------------------------
-
     @classmethod
     def check_peft_layer(cls, layer: lora_layer._ConvNd, *, per_row_scale: bool = False, name: str | None = None):
         """Raises what from_peft(layer) would raise, changing nothing."""
@@ -123,10 +112,8 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
 
     @classmethod
     def from_peft(cls, layer: lora_layer._ConvNd, *, backend: str = "auto", per_row_scale: bool = False):
-        """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8.
-
-        The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
-        shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded."""
+        """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8. It
+        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         if isinstance(base, FP8ConvNd):
@@ -161,9 +148,8 @@ class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
 
 
 class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
-    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (see dorafp8/peft/conv.py). Build it with get_peft_model on a
-    model whose convs are FP8Conv2d (dorafp8.quantize_model(model, include_conv=True)), or convert a PEFT DoRA model
-    with dorafp8.convert_peft_model."""
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base: get_peft_model builds it on a model quantized with
+    quantize_model(model, include_conv=True), or convert_peft_model converts a PEFT DoRA model."""
 
 
 class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):

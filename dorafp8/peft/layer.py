@@ -26,9 +26,8 @@ _MERGE_WARNING = (
     "{}.merge_granularity chooses). dorafp8.export_merged writes merged checkpoints in the layout you "
     "deploy and reports the error of every layer"
 )
-# A microscaled base is re-quantized in its own format (dorafp8/merge.py, requantize_micro). The errors: the recipes'
-# relative Frobenius error on a Gaussian [1024, 1024] weight, measured (tests/peft/test_microscaled_peft.py bounds
-# the merged layers'): 4-bit e2m1 loses far more than e4m3.
+# A microscaled base is re-quantized in its own format (merge.requantize_micro); the errors: measured on a Gaussian
+# [1024, 1024] weight (tests/peft/test_microscaled_peft.py bounds the merged layers').
 _MICRO_RECIPE = {"nvfp4": "ModelOpt's NVFP4 recipe (e2m1 values, an e4m3 scale per 16, a new global scale; about 9.5% "
                           "relative error on Gaussian weights)",
                  "mxfp8": "the OCP MX recipe (e4m3 values, an e8m0 scale per 32; about 2.9% relative error)"}
@@ -52,26 +51,18 @@ def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name
 
 
 class FP8DoraVariantMixin:
-    """What the DoRA variants on fp8 bases share: the init with the magnitude from the fp8 weight, no merge into a
-    dense weight (`_merge_error` says what to do instead), and PEFT's general-path composition with the base product
-    taken from the fp8 layer. A variant gives `_magnitude(module, m)`: PEFT's magnitude holder class for the layer
-    type and the magnitude m [N] in the shape it holds."""
+    """What the DoRA variants on fp8 bases share: the magnitude's init from the fp8 weight, no dense merge, PEFT's
+    general-path composition. A variant gives `_magnitude(module, m)`: PEFT's holder class and m [N] shaped for it."""
 
     _merge_error = ("the DoRA variant on an fp8 base does not merge into a dense weight: the layer's own merge() "
                     "(and PEFT's merge_and_unload / merge_adapter, which call it) merges in fp32 row blocks and "
                     "re-quantizes to e4m3")
 
     @classmethod
-    def merge_safe(cls, module, active_adapter, orig_weight):
+    def _refuse_merge(cls, module, active_adapter, orig_weight):
         raise NotImplementedError(cls._merge_error)
 
-    @classmethod
-    def merge_unsafe(cls, module, active_adapter, orig_weight):
-        raise NotImplementedError(cls._merge_error)
-
-    @classmethod
-    def unmerge(cls, module, active_adapter, orig_weight):
-        raise NotImplementedError(cls._merge_error)
+    merge_safe = merge_unsafe = unmerge = _refuse_merge
 
     @classmethod
     def init(cls, module: "DoRAFP8Layer", adapter_name: str, **kwargs: Any) -> None:
@@ -81,9 +72,7 @@ class FP8DoraVariantMixin:
         lora_A = module.lora_A[adapter_name].weight
         dtype = lora_A.dtype
         if lora_A.device.type == "meta":
-            # PeftModel.from_pretrained / load_adapter with low_cpu_mem_usage=True make the adapters on the meta
-            # device and assign the file's tensors (the magnitude's too) afterwards; PEFT's DoRA init gives a meta
-            # magnitude there as well. The norm of meta adapters cannot be computed, and is not needed.
+            # low_cpu_mem_usage=True: meta adapters, the file's tensors assigned afterwards (PEFT's DoRA init too)
             m = torch.empty(module.out_features, dtype=dtype, device="meta")
         else:
             with zero3_gathered(module.get_base_layer()):  # a base ZeRO-3 partitioned: whole for the norm, as PEFT
@@ -119,11 +108,9 @@ class FP8DoraVariantMixin:
 
 
 class DoRAFP8Layer:
-    """What the dorafp8 PEFT layers (DoRAFP8Linear, DoRAFP8Conv1d/2d/3d) share: the backend switch, the per-adapter
-    weight-norm cache, the dispatch to the fused op, and the conversion from a PEFT layer. A layer class gives
-    `_dora_variant`, `_fp8_base()` (its FP8Linear / FP8ConvNd), `_weight_norm(base, A, B, s)`, `_per_channel(v)`
-    (a per-output-channel vector shaped to broadcast over outputs), `_base_product(base, x)` (the base without bias)
-    and `_fused_call(x, adapter, dropout_p)`."""
+    """What the dorafp8 PEFT layers share: backend switch, weight-norm cache, fused dispatch, merge, conversion. A layer
+    class gives `_dora_variant`, `_fp8_base()`, `_weight_norm(base, A, B, s)`, `_per_channel(v)`, `_base_product(base,
+    x)` (without bias) and `_fused_call(x, adapter, dropout_p)`."""
 
     _dora_variant: type
     _io_names = ("in_features", "out_features")  # how extra_repr names in_features / out_features
@@ -182,8 +169,7 @@ class DoRAFP8Layer:
 
     def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
         """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
-        equals the norm of the current tensors (dorafp8/norm_cache.py says where: always on the CPU, inside
-        `dorafp8.reuse_weight_norms()` on a GPU)."""
+        equals the norm of the current tensors (dorafp8/norm_cache.py)."""
         base = self._fp8_base()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
@@ -216,8 +202,6 @@ class DoRAFP8Layer:
         dropout = self.lora_dropout[a]
         return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
 
-    # ---- merging --------------------------------------------------------------------------------------------------
-
     # Scale of a merged base: "row" (one per output row, loses least), "tensor", "block", or "keep" (the base's own).
     merge_granularity = "row"
 
@@ -227,9 +211,8 @@ class DoRAFP8Layer:
         return [a for a in names if a in self.lora_A and a not in self.merged_adapters]
 
     def merge_problems(self, adapter_names=None) -> list[str]:
-        """Why merge(adapter_names) would fail, found without changing anything: PEFT's merge_and_unload and
-        merge_adapter ask every layer first (register.check_model_merge), so that a model is merged whole or not at
-        all."""
+        """Why merge(adapter_names) would fail, found without changing anything (register.check_model_merge asks every
+        layer first, so that a model is merged whole or not at all)."""
         names = self._adapters_to_merge(adapter_names)
         if not names:
             return []
@@ -250,11 +233,10 @@ class DoRAFP8Layer:
         return problems
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or the named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
-        NORM_EPS) with V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA adapter), over the [out, in * kernel]
-        view of the weight in fp32 row blocks, re-quantized to e4m3 with `merge_granularity` scales (warns that it
-        re-quantizes). Every check runs before anything changes (merge_problems). The pre-merge fp8 weight is kept,
-        so unmerge() restores it exactly. The relative error of the re-quantization is `last_merge_error`."""
+        """Merges the active (or named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
+        NORM_EPS), V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA one), in fp32 row blocks, re-quantized with
+        `merge_granularity` scales (warned about; the error in `last_merge_error`). All checks run first
+        (merge_problems); unmerge() restores the kept pre-merge bytes."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         from ..merge import adapter_terms, merged_rows, requantize, requantize_micro

@@ -1,11 +1,8 @@
 """DoRAFP8Linear: a PEFT LoRA Linear on an FP8Linear base (conversion and registration: dorafp8/peft/register.py).
 
-DoRAFP8Linear subclasses PEFT's own `lora.Linear`, so everything PEFT does around a layer keeps working:
-adapter state_dict keys (`lora_A.<name>.weight`, `lora_B.<name>.weight`, `lora_magnitude_vector.<name>.weight`),
-save_pretrained/load_adapter, set_adapter, disable_adapter, several adapters per layer. Only three things change:
-the base layer is an FP8Linear, the DoRA magnitude is initialised from the fp8 weight, and the forward of the usual
-case (one active DoRA adapter) is one fused dorafp8 call instead of PEFT's dense [N, K] temporaries.
-"""
+It subclasses PEFT's `lora.Linear`, so adapter keys, save_pretrained/load_adapter, set_adapter, disable_adapter and
+several adapters keep working. What changes: the FP8Linear base, the magnitude initialised from the fp8 weight, and
+the usual case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
 
 from __future__ import annotations
 
@@ -31,15 +28,10 @@ class DoraFP8Variant(FP8DoraVariantMixin, DoraLinearVariant):
 
 
 class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
-    """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer).
-
-    Build it with `DoRAFP8Linear.from_peft(peft_dora_linear)`, with `dorafp8.convert_peft_model(peft_model)`, or let
-    PEFT build it: after `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these.
-    The weight norm is computed once per forward and reused by its backward. Across calls it is reused only where it
-    provably equals the norm of the current adapters, whatever wrote them (fused or 8-bit optimizers, `.data`): on
-    the CPU by comparing the adapters with copies, on a GPU inside `dorafp8.reuse_weight_norms()`
-    (dorafp8/norm_cache.py).
-    """
+    """PEFT's DoRA Linear with the frozen base weight in FP8 e4m3 (an FP8Linear base layer). Build it with
+    `DoRAFP8Linear.from_peft(peft_dora_linear)` or `dorafp8.convert_peft_model(peft_model)`, or let PEFT build it: after
+    `import dorafp8`, `get_peft_model` on a model with FP8Linear layers creates these. The weight norm is reused across
+    calls only where it provably equals the current adapters' (dorafp8/norm_cache.py)."""
 
     _dora_variant = DoraFP8Variant
     _peft_dora_variant = DoraLinearVariant
@@ -47,8 +39,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     def __init__(self, base_layer, adapter_name: str, config=None, r: int = 0, lora_alpha: int = 1, **kwargs):
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self.fan_in_fan_out = False  # the FP8Linear weight is always [out, in]
-
-    # ---- what PEFT asks of a layer type --------------------------------------------------------------------------
 
     def _get_in_out_features(self, module):
         if isinstance(module, FP8Linear):
@@ -66,8 +56,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         also rescales rows, see merge)."""
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         return ((B.float() @ A.float()) * self.scaling[adapter]).to(B.dtype)
-
-    # ---- dorafp8 -------------------------------------------------------------------------------------------------
 
     @staticmethod
     def _weight_norm(base, A, B, s):
@@ -91,8 +79,6 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
             dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
             block_size=base.block_size, act_quant=base.act_quant, global_scale=base.global_scale)
 
-    # ---- conversion ----------------------------------------------------------------------------------------------
-
     @classmethod
     def check_peft_layer(cls, layer: lora_layer.Linear, *, per_row_scale: bool = False, name: str | None = None):
         """Raises what from_peft(layer) would raise, changing nothing."""
@@ -104,11 +90,8 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     @classmethod
     def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
                   per_row_scale: bool = False) -> "DoRAFP8Linear":
-        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), with the base quantized to fp8.
-
-        The adapters (all of them, with their active/disabled state) are moved over as they are: the returned layer
-        shares lora_A, lora_B, lora_dropout and lora_magnitude_vector with `layer`, which should be discarded.
-        """
+        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), the base quantized to fp8. It
+        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(

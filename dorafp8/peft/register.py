@@ -63,11 +63,8 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
 
 
 def check_model_merge(model: nn.Module, adapter_names=None) -> None:
-    """Raises, before anything is merged, if any LoRA layer of `model` could not merge `adapter_names` (None: the
-    active adapters): PEFT merges layer after layer, so a failure at layer 11 would leave 10 merged (and, in
-    merge_and_unload, unloaded). Asks every dorafp8 layer (DoRAFP8Layer.merge_problems: a ValueError) and checks
-    PEFT's own conv layers for the groups > 1 that PEFT's merge refuses: that is PEFT's NotImplementedError, with
-    PEFT's message, so that code catching PEFT's exception still catches it."""
+    """Raises before anything is merged if any LoRA layer of `model` could not merge `adapter_names` (None: the active
+    ones): dorafp8 layers' merge_problems, or PEFT's NotImplementedError for its conv layers with groups > 1."""
     problems, peft_refuses = [], []
     for name, mod in model.named_modules():
         if isinstance(mod, DoRAFP8Layer):
@@ -119,12 +116,8 @@ def _fp8_all_linear_names(model: nn.Module) -> set[str]:
 
 
 def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.Module:
-    """The FP8Linear / FP8ConvNd that DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
-    (diffusers' enable_layerwise_casting, kohya's and OneTrainer's fp8 casts; PEFT's DoRA init fails on it).
-
-    Its e4m3 bytes with scale 1 are the values the model computes with (a layerwise-casting hook upcasts them
-    exactly), so this is exact. The new layer has no hook: it reads the fp8 weight itself, while the model's other,
-    non-targeted layers keep theirs and compute as before."""
+    """The FP8Linear / FP8ConvNd DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
+    (layerwise casting, kohya's and OneTrainer's casts; PEFT's DoRA init fails on it): its e4m3 bytes with scale 1."""
     if target is not base:  # the base of another adapter layer: swapping it would change that layer under it
         kind = f"{type(target).__module__}.{type(target).__qualname__}"
         raise ValueError(f"{name!r} is a {type(base).__name__} with a {base.weight.dtype} weight inside the adapter "
@@ -135,18 +128,12 @@ def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.M
 
 
 def register_with_peft() -> None:
-    """Makes PEFT build a DoRAFP8Linear (or plain-LoRA equivalent) for every targeted FP8Linear layer (and a
-    DoRAFP8Conv1d/2d/3d for every targeted FP8 conv layer), and makes
-    `target_modules="all-linear"` include FP8Linear layers. A DoRA adapter on a plain nn.Linear / Conv1D / ConvNd
-    whose weight is already float8_e4m3fn gets the dorafp8 layer too, on the same bytes with scale 1
-    (_fp8_cast_base); plain LoRA on such a layer is left to PEFT.
-
-    PEFT picks the LoRA layer class from a fixed list of dispatchers inside LoraModel._create_new_module, and expands
-    "all-linear" to the nn.Linear/Conv1D layers only (tuners_utils._maybe_include_all_linear_layers); this wraps both
-    so FP8Linear counts as the linear layer it is. It also makes LoraModel's merge_and_unload and merge_adapter check
-    every layer before merging any (check_model_merge). Idempotent; runs when peft is imported
-    (dorafp8/_install.py).
-    """
+    """Makes PEFT build a DoRAFP8Linear (or the plain-LoRA equivalent) for every targeted FP8Linear layer and a
+    DoRAFP8Conv1d/2d/3d for every targeted FP8 conv, and makes `target_modules="all-linear"` include FP8Linear layers. A
+    DoRA adapter on a plain layer whose weight is float8_e4m3fn already gets the dorafp8 layer too, on the same bytes
+    (_fp8_cast_base); plain LoRA there is left to PEFT. Wraps LoraModel._create_new_module's dispatchers and
+    tuners_utils._maybe_include_all_linear_layers, and makes merge_and_unload and merge_adapter check every layer before
+    merging any (check_model_merge). Idempotent; runs when peft is imported (dorafp8/_install.py)."""
     global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:
         return
