@@ -1,23 +1,9 @@
-// dorafp8 CUDA kernels, dgrad family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): dgrad_mma_kernel for the
-// 16-bit compute dtypes (the GEMM it shares with forward: common/gemm.cuh; block tiles, launch order and edge
-// handling: common/tiles.cuh) with its operand policy DgradOperands and its epilogue, dgrad_simt_kernel for fp32
-// (common/simt.cuh), and the entry point dorafp8::dgrad (launch_gemm, common/gemm.cuh).
-//
-// dgrad:       dx from the operands the backward pass prepared (gl = g * f / rl, gb = g * srow / rb; per-row scales and
-//              c are already in them): the GEMMs gl W8 (and gb W8 with dropout) where the reduction runs over N, the
-//              contiguous dim of nothing in W8's layout: ldmatrix.trans on the fp8 tile (viewed as 16-bit) gives lane
-//              (g, t) rows 2t, 2t+1 x byte columns 2g, 2g+1; one byte permute splits them into the B fragments of two
-//              n8 tiles, the even and the odd output columns. So the accumulators of a 16-column group hold columns
-//              16c + 2j (+1), and a lane ends up with 4 consecutive output columns. Block tiles as above (output
-//              columns of K; 32 reduction rows of N per step). The converted W8 fragments are the only thing
-//              the main loop computes on besides the mma: gl and gb go from shared memory to the mma untouched, and
-//              with dropout both accumulators (gl W8, gb W8) share each converted fragment. The epilogue applies the
-//              scalars (rl st, rb st), accumulates s v A like forward's rank-r term (its A tile is stored with the
-//              same even/odd column interleave) and combines dropout's two terms with the mask.
-//
-// Rank-r term with fp32 adapters on 16-bit activations (rank_f32): v A runs as fp32 FMA on the lane's own
-//              accumulator positions (v/A chunks of 32 in shared memory), so the fp32 adapters are never rounded to
-//              16 bits.
+// dorafp8 CUDA kernels, dgrad family (contract: csrc/dora_fp8.h): dgrad_mma_kernel for the 16-bit compute dtypes
+// (the GEMM shared with forward: common/gemm.cuh) with its operand policy DgradOperands and its epilogue,
+// dgrad_simt_kernel for fp32 (common/simt.cuh), and the entry point dorafp8::dgrad.
+// dx = gl W8 (and gb W8 with dropout) reduces over N, W8's non-contiguous dim: ldmatrix.trans plus one byte permute
+// give the B fragments of the even and odd output columns, so a lane holds 4 consecutive columns. The epilogue applies
+// the scalars, adds s v A (fp32 FMA with rank_f32) and combines dropout's two terms. Details: docs/ARCHITECTURE.md.
 
 #include "dora_fp8.h"
 

@@ -1,23 +1,9 @@
-// dorafp8 CUDA kernels, forward family (contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): forward_mma_kernel for
-// the 16-bit compute dtypes (the GEMM it shares with dgrad: common/gemm.cuh; block tiles, launch order and edge
-// handling: common/tiles.cuh) with its operand policy FwdOperands and its epilogue, forward_simt_kernel for fp32
-// (common/simt.cuh), and the entry point dorafp8::forward (launch_gemm, common/gemm.cuh).
-//
-// forward:     y = x W0^T with the DoRA epilogue. The fp8 tile stays fp8 in shared memory (BN x 32 bytes per stage);
-//              ldmatrix reads it as if it were 16-bit, so lane (g, t) gets row g, bytes 4t..4t+3 of a 16-byte k
-//              slice, which cvt.rn.f16x2.e4m3x2 turns into the two B registers (exact: every e4m3 value is an fp16
-//              and a bf16). That puts k = 4t..4t+3 where the mma expects k = {2t, 2t+1, 2t+8, 2t+9}: a fixed
-//              permutation of the 16 k of each step, harmless as long as A uses the same one, so the x fragments are
-//              read with two 8-byte loads (x[g][4t..4t+3], x[g+8][4t..4t+3]) instead of ldmatrix. Dropout runs the x
-//              and xm tiles (xm = x * mask, exact in the compute dtype) against the same converted W8 fragments into
-//              two accumulators; the 1 / (1 - p) of dropout multiplies the fp32 xm product in the epilogue. The
-//              epilogue folds scale (per column), then the rank-r term u B^T is accumulated by more mma steps into
-//              the same accumulators after they are scaled by scale_j / s (acc * scale_j / s + u B^T, times s,
-//              = x W0^T + s u B^T: no extra registers).
-//
-// Rank-r term with fp32 adapters on 16-bit activations (rank_f32): u B^T runs as fp32 FMA on the lane's own
-//              accumulator positions (u/B chunks of 32 in shared memory), so the fp32 adapters are never rounded to
-//              16 bits; forward then also writes z in fp32 (z_f32).
+// dorafp8 CUDA kernels, forward family (contract: csrc/dora_fp8.h): forward_mma_kernel for the 16-bit compute dtypes
+// (the GEMM shared with dgrad: common/gemm.cuh) with its operand policy FwdOperands and its epilogue,
+// forward_simt_kernel for fp32 (common/simt.cuh), and the entry point dorafp8::forward.
+// The fp8 tile stays fp8 in shared memory and is converted per fragment (exact: every e4m3 is an fp16 and a bf16) in
+// a permuted k order that the x fragments are read in too; the epilogue adds the rank-r term u B^T by more mma steps
+// into the scaled accumulators (fp32 FMA with rank_f32). Details: docs/ARCHITECTURE.md ("csrc/").
 
 #include "dora_fp8.h"
 

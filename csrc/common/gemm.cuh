@@ -1,37 +1,20 @@
-// Shared code of the dorafp8 kernels, part 5: the tensor-core GEMM that forward.cu and dgrad.cu both run, and the
-// launch of both families. forward (x W8^T) and dgrad (gl W8) are one GEMM, acc[rows of M, output columns] = act x W8,
-// that differs only in which dim of W8 [N, K] is the reduction: K in forward (W8's rows are the output columns, the
-// reduction is contiguous), N in dgrad (W8's rows are the reduction). What does not depend on that is here, once:
+// Shared code of the dorafp8 kernels, part 5: the tensor-core GEMM of forward.cu and dgrad.cu, and the launch of
+// both (launch_gemm). Both are acc[rows of M, output columns] = act x W8, differing only in which dim of W8 [N, K] is
+// the reduction (K in forward, N in dgrad); docs/ARCHITECTURE.md ("csrc/") has the design notes.
 //
-//   MmaTiles          the block tile (BM rows x BN output columns), the warp layout and the pipeline's stage bytes
-//                     (common/tiles.cuh's header says why these shapes); FwdCfg and DgradCfg add their epilogues'
-//                     shared memory;
-//   mma_warp          a lane's place in the block tile; mma_block_origin: the block's tile in grouped order;
-//   mma_load_stage, mma_compute_stage, mma_pipeline (run by mma_kernel_body)
-//                     the main loop: a kStages-deep cp.async pipeline over the reduction in steps of 32, per stage
-//                     the activation tile (two with dropout: x and xm, gl and gb) and the fp8 tile; each converted W8
-//                     fragment feeds the mma of both accumulators (mma_rows, also the rank-r term's mma);
-//   launch_gemm       the host side of both: the dtype switch (fp32: the SIMT kernel, common/simt.cuh, whose GEMMs
-//                     are shared there), the tile shape for M and dropout, the launch.
-//
-// What depends on the orientation is an operand policy that each kernel file defines (FwdOperands in forward.cu,
-// DgradOperands in dgrad.cu) and passes in:
-//   kSwzA                         the swizzle of the activation and left rank tiles, which fixes the k order of their
-//                                 A fragments (frag_a): it must be the one the policy's B fragments come in;
+// The orientation is an operand policy each kernel file defines (FwdOperands, DgradOperands) and passes in:
+//   kSwzA                         swizzle of the activation and left rank tiles; fixes the k order of their A
+//                                 fragments (frag_a), which must match the policy's B fragments;
 //   load_w8(sw, r0, tid)          copies the stage's fp8 tile (reduction rows r0 .. r0 + 31) into sw;
 //   w8_frags<T>(b, sw, kk, lane)  the warp's 4 converted B fragments (k16 x n8) of reduction step kk;
 //   load_rank(sb, q0, tid), rank_frags(b, sb, kk, lane)
-//                                 the same two for the 16-bit right rank operand (B [N, r] in forward, A [r, K] in
-//                                 dgrad) in mma_rank_term's chunks of kRankChunk ranks;
+//                                 the same for the 16-bit right rank operand (B [N, r] in forward, A [r, K] in
+//                                 dgrad) in chunks of kRankChunk ranks;
 //   load_rank_f32(sb, q0, tid), rank_cols_f32(b, sb, q, lane)
 //                                 its fp32 chunk, and rank q's values at the lane's accumulator columns:
 //                                 b[nt][h] multiplies accumulator elements h and 2 + h of n8 tile nt.
-// The accumulator element [mt][nt][e] of a lane (g, t) is row wm0 + 16 mt + g + 8 (e >> 1) of the block tile; its
-// column is the policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: its even/odd interleave, see dgrad.cu).
-//
-// mma_kernel_body and simt_kernel_body are both kernels up to their epilogues (nvcc 13.0, against the kernels written
-// out: forward's mma SASS identical on sm_89 and sm_90a, the others within 8 instructions per kernel, no spill). The
-// mma stores stay written out in each epilogue: through a lambda they cost forward's up to 8% more instructions.
+// Accumulator element [mt][nt][e] of lane (g, t) is block-tile row wm0 + 16 mt + g + 8 (e >> 1); its column is the
+// policy's (forward: wn0 + 8 nt + 2t + (e & 1); dgrad: an even/odd interleave, see dgrad.cu).
 // Check a change here with python -m dorafp8.kernel_report --backend cuda (registers, spills) on every target.
 #pragma once
 

@@ -1,22 +1,8 @@
 // Shared device code of the dorafp8 kernels, part 3: the constants every kernel shares, the grouped launch order,
 // and the shared-memory tiles of the tensor-core GEMM of forward.cu and dgrad.cu (its main loop: common/gemm.cuh):
-// loaders, swizzles, mma fragments.
-//
-// tiles:       forward and dgrad: 8 warps, each a warp tile of WM rows x 32 output columns (mma.sync m16n8k16, bf16
-//              or fp16 operands, fp32 accumulators), a 4-stage cp.async pipeline over the reduction in steps of 32.
-//              Up to 64 rows of activations: 64 x 128 block tiles, warps 2 (M) x 4 (columns), so that W8, whose read
-//              dominates at small M, is spread over twice as many blocks. More rows: 64 x 256 (32 x 256 with
-//              dropout's two accumulators), warps 1 x 8: the same warp tile, bytes per stage and mma count as
-//              128 x 128 (64 x 128) with 2 x 4 warps, but each converted W8 fragment serves one warp instead of being
-//              converted by both warps of its column (half the conversions per mma; for bf16 one conversion is
-//              four instructions per register). Blocks run in grouped order (grouped_tile): 8 row-blocks sweep the
-//              column-blocks together, so that their activation rows and W8 tiles are re-read from L2, not DRAM.
-//              (Both choices follow from instruction and byte counts; no GPU timing has checked them yet.)
-//
-// Edges: any M, N, K (K % 16 == 0 with a 16-byte aligned base selects the 16-byte fp8 copies, otherwise bytes are
-// copied one by one; activations need a row stride % 8 == 0 and 16-byte alignment for cp.async, else scalar copies),
-// any r (rank chunks of 32, zero padded). Nothing is read out of bounds: rows/columns past the edge are zero-filled
-// (cp.async with a source size of 0 reads nothing). Global offsets are int64.
+// loaders, swizzles, mma fragments. Why these tile shapes: docs/ARCHITECTURE.md ("csrc/").
+// Edges: any M, N, K, r; nothing is read out of bounds (rows/columns past the edge are zero-filled, cp.async with a
+// source size of 0 reads nothing); 16-byte copies only where K, strides and alignment allow. Offsets are int64.
 #pragma once
 
 #include "convert.cuh"
@@ -33,13 +19,10 @@ constexpr int kRankPitchF = kRankChunk + 1;  // fp32 rank tiles [rows][33]: colu
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int kGroupM = 8;     // row-blocks per group of the grouped launch order (grouped_tile)
 
-// The tile (bm, bn) that linear block `pid` of a tiles_m x tiles_n grid computes, in grouped order: `group`
-// consecutive row-blocks (of x or g) sweep the column-blocks (of W8) together, row-blocks fastest. While a group
-// runs, its activation rows and the W8 column-blocks it visits are shared by many resident blocks and stay in L2,
-// instead of the activations being streamed from DRAM once per column-block (row-fastest order over all of M) or W8
-// once per row-block (column-fastest order). The last group has tiles_m % group row-blocks. 32-bit arithmetic (the
-// launch has at most 2^31 - 1 blocks): a 64-bit division would be a call, with a stack frame and spills around it.
-// group: p.group_m (the tests' override) or kGroupM when 0; clamped to tiles_m, so group * tiles_n fits 32 bits too.
+// The tile (bm, bn) of linear block `pid` of a tiles_m x tiles_n grid in grouped order: `group` consecutive
+// row-blocks sweep the column-blocks together (row-blocks fastest), so activation rows and W8 tiles are re-read from
+// L2, not DRAM. 32-bit on purpose: a 64-bit division is a call with spills. group: p.group_m (tests) or kGroupM when
+// 0, clamped to tiles_m so group * tiles_n fits 32 bits.
 __device__ __forceinline__ void grouped_tile(uint32_t pid, uint32_t tiles_m, uint32_t tiles_n, int group_m,
                                              int64_t& bm, int64_t& bn) {
   uint32_t group = group_m > 0 ? static_cast<uint32_t>(group_m) : kGroupM;
