@@ -1,8 +1,5 @@
-// Python binding of the dorafp8 CUDA kernels (module dorafp8._C). Checks every tensor (device, dtype, shape,
-// layout) naming the argument in the error, takes the current CUDA stream, launches, checks the launch. No math:
-// the kernels and their launchers are in weight_norm.cu, forward.cu and dgrad.cu (through dora_fp8.h), the contract
-// in dorafp8/backends/__init__.py, and the Python wrapper that allocates the outputs is dorafp8/backends/cuda.py.
-//
+// Python binding of the dorafp8 CUDA kernels (module dorafp8._C): checks every tensor naming the argument, takes
+// the current CUDA stream, launches, checks the launch. No math (kernels: dora_fp8.h; wrapper: backends/cuda.py).
 // Only c10/cuda headers on purpose: ATen/cuda/CUDAContext.h pulls cusparse.h, which a bare CUDA toolkit may lack.
 
 #include <optional>

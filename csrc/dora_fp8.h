@@ -1,13 +1,7 @@
-// dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and the kernel files (kernels,
-// launchers), one per kernel family: weight_norm.cu, forward.cu, dgrad.cu (the fp32 SIMT kernels live in forward.cu
-// and dgrad.cu beside the tensor-core ones), their shared code in common/ (primitives, conversions, tiles, launch
-// helpers, the SIMT GEMM loop, and gemm.cuh: the tensor-core GEMM forward and dgrad share, and launch_gemm, the
-// entry point's dtype switch and tile choice for both). Plain C++ with raw pointers so
-// that the binding never sees CUDA's fp types and the .cu files never see torch's headers (each translation unit
-// stays cheap to compile, and setup.py's CUDA_SOURCES lets ninja build them side by side).
-//
-// Three kernels touch the [N, K] fp8 weight (per-tensor or per-row scales); the rank-r GEMMs outside them and the
-// backward pass are the Triton backend's (dorafp8/backends/cuda.py).
+// dorafp8 CUDA kernels: the launch interface between csrc/binding.cpp (checks, stream) and the kernel files
+// weight_norm.cu, forward.cu, dgrad.cu (shared code in common/). Plain C++ with raw pointers, so the binding never
+// sees CUDA's fp types and the .cu files never see torch's headers (cheap translation units, built side by side).
+// The rank-r GEMMs and the backward pass are the Triton backend's (dorafp8/backends/cuda.py).
 //
 // The math is the backend contract of dorafp8/backends/__init__.py (see docs/DORA_MATH.md), for per-tensor and per-row
 // weight scales (W0 = scale * w8 with scale fp32, one value or one per row; block scales and W8A8 are not offered
