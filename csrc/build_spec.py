@@ -1,13 +1,7 @@
-"""What the CUDA extension dorafp8._C is built from and with: plain literals, and two helpers that need nothing but the
-standard library (the nvcc -gencode flags of a list of archs, the default number of parallel nvcc jobs, the CUDA
-headers of the nvidia pip wheels).
-
-setup.py reads this file by path (runpy) to build the extension at install, dorafp8/backends/cuda_build.py to build it
-on first use of backend="cuda" when the install did not, and the kernel report (python -m dorafp8.kernel_report,
-docs/INSPECT.md) and the CPU emulator's build (tests/kernels/test_cuda_emulated.py) read the same lists, so that what
-they compile is what the extension builds. A file of its own rather than literals in setup.py because installed wheels
-do not ship setup.py: they ship this file with the sources, as dorafp8/csrc/ package data.
-"""
+"""What the CUDA extension dorafp8._C is built from and with: plain literals and stdlib-only helpers (nvcc -gencode
+flags, the default number of nvcc jobs, the CUDA headers of the nvidia pip wheels). setup.py, backends/cuda_build.py,
+the kernel report and the CPU emulator all read it by path, so they compile what the extension builds; a file of its
+own because wheels ship it (as dorafp8/csrc/ package data) but not setup.py."""
 
 # The CUDA kernel files, one translation unit per kernel family, so that ninja builds them (and binding.cpp) in
 # parallel, MAX_JOBS at a time. tests/integration/test_inspect.py checks that it names every .cu file here.

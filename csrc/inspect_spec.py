@@ -1,12 +1,10 @@
-"""Every kernel that the CUDA files of csrc/ instantiate, for `python -m dorafp8.kernel_report --backend cuda`
-(docs/INSPECT.md). Update it with the kernels: the tool fails (never skips) when the kernels compiled from a file and
-that file's rows below differ.
+"""Every kernel the CUDA files of csrc/ instantiate, for `python -m dorafp8.kernel_report --backend cuda`
+(docs/INSPECT.md); the tool fails when a file's compiled kernels and its rows below differ.
 
-One row per kernel instantiation: source (the file in csrc/ that defines it; its smem expression is evaluated in that
-file's translation unit), kernel (its name in namespace dorafp8::detail), targs (its template arguments as the
-demangler spells them, None if not a template), variant (which launcher path runs it), dtype (the compute dtype;
-weight_norm: that of A and B), config (its tile shape, for the table), smem (the dynamic shared memory its launcher
-asks for, a C++ expression evaluated in host code in dorafp8::detail; ptxas reports only static shared memory)."""
+Row fields: source (the defining file; smem is evaluated in its translation unit), kernel (name in dorafp8::detail),
+targs (template arguments as demangled, None if not a template), variant (the launcher path), dtype (compute dtype;
+weight_norm: that of A and B), config (tile shape), smem (the launcher's dynamic shared memory, a host C++ expression
+in dorafp8::detail; ptxas reports only static shared memory)."""
 
 _16BIT = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 # (BM, BN, DROP, variant): launch_gemm_tiles (common/gemm.cuh, for forward and dgrad alike) picks 64 x 128 tiles

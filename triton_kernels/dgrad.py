@@ -2,9 +2,8 @@
 
     dx = rl * st * (gl W8') + s v A     (dropout: rb * st * (gb W8') + mask / (1 - p) * (...))
 
-gl and gb come from the backward pass (backward.py); W8A8's W8^T and the cuBLAS strategy's use of `_dgrad_epilogue`:
-docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+gl and gb come from backward.py; W8A8's W8^T and the cuBLAS strategy's use of `_dgrad_epilogue`: docs/ARCHITECTURE.md,
+"Design notes, by module"."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
     y = c * (x W0^T + s u B^T) + bias,  z = x W0^T + s u B^T,  c = m / n     (dropout and plain forms: see below)
 
 W8A16 converts W8 tiles in registers; W8A8 multiplies e4m3 by e4m3. `_fwd_epilogue` also serves the cuBLAS strategy.
-The dropout form and the details: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+Dropout form and details: docs/ARCHITECTURE.md, "Design notes, by module"."""
 
 from __future__ import annotations
 

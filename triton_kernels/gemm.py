@@ -1,9 +1,7 @@
 """The main loop of the two fp8 GEMMs, forward (dora_fwd_kernel) and dgrad (dora_dgrad_kernel).
 
-Both compute a transposed output tile, out^T = W-tile @ act^T, summed over the reduction: the W8 tile, converted in
-registers, is the A operand wgmma reads from registers. Each kernel sets up its addressing and hands it over; the
-epilogues stay in the kernels' modules. Why this shape and order: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+Both compute a transposed output tile, out^T = W-tile @ act^T: the W8 tile, converted in registers, is the A operand
+wgmma reads from registers. The epilogues stay in the kernels' modules; why: docs/ARCHITECTURE.md, "Design notes"."""
 
 from __future__ import annotations
 

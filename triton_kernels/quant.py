@@ -2,9 +2,7 @@
 
     sigma_i = max_k |t_ik| / 448   (1 for an all-zero row)        t8_ik = e4m3(t_ik / sigma_i), round to nearest even
 
-One program owns BLOCK_M rows and reads them twice (amax, then quantize): the second read mostly hits L2, and the
-whole pass moves 3 bytes per element (16-bit in, fp8 out), a small fraction of the GEMM that follows.
-"""
+A program reads its BLOCK_M rows twice (amax, then quantize); the second read mostly hits L2."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""python -m dorafp8.kernel_report: what the compilers make of dorafp8's GPU kernels, read statically, without a GPU.
-
-Compiles every Triton kernel variant (triton_kernels/inspect_spec.py) and the CUDA kernels of csrc/ for sm_90a, sm_89,
-sm_100a and sm_120, and reports per kernel x variant x config x arch registers, spills, shared memory, the matrix
+"""python -m dorafp8.kernel_report: what the compilers make of dorafp8's GPU kernels, read statically, without a GPU:
+per kernel x variant x config x arch (sm_90a, sm_89, sm_100a, sm_120) registers, spills, shared memory, the matrix
 instruction and where the fp8 weight tile comes from (docs/INSPECT.md).
 
     python -m dorafp8.kernel_report --list                # what it would compile; compiles nothing
