@@ -206,9 +206,8 @@ void forward(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
 
 // ------------------------------------------------------------------------------------------------ dgrad
 
-// dx of the contract from the prepared operands, written into dx. gl (and gb) carry per-row scales already; rl, rb:
-// fp32 one-element scalars. v None: plain FP8 linear (A, mask, gb, rb must be None); mask given: dropout (gb, rb
-// required).
+// dx of the contract from the prepared operands (gl, gb carry per-row scales; rl, rb: fp32 one-element scalars).
+// v None: plain FP8 linear (A, mask, gb, rb must be None); mask given: dropout (gb, rb required).
 void dgrad(const at::Tensor& gl, const at::Tensor& rl, const at::Tensor& w8, const at::Tensor& scale,
            const std::optional<at::Tensor>& v_, const std::optional<at::Tensor>& A_, double s,
            const std::optional<at::Tensor>& mask_, double p_drop, const std::optional<at::Tensor>& gb_,

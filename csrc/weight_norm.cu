@@ -1,15 +1,8 @@
-// dorafp8 CUDA kernels, weight_norm family (the contract: csrc/dora_fp8.h, dorafp8/backends/__init__.py): weight_norm_kernel,
-// weight_norm_finalize_kernel, their launcher and the entry points dorafp8::weight_norm_splits and weight_norm.
-//
-// weight_norm: n[j] = || scale_j w8[j,:] + s (B A)[j,:] ||. Block = 32 rows x the K tiles of one K split (tiles of
-//              128), 256 threads, each thread a 4-row x 4-column micro-tile. W8 comes in 16 bytes per thread into
-//              shared memory; B A is computed with fp32 FMA, not tensor cores: A and B are often fp32 master weights,
-//              and rounding them to bf16 would put a 2^-9 error into n (hence c = m / n) that the reference does not
-//              have; at r = 16 the FMA work (N K r) takes about as long as reading W8, and weight_norm runs once per
-//              optimizer step (its result is cached across micro-batches). Splits of K write fp32 partial sums of
-//              squares that a second kernel adds in a fixed order (deterministic), then sqrt.
-//
-// Also the build check kernel_image_error(), which asks the runtime about one of this file's kernels.
+// dorafp8 CUDA kernels, weight_norm family (contract: csrc/dora_fp8.h): weight_norm_kernel and its finalize kernel,
+// their launcher, the entry points dorafp8::weight_norm_splits and weight_norm, and the build check
+// kernel_image_error(). n[j] = || scale_j w8[j,:] + s (B A)[j,:] ||: blocks of 32 rows x one K split (tiles of 128),
+// 256 threads of 4 x 4 micro-tiles; B A in fp32 FMA so fp32 adapters are not rounded to bf16 (why:
+// docs/ARCHITECTURE.md, "csrc/"); K splits write fp32 partial sums of squares, added in a fixed order, then sqrt.
 
 #include "dora_fp8.h"
 

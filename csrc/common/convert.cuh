@@ -1,6 +1,5 @@
-// Shared device code of the dorafp8 kernels, part 2: dtype conversions. fp32 <-> the 16-bit compute dtypes, two
-// 16-bit values packed in one register as mma operands hold them, and the e4m3 unpack the fp8 weight goes through
-// (e4m3x2 -> f16x2 is one cvt on sm_89+; every e4m3 value is exact in fp16, bf16 and fp32).
+// Shared device code of the dorafp8 kernels, part 2: fp32 <-> 16-bit conversions, packed pairs as mma operands hold
+// them, and the e4m3 unpack (e4m3x2 -> f16x2 is one cvt on sm_89+; every e4m3 is exact in fp16, bf16 and fp32).
 #pragma once
 
 #include "primitives.cuh"

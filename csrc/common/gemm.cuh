@@ -139,11 +139,9 @@ __device__ __forceinline__ void mma_pipeline(int64_t red, LoadStage&& load_stage
   cp_async_wait<0>();
 }
 
-// The rank-r term of both epilogues, acc += tok [rows m0 .. m0 + BM, r] x the policy's right rank operand (B^T in
-// forward, A in dgrad), in chunks of kRankChunk ranks through shared memory (the pipeline's, free by now). tok is u
-// (forward) or v (dgrad), [M, r] row-major. rank_f32 (fp32 adapters on 16-bit activations): fp32 FMA on the lane's own
-// accumulator positions (rows g, g + 8; the policy's columns, rank_cols_f32), so the adapters are never rounded to 16
-// bits; else 16-bit tok and operand through the mma, A fragments in the policy's swizzle (kSwzA).
+// The rank-r term of both epilogues: acc += tok [rows m0 .. m0 + BM, r] (u or v, row-major) x the policy's right rank
+// operand (B^T or A), in chunks of kRankChunk through the pipeline's shared memory. rank_f32: fp32 FMA on the lane's
+// own accumulator positions (rank_cols_f32); else 16-bit tiles through the mma in the policy's swizzle (kSwzA).
 template <typename T, class Cfg, class Op>
 __device__ __forceinline__ void mma_rank_term(float (&acc)[Cfg::MT][Cfg::NT][4], const Op& op, const void* tok,
                                               bool rank_f32, int r, int64_t M, int64_t m0, uint8_t* smem, int tid,
@@ -284,9 +282,8 @@ cudaError_t launch_gemm_mma(const typename G::Params& p, cudaStream_t stream) {
                 Cfg::kSmem, stream, p, vec_act, vec_w);
 }
 
-// Up to 64 rows: 64 x 128 tiles (2 x 4 warps), twice as many column-blocks to spread W8's read over the SMs. More
-// rows: 64 x 256 (no dropout) and 32 x 256 (dropout, two accumulators) with 1 x 8 warps: the same warp tile, bytes per
-// stage and mma count as 128 x 128 (64 x 128) with 2 x 4 warps, each W8 fragment converted once.
+// Up to 64 rows: 64 x 128 tiles (2 x 4 warps); more: 64 x 256 (32 x 256 with dropout), 1 x 8 warps, each W8
+// fragment converted once (docs/ARCHITECTURE.md, "csrc/").
 template <class G, typename T>
 cudaError_t launch_gemm_tiles(const typename G::Params& p, cudaStream_t stream) {
   const bool drop = G::dropout(p);

@@ -1,7 +1,5 @@
-// Host-side launch helpers shared by the launchers of csrc/weight_norm.cu and of forward.cu and dgrad.cu (whose one
-// launcher is launch_gemm, common/gemm.cuh): grid sizes, the 16-byte alignment test that picks vectorized copies, and
-// launch(), which checks the grid against CUDA's limits, opts into more than 48 KB of dynamic shared memory where a
-// kernel needs it, and returns the launch's error.
+// Host-side launch helpers of the launchers (weight_norm.cu's and launch_gemm): grid sizes, the 16-byte alignment
+// test for vectorized copies, and launch() (grid limits, the > 48 KB dynamic shared memory opt-in, the error).
 #pragma once
 
 #include "tiles.cuh"

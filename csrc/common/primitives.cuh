@@ -1,13 +1,8 @@
-// Shared device code of the dorafp8 kernels (csrc/weight_norm.cu, forward.cu, dgrad.cu), part 1: the PTX
-// primitives and thin wrappers of CUDA intrinsics every kernel family uses (shared-memory loads and stores, cp.async,
-// ldmatrix, mma.sync m16n8k16, warp reductions, division and sqrt that stay correctly rounded under --use_fast_math),
-// the 16-bit type aliases, the mma wrapper by dtype, and register helpers. Header-only: each kernel file is its own
-// translation unit (nvcc builds them in parallel) and inlines what it uses.
-//
-// Every shared-memory access of the kernels goes through sld/sst/ldsm/cp_async here, so that the CPU emulator
-// (tests/cuda_emu/emu_cuda.h, selected by DORA_EMULATE outside the extension build) can stand in for the primitives
-// and check the accesses for races. Under DORA_EMULATE the definitions between #ifndef DORA_EMULATE and #endif come
-// from the emulator instead.
+// Shared device code of the dorafp8 kernels, part 1: PTX primitives and thin wrappers of CUDA intrinsics (shared
+// memory, cp.async, ldmatrix, mma.sync m16n8k16, warp reductions, division and sqrt correctly rounded under
+// --use_fast_math), the 16-bit type aliases and register helpers. Header-only: each kernel file inlines what it uses.
+// Every shared-memory access goes through sld/sst/ldsm/cp_async here, so that the CPU emulator (tests/cuda_emu/
+// emu_cuda.h, under DORA_EMULATE) can stand in for the #ifndef DORA_EMULATE parts and check accesses for races.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,6 @@
-// Shared device code of the dorafp8 kernels, part 4: the fp32 compute dtype's GEMM loop. fp32 runs a plain SIMT
-// path (64 x 64 tiles, 4 x 4 per thread, FMA), fp32-accurate, no tf32; forward_simt_kernel (forward.cu) and
-// dgrad_simt_kernel (dgrad.cu) differ only in which dim of W8 is the reduction (simt_w8_gemm, simt_rank_gemm: the
-// same GEMMs as the tensor-core kernels', common/gemm.cuh) and in their epilogues.
+// Shared device code of the dorafp8 kernels, part 4: the fp32 compute dtype's plain SIMT GEMM loop (64 x 64 tiles,
+// 4 x 4 per thread, FMA, no tf32), shared by forward_simt_kernel and dgrad_simt_kernel, which differ only in which dim
+// of W8 is the reduction and in their epilogues.
 #pragma once
 
 #include "tiles.cuh"
