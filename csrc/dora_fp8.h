@@ -31,18 +31,15 @@ namespace dorafp8 {
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct WeightNormParams {
-  // Pointers
   const uint8_t* w8;     // [N, K] e4m3 bytes, contiguous
   const float* scale;    // [1] or [N]
   const void* A;         // [r, K] contiguous, dtype adapter_dtype
   const void* B;         // [N, r] contiguous, dtype adapter_dtype
   float* partial;        // [splits, N] fp32 workspace (sum of squares per K split); unused when splits == 1
   float* n;              // [N] fp32 output
-  // Sizes
   int64_t N, K;
   int r;
   int splits;            // from weight_norm_splits(N, K)
-  // Scalars and flags
   float s;
   bool scale_per_row;
   DType adapter_dtype;
@@ -64,7 +61,6 @@ struct ForwardParams {
   int64_t M, N, K;
   int64_t ldx, ldxm;
   int r;
-  // Scalars and flags
   float s;
   float inv_keep;        // 1 / (1 - p), used with xm
   bool scale_per_row;
@@ -89,7 +85,6 @@ struct DgradParams {
   int64_t M, N, K;
   int64_t ldgl, ldgb, ldmask;
   int r;
-  // Scalars and flags
   float s;
   float inv_keep;        // 1 / (1 - p), used with mask
   bool scale_per_row;

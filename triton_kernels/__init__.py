@@ -1,8 +1,6 @@
-"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/base.py.
-
-The launchers of weight_norm.py, lowrank.py, forward.py, backward.py and dgrad.py; every launch goes through
-_common.launch. Runs on CUDA GPUs, and on CPU under Triton's interpreter (TRITON_INTERPRET=1). Without Triton this
-module still imports and says why it cannot run."""
+"""Triton backend of dorafp8 (installed as `dorafp8.triton_kernels`): the backend contract of dorafp8/backends/base.py
+through the launchers of weight_norm.py, lowrank.py, forward.py, backward.py, dgrad.py (all via _common.launch).
+Runs on CUDA GPUs and under TRITON_INTERPRET=1; without Triton this module still imports and says why it cannot run."""
 
 from __future__ import annotations
 

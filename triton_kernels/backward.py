@@ -1,8 +1,6 @@
 """The backward pass over g: one read of g (and z) that prepares gl, gb, v, dm, db and dB for the DoRA backward, and
-a small kernel (dora_bwd_finish_kernel) that sums the partials in a fixed order: two launches, no atomics.
-
-The formulas, the grid and its partials: docs/ARCHITECTURE.md, "Design notes, by module".
-"""
+a small kernel (dora_bwd_finish_kernel) that sums the partials in a fixed order: two launches, no atomics. Formulas,
+grid and partials: docs/ARCHITECTURE.md, "Design notes, by module"."""
 
 from __future__ import annotations
 
@@ -25,14 +23,11 @@ FINISH_BLOCKS = (1024, 128, 16)
 
 @triton.jit(do_not_specialize=["STEPS", "CSTEPS"])
 def dora_bwd_pass_kernel(
-    # Pointers
     g_ptr, z_ptr, m_ptr, n_ptr, srow_ptr, b_ptr, u_ptr,
     gl_ptr, gb_ptr, rs_ptr, vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr,
-    # Sizes
     M, N, R, STEPS, CSTEPS,
     # Strides (g, z, gl, gb have unit stride in their last dim)
     stride_g_m, stride_z_m, stride_b_n, stride_b_r, stride_u_m, stride_u_r, stride_gl_m, stride_gb_m,
-    # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # m, n, B given: c, v (and dm, dB if asked)
     HAS_DROPOUT: tl.constexpr,  # f = (c - 1) * srow, and gb with per-row scales
     HAS_SROW: tl.constexpr,     # per-row weight scales srow [N]

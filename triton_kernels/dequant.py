@@ -3,9 +3,8 @@
     W[j, k] = cdt(f[j, k] * w8[j, k]),   f = the scale (per tensor), kappa = max_j |scale[j]| (per row), or
                                           scale[j // b, k // b] (per b x b block), applied in fp32 registers
 
-1 byte read and 2 written per weight. The same launch writes the factors the epilogues need (per row: scale / kappa
-and 1 / kappa), so that no PyTorch op runs between it and them. Why kappa: docs/ARCHITECTURE.md,
-"triton_kernels/dequant.py"."""
+The same launch writes the epilogues' factors (per row: scale / kappa and 1 / kappa), so no PyTorch op runs between.
+Why kappa: docs/ARCHITECTURE.md, "triton_kernels/dequant.py"."""
 
 from __future__ import annotations
 

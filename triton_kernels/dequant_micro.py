@@ -4,8 +4,7 @@ cuBLAS strategy (dorafp8/backends/cublas.py), in tiles, with the factors applied
     NVFP4: W[j, k] = cdt(e2m1(w8)[j, k] * (fp32(scale[j, k // 16]) * global))   w8 uint8 [N, K/2], two codes a byte
     MXFP8: W[j, k] = cdt(fp32(w8[j, k]) * 2^(e[j, k // 32] - 127))               w8 e4m3 [N, K], e the e8m0 bytes
 
-each product rounded once, as dorafp8.quant.micro_rows forms it (the tests compare bit for bit). How the e2m1 and
-e8m0 values are built from their bits: docs/ARCHITECTURE.md, "triton_kernels/dequant_micro.py"."""
+each product rounded once, as dorafp8.quant.micro_rows forms it (tested bit for bit); docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -73,17 +73,13 @@ def _dgrad_epilogue(
 
 @triton.jit
 def dora_dgrad_kernel(
-    # Pointers
     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
-    # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
     # Strides (gl, gb, dx, mask have unit stride in their last dim; W8 [N, K] or W8^T [K, N] in its rows)
     stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
     stride_mask_m, stride_dx_m,
-    # Scalars
     s, inv_keep,
-    # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # v, A given (else plain dx = rl * st * (gl W8'))
     HAS_DROPOUT: tl.constexpr,  # gb and mask given: a second accumulator gb W8' shares every W8 tile
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight;

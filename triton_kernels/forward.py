@@ -110,17 +110,13 @@ def _fwd_epilogue(
 
 @triton.jit
 def dora_fwd_kernel(
-    # Pointers
     x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
-    # Sizes
     M, N, K, R,
     M_BUCKET,  # autotune key only
     # Strides (x, xm, y, z, w8 have unit stride in their last dim)
     stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
     stride_y_m, stride_z_m,
-    # Scalars
     s, inv_keep,
-    # Meta-parameters
     HAS_ADAPTER: tl.constexpr,  # m, n, u, B given (else plain FP8 linear); c = m / n in the epilogue
     HAS_DROPOUT: tl.constexpr,  # xm given: a second accumulator xm W8^T shares every W8 tile
     HAS_BIAS: tl.constexpr,

@@ -120,10 +120,9 @@ COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8
 
 
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
-    """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the other way round).
-    kernel_args(dt, act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (runtime args, extra
-    constexprs); a variant whose main loop is not the launchers' (hopper.gemm_main_loop) is named with it
-    (",async-copy")."""
+    """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the reverse). kernel_args(dt,
+    act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (runtime args, extra constexprs); a variant
+    whose main loop is not the launchers' (hopper.gemm_main_loop) is named with it (",async-copy")."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):

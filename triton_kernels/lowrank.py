@@ -3,9 +3,8 @@
     project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward (W8A8: also x's quantization)
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
-A dropout mask is applied as a is loaded (no xd stored); fp32 adapters on 16-bit activations compute in fp32 from the
-exact values, as PEFT does. project_grad splits M and sums the fp32 partials in a fixed order (deterministic, no
-atomics). Details: docs/ARCHITECTURE.md, "triton_kernels/lowrank.py"."""
+A dropout mask is applied as a is loaded; fp32 adapters on 16-bit activations compute in fp32 from the exact values,
+as PEFT does. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

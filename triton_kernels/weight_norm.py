@@ -14,15 +14,10 @@ from .dequant_micro import E8M0, weight_norm_micro
 
 @triton.jit
 def dora_weight_norm_kernel(
-    # Pointers
     w_ptr, scale_ptr, a_ptr, b_ptr, n_ptr,
-    # Sizes
     N, K, R,
-    # Strides
     stride_w_n, stride_scale_n, stride_a_r, stride_a_k, stride_b_n, stride_b_r,
-    # Scalars
     s,
-    # Meta-parameters
     SCALE_KIND: tl.constexpr,   # "tensor" (one value), "row" ([N]), "block" ([ceil(N/b), ceil(K/b)])
     SCALE_BLOCK_SIZE: tl.constexpr,  # b for block scales (1 for the other kinds)
     DOT_DT: tl.constexpr,       # dtype of the B A tl.dot operands

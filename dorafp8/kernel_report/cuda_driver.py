@@ -1,6 +1,5 @@
 """Compiling the CUDA C++ kernels (csrc/) with nvcc for the report's targets (records.py) and reading the result.
-
-The sources: dorafp8/csrc/ in an installed wheel (package data), else csrc/ next to the package (cuda_dir())."""
+Sources: dorafp8/csrc/ in an installed wheel (package data), else csrc/ next to the package (cuda_dir())."""
 
 from __future__ import annotations
 

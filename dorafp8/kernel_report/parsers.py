@@ -174,14 +174,10 @@ def _dot(op: str, code: str, operands: list[str]) -> dict:
 
 
 def ttgir_dots(ttgir: str, weight_arg: str) -> list[dict]:
-    """Every dot of a TTGIR kernel with, per operand, where it comes from: {"op", "a", "b", "types", "w8"}: "a"/"b"
-    "registers" (a tensor), "shared" (a memdesc) or "tensor memory" (tcgen05's A on sm_100a); "types" as
-    "bf16.bf16->f32"; "w8" the operands ("A", "B", "AB" or "") computed from `weight_arg` (the fp8 weight pointer
-    parameter, e.g. "w_ptr").
-
-    W8 is found by data flow, not names: a backward slice over the SSA def-use graph from each operand, through
-    loop-carried values (to their initial value) and shared- or tensor-memory buffers (computed from what is copied or
-    stored into them), reaching `%weight_arg`. Async tokens and loop results are not followed."""
+    """Every dot of a TTGIR kernel with where each operand comes from: {"op", "a", "b", "types", "w8"}: "a"/"b"
+    "registers", "shared" or "tensor memory" (tcgen05's A); "types" as "bf16.bf16->f32"; "w8" the operands ("A", "B",
+    "AB" or "") that reach `%weight_arg` (e.g. "w_ptr") by a backward slice over the SSA def-use graph, through
+    loop-carried values and shared/tensor-memory buffers (not async tokens or loop results)."""
     edges: dict[str, set[str]] = defaultdict(set)
     dots = []
     scopes: list[tuple[int, dict[str, str]]] = []  # (brace depth outside the loop, its block args -> unique keys)

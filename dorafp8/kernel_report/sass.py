@@ -1,7 +1,6 @@
-"""The main loop's instruction mix, read from SASS (nvdisasm's text of a cubin): plain text in, plain data out.
-
-The main loop is the first loop holding an MMA instruction; Triton keeps one reduction step per iteration, so the
-counts are per step and per thread. docs/INSPECT.md, "The main loop (what the SASS shows)"."""
+"""The main loop's instruction mix, read from SASS (nvdisasm's text of a cubin): plain text in, plain data out. The
+main loop is the first loop holding an MMA; Triton keeps one reduction step per iteration, so counts are per step and
+per thread. docs/INSPECT.md, "The main loop (what the SASS shows)"."""
 
 from __future__ import annotations
 

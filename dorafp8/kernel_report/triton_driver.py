@@ -1,7 +1,6 @@
-"""Compiling the Triton kernels ahead of time for a GPU this machine does not have, and reading the result.
-
-Runs in a worker process (pool.py), never under TRITON_INTERPRET. What reaches into Triton's internals is in
-`launch_options`, `bind` and `ptxas_log`, written against Triton 3.6 .. 3.9 (docs/INSPECT.md, "Triton versions")."""
+"""Compiling the Triton kernels ahead of time for a GPU this machine does not have, and reading the result, in a
+worker process (pool.py), never under TRITON_INTERPRET. Triton internals are reached only in `launch_options`, `bind`
+and `ptxas_log`, written against Triton 3.6 .. 3.9 (docs/INSPECT.md, "Triton versions")."""
 
 from __future__ import annotations
 
