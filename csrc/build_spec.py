@@ -36,8 +36,7 @@ def gencode(archs: list) -> list:
 
 
 def default_max_jobs() -> str:
-    """Parallel nvcc jobs when MAX_JOBS is not set: nvcc on torch headers peaks around 2-3 GiB per job, so never more
-    than free memory allows, nor more than the cores."""
+    """Parallel nvcc jobs without MAX_JOBS: at most the cores, and free memory / 3 GiB (nvcc on torch headers peaks at 2-3)."""
     import os
 
     try:
@@ -50,8 +49,7 @@ def default_max_jobs() -> str:
 
 
 def wheel_include_dirs() -> list:
-    """The include folders of the nvidia pip wheels torch depends on (nvidia/cu13/include): torch's CUDAContext.h
-    pulls cusparse.h, which a bare CUDA toolkit may lack."""
+    """The nvidia pip wheels' include folders (nvidia/cu13/include): a bare CUDA toolkit may lack cusparse.h."""
     import os
 
     try:

@@ -62,8 +62,7 @@ def launch_observers() -> list:
 
 @contextlib.contextmanager
 def planning_for_gpu(sms: int, blocks: int):
-    """The launchers' GPU choices for a GPU with `sms` SMs holding `blocks` blocks of each kernel, inside (a dry run:
-    with an observer that skips the launches; see above)."""
+    """Inside: the launchers plan for `sms` SMs holding `blocks` blocks of each kernel (a dry run; see above)."""
     global _DRY_RUN
     prev, _DRY_RUN = _DRY_RUN, {"sms": int(sms), "blocks": int(blocks)}
     try:

@@ -223,14 +223,12 @@ def fwd_epilogue_kernel(
 
 
 def epilogue_blocks(ieee: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the stand-alone epilogue kernels: fp32 rank-r dots (CUDA cores, both tiles in registers)
-    spilled at 32 x 64 with dropout (inspect)."""
+    """(BLOCK_M, BLOCK_N) of the stand-alone epilogues: fp32 rank-r dots spilled at 32 x 64 with dropout."""
     return (16, 64) if ieee else (32, 64)
 
 
 def _epilogue_args(M, N, cdt, device, bias, m, n, u, B, need_z, z_dtype, scale):
-    """Checks the epilogue's operands; returns (r, u, B, m, n, bias_t, y, z, want_z) with placeholders for absent
-    ones."""
+    """Checks the epilogue's operands; returns (r, u, B, m, n, bias_t, y, z, want_z), placeholders if absent."""
     has_adapter = m is not None
     if has_adapter:
         r = u.shape[1]

@@ -34,8 +34,7 @@ def weight_args(w8, scale, block_size, act_quant, global_scale):
 
 
 def scale_tag(kind: str, block_size: int):
-    """The scale's part of a GEMM launcher's autotune tag: the microscaled kinds by name, else the block size the
-    kernel reads (scale_block_size)."""
+    """The scale's part of an autotune tag: a microscaled kind's name, else the block size (scale_block_size)."""
     return kind if kind in MICRO else scale_block_size(kind, block_size)
 
 

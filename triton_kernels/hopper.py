@@ -30,8 +30,7 @@ def main_loop_for(arch: str) -> str:
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether a tensor descriptor can address each 2-D tensor (TMA's rules): unit last stride, base and row stride
-    16-byte aligned."""
+    """Whether TMA can address each 2-D tensor: unit last stride, base and row stride 16-byte aligned."""
     for t in tensors:
         if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False

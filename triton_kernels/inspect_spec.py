@@ -214,8 +214,7 @@ def _dgrad_variants(arch: str) -> list[Variant]:
 
 
 def _fixed(num_warps=4, num_stages=3, **blocks):
-    """The one launch config of a kernel that is not autotuned (the launchers' warps and stages; Triton's default:
-    3)."""
+    """The launch config of a kernel that is not autotuned (Triton's default stages: 3)."""
     return [triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)]
 
 

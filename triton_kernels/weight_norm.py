@@ -94,8 +94,7 @@ def weight_norm_block_r(r: int, ieee: bool) -> int:
 
 def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                 s: float, global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """n [N] fp32; see backends/base.py. A [r, K], B [N, r] in any float dtype and strides. A microscaled weight's:
-    dequant_micro.weight_norm_micro."""
+    """n [N] fp32 (backends/base.py); A, B in any float dtype and strides; microscaled: weight_norm_micro."""
     if w8.dtype == torch.uint8 or scale.dtype == E8M0:
         return weight_norm_micro(w8, scale, A, B, s, global_scale)
     scale, kind = check_weight(w8, scale, block_size, any_block=True)  # scales are gathered per element: any b works

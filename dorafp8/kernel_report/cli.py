@@ -30,8 +30,7 @@ _COLUMNS = [("backend", "backend"), ("kernel", "kernel"), ("arch", "arch"), ("dt
 
 
 def loop_str(mix: dict | None) -> str:
-    """A main-loop mix (sass.MIX_FIELDS) in a table cell: "4 mma, cvt 16u+16p+0 F2F, 0 PRMT, lds 16x2B 11x4B, bar 2,
-    214" (docs/INSPECT.md explains the columns)."""
+    """A main-loop mix (sass.MIX_FIELDS) as a table cell, "4 mma, cvt 16u+16p+0 F2F, ..." (docs/INSPECT.md)."""
     if mix is None:
         return "-"
     widths = [("lds8", "1B"), ("lds16", "2B"), ("lds32", "4B"), ("lds64", "8B"), ("lds128", "16B"), ("ldsm", "m")]

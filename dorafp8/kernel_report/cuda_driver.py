@@ -105,8 +105,7 @@ _DEMANGLED = re.compile(r"^(?:void\s+)?dorafp8::detail::(\w+)(?:<(.*)>)?\(.*\)$"
 
 
 def match_cuda_kernels(demangled: dict[str, str], rows: list[dict], source: str = "*.cu") -> dict[str, dict]:
-    """{mangled name: its spec row}; raises SpecError unless the compiled kernels (of csrc/`source`) and the rows (of
-    that source) are the same set."""
+    """{mangled name: spec row}; raises SpecError unless csrc/`source`'s kernels and its rows are the same set."""
     by_key = {(r["kernel"], r["targs"]): r for r in rows}
     out, extra, found = {}, [], set()
     for mangled, name in demangled.items():

@@ -132,8 +132,7 @@ _T_ELEM_OF = re.compile(r"<(?:\d+x)+(\w+)")  # the element type after the shape:
 
 
 def _operand_kind(t: str) -> str:
-    """Where a dot operand of TTGIR type `t` is read from: a tensor is in registers, a memdesc in shared memory or
-    (tcgen05, sm_100a) in tensor memory."""
+    """Where a dot operand of TTGIR type `t` is read from: registers, shared memory or (tcgen05) tensor memory."""
     if not t.startswith("!ttg.memdesc"):
         return "registers"
     return "tensor memory" if "#ttng.tensor_memory" in t else "shared"

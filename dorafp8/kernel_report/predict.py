@@ -84,8 +84,7 @@ def _tile(rec: dict) -> tuple[int, int, int, int]:
 
 
 def step_cycles(rec: dict, end: str) -> dict:
-    """SM cycles of one CTA's reduction step on each pipe (before the efficiency), and one consumer warpgroup's
-    chain ("chain") in the warp-specialized loop."""
+    """SM cycles of a CTA's reduction step per pipe (before efficiency), and a ws consumer's "chain"."""
     mix, R = rec["main_loop"], RATES
     bm, b_out, b_red, warps = _tile(rec)
     fp8 = "w8a8" in rec["variant"]
@@ -205,8 +204,7 @@ def weight_bytes(variant: str) -> float:
 
 
 def _suffix(loop: str, mode: str = "W8A16") -> str:
-    """The variant-name suffix of `loop` on sm_90a: none for the loop the launchers pick, ",<loop>" for the compared
-    one; None where the mode has no such loop."""
+    """`loop`'s variant-name suffix on sm_90a: "" if the launchers pick it, else ",<loop>"; None if `mode` lacks it."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
     picked = "async-copy" if os.environ.get("DORAFP8_HOPPER_GEMM") == "0" else "tma-ws"
@@ -214,8 +212,7 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
 
 
 def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int, w_bytes: float = 1.0) -> float:
-    """Bytes a GEMM kernel must move at least: the weight once (w_bytes a weight), its activation in (1 byte under W8A8,
-    else 2), its output out (and the forward's z)."""
+    """Least bytes a GEMM kernel moves: the weight once (w_bytes each), activation in (1 or 2 bytes), output (and z)."""
     act = 1 if fp8_act else 2
     if kernel == "forward":
         return M * K * act + N * K * w_bytes + M * N * 2 + M * N * z_bytes
@@ -280,8 +277,7 @@ def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo"
 
 
 def _headline_weight(kind: str | None, N: int, K: int):
-    """(weight, scale, global scale) of the headline's base, e4m3 per tensor or NVFP4 / MXFP8 (zeros: a dry run reads no
-    value)."""
+    """(weight, scale, global scale) of the headline's base, e4m3 or NVFP4 / MXFP8 (zeros: dry runs read none)."""
     import torch
 
     from dorafp8 import quant

@@ -23,8 +23,7 @@ _SECTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)", re.M)
 
 
 def split_functions(text: str) -> dict[str, str]:
-    """{function name: its SASS} of nvdisasm's text of a cubin with several kernels (labels are numbered across the
-    file, so each function's loops stay its own)."""
+    """{function name: its SASS} from nvdisasm's text of a multi-kernel cubin (labels are numbered file-wide)."""
     heads = list(_SECTION.finditer(text))
     return {m.group(1): text[m.start():(heads[i + 1].start() if i + 1 < len(heads) else len(text))]
             for i, m in enumerate(heads)}

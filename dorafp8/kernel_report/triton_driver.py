@@ -136,8 +136,7 @@ def ptxas_log_printed(out: io.StringIO):
 
 
 def ptxas_log(backend, ptx: str, options, capability: int) -> str:
-    """ptxas -v's log for Triton's PTX, by a second ptxas run through Triton's make_cubin: for a kernel Triton read
-    from its cache, where it printed no log."""
+    """ptxas -v's log by a second ptxas run (make_cubin): a kernel read from Triton's cache printed none."""
     out = io.StringIO()
     with ptxas_log_printed(out):
         backend.make_cubin(ptx, {}, options, capability)
