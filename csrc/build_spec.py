@@ -36,7 +36,7 @@ def gencode(archs: list) -> list:
 
 
 def default_max_jobs() -> str:
-    """Parallel nvcc jobs without MAX_JOBS: at most the cores, and free memory / 3 GiB (nvcc on torch headers peaks at 2-3)."""
+    """Parallel nvcc jobs without MAX_JOBS: at most the cores and free memory / 3 GiB (nvcc on torch headers)."""
     import os
 
     try:
