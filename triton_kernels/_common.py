@@ -104,8 +104,7 @@ def dot_dtype(*dtypes: torch.dtype):
 
 
 def block_r(r: int, ieee: bool = False) -> int:
-    """The rank chunk of the rank-r dots in the kernels' epilogues: fp32 (ieee) dots, with both tiles in registers, take
-    16 at a time (chunks of 64 spilled up to 18 KB a thread on sm_90a)."""
+    """Rank chunk of the epilogues' rank-r dots: fp32 (ieee) dots take 16 (64 spilled up to 18 KB a thread, sm_90a)."""
     cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
     return max(_DOT_MIN, min(cap, next_pow2(r)))
 

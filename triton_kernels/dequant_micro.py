@@ -124,8 +124,7 @@ def dequant_micro(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, glo
 
 
 def weight_norm_micro(w8, scale, A, B, s, global_scale=None):
-    """The weight norm of a microscaled weight, its rows dequantized to fp32 a block at a time (at most 16 MiB) and the
-    row norms of W0 + s B A taken by torch: never a dense copy."""
+    """Row norms of W0 + s B A (torch) for a microscaled W0 dequantized to fp32 in blocks of at most 16 MiB."""
     from ..quant import row_blocks, weight_dims
 
     N, K = weight_dims(w8)

@@ -276,8 +276,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
 
 
 def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
-    """The dgrad epilogue alone, on products computed elsewhere (the cuBLAS strategy): t = gl W8' and tb = gb W8'
-    (None without dropout), [M, K] in any float dtype with unit last stride."""
+    """The dgrad epilogue alone, on cuBLAS's t = gl W8', tb = gb W8' (or None): [M, K], any float dtype, unit stride."""
     scale, kind = check_weight(w8, scale, block_size)
     M, K = t.shape
     has_adapter = v is not None

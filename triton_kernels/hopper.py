@@ -78,8 +78,7 @@ def _scratch(size: int, alignment: int, stream):
 
 
 def with_descriptor_scratch(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with a Triton allocator for the global scratch that in-kernel tensor descriptors need (128
-    bytes a program), set for this call only, in a copy of the context."""
+    """fn(*args, **kwargs) with an allocator for in-kernel descriptors' scratch (128 B a program), for this call."""
     def run():
         triton.set_allocator(_scratch)
         return fn(*args, **kwargs)

@@ -334,8 +334,7 @@ _project_grad_variants = _rank_gemm_variants(lambda dt, rdt, mask: dict(
 
 
 def _bwd_finish_variants(arch: str) -> list[Variant]:
-    """The backward pass's second stage: v (in the rank dtype) from the column groups' partials, db / dm / dB from the
-    row groups' (the launcher's blocks, FINISH_BLOCKS)."""
+    """The backward pass's second stage (v from the column groups' partials, db / dm / dB from the row groups')."""
     out = []
     for (dt_name, dt), rdt_name, r in itertools.product(DTYPES.items(), ("same", "fp32"), (16, 128)):
         rdt = dt if rdt_name == "same" else torch.float32

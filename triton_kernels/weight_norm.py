@@ -87,8 +87,7 @@ def dora_weight_norm_kernel(
 
 
 def weight_norm_block_r(r: int, ieee: bool) -> int:
-    """The rank chunk of B A: fp32 adapters multiply on CUDA cores with both chunks in registers, which spilled at 64
-    on Ada (inspect), so they take 16 at a time (block_r's cap for ieee dots)."""
+    """Rank chunk of B A: fp32 adapters (CUDA-core dots) take 16 at a time, as 64 spilled on Ada (block_r's cap)."""
     return block_r(r, ieee)
 
 

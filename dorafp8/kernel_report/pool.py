@@ -140,8 +140,7 @@ def _cuda_record(row: dict, arch: str) -> dict:
 
 
 def cuda_jobs(archs: Iterable[str], select: Select) -> list[dict]:
-    """One nvcc job per CUDA file and arch, for the files that define a kernel `select` keeps (a file is compiled
-    whole, so its other kernels' records are made and dropped)."""
+    """One nvcc job per CUDA file and arch with a kernel `select` keeps (its other kernels' records are dropped)."""
     rows = cuda_driver.load_cuda_spec()
     by_source = cuda_driver.cuda_spec_by_source(rows)  # SpecError for a row of a file the build does not compile
     return [{"op": "cuda", "arch": a, "source": f} for a in archs for f in cuda_driver.cuda_sources()

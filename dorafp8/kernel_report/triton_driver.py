@@ -54,8 +54,7 @@ def unlisted_kernels(specs) -> list[str]:
 
 
 def variant_configs(mod, spec, arch: str, variant, all_configs: bool):
-    """[(config, picked)]: the configs of this variant on `arch`, or with all_configs the union over all archs
-    (picked says whether the launcher's list for `arch` has it)."""
+    """[(config, picked)]: this variant's configs on `arch` (all_configs: on all archs; picked: in `arch`'s list)."""
     own = {config_str(c): c for c in variant.configs}
     if not all_configs:
         return [(c, True) for c in own.values()]
@@ -144,8 +143,7 @@ def ptxas_log(backend, ptx: str, options, capability: int) -> str:
 
 
 def sass_text(cubin: bytes) -> str:
-    """nvdisasm's text of a cubin: the nvdisasm Triton ships in its NVIDIA backend (knobs.nvidia.nvdisasm, 3.6 ..
-    3.9), so the SASS reader needs nothing beyond what compiles the kernel."""
+    """nvdisasm's text of a cubin, by the nvdisasm Triton ships (knobs.nvidia.nvdisasm, 3.6 .. 3.9)."""
     import subprocess
     import tempfile
 
