@@ -66,8 +66,7 @@ def ws_configs_for(arch: str, out_name: str, red_name: str, m: int, fp8_dot: boo
 
 
 def persistent_programs(device: torch.device, tiles: int) -> int:
-    """The tile loop's grid: one program per SM (the warp-specialized CTA takes a whole SM: 384 threads, 232
-    registers a consumer thread), never more than the tiles; 3 under the interpreter, so that programs loop."""
+    """The tile loop's grid: a program per SM (a ws CTA fills one), no more than tiles; 3 interpreted so programs loop."""
     if interpreting():
         return max(1, min(tiles, 3))
     return max(1, min(tiles, sm_props(device)[0]))
@@ -110,8 +109,7 @@ def transpose_w8(w8: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_main_loop(device: torch.device, fp32_tiles: bool, *tensors: torch.Tensor) -> str:
-    """The MAIN_LOOP a GEMM launch takes: main_loop_for its device's arch, on 16-bit or fp8 operands (fp32 compute
-    keeps its CUDA-core tiles) whose tensors TMA can address; else "async-copy"."""
+    """A GEMM launch's MAIN_LOOP: main_loop_for its arch on 16-bit/fp8 operands TMA can address, else "async-copy"."""
     from ._common import arch_of
 
     loop = main_loop_for(arch_of(device))

@@ -164,8 +164,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
 
 
 def _weight_args(kind):
-    """(w_ptr, scale_ptr, g_ptr) dtypes, W's and the scale's row strides, as the GEMM launchers pass them for a weight
-    kind (gemm.weight_args); the fp8 kinds' g_ptr is their scale (a placeholder)."""
+    """(w_ptr, scale_ptr, g_ptr) dtypes and W's and the scale's row strides for a weight kind, as gemm.weight_args."""
     if kind == "nvfp4":
         return (U8, FP8, F32), K // 2, K // 16
     if kind == "mxfp8":

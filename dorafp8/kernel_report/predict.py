@@ -291,8 +291,7 @@ def _headline_weight(kind: str | None, N: int, K: int):
 
 
 def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None, kind: str | None = None):
-    """[(name, nbytes, flops, shapes)] of one headline forward + backward on `backend` (at M tokens if given; on a
-    base of `kind`, "nvfp4" / "mxfp8", if given), from a dry run."""
+    """[(name, nbytes, flops, shapes)] of a dry-run headline step on `backend` (at M tokens, on a `kind` base)."""
     import torch
 
     import dorafp8
@@ -349,8 +348,7 @@ SMALL_MS = (1024, 256)
 
 
 def strategy_launches(name: str, M: int | None = None) -> list[dict]:
-    """The launches of one strategy's headline forward + backward (at M tokens if given); needs the Triton backend
-    importable (launches_subprocess); "PEFT DoRA" needs peft."""
+    """The launches of a strategy's headline step (at M tokens); needs Triton importable, "PEFT DoRA" peft."""
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:

@@ -121,8 +121,7 @@ def bind(fn, backend, args: dict, kwargs: dict):
 
 @contextlib.contextmanager
 def ptxas_log_printed(out: io.StringIO):
-    """Inside it, Triton's make_cubin prints the log of its own ptxas -v run, with its own flags (3.9 adds
-    --regAllocOptLevel=2), into out: the figures of the cubin Triton builds."""
+    """Inside it, make_cubin prints its own ptxas -v log (its flags; 3.9 adds --regAllocOptLevel=2) into out."""
     from triton import knobs
 
     saved = knobs.nvidia.dump_ptxas_log
