@@ -66,7 +66,7 @@ def ws_configs_for(arch: str, out_name: str, red_name: str, m: int, fp8_dot: boo
 
 
 def persistent_programs(device: torch.device, tiles: int) -> int:
-    """The tile loop's grid: a program per SM (a ws CTA fills one), no more than tiles; 3 interpreted so programs loop."""
+    """The tile loop's grid: a program per SM (a ws CTA fills one), at most the tiles; 3 interpreted, so they loop."""
     if interpreting():
         return max(1, min(tiles, 3))
     return max(1, min(tiles, sm_props(device)[0]))

@@ -70,9 +70,8 @@ __device__ __forceinline__ void mma_block_origin(int64_t M, int64_t cols, int gr
 
 // ------------------------------------------------------------------------------------------------ main loop
 
-// For each m16 tile of the warp: A fragment of `tile` (k step kk) times the 4 B fragments into acc; with TWO, the
-// same B fragments also take tile2's A fragment into acc2 (dropout's second operand), interleaved per m16 tile so
-// that one A fragment is live at a time. The kernels declare acc2 also without dropout (unused, it takes no registers).
+// Per m16 tile of the warp: tile's A fragment (k step kk) x the 4 B fragments into acc; with TWO also tile2's into
+// acc2 (dropout), interleaved so one A fragment is live at a time. acc2 unused without dropout takes no registers.
 template <typename T, int SWZ, bool TWO, int MT, int NT>
 __device__ __forceinline__ void mma_rows(float (&acc)[MT][NT][4], float (&acc2)[MT][NT][4], const uint8_t* tile,
                                          const uint8_t* tile2, int wm0, int kk, int lane,
