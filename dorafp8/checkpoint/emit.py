@@ -251,11 +251,8 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
 
 def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
                       fp8: nn.Module, rows, terms: list, entry: dict, bias) -> None:
-    """An NVFP4 / MXFP8 layer in ModelOpt's layout (what load_fp8_checkpoint reads: source.nvfp4_weights,
-    load_plan._micro_kind): NVFP4 as `weight` packed uint8 [N, K/2], `weight_scale` e4m3 [N, K/16], `weight_scale_2`
-    fp32 []; MXFP8 as `weight` e4m3 [N, K], `weight_scale` e8m0 bytes (uint8, as ModelOpt stores them; e8m0 where the
-    file it came from had that dtype) [N, ceil(K/32)]. Kept bit for bit without adapters; merged, re-quantized by the
-    layer's own recipe (merge.requantize_micro: NVFP4 with the merged weight's global scale), the error reported."""
+    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes, NVFP4's
+    `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py)."""
     kind = scale_kind(fp8.scale)
     if terms:
         w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device)

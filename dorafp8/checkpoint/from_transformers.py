@@ -56,9 +56,8 @@ def _saved_quantization_config(model) -> Optional[dict]:
 
 
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
-    """The fp8 linear layers of a transformers model, each checked, nothing changed: ([(name, module, weight, scale,
-    block_size, format, extras, global_scale)], layers whose weights are dense already, MoE expert blocks); an NVFP4
-    global scale as the factor W0 is multiplied by. Raises on the first layer dorafp8 cannot hold."""
+    """([(name, module, weight, scale, block_size, format, extras, global_scale)], dense layers, MoE expert blocks)
+    of a transformers model, each checked, nothing changed; raises on the first layer dorafp8 cannot hold."""
     fg_linear, fg_experts = _finegrained_cls()
     ct_linear = _ct_fp8_linear_cls()
     layers, dense, experts = [], [], []

@@ -280,9 +280,8 @@ class _TensorLoader:
         self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block_size)
 
     def _micro_scale(self, k: str, t: torch.Tensor, sp) -> None:
-        """A microscaled layer's scale, kept as stored (MXFP8's uint8 bytes viewed as e8m0), refused if a code is NaN
-        or (NVFP4) negative; NVFP4's global scale with it, as the factor W0 multiplies by (compressed-tensors stores
-        its reciprocal)."""
+        """A microscaled layer's scale as stored (MXFP8's bytes as e8m0), refused if NaN or (NVFP4) negative; and
+        NVFP4's global scale as the factor W0 multiplies by (compressed-tensors stores its reciprocal)."""
         mod = self.model.get_submodule(sp.module)
         sc = t.contiguous().view(E8M0) if sp.kind == "mxfp8" else t.contiguous()
         bits = sc.view(torch.uint8)
@@ -436,9 +435,8 @@ def _stuck_error(stuck: list) -> CheckpointFormatError:
 
 
 def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
-    """Tensors still on the meta device after loading, materialized: a module all of whose tensors are left (a rotary
-    embedding's inv_freq) is initialized by the model's _init_weights where it has one; else zeros (an error under
-    strict)."""
+    """Tensors left on the meta device, materialized: a module all left (rotary inv_freq) by the model's
+    _init_weights if it has one, else zeros (an error under strict)."""
     left = _left_on_meta(model.named_modules())
     if not left:
         return

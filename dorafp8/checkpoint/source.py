@@ -62,10 +62,8 @@ class CheckpointSource:
                 self.info[k] = (SAFETENSORS_DTYPES.get(dtype), shape, i)
 
     def _read_folder(self, path: str) -> None:
-        """The shards and config.json of a checkpoint folder, each a regular file inside it (files.file_in): its
-        model.safetensors if any (what transformers reads first), else those its index names, else every
-        *.safetensors. config.json and hf_quant_config.json must have the sha256 the index records, if it does: a
-        reader never pairs one export's config with another's weights (write._publish)."""
+        """A folder's shards (its model.safetensors, else those its index names, else every *.safetensors) and
+        config.json, each a regular file inside it; the JSON files must match the sha256 the index records."""
         roots = allowed_roots(path)
 
         def inside(name: str, what: Optional[str] = None) -> str:
