@@ -1,7 +1,6 @@
-"""LyCORIS (lycoris-lora) on dorafp8's fp8 layers: LoCon / LoRA, with or without DoRA (`dora_wd`), computed by the
-fused ops with LyCORIS's own parameters and state_dict keys (`network.save_weights` writes an ordinary LyCORIS file).
-register_with_lycoris wraps three LyCORIS constructors, unchanged unless an fp8 layer is involved. Why this hook, and
-the math: docs/ARCHITECTURE.md, "dorafp8/lycoris.py"."""
+"""LyCORIS (lycoris-lora) LoCon / LoRA, with or without DoRA (`dora_wd`), on dorafp8's fp8 layers, computed by the
+fused ops with LyCORIS's own parameters and keys. Why this hook, and the math: docs/ARCHITECTURE.md,
+"dorafp8/lycoris.py"."""
 
 from __future__ import annotations
 
@@ -309,10 +308,8 @@ def _wrap(cls: type, make) -> None:
 
 
 def register_with_lycoris() -> None:
-    """Teaches LyCORIS dorafp8's fp8 layers: create_lycoris / LycorisNetwork, kohya's create_network and
-    create_lycoris_from_weights then put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear / FP8ConvNd layers,
-    computed by the fused ops; any other algorithm on an fp8 layer raises. Run by `import dorafp8` when lycoris is
-    imported (unless DORAFP8_NO_PATCHES=1). Idempotent."""
+    """Teaches LyCORIS's constructors to put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear / FP8ConvNd
+    layers, computed by the fused ops (other algorithms on an fp8 layer raise). Run by `import dorafp8`; idempotent."""
     from lycoris.wrapper import LycorisNetwork
 
     _wrap(LycorisNetwork, _network_init)

@@ -57,9 +57,8 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names one
-    (backends.resolve refuses what cannot serve the call), else under racing() the key's checked pick, else the static
-    order."""
+    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names
+    one, else under racing() the key's checked pick, else the static order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -132,9 +131,8 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """What the child runs within budget(spec): the first `rows` weight rows (all N if they fit at the small M, else as
-    many as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and the largest M that fits (`check`), timed
-    at the largest (`time`). `fits` False (a narrow layer at M <= 100): the key runs on the reference, unchecked."""
+    """What the child runs within budget(spec): the first `rows` weight rows (N mod 256 kept, 16 at least), checked at
+    SMALL_M and the largest M that fits, timed at the largest; `fits` False: the reference runs, unchecked."""
     N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:

@@ -43,9 +43,8 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
-    """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (layerwise casting, kohya's and OneTrainer's casts), the weight kept byte for byte; None if it is not fp8. `dtype`
-    (the casting hook's compute dtype, else a non-fp8 bias's, else fp32) is the bias's and the adapters'."""
+    """(w8, bias, dtype) for a layer whose weight was cast to float8_e4m3fn without a scale (layerwise casting, kohya's
+    and OneTrainer's casts), kept byte for byte; None if not fp8. `dtype`: the cast hook's, else the bias's, or fp32."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)

@@ -1,6 +1,5 @@
-"""What dorafp8's PEFT layers share, linear and conv: the DoRA variant mixin (magnitude from the fp8 weight, no dense
-merge, PEFT's general-path composition) and the layer base (backend switch, weight-norm cache, fused dispatch,
-conversion from a PEFT layer)."""
+"""What dorafp8's PEFT layers (linear and conv) share: the DoRA variant mixin and the layer base (backend switch,
+weight-norm cache, fused dispatch, conversion from a PEFT layer)."""
 
 from __future__ import annotations
 
@@ -233,10 +232,9 @@ class DoRAFP8Layer:
         return problems
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
-        NORM_EPS), V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA one), in fp32 row blocks, re-quantized with
-        `merge_granularity` scales (warned about; the error in `last_merge_error`). All checks run first
-        (merge_problems); unmerge() restores the kept pre-merge bytes."""
+        """Merges the active (or named) adapters into the fp8 base (W' = m / ||V|| * V, V = W0 + s B A, in fp32 row
+        blocks), re-quantized with `merge_granularity` scales (error in `last_merge_error`). All checks run first;
+        unmerge() restores the kept pre-merge bytes."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
