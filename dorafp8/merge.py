@@ -27,9 +27,8 @@ def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A
 
 def column_norms(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                  s: float, group: int = 1) -> torch.Tensor:
-    """||V[:, k]|| (fp32 [K / group], no gradient) for V = W0 + s B A: the norm per input column, the squares of each
-    `group` consecutive columns summed (a conv's per-input-channel norm over its kernel). The DoRA of LyCORIS and
-    OneTrainer with the magnitude on the input axis divides by it."""
+    """||V[:, k]|| (fp32 [K / group], no gradient) for V = W0 + s B A, each `group` consecutive columns summed (a conv's
+    kernel): what LyCORIS's and OneTrainer's input-axis DoRA divides by."""
     with torch.no_grad(), torch.autocast(w8.device.type, enabled=False):
         sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
         for _, _, V in adapted_row_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):
@@ -154,9 +153,8 @@ def _add_error(stats: RequantStats, r: torch.Tensor, back: torch.Tensor) -> None
 
 
 def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None):
-    """requantize for the microscaled kinds by their own recipes (quant.py): (w, scale, global_scale, stats). "nvfp4":
-    quantize_nvfp4 with the whole weight's global scale (a first pass: rows_fn is called twice per block); "mxfp8":
-    quantize_mxfp8, row-local, global_scale None. stats.rel_error as requantize's."""
+    """requantize for the microscaled kinds by their recipes (quant.py): (w, scale, global_scale, stats). "nvfp4" takes
+    the whole weight's global scale first (rows_fn called twice per block); "mxfp8" is row-local (global_scale None)."""
     g = nvfp4_global_scale(_amax(rows_fn, n_rows, n_cols, device)) if kind == "nvfp4" else None
     stats = RequantStats()
     w = scale = None

@@ -1,9 +1,7 @@
 """Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module implementing dorafp8/backends/base.py's contract, plus `unavailable_reason(device)` and
-optionally `SUPPORTS`. backend="auto": $DORAFP8_BACKEND if set, else on a GPU the fastest checked backend (race.py),
-else resolve()'s static order. A named backend that cannot run or compute the call raises; under "auto" it is passed
-over. Details: docs/ARCHITECTURE.md."""
+A backend is a module implementing backends/base.py's contract. backend="auto": $DORAFP8_BACKEND if set, else on a
+GPU the fastest checked backend (race.py), else resolve()'s static order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The backend contract: what every implementation of the DoRA-FP8 kernels computes, as a typed Protocol.
 
 A backend is a module with the six functions of `Backend` below, plus `unavailable_reason(device)` and optionally
-`SUPPORTS` (tests/ops/test_backend_contract.py checks each). Details: docs/DORA_MATH.md, "Backends and their
-contract", and docs/ARCHITECTURE.md."""
+`SUPPORTS`. Details: docs/DORA_MATH.md, "Backends and their contract", and docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """cuBLAS strategy: the backend contract (backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py,
-dequant_micro.py), the base GEMMs through torch.matmul, the rest from the Triton kernels. The yardstick the fused
-kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
+What a user who dequantizes would do, done well (W8 dequantized in one launch, then torch.matmul; the rest Triton):
+the yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Native backend: the reference backend (backends/reference.py) with one change: a block of weight rows is dequantized
-into the compute dtype and multiplied there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does.
-Details: docs/ARCHITECTURE.md."""
+"""Native backend: the reference backend with weight row blocks dequantized into the compute dtype and multiplied
+there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

@@ -72,9 +72,8 @@ def layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: Optional[LayerSour
 
 
 def act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
-    """How the layer's activations are quantized, for compressed-tensors' input_activations: "static" where the
-    checkpoint it came from had a static scale (kept for the deployment it was made for), "dynamic" for W8A8 layers
-    (act_quant="rowwise", per token), "none" for W8A16 (the default: weight-only)."""
+    """compressed-tensors' input_activations for the layer: "static" where its checkpoint had a static scale (kept),
+    "dynamic" for W8A8 layers (act_quant="rowwise", per token), "none" for W8A16 (the default)."""
     if layout.act_scale_key and layout.act_scale_key in extras:
         return "static"
     return "dynamic" if getattr(fp8, "act_quant", None) else "none"

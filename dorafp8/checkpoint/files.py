@@ -78,9 +78,8 @@ def allowed_roots(folder: str) -> list[str]:
 
 
 def file_in(folder: str, name, what: str, roots: Optional[list[str]] = None) -> str:
-    """folder/name, for a file name taken from the checkpoint itself (an index's shard, a file in its folder): a
-    relative name without '..', that resolves (symlinks followed) inside `roots` (allowed_roots(folder)) to a
-    regular file. Anything else is refused naming `what` (the index entry)."""
+    """folder/name for a name taken from the checkpoint itself: a relative name without '..' that resolves inside
+    `roots` (allowed_roots(folder)) to a regular file; anything else is refused naming `what` (the index entry)."""
     if not isinstance(name, str) or not name.strip():
         raise CheckpointFormatError(f"{what}: {name!r} is not a file name")
     parts = name.replace("\\", "/").split("/")
@@ -301,9 +300,8 @@ def _leftovers(folder: str, name: str) -> list[str]:
 
 @contextlib.contextmanager
 def staging(folder: str, name: str):
-    """A new hidden folder `.<name>.<random>.partial` inside `folder` (the renames out of it never cross disks), locked
-    while in use, removed at the end. Stages nobody holds (killed writers', or planted) are named in a warning, never
-    removed."""
+    """A new hidden folder `.<name>.<random>.partial` in `folder` (renames never cross disks), locked while in use,
+    removed at the end. Stages nobody holds (killed writers', or planted) are named in a warning, never removed."""
     left = _leftovers(folder, name)
     if left:
         warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone else; "
@@ -388,9 +386,8 @@ def write_error(path: str, e: Exception) -> OSError:
 
 
 def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
-    """The files in `folder` that a new export may remove (all a writer ever removes), {name: {"size", "sha256"}}: those
-    the regular-file index `index_name` lists under metadata["dorafp8_files"], named by `pattern`, and still regular
-    files of the recorded size and sha256. Anything else is left alone."""
+    """{name: {"size", "sha256"}} of the files a new export may remove: those the index lists under
+    metadata["dorafp8_files"], named by `pattern`, still regular files of the recorded size and sha256."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:

@@ -1,8 +1,7 @@
 """PEFT integration for convolutions: DoRAFP8Conv1d/2d/3d, PEFT's own `lora.Conv1d/2d/3d` on an FP8 conv base.
 
-PEFT 0.21's adapter layout is kept exactly, so the adapter files are PEFT's. The base is an FP8 conv, the magnitude
-starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one
-dora_fp8_conv call, with no dense B A, W0 + s B A or kept dequantized weight."""
+PEFT 0.21's adapter layout is kept, so adapter files are PEFT's; the usual case (one active DoRA adapter, no LoRA
+bias, zero padding) is one dora_fp8_conv call, with no dense B A or dequantized weight kept."""
 
 from __future__ import annotations
 

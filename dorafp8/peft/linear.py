@@ -1,8 +1,7 @@
 """DoRAFP8Linear: a PEFT LoRA Linear on an FP8Linear base (conversion and registration: dorafp8/peft/register.py).
 
-It subclasses PEFT's `lora.Linear`, so adapter keys, save_pretrained/load_adapter, set_adapter, disable_adapter and
-several adapters keep working. What changes: the FP8Linear base, the magnitude initialised from the fp8 weight, and
-the usual case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
+A subclass of PEFT's `lora.Linear` (adapter keys, save/load, set_adapter, several adapters keep working) whose usual
+case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
 
 from __future__ import annotations
 
