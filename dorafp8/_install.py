@@ -200,8 +200,7 @@ def watch_imports() -> None:
 
 
 def _warn_imported_first(name: str) -> None:
-    """Warns once where a trainer imported before dorafp8 has hooked adapters to their layers already (they keep the
-    forward their class had then)."""
+    """Warns once where a trainer imported before dorafp8 has hooked adapters to their layers already."""
     if name != ONETRAINER_MODULE or _WARNED:
         return
     import gc

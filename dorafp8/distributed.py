@@ -17,8 +17,7 @@ from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa:
 from .quant import FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
-    """owner.attr = make_wrapper(owner.attr), keeping the original as its `_dorafp8_orig`, unless it is dorafp8's
-    wrapper already: installing twice wraps once."""
+    """owner.attr = make_wrapper(owner.attr), the original kept as `_dorafp8_orig`; wraps once."""
     cur = getattr(owner, attr)
     if not hasattr(cur, "_dorafp8_orig"):
         new = make_wrapper(cur)

@@ -255,8 +255,7 @@ def _count_dora_calls() -> None:
 
 
 def _act_quant_new_layers() -> None:
-    """--w8a8 without --quantize: the fp8 layers a trainer makes itself (an fp8 checkpoint, fp8-cast weights) take
-    W8A8 as PEFT wraps them."""
+    """--w8a8 without --quantize: fp8 layers a trainer makes itself take W8A8 as PEFT wraps them."""
     from .nn import FP8Linear
     from .peft import layer
 
@@ -320,8 +319,7 @@ def _interpreter_flags(args: list[str]) -> list[str]:
 
 
 def _child(argv: list[str], hand_over: bool = False):
-    """Runs argv as a child process, reached through _export's sitecustomize (hand_over: without it, for another
-    interpreter's own `dorafp8 run`)."""
+    """Runs argv as a child process, reached through _export's sitecustomize (unless hand_over)."""
     def run_child():
         env = None
         if hand_over:
@@ -334,8 +332,7 @@ def _child(argv: list[str], hand_over: bool = False):
 
 
 def _other_python(interp: str, args: list[str], options: dict):
-    """`/other/venv/bin/python ...`: handed over to that interpreter's own `dorafp8 run` if dorafp8 is installed there;
-    refused, naming it, otherwise."""
+    """`/other/venv/bin/python ...`: handed over to that interpreter's `dorafp8 run`, else refused."""
     path = shutil.which(interp) or interp
     if not os.path.isfile(path):
         raise SystemExit(f"dorafp8 run: no such interpreter {interp!r}")

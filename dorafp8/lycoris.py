@@ -28,8 +28,7 @@ def _torch_class(fp8_cls: type) -> type:
 
 
 def _dense_weight(layer: nn.Module) -> Tensor:
-    """scale * w8 in fp32, in the layer's own layout (read from the parameter itself: `weight` is the view's
-    property while the view class is worn)."""
+    """scale * w8 in fp32, in the layer's own layout (from the parameter: `weight` is the view's)."""
     w8 = layer._parameters["weight"]
     return dequantize_e4m3(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32,
                            block_size=layer.block_size).view(w8.shape)
@@ -226,8 +225,7 @@ class FP8LoConModule(LoConModule):
 
     @property
     def org_weight(self):
-        """The dequantized base weight (fp32, a transient): what LyCORIS's merged-weight helpers
-        (get_merged_weight, parametrize_forward) compute with."""
+        """The dequantized base weight (fp32, a transient) for LyCORIS's merged-weight helpers."""
         return _dense_weight(self.org_module[0])
 
     @org_weight.setter

@@ -66,8 +66,7 @@ def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
 
 def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int,
                 global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32 (global_scale:
-    an NVFP4 base's)."""
+    """Rows j0:j1 of the weight with the adapters `terms` merged in sequence, fp32 (global_scale: NVFP4's)."""
     w = w0_rows(w8, scale, block_size, j0, j1, global_scale)
     for A, B, s, mag, _ in terms:
         w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A

@@ -41,8 +41,7 @@ def empty(shape, dtype: torch.dtype, device) -> Tensor:
 
 
 def norm_divisor(n: Tensor) -> Tensor:
-    """n with NORM_EPS where it is 0 (same dtype and shape): what every DoRA formula divides by (c = m / n, dm's
-    1 / n, the merge). NaN stays NaN."""
+    """n with NORM_EPS where it is 0: what every DoRA formula divides by. NaN stays NaN."""
     return torch.where(n == 0, NORM_EPS, n)
 
 
@@ -70,8 +69,7 @@ class Backend(Protocol):
     """The six functions of the contract. Every backend computes exactly this."""
 
     def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
-        """n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float dtype (upcast
-        in-kernel). Never materializes [N, K] in full."""
+        """n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]; A, B any float dtype; never [N, K]."""
 
     def project(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float) -> Tensor:
         """a' @ b^T (u = xd A^T in the forward). a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in

@@ -107,8 +107,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def rank_ops(device: torch.device) -> ModuleType:
-    """The backend module whose project, project_grad and backward_pass the CUDA backend uses on `device`: the
-    Triton backend's when Triton can run there, else the reference's."""
+    """The backend whose project, project_grad, backward_pass CUDA uses: Triton's, else reference."""
     # Chosen here, not through the registry (the package this module belongs to), so that imports only go down.
     from . import reference
 

@@ -248,8 +248,7 @@ def _file(path: str) -> dict:
 
 
 def _save(path: str, device: torch.device, what: str, results: dict, broken: dict) -> None:
-    """Adds a key's conclusive verdicts and the broken candidates to the file (re-read first: other processes may
-    have added theirs), written atomically."""
+    """Adds a key's verdicts and broken candidates to the file (re-read first), atomically."""
     keep = {c: v for c, v in results.items() if v.get("ok") is not None}
     mine = _file(path)
     mine["keys"].setdefault(what, {}).update(keep)
@@ -479,8 +478,7 @@ def race_report() -> list[str]:
 
 
 def selftest(device: torch.device | None = None) -> list[str]:
-    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now (dropping their verdicts first) and
-    returns the lines that say what was found."""
+    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type not in RACERS:
         name = backends.resolve("auto", device)

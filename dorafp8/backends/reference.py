@@ -107,8 +107,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
 
 
 def _normalized(f, device):
-    """(f / r, r) with r = max|f| (fp32 0-dim, >= tiny), so that g * (f / r) cannot overflow where g does not;
-    f None (a factor of ones): (None, 1)."""
+    """(f / r, r), r = max|f| (fp32 0-dim, >= tiny): g * (f / r) cannot overflow; f None: (None, 1)."""
     if f is None:
         return None, torch.ones((), dtype=torch.float32, device=device)
     r = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)

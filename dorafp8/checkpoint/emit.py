@@ -80,8 +80,7 @@ def act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
 
 
 def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool, adapter_names) -> Written:
-    """Walks the model and puts every tensor of the checkpoint into `sink`, fp8 layers in t's layout (merged with
-    their adapters if `merge`); fills report.layers."""
+    """Puts every tensor of the model into `sink`, fp8 layers in t's layout; fills report.layers."""
     tuner_type = tuner_layer_class()
     out = Written()
     put_tensor = _TensorPutter(t, sink, report)
@@ -113,8 +112,7 @@ def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool,
 
 
 class _TensorPutter:
-    """Writes a tensor that is not an fp8 layer's: once per tied group; cast to the dense format, or back to its
-    dtype in the file it was loaded from where that loses nothing."""
+    """Writes a non-fp8 tensor once per tied group, cast to the dense format or its file's dtype."""
 
     def __init__(self, t: WriteTarget, sink: TensorSink, report: ExportReport):
         self.t, self.sink, self.report = t, sink, report

@@ -229,8 +229,7 @@ LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before 
 
 
 def destination(path: str, what: str = "path") -> str:
-    """`path` with its symlinks resolved (a folder linked to another disk is written on that disk); a dangling link is
-    refused naming `what`, before anything is written."""
+    """`path` with its symlinks resolved; a dangling link is refused naming `what`."""
     if os.path.islink(path) and not os.path.exists(path):
         raise FileNotFoundError(f"{what}={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
                                 f"point it at a folder that exists, or remove the link")
@@ -353,8 +352,7 @@ def sha256(path: str) -> str:
 
 
 def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: Optional[str] = None) -> None:
-    """safetensors' save_file of `tensors` to `path` (in a staging folder: safetensors puts its own temporary file
-    beside it), a write error raised naming `name` (default: `path`)."""
+    """safetensors' save_file of `tensors` to `path`, a write error raised naming `name` or `path`."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 

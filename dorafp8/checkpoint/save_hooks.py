@@ -98,8 +98,7 @@ def patch_transformers() -> None:
 
 
 class _DiffusersDoRAFP8Checkpoint:
-    """What diffusers' quantizer registry finds for quant_method 'dorafp8' (configs.diffusers_guard): an error saying
-    how to load the directory."""
+    """diffusers' quantizer for quant_method 'dorafp8' (configs.diffusers_guard): says how to load it."""
 
     @classmethod
     def from_dict(cls, config: dict, *args, **kwargs):

@@ -248,8 +248,7 @@ def detect_format(path_or_state_dict) -> tuple[str, str]:
 
 
 def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
-    """The block size of block scales that config.json gives (None if it gives none); refuses configs of
-    quantizations dorafp8 does not read (ue8m0 scales, non-fp8 compressed-tensors)."""
+    """config.json's block size (or None); refuses quantizations dorafp8 does not read."""
     qc = source.quant_config()
     if fmt == "fine-grained":
         if qc.get("scale_fmt", "float") not in (None, "float"):

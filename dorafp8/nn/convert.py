@@ -273,8 +273,7 @@ def _size(n_bytes: int) -> str:
 
 
 def _summary(layers: list) -> str:
-    """quantize_model's line: how many layers it swapped, the bytes of their fp8 weights and scales, and what the
-    same weights take in bf16 (2 bytes each) and fp32 (4)."""
+    """quantize_model's line: layers swapped, their fp8 bytes, and the same weights in bf16 and fp32."""
     n = sum(m.weight.numel() for m in layers)
     fp8 = sum(m.weight.numel() * m.weight.element_size() + m.scale.numel() * m.scale.element_size() for m in layers)
     return (f"dorafp8.quantize_model: {len(layers)} layers to fp8 e4m3: their weights take {_size(fp8)} with the "

@@ -19,8 +19,7 @@ _FIX = {"transformers": "dorafp8.save_fp8_checkpoint(model, path, format='compre
 
 
 def warn_if_save_pretrained_loses_scales(model: nn.Module, stacklevel: int = 3) -> None:
-    """Warns if `model` (now holding fp8 layers) is a transformers or diffusers model whose save_pretrained is the
-    library's own, not dorafp8's wrapper."""
+    """Warns if `model` is a transformers / diffusers model whose save_pretrained is not dorafp8's."""
     cls = type(model)
     library = next((lib for c in cls.__mro__ for (mod, name), lib in _LIBRARY_MODELS.items()
                     if c.__module__ == mod and c.__name__ == name), None)

@@ -29,8 +29,7 @@ def _tuple(v, nd: int, name: str) -> tuple:
 
 
 def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
-    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call, computed in fp32 over row blocks
-    of the [C_out, rest] view and rounded once."""
+    """scale * w8 in `dtype`, in w8's layout, computed in fp32 over row blocks and rounded once."""
     C = w8.shape[0]
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]

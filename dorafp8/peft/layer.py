@@ -167,8 +167,7 @@ class DoRAFP8Layer:
         self._dorafp8_norm_cache.clear()
 
     def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
-        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
-        equals the norm of the current tensors (dorafp8/norm_cache.py)."""
+        """The detached fp32 row norm ||W0 + s B A|| of `adapter`, reused only where provably current."""
         base = self._fp8_base()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
@@ -210,8 +209,7 @@ class DoRAFP8Layer:
         return [a for a in names if a in self.lora_A and a not in self.merged_adapters]
 
     def merge_problems(self, adapter_names=None) -> list[str]:
-        """Why merge(adapter_names) would fail, found without changing anything (register.check_model_merge asks every
-        layer first, so that a model is merged whole or not at all)."""
+        """Why merge(adapter_names) would fail, found without changing anything."""
         names = self._adapters_to_merge(adapter_names)
         if not names:
             return []

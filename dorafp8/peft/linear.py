@@ -51,8 +51,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         return super()._get_base_layer_device_and_dtype(base_layer)
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
-        """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition; DoRA's merge
-        also rescales rows, see merge)."""
+        """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition)."""
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         return ((B.float() @ A.float()) * self.scaling[adapter]).to(B.dtype)
 

@@ -102,8 +102,7 @@ _ORIG_ALL_LINEAR = None
 
 
 def _fp8_all_linear_names(model: nn.Module) -> set[str]:
-    """The FP8Linear layers that PEFT's "all-linear" shorthand means, with PEFT's own exclusions: the output
-    embedding (lm_head) and anything inside an existing tuner layer."""
+    """The FP8Linear layers PEFT's "all-linear" means (not lm_head, nor inside a tuner layer)."""
     names = {name for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
     get_out = getattr(model, "get_output_embeddings", None)
     out = get_out() if callable(get_out) else None
