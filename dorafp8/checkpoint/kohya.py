@@ -1,6 +1,7 @@
 """DoRA adapters as kohya / LyCORIS files (`lora_down.weight`, `lora_up.weight`, `alpha`, `dora_scale` per layer),
 as ComfyUI, Forge and LyCORIS read them: save_kohya_dora, load_kohya_dora, save_single_file_dora. What `dora_scale`
-holds for each consumer: docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py"; key names: kohya_names.py."""
+holds for each consumer: docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py"; key names: kohya_names.py.
+Long because it holds both directions of one layout and the single-file export, each with its checks."""
 
 from __future__ import annotations
 
