@@ -35,8 +35,7 @@ def _peft() -> None:
 
 
 def _refuse_fp8_layers_in_old_peft() -> None:
-    """On too old a peft, get_peft_model on an fp8 layer is refused naming the peft needed (instead of PEFT's own error
-    deep in its DoRA init); everything else PEFT does is left alone."""
+    """On too old a peft, get_peft_model on an fp8 layer is refused naming the peft needed."""
     from peft.tuners.lora.model import LoraModel
 
     from .nn import FP8WeightModule
@@ -182,8 +181,7 @@ def _remove_path_hook() -> None:
 
 
 def watch_imports() -> None:
-    """Runs the hook of every watched module that is loaded, and watches for the others that exist here, or (_LATE)
-    may arrive with a folder added to sys.path. Idempotent (each hook is)."""
+    """Runs the hook of every loaded watched module and watches for the others (_LATE too). Idempotent."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
             _after_import.forget(name)

@@ -163,8 +163,7 @@ def _modelopt_export(path) -> str | None:
 
 
 def _modelopt_load(klass, args, kwargs):
-    """A transformers model from a ModelOpt NVFP4 / MXFP8 export, built on the meta device and loaded by
-    load_fp8_checkpoint (dtype / torch_dtype honoured); None (transformers loads it) for anything else."""
+    """A transformers model from a ModelOpt NVFP4 / MXFP8 export via load_fp8_checkpoint; else None."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     algo = _modelopt_export(path)
     if algo is None:

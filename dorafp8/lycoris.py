@@ -159,8 +159,7 @@ class FP8LoConModule(LoConModule):
     # ---- the forward ---------------------------------------------------------------------------------------------
 
     def _factors(self, device) -> tuple[Tensor, Tensor]:
-        """(D, U): lora_down as lora_A (Tucker's lora_mid composed in) and lora_up [N, r] times `scalar`, with LyCORIS's
-        rank-dropout mask on its rows in training."""
+        """(D, U): lora_down as lora_A (lora_mid composed in), lora_up [N, r] * `scalar`, rank dropout in training."""
         D = self.lora_down.weight
         if self.tucker:  # lycoris rebuild_tucker: dW[p, q, k] = sum_ij mid[i, j, k] up[p, i] down[j, q]
             D = torch.einsum("ij...,jq->iq...", self.lora_mid.weight, D.reshape(D.shape[0], -1))

@@ -320,8 +320,7 @@ _FP8_NONFINITE = {getattr(torch, name): code for name, code in _FP8_NONFINITE.it
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of t is finite (no NaN, no inf), for every floating dtype torch has, float8 included, on
-    every supported torch. Integer and bool tensors are finite."""
+    """Whether every element of t is finite, for every dtype torch has, float8 included (ints and bools are)."""
     if not (t.is_floating_point() or t.is_complex()):
         return True
     code = _FP8_NONFINITE.get(t.dtype)

@@ -78,8 +78,7 @@ class Backend(Protocol):
 
     def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float,
                      out_dtype: torch.dtype) -> Tensor:
-        """s * v^T @ a' (dA in the backward): v [M, r] (rdt), a [M, K] (cdt), a' as in project: [r, K] in out_dtype,
-        accumulated and scaled in fp32, rounded once."""
+        """s * v^T @ a' (dA in the backward): v [M, r], a [M, K], a' as in project: [r, K], fp32-accumulated."""
 
     def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor],
                 m: Optional[Tensor], n: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float,

@@ -47,8 +47,7 @@ def build_note() -> str:
 
 
 def extension_status() -> str:
-    """What `python -m dorafp8` says of the extension: importable or not, what the install decided, and, if it is not
-    built, whether the first use of backend='cuda' can build it here."""
+    """What `python -m dorafp8` says of the extension: importable, the install's note, buildable here."""
     if _C is not None:
         return "importable" + (f"; at install: {build_note()}" if build_note() else "")
     return _not_built()

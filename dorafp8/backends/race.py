@@ -50,8 +50,7 @@ _WARNED: set = set()  # (device, candidate, verdict) warned about in this proces
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
-    """Whether a call with this `backend` argument on `device` is decided here: "auto", nothing forced by
-    $DORAFP8_BACKEND, DORAFP8_RACE not 0, a device type that races."""
+    """Whether this call is decided here: "auto", no $DORAFP8_BACKEND, DORAFP8_RACE not 0, a racing device."""
     return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
             and os.environ.get("DORAFP8_RACE", "1") != "0")
 
@@ -116,8 +115,7 @@ def step_bytes(spec: dict, M: int) -> int:
 
 
 def budget(spec: dict) -> int:
-    """The most the child may hold on the device: the layer's own step (step_bytes) at the M that met the key (else the
-    smallest of its bucket), within [FLOOR, CAP]."""
+    """The most the child may hold on the device: the layer's step_bytes at the key's M, within [FLOOR, CAP]."""
     low = spec["mb"] // 2 + 1 if spec["mb"] > 16 else 1
     return min(max(step_bytes(spec, min(spec.get("at") or low, MAX_M)), FLOOR), CAP)
 
@@ -384,8 +382,7 @@ def _results(text: str, cands) -> dict:
 
 
 def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran is to blame:
-    not for a SIGKILL from outside, the OOM killer or an operator)."""
+    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     limit = TIMEOUT_S

@@ -44,8 +44,7 @@ def some(items, first: int = 6, sep: str = ", ", names: bool = True) -> str:
 
 
 def regular_file(path: str, what: str) -> str:
-    """`path` if it is (or links to) a regular file; an error naming `what` otherwise (missing, a folder, a FIFO or
-    a device, which a reader would block on or never finish)."""
+    """`path` if it is (or links to) a regular file, else an error naming `what` (a FIFO would block a reader)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

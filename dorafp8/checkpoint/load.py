@@ -122,8 +122,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
 
 def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dtype: Optional[torch.dtype],
                        backend: str, act_quant: Optional[str]) -> dict[str, nn.Module]:
-    """The FP8Linear / FP8ConvNd for each module that keeps fp8 bytes, built aside on the meta device (no memory;
-    filled as read once swapped in): module name -> new layer. The model is not changed."""
+    """module name -> its new FP8Linear / FP8ConvNd, built aside on the meta device; the model unchanged."""
     built = {}
     for mod_name, p in plan.layers.items():
         if not p.fp8:
@@ -190,8 +189,7 @@ class _Progress:
 
 
 def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
-    """t as fp32, refused if any value is NaN, infinite, negative or overflows times e4m3's largest value (it would
-    turn its rows into NaN, inf or flipped outputs)."""
+    """t as fp32, refused if NaN, infinite, negative or overflowing times e4m3's largest value."""
     f = t.float()
     bad = int((~torch.isfinite(f * E4M3_MAX) | (f < 0)).sum())
     if bad:
@@ -203,8 +201,7 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
 
 
 class _TensorLoader:
-    """Reads the planned tensors, one at a time, into the model: fp8 weights and scales into the fp8 layers, fp8
-    tensors of other modules dequantized, the other tensors cast, extras kept on their layer."""
+    """Reads the planned tensors one at a time into the model (fp8 kept, others dequantized or cast)."""
 
     def __init__(self, model: nn.Module, plan: LoadPlan, model_t: dict, tied: dict, report: LoadReport,
                  dtype: Optional[torch.dtype], mdtype: torch.dtype, first: dict):
@@ -435,8 +432,7 @@ def _stuck_error(stuck: list) -> CheckpointFormatError:
 
 
 def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
-    """Tensors left on the meta device, materialized: a module all left (rotary inv_freq) by the model's
-    _init_weights if it has one, else zeros (an error under strict)."""
+    """Tensors left on the meta device, materialized by the model's _init_weights, else zeros (strict: error)."""
     left = _left_on_meta(model.named_modules())
     if not left:
         return

@@ -22,8 +22,7 @@ from .source import CheckpointSource, detect, layer_key, nvfp4_weights
 
 def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
               key_map, block_hint: Optional[int], strict: bool) -> LoadPlan:
-    """Where every checkpoint tensor goes. Fills report.prefix, kept, missing and unexpected; raises
-    CheckpointFormatError on what does not fit (under strict: also on what is missing or left over)."""
+    """Where every checkpoint tensor goes (fills report); raises CheckpointFormatError on what does not fit."""
     keys = _map_keys(source, model_t, key_map, report)
     plan = _plan_layers(model, source, fmt, keys)
     _plan_scales(plan, source, block_hint, report)

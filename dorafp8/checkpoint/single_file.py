@@ -43,8 +43,7 @@ def refuse_scaled_fp8(checkpoint, what: str) -> None:
 
 
 def patch_from_single_file() -> None:
-    """Wraps diffusers' FromOriginalModelMixin.from_single_file (a dict checkpoint) and the module's
-    load_single_file_checkpoint (a path) so that both refuse scaled fp8 checkpoints. Idempotent."""
+    """Makes diffusers' from_single_file (dict or path) refuse scaled fp8 checkpoints. Idempotent."""
     from diffusers.loaders import single_file_model as sfm
 
     mixin = sfm.FromOriginalModelMixin

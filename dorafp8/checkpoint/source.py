@@ -242,8 +242,7 @@ def nvfp4_weights(info: dict) -> dict[str, str]:
 
 
 def detect_format(path_or_state_dict) -> tuple[str, str]:
-    """(format, the evidence) of a checkpoint, from its keys, dtypes and config.json, without reading tensor data.
-    Raises CheckpointFormatError naming what it saw when the layout is not one of LAYOUTS."""
+    """(format, evidence) of a checkpoint from its keys, dtypes and config.json; else CheckpointFormatError."""
     return detect(CheckpointSource(path_or_state_dict))
 
 

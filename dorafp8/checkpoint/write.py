@@ -141,8 +141,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
 
 
 def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict):
-    """A folder checkpoint: shards and config.json written into a stage inside `real`, then published under the
-    folder's lock (_publish); a failure before that leaves the folder as it was."""
+    """A folder checkpoint: written into a stage in `real`, then published under its lock (_publish)."""
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
@@ -174,8 +173,7 @@ def _made(folder: str):
 
 
 def _check_folder(real: str, path: str, stem: str) -> None:
-    """Refuses a folder where the new export would not be what loads (one holding `<stem>.safetensors`, read instead
-    of an index), or where the index or config.json is a folder."""
+    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index)."""
     single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
     if os.path.lexists(os.path.join(real, single)):
         raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "

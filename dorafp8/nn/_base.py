@@ -69,8 +69,7 @@ def peft_unregistered() -> bool:
 
 
 def peft_unregistered_hint() -> str:
-    """For an fp8 layer's repr, which PEFT's "Target module ... is not supported" error prints: the fix, while PEFT
-    is loaded and does not know these layers; else ""."""
+    """For an fp8 layer's repr (printed by PEFT's "not supported" error): the fix while PEFT lacks them, else ""."""
     return f"; {_PEFT_UNREGISTERED}" if "peft" in sys.modules and peft_unregistered() else ""
 
 
@@ -89,8 +88,7 @@ def warn_if_peft_unregistered() -> None:
 
 
 def zero3_init_active() -> bool:
-    """Whether DeepSpeed's `deepspeed.zero.Init` (ZeRO-3's partitioned construction) is open now, read from the module
-    DeepSpeed keeps it in, without importing deepspeed."""
+    """Whether DeepSpeed's `deepspeed.zero.Init` is open now, read without importing deepspeed."""
     pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     return getattr(pp, "zero_init_context", 0) > 0
 

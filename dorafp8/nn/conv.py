@@ -49,8 +49,7 @@ class FP8ConvNd(FP8WeightModule):
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", name: str | None = None):
-        """Quantizes an nn.ConvNd into an FP8 conv, one scale per tensor, per channel (per_row_scale) or per block
-        of the 2-D view; a float8_e4m3fn weight is kept with scale 1. `name` is used in messages."""
+        """Quantizes an nn.ConvNd into an FP8 conv (scale per tensor, channel or block). `name`: for messages."""
         want = NN_CONV[cls._nd]
         if not isinstance(module, want):
             raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")

@@ -32,8 +32,7 @@ def _linear_kinds() -> tuple:
 
 def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                  backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> nn.Module:
-    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (act_quant does not
-    apply): its weight quantized, or kept with scale 1 when it is float8_e4m3fn already."""
+    """The dorafp8 layer for an nn.Linear / Conv1D / ConvNd: weight quantized, or kept with scale 1 if fp8."""
     conv_cls = fp8_conv_class(module)
     if conv_cls is not None:
         return conv_cls.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,

@@ -91,8 +91,7 @@ def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
 
 
 def _watchdog(limit: float, parent: int) -> None:
-    """The child ends itself at the time limit, or when its parent is gone (a parent killed by SIGKILL cannot kill
-    it), even while a hanging kernel blocks its main thread."""
+    """Ends the child at the time limit or when its parent is gone, even while a kernel hangs its main thread."""
     end = time.monotonic() + limit
 
     def watch():

@@ -61,8 +61,7 @@ def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool,
 
 
 def _lora_input(x: Tensor, mask: Optional[Tensor], p: float, rdt: torch.dtype) -> Tensor:
-    """The lora path's input as PEFT forms it: x cast to the adapters' dtype, then dropout(x) = x * (mask / (1 - p))
-    in that dtype (the noise tensor F.dropout multiplies by)."""
+    """The lora path's input as PEFT forms it: x in the adapters' dtype, then x * (mask / (1 - p))."""
     xr = _as(x, rdt)
     if mask is None:
         return xr
@@ -118,8 +117,7 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
 
 
 class FP8ConvFunction(torch.autograd.Function):
-    """y = conv(x, scale * w8) + bias with a frozen fp8 weight; x and bias in the compute dtype. The backward
-    re-dequantizes the weight and returns the input (and bias) gradient."""
+    """y = conv(x, scale * w8) + bias on a frozen fp8 weight; the backward re-dequantizes the weight."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, block_size, stride, padding, dilation, groups):

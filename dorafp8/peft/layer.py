@@ -35,8 +35,7 @@ _MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quanti
 
 
 def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
-    """What a PEFT layer must be for a dorafp8 layer to take it over: no merged adapters, only plain LoRA / DoRA
-    variants, and a base that quantizes (or is fp8 already)."""
+    """Raises unless a dorafp8 layer can take over this PEFT layer: unmerged, LoRA / DoRA only, fp8-able base."""
     where = f"{name}: " if name else ""
     if layer.merged:
         raise ValueError(f"{where}layer has merged adapters; unmerge them first (layer.unmerge())")
