@@ -201,8 +201,7 @@ def _wrap_fsdp1_init(orig):
 
 
 def install_fsdp1_refusal() -> bool:
-    """Makes FSDP1 refuse a module holding fp8 weights it would flatten, naming FSDP2. Wraps its __init__; idempotent;
-    run when FSDP1's module is imported. Returns whether it is installed."""
+    """Makes FSDP1 refuse a module holding fp8 weights (naming FSDP2); idempotent; whether installed."""
     mod = sys.modules.get(FSDP1_MODULE)
     cls = getattr(mod, "FullyShardedDataParallel", None)
     if cls is None:

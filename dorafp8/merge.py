@@ -18,8 +18,7 @@ RowFn = Callable[[int, int], torch.Tensor]
 
 def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                        s: float):
-    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32 (A [r, K], B [N, r] fp32), W0 dequantized from w8 one row
-    block (<= 16 MiB) at a time: the adapted weight without ever holding it whole."""
+    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, one row block (<= 16 MiB) at a time."""
     N, K = w8.shape
     for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
         yield j0, j1, w0_rows(w8, scale, block_size, j0, j1).addmm_(B[j0:j1], A, alpha=s)
@@ -27,8 +26,7 @@ def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A
 
 def column_norms(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                  s: float, group: int = 1) -> torch.Tensor:
-    """||V[:, k]|| (fp32 [K / group], no gradient) for V = W0 + s B A, each `group` consecutive columns summed (a conv's
-    kernel): what LyCORIS's and OneTrainer's input-axis DoRA divides by."""
+    """||V[:, k]|| (fp32 [K / group], no grad) for V = W0 + s B A: what input-axis DoRA divides by."""
     with torch.no_grad(), torch.autocast(w8.device.type, enabled=False):
         sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
         for _, _, V in adapted_row_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):

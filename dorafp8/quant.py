@@ -250,8 +250,7 @@ def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
 
 def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int = DEFAULT_BLOCK,
                 name: str = "scale") -> torch.Tensor:
-    """Returns scale as fp32: 0-dim (per tensor), [n_rows] (per row; [n_rows, 1] is accepted) or
-    [ceil(n_rows / b), ceil(n_cols / b)] (per b x b block, b = block_size)."""
+    """Returns scale as fp32: [] (per tensor), [n_rows] (per row; [n_rows, 1] accepted) or per b x b block."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype == E4M3:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}")
@@ -437,8 +436,7 @@ def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAU
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: scale 2^(floor(log2 amax) - 8), values w /
-    scale rounded to e4m3, saturated at 448. For tests and fixtures."""
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe. For tests and fixtures."""
     N, K = weight.shape
     pad = -K % MXFP8_BLOCK
     w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)
@@ -450,8 +448,7 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's NVFP4 global scale (weight_scale_2) of a tensor whose largest |value| is amax: amax / (6 * 448), so
-    that the largest block scale is e4m3's 448; 1 for an all-zero tensor."""
+    """ModelOpt's NVFP4 global scale (weight_scale_2) for amax: amax / (6 * 448); 1 for an all-zero tensor."""
     amax = amax.float()
     return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 

@@ -55,8 +55,7 @@ def _weight(w8, scale, block_size, dtype, global_scale, weight, weight_fac):
 
 
 def _epilogue_w8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w8 as the epilogues take it (they check it and read only the scale's kind): for a microscaled weight, whose
-    epilogue scale is a per-tensor 1 (fac), an empty e4m3 stand-in [N, 0]."""
+    """w8 as the epilogues take it: for a microscaled weight, an empty e4m3 stand-in [N, 0]."""
     if scale_kind(scale) in MICRO_KINDS:
         return torch.empty(w8.shape[0], 0, dtype=E4M3, device=w8.device)
     return w8

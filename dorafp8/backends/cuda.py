@@ -147,8 +147,7 @@ def _weight_scale(scale: Tensor) -> Tensor:
 
 
 def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The GEMM's dense operand (forward's x, dgrad's gl) as 2-D rows, the scale as the kernels read it, and the
-    output [rows, out_cols] in the operand's dtype. W8A8 is refused: the kernels are W8A16."""
+    """The GEMM's dense operand as 2-D rows, the scale as kernels read it, and the output; refuses W8A8."""
     sc = _weight_scale(scale)
     if act_quant:
         raise not_supported("cuda", "rowwise", alternatives=_OTHER_BACKENDS)  # its kernels are W8A16
@@ -157,8 +156,7 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
 
 
 class CudaBackend:
-    """The backend contract (dorafp8/backends/base.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
-    `forward` and `dgrad` (same arguments, outputs written into the tensors passed)."""
+    """The backend contract on `launcher`: dorafp8._C, or any object with its weight_norm, forward, dgrad."""
 
     def __init__(self, launcher):
         self.launcher = launcher

@@ -213,8 +213,7 @@ def cache_file(device: torch.device) -> str:
 
 
 def _verdict(v, inconclusive: bool = False) -> bool:
-    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": a time}, or with `inconclusive` {"ok": None,
-    ...} (the child learnt nothing of the kernel: never written)."""
+    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": t}, or with `inconclusive` {"ok": None}."""
     if not isinstance(v, dict):
         return False
     ok, ms = v.get("ok"), v.get("ms")
@@ -275,8 +274,7 @@ def pick_of(results: dict, cands) -> str:
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend for a call under racing(): its key's pick, checked now in a child if new (docs/ARCHITECTURE.md).
-    static: what backends.resolve chose; call: spec_of's keywords."""
+    """The backend for a call under racing(): its key's pick, checked now in a child if new."""
     if call["M"] == 0:
         return static
     spec = spec_of(op, device, **call)
@@ -349,8 +347,7 @@ def reproduce(spec: dict) -> str:
 
 
 def check(spec: dict) -> tuple[dict, dict]:
-    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate: error}
-    for those that hung or crashed it, the others run again without it)."""
+    """Runs the child on spec's candidates: (verdicts, {candidate: error} for those that hung or crashed it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))

@@ -21,8 +21,7 @@ from .sink import TensorSink
 
 
 def walk_model(mod: nn.Module, prefix: str, tuner_cls):
-    """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear / FP8ConvNd or the PEFT layer on
-    one), ("tuner", name, other PEFT layer), ("tensor", key, tensor)."""
+    """(kind, name, object) in state_dict order, kind "fp8" (an fp8 layer), "tuner" or "tensor"."""
     fp8_types = FP8_LAYER_TYPES
     if isinstance(mod, fp8_types) or (tuner_cls is not None and isinstance(mod, tuner_cls)
                                       and isinstance(base_layer(mod), fp8_types)):
@@ -231,8 +230,7 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
 
 
 def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.Module, bias) -> dict:
-    """A layer's bias (in the base's dtype, or the file's where that loses nothing) and the extra tensors it was
-    loaded with from a file of t's layout (static activation scales, ...); returns those extras."""
+    """Writes a layer's bias and the extras it was loaded with from a file of t's layout; returns those."""
     if bias is not None:
         bt = bias.to(fp8.bias.dtype) if fp8.bias is not None else bias
         sd = (t.src.dtypes if t.same else {}).get(f"{name}.bias")

@@ -199,8 +199,7 @@ def _once(pairs: list) -> dict:
 
 @contextlib.contextmanager
 def open_safetensors(path: str, where: str, device: str = "cpu"):
-    """safetensors' safe_open of `path`, its header measured first (_check_header); any error while it is open, or
-    in reading a tensor from it, is raised naming `where` (a shard: which one) and what to do."""
+    """safetensors' safe_open of `path`, header measured first; errors name `where` and what to do."""
     from safetensors import SafetensorError, safe_open
 
     _check_header(path, where)
@@ -362,8 +361,7 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
 
 
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
-    """One .safetensors file at `path`, whole or not at all: written in a staging folder beside the file `path`
-    resolves to, under the lock of that folder, fsynced, and renamed over it."""
+    """One .safetensors file at `path`, whole or not at all: staged beside it, locked, fsynced, renamed."""
     real = destination(path)
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
@@ -372,8 +370,7 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
 
 
 def write_error(path: str, e: Exception) -> OSError:
-    """An error while writing `path` as an OSError that names the file (safetensors' SafetensorError carries the OS's
-    error only as text: 'I/O error: No space left on device (os error 28)')."""
+    """An error while writing `path` as an OSError naming the file (SafetensorError has it as text only)."""
     m = re.search(r"os error (\d+)", str(e))
     code = getattr(e, "errno", None) or (int(m.group(1)) if m else None)
     if code is None:
@@ -383,8 +380,7 @@ def write_error(path: str, e: Exception) -> OSError:
 
 
 def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
-    """{name: {"size", "sha256"}} of the files a new export may remove: those the index lists under
-    metadata["dorafp8_files"], named by `pattern`, still regular files of the recorded size and sha256."""
+    """{name: {"size", "sha256"}} of the files a new export may remove (index-listed, unchanged)."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:

@@ -41,8 +41,7 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
 
 
 def _saved_quantization_config(model) -> Optional[dict]:
-    """The quantization_config of the checkpoint the model was loaded from (transformers drops it from the model's
-    config when it dequantizes while loading), if that checkpoint is a local directory."""
+    """The quantization_config of the local checkpoint the model came from (transformers may drop it)."""
     import os
 
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)

@@ -115,8 +115,7 @@ class CheckpointSource:
         return (self.config or {}).get("quantization_config") or {}
 
     def modelopt_algo(self) -> Optional[str]:
-        """ModelOpt's quant_algo ("NVFP4", "MXFP8", "FP8", ...): from hf_quant_config.json's "quantization", or from
-        config.json's quantization_config with quant_method "modelopt"; None when neither says."""
+        """ModelOpt's quant_algo ("NVFP4", "MXFP8", ...) from hf_quant_config.json or config.json, else None."""
         hq = (self.hf_quant_config or {}).get("quantization")
         if isinstance(hq, dict) and hq.get("quant_algo"):
             return str(hq["quant_algo"])
@@ -230,8 +229,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
 
 
 def nvfp4_weights(info: dict) -> dict[str, str]:
-    """'<layer>' -> the key of its packed NVFP4 weight: a uint8 '.weight' beside '.weight_scale_2' (ModelOpt) or
-    '.weight_packed' beside '.weight_global_scale' (compressed-tensors)."""
+    """'<layer>' -> the key of its packed NVFP4 weight (ModelOpt's or compressed-tensors' names)."""
     out = {}
     for k, (dtype, _, _) in info.items():
         lay, _, suffix = k.rpartition(".")

@@ -24,8 +24,7 @@ _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
 
 def layerwise_compute_dtype(module: nn.Module):
-    """The dtype diffusers' layerwise casting (`enable_layerwise_casting`) upcasts `module`'s stored weight to around
-    each forward (its hook's compute_dtype), or None if the module has no such hook."""
+    """The dtype diffusers' layerwise casting upcasts `module`'s weight to (its hook's), else None."""
     registry = getattr(module, "_diffusers_hook", None)
     get_hook = getattr(registry, "get_hook", None)
     hook = get_hook(_LAYERWISE_CASTING_HOOK) if callable(get_hook) else None
@@ -63,8 +62,7 @@ _warned_peft_unregistered = False
 
 
 def peft_unregistered() -> bool:
-    """Whether DORAFP8_NO_PATCHES=1 kept `import dorafp8` from teaching PEFT its layers and nothing has done it since
-    (dorafp8.register_with_peft()): PEFT's own errors then say nothing of dorafp8."""
+    """Whether DORAFP8_NO_PATCHES=1 kept PEFT from learning dorafp8's layers (then its errors miss the fix)."""
     return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
 
 
@@ -74,8 +72,7 @@ def peft_unregistered_hint() -> str:
 
 
 def warn_if_peft_unregistered() -> None:
-    """Once per process, when an fp8 layer is made while PEFT is installed and does not know these layers: PEFT's
-    all-linear error cannot name the fix, so it is said here, before get_peft_model."""
+    """Once per process, where PEFT does not know fp8 layers: says the fix before get_peft_model fails."""
     global _warned_peft_unregistered
     if _warned_peft_unregistered or not peft_unregistered() or importlib.util.find_spec("peft") is None:
         return
@@ -205,8 +202,7 @@ def _dtensor_class():
 
 
 def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
-    parameters in place between steps without bumping their version counters (docs/MULTI_GPU.md)."""
+    """Whether FSDP or ZeRO-3 manage `module`'s parameters (refilled in place without version bumps)."""
     return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
 
 

@@ -92,8 +92,7 @@ class FP8ConvNd(FP8WeightModule):
         return new
 
     def conv_padding(self) -> Optional[tuple]:
-        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else None
-        (another padding_mode, or an asymmetric padding='same': pad_input pads x first)."""
+        """The padding as ints for symmetric zero padding (what the fused ops take), else None."""
         if self.padding_mode != "zeros":
             return None
         if isinstance(self.padding, str):

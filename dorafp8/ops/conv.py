@@ -49,8 +49,7 @@ def _conv(x, w, b, stride, padding, dilation, groups):
 
 
 def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool, need_weight: bool):
-    """(d input, d weight) of _conv for the output gradient g; x may be a torch.Size when only the input gradient is
-    wanted (the transposed convolution needs its shape, not its values)."""
+    """(d input, d weight) of _conv for g; x may be a torch.Size when only the input gradient is wanted."""
     if not (need_input or need_weight):
         return None, None
     if isinstance(x, torch.Size):

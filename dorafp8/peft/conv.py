@@ -147,8 +147,7 @@ class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
 
 
 class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
-    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base: get_peft_model builds it on a model quantized with
-    quantize_model(model, include_conv=True), or convert_peft_model converts a PEFT DoRA model."""
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (built by get_peft_model or convert_peft_model)."""
 
 
 class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):

@@ -305,8 +305,7 @@ class DoRAFP8Layer:
 
     @classmethod
     def _adopt(cls, layer: lora_layer.LoraLayer, fp8: nn.Module, backend: str, attrs: tuple[str, ...]):
-        """A layer of this class on the fp8 base `fp8` that takes over the PEFT layer `layer`: its adapter modules
-        (shared, not copied), its LoraLayer state and the extra attributes `attrs`."""
+        """A layer of this class on `fp8` taking over PEFT's `layer`: its adapters (shared), state and `attrs`."""
         fp8.backend = check_backend_name(backend)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
