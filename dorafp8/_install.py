@@ -133,8 +133,7 @@ def install() -> None:
 
 
 def _exists(name: str) -> bool:
-    """Whether module `name` is there to import, found without importing it or its packages (find_spec("a.b.c")
-    imports a.b): below the top-level name the package folders are searched as files (_in_folder)."""
+    """Whether module `name` is there to import, found without importing it or its packages (_in_folder)."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported

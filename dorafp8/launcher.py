@@ -195,8 +195,7 @@ def _loaded(name: str, n: int, how: str) -> None:
 
 
 def _on_load(model) -> None:
-    """After from_pretrained: a model loaded with a quantization config gets its quantized layers swapped for
-    dorafp8's holding the same bytes (from_transformers_fp8); a dense one is quantized under --quantize."""
+    """After from_pretrained: quantized layers swapped for dorafp8's (same bytes); dense ones under --quantize."""
     if getattr(model, "dorafp8_checkpoint", None) is not None:  # loaded by _modelopt_load
         return
     if getattr(model, "hf_quantizer", None) is None:
@@ -294,8 +293,7 @@ def _is_python(name: str) -> bool:
 
 
 def _this_python(name: str) -> bool:
-    """Whether interpreter `name` is this process's: a bare `python` is, a path must be this interpreter's own (not
-    by realpath: every venv's python links to the same base interpreter, with other packages)."""
+    """Whether interpreter `name` is this process's: a bare `python`, or this interpreter's own path (no realpath)."""
     if os.sep not in name and (os.altsep is None or os.altsep not in name):
         return True
     try:
@@ -347,8 +345,7 @@ def _other_python(interp: str, args: list[str], options: dict):
 
 
 def _runner(command: list[str], options: dict | None = None):
-    """A function that runs `command` (in this process, sys.argv set as the command's own, unless the interpreter
-    named or its flags need a process of their own), or a SystemExit saying why it cannot."""
+    """A function that runs `command` (in this process unless it needs its own), or a SystemExit saying why not."""
     cmd = list(command)
     if _is_python(cmd[0]):
         if not _this_python(cmd[0]):

@@ -184,8 +184,7 @@ def dequantize_e4m3(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
 
 
 def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -> torch.Tensor:
-    """The fp32 factor that dequantizes rows j0:j1 of a [N, K] weight, broadcastable against [j1 - j0, K]: [1, 1]
-    per tensor, [j1 - j0, 1] per row, [j1 - j0, K] for block scales (a temporary of the rows' size)."""
+    """The fp32 factor dequantizing rows j0:j1 of [N, K]: [1, 1] per tensor, [rows, 1] per row, [rows, K] for blocks."""
     scale = scale.float()
     if scale.dim() == 0:
         return scale.reshape(1, 1)

@@ -62,8 +62,7 @@ def _epilogue_w8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_rest(fac: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The scale left for the forward epilogue (views, no launch): per tensor 1 (fac[0]), per row scale / kappa
-    (fac[:N]); a block scale tells the epilogue that the scales were applied already."""
+    """The scale left for the forward epilogue (views): 1 (fac[0]), per row scale / kappa (fac[:N]), or block."""
     kind = scale_kind(scale)
     return fac[0] if kind in ("tensor", *MICRO_KINDS) else fac[:-1] if kind == "row" else scale
 

@@ -56,8 +56,7 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names
-    one, else under racing() the key's checked pick, else the static order."""
+    """The backend one call of `op` runs: `backend` / $DORAFP8_BACKEND, else racing()'s pick, else the static order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -414,8 +413,7 @@ def _kill(proc) -> None:
 
 
 def _shared(path: str, what: str, resolve):
-    """resolve() once for all ranks under torch.distributed: the first rank to claim the key runs it and publishes
-    the verdicts in the process group's store; the others wait for them once. Alone: resolve()."""
+    """resolve() once for all ranks: the first to claim the key runs it and shares the verdicts in the store."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return resolve()

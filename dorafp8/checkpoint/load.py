@@ -394,8 +394,7 @@ def _modules_after_swaps(model: nn.Module, new: dict):
 
 
 def _left_on_meta(modules, written: set | None = None) -> dict[str, tuple]:
-    """Modules with tensors on the meta device: name -> (module, those tensors' names, whether they are all its
-    tensors). With `written`: those that will be left once the load has written the tensors it names."""
+    """Modules with tensors on meta: name -> (module, their names, all of its?); with `written`: those left after."""
     left = {}
     for mname, mod in modules:
         pre = f"{mname}." if mname else ""

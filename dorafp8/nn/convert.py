@@ -93,8 +93,7 @@ def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
 
 
 def is_fp8_cast_layer(module: nn.Module) -> bool:
-    """Whether `module` is a plain nn.Linear / Conv1D / ConvNd whose weight is an fp8 tensor without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts): to_fp8_layer takes it as it is."""
+    """Whether `module` is a plain Linear / Conv1D / ConvNd whose weight was cast to fp8 without a scale."""
     weight = getattr(module, "weight", None)
     return isinstance(module, _linear_kinds() + _CONV_KINDS) and isinstance(weight, torch.Tensor) and is_fp8(weight)
 

@@ -111,8 +111,7 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
 
     @classmethod
     def from_peft(cls, layer: lora_layer._ConvNd, *, backend: str = "auto", per_row_scale: bool = False):
-        """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8. It
-        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
+        """A dorafp8 conv equal to the PEFT DoRA conv `layer` on an fp8 base, sharing its adapters (discard `layer`)."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         if isinstance(base, FP8ConvNd):

@@ -88,8 +88,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     @classmethod
     def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
                   per_row_scale: bool = False) -> "DoRAFP8Linear":
-        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), the base quantized to fp8. It
-        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
+        """A DoRAFP8Linear equal to the PEFT DoRA `layer` on an fp8 base, sharing its adapters (discard `layer`)."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(
