@@ -41,8 +41,7 @@ OLDEST_TESTED = {"torch": (2, 11), "triton": (3, 6)}
 
 
 def untested_version(dist: str, version: str) -> str | None:
-    """None if `version` of `dist` (a key of OLDEST_TESTED) is at least the oldest tested one, else a sentence naming
-    the version, the tested range and the fix."""
+    """None if `version` of `dist` is at least the oldest tested, else a sentence with the fix."""
     m = re.match(r"(\d+)\.(\d+)", str(version))
     if m is None or (int(m[1]), int(m[2])) >= OLDEST_TESTED[dist]:
         return None

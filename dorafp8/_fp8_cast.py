@@ -95,8 +95,7 @@ def e4m3_to(w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
-    """(w8 * factor) in dtype, computed in fp32 and rounded once (factor a number, or an fp32 tensor broadcastable
-    against w8: a 0-dim one goes into the lookup table)."""
+    """(w8 * factor) in dtype, computed in fp32 and rounded once (factor a number or fp32 tensor)."""
     return _cpu_convert(w8, factor, dtype)
 
 

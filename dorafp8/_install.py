@@ -35,8 +35,7 @@ def _peft() -> None:
 
 
 def _refuse_fp8_layers_in_old_peft() -> None:
-    """On too old a peft, get_peft_model on an fp8 layer is refused naming the peft needed (instead of PEFT's own error
-    deep in its DoRA init); everything else PEFT does is left alone."""
+    """On too old a peft, get_peft_model on an fp8 layer is refused naming the peft needed."""
     from peft.tuners.lora.model import LoraModel
 
     from .nn import FP8WeightModule
@@ -134,8 +133,7 @@ def install() -> None:
 
 
 def _exists(name: str) -> bool:
-    """Whether module `name` is there to import, found without importing it or its packages (find_spec("a.b.c")
-    imports a.b): below the top-level name the package folders are searched as files (_in_folder)."""
+    """Whether module `name` is there to import, found without importing it or its packages (_in_folder)."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
@@ -182,8 +180,7 @@ def _remove_path_hook() -> None:
 
 
 def watch_imports() -> None:
-    """Runs the hook of every watched module that is loaded, and watches for the others that exist here, or (_LATE)
-    may arrive with a folder added to sys.path. Idempotent (each hook is)."""
+    """Runs the hook of every loaded watched module and watches for the others (_LATE too). Idempotent."""
     for name in _WATCHED:
         if sys.modules.get(name) is not None:
             _after_import.forget(name)
@@ -200,8 +197,7 @@ def watch_imports() -> None:
 
 
 def _warn_imported_first(name: str) -> None:
-    """Warns once where a trainer imported before dorafp8 has hooked adapters to their layers already (they keep the
-    forward their class had then)."""
+    """Warns once where a trainer imported before dorafp8 has hooked adapters to their layers already."""
     if name != ONETRAINER_MODULE or _WARNED:
         return
     import gc

@@ -1,7 +1,5 @@
-"""Measuring the memory a piece of code allocates, on CPU as well as on GPU (for the demo, bench and tests). On CUDA:
-the peak of `torch.cuda.max_memory_allocated` above the start. On CPU `PeakTemporaries` watches every aten op (a
-TorchDispatchMode): an output whose storage no input had is a new allocation, counted until its storage dies; dorafp8's
-custom ops are run open, so that the temporaries inside them count too."""
+"""The memory a piece of code allocates (demo, bench, tests): on CUDA the peak above the start; on CPU
+`PeakTemporaries` counts each new storage an aten op makes until it dies, dorafp8's custom ops run open."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ def open_custom_op(func, args, kwargs):
 
 
 class PeakTemporaries(TorchDispatchMode):
-    """CPU: `with PeakTemporaries() as m: ...` then m.peak (bytes of the most tensors alive at once that were made
-    inside the block) and m.largest (the largest single one). Counted by storage, not tensor: a view of a fresh result
-    (linear on a 3-D input is mm then _unsafe_view) keeps the storage alive after the first tensor is gone."""
+    """CPU: `with PeakTemporaries() as m: ...` then m.peak (most bytes made inside and alive at once) and m.largest.
+    Counted by storage, not tensor: a view of a fresh result keeps the storage alive after the first tensor is gone."""
 
     def __init__(self):
         super().__init__()

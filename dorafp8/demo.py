@@ -138,8 +138,7 @@ _STYLES = {ORIGINAL: {"ls": "-", "marker": "s", "ms": 4},
 
 
 def plot_paths(path) -> tuple[Path, Path]:
-    """The loss picture at `path` (.png added if it has no extension) and the memory picture next to it, with
-    `_memory` before the extension."""
+    """The loss picture at `path` (.png added if it has none) and the memory one, `_memory` before the suffix."""
     path = Path(path)
     if not path.suffix:
         path = path.with_name(path.name + ".png")

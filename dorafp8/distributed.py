@@ -17,8 +17,7 @@ from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa:
 from .quant import FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
-    """owner.attr = make_wrapper(owner.attr), keeping the original as its `_dorafp8_orig`, unless it is dorafp8's
-    wrapper already: installing twice wraps once."""
+    """owner.attr = make_wrapper(owner.attr), the original kept as `_dorafp8_orig`; wraps once."""
     cur = getattr(owner, attr)
     if not hasattr(cur, "_dorafp8_orig"):
         new = make_wrapper(cur)
@@ -145,9 +144,8 @@ def _fsdp_param_class(import_it: bool):
 
 def install_fsdp_support(import_fsdp: bool = True) -> bool:
     """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
-    all-gathered and reach the forward as fp8. Wraps `FSDPParam.init_dtype_attrs`; idempotent; `import dorafp8` runs
-    it once FSDP2 is imported. Returns whether it is installed (False without FSDP2, or with `import_fsdp=False` before
-    FSDP2 is imported)."""
+    all-gathered and reach the forward as fp8. Wraps `FSDPParam.init_dtype_attrs`; idempotent; run once FSDP2 is
+    imported. Returns whether it is installed (False without FSDP2, or with `import_fsdp=False` before its import)."""
     if not torch.distributed.is_available():
         return False
     cls = _fsdp_param_class(import_fsdp)
@@ -203,9 +201,7 @@ def _wrap_fsdp1_init(orig):
 
 
 def install_fsdp1_refusal() -> bool:
-    """Makes FullyShardedDataParallel (FSDP1) refuse a module holding fp8 weights it would flatten, with an error naming
-    FSDP2 and how to select it. Wraps its __init__; idempotent; run when FSDP1's module is imported. Returns whether it
-    is installed."""
+    """Makes FSDP1 refuse a module holding fp8 weights (naming FSDP2); idempotent; whether installed."""
     mod = sys.modules.get(FSDP1_MODULE)
     cls = getattr(mod, "FullyShardedDataParallel", None)
     if cls is None:

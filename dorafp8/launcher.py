@@ -163,8 +163,7 @@ def _modelopt_export(path) -> str | None:
 
 
 def _modelopt_load(klass, args, kwargs):
-    """A transformers model from a ModelOpt NVFP4 / MXFP8 export, built on the meta device and loaded by
-    load_fp8_checkpoint (dtype / torch_dtype honoured); None (transformers loads it) for anything else."""
+    """A transformers model from a ModelOpt NVFP4 / MXFP8 export via load_fp8_checkpoint; else None."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     algo = _modelopt_export(path)
     if algo is None:
@@ -196,8 +195,7 @@ def _loaded(name: str, n: int, how: str) -> None:
 
 
 def _on_load(model) -> None:
-    """After from_pretrained: a model loaded with a quantization config gets its quantized layers swapped for
-    dorafp8's holding the same bytes (from_transformers_fp8); a dense one is quantized under --quantize."""
+    """After from_pretrained: quantized layers swapped for dorafp8's (same bytes); dense ones under --quantize."""
     if getattr(model, "dorafp8_checkpoint", None) is not None:  # loaded by _modelopt_load
         return
     if getattr(model, "hf_quantizer", None) is None:
@@ -255,8 +253,7 @@ def _count_dora_calls() -> None:
 
 
 def _act_quant_new_layers() -> None:
-    """--w8a8 without --quantize: the fp8 layers a trainer makes itself (an fp8 checkpoint, fp8-cast weights) take
-    W8A8 as PEFT wraps them."""
+    """--w8a8 without --quantize: fp8 layers a trainer makes itself take W8A8 as PEFT wraps them."""
     from .nn import FP8Linear
     from .peft import layer
 
@@ -296,8 +293,7 @@ def _is_python(name: str) -> bool:
 
 
 def _this_python(name: str) -> bool:
-    """Whether interpreter `name` is this process's: a bare `python` is, a path must be this interpreter's own (not
-    by realpath: every venv's python links to the same base interpreter, with other packages)."""
+    """Whether interpreter `name` is this process's: a bare `python`, or this interpreter's own path (no realpath)."""
     if os.sep not in name and (os.altsep is None or os.altsep not in name):
         return True
     try:
@@ -320,8 +316,7 @@ def _interpreter_flags(args: list[str]) -> list[str]:
 
 
 def _child(argv: list[str], hand_over: bool = False):
-    """Runs argv as a child process, reached through _export's sitecustomize (hand_over: without it, for another
-    interpreter's own `dorafp8 run`)."""
+    """Runs argv as a child process, reached through _export's sitecustomize (unless hand_over)."""
     def run_child():
         env = None
         if hand_over:
@@ -334,8 +329,7 @@ def _child(argv: list[str], hand_over: bool = False):
 
 
 def _other_python(interp: str, args: list[str], options: dict):
-    """`/other/venv/bin/python ...`: handed over to that interpreter's own `dorafp8 run` if dorafp8 is installed there;
-    refused, naming it, otherwise."""
+    """`/other/venv/bin/python ...`: handed over to that interpreter's `dorafp8 run`, else refused."""
     path = shutil.which(interp) or interp
     if not os.path.isfile(path):
         raise SystemExit(f"dorafp8 run: no such interpreter {interp!r}")
@@ -351,8 +345,7 @@ def _other_python(interp: str, args: list[str], options: dict):
 
 
 def _runner(command: list[str], options: dict | None = None):
-    """A function that runs `command` (in this process, sys.argv set as the command's own, unless the interpreter
-    named or its flags need a process of their own), or a SystemExit saying why it cannot."""
+    """A function that runs `command` (in this process unless it needs its own), or a SystemExit saying why not."""
     cmd = list(command)
     if _is_python(cmd[0]):
         if not _this_python(cmd[0]):

@@ -1,7 +1,6 @@
-"""LyCORIS (lycoris-lora) on dorafp8's fp8 layers: LoCon / LoRA, with or without DoRA (`dora_wd`), computed by the
-fused ops with LyCORIS's own parameters and state_dict keys (`network.save_weights` writes an ordinary LyCORIS file).
-register_with_lycoris wraps three LyCORIS constructors, unchanged unless an fp8 layer is involved. Why this hook, and
-the math: docs/ARCHITECTURE.md, "dorafp8/lycoris.py"."""
+"""LyCORIS (lycoris-lora) LoCon / LoRA, with or without DoRA (`dora_wd`), on dorafp8's fp8 layers, computed by the
+fused ops with LyCORIS's own parameters and keys. Why this hook, and the math: docs/ARCHITECTURE.md,
+"dorafp8/lycoris.py"."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _torch_class(fp8_cls: type) -> type:
 
 
 def _dense_weight(layer: nn.Module) -> Tensor:
-    """scale * w8 in fp32, in the layer's own layout (read from the parameter itself: `weight` is the view's
-    property while the view class is worn)."""
+    """scale * w8 in fp32, in the layer's own layout (from the parameter: `weight` is the view's)."""
     w8 = layer._parameters["weight"]
     return dequantize_e4m3(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32,
                            block_size=layer.block_size).view(w8.shape)
@@ -161,8 +159,7 @@ class FP8LoConModule(LoConModule):
     # ---- the forward ---------------------------------------------------------------------------------------------
 
     def _factors(self, device) -> tuple[Tensor, Tensor]:
-        """(D, U): lora_down as lora_A (Tucker's lora_mid composed in) and lora_up [N, r] times `scalar`, with LyCORIS's
-        rank-dropout mask on its rows in training."""
+        """(D, U): lora_down as lora_A (lora_mid composed in), lora_up [N, r] * `scalar`, rank dropout in training."""
         D = self.lora_down.weight
         if self.tucker:  # lycoris rebuild_tucker: dW[p, q, k] = sum_ij mid[i, j, k] up[p, i] down[j, q]
             D = torch.einsum("ij...,jq->iq...", self.lora_mid.weight, D.reshape(D.shape[0], -1))
@@ -227,8 +224,7 @@ class FP8LoConModule(LoConModule):
 
     @property
     def org_weight(self):
-        """The dequantized base weight (fp32, a transient): what LyCORIS's merged-weight helpers
-        (get_merged_weight, parametrize_forward) compute with."""
+        """The dequantized base weight (fp32, a transient) for LyCORIS's merged-weight helpers."""
         return _dense_weight(self.org_module[0])
 
     @org_weight.setter
@@ -309,10 +305,8 @@ def _wrap(cls: type, make) -> None:
 
 
 def register_with_lycoris() -> None:
-    """Teaches LyCORIS dorafp8's fp8 layers: create_lycoris / LycorisNetwork, kohya's create_network and
-    create_lycoris_from_weights then put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear / FP8ConvNd layers,
-    computed by the fused ops; any other algorithm on an fp8 layer raises. Run by `import dorafp8` when lycoris is
-    imported (unless DORAFP8_NO_PATCHES=1). Idempotent."""
+    """Teaches LyCORIS's constructors to put LoCon / LoRA modules (DoRA with dora_wd=True) on FP8Linear / FP8ConvNd
+    layers, computed by the fused ops (other algorithms on an fp8 layer raise). Run by `import dorafp8`; idempotent."""
     from lycoris.wrapper import LycorisNetwork
 
     _wrap(LycorisNetwork, _network_init)

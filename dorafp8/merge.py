@@ -18,8 +18,7 @@ RowFn = Callable[[int, int], torch.Tensor]
 
 def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                        s: float):
-    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32 (A [r, K], B [N, r] fp32), W0 dequantized from w8 one row
-    block (<= 16 MiB) at a time: the adapted weight without ever holding it whole."""
+    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, one row block (<= 16 MiB) at a time."""
     N, K = w8.shape
     for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
         yield j0, j1, w0_rows(w8, scale, block_size, j0, j1).addmm_(B[j0:j1], A, alpha=s)
@@ -27,9 +26,7 @@ def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A
 
 def column_norms(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
                  s: float, group: int = 1) -> torch.Tensor:
-    """||V[:, k]|| (fp32 [K / group], no gradient) for V = W0 + s B A: the norm per input column, the squares of each
-    `group` consecutive columns summed (a conv's per-input-channel norm over its kernel). The DoRA of LyCORIS and
-    OneTrainer with the magnitude on the input axis divides by it."""
+    """||V[:, k]|| (fp32 [K / group], no grad) for V = W0 + s B A: what input-axis DoRA divides by."""
     with torch.no_grad(), torch.autocast(w8.device.type, enabled=False):
         sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
         for _, _, V in adapted_row_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):
@@ -67,8 +64,7 @@ def adapter_terms(layer, adapter_names: Iterable[str]) -> list[tuple]:
 
 def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j0: int, j1: int,
                 global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows j0:j1 of the weight with the adapters `terms` (from adapter_terms) merged in sequence, fp32 (global_scale:
-    an NVFP4 base's)."""
+    """Rows j0:j1 of the weight with the adapters `terms` merged in sequence, fp32 (global_scale: NVFP4's)."""
     w = w0_rows(w8, scale, block_size, j0, j1, global_scale)
     for A, B, s, mag, _ in terms:
         w.addmm_(B[j0:j1].float(), A, alpha=s)  # V = W + s B A
@@ -154,9 +150,8 @@ def _add_error(stats: RequantStats, r: torch.Tensor, back: torch.Tensor) -> None
 
 
 def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None):
-    """requantize for the microscaled kinds by their own recipes (quant.py): (w, scale, global_scale, stats). "nvfp4":
-    quantize_nvfp4 with the whole weight's global scale (a first pass: rows_fn is called twice per block); "mxfp8":
-    quantize_mxfp8, row-local, global_scale None. stats.rel_error as requantize's."""
+    """requantize for the microscaled kinds by their recipes (quant.py): (w, scale, global_scale, stats). "nvfp4" takes
+    the whole weight's global scale first (rows_fn called twice per block); "mxfp8" is row-local (global_scale None)."""
     g = nvfp4_global_scale(_amax(rows_fn, n_rows, n_cols, device)) if kind == "nvfp4" else None
     stats = RequantStats()
     w = scale = None

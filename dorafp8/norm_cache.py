@@ -1,6 +1,5 @@
-"""When a DoRA layer may reuse its weight norm n = ||W0 + s B A||_row instead of recomputing it: on CPU when the
-adapters still equal the copies taken with it; on a GPU only inside `reuse_weight_norms()` (a comparison would need a
-host sync). Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md, "The weight-norm cache"."""
+"""When a DoRA layer may reuse its weight norm: on CPU while the adapters equal the copies taken with it; on a GPU
+only inside `reuse_weight_norms()`. Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md, "The weight-norm cache"."""
 
 from __future__ import annotations
 

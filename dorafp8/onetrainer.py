@@ -64,9 +64,8 @@ def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor
 
 
 def register_with_onetrainer() -> bool:
-    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers; run when modules.module.LoRAModule
-    is imported after `import dorafp8`. Idempotent; returns whether it is installed (False where that module has no
-    DoRAModule with the attributes read here)."""
+    """Makes OneTrainer's DoRAModule compute through dorafp8 on fp8 linear layers; run when its module is imported.
+    Idempotent; returns whether it is installed (False without a DoRAModule with the attributes read here)."""
     mod = sys.modules.get(LORA_MODULE)
     cls = getattr(mod, "DoRAModule", None)
     if cls is None or not all(hasattr(cls, a) for a in ("forward", "check_initialized", "make_weight")):

@@ -184,8 +184,7 @@ def dequantize_e4m3(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
 
 
 def scale_rows(scale: torch.Tensor, block_size: int, j0: int, j1: int, K: int) -> torch.Tensor:
-    """The fp32 factor that dequantizes rows j0:j1 of a [N, K] weight, broadcastable against [j1 - j0, K]: [1, 1]
-    per tensor, [j1 - j0, 1] per row, [j1 - j0, K] for block scales (a temporary of the rows' size)."""
+    """The fp32 factor dequantizing rows j0:j1 of [N, K]: [1, 1] per tensor, [rows, 1] per row, [rows, K] for blocks."""
     scale = scale.float()
     if scale.dim() == 0:
         return scale.reshape(1, 1)
@@ -250,8 +249,7 @@ def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
 
 def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int = DEFAULT_BLOCK,
                 name: str = "scale") -> torch.Tensor:
-    """Returns scale as fp32: 0-dim (per tensor), [n_rows] (per row; [n_rows, 1] is accepted) or
-    [ceil(n_rows / b), ceil(n_cols / b)] (per b x b block, b = block_size)."""
+    """Returns scale as fp32: [] (per tensor), [n_rows] (per row; [n_rows, 1] accepted) or per b x b block."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype == E4M3:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}")
@@ -320,8 +318,7 @@ _FP8_NONFINITE = {getattr(torch, name): code for name, code in _FP8_NONFINITE.it
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of t is finite (no NaN, no inf), for every floating dtype torch has, float8 included, on
-    every supported torch. Integer and bool tensors are finite."""
+    """Whether every element of t is finite, for every dtype torch has, float8 included (ints and bools are)."""
     if not (t.is_floating_point() or t.is_complex()):
         return True
     code = _FP8_NONFINITE.get(t.dtype)
@@ -438,8 +435,7 @@ def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAU
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe: scale 2^(floor(log2 amax) - 8), values w /
-    scale rounded to e4m3, saturated at 448. For tests and fixtures."""
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe. For tests and fixtures."""
     N, K = weight.shape
     pad = -K % MXFP8_BLOCK
     w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)
@@ -451,8 +447,7 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's NVFP4 global scale (weight_scale_2) of a tensor whose largest |value| is amax: amax / (6 * 448), so
-    that the largest block scale is e4m3's 448; 1 for an all-zero tensor."""
+    """ModelOpt's NVFP4 global scale (weight_scale_2) for amax: amax / (6 * 448); 1 for an all-zero tensor."""
     amax = amax.float()
     return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
 

@@ -1,9 +1,7 @@
 """Backend registry: which implementation of the DoRA-FP8 kernels runs.
 
-Every backend is a module implementing dorafp8/backends/base.py's contract, plus `unavailable_reason(device)` and
-optionally `SUPPORTS`. backend="auto": $DORAFP8_BACKEND if set, else on a GPU the fastest checked backend (race.py),
-else resolve()'s static order. A named backend that cannot run or compute the call raises; under "auto" it is passed
-over. Details: docs/ARCHITECTURE.md."""
+A backend is a module implementing backends/base.py's contract. backend="auto": $DORAFP8_BACKEND if set, else on a
+GPU the fastest checked backend (race.py), else resolve()'s static order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ def check_backend_name(name: str | None) -> str:
 
 
 def _import(name: str) -> ModuleType:
-    """The module that implements backend `name` (one of BACKENDS), by a plain import, made on first use: Triton and
-    the CUDA extension are optional and slow to import."""
+    """The module of backend `name`, imported on first use (Triton and CUDA are slow to import)."""
     if name == "triton":
         import dorafp8.triton_kernels as mod  # triton_kernels/ in the repository
     elif name == "cublas":
@@ -65,8 +62,7 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 
 
 def _prepare(name: str, device: torch.device) -> None:
-    """Lets a backend named explicitly make itself ready (the CUDA backend builds its extension: cuda_build.py), then
-    probes it again. "auto" never asks for that."""
+    """Lets a named backend make itself ready (CUDA builds its extension), then probes it again."""
     mod = _load(name)
     prepare = None if isinstance(mod, str) else getattr(mod, "prepare", None)
     if prepare is not None and prepare(torch.device(device)):

@@ -1,8 +1,7 @@
 """The backend contract: what every implementation of the DoRA-FP8 kernels computes, as a typed Protocol.
 
 A backend is a module with the six functions of `Backend` below, plus `unavailable_reason(device)` and optionally
-`SUPPORTS` (tests/ops/test_backend_contract.py checks each). Details: docs/DORA_MATH.md, "Backends and their
-contract", and docs/ARCHITECTURE.md."""
+`SUPPORTS`. Details: docs/DORA_MATH.md, "Backends and their contract", and docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def empty(shape, dtype: torch.dtype, device) -> Tensor:
 
 
 def norm_divisor(n: Tensor) -> Tensor:
-    """n with NORM_EPS where it is 0 (same dtype and shape): what every DoRA formula divides by (c = m / n, dm's
-    1 / n, the merge). NaN stays NaN."""
+    """n with NORM_EPS where it is 0: what every DoRA formula divides by. NaN stays NaN."""
     return torch.where(n == 0, NORM_EPS, n)
 
 
@@ -71,8 +69,7 @@ class Backend(Protocol):
     """The six functions of the contract. Every backend computes exactly this."""
 
     def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
-        """n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]. A [r, K] and B [N, r] in any float dtype (upcast
-        in-kernel). Never materializes [N, K] in full."""
+        """n[j] = || W0[j, :] + s * (B @ A)[j, :] ||_2, fp32 [N]; A, B any float dtype; never [N, K]."""
 
     def project(self, a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float) -> Tensor:
         """a' @ b^T (u = xd A^T in the forward). a [M, K] (cdt, unit last stride), b [r, K] (rdt): [M, r] in
@@ -81,8 +78,7 @@ class Backend(Protocol):
 
     def project_grad(self, v: Tensor, a: Tensor, mask: Optional[Tensor], p: float, s: float,
                      out_dtype: torch.dtype) -> Tensor:
-        """s * v^T @ a' (dA in the backward): v [M, r] (rdt), a [M, K] (cdt), a' as in project: [r, K] in out_dtype,
-        accumulated and scaled in fp32, rounded once."""
+        """s * v^T @ a' (dA in the backward): v [M, r], a [M, K], a' as in project: [r, K], fp32-accumulated."""
 
     def forward(self, x: Tensor, w8: Tensor, scale: Tensor, block_size: int, bias: Optional[Tensor],
                 m: Optional[Tensor], n: Optional[Tensor], u: Optional[Tensor], B: Optional[Tensor], s: float,

@@ -1,8 +1,7 @@
 """cuBLAS strategy: the backend contract (backends/base.py) with the base GEMMs done by the platform's matmul.
 
-What a user who dequantizes would do, done well: W8 dequantized in one launch (triton_kernels/dequant.py,
-dequant_micro.py), the base GEMMs through torch.matmul, the rest from the Triton kernels. The yardstick the fused
-kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
+What a user who dequantizes would do, done well (W8 dequantized in one launch, then torch.matmul; the rest Triton):
+the yardstick the fused kernels must beat; no W8A8. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -56,16 +55,14 @@ def _weight(w8, scale, block_size, dtype, global_scale, weight, weight_fac):
 
 
 def _epilogue_w8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w8 as the epilogues take it (they check it and read only the scale's kind): for a microscaled weight, whose
-    epilogue scale is a per-tensor 1 (fac), an empty e4m3 stand-in [N, 0]."""
+    """w8 as the epilogues take it: for a microscaled weight, an empty e4m3 stand-in [N, 0]."""
     if scale_kind(scale) in MICRO_KINDS:
         return torch.empty(w8.shape[0], 0, dtype=E4M3, device=w8.device)
     return w8
 
 
 def _forward_rest(fac: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The scale left for the forward epilogue (views, no launch): per tensor 1 (fac[0]), per row scale / kappa
-    (fac[:N]); a block scale tells the epilogue that the scales were applied already."""
+    """The scale left for the forward epilogue (views): 1 (fac[0]), per row scale / kappa (fac[:N]), or block."""
     kind = scale_kind(scale)
     return fac[0] if kind in ("tensor", *MICRO_KINDS) else fac[:-1] if kind == "row" else scale
 

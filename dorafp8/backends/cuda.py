@@ -47,8 +47,7 @@ def build_note() -> str:
 
 
 def extension_status() -> str:
-    """What `python -m dorafp8` says of the extension: importable or not, what the install decided, and, if it is not
-    built, whether the first use of backend='cuda' can build it here."""
+    """What `python -m dorafp8` says of the extension: importable, the install's note, buildable here."""
     if _C is not None:
         return "importable" + (f"; at install: {build_note()}" if build_note() else "")
     return _not_built()
@@ -107,8 +106,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def rank_ops(device: torch.device) -> ModuleType:
-    """The backend module whose project, project_grad and backward_pass the CUDA backend uses on `device`: the
-    Triton backend's when Triton can run there, else the reference's."""
+    """The backend whose project, project_grad, backward_pass CUDA uses: Triton's, else reference."""
     # Chosen here, not through the registry (the package this module belongs to), so that imports only go down.
     from . import reference
 
@@ -149,8 +147,7 @@ def _weight_scale(scale: Tensor) -> Tensor:
 
 
 def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The GEMM's dense operand (forward's x, dgrad's gl) as 2-D rows, the scale as the kernels read it, and the
-    output [rows, out_cols] in the operand's dtype. W8A8 is refused: the kernels are W8A16."""
+    """The GEMM's dense operand as 2-D rows, the scale as kernels read it, and the output; refuses W8A8."""
     sc = _weight_scale(scale)
     if act_quant:
         raise not_supported("cuda", "rowwise", alternatives=_OTHER_BACKENDS)  # its kernels are W8A16
@@ -159,8 +156,7 @@ def _gemm_operands(a: Tensor, scale: Tensor, act_quant: str, out_cols: int) -> t
 
 
 class CudaBackend:
-    """The backend contract (dorafp8/backends/base.py) on `launcher`: dorafp8._C, or any object with its `weight_norm`,
-    `forward` and `dgrad` (same arguments, outputs written into the tensors passed)."""
+    """The backend contract on `launcher`: dorafp8._C, or any object with its weight_norm, forward, dgrad."""
 
     def __init__(self, launcher):
         self.launcher = launcher

@@ -1,6 +1,5 @@
-"""Native backend: the reference backend (backends/reference.py) with one change: a block of weight rows is dequantized
-into the compute dtype and multiplied there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does.
-Details: docs/ARCHITECTURE.md."""
+"""Native backend: the reference backend with weight row blocks dequantized into the compute dtype and multiplied
+there by the platform's matmul (oneDNN/MKL on CPU), as PEFT under autocast does. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ def _as(t, dtype):
 
 
 def _row_parts(M, width):
-    """One function per block of activation rows (reference.row_blocks), taking that block of a tensor: the tensor itself
-    when one block covers all rows (small layers: no slicing ops at all)."""
+    """One function per block of activation rows taking that block (the tensor itself if one covers all)."""
     blocks = list(row_blocks(M, width))
     if len(blocks) == 1:
         return [lambda t: t]
@@ -65,8 +63,7 @@ def _weight_spans(w8, scale, block_size) -> list[tuple[int, int]]:
 
 
 def _weight_block(w8, scale, block_size, dtype, j0, j1):
-    """W'[j0:j1] in `dtype`, with block scales applied (per-tensor and per-row scales are left to the caller:
-    w8 -> dtype is then exact). A transient: callers drop it before making the next."""
+    """W'[j0:j1] in `dtype` with block scales applied (per-tensor / per-row left to the caller)."""
     N, K = w8.shape
     rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
     if scale_kind(scale) == "block":

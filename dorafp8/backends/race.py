@@ -50,16 +50,13 @@ _WARNED: set = set()  # (device, candidate, verdict) warned about in this proces
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
-    """Whether a call with this `backend` argument on `device` is decided here: "auto", nothing forced by
-    $DORAFP8_BACKEND, DORAFP8_RACE not 0, a device type that races."""
+    """Whether this call is decided here: "auto", no $DORAFP8_BACKEND, DORAFP8_RACE not 0, a racing device."""
     return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
             and os.environ.get("DORAFP8_RACE", "1") != "0")
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` ("dora", "linear", "norm") runs: `backend` or $DORAFP8_BACKEND if either names one
-    (backends.resolve refuses what cannot serve the call), else under racing() the key's checked pick, else the static
-    order."""
+    """The backend one call of `op` runs: `backend` / $DORAFP8_BACKEND, else racing()'s pick, else the static order."""
     static = backends.resolve(backend, device, needs)
     return choose(op, static, device, needs, **call) if racing(backend, device) else static
 
@@ -117,8 +114,7 @@ def step_bytes(spec: dict, M: int) -> int:
 
 
 def budget(spec: dict) -> int:
-    """The most the child may hold on the device: the layer's own step (step_bytes) at the M that met the key (else the
-    smallest of its bucket), within [FLOOR, CAP]."""
+    """The most the child may hold on the device: the layer's step_bytes at the key's M, within [FLOOR, CAP]."""
     low = spec["mb"] // 2 + 1 if spec["mb"] > 16 else 1
     return min(max(step_bytes(spec, min(spec.get("at") or low, MAX_M)), FLOOR), CAP)
 
@@ -132,9 +128,8 @@ def trial_bytes(spec: dict, n: int, M: int, phase: str) -> int:
 
 
 def plan(spec: dict) -> dict:
-    """What the child runs within budget(spec): the first `rows` weight rows (all N if they fit at the small M, else as
-    many as fit, N mod 256 kept; 16 at least), checked at SMALL_M (or less) and the largest M that fits (`check`), timed
-    at the largest (`time`). `fits` False (a narrow layer at M <= 100): the key runs on the reference, unchecked."""
+    """What the child runs within budget(spec): the first `rows` weight rows (N mod 256 kept, 16 at least), checked at
+    SMALL_M and the largest M that fits, timed at the largest; `fits` False: the reference runs, unchecked."""
     N, M, cap = spec["N"], spec["M"], budget(spec)
     small, rows = min(SMALL_M, M), N
     while rows > 16 and trial_bytes(spec, rows, small, "check") > cap:
@@ -217,8 +212,7 @@ def cache_file(device: torch.device) -> str:
 
 
 def _verdict(v, inconclusive: bool = False) -> bool:
-    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": a time}, or with `inconclusive` {"ok": None,
-    ...} (the child learnt nothing of the kernel: never written)."""
+    """Whether v reads as a verdict: {"ok": False, ...}, {"ok": True, "ms": t}, or with `inconclusive` {"ok": None}."""
     if not isinstance(v, dict):
         return False
     ok, ms = v.get("ok"), v.get("ms")
@@ -250,8 +244,7 @@ def _file(path: str) -> dict:
 
 
 def _save(path: str, device: torch.device, what: str, results: dict, broken: dict) -> None:
-    """Adds a key's conclusive verdicts and the broken candidates to the file (re-read first: other processes may
-    have added theirs), written atomically."""
+    """Adds a key's verdicts and broken candidates to the file (re-read first), atomically."""
     keep = {c: v for c, v in results.items() if v.get("ok") is not None}
     mine = _file(path)
     mine["keys"].setdefault(what, {}).update(keep)
@@ -280,8 +273,7 @@ def pick_of(results: dict, cands) -> str:
 
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend for a call under racing(): its key's pick, checked now in a child if new (docs/ARCHITECTURE.md).
-    static: what backends.resolve chose; call: spec_of's keywords."""
+    """The backend for a call under racing(): its key's pick, checked now in a child if new."""
     if call["M"] == 0:
         return static
     spec = spec_of(op, device, **call)
@@ -354,8 +346,7 @@ def reproduce(spec: dict) -> str:
 
 
 def check(spec: dict) -> tuple[dict, dict]:
-    """Runs the child on spec's candidates: ({candidate: {"ok": True/False/None, "ms" or "error"}}, {candidate: error}
-    for those that hung or crashed it, the others run again without it)."""
+    """Runs the child on spec's candidates: (verdicts, {candidate: error} for those that hung or crashed it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))
@@ -387,8 +378,7 @@ def _results(text: str, cands) -> dict:
 
 
 def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (what it wrote, why not, whether the kernel it ran is to blame:
-    not for a SIGKILL from outside, the OOM killer or an operator)."""
+    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     limit = TIMEOUT_S
@@ -423,8 +413,7 @@ def _kill(proc) -> None:
 
 
 def _shared(path: str, what: str, resolve):
-    """resolve() once for all ranks under torch.distributed: the first rank to claim the key runs it and publishes
-    the verdicts in the process group's store; the others wait for them once. Alone: resolve()."""
+    """resolve() once for all ranks: the first to claim the key runs it and shares the verdicts in the store."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return resolve()
@@ -481,8 +470,7 @@ def race_report() -> list[str]:
 
 
 def selftest(device: torch.device | None = None) -> list[str]:
-    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now (dropping their verdicts first) and
-    returns the lines that say what was found."""
+    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type not in RACERS:
         name = backends.resolve("auto", device)

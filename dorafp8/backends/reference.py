@@ -107,8 +107,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
 
 
 def _normalized(f, device):
-    """(f / r, r) with r = max|f| (fp32 0-dim, >= tiny), so that g * (f / r) cannot overflow where g does not;
-    f None (a factor of ones): (None, 1)."""
+    """(f / r, r), r = max|f| (fp32 0-dim, >= tiny): g * (f / r) cannot overflow; f None: (None, 1)."""
     if f is None:
         return None, torch.ones((), dtype=torch.float32, device=device)
     r = f.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
@@ -165,8 +164,7 @@ def scalars(rl, rb):
 
 
 def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
-    """backward_pass's fp32 column sums as the contract returns them: dm / norm_divisor(n) in m's dtype, db in the
-    compute dtype, s * c * dB in B's dtype (each rounded once)."""
+    """backward_pass's fp32 column sums as the contract returns them: dm, db, dB, each rounded once."""
     if dm is not None:
         dm = (dm / norm_divisor(n.float())).to(m.dtype)
     if dB is not None:
@@ -175,8 +173,7 @@ def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
 
 
 def _dgrad_gemm(t, w8, scale, block_size, act_quant, global_scale=None):
-    """t @ W0' in fp32 [M, K], W0' = w8 with block (and microscaled) scales applied, t quantized per row first under
-    W8A8; one block of weight rows (a slice of the reduction) at a time."""
+    """t @ W0' in fp32 [M, K] (block / microscaled scales applied, W8A8 t quantized), a row block at a time."""
     N, K = weight_dims(w8)
     t32, st = quantize_rows(t) if act_quant else (t.float(), None)
     out = torch.zeros(t.shape[0], K, dtype=torch.float32, device=t.device)

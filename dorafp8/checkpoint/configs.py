@@ -118,8 +118,7 @@ def diffusers_guard(fmt: str) -> dict:
 
 
 def modelopt_config(out: Written) -> dict:
-    """hf_quant_config.json as ModelOpt's HF export writes it (what tells an MXFP8 export from compressed-tensors'
-    fp8): one quant_algo, the group size, and the linears left dense."""
+    """hf_quant_config.json as ModelOpt's HF export writes it: quant_algo, group size, dense linears."""
     (kind, _), = out.groups  # write._check_modelopt: one kind a file
     return {"producer": {"name": "dorafp8"},
             "quantization": {"quant_algo": kind.upper(), "kv_cache_quant_algo": None,

@@ -21,8 +21,7 @@ from .sink import TensorSink
 
 
 def walk_model(mod: nn.Module, prefix: str, tuner_cls):
-    """(kind, name, object) in state_dict order: ("fp8", layer name, FP8Linear / FP8ConvNd or the PEFT layer on
-    one), ("tuner", name, other PEFT layer), ("tensor", key, tensor)."""
+    """(kind, name, object) in state_dict order, kind "fp8" (an fp8 layer), "tuner" or "tensor"."""
     fp8_types = FP8_LAYER_TYPES
     if isinstance(mod, fp8_types) or (tuner_cls is not None and isinstance(mod, tuner_cls)
                                       and isinstance(base_layer(mod), fp8_types)):
@@ -72,17 +71,15 @@ def layout_scale(fmt: str, scale: torch.Tensor, N: int, meta: Optional[LayerSour
 
 
 def act_mode(fp8: nn.Module, layout: Layout, extras: dict) -> str:
-    """How the layer's activations are quantized, for compressed-tensors' input_activations: "static" where the
-    checkpoint it came from had a static scale (kept for the deployment it was made for), "dynamic" for W8A8 layers
-    (act_quant="rowwise", per token), "none" for W8A16 (the default: weight-only)."""
+    """compressed-tensors' input_activations for the layer: "static" where its checkpoint had a static scale (kept),
+    "dynamic" for W8A8 layers (act_quant="rowwise", per token), "none" for W8A16 (the default)."""
     if layout.act_scale_key and layout.act_scale_key in extras:
         return "static"
     return "dynamic" if getattr(fp8, "act_quant", None) else "none"
 
 
 def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool, adapter_names) -> Written:
-    """Walks the model and puts every tensor of the checkpoint into `sink`, fp8 layers in t's layout (merged with
-    their adapters if `merge`); fills report.layers."""
+    """Puts every tensor of the model into `sink`, fp8 layers in t's layout; fills report.layers."""
     tuner_type = tuner_layer_class()
     out = Written()
     put_tensor = _TensorPutter(t, sink, report)
@@ -114,8 +111,7 @@ def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool,
 
 
 class _TensorPutter:
-    """Writes a tensor that is not an fp8 layer's: once per tied group; cast to the dense format, or back to its
-    dtype in the file it was loaded from where that loses nothing."""
+    """Writes a non-fp8 tensor once per tied group, cast to the dense format or its file's dtype."""
 
     def __init__(self, t: WriteTarget, sink: TensorSink, report: ExportReport):
         self.t, self.sink, self.report = t, sink, report
@@ -234,8 +230,7 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
 
 
 def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.Module, bias) -> dict:
-    """A layer's bias (in the base's dtype, or the file's where that loses nothing) and the extra tensors it was
-    loaded with from a file of t's layout (static activation scales, ...); returns those extras."""
+    """Writes a layer's bias and the extras it was loaded with from a file of t's layout; returns those."""
     if bias is not None:
         bt = bias.to(fp8.bias.dtype) if fp8.bias is not None else bias
         sd = (t.src.dtypes if t.same else {}).get(f"{name}.bias")
@@ -251,11 +246,8 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
 
 def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
                       fp8: nn.Module, rows, terms: list, entry: dict, bias) -> None:
-    """An NVFP4 / MXFP8 layer in ModelOpt's layout (what load_fp8_checkpoint reads: source.nvfp4_weights,
-    load_plan._micro_kind): NVFP4 as `weight` packed uint8 [N, K/2], `weight_scale` e4m3 [N, K/16], `weight_scale_2`
-    fp32 []; MXFP8 as `weight` e4m3 [N, K], `weight_scale` e8m0 bytes (uint8, as ModelOpt stores them; e8m0 where the
-    file it came from had that dtype) [N, ceil(K/32)]. Kept bit for bit without adapters; merged, re-quantized by the
-    layer's own recipe (merge.requantize_micro: NVFP4 with the merged weight's global scale), the error reported."""
+    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes, NVFP4's
+    `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py)."""
     kind = scale_kind(fp8.scale)
     if terms:
         w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device)

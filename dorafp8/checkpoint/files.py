@@ -44,8 +44,7 @@ def some(items, first: int = 6, sep: str = ", ", names: bool = True) -> str:
 
 
 def regular_file(path: str, what: str) -> str:
-    """`path` if it is (or links to) a regular file; an error naming `what` otherwise (missing, a folder, a FIFO or
-    a device, which a reader would block on or never finish)."""
+    """`path` if it is (or links to) a regular file, else an error naming `what` (a FIFO would block a reader)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -78,9 +77,8 @@ def allowed_roots(folder: str) -> list[str]:
 
 
 def file_in(folder: str, name, what: str, roots: Optional[list[str]] = None) -> str:
-    """folder/name, for a file name taken from the checkpoint itself (an index's shard, a file in its folder): a
-    relative name without '..', that resolves (symlinks followed) inside `roots` (allowed_roots(folder)) to a
-    regular file. Anything else is refused naming `what` (the index entry)."""
+    """folder/name for a name taken from the checkpoint itself: a relative name without '..' that resolves inside
+    `roots` (allowed_roots(folder)) to a regular file; anything else is refused naming `what` (the index entry)."""
     if not isinstance(name, str) or not name.strip():
         raise CheckpointFormatError(f"{what}: {name!r} is not a file name")
     parts = name.replace("\\", "/").split("/")
@@ -201,8 +199,7 @@ def _once(pairs: list) -> dict:
 
 @contextlib.contextmanager
 def open_safetensors(path: str, where: str, device: str = "cpu"):
-    """safetensors' safe_open of `path`, its header measured first (_check_header); any error while it is open, or
-    in reading a tensor from it, is raised naming `where` (a shard: which one) and what to do."""
+    """safetensors' safe_open of `path`, header measured first; errors name `where` and what to do."""
     from safetensors import SafetensorError, safe_open
 
     _check_header(path, where)
@@ -230,8 +227,7 @@ LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before 
 
 
 def destination(path: str, what: str = "path") -> str:
-    """`path` with its symlinks resolved (a folder linked to another disk is written on that disk); a dangling link is
-    refused naming `what`, before anything is written."""
+    """`path` with its symlinks resolved; a dangling link is refused naming `what`."""
     if os.path.islink(path) and not os.path.exists(path):
         raise FileNotFoundError(f"{what}={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
                                 f"point it at a folder that exists, or remove the link")
@@ -301,9 +297,8 @@ def _leftovers(folder: str, name: str) -> list[str]:
 
 @contextlib.contextmanager
 def staging(folder: str, name: str):
-    """A new hidden folder `.<name>.<random>.partial` inside `folder` (the renames out of it never cross disks), locked
-    while in use, removed at the end. Stages nobody holds (killed writers', or planted) are named in a warning, never
-    removed."""
+    """A new hidden folder `.<name>.<random>.partial` in `folder` (renames never cross disks), locked while in use,
+    removed at the end. Stages nobody holds (killed writers', or planted) are named in a warning, never removed."""
     left = _leftovers(folder, name)
     if left:
         warnings.warn(f"{folder}: {some(left)} left by exports that were killed, or put there by someone else; "
@@ -355,8 +350,7 @@ def sha256(path: str) -> str:
 
 
 def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: Optional[str] = None) -> None:
-    """safetensors' save_file of `tensors` to `path` (in a staging folder: safetensors puts its own temporary file
-    beside it), a write error raised naming `name` (default: `path`)."""
+    """safetensors' save_file of `tensors` to `path`, a write error raised naming `name` or `path`."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -367,8 +361,7 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
 
 
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
-    """One .safetensors file at `path`, whole or not at all: written in a staging folder beside the file `path`
-    resolves to, under the lock of that folder, fsynced, and renamed over it."""
+    """One .safetensors file at `path`, whole or not at all: staged beside it, locked, fsynced, renamed."""
     real = destination(path)
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
@@ -377,8 +370,7 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
 
 
 def write_error(path: str, e: Exception) -> OSError:
-    """An error while writing `path` as an OSError that names the file (safetensors' SafetensorError carries the OS's
-    error only as text: 'I/O error: No space left on device (os error 28)')."""
+    """An error while writing `path` as an OSError naming the file (SafetensorError has it as text only)."""
     m = re.search(r"os error (\d+)", str(e))
     code = getattr(e, "errno", None) or (int(m.group(1)) if m else None)
     if code is None:
@@ -388,9 +380,7 @@ def write_error(path: str, e: Exception) -> OSError:
 
 
 def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
-    """The files in `folder` that a new export may remove (all a writer ever removes), {name: {"size", "sha256"}}: those
-    the regular-file index `index_name` lists under metadata["dorafp8_files"], named by `pattern`, and still regular
-    files of the recorded size and sha256. Anything else is left alone."""
+    """{name: {"size", "sha256"}} of the files a new export may remove (index-listed, unchanged)."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:

@@ -41,8 +41,7 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
 
 
 def _saved_quantization_config(model) -> Optional[dict]:
-    """The quantization_config of the checkpoint the model was loaded from (transformers drops it from the model's
-    config when it dequantizes while loading), if that checkpoint is a local directory."""
+    """The quantization_config of the local checkpoint the model came from (transformers may drop it)."""
     import os
 
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -56,9 +55,8 @@ def _saved_quantization_config(model) -> Optional[dict]:
 
 
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
-    """The fp8 linear layers of a transformers model, each checked, nothing changed: ([(name, module, weight, scale,
-    block_size, format, extras, global_scale)], layers whose weights are dense already, MoE expert blocks); an NVFP4
-    global scale as the factor W0 is multiplied by. Raises on the first layer dorafp8 cannot hold."""
+    """([(name, module, weight, scale, block_size, format, extras, global_scale)], dense layers, MoE expert blocks)
+    of a transformers model, each checked, nothing changed; raises on the first layer dorafp8 cannot hold."""
     fg_linear, fg_experts = _finegrained_cls()
     ct_linear = _ct_fp8_linear_cls()
     layers, dense, experts = [], [], []

@@ -1,7 +1,6 @@
 """dorafp8 in transformers' quantizer registry: `from_pretrained(path, quantization_config=DoRAFP8Config(...))` loads
-a dense checkpoint and runs quantize_model on it (same peak: the dense model in `dtype`). save_pretrained then writes
-compressed-tensors or fine-grained FP8, never a "dorafp8" quant_method. Imports transformers: _install.py registers it
-once transformers is imported."""
+a dense checkpoint and runs quantize_model on it; save_pretrained then writes compressed-tensors or fine-grained FP8.
+Imports transformers: _install.py registers it once transformers is imported."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""DoRA adapters as kohya / LyCORIS files (per layer `lora_down.weight`, `lora_up.weight`, `alpha`, `dora_scale`),
-the layout ComfyUI, Forge and LyCORIS read: save_kohya_dora, load_kohya_dora and save_single_file_dora (keyed by a
-ComfyUI single file's own weights). What `dora_scale` holds for each consumer: docs/ARCHITECTURE.md,
-"dorafp8/checkpoint/kohya.py"; which key names each maps: kohya_names.py. Long because it holds both directions of
-one layout and the single-file export, each with its checks."""
+"""DoRA adapters as kohya / LyCORIS files (`lora_down.weight`, `lora_up.weight`, `alpha`, `dora_scale` per layer),
+as ComfyUI, Forge and LyCORIS read them: save_kohya_dora, load_kohya_dora, save_single_file_dora. What `dora_scale`
+holds for each consumer: docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py"; key names: kohya_names.py.
+Long because it holds both directions of one layout and the single-file export, each with its checks."""
 
 from __future__ import annotations
 
@@ -93,9 +92,8 @@ def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] 
 
 
 def layer_tensors(layer, adapter: str, dora_scale: str = "lycoris", dtype=None) -> dict[str, torch.Tensor]:
-    """One PEFT LoRA layer's adapter as kohya tensors: lora_down = lora_A, lora_up = lora_B (conv: [out, r, 1, ...],
-    the 1 x 1 up conv LyCORIS's LoCon has), alpha = s * r (so that alpha / r is PEFT's scaling, rsLoRA's too) and,
-    for DoRA, dora_scale shaped [out, 1, ...]."""
+    """One PEFT LoRA layer as kohya tensors: lora_down = A, lora_up = B (conv: [out, r, 1, ...], LoCon's 1 x 1 up),
+    alpha = s * r (alpha / r is PEFT's scaling, rsLoRA's too), and for DoRA dora_scale [out, 1, ...]."""
     A = layer.lora_A[adapter].weight.detach()
     B = layer.lora_B[adapter].weight.detach()
     r, s = A.shape[0], float(layer.scaling[adapter])
@@ -143,8 +141,7 @@ def _root(model: nn.Module) -> nn.Module:
 
 
 def _export_layers(who: str, model, adapter_name, dora_scale: str, prefix, dtype):
-    """(root, resolved prefix, adapter, {module name: LoRA layer}) of the adapter an export writes, every layer
-    checked before anything is written."""
+    """(root, resolved prefix, adapter, {module name: LoRA layer}) to export, every layer checked first."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     root = _root(model)
@@ -180,12 +177,11 @@ def _pick_adapter(layers: dict, adapter_name: Optional[str]) -> str:
 
 def _export_problems(name, layer, adapter, dora_scale, prefix) -> list[str]:
     base = layer.get_base_layer()
-    out = []
     conv = isinstance(base, (nn.Conv1d, nn.Conv2d, nn.Conv3d, FP8ConvNd))
     if not (conv or isinstance(base, (nn.Linear, FP8Linear))) or adapter in getattr(layer, "lora_embedding_A", {}):
-        out.append(f"{name}: a LoRA layer on {type(base).__name__}; the kohya layout holds Linear and Conv1d/2d/3d "
-                   f"layers")
-        return out
+        return [f"{name}: a LoRA layer on {type(base).__name__}; the kohya layout holds Linear and Conv1d/2d/3d "
+                f"layers"]
+    out = []
     if conv and getattr(base, "groups", 1) != 1:
         out.append(f"{name}: conv with groups={base.groups}; kohya's lora_up @ lora_down is a groups=1 update")
     if getattr(layer, "fan_in_fan_out", False):
@@ -214,10 +210,8 @@ _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # a full ch
 
 def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_name: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> dict[str, list[str]]:
-    """Writes the DoRA (or LoRA) adapter of `model` as a kohya file in a ComfyUI single file's own layout, for
-    ComfyUI's LoRA loader on that file: one layer per original weight the adapter touches, keyed `lora_unet_` + the
-    original key without its prefix and `.weight`, '.' -> '_', dora_scale as save_kohya_dora's "comfyui". A fused
-    weight (Flux's qkv) gets its adapted pieces as one layer (docs/ARCHITECTURE.md, "dorafp8/checkpoint/kohya.py").
+    """Writes the adapter of `model` as a kohya file keyed by a ComfyUI single file's own weights (one layer per
+    original weight (a fused one's pieces merged: docs/ARCHITECTURE.md), keyed `lora_unet_` + it, dora_scale "comfyui".
 
     Args:
         model: a diffusers model loaded from `single_file` by load_single_file, with a PEFT adapter.
@@ -283,8 +277,7 @@ def _original_file(single_file):
 
 
 def _dequantized(key: str, get, shapes: dict) -> torch.Tensor:
-    """The original weight `key` as the file stands for it, float32 (e4m3 / e5m2 times its scale_weight, per tensor
-    or per row), as [out, in * kernel] rows."""
+    """The original weight `key` dequantized (times its scale_weight), as float32 [out, in * kernel] rows."""
     w = get(key)
     scale_key = key[:-len("weight")] + "scale_weight"
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale_key in shapes:
@@ -339,10 +332,8 @@ def _fused_layer(w: torch.Tensor, parts: list, layers: dict, adapter: str, dtype
 
 
 def _to_module_layout(root: nn.Module, sd: dict, single_file) -> dict:
-    """A kohya file keyed by a single file's own weights (save_single_file_dora's, or any with ComfyUI's `lora_unet_`
-    names) -> the same adapters keyed by `root`'s module names: each module diffusers' converter cuts from a weight
-    gets its rows of lora_up (and dora_scale) and the columns of lora_down they use, alpha scaled to keep alpha / rank;
-    a module whose rows the file leaves unchanged gets no adapter (docs/ARCHITECTURE.md, ".../kohya.py")."""
+    """A kohya file keyed by a single file's weights -> the same adapters keyed by `root`'s modules (each gets its
+    rows of lora_up and dora_scale; unchanged rows get no adapter: docs/ARCHITECTURE.md, ".../kohya.py")."""
     from .single_file import is_scale_key, row_map
 
     groups, _ = _group(sd)
@@ -661,8 +652,7 @@ class _Undo:
         self.attrs = set(root.__dict__)
 
     def restore(self, adapter: str, peft_model: Optional[PeftModel]) -> None:
-        """Puts back what __init__ kept; `peft_model`: the PeftModel the adapter was added to (None: the root was
-        wrapped by get_peft_model, whose attributes on the root go)."""
+        """Puts back what __init__ kept; `peft_model`: the PeftModel added to (None: get_peft_model wrapped root)."""
         for parent, attr, mod in self.children:
             cur = parent._modules[attr]
             if cur is not mod:

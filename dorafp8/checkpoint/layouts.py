@@ -81,9 +81,8 @@ def granularity_name(g: str, block_size: int) -> str:
 
 
 def cpu_fine_grained_read(N: int, K: int, b: int) -> str:
-    """How transformers' dequantize-while-loading path (fine-grained FP8 without a GPU, transformers 5.23) reads an
-    [N, K] weight with b x b block scales (ceil), taking the block from the grid, N / ceil(N / b): "ok", "raises" (the
-    grid does not divide the weight) or "wrong" (other blocks: N = 96, b = 64 gives 48 rows, silently)."""
+    """How transformers' CPU fine-grained FP8 loader (5.23; block taken as N / ceil(N / b)) reads an [N, K] weight with
+    b x b block scales: "ok", "raises" or "wrong" (N = 96, b = 64 gives 48-row blocks, silently)."""
     dims = [(n, -(-n // b)) for n in (N, K)]
     if any(n % g for n, g in dims):
         return "raises"

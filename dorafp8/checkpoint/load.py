@@ -122,8 +122,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
 
 def _build_fp8_modules(model: nn.Module, plan: LoadPlan, mdtype: torch.dtype, dtype: Optional[torch.dtype],
                        backend: str, act_quant: Optional[str]) -> dict[str, nn.Module]:
-    """The FP8Linear / FP8ConvNd for each module that keeps fp8 bytes, built aside on the meta device (no memory;
-    filled as read once swapped in): module name -> new layer. The model is not changed."""
+    """module name -> its new FP8Linear / FP8ConvNd, built aside on the meta device; the model unchanged."""
     built = {}
     for mod_name, p in plan.layers.items():
         if not p.fp8:
@@ -190,8 +189,7 @@ class _Progress:
 
 
 def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
-    """t as fp32, refused if any value is NaN, infinite, negative or overflows times e4m3's largest value (it would
-    turn its rows into NaN, inf or flipped outputs)."""
+    """t as fp32, refused if NaN, infinite, negative or overflowing times e4m3's largest value."""
     f = t.float()
     bad = int((~torch.isfinite(f * E4M3_MAX) | (f < 0)).sum())
     if bad:
@@ -203,8 +201,7 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
 
 
 class _TensorLoader:
-    """Reads the planned tensors, one at a time, into the model: fp8 weights and scales into the fp8 layers, fp8
-    tensors of other modules dequantized, the other tensors cast, extras kept on their layer."""
+    """Reads the planned tensors one at a time into the model (fp8 kept, others dequantized or cast)."""
 
     def __init__(self, model: nn.Module, plan: LoadPlan, model_t: dict, tied: dict, report: LoadReport,
                  dtype: Optional[torch.dtype], mdtype: torch.dtype, first: dict):
@@ -280,9 +277,8 @@ class _TensorLoader:
         self.report.fp8_layers[sp.module] = granularity_name(scale_kind(sc), sp.block_size)
 
     def _micro_scale(self, k: str, t: torch.Tensor, sp) -> None:
-        """A microscaled layer's scale, kept as stored (MXFP8's uint8 bytes viewed as e8m0), refused if a code is NaN
-        or (NVFP4) negative; NVFP4's global scale with it, as the factor W0 multiplies by (compressed-tensors stores
-        its reciprocal)."""
+        """A microscaled layer's scale as stored (MXFP8's bytes as e8m0), refused if NaN or (NVFP4) negative; and
+        NVFP4's global scale as the factor W0 multiplies by (compressed-tensors stores its reciprocal)."""
         mod = self.model.get_submodule(sp.module)
         sc = t.contiguous().view(E8M0) if sp.kind == "mxfp8" else t.contiguous()
         bits = sc.view(torch.uint8)
@@ -398,8 +394,7 @@ def _modules_after_swaps(model: nn.Module, new: dict):
 
 
 def _left_on_meta(modules, written: set | None = None) -> dict[str, tuple]:
-    """Modules with tensors on the meta device: name -> (module, those tensors' names, whether they are all its
-    tensors). With `written`: those that will be left once the load has written the tensors it names."""
+    """Modules with tensors on meta: name -> (module, their names, all of its?); with `written`: those left after."""
     left = {}
     for mname, mod in modules:
         pre = f"{mname}." if mname else ""
@@ -436,9 +431,7 @@ def _stuck_error(stuck: list) -> CheckpointFormatError:
 
 
 def _materialize_leftovers(model: nn.Module, device, report: LoadReport, strict: bool) -> None:
-    """Tensors still on the meta device after loading, materialized: a module all of whose tensors are left (a rotary
-    embedding's inv_freq) is initialized by the model's _init_weights where it has one; else zeros (an error under
-    strict)."""
+    """Tensors left on the meta device, materialized by the model's _init_weights, else zeros (strict: error)."""
     left = _left_on_meta(model.named_modules())
     if not left:
         return

@@ -22,8 +22,7 @@ from .source import CheckpointSource, detect, layer_key, nvfp4_weights
 
 def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
               key_map, block_hint: Optional[int], strict: bool) -> LoadPlan:
-    """Where every checkpoint tensor goes. Fills report.prefix, kept, missing and unexpected; raises
-    CheckpointFormatError on what does not fit (under strict: also on what is missing or left over)."""
+    """Where every checkpoint tensor goes (fills report); raises CheckpointFormatError on what does not fit."""
     keys = _map_keys(source, model_t, key_map, report)
     plan = _plan_layers(model, source, fmt, keys)
     _plan_scales(plan, source, block_hint, report)
@@ -203,8 +202,7 @@ MX_SCALE_DTYPES = (torch.uint8, E8M0)
 
 
 def _micro_kind(info: dict, k: str, lay: str, fmt: str) -> Optional[str]:
-    """"nvfp4" for a packed uint8 weight (nvfp4_weights), "mxfp8" for an e4m3 weight whose weight_scale is e8m0 or
-    uint8, None for the fp8 kinds."""
+    """"nvfp4" (packed uint8 weight), "mxfp8" (e4m3 weight, e8m0 / uint8 scale), None for fp8 kinds."""
     if fmt not in MICRO_FORMATS:
         return None
     if info[k][0] == torch.uint8:
@@ -271,8 +269,7 @@ def _group_problem(p: LayerPlan, N: int, K: int, shape: tuple, dtype) -> Optiona
 
 
 def _infer_block(n: int, k: int, shape: tuple, hint: Optional[int]) -> Optional[int]:
-    """The square block size b with scale shape [ceil(n/b), ceil(k/b)]: `hint` if it fits, else 128, else the only
-    power of two that fits; None if none does."""
+    """The block size b for scale [ceil(n/b), ceil(k/b)]: `hint`, else 128, else the power of 2 that fits, or None."""
     def fits(b):
         return b >= 1 and shape == (-(-n // b), -(-k // b))
     if len(shape) != 2:
@@ -305,8 +302,7 @@ def _dtype_problems(k: str, dtype: Optional[torch.dtype], m: str, target: Option
 
 def _plan_other_tensors(plan: LoadPlan, source: CheckpointSource, model_t: dict, tied: dict, report: LoadReport,
                         strict: bool) -> None:
-    """The tensors loaded as they are (cast to the model's dtype); what the model lacks and what fits nothing,
-    an error under strict."""
+    """The tensors loaded as they are (cast); what the model lacks or nothing fits, an error under strict."""
     info, fmt, names = source.info, plan.fmt, plan.keys.names
     errors = []
     unexpected = []

@@ -78,9 +78,8 @@ def fp8_modules(base: nn.Module) -> dict[str, nn.Module]:
 
 
 class ModelState:
-    """Every module's attributes and parameter, buffer and submodule slots, by reference (no tensor copied), to put
-    back after a failed operation: undoes every replaced module or tensor, not a change written into a tensor
-    (docs/ARCHITECTURE.md, "All or nothing")."""
+    """Every module's attributes and parameter, buffer and submodule slots, by reference, to put back after a failed
+    operation (a replaced module or tensor, not a write into one: docs/ARCHITECTURE.md, "All or nothing")."""
 
     def __init__(self, model: nn.Module):
         self._saved = [(mod, dict(mod.__dict__), dict(mod._parameters), dict(mod._buffers), dict(mod._modules),

@@ -1,6 +1,5 @@
-"""The typed records that loading and writing pass around. SourceInfo (on the model) and LayerSource (on each fp8
-layer) stay as `_dorafp8_source` between a load and a save, so that a model written back in its layout gives back the
-same tensors; the others carry one load's or one write's decisions from one step to the next."""
+"""The typed records loading and writing pass around. SourceInfo (model) and LayerSource (fp8 layer) stay as
+`_dorafp8_source` from a load to a save, so that a model written back in its layout gives back the same tensors."""
 
 from __future__ import annotations
 

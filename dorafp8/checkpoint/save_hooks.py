@@ -18,8 +18,7 @@ from .write import save_pretrained_state
 
 @contextlib.contextmanager
 def _config_says(model: nn.Module, quantization_config: dict):
-    """config.quantization_config = the written layout's, for the save only; a DoRAFP8Config model's hf_quantizer
-    hidden too (transformers 5 would take its state dict instead of the one given)."""
+    """config.quantization_config = the written layout's, for the save only (hf_quantizer hidden too)."""
     cfg = model.config
     had = hasattr(cfg, "quantization_config")
     old = getattr(cfg, "quantization_config", None)
@@ -98,8 +97,7 @@ def patch_transformers() -> None:
 
 
 class _DiffusersDoRAFP8Checkpoint:
-    """What diffusers' quantizer registry finds for quant_method 'dorafp8' (configs.diffusers_guard): an error saying
-    how to load the directory."""
+    """diffusers' quantizer for quant_method 'dorafp8' (configs.diffusers_guard): says how to load it."""
 
     @classmethod
     def from_dict(cls, config: dict, *args, **kwargs):

@@ -19,8 +19,7 @@ _SCALE_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_sca
 
 
 def scaled_fp8_keys(checkpoint: dict) -> list[str]:
-    """The keys of `checkpoint` that say its fp8 weights are scaled (their scales and the `scaled_fp8` marker), when
-    it holds fp8 weights at all; [] otherwise."""
+    """The keys of an fp8 `checkpoint` saying its weights are scaled (scales, `scaled_fp8`); else []."""
     has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
                   for t in checkpoint.values())
     if not has_fp8:
@@ -44,8 +43,7 @@ def refuse_scaled_fp8(checkpoint, what: str) -> None:
 
 
 def patch_from_single_file() -> None:
-    """Wraps diffusers' FromOriginalModelMixin.from_single_file (a dict checkpoint) and the module's
-    load_single_file_checkpoint (a path) so that both refuse scaled fp8 checkpoints. Idempotent."""
+    """Makes diffusers' from_single_file (dict or path) refuse scaled fp8 checkpoints. Idempotent."""
     from diffusers.loaders import single_file_model as sfm
 
     mixin = sfm.FromOriginalModelMixin
@@ -112,8 +110,7 @@ def _model_name(model: nn.Module) -> str:
 
 
 def converter_for(model: nn.Module):
-    """diffusers' single-file converter for `model`'s class (SINGLE_FILE_LOADABLE_CLASSES), called as diffusers
-    calls it; a ValueError names the class when diffusers has none."""
+    """diffusers' single-file converter for `model`'s class; a ValueError if it has none."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     entry = SINGLE_FILE_LOADABLE_CLASSES.get(_model_name(model))

@@ -71,8 +71,7 @@ class ShardWriter(TensorSink):
         self.cur, self.cur_bytes = {}, 0
 
     def close(self) -> list[tuple[str, list[str]]]:
-        """Finishes the write: the one file written in place (returns []), or the last part written (returns the
-        parts, (file, its keys), in order)."""
+        """Finishes the write: [] for one file written in place, else the parts [(file, its keys)]."""
         if self.single:
             save_file_atomic(self.cur, self.path, self.metadata)
             return []
@@ -82,8 +81,7 @@ class ShardWriter(TensorSink):
 
 
 def shard_names(stem: str, n: int, taken=frozenset()) -> list[str]:
-    """Fresh names `{stem}-{8 random hex}-00001-of-0000n.safetensors`, ... for n shards, none in `taken`: an export
-    never writes over a file a reader may be reading."""
+    """Fresh shard names `{stem}-{8 hex}-0000i-of-0000n.safetensors`, none in `taken`."""
     while True:
         tag = uuid.uuid4().hex[:8]
         names = [f"{stem}-{tag}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

@@ -62,10 +62,8 @@ class CheckpointSource:
                 self.info[k] = (SAFETENSORS_DTYPES.get(dtype), shape, i)
 
     def _read_folder(self, path: str) -> None:
-        """The shards and config.json of a checkpoint folder, each a regular file inside it (files.file_in): its
-        model.safetensors if any (what transformers reads first), else those its index names, else every
-        *.safetensors. config.json and hf_quant_config.json must have the sha256 the index records, if it does: a
-        reader never pairs one export's config with another's weights (write._publish)."""
+        """A folder's shards (its model.safetensors, else those its index names, else every *.safetensors) and
+        config.json, each a regular file inside it; the JSON files must match the sha256 the index records."""
         roots = allowed_roots(path)
 
         def inside(name: str, what: Optional[str] = None) -> str:
@@ -117,8 +115,7 @@ class CheckpointSource:
         return (self.config or {}).get("quantization_config") or {}
 
     def modelopt_algo(self) -> Optional[str]:
-        """ModelOpt's quant_algo ("NVFP4", "MXFP8", "FP8", ...): from hf_quant_config.json's "quantization", or from
-        config.json's quantization_config with quant_method "modelopt"; None when neither says."""
+        """ModelOpt's quant_algo ("NVFP4", "MXFP8", ...) from hf_quant_config.json or config.json, else None."""
         hq = (self.hf_quant_config or {}).get("quantization")
         if isinstance(hq, dict) and hq.get("quant_algo"):
             return str(hq["quant_algo"])
@@ -232,8 +229,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
 
 
 def nvfp4_weights(info: dict) -> dict[str, str]:
-    """'<layer>' -> the key of its packed NVFP4 weight: a uint8 '.weight' beside '.weight_scale_2' (ModelOpt) or
-    '.weight_packed' beside '.weight_global_scale' (compressed-tensors)."""
+    """'<layer>' -> the key of its packed NVFP4 weight (ModelOpt's or compressed-tensors' names)."""
     out = {}
     for k, (dtype, _, _) in info.items():
         lay, _, suffix = k.rpartition(".")
@@ -244,14 +240,12 @@ def nvfp4_weights(info: dict) -> dict[str, str]:
 
 
 def detect_format(path_or_state_dict) -> tuple[str, str]:
-    """(format, the evidence) of a checkpoint, from its keys, dtypes and config.json, without reading tensor data.
-    Raises CheckpointFormatError naming what it saw when the layout is not one of LAYOUTS."""
+    """(format, evidence) of a checkpoint from its keys, dtypes and config.json; else CheckpointFormatError."""
     return detect(CheckpointSource(path_or_state_dict))
 
 
 def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
-    """The block size of block scales that config.json gives (None if it gives none); refuses configs of
-    quantizations dorafp8 does not read (ue8m0 scales, non-fp8 compressed-tensors)."""
+    """config.json's block size (or None); refuses quantizations dorafp8 does not read."""
     qc = source.quant_config()
     if fmt == "fine-grained":
         if qc.get("scale_fmt", "float") not in (None, "float"):

@@ -1,7 +1,5 @@
-"""save_fp8_checkpoint and export_merged (a file or a directory), and the state dict dorafp8 hands transformers'
-save_pretrained: the target checked before anything is written, the tensors emitted (emit.py) into a ShardWriter or
-a TensorSink, then config.json (configs.py). Only merged layers, or those the layout cannot hold as is, are
-re-quantized, and the ExportReport says so."""
+"""save_fp8_checkpoint and export_merged (a file or a folder), and the state dict for transformers' save_pretrained:
+the target checked first, the tensors emitted (emit.py) into a ShardWriter or TensorSink, then config.json."""
 
 from __future__ import annotations
 
@@ -143,8 +141,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
 
 
 def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict):
-    """A folder checkpoint: shards and config.json written into a stage inside `real`, then published under the
-    folder's lock (_publish); a failure before that leaves the folder as it was."""
+    """A folder checkpoint: written into a stage in `real`, then published under its lock (_publish)."""
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
@@ -176,8 +173,7 @@ def _made(folder: str):
 
 
 def _check_folder(real: str, path: str, stem: str) -> None:
-    """Refuses a folder where the new export would not be what loads (one holding `<stem>.safetensors`, read instead
-    of an index), or where the index or config.json is a folder."""
+    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index)."""
     single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
     if os.path.lexists(os.path.join(real, single)):
         raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
@@ -191,16 +187,12 @@ def _check_folder(real: str, path: str, stem: str) -> None:
 
 
 def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> list[str]:
-    """Moves the finished export in `stage` into `folder` (whose lock the caller holds) and returns its shards' names.
-    A reader, or a kill at any point, finds the previous export or the new one: the shards go in first under fresh
-    names (sink.shard_names) that no index names yet, then config.json (only if its bytes change: see below), then
-    the index by one rename, the commit; then the previous export's shards that files.previous_export proves it
-    wrote are removed, and nothing else. The index records every shard's size and sha256, and those of the shards it
-    replaces until they are removed (what lets the next export remove them, and only them), and the sha256 of
-    config.json and of hf_quant_config.json (files.CHECKED_JSON): each and the index are two files, so between their
-    renames, or after a kill there, a reader can find a changed config.json (or ModelOpt's quant_algo) beside the
-    previous weights; load_fp8_checkpoint refuses that pair, naming it. A
-    failure before the commit removes the shards it moved in."""
+    """Moves the finished export in `stage` into `folder` (whose lock the caller holds); returns its shards' names.
+    Shards go in under fresh names, then config.json (if changed), then the index by one rename (the commit), then the
+    old shards files.previous_export proves were written are removed: a reader or a kill finds the old export or the
+    new. The index records each shard's size and sha256 and those of config.json and hf_quant_config.json, so that
+    load_fp8_checkpoint refuses a mixed pair (docs/ARCHITECTURE.md, files.py). A failure before the commit removes
+    the shards it moved in."""
     index = f"{stem}.safetensors.index.json"
     names = shard_names(stem, len(parts), set(os.listdir(folder)))
     others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json

@@ -24,8 +24,7 @@ _LAYERWISE_CASTING_HOOK = "layerwise_casting"
 
 
 def layerwise_compute_dtype(module: nn.Module):
-    """The dtype diffusers' layerwise casting (`enable_layerwise_casting`) upcasts `module`'s stored weight to around
-    each forward (its hook's compute_dtype), or None if the module has no such hook."""
+    """The dtype diffusers' layerwise casting upcasts `module`'s weight to (its hook's), else None."""
     registry = getattr(module, "_diffusers_hook", None)
     get_hook = getattr(registry, "get_hook", None)
     hook = get_hook(_LAYERWISE_CASTING_HOOK) if callable(get_hook) else None
@@ -43,9 +42,8 @@ def check_fp8_cast(weight: torch.Tensor, name: str | None = None) -> None:
 
 
 def fp8_cast_parts(module: nn.Module, weight: torch.Tensor, name: str | None = None):
-    """(w8, bias, dtype) for an nn.Linear / Conv1D / ConvNd whose weight was cast to float8_e4m3fn without a scale
-    (layerwise casting, kohya's and OneTrainer's casts), the weight kept byte for byte; None if it is not fp8. `dtype`
-    (the casting hook's compute dtype, else a non-fp8 bias's, else fp32) is the bias's and the adapters'."""
+    """(w8, bias, dtype) for a layer whose weight was cast to float8_e4m3fn without a scale (layerwise casting, kohya's
+    and OneTrainer's casts), kept byte for byte; None if not fp8. `dtype`: the cast hook's, else the bias's, or fp32."""
     if not is_fp8(weight):
         return None
     check_fp8_cast(weight, name)
@@ -64,20 +62,17 @@ _warned_peft_unregistered = False
 
 
 def peft_unregistered() -> bool:
-    """Whether DORAFP8_NO_PATCHES=1 kept `import dorafp8` from teaching PEFT its layers and nothing has done it since
-    (dorafp8.register_with_peft()): PEFT's own errors then say nothing of dorafp8."""
+    """Whether DORAFP8_NO_PATCHES=1 kept PEFT from learning dorafp8's layers (then its errors miss the fix)."""
     return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
 
 
 def peft_unregistered_hint() -> str:
-    """For an fp8 layer's repr, which PEFT's "Target module ... is not supported" error prints: the fix, while PEFT
-    is loaded and does not know these layers; else ""."""
+    """For an fp8 layer's repr (printed by PEFT's "not supported" error): the fix while PEFT lacks them, else ""."""
     return f"; {_PEFT_UNREGISTERED}" if "peft" in sys.modules and peft_unregistered() else ""
 
 
 def warn_if_peft_unregistered() -> None:
-    """Once per process, when an fp8 layer is made while PEFT is installed and does not know these layers: PEFT's
-    all-linear error cannot name the fix, so it is said here, before get_peft_model."""
+    """Once per process, where PEFT does not know fp8 layers: says the fix before get_peft_model fails."""
     global _warned_peft_unregistered
     if _warned_peft_unregistered or not peft_unregistered() or importlib.util.find_spec("peft") is None:
         return
@@ -90,8 +85,7 @@ def warn_if_peft_unregistered() -> None:
 
 
 def zero3_init_active() -> bool:
-    """Whether DeepSpeed's `deepspeed.zero.Init` (ZeRO-3's partitioned construction) is open now, read from the module
-    DeepSpeed keeps it in, without importing deepspeed."""
+    """Whether DeepSpeed's `deepspeed.zero.Init` is open now, read without importing deepspeed."""
     pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
     return getattr(pp, "zero_init_context", 0) > 0
 
@@ -208,8 +202,7 @@ def _dtensor_class():
 
 
 def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether `module`'s parameters are managed by FSDP (1 or 2) or DeepSpeed ZeRO-3, which refill unsharded
-    parameters in place between steps without bumping their version counters (docs/MULTI_GPU.md)."""
+    """Whether FSDP or ZeRO-3 manage `module`'s parameters (refilled in place without version bumps)."""
     return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
 
 

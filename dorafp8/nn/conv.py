@@ -21,9 +21,8 @@ NN_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
 
 class FP8ConvNd(FP8WeightModule):
-    """A frozen ConvNd with a float8_e4m3fn weight [C_out, C_in/groups, *kernel] and an fp32 `scale` ([] per tensor,
-    [C_out] per channel, or per b x b block of the 2-D view), keeping nn.ConvNd's attributes; state_dict keys `weight`,
-    `scale`, `bias`. `backend` picks the DoRA weight norm's kernels; the convolutions are the platform's."""
+    """A frozen ConvNd with a float8_e4m3fn weight [C_out, C_in/groups, *kernel] and an fp32 `scale`, with nn.ConvNd's
+    attributes; keys `weight`, `scale`, `bias`. `backend`: the DoRA weight norm's; convolutions are the platform's."""
 
     _nd = 2
     block_size = DEFAULT_BLOCK
@@ -50,9 +49,7 @@ class FP8ConvNd(FP8WeightModule):
     @classmethod
     def from_float(cls, module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                    backend: str = "auto", name: str | None = None):
-        """Quantizes an nn.ConvNd (of this class's dimensionality) into an FP8 conv with one scale per tensor (default),
-        per output channel (per_row_scale=True) or per block_size x block_size block of the 2-D view. A float8_e4m3fn
-        weight is kept byte for byte with scale 1 (fp8_cast_parts). `name` is used in messages."""
+        """Quantizes an nn.ConvNd into an FP8 conv (scale per tensor, channel or block). `name`: for messages."""
         want = NN_CONV[cls._nd]
         if not isinstance(module, want):
             raise TypeError(f"module must be an {want.__name__}, got {type(module).__name__}")
@@ -95,8 +92,7 @@ class FP8ConvNd(FP8WeightModule):
         return new
 
     def conv_padding(self) -> Optional[tuple]:
-        """The padding as ints when the convolution pads with zeros symmetrically (what the fused ops take), else None
-        (another padding_mode, or an asymmetric padding='same': pad_input pads x first)."""
+        """The padding as ints for symmetric zero padding (what the fused ops take), else None."""
         if self.padding_mode != "zeros":
             return None
         if isinstance(self.padding, str):

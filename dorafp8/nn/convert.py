@@ -32,8 +32,7 @@ def _linear_kinds() -> tuple:
 
 def to_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_size: Optional[int] = None,
                  backend: str = "auto", act_quant: Optional[str] = None, name: str | None = None) -> nn.Module:
-    """The dorafp8 layer for an nn.Linear / transformers Conv1D (an FP8Linear) or an nn.Conv1d/2d/3d (act_quant does not
-    apply): its weight quantized, or kept with scale 1 when it is float8_e4m3fn already."""
+    """The dorafp8 layer for an nn.Linear / Conv1D / ConvNd: weight quantized, or kept with scale 1 if fp8."""
     conv_cls = fp8_conv_class(module)
     if conv_cls is not None:
         return conv_cls.from_float(module, per_row_scale=per_row_scale, block_size=block_size, backend=backend,
@@ -94,8 +93,7 @@ def zero3_repartition(new: nn.Module, old: nn.Module) -> bool:
 
 
 def is_fp8_cast_layer(module: nn.Module) -> bool:
-    """Whether `module` is a plain nn.Linear / Conv1D / ConvNd whose weight is an fp8 tensor without a scale
-    (diffusers' layerwise casting, kohya's and OneTrainer's fp8 casts): to_fp8_layer takes it as it is."""
+    """Whether `module` is a plain Linear / Conv1D / ConvNd whose weight was cast to fp8 without a scale."""
     weight = getattr(module, "weight", None)
     return isinstance(module, _linear_kinds() + _CONV_KINDS) and isinstance(weight, torch.Tensor) and is_fp8(weight)
 
@@ -273,8 +271,7 @@ def _size(n_bytes: int) -> str:
 
 
 def _summary(layers: list) -> str:
-    """quantize_model's line: how many layers it swapped, the bytes of their fp8 weights and scales, and what the
-    same weights take in bf16 (2 bytes each) and fp32 (4)."""
+    """quantize_model's line: layers swapped, their fp8 bytes, and the same weights in bf16 and fp32."""
     n = sum(m.weight.numel() for m in layers)
     fp8 = sum(m.weight.numel() * m.weight.element_size() + m.scale.numel() * m.scale.element_size() for m in layers)
     return (f"dorafp8.quantize_model: {len(layers)} layers to fp8 e4m3: their weights take {_size(fp8)} with the "

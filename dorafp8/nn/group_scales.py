@@ -45,8 +45,7 @@ _COLLECTING: list[list] = []
 
 
 def report_regrouped(name: str, group: int, rel_error: float, source: str) -> None:
-    """Says that layer `name` was re-quantized from 1 x `group` scales to per-row ones: collected by the enclosing
-    collect_regrouped() (one warning for all layers), else a QuantizationWarning now."""
+    """Says layer `name` was re-quantized from 1 x `group` to per-row scales (collected, else warned)."""
     entry = (name or "layer", group, rel_error)
     if _COLLECTING:
         _COLLECTING[-1].append(entry)

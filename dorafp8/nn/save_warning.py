@@ -1,8 +1,7 @@
 """A warning where a library's own save_pretrained would write a model's fp8 layers without their scales.
 
-With DORAFP8_NO_PATCHES=1 (or where checkpoint/save_hooks.py failed) transformers' and diffusers' save_pretrained
-write each fp8 weight's scale under a key their from_pretrained does not know: a silently wrong reload. The entry
-points that put fp8 layers into such a model say so, with the fix. Neither library is imported here."""
+With DORAFP8_NO_PATCHES=1 (or where save_hooks.py failed), their save_pretrained writes scales under keys their
+from_pretrained ignores: a silently wrong reload. Neither library is imported here."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ _FIX = {"transformers": "dorafp8.save_fp8_checkpoint(model, path, format='compre
 
 
 def warn_if_save_pretrained_loses_scales(model: nn.Module, stacklevel: int = 3) -> None:
-    """Warns if `model` (now holding fp8 layers) is a transformers or diffusers model whose save_pretrained is the
-    library's own, not dorafp8's wrapper."""
+    """Warns if `model` is a transformers / diffusers model whose save_pretrained is not dorafp8's."""
     cls = type(model)
     library = next((lib for c in cls.__mro__ for (mod, name), lib in _LIBRARY_MODELS.items()
                     if c.__module__ == mod and c.__name__ == name), None)

@@ -90,8 +90,7 @@ def _zero_blocks_fixed(q: torch.Tensor, s: torch.Tensor, bn: int, bk: int) -> tu
 
 
 def torchao_fp8_parts(w, name: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[int]]:
-    """(w8 e4m3 [N, K], fp32 scale, block_size or None) for FP8Linear.from_fp8 from a torchao Float8Tensor: its own
-    bytes and scales, or per-row ones re-quantized from 1 x g groups (report_regrouped)."""
+    """(w8 e4m3 [N, K], fp32 scale, block_size or None) of a torchao Float8Tensor, 1 x g groups made per-row."""
     kind, b = _layout(w, name)
     q, s = w.qdata.detach(), w.scale.detach().float()
     _finite_scale(s, name)

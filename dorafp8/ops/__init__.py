@@ -1,6 +1,5 @@
-"""The functional ops (autograd-capable, dispatched to a backend): the DoRA and plain fp8 linear and conv, the weight
-norm, and the policy every op follows. A call goes dora_fp8_linear (ops/linear.py) -> DoRAFP8Function ->
-torch.ops.dorafp8.* (ops/_custom_ops.py) -> a backend module (dorafp8/backends/) -> a kernel."""
+"""The functional ops (autograd-capable): DoRA and plain fp8 linear and conv, and the weight norm. A call goes
+dora_fp8_linear -> DoRAFP8Function -> torch.ops.dorafp8.* (_custom_ops.py) -> a backend (backends/) -> a kernel."""
 
 from ._custom_ops import custom_op_implementation
 from ._policy import NORM_EPS, compute_dtype, dropout_mask, norm_divisor, rank_dtype

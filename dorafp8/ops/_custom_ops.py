@@ -44,8 +44,7 @@ def _(a, b, out_dtype, mask, p, backend):
 @torch.library.custom_op("dorafp8::project_quant", mutates_args=())
 def project_quant_op(a: Tensor, b: Tensor, out_dtype: torch.dtype, mask: Optional[Tensor], p: float,
                      backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(u, a8, sa): project plus a's W8A8 row quantization from the same read of a (backends with
-    QUANTS_IN_PROJECT: base.py, QUANT_PARAMS)."""
+    """(u, a8, sa): project plus a's W8A8 row quantization from the same read (QUANTS_IN_PROJECT)."""
     return backends.module(backend).project(a=a, b=b, out_dtype=out_dtype, mask=mask, p=p, quant=True)
 
 
@@ -75,8 +74,7 @@ def _kept(weight, weight_fac) -> dict:
 @torch.library.custom_op("dorafp8::dequant", mutates_args=())
 def dequant_op(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype, backend: str,
                global_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(W, fac): the weight in `dtype` and its epilogues' factors, made once a step by a backend with KEEPS_WEIGHT
-    (base.py) for its forward and dgrad."""
+    """(W, fac): the weight in `dtype` and its epilogues' factors, once a step (KEEPS_WEIGHT)."""
     return backends.module(backend).dequantize(w8=w8, scale=scale, block_size=block_size, dtype=dtype,
                                                **_global(global_scale))
 

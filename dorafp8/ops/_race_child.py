@@ -70,8 +70,7 @@ def _step(spec: dict, t: dict, backend: str) -> dict:
 
 
 def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
-    """Which output is outside the bound, and by how much; None if all are within. Compared a block of rows at a
-    time: the fp64 temporaries stay small."""
+    """Which output is outside the bound and by how much, else None; a block of rows at a time."""
     rel = ROOM * max(TOL[spec["cdt"]], TOL.get(spec["rdt"], 0.0))
     rel = max(rel, W8A8_REL) if spec["act_quant"] else rel
     for k, r in ref.items():
@@ -92,8 +91,7 @@ def _wrong(spec: dict, out: dict, ref: dict) -> str | None:
 
 
 def _watchdog(limit: float, parent: int) -> None:
-    """The child ends itself at the time limit, or when its parent is gone (a parent killed by SIGKILL cannot kill
-    it), even while a hanging kernel blocks its main thread."""
+    """Ends the child at the time limit or when its parent is gone, even while a kernel hangs its main thread."""
     end = time.monotonic() + limit
 
     def watch():

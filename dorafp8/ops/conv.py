@@ -29,8 +29,7 @@ def _tuple(v, nd: int, name: str) -> tuple:
 
 
 def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
-    """scale * w8 in `dtype`, in w8's (conv) layout: the transient weight of one call, computed in fp32 over row blocks
-    of the [C_out, rest] view and rounded once."""
+    """scale * w8 in `dtype`, in w8's layout, computed in fp32 over row blocks and rounded once."""
     C = w8.shape[0]
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
@@ -50,8 +49,7 @@ def _conv(x, w, b, stride, padding, dilation, groups):
 
 
 def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool, need_weight: bool):
-    """(d input, d weight) of _conv for the output gradient g; x may be a torch.Size when only the input gradient is
-    wanted (the transposed convolution needs its shape, not its values)."""
+    """(d input, d weight) of _conv for g; x may be a torch.Size when only the input gradient is wanted."""
     if not (need_input or need_weight):
         return None, None
     if isinstance(x, torch.Size):
@@ -62,8 +60,7 @@ def _conv_backward(g, x, w, stride, padding, dilation, groups, need_input: bool,
 
 
 def _lora_input(x: Tensor, mask: Optional[Tensor], p: float, rdt: torch.dtype) -> Tensor:
-    """The lora path's input as PEFT forms it: x cast to the adapters' dtype, then dropout(x) = x * (mask / (1 - p))
-    in that dtype (the noise tensor F.dropout multiplies by)."""
+    """The lora path's input as PEFT forms it: x in the adapters' dtype, then x * (mask / (1 - p))."""
     xr = _as(x, rdt)
     if mask is None:
         return xr
@@ -119,8 +116,7 @@ def conv_weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, 
 
 
 class FP8ConvFunction(torch.autograd.Function):
-    """y = conv(x, scale * w8) + bias with a frozen fp8 weight; x and bias in the compute dtype. The backward
-    re-dequantizes the weight and returns the input (and bias) gradient."""
+    """y = conv(x, scale * w8) + bias on a frozen fp8 weight; the backward re-dequantizes the weight."""
 
     @staticmethod
     def forward(ctx, x, w8, scale, bias, block_size, stride, padding, dilation, groups):

@@ -141,8 +141,7 @@ def _check_x(x, K: int) -> None:
 
 
 def _rank(lora_A, lora_B, K: int) -> int:
-    """The rank r the shape checks expect: lora_A's, unless lora_A is wrong (then lora_B [N, r]'s), so that a
-    transposed lora_A [K, r] reads "lora_A must have shape [r, K]" with the real r."""
+    """The rank r the shape checks expect: lora_A's, else lora_B's if lora_A is wrong (then its error says [r, K])."""
     if not isinstance(lora_A, torch.Tensor) or lora_A.dim() != 2:
         raise ValueError(f"lora_A must be 2-D [r, {K}], got {list(getattr(lora_A, 'shape', []))}")
     if lora_A.shape[1] == K or not (isinstance(lora_B, torch.Tensor) and lora_B.dim() == 2):

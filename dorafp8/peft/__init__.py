@@ -1,5 +1,5 @@
-"""dorafp8 inside PEFT (needs peft and transformers): DoRAFP8Linear and DoRAFP8Conv1d/2d/3d, PEFT's own LoRA layers
-on fp8 bases; register_with_peft (PEFT builds them for fp8 layers; run when peft is imported) and convert_peft_model.
+"""dorafp8 inside PEFT: DoRAFP8Linear and DoRAFP8Conv1d/2d/3d (PEFT's LoRA layers on fp8 bases), register_with_peft
+and convert_peft_model.
 
 Inside this package `peft` (absolute) is PEFT itself; dorafp8's modules are imported relatively."""
 

@@ -17,8 +17,7 @@ LAYER_SAYS_DTYPE = hasattr(lora_layer.LoraLayer, "_get_base_layer_device_and_dty
 
 
 def layer_kwargs(config, kwargs: dict) -> dict:
-    """The keyword arguments for PEFT's LoRA layer constructor: `config` as it is (peft >= 0.19), or on peft 0.18 the
-    options its LoraModel passes, taken from `config` where `kwargs` lacks them."""
+    """The keyword arguments for PEFT's LoRA layer constructor: `config` (peft >= 0.19), or 0.18's options."""
     if CONFIG_API:
         return dict(kwargs, config=config)
     kwargs = dict(kwargs)

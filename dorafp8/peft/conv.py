@@ -1,8 +1,7 @@
 """PEFT integration for convolutions: DoRAFP8Conv1d/2d/3d, PEFT's own `lora.Conv1d/2d/3d` on an FP8 conv base.
 
-PEFT 0.21's adapter layout is kept exactly, so the adapter files are PEFT's. The base is an FP8 conv, the magnitude
-starts from the fp8 weight's norm, and the usual case (one active DoRA adapter, no LoRA bias, zero padding) is one
-dora_fp8_conv call, with no dense B A, W0 + s B A or kept dequantized weight."""
+PEFT 0.21's adapter layout is kept, so adapter files are PEFT's; the usual case (one active DoRA adapter, no LoRA
+bias, zero padding) is one dora_fp8_conv call, with no dense B A or dequantized weight kept."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
 
     @classmethod
     def from_peft(cls, layer: lora_layer._ConvNd, *, backend: str = "auto", per_row_scale: bool = False):
-        """A dorafp8 conv layer equal to the PEFT DoRA conv `layer` (on an nn.ConvNd), the base quantized to fp8. It
-        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
+        """A dorafp8 conv equal to the PEFT DoRA conv `layer` on an fp8 base, sharing its adapters (discard `layer`)."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         if isinstance(base, FP8ConvNd):
@@ -148,8 +146,7 @@ class DoRAFP8Conv1d(_DoRAFP8ConvMixin, lora_layer.Conv1d):
 
 
 class DoRAFP8Conv2d(_DoRAFP8ConvMixin, lora_layer.Conv2d):
-    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base: get_peft_model builds it on a model quantized with
-    quantize_model(model, include_conv=True), or convert_peft_model converts a PEFT DoRA model."""
+    """PEFT's LoRA/DoRA Conv2d on an FP8Conv2d base (built by get_peft_model or convert_peft_model)."""
 
 
 class DoRAFP8Conv3d(_DoRAFP8ConvMixin, lora_layer.Conv3d):

@@ -1,6 +1,5 @@
-"""What dorafp8's PEFT layers share, linear and conv: the DoRA variant mixin (magnitude from the fp8 weight, no dense
-merge, PEFT's general-path composition) and the layer base (backend switch, weight-norm cache, fused dispatch,
-conversion from a PEFT layer)."""
+"""What dorafp8's PEFT layers (linear and conv) share: the DoRA variant mixin and the layer base (backend switch,
+weight-norm cache, fused dispatch, conversion from a PEFT layer)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ _MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quanti
 
 
 def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
-    """What a PEFT layer must be for a dorafp8 layer to take it over: no merged adapters, only plain LoRA / DoRA
-    variants, and a base that quantizes (or is fp8 already)."""
+    """Raises unless a dorafp8 layer can take over this PEFT layer: unmerged, LoRA / DoRA only, fp8-able base."""
     where = f"{name}: " if name else ""
     if layer.merged:
         raise ValueError(f"{where}layer has merged adapters; unmerge them first (layer.unmerge())")
@@ -168,8 +166,7 @@ class DoRAFP8Layer:
         self._dorafp8_norm_cache.clear()
 
     def dora_weight_norm(self, adapter: str, use_cache: bool = True) -> torch.Tensor:
-        """The detached fp32 norm ||W0 + s B A|| of `adapter` per output row (channel), reused only where it provably
-        equals the norm of the current tensors (dorafp8/norm_cache.py)."""
+        """The detached fp32 row norm ||W0 + s B A|| of `adapter`, reused only where provably current."""
         base = self._fp8_base()
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         s = self.scaling[adapter]
@@ -211,8 +208,7 @@ class DoRAFP8Layer:
         return [a for a in names if a in self.lora_A and a not in self.merged_adapters]
 
     def merge_problems(self, adapter_names=None) -> list[str]:
-        """Why merge(adapter_names) would fail, found without changing anything (register.check_model_merge asks every
-        layer first, so that a model is merged whole or not at all)."""
+        """Why merge(adapter_names) would fail, found without changing anything."""
         names = self._adapters_to_merge(adapter_names)
         if not names:
             return []
@@ -233,10 +229,9 @@ class DoRAFP8Layer:
         return problems
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Merges the active (or named) adapters into the fp8 base: W' = m / ||V|| * V (a zero norm divided as
-        NORM_EPS), V = W0 + s B A per DoRA adapter (+ s B A per plain LoRA one), in fp32 row blocks, re-quantized with
-        `merge_granularity` scales (warned about; the error in `last_merge_error`). All checks run first
-        (merge_problems); unmerge() restores the kept pre-merge bytes."""
+        """Merges the active (or named) adapters into the fp8 base (W' = m / ||V|| * V, V = W0 + s B A, in fp32 row
+        blocks), re-quantized with `merge_granularity` scales (error in `last_merge_error`). All checks run first;
+        unmerge() restores the kept pre-merge bytes."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
@@ -310,8 +305,7 @@ class DoRAFP8Layer:
 
     @classmethod
     def _adopt(cls, layer: lora_layer.LoraLayer, fp8: nn.Module, backend: str, attrs: tuple[str, ...]):
-        """A layer of this class on the fp8 base `fp8` that takes over the PEFT layer `layer`: its adapter modules
-        (shared, not copied), its LoraLayer state and the extra attributes `attrs`."""
+        """A layer of this class on `fp8` taking over PEFT's `layer`: its adapters (shared), state and `attrs`."""
         fp8.backend = check_backend_name(backend)
         new = cls.__new__(cls)
         nn.Module.__init__(new)

@@ -1,8 +1,7 @@
 """DoRAFP8Linear: a PEFT LoRA Linear on an FP8Linear base (conversion and registration: dorafp8/peft/register.py).
 
-It subclasses PEFT's `lora.Linear`, so adapter keys, save_pretrained/load_adapter, set_adapter, disable_adapter and
-several adapters keep working. What changes: the FP8Linear base, the magnitude initialised from the fp8 weight, and
-the usual case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
+A subclass of PEFT's `lora.Linear` (adapter keys, save/load, set_adapter, several adapters keep working) whose usual
+case (one active DoRA adapter) is one fused call instead of PEFT's dense [N, K] temporaries."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         return super()._get_base_layer_device_and_dtype(base_layer)
 
     def get_delta_weight(self, adapter) -> torch.Tensor:
-        """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition; DoRA's merge
-        also rescales rows, see merge)."""
+        """s * lora_B @ lora_A as a dense [out, in] tensor in the adapters' dtype (PEFT's definition)."""
         A, B = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         return ((B.float() @ A.float()) * self.scaling[adapter]).to(B.dtype)
 
@@ -90,8 +88,7 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
     @classmethod
     def from_peft(cls, layer: lora_layer.Linear, *, backend: str = "auto",
                   per_row_scale: bool = False) -> "DoRAFP8Linear":
-        """A DoRAFP8Linear equal to the PEFT DoRA `layer` (nn.Linear or Conv1D base), the base quantized to fp8. It
-        shares the adapters (all of them, with their state) with `layer`, which should be discarded."""
+        """A DoRAFP8Linear equal to the PEFT DoRA `layer` on an fp8 base, sharing its adapters (discard `layer`)."""
         cls.check_peft_layer(layer, per_row_scale=per_row_scale)
         base = layer.get_base_layer()
         fp8 = base if isinstance(base, FP8Linear) else FP8Linear.from_float(

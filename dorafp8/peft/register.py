@@ -102,8 +102,7 @@ _ORIG_ALL_LINEAR = None
 
 
 def _fp8_all_linear_names(model: nn.Module) -> set[str]:
-    """The FP8Linear layers that PEFT's "all-linear" shorthand means, with PEFT's own exclusions: the output
-    embedding (lm_head) and anything inside an existing tuner layer."""
+    """The FP8Linear layers PEFT's "all-linear" means (not lm_head, nor inside a tuner layer)."""
     names = {name for name, mod in model.named_modules() if isinstance(mod, FP8Linear)}
     get_out = getattr(model, "get_output_embeddings", None)
     out = get_out() if callable(get_out) else None
@@ -128,12 +127,9 @@ def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.M
 
 
 def register_with_peft() -> None:
-    """Makes PEFT build a DoRAFP8Linear (or the plain-LoRA equivalent) for every targeted FP8Linear layer and a
-    DoRAFP8Conv1d/2d/3d for every targeted FP8 conv, and makes `target_modules="all-linear"` include FP8Linear layers. A
-    DoRA adapter on a plain layer whose weight is float8_e4m3fn already gets the dorafp8 layer too, on the same bytes
-    (_fp8_cast_base); plain LoRA there is left to PEFT. Wraps LoraModel._create_new_module's dispatchers and
-    tuners_utils._maybe_include_all_linear_layers, and makes merge_and_unload and merge_adapter check every layer before
-    merging any (check_model_merge). Idempotent; runs when peft is imported (dorafp8/_install.py)."""
+    """Makes PEFT build DoRAFP8Linear / DoRAFP8Conv1d/2d/3d for targeted fp8 layers (and for DoRA on a plain layer whose
+    weight is float8_e4m3fn already), `target_modules="all-linear"` include FP8Linear, and merge_and_unload /
+    merge_adapter check every layer first (check_model_merge). Idempotent; runs when peft is imported."""
     global _ORIG_CREATE_NEW_MODULE, _ORIG_ALL_LINEAR
     if _ORIG_CREATE_NEW_MODULE is not None:
         return
