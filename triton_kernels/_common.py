@@ -132,36 +132,6 @@ def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr, TILE=None):
 
 
 @triton.jit
-def gemm_tile(tile, num_pid_m, num_pid_c, GROUP_M: tl.constexpr, M, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-              BLOCK_RED: tl.constexpr, MAIN_LOOP: tl.constexpr):
-    """Output tile number `tile` of a GEMM kernel's tile loop over [M, COLS] ("async-copy": this program's tile), in
-    grouped order: (pid_m, pid_c, offs_m, offs_c, offs_red, mask_m, mask_c), offs_red the first reduction step's."""
-    pid_m, pid_c = grouped_tile(num_pid_m, num_pid_c, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_red = tl.arange(0, BLOCK_RED)
-    return pid_m, pid_c, offs_m, offs_c, offs_red, offs_m < M, offs_c < COLS
-
-
-@triton.jit
-def epilogue_tile(t_ptr, t2_ptr, M, COLS, stride_t, stride_t2, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """The stand-alone epilogue kernels' tile (a 2-D grid): (offs_m, offs_c, mask_m, mask_c, acc, acc2), the fp32
-    TRANSPOSED tiles [BLOCK_C, BLOCK_M] of t and (HAS_DROPOUT, else acc2 is acc) t2, both [M, COLS]."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_m = offs_m < M
-    mask_c = offs_c < COLS
-    rows_m = offs_m.to(tl.int64)
-    tile = mask_c[:, None] & mask_m[None, :]
-    acc = tl.load(t_ptr + rows_m[None, :] * stride_t + offs_c[:, None], mask=tile, other=0.0).to(tl.float32)
-    acc2 = acc
-    if HAS_DROPOUT:
-        acc2 = tl.load(t2_ptr + rows_m[None, :] * stride_t2 + offs_c[:, None], mask=tile, other=0.0).to(tl.float32)
-    return offs_m, offs_c, mask_m, mask_c, acc, acc2
-
-
-@triton.jit
 def dot(a, b, acc, IEEE: tl.constexpr):
     # fp32 operands: full-precision FMA path (tf32 would lose 13 mantissa bits); 16-bit operands: tensor cores.
     if IEEE:

@@ -11,13 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (alloc, arch_of, cdiv, check_activation, check_weight, dot_dtype, epilogue_tile, fp8_promote,
-                      gemm_tile, last_dim_unit, launch, m_bucket, scale_block_size, w8_via_f32)
+from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket,
+                      scale_block_size, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
 from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
-from .hopper import (gemm_grid, gemm_kernel, gemm_main_loop, gemm_schedule, launch_gemm, rank_pieces, tma_ready,
-                     transpose_w8, ws_plan, ws_rank_dot)
+from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, transpose_w8, ws_configs_for,
+                     ws_plan, ws_rank_dot)
 
 
 @triton.jit
@@ -101,13 +102,26 @@ def dora_dgrad_kernel(
     GROUP_M: tl.constexpr,
     MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile) or "tma-ws" (persistent, W8^T): hopper.py
 ):
-    # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks. The
-    # "tma-ws" loop reads w_ptr as W8^T [K, N] (hopper.transpose_w8), so its W tile is rows of it, as in the forward.
-    num_pid_m, num_pid_k, first, last, step, gl_desc, gb_desc, w_desc, v_desc, a_desc = gemm_schedule(
-        gl_ptr, gb_ptr, w_ptr, v_ptr, a_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_v_m, stride_a_r,
-        HAS_DROPOUT, HAS_ADAPTER and HAS_LORA, True, BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, MAIN_LOOP)
+    # Grouped order over the [M, K] output, as in the forward: neighbouring programs share W8 column-blocks.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    gl_desc, gb_desc, w_desc, v_desc, a_desc = None, None, None, None, None  # "async-copy": pointers
+    first, last, step = 0, 1, 1  # "async-copy": a program per tile, so the tile loop runs once (folded away)
+    if MAIN_LOOP != "async-copy":
+        # w_ptr is W8^T [K, N] (hopper.transpose_w8), so the W8 tile is rows of it, as in the forward; descriptors
+        # made once per program, TMA zero-fills outside the tensors. The tile loop as in the forward.
+        gl_desc = tl.make_tensor_descriptor(gl_ptr, [M, N], [stride_gl_m, 1], [BLOCK_M, BLOCK_N])
+        gb_desc = gl_desc
+        if HAS_DROPOUT:
+            gb_desc = tl.make_tensor_descriptor(gb_ptr, [M, N], [stride_gb_m, 1], [BLOCK_M, BLOCK_N])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [stride_w, 1], [BLOCK_K, BLOCK_N])
+        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_dgrad_epilogue)
+            v_desc = tl.make_tensor_descriptor(v_ptr, [M, R], [stride_v_m, 1], [BLOCK_M, BLOCK_R])
+            a_desc = tl.make_tensor_descriptor(a_ptr, [R, K], [stride_a_r, 1], [BLOCK_R, BLOCK_K])
+        first, last, step = tl.program_id(0), num_pid_m * num_pid_k, tl.num_programs(0)
     for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
-        _dgrad_tile(tile, num_pid_m, num_pid_k, GROUP_M, gl_desc, gb_desc, w_desc, v_desc, a_desc,
+        pid_m, pid_k = grouped_tile(num_pid_m, num_pid_k, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
+        _dgrad_tile(pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,
                     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr,
                     mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
                     stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
@@ -118,8 +132,7 @@ def dora_dgrad_kernel(
 
 @triton.jit
 def _dgrad_tile(
-    tile, num_pid_m, num_pid_k, GROUP_M: tl.constexpr,  # the tile (gemm_tile's arguments)
-    gl_desc, gb_desc, w_desc, v_desc, a_desc,  # descriptors (None for "async-copy")
+    pid_m, pid_k, gl_desc, gb_desc, w_desc, v_desc, a_desc,  # the tile; descriptors (None for "async-copy")
     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
     M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
     stride_mask_m, stride_dx_m, s, inv_keep,
@@ -129,9 +142,12 @@ def _dgrad_tile(
     LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAIN_LOOP: tl.constexpr,
 ):
-    """Output tile number `tile` of the tile loop (_common.gemm_tile): the main loop (gemm.py) and the epilogue."""
-    pid_m, pid_k, offs_m, offs_k, offs_n, mask_m, mask_k = gemm_tile(tile, num_pid_m, num_pid_k, GROUP_M, M, K,
-                                                                     BLOCK_M, BLOCK_K, BLOCK_N, MAIN_LOOP)
+    """One output tile: the main loop (gemm.py) and the epilogue."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_k = offs_k < K
     rows_m = offs_m.to(tl.int64)  # M * K and M * N reach 2^31
 
     # dx^T [BLOCK_K, BLOCK_M] = W8'^T [BLOCK_K, BLOCK_N] @ gl^T [BLOCK_N, BLOCK_M], the transposed tile (gemm.py), as in
@@ -181,8 +197,17 @@ def dgrad_epilogue_kernel(
     LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    offs_m, offs_k, mask_m, mask_k, acc, acc_b = epilogue_tile(tl_ptr, tb_ptr, M, K, stride_tl_m, stride_tb_m,
-                                                               HAS_DROPOUT, BLOCK_M, BLOCK_K)
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_k = offs_k < K
+    rows_m = offs_m.to(tl.int64)
+    tile = mask_k[:, None] & mask_m[None, :]
+    acc = tl.load(tl_ptr + rows_m[None, :] * stride_tl_m + offs_k[:, None], mask=tile, other=0.0).to(tl.float32)
+    acc_b = acc
+    if HAS_DROPOUT:
+        acc_b = tl.load(tb_ptr + rows_m[None, :] * stride_tb_m + offs_k[:, None], mask=tile, other=0.0).to(tl.float32)
     _dgrad_epilogue(acc, acc_b, offs_m, offs_k, mask_m, mask_k,
                     rl_ptr, rl_ptr, rl_ptr, rb_ptr, scale_ptr, v_ptr, a_ptr, mask_ptr, dx_ptr,
                     R, stride_v_m, stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
@@ -257,10 +282,19 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     else:
         w = w8
 
+    def configs():  # made once per tag and arch: see autotuned
+        if main_loop == "async-copy":
+            lists = gemm_configs(gl.device, "BLOCK_K", "BLOCK_N", has_dropout, M, fp32_tiles,
+                                 quant and fp8_promote(gl.device), quant)
+        else:
+            lists = ws_configs_for(arch_of(gl.device), "BLOCK_K", "BLOCK_N", M, quant)
+        return fit_reduction_block(lists, "BLOCK_N", block_size, kind, "BLOCK_K", 2 if has_dropout else 1,
+                                   main_loop)
+
     # W8A8's lists differ: quant in the tag
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
-    kernel = gemm_kernel(dora_dgrad_kernel, tag, "dgrad", ["dx_ptr"], gl.device, main_loop, "BLOCK_K", "BLOCK_N",
-                         has_dropout, M, fp32_tiles, quant, quant and fp8_promote(gl.device), block_size, kind)
+    kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
+                       pin="dgrad/w8a8" if quant else "dgrad/w8a16")
     launch_gemm(
         kernel, gemm_grid(main_loop, M, K, "BLOCK_K", gl.device), main_loop, gl.device,
         gl, gb, sgl, sgb, rl, rb, w, scale, g, v_k, A_k, mask, dx,

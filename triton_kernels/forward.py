@@ -11,12 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (alloc, arch_of, cdiv, check_activation, check_weight, dot_dtype, epilogue_tile, fp8_promote,
-                      gemm_tile, launch, m_bucket, magnitude_scale, scale_block_size, vector, w8_via_f32)
+from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
+                      fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale,
+                      scale_block_size, vector, w8_via_f32)
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
-from .hopper import (gemm_grid, gemm_kernel, gemm_main_loop, gemm_schedule, launch_gemm, rank_pieces, tma_ready,
-                     ws_plan, ws_rank_dot)
+from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, ws_configs_for, ws_plan,
+                     ws_rank_dot)
 
 
 @triton.jit
@@ -140,11 +141,25 @@ def dora_fwd_kernel(
     GROUP_M: tl.constexpr,
     MAIN_LOOP: tl.constexpr,    # "async-copy" (one program per tile) or "tma-ws" (persistent): hopper.py
 ):
-    num_pid_m, num_pid_n, first, last, step, x_desc, xm_desc, w_desc, u_desc, b_desc = gemm_schedule(
-        x_ptr, xm_ptr, w_ptr, u_ptr, b_ptr, M, K, N, R, stride_x_m, stride_xm_m, stride_w_n, stride_u_m, stride_b_n,
-        HAS_DROPOUT, HAS_ADAPTER and HAS_LORA, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, MAIN_LOOP)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    x_desc, xm_desc, w_desc, u_desc, b_desc = None, None, None, None, None  # "async-copy": pointers
+    first, last, step = 0, 1, 1  # "async-copy": a program per tile, so the tile loop runs once (folded away)
+    if MAIN_LOOP != "async-copy":
+        # Descriptors made once per program; TMA zero-fills outside [M, K] and [N, K] (hopper.tma_ready checked
+        # the alignment it needs). The tile loop: this program's tiles in grouped order, every num_programs-th.
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_x_m, 1], [BLOCK_M, BLOCK_K])
+        xm_desc = x_desc
+        if HAS_DROPOUT:
+            xm_desc = tl.make_tensor_descriptor(xm_ptr, [M, K], [stride_xm_m, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_w_n, 1], [BLOCK_N, BLOCK_K])
+        if HAS_ADAPTER and HAS_LORA:  # the rank-r operands by TMA too (_lora_into says why)
+            u_desc = tl.make_tensor_descriptor(u_ptr, [M, R], [stride_u_m, 1], [BLOCK_M, BLOCK_R])
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_b_n, 1], [BLOCK_N, BLOCK_R])
+        first, last, step = tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)
     for tile in tl.range(first, last, step, warp_specialize=MAIN_LOOP == "tma-ws"):
-        _fwd_tile(tile, num_pid_m, num_pid_n, GROUP_M, x_desc, xm_desc, w_desc, u_desc, b_desc,
+        pid_m, pid_n = grouped_tile(num_pid_m, num_pid_n, GROUP_M, None if MAIN_LOOP == "async-copy" else tile)
+        _fwd_tile(pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,
                   x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr,
                   y_ptr, z_ptr, M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m,
                   stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
@@ -155,8 +170,7 @@ def dora_fwd_kernel(
 
 @triton.jit
 def _fwd_tile(
-    tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr,  # the tile (gemm_tile's arguments)
-    x_desc, xm_desc, w_desc, u_desc, b_desc,  # descriptors (None for "async-copy")
+    pid_m, pid_n, x_desc, xm_desc, w_desc, u_desc, b_desc,  # the tile; descriptors (None for "async-copy")
     x_ptr, xm_ptr, sx_ptr, sxm_ptr, w_ptr, scale_ptr, g_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
     M, N, K, R, stride_x_m, stride_xm_m, stride_w_n, stride_scale_n, stride_u_m, stride_u_r, stride_b_n, stride_b_r,
     stride_y_m, stride_z_m, s, inv_keep,
@@ -166,9 +180,12 @@ def _fwd_tile(
     LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAIN_LOOP: tl.constexpr,
 ):
-    """Output tile number `tile` of the tile loop (_common.gemm_tile): the main loop (gemm.py) and the epilogue."""
-    pid_m, pid_n, offs_m, offs_n, offs_k, mask_m, mask_n = gemm_tile(tile, num_pid_m, num_pid_n, GROUP_M, M, N,
-                                                                     BLOCK_M, BLOCK_N, BLOCK_K, MAIN_LOOP)
+    """One output tile: the main loop (gemm.py) and the epilogue."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
     # int64 row offsets: M * K reaches 2^31 at M = 64k, K = 32k.
     rows_m = offs_m.to(tl.int64)
     rows_n = offs_n.to(tl.int64)
@@ -213,8 +230,18 @@ def fwd_epilogue_kernel(
     SCALE_KIND: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr, LORA_IEEE: tl.constexpr,
     LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    offs_m, offs_n, mask_m, mask_n, acc, acc_d = epilogue_tile(base_ptr, based_ptr, M, N, stride_base_m,
-                                                               stride_based_m, HAS_DROPOUT, BLOCK_M, BLOCK_N)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows_m = offs_m.to(tl.int64)
+    tile = mask_n[:, None] & mask_m[None, :]
+    acc = tl.load(base_ptr + rows_m[None, :] * stride_base_m + offs_n[:, None], mask=tile, other=0.0).to(tl.float32)
+    acc_d = acc
+    if HAS_DROPOUT:
+        acc_d = tl.load(based_ptr + rows_m[None, :] * stride_based_m + offs_n[:, None], mask=tile,
+                        other=0.0).to(tl.float32)
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
@@ -299,10 +326,19 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     u_k, B_k = rank_pieces(u, B) if rank_mode == "pieces" else (u, B)  # the rank operands as the kernel reads them
     r_k, rk = ws_rank_dot(rank_mode, r, rk)
 
+    def configs():  # made once per tag and arch: see autotuned
+        if main_loop == "async-copy":
+            lists = gemm_configs(x.device, "BLOCK_N", "BLOCK_K", has_dropout, M, fp32_tiles,
+                                 quant and fp8_promote(x.device), quant)
+        else:
+            lists = ws_configs_for(arch_of(x.device), "BLOCK_N", "BLOCK_K", M, quant)
+        return fit_reduction_block(lists, "BLOCK_K", block_size, kind, "BLOCK_N", 2 if has_dropout else 1,
+                                   main_loop)
+
     # W8A8's lists differ: quant in the tag
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
-    kernel = gemm_kernel(dora_fwd_kernel, tag, "forward", ["y_ptr", "z_ptr"], x.device, main_loop, "BLOCK_N", "BLOCK_K",
-                         has_dropout, M, fp32_tiles, quant, quant and fp8_promote(x.device), block_size, kind)
+    kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device,
+                       pin="forward/w8a8" if quant else "forward/w8a16")
     launch_gemm(
         kernel, gemm_grid(main_loop, M, N, "BLOCK_N", x.device), main_loop, x.device,
         x, xm, sx, sxm, w8, scale, g, bias_t, m, n, u_k, B_k, y, z,

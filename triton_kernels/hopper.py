@@ -133,51 +133,6 @@ def launch_gemm(kernel, grid, main_loop: str, device: torch.device, *args, **kwa
     return run(*args, **kwargs)
 
 
-@triton.jit
-def gemm_schedule(a_ptr, a2_ptr, w_ptr, t_ptr, o_ptr, M, RED, COLS, R, stride_a, stride_a2, stride_w, stride_t,
-                  stride_o, HAS_DROPOUT: tl.constexpr, HAS_RANK: tl.constexpr, O_RANK_ROWS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MAIN_LOOP: tl.constexpr):
-    """A GEMM kernel's tile loop over [M, COLS], (num_pid_m, num_pid_c, first, last, step), and the descriptors (None
-    for "async-copy") of a, a2 [M, RED], W [COLS, RED], and with HAS_RANK t [M, R], o ([R, COLS] if O_RANK_ROWS else
-    [COLS, R]). Made once per program; TMA zero-fills outside the tensors (tma_ready checked their alignment)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_c = tl.cdiv(COLS, BLOCK_C)
-    a_desc, a2_desc, w_desc, t_desc, o_desc = None, None, None, None, None
-    first, last, step = 0, 1, 1  # "async-copy": a program per tile, so the tile loop runs once (folded away)
-    if MAIN_LOOP != "async-copy":  # this program's tiles in grouped order, every num_programs-th
-        a_desc = tl.make_tensor_descriptor(a_ptr, [M, RED], [stride_a, 1], [BLOCK_M, BLOCK_RED])
-        a2_desc = a_desc
-        if HAS_DROPOUT:
-            a2_desc = tl.make_tensor_descriptor(a2_ptr, [M, RED], [stride_a2, 1], [BLOCK_M, BLOCK_RED])
-        w_desc = tl.make_tensor_descriptor(w_ptr, [COLS, RED], [stride_w, 1], [BLOCK_C, BLOCK_RED])
-        if HAS_RANK:  # the rank-r operands by TMA too (forward._lora_into says why)
-            t_desc = tl.make_tensor_descriptor(t_ptr, [M, R], [stride_t, 1], [BLOCK_M, BLOCK_R])
-            if O_RANK_ROWS:
-                o_desc = tl.make_tensor_descriptor(o_ptr, [R, COLS], [stride_o, 1], [BLOCK_R, BLOCK_C])
-            else:
-                o_desc = tl.make_tensor_descriptor(o_ptr, [COLS, R], [stride_o, 1], [BLOCK_C, BLOCK_R])
-        first, last, step = tl.program_id(0), num_pid_m * num_pid_c, tl.num_programs(0)
-    return num_pid_m, num_pid_c, first, last, step, a_desc, a2_desc, w_desc, t_desc, o_desc
-
-
-def gemm_kernel(fn, tag, pin, outputs, device, main_loop, out_block, red_block, has_dropout, M, fp32_tiles, quant,
-                lean, block_size, kind):
-    """The autotuned GEMM kernel `fn` (forward's, dgrad's) of a launch: its main loop's config lists for the device
-    (lean: FP8_PROMOTE's W8A8), fitted to the block scales, made once per tag and arch (_common.autotuned)."""
-    from ._common import arch_of, autotuned, fit_reduction_block, gemm_configs
-
-    def configs():
-        if main_loop == "async-copy":
-            lists = gemm_configs(device, out_block, red_block, has_dropout, M, fp32_tiles, lean, quant)
-        else:
-            lists = ws_configs_for(arch_of(device), out_block, red_block, M, quant)
-        return fit_reduction_block(lists, red_block, block_size, kind, out_block, 2 if has_dropout else 1, main_loop)
-
-    return autotuned(fn, tag, configs, ["M_BUCKET", "N", "K", "R"], outputs, device,
-                     pin=f"{pin}/w8a8" if quant else f"{pin}/w8a16")
-
-
 def ws_plan(loop: str, dropout: bool, rank: dict | None) -> tuple[str, str]:
     """(main loop, rank mode) of a GEMM launch whose tensors allow `loop`: "tma-ws" falls back to "async-copy" where the
     partitioner cannot take it. rank: rank_dot's constexprs (None without). Rank mode: "" (none, or pointer loads),

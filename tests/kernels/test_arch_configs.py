@@ -180,9 +180,7 @@ def test_the_launchers_name_their_pins(monkeypatch):
     if dorafp8.backends.unavailable_reason("triton", torch.device("cpu")):
         pytest.skip("the Triton backend does not run here")
     seen = set()
-    # forward's and dgrad's GEMMs reach _common.autotuned through hopper.gemm_kernel (imported there at call time);
-    # weight_norm imported it at its own import
-    for name in ("_common", "weight_norm"):
+    for name in ("forward", "dgrad", "weight_norm"):
         mod = importlib.import_module(f"dorafp8.triton_kernels.{name}")
         real = mod.autotuned
 

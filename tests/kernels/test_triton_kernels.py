@@ -508,14 +508,17 @@ def test_block_scales_on_the_hopper_loops_own_tiles(device, M, act_quant, main_l
     list, fitted by fit_reduction_block: 128 x 128 with 16-deep steps for the tests' 16 x 16 blocks at large M), under
     the interpreter, against the fp64 contract and the reference: odd M, N and K (partial tiles, several scale blocks
     a step apart, one tile holding 5 blocks of rows)."""
+    import sys
+
     from dorafp8.triton_kernels import _common, hopper
 
     if device == "cuda":
         pytest.skip("on a GPU test_hopper_main_loop runs the device's own lists")
     monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")
     monkeypatch.setattr(_common, "_TUNERS", {})  # tuners made with the interpreter's lists must not serve
-    lists = hopper.ws_configs_for  # what both launchers' hopper.gemm_kernel reads
-    monkeypatch.setattr(hopper, "ws_configs_for", lambda arch, *a, **k: lists("sm90", *a, **k)[:1])
+    for mod in ("forward", "dgrad"):
+        monkeypatch.setattr(sys.modules[f"dorafp8.triton_kernels.{mod}"], "ws_configs_for",
+                            lambda arch, *a, **k: hopper.ws_configs_for("sm90", *a, **k)[:1])
     p = make_problem(M, 96, 80, 16, torch.bfloat16, device, "block", False, rank_dtype=torch.float32)
     p["z_dtype"] = torch.bfloat16
     check_forward(tk.forward, p, "nodrop", has_bias=True, act_quant=act_quant)
