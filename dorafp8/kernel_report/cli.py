@@ -15,9 +15,9 @@ import sys
 from .cuda_driver import cuda_dir_missing_reason, cuda_unavailable_reason
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, SpecError, kernel_matches
-from .predict import (CPU_GLUE_S, ENDS, HEADLINE, HEADLINE_VARIANTS, RATES, SMALL_MS, dora_floor_bytes, headline,
-                      launches_subprocess, layer_seconds, layer_table, linear_bytes,
-                      linear_seconds, measured)
+from .predict import (CPU_GLUE_S, DEQUANT_FLOOR_LAUNCHES, ENDS, HEADLINE, HEADLINE_VARIANTS, RATES, SMALL_MS,
+                      dequant_floor_bytes, dequant_floor_seconds, dora_floor_bytes, headline, launches_subprocess,
+                      layer_seconds, layer_table, linear_bytes, linear_seconds, measured)
 from .triton_driver import SPEC_MODULE
 
 PROG = "python -m dorafp8.kernel_report"
@@ -265,6 +265,10 @@ def format_prediction(records: list[dict], results_dir: str | None = None) -> st
                      f"{(nbytes - dora_floor_bytes(m, N, K)) / 2**20:+10.0f}  {_ms(t['lo'], t['hi']):>14}  "
                      f"{_x(t['lo'], t['hi'], linear_seconds(m, N, K)):>13}   (the Linear at M = {m}: "
                      f"{linear_seconds(m, N, K) * 1e3:.3f} ms, {linear_bytes(m, N, K) / 2**20:.0f} MiB)")
+    deq = {end: dequant_floor_seconds(M, N, K, end) for end in ENDS}
+    lines.append(f"  a dequantize + cuBLAS design's floor at the headline (the least we know of: docs/INSPECT.md): "
+                 f"{DEQUANT_FLOOR_LAUNCHES} launches, {dequant_floor_bytes(M, N, K) / 2**20:.0f} MiB, "
+                 f"{_ms(deq['lo'], deq['hi'])} ms, {_x(deq['lo'], deq['hi'], lin)} the Linear")
     lo, hi = CPU_GLUE_S
     lines.append(f"  the CPU: {lo * 1e3:.2f}-{hi * 1e3:.2f} ms of Python around the kernels per forward + backward "
                  f"(measured on this project's CPU at M = 256, bench/glue_cpu.py; Triton's own launch path not in it): "

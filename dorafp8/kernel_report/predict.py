@@ -182,6 +182,24 @@ def dora_floor_bytes(M: int, N: int, K: int) -> int:
     return linear_bytes(M, N, K) + M * K * 2 + M * N * 2 + 2 * M * N * 2
 
 
+# The fewest bytes and launches of a dequantize + cuBLAS design that we know of (docs/INSPECT.md, "The dequantize
+# strategy's floor"): DoRA's floor, the dequantize (W8 read, W written once a step), x read once more for u, the
+# product read back by the pass that forms the forward's second output (y or z), and the dgrad's left operand with c
+# in it written (gl, or g copied beside v); the dequantize, u, two products, two passes and dA.
+DEQUANT_FLOOR_LAUNCHES = 7
+
+
+def dequant_floor_bytes(M: int, N: int, K: int) -> int:
+    return dora_floor_bytes(M, N, K) + 3 * N * K + M * K * 2 + M * N * 2 + M * N * 2
+
+
+def dequant_floor_seconds(M: int, N: int, K: int, end: str) -> float:
+    """That floor's time: both products at the Linear's rate, every other byte at HBM's, a gap per launch."""
+    rest = dequant_floor_bytes(M, N, K) - linear_bytes(M, N, K)
+    return (linear_seconds(M, N, K) + rest / RATES["hbm"].pick(end)
+            + DEQUANT_FLOOR_LAUNCHES * RATES["launch_gap_s"].pick(end))
+
+
 # --- the headline (python -m dorafp8.kernel_report --predict) ------------------------------------------------------
 
 HEADLINE = dict(M=8192, N=4096, K=4096, r=16)  # bf16 activations, fp32 adapters (PEFT's default), norm cached
