@@ -46,6 +46,14 @@ def check_device(ref: Tensor, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
+def reused_norm(n: Tensor, x: Tensor) -> Tensor:
+    """A caller's precomputed weight norm as the ops save it: on x's device (checked), detached, fp32; one made under
+    torch.inference_mode (an evaluation before training) is cloned, as autograd cannot save an inference tensor."""
+    check_device(x, weight_norm=n)
+    n = n.detach().float()
+    return n.clone() if n.is_inference() and not torch.is_inference_mode_enabled() else n
+
+
 def check_scaling_dropout(scaling, dropout_p) -> None:
     if not isinstance(scaling, numbers.Real):
         raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")

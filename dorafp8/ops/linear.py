@@ -15,7 +15,7 @@ from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
 from ._policy import (as_result, backend_needs, check_device, check_float, check_scaling_dropout, compute_dtype,
-                      dropout_mask, keeps_weight, rank_dtype, row_scale, rows)
+                      dropout_mask, keeps_weight, rank_dtype, reused_norm, row_scale, rows)
 
 
 class DoRAFP8Function(torch.autograd.Function):
@@ -286,6 +286,6 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name,
                                 global_scale=global_scale)
     else:
-        n = weight_norm.detach().float()
+        n = reused_norm(weight_norm, x)
     y = DoRAFP8Function.apply(x2d, w8, scale, b, A, B, magnitude, n, s, p, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)

@@ -86,3 +86,15 @@ def test_a_conv_bias_is_checked_like_the_other_arguments(op):
     with pytest.raises(ValueError, match=rf"bias must have {w8.shape[0]} elements"):
         call(torch.zeros(w8.shape[0] + 1))
     assert call(torch.zeros(w8.shape[0])).shape[1] == w8.shape[0]
+
+
+def test_a_precomputed_weight_norm_on_another_device_is_named():
+    """weight_norm= was the one tensor argument whose device was not checked: the backend failed deep inside with
+    "Tensor on device meta is not on the expected device cpu!" (the meta device stands in for a GPU here)."""
+    x, w8, scale, A, B, m = _problem()
+    xc, w8c, sc, Ac, Bc, mc = _conv_problem()
+    calls = ((m.shape[0], lambda n: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 0.5, weight_norm=n)),
+             (mc.shape[0], lambda n: dorafp8.dora_fp8_conv(xc, w8c, sc, Ac, Bc, mc, 0.5, weight_norm=n)))
+    for N, call in calls:
+        with pytest.raises(ValueError, match=r"weight_norm is on meta but x is on cpu"):
+            call(torch.ones(N, device="meta"))

@@ -417,3 +417,36 @@ def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, d
         assert 0 < (out > 0).sum() < out.numel()  # relu_ keeps some entries and zeroes others
         for what, got, ref in zip(("dx", "dA", "dB", "dm"), grads[1], grads[0]):
             assert torch.equal(got, ref), (name, what, (got - ref).abs().max().item())
+
+
+
+def test_a_weight_norm_made_under_inference_mode_trains(device, backend):
+    """A norm precomputed under torch.inference_mode (an evaluation before training) and passed as weight_norm= failed
+    the training step's backward ("Inference tensors cannot be saved for backward"): the gradients now equal those
+    of weight_norm=None, for the linear and the conv op."""
+    from dorafp8.ops.conv import conv_weight_norm
+
+    x, w8, scale, A, B, m, b = _problem(6, 24, 16, 2, device=device)
+    g = torch.Generator().manual_seed(3)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
+    xc, Ac, Bc = torch.randn(2, 3, 5, 5, generator=g), torch.randn(2, 3, 3, 3, generator=g), torch.randn(6, 2, 1, 1)
+    w8c, sc, xc, Ac, Bc = (t.to(device) for t in (w8c.reshape(6, 3, 3, 3), sc, xc, Ac, Bc))
+    mc = m[:6].clone()
+
+    def linear(n, xl, Al, Bl, ml):
+        return dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, 0.5, b, weight_norm=n, backend=backend)
+
+    def conv(n, xl, Al, Bl, ml):
+        return dorafp8.dora_fp8_conv(xl, w8c, sc, Al, Bl, ml, 0.5, weight_norm=n, padding=1, backend=backend)
+
+    with torch.inference_mode():
+        norms = (dorafp8.weight_norm(w8, scale, A, B, 0.5, backend=backend),
+                 conv_weight_norm(w8c, sc, Ac, Bc, 0.5, backend=backend))
+    for call, leaves, n in ((linear, (x, A, B, m), norms[0]), (conv, (xc, Ac, Bc, mc), norms[1])):
+        grads = []
+        for weight_norm in (n, None):
+            ls = [t.clone().requires_grad_() for t in leaves]
+            call(weight_norm, *ls).square().sum().backward()
+            grads.append([t.grad for t in ls])
+        for got, ref in zip(*grads):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
