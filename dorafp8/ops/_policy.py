@@ -48,10 +48,13 @@ def check_device(ref: Tensor, **tensors) -> None:
 
 def reused_norm(n: Tensor, x: Tensor) -> Tensor:
     """A caller's precomputed weight norm as the ops save it: on x's device (checked), detached, fp32; one made under
-    torch.inference_mode (an evaluation before training) is cloned, as autograd cannot save an inference tensor."""
+    torch.inference_mode (an evaluation before training) is cloned, as autograd cannot save an inference tensor (never
+    under torch.compile, which cannot trace is_inference(): a compiled graph makes its norm itself, norm_cache.py)."""
     check_device(x, weight_norm=n)
     n = n.detach().float()
-    return n.clone() if n.is_inference() and not torch.is_inference_mode_enabled() else n
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not n.is_inference():
+        return n
+    return n.clone()
 
 
 def check_scaling_dropout(scaling, dropout_p) -> None:
