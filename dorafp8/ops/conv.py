@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
@@ -129,6 +130,7 @@ class FP8ConvFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
         block_size, stride, padding, dilation, groups = ctx.geom
@@ -197,6 +199,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import backends
 from ..backends import race
@@ -58,6 +59,7 @@ class DoRAFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         x, mask, u, z, w8, scale, A, B, m, n, global_scale, W, fac = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
@@ -105,6 +107,7 @@ class FP8LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         w8, scale, global_scale = ctx.saved_tensors
         g = rows(gy)

@@ -450,3 +450,28 @@ def test_a_weight_norm_made_under_inference_mode_trains(device, backend):
             grads.append([t.grad for t in ls])
         for got, ref in zip(*grads):
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_a_second_derivative_is_refused_not_dropped(device, backend):
+    """A gradient penalty (R1 / WGAN-GP: loss + |dL/dx|^2, with create_graph=True) differentiates the ops' backward.
+    The kernels' backward has no derivative: under the Triton and cuBLAS backends fp8_linear's penalty term was dropped
+    without a word (x.grad off by 98%), the native one failed inside torch ("out=... arguments don't support automatic
+    differentiation"). Every op now raises autograd's once_differentiable error, and its first-order gradient under
+    create_graph=True is still the plain one."""
+    x, w8, scale, A, B, m, b = _problem(4, 24, 16, 2, device=device)
+    g = torch.Generator().manual_seed(3)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
+    w8c, sc, xc = w8c.reshape(6, 3, 3, 3).to(device), sc.to(device), torch.randn(2, 3, 5, 5, generator=g).to(device)
+    Ac, Bc, mc = torch.randn(2, 3, 3, 3, generator=g).to(device), torch.randn(6, 2, 1, 1).to(device), m[:6].clone()
+    calls = ((x, lambda t: dorafp8.fp8_linear(t, w8, scale, b, backend=backend)),
+             (x, lambda t: dorafp8.dora_fp8_linear(t, w8, scale, A, B, m, 0.5, b, backend=backend)),
+             (xc, lambda t: dorafp8.fp8_conv(t, w8c, sc, padding=1)),
+             (xc, lambda t: dorafp8.dora_fp8_conv(t, w8c, sc, Ac, Bc, mc, 0.5, padding=1, backend=backend)))
+    for x0, call in calls:
+        xl = x0.clone().requires_grad_()
+        y = call(xl)
+        gx, = torch.autograd.grad(y.square().sum(), xl, create_graph=True)
+        ref, = torch.autograd.grad(call(xl).square().sum(), xl)
+        torch.testing.assert_close(gx.detach(), ref, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            (gx.square().sum() + y.sum()).backward()
