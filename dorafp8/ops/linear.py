@@ -152,9 +152,12 @@ def _rank(lora_A, lora_B, K: int) -> int:
     return lora_B.shape[1]
 
 
-def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[int, int, Tensor]:
+def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[Tensor, int, int, Tensor]:
+    """(w8, N, K, scale): w8 with unit stride in its last dim (a transposed one, which the reference and native
+    backends take, is copied once for the kernels, which need it), its dims and the normalized scale."""
     check_block_size(block_size)
-    return check_weight(w8, scale, block_size, global_scale)
+    N, K, scale = check_weight(w8, scale, block_size, global_scale)
+    return rows(w8), N, K, scale
 
 
 def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
@@ -174,7 +177,7 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     Returns:
         The norms, fp32 [N], with no autograd history.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
@@ -210,7 +213,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
         TypeError, ValueError: as dora_fp8_linear, naming the argument and what it expected.
         RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     if bias is not None:
         _check_float(bias, "bias", (N,))
@@ -262,7 +265,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
             cannot compute this call (block scales, W8A8).
         RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))

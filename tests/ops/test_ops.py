@@ -475,3 +475,23 @@ def test_a_second_derivative_is_refused_not_dropped(device, backend):
         torch.testing.assert_close(gx.detach(), ref, rtol=0, atol=0)
         with pytest.raises(RuntimeError, match="once_differentiable"):
             (gx.square().sum() + y.sum()).backward()
+
+
+def test_a_transposed_weight_is_taken_by_every_backend(device, backend):
+    """w8 = w8t.T (a weight stored [in, out], as transformers' Conv1D stores it): the reference and native backends
+    took it (rounding their sums in another order), the Triton and cuBLAS ones refused it ("w8 must have unit stride
+    in its last dim"), so that code run on the CPU failed on a GPU. Every op now gives, bit for bit, the results of
+    the contiguous weight."""
+    x, w8, scale, A, B, m, b = _problem(5, 40, 24, 4, device=device, per_row=True)
+    w8t = w8.T.contiguous().T
+    assert w8t.stride(-1) != 1
+    results = []
+    for w in (w8, w8t):
+        xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+        y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, 0.5, b, backend=backend)
+        y2 = dorafp8.fp8_linear(xl, w, scale, b, backend=backend)
+        (y.square().sum() + y2.square().sum()).backward()
+        results.append([y, y2, dorafp8.weight_norm(w, scale, A, B, 0.5, backend=backend), xl.grad, Al.grad, Bl.grad,
+                        ml.grad])
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
