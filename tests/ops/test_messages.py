@@ -88,9 +88,10 @@ def test_a_conv_bias_is_checked_like_the_other_arguments(op):
     assert call(torch.zeros(w8.shape[0])).shape[1] == w8.shape[0]
 
 
-def test_a_precomputed_weight_norm_on_another_device_is_named():
+def test_a_precomputed_weight_norm_on_another_device_or_of_ints_is_named():
     """weight_norm= was the one tensor argument whose device was not checked: the backend failed deep inside with
-    "Tensor on device meta is not on the expected device cpu!" (the meta device stands in for a GPU here)."""
+    "Tensor on device meta is not on the expected device cpu!" (the meta device stands in for a GPU here); an integer
+    one was taken, truncated."""
     x, w8, scale, A, B, m = _problem()
     xc, w8c, sc, Ac, Bc, mc = _conv_problem()
     calls = ((m.shape[0], lambda n: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 0.5, weight_norm=n)),
@@ -98,3 +99,5 @@ def test_a_precomputed_weight_norm_on_another_device_is_named():
     for N, call in calls:
         with pytest.raises(ValueError, match=r"weight_norm is on meta but x is on cpu"):
             call(torch.ones(N, device="meta"))
+        with pytest.raises(TypeError, match=r"weight_norm must be a float tensor .*, got torch.int64"):
+            call(torch.ones(N, dtype=torch.int64))
