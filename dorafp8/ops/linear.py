@@ -157,6 +157,8 @@ def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[Tensor, int
     backends take, is copied once for the kernels, which need it), its dims and the normalized scale."""
     check_block_size(block_size)
     N, K, scale = check_weight(w8, scale, block_size, global_scale)
+    if N == 0 or K == 0:  # as quantize_e4m3 refuses it (the kernels failed on it with ZeroDivisionError and worse)
+        raise ValueError(f"w8 must not be empty, got shape {tuple(w8.shape)}")
     return rows(w8), N, K, scale
 
 
