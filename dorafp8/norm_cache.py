@@ -72,7 +72,10 @@ class WeightNormCache:
         _watch_optimizer_steps()
         key = (_optimizer_steps, extra) + tuple(_identity(t) for t in (A, B, weight, scale))
         hit = self._entries.get(adapter)
-        if hit is not None and hit[0] == key and _same_values(hit[2], (A, B, scale)):
+        # A norm made under torch.inference_mode (an evaluation before training) cannot be saved by autograd outside
+        # it: recomputed there, as PEFT's own DoRA would.
+        usable = hit is not None and (torch.is_inference_mode_enabled() or not hit[1].is_inference())
+        if usable and hit[0] == key and _same_values(hit[2], (A, B, scale)):
             return hit[1]
         n = compute()
         # On the CPU the values themselves are the proof (see the module docstring); the fp8 weight is frozen and

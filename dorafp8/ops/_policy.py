@@ -46,6 +46,19 @@ def check_device(ref: Tensor, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
 
 
+def reused_norm(n: Tensor, x: Tensor) -> Tensor:
+    """A caller's precomputed weight norm as the ops save it: on x's device (checked), detached, fp32; one made under
+    torch.inference_mode (an evaluation before training) is cloned, as autograd cannot save an inference tensor (never
+    under torch.compile, which cannot trace is_inference(): a compiled graph makes its norm itself, norm_cache.py)."""
+    check_device(x, weight_norm=n)
+    if not n.is_floating_point():  # an integer "norm" would be taken as it is, truncated
+        raise TypeError(f"weight_norm must be a float tensor (fp32, as dorafp8.weight_norm returns it), got {n.dtype}")
+    n = n.detach().float()
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not n.is_inference():
+        return n
+    return n.clone()
+
+
 def check_scaling_dropout(scaling, dropout_p) -> None:
     if not isinstance(scaling, numbers.Real):
         raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")

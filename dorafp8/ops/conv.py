@@ -10,11 +10,12 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
 from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
 from ._policy import (as_result, check_device, check_float, check_scaling_dropout, compute_dtype, dropout_mask,
-                      norm_divisor, rank_dtype)
+                      norm_divisor, rank_dtype, reused_norm)
 from .linear import weight_norm as linear_weight_norm
 
 
@@ -129,6 +130,7 @@ class FP8ConvFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
         block_size, stride, padding, dilation, groups = ctx.geom
@@ -197,6 +199,7 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         x, mask, u, z, w8, scale, A, B, c, n = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
@@ -364,7 +367,7 @@ def dora_fp8_conv(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: 
         if not isinstance(weight_norm, torch.Tensor) or weight_norm.numel() != C:
             raise ValueError(f"weight_norm must be an fp32 tensor with {C} elements, got "
                              f"{list(getattr(weight_norm, 'shape', []))}")
-        n = _f32(weight_norm.detach() if weight_norm.requires_grad else weight_norm).reshape(C)
+        n = reused_norm(weight_norm, x).reshape(C)
     cdt = compute_dtype(x)
     rdt = rank_dtype(x, lora_A, lora_B)
     unbatched = x.dim() == nd + 1

@@ -9,13 +9,14 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import backends
 from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
 from ._policy import (as_result, backend_needs, check_device, check_float, check_scaling_dropout, compute_dtype,
-                      dropout_mask, keeps_weight, rank_dtype, row_scale, rows)
+                      dropout_mask, keeps_weight, rank_dtype, reused_norm, row_scale, rows)
 
 
 class DoRAFP8Function(torch.autograd.Function):
@@ -58,6 +59,7 @@ class DoRAFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         x, mask, u, z, w8, scale, A, B, m, n, global_scale, W, fac = ctx.saved_tensors
         need_dx, _, _, need_db, need_dA, need_dB, need_dm = ctx.needs_input_grad[:7]
@@ -105,6 +107,7 @@ class FP8LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         w8, scale, global_scale = ctx.saved_tensors
         g = rows(gy)
@@ -149,9 +152,14 @@ def _rank(lora_A, lora_B, K: int) -> int:
     return lora_B.shape[1]
 
 
-def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[int, int, Tensor]:
+def _check_weight(w8, scale, block_size, global_scale=None) -> tuple[Tensor, int, int, Tensor]:
+    """(w8, N, K, scale): w8 with unit stride in its last dim (a transposed one, which the reference and native
+    backends take, is copied once for the kernels, which need it), its dims and the normalized scale."""
     check_block_size(block_size)
-    return check_weight(w8, scale, block_size, global_scale)
+    N, K, scale = check_weight(w8, scale, block_size, global_scale)
+    if N == 0 or K == 0:  # as quantize_e4m3 refuses it (the kernels failed on it with ZeroDivisionError and worse)
+        raise ValueError(f"w8 must not be empty, got shape {tuple(w8.shape)}")
+    return rows(w8), N, K, scale
 
 
 def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *,
@@ -171,7 +179,7 @@ def weight_norm(w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B: Tensor, scali
     Returns:
         The norms, fp32 [N], with no autograd history.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
     _check_float(lora_B, "lora_B", (N, r))
@@ -207,7 +215,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
         TypeError, ValueError: as dora_fp8_linear, naming the argument and what it expected.
         RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     if bias is not None:
         _check_float(bias, "bias", (N,))
@@ -259,7 +267,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
             cannot compute this call (block scales, W8A8).
         RuntimeError: a backend named here or by DORAFP8_BACKEND that cannot run on x's device.
     """
-    N, K, scale = _check_weight(w8, scale, block_size, global_scale)
+    w8, N, K, scale = _check_weight(w8, scale, block_size, global_scale)
     _check_x(x, K)
     r = _rank(lora_A, lora_B, K)
     _check_float(lora_A, "lora_A", (r, K))
@@ -286,6 +294,6 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
         n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name,
                                 global_scale=global_scale)
     else:
-        n = weight_norm.detach().float()
+        n = reused_norm(weight_norm, x)
     y = DoRAFP8Function.apply(x2d, w8, scale, b, A, B, magnitude, n, s, p, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)

@@ -263,3 +263,38 @@ def test_conv_losses_equal_peft(opt_name):
     assert losses["peft"][0] != losses["peft"][-1]
     for step, (a, b) in enumerate(zip(losses["dorafp8"], losses["peft"])):
         assert abs(a - b) <= REL_TOL * abs(b), f"step {step}: dorafp8 {a:.7f} vs PEFT {b:.7f} ({opt_name})"
+
+
+def test_a_norm_cached_under_inference_mode_is_not_handed_to_training():
+    """An evaluation under torch.inference_mode before training (Lightning's validation sanity check, a generate call)
+    cached an inference tensor; the next training step got it back and failed in autograd ("Inference tensors cannot
+    be saved for backward") on the fused path and on PEFT's own DoRA path (m / n) alike. Outside inference mode the
+    norm is recomputed once; inside it a normal cached norm is still reused."""
+    cache, calls = WeightNormCache(), []
+    A, B, w, scale = torch.ones(2, 3), torch.ones(4, 2), torch.ones(4, 3), torch.ones(())
+
+    def compute():
+        calls.append(1)
+        return torch.ones(4)
+
+    with torch.inference_mode():
+        assert cache.norm("a", compute, A, B, w, scale).is_inference()
+    n = cache.norm("a", compute, A, B, w, scale)
+    assert not n.is_inference() and len(calls) == 2
+    with torch.inference_mode():
+        assert cache.norm("a", compute, A, B, w, scale) is n
+    assert cache.norm("a", compute, A, B, w, scale) is n and len(calls) == 2
+
+
+def test_training_after_an_inference_mode_evaluation_equals_peft():
+    peft_model, ours = _pair("llama")
+    ids = _batches(1)[0]
+    grads = {}
+    for name, model in (("peft", peft_model), ("dorafp8", ours)):
+        with torch.inference_mode():
+            model(input_ids=ids)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[name] = [p.grad for p in model.parameters() if p.requires_grad]
+    assert len(grads["peft"]) == len(grads["dorafp8"]) > 0
+    for got, ref in zip(grads["dorafp8"], grads["peft"]):
+        torch.testing.assert_close(got, ref, rtol=REL_TOL, atol=REL_TOL * ref.abs().max().item())

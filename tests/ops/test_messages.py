@@ -86,3 +86,32 @@ def test_a_conv_bias_is_checked_like_the_other_arguments(op):
     with pytest.raises(ValueError, match=rf"bias must have {w8.shape[0]} elements"):
         call(torch.zeros(w8.shape[0] + 1))
     assert call(torch.zeros(w8.shape[0])).shape[1] == w8.shape[0]
+
+
+def test_a_precomputed_weight_norm_on_another_device_or_of_ints_is_named():
+    """weight_norm= was the one tensor argument whose device was not checked: the backend failed deep inside with
+    "Tensor on device meta is not on the expected device cpu!" (the meta device stands in for a GPU here); an integer
+    one was taken, truncated."""
+    x, w8, scale, A, B, m = _problem()
+    xc, w8c, sc, Ac, Bc, mc = _conv_problem()
+    calls = ((m.shape[0], lambda n: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 0.5, weight_norm=n)),
+             (mc.shape[0], lambda n: dorafp8.dora_fp8_conv(xc, w8c, sc, Ac, Bc, mc, 0.5, weight_norm=n)))
+    for N, call in calls:
+        with pytest.raises(ValueError, match=r"weight_norm is on meta but x is on cpu"):
+            call(torch.ones(N, device="meta"))
+        with pytest.raises(TypeError, match=r"weight_norm must be a float tensor .*, got torch.int64"):
+            call(torch.ones(N, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (16, 0)])
+def test_an_empty_weight_is_named(shape):
+    """quantize_e4m3 refuses an empty weight; the ops took one and failed inside (amax() of an empty tensor on the CPU,
+    ZeroDivisionError in the Triton launchers, "cannot reshape tensor of 0 elements")."""
+    w8 = torch.zeros(shape).to(torch.float8_e4m3fn)
+    x, one, (N, K) = torch.randn(3, shape[1]), torch.ones(()), shape
+    A, B, m = torch.ones(2, K), torch.ones(N, 2), torch.ones(N)
+    calls = (lambda: dorafp8.fp8_linear(x, w8, one), lambda: dorafp8.dora_fp8_linear(x, w8, one, A, B, m, 1.0),
+             lambda: dorafp8.weight_norm(w8, one, A, B, 1.0))
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"w8 must not be empty, got shape \({shape[0]}, {shape[1]}\)"):
+            call()

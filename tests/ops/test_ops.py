@@ -417,3 +417,81 @@ def test_in_place_ops_on_the_output_leave_the_gradients_alone(device, backend, d
         assert 0 < (out > 0).sum() < out.numel()  # relu_ keeps some entries and zeroes others
         for what, got, ref in zip(("dx", "dA", "dB", "dm"), grads[1], grads[0]):
             assert torch.equal(got, ref), (name, what, (got - ref).abs().max().item())
+
+
+
+def test_a_weight_norm_made_under_inference_mode_trains(device, backend):
+    """A norm precomputed under torch.inference_mode (an evaluation before training) and passed as weight_norm= failed
+    the training step's backward ("Inference tensors cannot be saved for backward"): the gradients now equal those
+    of weight_norm=None, for the linear and the conv op."""
+    from dorafp8.ops.conv import conv_weight_norm
+
+    x, w8, scale, A, B, m, b = _problem(6, 24, 16, 2, device=device)
+    g = torch.Generator().manual_seed(3)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
+    xc, Ac, Bc = torch.randn(2, 3, 5, 5, generator=g), torch.randn(2, 3, 3, 3, generator=g), torch.randn(6, 2, 1, 1)
+    w8c, sc, xc, Ac, Bc = (t.to(device) for t in (w8c.reshape(6, 3, 3, 3), sc, xc, Ac, Bc))
+    mc = m[:6].clone()
+
+    def linear(n, xl, Al, Bl, ml):
+        return dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, 0.5, b, weight_norm=n, backend=backend)
+
+    def conv(n, xl, Al, Bl, ml):
+        return dorafp8.dora_fp8_conv(xl, w8c, sc, Al, Bl, ml, 0.5, weight_norm=n, padding=1, backend=backend)
+
+    with torch.inference_mode():
+        norms = (dorafp8.weight_norm(w8, scale, A, B, 0.5, backend=backend),
+                 conv_weight_norm(w8c, sc, Ac, Bc, 0.5, backend=backend))
+    for call, leaves, n in ((linear, (x, A, B, m), norms[0]), (conv, (xc, Ac, Bc, mc), norms[1])):
+        grads = []
+        for weight_norm in (n, None):
+            ls = [t.clone().requires_grad_() for t in leaves]
+            call(weight_norm, *ls).square().sum().backward()
+            grads.append([t.grad for t in ls])
+        for got, ref in zip(*grads):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_a_second_derivative_is_refused_not_dropped(device, backend):
+    """A gradient penalty (R1 / WGAN-GP: loss + |dL/dx|^2, with create_graph=True) differentiates the ops' backward.
+    The kernels' backward has no derivative: under the Triton and cuBLAS backends fp8_linear's penalty term was dropped
+    without a word (x.grad off by 98%), the native one failed inside torch ("out=... arguments don't support automatic
+    differentiation"). Every op now raises autograd's once_differentiable error, and its first-order gradient under
+    create_graph=True is still the plain one."""
+    x, w8, scale, A, B, m, b = _problem(4, 24, 16, 2, device=device)
+    g = torch.Generator().manual_seed(3)
+    w8c, sc = dorafp8.quantize_e4m3(torch.randn(6, 27, generator=g))
+    w8c, sc, xc = w8c.reshape(6, 3, 3, 3).to(device), sc.to(device), torch.randn(2, 3, 5, 5, generator=g).to(device)
+    Ac, Bc, mc = torch.randn(2, 3, 3, 3, generator=g).to(device), torch.randn(6, 2, 1, 1).to(device), m[:6].clone()
+    calls = ((x, lambda t: dorafp8.fp8_linear(t, w8, scale, b, backend=backend)),
+             (x, lambda t: dorafp8.dora_fp8_linear(t, w8, scale, A, B, m, 0.5, b, backend=backend)),
+             (xc, lambda t: dorafp8.fp8_conv(t, w8c, sc, padding=1)),
+             (xc, lambda t: dorafp8.dora_fp8_conv(t, w8c, sc, Ac, Bc, mc, 0.5, padding=1, backend=backend)))
+    for x0, call in calls:
+        xl = x0.clone().requires_grad_()
+        y = call(xl)
+        gx, = torch.autograd.grad(y.square().sum(), xl, create_graph=True)
+        ref, = torch.autograd.grad(call(xl).square().sum(), xl)
+        torch.testing.assert_close(gx.detach(), ref, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            (gx.square().sum() + y.sum()).backward()
+
+
+def test_a_transposed_weight_is_taken_by_every_backend(device, backend):
+    """w8 = w8t.T (a weight stored [in, out], as transformers' Conv1D stores it): the reference and native backends
+    took it (rounding their sums in another order), the Triton and cuBLAS ones refused it ("w8 must have unit stride
+    in its last dim"), so that code run on the CPU failed on a GPU. Every op now gives, bit for bit, the results of
+    the contiguous weight."""
+    x, w8, scale, A, B, m, b = _problem(5, 40, 24, 4, device=device, per_row=True)
+    w8t = w8.T.contiguous().T
+    assert w8t.stride(-1) != 1
+    results = []
+    for w in (w8, w8t):
+        xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+        y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, 0.5, b, backend=backend)
+        y2 = dorafp8.fp8_linear(xl, w, scale, b, backend=backend)
+        (y.square().sum() + y2.square().sum()).backward()
+        results.append([y, y2, dorafp8.weight_norm(w, scale, A, B, 0.5, backend=backend), xl.grad, Al.grad, Bl.grad,
+                        ml.grad])
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
