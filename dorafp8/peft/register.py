@@ -64,16 +64,24 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
 
 def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     """Raises before anything is merged if any LoRA layer of `model` could not merge `adapter_names` (None: the active
-    ones): dorafp8 layers' merge_problems, or PEFT's NotImplementedError for its conv layers with groups > 1."""
-    problems, peft_refuses = [], []
+    ones): dorafp8 layers' merge_problems, a name no layer has, or PEFT's NotImplementedError for its conv layers with
+    groups > 1."""
+    problems, peft_refuses, known, ours = [], [], set(), False
     for name, mod in model.named_modules():
+        known |= set(getattr(mod, "lora_A", {}) if isinstance(mod, lora_layer.LoraLayer) else ())
         if isinstance(mod, DoRAFP8Layer):
+            ours = True
             problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]
         elif isinstance(mod, lora_layer._ConvNd) and getattr(mod.get_base_layer(), "groups", 1) > 1:
             names = mod.active_adapters if adapter_names is None else adapter_names
             if any(a in mod.lora_A and a not in mod.merged_adapters for a in names):
                 peft_refuses.append(f"{name}: PEFT does not merge into a conv with groups > 1")
     problems += peft_refuses
+    # A name no layer has merges nothing in PEFT, silently; on a model with dorafp8 layers it is an error instead (a
+    # list of str, not a str, which PEFT refuses itself).
+    unknown = [] if isinstance(adapter_names, str) else [a for a in adapter_names or () if a not in known]
+    if ours and unknown:
+        problems.append(f"adapter_names: {unknown} are not adapters of this model; its adapters: {sorted(known)}")
     if problems:
         msg = f"nothing was merged: {len(problems)} problem(s) found before merging:\n  " + "\n  ".join(problems)
         if peft_refuses:  # PEFT's own words (peft/tuners/lora/layer.py, _ConvNd.merge) first

@@ -277,3 +277,24 @@ def test_fp8linear_survives_dtype_casts_and_rejects_float_weights():
     assert f.bias.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="FP8Linear expects a float8_e4m3fn weight"):
         f.load_state_dict(lin.state_dict())
+
+
+def test_merge_touches_only_layers_holding_the_adapter():
+    """merge_adapter(["other"]) with "other" on q_proj only: the other fp8 layers, as PEFT's layers, are left as they
+    are (they were re-quantized and marked merged, which then dropped the active adapter from their forward); a name
+    no layer has is an error naming it, before anything changes (it silently re-quantized every layer)."""
+    _, ours = _pair("llama")
+    ours.add_adapter("other", LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+    layers = {n: m for n, m in ours.named_modules() if isinstance(m, DoRAFP8Linear)}
+    before = {n: m.base_layer.weight.view(torch.uint8).clone() for n, m in layers.items()}
+    for op in ("merge_adapter", "merge_and_unload"):
+        with pytest.raises(ValueError, match=r"adapter_names: \['nope'\] are not adapters.*\['default', 'other'\]"):
+            getattr(ours, op)(adapter_names=["nope"])
+        assert all(not m.merged and torch.equal(m.base_layer.weight.view(torch.uint8), before[n])
+                   for n, m in layers.items())
+    with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
+        ours.merge_adapter(["other"])
+    for n, m in layers.items():
+        q = n.endswith("q_proj")
+        assert m.merged_adapters == (["other"] if q else []), n
+        assert torch.equal(m.base_layer.weight.view(torch.uint8), before[n]) != q, n
