@@ -377,7 +377,9 @@ def _runner(command: list[str], options: dict | None = None):
                 raise SystemExit(f"dorafp8 run: no module named {mod!r} in this Python ({sys.executable})")
             runpy.run_module(mod, run_name="__main__", alter_sys=True)
         return run_module
-    if cmd[0] == "-c" and len(cmd) > 1:
+    if cmd[0] == "-c":
+        if len(cmd) < 2:
+            raise SystemExit("dorafp8 run: -c needs the code to run")
         code, args = cmd[1], cmd[2:]
 
         def run_code():

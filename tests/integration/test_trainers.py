@@ -203,6 +203,7 @@ def test_launcher_runs_exactly_the_command_given(tmp_path):
     (["--", "no-such-trainer-cli"], "neither a script"),
     (["--", "missing.py"], "no such script"),
     (["--", "sh", "-c", "true"], "not a Python program"),
+    (["--", "python", "-c"], "-c needs the code to run"),  # it said "'-c' is not a command; options ... before `--`"
 ])
 def test_launcher_errors_name_the_problem(argv, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dorafp8", "run"] + argv, cwd=tmp_path, env=_env(), capture_output=True,
