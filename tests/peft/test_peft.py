@@ -298,3 +298,25 @@ def test_merge_touches_only_layers_holding_the_adapter():
         q = n.endswith("q_proj")
         assert m.merged_adapters == (["other"] if q else []), n
         assert torch.equal(m.base_layer.weight.view(torch.uint8), before[n]) != q, n
+
+
+def test_modules_to_save_holding_an_fp8_layer_is_refused():
+    """PEFT trains a full copy of each module in modules_to_save: an fp8 one was marked trainable and got no gradient,
+    silently never trained (a SEQ_CLS model's `score` head, which quantize_model quantizes and PEFT adds itself, stayed
+    random). Refused before any layer changes, naming the module and the exclude_modules that keeps it dense."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    cases = [(transformers.LlamaForCausalLM(cfg), {"modules_to_save": ["k_proj"]}, "k_proj"),
+             (transformers.LlamaForSequenceClassification(cfg), {"task_type": "SEQ_CLS"}, "score")]
+    for model, kw, name in cases:
+        dorafp8.quantize_model(model, verbose=False)
+        with pytest.raises(ValueError, match=rf"holds the fp8 layer '(model.layers.0.self_attn.)?{name}'.*"
+                                             rf"exclude_modules=\['{name}'\]"):
+            get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], **kw))
+        assert not any(isinstance(m, LoraLinear) for m in model.modules())
+    model = dorafp8.quantize_model(transformers.LlamaForSequenceClassification(cfg), exclude_modules=["score"],
+                                   verbose=False)
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    pm(input_ids=IDS, labels=torch.tensor([0, 2])).loss.backward()
+    assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None
