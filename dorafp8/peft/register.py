@@ -68,7 +68,8 @@ def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     groups > 1."""
     problems, peft_refuses, known, ours = [], [], set(), False
     for name, mod in model.named_modules():
-        known |= set(getattr(mod, "lora_A", {}) if isinstance(mod, lora_layer.LoraLayer) else ())
+        if isinstance(mod, lora_layer.LoraLayer):
+            known |= {*mod.lora_A, *getattr(mod, "lora_embedding_A", {})}
         if isinstance(mod, DoRAFP8Layer):
             ours = True
             problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]

@@ -285,10 +285,11 @@ def test_merge_touches_only_layers_holding_the_adapter():
     no layer has is an error naming it, before anything changes (it silently re-quantized every layer)."""
     _, ours = _pair("llama")
     ours.add_adapter("other", LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+    ours.add_adapter("emb", LoraConfig(r=4, target_modules=["embed_tokens"]))  # in lora_embedding_A, not lora_A
     layers = {n: m for n, m in ours.named_modules() if isinstance(m, DoRAFP8Linear)}
     before = {n: m.base_layer.weight.view(torch.uint8).clone() for n, m in layers.items()}
     for op in ("merge_adapter", "merge_and_unload"):
-        with pytest.raises(ValueError, match=r"adapter_names: \['nope'\] are not adapters.*\['default', 'other'\]"):
+        with pytest.raises(ValueError, match=r"adapter_names: \['nope'\] are not adapters.*'emb', 'other'\]"):
             getattr(ours, op)(adapter_names=["nope"])
         assert all(not m.merged and torch.equal(m.base_layer.weight.view(torch.uint8), before[n])
                    for n, m in layers.items())
@@ -298,6 +299,8 @@ def test_merge_touches_only_layers_holding_the_adapter():
         q = n.endswith("q_proj")
         assert m.merged_adapters == (["other"] if q else []), n
         assert torch.equal(m.base_layer.weight.view(torch.uint8), before[n]) != q, n
+    ours.merge_adapter(["emb"])  # a name only an Embedding holds is an adapter too
+    assert ours.base_model.model.model.embed_tokens.merged_adapters == ["emb"]
 
 
 def test_modules_to_save_holding_an_fp8_layer_is_refused():
