@@ -21,6 +21,9 @@ import threading
 
 ENV = "DORAFP8_RUN"
 _LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
+# Heads PEFT trains in full (modules_to_save) for task_type="SEQ_CLS" (TRL's reward trainer, a classifier): in fp8 they
+# could not train, and get_peft_model refuses them (dorafp8/peft/register.py), so --quantize leaves them dense.
+TRAINED_HEADS = ("classifier", "score")
 
 _SITE = '''"""Written by `dorafp8 run` (dorafp8/launcher.py): dorafp8 in every Python process the command starts, installed
 right after that process imports torch, by dorafp8's own import finder (loaded by its path: it imports neither torch
@@ -222,7 +225,7 @@ def _quantize(model) -> None:
     opts = _STATE["options"]
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
-                           per_row_scale=opts.get("per_row_scale", False),
+                           per_row_scale=opts.get("per_row_scale", False), exclude_modules=TRAINED_HEADS,
                            act_quant="rowwise" if opts.get("w8a8") else None)
     n = sum(isinstance(m, FP8WeightModule) for m in model.modules()) - before
     _loaded(type(model).__name__, n, "in fp8" + (" (W8A8)" if opts.get("w8a8") else ""))
@@ -377,7 +380,9 @@ def _runner(command: list[str], options: dict | None = None):
                 raise SystemExit(f"dorafp8 run: no module named {mod!r} in this Python ({sys.executable})")
             runpy.run_module(mod, run_name="__main__", alter_sys=True)
         return run_module
-    if cmd[0] == "-c" and len(cmd) > 1:
+    if cmd[0] == "-c":
+        if len(cmd) < 2:
+            raise SystemExit("dorafp8 run: -c needs the code to run")
         code, args = cmd[1], cmd[2:]
 
         def run_code():

@@ -237,7 +237,8 @@ class DoRAFP8Layer:
         from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
         from ..quant import MICRO_KINDS, scale_kind, weight_dims
 
-        adapter_names = check_adapters_to_merge(self, adapter_names)
+        # Names this layer has not are skipped, as PEFT's layers skip them: merging none must leave the base as it is.
+        adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.lora_A]
         if not adapter_names:
             return
         problems = self.merge_problems(adapter_names)

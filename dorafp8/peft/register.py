@@ -17,7 +17,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from ..backends import check_backend_name
-from ..nn import FP8ConvNd, FP8Linear
+from ..nn import FP8ConvNd, FP8Linear, FP8WeightModule
 from ..nn.convert import is_fp8_cast_layer, swap_module, to_fp8_layer
 from ..nn.group_scales import collect_regrouped
 from . import conv as peft_conv
@@ -64,16 +64,25 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
 
 def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     """Raises before anything is merged if any LoRA layer of `model` could not merge `adapter_names` (None: the active
-    ones): dorafp8 layers' merge_problems, or PEFT's NotImplementedError for its conv layers with groups > 1."""
-    problems, peft_refuses = [], []
+    ones): dorafp8 layers' merge_problems, a name no layer has, or PEFT's NotImplementedError for its conv layers with
+    groups > 1."""
+    problems, peft_refuses, known, ours = [], [], set(), False
     for name, mod in model.named_modules():
+        if isinstance(mod, lora_layer.LoraLayer):
+            known |= {*mod.lora_A, *getattr(mod, "lora_embedding_A", {})}
         if isinstance(mod, DoRAFP8Layer):
+            ours = True
             problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]
         elif isinstance(mod, lora_layer._ConvNd) and getattr(mod.get_base_layer(), "groups", 1) > 1:
             names = mod.active_adapters if adapter_names is None else adapter_names
             if any(a in mod.lora_A and a not in mod.merged_adapters for a in names):
                 peft_refuses.append(f"{name}: PEFT does not merge into a conv with groups > 1")
     problems += peft_refuses
+    # A name no layer has merges nothing in PEFT, silently; on a model with dorafp8 layers it is an error instead (a
+    # list of str, not a str, which PEFT refuses itself).
+    unknown = [] if isinstance(adapter_names, str) else [a for a in adapter_names or () if a not in known]
+    if ours and unknown:
+        problems.append(f"adapter_names: {unknown} are not adapters of this model; its adapters: {sorted(known)}")
     if problems:
         msg = f"nothing was merged: {len(problems)} problem(s) found before merging:\n  " + "\n  ".join(problems)
         if peft_refuses:  # PEFT's own words (peft/tuners/lora/layer.py, _ConvNd.merge) first
@@ -114,6 +123,21 @@ def _fp8_all_linear_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _check_modules_to_save(peft_config, model: nn.Module) -> None:
+    """Refuses modules_to_save naming a module that holds an fp8 layer: PEFT trains a full copy of it, whose fp8
+    weight gets no gradient (it was marked trainable and silently never changed)."""
+    names = getattr(peft_config, "modules_to_save", None) or ()
+    names = [names] if isinstance(names, str) else list(names)
+    for key, mod in model.named_modules():
+        t = next((t for t in names if key.endswith(t)), None)  # PEFT's own match (peft.utils.other._set_trainable)
+        fp8 = next((f"{key}.{n}".rstrip(".") for n, m in mod.named_modules() if isinstance(m, FP8WeightModule)), None)
+        if t is not None and fp8 is not None:
+            raise ValueError(f"modules_to_save={names}: {key!r} holds the fp8 layer {fp8!r}, whose fp8 weight cannot "
+                             f"be trained (PEFT's full copy of it would get no gradient); to train it in full, "
+                             f"quantize without it (quantize_model(model, exclude_modules=[{t!r}])), or give it an "
+                             f"adapter through target_modules instead")
+
+
 def _fp8_cast_base(target: nn.Module, base: nn.Module, name: str | None) -> nn.Module:
     """The FP8Linear / FP8ConvNd DoRA is built on in place of `base`, a plain layer whose weight was cast to fp8
     (layerwise casting, kohya's and OneTrainer's casts; PEFT's DoRA init fails on it): its e4m3 bytes with scale 1."""
@@ -147,7 +171,8 @@ def register_with_peft() -> None:
             return peft_conv.create_conv_module(base, target, adapter_name, lora_config, **kwargs)
         return _ORIG_CREATE_NEW_MODULE(lora_config, adapter_name, target, **kwargs)
 
-    def _maybe_include_all_linear_layers(peft_config, model):
+    def _maybe_include_all_linear_layers(peft_config, model):  # every inject_adapter calls it, before any swap
+        _check_modules_to_save(peft_config, model)
         target = getattr(peft_config, "target_modules", None)
         all_linear = isinstance(target, str) and target.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
         peft_config = _ORIG_ALL_LINEAR(peft_config, model)

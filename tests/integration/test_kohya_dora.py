@@ -671,3 +671,25 @@ def test_export_refuses_what_the_layout_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match="dora_scale must be one of"):
         dorafp8.save_kohya_dora(get_peft_model(G(), cases[2][0]), path, dora_scale="comfy")
     assert list(load_file(str(path))) == ["a"]
+
+
+def test_export_names_every_layers_problems_and_one_per_unsupported_layer(tmp_path):
+    """A LoRA on an Embedding is refused, naming it, with one problem (issue 51 turned `out.append(...); return out`
+    into `return [...]`, which the AST comparison flagged: the same result), every other layer's problems in the same
+    error; nothing is written. The Embedding was filtered out before the check (its adapter is in lora_embedding_A,
+    not lora_A) and the rest written without it."""
+    class E(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.lin = nn.Linear(8, 8)
+
+    pm = get_peft_model(E(), LoraConfig(r=2, use_dora=True, target_modules=["emb", "lin"]))
+    pm.merge_adapter()  # both merged: the Embedding's problem is still its kind only
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError) as e:
+        dorafp8.save_kohya_dora(pm, path)
+    msg = str(e.value)
+    assert "emb: a LoRA layer on Embedding" in msg and "lin: the adapter is merged into the base" in msg, msg
+    assert msg.count("emb: ") == 1 and "DoraEmbeddingVariant" not in msg, msg
+    assert not path.exists()

@@ -203,6 +203,7 @@ def test_launcher_runs_exactly_the_command_given(tmp_path):
     (["--", "no-such-trainer-cli"], "neither a script"),
     (["--", "missing.py"], "no such script"),
     (["--", "sh", "-c", "true"], "not a Python program"),
+    (["--", "python", "-c"], "-c needs the code to run"),  # it said "'-c' is not a command; options ... before `--`"
 ])
 def test_launcher_errors_name_the_problem(argv, message, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dorafp8", "run"] + argv, cwd=tmp_path, env=_env(), capture_output=True,
@@ -235,3 +236,24 @@ def test_peft_older_than_0_18_is_refused_naming_the_fix(monkeypatch):
     dorafp8.quantize_model(model)
     with pytest.raises(RuntimeError, match=r"peft 0\.17\.1 is installed.*pip install 'peft>=0\.18'"):
         get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+
+
+def test_quantize_leaves_a_classifier_head_dense_for_peft_to_train(monkeypatch):
+    """--quantize on a sequence classifier (TRL's reward trainer loads one): its `score` head, which PEFT trains in full
+    for task_type="SEQ_CLS", stays dense; in fp8 get_peft_model refuses it (before: it stayed at its random init)."""
+    from peft import LoraConfig, get_peft_model
+
+    from dorafp8 import launcher
+
+    monkeypatch.setitem(launcher._STATE, "options", {"quantize": True})
+    monkeypatch.setitem(launcher._STATE, "models", 0)
+    monkeypatch.setitem(launcher._STATE, "quantized", 0)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    model = transformers.LlamaForSequenceClassification(cfg)
+    launcher._quantize(model)
+    assert launcher._STATE["quantized"] == 7 and type(model.score) is torch.nn.Linear
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear", task_type="SEQ_CLS"))
+    pm(input_ids=torch.tensor([[1, 4, 5, 6]]), labels=torch.tensor([2])).loss.backward()
+    assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None

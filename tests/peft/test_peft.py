@@ -277,3 +277,49 @@ def test_fp8linear_survives_dtype_casts_and_rejects_float_weights():
     assert f.bias.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="FP8Linear expects a float8_e4m3fn weight"):
         f.load_state_dict(lin.state_dict())
+
+
+def test_merge_touches_only_layers_holding_the_adapter():
+    """merge_adapter(["other"]) with "other" on q_proj only: the other fp8 layers, as PEFT's layers, are left as they
+    are (they were re-quantized and marked merged, which then dropped the active adapter from their forward); a name
+    no layer has is an error naming it, before anything changes (it silently re-quantized every layer)."""
+    _, ours = _pair("llama")
+    ours.add_adapter("other", LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+    ours.add_adapter("emb", LoraConfig(r=4, target_modules=["embed_tokens"]))  # in lora_embedding_A, not lora_A
+    layers = {n: m for n, m in ours.named_modules() if isinstance(m, DoRAFP8Linear)}
+    before = {n: m.base_layer.weight.view(torch.uint8).clone() for n, m in layers.items()}
+    for op in ("merge_adapter", "merge_and_unload"):
+        with pytest.raises(ValueError, match=r"adapter_names: \['nope'\] are not adapters.*'emb', 'other'\]"):
+            getattr(ours, op)(adapter_names=["nope"])
+        assert all(not m.merged and torch.equal(m.base_layer.weight.view(torch.uint8), before[n])
+                   for n, m in layers.items())
+    with pytest.warns(UserWarning, match="re-quantizes the merged weight"):
+        ours.merge_adapter(["other"])
+    for n, m in layers.items():
+        q = n.endswith("q_proj")
+        assert m.merged_adapters == (["other"] if q else []), n
+        assert torch.equal(m.base_layer.weight.view(torch.uint8), before[n]) != q, n
+    ours.merge_adapter(["emb"])  # a name only an Embedding holds is an adapter too
+    assert ours.base_model.model.model.embed_tokens.merged_adapters == ["emb"]
+
+
+def test_modules_to_save_holding_an_fp8_layer_is_refused():
+    """PEFT trains a full copy of each module in modules_to_save: an fp8 one was marked trainable and got no gradient,
+    silently never trained (a SEQ_CLS model's `score` head, which quantize_model quantizes and PEFT adds itself, stayed
+    random). Refused before any layer changes, naming the module and the exclude_modules that keeps it dense."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    cases = [(transformers.LlamaForCausalLM(cfg), {"modules_to_save": ["k_proj"]}, "k_proj"),
+             (transformers.LlamaForSequenceClassification(cfg), {"task_type": "SEQ_CLS"}, "score")]
+    for model, kw, name in cases:
+        dorafp8.quantize_model(model, verbose=False)
+        with pytest.raises(ValueError, match=rf"holds the fp8 layer '(model.layers.0.self_attn.)?{name}'.*"
+                                             rf"exclude_modules=\['{name}'\]"):
+            get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], **kw))
+        assert not any(isinstance(m, LoraLinear) for m in model.modules())
+    model = dorafp8.quantize_model(transformers.LlamaForSequenceClassification(cfg), exclude_modules=["score"],
+                                   verbose=False)
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    pm(input_ids=IDS, labels=torch.tensor([0, 2])).loss.backward()
+    assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None
