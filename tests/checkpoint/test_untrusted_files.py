@@ -319,3 +319,45 @@ def test_a_tensor_of_the_wrong_kind_is_refused(sharded, tmp_path, change):
         dorafp8.load_fp8_checkpoint(model, bad, verbose=False)
     assert str(tensors[key].dtype).replace("torch.", "") in str(e.value)
     _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("damage", ["fifo", "folder", "truncated", "html_page", "header_past_the_end",
+                                    "million_keys"])
+def test_load_single_file_checks_a_downloaded_file_before_reading_it(tmp_path, damage):
+    """load_single_file (ComfyUI / kijai fp8_scaled files, which diffusion users download) read its path with
+    safetensors' load_file as it was: a FIFO blocked it for ever, a folder or a damaged download raised safetensors'
+    or the OS's raw error without the file's name or what to do, a million-key header was parsed whole. The file is
+    checked and measured first, as load_fp8_checkpoint's are; the model is not touched (the read comes first)."""
+    from dorafp8.checkpoint.single_file import load_single_file
+
+    path = tmp_path / "flux1-dev_fp8_scaled.safetensors"
+    good = tmp_path / "good.safetensors"
+    st.save_file({"a.weight": torch.ones(4, 4).to(torch.float8_e4m3fn), "a.scale_weight": torch.tensor(0.5)}, good)
+    says, helper = [AGAIN], None
+    if damage == "fifo":
+        os.mkfifo(path)
+        says, helper = ["FIFO"], _unblock_later(path, 3.0)
+    elif damage == "folder":
+        path.mkdir()
+        says = ["a folder"]
+    elif damage == "million_keys":
+        entry = '"t{}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
+        path.write_bytes(_with_header(("{" + ",".join(entry.format(i) for i in range(1_000_000)) + "}").encode()))
+        says = [AGAIN, "refused before parsing it"]
+    else:
+        path.write_bytes(SHARD_DAMAGE[damage](good.read_bytes()))
+    model = torch.nn.Linear(4, 4)
+    snap = _snapshot(model)
+    t0 = time.time()
+    try:
+        with pytest.raises(CheckpointFormatError) as e:
+            load_single_file(model, path, verbose=False)
+    finally:
+        if helper is not None:
+            assert helper.poll() is None  # still waiting for a reader: nothing opened the FIFO
+            helper.kill()
+            helper.wait()
+    assert time.time() - t0 < 3.0
+    for part in (str(path), *says):
+        assert part in str(e.value), (part, str(e.value))
+    _assert_unchanged(model, snap)
