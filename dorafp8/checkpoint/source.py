@@ -9,7 +9,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from ..quant import E4M3
+from ..quant import E4M3, E8M0
 from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file,
                     safetensors_keys, sha256_key)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
@@ -29,6 +29,7 @@ class CheckpointSource:
         self.state_dict = None
         self.config = None
         self.hf_quant_config = None  # ModelOpt's hf_quant_config.json, beside config.json
+        self.hf_quant_config_path = None
         self.index = None  # the index file of a sharded folder
         self.metadata: dict = {}
         self.info: dict[str, tuple] = {}  # key -> (dtype or None, shape, shard index)
@@ -100,7 +101,8 @@ class CheckpointSource:
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "
                                             f"{DAMAGED}")
         if os.path.lexists(os.path.join(path, "hf_quant_config.json")):
-            self.hf_quant_config = read_json(inside("hf_quant_config.json"),
+            self.hf_quant_config_path = inside("hf_quant_config.json")
+            self.hf_quant_config = read_json(self.hf_quant_config_path,
                                              "ModelOpt's quantization config (a JSON object)",
                                              recorded.get("hf_quant_config.json"))
 
@@ -192,6 +194,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"
     algo = source.modelopt_algo()
+    _refuse_stale_hf_quant_config(source, algo, nvfp4)
     # ModelOpt's own layout for its NVFP4 / MXFP8 exports; its FP8 export reads as compressed-tensors', as before
     if suffix.get("weight_scale_2") or algo in ("NVFP4", "MXFP8"):
         signals["modelopt"] = ("'<layer>.weight_scale_2' (NVFP4's global scales)" if suffix.get("weight_scale_2")
@@ -226,6 +229,29 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
         raise CheckpointFormatError(f"{source.name}: looks like {LAYOUTS[name].description} ({evidence}) but holds "
                                     f"no float8_e4m3fn weight. Saw {what}")
     return name, evidence
+
+
+def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str], nvfp4: dict) -> None:
+    """Refuses an hf_quant_config.json whose NVFP4 / MXFP8 quant_algo no weight beside it has (one left from an
+    earlier ModelOpt export to the folder, say), naming it, rather than reading the folder as ModelOpt's."""
+    path, hq = source.hf_quant_config_path, (source.hf_quant_config or {}).get("quantization")
+    if path is None or not isinstance(hq, dict) or algo != hq.get("quant_algo"):
+        return
+    info = source.info
+    if algo == "NVFP4":
+        found = bool(nvfp4)
+    elif algo == "MXFP8":
+        found = any(k.endswith(".weight_scale") and info[k][0] in (torch.uint8, E8M0) for k in info)
+    else:
+        return
+    if not found:
+        method = source.quant_config().get("quant_method")
+        said = f" (and config.json says quant_method={method!r})" if method else ""
+        raise CheckpointFormatError(f"{path}: says quant_algo {algo!r}, but no weight in {source.name} is {algo} "
+                                    f"(no " + ("packed uint8 '<layer>.weight' with '<layer>.weight_scale_2'" if
+                                               algo == "NVFP4" else "e8m0 '<layer>.weight_scale'") + f"){said}: "
+                                    f"it does not belong to these weights (left from an earlier ModelOpt export to "
+                                    f"this folder?); move it away (or delete it), or load the folder it came with")
 
 
 def nvfp4_weights(info: dict) -> dict[str, str]:
