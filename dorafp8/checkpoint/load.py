@@ -48,7 +48,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         format: "auto" (detected from the keys, dtypes and config.json) or one of LAYOUTS.
         device: where the loaded tensors go.
         dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
-        block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
+        block_size: the square block size of block scales; default: the one the file's metadata records (dorafp8's
+            writers do), else config.json's, else 128 where the scales' shape fits it.
         key_map: maps a checkpoint key to the model's name for it (or None to skip it); default: a common prefix
             (ComfyUI's 'model.diffusion_model.', ...) is found and stripped.
         strict: model tensors the checkpoint lacks, or checkpoint tensors that fit nothing, are an error. False: they

@@ -4,6 +4,7 @@ what layout it is in (detect_format), from its keys, dtypes and config.json, wit
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from typing import Iterable, Mapping, Optional
 
@@ -270,7 +271,31 @@ def detect_format(path_or_state_dict) -> tuple[str, str]:
     return detect(CheckpointSource(path_or_state_dict))
 
 
+# the safetensors metadata entry in which dorafp8's writers record the block size of the block scales they write: the
+# scale's shape alone does not say it (a [2, 2] grid over [192, 192] is 96 x 96 blocks as well as 128 x 128 ones)
+BLOCK_SIZE_KEY = "dorafp8_block_size"
+
+
 def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
+    """The block size of the checkpoint's block scales, as its files say it (or None): the safetensors metadata
+    dorafp8 writes, config.json's; refuses a record it cannot read, two that disagree, quantizations it does not
+    read."""
+    cfg = _config_block(source, fmt)
+    raw = source.metadata.get(BLOCK_SIZE_KEY)
+    if raw is None:
+        return cfg
+    if not (isinstance(raw, str) and re.fullmatch(r"[1-9][0-9]{0,5}", raw)):
+        raise CheckpointFormatError(f"{source.where(0)}: its safetensors metadata {BLOCK_SIZE_KEY}={raw!r} is not a "
+                                    f"block size (a positive integer); {DAMAGED}")
+    if cfg is not None and cfg != int(raw):
+        raise CheckpointFormatError(f"{source.name}: its safetensors metadata says {BLOCK_SIZE_KEY}={raw} but "
+                                    f"config.json's quantization_config says block size {cfg}: one of them does not "
+                                    f"belong to these weights (a config.json left from another export?); move the "
+                                    f"wrong one away")
+    return int(raw)
+
+
+def _config_block(source: CheckpointSource, fmt: str) -> Optional[int]:
     """config.json's block size (or None); refuses quantizations dorafp8 does not read."""
     qc = source.quant_config()
     if fmt == "fine-grained":

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
-from .configs import check_destination, quantization_config, transformers_problem, write_config
+from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256,
                     sha256_key, staging)
@@ -26,6 +26,7 @@ from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
+from .source import BLOCK_SIZE_KEY
 
 logger = logging.getLogger("dorafp8")
 
@@ -333,9 +334,13 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
     else:
         config_kind = None
     meta_out = dict(src.metadata or {}) if same else {"format": "pt"}
+    meta_out.pop(BLOCK_SIZE_KEY, None)  # the source's: said again below where this write has block scales
     meta_out.update(metadata or {})
-    return WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
-                   "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
+    t = WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
+                    "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
+    if dense_dtype is None and fmt != "modelopt" and any(writes_block(t, m) for m in fp8_modules(base).values()):
+        meta_out[BLOCK_SIZE_KEY] = str(t.block_size)  # what the loader reads, not the scale's shape (source.py)
+    return t
 
 
 def unmerged_adapter_layers(base: nn.Module) -> list[str]:
