@@ -12,7 +12,7 @@ import torch
 
 from ..quant import E4M3, E8M0
 from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file,
-                    safetensors_keys, sha256_key)
+                    safetensors_keys, sha256_key, some)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
 SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -88,7 +88,9 @@ class CheckpointSource:
                                             f"shard file names; {DAMAGED}")
             self.shards = [inside(s, f"{self.index}: shard {s!r}") for s in sorted(set(weight_map.values()))]
         else:
-            self.shards = [inside(n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            _refuse_incomplete_shards(path, names)
+            self.shards = [inside(n) for n in names]
         if not self.shards:
             others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
             raise FileNotFoundError(f"no .safetensors file in {path}" + (
@@ -139,6 +141,24 @@ class CheckpointSource:
             with open_safetensors(self.shards[i], self.where(i), dev) as f:
                 for k in by_shard[i]:
                     yield k, f.get_tensor(k)
+
+
+def _refuse_incomplete_shards(folder: str, names: list[str]) -> None:
+    """Refuses a folder without an index holding some, not all, of the shards `<name>-0000i-of-0000n.safetensors` of
+    a sharded checkpoint: a first export killed or failed while it moved its shards in (the index comes last), or a
+    download cut short, would otherwise load as if complete (a strict=False load, with the rest missing)."""
+    groups: dict[tuple, set] = {}
+    for n in names:
+        m = re.fullmatch(r"(.*)-([0-9]{5})-of-([0-9]{5})\.safetensors", n)
+        if m:
+            groups.setdefault((m.group(1), int(m.group(3))), set()).add(int(m.group(2)))
+    for (stem, total), have in sorted(groups.items()):
+        lacking = [f"{stem}-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1) if i not in have]
+        if lacking:
+            raise CheckpointFormatError(f"{folder}: holds {len(have & set(range(1, total + 1)))} of the {total} "
+                                        f"shards of {stem!r} and no index naming them; {some(lacking)} missing: an "
+                                        f"export killed or failed before it was published (dorafp8 writes the "
+                                        f"index last), or a download cut short. Export or download it again")
 
 
 # ---- detection ---------------------------------------------------------------------------------------------------
