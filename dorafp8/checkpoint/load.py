@@ -201,6 +201,16 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
     return f
 
 
+def _check_e4m3(t: torch.Tensor, key: str) -> None:
+    """Refuses float8_e4m3fn values that are NaN (bytes 0x7f, 0xff): no quantizer writes them (e4m3 saturates at
+    448), and loaded they would make every output of the layer NaN, silently."""
+    bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if bad:
+        raise CheckpointFormatError(f"{key}: {bad} of {t.numel()} float8_e4m3fn values are NaN (bytes 0x7f / 0xff, "
+                                    f"which no fp8 quantizer writes): the file is damaged or was converted wrongly. "
+                                    f"Nothing was loaded")
+
+
 class _TensorLoader:
     """Reads the planned tensors one at a time into the model (fp8 kept, others dequantized or cast)."""
 
@@ -219,6 +229,8 @@ class _TensorLoader:
         progress.total = len(want)
         for k, t in source.read(want, device):
             progress.tensor(info[k][2], t.numel() * t.element_size())
+            if t.dtype == E4M3:
+                _check_e4m3(t, k)
             if k in plan.layer_of:
                 self._weight(k, t)
             elif k in plan.scales:

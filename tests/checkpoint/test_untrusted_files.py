@@ -361,3 +361,30 @@ def test_load_single_file_checks_a_downloaded_file_before_reading_it(tmp_path, d
     for part in (str(path), *says):
         assert part in str(e.value), (part, str(e.value))
     _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fine-grained", "comfyui", "musubi", "dorafp8", "fp8-cast"])
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_a_nan_fp8_weight_value_is_refused_naming_the_tensor(sharded, tmp_path, fmt, byte):
+    """float8_e4m3fn's NaN (bytes 0x7f, 0xff; no quantizer writes them, e4m3 saturates at 448) in a weight of a
+    damaged file was loaded as it was: every output of the layer NaN, without a word. Refused, naming the tensor, the
+    model left as it was; the undamaged file loads."""
+    net = sharded[1]
+    if fmt == "fp8-cast":  # no scales: a model whose scales are all 1
+        net = Net().eval()
+        dorafp8.quantize_model(net, include_conv=True)
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(getattr(m, "scale", None), torch.Tensor):
+                    m.scale.fill_(1.0)
+    good = tmp_path / "good.safetensors"
+    dorafp8.save_fp8_checkpoint(net, good, format=fmt, verbose=False)
+    dorafp8.load_fp8_checkpoint(_target("meta"), good, verbose=False)
+    tensors = st.load_file(good)
+    key = next(k for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn and k.endswith("head.weight"))
+    w = tensors[key].clone().view(torch.uint8)
+    w.view(-1)[3] = byte
+    tensors[key] = w.view(torch.float8_e4m3fn)
+    bad = tmp_path / "bad.safetensors"
+    st.save_file(tensors, bad, metadata={"format": "pt"})
+    _refused(bad, names=[key], says=[f"1 of {w.numel()} float8_e4m3fn values are NaN"])
