@@ -140,7 +140,9 @@ def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict
     if sha256_is is not None and hashlib.sha256(data).hexdigest() != sha256_is:
         raise CheckpointFormatError(f"{path}: not the file exported with the weights beside it (their index records "
                                     f"another sha256): an export to this folder is being published, or was killed "
-                                    f"between the two; load again, or export again")
+                                    f"between the two (load again, or export again); or it was edited after the "
+                                    f"export (to accept it, delete {sha256_key(os.path.basename(path))!r} from the "
+                                    f"\"metadata\" of the index)")
     return parse_json(data, path, expected)
 
 

@@ -307,7 +307,8 @@ def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
 def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, name):
     """The index of a ModelOpt-layout export records the sha256 of config.json and of hf_quant_config.json (whose
     quant_algo says how the weights read): one changed after the export (another export's, half published; or
-    edited) is refused naming it, as a reader must not pair it with these weights; the export as written loads."""
+    edited) is refused naming it, as a reader must not pair it with these weights; the export as written loads, and
+    so does one edited on purpose once the record the message names is deleted from the index."""
     import json
 
     from dorafp8 import export_merged
@@ -321,9 +322,16 @@ def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, na
     path = out / name
     obj = json.loads(path.read_text())
     path.write_text(json.dumps({**obj, "edited": True}))
+    key = f"dorafp8_{name[:-5]}_sha256"
     with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(path))}: not the file exported with the "
-                                                    rf"weights beside it"):
+                                                    rf"weights beside it.*or it was edited after the export \(to "
+                                                    rf"accept it, delete '{key}' from the \"metadata\" of the index"):
         load_fp8_checkpoint(meta_model(), str(out), verbose=False)
+    index = out / "model.safetensors.index.json"  # the user's edit accepted, as the message says
+    obj = json.loads(index.read_text())
+    del obj["metadata"][key]
+    index.write_text(json.dumps(obj))
+    assert load_fp8_checkpoint(meta_model(), str(out), verbose=False).format == "modelopt"
 
 
 def test_a_damaged_modelopt_export_is_refused(tmp_path):
