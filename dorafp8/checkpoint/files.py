@@ -365,6 +365,10 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
     """One .safetensors file at `path`, whole or not at all: staged beside it, locked, fsynced, renamed."""
     real = destination(path)
+    if os.path.isdir(real):  # refused before the file is written (the rename onto it would fail after)
+        link = f" (a link to {real!r})" if os.path.islink(path) else ""
+        raise IsADirectoryError(f"path={path!r} is a folder{link}; a path ending in .safetensors is written as one "
+                                f"file: move the folder away, or give the file another name")
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
