@@ -663,6 +663,11 @@ def test_a_block_size_record_is_checked_and_not_carried_over(tmp_path):
     with pytest.raises(CheckpointFormatError, match=r"bad\.safetensors: its safetensors metadata "
                                                     r"dorafp8_block_size='1e2' is not a block size"):
         dorafp8.load_fp8_checkpoint(fresh(), bad, verbose=False)
+    save_file(load_file(src), bad, metadata={"format": "pt", "dorafp8_block_size": "64"})  # [3, 3] blocks, not [2, 2]
+    with pytest.raises(CheckpointFormatError, match=r"0\.scale: shape \[2, 2\] is neither .* nor per b x b block "
+                                                    r"of the \[192, 192\] weight for b = 64 \(from block_size=, the "
+                                                    r"file's dorafp8_block_size metadata or config\.json"):
+        dorafp8.load_fp8_checkpoint(fresh(), bad, verbose=False)
     folder = tmp_path / "fg"
     dorafp8.save_fp8_checkpoint(_blocks_of_96(), str(folder), format="fine-grained", verbose=False)
     (folder / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", "weight_block_size": '
