@@ -17,7 +17,7 @@ from .plan import WriteTarget, Written
 from .reports import ExportReport
 
 
-def _writes_block(t: WriteTarget, m: nn.Module) -> bool:
+def writes_block(t: WriteTarget, m: nn.Module) -> bool:
     """Whether the layer is written with block scales (conservative where a merged layer could differ)."""
     return t.fmt == "fine-grained" or t.granularity == "block" or (t.granularity is None and
                                                                    scale_kind(m.scale) == "block")
@@ -34,7 +34,7 @@ def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
                 f"include_conv)")
     b = t.block_size
     ragged = [(n, m.weight.shape[0], m.weight[0].numel()) for n, m in layers.items()
-              if _writes_block(t, m) and (m.weight.shape[0] % b or m.weight[0].numel() % b)]
+              if writes_block(t, m) and (m.weight.shape[0] % b or m.weight[0].numel() % b)]
     if ragged and t.fmt == "compressed-tensors":
         n, N, K = ragged[0]
         return (f"{len(ragged)} layers have a dimension that is not a multiple of the block size {b} (e.g. {n!r}, "

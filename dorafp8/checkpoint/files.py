@@ -140,7 +140,9 @@ def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict
     if sha256_is is not None and hashlib.sha256(data).hexdigest() != sha256_is:
         raise CheckpointFormatError(f"{path}: not the file exported with the weights beside it (their index records "
                                     f"another sha256): an export to this folder is being published, or was killed "
-                                    f"between the two; load again, or export again")
+                                    f"between the two (load again, or export again); or it was edited after the "
+                                    f"export (to accept it, delete {sha256_key(os.path.basename(path))!r} from the "
+                                    f"\"metadata\" of the index)")
     return parse_json(data, path, expected)
 
 
@@ -363,6 +365,10 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
     """One .safetensors file at `path`, whole or not at all: staged beside it, locked, fsynced, renamed."""
     real = destination(path)
+    if os.path.isdir(real):  # refused before the file is written (the rename onto it would fail after)
+        link = f" (a link to {real!r})" if os.path.islink(path) else ""
+        raise IsADirectoryError(f"path={path!r} is a folder{link}; a path ending in .safetensors is written as one "
+                                f"file: move the folder away, or give the file another name")
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)

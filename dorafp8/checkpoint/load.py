@@ -48,7 +48,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         format: "auto" (detected from the keys, dtypes and config.json) or one of LAYOUTS.
         device: where the loaded tensors go.
         dtype: the dtype of the tensors that are not fp8 (and of the adapters PEFT will create); default: the model's.
-        block_size: the square block size of block scales when neither config.json nor the shapes say (default 128).
+        block_size: the square block size of block scales; default: the one the file's metadata records (dorafp8's
+            writers do), else config.json's, else 128 where the scales' shape fits it.
         key_map: maps a checkpoint key to the model's name for it (or None to skip it); default: a common prefix
             (ComfyUI's 'model.diffusion_model.', ...) is found and stripped.
         strict: model tensors the checkpoint lacks, or checkpoint tensors that fit nothing, are an error. False: they
@@ -200,6 +201,16 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
     return f
 
 
+def _check_e4m3(t: torch.Tensor, key: str) -> None:
+    """Refuses float8_e4m3fn values that are NaN (bytes 0x7f, 0xff): no quantizer writes them (e4m3 saturates at
+    448), and loaded they would make every output of the layer NaN, silently."""
+    bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if bad:
+        raise CheckpointFormatError(f"{key}: {bad} of {t.numel()} float8_e4m3fn values are NaN (bytes 0x7f / 0xff, "
+                                    f"which no fp8 quantizer writes): the file is damaged or was converted wrongly. "
+                                    f"Nothing was loaded")
+
+
 class _TensorLoader:
     """Reads the planned tensors one at a time into the model (fp8 kept, others dequantized or cast)."""
 
@@ -218,6 +229,8 @@ class _TensorLoader:
         progress.total = len(want)
         for k, t in source.read(want, device):
             progress.tensor(info[k][2], t.numel() * t.element_size())
+            if t.dtype == E4M3 and k not in plan.scales:  # NVFP4's e4m3 block scales: checked as scales
+                _check_e4m3(t, k)
             if k in plan.layer_of:
                 self._weight(k, t)
             elif k in plan.scales:

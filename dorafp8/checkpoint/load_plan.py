@@ -17,7 +17,7 @@ from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
-from .source import CheckpointSource, detect, layer_key, nvfp4_weights
+from .source import BLOCK_SIZE_KEY, CheckpointSource, detect, layer_key, nvfp4_weights
 
 
 def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
@@ -160,8 +160,10 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
                 block_size = _infer_block(N, K, shape, block_hint)
                 if block_size is None:
                     errors.append(f"{scale_key}: shape {list(shape)} is neither per tensor, per row [{N}, 1] nor "
-                                  f"per b x b block of the [{N}, {K}] weight for any block size"
-                                  + (f" (block size {block_hint} given)" if block_hint else "; pass block_size="))
+                                  f"per b x b block of the [{N}, {K}] weight "
+                                  + (f"for b = {block_hint} (from block_size=, the file's {BLOCK_SIZE_KEY} metadata "
+                                     f"or config.json, in that order)" if block_hint else
+                                     "for any block size; pass block_size="))
                     continue
             p.block_size = block_size
             if block_size is not None and not p.fp8:

@@ -5,12 +5,14 @@ their scales (NaN outputs, no error): while dorafp8 is imported it refuses it, a
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .files import open_safetensors, regular_file
 from .layouts import CheckpointFormatError
 
 # the keys a scaled fp8 checkpoint carries beside its weights: ComfyUI's "scaled_fp8" files, and its newer
@@ -258,10 +260,10 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     from .load import load_fp8_checkpoint
 
     state_dict = path_or_state_dict
-    if not isinstance(state_dict, dict):
-        from safetensors.torch import load_file
-
-        state_dict = load_file(str(path_or_state_dict))
+    if not isinstance(state_dict, dict):  # a downloaded file: checked and measured before it is read (files.py)
+        path = regular_file(os.fspath(path_or_state_dict), "path_or_state_dict")
+        with open_safetensors(path, path) as f:
+            state_dict = {k: f.get_tensor(k) for k in f.keys()}
     converted = to_diffusers_layout(model, _e5m2_to_e4m3(state_dict))
     fmt = "comfyui" if any(k.endswith(".scale_weight") for k in converted) else "auto"
     return load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,

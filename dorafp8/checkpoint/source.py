@@ -4,14 +4,15 @@ what layout it is in (detect_format), from its keys, dtypes and config.json, wit
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from typing import Iterable, Mapping, Optional
 
 import torch
 
-from ..quant import E4M3
+from ..quant import E4M3, E8M0
 from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file,
-                    safetensors_keys, sha256_key)
+                    safetensors_keys, sha256_key, some)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
 SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -29,6 +30,7 @@ class CheckpointSource:
         self.state_dict = None
         self.config = None
         self.hf_quant_config = None  # ModelOpt's hf_quant_config.json, beside config.json
+        self.hf_quant_config_path = None
         self.index = None  # the index file of a sharded folder
         self.metadata: dict = {}
         self.info: dict[str, tuple] = {}  # key -> (dtype or None, shape, shard index)
@@ -86,7 +88,9 @@ class CheckpointSource:
                                             f"shard file names; {DAMAGED}")
             self.shards = [inside(s, f"{self.index}: shard {s!r}") for s in sorted(set(weight_map.values()))]
         else:
-            self.shards = [inside(n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            _refuse_incomplete_shards(path, names)
+            self.shards = [inside(n) for n in names]
         if not self.shards:
             others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf")))
             raise FileNotFoundError(f"no .safetensors file in {path}" + (
@@ -100,7 +104,8 @@ class CheckpointSource:
                                             f"{type(self.config['quantization_config']).__name__}, expected an object; "
                                             f"{DAMAGED}")
         if os.path.lexists(os.path.join(path, "hf_quant_config.json")):
-            self.hf_quant_config = read_json(inside("hf_quant_config.json"),
+            self.hf_quant_config_path = inside("hf_quant_config.json")
+            self.hf_quant_config = read_json(self.hf_quant_config_path,
                                              "ModelOpt's quantization config (a JSON object)",
                                              recorded.get("hf_quant_config.json"))
 
@@ -136,6 +141,24 @@ class CheckpointSource:
             with open_safetensors(self.shards[i], self.where(i), dev) as f:
                 for k in by_shard[i]:
                     yield k, f.get_tensor(k)
+
+
+def _refuse_incomplete_shards(folder: str, names: list[str]) -> None:
+    """Refuses a folder without an index holding some, not all, of the shards `<name>-0000i-of-0000n.safetensors` of
+    a sharded checkpoint: a first export killed or failed while it moved its shards in (the index comes last), or a
+    download cut short, would otherwise load as if complete (a strict=False load, with the rest missing)."""
+    groups: dict[tuple, set] = {}
+    for n in names:
+        m = re.fullmatch(r"(.*)-([0-9]{5})-of-([0-9]{5})\.safetensors", n)
+        if m:
+            groups.setdefault((m.group(1), int(m.group(3))), set()).add(int(m.group(2)))
+    for (stem, total), have in sorted(groups.items()):
+        lacking = [f"{stem}-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1) if i not in have]
+        if lacking:
+            raise CheckpointFormatError(f"{folder}: holds {len(have & set(range(1, total + 1)))} of the {total} "
+                                        f"shards of {stem!r} and no index naming them; {some(lacking)} missing: an "
+                                        f"export killed or failed before it was published (dorafp8 writes the "
+                                        f"index last), or a download cut short. Export or download it again")
 
 
 # ---- detection ---------------------------------------------------------------------------------------------------
@@ -192,6 +215,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"
     algo = source.modelopt_algo()
+    _refuse_stale_hf_quant_config(source, algo, nvfp4)
     # ModelOpt's own layout for its NVFP4 / MXFP8 exports; its FP8 export reads as compressed-tensors', as before
     if suffix.get("weight_scale_2") or algo in ("NVFP4", "MXFP8"):
         signals["modelopt"] = ("'<layer>.weight_scale_2' (NVFP4's global scales)" if suffix.get("weight_scale_2")
@@ -228,6 +252,29 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     return name, evidence
 
 
+def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str], nvfp4: dict) -> None:
+    """Refuses an hf_quant_config.json whose NVFP4 / MXFP8 quant_algo no weight beside it has (one left from an
+    earlier ModelOpt export to the folder, say), naming it, rather than reading the folder as ModelOpt's."""
+    path, hq = source.hf_quant_config_path, (source.hf_quant_config or {}).get("quantization")
+    if path is None or not isinstance(hq, dict) or algo != hq.get("quant_algo"):
+        return
+    info = source.info
+    if algo == "NVFP4":
+        found = bool(nvfp4)
+    elif algo == "MXFP8":
+        found = any(k.endswith(".weight_scale") and info[k][0] in (torch.uint8, E8M0) for k in info)
+    else:
+        return
+    if not found:
+        method = source.quant_config().get("quant_method")
+        said = f" (and config.json says quant_method={method!r})" if method else ""
+        raise CheckpointFormatError(f"{path}: says quant_algo {algo!r}, but no weight in {source.name} is {algo} "
+                                    f"(no " + ("packed uint8 '<layer>.weight' with '<layer>.weight_scale_2'" if
+                                               algo == "NVFP4" else "e8m0 '<layer>.weight_scale'") + f"){said}: "
+                                    f"it does not belong to these weights (left from an earlier ModelOpt export to "
+                                    f"this folder?); move it away (or delete it), or load the folder it came with")
+
+
 def nvfp4_weights(info: dict) -> dict[str, str]:
     """'<layer>' -> the key of its packed NVFP4 weight (ModelOpt's or compressed-tensors' names)."""
     out = {}
@@ -244,7 +291,31 @@ def detect_format(path_or_state_dict) -> tuple[str, str]:
     return detect(CheckpointSource(path_or_state_dict))
 
 
+# the safetensors metadata entry in which dorafp8's writers record the block size of the block scales they write: the
+# scale's shape alone does not say it (a [2, 2] grid over [192, 192] is 96 x 96 blocks as well as 128 x 128 ones)
+BLOCK_SIZE_KEY = "dorafp8_block_size"
+
+
 def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:
+    """The block size of the checkpoint's block scales, as its files say it (or None): the safetensors metadata
+    dorafp8 writes, config.json's; refuses a record it cannot read, two that disagree, quantizations it does not
+    read."""
+    cfg = _config_block(source, fmt)
+    raw = source.metadata.get(BLOCK_SIZE_KEY)
+    if raw is None:
+        return cfg
+    if not (isinstance(raw, str) and re.fullmatch(r"[1-9][0-9]{0,5}", raw)):
+        raise CheckpointFormatError(f"{source.where(0)}: its safetensors metadata {BLOCK_SIZE_KEY}={raw!r} is not a "
+                                    f"block size (a positive integer); {DAMAGED}")
+    if cfg is not None and cfg != int(raw):
+        raise CheckpointFormatError(f"{source.name}: its safetensors metadata says {BLOCK_SIZE_KEY}={raw} but "
+                                    f"config.json's quantization_config says block size {cfg}: one of them does not "
+                                    f"belong to these weights (a config.json left from another export?); move the "
+                                    f"wrong one away")
+    return int(raw)
+
+
+def _config_block(source: CheckpointSource, fmt: str) -> Optional[int]:
     """config.json's block size (or None); refuses quantizations dorafp8 does not read."""
     qc = source.quant_config()
     if fmt == "fine-grained":

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
-from .configs import check_destination, quantization_config, transformers_problem, write_config
+from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256,
                     sha256_key, staging)
@@ -26,6 +26,7 @@ from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
+from .source import BLOCK_SIZE_KEY
 
 logger = logging.getLogger("dorafp8")
 
@@ -145,14 +146,14 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
-    _check_folder(real, path, t.stem)
+    _check_folder(real, path, t)
     with _made(real), staging(real, t.stem) as stage:
         writer.path = stage
         out = emit(t, writer, report, **emit_args)
         parts = writer.close()
         write_config(t, stage, report, out)
         with locked(real, f"path={path!r}"):
-            _check_folder(real, path, t.stem)
+            _check_folder(real, path, t)
             names = _publish(stage, real, t.stem, parts, writer.total)
     report.files = [os.path.join(path, n) for n in names]
     return out
@@ -172,14 +173,22 @@ def _made(folder: str):
         raise
 
 
-def _check_folder(real: str, path: str, stem: str) -> None:
-    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index)."""
-    single, index = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
+def _check_folder(real: str, path: str, t: WriteTarget) -> None:
+    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index), or would
+    load as another layout (ModelOpt's hf_quant_config.json beside an export in any other format)."""
+    single, index = f"{t.stem}.safetensors", f"{t.stem}.safetensors.index.json"
     if os.path.lexists(os.path.join(real, single)):
         raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
                               f"instead of an index, so the new export would not be what loads; it is not a file "
                               f"this writer can prove an export wrote, so it is not removed: move it away (or delete "
                               f"it), or export to another folder")
+    if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")):
+        raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
+                              f"left from an earlier ModelOpt export?), which load_fp8_checkpoint and ModelOpt's "
+                              f"readers take as the layout of the weights beside it, so this {t.fmt} export would "
+                              f"load as ModelOpt's, or not at all; it is not removed (an export removes only the "
+                              f"shards of the export it replaces): move it away (or delete it), or export to another "
+                              f"folder")
     for name in (index, "config.json"):
         if os.path.isdir(os.path.join(real, name)):
             raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
@@ -325,9 +334,13 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
     else:
         config_kind = None
     meta_out = dict(src.metadata or {}) if same else {"format": "pt"}
+    meta_out.pop(BLOCK_SIZE_KEY, None)  # the source's: said again below where this write has block scales
     meta_out.update(metadata or {})
-    return WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
-                   "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
+    t = WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
+                    "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
+    if dense_dtype is None and fmt != "modelopt" and any(writes_block(t, m) for m in fp8_modules(base).values()):
+        meta_out[BLOCK_SIZE_KEY] = str(t.block_size)  # what the loader reads, not the scale's shape (source.py)
+    return t
 
 
 def unmerged_adapter_layers(base: nn.Module) -> list[str]:

@@ -603,3 +603,82 @@ def test_export_memory_is_row_blocks_not_a_dense_layer():
         assert out.dtype == E4M3 and 0 < st.rel_error < 0.1
         assert mode.largest <= N * K, (gran, mode.largest / MiB)
         assert mode.peak <= N * K + 4 * 16 * MiB < 4 * N * K, (gran, mode.peak / MiB)
+
+
+def _blocks_of_96():
+    """Two linear layers quantized in 96 x 96 blocks whose scales differ 100-fold: [2, 2] and [1, 2] scale grids,
+    which 128 x 128 blocks would give as well."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(192, 192), nn.Linear(192, 64)).eval()
+    with torch.no_grad():
+        for m in net:
+            m.weight[:96, :96] *= 100.0
+    return dorafp8.quantize_model(net, block_size=96, verbose=False)
+
+
+@pytest.mark.parametrize("fmt", ["dorafp8", "compressed-tensors", "fine-grained"])
+@pytest.mark.parametrize("where", ["file", "folder"])
+def test_block_scales_of_any_size_load_back_as_written(tmp_path, fmt, where):
+    """A scale grid does not say its block size ([2, 2] over [192, 192] is 96 x 96 blocks or 128 x 128 ones) and the
+    loader took 128 wherever it fit: a model quantized in 96 x 96 blocks (quantize_model(block_size=96)), saved to a
+    .safetensors file or a folder without config.json, loaded back in 128 x 128 blocks, silently wrong. The writers
+    record the block size in the safetensors metadata and the loader reads it: the same bytes, scales and outputs."""
+    from torch import nn
+
+    net = _blocks_of_96()
+    path = str(tmp_path / ("x.safetensors" if where == "file" else "x"))
+    dorafp8.save_fp8_checkpoint(net, path, format=fmt, verbose=False)
+    with torch.device("meta"):
+        fresh = nn.Sequential(nn.Linear(192, 192), nn.Linear(192, 64))
+    dorafp8.load_fp8_checkpoint(fresh, path, verbose=False)
+    for a, b in zip(net, fresh):
+        assert b.block_size == 96 and torch.equal(a.scale, b.scale)
+        assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8))
+    x = torch.randn(3, 192)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x), net(x))
+
+
+def test_a_block_size_record_is_checked_and_not_carried_over(tmp_path):
+    """The block size record (safetensors metadata dorafp8_block_size) is refused, naming it, where it is not a
+    positive integer or contradicts config.json; a model loaded from a file with one and saved without block scales
+    does not carry it over (a stale record would make the loader misread, or refuse, the new file)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from torch import nn
+
+    src = str(tmp_path / "x.safetensors")
+    dorafp8.save_fp8_checkpoint(_blocks_of_96(), src, format="dorafp8", verbose=False)
+    with safe_open(src, "pt") as f:
+        assert f.metadata()["dorafp8_block_size"] == "96"
+
+    def fresh():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(192, 192), nn.Linear(192, 64))
+
+    bad = str(tmp_path / "bad.safetensors")
+    save_file(load_file(src), bad, metadata={"format": "pt", "dorafp8_block_size": "1e2"})
+    with pytest.raises(CheckpointFormatError, match=r"bad\.safetensors: its safetensors metadata "
+                                                    r"dorafp8_block_size='1e2' is not a block size"):
+        dorafp8.load_fp8_checkpoint(fresh(), bad, verbose=False)
+    save_file(load_file(src), bad, metadata={"format": "pt", "dorafp8_block_size": "64"})  # [3, 3] blocks, not [2, 2]
+    with pytest.raises(CheckpointFormatError, match=r"0\.scale: shape \[2, 2\] is neither .* nor per b x b block "
+                                                    r"of the \[192, 192\] weight for b = 64 \(from block_size=, the "
+                                                    r"file's dorafp8_block_size metadata or config\.json"):
+        dorafp8.load_fp8_checkpoint(fresh(), bad, verbose=False)
+    folder = tmp_path / "fg"
+    dorafp8.save_fp8_checkpoint(_blocks_of_96(), str(folder), format="fine-grained", verbose=False)
+    (folder / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", "weight_block_size": '
+                                        '[128, 128]}}')
+    with pytest.raises(CheckpointFormatError, match=r"dorafp8_block_size=96 but config\.json's quantization_config "
+                                                    r"says block size 128.*move the wrong one away"):
+        dorafp8.load_fp8_checkpoint(fresh(), str(folder), verbose=False)
+    model = fresh()
+    dorafp8.load_fp8_checkpoint(model, src, verbose=False)
+    rows = str(tmp_path / "rows.safetensors")
+    dorafp8.save_fp8_checkpoint(model, rows, granularity="row", verbose=False)
+    with safe_open(rows, "pt") as f:
+        assert "dorafp8_block_size" not in f.metadata()
+    dorafp8.load_fp8_checkpoint(fresh(), rows, verbose=False)

@@ -251,3 +251,37 @@ def test_safetensors_own_temporary_file_is_left_only_in_a_staging_folder(tmp_pat
         left[0].unlink()
         with pytest.warns(UserWarning, match=r"left by exports that were killed"):
             _export(net, where, size)
+
+
+def test_a_first_export_killed_while_publishing_never_loads_as_if_complete(tmp_path):
+    """A first export into a folder (no index yet), killed at each rename or removal in turn: killed while it moved
+    its shards in (before the index, its commit), it left some of them and no index, and load_fp8_checkpoint read the
+    folder's *.safetensors as the whole checkpoint: strict=False loaded the half export, the rest reported missing,
+    and strict=True called it a checkpoint that does not fit the model. Now such a folder is refused naming the
+    missing shards; every other step leaves nothing to load or the whole export."""
+    net = _net(0)
+    with torch.no_grad():
+        want = net(X)
+    step, refused = 0, 0
+    while True:
+        step += 1
+        dest = tmp_path / f"k{step}" / "ckpt"
+        dest.parent.mkdir()
+        code, said = _in_child(lambda: _export(net, dest, SHARDED), kill_at=step)
+        assert code in (0, 9), said
+        model = _target("meta")
+        try:
+            report = dorafp8.load_fp8_checkpoint(model, dest, strict=False, verbose=False)
+        except FileNotFoundError:
+            assert not any(n.endswith(".safetensors") for n in os.listdir(dest)), f"killed at step {step}"
+        except dorafp8.checkpoint.CheckpointFormatError as e:
+            assert re.search(r"holds \d of the \d shards of 'model-[0-9a-f]{8}' and no index naming them; "
+                             r"'model-[0-9a-f]{8}-0000\d-of-0000\d\.safetensors'.* missing: an export killed", str(e))
+            refused += 1
+        else:
+            assert report.missing == [], f"killed at step {step}: {report.missing}"
+            with torch.no_grad():
+                assert torch.equal(model.eval()(X), want), f"killed at step {step}"
+        if code == 0:
+            break
+    assert refused >= 2

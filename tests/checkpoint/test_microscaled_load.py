@@ -307,7 +307,8 @@ def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
 def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, name):
     """The index of a ModelOpt-layout export records the sha256 of config.json and of hf_quant_config.json (whose
     quant_algo says how the weights read): one changed after the export (another export's, half published; or
-    edited) is refused naming it, as a reader must not pair it with these weights; the export as written loads."""
+    edited) is refused naming it, as a reader must not pair it with these weights; the export as written loads, and
+    so does one edited on purpose once the record the message names is deleted from the index."""
     import json
 
     from dorafp8 import export_merged
@@ -321,9 +322,16 @@ def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, na
     path = out / name
     obj = json.loads(path.read_text())
     path.write_text(json.dumps({**obj, "edited": True}))
+    key = f"dorafp8_{name[:-5]}_sha256"
     with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(path))}: not the file exported with the "
-                                                    rf"weights beside it"):
+                                                    rf"weights beside it.*or it was edited after the export \(to "
+                                                    rf"accept it, delete '{key}' from the \"metadata\" of the index"):
         load_fp8_checkpoint(meta_model(), str(out), verbose=False)
+    index = out / "model.safetensors.index.json"  # the user's edit accepted, as the message says
+    obj = json.loads(index.read_text())
+    del obj["metadata"][key]
+    index.write_text(json.dumps(obj))
+    assert load_fp8_checkpoint(meta_model(), str(out), verbose=False).format == "modelopt"
 
 
 def test_a_damaged_modelopt_export_is_refused(tmp_path):
@@ -449,3 +457,38 @@ def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
     twin = _dense_twin(read_all(path), packed_suffix, reciprocal=reciprocal).eval()
     with torch.no_grad():
         assert_close(torch.load(str(out) + ".pt"), twin(input_ids=IDS).logits, tol(torch.float32), "logits")
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_path, algo):
+    """An fp8 or dense export into a folder holding an earlier ModelOpt export's hf_quant_config.json: the writer
+    used to publish beside it, and the loader then refused the folder saying that config.json's compressed-tensors
+    contradicts ModelOpt's quant_algo, naming neither the stale file nor what to do. The writer refuses before
+    writing anything, naming the file (which it does not remove); one planted after an export is refused by the
+    loader, naming it, instead of reading the folder as ModelOpt's."""
+    import json
+    import shutil
+
+    from dorafp8 import quantize_model, save_fp8_checkpoint
+
+    model = meta_model()
+    load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), algo), verbose=False)
+    out = tmp_path / "out"
+    save_fp8_checkpoint(model, str(out), verbose=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    fp8 = quantize_model(original_model(), per_row_scale=True, verbose=False)
+    for m, fmt in ((fp8, "compressed-tensors"), (fp8, "fine-grained"), (model, "bf16")):
+        with pytest.raises(FileExistsError, match=rf"holds 'hf_quant_config.json' .*this {fmt} export would load as "
+                                                  rf"ModelOpt's.*move it away \(or delete it\)"):
+            save_fp8_checkpoint(m, str(out), format=fmt, verbose=False)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing removed
+    assert load_fp8_checkpoint(meta_model(), str(out), verbose=False).format == "modelopt"
+    ct = tmp_path / "ct"
+    save_fp8_checkpoint(fp8, str(ct), format="compressed-tensors", verbose=False)
+    load_fp8_checkpoint(meta_model(), str(ct), verbose=False)
+    shutil.copy(out / "hf_quant_config.json", ct / "hf_quant_config.json")
+    assert json.loads((ct / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(ct / 'hf_quant_config.json'))}: says "
+                                                    rf"quant_algo '{algo}', but no weight .* is {algo} .*config.json "
+                                                    rf"says quant_method='compressed-tensors'.*move it away"):
+        load_fp8_checkpoint(meta_model(), str(ct), verbose=False)

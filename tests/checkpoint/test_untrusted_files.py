@@ -319,3 +319,72 @@ def test_a_tensor_of_the_wrong_kind_is_refused(sharded, tmp_path, change):
         dorafp8.load_fp8_checkpoint(model, bad, verbose=False)
     assert str(tensors[key].dtype).replace("torch.", "") in str(e.value)
     _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("damage", ["fifo", "folder", "truncated", "html_page", "header_past_the_end",
+                                    "million_keys"])
+def test_load_single_file_checks_a_downloaded_file_before_reading_it(tmp_path, damage):
+    """load_single_file (ComfyUI / kijai fp8_scaled files, which diffusion users download) read its path with
+    safetensors' load_file as it was: a FIFO blocked it for ever, a folder or a damaged download raised safetensors'
+    or the OS's raw error without the file's name or what to do, a million-key header was parsed whole. The file is
+    checked and measured first, as load_fp8_checkpoint's are; the model is not touched (the read comes first)."""
+    from dorafp8.checkpoint.single_file import load_single_file
+
+    path = tmp_path / "flux1-dev_fp8_scaled.safetensors"
+    good = tmp_path / "good.safetensors"
+    st.save_file({"a.weight": torch.ones(4, 4).to(torch.float8_e4m3fn), "a.scale_weight": torch.tensor(0.5)}, good)
+    says, helper = [AGAIN], None
+    if damage == "fifo":
+        os.mkfifo(path)
+        says, helper = ["FIFO"], _unblock_later(path, 3.0)
+    elif damage == "folder":
+        path.mkdir()
+        says = ["a folder"]
+    elif damage == "million_keys":
+        entry = '"t{}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
+        path.write_bytes(_with_header(("{" + ",".join(entry.format(i) for i in range(1_000_000)) + "}").encode()))
+        says = [AGAIN, "refused before parsing it"]
+    else:
+        path.write_bytes(SHARD_DAMAGE[damage](good.read_bytes()))
+    model = torch.nn.Linear(4, 4)
+    snap = _snapshot(model)
+    t0 = time.time()
+    try:
+        with pytest.raises(CheckpointFormatError) as e:
+            load_single_file(model, path, verbose=False)
+    finally:
+        if helper is not None:
+            assert helper.poll() is None  # still waiting for a reader: nothing opened the FIFO
+            helper.kill()
+            helper.wait()
+    assert time.time() - t0 < 3.0
+    for part in (str(path), *says):
+        assert part in str(e.value), (part, str(e.value))
+    _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fine-grained", "comfyui", "musubi", "dorafp8", "fp8-cast"])
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_a_nan_fp8_weight_value_is_refused_naming_the_tensor(sharded, tmp_path, fmt, byte):
+    """float8_e4m3fn's NaN (bytes 0x7f, 0xff; no quantizer writes them, e4m3 saturates at 448) in a weight of a
+    damaged file was loaded as it was: every output of the layer NaN, without a word. Refused, naming the tensor, the
+    model left as it was; the undamaged file loads."""
+    net = sharded[1]
+    if fmt == "fp8-cast":  # no scales: a model whose scales are all 1
+        net = Net().eval()
+        dorafp8.quantize_model(net, include_conv=True)
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(getattr(m, "scale", None), torch.Tensor):
+                    m.scale.fill_(1.0)
+    good = tmp_path / "good.safetensors"
+    dorafp8.save_fp8_checkpoint(net, good, format=fmt, verbose=False)
+    dorafp8.load_fp8_checkpoint(_target("meta"), good, verbose=False)
+    tensors = st.load_file(good)
+    key = next(k for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn and k.endswith("head.weight"))
+    w = tensors[key].clone().view(torch.uint8)
+    w.view(-1)[3] = byte
+    tensors[key] = w.view(torch.float8_e4m3fn)
+    bad = tmp_path / "bad.safetensors"
+    st.save_file(tensors, bad, metadata={"format": "pt"})
+    _refused(bad, names=[key], says=[f"1 of {w.numel()} float8_e4m3fn values are NaN"])

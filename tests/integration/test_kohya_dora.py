@@ -629,6 +629,31 @@ def test_a_damaged_or_strange_file_is_named_with_what_to_do(tmp_path, damage):
     assert _same(model, snap)
 
 
+@pytest.mark.parametrize("how", ["folder", "link"])
+def test_save_to_a_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, how):
+    """save_kohya_dora to a path that is a folder (or a link to one) wrote the whole file into a staging folder, then
+    failed renaming it onto the folder with the OS's raw IsADirectoryError. Refused first, naming the path; nothing
+    is written (safetensors' writer is never called) and the folder is left as it was."""
+    import dorafp8.checkpoint.files as files
+
+    model, _, path, net = lycoris_file(tmp_path)
+    net.restore()
+    pm = dorafp8.load_kohya_dora(model, path)
+    folder = tmp_path / "mine.safetensors"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    target = folder
+    if how == "link":
+        target = tmp_path / "link.safetensors"
+        target.symlink_to(folder)
+    monkeypatch.setattr(files, "save_safetensors", lambda *a, **k: pytest.fail("written"))
+    with pytest.raises(IsADirectoryError, match=rf"path='{re.escape(str(target))}' is a folder.*a path ending in "
+                                                rf"\.safetensors is written as one file"):
+        dorafp8.save_kohya_dora(pm, str(target))
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+
+
 def test_save_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
     """save_kohya_dora's temporary file is fsynced before its rename, and the folder after it (nothing was: a power
     cut after the save could leave an empty file under the name). What a killed save left is not removed (nothing
