@@ -28,6 +28,7 @@ from ..nn import FP8ConvNd, FP8Linear
 from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
+from ..peft.register import adapters_of  # an Embedding's too: the export refuses it, naming it
 from ..peft.conv import DoraFP8ConvVariant
 from .files import open_safetensors, regular_file, save_file_atomic, some
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
@@ -148,7 +149,7 @@ def _export_layers(who: str, model, adapter_name, dora_scale: str, prefix, dtype
     prefix = resolve_prefix(prefix, root)
     layers = _lora_layers(root)
     adapter = _pick_adapter(layers, adapter_name)
-    layers = {n: m for n, m in layers.items() if adapter in _adapters(m)}
+    layers = {n: m for n, m in layers.items() if adapter in adapters_of(m)}
     problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, dora_scale, prefix)]
     if problems:
         raise ValueError(f"{who} cannot write this adapter: " + "; ".join(problems))
@@ -159,13 +160,8 @@ def _lora_layers(root: nn.Module) -> dict[str, LoraLayer]:
     return {n: m for n, m in root.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _adapters(layer: LoraLayer) -> list[str]:
-    """The layer's adapters, an Embedding's too (in lora_embedding_A: the export refuses it, naming it)."""
-    return [*layer.lora_A, *getattr(layer, "lora_embedding_A", {})]
-
-
 def _pick_adapter(layers: dict, adapter_name: Optional[str]) -> str:
-    names = sorted({a for m in layers.values() for a in _adapters(m)})
+    names = sorted({a for m in layers.values() for a in adapters_of(m)})
     if not names:
         raise ValueError("model has no PEFT LoRA/DoRA layers with adapters: nothing to save")
     if adapter_name is not None:
@@ -174,7 +170,7 @@ def _pick_adapter(layers: dict, adapter_name: Optional[str]) -> str:
         return adapter_name
     if len(names) == 1:
         return names[0]
-    active = {a for m in layers.values() for a in m.active_adapters if a in _adapters(m)}
+    active = {a for m in layers.values() for a in m.active_adapters if a in adapters_of(m)}
     if len(active) == 1:
         return active.pop()
     raise ValueError(f"model has several adapters {names}: pass adapter_name= one of them")

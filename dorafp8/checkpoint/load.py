@@ -201,10 +201,15 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
     return f
 
 
+def _e4m3_nan(bits: torch.Tensor) -> torch.Tensor:
+    """Where e4m3 bytes are NaN (0x7f, 0xff)."""
+    return (bits & 0x7F) == 0x7F
+
+
 def _check_e4m3(t: torch.Tensor, key: str) -> None:
     """Refuses float8_e4m3fn values that are NaN (bytes 0x7f, 0xff): no quantizer writes them (e4m3 saturates at
     448), and loaded they would make every output of the layer NaN, silently."""
-    bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    bad = int(_e4m3_nan(t.view(torch.uint8)).sum())
     if bad:
         raise CheckpointFormatError(f"{key}: {bad} of {t.numel()} float8_e4m3fn values are NaN (bytes 0x7f / 0xff, "
                                     f"which no fp8 quantizer writes): the file is damaged or was converted wrongly. "
@@ -295,7 +300,7 @@ class _TensorLoader:
         mod = self.model.get_submodule(sp.module)
         sc = t.contiguous().view(E8M0) if sp.kind == "mxfp8" else t.contiguous()
         bits = sc.view(torch.uint8)
-        bad = (bits == 255) if sp.kind == "mxfp8" else ((bits & 0x7F) == 0x7F) | ((bits & 0x80) != 0) & (bits != 0x80)
+        bad = (bits == 255) if sp.kind == "mxfp8" else _e4m3_nan(bits) | ((bits & 0x80) != 0) & (bits != 0x80)
         if bool(bad.any()):
             raise CheckpointFormatError(f"{k}: {int(bad.sum())} of {bits.numel()} {sp.kind} scale values are NaN or "
                                         f"negative (the file is damaged); nothing was loaded")

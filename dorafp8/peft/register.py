@@ -62,6 +62,11 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
     return len(names) + len(conv_names)
 
 
+def adapters_of(layer) -> list[str]:
+    """The adapters a PEFT LoRA layer holds, an Embedding's (in lora_embedding_A) too."""
+    return [*layer.lora_A, *getattr(layer, "lora_embedding_A", {})]
+
+
 def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     """Raises before anything is merged if any LoRA layer of `model` could not merge `adapter_names` (None: the active
     ones): dorafp8 layers' merge_problems, a name no layer has, or PEFT's NotImplementedError for its conv layers with
@@ -69,7 +74,7 @@ def check_model_merge(model: nn.Module, adapter_names=None) -> None:
     problems, peft_refuses, known, ours = [], [], set(), False
     for name, mod in model.named_modules():
         if isinstance(mod, lora_layer.LoraLayer):
-            known |= {*mod.lora_A, *getattr(mod, "lora_embedding_A", {})}
+            known |= set(adapters_of(mod))
         if isinstance(mod, DoRAFP8Layer):
             ours = True
             problems += [f"{name}: {p}" for p in mod.merge_problems(adapter_names)]
