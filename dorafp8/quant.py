@@ -435,12 +435,16 @@ def dequantize_weight(w8, scale, dtype=torch.float32, *, block_size: int = DEFAU
 
 
 def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by the OCP MX recipe. For tests and fixtures."""
+    """(w8 e4m3 [N, K], scale e8m0 [N, ceil(K/32)]) by ModelOpt's MXFP8 recipe (MXFP8QTensor): the block's scale is
+    2^ceil(log2(amax / 448)), the smallest power of two that saturates no value (all-zero block: 2^-127), values
+    w / scale rounded to e4m3. Unlike the OCP spec's example 2^(floor(log2 amax) - 8), which clips the values above
+    448 times it (up to 12.5% of a block's largest), it re-quantizes an MXFP8 weight of either recipe to the same
+    values: a merge that changes nothing keeps the base exactly. Used by the merge, and by tests and fixtures."""
     N, K = weight.shape
     pad = -K % MXFP8_BLOCK
     w = torch.nn.functional.pad(weight.detach().float(), (0, pad)).reshape(N, -1, MXFP8_BLOCK)
-    amax = w.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 8, torch.full_like(amax, -127)).clamp_(-127, 127)
+    d = w.abs().amax(-1) / E4M3_MAX
+    exp = torch.where(d > 0, torch.log2(d), torch.full_like(d, -127)).ceil_().clamp_(-127, 127)
     scale = (exp + 127).to(torch.uint8).view(E8M0)
     q = (w / e8m0_values(scale)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q.reshape(N, -1)[:, :K].contiguous(), scale

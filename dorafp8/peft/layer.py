@@ -29,7 +29,7 @@ _MERGE_WARNING = (
 # [1024, 1024] weight (tests/peft/test_microscaled_peft.py bounds the merged layers').
 _MICRO_RECIPE = {"nvfp4": "ModelOpt's NVFP4 recipe (e2m1 values, an e4m3 scale per 16, a new global scale; about 9.5% "
                           "relative error on Gaussian weights)",
-                 "mxfp8": "the OCP MX recipe (e4m3 values, an e8m0 scale per 32; about 2.9% relative error)"}
+                 "mxfp8": "ModelOpt's MXFP8 recipe (e4m3 values, an e8m0 scale per 32; about 2.7% relative error)"}
 _MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quantizes the merged weight by {} (each "
                         "layer's in last_merge_error). Merging on the dense model loses none of it")
 

@@ -18,8 +18,8 @@
   modelopt            ModelOpt (nvidia-modelopt) needs CUDA to export; written here by the recipe of its own code
                       (NVFP4QTensor.quantize: dorafp8.quant.quantize_nvfp4 follows it, packing `(q[..., 1::2] << 4) |
                       q[..., 0::2]`) under the names its HF export writes (`weight` uint8, `weight_scale` e4m3,
-                      `weight_scale_2` and `input_scale` fp32) and its hf_quant_config.json; MXFP8 the same way with
-                      OCP MX scales (e8m0 bytes as uint8 under `weight_scale`).
+                      `weight_scale_2` and `input_scale` fp32) and its hf_quant_config.json; MXFP8 the same way
+                      (MXFP8QTensor's 2^ceil(log2(amax / 448)) scales, e8m0 bytes as uint8 under `weight_scale`).
 """
 
 from __future__ import annotations
