@@ -345,6 +345,7 @@ E8M0 = getattr(torch, "float8_e8m0fnu", None)
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
+NVFP4_MIN_SCALE = 2.0 ** -9  # e4m3's smallest subnormal: the least block scale ModelOpt writes
 # The 16 e2m1 codes: bit 3 the sign, bits 0-2 the magnitude's index (ModelOpt's e2m1_values, compressed-tensors' table).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -459,16 +460,18 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale fp32 []) by ModelOpt's NVFP4 recipe: global = amax /
-    (6 * 448), block scale = e4m3(block amax / (6 * global)) (1 for an all-zero block), values w / (scale * global)
-    rounded to the nearest e2m1 (ties to even), packed low nibble first; K a multiple of 16. global_scale: the whole
-    tensor's (nvfp4_global_scale), for rows quantized a block at a time (the merge)."""
+    (6 * 448), block scale = e4m3(block amax / (6 * global)) (1 for an all-zero block; clamped to [2^-9, 448] first,
+    as ModelOpt's _cast_per_block_scale_to_fp8 does: a block whose scale falls under e4m3's range keeps its larger
+    values instead of getting scale 0, which zeroes it), values w / (scale * global) rounded to the nearest e2m1
+    (ties to even), packed low nibble first; K a multiple of 16. global_scale: the whole tensor's
+    (nvfp4_global_scale), for rows quantized a block at a time (the merge)."""
     N, K = weight.shape
     if K % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs in_features a multiple of {NVFP4_BLOCK}, got {K}")
     w = weight.detach().float().reshape(N, -1, NVFP4_BLOCK)
     g = nvfp4_global_scale(w.abs().amax()) if global_scale is None else global_scale.float().reshape(())
     s = w.abs().amax(-1) / (E2M1_MAX * g)
-    s = torch.where(s == 0, torch.ones_like(s), s).to(E4M3)
+    s = torch.where(s == 0, torch.ones_like(s), s).clamp_(NVFP4_MIN_SCALE, E4M3_MAX).to(E4M3)
     x = (w / (s.float() * g)[..., None]).reshape(N, K)
     mags = torch.tensor(E2M1_VALUES[:8], device=w.device)
     mag = x.abs().clamp_(max=E2M1_MAX)

@@ -103,6 +103,18 @@ def test_quantize_mxfp8_is_modelopts_recipe_and_requantizes_its_output_exactly()
     assert torch.equal(quant.dequantize_weight(*quant.quantize_mxfp8(W0)), W0)
 
 
+def test_quantize_nvfp4_keeps_a_block_far_below_the_tensors_amax():
+    """A block whose e4m3 scale would underflow (amax 1e-3 beside 1000: scale 4.5e-4 < 2^-10) gets ModelOpt's least
+    scale 2^-9 (its _cast_per_block_scale_to_fp8 clamps to [2^-9, 448]), keeping its values to e2m1's precision; it
+    got scale 0, which zeroed the block (a merge re-quantizing such a weight lost those rows' values)."""
+    W = torch.cat([torch.full((1, 16), 1000.0), torch.linspace(-1e-3, 1e-3, 16)[None]])
+    packed, scale, g = quant.quantize_nvfp4(W)
+    assert scale[1, 0].float().item() == 2.0 ** -9
+    small = quant.dequantize_weight(packed, scale, global_scale=g)[1]
+    # a unit of 2^-9 * g = 7.3e-4; e2m1 steps by half a unit below 2 units: a quarter unit of error at most
+    assert ((small - W[1]).abs() <= 0.25 * 2.0 ** -9 * float(g) * 1.0001).all()
+
+
 @pytest.mark.parametrize("kind,N,K", [("nvfp4", 33, 48), ("nvfp4", 5, 16), ("mxfp8", 33, 70), ("mxfp8", 3, 32)])
 def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
     """MXFP8 exactly; NVFP4 within two fp32 roundings (the factor scale * global has 24 bits, so its product with
