@@ -422,6 +422,24 @@ def check_micro_scale(scale, kind: str, N: int, K: int, name: str) -> None:
                          f"{list(scale.shape)}")
 
 
+def e4m3_nan(bits: torch.Tensor) -> torch.Tensor:
+    """Where e4m3 bytes (as uint8) are NaN (0x7f, 0xff)."""
+    return (bits & 0x7F) == 0x7F
+
+
+def check_micro_scale_values(scale: torch.Tensor, name: str = "scale") -> None:
+    """Refuses a microscaled scale holding NaN (e8m0 0xFF; e4m3 0x7F / 0xFF) or negative e4m3 values (-0 allowed):
+    no quantizer writes them, and each would turn its block's outputs NaN or flip their sign, silently. One read of
+    the scale's bytes (a host sync on a GPU): for loading and constructing a layer, not for every call."""
+    bits = scale.detach().view(torch.uint8)
+    kind = "mxfp8" if scale.dtype == E8M0 else "nvfp4"
+    bad = (bits == 255) if kind == "mxfp8" else e4m3_nan(bits) | ((bits & 0x80) != 0) & (bits != 0x80)
+    n = int(bad.sum())
+    if n:
+        raise ValueError(f"{name}: {n} of {bits.numel()} {kind} scale values are NaN or negative (first at "
+                         f"{bad.nonzero()[0].tolist()})")
+
+
 def check_global_scale(g, name: str) -> None:
     if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or g.numel() != 1:
         got = f"{g.dtype} {list(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__

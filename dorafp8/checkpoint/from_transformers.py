@@ -14,7 +14,8 @@ from torch import nn
 from ..backends import check_backend_name
 from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
-from ..quant import DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_scale, check_weight
+from ..quant import (DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_micro_scale_values, check_scale,
+                     check_weight)
 from .files import read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
@@ -91,6 +92,7 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
                 raise ValueError(f"{name}.weight_global_scale: {float(g)!r} is not a finite positive NVFP4 global "
                                  f"scale")
             check_weight(mod.weight_packed, mod.weight_scale, DEFAULT_BLOCK, 1.0 / g, name=f"{name}.weight_packed")
+            check_micro_scale_values(mod.weight_scale, f"{name}.weight_scale")  # before any module is swapped
             extras = {} if getattr(mod, "input_global_scale", None) is None else {
                 "input_global_scale": mod.input_global_scale.detach()}
             layers.append((name, mod, mod.weight_packed, mod.weight_scale, DEFAULT_BLOCK, "compressed-tensors", extras,

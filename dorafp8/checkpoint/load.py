@@ -16,7 +16,7 @@ from torch import nn
 from ..nn import FP8Linear, fp8_conv_class
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
-from ..quant import E4M3, E4M3_MAX, E8M0, check_scale, scale_kind
+from ..quant import E4M3, E4M3_MAX, E8M0, check_micro_scale_values, check_scale, e4m3_nan, scale_kind
 from .files import parse_json, some
 from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
@@ -201,15 +201,10 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
     return f
 
 
-def _e4m3_nan(bits: torch.Tensor) -> torch.Tensor:
-    """Where e4m3 bytes are NaN (0x7f, 0xff)."""
-    return (bits & 0x7F) == 0x7F
-
-
 def _check_e4m3(t: torch.Tensor, key: str) -> None:
     """Refuses float8_e4m3fn values that are NaN (bytes 0x7f, 0xff): no quantizer writes them (e4m3 saturates at
     448), and loaded they would make every output of the layer NaN, silently."""
-    bad = int(_e4m3_nan(t.view(torch.uint8)).sum())
+    bad = int(e4m3_nan(t.view(torch.uint8)).sum())
     if bad:
         raise CheckpointFormatError(f"{key}: {bad} of {t.numel()} float8_e4m3fn values are NaN (bytes 0x7f / 0xff, "
                                     f"which no fp8 quantizer writes): the file is damaged or was converted wrongly. "
@@ -299,11 +294,10 @@ class _TensorLoader:
         NVFP4's global scale as the factor W0 multiplies by (compressed-tensors stores its reciprocal)."""
         mod = self.model.get_submodule(sp.module)
         sc = t.contiguous().view(E8M0) if sp.kind == "mxfp8" else t.contiguous()
-        bits = sc.view(torch.uint8)
-        bad = (bits == 255) if sp.kind == "mxfp8" else _e4m3_nan(bits) | ((bits & 0x80) != 0) & (bits != 0x80)
-        if bool(bad.any()):
-            raise CheckpointFormatError(f"{k}: {int(bad.sum())} of {bits.numel()} {sp.kind} scale values are NaN or "
-                                        f"negative (the file is damaged); nothing was loaded")
+        try:
+            check_micro_scale_values(sc, k)
+        except ValueError as e:
+            raise CheckpointFormatError(f"{e}: the file is damaged; nothing was loaded") from None
         set_tensor(self.model, f"{sp.module}.scale", sc, param=False)
         p = self.plan.layers[sp.module]
         if p.global_key is not None:

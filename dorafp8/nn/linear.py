@@ -10,8 +10,8 @@ from torch import nn
 from ..backends import check_backend_name
 from ..ops import fp8_linear
 from ..quant import check_act_quant
-from ..quant import (DEFAULT_BLOCK, check_block_size, check_weight, dequantize_weight, quantize_e4m3, scale_kind,
-                     weight_dims)
+from ..quant import (DEFAULT_BLOCK, MICRO_KINDS, check_block_size, check_micro_scale_values, check_weight,
+                     dequantize_weight, quantize_e4m3, scale_kind, weight_dims)
 from ._base import FP8WeightModule, fp8_cast_parts, peft_unregistered_hint
 from .torchao_fp8 import is_torchao_tensor, torchao_fp8_parts
 
@@ -123,6 +123,8 @@ class FP8Linear(FP8WeightModule):
         if global_scale is not None and not (bool(torch.isfinite(global_scale).all()) and float(global_scale) > 0):
             # checked once here, not on every call (a host sync): a NaN or inf one would make every output NaN
             raise ValueError(f"global_scale must be a finite positive fp32 value, got {float(global_scale)!r}")
+        if scale_kind(scale) in MICRO_KINDS and not scale.is_meta:
+            check_micro_scale_values(scale)  # the same once-only check, for the microscaled kinds' block scales
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         new = cls(in_features, out_features, bias=bias is not None, device="meta", dtype=dtype,
                   block_size=block_size, backend=backend, act_quant=act_quant)

@@ -148,6 +148,42 @@ def test_fp8linear_refuses_a_non_finite_global_scale():
             FP8Linear.from_fp8(packed, scale, global_scale=torch.tensor(bad))
 
 
+@pytest.mark.parametrize("kind,byte", [("nvfp4", 0x7F), ("nvfp4", 0xFF), ("nvfp4", 0x91), ("mxfp8", 0xFF)])
+def test_fp8linear_refuses_nan_or_negative_block_scales(kind, byte):
+    """e4m3 NaN (0x7f / 0xff) or negative (0x91: -2^-6), e8m0 NaN (0xff, OCP MX's one NaN code): refused naming the
+    scale and where, as load_fp8_checkpoint refuses them; they made every output of their rows NaN (or the wrong sign)
+    silently. A scale of -0 or e8m0 0x00 (2^-127) is a value and is kept."""
+    W = torch.randn(4, 64)
+    w, scale, g = quant.quantize_nvfp4(W) if kind == "nvfp4" else (*quant.quantize_mxfp8(W), None)
+    ok = scale.clone()
+    ok.view(torch.uint8)[0, 0] = 0x80 if kind == "nvfp4" else 0x00
+    FP8Linear.from_fp8(w, ok, global_scale=g)
+    scale.view(torch.uint8)[2, 1] = byte
+    with pytest.raises(ValueError, match=rf"scale: 1 of {scale.numel()} {kind} scale values are NaN or negative "
+                                         r"\(first at \[2, 1\]\)"):
+        FP8Linear.from_fp8(w, scale, global_scale=g)
+
+
+def test_from_transformers_fp8_refuses_a_nan_nvfp4_block_scale(tmp_path):
+    """A compressed-tensors NVFP4 model from from_pretrained whose block scale is NaN: from_transformers_fp8 names the
+    tensor and leaves every module as it was (GUIDE: a NaN scale is refused naming the tensor, before the model
+    changes), as load_fp8_checkpoint does; it converted the model, whose outputs were then NaN."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    from dorafp8 import from_transformers_fp8
+
+    path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    target = model.model.layers[1].mlp.up_proj
+    target.weight_scale.data.view(torch.uint8)[3, 0] = 0x7F
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale: 1 of \d+ nvfp4 scale values "
+                                         r"are NaN or negative \(first at \[3, 0\]\)"):
+        from_transformers_fp8(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
 def test_mxfp8_with_a_wrong_scale_shape_is_refused():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(70, 8, bias=False))
