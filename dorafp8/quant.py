@@ -252,7 +252,10 @@ def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int =
     """Returns scale as fp32: [] (per tensor), [n_rows] (per row; [n_rows, 1] accepted) or per b x b block."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype == E4M3:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}")
+        # ModelOpt stores MXFP8's e8m0 scales as uint8 bytes: .float() of them would be the byte values, not the scale
+        hint = (f"; an MXFP8 scale stored as uint8 e8m0 bytes (ModelOpt's) is {name}.view(torch.float8_e8m0fnu)"
+                if got == torch.uint8 else "")
+        raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}{hint}")
     if scale.numel() == 1 and not (scale.dim() == 2 and n_rows > block_size):
         return scale.reshape(()).float()
     if scale.dim() == 1 and scale.shape[0] == n_rows:

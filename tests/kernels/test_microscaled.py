@@ -276,6 +276,11 @@ def test_malformed_microscaled_arguments_are_refused_by_name():
         dorafp8.fp8_linear(torch.randn(2, 40), w8, e[:, :1].contiguous())
     with pytest.raises(ValueError, match="global_scale is NVFP4's"):
         dorafp8.fp8_linear(torch.randn(2, 40), w8, e, global_scale=g)
+    # ModelOpt's file holds the e8m0 bytes as uint8: the message says how to pass them (.float() gives the bytes'
+    # values, which a [N, 1] per-row scale (K <= 32) would take silently)
+    with pytest.raises(TypeError, match=r"an MXFP8 scale stored as uint8 e8m0 bytes .ModelOpt's. is "
+                                        r"scale\.view\(torch\.float8_e8m0fnu\)"):
+        dorafp8.fp8_linear(torch.randn(2, 40), w8, e.view(torch.uint8))
     if backends.unavailable_reason("triton", torch.device("cpu")) is None:  # its microscaled loop is W8A16 only
         with pytest.raises(ValueError, match="act_quant='rowwise' .W8A8. with an nvfp4 weight is not supported by "
                                              "the triton backend"):
