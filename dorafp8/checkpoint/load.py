@@ -333,14 +333,15 @@ class _TensorLoader:
         self.report.loaded.append(m)
 
     def _extra(self, k: str, t: torch.Tensor) -> None:
-        """Extras of an fp8 layer: static activation scales, comfy_quant, zero points."""
+        """Extras of an fp8 layer: static activation scales, comfy_quant, zero points, KV-cache scales."""
         mod_name = self.plan.layer_of.get(f"{layer_key(k)}.weight")
         mod = self.model.get_submodule(mod_name) if mod_name else None
         if isinstance(mod, FP8_LAYER_TYPES):
             mod._dorafp8_source.extras[k.rpartition(".")[2]] = t
+        kv = "ModelOpt's FP8 KV-cache scales (training quantizes no KV cache; written back on save)"
         self.report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
                                "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
-                               "zero)"}.get(k.rpartition(".")[2], "static activation scales (not used: "
+                               "zero)", "k_scale": kv, "v_scale": kv}.get(k.rpartition(".")[2], "static activation scales (not used: "
                                "act_quant='rowwise' scales activations per row as it runs; written back on save)")
 
 

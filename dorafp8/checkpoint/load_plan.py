@@ -253,7 +253,9 @@ def _plan_micro(plan: LoadPlan, p: LayerPlan, kind: str, k: str, mod_name: str, 
     p.kind, p.scale_key = kind, sk
     plan.scales[sk] = ScalePlan(mod_name, N, K, DEFAULT_BLOCK, True, kind=kind)
     plan.consumed[sk] = "scale"
-    for extra in ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point"):
+    # k_scale / v_scale: ModelOpt's FP8 KV-cache calibration (kv_cache_quant_algo "FP8"), exported on k_proj / v_proj;
+    # kept for the write-back like the activation scales (training does not quantize a KV cache)
+    for extra in ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point", "k_scale", "v_scale"):
         if f"{lay}.{extra}" in info:
             plan.consumed[f"{lay}.{extra}"] = "extra"
             p.extras.append(f"{lay}.{extra}")

@@ -396,6 +396,31 @@ def test_a_damaged_modelopt_export_is_refused(tmp_path):
             load_fp8_checkpoint(meta_model(), damaged, verbose=False)
 
 
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
+    """ModelOpt exports with kv_cache_quant_algo "FP8" (NVIDIA's published NVFP4 models among them) carry
+    `<k_proj>.k_scale` and `<v_proj>.v_scale`: they load by default, kept as extras and named in the report, and
+    save_fp8_checkpoint writes them back as they were. They made the whole load fail ("fit nothing in the model")."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dorafp8 import save_fp8_checkpoint
+
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
+    kv = {f"model.layers.{i}.self_attn.{p}_proj.{p}_scale": torch.tensor(0.01 * (i + 1)) for i in range(2)
+          for p in "kv"}
+    save_file({**read_all(src), **kv}, os.path.join(src, "model.safetensors"))  # the fixture writes one file
+    with open(os.path.join(src, "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["quant_algo"] == algo
+    model = meta_model()
+    report = load_fp8_checkpoint(model, src, verbose=False)
+    assert {k for k in report.kept if k in kv} == set(kv)
+    save_fp8_checkpoint(model, str(tmp_path / "out"), format="modelopt", verbose=False)
+    back = read_all(str(tmp_path / "out"))
+    assert all(torch.equal(back[k], v) for k, v in kv.items())
+
+
 def test_from_pretrained_then_from_transformers_fp8(tmp_path):
     """transformers' from_pretrained of a compressed-tensors NVFP4 checkpoint leaves its modules compressed on CPU
     (weight_packed, weight_scale, weight_global_scale); from_transformers_fp8 swaps them for NVFP4 FP8Linear layers
