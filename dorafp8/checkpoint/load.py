@@ -341,8 +341,9 @@ class _TensorLoader:
         kv = "ModelOpt's FP8 KV-cache scales (training quantizes no KV cache; written back on save)"
         self.report.kept[k] = {"comfy_quant": "ComfyUI layer configs (written back on save)",
                                "weight_zero_point": "zero points (all zero)", "input_zero_point": "zero points (all "
-                               "zero)", "k_scale": kv, "v_scale": kv}.get(k.rpartition(".")[2], "static activation scales (not used: "
-                               "act_quant='rowwise' scales activations per row as it runs; written back on save)")
+                               "zero)", "k_scale": kv, "v_scale": kv}.get(
+            k.rpartition(".")[2], "static activation scales (not used: act_quant='rowwise' scales activations per row "
+                                  "as it runs; written back on save)")
 
 
 # ---- the checks that need more than the plan --------------------------------------------------------------------
