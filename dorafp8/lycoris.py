@@ -18,7 +18,7 @@ from .nn import FP8ConvNd, FP8Linear
 from .nn.conv import NN_CONV
 from .ops import dora_fp8_conv, dora_fp8_linear, weight_norm
 from .merge import adapted_row_blocks, column_norms
-from .quant import dequantize_e4m3
+from .quant import dequantize_e4m3, dequantize_weight
 
 FP8_LAYERS = (FP8Linear, FP8ConvNd)
 
@@ -30,6 +30,9 @@ def _torch_class(fp8_cls: type) -> type:
 def _dense_weight(layer: nn.Module) -> Tensor:
     """scale * w8 in fp32, in the layer's own layout (from the parameter: `weight` is the view's)."""
     w8 = layer._parameters["weight"]
+    if isinstance(layer, FP8Linear):  # every kind, the microscaled ones too (a packed NVFP4 weight is [N, K / 2])
+        return dequantize_weight(w8, layer.scale, torch.float32, block_size=layer.block_size,
+                                 global_scale=layer.global_scale)
     return dequantize_e4m3(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32,
                            block_size=layer.block_size).view(w8.shape)
 
@@ -90,18 +93,18 @@ class _AdapterNorm(torch.autograd.Function):
     (0 where ||V|| = 0, as torch's norm backward), pulled back to A and B in fp32 row blocks."""
 
     @staticmethod
-    def forward(ctx, A, B, w8, scale, block_size, s, axis, group, backend):
+    def forward(ctx, A, B, w8, scale, block_size, s, axis, group, backend, global_scale):
         if axis == 0:
-            n = weight_norm(w8, scale, A, B, s, backend=backend, block_size=block_size)
+            n = weight_norm(w8, scale, A, B, s, backend=backend, block_size=block_size, global_scale=global_scale)
         else:
-            n = column_norms(w8, scale, block_size, A, B, s, group)
-        ctx.save_for_backward(A, B, w8, scale, n)
+            n = column_norms(w8, scale, block_size, A, B, s, group, global_scale)
+        ctx.save_for_backward(A, B, w8, scale, n, global_scale)
         ctx.args = (block_size, s, axis, group)
         return n
 
     @staticmethod
     def backward(ctx, gn):
-        A, B, w8, scale, n = ctx.saved_tensors
+        A, B, w8, scale, n, global_scale = ctx.saved_tensors
         block_size, s, axis, group = ctx.args
         with torch.autocast(w8.device.type, enabled=False):
             kappa = torch.where(n > 0, gn.float() / n, torch.zeros_like(n))
@@ -109,13 +112,13 @@ class _AdapterNorm(torch.autograd.Function):
                 kappa = kappa.repeat_interleave(group)
             A32, B32 = A.detach().float(), B.detach().float()
             dA, dB = torch.zeros_like(A32), torch.empty_like(B32)
-            for j0, j1, V in adapted_row_blocks(w8, scale, block_size, A32, B32, s):
+            for j0, j1, V in adapted_row_blocks(w8, scale, block_size, A32, B32, s, global_scale):
                 G = V.mul_(kappa[j0:j1, None] if axis == 0 else kappa)  # dL/dV for these rows
                 torch.mm(G, A32.t(), out=dB[j0:j1])
                 dA.addmm_(B32[j0:j1].t(), G, alpha=s)
             dB.mul_(s)
         return (dA.to(A.dtype) if ctx.needs_input_grad[0] else None,
-                dB.to(B.dtype) if ctx.needs_input_grad[1] else None) + (None,) * 7
+                dB.to(B.dtype) if ctx.needs_input_grad[1] else None) + (None,) * 8
 
 
 # ---- 2. the LoCon module on an fp8 layer -----------------------------------------------------------------------------
@@ -177,7 +180,7 @@ class FP8LoConModule(LoConModule):
         if isinstance(layer, FP8Linear):
             return dora_fp8_linear(x, layer.fp8_weight(), layer.scale, A, U, magnitude, scaling, layer.bias,
                                    backend=layer.backend, weight_norm=n, block_size=layer.block_size,
-                                   act_quant=layer.act_quant)
+                                   act_quant=layer.act_quant, global_scale=layer.global_scale)
         return dora_fp8_conv(x, layer.fp8_weight(), layer.scale, A, U.reshape(U.shape + (1,) * layer._nd),
                              magnitude, scaling, layer.bias, layer.stride, layer.conv_padding(), layer.dilation,
                              layer.groups, backend=layer.backend, weight_norm=n, block_size=layer.block_size)
@@ -187,7 +190,8 @@ class FP8LoConModule(LoConModule):
         w8 = layer.fp8_weight()
         group = math.prod(w8.shape[2:])  # axis 1 of a conv: the kernel's columns of one input channel
         n = _AdapterNorm.apply(A.reshape(A.shape[0], -1), U, w8.reshape(w8.shape[0], -1), layer.scale,
-                               layer.block_size, float(self.scale), axis, group, layer.backend)
+                               layer.block_size, float(self.scale), axis, group, layer.backend,
+                               getattr(layer, "global_scale", None))
         return n + torch.finfo(self.dora_scale.dtype).eps  # LyCORIS: ||W'|| + eps of dora_scale's dtype
 
     def forward(self, x, *args, **kwargs):

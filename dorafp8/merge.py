@@ -11,25 +11,27 @@ import torch
 
 from .ops import norm_divisor
 from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, micro_rows, nvfp4_global_scale,
-                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, scale_kind, scale_rows, w0_rows)
+                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, scale_kind, scale_rows, w0_rows,
+                    weight_dims)
 
 RowFn = Callable[[int, int], torch.Tensor]
 
 
 def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
-                       s: float):
-    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, one row block (<= 16 MiB) at a time."""
-    N, K = w8.shape
+                       s: float, global_scale=None):
+    """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, one row block (<= 16 MiB) at a time (global_scale: NVFP4's)."""
+    N, K = weight_dims(w8)
     for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
-        yield j0, j1, w0_rows(w8, scale, block_size, j0, j1).addmm_(B[j0:j1], A, alpha=s)
+        yield j0, j1, w0_rows(w8, scale, block_size, j0, j1, global_scale).addmm_(B[j0:j1], A, alpha=s)
 
 
 def column_norms(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch.Tensor, B: torch.Tensor,
-                 s: float, group: int = 1) -> torch.Tensor:
+                 s: float, group: int = 1, global_scale=None) -> torch.Tensor:
     """||V[:, k]|| (fp32 [K / group], no grad) for V = W0 + s B A: what input-axis DoRA divides by."""
     with torch.no_grad(), torch.autocast(w8.device.type, enabled=False):
-        sq = torch.zeros(w8.shape[1], dtype=torch.float32, device=w8.device)
-        for _, _, V in adapted_row_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s):
+        sq = torch.zeros(weight_dims(w8)[1], dtype=torch.float32, device=w8.device)
+        for _, _, V in adapted_row_blocks(w8, scale, block_size, A.detach().float(), B.detach().float(), s,
+                                          global_scale):
             sq += V.square_().sum(0)
         return sq.view(-1, group).sum(1).sqrt_()
 

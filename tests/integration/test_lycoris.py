@@ -165,6 +165,41 @@ def test_outputs_and_gradients_match_lycoris_on_the_dequantized_base(variant):
     assert losses["q"][-1] < losses["q"][0]
 
 
+@pytest.mark.parametrize("wd_on_output", [True, False])
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+def test_dora_on_nvfp4_and_mxfp8_linears_matches_lycoris_on_the_dequantized_base(kind, wd_on_output):
+    """LyCORIS DoRA on microscaled FP8Linears (NVFP4 with its global scale, MXFP8): building the network, the output
+    and every gradient (the norm's too) as LyCORIS's on the dequantized weights, against fp64. NVFP4 failed on the
+    first read of the weight (a packed uint8 weight taken for e4m3), then on the missing global scale."""
+    from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16))
+    q, dense = copy.deepcopy(model), copy.deepcopy(model)
+    for i in (0, 2):
+        w, b = model[i].weight.data, model[i].bias.data
+        if kind == "nvfp4":
+            w8, scale, g = quantize_nvfp4(w)
+            q[i] = FP8Linear.from_fp8(w8, scale, bias=b, global_scale=g)
+        else:
+            w8, scale = quantize_mxfp8(w)
+            q[i] = FP8Linear.from_fp8(w8, scale, bias=b)
+        dense[i].weight.data = q[i].dequantize(torch.float32)
+    dense64 = copy.deepcopy(dense).double()
+    nets = _networks((q, dense, dense64), 1.0, algo="locon", dora_wd=True, wd_on_output=wd_on_output)
+    assert [type(m).__name__ for m in nets[0].loras] == ["FP8LoConModule"] * 2
+    _perturb(*nets)
+    nets[2].double()
+    x, target = torch.randn(5, 32), torch.randn(5, 16)
+    (y_q, g_q), (y_d, g_d), (y_64, g_64) = (_run(m, n, x, target, dt) for m, n, dt in (
+        (q, nets[0], torch.float32), (dense, nets[1], torch.float32), (dense64, nets[2], torch.float64)))
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert err(y_q, y_64) <= 4 * err(y_d, y_64) + 1e-7, (err(y_q, y_64), err(y_d, y_64))
+    assert set(g_q) == set(g_64) and all(t is not None and t.norm() > 0 for t in g_64.values())
+    for k, truth in g_64.items():
+        assert err(g_q[k], truth) <= 4 * err(g_d[k], truth) + 1e-6, (k, err(g_q[k], truth), err(g_d[k], truth))
+
+
 def test_unet_trains_and_saves_like_lycoris_on_the_dense_unet(tmp_path):
     """The issue's call on a diffusers UNet (SD's block types) with every Linear and Conv2d quantized:
     create_lycoris(unet, ..., algo="locon", dora_wd=True) puts a module on every layer it takes on the dense UNet;
