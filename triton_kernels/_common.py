@@ -72,15 +72,23 @@ def planning_for_gpu(sms: int, blocks: int):
 
 
 def launch(kernel, grid):
-    """kernel[grid], seen first by the LAUNCH_OBSERVERS."""
-    if not LAUNCH_OBSERVERS:
-        return kernel[grid]
+    """kernel[grid] on its first tensor's GPU, seen first by the LAUNCH_OBSERVERS.
+
+    Triton launches on the *current* GPU (and its current stream), not on its tensors': a layer that
+    device_map="auto" put on cuda:1, called while cuda:0 is current (the caller's thread), would run on GPU 0 with
+    GPU 1's pointers, unordered with GPU 1's stream. The CUDA extension guards its device itself (csrc/binding.cpp)."""
 
     def run(*args, **kwargs):
         handled = False
         for observe in LAUNCH_OBSERVERS:
             handled = bool(observe(kernel, grid, args, kwargs)) or handled
-        return None if handled else kernel[grid](*args, **kwargs)
+        if handled:
+            return None
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if dev is None or dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+            return kernel[grid](*args, **kwargs)
+        with torch.cuda.device(dev.index):
+            return kernel[grid](*args, **kwargs)
 
     return run
 

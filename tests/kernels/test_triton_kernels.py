@@ -527,3 +527,38 @@ def test_block_scales_on_the_hopper_loops_own_tiles(device, M, act_quant, main_l
     tuned = [t for t in _common._TUNERS.values()]
     assert tuned and all(len(t.configs) == 1 for t in tuned)
     assert M <= 64 or {t.configs[0].kwargs["BLOCK_M"] for t in tuned} == {128}
+
+
+def test_a_launch_runs_on_its_tensors_gpu(monkeypatch):
+    """Triton launches on the current GPU: a layer device_map put on cuda:1, called while cuda:0 is current, must still
+    launch on cuda:1 (triton_kernels/_common.launch switches to its first tensor's GPU for the launch, then back).
+    Before, it launched on cuda:0 with cuda:1's pointers. No GPU here: a fake cuda:1 tensor and a recorded switch."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dorafp8.triton_kernels import _common
+
+    with FakeTensorMode():
+        on1, on0 = torch.empty(4, device="cuda:1"), torch.empty(4, device="cuda:0")
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(index):
+        prev, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(current[0])
+
+    for first in (on1, on0, torch.empty(4)):
+        _common.launch(Kernel(), (1,))(first, 3, on0, BLOCK=16)
+    assert seen == [1, 0, 0] and current[0] == 0
