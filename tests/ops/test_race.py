@@ -190,6 +190,28 @@ def test_the_child_builds_inputs_of_the_keys_kind(kind):
     assert (t["w8"].dtype == torch.uint8) == (kind == "nvfp4") and (t["global_scale"] is None) == (kind == "mxfp8")
 
 
+def test_the_child_checks_the_dorafp8_this_process_runs(race, used, monkeypatch):
+    """The child imports the dorafp8 its parent runs, whatever its own path finds first: a `dorafp8/` folder in the
+    working directory (another version's checkout) answering for the kernels is never asked. Before, `python -m
+    dorafp8` put the working directory first: that folder's verdicts were taken for this installation's kernels, and
+    where a script had put dorafp8 on sys.path itself, the child found none and every key ran the reference."""
+    other = race / "cwd" / "dorafp8"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (other / "__main__.py").write_text(
+        "import json, sys\n"
+        f"open({str(race / 'other.log')!r}, 'w').write('asked')\n"
+        "print('dorafp8-race result ' + json.dumps({c: {'ok': True, 'ms': 1.0} for c in json.loads(sys.argv[2])"
+        "['cands']}))\n")
+    monkeypatch.chdir(other.parent)
+    monkeypatch.delenv("PYTHONPATH")
+    monkeypatch.setattr(_race, "CHILD", REAL_CHILD)
+    _step()
+    assert not (race / "other.log").exists(), "the working directory's dorafp8 answered for this one's kernels"
+    assert "native" in used
+    assert all(v["native"]["ok"] and "rows" in v["native"] for v in _verdicts(race)["keys"].values())
+
+
 def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     monkeypatch.setattr(_race, "CHILD", planted("wrong"))
     with pytest.warns(RuntimeWarning, match=r"backend 'native' is not used by backend='auto' for dora N=24 K=32 "
