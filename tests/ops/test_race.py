@@ -478,6 +478,25 @@ def test_selftest_checks_headline_keys_now(race, monkeypatch):
     assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
 
 
+def test_selftest_checks_only_what_auto_would_race(race, monkeypatch):
+    """`dorafp8 selftest` checks each key's candidates as backend="auto" races them: the CUDA extension (no block
+    scales, no W8A8) and cuBLAS (no W8A8) are not run on keys they cannot compute. Before, they were, and the selftest
+    printed "FAILED: ValueError ..." for them, with a warning that the verdict was kept, on every healthy GPU."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "cuda", "cublas"))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    asked = {}
+
+    def check(spec):
+        asked[spec["scale"] + (" w8a8" if spec["act_quant"] else "")] = spec["cands"]
+        return {c: {"ok": True, "ms": 1.0} for c in spec["cands"]}, {}
+
+    monkeypatch.setattr(_race, "check", check)
+    lines = _race.selftest(CPU)
+    assert asked == {"tensor": ["native", "cuda", "cublas"], "row": ["native", "cuda", "cublas"],
+                     "block": ["native", "cublas"], "tensor w8a8": ["native"]}, asked
+    assert not any("FAILED" in line for line in lines), lines
+
+
 def test_the_child_bound_follows_the_tests_tolerances():
     """The child's bound (_race.TOL, ROOM times it) is the tests' tol(dtype): the two cannot drift apart."""
     from tests._tolerance import TOL
