@@ -212,6 +212,26 @@ def test_the_child_checks_the_dorafp8_this_process_runs(race, used, monkeypatch)
     assert all(v["native"]["ok"] and "rows" in v["native"] for v in _verdicts(race)["keys"].values())
 
 
+def test_the_child_runs_on_the_keys_gpu(monkeypatch):
+    """The child makes the key's GPU current before it runs anything: Triton launches on the current device, and the
+    child starts on cuda:0, so rank r's key (cuda:r) ran its Triton candidate on GPU 0 with GPU r's pointers (an
+    illegal address: the candidate, and the ones after it, failed, and the verdict was kept for every rank). Before,
+    nothing set it. (On CPU: the call is recorded and stops the child there.)"""
+    from dorafp8.ops import _race_child
+
+    class Made(Exception):
+        pass
+
+    def set_device(device):
+        raise Made(str(device))
+
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit, parent: None)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    spec = _race.spec_of("dora", torch.device("cuda:1"), N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
+    with pytest.raises(Made, match="cuda:1"):
+        _race_child.main([json.dumps(dict(spec, cands=["triton"]))])
+
+
 def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     monkeypatch.setattr(_race, "CHILD", planted("wrong"))
     with pytest.warns(RuntimeWarning, match=r"backend 'native' is not used by backend='auto' for dora N=24 K=32 "
