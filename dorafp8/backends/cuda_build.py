@@ -121,7 +121,7 @@ def build(device: torch.device) -> ModuleType:
 
     p = plan(device)
     out = Path(p["build_directory"])
-    try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out, as for a failed build
+    try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: its build folder {out} cannot be made "

@@ -311,7 +311,8 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
 
 def _candidates(device: torch.device, needs: frozenset, order) -> list[str]:
     """The backends of `order` that run on `device` and compute what the call `needs` (block scales, W8A8)."""
-    return [c for c in order if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
+    return [c for c in order
+            if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
 
 
 def _capturing() -> bool:

@@ -139,6 +139,8 @@ def main(argv: list[str]) -> int:
                 verdict = None if why is None else {"ok": False, "error": why}
             except torch.OutOfMemoryError as e:
                 verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
+            except OSError as e:  # the compiler's cache on a full disk or unwritable: nothing said of the kernel
+                verdict = {"ok": None, "error": f"{type(e).__name__} while checking: {e}"[:600]}
             except Exception as e:
                 verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
             if verdict is not None:
@@ -159,8 +161,8 @@ def main(argv: list[str]) -> int:
                 _step(spec, t, c)  # its outputs freed at once: one candidate's at a time
                 _sync(device)
                 times[c].append(time.perf_counter() - t0)
-    except torch.OutOfMemoryError as e:  # next to the user's job: says nothing of the kernels (checked again later)
-        say("result", json.dumps({c: {"ok": None, "error": f"out of memory while timing ({e})"[:300]}
+    except (torch.OutOfMemoryError, OSError) as e:  # next to the user's job, or a full disk: says nothing of the
+        say("result", json.dumps({c: {"ok": None, "error": f"{type(e).__name__} while timing ({e})"[:300]}  # kernels
                                   for c in passed}))
         return 0
     # what was timed, and the child's GPU peak against its bound (_race.budget), kept with the verdicts

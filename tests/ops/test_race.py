@@ -254,6 +254,22 @@ def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     assert set(used) == {"reference"} and len(_verdicts(race)["keys"]) == 2
 
 
+def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch):
+    """A candidate failing with an OSError (Triton's cache on a full disk or an unwritable TRITON_CACHE_DIR) says
+    nothing of its kernel: not used in this process (the reference serves), not kept, checked again by the next
+    process. Before, it was a verdict kept in the file: the backend was never used for the key again, disk freed."""
+    monkeypatch.setattr(_race, "CHILD", planted("nospace"))
+    with pytest.warns(RuntimeWarning, match=r"'native' is not checked, so not used .*No space left on device"):
+        _step()
+    assert set(used) == {"reference"}
+    assert all("native" not in v for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
+    _race.forget()  # the next process, the disk freed: checked again, and used
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step()
+    assert children(race) == 1 and "native" in used
+
+
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
 
 
