@@ -307,8 +307,9 @@ def test_a_checkout_that_does_not_import_stops_at_once(tmp_path):
 def test_an_uninstalled_checkout_gets_the_triton_kernels_link(tmp_path, monkeypatch):
     import importlib.metadata
 
-    shutil.copytree(os.path.join(ROOT, "dorafp8"), tmp_path / "dorafp8", ignore=shutil.ignore_patterns("__pycache__",
-                                                                                                      "*.so"))
+    # not the link itself: an earlier run of the command on this checkout, before it was installed, left it there
+    shutil.copytree(os.path.join(ROOT, "dorafp8"), tmp_path / "dorafp8",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "triton_kernels"))
     shutil.copytree(os.path.join(ROOT, "triton_kernels"), tmp_path / "triton_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(FC, "ROOT", str(tmp_path))
