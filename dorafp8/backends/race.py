@@ -37,12 +37,15 @@ MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
 SWITCHES = ("DORAFP8_HOPPER_GEMM",)
 # The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
-# crashing kernels. It imports the dorafp8 this process runs (its folder first on sys.path), not the one its own path
-# finds: `-m dorafp8` found none where dorafp8 was put on sys.path by a script (every key then ran the reference),
-# and a `dorafp8/` folder in the working directory, or another installation, was checked in this one's place.
-_HOME = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD: list[str] = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-                    "from dorafp8.__main__ import main; sys.exit(main())", _HOME, "check"]
+# crashing kernels. It imports the dorafp8 this process runs, from its __init__.py, not the one its own path finds:
+# `-m dorafp8` found none where a script had put dorafp8 on sys.path (every key then ran the reference), and a
+# `dorafp8/` folder in the working directory, or another installation, was checked in this one's place. (Not by
+# putting its folder first on sys.path: that may be site-packages, whose backports would shadow the standard library.)
+_INIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
+CHILD: list[str] = [sys.executable, "-c", (
+    "import importlib.util as u, sys; s = u.spec_from_file_location('dorafp8', sys.argv.pop(1)); "
+    "m = sys.modules['dorafp8'] = u.module_from_spec(s); s.loader.exec_module(m); "
+    "from dorafp8.__main__ import main; sys.exit(main())"), _INIT, "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}  # tests/_tolerance.py's tol(dtype)
 ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (docs/ARCHITECTURE.md)
 W8A8_REL = 2.0 ** -5
