@@ -117,8 +117,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
-    if device.type == "cuda":  # Triton launches on the current GPU, not its tensors': rank r's key is on cuda:r
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:  # Triton launches on the current GPU, not its tensors':
+        torch.cuda.set_device(device)  # rank r's key is on cuda:r (selftest's "cuda" is the current one already)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False
 

@@ -216,20 +216,26 @@ def test_the_child_runs_on_the_keys_gpu(monkeypatch):
     """The child makes the key's GPU current before it runs anything: Triton launches on the current device, and the
     child starts on cuda:0, so rank r's key (cuda:r) ran its Triton candidate on GPU 0 with GPU r's pointers (an
     illegal address: the candidate, and the ones after it, failed, and the verdict was kept for every rank). Before,
-    nothing set it. (On CPU: the call is recorded and stops the child there.)"""
+    nothing set it. A device without an index (selftest's "cuda") is left as it is: set_device refuses it. (On CPU:
+    the calls are recorded, and the child stopped at its plan.)"""
     from dorafp8.ops import _race_child
 
-    class Made(Exception):
+    class Planned(Exception):
         pass
 
-    def set_device(device):
-        raise Made(str(device))
+    def stop(spec):
+        raise Planned
 
+    made = []
     monkeypatch.setattr(_race_child, "_watchdog", lambda limit, parent: None)
-    monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    spec = _race.spec_of("dora", torch.device("cuda:1"), N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32)
-    with pytest.raises(Made, match="cuda:1"):
-        _race_child.main([json.dumps(dict(spec, cands=["triton"]))])
+    monkeypatch.setattr(_race_child, "plan", stop)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made.append(str(device)))
+    for device in ("cuda:1", "cuda"):
+        spec = _race.spec_of("dora", torch.device(device), N=N, K=K, M=40, r=r, cdt=torch.bfloat16,
+                             rdt=torch.float32)
+        with pytest.raises(Planned):
+            _race_child.main([json.dumps(dict(spec, cands=["triton"]))])
+    assert made == ["cuda:1"]
 
 
 def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
