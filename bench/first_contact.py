@@ -10,7 +10,8 @@
 Each step runs as a child process with a cap (STEPS below; _first_steps.py holds their code); one that fails or runs
 out of time is written down and the next one runs. Every result goes into $OUT/first_contact.json (command 2:
 $OUT/more.json) the moment it exists, written atomically, so that a command killed at its limit still returns all it
-finished; the steps' output goes to $OUT/log.txt. Two files of the eight the device tool brings back.
+finished (an earlier run's file there is renamed first_contact.<its time>.json first); the steps' output is
+appended to $OUT/log.txt. Two files of the eight the device tool brings back.
 
 dorafp8 runs from this checkout, not installed (an offline install needs setuptools >= 64, and a failed one would lose
 the command): PYTHONPATH is the checkout, and where nothing installed maps dorafp8.triton_kernels to triton_kernels/,
@@ -243,11 +244,28 @@ def run_command(command: str, smoke: bool) -> int:
     out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out", "first_contact"))
     os.makedirs(out, exist_ok=True)
     results = os.path.join(out, RESULTS[command])
+    set_aside(results)
     work = tempfile.mkdtemp(prefix="first_contact-")  # the steps' race cache and pins: this run's alone, removed after
     try:
         return _run_steps(command, smoke, t0, out, results, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def set_aside(results: str) -> str | None:
+    """An earlier run's results file in $OUT is renamed <name>.<its time>.json (kept, and the path said): publish()
+    merges into the file it finds, so a rerun's file held the earlier run's checks and steps under this run's commit,
+    and save_results.py credited them to it."""
+    if not os.path.exists(results):
+        return None
+    base, ext = os.path.splitext(results)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.path.getmtime(results)))
+    aside, n = f"{base}.{stamp}{ext}", 1
+    while os.path.exists(aside):
+        aside, n = f"{base}.{stamp}-{n}{ext}", n + 1
+    os.replace(results, aside)
+    print(f"first_contact: an earlier run's {os.path.basename(results)} is kept as {aside}", file=sys.stderr)
+    return aside
 
 
 def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, work: str) -> int:

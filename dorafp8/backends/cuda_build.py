@@ -121,7 +121,11 @@ def build(device: torch.device) -> ModuleType:
 
     p = plan(device)
     out = Path(p["build_directory"])
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: its build folder {out} cannot be made "
+                           f"({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
     cached = any(out.glob(f"{NAME}*.so"))
     what = (f"the CUDA extension for sm_{', sm_'.join(p['archs'])} (torch {torch.__version__}, "
             f"CUDA {torch.version.cuda})")

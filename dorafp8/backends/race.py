@@ -37,8 +37,15 @@ MAX_M = 4096  # the largest M the child runs (its memory), and the small one
 SMALL_M = 37
 SWITCHES = ("DORAFP8_HOPPER_GEMM",)
 # The child's command (ops/_race_child.py), SPEC appended. The tests put a wrapper here that plants wrong, hanging or
-# crashing kernels.
-CHILD: list[str] = [sys.executable, "-m", "dorafp8", "check"]
+# crashing kernels. It imports the dorafp8 this process runs, from its __init__.py, not the one its own path finds:
+# `-m dorafp8` found none where a script had put dorafp8 on sys.path (every key then ran the reference), and a
+# `dorafp8/` folder in the working directory, or another installation, was checked in this one's place. (Not by
+# putting its folder first on sys.path: that may be site-packages, whose backports would shadow the standard library.)
+_INIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
+CHILD: list[str] = [sys.executable, "-c", (
+    "import importlib.util as u, sys; s = u.spec_from_file_location('dorafp8', sys.argv.pop(1)); "
+    "m = sys.modules['dorafp8'] = u.module_from_spec(s); s.loader.exec_module(m); "
+    "from dorafp8.__main__ import main; sys.exit(main())"), _INIT, "check"]
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}  # tests/_tolerance.py's tol(dtype)
 ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (docs/ARCHITECTURE.md)
 W8A8_REL = 2.0 ** -5
@@ -287,8 +294,7 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     broken = _file(path)["broken"]
     # static first: ties go to backends.resolve's pick (cublas for the microscaled weights, triton for fp8)
     order = sorted(RACERS[device.type], key=lambda c: c != static)
-    cands = [c for c in order if c not in broken
-             and backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
+    cands = [c for c in _candidates(device, needs, order) if c not in broken]
     if not cands:
         _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static
         return _PICKS[key]
@@ -304,6 +310,12 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     pick = _PICKS[key] = pick_of(results, cands)
     log.debug("dorafp8 race: %s -> %s (%s)", what, pick, results)
     return pick
+
+
+def _candidates(device: torch.device, needs: frozenset, order) -> list[str]:
+    """The backends of `order` that run on `device` and compute what the call `needs` (block scales, W8A8)."""
+    return [c for c in order
+            if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
 
 
 def _capturing() -> bool:
@@ -482,7 +494,9 @@ def selftest(device: torch.device | None = None) -> list[str]:
                        rdt=torch.float32, act_quant=act_quant)
         what = describe(spec)
         _file(path)["keys"].pop(what, None)
-        cands = [c for c in RACERS[device.type] if backends.unavailable_reason(c, device) is None]
+        # the candidates backend="auto" races for this key: one without block scales or W8A8 is not "FAILED" there
+        cands = _candidates(device, frozenset(f for f in ("block" if scale == "block" else "", act_quant) if f),
+                            RACERS[device.type])
         res = _resolve(path, device, what, dict(spec, cands=cands))
         lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
             f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))

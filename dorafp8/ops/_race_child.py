@@ -117,6 +117,8 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is not None:  # Triton launches on the current GPU, not its tensors':
+        torch.cuda.set_device(device)  # rank r's key is on cuda:r (selftest's "cuda" is the current one already)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False
 
@@ -137,6 +139,8 @@ def main(argv: list[str]) -> int:
                 verdict = None if why is None else {"ok": False, "error": why}
             except torch.OutOfMemoryError as e:
                 verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
+            except OSError as e:  # the compiler's cache on a full disk or unwritable: nothing said of the kernel
+                verdict = {"ok": None, "error": f"{type(e).__name__} while checking: {e}"[:600]}
             except Exception as e:
                 verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
             if verdict is not None:
@@ -157,8 +161,8 @@ def main(argv: list[str]) -> int:
                 _step(spec, t, c)  # its outputs freed at once: one candidate's at a time
                 _sync(device)
                 times[c].append(time.perf_counter() - t0)
-    except torch.OutOfMemoryError as e:  # next to the user's job: says nothing of the kernels (checked again later)
-        say("result", json.dumps({c: {"ok": None, "error": f"out of memory while timing ({e})"[:300]}
+    except (torch.OutOfMemoryError, OSError) as e:  # next to the user's job, or a full disk: says nothing of the
+        say("result", json.dumps({c: {"ok": None, "error": f"{type(e).__name__} while timing ({e})"[:300]}  # kernels
                                   for c in passed}))
         return 0
     # what was timed, and the child's GPU peak against its bound (_race.budget), kept with the verdicts

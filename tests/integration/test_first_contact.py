@@ -273,6 +273,23 @@ def test_a_killed_command_keeps_what_it_finished(tmp_path):
     assert "time" not in res["steps"]  # cut in the middle: no verdict, and nothing else lost
 
 
+def test_a_rerun_into_the_same_out_holds_its_own_results_alone(tmp_path):
+    """$OUT holding an earlier run's results (the default bench_out/first_contact, run twice): the new file holds this
+    run's steps alone, and the earlier file is kept beside it. Before, publish() merged into it: the earlier run's
+    passed checks stood in the new run's file under the new commit, for save_results.py to credit to it."""
+    earlier = {"plan": {"commit": "earlier"}, "steps": {"correct": {"status": "ok"}},
+               "correct": {"w8a16 M=1024": {"pass": True}}}
+    (tmp_path / "first_contact.json").write_text(json.dumps(earlier))
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke"], env=_env(tmp_path, FIRST_CONTACT_STEPS="env"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _results(tmp_path)
+    assert list(res["steps"]) == ["env"] and "correct" not in res
+    kept = [p for p in tmp_path.glob("first_contact.*.json")]
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == earlier
+    assert str(kept[0]) in proc.stderr
+
+
 def test_a_checkout_that_does_not_import_stops_at_once(tmp_path):
     shutil.copytree(BENCH, tmp_path / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
     (tmp_path / "dorafp8").mkdir()
@@ -290,8 +307,9 @@ def test_a_checkout_that_does_not_import_stops_at_once(tmp_path):
 def test_an_uninstalled_checkout_gets_the_triton_kernels_link(tmp_path, monkeypatch):
     import importlib.metadata
 
-    shutil.copytree(os.path.join(ROOT, "dorafp8"), tmp_path / "dorafp8", ignore=shutil.ignore_patterns("__pycache__",
-                                                                                                      "*.so"))
+    # not the link itself: an earlier run of the command on this checkout, before it was installed, left it there
+    shutil.copytree(os.path.join(ROOT, "dorafp8"), tmp_path / "dorafp8",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "triton_kernels"))
     shutil.copytree(os.path.join(ROOT, "triton_kernels"), tmp_path / "triton_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(FC, "ROOT", str(tmp_path))

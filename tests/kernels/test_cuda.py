@@ -250,6 +250,20 @@ def test_first_use_build_refusals(tmp_path, monkeypatch):
     assert "nvcc fatal" in cb.unavailable_reason(torch.device("cuda"))
 
 
+def test_first_use_build_into_an_unwritable_cache(tmp_path, monkeypatch):
+    """A cache folder that cannot be made (a read-only home; here a file in its place, as root passes permissions): a
+    RuntimeError naming the folder and DORAFP8_CACHE_DIR, kept as the backend's reason and not tried again. Before, the
+    OSError of mkdir escaped prepare() bare (it keeps RuntimeErrors only) and every call tried again."""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    (tmp_path / "home").write_text("")
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", str(tmp_path / "home" / "dorafp8"))
+    with pytest.raises(RuntimeError, match=r"cannot be built: its build folder .*home/dorafp8/cuda_ext.* cannot be "
+                                           r"made .*set DORAFP8_CACHE_DIR to a writable folder"):
+        cb.prepare(torch.device("cuda"))
+    assert cb.prepare(torch.device("cuda")) is False and calls == []  # not again
+    assert "DORAFP8_CACHE_DIR" in cb.unavailable_reason(torch.device("cuda"))
+
+
 @pytest.mark.skipif(os.environ.get("DORAFP8_TEST_CUDA_BUILD") != "1",
                     reason="builds the CUDA extension with nvcc (minutes): DORAFP8_TEST_CUDA_BUILD=1 runs it")
 def test_first_use_build_for_real(tmp_path):

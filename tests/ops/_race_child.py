@@ -1,7 +1,7 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/backends/race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
-its second forward with "crash-second") or slow (0.2 s more)."""
+its second forward with "crash-second"), slow (0.2 s more) or failing on a full disk ("nospace")."""
 
 import os
 import sys
@@ -31,6 +31,8 @@ class Planted:
             CALLS.append(name)
             if MODE == "crash" or (MODE == "crash-second" and CALLS.count("forward") == 2):
                 os._exit(7)
+            if MODE == "nospace":  # the compiler's cache on a full disk
+                raise OSError(28, "No space left on device", "/home/u/.triton/cache/x.tmp")
             if MODE == "slow":
                 time.sleep(0.2)
             out = fn(*args, **kw)

@@ -190,6 +190,54 @@ def test_the_child_builds_inputs_of_the_keys_kind(kind):
     assert (t["w8"].dtype == torch.uint8) == (kind == "nvfp4") and (t["global_scale"] is None) == (kind == "mxfp8")
 
 
+def test_the_child_checks_the_dorafp8_this_process_runs(race, used, monkeypatch):
+    """The child imports the dorafp8 its parent runs, whatever its own path finds first: a `dorafp8/` folder in the
+    working directory (another version's checkout) answering for the kernels is never asked. Before, `python -m
+    dorafp8` put the working directory first: that folder's verdicts were taken for this installation's kernels, and
+    where a script had put dorafp8 on sys.path itself, the child found none and every key ran the reference."""
+    other = race / "cwd" / "dorafp8"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (other / "__main__.py").write_text(
+        "import json, sys\n"
+        f"open({str(race / 'other.log')!r}, 'w').write('asked')\n"
+        "print('dorafp8-race result ' + json.dumps({c: {'ok': True, 'ms': 1.0} for c in json.loads(sys.argv[2])"
+        "['cands']}))\n")
+    monkeypatch.chdir(other.parent)
+    monkeypatch.delenv("PYTHONPATH")
+    monkeypatch.setattr(_race, "CHILD", REAL_CHILD)
+    _step()
+    assert not (race / "other.log").exists(), "the working directory's dorafp8 answered for this one's kernels"
+    assert "native" in used
+    assert all(v["native"]["ok"] and "rows" in v["native"] for v in _verdicts(race)["keys"].values())
+
+
+def test_the_child_runs_on_the_keys_gpu(monkeypatch):
+    """The child makes the key's GPU current before it runs anything: Triton launches on the current device, and the
+    child starts on cuda:0, so rank r's key (cuda:r) ran its Triton candidate on GPU 0 with GPU r's pointers (an
+    illegal address: the candidate, and the ones after it, failed, and the verdict was kept for every rank). Before,
+    nothing set it. A device without an index (selftest's "cuda") is left as it is: set_device refuses it. (On CPU:
+    the calls are recorded, and the child stopped at its plan.)"""
+    from dorafp8.ops import _race_child
+
+    class Planned(Exception):
+        pass
+
+    def stop(spec):
+        raise Planned
+
+    made = []
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit, parent: None)
+    monkeypatch.setattr(_race_child, "plan", stop)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made.append(str(device)))
+    for device in ("cuda:1", "cuda"):
+        spec = _race.spec_of("dora", torch.device(device), N=N, K=K, M=40, r=r, cdt=torch.bfloat16,
+                             rdt=torch.float32)
+        with pytest.raises(Planned):
+            _race_child.main([json.dumps(dict(spec, cands=["triton"]))])
+    assert made == ["cuda:1"]
+
+
 def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     monkeypatch.setattr(_race, "CHILD", planted("wrong"))
     with pytest.warns(RuntimeWarning, match=r"backend 'native' is not used by backend='auto' for dora N=24 K=32 "
@@ -210,6 +258,22 @@ def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
         warnings.simplefilter("error")
         _step(300)
     assert set(used) == {"reference"} and len(_verdicts(race)["keys"]) == 2
+
+
+def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch):
+    """A candidate failing with an OSError (Triton's cache on a full disk or an unwritable TRITON_CACHE_DIR) says
+    nothing of its kernel: not used in this process (the reference serves), not kept, checked again by the next
+    process. Before, it was a verdict kept in the file: the backend was never used for the key again, disk freed."""
+    monkeypatch.setattr(_race, "CHILD", planted("nospace"))
+    with pytest.warns(RuntimeWarning, match=r"'native' is not checked, so not used .*No space left on device"):
+        _step()
+    assert set(used) == {"reference"}
+    assert all("native" not in v for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
+    _race.forget()  # the next process, the disk freed: checked again, and used
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step()
+    assert children(race) == 1 and "native" in used
 
 
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
@@ -454,6 +518,25 @@ def test_selftest_checks_headline_keys_now(race, monkeypatch):
     monkeypatch.setitem(_race.RACERS, "cpu", ())
     monkeypatch.delitem(_race.RACERS, "cpu")
     assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
+
+
+def test_selftest_checks_only_what_auto_would_race(race, monkeypatch):
+    """`dorafp8 selftest` checks each key's candidates as backend="auto" races them: the CUDA extension (no block
+    scales, no W8A8) and cuBLAS (no W8A8) are not run on keys they cannot compute. Before, they were, and the selftest
+    printed "FAILED: ValueError ..." for them, with a warning that the verdict was kept, on every healthy GPU."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "cuda", "cublas"))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    asked = {}
+
+    def check(spec):
+        asked[spec["scale"] + (" w8a8" if spec["act_quant"] else "")] = spec["cands"]
+        return {c: {"ok": True, "ms": 1.0} for c in spec["cands"]}, {}
+
+    monkeypatch.setattr(_race, "check", check)
+    lines = _race.selftest(CPU)
+    assert asked == {"tensor": ["native", "cuda", "cublas"], "row": ["native", "cuda", "cublas"],
+                     "block": ["native", "cublas"], "tensor w8a8": ["native"]}, asked
+    assert not any("FAILED" in line for line in lines), lines
 
 
 def test_the_child_bound_follows_the_tests_tolerances():
