@@ -100,8 +100,9 @@ def diffusion_model_keys(keys, model: nn.Module) -> tuple[dict, list]:
     return {k: add + k for k in keys}, []
 
 
-# diffusers' converters that read only keys under `model.diffusion_model.` (the others take them with or without it)
-_PREFIXED_ONLY = ("convert_ldm_unet_checkpoint", "convert_controlnet_checkpoint")
+# diffusers' converters that read only keys under `model.diffusion_model.` (the others take them with or without it;
+# ControlNet's reads its keys bare or under `control_model.`)
+_PREFIXED_ONLY = ("convert_ldm_unet_checkpoint",)
 
 
 def row_map(model: nn.Module, shapes: dict) -> tuple[list, dict]:
