@@ -291,6 +291,11 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
 
     state_dict = path_or_state_dict
     if not isinstance(state_dict, dict):  # a downloaded file: checked and measured before it is read (files.py)
+        if os.path.isdir(path_or_state_dict):  # a diffusers folder (its shards are in diffusers' names already)
+            raise CheckpointFormatError(f"path_or_state_dict: {os.fspath(path_or_state_dict)} is a folder; "
+                                        f"load_single_file reads one file in its original layout. A diffusers folder "
+                                        f"(diffusion_pytorch_model*.safetensors, diffusers' key names) loads with "
+                                        f"dorafp8.load_fp8_checkpoint(model, folder)")
         path = regular_file(os.fspath(path_or_state_dict), "path_or_state_dict")
         with open_safetensors(path, path) as f:
             _, others = diffusion_model_keys(f.keys(), model)

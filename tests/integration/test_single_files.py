@@ -244,6 +244,14 @@ def test_full_checkpoint_loads_its_diffusion_model_and_lists_the_rest(tmp_path, 
     assert set(others) <= set(report.kept) and "3 tensors of the file's other components" in capsys.readouterr().out
 
 
+def test_a_diffusers_folder_is_refused_naming_load_fp8_checkpoint(tmp_path):
+    """A diffusers folder of fp8 shards given to load_single_file was refused as "a folder, not a file; a checkpoint
+    is made of regular files", which does not say what reads it; the error names load_fp8_checkpoint."""
+    (tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match=r"is a folder; .*dorafp8\.load_fp8_checkpoint\(model, folder\)"):
+        load_single_file(_flux_model(), tmp_path, verbose=False)
+
+
 _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
     "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
             ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
