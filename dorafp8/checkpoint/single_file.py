@@ -85,21 +85,41 @@ def _row_tags(shapes: dict) -> tuple[list, dict]:
     return keys, tags
 
 
+_PREFIX = "model.diffusion_model."  # a full checkpoint's (and ComfyUI's saves') diffusion model keys
+
+
+def diffusion_model_keys(keys, model: nn.Module) -> tuple[dict, list]:
+    """({file key: the key diffusers' converter for `model` is given}, the file's other keys). A full checkpoint
+    (keys under `model.diffusion_model.` beside a VAE's and text encoders') gives its diffusion model only; a file
+    without that prefix is given it where the converter reads prefixed keys only (the ldm UNet's)."""
+    keys = list(keys)
+    if any(k.startswith(_PREFIX) for k in keys):
+        return {k: k for k in keys if k.startswith(_PREFIX) or k == "scaled_fp8"}, \
+            [k for k in keys if not (k.startswith(_PREFIX) or k == "scaled_fp8")]
+    add = _PREFIX if converter_for(model).__name__ in _PREFIXED_ONLY else ""
+    return {k: add + k for k in keys}, []
+
+
+# diffusers' converters that read only keys under `model.diffusion_model.` (the others take them with or without it;
+# ControlNet's reads its keys bare or under `control_model.`)
+_PREFIXED_ONLY = ("convert_ldm_unet_checkpoint",)
+
+
 def row_map(model: nn.Module, shapes: dict) -> tuple[list, dict]:
     """(keys, converted): diffusers' converter for `model` run on the row tags of a single file's tensors
-    ({key: shape}, its weights without their scales): converted[diffusers key] >> 32 indexes `keys`, & (2**32 - 1)
-    is the row of that file tensor. Keys some converters leave with a full checkpoint's `model.diffusion_model.`
-    prefix (HunyuanVideo's) come without it."""
+    ({key: shape}, its weights without their scales; keys as diffusion_model_keys gives them): converted[diffusers
+    key] >> 32 indexes `keys`, & (2**32 - 1) is the row of that file tensor. Keys some converters leave with a full
+    checkpoint's `model.diffusion_model.` prefix (HunyuanVideo's) come without it."""
     keys, tags = _row_tags(shapes)
+    given, _ = diffusion_model_keys(keys, model)
     try:
-        converted = converter_for(model)(dict(tags))
+        converted = converter_for(model)({given[k]: tags[k] for k in given})
     except (KeyError, IndexError, RuntimeError, ValueError) as e:
         name = _model_name(model)
         raise CheckpointFormatError(f"diffusers' single-file conversion for {name} failed on this file "
                                     f"({type(e).__name__}: {e}): it is not in the layout diffusers converts for "
                                     f"{name}") from e
-    prefix = "model.diffusion_model."
-    return keys, {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in converted.items()}
+    return keys, {k[len(_PREFIX):] if k.startswith(_PREFIX) else k: v for k, v in converted.items()}
 
 
 def is_scale_key(k: str) -> bool:
@@ -122,7 +142,12 @@ def converter_for(model: nn.Module):
                          f"dorafp8.load_fp8_checkpoint instead")
     fn = entry["checkpoint_mapping_fn"]
     config = dict(getattr(model, "config", {}))
-    return lambda checkpoint: fn(checkpoint=checkpoint, config=config)
+
+    def convert(checkpoint):
+        return fn(checkpoint=checkpoint, config=config)
+
+    convert.__name__ = fn.__name__
+    return convert
 
 
 def _layer_extras(state_dict: dict) -> dict:
@@ -150,8 +175,9 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
         raise CheckpointFormatError(f"{newer[0]!r}: ComfyUI's comfy_quant encoding (weight_scale, comfy_quant) is not "
                                     f"read in original layouts here, only its scaled_fp8 one (scale_weight); nothing "
                                     f"was loaded into {name}")
+    _, others = diffusion_model_keys(state_dict, model)
     extras = _layer_extras(state_dict)
-    tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k)}
+    tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k) and k not in others}
     keys, converted = row_map(model, {k: v.shape for k, v in tensors.items()})
     known = set(model.state_dict())
     out, used, errors = {}, set(), []
@@ -199,11 +225,13 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
         parts = [extras.get(s, {}).get(suffix) for s in srcs]
         if all(p is None for p in parts):
             continue
-        per_row = all(p is not None and p.numel() == tensors[s].shape[0] > 1 for p, s in zip(parts, srcs))
+        # per row ([N], [N, 1]) or musubi's 1 x g blocks ([N, K / g, 1]): one row of scales per weight row
+        per_row = all(p is not None and p.dim() >= 1 and p.shape[0] == tensors[s].shape[0] > 1
+                      for p, s in zip(parts, srcs))
         if not per_row and (any(p is None for p in parts) or not _same(parts)):
             errors.append(f"{k!r} joins {srcs}, whose {suffix}s differ: one per-tensor {suffix} cannot hold them")
         elif per_row:
-            out[f"{lay}.{suffix}"] = torch.cat([p.reshape(-1) for p in parts])[rows].reshape(
+            out[f"{lay}.{suffix}"] = torch.cat([p.reshape(p.shape[0], -1) for p in parts])[rows].reshape(
                 (-1,) + tuple(parts[0].shape[1:]))
         else:
             out[f"{lay}.{suffix}"] = parts[0].clone()
@@ -251,7 +279,9 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     Args:
         model: the diffusers model, built from its config (on the meta device or not).
         path_or_state_dict: a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5, Wan, HunyuanVideo or
-            LTX, or a dense one; its path or its state dict.
+            LTX, or a dense one; its path or its state dict. Its keys may carry ComfyUI's `model.diffusion_model.`
+            prefix or not; a full checkpoint's other components (VAE, text encoders) are left out, listed in the
+            report's `kept`.
         device, dtype, backend, verbose: as for load_fp8_checkpoint.
 
     Returns:
@@ -261,10 +291,27 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
 
     state_dict = path_or_state_dict
     if not isinstance(state_dict, dict):  # a downloaded file: checked and measured before it is read (files.py)
+        if os.path.isdir(path_or_state_dict):  # a diffusers folder (its shards are in diffusers' names already)
+            raise CheckpointFormatError(f"path_or_state_dict: {os.fspath(path_or_state_dict)} is a folder; "
+                                        f"load_single_file reads one file in its original layout. A diffusers folder "
+                                        f"(diffusion_pytorch_model*.safetensors, diffusers' key names) loads with "
+                                        f"dorafp8.load_fp8_checkpoint(model, folder)")
         path = regular_file(os.fspath(path_or_state_dict), "path_or_state_dict")
         with open_safetensors(path, path) as f:
-            state_dict = {k: f.get_tensor(k) for k in f.keys()}
+            _, others = diffusion_model_keys(f.keys(), model)
+            state_dict = {k: f.get_tensor(k) for k in f.keys() if k not in others}
+    else:
+        _, others = diffusion_model_keys(state_dict, model)
+        state_dict = {k: v for k, v in state_dict.items() if k not in others}
     converted = to_diffusers_layout(model, _e5m2_to_e4m3(state_dict))
-    fmt = "comfyui" if any(k.endswith(".scale_weight") for k in converted) else "auto"
-    return load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,
-                               verbose=verbose)
+    scales = [t for k, t in converted.items() if k.endswith(".scale_weight")]
+    # musubi-tuner's --fp8_scaled 1 x 64 block scales [N, K / 64, 1] are read as load_fp8_checkpoint reads musubi's
+    fmt = "musubi" if any(t.dim() == 3 for t in scales) else "comfyui" if scales else "auto"
+    report = load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,
+                                 verbose=verbose)
+    if others:  # a full checkpoint's VAE and text encoders: not this model's
+        report.kept.update((k, f"not under {_PREFIX!r}: another component of a full checkpoint") for k in others)
+        if verbose:
+            print(f"dorafp8: {len(others)} tensors of the file's other components (e.g. {others[0]!r}) not loaded: "
+                  f"load_single_file loads the diffusion model, the keys under {_PREFIX!r}")
+    return report

@@ -204,6 +204,54 @@ def test_ldm_unet_file_loads_in_place_and_trains_like_peft(sdxl):
     _train_like_peft(model, ref, ["to_q", "to_v", "ff.net.2", "time_emb_proj"], _unet_inputs(sdxl), (1, 4, 8, 8))
 
 
+@pytest.mark.parametrize("sdxl", [False, True], ids=["sd15", "sdxl"])
+def test_ldm_unet_file_without_the_prefix_loads_as_with_it(sdxl):
+    """A UNet-only file in the ldm layout without `model.diffusion_model.` (ComfyUI's UNETLoader reads either):
+    diffusers' ldm converter reads only prefixed keys, so it was refused as "208 tensors ... not mapped" (SD 1.x) or
+    "KeyError: 'label_emb.0.0.weight'" (SDXL); it loads as the prefixed file does."""
+    cfg = layouts.unet_config(sdxl)
+    torch.manual_seed(0)
+    src = diffusers.UNet2DConditionModel(**cfg)
+    sd = layouts.comfy_encode({layouts.ldm_key(k, cfg): v for k, v in src.state_dict().items()}, prefix="")
+    assert not any(k.startswith(layouts.COMFY_PREFIX) for k in sd)
+    ref = diffusers.UNet2DConditionModel(**cfg).eval()
+    dense = {layouts.COMFY_PREFIX + k: v for k, v in layouts.dequantize(sd, prefix="").items()}
+    ref.load_state_dict(convert_ldm_unet_checkpoint(dense, config=cfg), strict=True)
+    with torch.device("meta"):
+        model = diffusers.UNet2DConditionModel(**cfg)
+    load_single_file(model, dict(sd), verbose=False)
+    _check_in_place(model, sd, ref, _unet_inputs(sdxl))
+
+
+def test_full_checkpoint_loads_its_diffusion_model_and_lists_the_rest(tmp_path, capsys):
+    """An SDXL full checkpoint (its UNet under `model.diffusion_model.`, beside the VAE's `first_stage_model.` and
+    the text encoders' `conditioner.embedders.N.`, some fp8_scaled too) was refused, every VAE and text-encoder key
+    "not mapped"; the UNet loads as from its own file, the other keys are listed in the report, not read."""
+    from safetensors.torch import save_file
+
+    sd, ref, _ = _ldm_case(True)
+    others = {"first_stage_model.encoder.conv_in.weight": torch.randn(8, 3, 3, 3),
+              "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight":
+                  torch.randn(8, 8).to(torch.float8_e4m3fn),
+              "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.q_proj.scale_weight":
+                  torch.tensor(0.5)}
+    path = tmp_path / "sdxl_full_fp8_scaled.safetensors"
+    save_file({**sd, **others}, str(path))
+    with torch.device("meta"):
+        model = diffusers.UNet2DConditionModel(**layouts.unet_config(True))
+    report = load_single_file(model, path)
+    _check_in_place(model, sd, ref, _unet_inputs(True))
+    assert set(others) <= set(report.kept) and "3 tensors of the file's other components" in capsys.readouterr().out
+
+
+def test_a_diffusers_folder_is_refused_naming_load_fp8_checkpoint(tmp_path):
+    """A diffusers folder of fp8 shards given to load_single_file was refused as "a folder, not a file; a checkpoint
+    is made of regular files", which does not say what reads it; the error names load_fp8_checkpoint."""
+    (tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointFormatError, match=r"is a folder; .*dorafp8\.load_fp8_checkpoint\(model, folder\)"):
+        load_single_file(_flux_model(), tmp_path, verbose=False)
+
+
 _OWN_LAYOUTS = {  # family -> (model and inputs, its key names, diffusers' converter, DoRA targets, output shape)
     "wan": (lambda: tiny.build("wan"), layouts.wan_key, "convert_wan_transformer_to_diffusers",
             ["to_q", "to_v", "ffn.net.2"], (1, 4, 2, 4, 4)),
@@ -537,6 +585,47 @@ def test_per_row_scales_are_cut_with_the_rows_of_fused_weights(family, scale_sha
         assert torch.equal(torch.cat([p.scale for p in pieces]), sd[k[:-len("weight")] + "scale_weight"].reshape(-1))
     if family == "sd35":
         _train_like_peft(model, ref, targets, inputs, out_shape)
+
+
+def test_musubi_block_scales_are_cut_with_the_rows_of_fused_weights():
+    """A musubi-tuner --fp8_scaled file of HunyuanVideo in its own layout (its models' names; scale_weight
+    [out, in / g, 1], 1 x g blocks, no marker) was refused ("must have one element (per tensor)..."), the fused qkv's
+    whole block scale given to each piece; each piece now gets its rows' block scales, and the model loads as
+    load_fp8_checkpoint loads musubi's blocks: re-quantized per row, with a QuantizationWarning, each weight within
+    e4m3's rounding (2**-4 of its row's largest value) of diffusers' conversion of the dequantized file."""
+    from accelerate import init_empty_weights
+    from diffusers.loaders import single_file_utils
+
+    from dorafp8.checkpoint.single_file import to_diffusers_layout
+    from tests.checkpoint.test_musubi import musubi_dequantized, optimize_state_dict_with_fp8
+
+    build, own_key, converter, _, _ = _OWN_LAYOUTS["hunyuan_video"]
+    src, _ = build()
+    sd = optimize_state_dict_with_fp8(layouts.fuse(src.state_dict(), own_key), ["blocks"], ["norm"], block_size=8)
+    fused = [k for k in sd if k.endswith("qkv.weight")]
+    assert fused and all(sd[k[:-len("weight")] + "scale_weight"].dim() == 3 for k in fused)
+    dense = {k: musubi_dequantized(v, sd[k[:-len("weight")] + "scale_weight"]).float()
+             if v.dtype == torch.float8_e4m3fn else v for k, v in sd.items() if not k.endswith("scale_weight")}
+    ref, _ = build()
+    ref.load_state_dict(getattr(single_file_utils, converter)(dense), strict=True)
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    converted = to_diffusers_layout(model, sd)
+    for k in fused:
+        pieces = {n: own_key(n)[1] for n in converted if n.endswith(".weight") and own_key(n)[0] == k}
+        assert len(pieces) == 3, k
+        for n, i in pieces.items():
+            rows = converted[n].shape[0]
+            assert torch.equal(converted[n[:-len("weight")] + "scale_weight"],
+                               sd[k[:-len("weight")] + "scale_weight"][i * rows:(i + 1) * rows]), n
+    with pytest.warns(dorafp8.quant.QuantizationWarning):
+        load_single_file(model, dict(sd), verbose=False)
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert len(fp8) == sum(k.endswith(".scale_weight") for k in converted)
+    ref_sd = ref.state_dict()
+    for name in fp8:
+        w, want = model.get_submodule(name).dequantize(torch.float32), ref_sd[name + ".weight"]
+        assert bool(((w - want).abs() <= 2.0 ** -4 * want.abs().amax(1, keepdim=True)).all()), name
 
 
 def test_scale_input_is_kept_on_its_layers_and_noted_once(capsys):
