@@ -422,10 +422,17 @@ def test_fsdp2_mixed_precision_recipe_warns_nothing(tmp_path):
         assert len(flagged) == 1 and _source(flagged[0]) == "dorafp8" and "MixedPrecisionPolicy" in flagged[0][1]
         assert un["losses"] == r["bf16_all"]["losses"]
     assert set(os.listdir(tmp_path / "adapter")) == PEFT_FILES
+    # train.py's own save (the doc launches it under accelerate's FSDP2 too) writes the same adapter from the shards;
+    # its old `save_pretrained(...)` without a gathered state dict raised 'Attempted to access the data pointer on an
+    # invalid python storage' (PEFT reading DTensor shards, for any model)
+    assert [r["train_py_save"] for r in res] == ["saved", "saved"]
+    assert set(os.listdir(tmp_path / "train_py_adapter")) == PEFT_FILES
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert len(saved) == 8 * 3 and all(t.dtype == torch.float32 for t in saved.values())  # q, k, v, o: A, B, m
+    again = load_file(tmp_path / "train_py_adapter" / "adapter_model.safetensors")
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
 
 
 def test_accelerate(tmp_path, reference):
