@@ -12,8 +12,7 @@ from torch import nn
 from peft.tuners.lora import layer as lora_layer
 
 from ..backends import check_backend_name
-from ..distributed import refuse_sharded_base
-from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
+from ..nn import FP8ConvNd, FP8Linear, params_are_sharded, refuse_sharded_base
 from ..nn.convert import check_fp8_layer, zero3_gathered
 from ..norm_cache import WeightNormCache
 from ..ops import norm_divisor
