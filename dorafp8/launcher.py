@@ -118,7 +118,35 @@ def install(options: dict) -> None:
         if options.get("quantize") or cls == "PreTrainedModel":
             _install.watch(module, functools.partial(_quantize_on_load, module, cls),
                            f"dorafp8 run does not see the models {cls}.from_pretrained loads")
+    _install.watch(DEEPSPEED_MULTINODE, _refuse_deepspeed_multinode,
+                   "dorafp8 run does not refuse DeepSpeed's multi-node launch, whose workers it cannot reach")
     atexit.register(_report)
+
+
+DEEPSPEED_MULTINODE = "deepspeed.launcher.multinode_runner"
+
+
+def _refuse_deepspeed_multinode() -> None:
+    """The `deepspeed` launcher starts the workers of a multi-node run (a hostfile of several hosts) through pdsh,
+    mpirun or srun, passing on only the variables it exports (PYTHON*, ...): never DORAFP8_RUN, and a PYTHONPATH
+    naming this node's temporary sitecustomize. Those workers would run without dorafp8's options (--quantize
+    ignored), silently. Every launcher it has for that is a MultiNodeRunner, made only for such a run: refused."""
+    cls = sys.modules[DEEPSPEED_MULTINODE].MultiNodeRunner
+    orig = cls.__init__
+    if hasattr(orig, "_dorafp8_orig"):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, args, *rest, **kwargs):
+        raise SystemExit(
+            f"dorafp8 run: deepspeed is starting a multi-node run (launcher={getattr(args, 'launcher', '?')!r}, "
+            f"hostfile={getattr(args, 'hostfile', '?')!r}), whose workers it starts over ssh/MPI/SLURM with only "
+            f"the variables it exports, so they would run without dorafp8 run's options (--quantize ignored). "
+            f"Run `dorafp8 run [options] -- deepspeed --no_ssh --node_rank <n> ...` on each node instead (or "
+            f"torchrun on each node; docs/MULTI_GPU.md)")
+
+    __init__._dorafp8_orig = orig
+    cls.__init__ = __init__
 
 
 def install_from_env() -> None:

@@ -206,6 +206,28 @@ def params_are_sharded(module: torch.nn.Module, *tensors: torch.Tensor) -> bool:
     return bool(getattr(module, "_is_fsdp_managed_module", False)) or any(hasattr(t, "ds_id") for t in tensors)
 
 
+SHARDED_BASE_REFUSAL = (
+    "dorafp8: the fp8 weight of the {base} under this {layer} is still an FSDP2 shard (a DTensor) in the forward: "
+    "the base layer is a shard unit of its own (fully_shard on it, or an auto wrap policy that picked it, such as "
+    "accelerate's `fsdp_auto_wrap_policy: SIZE_BASED_WRAP` with `fsdp_min_num_params` below its {numel} weights), "
+    "and the fused DoRA forward reads that weight without calling the base layer, so FSDP2 never gathers it. Shard "
+    "units must hold whole {layer} layers: `fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP` (the decoder layers), "
+    "`fsdp_min_num_params` above the largest layer's weights, or fully_shard on the decoder layers "
+    "(docs/MULTI_GPU.md)")
+
+
+def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
+    """Raises SHARDED_BASE_REFUSAL where `base`'s weight is a DTensor when `layer`'s fused forward is about to read it
+    (otherwise torch stops with 'got mixed torch.Tensor and DTensor', naming neither the layer nor the fix)."""
+    dtensor = _dtensor_class()
+    w = getattr(base, "weight", None)
+    if dtensor is not None and isinstance(w, dtensor):
+        # fully_shard renames a module's class to FSDP<its class>
+        raise RuntimeError(SHARDED_BASE_REFUSAL.format(base=type(base).__name__.removeprefix("FSDP"),
+                                                       layer=type(layer).__name__.removeprefix("FSDP"),
+                                                       numel=w.numel()))
+
+
 _WARNED_RECAST = False
 
 

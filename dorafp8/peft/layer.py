@@ -12,7 +12,7 @@ from torch import nn
 from peft.tuners.lora import layer as lora_layer
 
 from ..backends import check_backend_name
-from ..nn import FP8ConvNd, FP8Linear, params_are_sharded
+from ..nn import FP8ConvNd, FP8Linear, params_are_sharded, refuse_sharded_base
 from ..nn.convert import check_fp8_layer, zero3_gathered
 from ..norm_cache import WeightNormCache
 from ..ops import norm_divisor
@@ -196,6 +196,7 @@ class DoRAFP8Layer:
         if a is None:
             return super().forward(x, *args, **kwargs)
         self._check_forward_args(x, *args, **kwargs)
+        refuse_sharded_base(self, self._fp8_base())
         dropout = self.lora_dropout[a]
         return self._fused_call(x, a, dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
 

@@ -230,6 +230,7 @@ def run_fsdp2_mp(out):
     res["doc_recipe"] = {"warnings": _warning_records(w), "losses": losses, "weight_dtypes": sorted(dtypes),
                          "grads_finite": grads_finite, "still_fp8_sharded": fp8_still_sharded(model),
                          "state_keys": sorted(sd)}
+    res["train_py_save"] = _doc_train_py_save(model, os.path.join(out, "train_py_adapter"))
 
     # Every group with param_dtype (the fp8 weights share their groups' policy): with dorafp8's FSDP support they
     # stay fp8; without it FSDP casts them to bf16 and the forward casts them back, warning once.
@@ -257,6 +258,28 @@ def run_fsdp2_mp(out):
             "still_fp8_sharded": fp8_still_sharded(m),
         }
     return res
+
+
+def _doc_train_py_save(model, path) -> str:
+    """The last lines of docs/MULTI_GPU.md's train.py (its adapter save), as written but for the folder, run on an
+    FSDP2 model, as under accelerate's `fsdp_version: 2` (whose unwrap_model returns an FSDP2 model as it is). Returns
+    "saved" or the error."""
+    from accelerate import Accelerator
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with open(os.path.join(os.path.dirname(C.__file__), "..", "..", "docs", "MULTI_GPU.md")) as f:
+        doc = f.read()
+    block = doc.split("<!-- file: train.py -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code = block[block.index("acc.wait_for_everyone()"):].replace('"out/adapter"', repr(path))
+    scope = {"model": model, "acc": Accelerator(cpu=True), "get_model_state_dict": get_model_state_dict,
+             "StateDictOptions": StateDictOptions}
+    try:
+        exec(compile(code, "docs/MULTI_GPU.md train.py", "exec"), scope)
+        result = "saved"
+    except Exception as e:  # noqa: BLE001 (the test shows what the doc's lines raised)
+        result = f"{type(e).__name__}: {e}"
+    dist.barrier()  # every rank, whatever the doc's lines did on it
+    return result
 
 
 def run_accelerate(out):

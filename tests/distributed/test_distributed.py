@@ -195,6 +195,52 @@ def test_fsdp1_is_refused_at_wrap_time_naming_fsdp2():
     assert "Must flatten tensors with uniform dtype" in without  # what FSDP1 itself says, later
 
 
+_SIZE_WRAP_JOB = """
+import os, sys, types, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import dorafp8
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from tests.distributed import _dist_common as C
+model = C.build_model(0)
+# accelerate's FSDP2 preparation with `fsdp_auto_wrap_policy: SIZE_BASED_WRAP`, `fsdp_min_num_params: 1000`, but
+# for containers (this torch's fully_shard refuses a ModuleList, which accelerate 1.15 would pick too)
+plugin = types.SimpleNamespace(auto_wrap_policy=size_based_auto_wrap_policy, min_num_params=1000)
+policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+for module in get_module_children_bottom_up(model)[:-1]:
+    if policy(module) and not isinstance(module, (FSDPModule, torch.nn.ModuleList)):
+        fully_shard(module)
+fully_shard(model)
+ids = C.local_rows(C.data()[0], 0)
+try:
+    model(input_ids=ids, labels=ids).loss.backward()
+    print("trained")
+except Exception as e:
+    print(type(e).__name__, "::", e)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_base_layer_sharded_on_its_own_is_refused_naming_the_fix():
+    """accelerate's FSDP2 `SIZE_BASED_WRAP` wraps modules bottom-up, so with `fsdp_min_num_params` below a layer's
+    weight count it makes the FP8Linear *base* of a DoRAFP8Linear a shard unit of its own. The fused forward reads that
+    weight without calling the base layer, so FSDP2 never gathers it: torch stopped with 'dorafp8.weight_norm.default
+    got mixed torch.Tensor and DTensor'. Now the forward refuses, naming the layer and the wrap policies that work.
+    One process, gloo (a group of one shards too)."""
+    pytest.importorskip("accelerate")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SIZE_WRAP_JOB, str(_free_port())], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = next(x for x in r.stdout.splitlines() if "::" in x or x == "trained")
+    assert line.startswith("RuntimeError :: dorafp8: the fp8 weight of the FP8Linear under this "), line
+    for fix in ("SIZE_BASED_WRAP", "fsdp_min_num_params", "TRANSFORMER_BASED_WRAP", "fully_shard"):
+        assert fix in line
+
+
 # ---- 2-process jobs ----------------------------------------------------------------------------------------------
 
 
@@ -376,10 +422,17 @@ def test_fsdp2_mixed_precision_recipe_warns_nothing(tmp_path):
         assert len(flagged) == 1 and _source(flagged[0]) == "dorafp8" and "MixedPrecisionPolicy" in flagged[0][1]
         assert un["losses"] == r["bf16_all"]["losses"]
     assert set(os.listdir(tmp_path / "adapter")) == PEFT_FILES
+    # train.py's own save (the doc launches it under accelerate's FSDP2 too) writes the same adapter from the shards;
+    # its old `save_pretrained(...)` without a gathered state dict raised 'Attempted to access the data pointer on an
+    # invalid python storage' (PEFT reading DTensor shards, for any model)
+    assert [r["train_py_save"] for r in res] == ["saved", "saved"]
+    assert set(os.listdir(tmp_path / "train_py_adapter")) == PEFT_FILES
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert len(saved) == 8 * 3 and all(t.dtype == torch.float32 for t in saved.values())  # q, k, v, o: A, B, m
+    again = load_file(tmp_path / "train_py_adapter" / "adapter_model.safetensors")
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
 
 
 def test_accelerate(tmp_path, reference):

@@ -147,3 +147,36 @@ def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
                 assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
     finally:
         dist.destroy_process_group()
+
+
+def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
+    """`dorafp8 run --quantize -- deepspeed --hostfile <2 hosts> ...`: deepspeed starts a multi-node run's workers
+    through pdsh (or mpirun, srun) with only the variables it exports (PYTHON*, ...), never DORAFP8_RUN, and a
+    PYTHONPATH naming this node's temporary sitecustomize, so every worker ran without dorafp8's options, silently:
+    --quantize ignored. Now `dorafp8 run` refuses when deepspeed makes its multi-node launcher, naming `--no_ssh
+    --node_rank` on each node. A stand-in `pdsh` on PATH records what it would have run; no ssh is made
+    (`--no_ssh_check`, `--master_addr`)."""
+    import os
+    import subprocess
+    import sys
+
+    _needs("deepspeed", "the deepspeed launcher is what is run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ran = tmp_path / "pdsh_ran.txt"
+    (bin_dir / "pdsh").write_text(f"#!/bin/sh\necho \"$@\" > {ran}\n")
+    (bin_dir / "pdsh").chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    (tmp_path / "train.py").write_text("print('worker ran')\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "dorafp8", "run", "--quantize", "--", "deepspeed", "--hostfile",
+                        str(hostfile), "--launcher", "pdsh", "--no_ssh_check", "--master_addr", "10.0.0.1", "train.py"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert not ran.exists(), f"deepspeed ran its multi-node launcher: pdsh {ran.read_text()}"
+    assert r.returncode != 0
+    assert "dorafp8 run: deepspeed is starting a multi-node run (launcher='pdsh'" in r.stderr, r.stderr[-3000:]
+    assert "--no_ssh --node_rank" in r.stderr
