@@ -18,7 +18,7 @@ from .nn import FP8ConvNd, FP8Linear
 from .nn.conv import NN_CONV
 from .ops import dora_fp8_conv, dora_fp8_linear, weight_norm
 from .merge import adapted_row_blocks, column_norms
-from .quant import dequantize_e4m3, dequantize_weight
+from .quant import dequantize_weight
 
 FP8_LAYERS = (FP8Linear, FP8ConvNd)
 
@@ -30,11 +30,9 @@ def _torch_class(fp8_cls: type) -> type:
 def _dense_weight(layer: nn.Module) -> Tensor:
     """scale * w8 in fp32, in the layer's own layout (from the parameter: `weight` is the view's)."""
     w8 = layer._parameters["weight"]
-    if isinstance(layer, FP8Linear):  # every kind, the microscaled ones too (a packed NVFP4 weight is [N, K / 2])
-        return dequantize_weight(w8, layer.scale, torch.float32, block_size=layer.block_size,
-                                 global_scale=layer.global_scale)
-    return dequantize_e4m3(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32,
-                           block_size=layer.block_size).view(w8.shape)
+    w = dequantize_weight(w8.reshape(w8.shape[0], -1), layer.scale, torch.float32, block_size=layer.block_size,
+                          global_scale=getattr(layer, "global_scale", None))  # every kind (NVFP4's packed [N, K/2])
+    return w if isinstance(layer, FP8Linear) else w.view(w8.shape)
 
 
 # ---- 1. the view class fp8 layers wear while LyCORIS looks at them ---------------------------------------------------
