@@ -63,14 +63,18 @@ class WeightNormCache:
         return len(self._entries)
 
     def norm(self, adapter: str, compute: Callable[[], torch.Tensor], A: torch.Tensor, B: torch.Tensor,
-             weight: torch.Tensor, scale: torch.Tensor, extra: Hashable = (), sharded: bool = False) -> torch.Tensor:
-        """`compute()` (the norm of the current tensors), or the cached norm where it provably equals it."""
+             weight: torch.Tensor, scale: torch.Tensor, extra: Hashable = (), sharded: bool = False,
+             global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`compute()` (the norm of the current tensors), or the cached norm where it provably equals it. `global_scale`:
+        NVFP4's second scale (None for every other kind), keyed like the weight: a load that rewrites it alone counts."""
         on_cpu = A.device.type == "cpu"
         if sharded or torch.compiler.is_compiling() or not (on_cpu or _reuse_promised()):
             self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
             return compute()
         _watch_optimizer_steps()
         key = (_optimizer_steps, extra) + tuple(_identity(t) for t in (A, B, weight, scale))
+        if global_scale is not None:
+            key += (_identity(global_scale),)
         hit = self._entries.get(adapter)
         # A norm made under torch.inference_mode (an evaluation before training) cannot be saved by autograd outside
         # it: recomputed there, as PEFT's own DoRA would.

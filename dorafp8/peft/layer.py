@@ -177,7 +177,8 @@ class DoRAFP8Layer:
         if not use_cache:
             return compute()
         return self._dorafp8_norm_cache.norm(adapter, compute, A, B, base.weight, base.scale, (s, base.backend),
-                                             sharded=params_are_sharded(self, A, B))
+                                             sharded=params_are_sharded(self, A, B),
+                                             global_scale=getattr(base, "global_scale", None))
 
     def _fused_adapter(self) -> str | None:
         """The adapter the fused path serves: exactly one active adapter, a DoRA one, without a LoRA bias."""

@@ -269,3 +269,16 @@ def test_dora_on_nvfp4_and_mxfp8_linears_matches_fp64(kind, held, dropout, backe
     for name in want:
         assert_close(got[name], want[name], 5 * rel, name)
     assert (calls["forward"] >= n_dora and calls["dgrad"] > 0) if backend == "triton" else not calls, calls
+
+
+def test_the_cached_norm_follows_the_nvfp4_global_scale(tmp_path):
+    """NVFP4's second scale is part of the weight: a write to it alone (a load of another file's value through
+    copy_) must not leave the norm of the old weight in the CPU cache."""
+    _, ours, _ = _pair(tmp_path, "NVFP4")
+    layer = next(m for m in ours.modules() if isinstance(m, DoRAFP8Linear))
+    with torch.no_grad():
+        n1 = layer.dora_weight_norm("default")
+        layer.get_base_layer().global_scale.mul_(2)
+        n2 = layer.dora_weight_norm("default")
+    assert torch.equal(n2, layer.dora_weight_norm("default", use_cache=False))
+    assert not torch.equal(n1, n2)
