@@ -26,7 +26,7 @@ from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
-from .source import BLOCK_SIZE_KEY
+from .source import BLOCK_SIZE_KEY, INDEX_NAMES, SINGLE_NAMES
 
 logger = logging.getLogger("dorafp8")
 
@@ -174,14 +174,18 @@ def _made(folder: str):
 
 
 def _check_folder(real: str, path: str, t: WriteTarget) -> None:
-    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index), or would
-    load as another layout (ModelOpt's hf_quant_config.json beside an export in any other format)."""
-    single, index = f"{t.stem}.safetensors", f"{t.stem}.safetensors.index.json"
-    if os.path.lexists(os.path.join(real, single)):
-        raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
-                              f"instead of an index, so the new export would not be what loads; it is not a file "
-                              f"this writer can prove an export wrote, so it is not removed: move it away (or delete "
-                              f"it), or export to another folder")
+    """Refuses a folder where the export would not be what loads (a `model.safetensors` or
+    `diffusion_pytorch_model.safetensors`, or the index of the other of the two), or would load as another layout
+    (ModelOpt's hf_quant_config.json beside an export in any other format)."""
+    index = f"{t.stem}.safetensors.index.json"
+    # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
+    # diffusers model's export beside an old `model.safetensors` would load as that
+    for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
+        if os.path.lexists(os.path.join(real, other)):
+            raise FileExistsError(f"path={path!r} holds {other!r}, which load_fp8_checkpoint (and transformers or "
+                                  f"diffusers) would read instead of this export's {index!r}, so the new export "
+                                  f"would not be what loads; it is not a file this writer can prove an export wrote, "
+                                  f"so it is not removed: move it away (or delete it), or export to another folder")
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")):
         raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
                               f"left from an earlier ModelOpt export?), which load_fp8_checkpoint and ModelOpt's "

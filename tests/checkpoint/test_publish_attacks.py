@@ -462,6 +462,22 @@ def test_a_folder_holding_a_single_model_file_is_refused_before_anything_is_writ
     assert _tree(tmp_path) == before
 
 
+def test_a_folder_holding_another_kinds_checkpoint_is_refused_before_anything_is_written(tmp_path):
+    """load_fp8_checkpoint reads a folder's `model.safetensors`, else its `diffusion_pytorch_model.safetensors`, else
+    the first index of the two, whatever model it loads into. A model's export (stem "model") into a folder holding
+    an earlier `diffusion_pytorch_model.safetensors` was published and then loaded as that old file: silently the
+    wrong weights. Refused now, naming the file, with nothing written."""
+    old, new = _net(0), _net(1)
+    dest = _user_folder(tmp_path)
+    dorafp8.save_fp8_checkpoint(old, dest / "diffusion_pytorch_model.safetensors", format="dorafp8", verbose=False)
+    with torch.no_grad():
+        assert not torch.equal(_output_of(dest), new(X))  # what this folder loads as
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"holds 'diffusion_pytorch_model.safetensors'.*move it away"):
+        _export(new, dest, SHARDED)
+    assert _tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("where,folder", [("one.safetensors", "one.safetensors"), ("ckpt", "ckpt/config.json"),
                                           ("ckpt", f"ckpt/{INDEX}")])
 def test_a_folder_where_a_file_goes_is_refused_before_anything_is_written(tmp_path, where, folder):
