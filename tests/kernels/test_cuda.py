@@ -224,6 +224,31 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
 
 
+def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch):
+    """A build killed (SIGKILL, the OOM killer, a job's time limit) leaves torch's `lock` file in the build folder;
+    torch's loader before 2.14 (FileBaton, in torch 2.11 on the GPU machine) waits for it to disappear, forever, while
+    dorafp8 said "still compiling". dorafp8 builds under its own OS lock on the folder (dropped by the kernel when a
+    builder dies); under it the `lock` file can only be a dead build's: it is removed, and the build runs."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+
+    def load_as_torch_2_11(**kw):  # torch < 2.14's _jit_compile: try_acquire, else baton.wait() (forever)
+        baton = FileBaton(os.path.join(kw["build_directory"], "lock"))
+        assert baton.try_acquire(), "torch's loader would wait for the lock file forever"
+        baton.release()
+        calls.append(kw)
+        return type("FakeExtension", (), {})()
+
+    monkeypatch.setattr(cpp_extension, "load", load_as_torch_2_11)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    out.mkdir(parents=True)
+    (out / "lock").write_bytes(b"")  # what the killed build left
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 1 and not (out / "lock").exists()
+
+
 def test_first_use_build_refusals(tmp_path, monkeypatch):
     """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
     what runs without the extension, and is not tried again in the process."""
