@@ -139,11 +139,17 @@ def _one_builder(out: Path):
     """One build into `out` at a time (two ranks' first use), under the OS's lock on the folder, which the kernel drops
     when its holder dies. Under it, torch's own `lock` file there (torch < 2.14's FileBaton: a build killed by SIGKILL,
     the OOM killer or a job's time limit leaves it, and every later load waits for it to go, forever) is a dead
-    build's, and is removed. Without flock (Windows) nothing is removed."""
+    build's, and is removed. Without flock (Windows, a file system without locks) nothing is removed."""
+    if fcntl is None:  # Windows (where a folder cannot be opened either)
+        yield
+        return
     fd = os.open(out, os.O_RDONLY)
     try:
-        if fcntl is not None:
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, EOPNOTSUPP: torch's own lock file still keeps builders apart
+            pass
+        else:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(out / "lock")
         yield

@@ -11,6 +11,7 @@ scales and W8A8 are refused with a ValueError (the Triton and reference backends
 the same kernel source on CPU under an emulator in tests/kernels/test_cuda_emulated.py.
 """
 
+import errno
 import os
 import shutil
 
@@ -247,6 +248,16 @@ def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch):
     (out / "lock").write_bytes(b"")  # what the killed build left
     cb.cuda_build.build(torch.device("cuda"))
     assert len(calls) == 1 and not (out / "lock").exists()
+    # a file system without locks (flock fails): the build runs as before, and removes nothing it cannot prove dead
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cb.cuda_build.fcntl, "flock", no_locks)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    (out / "lock").write_bytes(b"")
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 2 and (out / "lock").exists()
 
 
 def test_first_use_build_refusals(tmp_path, monkeypatch):
