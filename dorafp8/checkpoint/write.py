@@ -269,8 +269,8 @@ def _check_replaced(stage: str, folder: str, name: str, recorded, path: str) -> 
     if not ours:
         raise FileExistsError(f"path={path!r} holds {name!r}, which this export would replace, but the index there "
                               f"does not record it as an earlier export's (it is someone else's, the model's own, "
-                              f"or was edited since), so it is not overwritten: move it away (or delete it), or "
-                              f"export to another folder")
+                              f"was edited since, or was left by an export killed before its index), so it is not "
+                              f"overwritten: move it away (or delete it), or export to another folder")
 
 
 def _same_bytes(a: str, b: str) -> bool:
