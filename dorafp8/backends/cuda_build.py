@@ -146,7 +146,11 @@ def _one_builder(out: Path):
     fd = os.open(out, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another rank's first use: minutes of nvcc, said rather than silent
+                _say(f"waiting for another process's build of the CUDA extension in {out}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:  # ENOLCK, EOPNOTSUPP: torch's own lock file still keeps builders apart
             pass
         else:

@@ -225,7 +225,7 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
 
 
-def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch):
+def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
     """A build killed (SIGKILL, the OOM killer, a job's time limit) leaves torch's `lock` file in the build folder;
     torch's loader before 2.14 (FileBaton, in torch 2.11 on the GPU machine) waits for it to disappear, forever, while
     dorafp8 said "still compiling". dorafp8 builds under its own OS lock on the folder (dropped by the kernel when a
@@ -248,6 +248,16 @@ def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch):
     (out / "lock").write_bytes(b"")  # what the killed build left
     cb.cuda_build.build(torch.device("cuda"))
     assert len(calls) == 1 and not (out / "lock").exists()
+    # another process building there now (its lock held): this one says it waits, then builds
+    import fcntl
+    import threading
+
+    held = os.open(out, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, [held]).start()
+    capsys.readouterr()
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 2 and "waiting for another process's build" in capsys.readouterr().err
     # a file system without locks (flock fails): the build runs as before, and removes nothing it cannot prove dead
 
     def no_locks(fd, op):
@@ -257,7 +267,7 @@ def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
     (out / "lock").write_bytes(b"")
     cb.cuda_build.build(torch.device("cuda"))
-    assert len(calls) == 2 and (out / "lock").exists()
+    assert len(calls) == 3 and (out / "lock").exists()
 
 
 def test_first_use_build_refusals(tmp_path, monkeypatch):
