@@ -9,7 +9,8 @@ Writes bench/results/<device-slug>/: results.json (the timed records of both com
 the autotuned re-timings apart) with results.md and the PNGs (plot.py); correctness.md (each fp64 check: how much of
 its allowed error the worst element used); kernels.md (torch.profiler's per-kernel times beside the kernel report's
 prediction of each, and the pinned configs); race.md (backend="auto"'s picks); tests.md (the GPU tests and
-compute-sanitizer); the two JSON files as they came; logs/ (each log's last 200 KB); a README.md listing them. Then
+compute-sanitizer); the two JSON files as they came; logs/ (each log's last 200 KB); a README.md listing them; an
+earlier run's files of these names that this run did not write again are removed (nothing else there). Then
 README.md's performance table (between its perf-table markers) from every bench/results/*/results.json measured on a
 GPU. A CPU run (--smoke) makes no speed claims: it is written with a warning, and never into README.
 """
@@ -245,6 +246,23 @@ def _tail(src: str, dst: str) -> None:
         f.write(data)
 
 
+PAGES = {"correctness.md": (correctness_md, "first"), "kernels.md": (kernels_md, "first"),
+         "race.md": (race_md, "first"), "tests.md": (tests_md, "more")}
+# what write_device writes into a device folder besides results.json, results.md and README.md: the only files it
+# removes there, when this run did not write them again (plot.py's PNGs are named by mode and dropout)
+OWNED = [*PAGES, *(f"{c}.json" for c in NAMES.values()), *(f"logs/log-{c}.txt" for c in NAMES.values()),
+         "time_vs_tokens_*.png", "norm.png", "memory.png"]
+
+
+def _remove_stale(dest: str, written: list[str]) -> None:
+    """An earlier run's pages, plots and logs that this run did not write (a command not run now, a mode not timed
+    now) are removed: left, they stood beside this run's README under no commit of their own."""
+    for pattern in OWNED:
+        for path in glob.glob(os.path.join(glob.escape(dest), pattern)):
+            if os.path.relpath(path, dest) not in written and os.path.isfile(path) and not os.path.islink(path):
+                os.remove(path)
+
+
 def write_device(dest: str, results: dict, sources) -> list[str]:
     import plot
 
@@ -253,8 +271,7 @@ def write_device(dest: str, results: dict, sources) -> list[str]:
     with open(os.path.join(dest, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     written = ["results.json"] + [os.path.basename(p) for p in plot.render(results, dest)]
-    pages = {"correctness.md": (correctness_md, "first"), "kernels.md": (kernels_md, "first"),
-             "race.md": (race_md, "first"), "tests.md": (tests_md, "more")}
+    pages = PAGES
     for name, (page, command) in pages.items():
         if command in cmds:
             with open(os.path.join(dest, name), "w") as f:
@@ -275,6 +292,7 @@ def write_device(dest: str, results: dict, sources) -> list[str]:
                 f"torch {meta.get('torch')} (CUDA {meta.get('cuda')}), triton {meta.get('triton')}, peft "
                 f"{meta.get('peft')}; commit {meta.get('commit')}.\n\n"
                 + "".join(f"- [{w}]({w})\n" for w in written if not w.endswith(".png")))
+    _remove_stale(dest, written)
     return written + ["README.md"]
 
 

@@ -6,6 +6,7 @@ DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py. Details: d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import runpy
@@ -17,6 +18,11 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dorafp8/
 NAME = "dorafp8_C"  # the module torch's loader builds (binding.cpp's PYBIND11_MODULE takes its name from the build)
@@ -117,8 +123,6 @@ def build(device: torch.device) -> ModuleType:
     why = why_not()
     if why is not None:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built here: {why}")
-    from torch.utils import cpp_extension
-
     p = plan(device)
     out = Path(p["build_directory"])
     try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out
@@ -126,6 +130,40 @@ def build(device: torch.device) -> ModuleType:
     except OSError as e:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: its build folder {out} cannot be made "
                            f"({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
+    with _one_builder(out):
+        return _build(p, out)
+
+
+@contextlib.contextmanager
+def _one_builder(out: Path):
+    """One build into `out` at a time (two ranks' first use), under the OS's lock on the folder, which the kernel drops
+    when its holder dies. Under it, torch's own `lock` file there (torch < 2.14's FileBaton: a build killed by SIGKILL,
+    the OOM killer or a job's time limit leaves it, and every later load waits for it to go, forever) is a dead
+    build's, and is removed. Without flock (Windows, a file system without locks) nothing is removed."""
+    if fcntl is None:  # Windows (where a folder cannot be opened either)
+        yield
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another rank's first use: minutes of nvcc, said rather than silent
+                _say(f"waiting for another process's build of the CUDA extension in {out}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, EOPNOTSUPP: torch's own lock file still keeps builders apart
+            pass
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(out / "lock")
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(p: dict, out: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
     cached = any(out.glob(f"{NAME}*.so"))
     what = (f"the CUDA extension for sm_{', sm_'.join(p['archs'])} (torch {torch.__version__}, "
             f"CUDA {torch.version.cuda})")

@@ -6,6 +6,7 @@ its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py"."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import hashlib
@@ -263,9 +264,14 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
         data["broken"].update(broken)
         data.update(device=_device_info(device), versions=_versions())
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".race-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: the half-written file would stay in the cache, one more per key checked
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
     except OSError as e:  # a read-only home: the verdicts still hold in this process
         log.debug("dorafp8 race: could not write %s (%s)", path, e)
 

@@ -385,8 +385,9 @@ def write_error(path: str, e: Exception) -> OSError:
     return OSError(code, f"writing {path}: {os.strerror(code)}{todo}")
 
 
-def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
-    """{name: {"size", "sha256"}} of the files a new export may remove (index-listed, unchanged)."""
+def export_metadata(folder: str, index_name: str) -> dict:
+    """The "metadata" object of the index `folder/index_name` ({} where there is none, or it is a link, not a regular
+    file, too large or malformed): what an earlier export there recorded (its files, its JSON files' sha256)."""
     try:
         fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError:
@@ -396,12 +397,20 @@ def previous_export(folder: str, index_name: str, pattern: re.Pattern) -> dict:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_JSON_BYTES:
                 return {}
-            files = json.loads(f.read())["metadata"]["dorafp8_files"]
-        items = list(files.items())
-    except (OSError, ValueError, RecursionError, LookupError, TypeError, AttributeError):
+            meta = json.loads(f.read())["metadata"]
+    except (OSError, ValueError, RecursionError, LookupError, TypeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def previous_export(meta: dict, folder: str, pattern: re.Pattern) -> dict:
+    """{name: {"size", "sha256"}} of the files a new export may remove (listed in the old index's `meta`, of the
+    writer's own name `pattern`, unchanged)."""
+    files = meta.get("dorafp8_files")
+    if not isinstance(files, dict):
         return {}
     out = {}
-    for name, rec in items:
+    for name, rec in files.items():
         if not (isinstance(name, str) and pattern.fullmatch(name) and isinstance(rec, dict)):
             continue
         path = os.path.join(folder, name)

@@ -19,14 +19,14 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
-from .files import (CHECKED_JSON, destination, fsync_dir, fsync_file, locked, previous_export, replace, sha256,
-                    sha256_key, staging)
+from .files import (CHECKED_JSON, destination, export_metadata, fsync_dir, fsync_file, locked, previous_export,
+                    replace, sha256, sha256_key, staging)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
-from .source import BLOCK_SIZE_KEY
+from .source import BLOCK_SIZE_KEY, INDEX_NAMES, SINGLE_NAMES
 
 logger = logging.getLogger("dorafp8")
 
@@ -154,7 +154,7 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
         write_config(t, stage, report, out)
         with locked(real, f"path={path!r}"):
             _check_folder(real, path, t)
-            names = _publish(stage, real, t.stem, parts, writer.total)
+            names = _publish(stage, real, t.stem, parts, writer.total, path)
     report.files = [os.path.join(path, n) for n in names]
     return out
 
@@ -174,14 +174,18 @@ def _made(folder: str):
 
 
 def _check_folder(real: str, path: str, t: WriteTarget) -> None:
-    """Refuses a folder where the export would not be what loads (a `<stem>.safetensors`, a folder index), or would
-    load as another layout (ModelOpt's hf_quant_config.json beside an export in any other format)."""
-    single, index = f"{t.stem}.safetensors", f"{t.stem}.safetensors.index.json"
-    if os.path.lexists(os.path.join(real, single)):
-        raise FileExistsError(f"path={path!r} holds {single!r}, which transformers and load_fp8_checkpoint read "
-                              f"instead of an index, so the new export would not be what loads; it is not a file "
-                              f"this writer can prove an export wrote, so it is not removed: move it away (or delete "
-                              f"it), or export to another folder")
+    """Refuses a folder where the export would not be what loads (a `model.safetensors` or
+    `diffusion_pytorch_model.safetensors`, or the index of the other of the two), or would load as another layout
+    (ModelOpt's hf_quant_config.json beside an export in any other format)."""
+    index = f"{t.stem}.safetensors.index.json"
+    # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
+    # diffusers model's export beside an old `model.safetensors` would load as that
+    for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
+        if os.path.lexists(os.path.join(real, other)):
+            raise FileExistsError(f"path={path!r} holds {other!r}, which load_fp8_checkpoint (and transformers or "
+                                  f"diffusers) would read instead of this export's {index!r}, so the new export "
+                                  f"would not be what loads; it is not a file this writer can prove an export wrote, "
+                                  f"so it is not removed: move it away (or delete it), or export to another folder")
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")):
         raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
                               f"left from an earlier ModelOpt export?), which load_fp8_checkpoint and ModelOpt's "
@@ -195,16 +199,19 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                                     f"move it away, or export to another folder")
 
 
-def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> list[str]:
+def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: str) -> list[str]:
     """Moves the finished export in `stage` into `folder` (whose lock the caller holds); returns its shards' names.
     Shards go in under fresh names, then config.json (if changed), then the index by one rename (the commit), then the
     old shards files.previous_export proves were written are removed: a reader or a kill finds the old export or the
     new. The index records each shard's size and sha256 and those of config.json and hf_quant_config.json, so that
     load_fp8_checkpoint refuses a mixed pair (docs/ARCHITECTURE.md, files.py). A failure before the commit removes
-    the shards it moved in."""
+    the shards it moved in; a config.json it may not replace (_check_replaced) is refused before anything moves."""
     index = f"{stem}.safetensors.index.json"
+    before = export_metadata(folder, index)  # what the export being replaced recorded
     names = shard_names(stem, len(parts), set(os.listdir(folder)))
     others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
+    for name in others:
+        _check_replaced(stage, folder, name, before.get(sha256_key(name)), path)
     files, weight_map = {}, {}
     for (tmp, keys), name in zip(parts, names):
         staged = os.path.join(stage, name)
@@ -214,7 +221,7 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
         weight_map.update(dict.fromkeys(keys, name))
     # the replaced export's files are listed too, until removed: an export interrupted before it removed them (a
     # kill, an error) leaves them to the next one, which finds them in this index
-    old = previous_export(folder, index, shard_pattern(stem))
+    old = previous_export(before, folder, shard_pattern(stem))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
     meta.update({sha256_key(n): sha256(os.path.join(stage, n)) for n in CHECKED_JSON if n in others})
     with open(os.path.join(stage, index), "w") as f:
@@ -245,6 +252,25 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int) -> lis
                           stacklevel=4)
     fsync_dir(folder)
     return names
+
+
+def _check_replaced(stage: str, folder: str, name: str, recorded, path: str) -> None:
+    """Refuses to replace `folder/name` (config.json, hf_quant_config.json) unless the export being replaced wrote it
+    (its index records the file's sha256, `recorded`) or it holds the new bytes already (an export killed after it
+    moved it in). A user's own config.json (a project's, their home's), the model's own (an export into the folder it
+    was loaded from, a link into the Hugging Face cache) or one edited since the export is not overwritten."""
+    dst = os.path.join(folder, name)
+    if not os.path.lexists(dst) or _same_bytes(os.path.join(stage, name), dst):
+        return
+    try:
+        ours = stat.S_ISREG(os.lstat(dst).st_mode) and recorded == sha256(dst)
+    except OSError:
+        ours = False
+    if not ours:
+        raise FileExistsError(f"path={path!r} holds {name!r}, which this export would replace, but the index there "
+                              f"does not record it as an earlier export's (it is someone else's, the model's own, "
+                              f"was edited since, or was left by an export killed before its index), so it is not "
+                              f"overwritten: move it away (or delete it), or export to another folder")
 
 
 def _same_bytes(a: str, b: str) -> bool:

@@ -317,6 +317,28 @@ def test_a_reader_during_publishes_sees_one_exports_config_and_weights(tmp_path,
     assert {w for _, w in pairs} == {"a", "b"}, seen
 
 
+@pytest.mark.parametrize("whose", ["the user's", "edited"])
+def test_a_config_json_no_export_wrote_is_never_replaced(tmp_path, monkeypatch, whose):
+    """Each export writes a config.json (as a transformers or diffusers model's does). A folder holding the user's own
+    config.json (their project's, their home's, the model's own folder's), or one edited after the export that wrote
+    it: it was replaced, silently. Refused now, naming it, with nothing changed; an export's own config.json is still
+    replaced by the next export."""
+    nets = {"a": _net(0), "b": _net(1)}
+    _with_configs(monkeypatch, nets)
+    dest = _user_folder(tmp_path)
+    if whose == "edited":
+        _export(nets["a"], dest, SHARDED)
+        _export(nets["b"], dest, SHARDED)  # replaces the config.json the first export wrote
+        assert json.loads((dest / "config.json").read_text()) == {"export": "b"}
+        (dest / "config.json").write_text('{"export": "b", "mine": 1}')
+    else:
+        (dest / "config.json").write_text('{"my": "project settings"}')
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"holds 'config.json'.*not overwritten: move it away"):
+        _export(nets["a"], dest, SHARDED)
+    assert _tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("old_size,new_size", [(SHARDED, SHARDED), (SHARDED, SINGLE), (SINGLE, SHARDED)])
 def test_a_kill_at_every_step_leaves_one_exports_config_and_weights(tmp_path, monkeypatch, old_size, new_size):
     """An export whose config.json differs from the one it replaces, killed at each rename or removal in turn
@@ -459,6 +481,22 @@ def test_a_folder_holding_a_single_model_file_is_refused_before_anything_is_writ
     before = _tree(tmp_path)
     with pytest.raises(FileExistsError, match=r"holds 'model.safetensors'.*move it away"):
         _export(_net(0), dest, SHARDED)
+    assert _tree(tmp_path) == before
+
+
+def test_a_folder_holding_another_kinds_checkpoint_is_refused_before_anything_is_written(tmp_path):
+    """load_fp8_checkpoint reads a folder's `model.safetensors`, else its `diffusion_pytorch_model.safetensors`, else
+    the first index of the two, whatever model it loads into. A model's export (stem "model") into a folder holding
+    an earlier `diffusion_pytorch_model.safetensors` was published and then loaded as that old file: silently the
+    wrong weights. Refused now, naming the file, with nothing written."""
+    old, new = _net(0), _net(1)
+    dest = _user_folder(tmp_path)
+    dorafp8.save_fp8_checkpoint(old, dest / "diffusion_pytorch_model.safetensors", format="dorafp8", verbose=False)
+    with torch.no_grad():
+        assert not torch.equal(_output_of(dest), new(X))  # what this folder loads as
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"holds 'diffusion_pytorch_model.safetensors'.*move it away"):
+        _export(new, dest, SHARDED)
     assert _tree(tmp_path) == before
 
 

@@ -291,6 +291,19 @@ def test_fine_grained_blocks_transformers_would_misread_are_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------------- DoRAFP8Config
 
 
+def test_export_merged_into_the_models_own_folder_leaves_it_whole(dora, tmp_path):
+    """export_merged pointed at the folder the model was saved to (transformers' save_pretrained, sharded): its
+    config.json and index were replaced by the export's, the model's own shards left unnamed, so the folder no longer
+    held that model. Refused now, naming config.json, with the folder as it was."""
+    src = tmp_path / "model"
+    _llama(per_row_scale=True).save_pretrained(src, max_shard_size="20KB")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert "model.safetensors.index.json" in before and "config.json" in before
+    with pytest.raises(FileExistsError, match=r"holds 'config.json'.*not overwritten"):
+        dorafp8.export_merged(dora, src, verbose=False)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("dense")

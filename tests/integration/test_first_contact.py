@@ -343,6 +343,30 @@ def _record(case, ms):
                 weight_bytes=1, timing="stand-in", note="stand-in", wall_s=0.0)
 
 
+def test_save_results_leaves_no_earlier_runs_pages_beside_this_ones(tmp_path):
+    """A device folder written from a run of both commands (tests.md, more.json, its log), then from a run of command 1
+    alone: the earlier run's tests.md, more.json and log stood beside the new README, which names the new commit, as
+    if this run's. Only this run's files are there now; a file of the user's in the folder is kept."""
+    import save_results as S
+
+    meta = dict(device="Stand-in GPU", device_type="cuda", driver="0", roofline_device=None, peaks=C.PEAKS, torch="0",
+                cuda="0", triton="0", peft="0", commit="earlier", date="2000-01-01", timing="stand-in",
+                speed_claims=False)
+    log = tmp_path / "log.txt"
+    log.write_text("a log\n")
+    first, more = {"correct": {}}, {"tests": {}}
+    dest = tmp_path / "stand-in-gpu"
+    S.write_device(str(dest), dict(meta=meta, records=[], autotuned=[], commands={"first": first, "more": more}),
+                   [("first", first, str(log)), ("more", more, str(log))])
+    assert all((dest / n).is_file() for n in ("tests.md", "more.json", "logs/log-more.txt"))
+    (dest / "notes.md").write_text("mine")
+    written = S.write_device(str(dest), dict(meta=dict(meta, commit="now"), records=[], autotuned=[],
+                                             commands={"first": first}), [("first", first, str(log))])
+    assert "tests.md" not in written
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == sorted(
+        written + ["notes.md"])
+
+
 def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     meta = dict(device="Stand-in GPU", device_type="cuda", driver="0", roofline_device=None, peaks=C.PEAKS, torch="0",
                 cuda="0", triton="0", peft="0", transformers="0", dorafp8="0", commit="unknown", date="2000-01-01",

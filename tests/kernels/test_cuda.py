@@ -11,6 +11,7 @@ scales and W8A8 are refused with a ValueError (the Triton and reference backends
 the same kernel source on CPU under an emulator in tests/kernels/test_cuda_emulated.py.
 """
 
+import errno
 import os
 import shutil
 
@@ -222,6 +223,51 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     (same / f"{cb.cuda_build.NAME}.so").unlink()
     cb.cuda_build.build(cuda)
     assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
+
+
+def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
+    """A build killed (SIGKILL, the OOM killer, a job's time limit) leaves torch's `lock` file in the build folder;
+    torch's loader before 2.14 (FileBaton, in torch 2.11 on the GPU machine) waits for it to disappear, forever, while
+    dorafp8 said "still compiling". dorafp8 builds under its own OS lock on the folder (dropped by the kernel when a
+    builder dies); under it the `lock` file can only be a dead build's: it is removed, and the build runs."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+
+    def load_as_torch_2_11(**kw):  # torch < 2.14's _jit_compile: try_acquire, else baton.wait() (forever)
+        baton = FileBaton(os.path.join(kw["build_directory"], "lock"))
+        assert baton.try_acquire(), "torch's loader would wait for the lock file forever"
+        baton.release()
+        calls.append(kw)
+        return type("FakeExtension", (), {})()
+
+    monkeypatch.setattr(cpp_extension, "load", load_as_torch_2_11)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    out.mkdir(parents=True)
+    (out / "lock").write_bytes(b"")  # what the killed build left
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 1 and not (out / "lock").exists()
+    # another process building there now (its lock held): this one says it waits, then builds
+    import fcntl
+    import threading
+
+    held = os.open(out, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, [held]).start()
+    capsys.readouterr()
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 2 and "waiting for another process's build" in capsys.readouterr().err
+    # a file system without locks (flock fails): the build runs as before, and removes nothing it cannot prove dead
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cb.cuda_build.fcntl, "flock", no_locks)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    (out / "lock").write_bytes(b"")
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 3 and (out / "lock").exists()
 
 
 def test_first_use_build_refusals(tmp_path, monkeypatch):

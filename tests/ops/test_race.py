@@ -732,6 +732,20 @@ def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     assert _verdicts(race)["keys"][what]["native"]["ok"] is True and _verdicts(race)["broken"] == {}
 
 
+def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, monkeypatch):
+    """Writing the verdict file fails (a full disk, ENOSPC): the step runs, and the temporary file it was written to
+    is removed (before, every key checked left one more `.race-*.tmp` in the cache)."""
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_race.json, "dump", full)
+    _step()
+    assert children(race) == 1 and set(used) == {"native"}
+    assert [p for p in os.listdir(race) if p.startswith(".race-")] == []
+
+
 def _killed_child(partial: str):
     """A child that says it starts native, writes `partial` (a result line cut short) and is SIGKILLed from outside,
     as the OOM killer would."""
