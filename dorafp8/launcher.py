@@ -88,7 +88,7 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
 
 # ---- what runs in every process ------------------------------------------------------------------------------------
 
-_STATE = {"options": None, "quantized": 0, "models": 0, "calls": {}}
+_STATE = {"options": None, "quantized": 0, "models": 0, "calls": {}, "own": {}}
 _DEPTH = threading.local()
 
 
@@ -106,11 +106,11 @@ def install(options: dict) -> None:
 
     # the exit report counts the fused calls of PEFT's, LyCORIS's and OneTrainer's layers
     _install.watch("dorafp8.peft", _count_dora_calls, "the exit report does not count the DoRA layers' calls")
-    _install.watch("dorafp8.lycoris", lambda: _count_calls(sys.modules["dorafp8.lycoris"].FP8LoConModule, "_fused"),
-                   "the exit report does not count LyCORIS's fused calls")
+    _install.watch("dorafp8.lycoris", _count_lycoris_calls, "the exit report does not count LyCORIS's calls")
     from . import onetrainer
 
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
+    _count_calls(onetrainer, "own_forward", "own")  # and this on the layers it leaves to OneTrainer
     _install.wait_for(_install.ONETRAINER_MODULE)  # its checkout joins sys.path after this runs
     # transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load); diffusers' under
     # --quantize
@@ -259,20 +259,29 @@ def _quantize(model) -> None:
     _loaded(type(model).__name__, n, "in fp8" + (" (W8A8)" if opts.get("w8a8") else ""))
 
 
-def _count_calls(owner, attr: str) -> None:
-    """Counts the calls of owner.attr per object of its first argument (the layer or adapter), for the report."""
+def _count_calls(owner, attr: str, into: str = "calls") -> None:
+    """Counts the calls of owner.attr per object of its first argument (the layer or adapter), for the report: in
+    _STATE["calls"] those of dorafp8's fused ops, in _STATE["own"] adapters the trainer computed itself."""
     orig = getattr(owner, attr)
     if hasattr(orig, "_dorafp8_orig"):
         return
 
     @functools.wraps(orig)
     def counted(layer, *args, **kwargs):
-        calls = _STATE["calls"]
+        calls = _STATE[into]
         calls[id(layer)] = calls.get(id(layer), 0) + 1
         return orig(layer, *args, **kwargs)
 
     counted._dorafp8_orig = orig
     setattr(owner, attr, counted)
+
+
+def _count_lycoris_calls() -> None:
+    lycoris = sys.modules["dorafp8.lycoris"]
+    _count_calls(lycoris.FP8LoConModule, "_fused")
+    # LyCORIS's own forward runs on the layers that are not dorafp8's (FP8LoConModule has its own): a kohya script's
+    # UNet, even with its --fp8_base, whose plain cast comes after LyCORIS built its modules (docs/TRAINERS.md)
+    _count_calls(lycoris.LoConModule, "forward", "own")
 
 
 def _count_dora_calls() -> None:
@@ -301,10 +310,11 @@ def _act_quant_new_layers() -> None:
 
 
 def _report() -> None:
-    calls = _STATE["calls"]
-    if _STATE["models"] or calls:
+    calls, own = _STATE["calls"], _STATE["own"]
+    if _STATE["models"] or calls or own:
         print(f"dorafp8 run: {_STATE['quantized']} layers put in fp8 on load; {len(calls)} dorafp8 DoRA/LoRA layers "
-              f"ran {sum(calls.values())} forward calls", file=sys.stderr)
+              f"ran {sum(calls.values())} forward calls" + (f"; {len(own)} LyCORIS / OneTrainer adapter layers ran "
+              f"their own forward, not dorafp8's (not on a dorafp8 fp8 layer)" if own else ""), file=sys.stderr)
 
 
 # ---- running the command -------------------------------------------------------------------------------------------

@@ -279,3 +279,41 @@ def test_without_lycoris_the_name_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lycoris", None)  # what an interpreter without lycoris-lora sees
     with pytest.raises(ImportError, match=r"pip install 'dorafp8\[lycoris\]' \(or pip install lycoris-lora\)"):
         dorafp8.register_with_lycoris
+
+
+KOHYA_ORDER = """
+import sys, torch
+from torch import nn
+from lycoris import create_lycoris
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+if sys.argv[1] == "fp8":
+    import dorafp8
+    dorafp8.quantize_model(net)
+lyc = create_lycoris(net, 1.0, linear_dim=4, linear_alpha=4, algo="locon", dora_wd=True)
+lyc.apply_to()
+for _ in range(3):
+    net(torch.randn(2, 32)).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("base", ["dense", "fp8"])
+def test_launcher_report_names_lycoris_modules_that_ran_lycoris_own_forward(tmp_path, base):
+    """kohya's train_network.py builds its own UNet (no from_pretrained for --quantize to reach) and its --fp8_base
+    casts it after LyCORIS built its modules: under `dorafp8 run` no module is on a dorafp8 layer, and the run said
+    nothing at exit, as if dorafp8 had trained it. The report counts LyCORIS's own forwards (2 modules here); on
+    dorafp8's fp8 layers, the fused ones only."""
+    import subprocess
+
+    (tmp_path / "train.py").write_text(KOHYA_ORDER)
+    out = subprocess.run([sys.executable, "-m", "dorafp8", "run", "--", "python", "train.py", base], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = [line for line in out.stderr.splitlines() if line.startswith("dorafp8 run:")]
+    if base == "dense":
+        assert report == ["dorafp8 run: 0 layers put in fp8 on load; 0 dorafp8 DoRA/LoRA layers ran 0 forward calls; "
+                          "2 LyCORIS / OneTrainer adapter layers ran their own forward, not dorafp8's (not on a "
+                          "dorafp8 fp8 layer)"], out.stderr[-3000:]
+    else:
+        assert report == ["dorafp8 run: 0 layers put in fp8 on load; 2 dorafp8 DoRA/LoRA layers ran 6 forward "
+                          "calls"], out.stderr[-3000:]

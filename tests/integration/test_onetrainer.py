@@ -292,9 +292,11 @@ import torch
 from modules.module.LoRAModule import DoRAModule, LoRAModuleWrapper
 from modules.module.quantized.LinearFp8 import LinearFp8
 from modules.util.enum.ModelType import PeftType
-net = torch.nn.Sequential(LinearFp8(16, 8), torch.nn.ReLU(), LinearFp8(8, 4))
+Layer = torch.nn.Linear if "--dense" in sys.argv else LinearFp8  # --dense: OneTrainer's weight dtype not FLOAT_8
+net = torch.nn.Sequential(Layer(16, 8), torch.nn.ReLU(), Layer(8, 4))
 for m in (net[0], net[2]):
-    m.quantize()
+    if Layer is LinearFp8:
+        m.quantize()
 cfg = types.SimpleNamespace(peft_type=PeftType.LORA, lora_rank=2, lora_alpha=2.0, lokr_dim=2, lora_decompose=True,
                             lora_decompose_norm_epsilon=False, lora_decompose_output_axis=False, train_device="cpu",
                             layer_filter_regex=False, debug_mode=False)
@@ -349,3 +351,15 @@ def test_launcher_exit_report_counts_onetrainer_fused_calls(checkout, tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "patched True" in out.stdout, out.stderr[-3000:]
     assert "2 dorafp8 DoRA/LoRA layers ran 6 forward calls" in out.stderr, out.stderr
+    assert "their own forward" not in out.stderr, out.stderr
+
+
+def test_launcher_exit_report_names_layers_left_to_onetrainer(checkout, tmp_path):
+    """A config whose weights are not in FLOAT_8 / FLOAT_W8A8 (here dense layers; SVDQuant's are the same) trains
+    through OneTrainer's own DoRA forward: the run said nothing at exit, as if dorafp8 had trained it. The report
+    counts those adapters."""
+    out = subprocess.run([sys.executable, "-m", "dorafp8", "run", "--", "python", "train.py", checkout, "--dense"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "patched True" in out.stdout, out.stderr[-3000:]
+    assert ("0 dorafp8 DoRA/LoRA layers ran 0 forward calls; 2 LyCORIS / OneTrainer adapter layers ran their own "
+            "forward, not dorafp8's") in out.stderr, out.stderr
