@@ -139,7 +139,9 @@ def _noting(base, start, note):
                 why = " ".join(f"{type(e).__name__}: {msg}".split())[:600]
                 text = (f"the CUDA extension failed to build ({why}); dorafp8 installs without it: backend='auto' "
                         "uses the Triton/reference backends, and backend='cuda' builds it on first use for the GPU at "
-                        "hand (DORAFP8_FORCE_CUDA_BUILD=1 makes a failed build fail the install)")
+                        "hand (it needs an nvcc of torch's CUDA major; DORAFP8_CUDA_ARCHS=<your GPU's, e.g. 90a> "
+                        "builds for it alone where this nvcc lacks an arch of the default; DORAFP8_FORCE_CUDA_BUILD=1 "
+                        "makes a failed build fail the install)")
                 _say(text)
                 self.extensions, self.inplace = [], inplace_build  # nothing built: no install lists it
             regular, inplace = self._note_paths()
