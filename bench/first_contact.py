@@ -158,8 +158,14 @@ def shim() -> str | None:
         importlib.metadata.distribution("dorafp8")
         return None  # installed: its mapping serves (the env step checks it is this checkout)
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:  # a failure is said in the plan, and the env step stops the command with one line (it raised before both)
+        if os.path.lexists(link):  # a dangling link (exists() follows it): a copy of the tree elsewhere left it
+            os.remove(link)
         os.symlink(os.path.join("..", "triton_kernels"), link)
-        return f"linked {link} -> ../triton_kernels (nothing installed maps it)"
+    except OSError as e:  # a read-only tree
+        return f"could not link {link} -> ../triton_kernels ({type(e).__name__}: {e})"
+    return f"linked {link} -> ../triton_kernels (nothing installed maps it)"
 
 
 def child_env(work: str, results: str, smoke: bool, step: Step) -> dict:

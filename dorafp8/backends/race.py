@@ -59,8 +59,11 @@ _WARNED: set = set()  # (device, candidate, verdict) warned about in this proces
 
 def racing(backend: str | None, device: torch.device) -> bool:
     """Whether this call is decided here: "auto", no $DORAFP8_BACKEND, DORAFP8_RACE not 0, a racing device."""
+    flag = os.environ.get("DORAFP8_RACE") or "1"
+    if flag not in ("0", "1"):  # DORAFP8_RACE=false / off left the race on, silently: refused, as DORAFP8_BACKEND is
+        raise ValueError(f"DORAFP8_RACE must be 0 (off) or 1 (on, the default), got {flag!r}")
     return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
-            and os.environ.get("DORAFP8_RACE", "1") != "0")
+            and flag == "1")
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:

@@ -325,6 +325,31 @@ def test_an_uninstalled_checkout_gets_the_triton_kernels_link(tmp_path, monkeypa
     assert proc.stdout.strip() == str(tmp_path / "triton_kernels" / "__init__.py"), proc.stderr[-2000:]
 
 
+def test_the_link_over_a_dangling_one_and_in_a_read_only_tree(tmp_path, monkeypatch):
+    """A dangling link left where the link goes (a copy of the tree moved elsewhere) is replaced, and a tree the link
+    cannot be written into says so in the plan: both raised in the parent before any result was written."""
+    import importlib.metadata
+
+    (tmp_path / "dorafp8").mkdir()
+    (tmp_path / "triton_kernels").mkdir()
+    os.symlink("/nonexistent/triton_kernels", tmp_path / "dorafp8" / "triton_kernels")
+    monkeypatch.setattr(FC, "ROOT", str(tmp_path))
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    assert "linked" in FC.shim()
+    assert os.path.realpath(tmp_path / "dorafp8" / "triton_kernels") == str(tmp_path / "triton_kernels")
+    os.remove(tmp_path / "dorafp8" / "triton_kernels")
+
+    def read_only(src, dst):
+        raise PermissionError(30, "Read-only file system", dst)
+
+    monkeypatch.setattr(os, "symlink", read_only)
+    assert "could not link" in FC.shim() and "Read-only" in FC.shim()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # save_results.py
 

@@ -413,6 +413,18 @@ def test_on_by_default_on_a_gpu_only(monkeypatch):
     assert not _race.racing("auto", torch.device("cpu")) and not _race.racing("triton", torch.device("cuda"))
 
 
+@pytest.mark.parametrize("flag", ["false", "off", "no", "O"])
+def test_a_mistyped_race_switch_is_refused_by_name(monkeypatch, flag):
+    """DORAFP8_RACE=false (or off) left the race on without a word: only "0" turned it off. Now any value but 0 or 1
+    is refused naming the variable and the values it takes; set but empty is unset."""
+    monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
+    monkeypatch.setenv("DORAFP8_RACE", flag)
+    with pytest.raises(ValueError, match=f"DORAFP8_RACE must be 0 \\(off\\) or 1 .*got '{flag}'"):
+        _race.racing("auto", torch.device("cuda"))
+    monkeypatch.setenv("DORAFP8_RACE", "")
+    assert _race.racing("auto", torch.device("cuda"))
+
+
 def test_the_pick_is_stable_within_the_margin():
     res = {"triton": {"ok": True, "ms": 1.04}, "cuda": {"ok": True, "ms": 1.0}, "cublas": {"ok": False}}
     assert _race.pick_of(res, ("triton", "cuda", "cublas")) == "triton"  # 4% slower: within MARGIN, the order wins
