@@ -176,7 +176,8 @@ def _made(folder: str):
 def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     """Refuses a folder where the export would not be what loads (a `model.safetensors` or
     `diffusion_pytorch_model.safetensors`, or the index of the other of the two), or would load as another layout
-    (ModelOpt's hf_quant_config.json beside an export in any other format)."""
+    (ModelOpt's hf_quant_config.json beside an export in any other format), or where it would replace an index no
+    export wrote."""
     index = f"{t.stem}.safetensors.index.json"
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
@@ -197,6 +198,13 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
         if os.path.isdir(os.path.join(real, name)):
             raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
                                     f"move it away, or export to another folder")
+    # an index no export wrote (transformers' or diffusers' save_pretrained, another tool's) names that model's shards:
+    # replacing it would leave them unindexed, the folder no longer holding that model
+    if os.path.lexists(os.path.join(real, index)) and \
+            not isinstance(export_metadata(real, index).get("dorafp8_files"), dict):
+        raise FileExistsError(f"path={path!r} holds {index!r}, which no dorafp8 export wrote (a model saved there by "
+                              f"save_pretrained or another tool?); the export would replace it and leave that model's "
+                              f"shards unindexed, so it is not overwritten: export to another folder, or move it away")
 
 
 def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: str) -> list[str]:

@@ -285,3 +285,22 @@ def test_a_first_export_killed_while_publishing_never_loads_as_if_complete(tmp_p
         if code == 0:
             break
     assert refused >= 2
+
+
+def test_an_index_no_export_wrote_is_never_replaced(tmp_path):
+    """A folder another writer filled (transformers' save_pretrained, sharded: its index and shards) and a model with
+    no config.json to refuse on: the export replaced that index, leaving the model's own shards unindexed. Refused
+    now, naming the index, with the folder as it was."""
+    from safetensors.torch import save_file
+
+    dest = tmp_path / "hf"
+    dest.mkdir()
+    for i in (1, 2):
+        save_file({f"w{i}": torch.ones(2)}, str(dest / f"model-0000{i}-of-00002.safetensors"))
+    index = {"metadata": {"total_size": 16}, "weight_map": {"w1": "model-00001-of-00002.safetensors",
+                                                              "w2": "model-00002-of-00002.safetensors"}}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    with pytest.raises(FileExistsError, match=r"holds 'model.safetensors.index.json', which no dorafp8 export wrote"):
+        _export(_net(0), dest)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before

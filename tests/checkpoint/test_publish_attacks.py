@@ -143,7 +143,8 @@ def _forge_index(dest, elsewhere):
 
 def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path):
     """The previous index a link to another folder's index (a copy made with links, or planted), a FIFO, or not an
-    object of the expected form: the writer reads no list of files to remove from it, removes nothing, and works."""
+    object of the expected form: the writer reads no list of files to remove from it, removes nothing, and refuses to
+    replace an index it cannot prove an export wrote."""
     a = _net(0)
     other = tmp_path / "other"
     _export(a, other, SHARDED)
@@ -157,7 +158,8 @@ def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path)
             os.mkfifo(dest / INDEX)  # opening it to read would block for ever
         else:
             (dest / INDEX).write_bytes(bad)
-        _export(a, dest, SHARDED)
+        with pytest.raises(FileExistsError, match="which no dorafp8 export wrote"):
+            _export(a, dest, SHARDED)
         assert _tree(other) == theirs
         _user_files_intact(dest)
 
