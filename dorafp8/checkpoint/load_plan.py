@@ -17,7 +17,8 @@ from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
-from .source import BLOCK_SIZE_KEY, CheckpointSource, detect, layer_key, nvfp4_weights
+from .source import (BLOCK_SIZE_KEY, CheckpointSource, detect, layer_key, nvfp4_weights,
+                     refuse_comfy_microscaled)
 
 
 def plan_load(model: nn.Module, source: CheckpointSource, fmt: str, model_t: dict, tied: dict, report: LoadReport, *,
@@ -35,6 +36,7 @@ def resolve_format(source: CheckpointSource, format: str) -> tuple[str, str]:
     if format == "auto":
         return detect(source)
     fmt = canonical_format(format, tuple(LAYOUTS))
+    refuse_comfy_microscaled(source)  # not a layout any format= reads: refused before detect's errors are set aside
     detected = None
     try:
         detected, evidence = detect(source)

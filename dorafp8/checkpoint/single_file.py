@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import open_safetensors, regular_file
+from .files import open_safetensors, parse_json, regular_file
 from .layouts import CheckpointFormatError
 
 # the keys a scaled fp8 checkpoint carries beside its weights: ComfyUI's "scaled_fp8" files, and its newer
@@ -172,9 +172,9 @@ def to_diffusers_layout(model: nn.Module, state_dict: dict) -> dict:
     name = _model_name(model)
     newer = [k for k in state_dict if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]
     if newer:
-        raise CheckpointFormatError(f"{newer[0]!r}: ComfyUI's comfy_quant encoding (weight_scale, comfy_quant) is not "
-                                    f"read in original layouts here, only its scaled_fp8 one (scale_weight); nothing "
-                                    f"was loaded into {name}")
+        raise CheckpointFormatError(f"{newer[0]!r}: ComfyUI's comfy_quant encoding (weight_scale, comfy_quant): "
+                                    f"to_diffusers_layout reads its scaled_fp8 one (scale_weight); load the file with "
+                                    f"load_single_file, which converts it; nothing was loaded into {name}")
     _, others = diffusion_model_keys(state_dict, model)
     extras = _layer_extras(state_dict)
     tensors = {k: v for k, v in state_dict.items() if not is_scale_key(k) and k not in others}
@@ -238,6 +238,50 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
     return errors
 
 
+def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
+    """ComfyUI's newer comfy_quant encoding (a `<layer>.comfy_quant` JSON per layer, or the `_quantization_metadata`
+    safetensors metadata; `weight_scale`, `input_scale`) as its scaled_fp8 one (`scale_weight`, `scale_input`): what
+    ComfyUI's convert_old_quants (comfy/utils.py) does the other way. Only {"format": "float8_e4m3fn"} layers, the
+    one per-tensor fp8 format ComfyUI reads (TensorCoreFP8Layout); any other is refused, naming the layer."""
+    confs = {}
+    for k in [k for k in state_dict if k.endswith(".comfy_quant")]:
+        confs[k[:-len(".comfy_quant")]] = parse_json(bytes(state_dict[k].to(torch.uint8).tolist()), k,
+                                                     'ComfyUI\'s layer config, JSON like {"format": "float8_e4m3fn"}')
+    raw = metadata.get("_quantization_metadata")
+    if raw is not None:
+        layers = parse_json(raw.encode() if isinstance(raw, str) else bytes(raw), "the safetensors metadata "
+                            "'_quantization_metadata'", '{"layers": {layer: {"format": ...}}}').get("layers")
+        if not isinstance(layers, dict):
+            raise CheckpointFormatError("the safetensors metadata '_quantization_metadata' has no \"layers\" object; "
+                                        "the file is damaged or not ComfyUI's")
+        for lay, conf in layers.items():  # a full checkpoint's other components, left out already, not asked about
+            if f"{lay}.weight" in state_dict:
+                confs.setdefault(lay, conf)
+    scales = [k for k in state_dict if k.endswith((".weight_scale", ".input_scale"))]
+    if not confs and not scales:
+        return state_dict
+    other = {lay: c.get("format") if isinstance(c, dict) else c for lay, c in confs.items()
+             if not isinstance(c, dict) or c.get("format") != "float8_e4m3fn"}
+    if other:
+        lay, fmt = next(iter(other.items()))
+        raise CheckpointFormatError(f"{lay!r}: ComfyUI quantization format {fmt!r} ({len(other)} layers not "
+                                    f"float8_e4m3fn); load_single_file reads ComfyUI's float8_e4m3fn layers (per-tensor "
+                                    f"weight_scale) only. Load the same model's fp8 (float8_e4m3fn / fp8_scaled) or bf16 "
+                                    f"file instead; nothing was loaded")
+    unmarked = [k for k in scales if k.rpartition(".")[0] not in confs]
+    if unmarked:
+        raise CheckpointFormatError(f"{unmarked[0]!r}: a weight_scale / input_scale of a layer without its comfy_quant "
+                                    f"entry (ComfyUI would not read it, so its weight would be used unscaled); the file "
+                                    f"is damaged or not ComfyUI's; nothing was loaded")
+    rename = {"weight_scale": "scale_weight", "input_scale": "scale_input"}
+    out = {}
+    for k, t in state_dict.items():
+        lay, _, suffix = k.rpartition(".")
+        if suffix != "comfy_quant":
+            out[f"{lay}.{rename[suffix]}" if suffix in rename else k] = t
+    return out
+
+
 def _e5m2_to_e4m3(state_dict: dict) -> dict:
     """`state_dict` with its float8_e5m2 weights as e4m3 bytes: each shifted by the power of two 2**k that brings its
     largest value to [256, 448], its scale_weight divided by 2**k (exact: e5m2's 2 mantissa bits fit e4m3's 3; values
@@ -279,7 +323,8 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     Args:
         model: the diffusers model, built from its config (on the meta device or not).
         path_or_state_dict: a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5, Wan, HunyuanVideo or
-            LTX, or a dense one; its path or its state dict. Its keys may carry ComfyUI's `model.diffusion_model.`
+            LTX (ComfyUI's scaled_fp8 encoding or its newer comfy_quant one, float8_e4m3fn layers), or a dense one;
+            its path or its state dict. Its keys may carry ComfyUI's `model.diffusion_model.`
             prefix or not; a full checkpoint's other components (VAE, text encoders) are left out, listed in the
             report's `kept`.
         device, dtype, backend, verbose: as for load_fp8_checkpoint.
@@ -298,11 +343,14 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
                                         f"dorafp8.load_fp8_checkpoint(model, folder)")
         path = regular_file(os.fspath(path_or_state_dict), "path_or_state_dict")
         with open_safetensors(path, path) as f:
+            metadata = f.metadata() or {}
             _, others = diffusion_model_keys(f.keys(), model)
             state_dict = {k: f.get_tensor(k) for k in f.keys() if k not in others}
     else:
+        metadata = {}
         _, others = diffusion_model_keys(state_dict, model)
         state_dict = {k: v for k, v in state_dict.items() if k not in others}
+    state_dict = _comfy_quant_to_scaled_fp8(state_dict, metadata)
     converted = to_diffusers_layout(model, _e5m2_to_e4m3(state_dict))
     scales = [t for k, t in converted.items() if k.endswith(".scale_weight")]
     # musubi-tuner's --fp8_scaled 1 x 64 block scales [N, K / 64, 1] are read as load_fp8_checkpoint reads musubi's

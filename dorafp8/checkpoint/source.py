@@ -169,8 +169,34 @@ def layer_key(key: str) -> str:
     return key.rpartition(".")[0]
 
 
+def refuse_comfy_microscaled(source: CheckpointSource) -> None:
+    """Refuses ComfyUI's NVFP4 / MXFP8 layers (a `comfy_quant` file, per-layer tensors or `_quantization_metadata`,
+    holding packed uint8 weights with `weight_scale_2`, or e8m0 `weight_scale`), whatever format= says. comfy_kitchen's
+    TensorCoreNVFP4Layout / TensorCoreMXFP8Layout store their block scales in cuBLAS's swizzled (to_blocked) tile order,
+    padded to 128 rows x 4 columns, NVFP4 with the even column in the high nibble and the weights padded to 16 (32):
+    under ModelOpt's names and, for most layer sizes, its shapes. Read as ModelOpt's row-major scales and low-nibble
+    codes they load without an error and compute wrong values."""
+    info = source.info
+    if not (any(k.endswith(".comfy_quant") for k in info) or "_quantization_metadata" in source.metadata):
+        return
+    nvfp4 = nvfp4_weights(info)
+    mx = [k for k in info if k.endswith(".weight_scale") and info[k][0] in (torch.uint8, E8M0)
+          and info.get(layer_key(k) + ".weight", (None,))[0] == E4M3]
+    if nvfp4 or mx:
+        kind, key = ("nvfp4", next(iter(nvfp4.values()))) if nvfp4 else ("mxfp8", mx[0])
+        raise CheckpointFormatError(
+            f"{source.name}: ComfyUI {kind} layers (comfy_kitchen's "
+            f"{'TensorCoreNVFP4Layout' if nvfp4 else 'TensorCoreMXFP8Layout'}, e.g. {key!r}, marked by "
+            f"'comfy_quant' / '_quantization_metadata'): their block scales are stored in cuBLAS's swizzled (to_blocked) "
+            f"tile order" + (" and the e2m1 codes high nibble first" if nvfp4 else "") + ", which dorafp8 does not "
+            f"read; read as ModelOpt's layout (format='modelopt') they would load without an error and compute wrong "
+            f"values. Load the same model's float8_e4m3fn or bf16 file instead (ComfyUI's fp8 'comfy_quant' and "
+            f"'scaled_fp8' files load), or a ModelOpt / compressed-tensors {kind.upper()} export. Nothing was loaded")
+
+
 def detect(source: CheckpointSource) -> tuple[str, str]:
     """(format, evidence); raises CheckpointFormatError naming what it saw."""
+    refuse_comfy_microscaled(source)
     info = source.info
     keys = list(info)
     fp8_w = [k for k in keys if info[k][0] == E4M3 and k.endswith("weight")]

@@ -4,6 +4,7 @@ into FP8Linear layers holding the file's bytes (packed weights, e4m3 / e8m0 scal
 what the dense model on the format's own dequantization computes. Malformed files are refused naming the tensor,
 before the model changes."""
 
+import json
 import os
 import re
 
@@ -553,3 +554,80 @@ def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_
                                                     rf"quant_algo '{algo}', but no weight .* is {algo} .*config.json "
                                                     rf"says quant_method='compressed-tensors'.*move it away"):
         load_fp8_checkpoint(meta_model(), str(ct), verbose=False)
+
+
+# ---- ComfyUI's own NVFP4 / MXFP8 (comfy_kitchen) ----------------------------------------------------------------------
+
+
+def _cublas_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """A [rows, cols] block-scale matrix in cuBLAS's 1D block-scaling layout, as comfy_kitchen stores it (to_blocked,
+    flatten=False): padded to [ceil(rows / 128) * 128, ceil(cols / 4) * 4] with zeros, each 128 x 4 tile laid out as
+    4 groups of 32 rows interleaved (element (32 * i + r, c) of a tile at r * 16 + i * 4 + c), tiles row-major."""
+    rows, cols = scale.shape
+    R, C = -(-rows // 128) * 128, -(-cols // 4) * 4
+    u8 = torch.zeros(R, C, dtype=torch.uint8)
+    u8[:rows, :cols] = scale.view(torch.uint8)
+    tiles = u8.reshape(R // 128, 128, C // 4, 4).permute(0, 2, 1, 3)  # [row tile, col tile, 128, 4]
+    tiles = tiles.reshape(R // 128, C // 4, 4, 32, 4).permute(0, 1, 3, 2, 4)  # [.., r, i, c]
+    return tiles.reshape(R, C).view(scale.dtype)
+
+
+def _comfy_microscaled(kind: str, N: int = 128, K: int = 128) -> tuple[nn.Module, dict, dict]:
+    """(a one-layer model, its state dict as ComfyUI's comfy_kitchen layouts write it, the ModelOpt twin). NVFP4: the
+    e2m1 codes high nibble first (comfy_kitchen's hi_first packing), the e4m3 block scales in cuBLAS's blocked order,
+    weight_scale_2 fp32; MXFP8: e4m3 weights, e8m0 block scales in the blocked order. N = 128, K = 128: the
+    blocked scale has the row-major scale's shape, as for most layers of a real model (N, K multiples of 128)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(K, N, bias=False))
+    with torch.no_grad():  # block ranges that differ by row and by block of columns, so that their order shows
+        model[0].weight.mul_(2.0 ** (torch.arange(N)[:, None] % 5) * 2.0 ** (torch.arange(K)[None] // 32 % 3))
+    W = model[0].weight.detach()
+    if kind == "nvfp4":
+        packed, scale, g = quant.quantize_nvfp4(W)
+        hi_first = (packed << 4) | (packed >> 4)  # the same codes, the even column in the high nibble
+        comfy = {"0.weight": hi_first, "0.weight_scale": _cublas_blocked(scale), "0.weight_scale_2": g}
+        twin = {"0.weight": packed, "0.weight_scale": scale, "0.weight_scale_2": g}
+    else:
+        w8, e = quant.quantize_mxfp8(W)
+        comfy = {"0.weight": w8, "0.weight_scale": _cublas_blocked(e.view(torch.uint8))}
+        twin = {"0.weight": w8, "0.weight_scale": e.view(torch.uint8)}
+    assert comfy["0.weight_scale"].shape == twin["0.weight_scale"].shape  # the shapes alone do not tell them apart
+    assert not torch.equal(comfy["0.weight_scale"].view(torch.uint8), twin["0.weight_scale"].view(torch.uint8))
+    return model, comfy, twin
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("marker", ["comfy_quant", "_quantization_metadata"])
+@pytest.mark.parametrize("fmt", ["auto", "modelopt"])
+def test_comfyui_nvfp4_and_mxfp8_files_are_refused_naming_the_layout(tmp_path, kind, marker, fmt):
+    """ComfyUI's NVFP4 / MXFP8 files (comfy_kitchen's TensorCoreNVFP4Layout / TensorCoreMXFP8Layout, marked per layer
+    by `<layer>.comfy_quant` or in the safetensors metadata's `_quantization_metadata`, as Comfy-Org's *_nvfp4 /
+    *_mxfp8 files are) keep ModelOpt's names and shapes but not its byte order: swizzled block scales, NVFP4's codes
+    high nibble first. format="modelopt" (what the "several layouts" refusal asked for) loaded an NVFP4 one without an
+    error, as did strict=False with its comfy_quant entries, each layer computing wrong values; now any format= is
+    refused naming the layout, before the model changes."""
+    from safetensors.torch import save_file
+
+    model, comfy, _ = _comfy_microscaled(kind)
+    conf = {"format": kind}
+    metadata = {"format": "pt"}
+    if marker == "comfy_quant":
+        comfy["0.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    else:
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": {"0": conf}})
+    path = str(tmp_path / f"comfy_{kind}.safetensors")
+    save_file(comfy, path, metadata=metadata)
+    before = model[0].weight.detach().clone()
+    layout = {"nvfp4": "TensorCoreNVFP4Layout", "mxfp8": "TensorCoreMXFP8Layout"}[kind]
+    with pytest.raises(CheckpointFormatError, match=rf"ComfyUI {kind} layers \(comfy_kitchen's {layout}.*swizzled"):
+        load_fp8_checkpoint(model, path, format=fmt, strict=False, verbose=False)
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)
+
+
+def test_the_modelopt_twin_of_a_comfyui_nvfp4_layer_still_loads():
+    """The refusal above is ComfyUI's marker, not NVFP4: the same layer in ModelOpt's order loads, and its comfy_kitchen
+    file differs from it only in byte order (so reading that file as ModelOpt's would be wrong)."""
+    model, comfy, twin = _comfy_microscaled("nvfp4")
+    load_fp8_checkpoint(model, twin, verbose=False)
+    assert torch.equal(model[0].weight.view(torch.uint8), twin["0.weight"])
+    assert not torch.equal(comfy["0.weight"], twin["0.weight"])

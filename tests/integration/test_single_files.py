@@ -746,3 +746,63 @@ def test_e5m2_weights_with_scales_are_refused_by_load_fp8_checkpoint():
     converted = to_diffusers_layout(model, sd)
     with pytest.raises(CheckpointFormatError, match=r"blocks\.0\.attn1\.to_q\.weight: float8_e5m2 with its scale"):
         dorafp8.load_fp8_checkpoint(model, converted, format="comfyui", verbose=False)
+
+
+def _as_comfy_quant(sd: dict, per_layer: bool) -> tuple[dict, dict]:
+    """(state dict, safetensors metadata) of a scaled_fp8 file in ComfyUI's newer comfy_quant encoding, by the recipe of
+    ComfyUI's own convert_old_quants (comfy/utils.py): `scale_weight` -> `weight_scale` with the layer's
+    {"format": "float8_e4m3fn"}, `scale_input` -> `input_scale`, no `scaled_fp8` marker; the layer configs as
+    `<layer>.comfy_quant` uint8 JSON (per_layer) or in the `_quantization_metadata` metadata."""
+    import json
+
+    out, layers = {}, {}
+    for k, t in sd.items():
+        lay, _, suffix = k.rpartition(".")
+        if suffix == "scaled_fp8":
+            continue
+        if suffix == "scale_weight":
+            layers[lay] = {"format": "float8_e4m3fn"}
+        out[{"scale_weight": f"{lay}.weight_scale", "scale_input": f"{lay}.input_scale"}.get(suffix, k)] = t
+    if per_layer:
+        for lay, conf in layers.items():
+            out[f"{lay}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        return out, {}
+    return out, {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["comfy_quant", "_quantization_metadata"])
+def test_comfy_quant_encoding_loads_as_its_scaled_fp8_twin(per_layer, tmp_path):
+    """ComfyUI's newer comfy_quant encoding of an original-layout file (what ComfyUI saves since its mixed-precision
+    ops; the layer configs per layer or in the safetensors metadata) loads as the scaled_fp8 file it was converted
+    from: the same bytes and scales, bit-exact against diffusers' conversion of the dequantized file. It was refused
+    ("not read in original layouts here") without saying what to do."""
+    from safetensors.torch import save_file
+
+    sd, ref, _, inputs = _own_case("sd35")
+    quant_sd, metadata = _as_comfy_quant(sd, per_layer)
+    path = str(tmp_path / "sd35_comfy_quant.safetensors")
+    save_file(quant_sd, path, metadata={"format": "pt", **metadata})
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    load_single_file(model, path if not per_layer else dict(quant_sd), verbose=False)
+    _check_in_place(model, sd, ref, inputs)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8_tensorwise"])
+def test_comfy_quant_layers_of_other_formats_are_refused_naming_them(fmt):
+    """A comfy_quant layer that is not float8_e4m3fn (ComfyUI's NVFP4 / MXFP8 / int8 layers) is refused, naming the
+    layer and its format, before the model changes."""
+    import json
+
+    sd, ref, _, _ = _own_case("sd35")
+    quant_sd, _ = _as_comfy_quant(sd, per_layer=True)
+    key = next(k for k in quant_sd if k.endswith(".comfy_quant"))
+    quant_sd[key] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+    with torch.device("meta"):
+        model = type(ref).from_config(ref.config)
+    with pytest.raises(CheckpointFormatError, match=rf"{key[:-len('.comfy_quant')]}': ComfyUI quantization format "
+                                                     rf"'{fmt}' \(1 layers not float8_e4m3fn\)"):
+        load_single_file(model, quant_sd, verbose=False)
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
