@@ -595,6 +595,52 @@ def run_zero3_after_quantizing(out):
     return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG)
 
 
+def run_trainer_zero3(out):
+    """The HF Trainer with a ZeRO-3 config (TrainingArguments(deepspeed=...), LLaMA-Factory's ds_z3_config.json values)
+    on a model quantized before the Trainer: a checkpoint during training (save_strategy="steps"), save_model, then a
+    fresh Trainer resuming from the checkpoint. fp8 collectives go as bytes; each fp8 all-gather is counted."""
+    from peft import set_peft_model_state_dict
+    from transformers import Trainer
+
+    emulate_nccl_fp8_transport()
+    gathered = []  # the fp8 tensors all-gathered, by phase
+    phase = ["train"]
+    orig = dist.all_gather_into_tensor
+
+    def spy(*a, **k):
+        if any(isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES for t in (*a, *k.values())):
+            gathered.append(phase[0])
+        return orig(*a, **k)
+
+    dist.all_gather_into_tensor = spy
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, deepspeed=DS_Z3_CONFIG)
+    pm = C.build_model(seed=0)
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
+    trainer.train()
+    w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res = {"fp8_partition": (str(w.ds_tensor.dtype), w.ds_tensor.numel(), w.ds_numel),
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["adapter"] = C.adapter_state(pm)
+    phase[0] = "save_model"
+    trainer.save_model(os.path.join(out, "adapter"))
+    phase[0] = "resume"
+    dist.barrier()
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
+    res["checkpoint_files"] = sorted(os.listdir(ckpt)) if RANK == 0 else None
+    pm = C.build_model(seed=0)
+    set_peft_model_state_dict(pm, C.adapter_state(C.build_model(seed=1)))
+    resumed = Trainer(model=pm, args=_trainer_args(out, deepspeed=DS_Z3_CONFIG), train_dataset=_trainer_rows())
+    resumed.train(resume_from_checkpoint=ckpt)
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["resumed_adapter"] = C.adapter_state(pm)
+    dist.all_gather_into_tensor = orig
+    res["fp8_gathers"] = {p: gathered.count(p) for p in ("train", "save_model", "resume")}
+    return res
+
+
 def run_fsdp2_ram(out):
     """accelerate's FSDP2 with cpu_ram_efficient_loading (LLaMA-Factory's fsdp2_config.yaml): rank 0 loads the weights,
     the other ranks get a model on the meta device from from_pretrained, and accelerate's fsdp2_prepare_model (what
