@@ -688,7 +688,7 @@ def _full_adapter(model):
     return {k: v.clone() for k, v in get_peft_model_state_dict(model, state_dict=sd).items()} if RANK == 0 else None
 
 
-def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
+def _run_trainer_fsdp2(out, state_dict_type, fsdp_extra=None, **kwargs):
     """The HF Trainer under accelerate's FSDP2 plugin, configured as users do (TrainingArguments(fsdp=True,
     fsdp_config={"version": 2, ...})), with a checkpoint saved during training (save_strategy="steps"), then the
     Trainer's save_model, then a second Trainer resuming from the checkpoint. fp8 collectives go as bytes."""
@@ -697,7 +697,7 @@ def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
 
     allow_fsdp_on_cpu()
     emulate_nccl_fp8_transport()
-    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], **(fsdp_extra or {})}
     if state_dict_type is not None:  # else the Trainer's default, FULL_STATE_DICT
         fsdp_config["state_dict_type"] = state_dict_type
     args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config, **kwargs)
@@ -748,6 +748,10 @@ def run_trainer_fsdp2_full(out):
 
 def run_trainer_fsdp2_sharded(out):
     return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT", **REENTRANT_GC)  # and LLaMA-Factory's checkpointing
+
+
+def run_trainer_fsdp2_ac(out):
+    return _run_trainer_fsdp2(out, None, fsdp_extra={"activation_checkpointing": True})
 
 
 def main():
