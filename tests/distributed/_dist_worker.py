@@ -4,7 +4,7 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | zero3_init | fsdp2_ram (the
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init | fsdp2_ram (the
 last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
 half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
@@ -638,6 +638,83 @@ def run_trainer_zero3(out):
         res["resumed_adapter"] = C.adapter_state(pm)
     dist.all_gather_into_tensor = orig
     res["fp8_gathers"] = {p: gathered.count(p) for p in ("train", "save_model", "resume")}
+    return res
+
+
+def _lycoris_model():
+    """Two residual MLP blocks and a head, quantized (5 FP8Linear), with LyCORIS's DoRA (algo "locon", dora_wd) on
+    every layer and its trainable tensors moved off their init; the network is a submodule, so FSDP2 shards it."""
+    from lycoris import create_lycoris
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks, self.head = torch.nn.ModuleList([Block(), Block()]), torch.nn.Linear(64, 8)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    dorafp8.quantize_model(model, verbose=False)
+    torch.manual_seed(11)
+    net = create_lycoris(model, 1.0, linear_dim=4, linear_alpha=2, algo="locon", dora_wd=True)
+    net.apply_to()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.add_module("lycoris", net)
+    return model
+
+
+def _lycoris_steps(model, rows):
+    x = torch.randn(C.GLOBAL_BATCH, 64, generator=torch.Generator().manual_seed(5))[rows]
+    y = torch.randn(C.GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(6))[rows]
+    opt = torch.optim.SGD(trainable(model), lr=0.5)
+    losses = []
+    for _ in range(C.STEPS):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def run_lycoris_fsdp2(out):
+    """LyCORIS's DoRA on fp8 layers (dorafp8/lycoris.py) under FSDP2: the blocks and the root sharded, and the first
+    block's fc1 a shard unit of its own (the LoCon forward replaces the layer's, so FSDP2's hooks still gather it).
+    Every rank also trains an unsharded copy on the full batch: the single-process reference."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    emulate_nccl_fp8_transport()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    ref = _lycoris_model()
+    res = {"ref_losses": _lycoris_steps(ref, slice(None)),
+           "ref_net": {k: v.detach().clone() for k, v in ref.lycoris.state_dict().items()}}
+    model = _lycoris_model()
+    fully_shard(model.blocks[0].fc1)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    w = model.blocks[0].fc1.weight
+    res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
+    per = C.GLOBAL_BATCH // WORLD
+    res["losses"] = [mean_over_ranks(x) for x in _lycoris_steps(model, slice(RANK * per, (RANK + 1) * per))]
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=True))
+    res["net"] = {k.removeprefix("lycoris."): v for k, v in sd.items() if k.startswith("lycoris.")}
     return res
 
 
