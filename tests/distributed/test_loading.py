@@ -9,8 +9,8 @@
   `.device_mesh` off every state_dict entry and FP8Linear's `scale` buffer is no DTensor; it is now listed as one,
   replicated. Ranks other than 0 may hold the model on the meta device when it is quantized (transformers 4.x).
 - DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json) and ZeRO-3 without zero.Init, on a model quantized before
-  deepspeed.initialize: run by hand in issue #50, in the suite now. And the HF Trainer given that ZeRO-3 config (--deepspeed):
-  a checkpoint, resume, save_model.
+  deepspeed.initialize: run by hand in issue #50, in the suite now. And the HF Trainer given that ZeRO-3 config
+  (--deepspeed): a checkpoint, resume, save_model.
 
 gloo has no fp8 types; NCCL moves fp8 as bytes. Every job therefore sends every fp8 tensor of a collective as a uint8
 view of its storage (tests/distributed/_dist_worker.py, emulate_nccl_fp8_transport): the bytes NCCL would move. The
