@@ -5,8 +5,8 @@ torch.distributed.run:
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
 ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
-fsdp2_ram (the last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
-half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
+fsdp2_ram (the last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on
+its half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
 run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
 """
