@@ -4,9 +4,9 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | zero3_init | fsdp2_ram (the
-last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on its
-half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
+ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
+fsdp2_ram (the last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on
+its half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
 run. fsdp2_mp runs docs/MULTI_GPU.md's mixed-precision recipe on the doc's model, recording every warning.
 """
@@ -595,6 +595,129 @@ def run_zero3_after_quantizing(out):
     return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG)
 
 
+def run_trainer_zero3(out):
+    """The HF Trainer with a ZeRO-3 config (TrainingArguments(deepspeed=...), LLaMA-Factory's ds_z3_config.json values)
+    on a model quantized before the Trainer: a checkpoint during training (save_strategy="steps"), save_model, then a
+    fresh Trainer resuming from the checkpoint. fp8 collectives go as bytes; each fp8 all-gather is counted."""
+    from peft import set_peft_model_state_dict
+    from transformers import Trainer
+
+    emulate_nccl_fp8_transport()
+    gathered = []  # the fp8 tensors all-gathered, by phase
+    phase = ["train"]
+    orig = dist.all_gather_into_tensor
+
+    def spy(*a, **k):
+        if any(isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES for t in (*a, *k.values())):
+            gathered.append(phase[0])
+        return orig(*a, **k)
+
+    dist.all_gather_into_tensor = spy
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, deepspeed=DS_Z3_CONFIG)
+    pm = C.build_model(seed=0)
+    trainer = Trainer(model=pm, args=args, train_dataset=_trainer_rows())
+    trainer.train()
+    w = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    res = {"fp8_partition": (str(w.ds_tensor.dtype), w.ds_tensor.numel(), w.ds_numel),
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["adapter"] = C.adapter_state(pm)
+    phase[0] = "save_model"
+    trainer.save_model(os.path.join(out, "adapter"))
+    phase[0] = "resume"
+    dist.barrier()
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
+    res["checkpoint_files"] = sorted(os.listdir(ckpt)) if RANK == 0 else None
+    pm = C.build_model(seed=0)
+    set_peft_model_state_dict(pm, C.adapter_state(C.build_model(seed=1)))
+    resumed = Trainer(model=pm, args=_trainer_args(out, deepspeed=DS_Z3_CONFIG), train_dataset=_trainer_rows())
+    resumed.train(resume_from_checkpoint=ckpt)
+    with deepspeed.zero.GatheredParameters(trainable(pm)):
+        res["resumed_adapter"] = C.adapter_state(pm)
+    dist.all_gather_into_tensor = orig
+    res["fp8_gathers"] = {p: gathered.count(p) for p in ("train", "save_model", "resume")}
+    return res
+
+
+def _lycoris_model():
+    """Two residual MLP blocks and a head, quantized (5 FP8Linear), with LyCORIS's DoRA (algo "locon", dora_wd) on
+    every layer and its trainable tensors moved off their init; the network is a submodule, so FSDP2 shards it."""
+    from lycoris import create_lycoris
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks, self.head = torch.nn.ModuleList([Block(), Block()]), torch.nn.Linear(64, 8)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    dorafp8.quantize_model(model, verbose=False)
+    torch.manual_seed(11)
+    net = create_lycoris(model, 1.0, linear_dim=4, linear_alpha=2, algo="locon", dora_wd=True)
+    net.apply_to()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.add_module("lycoris", net)
+    return model
+
+
+def _lycoris_steps(model, rows):
+    x = torch.randn(C.GLOBAL_BATCH, 64, generator=torch.Generator().manual_seed(5))[rows]
+    y = torch.randn(C.GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(6))[rows]
+    opt = torch.optim.SGD(trainable(model), lr=0.5)
+    losses = []
+    for _ in range(C.STEPS):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def run_lycoris_fsdp2(out):
+    """LyCORIS's DoRA on fp8 layers (dorafp8/lycoris.py) under FSDP2: the blocks and the root sharded, and the first
+    block's fc1 a shard unit of its own (the LoCon forward replaces the layer's, so FSDP2's hooks still gather it).
+    Every rank also trains an unsharded copy on the full batch: the single-process reference."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    emulate_nccl_fp8_transport()
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    ref = _lycoris_model()
+    res = {"ref_losses": _lycoris_steps(ref, slice(None)),
+           "ref_net": {k: v.detach().clone() for k, v in ref.lycoris.state_dict().items()}}
+    model = _lycoris_model()
+    fully_shard(model.blocks[0].fc1)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    w = model.blocks[0].fc1.weight
+    res["fp8_shard"] = (str(w.dtype), w.to_local().numel(), w.numel())
+    per = C.GLOBAL_BATCH // WORLD
+    res["losses"] = [mean_over_ranks(x) for x in _lycoris_steps(model, slice(RANK * per, (RANK + 1) * per))]
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=True))
+    res["net"] = {k.removeprefix("lycoris."): v for k, v in sd.items() if k.startswith("lycoris.")}
+    return res
+
+
 def run_fsdp2_ram(out):
     """accelerate's FSDP2 with cpu_ram_efficient_loading (LLaMA-Factory's fsdp2_config.yaml): rank 0 loads the weights,
     the other ranks get a model on the meta device from from_pretrained, and accelerate's fsdp2_prepare_model (what
@@ -642,7 +765,7 @@ def _full_adapter(model):
     return {k: v.clone() for k, v in get_peft_model_state_dict(model, state_dict=sd).items()} if RANK == 0 else None
 
 
-def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
+def _run_trainer_fsdp2(out, state_dict_type, fsdp_extra=None, **kwargs):
     """The HF Trainer under accelerate's FSDP2 plugin, configured as users do (TrainingArguments(fsdp=True,
     fsdp_config={"version": 2, ...})), with a checkpoint saved during training (save_strategy="steps"), then the
     Trainer's save_model, then a second Trainer resuming from the checkpoint. fp8 collectives go as bytes."""
@@ -651,7 +774,7 @@ def _run_trainer_fsdp2(out, state_dict_type, **kwargs):
 
     allow_fsdp_on_cpu()
     emulate_nccl_fp8_transport()
-    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], **(fsdp_extra or {})}
     if state_dict_type is not None:  # else the Trainer's default, FULL_STATE_DICT
         fsdp_config["state_dict_type"] = state_dict_type
     args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, fsdp=True, fsdp_config=fsdp_config, **kwargs)
@@ -702,6 +825,10 @@ def run_trainer_fsdp2_full(out):
 
 def run_trainer_fsdp2_sharded(out):
     return _run_trainer_fsdp2(out, "SHARDED_STATE_DICT", **REENTRANT_GC)  # and LLaMA-Factory's checkpointing
+
+
+def run_trainer_fsdp2_ac(out):
+    return _run_trainer_fsdp2(out, None, fsdp_extra={"activation_checkpointing": True})
 
 
 def main():

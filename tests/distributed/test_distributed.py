@@ -498,3 +498,19 @@ def test_a_first_step_under_ddp_and_fsdp2_that_checks_is_the_same_as_without_the
             assert torch.equal(t, r["0"]["adapter"][name]), name
     assert r0["1"]["losses"] == r1["1"]["losses"]
 
+
+
+def test_lycoris_dora_on_fp8_layers_under_fsdp2(tmp_path):
+    """LyCORIS's DoRA on fp8 layers (its fused path, dorafp8/lycoris.py) under FSDP2, with a base layer that is a shard
+    unit of its own (refused for PEFT's layers, whose forward reads the base weight without calling the base layer;
+    LyCORIS's module replaces the layer's forward, so FSDP2 gathers the weight): the losses and the trained network
+    equal an unsharded run on the full batch, and the fp8 weight is sharded as fp8."""
+    pytest.importorskip("lycoris", reason="lycoris-lora is not installed (the test extra installs it)")
+    res = _launch("lycoris_fsdp2", tmp_path)
+    for r in res:
+        assert r["fp8_shard"] == ("torch.float8_e4m3fn", 64 * 128 // C.WORLD, 64 * 128)
+        assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), REL, f"rank {r['rank']} losses")
+    net, ref = res[0]["net"], res[0]["ref_net"]  # gathered to rank 0's CPU
+    assert net.keys() == ref.keys() and len(net) == 20  # 5 layers: down, up, dora_scale, alpha
+    for k, v in ref.items():
+        assert_close(net[k], v, REL, k)

@@ -9,13 +9,14 @@
   `.device_mesh` off every state_dict entry and FP8Linear's `scale` buffer is no DTensor; it is now listed as one,
   replicated. Ranks other than 0 may hold the model on the meta device when it is quantized (transformers 4.x).
 - DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json) and ZeRO-3 without zero.Init, on a model quantized before
-  deepspeed.initialize: run by hand in issue #50, in the suite now.
+  deepspeed.initialize: run by hand in issue #50, in the suite now. And the HF Trainer given that ZeRO-3 config
+  (--deepspeed): a checkpoint, resume, save_model.
 
 gloo has no fp8 types; NCCL moves fp8 as bytes. Every job therefore sends every fp8 tensor of a collective as a uint8
 view of its storage (tests/distributed/_dist_worker.py, emulate_nccl_fp8_transport): the bytes NCCL would move. The
 losses, the adapter and the saved adapter (reloaded with plain PEFT) must equal the single-process fp32 run's
-(tests/distributed/test_distributed.py's checks, relative 1e-5). Not run here: NCCL itself, bf16, the Trainer's own
-loop (accelerate selects FSDP and DeepSpeed on GPUs only).
+(tests/distributed/test_distributed.py's checks, relative 1e-5). Not run here: NCCL itself, bf16, the Trainer under
+FSDP (tests/distributed/test_trainer_fsdp2.py: accelerate selects FSDP on GPUs only).
 """
 
 import importlib.util
@@ -27,6 +28,7 @@ from tests.distributed import _dist_common as C
 from tests.distributed.test_distributed import _check_saved_adapter, _check_training, _launch, reference  # noqa: F401
 
 import dorafp8  # noqa: E402
+from tests._tolerance import assert_close
 
 
 def _needs(module: str, why: str):
@@ -73,6 +75,25 @@ def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096) and r["scale_dtype"] == "torch.float32"
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
+
+
+def test_trainer_with_a_zero3_config_trains_saves_and_resumes(tmp_path, reference):
+    """The HF Trainer given a ZeRO-3 config (TrainingArguments(deepspeed=...), as `--deepspeed ds_z3_config.json`
+    passes it) on a model quantized before it: the fp8 weights partitioned as fp8, the losses and adapter of one
+    process, a checkpoint (save_strategy="steps") a fresh Trainer resumes from, and save_model's adapter. save_model
+    (transformers' exclude_frozen_parameters path) all-gathers each layer's parameters, the 14 fp8 base weights
+    included, one layer at a time, and keeps the adapter: docs/MULTI_GPU.md said it gathered no fp8 weight."""
+    _needs("deepspeed", "the job runs DeepSpeed")
+    res = _launch("trainer_zero3", tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    for r in res:
+        assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096)
+        assert r["fp8_gathers"]["save_model"] == 14
+    _check_training(res, reference)
+    for r in res:
+        for k, v in r["resumed_adapter"].items():
+            assert_close(v, r["adapter"][k], 0.0, f"rank {r['rank']} resumed {k}")
+    assert {"adapter_model.safetensors", "adapter_config.json", "global_step3"} <= set(res[0]["checkpoint_files"])
+    _check_saved_adapter(tmp_path / "adapter", reference, extra_files=("training_args.bin",))
 
 
 def test_fsdp2_cpu_ram_efficient_loading_through_the_launcher(tmp_path, reference):

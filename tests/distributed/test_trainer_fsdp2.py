@@ -72,3 +72,38 @@ def test_trainer_fsdp2_sharded_state_dict_saves_and_resumes(tmp_path, reference)
     assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(res[0]["checkpoint_files"])
     assert all(r["forwards"] == 6 for r in res)  # checkpointed: each step recomputes the layer's forward
     _check_trainer_job(res, reference, tmp_path)
+
+
+def test_trainer_fsdp2_activation_checkpointing_trains_and_resumes_but_peft_saves_no_tensors(tmp_path, reference):
+    """fsdp_config={"activation_checkpointing": True} (accelerate's fsdp_activation_checkpointing): the losses and the
+    model resumed from the checkpoint equal one process's, but save_model's adapter (and the checkpoint's
+    adapter_model.safetensors) hold no tensors, for any PEFT model: the checkpoint wrapper renames each decoder layer's
+    modules (`layers.0._checkpoint_wrapped_module.self_attn...`), torch strips that part from the state dict, and
+    PEFT (0.21) matches its layers' names against the keys and finds none. docs/MULTI_GPU.md says so and names
+    gradient_checkpointing=True (run in test_trainer_fsdp2_sharded_state_dict_saves_and_resumes) instead."""
+    from safetensors.torch import load_file
+
+    res = _launch("trainer_fsdp2_ac", tmp_path)
+    _check_training(res, reference, ranks_with_adapter=())
+    for r in res:
+        assert r["forwards"] == 6  # checkpointed: each step recomputes the layer's forward
+        assert_close(r["resumed_logits"], reference["logits"], REL, f"rank {r['rank']} logits after resuming")
+    assert res[0]["adapter"] == {}
+    for path in (tmp_path / "adapter", tmp_path / "trainer" / "checkpoint-3"):
+        assert load_file(path / "adapter_model.safetensors") == {}
+    # the same with plain PEFT DoRA on a plain model (no dorafp8 layer): PEFT's, not dorafp8's
+    import copy
+
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tests.distributed import _dist_common as C
+
+    pm = get_peft_model(C.transformers.LlamaForCausalLM(C.llama_config()),
+                        LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=C.TARGETS))
+    sd = {k: v for k, v in pm.state_dict().items() if "lora_" in k}
+    assert len(get_peft_model_state_dict(copy.deepcopy(pm), state_dict=sd)) == 42
+    layers = pm.base_model.model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+    assert get_peft_model_state_dict(pm, state_dict=sd) == {}
