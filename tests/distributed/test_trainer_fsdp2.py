@@ -88,9 +88,12 @@ def test_trainer_fsdp2_activation_checkpointing_trains_and_resumes_but_peft_save
     for r in res:
         assert r["forwards"] == 6  # checkpointed: each step recomputes the layer's forward
         assert_close(r["resumed_logits"], reference["logits"], REL, f"rank {r['rank']} logits after resuming")
-    assert res[0]["adapter"] == {}
-    for path in (tmp_path / "adapter", tmp_path / "trainer" / "checkpoint-3"):
-        assert load_file(path / "adapter_model.safetensors") == {}
+    # PEFT 0.21 saves nothing here (above); a PEFT that saves tensors must save the trained adapter
+    if res[0]["adapter"] == {}:
+        for path in (tmp_path / "adapter", tmp_path / "trainer" / "checkpoint-3"):
+            assert load_file(path / "adapter_model.safetensors") == {}
+    else:
+        _check_saved_adapter(tmp_path / "adapter", reference, extra_files=TRAINER_FILES)
     # the same with plain PEFT DoRA on a plain model (no dorafp8 layer): PEFT's, not dorafp8's
     import copy
 
@@ -106,4 +109,4 @@ def test_trainer_fsdp2_activation_checkpointing_trains_and_resumes_but_peft_save
     layers = pm.base_model.model.model.layers
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
-    assert get_peft_model_state_dict(pm, state_dict=sd) == {}
+    assert (get_peft_model_state_dict(pm, state_dict=sd) == {}) == (res[0]["adapter"] == {})  # PEFT's, either way
