@@ -47,6 +47,8 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 # (tests/kernels/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
 # package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
+# the package's one reading of its 0 / 1 switches (a "true" refused by name, not read as off)
+_flag = runpy.run_path(os.path.join(HERE, "dorafp8", "_env.py"))["flag"]
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 DEFAULT_CUDA_ARCHS = BUILD_SPEC["DEFAULT_CUDA_ARCHS"]
 
@@ -64,7 +66,7 @@ def _skip(why):
 def _cuda_extension():
     """Returns (ext_modules, the build_ext class to build them with, what to say when the build starts, the note) for
     dorafp8._C, or ([], setuptools' build_ext, None, why it is skipped). Decides only: builds and writes nothing."""
-    if os.environ.get("DORAFP8_SKIP_CUDA_BUILD", "0") == "1":
+    if _flag("DORAFP8_SKIP_CUDA_BUILD"):
         return _skip("DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension")
     try:
         import torch
@@ -82,7 +84,7 @@ def _cuda_extension():
         return _skip("nvcc not found (set CUDA_HOME): skipping the CUDA extension")
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
-    forced = os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
+    forced = _flag("DORAFP8_FORCE_CUDA_BUILD")
     if not forced and not torch.cuda.is_available():
         return _skip("no GPU visible: skipping the CUDA extension (DORAFP8_FORCE_CUDA_BUILD=1 builds it anyway)")
     sources = [os.path.join("csrc", f) for f in ["binding.cpp", *CUDA_SOURCES]]
@@ -133,7 +135,7 @@ def _noting(base, start, note):
                 # The extension is optional: a build that fails (nvcc of another CUDA major than torch's, an nvcc
                 # too old for an arch, a compiler error) must not fail the whole install, which left a GPU user
                 # with no dorafp8 at all. Forced (CI, bench/first_contact.py's build step), it fails as before.
-                if not self.extensions or os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1":
+                if not self.extensions or _flag("DORAFP8_FORCE_CUDA_BUILD"):
                     raise
                 msg = e.args[0] % e.args[1:] if len(e.args) > 1 and "%s" in str(e.args[0]) else str(e)  # torch's
                 why = " ".join(f"{type(e).__name__}: {msg}".split())[:600]

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from . import _after_import
+from ._env import flag
 from ._after_import import HOOK as _HOOK, waiting as _pending  # noqa: F401  (what is waited for: the tests look)
 from ._deps import peft_too_old
 from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
@@ -126,7 +127,7 @@ def _run(name: str, hook=None, consequence: str = "", stacklevel: int = 3) -> No
 
 def install() -> None:
     """What `import dorafp8` does outside dorafp8 (the module docstring), unless DORAFP8_NO_PATCHES=1. Idempotent."""
-    if os.environ.get("DORAFP8_NO_PATCHES") == "1":
+    if flag("DORAFP8_NO_PATCHES"):
         return
     install_ddp_support()
     watch_imports()

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 
+from ._env import flag
+
 ENV = "DORAFP8_RUN"
 _LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
 # Heads PEFT trains in full (modules_to_save) for task_type="SEQ_CLS" (TRL's reward trainer, a classifier): in fp8 they
@@ -96,7 +98,7 @@ def install(options: dict) -> None:
     """dorafp8's integrations in this process, with the launcher's options. Idempotent."""
     if _STATE["options"] is not None:
         return
-    if os.environ.get("DORAFP8_NO_PATCHES") == "1":
+    if flag("DORAFP8_NO_PATCHES"):
         raise RuntimeError("dorafp8 run installs dorafp8's integrations, and DORAFP8_NO_PATCHES=1 turns them off; "
                            "unset it")
     _STATE["options"] = options

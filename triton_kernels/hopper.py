@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._env import flag
 from ._common import cdiv, dot_dtype, interpreting, launch
 from .occupancy import sm_props
 from .epilogue_dot import bf16_value
@@ -21,10 +22,10 @@ MAIN_LOOPS = ("async-copy", "tma-ws")
 
 def main_loop_for(arch: str) -> str:
     """The MAIN_LOOP of the fp8 GEMMs on `arch` (a config tables' key, _common.arch_of), before the tensors' say."""
-    env = os.environ.get(ENV, "")
-    if env == "0":
+    env = flag(ENV, None)
+    if env is False:
         return "async-copy"
-    if arch == "sm90" or (arch == "interp" and env == "1"):
+    if arch == "sm90" or (arch == "interp" and env):
         return "tma-ws"
     return "async-copy"
 

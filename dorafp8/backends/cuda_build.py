@@ -19,6 +19,8 @@ from types import ModuleType
 
 import torch
 
+from .._env import flag
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -53,7 +55,7 @@ def cuda_home() -> Path | None:
 
 
 def forced() -> bool:
-    return os.environ.get("DORAFP8_FORCE_CUDA_BUILD", "0") == "1"
+    return bool(flag("DORAFP8_FORCE_CUDA_BUILD"))
 
 
 def why_not() -> str | None:

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from .. import backends
+from .._env import flag
 from .cuda_build import cache_dir
 
 log = logging.getLogger("dorafp8.race")
@@ -59,11 +60,8 @@ _WARNED: set = set()  # (device, candidate, verdict) warned about in this proces
 
 def racing(backend: str | None, device: torch.device) -> bool:
     """Whether this call is decided here: "auto", no $DORAFP8_BACKEND, DORAFP8_RACE not 0, a racing device."""
-    flag = os.environ.get("DORAFP8_RACE") or "1"
-    if flag not in ("0", "1"):  # DORAFP8_RACE=false / off left the race on, silently: refused, as DORAFP8_BACKEND is
-        raise ValueError(f"DORAFP8_RACE must be 0 (off) or 1 (on, the default), got {flag!r}")
-    return (backend in (None, "auto") and device.type in RACERS and not os.environ.get("DORAFP8_BACKEND")
-            and flag == "1")
+    return (flag("DORAFP8_RACE", True) and backend in (None, "auto") and device.type in RACERS
+            and not os.environ.get("DORAFP8_BACKEND"))
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .._env import flag
+
 
 @dataclass(frozen=True)
 class Rate:
@@ -225,7 +227,7 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
     """`loop`'s variant-name suffix on sm_90a: "" if the launchers pick it, else ",<loop>"; None if `mode` lacks it."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
-    picked = "async-copy" if os.environ.get("DORAFP8_HOPPER_GEMM") == "0" else "tma-ws"
+    picked = "async-copy" if flag("DORAFP8_HOPPER_GEMM", None) is False else "tma-ws"
     return "" if loop == picked else f",{loop}"
 
 

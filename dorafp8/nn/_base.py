@@ -13,6 +13,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._env import flag
 from ..quant import E4M3, E8M0, check_micro_scale, check_scale, is_fp8
 
 MICRO_SCALE_DTYPES = (E4M3, E8M0)  # the scales of the microscaled kinds (MXFP8: e8m0, NVFP4: e4m3), kept as stored
@@ -63,7 +64,7 @@ _warned_peft_unregistered = False
 
 def peft_unregistered() -> bool:
     """Whether DORAFP8_NO_PATCHES=1 kept PEFT from learning dorafp8's layers (then its errors miss the fix)."""
-    return os.environ.get("DORAFP8_NO_PATCHES") == "1" and "dorafp8.peft" not in sys.modules
+    return bool(flag("DORAFP8_NO_PATCHES")) and "dorafp8.peft" not in sys.modules
 
 
 def peft_unregistered_hint() -> str:

@@ -115,3 +115,41 @@ def test_an_empty_weight_is_named(shape):
     for call in calls:
         with pytest.raises(ValueError, match=rf"w8 must not be empty, got shape \({shape[0]}, {shape[1]}\)"):
             call()
+
+
+def _switch_readers():
+    """Where each of README's 0 / 1 switches is read: (variable, a call that reads it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dorafp8 import triton_kernels  # noqa: F401  (dorafp8.triton_kernels.hopper below)
+    from dorafp8._install import install
+    from dorafp8.backends import cuda_build, race
+    from dorafp8.nn._base import peft_unregistered
+    from dorafp8.triton_kernels.hopper import main_loop_for
+
+    root = Path(__file__).resolve().parents[2]
+
+    def setup_py():  # as pip runs it (its ValueError comes back as the child's stderr)
+        out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True)
+        if out.returncode:
+            raise ValueError(out.stderr)
+
+    return [("DORAFP8_RACE", lambda: race.racing("auto", torch.device("cuda"))),
+            ("DORAFP8_NO_PATCHES", peft_unregistered), ("DORAFP8_NO_PATCHES", install),
+            ("DORAFP8_FORCE_CUDA_BUILD", cuda_build.forced), ("DORAFP8_HOPPER_GEMM", lambda: main_loop_for("sm90")),
+            ("DORAFP8_SKIP_CUDA_BUILD", setup_py)]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "off", "yes"])
+def test_a_switch_set_to_a_word_is_refused_naming_it(monkeypatch, value):
+    """Only "1" turned a switch on and only "0" off: DORAFP8_NO_PATCHES=true patched PEFT all the same,
+    DORAFP8_HOPPER_GEMM=false kept the Hopper loop, DORAFP8_SKIP_CUDA_BUILD=true built. Every one is read by
+    dorafp8._env.flag now, which refuses anything but 0, 1 and unset, naming the variable."""
+    pytest.importorskip("triton")
+    for name, read in _switch_readers():
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} must be 0 \\(off\\) or 1 \\(on\\), got '{value}'"):
+            read()
+        monkeypatch.delenv(name)
