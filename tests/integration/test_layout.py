@@ -22,7 +22,7 @@ PKG = ROOT / "dorafp8"
 # The layers, bottom up (docs/ARCHITECTURE.md). A module may import modules of its own layer (the graph must still be
 # acyclic) and of the layers below; never above. Subpackages are named by their prefix.
 LAYERS = [
-    ("recipe", ["dorafp8._deps", "dorafp8.quant", "dorafp8._fp8_cast"]),
+    ("recipe", ["dorafp8._deps", "dorafp8._env", "dorafp8.quant", "dorafp8._fp8_cast"]),
     ("backends", ["dorafp8.backends", "dorafp8.triton_kernels"]),
     ("ops", ["dorafp8.ops"]),
     ("modules", ["dorafp8.norm_cache", "dorafp8.nn", "dorafp8.merge"]),
