@@ -34,19 +34,10 @@ def _check_backend(provider: str, device: torch.device):
     """(dorafp8, backend, act_quant) for a dorafp8 provider, or Skip with the reason it cannot run here."""
     d8 = _dorafp8()
     backend, act_quant = DORAFP8_BACKENDS[provider]
-    backends = getattr(d8, "backends", None)
-    if backends is None or not hasattr(backends, "available_backends"):
-        raise Skip("dorafp8.backends.available_backends missing")
-    if backend not in backends.available_backends(device):
-        reason = None
-        if hasattr(backends, "unavailable_reason"):
-            reason = backends.unavailable_reason(backend, device)
-        raise Skip(f"backend {backend!r} unavailable on {device.type}: {reason or 'not in available_backends'}")
+    reason = d8.backends.unavailable_reason(backend, device)
+    if reason is not None:
+        raise Skip(f"backend {backend!r} unavailable on {device.type}: {reason}")
     if act_quant:
-        import inspect
-
-        if "act_quant" not in inspect.signature(d8.dora_fp8_linear).parameters:
-            raise Skip("this dorafp8 has no act_quant (W8A8) mode")
         _need_fp8_mma(device, "W8A8")
     return d8, backend, act_quant
 

@@ -11,7 +11,7 @@ import torch
 
 from .ops import norm_divisor
 from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, micro_rows, nvfp4_global_scale,
-                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, scale_kind, scale_rows, w0_rows,
+                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, row_step, scale_rows, w0_rows,
                     weight_dims)
 
 RowFn = Callable[[int, int], torch.Tensor]
@@ -21,7 +21,7 @@ def adapted_row_blocks(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A
                        s: float, global_scale=None):
     """(j0, j1, V[j0:j1]) with V = W0 + s B A in fp32, one row block (<= 16 MiB) at a time (global_scale: NVFP4's)."""
     N, K = weight_dims(w8)
-    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+    for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
         yield j0, j1, w0_rows(w8, scale, block_size, j0, j1, global_scale).addmm_(B[j0:j1], A, alpha=s)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc, cdiv, check_weight, interpreting, launch
+from ._common import alloc, cdiv, check_weight, interpreting, launch, scale_block_size
 from .epilogue_dot import bf16_value
 
 DEQUANT_BLOCKS = (64, 128)  # (BLOCK_N, BLOCK_K) on a GPU: 8 KiB of fp8 in, 16 KiB out a program
@@ -92,25 +92,9 @@ def dequant_w8(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: to
     launch(dequant_w8_kernel, (cdiv(N, bn), cdiv(K, bk)))(
         w8, scale, out, fac,
         N, K, w8.stride(0), scale.stride(0) if kind == "block" else 0, out.stride(0),
-        SCALE_KIND=kind, SCALE_BLOCK_SIZE=block_size if kind == "block" else 1,
+        SCALE_KIND=kind, SCALE_BLOCK_SIZE=scale_block_size(kind, block_size),
         BLOCK_N=bn, BLOCK_K=bk,
         SCAN_N=64 if interpreting() else SCAN,
     )
     return out, fac
 
-
-def dequant_w8_ref(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
-    """The reference twin of dequant_w8, in PyTorch (fp32 products, rounded once to dtype)."""
-    from ..quant import scale_kind, scale_rows
-
-    N, K = w8.shape
-    kind = scale_kind(scale)
-    if kind == "row":
-        kappa = scale.abs().amax() if N else scale.new_ones(())
-        f = kappa
-        fac = torch.cat([scale / kappa, (1.0 / kappa).reshape(1)])
-    else:
-        f = scale_rows(scale, block_size, 0, N, K) if kind == "block" else scale
-        fac = torch.ones(2, dtype=torch.float32, device=w8.device)
-    w = w8.float() * f
-    return w.to(dtype), fac

@@ -131,12 +131,13 @@ CONTRACT = ("weight_norm", "project", "project_grad", "forward", "backward_pass"
 # W8A8's quantization of x in the projection (flag QUANTS_IN_PROJECT): project(..., quant=True) -> (u, a8, sa), `a`
 # quantized per row (e4m3 [M, K], fp32 [M]) in the same read as u; forward(..., x8=x8, sx=sx) takes it.
 QUANT_PARAMS = {"project": ("quant",), "forward": ("x8", "sx")}
-# NVFP4's global scale g (flag GLOBAL_SCALE = True), passed only with an NVFP4 weight: W0 = e2m1(w8) * (scale * g).
+# NVFP4's global scale g, taken by a backend whose SUPPORTS has "nvfp4" (passed only with an NVFP4 weight): W0 =
+# e2m1(w8) * (scale * g).
 GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_scale",), "dgrad": ("global_scale",)}
 # The weight dequantized once a step (flag KEEPS_WEIGHT: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype,
 # global_scale=None) -> (W, fac), which forward / dgrad(..., weight=W, weight_fac=fac) then use (ops/_policy.py).
 KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
-OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "GLOBAL_SCALE": GLOBAL_SCALE_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS}
+OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS, "nvfp4": GLOBAL_SCALE_PARAMS}
 
 
 def signature_mismatches(impl) -> list[str]:
@@ -152,7 +153,8 @@ def signature_mismatches(impl) -> list[str]:
         extra = set()
         for flag, params in OPTIONS.items():
             option = params.get(name, ())
-            if getattr(impl, flag, False) and not set(option) <= set(got):
+            on = "nvfp4" in getattr(impl, "SUPPORTS", ()) if flag == "nvfp4" else getattr(impl, flag, False)
+            if on and not set(option) <= set(got):
                 out.append(f"{name}: {flag} is set but it lacks {[p for p in option if p not in got]}")
             extra |= set(option)
         got = [p for p in got if p not in extra]  # the options' parameters come on top of the contract's

@@ -17,7 +17,6 @@ from ..triton_kernels.forward import forward_epilogue
 
 
 SUPPORTS = frozenset({"block", "fp32", "mxfp8", "nvfp4"})  # no W8A8 (act_quant="rowwise")
-GLOBAL_SCALE = True  # microscaled weights: dequant_micro puts every factor in W; the epilogues see a scale of 1
 KEEPS_WEIGHT = True  # the forward's dequantized weight kept for the dgrad (base.py, KEEP_WEIGHT_PARAMS)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from . import reference
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
-from ..quant import row_blocks, scale_kind, scale_rows
+from ..quant import row_blocks, row_step, scale_kind, scale_rows
 from .base import magnitude_scale, matmul_rows
 
 project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
@@ -18,7 +18,7 @@ def weight_norm(w8, scale, block_size, A, B, s):
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
-    for j0, j1 in row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1):
+    for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
         v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block_size, j0, j1, K))
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
@@ -59,7 +59,7 @@ def _row_parts(M, width):
 def _weight_spans(w8, scale, block_size) -> list[tuple[int, int]]:
     """The blocks of weight rows [j0, j1) the base products take one at a time (reference.row_blocks; whole scale blocks)."""
     N, K = w8.shape
-    return list(row_blocks(N, K, block_size if scale_kind(scale) == "block" else 1))
+    return list(row_blocks(N, K, row_step(scale, block_size)))
 
 
 def _weight_block(w8, scale, block_size, dtype, j0, j1):

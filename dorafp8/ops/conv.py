@@ -13,7 +13,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
-from ..quant import DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, scale_kind, scale_rows
+from ..quant import (DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, row_step, scale_kind,
+                     scale_rows)
 from ._policy import (as_result, check_device, check_float, check_scaling_dropout, compute_dtype, dropout_mask,
                       norm_divisor, rank_dtype, reused_norm)
 from .linear import weight_norm as linear_weight_norm
@@ -35,7 +36,7 @@ def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torc
     w2 = w8.reshape(C, -1)
     K = w2.shape[1]
     kind = scale_kind(scale)
-    blocks = list(row_blocks(C, K, block_size if kind == "block" else 1))
+    blocks = list(row_blocks(C, K, row_step(scale, block_size)))
     if kind == "tensor" and (dtype == torch.float32 or len(blocks) == 1):
         return e4m3_scaled(w8, scale, dtype)  # one rounding into dtype; fp32 temporaries at most a block's size
     out = torch.empty(w8.shape, dtype=dtype, device=w8.device)

@@ -107,7 +107,6 @@ def _checked_merge(method):
             check_model_merge(self.model, bound.arguments.get("adapter_names"))
         return method(self, *args, **kwargs)
 
-    wrapper._dorafp8_checked = True
     return wrapper
 
 

@@ -20,11 +20,27 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if backends.unavailable_reason("triton", torch.device(DEVICE)) is not None:
     pytest.skip(backends.unavailable_reason("triton", torch.device(DEVICE)), allow_module_level=True)
 
-from dorafp8.triton_kernels.dequant import dequant_w8, dequant_w8_ref  # noqa: E402
+from dorafp8.quant import scale_kind, scale_rows  # noqa: E402
+from dorafp8.triton_kernels.dequant import dequant_w8  # noqa: E402
 
 # (N, K, block size): odd sizes across several tiles (16 x 32 in the interpreter), a block size that is no multiple of
 # 16, more rows than the kappa scan's chunk (64 in the interpreter)
 SHAPES = [(1, 1, 128), (37, 70, 16), (130, 45, 20)]
+
+
+def dequant_w8_ref(w8: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype):
+    """The PyTorch twin of dequant_w8 (fp32 products, rounded once to dtype; fac as the epilogues take it)."""
+    N, K = w8.shape
+    kind = scale_kind(scale)
+    if kind == "row":
+        kappa = scale.abs().amax() if N else scale.new_ones(())
+        f = kappa
+        fac = torch.cat([scale / kappa, (1.0 / kappa).reshape(1)])
+    else:
+        f = scale_rows(scale, block_size, 0, N, K) if kind == "block" else scale
+        fac = torch.ones(2, dtype=torch.float32, device=w8.device)
+    w = w8.float() * f
+    return w.to(dtype), fac
 
 
 @pytest.fixture(autouse=True)

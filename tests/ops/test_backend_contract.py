@@ -30,6 +30,31 @@ def test_signature_mismatch_is_reported():
     assert "forward: missing" in problems
 
 
+def test_nvfp4_backend_must_take_the_global_scale():
+    """A backend whose SUPPORTS has "nvfp4" is handed NVFP4's global_scale (ops/_custom_ops.py): the contract check
+    asks for it from SUPPORTS itself (there is no separate flag to forget)."""
+    import dorafp8.backends.reference as ref
+
+    class NoGlobal:  # the reference's functions, less global_scale
+        SUPPORTS = frozenset({"nvfp4"})
+        project, project_grad, backward_pass = ref.project, ref.project_grad, ref.backward_pass
+
+        def weight_norm(w8, scale, block_size, A, B, s):
+            pass
+
+        def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
+            pass
+
+        def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
+            pass
+
+    problems = base.signature_mismatches(NoGlobal)
+    assert sorted(p.split(":")[0] for p in problems) == ["dgrad", "forward", "weight_norm"], problems
+    assert all("['global_scale']" in p for p in problems), problems
+    NoGlobal.SUPPORTS = frozenset({"mxfp8"})  # MXFP8 has no global scale
+    assert base.signature_mismatches(NoGlobal) == []
+
+
 @pytest.mark.parametrize("name, feature, what", [
     ("cuda", "block", "block weight scales are"),
     ("cuda", "rowwise", "act_quant='rowwise' (W8A8) is"),
