@@ -365,6 +365,12 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:
     """One .safetensors file at `path`, whole or not at all: staged beside it, locked, fsynced, renamed."""
     real = destination(path)
+    if os.path.islink(path) and os.path.isfile(real):
+        # written through, the link's target would be replaced: a Hugging Face cache blob (which every snapshot that
+        # links it then serves as the new file, under the old file's hash), another model's file
+        raise FileExistsError(f"path={path!r} is a symbolic link to the file {real!r}, which writing through it "
+                              f"would replace (a Hugging Face cache's blob, another model's file?); it is not "
+                              f"overwritten: write to another path, or remove the link first")
     if os.path.isdir(real):  # refused before the file is written (the rename onto it would fail after)
         link = f" (a link to {real!r})" if os.path.islink(path) else ""
         raise IsADirectoryError(f"path={path!r} is a folder{link}; a path ending in .safetensors is written as one "

@@ -567,3 +567,17 @@ def test_names_in_messages_are_shown_with_repr(tmp_path):
     with pytest.raises(CheckpointFormatError) as e:
         dorafp8.load_fp8_checkpoint(_target("meta"), tmp_path / "two.safetensors", verbose=False)
     assert "\x1b" not in str(e.value) and "\x07" not in str(e.value) and "'junk\\x1b[2J\\x07'" in str(e.value)
+
+
+def test_a_file_path_that_links_to_a_file_is_refused_and_the_file_kept(tmp_path):
+    """`one.safetensors` a link to a file (a Hugging Face cache's snapshot entry, which links its blob): the file was
+    written through it, the blob replaced, so every snapshot sharing it served the new file under the old one's
+    hash. Here an error naming the link and its target, and the target as it was."""
+    blob = tmp_path / "blobs" / "ab12"
+    blob.parent.mkdir()
+    blob.write_bytes(b"the model the cache holds")
+    os.symlink(blob, tmp_path / "one.safetensors")
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"path=.*one.safetensors.*symbolic link to the file .*ab12"):
+        _export(_net(0), tmp_path / "one.safetensors", SHARDED)
+    assert _tree(tmp_path) == before and blob.read_bytes() == b"the model the cache holds"
