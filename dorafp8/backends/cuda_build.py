@@ -29,6 +29,7 @@ except ImportError:  # Windows
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dorafp8/
 NAME = "dorafp8_C"  # the module torch's loader builds (binding.cpp's PYBIND11_MODULE takes its name from the build)
 _TICK = 30.0  # seconds between the lines said while nvcc runs
+_LOCK = "dorafp8_build.lock"  # in the build folder: the file _one_builder locks (never removed)
 
 
 def source_dir_candidates(package_dir: Path = PACKAGE_DIR) -> list[Path]:
@@ -138,14 +139,16 @@ def build(device: torch.device) -> ModuleType:
 
 @contextlib.contextmanager
 def _one_builder(out: Path):
-    """One build into `out` at a time (two ranks' first use), under the OS's lock on the folder, which the kernel drops
-    when its holder dies. Under it, torch's own `lock` file there (torch < 2.14's FileBaton: a build killed by SIGKILL,
-    the OOM killer or a job's time limit leaves it, and every later load waits for it to go, forever) is a dead
-    build's, and is removed. Without flock (Windows, a file system without locks) nothing is removed."""
-    if fcntl is None:  # Windows (where a folder cannot be opened either)
+    """One build into `out` at a time (two ranks' first use), under the OS's lock on a file there, which the kernel
+    drops when its holder dies. Under it, torch's own `lock` file there (torch < 2.14's FileBaton: a build killed by
+    SIGKILL, the OOM killer or a job's time limit leaves it, and every later load waits for it to go, forever) is a
+    dead build's, and is removed. Without flock (Windows, a file system without locks) nothing is removed."""
+    if fcntl is None:  # Windows
         yield
         return
-    fd = os.open(out, os.O_RDONLY)
+    # a file opened for writing, not the folder: NFS (a cluster's home, where job time limits kill builds) takes flock
+    # as a POSIX lock, and refuses an exclusive one on a descriptor not open for writing (EBADF; flock(2))
+    fd = os.open(out / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             try:

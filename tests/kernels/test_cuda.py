@@ -228,7 +228,7 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
 def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
     """A build killed (SIGKILL, the OOM killer, a job's time limit) leaves torch's `lock` file in the build folder;
     torch's loader before 2.14 (FileBaton, in torch 2.11 on the GPU machine) waits for it to disappear, forever, while
-    dorafp8 said "still compiling". dorafp8 builds under its own OS lock on the folder (dropped by the kernel when a
+    dorafp8 said "still compiling". dorafp8 builds under its own OS lock on a file there (dropped by the kernel when a
     builder dies); under it the `lock` file can only be a dead build's: it is removed, and the build runs."""
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
@@ -252,7 +252,7 @@ def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
     import fcntl
     import threading
 
-    held = os.open(out, os.O_RDONLY)
+    held = os.open(out / cb.cuda_build._LOCK, os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX)
     threading.Timer(0.5, os.close, [held]).start()
     capsys.readouterr()
@@ -268,6 +268,30 @@ def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
     (out / "lock").write_bytes(b"")
     cb.cuda_build.build(torch.device("cuda"))
     assert len(calls) == 3 and (out / "lock").exists()
+
+
+def test_first_use_build_after_a_killed_build_on_nfs(tmp_path, monkeypatch):
+    """On NFS (a cluster's home, where a job's time limit kills a build) flock is a POSIX lock, and an exclusive one
+    on a descriptor not open for writing fails with EBADF (flock(2), "NFS details"): a lock on the folder itself (a
+    directory cannot be opened for writing) was never taken there, so the killed build's `lock` file stayed, and every
+    later load waited for it forever. The flock here behaves as NFS's does."""
+    import fcntl
+
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, op)
+
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setattr(cb.cuda_build.fcntl, "flock", nfs_flock)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw))
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    out.mkdir(parents=True)
+    (out / "lock").write_bytes(b"")  # what the killed build left
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 1 and not (out / "lock").exists()
 
 
 def test_first_use_build_refusals(tmp_path, monkeypatch):
