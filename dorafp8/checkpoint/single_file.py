@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import open_safetensors, parse_json, regular_file
+from .files import MAX_JSON_BYTES, open_safetensors, parse_json, regular_file
 from .layouts import CheckpointFormatError
 
 # the keys a scaled fp8 checkpoint carries beside its weights: ComfyUI's "scaled_fp8" files, and its newer
@@ -245,7 +245,12 @@ def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
     one per-tensor fp8 format ComfyUI reads (TensorCoreFP8Layout); any other is refused, naming the layer."""
     confs = {}
     for k in [k for k in state_dict if k.endswith(".comfy_quant")]:
-        confs[k[:-len(".comfy_quant")]] = parse_json(bytes(state_dict[k].to(torch.uint8).tolist()), k,
+        t = state_dict[k]
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() > MAX_JSON_BYTES:  # cast, its values would wrap
+            raise CheckpointFormatError(f"{k!r}: {t.dtype} of shape {tuple(t.shape)}, where ComfyUI writes a layer's "
+                                        f"config as uint8 JSON bytes (1-D); the file is damaged or not ComfyUI's; "
+                                        f"nothing was loaded")
+        confs[k[:-len(".comfy_quant")]] = parse_json(bytes(t.tolist()), k,
                                                      'ComfyUI\'s layer config, JSON like {"format": "float8_e4m3fn"}')
     raw = metadata.get("_quantization_metadata")
     if raw is not None:
@@ -274,6 +279,12 @@ def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
                                     f"entry (ComfyUI would not read it, so its weight would be used unscaled); the file "
                                     f"is damaged or not ComfyUI's; nothing was loaded")
     rename = {"weight_scale": "scale_weight", "input_scale": "scale_input"}
+    both = [k for k in scales if f"{k.rpartition('.')[0]}.{rename[k.rpartition('.')[2]]}" in state_dict]
+    if both:  # one would overwrite the other in `out`, whichever comes later in the file
+        lay, _, suffix = both[0].rpartition(".")
+        raise CheckpointFormatError(f"{both[0]!r} and {lay + '.' + rename[suffix]!r}: a layer with its scale in both "
+                                    f"ComfyUI encodings (comfy_quant and scaled_fp8), which one is meant? the file is "
+                                    f"damaged or not ComfyUI's; nothing was loaded")
     out = {}
     for k, t in state_dict.items():
         lay, _, suffix = k.rpartition(".")

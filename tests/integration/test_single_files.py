@@ -790,6 +790,28 @@ def test_comfy_quant_encoding_loads_as_its_scaled_fp8_twin(per_layer, tmp_path):
     _check_in_place(model, sd, ref, inputs)
 
 
+def test_comfy_quant_mixed_with_scaled_fp8_or_not_uint8_is_refused_naming_the_key():
+    """A layer with both encodings' scales (`scale_weight` and `weight_scale`, as a tool that half-converted a file
+    leaves) took whichever came later in the file, silently; a comfy_quant entry that is not uint8 bytes (a float or
+    int16 tensor) was cast to uint8, wrapping or truncating its values into other text. Both are refused, naming the
+    key, before the model changes."""
+    import json
+
+    sd, ref, _, _ = _own_case("sd35")
+    quant_sd, _ = _as_comfy_quant(sd, per_layer=True)
+    lay = next(k for k in quant_sd if k.endswith(".comfy_quant"))[:-len(".comfy_quant")]
+    with torch.device("meta"):
+        model = type(ref).from_config(ref.config)
+    mixed = {**quant_sd, f"{lay}.scale_weight": quant_sd[f"{lay}.weight_scale"] * 2}
+    with pytest.raises(CheckpointFormatError, match=rf"'{lay}.weight_scale'.*'{lay}.scale_weight'"):
+        load_single_file(model, mixed, verbose=False)
+    # 0x17b as int16: cast to uint8 it is 0x7b, "{"
+    wide = torch.tensor([0x100 + b for b in json.dumps({"format": "float8_e4m3fn"}).encode()], dtype=torch.int16)
+    with pytest.raises(CheckpointFormatError, match=rf"'{lay}.comfy_quant': torch.int16"):
+        load_single_file(model, {**quant_sd, f"{lay}.comfy_quant": wide}, verbose=False)
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8_tensorwise"])
 def test_comfy_quant_layers_of_other_formats_are_refused_naming_them(fmt):
     """A comfy_quant layer that is not float8_e4m3fn (ComfyUI's NVFP4 / MXFP8 / int8 layers) is refused, naming the
