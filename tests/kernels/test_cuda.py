@@ -294,6 +294,18 @@ def test_first_use_build_after_a_killed_build_on_nfs(tmp_path, monkeypatch):
     assert len(calls) == 1 and not (out / "lock").exists()
 
 
+def test_first_use_build_where_its_lock_file_cannot_be_opened(tmp_path, monkeypatch):
+    """A build folder whose lock file cannot be opened for writing (another user's cache, shared through
+    DORAFP8_CACHE_DIR; here a folder in its place, which root cannot open for writing either) builds as it did before
+    the lock, unlocked: the open's raw OSError escaped build(), whose callers expect a RuntimeError."""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw))
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    (out / cb.cuda_build._LOCK).mkdir(parents=True)
+    cb.cuda_build.build(torch.device("cuda"))
+    assert len(calls) == 1
+
+
 def test_first_use_build_refusals(tmp_path, monkeypatch):
     """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
     what runs without the extension, and is not tried again in the process."""
