@@ -187,13 +187,15 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                                   f"diffusers) would read instead of this export's {index!r}, so the new export "
                                   f"would not be what loads; it is not a file this writer can prove an export wrote, "
                                   f"so it is not removed: move it away (or delete it), or export to another folder")
-    if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")):
+    # the export being replaced wrote it (its index records it): removed with that export (_publish), as its shards are
+    if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")) and \
+            not _recorded(real, "hf_quant_config.json", export_metadata(real, index)):
         raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
-                              f"left from an earlier ModelOpt export?), which load_fp8_checkpoint and ModelOpt's "
-                              f"readers take as the layout of the weights beside it, so this {t.fmt} export would "
-                              f"load as ModelOpt's, or not at all; it is not removed (an export removes only the "
-                              f"shards of the export it replaces): move it away (or delete it), or export to another "
-                              f"folder")
+                              f"which the index there does not record: ModelOpt's own, copied in, edited since?), "
+                              f"which load_fp8_checkpoint and ModelOpt's readers take as the layout of the weights "
+                              f"beside it, so this {t.fmt} export would load as ModelOpt's, or not at all; it is not "
+                              f"removed (an export removes only the files of the export it replaces): move it away "
+                              f"(or delete it), or export to another folder")
     for name in (index, "config.json"):
         if os.path.isdir(os.path.join(real, name)):
             raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
@@ -243,6 +245,10 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         for name in others:
             if not _same_bytes(os.path.join(stage, name), os.path.join(folder, name)):
                 replace(os.path.join(stage, name), os.path.join(folder, name))
+        for name in CHECKED_JSON:  # the replaced export's own that this one does not write (a ModelOpt export's
+            # hf_quant_config.json): before the commit, which would leave it beside weights it does not describe
+            if name not in others and _recorded(folder, name, before):
+                os.remove(os.path.join(folder, name))
         fsync_dir(folder)
         replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
     except BaseException:
@@ -270,15 +276,21 @@ def _check_replaced(stage: str, folder: str, name: str, recorded, path: str) -> 
     dst = os.path.join(folder, name)
     if not os.path.lexists(dst) or _same_bytes(os.path.join(stage, name), dst):
         return
-    try:
-        ours = stat.S_ISREG(os.lstat(dst).st_mode) and recorded == sha256(dst)
-    except OSError:
-        ours = False
-    if not ours:
+    if not _recorded(folder, name, {sha256_key(name): recorded}):
         raise FileExistsError(f"path={path!r} holds {name!r}, which this export would replace, but the index there "
                               f"does not record it as an earlier export's (it is someone else's, the model's own, "
                               f"was edited since, or was left by an export killed before its index), so it is not "
                               f"overwritten: move it away (or delete it), or export to another folder")
+
+
+def _recorded(folder: str, name: str, meta: dict) -> bool:
+    """Whether `folder/name` is a regular file (not a link) with the sha256 an export's index metadata `meta` records
+    for it: a file that export wrote, unchanged since."""
+    dst = os.path.join(folder, name)
+    try:
+        return stat.S_ISREG(os.lstat(dst).st_mode) and meta.get(sha256_key(name)) == sha256(dst)
+    except OSError:
+        return False
 
 
 def _same_bytes(a: str, b: str) -> bool:

@@ -523,11 +523,11 @@ def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
 
 @pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
 def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_path, algo):
-    """An fp8 or dense export into a folder holding an earlier ModelOpt export's hf_quant_config.json: the writer
-    used to publish beside it, and the loader then refused the folder saying that config.json's compressed-tensors
-    contradicts ModelOpt's quant_algo, naming neither the stale file nor what to do. The writer refuses before
-    writing anything, naming the file (which it does not remove); one planted after an export is refused by the
-    loader, naming it, instead of reading the folder as ModelOpt's."""
+    """A ModelOpt export re-exported into its folder in another format: its hf_quant_config.json (recorded in its
+    index) goes with it, as its shards do; the re-export was refused naming it, though the writer had written it. One
+    the index does not record (planted, copied in) is refused by the writer before anything is written, naming it
+    (not removed), and by the loader instead of reading the folder as ModelOpt's: the writer used to publish beside
+    it, and the loader then said that config.json's compressed-tensors contradicts ModelOpt's quant_algo."""
     import json
     import shutil
 
@@ -536,20 +536,27 @@ def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_
     model = meta_model()
     load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), algo), verbose=False)
     out = tmp_path / "out"
-    save_fp8_checkpoint(model, str(out), verbose=False)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
     fp8 = quantize_model(original_model(), per_row_scale=True, verbose=False)
     for m, fmt in ((fp8, "compressed-tensors"), (fp8, "fine-grained"), (model, "bf16")):
-        with pytest.raises(FileExistsError, match=rf"holds 'hf_quant_config.json' .*this {fmt} export would load as "
-                                                  rf"ModelOpt's.*move it away \(or delete it\)"):
-            save_fp8_checkpoint(m, str(out), format=fmt, verbose=False)
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing removed
+        save_fp8_checkpoint(model, str(out), verbose=False)
+        assert (out / "hf_quant_config.json").exists()
+        save_fp8_checkpoint(m, str(out), format=fmt, verbose=False)
+        assert not (out / "hf_quant_config.json").exists()
+        if fmt != "bf16":  # dense: no fp8 checkpoint to load
+            assert load_fp8_checkpoint(meta_model(), str(out), verbose=False).format == fmt
+    save_fp8_checkpoint(model, str(out), verbose=False)
     assert load_fp8_checkpoint(meta_model(), str(out), verbose=False).format == "modelopt"
     ct = tmp_path / "ct"
     save_fp8_checkpoint(fp8, str(ct), format="compressed-tensors", verbose=False)
     load_fp8_checkpoint(meta_model(), str(ct), verbose=False)
     shutil.copy(out / "hf_quant_config.json", ct / "hf_quant_config.json")
     assert json.loads((ct / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
+    before = {p.name: p.read_bytes() for p in ct.iterdir()}
+    for m, fmt in ((fp8, "compressed-tensors"), (model, "bf16")):
+        with pytest.raises(FileExistsError, match=rf"holds 'hf_quant_config.json' .*this {fmt} export would load as "
+                                                  rf"ModelOpt's.*move it away \(or delete it\)"):
+            save_fp8_checkpoint(m, str(ct), format=fmt, verbose=False)
+        assert {p.name: p.read_bytes() for p in ct.iterdir()} == before  # nothing written, nothing removed
     with pytest.raises(CheckpointFormatError, match=rf"{re.escape(str(ct / 'hf_quant_config.json'))}: says "
                                                     rf"quant_algo '{algo}', but no weight .* is {algo} .*config.json "
                                                     rf"says quant_method='compressed-tensors'.*move it away"):
