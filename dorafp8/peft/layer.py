@@ -34,6 +34,11 @@ _MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quanti
                         "layer's in last_merge_error). Merging on the dense model loses none of it")
 
 
+# PEFT's inits that read the base weight (peft/tuners/lora/layer.py, LoraLayer.update_layer): on e4m3 they fail,
+# need a GPU, or round the new adapter to e4m3 ("orthogonal" casts it to the base weight's dtype).
+_WEIGHT_INITS = ("pissa", "corda", "olora", "loftq", "mica", "lora_ga", "orthogonal")
+
+
 def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
     """Raises unless a dorafp8 layer can take over this PEFT layer: unmerged, LoRA / DoRA only, fp8-able base."""
     where = f"{name}: " if name else ""
@@ -138,6 +143,14 @@ class DoRAFP8Layer:
                          f"{type(variant).__name__}")
 
     def update_layer(self, adapter_name, *args, **kwargs):
+        config = kwargs.get("config", args[2] if len(args) > 2 else None)
+        init = getattr(config, "init_lora_weights", kwargs.get("init_lora_weights"))
+        if isinstance(init, str) and init.lower().startswith(_WEIGHT_INITS):
+            raise ValueError(f"init_lora_weights={init!r} is not supported on an fp8 base: PEFT computes it from the "
+                             f"base weight's dtype and values (PiSSA, CorDA, OLoRA, LoftQ and LoRA-GA also rewrite the "
+                             f"weight with a residual; 'orthogonal' would cast the adapter to e4m3). Use "
+                             f"init_lora_weights=True, 'gaussian' or False here, or initialise on the dense model with "
+                             f"PEFT and quantize it afterwards (dorafp8.quantize_model)")
         if not _compat.LAYER_SAYS_DTYPE:  # peft 0.18 read them with a function that does not know fp8 layers
             self.in_features, self.out_features = self._get_in_out_features(self._fp8_base())
         super().update_layer(adapter_name, *args, **kwargs)

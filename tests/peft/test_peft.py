@@ -323,3 +323,22 @@ def test_modules_to_save_holding_an_fp8_layer_is_refused():
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], task_type="SEQ_CLS"))
     pm(input_ids=IDS, labels=torch.tensor([0, 2])).loss.backward()
     assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", "corda", "loftq", "mica", "lora_ga", "orthogonal"])
+def test_init_from_the_base_weight_is_refused_by_name(init):
+    """PEFT's inits that read the base weight (and most rewrite it with a residual) met the e4m3 weight: PiSSA / OLoRA /
+    MiCA failed with PEFT's dtype errors, LoftQ asked for a GPU, "orthogonal" silently cast the new adapter to e4m3
+    (its values rounded, unlike PEFT's on the dequantized base). Refused by name before any layer changes, saying what
+    works; a layer added later by add_adapter too."""
+    extra = {"loftq_config": peft.LoftQConfig(loftq_bits=4)} if init == "loftq" else {}
+    model = dorafp8.quantize_model(_base_model("llama"), LLAMA_TARGETS, verbose=False)
+    before = {n: t.view(torch.uint8).clone() for n, t in model.state_dict().items() if t.dtype == torch.float8_e4m3fn}
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}'.*fp8 base.*init_lora_weights=True"):
+        get_peft_model(model, _lora_config("llama", init_lora_weights=init, **extra))
+    assert not any(isinstance(m, LoraLinear) for m in model.modules())
+    assert all(torch.equal(t.view(torch.uint8), before[n]) for n, t in model.state_dict().items() if n in before)
+    pm = get_peft_model(model, _lora_config("llama"))
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}'"):
+        pm.add_adapter("other", _lora_config("llama", init_lora_weights=init, **extra))
+    assert all("other" not in m.lora_A for m in pm.modules() if isinstance(m, LoraLinear))
