@@ -342,3 +342,25 @@ def test_init_from_the_base_weight_is_refused_by_name(init):
     with pytest.raises(ValueError, match=rf"init_lora_weights='{init}'"):
         pm.add_adapter("other", _lora_config("llama", init_lora_weights=init, **extra))
     assert all("other" not in m.lora_A for m in pm.modules() if isinstance(m, LoraLinear))
+
+
+def test_eva_init_matches_peft_on_the_dequantized_base():
+    """EVA, computed from the layer inputs (not the weight), on the fp8 base: the adapter and magnitude PEFT computes
+    on the dequantized base."""
+    model = _base_model("llama")
+    twin = copy.deepcopy(model)
+    for name, mod in twin.named_modules():
+        if name.endswith("q_proj"):
+            mod.weight.data = dorafp8.dequantize_e4m3(*dorafp8.quantize_e4m3(mod.weight.data))
+    dorafp8.quantize_model(model, ["q_proj"], verbose=False)
+    data = [{"input_ids": torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    layers = []
+    for base in (model, twin):
+        pm = get_peft_model(base, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], init_lora_weights="eva",
+                                             eva_config=peft.tuners.lora.EvaConfig(rho=1.0)))
+        peft.initialize_lora_eva_weights(pm, data, show_progress_bar=False)
+        layers.append(pm.base_model.model.model.layers[0].self_attn.q_proj)
+    ours, ref = layers
+    assert isinstance(ours, DoRAFP8Linear) and not isinstance(ref, DoRAFP8Linear)
+    for attr in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        assert_close(getattr(ours, attr)["default"].weight, getattr(ref, attr)["default"].weight, 5e-6, attr)
