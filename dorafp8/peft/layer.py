@@ -3,6 +3,7 @@ weight-norm cache, fused dispatch, conversion from a PEFT layer)."""
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any
 
@@ -32,6 +33,12 @@ _MICRO_RECIPE = {"nvfp4": "ModelOpt's NVFP4 recipe (e2m1 values, an e4m3 scale p
                  "mxfp8": "ModelOpt's MXFP8 recipe (e4m3 values, an e8m0 scale per 32; about 2.7% relative error)"}
 _MICRO_MERGE_WARNING = ("merging LoRA or DoRA adapters into an {} base re-quantizes the merged weight by {} (each "
                         "layer's in last_merge_error). Merging on the dense model loses none of it")
+
+
+# PEFT's inits computed from the base weight (peft/tuners/lora/layer.py, LoraLayer.update_layer): on e4m3 they fail
+# or need a GPU, and all but MiCA rewrite the weight with a residual (LoRA-GA only when preprocess_loraga attached its
+# gradient: without it, as when an adapter is loaded, PEFT initialises as for init_lora_weights=True).
+_WEIGHT_INITS = ("pissa", "corda", "olora", "loftq", "mica")
 
 
 def check_adapters_convertible(layer, variants: tuple, per_row_scale: bool, name: str | None) -> None:
@@ -138,9 +145,30 @@ class DoRAFP8Layer:
                          f"{type(variant).__name__}")
 
     def update_layer(self, adapter_name, *args, **kwargs):
+        config = kwargs.get("config", args[2] if len(args) > 2 else None)
+        init = getattr(config, "init_lora_weights", kwargs.get("init_lora_weights"))
+        init = init.lower() if isinstance(init, str) else ""
+        if init.startswith(_WEIGHT_INITS) or (init == "lora_ga" and
+                                              hasattr(self._fp8_base(), "_peft_loraga_grad")):
+            raise ValueError(f"init_lora_weights={init!r} is not supported on an fp8 base: PEFT computes it from the "
+                             f"base weight (and but for MiCA rewrites the weight with a residual, also when it loads "
+                             f"such an adapter). Use init_lora_weights=True, 'gaussian', 'orthogonal', 'eva' or False "
+                             f"here, or initialise on the dense model with PEFT and quantize it afterwards "
+                             f"(dorafp8.quantize_model); a saved PiSSA / CorDA / OLoRA adapter loads once PEFT has "
+                             f"converted it to plain LoRA (save_pretrained(path_initial_model_for_weight_conversion=))")
         if not _compat.LAYER_SAYS_DTYPE:  # peft 0.18 read them with a function that does not know fp8 layers
             self.in_features, self.out_features = self._get_in_out_features(self._fp8_base())
         super().update_layer(adapter_name, *args, **kwargs)
+
+    def orthogonal_init(self, adapter_name):
+        # PEFT casts the new adapter to get_base_layer().weight.dtype, e4m3 here, rounding it: the base's original
+        # dtype instead (what PEFT gives on the dequantized base).
+        _, dtype = self._get_base_layer_device_and_dtype(self._fp8_base())
+        self.get_base_layer = lambda: types.SimpleNamespace(weight=torch.empty(0, dtype=dtype))
+        try:
+            super().orthogonal_init(adapter_name)
+        finally:
+            del self.get_base_layer
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
         if _compat.LAYER_SAYS_DTYPE:  # through _get_base_layer_device_and_dtype: the fp8 base's original dtype

@@ -323,3 +323,73 @@ def test_modules_to_save_holding_an_fp8_layer_is_refused():
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], task_type="SEQ_CLS"))
     pm(input_ids=IDS, labels=torch.tensor([0, 2])).loss.backward()
     assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", "corda", "loftq", "mica"])
+def test_init_from_the_base_weight_is_refused_by_name(init):
+    """PEFT's inits computed from the base weight (all but MiCA rewrite it with a residual, on load too) met the e4m3
+    weight: PiSSA / OLoRA / MiCA failed with PEFT's dtype errors, LoftQ asked for a GPU. Refused by name before any
+    layer changes, saying what works; a layer added later by add_adapter too."""
+    extra = {"loftq_config": peft.LoftQConfig(loftq_bits=4)} if init == "loftq" else {}
+    model = dorafp8.quantize_model(_base_model("llama"), LLAMA_TARGETS, verbose=False)
+    before = {n: t.view(torch.uint8).clone() for n, t in model.state_dict().items() if t.dtype == torch.float8_e4m3fn}
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}'.*fp8 base.*init_lora_weights=True"):
+        get_peft_model(model, _lora_config("llama", init_lora_weights=init, **extra))
+    assert not any(isinstance(m, LoraLinear) for m in model.modules())
+    assert all(torch.equal(t.view(torch.uint8), before[n]) for n, t in model.state_dict().items() if n in before)
+    pm = get_peft_model(model, _lora_config("llama"))
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}'"):
+        pm.add_adapter("other", _lora_config("llama", init_lora_weights=init, **extra))
+    assert all("other" not in m.lora_A for m in pm.modules() if isinstance(m, LoraLinear))
+
+
+def test_orthogonal_and_lora_ga_inits_match_peft_on_the_dequantized_base():
+    """"orthogonal" (random, not from the weight) cast the new adapter to the base weight's dtype, e4m3: its values
+    were silently rounded. Now PEFT's values on the dequantized base, same seed. LoRA-GA without preprocess_loraga's
+    gradient (an adapter being loaded) initialises as PEFT does; with it, it would rewrite the weight: refused."""
+    model = _base_model("llama")
+    twin = copy.deepcopy(model)
+    for name, mod in twin.named_modules():
+        if name.split(".")[-1] in LLAMA_TARGETS:
+            mod.weight.data = dorafp8.dequantize_e4m3(*dorafp8.quantize_e4m3(mod.weight.data))
+    dorafp8.quantize_model(model, LLAMA_TARGETS, verbose=False)
+    pms = []
+    for base in (model, twin):
+        torch.manual_seed(4)
+        pm = get_peft_model(base, _lora_config("llama", init_lora_weights="orthogonal"))
+        torch.manual_seed(5)
+        pm.add_adapter("ga", _lora_config("llama", init_lora_weights="lora_ga"))
+        pms.append(pm)
+    ours, ref = (m.base_model.model.model.layers[1].mlp.down_proj for m in pms)
+    assert isinstance(ours, DoRAFP8Linear) and not isinstance(ref, DoRAFP8Linear)
+    for a in ("default", "ga"):
+        for attr in ("lora_A", "lora_B", "lora_magnitude_vector"):
+            assert_close(getattr(ours, attr)[a].weight, getattr(ref, attr)[a].weight, 5e-7, f"{a} {attr}")
+    with torch.no_grad():
+        assert_close(pms[0](input_ids=IDS).logits, pms[1](input_ids=IDS).logits, 5e-6, "logits")
+    q = pms[0].base_model.model.model.layers[0].self_attn.q_proj
+    q.base_layer._peft_loraga_grad = torch.zeros(q.out_features, q.in_features)
+    with pytest.raises(ValueError, match="init_lora_weights='lora_ga'"):
+        pms[0].add_adapter("ga2", _lora_config("llama", init_lora_weights="lora_ga"))
+
+
+def test_eva_init_matches_peft_on_the_dequantized_base():
+    """EVA, computed from the layer inputs (not the weight), on the fp8 base: the adapter and magnitude PEFT computes
+    on the dequantized base."""
+    model = _base_model("llama")
+    twin = copy.deepcopy(model)
+    for name, mod in twin.named_modules():
+        if name.endswith("q_proj"):
+            mod.weight.data = dorafp8.dequantize_e4m3(*dorafp8.quantize_e4m3(mod.weight.data))
+    dorafp8.quantize_model(model, ["q_proj"], verbose=False)
+    data = [{"input_ids": torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    layers = []
+    for base in (model, twin):
+        pm = get_peft_model(base, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"], init_lora_weights="eva",
+                                             eva_config=peft.tuners.lora.EvaConfig(rho=1.0)))
+        peft.initialize_lora_eva_weights(pm, data, show_progress_bar=False)
+        layers.append(pm.base_model.model.model.layers[0].self_attn.q_proj)
+    ours, ref = layers
+    assert isinstance(ours, DoRAFP8Linear) and not isinstance(ref, DoRAFP8Linear)
+    for attr in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        assert_close(getattr(ours, attr)["default"].weight, getattr(ref, attr)["default"].weight, 5e-6, attr)
