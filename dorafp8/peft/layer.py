@@ -163,7 +163,7 @@ class DoRAFP8Layer:
     def orthogonal_init(self, adapter_name):
         # PEFT casts the new adapter to get_base_layer().weight.dtype, e4m3 here, rounding it: the base's original
         # dtype instead (what PEFT gives on the dequantized base).
-        _, dtype = self._get_base_layer_device_and_dtype(self._fp8_base())
+        dtype = self._fp8_base().orig_dtype
         self.get_base_layer = lambda: types.SimpleNamespace(weight=torch.empty(0, dtype=dtype))
         try:
             super().orthogonal_init(adapter_name)
