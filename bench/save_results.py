@@ -271,8 +271,7 @@ def write_device(dest: str, results: dict, sources) -> list[str]:
     with open(os.path.join(dest, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     written = ["results.json"] + [os.path.basename(p) for p in plot.render(results, dest)]
-    pages = PAGES
-    for name, (page, command) in pages.items():
+    for name, (page, command) in PAGES.items():
         if command in cmds:
             with open(os.path.join(dest, name), "w") as f:
                 f.write(page(cmds[command]))

@@ -179,6 +179,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     (ModelOpt's hf_quant_config.json beside an export in any other format), or where it would replace an index no
     export wrote."""
     index = f"{t.stem}.safetensors.index.json"
+    meta = export_metadata(real, index)  # what the export there recorded ({} where none did)
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
@@ -189,7 +190,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                                   f"so it is not removed: move it away (or delete it), or export to another folder")
     # the export being replaced wrote it (its index records it): removed with that export (_publish), as its shards are
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")) and \
-            not _recorded(real, "hf_quant_config.json", export_metadata(real, index)):
+            not _recorded(real, "hf_quant_config.json", meta):
         raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
                               f"which the index there does not record: ModelOpt's own, copied in, edited since?), "
                               f"which load_fp8_checkpoint and ModelOpt's readers take as the layout of the weights "
@@ -202,8 +203,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                                     f"move it away, or export to another folder")
     # an index no export wrote (transformers' or diffusers' save_pretrained, another tool's) names that model's shards:
     # replacing it would leave them unindexed, the folder no longer holding that model
-    if os.path.lexists(os.path.join(real, index)) and \
-            not isinstance(export_metadata(real, index).get("dorafp8_files"), dict):
+    if os.path.lexists(os.path.join(real, index)) and not isinstance(meta.get("dorafp8_files"), dict):
         raise FileExistsError(f"path={path!r} holds {index!r}, which no dorafp8 export wrote (a model saved there by "
                               f"save_pretrained or another tool?); the export would replace it and leave that model's "
                               f"shards unindexed, so it is not overwritten: export to another folder, or move it away")
