@@ -563,38 +563,26 @@ def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_
         load_fp8_checkpoint(meta_model(), str(ct), verbose=False)
 
 
+@pytest.mark.filterwarnings("ignore")  # the killed writers' stages, named
 def test_a_modelopt_export_replaced_in_another_format_killed_at_every_step(tmp_path):
     """The bf16 re-export of a ModelOpt export, killed at each rename or removal in turn: hf_quant_config.json is
     never left beside an index that does not record it (which every later export refused, naming it), and the
     re-run completes."""
     import json
-    import shutil
-    import warnings
 
     from dorafp8 import save_fp8_checkpoint
-    from tests.checkpoint.test_export_folders import _in_child
+    from tests.checkpoint.test_export_folders import _killed_at_every_step
 
     model = meta_model()
     load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4"), verbose=False)
     pristine = tmp_path / "pristine"
     save_fp8_checkpoint(model, str(pristine), verbose=False)
-    step = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the killed writers' stages, named
-        while True:
-            step += 1
-            work = tmp_path / f"k{step}"
-            shutil.copytree(pristine, work)
-            code, said = _in_child(lambda: save_fp8_checkpoint(model, str(work), format="bf16", verbose=False),
-                                   kill_at=step)
-            assert code in (0, 9), said
-            meta = json.loads((work / "model.safetensors.index.json").read_text())["metadata"]
-            assert not (work / "hf_quant_config.json").exists() or "dorafp8_hf_quant_config_sha256" in meta, step
-            save_fp8_checkpoint(model, str(work), format="bf16", verbose=False)
-            assert not (work / "hf_quant_config.json").exists()
-            if code == 0:
-                break
-    assert step > 3
+    bf16 = lambda work: save_fp8_checkpoint(model, str(work), format="bf16", verbose=False)  # noqa: E731
+    for step, work, _ in _killed_at_every_step(pristine, bf16):
+        meta = json.loads((work / "model.safetensors.index.json").read_text())["metadata"]
+        assert not (work / "hf_quant_config.json").exists() or "dorafp8_hf_quant_config_sha256" in meta, step
+        bf16(work)
+        assert not (work / "hf_quant_config.json").exists()
 
 
 # ---- ComfyUI's own NVFP4 / MXFP8 (comfy_kitchen) ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ import dorafp8.checkpoint.files as files
 import dorafp8.checkpoint.write as W
 from dorafp8.checkpoint import CheckpointFormatError
 from dorafp8.checkpoint.source import CheckpointSource
-from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _in_child, _net, _output_of,
+from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _killed_at_every_step, _net, _output_of,
                                                    _user_files_intact, _user_folder)
 from tests.checkpoint.test_load_all_or_nothing import X, _target
 from tests.checkpoint.test_load_all_or_nothing import sharded  # noqa: F401 - a fixture
@@ -164,31 +164,22 @@ def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path)
         _user_files_intact(dest)
 
 
+@pytest.mark.filterwarnings("ignore")  # the killed writers' stages, named
 def test_an_export_into_a_copy_never_touches_the_original(tmp_path):
     """A folder (and what lies beside it) copied with `cp -a` after an export into it was killed, at each step in
     turn: an export into the copy acted on the original path (the journal's absolute folder) and deleted the newer
     export's shards there. Here the original stays byte for byte as it was, and the copy loads the new export."""
     a, b = _net(0), _net(1)
-    step = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the killed writers' stages, named
-        while True:
-            step += 1
-            orig = tmp_path / f"orig{step}"
-            orig.mkdir()
-            _export(a, orig / "ckpt", SHARDED)
-            code, said = _in_child(lambda: _export(b, orig / "ckpt", SHARDED), kill_at=step)
-            assert code in (0, 9), said
-            copy = tmp_path / f"copy{step}"
-            subprocess.run(["cp", "-a", str(orig), str(copy)], check=True)
-            before = _tree(orig)
-            _export(a, copy / "ckpt", SHARDED)
-            assert _tree(orig) == before, f"killed at step {step}"
-            with torch.no_grad():
-                assert torch.equal(_output_of(copy / "ckpt"), a(X))
-            if code == 0:
-                break
-    assert step > 3
+    pristine = tmp_path / "pristine"
+    _export(a, pristine / "ckpt", SHARDED)
+    for step, orig, _ in _killed_at_every_step(pristine, lambda orig: _export(b, orig / "ckpt", SHARDED)):
+        copy = tmp_path / f"copy{step}"
+        subprocess.run(["cp", "-a", str(orig), str(copy)], check=True)
+        before = _tree(orig)
+        _export(a, copy / "ckpt", SHARDED)
+        assert _tree(orig) == before, f"killed at step {step}"
+        with torch.no_grad():
+            assert torch.equal(_output_of(copy / "ckpt"), a(X))
 
 
 # ---- two writers -------------------------------------------------------------------------------------------------
@@ -341,6 +332,7 @@ def test_a_config_json_no_export_wrote_is_never_replaced(tmp_path, monkeypatch, 
     assert _tree(tmp_path) == before
 
 
+@pytest.mark.filterwarnings("ignore")  # the killed writers' stages, named
 @pytest.mark.parametrize("old_size,new_size", [(SHARDED, SHARDED), (SHARDED, SINGLE), (SINGLE, SHARDED)])
 def test_a_kill_at_every_step_leaves_one_exports_config_and_weights(tmp_path, monkeypatch, old_size, new_size):
     """An export whose config.json differs from the one it replaces, killed at each rename or removal in turn
@@ -352,23 +344,14 @@ def test_a_kill_at_every_step_leaves_one_exports_config_and_weights(tmp_path, mo
     _with_configs(monkeypatch, nets)
     pristine = tmp_path / "pristine"
     _export(nets["a"], pristine, old_size)
-    step, seen = 0, set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the killed writers' stages, named
-        while True:
-            step += 1
-            work = tmp_path / f"k{step}"
-            shutil.copytree(pristine, work)
-            code, said = _in_child(lambda: _export(nets["b"], work, new_size), kill_at=step)
-            assert code in (0, 9), said
-            got = _read(work, refs)
-            assert got in (("a", "a"), ("b", "b"), "refused"), f"killed at step {step}: {got}"
-            seen.add(got)
-            _export(nets["b"], work, new_size)
-            assert _read(work, refs) == ("b", "b")
-            if code == 0:
-                break
-    assert ("a", "a") in seen and ("b", "b") in seen and step > 3
+    seen = set()
+    for step, work, _ in _killed_at_every_step(pristine, lambda work: _export(nets["b"], work, new_size)):
+        got = _read(work, refs)
+        assert got in (("a", "a"), ("b", "b"), "refused"), f"killed at step {step}: {got}"
+        seen.add(got)
+        _export(nets["b"], work, new_size)
+        assert _read(work, refs) == ("b", "b")
+    assert ("a", "a") in seen and ("b", "b") in seen
 
 
 def test_an_error_at_every_step_leaves_one_exports_config_and_weights(tmp_path, monkeypatch):
