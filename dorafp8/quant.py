@@ -299,25 +299,21 @@ def row_step(scale: torch.Tensor, block_size: int) -> int:
     return block_size if scale_kind(scale) == "block" else 1
 
 
-# Every float8 dtype this torch has: what a weight "already in fp8" may be.
-FP8_DTYPES = frozenset(getattr(torch, name) for name in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+# Every float8 dtype (what a weight "already in fp8" may be), with the codes that are not finite in it as (bit mask,
+# code): NaN or inf where b & mask == code (torch 2.14's isfinite has no float8 kernel, and upcasting a weight costs 4
+# bytes an element).
+_FP8_NONFINITE = {
+    torch.float8_e4m3fn: (0x7F, 0x7F),     # S.1111.111 is NaN; no infinities
+    torch.float8_e5m2: (0x7C, 0x7C),       # exponent 11111: inf (mantissa 0) or NaN
+    torch.float8_e4m3fnuz: (0xFF, 0x80),   # the negative-zero code is the one NaN
+    torch.float8_e5m2fnuz: (0xFF, 0x80),
+    torch.float8_e8m0fnu: (0xFF, 0xFF),
+}
+FP8_DTYPES = frozenset(_FP8_NONFINITE)
 
 
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_DTYPES
-
-
-# The codes that are not finite in each float8 format, as (bit mask, code): NaN or inf where b & mask == code (torch
-# 2.14's isfinite has no float8 kernel, and upcasting a weight costs 4 bytes an element).
-_FP8_NONFINITE = {name: code for name, code in (
-    ("float8_e4m3fn", (0x7F, 0x7F)),     # S.1111.111 is NaN; no infinities
-    ("float8_e5m2", (0x7C, 0x7C)),       # exponent 11111: inf (mantissa 0) or NaN
-    ("float8_e4m3fnuz", (0xFF, 0x80)),   # the negative-zero code is the one NaN
-    ("float8_e5m2fnuz", (0xFF, 0x80)),
-    ("float8_e8m0fnu", (0xFF, 0xFF)),
-) if hasattr(torch, name)}
-_FP8_NONFINITE = {getattr(torch, name): code for name, code in _FP8_NONFINITE.items()}
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -344,7 +340,7 @@ def all_finite(t: torch.Tensor) -> bool:
 # MXFP8's W0 is exact in fp32 (a power of two times an e4m3 value). NVFP4's is the exact product rounded to fp32 twice
 # at most (scale * global, then times the e2m1 value), as ModelOpt's own dequantize rounds it: within 2^-23 of it.
 
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
+E8M0 = torch.float8_e8m0fnu
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
@@ -404,7 +400,7 @@ def check_weight(w8, scale, block_size: int = DEFAULT_BLOCK, global_scale=None, 
         return N, K, scale
     check_fp8_weight(w8, name)
     N, K = w8.shape
-    if isinstance(scale, torch.Tensor) and E8M0 is not None and scale.dtype == E8M0:
+    if isinstance(scale, torch.Tensor) and scale.dtype == E8M0:
         check_micro_scale(scale, "mxfp8", N, K, "scale")
     else:
         scale = check_scale(scale, N, K, block_size)

@@ -22,7 +22,7 @@ MICRO_BLOCKS = (64, 128)  # (BLOCK_N, BLOCK_K) on a GPU, as dequant.py's DEQUANT
 def micro_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) on a GPU: fp32 outputs take half the rows (64 spilled 16 bytes for MXFP8; inspect)."""
     return (MICRO_BLOCKS[0] // 2, MICRO_BLOCKS[1]) if dtype == torch.float32 else MICRO_BLOCKS
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
+E8M0 = torch.float8_e8m0fnu
 
 
 @triton.jit
