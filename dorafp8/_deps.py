@@ -36,8 +36,10 @@ def require(*modules: str, what: str) -> None:
 
 
 # The oldest versions CI tests (.ci/version_matrix.sh, docs/TESTING.md "Version matrix"); pyproject.toml requires the
-# same (tests/integration/test_layout.py checks that it does).
-OLDEST_TESTED = {"torch": (2, 11), "triton": (3, 6)}
+# same (tests/integration/test_layout.py checks that it does). dorafp8's PEFT layers subclass PEFT's LoRA layers and
+# variants as peft 0.18 to 0.21 have them (dorafp8/peft/_compat.py says where those differ; 0.18 is what
+# LLaMA-Factory 0.9.5 installs).
+OLDEST_TESTED = {"torch": (2, 11), "triton": (3, 6), "peft": (0, 18)}
 
 
 def untested_version(dist: str, version: str) -> str | None:
@@ -50,23 +52,12 @@ def untested_version(dist: str, version: str) -> str | None:
             f"pip install '{dist}>={oldest}'")
 
 
-# dorafp8's PEFT layers subclass PEFT's LoRA layers and variants as peft 0.18 to 0.21 have them (dorafp8/peft/_compat.py
-# says where those differ; 0.18 is what LLaMA-Factory 0.9.5 installs); pyproject's `peft` extra requires the same.
-PEFT_OLDEST = (0, 18)
-
-
 def peft_too_old() -> str | None:
-    """None if peft is missing or at least PEFT_OLDEST, else a sentence naming the version and the fix."""
+    """None if peft is missing or not older than the oldest tested, else untested_version's sentence."""
     try:
-        version = importlib.metadata.version("peft")
+        return untested_version("peft", importlib.metadata.version("peft"))
     except importlib.metadata.PackageNotFoundError:
         return None
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None or (int(m[1]), int(m[2])) >= PEFT_OLDEST:
-        return None
-    oldest = ".".join(map(str, PEFT_OLDEST))
-    return (f"peft {version} is installed, and dorafp8's PEFT layers need peft>={oldest}: "
-            f"pip install 'peft>={oldest}'")
 
 
 def warn_if_untested_torch() -> None:

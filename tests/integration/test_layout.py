@@ -323,13 +323,15 @@ def test_the_version_has_one_home():
 
 def test_required_versions_are_the_tested_ones():
     """pyproject.toml requires, as the oldest torch and Triton, the ones CI's version matrix tests (.ci/version_matrix.sh
-    pins them in its oldest leg), which are those dorafp8/_deps.py warns about or refuses below; README says so."""
+    pins them in its oldest leg), which are those dorafp8/_deps.py warns about or refuses below; README says so. The
+    same for peft (its extras; _deps.py refuses fp8 layers on an older one)."""
     from dorafp8._deps import OLDEST_TESTED
 
-    torch_min, triton_min = (".".join(map(str, OLDEST_TESTED[d])) for d in ("torch", "triton"))
+    torch_min, triton_min, peft_min = (".".join(map(str, OLDEST_TESTED[d])) for d in ("torch", "triton", "peft"))
     project = _pyproject()["project"]
     assert f"torch>={torch_min}" in project["dependencies"]
     assert project["optional-dependencies"]["triton"] == [f"triton>={triton_min}"]
+    assert all(f"peft>={peft_min}" in project["optional-dependencies"][x] for x in ("peft", "demo", "test"))
     matrix = (ROOT / ".ci" / "version_matrix.sh").read_text()
     assert f"torch=={torch_min}.0 triton=={triton_min}.0" in matrix
     assert f"torch {torch_min}" in (ROOT / "README.md").read_text() and f"Triton {triton_min}" in (

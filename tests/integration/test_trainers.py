@@ -234,7 +234,7 @@ def test_peft_older_than_0_18_is_refused_naming_the_fix(monkeypatch):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     dorafp8.quantize_model(model)
-    with pytest.raises(RuntimeError, match=r"peft 0\.17\.1 is installed.*pip install 'peft>=0\.18'"):
+    with pytest.raises(RuntimeError, match=r"peft 0\.17\.1 is older than 0\.18.*pip install 'peft>=0\.18'"):
         get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
 
 
