@@ -79,7 +79,9 @@ def _choice(w8: torch.Tensor, factor, dtype: torch.dtype) -> tuple[str, torch.Te
     return method, out
 
 
-def _cpu_convert(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    """(w8 * factor) in dtype (fp16, bf16 or fp32), computed in fp32 and rounded once, as (w8.float() *
+    factor).to(dtype) rounds it; factor a number, a broadcastable fp32 tensor, or None: w8.to(dtype), exactly."""
     n = w8.numel()
     if w8.device.type != "cpu" or n < _SMALL:
         return _convert("native", w8, factor, dtype)
@@ -87,18 +89,3 @@ def _cpu_convert(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
         return _convert("lookup", w8, factor, dtype)
     method, out = _choice(w8, factor, dtype)
     return out if out is not None else _convert(method, w8, factor, dtype)
-
-
-def e4m3_to(w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w8.to(dtype), exactly (dtype fp16, bf16 or fp32)."""
-    return _cpu_convert(w8, None, dtype)
-
-
-def e4m3_scaled(w8: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
-    """(w8 * factor) in dtype, computed in fp32 and rounded once (factor a number or fp32 tensor)."""
-    return _cpu_convert(w8, factor, dtype)
-
-
-def e4m3_scaled_fp32(w8: torch.Tensor, factor) -> torch.Tensor:
-    """w8 * factor (a number or a broadcastable fp32 tensor) in fp32, rounded once, as w8.float() * factor."""
-    return _cpu_convert(w8, factor, torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+from .._fp8_cast import e4m3_scaled
 from ..quant import row_blocks, row_step, scale_kind, scale_rows
 from .base import magnitude_scale, matmul_rows
 
@@ -19,7 +19,7 @@ def weight_norm(w8, scale, block_size, A, B, s):
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
     for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
-        v = e4m3_scaled_fp32(w8[j0:j1], scale_rows(scale, block_size, j0, j1, K))
+        v = e4m3_scaled(w8[j0:j1], scale_rows(scale, block_size, j0, j1, K), torch.float32)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
         n[j0:j1] = torch.linalg.vector_norm(v, dim=1)
         del v
@@ -66,9 +66,8 @@ def _weight_block(w8, scale, block_size, dtype, j0, j1):
     """W'[j0:j1] in `dtype` with block scales applied (per-tensor / per-row left to the caller)."""
     N, K = w8.shape
     rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
-    if scale_kind(scale) == "block":
-        return e4m3_scaled(rows, scale_rows(scale, block_size, j0, j1, K), dtype)
-    return e4m3_to(rows, dtype)
+    block = scale_kind(scale) == "block"
+    return e4m3_scaled(rows, scale_rows(scale, block_size, j0, j1, K) if block else None, dtype)
 
 
 def _out_scale(scale):

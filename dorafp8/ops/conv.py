@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._fp8_cast import e4m3_scaled, e4m3_scaled_fp32
+from .._fp8_cast import e4m3_scaled
 from ..quant import (DEFAULT_BLOCK, check_block_size, check_e4m3, check_scale, row_blocks, row_step, scale_kind,
                      scale_rows)
 from ._policy import (as_result, check_device, check_float, check_scaling_dropout, compute_dtype, dropout_mask,
@@ -42,7 +42,7 @@ def dequantize_transient(w8: Tensor, scale: Tensor, block_size: int, dtype: torc
     out = torch.empty(w8.shape, dtype=dtype, device=w8.device)
     o2 = out.view(C, K)
     for j0, j1 in blocks:
-        o2[j0:j1] = e4m3_scaled_fp32(w2[j0:j1], scale_rows(scale, block_size, j0, j1, K))
+        o2[j0:j1] = e4m3_scaled(w2[j0:j1], scale_rows(scale, block_size, j0, j1, K), torch.float32)
     return out
 
 

@@ -61,16 +61,16 @@ def test_auto_is_native_on_cpu_and_reference_stays_exact(monkeypatch):
 
 
 def test_fast_fp8_conversion_is_exact():
-    from dorafp8._fp8_cast import e4m3_scaled_fp32, e4m3_to
+    from dorafp8._fp8_cast import e4m3_scaled
 
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # all 256 codes: subnormals, +-0, NaN
     w8 = torch.cat([every, (torch.randn(64 * 1024) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)]).reshape(-1, 16)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        got, ref = e4m3_to(w8, dtype), w8.to(dtype)
+        got, ref = e4m3_scaled(w8, None, dtype), w8.to(dtype)
         assert got.dtype == dtype and torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num(), ref.nan_to_num())
     for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
-        got, ref = e4m3_scaled_fp32(w8, factor), w8.float() * factor
+        got, ref = e4m3_scaled(w8, factor, torch.float32), w8.float() * factor
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
 
 
@@ -80,7 +80,7 @@ def test_fast_fp8_conversion_is_exact():
 @pytest.mark.parametrize("method", ["native", "lookup"])
 def test_fp8_conversion_paths_are_exact(n, cols, method, monkeypatch):
     from dorafp8 import _fp8_cast
-    from dorafp8._fp8_cast import e4m3_scaled, e4m3_scaled_fp32, e4m3_to
+    from dorafp8._fp8_cast import e4m3_scaled
 
     monkeypatch.setattr(_fp8_cast, "_CHOICE", collections.defaultdict(lambda: method))
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -88,11 +88,9 @@ def test_fp8_conversion_paths_are_exact(n, cols, method, monkeypatch):
     w8 = w8.reshape(-1, 8).T if cols == "t" else w8.reshape(-1, cols)
     same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())  # noqa
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert same(e4m3_to(w8, dtype), w8.to(dtype))
+        assert same(e4m3_scaled(w8, None, dtype), w8.to(dtype))
         for factor in (torch.tensor(0.0123), torch.tensor([[0.0123]]), torch.rand(w8.shape[0], 1) + 0.5, 0.7):
             assert same(e4m3_scaled(w8, factor, dtype), (w8.float() * factor).to(dtype))
-    for factor in (torch.tensor(0.0123), torch.rand(w8.shape[0], 1) + 0.5, 3.0):
-        assert same(e4m3_scaled_fp32(w8, factor), w8.float() * factor)
 
 
 def test_fp8_conversion_of_large_blocks_is_chosen_by_timing_once(monkeypatch):
@@ -105,13 +103,14 @@ def test_fp8_conversion_of_large_blocks_is_chosen_by_timing_once(monkeypatch):
     convert = _fp8_cast._convert
     monkeypatch.setattr(_fp8_cast, "_convert", lambda m, *a: calls.append(m) or convert(m, *a))
     w8 = (torch.randn(512, 1024) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert torch.equal(_fp8_cast.e4m3_to(w8, torch.bfloat16), w8.to(torch.bfloat16))
+    assert torch.equal(_fp8_cast.e4m3_scaled(w8, None, torch.bfloat16), w8.to(torch.bfloat16))
     assert sorted(calls) == ["lookup"] * _fp8_cast._TRIALS + ["native"] * _fp8_cast._TRIALS
     chosen = _fp8_cast._CHOICE[(torch.bfloat16, "none")]
     calls.clear()
-    assert torch.equal(_fp8_cast.e4m3_scaled_fp32(w8, torch.tensor(0.5)), w8.float() * 0.5)  # another kind: timed
+    half = torch.tensor(0.5)
+    assert torch.equal(_fp8_cast.e4m3_scaled(w8, half, torch.float32), w8.float() * 0.5)  # another kind: timed
     assert len(calls) == 2 * _fp8_cast._TRIALS and set(_fp8_cast._CHOICE) == {
         (torch.bfloat16, "none"), (torch.float32, "scalar")}
     calls.clear()
-    _fp8_cast.e4m3_to(w8[:300], torch.bfloat16)
+    _fp8_cast.e4m3_scaled(w8[:300], None, torch.bfloat16)
     assert calls == [chosen]
