@@ -91,8 +91,7 @@ def _cuda_extension():
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
         return _skip("csrc/ sources missing: skipping the CUDA extension")
 
-    archs = os.environ.get("DORAFP8_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).replace(",", ";").split(";")
-    archs = [a.strip() for a in archs if a.strip()]
+    archs = BUILD_SPEC["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS")) or DEFAULT_CUDA_ARCHS.split(";")
     gencode = BUILD_SPEC["gencode"](archs)  # a cubin per arch, PTX of the oldest portable one
     os.environ.setdefault("MAX_JOBS", BUILD_SPEC["default_max_jobs"]())
     ext = CUDAExtension(

@@ -20,6 +20,12 @@ CXX_FLAGS = ["-O3", "-std=c++20"]
 NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
 
 
+def cuda_archs(value) -> list:
+    """The archs a DORAFP8_CUDA_ARCHS value names ("90a", "89;90a", "89, 90a"); [] for None or a value that names none
+    ("", ";"), which leaves the choice to the caller's default as an unset variable does."""
+    return [a.strip() for a in (value or "").replace(",", ";").split(";") if a.strip()]
+
+
 def gencode(archs: list) -> list:
     """nvcc's -gencode flags for `archs` ("89", "90a", ...): a cubin for each, and PTX of the oldest portable one, so
     that every GPU without a cubin here can JIT it. PTX runs on its own arch and every later one, so compute_120 PTX

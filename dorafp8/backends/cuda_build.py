@@ -78,10 +78,10 @@ def archs(device: torch.device) -> list[str]:
     """What to build for: $DORAFP8_CUDA_ARCHS, else the GPU's own arch as build_spec.py's defaults spell it (sm_90 is
     "90a", as setup.py builds it), else, with no GPU (a forced build), build_spec.py's defaults."""
     spec = build_spec()
-    env = os.environ.get("DORAFP8_CUDA_ARCHS")
+    named = spec["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))
     defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
-    if env:
-        return [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
+    if named:
+        return named
     if not torch.cuda.is_available():
         return defaults
     major, minor = torch.cuda.get_device_capability(device)

@@ -403,6 +403,32 @@ def test_an_isolated_build_notes_the_build_on_first_use():
     assert "backend='cuda' builds it on first use" in note and "pip install" not in note, note
 
 
+@pytest.mark.parametrize("value", ["", ";"])
+def test_cuda_archs_naming_no_arch_builds_what_unset_builds(tmp_path, value):
+    """DORAFP8_CUDA_ARCHS set to "" or ";" (a script's "$ARCHS" with ARCHS unset) failed the install with an
+    IndexError from gencode, which had no arch; it now builds the archs an unset variable does (csrc/build_spec.py's
+    cuda_archs, which the first-use build reads it with too)."""
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    code = ("import json, runpy, setuptools, torch\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"  # a CUDA build of torch (this one may not be)
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, start, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "print(json.dumps([len(ext), note]))\n")
+    env = dict(os.environ, CUDA_HOME=str(toolkit), DORAFP8_FORCE_CUDA_BUILD="1", MAX_JOBS="1")
+    env.pop("DORAFP8_SKIP_CUDA_BUILD", None)
+    built = []
+    for archs in (None, value):
+        env.pop("DORAFP8_CUDA_ARCHS", None)
+        env.update({} if archs is None else {"DORAFP8_CUDA_ARCHS": archs})
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        built.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert built[0][0] == 1 and built[1] == built[0], built
+
+
 @pytest.mark.parametrize("failure", ["nvcc of another CUDA major", "nvcc fails"])
 def test_a_failed_cuda_build_still_installs(tmp_path, failure):
     """On a GPU machine a build of the optional extension that fails (nvcc of another CUDA major than torch's, which

@@ -159,6 +159,18 @@ def _fake_toolkit(tmp_path, monkeypatch, archs="90a"):
     return calls
 
 
+@pytest.mark.parametrize("value", ["", ";", " , "])
+def test_cuda_archs_naming_no_arch_is_read_as_unset(monkeypatch, value):
+    """DORAFP8_CUDA_ARCHS=";" named no arch, and a first-use build had none to build for (an IndexError in gencode);
+    like "" it is read as unset now (csrc/build_spec.py's cuda_archs, as setup.py reads it)."""
+    from dorafp8.backends import cuda_build
+
+    monkeypatch.delenv("DORAFP8_CUDA_ARCHS", raising=False)
+    unset = cuda_build.archs(torch.device("cuda"))
+    monkeypatch.setenv("DORAFP8_CUDA_ARCHS", value)
+    assert cuda_build.archs(torch.device("cuda")) == unset != []
+
+
 def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, capsys):
     """Without an install-time build, naming backend='cuda' builds dorafp8._C with torch's loader: binding.cpp and
     the kernel files build_spec.py lists, its flags with a cubin for the arch (and its PTX), into a per-user cache
