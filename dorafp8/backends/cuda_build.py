@@ -32,9 +32,9 @@ _TICK = 30.0  # seconds between the lines said while nvcc runs
 _LOCK = "dorafp8_build.lock"  # in the build folder: the file _one_builder locks (never removed)
 
 
-def source_dir_candidates(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+def source_dir_candidates() -> list[Path]:
     """Where the CUDA sources may be: the installed package's data (dorafp8/csrc/), then a source checkout's csrc/."""
-    return [package_dir / "csrc", package_dir.parent / "csrc"]
+    return [PACKAGE_DIR / "csrc", PACKAGE_DIR.parent / "csrc"]
 
 
 def source_dir() -> Path | None:
