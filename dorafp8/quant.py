@@ -247,8 +247,7 @@ def check_fp8_weight(w8: torch.Tensor, name: str = "w8") -> None:
         raise ValueError(f"{name} must be 2-D [out_features, in_features], got shape {tuple(w8.shape)}")
 
 
-def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int = DEFAULT_BLOCK,
-                name: str = "scale") -> torch.Tensor:
+def check_scale(scale, n_rows: int, n_cols: int, block_size: int, name: str = "scale") -> torch.Tensor:
     """Returns scale as fp32: [] (per tensor), [n_rows] (per row; [n_rows, 1] accepted) or per b x b block."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or scale.dtype == E4M3:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
@@ -262,15 +261,12 @@ def check_scale(scale, n_rows: int, n_cols: int | None = None, block_size: int =
         return scale.float()
     if scale.dim() == 2 and tuple(scale.shape) == (n_rows, 1):
         return scale.reshape(n_rows).float()
-    blocks = None
-    if n_cols is not None:
-        check_block_size(block_size)
-        blocks = (-(-n_rows // block_size), -(-n_cols // block_size))
-        if scale.dim() == 2 and tuple(scale.shape) == blocks:
-            return scale.float()
-    raise ValueError(f"{name} must have one element (per tensor), shape [{n_rows}] (per row)"
-                     + (f" or [{blocks[0]}, {blocks[1]}] (per {block_size} x {block_size} block)" if blocks else "")
-                     + f", got shape {tuple(scale.shape)}")
+    check_block_size(block_size)
+    blocks = (-(-n_rows // block_size), -(-n_cols // block_size))
+    if scale.dim() == 2 and tuple(scale.shape) == blocks:
+        return scale.float()
+    raise ValueError(f"{name} must have one element (per tensor), shape [{n_rows}] (per row) or [{blocks[0]}, "
+                     f"{blocks[1]}] (per {block_size} x {block_size} block), got shape {tuple(scale.shape)}")
 
 
 # Size of one fp32 block (of weight rows or activation rows). A few such temporaries are alive at once at most.
