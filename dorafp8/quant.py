@@ -204,9 +204,9 @@ def scale_kind(scale: torch.Tensor) -> ScaleKind:
     return SCALE_KINDS[scale.dim()]
 
 
-def check_scale_kind(kind, name: str = "granularity") -> ScaleKind:
+def check_scale_kind(kind) -> ScaleKind:
     if kind not in SCALE_KINDS:
-        raise ValueError(f"{name} must be one of {list(SCALE_KINDS)}, got {kind!r}")
+        raise ValueError(f"granularity must be one of {list(SCALE_KINDS)}, got {kind!r}")
     return kind
 
 

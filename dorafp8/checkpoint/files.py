@@ -100,22 +100,23 @@ def file_in(folder: str, name, what: str, roots: Optional[list[str]] = None) -> 
                                 f"again") from None
 
 
-def parse_json(data: bytes, where: str, expected: str, todo: str = DAMAGED) -> dict:
-    """`data` (the text of `where`) parsed as a JSON object; an error naming `where`, `expected` and `todo`."""
+def parse_json(data: bytes, where: str, expected: str) -> dict:
+    """`data` (the text of `where`) parsed as a JSON object; an error naming `where` and `expected`."""
     try:
         obj = json.loads(data.decode("utf-8"), object_pairs_hook=_once)
     except _Twice as e:
         raise CheckpointFormatError(f"{where}: names {e.args[0]!r} twice (which one is meant?); expected {expected}; "
-                                    f"{todo}") from None
+                                    f"{DAMAGED}") from None
     except UnicodeDecodeError as e:
-        raise CheckpointFormatError(f"{where}: not UTF-8 text (byte {e.start}); expected {expected}; {todo}") from None
+        raise CheckpointFormatError(f"{where}: not UTF-8 text (byte {e.start}); expected {expected}; "
+                                    f"{DAMAGED}") from None
     except json.JSONDecodeError as e:
         raise CheckpointFormatError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-                                    f"expected {expected}; {todo}") from None
+                                    f"expected {expected}; {DAMAGED}") from None
     except RecursionError:
-        raise CheckpointFormatError(f"{where}: JSON nested too deep; expected {expected}; {todo}") from None
+        raise CheckpointFormatError(f"{where}: JSON nested too deep; expected {expected}; {DAMAGED}") from None
     if not isinstance(obj, dict):
-        raise CheckpointFormatError(f"{where}: a JSON {type(obj).__name__}, expected {expected}; {todo}")
+        raise CheckpointFormatError(f"{where}: a JSON {type(obj).__name__}, expected {expected}; {DAMAGED}")
     return obj
 
 
@@ -228,29 +229,28 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
 
 
-def destination(path: str, what: str = "path") -> str:
-    """`path` with its symlinks resolved; a dangling link is refused naming `what`."""
+def destination(path: str) -> str:
+    """`path` with its symlinks resolved; a dangling link is refused naming it."""
     if os.path.islink(path) and not os.path.exists(path):
-        raise FileNotFoundError(f"{what}={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
+        raise FileNotFoundError(f"path={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
                                 f"point it at a folder that exists, or remove the link")
     return os.path.realpath(path)
 
 
 @contextlib.contextmanager
-def locked(folder: str, what: str, timeout: Optional[float] = None):
-    """Holds the OS's exclusive lock (flock) on `folder` itself: a second writer waits up to `timeout` seconds
-    (LOCK_TIMEOUT), then is refused naming `what`. Where the file system has no locks, a warning says so."""
-    timeout = LOCK_TIMEOUT if timeout is None else timeout
+def locked(folder: str, what: str):
+    """Holds the OS's exclusive lock (flock) on `folder` itself: a second writer waits up to LOCK_TIMEOUT seconds, then
+    is refused naming `what`. Where the file system has no locks, a warning says so."""
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + LOCK_TIMEOUT
         while fcntl is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; "
+                    raise TimeoutError(f"{what}: another export to {folder} has held its lock for {LOCK_TIMEOUT:g} s; "
                                        f"wait for it to finish, or write elsewhere") from None
                 time.sleep(0.02)
             except OSError as e:

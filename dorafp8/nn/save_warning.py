@@ -18,7 +18,7 @@ _FIX = {"transformers": "dorafp8.save_fp8_checkpoint(model, path, format='compre
                      "dorafp8.export_merged(model, path, format='bf16'), which diffusers reads"}
 
 
-def warn_if_save_pretrained_loses_scales(model: nn.Module, stacklevel: int = 3) -> None:
+def warn_if_save_pretrained_loses_scales(model: nn.Module) -> None:
     """Warns if `model` is a transformers / diffusers model whose save_pretrained is not dorafp8's."""
     cls = type(model)
     library = next((lib for c in cls.__mro__ for (mod, name), lib in _LIBRARY_MODELS.items()
@@ -28,4 +28,4 @@ def warn_if_save_pretrained_loses_scales(model: nn.Module, stacklevel: int = 3) 
     warnings.warn(f"{cls.__name__}.save_pretrained is {library}'s own, not dorafp8's (DORAFP8_NO_PATCHES=1, or its "
                   f"hook failed): of this model, whose layers are now fp8, it would write the raw e4m3 weights, "
                   f"which from_pretrained loads without their scales, silently wrong. Save it with {_FIX[library]}; "
-                  f"or import dorafp8 without DORAFP8_NO_PATCHES=1", UserWarning, stacklevel=stacklevel)
+                  f"or import dorafp8 without DORAFP8_NO_PATCHES=1", UserWarning, stacklevel=3)
