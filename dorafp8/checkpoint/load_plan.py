@@ -11,13 +11,13 @@ from torch import nn
 
 from ..nn import FP8Linear, fp8_conv_class
 from ..nn.convert import kept_in_precision
-from ..quant import DEFAULT_BLOCK, E4M3, E8M0, MXFP8_BLOCK, NVFP4_BLOCK, check_scale
+from ..quant import DEFAULT_BLOCK, E4M3, MXFP8_BLOCK, NVFP4_BLOCK, check_scale
 from .files import some
 from .layouts import LAYOUTS, CheckpointFormatError, canonical_format
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, is_conv1d
 from .plan import KeyMap, LayerPlan, LoadPlan, ScalePlan
 from .reports import LoadReport
-from .source import (BLOCK_SIZE_KEY, CheckpointSource, detect, layer_key, nvfp4_weights,
+from .source import (BLOCK_SIZE_KEY, MX_SCALE_DTYPES, CheckpointSource, detect, layer_key, nvfp4_weights,
                      refuse_comfy_microscaled)
 
 
@@ -200,9 +200,8 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         raise CheckpointFormatError(f"{source.name} ({fmt}): " + some(errors, first=8, sep="; ", names=False))
 
 
-# The layouts that may hold NVFP4 / MXFP8 weights; MXFP8's scale dtypes in a file (e8m0, or its bytes as uint8).
+# The layouts that may hold NVFP4 / MXFP8 weights
 MICRO_FORMATS = ("modelopt", "compressed-tensors")
-MX_SCALE_DTYPES = (torch.uint8, E8M0)
 
 
 def _micro_kind(info: dict, k: str, lay: str, fmt: str) -> Optional[str]:

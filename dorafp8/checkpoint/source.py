@@ -180,7 +180,7 @@ def refuse_comfy_microscaled(source: CheckpointSource) -> None:
     if not (any(k.endswith(".comfy_quant") for k in info) or "_quantization_metadata" in source.metadata):
         return
     nvfp4 = nvfp4_weights(info)
-    mx = [k for k in info if k.endswith(".weight_scale") and info[k][0] in (torch.uint8, E8M0)
+    mx = [k for k in info if k.endswith(".weight_scale") and info[k][0] in MX_SCALE_DTYPES
           and info.get(layer_key(k) + ".weight", (None,))[0] == E4M3]
     if nvfp4 or mx:
         kind, key = ("nvfp4", next(iter(nvfp4.values()))) if nvfp4 else ("mxfp8", mx[0])
@@ -288,7 +288,7 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
     if algo == "NVFP4":
         found = bool(nvfp4)
     elif algo == "MXFP8":
-        found = any(k.endswith(".weight_scale") and info[k][0] in (torch.uint8, E8M0) for k in info)
+        found = any(k.endswith(".weight_scale") and info[k][0] in MX_SCALE_DTYPES for k in info)
     else:
         return
     if not found:
@@ -299,6 +299,10 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
                                                algo == "NVFP4" else "e8m0 '<layer>.weight_scale'") + f"){said}: "
                                     f"it does not belong to these weights (left from an earlier ModelOpt export to "
                                     f"this folder?); move it away (or delete it), or load the folder it came with")
+
+
+# MXFP8's scale dtypes in a file: e8m0, or its bytes as uint8 (ModelOpt's)
+MX_SCALE_DTYPES = (torch.uint8, E8M0)
 
 
 def nvfp4_weights(info: dict) -> dict[str, str]:
