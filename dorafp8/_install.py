@@ -114,7 +114,7 @@ _WATCHED = {
 }
 
 
-def _run(name: str, hook=None, consequence: str = "", stacklevel: int = 3) -> None:
+def _run(name: str, hook=None, consequence: str = "") -> None:
     """Runs `hook` (default: name's in _WATCHED); a failure warns, saying `consequence`."""
     if hook is None:
         hook, consequence = _WATCHED[name]
@@ -122,7 +122,7 @@ def _run(name: str, hook=None, consequence: str = "", stacklevel: int = 3) -> No
         hook()
     except Exception as e:  # never break the user's import because of dorafp8
         warnings.warn(f"dorafp8 could not hook into {name} ({type(e).__name__}: {e}); {consequence}",
-                      RuntimeWarning, stacklevel=stacklevel)
+                      RuntimeWarning, stacklevel=3)
 
 
 def install() -> None:
@@ -221,7 +221,7 @@ def watch(name: str, hook, consequence: str) -> None:
     warns, saying `consequence`. For dorafp8.launcher's options; the caller checks DORAFP8_NO_PATCHES."""
     if sys.modules.get(name) is not None:
         _WATCHED.setdefault(name, (hook, consequence))
-        _run(name, hook, consequence, stacklevel=3)
+        _run(name, hook, consequence)
         return
     prev = _WATCHED.get(name)
     if prev is None:
