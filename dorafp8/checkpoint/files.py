@@ -236,30 +236,72 @@ def destination(path: str, what: str = "path") -> str:
     return os.path.realpath(path)
 
 
+LOCK_FILE = ".dorafp8.lock"  # locked instead of a folder that cannot be (NFS); made where needed, never removed
+
+
 @contextlib.contextmanager
 def locked(folder: str, what: str, timeout: Optional[float] = None):
-    """Holds the OS's exclusive lock (flock) on `folder` itself: a second writer waits up to `timeout` seconds
-    (LOCK_TIMEOUT), then is refused naming `what`. Where the file system has no locks, a warning says so."""
+    """Holds the OS's exclusive lock (flock) on `folder` itself or, where a folder cannot be locked, on its file
+    LOCK_FILE: a second writer waits up to `timeout` seconds (LOCK_TIMEOUT), then is refused naming `what`. Where
+    neither can be locked, a warning says so."""
     timeout = LOCK_TIMEOUT if timeout is None else timeout
+    wait = dict(deadline=time.monotonic() + timeout, folder=folder, what=what, timeout=timeout)
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        deadline = time.monotonic() + timeout
-        while fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; "
-                                       f"wait for it to finish, or write elsewhere") from None
-                time.sleep(0.02)
-            except OSError as e:
-                warnings.warn(f"{what}: {folder} cannot be locked ({e.strerror}): two exports to it at once would "
-                              f"not be kept apart", stacklevel=4)
-                break
+        why = _wait_for_lock(fd, **wait)
+        if why is not None:
+            # NFS takes flock as a POSIX lock, which needs a descriptor open for writing (flock(2)), and a folder
+            # cannot be opened for writing: a file in it can. Never removed: a writer that removed it could let two
+            # writers hold two files of the name (one waiting on the removed file, one on a new one).
+            os.close(fd)
+            fd, why_not = _lock_file(folder)
+            why_not = why_not or _wait_for_lock(fd, **wait)
+            if why_not is not None:
+                warnings.warn(f"{what}: {folder} cannot be locked ({why}), nor its {LOCK_FILE} ({why_not}): two "
+                              f"exports to it at once would not be kept apart", stacklevel=4)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _wait_for_lock(fd: int, deadline: float, folder: str, what: str, timeout: float) -> Optional[str]:
+    """Takes the exclusive lock on `fd`, waiting until `deadline` (then a TimeoutError naming `what`); None once
+    taken (or without fcntl), else why it cannot be taken."""
+    while fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; "
+                                   f"wait for it to finish, or write elsewhere") from None
+            time.sleep(0.02)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def _lock_file(folder: str) -> tuple[Optional[int], Optional[str]]:
+    """(a descriptor of `folder`/LOCK_FILE open for writing, the file made if missing, None), or (None, why not).
+    Anything but a regular file under that name (a link, a FIFO, a folder) is neither followed nor opened; nothing
+    is ever written to it."""
+    path = os.path.join(folder, LOCK_FILE)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None, "not a regular file"
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return None, e.strerror
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o666)
+    except OSError as e:  # a read-only folder, another user's lock file, a link planted since
+        return None, e.strerror
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None, "not a regular file"
+    return fd, None
 
 
 def _flock(fd: int) -> bool:

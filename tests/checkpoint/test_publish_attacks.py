@@ -5,6 +5,7 @@ and a folder after a kill at every step of one, pair one export's config.json wi
 loader refuses the pair, naming it); destinations (a link to another disk, a dangling link, a bad max_shard_size) and
 loaders (a name given twice, a header's metadata, names with control characters) are refused or handled by name."""
 
+import errno
 import json
 import os
 import pathlib
@@ -581,3 +582,136 @@ def test_a_file_path_that_links_to_a_file_is_refused_and_the_file_kept(tmp_path)
     with pytest.raises(FileExistsError, match=r"path=.*one.safetensors.*symbolic link to the file .*ab12"):
         _export(_net(0), tmp_path / "one.safetensors", SHARDED)
     assert _tree(tmp_path) == before and blob.read_bytes() == b"the model the cache holds"
+
+
+# ---- NFS: no lock on a folder ------------------------------------------------------------------------------------
+
+def _nfs(monkeypatch):
+    """flock as Linux's NFS client gives it (flock(2): emulated as a POSIX lock on the whole file): an exclusive lock
+    only on a descriptor open for writing, else EBADF; a folder cannot be opened for writing, so it is never locked."""
+    import fcntl
+
+    real = fcntl.flock
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def _exports_at_once(tmp_path, dest, nets):
+    """Each net exported to `dest` by a forked process of its own, both started together; each, once in its publish,
+    waits (up to 2 s) until the other is in its publish too: two publishes overlap unless a lock keeps them apart.
+    Returns each process's (exit code, what it raised or warned)."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    go_r, go_w = os.pipe()
+    real_publish = W._publish
+
+    def publish(*args, **kwargs):
+        (meet / str(os.getpid())).touch()
+        deadline = time.monotonic() + 2.0
+        while len(os.listdir(meet)) < len(nets) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_publish(*args, **kwargs)
+
+    def run(net):
+        os.read(go_r, 1)
+        W._publish = publish
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _export(net, dest, SHARDED)
+        if seen:
+            raise UserWarning("; ".join(str(w.message) for w in seen))
+
+    procs = []
+    for net in nets:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                torch.set_num_threads(1)
+                run(net)
+            except BaseException as e:  # noqa: BLE001 - told to the parent
+                os.write(w, f"{type(e).__name__}: {e}".encode())
+                os._exit(1)
+            os._exit(0)
+        os.close(w)
+        procs.append((pid, r))
+    os.write(go_w, b"x" * len(nets))
+    out = []
+    for pid, r in procs:
+        with os.fdopen(r) as f:
+            said = f.read()
+        out.append((os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said))
+    os.close(go_r)
+    os.close(go_w)
+    return out
+
+
+def test_two_exports_at_once_on_nfs_leave_one_whole_export_and_nothing_else(tmp_path, monkeypatch):
+    """Two processes (two nodes' ranks) export into one folder on NFS, where a folder cannot be locked (flock(2)):
+    both warned "cannot be locked", published at once, and the loser's shards stayed in the folder, in no index, never
+    removed (a whole model's size, for every extra writer). Here they are kept apart by a lock file opened for
+    writing: no warning, the folder loads as one of the two, and it holds only that export's files, the lock file and
+    the user's."""
+    _nfs(monkeypatch)
+    nets = {"a": _net(0), "b": _net(1)}
+    with torch.no_grad():
+        want = {k: n(X) for k, n in nets.items()}
+    dest = _user_folder(tmp_path)
+    _export(_net(2), dest, SHARDED)
+    results = _exports_at_once(tmp_path, dest, list(nets.values()))
+    assert results == [(0, ""), (0, "")], results
+    out = _output_of(dest)
+    assert sum(torch.equal(out, w) for w in want.values()) == 1
+    shards = set(json.loads((dest / INDEX).read_text())["weight_map"].values())
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *shards, files.LOCK_FILE])
+    _user_files_intact(dest)
+
+
+@pytest.mark.parametrize("planted", ["the user's file", "a link", "a dangling link", "a FIFO", "a folder",
+                                     "a killed writer's"])
+def test_a_planted_lock_file_is_never_followed_written_or_removed(tmp_path, monkeypatch, planted):
+    """On NFS (emulated as above), whatever is found under the lock file's name: a regular file (the user's own, or
+    the one a writer killed while holding it left) is locked, its bytes kept; a link (to a file elsewhere, or to
+    nothing), a FIFO or a folder is neither followed, opened nor removed, and the export still works, with a warning
+    naming the file; nothing outside the folder is touched or made."""
+    _nfs(monkeypatch)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "victim.txt").write_bytes(b"not yours")
+    dest = _user_folder(tmp_path)
+    lock = dest / files.LOCK_FILE
+    if planted == "the user's file":
+        lock.write_bytes(b"mine")
+    elif planted == "a link":
+        lock.symlink_to(elsewhere / "victim.txt")
+    elif planted == "a dangling link":
+        lock.symlink_to(elsewhere / "made.txt")
+    elif planted == "a FIFO":
+        os.mkfifo(lock)  # opened for reading, it would block for ever
+    elif planted == "a folder":
+        lock.mkdir()
+    else:
+        code, said = _in_child(lambda: _export(_net(2), dest, SHARDED), kill_at=3)  # while publishing, locked
+        assert code == 9 and lock.is_file(), said
+    before = _tree(tmp_path)
+    net = _net(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _export(net, dest, SHARDED)
+    said = [str(w.message) for w in seen if "left by exports that were killed" not in str(w.message)]
+    if planted in ("the user's file", "a killed writer's"):
+        assert said == []
+    else:
+        assert len(said) == 1 and f"nor its {files.LOCK_FILE}" in said[0] and "not be kept apart" in said[0], said
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
+    after = _tree(tmp_path)
+    assert {k: after.get(k) for k in before if not k.startswith("ckpt/model")} == \
+        {k: v for k, v in before.items() if not k.startswith("ckpt/model")}
+    assert set(after) - set(before) <= {f"ckpt/{n}" for n in os.listdir(dest)}
+    _user_files_intact(dest)
