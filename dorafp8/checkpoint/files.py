@@ -339,6 +339,18 @@ def _leftovers(folder: str, name: str) -> list[str]:
     return left
 
 
+def killed_stages(folder: str, name: str) -> list[str]:
+    """The paths of the real folders (not links) among `_leftovers(folder, name)`: stages no live writer holds. Where
+    stages cannot be locked (NFS), none: a live one could not be told from a killed one."""
+    out = []
+    for n in _leftovers(folder, name):
+        path = os.path.join(folder, n)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                out.append(path)
+    return out
+
+
 @contextlib.contextmanager
 def staging(folder: str, name: str):
     """A new hidden folder `.<name>.<random>.partial` in `folder` (renames never cross disks), locked while in use,

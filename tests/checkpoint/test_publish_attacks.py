@@ -28,8 +28,8 @@ import dorafp8.checkpoint.files as files
 import dorafp8.checkpoint.write as W
 from dorafp8.checkpoint import CheckpointFormatError
 from dorafp8.checkpoint.source import CheckpointSource
-from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _in_child, _net, _output_of,
-                                                   _user_files_intact, _user_folder)
+from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _in_child, _killed_stages,
+                                                   _net, _output_of, _user_files_intact, _user_folder)
 from tests.checkpoint.test_load_all_or_nothing import X, _target
 from tests.checkpoint.test_load_all_or_nothing import sharded  # noqa: F401 - a fixture
 
@@ -715,3 +715,53 @@ def test_a_planted_lock_file_is_never_followed_written_or_removed(tmp_path, monk
         {k: v for k, v in before.items() if not k.startswith("ckpt/model")}
     assert set(after) - set(before) <= {f"ckpt/{n}" for n in os.listdir(dest)}
     _user_files_intact(dest)
+
+
+# ---- a killed export, then one in another format -----------------------------------------------------------------
+
+def test_an_export_killed_at_every_step_then_one_in_another_format_leaves_only_that_export(tmp_path, monkeypatch):
+    """An export (dorafp8 layout) over another, killed at each rename or removal in turn, then the same model
+    exported in another layout (compressed-tensors), whose config.json differs. Killed between replacing config.json
+    and its commit, the first left a config.json the old index does not record, and the second was refused naming
+    it until the user deleted it; killed while moving its shards in, it left them in the folder under no index,
+    never removed. Here the second export finds both recorded in the killed one's staging folder (the index it was
+    about to commit): it replaces that config.json and removes those shards, and the folder holds the user's files,
+    the new export and the killed stage only (which nothing removes)."""
+    nets = {"a": _net(0), "b": _net(1)}
+
+    def write_config(t, stage, report, out):
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump({"export": "a" if t.base is nets["a"] else "b", "format": t.fmt}, f)
+    monkeypatch.setattr(W, "write_config", write_config)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    _export(nets["a"], _user_folder(pristine), SHARDED)
+    with torch.no_grad():
+        want = nets["b"](X)
+    step, refused, orphans = 0, 0, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the killed writers' stages, named
+        while True:
+            step += 1
+            work = tmp_path / f"k{step}"
+            shutil.copytree(pristine, work)
+            dest = work / "ckpt"
+            code, said = _in_child(lambda: _export(nets["b"], dest, SHARDED), kill_at=step)
+            assert code in (0, 9), said
+            config = json.loads((dest / "config.json").read_text())
+            refused += config["export"] == "b" and json.loads((dest / INDEX).read_text())["metadata"].get(
+                "dorafp8_config_sha256") != files.sha256(str(dest / "config.json"))
+            orphans += len({n for n in os.listdir(dest) if n[0] != "."} - {*USER_FILES, INDEX, "config.json",
+                                                                          *_shards_of(dest)})
+            dorafp8.save_fp8_checkpoint(nets["b"], dest, format="compressed-tensors", max_shard_size=SHARDED,
+                                        verbose=False)
+            with torch.no_grad():
+                assert torch.equal(_output_of(dest), want), f"killed at step {step}"
+            assert json.loads((dest / "config.json").read_text()) == {"export": "b", "format": "compressed-tensors"}
+            visible = {n for n in os.listdir(dest) if n[0] != "."}
+            assert visible == {*USER_FILES, INDEX, "config.json", *_shards_of(dest)}, f"killed at step {step}"
+            _killed_stages(work)
+            _user_files_intact(dest)
+            if code == 0:
+                break
+    assert refused >= 1 and orphans >= 1 and step > 3
