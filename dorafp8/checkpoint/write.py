@@ -228,8 +228,6 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         old.update(previous_export(rec, folder, shard_pattern(stem)))
     names = shard_names(stem, len(parts), set(os.listdir(folder)) | set(old))
     others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
-    for name in others:
-        _check_replaced(stage, folder, name, records, path)
     files, weight_map = {}, {}
     for (tmp, keys), name in zip(parts, names):
         staged = os.path.join(stage, name)
@@ -242,6 +240,8 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     with open(os.path.join(stage, index), "w") as f:
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     fsync_file(os.path.join(stage, index))
+    for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
+        _check_replaced(stage, folder, name, records, path)
     moved = []
     try:
         for name in names:

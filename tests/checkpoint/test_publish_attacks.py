@@ -765,3 +765,25 @@ def test_an_export_killed_at_every_step_then_one_in_another_format_leaves_only_t
             if code == 0:
                 break
     assert refused >= 1 and orphans >= 1 and step > 3
+
+
+def test_a_config_json_written_while_the_shards_are_hashed_is_never_replaced(tmp_path, monkeypatch):
+    """config.json edited by the user (or written by another program) while an export hashes its shards (minutes for
+    a large model): it was checked before the hashing, then replaced, the edit lost. Here it is checked after, just
+    before anything moves in: refused naming it, the edit kept, no shard of the failed export in the folder."""
+    nets = {"a": _net(0), "b": _net(1)}
+    _with_configs(monkeypatch, nets)
+    dest = _user_folder(tmp_path)
+    _export(nets["a"], dest, SHARDED)
+    shards = _shards_of(dest)
+    real = W.sha256
+
+    def sha256(path):
+        if ".partial" in path and path.endswith(".safetensors"):  # a staged shard, hashed by the publish
+            (dest / "config.json").write_text('{"export": "a", "my": "edit"}')
+        return real(path)
+    monkeypatch.setattr(W, "sha256", sha256)
+    with pytest.raises(FileExistsError, match=r"holds 'config.json'.*not overwritten"):
+        _export(nets["b"], dest, SHARDED)
+    assert (dest / "config.json").read_text() == '{"export": "a", "my": "edit"}'
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, "config.json", *shards])
