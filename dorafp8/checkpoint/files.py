@@ -304,19 +304,28 @@ def _lock_file(folder: str) -> tuple[Optional[int], Optional[str]]:
     return fd, None
 
 
-def _flock(fd: int) -> bool:
-    """Takes the exclusive lock on `fd` without waiting: whether it got it (always, without fcntl)."""
-    if fcntl is None:
-        return True
+def _held(path: str, flags: int) -> Optional[bool]:
+    """Whether a live writer holds the lock on `path` (opened with `flags`, links not followed): True, False (its lock
+    taken and let go at once; always without fcntl), or None where it cannot be opened or locked (NFS: a folder)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, flags | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
     except OSError:
-        return False
+        return None
+    finally:
+        os.close(fd)  # releases a lock taken here
 
 
 def _leftovers(folder: str, name: str) -> list[str]:
-    """The stages named like ours in `folder` that no live writer holds (a live one's stage is locked)."""
+    """The stages named like ours in `folder` that no live writer holds. A live one locks itself and its LOCK_FILE
+    (staging): where a folder cannot be locked (NFS), the file says; a stage that can be told by neither is live."""
     try:
         found = sorted(n for n in os.listdir(folder) if n.startswith(f".{name}.") and n.endswith(".partial"))
     except OSError:
@@ -325,17 +334,17 @@ def _leftovers(folder: str, name: str) -> list[str]:
     for n in found:
         path = os.path.join(folder, n)
         try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW) if stat.S_ISDIR(os.lstat(path).st_mode) else None
+            real_folder = stat.S_ISDIR(os.lstat(path).st_mode)
         except OSError:
-            fd = None
-        if fd is None:
+            real_folder = False
+        held = _held(path, os.O_RDONLY) if real_folder else False
+        if held is None:
+            lock = os.path.join(path, LOCK_FILE)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(lock).st_mode):
+                    held = _held(lock, os.O_RDWR)
+        if held is False:
             left.append(n)
-            continue
-        try:
-            if _flock(fd):
-                left.append(n)
-        finally:
-            os.close(fd)
     return left
 
 
@@ -362,13 +371,20 @@ def staging(folder: str, name: str):
                       stacklevel=4)
     stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
     os.mkdir(stage)
-    fd = os.open(stage, os.O_RDONLY)
+    fds = [os.open(stage, os.O_RDONLY)]
     try:
-        _flock(fd)  # tells other writers' _leftovers that this stage is live
+        # tell other writers' _leftovers that this stage is live: the folder locked, or, where a folder cannot be
+        # (NFS), a file in it opened for writing
+        fds.append(os.open(os.path.join(stage, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+        if fcntl is not None:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def fsync_file(path: str) -> None:

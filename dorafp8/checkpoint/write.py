@@ -19,8 +19,8 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
-from .files import (CHECKED_JSON, destination, export_metadata, fsync_dir, fsync_file, killed_stages, locked,
-                    previous_export, replace, sha256, sha256_key, staging)
+from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
+                    locked, previous_export, replace, sha256, sha256_key, staging)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -227,7 +227,7 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     for rec in records:
         old.update(previous_export(rec, folder, shard_pattern(stem)))
     names = shard_names(stem, len(parts), set(os.listdir(folder)) | set(old))
-    others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
+    others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts} - {LOCK_FILE})  # config
     files, weight_map = {}, {}
     for (tmp, keys), name in zip(parts, names):
         staged = os.path.join(stage, name)

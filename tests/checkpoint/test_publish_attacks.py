@@ -719,14 +719,19 @@ def test_a_planted_lock_file_is_never_followed_written_or_removed(tmp_path, monk
 
 # ---- a killed export, then one in another format -----------------------------------------------------------------
 
-def test_an_export_killed_at_every_step_then_one_in_another_format_leaves_only_that_export(tmp_path, monkeypatch):
+@pytest.mark.parametrize("nfs", [False, True])
+def test_an_export_killed_at_every_step_then_one_in_another_format_leaves_only_that_export(tmp_path, monkeypatch,
+                                                                                          nfs):
     """An export (dorafp8 layout) over another, killed at each rename or removal in turn, then the same model
     exported in another layout (compressed-tensors), whose config.json differs. Killed between replacing config.json
     and its commit, the first left a config.json the old index does not record, and the second was refused naming
     it until the user deleted it; killed while moving its shards in, it left them in the folder under no index,
     never removed. Here the second export finds both recorded in the killed one's staging folder (the index it was
     about to commit): it replaces that config.json and removes those shards, and the folder holds the user's files,
-    the new export and the killed stage only (which nothing removes)."""
+    the new export and the killed stage only (which nothing removes). On NFS (emulated as above) too, where a
+    folder cannot be locked: a stage is locked through a file in it, so a killed one is told from a live one."""
+    if nfs:
+        _nfs(monkeypatch)
     nets = {"a": _net(0), "b": _net(1)}
 
     def write_config(t, stage, report, out):
@@ -787,3 +792,18 @@ def test_a_config_json_written_while_the_shards_are_hashed_is_never_replaced(tmp
         _export(nets["b"], dest, SHARDED)
     assert (dest / "config.json").read_text() == '{"export": "a", "my": "edit"}'
     assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, "config.json", *shards])
+
+
+def test_a_killed_writers_stage_is_named_on_nfs_too(tmp_path, monkeypatch):
+    """On NFS (emulated), a folder cannot be locked, so every stage looked live: one a killed export left (its staged
+    shards, up to a whole model) was never named, and stayed unseen. Here it is named in the next export's warning,
+    as on a local disk, and left where it is."""
+    _nfs(monkeypatch)
+    net = _net(0)
+    for where, size, kill_at in ((tmp_path / "one.safetensors", SINGLE, 1), (tmp_path / "ckpt", SHARDED, 2)):
+        code, _ = _in_child(lambda: _export(net, where, size), kill_at=kill_at)
+        assert code == 9
+        left = _killed_stages(tmp_path)
+        with pytest.warns(UserWarning, match=r"left by exports that were killed"):
+            _export(net, where, size)
+        assert _killed_stages(tmp_path) == left
