@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 import warnings
@@ -237,6 +238,11 @@ def destination(path: str, what: str = "path") -> str:
 
 
 LOCK_FILE = ".dorafp8.lock"  # locked instead of a folder that cannot be (NFS); made where needed, never removed
+# this process's writers, kept apart here too: NFS's flock is a POSIX lock, whose owner is the process (its threads
+# all get it, and a close of any descriptor of the file releases it), and this process's live stages (_leftovers)
+_IN_PROCESS: dict = {}
+_LIVE: set = set()
+_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -246,14 +252,21 @@ def locked(folder: str, what: str, timeout: Optional[float] = None):
     neither can be locked, a warning says so."""
     timeout = LOCK_TIMEOUT if timeout is None else timeout
     wait = dict(deadline=time.monotonic() + timeout, folder=folder, what=what, timeout=timeout)
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    with _GUARD:
+        mine = _IN_PROCESS.setdefault(folder, threading.Lock())
+    if not mine.acquire(timeout=timeout):
+        raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; wait for it "
+                           f"to finish, or write elsewhere")
+    fd = None
     try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         why = _wait_for_lock(fd, **wait)
         if why is not None:
             # NFS takes flock as a POSIX lock, which needs a descriptor open for writing (flock(2)), and a folder
             # cannot be opened for writing: a file in it can. Never removed: a writer that removed it could let two
             # writers hold two files of the name (one waiting on the removed file, one on a new one).
             os.close(fd)
+            fd = None
             fd, why_not = _lock_file(folder)
             why_not = why_not or _wait_for_lock(fd, **wait)
             if why_not is not None:
@@ -263,6 +276,7 @@ def locked(folder: str, what: str, timeout: Optional[float] = None):
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+        mine.release()
 
 
 def _wait_for_lock(fd: int, deadline: float, folder: str, what: str, timeout: float) -> Optional[str]:
@@ -333,6 +347,8 @@ def _leftovers(folder: str, name: str) -> list[str]:
     left = []
     for n in found:
         path = os.path.join(folder, n)
+        if path in _LIVE:  # this process's (a close here would release its POSIX lock, on NFS)
+            continue
         try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
             real_folder = stat.S_ISDIR(os.lstat(path).st_mode)
         except OSError:
@@ -372,6 +388,7 @@ def staging(folder: str, name: str):
     stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
     os.mkdir(stage)
     fds = [os.open(stage, os.O_RDONLY)]
+    _LIVE.add(stage)
     try:
         # tell other writers' _leftovers that this stage is live: the folder locked, or, where a folder cannot be
         # (NFS), a file in it opened for writing
@@ -383,6 +400,7 @@ def staging(folder: str, name: str):
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        _LIVE.discard(stage)
         for fd in fds:
             os.close(fd)
 

@@ -807,3 +807,52 @@ def test_a_killed_writers_stage_is_named_on_nfs_too(tmp_path, monkeypatch):
         with pytest.warns(UserWarning, match=r"left by exports that were killed"):
             _export(net, where, size)
         assert _killed_stages(tmp_path) == left
+
+
+def test_two_threads_exporting_at_once_on_nfs_are_kept_apart(tmp_path, monkeypatch):
+    """On NFS flock is a POSIX lock, whose owner is the process: two threads of one process both get it. Emulated
+    here (a folder cannot be locked; a file open for writing always can, within the process), two threads exporting
+    into one folder, their publishes meeting unless kept apart: both published at once (the loser's shards left in
+    no index; the other's index could name shards the first had removed), and each named the other's live stage as
+    a killed one's. Here they are kept apart in the process: one whole export, nothing else in the folder, no
+    warning."""
+    import fcntl
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    monkeypatch.setattr(fcntl, "flock", flock)
+    nets = {"a": _net(0), "b": _net(1)}
+    with torch.no_grad():
+        want = {k: n(X) for k, n in nets.items()}
+    dest = _user_folder(tmp_path)
+    _export(_net(2), dest, SHARDED)
+    arrived, real_publish = [], W._publish
+
+    def publish(*args, **kwargs):
+        arrived.append(1)
+        deadline = time.monotonic() + 2.0
+        while len(arrived) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_publish(*args, **kwargs)
+    monkeypatch.setattr(W, "_publish", publish)
+    said = {}
+
+    def run(k):
+        try:
+            _export(nets[k], dest, SHARDED)
+        except Exception as e:  # noqa: BLE001 - checked below
+            said[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in nets]
+    with warnings.catch_warnings(record=True) as seen:  # the threads' too (one showwarning for the process)
+        warnings.simplefilter("always")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert said == {} and [str(w.message) for w in seen] == []  # no live stage named as a killed one's
+    out = _output_of(dest)
+    assert sum(torch.equal(out, w) for w in want.values()) == 1
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *_shards_of(dest), files.LOCK_FILE])
+    _user_files_intact(dest)
