@@ -365,8 +365,9 @@ def _leftovers(folder: str, name: str) -> list[str]:
 
 
 def killed_stages(folder: str, name: str) -> list[str]:
-    """The paths of the real folders (not links) among `_leftovers(folder, name)`: stages no live writer holds. Where
-    stages cannot be locked (NFS), none: a live one could not be told from a killed one."""
+    """The paths of the real folders (not links) among `_leftovers(folder, name)`: stages no live writer holds. A
+    stage whose folder and LOCK_FILE can both not be locked (an older version's, on NFS) is not among them: a live
+    one could not be told from a killed one."""
     out = []
     for n in _leftovers(folder, name):
         path = os.path.join(folder, n)
