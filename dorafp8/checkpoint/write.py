@@ -257,6 +257,8 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         fsync_dir(folder)
         replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
     except BaseException:
+        if not os.path.lexists(os.path.join(stage, index)):  # renamed in: the index names them (an interrupt in the
+            raise                                            # folder's fsync after the commit)
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))

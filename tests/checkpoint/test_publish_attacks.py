@@ -856,3 +856,26 @@ def test_two_threads_exporting_at_once_on_nfs_are_kept_apart(tmp_path, monkeypat
     assert sum(torch.equal(out, w) for w in want.values()) == 1
     assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *_shards_of(dest), files.LOCK_FILE])
     _user_files_intact(dest)
+
+
+def test_an_interrupt_after_the_commit_never_removes_what_the_new_index_names(tmp_path, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt) while the folder is fsynced right after the new index was renamed in (a folder's
+    fsync can take a while on NFS): the failure path removed the shards it had moved in, which the committed index
+    names, so the folder loaded as neither export. Here the published export stays whole and loads."""
+    a, b = _net(0), _net(1)
+    dest = _user_folder(tmp_path)
+    _export(a, dest, SHARDED)
+    old_index = (dest / INDEX).read_bytes()
+    real = files.fsync_dir
+
+    def fsync_dir(folder):
+        if (dest / INDEX).read_bytes() != old_index:
+            raise KeyboardInterrupt
+        return real(folder)
+    monkeypatch.setattr(files, "fsync_dir", fsync_dir)
+    with pytest.raises(KeyboardInterrupt):
+        _export(b, dest, SHARDED)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), b(X))
+    _user_files_intact(dest)
