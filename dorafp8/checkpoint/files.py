@@ -367,9 +367,9 @@ def _leftovers(folder: str, name: str) -> list[str]:
 def killed_stages(folder: str, name: str) -> list[str]:
     """The paths of the real folders (not links) among `_leftovers(folder, name)`: stages no live writer holds. A
     stage whose folder and LOCK_FILE can both not be locked (an older version's, on NFS) is not among them: a live
-    one could not be told from a killed one."""
+    one could not be told from a killed one; nor is any without fcntl (Windows), where no writer locks its stage."""
     out = []
-    for n in _leftovers(folder, name):
+    for n in _leftovers(folder, name) if fcntl is not None else []:
         path = os.path.join(folder, n)
         with contextlib.suppress(OSError):
             if stat.S_ISDIR(os.lstat(path).st_mode):

@@ -879,3 +879,22 @@ def test_an_interrupt_after_the_commit_never_removes_what_the_new_index_names(tm
     with torch.no_grad():
         assert torch.equal(_output_of(dest), b(X))
     _user_files_intact(dest)
+
+
+def test_without_fcntl_a_live_writers_stage_is_never_taken_as_a_killed_ones(tmp_path, monkeypatch):
+    """Without fcntl (Windows) no writer locks its stage, so a live one (here mid-publish: its index written in its
+    stage, a shard moved into the folder) cannot be told from a killed one: its index must not be read as a killed
+    export's records, or the next export would remove that writer's shard, and its commit then name a missing file."""
+    monkeypatch.setattr(files, "fcntl", None)
+    dest = _user_folder(tmp_path)
+    _export(_net(0), dest, SHARDED)
+    live = dest / f".model.{uuid.uuid4().hex}.partial"
+    live.mkdir()
+    shard = dest / "model-0badf00d-00001-of-00001.safetensors"
+    shard.write_bytes(b"a live export's shard")
+    (live / INDEX).write_text(json.dumps({"metadata": {"dorafp8_files": {shard.name: {
+        "size": shard.stat().st_size, "sha256": files.sha256(str(shard))}}}, "weight_map": {}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stage, named as perhaps a killed one's
+        _export(_net(1), dest, SHARDED)
+    assert shard.read_bytes() == b"a live export's shard"
