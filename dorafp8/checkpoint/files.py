@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 import warnings
@@ -237,44 +238,109 @@ def destination(path: str) -> str:
     return os.path.realpath(path)
 
 
+LOCK_FILE = ".dorafp8.lock"  # locked instead of a folder that cannot be (NFS); made where needed, never removed
+# this process's writers, kept apart here too: NFS's flock is a POSIX lock, whose owner is the process (its threads
+# all get it, and a close of any descriptor of the file releases it), and this process's live stages (_leftovers)
+_IN_PROCESS: dict = {}
+_LIVE: set = set()
+_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def locked(folder: str, what: str):
-    """Holds the OS's exclusive lock (flock) on `folder` itself: a second writer waits up to LOCK_TIMEOUT seconds, then
-    is refused naming `what`. Where the file system has no locks, a warning says so."""
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    """Holds the OS's exclusive lock (flock) on `folder` itself or, where a folder cannot be locked, on its file
+    LOCK_FILE: a second writer waits up to LOCK_TIMEOUT seconds, then is refused naming `what`. Where
+    neither can be locked, a warning says so."""
+    timeout = LOCK_TIMEOUT  # read at each call (a test lowers it)
+    wait = dict(deadline=time.monotonic() + timeout, folder=folder, what=what, timeout=timeout)
+    with _GUARD:
+        mine = _IN_PROCESS.setdefault(folder, threading.Lock())
+    if not mine.acquire(timeout=timeout):
+        raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; wait for it "
+                           f"to finish, or write elsewhere")
+    fd = None
     try:
-        deadline = time.monotonic() + LOCK_TIMEOUT
-        while fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what}: another export to {folder} has held its lock for {LOCK_TIMEOUT:g} s; "
-                                       f"wait for it to finish, or write elsewhere") from None
-                time.sleep(0.02)
-            except OSError as e:
-                warnings.warn(f"{what}: {folder} cannot be locked ({e.strerror}): two exports to it at once would "
-                              f"not be kept apart", stacklevel=4)
-                break
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        why = _wait_for_lock(fd, **wait)
+        if why is not None:
+            # NFS takes flock as a POSIX lock, which needs a descriptor open for writing (flock(2)), and a folder
+            # cannot be opened for writing: a file in it can. Never removed: a writer that removed it could let two
+            # writers hold two files of the name (one waiting on the removed file, one on a new one).
+            os.close(fd)
+            fd = None
+            fd, why_not = _lock_file(folder)
+            why_not = why_not or _wait_for_lock(fd, **wait)
+            if why_not is not None:
+                warnings.warn(f"{what}: {folder} cannot be locked ({why}), nor its {LOCK_FILE} ({why_not}): two "
+                              f"exports to it at once would not be kept apart", stacklevel=4)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+        mine.release()
 
 
-def _flock(fd: int) -> bool:
-    """Takes the exclusive lock on `fd` without waiting: whether it got it (always, without fcntl)."""
-    if fcntl is None:
-        return True
+def _wait_for_lock(fd: int, deadline: float, folder: str, what: str, timeout: float) -> Optional[str]:
+    """Takes the exclusive lock on `fd`, waiting until `deadline` (then a TimeoutError naming `what`); None once
+    taken (or without fcntl), else why it cannot be taken."""
+    while fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what}: another export to {folder} has held its lock for {timeout:g} s; "
+                                   f"wait for it to finish, or write elsewhere") from None
+            time.sleep(0.02)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def _lock_file(folder: str) -> tuple[Optional[int], Optional[str]]:
+    """(a descriptor of `folder`/LOCK_FILE open for writing, the file made if missing, None), or (None, why not).
+    Anything but a regular file under that name (a link, a FIFO, a folder) is neither followed nor opened; nothing
+    is ever written to it."""
+    path = os.path.join(folder, LOCK_FILE)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None, "not a regular file"
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return None, e.strerror
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o666)
+    except OSError as e:  # a read-only folder, another user's lock file, a link planted since
+        return None, e.strerror
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None, "not a regular file"
+    return fd, None
+
+
+def _held(path: str, flags: int) -> Optional[bool]:
+    """Whether a live writer holds the lock on `path` (opened with `flags`, links not followed): True, False (its lock
+    taken and let go at once; always without fcntl), or None where it cannot be opened or locked (NFS: a folder)."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
     except OSError:
-        return False
+        return None
+    finally:
+        os.close(fd)  # releases a lock taken here
 
 
 def _leftovers(folder: str, name: str) -> list[str]:
-    """The stages named like ours in `folder` that no live writer holds (a live one's stage is locked)."""
+    """The stages named like ours in `folder` that no live writer holds. A live one locks itself and its LOCK_FILE
+    (staging): where a folder cannot be locked (NFS), the file says; a stage that can be told by neither is live."""
     try:
         found = sorted(n for n in os.listdir(folder) if n.startswith(f".{name}.") and n.endswith(".partial"))
     except OSError:
@@ -282,19 +348,34 @@ def _leftovers(folder: str, name: str) -> list[str]:
     left = []
     for n in found:
         path = os.path.join(folder, n)
-        try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW) if stat.S_ISDIR(os.lstat(path).st_mode) else None
-        except OSError:
-            fd = None
-        if fd is None:
-            left.append(n)
+        if path in _LIVE:  # this process's (a close here would release its POSIX lock, on NFS)
             continue
-        try:
-            if _flock(fd):
-                left.append(n)
-        finally:
-            os.close(fd)
+        try:  # only a real folder is opened (a planted FIFO would block the open, a device act on it)
+            real_folder = stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            real_folder = False
+        held = _held(path, os.O_RDONLY) if real_folder else False
+        if held is None:
+            lock = os.path.join(path, LOCK_FILE)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(lock).st_mode):
+                    held = _held(lock, os.O_RDWR)
+        if held is False:
+            left.append(n)
     return left
+
+
+def killed_stages(folder: str, name: str) -> list[str]:
+    """The paths of the real folders (not links) among `_leftovers(folder, name)`: stages no live writer holds. A
+    stage whose folder and LOCK_FILE can both not be locked (an older version's, on NFS) is not among them: a live
+    one could not be told from a killed one; nor is any without fcntl (Windows), where no writer locks its stage."""
+    out = []
+    for n in _leftovers(folder, name) if fcntl is not None else []:
+        path = os.path.join(folder, n)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                out.append(path)
+    return out
 
 
 @contextlib.contextmanager
@@ -308,13 +389,22 @@ def staging(folder: str, name: str):
                       stacklevel=4)
     stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
     os.mkdir(stage)
-    fd = os.open(stage, os.O_RDONLY)
+    fds = [os.open(stage, os.O_RDONLY)]
+    _LIVE.add(stage)
     try:
-        _flock(fd)  # tells other writers' _leftovers that this stage is live
+        # tell other writers' _leftovers that this stage is live: the folder locked, or, where a folder cannot be
+        # (NFS), a file in it opened for writing
+        fds.append(os.open(os.path.join(stage, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666))
+        if fcntl is not None:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        os.close(fd)
+        _LIVE.discard(stage)
+        for fd in fds:
+            os.close(fd)
 
 
 def fsync_file(path: str) -> None:

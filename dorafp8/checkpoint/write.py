@@ -19,8 +19,8 @@ from ..nn import FP8Linear
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
-from .files import (CHECKED_JSON, destination, export_metadata, fsync_dir, fsync_file, locked, previous_export,
-                    replace, sha256, sha256_key, staging)
+from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
+                    locked, previous_export, replace, sha256, sha256_key, staging)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -180,6 +180,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     export wrote."""
     index = f"{t.stem}.safetensors.index.json"
     meta = export_metadata(real, index)  # what the export there recorded ({} where none did)
+    records = [meta, *_killed_records(real, t.stem)]
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
@@ -190,7 +191,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                                   f"so it is not removed: move it away (or delete it), or export to another folder")
     # the export being replaced wrote it (its index records it): removed with that export (_publish), as its shards are
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")) and \
-            not _recorded(real, "hf_quant_config.json", meta):
+            not _recorded(real, "hf_quant_config.json", records):
         raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
                               f"which the index there does not record: ModelOpt's own, copied in, edited since?), "
                               f"which load_fp8_checkpoint and ModelOpt's readers take as the layout of the weights "
@@ -218,10 +219,15 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     the shards it moved in; a config.json it may not replace (_check_replaced) is refused before anything moves."""
     index = f"{stem}.safetensors.index.json"
     before = export_metadata(folder, index)  # what the export being replaced recorded
-    names = shard_names(stem, len(parts), set(os.listdir(folder)))
-    others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts})  # config.json
-    for name in others:
-        _check_replaced(stage, folder, name, before.get(sha256_key(name)), path)
+    records = [before, *_killed_records(folder, stem)]
+    # the replaced export's files are listed in the new index too, until removed: an export interrupted before it
+    # removed them (a kill, an error) leaves them to the next one, which finds them in this index; so are those a
+    # killed export moved in before its commit, which its stage's index records
+    old = {}
+    for rec in records:
+        old.update(previous_export(rec, folder, shard_pattern(stem)))
+    names = shard_names(stem, len(parts), set(os.listdir(folder)) | set(old))
+    others = sorted(set(os.listdir(stage)) - {os.path.basename(tmp) for tmp, _ in parts} - {LOCK_FILE})  # config
     files, weight_map = {}, {}
     for (tmp, keys), name in zip(parts, names):
         staged = os.path.join(stage, name)
@@ -229,14 +235,13 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         fsync_file(staged)
         files[name] = {"size": os.path.getsize(staged), "sha256": sha256(staged)}
         weight_map.update(dict.fromkeys(keys, name))
-    # the replaced export's files are listed too, until removed: an export interrupted before it removed them (a
-    # kill, an error) leaves them to the next one, which finds them in this index
-    old = previous_export(before, folder, shard_pattern(stem))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
     meta.update({sha256_key(n): sha256(os.path.join(stage, n)) for n in CHECKED_JSON if n in others})
     with open(os.path.join(stage, index), "w") as f:
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     fsync_file(os.path.join(stage, index))
+    for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
+        _check_replaced(stage, folder, name, records, path)
     moved = []
     try:
         for name in names:
@@ -247,11 +252,13 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
                 replace(os.path.join(stage, name), os.path.join(folder, name))
         for name in CHECKED_JSON:  # the replaced export's own that this one does not write (a ModelOpt export's
             # hf_quant_config.json): before the commit, which would leave it beside weights it does not describe
-            if name not in others and _recorded(folder, name, before):
+            if name not in others and _recorded(folder, name, records):
                 os.remove(os.path.join(folder, name))
         fsync_dir(folder)
         replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
     except BaseException:
+        if not os.path.lexists(os.path.join(stage, index)):  # renamed in: the index names them (an interrupt in the
+            raise                                            # folder's fsync after the commit)
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
@@ -268,27 +275,37 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     return names
 
 
-def _check_replaced(stage: str, folder: str, name: str, recorded, path: str) -> None:
-    """Refuses to replace `folder/name` (config.json, hf_quant_config.json) unless the export being replaced wrote it
-    (its index records the file's sha256, `recorded`) or it holds the new bytes already (an export killed after it
-    moved it in). A user's own config.json (a project's, their home's), the model's own (an export into the folder it
-    was loaded from, a link into the Hugging Face cache) or one edited since the export is not overwritten."""
+def _check_replaced(stage: str, folder: str, name: str, records: list, path: str) -> None:
+    """Refuses to replace `folder/name` (config.json, hf_quant_config.json) unless an export wrote it (the index of
+    the export being replaced, or of one killed while publishing, `records`, has the file's sha256) or it holds the
+    new bytes already. A user's own config.json (a project's, their home's), the model's own (an export into the
+    folder it was loaded from, a link into the Hugging Face cache) or one edited since the export is not overwritten."""
     dst = os.path.join(folder, name)
     if not os.path.lexists(dst) or _same_bytes(os.path.join(stage, name), dst):
         return
-    if not _recorded(folder, name, {sha256_key(name): recorded}):
-        raise FileExistsError(f"path={path!r} holds {name!r}, which this export would replace, but the index there "
-                              f"does not record it as an earlier export's (it is someone else's, the model's own, "
-                              f"was edited since, or was left by an export killed before its index), so it is not "
-                              f"overwritten: move it away (or delete it), or export to another folder")
+    if not _recorded(folder, name, records):
+        raise FileExistsError(f"path={path!r} holds {name!r}, which this export would replace, but no index there "
+                              f"records it as an earlier export's (it is someone else's, the model's own, was "
+                              f"edited since, or was left by an export that failed before its index), so it is not "
+                              f"overwritten: move it away (or delete it), or export to "
+                              f"another folder")
 
 
-def _recorded(folder: str, name: str, meta: dict) -> bool:
-    """Whether `folder/name` is a regular file (not a link) with the sha256 an export's index metadata `meta` records
-    for it: a file that export wrote, unchanged since."""
+def _killed_records(folder: str, stem: str) -> list[dict]:
+    """The index metadata in the stages of exports killed while publishing (files.killed_stages: no live writer holds
+    them): each wrote the index it was about to commit before it moved its shards, config.json and
+    hf_quant_config.json in, so it records what that export left in the folder."""
+    index = f"{stem}.safetensors.index.json"
+    return [m for m in (export_metadata(s, index) for s in killed_stages(folder, stem)) if m]
+
+
+def _recorded(folder: str, name: str, records: list) -> bool:
+    """Whether `folder/name` is a regular file (not a link) with the sha256 one of `records` (an export's index
+    metadata) records for it: a file that export wrote, unchanged since."""
     dst = os.path.join(folder, name)
+    want = {m.get(sha256_key(name)) for m in records} - {None}
     try:
-        return stat.S_ISREG(os.lstat(dst).st_mode) and meta.get(sha256_key(name)) == sha256(dst)
+        return bool(want) and stat.S_ISREG(os.lstat(dst).st_mode) and sha256(dst) in want
     except OSError:
         return False
 

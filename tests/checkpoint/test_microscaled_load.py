@@ -585,6 +585,49 @@ def test_a_modelopt_export_replaced_in_another_format_killed_at_every_step(tmp_p
         assert not (work / "hf_quant_config.json").exists()
 
 
+
+@pytest.mark.parametrize("first,killed", [("modelopt", "bf16"), ("bf16", "modelopt")])
+def test_an_export_killed_at_every_step_then_rerun_in_the_first_format(tmp_path, first, killed):
+    """A folder exported in one format, re-exported in the other (ModelOpt's with its hf_quant_config.json, or
+    bf16), killed at each rename or removal in turn, then exported in the first format again. Killed after it moved
+    config.json or hf_quant_config.json in and before its commit, the killed export left a file the index there does
+    not record, and every later export in the first format was refused naming it. Here the killed export's staging
+    folder (the index it was about to commit) vouches for them: the re-run completes, hf_quant_config.json is there
+    exactly when the folder is ModelOpt's, and no shard outside its index is left."""
+    import json
+    import shutil
+    import warnings
+
+    from dorafp8 import save_fp8_checkpoint
+    from tests.checkpoint.test_export_folders import _in_child
+
+    model = meta_model()
+    load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4"), verbose=False)
+    pristine = tmp_path / "pristine"
+    save_fp8_checkpoint(model, str(pristine), format=first, verbose=False)
+    step = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the killed writers' stages, named
+        while True:
+            step += 1
+            work = tmp_path / f"k{step}"
+            shutil.copytree(pristine, work)
+            code, said = _in_child(lambda: save_fp8_checkpoint(model, str(work), format=killed, verbose=False),
+                                   kill_at=step)
+            assert code in (0, 9), said
+            save_fp8_checkpoint(model, str(work), format=first, verbose=False)
+            assert (work / "hf_quant_config.json").exists() == (first == "modelopt"), f"killed at step {step}"
+            index = json.loads((work / "model.safetensors.index.json").read_text())
+            visible = {n for n in os.listdir(work) if n[0] != "."}
+            assert visible == {"model.safetensors.index.json", "config.json", *index["weight_map"].values()} | (
+                {"hf_quant_config.json"} if first == "modelopt" else set()), f"killed at step {step}"
+            if first == "modelopt":
+                assert load_fp8_checkpoint(meta_model(), str(work), verbose=False).format == "modelopt"
+            if code == 0:
+                break
+    assert step > 3
+
+
 # ---- ComfyUI's own NVFP4 / MXFP8 (comfy_kitchen) ----------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ and a folder after a kill at every step of one, pair one export's config.json wi
 loader refuses the pair, naming it); destinations (a link to another disk, a dangling link, a bad max_shard_size) and
 loaders (a name given twice, a header's metadata, names with control characters) are refused or handled by name."""
 
+import errno
 import json
 import os
 import pathlib
@@ -27,8 +28,8 @@ import dorafp8.checkpoint.files as files
 import dorafp8.checkpoint.write as W
 from dorafp8.checkpoint import CheckpointFormatError
 from dorafp8.checkpoint.source import CheckpointSource
-from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _killed_at_every_step, _net, _output_of,
-                                                   _user_files_intact, _user_folder)
+from tests.checkpoint.test_export_folders import (SHARDED, SINGLE, USER_FILES, _export, _in_child, _killed_at_every_step,
+                                                   _killed_stages, _net, _output_of, _user_files_intact, _user_folder)
 from tests.checkpoint.test_load_all_or_nothing import X, _target
 from tests.checkpoint.test_load_all_or_nothing import sharded  # noqa: F401 - a fixture
 
@@ -564,3 +565,319 @@ def test_a_file_path_that_links_to_a_file_is_refused_and_the_file_kept(tmp_path)
     with pytest.raises(FileExistsError, match=r"path=.*one.safetensors.*symbolic link to the file .*ab12"):
         _export(_net(0), tmp_path / "one.safetensors", SHARDED)
     assert _tree(tmp_path) == before and blob.read_bytes() == b"the model the cache holds"
+
+
+# ---- NFS: no lock on a folder ------------------------------------------------------------------------------------
+
+def _nfs(monkeypatch):
+    """flock as Linux's NFS client gives it (flock(2): emulated as a POSIX lock on the whole file): an exclusive lock
+    only on a descriptor open for writing, else EBADF; a folder cannot be opened for writing, so it is never locked."""
+    import fcntl
+
+    real = fcntl.flock
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def _exports_at_once(tmp_path, dest, nets):
+    """Each net exported to `dest` by a forked process of its own, both started together; each, once in its publish,
+    waits (up to 2 s) until the other is in its publish too: two publishes overlap unless a lock keeps them apart.
+    Returns each process's (exit code, what it raised or warned)."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    go_r, go_w = os.pipe()
+    real_publish = W._publish
+
+    def publish(*args, **kwargs):
+        (meet / str(os.getpid())).touch()
+        deadline = time.monotonic() + 2.0
+        while len(os.listdir(meet)) < len(nets) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_publish(*args, **kwargs)
+
+    def run(net):
+        os.read(go_r, 1)
+        W._publish = publish
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _export(net, dest, SHARDED)
+        if seen:
+            raise UserWarning("; ".join(str(w.message) for w in seen))
+
+    procs = []
+    for net in nets:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                torch.set_num_threads(1)
+                run(net)
+            except BaseException as e:  # noqa: BLE001 - told to the parent
+                os.write(w, f"{type(e).__name__}: {e}".encode())
+                os._exit(1)
+            os._exit(0)
+        os.close(w)
+        procs.append((pid, r))
+    os.write(go_w, b"x" * len(nets))
+    out = []
+    for pid, r in procs:
+        with os.fdopen(r) as f:
+            said = f.read()
+        out.append((os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said))
+    os.close(go_r)
+    os.close(go_w)
+    return out
+
+
+def test_two_exports_at_once_on_nfs_leave_one_whole_export_and_nothing_else(tmp_path, monkeypatch):
+    """Two processes (two nodes' ranks) export into one folder on NFS, where a folder cannot be locked (flock(2)):
+    both warned "cannot be locked", published at once, and the loser's shards stayed in the folder, in no index, never
+    removed (a whole model's size, for every extra writer). Here they are kept apart by a lock file opened for
+    writing: no warning, the folder loads as one of the two, and it holds only that export's files, the lock file and
+    the user's."""
+    _nfs(monkeypatch)
+    nets = {"a": _net(0), "b": _net(1)}
+    with torch.no_grad():
+        want = {k: n(X) for k, n in nets.items()}
+    dest = _user_folder(tmp_path)
+    _export(_net(2), dest, SHARDED)
+    results = _exports_at_once(tmp_path, dest, list(nets.values()))
+    assert results == [(0, ""), (0, "")], results
+    out = _output_of(dest)
+    assert sum(torch.equal(out, w) for w in want.values()) == 1
+    shards = set(json.loads((dest / INDEX).read_text())["weight_map"].values())
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *shards, files.LOCK_FILE])
+    _user_files_intact(dest)
+
+
+@pytest.mark.parametrize("planted", ["the user's file", "a link", "a dangling link", "a FIFO", "a folder",
+                                     "a killed writer's"])
+def test_a_planted_lock_file_is_never_followed_written_or_removed(tmp_path, monkeypatch, planted):
+    """On NFS (emulated as above), whatever is found under the lock file's name: a regular file (the user's own, or
+    the one a writer killed while holding it left) is locked, its bytes kept; a link (to a file elsewhere, or to
+    nothing), a FIFO or a folder is neither followed, opened nor removed, and the export still works, with a warning
+    naming the file; nothing outside the folder is touched or made."""
+    _nfs(monkeypatch)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "victim.txt").write_bytes(b"not yours")
+    dest = _user_folder(tmp_path)
+    lock = dest / files.LOCK_FILE
+    if planted == "the user's file":
+        lock.write_bytes(b"mine")
+    elif planted == "a link":
+        lock.symlink_to(elsewhere / "victim.txt")
+    elif planted == "a dangling link":
+        lock.symlink_to(elsewhere / "made.txt")
+    elif planted == "a FIFO":
+        os.mkfifo(lock)  # opened for reading, it would block for ever
+    elif planted == "a folder":
+        lock.mkdir()
+    else:
+        code, said = _in_child(lambda: _export(_net(2), dest, SHARDED), kill_at=3)  # while publishing, locked
+        assert code == 9 and lock.is_file(), said
+    before = _tree(tmp_path)
+    net = _net(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _export(net, dest, SHARDED)
+    said = [str(w.message) for w in seen if "left by exports that were killed" not in str(w.message)]
+    if planted in ("the user's file", "a killed writer's"):
+        assert said == []
+    else:
+        assert len(said) == 1 and f"nor its {files.LOCK_FILE}" in said[0] and "not be kept apart" in said[0], said
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
+    after = _tree(tmp_path)
+    assert {k: after.get(k) for k in before if not k.startswith("ckpt/model")} == \
+        {k: v for k, v in before.items() if not k.startswith("ckpt/model")}
+    assert set(after) - set(before) <= {f"ckpt/{n}" for n in os.listdir(dest)}
+    _user_files_intact(dest)
+
+
+# ---- a killed export, then one in another format -----------------------------------------------------------------
+
+@pytest.mark.parametrize("nfs", [False, True])
+def test_an_export_killed_at_every_step_then_one_in_another_format_leaves_only_that_export(tmp_path, monkeypatch,
+                                                                                          nfs):
+    """An export (dorafp8 layout) over another, killed at each rename or removal in turn, then the same model
+    exported in another layout (compressed-tensors), whose config.json differs. Killed between replacing config.json
+    and its commit, the first left a config.json the old index does not record, and the second was refused naming
+    it until the user deleted it; killed while moving its shards in, it left them in the folder under no index,
+    never removed. Here the second export finds both recorded in the killed one's staging folder (the index it was
+    about to commit): it replaces that config.json and removes those shards, and the folder holds the user's files,
+    the new export and the killed stage only (which nothing removes). On NFS (emulated as above) too, where a
+    folder cannot be locked: a stage is locked through a file in it, so a killed one is told from a live one."""
+    if nfs:
+        _nfs(monkeypatch)
+    nets = {"a": _net(0), "b": _net(1)}
+
+    def write_config(t, stage, report, out):
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump({"export": "a" if t.base is nets["a"] else "b", "format": t.fmt}, f)
+    monkeypatch.setattr(W, "write_config", write_config)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    _export(nets["a"], _user_folder(pristine), SHARDED)
+    with torch.no_grad():
+        want = nets["b"](X)
+    step, refused, orphans = 0, 0, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the killed writers' stages, named
+        while True:
+            step += 1
+            work = tmp_path / f"k{step}"
+            shutil.copytree(pristine, work)
+            dest = work / "ckpt"
+            code, said = _in_child(lambda: _export(nets["b"], dest, SHARDED), kill_at=step)
+            assert code in (0, 9), said
+            config = json.loads((dest / "config.json").read_text())
+            refused += config["export"] == "b" and json.loads((dest / INDEX).read_text())["metadata"].get(
+                "dorafp8_config_sha256") != files.sha256(str(dest / "config.json"))
+            orphans += len({n for n in os.listdir(dest) if n[0] != "."} - {*USER_FILES, INDEX, "config.json",
+                                                                          *_shards_of(dest)})
+            dorafp8.save_fp8_checkpoint(nets["b"], dest, format="compressed-tensors", max_shard_size=SHARDED,
+                                        verbose=False)
+            with torch.no_grad():
+                assert torch.equal(_output_of(dest), want), f"killed at step {step}"
+            assert json.loads((dest / "config.json").read_text()) == {"export": "b", "format": "compressed-tensors"}
+            visible = {n for n in os.listdir(dest) if n[0] != "."}
+            assert visible == {*USER_FILES, INDEX, "config.json", *_shards_of(dest)}, f"killed at step {step}"
+            _killed_stages(work)
+            _user_files_intact(dest)
+            if code == 0:
+                break
+    assert refused >= 1 and orphans >= 1 and step > 3
+
+
+def test_a_config_json_written_while_the_shards_are_hashed_is_never_replaced(tmp_path, monkeypatch):
+    """config.json edited by the user (or written by another program) while an export hashes its shards (minutes for
+    a large model): it was checked before the hashing, then replaced, the edit lost. Here it is checked after, just
+    before anything moves in: refused naming it, the edit kept, no shard of the failed export in the folder."""
+    nets = {"a": _net(0), "b": _net(1)}
+    _with_configs(monkeypatch, nets)
+    dest = _user_folder(tmp_path)
+    _export(nets["a"], dest, SHARDED)
+    shards = _shards_of(dest)
+    real = W.sha256
+
+    def sha256(path):
+        if ".partial" in path and path.endswith(".safetensors"):  # a staged shard, hashed by the publish
+            (dest / "config.json").write_text('{"export": "a", "my": "edit"}')
+        return real(path)
+    monkeypatch.setattr(W, "sha256", sha256)
+    with pytest.raises(FileExistsError, match=r"holds 'config.json'.*not overwritten"):
+        _export(nets["b"], dest, SHARDED)
+    assert (dest / "config.json").read_text() == '{"export": "a", "my": "edit"}'
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, "config.json", *shards])
+
+
+def test_a_killed_writers_stage_is_named_on_nfs_too(tmp_path, monkeypatch):
+    """On NFS (emulated), a folder cannot be locked, so every stage looked live: one a killed export left (its staged
+    shards, up to a whole model) was never named, and stayed unseen. Here it is named in the next export's warning,
+    as on a local disk, and left where it is."""
+    _nfs(monkeypatch)
+    net = _net(0)
+    for where, size, kill_at in ((tmp_path / "one.safetensors", SINGLE, 1), (tmp_path / "ckpt", SHARDED, 2)):
+        code, _ = _in_child(lambda: _export(net, where, size), kill_at=kill_at)
+        assert code == 9
+        left = _killed_stages(tmp_path)
+        with pytest.warns(UserWarning, match=r"left by exports that were killed"):
+            _export(net, where, size)
+        assert _killed_stages(tmp_path) == left
+
+
+def test_two_threads_exporting_at_once_on_nfs_are_kept_apart(tmp_path, monkeypatch):
+    """On NFS flock is a POSIX lock, whose owner is the process: two threads of one process both get it. Emulated
+    here (a folder cannot be locked; a file open for writing always can, within the process), two threads exporting
+    into one folder, their publishes meeting unless kept apart: both published at once (the loser's shards left in
+    no index; the other's index could name shards the first had removed), and each named the other's live stage as
+    a killed one's. Here they are kept apart in the process: one whole export, nothing else in the folder, no
+    warning."""
+    import fcntl
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    monkeypatch.setattr(fcntl, "flock", flock)
+    nets = {"a": _net(0), "b": _net(1)}
+    with torch.no_grad():
+        want = {k: n(X) for k, n in nets.items()}
+    dest = _user_folder(tmp_path)
+    _export(_net(2), dest, SHARDED)
+    arrived, real_publish = [], W._publish
+
+    def publish(*args, **kwargs):
+        arrived.append(1)
+        deadline = time.monotonic() + 2.0
+        while len(arrived) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real_publish(*args, **kwargs)
+    monkeypatch.setattr(W, "_publish", publish)
+    said = {}
+
+    def run(k):
+        try:
+            _export(nets[k], dest, SHARDED)
+        except Exception as e:  # noqa: BLE001 - checked below
+            said[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in nets]
+    with warnings.catch_warnings(record=True) as seen:  # the threads' too (one showwarning for the process)
+        warnings.simplefilter("always")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert said == {} and [str(w.message) for w in seen] == []  # no live stage named as a killed one's
+    out = _output_of(dest)
+    assert sum(torch.equal(out, w) for w in want.values()) == 1
+    assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *_shards_of(dest), files.LOCK_FILE])
+    _user_files_intact(dest)
+
+
+def test_an_interrupt_after_the_commit_never_removes_what_the_new_index_names(tmp_path, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt) while the folder is fsynced right after the new index was renamed in (a folder's
+    fsync can take a while on NFS): the failure path removed the shards it had moved in, which the committed index
+    names, so the folder loaded as neither export. Here the published export stays whole and loads."""
+    a, b = _net(0), _net(1)
+    dest = _user_folder(tmp_path)
+    _export(a, dest, SHARDED)
+    old_index = (dest / INDEX).read_bytes()
+    real = files.fsync_dir
+
+    def fsync_dir(folder):
+        if (dest / INDEX).read_bytes() != old_index:
+            raise KeyboardInterrupt
+        return real(folder)
+    monkeypatch.setattr(files, "fsync_dir", fsync_dir)
+    with pytest.raises(KeyboardInterrupt):
+        _export(b, dest, SHARDED)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), b(X))
+    _user_files_intact(dest)
+
+
+def test_without_fcntl_a_live_writers_stage_is_never_taken_as_a_killed_ones(tmp_path, monkeypatch):
+    """Without fcntl (Windows) no writer locks its stage, so a live one (here mid-publish: its index written in its
+    stage, a shard moved into the folder) cannot be told from a killed one: its index must not be read as a killed
+    export's records, or the next export would remove that writer's shard, and its commit then name a missing file."""
+    monkeypatch.setattr(files, "fcntl", None)
+    dest = _user_folder(tmp_path)
+    _export(_net(0), dest, SHARDED)
+    live = dest / f".model.{uuid.uuid4().hex}.partial"
+    live.mkdir()
+    shard = dest / "model-0badf00d-00001-of-00001.safetensors"
+    shard.write_bytes(b"a live export's shard")
+    (live / INDEX).write_text(json.dumps({"metadata": {"dorafp8_files": {shard.name: {
+        "size": shard.stat().st_size, "sha256": files.sha256(str(shard))}}}, "weight_map": {}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stage, named as perhaps a killed one's
+        _export(_net(1), dest, SHARDED)
+    assert shard.read_bytes() == b"a live export's shard"
