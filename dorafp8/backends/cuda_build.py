@@ -163,8 +163,14 @@ def _one_builder(out: Path):
         except OSError:  # ENOLCK, EOPNOTSUPP: torch's own lock file still keeps builders apart
             pass
         else:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(out / "lock")
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # a folder there (EISDIR; EPERM on macOS): not torch's, and its loader would wait
+                raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: {out / 'lock'} is a folder, or "
+                                   f"cannot be removed ({e}), where torch's loader keeps its lock file (it would wait "
+                                   "for it forever); remove it") from e
         yield
     finally:
         os.close(fd)  # releases the lock

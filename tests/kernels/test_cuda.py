@@ -306,6 +306,21 @@ def test_first_use_build_where_its_lock_file_cannot_be_opened(tmp_path, monkeypa
     assert len(calls) == 1
 
 
+def test_first_use_build_where_a_folder_is_named_lock(tmp_path, monkeypatch):
+    """A folder named `lock` in the build folder (planted, or a tool's leftover) is where torch's loader keeps its lock
+    file: torch < 2.14 would wait for it to go, forever. Removing torch's stale lock raised the raw IsADirectoryError
+    out of build() and prepare(), whose callers expect a RuntimeError; now a RuntimeError names the folder and what to
+    do, kept as the backend's reason, and the folder (and what is in it) is left alone."""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    (out / "lock").mkdir(parents=True)
+    (out / "lock" / "keep.txt").write_text("someone's")
+    with pytest.raises(RuntimeError, match=r"lock is a folder.*remove it"):
+        cb.prepare(torch.device("cuda"))
+    assert calls == [] and (out / "lock" / "keep.txt").read_text() == "someone's"
+    assert f"{out / 'lock'} is a folder" in cb.unavailable_reason(torch.device("cuda"))
+
+
 def test_first_use_build_refusals(tmp_path, monkeypatch):
     """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
     what runs without the extension, and is not tried again in the process."""
