@@ -95,9 +95,10 @@ def build_spec() -> dict:
 
 
 def cache_dir() -> str:
-    """dorafp8's per-user cache: $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8")
+    """dorafp8's per-user cache: $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8. A `~` in
+    either is the home (set where no shell expands it, a .env file or a Dockerfile's ENV, it was a folder named `~`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.expanduser(os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8"))
 
 
 def plan(device: torch.device) -> dict:

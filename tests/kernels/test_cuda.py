@@ -321,6 +321,21 @@ def test_first_use_build_where_a_folder_is_named_lock(tmp_path, monkeypatch):
     assert f"{out / 'lock'} is a folder" in cb.unavailable_reason(torch.device("cuda"))
 
 
+def test_cache_dir_expands_a_tilde(tmp_path, monkeypatch):
+    """DORAFP8_CACHE_DIR or XDG_CACHE_HOME holding `~` (set where no shell expands it: a .env file, a Dockerfile's
+    ENV, a job script's quotes) meant a folder named `~` in whatever the working directory was, a new one in each: the
+    build ran again for minutes and the race's verdicts were checked again. `~` is the user's home, as for HF_HOME."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DORAFP8_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
+    assert cb.cuda_build.cache_dir() == str(tmp_path / "xdg" / "dorafp8")
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", "~/dorafp8-cache")
+    assert cb.cuda_build.cache_dir() == str(tmp_path / "dorafp8-cache")
+    _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", "~/dorafp8-cache")
+    assert cb.cuda_build.plan(torch.device("cuda"))["build_directory"].parent == tmp_path / "dorafp8-cache" / "cuda_ext"
+
+
 def test_first_use_build_refusals(tmp_path, monkeypatch):
     """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
     what runs without the extension, and is not tried again in the process."""
