@@ -99,7 +99,10 @@ def _cuda_extension():
         name="dorafp8._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")] + BUILD_SPEC["wheel_include_dirs"](),
-        extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"], "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
+        # binding.cpp's dorafp8._C.SOURCES: what it was built from (an in-place build older than csrc/ is not used)
+        extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"] + [
+            "-DDORAFP8_SOURCES=" + BUILD_SPEC["sources_hash"](os.path.join(HERE, "csrc"))],
+            "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     start = f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}"

@@ -107,9 +107,7 @@ def plan(device: torch.device) -> dict:
     target = archs(device)
     sources = [str(src / f) for f in ["binding.cpp", *spec["CUDA_SOURCES"]]]
     cuda_flags = spec["NVCC_FLAGS"] + spec["gencode"](target)
-    key = hashlib.sha256()
-    for f in sorted(p for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".cuh", ".h") and p.is_file()):
-        key.update(f.relative_to(src).as_posix().encode() + b"\0" + f.read_bytes())
+    key = hashlib.sha256(spec["sources_hash"](str(src)).encode())
     key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], torch.__version__, torch.version.cuda))
                .encode())
     return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,

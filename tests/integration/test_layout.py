@@ -401,6 +401,30 @@ def test_an_isolated_build_notes_the_build_on_first_use():
     assert "backend='cuda' builds it on first use" in note and "pip install" not in note, note
 
 
+def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
+    """setup.py's extension carries the hash of the csrc/ it builds (binding.cpp's dorafp8._C.SOURCES), which
+    backends/cuda.py compares with the installation's csrc/: an in-place build left over from before a `git pull`
+    is not used (tests/kernels/test_cuda.py, test_an_in_place_build_of_other_sources_is_not_used)."""
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    code = ("import json, runpy, setuptools, torch\n"
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, _, _ = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "print(json.dumps(ext[0].extra_compile_args['cxx']))\n")
+    env = dict(os.environ, CUDA_HOME=str(toolkit))
+    env.pop("DORAFP8_SKIP_CUDA_BUILD", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import runpy
+
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    cxx = json.loads(r.stdout.strip().splitlines()[-1])
+    assert f"-DDORAFP8_SOURCES={spec['sources_hash'](str(ROOT / 'csrc'))}" in cxx, cxx
+
+
 @pytest.mark.parametrize("failure", ["nvcc of another CUDA major", "nvcc fails"])
 def test_a_failed_cuda_build_still_installs(tmp_path, failure):
     """On a GPU machine a build of the optional extension that fails (nvcc of another CUDA major than torch's, which
