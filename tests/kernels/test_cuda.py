@@ -365,6 +365,16 @@ def test_an_in_place_build_of_other_sources_is_not_used(built_from):
                 and f"rebuild it: {cb.BUILD_COMMAND}" in status), status
 
 
+def test_sources_it_cannot_read_do_not_fail_the_import(monkeypatch):
+    """The check of an in-place build runs when dorafp8 is imported: csrc/ files it cannot read (an installation's
+    permissions) must not make `import dorafp8` fail; such a build is used, as before the check."""
+    def unreadable(src):
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(cb.cuda_build, "build_spec", lambda: {"sources_hash": unreadable})
+    assert cb.stale(type("C", (), {"SOURCES": "0" * 64})) is None
+
+
 def test_first_use_build_refusals(tmp_path, monkeypatch):
     """No nvcc: backend='cuda' is refused naming nvcc and CUDA_HOME, and nothing is built. A build that fails says
     what runs without the extension, and is not tried again in the process."""
