@@ -433,6 +433,7 @@ def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
     ({"TORCH_CUDA_ARCH_LIST": "8.0;8.6"}, None, None),  # nothing from 8.9 on: not built
     ({"TORCH_CUDA_ARCH_LIST": "9.0", "DORAFP8_CUDA_ARCHS": "100"}, None, ["100"]),  # dorafp8's own wins
     ({"TORCH_CUDA_ARCH_LIST": "native"}, None, "default"),
+    ({"DORAFP8_CUDA_ARCHS": ""}, None, "default"),  # set but empty (`ENV DORAFP8_CUDA_ARCHS=$ARCHS`): an IndexError
 ])
 def test_setup_py_builds_for_torch_cuda_arch_list(tmp_path, env, gpu, archs):
     """TORCH_CUDA_ARCH_LIST, torch's switch for every extension it builds (a Docker image's build with no GPU, a
