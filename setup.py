@@ -9,6 +9,8 @@ script only decides whether to build the extension and builds it:
   DORAFP8_CUDA_ARCHS="89;90a;100;120"
                               target architectures (the default: Ada, Hopper, datacenter and consumer Blackwell, plus
                               PTX of the oldest portable one)
+  TORCH_CUDA_ARCH_LIST="9.0"  torch's, read where DORAFP8_CUDA_ARCHS is not set: its archs from 8.9 on, and the GPU at
+                              hand
   MAX_JOBS                    parallel nvcc jobs (default: sized from free memory and cores)
 
 Without torch in the build environment (an isolated `pip install`, a published wheel), without nvcc, or without a GPU
@@ -24,6 +26,7 @@ what was decided is a build product, written by build_ext (below).
 
 import json
 import os
+import re
 import runpy
 import sys
 
@@ -63,6 +66,30 @@ def _skip(why):
     return [], _build_ext, None, why
 
 
+def _archs(torch):
+    """(the archs to build, how they were chosen, or why none): DORAFP8_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST (torch's
+    switch for every extension it builds, "8.9 9.0a;12.0+PTX"; unset or "native": the default) as far as the kernels
+    run there (8.9 on: their e4m3 conversions; NGC's containers set it for everything, older archs first) plus the
+    GPUs at hand (a list for other machines must not leave out this one), else DEFAULT_CUDA_ARCHS."""
+    own = BUILD_SPEC["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))  # "" or ";" names none: as unset
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if own or listed in ("", "native"):
+        return own or DEFAULT_CUDA_ARCHS.split(";"), ""
+    archs = []
+    for entry in re.split(r"[;,\s]+", listed):
+        m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", entry)
+        if m and (int(m[1]), int(m[2])) >= (8, 9) and m[1] + m[2] + m[3] not in archs:
+            archs.append(m[1] + m[2] + m[3])
+    if not archs:
+        return [], (f"TORCH_CUDA_ARCH_LIST={listed!r} names no GPU from sm_89 (8.9) on, which the CUDA kernels need: "
+                    "skipping the CUDA extension (DORAFP8_CUDA_ARCHS sets dorafp8's own)")
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        major, minor = torch.cuda.get_device_capability(i)
+        if (major, minor) >= (8, 9) and not any(a.rstrip("af") == f"{major}{minor}" for a in archs):
+            archs.append(f"{major}{minor}")
+    return archs, f" (from TORCH_CUDA_ARCH_LIST={listed!r})"
+
+
 def _cuda_extension():
     """Returns (ext_modules, the build_ext class to build them with, what to say when the build starts, the note) for
     dorafp8._C, or ([], setuptools' build_ext, None, why it is skipped). Decides only: builds and writes nothing."""
@@ -91,16 +118,21 @@ def _cuda_extension():
     if not all(os.path.exists(os.path.join(HERE, s)) for s in sources):
         return _skip("csrc/ sources missing: skipping the CUDA extension")
 
-    archs = BUILD_SPEC["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS")) or DEFAULT_CUDA_ARCHS.split(";")
+    archs, whence = _archs(torch)
+    if not archs:
+        return _skip(whence)
     gencode = BUILD_SPEC["gencode"](archs)  # a cubin per arch, PTX of the oldest portable one
     os.environ.setdefault("MAX_JOBS", BUILD_SPEC["default_max_jobs"]())
     ext = CUDAExtension(
         name="dorafp8._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")] + BUILD_SPEC["wheel_include_dirs"](),
-        extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"], "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
+        # binding.cpp's dorafp8._C.SOURCES: what it was built from (an in-place build older than csrc/ is not used)
+        extra_compile_args={"cxx": BUILD_SPEC["CXX_FLAGS"] + [
+            "-DDORAFP8_SOURCES=" + BUILD_SPEC["sources_hash"](os.path.join(HERE, "csrc"))],
+            "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
-    note = f"built for sm_{', sm_'.join(archs)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    note = f"built for sm_{', sm_'.join(archs)}{whence} (torch {torch.__version__}, CUDA {torch.version.cuda})"
     start = f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}"
     return [ext], BuildExtension.with_options(use_ninja=True), start, note
 

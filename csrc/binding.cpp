@@ -296,4 +296,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask"), py::arg("p"), py::arg("gb"), py::arg("rb"), py::arg("dx"));
   m.def("kernel_image_error", &kernel_image_error,
         "'' when this build has kernel code for the given CUDA device, else why not", py::arg("device_index"));
+#ifdef DORAFP8_SOURCES  // setup.py's: build_spec.sources_hash of the csrc/ built (dorafp8/backends/cuda.py checks it)
+#define DORAFP8_STR_(x) #x
+#define DORAFP8_STR(x) DORAFP8_STR_(x)
+  m.attr("SOURCES") = DORAFP8_STR(DORAFP8_SOURCES);
+#endif
 }

@@ -41,6 +41,23 @@ def gencode(archs: list) -> list:
     return flags
 
 
+def sources_hash(src: str) -> str:
+    """sha256 of the C++ / CUDA files under `src`, names and bytes: what a build compiled. setup.py compiles it into
+    the extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
+    `git pull`: kernels that may read their arguments another way) is known and not used (dorafp8/backends/cuda.py);
+    the build on first use keys its cache folder by it."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    files = sorted(os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/") for d, _, fs in os.walk(src)
+                   for f in fs if f.endswith((".cpp", ".cu", ".cuh", ".h")))
+    for rel in files:
+        with open(os.path.join(src, rel), "rb") as f:
+            h.update(rel.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
 def default_max_jobs() -> str:
     """Parallel nvcc jobs without MAX_JOBS: at most the cores and free memory / 3 GiB (nvcc on torch headers)."""
     import os

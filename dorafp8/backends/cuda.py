@@ -17,13 +17,21 @@ from torch import Tensor
 from . import cuda_build
 from .base import empty as _empty, magnitude_scale, not_supported
 
-try:
-    import dorafp8._C as _C
-except ImportError as e:  # not built (CPU-only install, isolated build) or built against another torch
-    _C = None
-    _IMPORT_ERROR: Optional[BaseException] = e
-else:
-    _IMPORT_ERROR = None
+
+def stale(module) -> Optional[ImportError]:
+    """Why an imported dorafp8._C must not run, or None. setup.py compiles the hash of the sources it built in (SOURCES);
+    one that differs from this installation's csrc/ (an editable install's in-place build, then a `git pull`: kernels
+    that may read their arguments another way, wrong values or a TypeError mid-run), or a build without it (older than
+    the hash: its sources are unknown), is not used."""
+    src = cuda_build.source_dir()
+    try:
+        if src is None or getattr(module, "SOURCES", None) == cuda_build.build_spec()["sources_hash"](str(src)):
+            return None
+    except OSError:  # sources it cannot read: trusted as before, rather than failing `import dorafp8`
+        return None
+    return ImportError(f"{getattr(module, '__file__', module)} was not built from the CUDA sources in {src} (a git "
+                       f"pull since its build?), so it is not used; rebuild it: {BUILD_COMMAND}")
+
 
 SUPPORTS = frozenset({"fp32"})  # neither block scales nor W8A8: backend="auto" passes over it for those calls
 # The install-time build, from a checkout (the tests' skip messages name it to developers); a wheel's user is never
@@ -34,6 +42,16 @@ _OTHER_BACKENDS = ("triton", "reference")
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
 _build_lock = threading.Lock()
 _build_error: Optional[str] = None  # why the build on first use failed (it is not tried again in this process)
+
+try:
+    import dorafp8._C as _C
+except ImportError as e:  # not built (CPU-only install, isolated build) or built against another torch
+    _C = None
+    _IMPORT_ERROR: Optional[BaseException] = e
+else:
+    _IMPORT_ERROR = stale(_C)
+    if _IMPORT_ERROR is not None:  # backend="cuda" builds the current sources on first use instead
+        _C = None
 
 
 def build_note() -> str:

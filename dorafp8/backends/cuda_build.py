@@ -95,9 +95,10 @@ def build_spec() -> dict:
 
 
 def cache_dir() -> str:
-    """dorafp8's per-user cache: $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8")
+    """dorafp8's per-user cache: $DORAFP8_CACHE_DIR, else $XDG_CACHE_HOME/dorafp8, else ~/.cache/dorafp8. A `~` in
+    either is the home (set where no shell expands it, a .env file or a Dockerfile's ENV, it was a folder named `~`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.expanduser(os.environ.get("DORAFP8_CACHE_DIR") or os.path.join(base, "dorafp8"))
 
 
 def plan(device: torch.device) -> dict:
@@ -106,9 +107,7 @@ def plan(device: torch.device) -> dict:
     target = archs(device)
     sources = [str(src / f) for f in ["binding.cpp", *spec["CUDA_SOURCES"]]]
     cuda_flags = spec["NVCC_FLAGS"] + spec["gencode"](target)
-    key = hashlib.sha256()
-    for f in sorted(p for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".cuh", ".h") and p.is_file()):
-        key.update(f.relative_to(src).as_posix().encode() + b"\0" + f.read_bytes())
+    key = hashlib.sha256(spec["sources_hash"](str(src)).encode())
     key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], torch.__version__, torch.version.cuda))
                .encode())
     return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,
@@ -163,8 +162,14 @@ def _one_builder(out: Path):
         except OSError:  # ENOLCK, EOPNOTSUPP: torch's own lock file still keeps builders apart
             pass
         else:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(out / "lock")
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # a folder there (EISDIR; EPERM on macOS): not torch's, and its loader would wait
+                raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: {out / 'lock'} is a folder, or "
+                                   f"cannot be removed ({e}), where torch's loader keeps its lock file (it would wait "
+                                   "for it forever); remove it") from e
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -418,6 +418,7 @@ def test_cuda_archs_naming_no_arch_builds_what_unset_builds(tmp_path, value):
             "print(json.dumps([len(ext), note]))\n")
     env = dict(os.environ, CUDA_HOME=str(toolkit), DORAFP8_FORCE_CUDA_BUILD="1", MAX_JOBS="1")
     env.pop("DORAFP8_SKIP_CUDA_BUILD", None)
+    env.pop("TORCH_CUDA_ARCH_LIST", None)  # read where DORAFP8_CUDA_ARCHS names none
     built = []
     for archs in (None, value):
         env.pop("DORAFP8_CUDA_ARCHS", None)
@@ -427,6 +428,74 @@ def test_cuda_archs_naming_no_arch_builds_what_unset_builds(tmp_path, value):
         assert r.returncode == 0, r.stderr[-2000:]
         built.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert built[0][0] == 1 and built[1] == built[0], built
+
+
+def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
+    """setup.py's extension carries the hash of the csrc/ it builds (binding.cpp's dorafp8._C.SOURCES), which
+    backends/cuda.py compares with the installation's csrc/: an in-place build left over from before a `git pull`
+    is not used (tests/kernels/test_cuda.py, test_an_in_place_build_of_other_sources_is_not_used)."""
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    code = ("import json, runpy, setuptools, torch\n"
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, _, _ = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "print(json.dumps(ext[0].extra_compile_args['cxx']))\n")
+    env = dict(os.environ, CUDA_HOME=str(toolkit))
+    env.pop("DORAFP8_SKIP_CUDA_BUILD", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import runpy
+
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    cxx = json.loads(r.stdout.strip().splitlines()[-1])
+    assert f"-DDORAFP8_SOURCES={spec['sources_hash'](str(ROOT / 'csrc'))}" in cxx, cxx
+
+
+@pytest.mark.parametrize("env, gpu, archs", [
+    ({"TORCH_CUDA_ARCH_LIST": "9.0"}, None, ["90"]),
+    ({"TORCH_CUDA_ARCH_LIST": "8.9 9.0a;12.0+PTX"}, None, ["89", "90a", "120"]),
+    # NGC's containers set it for every build: the archs before 8.9 cannot take the kernels; the GPU at hand is added
+    ({"TORCH_CUDA_ARCH_LIST": "7.5 8.0 8.6 9.0+PTX"}, (8, 9), ["90", "89"]),
+    ({"TORCH_CUDA_ARCH_LIST": "8.0;8.6"}, None, None),  # nothing from 8.9 on: not built
+    ({"TORCH_CUDA_ARCH_LIST": "9.0", "DORAFP8_CUDA_ARCHS": "100"}, None, ["100"]),  # dorafp8's own wins
+    ({"TORCH_CUDA_ARCH_LIST": "native"}, None, "default"),
+    ({"DORAFP8_CUDA_ARCHS": ""}, None, "default"),  # set but empty (`ENV DORAFP8_CUDA_ARCHS=$ARCHS`): an IndexError
+])
+def test_setup_py_builds_for_torch_cuda_arch_list(tmp_path, env, gpu, archs):
+    """TORCH_CUDA_ARCH_LIST, torch's switch for every extension it builds (a Docker image's build with no GPU, a
+    cluster's login node), was ignored: the extension built the four default archs (minutes more, and a failed build
+    under an nvcc that lacks one of them). It is read as torch reads it, keeping the archs the kernels can run on (8.9
+    and later), plus the GPU at hand; DORAFP8_CUDA_ARCHS comes first."""
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    code = ("import json, runpy, setuptools, torch\n"
+            f"torch.cuda.is_available = lambda: {gpu is not None}\n"
+            f"torch.cuda.device_count = lambda: {int(gpu is not None)}\n"
+            f"torch.cuda.get_device_capability = lambda i=None: {gpu}\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, _, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "print(json.dumps([ext and ext[0].extra_compile_args['nvcc'], note]))\n")
+    run_env = dict(os.environ, CUDA_HOME=str(toolkit), DORAFP8_FORCE_CUDA_BUILD="1", **env)
+    for name in ("DORAFP8_SKIP_CUDA_BUILD", "DORAFP8_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST"):
+        if name not in env:
+            run_env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=run_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    nvcc, note = json.loads(r.stdout.strip().splitlines()[-1])
+    if archs is None:
+        assert not nvcc and "TORCH_CUDA_ARCH_LIST" in note and "8.9" in note, note
+        return
+    import runpy
+
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    archs = spec["DEFAULT_CUDA_ARCHS"].split(";") if archs == "default" else archs
+    assert nvcc[-2 * len(archs):] == spec["gencode"](archs), nvcc
 
 
 @pytest.mark.parametrize("failure", ["nvcc of another CUDA major", "nvcc fails"])

@@ -244,3 +244,26 @@ def test_block_scales_keep_the_hopper_loops_tiles(fp8, m, block):
     for c in C.fit_reduction_block(C.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, m, False), "BLOCK_K", block,
                                    "block", "BLOCK_N", 1, "async-copy"):
         assert 2 * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 96 * 32 * c.num_warps or c.kwargs["BLOCK_M"] == 16
+
+
+def test_the_triton_backend_needs_sm_89(monkeypatch):
+    """Triton compiles fp8 e4m3 (fp8e4nv, the type of every W8 the kernels read) for sm_89 and later only: on an A100,
+    A10, RTX 3090 or A6000 (sm_80 / sm_86) every kernel failed to compile ("type fp8e4nv not supported in this
+    architecture") while `python -m dorafp8` said the backend ran; backend="auto" then picked it wherever nothing was
+    checked first (DORAFP8_RACE=0, a torch.compile trace, a CUDA graph capture), and the cuBLAS strategy, whose
+    dequantize is a Triton kernel, the same. Now both say why, and "auto" passes over them."""
+    import dorafp8.triton_kernels as tk
+    from dorafp8 import backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dev = torch.device("cuda", 0)
+    for cap, runs in (((8, 0), False), ((8, 6), False), ((8, 7), False), ((8, 9), True), ((9, 0), True),
+                      ((12, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        monkeypatch.setattr(backends, "_reasons", {})  # probed once per backend and device otherwise
+        why = tk.unavailable_reason(dev)
+        assert (why is None) is runs, (cap, why)
+        if not runs:
+            assert "sm_89 or newer" in why and f"sm_{cap[0]}{cap[1]}" in why, why
+            assert "sm_89" in backends.unavailable_reason("cublas", dev)
+            assert backends.resolve("auto", dev) not in ("triton", "cublas")

@@ -77,6 +77,7 @@ def test_extension_built():
     C = _require_extension()
     for name in ("weight_norm", "forward", "dgrad", "kernel_image_error"):
         assert callable(getattr(C, name, None)), f"dorafp8._C lacks {name}"
+    assert C.SOURCES == cb.cuda_build.build_spec()["sources_hash"](str(cb.cuda_build.source_dir()))
 
 
 def test_binding_checks_device():
@@ -316,6 +317,74 @@ def test_first_use_build_where_its_lock_file_cannot_be_opened(tmp_path, monkeypa
     (out / cb.cuda_build._LOCK).mkdir(parents=True)
     cb.cuda_build.build(torch.device("cuda"))
     assert len(calls) == 1
+
+
+def test_first_use_build_where_a_folder_is_named_lock(tmp_path, monkeypatch):
+    """A folder named `lock` in the build folder (planted, or a tool's leftover) is where torch's loader keeps its lock
+    file: torch < 2.14 would wait for it to go, forever. Removing torch's stale lock raised the raw IsADirectoryError
+    out of build() and prepare(), whose callers expect a RuntimeError; now a RuntimeError names the folder and what to
+    do, kept as the backend's reason, and the folder (and what is in it) is left alone."""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    (out / "lock").mkdir(parents=True)
+    (out / "lock" / "keep.txt").write_text("someone's")
+    with pytest.raises(RuntimeError, match=r"lock is a folder.*remove it"):
+        cb.prepare(torch.device("cuda"))
+    assert calls == [] and (out / "lock" / "keep.txt").read_text() == "someone's"
+    assert f"{out / 'lock'} is a folder" in cb.unavailable_reason(torch.device("cuda"))
+
+
+def test_cache_dir_expands_a_tilde(tmp_path, monkeypatch):
+    """DORAFP8_CACHE_DIR or XDG_CACHE_HOME holding `~` (set where no shell expands it: a .env file, a Dockerfile's
+    ENV, a job script's quotes) meant a folder named `~` in whatever the working directory was, a new one in each: the
+    build ran again for minutes and the race's verdicts were checked again. `~` is the user's home, as for HF_HOME."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DORAFP8_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
+    assert cb.cuda_build.cache_dir() == str(tmp_path / "xdg" / "dorafp8")
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", "~/dorafp8-cache")
+    assert cb.cuda_build.cache_dir() == str(tmp_path / "dorafp8-cache")
+    _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", "~/dorafp8-cache")
+    assert cb.cuda_build.plan(torch.device("cuda"))["build_directory"].parent == tmp_path / "dorafp8-cache" / "cuda_ext"
+
+
+@pytest.mark.parametrize("built_from", ["these sources", "other sources", "unknown sources"])
+def test_an_in_place_build_of_other_sources_is_not_used(built_from):
+    """An editable install's in-place dorafp8._C, then a `git pull` that changes csrc/: the old kernels ran with the
+    new Python side (arguments read another way: wrong values, or a TypeError in the middle of training) and `python -m
+    dorafp8` said "importable". setup.py compiles the sources' hash into the extension (SOURCES); a build of other
+    sources, or one from before the hash, is not used: the reason says rebuild, and backend='cuda' builds the current
+    sources on first use. (A fake dorafp8._C, put in place before dorafp8 is imported, in a fresh interpreter.)"""
+    import subprocess
+    import sys
+
+    from dorafp8.backends import cuda_build
+
+    sources = {"these sources": repr(cuda_build.build_spec()["sources_hash"](str(cuda_build.source_dir()))),
+               "other sources": repr("0" * 64), "unknown sources": None}[built_from]
+    code = ("import sys, types; C = types.ModuleType('dorafp8._C'); C.__file__ = '/x/dorafp8/_C.so'\n"
+            + (f"C.SOURCES = {sources}\n" if sources else "") + "sys.modules['dorafp8._C'] = C\n"
+            "from dorafp8.backends import cuda; print(cuda._C is C); print(cuda.extension_status())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    used, status = out.stdout.splitlines()[-2:]
+    if built_from == "these sources":
+        assert used == "True" and status.startswith("importable"), out.stdout + out.stderr
+    else:
+        assert used == "False", out.stdout + out.stderr
+        assert (f"/x/dorafp8/_C.so was not built from the CUDA sources in {cuda_build.source_dir()}" in status
+                and f"rebuild it: {cb.BUILD_COMMAND}" in status), status
+
+
+def test_sources_it_cannot_read_do_not_fail_the_import(monkeypatch):
+    """The check of an in-place build runs when dorafp8 is imported: csrc/ files it cannot read (an installation's
+    permissions) must not make `import dorafp8` fail; such a build is used, as before the check."""
+    def unreadable(src):
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(cb.cuda_build, "build_spec", lambda: {"sources_hash": unreadable})
+    assert cb.stale(type("C", (), {"SOURCES": "0" * 64})) is None
 
 
 def test_first_use_build_refusals(tmp_path, monkeypatch):
