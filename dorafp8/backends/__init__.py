@@ -116,9 +116,12 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     for cand in order:
         if device.type == "cuda" and unavailable_reason(cand, device) is None and needs <= supports(cand, device):
             return cand
-    # CPU: "native" (as fast as PEFT under bf16 autocast, where the fp32 reference is several times slower); the exact
-    # twin stays one name away (backend="reference"). Elsewhere, and for what native lacks, the reference.
-    return "native" if device.type == "cpu" and needs <= supports("native") else "reference"
+    # CPU, and a GPU no kernel backend runs on (sm_80 / sm_86: Triton compiles e4m3, and setup.py builds the
+    # CUDA extension, from sm_89 on): "native", PyTorch's matmul in the compute dtype as PEFT under autocast, where
+    # the fp32 reference is several times slower; the exact twin stays one name away (backend="reference").
+    # Elsewhere, and for what native lacks, the reference.
+    native = device.type in ("cpu", "cuda") and unavailable_reason("native", device) is None
+    return "native" if native and needs <= supports("native") else "reference"
 
 
 def module(name: str) -> ModuleType:

@@ -352,6 +352,23 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
         assert backends.resolve("auto", gpu, frozenset({kind, "fp32"})) == "reference"
 
 
+def test_auto_runs_native_on_a_gpu_no_kernel_backend_runs_on(monkeypatch):
+    """An A100 or RTX 3090 (sm_80 / sm_86): Triton compiles e4m3 from sm_89 on (so the triton backend and cublas's
+    dequantize cannot run) and setup.py builds the CUDA extension from sm_89 on. "auto" ran the fp32 reference there,
+    several times slower than PyTorch's matmul in the compute dtype; it now runs native (PEFT's arithmetic under
+    autocast), and the reference where native lacks the call (NVFP4, MXFP8)."""
+    from dorafp8 import backends
+
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name, dev: None if name in ("native", "reference") else "needs sm_89")
+    gpu = torch.device("cuda")
+    for needs in (frozenset(), frozenset({"block"}), frozenset({"rowwise"}), frozenset({"fp32"})):
+        assert backends.resolve("auto", gpu, needs) == "native", needs
+    for kind in ("nvfp4", "mxfp8"):
+        assert backends.resolve("auto", gpu, frozenset({kind})) == "reference"
+    assert backends.resolve("auto", torch.device("meta")) == "reference"  # no fp8 matmul of PyTorch's known there
+
+
 def test_outputs_are_not_views():
     """The ops return their [..., N] result as a tensor of its own (aten._unsafe_view of the autograd Function's 2-D
     output, no copy), not as a view: FSDP2 warns when a module it wraps returns a view ("FSDP2-wrapped module
