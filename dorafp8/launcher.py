@@ -322,13 +322,23 @@ def _report() -> None:
 # ---- running the command -------------------------------------------------------------------------------------------
 
 
-def _python_script(path: str) -> bool:
+def _shebang(path: str) -> bytes:
+    """The file's #! line, or b"" (none, or unreadable)."""
     try:
         with open(path, "rb") as f:
             first = f.readline(200)
     except OSError:
-        return False
-    return first.startswith(b"#!") and b"python" in first
+        return b""
+    return first if first.startswith(b"#!") else b""
+
+
+def _python_script(path: str) -> bool:
+    return b"python" in _shebang(path)
+
+
+def _not_python(name: str, path: str) -> SystemExit:
+    return SystemExit(f"dorafp8 run: {name!r} ({path}) is not a Python program, so dorafp8 cannot be installed in its "
+                      f"process. Run the Python command it starts under `dorafp8 run` instead")
 
 
 def _is_python(name: str) -> bool:
@@ -435,6 +445,8 @@ def _runner(command: list[str], options: dict | None = None):
     if name.endswith(".py") or (os.sep in name and os.path.isfile(name)):
         if not os.path.isfile(name):
             raise SystemExit(f"dorafp8 run: no such script {name!r}")
+        if _shebang(name) and not _python_script(name):  # a shell script (./start-ui.sh): Python would not parse it
+            raise _not_python(name, os.path.abspath(name))
         return functools.partial(_run_path, name, args)
     eps = importlib.metadata.entry_points(group="console_scripts", name=name)
     if eps:
@@ -448,8 +460,7 @@ def _runner(command: list[str], options: dict | None = None):
     if path and _python_script(path):
         return functools.partial(_run_path, path, args)
     if path:
-        raise SystemExit(f"dorafp8 run: {name!r} ({path}) is not a Python program, so dorafp8 cannot be installed in "
-                         f"its process. Run the Python command it starts under `dorafp8 run` instead")
+        raise _not_python(name, path)
     raise SystemExit(f"dorafp8 run: {name!r} is neither a script, a console_scripts entry point of this Python "
                      f"({sys.executable}) nor a command on PATH; is the trainer installed in this environment?")
 

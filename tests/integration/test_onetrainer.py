@@ -194,6 +194,43 @@ def test_training_and_saved_state_match_onetrainer(ot, output_axis):
         assert_close(saved[0][k], saved[1][k], 2 * tol(torch.float32), k)
 
 
+@pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_16"])
+@pytest.mark.parametrize("kind", ["LinearFp8", "LinearW8A8"])
+@pytest.mark.parametrize("output_axis", [False, True])
+def test_under_onetrainer_autocast_the_error_is_onetrainer_own(ot, monkeypatch, kind, train, output_axis):
+    """OneTrainer trains in bf16 / fp16: its loader puts the scales and biases in that train dtype, its adapters stay
+    fp32 (lora_weight_dtype's default), and the step runs under torch.autocast of the train dtype (dtype_util's
+    create_autocast_context). Against an fp64 evaluation of OneTrainer's own formula on the dequantized weights,
+    dorafp8's outputs and gradients must carry the train dtype's rounding and no more than OneTrainer's own forward
+    on the same fp8 layers under the same autocast (seen: at most 1.5x it)."""
+    dtype = {"BFLOAT_16": torch.bfloat16, "FLOAT_16": torch.float16}[train]
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(7))
+
+    def run(net, wrapper, x, autocast):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            y = net(xi)
+        (y.double().square().mean() + y.double().mean()).backward()
+        return [y.double(), xi.grad.double()] + [q.grad.double() for q in wrapper.parameters()]
+
+    net = _model(ot, kind, train)
+    ours = run(net, _adapt(ot, net, output_axis, True), x.to(dtype), True)
+    monkeypatch.setattr(ot.DoRAModule, "forward", _own_forward(ot))
+    net = _model(ot, kind, train)
+    own = run(net, _adapt(ot, net, output_axis, True), x.to(dtype), True)
+    dense = _dense_twin(ot, net).double()
+    wrapper = _adapt(ot, dense, output_axis, True)
+    for m in wrapper.lora_modules.values():
+        m.double()
+    truth = run(dense, wrapper, x.to(dtype).double(), False)
+
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    for i, (a, b, t) in enumerate(zip(ours, own, truth)):
+        what = f"{'output' if i == 0 else f'gradient {i - 1} (x, then each adapter parameter)'}"
+        assert_close(a, t, 2 * tol(dtype), what + " against fp64")
+        assert err(a, t) <= 2 * err(b, t), (what, err(a, t), err(b, t))
+
+
 def _own_forward(ot):
     """OneTrainer's DoRAModule.forward as it was before dorafp8 replaced it."""
     return getattr(ot.DoRAModule.forward, "_dorafp8_orig", ot.DoRAModule.forward)

@@ -211,6 +211,28 @@ def test_launcher_errors_name_the_problem(argv, message, tmp_path):
     assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
 
 
+def test_a_script_named_by_path_runs_only_if_it_is_python(tmp_path):
+    """`dorafp8 run -- ./start-ui.sh` (OneTrainer's launcher, a bash script) was run as Python and stopped on a
+    SyntaxError traceback; as on PATH, a script whose #! line names another interpreter is refused, naming the fix.
+    One with a Python #! line, or none, still runs in this process."""
+    (tmp_path / "start-ui.sh").write_text('#!/usr/bin/env bash\nset -e\nsource "${BASH_SOURCE[0]%/*}/lib.sh"\n')
+    (tmp_path / "train").write_text("#!/usr/bin/env python3\nimport sys\nprint('ran', sys.argv[1:])\n")
+    (tmp_path / "bare").write_text("import sys\nprint('ran', sys.argv[1:])\n")
+    for f in ("start-ui.sh", "train", "bare"):
+        (tmp_path / f).chmod(0o755)
+
+    def run(*command):
+        return subprocess.run([sys.executable, "-m", "dorafp8", "run", "--", *command], cwd=tmp_path, env=_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    r = run("./start-ui.sh")
+    assert r.returncode != 0 and "'./start-ui.sh' (" in r.stderr and "is not a Python program" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Run the Python command it starts" in r.stderr, r.stderr[-3000:]
+    for script in ("./train", os.path.join(str(tmp_path), "bare")):
+        r = run(script, "--lr", "1")
+        assert r.returncode == 0 and "ran ['--lr', '1']" in r.stdout, r.stderr[-3000:]
+
+
 def test_no_argument_still_prints_the_install_report():
     r = subprocess.run([sys.executable, "-m", "dorafp8"], env=_env(), capture_output=True, text=True,
                        timeout=TIMEOUT_S)
