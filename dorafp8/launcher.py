@@ -445,7 +445,9 @@ def _runner(command: list[str], options: dict | None = None):
     if name.endswith(".py") or (os.sep in name and os.path.isfile(name)):
         if not os.path.isfile(name):
             raise SystemExit(f"dorafp8 run: no such script {name!r}")
-        if _shebang(name) and not _python_script(name):  # a shell script (./start-ui.sh): Python would not parse it
+        # a shell script (./start-ui.sh): Python would not parse it. A .py file is Python whatever its #! line
+        # (a PEP 723 script's `#!/usr/bin/env -S uv run --script`)
+        if not name.endswith(".py") and _shebang(name) and not _python_script(name):
             raise _not_python(name, os.path.abspath(name))
         return functools.partial(_run_path, name, args)
     eps = importlib.metadata.entry_points(group="console_scripts", name=name)

@@ -218,7 +218,9 @@ def test_a_script_named_by_path_runs_only_if_it_is_python(tmp_path):
     (tmp_path / "start-ui.sh").write_text('#!/usr/bin/env bash\nset -e\nsource "${BASH_SOURCE[0]%/*}/lib.sh"\n')
     (tmp_path / "train").write_text("#!/usr/bin/env python3\nimport sys\nprint('ran', sys.argv[1:])\n")
     (tmp_path / "bare").write_text("import sys\nprint('ran', sys.argv[1:])\n")
-    for f in ("start-ui.sh", "train", "bare"):
+    # a .py file is Python whatever its #! line says (PEP 723's `uv run --script`)
+    (tmp_path / "uv.py").write_text("#!/usr/bin/env -S uv run --script\nimport sys\nprint('ran', sys.argv[1:])\n")
+    for f in ("start-ui.sh", "train", "bare", "uv.py"):
         (tmp_path / f).chmod(0o755)
 
     def run(*command):
@@ -228,7 +230,7 @@ def test_a_script_named_by_path_runs_only_if_it_is_python(tmp_path):
     r = run("./start-ui.sh")
     assert r.returncode != 0 and "'./start-ui.sh' (" in r.stderr and "is not a Python program" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "Run the Python command it starts" in r.stderr, r.stderr[-3000:]
-    for script in ("./train", os.path.join(str(tmp_path), "bare")):
+    for script in ("./train", os.path.join(str(tmp_path), "bare"), "uv.py"):
         r = run(script, "--lr", "1")
         assert r.returncode == 0 and "ran ['--lr', '1']" in r.stdout, r.stderr[-3000:]
 
