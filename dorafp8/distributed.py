@@ -78,30 +78,45 @@ def _wrap_sync_module_states(orig):
     return _sync_module_states
 
 
+def _wrap_buffer_broadcast(orig):
+    @functools.wraps(orig)
+    def _distributed_broadcast_coalesced(self, tensors, *args, **kwargs):
+        # The buffers DDP broadcasts again before every forward: MXFP8's and NVFP4's block scales are fp8 (e8m0, e4m3),
+        # which gloo cannot send. As bytes, in place, as at the wrap.
+        return orig(self, [t.view(torch.uint8) if is_fp8(t) else t for t in tensors], *args, **kwargs)
+
+    return _distributed_broadcast_coalesced
+
+
 def install_ddp_support() -> bool:
-    """Makes DistributedDataParallel's initial broadcast send fp8 parameters/buffers as raw bytes (uint8 views), so
-    that it works on gloo too, by wrapping `torch.nn.parallel.distributed._sync_module_states`. Idempotent; called on
-    `import dorafp8`. Returns whether it is installed (False without torch.distributed or that function)."""
+    """Makes DistributedDataParallel's broadcasts send fp8 parameters/buffers as raw bytes (uint8 views), so that they
+    work on gloo too: the initial one (`torch.nn.parallel.distributed._sync_module_states`) and the buffers' before
+    each forward (`DistributedDataParallel._distributed_broadcast_coalesced`). Idempotent; called on `import dorafp8`.
+    Returns whether it is installed (False without torch.distributed or those functions)."""
     if not torch.distributed.is_available():
         return False
     import torch.nn.parallel.distributed as ddp_module
 
     cur = getattr(ddp_module, "_sync_module_states", None)
-    if cur is None:
-        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states; DDP over gloo "
-                      "cannot broadcast fp8 weights (NCCL can). See docs/MULTI_GPU.md.")
+    per_forward = getattr(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", None)
+    if cur is None or per_forward is None:
+        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states or "
+                      "_distributed_broadcast_coalesced; DDP over gloo cannot broadcast fp8 weights or scales (NCCL "
+                      "can broadcast e4m3). See docs/MULTI_GPU.md.")
         return False
     _wrap_once(ddp_module, "_sync_module_states", _wrap_sync_module_states)
+    _wrap_once(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", _wrap_buffer_broadcast)
     return True
 
 
 def uninstall_ddp_support() -> None:
-    """Puts back DDP's own `_sync_module_states` (for tests and for debugging)."""
+    """Puts back DDP's own `_sync_module_states` and `_distributed_broadcast_coalesced` (for tests and debugging)."""
     if not torch.distributed.is_available():
         return
     import torch.nn.parallel.distributed as ddp_module
 
     _unwrap(ddp_module, "_sync_module_states")
+    _unwrap(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced")
 
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
+ENGINE: ddp | ddp_microscaled | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
 fsdp2_ram (the last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on
 its half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
@@ -105,6 +105,27 @@ def run_ddp(out):
     res["adapter"] = C.adapter_state(pm)
     if RANK == 0:
         pm.save_pretrained(os.path.join(out, "adapter"))
+    return res
+
+
+def run_ddp_microscaled(out):
+    """DDP on MXFP8 and NVFP4 layers, whose block scales are fp8 buffers (e8m0, e4m3): DDP broadcasts the buffers again
+    before every forward (broadcast_buffers=True, its default), not only when it wraps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    pm = C.build_microscaled_model(seed=0)
+    model = DDP(pm)
+    scales = {n: b for n, b in pm.named_buffers() if b.dtype in FP8_DTYPES}
+    before = {n: b.clone() for n, b in scales.items()}
+    if RANK == 1:  # written after the wrap: the next forward's broadcast must put rank 0's bytes back, in place
+        with torch.no_grad():
+            for b in scales.values():
+                b.view(torch.uint8).zero_()
+    res = {"n_fp8_scales": len(scales), "scale_dtypes": sorted({str(b.dtype) for b in scales.values()})}
+    res["losses"] = sgd_steps(model, torch.optim.SGD(trainable(model), lr=C.LR))
+    res["scales_back"] = all(torch.equal(b.view(torch.uint8), before[n].view(torch.uint8)) for n, b in scales.items())
+    res["adapter"] = C.adapter_state(pm)
     return res
 
 

@@ -44,12 +44,16 @@ def test_ddp_support_is_installed_on_import_and_idempotent():
 
     from dorafp8.distributed import uninstall_ddp_support
 
-    wrapped = ddp_module._sync_module_states
+    ddp = ddp_module.DistributedDataParallel
+    wrapped, per_forward = ddp_module._sync_module_states, ddp._distributed_broadcast_coalesced
     assert hasattr(wrapped, "_dorafp8_orig"), "import dorafp8 must install the DDP support"
+    assert hasattr(per_forward, "_dorafp8_orig")  # the buffers' broadcast before each forward
     assert install_ddp_support() and ddp_module._sync_module_states is wrapped  # idempotent
+    assert ddp._distributed_broadcast_coalesced is per_forward
     uninstall_ddp_support()
     try:
         assert ddp_module._sync_module_states is wrapped._dorafp8_orig
+        assert ddp._distributed_broadcast_coalesced is per_forward._dorafp8_orig
         import torch.distributed.utils as dist_utils
 
         assert dist_utils._sync_module_states is wrapped._dorafp8_orig  # torch's own function is never replaced
@@ -355,6 +359,22 @@ def test_ddp(tmp_path, reference):
 
 def C_fingerprint_of_seed0():
     return C.fp8_fingerprint(C.build_model(0))
+
+
+def test_ddp_on_mxfp8_and_nvfp4_layers(tmp_path):
+    """MXFP8 and NVFP4 layers keep their block scales as fp8 buffers (e8m0, e4m3). DDP broadcasts buffers again before
+    every forward (broadcast_buffers=True, its default), and the first forward stopped with 'Invalid scalar type'
+    (gloo has no fp8 types) once the wrap had got through. Those broadcasts now send them as bytes too: the losses and
+    adapters equal one process's, and rank 1's scales, zeroed after the wrap, are rank 0's again after a forward."""
+    res = _launch("ddp_microscaled", tmp_path)
+    losses, adapter = C.train_microscaled_single_process()
+    for r in res:
+        assert r["n_fp8_scales"] == 4 and r["scale_dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e8m0fnu"]
+        assert r["scales_back"], f"rank {r['rank']}: the scales are not rank 0's after a forward"
+        assert_close(torch.tensor(r["losses"]), torch.tensor(losses), REL, f"rank {r['rank']} losses")
+        assert r["adapter"].keys() == adapter.keys() and len(adapter) == 42
+        for k in adapter:
+            assert_close(r["adapter"][k], adapter[k], REL, f"rank {r['rank']} {k}")
 
 
 def test_fsdp2(tmp_path, reference):
