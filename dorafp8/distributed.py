@@ -37,18 +37,19 @@ def _unwrap(owner, attr: str) -> None:
 
 def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
     """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
-    synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
+    synced), plus, when buffers are not synced, the scales (`scale`, NVFP4's `global_scale`) of each dorafp8 layer whose
+    weight is synced (fp8, or NVFP4's packed uint8, which DDP sends itself): a weight's bytes mean nothing without
+    them."""
     states = list(module.named_parameters()) + (list(module.named_buffers()) if broadcast_buffers else [])
     fp8 = [(name, t) for name, t in states if name not in ignore and is_fp8(t)]
     names, tensors = [name for name, _ in fp8], [t.detach() for _, t in fp8]
     extra = []
     if not broadcast_buffers:
-        synced = set(names)
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
-            if isinstance(mod, FP8WeightModule) and prefix + "weight" in synced \
-                    and prefix + "scale" not in ignore:
-                extra.append(mod.scale.detach())
+            if isinstance(mod, FP8WeightModule) and prefix + "weight" not in ignore:
+                extra += [t.detach() for key in ("scale", "global_scale")
+                          if (t := getattr(mod, key, None)) is not None and prefix + key not in ignore]
     return names, tensors, extra
 
 
@@ -65,12 +66,13 @@ def _wrap_sync_module_states(orig):
         a = bound.arguments
         names, fp8, extra = _fp8_states_to_sync(a["module"], a["params_and_buffers_to_ignore"],
                                                 a.get("broadcast_buffers", True))
-        if fp8:
+        if fp8 or extra:
             import torch.distributed as dist
 
             with torch.no_grad():
                 # In place: a uint8 view shares the fp8 tensor's storage, so the received bytes land in it.
-                dist._broadcast_coalesced(a["process_group"], [t.view(torch.uint8) for t in fp8] + extra,
+                dist._broadcast_coalesced(a["process_group"],
+                                          [t.view(torch.uint8) if is_fp8(t) else t for t in fp8 + extra],
                                           a["broadcast_bucket_size"], a["src"])
             a["params_and_buffers_to_ignore"] = set(a["params_and_buffers_to_ignore"]) | set(names)
         return orig(*bound.args, **bound.kwargs)

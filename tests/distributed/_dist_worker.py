@@ -108,24 +108,43 @@ def run_ddp(out):
     return res
 
 
+def _frozen_fingerprint(model) -> str:
+    """sha256 of every frozen parameter's and every buffer's bytes, in name order: base weights, scales, global scales."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted([(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+                          + list(model.named_buffers())):
+        h.update(name.encode() + t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_ddp_microscaled(out):
-    """DDP on MXFP8 and NVFP4 layers, whose block scales are fp8 buffers (e8m0, e4m3): DDP broadcasts the buffers again
-    before every forward (broadcast_buffers=True, its default), not only when it wraps."""
+    """DDP on MXFP8 and NVFP4 layers, whose block scales are fp8 buffers (e8m0, e4m3) and whose NVFP4 weight is packed
+    uint8 with an fp32 global scale. With broadcast_buffers=True (DDP's default) DDP broadcasts the buffers again
+    before every forward, not only when it wraps; with False, a layer's scales must still follow its weight."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
-    pm = C.build_microscaled_model(seed=0)
-    model = DDP(pm)
-    scales = {n: b for n, b in pm.named_buffers() if b.dtype in FP8_DTYPES}
-    before = {n: b.clone() for n, b in scales.items()}
-    if RANK == 1:  # written after the wrap: the next forward's broadcast must put rank 0's bytes back, in place
-        with torch.no_grad():
-            for b in scales.values():
-                b.view(torch.uint8).zero_()
-    res = {"n_fp8_scales": len(scales), "scale_dtypes": sorted({str(b.dtype) for b in scales.values()})}
-    res["losses"] = sgd_steps(model, torch.optim.SGD(trainable(model), lr=C.LR))
-    res["scales_back"] = all(torch.equal(b.view(torch.uint8), before[n].view(torch.uint8)) for n, b in scales.items())
-    res["adapter"] = C.adapter_state(pm)
+    res = {}
+    for broadcast_buffers in (True, False):
+        # broadcast_buffers=False: rank 1 builds other weights, scales and adapters; rank 0's must be everywhere
+        pm = C.build_microscaled_model(seed=0 if broadcast_buffers else RANK)
+        model = DDP(pm, broadcast_buffers=broadcast_buffers)
+        got = {"frozen_equal_after_wrap": all_equal_across_ranks(_frozen_fingerprint(pm))}
+        scales = {n: b for n, b in pm.named_buffers() if b.dtype in FP8_DTYPES}
+        before = {n: b.clone() for n, b in scales.items()}
+        if RANK == 1 and broadcast_buffers:  # written after the wrap: the next forward's broadcast puts rank 0's back
+            with torch.no_grad():
+                for b in scales.values():
+                    b.view(torch.uint8).zero_()
+        got["n_fp8_scales"] = len(scales)
+        got["scale_dtypes"] = sorted({str(b.dtype) for b in scales.values()})
+        got["losses"] = sgd_steps(model, torch.optim.SGD(trainable(model), lr=C.LR))
+        got["scales_back"] = all(torch.equal(b.view(torch.uint8), before[n].view(torch.uint8))
+                                 for n, b in scales.items())
+        got["adapter"] = C.adapter_state(pm)
+        res[f"broadcast_buffers={broadcast_buffers}"] = got
     return res
 
 

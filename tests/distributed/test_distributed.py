@@ -362,19 +362,26 @@ def C_fingerprint_of_seed0():
 
 
 def test_ddp_on_mxfp8_and_nvfp4_layers(tmp_path):
-    """MXFP8 and NVFP4 layers keep their block scales as fp8 buffers (e8m0, e4m3). DDP broadcasts buffers again before
-    every forward (broadcast_buffers=True, its default), and the first forward stopped with 'Invalid scalar type'
-    (gloo has no fp8 types) once the wrap had got through. Those broadcasts now send them as bytes too: the losses and
-    adapters equal one process's, and rank 1's scales, zeroed after the wrap, are rank 0's again after a forward."""
+    """MXFP8 and NVFP4 layers keep their block scales as fp8 buffers (e8m0, e4m3), NVFP4 its weight as packed uint8
+    with an fp32 global scale. DDP broadcasts buffers again before every forward (broadcast_buffers=True, its default),
+    and the first forward stopped with 'Invalid scalar type' (gloo has no fp8 types) once the wrap had got through.
+    With broadcast_buffers=False the wrap sent an MXFP8 layer's e8m0 scales as they were ('Invalid scalar type'), and
+    an NVFP4 layer's packed weight without its scales: rank 1 computed with rank 0's weight and its own scales. Now
+    every broadcast sends fp8 as bytes and a layer's scales go with its weight: the losses and adapters equal one
+    process's, the frozen tensors are rank 0's after the wrap (rank 1 built others), and with broadcast_buffers rank
+    1's scales, zeroed after the wrap, are rank 0's again after a forward."""
     res = _launch("ddp_microscaled", tmp_path)
     losses, adapter = C.train_microscaled_single_process()
     for r in res:
-        assert r["n_fp8_scales"] == 4 and r["scale_dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e8m0fnu"]
-        assert r["scales_back"], f"rank {r['rank']}: the scales are not rank 0's after a forward"
-        assert_close(torch.tensor(r["losses"]), torch.tensor(losses), REL, f"rank {r['rank']} losses")
-        assert r["adapter"].keys() == adapter.keys() and len(adapter) == 42
-        for k in adapter:
-            assert_close(r["adapter"][k], adapter[k], REL, f"rank {r['rank']} {k}")
+        for run in ("broadcast_buffers=True", "broadcast_buffers=False"):
+            got, what = r[run], f"rank {r['rank']} {run}"
+            assert got["n_fp8_scales"] == 4 and got["scale_dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e8m0fnu"]
+            assert got["frozen_equal_after_wrap"], what
+            assert got["scales_back"], f"{what}: the scales are not rank 0's after a forward"
+            assert_close(torch.tensor(got["losses"]), torch.tensor(losses), REL, f"{what} losses")
+            assert got["adapter"].keys() == adapter.keys() and len(adapter) == 42
+            for k in adapter:
+                assert_close(got["adapter"][k], adapter[k], REL, f"{what} {k}")
 
 
 def test_fsdp2(tmp_path, reference):
