@@ -209,7 +209,9 @@ def _wrap_fsdp1_init(orig):
         module = bound.arguments.get("module")
         if isinstance(module, torch.nn.Module):
             ignored = _ignored_param_ids(bound.arguments)
-            fp8 = [n for n, p in module.named_parameters() if is_fp8(p) and id(p) not in ignored]
+            # an NVFP4 layer's weight is packed uint8: a dorafp8 layer's, though not fp8 (FSDP1 cannot flatten it)
+            ours = {id(m.weight) for m in module.modules() if isinstance(m, FP8WeightModule)}
+            fp8 = [n for n, p in module.named_parameters() if (is_fp8(p) or id(p) in ours) and id(p) not in ignored]
             if fp8:
                 raise TypeError(FSDP1_REFUSAL.format(what=f"a module with {len(fp8)} fp8 weights (e.g. {fp8[0]!r})"))
         return orig(self, *args, **kwargs)

@@ -170,15 +170,27 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 import dorafp8
 from dorafp8.distributed import uninstall_fsdp1_refusal
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from dorafp8.quant import quantize_nvfp4
 from tests.distributed import _dist_common as C
+
+
+def nvfp4_only():  # a packed uint8 weight: no fp8 parameter at all
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    w8, scale, g = quantize_nvfp4(lin.weight.detach())
+    return torch.nn.Sequential(dorafp8.FP8Linear.from_fp8(w8, scale, lin.bias.detach(), backend="reference",
+                                                          global_scale=g), torch.nn.Linear(64, 8))
+
+
 for refusal in (True, False):
     if not refusal:
         uninstall_fsdp1_refusal()
-    try:
-        FSDP(C.build_model(0), device_id=torch.device("cpu"))
-        print("wrapped")
-    except Exception as e:
-        print(type(e).__name__, "::", e)
+    for build in (lambda: C.build_model(0), nvfp4_only):
+        try:
+            FSDP(build(), device_id=torch.device("cpu"))
+            print("wrapped")
+        except Exception as e:
+            print(type(e).__name__, "::", e)
 dist.destroy_process_group()
 """
 
@@ -192,11 +204,15 @@ def test_fsdp1_is_refused_at_wrap_time_naming_fsdp2():
     r = subprocess.run([sys.executable, "-c", _FSDP1_JOB, str(_free_port())], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
-    refused, without = [line for line in r.stdout.splitlines() if "::" in line or line == "wrapped"]
+    refused, refused_nvfp4, without, without_nvfp4 = [line for line in r.stdout.splitlines()
+                                                      if "::" in line or line == "wrapped"]
     assert refused.startswith("TypeError :: FullyShardedDataParallel (FSDP1) cannot wrap a module with 14 fp8")
+    # an NVFP4 layer's packed uint8 weight is no fp8 tensor, and was let through to FSDP1's own error
+    assert refused_nvfp4.startswith("TypeError :: FullyShardedDataParallel (FSDP1) cannot wrap a module with 1 ")
     for fix in ("fully_shard", "`fsdp_version: 2`", "FSDP_VERSION=2", 'fsdp_config={"version": 2}'):
-        assert fix in refused
+        assert fix in refused and fix in refused_nvfp4
     assert "Must flatten tensors with uniform dtype" in without  # what FSDP1 itself says, later
+    assert "Cannot flatten integer dtype tensors" in without_nvfp4
 
 
 _SIZE_WRAP_JOB = """
