@@ -37,18 +37,19 @@ def _unwrap(owner, attr: str) -> None:
 
 def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
     """(names, tensors) DDP's sync would broadcast that gloo cannot: fp8 parameters (and fp8 buffers when buffers are
-    synced), plus the `scale` of each FP8Linear whose weight is among them when buffers are not synced."""
+    synced), plus, when buffers are not synced, the scales (`scale`, NVFP4's `global_scale`) of each dorafp8 layer whose
+    weight is synced (fp8, or NVFP4's packed uint8, which DDP sends itself): a weight's bytes mean nothing without
+    them."""
     states = list(module.named_parameters()) + (list(module.named_buffers()) if broadcast_buffers else [])
     fp8 = [(name, t) for name, t in states if name not in ignore and is_fp8(t)]
     names, tensors = [name for name, _ in fp8], [t.detach() for _, t in fp8]
     extra = []
     if not broadcast_buffers:
-        synced = set(names)
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
-            if isinstance(mod, FP8WeightModule) and prefix + "weight" in synced \
-                    and prefix + "scale" not in ignore:
-                extra.append(mod.scale.detach())
+            if isinstance(mod, FP8WeightModule) and prefix + "weight" not in ignore:
+                extra += [t.detach() for key in ("scale", "global_scale")
+                          if (t := getattr(mod, key, None)) is not None and prefix + key not in ignore]
     return names, tensors, extra
 
 
@@ -65,12 +66,13 @@ def _wrap_sync_module_states(orig):
         a = bound.arguments
         names, fp8, extra = _fp8_states_to_sync(a["module"], a["params_and_buffers_to_ignore"],
                                                 a.get("broadcast_buffers", True))
-        if fp8:
+        if fp8 or extra:
             import torch.distributed as dist
 
             with torch.no_grad():
                 # In place: a uint8 view shares the fp8 tensor's storage, so the received bytes land in it.
-                dist._broadcast_coalesced(a["process_group"], [t.view(torch.uint8) for t in fp8] + extra,
+                dist._broadcast_coalesced(a["process_group"],
+                                          [t.view(torch.uint8) if is_fp8(t) else t for t in fp8 + extra],
                                           a["broadcast_bucket_size"], a["src"])
             a["params_and_buffers_to_ignore"] = set(a["params_and_buffers_to_ignore"]) | set(names)
         return orig(*bound.args, **bound.kwargs)
@@ -78,30 +80,45 @@ def _wrap_sync_module_states(orig):
     return _sync_module_states
 
 
+def _wrap_buffer_broadcast(orig):
+    @functools.wraps(orig)
+    def _distributed_broadcast_coalesced(self, tensors, *args, **kwargs):
+        # The buffers DDP broadcasts again before every forward: MXFP8's and NVFP4's block scales are fp8 (e8m0, e4m3),
+        # which gloo cannot send. As bytes, in place, as at the wrap.
+        return orig(self, [t.view(torch.uint8) if is_fp8(t) else t for t in tensors], *args, **kwargs)
+
+    return _distributed_broadcast_coalesced
+
+
 def install_ddp_support() -> bool:
-    """Makes DistributedDataParallel's initial broadcast send fp8 parameters/buffers as raw bytes (uint8 views), so
-    that it works on gloo too, by wrapping `torch.nn.parallel.distributed._sync_module_states`. Idempotent; called on
-    `import dorafp8`. Returns whether it is installed (False without torch.distributed or that function)."""
+    """Makes DistributedDataParallel's broadcasts send fp8 parameters/buffers as raw bytes (uint8 views), so that they
+    work on gloo too: the initial one (`torch.nn.parallel.distributed._sync_module_states`) and the buffers' before
+    each forward (`DistributedDataParallel._distributed_broadcast_coalesced`). Idempotent; called on `import dorafp8`.
+    Returns whether it is installed (False without torch.distributed or those functions)."""
     if not torch.distributed.is_available():
         return False
     import torch.nn.parallel.distributed as ddp_module
 
     cur = getattr(ddp_module, "_sync_module_states", None)
-    if cur is None:
-        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states; DDP over gloo "
-                      "cannot broadcast fp8 weights (NCCL can). See docs/MULTI_GPU.md.")
+    per_forward = getattr(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", None)
+    if cur is None or per_forward is None:
+        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states or "
+                      "_distributed_broadcast_coalesced; DDP over gloo cannot broadcast fp8 weights or scales (NCCL "
+                      "can broadcast e4m3). See docs/MULTI_GPU.md.")
         return False
     _wrap_once(ddp_module, "_sync_module_states", _wrap_sync_module_states)
+    _wrap_once(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", _wrap_buffer_broadcast)
     return True
 
 
 def uninstall_ddp_support() -> None:
-    """Puts back DDP's own `_sync_module_states` (for tests and for debugging)."""
+    """Puts back DDP's own `_sync_module_states` and `_distributed_broadcast_coalesced` (for tests and debugging)."""
     if not torch.distributed.is_available():
         return
     import torch.nn.parallel.distributed as ddp_module
 
     _unwrap(ddp_module, "_sync_module_states")
+    _unwrap(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced")
 
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------
@@ -192,7 +209,9 @@ def _wrap_fsdp1_init(orig):
         module = bound.arguments.get("module")
         if isinstance(module, torch.nn.Module):
             ignored = _ignored_param_ids(bound.arguments)
-            fp8 = [n for n, p in module.named_parameters() if is_fp8(p) and id(p) not in ignored]
+            # an NVFP4 layer's weight is packed uint8: a dorafp8 layer's, though not fp8 (FSDP1 cannot flatten it)
+            ours = {id(m.weight) for m in module.modules() if isinstance(m, FP8WeightModule)}
+            fp8 = [n for n, p in module.named_parameters() if (is_fp8(p) or id(p) in ours) and id(p) not in ignored]
             if fp8:
                 raise TypeError(FSDP1_REFUSAL.format(what=f"a module with {len(fp8)} fp8 weights (e.g. {fp8[0]!r})"))
         return orig(self, *args, **kwargs)

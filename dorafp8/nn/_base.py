@@ -141,17 +141,20 @@ class FP8WeightModule(nn.Module):
             self.global_scale = g.to(self.global_scale.device)
         return self
 
+    _SCALES = ("scale", "global_scale")  # the buffers (NVFP4 has both) FSDP2 leaves whole on every rank
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Under FSDP2 the `scale` buffer is listed as replicated on the weight's mesh: code that reads `.device_mesh`
+        # Under FSDP2 the scale buffers are listed as replicated on the weight's mesh: code that reads `.device_mesh`
         # off every state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on a plain tensor.
         super()._save_to_state_dict(destination, prefix, keep_vars)
         dtensor = _dtensor_class()
-        key, w = prefix + "scale", self.weight
-        if dtensor is not None and isinstance(w, dtensor) and key in destination:
+        w = self.weight
+        if dtensor is not None and isinstance(w, dtensor):
             from torch.distributed.tensor import Replicate
 
-            destination[key] = dtensor.from_local(destination[key], w.device_mesh,
-                                                  [Replicate()] * w.device_mesh.ndim, run_check=False)
+            for key in (prefix + name for name in self._SCALES if prefix + name in destination):
+                destination[key] = dtensor.from_local(destination[key], w.device_mesh,
+                                                      [Replicate()] * w.device_mesh.ndim, run_check=False)
 
     _float_weight_hint: str  # what to do with a float weight in a state_dict (the load error says it)
 
@@ -167,6 +170,11 @@ class FP8WeightModule(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        dtensor = _dtensor_class()
+        for key in (prefix + name for name in self._SCALES):
+            if dtensor is not None and isinstance(state_dict.get(key), dtensor):
+                # FSDP2's replicated scales (_save_to_state_dict): the buffers stay plain tensors
+                state_dict[key] = state_dict[key].full_tensor()
         w = state_dict.get(prefix + "weight")
         if w is not None and w.dtype == torch.uint8 and hasattr(self, "global_scale"):  # a packed NVFP4 weight
             self.weight = nn.Parameter(torch.empty_like(w, device=self.weight.device), requires_grad=False)
@@ -177,9 +185,6 @@ class FP8WeightModule(nn.Module):
                               f"'{prefix}scale', got {w.dtype}; {self._float_weight_hint}")
             return
         sc = state_dict.get(prefix + "scale")
-        dtensor = _dtensor_class()
-        if dtensor is not None and isinstance(sc, dtensor):
-            sc = sc.full_tensor()  # FSDP2's replicated scale (_save_to_state_dict): the buffer stays a plain tensor
         if sc is not None:
             try:
                 sc = self._check_loaded_scale(sc, prefix + "scale", w)

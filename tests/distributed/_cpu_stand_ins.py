@@ -15,7 +15,8 @@ FP8_DTYPES = frozenset(d for d in vars(torch).values()
 def emulate_nccl_fp8_transport():
     """gloo has no fp8 types ("Invalid scalar type"); NCCL moves fp8 as its bytes (ncclFloat8e4m3, or ncclUint8 before
     NCCL 2.24). So that gloo can stand in for NCCL, every fp8 tensor given to these collectives (and DTensor's
-    scatter, which distribute_tensor uses) goes as a uint8 view of the same storage: the bytes NCCL would move.
+    scatter and broadcast, which distribute_tensor uses for Shard and Replicate) goes as a uint8 view of the same
+    storage: the bytes NCCL would move.
     Installed before DeepSpeed's comm backend reads the functions."""
     import torch.distributed.tensor._collective_utils as dtensor_comm
 
@@ -30,7 +31,7 @@ def emulate_nccl_fp8_transport():
         return wrapper
 
     for owner, name in ((dist, "broadcast"), (dist, "all_gather_into_tensor"), (dist, "_all_gather_base"),
-                        (dtensor_comm, "scatter")):
+                        (dtensor_comm, "scatter"), (dtensor_comm, "broadcast")):
         setattr(owner, name, via_bytes(getattr(owner, name)))
 
     # DTensor's Shard -> Replicate (full_tensor(), a full state_dict) all-gathers through the functional collectives,

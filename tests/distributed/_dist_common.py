@@ -38,6 +38,26 @@ def build_model(seed: int = 0):
     return get_peft_model(model, cfg)
 
 
+def build_microscaled_model(seed: int = 0):
+    """build_model's model with every q_proj an MXFP8 layer and every v_proj an NVFP4 one (the kinds whose block scales
+    are fp8 buffers: e8m0, e4m3), the other targets per-tensor fp8; DoRA on every target."""
+    from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(llama_config()).float()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name, quantize in (("q_proj", lambda w: (*quantize_mxfp8(w), None)), ("v_proj", quantize_nvfp4)):
+            lin = getattr(attn, name)
+            w8, scale, g = quantize(lin.weight.detach())
+            setattr(attn, name, dorafp8.FP8Linear.from_fp8(w8, scale, lin.bias.detach().clone(), backend="reference",
+                                                           global_scale=g))
+    dorafp8.quantize_model(model, ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], backend="reference",
+                           verbose=False)
+    cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
+    return get_peft_model(model, cfg)
+
+
 def build_doc_model(seed: int = 0):
     """The model of docs/MULTI_GPU.md's train.py: every nn.Linear but lm_head quantized (quantize_model's default),
     DoRA on the attention projections only, so that the MLP projections stay plain FP8Linear layers."""
@@ -55,6 +75,13 @@ def train_doc_model_single_process():
     """The reference for the doc's mixed-precision recipe: build_doc_model, fp32, one process, the full batch, STEPS
     plain SGD steps. Returns the losses."""
     return _sgd_full_batch(build_doc_model(0))
+
+
+def train_microscaled_single_process():
+    """The reference for the microscaled layers under DDP: build_microscaled_model, one process, the full batch, STEPS
+    plain SGD steps. Returns (losses, adapter state)."""
+    pm = build_microscaled_model(0)
+    return _sgd_full_batch(pm), adapter_state(pm)
 
 
 def _sgd_full_batch(pm) -> list:

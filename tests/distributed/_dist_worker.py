@@ -4,7 +4,7 @@ torch.distributed.run:
     python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P \
         tests/distributed/_dist_worker.py ENGINE OUT_DIR
 
-ENGINE: ddp | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
+ENGINE: ddp | ddp_microscaled | fsdp2 | fsdp2_mp | accelerate | trainer | race | race_ddp | race_fsdp2 | lycoris_fsdp2 | zero3_init |
 fsdp2_ram (the last two: tests/distributed/test_loading.py). Each trains the model of _dist_common for STEPS steps on
 its half of each global batch and writes OUT_DIR/rank{r}.pt (losses averaged over the ranks, the full adapter state, the
 engine's own checks); rank 0 saves the adapter to OUT_DIR/adapter. The test compares it all with the single-process
@@ -105,6 +105,46 @@ def run_ddp(out):
     res["adapter"] = C.adapter_state(pm)
     if RANK == 0:
         pm.save_pretrained(os.path.join(out, "adapter"))
+    return res
+
+
+def _frozen_fingerprint(model) -> str:
+    """sha256 of every frozen parameter's and every buffer's bytes, in name order: base weights, scales, global scales."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted([(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+                          + list(model.named_buffers())):
+        h.update(name.encode() + t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_ddp_microscaled(out):
+    """DDP on MXFP8 and NVFP4 layers, whose block scales are fp8 buffers (e8m0, e4m3) and whose NVFP4 weight is packed
+    uint8 with an fp32 global scale. With broadcast_buffers=True (DDP's default) DDP broadcasts the buffers again
+    before every forward, not only when it wraps; with False, a layer's scales must still follow its weight."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    res = {}
+    for broadcast_buffers in (True, False):
+        # broadcast_buffers=False: rank 1 builds other weights, scales and adapters; rank 0's must be everywhere
+        pm = C.build_microscaled_model(seed=0 if broadcast_buffers else RANK)
+        model = DDP(pm, broadcast_buffers=broadcast_buffers)
+        got = {"frozen_equal_after_wrap": all_equal_across_ranks(_frozen_fingerprint(pm))}
+        scales = {n: b for n, b in pm.named_buffers() if b.dtype in FP8_DTYPES}
+        before = {n: b.clone() for n, b in scales.items()}
+        if RANK == 1 and broadcast_buffers:  # written after the wrap: the next forward's broadcast puts rank 0's back
+            with torch.no_grad():
+                for b in scales.values():
+                    b.view(torch.uint8).zero_()
+        got["n_fp8_scales"] = len(scales)
+        got["scale_dtypes"] = sorted({str(b.dtype) for b in scales.values()})
+        got["losses"] = sgd_steps(model, torch.optim.SGD(trainable(model), lr=C.LR))
+        got["scales_back"] = all(torch.equal(b.view(torch.uint8), before[n].view(torch.uint8))
+                                 for n, b in scales.items())
+        got["adapter"] = C.adapter_state(pm)
+        res[f"broadcast_buffers={broadcast_buffers}"] = got
     return res
 
 

@@ -44,12 +44,16 @@ def test_ddp_support_is_installed_on_import_and_idempotent():
 
     from dorafp8.distributed import uninstall_ddp_support
 
-    wrapped = ddp_module._sync_module_states
+    ddp = ddp_module.DistributedDataParallel
+    wrapped, per_forward = ddp_module._sync_module_states, ddp._distributed_broadcast_coalesced
     assert hasattr(wrapped, "_dorafp8_orig"), "import dorafp8 must install the DDP support"
+    assert hasattr(per_forward, "_dorafp8_orig")  # the buffers' broadcast before each forward
     assert install_ddp_support() and ddp_module._sync_module_states is wrapped  # idempotent
+    assert ddp._distributed_broadcast_coalesced is per_forward
     uninstall_ddp_support()
     try:
         assert ddp_module._sync_module_states is wrapped._dorafp8_orig
+        assert ddp._distributed_broadcast_coalesced is per_forward._dorafp8_orig
         import torch.distributed.utils as dist_utils
 
         assert dist_utils._sync_module_states is wrapped._dorafp8_orig  # torch's own function is never replaced
@@ -166,15 +170,27 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 import dorafp8
 from dorafp8.distributed import uninstall_fsdp1_refusal
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from dorafp8.quant import quantize_nvfp4
 from tests.distributed import _dist_common as C
+
+
+def nvfp4_only():  # a packed uint8 weight: no fp8 parameter at all
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    w8, scale, g = quantize_nvfp4(lin.weight.detach())
+    return torch.nn.Sequential(dorafp8.FP8Linear.from_fp8(w8, scale, lin.bias.detach(), backend="reference",
+                                                          global_scale=g), torch.nn.Linear(64, 8))
+
+
 for refusal in (True, False):
     if not refusal:
         uninstall_fsdp1_refusal()
-    try:
-        FSDP(C.build_model(0), device_id=torch.device("cpu"))
-        print("wrapped")
-    except Exception as e:
-        print(type(e).__name__, "::", e)
+    for build in (lambda: C.build_model(0), nvfp4_only):
+        try:
+            FSDP(build(), device_id=torch.device("cpu"))
+            print("wrapped")
+        except Exception as e:
+            print(type(e).__name__, "::", e)
 dist.destroy_process_group()
 """
 
@@ -188,11 +204,15 @@ def test_fsdp1_is_refused_at_wrap_time_naming_fsdp2():
     r = subprocess.run([sys.executable, "-c", _FSDP1_JOB, str(_free_port())], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
-    refused, without = [line for line in r.stdout.splitlines() if "::" in line or line == "wrapped"]
+    refused, refused_nvfp4, without, without_nvfp4 = [line for line in r.stdout.splitlines()
+                                                      if "::" in line or line == "wrapped"]
     assert refused.startswith("TypeError :: FullyShardedDataParallel (FSDP1) cannot wrap a module with 14 fp8")
+    # an NVFP4 layer's packed uint8 weight is no fp8 tensor, and was let through to FSDP1's own error
+    assert refused_nvfp4.startswith("TypeError :: FullyShardedDataParallel (FSDP1) cannot wrap a module with 1 ")
     for fix in ("fully_shard", "`fsdp_version: 2`", "FSDP_VERSION=2", 'fsdp_config={"version": 2}'):
-        assert fix in refused
+        assert fix in refused and fix in refused_nvfp4
     assert "Must flatten tensors with uniform dtype" in without  # what FSDP1 itself says, later
+    assert "Cannot flatten integer dtype tensors" in without_nvfp4
 
 
 _SIZE_WRAP_JOB = """
@@ -355,6 +375,29 @@ def test_ddp(tmp_path, reference):
 
 def C_fingerprint_of_seed0():
     return C.fp8_fingerprint(C.build_model(0))
+
+
+def test_ddp_on_mxfp8_and_nvfp4_layers(tmp_path):
+    """MXFP8 and NVFP4 layers keep their block scales as fp8 buffers (e8m0, e4m3), NVFP4 its weight as packed uint8
+    with an fp32 global scale. DDP broadcasts buffers again before every forward (broadcast_buffers=True, its default),
+    and the first forward stopped with 'Invalid scalar type' (gloo has no fp8 types) once the wrap had got through.
+    With broadcast_buffers=False the wrap sent an MXFP8 layer's e8m0 scales as they were ('Invalid scalar type'), and
+    an NVFP4 layer's packed weight without its scales: rank 1 computed with rank 0's weight and its own scales. Now
+    every broadcast sends fp8 as bytes and a layer's scales go with its weight: the losses and adapters equal one
+    process's, the frozen tensors are rank 0's after the wrap (rank 1 built others), and with broadcast_buffers rank
+    1's scales, zeroed after the wrap, are rank 0's again after a forward."""
+    res = _launch("ddp_microscaled", tmp_path)
+    losses, adapter = C.train_microscaled_single_process()
+    for r in res:
+        for run in ("broadcast_buffers=True", "broadcast_buffers=False"):
+            got, what = r[run], f"rank {r['rank']} {run}"
+            assert got["n_fp8_scales"] == 4 and got["scale_dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e8m0fnu"]
+            assert got["frozen_equal_after_wrap"], what
+            assert got["scales_back"], f"{what}: the scales are not rank 0's after a forward"
+            assert_close(torch.tensor(got["losses"]), torch.tensor(losses), REL, f"{what} losses")
+            assert got["adapter"].keys() == adapter.keys() and len(adapter) == 42
+            for k in adapter:
+                assert_close(got["adapter"][k], adapter[k], REL, f"{what} {k}")
 
 
 def test_fsdp2(tmp_path, reference):

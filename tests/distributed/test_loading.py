@@ -20,6 +20,7 @@ FSDP (tests/distributed/test_trainer_fsdp2.py: accelerate selects FSDP on GPUs o
 """
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -168,6 +169,52 @@ def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
                 assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
     finally:
         dist.destroy_process_group()
+
+
+_MICROSCALED_LOADER_JOB = """
+import os, sys, types, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from tests.distributed._cpu_stand_ins import emulate_nccl_fp8_transport
+emulate_nccl_fp8_transport()
+dist.init_process_group("gloo", rank=0, world_size=1)
+from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+from torch.distributed.fsdp import fully_shard
+from tests.distributed import _dist_common as C
+src = C.build_microscaled_model(0)
+dst = C.build_microscaled_model(1)  # other weights, scales and adapters
+for layer in dst.base_model.model.model.layers:
+    fully_shard(layer)
+fully_shard(dst)
+try:
+    fsdp2_load_full_state_dict(types.SimpleNamespace(is_main_process=True), dst, src.state_dict())
+    ids = C.probe_ids()
+    with torch.no_grad():
+        print("loaded", torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits),
+              {type(m.global_scale).__name__ for m in dst.modules() if getattr(m, "global_scale", None) is not None})
+except Exception as e:
+    print(type(e).__name__, "::", e)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
+    """accelerate's FSDP2 loader (cpu_ram_efficient_loading) reads `.device_mesh` off every state_dict entry of the
+    sharded model: an NVFP4 layer's `global_scale` buffer was listed as a plain tensor ('Tensor' object has no attribute
+    'device_mesh'). It is now listed replicated, as `scale` is, and taken back as a plain buffer: the loaded model
+    computes what the source does. One process (a group of one), accelerate's own loader; fp8 as bytes."""
+    _needs("accelerate", "the job runs accelerate's FSDP2 loader")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO, _free_port
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _MICROSCALED_LOADER_JOB, str(_free_port())], capture_output=True,
+                       text=True, env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = next(x for x in r.stdout.splitlines() if "::" in x or x.startswith("loaded"))
+    assert line == "loaded True {'Tensor'}", line
 
 
 def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
