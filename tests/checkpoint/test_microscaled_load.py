@@ -132,6 +132,20 @@ def test_malformed_nvfp4_is_refused_naming_the_tensor(damage, match):
     assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)  # nothing changed
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_awq_pre_quant_scale_is_refused_naming_it(strict):
+    """ModelOpt's NVFP4_AWQ / NVFP4_SVD exports keep `<layer>.pre_quant_scale` (the layer computes (x * s) W^T). Without
+    the hf_quant_config.json naming that quant_algo (a weights file on its own), strict=True refused it as a key that
+    "fits nothing", suggesting strict=False, which then loaded the layer without it: wrong outputs, no error. Refused
+    now either way, naming the key, the model unchanged."""
+    model, sd = _tiny_nvfp4()
+    sd["0.pre_quant_scale"] = torch.rand(32) + 0.5
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CheckpointFormatError, match=r"0\.pre_quant_scale: an AWQ / SVDQuant pre-quantization scale"):
+        load_fp8_checkpoint(model, sd, strict=strict, verbose=False)
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)
+
+
 def test_packed_size_that_is_not_whole_nvfp4_blocks_is_refused():
     """in_features = 24: 12 bytes a row, 1.5 blocks of 16: not NVFP4 as ModelOpt or compressed-tensors write it."""
     model, sd = _tiny_nvfp4(in_features=24)
