@@ -825,6 +825,33 @@ def test_comfy_quant_layers_of_other_formats_are_refused_naming_them(fmt):
     with torch.device("meta"):
         model = type(ref).from_config(ref.config)
     with pytest.raises(CheckpointFormatError, match=rf"{key[:-len('.comfy_quant')]}': ComfyUI quantization format "
-                                                     rf"'{fmt}' \(1 layers not float8_e4m3fn\)"):
+                                                     rf"'{fmt}' \(1 layers neither float8_e4m3fn nor float8_e5m2\)"):
         load_single_file(model, quant_sd, verbose=False)
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_comfy_quant_float8_e5m2_layers_load_as_their_scaled_fp8_twin():
+    """ComfyUI's comfy_quant format "float8_e5m2" (its QUANT_ALGOS' TensorCoreFP8E5M2Layout: e5m2 weights, per-tensor
+    weight_scale) was refused as "not float8_e4m3fn", while the same weights in the scaled_fp8 encoding load (each
+    shifted into e4m3, the error stated). It loads now as that twin: the same layers, bytes and scales."""
+    import json
+
+    from accelerate import init_empty_weights
+
+    sd, src, _ = _wan_e5m2_file()
+    quant_sd, _ = _as_comfy_quant(sd, per_layer=True)
+    for k in [k for k in quant_sd if k.endswith(".comfy_quant")]:
+        quant_sd[k] = torch.tensor(list(json.dumps({"format": "float8_e5m2"}).encode()), dtype=torch.uint8)
+    models = []
+    for state_dict in (sd, quant_sd):
+        with init_empty_weights():
+            model = type(src).from_config(src.config)
+        with pytest.warns(dorafp8.quant.QuantizationWarning, match="float8_e5m2"):
+            load_single_file(model, dict(state_dict), verbose=False)
+        models.append(model)
+    twin, ours = (dict(m.named_modules()) for m in models)
+    fp8 = [n for n, m in twin.items() if isinstance(m, FP8Linear)]
+    assert fp8 and fp8 == [n for n, m in ours.items() if isinstance(m, FP8Linear)]
+    for n in fp8:
+        assert torch.equal(ours[n].weight.view(torch.uint8), twin[n].weight.view(torch.uint8)), n
+        assert torch.equal(ours[n].scale, twin[n].scale), n
