@@ -79,7 +79,8 @@ def export_merged(model: nn.Module, path, format: Optional[str] = None, *, adapt
         model: a PeftModel (or a model with PEFT's LoRA layers) on dorafp8 fp8 layers.
         path: a folder or a .safetensors file, as for save_fp8_checkpoint.
         format: compressed-tensors (default unless the model was loaded from another layout; one scale per row,
-            which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads), fine-grained (per
+            which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads; a diffusers model's
+            .safetensors file refused: ComfyUI converts its key names dropping the scales), fine-grained (per
             128 x 128 block, or block_size), dorafp8; or dense: bf16, fp16, fp32. A model on NVFP4 / MXFP8
             layers: modelopt (the default for one loaded from it; merged layers re-quantized by the NVFP4 / MXFP8
             recipe of dorafp8/quant.py, the layer's kind) or dense.
