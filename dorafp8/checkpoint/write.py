@@ -412,6 +412,13 @@ def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, ExportReport]:
                          f"them first (model = peft_model.merge_and_unload()), write a merged checkpoint with "
                          f"dorafp8.export_merged(peft_model, path), or save the adapter alone with the PeftModel's "
                          f"save_pretrained")
+    micro = {k: v for k, v in _layer_kinds(model).items() if k in MICRO_KINDS}
+    if micro:  # (resolve_target's own refusal would name format='fine-grained', which the caller never asked for)
+        raise ValueError(f"{type(base).__name__}.save_pretrained: the model holds {_held(micro)}, which dorafp8 writes "
+                         f"in ModelOpt's layout, not in one transformers' from_pretrained reads: write them with "
+                         f"dorafp8.save_fp8_checkpoint(model, path, format='modelopt') (export_merged(peft_model, "
+                         f"path, format='modelopt') merges adapters), which load_fp8_checkpoint reads, or dense with "
+                         f"format='bf16', which from_pretrained reads")
     t = resolve_target(model, "fine-grained", None, None, "")
     layers = fp8_modules(t.base).values()
     if not (t.same and all(isinstance(m, FP8Linear) and (scale_kind(m.scale) == "tensor" or (

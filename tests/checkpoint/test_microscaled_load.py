@@ -699,3 +699,19 @@ def test_the_modelopt_twin_of_a_comfyui_nvfp4_layer_still_loads():
     load_fp8_checkpoint(model, twin, verbose=False)
     assert torch.equal(model[0].weight.view(torch.uint8), twin["0.weight"])
     assert not torch.equal(comfy["0.weight"], twin["0.weight"])
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_save_pretrained_of_a_microscaled_model_names_save_fp8_checkpoint(tmp_path, algo):
+    """transformers' save_pretrained of a model on NVFP4 / MXFP8 layers (which dorafp8 writes in ModelOpt's layout, not
+    in one from_pretrained reads) was refused by the fine-grained writer's check: "format='fine-grained' cannot hold"
+    them, a format the caller never named, without naming the call that writes them. The refusal now names
+    save_pretrained, the layers, and save_fp8_checkpoint / export_merged with format='modelopt' or a dense one;
+    nothing is written."""
+    model = meta_model()
+    load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), algo), verbose=False)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"LlamaForCausalLM\.save_pretrained: the model holds 14 {algo} layers .*"
+                                         r"dorafp8\.save_fp8_checkpoint\(model, path, format='modelopt'\).*'bf16'"):
+        model.save_pretrained(out)
+    assert not (out.exists() and any(out.iterdir()))
