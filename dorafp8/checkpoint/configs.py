@@ -51,7 +51,20 @@ def transformers_problem(t: WriteTarget, why: str) -> Optional[str]:
 
 
 def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
-    """Refuses, before anything is written, a directory with a transformers config.json that it would load wrong."""
+    """Refuses, before anything is written, a directory with a transformers config.json that it would load wrong, and
+    a diffusers model's single file in ComfyUI's layouts, which ComfyUI would load wrong."""
+    how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
+    if path.endswith(".safetensors") and t.config_kind == "diffusers" and t.fmt in ("comfyui", "comfyui-quant"):
+        # ComfyUI reads a diffusion model's scaled fp8 keys only under its original (ldm, BFL, ...) names; a file in
+        # diffusers' names it converts for the weights alone (comfy/model_detection.py convert_diffusers_mmdit,
+        # comfy/utils.py unet_to_diffusers), dropping the scales: the raw e4m3 values would run unscaled, silently
+        raise ValueError(f"{path}: {how}, for {type(t.base).__name__}, a diffusers model: the file would hold "
+                         f"diffusers' key names, and ComfyUI's loader converts those for the weights alone: it drops "
+                         f"every scale_weight / weight_scale and the scaled_fp8 marker and runs the raw e4m3 values "
+                         f"unscaled, without an error. For ComfyUI write format='bf16' (diffusers names, which it "
+                         f"converts), or the adapter alone onto the original file (save_single_file_dora for a model "
+                         f"from load_single_file, save_kohya_dora); to reload with dorafp8 write format='dorafp8' or "
+                         f"'compressed-tensors', or a folder")
     if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
         return
     if t.fmt == "modelopt":  # ModelOpt's own export layout, hf_quant_config.json beside it (modelopt_config)
@@ -60,7 +73,6 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
                  "format='compressed-tensors' / 'fine-grained', which transformers and vLLM read (and "
                  "load_fp8_checkpoint too)")
     if t.fmt not in TRANSFORMERS_FORMATS:
-        how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
         raise ValueError(f"{path}: {how}, into a directory with a transformers config.json: transformers' "
                          f"from_pretrained would load the raw e4m3 values without their scales ('<layer>."
                          f"{t.layout.scale_key}'), silently wrong. {file_hint}")

@@ -14,8 +14,8 @@ from torch import nn
 from ..backends import check_backend_name
 from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
-from ..quant import (DEFAULT_BLOCK, E4M3, check_act_quant, check_fp8_weight, check_micro_scale_values, check_scale,
-                     check_weight)
+from ..quant import (DEFAULT_BLOCK, E4M3, E8M0, check_act_quant, check_fp8_weight, check_micro_scale_values,
+                     check_scale, check_weight)
 from .files import read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
@@ -34,7 +34,8 @@ def _ct_fp8_linear_cls():
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
           act_quant, dtype, global_scale=None) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
-    kept = scale.detach() if scale.dtype == E4M3 else scale.detach().float()  # NVFP4's e4m3 block scales as stored
+    # NVFP4's e4m3 and MXFP8's e8m0 block scales as stored
+    kept = scale.detach() if scale.dtype in (E4M3, E8M0) else scale.detach().float()
     new = FP8Linear.from_fp8(w8.detach(), kept, bias, backend=backend, dtype=dtype, block_size=block_size,
                              act_quant=act_quant, global_scale=global_scale)
     new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape))
@@ -110,6 +111,12 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
             zp = getattr(mod, "weight_zero_point", None)
             if zp is not None and bool((zp.float() != 0).any()):
                 raise ValueError(f"{name}: non-zero weight_zero_point (asymmetric fp8) is not supported")
+            if mod.weight_scale.dtype == torch.uint8:  # mxfp8-quantized: e8m0 exponents as their bytes
+                scale = mod.weight_scale.detach().view(E8M0)
+                check_weight(mod.weight, scale, name=f"{name}.weight")
+                check_micro_scale_values(scale, f"{name}.weight_scale")
+                layers.append((name, mod, mod.weight, scale, DEFAULT_BLOCK, "compressed-tensors", {}, None))
+                continue
             block_size = DEFAULT_BLOCK
             if getattr(w, "block_structure", None):
                 block_shape = list(w.block_structure)
@@ -132,8 +139,8 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
     fp8 config for dorafp8 FP8Linear layers (same e4m3 bytes, same scale), in place. A compressed-tensors
-    nvfp4-pack-quantized model (its modules still compressed, as from_pretrained leaves them without a GPU) becomes
-    NVFP4 FP8Linear layers holding its packed bytes and e4m3 scales.
+    nvfp4-pack-quantized or mxfp8-quantized model (its modules still compressed, as from_pretrained leaves them without
+    a GPU) becomes NVFP4 / MXFP8 FP8Linear layers holding its bytes and its e4m3 / e8m0 scales.
 
     Layers whose weight is not fp8 any more (dequantized at load: build the model on the meta device and use
     load_fp8_checkpoint instead) and MoE expert blocks are left as they are, with a warning. save_fp8_checkpoint writes

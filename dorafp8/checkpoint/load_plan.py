@@ -125,6 +125,12 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
         N, K = (shape_w[0], int(torch.Size(shape_w[1:]).numel())) if len(shape_w) >= 2 else (None, None)
         p = plan.layers[mod_name]
         mod = p.module
+        if f"{lay}.pre_quant_scale" in info:  # with strict=False it would be dropped, the layer computing x W^T
+            errors.append(f"{lay}.pre_quant_scale: an AWQ / SVDQuant pre-quantization scale (ModelOpt's NVFP4_AWQ, "
+                          f"NVFP4_SVD, W4A8_AWQ): the layer computes (x * pre_quant_scale) W^T, which dorafp8's "
+                          f"layers do not; loaded without it, it would compute wrong values. Load the model's plain "
+                          f"NVFP4 / fp8 / bf16 checkpoint instead")
+            continue
         kind = _micro_kind(info, k, lay, fmt)
         if kind == "nvfp4" and K is not None:
             K *= 2  # two e2m1 values a byte

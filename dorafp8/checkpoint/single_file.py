@@ -241,8 +241,8 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
 def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
     """ComfyUI's newer comfy_quant encoding (a `<layer>.comfy_quant` JSON per layer, or the `_quantization_metadata`
     safetensors metadata; `weight_scale`, `input_scale`) as its scaled_fp8 one (`scale_weight`, `scale_input`): what
-    ComfyUI's convert_old_quants (comfy/utils.py) does the other way. Only {"format": "float8_e4m3fn"} layers, the
-    one per-tensor fp8 format ComfyUI reads (TensorCoreFP8Layout); any other is refused, naming the layer."""
+    ComfyUI's convert_old_quants (comfy/utils.py) does the other way. Only its per-tensor fp8 layers ({"format":
+    "float8_e4m3fn"} or "float8_e5m2"); any other format is refused, naming the layer."""
     confs = {}
     for k in [k for k in state_dict if k.endswith(".comfy_quant")]:
         t = state_dict[k]
@@ -265,14 +265,15 @@ def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
     scales = [k for k in state_dict if k.endswith((".weight_scale", ".input_scale"))]
     if not confs and not scales:
         return state_dict
+    # float8_e5m2 (TensorCoreFP8E5M2Layout) is the same per-tensor scaling of e5m2 weights: _e5m2_to_e4m3 converts them
     other = {lay: c.get("format") if isinstance(c, dict) else c for lay, c in confs.items()
-             if not isinstance(c, dict) or c.get("format") != "float8_e4m3fn"}
+             if not isinstance(c, dict) or c.get("format") not in ("float8_e4m3fn", "float8_e5m2")}
     if other:
         lay, fmt = next(iter(other.items()))
-        raise CheckpointFormatError(f"{lay!r}: ComfyUI quantization format {fmt!r} ({len(other)} layers not "
-                                    f"float8_e4m3fn); load_single_file reads ComfyUI's float8_e4m3fn layers (per-tensor "
-                                    f"weight_scale) only. Load the same model's fp8 (float8_e4m3fn / fp8_scaled) or bf16 "
-                                    f"file instead; nothing was loaded")
+        raise CheckpointFormatError(f"{lay!r}: ComfyUI quantization format {fmt!r} ({len(other)} layers neither "
+                                    f"float8_e4m3fn nor float8_e5m2); load_single_file reads ComfyUI's per-tensor fp8 "
+                                    f"layers (weight_scale) only. Load the same model's fp8 (float8_e4m3fn / fp8_scaled) "
+                                    f"or bf16 file instead; nothing was loaded")
     unmarked = [k for k in scales if k.rpartition(".")[0] not in confs]
     if unmarked:
         raise CheckpointFormatError(f"{unmarked[0]!r}: a weight_scale / input_scale of a layer without its comfy_quant "
@@ -334,8 +335,8 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     Args:
         model: the diffusers model, built from its config (on the meta device or not).
         path_or_state_dict: a ComfyUI / kijai fp8_scaled file of Flux, SD 1.x / SDXL, SD3.5, Wan, HunyuanVideo or
-            LTX (ComfyUI's scaled_fp8 encoding or its newer comfy_quant one, float8_e4m3fn layers), or a dense one;
-            its path or its state dict. Its keys may carry ComfyUI's `model.diffusion_model.`
+            LTX (ComfyUI's scaled_fp8 encoding or its newer comfy_quant one, float8_e4m3fn or e5m2 layers), or a
+            dense one; its path or its state dict. Its keys may carry ComfyUI's `model.diffusion_model.`
             prefix or not; a full checkpoint's other components (VAE, text encoders) are left out, listed in the
             report's `kept`.
         device, dtype, backend, verbose: as for load_fp8_checkpoint.

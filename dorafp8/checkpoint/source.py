@@ -355,9 +355,9 @@ def _config_block(source: CheckpointSource, fmt: str) -> Optional[int]:
         block_shape = qc.get("weight_block_size")
     elif fmt == "compressed-tensors":
         if qc.get("format") not in (None, "float-quantized", "naive-quantized", "mixed-precision",
-                                    "nvfp4-pack-quantized"):
-            raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is neither "
-                                        f"float-quantized fp8 nor nvfp4-pack-quantized")
+                                    "nvfp4-pack-quantized", "mxfp8-quantized"):
+            raise CheckpointFormatError(f"{source.name}: compressed-tensors format {qc.get('format')!r} is none of "
+                                        f"float-quantized (fp8), nvfp4-pack-quantized and mxfp8-quantized")
         block_shape = None
         for g in (qc.get("config_groups") or {}).values():
             w = (g or {}).get("weights") or {}

@@ -79,7 +79,8 @@ def export_merged(model: nn.Module, path, format: Optional[str] = None, *, adapt
         model: a PeftModel (or a model with PEFT's LoRA layers) on dorafp8 fp8 layers.
         path: a folder or a .safetensors file, as for save_fp8_checkpoint.
         format: compressed-tensors (default unless the model was loaded from another layout; one scale per row,
-            which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads), fine-grained (per
+            which loses least), comfyui / comfyui-quant (per tensor, what ComfyUI reads; a diffusers model's
+            .safetensors file refused: ComfyUI converts its key names dropping the scales), fine-grained (per
             128 x 128 block, or block_size), dorafp8; or dense: bf16, fp16, fp32. A model on NVFP4 / MXFP8
             layers: modelopt (the default for one loaded from it; merged layers re-quantized by the NVFP4 / MXFP8
             recipe of dorafp8/quant.py, the layer's kind) or dense.
@@ -428,6 +429,13 @@ def save_pretrained_state(model: nn.Module) -> tuple[dict, dict, ExportReport]:
                          f"them first (model = peft_model.merge_and_unload()), write a merged checkpoint with "
                          f"dorafp8.export_merged(peft_model, path), or save the adapter alone with the PeftModel's "
                          f"save_pretrained")
+    micro = {k: v for k, v in _layer_kinds(model).items() if k in MICRO_KINDS}
+    if micro:  # (resolve_target's own refusal would name format='fine-grained', which the caller never asked for)
+        raise ValueError(f"{type(base).__name__}.save_pretrained: the model holds {_held(micro)}, which dorafp8 writes "
+                         f"in ModelOpt's layout, not in one transformers' from_pretrained reads: write them with "
+                         f"dorafp8.save_fp8_checkpoint(model, path, format='modelopt') (export_merged(peft_model, "
+                         f"path, format='modelopt') merges adapters), which load_fp8_checkpoint reads, or dense with "
+                         f"format='bf16', which from_pretrained reads")
     t = resolve_target(model, "fine-grained", None, None, "")
     layers = fp8_modules(t.base).values()
     if not (t.same and all(isinstance(m, FP8Linear) and (scale_kind(m.scale) == "tensor" or (

@@ -15,6 +15,7 @@
   fp8-cast, dorafp8   a model cast to float8_e4m3fn; an FP8Linear model's state_dict.
   compressed-tensors NVFP4  the compressed-tensors package, preset NVFP4A16 (nvfp4-pack-quantized): its generate_gparam
                       and calculate_qparams for the global and block scales, its ModelCompressor for the packing.
+  compressed-tensors MXFP8  the same, preset MXFP8A16 (mxfp8-quantized: e4m3 weights, e8m0 exponents as uint8 scales).
   modelopt            ModelOpt (nvidia-modelopt) needs CUDA to export; written here by the recipe of its own code
                       (NVFP4QTensor.quantize: dorafp8.quant.quantize_nvfp4 follows it, packing `(q[..., 1::2] << 4) |
                       q[..., 0::2]`) under the names its HF export writes (`weight` uint8, `weight_scale` e4m3,
@@ -110,8 +111,9 @@ def write_compressed_tensors(model, path: str, preset: str = "FP8_DYNAMIC", bloc
     return path
 
 
-def write_compressed_tensors_nvfp4(model, path: str) -> str:
-    """compressed-tensors' nvfp4-pack-quantized (preset NVFP4A16: weights only), by its own library."""
+def write_compressed_tensors_nvfp4(model, path: str, preset: str = "NVFP4A16") -> str:
+    """compressed-tensors' nvfp4-pack-quantized (preset NVFP4A16: weights only), or its mxfp8-quantized (preset
+    MXFP8A16), by its own library."""
     import copy
 
     from compressed_tensors.compressors import ModelCompressor
@@ -120,18 +122,21 @@ def write_compressed_tensors_nvfp4(model, path: str) -> str:
 
     m = copy.deepcopy(model)
     apply_quantization_config(m, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
-        "NVFP4A16", ["Linear"])}, ignore=["lm_head"]))
+        preset, ["Linear"])}, ignore=["lm_head"]))
     with torch.no_grad():
         for mod in m.modules():
             if getattr(mod, "quantization_scheme", None) is None or not hasattr(mod, "weight_scale"):
                 continue
             args, w = mod.quantization_scheme.weights, mod.weight
-            g = generate_gparam(w.amin(), w.amax())  # what its observers compute for tensor_group
-            mod.weight_global_scale.copy_(g.reshape(mod.weight_global_scale.shape))
+            g = None
+            if hasattr(mod, "weight_global_scale"):
+                g = generate_gparam(w.amin(), w.amax())  # what its observers compute for tensor_group
+                mod.weight_global_scale.copy_(g.reshape(mod.weight_global_scale.shape))
             blocks = w.reshape(w.shape[0], -1, args.group_size)
             scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=g)
             mod.weight_scale.copy_(scale.reshape(mod.weight_scale.shape))
-            mod.weight_zero_point.copy_(zp.reshape(mod.weight_zero_point.shape))
+            if hasattr(mod, "weight_zero_point"):
+                mod.weight_zero_point.copy_(zp.reshape(mod.weight_zero_point.shape))
         comp = ModelCompressor.from_pretrained_model(m)
         comp.compress_model(m)
     _save_dir(m.state_dict(), path, m.config)

@@ -43,12 +43,19 @@ def _dense_twin(file: dict, packed_suffix: str, reciprocal: bool):
     return model
 
 
-@pytest.mark.parametrize("writer", ["compressed-tensors", "modelopt-nvfp4", "modelopt-mxfp8"])
+@pytest.mark.parametrize("writer", ["compressed-tensors", "compressed-tensors-mxfp8", "modelopt-nvfp4",
+                                    "modelopt-mxfp8"])
 def test_loads_in_place_bit_exactly(tmp_path, writer):
+    """compressed-tensors-mxfp8: its own mxfp8-quantized export (config.json format 'mxfp8-quantized') was refused as
+    "neither float-quantized fp8 nor nvfp4-pack-quantized" although its weights are the MXFP8 dorafp8 reads."""
     if writer == "compressed-tensors":
         pytest.importorskip("compressed_tensors")
         path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
         packed_suffix, fmt, kind = "weight_packed", "compressed-tensors", "nvfp4"
+    elif writer == "compressed-tensors-mxfp8":
+        pytest.importorskip("compressed_tensors")
+        path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"), preset="MXFP8A16")
+        packed_suffix, fmt, kind = "weight", "compressed-tensors", "mxfp8"
     else:
         algo = writer.split("-")[1].upper()
         path = write_modelopt(original_model(), str(tmp_path / "mo"), algo)
@@ -123,6 +130,20 @@ def test_malformed_nvfp4_is_refused_naming_the_tensor(damage, match):
     with pytest.raises(CheckpointFormatError, match=match):
         load_fp8_checkpoint(model, sd, verbose=False)
     assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)  # nothing changed
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_awq_pre_quant_scale_is_refused_naming_it(strict):
+    """ModelOpt's NVFP4_AWQ / NVFP4_SVD exports keep `<layer>.pre_quant_scale` (the layer computes (x * s) W^T). Without
+    the hf_quant_config.json naming that quant_algo (a weights file on its own), strict=True refused it as a key that
+    "fits nothing", suggesting strict=False, which then loaded the layer without it: wrong outputs, no error. Refused
+    now either way, naming the key, the model unchanged."""
+    model, sd = _tiny_nvfp4()
+    sd["0.pre_quant_scale"] = torch.rand(32) + 0.5
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CheckpointFormatError, match=r"0\.pre_quant_scale: an AWQ / SVDQuant pre-quantization scale"):
+        load_fp8_checkpoint(model, sd, strict=strict, verbose=False)
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, before)
 
 
 def test_packed_size_that_is_not_whole_nvfp4_blocks_is_refused():
@@ -422,24 +443,28 @@ def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
     assert all(torch.equal(back[k], v) for k, v in kv.items())
 
 
-def test_from_pretrained_then_from_transformers_fp8(tmp_path):
-    """transformers' from_pretrained of a compressed-tensors NVFP4 checkpoint leaves its modules compressed on CPU
-    (weight_packed, weight_scale, weight_global_scale); from_transformers_fp8 swaps them for NVFP4 FP8Linear layers
-    holding those bytes, and the model computes what the dense twin on the format's dequantization computes."""
+@pytest.mark.parametrize("preset", ["NVFP4A16", "MXFP8A16"])
+def test_from_pretrained_then_from_transformers_fp8(tmp_path, preset):
+    """transformers' from_pretrained of a compressed-tensors NVFP4 or MXFP8 checkpoint leaves its modules compressed
+    on CPU (weight_packed, weight_scale, weight_global_scale; weight and uint8 e8m0 weight_scale); from_transformers_fp8
+    swaps them for NVFP4 / MXFP8 FP8Linear layers holding those bytes, and the model computes what the dense twin on
+    the format's dequantization computes. (MXFP8 was refused by the per-tensor / row / block scale check, naming
+    neither the format nor a way out.)"""
     pytest.importorskip("compressed_tensors")
     import transformers
 
     from dorafp8 import from_transformers_fp8
 
-    path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"))
+    path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"), preset=preset)
+    packed_suffix, kind = ("weight_packed", "nvfp4") if preset == "NVFP4A16" else ("weight", "mxfp8")
     file = read_all(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     assert from_transformers_fp8(model) == 14
     for name, mod in _linears(model).items():
-        assert isinstance(mod, FP8Linear) and quant.scale_kind(mod.scale) == "nvfp4"
-        assert torch.equal(mod.weight, file[f"{name}.weight_packed"])
+        assert isinstance(mod, FP8Linear) and quant.scale_kind(mod.scale) == kind
+        assert torch.equal(mod.weight.view(torch.uint8), file[f"{name}.{packed_suffix}"].view(torch.uint8))
         assert torch.equal(mod.scale.view(torch.uint8), file[f"{name}.weight_scale"].view(torch.uint8))
-    twin = _dense_twin(file, "weight_packed", reciprocal=True).eval()
+    twin = _dense_twin(file, packed_suffix, reciprocal=True).eval()
     with torch.no_grad():
         assert_close(model(input_ids=IDS).logits, twin(input_ids=IDS).logits, tol(torch.float32), "logits")
 
@@ -486,7 +511,8 @@ json.dump({"layers": len(layers), "kinds": sorted({quant.scale_kind(m.scale) for
 """
 
 
-@pytest.mark.parametrize("writer", ["compressed-tensors", "modelopt-nvfp4", "modelopt-mxfp8"])
+@pytest.mark.parametrize("writer", ["compressed-tensors", "compressed-tensors-mxfp8", "modelopt-nvfp4",
+                                    "modelopt-mxfp8"])
 def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
     """`dorafp8 run -- <script>` whose script calls transformers' AutoModelForCausalLM.from_pretrained(path) alone: a
     compressed-tensors NVFP4 checkpoint gets its layers held by dorafp8's (from_transformers_fp8), a ModelOpt NVFP4 or
@@ -497,10 +523,11 @@ def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
     import sys
 
     pytest.importorskip("peft")
-    if writer == "compressed-tensors":
+    if writer.startswith("compressed-tensors"):
         pytest.importorskip("compressed_tensors")
-        path, packed_suffix, reciprocal = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct")), \
-            "weight_packed", True
+        mx = writer.endswith("mxfp8")
+        path = write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "ct"), "MXFP8A16" if mx else "NVFP4A16")
+        packed_suffix, reciprocal = "weight" if mx else "weight_packed", True
     else:
         algo = writer.split("-")[1].upper()
         path, packed_suffix, reciprocal = write_modelopt(original_model(), str(tmp_path / "mo"), algo), "weight", False
@@ -703,3 +730,19 @@ def test_the_modelopt_twin_of_a_comfyui_nvfp4_layer_still_loads():
     load_fp8_checkpoint(model, twin, verbose=False)
     assert torch.equal(model[0].weight.view(torch.uint8), twin["0.weight"])
     assert not torch.equal(comfy["0.weight"], twin["0.weight"])
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+def test_save_pretrained_of_a_microscaled_model_names_save_fp8_checkpoint(tmp_path, algo):
+    """transformers' save_pretrained of a model on NVFP4 / MXFP8 layers (which dorafp8 writes in ModelOpt's layout, not
+    in one from_pretrained reads) was refused by the fine-grained writer's check: "format='fine-grained' cannot hold"
+    them, a format the caller never named, without naming the call that writes them. The refusal now names
+    save_pretrained, the layers, and save_fp8_checkpoint / export_merged with format='modelopt' or a dense one;
+    nothing is written."""
+    model = meta_model()
+    load_fp8_checkpoint(model, write_modelopt(original_model(), str(tmp_path / "mo"), algo), verbose=False)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"LlamaForCausalLM\.save_pretrained: the model holds 14 {algo} layers .*"
+                                         r"dorafp8\.save_fp8_checkpoint\(model, path, format='modelopt'\).*'bf16'"):
+        model.save_pretrained(out)
+    assert not (out.exists() and any(out.iterdir()))

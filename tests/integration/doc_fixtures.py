@@ -138,13 +138,18 @@ def sdxl_style_unet(seed: int = 0, dtype=torch.bfloat16):
 
 
 def write_sdxl_fp8_file(path: str) -> str:
-    """An fp8 UNet file as ComfyUI users have them (scaled_fp8: e4m3 weights, a scale per tensor, ComfyUI's keys),
-    written from sdxl_style_unet() by dorafp8's own writer."""
+    """An fp8 UNet file in ComfyUI's scaled_fp8 encoding (e4m3 weights, an fp32 `scale_weight` per tensor, the
+    `scaled_fp8` marker) under diffusers' key names, from sdxl_style_unet() quantized per tensor. Written by hand:
+    dorafp8's writers refuse ComfyUI's layouts for a diffusers model, whose scales ComfyUI would drop."""
     import dorafp8
+    from safetensors.torch import save_file
 
     unet = sdxl_style_unet()
     dorafp8.quantize_model(unet, include_conv=True)
-    dorafp8.save_fp8_checkpoint(unet, path, format="comfyui", verbose=False)
+    sd = {(k[:-len("scale")] + "scale_weight" if k.endswith(".scale") else k): v.contiguous()
+          for k, v in unet.state_dict().items()}
+    sd["scaled_fp8"] = torch.tensor([], dtype=torch.float8_e4m3fn)
+    save_file(sd, path, metadata={"format": "pt"})
     return path
 
 

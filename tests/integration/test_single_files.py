@@ -825,6 +825,57 @@ def test_comfy_quant_layers_of_other_formats_are_refused_naming_them(fmt):
     with torch.device("meta"):
         model = type(ref).from_config(ref.config)
     with pytest.raises(CheckpointFormatError, match=rf"{key[:-len('.comfy_quant')]}': ComfyUI quantization format "
-                                                     rf"'{fmt}' \(1 layers not float8_e4m3fn\)"):
+                                                     rf"'{fmt}' \(1 layers neither float8_e4m3fn nor float8_e5m2\)"):
         load_single_file(model, quant_sd, verbose=False)
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("fmt", [None, "comfyui", "comfyui-quant"])
+def test_merged_export_of_a_diffusers_model_to_a_comfyui_file_is_refused(flux_file, tmp_path, fmt):
+    """A Flux model loaded from a ComfyUI file and trained: export_merged to a .safetensors file in ComfyUI's layouts
+    (the default, as the model was loaded from one) wrote its diffusers key names with scale_weight / weight_scale
+    beside them. ComfyUI's loader converts a diffusers-named file for the weights alone (comfy/model_detection.py
+    convert_diffusers_mmdit keeps the keys of flux_to_diffusers' map; unet_to_diffusers for a UNet), dropping every
+    scale and the marker, and runs the raw e4m3 values unscaled without an error. Refused now, naming the format and
+    what ComfyUI does read, before anything is written; bf16 (diffusers names, which ComfyUI converts) is still
+    written, and so is a folder in ComfyUI's layout (read by load_fp8_checkpoint, not by ComfyUI)."""
+    sd, _ = flux_file
+    model = _flux_model()
+    load_single_file(model, dict(sd), verbose=False)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    out = tmp_path / "merged.safetensors"
+    said = "format=None writes the layout the model was loaded from, comfyui" if fmt is None else f"format='{fmt}'"
+    with pytest.raises(ValueError, match=rf"merged\.safetensors: {said}, for FluxTransformer2DModel, a diffusers "
+                                         r"model.*drops every scale.*format='bf16'.*save_single_file_dora"):
+        dorafp8.export_merged(pm, str(out), format=fmt, verbose=False)
+    assert list(tmp_path.iterdir()) == []
+    dorafp8.export_merged(pm, str(out), format="bf16", verbose=False)
+    assert out.exists()
+    assert dorafp8.export_merged(pm, str(tmp_path / "folder"), format=fmt, verbose=False).format == (fmt or "comfyui")
+
+
+def test_comfy_quant_float8_e5m2_layers_load_as_their_scaled_fp8_twin():
+    """ComfyUI's comfy_quant format "float8_e5m2" (its QUANT_ALGOS' TensorCoreFP8E5M2Layout: e5m2 weights, per-tensor
+    weight_scale) was refused as "not float8_e4m3fn", while the same weights in the scaled_fp8 encoding load (each
+    shifted into e4m3, the error stated). It loads now as that twin: the same layers, bytes and scales."""
+    import json
+
+    from accelerate import init_empty_weights
+
+    sd, src, _ = _wan_e5m2_file()
+    quant_sd, _ = _as_comfy_quant(sd, per_layer=True)
+    for k in [k for k in quant_sd if k.endswith(".comfy_quant")]:
+        quant_sd[k] = torch.tensor(list(json.dumps({"format": "float8_e5m2"}).encode()), dtype=torch.uint8)
+    models = []
+    for state_dict in (sd, quant_sd):
+        with init_empty_weights():
+            model = type(src).from_config(src.config)
+        with pytest.warns(dorafp8.quant.QuantizationWarning, match="float8_e5m2"):
+            load_single_file(model, dict(state_dict), verbose=False)
+        models.append(model)
+    twin, ours = (dict(m.named_modules()) for m in models)
+    fp8 = [n for n, m in twin.items() if isinstance(m, FP8Linear)]
+    assert fp8 and fp8 == [n for n, m in ours.items() if isinstance(m, FP8Linear)]
+    for n in fp8:
+        assert torch.equal(ours[n].weight.view(torch.uint8), twin[n].weight.view(torch.uint8)), n
+        assert torch.equal(ours[n].scale, twin[n].scale), n
