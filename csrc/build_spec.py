@@ -45,13 +45,18 @@ def sources_hash(src: str) -> str:
     """sha256 of the C++ / CUDA files under `src`, names and bytes: what a build compiled. setup.py compiles it into
     the extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
     `git pull`: kernels that may read their arguments another way) is known and not used (dorafp8/backends/cuda.py);
-    the build on first use keys its cache folder by it."""
+    the build on first use keys its cache folder by it. Hidden files and folders are left out, as a wheel's package
+    data leaves them out: an editor's `.#forward.cu` in a checkout must not make the wheel's own extension stale."""
     import hashlib
     import os
 
     h = hashlib.sha256()
-    files = sorted(os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/") for d, _, fs in os.walk(src)
-                   for f in fs if f.endswith((".cpp", ".cu", ".cuh", ".h")))
+    files = []
+    for d, dirs, fs in os.walk(src):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        files += [os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/") for f in fs
+                  if not f.startswith(".") and f.endswith((".cpp", ".cu", ".cuh", ".h"))]
+    files.sort()
     for rel in files:
         with open(os.path.join(src, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())

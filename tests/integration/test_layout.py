@@ -579,3 +579,26 @@ def test_docs_name_every_test_file():
     assert [f for f in files if f not in text] == []
     named = set(re.findall(r"\btest_\w+\.py\b", text))
     assert sorted(named - set(files)) == []
+
+
+def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
+    """setup.py compiles sources_hash(csrc/) into the extension, and backends/cuda.py refuses an extension whose hash
+    differs from its installation's csrc/: for a wheel, the files pyproject.toml's package data ships (setuptools'
+    glob, which leaves out hidden files). An editor's files in the checkout (Emacs' lock `.#forward.cu`, a dangling
+    link; a hidden copy) must not enter the hash, else the wheel's own extension is refused on every import (and the
+    lock failed setup.py with FileNotFoundError)."""
+    import glob
+    import runpy
+
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    src = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / ".#forward.cu").symlink_to("user@host.1234:1700000000")  # Emacs' lock: a link to nowhere
+    (src / ".forward.cu").write_text("// a hidden copy\n")
+    (src / "forward.cu~").write_text("// a backup\n")
+    shipped = tmp_path / "wheel" / "csrc"
+    for pattern in _pyproject()["tool"]["setuptools"]["package-data"]["dorafp8.csrc"]:
+        for f in glob.glob(pattern, root_dir=src):
+            (shipped / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / f, shipped / f)
+    assert spec["sources_hash"](str(src)) == spec["sources_hash"](str(shipped))
