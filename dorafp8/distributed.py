@@ -94,21 +94,22 @@ def install_ddp_support() -> bool:
     """Makes DistributedDataParallel's broadcasts send fp8 parameters/buffers as raw bytes (uint8 views), so that they
     work on gloo too: the initial one (`torch.nn.parallel.distributed._sync_module_states`) and the buffers' before
     each forward (`DistributedDataParallel._distributed_broadcast_coalesced`). Idempotent; called on `import dorafp8`.
-    Returns whether it is installed (False without torch.distributed or those functions)."""
+    Returns whether both are installed (False without torch.distributed or either function; the other is still wrapped)."""
     if not torch.distributed.is_available():
         return False
     import torch.nn.parallel.distributed as ddp_module
 
-    cur = getattr(ddp_module, "_sync_module_states", None)
-    per_forward = getattr(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", None)
-    if cur is None or per_forward is None:
-        warnings.warn("dorafp8: this torch's DistributedDataParallel has no _sync_module_states or "
-                      "_distributed_broadcast_coalesced; DDP over gloo cannot broadcast fp8 weights or scales (NCCL "
-                      "can broadcast e4m3). See docs/MULTI_GPU.md.")
-        return False
-    _wrap_once(ddp_module, "_sync_module_states", _wrap_sync_module_states)
-    _wrap_once(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", _wrap_buffer_broadcast)
-    return True
+    # Each wrap on its own: the initial sync alone lets DDP start on fp8 weights over gloo.
+    owners = ((ddp_module, "_sync_module_states", _wrap_sync_module_states),
+              (ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced", _wrap_buffer_broadcast))
+    missing = [attr for owner, attr, _ in owners if getattr(owner, attr, None) is None]
+    for owner, attr, wrap in owners:
+        if attr not in missing:
+            _wrap_once(owner, attr, wrap)
+    if missing:
+        warnings.warn(f"dorafp8: this torch's DistributedDataParallel has no {' or '.join(missing)}; DDP over gloo "
+                      "cannot broadcast fp8 weights or scales there (NCCL can broadcast e4m3). See docs/MULTI_GPU.md.")
+    return not missing
 
 
 def uninstall_ddp_support() -> None:

@@ -62,6 +62,28 @@ def test_ddp_support_is_installed_on_import_and_idempotent():
     assert hasattr(ddp_module._sync_module_states, "_dorafp8_orig")
 
 
+def test_a_torch_without_the_per_forward_broadcast_keeps_the_initial_sync_wrapped(monkeypatch):
+    """A torch whose DDP lacks _distributed_broadcast_coalesced (a private method) still gets the wrap of
+    _sync_module_states, which DDP runs first and which alone makes DDP over gloo start on fp8 weights; the
+    warning names what is missing."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    from dorafp8.distributed import uninstall_ddp_support
+
+    uninstall_ddp_support()
+    try:
+        monkeypatch.delattr(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced")
+        with pytest.warns(UserWarning, match="_distributed_broadcast_coalesced") as record:
+            assert install_ddp_support() is False
+        assert "_sync_module_states" not in str(record[0].message)
+        assert hasattr(ddp_module._sync_module_states, "_dorafp8_orig")
+    finally:
+        uninstall_ddp_support()
+        monkeypatch.undo()
+        install_ddp_support()
+    assert hasattr(ddp_module.DistributedDataParallel._distributed_broadcast_coalesced, "_dorafp8_orig")
+
+
 def test_fsdp_support_is_installed_when_fsdp2_is_imported_and_idempotent():
     """`import dorafp8` does not import FSDP2 (a second or more); it wraps FSDPParam.init_dtype_attrs when FSDP2 is
     imported (dorafp8/_install.py). The wrapper leaves the fp8 weight of a dorafp8 layer without a param_dtype, and
