@@ -76,7 +76,11 @@ def _archs(torch):
     if own or listed in ("", "native"):
         return own or DEFAULT_CUDA_ARCHS.split(";"), ""
     archs = []
-    for entry in re.split(r"[;,\s]+", listed):
+    # torch's names for GPU generations (cpp_extension's named_arches, "Hopper" -> 9.0), from sm_89 on; the older
+    # ones ("Ampere") name nothing the kernels run on, like "8.0"
+    named = {"Ada": "8.9", "Hopper": "9.0", "Blackwell": "10.0;10.3;12.0;12.1", "Blackwell+Tegra": "11.0",
+             "Rubin": "10.7"}
+    for entry in re.split(r"[;,\s]+", ";".join(named.get(e, e) for e in re.split(r"[;,\s]+", listed))):
         m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", entry)
         if m and (int(m[1]), int(m[2])) >= (8, 9) and m[1] + m[2] + m[3] not in archs:
             archs.append(m[1] + m[2] + m[3])

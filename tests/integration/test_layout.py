@@ -460,6 +460,10 @@ def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
     # NGC's containers set it for every build: the archs before 8.9 cannot take the kernels; the GPU at hand is added
     ({"TORCH_CUDA_ARCH_LIST": "7.5 8.0 8.6 9.0+PTX"}, (8, 9), ["90", "89"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.0;8.6"}, None, None),  # nothing from 8.9 on: not built
+    # torch's own names for GPU generations (cpp_extension's named_arches), which it expands before reading the list
+    ({"TORCH_CUDA_ARCH_LIST": "Hopper"}, None, ["90"]),
+    ({"TORCH_CUDA_ARCH_LIST": "Ampere+Tegra;Ampere Ada"}, None, ["89"]),
+    ({"TORCH_CUDA_ARCH_LIST": "Ampere"}, None, None),
     ({"TORCH_CUDA_ARCH_LIST": "9.0", "DORAFP8_CUDA_ARCHS": "100"}, None, ["100"]),  # dorafp8's own wins
     ({"TORCH_CUDA_ARCH_LIST": "native"}, None, "default"),
     ({"DORAFP8_CUDA_ARCHS": ""}, None, "default"),  # set but empty (`ENV DORAFP8_CUDA_ARCHS=$ARCHS`): an IndexError
