@@ -303,7 +303,8 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     order = sorted(RACERS[device.type], key=lambda c: c != static)
     cands = [c for c in _candidates(device, needs, order) if c not in broken]
     if not cands:
-        _PICKS[key] = FALLBACK if set(broken) & set(RACERS[device.type]) else static
+        # the reference only where the static pick itself is broken; native (no kernel backend runs here) is not
+        _PICKS[key] = FALLBACK if static in broken else static
         return _PICKS[key]
     what = key[1]
     if not plan(spec)["fits"]:  # checking would hold more than the layer's own step: not checked, the reference serves

@@ -794,3 +794,19 @@ def test_a_crash_in_the_reference_blames_no_candidate(race, used, monkeypatch):
         _step()
     data = _verdicts(race)
     assert data["broken"] == {} and not any(data["keys"].values())  # no verdict written
+
+
+def test_a_broken_verdict_of_a_kernel_that_cannot_run_here_leaves_native_in_place(race, used, monkeypatch):
+    """On a GPU no kernel backend runs on (sm_80 / sm_86) backends.resolve picks native and no candidate races; a
+    verdict file recording a racer broken there (a file shared by two builds' runs, or written before that racer
+    needed sm_89) made the key run the fp32 reference, several times slower, where native is not the broken one."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("triton",))  # a racer that cannot run on this device
+    real = backends.unavailable_reason
+    monkeypatch.setattr(backends, "unavailable_reason", lambda n, d: "needs sm_89" if n == "triton" else real(n, d))
+    assert backends.resolve("auto", CPU) == "native"
+    path = _race.cache_file(CPU)
+    with open(path, "w") as f:
+        json.dump({"keys": {}, "broken": {"triton": "crashed (an earlier run)"}}, f)
+    _step()
+    assert "reference" not in used and "native" in used, used
+    assert children(race) == 0
