@@ -503,8 +503,11 @@ def selftest(device: torch.device | None = None) -> list[str]:
         what = describe(spec)
         _file(path)["keys"].pop(what, None)
         # the candidates backend="auto" races for this key: one without block scales or W8A8 is not "FAILED" there
-        cands = _candidates(device, frozenset(f for f in ("block" if scale == "block" else "", act_quant) if f),
-                            RACERS[device.type])
+        needs = frozenset(f for f in ("block" if scale == "block" else "", act_quant) if f)
+        cands = _candidates(device, needs, RACERS[device.type])
+        if not cands:  # no kernel backend runs here (sm_80): what auto runs then, not the race's fallback
+            lines.append(f"  {what} -> {backends.resolve('auto', device, needs)}: no kernel backend runs on this GPU")
+            continue
         res = _resolve(path, device, what, dict(spec, cands=cands))
         lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
             f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))

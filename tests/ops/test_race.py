@@ -810,3 +810,15 @@ def test_a_broken_verdict_of_a_kernel_that_cannot_run_here_leaves_native_in_plac
     _step()
     assert "reference" not in used and "native" in used, used
     assert children(race) == 0
+
+
+def test_selftest_says_what_auto_runs_where_no_kernel_backend_runs(race, monkeypatch):
+    """`python -m dorafp8 selftest` on an A100 (no racer runs on sm_80) listed every key as '-> reference', the race's
+    fallback for candidates that failed, while backend='auto' runs native there: each line names resolve's pick."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("triton",))
+    real = backends.unavailable_reason
+    monkeypatch.setattr(backends, "unavailable_reason", lambda n, d: "needs sm_89" if n == "triton" else real(n, d))
+    lines = _race.selftest(CPU)
+    keys = lines[1:]
+    assert len(keys) == 4 and all(" -> native: " in line for line in keys), lines
+    assert children(race) == 0
