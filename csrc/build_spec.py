@@ -21,9 +21,24 @@ NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relax
 
 
 def cuda_archs(value) -> list:
-    """The archs a DORAFP8_CUDA_ARCHS value names ("90a", "89;90a", "89, 90a"); [] for None or a value that names none
-    ("", ";"), which leaves the choice to the caller's default as an unset variable does."""
-    return [a.strip() for a in (value or "").replace(",", ";").split(";") if a.strip()]
+    """The archs a DORAFP8_CUDA_ARCHS value names ("90a", "89;90a", "89, 90a", "89 90a"), also spelled as torch's
+    TORCH_CUDA_ARCH_LIST ("9.0", "9.0a+PTX") or nvcc's ("sm_90a"), which nvcc refused as "compute_9.0" mid-build; [] for
+    None or a value that names none ("", ";"), which leaves the choice to the caller's default as an unset variable
+    does. Anything else is a ValueError naming the variable."""
+    import re
+
+    archs = []
+    for entry in re.split(r"[;,\s]+", value or ""):
+        if not entry:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(?:\+PTX)?", entry, re.IGNORECASE)
+        if m is None:
+            raise ValueError(f"DORAFP8_CUDA_ARCHS={value!r}: {entry!r} is not a GPU architecture; expected nvcc's "
+                             "numbers, e.g. DORAFP8_CUDA_ARCHS='89;90a;100;120' (or '8.9;9.0a', 'sm_90a')")
+        arch = m[1] + m[2] + m[3].lower()
+        if arch not in archs:
+            archs.append(arch)
+    return archs
 
 
 def gencode(archs: list) -> list:

@@ -606,3 +606,19 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
             (shipped / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / f, shipped / f)
     assert spec["sources_hash"](str(src)) == spec["sources_hash"](str(shipped))
+
+
+def test_cuda_archs_reads_the_spellings_users_copy():
+    """DORAFP8_CUDA_ARCHS in TORCH_CUDA_ARCH_LIST's spelling ("9.0", "10.0+PTX"), nvcc's ("sm_90a") or space-separated
+    went to nvcc as given ("arch=compute_9.0": the build failed mid-way with nvcc's 'Unsupported gpu architecture');
+    they now name the archs they mean, and a word that names none is refused naming the variable."""
+    import runpy
+
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    want = ["90", "90a", "100", "120", "100f"]
+    assert spec["cuda_archs"]("9.0;sm_90a 10.0+PTX, 120 10.0f 90") == want
+    assert spec["cuda_archs"](";".join(want)) == want
+    assert all(re.fullmatch(r"arch=compute_\d+[af]?,code=(sm_\d+[af]?|\[sm_\d+[af]?,compute_\d+[af]?\])", f)
+               for f in spec["gencode"](want)[1::2])
+    with pytest.raises(ValueError, match=r"DORAFP8_CUDA_ARCHS='Hopper'.*'89;90a;100;120'"):
+        spec["cuda_archs"]("Hopper")
