@@ -77,7 +77,7 @@ def _out_scale(scale):
 
 
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
-    if act_quant or x.dtype == torch.float16:  # see _reference_cases
+    if act_quant or x.dtype == torch.float16:  # why: docs/ARCHITECTURE.md, native.py
         return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
     x, xm = matmul_rows(x), matmul_rows(xm)
     cdt = x.dtype
@@ -198,7 +198,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
-    if act_quant or gl.dtype == torch.float16:  # see _reference_cases
+    if act_quant or gl.dtype == torch.float16:  # why: docs/ARCHITECTURE.md, native.py
         return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     cdt = gl.dtype
