@@ -401,10 +401,13 @@ def staging(folder: str, name: str):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield stage
     finally:
+        # the lock file closed before it is removed: NFS renames a removed file still open to .nfsXXXX (its silly
+        # rename), and the stage folder holding that could not be removed (the folder's lock still holds the stage)
+        for fd in fds[1:]:
+            os.close(fd)
         shutil.rmtree(stage, ignore_errors=True)
         _LIVE.discard(stage)
-        for fd in fds:
-            os.close(fd)
+        os.close(fds[0])
 
 
 def fsync_file(path: str) -> None:
