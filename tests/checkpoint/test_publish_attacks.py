@@ -165,6 +165,31 @@ def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path)
         _user_files_intact(dest)
 
 
+@pytest.mark.filterwarnings("ignore")  # the planted stage, named
+@pytest.mark.parametrize("where", ["a killed stage", "the folder"])
+def test_a_planted_stage_index_removes_no_more_than_a_planted_index(tmp_path, where):
+    """An index planted in a hidden stage (`.model.<hex>.partial`, no live writer holding it: read as a killed
+    export's) is trusted as an index planted in the folder is, no further: with the right sizes and sha256 it
+    records the user's files under names not of the writer's own form, a path outside the folder, and a link of the
+    writer's form to the user's file; the export removes none of them."""
+    dest = _user_folder(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes(b"not yours")
+    os.symlink("notes.txt", dest / FORGED)
+    named = {n: dest / n for n in USER_FILES} | {"../outside.safetensors": tmp_path / "outside.safetensors",
+                                                   FORGED: dest / FORGED}
+    meta = {"dorafp8_files": {n: {"size": p.stat().st_size, "sha256": files.sha256(str(p))} for n, p in named.items()}}
+    folder = dest / f".model.{uuid.uuid4().hex}.partial" if where == "a killed stage" else dest
+    folder.mkdir(exist_ok=True)
+    (folder / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": {}}))
+    before = {k: v for k, v in _tree(tmp_path).items() if k != f"ckpt/{INDEX}"}
+    net = _net(0)
+    _export(net, dest, SHARDED)
+    after = _tree(tmp_path)
+    assert {k: after.get(k) for k in before} == before
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
+
+
 @pytest.mark.filterwarnings("ignore")  # the killed writers' stages, named
 def test_an_export_into_a_copy_never_touches_the_original(tmp_path):
     """A folder (and what lies beside it) copied with `cp -a` after an export into it was killed, at each step in
