@@ -401,10 +401,16 @@ def staging(folder: str, name: str):
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield stage
     finally:
+        # the lock file is closed before it is removed: NFS renames a removed file still open to .nfsXXXX (its silly
+        # rename), and the stage folder holding that could not be removed. Renamed first, so that the stage never
+        # reads as a killed one's meanwhile (it holds no lock file then, as one that cannot be told: live)
+        with contextlib.suppress(OSError):
+            os.rename(os.path.join(stage, LOCK_FILE), os.path.join(stage, LOCK_FILE + ".closed"))
+        for fd in fds[1:]:
+            os.close(fd)
         shutil.rmtree(stage, ignore_errors=True)
         _LIVE.discard(stage)
-        for fd in fds:
-            os.close(fd)
+        os.close(fds[0])
 
 
 def fsync_file(path: str) -> None:

@@ -165,6 +165,31 @@ def test_an_index_that_links_elsewhere_or_is_malformed_removes_nothing(tmp_path)
         _user_files_intact(dest)
 
 
+@pytest.mark.filterwarnings("ignore")  # the planted stage, named
+@pytest.mark.parametrize("where", ["a killed stage", "the folder"])
+def test_a_planted_stage_index_removes_no_more_than_a_planted_index(tmp_path, where):
+    """An index planted in a hidden stage (`.model.<hex>.partial`, no live writer holding it: read as a killed
+    export's) is trusted as an index planted in the folder is, no further: with the right sizes and sha256 it
+    records the user's files under names not of the writer's own form, a path outside the folder, and a link of the
+    writer's form to the user's file; the export removes none of them."""
+    dest = _user_folder(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes(b"not yours")
+    os.symlink("notes.txt", dest / FORGED)
+    named = {n: dest / n for n in USER_FILES} | {"../outside.safetensors": tmp_path / "outside.safetensors",
+                                                   FORGED: dest / FORGED}
+    meta = {"dorafp8_files": {n: {"size": p.stat().st_size, "sha256": files.sha256(str(p))} for n, p in named.items()}}
+    folder = dest / f".model.{uuid.uuid4().hex}.partial" if where == "a killed stage" else dest
+    folder.mkdir(exist_ok=True)
+    (folder / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": {}}))
+    before = {k: v for k, v in _tree(tmp_path).items() if k != f"ckpt/{INDEX}"}
+    net = _net(0)
+    _export(net, dest, SHARDED)
+    after = _tree(tmp_path)
+    assert {k: after.get(k) for k in before} == before
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
+
+
 @pytest.mark.filterwarnings("ignore")  # the killed writers' stages, named
 def test_an_export_into_a_copy_never_touches_the_original(tmp_path):
     """A folder (and what lies beside it) copied with `cp -a` after an export into it was killed, at each step in
@@ -653,6 +678,51 @@ def test_two_exports_at_once_on_nfs_leave_one_whole_export_and_nothing_else(tmp_
     shards = set(json.loads((dest / INDEX).read_text())["weight_map"].values())
     assert sorted(os.listdir(dest)) == sorted([*USER_FILES, INDEX, *shards, files.LOCK_FILE])
     _user_files_intact(dest)
+
+
+def _silly_rename(monkeypatch):
+    """NFS's client removes a file this process still has open by renaming it to .nfsXXXX in its folder (a "silly
+    rename"; the file goes at its last close), so the folder cannot be removed while it is open. Emulated (Linux:
+    the descriptors under /proc/self/fd): os.unlink / os.remove of an open file renames it so."""
+    real = os.unlink
+
+    def unlink(path, *, dir_fd=None):
+        st_ = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        held = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                f = os.fstat(int(fd))
+                held.add((f.st_dev, f.st_ino))
+            except OSError:
+                continue
+        if stat.S_ISREG(st_.st_mode) and (st_.st_dev, st_.st_ino) in held:
+            return os.rename(path, f".nfs{uuid.uuid4().hex[:16]}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return real(path, dir_fd=dir_fd)
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "remove", unlink)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the emulation reads /proc/self/fd (Linux)")
+def test_an_export_on_nfs_leaves_no_stage_behind(tmp_path, monkeypatch):
+    """On NFS (emulated as above, with its silly rename of a removed file still open), a stage was removed while its
+    lock file was still open: NFS renamed that file to .nfsXXXX, the stage folder could not be removed, and every
+    export (a folder or a file) left an empty hidden folder behind, unseen (holding no lock file, none is named as a
+    killed export's), one more at every export. Here the lock file is closed before the stage is removed: nothing
+    is left but the folder's own lock file."""
+    _nfs(monkeypatch)
+    _silly_rename(monkeypatch)
+    dest = _user_folder(tmp_path)
+    net = _net(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _export(net, dest, SHARDED)
+            _export(net, tmp_path / "one.safetensors", SINGLE)
+    assert [str(w.message) for w in seen] == []
+    assert sorted(n for n in os.listdir(dest) if n.startswith(".")) == [files.LOCK_FILE]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == [files.LOCK_FILE]
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
 
 
 @pytest.mark.parametrize("planted", ["the user's file", "a link", "a dangling link", "a FIFO", "a folder",
