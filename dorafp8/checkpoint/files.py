@@ -1,6 +1,7 @@
 """Checkpoint files that come from strangers, read, and the user's folders written into, safely: files checked before
 they are opened and measured before they are parsed; one writer per folder, files staged, fsynced and published by
-one rename; only files an earlier export provably wrote are removed (docs/ARCHITECTURE.md, ".../files.py")."""
+one rename; only files an earlier export provably wrote are removed (docs/ARCHITECTURE.md, ".../files.py").
+Long because reading and writing share one set of rules (links, FIFOs, folder locks, NFS) that must not drift apart."""
 
 from __future__ import annotations
 
