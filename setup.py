@@ -75,15 +75,17 @@ def _archs(torch):
     listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if own or listed in ("", "native"):
         return own or DEFAULT_CUDA_ARCHS.split(";"), ""
-    archs = []
     # torch's names for GPU generations (cpp_extension's named_arches, "Hopper" -> 9.0), from sm_89 on; the older
     # ones ("Ampere") name nothing the kernels run on, like "8.0"
     named = {"Ada": "8.9", "Hopper": "9.0", "Blackwell": "10.0;10.3;12.0;12.1", "Blackwell+Tegra": "11.0",
              "Rubin": "10.7"}
-    for entry in re.split(r"[;,\s]+", ";".join(named.get(e, e) for e in re.split(r"[;,\s]+", listed))):
-        m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", entry)
-        if m and (int(m[1]), int(m[2])) >= (8, 9) and m[1] + m[2] + m[3] not in archs:
-            archs.append(m[1] + m[2] + m[3])
+    archs = []
+    for entry in re.split(r"[;,\s]+", listed):
+        try:  # an entry build_spec cannot read is left out, as torch's own build would fail on it
+            archs += [a for a in BUILD_SPEC["cuda_archs"](named.get(entry, entry))
+                      if int(a.rstrip("af")) >= 89 and a not in archs]
+        except ValueError:
+            pass
     if not archs:
         return [], (f"TORCH_CUDA_ARCH_LIST={listed!r} names no GPU from sm_89 (8.9) on, which the CUDA kernels need: "
                     "skipping the CUDA extension (DORAFP8_CUDA_ARCHS sets dorafp8's own)")
