@@ -6,6 +6,9 @@ own because wheels ship it (as dorafp8/csrc/ package data) but not setup.py."""
 # The CUDA kernel files, one translation unit per kernel family, so that ninja builds them (and binding.cpp) in
 # parallel, MAX_JOBS at a time. tests/integration/test_inspect.py checks that it names every .cu file here.
 CUDA_SOURCES = ["weight_norm.cu", "forward.cu", "dgrad.cu"]
+# The files a build reads, as globs in csrc/: what pyproject.toml's package data ships as dorafp8/csrc/ (the same list
+# there; tests/integration/test_layout.py compares them), and what sources_hash hashes.
+SOURCE_FILES = ["*.cu", "*.cpp", "*.h", "common/*.cuh"]
 
 # The targets setup.py builds when DORAFP8_CUDA_ARCHS is not set: Ada (sm_89: RTX 4090, L40S), Hopper (sm_90a: H100,
 # H200), datacenter Blackwell (sm_100: B200; a plain sm_100 cubin also runs on B300's sm_103) and consumer Blackwell
@@ -57,21 +60,18 @@ def gencode(archs: list) -> list:
 
 
 def sources_hash(src: str) -> str:
-    """sha256 of the C++ / CUDA files under `src`, names and bytes: what a build compiled. setup.py compiles it into
-    the extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
+    """sha256 of the SOURCE_FILES in `src`, names and bytes: what a build compiled. setup.py compiles it into the
+    extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
     `git pull`: kernels that may read their arguments another way) is known and not used (dorafp8/backends/cuda.py);
-    the build on first use keys its cache folder by it. Hidden files and folders are left out, as a wheel's package
-    data leaves them out: an editor's `.#forward.cu` in a checkout must not make the wheel's own extension stale."""
+    the build on first use keys its cache folder by it. Only the files a wheel ships count, as its package data's glob
+    finds them (no hidden files): an editor's `.#forward.cu`, or a stray csrc/old/forward.cu, in the checkout a wheel
+    is built from must not make that wheel's own extension stale."""
+    import glob
     import hashlib
     import os
 
     h = hashlib.sha256()
-    files = []
-    for d, dirs, fs in os.walk(src):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
-        files += [os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/") for f in fs
-                  if not f.startswith(".") and f.endswith((".cpp", ".cu", ".cuh", ".h"))]
-    files.sort()
+    files = sorted({f.replace(os.sep, "/") for p in SOURCE_FILES for f in glob.glob(p, root_dir=src)})
     for rel in files:
         with open(os.path.join(src, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())

@@ -589,8 +589,9 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
     """setup.py compiles sources_hash(csrc/) into the extension, and backends/cuda.py refuses an extension whose hash
     differs from its installation's csrc/: for a wheel, the files pyproject.toml's package data ships (setuptools'
     glob, which leaves out hidden files). An editor's files in the checkout (Emacs' lock `.#forward.cu`, a dangling
-    link; a hidden copy) must not enter the hash, else the wheel's own extension is refused on every import (and the
-    lock failed setup.py with FileNotFoundError)."""
+    link; a hidden copy) and stray copies in folders the package data does not ship (csrc/old/forward.cu, a scratch
+    common/x.h: hashed by an os.walk before) must not enter the hash, else the wheel's own extension is refused on
+    every import (and the lock failed setup.py with FileNotFoundError)."""
     import glob
     import runpy
 
@@ -600,8 +601,13 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
     (src / ".#forward.cu").symlink_to("user@host.1234:1700000000")  # Emacs' lock: a link to nowhere
     (src / ".forward.cu").write_text("// a hidden copy\n")
     (src / "forward.cu~").write_text("// a backup\n")
+    for stray in ("old/forward.cu", "common/scratch.h", "old/common/gemm.cuh"):
+        (src / stray).parent.mkdir(parents=True, exist_ok=True)
+        (src / stray).write_text("// a stray copy\n")
     shipped = tmp_path / "wheel" / "csrc"
-    for pattern in _pyproject()["tool"]["setuptools"]["package-data"]["dorafp8.csrc"]:
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]["dorafp8.csrc"]
+    assert sorted(package_data) == sorted(spec["SOURCE_FILES"])  # the one list, written out twice
+    for pattern in package_data:
         for f in glob.glob(pattern, root_dir=src):
             (shipped / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / f, shipped / f)
