@@ -78,6 +78,21 @@ def sources_hash(src: str) -> str:
     return h.hexdigest()
 
 
+def cuda_home():
+    """The CUDA toolkit a build uses: the first of $CUDA_HOME, /usr/local/cuda and the one nvcc on PATH is in that has
+    bin/nvcc, else None. setup.py and the build on first use both take it, not torch's guess (cpp_extension.CUDA_HOME),
+    which takes $CUDA_HOME as set (empty, or a toolkit since removed: setup.py then skipped the extension, or built
+    against /usr/local) and else nvcc on PATH, which may be a wrapper script elsewhere (/usr/local/bin/nvcc)."""
+    import os
+    import shutil
+
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+
+
 def default_max_jobs() -> str:
     """Parallel nvcc jobs without MAX_JOBS: at most the cores and free memory / 3 GiB (nvcc on torch headers)."""
     import os

@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import os
 import runpy
-import shutil
 import sys
 import threading
 import time
@@ -46,13 +45,10 @@ def source_dir() -> Path | None:
 
 
 def cuda_home() -> Path | None:
-    """The CUDA toolkit: $CUDA_HOME, /usr/local/cuda, or the one nvcc on PATH is in. (torch guesses it from nvcc on
-    PATH, which may be a wrapper script elsewhere; setup.py and the kernel report take this order too.)"""
-    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if cand and (Path(cand) / "bin" / "nvcc").exists():
-            return Path(cand)
-    nvcc = shutil.which("nvcc")
-    return Path(nvcc).resolve().parent.parent if nvcc else None
+    """The CUDA toolkit: csrc/build_spec.py's cuda_home, as setup.py finds it ($CUDA_HOME, /usr/local/cuda, or the one
+    nvcc on PATH is in)."""
+    home = build_spec()["cuda_home"]()
+    return Path(home) if home else None
 
 
 def forced() -> bool:

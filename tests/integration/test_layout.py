@@ -454,6 +454,35 @@ def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
     assert f"-DDORAFP8_SOURCES={spec['sources_hash'](str(ROOT / 'csrc'))}" in cxx, cxx
 
 
+@pytest.mark.parametrize("cuda_home", ["", "/nonexistent/cuda-11.8"])
+def test_setup_py_builds_with_the_toolkit_the_first_use_build_finds(tmp_path, cuda_home):
+    """CUDA_HOME set but empty (a Dockerfile's `ENV CUDA_HOME=$CUDA_HOME`) or naming a toolkit since removed: setup.py
+    took torch's guess (CUDA_HOME as set; "" fell to nvcc on PATH, which may be a wrapper script outside any toolkit)
+    and skipped the extension ("nvcc not found (set CUDA_HOME)"), or built with the wrong toolkit, while the build on
+    first use, which looks further, found /usr/local/cuda or the nvcc on PATH. Both now take build_spec.cuda_home."""
+    toolkit = tmp_path / "cuda"  # nvcc on PATH
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    code = ("import json, runpy, setuptools, torch\n"
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, _, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "from torch.utils import cpp_extension\n"
+            "from dorafp8.backends import cuda_build\n"
+            "print(json.dumps([len(ext), note, cpp_extension.CUDA_HOME, str(cuda_build.cuda_home())]))\n")
+    env = dict(os.environ, CUDA_HOME=cuda_home, PATH=f"{toolkit / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(ROOT))
+    for name in ("DORAFP8_SKIP_CUDA_BUILD", "DORAFP8_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", "CUDA_PATH"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n_ext, note, setup_home, first_use_home = json.loads(r.stdout.strip().splitlines()[-1])
+    assert n_ext == 1, note
+    assert setup_home == first_use_home and os.path.exists(os.path.join(setup_home, "bin", "nvcc")), setup_home
+
+
 @pytest.mark.parametrize("env, gpu, archs", [
     ({"TORCH_CUDA_ARCH_LIST": "9.0"}, None, ["90"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.9 9.0a;12.0+PTX"}, None, ["89", "90a", "120"]),
