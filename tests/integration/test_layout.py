@@ -630,6 +630,8 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
     (src / ".#forward.cu").symlink_to("user@host.1234:1700000000")  # Emacs' lock: a link to nowhere
     (src / ".forward.cu").write_text("// a hidden copy\n")
     (src / "forward.cu~").write_text("// a backup\n")
+    (src / "common").rename(tmp_path / "common")  # csrc/common a link (a checkout sharing its headers): a wheel
+    (src / "common").symlink_to(tmp_path / "common")  # ships the files, which os.walk did not follow into
     for stray in ("old/forward.cu", "common/scratch.h", "old/common/gemm.cuh"):
         (src / stray).parent.mkdir(parents=True, exist_ok=True)
         (src / stray).write_text("// a stray copy\n")
