@@ -89,7 +89,7 @@ def _archs(torch):
                     "skipping the CUDA extension (DORAFP8_CUDA_ARCHS sets dorafp8's own)")
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         major, minor = torch.cuda.get_device_capability(i)
-        if (major, minor) >= (8, 9) and not any(a.rstrip("af") == f"{major}{minor}" for a in archs):
+        if (major, minor) >= (8, 9) and BUILD_SPEC["covering"](archs, major, minor) is None:
             archs.append(f"{major}{minor}")
     return archs, f" (from TORCH_CUDA_ARCH_LIST={listed!r})"
 

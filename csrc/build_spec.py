@@ -59,6 +59,20 @@ def gencode(archs: list) -> list:
     return flags
 
 
+def covering(archs: list, major: int, minor: int):
+    """The one of `archs` ("89", "90a", "100", ...) whose cubin runs on a GPU of compute capability major.minor, or
+    None: its own arch, else the portable one of its major with the latest earlier minor (a cubin runs on the later
+    minors of its major: sm_100's on B300's sm_103, sm_120's on sm_121, which an nvcc older than the GPU, 12.8's,
+    cannot build for)."""
+    best = None
+    for a in archs:
+        num = a.rstrip("af")
+        m, n = int(num[:-1]), int(num[-1])
+        if m == major and (n == minor or (n < minor and num == a)) and (best is None or n > best[1]):
+            best = (a, n)
+    return best and best[0]
+
+
 def sources_hash(src: str) -> str:
     """sha256 of the SOURCE_FILES in `src`, names and bytes: what a build compiled. setup.py compiles it into the
     extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a

@@ -71,8 +71,9 @@ def why_not() -> str | None:
 
 
 def archs(device: torch.device) -> list[str]:
-    """What to build for: $DORAFP8_CUDA_ARCHS, else the GPU's own arch as build_spec.py's defaults spell it (sm_90 is
-    "90a", as setup.py builds it), else, with no GPU (a forced build), build_spec.py's defaults."""
+    """What to build for: $DORAFP8_CUDA_ARCHS, else the default arch whose cubin runs on the GPU (build_spec.covering:
+    sm_90 is "90a", as setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch, else, with no GPU (a
+    forced build), build_spec.py's defaults."""
     spec = build_spec()
     named = spec["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))
     defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
@@ -81,8 +82,7 @@ def archs(device: torch.device) -> list[str]:
     if not torch.cuda.is_available():
         return defaults
     major, minor = torch.cuda.get_device_capability(device)
-    own = f"{major}{minor}"
-    return [next((a for a in defaults if a.rstrip("af") == own), own)]
+    return [spec["covering"](defaults, major, minor) or f"{major}{minor}"]
 
 
 def build_spec() -> dict:

@@ -488,6 +488,8 @@ def test_setup_py_builds_with_the_toolkit_the_first_use_build_finds(tmp_path, cu
     ({"TORCH_CUDA_ARCH_LIST": "8.9 9.0a;12.0+PTX"}, None, ["89", "90a", "120"]),
     # NGC's containers set it for every build: the archs before 8.9 cannot take the kernels; the GPU at hand is added
     ({"TORCH_CUDA_ARCH_LIST": "7.5 8.0 8.6 9.0+PTX"}, (8, 9), ["90", "89"]),
+    # a B300 (sm_103) at hand runs the list's sm_100 cubin: no sm_103 target, which nvcc 12.8 does not know
+    ({"TORCH_CUDA_ARCH_LIST": "10.0"}, (10, 3), ["100"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.0;8.6"}, None, None),  # nothing from 8.9 on: not built
     # torch's own names for GPU generations (cpp_extension's named_arches), which it expands before reading the list
     ({"TORCH_CUDA_ARCH_LIST": "Hopper"}, None, ["90"]),

@@ -172,6 +172,21 @@ def test_cuda_archs_naming_no_arch_is_read_as_unset(monkeypatch, value):
     assert cuda_build.archs(torch.device("cuda")) == unset != []
 
 
+@pytest.mark.parametrize("cap, archs", [((9, 0), ["90a"]), ((8, 9), ["89"]), ((10, 3), ["100"]), ((12, 1), ["120"]),
+                                         ((8, 6), ["86"])])
+def test_first_use_build_targets_a_cubin_that_runs_on_the_gpu(monkeypatch, cap, archs):
+    """The build on first use targets the GPU: a default arch whose cubin runs on it. B300 (sm_103) and GB10 (sm_121)
+    were built for their own arch, which an nvcc of CUDA 12.8 (torch's cu128) refuses ('Unsupported gpu
+    architecture'), while the default's sm_100 / sm_120 cubin runs on them (a cubin runs on later minors of its major),
+    as the install-time build's does."""
+    from dorafp8.backends import cuda_build
+
+    monkeypatch.delenv("DORAFP8_CUDA_ARCHS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    assert cuda_build.archs(torch.device("cuda")) == archs
+
+
 def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, capsys):
     """Without an install-time build, naming backend='cuda' builds dorafp8._C with torch's loader: binding.cpp and
     the kernel files build_spec.py lists, its flags with a cubin for the arch (and its PTX), into a per-user cache
