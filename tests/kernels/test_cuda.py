@@ -218,6 +218,29 @@ def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, c
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
 
 
+def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monkeypatch):
+    """An install-time dorafp8._C with no kernel code for the GPU at hand (TORCH_CUDA_ARCH_LIST="9.0" in a Docker
+    build, run on an L40S) was refused with a command to rebuild it "in the checkout it was built in", which a user
+    who installed from an sdist has not: backend='cuda' now builds it for this GPU on first use, as where the install
+    built nothing; once (a build that lacks the GPU's code too is not built again)."""
+    calls = _fake_toolkit(tmp_path, monkeypatch, archs="")
+    installed = type("Installed", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", installed)
+    monkeypatch.setattr(cb, "_INSTALLED", installed, raising=False)
+    monkeypatch.setattr(cb._backend, "launcher", installed)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw) or type(
+        "Built", (), {"kernel_image_error": staticmethod(lambda i: "")})())
+    assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
+    (kw,) = calls
+    assert "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
+    assert type(cb._C).__name__ == "Built" and cb._backend.launcher is cb._C
+    assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
+
+
 def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     """The cache folder changes with the torch version, the archs and the sources, and only with them; a folder that
     holds a build loads quietly; a build that runs longer says so every _TICK seconds."""
