@@ -91,7 +91,7 @@ def _archs(torch):
                     "skipping the CUDA extension (DORAFP8_CUDA_ARCHS sets dorafp8's own)")
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         major, minor = torch.cuda.get_device_capability(i)
-        if (major, minor) >= (8, 9) and not any(a.rstrip("af") == f"{major}{minor}" for a in archs):
+        if (major, minor) >= (8, 9) and BUILD_SPEC["covering"](archs, major, minor) is None:
             archs.append(f"{major}{minor}")
     return archs, f" (from TORCH_CUDA_ARCH_LIST={listed!r})"
 
@@ -103,18 +103,16 @@ def _cuda_extension():
         return _skip("DORAFP8_SKIP_CUDA_BUILD=1: skipping the CUDA extension")
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        from torch.utils import cpp_extension
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
     except ImportError:
         return _skip("torch not importable at build time (an isolated build): no CUDA extension in this build; "
                      "backend='cuda' builds it on first use where nvcc and a GPU are")
-    if os.environ.get("CUDA_HOME") is None and os.path.isdir("/usr/local/cuda"):
-        # nvcc on PATH may be a wrapper script, which makes torch guess CUDA_HOME wrong.
-        os.environ["CUDA_HOME"] = "/usr/local/cuda"
-        import torch.utils.cpp_extension as ce
-        ce.CUDA_HOME = "/usr/local/cuda"
-        CUDA_HOME = ce.CUDA_HOME
-    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        return _skip("nvcc not found (set CUDA_HOME): skipping the CUDA extension")
+    home = BUILD_SPEC["cuda_home"]()  # the toolkit the build on first use takes too (torch's guess may be wrong)
+    if home is None:
+        return _skip("nvcc not found (no $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc or nvcc on PATH; set "
+                     "CUDA_HOME to the CUDA toolkit): skipping the CUDA extension")
+    os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = home  # what torch's BuildExtension builds with
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
     forced = _flag("DORAFP8_FORCE_CUDA_BUILD")

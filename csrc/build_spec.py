@@ -6,6 +6,9 @@ own because wheels ship it (as dorafp8/csrc/ package data) but not setup.py."""
 # The CUDA kernel files, one translation unit per kernel family, so that ninja builds them (and binding.cpp) in
 # parallel, MAX_JOBS at a time. tests/integration/test_inspect.py checks that it names every .cu file here.
 CUDA_SOURCES = ["weight_norm.cu", "forward.cu", "dgrad.cu"]
+# The files a build reads, as globs in csrc/: what pyproject.toml's package data ships as dorafp8/csrc/ (the same list
+# there; tests/integration/test_layout.py compares them), and what sources_hash hashes.
+SOURCE_FILES = ["*.cu", "*.cpp", "*.h", "common/*.cuh"]
 
 # The targets setup.py builds when DORAFP8_CUDA_ARCHS is not set: Ada (sm_89: RTX 4090, L40S), Hopper (sm_90a: H100,
 # H200), datacenter Blackwell (sm_100: B200; a plain sm_100 cubin also runs on B300's sm_103) and consumer Blackwell
@@ -56,26 +59,52 @@ def gencode(archs: list) -> list:
     return flags
 
 
+def covering(archs: list, major: int, minor: int):
+    """The one of `archs` ("89", "90a", "100", ...) whose cubin runs on a GPU of compute capability major.minor, or
+    None: its own arch, else the portable one of its major with the latest earlier minor (a cubin runs on the later
+    minors of its major: sm_100's on B300's sm_103, sm_120's on sm_121, which an nvcc older than the GPU, 12.8's,
+    cannot build for)."""
+    best = None
+    for a in archs:
+        num = a.rstrip("af")
+        m, n = int(num[:-1]), int(num[-1])
+        if m == major and (n == minor or (n < minor and num == a)) and (best is None or n > best[1]):
+            best = (a, n)
+    return best and best[0]
+
+
 def sources_hash(src: str) -> str:
-    """sha256 of the C++ / CUDA files under `src`, names and bytes: what a build compiled. setup.py compiles it into
-    the extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
+    """sha256 of the SOURCE_FILES in `src`, names and bytes: what a build compiled. setup.py compiles it into the
+    extension (dorafp8._C.SOURCES), so that an in-place build older than its sources (an editable install after a
     `git pull`: kernels that may read their arguments another way) is known and not used (dorafp8/backends/cuda.py);
-    the build on first use keys its cache folder by it. Hidden files and folders are left out, as a wheel's package
-    data leaves them out: an editor's `.#forward.cu` in a checkout must not make the wheel's own extension stale."""
+    the build on first use keys its cache folder by it. Only the files a wheel ships count, as its package data's glob
+    finds them (no hidden files): an editor's `.#forward.cu`, or a stray csrc/old/forward.cu, in the checkout a wheel
+    is built from must not make that wheel's own extension stale."""
+    import glob
     import hashlib
     import os
 
     h = hashlib.sha256()
-    files = []
-    for d, dirs, fs in os.walk(src):
-        dirs[:] = [x for x in dirs if not x.startswith(".")]
-        files += [os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/") for f in fs
-                  if not f.startswith(".") and f.endswith((".cpp", ".cu", ".cuh", ".h"))]
-    files.sort()
+    files = sorted({f.replace(os.sep, "/") for p in SOURCE_FILES for f in glob.glob(p, root_dir=src)})
     for rel in files:
         with open(os.path.join(src, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())
     return h.hexdigest()
+
+
+def cuda_home():
+    """The CUDA toolkit a build uses: the first of $CUDA_HOME, /usr/local/cuda and the one nvcc on PATH is in that has
+    bin/nvcc, else None. setup.py and the build on first use both take it, not torch's guess (cpp_extension.CUDA_HOME),
+    which takes $CUDA_HOME as set (empty, or a toolkit since removed: setup.py then skipped the extension, or built
+    against /usr/local) and else nvcc on PATH, which may be a wrapper script elsewhere (/usr/local/bin/nvcc)."""
+    import os
+    import shutil
+
+    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
 
 
 def default_max_jobs() -> str:

@@ -52,6 +52,7 @@ else:
     _IMPORT_ERROR = stale(_C)
     if _IMPORT_ERROR is not None:  # backend="cuda" builds the current sources on first use instead
         _C = None
+_INSTALLED = _C  # the install's build: prepare() builds for the GPU at hand where it has no kernel code for it
 
 
 def build_note() -> str:
@@ -81,15 +82,21 @@ def _not_built() -> str:
 
 
 def prepare(device: torch.device) -> bool:
-    """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not
-    (cuda_build.py) and returns whether it did; a failed build raises, here and in unavailable_reason from then on."""
+    """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not,
+    or built it for other GPUs only (cuda_build.py), and returns whether it did; a failed build raises, here and in
+    unavailable_reason from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
-    if (_C is not None or _build_error is not None or device.type != "cuda"
-            or not (torch.cuda.is_available() or cuda_build.forced()) or cuda_build.why_not() is not None):
+    if _build_error is not None or device.type != "cuda" or not (torch.cuda.is_available() or cuda_build.forced()):
+        return False
+    # An install-time build for other GPUs (TORCH_CUDA_ARCH_LIST="9.0" in a Docker build, run on an L40S) is
+    # replaced like a missing one: its user may have no checkout to rebuild it in. Once only: never a second build.
+    if _C is not None and (_C is not _INSTALLED or not torch.cuda.is_available() or not _no_image(device)):
+        return False
+    if cuda_build.why_not() is not None:
         return False
     with _build_lock:
-        if _C is None:
+        if _C is None or _C is _INSTALLED:
             try:
                 module = cuda_build.build(device)
             except RuntimeError as e:
@@ -112,15 +119,25 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the CUDA extension dorafp8._C is {_not_built()}"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _image_error:
-        _image_error[index] = _C.kernel_image_error(index)
-    if _image_error[index]:
+    if _no_image(device):
+        index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
         return (f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; rebuild it "
                 f"for this GPU in the checkout it was built in: DORAFP8_CUDA_ARCHS=\"{major}{minor}\" "
                 f"{BUILD_COMMAND}")
     return None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _no_image(device: torch.device) -> str:
+    """Why dorafp8._C cannot run on `device` (built for other archs), or "" (asked once per device)."""
+    index = _index(device)
+    if index not in _image_error:
+        _image_error[index] = _C.kernel_image_error(index)
+    return _image_error[index]
 
 
 def rank_ops(device: torch.device) -> ModuleType:

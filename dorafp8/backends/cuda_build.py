@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import os
 import runpy
-import shutil
 import sys
 import threading
 import time
@@ -46,13 +45,10 @@ def source_dir() -> Path | None:
 
 
 def cuda_home() -> Path | None:
-    """The CUDA toolkit: $CUDA_HOME, /usr/local/cuda, or the one nvcc on PATH is in. (torch guesses it from nvcc on
-    PATH, which may be a wrapper script elsewhere; setup.py and the kernel report take this order too.)"""
-    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if cand and (Path(cand) / "bin" / "nvcc").exists():
-            return Path(cand)
-    nvcc = shutil.which("nvcc")
-    return Path(nvcc).resolve().parent.parent if nvcc else None
+    """The CUDA toolkit: csrc/build_spec.py's cuda_home, as setup.py finds it ($CUDA_HOME, /usr/local/cuda, or the one
+    nvcc on PATH is in)."""
+    home = build_spec()["cuda_home"]()
+    return Path(home) if home else None
 
 
 def forced() -> bool:
@@ -75,8 +71,9 @@ def why_not() -> str | None:
 
 
 def archs(device: torch.device) -> list[str]:
-    """What to build for: $DORAFP8_CUDA_ARCHS, else the GPU's own arch as build_spec.py's defaults spell it (sm_90 is
-    "90a", as setup.py builds it), else, with no GPU (a forced build), build_spec.py's defaults."""
+    """What to build for: $DORAFP8_CUDA_ARCHS, else the default arch whose cubin runs on the GPU (build_spec.covering:
+    sm_90 is "90a", as setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch, else, with no GPU (a
+    forced build), build_spec.py's defaults."""
     spec = build_spec()
     named = spec["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))
     defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
@@ -85,8 +82,7 @@ def archs(device: torch.device) -> list[str]:
     if not torch.cuda.is_available():
         return defaults
     major, minor = torch.cuda.get_device_capability(device)
-    own = f"{major}{minor}"
-    return [next((a for a in defaults if a.rstrip("af") == own), own)]
+    return [spec["covering"](defaults, major, minor) or f"{major}{minor}"]
 
 
 def build_spec() -> dict:

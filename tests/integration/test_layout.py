@@ -454,11 +454,42 @@ def test_setup_py_compiles_the_sources_hash_into_the_extension(tmp_path):
     assert f"-DDORAFP8_SOURCES={spec['sources_hash'](str(ROOT / 'csrc'))}" in cxx, cxx
 
 
+@pytest.mark.parametrize("cuda_home", ["", "/nonexistent/cuda-11.8"])
+def test_setup_py_builds_with_the_toolkit_the_first_use_build_finds(tmp_path, cuda_home):
+    """CUDA_HOME set but empty (a Dockerfile's `ENV CUDA_HOME=$CUDA_HOME`) or naming a toolkit since removed: setup.py
+    took torch's guess (CUDA_HOME as set; "" fell to nvcc on PATH, which may be a wrapper script outside any toolkit)
+    and skipped the extension ("nvcc not found (set CUDA_HOME)"), or built with the wrong toolkit, while the build on
+    first use, which looks further, found /usr/local/cuda or the nvcc on PATH. Both now take build_spec.cuda_home."""
+    toolkit = tmp_path / "cuda"  # nvcc on PATH
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    code = ("import json, runpy, setuptools, torch\n"
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.version.cuda = torch.version.cuda or '13.0'\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "ext, _, _, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "from torch.utils import cpp_extension\n"
+            "from dorafp8.backends import cuda_build\n"
+            "print(json.dumps([len(ext), note, cpp_extension.CUDA_HOME, str(cuda_build.cuda_home())]))\n")
+    env = dict(os.environ, CUDA_HOME=cuda_home, PATH=f"{toolkit / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(ROOT))
+    for name in ("DORAFP8_SKIP_CUDA_BUILD", "DORAFP8_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", "CUDA_PATH"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n_ext, note, setup_home, first_use_home = json.loads(r.stdout.strip().splitlines()[-1])
+    assert n_ext == 1, note
+    assert setup_home == first_use_home and os.path.exists(os.path.join(setup_home, "bin", "nvcc")), setup_home
+
+
 @pytest.mark.parametrize("env, gpu, archs", [
     ({"TORCH_CUDA_ARCH_LIST": "9.0"}, None, ["90"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.9 9.0a;12.0+PTX"}, None, ["89", "90a", "120"]),
     # NGC's containers set it for every build: the archs before 8.9 cannot take the kernels; the GPU at hand is added
     ({"TORCH_CUDA_ARCH_LIST": "7.5 8.0 8.6 9.0+PTX"}, (8, 9), ["90", "89"]),
+    # a B300 (sm_103) at hand runs the list's sm_100 cubin: no sm_103 target, which nvcc 12.8 does not know
+    ({"TORCH_CUDA_ARCH_LIST": "10.0"}, (10, 3), ["100"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.0;8.6"}, None, None),  # nothing from 8.9 on: not built
     # torch's own names for GPU generations (cpp_extension's named_arches), which it expands before reading the list
     ({"TORCH_CUDA_ARCH_LIST": "Hopper"}, None, ["90"]),
@@ -589,8 +620,9 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
     """setup.py compiles sources_hash(csrc/) into the extension, and backends/cuda.py refuses an extension whose hash
     differs from its installation's csrc/: for a wheel, the files pyproject.toml's package data ships (setuptools'
     glob, which leaves out hidden files). An editor's files in the checkout (Emacs' lock `.#forward.cu`, a dangling
-    link; a hidden copy) must not enter the hash, else the wheel's own extension is refused on every import (and the
-    lock failed setup.py with FileNotFoundError)."""
+    link; a hidden copy) and stray copies in folders the package data does not ship (csrc/old/forward.cu, a scratch
+    common/x.h: hashed by an os.walk before) must not enter the hash, else the wheel's own extension is refused on
+    every import (and the lock failed setup.py with FileNotFoundError)."""
     import glob
     import runpy
 
@@ -600,8 +632,15 @@ def test_the_sources_hash_is_of_the_files_a_wheel_ships(tmp_path):
     (src / ".#forward.cu").symlink_to("user@host.1234:1700000000")  # Emacs' lock: a link to nowhere
     (src / ".forward.cu").write_text("// a hidden copy\n")
     (src / "forward.cu~").write_text("// a backup\n")
+    (src / "common").rename(tmp_path / "common")  # csrc/common a link (a checkout sharing its headers): a wheel
+    (src / "common").symlink_to(tmp_path / "common")  # ships the files, which os.walk did not follow into
+    for stray in ("old/forward.cu", "common/scratch.h", "old/common/gemm.cuh"):
+        (src / stray).parent.mkdir(parents=True, exist_ok=True)
+        (src / stray).write_text("// a stray copy\n")
     shipped = tmp_path / "wheel" / "csrc"
-    for pattern in _pyproject()["tool"]["setuptools"]["package-data"]["dorafp8.csrc"]:
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]["dorafp8.csrc"]
+    assert sorted(package_data) == sorted(spec["SOURCE_FILES"])  # the one list, written out twice
+    for pattern in package_data:
         for f in glob.glob(pattern, root_dir=src):
             (shipped / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / f, shipped / f)

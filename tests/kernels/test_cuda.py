@@ -172,6 +172,21 @@ def test_cuda_archs_naming_no_arch_is_read_as_unset(monkeypatch, value):
     assert cuda_build.archs(torch.device("cuda")) == unset != []
 
 
+@pytest.mark.parametrize("cap, archs", [((9, 0), ["90a"]), ((8, 9), ["89"]), ((10, 3), ["100"]), ((12, 1), ["120"]),
+                                         ((8, 6), ["86"])])
+def test_first_use_build_targets_a_cubin_that_runs_on_the_gpu(monkeypatch, cap, archs):
+    """The build on first use targets the GPU: a default arch whose cubin runs on it. B300 (sm_103) and GB10 (sm_121)
+    were built for their own arch, which an nvcc of CUDA 12.8 (torch's cu128) refuses ('Unsupported gpu
+    architecture'), while the default's sm_100 / sm_120 cubin runs on them (a cubin runs on later minors of its major),
+    as the install-time build's does."""
+    from dorafp8.backends import cuda_build
+
+    monkeypatch.delenv("DORAFP8_CUDA_ARCHS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    assert cuda_build.archs(torch.device("cuda")) == archs
+
+
 def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, capsys):
     """Without an install-time build, naming backend='cuda' builds dorafp8._C with torch's loader: binding.cpp and
     the kernel files build_spec.py lists, its flags with a cubin for the arch (and its PTX), into a per-user cache
@@ -200,6 +215,29 @@ def test_first_use_of_backend_cuda_builds_the_extension(tmp_path, monkeypatch, c
     assert "dorafp8: building the CUDA extension for sm_90a" in err and "on first use of backend='cuda'" in err
     assert f"into {kw['build_directory']}" in err and "dorafp8: built the CUDA extension" in err
     assert type(cb._C).__name__ == "FakeExtension" and cb._backend.launcher is cb._C
+    assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
+
+
+def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monkeypatch):
+    """An install-time dorafp8._C with no kernel code for the GPU at hand (TORCH_CUDA_ARCH_LIST="9.0" in a Docker
+    build, run on an L40S) was refused with a command to rebuild it "in the checkout it was built in", which a user
+    who installed from an sdist has not: backend='cuda' now builds it for this GPU on first use, as where the install
+    built nothing; once (a build that lacks the GPU's code too is not built again)."""
+    calls = _fake_toolkit(tmp_path, monkeypatch, archs="")
+    installed = type("Installed", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", installed)
+    monkeypatch.setattr(cb, "_INSTALLED", installed, raising=False)
+    monkeypatch.setattr(cb._backend, "launcher", installed)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw) or type(
+        "Built", (), {"kernel_image_error": staticmethod(lambda i: "")})())
+    assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
+    (kw,) = calls
+    assert "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
+    assert type(cb._C).__name__ == "Built" and cb._backend.launcher is cb._C
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
 
 
