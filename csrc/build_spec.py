@@ -93,18 +93,25 @@ def sources_hash(src: str) -> str:
 
 
 def cuda_home():
-    """The CUDA toolkit a build uses: the first of $CUDA_HOME, /usr/local/cuda and the one nvcc on PATH is in that has
-    bin/nvcc, else None. setup.py and the build on first use both take it, not torch's guess (cpp_extension.CUDA_HOME),
-    which takes $CUDA_HOME as set (empty, or a toolkit since removed: setup.py then skipped the extension, or built
-    against /usr/local) and else nvcc on PATH, which may be a wrapper script elsewhere (/usr/local/bin/nvcc)."""
+    """The CUDA toolkit a build uses, in torch's order: $CUDA_HOME, $CUDA_PATH, the toolkit nvcc on PATH is in (a
+    cluster's `module load cuda/12.4` puts its own there, beside an older /usr/local/cuda), /usr/local/cuda; each
+    taken only if it has bin/nvcc, and PATH's only if it has include/cuda_runtime.h too (an nvcc on PATH may be a
+    wrapper script outside any toolkit, /usr/local/bin/nvcc). None if none. setup.py and the build on first use both
+    take it, not torch's guess (cpp_extension.CUDA_HOME), which takes $CUDA_HOME as set (empty, or a toolkit since
+    removed) and PATH's nvcc unchecked."""
+    import glob
     import os
     import shutil
 
-    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
-            return cand
     nvcc = shutil.which("nvcc")
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+    on_path = nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if on_path and not (os.path.isfile(os.path.join(on_path, "include", "cuda_runtime.h"))  # conda: targets/<arch>/
+                        or glob.glob(os.path.join(glob.escape(on_path), "targets", "*", "include", "cuda_runtime.h"))):
+        on_path = None
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), on_path, "/usr/local/cuda"):
+        if cand and os.path.isfile(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    return None
 
 
 def default_max_jobs() -> str:

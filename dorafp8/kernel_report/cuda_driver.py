@@ -62,11 +62,9 @@ def nvcc_flags() -> list[str]:
 
 
 def cuda_home() -> Path | None:
-    for cand in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if cand and (Path(cand) / "bin" / "nvcc").exists():
-            return Path(cand)
-    nvcc = shutil.which("nvcc")
-    return Path(nvcc).resolve().parent.parent if nvcc else None
+    """The toolkit the extension's builds take (csrc/build_spec.py's cuda_home)."""
+    home = build_spec()["cuda_home"]()
+    return Path(home) if home else None
 
 
 def demangler() -> str | None:
