@@ -7,10 +7,11 @@ import collections
 import pytest
 import torch
 
-from tests.kernels._kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project,
-                                       check_weight_norm, make_problem, shape_id)
+from tests.kernels._kernel_ref import (_forward_args, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, d, make_problem, shape_id)
 
 from dorafp8 import backends
+from dorafp8.backends import reference
 
 nb = backends.module("native")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -51,6 +52,56 @@ def test_weights_spanning_several_blocks(monkeypatch):
             check_forward(nb.forward, p, mode, has_bias=True)
             check_dgrad(nb.dgrad, p, mode)
             check_backward_pass(nb.backward_pass, p, mode)
+
+
+class _ReferenceProductsRefused:
+    """native.py's `reference` with its base-product functions refused: native computes the call itself."""
+
+    def __getattr__(self, name):
+        if name in ("forward", "dgrad"):
+            raise AssertionError(f"native ran the reference's {name}")
+        return getattr(reference, name)
+
+
+F16_MAX = torch.finfo(torch.float16).max
+
+
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_fp16_runs_native_where_the_unscaled_product_overflows(scale, monkeypatch):
+    """fp16 (what a T4 or V100 trains in: no bf16 tensor cores there) ran the fp32 reference, because an fp16 product
+    with the unscaled W8 (|W8| up to 448) overflows where x W0^T does not. Native now folds the scale into its fp16
+    weight as PEFT's dequantized weight holds it: activations and gradients here make x W8^T and gl W8 overflow fp16
+    (checked), and every output must still be within fp16's tolerance of fp64, finite."""
+    monkeypatch.setattr(nb, "reference", _ReferenceProductsRefused())
+    p = make_problem(37, 64, 70, 3, torch.float16, "cpu", scale, True, act_scale=200.0)
+    if scale != "block":  # the old fp16 product (block scales were always folded in)
+        assert (d(p["x"]) @ d(p["w8"]).T).abs().max() > F16_MAX
+        assert (d(p["g"]) @ d(p["w8"])).abs().max() > F16_MAX
+    for mode in ("plain", "nodrop", "dropout"):
+        for has_bias in (False, True):
+            check_forward(nb.forward, p, mode, has_bias)
+        check_dgrad(nb.dgrad, p, mode)
+        if mode != "plain":  # need_z=False: the same y, no z
+            args = list(_forward_args(p, mode, True))
+            y, _ = nb.forward(*args, "")
+            args[12] = False
+            y2, z2 = nb.forward(*args, "")
+            assert z2 is None and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_fp16_weight_beyond_fp16s_range_stays_finite(scale, monkeypatch):
+    """A scale over 65504 / 448 makes W0 itself pass fp16's largest value (PEFT's fp16 copy of it holds inf): the
+    folded weight is divided by a factor that keeps it finite, applied back in fp32, so a result inside fp16's range
+    comes out finite and right, on native's own code."""
+    monkeypatch.setattr(nb, "reference", _ReferenceProductsRefused())
+    p = make_problem(37, 64, 70, 3, torch.float16, "cpu", scale, False, act_scale=1e-4)
+    p["sigma"] = p["sigma"] * 2.0 ** 20
+    assert (d(p["w8"]).abs().max(1).values * d(p["sigma"]).reshape(-1, 1).amax(1)).max() > F16_MAX \
+        if scale != "block" else (d(p["sigma"]).max() * 448 > F16_MAX)
+    for mode in ("plain", "nodrop", "dropout"):
+        check_forward(nb.forward, p, mode, has_bias=True)
+        check_dgrad(nb.dgrad, p, mode)
 
 
 def test_auto_is_native_on_cpu_and_reference_stays_exact(monkeypatch):
