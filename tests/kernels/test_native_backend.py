@@ -110,6 +110,25 @@ def test_fp16_runs_native_where_the_unscaled_product_overflows(scale, monkeypatc
             assert z2 is None and torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_gpu_path_reads_no_value_on_the_host(scale, dtype):
+    """What a GPU runs (fp16's fold and its range cap included) reads no tensor's value on the host: no GPU sync per
+    layer, nothing a CUDA graph capture refuses. Run on meta tensors, which refuse any such read (.item(), bool(),
+    float()), through forward, backward_pass and dgrad in every mode."""
+    p = make_problem(37, 50, 70, 3, dtype, "cpu", scale, False)
+    p = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    srow = p["sigma"] if p["sigma"].dim() == 1 else None
+    for mode in ("plain", "nodrop", "dropout"):
+        adapter, dropout = mode != "plain", mode == "dropout"
+        y, z = nb.forward(*_forward_args(p, mode, True), "")
+        m, n, B, u, A = (p[k] if adapter else None for k in ("m", "n", "B", "u", "A"))
+        gl, rs, gb, v, *_ = nb.backward_pass(p["g"], z, m, n, srow, B, u, 1.75, dropout, adapter, adapter)
+        dx = nb.dgrad(gl, rs[0], p["w8"], p["sigma"], p["block"], v, A, 1.75, p["mask"] if dropout else None, 0.25,
+                      gb, rs[1] if dropout else None, "")
+        assert y.shape == p["g"].shape and dx.shape == p["x"].shape and dx.dtype == dtype
+
+
 @pytest.mark.parametrize("scale", ["tensor", "row", "block"])
 def test_fp16_weight_beyond_fp16s_range_stays_finite(scale, monkeypatch):
     """A scale over 65504 / 448 makes W0 itself pass fp16's largest value (PEFT's fp16 copy of it holds inf): the
