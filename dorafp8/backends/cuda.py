@@ -38,6 +38,7 @@ SUPPORTS = frozenset({"fp32"})  # neither block scales nor W8A8: backend="auto" 
 # told to run it: the extension builds on first use instead (prepare).
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OLDEST = (8, 0)  # csrc/'s cp.async and bf16 mma.sync: ptxas refuses them below sm_80 (the e4m3 cvt has a fallback)
 _OTHER_BACKENDS = ("triton", "reference")
 _image_error: dict[int, str] = {}  # per device index: "" if the build has kernel code for it, else why not
 _build_lock = threading.Lock()
@@ -72,9 +73,20 @@ def extension_status() -> str:
     return _not_built()
 
 
+def _too_old(device: torch.device) -> Optional[str]:
+    """Why no build can run on this GPU (one older than OLDEST: a V100, a T4), else None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= OLDEST:
+        return None
+    return (f"its kernels need an sm_{OLDEST[0]}{OLDEST[1]} or newer GPU (cp.async, bf16 mma.sync), found "
+            f"sm_{major}{minor}; backend='auto' runs 'native' there (PyTorch's matmul in the compute dtype)")
+
+
 def _not_built() -> str:
     note = build_note()
-    why = _build_error or cuda_build.why_not()
+    why = _build_error or cuda_build.why_not() or _too_old(torch.device("cuda"))
     then = ("backend='cuda' builds it on first use on a GPU (nvcc: a few minutes, once per torch version and GPU)"
             if why is None else f"it cannot be built here: {why}")
     return (f"not built ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}{'; at install: ' + note if note else ''}); "
@@ -87,7 +99,8 @@ def prepare(device: torch.device) -> bool:
     unavailable_reason from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
-    if _build_error is not None or device.type != "cuda" or not (torch.cuda.is_available() or cuda_build.forced()):
+    if (_build_error is not None or device.type != "cuda" or not (torch.cuda.is_available() or cuda_build.forced())
+            or _too_old(device) is not None):
         return False
     # An install-time build for other GPUs (TORCH_CUDA_ARCH_LIST="9.0" in a Docker build, run on an L40S) is
     # replaced like a missing one: its user may have no checkout to rebuild it in. Once only: never a second build.
@@ -115,6 +128,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the CUDA backend runs on CUDA devices only, got a {device.type} device (use 'reference' or 'auto')"
     if not torch.cuda.is_available() and not (_C is None and cuda_build.forced()):
         return "torch sees no CUDA device"
+    if (old := _too_old(device)) is not None:  # before the build's note: no build would help
+        return f"the CUDA backend cannot run on this GPU: {old}"
     if _C is None:
         return f"the CUDA extension dorafp8._C is {_not_built()}"
     if not torch.cuda.is_available():

@@ -7,9 +7,13 @@ import torch
 
 from . import reference
 from .._fp8_cast import e4m3_scaled
-from ..quant import row_blocks, row_step, scale_kind, scale_rows
+from ..quant import E4M3_MAX, row_blocks, row_step, scale_kind, scale_rows
 from .base import magnitude_scale, matmul_rows
 
+F16_MAX = torch.finfo(torch.float16).max
+# Devices where fp16 calls run the reference's fp32 GEMMs instead: a CPU without fp16 units (most x86 ones) multiplies
+# fp16 several times slower than fp32 (3.7x on an AVX-512 machine under torch 2.14), while bf16 runs on its bf16 units.
+FP16_REFERENCE_DEVICES = frozenset({"cpu"})
 project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
 
 
@@ -62,22 +66,53 @@ def _weight_spans(w8, scale, block_size) -> list[tuple[int, int]]:
     return list(row_blocks(N, K, row_step(scale, block_size)))
 
 
-def _weight_block(w8, scale, block_size, dtype, j0, j1):
-    """W'[j0:j1] in `dtype` with block scales applied (per-tensor / per-row left to the caller)."""
+def _weight_block(w8, f, block_size, dtype, j0, j1):
+    """W8[j0:j1] * f (f per tensor, row or block, as scale_rows takes a scale; None: 1) rounded once into `dtype`."""
     N, K = w8.shape
     rows = w8 if (j0 == 0 and j1 == N) else w8[j0:j1]
+    return e4m3_scaled(rows, None if f is None else scale_rows(f, block_size, j0, j1, K), dtype)
+
+
+def _fp16_cap(scale):
+    """d >= 1 (fp32, 0-dim) with |W8| * max|scale| / d <= fp16's largest value (|W8| <= 448): 1 unless a scale passes
+    65504 / 448 = 146 (a weight no fp16 model holds). A tensor op, not a read of the value: no sync on a GPU, nothing
+    data-dependent under torch.compile or a CUDA graph capture."""
+    return (_f32(scale).abs().amax() * (E4M3_MAX / F16_MAX)).clamp_min(1.0)
+
+
+def _forward_fold(scale, dtype):
+    """(f, sc): the base product is (x @ (W8 * f)^T) * sc, the block in `dtype`, sc applied in fp32 (None: 1).
+    bf16 / fp32: W8 exactly (block scales folded in), per-tensor / per-row scales in sc. fp16: W0 / d folded in (PEFT's
+    dequantized weight, fp16's range: d = 1 but for absurd scales) and sc = d, so that the fp16 product has the
+    magnitude of x W0^T itself; x W8^T (|W8| up to 448) could overflow where that does not."""
     block = scale_kind(scale) == "block"
-    return e4m3_scaled(rows, scale_rows(scale, block_size, j0, j1, K) if block else None, dtype)
+    if dtype != torch.float16:
+        return (scale if block else None), (None if block else _f32(scale))
+    d = _fp16_cap(scale)
+    return _f32(scale) / d, d
 
 
-def _out_scale(scale):
-    """The fp32 factor of the base product's columns (per tensor: a scalar, per row: [N]; block: already applied)."""
+def _dgrad_fold(scale, dtype):
+    """(f, st): the dgrad's product is (g @ (W8 * f)) * st, st in fp32, equal to the reference's g @ W8' times its st
+    (per tensor: the scale; per row: 1, the row scales being in g already). fp16 folds the scale in as _forward_fold
+    does; per row, kappa = max|scale| (capped as _fp16_cap caps; g's rows carry scale / max|scale| <= 1 of it)."""
     kind = scale_kind(scale)
-    return None if kind == "block" else _f32(scale)
+    if dtype != torch.float16:
+        return (scale if kind == "block" else None), (_f32(scale) if kind == "tensor" else 1.0)
+    if kind == "row":  # a 0-dim factor: one for every row
+        kappa = _f32(scale).abs().amax().clamp(min=torch.finfo(torch.float32).tiny, max=F16_MAX / E4M3_MAX)
+        return kappa, 1.0 / kappa
+    d = _fp16_cap(scale)
+    return _f32(scale) / d, d
+
+
+def _reference_runs(t, act_quant) -> bool:
+    """W8A8 (an emulation on CPU either way) and fp16 on FP16_REFERENCE_DEVICES run the reference's code."""
+    return bool(act_quant) or (t.dtype == torch.float16 and t.device.type in FP16_REFERENCE_DEVICES)
 
 
 def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
-    if act_quant or x.dtype == torch.float16:  # why: docs/ARCHITECTURE.md, native.py
+    if _reference_runs(x, act_quant):
         return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
     x, xm = matmul_rows(x), matmul_rows(xm)
     cdt = x.dtype
@@ -86,8 +121,9 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
     # The base products in the compute dtype, one block of weight rows (one transient) at a time.
     spans = _weight_spans(w8, scale, block_size)
+    f, sc = _forward_fold(scale, cdt)
     if len(spans) == 1:  # the whole weight is one block (small layers): no copies
-        w = _weight_block(w8, scale, block_size, cdt, 0, N)
+        w = _weight_block(w8, f, block_size, cdt, 0, N)
         base = x @ w.T
         base_d = xm @ w.T if two else None
         del w
@@ -95,12 +131,11 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         base = torch.empty(M, N, dtype=cdt, device=x.device)
         base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
         for j0, j1 in spans:
-            w = _weight_block(w8, scale, block_size, cdt, j0, j1)
+            w = _weight_block(w8, f, block_size, cdt, j0, j1)
             base[:, j0:j1] = x @ w.T
             if two:
                 base_d[:, j0:j1] = xm @ w.T
             del w  # before the next block is made
-    sc = _out_scale(scale)
     scd = None  # the factor of the dropout term's product: the scale and 1 / (1 - p)
     if two:
         scd = (sc if sc is not None else torch.ones((), dtype=torch.float32, device=x.device)) * (1.0 / (1.0 - p))
@@ -198,18 +233,18 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
-    if act_quant or gl.dtype == torch.float16:  # why: docs/ARCHITECTURE.md, native.py
+    if _reference_runs(gl, act_quant):
         return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     cdt = gl.dtype
     M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
-    st = _f32(scale) if scale_kind(scale) == "tensor" else 1.0
+    f, st = _dgrad_fold(scale, cdt)
     two = v is not None and mask is not None
     # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
     # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
     t = tb = None
     for j0, j1 in _weight_spans(w8, scale, block_size):
-        w = _weight_block(w8, scale, block_size, cdt, j0, j1)
+        w = _weight_block(w8, f, block_size, cdt, j0, j1)
         whole = j0 == 0 and j1 == N
         pt = (gl if whole else gl[:, j0:j1]) @ w
         t = pt if t is None else _f32(t).add_(pt)

@@ -27,16 +27,16 @@ def act(t: torch.Tensor, dtype, device, strided: bool) -> torch.Tensor:
     return buf[:, : t.shape[1]]
 
 
-def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dtype=None):
+def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dtype=None, act_scale=1.0):
     """A problem in compute dtype `dtype` with the low-rank path in `rank_dtype` (default: the same), the weight
-    scale per "tensor", "row" or "block" (BLOCK x BLOCK)."""
+    scale per "tensor", "row" or "block" (BLOCK x BLOCK); x and g are unit Gaussians times `act_scale`."""
     rdt = rank_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     # Rows of different magnitudes, so that per-row and per-block scales differ by up to 30x.
     W = rnd(N, K) * 0.05 * torch.linspace(0.1, 3.0, N)[:, None]
     w8, sigma = quantize_e4m3(W, per_row=scale_kind == "row", block_size=BLOCK if scale_kind == "block" else None)
-    x = rnd(M, K)
+    x = rnd(M, K) * act_scale
     mask = torch.rand(M, K, generator=gen) >= P
     n = (0.5 + torch.rand(N, generator=gen)).float()  # the weight norm
     m = n * (0.5 + torch.rand(N, generator=gen))  # the magnitude: c = m / n in [0.5, 1.5)
@@ -49,7 +49,7 @@ def make_problem(M, K, N, r, dtype, device, scale_kind, strided, seed=0, rank_dt
     p["A"] = (rnd(r, K) / K ** 0.5).to(rdt).to(device)
     p["B"] = (rnd(N, r) * 0.1).to(rdt).to(device)
     p["bias"] = (rnd(N) * 0.1).to(dtype).to(device)
-    p["g"] = act(rnd(M, N), dtype, device, strided)
+    p["g"] = act(rnd(M, N) * act_scale, dtype, device, strided)
     # u as the autograd layer computes it (in the rank dtype); the formulas below use these same values.
     p["u"] = act(d(p["xm"]) / (1 - P) @ d(p["A"]).T, rdt, device, strided)
     p["u_nodrop"] = act(d(p["x"]) @ d(p["A"]).T, rdt, device, strided)

@@ -241,6 +241,27 @@ def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monke
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
 
 
+@pytest.mark.parametrize("cap", [(7, 0), (7, 5)])
+def test_first_use_build_is_refused_below_sm_80(tmp_path, monkeypatch, cap):
+    """A V100 or T4 naming backend='cuda' (or DORAFP8_BACKEND=cuda) started a build of minutes that ptxas ends in
+    "Feature 'cp.async' requires .target sm_80 or higher" (csrc/ builds for sm_80 and newer), and `python -m dorafp8`
+    said the first use would build it. Refused now before any build, naming the GPU's arch and what backend='auto'
+    runs there; an sm_80 GPU still builds."""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    cuda = torch.device("cuda")
+    arch = f"sm_{cap[0]}{cap[1]}"
+    with pytest.raises(RuntimeError, match=rf"cannot run on cuda: .*sm_80 or newer.*found {arch}.*'native'"):
+        backends.resolve("cuda", cuda)
+    assert calls == [] and cb.prepare(cuda) is False
+    status = cb.extension_status()
+    assert "cannot be built here: its kernels need an sm_80 or newer GPU" in status and arch in status
+    assert "builds it on first use" not in status
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert cb.prepare(cuda) is True and len(calls) == 1
+
+
 def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     """The cache folder changes with the torch version, the archs and the sources, and only with them; a folder that
     holds a build loads quietly; a build that runs longer says so every _TICK seconds."""

@@ -3,14 +3,16 @@ platform's matmul; what backend="auto" runs on CPU). Checked with the same fp64 
 tolerances as every other backend (tests/kernels/_kernel_ref.py, tests/_tolerance.py)."""
 
 import collections
+import itertools
 
 import pytest
 import torch
 
-from tests.kernels._kernel_ref import (check_backward_pass, check_dgrad, check_forward, check_project,
-                                       check_weight_norm, make_problem, shape_id)
+from tests.kernels._kernel_ref import (_forward_args, check_backward_pass, check_dgrad, check_forward, check_project,
+                                       check_weight_norm, d, make_problem, shape_id)
 
 from dorafp8 import backends
+from dorafp8.backends import reference
 
 nb = backends.module("native")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -22,7 +24,8 @@ SHAPES = [(1, 50, 70, 1, False), (37, 50, 70, 3, True), (20, 33, 17, 20, True)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
 @pytest.mark.parametrize("scale", ["tensor", "row", "block"])
-def test_forward_backward_pass_dgrad(device, shape, dtype, mode, scale):
+def test_forward_backward_pass_dgrad(device, shape, dtype, mode, scale, monkeypatch):
+    monkeypatch.setattr(nb, "FP16_REFERENCE_DEVICES", frozenset())  # fp16: native's own code on CPU too
     M, K, N, r, strided = shape
     p = make_problem(M, K, N, r, dtype, device, scale, strided)
     check_forward(nb.forward, p, mode, has_bias=mode != "plain")
@@ -45,12 +48,100 @@ def test_weights_spanning_several_blocks(monkeypatch):
     import dorafp8.quant as quant
 
     monkeypatch.setattr(quant, "_BLOCK_BYTES", 4 * 40 * 7)  # 7 rows of K = 40 per block
-    for scale in ("tensor", "row", "block"):
-        p = make_problem(23, 40, 50, 3, torch.bfloat16, "cpu", scale, True)
+    _fp16_native_on_cpu(monkeypatch)
+    for scale, dtype in itertools.product(("tensor", "row", "block"), (torch.bfloat16, torch.float16)):
+        p = make_problem(23, 40, 50, 3, dtype, "cpu", scale, True)
         for mode in ("nodrop", "dropout", "plain"):
             check_forward(nb.forward, p, mode, has_bias=True)
             check_dgrad(nb.dgrad, p, mode)
             check_backward_pass(nb.backward_pass, p, mode)
+
+
+class _ReferenceProductsRefused:
+    """native.py's `reference` with its base-product functions refused: native computes the call itself."""
+
+    def __getattr__(self, name):
+        if name in ("forward", "dgrad"):
+            raise AssertionError(f"native ran the reference's {name}")
+        return getattr(reference, name)
+
+
+F16_MAX = torch.finfo(torch.float16).max
+
+
+def _fp16_native_on_cpu(monkeypatch):
+    """native's own fp16 code on CPU (what a GPU runs; on CPU fp16 runs the reference's fp32 GEMMs, faster there)."""
+    monkeypatch.setattr(nb, "FP16_REFERENCE_DEVICES", frozenset())
+    monkeypatch.setattr(nb, "reference", _ReferenceProductsRefused())
+
+
+def test_fp16_runs_native_on_a_gpu_and_the_reference_on_cpu():
+    """Which code an fp16 call runs, by its tensors' device (read from them alone: a stand-in with a dtype and a
+    device): a GPU's fp16 matmul (a T4's, a V100's), but on CPU the reference's fp32 GEMMs; bf16 runs native on both,
+    W8A8 the reference."""
+    from types import SimpleNamespace
+
+    for device, reference_runs in (("cpu", True), ("cuda", False)):
+        t = SimpleNamespace(dtype=torch.float16, device=torch.device(device))
+        assert nb._reference_runs(t, "") is reference_runs and nb._reference_runs(t, "rowwise") is True
+        assert nb._reference_runs(SimpleNamespace(dtype=torch.bfloat16, device=torch.device(device)), "") is False
+
+
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_fp16_runs_native_where_the_unscaled_product_overflows(scale, monkeypatch):
+    """fp16 (what a T4 or V100 trains in: no bf16 tensor cores there) ran the fp32 reference, because an fp16 product
+    with the unscaled W8 (|W8| up to 448) overflows where x W0^T does not. Native now folds the scale into its fp16
+    weight as PEFT's dequantized weight holds it: activations and gradients here make x W8^T and gl W8 overflow fp16
+    (checked), and every output must still be within fp16's tolerance of fp64, finite."""
+    _fp16_native_on_cpu(monkeypatch)
+    p = make_problem(37, 64, 70, 3, torch.float16, "cpu", scale, True, act_scale=200.0)
+    if scale != "block":  # the old fp16 product (block scales were always folded in)
+        assert (d(p["x"]) @ d(p["w8"]).T).abs().max() > F16_MAX
+        assert (d(p["g"]) @ d(p["w8"])).abs().max() > F16_MAX
+    for mode in ("plain", "nodrop", "dropout"):
+        for has_bias in (False, True):
+            check_forward(nb.forward, p, mode, has_bias)
+        check_dgrad(nb.dgrad, p, mode)
+        if mode != "plain":  # need_z=False: the same y, no z
+            args = list(_forward_args(p, mode, True))
+            y, _ = nb.forward(*args, "")
+            args[12] = False
+            y2, z2 = nb.forward(*args, "")
+            assert z2 is None and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_gpu_path_reads_no_value_on_the_host(scale, dtype):
+    """What a GPU runs (fp16's fold and its range cap included) reads no tensor's value on the host: no GPU sync per
+    layer, nothing a CUDA graph capture refuses. Run on meta tensors, which refuse any such read (.item(), bool(),
+    float()), through forward, backward_pass and dgrad in every mode."""
+    p = make_problem(37, 50, 70, 3, dtype, "cpu", scale, False)
+    p = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    srow = p["sigma"] if p["sigma"].dim() == 1 else None
+    for mode in ("plain", "nodrop", "dropout"):
+        adapter, dropout = mode != "plain", mode == "dropout"
+        y, z = nb.forward(*_forward_args(p, mode, True), "")
+        m, n, B, u, A = (p[k] if adapter else None for k in ("m", "n", "B", "u", "A"))
+        gl, rs, gb, v, *_ = nb.backward_pass(p["g"], z, m, n, srow, B, u, 1.75, dropout, adapter, adapter)
+        dx = nb.dgrad(gl, rs[0], p["w8"], p["sigma"], p["block"], v, A, 1.75, p["mask"] if dropout else None, 0.25,
+                      gb, rs[1] if dropout else None, "")
+        assert y.shape == p["g"].shape and dx.shape == p["x"].shape and dx.dtype == dtype
+
+
+@pytest.mark.parametrize("scale", ["tensor", "row", "block"])
+def test_fp16_weight_beyond_fp16s_range_stays_finite(scale, monkeypatch):
+    """A scale over 65504 / 448 makes W0 itself pass fp16's largest value (PEFT's fp16 copy of it holds inf): the
+    folded weight is divided by a factor that keeps it finite, applied back in fp32, so a result inside fp16's range
+    comes out finite and right, on native's own code."""
+    _fp16_native_on_cpu(monkeypatch)
+    p = make_problem(37, 64, 70, 3, torch.float16, "cpu", scale, False, act_scale=1e-4)
+    p["sigma"] = p["sigma"] * 2.0 ** 20
+    assert (d(p["w8"]).abs().max(1).values * d(p["sigma"]).reshape(-1, 1).amax(1)).max() > F16_MAX \
+        if scale != "block" else (d(p["sigma"]).max() * 448 > F16_MAX)
+    for mode in ("plain", "nodrop", "dropout"):
+        check_forward(nb.forward, p, mode, has_bias=True)
+        check_dgrad(nb.dgrad, p, mode)
 
 
 def test_auto_is_native_on_cpu_and_reference_stays_exact(monkeypatch):

@@ -369,6 +369,38 @@ def test_auto_runs_native_on_a_gpu_no_kernel_backend_runs_on(monkeypatch):
     assert backends.resolve("auto", torch.device("meta")) == "reference"  # no fp8 matmul of PyTorch's known there
 
 
+@pytest.mark.parametrize("cap", [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (12, 0)])
+def test_auto_by_gpu_capability(cap, monkeypatch):
+    """backend="auto"'s static order (what DORAFP8_RACE=0, a compiled trace or a graph capture runs) on a GPU of each
+    capability, faked as tests/kernels/test_arch_configs.py fakes it, with the backends' own availability checks: below
+    sm_89 (V100, T4, A100, RTX 3090) native for fp8 weights of every scale kind in every compute dtype, fp16 included,
+    and the reference for NVFP4 / MXFP8 (native lacks them); from sm_89 on the Triton backend, and cublas for the
+    microscaled kinds, as before."""
+    from dorafp8 import backends
+    from dorafp8.backends import cuda as cuda_backend
+    from dorafp8.ops._policy import backend_needs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(cuda_backend, "_C", None)  # not built (a GPU machine's own build would answer for its GPU)
+    monkeypatch.setattr(backends, "_reasons", {})
+    monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
+    gpu = torch.device("cuda")
+    old = cap < (8, 9)
+    scales = {"tensor": torch.tensor(0.01), "row": torch.full((8,), 0.01), "block": torch.full((1, 1), 0.01)}
+    for cdt in (torch.float16, torch.bfloat16, torch.float32):
+        for kind, scale in scales.items():
+            for act_quant in ("", "rowwise"):
+                needs = backend_needs(scale, act_quant, cdt)
+                want = "native" if old else "triton"
+                assert backends.resolve("auto", gpu, needs) == want, (cdt, kind, act_quant)
+    for kind in ("nvfp4", "mxfp8"):
+        assert backends.resolve("auto", gpu, frozenset({kind})) == ("reference" if old else "cublas")
+    if old:
+        for name in ("triton", "cublas"):
+            assert f"sm_{cap[0]}{cap[1]}" in backends.unavailable_reason(name, gpu)
+
+
 def test_outputs_are_not_views():
     """The ops return their [..., N] result as a tensor of its own (aten._unsafe_view of the autograd Function's 2-D
     output, no copy), not as a view: FSDP2 warns when a module it wraps returns a view ("FSDP2-wrapped module
