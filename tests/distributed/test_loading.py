@@ -220,6 +220,31 @@ def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
     assert line == "loaded True {'Tensor'} ['torch.float8_e8m0fnu']", line
 
 
+def test_the_fsdp2_loader_wrap_is_installed_when_accelerate_is_imported_after_dorafp8():
+    """The usual order (`import dorafp8` first): the import hook wraps accelerate's loader once, before
+    accelerate.utils re-exports it; installing again changes nothing."""
+    _needs("accelerate", "the hook wraps accelerate's FSDP2 loader")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO
+
+    job = ("import dorafp8\n"
+           "from accelerate.utils import fsdp_utils\n"
+           "import accelerate.utils\n"
+           "from dorafp8.distributed import install_accelerate_loader_support\n"
+           "f = fsdp_utils.fsdp2_load_full_state_dict\n"
+           "print(hasattr(f, '_dorafp8_orig'), not hasattr(f._dorafp8_orig, '_dorafp8_orig'),\n"
+           "      accelerate.utils.fsdp2_load_full_state_dict is f, install_accelerate_loader_support(),\n"
+           "      fsdp_utils.fsdp2_load_full_state_dict is f)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.split() == ["True"] * 5, r.stdout
+
+
 def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
     """`dorafp8 run --quantize -- deepspeed --hostfile <2 hosts> ...`: deepspeed starts a multi-node run's workers
     through pdsh (or mpirun, srun) with only the variables it exports (PYTHON*, ...), never DORAFP8_RUN, and a
