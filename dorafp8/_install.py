@@ -2,6 +2,7 @@
 _after_import.py); DORAFP8_NO_PATCHES=1 changes none of it. How and why: docs/ARCHITECTURE.md, "Import hooks".
 
 - torch DDP: fp8 weights broadcast as bytes. FSDP2: fp8 weights stay fp8 under a MixedPrecisionPolicy; FSDP1 refused.
+- accelerate: its FSDP2 loader (cpu_ram_efficient_loading) sends MXFP8's e8m0 scales as bytes.
 - PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (too old a PEFT refused, naming why).
 - transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers.
 - diffusers: save_pretrained of fp8 models and from_single_file of fp8_scaled files refuse, naming dorafp8's calls.
@@ -22,8 +23,8 @@ from . import _after_import
 from ._env import flag
 from ._after_import import HOOK as _HOOK, waiting as _pending  # noqa: F401  (what is waited for: the tests look)
 from ._deps import peft_too_old
-from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
-                          install_fsdp_support)
+from .distributed import (ACCELERATE_FSDP_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES, install_accelerate_loader_support,
+                          install_ddp_support, install_fsdp1_refusal, install_fsdp_support)
 
 
 def _peft() -> None:
@@ -109,6 +110,8 @@ _WATCHED = {
                                                "weight (dorafp8.onetrainer)"),
     FSDP1_MODULE: (install_fsdp1_refusal, "FSDP1 fails on fp8 layers with 'Must flatten tensors with uniform dtype' "
                                           "instead of naming FSDP2"),
+    ACCELERATE_FSDP_MODULE: (install_accelerate_loader_support, "accelerate's FSDP2 loader (cpu_ram_efficient_loading) "
+                                                                "sends MXFP8 layers' e8m0 scales, which NCCL refuses"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }

@@ -14,7 +14,8 @@ import torch
 
 # The FSDP / ZeRO-3 helpers live with the fp8 module base, which needs them; named here too.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
-from .quant import FP8_DTYPES, is_fp8
+from .nn._base import scales_e8m0_as_bytes
+from .quant import E8M0, FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
     """owner.attr = make_wrapper(owner.attr), the original kept as `_dorafp8_orig`; wraps once."""
@@ -178,6 +179,35 @@ def uninstall_fsdp_support() -> None:
     afterwards: their fp8 weights are cast again, and cast back by the forward (recover_fp8_weight, with a warning)."""
     if torch.distributed.is_available():
         _unwrap(_fsdp_param_class(False), "init_dtype_attrs")
+
+
+# ---- accelerate's FSDP2 loader (cpu_ram_efficient_loading): MXFP8 scales as bytes -----------------------------------
+
+ACCELERATE_FSDP_MODULE = "accelerate.utils.fsdp_utils"
+
+
+def _wrap_fsdp2_load_full_state_dict(orig):
+    @functools.wraps(orig)
+    def fsdp2_load_full_state_dict(accelerator, model, full_sd, *args, **kwargs):
+        # It broadcasts every entry from rank 0 (the others allocate theirs from the sharded model's state_dict):
+        # NCCL has no e8m0 type ("Input tensor data type is not supported for NCCL process group: Float8_e8m0fnu"),
+        # so an MXFP8 layer's scales go as their bytes on both sides, and load as e8m0 again.
+        full_sd = {k: v.view(torch.uint8) if isinstance(v, torch.Tensor) and v.dtype == E8M0 else v
+                   for k, v in full_sd.items()}
+        with scales_e8m0_as_bytes():
+            return orig(accelerator, model, full_sd, *args, **kwargs)
+
+    return fsdp2_load_full_state_dict
+
+
+def install_accelerate_loader_support() -> bool:
+    """Makes accelerate's `fsdp2_load_full_state_dict` send MXFP8 layers' e8m0 scales as bytes; idempotent; whether
+    installed (False before accelerate.utils.fsdp_utils is imported, or without that function)."""
+    mod = sys.modules.get(ACCELERATE_FSDP_MODULE)
+    if getattr(mod, "fsdp2_load_full_state_dict", None) is None:
+        return False
+    _wrap_once(mod, "fsdp2_load_full_state_dict", _wrap_fsdp2_load_full_state_dict)
+    return True
 
 
 # ---- FSDP1: refused at wrap time -------------------------------------------------------------------------------------

@@ -10,20 +10,32 @@ import torch.distributed as dist
 # every float8 dtype (dorafp8.quant.FP8_DTYPES), without importing dorafp8 at interpreter start-up
 FP8_DTYPES = frozenset(d for d in vars(torch).values()
                        if isinstance(d, torch.dtype) and str(d).startswith("torch.float8"))
+# the float8 dtypes ProcessGroupNCCL maps (ncclFloat8e4m3 / ncclFloat8e5m2, or ncclUint8): not e8m0 (MXFP8's scales),
+# for which it raises the TypeError below (vllm-project/vllm#51567, sgl-project/sglang#34853)
+NCCL_FP8_DTYPES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                        "float8_e5m2fnuz"))
+
+
+def nccl_bytes(t):
+    """What NCCL moves for an fp8 tensor `t`: its bytes (a uint8 view), or NCCL's TypeError for a dtype it lacks."""
+    if t.dtype not in NCCL_FP8_DTYPES:
+        name = {torch.float8_e8m0fnu: "Float8_e8m0fnu"}.get(t.dtype, str(t.dtype))
+        raise TypeError(f"Input tensor data type is not supported for NCCL process group: {name}")
+    return t.view(torch.uint8)
 
 
 def emulate_nccl_fp8_transport():
-    """gloo has no fp8 types ("Invalid scalar type"); NCCL moves fp8 as its bytes (ncclFloat8e4m3, or ncclUint8 before
-    NCCL 2.24). So that gloo can stand in for NCCL, every fp8 tensor given to these collectives (and DTensor's
-    scatter and broadcast, which distribute_tensor uses for Shard and Replicate) goes as a uint8 view of the same
-    storage: the bytes NCCL would move.
+    """gloo has no fp8 types ("Invalid scalar type"); NCCL moves e4m3/e5m2 as their bytes (ncclFloat8e4m3, or ncclUint8
+    before NCCL 2.24) and refuses e8m0. So that gloo can stand in for NCCL, every fp8 tensor given to these collectives
+    (and DTensor's scatter and broadcast, which distribute_tensor uses for Shard and Replicate) goes as a uint8 view of
+    the same storage, the bytes NCCL would move, and an e8m0 one raises NCCL's TypeError (nccl_bytes).
     Installed before DeepSpeed's comm backend reads the functions."""
     import torch.distributed.tensor._collective_utils as dtensor_comm
 
     def as_bytes(a):
         if isinstance(a, (list, tuple)):
             return type(a)(as_bytes(t) for t in a)
-        return a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES else a
+        return nccl_bytes(a) if isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES else a
 
     def via_bytes(fn):
         def wrapper(*args, **kwargs):
@@ -43,7 +55,7 @@ def emulate_nccl_fp8_transport():
     def all_gather_single(t, *args, **kwargs):
         if t.dtype not in FP8_DTYPES:
             return gather(t, *args, **kwargs)
-        out = gather(t.view(torch.uint8), *args, **kwargs)
+        out = gather(nccl_bytes(t), *args, **kwargs)
         return (out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out).view(t.dtype)
 
     funcol.all_gather_single = all_gather_single

@@ -177,7 +177,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 from tests.distributed._cpu_stand_ins import emulate_nccl_fp8_transport
 emulate_nccl_fp8_transport()
 dist.init_process_group("gloo", rank=0, world_size=1)
-from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+from accelerate.utils import fsdp_utils  # its fsdp2_prepare_model calls the loader by this module's name
 from torch.distributed.fsdp import fully_shard
 from tests.distributed import _dist_common as C
 src = C.build_microscaled_model(0)
@@ -186,11 +186,12 @@ for layer in dst.base_model.model.model.layers:
     fully_shard(layer)
 fully_shard(dst)
 try:
-    fsdp2_load_full_state_dict(types.SimpleNamespace(is_main_process=True), dst, src.state_dict())
+    fsdp_utils.fsdp2_load_full_state_dict(types.SimpleNamespace(is_main_process=True), dst, src.state_dict())
     ids = C.probe_ids()
     with torch.no_grad():
         print("loaded", torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits),
-              {type(m.global_scale).__name__ for m in dst.modules() if getattr(m, "global_scale", None) is not None})
+              {type(m.global_scale).__name__ for m in dst.modules() if getattr(m, "global_scale", None) is not None},
+              sorted({str(b.dtype) for n, b in dst.named_buffers() if n.endswith("q_proj.base_layer.scale")}))
 except Exception as e:
     print(type(e).__name__, "::", e)
 dist.destroy_process_group()
@@ -201,7 +202,9 @@ def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
     """accelerate's FSDP2 loader (cpu_ram_efficient_loading) reads `.device_mesh` off every state_dict entry of the
     sharded model: an NVFP4 layer's `global_scale` buffer was listed as a plain tensor ('Tensor' object has no attribute
     'device_mesh'). It is now listed replicated, as `scale` is, and taken back as a plain buffer: the loaded model
-    computes what the source does. One process (a group of one), accelerate's own loader; fp8 as bytes."""
+    computes what the source does. The loader broadcasts every entry, and NCCL has no e8m0 type: an MXFP8 layer's
+    scales stopped it with NCCL's TypeError (hidden here while the stand-in sent e8m0 as bytes too); they now go as
+    bytes and load as e8m0. One process (a group of one), accelerate's own loader; fp8 collectives as NCCL takes them."""
     _needs("accelerate", "the job runs accelerate's FSDP2 loader")
     import subprocess
     import sys
@@ -214,7 +217,32 @@ def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
                        text=True, env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if "::" in x or x.startswith("loaded"))
-    assert line == "loaded True {'Tensor'}", line
+    assert line == "loaded True {'Tensor'} ['torch.float8_e8m0fnu']", line
+
+
+def test_the_fsdp2_loader_wrap_is_installed_when_accelerate_is_imported_after_dorafp8():
+    """The usual order (`import dorafp8` first): the import hook wraps accelerate's loader once, before
+    accelerate.utils re-exports it; installing again changes nothing."""
+    _needs("accelerate", "the hook wraps accelerate's FSDP2 loader")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO
+
+    job = ("import dorafp8\n"
+           "from accelerate.utils import fsdp_utils\n"
+           "import accelerate.utils\n"
+           "from dorafp8.distributed import install_accelerate_loader_support\n"
+           "f = fsdp_utils.fsdp2_load_full_state_dict\n"
+           "print(hasattr(f, '_dorafp8_orig'), not hasattr(f._dorafp8_orig, '_dorafp8_orig'),\n"
+           "      accelerate.utils.fsdp2_load_full_state_dict is f, install_accelerate_loader_support(),\n"
+           "      fsdp_utils.fsdp2_load_full_state_dict is f)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.split() == ["True"] * 5, r.stdout
 
 
 def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
