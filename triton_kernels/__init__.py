@@ -30,7 +30,7 @@ except ImportError as e:  # triton missing or too old
 
 QUANTS_IN_PROJECT = True  # W8A8: project(quant=True) quantizes x in the same read as u; forward takes it (x8, sx)
 # The fp8 features and the microscaled weights (unpacked in the GEMMs' main loop, gemm.py; W8A16 only).
-SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
+SUPPORTS = frozenset({"block", "rowwise", "fp32", "fp16-row", "mxfp8", "nvfp4"})
 
 __all__ = ["unavailable_reason", "unsupported_on", "weight_norm", "project", "project_grad", "forward",
            "backward_pass", "dgrad", "launch_observers", "planning_for_gpu"]

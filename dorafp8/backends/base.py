@@ -17,12 +17,13 @@ FEATURES = {
     "block": "block weight scales",
     "rowwise": "act_quant='rowwise' (W8A8)",
     "fp32": "fp32 compute (fp32 activations, no autocast)",
+    "fp16-row": "fp16 compute with per-row weight scales",
     "mxfp8": "MXFP8 weights (e8m0 scales per 32)",
     "nvfp4": "NVFP4 weights (packed e2m1, e4m3 scales per 16, a global scale)",
 }
 # What a backend without a SUPPORTS computes: the fp8 features. The microscaled weight kinds are opt-in, so that no
 # backend="auto" ever picks a kernel that does not know them (the reference computes them everywhere).
-FP8_FEATURES = frozenset({"block", "rowwise", "fp32"})
+FP8_FEATURES = frozenset({"block", "rowwise", "fp32", "fp16-row"})
 
 
 # What a zero weight norm is divided as: an all-zero row of W0 + s B A gets c = m / NORM_EPS (0 at DoRA's init, where

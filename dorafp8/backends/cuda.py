@@ -33,7 +33,7 @@ def stale(module) -> Optional[ImportError]:
                        f"pull since its build?), so it is not used; rebuild it: {BUILD_COMMAND}")
 
 
-SUPPORTS = frozenset({"fp32"})  # neither block scales nor W8A8: backend="auto" passes over it for those calls
+SUPPORTS = frozenset({"fp32", "fp16-row"})  # neither block scales nor W8A8: backend="auto" passes over it for those calls
 # The install-time build, from a checkout (the tests' skip messages name it to developers); a wheel's user is never
 # told to run it: the extension builds on first use instead (prepare).
 BUILD_COMMAND = "DORAFP8_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"

@@ -11,7 +11,7 @@ from .base import magnitude_scale, norm_divisor
 
 
 # Every feature, the microscaled weights (MXFP8, NVFP4) included; NVFP4's global scale comes as `global_scale`.
-SUPPORTS = frozenset({"block", "rowwise", "fp32", "mxfp8", "nvfp4"})
+SUPPORTS = frozenset({"block", "rowwise", "fp32", "fp16-row", "mxfp8", "nvfp4"})
 
 
 def unavailable_reason(device: torch.device) -> str | None:

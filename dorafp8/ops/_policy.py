@@ -106,7 +106,8 @@ def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None)
     (backends.FEATURES); cdt: the compute dtype of its base GEMMs (None: a call without them, the weight norm)."""
     kind = scale_kind(scale)
     return (frozenset({kind} if kind in ("block", *MICRO_KINDS) else ()) | frozenset({act_quant} if act_quant else ())
-            | frozenset({"fp32"} if cdt == torch.float32 else ()))
+            | frozenset({"fp32"} if cdt == torch.float32 else ())
+            | frozenset({"fp16-row"} if cdt == torch.float16 and kind == "row" else ()))
 
 
 def keeps_weight(M: int, N: int, K: int) -> bool:

@@ -102,6 +102,8 @@ def test_kept_weight_matches_fp64(kind, dtype, dropout, monkeypatch):
     from dorafp8.ops import linear
     from tests.kernels.test_microscaled import check_dora_end_to_end, make_weight
 
+    if kind == "row" and dtype == torch.float16:  # refused: tests/ops/test_backend_contract.py, far_apart
+        pytest.skip("the cuBLAS strategy does not take fp16 with per-row scales")
     monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
     with LaunchRecorder() as rec:  # (the norm by the reference: cuBLAS's dequantizes a microscaled weight's rows)
         check_dora_end_to_end(*make_weight(kind, 40, 64, seed=3), dtype, dropout, "cublas", M=9, r=3, weight_norm=True,

@@ -343,13 +343,20 @@ def test_auto_passes_over_backends_that_cannot_compute_the_call(monkeypatch):
     assert backends.resolve("auto", gpu, frozenset({"block"})) == "reference"
     assert backends.resolve("auto", gpu, frozenset({"rowwise"})) == "reference"
     assert backends.resolve("auto", gpu, frozenset({"fp32"})) == "cuda"
-    assert backends.supports("cuda") == frozenset({"fp32"})
+    assert backends.resolve("auto", gpu, frozenset({"fp16-row"})) == "cuda"
+    assert backends.supports("cuda") == frozenset({"fp32", "fp16-row"})
     assert backends.supports("cublas") == frozenset({"block", "fp32", "nvfp4", "mxfp8"})
     assert backends.supports("triton") == base.FP8_FEATURES | {"nvfp4", "mxfp8"}  # fused since issue 54
     assert backends.supports("reference") == backends.FEATURES
     for kind in ("nvfp4", "mxfp8"):  # on a GPU too: never a kernel that does not know the kind (cublas: "not here")
         assert backends.resolve("auto", gpu, frozenset({kind})) == "reference"
         assert backends.resolve("auto", gpu, frozenset({kind, "fp32"})) == "reference"
+    # the race's candidates too: not cublas for fp16 with per-row scales (its one dequantized copy overflows there)
+    from dorafp8.backends import race
+
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, dev: None)
+    assert race._candidates(gpu, frozenset(), race.RACERS["cuda"]) == ["triton", "cuda", "cublas"]
+    assert race._candidates(gpu, frozenset({"fp16-row"}), race.RACERS["cuda"]) == ["triton", "cuda"]
 
 
 def test_auto_runs_native_on_a_gpu_no_kernel_backend_runs_on(monkeypatch):
