@@ -93,7 +93,7 @@ def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
 
-# From a checkout its scripts put on sys.path after they start: watched late (_LATE), and by `dorafp8 run` regardless.
+# From a checkout its scripts put on sys.path after they start: watched late (_LATE).
 ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
@@ -234,14 +234,6 @@ def watch(name: str, hook, consequence: str) -> None:
                 hook()
         _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
     _wait(name)  # asked for by name: waited for even if it cannot be found yet (a checkout joins sys.path later)
-
-
-def wait_for(name: str) -> None:
-    """Waits for watched module `name` even where it cannot be found yet (dorafp8 run, for OneTrainer's)."""
-    if sys.modules.get(name) is not None:
-        _run(name)
-    else:
-        _wait(name)
 
 
 def _wait(name: str) -> None:

@@ -113,7 +113,6 @@ def install(options: dict) -> None:
 
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     _count_calls(onetrainer, "own_forward", "own")  # and this on the layers it leaves to OneTrainer
-    _install.wait_for(_install.ONETRAINER_MODULE)  # its checkout joins sys.path after this runs
     # transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load); diffusers' under
     # --quantize
     for module, cls in _LOADERS.items():
