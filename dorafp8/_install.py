@@ -153,10 +153,8 @@ def _in_folder(folder, parts: list) -> bool:
     if not isinstance(folder, str):
         return False
     path = os.path.join(folder, *parts)
-    if os.path.isdir(path) and len(parts) > 0:
-        return True
-    return os.path.isdir(os.path.dirname(path)) and any(os.path.isfile(path + suffix)
-                                                        for suffix in importlib.machinery.all_suffixes())
+    return os.path.isdir(path) or os.path.isdir(os.path.dirname(path)) and any(
+        os.path.isfile(path + suffix) for suffix in importlib.machinery.all_suffixes())
 
 
 # Watched modules that may arrive with a folder put on sys.path later. A path hook is consulted once per new folder (not
