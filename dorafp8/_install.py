@@ -20,7 +20,6 @@ import torch
 
 from . import _after_import
 from ._env import flag
-from ._after_import import HOOK as _HOOK, waiting as _pending  # noqa: F401  (what is waited for: the tests look)
 from ._deps import peft_too_old
 from .distributed import (FSDP1_MODULE, FSDP_PARAM_MODULES, install_ddp_support, install_fsdp1_refusal,
                           install_fsdp_support)
