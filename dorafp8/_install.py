@@ -21,7 +21,6 @@ import torch
 
 from . import _after_import
 from ._env import flag
-from ._after_import import HOOK as _HOOK, waiting as _pending  # noqa: F401  (what is waited for: the tests look)
 from ._deps import peft_too_old
 from .distributed import (ACCELERATE_FSDP_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES, install_accelerate_loader_support,
                           install_ddp_support, install_fsdp1_refusal, install_fsdp_support)
@@ -94,7 +93,7 @@ def _fsdp() -> None:
     install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
 
 
-# From a checkout its scripts put on sys.path after they start: watched late (_LATE), and by `dorafp8 run` regardless.
+# From a checkout its scripts put on sys.path after they start: watched late (_LATE).
 ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
 _WATCHED = {
@@ -156,10 +155,8 @@ def _in_folder(folder, parts: list) -> bool:
     if not isinstance(folder, str):
         return False
     path = os.path.join(folder, *parts)
-    if os.path.isdir(path) and len(parts) > 0:
-        return True
-    return os.path.isdir(os.path.dirname(path)) and any(os.path.isfile(path + suffix)
-                                                        for suffix in importlib.machinery.all_suffixes())
+    return os.path.isdir(path) or os.path.isdir(os.path.dirname(path)) and any(
+        os.path.isfile(path + suffix) for suffix in importlib.machinery.all_suffixes())
 
 
 # Watched modules that may arrive with a folder put on sys.path later. A path hook is consulted once per new folder (not
@@ -237,14 +234,6 @@ def watch(name: str, hook, consequence: str) -> None:
                 hook()
         _WATCHED[name] = (both, f"{prev[1]}; or {consequence}")
     _wait(name)  # asked for by name: waited for even if it cannot be found yet (a checkout joins sys.path later)
-
-
-def wait_for(name: str) -> None:
-    """Waits for watched module `name` even where it cannot be found yet (dorafp8 run, for OneTrainer's)."""
-    if sys.modules.get(name) is not None:
-        _run(name)
-    else:
-        _wait(name)
 
 
 def _wait(name: str) -> None:

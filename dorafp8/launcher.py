@@ -113,7 +113,6 @@ def install(options: dict) -> None:
 
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     _count_calls(onetrainer, "own_forward", "own")  # and this on the layers it leaves to OneTrainer
-    _install.wait_for(_install.ONETRAINER_MODULE)  # its checkout joins sys.path after this runs
     # transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load); diffusers' under
     # --quantize
     for module, cls in _LOADERS.items():
@@ -332,10 +331,6 @@ def _shebang(path: str) -> bytes:
     return first if first.startswith(b"#!") else b""
 
 
-def _python_script(path: str) -> bool:
-    return b"python" in _shebang(path)
-
-
 def _not_python(name: str, path: str) -> SystemExit:
     return SystemExit(f"dorafp8 run: {name!r} ({path}) is not a Python program, so dorafp8 cannot be installed in its "
                       f"process. Run the Python command it starts under `dorafp8 run` instead")
@@ -397,12 +392,12 @@ def _other_python(interp: str, args: list[str], options: dict):
     return _child([path, "-m", "dorafp8", "run", *flags, "--", path, *args], hand_over=True)
 
 
-def _runner(command: list[str], options: dict | None = None):
+def _runner(command: list[str], options: dict):
     """A function that runs `command` (in this process unless it needs its own), or a SystemExit saying why not."""
     cmd = list(command)
     if _is_python(cmd[0]):
         if not _this_python(cmd[0]):
-            return _other_python(cmd[0], cmd[1:], options or {})
+            return _other_python(cmd[0], cmd[1:], options)
         cmd = cmd[1:]
         if not cmd:
             raise SystemExit("dorafp8 run: `python` with no script or -m module to run")
@@ -447,7 +442,7 @@ def _runner(command: list[str], options: dict | None = None):
             raise SystemExit(f"dorafp8 run: no such script {name!r}")
         # a shell script (./start-ui.sh): Python would not parse it. A .py file is Python whatever its #! line
         # (a PEP 723 script's `#!/usr/bin/env -S uv run --script`)
-        if not name.endswith(".py") and _shebang(name) and not _python_script(name):
+        if not name.endswith(".py") and b"python" not in (first := _shebang(name)) and first:
             raise _not_python(name, os.path.abspath(name))
         return functools.partial(_run_path, name, args)
     eps = importlib.metadata.entry_points(group="console_scripts", name=name)
@@ -459,7 +454,7 @@ def _runner(command: list[str], options: dict | None = None):
             return ep.load()()
         return run_entry_point
     path = shutil.which(name)
-    if path and _python_script(path):
+    if path and b"python" in _shebang(path):
         return functools.partial(_run_path, path, args)
     if path:
         raise _not_python(name, path)

@@ -78,10 +78,6 @@ def bucket(n: int) -> int:
     return 1 << max(4, (n - 1).bit_length())
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 RANKED = ("dora", "norm")  # the ops whose key holds the rank and the adapters' dtype
 
 
@@ -90,7 +86,7 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
     """What the child runs for a call: everything that changes the kernel or its speed, M and r bucketed."""
     name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     return {"op": op, "device": str(device), "N": N, "K": K, "M": min(bucket(M), MAX_M), "mb": bucket(M),
-            "r": _pow2(r) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
+            "r": 1 << max(0, (r - 1).bit_length()) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
             "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
             "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}, "at": M}

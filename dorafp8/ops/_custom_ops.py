@@ -172,7 +172,6 @@ def eager_fast_path(op):
             return op(*args, **kwargs)
         return impl(*args, **kwargs)
 
-    call.op = op
     return call
 
 

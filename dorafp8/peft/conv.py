@@ -166,16 +166,9 @@ def create_conv_module(base: nn.Module, target, adapter_name: str, lora_config, 
     return cls(target, adapter_name, config=lora_config, **kwargs)
 
 
-def convertible_conv_layers(model: nn.Module) -> list[str]:
-    """Names of the PEFT DoRA conv layers (lora.Conv1d/2d/3d with a DoRA adapter) that convert_peft_model swaps."""
-    return [name for name, mod in model.named_modules()
+def convertible_conv_layers(model: nn.Module) -> dict[str, type]:
+    """The PEFT DoRA conv layers (lora.Conv1d/2d/3d with a DoRA adapter) convert_peft_model swaps: name -> the class
+    it swaps each for."""
+    return {name: _PEFT_TO_FP8[type(mod)] for name, mod in model.named_modules()
             if type(mod) in _PEFT_TO_FP8
-            and any(isinstance(v, _PEFT_DORA_CONV_VARIANTS) for v in mod.lora_variant.values())]
-
-
-def check_conv_layer(layer: nn.Module, *, per_row_scale: bool = False, name: str | None = None) -> None:
-    _PEFT_TO_FP8[type(layer)].check_peft_layer(layer, per_row_scale=per_row_scale, name=name)
-
-
-def convert_conv_layer(layer: nn.Module, *, backend: str = "auto", per_row_scale: bool = False) -> nn.Module:
-    return _PEFT_TO_FP8[type(layer)].from_peft(layer, backend=backend, per_row_scale=per_row_scale)
+            and any(isinstance(v, _PEFT_DORA_CONV_VARIANTS) for v in mod.lora_variant.values())}

@@ -44,22 +44,20 @@ def convert_peft_model(peft_model: nn.Module, *, backend: str = "auto", per_row_
             cannot quantize); the message names the layer.
     """
     check_backend_name(backend)
-    names = [name for name, mod in peft_model.named_modules()
-             if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
-             and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())]
-    conv_names = set(peft_conv.convertible_conv_layers(peft_model))
+    todo = {name: DoRAFP8Linear for name, mod in peft_model.named_modules()
+            if isinstance(mod, lora_layer.Linear) and not isinstance(mod, DoRAFP8Linear)
+            and any(type(v) is DoraLinearVariant for v in mod.lora_variant.values())}
+    todo.update(peft_conv.convertible_conv_layers(peft_model))
     # All or nothing: every layer is checked (merged adapters, variants, a base that quantizes) before the first swap.
-    for name in names + sorted(conv_names):
-        check = peft_conv.check_conv_layer if name in conv_names else DoRAFP8Linear.check_peft_layer
-        check(peft_model.get_submodule(name), per_row_scale=per_row_scale, name=name)
+    for name, cls in todo.items():
+        cls.check_peft_layer(peft_model.get_submodule(name), per_row_scale=per_row_scale, name=name)
     with collect_regrouped("the torchao model"):  # one warning for every torchao layer re-quantized from groups
-        for name in names + sorted(conv_names):
-            convert = peft_conv.convert_conv_layer if name in conv_names else DoRAFP8Linear.from_peft
-            swap_module(peft_model, name, convert(peft_model.get_submodule(name), backend=backend,
-                                                  per_row_scale=per_row_scale))
-    if not names and not conv_names:
+        for name, cls in todo.items():
+            swap_module(peft_model, name, cls.from_peft(peft_model.get_submodule(name), backend=backend,
+                                                        per_row_scale=per_row_scale))
+    if not todo:
         warnings.warn("convert_peft_model found no PEFT DoRA Linear or conv layer to convert (use_dora=True?)")
-    return len(names) + len(conv_names)
+    return len(todo)
 
 
 def adapters_of(layer) -> list[str]:

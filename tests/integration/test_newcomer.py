@@ -66,10 +66,10 @@ homes = {'torch.distributed.fsdp._fully_shard._fsdp_param': 'torch/distributed/f
 import os
 here = sorted(m for m, f in homes.items() if os.path.exists(os.path.join(os.path.dirname(torch.__path__[0]), f)))
 import dorafp8
-from dorafp8 import _install
-print(sorted(m for m in _install._pending if m in homes) == here, len(here))
-print('lycoris' in _install._pending, [m for m in ('transformers', 'torch.distributed.fsdp') if m in sys.modules])
-print('modules.module.LoRAModule' in _install._pending)  # no OneTrainer checkout on sys.path: not waited for
+from dorafp8 import _after_import
+print(sorted(m for m in _after_import.waiting if m in homes) == here, len(here))
+print('lycoris' in _after_import.waiting, [m for m in ('transformers', 'torch.distributed.fsdp') if m in sys.modules])
+print('modules.module.LoRAModule' in _after_import.waiting)  # no OneTrainer checkout on sys.path: not waited for
 """)
     assert out.split("\n")[:3] == ["True 1", "False []", "False"], out
 
@@ -79,13 +79,13 @@ def test_import_hook_leaves_once_everything_it_watches_is_loaded():
     loads, and removes itself once all have: it is not consulted on every later import of the process."""
     out = _run_python("""
 import sys, dorafp8
-from dorafp8 import _install
-watched = sorted(_install._pending)
-print(_install._HOOK in sys.meta_path, len(watched) >= 4)
+from dorafp8 import _after_import
+watched = sorted(_after_import.waiting)
+print(_after_import.HOOK in sys.meta_path, len(watched) >= 4)
 import importlib
 for name in watched:
     importlib.import_module(name)
-print(_install._HOOK in sys.meta_path, sorted(_install._pending))
+print(_after_import.HOOK in sys.meta_path, sorted(_after_import.waiting))
 """)
     assert out.split("\n")[:2] == ["True True", "False []"], out
 
