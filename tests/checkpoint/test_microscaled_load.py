@@ -219,6 +219,39 @@ def test_mxfp8_with_a_wrong_scale_shape_is_refused():
     assert torch.equal(model[0].scale.view(torch.uint8), e.view(torch.uint8))
 
 
+def test_a_modelopt_mxfp8_folder_is_refused_for_partial_blocks_and_a_file_round_trips(tmp_path):
+    """MXFP8 layers whose input size is not a multiple of 32 (compressed-tensors writes their last block partial, as
+    dorafp8 reads it) were written into a ModelOpt folder with hf_quant_config.json, scales [N, ceil(K / 32)]: a
+    folder ModelOpt's own export never makes (MXFP8QTensor asserts in_dim % 32 == 0) and vLLM's
+    ModelOptMxFp8LinearMethod refuses to load. Refused now before anything is written, naming a layer and the two
+    ways out; the single file still writes and reads back bit for bit."""
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    sizes = [(48, 8), (8, 64), (64, 16)]  # K = 48 and 8 partial, 64 whole
+    sd = {}
+    for i, (k, n) in enumerate(sizes):
+        w8, e = quant.quantize_mxfp8(torch.randn(n, k))
+        sd.update({f"{i}.weight": w8, f"{i}.weight_scale": e.view(torch.uint8)})
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in sizes))
+    load_fp8_checkpoint(model, sd, verbose=False)
+    out = tmp_path / "mo"
+    with pytest.raises(ValueError, match=r"format='modelopt' into a folder .* 2 MXFP8 layers have an input size that "
+                                         r"is not a multiple of 32 \(e\.g\. '0', 48\).*a path ending in "
+                                         r"\.safetensors.* \(bf16\)"):
+        save_fp8_checkpoint(model, str(out), format="modelopt", verbose=False)
+    assert not out.exists()
+    file = tmp_path / "mo.safetensors"
+    save_fp8_checkpoint(model, str(file), format="modelopt", verbose=False)
+    with torch.device("meta"):
+        back = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in sizes))
+    load_fp8_checkpoint(back, str(file), verbose=False)
+    for i in range(len(sizes)):
+        assert torch.equal(back[i].weight.view(torch.uint8), sd[f"{i}.weight"].view(torch.uint8)), i
+        assert torch.equal(back[i].scale.view(torch.uint8), sd[f"{i}.weight_scale"]), i
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
     """An FP8Linear holding a microscaled weight: its state_dict loads into a fresh FP8Linear bit for bit (the layer
