@@ -252,6 +252,75 @@ def test_a_modelopt_mxfp8_folder_is_refused_for_partial_blocks_and_a_file_round_
         assert torch.equal(back[i].scale.view(torch.uint8), sd[f"{i}.weight_scale"]), i
 
 
+def _mixed_precision_folder(path, algos: dict) -> dict:
+    """A ModelOpt MIXED_PRECISION export of a Sequential, one quant_algo per layer (quant_utils.py's
+    `quantized_layers`), each layer's tensors as its export writes them: NVFP4 / W4A16_NVFP4 packed uint8 with
+    weight_scale e4m3 and weight_scale_2 (NVFP4QTensor), FP8 e4m3 with weight_scale fp32 () (amax / 448),
+    FP8_PER_CHANNEL_PER_TOKEN with weight_scale fp32 [out]; the layers' dense fp64 W0 by ModelOpt's dequantization."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd, want = {}, {}
+    for i, algo in algos.items():
+        w = torch.randn(16, 64)
+        if "NVFP4" in algo:
+            p, s, g = quant.quantize_nvfp4(w)
+            sd.update({f"{i}.weight": p, f"{i}.weight_scale": s, f"{i}.weight_scale_2": g})
+            want[i] = dequant_64(p, s, g)
+        else:
+            s = w.abs().amax(1) / 448 if algo == "FP8_PER_CHANNEL_PER_TOKEN" else w.abs().amax() / 448
+            w8 = (w / (s[:, None] if s.dim() else s)).to(torch.float8_e4m3fn)
+            sd.update({f"{i}.weight": w8, f"{i}.weight_scale": s, f"{i}.input_scale": torch.tensor(0.02)})
+            want[i] = w8.double() * (s[:, None] if s.dim() else s).double()
+    os.makedirs(path)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.44.0"},
+                   "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+                                    "quantized_layers": {str(i): {"quant_algo": a} for i, a in algos.items()}}}, f)
+    return want
+
+
+def test_a_modelopt_mixed_precision_export_loads_bit_exactly_or_is_refused_naming_the_layer(tmp_path):
+    """ModelOpt writes quant_algo MIXED_PRECISION wherever its layers differ (FP8 attention with NVFP4 MLPs, say:
+    quant_utils.py). Such a folder was refused ("NVFP4 global scales but ModelOpt's quant_algo is 'MIXED_PRECISION'")
+    without saying what to do, although each of its layers is one dorafp8 reads. Now it loads with format='auto',
+    every layer holding ModelOpt's dequantization bit for bit; a layer of an algorithm dorafp8 does not read (an
+    int4 W4A16_AWQ) is refused, naming it and what to load instead, and so is a config without quantized_layers."""
+    from dorafp8 import save_fp8_checkpoint
+    from dorafp8.checkpoint import detect_format
+
+    algos = {0: "NVFP4", 1: "FP8", 2: "FP8_PER_CHANNEL_PER_TOKEN", 3: "W4A16_NVFP4"}
+    path = str(tmp_path / "mixed")
+    want = _mixed_precision_folder(path, algos)
+    assert detect_format(path)[0] == "modelopt"
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(64, 16, bias=False) for _ in algos))
+    load_fp8_checkpoint(model, path, verbose=False)
+    assert [quant.scale_kind(m.scale) for m in model] == ["nvfp4", "tensor", "row", "nvfp4"]
+    for i, m in enumerate(model):
+        got = quant.dequantize_weight(m.weight, m.scale, global_scale=m.global_scale)
+        assert torch.equal(got, want[i].float()), algos[i]
+    # written back: ModelOpt's layout holds one quant_algo a file and the fp8 layouts no NVFP4, so dense, exactly
+    with pytest.raises(ValueError, match=r"format='modelopt' does not hold .*: write a dense format \(bf16, fp16, "
+                                         r"fp32\): its 2 NVFP4 layers"):
+        save_fp8_checkpoint(model, str(tmp_path / "out"), verbose=False)
+    save_fp8_checkpoint(model, str(tmp_path / "dense.safetensors"), format="fp32", verbose=False)
+    dense = read_all(str(tmp_path / "dense.safetensors"))
+    assert all(torch.equal(dense[f"{i}.weight"], want[i].float()) for i in algos)
+    bad = str(tmp_path / "awq")
+    _mixed_precision_folder(bad, {0: "NVFP4", 1: "W4A16_AWQ"})
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.Linear(64, 16, bias=False))
+    with pytest.raises(CheckpointFormatError, match=r"MIXED_PRECISION export with 1 layers of quant_algo W4A16_AWQ "
+                                                    r"\(e\.g\. '1'\), which dorafp8 does not read .* quantize_model"):
+        load_fp8_checkpoint(model, bad, verbose=False)
+    with open(os.path.join(bad, "hf_quant_config.json"), "w") as f:
+        json.dump({"quantization": {"quant_algo": "MIXED_PRECISION"}}, f)
+    with pytest.raises(CheckpointFormatError, match=r"'MIXED_PRECISION' but its config has no \"quantized_layers\""):
+        load_fp8_checkpoint(model, bad, verbose=False)
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
     """An FP8Linear holding a microscaled weight: its state_dict loads into a fresh FP8Linear bit for bit (the layer
