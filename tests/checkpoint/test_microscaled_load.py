@@ -308,6 +308,21 @@ def test_a_modelopt_mixed_precision_export_loads_bit_exactly_or_is_refused_namin
     save_fp8_checkpoint(model, str(tmp_path / "dense.safetensors"), format="fp32", verbose=False)
     dense = read_all(str(tmp_path / "dense.safetensors"))
     assert all(torch.equal(dense[f"{i}.weight"], want[i].float()) for i in algos)
+    # W4A16_NVFP4 alone (weight-only NVFP4: the same tensors) was refused the same way; W4A8_NVFP4_FP8 still is
+    w4 = str(tmp_path / "w4a16")
+    want = _mixed_precision_folder(w4, {0: "W4A16_NVFP4"})
+    for algo in ("W4A16_NVFP4", "W4A8_NVFP4_FP8"):
+        with open(os.path.join(w4, "hf_quant_config.json"), "w") as f:
+            json.dump({"quantization": {"quant_algo": algo, "group_size": 16}}, f)
+        with torch.device("meta"):
+            one = nn.Sequential(nn.Linear(64, 16, bias=False))
+        if algo == "W4A8_NVFP4_FP8":
+            with pytest.raises(CheckpointFormatError, match=r"quant_algo is 'W4A8_NVFP4_FP8'; dorafp8 loads "):
+                load_fp8_checkpoint(one, w4, verbose=False)
+            continue
+        load_fp8_checkpoint(one, w4, verbose=False)
+        assert torch.equal(quant.dequantize_weight(one[0].weight, one[0].scale, global_scale=one[0].global_scale),
+                           want[0].float())
     bad = str(tmp_path / "awq")
     _mixed_precision_folder(bad, {0: "NVFP4", 1: "W4A16_AWQ"})
     with torch.device("meta"):
