@@ -220,8 +220,8 @@ def test_mxfp8_with_a_wrong_scale_shape_is_refused():
 
 
 def test_a_modelopt_mxfp8_folder_is_refused_for_partial_blocks_and_a_file_round_trips(tmp_path):
-    """MXFP8 layers whose input size is not a multiple of 32 (compressed-tensors writes their last block partial, as
-    dorafp8 reads it) were written into a ModelOpt folder with hf_quant_config.json, scales [N, ceil(K / 32)]: a
+    """MXFP8 layers whose input size is not a multiple of 32 (dorafp8 reads and holds a partial last block: scales
+    [N, ceil(K / 32)]) were written so into a ModelOpt folder with hf_quant_config.json: a
     folder ModelOpt's own export never makes (MXFP8QTensor asserts in_dim % 32 == 0) and vLLM's
     ModelOptMxFp8LinearMethod refuses to load. Refused now before anything is written, naming a layer and the two
     ways out; the single file still writes and reads back bit for bit."""
