@@ -252,6 +252,35 @@ def test_a_modelopt_mxfp8_folder_is_refused_for_partial_blocks_and_a_file_round_
         assert torch.equal(back[i].scale.view(torch.uint8), sd[f"{i}.weight_scale"]), i
 
 
+def test_a_modelopt_mxfp8_single_file_loads_with_format_modelopt(tmp_path):
+    """save_fp8_checkpoint(..., "x.safetensors", format="modelopt") of an MXFP8 model, loaded back with the format it
+    was written in, was refused ("format='modelopt' but the checkpoint looks like compressed-tensors"): without
+    hf_quant_config.json nothing tells ModelOpt's MXFP8 from compressed-tensors' mxfp8-quantized, which read alike.
+    Now it loads, bit for bit, and writes back in ModelOpt's layout by default; an NVFP4 file, whose two layouts differ,
+    is still refused under the other's name."""
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    w8, e = quant.quantize_mxfp8(torch.randn(16, 64))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(model, {"0.weight": w8, "0.weight_scale": e.view(torch.uint8)}, verbose=False)
+    file = str(tmp_path / "mx.safetensors")
+    save_fp8_checkpoint(model, file, format="modelopt", verbose=False)
+    with torch.device("meta"):
+        back = nn.Sequential(nn.Linear(64, 16, bias=False))
+    assert load_fp8_checkpoint(back, file, format="modelopt", verbose=False).format == "modelopt"
+    assert torch.equal(back[0].weight.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(back[0].scale.view(torch.uint8), e.view(torch.uint8))
+    assert save_fp8_checkpoint(back, str(tmp_path / "again.safetensors"), verbose=False).format == "modelopt"
+    _, sd = _tiny_nvfp4(64, 16)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    with pytest.raises(CheckpointFormatError, match=r"format='compressed-tensors' but the checkpoint looks like "
+                                                    r"modelopt"):
+        load_fp8_checkpoint(model, sd, format="compressed-tensors", verbose=False)
+
+
 def _mixed_precision_folder(path, algos: dict) -> dict:
     """A ModelOpt MIXED_PRECISION export of a Sequential, one quant_algo per layer (quant_utils.py's
     `quantized_layers`), each layer's tensors as its export writes them: NVFP4 / W4A16_NVFP4 packed uint8 with
