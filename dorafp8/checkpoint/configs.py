@@ -10,7 +10,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..quant import scale_kind
+from ..quant import MXFP8_BLOCK, scale_kind
 from .layouts import TRANSFORMERS_FORMATS, cpu_fine_grained_read
 from .modules import FP8_CONV_TYPES, fp8_modules
 from .plan import WriteTarget, Written
@@ -65,6 +65,18 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
                          f"converts), or the adapter alone onto the original file (save_single_file_dora for a model "
                          f"from load_single_file, save_kohya_dora); to reload with dorafp8 write format='dorafp8' or "
                          f"'compressed-tensors', or a folder")
+    if t.fmt == "modelopt" and not path.endswith(".safetensors"):
+        # a folder gets hf_quant_config.json, which ModelOpt and vLLM read: ModelOpt's export asserts whole MXFP8
+        # blocks (MXFP8QTensor: in_dim % 32) and vLLM's ModelOptMxFp8LinearMethod refuses any other input size, so
+        # the partial last block (ceil) dorafp8 holds and writes would be a folder they refuse
+        ragged = [(n, m.in_features) for n, m in fp8_modules(t.base).items()
+                  if scale_kind(m.scale) == "mxfp8" and m.in_features % MXFP8_BLOCK]
+        if ragged:
+            raise ValueError(f"{path}: format='modelopt' into a folder (with hf_quant_config.json, quant_algo MXFP8): "
+                             f"{len(ragged)} MXFP8 layers have an input size that is not a multiple of "
+                             f"{MXFP8_BLOCK} (e.g. {ragged[0][0]!r}, {ragged[0][1]}), whose last block ModelOpt "
+                             f"and vLLM's ModelOpt MXFP8 loader refuse. Write a single file (a path ending in "
+                             f".safetensors, which load_fp8_checkpoint reads back) or a dense format (bf16)")
     if path.endswith(".safetensors") or t.config_kind != "transformers" or t.layout is None:
         return
     if t.fmt == "modelopt":  # ModelOpt's own export layout, hf_quant_config.json beside it (modelopt_config)

@@ -44,9 +44,18 @@ def resolve_format(source: CheckpointSource, format: str) -> tuple[str, str]:
         evidence = "format given"
     # per-tensor scale_weight without the marker reads the same either way (musubi's per-tensor mode, or a ComfyUI
     # file that lost it)
-    if detected not in (None, fmt) and not (fmt == "fp8-cast") and {detected, fmt} != {"comfyui", "musubi"}:
+    if detected not in (None, fmt) and not (fmt == "fp8-cast") and {detected, fmt} != {"comfyui", "musubi"} and \
+            not ({detected, fmt} == {"compressed-tensors", "modelopt"} and _mxfp8_only(source.info)):
         raise CheckpointFormatError(f"format={fmt!r} but the checkpoint looks like {detected} ({evidence})")
     return fmt, "format given"
+
+
+def _mxfp8_only(info: dict) -> bool:
+    """Whether every weight scale is MXFP8's (e8m0 per 32 on an e4m3 weight), which ModelOpt's layout and
+    compressed-tensors' read alike: a ModelOpt MXFP8 single file (dorafp8's too) has no hf_quant_config.json to tell
+    it from compressed-tensors' mxfp8-quantized, so detection names the latter, and format='modelopt' reads it so."""
+    scales = [k for k in info if k.endswith(".weight_scale")]
+    return bool(scales) and not nvfp4_weights(info) and all(info[k][0] in MX_SCALE_DTYPES for k in scales)
 
 
 def _map_keys(source: CheckpointSource, model_t: dict, key_map, report: LoadReport) -> KeyMap:

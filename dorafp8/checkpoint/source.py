@@ -269,13 +269,44 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if expected and expected != name:
         raise CheckpointFormatError(f"{source.name}: config.json says quant_method={method!r} ({expected}) but the "
                                     f"keys look like {name} ({evidence}). Saw {what}")
-    if name == "modelopt" and algo not in (None, "NVFP4", "MXFP8"):
+    if name == "modelopt" and algo == "MIXED_PRECISION":
+        _check_mixed_precision(source)
+    elif name == "modelopt" and algo not in (None, "NVFP4", "W4A16_NVFP4", "MXFP8"):
         raise CheckpointFormatError(f"{source.name}: NVFP4 global scales ('<layer>.weight_scale_2') but ModelOpt's "
-                                    f"quant_algo is {algo!r}; dorafp8 loads ModelOpt's NVFP4 and MXFP8 exports")
+                                    f"quant_algo is {algo!r}; dorafp8 loads ModelOpt's NVFP4 (and W4A16_NVFP4), "
+                                    f"MXFP8 and MIXED_PRECISION exports (of {', '.join(MIXED_PRECISION_ALGOS)} "
+                                    f"layers)")
     if not fp8_w and not nvfp4 and name != "comfyui-quant":
         raise CheckpointFormatError(f"{source.name}: looks like {LAYOUTS[name].description} ({evidence}) but holds "
                                     f"no float8_e4m3fn weight. Saw {what}")
     return name, evidence
+
+
+# The per-layer quant_algos of a ModelOpt MIXED_PRECISION export that dorafp8 reads, each by its keys and dtypes:
+# packed uint8 + weight_scale_2 (NVFP4; W4A16_NVFP4 is the same tensors without input_scale), e8m0 weight_scale
+# (MXFP8), e4m3 with an fp32 weight_scale per tensor (FP8) or per row (FP8_PER_CHANNEL_PER_TOKEN)
+MIXED_PRECISION_ALGOS = ("NVFP4", "W4A16_NVFP4", "MXFP8", "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+
+def _check_mixed_precision(source: CheckpointSource) -> None:
+    """A ModelOpt MIXED_PRECISION export (quant_utils.py: one quant_algo per layer in `quantized_layers`, e.g. FP8
+    attention and NVFP4 MLPs) loads where every layer's algorithm is one dorafp8 reads; else refused, naming them."""
+    hq = (source.hf_quant_config or {}).get("quantization")
+    layers = (hq if isinstance(hq, dict) and hq.get("quant_algo") else source.quant_config()).get("quantized_layers")
+    if not isinstance(layers, dict):
+        raise CheckpointFormatError(f"{source.name}: ModelOpt's quant_algo is 'MIXED_PRECISION' but its config has no "
+                                    f"\"quantized_layers\" object saying which layer holds which algorithm; the "
+                                    f"config is damaged or not ModelOpt's: nothing was loaded")
+    other = {lay: c.get("quant_algo") if isinstance(c, dict) else c for lay, c in layers.items()
+             if not isinstance(c, dict) or c.get("quant_algo") not in MIXED_PRECISION_ALGOS}
+    if other:
+        algos = sorted({str(a) for a in other.values()})
+        lay = next(iter(other))
+        raise CheckpointFormatError(f"{source.name}: a ModelOpt MIXED_PRECISION export with {len(other)} layers of "
+                                    f"quant_algo {', '.join(algos)} (e.g. {lay!r}), which dorafp8 does not read (it "
+                                    f"reads {', '.join(MIXED_PRECISION_ALGOS)} layers): load the model's bf16 "
+                                    f"checkpoint and quantize_model it, or a ModelOpt export of these; nothing was "
+                                    f"loaded")
 
 
 def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str], nvfp4: dict) -> None:

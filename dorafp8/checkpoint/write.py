@@ -354,8 +354,9 @@ def _check_modelopt(model: nn.Module, granularity) -> None:
     micro = {k: v for k, v in kinds.items() if k in MICRO_KINDS}
     if other:
         raise ValueError(f"the model holds {_held(other)}, which format='modelopt' does not hold (dorafp8 writes "
-                         f"ModelOpt's NVFP4 and MXFP8 layers only): write an fp8 format (compressed-tensors) or a "
-                         f"dense one")
+                         f"ModelOpt's NVFP4 and MXFP8 layers only): write " + (
+                             f"a dense format (bf16, fp16, fp32): its {_held(micro)} rule out the fp8 ones" if micro
+                             else "an fp8 format (compressed-tensors) or a dense one"))
     if len(micro) != 1:
         raise ValueError(f"format='modelopt' writes a model whose fp8 layers are all NVFP4 or all MXFP8 (one "
                          f"quant_algo a file); this one holds {_held(micro) or 'none'}: write a dense format "

@@ -219,6 +219,152 @@ def test_mxfp8_with_a_wrong_scale_shape_is_refused():
     assert torch.equal(model[0].scale.view(torch.uint8), e.view(torch.uint8))
 
 
+def test_a_modelopt_mxfp8_folder_is_refused_for_partial_blocks_and_a_file_round_trips(tmp_path):
+    """MXFP8 layers whose input size is not a multiple of 32 (dorafp8 reads and holds a partial last block: scales
+    [N, ceil(K / 32)]) were written so into a ModelOpt folder with hf_quant_config.json: a
+    folder ModelOpt's own export never makes (MXFP8QTensor asserts in_dim % 32 == 0) and vLLM's
+    ModelOptMxFp8LinearMethod refuses to load. Refused now before anything is written, naming a layer and the two
+    ways out; the single file still writes and reads back bit for bit."""
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    sizes = [(48, 8), (8, 64), (64, 16)]  # K = 48 and 8 partial, 64 whole
+    sd = {}
+    for i, (k, n) in enumerate(sizes):
+        w8, e = quant.quantize_mxfp8(torch.randn(n, k))
+        sd.update({f"{i}.weight": w8, f"{i}.weight_scale": e.view(torch.uint8)})
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in sizes))
+    load_fp8_checkpoint(model, sd, verbose=False)
+    out = tmp_path / "mo"
+    with pytest.raises(ValueError, match=r"format='modelopt' into a folder .* 2 MXFP8 layers have an input size that "
+                                         r"is not a multiple of 32 \(e\.g\. '0', 48\).*a path ending in "
+                                         r"\.safetensors.* \(bf16\)"):
+        save_fp8_checkpoint(model, str(out), format="modelopt", verbose=False)
+    assert not out.exists()
+    file = tmp_path / "mo.safetensors"
+    save_fp8_checkpoint(model, str(file), format="modelopt", verbose=False)
+    with torch.device("meta"):
+        back = nn.Sequential(*(nn.Linear(k, n, bias=False) for k, n in sizes))
+    load_fp8_checkpoint(back, str(file), verbose=False)
+    for i in range(len(sizes)):
+        assert torch.equal(back[i].weight.view(torch.uint8), sd[f"{i}.weight"].view(torch.uint8)), i
+        assert torch.equal(back[i].scale.view(torch.uint8), sd[f"{i}.weight_scale"]), i
+
+
+def test_a_modelopt_mxfp8_single_file_loads_with_format_modelopt(tmp_path):
+    """save_fp8_checkpoint(..., "x.safetensors", format="modelopt") of an MXFP8 model, loaded back with the format it
+    was written in, was refused ("format='modelopt' but the checkpoint looks like compressed-tensors"): without
+    hf_quant_config.json nothing tells ModelOpt's MXFP8 from compressed-tensors' mxfp8-quantized, which read alike.
+    Now it loads, bit for bit, and writes back in ModelOpt's layout by default; an NVFP4 file, whose two layouts differ,
+    is still refused under the other's name."""
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    w8, e = quant.quantize_mxfp8(torch.randn(16, 64))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(model, {"0.weight": w8, "0.weight_scale": e.view(torch.uint8)}, verbose=False)
+    file = str(tmp_path / "mx.safetensors")
+    save_fp8_checkpoint(model, file, format="modelopt", verbose=False)
+    with torch.device("meta"):
+        back = nn.Sequential(nn.Linear(64, 16, bias=False))
+    assert load_fp8_checkpoint(back, file, format="modelopt", verbose=False).format == "modelopt"
+    assert torch.equal(back[0].weight.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(back[0].scale.view(torch.uint8), e.view(torch.uint8))
+    assert save_fp8_checkpoint(back, str(tmp_path / "again.safetensors"), verbose=False).format == "modelopt"
+    _, sd = _tiny_nvfp4(64, 16)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    with pytest.raises(CheckpointFormatError, match=r"format='compressed-tensors' but the checkpoint looks like "
+                                                    r"modelopt"):
+        load_fp8_checkpoint(model, sd, format="compressed-tensors", verbose=False)
+
+
+def _mixed_precision_folder(path, algos: dict) -> dict:
+    """A ModelOpt MIXED_PRECISION export of a Sequential, one quant_algo per layer (quant_utils.py's
+    `quantized_layers`), each layer's tensors as its export writes them: NVFP4 / W4A16_NVFP4 packed uint8 with
+    weight_scale e4m3 and weight_scale_2 (NVFP4QTensor), FP8 e4m3 with weight_scale fp32 () (amax / 448),
+    FP8_PER_CHANNEL_PER_TOKEN with weight_scale fp32 [out]; the layers' dense fp64 W0 by ModelOpt's dequantization."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd, want = {}, {}
+    for i, algo in algos.items():
+        w = torch.randn(16, 64)
+        if "NVFP4" in algo:
+            p, s, g = quant.quantize_nvfp4(w)
+            sd.update({f"{i}.weight": p, f"{i}.weight_scale": s, f"{i}.weight_scale_2": g})
+            want[i] = dequant_64(p, s, g)
+        else:
+            s = w.abs().amax(1) / 448 if algo == "FP8_PER_CHANNEL_PER_TOKEN" else w.abs().amax() / 448
+            w8 = (w / (s[:, None] if s.dim() else s)).to(torch.float8_e4m3fn)
+            sd.update({f"{i}.weight": w8, f"{i}.weight_scale": s, f"{i}.input_scale": torch.tensor(0.02)})
+            want[i] = w8.double() * (s[:, None] if s.dim() else s).double()
+    os.makedirs(path)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.44.0"},
+                   "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+                                    "quantized_layers": {str(i): {"quant_algo": a} for i, a in algos.items()}}}, f)
+    return want
+
+
+def test_a_modelopt_mixed_precision_export_loads_bit_exactly_or_is_refused_naming_the_layer(tmp_path):
+    """ModelOpt writes quant_algo MIXED_PRECISION wherever its layers differ (FP8 attention with NVFP4 MLPs, say:
+    quant_utils.py). Such a folder was refused ("NVFP4 global scales but ModelOpt's quant_algo is 'MIXED_PRECISION'")
+    without saying what to do, although each of its layers is one dorafp8 reads. Now it loads with format='auto',
+    every layer holding ModelOpt's dequantization bit for bit; a layer of an algorithm dorafp8 does not read (an
+    int4 W4A16_AWQ) is refused, naming it and what to load instead, and so is a config without quantized_layers."""
+    from dorafp8 import save_fp8_checkpoint
+    from dorafp8.checkpoint import detect_format
+
+    algos = {0: "NVFP4", 1: "FP8", 2: "FP8_PER_CHANNEL_PER_TOKEN", 3: "W4A16_NVFP4"}
+    path = str(tmp_path / "mixed")
+    want = _mixed_precision_folder(path, algos)
+    assert detect_format(path)[0] == "modelopt"
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(64, 16, bias=False) for _ in algos))
+    load_fp8_checkpoint(model, path, verbose=False)
+    assert [quant.scale_kind(m.scale) for m in model] == ["nvfp4", "tensor", "row", "nvfp4"]
+    for i, m in enumerate(model):
+        got = quant.dequantize_weight(m.weight, m.scale, global_scale=m.global_scale)
+        assert torch.equal(got, want[i].float()), algos[i]
+    # written back: ModelOpt's layout holds one quant_algo a file and the fp8 layouts no NVFP4, so dense, exactly
+    with pytest.raises(ValueError, match=r"format='modelopt' does not hold .*: write a dense format \(bf16, fp16, "
+                                         r"fp32\): its 2 NVFP4 layers"):
+        save_fp8_checkpoint(model, str(tmp_path / "out"), verbose=False)
+    save_fp8_checkpoint(model, str(tmp_path / "dense.safetensors"), format="fp32", verbose=False)
+    dense = read_all(str(tmp_path / "dense.safetensors"))
+    assert all(torch.equal(dense[f"{i}.weight"], want[i].float()) for i in algos)
+    # W4A16_NVFP4 alone (weight-only NVFP4: the same tensors) was refused the same way; W4A8_NVFP4_FP8 still is
+    w4 = str(tmp_path / "w4a16")
+    want = _mixed_precision_folder(w4, {0: "W4A16_NVFP4"})
+    for algo in ("W4A16_NVFP4", "W4A8_NVFP4_FP8"):
+        with open(os.path.join(w4, "hf_quant_config.json"), "w") as f:
+            json.dump({"quantization": {"quant_algo": algo, "group_size": 16}}, f)
+        with torch.device("meta"):
+            one = nn.Sequential(nn.Linear(64, 16, bias=False))
+        if algo == "W4A8_NVFP4_FP8":
+            with pytest.raises(CheckpointFormatError, match=r"quant_algo is 'W4A8_NVFP4_FP8'; dorafp8 loads "):
+                load_fp8_checkpoint(one, w4, verbose=False)
+            continue
+        load_fp8_checkpoint(one, w4, verbose=False)
+        assert torch.equal(quant.dequantize_weight(one[0].weight, one[0].scale, global_scale=one[0].global_scale),
+                           want[0].float())
+    bad = str(tmp_path / "awq")
+    _mixed_precision_folder(bad, {0: "NVFP4", 1: "W4A16_AWQ"})
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.Linear(64, 16, bias=False))
+    with pytest.raises(CheckpointFormatError, match=r"MIXED_PRECISION export with 1 layers of quant_algo W4A16_AWQ "
+                                                    r"\(e\.g\. '1'\), which dorafp8 does not read .* quantize_model"):
+        load_fp8_checkpoint(model, bad, verbose=False)
+    with open(os.path.join(bad, "hf_quant_config.json"), "w") as f:
+        json.dump({"quantization": {"quant_algo": "MIXED_PRECISION"}}, f)
+    with pytest.raises(CheckpointFormatError, match=r"'MIXED_PRECISION' but its config has no \"quantized_layers\""):
+        load_fp8_checkpoint(model, bad, verbose=False)
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 def test_fp8linear_state_dict_round_trip_and_dtype_casts(kind):
     """An FP8Linear holding a microscaled weight: its state_dict loads into a fresh FP8Linear bit for bit (the layer
