@@ -14,7 +14,7 @@ import torch
 
 # The FSDP / ZeRO-3 helpers live with the fp8 module base, which needs them; named here too.
 from .nn import FP8WeightModule, params_are_sharded, recover_fp8_weight  # noqa: F401 (the last two: FSDP)
-from .nn._base import scales_e8m0_as_bytes
+from .nn import scales_e8m0_as_bytes
 from .quant import E8M0, FP8_DTYPES, is_fp8
 
 def _wrap_once(owner, attr: str, make_wrapper) -> None:
