@@ -90,6 +90,9 @@ def _why_not(name: str, feature: str, device: torch.device) -> str:
     return f" {why}" if why else ""
 
 
+# Run as is, not traced, under torch.compile (its arguments are constants): it fills the module's caches, a side effect
+# torch.compile refuses inside an activation-checkpointed region (fullgraph=True: OneTrainer's compiled blocks)
+@torch.compiler.assume_constant_result
 def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
     """Resolves a backend name ("auto", None or one of BACKENDS) to the backend that runs on `device`: under "auto" one
     that cannot compute what the call `needs` is passed over; a named one is used, or refused (base.not_supported)."""
