@@ -90,9 +90,6 @@ def _why_not(name: str, feature: str, device: torch.device) -> str:
     return f" {why}" if why else ""
 
 
-# Run as is, not traced, under torch.compile (its arguments are constants): it fills the module's caches, a side effect
-# torch.compile refuses inside an activation-checkpointed region (fullgraph=True: OneTrainer's compiled blocks)
-@torch.compiler.assume_constant_result
 def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset()) -> str:
     """Resolves a backend name ("auto", None or one of BACKENDS) to the backend that runs on `device`: under "auto" one
     that cannot compute what the call `needs` is passed over; a named one is used, or refused (base.not_supported)."""
@@ -125,6 +122,13 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     # Elsewhere, and for what native lacks, the reference.
     native = device.type in ("cpu", "cuda") and unavailable_reason("native", device) is None
     return "native" if native and needs <= supports("native") else "reference"
+
+
+# Run as is, not traced, under torch.compile (its arguments are constants): it fills the module's caches, a side effect
+# torch.compile refuses inside an activation-checkpointed region (fullgraph=True: OneTrainer's compiled blocks). The
+# mark torch.compiler.assume_constant_result sets, set without it: it imports torch._dynamo, and with it FSDP, which
+# `import dorafp8` leaves unimported (tests/integration/test_layout.py)
+resolve._dynamo_marked_constant = True
 
 
 def module(name: str) -> ModuleType:
