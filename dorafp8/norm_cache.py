@@ -68,7 +68,9 @@ class WeightNormCache:
         """`compute()` (the norm of the current tensors), or the cached norm where it provably equals it. `global_scale`:
         NVFP4's second scale (None for every other kind), keyed like the weight: a load that rewrites it alone counts."""
         on_cpu = A.device.type == "cpu"
-        if sharded or torch.compiler.is_compiling() or not (on_cpu or _reuse_promised()):
+        if torch.compiler.is_compiling():  # nothing cached or dropped: torch.compile refuses that side effect inside an
+            return compute()  # activation-checkpointed region; an entry left here is proved by the next eager call
+        if sharded or not (on_cpu or _reuse_promised()):
             self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
             return compute()
         _watch_optimizer_steps()

@@ -49,18 +49,20 @@ def fp8_parts(layer: nn.Module):
 def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """OneTrainer's DoRAModule.forward (docs/ARCHITECTURE.md) on the fp8 weight w8 * scale."""
     layer = module.orig_module
-    A, B = module.lora_down.weight, module.lora_up.weight
-    s = float(module.alpha) / module.rank
+    # alpha / rank goes into lora_up as a tensor (as OneTrainer computes it), the fused op's scaling being 1: alpha is
+    # a buffer, and float() of it under torch.compile (OneTrainer's `compile` option, fullgraph=True) is a
+    # data-dependent value the op cannot take as its float scaling
+    A, B = module.lora_down.weight, module.lora_up.weight * (module.alpha / module.rank)
     eps = torch.finfo(torch.float32).eps if module.norm_epsilon else 0.0
     x = module.dropout(x)
     d = module.dora_scale.reshape(-1)
     if module.decompose_output_axis:
         with torch.no_grad():
-            n = weight_norm(w8, scale, A, B, s) + eps
-        return dora_fp8_linear(x, w8, scale, A, B, d, s, layer.bias, weight_norm=n)
-    c = d / (column_norms(w8, scale, DEFAULT_BLOCK, A, B, s) + eps)
+            n = weight_norm(w8, scale, A, B, 1.0) + eps
+        return dora_fp8_linear(x, w8, scale, A, B, d, 1.0, layer.bias, weight_norm=n)
+    c = d / (column_norms(w8, scale, DEFAULT_BLOCK, A, B, 1.0) + eps)
     ones = torch.ones(w8.shape[0], dtype=torch.float32, device=w8.device)
-    return dora_fp8_linear((x * c).to(x.dtype), w8, scale, A, B, ones, s, layer.bias, weight_norm=ones)
+    return dora_fp8_linear((x * c).to(x.dtype), w8, scale, A, B, ones, 1.0, layer.bias, weight_norm=ones)
 
 
 def own_forward(module, orig, x, *args, **kwargs):

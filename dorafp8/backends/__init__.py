@@ -124,6 +124,13 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     return "native" if native and needs <= supports("native") else "reference"
 
 
+# Run as is, not traced, under torch.compile (its arguments are constants): it fills the module's caches, a side effect
+# torch.compile refuses inside an activation-checkpointed region (fullgraph=True: OneTrainer's compiled blocks). The
+# mark torch.compiler.assume_constant_result sets, set without it: it imports torch._dynamo, and with it FSDP, which
+# `import dorafp8` leaves unimported (tests/integration/test_layout.py)
+resolve._dynamo_marked_constant = True
+
+
 def module(name: str) -> ModuleType:
     """The module implementing a concrete (already resolved) backend."""
     mod = _load(name)

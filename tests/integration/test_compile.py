@@ -124,3 +124,42 @@ def test_compile_fullgraph_backend_options(chosen, act_quant):
     torch.testing.assert_close(yc, y)
     for got, want in zip((t.grad for t in leaves), ref):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("compiled_first", [True, False])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_compile_fullgraph_inside_activation_checkpointing(monkeypatch, reentrant, compiled_first):
+    """A DoRA layer inside torch.utils.checkpoint, compiled with fullgraph=True (OneTrainer's compiled blocks with
+    gradient checkpointing; a compiled HF model with it on). torch.compile refuses a side effect inside the
+    checkpointed region ("HOP: Unsafe side effect"), and the first compiled step raised on two: in a process that had
+    not picked a backend yet, the pick filled the backends' caches; after an eager call (an evaluation first), the
+    layer dropped the norm that call had cached. Eager's values and gradients."""
+    import torch.utils.checkpoint as ckpt
+
+    from dorafp8 import backends
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16))
+    pm = get_peft_model(net, LoraConfig(r=4, use_dora=True, target_modules=["0", "2"]))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_()
+    assert dorafp8.convert_peft_model(pm) == 2
+    params = [p for p in pm.parameters() if p.requires_grad]
+
+    def f(x):
+        return ckpt.checkpoint(pm, x, use_reentrant=reentrant)
+
+    monkeypatch.setattr(backends, "_loaded", {})  # a fresh process's: nothing imported or probed yet
+    monkeypatch.setattr(backends, "_reasons", {})
+    x = torch.randn(5, 32)
+    runs = {}
+    for name in ("compiled", "eager") if compiled_first else ("eager", "compiled"):
+        fn = torch.compile(f, fullgraph=True, backend="aot_eager") if name == "compiled" else f
+        xi = x.clone().requires_grad_()
+        fn(xi).square().sum().backward()
+        runs[name] = [xi.grad] + [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+    for got, want in zip(runs["compiled"], runs["eager"]):
+        torch.testing.assert_close(got, want)
