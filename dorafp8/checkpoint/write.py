@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import stat
 import time
 import warnings
@@ -243,17 +244,19 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     fsync_file(os.path.join(stage, index))
     for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
         _check_replaced(stage, folder, name, records, path)
-    moved = []
+    moved, kept = [], []
     try:
         for name in names:
             os.replace(os.path.join(stage, name), os.path.join(folder, name))
             moved.append(name)
         for name in others:
             if not _same_bytes(os.path.join(stage, name), os.path.join(folder, name)):
+                _keep(stage, folder, name, kept)
                 replace(os.path.join(stage, name), os.path.join(folder, name))
         for name in CHECKED_JSON:  # the replaced export's own that this one does not write (a ModelOpt export's
             # hf_quant_config.json): before the commit, which would leave it beside weights it does not describe
             if name not in others and _recorded(folder, name, records):
+                _keep(stage, folder, name, kept)
                 os.remove(os.path.join(folder, name))
         fsync_dir(folder)
         replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
@@ -263,6 +266,14 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
+        # the replaced export's config.json / hf_quant_config.json put back: left replaced (an OSError, a Ctrl-C), the
+        # old weights were refused beside the new config, and a next export in another format refused that config
+        for name in reversed(kept):
+            try:
+                os.replace(os.path.join(stage, name + ".replaced"), os.path.join(folder, name))
+            except OSError as e:
+                warnings.warn(f"{folder}: the replaced export's {name!r} could not be put back ({e.strerror}); "
+                              f"export again", stacklevel=4)
         raise
     for name in old:  # the export is published: what cannot be removed now only takes space
         try:
@@ -274,6 +285,16 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
                           stacklevel=4)
     fsync_dir(folder)
     return names
+
+
+def _keep(stage: str, folder: str, name: str, kept: list) -> None:
+    """A copy of `folder/name` (a regular file: _check_replaced, _recorded) kept in the stage as `name.replaced`, so
+    that a publish failing before its commit puts the old one back (_publish); a kill leaves it in the stage."""
+    if not os.path.lexists(os.path.join(folder, name)):  # nothing to put back
+        return
+    tmp = os.path.join(stage, name + ".replaced")
+    shutil.copyfile(os.path.join(folder, name), tmp)
+    kept.append(name)
 
 
 def _check_replaced(stage: str, folder: str, name: str, records: list, path: str) -> None:
