@@ -21,7 +21,7 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
-                    locked, previous_export, replace, sha256, sha256_key, staging)
+                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -118,6 +118,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
+        refuse_original(path, t.src.files)
         writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
         with _made(os.path.dirname(real)):
             out = emit(t, writer, report, **emit_args)
@@ -183,6 +184,10 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     index = f"{t.stem}.safetensors.index.json"
     meta = export_metadata(real, index)  # what the export there recorded ({} where none did)
     records = [meta, *_killed_records(real, t.stem)]
+    for rec in records:  # the export this one would replace, its shards removed: not the one the model came from
+        for name in rec.get("dorafp8_files") or {}:
+            if isinstance(name, str) and shard_pattern(t.stem).fullmatch(name):
+                refuse_original(os.path.join(real, name), t.src.files, path)
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
@@ -210,6 +215,19 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
         raise FileExistsError(f"path={path!r} holds {index!r}, which no dorafp8 export wrote (a model saved there by "
                               f"save_pretrained or another tool?); the export would replace it and leave that model's "
                               f"shards unindexed, so it is not overwritten: export to another folder, or move it away")
+
+
+def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:
+    """Refuses to write over (or remove) `path` where it is a file the model was loaded from (`originals`,
+    files.identity()s): its original weights (export_merged's base, which the adapters need) would be gone. folder:
+    the export's folder, `path` one of the files it would remove."""
+    orig = loaded_from(path, originals)
+    if orig is not None:
+        what = f"path={folder!r} holds {os.path.basename(path)!r}, which the export would remove" if folder else \
+            f"path={path!r}, which the export would replace,"
+        raise FileExistsError(f"{what} is the file the model was loaded from ({orig!r}): its original weights would "
+                              f"be gone; write to another path (and move the export over the original afterwards if "
+                              f"you mean to replace it)")
 
 
 def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: str) -> list[str]:

@@ -951,3 +951,33 @@ def test_without_fcntl_a_live_writers_stage_is_never_taken_as_a_killed_ones(tmp_
         warnings.simplefilter("ignore")  # the stage, named as perhaps a killed one's
         _export(_net(1), dest, SHARDED)
     assert shard.read_bytes() == b"a live export's shard"
+
+
+# ---- the files the model was loaded from -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["the file", "a link to it", "a hard link to it", "its folder", "a link to its folder"])
+@pytest.mark.parametrize("merge", [False, True])
+def test_an_export_over_the_files_the_model_was_loaded_from_is_refused(tmp_path, how, merge):
+    """A model loaded from a file (or an export's folder), exported back over it: the original weights were replaced
+    (export_merged: the base the adapters merge into, gone for good). Refused now before anything is written, naming
+    the path, the file and what to do; the same model exports to another path."""
+    folder = "folder" in how
+    src = tmp_path / ("ckpt" if folder else "one.safetensors")
+    _export(_net(0), src, SHARDED if folder else SINGLE)
+    model = _target("meta")
+    dorafp8.load_fp8_checkpoint(model, src, verbose=False)
+    dest = tmp_path / ("dest" if folder else "dest.safetensors")
+    if how == "the file" or how == "its folder":
+        dest = src
+    elif how == "a hard link to it":
+        os.link(src, dest)
+    else:
+        dest.symlink_to(src)
+    before = _tree(tmp_path)
+    write = dorafp8.export_merged if merge else dorafp8.save_fp8_checkpoint
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from .*write to another path"):
+        write(model, dest, format="dorafp8", max_shard_size=SHARDED, verbose=False)
+    assert _tree(tmp_path) == before
+    write(model, tmp_path / ("other" if folder else "other.safetensors"), format="dorafp8", verbose=False)
+    with torch.no_grad():
+        assert torch.equal(_output_of(tmp_path / ("other" if folder else "other.safetensors")), model.eval()(X))
