@@ -170,6 +170,28 @@ def test_a_kill_at_any_point_of_a_re_export_leaves_the_old_export_or_the_new(tmp
     assert outcomes == {"old", "new"}
 
 
+def test_a_kill_at_any_point_of_a_single_file_re_export_leaves_the_old_file_or_the_new(tmp_path):
+    """The loop above for a single .safetensors file (the path save_kohya_dora and save_single_file_dora take too:
+    files.save_file_atomic): after a kill at each rename or removal in turn the file loads as exactly the old export
+    or the new one, the user's file beside it stays, and at most the killed writer's stage is left."""
+    a, b = _net(0), _net(1)
+    with torch.no_grad():
+        want_a, want_b = a(X), b(X)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    (pristine / "notes.txt").write_bytes(b"mine")
+    _export(a, pristine / "one.safetensors", SINGLE)
+    outcomes = set()
+    for step, work, code in _killed_at_every_step(pristine, lambda work: _export(b, work / "one.safetensors", SINGLE)):
+        out = _output_of(work / "one.safetensors")
+        which = "old" if torch.equal(out, want_a) else "new" if torch.equal(out, want_b) else "a mix"
+        assert which != "a mix", f"killed at step {step}"
+        outcomes.add(which)
+        assert (work / "notes.txt").read_bytes() == b"mine"
+        assert len(_killed_stages(work)) <= 1, f"killed at step {step}"
+    assert outcomes == {"old", "new"}
+
+
 def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     """Every file of the export and the folder itself are fsynced (nothing was: a power cut after the export could
     leave empty or missing shards behind names that loaded)."""
