@@ -21,7 +21,7 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
-                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging)
+                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging, write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -154,7 +154,11 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
         writer.path = stage
         out = emit(t, writer, report, **emit_args)
         parts = writer.close()
-        write_config(t, stage, report, out)
+        try:
+            write_config(t, stage, report, out)
+        except OSError as e:  # a full disk said so without the path (json.dump, diffusers' save_config)
+            raise write_error(os.path.join(path, "config.json" + (" / hf_quant_config.json" if t.fmt == "modelopt"
+                                                                   else "")), e) from e
         with locked(real, f"path={path!r}"):
             _check_folder(real, path, t)
             names = _publish(stage, real, t.stem, parts, writer.total, path)
@@ -257,8 +261,11 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         weight_map.update(dict.fromkeys(keys, name))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
     meta.update({sha256_key(n): sha256(os.path.join(stage, n)) for n in CHECKED_JSON if n in others})
-    with open(os.path.join(stage, index), "w") as f:
-        json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    try:
+        with open(os.path.join(stage, index), "w") as f:
+            json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    except OSError as e:
+        raise write_error(os.path.join(path, index), e) from e
     fsync_file(os.path.join(stage, index))
     for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
         _check_replaced(stage, folder, name, records, path)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dorafp8
+import dorafp8.checkpoint.write as W
 from tests.checkpoint.test_load_all_or_nothing import X, Net, _target
 
 pytest.importorskip("safetensors")
@@ -210,7 +211,7 @@ def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     assert str(tmp_path.resolve()) in synced
 
 
-def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
+def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     """A full disk said `No space left on device (os error 28)` without the path. Here the OS refuses the write
     (RLIMIT_FSIZE, in a child process: 'File too large', errno 27, the same kind of error): the message names the
     file, and the destination and its parent are as they were."""
@@ -219,10 +220,10 @@ def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
     _export(_net(1), dest, SHARDED)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
-    def write_with_a_small_limit(where):
+    def write_with_a_small_limit(where, limit=300):
         def run():
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
             _export(net, where, SHARDED)
         return run
 
@@ -232,6 +233,15 @@ def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
         assert str(where) in said or ".ckpt." in said, said
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
         assert _hidden(tmp_path) == []
+    # the shards fit, config.json does not: its write error said '[Errno 27] File too large', naming no file
+    def big_config(t, stage, report, out):
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump({"pad": "x" * 100_000}, f)
+    monkeypatch.setattr(W, "write_config", big_config)
+    code, said = _in_child(write_with_a_small_limit(dest, 50_000))
+    assert code == 1 and said.startswith(f"OSError: [Errno 27] writing {dest / 'config.json'}: File too large"), said
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert _hidden(tmp_path) == []
 
 
 def test_leftovers_of_a_killed_writer_are_named_in_a_warning_and_never_block_the_next(tmp_path):
