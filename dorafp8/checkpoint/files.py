@@ -231,6 +231,22 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
 
 
+def identity(path: str) -> Optional[tuple]:
+    """(device, inode, path) of the file `path` (links followed); None where it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, path
+
+
+def loaded_from(path: str, originals) -> Optional[str]:
+    """The path of the one of `originals` (identity()s of the files a model was loaded from) that `path` is now (a
+    link, a hard link, another spelling of it), else None: a writer never replaces a model's own weights."""
+    me = identity(path)
+    return next((o[2] for o in originals if me is not None and o[:2] == me[:2]), None)
+
+
 def destination(path: str) -> str:
     """`path` with its symlinks resolved; a dangling link is refused naming it."""
     if os.path.islink(path) and not os.path.exists(path):

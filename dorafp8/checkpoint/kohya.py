@@ -30,7 +30,7 @@ from ..quant import all_finite
 from ..peft import DoraFP8Variant
 from ..peft.register import adapters_of  # an Embedding's too: the export refuses it, naming it
 from ..peft.conv import DoraFP8ConvVariant
-from .files import open_safetensors, regular_file, save_file_atomic, some
+from .files import identity, open_safetensors, regular_file, save_file_atomic, some
 from .kohya_names import KeyResolver, export_key_names, resolve_prefix
 
 SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
@@ -88,7 +88,7 @@ def save_kohya_dora(model: nn.Module, path: str, *, adapter_name: Optional[str] 
             META_DORA_SCALE: dora_scale if dora else "none", "dorafp8_source": "dorafp8.save_kohya_dora"}
     if len(ranks) == 1:
         meta["ss_network_dim"] = str(ranks.pop())
-    _write_atomic(tensors, path, meta)
+    _write_atomic(tensors, path, meta, model)
     return keys
 
 
@@ -262,7 +262,7 @@ def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_n
     dora = any(layer.use_dora.get(adapter) for layer in layers.values())
     meta = {"ss_network_module": "networks.lora", META_DORA_SCALE: "comfyui" if dora else "none",
             "dorafp8_source": "dorafp8.save_single_file_dora"}
-    _write_atomic(tensors, path, meta)
+    _write_atomic(tensors, path, meta, model, single_file)
     return written
 
 
@@ -383,12 +383,18 @@ def _to_module_layout(root: nn.Module, sd: dict, single_file) -> dict:
     return out
 
 
-def _write_atomic(tensors: dict, path, metadata: dict) -> None:
-    """`path` written whole or not at all (files.save_file_atomic: staged, fsynced, renamed)."""
+def _write_atomic(tensors: dict, path, metadata: dict, model: nn.Module, single_file=None) -> None:
+    """`path` written whole or not at all (files.save_file_atomic: staged, fsynced, renamed); never over the file the
+    model's base was loaded from or `single_file` (the two paths of save_single_file_dora swapped)."""
+    from .plan import source_of
+    from .write import refuse_original
+
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
+    given = identity(os.fspath(single_file)) if isinstance(single_file, (str, os.PathLike)) else None
+    refuse_original(path, (*source_of(model).files, *filter(None, [given])))
     save_file_atomic(tensors, path, metadata)
 
 

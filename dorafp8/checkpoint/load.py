@@ -17,7 +17,7 @@ from ..nn import FP8Linear, fp8_conv_class
 from ..nn.group_scales import collect_regrouped, groups_to_rows, report_regrouped
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import E4M3, E4M3_MAX, E8M0, check_micro_scale_values, check_scale, e4m3_nan, scale_kind
-from .files import parse_json, some
+from .files import identity, parse_json, some
 from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
                       swap_module, tied_groups)
@@ -101,7 +101,8 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         info, keys = source.info, plan.keys
         source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block,
                                  metadata=source.metadata, dtypes=loader.src_dtypes,
-                                 markers={k: info[k] for k in keys.marker_keys}, config=source.config)
+                                 markers={k: info[k] for k in keys.marker_keys}, config=source.config,
+                                 files=tuple(filter(None, (identity(s) for s in source.shards if s))))
         if keys.marker_keys:
             source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
         report.seconds = time.time() - t0

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .files import MAX_JSON_BYTES, open_safetensors, parse_json, regular_file
+from .files import MAX_JSON_BYTES, identity, open_safetensors, parse_json, regular_file
 from .layouts import CheckpointFormatError
 
 # the keys a scaled fp8 checkpoint carries beside its weights: ComfyUI's "scaled_fp8" files, and its newer
@@ -346,7 +346,7 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     """
     from .load import load_fp8_checkpoint
 
-    state_dict = path_or_state_dict
+    state_dict, path = path_or_state_dict, None
     if not isinstance(state_dict, dict):  # a downloaded file: checked and measured before it is read (files.py)
         if os.path.isdir(path_or_state_dict):  # a diffusers folder (its shards are in diffusers' names already)
             raise CheckpointFormatError(f"path_or_state_dict: {os.fspath(path_or_state_dict)} is a folder; "
@@ -369,6 +369,9 @@ def load_single_file(model: nn.Module, path_or_state_dict, *, device="cpu", dtyp
     fmt = "musubi" if any(t.dim() == 3 for t in scales) else "comfyui" if scales else "auto"
     report = load_fp8_checkpoint(model, converted, format=fmt, device=device, dtype=dtype, backend=backend,
                                  verbose=verbose)
+    src = getattr(model, "_dorafp8_source", None)
+    if path is not None and src is not None:  # read from a state dict: the file is what no writer may replace
+        src.files = tuple(filter(None, [identity(path)]))
     if others:  # a full checkpoint's VAE and text encoders: not this model's
         report.kept.update((k, f"not under {_PREFIX!r}: another component of a full checkpoint") for k in others)
         if verbose:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import stat
 import time
 import warnings
@@ -20,7 +21,7 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
-                    locked, previous_export, replace, sha256, sha256_key, staging)
+                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging, write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -117,6 +118,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
+        refuse_original(path, t.src.files)
         writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
         with _made(os.path.dirname(real)):
             out = emit(t, writer, report, **emit_args)
@@ -152,7 +154,11 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
         writer.path = stage
         out = emit(t, writer, report, **emit_args)
         parts = writer.close()
-        write_config(t, stage, report, out)
+        try:
+            write_config(t, stage, report, out)
+        except OSError as e:  # a full disk said so without the path (json.dump, diffusers' save_config)
+            raise write_error(os.path.join(path, "config.json" + (" / hf_quant_config.json" if t.fmt == "modelopt"
+                                                                   else "")), e) from e
         with locked(real, f"path={path!r}"):
             _check_folder(real, path, t)
             names = _publish(stage, real, t.stem, parts, writer.total, path)
@@ -182,6 +188,10 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     index = f"{t.stem}.safetensors.index.json"
     meta = export_metadata(real, index)  # what the export there recorded ({} where none did)
     records = [meta, *_killed_records(real, t.stem)]
+    for rec in records:  # the export this one would replace, its shards removed: not the one the model came from
+        for name in rec.get("dorafp8_files") or {}:
+            if isinstance(name, str) and shard_pattern(t.stem).fullmatch(name):
+                refuse_original(os.path.join(real, name), t.src.files, path)
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
@@ -211,6 +221,19 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
                               f"shards unindexed, so it is not overwritten: export to another folder, or move it away")
 
 
+def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:
+    """Refuses to write over (or remove) `path` where it is a file the model was loaded from (`originals`,
+    files.identity()s): its original weights (export_merged's base, which the adapters need) would be gone. folder:
+    the export's folder, `path` one of the files it would remove."""
+    orig = loaded_from(path, originals)
+    if orig is not None:
+        what = f"path={folder!r} holds {os.path.basename(path)!r}, which the export would remove" if folder else \
+            f"path={path!r}, which the export would replace,"
+        raise FileExistsError(f"{what} is the file the model was loaded from ({orig!r}): its original weights would "
+                              f"be gone; write to another path (and move the export over the original afterwards if "
+                              f"you mean to replace it)")
+
+
 def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: str) -> list[str]:
     """Moves the finished export in `stage` into `folder` (whose lock the caller holds); returns its shards' names.
     Shards go in under fresh names, then config.json (if changed), then the index by one rename (the commit), then the
@@ -238,22 +261,27 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         weight_map.update(dict.fromkeys(keys, name))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
     meta.update({sha256_key(n): sha256(os.path.join(stage, n)) for n in CHECKED_JSON if n in others})
-    with open(os.path.join(stage, index), "w") as f:
-        json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    try:
+        with open(os.path.join(stage, index), "w") as f:
+            json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    except OSError as e:
+        raise write_error(os.path.join(path, index), e) from e
     fsync_file(os.path.join(stage, index))
     for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
         _check_replaced(stage, folder, name, records, path)
-    moved = []
+    moved, kept = [], []
     try:
         for name in names:
             os.replace(os.path.join(stage, name), os.path.join(folder, name))
             moved.append(name)
         for name in others:
             if not _same_bytes(os.path.join(stage, name), os.path.join(folder, name)):
+                _keep(stage, folder, name, kept)
                 replace(os.path.join(stage, name), os.path.join(folder, name))
         for name in CHECKED_JSON:  # the replaced export's own that this one does not write (a ModelOpt export's
             # hf_quant_config.json): before the commit, which would leave it beside weights it does not describe
             if name not in others and _recorded(folder, name, records):
+                _keep(stage, folder, name, kept)
                 os.remove(os.path.join(folder, name))
         fsync_dir(folder)
         replace(os.path.join(stage, index), os.path.join(folder, index))  # the commit
@@ -263,6 +291,14 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
+        # the replaced export's config.json / hf_quant_config.json put back: left replaced (an OSError, a Ctrl-C), the
+        # old weights were refused beside the new config, and a next export in another format refused that config
+        for name in reversed(kept):
+            try:
+                os.replace(os.path.join(stage, name + ".replaced"), os.path.join(folder, name))
+            except OSError as e:
+                warnings.warn(f"{folder}: the replaced export's {name!r} could not be put back ({e.strerror}); "
+                              f"export again", stacklevel=4)
         raise
     for name in old:  # the export is published: what cannot be removed now only takes space
         try:
@@ -274,6 +310,16 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
                           stacklevel=4)
     fsync_dir(folder)
     return names
+
+
+def _keep(stage: str, folder: str, name: str, kept: list) -> None:
+    """A copy of `folder/name` (a regular file: _check_replaced, _recorded) kept in the stage as `name.replaced`, so
+    that a publish failing before its commit puts the old one back (_publish); a kill leaves it in the stage."""
+    if not os.path.lexists(os.path.join(folder, name)):  # nothing to put back
+        return
+    tmp = os.path.join(stage, name + ".replaced")
+    shutil.copyfile(os.path.join(folder, name), tmp)
+    kept.append(name)
 
 
 def _check_replaced(stage: str, folder: str, name: str, records: list, path: str) -> None:

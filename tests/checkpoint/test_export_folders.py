@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dorafp8
+import dorafp8.checkpoint.write as W
 from tests.checkpoint.test_load_all_or_nothing import X, Net, _target
 
 pytest.importorskip("safetensors")
@@ -170,6 +171,28 @@ def test_a_kill_at_any_point_of_a_re_export_leaves_the_old_export_or_the_new(tmp
     assert outcomes == {"old", "new"}
 
 
+def test_a_kill_at_any_point_of_a_single_file_re_export_leaves_the_old_file_or_the_new(tmp_path):
+    """The loop above for a single .safetensors file (the path save_kohya_dora and save_single_file_dora take too:
+    files.save_file_atomic): after a kill at each rename or removal in turn the file loads as exactly the old export
+    or the new one, the user's file beside it stays, and at most the killed writer's stage is left."""
+    a, b = _net(0), _net(1)
+    with torch.no_grad():
+        want_a, want_b = a(X), b(X)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    (pristine / "notes.txt").write_bytes(b"mine")
+    _export(a, pristine / "one.safetensors", SINGLE)
+    outcomes = set()
+    for step, work, code in _killed_at_every_step(pristine, lambda work: _export(b, work / "one.safetensors", SINGLE)):
+        out = _output_of(work / "one.safetensors")
+        which = "old" if torch.equal(out, want_a) else "new" if torch.equal(out, want_b) else "a mix"
+        assert which != "a mix", f"killed at step {step}"
+        outcomes.add(which)
+        assert (work / "notes.txt").read_bytes() == b"mine"
+        assert len(_killed_stages(work)) <= 1, f"killed at step {step}"
+    assert outcomes == {"old", "new"}
+
+
 def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     """Every file of the export and the folder itself are fsynced (nothing was: a power cut after the export could
     leave empty or missing shards behind names that loaded)."""
@@ -188,7 +211,7 @@ def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     assert str(tmp_path.resolve()) in synced
 
 
-def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
+def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     """A full disk said `No space left on device (os error 28)` without the path. Here the OS refuses the write
     (RLIMIT_FSIZE, in a child process: 'File too large', errno 27, the same kind of error): the message names the
     file, and the destination and its parent are as they were."""
@@ -197,10 +220,10 @@ def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
     _export(_net(1), dest, SHARDED)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
-    def write_with_a_small_limit(where):
+    def write_with_a_small_limit(where, limit=300):
         def run():
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
             _export(net, where, SHARDED)
         return run
 
@@ -210,6 +233,15 @@ def test_a_write_error_names_the_file_and_leaves_the_folder_as_it_was(tmp_path):
         assert str(where) in said or ".ckpt." in said, said
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
         assert _hidden(tmp_path) == []
+    # the shards fit, config.json does not: its write error said '[Errno 27] File too large', naming no file
+    def big_config(t, stage, report, out):
+        with open(os.path.join(stage, "config.json"), "w") as f:
+            json.dump({"pad": "x" * 100_000}, f)
+    monkeypatch.setattr(W, "write_config", big_config)
+    code, said = _in_child(write_with_a_small_limit(dest, 50_000))
+    assert code == 1 and said.startswith(f"OSError: [Errno 27] writing {dest / 'config.json'}: File too large"), said
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert _hidden(tmp_path) == []
 
 
 def test_leftovers_of_a_killed_writer_are_named_in_a_warning_and_never_block_the_next(tmp_path):

@@ -879,3 +879,29 @@ def test_comfy_quant_float8_e5m2_layers_load_as_their_scaled_fp8_twin():
     for n in fp8:
         assert torch.equal(ours[n].weight.view(torch.uint8), twin[n].weight.view(torch.uint8)), n
         assert torch.equal(ours[n].scale, twin[n].scale), n
+
+
+@pytest.mark.parametrize("mistake", ["single_file as a dict", "single_file as a path", "save_kohya_dora onto it"])
+def test_an_adapter_written_over_the_single_file_is_refused(tmp_path, mistake):
+    """save_single_file_dora(pm, path, single_file) with `path` the base model's file (single_file the same path, or
+    its state dict), or
+    save_kohya_dora(pm, <the base file>): the adapter replaced the base model's file, gone for good. Refused now,
+    naming the file, before anything is written."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+
+    sd, ref, _, _ = _own_case("sd35")
+    base = tmp_path / "sd35_fp8_scaled.safetensors"
+    save_file(sd, str(base))
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    load_single_file(model, str(base), verbose=False)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    before = base.read_bytes()
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from .*write to another path"):
+        if mistake == "save_kohya_dora onto it":
+            dorafp8.save_kohya_dora(pm, str(base))
+        else:
+            dorafp8.save_single_file_dora(pm, str(base), str(base) if mistake == "single_file as a path" else sd)
+    assert base.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [base.name]
+    dorafp8.save_single_file_dora(pm, str(tmp_path / "dora.safetensors"), str(base))
