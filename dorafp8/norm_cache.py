@@ -4,14 +4,15 @@ only inside `reuse_weight_norms()`. Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Callable, Hashable, Optional
 
 import torch
 
+from ._env import ThreadSwitch
+
 _optimizer_steps = 0
 _step_hooks = None
-_local = threading.local()
+_REUSE = ThreadSwitch()  # reuse_weight_norms() open in this thread
 
 
 def _count_step(optimizer, args, kwargs) -> None:
@@ -35,15 +36,8 @@ def reuse_weight_norms():
     Inside it a layer recomputes its norm only after an optimizer step or an in-place op on its tensors; a write neither
     sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom kernel) must not happen while it is open. Use it
     around the micro-batches of a gradient-accumulation step or around generation. Nests; per thread."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
+    with _REUSE.on():
         yield
-    finally:
-        _local.depth -= 1
-
-
-def _reuse_promised() -> bool:
-    return getattr(_local, "depth", 0) > 0
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -70,7 +64,7 @@ class WeightNormCache:
         on_cpu = A.device.type == "cpu"
         if torch.compiler.is_compiling():  # nothing cached or dropped: torch.compile refuses that side effect inside an
             return compute()  # activation-checkpointed region; an entry left here is proved by the next eager call
-        if sharded or not (on_cpu or _reuse_promised()):
+        if sharded or not (on_cpu or _REUSE):
             self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
             return compute()
         _watch_optimizer_steps()

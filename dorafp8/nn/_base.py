@@ -4,18 +4,16 @@ already cast to fp8 becomes one (`fp8_cast_parts`)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
 import sys
-import threading
 import warnings
 
 import torch
 from torch import nn
 
-from .._env import flag
+from .._env import ThreadSwitch, flag
 from ..quant import E4M3, E8M0, check_micro_scale, check_scale, is_fp8
 
 MICRO_SCALE_DTYPES = (E4M3, E8M0)  # the scales of the microscaled kinds (MXFP8: e8m0, NVFP4: e4m3), kept as stored
@@ -149,7 +147,7 @@ class FP8WeightModule(nn.Module):
         # Under FSDP2 the scale buffers are listed as replicated on the weight's mesh: code that reads `.device_mesh`
         # off every state_dict entry (accelerate's fsdp2_load_full_state_dict) fails on a plain tensor.
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if e8m0_as_bytes() and destination.get(prefix + "scale") is not None \
+        if _E8M0_AS_BYTES and destination.get(prefix + "scale") is not None \
                 and destination[prefix + "scale"].dtype == E8M0:
             destination[prefix + "scale"] = destination[prefix + "scale"].view(torch.uint8)
         dtensor = _dtensor_class()
@@ -180,7 +178,7 @@ class FP8WeightModule(nn.Module):
             if dtensor is not None and isinstance(state_dict.get(key), dtensor):
                 # FSDP2's replicated scales (_save_to_state_dict): the buffers stay plain tensors
                 state_dict[key] = state_dict[key].full_tensor()
-        if e8m0_as_bytes() and getattr(state_dict.get(prefix + "scale"), "dtype", None) == torch.uint8:
+        if _E8M0_AS_BYTES and getattr(state_dict.get(prefix + "scale"), "dtype", None) == torch.uint8:
             state_dict[prefix + "scale"] = state_dict[prefix + "scale"].view(E8M0)  # the bytes _save_to_state_dict sent
         w = state_dict.get(prefix + "weight")
         if w is not None and w.dtype == torch.uint8 and hasattr(self, "global_scale"):  # a packed NVFP4 weight
@@ -206,23 +204,11 @@ class FP8WeightModule(nn.Module):
                                       error_msgs)
 
 
-_E8M0_AS_BYTES = threading.local()
-
-
-@contextlib.contextmanager
-def scales_e8m0_as_bytes():
-    """While open (in this thread), state_dict() lists an MXFP8 layer's e8m0 `scale` as its bytes (a uint8 view) and
-    load_state_dict takes a uint8 `scale` as those bytes: for collectives that move state_dict entries, as NCCL has no
-    e8m0 type (dorafp8/distributed.py, accelerate's FSDP2 loader). Nests."""
-    _E8M0_AS_BYTES.depth = getattr(_E8M0_AS_BYTES, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _E8M0_AS_BYTES.depth -= 1
-
-
-def e8m0_as_bytes() -> bool:
-    return getattr(_E8M0_AS_BYTES, "depth", 0) > 0
+# While on (in this thread: `with scales_e8m0_as_bytes(): ...`), state_dict() lists an MXFP8 layer's e8m0 `scale` as
+# its bytes (a uint8 view) and load_state_dict takes a uint8 `scale` as those bytes: for collectives that move
+# state_dict entries, as NCCL has no e8m0 type (dorafp8/distributed.py, accelerate's FSDP2 loader).
+_E8M0_AS_BYTES = ThreadSwitch()
+scales_e8m0_as_bytes = _E8M0_AS_BYTES.on
 
 
 def _dtensor_class():
