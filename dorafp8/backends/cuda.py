@@ -137,6 +137,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     if _no_image(device):
         index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
+        if _build_error is not None:  # prepare's rebuild for it failed: say why, not a checkout's command
+            return f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}) and {_build_error}"
         return (f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; rebuild it "
                 f"for this GPU in the checkout it was built in: DORAFP8_CUDA_ARCHS=\"{major}{minor}\" "
                 f"{BUILD_COMMAND}")
