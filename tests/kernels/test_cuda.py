@@ -234,6 +234,8 @@ def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw) or type(
         "Built", (), {"kernel_image_error": staticmethod(lambda i: "")})())
+    why = cb.unavailable_reason(torch.device("cuda"))  # `python -m dorafp8`'s line: the first use's build, no checkout
+    assert "builds it for this GPU on first use" in why and "checkout" not in why and calls == [], why
     assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
     (kw,) = calls
     assert "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
