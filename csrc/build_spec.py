@@ -95,10 +95,10 @@ def sources_hash(src: str) -> str:
 def cuda_home():
     """The CUDA toolkit a build uses, in torch's order: $CUDA_HOME, $CUDA_PATH, the toolkit nvcc on PATH is in (a
     cluster's `module load cuda/12.4` puts its own there, beside an older /usr/local/cuda), /usr/local/cuda; each
-    taken only if it has bin/nvcc, and PATH's only if it has include/cuda_runtime.h too (an nvcc on PATH may be a
-    wrapper script outside any toolkit, /usr/local/bin/nvcc). None if none. setup.py and the build on first use both
-    take it, not torch's guess (cpp_extension.CUDA_HOME), which takes $CUDA_HOME as set (empty, or a toolkit since
-    removed) and PATH's nvcc unchecked."""
+    taken only if it has bin/nvcc (bin/nvcc.exe on Windows), and PATH's only if it has include/cuda_runtime.h too (an
+    nvcc on PATH may be a wrapper script outside any toolkit, /usr/local/bin/nvcc). None if none. setup.py and the
+    build on first use both take it, not torch's guess (cpp_extension.CUDA_HOME), which takes $CUDA_HOME as set
+    (empty, or a toolkit since removed) and PATH's nvcc unchecked."""
     import glob
     import os
     import shutil
@@ -109,7 +109,8 @@ def cuda_home():
                         or glob.glob(os.path.join(glob.escape(on_path), "targets", "*", "include", "cuda_runtime.h"))):
         on_path = None
     for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), on_path, "/usr/local/cuda"):
-        if cand and os.path.isfile(os.path.join(cand, "bin", "nvcc")):
+        # nvcc.exe: a Windows toolkit's (the CUDA installer sets CUDA_PATH to it)
+        if cand and any(os.path.isfile(os.path.join(cand, "bin", n)) for n in ("nvcc", "nvcc.exe")):
             return cand
     return None
 

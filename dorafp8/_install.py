@@ -22,8 +22,9 @@ import torch
 from . import _after_import
 from ._env import flag
 from ._deps import peft_too_old
-from .distributed import (ACCELERATE_FSDP_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES, install_accelerate_loader_support,
-                          install_ddp_support, install_fsdp1_refusal, install_fsdp_support)
+from .distributed import (ACCELERATE_FSDP_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES, TORCH_DSD_MODULE,
+                          install_accelerate_loader_support, install_ddp_support, install_fsdp1_refusal,
+                          install_fsdp_support, install_torch_loader_support)
 
 
 def _peft() -> None:
@@ -111,6 +112,8 @@ _WATCHED = {
                                           "instead of naming FSDP2"),
     ACCELERATE_FSDP_MODULE: (install_accelerate_loader_support, "accelerate's FSDP2 loader (cpu_ram_efficient_loading) "
                                                                 "sends MXFP8 layers' e8m0 scales, which NCCL refuses"),
+    TORCH_DSD_MODULE: (install_torch_loader_support, "torch's set_model_state_dict(broadcast_from_rank0=True) sends "
+                                                     "MXFP8 layers' e8m0 scales, which NCCL refuses"),
     **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
                       "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
 }

@@ -186,16 +186,20 @@ def uninstall_fsdp_support() -> None:
 ACCELERATE_FSDP_MODULE = "accelerate.utils.fsdp_utils"
 
 
+def _e8m0_as_bytes(full_sd: dict) -> dict:
+    """full_sd with its e8m0 tensors as their bytes: rank-0 loaders broadcast every entry, and NCCL has no e8m0 type
+    ("Input tensor data type is not supported for NCCL process group: Float8_e8m0fnu"); they are loaded, under
+    scales_e8m0_as_bytes, as e8m0 again."""
+    return {k: v.view(torch.uint8) if isinstance(v, torch.Tensor) and v.dtype == E8M0 else v
+            for k, v in full_sd.items()}
+
+
 def _wrap_fsdp2_load_full_state_dict(orig):
     @functools.wraps(orig)
     def fsdp2_load_full_state_dict(accelerator, model, full_sd, *args, **kwargs):
-        # It broadcasts every entry from rank 0 (the others allocate theirs from the sharded model's state_dict):
-        # NCCL has no e8m0 type ("Input tensor data type is not supported for NCCL process group: Float8_e8m0fnu"),
-        # so an MXFP8 layer's scales go as their bytes on both sides, and load as e8m0 again.
-        full_sd = {k: v.view(torch.uint8) if isinstance(v, torch.Tensor) and v.dtype == E8M0 else v
-                   for k, v in full_sd.items()}
+        # the other ranks allocate theirs from the sharded model's state_dict: bytes there too
         with scales_e8m0_as_bytes():
-            return orig(accelerator, model, full_sd, *args, **kwargs)
+            return orig(accelerator, model, _e8m0_as_bytes(full_sd), *args, **kwargs)
 
     return fsdp2_load_full_state_dict
 
@@ -207,6 +211,34 @@ def install_accelerate_loader_support() -> bool:
     if getattr(mod, "fsdp2_load_full_state_dict", None) is None:
         return False
     _wrap_once(mod, "fsdp2_load_full_state_dict", _wrap_fsdp2_load_full_state_dict)
+    return True
+
+
+# ---- torch's set_model_state_dict / set_state_dict(broadcast_from_rank0=True): MXFP8 scales as bytes ---------------
+
+TORCH_DSD_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def _wrap_load_model_state_dict(orig):
+    @functools.wraps(orig)
+    def _load_model_state_dict(model, state_dict, info, *args, **kwargs):
+        # both public setters load through it; it broadcasts rank 0's entries, the others allocating each as rank 0
+        # names its dtype: uint8 for e8m0
+        if not getattr(info, "broadcast_from_rank0", False):
+            return orig(model, state_dict, info, *args, **kwargs)
+        with scales_e8m0_as_bytes():
+            return orig(model, _e8m0_as_bytes(state_dict), info, *args, **kwargs)
+
+    return _load_model_state_dict
+
+
+def install_torch_loader_support() -> bool:
+    """Makes torch's set_model_state_dict / set_state_dict with broadcast_from_rank0=True send MXFP8 layers' e8m0
+    scales as bytes; idempotent; whether installed (False where torch has no such private loader)."""
+    mod = sys.modules.get(TORCH_DSD_MODULE)
+    if getattr(mod, "_load_model_state_dict", None) is None:
+        return False
+    _wrap_once(mod, "_load_model_state_dict", _wrap_load_model_state_dict)
     return True
 
 

@@ -137,9 +137,17 @@ def unavailable_reason(device: torch.device) -> str | None:
     if _no_image(device):
         index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
-        return (f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; rebuild it "
-                f"for this GPU in the checkout it was built in: DORAFP8_CUDA_ARCHS=\"{major}{minor}\" "
-                f"{BUILD_COMMAND}")
+        head = f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}"
+        # The install's build is rebuilt on first use (prepare): say that, or why it failed or cannot run, rather than
+        # a checkout's command, which a wheel's or sdist's user has not.
+        why = _build_error or (cuda_build.why_not() and f"it cannot be built here: {cuda_build.why_not()}")
+        if why:
+            return f"{head}; {why}"
+        if _C is _INSTALLED:
+            return (f"{head}; backend='cuda' builds it for this GPU on first use (nvcc: a few minutes, once per torch "
+                    "version and GPU)")
+        return (f"{head}; rebuild it for this GPU in the checkout it was built in: "
+                f"DORAFP8_CUDA_ARCHS=\"{major}{minor}\" {BUILD_COMMAND}")
     return None
 
 

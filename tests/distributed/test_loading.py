@@ -186,7 +186,7 @@ for layer in dst.base_model.model.model.layers:
     fully_shard(layer)
 fully_shard(dst)
 try:
-    fsdp_utils.fsdp2_load_full_state_dict(types.SimpleNamespace(is_main_process=True), dst, src.state_dict())
+    LOAD
     ids = C.probe_ids()
     with torch.no_grad():
         print("loaded", torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits),
@@ -198,13 +198,25 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
+_LOADERS = {
+    "accelerate": "fsdp_utils.fsdp2_load_full_state_dict(types.SimpleNamespace(is_main_process=True), dst, "
+                  "src.state_dict())",
+    "torch": ("from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions\n    "
+              "set_model_state_dict(dst, src.state_dict(), options=StateDictOptions(full_state_dict=True, "
+              "broadcast_from_rank0=True))"),
+}
+
+
+@pytest.mark.parametrize("loader", sorted(_LOADERS))
+def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers(loader):
     """accelerate's FSDP2 loader (cpu_ram_efficient_loading) reads `.device_mesh` off every state_dict entry of the
     sharded model: an NVFP4 layer's `global_scale` buffer was listed as a plain tensor ('Tensor' object has no attribute
     'device_mesh'). It is now listed replicated, as `scale` is, and taken back as a plain buffer: the loaded model
     computes what the source does. The loader broadcasts every entry, and NCCL has no e8m0 type: an MXFP8 layer's
     scales stopped it with NCCL's TypeError (hidden here while the stand-in sent e8m0 as bytes too); they now go as
-    bytes and load as e8m0. One process (a group of one), accelerate's own loader; fp8 collectives as NCCL takes them."""
+    bytes and load as e8m0. One process (a group of one), accelerate's own loader; fp8 collectives as NCCL takes them.
+    torch's own rank-0 loader, set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True), broadcast them
+    too and stopped at the same TypeError; it sends them as bytes now."""
     _needs("accelerate", "the job runs accelerate's FSDP2 loader")
     import subprocess
     import sys
@@ -213,7 +225,8 @@ def test_fsdp2_cpu_ram_efficient_loading_of_nvfp4_and_mxfp8_layers():
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _MICROSCALED_LOADER_JOB, str(_free_port())], capture_output=True,
+    job = _MICROSCALED_LOADER_JOB.replace("LOAD", _LOADERS[loader])
+    r = subprocess.run([sys.executable, "-c", job, str(_free_port())], capture_output=True,
                        text=True, env=env, cwd=REPO, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if "::" in x or x.startswith("loaded"))

@@ -485,6 +485,24 @@ def test_setup_py_builds_with_the_toolkit_the_first_use_build_finds(tmp_path, cu
     assert setup_home == first_use_home == str(toolkit), (setup_home, first_use_home)  # torch's order: PATH's next
 
 
+def test_cuda_home_takes_a_windows_toolkit(tmp_path, monkeypatch):
+    """A Windows toolkit's compiler is bin/nvcc.exe (the CUDA installer sets CUDA_PATH to it): cuda_home looked for
+    bin/nvcc only, so setup.py skipped the extension ('nvcc not found') and the first-use build was refused, although
+    torch's own search takes that toolkit."""
+    import runpy
+
+    toolkit = tmp_path / "CUDA" / "v12.8"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc.exe").write_bytes(b"MZ")
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_PATH", str(toolkit))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    spec = runpy.run_path(str(ROOT / "csrc" / "build_spec.py"))
+    assert spec["cuda_home"]() == str(toolkit)
+
+
 @pytest.mark.parametrize("env, gpu, archs", [
     ({"TORCH_CUDA_ARCH_LIST": "9.0"}, None, ["90"]),
     ({"TORCH_CUDA_ARCH_LIST": "8.9 9.0a;12.0+PTX"}, None, ["89", "90a", "120"]),

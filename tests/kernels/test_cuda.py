@@ -234,11 +234,40 @@ def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kw: calls.append(kw) or type(
         "Built", (), {"kernel_image_error": staticmethod(lambda i: "")})())
+    why = cb.unavailable_reason(torch.device("cuda"))  # `python -m dorafp8`'s line: the first use's build, no checkout
+    assert "builds it for this GPU on first use" in why and "checkout" not in why and calls == [], why
     assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
     (kw,) = calls
     assert "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
     assert type(cb._C).__name__ == "Built" and cb._backend.launcher is cb._C
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
+
+
+def test_a_failed_rebuild_of_an_install_build_for_other_gpus_is_named_from_then_on(tmp_path, monkeypatch):
+    """The first-use rebuild of an install-time dorafp8._C built for other GPUs failed: the first call raised its
+    error, every later one told the user to rebuild "in the checkout it was built in", which an sdist user has not,
+    and not why the build failed. Later calls now name the failed build, as where the install built nothing."""
+    calls = _fake_toolkit(tmp_path, monkeypatch, archs="")
+    installed = type("Installed", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", installed)
+    monkeypatch.setattr(cb, "_INSTALLED", installed)
+    monkeypatch.setattr(cb._backend, "launcher", installed)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(cb, "_build_error", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+
+    def load(**kw):
+        calls.append(kw)
+        raise RuntimeError("nvcc fatal : Unsupported gpu architecture 'compute_89'")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Unsupported gpu architecture") as e:
+            backends.resolve("cuda", torch.device("cuda"))
+        assert "checkout it was built in" not in str(e.value)
+    assert len(calls) == 1 and cb._C is installed  # built once; the install's module stays for the GPUs it runs on
 
 
 @pytest.mark.parametrize("cap", [(7, 0), (7, 5)])
