@@ -232,19 +232,21 @@ LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before 
 
 
 def identity(path: str) -> Optional[tuple]:
-    """(device, inode, path) of the file `path` (links followed); None where it cannot be stat'ed."""
+    """(device, inode, size, mtime, path) of the file `path` (links followed); None where it cannot be stat'ed. Size
+    and mtime too: an inode is reused once its file is gone, and `cp other.safetensors it` rewrites the same inode,
+    so (device, inode) alone took another file for the model's original (a link or hard link shares all four)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, path
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, path
 
 
 def loaded_from(path: str, originals) -> Optional[str]:
     """The path of the one of `originals` (identity()s of the files a model was loaded from) that `path` is now (a
     link, a hard link, another spelling of it), else None: a writer never replaces a model's own weights."""
     me = identity(path)
-    return next((o[2] for o in originals if me is not None and o[:2] == me[:2]), None)
+    return next((o[-1] for o in originals if me is not None and o[:-1] == me[:-1]), None)
 
 
 def destination(path: str) -> str:

@@ -4,6 +4,7 @@ classes each format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_trans
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Optional
@@ -16,7 +17,7 @@ from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import (DEFAULT_BLOCK, E4M3, E8M0, check_act_quant, check_fp8_weight, check_micro_scale_values,
                      check_scale, check_weight)
-from .files import read_json
+from .files import identity, read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
 
@@ -173,6 +174,12 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
+            # the weights from_pretrained read from a local folder: the writers refuse to replace them
+            # (write.refuse_original), as they do those load_fp8_checkpoint read
+            folder = getattr(cfg, "_name_or_path", None)
+            if isinstance(folder, str) and os.path.isdir(folder):
+                src.files = tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
+                                                if n.endswith(".safetensors"))))
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)

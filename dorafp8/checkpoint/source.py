@@ -269,7 +269,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     if expected and expected != name:
         raise CheckpointFormatError(f"{source.name}: config.json says quant_method={method!r} ({expected}) but the "
                                     f"keys look like {name} ({evidence}). Saw {what}")
-    if name == "modelopt" and algo == "MIXED_PRECISION":
+    if algo == "MIXED_PRECISION":  # without NVFP4 layers its keys read as compressed-tensors': checked there too
         _check_mixed_precision(source)
     elif name == "modelopt" and algo not in (None, "NVFP4", "W4A16_NVFP4", "MXFP8"):
         raise CheckpointFormatError(f"{source.name}: NVFP4 global scales ('<layer>.weight_scale_2') but ModelOpt's "

@@ -538,6 +538,28 @@ def test_from_transformers_fp8_then_dora_and_trainer(case, ckpt, tmp_path):
     assert torch.isfinite(torch.tensor(result.training_loss))
 
 
+def test_from_transformers_fp8_model_is_not_exported_over_the_folder_it_was_loaded_from(ckpt, tmp_path):
+    """A dorafp8 export loaded through transformers' from_pretrained and from_transformers_fp8, then exported back
+    into its folder: the export replaced the shards from_pretrained read (export_merged: the base the adapters merge
+    into, gone), which load_fp8_checkpoint's models are refused. Refused now, naming the file; another folder works."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    src, _ = _load(ckpt("fine-grained"))
+    folder = tmp_path / "export"
+    dorafp8.save_fp8_checkpoint(src, folder, max_shard_size="20KB", verbose=False)
+    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert dorafp8.from_transformers_fp8(model) == 14
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    for write in (dorafp8.save_fp8_checkpoint, dorafp8.export_merged):
+        with pytest.raises(FileExistsError, match=r"is the file the model was loaded from .*write to another path"):
+            write(model, folder, max_shard_size="30KB", verbose=False)
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+    dorafp8.save_fp8_checkpoint(model, tmp_path / "other", verbose=False)
+    a, b = F.read_all(str(folder)), F.read_all(str(tmp_path / "other"))
+    assert sorted(a) == sorted(b) and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
+
+
 def test_from_transformers_fp8_warns_when_transformers_dequantized(ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -359,6 +359,12 @@ def test_a_modelopt_mixed_precision_export_loads_bit_exactly_or_is_refused_namin
     with pytest.raises(CheckpointFormatError, match=r"MIXED_PRECISION export with 1 layers of quant_algo W4A16_AWQ "
                                                     r"\(e\.g\. '1'\), which dorafp8 does not read .* quantize_model"):
         load_fp8_checkpoint(model, bad, verbose=False)
+    # without an NVFP4 layer (FP8 attention, AWQ MLPs) the keys read as compressed-tensors': refused by name too, not
+    # by the AWQ layer's packed uint8 shape ("the file is not this model's")
+    fp8_awq = str(tmp_path / "fp8_awq")
+    _mixed_precision_folder(fp8_awq, {0: "FP8", 1: "W4A16_AWQ"})
+    with pytest.raises(CheckpointFormatError, match=r"MIXED_PRECISION export with 1 layers of quant_algo W4A16_AWQ"):
+        load_fp8_checkpoint(model, fp8_awq, verbose=False)
     with open(os.path.join(bad, "hf_quant_config.json"), "w") as f:
         json.dump({"quantization": {"quant_algo": "MIXED_PRECISION"}}, f)
     with pytest.raises(CheckpointFormatError, match=r"'MIXED_PRECISION' but its config has no \"quantized_layers\""):

@@ -955,6 +955,24 @@ def test_without_fcntl_a_live_writers_stage_is_never_taken_as_a_killed_ones(tmp_
 
 # ---- the files the model was loaded from -------------------------------------------------------------------------
 
+def test_a_file_rewritten_in_place_since_the_load_is_no_longer_the_original(tmp_path):
+    """`cp other.safetensors one.safetensors` after the load rewrites the same inode (as a new file may take a freed
+    one): the file there is no longer the model's original, and exporting over it is the user's choice. (device,
+    inode) alone refused it as 'the file the model was loaded from' (a false refusal); a link to the original still
+    is refused (the test above)."""
+    src, other = tmp_path / "one.safetensors", tmp_path / "other.safetensors"
+    _export(_net(0), src, SINGLE)
+    _export(_net(1), other, SINGLE)
+    model = _target("meta")
+    dorafp8.load_fp8_checkpoint(model, src, verbose=False)
+    before = os.stat(src)
+    shutil.copyfile(other, src)  # cp: truncates and rewrites the file in place
+    assert os.stat(src).st_ino == before.st_ino and src.read_bytes() == other.read_bytes()
+    dorafp8.save_fp8_checkpoint(model, src, format="dorafp8", verbose=False)
+    with torch.no_grad():
+        assert torch.equal(_output_of(src), model.eval()(X))
+
+
 @pytest.mark.parametrize("how", ["the file", "a link to it", "a hard link to it", "its folder", "a link to its folder"])
 @pytest.mark.parametrize("merge", [False, True])
 def test_an_export_over_the_files_the_model_was_loaded_from_is_refused(tmp_path, how, merge):
