@@ -100,6 +100,11 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
             if env not in _CHOICES:
                 raise ValueError(f"DORAFP8_BACKEND must be one of {list(_CHOICES)}, got {env!r}")
             name = env
+    return _resolved(name, device, needs)
+
+
+def _resolved(name: str, device: torch.device, needs: frozenset) -> str:
+    """resolve() once DORAFP8_BACKEND is read: the part torch.compile takes as a constant (below)."""
     if name != "auto":
         _prepare(name, device)
         reason = unavailable_reason(name, device)
@@ -127,8 +132,9 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
 # Run as is, not traced, under torch.compile (its arguments are constants): it fills the module's caches, a side effect
 # torch.compile refuses inside an activation-checkpointed region (fullgraph=True: OneTrainer's compiled blocks). The
 # mark torch.compiler.assume_constant_result sets, set without it: it imports torch._dynamo, and with it FSDP, which
-# `import dorafp8` leaves unimported (tests/integration/test_layout.py)
-resolve._dynamo_marked_constant = True
+# `import dorafp8` leaves unimported (tests/integration/test_layout.py). Not on resolve itself: its read of
+# DORAFP8_BACKEND stays traced, so that torch.compile guards on it (a changed variable recompiles, not ignored)
+_resolved._dynamo_marked_constant = True
 
 
 def module(name: str) -> ModuleType:

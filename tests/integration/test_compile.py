@@ -163,3 +163,25 @@ def test_compile_fullgraph_inside_activation_checkpointing(monkeypatch, reentran
             p.grad = None
     for got, want in zip(runs["compiled"], runs["eager"]):
         torch.testing.assert_close(got, want)
+
+
+def test_compiled_call_follows_a_changed_dorafp8_backend(monkeypatch):
+    """DORAFP8_BACKEND set between compiled calls takes effect (a recompile), as in eager: with backends.resolve
+    taken as a constant whole, its read of the variable was not guarded and the first call's backend kept running."""
+    from dorafp8.backends import native, reference
+
+    ran = []
+    for mod in (native, reference):
+        monkeypatch.setattr(mod, "forward", lambda *a, _f=mod.forward, _n=mod.__name__, **k: (
+            ran.append(_n.rsplit(".", 1)[1]), _f(*a, **k))[1])
+    torch.manual_seed(0)
+    N, K = 8, 16
+    w8, scale = torch.randn(N, K).to(torch.float8_e4m3fn), torch.tensor(0.5)
+    A, B, m = torch.randn(2, K), torch.randn(N, 2), torch.rand(N) + 0.5
+    f = torch.compile(lambda x: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 1.0), fullgraph=True, backend="eager")
+    x = torch.randn(3, K)
+    for name in ("native", "reference", "native"):
+        monkeypatch.setenv("DORAFP8_BACKEND", name)
+        ran.clear()
+        f(x)
+        assert ran == [name]
