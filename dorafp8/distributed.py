@@ -186,6 +186,15 @@ def uninstall_fsdp_support() -> None:
 ACCELERATE_FSDP_MODULE = "accelerate.utils.fsdp_utils"
 
 
+def _wrap_in(module: str, attr: str, make_wrapper) -> bool:
+    """_wrap_once on module.attr, a function of a module already imported; whether it is there (and wrapped)."""
+    mod = sys.modules.get(module)
+    if getattr(mod, attr, None) is None:
+        return False
+    _wrap_once(mod, attr, make_wrapper)
+    return True
+
+
 def _e8m0_as_bytes(full_sd: dict) -> dict:
     """full_sd with its e8m0 tensors as their bytes: rank-0 loaders broadcast every entry, and NCCL has no e8m0 type
     ("Input tensor data type is not supported for NCCL process group: Float8_e8m0fnu"); they are loaded, under
@@ -207,11 +216,7 @@ def _wrap_fsdp2_load_full_state_dict(orig):
 def install_accelerate_loader_support() -> bool:
     """Makes accelerate's `fsdp2_load_full_state_dict` send MXFP8 layers' e8m0 scales as bytes; idempotent; whether
     installed (False before accelerate.utils.fsdp_utils is imported, or without that function)."""
-    mod = sys.modules.get(ACCELERATE_FSDP_MODULE)
-    if getattr(mod, "fsdp2_load_full_state_dict", None) is None:
-        return False
-    _wrap_once(mod, "fsdp2_load_full_state_dict", _wrap_fsdp2_load_full_state_dict)
-    return True
+    return _wrap_in(ACCELERATE_FSDP_MODULE, "fsdp2_load_full_state_dict", _wrap_fsdp2_load_full_state_dict)
 
 
 # ---- torch's set_model_state_dict / set_state_dict(broadcast_from_rank0=True): MXFP8 scales as bytes ---------------
@@ -235,11 +240,7 @@ def _wrap_load_model_state_dict(orig):
 def install_torch_loader_support() -> bool:
     """Makes torch's set_model_state_dict / set_state_dict with broadcast_from_rank0=True send MXFP8 layers' e8m0
     scales as bytes; idempotent; whether installed (False where torch has no such private loader)."""
-    mod = sys.modules.get(TORCH_DSD_MODULE)
-    if getattr(mod, "_load_model_state_dict", None) is None:
-        return False
-    _wrap_once(mod, "_load_model_state_dict", _wrap_load_model_state_dict)
-    return True
+    return _wrap_in(TORCH_DSD_MODULE, "_load_model_state_dict", _wrap_load_model_state_dict)
 
 
 # ---- FSDP1: refused at wrap time -------------------------------------------------------------------------------------
