@@ -205,7 +205,12 @@ def _checked_scale(t: torch.Tensor, key: str) -> torch.Tensor:
 def _check_e4m3(t: torch.Tensor, key: str) -> None:
     """Refuses float8_e4m3fn values that are NaN (bytes 0x7f, 0xff): no quantizer writes them (e4m3 saturates at
     448), and loaded they would make every output of the layer NaN, silently."""
-    bad = int(e4m3_nan(t.view(torch.uint8)).sum())
+    bits = t.view(torch.uint8)
+    # one uint8 max over the masked bytes first (15x faster on a CPU than counting: 0.25 s, not 4 s, a GB); counted
+    # only where there is a NaN, for the message
+    if not bits.numel() or int((bits & 0x7F).amax()) != 0x7F:
+        return
+    bad = int(e4m3_nan(bits).sum())
     if bad:
         raise CheckpointFormatError(f"{key}: {bad} of {t.numel()} float8_e4m3fn values are NaN (bytes 0x7f / 0xff, "
                                     f"which no fp8 quantizer writes): the file is damaged or was converted wrongly. "
