@@ -238,6 +238,27 @@ def _cut_extras(k: str, srcs: list, rows: torch.Tensor, tensors: dict, extras: d
     return errors
 
 
+def dequantized_original(key: str, get, keys) -> torch.Tensor:
+    """The weight `key` of a single file (get(key) -> tensor, `keys` the file's keys) as float32, times its scale as
+    load_single_file reads it: `scale_weight` (ComfyUI's scaled_fp8, musubi-tuner's) or `weight_scale` (comfy_quant),
+    per tensor, per row ([out], [out, 1]) or per 1 x g block ([out, in / g, 1], musubi's); an fp8 weight without one
+    is taken unscaled (ComfyUI's reading)."""
+    w = get(key)
+    if w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return w.float()
+    lay = key[:-len(".weight")]
+    scale_key = next((k for k in (f"{lay}.scale_weight", f"{lay}.weight_scale") if k in keys), None)
+    w = w.float()
+    if scale_key is None:
+        return w
+    scale = get(scale_key).float()
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if scale.dim() == 3:  # [out, in / g, 1]: 1 x g blocks of the [out, in] weight
+        return (w.reshape(scale.shape[0], scale.shape[1], -1) * scale).reshape(w.shape)
+    return w * scale.reshape((-1,) + (1,) * (w.dim() - 1))
+
+
 def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
     """ComfyUI's newer comfy_quant encoding (a `<layer>.comfy_quant` JSON per layer, or the `_quantization_metadata`
     safetensors metadata; `weight_scale`, `input_scale`) as its scaled_fp8 one (`scale_weight`, `scale_input`): what

@@ -519,6 +519,48 @@ def test_single_file_export_loads_back_with_load_kohya_dora(family, tmp_path):
         assert_close(_out(back, inputs), _out(pm, inputs), tol(torch.float32), "reloaded export vs trained")
 
 
+def test_single_file_dora_of_comfy_quant_and_musubi_block_files(tmp_path):
+    """save_single_file_dora dequantized the single file's weights with `scale_weight` alone: a model loaded from
+    ComfyUI's comfy_quant encoding (`weight_scale`) was refused ("its base weight is not rows of ... (was the model
+    loaded from it?)"), and one loaded from musubi-tuner's 1 x g block scales ([out, in / g, 1]) failed with a
+    RuntimeError (the block scales broadcast as per row). The comfy_quant file now gives the file its scaled_fp8 twin
+    gives, tensor for tensor; the musubi file's loads back (load_kohya_dora, single_file=) to the same outputs."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+
+    from tests.checkpoint.test_musubi import optimize_state_dict_with_fp8
+
+    sd, ref, model, _ = _own_case("sd35")
+    quant_sd, _ = _as_comfy_quant(sd, per_layer=True)
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    load_single_file(model, dict(quant_sd), verbose=False)
+    pm, _ = _trained_dora(model, _OWN_LAYOUTS["sd35"][3])
+    ours, twin = tmp_path / "from_comfy_quant.safetensors", tmp_path / "from_scaled_fp8.safetensors"
+    dorafp8.save_single_file_dora(pm, str(ours), dict(quant_sd))
+    dorafp8.save_single_file_dora(pm, str(twin), dict(sd))
+    a, b = load_file(ours), load_file(twin)
+    assert a.keys() == b.keys() and any(k.endswith("dora_scale") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    build, own_key, _, targets, _ = _OWN_LAYOUTS["hunyuan_video"]
+    src, inputs = build()
+    msd = optimize_state_dict_with_fp8(layouts.fuse(src.state_dict(), own_key), ["blocks"], ["norm"], block_size=8)
+    assert any(t.dim() == 3 for k, t in msd.items() if k.endswith("scale_weight"))
+    models = []
+    for _ in range(2):
+        with init_empty_weights():
+            models.append(type(src).from_config(src.config))
+        with pytest.warns(dorafp8.quant.QuantizationWarning):
+            load_single_file(models[-1], dict(msd), verbose=False)
+    pm, _ = _trained_dora(models[0], targets)
+    out = tmp_path / "from_musubi.safetensors"
+    dorafp8.save_single_file_dora(pm, str(out), dict(msd))
+    back = dorafp8.load_kohya_dora(models[1], str(out), single_file=dict(msd))
+    with torch.no_grad():
+        assert_close(_out(back, inputs), _out(pm, inputs), tol(torch.float32), "musubi file's export reloaded")
+
+
 def test_kohya_lora_on_a_fused_weight_loads_onto_its_pieces():
     """A plain LoRA keyed by a fused weight of the file (as kohya's scripts train on the original model: one
     lora_down, lora_up over all of SD3.5's qkv rows) goes onto q, k and v, each with the whole lora_down and its rows
