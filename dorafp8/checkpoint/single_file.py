@@ -307,7 +307,8 @@ def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
         raise CheckpointFormatError(f"{both[0]!r} and {lay + '.' + rename[suffix]!r}: a layer with its scale in both "
                                     f"ComfyUI encodings (comfy_quant and scaled_fp8), which one is meant? the file is "
                                     f"damaged or not ComfyUI's; nothing was loaded")
-    out = {}
+    # the marker: an fp8 weight without a layer config is read unscaled, as ComfyUI reads it (load_plan)
+    out = {"scaled_fp8": torch.tensor([], dtype=torch.float8_e4m3fn)}
     for k, t in state_dict.items():
         lay, _, suffix = k.rpartition(".")
         if suffix != "comfy_quant":

@@ -246,6 +246,27 @@ def test_a_damaged_comfyui_layer_config_is_named(sharded, tmp_path):
     _refused(bad, names=["head.comfy_quant", bad], says=["not valid JSON", AGAIN])
 
 
+def test_a_missing_scale_weight_is_read_as_1_only_with_the_scaled_fp8_marker(sharded, tmp_path):
+    """An fp8 weight without its scale_weight in a ComfyUI-style file was loaded with scale 1 whether or not the file
+    has the `scaled_fp8` marker. ComfyUI reads a missing scale as 1 only with the marker (its scaled_fp8 layers start
+    at 1); without it ComfyUI reads no scale at all, so a file whose other layers carry scales has lost one: refused
+    now, naming the weight, the marker and the way out. With the marker it still loads, the weight unscaled."""
+    _, net = sharded
+    good = tmp_path / "comfy.safetensors"
+    dorafp8.save_fp8_checkpoint(net, good, format="comfyui", verbose=False)
+    tensors = st.load_file(good)
+    del tensors["head.scale_weight"]
+    with_marker = tmp_path / "with_marker.safetensors"
+    st.save_file(tensors, with_marker)
+    model = _target("meta")
+    dorafp8.load_fp8_checkpoint(model, with_marker, verbose=False)
+    assert torch.equal(model.head.dequantize(torch.float32), tensors["head.weight"].float())
+    del tensors["scaled_fp8"]
+    bad = tmp_path / "no_marker.safetensors"
+    st.save_file(tensors, bad)
+    _refused(bad, names=["head.weight", "'head.scale_weight'"], says=["no 'scaled_fp8' marker", "add the marker"])
+
+
 @pytest.mark.parametrize("loader", ["load_fp8_checkpoint", "load_kohya_dora"])
 def test_a_million_key_header_is_refused_in_seconds_and_bounded_memory(tmp_path, loader):
     """A header of a million (empty) tensors, 55 MB of JSON: it took 19 s here and 800 MB before it was refused (65 s
