@@ -136,6 +136,23 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
     return layers, dense, experts
 
 
+def _weight_files(folder) -> tuple:
+    """identity()s of the weight files from_pretrained read from a local `folder`: its model.safetensors, else the
+    shards its model.safetensors.index.json names; not every .safetensors file there (a stray one, an export of
+    something else, is no original of this model)."""
+    if not isinstance(folder, str) or not os.path.isdir(folder):
+        return ()
+    names = ["model.safetensors"]
+    if not os.path.isfile(os.path.join(folder, names[0])):
+        try:
+            weight_map = read_json(os.path.join(folder, "model.safetensors.index.json"),
+                                   "a safetensors index").get("weight_map")
+        except (OSError, ValueError):  # none, or unreadable now: from_pretrained read no shard this names
+            weight_map = None
+        names = sorted(set(map(str, weight_map.values()))) if isinstance(weight_map, dict) else []
+    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in names)))
+
+
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
@@ -174,12 +191,8 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
-            # the weights from_pretrained read from a local folder: the writers refuse to replace them
-            # (write.refuse_original), as they do those load_fp8_checkpoint read
-            folder = getattr(cfg, "_name_or_path", None)
-            if isinstance(folder, str) and os.path.isdir(folder):
-                src.files = tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
-                                                if n.endswith(".safetensors"))))
+            # the writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
+            src.files = _weight_files(getattr(cfg, "_name_or_path", None))
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)
