@@ -137,17 +137,14 @@ def unavailable_reason(device: torch.device) -> str | None:
     if _no_image(device):
         index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
-        head = f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}"
-        # The install's build is rebuilt on first use (prepare): say that, or why it failed or cannot run, rather than
-        # a checkout's command, which a wheel's or sdist's user has not.
-        why = _build_error or (cuda_build.why_not() and f"it cannot be built here: {cuda_build.why_not()}")
-        if why:
-            return f"{head}; {why}"
-        if _C is _INSTALLED:
-            return (f"{head}; backend='cuda' builds it for this GPU on first use (nvcc: a few minutes, once per torch "
-                    "version and GPU)")
-        return (f"{head}; rebuild it for this GPU in the checkout it was built in: "
-                f"DORAFP8_CUDA_ARCHS=\"{major}{minor}\" {BUILD_COMMAND}")
+        # What to do, never a checkout's command (a wheel's or sdist's user has none): the install's build is rebuilt
+        # for this GPU on first use (prepare), once per process; else why it is not.
+        why = (_build_error or (cuda_build.why_not() and f"it cannot be built here: {cuda_build.why_not()}")
+               or (_C is not _INSTALLED and f"this process built it for another GPU; set DORAFP8_CUDA_ARCHS to both "
+                                           f"GPUs' archs (e.g. \"{major}{minor};90a\") and start again")
+               or "backend='cuda' builds it for this GPU on first use (nvcc: a few minutes, once per torch version "
+                  "and GPU)")
+        return f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; {why}"
     return None
 
 
