@@ -132,8 +132,6 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the CUDA backend cannot run on this GPU: {old}"
     if _C is None:
         return f"the CUDA extension dorafp8._C is {_not_built()}"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
     if _no_image(device):
         index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
