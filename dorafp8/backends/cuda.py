@@ -95,8 +95,8 @@ def _not_built() -> str:
 
 def prepare(device: torch.device) -> bool:
     """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not,
-    or built it for other GPUs only (cuda_build.py), and returns whether it did; a failed build raises, here and in
-    unavailable_reason from then on."""
+    or built it for other GPUs only (cuda_build.py), and returns whether it did; a failed build raises here, and
+    unavailable_reason names it from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
     if (_build_error is not None or device.type != "cuda" or not (torch.cuda.is_available() or cuda_build.forced())
