@@ -22,16 +22,6 @@ from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
 
 
-def _finegrained_cls():
-    mod = sys.modules.get("transformers.integrations.finegrained_fp8")
-    return getattr(mod, "FP8Linear", None), getattr(mod, "FP8Experts", None)
-
-
-def _ct_fp8_linear_cls():
-    mod = sys.modules.get("transformers.integrations.compressed_tensors")
-    return getattr(mod, "CompressedTensorsFP8Linear", None)
-
-
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
           act_quant, dtype, global_scale=None) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
@@ -45,8 +35,6 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
 
 def _saved_quantization_config(model) -> Optional[dict]:
     """The quantization_config of the local checkpoint the model came from (transformers may drop it)."""
-    import os
-
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     path = os.path.join(str(where), "config.json") if where else None
     if not path or not os.path.isfile(path):
@@ -60,8 +48,11 @@ def _saved_quantization_config(model) -> Optional[dict]:
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
     """([(name, module, weight, scale, block_size, format, extras, global_scale)], dense layers, MoE expert blocks)
     of a transformers model, each checked, nothing changed; raises on the first layer dorafp8 cannot hold."""
-    fg_linear, fg_experts = _finegrained_cls()
-    ct_linear = _ct_fp8_linear_cls()
+    # transformers' fp8 classes, where the model's loading imported them
+    fg = sys.modules.get("transformers.integrations.finegrained_fp8")
+    fg_linear, fg_experts = getattr(fg, "FP8Linear", None), getattr(fg, "FP8Experts", None)
+    ct_linear = getattr(sys.modules.get("transformers.integrations.compressed_tensors"), "CompressedTensorsFP8Linear",
+                        None)
     layers, dense, experts = [], [], []
     for name, mod in model.named_modules():
         if fg_experts is not None and isinstance(mod, fg_experts):
