@@ -90,10 +90,6 @@ def _onetrainer() -> None:
     register_with_onetrainer()
 
 
-def _fsdp() -> None:
-    install_fsdp_support(import_fsdp=False)  # the watched module has just run: FSDPParam is there
-
-
 # From a checkout its scripts put on sys.path after they start: watched late (_LATE).
 ONETRAINER_MODULE = "modules.module.LoRAModule"
 # module -> (its hook, what breaks if the hook fails: said in the warning)
@@ -114,8 +110,9 @@ _WATCHED = {
                                                                 "sends MXFP8 layers' e8m0 scales, which NCCL refuses"),
     TORCH_DSD_MODULE: (install_torch_loader_support, "torch's set_model_state_dict(broadcast_from_rank0=True) sends "
                                                      "MXFP8 layers' e8m0 scales, which NCCL refuses"),
-    **{name: (_fsdp, ("FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the all-gather (the "
-                      "forward casts them back, with a warning)")) for name in FSDP_PARAM_MODULES},
+    **{name: (install_fsdp_support, "FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the "
+                                    "all-gather (the forward casts them back, with a warning)")
+       for name in FSDP_PARAM_MODULES},
 }
 
 

@@ -161,13 +161,13 @@ def _fsdp_param_class(import_it: bool):
     return None
 
 
-def install_fsdp_support(import_fsdp: bool = True) -> bool:
+def install_fsdp_support() -> bool:
     """Keeps the fp8 weights of dorafp8 layers out of FSDP2's MixedPrecisionPolicy(param_dtype=...): they are
-    all-gathered and reach the forward as fp8. Wraps `FSDPParam.init_dtype_attrs`; idempotent; run once FSDP2 is
-    imported. Returns whether it is installed (False without FSDP2, or with `import_fsdp=False` before its import)."""
+    all-gathered and reach the forward as fp8. Wraps `FSDPParam.init_dtype_attrs` (importing FSDP2); idempotent.
+    Returns whether it is installed (False without FSDP2)."""
     if not torch.distributed.is_available():
         return False
-    cls = _fsdp_param_class(import_fsdp)
+    cls = _fsdp_param_class(True)
     if getattr(cls, "init_dtype_attrs", None) is None:
         return False
     _wrap_once(cls, "init_dtype_attrs", _wrap_init_dtype_attrs)

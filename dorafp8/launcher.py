@@ -17,9 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
-from ._env import flag
+from ._env import ThreadSwitch, flag
 
 ENV = "DORAFP8_RUN"
 _LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
@@ -91,7 +90,7 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
 # ---- what runs in every process ------------------------------------------------------------------------------------
 
 _STATE = {"options": None, "quantized": 0, "models": 0, "calls": {}, "own": {}}
-_DEPTH = threading.local()
+_LOADING = ThreadSwitch()  # a from_pretrained open in this thread
 
 
 def install(options: dict) -> None:
@@ -166,13 +165,11 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
     @functools.wraps(orig)
     def from_pretrained(klass, *args, **kwargs):
         # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
-        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
-        try:
-            out = _modelopt_load(klass, args, kwargs) if _DEPTH.n == 1 else None
+        outer = not _LOADING
+        with _LOADING.on():
+            out = _modelopt_load(klass, args, kwargs) if outer else None
             out = orig(klass, *args, **kwargs) if out is None else out
-        finally:
-            _DEPTH.n -= 1
-        if _DEPTH.n == 0:
+        if outer:
             _on_load(out[0] if isinstance(out, tuple) else out)
         return out
 

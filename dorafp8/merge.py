@@ -11,8 +11,8 @@ import torch
 
 from .ops import norm_divisor
 from .quant import (DEFAULT_BLOCK, E4M3, E4M3_MAX, check_block_size, check_scale_kind, micro_rows, nvfp4_global_scale,
-                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, row_step, scale_rows, w0_rows,
-                    weight_dims)
+                    quantize_e4m3, quantize_mxfp8, quantize_nvfp4, row_blocks, row_step, scale_rows, to_e4m3,
+                    w0_rows, weight_dims)
 
 RowFn = Callable[[int, int], torch.Tensor]
 
@@ -76,11 +76,6 @@ def merged_rows(w8: torch.Tensor, scale: torch.Tensor, block_size: int, terms, j
     return w
 
 
-def _quantize_with_scale(rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """quant.py's rounding with a given scale (broadcastable against rows)."""
-    return (rows / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-
-
 def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, block_size: int = DEFAULT_BLOCK,
                device=None, dense_dtype: Optional[torch.dtype] = None):
     """Quantizes the weight that rows_fn(j0, j1) -> fp32 [j1 - j0, n_cols] produces, one block of rows at a time.
@@ -108,7 +103,7 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
             q = r.to(dense_dtype)
             back = q.float()
         elif granularity == "tensor":
-            q = _quantize_with_scale(r, tensor_scale)
+            q = to_e4m3(r, tensor_scale)
             back = q.float().mul_(tensor_scale)
         else:
             q, s = quantize_e4m3(r, per_row=(granularity == "row"),

@@ -119,7 +119,7 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: in
     for j0 in range(0, N, rows):
         blk = weight[j0:j0 + rows].detach().float()
         s = scale_rows(scale, block_size or DEFAULT_BLOCK, j0, j0 + blk.shape[0], K)
-        q = (blk / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        q = to_e4m3(blk, s)
         w8[j0:j0 + rows] = q
         if per_tensor:
             back = q.float() * s
@@ -130,6 +130,11 @@ def quantize_e4m3(weight: torch.Tensor, *, per_row: bool = False, block_size: in
     if per_tensor:
         _warn_if_lossy(counts, row_sq, what)
     return w8, scale
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale (broadcast) rounded to e4m3, saturating at +-448: every quantizer's rounding."""
+    return (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _block_amax(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -460,7 +465,7 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = w.abs().amax(-1) / E4M3_MAX
     exp = torch.where(d > 0, torch.log2(d), torch.full_like(d, -127)).ceil_().clamp_(-127, 127)
     scale = (exp + 127).to(torch.uint8).view(E8M0)
-    q = (w / e8m0_values(scale)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q = to_e4m3(w, e8m0_values(scale)[..., None])
     return q.reshape(N, -1)[:, :K].contiguous(), scale
 
 

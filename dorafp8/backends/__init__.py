@@ -145,11 +145,6 @@ def module(name: str) -> ModuleType:
     return mod
 
 
-def quants_in_project(name: str) -> bool:
-    """Whether a concrete backend quantizes x for W8A8 in its projection (base.py, QUANT_PARAMS): it offers it."""
-    return bool(getattr(module(name), "QUANTS_IN_PROJECT", False))
-
-
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Names of the backends that can run on `device`."""
     device = torch.device(device)

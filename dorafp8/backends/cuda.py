@@ -95,8 +95,8 @@ def _not_built() -> str:
 
 def prepare(device: torch.device) -> bool:
     """Called by the registry when backend='cuda' is named: builds dorafp8._C on first use where the install did not,
-    or built it for other GPUs only (cuda_build.py), and returns whether it did; a failed build raises, here and in
-    unavailable_reason from then on."""
+    or built it for other GPUs only (cuda_build.py), and returns whether it did; a failed build raises here, and
+    unavailable_reason names it from then on."""
     global _C, _IMPORT_ERROR, _build_error
     device = torch.device(device)
     if (_build_error is not None or device.type != "cuda" or not (torch.cuda.is_available() or cuda_build.forced())
@@ -132,22 +132,17 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the CUDA backend cannot run on this GPU: {old}"
     if _C is None:
         return f"the CUDA extension dorafp8._C is {_not_built()}"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
     if _no_image(device):
         index = _index(device)
         major, minor = torch.cuda.get_device_capability(index)
-        head = f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}"
-        # The install's build is rebuilt on first use (prepare): say that, or why it failed or cannot run, rather than
-        # a checkout's command, which a wheel's or sdist's user has not.
-        why = _build_error or (cuda_build.why_not() and f"it cannot be built here: {cuda_build.why_not()}")
-        if why:
-            return f"{head}; {why}"
-        if _C is _INSTALLED:
-            return (f"{head}; backend='cuda' builds it for this GPU on first use (nvcc: a few minutes, once per torch "
-                    "version and GPU)")
-        return (f"{head}; rebuild it for this GPU in the checkout it was built in: "
-                f"DORAFP8_CUDA_ARCHS=\"{major}{minor}\" {BUILD_COMMAND}")
+        # What to do, never a checkout's command (a wheel's or sdist's user has none): the install's build is rebuilt
+        # for this GPU on first use (prepare), once per process; else why it is not.
+        why = (_build_error or (cuda_build.why_not() and f"it cannot be built here: {cuda_build.why_not()}")
+               or (_C is not _INSTALLED and f"this process built it for another GPU; set DORAFP8_CUDA_ARCHS to both "
+                                           f"GPUs' archs (e.g. \"{major}{minor};90a\") and start again")
+               or "backend='cuda' builds it for this GPU on first use (nvcc: a few minutes, once per torch version "
+                  "and GPU)")
+        return f"dorafp8._C has no kernel code for this GPU (sm_{major}{minor}): {_image_error[index]}; {why}"
     return None
 
 

@@ -204,9 +204,8 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         g = granularity or (allowed[0] if cur not in allowed else cur)
         w8n, sn, st = requantize(lambda j0, j1: w0_rows(w8, scale, layer_block_size, j0, j1), N, K, g, block_size=block_size)
         entry.update(action="requantized", rel_error=st.rel_error)
-    if terms and st.nonfinite:
-        raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
-                         f"(the adapter seems to be broken); nothing usable can be written")
+    if terms:
+        _refuse_nonfinite(name, entry, st)
     entry["granularity"] = granularity_name(g, block_size)
     if fmt == "fine-grained" and cpu_fine_grained_read(N, K, block_size) != "ok":
         out.ragged.append(name)
@@ -227,6 +226,13 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         sink.add(key_of(f"{name}.comfy_quant"), comfy_quant)
     out.groups.setdefault((g, act_mode(fp8, layout, extras)), []).append(name)
     del w8n, sn
+
+
+def _refuse_nonfinite(name: str, entry: dict, st) -> None:
+    """A merge whose result has non-finite values (requantize's stats `st`) is refused: nothing usable to write."""
+    if st.nonfinite:
+        raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
+                         f"(the adapter seems to be broken); nothing usable can be written")
 
 
 def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.Module, bias) -> dict:
@@ -251,9 +257,7 @@ def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, ou
     kind = scale_kind(fp8.scale)
     if terms:
         w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device)
-        if st.nonfinite:
-            raise ValueError(f"{name}: merging adapters {entry['adapters']} gives {st.nonfinite} non-finite values "
-                             f"(the adapter seems to be broken); nothing usable can be written")
+        _refuse_nonfinite(name, entry, st)
         entry.update(action="merged", rel_error=st.rel_error)
     else:
         w, scale, g = fp8.weight.detach(), fp8.scale, fp8.global_scale

@@ -22,16 +22,6 @@ from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo
 
 
-def _finegrained_cls():
-    mod = sys.modules.get("transformers.integrations.finegrained_fp8")
-    return getattr(mod, "FP8Linear", None), getattr(mod, "FP8Experts", None)
-
-
-def _ct_fp8_linear_cls():
-    mod = sys.modules.get("transformers.integrations.compressed_tensors")
-    return getattr(mod, "CompressedTensorsFP8Linear", None)
-
-
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
           act_quant, dtype, global_scale=None) -> FP8Linear:
     bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
@@ -45,8 +35,6 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
 
 def _saved_quantization_config(model) -> Optional[dict]:
     """The quantization_config of the local checkpoint the model came from (transformers may drop it)."""
-    import os
-
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     path = os.path.join(str(where), "config.json") if where else None
     if not path or not os.path.isfile(path):
@@ -60,8 +48,11 @@ def _saved_quantization_config(model) -> Optional[dict]:
 def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
     """([(name, module, weight, scale, block_size, format, extras, global_scale)], dense layers, MoE expert blocks)
     of a transformers model, each checked, nothing changed; raises on the first layer dorafp8 cannot hold."""
-    fg_linear, fg_experts = _finegrained_cls()
-    ct_linear = _ct_fp8_linear_cls()
+    # transformers' fp8 classes, where the model's loading imported them
+    fg = sys.modules.get("transformers.integrations.finegrained_fp8")
+    fg_linear, fg_experts = getattr(fg, "FP8Linear", None), getattr(fg, "FP8Experts", None)
+    ct_linear = getattr(sys.modules.get("transformers.integrations.compressed_tensors"), "CompressedTensorsFP8Linear",
+                        None)
     layers, dense, experts = [], [], []
     for name, mod in model.named_modules():
         if fg_experts is not None and isinstance(mod, fg_experts):
@@ -136,6 +127,23 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
     return layers, dense, experts
 
 
+def _weight_files(folder) -> tuple:
+    """identity()s of the weight files from_pretrained read from a local `folder`: its model.safetensors, else the
+    shards its model.safetensors.index.json names; not every .safetensors file there (a stray one, an export of
+    something else, is no original of this model)."""
+    if not isinstance(folder, str) or not os.path.isdir(folder):
+        return ()
+    names = ["model.safetensors"]
+    if not os.path.isfile(os.path.join(folder, names[0])):
+        try:
+            weight_map = read_json(os.path.join(folder, "model.safetensors.index.json"),
+                                   "a safetensors index").get("weight_map")
+        except (OSError, ValueError):  # none, or unreadable now: from_pretrained read no shard this names
+            weight_map = None
+        names = sorted(set(map(str, weight_map.values()))) if isinstance(weight_map, dict) else []
+    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in names)))
+
+
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
@@ -174,12 +182,8 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
-            # the weights from_pretrained read from a local folder: the writers refuse to replace them
-            # (write.refuse_original), as they do those load_fp8_checkpoint read
-            folder = getattr(cfg, "_name_or_path", None)
-            if isinstance(folder, str) and os.path.isdir(folder):
-                src.files = tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
-                                                if n.endswith(".safetensors"))))
+            # the writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
+            src.files = _weight_files(getattr(cfg, "_name_or_path", None))
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)

@@ -560,6 +560,25 @@ def test_from_transformers_fp8_model_is_not_exported_over_the_folder_it_was_load
     assert sorted(a) == sorted(b) and all(torch.equal(_u8(a[k]), _u8(b[k])) for k in a)
 
 
+def test_from_transformers_fp8_records_only_the_weights_from_pretrained_read(ckpt, tmp_path):
+    """The source files from_transformers_fp8 records (the writers refuse to replace them) are the shards the index
+    names: every .safetensors file in the folder was, so exporting over a stray one there (an earlier export of
+    another model) was refused as 'the file the model was loaded from'. A shard stays refused."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    src, _ = _load(ckpt("fine-grained"))
+    folder = tmp_path / "export"
+    dorafp8.save_fp8_checkpoint(src, folder, max_shard_size="20KB", verbose=False)
+    shard = next(n for n in sorted(os.listdir(folder)) if n.endswith(".safetensors"))
+    dorafp8.save_fp8_checkpoint(src, folder / "stray.safetensors", verbose=False)
+    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert dorafp8.from_transformers_fp8(model) == 14
+    dorafp8.save_fp8_checkpoint(model, folder / "stray.safetensors", verbose=False)
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, folder / shard, verbose=False)
+
+
 def test_from_transformers_fp8_warns_when_transformers_dequantized(ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -144,6 +144,14 @@ def _killed_at_every_step(pristine, export):
     assert step > 3
 
 
+def _which(path, want_old, want_new, step):
+    """Which export `path` loads as after the kill at `step`: "old" or "new" (a mix of the two fails here)."""
+    out = _output_of(path)
+    which = "old" if torch.equal(out, want_old) else "new" if torch.equal(out, want_new) else "a mix"
+    assert which != "a mix", f"killed at step {step}"
+    return which
+
+
 @pytest.mark.parametrize("old_size,new_size", [(SHARDED, SHARDED), (SHARDED, SINGLE), (SINGLE, SHARDED)])
 def test_a_kill_at_any_point_of_a_re_export_leaves_the_old_export_or_the_new(tmp_path, old_size, new_size):
     """Re-exporting over an export, killed at each rename or removal in turn: the old publish step left a folder that
@@ -159,10 +167,7 @@ def test_a_kill_at_any_point_of_a_re_export_leaves_the_old_export_or_the_new(tmp
     _export(a, _user_folder(pristine, mine), old_size)
     outcomes = set()
     for step, work, code in _killed_at_every_step(pristine, lambda work: _export(b, work / "ckpt", new_size)):
-        out = _output_of(work / "ckpt")
-        which = "old" if torch.equal(out, want_a) else "new" if torch.equal(out, want_b) else "a mix"
-        assert which != "a mix", f"killed at step {step}"
-        outcomes.add(which)
+        outcomes.add(_which(work / "ckpt", want_a, want_b, step))
         _user_files_intact(work / "ckpt", mine)
         _export(b, work / "ckpt", new_size)  # the next run
         assert torch.equal(_output_of(work / "ckpt"), want_b)
@@ -184,10 +189,7 @@ def test_a_kill_at_any_point_of_a_single_file_re_export_leaves_the_old_file_or_t
     _export(a, pristine / "one.safetensors", SINGLE)
     outcomes = set()
     for step, work, code in _killed_at_every_step(pristine, lambda work: _export(b, work / "one.safetensors", SINGLE)):
-        out = _output_of(work / "one.safetensors")
-        which = "old" if torch.equal(out, want_a) else "new" if torch.equal(out, want_b) else "a mix"
-        assert which != "a mix", f"killed at step {step}"
-        outcomes.add(which)
+        outcomes.add(_which(work / "one.safetensors", want_a, want_b, step))
         assert (work / "notes.txt").read_bytes() == b"mine"
         assert len(_killed_stages(work)) <= 1, f"killed at step {step}"
     assert outcomes == {"old", "new"}

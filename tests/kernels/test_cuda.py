@@ -243,6 +243,24 @@ def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monke
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
 
 
+def test_a_first_use_build_for_another_gpu_names_the_archs_not_a_checkout(tmp_path, monkeypatch):
+    """A process whose first-use build was for another GPU (an H100 beside an L40S) is not built again (once per
+    process); the reason told the user to rebuild "in the checkout it was built in", which a wheel's user has not. It
+    now names DORAFP8_CUDA_ARCHS with this GPU's arch."""
+    _fake_toolkit(tmp_path, monkeypatch, archs="")
+    built = type("Built", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", built)
+    monkeypatch.setattr(cb, "_INSTALLED", None)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(cb, "_build_error", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert cb.prepare(torch.device("cuda")) is False
+    why = cb.unavailable_reason(torch.device("cuda"))
+    assert "sm_89" in why and "DORAFP8_CUDA_ARCHS" in why and "checkout" not in why, why
+
+
 def test_a_failed_rebuild_of_an_install_build_for_other_gpus_is_named_from_then_on(tmp_path, monkeypatch):
     """The first-use rebuild of an install-time dorafp8._C built for other GPUs failed: the first call raised its
     error, every later one told the user to rebuild "in the checkout it was built in", which an sdist user has not,
