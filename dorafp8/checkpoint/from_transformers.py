@@ -4,7 +4,9 @@ classes each format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_trans
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import sys
 import warnings
 from typing import Optional
@@ -128,20 +130,21 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
 
 
 def _weight_files(folder) -> tuple:
-    """identity()s of the weight files from_pretrained read from a local `folder`: its model.safetensors, else the
-    shards its model.safetensors.index.json names; not every .safetensors file there (a stray one, an export of
-    something else, is no original of this model)."""
+    """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors and
+    its variants (model.fp16.safetensors, from_pretrained(variant=)), and the shards each
+    model.safetensors.index*.json names; not every .safetensors file there (a stray one, an export of something
+    else, is no original of this model)."""
     if not isinstance(folder, str) or not os.path.isdir(folder):
         return ()
-    names = ["model.safetensors"]
-    if not os.path.isfile(os.path.join(folder, names[0])):
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), "model*.safetensors"))
+             if re.fullmatch(r"model(\.[^.]+)?\.safetensors", os.path.basename(p))}
+    for index in glob.glob(os.path.join(glob.escape(folder), "model.safetensors.index*.json")):
         try:
-            weight_map = read_json(os.path.join(folder, "model.safetensors.index.json"),
-                                   "a safetensors index").get("weight_map")
-        except (OSError, ValueError):  # none, or unreadable now: from_pretrained read no shard this names
+            weight_map = read_json(index, "a safetensors index").get("weight_map")
+        except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names
             weight_map = None
-        names = sorted(set(map(str, weight_map.values()))) if isinstance(weight_map, dict) else []
-    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in names)))
+        names.update(map(str, weight_map.values()) if isinstance(weight_map, dict) else ())
+    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
 
 
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,

@@ -4,6 +4,7 @@ within the merge error they report. Checkpoints are written by each layout's own
 (tests/checkpoint/_ckpt_fixtures.py says how), on a LLaMA-style model of hidden size 64; nothing is downloaded."""
 
 import copy
+import json
 import os
 import tempfile
 import warnings
@@ -577,6 +578,21 @@ def test_from_transformers_fp8_records_only_the_weights_from_pretrained_read(ckp
     dorafp8.save_fp8_checkpoint(model, folder / "stray.safetensors", verbose=False)
     with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
         dorafp8.save_fp8_checkpoint(model, folder / shard, verbose=False)
+
+
+def test_from_transformers_fp8_records_variant_weights(tmp_path):
+    """from_pretrained(variant="fp16") reads model.fp16.safetensors, or the shards of
+    model.safetensors.index.fp16.json: they are this model's originals too (only model.safetensors and the plain
+    index were recorded, so exporting over a variant file was not refused); a stray file still is no original."""
+    from dorafp8.checkpoint.files import identity
+    from dorafp8.checkpoint.from_transformers import _weight_files
+
+    names = ["model.fp16.safetensors", "model.fp16-00001-of-00002.safetensors", "stray.safetensors"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * (len(n) + 1))
+    (tmp_path / "model.safetensors.index.fp16.json").write_text(
+        json.dumps({"weight_map": {"a.weight": "model.fp16-00001-of-00002.safetensors"}}))
+    assert set(_weight_files(str(tmp_path))) == {identity(str(tmp_path / n)) for n in names[:2]}
 
 
 def test_from_transformers_fp8_warns_when_transformers_dequantized(ckpt):
