@@ -43,7 +43,25 @@ def fp8_parts(layer: nn.Module):
             scale = torch.ones(())  # LinearFp8 with _scale None: its unquantized_weight leaves the weight unscaled
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         return None
-    return w8.detach(), scale.detach().reshape(()).to(device=w8.device, dtype=torch.float32)
+    return w8.detach(), _scale_on(layer, scale, w8.device)
+
+
+def _scale_on(layer: nn.Module, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """scale as fp32 0-dim on `device`, the copy kept on the layer while `scale` is unchanged. LinearFp8's `_scale`
+    stays on the CPU when OneTrainer moves the model (a plain attribute: Module.to moves only the `scale` buffer), and a
+    CPU -> GPU copy synchronizes the stream: one sync per layer per forward. The key sees every write OneTrainer makes
+    (copy_ in quantize, load_state_dict: its version; the loader's `.data =`: its storage, dtype)."""
+    src, scale = scale, scale.detach().reshape(())
+    if scale.device == device and scale.dtype == torch.float32:
+        return scale
+    if torch.compiler.is_compiling():  # no attribute written inside a compiled (checkpointed) region
+        return scale.to(device=device, dtype=torch.float32)
+    # src itself is kept (compared by identity), so that no new scale can take its address
+    key = (scale._version, scale.data_ptr(), scale.dtype, scale.device, device, torch.is_inference_mode_enabled())
+    kept = layer.__dict__.get("_dorafp8_scale")
+    if kept is None or kept[0] is not src or kept[1] != key:
+        kept = layer.__dict__["_dorafp8_scale"] = (src, key, scale.to(device=device, dtype=torch.float32))
+    return kept[2]
 
 
 def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

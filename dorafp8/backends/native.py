@@ -7,8 +7,13 @@ import torch
 
 from . import reference
 from .._fp8_cast import e4m3_scaled
-from ..quant import E4M3_MAX, row_blocks, row_step, scale_kind, scale_rows
-from .base import magnitude_scale, matmul_rows
+from ..quant import (E2M1_MAX, E4M3_MAX, MICRO_KINDS, e8m0_values, micro_rows, row_blocks, row_step, scale_kind,
+                     scale_rows, weight_dims)
+from .base import FP8_FEATURES, magnitude_scale, matmul_rows
+
+# The microscaled weights too: without them backend="auto" ran the fp32 reference for an MXFP8 / NVFP4 weight on the
+# CPU and on the GPUs no kernel backend runs on (sm_70 to sm_86), several times slower than the compute dtype's matmul.
+SUPPORTS = FP8_FEATURES | {"mxfp8", "nvfp4"}
 
 F16_MAX = torch.finfo(torch.float16).max
 # Devices where fp16 calls run the reference's fp32 GEMMs instead: a CPU without fp16 units (most x86 ones) multiplies
@@ -17,8 +22,10 @@ FP16_REFERENCE_DEVICES = frozenset({"cpu"})
 project_grad = reference.project_grad  # the reference's fp32 product, scaled and rounded once
 
 
-def weight_norm(w8, scale, block_size, A, B, s):
+def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
     """The reference's weight_norm (fp32, blocks of rows), with _fp8_cast's exact fp8 -> fp32 conversion."""
+    if scale_kind(scale) in MICRO_KINDS:
+        return reference.weight_norm(w8, scale, block_size, A, B, s, global_scale)
     N, K = w8.shape
     A32 = A.float()
     n = torch.empty(N, dtype=torch.float32, device=w8.device)
@@ -62,7 +69,7 @@ def _row_parts(M, width):
 
 def _weight_spans(w8, scale, block_size) -> list[tuple[int, int]]:
     """The blocks of weight rows [j0, j1) the base products take one at a time (reference.row_blocks; whole scale blocks)."""
-    N, K = w8.shape
+    N, K = weight_dims(w8)
     return list(row_blocks(N, K, row_step(scale, block_size)))
 
 
@@ -73,6 +80,24 @@ def _weight_block(w8, f, block_size, dtype, j0, j1):
     return e4m3_scaled(rows, None if f is None else scale_rows(f, block_size, j0, j1, K), dtype)
 
 
+def _block_maker(w8, scale, f, block_size, dtype, global_scale):
+    """(j0, j1) -> _weight_block's rows of w8 * f in `dtype`; for a microscaled weight W0[j0:j1] / f (f None: 1)."""
+    if scale_kind(scale) not in MICRO_KINDS:
+        return lambda j0, j1: _weight_block(w8, f, block_size, dtype, j0, j1)
+
+    def block(j0, j1):
+        w = micro_rows(w8, scale, global_scale, j0, j1)
+        return (w if f is None else w.div_(f)).to(dtype)
+    return block
+
+
+def _micro_cap(scale, global_scale):
+    """_fp16_cap of a microscaled weight: d >= 1 with max|W0| / d <= fp16's largest value, from its scales."""
+    top = (e8m0_values(scale) * E4M3_MAX if global_scale is None
+           else scale.float().abs() * (_f32(global_scale).abs() * E2M1_MAX))
+    return (top.amax() / F16_MAX).clamp_min(1.0)
+
+
 def _fp16_cap(scale):
     """d >= 1 (fp32, 0-dim) with |W8| * max|scale| / d <= fp16's largest value (|W8| <= 448): 1 unless a scale passes
     65504 / 448 = 146 (a weight no fp16 model holds). A tensor op, not a read of the value: no sync on a GPU, nothing
@@ -80,11 +105,14 @@ def _fp16_cap(scale):
     return (_f32(scale).abs().amax() * (E4M3_MAX / F16_MAX)).clamp_min(1.0)
 
 
-def _forward_fold(scale, dtype):
+def _forward_fold(scale, dtype, global_scale=None):
     """(f, sc): the base product is (x @ (W8 * f)^T) * sc, the block in `dtype`, sc applied in fp32 (None: 1).
     bf16 / fp32: W8 exactly (block scales folded in), per-tensor / per-row scales in sc. fp16: W0 / d folded in (PEFT's
     dequantized weight, fp16's range: d = 1 but for absurd scales) and sc = d, so that the fp16 product has the
     magnitude of x W0^T itself; x W8^T (|W8| up to 448) could overflow where that does not."""
+    if scale_kind(scale) in MICRO_KINDS:  # W0 itself (/ d in fp16): _block_maker
+        d = _micro_cap(scale, global_scale) if dtype == torch.float16 else None
+        return d, d
     block = scale_kind(scale) == "block"
     if dtype != torch.float16:
         return (scale if block else None), (None if block else _f32(scale))
@@ -92,11 +120,14 @@ def _forward_fold(scale, dtype):
     return _f32(scale) / d, d
 
 
-def _dgrad_fold(scale, dtype):
+def _dgrad_fold(scale, dtype, global_scale=None):
     """(f, st): the dgrad's product is (g @ (W8 * f)) * st, st in fp32, equal to the reference's g @ W8' times its st
     (per tensor: the scale; per row: 1, the row scales being in g already). fp16 folds the scale in as _forward_fold
     does; per row, kappa = max|scale| (capped as _fp16_cap caps; g's rows carry scale / max|scale| <= 1 of it)."""
     kind = scale_kind(scale)
+    if kind in MICRO_KINDS:
+        d = _micro_cap(scale, global_scale) if dtype == torch.float16 else None
+        return d, (1.0 if d is None else d)
     if dtype != torch.float16:
         return (scale if kind == "block" else None), (_f32(scale) if kind == "tensor" else 1.0)
     if kind == "row":  # a 0-dim factor: one for every row
@@ -111,9 +142,10 @@ def _reference_runs(t, act_quant) -> bool:
     return bool(act_quant) or (t.dtype == torch.float16 and t.device.type in FP16_REFERENCE_DEVICES)
 
 
-def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant):
+def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant, global_scale=None):
     if _reference_runs(x, act_quant):
-        return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant)
+        return reference.forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtype, act_quant,
+                                 global_scale)
     x, xm = matmul_rows(x), matmul_rows(xm)
     cdt = x.dtype
     c = None if m is None else magnitude_scale(m, n)
@@ -121,9 +153,10 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     two = c is not None and xm is not None  # with dropout: xd W0^T = (xm W0^T) / (1 - p), the factor in fp32
     # The base products in the compute dtype, one block of weight rows (one transient) at a time.
     spans = _weight_spans(w8, scale, block_size)
-    f, sc = _forward_fold(scale, cdt)
+    f, sc = _forward_fold(scale, cdt, global_scale)
+    block = _block_maker(w8, scale, f, block_size, cdt, global_scale)
     if len(spans) == 1:  # the whole weight is one block (small layers): no copies
-        w = _weight_block(w8, f, block_size, cdt, 0, N)
+        w = block(0, N)
         base = x @ w.T
         base_d = xm @ w.T if two else None
         del w
@@ -131,7 +164,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         base = torch.empty(M, N, dtype=cdt, device=x.device)
         base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
         for j0, j1 in spans:
-            w = _weight_block(w8, f, block_size, cdt, j0, j1)
+            w = block(j0, j1)
             base[:, j0:j1] = x @ w.T
             if two:
                 base_d[:, j0:j1] = xm @ w.T
@@ -232,19 +265,20 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     return gl, reference.scalars(rl, rb), gb, v, *reference.finish_sums(dm, db, dB, m, n, c, s, g.dtype, B)
 
 
-def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
+def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
     if _reference_runs(gl, act_quant):
-        return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant)
+        return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
     cdt = gl.dtype
-    M, N, K = gl.shape[0], w8.shape[0], w8.shape[1]
-    f, st = _dgrad_fold(scale, cdt)
+    M, (N, K) = gl.shape[0], weight_dims(w8)
+    f, st = _dgrad_fold(scale, cdt, global_scale)
+    block = _block_maker(w8, scale, f, block_size, cdt, global_scale)
     two = v is not None and mask is not None
     # t = gl W' (and gb W'), a sum over blocks of weight rows: each block's product in the compute dtype, the sum
     # in fp32 (one block, the usual case for small layers: one rounding, as the forward's product).
     t = tb = None
     for j0, j1 in _weight_spans(w8, scale, block_size):
-        w = _weight_block(w8, f, block_size, cdt, j0, j1)
+        w = block(j0, j1)
         whole = j0 == 0 and j1 == N
         pt = (gl if whole else gl[:, j0:j1]) @ w
         t = pt if t is None else _f32(t).add_(pt)

@@ -53,6 +53,7 @@ ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (do
 W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
+_LAYERS: dict[tuple, str] = {}  # in-process key without M -> the pick of every M checked, or "" where they differ
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
 _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
@@ -154,7 +155,7 @@ def plan(spec: dict) -> dict:
 def describe(spec: dict) -> str:
     """A key as the cache file and the messages write it."""
     s = spec
-    parts = [s["op"], f"N={s['N']} K={s['K']}" + ("" if s["op"] == "norm" else f" M<={s['mb']}"),
+    parts = [s["op"], f"N={s['N']} K={s['K']}" + ("" if s["op"] == "norm" or s["mb"] is None else f" M<={s['mb']}"),
              s["cdt"] + (f"/{s['rdt']}" if s["rdt"] else ""),
              "w8a8" if s["act_quant"] else "w8a16", s["scale"] + (str(s["block"]) if s["block"] else "")]
     parts += [f"r<={s['r']}"] if s["op"] in RANKED else []
@@ -284,6 +285,11 @@ def pick_of(results: dict, cands) -> str:
 
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
     """The backend for a call under racing(): its key's pick, checked now in a child if new."""
+    if torch.compiler.is_compiling():
+        # Nothing read of M, whose bucket (a guard on the token count) recompiled the step for every new count until
+        # torch.compile's limit failed it (fullgraph=True) or left it eager: the layer's pick where every M checked
+        # in this process agreed, else the static order
+        return _LAYERS.get(_layer_key(spec_of(op, device, **dict(call, M=1)))) or static
     if call["M"] == 0:
         return static
     spec = spec_of(op, device, **call)
@@ -291,8 +297,6 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     pick = _PICKS.get(key)
     if pick is not None:
         return pick
-    if torch.compiler.is_compiling():
-        return static
     path = cache_file(device)
     broken = _file(path)["broken"]
     # static first: ties go to backends.resolve's pick (cublas for the microscaled weights, triton for fp8)
@@ -300,20 +304,30 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     cands = [c for c in _candidates(device, needs, order) if c not in broken]
     if not cands:
         # the reference only where the static pick itself is broken; native (no kernel backend runs here) is not
-        _PICKS[key] = FALLBACK if static in broken else static
-        return _PICKS[key]
+        return _keep(key, spec, FALLBACK if static in broken else static)
     what = key[1]
     if not plan(spec)["fits"]:  # checking would hold more than the layer's own step: not checked, the reference serves
         log.info("dorafp8 race: %s: a check would exceed its memory bound; the reference backend serves it", what)
-        _PICKS[key] = FALLBACK
-        return FALLBACK
+        return _keep(key, spec, FALLBACK)
     if _capturing():  # a CUDA graph being captured: no child inside it; the file's verdicts, else the static order
         known = _file(path)["keys"].get(what, {})
         return pick_of(known, cands) if all(c in known for c in cands) else static
     results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
-    pick = _PICKS[key] = pick_of(results, cands)
+    pick = _keep(key, spec, pick_of(results, cands))
     log.debug("dorafp8 race: %s -> %s (%s)", what, pick, results)
     return pick
+
+
+def _keep(key: tuple, spec: dict, pick: str) -> str:
+    """Records a key's pick, and its layer's (_LAYERS); returns it."""
+    _PICKS[key] = pick
+    layer = _layer_key(spec)
+    _LAYERS[layer] = pick if _LAYERS.get(layer, pick) == pick else ""
+    return pick
+
+
+def _layer_key(spec: dict) -> tuple:
+    return spec["device"], describe(dict(spec, mb=None))
 
 
 def _candidates(device: torch.device, needs: frozenset, order) -> list[str]:
@@ -459,6 +473,7 @@ def _shared(path: str, what: str, resolve):
 def forget() -> None:
     """Drops the picks this process holds and the cache files it read (the files stay)."""
     _PICKS.clear()
+    _LAYERS.clear()
     _FILES.clear()
     _BUILD.clear()
     _WARNED.clear()

@@ -271,6 +271,62 @@ def test_scales_in_the_train_dtype_are_read_as_onetrainer_reads_them(ot, kind, t
         assert torch.equal(w8.float() * scale, ot.quant.get_unquantized_weight(layer, torch.float32, TRAIN_DEVICE))
 
 
+class _CrossDeviceCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that take a CPU tensor and return one on another device (a CPU -> GPU copy on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if (isinstance(out, torch.Tensor) and out.device.type != "cpu"
+                and any(a.device.type == "cpu" for a in ins)):
+            self.n += 1
+        return out
+
+
+def test_a_cpu_scale_is_not_copied_to_the_weight_device_every_forward(ot):
+    """LinearFp8 keeps `_scale` as a plain attribute: Module.to moves its `scale` buffer and leaves `_scale` on the
+    CPU. The fused path must not copy it to the weight's device on every forward (on a GPU each such copy synchronizes
+    the stream: a host sync per layer per step); it is copied again once it changes. (The meta device stands in for
+    the GPU here.)"""
+    from dorafp8.onetrainer import fp8_parts
+
+    net = _model(ot, "LinearFp8")
+    layer = net.fc1
+    scale = layer._scale
+    layer.to("meta")
+    assert layer.weight.device.type == "meta" and layer._scale is scale and scale.device.type == "cpu"
+    with _CrossDeviceCopies() as copies:
+        for _ in range(3):
+            assert fp8_parts(layer)[1].device.type == "meta"
+    assert copies.n == 1
+    with torch.no_grad():
+        scale.mul_(2)  # as OneTrainer's quantize() and load_state_dict write it
+    with _CrossDeviceCopies() as copies:
+        fp8_parts(layer)
+        fp8_parts(layer)
+    assert copies.n == 1
+
+
+@pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_32"])
+def test_the_scale_read_by_the_fused_path_follows_writes_to_it(ot, train):
+    """The fp32 scale the fused path keeps for a layer is the layer's current one after every kind of write."""
+    from dorafp8.onetrainer import fp8_parts
+
+    layer = _model(ot, "LinearFp8", train).fc1
+    for write in (lambda s: s.mul_(3), lambda s: layer.load_state_dict(dict(layer.state_dict(), scale=s * 5)),
+                  lambda s: setattr(s, "data", (s * 7).to(torch.float16))):
+        fp8_parts(layer)
+        with torch.no_grad():
+            write(layer._scale)
+        assert fp8_parts(layer)[1] == layer._scale.float()
+    layer._scale = torch.tensor(0.25)  # a new tensor in its place
+    assert fp8_parts(layer)[1] == 0.25
+
+
 def test_conv_layers_run_onetrainer_own_forward(ot, calls):
     """PeftBase's conv branch: DoRA on an nn.Conv2d is OneTrainer's own (dorafp8 takes fp8 linear layers only)."""
     torch.manual_seed(0)

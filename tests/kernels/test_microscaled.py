@@ -4,6 +4,8 @@ against fp64 of DoRA (tests/_ref.py) on a dequantization written here independen
 its tables), for every compute dtype, with and without dropout, on odd shapes; the backend functions on NaN-bordered
 (strided) inputs; which backend "auto" picks for them; the refusals; and the reference's peak memory."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -134,10 +136,12 @@ def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("chosen", ["reference", "auto", "cublas", "triton"])
-def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen):
+@pytest.mark.parametrize("chosen", ["reference", "auto", "native", "cublas", "triton"])
+def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen, monkeypatch):
     """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py); triton: the fused kernels, the weight unpacked
-    in the main loop (triton_kernels/gemm.py); both on CPU under Triton's interpreter."""
+    in the main loop (triton_kernels/gemm.py); both on CPU under Triton's interpreter. native: its fp16 code too (a
+    GPU's; on CPU fp16 runs the reference's)."""
+    monkeypatch.setattr(backends.module("native"), "FP16_REFERENCE_DEVICES", frozenset())
     if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
         pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
     M, N, r = 7, 33, 3
@@ -200,8 +204,8 @@ def test_plain_linear_and_weight_norm_match_fp64(kind, chosen):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,K", [("reference", 64), ("triton", 48), ("triton", 80)])
-def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K):
+@pytest.mark.parametrize("name,K", [("reference", 64), ("native", 48), ("native", 80), ("triton", 48), ("triton", 80)])
+def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K, monkeypatch):
     """The forward and dgrad (with and without dropout) of the reference and of the Triton kernels (the weight
     unpacked in their main loop, in the interpreter) on strided activations whose rows sit in NaN-filled buffers,
     into NaN-filled outputs (the tests' poisoning): a read past a row or a tile left unwritten makes a NaN, which
@@ -210,6 +214,7 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K):
     if backends.unavailable_reason(name, torch.device("cpu")):
         pytest.skip(backends.unavailable_reason(name, torch.device("cpu")))
     be = backends.module(name)
+    monkeypatch.setattr(backends.module("native"), "FP16_REFERENCE_DEVICES", frozenset())  # its GPU fp16 code
     M, N, r, s, p = 5, 19, 2, 0.5, 0.25
     w, scale, g = make_weight(kind, N, K, seed=4)
     W0 = dequant_64(w, scale, g)
@@ -247,16 +252,17 @@ def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_picks_a_backend_that_computes_the_kind(kind):
-    """The reference, the cuBLAS strategy and the Triton kernels compute the microscaled kinds: "auto" resolves to
-    the reference on CPU (where fp8 goes to native; on a GPU to cublas: tests/kernels/test_dequant_micro.py); a
-    backend named for them that lacks them is refused before any work."""
-    assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
+    """Every backend but the CUDA C++ one computes the microscaled kinds: "auto" resolves to native on CPU, as for
+    fp8 (it ran the fp32 reference, several times slower; on a GPU: cublas, tests/kernels/test_dequant_micro.py, or
+    native below sm_89); a backend named for them that lacks them is refused before any work."""
+    assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "native"
     assert backends.resolve("auto", torch.device("cpu"), frozenset()) == "native"  # fp8 unchanged
     for name in backends.BACKENDS:
-        assert (kind in backends.supports(name)) == (name in ("reference", "cublas", "triton")), name
-    w, scale, g = make_weight(kind, 4, 32)
-    with pytest.raises(ValueError, match="not supported by the native backend"):
-        dorafp8.fp8_linear(torch.randn(2, 32), w, scale, backend="native", global_scale=g)
+        assert (kind in backends.supports(name)) == (name != "cuda"), name
+    with pytest.raises(ValueError, match="not supported by the cuda backend"):  # its refusal (on a GPU it runs on)
+        with mock.patch.object(backends, "unavailable_reason", lambda name, device: None), \
+                mock.patch.object(backends, "_prepare", lambda name, device: None):
+            backends.resolve("cuda", torch.device("cpu"), frozenset({kind}))
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------------

@@ -730,6 +730,37 @@ def test_a_key_first_met_inside_torch_compile_runs_the_static_order(race, used, 
         assert set(used) == {"reference"}
 
 
+def test_a_compiled_step_is_not_recompiled_for_every_token_count(race, used, monkeypatch):
+    """Bucketed training (a new token count per batch) under torch.compile on a GPU, where backend="auto" races: the
+    key's bucket of M guarded the graph on M itself (bucket() cannot take a symbol), so every new count recompiled it,
+    and after torch.compile's limit of 8 fullgraph=True failed (without it: eager from then on). Inside a trace the
+    race reads nothing of M: the layer's pick where the counts checked in this process agree (here reference, checked
+    eagerly at two buckets), else the static order."""
+    import torch._dynamo
+
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", fake_child(native=2.0, reference=1.0))
+    w8, scale, A, B, m = _layer()
+    A, B, m = (t.requires_grad_() for t in (A, B, m))
+    for tokens in (5, 40):  # eager: checked, reference picked at both
+        dorafp8.dora_fp8_linear(torch.randn(tokens, K), w8, scale, A, B, m, s).sum().backward()
+    assert children(race) == 2
+    frames = []
+
+    def counting(gm, example_inputs):
+        frames.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, s).square().mean(),
+                         backend=counting, fullgraph=True)
+    used.clear()
+    for tokens in (7, 9, 13, 21, 33, 40, 57, 64, 100, 129):
+        step(torch.randn(tokens, K)).backward()
+    assert 1 <= len(frames) <= 2 and children(race) == 2, f"{len(frames)} compilations for 10 token counts"
+    assert set(used) == {"reference"}
+
+
 def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     """Entries of another shape in the verdict file (a hand edit, a damaged write, another tool's JSON) are dropped on
     reading: their key is checked again, and the step runs (before, a verdict that was not a dict raised in it)."""
