@@ -613,7 +613,9 @@ def _run_deepspeed_after_quantizing(out, config):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    pm = C.build_model(seed=0)
+    # Rank 1 builds other weights, scales and adapters: deepspeed.initialize broadcasts rank 0's parameters, and each
+    # fp8 weight's scales must come with it (DeepSpeed alone sends no buffers: rank 0's fp8 bytes, rank 1's scales).
+    pm = C.build_model(seed=RANK)
     opt = torch.optim.SGD(trainable(pm), lr=C.LR)
     engine, optimizer, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=config)
     base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
@@ -621,6 +623,7 @@ def _run_deepspeed_after_quantizing(out, config):
     local = getattr(w, "ds_tensor", w)  # ZeRO-3: this rank's partition; ZeRO-2: the whole weight
     res = {"fp8_partition": (str(local.dtype), local.numel(), getattr(w, "ds_numel", w.numel())),
            "scale_dtype": str(base.scale.dtype),
+           "fp8_and_scales_equal_after_initialize": all_equal_across_ranks(C.fp8_fingerprint(pm)),
            # ZeRO-2: the frozen fp8 weights stay out of the optimizer, whose partition holds adapter tensors only
            "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
            "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in trainable(pm))}

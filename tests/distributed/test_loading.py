@@ -57,12 +57,15 @@ def test_zero3_loaded_under_zero_init_through_the_launcher(tmp_path, reference):
 def test_zero2_with_llamafactorys_config(tmp_path, reference):
     """DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json values) on a model quantized before deepspeed.initialize:
     the fp8 weights stay whole and fp8 on every rank, the scales fp32, and the optimizer's partitions hold the adapter
-    tensors only (by hand in issue #50 before)."""
+    tensors only (by hand in issue #50 before). Rank 1 builds another model: DeepSpeed broadcasts rank 0's parameters,
+    the fp8 weights' bytes, and not their scales (buffers), so before dorafp8's wrap rank 1 trained rank 0's fp8 bytes
+    times its own scales (the losses differed from one process's)."""
     _needs("deepspeed", "the job runs DeepSpeed")
     res = _launch("zero2", tmp_path, env={"DS_ACCELERATOR": "cpu"})
     for r in res:
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 4096, 4096) and r["scale_dtype"] == "torch.float32"
         assert r["optimizer_numel"] * C.WORLD == r["trainable_numel"] == 8768
+        assert r["fp8_and_scales_equal_after_initialize"]  # rank 1 built its own: rank 0's bytes came with their scales
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
@@ -74,6 +77,7 @@ def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
     res = _launch("zero3_after_quantizing", tmp_path, env={"DS_ACCELERATOR": "cpu"})
     for r in res:
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096) and r["scale_dtype"] == "torch.float32"
+        assert r["fp8_and_scales_equal_after_initialize"]
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
