@@ -163,13 +163,33 @@ def _wrap_broadcast_model(orig):
     return _broadcast_model
 
 
+def _wrap_cast_module_mixed_precision(orig):
+    @functools.wraps(orig)
+    def _cast_module_mixed_precision(self, *args, **kwargs):
+        # A config's data_types.buffer_dtype (bf16/fp16) casts every floating buffer with `b.data = b.data.to(...)`
+        # (past FP8WeightModule._apply): the fp32 scales would be rounded, silently moving every base weight (an fp16
+        # per-tensor scale below 6e-5 even loses bits as a subnormal). They keep their dtype, as under module.to().
+        kept = [(t, t.data) for mod in self.module.modules() if isinstance(mod, FP8WeightModule)
+                for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
+        out = orig(self, *args, **kwargs)
+        for t, data in kept:
+            if t.dtype != data.dtype:
+                t.data = data
+        return out
+
+    return _cast_module_mixed_precision
+
+
 def install_deepspeed_support() -> bool:
-    """Makes DeepSpeedEngine's initial broadcast of rank 0's parameters send each dorafp8 layer's scales with its
-    weight; idempotent; whether installed (False before deepspeed.runtime.engine is imported, or without it)."""
+    """Makes DeepSpeedEngine keep each dorafp8 layer's scales with its weight: its initial broadcast of rank 0's
+    parameters sends them too, and a config's buffer_dtype leaves them as they are (fp32 or the microscaled kinds'
+    fp8); idempotent; whether installed (False before deepspeed.runtime.engine is imported, or without it)."""
     cls = getattr(sys.modules.get(DEEPSPEED_ENGINE_MODULE), "DeepSpeedEngine", None)
     if getattr(cls, "_broadcast_model", None) is None:
         return False
     _wrap_once(cls, "_broadcast_model", _wrap_broadcast_model)
+    if getattr(cls, "_cast_module_mixed_precision", None) is not None:  # older DeepSpeed called module.half()
+        _wrap_once(cls, "_cast_module_mixed_precision", _wrap_cast_module_mixed_precision)
     return True
 
 

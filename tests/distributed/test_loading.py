@@ -293,3 +293,45 @@ def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
     assert r.returncode != 0
     assert "dorafp8 run: deepspeed is starting a multi-node run (launcher='pdsh'" in r.stderr, r.stderr[-3000:]
     assert "--no_ssh --node_rank" in r.stderr
+
+
+def test_deepspeed_buffer_dtype_leaves_the_scales_as_they_are():
+    """A DeepSpeed config's data_types.buffer_dtype casts every floating buffer (`b.data = b.data.to(...)`, past
+    FP8WeightModule._apply): the fp32 scales were rounded to bf16 / fp16, silently moving every base weight. DeepSpeed's
+    own cast (DeepSpeedEngine._cast_module_mixed_precision, called as deepspeed.initialize calls it) on per-tensor,
+    per-row, MXFP8 and NVFP4 layers: the scales keep their dtypes and bytes; the other buffers and the parameters are
+    cast as DeepSpeed says."""
+    _needs("deepspeed", "the cast is DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO
+
+    job = """
+import types, torch, dorafp8
+from deepspeed.runtime.engine import DeepSpeedEngine
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+torch.manual_seed(0)
+lin = torch.nn.Linear(64, 64)
+with torch.no_grad():
+    lin.weight.mul_(1e-3)  # a per-tensor scale of ~1e-7: an fp16 subnormal
+w8, scale, g = quantize_nvfp4(lin.weight.detach())
+net = torch.nn.Sequential(dorafp8.FP8Linear.from_float(lin), dorafp8.FP8Linear.from_float(lin, per_row_scale=True),
+                          dorafp8.FP8Linear.from_fp8(*quantize_mxfp8(lin.weight.detach()), None),
+                          dorafp8.FP8Linear.from_fp8(w8, scale, None, global_scale=g))
+net.register_buffer("other", torch.ones(3))
+for dtype in (torch.bfloat16, torch.float16):
+    before = {n: (b.dtype, b.clone()) for n, b in net.named_buffers() if n != "other"}
+    DeepSpeedEngine._cast_module_mixed_precision(types.SimpleNamespace(module=net), dtype, dtype, False, None)
+    kept = all(b.dtype == before[n][0] and torch.equal(b.reshape(-1).view(torch.uint8),
+                                                       before[n][1].reshape(-1).view(torch.uint8))
+               for n, b in net.named_buffers() if n in before)
+    print(kept, net.other.dtype == dtype, net[0].bias.dtype == dtype, len(before))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith(("True", "False"))]
+    assert lines == ["True True True 5"] * 2, r.stdout  # 5 scales: per tensor, per row, MXFP8, NVFP4 and its global
