@@ -246,6 +246,21 @@ def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
                                                        numel=w.numel()))
 
 
+def refuse_sharded_model(model: torch.nn.Module, what: str) -> None:
+    """Raises a RuntimeError naming the way to gather them where `model`'s parameters are FSDP2 shards (DTensors),
+    which `what` (a writer reading whole weights on one rank) cannot read: torch stopped with 'got mixed torch.Tensor
+    and DTensor' or 'Attempted to access the data pointer on an invalid python storage'."""
+    dtensor = _dtensor_class()
+    name = None if dtensor is None else next((n for n, p in model.named_parameters() if isinstance(p, dtensor)), None)
+    if name is not None:
+        raise RuntimeError(
+            f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "
+            f"Gather them on every rank first, write on one, then shard again (docs/MULTI_GPU.md): "
+            f"`units = [m for m in model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]; "
+            f"[u.unshard() for u in units]`, then the write on rank 0 only (`if dist.get_rank() == 0: ...`), then "
+            f"`[u.reshard() for u in units]`")
+
+
 _WARNED_RECAST = False
 
 

@@ -175,6 +175,47 @@ def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
         dist.destroy_process_group()
 
 
+def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
+    """export_merged / save_fp8_checkpoint on a model whose parameters are FSDP2 shards (DTensors; what a user has at
+    the end of FSDP2 training) stopped inside torch ('got mixed torch.Tensor and DTensor', 'Attempted to access the
+    data pointer on an invalid python storage'; the same on 2 ranks). They now refuse, naming unshard(); the steps
+    the message gives write the single-process export, byte for byte. One process (a group of one), no spawn."""
+    import glob
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        pm = C.build_model(seed=0)
+        for layer in pm.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(pm)
+        for write in (dorafp8.export_merged, dorafp8.save_fp8_checkpoint):
+            with pytest.raises(RuntimeError, match=r"FSDP2 shards .*u\.unshard\(\)"):
+                write(pm, str(tmp_path / f"refused_{write.__name__}"), verbose=False)
+        units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+        [u.unshard() for u in units]
+        for write in (dorafp8.export_merged, dorafp8.save_fp8_checkpoint):
+            write(pm, str(tmp_path / f"fsdp_{write.__name__}"), verbose=False)
+            write(C.build_model(seed=0), str(tmp_path / f"one_{write.__name__}"), verbose=False)
+            got, want = ({k: v for f in glob.glob(str(tmp_path / f"{kind}_{write.__name__}" / "*.safetensors"))
+                          for k, v in load_file(f).items()} for kind in ("fsdp", "one"))
+            assert got.keys() == want.keys() and got
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                                     want[k].reshape(-1).view(torch.uint8)), k
+        [u.reshard() for u in units]
+        assert not glob.glob(str(tmp_path / "refused_*"))
+    finally:
+        dist.destroy_process_group()
+
+
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
