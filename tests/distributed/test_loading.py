@@ -72,12 +72,17 @@ def test_zero2_with_llamafactorys_config(tmp_path, reference):
 
 def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
     """DeepSpeed ZeRO-3 without zero.Init: the model is quantized whole, then deepspeed.initialize partitions the fp8
-    weights as fp8 (half of a 64x64 weight on each rank); the scales stay fp32 (by hand in issue #50 before)."""
+    weights as fp8 (half of a 64x64 weight on each rank); the scales stay fp32 (by hand in issue #50 before). Then
+    export_merged of the partitioned model, refused, and inside GatheredParameters."""
     _needs("deepspeed", "the job runs DeepSpeed")
     res = _launch("zero3_after_quantizing", tmp_path, env={"DS_ACCELERATOR": "cpu"})
     for r in res:
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096) and r["scale_dtype"] == "torch.float32"
         assert r["fp8_and_scales_equal_after_initialize"]
+    # export_merged on the partitions: refused, naming the gather that works; inside it, rank 0's export is the
+    # single-process model's with the same adapter, byte for byte (before: 'cannot reshape tensor of 0 elements')
+    assert "ZeRO-3 partitions" in res[0]["export_refusal"] and "GatheredParameters" in res[0]["export_refusal"]
+    assert res[0]["merged_equal"]
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
