@@ -3,6 +3,7 @@ _after_import.py); DORAFP8_NO_PATCHES=1 changes none of it. How and why: docs/AR
 
 - torch DDP: fp8 weights broadcast as bytes. FSDP2: fp8 weights stay fp8 under a MixedPrecisionPolicy; FSDP1 refused.
 - accelerate: its FSDP2 loader (cpu_ram_efficient_loading) sends MXFP8's e8m0 scales as bytes.
+- DeepSpeed: its engine's broadcast of rank 0's parameters sends each fp8 weight's scales with it.
 - PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (too old a PEFT refused, naming why).
 - transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers.
 - diffusers: save_pretrained of fp8 models and from_single_file of fp8_scaled files refuse, naming dorafp8's calls.
@@ -22,9 +23,10 @@ import torch
 from . import _after_import
 from ._env import flag
 from ._deps import peft_too_old
-from .distributed import (ACCELERATE_FSDP_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES, TORCH_DSD_MODULE,
-                          install_accelerate_loader_support, install_ddp_support, install_fsdp1_refusal,
-                          install_fsdp_support, install_torch_loader_support)
+from .distributed import (ACCELERATE_FSDP_MODULE, DEEPSPEED_ENGINE_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES,
+                          TORCH_DSD_MODULE, install_accelerate_loader_support, install_ddp_support,
+                          install_deepspeed_support, install_fsdp1_refusal, install_fsdp_support,
+                          install_torch_loader_support)
 
 
 def _peft() -> None:
@@ -110,6 +112,8 @@ _WATCHED = {
                                                                 "sends MXFP8 layers' e8m0 scales, which NCCL refuses"),
     TORCH_DSD_MODULE: (install_torch_loader_support, "torch's set_model_state_dict(broadcast_from_rank0=True) sends "
                                                      "MXFP8 layers' e8m0 scales, which NCCL refuses"),
+    DEEPSPEED_ENGINE_MODULE: (install_deepspeed_support, "DeepSpeed broadcasts rank 0's fp8 weights without their "
+                                                         "scales (ranks whose scales differ train different models)"),
     **{name: (install_fsdp_support, "FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the "
                                     "all-gather (the forward casts them back, with a warning)")
        for name in FSDP_PARAM_MODULES},

@@ -49,9 +49,13 @@ def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
             if isinstance(mod, FP8WeightModule) and prefix + "weight" not in ignore:
-                extra += [t.detach() for key in ("scale", "global_scale")
-                          if (t := getattr(mod, key, None)) is not None and prefix + key not in ignore]
+                extra += [t for key, t in _scales(mod) if prefix + key not in ignore]
     return names, tensors, extra
+
+
+def _scales(mod) -> list:
+    """(name, tensor) of a dorafp8 layer's scale buffers (`scale`, NVFP4's `global_scale`), detached."""
+    return [(key, t.detach()) for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
 
 
 def _wrap_sync_module_states(orig):
@@ -121,6 +125,72 @@ def uninstall_ddp_support() -> None:
 
     _unwrap(ddp_module, "_sync_module_states")
     _unwrap(ddp_module.DistributedDataParallel, "_distributed_broadcast_coalesced")
+
+
+# ---- DeepSpeed: scales follow the weights its engine broadcasts ------------------------------------------------------
+
+DEEPSPEED_ENGINE_MODULE = "deepspeed.runtime.engine"
+
+
+def _wrap_broadcast_model(orig):
+    @functools.wraps(orig)
+    def _broadcast_model(self, *args, **kwargs):
+        # DeepSpeedEngine broadcasts rank 0's parameters (every stage but a model partitioned by zero.Init), not the
+        # buffers: a dorafp8 layer's fp8 bytes would arrive without their scales, each rank pairing rank 0's weight
+        # with its own scale (a silently different model). Each layer's scales go where DeepSpeed sent its weight.
+        out = orig(self, *args, **kwargs)
+        if getattr(self, "dist_backend", None) is None:
+            return out
+        from deepspeed import comm as ds_dist
+        from deepspeed.moe.utils import is_moe_param
+        from deepspeed.utils import groups
+
+        with torch.no_grad():
+            for mod in self.module.modules():
+                w = getattr(mod, "weight", None)
+                # the weights DeepSpeed skips: partitioned (zero.Init), or OptimizedLinear's per-rank shards
+                if not isinstance(mod, FP8WeightModule) or hasattr(w, "ds_id") or hasattr(w, "ds_optim_param"):
+                    continue
+                if is_moe_param(w):
+                    src, group = groups._get_expert_broadcast_src_rank(w.group_name), \
+                        self.expert_data_parallel_group[w.group_name]
+                else:
+                    src, group = groups._get_broadcast_src_rank(), self.seq_data_parallel_group
+                for _, t in _scales(mod):  # fp8 block scales (e8m0: not an NCCL type) as bytes, in place
+                    ds_dist.broadcast(t.view(torch.uint8) if is_fp8(t) else t, src, group=group)
+        return out
+
+    return _broadcast_model
+
+
+def _wrap_cast_module_mixed_precision(orig):
+    @functools.wraps(orig)
+    def _cast_module_mixed_precision(self, *args, **kwargs):
+        # A config's data_types.buffer_dtype (bf16/fp16) casts every floating buffer with `b.data = b.data.to(...)`
+        # (past FP8WeightModule._apply): the fp32 scales would be rounded, silently moving every base weight (an fp16
+        # per-tensor scale below 6e-5 even loses bits as a subnormal). They keep their dtype, as under module.to().
+        kept = [(t, t.data) for mod in self.module.modules() if isinstance(mod, FP8WeightModule)
+                for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
+        out = orig(self, *args, **kwargs)
+        for t, data in kept:
+            if t.dtype != data.dtype:
+                t.data = data
+        return out
+
+    return _cast_module_mixed_precision
+
+
+def install_deepspeed_support() -> bool:
+    """Makes DeepSpeedEngine keep each dorafp8 layer's scales with its weight: its initial broadcast of rank 0's
+    parameters sends them too, and a config's buffer_dtype leaves them as they are (fp32 or the microscaled kinds'
+    fp8); idempotent; whether installed (False before deepspeed.runtime.engine is imported, or without it)."""
+    cls = getattr(sys.modules.get(DEEPSPEED_ENGINE_MODULE), "DeepSpeedEngine", None)
+    if getattr(cls, "_broadcast_model", None) is None:
+        return False
+    _wrap_once(cls, "_broadcast_model", _wrap_broadcast_model)
+    if getattr(cls, "_cast_module_mixed_precision", None) is not None:  # older DeepSpeed called module.half()
+        _wrap_once(cls, "_cast_module_mixed_precision", _wrap_cast_module_mixed_precision)
+    return True
 
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..nn import FP8Linear
+from ..nn import FP8Linear, refuse_sharded_model
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
@@ -410,6 +410,7 @@ def _check_modelopt(model: nn.Module, granularity) -> None:
 
 
 def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size, prefix, metadata=None) -> WriteTarget:
+    refuse_sharded_model(model, "writing a checkpoint (save_fp8_checkpoint, export_merged, save_pretrained)")
     src = source_of(model)
     if fmt is None:
         fmt = src.format or "compressed-tensors"

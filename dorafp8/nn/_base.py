@@ -246,6 +246,28 @@ def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
                                                        numel=w.numel()))
 
 
+def refuse_sharded_model(model: torch.nn.Module, what: str) -> None:
+    """Raises a RuntimeError naming the way to gather them where `model`'s parameters are FSDP2 shards (DTensors) or
+    DeepSpeed ZeRO-3 partitions, which `what` (a writer reading whole weights on one rank) cannot read: torch stopped
+    with 'got mixed torch.Tensor and DTensor' or 'Attempted to access the data pointer on an invalid python storage',
+    and a ZeRO-3 model with 'cannot reshape tensor of 0 elements'."""
+    dtensor = _dtensor_class()
+    for name, p in model.named_parameters():
+        if dtensor is not None and isinstance(p, dtensor):
+            raise RuntimeError(
+                f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "
+                f"Gather them on every rank first, write on one, then shard again (docs/MULTI_GPU.md): "
+                f"`units = [m for m in model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]; "
+                f"[u.unshard() for u in units]`, then the write on rank 0 only (`if dist.get_rank() == 0: ...`), "
+                f"then `[u.reshard() for u in units]`")
+        if getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE":  # ZeroParamStatus, not imported
+            raise RuntimeError(
+                f"{what} reads whole weights, and this model's parameters are DeepSpeed ZeRO-3 partitions (e.g. "
+                f"{name!r}, {p.numel()} of its {getattr(p, 'ds_numel', '?')} elements here). Gather them on every rank "
+                f"and write on one (docs/MULTI_GPU.md): "
+                f"`with deepspeed.zero.GatheredParameters(list(model.parameters())): if dist.get_rank() == 0: ...`")
+
+
 _WARNED_RECAST = False
 
 

@@ -605,15 +605,18 @@ DS_Z2_CONFIG = {**DS_Z3_CONFIG, "zero_optimization": {
     "reduce_scatter": True, "reduce_bucket_size": 64 * 64, "contiguous_gradients": True, "round_robin_gradients": True}}
 
 
-def _run_deepspeed_after_quantizing(out, config):
+def _run_deepspeed_after_quantizing(out, config, after=None):
     """A model quantized and given its adapters before DeepSpeed sees it (no zero.Init), then deepspeed.initialize
-    with `config`, STEPS steps, the adapter gathered and saved. fp8 collectives go as bytes."""
+    with `config`, STEPS steps, the adapter gathered and saved, then after(model, out, res). fp8 collectives go as
+    bytes."""
     emulate_nccl_fp8_transport()
     dist.init_process_group("gloo", timeout=TIMEOUT)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    pm = C.build_model(seed=0)
+    # Rank 1 builds other weights, scales and adapters: deepspeed.initialize broadcasts rank 0's parameters, and each
+    # fp8 weight's scales must come with it (DeepSpeed alone sends no buffers: rank 0's fp8 bytes, rank 1's scales).
+    pm = C.build_model(seed=RANK)
     opt = torch.optim.SGD(trainable(pm), lr=C.LR)
     engine, optimizer, *_ = deepspeed.initialize(model=pm, optimizer=opt, config=config)
     base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
@@ -621,10 +624,14 @@ def _run_deepspeed_after_quantizing(out, config):
     local = getattr(w, "ds_tensor", w)  # ZeRO-3: this rank's partition; ZeRO-2: the whole weight
     res = {"fp8_partition": (str(local.dtype), local.numel(), getattr(w, "ds_numel", w.numel())),
            "scale_dtype": str(base.scale.dtype),
+           "fp8_and_scales_equal_after_initialize": all_equal_across_ranks(C.fp8_fingerprint(pm)),
            # ZeRO-2: the frozen fp8 weights stay out of the optimizer, whose partition holds adapter tensors only
            "optimizer_numel": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
            "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in trainable(pm))}
-    return _deepspeed_steps_and_save(engine, pm, out, res)
+    _deepspeed_steps_and_save(engine, pm, out, res)
+    if after is not None:
+        after(pm, out, res)
+    return res
 
 
 def run_zero2(out):
@@ -632,7 +639,36 @@ def run_zero2(out):
 
 
 def run_zero3_after_quantizing(out):
-    return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG)
+    return _run_deepspeed_after_quantizing(out, DS_Z3_CONFIG, after=_merged_export_of_partitions)
+
+
+def _merged_export_of_partitions(pm, out, res):
+    """export_merged of a ZeRO-3 model: refused on its partitions, naming GatheredParameters; written inside it by rank
+    0, it equals the export of a single-process model holding the same adapter (res["merged_equal"])."""
+    import glob
+
+    import deepspeed
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if RANK == 0:
+        try:
+            dorafp8.export_merged(pm, os.path.join(out, "refused"), verbose=False)
+            res["export_refusal"] = None
+        except RuntimeError as e:
+            res["export_refusal"] = str(e)
+    with deepspeed.zero.GatheredParameters(list(pm.parameters())):
+        if RANK == 0:
+            dorafp8.export_merged(pm, os.path.join(out, "merged"), verbose=False)
+    if RANK == 0:
+        one = C.build_model(seed=0)
+        set_peft_model_state_dict(one, res["adapter"])
+        dorafp8.export_merged(one, os.path.join(out, "merged_one"), verbose=False)
+        got, want = ({k: v for f in glob.glob(os.path.join(out, d, "*.safetensors")) for k, v in load_file(f).items()}
+                     for d in ("merged", "merged_one"))
+        res["merged_equal"] = bool(want) and got.keys() == want.keys() and all(
+            got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                          want[k].reshape(-1).view(torch.uint8)) for k in want)
 
 
 def run_trainer_zero3(out):

@@ -57,23 +57,32 @@ def test_zero3_loaded_under_zero_init_through_the_launcher(tmp_path, reference):
 def test_zero2_with_llamafactorys_config(tmp_path, reference):
     """DeepSpeed ZeRO-2 (LLaMA-Factory's ds_z2_config.json values) on a model quantized before deepspeed.initialize:
     the fp8 weights stay whole and fp8 on every rank, the scales fp32, and the optimizer's partitions hold the adapter
-    tensors only (by hand in issue #50 before)."""
+    tensors only (by hand in issue #50 before). Rank 1 builds another model: DeepSpeed broadcasts rank 0's parameters,
+    the fp8 weights' bytes, and not their scales (buffers), so before dorafp8's wrap rank 1 trained rank 0's fp8 bytes
+    times its own scales (the losses differed from one process's)."""
     _needs("deepspeed", "the job runs DeepSpeed")
     res = _launch("zero2", tmp_path, env={"DS_ACCELERATOR": "cpu"})
     for r in res:
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 4096, 4096) and r["scale_dtype"] == "torch.float32"
         assert r["optimizer_numel"] * C.WORLD == r["trainable_numel"] == 8768
+        assert r["fp8_and_scales_equal_after_initialize"]  # rank 1 built its own: rank 0's bytes came with their scales
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
 
 def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
     """DeepSpeed ZeRO-3 without zero.Init: the model is quantized whole, then deepspeed.initialize partitions the fp8
-    weights as fp8 (half of a 64x64 weight on each rank); the scales stay fp32 (by hand in issue #50 before)."""
+    weights as fp8 (half of a 64x64 weight on each rank); the scales stay fp32 (by hand in issue #50 before). Then
+    export_merged of the partitioned model, refused, and inside GatheredParameters."""
     _needs("deepspeed", "the job runs DeepSpeed")
     res = _launch("zero3_after_quantizing", tmp_path, env={"DS_ACCELERATOR": "cpu"})
     for r in res:
         assert r["fp8_partition"] == ("torch.float8_e4m3fn", 2048, 4096) and r["scale_dtype"] == "torch.float32"
+        assert r["fp8_and_scales_equal_after_initialize"]
+    # export_merged on the partitions: refused, naming the gather that works; inside it, rank 0's export is the
+    # single-process model's with the same adapter, byte for byte (before: 'cannot reshape tensor of 0 elements')
+    assert "ZeRO-3 partitions" in res[0]["export_refusal"] and "GatheredParameters" in res[0]["export_refusal"]
+    assert res[0]["merged_equal"]
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
@@ -167,6 +176,47 @@ def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
             ids = C.probe_ids()
             with torch.no_grad():
                 assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
+    """export_merged / save_fp8_checkpoint on a model whose parameters are FSDP2 shards (DTensors; what a user has at
+    the end of FSDP2 training) stopped inside torch ('got mixed torch.Tensor and DTensor', 'Attempted to access the
+    data pointer on an invalid python storage'; the same on 2 ranks). They now refuse, naming unshard(); the steps
+    the message gives write the single-process export, byte for byte. One process (a group of one), no spawn."""
+    import glob
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        pm = C.build_model(seed=0)
+        for layer in pm.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(pm)
+        for write in (dorafp8.export_merged, dorafp8.save_fp8_checkpoint):
+            with pytest.raises(RuntimeError, match=r"FSDP2 shards .*u\.unshard\(\)"):
+                write(pm, str(tmp_path / f"refused_{write.__name__}"), verbose=False)
+        units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+        [u.unshard() for u in units]
+        for write in (dorafp8.export_merged, dorafp8.save_fp8_checkpoint):
+            write(pm, str(tmp_path / f"fsdp_{write.__name__}"), verbose=False)
+            write(C.build_model(seed=0), str(tmp_path / f"one_{write.__name__}"), verbose=False)
+            got, want = ({k: v for f in glob.glob(str(tmp_path / f"{kind}_{write.__name__}" / "*.safetensors"))
+                          for k, v in load_file(f).items()} for kind in ("fsdp", "one"))
+            assert got.keys() == want.keys() and got
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                                     want[k].reshape(-1).view(torch.uint8)), k
+        [u.reshard() for u in units]
+        assert not glob.glob(str(tmp_path / "refused_*"))
     finally:
         dist.destroy_process_group()
 
@@ -289,3 +339,45 @@ def test_deepspeed_multi_node_launch_is_refused_by_the_launcher(tmp_path):
     assert r.returncode != 0
     assert "dorafp8 run: deepspeed is starting a multi-node run (launcher='pdsh'" in r.stderr, r.stderr[-3000:]
     assert "--no_ssh --node_rank" in r.stderr
+
+
+def test_deepspeed_buffer_dtype_leaves_the_scales_as_they_are():
+    """A DeepSpeed config's data_types.buffer_dtype casts every floating buffer (`b.data = b.data.to(...)`, past
+    FP8WeightModule._apply): the fp32 scales were rounded to bf16 / fp16, silently moving every base weight. DeepSpeed's
+    own cast (DeepSpeedEngine._cast_module_mixed_precision, called as deepspeed.initialize calls it) on per-tensor,
+    per-row, MXFP8 and NVFP4 layers: the scales keep their dtypes and bytes; the other buffers and the parameters are
+    cast as DeepSpeed says."""
+    _needs("deepspeed", "the cast is DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO
+
+    job = """
+import types, torch, dorafp8
+from deepspeed.runtime.engine import DeepSpeedEngine
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+torch.manual_seed(0)
+lin = torch.nn.Linear(64, 64)
+with torch.no_grad():
+    lin.weight.mul_(1e-3)  # a per-tensor scale of ~1e-7: an fp16 subnormal
+w8, scale, g = quantize_nvfp4(lin.weight.detach())
+net = torch.nn.Sequential(dorafp8.FP8Linear.from_float(lin), dorafp8.FP8Linear.from_float(lin, per_row_scale=True),
+                          dorafp8.FP8Linear.from_fp8(*quantize_mxfp8(lin.weight.detach()), None),
+                          dorafp8.FP8Linear.from_fp8(w8, scale, None, global_scale=g))
+net.register_buffer("other", torch.ones(3))
+for dtype in (torch.bfloat16, torch.float16):
+    before = {n: (b.dtype, b.clone()) for n, b in net.named_buffers() if n != "other"}
+    DeepSpeedEngine._cast_module_mixed_precision(types.SimpleNamespace(module=net), dtype, dtype, False, None)
+    kept = all(b.dtype == before[n][0] and torch.equal(b.reshape(-1).view(torch.uint8),
+                                                       before[n][1].reshape(-1).view(torch.uint8))
+               for n, b in net.named_buffers() if n in before)
+    print(kept, net.other.dtype == dtype, net[0].bias.dtype == dtype, len(before))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith(("True", "False"))]
+    assert lines == ["True True True 5"] * 2, r.stdout  # 5 scales: per tensor, per row, MXFP8, NVFP4 and its global

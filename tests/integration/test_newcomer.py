@@ -81,13 +81,14 @@ def test_import_hook_leaves_once_everything_it_watches_is_loaded():
 import sys, dorafp8
 from dorafp8 import _after_import
 watched = sorted(_after_import.waiting)
-print(_after_import.HOOK in sys.meta_path, len(watched) >= 4)
+print("=", _after_import.HOOK in sys.meta_path, len(watched) >= 4)
 import importlib
 for name in watched:
     importlib.import_module(name)
-print(_after_import.HOOK in sys.meta_path, sorted(_after_import.waiting))
+print("=", _after_import.HOOK in sys.meta_path, sorted(_after_import.waiting))
 """)
-    assert out.split("\n")[:2] == ["True True", "False []"], out
+    # only this script's lines: a watched module may log to stdout as it loads (deepspeed names its accelerator)
+    assert [line for line in out.split("\n") if line.startswith("= ")] == ["= True True", "= False []"], out
 
 
 @pytest.mark.parametrize("order", ["dorafp8-first", "peft-first"])
