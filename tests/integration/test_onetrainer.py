@@ -447,24 +447,33 @@ def test_launcher_exit_report_names_layers_left_to_onetrainer(checkout, tmp_path
             "forward, not dorafp8's") in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("offloading", [False, True])
 @pytest.mark.parametrize("output_axis", [False, True])
-def test_compiled_blocks_match_eager_as_onetrainer_compiles_them(ot, output_axis):
+def test_compiled_blocks_match_eager_as_onetrainer_compiles_them(ot, output_axis, offloading):
     """OneTrainer's `compile` option compiles each checkpointed block with fullgraph=True (checkpointing_util's
     create_checkpoint, non-reentrant checkpointing). The fused path must trace without a graph break and give eager's outputs and gradients: it
     read the alpha buffer with float(), a data-dependent value under torch.compile that the fused op cannot take as
-    its scaling, so the first compiled step raised."""
+    its scaling, so the first compiled step raised. With layer offloading (its OffloadCheckpointLayer) the block
+    itself is compiled and called inside reentrant checkpointing: its first forward runs under no_grad, the backward
+    recomputes it with grad. Two token counts, as its resolution buckets give, so the second step recompiles."""
     import torch.utils.checkpoint as ckpt
 
     net, wrapper = _pair(ot, "LinearFp8", output_axis, True, 0.0)[0]
-    block = lambda x: ckpt.checkpoint(net, x, use_reentrant=False)  # noqa: E731  (its CheckpointLayer's call)
-    x = torch.randn(3, 5, 24)
-    runs = []
-    for model in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
-        xi = x.clone().requires_grad_()
-        y = model(xi)
-        (y.square().mean() + y.mean()).backward()
-        runs.append([y.detach(), xi.grad] + [q.grad.clone() for q in wrapper.parameters()])
-        for q in wrapper.parameters():
-            q.grad = None
-    for i, (a, b) in enumerate(zip(*runs)):
-        assert_close(a, b, tol(torch.float32), f"{'output' if i == 0 else f'gradient {i - 1}'} compiled vs eager")
+    if offloading:
+        reentrant = lambda m: lambda x: ckpt.checkpoint(m, x, use_reentrant=True)  # noqa: E731
+        models = (reentrant(net), reentrant(torch.compile(net, fullgraph=True, backend="aot_eager")))
+    else:
+        block = lambda x: ckpt.checkpoint(net, x, use_reentrant=False)  # noqa: E731  (its CheckpointLayer's call)
+        models = (block, torch.compile(block, fullgraph=True, backend="aot_eager"))
+    for tokens in (5, 9):
+        x = torch.randn(3, tokens, 24)
+        runs = []
+        for model in models:
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            (y.square().mean() + y.mean()).backward()
+            runs.append([y.detach(), xi.grad] + [q.grad.clone() for q in wrapper.parameters()])
+            for q in wrapper.parameters():
+                q.grad = None
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert_close(a, b, tol(torch.float32), f"{'output' if i == 0 else f'gradient {i - 1}'} compiled vs eager")
