@@ -2,7 +2,8 @@
 
 A key's verdicts come from a file per device and versions, else from a child process that checks every candidate
 against the reference and times those that pass; DORAFP8_RACE=0 turns it off. The protocol, its memory bound and
-its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py"."""
+its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py".
+Long because the protocol is one unit: keys, the child's memory bound, the shared file and its locks, the picks."""
 
 from __future__ import annotations
 
@@ -286,9 +287,8 @@ def pick_of(results: dict, cands) -> str:
 def choose(op: str, static: str, device: torch.device, needs: frozenset, **call) -> str:
     """The backend for a call under racing(): its key's pick, checked now in a child if new."""
     if torch.compiler.is_compiling():
-        # Nothing read of M, whose bucket (a guard on the token count) recompiled the step for every new count until
-        # torch.compile's limit failed it (fullgraph=True) or left it eager: the layer's pick where every M checked
-        # in this process agreed, else the static order
+        # Nothing read of M (its bucket guards the token count: a recompile per new count, until torch.compile's
+        # limit). The layer's pick where every M checked in this process agreed, else the static order
         return _LAYERS.get(_layer_key(spec_of(op, device, **dict(call, M=1)))) or static
     if call["M"] == 0:
         return static
