@@ -432,9 +432,14 @@ def staging(folder: str, name: str):
         os.close(fds[0])
 
 
-def fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def fsync_file(path: str, name: Optional[str] = None) -> None:
+    """`path`'s data made durable; an error (ENOSPC, EDQUOT, EIO: NFS and delayed allocation report a full disk only
+    here) raised naming `name` (the file the user asked for) or `path`."""
+    try:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(name or path, e) from e
 
 
 def fsync_dir(folder: str) -> None:
@@ -453,7 +458,7 @@ def fsync_dir(folder: str) -> None:
 
 def replace(tmp: str, path: str) -> None:
     """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder."""
-    fsync_file(tmp)
+    fsync_file(tmp, path)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
