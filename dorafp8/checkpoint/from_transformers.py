@@ -174,10 +174,12 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
-            # the weights from_pretrained read from a local folder: the writers refuse to replace them
-            # (write.refuse_original), as they do those load_fp8_checkpoint read
+            # the weights from_pretrained read (save_hooks recorded them; else those of its local folder): the
+            # writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
             folder = getattr(cfg, "_name_or_path", None)
-            if isinstance(folder, str) and os.path.isdir(folder):
+            if getattr(model, "_dorafp8_checkpoint_files", None):
+                src.files = model._dorafp8_checkpoint_files
+            elif isinstance(folder, str) and os.path.isdir(folder):
                 src.files = tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
                                                 if n.endswith(".safetensors"))))
             model._dorafp8_source = src

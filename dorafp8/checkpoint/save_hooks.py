@@ -12,6 +12,7 @@ import warnings
 from torch import nn
 
 from .configs import DIFFUSERS_LOAD_HINT
+from .files import identity
 from .modules import fp8_modules
 from .write import save_pretrained_state
 
@@ -90,10 +91,32 @@ def _wrap(cls, make) -> None:
         cls.save_pretrained = make(cls.save_pretrained)
 
 
+def _record_checkpoint_files(orig):
+    """HfQuantizer.preprocess_model, which from_pretrained hands the files it reads: their files.identity()s kept on
+    the model, for from_transformers_fp8 (write.refuse_original: subfolder= and Hub downloads too, which the config's
+    _name_or_path does not name)."""
+    @functools.wraps(orig)
+    def preprocess_model(self, model, *args, **kwargs):
+        files = kwargs.get("checkpoint_files")
+        if files:
+            model._dorafp8_checkpoint_files = tuple(filter(None, (identity(f) for f in files if isinstance(f, str))))
+        return orig(self, model, *args, **kwargs)
+
+    preprocess_model._dorafp8 = True
+    return preprocess_model
+
+
 def patch_transformers() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     _wrap(PreTrainedModel, _transformers_save_pretrained)
+    try:
+        from transformers.quantizers.base import HfQuantizer
+    except ImportError:
+        return
+    if callable(getattr(HfQuantizer, "preprocess_model", None)) and \
+            not getattr(HfQuantizer.preprocess_model, "_dorafp8", False):
+        HfQuantizer.preprocess_model = _record_checkpoint_files(HfQuantizer.preprocess_model)
 
 
 class _DiffusersDoRAFP8Checkpoint:
