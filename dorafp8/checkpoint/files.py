@@ -432,9 +432,14 @@ def staging(folder: str, name: str):
         os.close(fds[0])
 
 
-def fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def fsync_file(path: str, name: Optional[str] = None) -> None:
+    """`path`'s data made durable; an error (ENOSPC, EDQUOT, EIO: NFS and delayed allocation report a full disk only
+    here) raised naming `name` (the file the user asked for) or `path`."""
+    try:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(name or path, e) from e
 
 
 def fsync_dir(folder: str) -> None:
@@ -453,7 +458,7 @@ def fsync_dir(folder: str) -> None:
 
 def replace(tmp: str, path: str) -> None:
     """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder."""
-    fsync_file(tmp)
+    fsync_file(tmp, path)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -467,12 +472,18 @@ def sha256(path: str) -> str:
 
 
 def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: Optional[str] = None) -> None:
-    """safetensors' save_file of `tensors` to `path`, a write error raised naming `name` or `path`."""
+    """safetensors' save_file of `tensors` to `path` (a new file), a write error raised naming `name` or `path`. The
+    file gets the mode open() gives a new file (0o666 less the umask): safetensors >= 0.8 writes a temporary file
+    of mode 0o600 and renames it (safetensors issue 782), which another user (a server, a container) cannot read."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     try:
+        with open(path, "wb"):  # made as open() makes files; its mode read back (os.umask would set the process's)
+            pass
+        mode = stat.S_IMODE(os.stat(path).st_mode)
         save_file(tensors, path, metadata=metadata)
+        os.chmod(path, mode)
     except (SafetensorError, OSError) as e:
         raise write_error(name or path, e) from e
 
@@ -493,6 +504,10 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
+        with contextlib.suppress(OSError):  # a file replaced keeps its mode (who may read it), as a write into it would
+            st = os.lstat(real)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(os.path.join(stage, name), stat.S_IMODE(st.st_mode))
         replace(os.path.join(stage, name), real)
 
 

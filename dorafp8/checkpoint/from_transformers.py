@@ -185,8 +185,10 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
-            # the writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
-            src.files = _weight_files(getattr(cfg, "_name_or_path", None))
+            # the weights from_pretrained read (save_hooks recorded them; else those of its local folder): the
+            # writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
+            src.files = (getattr(model, "_dorafp8_checkpoint_files", None)
+                         or _weight_files(getattr(cfg, "_name_or_path", None)))
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)

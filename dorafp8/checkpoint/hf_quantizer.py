@@ -82,6 +82,13 @@ class DoRAFP8HfQuantizer(HfQuantizer):
         quantize_model(model, q.target_modules, per_row_scale=q.granularity == "row",
                        block_size=q.block_size if q.granularity == "block" else None, backend=q.backend,
                        act_quant=q.act_quant, exclude_modules=exclude)
+        # the dense files it was quantized from (save_hooks recorded them): the writers refuse to replace them
+        # (write.refuse_original), the original precision being gone for good
+        files = getattr(model, "_dorafp8_checkpoint_files", None)
+        if files:
+            from .plan import SOURCE_ATTR, SourceInfo
+
+            model.__dict__.setdefault(SOURCE_ATTR, SourceInfo()).files = files
         return model
 
     def is_serializable(self, *args, **kwargs):

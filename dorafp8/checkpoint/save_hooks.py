@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import re
 import warnings
 
 from torch import nn
 
 from .configs import DIFFUSERS_LOAD_HINT
+from .files import identity
 from .modules import fp8_modules
 from .write import save_pretrained_state
 
@@ -37,6 +40,21 @@ def _config_says(model: nn.Module, quantization_config: dict):
             model.hf_quantizer = quantizer
 
 
+def _refuse_originals(model: nn.Module, folder) -> None:
+    """Refuses a save_pretrained into a folder holding a file the model was loaded from that transformers would
+    overwrite (model.safetensors) or delete (`model*-<5 digits>-of-<5 digits>.safetensors`, before it writes the new
+    ones: a kill meanwhile leaves neither), as dorafp8's writers refuse (write.refuse_original)."""
+    from .plan import source_of
+    from .write import refuse_original
+
+    files = source_of(model).files
+    if not files or not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        if name == "model.safetensors" or re.fullmatch(r"model.*-\d{5}-of-\d{5}\.safetensors", name):
+            refuse_original(os.path.join(folder, name), files, os.fspath(folder))
+
+
 def _transformers_save_pretrained(orig):
     signature = inspect.signature(orig)
 
@@ -53,6 +71,7 @@ def _transformers_save_pretrained(orig):
                              f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
                              f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
                              f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
+        _refuse_originals(self, bound.arguments.get("save_directory"))
         state_dict, quantization_config, report = save_pretrained_state(self)
         requantized = report.errors("requantized")
         if requantized:
@@ -90,10 +109,32 @@ def _wrap(cls, make) -> None:
         cls.save_pretrained = make(cls.save_pretrained)
 
 
+def _record_checkpoint_files(orig):
+    """HfQuantizer.preprocess_model, which from_pretrained hands the files it reads: their files.identity()s kept on
+    the model, for from_transformers_fp8 (write.refuse_original: subfolder= and Hub downloads too, which the config's
+    _name_or_path does not name)."""
+    @functools.wraps(orig)
+    def preprocess_model(self, model, *args, **kwargs):
+        files = kwargs.get("checkpoint_files")
+        if files:
+            model._dorafp8_checkpoint_files = tuple(filter(None, (identity(f) for f in files if isinstance(f, str))))
+        return orig(self, model, *args, **kwargs)
+
+    preprocess_model._dorafp8 = True
+    return preprocess_model
+
+
 def patch_transformers() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     _wrap(PreTrainedModel, _transformers_save_pretrained)
+    try:
+        from transformers.quantizers.base import HfQuantizer
+    except ImportError:
+        return
+    if callable(getattr(HfQuantizer, "preprocess_model", None)) and \
+            not getattr(HfQuantizer.preprocess_model, "_dorafp8", False):
+        HfQuantizer.preprocess_model = _record_checkpoint_files(HfQuantizer.preprocess_model)
 
 
 class _DiffusersDoRAFP8Checkpoint:

@@ -256,7 +256,7 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
     for (tmp, keys), name in zip(parts, names):
         staged = os.path.join(stage, name)
         os.replace(tmp, staged)
-        fsync_file(staged)
+        fsync_file(staged, os.path.join(path, name))
         files[name] = {"size": os.path.getsize(staged), "sha256": sha256(staged)}
         weight_map.update(dict.fromkeys(keys, name))
     meta = {"total_size": total, "dorafp8_files": {**old, **files}}
@@ -266,7 +266,7 @@ def _publish(stage: str, folder: str, stem: str, parts: list, total: int, path: 
             json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     except OSError as e:
         raise write_error(os.path.join(path, index), e) from e
-    fsync_file(os.path.join(stage, index))
+    fsync_file(os.path.join(stage, index), os.path.join(path, index))
     for name in others:  # after the hashing (minutes for a large model), so that an edit made meanwhile is seen
         _check_replaced(stage, folder, name, records, path)
     moved, kept = [], []
@@ -318,7 +318,10 @@ def _keep(stage: str, folder: str, name: str, kept: list) -> None:
     if not os.path.lexists(os.path.join(folder, name)):  # nothing to put back
         return
     tmp = os.path.join(stage, name + ".replaced")
-    shutil.copyfile(os.path.join(folder, name), tmp)
+    try:
+        shutil.copyfile(os.path.join(folder, name), tmp)
+    except OSError as e:  # a full disk: copyfile's error names no file
+        raise write_error(tmp, e) from e
     kept.append(name)
 
 

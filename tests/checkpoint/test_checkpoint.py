@@ -595,6 +595,29 @@ def test_from_transformers_fp8_records_variant_weights(tmp_path):
     assert set(_weight_files(str(tmp_path))) == {identity(str(tmp_path / n)) for n in names[:2]}
 
 
+def test_from_transformers_fp8_model_from_a_subfolder_is_not_exported_over_its_files(ckpt, tmp_path):
+    """from_pretrained(root, subfolder="text_encoder"): the config's _name_or_path is `root`, which holds no weights,
+    so from_transformers_fp8 recorded none, and an export into the subfolder (or over its shard) replaced the files
+    the model was loaded from. The files from_pretrained read are recorded now: refused, naming the file."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    src, _ = _load(ckpt("fine-grained"))
+    root = tmp_path / "pipeline"
+    folder = root / "text_encoder"
+    dorafp8.save_fp8_checkpoint(src, folder, verbose=False)
+    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(root), subfolder="text_encoder",
+                                                                  dtype=torch.float32)
+    assert dorafp8.from_transformers_fp8(model) == 14
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    shard, = (n for n in before if n.endswith(".safetensors"))
+    for write in (dorafp8.save_fp8_checkpoint, dorafp8.export_merged):
+        for where in (folder, folder / shard):
+            with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+                write(model, where, verbose=False)
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+
+
 def test_from_transformers_fp8_warns_when_transformers_dequantized(ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

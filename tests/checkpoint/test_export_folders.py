@@ -195,6 +195,32 @@ def test_a_kill_at_any_point_of_a_single_file_re_export_leaves_the_old_file_or_t
     assert outcomes == {"old", "new"}
 
 
+@pytest.mark.skipif(os.name != "posix", reason="permission bits")
+def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
+    """safetensors >= 0.8 writes through a temporary file of mode 0o600 (its issue 782): the shards and the single file
+    were readable by their owner only, beside an index and a config.json readable by all (a server or a container
+    running as another user could not load the export). Now they get the mode open() gives (0o666 less the umask),
+    and a file replaced keeps its own."""
+    net = _net(0)
+    old = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o027):
+            os.umask(mask)
+            folder, single = tmp_path / f"ckpt-{mask:o}", tmp_path / f"one-{mask:o}.safetensors"
+            _export(net, folder, SHARDED)
+            _export(net, single, SINGLE)
+            written = [single, *folder.iterdir()]
+            assert len(written) > 3
+            assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == \
+                {p.name: oct(0o666 & ~mask) for p in written}
+        os.umask(0o022)
+        single.chmod(0o640)  # the user's choice for the file replaced
+        _export(_net(1), single, SINGLE)
+        assert oct(single.stat().st_mode & 0o777) == oct(0o640)
+    finally:
+        os.umask(old)
+
+
 def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     """Every file of the export and the folder itself are fsynced (nothing was: a power cut after the export could
     leave empty or missing shards behind names that loaded)."""

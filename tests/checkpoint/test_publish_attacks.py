@@ -434,6 +434,49 @@ def test_an_error_at_every_step_leaves_one_exports_config_and_weights(tmp_path, 
     assert ("a", "a") in seen and ("b", "b") in seen and step > 3
 
 
+def test_a_full_disk_at_every_fsync_or_copy_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
+    """ENOSPC raised by each fsync in turn (NFS, quotas and delayed allocation report a full disk only there) and by
+    the copy of the replaced config.json kept to put back: the error said `[Errno 28] No space left on device` naming
+    no file (fsync_file, shutil.copyfile). Now it names the file under the destination, and the folder (and the single
+    file) reads as the old export."""
+    nets = {"a": _net(0), "b": _net(1)}
+    refs = _references(tmp_path, nets)
+    _with_configs(monkeypatch, nets)
+    dest, single = _user_folder(tmp_path), tmp_path / "one.safetensors"
+    _export(nets["a"], dest, SHARDED)
+    _export(nets["a"], single, SINGLE)
+    old_single = single.read_bytes()
+    real = {"fsync": os.fsync, "copyfile": shutil.copyfile}
+    for what, module in (("fsync", os), ("copyfile", shutil)):
+        for where in (dest, single) if what == "fsync" else (dest,):
+            step, failed = 0, 0
+            while True:
+                step += 1
+                count = [0]
+
+                def full(*args, **kwargs):
+                    count[0] += 1
+                    if count[0] == step:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    return real[what](*args, **kwargs)
+                monkeypatch.setattr(module, what, full)
+                try:
+                    _export(nets["b"], where, SHARDED if where == dest else SINGLE)
+                    monkeypatch.setattr(module, what, real[what])
+                    _export(nets["a"], where, SHARDED if where == dest else SINGLE)  # no error: put back
+                except OSError as e:
+                    failed += 1
+                    assert e.errno == errno.ENOSPC and f"writing {where}" in str(e), (what, step, e)
+                    assert "free space there" in str(e), e
+                    assert _read(dest, refs) == ("a", "a") and single.read_bytes() == old_single, (what, step)
+                    _user_files_intact(dest)
+                finally:
+                    monkeypatch.setattr(module, what, real[what])
+                if count[0] < step:  # every call made without an error: none left to fail
+                    break
+            assert failed >= 1, (what, where)
+
+
 def _shards_of(dest):
     return set(json.loads((dest / INDEX).read_text())["weight_map"].values())
 

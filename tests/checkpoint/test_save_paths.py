@@ -352,6 +352,30 @@ def test_dorafp8config_w8a8_is_written_as_w8a8(dense_dir, tmp_path):
     assert_reloads(model, _hf_load(tmp_path), _llama_out)
 
 
+def test_dorafp8config_model_is_not_exported_over_the_dense_files_it_was_quantized_from(dense_dir, tmp_path):
+    """from_pretrained(dense, quantization_config=DoRAFP8Config()) recorded no source files: an export (export_merged
+    of its adapters) or save_pretrained over the dense model.safetensors replaced the original-precision weights for
+    good. Refused now, naming the file, as for the other loaders; another path works."""
+    import shutil
+
+    shutil.copytree(dense_dir, tmp_path / "dense")
+    original = tmp_path / "dense" / "model.safetensors"
+    before = original.read_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense",
+                                                              quantization_config=dorafp8.DoRAFP8Config())
+    # transformers' save_pretrained overwrote it too (and deletes the shards of a sharded one before it writes)
+    with pytest.raises(FileExistsError, match=r"'model.safetensors'.* is the file the model was loaded from"):
+        model.save_pretrained(tmp_path / "dense")
+    assert original.read_bytes() == before
+    model.save_pretrained(tmp_path / "saved")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    for write, m in ((dorafp8.save_fp8_checkpoint, model), (dorafp8.export_merged, pm)):
+        with pytest.raises(FileExistsError, match=r"is the file the model was loaded from .*write to another path"):
+            write(m, original, verbose=False)
+    assert original.read_bytes() == before
+    dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
+
+
 def test_dorafp8config_errors(dense_dir, tmp_path):
     with pytest.raises(ValueError, match="granularity must be one of"):
         dorafp8.DoRAFP8Config("channel")
