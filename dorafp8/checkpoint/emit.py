@@ -142,6 +142,8 @@ def _fused_nvfp4_globals(t: WriteTarget, tuner_type, merge: bool, adapter_names)
             groups.setdefault((name.rpartition(".")[0], bits), []).append((name, obj, fp8))
     out = {}
     for members in groups.values():
+        if len(members) < 2:
+            continue  # a layer alone takes its own global (recomputed where merged), as before
         merged = {}
         for name, obj, fp8 in members:
             tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
@@ -153,8 +155,8 @@ def _fused_nvfp4_globals(t: WriteTarget, tuner_type, merge: bool, adapter_names)
                                                                 f.global_scale), *weight_dims(fp8.weight),
                     fp8.weight.device))
         own = [merged.get(n, f.global_scale.detach().float().reshape(())).to(f.weight.device) for n, _, f in members]
-        if len(members) < 2 or not merged and all(torch.equal(o, own[0]) for o in own):
-            continue  # a layer alone takes its own global (recomputed where merged), as before
+        if not merged and all(torch.equal(o, own[0]) for o in own):
+            continue
         g = torch.stack(own).amax()
         out.update({n: g.clone() for n, _, _ in members})  # one tensor each: safetensors refuses shared memory
     return out
@@ -313,5 +315,6 @@ def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, ou
     sink.add(t.key_of(f"{name}.weight_scale"), scale)
     if g is not None:
         sink.add(t.key_of(f"{name}.weight_scale_2"), g.detach().float().reshape(()))
-    _emit_bias_and_extras(t, sink, name, fp8, bias)
-    out.groups.setdefault((kind, "none"), []).append(name)
+    extras = _emit_bias_and_extras(t, sink, name, fp8, bias)
+    # "static": the NVFP4 layer has ModelOpt's input_scale, which vLLM's W4A4 path (quant_algo NVFP4) needs
+    out.groups.setdefault((kind, "static" if "input_scale" in extras else "none"), []).append(name)
