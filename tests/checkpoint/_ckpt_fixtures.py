@@ -147,8 +147,8 @@ def write_compressed_tensors_nvfp4(model, path: str, preset: str = "NVFP4A16") -
 
 
 def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
-    """ModelOpt's HF export of NVFP4 or MXFP8 weights (see the module docstring), lm_head left dense as its export
-    excludes it by default."""
+    """ModelOpt's HF export of NVFP4, W4A16_NVFP4 (NVFP4's tensors without input_scale: weight-only) or MXFP8 weights
+    (see the module docstring), lm_head left dense as its export excludes it by default."""
     from dorafp8 import quant
 
     sd, state = {}, model.state_dict()
@@ -157,15 +157,16 @@ def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
             sd[k] = v
             continue
         lay = k[:-len(".weight")]
-        if algo == "NVFP4":
+        if algo in ("NVFP4", "W4A16_NVFP4"):
             # one global scale for the layers vLLM fuses (its ModelOpt loader multiplies every shard by the largest
             # weight_scale_2), as ModelOpt's export gives them (quant_utils.py preprocess_linear_fusion: one amax)
             parent, leaf = lay.rsplit(".", 1)
             group = next((grp for grp in FUSED if leaf in grp), (leaf,))
             amax = torch.stack([state[f"{parent}.{m}.weight"].abs().amax() for m in group]).amax()
             packed, scale, g = quant.quantize_nvfp4(v, quant.nvfp4_global_scale(amax))
-            sd.update({k: packed, f"{lay}.weight_scale": scale, f"{lay}.weight_scale_2": g,
-                       f"{lay}.input_scale": torch.tensor(0.05)})
+            sd.update({k: packed, f"{lay}.weight_scale": scale, f"{lay}.weight_scale_2": g})
+            if algo == "NVFP4":
+                sd[f"{lay}.input_scale"] = torch.tensor(0.05)
         else:
             w8, scale = quant.quantize_mxfp8(v)
             sd.update({k: w8, f"{lay}.weight_scale": scale.view(torch.uint8)})
@@ -173,7 +174,7 @@ def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
         json.dump({"producer": {"name": "modelopt", "version": "0.47.0"},
                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
-                                    "group_size": 16 if algo == "NVFP4" else 32, "exclude_modules": ["lm_head"]}}, f)
+                                    "group_size": 32 if algo == "MXFP8" else 16, "exclude_modules": ["lm_head"]}}, f)
     return path
 
 

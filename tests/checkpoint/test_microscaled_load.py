@@ -606,6 +606,38 @@ def test_writers_give_the_layers_vllm_fuses_one_global_scale(tmp_path, how, grow
             assert action == "kept" and torch.equal(got.weight, source[f"{name}.weight"]), name
 
 
+@pytest.mark.parametrize("writer", ["modelopt-NVFP4", "modelopt-W4A16_NVFP4", "compressed-tensors-NVFP4A16",
+                                    "compressed-tensors-NVFP4"])
+def test_a_modelopt_folder_says_w4a16_nvfp4_where_layers_have_no_input_scale(tmp_path, writer):
+    """vLLM's ModelOpt quant_algo NVFP4 (W4A4) computes every layer with its input_scale (alpha = input_scale *
+    weight_scale_2), a parameter left uninitialized (torch.empty) where the file has none; its W4A16_NVFP4 method
+    reads the same weights and ignores input_scale. dorafp8 wrote quant_algo NVFP4 for every NVFP4 model: a
+    ModelOpt W4A16_NVFP4 export (no input_scale) written back, or a compressed-tensors NVFP4 one (whose
+    input_global_scale is not ModelOpt's input_scale) written as ModelOpt's, ran in vLLM on garbage activation
+    scales. Now the folder says W4A16_NVFP4 unless every NVFP4 layer has its input_scale, and reads back the same."""
+    from dorafp8 import save_fp8_checkpoint
+
+    lib, algo = writer.split("-", 1) if writer.startswith("modelopt") else writer.rsplit("-", 1)
+    src = (write_modelopt(original_model(), str(tmp_path / "src"), algo) if lib == "modelopt" else
+           write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "src"), algo))
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    out = str(tmp_path / "out")
+    save_fp8_checkpoint(model, out, format="modelopt", verbose=False)
+    with open(os.path.join(out, "hf_quant_config.json")) as f:
+        want = "NVFP4" if writer == "modelopt-NVFP4" else "W4A16_NVFP4"
+        assert json.load(f)["quantization"]["quant_algo"] == want
+    file = read_all(out)
+    packed = [k[:-len(".weight_scale_2")] for k in file if k.endswith(".weight_scale_2")]
+    assert len(packed) == 14 and all((f"{lay}.input_scale" in file) == (want == "NVFP4") for lay in packed)
+    fresh = meta_model()
+    assert load_fp8_checkpoint(fresh, out, verbose=False).format == "modelopt"
+    for name, m in _linears(model).items():
+        got = _linears(fresh)[name]
+        assert torch.equal(got.weight, m.weight) and torch.equal(got.scale.view(torch.uint8), m.scale.view(
+            torch.uint8)) and torch.equal(got.global_scale, m.global_scale), name
+
+
 @pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])
 def test_a_modelopt_export_with_a_changed_json_beside_it_is_refused(tmp_path, name):
     """The index of a ModelOpt-layout export records the sha256 of config.json and of hf_quant_config.json (whose
@@ -793,13 +825,14 @@ def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
         assert_close(torch.load(str(out) + ".pt"), twin(input_ids=IDS).logits, tol(torch.float32), "logits")
 
 
-@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4", "MXFP8"])
 def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_path, algo):
     """A ModelOpt export re-exported into its folder in another format: its hf_quant_config.json (recorded in its
     index) goes with it, as its shards do; the re-export was refused naming it, though the writer had written it. One
     the index does not record (planted, copied in) is refused by the writer before anything is written, naming it
     (not removed), and by the loader instead of reading the folder as ModelOpt's: the writer used to publish beside
-    it, and the loader then said that config.json's compressed-tensors contradicts ModelOpt's quant_algo."""
+    it, and the loader then said that config.json's compressed-tensors contradicts ModelOpt's quant_algo (and for a
+    W4A16_NVFP4 one, which dorafp8 writes for NVFP4 layers without input_scale, read the fp8 weights as ModelOpt's)."""
     import json
     import shutil
 
