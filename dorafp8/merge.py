@@ -91,7 +91,7 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
     stats = RequantStats()
     tensor_scale = None
     if dense_dtype is None and granularity == "tensor":
-        tensor_scale = _amax(rows_fn, n_rows, n_cols, device) / E4M3_MAX
+        tensor_scale = weight_amax(rows_fn, n_rows, n_cols, device) / E4M3_MAX
         tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
     out = None
     scales = []
@@ -120,7 +120,7 @@ def requantize(rows_fn: RowFn, n_rows: int, n_cols: int, granularity: str, *, bl
     return out, scale, stats
 
 
-def _amax(rows_fn: RowFn, n_rows: int, n_cols: int, device) -> torch.Tensor:
+def weight_amax(rows_fn: RowFn, n_rows: int, n_cols: int, device) -> torch.Tensor:
     """max |rows| over the finite values, fp32 [] (non-finite ones are left out here, counted by the pass after)."""
     amax = torch.zeros((), dtype=torch.float32, device=device)
     for j0, j1 in row_blocks(n_rows, n_cols):
@@ -146,10 +146,12 @@ def _add_error(stats: RequantStats, r: torch.Tensor, back: torch.Tensor) -> None
     stats.err2 += float(torch.linalg.vector_norm(back.sub_(r), dim=1).double().square().sum())
 
 
-def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None):
+def requantize_micro(rows_fn: RowFn, n_rows: int, n_cols: int, kind: str, *, device=None, global_scale=None):
     """requantize for the microscaled kinds by their recipes (quant.py): (w, scale, global_scale, stats). "nvfp4" takes
-    the whole weight's global scale first (rows_fn called twice per block); "mxfp8" is row-local (global_scale None)."""
-    g = nvfp4_global_scale(_amax(rows_fn, n_rows, n_cols, device)) if kind == "nvfp4" else None
+    the whole weight's global scale first (rows_fn called twice per block), or the one given (a fused group's);
+    "mxfp8" is row-local (global_scale None)."""
+    g = global_scale if global_scale is not None or kind != "nvfp4" else \
+        nvfp4_global_scale(weight_amax(rows_fn, n_rows, n_cols, device))
     stats = RequantStats()
     w = scale = None
     for j0, j1 in row_blocks(n_rows, n_cols):

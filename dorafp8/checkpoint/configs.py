@@ -142,10 +142,14 @@ def diffusers_guard(fmt: str) -> dict:
 
 
 def modelopt_config(out: Written) -> dict:
-    """hf_quant_config.json as ModelOpt's HF export writes it: quant_algo, group size, dense linears."""
-    (kind, _), = out.groups  # write._check_modelopt: one kind a file
+    """hf_quant_config.json as ModelOpt's HF export writes it: quant_algo, group size, dense linears. NVFP4 layers are
+    "NVFP4" (W4A4) where each has its input_scale, else "W4A16_NVFP4" (weight-only): vLLM's NVFP4 method computes
+    with every layer's input_scale, left uninitialized where the file has none (a W4A16_NVFP4 or compressed-tensors
+    source), while its W4A16_NVFP4 one reads the same weights and ignores input_scale."""
+    (kind,) = {k for k, _ in out.groups}  # write._check_modelopt: one kind a file
+    algo = "W4A16_NVFP4" if kind == "nvfp4" and any(act != "static" for _, act in out.groups) else kind.upper()
     return {"producer": {"name": "dorafp8"},
-            "quantization": {"quant_algo": kind.upper(), "kv_cache_quant_algo": None,
+            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
                              "group_size": 16 if kind == "nvfp4" else 32,
                              "exclude_modules": sorted(set(out.dense_linears))}}
 

@@ -11,11 +11,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..merge import adapter_terms, merged_rows, requantize, requantize_micro
-from ..quant import E4M3, scale_kind, w0_rows, weight_dims
+from ..merge import adapter_terms, merged_rows, requantize, requantize_micro, weight_amax
+from ..quant import E4M3, nvfp4_global_scale, scale_kind, w0_rows, weight_dims
 from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_layer_class
-from .plan import LayerSource, WriteTarget, Written, layer_source_of
+from .plan import LayerSource, WriteTarget, Written, fp32_bits, layer_source_of
 from .reports import ExportReport
 from .sink import TensorSink
 
@@ -83,6 +83,7 @@ def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool,
     tuner_type = tuner_layer_class()
     out = Written()
     put_tensor = _TensorPutter(t, sink, report)
+    shared = _fused_nvfp4_globals(t, tuner_type, merge, adapter_names) if t.fmt == "modelopt" else {}
     if t.fmt == "comfyui":
         markers = t.src.marker_tensors if t.same else None
         for k, v in (markers or {f"{t.strip}scaled_fp8": torch.tensor([], dtype=E4M3)}).items():
@@ -106,7 +107,58 @@ def emit(t: WriteTarget, sink: TensorSink, report: ExportReport, *, merge: bool,
                 elif k2 == "tensor":
                     put_tensor(n2, o2)
         else:
-            _emit_fp8_layer(t, sink, report, out, name, obj, tuner_type, merge=merge, adapter_names=adapter_names)
+            _emit_fp8_layer(t, sink, report, out, name, obj, tuner_type, merge=merge, adapter_names=adapter_names,
+                            shared=shared)
+    return out
+
+
+def _to_merge(name: str, tuner, merge: bool, adapter_names) -> list:
+    """The adapters of a PEFT layer (None: none) that a merging write merges, checked mergeable."""
+    if tuner is None or not merge:
+        return []
+    names_ = list(adapter_names) if adapter_names is not None else \
+        [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
+    problems = tuner.merge_problems(names_) if hasattr(tuner, "merge_problems") else []
+    if problems:
+        raise ValueError(f"{name}: cannot merge: {'; '.join(problems)}")
+    return names_
+
+
+def _fused_nvfp4_globals(t: WriteTarget, tuner_type, merge: bool, adapter_names) -> dict:
+    """name -> the global scale (weight_scale_2) an NVFP4 layer is written with, for the members of a group of sibling
+    layers that loaded with one global scale (ModelOpt's export, like llm-compressor, gives q/k/v and gate/up one:
+    preprocess_linear_fusion) where they no longer share it or are merged now. vLLM fuses such siblings into one
+    layer and multiplies every shard by the largest of their weight_scale_2s (modelopt.py, a warning where they
+    differ), so a layer merged with a global of its own (export_merged, or merge_and_unload before the write) would
+    compute wrong there. The group's global is the largest of its members' (a merged one's from its merged weight,
+    ModelOpt's amax / (6 * 448)); a member whose global is another is re-quantized with it."""
+    groups: dict = {}
+    for kind, name, obj in walk_model(t.base, "", tuner_type):
+        fp8 = base_layer(obj) if kind == "fp8" else None
+        g = getattr(fp8, "global_scale", None)
+        if g is not None:
+            src = layer_source_of(fp8)
+            bits = src.global_bits if src is not None and src.global_bits is not None else fp32_bits(g)
+            groups.setdefault((name.rpartition(".")[0], bits), []).append((name, obj, fp8))
+    out = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue  # a layer alone takes its own global (recomputed where merged), as before
+        merged = {}
+        for name, obj, fp8 in members:
+            tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
+            names_ = _to_merge(name, tuner, merge, adapter_names)
+            if names_:
+                terms = adapter_terms(tuner, names_)
+                merged[name] = nvfp4_global_scale(weight_amax(
+                    lambda j0, j1, f=fp8, tm=terms: merged_rows(f.fp8_weight(), f.scale, f.block_size, tm, j0, j1,
+                                                                f.global_scale), *weight_dims(fp8.weight),
+                    fp8.weight.device))
+        own = [merged.get(n, f.global_scale.detach().float().reshape(())).to(f.weight.device) for n, _, f in members]
+        if not merged and all(torch.equal(o, own[0]) for o in own):
+            continue
+        g = torch.stack(own).amax()
+        out.update({n: g.clone() for n, _, _ in members})  # one tensor each: safetensors refuses shared memory
     return out
 
 
@@ -135,7 +187,7 @@ class _TensorPutter:
 
 
 def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str, obj: nn.Module,
-                    tuner_type, *, merge: bool, adapter_names) -> None:
+                    tuner_type, *, merge: bool, adapter_names, shared: dict) -> None:
     """One fp8 layer (or the PEFT layer on it): its weight, scale, bias and extras in t's layout."""
     fmt, layout, dense_dtype, granularity, block_size = t.fmt, t.layout, t.dense_dtype, t.granularity, t.block_size
     key_of = t.key_of
@@ -149,16 +201,9 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
     g_scale = getattr(fp8, "global_scale", None)  # NVFP4's
     if w8.dtype == torch.uint8:
         w_shape = (N, K)
-    names_ = []
-    if tuner is not None:
-        if merge:
-            names_ = list(adapter_names) if adapter_names is not None else \
-                [a for a in tuner.active_adapters if a not in tuner.merged_adapters]
-            problems = tuner.merge_problems(names_) if hasattr(tuner, "merge_problems") else []
-            if problems:
-                raise ValueError(f"{name}: cannot merge: {'; '.join(problems)}")
-        elif any(a not in tuner.merged_adapters for a in tuner.active_adapters):
-            out.unmerged.append(name)
+    names_ = _to_merge(name, tuner, merge, adapter_names)
+    if tuner is not None and not merge and any(a not in tuner.merged_adapters for a in tuner.active_adapters):
+        out.unmerged.append(name)
     terms = adapter_terms(tuner, names_) if names_ else []
     bias = fp8.bias.detach() if fp8.bias is not None else None
     for a in (term[4] for term in terms):
@@ -183,7 +228,7 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         del W
         return
     if fmt == "modelopt":
-        _emit_micro_layer(t, sink, report, out, name, fp8, rows, terms, entry, bias)
+        _emit_micro_layer(t, sink, report, out, name, fp8, rows, terms, entry, bias, shared.get(name))
         return
     allowed = layout.write_granularities
     keep_ok = cur in allowed and granularity in (None, cur) and not (cur == "block" and layer_block_size != block_size)
@@ -251,14 +296,17 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
 
 
 def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
-                      fp8: nn.Module, rows, terms: list, entry: dict, bias) -> None:
+                      fp8: nn.Module, rows, terms: list, entry: dict, bias, shared_g=None) -> None:
     """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes, NVFP4's
-    `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py)."""
+    `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py).
+    shared_g: the global scale of its fused group (_fused_nvfp4_globals), which it is written with."""
     kind = scale_kind(fp8.scale)
-    if terms:
-        w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device)
+    requant = shared_g is not None and not torch.equal(shared_g, fp8.global_scale.detach().float().reshape(()))
+    if terms or requant:
+        w, scale, g, st = requantize_micro(rows, *weight_dims(fp8.weight), kind, device=fp8.weight.device,
+                                           global_scale=shared_g)
         _refuse_nonfinite(name, entry, st)
-        entry.update(action="merged", rel_error=st.rel_error)
+        entry.update(action="merged" if terms else "requantized", rel_error=st.rel_error)
     else:
         w, scale, g = fp8.weight.detach(), fp8.scale, fp8.global_scale
         entry.update(action="kept", rel_error=0.0)
@@ -271,5 +319,6 @@ def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, ou
     sink.add(t.key_of(f"{name}.weight_scale"), scale)
     if g is not None:
         sink.add(t.key_of(f"{name}.weight_scale_2"), g.detach().float().reshape(()))
-    _emit_bias_and_extras(t, sink, name, fp8, bias)
-    out.groups.setdefault((kind, "none"), []).append(name)
+    extras = _emit_bias_and_extras(t, sink, name, fp8, bias)
+    # "static": the NVFP4 layer has ModelOpt's input_scale, which vLLM's W4A4 path (quant_algo NVFP4) needs
+    out.groups.setdefault((kind, "static" if "input_scale" in extras else "none"), []).append(name)

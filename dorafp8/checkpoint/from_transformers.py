@@ -21,7 +21,7 @@ from ..quant import (DEFAULT_BLOCK, E4M3, E8M0, check_act_quant, check_fp8_weigh
                      check_scale, check_weight)
 from .files import identity, read_json
 from .modules import ModelState, swap_module
-from .plan import LayerSource, SourceInfo
+from .plan import LayerSource, SourceInfo, fp32_bits
 
 
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
@@ -31,7 +31,8 @@ def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int
     kept = scale.detach() if scale.dtype in (E4M3, E8M0) else scale.detach().float()
     new = FP8Linear.from_fp8(w8.detach(), kept, bias, backend=backend, dtype=dtype, block_size=block_size,
                              act_quant=act_quant, global_scale=global_scale)
-    new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape))
+    new._dorafp8_source = LayerSource(fmt, extras, scale.dtype, tuple(scale.shape),
+                                      None if global_scale is None else fp32_bits(new.global_scale))
     return new
 
 

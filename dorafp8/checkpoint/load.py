@@ -22,7 +22,7 @@ from .layouts import E5M2, CheckpointFormatError, granularity_name
 from .modules import (FP8_CONV_TYPES, FP8_LAYER_TYPES, ModelState, model_dtype, model_tensors, set_tensor,
                       swap_module, tied_groups)
 from .load_plan import plan_load, resolve_format
-from .plan import LayerSource, LoadPlan, SourceInfo
+from .plan import LayerSource, LoadPlan, SourceInfo, fp32_bits
 from .reports import LoadReport
 from .source import CheckpointSource, config_block_size, layer_key
 
@@ -308,8 +308,9 @@ class _TensorLoader:
         p = self.plan.layers[sp.module]
         if p.global_key is not None:
             g = self.first[p.global_key].float().reshape(())
-            set_tensor(self.model, f"{sp.module}.global_scale", g if p.key.endswith(".weight") else 1.0 / g,
-                       param=False)
+            g = g if p.key.endswith(".weight") else 1.0 / g
+            set_tensor(self.model, f"{sp.module}.global_scale", g, param=False)
+            mod._dorafp8_source.global_bits = fp32_bits(g)
         mod._dorafp8_source.scale_dtype, mod._dorafp8_source.scale_shape = t.dtype, tuple(t.shape)
         self.report.fp8_layers[sp.module] = {"nvfp4": "NVFP4 (e4m3 per 16, fp32 global)",
                                              "mxfp8": "MXFP8 (e8m0 per 32)"}[sp.kind]

@@ -37,6 +37,7 @@ class LayerSource:
     extras: dict = field(default_factory=dict)        # suffix -> tensor ("input_scale", "comfy_quant", ...)
     scale_dtype: Optional[torch.dtype] = None
     scale_shape: Optional[tuple] = None
+    global_bits: Optional[int] = None  # NVFP4: the loaded global scale's fp32 bits (siblings sharing it: a fused group)
 
 
 def source_of(model: nn.Module) -> SourceInfo:
@@ -50,6 +51,11 @@ def source_of(model: nn.Module) -> SourceInfo:
 
 def layer_source_of(layer: nn.Module) -> Optional[LayerSource]:
     return getattr(layer, SOURCE_ATTR, None)
+
+
+def fp32_bits(g: torch.Tensor) -> int:
+    """The bits of a one-value fp32 tensor (an NVFP4 global scale), for telling equal ones apart exactly."""
+    return g.detach().float().reshape(()).cpu().view(torch.int32).item()
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------

@@ -316,7 +316,7 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
     if path is None or not isinstance(hq, dict) or algo != hq.get("quant_algo"):
         return
     info = source.info
-    if algo == "NVFP4":
+    if algo in ("NVFP4", "W4A16_NVFP4"):
         found = bool(nvfp4)
     elif algo == "MXFP8":
         found = any(k.endswith(".weight_scale") and info[k][0] in MX_SCALE_DTYPES for k in info)
@@ -327,7 +327,7 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
         said = f" (and config.json says quant_method={method!r})" if method else ""
         raise CheckpointFormatError(f"{path}: says quant_algo {algo!r}, but no weight in {source.name} is {algo} "
                                     f"(no " + ("packed uint8 '<layer>.weight' with '<layer>.weight_scale_2'" if
-                                               algo == "NVFP4" else "e8m0 '<layer>.weight_scale'") + f"){said}: "
+                                               algo != "MXFP8" else "e8m0 '<layer>.weight_scale'") + f"){said}: "
                                     f"it does not belong to these weights (left from an earlier ModelOpt export to "
                                     f"this folder?); move it away (or delete it), or load the folder it came with")
 

@@ -19,7 +19,8 @@
   modelopt            ModelOpt (nvidia-modelopt) needs CUDA to export; written here by the recipe of its own code
                       (NVFP4QTensor.quantize: dorafp8.quant.quantize_nvfp4 follows it, packing `(q[..., 1::2] << 4) |
                       q[..., 0::2]`) under the names its HF export writes (`weight` uint8, `weight_scale` e4m3,
-                      `weight_scale_2` and `input_scale` fp32) and its hf_quant_config.json; MXFP8 the same way
+                      `weight_scale_2` and `input_scale` fp32) and its hf_quant_config.json, one `weight_scale_2` for
+                      the layers vLLM fuses (q/k/v, gate/up: its preprocess_linear_fusion); MXFP8 the same way
                       (MXFP8QTensor's 2^ceil(log2(amax / 448)) scales, e8m0 bytes as uint8 under `weight_scale`).
 """
 
@@ -34,6 +35,7 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the layers vLLM fuses (qkv_proj, gate_up_proj)
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))  # the token ids every check feeds
 
 
@@ -145,20 +147,26 @@ def write_compressed_tensors_nvfp4(model, path: str, preset: str = "NVFP4A16") -
 
 
 def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
-    """ModelOpt's HF export of NVFP4 or MXFP8 weights (see the module docstring), lm_head left dense as its export
-    excludes it by default."""
+    """ModelOpt's HF export of NVFP4, W4A16_NVFP4 (NVFP4's tensors without input_scale: weight-only) or MXFP8 weights
+    (see the module docstring), lm_head left dense as its export excludes it by default."""
     from dorafp8 import quant
 
-    sd = {}
-    for k, v in model.state_dict().items():
+    sd, state = {}, model.state_dict()
+    for k, v in state.items():
         if not _is_linear_weight(k):
             sd[k] = v
             continue
         lay = k[:-len(".weight")]
-        if algo == "NVFP4":
-            packed, scale, g = quant.quantize_nvfp4(v)
-            sd.update({k: packed, f"{lay}.weight_scale": scale, f"{lay}.weight_scale_2": g,
-                       f"{lay}.input_scale": torch.tensor(0.05)})
+        if algo in ("NVFP4", "W4A16_NVFP4"):
+            # one global scale for the layers vLLM fuses (its ModelOpt loader multiplies every shard by the largest
+            # weight_scale_2), as ModelOpt's export gives them (quant_utils.py preprocess_linear_fusion: one amax)
+            parent, leaf = lay.rsplit(".", 1)
+            group = next((grp for grp in FUSED if leaf in grp), (leaf,))
+            amax = torch.stack([state[f"{parent}.{m}.weight"].abs().amax() for m in group]).amax()
+            packed, scale, g = quant.quantize_nvfp4(v, quant.nvfp4_global_scale(amax))
+            sd.update({k: packed, f"{lay}.weight_scale": scale, f"{lay}.weight_scale_2": g})
+            if algo == "NVFP4":
+                sd[f"{lay}.input_scale"] = torch.tensor(0.05)
         else:
             w8, scale = quant.quantize_mxfp8(v)
             sd.update({k: w8, f"{lay}.weight_scale": scale.view(torch.uint8)})
@@ -166,7 +174,7 @@ def write_modelopt(model, path: str, algo: str = "NVFP4") -> str:
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
         json.dump({"producer": {"name": "modelopt", "version": "0.47.0"},
                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
-                                    "group_size": 16 if algo == "NVFP4" else 32, "exclude_modules": ["lm_head"]}}, f)
+                                    "group_size": 32 if algo == "MXFP8" else 16, "exclude_modules": ["lm_head"]}}, f)
     return path
 
 

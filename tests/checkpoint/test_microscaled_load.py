@@ -16,7 +16,7 @@ from dorafp8 import FP8Linear, load_fp8_checkpoint
 from dorafp8.checkpoint import CheckpointFormatError
 from dorafp8 import quant
 from tests._tolerance import assert_close, tol
-from tests.checkpoint._ckpt_fixtures import (IDS, LINEARS, meta_model, original_model, read_all,
+from tests.checkpoint._ckpt_fixtures import (FUSED, IDS, LINEARS, meta_model, original_model, read_all,
                                              write_compressed_tensors_nvfp4, write_modelopt)
 from tests.kernels.test_microscaled import dequant_64
 
@@ -474,18 +474,20 @@ def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
     trained, loaded = _linears(peft_model.base_model.model), _linears(fresh)
     merged = {n for n in trained if n.endswith(("q_proj", "down_proj"))}
     assert len(merged) == 4 and {n for n, d in report.layers.items() if d["action"] == "merged"} == merged
+    group_g = _fused_group_globals(trained, source) if kind == "nvfp4" else {}
     g = torch.Generator().manual_seed(2)
     for name, layer in trained.items():
         got = loaded[name]
         assert quant.scale_kind(got.scale) == kind, name
         if name not in merged:
+            assert report.layers[name]["action"] == "kept", name  # the group's global is q_proj's source one here
             assert torch.equal(got.weight.view(torch.uint8), source[f"{name}.weight"].view(torch.uint8)), name
             assert torch.equal(got.scale.view(torch.uint8), source[f"{name}.weight_scale"].view(torch.uint8)), name
             continue
         base = layer.get_base_layer()
         rows = merge.merged_rows(base.weight, base.scale, base.block_size, merge.adapter_terms(layer, ["default"]),
                                  0, base.out_features, base.global_scale)
-        want = quant.quantize_nvfp4(rows) if kind == "nvfp4" else quant.quantize_mxfp8(rows)
+        want = quant.quantize_nvfp4(rows, group_g.get(name)) if kind == "nvfp4" else quant.quantize_mxfp8(rows)
         assert torch.equal(got.weight.view(torch.uint8), want[0].view(torch.uint8)), name
         assert torch.equal(got.scale.view(torch.uint8), want[1].view(torch.uint8)), name
         if kind == "nvfp4":
@@ -511,6 +513,129 @@ def test_export_merged_writes_modelopt_and_loads_back(tmp_path, algo):
     for k, v in source.items():
         assert again[k].dtype == v.dtype and again[k].shape == v.shape, k
         assert torch.equal(again[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def _fused_group_globals(trained: dict, source: dict) -> dict:
+    """name -> the global scale export_merged writes an NVFP4 layer of a fused group (q/k/v, gate/up) with: the largest
+    of the members' (a merged one's ModelOpt recipe on its merged weight, amax / (6 * 448); the others' from the
+    source file). Layers outside such groups: absent (a merged one takes its own)."""
+    from dorafp8 import merge
+
+    out = {}
+    for name in trained:
+        parent, leaf = name.rsplit(".", 1)
+        group = next((grp for grp in FUSED if leaf in grp), None)
+        if group is None:
+            continue
+        gs = []
+        for m in group:
+            layer = trained[f"{parent}.{m}"]
+            if hasattr(layer, "lora_A"):
+                base = layer.get_base_layer()
+                rows = merge.merged_rows(base.weight, base.scale, base.block_size,
+                                         merge.adapter_terms(layer, ["default"]), 0, base.out_features,
+                                         base.global_scale)
+                gs.append(quant.nvfp4_global_scale(rows.abs().amax()))
+            else:
+                gs.append(source[f"{parent}.{m}.weight_scale_2"].reshape(()))
+        out[name] = torch.stack(gs).amax()
+    return out
+
+
+@pytest.mark.parametrize("grow", [False, True])
+@pytest.mark.parametrize("how", ["export_merged", "merge_and_unload"])
+def test_writers_give_the_layers_vllm_fuses_one_global_scale(tmp_path, how, grow):
+    """ModelOpt's NVFP4 export gives q/k/v and gate/up one weight_scale_2 (preprocess_linear_fusion), and vLLM fuses
+    them into one layer that multiplies every shard's block scales by the largest shard's weight_scale_2 (modelopt.py;
+    only a warning where they differ). export_merged of a DoRA on q_proj re-quantized it with a global scale of its
+    own (amax / (6 * 448) of the merged weight), and merge_and_unload then save_fp8_checkpoint wrote the one the merge
+    gave it: the fused layer then computed q with k's and v's larger global, 1.5% to 4.7% off, without an error. Now
+    the group is written with one global, the largest of its members' (grow: the merged q_proj's, its magnitude
+    doubled: k_proj and v_proj are re-quantized with it), and vLLM's reading of every shard is what
+    load_fp8_checkpoint reads, bit for bit."""
+    from dorafp8 import export_merged, save_fp8_checkpoint
+
+    pytest.importorskip("peft")
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    source = read_all(src)
+    for lay in ("model.layers.0.self_attn", "model.layers.1.mlp"):  # the fixture's (and ModelOpt's) shared globals
+        gs = {float(v) for k, v in source.items() if k.startswith(lay) and k.endswith("weight_scale_2")
+              and not k.endswith(("o_proj.weight_scale_2", "down_proj.weight_scale_2"))}
+        assert len(gs) == 1, (lay, gs)
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    peft_model = _dora_on(model)
+    trained = _linears(peft_model.base_model.model)
+    if grow:
+        with torch.no_grad():
+            for name, layer in trained.items():
+                if name.endswith("q_proj"):
+                    layer.lora_magnitude_vector["default"].weight.mul_(2)
+    want_g = _fused_group_globals(trained, source)
+    w0 = {n: quant.dequantize_weight(m.weight, m.scale, global_scale=m.global_scale) for n, m in trained.items()
+          if not hasattr(m, "lora_A")}
+    out = str(tmp_path / "merged")
+    if how == "export_merged":
+        report = export_merged(peft_model, out, verbose=False)
+    else:
+        report = save_fp8_checkpoint(peft_model.merge_and_unload(), out, verbose=False)
+    file = read_all(out)
+    fresh = meta_model()
+    load_fp8_checkpoint(fresh, out, verbose=False)
+    for name, got in _linears(fresh).items():
+        parent, leaf = name.rsplit(".", 1)
+        group = next((grp for grp in FUSED if leaf in grp), (leaf,))
+        shard_g = [file[f"{parent}.{m}.weight_scale_2"] for m in group]
+        if len(group) > 1:
+            assert torch.equal(file[f"{name}.weight_scale_2"], want_g[name]), name
+        # vLLM's fused layer: this shard's codes and block scales times the largest shard's weight_scale_2
+        vllm = quant.unpack_e2m1(file[f"{name}.weight"]) * (file[f"{name}.weight_scale"].float()
+                                                             * torch.stack(shard_g).amax()).repeat_interleave(16, 1)
+        assert torch.equal(vllm, quant.dequantize_weight(got.weight, got.scale, global_scale=got.global_scale)), name
+        action = report.layers[name]["action"]
+        if leaf in ("q_proj", "down_proj"):
+            assert action == ("merged" if how == "export_merged" else
+                              "kept" if leaf == "down_proj" or grow else "requantized"), (name, action)
+        elif grow and leaf in ("k_proj", "v_proj"):
+            assert action == "requantized", name
+            packed, scale, g = quant.quantize_nvfp4(w0[name], want_g[name])
+            assert torch.equal(got.weight, packed) and torch.equal(got.scale.view(torch.uint8),
+                                                                   scale.view(torch.uint8)), name
+            assert 0 < report.layers[name]["rel_error"] < 0.2, name
+        else:
+            assert action == "kept" and torch.equal(got.weight, source[f"{name}.weight"]), name
+
+
+@pytest.mark.parametrize("writer", ["modelopt-NVFP4", "modelopt-W4A16_NVFP4", "compressed-tensors-NVFP4A16",
+                                    "compressed-tensors-NVFP4"])
+def test_a_modelopt_folder_says_w4a16_nvfp4_where_layers_have_no_input_scale(tmp_path, writer):
+    """vLLM's ModelOpt quant_algo NVFP4 (W4A4) computes every layer with its input_scale (alpha = input_scale *
+    weight_scale_2), a parameter left uninitialized (torch.empty) where the file has none; its W4A16_NVFP4 method
+    reads the same weights and ignores input_scale. dorafp8 wrote quant_algo NVFP4 for every NVFP4 model: a
+    ModelOpt W4A16_NVFP4 export (no input_scale) written back, or a compressed-tensors NVFP4 one (whose
+    input_global_scale is not ModelOpt's input_scale) written as ModelOpt's, ran in vLLM on garbage activation
+    scales. Now the folder says W4A16_NVFP4 unless every NVFP4 layer has its input_scale, and reads back the same."""
+    from dorafp8 import save_fp8_checkpoint
+
+    lib, algo = writer.split("-", 1) if writer.startswith("modelopt") else writer.rsplit("-", 1)
+    src = (write_modelopt(original_model(), str(tmp_path / "src"), algo) if lib == "modelopt" else
+           write_compressed_tensors_nvfp4(original_model(), str(tmp_path / "src"), algo))
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    out = str(tmp_path / "out")
+    save_fp8_checkpoint(model, out, format="modelopt", verbose=False)
+    with open(os.path.join(out, "hf_quant_config.json")) as f:
+        want = "NVFP4" if writer == "modelopt-NVFP4" else "W4A16_NVFP4"
+        assert json.load(f)["quantization"]["quant_algo"] == want
+    file = read_all(out)
+    packed = [k[:-len(".weight_scale_2")] for k in file if k.endswith(".weight_scale_2")]
+    assert len(packed) == 14 and all((f"{lay}.input_scale" in file) == (want == "NVFP4") for lay in packed)
+    fresh = meta_model()
+    assert load_fp8_checkpoint(fresh, out, verbose=False).format == "modelopt"
+    for name, m in _linears(model).items():
+        got = _linears(fresh)[name]
+        assert torch.equal(got.weight, m.weight) and torch.equal(got.scale.view(torch.uint8), m.scale.view(
+            torch.uint8)) and torch.equal(got.global_scale, m.global_scale), name
 
 
 @pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])
@@ -700,13 +825,14 @@ def test_dorafp8_run_loads_them_through_from_pretrained(tmp_path, writer):
         assert_close(torch.load(str(out) + ".pt"), twin(input_ids=IDS).logits, tol(torch.float32), "logits")
 
 
-@pytest.mark.parametrize("algo", ["NVFP4", "MXFP8"])
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4", "MXFP8"])
 def test_a_stale_hf_quant_config_json_is_named_by_the_writer_and_the_loader(tmp_path, algo):
     """A ModelOpt export re-exported into its folder in another format: its hf_quant_config.json (recorded in its
     index) goes with it, as its shards do; the re-export was refused naming it, though the writer had written it. One
     the index does not record (planted, copied in) is refused by the writer before anything is written, naming it
     (not removed), and by the loader instead of reading the folder as ModelOpt's: the writer used to publish beside
-    it, and the loader then said that config.json's compressed-tensors contradicts ModelOpt's quant_algo."""
+    it, and the loader then said that config.json's compressed-tensors contradicts ModelOpt's quant_algo (and for a
+    W4A16_NVFP4 one, which dorafp8 writes for NVFP4 layers without input_scale, read the fp8 weights as ModelOpt's)."""
     import json
     import shutil
 
