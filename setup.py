@@ -50,8 +50,10 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 # (tests/kernels/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
 # package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
-# the package's one reading of its 0 / 1 switches (a "true" refused by name, not read as off)
-_flag = runpy.run_path(os.path.join(HERE, "dorafp8", "_env.py"))["flag"]
+# the package's one reading of its 0 / 1 switches (a "true" refused by name, not read as off), and of the DORAFP8_*
+# names it does not know (a misspelt DORAFP8_CUDA_ARCH built the default archs, unsaid)
+_ENV = runpy.run_path(os.path.join(HERE, "dorafp8", "_env.py"))
+_flag = _ENV["flag"]
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 DEFAULT_CUDA_ARCHS = BUILD_SPEC["DEFAULT_CUDA_ARCHS"]
 
@@ -216,6 +218,9 @@ class build(_build):
 
 
 ext_modules, base_build_ext, start, note = _cuda_extension()
+if (_typo := _ENV["unknown"]()) is not None:  # pip shows this only under -v: the note (`python -m dorafp8`) keeps it
+    _say(_typo)
+    note += f"; {_typo}"
 
 setup(
     ext_modules=ext_modules,

@@ -403,6 +403,33 @@ def test_an_isolated_build_notes_the_build_on_first_use():
     assert "backend='cuda' builds it on first use" in note and "pip install" not in note, note
 
 
+def test_every_variable_read_is_known_and_setup_py_notes_a_misspelt_one():
+    """dorafp8/_env.py's KNOWN, the DORAFP8_* names `import dorafp8` and setup.py do not warn of, lists every variable
+    the project reads (one missing would be called a typo), and nothing else (a name there is never called one). At
+    install, a misspelt name (DORAFP8_CUDA_ARCH=90a built the default archs, unsaid behind pip) goes into the note
+    `python -m dorafp8` repeats."""
+    from dorafp8._env import KNOWN
+
+    # names in the code that are not variables: binding.cpp's macros, bench/_cases.py's tables, the tests' typo
+    not_variables = {"DORAFP8_STR", "DORAFP8_STR_", "DORAFP8_SOURCES", "DORAFP8_BACKENDS", "DORAFP8_PROVIDERS",
+                     "DORAFP8_CUDA_ARCH"}
+    named = set()
+    for d in ("dorafp8", "triton_kernels", "csrc", "bench", "tests", ".ci"):
+        for f in [*(ROOT / d).rglob("*"), ROOT / "setup.py"]:
+            if f.is_file() and f.suffix in (".py", ".sh", ".cpp", ".cu", ".h", ""):
+                named |= set(re.findall(r"DORAFP8_[A-Z0-9_]+", f.read_text(errors="replace")))
+    assert named - not_variables == KNOWN
+
+    code = ("import runpy, setuptools\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "print(runpy.run_path('setup.py')['note'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DORAFP8_")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(env, DORAFP8_SKIP_CUDA_BUILD="1", DORAFP8_CUDA_ARCH="90a"))
+    assert r.returncode == 0, r.stderr
+    assert "did you mean DORAFP8_CUDA_ARCHS?" in r.stdout and "did you mean DORAFP8_CUDA_ARCHS?" in r.stderr, r
+
+
 @pytest.mark.parametrize("value", ["", ";"])
 def test_cuda_archs_naming_no_arch_builds_what_unset_builds(tmp_path, value):
     """DORAFP8_CUDA_ARCHS set to "" or ";" (a script's "$ARCHS" with ARCHS unset) failed the install with an

@@ -145,6 +145,28 @@ print([str(w.message) for w in caught if str(w.message).startswith("dorafp8:")])
     assert _run_python(code.format(setup="")).strip() == "[]"
 
 
+def test_a_misspelt_variable_is_named_at_import():
+    """A DORAFP8_* variable nothing reads (DORAFP8_CUDA_ARCH for DORAFP8_CUDA_ARCHS, DORAFP8_BACKENDS for
+    DORAFP8_BACKEND) was silently ignored: the switch the user meant stayed off. `import dorafp8` now warns, naming it
+    and the variable it likely misspells; the variables it reads warn of nothing."""
+    code = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dorafp8
+print([str(w.message) for w in caught if "DORAFP8_" in str(w.message)])
+"""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("DORAFP8_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=dict(env, DORAFP8_CUDA_ARCH="90a", DORAFP8_backends="native", DORAFP8_RACE="0"))
+    said = out.stdout.strip().splitlines()[-1]
+    assert "DORAFP8_CUDA_ARCH (did you mean DORAFP8_CUDA_ARCHS?)" in said, out.stdout + out.stderr
+    assert "DORAFP8_backends (did you mean DORAFP8_BACKEND?)" in said and "DORAFP8_RACE " not in said, said
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=dict(env, DORAFP8_RACE="0"))
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_untested_version_compares_numbers():
     from dorafp8._deps import untested_version
 
