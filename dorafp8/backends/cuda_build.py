@@ -71,18 +71,20 @@ def why_not() -> str | None:
 
 
 def archs(device: torch.device) -> list[str]:
-    """What to build for: $DORAFP8_CUDA_ARCHS, else the default arch whose cubin runs on the GPU (build_spec.covering:
-    sm_90 is "90a", as setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch, else, with no GPU (a
-    forced build), build_spec.py's defaults."""
+    """What to build for: the default arch whose cubin runs on the GPU (build_spec.covering: sm_90 is "90a", as
+    setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch; $DORAFP8_CUDA_ARCHS instead where set,
+    plus that arch if none it names runs on the GPU (an image's ENV for other GPUs: a build for them alone was minutes
+    of nvcc for a module with no code here); with no GPU (a forced build), that variable or build_spec.py's defaults."""
     spec = build_spec()
     named = spec["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))
     defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
-    if named:
-        return named
     if not torch.cuda.is_available():
-        return defaults
+        return named or defaults
     major, minor = torch.cuda.get_device_capability(device)
-    return [spec["covering"](defaults, major, minor) or f"{major}{minor}"]
+    own = spec["covering"](defaults, major, minor) or f"{major}{minor}"
+    if not named:
+        return [own]
+    return named if spec["covering"](named, major, minor) else named + [own]
 
 
 def build_spec() -> dict:

@@ -243,6 +243,35 @@ def test_an_install_build_for_other_gpus_is_rebuilt_on_first_use(tmp_path, monke
     assert cb.prepare(torch.device("cuda")) is False and len(calls) == 1
 
 
+def test_first_use_build_adds_the_gpu_to_archs_that_leave_it_out(tmp_path, monkeypatch):
+    """DORAFP8_CUDA_ARCHS="90a" left set (a Docker image's ENV, built for H100s, run on an L40S): the install's build
+    has no code for sm_89, and the first use's rebuild read the same variable and built sm_90a again (minutes of
+    nvcc), then refused the backend for lack of kernel code, naming a checkout's command. The first-use build now adds
+    the GPU's arch to a list that names none whose code runs on it, as setup.py does for TORCH_CUDA_ARCH_LIST."""
+    calls = _fake_toolkit(tmp_path, monkeypatch, archs="90a")
+    installed = type("Installed", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", installed)
+    monkeypatch.setattr(cb, "_INSTALLED", installed)
+    monkeypatch.setattr(cb._backend, "launcher", installed)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+
+    def load(**kw):  # a module with code for the GPU only where the flags build it
+        calls.append(kw)
+        runs = "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
+        return type("Built", (), {"kernel_image_error": staticmethod(lambda i: "" if runs else "no kernel image")})()
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
+    (kw,) = calls
+    assert "arch=compute_90a,code=sm_90a" in kw["extra_cuda_cflags"]  # what the variable names is built too
+    assert cb.cuda_build.archs(torch.device("cuda")) == ["90a", "89"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cb.cuda_build.archs(torch.device("cuda")) == ["90a"]  # a list that covers the GPU stays as named
+
+
 def test_a_failed_rebuild_of_an_install_build_for_other_gpus_is_named_from_then_on(tmp_path, monkeypatch):
     """The first-use rebuild of an install-time dorafp8._C built for other GPUs failed: the first call raised its
     error, every later one told the user to rebuild "in the checkout it was built in", which an sdist user has not,
