@@ -7,6 +7,7 @@ DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py. Details: d
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import runpy
@@ -127,9 +128,11 @@ def build(device: torch.device) -> ModuleType:
     out = Path(p["build_directory"])
     try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out
         out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):  # another user's (a first run under sudo): torch's lock file fails
+            raise PermissionError(errno.EACCES, "not writable by this user", str(out))
     except OSError as e:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: its build folder {out} cannot be made "
-                           f"({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
+                           f"or written ({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
     with _one_builder(out):
         return _build(p, out)
 
@@ -147,7 +150,7 @@ def _one_builder(out: Path):
     # as a POSIX lock, and refuses an exclusive one on a descriptor not open for writing (EBADF; flock(2))
     try:
         fd = os.open(out / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # a folder this user cannot write (another's cache): torch's loader says why, as before
+    except OSError:  # a folder in its place (build() refused an unwritable folder): torch's loader says why
         yield
         return
     try:

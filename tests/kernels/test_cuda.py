@@ -544,6 +544,28 @@ def test_first_use_build_into_an_unwritable_cache(tmp_path, monkeypatch):
     assert "DORAFP8_CACHE_DIR" in cb.unavailable_reason(torch.device("cuda"))
 
 
+def test_first_use_build_into_another_users_folder(tmp_path, monkeypatch):
+    """A build folder that exists but this user cannot write (a first run under sudo, or in a container as root, made
+    it): torch's loader failed on its lock file with a bare PermissionError, reported as a failed build; now it is
+    refused before the loader as an unmakable folder is, naming it and DORAFP8_CACHE_DIR. (Root writes anywhere, so
+    os.access answers for the other user here; the loader raises as torch's does on such a folder.)"""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    out.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: os.fspath(p) != str(out) and real_access(p, mode, **kw))
+
+    def load(**kw):
+        calls.append(kw)
+        raise PermissionError(errno.EACCES, "Permission denied", str(out / "lock"))
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    with pytest.raises(RuntimeError, match=r"build folder .*cuda_ext/sm_90a-.* cannot be made or written .*set "
+                                           r"DORAFP8_CACHE_DIR to a writable folder"):
+        cb.prepare(torch.device("cuda"))
+    assert calls == [] and "DORAFP8_CACHE_DIR" in cb.unavailable_reason(torch.device("cuda"))
+
+
 @pytest.mark.skipif(os.environ.get("DORAFP8_TEST_CUDA_BUILD") != "1",
                     reason="builds the CUDA extension with nvcc (minutes): DORAFP8_TEST_CUDA_BUILD=1 runs it")
 def test_first_use_build_for_real(tmp_path):
