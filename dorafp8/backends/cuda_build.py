@@ -10,8 +10,10 @@ import contextlib
 import errno
 import hashlib
 import os
+import platform
 import runpy
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -107,8 +109,10 @@ def plan(device: torch.device) -> dict:
     sources = [str(src / f) for f in ["binding.cpp", *spec["CUDA_SOURCES"]]]
     cuda_flags = spec["NVCC_FLAGS"] + spec["gencode"](target)
     key = hashlib.sha256(spec["sources_hash"](str(src)).encode())
-    key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], torch.__version__, torch.version.cuda))
-               .encode())
+    # what the .so is tied to: a home shared by x86 and aarch64 nodes (GH200 beside x86 H100s) with the same versions
+    # on both found the other machine's build and failed to import it; EXT_SUFFIX holds the python ABI too
+    key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], sysconfig.get_config_var("EXT_SUFFIX"),
+                     platform.machine(), torch.__version__, torch.version.cuda)).encode())
     return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,
                 extra_include_paths=[str(src)] + spec["wheel_include_dirs"](), archs=target,
                 build_directory=Path(cache_dir()) / "cuda_ext" / f"sm_{'_'.join(target)}-{key.hexdigest()[:16]}",

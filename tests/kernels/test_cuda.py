@@ -355,6 +355,25 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
 
 
+def test_first_use_build_cache_is_per_machine_architecture(tmp_path, monkeypatch):
+    """A home shared by x86 and aarch64 nodes (a cluster's GH200 beside its x86 H100s, the same python, torch and CUDA
+    versions on both) gave both one cache folder: the second node found the first's dorafp8_C.so, took it as built
+    and failed to import it (wrong ELF class), with no rebuild. The key holds the extension suffix (machine, python
+    ABI) and the machine now."""
+    import platform
+    import sysconfig
+
+    _fake_toolkit(tmp_path, monkeypatch)
+    cuda = torch.device("cuda")
+    folder = cb.cuda_build.plan(cuda)["build_directory"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    other = "aarch64" if platform.machine() != "aarch64" else "x86_64"
+    monkeypatch.setattr(platform, "machine", lambda: other)
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: suffix.replace(
+        "x86_64" if other == "aarch64" else "aarch64", other) if name == "EXT_SUFFIX" else None)
+    assert cb.cuda_build.plan(cuda)["build_directory"] != folder
+
+
 def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
     """A build killed (SIGKILL, the OOM killer, a job's time limit) leaves torch's `lock` file in the build folder;
     torch's loader before 2.14 (FileBaton, in torch 2.11 on the GPU machine) waits for it to disappear, forever, while
