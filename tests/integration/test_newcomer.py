@@ -181,6 +181,16 @@ def test_environment_report():
     assert "backends on cpu: auto -> native" in out and "CUDA extension dorafp8._C:" in out
 
 
+@pytest.mark.parametrize("argv", [["runn", "--", "trl", "sft"], ["--quantize", "--", "trl", "sft"], ["doctor"]])
+def test_an_unknown_command_is_refused(argv):
+    """`dorafp8 runn -- trl sft` (a typo, or `run` left out) printed the installation report and exited 0: the
+    trainer never ran and a script went on as if it had. Refused now with the usage, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "dorafp8", *argv], capture_output=True, text=True, timeout=240,
+                       cwd=ROOT)
+    assert r.returncode == 2 and f"unknown command {argv[0]!r}" in r.stderr and "dorafp8 run" in r.stderr, r
+    assert "backends on cpu" not in r.stdout, r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------- all-linear
 
 @pytest.mark.parametrize("quantize", ["all", "some"])
