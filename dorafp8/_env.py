@@ -17,6 +17,10 @@ KNOWN = frozenset({
     "DORAFP8_REQUIRE_CUDA_EXT", "DORAFP8_TEST_CUDA_BUILD", "DORAFP8_MARGINS", "DORAFP8_INSPECT_ARCHS", "DORAFP8_COMMIT",
 })
 
+# The 0 / 1 switches (flag() reads them), which `python -m dorafp8` checks
+SWITCHES = ("DORAFP8_RACE", "DORAFP8_NO_PATCHES", "DORAFP8_HOPPER_GEMM", "DORAFP8_FORCE_CUDA_BUILD",
+            "DORAFP8_SKIP_CUDA_BUILD")
+
 
 def flag(name: str, default: Optional[bool] = False) -> Optional[bool]:
     """$name as a switch: "1" on, "0" off, unset or empty `default`. Anything else is refused naming the variable:

@@ -181,6 +181,26 @@ def test_environment_report():
     assert "backends on cpu: auto -> native" in out and "CUDA extension dorafp8._C:" in out
 
 
+def test_the_report_names_refused_settings():
+    """`python -m dorafp8`, the first thing a new user runs, died on DORAFP8_BACKEND=Triton with a traceback and said
+    nothing of DORAFP8_RACE=true or DORAFP8_CUDA_ARCHS=Hopper, which only the first GPU step of a training run (or a
+    build minutes into it) refused. It now says each refused value, with the error its reader would raise."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DORAFP8_")}
+    env.update(DORAFP8_RACE="true", DORAFP8_BACKEND="Triton", DORAFP8_CUDA_ARCHS="Hopper", DORAFP8_HOPPER_GEMM="off")
+    r = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    refused = [ln for ln in r.stdout.splitlines() if ln.startswith("refused setting: ")]
+    for name, expected in (("DORAFP8_RACE", "0 (off) or 1 (on)"), ("DORAFP8_HOPPER_GEMM", "0 (off) or 1 (on)"),
+                           ("DORAFP8_BACKEND", "'triton'"), ("DORAFP8_CUDA_ARCHS", "89;90a")):
+        assert [ln for ln in refused if name in ln and expected in ln], (name, r.stdout)
+    assert "backends on cpu: auto -> refused (DORAFP8_BACKEND)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(env, DORAFP8_RACE="0", DORAFP8_BACKEND="native", DORAFP8_CUDA_ARCHS="90a",
+                                DORAFP8_HOPPER_GEMM="1"))
+    assert r.returncode == 0 and "refused setting" not in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("argv", [["runn", "--", "trl", "sft"], ["--quantize", "--", "trl", "sft"], ["doctor"]])
 def test_an_unknown_command_is_refused(argv):
     """`dorafp8 runn -- trl sft` (a typo, or `run` left out) printed the installation report and exited 0: the
