@@ -114,6 +114,7 @@ def _cuda_extension():
     if home is None:
         return _skip("nvcc not found (no $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc or nvcc on PATH; set "
                      "CUDA_HOME to the CUDA toolkit): skipping the CUDA extension")
+    toolkit = BUILD_SPEC["toolkit"](home)  # before $CUDA_HOME is set to it: a $CUDA_HOME passed over is named
     os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = home  # what torch's BuildExtension builds with
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
@@ -139,7 +140,8 @@ def _cuda_extension():
             "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)}{whence} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    start = f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}"
+    start = (f"building the CUDA extension for sm_{', sm_'.join(archs)} with {toolkit}, "
+             f"MAX_JOBS={os.environ['MAX_JOBS']}")
     return [ext], BuildExtension.with_options(use_ninja=True), start, note
 
 
@@ -176,11 +178,11 @@ def _noting(base, start, note):
                     raise
                 msg = e.args[0] % e.args[1:] if len(e.args) > 1 and "%s" in str(e.args[0]) else str(e)  # torch's
                 why = " ".join(f"{type(e).__name__}: {msg}".split())[:600]
-                text = (f"the CUDA extension failed to build ({why}); dorafp8 installs without it: backend='auto' "
-                        "uses the Triton/reference backends, and backend='cuda' builds it on first use for the GPU at "
-                        "hand (it needs an nvcc of torch's CUDA major; DORAFP8_CUDA_ARCHS=<your GPU's, e.g. 90a> "
-                        "builds for it alone where this nvcc lacks an arch of the default; DORAFP8_FORCE_CUDA_BUILD=1 "
-                        "makes a failed build fail the install)")
+                text = (f"the CUDA extension failed to build ({why}; while {start}); dorafp8 installs without it: "
+                        "backend='auto' uses the Triton/reference backends, and backend='cuda' builds it on first use "
+                        "for the GPU at hand (it needs an nvcc of torch's CUDA major; DORAFP8_CUDA_ARCHS=<your GPU's, "
+                        "e.g. 90a> builds for it alone where this nvcc lacks an arch of the default; "
+                        "DORAFP8_FORCE_CUDA_BUILD=1 makes a failed build fail the install)")
                 _say(text)
                 self.extensions, self.inplace = [], inplace_build  # nothing built: no install lists it
             regular, inplace = self._note_paths()

@@ -184,8 +184,9 @@ def _build(p: dict, out: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     cached = any(out.glob(f"{NAME}*.so"))
+    home = str(cuda_home())
     what = (f"the CUDA extension for sm_{', sm_'.join(p['archs'])} (torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda})")
+            f"CUDA {torch.version.cuda}) with {build_spec()['toolkit'](home)}")
     done = threading.Event()
     t0 = time.monotonic()
     if not cached:
@@ -202,7 +203,7 @@ def _build(p: dict, out: Path) -> ModuleType:
     try:
         # What torch's loader reads, set for this build only: CUDA_HOME (its own guess may be a wrapper script's) and
         # MAX_JOBS; the archs are in our -gencode flags.
-        cpp_extension.CUDA_HOME = str(cuda_home())
+        cpp_extension.CUDA_HOME = home
         if default_jobs:
             os.environ["MAX_JOBS"] = p["max_jobs"]
         module = cpp_extension.load(name=NAME, sources=p["sources"], extra_cflags=p["extra_cflags"],

@@ -549,6 +549,26 @@ def test_first_use_build_refusals(tmp_path, monkeypatch):
     assert "nvcc fatal" in cb.unavailable_reason(torch.device("cuda"))
 
 
+def test_first_use_build_names_the_toolkit_it_took(tmp_path, monkeypatch, capsys):
+    """CUDA_HOME naming a toolkit since removed is passed over for the next one found (here $CUDA_PATH's); a build
+    that then failed on torch's "The detected CUDA version (12.1) mismatches ..." named no toolkit, and the user's
+    CUDA_HOME looked used. The build's lines now name the toolkit it took and the $CUDA_HOME it passed over."""
+    from torch.utils import cpp_extension
+
+    _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "cuda"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda-13.0-removed"))
+
+    def mismatch(**kw):
+        raise RuntimeError("The detected CUDA version (12.1) mismatches the version that was used to compile PyTorch")
+
+    monkeypatch.setattr(cpp_extension, "load", mismatch)
+    with pytest.raises(RuntimeError, match=r"mismatches") as e:
+        cb.prepare(torch.device("cuda"))
+    said = f"with the CUDA toolkit in {tmp_path / 'cuda'} ($CUDA_HOME={tmp_path / 'cuda-13.0-removed'} has no bin/nvcc)"
+    assert said in str(e.value) and said in capsys.readouterr().err, str(e.value)
+
+
 def test_first_use_build_into_an_unwritable_cache(tmp_path, monkeypatch):
     """A cache folder that cannot be made (a read-only home; here a file in its place, as root passes permissions): a
     RuntimeError naming the folder and DORAFP8_CACHE_DIR, kept as the backend's reason and not tried again. Before, the
