@@ -50,8 +50,10 @@ NOTE_FILE = "_build_info.json"  # read by dorafp8/backends/cuda.py's build_note(
 # (tests/kernels/test_cuda_emulated.py) read the same file, which ships with the sources in the wheel (pyproject.toml's
 # package data).
 BUILD_SPEC = runpy.run_path(os.path.join(HERE, "csrc", "build_spec.py"))
-# the package's one reading of its 0 / 1 switches (a "true" refused by name, not read as off)
-_flag = runpy.run_path(os.path.join(HERE, "dorafp8", "_env.py"))["flag"]
+# the package's one reading of its 0 / 1 switches (a "true" refused by name, not read as off), and of the DORAFP8_*
+# names it does not know (a misspelt DORAFP8_CUDA_ARCH built the default archs, unsaid)
+_ENV = runpy.run_path(os.path.join(HERE, "dorafp8", "_env.py"))
+_flag = _ENV["flag"]
 CUDA_SOURCES = BUILD_SPEC["CUDA_SOURCES"]
 DEFAULT_CUDA_ARCHS = BUILD_SPEC["DEFAULT_CUDA_ARCHS"]
 
@@ -112,6 +114,7 @@ def _cuda_extension():
     if home is None:
         return _skip("nvcc not found (no $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc or nvcc on PATH; set "
                      "CUDA_HOME to the CUDA toolkit): skipping the CUDA extension")
+    toolkit = BUILD_SPEC["toolkit"](home)  # before $CUDA_HOME is set to it: a $CUDA_HOME passed over is named
     os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = home  # what torch's BuildExtension builds with
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU build: skipping the CUDA extension")
@@ -137,7 +140,8 @@ def _cuda_extension():
             "nvcc": BUILD_SPEC["NVCC_FLAGS"] + gencode},
     )
     note = f"built for sm_{', sm_'.join(archs)}{whence} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    start = f"building the CUDA extension for sm_{', sm_'.join(archs)} with MAX_JOBS={os.environ['MAX_JOBS']}"
+    start = (f"building the CUDA extension for sm_{', sm_'.join(archs)} with {toolkit}, "
+             f"MAX_JOBS={os.environ['MAX_JOBS']}")
     return [ext], BuildExtension.with_options(use_ninja=True), start, note
 
 
@@ -174,11 +178,11 @@ def _noting(base, start, note):
                     raise
                 msg = e.args[0] % e.args[1:] if len(e.args) > 1 and "%s" in str(e.args[0]) else str(e)  # torch's
                 why = " ".join(f"{type(e).__name__}: {msg}".split())[:600]
-                text = (f"the CUDA extension failed to build ({why}); dorafp8 installs without it: backend='auto' "
-                        "uses the Triton/reference backends, and backend='cuda' builds it on first use for the GPU at "
-                        "hand (it needs an nvcc of torch's CUDA major; DORAFP8_CUDA_ARCHS=<your GPU's, e.g. 90a> "
-                        "builds for it alone where this nvcc lacks an arch of the default; DORAFP8_FORCE_CUDA_BUILD=1 "
-                        "makes a failed build fail the install)")
+                text = (f"the CUDA extension failed to build ({why}; while {start}); dorafp8 installs without it: "
+                        "backend='auto' uses the Triton/reference backends, and backend='cuda' builds it on first use "
+                        "for the GPU at hand (it needs an nvcc of torch's CUDA major; DORAFP8_CUDA_ARCHS=<your GPU's, "
+                        "e.g. 90a> builds for it alone where this nvcc lacks an arch of the default; "
+                        "DORAFP8_FORCE_CUDA_BUILD=1 makes a failed build fail the install)")
                 _say(text)
                 self.extensions, self.inplace = [], inplace_build  # nothing built: no install lists it
             regular, inplace = self._note_paths()
@@ -216,6 +220,9 @@ class build(_build):
 
 
 ext_modules, base_build_ext, start, note = _cuda_extension()
+if (_typo := _ENV["unknown"]()) is not None:  # pip shows this only under -v: the note (`python -m dorafp8`) keeps it
+    _say(_typo)
+    note += f"; {_typo}"
 
 setup(
     ext_modules=ext_modules,

@@ -105,10 +105,15 @@ def _stop(info, why) -> int:
 
 
 def _out(argv) -> str:
+    """What `argv` prints; where it fails printing nothing, its exit status and the end of its stderr (the build
+    step's check of the extension recorded [] for a child that died on its import, and no reason)."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError) as e:
         return f"{type(e).__name__}: {e}"
+    if r.returncode and not r.stdout.strip():
+        return f"exit {r.returncode}: " + " | ".join(r.stderr.strip().splitlines()[-3:])
+    return r.stdout.strip()
 
 
 def pins_from(rows: list[dict], norm_config: str) -> dict:

@@ -115,6 +115,17 @@ def cuda_home():
     return None
 
 
+def toolkit(home: str) -> str:
+    """The toolkit a build takes (cuda_home's `home`), as its messages name it: torch's "The detected CUDA version
+    (12.1) mismatches the version that was used to compile PyTorch" names no folder, and a $CUDA_HOME without nvcc (a
+    toolkit since removed or upgraded) is passed over for another, which the user did not choose."""
+    import os
+
+    env = os.environ.get("CUDA_HOME")
+    passed = env and os.path.realpath(env) != os.path.realpath(home)
+    return f"the CUDA toolkit in {home}" + (f" ($CUDA_HOME={env} has no bin/nvcc)" if passed else "")
+
+
 def default_max_jobs() -> str:
     """Parallel nvcc jobs without MAX_JOBS: at most the cores and free memory / 3 GiB (nvcc on torch headers)."""
     import os

@@ -5,7 +5,7 @@ goes dora_fp8_linear (ops/linear.py) -> torch.ops.dorafp8.* -> a backend (backen
 PEFT, transformers, diffusers and LyCORIS are not imported here (they take seconds): the names that need them load on
 first use, and each library learns of dorafp8's fp8 layers when it is imported (dorafp8/_install.py)."""
 
-from . import _deps, _install
+from . import _deps, _env, _install
 from .backends import BACKENDS, available_backends
 from .checkpoint import detect_format, export_merged, load_fp8_checkpoint, load_single_file, save_fp8_checkpoint
 from .distributed import install_ddp_support, install_fsdp_support
@@ -18,6 +18,10 @@ from .checkpoint.from_transformers import from_transformers_fp8
 __version__ = "0.1.0"
 
 _deps.warn_if_untested_torch()
+if (_typo := _env.unknown()) is not None:  # a misspelt switch, said rather than silently ignored
+    import warnings
+
+    warnings.warn(_typo, stacklevel=2)
 
 __all__ = [
     "BACKENDS", "available_backends", "quantize_e4m3", "dequantize_e4m3", "dora_fp8_linear", "fp8_linear",

@@ -32,14 +32,40 @@ def report() -> str:
     else:
         lines.append("GPU: none visible to torch")
     lines.append(f"CUDA extension dorafp8._C: {cuda_backend.extension_status()}")
+    lines += [f"refused setting: {why}" for why in refused_settings()]
     for dev in devices:
-        lines.append(f"backends on {dev}: auto -> {backends.resolve('auto', torch.device(dev))}")
+        try:
+            auto = backends.resolve("auto", torch.device(dev))
+        except ValueError:  # DORAFP8_BACKEND: said above
+            auto = "refused (DORAFP8_BACKEND)"
+        lines.append(f"backends on {dev}: auto -> {auto}")
         for name in backends.BACKENDS:
             why = backends.unavailable_reason(name, torch.device(dev))
             lines.append(f"  {name:<10} {'ok' if why is None else why}")
     from dorafp8.ops import race_report  # what backend="auto" picked on this machine's GPUs, and the others' times
 
     return "\n".join(lines + race_report())
+
+
+def refused_settings() -> list[str]:
+    """Why each DORAFP8_* value set here would be refused by the call that reads it (a switch set to "true", a backend
+    or an arch misspelt): said here, where a new user looks first, rather than at the first GPU step of a training
+    run, or never on a CPU, which reads few of them. (A misspelt name is `import dorafp8`'s warning.)"""
+    import os
+
+    from dorafp8 import _env, backends
+    from dorafp8.backends import cuda_build
+
+    checks = [lambda n=n: _env.flag(n) for n in _env.SWITCHES] + [backends.env_backend]
+    if cuda_build.source_dir() is not None:
+        checks.append(lambda: cuda_build.build_spec()["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS")))
+    out = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             return race_check(argv[1:])
         print("\n".join(race_selftest()))
         return 0
+    usage = ("usage: dorafp8             what this installation can run\n"
+             "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
+             "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
+             "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: dorafp8             what this installation can run\n"
-              "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
-              "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
-              "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
+        print(usage)
         return 0
+    if argv:  # `dorafp8 runn -- trl sft ...` printed the report, exit 0, and the trainer never ran
+        print(f"dorafp8: unknown command {argv[0]!r}\n{usage}", file=sys.stderr)
+        return 2
     print(report())
     return 0
 

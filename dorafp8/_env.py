@@ -8,6 +8,19 @@ import os
 import threading
 from typing import Optional
 
+# Every DORAFP8_* variable something reads: README's table, and the tests' and bench/'s own. Any other DORAFP8_* name
+# set is a typo that nothing would say (DORAFP8_CUDA_ARCH=90a built the default archs, DORAFP8_BACKENDS=native ran
+# triton): `import dorafp8` and setup.py name it (unknown()). tests/integration/test_layout.py checks the list.
+KNOWN = frozenset({
+    "DORAFP8_BACKEND", "DORAFP8_RACE", "DORAFP8_CACHE_DIR", "DORAFP8_HOPPER_GEMM", "DORAFP8_NO_PATCHES", "DORAFP8_RUN",
+    "DORAFP8_CUDA_ARCHS", "DORAFP8_FORCE_CUDA_BUILD", "DORAFP8_SKIP_CUDA_BUILD",
+    "DORAFP8_REQUIRE_CUDA_EXT", "DORAFP8_TEST_CUDA_BUILD", "DORAFP8_MARGINS", "DORAFP8_INSPECT_ARCHS", "DORAFP8_COMMIT",
+})
+
+# The 0 / 1 switches (flag() reads them), which `python -m dorafp8` checks
+SWITCHES = ("DORAFP8_RACE", "DORAFP8_NO_PATCHES", "DORAFP8_HOPPER_GEMM", "DORAFP8_FORCE_CUDA_BUILD",
+            "DORAFP8_SKIP_CUDA_BUILD")
+
 
 def flag(name: str, default: Optional[bool] = False) -> Optional[bool]:
     """$name as a switch: "1" on, "0" off, unset or empty `default`. Anything else is refused naming the variable:
@@ -18,6 +31,22 @@ def flag(name: str, default: Optional[bool] = False) -> Optional[bool]:
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 (off) or 1 (on), got {value!r}")
     return value == "1"
+
+
+def unknown() -> Optional[str]:
+    """What to say of the DORAFP8_* variables set here that dorafp8 does not read (each with the name it likely
+    misspells), or None."""
+    import difflib
+
+    names = sorted(n for n in os.environ if n.upper().startswith("DORAFP8_") and n not in KNOWN)
+    if not names:
+        return None
+    said = []
+    for n in names:
+        close = difflib.get_close_matches(n.upper(), KNOWN, n=1, cutoff=0.75)
+        said.append(f"{n} (did you mean {close[0]}?)" if close else n)
+    return (f"dorafp8 reads no variable named {', '.join(said)}, so it does nothing; the variables dorafp8 reads: "
+            f"{', '.join(sorted(KNOWN))} (README.md, \"Environment variables\")")
 
 
 class ThreadSwitch:

@@ -95,12 +95,16 @@ def resolve(name: str | None, device: torch.device, needs: frozenset = frozenset
     that cannot compute what the call `needs` is passed over; a named one is used, or refused (base.not_supported)."""
     name = check_backend_name(name)
     if name == "auto":
-        env = os.environ.get("DORAFP8_BACKEND")
-        if env:
-            if env not in _CHOICES:
-                raise ValueError(f"DORAFP8_BACKEND must be one of {list(_CHOICES)}, got {env!r}")
-            name = env
+        name = env_backend() or name
     return _resolved(name, device, needs)
+
+
+def env_backend() -> str | None:
+    """$DORAFP8_BACKEND, None if unset; a name not among the choices is a ValueError naming them."""
+    env = os.environ.get("DORAFP8_BACKEND")
+    if env and env not in _CHOICES:
+        raise ValueError(f"DORAFP8_BACKEND must be one of {list(_CHOICES)}, got {env!r}")
+    return env or None
 
 
 def _resolved(name: str, device: torch.device, needs: frozenset) -> str:

@@ -7,10 +7,13 @@ DORAFP8_FORCE_CUDA_BUILD and DORAFP8_CUDA_ARCHS work as for setup.py. Details: d
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import platform
 import runpy
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -71,18 +74,20 @@ def why_not() -> str | None:
 
 
 def archs(device: torch.device) -> list[str]:
-    """What to build for: $DORAFP8_CUDA_ARCHS, else the default arch whose cubin runs on the GPU (build_spec.covering:
-    sm_90 is "90a", as setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch, else, with no GPU (a
-    forced build), build_spec.py's defaults."""
+    """What to build for: the default arch whose cubin runs on the GPU (build_spec.covering: sm_90 is "90a", as
+    setup.py builds it; B300's sm_103 takes sm_100's), else the GPU's own arch; $DORAFP8_CUDA_ARCHS instead where set,
+    plus that arch if none it names runs on the GPU (an image's ENV for other GPUs: a build for them alone was minutes
+    of nvcc for a module with no code here); with no GPU (a forced build), that variable or build_spec.py's defaults."""
     spec = build_spec()
     named = spec["cuda_archs"](os.environ.get("DORAFP8_CUDA_ARCHS"))
     defaults = spec["DEFAULT_CUDA_ARCHS"].split(";")
-    if named:
-        return named
     if not torch.cuda.is_available():
-        return defaults
+        return named or defaults
     major, minor = torch.cuda.get_device_capability(device)
-    return [spec["covering"](defaults, major, minor) or f"{major}{minor}"]
+    own = spec["covering"](defaults, major, minor) or f"{major}{minor}"
+    if not named:
+        return [own]
+    return named if spec["covering"](named, major, minor) else named + [own]
 
 
 def build_spec() -> dict:
@@ -104,8 +109,10 @@ def plan(device: torch.device) -> dict:
     sources = [str(src / f) for f in ["binding.cpp", *spec["CUDA_SOURCES"]]]
     cuda_flags = spec["NVCC_FLAGS"] + spec["gencode"](target)
     key = hashlib.sha256(spec["sources_hash"](str(src)).encode())
-    key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], torch.__version__, torch.version.cuda))
-               .encode())
+    # what the .so is tied to: a home shared by x86 and aarch64 nodes (GH200 beside x86 H100s) with the same versions
+    # on both found the other machine's build and failed to import it; EXT_SUFFIX holds the python ABI too
+    key.update(repr((spec["CXX_FLAGS"], cuda_flags, sys.version_info[:2], sysconfig.get_config_var("EXT_SUFFIX"),
+                     platform.machine(), torch.__version__, torch.version.cuda)).encode())
     return dict(sources=sources, extra_cflags=list(spec["CXX_FLAGS"]), extra_cuda_cflags=cuda_flags,
                 extra_include_paths=[str(src)] + spec["wheel_include_dirs"](), archs=target,
                 build_directory=Path(cache_dir()) / "cuda_ext" / f"sm_{'_'.join(target)}-{key.hexdigest()[:16]}",
@@ -125,9 +132,11 @@ def build(device: torch.device) -> ModuleType:
     out = Path(p["build_directory"])
     try:  # an unwritable home (a container's, a cluster's): the backend's reason names the way out
         out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):  # another user's (a first run under sudo): torch's lock file fails
+            raise PermissionError(errno.EACCES, "not writable by this user", str(out))
     except OSError as e:
         raise RuntimeError(f"the CUDA extension dorafp8._C cannot be built: its build folder {out} cannot be made "
-                           f"({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
+                           f"or written ({e}); set DORAFP8_CACHE_DIR to a writable folder") from e
     with _one_builder(out):
         return _build(p, out)
 
@@ -145,7 +154,7 @@ def _one_builder(out: Path):
     # as a POSIX lock, and refuses an exclusive one on a descriptor not open for writing (EBADF; flock(2))
     try:
         fd = os.open(out / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # a folder this user cannot write (another's cache): torch's loader says why, as before
+    except OSError:  # a folder in its place (build() refused an unwritable folder): torch's loader says why
         yield
         return
     try:
@@ -175,8 +184,9 @@ def _build(p: dict, out: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     cached = any(out.glob(f"{NAME}*.so"))
+    home = str(cuda_home())
     what = (f"the CUDA extension for sm_{', sm_'.join(p['archs'])} (torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda})")
+            f"CUDA {torch.version.cuda}) with {build_spec()['toolkit'](home)}")
     done = threading.Event()
     t0 = time.monotonic()
     if not cached:
@@ -193,7 +203,7 @@ def _build(p: dict, out: Path) -> ModuleType:
     try:
         # What torch's loader reads, set for this build only: CUDA_HOME (its own guess may be a wrapper script's) and
         # MAX_JOBS; the archs are in our -gencode flags.
-        cpp_extension.CUDA_HOME = str(cuda_home())
+        cpp_extension.CUDA_HOME = home
         if default_jobs:
             os.environ["MAX_JOBS"] = p["max_jobs"]
         module = cpp_extension.load(name=NAME, sources=p["sources"], extra_cflags=p["extra_cflags"],

@@ -26,6 +26,7 @@ def _child(name: str, fd: int) -> None:
     try:
         warnings.simplefilter("ignore")
         if name == "dorafp8.__main__":
+            sys.argv = ["dorafp8"]  # `python -m dorafp8`, no arguments (this script's would be an unknown command)
             runpy.run_module("dorafp8", run_name="__main__", alter_sys=True)
         else:
             __import__(name)

@@ -103,6 +103,17 @@ def test_sanitizer_selections_select_tests():
         assert n and int(n.group(1)) > 0, proc.stdout[-2000:]
 
 
+def test_a_check_child_that_dies_leaves_its_reason():
+    """The GPU-only steps ask children (the build step: does the extension run?) and record what they print; one that
+    died on an import or a CUDA error printed nothing, and the results said `"extension": []`, no reason. Its exit
+    status and the end of its stderr are recorded now; what a child prints is as before."""
+    import _first_steps as S
+
+    died = S._out([sys.executable, "-c", "import sys; print('noise', file=sys.stderr); sys.exit('boom: no module')"])
+    assert died.startswith("exit 1: ") and "boom: no module" in died, died
+    assert S._out([sys.executable, "-c", "print('runs')"]) == "runs"
+
+
 def test_pins_from_the_model_picks():
     import _first_steps as S
 

@@ -394,13 +394,42 @@ def test_an_isolated_build_notes_the_build_on_first_use():
     code = ("import json, sys, runpy, setuptools\n"
             "sys.modules['torch'] = None\n"  # what an isolated build environment has
             "setuptools.setup = lambda **kw: None\n"
-            "ext, _, start, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "g = runpy.run_path('setup.py')\n"
+            "ext, _, _, note = g['_cuda_extension']()\n"
+            "start = g['start']  # the run's own (the call above finds $CUDA_HOME set to the toolkit it took)\n"
             "print(json.dumps([ext, start, note]))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     ext, start, note = json.loads(r.stdout.strip().splitlines()[-1])
     assert ext == [] and start is None
     assert "backend='cuda' builds it on first use" in note and "pip install" not in note, note
+
+
+def test_every_variable_read_is_known_and_setup_py_notes_a_misspelt_one():
+    """dorafp8/_env.py's KNOWN, the DORAFP8_* names `import dorafp8` and setup.py do not warn of, lists every variable
+    the project reads (one missing would be called a typo), and nothing else (a name there is never called one). At
+    install, a misspelt name (DORAFP8_CUDA_ARCH=90a built the default archs, unsaid behind pip) goes into the note
+    `python -m dorafp8` repeats."""
+    from dorafp8._env import KNOWN
+
+    # names in the code that are not variables: binding.cpp's macros, bench/_cases.py's tables, the tests' typo
+    not_variables = {"DORAFP8_STR", "DORAFP8_STR_", "DORAFP8_SOURCES", "DORAFP8_BACKENDS", "DORAFP8_PROVIDERS",
+                     "DORAFP8_CUDA_ARCH"}
+    named = set()
+    for d in ("dorafp8", "triton_kernels", "csrc", "bench", "tests", ".ci"):
+        for f in [*(ROOT / d).rglob("*"), ROOT / "setup.py"]:
+            if f.is_file() and f.suffix in (".py", ".sh", ".cpp", ".cu", ".h", ""):
+                named |= set(re.findall(r"DORAFP8_[A-Z0-9_]+", f.read_text(errors="replace")))
+    assert named - not_variables == KNOWN
+
+    code = ("import runpy, setuptools\n"
+            "setuptools.setup = lambda **kw: None\n"
+            "print(runpy.run_path('setup.py')['note'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DORAFP8_")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(env, DORAFP8_SKIP_CUDA_BUILD="1", DORAFP8_CUDA_ARCH="90a"))
+    assert r.returncode == 0, r.stderr
+    assert "did you mean DORAFP8_CUDA_ARCHS?" in r.stdout and "did you mean DORAFP8_CUDA_ARCHS?" in r.stderr, r
 
 
 @pytest.mark.parametrize("value", ["", ";"])
@@ -414,7 +443,9 @@ def test_cuda_archs_naming_no_arch_builds_what_unset_builds(tmp_path, value):
     code = ("import json, runpy, setuptools, torch\n"
             "torch.version.cuda = torch.version.cuda or '13.0'\n"  # a CUDA build of torch (this one may not be)
             "setuptools.setup = lambda **kw: None\n"
-            "ext, _, start, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "g = runpy.run_path('setup.py')\n"
+            "ext, _, _, note = g['_cuda_extension']()\n"
+            "start = g['start']  # the run's own (the call above finds $CUDA_HOME set to the toolkit it took)\n"
             "print(json.dumps([len(ext), note]))\n")
     env = dict(os.environ, CUDA_HOME=str(toolkit), DORAFP8_FORCE_CUDA_BUILD="1", MAX_JOBS="1")
     env.pop("DORAFP8_SKIP_CUDA_BUILD", None)
@@ -470,19 +501,24 @@ def test_setup_py_builds_with_the_toolkit_the_first_use_build_finds(tmp_path, cu
             "torch.cuda.is_available = lambda: True\n"
             "torch.version.cuda = torch.version.cuda or '13.0'\n"
             "setuptools.setup = lambda **kw: None\n"
-            "ext, _, _, note = runpy.run_path('setup.py')['_cuda_extension']()\n"
+            "g = runpy.run_path('setup.py')\n"
+            "ext, _, _, note = g['_cuda_extension']()\n"
+            "start = g['start']  # the run's own (the call above finds $CUDA_HOME set to the toolkit it took)\n"
             "from torch.utils import cpp_extension\n"
             "from dorafp8.backends import cuda_build\n"
-            "print(json.dumps([len(ext), note, cpp_extension.CUDA_HOME, str(cuda_build.cuda_home())]))\n")
+            "print(json.dumps([len(ext), note, cpp_extension.CUDA_HOME, str(cuda_build.cuda_home()), start]))\n")
     env = dict(os.environ, CUDA_HOME=cuda_home, PATH=f"{toolkit / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=str(ROOT))
     for name in ("DORAFP8_SKIP_CUDA_BUILD", "DORAFP8_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", "CUDA_PATH"):
         env.pop(name, None)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    n_ext, note, setup_home, first_use_home = json.loads(r.stdout.strip().splitlines()[-1])
+    n_ext, note, setup_home, first_use_home, start = json.loads(r.stdout.strip().splitlines()[-1])
     assert n_ext == 1, note
     assert setup_home == first_use_home == str(toolkit), (setup_home, first_use_home)  # torch's order: PATH's next
+    # what the build says (and a failed build's note): the toolkit it took, and the $CUDA_HOME it passed over
+    assert f"with the CUDA toolkit in {toolkit}" in start, start
+    assert (f"($CUDA_HOME={cuda_home} has no bin/nvcc)" in start) == bool(cuda_home), start
 
 
 def test_cuda_home_takes_a_windows_toolkit(tmp_path, monkeypatch):

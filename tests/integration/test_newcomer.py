@@ -146,6 +146,28 @@ print([str(w.message) for w in caught if str(w.message).startswith("dorafp8:")])
     assert _run_python(code.format(setup="")).strip() == "[]"
 
 
+def test_a_misspelt_variable_is_named_at_import():
+    """A DORAFP8_* variable nothing reads (DORAFP8_CUDA_ARCH for DORAFP8_CUDA_ARCHS, DORAFP8_BACKENDS for
+    DORAFP8_BACKEND) was silently ignored: the switch the user meant stayed off. `import dorafp8` now warns, naming it
+    and the variable it likely misspells; the variables it reads warn of nothing."""
+    code = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import dorafp8
+print([str(w.message) for w in caught if "DORAFP8_" in str(w.message)])
+"""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("DORAFP8_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=dict(env, DORAFP8_CUDA_ARCH="90a", DORAFP8_backends="native", DORAFP8_RACE="0"))
+    said = out.stdout.strip().splitlines()[-1]
+    assert "DORAFP8_CUDA_ARCH (did you mean DORAFP8_CUDA_ARCHS?)" in said, out.stdout + out.stderr
+    assert "DORAFP8_backends (did you mean DORAFP8_BACKEND?)" in said and "DORAFP8_RACE " not in said, said
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env=dict(env, DORAFP8_RACE="0"))
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
 def test_untested_version_compares_numbers():
     from dorafp8._deps import untested_version
 
@@ -158,6 +180,36 @@ def test_untested_version_compares_numbers():
 def test_environment_report():
     out = _run_python("import runpy; runpy.run_module('dorafp8', run_name='__main__')")
     assert "backends on cpu: auto -> native" in out and "CUDA extension dorafp8._C:" in out
+
+
+def test_the_report_names_refused_settings():
+    """`python -m dorafp8`, the first thing a new user runs, died on DORAFP8_BACKEND=Triton with a traceback and said
+    nothing of DORAFP8_RACE=true or DORAFP8_CUDA_ARCHS=Hopper, which only the first GPU step of a training run (or a
+    build minutes into it) refused. It now says each refused value, with the error its reader would raise."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DORAFP8_")}
+    env.update(DORAFP8_RACE="true", DORAFP8_BACKEND="Triton", DORAFP8_CUDA_ARCHS="Hopper", DORAFP8_HOPPER_GEMM="off")
+    r = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    refused = [ln for ln in r.stdout.splitlines() if ln.startswith("refused setting: ")]
+    for name, expected in (("DORAFP8_RACE", "0 (off) or 1 (on)"), ("DORAFP8_HOPPER_GEMM", "0 (off) or 1 (on)"),
+                           ("DORAFP8_BACKEND", "'triton'"), ("DORAFP8_CUDA_ARCHS", "89;90a")):
+        assert [ln for ln in refused if name in ln and expected in ln], (name, r.stdout)
+    assert "backends on cpu: auto -> refused (DORAFP8_BACKEND)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(env, DORAFP8_RACE="0", DORAFP8_BACKEND="native", DORAFP8_CUDA_ARCHS="90a",
+                                DORAFP8_HOPPER_GEMM="1"))
+    assert r.returncode == 0 and "refused setting" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("argv", [["runn", "--", "trl", "sft"], ["--quantize", "--", "trl", "sft"], ["doctor"]])
+def test_an_unknown_command_is_refused(argv):
+    """`dorafp8 runn -- trl sft` (a typo, or `run` left out) printed the installation report and exited 0: the
+    trainer never ran and a script went on as if it had. Refused now with the usage, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "dorafp8", *argv], capture_output=True, text=True, timeout=240,
+                       cwd=ROOT)
+    assert r.returncode == 2 and f"unknown command {argv[0]!r}" in r.stderr and "dorafp8 run" in r.stderr, r
+    assert "backends on cpu" not in r.stdout, r.stdout
 
 
 # ---------------------------------------------------------------------------------------------------- all-linear

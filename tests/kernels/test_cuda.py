@@ -261,6 +261,35 @@ def test_a_first_use_build_for_another_gpu_names_the_archs_not_a_checkout(tmp_pa
     assert "sm_89" in why and "DORAFP8_CUDA_ARCHS" in why and "checkout" not in why, why
 
 
+def test_first_use_build_adds_the_gpu_to_archs_that_leave_it_out(tmp_path, monkeypatch):
+    """DORAFP8_CUDA_ARCHS="90a" left set (a Docker image's ENV, built for H100s, run on an L40S): the install's build
+    has no code for sm_89, and the first use's rebuild read the same variable and built sm_90a again (minutes of
+    nvcc), then refused the backend for lack of kernel code, naming a checkout's command. The first-use build now adds
+    the GPU's arch to a list that names none whose code runs on it, as setup.py does for TORCH_CUDA_ARCH_LIST."""
+    calls = _fake_toolkit(tmp_path, monkeypatch, archs="90a")
+    installed = type("Installed", (), {"kernel_image_error": staticmethod(lambda i: "no kernel image is available")})()
+    monkeypatch.setattr(cb, "_C", installed)
+    monkeypatch.setattr(cb, "_INSTALLED", installed)
+    monkeypatch.setattr(cb._backend, "launcher", installed)
+    monkeypatch.setattr(cb, "_image_error", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+
+    def load(**kw):  # a module with code for the GPU only where the flags build it
+        calls.append(kw)
+        runs = "arch=compute_89,code=[sm_89,compute_89]" in kw["extra_cuda_cflags"]
+        return type("Built", (), {"kernel_image_error": staticmethod(lambda i: "" if runs else "no kernel image")})()
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    assert backends.resolve("cuda", torch.device("cuda")) == "cuda"
+    (kw,) = calls
+    assert "arch=compute_90a,code=sm_90a" in kw["extra_cuda_cflags"]  # what the variable names is built too
+    assert cb.cuda_build.archs(torch.device("cuda")) == ["90a", "89"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cb.cuda_build.archs(torch.device("cuda")) == ["90a"]  # a list that covers the GPU stays as named
+
+
 def test_a_failed_rebuild_of_an_install_build_for_other_gpus_is_named_from_then_on(tmp_path, monkeypatch):
     """The first-use rebuild of an install-time dorafp8._C built for other GPUs failed: the first call raised its
     error, every later one told the user to rebuild "in the checkout it was built in", which an sdist user has not,
@@ -342,6 +371,25 @@ def test_first_use_build_cache_key_and_progress(tmp_path, monkeypatch, capsys):
     (same / f"{cb.cuda_build.NAME}.so").unlink()
     cb.cuda_build.build(cuda)
     assert "dorafp8: ... still compiling the CUDA extension" in capsys.readouterr().err
+
+
+def test_first_use_build_cache_is_per_machine_architecture(tmp_path, monkeypatch):
+    """A home shared by x86 and aarch64 nodes (a cluster's GH200 beside its x86 H100s, the same python, torch and CUDA
+    versions on both) gave both one cache folder: the second node found the first's dorafp8_C.so, took it as built
+    and failed to import it (wrong ELF class), with no rebuild. The key holds the extension suffix (machine, python
+    ABI) and the machine now."""
+    import platform
+    import sysconfig
+
+    _fake_toolkit(tmp_path, monkeypatch)
+    cuda = torch.device("cuda")
+    folder = cb.cuda_build.plan(cuda)["build_directory"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    other = "aarch64" if platform.machine() != "aarch64" else "x86_64"
+    monkeypatch.setattr(platform, "machine", lambda: other)
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: suffix.replace(
+        "x86_64" if other == "aarch64" else "aarch64", other) if name == "EXT_SUFFIX" else None)
+    assert cb.cuda_build.plan(cuda)["build_directory"] != folder
 
 
 def test_first_use_build_after_a_killed_build(tmp_path, monkeypatch, capsys):
@@ -519,6 +567,26 @@ def test_first_use_build_refusals(tmp_path, monkeypatch):
     assert "nvcc fatal" in cb.unavailable_reason(torch.device("cuda"))
 
 
+def test_first_use_build_names_the_toolkit_it_took(tmp_path, monkeypatch, capsys):
+    """CUDA_HOME naming a toolkit since removed is passed over for the next one found (here $CUDA_PATH's); a build
+    that then failed on torch's "The detected CUDA version (12.1) mismatches ..." named no toolkit, and the user's
+    CUDA_HOME looked used. The build's lines now name the toolkit it took and the $CUDA_HOME it passed over."""
+    from torch.utils import cpp_extension
+
+    _fake_toolkit(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "cuda"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda-13.0-removed"))
+
+    def mismatch(**kw):
+        raise RuntimeError("The detected CUDA version (12.1) mismatches the version that was used to compile PyTorch")
+
+    monkeypatch.setattr(cpp_extension, "load", mismatch)
+    with pytest.raises(RuntimeError, match=r"mismatches") as e:
+        cb.prepare(torch.device("cuda"))
+    said = f"with the CUDA toolkit in {tmp_path / 'cuda'} ($CUDA_HOME={tmp_path / 'cuda-13.0-removed'} has no bin/nvcc)"
+    assert said in str(e.value) and said in capsys.readouterr().err, str(e.value)
+
+
 def test_first_use_build_into_an_unwritable_cache(tmp_path, monkeypatch):
     """A cache folder that cannot be made (a read-only home; here a file in its place, as root passes permissions): a
     RuntimeError naming the folder and DORAFP8_CACHE_DIR, kept as the backend's reason and not tried again. Before, the
@@ -531,6 +599,28 @@ def test_first_use_build_into_an_unwritable_cache(tmp_path, monkeypatch):
         cb.prepare(torch.device("cuda"))
     assert cb.prepare(torch.device("cuda")) is False and calls == []  # not again
     assert "DORAFP8_CACHE_DIR" in cb.unavailable_reason(torch.device("cuda"))
+
+
+def test_first_use_build_into_another_users_folder(tmp_path, monkeypatch):
+    """A build folder that exists but this user cannot write (a first run under sudo, or in a container as root, made
+    it): torch's loader failed on its lock file with a bare PermissionError, reported as a failed build; now it is
+    refused before the loader as an unmakable folder is, naming it and DORAFP8_CACHE_DIR. (Root writes anywhere, so
+    os.access answers for the other user here; the loader raises as torch's does on such a folder.)"""
+    calls = _fake_toolkit(tmp_path, monkeypatch)
+    out = cb.cuda_build.plan(torch.device("cuda"))["build_directory"]
+    out.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: os.fspath(p) != str(out) and real_access(p, mode, **kw))
+
+    def load(**kw):
+        calls.append(kw)
+        raise PermissionError(errno.EACCES, "Permission denied", str(out / "lock"))
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    with pytest.raises(RuntimeError, match=r"build folder .*cuda_ext/sm_90a-.* cannot be made or written .*set "
+                                           r"DORAFP8_CACHE_DIR to a writable folder"):
+        cb.prepare(torch.device("cuda"))
+    assert calls == [] and "DORAFP8_CACHE_DIR" in cb.unavailable_reason(torch.device("cuda"))
 
 
 @pytest.mark.skipif(os.environ.get("DORAFP8_TEST_CUDA_BUILD") != "1",
