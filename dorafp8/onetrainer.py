@@ -54,7 +54,9 @@ def _scale_on(layer: nn.Module, scale: torch.Tensor, device: torch.device) -> to
     src, scale = scale, scale.detach().reshape(())
     if scale.device == device and scale.dtype == torch.float32:
         return scale
-    if torch.compiler.is_compiling():  # no attribute written inside a compiled (checkpointed) region
+    # No attribute written inside a compiled (checkpointed) region; an inference tensor (a model built under
+    # torch.inference_mode()) tracks no version, so the key below could not see a write to it: copied at every call
+    if torch.compiler.is_compiling() or scale.is_inference():
         return scale.to(device=device, dtype=torch.float32)
     # src itself is kept (compared by identity), so that no new scale can take its address
     key = (scale._version, scale.data_ptr(), scale.dtype, scale.device, device, torch.is_inference_mode_enabled())

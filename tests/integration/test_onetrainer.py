@@ -327,6 +327,23 @@ def test_the_scale_read_by_the_fused_path_follows_writes_to_it(ot, train):
     assert fp8_parts(layer)[1] == 0.25
 
 
+def test_a_scale_made_in_inference_mode_is_read_as_it_is_now(ot):
+    """A model built or loaded under torch.inference_mode() (a sampling script) holds inference tensors, which track
+    no version: the fused path read the scale's version to key its kept copy and raised 'Inference tensors do not
+    track version counter' (outside and inside inference mode alike); an in-place write to one is invisible to such a
+    key, so it is read as it is at every call."""
+    from dorafp8.onetrainer import fp8_parts
+
+    layer = _model(ot, "LinearFp8").fc1
+    with torch.inference_mode():
+        layer._scale = layer._scale.to(torch.float16)  # not fp32 on the weight's device: the copy the fused path keeps
+    assert fp8_parts(layer)[1] == layer._scale.float()
+    with torch.inference_mode():
+        assert fp8_parts(layer)[1] == layer._scale.float()
+        layer._scale.mul_(2)
+        assert fp8_parts(layer)[1] == layer._scale.float()
+
+
 def test_conv_layers_run_onetrainer_own_forward(ot, calls):
     """PeftBase's conv branch: DoRA on an nn.Conv2d is OneTrainer's own (dorafp8 takes fp8 linear layers only)."""
     torch.manual_seed(0)
