@@ -483,9 +483,12 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
             pass
         mode = stat.S_IMODE(os.stat(path).st_mode)
         save_file(tensors, path, metadata=metadata)
-        os.chmod(path, mode)
     except (SafetensorError, OSError) as e:
         raise write_error(name or path, e) from e
+    # a courtesy, not the write: vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM), and the file
+    # written there is whole
+    with contextlib.suppress(OSError):
+        os.chmod(path, mode)
 
 
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:

@@ -40,18 +40,20 @@ def _config_says(model: nn.Module, quantization_config: dict):
             model.hf_quantizer = quantizer
 
 
-def _refuse_originals(model: nn.Module, folder) -> None:
+def _refuse_originals(model: nn.Module, folder, variant=None) -> None:
     """Refuses a save_pretrained into a folder holding a file the model was loaded from that transformers would
-    overwrite (model.safetensors) or delete (`model*-<5 digits>-of-<5 digits>.safetensors`, before it writes the new
-    ones: a kill meanwhile leaves neither), as dorafp8's writers refuse (write.refuse_original)."""
+    overwrite (model.safetensors, model.<variant>.safetensors with variant=) or delete
+    (`model*-<5 digits>-of-<5 digits>.safetensors`, before it writes the new ones: a kill meanwhile leaves neither), as
+    dorafp8's writers refuse (write.refuse_original)."""
     from .plan import source_of
     from .write import refuse_original
 
     files = source_of(model).files
     if not files or not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
         return
+    written = {"model.safetensors", f"model.{variant}.safetensors" if variant else "model.safetensors"}
     for name in sorted(os.listdir(folder)):
-        if name == "model.safetensors" or re.fullmatch(r"model.*-\d{5}-of-\d{5}\.safetensors", name):
+        if name in written or re.fullmatch(r"model.*-\d{5}-of-\d{5}\.safetensors", name):
             refuse_original(os.path.join(folder, name), files, os.fspath(folder))
 
 
@@ -71,7 +73,7 @@ def _transformers_save_pretrained(orig):
                              f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
                              f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
                              f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
-        _refuse_originals(self, bound.arguments.get("save_directory"))
+        _refuse_originals(self, bound.arguments.get("save_directory"), bound.arguments.get("variant"))
         state_dict, quantization_config, report = save_pretrained_state(self)
         requantized = report.errors("requantized")
         if requantized:

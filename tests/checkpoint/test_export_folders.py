@@ -221,6 +221,24 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
         os.umask(old)
 
 
+def test_an_export_onto_a_filesystem_that_refuses_chmod_is_written(tmp_path, monkeypatch):
+    """vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM): the mode fix-up after safetensors' write
+    failed the whole export there ('writing ...: Operation not permitted'), where it worked before the fix-up."""
+    import errno
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chmod", refuse)
+    net = _net(0)
+    folder, single = tmp_path / "ckpt", tmp_path / "one.safetensors"
+    _export(net, folder, SHARDED)
+    _export(net, single, SINGLE)
+    _export(_net(1), single, SINGLE)  # a replaced file too
+    monkeypatch.undo()
+    assert any(p.name.endswith(".safetensors") for p in folder.iterdir()) and single.stat().st_size > 0
+
+
 def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):
     """Every file of the export and the folder itself are fsynced (nothing was: a power cut after the export could
     leave empty or missing shards behind names that loaded)."""

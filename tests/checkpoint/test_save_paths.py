@@ -376,6 +376,24 @@ def test_dorafp8config_model_is_not_exported_over_the_dense_files_it_was_quantiz
     dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
 
 
+def test_save_pretrained_of_a_variant_is_not_written_over_the_variant_file_it_was_quantized_from(dense_dir, tmp_path):
+    """from_pretrained(dense, variant='fp16', quantization_config=DoRAFP8Config()) then save_pretrained(same folder,
+    variant='fp16'): transformers writes model.fp16.safetensors, the dense original; the hook checked
+    model.safetensors and the shards only, so the original precision was replaced for good. Refused now."""
+    import shutil
+
+    shutil.copytree(dense_dir, tmp_path / "dense")
+    original = tmp_path / "dense" / "model.fp16.safetensors"
+    (tmp_path / "dense" / "model.safetensors").rename(original)
+    before = original.read_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", variant="fp16",
+                                                              quantization_config=dorafp8.DoRAFP8Config())
+    with pytest.raises(FileExistsError, match=r"'model.fp16.safetensors'.* is the file the model was loaded from"):
+        model.save_pretrained(tmp_path / "dense", variant="fp16")
+    assert original.read_bytes() == before
+    model.save_pretrained(tmp_path / "saved", variant="fp16")
+
+
 def test_dorafp8config_errors(dense_dir, tmp_path):
     with pytest.raises(ValueError, match="granularity must be one of"):
         dorafp8.DoRAFP8Config("channel")
