@@ -24,7 +24,7 @@ from peft.tuners.lora.variants import (
 )
 from torch import nn
 
-from ..nn import FP8ConvNd, FP8Linear
+from ..nn import FP8ConvNd, FP8Linear, refuse_sharded_model
 from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
@@ -146,6 +146,8 @@ def _export_layers(who: str, model, adapter_name, dora_scale: str, prefix, dtype
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     root = _root(model)
+    # (FSDP2 shards stopped in safetensors, 'invalid python storage'; ZeRO-3's empty partitions in the rank's division)
+    refuse_sharded_model(model, who)
     prefix = resolve_prefix(prefix, root)
     layers = _lora_layers(root)
     adapter = _pick_adapter(layers, adapter_name)
