@@ -83,6 +83,11 @@ def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
     # single-process model's with the same adapter, byte for byte (before: 'cannot reshape tensor of 0 elements')
     assert "ZeRO-3 partitions" in res[0]["export_refusal"] and "GatheredParameters" in res[0]["export_refusal"]
     assert res[0]["merged_equal"]
+    # save_kohya_dora: "lycoris" reads the adapter only, written inside GatheredParameters(trainable); "comfyui" reads
+    # the base too, refused there (naming the gather) and written inside the whole model's; both equal one process's
+    assert res[0]["kohya_written"] == ["comfyui", "lycoris"] and res[0]["kohya_equal"]
+    assert len(res[0]["kohya_refusals"]) == 1 and "save_kohya_dora" in res[0]["kohya_refusals"][0] \
+        and "GatheredParameters" in res[0]["kohya_refusals"][0]
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
