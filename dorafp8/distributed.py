@@ -183,10 +183,14 @@ def _wrap_cast_module_mixed_precision(orig):
 def install_deepspeed_support() -> bool:
     """Makes DeepSpeedEngine keep each dorafp8 layer's scales with its weight: its initial broadcast of rank 0's
     parameters sends them too, and a config's buffer_dtype leaves them as they are (fp32 or the microscaled kinds'
-    fp8); idempotent; whether installed (False before deepspeed.runtime.engine is imported, or without it)."""
-    cls = getattr(sys.modules.get(DEEPSPEED_ENGINE_MODULE), "DeepSpeedEngine", None)
-    if getattr(cls, "_broadcast_model", None) is None:
+    fp8); idempotent; whether installed (False before deepspeed.runtime.engine is imported). Raises AttributeError
+    where the engine lacks the method (a DeepSpeed that renamed it): the import hook warns, naming the consequence."""
+    mod = sys.modules.get(DEEPSPEED_ENGINE_MODULE)
+    if mod is None:
         return False
+    cls = mod.DeepSpeedEngine
+    if getattr(cls, "_broadcast_model", None) is None:
+        raise AttributeError("DeepSpeedEngine has no _broadcast_model (the initial broadcast of rank 0's parameters)")
     _wrap_once(cls, "_broadcast_model", _wrap_broadcast_model)
     if getattr(cls, "_cast_module_mixed_precision", None) is not None:  # older DeepSpeed called module.half()
         _wrap_once(cls, "_cast_module_mixed_precision", _wrap_cast_module_mixed_precision)

@@ -24,7 +24,7 @@ from peft.tuners.lora.variants import (
 )
 from torch import nn
 
-from ..nn import FP8ConvNd, FP8Linear
+from ..nn import FP8ConvNd, FP8Linear, refuse_sharded_model
 from ..ops import norm_divisor
 from ..quant import all_finite
 from ..peft import DoraFP8Variant
@@ -153,6 +153,11 @@ def _export_layers(who: str, model, adapter_name, dora_scale: str, prefix, dtype
     problems = [p for n, m in layers.items() for p in _export_problems(n, m, adapter, dora_scale, prefix)]
     if problems:
         raise ValueError(f"{who} cannot write this adapter: " + "; ".join(problems))
+    # FSDP2 shards stopped in safetensors ('invalid python storage'), ZeRO-3's empty partitions in the rank's division.
+    # Only what is read: the adapter (gathered alone under ZeRO-3, docs/MULTI_GPU.md), and the base for "comfyui".
+    refuse_sharded_model(model, who, [(f"{n}.{k}", p) for n, layer in layers.items()
+                                      for k, p in layer.named_parameters() if k.split(".")[1:2] == [adapter]
+                                      or (dora_scale == "comfyui" and k.startswith("base_layer."))])
     return root, prefix, adapter, layers
 
 

@@ -246,13 +246,14 @@ def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
                                                        numel=w.numel()))
 
 
-def refuse_sharded_model(model: torch.nn.Module, what: str) -> None:
-    """Raises a RuntimeError naming the way to gather them where `model`'s parameters are FSDP2 shards (DTensors) or
-    DeepSpeed ZeRO-3 partitions, which `what` (a writer reading whole weights on one rank) cannot read: torch stopped
-    with 'got mixed torch.Tensor and DTensor' or 'Attempted to access the data pointer on an invalid python storage',
-    and a ZeRO-3 model with 'cannot reshape tensor of 0 elements'."""
+def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
+    """Raises a RuntimeError naming the way to gather them where `model`'s parameters (or `named`, the (name,
+    parameter) pairs `what` reads) are FSDP2 shards (DTensors) or DeepSpeed ZeRO-3 partitions, which `what` (a writer
+    reading whole weights on one rank) cannot read: torch stopped with 'got mixed torch.Tensor and DTensor' or
+    'Attempted to access the data pointer on an invalid python storage', and a ZeRO-3 model with 'cannot reshape
+    tensor of 0 elements'."""
     dtensor = _dtensor_class()
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters() if named is None else named:
         if dtensor is not None and isinstance(p, dtensor):
             raise RuntimeError(
                 f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "

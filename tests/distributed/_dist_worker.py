@@ -657,6 +657,17 @@ def _merged_export_of_partitions(pm, out, res):
             res["export_refusal"] = None
         except RuntimeError as e:
             res["export_refusal"] = str(e)
+    # save_kohya_dora reads the adapter (what GatheredParameters(trainable) gathers) and, for "comfyui", the base
+    kohya = {}
+    for scale, gathered in (("lycoris", trainable(pm)), ("comfyui", trainable(pm)), ("comfyui", list(pm.parameters()))):
+        with deepspeed.zero.GatheredParameters(gathered):
+            if RANK == 0:
+                path = os.path.join(out, f"kohya_{scale}_{len(gathered)}.safetensors")
+                try:
+                    dorafp8.save_kohya_dora(pm, path, dora_scale=scale)
+                    kohya[path] = scale
+                except RuntimeError as e:
+                    res.setdefault("kohya_refusals", []).append(str(e))
     with deepspeed.zero.GatheredParameters(list(pm.parameters())):
         if RANK == 0:
             dorafp8.export_merged(pm, os.path.join(out, "merged"), verbose=False)
@@ -664,11 +675,23 @@ def _merged_export_of_partitions(pm, out, res):
         one = C.build_model(seed=0)
         set_peft_model_state_dict(one, res["adapter"])
         dorafp8.export_merged(one, os.path.join(out, "merged_one"), verbose=False)
+        res["kohya_written"] = sorted(kohya.values())
+        res["kohya_equal"] = all(_same_file(load_file(path), one, scale, out) for path, scale in kohya.items())
         got, want = ({k: v for f in glob.glob(os.path.join(out, d, "*.safetensors")) for k, v in load_file(f).items()}
                      for d in ("merged", "merged_one"))
         res["merged_equal"] = bool(want) and got.keys() == want.keys() and all(
             got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
                                                           want[k].reshape(-1).view(torch.uint8)) for k in want)
+
+
+def _same_file(got, one, scale, out):
+    """Whether `got` equals save_kohya_dora(one, dora_scale=scale)'s tensors."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(out, f"kohya_one_{scale}.safetensors")
+    dorafp8.save_kohya_dora(one, path, dora_scale=scale)
+    want = load_file(path)
+    return bool(want) and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def run_trainer_zero3(out):

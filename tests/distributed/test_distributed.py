@@ -84,6 +84,22 @@ def test_a_torch_without_the_per_forward_broadcast_keeps_the_initial_sync_wrappe
     assert hasattr(ddp_module.DistributedDataParallel._distributed_broadcast_coalesced, "_dorafp8_orig")
 
 
+def test_a_deepspeed_without_the_broadcast_it_wraps_warns_on_import(monkeypatch):
+    """A DeepSpeed whose engine lacks _broadcast_model (renamed upstream) left install_deepspeed_support returning
+    False, silently: ranks would again pair rank 0's fp8 weights with their own scales. The import hook now warns,
+    naming the method and the consequence; the import itself goes on."""
+    import types
+
+    from dorafp8 import _install
+    from dorafp8.distributed import DEEPSPEED_ENGINE_MODULE
+
+    engine = types.ModuleType(DEEPSPEED_ENGINE_MODULE)
+    engine.DeepSpeedEngine = type("DeepSpeedEngine", (), {})
+    monkeypatch.setitem(sys.modules, DEEPSPEED_ENGINE_MODULE, engine)
+    with pytest.warns(RuntimeWarning, match=r"_broadcast_model.*without their scales"):
+        _install._run(DEEPSPEED_ENGINE_MODULE)
+
+
 def test_fsdp_support_is_installed_when_fsdp2_is_imported_and_idempotent():
     """`import dorafp8` does not import FSDP2 (a second or more); it wraps FSDPParam.init_dtype_attrs when FSDP2 is
     imported (dorafp8/_install.py). The wrapper leaves the fp8 weight of a dorafp8 layer without a param_dtype, and

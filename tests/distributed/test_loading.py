@@ -83,6 +83,11 @@ def test_zero3_on_a_model_quantized_before_initialize(tmp_path, reference):
     # single-process model's with the same adapter, byte for byte (before: 'cannot reshape tensor of 0 elements')
     assert "ZeRO-3 partitions" in res[0]["export_refusal"] and "GatheredParameters" in res[0]["export_refusal"]
     assert res[0]["merged_equal"]
+    # save_kohya_dora: "lycoris" reads the adapter only, written inside GatheredParameters(trainable); "comfyui" reads
+    # the base too, refused there (naming the gather) and written inside the whole model's; both equal one process's
+    assert res[0]["kohya_written"] == ["comfyui", "lycoris"] and res[0]["kohya_equal"]
+    assert len(res[0]["kohya_refusals"]) == 1 and "save_kohya_dora" in res[0]["kohya_refusals"][0] \
+        and "GatheredParameters" in res[0]["kohya_refusals"][0]
     _check_training(res, reference)
     _check_saved_adapter(tmp_path / "adapter", reference)
 
@@ -220,6 +225,42 @@ def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works
     finally:
         dist.destroy_process_group()
 
+
+
+def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
+    """save_kohya_dora (and save_single_file_dora, which shares its first step) on an FSDP2-sharded model stopped
+    inside safetensors ('Attempted to access the data pointer on an invalid python storage'); refused now, naming
+    unshard(), after which the file equals the single-process one. One process (a group of one), no spawn."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        pm = C.build_model(seed=0)
+        for layer in pm.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(pm)
+        with pytest.raises(RuntimeError, match=r"save_kohya_dora reads whole weights.*FSDP2 shards .*u\.unshard\(\)"):
+            dorafp8.save_kohya_dora(pm, str(tmp_path / "refused.safetensors"))
+        with pytest.raises(RuntimeError, match=r"save_single_file_dora reads whole weights.*FSDP2 shards"):
+            dorafp8.save_single_file_dora(pm, str(tmp_path / "refused1.safetensors"), {})
+        assert not list(tmp_path.iterdir())
+        units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+        [u.unshard() for u in units]
+        dorafp8.save_kohya_dora(pm, str(tmp_path / "fsdp.safetensors"), dora_scale="comfyui")
+        [u.reshard() for u in units]
+        dorafp8.save_kohya_dora(C.build_model(seed=0), str(tmp_path / "one.safetensors"), dora_scale="comfyui")
+        got, want = load_file(str(tmp_path / "fsdp.safetensors")), load_file(str(tmp_path / "one.safetensors"))
+        assert got.keys() == want.keys() and got
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    finally:
+        dist.destroy_process_group()
 
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
