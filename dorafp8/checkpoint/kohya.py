@@ -6,6 +6,7 @@ Long because it holds both directions of one layout and the single-file export, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -252,9 +253,10 @@ def save_single_file_dora(model: nn.Module, path: str, single_file, *, adapter_n
                 ours = (src == i).nonzero().reshape(-1)
                 pieces.setdefault(keys[i], []).append((n, ours, tag[ours] & ((1 << 32) - 1)))
         tensors, written = {}, {}
+        get = functools.lru_cache(maxsize=2)(get)  # the weight read once for its values and its dtype
         for key, parts in pieces.items():
             w = _dequantized(key, get, shapes)
-            problems += _not_the_base(key, w, parts, layers)
+            problems += _not_the_base(key, w, parts, layers, _kept_as_is(key, get, shapes))
             layer_key = _comfy_key(key)
             if layer_key is None:
                 problems.append(f"{key}: not a weight of the diffusion model (expected a name ending in .weight)")
@@ -290,13 +292,25 @@ def _dequantized(key: str, get, shapes: dict) -> torch.Tensor:
     return w.reshape(w.shape[0], -1)
 
 
-def _not_the_base(key: str, w: torch.Tensor, parts: list, layers: dict) -> list[str]:
+def _kept_as_is(key: str, get, shapes: dict) -> bool:
+    """Whether load_single_file keeps the file's weight `key` as it is (e4m3 bytes and a per-tensor / per-row scale):
+    the model's base is then exactly the file's dequantized weight. An e5m2 weight (shifted into e4m3), musubi's 1 x g
+    block scales (re-quantized per row) and a dense weight (quantized) went through one e4m3 rounding."""
+    lay = key[:-len(".weight")]
+    return get(key).dtype == torch.float8_e4m3fn and all(
+        len(shapes.get(f"{lay}.{s}", ())) < 3 for s in ("scale_weight", "weight_scale"))
+
+
+def _not_the_base(key: str, w: torch.Tensor, parts: list, layers: dict, exact: bool) -> list[str]:
     out = []
     for n, ours, theirs in parts:
         base = base_weight_rows(layers[n])[ours].to(w.device)
-        # rtol 2**-4: one e4m3 rounding, what re-quantizing musubi's 1 x g block scales per row changes (group_scales)
-        if base.shape != w[theirs].shape or not torch.allclose(base, w[theirs], rtol=2.0 ** -4,
-                                                                 atol=1e-2 * float(w[theirs].abs().max())):
+        # exact where the weight was loaded as it is: any tolerance lets another checkpoint of the same base through
+        # (a re-quantization, a fine-tune), whose rows the written dora_scale does not belong to; else one e4m3
+        # rounding (rtol 2**-4, atol for the values it flushes)
+        same = base.shape == w[theirs].shape and (torch.equal(base, w[theirs]) if exact else torch.allclose(
+            base, w[theirs], rtol=2.0 ** -4, atol=1e-2 * float(w[theirs].abs().max())))
+        if not same:
             out.append(f"{n}: its base weight is not rows of {key} in this file (was the model loaded from it?)")
     return out
 

@@ -600,6 +600,29 @@ def test_export_onto_another_file_is_refused(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("change", ["scale", "bytes"])
+def test_export_onto_a_near_copy_of_the_file_is_refused(change, tmp_path):
+    """The base check allowed one e4m3 rounding (rtol 2**-4) for every weight, so a file close to the one the model
+    was loaded from (the same weights quantized with a 3% larger scale, or a fine-tune moving its small weights by one e4m3 step)
+    was written onto without an error, its dora_scale belonging to other rows. A weight load_single_file keeps as it
+    is must match exactly."""
+    sd, _, model, _ = _own_case("sd35")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    other = dict(sd)
+    key = layouts.COMFY_PREFIX + "joint_blocks.1.x_block.attn.qkv."
+    if change == "scale":
+        other[key + "scale_weight"] = other[key + "scale_weight"] * 1.03
+    else:
+        w8 = other[key + "weight"]
+        small = w8.float().abs() < 0.1 * w8.float().abs().max()  # within the check's atol: what a fine-tune moves
+        other[key + "weight"] = torch.where(small, w8.view(torch.uint8) + 1, w8.view(torch.uint8)).view(w8.dtype)
+    out = tmp_path / "dora.safetensors"
+    with pytest.raises(ValueError, match=r"transformer_blocks\.1\.attn\.to_q: its base weight is not rows of"):
+        dorafp8.save_single_file_dora(pm, str(out), other)
+    assert not out.exists()
+    dorafp8.save_single_file_dora(pm, str(out), dict(sd))  # the file it was loaded from: written
+
+
 # ------------------------------------------------------------- what the community's files carry: per-row scales,
 # scale_input, e5m2
 
