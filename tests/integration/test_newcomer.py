@@ -251,6 +251,17 @@ def test_an_unknown_command_is_refused(argv):
     assert "backends on cpu" not in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_answered_not_refused(flag, capsys):
+    """`dorafp8 --version` printed the report (its first line the version) until unknown commands were refused, then
+    stopped a script with 'unknown command' and exit 2. It prints the version, exit 0."""
+    import dorafp8
+    from dorafp8.__main__ import main
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out.strip() == f"dorafp8 {dorafp8.__version__}"
+
+
 # ---------------------------------------------------------------------------------------------------- all-linear
 
 @pytest.mark.parametrize("quantize", ["all", "some"])
