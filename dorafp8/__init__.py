@@ -18,7 +18,7 @@ from .checkpoint.from_transformers import from_transformers_fp8
 __version__ = "0.1.0"
 
 _deps.warn_if_untested_torch()
-if (_typo := _env.unknown()) is not None:  # a misspelt switch, said rather than silently ignored
+if (_typo := _env.unknown()) is not None and _env.first_process():  # a misspelt switch, said rather than ignored
     import warnings
 
     warnings.warn(_typo, stacklevel=2)

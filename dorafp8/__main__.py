@@ -81,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
             return race_check(argv[1:])
         print("\n".join(race_selftest()))
         return 0
-    usage = ("usage: dorafp8             what this installation can run\n"
+    usage = ("usage: dorafp8             what this installation can run (dorafp8 --version: its version)\n"
              "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
              "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
              "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
     if argv and argv[0] in ("-h", "--help"):
         print(usage)
+        return 0
+    if argv and argv[0] in ("-V", "--version"):  # printed the report (which starts with it) before unknown commands
+        from . import __version__  # were refused; a script's `dorafp8 --version` then stopped with exit 2
+
+        print(f"dorafp8 {__version__}")
         return 0
     if argv:  # `dorafp8 runn -- trl sft ...` printed the report, exit 0, and the trainer never ran
         print(f"dorafp8: unknown command {argv[0]!r}\n{usage}", file=sys.stderr)

@@ -49,6 +49,16 @@ def unknown() -> Optional[str]:
             f"{', '.join(sorted(KNOWN))} (README.md, \"Environment variables\")")
 
 
+def first_process() -> bool:
+    """Whether this process is the first of its machine's group: not a torchrun / accelerate / DeepSpeed rank past
+    local rank 0, nor a multiprocessing child (a DataLoader worker under spawn or forkserver, which imports the
+    training script again). A warning about the environment, which they all inherit, said by each of them was one
+    line per GPU and per worker."""
+    import multiprocessing
+
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0") and multiprocessing.parent_process() is None
+
+
 class ThreadSwitch:
     """On while one of its `on()` contexts is open in this thread (they nest): `with switch.on(): ...`, `if switch:`."""
 

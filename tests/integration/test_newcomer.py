@@ -168,6 +168,45 @@ print([str(w.message) for w in caught if "DORAFP8_" in str(w.message)])
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
+def test_a_misspelt_variable_is_named_once_not_by_every_rank_and_worker():
+    """Every torchrun / accelerate rank and every DataLoader worker started by spawn or forkserver (which import the
+    training script again) inherits the environment, and each warned of the same misspelt variable: a long line per
+    GPU and per worker. Local rank 0's main process says it; the others do not."""
+    code = """
+import multiprocessing, warnings
+
+def child(q):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import dorafp8
+    q.put(sum("DORAFP8_CUDA_ARCH " in str(w.message) for w in caught))
+
+if __name__ == "__main__":
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import dorafp8
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print([sum("DORAFP8_CUDA_ARCH " in str(w.message) for w in caught), q.get(timeout=200)])
+    p.join()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("DORAFP8_") and k != "LOCAL_RANK"}
+    env = dict(env, DORAFP8_CUDA_ARCH="90a", PYTHONPATH=str(ROOT))
+    said = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "train.py")
+        with open(script, "w") as f:
+            f.write(code)
+        for rank in ("0", "1"):
+            out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=400, cwd=ROOT,
+                                 env=dict(env, LOCAL_RANK=rank))
+            assert out.returncode == 0, out.stdout + out.stderr
+            said[rank] = out.stdout.strip().splitlines()[-1]
+    assert said == {"0": "[1, 0]", "1": "[0, 0]"}, said
+
+
 def test_untested_version_compares_numbers():
     from dorafp8._deps import untested_version
 
@@ -210,6 +249,17 @@ def test_an_unknown_command_is_refused(argv):
                        cwd=ROOT)
     assert r.returncode == 2 and f"unknown command {argv[0]!r}" in r.stderr and "dorafp8 run" in r.stderr, r
     assert "backends on cpu" not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_answered_not_refused(flag, capsys):
+    """`dorafp8 --version` printed the report (its first line the version) until unknown commands were refused, then
+    stopped a script with 'unknown command' and exit 2. It prints the version, exit 0."""
+    import dorafp8
+    from dorafp8.__main__ import main
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out.strip() == f"dorafp8 {dorafp8.__version__}"
 
 
 # ---------------------------------------------------------------------------------------------------- all-linear
