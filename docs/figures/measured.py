@@ -339,7 +339,7 @@ def layer_memory():
     """One 4096 x 4096 DoRA layer (r 16, PEFT's fp32 adapters, 64 tokens, bf16 autocast, CPU): the bytes of its base
     weight and the peak of temporaries of a training step (forward and backward, after a warm-up step), PEFT's DoRA on
     the bf16 nn.Linear against dorafp8 on its fp8 quantization and on its NVFP4 one (ModelOpt's recipe; on CPU the
-    reference backend, which dequantizes 16 MiB blocks of fp32 rows)."""
+    native backend, which dequantizes 16 MiB blocks of fp32 rows into bf16 ones)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
