@@ -41,11 +41,12 @@ class DoRAFP8Function(torch.autograd.Function):
                 # The low-rank path forms x * mask / (1 - p) in the rank dtype, as PEFT does; under W8A8 the same
                 # read of x may quantize it for the base GEMM (backends/base.py, QUANT_PARAMS).
                 x8 = sx = None
-                impl = backends.module(backend)
-                if ctx.needs_input_grad[0] and getattr(impl, "KEEPS_WEIGHT", False) and keeps_weight(M, N, x.shape[1]):
+                # backends.module only where its flag matters: a compiled forward then traces no call of it
+                if (ctx.needs_input_grad[0] and getattr(backends.module(backend), "KEEPS_WEIGHT", False)
+                        and keeps_weight(M, N, x.shape[1])):
                     W, fac = _ops.dequant_op(w8, scale, block_size, x.dtype, backend, global_scale)
                     kept = dict(weight=W, weight_fac=fac)
-                if act_quant and getattr(impl, "QUANTS_IN_PROJECT", False):
+                if act_quant and getattr(backends.module(backend), "QUANTS_IN_PROJECT", False):
                     u, x8, sx = _ops.project_quant_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)
                 else:
                     u = _ops.project_op(x, A, out_dtype=A.dtype, mask=mask, p=p, backend=backend)

@@ -115,15 +115,16 @@ def test_plain_linear_and_weight_norm_on_cublas(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_auto_picks_cublas_on_cuda_and_the_reference_on_cpu(kind, monkeypatch):
+def test_auto_picks_cublas_on_cuda_and_native_on_cpu(kind, monkeypatch):
     """The static order on a GPU (what runs unraced, and the race's only candidate): triton and cuda lack the kind,
-    so the cuBLAS strategy; fp8 keeps triton first. On CPU the reference stays (native lacks the kind)."""
+    so the cuBLAS strategy; fp8 keeps triton first. On CPU native (PyTorch's matmul in the compute dtype), which
+    computes the microscaled kinds since 760bdf3."""
     cuda = torch.device("cuda")
     monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     assert backends.resolve("auto", cuda, frozenset({kind})) == "cublas"
     assert backends.resolve("auto", cuda, frozenset({kind, "fp32"})) == "cublas"
     assert backends.resolve("auto", cuda, frozenset()) == "triton"
-    assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "reference"
+    assert backends.resolve("auto", torch.device("cpu"), frozenset({kind})) == "native"
     with pytest.raises(ValueError, match="act_quant='rowwise'"):  # W8A8 on these kinds: only the reference
         backends.resolve("cublas", cuda, frozenset({kind, "rowwise"}))

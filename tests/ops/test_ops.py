@@ -363,7 +363,7 @@ def test_auto_runs_native_on_a_gpu_no_kernel_backend_runs_on(monkeypatch):
     """An A100 or RTX 3090 (sm_80 / sm_86): Triton compiles e4m3 from sm_89 on (so the triton backend and cublas's
     dequantize cannot run) and setup.py builds the CUDA extension from sm_89 on. "auto" ran the fp32 reference there,
     several times slower than PyTorch's matmul in the compute dtype; it now runs native (PEFT's arithmetic under
-    autocast), and the reference where native lacks the call (NVFP4, MXFP8)."""
+    autocast), NVFP4 and MXFP8 included."""
     from dorafp8 import backends
 
     monkeypatch.setattr(backends, "unavailable_reason",
@@ -372,7 +372,7 @@ def test_auto_runs_native_on_a_gpu_no_kernel_backend_runs_on(monkeypatch):
     for needs in (frozenset(), frozenset({"block"}), frozenset({"rowwise"}), frozenset({"fp32"})):
         assert backends.resolve("auto", gpu, needs) == "native", needs
     for kind in ("nvfp4", "mxfp8"):
-        assert backends.resolve("auto", gpu, frozenset({kind})) == "reference"
+        assert backends.resolve("auto", gpu, frozenset({kind})) == "native"
     assert backends.resolve("auto", torch.device("meta")) == "reference"  # no fp8 matmul of PyTorch's known there
 
 
@@ -381,7 +381,7 @@ def test_auto_by_gpu_capability(cap, monkeypatch):
     """backend="auto"'s static order (what DORAFP8_RACE=0, a compiled trace or a graph capture runs) on a GPU of each
     capability, faked as tests/kernels/test_arch_configs.py fakes it, with the backends' own availability checks: below
     sm_89 (V100, T4, A100, RTX 3090) native for fp8 weights of every scale kind in every compute dtype, fp16 included,
-    and the reference for NVFP4 / MXFP8 (native lacks them); from sm_89 on the Triton backend, and cublas for the
+    and for NVFP4 / MXFP8 too (native computes them); from sm_89 on the Triton backend, and cublas for the
     microscaled kinds, as before."""
     from dorafp8 import backends
     from dorafp8.backends import cuda as cuda_backend
@@ -402,7 +402,7 @@ def test_auto_by_gpu_capability(cap, monkeypatch):
                 want = "native" if old else "triton"
                 assert backends.resolve("auto", gpu, needs) == want, (cdt, kind, act_quant)
     for kind in ("nvfp4", "mxfp8"):
-        assert backends.resolve("auto", gpu, frozenset({kind})) == ("reference" if old else "cublas")
+        assert backends.resolve("auto", gpu, frozenset({kind})) == ("native" if old else "cublas")
     if old:
         for name in ("triton", "cublas"):
             assert f"sm_{cap[0]}{cap[1]}" in backends.unavailable_reason(name, gpu)
