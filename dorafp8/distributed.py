@@ -49,13 +49,13 @@ def _fp8_states_to_sync(module, ignore, broadcast_buffers: bool):
         for mod_name, mod in module.named_modules():
             prefix = mod_name + "." if mod_name else ""
             if isinstance(mod, FP8WeightModule) and prefix + "weight" not in ignore:
-                extra += [t for key, t in _scales(mod) if prefix + key not in ignore]
+                extra += [t.detach() for key, t in _scales(mod) if prefix + key not in ignore]
     return names, tensors, extra
 
 
 def _scales(mod) -> list:
-    """(name, tensor) of a dorafp8 layer's scale buffers (`scale`, NVFP4's `global_scale`), detached."""
-    return [(key, t.detach()) for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
+    """(name, buffer) of a dorafp8 layer's scales (`scale`, NVFP4's `global_scale`)."""
+    return [(key, t) for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
 
 
 def _wrap_sync_module_states(orig):
@@ -170,7 +170,7 @@ def _wrap_cast_module_mixed_precision(orig):
         # (past FP8WeightModule._apply): the fp32 scales would be rounded, silently moving every base weight (an fp16
         # per-tensor scale below 6e-5 even loses bits as a subnormal). They keep their dtype, as under module.to().
         kept = [(t, t.data) for mod in self.module.modules() if isinstance(mod, FP8WeightModule)
-                for key in FP8WeightModule._SCALES if (t := getattr(mod, key, None)) is not None]
+                for _, t in _scales(mod)]
         out = orig(self, *args, **kwargs)
         for t, data in kept:
             if t.dtype != data.dtype:

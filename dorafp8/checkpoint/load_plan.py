@@ -128,7 +128,6 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
     """Each fp8 weight's scale (and its kind: per tensor, row or block) and extras; the shapes checked."""
     info, layout, fmt = source.info, plan.layout, plan.fmt
     errors = []
-    marker = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in info)  # ComfyUI's scaled_fp8 files'
     for k, mod_name in plan.layer_of.items():
         lay = layer_key(k)
         shape_w = info[k][1]
@@ -157,7 +156,7 @@ def _plan_scales(plan: LoadPlan, source: CheckpointSource, block_hint: Optional[
             continue
         scale_key = f"{lay}.{layout.scale_key}" if layout.scale_key else None
         if scale_key is None or scale_key not in info:
-            if layout.scale_key is not None and not (fmt == "comfyui" and marker):
+            if layout.scale_key is not None and not (fmt == "comfyui" and plan.keys.marker_keys):
                 errors.append(f"{k} is float8_e4m3fn but {scale_key!r} (its scale) is missing"
                               + (" and the file has no 'scaled_fp8' marker, with which alone ComfyUI reads a "
                                  "missing scale_weight as 1 (without it ComfyUI reads no scale at all): if this "

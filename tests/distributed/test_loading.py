@@ -19,6 +19,7 @@ losses, the adapter and the saved adapter (reloaded with plain PEFT) must equal 
 FSDP (tests/distributed/test_trainer_fsdp2.py: accelerate selects FSDP on GPUs only).
 """
 
+import contextlib
 import importlib.util
 import os
 
@@ -185,16 +186,11 @@ def test_fsdp2_state_dicts_keep_the_scale_a_plain_buffer(tmp_path):
         dist.destroy_process_group()
 
 
-def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
-    """export_merged / save_fp8_checkpoint on a model whose parameters are FSDP2 shards (DTensors; what a user has at
-    the end of FSDP2 training) stopped inside torch ('got mixed torch.Tensor and DTensor', 'Attempted to access the
-    data pointer on an invalid python storage'; the same on 2 ranks). They now refuse, naming unshard(); the steps
-    the message gives write the single-process export, byte for byte. One process (a group of one), no spawn."""
-    import glob
-
+@contextlib.contextmanager
+def _sharded_in_a_group_of_one():
+    """The test model with fully_shard on its decoder layers and itself, in a gloo group of one (no spawn)."""
     import torch.distributed as dist
-    from safetensors.torch import load_file
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from tests.distributed.test_distributed import _free_port
 
@@ -206,6 +202,22 @@ def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works
         for layer in pm.base_model.model.model.layers:
             fully_shard(layer)
         fully_shard(pm)
+        yield pm
+    finally:
+        dist.destroy_process_group()
+
+
+def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
+    """export_merged / save_fp8_checkpoint on a model whose parameters are FSDP2 shards (DTensors; what a user has at
+    the end of FSDP2 training) stopped inside torch ('got mixed torch.Tensor and DTensor', 'Attempted to access the
+    data pointer on an invalid python storage'; the same on 2 ranks). They now refuse, naming unshard(); the steps
+    the message gives write the single-process export, byte for byte. One process (a group of one), no spawn."""
+    import glob
+
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule
+
+    with _sharded_in_a_group_of_one() as pm:
         for write in (dorafp8.export_merged, dorafp8.save_fp8_checkpoint):
             with pytest.raises(RuntimeError, match=r"FSDP2 shards .*u\.unshard\(\)"):
                 write(pm, str(tmp_path / f"refused_{write.__name__}"), verbose=False)
@@ -222,29 +234,16 @@ def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works
                                                                      want[k].reshape(-1).view(torch.uint8)), k
         [u.reshard() for u in units]
         assert not glob.glob(str(tmp_path / "refused_*"))
-    finally:
-        dist.destroy_process_group()
-
 
 
 def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
     """save_kohya_dora (and save_single_file_dora, which shares its first step) on an FSDP2-sharded model stopped
     inside safetensors ('Attempted to access the data pointer on an invalid python storage'); refused now, naming
     unshard(), after which the file equals the single-process one. One process (a group of one), no spawn."""
-    import torch.distributed as dist
     from safetensors.torch import load_file
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
-    from tests.distributed.test_distributed import _free_port
-
-    if dist.is_initialized():
-        pytest.skip("a process group exists already in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        pm = C.build_model(seed=0)
-        for layer in pm.base_model.model.model.layers:
-            fully_shard(layer)
-        fully_shard(pm)
+    with _sharded_in_a_group_of_one() as pm:
         with pytest.raises(RuntimeError, match=r"save_kohya_dora reads whole weights.*FSDP2 shards .*u\.unshard\(\)"):
             dorafp8.save_kohya_dora(pm, str(tmp_path / "refused.safetensors"))
         with pytest.raises(RuntimeError, match=r"save_single_file_dora reads whole weights.*FSDP2 shards"):
@@ -259,8 +258,7 @@ def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_th
         assert got.keys() == want.keys() and got
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-    finally:
-        dist.destroy_process_group()
+
 
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
