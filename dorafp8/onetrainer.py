@@ -47,23 +47,22 @@ def fp8_parts(layer: nn.Module):
 
 
 def _scale_on(layer: nn.Module, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """scale as fp32 0-dim on `device`, the copy kept on the layer while `scale` is unchanged. LinearFp8's `_scale`
-    stays on the CPU when OneTrainer moves the model (a plain attribute: Module.to moves only the `scale` buffer), and a
-    CPU -> GPU copy synchronizes the stream: one sync per layer per forward. The key sees every write OneTrainer makes
-    (copy_ in quantize, load_state_dict: its version; the loader's `.data =`: its storage, dtype)."""
-    src, scale = scale, scale.detach().reshape(())
+    """scale as fp32 0-dim on `device`. LinearFp8's `_scale` is a plain attribute that `Module.to` leaves on the CPU,
+    and a CPU -> GPU copy synchronizes the stream (one sync per layer per forward): that copy is kept on the layer,
+    keyed on the scale's value. Reading a CPU value costs no sync and sees every write, those version counters and
+    data_ptr miss too (an in-place write through `.data`, an inference tensor, a freed address reused)."""
+    scale = scale.detach().reshape(())
     if scale.device == device and scale.dtype == torch.float32:
         return scale
-    # No attribute written inside a compiled (checkpointed) region; an inference tensor (a model built under
-    # torch.inference_mode()) tracks no version, so the key below could not see a write to it: copied at every call
-    if torch.compiler.is_compiling() or scale.is_inference():
+    # A copy within the CPU or from another device syncs nothing; no attribute is written inside a compiled region
+    if scale.device.type != "cpu" or device.type == "cpu" or torch.compiler.is_compiling():
         return scale.to(device=device, dtype=torch.float32)
-    # src itself is kept (compared by identity), so that no new scale can take its address
-    key = (scale._version, scale.data_ptr(), scale.dtype, scale.device, device, torch.is_inference_mode_enabled())
+    # the fp32 bits (NaN equals itself); a copy made in inference mode cannot be saved for backward outside it
+    key = (scale.float().view(torch.int32).item(), device, torch.is_inference_mode_enabled())
     kept = layer.__dict__.get("_dorafp8_scale")
-    if kept is None or kept[0] is not src or kept[1] != key:
-        kept = layer.__dict__["_dorafp8_scale"] = (src, key, scale.to(device=device, dtype=torch.float32))
-    return kept[2]
+    if kept is None or kept[0] != key:
+        kept = layer.__dict__["_dorafp8_scale"] = (key, scale.to(device=device, dtype=torch.float32))
+    return kept[1]
 
 
 def fused_forward(module, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -303,12 +303,15 @@ def test_a_cpu_scale_is_not_copied_to_the_weight_device_every_forward(ot):
         for _ in range(3):
             assert fp8_parts(layer)[1].device.type == "meta"
     assert copies.n == 1
-    with torch.no_grad():
-        scale.mul_(2)  # as OneTrainer's quantize() and load_state_dict write it
-    with _CrossDeviceCopies() as copies:
-        fp8_parts(layer)
-        fp8_parts(layer)
-    assert copies.n == 1
+    # as OneTrainer's quantize() and load_state_dict write it; through `.data`, which bumps no version counter and
+    # keeps data_ptr (the kept copy was keyed on those and went on computing with the old scale)
+    for write in (lambda: scale.mul_(2), lambda: scale.data.mul_(3), lambda: setattr(scale, "data", scale * 5)):
+        with torch.no_grad():
+            write()
+        with _CrossDeviceCopies() as copies:
+            fp8_parts(layer)
+            fp8_parts(layer)
+        assert copies.n == 1
 
 
 @pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_32"])
@@ -318,7 +321,7 @@ def test_the_scale_read_by_the_fused_path_follows_writes_to_it(ot, train):
 
     layer = _model(ot, "LinearFp8", train).fc1
     for write in (lambda s: s.mul_(3), lambda s: layer.load_state_dict(dict(layer.state_dict(), scale=s * 5)),
-                  lambda s: setattr(s, "data", (s * 7).to(torch.float16))):
+                  lambda s: setattr(s, "data", (s * 7).to(torch.float16)), lambda s: s.data.mul_(11)):
         fp8_parts(layer)
         with torch.no_grad():
             write(layer._scale)
