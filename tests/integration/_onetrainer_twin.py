@@ -419,6 +419,11 @@ class LoRAModuleWrapper:  # the unfused case: a module per selected Linear / Con
     def parameters(self):
         return [p for m in self.lora_modules.values() for p in m.parameters()]
 
+    def to(self, device=None, dtype=None):
+        for m in self.lora_modules.values():
+            m.to(device, dtype)
+        return self
+
     def state_dict(self):
         out = {}
         for m in self.lora_modules.values():

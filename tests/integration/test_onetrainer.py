@@ -197,13 +197,21 @@ def test_training_and_saved_state_match_onetrainer(ot, output_axis):
 @pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_16"])
 @pytest.mark.parametrize("kind", ["LinearFp8", "LinearW8A8"])
 @pytest.mark.parametrize("output_axis", [False, True])
-def test_under_onetrainer_autocast_the_error_is_onetrainer_own(ot, monkeypatch, kind, train, output_axis):
-    """OneTrainer trains in bf16 / fp16: its loader puts the scales and biases in that train dtype, its adapters stay
-    fp32 (lora_weight_dtype's default), and the step runs under torch.autocast of the train dtype (dtype_util's
-    create_autocast_context). Against an fp64 evaluation of OneTrainer's own formula on the dequantized weights,
-    dorafp8's outputs and gradients must carry the train dtype's rounding and no more than OneTrainer's own forward
-    on the same fp8 layers under the same autocast (seen: at most 1.5x it)."""
+@pytest.mark.parametrize("adapters", ["FLOAT_32", "train"])
+def test_under_onetrainer_autocast_the_error_is_onetrainer_own(ot, monkeypatch, kind, train, output_axis, adapters):
+    """OneTrainer trains in bf16 / fp16: its loader puts the scales and biases in that train dtype, its adapters are
+    fp32 (lora_weight_dtype's default) or in the train dtype (LoRAModuleWrapper.to), and the step runs under
+    torch.autocast of the train dtype (dtype_util's create_autocast_context). Against an fp64 evaluation of
+    OneTrainer's own formula on the dequantized weights (and the same adapter values), dorafp8's outputs and gradients
+    must carry the train dtype's rounding and no more than OneTrainer's own forward on the same fp8 layers under the
+    same autocast (seen: at most 1.5x it)."""
     dtype = {"BFLOAT_16": torch.bfloat16, "FLOAT_16": torch.float16}[train]
+    adapter_dtype = torch.float32 if adapters == "FLOAT_32" else dtype
+
+    def adapt(net):
+        wrapper = _adapt(ot, net, output_axis, True)
+        wrapper.to(dtype=adapter_dtype)
+        return wrapper
     x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(7))
 
     def run(net, wrapper, x, autocast):
@@ -214,14 +222,15 @@ def test_under_onetrainer_autocast_the_error_is_onetrainer_own(ot, monkeypatch, 
         return [y.double(), xi.grad.double()] + [q.grad.double() for q in wrapper.parameters()]
 
     net = _model(ot, kind, train)
-    ours = run(net, _adapt(ot, net, output_axis, True), x.to(dtype), True)
+    ours = run(net, adapt(net), x.to(dtype), True)
     monkeypatch.setattr(ot.DoRAModule, "forward", _own_forward(ot))
     net = _model(ot, kind, train)
-    own = run(net, _adapt(ot, net, output_axis, True), x.to(dtype), True)
+    own = run(net, adapt(net), x.to(dtype), True)
     dense = _dense_twin(ot, net).double()
     wrapper = _adapt(ot, dense, output_axis, True)
     for m in wrapper.lora_modules.values():
-        m.double()
+        for t in list(m.parameters()) + list(m.buffers()):  # the values the train-dtype adapters hold
+            t.data = t.data.to(adapter_dtype).double()
     truth = run(dense, wrapper, x.to(dtype).double(), False)
 
     err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
