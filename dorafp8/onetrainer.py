@@ -49,8 +49,8 @@ def fp8_parts(layer: nn.Module):
 def _scale_on(layer: nn.Module, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
     """scale as fp32 0-dim on `device`. LinearFp8's `_scale` is a plain attribute that `Module.to` leaves on the CPU,
     and a CPU -> GPU copy synchronizes the stream (one sync per layer per forward): that copy is kept on the layer,
-    keyed on the scale's value. Reading a CPU value costs no sync and sees every write, those version counters and
-    data_ptr miss too (an in-place write through `.data`, an inference tensor, a freed address reused)."""
+    keyed on the scale's value. Reading a CPU value costs no sync and sees every write, those that version counters
+    and data_ptr miss included (an in-place write through `.data`, an inference tensor, a freed address reused)."""
     scale = scale.detach().reshape(())
     if scale.device == device and scale.dtype == torch.float32:
         return scale
