@@ -880,6 +880,24 @@ def test_comfy_quant_encoding_loads_as_its_scaled_fp8_twin(per_layer, tmp_path):
     _check_in_place(model, sd, ref, inputs)
 
 
+def test_comfy_quant_metadata_file_as_a_state_dict_is_refused_naming_the_path(tmp_path):
+    """A comfy_quant file whose layer configs are in its safetensors metadata, passed as a state dict (safetensors'
+    load_file, which drops the metadata), was refused as "damaged or not ComfyUI's"; the error now says to pass the
+    file's path, which loads."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file, save_file
+
+    sd, ref, _, _ = _own_case("sd35")
+    quant_sd, metadata = _as_comfy_quant(sd, per_layer=False)
+    path = str(tmp_path / "sd35_comfy_quant.safetensors")
+    save_file(quant_sd, path, metadata={"format": "pt", **metadata})
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    with pytest.raises(CheckpointFormatError, match=r"_quantization_metadata.*pass load_single_file the file's path"):
+        load_single_file(model, load_file(path), verbose=False)
+    load_single_file(model, path, verbose=False)
+
+
 def test_comfy_quant_mixed_with_scaled_fp8_or_not_uint8_is_refused_naming_the_key():
     """A layer with both encodings' scales (`scale_weight` and `weight_scale`, as a tool that half-converted a file
     leaves) took whichever came later in the file, silently; a comfy_quant entry that is not uint8 bytes (a float or
