@@ -297,9 +297,14 @@ def _comfy_quant_to_scaled_fp8(state_dict: dict, metadata: dict) -> dict:
                                     f"or bf16 file instead; nothing was loaded")
     unmarked = [k for k in scales if k.rpartition(".")[0] not in confs]
     if unmarked:
+        # a state dict (safetensors' load_file) carries no safetensors metadata, where ComfyUI files may keep the
+        # layer configs: the likelier cause then
+        hint = "" if raw is not None else (
+            "; if the file keeps its layer configs in its safetensors metadata ('_quantization_metadata'), which a "
+            "state dict does not carry, pass load_single_file the file's path instead")
         raise CheckpointFormatError(f"{unmarked[0]!r}: a weight_scale / input_scale of a layer without its comfy_quant "
-                                    f"entry (ComfyUI would not read it, so its weight would be used unscaled); the file "
-                                    f"is damaged or not ComfyUI's; nothing was loaded")
+                                    f"entry (ComfyUI would not read it, so its weight would be used unscaled){hint}; "
+                                    f"else the file is damaged or not ComfyUI's; nothing was loaded")
     rename = {"weight_scale": "scale_weight", "input_scale": "scale_input"}
     both = [k for k in scales if f"{k.rpartition('.')[0]}.{rename[k.rpartition('.')[2]]}" in state_dict]
     if both:  # one would overwrite the other in `out`, whichever comes later in the file

@@ -261,6 +261,13 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
     elif fp8_w:
         name, evidence = "fp8-cast", f"float8_e4m3fn weights (e.g. {fp8_w[0]!r}) and no scale keys"
     else:
+        others = [k for k in keys if info[k][0] == E4M3 and not (k == "scaled_fp8" or k.endswith(".scaled_fp8"))]
+        if others:  # fp8 under other names: not an unquantized checkpoint, whatever the next error would say
+            raise CheckpointFormatError(
+                f"{source.name}: float8_e4m3fn tensors under keys that are no layer's '.weight' (e.g. {others[0]!r}; "
+                f"optimum-quanto's '<layer>.weight._data' with '._scale' are such), a layout dorafp8 does not read "
+                f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. Load the model's bf16 checkpoint and "
+                f"dorafp8.quantize_model it")
         raise CheckpointFormatError(
             f"{source.name}: no float8_e4m3fn weight, so this is not an fp8 checkpoint dorafp8 knows "
             f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. An unquantized checkpoint loads the usual way "

@@ -429,6 +429,17 @@ def test_error_not_an_fp8_checkpoint(original):
         dorafp8.detect_format(original.state_dict())
 
 
+def test_error_fp8_tensors_that_are_no_weight_are_not_called_unquantized():
+    """optimum-quanto's qfloat8 files keep a layer's e4m3 values under '<layer>.weight._data' (its scale under
+    '._scale'): detect_format called that "not an fp8 checkpoint ... an unquantized checkpoint loads the usual way";
+    it names the fp8 tensors it saw instead."""
+    sd = {"lin.weight._data": torch.ones(4, 4).to(torch.float8_e4m3fn), "lin.weight._scale": torch.ones(4, 1),
+          "lin.bias": torch.zeros(4)}
+    with pytest.raises(CheckpointFormatError, match=r"float8_e4m3fn tensors under keys .*'lin\.weight\._data'") as e:
+        dorafp8.detect_format(sd)
+    assert "unquantized" not in str(e.value)
+
+
 @pytest.mark.parametrize("extra,match", [("weight_scale_2", "NVFP4"), ("weight_packed", "packed int4")])
 def test_error_unknown_layout_names_what_it_saw(ckpt, extra, match):
     sd = _sd(ckpt, "fp8-cast")

@@ -623,6 +623,31 @@ def test_export_onto_a_near_copy_of_the_file_is_refused(change, tmp_path):
     dorafp8.save_single_file_dora(pm, str(out), dict(sd))  # the file it was loaded from: written
 
 
+def test_export_of_a_layer_dequantized_into_a_bf16_model_checks_it_exactly(tmp_path):
+    """An e4m3 weight load_single_file dequantizes into a dense layer (Wan's time embedder, which the model keeps in
+    precision) holds scale x e4m3 rounded to that layer's dtype: in a bf16 model the exact base check refused the
+    file the model was loaded from ("its base weight is not rows of ..."). It compares with the file's values rounded
+    the same way now: the file is written, a near copy of it is still refused."""
+    from accelerate import init_empty_weights
+
+    sd, ref, _, _ = _own_case("wan")
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config).to(torch.bfloat16)
+    load_single_file(model, dict(sd), verbose=False)
+    dense = model.condition_embedder.time_embedder.linear_1
+    assert type(dense) is torch.nn.Linear and dense.weight.dtype == torch.bfloat16
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                                    target_modules=["to_q", "time_embedder.linear_1"]))
+    key = layouts.COMFY_PREFIX + "time_embedding.0."
+    other = dict(sd)
+    other[key + "scale_weight"] = other[key + "scale_weight"] * 1.03
+    out = tmp_path / "dora.safetensors"
+    with pytest.raises(ValueError, match=r"time_embedder\.linear_1: its base weight is not rows of"):
+        dorafp8.save_single_file_dora(pm, str(out), other)
+    written = dorafp8.save_single_file_dora(pm, str(out), dict(sd))
+    assert written[key + "weight"] == ["condition_embedder.time_embedder.linear_1"]
+
+
 # ------------------------------------------------------------- what the community's files carry: per-row scales,
 # scale_input, e5m2
 
@@ -853,6 +878,24 @@ def test_comfy_quant_encoding_loads_as_its_scaled_fp8_twin(per_layer, tmp_path):
         model = type(ref).from_config(ref.config)
     load_single_file(model, path if not per_layer else dict(quant_sd), verbose=False)
     _check_in_place(model, sd, ref, inputs)
+
+
+def test_comfy_quant_metadata_file_as_a_state_dict_is_refused_naming_the_path(tmp_path):
+    """A comfy_quant file whose layer configs are in its safetensors metadata, passed as a state dict (safetensors'
+    load_file, which drops the metadata), was refused as "damaged or not ComfyUI's"; the error now says to pass the
+    file's path, which loads."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file, save_file
+
+    sd, ref, _, _ = _own_case("sd35")
+    quant_sd, metadata = _as_comfy_quant(sd, per_layer=False)
+    path = str(tmp_path / "sd35_comfy_quant.safetensors")
+    save_file(quant_sd, path, metadata={"format": "pt", **metadata})
+    with init_empty_weights():
+        model = type(ref).from_config(ref.config)
+    with pytest.raises(CheckpointFormatError, match=r"_quantization_metadata.*pass load_single_file the file's path"):
+        load_single_file(model, load_file(path), verbose=False)
+    load_single_file(model, path, verbose=False)
 
 
 def test_comfy_quant_mixed_with_scaled_fp8_or_not_uint8_is_refused_naming_the_key():
