@@ -49,7 +49,8 @@ class CheckpointSource:
             self._read_folder(path)
         else:
             regular_file(path, "path_or_state_dict")
-            if not path.endswith(".safetensors"):
+            # .sft: Black Forest Labs' name for the safetensors files of Flux
+            if not path.endswith((".safetensors", ".sft")):
                 raise CheckpointFormatError(f"{path} is not a .safetensors file; load it yourself (torch.load) and "
                                             f"pass the state dict")
             self.shards = [path]

@@ -429,6 +429,18 @@ def test_error_not_an_fp8_checkpoint(original):
         dorafp8.detect_format(original.state_dict())
 
 
+def test_a_safetensors_file_named_sft_loads(ckpt, tmp_path):
+    """Black Forest Labs publish Flux as flux1-dev.sft, a safetensors file: load_fp8_checkpoint refused it as "not a
+    .safetensors file; load it yourself (torch.load)", which cannot read it either."""
+    sft = tmp_path / "flux1-dev-fp8.sft"
+    sft.write_bytes(open(ckpt("comfyui"), "rb").read())
+    a, _ = _load(ckpt("comfyui"))
+    b, report = _load(str(sft))
+    assert report.format == "comfyui"
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(_u8(sa[k]), _u8(sb[k])) for k in sa)
+
+
 def test_error_fp8_tensors_that_are_no_weight_are_not_called_unquantized():
     """optimum-quanto's qfloat8 files keep a layer's e4m3 values under '<layer>.weight._data' (its scale under
     '._scale'): detect_format called that "not an fp8 checkpoint ... an unquantized checkpoint loads the usual way";
