@@ -10,7 +10,8 @@ import torch
 
 from tests._tolerance import assert_close, tol
 from tests.kernels._kernel_ref import (P, S, _forward_args, act, check_backward_pass, check_dgrad, check_forward,
-                                       check_project, check_weight_norm, d, make_problem, shape_id, w0_64)
+                                       check_project, check_weight_norm, d, dx_64, large_weight_small_c, make_problem,
+                                       shape_id, w0_64)
 
 from dorafp8 import backends
 from dorafp8.backends import reference
@@ -208,18 +209,6 @@ def test_fp8_conversion_of_large_blocks_is_chosen_by_timing_once(monkeypatch):
     assert calls == [chosen]
 
 
-def _dx_64(p, mode, g, c):
-    """dx of the DoRA math (docs/DORA_MATH.md) in fp64 from the rounded inputs: g W0 plain; (g c) W0 + s v A; with
-    dropout g W0 + mask / (1 - p) ((g (c - 1)) W0 + s v A), v = (g c) B."""
-    W0, g = w0_64(p["w8"], p["sigma"]), d(g)
-    if mode == "plain":
-        return g @ W0
-    lora = S * ((g * c) @ d(p["B"])) @ d(p["A"])
-    if mode == "nodrop":
-        return (g * c) @ W0 + lora
-    return g @ W0 + d(p["mask"]) / (1 - P) * ((g * (c - 1)) @ W0 + lora)
-
-
 @pytest.mark.parametrize("shape", [(37, 64, 70, 3, True), (5, 33, 17, 20, False)], ids=shape_id)
 @pytest.mark.parametrize("scale", ["tensor", "row", "block"])
 def test_fp16_dgrad_of_a_large_weight_with_small_c_stays_finite(scale, shape, monkeypatch):
@@ -227,22 +216,15 @@ def test_fp16_dgrad_of_a_large_weight_with_small_c_stays_finite(scale, shape, mo
     magnitude): dx = (g c) W0 + s v A lies inside fp16, but the dgrad's product of gl = g c / max|c| (|gl| <= |g|)
     with W0 is dx / max|c| = 500 dx, which overflowed fp16 (inf in dx) on native's fp16 code, what a T4 or V100
     runs. Native's backward_pass -> dgrad as the layer pairs them, each mode against fp64, outputs NaN-poisoned."""
-    from dorafp8.backends.base import magnitude_scale
-
     _fp16_native_on_cpu(monkeypatch)
     M, K, N, r, strided = shape
-    p = make_problem(M, K, N, r, torch.float16, "cpu", scale, strided)
-    w0max = (d(p["w8"]).abs().amax(1) * d(p["sigma"]).reshape(-1, 1).amax(1)).max() if scale != "block" \
-        else (d(p["w8"]).abs().amax() * d(p["sigma"]).amax())
-    p["sigma"] = p["sigma"] * (6e4 / w0max.item())
-    m = p["n"] * (0.001 + 0.002 * torch.rand(N, generator=torch.Generator().manual_seed(3)))
-    c = d(magnitude_scale(m, p["n"]))
+    p, m, c = large_weight_small_c(make_problem(M, K, N, r, torch.float16, "cpu", scale, strided))
     srow = p["sigma"] if scale == "row" else None
     g1 = p["g"]
     for mode in ("plain", "nodrop", "dropout"):
         # g scaled so that dx reaches a third of fp16's largest value (dx is linear in g)
-        g = act(d(g1) * (2e4 / _dx_64(p, mode, g1, c).abs().max().item()), torch.float16, "cpu", strided)
-        ref = _dx_64(p, mode, g, c)
+        g = act(d(g1) * (2e4 / dx_64(p, mode, g1, c).abs().max().item()), torch.float16, "cpu", strided)
+        ref = dx_64(p, mode, g, c)
         assert ref.abs().max() < F16_MAX
         if mode == "nodrop":  # the product of the reference's gl (max-normalized) with W0 passes fp16's range
             assert ((d(g) * c / c.abs().max()) @ w0_64(p["w8"], p["sigma"])).abs().max() > F16_MAX
