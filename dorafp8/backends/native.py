@@ -89,8 +89,7 @@ def _block_maker(w8, scale, f, block_size, dtype, global_scale):
         return lambda j0, j1: _weight_block(w8, f, block_size, dtype, j0, j1)
 
     def block(j0, j1):
-        w = micro_rows(w8, scale, global_scale, j0, j1)
-        return (w if f is None else w.div_(f)).to(dtype)
+        return micro_rows(w8, scale, global_scale, j0, j1, div=f).to(dtype)
     return block
 
 
