@@ -370,14 +370,22 @@ def e8m0_values(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.nan, out)
 
 
-def micro_rows(w8, scale, global_scale, j0, j1) -> torch.Tensor:
-    """W0[j0:j1] in fp32 for the "mxfp8" and "nvfp4" kinds (a temporary of the rows' size, plus their codes)."""
+def micro_rows(w8, scale, global_scale, j0, j1, div=None) -> torch.Tensor:
+    """W0[j0:j1] (divided by div, a 0-dim tensor, if given) in fp32 for the "mxfp8" and "nvfp4" kinds: one temporary
+    of the rows' size plus their codes. The block factors (div folded into them) multiply each block of the rows in
+    place, broadcast: no factor tensor of the rows' size (a second fp32 copy's traffic) and no pass for div."""
     if scale.dtype == E8M0:
-        K = w8.shape[1]
-        f = e8m0_values(scale[j0:j1]).repeat_interleave(MXFP8_BLOCK, dim=1)[:, :K]
-        return w8[j0:j1].float().mul_(f)
-    f = scale[j0:j1].float().mul_(global_scale.float())  # ModelOpt's per_block_scale = scale * weight_scale_2
-    return unpack_e2m1(w8[j0:j1]).mul_(f.repeat_interleave(NVFP4_BLOCK, dim=1))
+        f, size, w = e8m0_values(scale[j0:j1]), MXFP8_BLOCK, w8[j0:j1].float()
+    else:  # ModelOpt's per_block_scale = scale * weight_scale_2
+        f, size, w = scale[j0:j1].float().mul_(global_scale.float()), NVFP4_BLOCK, unpack_e2m1(w8[j0:j1])
+    if div is not None:
+        f = f / div
+    K = w.shape[1]
+    full = K - K % size  # an MXFP8 row's last block may be partial
+    w[:, :full].unflatten(1, (-1, size)).mul_(f[:, :full // size, None])
+    if full < K:
+        w[:, full:].mul_(f[:, full // size:])
+    return w
 
 
 def _micro_scale_shape(kind: str, N: int, K: int) -> tuple[int, int]:

@@ -104,7 +104,9 @@ class Backend(Protocol):
         needs from them, computed in fp32, with c = magnitude_scale(m, n) (m, n as in forward):
           gl: the dgrad's left operand, gl = g * f / rl in cdt with f = c * srow (no dropout) or (c - 1) * srow
               (dropout), rl = max|f| (>= tiny), so that |gl| <= |g|: it cannot overflow fp16 where g does not; srow
-              is the per-row weight scale [N], or None (ones) for tensor / block scales.
+              is the per-row weight scale [N], or None (ones) for tensor / block scales. A backend may take a larger
+              rl for its own dgrad (native's fp16: at least 1, or its per-row factor, so that gl @ W' stays no larger
+              than dx); dgrad must take any rl >= max|f|.
           gb: with dropout, the operand of the plain base term: g * srow / rb with rb = max|srow| (or g itself and
               rb = 1 when srow is None); None without dropout.
           rs: fp32 [2] = (rl, rb), rb = 1 without dropout (one tensor, so that a kernel can write both and the

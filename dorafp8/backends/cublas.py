@@ -93,6 +93,12 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     dropout = v is not None and mask is not None
     w, fac = _weight(w8, scale, block_size, gl.dtype, global_scale, weight, weight_fac)
     gl, gb = matmul_rows(gl), matmul_rows(gb)
+    if gl.dtype == torch.float16:
+        # gl = g f / rl with rl = max|f| (|gl| <= |g|): below 1 (c = m / n small in every row), gl @ W0 is dx / rl and
+        # overflows fp16 where dx does not. gl * min(rl, 1) keeps the product no larger than dx (g f itself where
+        # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales).
+        a = rl.clamp(max=1.0)
+        gl, rl = gl * a, rl / a
     t = gl @ w
     tb = gb @ w if dropout else None
     del w

@@ -10,6 +10,7 @@ from .._fp8_cast import e4m3_scaled
 from ..quant import (E2M1_MAX, E4M3_MAX, MICRO_KINDS, e8m0_values, micro_rows, row_blocks, row_step, scale_kind,
                      scale_rows, weight_dims)
 from .base import FP8_FEATURES, magnitude_scale, matmul_rows
+from .base import empty as _out  # NaN-filled under the tests: an element never written fails them
 
 # The microscaled weights too: without them backend="auto" ran the fp32 reference for an MXFP8 / NVFP4 weight on the
 # CPU and on the GPUs no kernel backend runs on (sm_70 to sm_86), several times slower than the compute dtype's matmul.
@@ -28,7 +29,7 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
         return reference.weight_norm(w8, scale, block_size, A, B, s, global_scale)
     N, K = w8.shape
     A32 = A.float()
-    n = torch.empty(N, dtype=torch.float32, device=w8.device)
+    n = _out(N, torch.float32, w8.device)
     for j0, j1 in row_blocks(N, K, row_step(scale, block_size)):
         v = e4m3_scaled(w8[j0:j1], scale_rows(scale, block_size, j0, j1, K), torch.float32)
         v.addmm_(B[j0:j1].float(), A32, alpha=s)
@@ -39,10 +40,12 @@ def weight_norm(w8, scale, block_size, A, B, s, global_scale=None):
 
 def project(a, b, out_dtype, mask, p):
     """a' b^T in out_dtype: where a, b and out_dtype are one dtype, the platform's matmul in it (fp32 accumulation, one
-    rounding) on a' = a * (mask / (1 - p)) formed there as PEFT's dropout forms it; else the reference's."""
+    rounding) on a' = a * mask / (1 - p) rounded once into that dtype (as a GPU's fused dropout forms it); else the
+    reference's. Not a * (mask / (1 - p)) with the factor in the 16-bit dtype: 1 / 0.9 is 1.109 in bf16, so every
+    kept element, hence u, came out 0.15% small, the same way in every term (a bias no sum averages out)."""
     if a.dtype == b.dtype == out_dtype:
         if mask is not None:
-            a = a * mask.to(a.dtype).div_(1.0 - p)
+            a = (a * (1.0 / (1.0 - p))).mul_(mask)
         return a @ b.T
     return reference.project(a, b, out_dtype, mask, p)
 
@@ -86,8 +89,7 @@ def _block_maker(w8, scale, f, block_size, dtype, global_scale):
         return lambda j0, j1: _weight_block(w8, f, block_size, dtype, j0, j1)
 
     def block(j0, j1):
-        w = micro_rows(w8, scale, global_scale, j0, j1)
-        return (w if f is None else w.div_(f)).to(dtype)
+        return micro_rows(w8, scale, global_scale, j0, j1, div=f).to(dtype)
     return block
 
 
@@ -120,6 +122,11 @@ def _forward_fold(scale, dtype, global_scale=None):
     return _f32(scale) / d, d
 
 
+def _row_kappa(srow):
+    """The fp16 dgrad's factor of a per-row scale: max|srow|, capped as _fp16_cap caps (0-dim fp32, >= tiny)."""
+    return _f32(srow).abs().amax().clamp(min=torch.finfo(torch.float32).tiny, max=F16_MAX / E4M3_MAX)
+
+
 def _dgrad_fold(scale, dtype, global_scale=None):
     """(f, st): the dgrad's product is (g @ (W8 * f)) * st, st in fp32, equal to the reference's g @ W8' times its st
     (per tensor: the scale; per row: 1, the row scales being in g already). fp16 folds the scale in as _forward_fold
@@ -131,7 +138,7 @@ def _dgrad_fold(scale, dtype, global_scale=None):
     if dtype != torch.float16:
         return (scale if kind == "block" else None), (_f32(scale) if kind == "tensor" else 1.0)
     if kind == "row":  # a 0-dim factor: one for every row
-        kappa = _f32(scale).abs().amax().clamp(min=torch.finfo(torch.float32).tiny, max=F16_MAX / E4M3_MAX)
+        kappa = _row_kappa(scale)
         return kappa, 1.0 / kappa
     d = _fp16_cap(scale)
     return _f32(scale) / d, d
@@ -161,8 +168,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         base_d = xm @ w.T if two else None
         del w
     else:
-        base = torch.empty(M, N, dtype=cdt, device=x.device)
-        base_d = torch.empty(M, N, dtype=cdt, device=x.device) if two else None
+        base = _out((M, N), cdt, x.device)
+        base_d = _out((M, N), cdt, x.device) if two else None
         for j0, j1 in spans:
             w = block(j0, j1)
             base[:, j0:j1] = x @ w.T
@@ -173,10 +180,10 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     if two:
         scd = (sc if sc is not None else torch.ones((), dtype=torch.float32, device=x.device)) * (1.0 / (1.0 - p))
     parts = _row_parts(M, N)
-    y = torch.empty(M, N, dtype=cdt, device=x.device)
+    y = _out((M, N), cdt, x.device)
     z = None
     if c is not None and need_z and len(parts) > 1:
-        z = torch.empty(M, N, dtype=z_dtype, device=x.device)
+        z = _out((M, N), z_dtype, x.device)
     Bs = None if B is None else (_f32(B) * s).T  # s B^T [r, N]: lora = u (s B^T)
     # The fp32 epilogue over blocks of activation rows, each result written once into its dtype (out=: computed in
     # fp32, rounded once; the bias is added in fp32 as it is).
@@ -232,14 +239,16 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     c = magnitude_scale(m, n) if adapter else None
     f32 = dict(dtype=torch.float32, device=g.device)
     fl, rl, fb, rb = reference.grad_factors(c, srow, dropout, g.device)
-    gl = g if fl is None else torch.empty_like(g)
-    gb = None if rb is None else g if fb is None else torch.empty_like(g)
+    if fl is not None and g.dtype == torch.float16 and not _reference_runs(g, ""):
+        fl, rl = _fp16_gl_factors(fl, rl, srow)
+    gl = g if fl is None else _out(g.shape, g.dtype, g.device)
+    gb = None if rb is None else g if fb is None else _out(g.shape, g.dtype, g.device)
     Bc = (_f32(B) * c[:, None]) if adapter else None  # (g c) B == g (c B)
     parts = _row_parts(M, N)
     one = len(parts) == 1
     v = dm = dB = db = None
     if not one:
-        v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
+        v = _out((M, B.shape[1]), B.dtype, g.device) if adapter else None
         dm = torch.zeros(N, **f32) if (adapter and need_dm) else None
         dB = torch.zeros(N, B.shape[1], **f32) if (adapter and need_dB) else None
         db = torch.zeros(N, **f32)
@@ -265,6 +274,16 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     return gl, reference.scalars(rl, rb), gb, v, *reference.finish_sums(dm, db, dB, m, n, c, s, g.dtype, B)
 
 
+def _fp16_gl_factors(fl, rl, srow):
+    """(fl, rl) of gl = g * fl for native's fp16 dgrad: rl at least the factor its product gl @ W' leaves out (1, or
+    the per-row kappa of _dgrad_fold), so that the product, dx / (rl * st) there, is no larger than dx: with the
+    reference's rl = max|f| alone, an f below 1 everywhere (c = m / n small: rows of large norm) made gl @ W0 overflow
+    fp16 where dx did not. An [N] multiply, no read of a value on the host."""
+    floor = 1.0 if srow is None else _row_kappa(srow)
+    r = torch.clamp_min(rl, floor)
+    return fl * (rl / r), r
+
+
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
     if _reference_runs(gl, act_quant):
         return reference.dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale)
@@ -286,7 +305,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
             pb = (gb if whole else gb[:, j0:j1]) @ w
             tb = pb if tb is None else _f32(tb).add_(pb)
         del w
-    dx = torch.empty(M, K, dtype=cdt, device=gl.device)
+    dx = _out((M, K), cdt, gl.device)
     k = rl * st  # the base term's fp32 factor
     if v is None:
         for sl in _row_parts(M, K):

@@ -66,6 +66,28 @@ def w0_64(w8, sigma, block=BLOCK):
     return d(w8) * d(scale_rows(sigma.cpu(), block, 0, w8.shape[0], w8.shape[1]))
 
 
+def dx_64(p, mode, g, c):
+    """dx of the DoRA math (docs/DORA_MATH.md) in fp64 from the rounded inputs: g W0 plain; (g c) W0 + s v A; with
+    dropout g W0 + mask / (1 - p) ((g (c - 1)) W0 + s v A), v = (g c) B."""
+    W0, g = w0_64(p["w8"], p["sigma"]), d(g)
+    if mode == "plain":
+        return g @ W0
+    lora = S * ((g * c) @ d(p["B"])) @ d(p["A"])
+    if mode == "nodrop":
+        return (g * c) @ W0 + lora
+    return g @ W0 + d(p["mask"]) / (1 - P) * ((g * (c - 1)) @ W0 + lora)
+
+
+
+def large_weight_small_c(p, seed=3):
+    """p with its weight scaled to a largest value of 6e4 (near fp16's 65504) and a magnitude m with c = m / n in
+    [0.001, 0.003) (rows of large norm for their magnitude): (p, m, c as fp64)."""
+    w0max = w0_64(p["w8"], p["sigma"]).abs().max().item()
+    p = dict(p, sigma=p["sigma"] * (6e4 / w0max))
+    N = p["n"].shape[0]
+    m = p["n"] * (0.001 + 0.002 * torch.rand(N, generator=torch.Generator().manual_seed(seed))).to(p["n"].device)
+    return p, m, d(magnitude_scale(m, p["n"]))
+
 def w8_blocks_64(w8, sigma, block=BLOCK):
     """W8' of the dgrad contract: w8 with block scales applied, per-tensor / per-row scales left out."""
     return w0_64(w8, sigma, block) if sigma.dim() == 2 else d(w8)

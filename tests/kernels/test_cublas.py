@@ -150,3 +150,22 @@ def test_kept_weight_under_activation_checkpointing(reentrant, monkeypatch):
         checkpoint(lambda t: layer(layer(t)), x, use_reentrant=reentrant).square().sum().backward()
     torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
     assert sum(name.startswith("triton:dequant") for name in rec.names()) == 4, rec.table()  # 2 layers x 2 forwards
+
+
+@pytest.mark.parametrize("scale", ["tensor", "block"])
+def test_fp16_dgrad_of_a_large_weight_with_small_c_stays_finite(scale):
+    """A weight whose largest value is near fp16's (6e4) and c = m / n of 0.002: dx = (g c) W0 + s v A lies inside
+    fp16, but the product of the backward pass's gl = g c / max|c| with the dequantized W0 is dx / max|c| = 500 dx,
+    which came back inf. The backend's backward_pass -> dgrad as the layer pairs them, against fp64."""
+    from tests._tolerance import assert_close, tol
+    from tests.kernels._kernel_ref import P, S, d, dx_64, large_weight_small_c
+
+    p, m, c = large_weight_small_c(make_problem(37, 64, 70, 3, torch.float16, DEVICE, scale, True))
+    for mode in ("nodrop", "dropout"):
+        g = (d(p["g"]) * (2e4 / dx_64(p, mode, p["g"], c).abs().max().item())).half().to(DEVICE)
+        ref = dx_64(p, mode, g, c)
+        dropout = mode == "dropout"
+        gl, rs, gb, v, *_ = cb.backward_pass(g, None, m, p["n"], None, p["B"], None, S, dropout, False, False)
+        dx = cb.dgrad(gl, rs[0], p["w8"], p["sigma"], p["block"], v, p["A"], S, p["mask"] if dropout else None, P,
+                      g if dropout else None, rs[1] if dropout else None, "")
+        assert_close(dx, ref, tol(torch.float16), f"dgrad[{scale}, {mode}] vs fp64")

@@ -311,3 +311,24 @@ def test_reference_never_holds_the_dense_weight(kind):
         y.sum().backward()
     assert mode.largest < N * K * 4, mode.largest / MiB
     assert mode.peak <= 48 * MiB, mode.peak / MiB
+
+
+@pytest.mark.parametrize("kind,K", [("mxfp8", 1000), ("nvfp4", 1024)])
+def test_micro_rows_holds_no_second_copy_of_the_rows(kind, K):
+    """micro_rows (native's and the reference's dequantize of a block of rows, per call) multiplied the rows by their
+    block factors repeated to the rows' size: a second fp32 tensor as large as the result, written and read once more
+    (and native divided by its fp16 cap in one more pass). Now they broadcast: what the call allocates besides its
+    result stays under the result's size (NVFP4: plus unpack_e2m1's int32 codes, the same size again). The values:
+    the bit-level decoding in fp64 (K = 1000: MXFP8's last block partial), and / div, within fp32's tolerance."""
+    from torch.profiler import ProfilerActivity, profile
+
+    w, scale, g = make_weight(kind, 256, K)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = quant.micro_rows(w, scale, g, 0, 256)
+    total = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.cpu_parent is None)
+    size = out.numel() * out.element_size()
+    assert total - size < size * (2 if kind == "nvfp4" else 1)
+    ref = dequant_64(w, scale, g)
+    assert_close(out, ref, tol(torch.float32), "micro_rows")
+    assert_close(quant.micro_rows(w, scale, g, 3, 200, div=torch.tensor(3.0)), ref[3:200] / 3, tol(torch.float32),
+                 "micro_rows / div")
