@@ -551,3 +551,16 @@ def test_a_transposed_weight_is_taken_by_every_backend(device, backend):
                         ml.grad])
     for got, ref in zip(*results):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conv_lora_input_rounds_dropout_once(dtype):
+    """The conv op's low-rank input x * mask / (1 - p) in a 16-bit dtype is the fp64 value rounded once: with the
+    factor 1 / (1 - p) rounded first (1.109 for 1 / 0.9 in bf16), every kept element was scaled the same wrong way."""
+    from dorafp8.ops.conv import _lora_input
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 8, 8, generator=gen).to(dtype)
+    mask = torch.rand(x.shape, generator=gen) >= 0.1
+    want = (x.double() * mask / 0.9).to(dtype)
+    assert torch.equal(_lora_input(x, mask, 0.1, dtype), want)
