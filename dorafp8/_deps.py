@@ -7,15 +7,8 @@ import importlib.util
 import re
 import warnings
 
-# module -> the dorafp8 extra that installs it
-EXTRAS = {
-    "peft": "peft",
-    "transformers": "peft",
-    "triton": "triton",
-    "matplotlib": "bench",
-    "safetensors": "checkpoint",
-    "lycoris": "lycoris",
-}
+# module -> the dorafp8 extra that installs it, for the modules require() is asked for
+EXTRAS = {"peft": "peft", "transformers": "peft", "safetensors": "checkpoint", "lycoris": "lycoris"}
 # module -> its pip name, where the two differ
 PIP_NAMES = {"lycoris": "lycoris-lora"}
 

@@ -23,7 +23,7 @@ import torch
 from . import _after_import
 from ._env import flag
 from ._deps import peft_too_old
-from .distributed import (ACCELERATE_FSDP_MODULE, DEEPSPEED_ENGINE_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULES,
+from .distributed import (ACCELERATE_FSDP_MODULE, DEEPSPEED_ENGINE_MODULE, FSDP1_MODULE, FSDP_PARAM_MODULE,
                           TORCH_DSD_MODULE, install_accelerate_loader_support, install_ddp_support,
                           install_deepspeed_support, install_fsdp1_refusal, install_fsdp_support,
                           install_torch_loader_support)
@@ -114,9 +114,8 @@ _WATCHED = {
                                                      "MXFP8 layers' e8m0 scales, which NCCL refuses"),
     DEEPSPEED_ENGINE_MODULE: (install_deepspeed_support, "DeepSpeed broadcasts rank 0's fp8 weights without their "
                                                          "scales (ranks whose scales differ train different models)"),
-    **{name: (install_fsdp_support, "FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for the "
-                                    "all-gather (the forward casts them back, with a warning)")
-       for name in FSDP_PARAM_MODULES},
+    FSDP_PARAM_MODULE: (install_fsdp_support, "FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the fp8 weights for "
+                                              "the all-gather (the forward casts them back, with a warning)"),
 }
 
 

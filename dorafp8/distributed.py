@@ -199,8 +199,8 @@ def install_deepspeed_support() -> bool:
 
 # ---- FSDP2 mixed precision -----------------------------------------------------------------------------------------
 
-# Where FSDP2 defines FSDPParam (torch >= 2.6; dorafp8 needs torch >= 2.11).
-FSDP_PARAM_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_param",)
+# Where FSDP2 defines FSDPParam (every torch from 2.6 on; dorafp8 needs 2.11).
+FSDP_PARAM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param"
 
 
 def _keeps_fp8(fsdp_param) -> bool:
@@ -222,17 +222,13 @@ def _wrap_init_dtype_attrs(orig):
 
 
 def _fsdp_param_class(import_it: bool):
-    for name in FSDP_PARAM_MODULES:
-        mod = sys.modules.get(name)
-        if mod is None and import_it:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-        cls = getattr(mod, "FSDPParam", None)
-        if cls is not None:
-            return cls
-    return None
+    mod = sys.modules.get(FSDP_PARAM_MODULE)
+    if mod is None and import_it:
+        try:
+            mod = importlib.import_module(FSDP_PARAM_MODULE)
+        except ImportError:
+            return None
+    return getattr(mod, "FSDPParam", None)
 
 
 def install_fsdp_support() -> bool:

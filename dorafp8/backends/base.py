@@ -5,7 +5,6 @@ A backend is a module with the six functions of `Backend` below, plus `unavailab
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Protocol
 
 import torch
@@ -140,29 +139,3 @@ GLOBAL_SCALE_PARAMS = {"weight_norm": ("global_scale",), "forward": ("global_sca
 # The weight dequantized once a step (flag KEEPS_WEIGHT: the cuBLAS strategy): dequantize(w8, scale, block_size, dtype,
 # global_scale=None) -> (W, fac), which forward / dgrad(..., weight=W, weight_fac=fac) then use (ops/_policy.py).
 KEEP_WEIGHT_PARAMS = {"forward": ("weight", "weight_fac"), "dgrad": ("weight", "weight_fac")}
-OPTIONS = {"QUANTS_IN_PROJECT": QUANT_PARAMS, "KEEPS_WEIGHT": KEEP_WEIGHT_PARAMS, "nvfp4": GLOBAL_SCALE_PARAMS}
-
-
-def signature_mismatches(impl) -> list[str]:
-    """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""
-    out = []
-    for name in CONTRACT:
-        fn = getattr(impl, name, None)
-        if fn is None:
-            out.append(f"{name}: missing")
-            continue
-        want = [p for p in inspect.signature(getattr(Backend, name)).parameters if p != "self"]
-        got = list(inspect.signature(fn).parameters)
-        extra = set()
-        for flag, params in OPTIONS.items():
-            option = params.get(name, ())
-            on = "nvfp4" in getattr(impl, "SUPPORTS", ()) if flag == "nvfp4" else getattr(impl, flag, False)
-            if on and not set(option) <= set(got):
-                out.append(f"{name}: {flag} is set but it lacks {[p for p in option if p not in got]}")
-            extra |= set(option)
-        got = [p for p in got if p not in extra]  # the options' parameters come on top of the contract's
-        if sorted(got) != sorted(want):
-            out.append(f"{name}: parameters {got}, the contract's are {want}")
-    if getattr(impl, "KEEPS_WEIGHT", False) and not callable(getattr(impl, "dequantize", None)):
-        out.append("dequantize: KEEPS_WEIGHT is set but it is missing")
-    return out

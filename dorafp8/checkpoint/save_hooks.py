@@ -128,12 +128,9 @@ def _record_checkpoint_files(orig):
 
 def patch_transformers() -> None:
     from transformers.modeling_utils import PreTrainedModel
+    from transformers.quantizers.base import HfQuantizer  # from transformers 4.37 on; pyproject requires 4.50
 
     _wrap(PreTrainedModel, _transformers_save_pretrained)
-    try:
-        from transformers.quantizers.base import HfQuantizer
-    except ImportError:
-        return
     if callable(getattr(HfQuantizer, "preprocess_model", None)) and \
             not getattr(HfQuantizer.preprocess_model, "_dorafp8", False):
         HfQuantizer.preprocess_model = _record_checkpoint_files(HfQuantizer.preprocess_model)

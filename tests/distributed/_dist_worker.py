@@ -231,7 +231,7 @@ def run_fsdp2_mp(out):
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     device = torch.device("cpu")
-    fsdp_param = next(sys.modules[n] for n in dorafp8.distributed.FSDP_PARAM_MODULES if n in sys.modules)
+    fsdp_param = sys.modules[dorafp8.distributed.FSDP_PARAM_MODULE]
     res = {"fsdp_support_installed_on_import": hasattr(fsdp_param.FSDPParam.init_dtype_attrs, "_dorafp8_orig")}
     ids = C.data()
 

@@ -108,9 +108,9 @@ def test_fsdp_support_is_installed_when_fsdp2_is_imported_and_idempotent():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dorafp8 import install_fsdp_support
-    from dorafp8.distributed import FSDP_PARAM_MODULES, uninstall_fsdp_support
+    from dorafp8.distributed import FSDP_PARAM_MODULE, uninstall_fsdp_support
 
-    cls = next(sys.modules[n] for n in FSDP_PARAM_MODULES if n in sys.modules).FSDPParam
+    cls = sys.modules[FSDP_PARAM_MODULE].FSDPParam
     wrapped = cls.init_dtype_attrs
     assert hasattr(wrapped, "_dorafp8_orig"), "importing FSDP2 after dorafp8 must install the FSDP support"
     assert install_fsdp_support() and cls.init_dtype_attrs is wrapped  # idempotent

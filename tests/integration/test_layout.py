@@ -288,11 +288,11 @@ def test_one_opt_out_for_what_import_changes_outside_dorafp8():
     all three are patched (FSDP2 when it is imported, which `import dorafp8` does not do)."""
     pytest.importorskip("peft")
     code = ("import sys, dorafp8\n"
-            "fsdp_before = any(n in sys.modules for n in dorafp8.distributed.FSDP_PARAM_MODULES)\n"
+            "fsdp_before = dorafp8.distributed.FSDP_PARAM_MODULE in sys.modules\n"
             "import peft, torch.nn.parallel.distributed as d\n"
             "from peft.tuners.lora.model import LoraModel\n"
             "import torch.distributed.fsdp\n"
-            "fsdp = next(sys.modules[n] for n in dorafp8.distributed.FSDP_PARAM_MODULES if n in sys.modules)\n"
+            "fsdp = sys.modules[dorafp8.distributed.FSDP_PARAM_MODULE]\n"
             "print(fsdp_before, LoraModel._create_new_module.__module__.startswith('dorafp8'),"
             " hasattr(d._sync_module_states, '_dorafp8_orig'),"
             " hasattr(fsdp.FSDPParam.init_dtype_attrs, '_dorafp8_orig'))\n")

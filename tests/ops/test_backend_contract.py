@@ -2,11 +2,42 @@
 functions under its parameter names (the custom ops call them by keyword), a backend named for something it does not
 compute is refused the same way whichever it is, and a backend's availability is probed once per device."""
 
+import inspect
+
 import pytest
 import torch
 
 from dorafp8 import backends
 from dorafp8.backends import base
+
+# The flag that switches each option of base.py on (nvfp4: SUPPORTS has it), and its parameters
+OPTIONS = {"QUANTS_IN_PROJECT": base.QUANT_PARAMS, "KEEPS_WEIGHT": base.KEEP_WEIGHT_PARAMS,
+           "nvfp4": base.GLOBAL_SCALE_PARAMS}
+
+
+def signature_mismatches(impl) -> list[str]:
+    """Where `impl` (a backend module or object) does not offer the contract with Backend's parameter names."""
+    out = []
+    for name in base.CONTRACT:
+        fn = getattr(impl, name, None)
+        if fn is None:
+            out.append(f"{name}: missing")
+            continue
+        want = [p for p in inspect.signature(getattr(base.Backend, name)).parameters if p != "self"]
+        got = list(inspect.signature(fn).parameters)
+        extra = set()
+        for flag, params in OPTIONS.items():
+            option = params.get(name, ())
+            on = "nvfp4" in getattr(impl, "SUPPORTS", ()) if flag == "nvfp4" else getattr(impl, flag, False)
+            if on and not set(option) <= set(got):
+                out.append(f"{name}: {flag} is set but it lacks {[p for p in option if p not in got]}")
+            extra |= set(option)
+        got = [p for p in got if p not in extra]  # the options' parameters come on top of the contract's
+        if sorted(got) != sorted(want):
+            out.append(f"{name}: parameters {got}, the contract's are {want}")
+    if getattr(impl, "KEEPS_WEIGHT", False) and not callable(getattr(impl, "dequantize", None)):
+        out.append("dequantize: KEEPS_WEIGHT is set but it is missing")
+    return out
 
 
 @pytest.mark.parametrize("name", backends.BACKENDS)
@@ -15,7 +46,7 @@ def test_backend_offers_the_contract_by_name(name):
         impl = backends._import(name)
     except ImportError as e:
         pytest.skip(f"backend {name!r} cannot be imported here: {e}")
-    assert base.signature_mismatches(impl) == []
+    assert signature_mismatches(impl) == []
     assert callable(impl.unavailable_reason)
     assert backends.supports(name) <= backends.FEATURES
 
@@ -25,7 +56,7 @@ def test_signature_mismatch_is_reported():
         def weight_norm(self, w8, scale, block, A, B, s):  # the old spelling of block_size
             pass
 
-    problems = base.signature_mismatches(Positional())
+    problems = signature_mismatches(Positional())
     assert any(p.startswith("weight_norm: parameters") and "block_size" in p for p in problems)
     assert "forward: missing" in problems
 
@@ -48,11 +79,11 @@ def test_nvfp4_backend_must_take_the_global_scale():
         def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant):
             pass
 
-    problems = base.signature_mismatches(NoGlobal)
+    problems = signature_mismatches(NoGlobal)
     assert sorted(p.split(":")[0] for p in problems) == ["dgrad", "forward", "weight_norm"], problems
     assert all("['global_scale']" in p for p in problems), problems
     NoGlobal.SUPPORTS = frozenset({"mxfp8"})  # MXFP8 has no global scale
-    assert base.signature_mismatches(NoGlobal) == []
+    assert signature_mismatches(NoGlobal) == []
 
 
 @pytest.mark.parametrize("name, feature, what", [
