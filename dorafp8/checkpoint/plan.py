@@ -37,7 +37,7 @@ class LayerSource:
     extras: dict = field(default_factory=dict)        # suffix -> tensor ("input_scale", "comfy_quant", ...)
     scale_dtype: Optional[torch.dtype] = None
     scale_shape: Optional[tuple] = None
-    global_bits: Optional[int] = None  # NVFP4: the loaded global scale's fp32 bits (siblings sharing it: a fused group)
+    global_bits: Optional[int] = None  # NVFP4: the loaded global scale's fp32 bits (whether it changed since: emit.py)
 
 
 def source_of(model: nn.Module) -> SourceInfo:

@@ -606,6 +606,57 @@ def test_writers_give_the_layers_vllm_fuses_one_global_scale(tmp_path, how, grow
             assert action == "kept" and torch.equal(got.weight, source[f"{name}.weight"]), name
 
 
+@pytest.mark.parametrize("planted", ["o_proj_shares_qkv_global", "qkv_own_globals"])
+def test_the_fused_groups_are_the_sets_vllm_fuses_not_equal_globals(tmp_path, monkeypatch, planted):
+    """The write grouped NVFP4 siblings by parent module and equal loaded global, not by the sets vLLM fuses
+    (packed_modules_mapping: q/k/v -> qkv_proj, gate/up -> gate_up_proj). o_proj_shares_qkv_global: an o_proj whose
+    weight_scale_2 equals q/k/v's joined their group, and merging q_proj (its global grown) re-quantized o_proj, which
+    vLLM never fuses: error for nothing. qkv_own_globals: q/k/v loaded with globals of their own were each a group of
+    one, so the merged q_proj got its own global while vLLM multiplies all three by the largest: q computed wrong.
+    Now q/k/v are one group whatever their loaded globals (written with one where a member changed), o_proj is kept
+    bit for bit, and vLLM's reading of every q/k/v shard is what load_fp8_checkpoint reads."""
+    from dorafp8 import export_merged
+    from tests.checkpoint import _ckpt_fixtures
+
+    pytest.importorskip("peft")
+    fused = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj")) if planted.startswith("o_proj") \
+        else (("gate_proj", "up_proj"),)
+    monkeypatch.setattr(_ckpt_fixtures, "FUSED", fused)  # how the planted source's globals are shared
+    source = read_all(write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4"))
+    qkv = ("q_proj", "k_proj", "v_proj")
+    for i in (0, 1):
+        gs = {float(source[f"model.layers.{i}.self_attn.{m}.weight_scale_2"]) for m in qkv + ("o_proj",)}
+        assert len(gs) == (1 if planted.startswith("o_proj") else 4), gs  # the planted state
+    model = meta_model()
+    load_fp8_checkpoint(model, str(tmp_path / "mo"), verbose=False)
+    peft_model = _dora_on(model)
+    with torch.no_grad():  # the merged q_proj's global above the loaded ones
+        for name, layer in _linears(peft_model.base_model.model).items():
+            if name.endswith("q_proj"):
+                layer.lora_magnitude_vector["default"].weight.mul_(2)
+    out = str(tmp_path / "merged")
+    report = export_merged(peft_model, out, verbose=False)
+    file = read_all(out)
+    fresh = meta_model()
+    load_fp8_checkpoint(fresh, out, verbose=False)
+    got = _linears(fresh)
+    for i in (0, 1):
+        lay = f"model.layers.{i}.self_attn"
+        o = f"{lay}.o_proj"
+        assert report.layers[o]["action"] == "kept", report.layers[o]
+        for s in ("weight", "weight_scale", "weight_scale_2"):
+            assert torch.equal(file[f"{o}.{s}"].reshape(-1).view(torch.uint8),
+                               source[f"{o}.{s}"].reshape(-1).view(torch.uint8)), s
+        shard_g = torch.stack([file[f"{lay}.{m}.weight_scale_2"] for m in qkv])
+        assert bool((shard_g == shard_g[0]).all()), shard_g
+        for m in qkv:  # vLLM's qkv_proj: each shard's codes and block scales times the largest weight_scale_2
+            name = f"{lay}.{m}"
+            vllm = quant.unpack_e2m1(file[f"{name}.weight"]) * (
+                file[f"{name}.weight_scale"].float() * shard_g.amax()).repeat_interleave(16, 1)
+            assert torch.equal(vllm, quant.dequantize_weight(got[name].weight, got[name].scale,
+                                                             global_scale=got[name].global_scale)), name
+
+
 @pytest.mark.parametrize("writer", ["modelopt-NVFP4", "modelopt-W4A16_NVFP4", "compressed-tensors-NVFP4A16",
                                     "compressed-tensors-NVFP4"])
 def test_a_modelopt_folder_says_w4a16_nvfp4_where_layers_have_no_input_scale(tmp_path, writer):
