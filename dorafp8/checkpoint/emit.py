@@ -309,7 +309,7 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
 
 def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
                       fp8: nn.Module, rows, terms: list, entry: dict, bias, shared_g=None) -> None:
-    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes, NVFP4's
+    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes as uint8, NVFP4's
     `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py).
     shared_g: the global scale of its fused group (_fused_nvfp4_globals), which it is written with."""
     kind = scale_kind(fp8.scale)
@@ -324,9 +324,8 @@ def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, ou
         entry.update(action="kept", rel_error=0.0)
     entry["granularity"] = kind
     report.layers[name] = entry
-    fmeta = layer_source_of(fp8)
-    if kind == "mxfp8" and not (fmeta is not None and fmeta.format == t.fmt and fmeta.scale_dtype == scale.dtype):
-        scale = scale.view(torch.uint8)
+    if kind == "mxfp8":  # ModelOpt's uint8 bytes, whatever the source's dtype: vLLM's uint8 parameter is filled with
+        scale = scale.view(torch.uint8)  # copy_, which would convert an e8m0 tensor by value (2^(e-127) -> 0, 1, 8)
     sink.add(t.key_of(f"{name}.weight"), w)
     sink.add(t.key_of(f"{name}.weight_scale"), scale)
     if g is not None:

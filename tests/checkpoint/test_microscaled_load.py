@@ -281,6 +281,37 @@ def test_a_modelopt_mxfp8_single_file_loads_with_format_modelopt(tmp_path):
         load_fp8_checkpoint(model, sd, format="compressed-tensors", verbose=False)
 
 
+def test_a_modelopt_mxfp8_scale_is_written_as_the_bytes_vllm_copies(tmp_path):
+    """A ModelOpt-layout MXFP8 file whose weight_scale is stored as F8_E8M0 (not ModelOpt's uint8) was written back
+    so (its dtype kept): vLLM's ModelOpt MXFP8 loader registers weight_scale as uint8 and fills it with copy_, which
+    converts an e8m0 tensor by value (2^(e - 127) cast to an integer: 0, 1, 8, ...), not by its bytes, so the exported
+    folder ran with garbage scales, without an error. Now the scale is always written as its uint8 bytes, what
+    ModelOpt's export writes, and reads back the same."""
+    from safetensors.torch import save_file
+
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    w8, e = quant.quantize_mxfp8(torch.randn(16, 64))
+    src = tmp_path / "mo"
+    src.mkdir()
+    save_file({"0.weight": w8, "0.weight_scale": e}, str(src / "model.safetensors"))
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": []}}))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(model, str(src), verbose=False)
+    out = str(tmp_path / "out")
+    save_fp8_checkpoint(model, out, format="modelopt", verbose=False)
+    stored = read_all(out)["0.weight_scale"]
+    vllm = torch.empty(stored.shape, dtype=torch.uint8).copy_(stored)  # vLLM's uint8 parameter, loaded
+    assert torch.equal(vllm, e.view(torch.uint8))
+    with torch.device("meta"):
+        back = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(back, out, verbose=False)
+    assert torch.equal(back[0].scale.view(torch.uint8), e.view(torch.uint8))
+
+
 def _mixed_precision_folder(path, algos: dict) -> dict:
     """A ModelOpt MIXED_PRECISION export of a Sequential, one quant_algo per layer (quant_utils.py's
     `quantized_layers`), each layer's tensors as its export writes them: NVFP4 / W4A16_NVFP4 packed uint8 with
