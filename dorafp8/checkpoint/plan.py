@@ -27,6 +27,7 @@ class SourceInfo:
     markers: dict = field(default_factory=dict)       # the scaled_fp8 marker keys -> (dtype, shape, shard)
     marker_tensors: Optional[dict] = None             # and their tensors
     config: Optional[dict] = None                     # config.json
+    kv_cache_quant_algo: Optional[str] = None         # ModelOpt's (hf_quant_config.json), written back with k/v_scale
     files: tuple = ()                                 # files.identity() of the weight files it was read from
 
 

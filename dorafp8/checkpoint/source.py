@@ -127,6 +127,15 @@ class CheckpointSource:
         qc = self.quant_config()
         return str(qc["quant_algo"]) if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
 
+    def modelopt_kv_cache_algo(self) -> Optional[str]:
+        """ModelOpt's kv_cache_quant_algo ("FP8", ...) from hf_quant_config.json or config.json, else None."""
+        hq = (self.hf_quant_config or {}).get("quantization")
+        qc = hq if isinstance(hq, dict) and hq.get("quant_algo") else self.quant_config()
+        algo, scheme = qc.get("kv_cache_quant_algo"), qc.get("kv_cache_scheme")  # the latter: config.json's form
+        if not algo and isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+            algo = "FP8"  # as vLLM's ModelOptQuantConfigBase.from_config reads it
+        return str(algo) if algo else None
+
     def read(self, keys: Iterable[str], device) -> Iterable[tuple[str, torch.Tensor]]:
         """(key, tensor) for `keys`, shard by shard, one tensor at a time."""
         by_shard: dict[int, list[str]] = {}

@@ -781,7 +781,9 @@ def test_a_damaged_modelopt_export_is_refused(tmp_path):
 def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
     """ModelOpt exports with kv_cache_quant_algo "FP8" (NVIDIA's published NVFP4 models among them) carry
     `<k_proj>.k_scale` and `<v_proj>.v_scale`: they load by default, kept as extras and named in the report, and
-    save_fp8_checkpoint writes them back as they were. They made the whole load fail ("fit nothing in the model")."""
+    save_fp8_checkpoint writes them back as they were. They made the whole load fail ("fit nothing in the model").
+    The written hf_quant_config.json said kv_cache_quant_algo null, so vLLM ran the export's KV cache in bf16 (twice
+    the memory) beside the kept scales; it now says the source's FP8."""
     import json
 
     from safetensors.torch import save_file
@@ -793,13 +795,19 @@ def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
           for p in "kv"}
     save_file({**read_all(src), **kv}, os.path.join(src, "model.safetensors"))  # the fixture writes one file
     with open(os.path.join(src, "hf_quant_config.json")) as f:
-        assert json.load(f)["quantization"]["quant_algo"] == algo
+        hq = json.load(f)
+    assert hq["quantization"]["quant_algo"] == algo
+    hq["quantization"]["kv_cache_quant_algo"] = "FP8"
+    with open(os.path.join(src, "hf_quant_config.json"), "w") as f:
+        json.dump(hq, f)
     model = meta_model()
     report = load_fp8_checkpoint(model, src, verbose=False)
     assert {k for k in report.kept if k in kv} == set(kv)
     save_fp8_checkpoint(model, str(tmp_path / "out"), format="modelopt", verbose=False)
     back = read_all(str(tmp_path / "out"))
     assert all(torch.equal(back[k], v) for k, v in kv.items())
+    with open(os.path.join(str(tmp_path / "out"), "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["kv_cache_quant_algo"] == "FP8"
 
 
 @pytest.mark.parametrize("preset", ["NVFP4A16", "MXFP8A16"])
