@@ -122,10 +122,10 @@ class CheckpointSource:
     def modelopt_algo(self) -> Optional[str]:
         """ModelOpt's quant_algo ("NVFP4", "MXFP8", ...) from hf_quant_config.json or config.json, else None."""
         hq = (self.hf_quant_config or {}).get("quantization")
-        if isinstance(hq, dict) and hq.get("quant_algo"):
-            return str(hq["quant_algo"])
+        if isinstance(hq, dict) and hq.get("quant_algo"):  # upper-cased, as vLLM reads it (ModelOpt may write "nvfp4")
+            return str(hq["quant_algo"]).upper()
         qc = self.quant_config()
-        return str(qc["quant_algo"]) if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
+        return str(qc["quant_algo"]).upper() if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
 
     def modelopt_kv_cache_algo(self) -> Optional[str]:
         """ModelOpt's kv_cache_quant_algo ("FP8", ...) from hf_quant_config.json or config.json, else None."""
@@ -307,7 +307,7 @@ def _check_mixed_precision(source: CheckpointSource) -> None:
                                     f"\"quantized_layers\" object saying which layer holds which algorithm; the "
                                     f"config is damaged or not ModelOpt's: nothing was loaded")
     other = {lay: c.get("quant_algo") if isinstance(c, dict) else c for lay, c in layers.items()
-             if not isinstance(c, dict) or c.get("quant_algo") not in MIXED_PRECISION_ALGOS}
+             if not isinstance(c, dict) or str(c.get("quant_algo")).upper() not in MIXED_PRECISION_ALGOS}
     if other:
         algos = sorted({str(a) for a in other.values()})
         lay = next(iter(other))
@@ -322,7 +322,7 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
     """Refuses an hf_quant_config.json whose NVFP4 / MXFP8 quant_algo no weight beside it has (one left from an
     earlier ModelOpt export to the folder, say), naming it, rather than reading the folder as ModelOpt's."""
     path, hq = source.hf_quant_config_path, (source.hf_quant_config or {}).get("quantization")
-    if path is None or not isinstance(hq, dict) or algo != hq.get("quant_algo"):
+    if path is None or not isinstance(hq, dict) or algo != str(hq.get("quant_algo")).upper():
         return
     info = source.info
     if algo in ("NVFP4", "W4A16_NVFP4"):
