@@ -178,8 +178,9 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
 
 
 def _modelopt_export(path) -> str | None:
-    """The quant_algo ("NVFP4", "MXFP8") of a local ModelOpt export folder (its hf_quant_config.json), else None:
-    exports transformers, which has no ModelOpt quantizer, would refuse or load without their scales."""
+    """The quant_algo ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION", upper-cased as vLLM reads it) of a local
+    ModelOpt export folder (its hf_quant_config.json), else None: exports transformers, which has no ModelOpt
+    quantizer, would refuse or load without their scales (load_fp8_checkpoint refuses, naming it, what it cannot)."""
     cfg = os.path.join(str(path), "hf_quant_config.json") if isinstance(path, (str, os.PathLike)) else ""
     if not cfg or not os.path.isfile(cfg):
         return None
@@ -188,7 +189,8 @@ def _modelopt_export(path) -> str | None:
             algo = (json.load(f).get("quantization") or {}).get("quant_algo")
     except (OSError, ValueError, AttributeError):
         return None
-    return algo if algo in ("NVFP4", "MXFP8") else None
+    algo = str(algo).upper()
+    return algo if algo in ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION") else None
 
 
 def _modelopt_load(klass, args, kwargs):

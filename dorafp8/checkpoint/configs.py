@@ -141,15 +141,16 @@ def diffusers_guard(fmt: str) -> dict:
                     f"their scales: {DIFFUSERS_LOAD_HINT}"}
 
 
-def modelopt_config(out: Written) -> dict:
+def modelopt_config(out: Written, kv_cache_quant_algo: Optional[str] = None) -> dict:
     """hf_quant_config.json as ModelOpt's HF export writes it: quant_algo, group size, dense linears. NVFP4 layers are
     "NVFP4" (W4A4) where each has its input_scale, else "W4A16_NVFP4" (weight-only): vLLM's NVFP4 method computes
     with every layer's input_scale, left uninitialized where the file has none (a W4A16_NVFP4 or compressed-tensors
-    source), while its W4A16_NVFP4 one reads the same weights and ignores input_scale."""
+    source), while its W4A16_NVFP4 one reads the same weights and ignores input_scale. kv_cache_quant_algo: the
+    source's, whose k_scale / v_scale the export keeps: vLLM runs its KV cache in fp8 by it (left out, in bf16)."""
     (kind,) = {k for k, _ in out.groups}  # write._check_modelopt: one kind a file
     algo = "W4A16_NVFP4" if kind == "nvfp4" and any(act != "static" for _, act in out.groups) else kind.upper()
     return {"producer": {"name": "dorafp8"},
-            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
+            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv_cache_quant_algo,
                              "group_size": 16 if kind == "nvfp4" else 32,
                              "exclude_modules": sorted(set(out.dense_linears))}}
 
@@ -157,7 +158,7 @@ def modelopt_config(out: Written) -> dict:
 def write_config(t: WriteTarget, path: str, report: ExportReport, out: Written) -> None:
     if t.fmt == "modelopt":
         with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
-            json.dump(modelopt_config(out), f, indent=2)
+            json.dump(modelopt_config(out, t.src.kv_cache_quant_algo if t.same else None), f, indent=2)
     if t.config_kind == "diffusers":
         t.base.save_config(path)
         if t.layout is not None:

@@ -124,39 +124,51 @@ def _to_merge(name: str, tuner, merge: bool, adapter_names) -> list:
     return names_
 
 
+# The sibling layers vLLM fuses into one, by their names under one parent: the union of the multi-layer entries of
+# its models' packed_modules_mapping / stacked_params_mapping (vLLM 0.33: qkv_proj, gate_up_proj, DeepSeek's MLA
+# fused_qkv_a_proj, Mixtral's w13, Qwen3.5's in_proj_qkvz / in_proj_ba, BERT's and Molmo's qkv, ...). A set is wider
+# than one model's where models differ (Whisper fuses only k/v of its cross-attention): a needless member costs a
+# reported re-quantization where a sibling is merged; one left out would compute wrong in vLLM.
+VLLM_FUSED = (("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "f_a_proj"), ("gate_proj", "up_proj", "dense_h_to_4h"),
+              ("query", "key", "value"), ("query_net", "key_net", "value_net"), ("q", "k", "v"), ("wq", "wk", "wv"),
+              ("w1", "w3"), ("fc1", "fc3"), ("c_fc_0", "c_fc_1"), ("q_a_proj", "kv_a_proj_with_mqa"),
+              ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
+_FUSED_SET = {leaf: i for i, names in enumerate(VLLM_FUSED) for leaf in names}
+
+
 def _fused_nvfp4_globals(t: WriteTarget, tuner_type, merge: bool, adapter_names) -> dict:
-    """name -> the global scale (weight_scale_2) an NVFP4 layer is written with, for the members of a group of sibling
-    layers that loaded with one global scale (ModelOpt's export, like llm-compressor, gives q/k/v and gate/up one:
-    preprocess_linear_fusion) where they no longer share it or are merged now. vLLM fuses such siblings into one
-    layer and multiplies every shard by the largest of their weight_scale_2s (modelopt.py, a warning where they
-    differ), so a layer merged with a global of its own (export_merged, or merge_and_unload before the write) would
-    compute wrong there. The group's global is the largest of its members' (a merged one's from its merged weight,
-    ModelOpt's amax / (6 * 448)); a member whose global is another is re-quantized with it."""
+    """name -> the global scale (weight_scale_2) an NVFP4 layer is written with, for the members of a group vLLM fuses
+    (VLLM_FUSED: siblings under one parent) where one of them changed since it was loaded (merged now or by
+    merge_and_unload before the write, or not loaded from a file). vLLM multiplies every shard of a fused layer by the
+    largest of their weight_scale_2s (modelopt.py, only a warning where they differ; its MoE experts take gate's), so a
+    layer merged with a global of its own would compute wrong there. The group's global is the largest of its
+    members' (a merged one's from its merged weight, ModelOpt's amax / (6 * 448)); a member whose global is another is
+    re-quantized with it. A group unchanged since it was loaded keeps its globals, as the file had them."""
     groups: dict = {}
     for kind, name, obj in walk_model(t.base, "", tuner_type):
         fp8 = base_layer(obj) if kind == "fp8" else None
-        g = getattr(fp8, "global_scale", None)
-        if g is not None:
-            src = layer_source_of(fp8)
-            bits = src.global_bits if src is not None and src.global_bits is not None else fp32_bits(g)
-            groups.setdefault((name.rpartition(".")[0], bits), []).append((name, obj, fp8))
+        parent, _, leaf = name.rpartition(".")
+        if getattr(fp8, "global_scale", None) is not None and leaf in _FUSED_SET:
+            groups.setdefault((parent, _FUSED_SET[leaf]), []).append((name, obj, fp8))
     out = {}
     for members in groups.values():
         if len(members) < 2:
             continue  # a layer alone takes its own global (recomputed where merged), as before
-        merged = {}
+        merged, changed = {}, False
         for name, obj, fp8 in members:
             tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
             names_ = _to_merge(name, tuner, merge, adapter_names)
+            src = layer_source_of(fp8)
+            changed |= bool(names_) or src is None or src.global_bits != fp32_bits(fp8.global_scale)
             if names_:
                 terms = adapter_terms(tuner, names_)
                 merged[name] = nvfp4_global_scale(weight_amax(
                     lambda j0, j1, f=fp8, tm=terms: merged_rows(f.fp8_weight(), f.scale, f.block_size, tm, j0, j1,
                                                                 f.global_scale), *weight_dims(fp8.weight),
                     fp8.weight.device))
-        own = [merged.get(n, f.global_scale.detach().float().reshape(())).to(f.weight.device) for n, _, f in members]
-        if not merged and all(torch.equal(o, own[0]) for o in own):
+        if not changed:
             continue
+        own = [merged.get(n, f.global_scale.detach().float().reshape(())).to(f.weight.device) for n, _, f in members]
         g = torch.stack(own).amax()
         out.update({n: g.clone() for n, _, _ in members})  # one tensor each: safetensors refuses shared memory
     return out
@@ -297,7 +309,7 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
 
 def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out: Written, name: str,
                       fp8: nn.Module, rows, terms: list, entry: dict, bias, shared_g=None) -> None:
-    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes, NVFP4's
+    """An NVFP4 / MXFP8 layer in ModelOpt's layout (`weight`, `weight_scale` e4m3 or e8m0 bytes as uint8, NVFP4's
     `weight_scale_2`): kept bit for bit without adapters; merged, re-quantized by its own recipe (merge.py).
     shared_g: the global scale of its fused group (_fused_nvfp4_globals), which it is written with."""
     kind = scale_kind(fp8.scale)
@@ -312,9 +324,8 @@ def _emit_micro_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, ou
         entry.update(action="kept", rel_error=0.0)
     entry["granularity"] = kind
     report.layers[name] = entry
-    fmeta = layer_source_of(fp8)
-    if kind == "mxfp8" and not (fmeta is not None and fmeta.format == t.fmt and fmeta.scale_dtype == scale.dtype):
-        scale = scale.view(torch.uint8)
+    if kind == "mxfp8":  # ModelOpt's uint8 bytes, whatever the source's dtype: vLLM's uint8 parameter is filled with
+        scale = scale.view(torch.uint8)  # copy_, which would convert an e8m0 tensor by value (2^(e-127) -> 0, 1, 8)
     sink.add(t.key_of(f"{name}.weight"), w)
     sink.add(t.key_of(f"{name}.weight_scale"), scale)
     if g is not None:

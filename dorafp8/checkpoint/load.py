@@ -102,6 +102,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block,
                                  metadata=source.metadata, dtypes=loader.src_dtypes,
                                  markers={k: info[k] for k in keys.marker_keys}, config=source.config,
+                                 kv_cache_quant_algo=source.modelopt_kv_cache_algo() if fmt == "modelopt" else None,
                                  files=tuple(filter(None, (identity(s) for s in source.shards if s))))
         if keys.marker_keys:
             source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))

@@ -27,6 +27,7 @@ class SourceInfo:
     markers: dict = field(default_factory=dict)       # the scaled_fp8 marker keys -> (dtype, shape, shard)
     marker_tensors: Optional[dict] = None             # and their tensors
     config: Optional[dict] = None                     # config.json
+    kv_cache_quant_algo: Optional[str] = None         # ModelOpt's (hf_quant_config.json), written back with k/v_scale
     files: tuple = ()                                 # files.identity() of the weight files it was read from
 
 
@@ -37,7 +38,7 @@ class LayerSource:
     extras: dict = field(default_factory=dict)        # suffix -> tensor ("input_scale", "comfy_quant", ...)
     scale_dtype: Optional[torch.dtype] = None
     scale_shape: Optional[tuple] = None
-    global_bits: Optional[int] = None  # NVFP4: the loaded global scale's fp32 bits (siblings sharing it: a fused group)
+    global_bits: Optional[int] = None  # NVFP4: the loaded global scale's fp32 bits (whether it changed since: emit.py)
 
 
 def source_of(model: nn.Module) -> SourceInfo:

@@ -123,10 +123,19 @@ class CheckpointSource:
     def modelopt_algo(self) -> Optional[str]:
         """ModelOpt's quant_algo ("NVFP4", "MXFP8", ...) from hf_quant_config.json or config.json, else None."""
         hq = (self.hf_quant_config or {}).get("quantization")
-        if isinstance(hq, dict) and hq.get("quant_algo"):
-            return str(hq["quant_algo"])
+        if isinstance(hq, dict) and hq.get("quant_algo"):  # upper-cased, as vLLM reads it (ModelOpt may write "nvfp4")
+            return str(hq["quant_algo"]).upper()
         qc = self.quant_config()
-        return str(qc["quant_algo"]) if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
+        return str(qc["quant_algo"]).upper() if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
+
+    def modelopt_kv_cache_algo(self) -> Optional[str]:
+        """ModelOpt's kv_cache_quant_algo ("FP8", ...) from hf_quant_config.json or config.json, else None."""
+        hq = (self.hf_quant_config or {}).get("quantization")
+        qc = hq if isinstance(hq, dict) and hq.get("quant_algo") else self.quant_config()
+        algo, scheme = qc.get("kv_cache_quant_algo"), qc.get("kv_cache_scheme")  # the latter: config.json's form
+        if not algo and isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+            algo = "FP8"  # as vLLM's ModelOptQuantConfigBase.from_config reads it
+        return str(algo) if algo else None
 
     def read(self, keys: Iterable[str], device) -> Iterable[tuple[str, torch.Tensor]]:
         """(key, tensor) for `keys`, shard by shard, one tensor at a time."""
@@ -306,7 +315,7 @@ def _check_mixed_precision(source: CheckpointSource) -> None:
                                     f"\"quantized_layers\" object saying which layer holds which algorithm; the "
                                     f"config is damaged or not ModelOpt's: nothing was loaded")
     other = {lay: c.get("quant_algo") if isinstance(c, dict) else c for lay, c in layers.items()
-             if not isinstance(c, dict) or c.get("quant_algo") not in MIXED_PRECISION_ALGOS}
+             if not isinstance(c, dict) or str(c.get("quant_algo")).upper() not in MIXED_PRECISION_ALGOS}
     if other:
         algos = sorted({str(a) for a in other.values()})
         lay = next(iter(other))
@@ -321,7 +330,7 @@ def _refuse_stale_hf_quant_config(source: CheckpointSource, algo: Optional[str],
     """Refuses an hf_quant_config.json whose NVFP4 / MXFP8 quant_algo no weight beside it has (one left from an
     earlier ModelOpt export to the folder, say), naming it, rather than reading the folder as ModelOpt's."""
     path, hq = source.hf_quant_config_path, (source.hf_quant_config or {}).get("quantization")
-    if path is None or not isinstance(hq, dict) or algo != hq.get("quant_algo"):
+    if path is None or not isinstance(hq, dict) or algo != str(hq.get("quant_algo")).upper():
         return
     info = source.info
     if algo in ("NVFP4", "W4A16_NVFP4"):

@@ -281,6 +281,37 @@ def test_a_modelopt_mxfp8_single_file_loads_with_format_modelopt(tmp_path):
         load_fp8_checkpoint(model, sd, format="compressed-tensors", verbose=False)
 
 
+def test_a_modelopt_mxfp8_scale_is_written_as_the_bytes_vllm_copies(tmp_path):
+    """A ModelOpt-layout MXFP8 file whose weight_scale is stored as F8_E8M0 (not ModelOpt's uint8) was written back
+    so (its dtype kept): vLLM's ModelOpt MXFP8 loader registers weight_scale as uint8 and fills it with copy_, which
+    converts an e8m0 tensor by value (2^(e - 127) cast to an integer: 0, 1, 8, ...), not by its bytes, so the exported
+    folder ran with garbage scales, without an error. Now the scale is always written as its uint8 bytes, what
+    ModelOpt's export writes, and reads back the same."""
+    from safetensors.torch import save_file
+
+    from dorafp8 import save_fp8_checkpoint
+
+    torch.manual_seed(0)
+    w8, e = quant.quantize_mxfp8(torch.randn(16, 64))
+    src = tmp_path / "mo"
+    src.mkdir()
+    save_file({"0.weight": w8, "0.weight_scale": e}, str(src / "model.safetensors"))
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": []}}))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(model, str(src), verbose=False)
+    out = str(tmp_path / "out")
+    save_fp8_checkpoint(model, out, format="modelopt", verbose=False)
+    stored = read_all(out)["0.weight_scale"]
+    vllm = torch.empty(stored.shape, dtype=torch.uint8).copy_(stored)  # vLLM's uint8 parameter, loaded
+    assert torch.equal(vllm, e.view(torch.uint8))
+    with torch.device("meta"):
+        back = nn.Sequential(nn.Linear(64, 16, bias=False))
+    load_fp8_checkpoint(back, out, verbose=False)
+    assert torch.equal(back[0].scale.view(torch.uint8), e.view(torch.uint8))
+
+
 def _mixed_precision_folder(path, algos: dict) -> dict:
     """A ModelOpt MIXED_PRECISION export of a Sequential, one quant_algo per layer (quant_utils.py's
     `quantized_layers`), each layer's tensors as its export writes them: NVFP4 / W4A16_NVFP4 packed uint8 with
@@ -606,6 +637,57 @@ def test_writers_give_the_layers_vllm_fuses_one_global_scale(tmp_path, how, grow
             assert action == "kept" and torch.equal(got.weight, source[f"{name}.weight"]), name
 
 
+@pytest.mark.parametrize("planted", ["o_proj_shares_qkv_global", "qkv_own_globals"])
+def test_the_fused_groups_are_the_sets_vllm_fuses_not_equal_globals(tmp_path, monkeypatch, planted):
+    """The write grouped NVFP4 siblings by parent module and equal loaded global, not by the sets vLLM fuses
+    (packed_modules_mapping: q/k/v -> qkv_proj, gate/up -> gate_up_proj). o_proj_shares_qkv_global: an o_proj whose
+    weight_scale_2 equals q/k/v's joined their group, and merging q_proj (its global grown) re-quantized o_proj, which
+    vLLM never fuses: error for nothing. qkv_own_globals: q/k/v loaded with globals of their own were each a group of
+    one, so the merged q_proj got its own global while vLLM multiplies all three by the largest: q computed wrong.
+    Now q/k/v are one group whatever their loaded globals (written with one where a member changed), o_proj is kept
+    bit for bit, and vLLM's reading of every q/k/v shard is what load_fp8_checkpoint reads."""
+    from dorafp8 import export_merged
+    from tests.checkpoint import _ckpt_fixtures
+
+    pytest.importorskip("peft")
+    fused = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj")) if planted.startswith("o_proj") \
+        else (("gate_proj", "up_proj"),)
+    monkeypatch.setattr(_ckpt_fixtures, "FUSED", fused)  # how the planted source's globals are shared
+    source = read_all(write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4"))
+    qkv = ("q_proj", "k_proj", "v_proj")
+    for i in (0, 1):
+        gs = {float(source[f"model.layers.{i}.self_attn.{m}.weight_scale_2"]) for m in qkv + ("o_proj",)}
+        assert len(gs) == (1 if planted.startswith("o_proj") else 4), gs  # the planted state
+    model = meta_model()
+    load_fp8_checkpoint(model, str(tmp_path / "mo"), verbose=False)
+    peft_model = _dora_on(model)
+    with torch.no_grad():  # the merged q_proj's global above the loaded ones
+        for name, layer in _linears(peft_model.base_model.model).items():
+            if name.endswith("q_proj"):
+                layer.lora_magnitude_vector["default"].weight.mul_(2)
+    out = str(tmp_path / "merged")
+    report = export_merged(peft_model, out, verbose=False)
+    file = read_all(out)
+    fresh = meta_model()
+    load_fp8_checkpoint(fresh, out, verbose=False)
+    got = _linears(fresh)
+    for i in (0, 1):
+        lay = f"model.layers.{i}.self_attn"
+        o = f"{lay}.o_proj"
+        assert report.layers[o]["action"] == "kept", report.layers[o]
+        for s in ("weight", "weight_scale", "weight_scale_2"):
+            assert torch.equal(file[f"{o}.{s}"].reshape(-1).view(torch.uint8),
+                               source[f"{o}.{s}"].reshape(-1).view(torch.uint8)), s
+        shard_g = torch.stack([file[f"{lay}.{m}.weight_scale_2"] for m in qkv])
+        assert bool((shard_g == shard_g[0]).all()), shard_g
+        for m in qkv:  # vLLM's qkv_proj: each shard's codes and block scales times the largest weight_scale_2
+            name = f"{lay}.{m}"
+            vllm = quant.unpack_e2m1(file[f"{name}.weight"]) * (
+                file[f"{name}.weight_scale"].float() * shard_g.amax()).repeat_interleave(16, 1)
+            assert torch.equal(vllm, quant.dequantize_weight(got[name].weight, got[name].scale,
+                                                             global_scale=got[name].global_scale)), name
+
+
 @pytest.mark.parametrize("writer", ["modelopt-NVFP4", "modelopt-W4A16_NVFP4", "compressed-tensors-NVFP4A16",
                                     "compressed-tensors-NVFP4"])
 def test_a_modelopt_folder_says_w4a16_nvfp4_where_layers_have_no_input_scale(tmp_path, writer):
@@ -699,7 +781,9 @@ def test_a_damaged_modelopt_export_is_refused(tmp_path):
 def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
     """ModelOpt exports with kv_cache_quant_algo "FP8" (NVIDIA's published NVFP4 models among them) carry
     `<k_proj>.k_scale` and `<v_proj>.v_scale`: they load by default, kept as extras and named in the report, and
-    save_fp8_checkpoint writes them back as they were. They made the whole load fail ("fit nothing in the model")."""
+    save_fp8_checkpoint writes them back as they were. They made the whole load fail ("fit nothing in the model").
+    The written hf_quant_config.json said kv_cache_quant_algo null, so vLLM ran the export's KV cache in bf16 (twice
+    the memory) beside the kept scales; it now says the source's FP8."""
     import json
 
     from safetensors.torch import save_file
@@ -711,13 +795,19 @@ def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
           for p in "kv"}
     save_file({**read_all(src), **kv}, os.path.join(src, "model.safetensors"))  # the fixture writes one file
     with open(os.path.join(src, "hf_quant_config.json")) as f:
-        assert json.load(f)["quantization"]["quant_algo"] == algo
+        hq = json.load(f)
+    assert hq["quantization"]["quant_algo"] == algo
+    hq["quantization"]["kv_cache_quant_algo"] = "FP8"
+    with open(os.path.join(src, "hf_quant_config.json"), "w") as f:
+        json.dump(hq, f)
     model = meta_model()
     report = load_fp8_checkpoint(model, src, verbose=False)
     assert {k for k in report.kept if k in kv} == set(kv)
     save_fp8_checkpoint(model, str(tmp_path / "out"), format="modelopt", verbose=False)
     back = read_all(str(tmp_path / "out"))
     assert all(torch.equal(back[k], v) for k, v in kv.items())
+    with open(os.path.join(str(tmp_path / "out"), "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["kv_cache_quant_algo"] == "FP8"
 
 
 @pytest.mark.parametrize("preset", ["NVFP4A16", "MXFP8A16"])

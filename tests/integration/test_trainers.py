@@ -262,6 +262,33 @@ def test_peft_older_than_0_18_is_refused_naming_the_fix(monkeypatch):
         get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
 
 
+@pytest.mark.parametrize("algo", ["W4A16_NVFP4", "nvfp4", "MIXED_PRECISION"])
+def test_the_launcher_loads_every_modelopt_export_dorafp8_reads(tmp_path, monkeypatch, algo):
+    """`dorafp8 run`'s from_pretrained hook handed only quant_algo "NVFP4" / "MXFP8" folders to load_fp8_checkpoint:
+    a W4A16_NVFP4 export (what dorafp8's own writer gives NVFP4 layers without input_scale), a MIXED_PRECISION one
+    and a lower-case "nvfp4" (vLLM upper-cases quant_algo; load_fp8_checkpoint refused it as an unknown algorithm)
+    went to transformers, which has no ModelOpt quantizer and cannot load packed NVFP4 weights. Now they load through
+    dorafp8, every linear layer NVFP4."""
+    from dorafp8 import FP8Linear, launcher, quant
+    from tests.checkpoint._ckpt_fixtures import LINEARS, original_model, write_modelopt
+
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), "W4A16_NVFP4")
+    with open(os.path.join(path, "hf_quant_config.json")) as f:
+        hq = json.load(f)
+    hq["quantization"]["quant_algo"] = algo
+    if algo == "MIXED_PRECISION":
+        hq["quantization"]["quantized_layers"] = {n: {"quant_algo": "w4a16_nvfp4"} for n, m in
+                                                  original_model().named_modules() if n.split(".")[-1] in LINEARS}
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        json.dump(hq, f)
+    for key in ("models", "quantized"):
+        monkeypatch.setitem(launcher._STATE, key, 0)
+    model = launcher._modelopt_load(transformers.LlamaForCausalLM, (path,), {})
+    layers = [m for n, m in model.named_modules() if n.split(".")[-1] in LINEARS]
+    assert len(layers) == 14 and all(isinstance(m, FP8Linear) and quant.scale_kind(m.scale) == "nvfp4"
+                                     for m in layers)
+
+
 def test_quantize_leaves_a_classifier_head_dense_for_peft_to_train(monkeypatch):
     """--quantize on a sequence classifier (TRL's reward trainer loads one): its `score` head, which PEFT trains in full
     for task_type="SEQ_CLS", stays dense; in fp8 get_peft_model refuses it (before: it stayed at its random init)."""
