@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -247,6 +248,27 @@ def loaded_from(path: str, originals) -> Optional[str]:
     link, a hard link, another spelling of it), else None: a writer never replaces a model's own weights."""
     me = identity(path)
     return next((o[-1] for o in originals if me is not None and o[:-1] == me[:-1]), None)
+
+
+def weight_files(folder) -> tuple:
+    """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors (or
+    diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(variant=)),
+    and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors file there (a
+    stray one, an export of something else, is no original of this model)."""
+    if not isinstance(folder, str) or not os.path.isdir(folder):
+        return ()
+    stems = ("model", "diffusion_pytorch_model")
+    names = set()
+    for stem in stems:
+        names.update(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), f"{stem}*.safetensors"))
+                     if re.fullmatch(rf"{stem}(\.[^.]+)?\.safetensors", os.path.basename(p)))
+        for index in glob.glob(os.path.join(glob.escape(folder), f"{stem}.safetensors.index*.json")):
+            try:
+                weight_map = read_json(index, "a safetensors index").get("weight_map")
+            except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names
+                weight_map = None
+            names.update(map(str, weight_map.values()) if isinstance(weight_map, dict) else ())
+    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
 
 
 def destination(path: str) -> str:
