@@ -478,9 +478,15 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def replace(tmp: str, path: str) -> None:
-    """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder."""
+def replace(tmp: str, path: str, mode: Optional[int] = None) -> None:
+    """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder.
+    mode: given to `tmp` (best effort) after the fsync, which opens it: a mode without the owner's read bit (0o200,
+    0o000: a file replaced keeps its own) would refuse that open to anyone but root."""
     fsync_file(tmp, path)
+    if mode is not None:
+        # a courtesy, not the write: vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM)
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, mode)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -529,11 +535,12 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
-        with contextlib.suppress(OSError):  # a file replaced keeps its mode (who may read it), as a write into it would
+        try:  # a file replaced keeps its mode (who may read it), as a write into it would
             st = os.lstat(real)
-            if stat.S_ISREG(st.st_mode):
-                os.chmod(os.path.join(stage, name), stat.S_IMODE(st.st_mode))
-        replace(os.path.join(stage, name), real)
+            mode = stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+        except OSError:
+            mode = None
+        replace(os.path.join(stage, name), real, mode)
 
 
 def write_error(path: str, e: Exception) -> OSError:

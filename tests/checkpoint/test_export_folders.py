@@ -221,6 +221,40 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
         os.umask(old)
 
 
+@pytest.mark.skipif(os.name != "posix", reason="permission bits")
+@pytest.mark.parametrize("mode", [0o200, 0o000])
+def test_a_file_replaced_whose_mode_denies_its_owner_reading_is_replaced(tmp_path, monkeypatch, mode):
+    """The replaced file's mode (0o200, 0o000: no read bit for its owner) was given to the staged file before it
+    was fsynced, which opens it for reading: for anyone but root (who reads any file; the tests run as root, so the
+    kernel's check is done here as it is for other users) the export failed ('Permission denied') over a file it
+    may replace. Now the mode is given after the fsync: the file is replaced and keeps its mode."""
+    import builtins
+    import errno
+    import stat
+
+    import dorafp8.checkpoint.files as files
+
+    def as_its_owner(path, flags="r", *args, **kwargs):  # open() as a user who is not root checks the owner's bits
+        if isinstance(path, (str, os.PathLike)) and os.path.exists(path):
+            need = (stat.S_IRUSR if "r" in flags or "+" in flags else 0) | (stat.S_IWUSR if set("wa+") & set(flags)
+                                                                              else 0)
+            if os.stat(path).st_mode & need != need:
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return builtins.open(path, flags, *args, **kwargs)
+
+    single = tmp_path / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    single.chmod(mode)
+    monkeypatch.setattr(files, "open", as_its_owner, raising=False)
+    b = _net(1)
+    _export(b, single, SINGLE)
+    monkeypatch.undo()
+    assert oct(single.stat().st_mode & 0o777) == oct(mode)
+    single.chmod(0o600)
+    with torch.no_grad():
+        assert torch.equal(_output_of(single), b(X))
+
+
 def test_an_export_onto_a_filesystem_that_refuses_chmod_is_written(tmp_path, monkeypatch):
     """vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM): the mode fix-up after safetensors' write
     failed the whole export there ('writing ...: Operation not permitted'), where it worked before the fix-up."""
