@@ -255,8 +255,9 @@ def weight_files(folder) -> tuple:
     diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(variant=)),
     and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors file there (a
     stray one, an export of something else, is no original of this model)."""
-    if not isinstance(folder, str) or not os.path.isdir(folder):
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):  # diffusers keeps a Path as given
         return ()
+    folder = os.fspath(folder)
     stems = ("model", "diffusion_pytorch_model")
     names = set()
     for stem in stems:

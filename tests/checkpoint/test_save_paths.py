@@ -484,6 +484,20 @@ def dora_unet(unet):
     return _perturb_dora(pm)
 
 
+def test_a_dense_unet_quantized_after_from_pretrained_is_not_written_over_its_file(tmp_path):
+    """diffusers' from_pretrained(dense), then quantize_model: an export onto its
+    diffusion_pytorch_model.safetensors replaced the original-precision weights (nothing recorded them). Refused."""
+    src = tmp_path / "unet"
+    small_unet().save_pretrained(src)
+    original = src / "diffusion_pytorch_model.safetensors"
+    before = original.read_bytes()
+    model = diffusers.UNet2DConditionModel.from_pretrained(src)
+    dorafp8.quantize_model(model, verbose=False)
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, original, verbose=False)
+    assert original.read_bytes() == before
+
+
 def test_unet_save_pretrained_refuses(unet, tmp_path):
     with pytest.raises(ValueError, match=r"UNet2DConditionModel\.save_pretrained.*fp8 layers.*"
                                          r"dorafp8\.save_fp8_checkpoint.*dorafp8\.export_merged"):
