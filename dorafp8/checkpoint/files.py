@@ -455,14 +455,20 @@ def staging(folder: str, name: str):
         os.close(fds[0])
 
 
+# what fsync says on a file system that has no fsync (VirtualBox's vboxsf, some FUSE ones): the data are written,
+# as durable as that file system makes them, and a write there without dorafp8 works
+_NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
 def fsync_file(path: str, name: Optional[str] = None) -> None:
     """`path`'s data made durable; an error (ENOSPC, EDQUOT, EIO: NFS and delayed allocation report a full disk only
-    here) raised naming `name` (the file the user asked for) or `path`."""
+    here) raised naming `name` (the file the user asked for) or `path`; none where the file system has no fsync."""
     try:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     except OSError as e:
-        raise write_error(name or path, e) from e
+        if e.errno not in _NO_FSYNC:
+            raise write_error(name or path, e) from e
 
 
 def fsync_dir(folder: str) -> None:
