@@ -485,15 +485,23 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def replace(tmp: str, path: str, mode: Optional[int] = None) -> None:
+def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
     """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder.
-    mode: given to `tmp` (best effort) after the fsync, which opens it: a mode without the owner's read bit (0o200,
-    0o000: a file replaced keeps its own) would refuse that open to anyone but root."""
+    like: the stat of the file replaced, whose owner, group and mode (who may read it) `tmp` gets, as a write into it
+    would keep them (root in a container replacing a user's 0o600 file left it unreadable to that user). Given after
+    the fsync, which opens `tmp`: a mode without the owner's read bit (0o200, 0o000) would refuse that to all but
+    root. Best effort: only root gives a file to another user (else the group, where the writer is in it), and vfat /
+    NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM)."""
     fsync_file(tmp, path)
-    if mode is not None:
-        # a courtesy, not the write: vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM)
+    if like is not None:
+        chown = getattr(os, "chown", None)  # not on Windows
+        try:
+            chown and chown(tmp, like.st_uid, like.st_gid)
+        except OSError:
+            with contextlib.suppress(OSError):
+                chown(tmp, -1, like.st_gid)
         with contextlib.suppress(OSError):
-            os.chmod(tmp, mode)
+            os.chmod(tmp, stat.S_IMODE(like.st_mode))  # after chown, which may clear set-id bits
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -542,12 +550,11 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
-        try:  # a file replaced keeps its mode (who may read it), as a write into it would
+        try:  # a file replaced keeps its owner and mode (who may read it), as a write into it would
             st = os.lstat(real)
-            mode = stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
         except OSError:
-            mode = None
-        replace(os.path.join(stage, name), real, mode)
+            st = None
+        replace(os.path.join(stage, name), real, st if st is not None and stat.S_ISREG(st.st_mode) else None)
 
 
 def write_error(path: str, e: Exception) -> OSError:

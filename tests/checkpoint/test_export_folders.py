@@ -221,6 +221,20 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
         os.umask(old)
 
 
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_file_root_replaces_stays_its_owners(tmp_path):
+    """Root (a training container on a bind mount) replacing a user's 0o640 file gave the new one to root:root with
+    the old mode, so the user, and the group the file was shared with, could no longer read their own checkpoint
+    (a write into it would have kept both). Now it keeps its owner and group as well as its mode."""
+    single = tmp_path / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    os.chown(single, 12345, 23456)
+    single.chmod(0o640)
+    _export(_net(1), single, SINGLE)
+    st = single.stat()
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (12345, 23456, oct(0o640))
+
+
 @pytest.mark.skipif(os.name != "posix", reason="permission bits")
 @pytest.mark.parametrize("mode", [0o200, 0o000])
 def test_a_file_replaced_whose_mode_denies_its_owner_reading_is_replaced(tmp_path, monkeypatch, mode):
