@@ -550,11 +550,15 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
-        try:  # a file replaced keeps its owner and mode (who may read it), as a write into it would
+        try:  # a file replaced keeps its owner and mode (who may read it), as a write into it would; not one planted
+            # by a stranger (another user's 0o666 file in a shared folder: /tmp), whose owner and mode would let them
+            # rewrite the export: only a file of the writer's own or of the folder's owner's
             st = os.lstat(real)
+            ours = stat.S_ISREG(st.st_mode) and st.st_uid in (getattr(os, "geteuid", lambda: 0)(),
+                                                              os.stat(folder).st_uid)
         except OSError:
-            st = None
-        replace(os.path.join(stage, name), real, st if st is not None and stat.S_ISREG(st.st_mode) else None)
+            ours = False
+        replace(os.path.join(stage, name), real, st if ours else None)
 
 
 def write_error(path: str, e: Exception) -> OSError:

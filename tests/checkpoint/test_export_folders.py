@@ -225,14 +225,30 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
 def test_a_file_root_replaces_stays_its_owners(tmp_path):
     """Root (a training container on a bind mount) replacing a user's 0o640 file gave the new one to root:root with
     the old mode, so the user, and the group the file was shared with, could no longer read their own checkpoint
-    (a write into it would have kept both). Now it keeps its owner and group as well as its mode."""
-    single = tmp_path / "one.safetensors"
+    (a write into it would have kept both). Now it keeps its owner and group as well as its mode. Not a stranger's
+    file planted in a folder of someone else's (/tmp): its mode (0o666) was kept, so its owner could rewrite the
+    export; that one gets the mode and owner of a new file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 12345, 23456)
+    single = home / "one.safetensors"
     _export(_net(0), single, SINGLE)
     os.chown(single, 12345, 23456)
     single.chmod(0o640)
     _export(_net(1), single, SINGLE)
     st = single.stat()
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (12345, 23456, oct(0o640))
+    planted = tmp_path / "planted.safetensors"  # tmp_path: root's
+    planted.write_bytes(b"x")
+    os.chown(planted, 12345, 23456)
+    planted.chmod(0o666)
+    old = os.umask(0o022)
+    try:
+        _export(_net(1), planted, SINGLE)
+    finally:
+        os.umask(old)
+    st = planted.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, oct(0o644))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="permission bits")
