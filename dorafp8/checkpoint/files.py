@@ -252,9 +252,9 @@ def loaded_from(path: str, originals) -> Optional[str]:
 
 def weight_files(folder) -> tuple:
     """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors (or
-    diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(variant=)),
-    and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors file there (a
-    stray one, an export of something else, is no original of this model)."""
+    diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(
+    variant=)), and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors
+    file there (a stray one, an export of something else, is no original of this model)."""
     if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):  # diffusers keeps a Path as given
         return ()
     folder = os.fspath(folder)
