@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -249,6 +250,28 @@ def loaded_from(path: str, originals) -> Optional[str]:
     return next((o[-1] for o in originals if me is not None and o[:-1] == me[:-1]), None)
 
 
+def weight_files(folder) -> tuple:
+    """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors (or
+    diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(
+    variant=)), and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors
+    file there (a stray one, an export of something else, is no original of this model)."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):  # diffusers keeps a Path as given
+        return ()
+    folder = os.fspath(folder)
+    stems = ("model", "diffusion_pytorch_model")
+    names = set()
+    for stem in stems:
+        names.update(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), f"{stem}*.safetensors"))
+                     if re.fullmatch(rf"{stem}(\.[^.]+)?\.safetensors", os.path.basename(p)))
+        for index in glob.glob(os.path.join(glob.escape(folder), f"{stem}.safetensors.index*.json")):
+            try:
+                weight_map = read_json(index, "a safetensors index").get("weight_map")
+            except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names
+                weight_map = None
+            names.update(map(str, weight_map.values()) if isinstance(weight_map, dict) else ())
+    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
+
+
 def destination(path: str) -> str:
     """`path` with its symlinks resolved; a dangling link is refused naming it."""
     if os.path.islink(path) and not os.path.exists(path):
@@ -432,14 +455,20 @@ def staging(folder: str, name: str):
         os.close(fds[0])
 
 
+# what fsync says on a file system that has no fsync (VirtualBox's vboxsf, some FUSE ones): the data are written,
+# as durable as that file system makes them, and a write there without dorafp8 works
+_NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
 def fsync_file(path: str, name: Optional[str] = None) -> None:
     """`path`'s data made durable; an error (ENOSPC, EDQUOT, EIO: NFS and delayed allocation report a full disk only
-    here) raised naming `name` (the file the user asked for) or `path`."""
+    here) raised naming `name` (the file the user asked for) or `path`; none where the file system has no fsync."""
     try:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     except OSError as e:
-        raise write_error(name or path, e) from e
+        if e.errno not in _NO_FSYNC:
+            raise write_error(name or path, e) from e
 
 
 def fsync_dir(folder: str) -> None:
@@ -456,9 +485,23 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def replace(tmp: str, path: str) -> None:
-    """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder."""
+def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
+    """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder.
+    like: the stat of the file replaced, whose owner, group and mode (who may read it) `tmp` gets, as a write into it
+    would keep them (root in a container replacing a user's 0o600 file left it unreadable to that user). Given after
+    the fsync, which opens `tmp`: a mode without the owner's read bit (0o200, 0o000) would refuse that to all but
+    root. Best effort: only root gives a file to another user (else the group, where the writer is in it), and vfat /
+    NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM)."""
     fsync_file(tmp, path)
+    if like is not None:
+        chown = getattr(os, "chown", None)  # not on Windows
+        try:
+            chown and chown(tmp, like.st_uid, like.st_gid)
+        except OSError:
+            with contextlib.suppress(OSError):
+                chown(tmp, -1, like.st_gid)
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, stat.S_IMODE(like.st_mode))  # after chown, which may clear set-id bits
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -507,11 +550,15 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
-        with contextlib.suppress(OSError):  # a file replaced keeps its mode (who may read it), as a write into it would
+        try:  # a file replaced keeps its owner and mode (who may read it), as a write into it would; not one planted
+            # by a stranger (another user's 0o666 file in a shared folder: /tmp), whose owner and mode would let them
+            # rewrite the export: only a file of the writer's own or of the folder's owner's
             st = os.lstat(real)
-            if stat.S_ISREG(st.st_mode):
-                os.chmod(os.path.join(stage, name), stat.S_IMODE(st.st_mode))
-        replace(os.path.join(stage, name), real)
+            ours = stat.S_ISREG(st.st_mode) and st.st_uid in (getattr(os, "geteuid", lambda: 0)(),
+                                                              os.stat(folder).st_uid)
+        except OSError:
+            ours = False
+        replace(os.path.join(stage, name), real, st if ours else None)
 
 
 def write_error(path: str, e: Exception) -> OSError:

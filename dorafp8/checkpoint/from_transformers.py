@@ -4,9 +4,7 @@ classes each format builds: docs/ARCHITECTURE.md, "dorafp8/checkpoint/from_trans
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import sys
 import warnings
 from typing import Optional
@@ -19,7 +17,7 @@ from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import (DEFAULT_BLOCK, E4M3, E8M0, check_act_quant, check_fp8_weight, check_micro_scale_values,
                      check_scale, check_weight)
-from .files import identity, read_json
+from .files import read_json, weight_files
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo, fp32_bits
 
@@ -130,24 +128,6 @@ def _fp8_layers(model: nn.Module) -> tuple[list, list, list]:
     return layers, dense, experts
 
 
-def _weight_files(folder) -> tuple:
-    """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors and
-    its variants (model.fp16.safetensors, from_pretrained(variant=)), and the shards each
-    model.safetensors.index*.json names; not every .safetensors file there (a stray one, an export of something
-    else, is no original of this model)."""
-    if not isinstance(folder, str) or not os.path.isdir(folder):
-        return ()
-    names = {os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), "model*.safetensors"))
-             if re.fullmatch(r"model(\.[^.]+)?\.safetensors", os.path.basename(p))}
-    for index in glob.glob(os.path.join(glob.escape(folder), "model.safetensors.index*.json")):
-        try:
-            weight_map = read_json(index, "a safetensors index").get("weight_map")
-        except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names
-            weight_map = None
-        names.update(map(str, weight_map.values()) if isinstance(weight_map, dict) else ())
-    return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
-
-
 def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant: Optional[str] = None,
                           dtype: Optional[torch.dtype] = None) -> int:
     """Swaps the fp8 linear layers of a transformers model loaded with a FineGrainedFP8Config or a compressed-tensors
@@ -189,7 +169,7 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             # the weights from_pretrained read (save_hooks recorded them; else those of its local folder): the
             # writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
             src.files = (getattr(model, "_dorafp8_checkpoint_files", None)
-                         or _weight_files(getattr(cfg, "_name_or_path", None)))
+                         or weight_files(getattr(cfg, "_name_or_path", None)))
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)

@@ -409,15 +409,14 @@ def _to_module_layout(root: nn.Module, sd: dict, single_file) -> dict:
 def _write_atomic(tensors: dict, path, metadata: dict, model: nn.Module, single_file=None) -> None:
     """`path` written whole or not at all (files.save_file_atomic: staged, fsynced, renamed); never over the file the
     model's base was loaded from or `single_file` (the two paths of save_single_file_dora swapped)."""
-    from .plan import source_of
-    from .write import refuse_original
+    from .write import originals, refuse_original
 
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path {path!r}: the folder {folder!r} does not exist")
     given = identity(os.fspath(single_file)) if isinstance(single_file, (str, os.PathLike)) else None
-    refuse_original(path, (*source_of(model).files, *filter(None, [given])))
+    refuse_original(path, (*originals(model), *filter(None, [given])))
     save_file_atomic(tensors, path, metadata)
 
 

@@ -8,13 +8,12 @@ import contextlib
 import functools
 import inspect
 import os
-import re
 import warnings
 
 from torch import nn
 
 from .configs import DIFFUSERS_LOAD_HINT
-from .files import identity
+from .files import identity, loaded_from
 from .modules import fp8_modules
 from .write import save_pretrained_state
 
@@ -40,21 +39,24 @@ def _config_says(model: nn.Module, quantization_config: dict):
             model.hf_quantizer = quantizer
 
 
-def _refuse_originals(model: nn.Module, folder, variant=None) -> None:
-    """Refuses a save_pretrained into a folder holding a file the model was loaded from that transformers would
-    overwrite (model.safetensors, model.<variant>.safetensors with variant=) or delete
-    (`model*-<5 digits>-of-<5 digits>.safetensors`, before it writes the new ones: a kill meanwhile leaves neither), as
-    dorafp8's writers refuse (write.refuse_original)."""
-    from .plan import source_of
-    from .write import refuse_original
+def _refuse_originals(model: nn.Module, folder) -> None:
+    """Refuses a save_pretrained into a folder holding a file the model was loaded from (write.originals), as
+    dorafp8's writers refuse (write.refuse_original): transformers would overwrite it (model.safetensors,
+    model.<variant>.safetensors with variant=), delete it (`model*-<5 digits>-of-<5 digits>.safetensors`, before it
+    writes the new ones), or leave it beside a config.json that now says the weights are fp8 (a variant= the save
+    does not write: model.fp16.safetensors then loads as compressed-tensors, its original config gone)."""
+    from .write import originals
 
-    files = source_of(model).files
-    if not files or not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
         return
-    written = {"model.safetensors", f"model.{variant}.safetensors" if variant else "model.safetensors"}
-    for name in sorted(os.listdir(folder)):
-        if name in written or re.fullmatch(r"model.*-\d{5}-of-\d{5}\.safetensors", name):
-            refuse_original(os.path.join(folder, name), files, os.fspath(folder))
+    files = originals(model)
+    for name in sorted(os.listdir(folder)) if files else ():
+        orig = loaded_from(os.path.join(folder, name), files)
+        if orig is not None:
+            raise FileExistsError(f"save_directory={os.fspath(folder)!r} holds {name!r}, which is the file the "
+                                  f"model was loaded from ({orig!r}): save_pretrained there would overwrite or delete "
+                                  f"it, or replace the config.json it loads with, and the original weights would be "
+                                  f"gone; save to another folder")
 
 
 def _transformers_save_pretrained(orig):
@@ -73,7 +75,7 @@ def _transformers_save_pretrained(orig):
                              f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
                              f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
                              f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
-        _refuse_originals(self, bound.arguments.get("save_directory"), bound.arguments.get("variant"))
+        _refuse_originals(self, bound.arguments.get("save_directory"))
         state_dict, quantization_config, report = save_pretrained_state(self)
         requantized = report.errors("requantized")
         if requantized:

@@ -21,7 +21,8 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
-                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging, write_error)
+                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging, weight_files,
+                    write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -113,12 +114,13 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     t = resolve_target(model, fmt, granularity, block_size, prefix, metadata)
     check_destination(t, path, defaulted=fmt is None)
     real = destination(path)
+    orig = originals(model)
     report = ExportReport(t.fmt, path)
     emit_args = dict(merge=merge, adapter_names=adapter_names)
     if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
-        refuse_original(path, t.src.files)
+        refuse_original(path, orig)
         writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
         with _made(os.path.dirname(real)):
             out = emit(t, writer, report, **emit_args)
@@ -126,7 +128,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         report.files = [path]
     else:
         writer = ShardWriter("", t.stem, max_bytes, t.metadata)  # its folder: the stage, below
-        out = _write_folder(t, path, real, writer, report, emit_args)
+        out = _write_folder(t, path, real, writer, report, emit_args, orig)
     report.tensors, report.bytes = writer.count, writer.total
     if out.ragged:
         report.notes.append(f"{len(out.ragged)} layers have a dimension that is not a multiple of the block size "
@@ -144,12 +146,14 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     return report
 
 
-def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict):
-    """A folder checkpoint: written into a stage in `real`, then published under its lock (_publish)."""
+def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, report: ExportReport, emit_args: dict,
+                  orig: tuple):
+    """A folder checkpoint: written into a stage in `real`, then published under its lock (_publish); `orig`: the
+    files the model was loaded from (originals)."""
     if os.path.lexists(real) and not os.path.isdir(real):
         raise NotADirectoryError(f"path={path!r} is a file, not a folder (a path ending in .safetensors is written "
                                  f"as one file)")
-    _check_folder(real, path, t)
+    _check_folder(real, path, t, orig)
     with _made(real), staging(real, t.stem) as stage:
         writer.path = stage
         out = emit(t, writer, report, **emit_args)
@@ -160,7 +164,7 @@ def _write_folder(t: WriteTarget, path: str, real: str, writer: ShardWriter, rep
             raise write_error(os.path.join(path, "config.json" + (" / hf_quant_config.json" if t.fmt == "modelopt"
                                                                    else "")), e) from e
         with locked(real, f"path={path!r}"):
-            _check_folder(real, path, t)
+            _check_folder(real, path, t, orig)
             names = _publish(stage, real, t.stem, parts, writer.total, path)
     report.files = [os.path.join(path, n) for n in names]
     return out
@@ -180,7 +184,7 @@ def _made(folder: str):
         raise
 
 
-def _check_folder(real: str, path: str, t: WriteTarget) -> None:
+def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
     """Refuses a folder where the export would not be what loads (a `model.safetensors` or
     `diffusion_pytorch_model.safetensors`, or the index of the other of the two), or would load as another layout
     (ModelOpt's hf_quant_config.json beside an export in any other format), or where it would replace an index no
@@ -191,7 +195,7 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
     for rec in records:  # the export this one would replace, its shards removed: not the one the model came from
         for name in rec.get("dorafp8_files") or {}:
             if isinstance(name, str) and shard_pattern(t.stem).fullmatch(name):
-                refuse_original(os.path.join(real, name), t.src.files, path)
+                refuse_original(os.path.join(real, name), orig, path)
     # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
     # diffusers model's export beside an old `model.safetensors` would load as that
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
@@ -219,6 +223,17 @@ def _check_folder(real: str, path: str, t: WriteTarget) -> None:
         raise FileExistsError(f"path={path!r} holds {index!r}, which no dorafp8 export wrote (a model saved there by "
                               f"save_pretrained or another tool?); the export would replace it and leave that model's "
                               f"shards unindexed, so it is not overwritten: export to another folder, or move it away")
+
+
+def originals(model: nn.Module) -> tuple:
+    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): those its
+    loader recorded (load_fp8_checkpoint, load_single_file, from_pretrained with a quantization_config), else the weight
+    files of the local folder its config names (from_pretrained without one, then quantize_model: the
+    original-precision weights, the only copy the user has)."""
+    files = source_of(model).files
+    if files:
+        return files
+    return weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:

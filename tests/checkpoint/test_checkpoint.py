@@ -607,15 +607,14 @@ def test_from_transformers_fp8_records_variant_weights(tmp_path):
     """from_pretrained(variant="fp16") reads model.fp16.safetensors, or the shards of
     model.safetensors.index.fp16.json: they are this model's originals too (only model.safetensors and the plain
     index were recorded, so exporting over a variant file was not refused); a stray file still is no original."""
-    from dorafp8.checkpoint.files import identity
-    from dorafp8.checkpoint.from_transformers import _weight_files
+    from dorafp8.checkpoint.files import identity, weight_files
 
     names = ["model.fp16.safetensors", "model.fp16-00001-of-00002.safetensors", "stray.safetensors"]
     for n in names:
         (tmp_path / n).write_bytes(b"x" * (len(n) + 1))
     (tmp_path / "model.safetensors.index.fp16.json").write_text(
         json.dumps({"weight_map": {"a.weight": "model.fp16-00001-of-00002.safetensors"}}))
-    assert set(_weight_files(str(tmp_path))) == {identity(str(tmp_path / n)) for n in names[:2]}
+    assert set(weight_files(str(tmp_path))) == {identity(str(tmp_path / n)) for n in names[:2]}
 
 
 def test_from_transformers_fp8_model_from_a_subfolder_is_not_exported_over_its_files(ckpt, tmp_path):

@@ -221,6 +221,70 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
         os.umask(old)
 
 
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_file_root_replaces_stays_its_owners(tmp_path):
+    """Root (a training container on a bind mount) replacing a user's 0o640 file gave the new one to root:root with
+    the old mode, so the user, and the group the file was shared with, could no longer read their own checkpoint
+    (a write into it would have kept both). Now it keeps its owner and group as well as its mode. Not a stranger's
+    file planted in a folder of someone else's (/tmp): its mode (0o666) was kept, so its owner could rewrite the
+    export; that one gets the mode and owner of a new file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 12345, 23456)
+    single = home / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    os.chown(single, 12345, 23456)
+    single.chmod(0o640)
+    _export(_net(1), single, SINGLE)
+    st = single.stat()
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (12345, 23456, oct(0o640))
+    planted = tmp_path / "planted.safetensors"  # tmp_path: root's
+    planted.write_bytes(b"x")
+    os.chown(planted, 12345, 23456)
+    planted.chmod(0o666)
+    old = os.umask(0o022)
+    try:
+        _export(_net(1), planted, SINGLE)
+    finally:
+        os.umask(old)
+    st = planted.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, oct(0o644))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="permission bits")
+@pytest.mark.parametrize("mode", [0o200, 0o000])
+def test_a_file_replaced_whose_mode_denies_its_owner_reading_is_replaced(tmp_path, monkeypatch, mode):
+    """The replaced file's mode (0o200, 0o000: no read bit for its owner) was given to the staged file before it
+    was fsynced, which opens it for reading: for anyone but root (who reads any file; the tests run as root, so the
+    kernel's check is done here as it is for other users) the export failed ('Permission denied') over a file it
+    may replace. Now the mode is given after the fsync: the file is replaced and keeps its mode."""
+    import builtins
+    import errno
+    import stat
+
+    import dorafp8.checkpoint.files as files
+
+    def as_its_owner(path, flags="r", *args, **kwargs):  # open() as a user who is not root checks the owner's bits
+        if isinstance(path, (str, os.PathLike)) and os.path.exists(path):
+            need = (stat.S_IRUSR if "r" in flags or "+" in flags else 0) | (stat.S_IWUSR if set("wa+") & set(flags)
+                                                                              else 0)
+            if os.stat(path).st_mode & need != need:
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return builtins.open(path, flags, *args, **kwargs)
+
+    single = tmp_path / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    single.chmod(mode)
+    monkeypatch.setattr(files, "open", as_its_owner, raising=False)
+    b = _net(1)
+    _export(b, single, SINGLE)
+    monkeypatch.undo()
+    assert oct(single.stat().st_mode & 0o777) == oct(mode)
+    single.chmod(0o600)
+    with torch.no_grad():
+        assert torch.equal(_output_of(single), b(X))
+
+
 def test_an_export_onto_a_filesystem_that_refuses_chmod_is_written(tmp_path, monkeypatch):
     """vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM): the mode fix-up after safetensors' write
     failed the whole export there ('writing ...: Operation not permitted'), where it worked before the fix-up."""
@@ -237,6 +301,30 @@ def test_an_export_onto_a_filesystem_that_refuses_chmod_is_written(tmp_path, mon
     _export(_net(1), single, SINGLE)  # a replaced file too
     monkeypatch.undo()
     assert any(p.name.endswith(".safetensors") for p in folder.iterdir()) and single.stat().st_size > 0
+
+
+@pytest.mark.parametrize("code", ["EINVAL", "ENOTSUP"])
+def test_an_export_onto_a_filesystem_without_fsync_is_written(tmp_path, monkeypatch, code):
+    """A file system without fsync (VirtualBox's shared folders, some FUSE ones: fsync says EINVAL or ENOTSUP) failed
+    every export ('writing ...: Invalid argument'), where safetensors alone writes; a full disk (ENOSPC) still fails
+    it, naming the file (test_publish_attacks)."""
+    import errno
+
+    real = os.fsync
+
+    def refuse(fd):
+        if os.path.isfile(os.readlink(f"/proc/self/fd/{fd}")):  # folders' fsync errors were ignored already
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", refuse)
+    net = _net(0)
+    folder, single = tmp_path / "ckpt", tmp_path / "one.safetensors"
+    _export(net, folder, SHARDED)
+    _export(net, single, SINGLE)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(_output_of(folder), net(X)) and torch.equal(_output_of(single), net(X))
 
 
 def test_what_an_export_publishes_is_fsynced(tmp_path, monkeypatch):

@@ -394,6 +394,50 @@ def test_save_pretrained_of_a_variant_is_not_written_over_the_variant_file_it_wa
     model.save_pretrained(tmp_path / "saved", variant="fp16")
 
 
+def test_a_variant_loaded_is_not_left_beside_a_config_json_that_says_fp8(dense_dir, tmp_path):
+    """from_pretrained(dense, variant='fp16', quantization_config=DoRAFP8Config()) then save_pretrained(same folder)
+    without variant=: the hook let it through (only the files transformers writes or deletes were checked), and
+    transformers replaced the folder's config.json by one saying compressed-tensors, beside the dense
+    model.fp16.safetensors, which then no longer loaded as the model it was. Refused now, the folder as it was."""
+    import shutil
+
+    shutil.copytree(dense_dir, tmp_path / "dense")
+    (tmp_path / "dense" / "model.safetensors").rename(tmp_path / "dense" / "model.fp16.safetensors")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "dense").iterdir()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", variant="fp16",
+                                                              quantization_config=dorafp8.DoRAFP8Config())
+    with pytest.raises(FileExistsError, match=r"'model.fp16.safetensors', which is the file the model was loaded"):
+        model.save_pretrained(tmp_path / "dense")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dense").iterdir()} == before
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_a_dense_model_quantized_after_from_pretrained_is_not_written_over_its_files(sharded, tmp_path):
+    """from_pretrained(dense) without a quantization_config, then dorafp8.quantize_model: nothing recorded the files it
+    was read from, so save_pretrained into its folder, or save_fp8_checkpoint / export_merged / save_kohya_dora onto
+    its model.safetensors or a shard, replaced the original-precision weights (the only copy) with fp8 ones. Refused
+    now, naming the file, with every file as it was; another path works."""
+    src = tmp_path / "dense"
+    F.original_model(torch.bfloat16).save_pretrained(src, max_shard_size="50KB" if sharded else "5GB")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    weights = sorted(n for n in before if n.endswith(".safetensors"))
+    assert (len(weights) > 1) == sharded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    with pytest.raises(FileExistsError, match=rf"holds '{weights[0]}', which is the file the model was loaded"):
+        model.save_pretrained(src)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    for write, m in ((dorafp8.save_fp8_checkpoint, model), (dorafp8.export_merged, pm)):
+        with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+            write(m, src / weights[-1], verbose=False)
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+        dorafp8.save_kohya_dora(pm, src / weights[0])
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
+
+
 def test_dorafp8config_errors(dense_dir, tmp_path):
     with pytest.raises(ValueError, match="granularity must be one of"):
         dorafp8.DoRAFP8Config("channel")
@@ -438,6 +482,20 @@ def dora_unet(unet):
     pm = peft.get_peft_model(copy.deepcopy(unet), peft.LoraConfig(r=2, lora_alpha=4, use_dora=True,
                                                                   target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     return _perturb_dora(pm)
+
+
+def test_a_dense_unet_quantized_after_from_pretrained_is_not_written_over_its_file(tmp_path):
+    """diffusers' from_pretrained(dense), then quantize_model: an export onto its
+    diffusion_pytorch_model.safetensors replaced the original-precision weights (nothing recorded them). Refused."""
+    src = tmp_path / "unet"
+    small_unet().save_pretrained(src)
+    original = src / "diffusion_pytorch_model.safetensors"
+    before = original.read_bytes()
+    model = diffusers.UNet2DConditionModel.from_pretrained(src)
+    dorafp8.quantize_model(model, verbose=False)
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, original, verbose=False)
+    assert original.read_bytes() == before
 
 
 def test_unet_save_pretrained_refuses(unet, tmp_path):
