@@ -246,6 +246,11 @@ def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
                                                        numel=w.numel()))
 
 
+def fsdp_managed(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 manages any of `model`'s modules (fully_shard marks every module it manages)."""
+    return any(getattr(m, "_is_fsdp_managed_module", False) for m in model.modules())
+
+
 def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
     """Raises a RuntimeError naming the way to gather them where `model`'s parameters (or `named`, the (name,
     parameter) pairs `what` reads) are FSDP2 shards (DTensors) or DeepSpeed ZeRO-3 partitions, which `what` (a writer
@@ -254,6 +259,15 @@ def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
     tensor of 0 elements'."""
     dtensor = _dtensor_class()
     for name, p in model.named_parameters() if named is None else named:
+        if dtensor is not None and isinstance(p, dtensor) and not fsdp_managed(model):
+            # tensor parallelism (parallelize_module, transformers' tp_plan): FSDP's unshard() does not apply
+            raise RuntimeError(
+                f"{what} reads whole weights, and this model's parameters are DTensors that no FSDP2 unit manages "
+                f"(tensor parallelism: e.g. {name!r}, placements {tuple(p.placements)}), which it cannot read. Write "
+                f"an unsharded copy: gather the state dict on every rank (torch.distributed.checkpoint.state_dict's "
+                f"`sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                f"cpu_offload=True))`), then on rank 0 load it into the same model built without tensor parallelism "
+                f"(no parallelize_module / tp_plan; `plain.load_state_dict(sd)`) and write that one")
         if dtensor is not None and isinstance(p, dtensor):
             raise RuntimeError(
                 f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "

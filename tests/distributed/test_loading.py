@@ -260,6 +260,45 @@ def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_th
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
+def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path):
+    """A model with tensor-parallel DTensors and no FSDP2 (torch's parallelize_module on lm_head; its ColwiseParallel
+    takes nn.Linear only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not
+    apply (no FSDPModule to unshard). The refusal now names the gather that works, and following it (a full state dict,
+    loaded into the model built without tensor parallelism) writes the single-process export. A group of one."""
+    import glob
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        pm = C.build_model(seed=0)
+        parallelize_module(pm.base_model.model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
+        with pytest.raises(RuntimeError, match=r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict") as e:
+            dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
+        assert "unshard()" not in str(e.value)
+        sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        plain = C.build_model(seed=1)
+        plain.load_state_dict(sd)
+        dorafp8.export_merged(plain, str(tmp_path / "tp"), verbose=False)
+    finally:
+        dist.destroy_process_group()
+    dorafp8.export_merged(C.build_model(seed=0), str(tmp_path / "one"), verbose=False)
+    got, want = ({k: v for f in glob.glob(str(tmp_path / kind / "*.safetensors")) for k, v in load_file(f).items()}
+                 for kind in ("tp", "one"))
+    assert got.keys() == want.keys() and got and not glob.glob(str(tmp_path / "refused*"))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                             want[k].reshape(-1).view(torch.uint8)), k
+
+
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
