@@ -299,6 +299,39 @@ def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works
                                                              want[k].reshape(-1).view(torch.uint8)), k
 
 
+def test_quantizing_a_sharded_or_tensor_parallel_model_is_refused_naming_the_order_that_works():
+    """quantize_model on a model whose linear weights are DTensors stopped inside torch ('aten.copy_.default got mixed
+    torch.Tensor and DTensor'), naming neither the layer nor the fix: after fully_shard (quantize first), and on a
+    tensor-parallel plan (parallelize_module's ColwiseParallel / RowwiseParallel; dorafp8's layers hold whole weights).
+    Each is now refused naming its fix, and nothing is swapped. A group of one, no spawn."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        tp = C.transformers.LlamaForCausalLM(C.llama_config())
+        for layer in tp.model.layers:
+            parallelize_module(layer.self_attn, init_device_mesh("cpu", (1,)),
+                               {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        fsdp = C.transformers.LlamaForCausalLM(C.llama_config())
+        for layer in fsdp.model.layers:
+            fully_shard(layer)
+        fully_shard(fsdp)
+        for model, says in ((tp, r"'model\.layers\.0\.self_attn\.q_proj'.*tensor-parallel DTensor.*out of the tensor-"),
+                            (fsdp, r"'model\.layers\.0\.self_attn\.q_proj'.*FSDP2 shard.*before fully_shard")):
+            with pytest.raises(RuntimeError, match=says):
+                dorafp8.quantize_model(model, C.TARGETS, backend="reference", verbose=False)
+            assert not any(isinstance(m, dorafp8.FP8Linear) for m in model.modules())
+    finally:
+        dist.destroy_process_group()
+
+
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
