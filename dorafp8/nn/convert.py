@@ -73,10 +73,11 @@ def refuse_dtensor_weight(module: nn.Module, name: str | None = None) -> None:
     if dtensor is None or not isinstance(w, dtensor):
         return
     if getattr(module, "_is_fsdp_managed_module", False):
-        raise RuntimeError(f"quantize_model cannot quantize {name!r}: its weight is an FSDP2 shard (a DTensor). "
-                           f"Quantize the model before fully_shard (or before accelerate / the Trainer prepare it: "
-                           f"`dorafp8 run --quantize` quantizes it as it loads), see docs/MULTI_GPU.md")
-    raise RuntimeError(f"quantize_model cannot quantize {name!r}: its weight is a tensor-parallel DTensor (placements "
+        raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is an FSDP2 shard (a DTensor). Quantize "
+                           f"the model (quantize_model, convert_peft_model) before fully_shard, or before accelerate "
+                           f"or the Trainer prepare it (`dorafp8 run --quantize` quantizes it as it loads); see "
+                           f"docs/MULTI_GPU.md")
+    raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is a tensor-parallel DTensor (placements "
                        f"{tuple(w.placements)}), and dorafp8's fp8 layers hold whole weights (torch's ColwiseParallel "
                        f"and RowwiseParallel take nn.Linear only). Leave the layers to quantize out of the tensor-"
                        f"parallel plan (parallelize_module / tp_plan), or shard them with FSDP2 (fully_shard) or "

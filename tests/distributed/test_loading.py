@@ -281,7 +281,8 @@ def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works
     try:
         pm = C.build_model(seed=0)
         parallelize_module(pm.base_model.model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
-        with pytest.raises(RuntimeError, match=r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict") as e:
+        says = r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict"
+        with pytest.raises(RuntimeError, match=says) as e:
             dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
         assert "unshard()" not in str(e.value)
         sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
