@@ -283,6 +283,26 @@ def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
                 f"`with deepspeed.zero.GatheredParameters(list(model.parameters())): if dist.get_rank() == 0: ...`")
 
 
+def refuse_dtensor_weight(module: torch.nn.Module, name: str | None = None) -> None:
+    """Raises a RuntimeError naming the order that works where `module`'s weight is a DTensor (an FSDP2 shard, or
+    tensor parallelism), which quantizing cannot read whole (torch stopped with 'got mixed torch.Tensor and
+    DTensor')."""
+    dtensor = _dtensor_class()
+    w = module.weight
+    if dtensor is None or not isinstance(w, dtensor):
+        return
+    if getattr(module, "_is_fsdp_managed_module", False):
+        raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is an FSDP2 shard (a DTensor). Quantize "
+                           f"the model (quantize_model, convert_peft_model) before fully_shard, or before accelerate "
+                           f"or the Trainer prepare it (`dorafp8 run --quantize` quantizes it as it loads); see "
+                           f"docs/MULTI_GPU.md")
+    raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is a tensor-parallel DTensor (placements "
+                       f"{tuple(w.placements)}), and dorafp8's fp8 layers hold whole weights (torch's ColwiseParallel "
+                       f"and RowwiseParallel take nn.Linear only). Leave the layers to quantize out of the tensor-"
+                       f"parallel plan (parallelize_module / tp_plan), or shard them with FSDP2 (fully_shard) or "
+                       f"train with DDP instead (docs/MULTI_GPU.md)")
+
+
 _WARNED_RECAST = False
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from .. import backends
 from ..backends import check_backend_name
 from ..quant import check_act_quant, check_quantizable, is_fp8
-from ._base import ZERO3_ORDER, FP8WeightModule, _dtensor_class, check_fp8_cast, zero3_init_active
+from ._base import ZERO3_ORDER, FP8WeightModule, check_fp8_cast, refuse_dtensor_weight, zero3_init_active
 from .conv import fp8_conv_class
 from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
@@ -62,26 +62,6 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
     else:
         check_quantizable(weight.reshape(weight.shape[0], -1), per_row=per_row_scale, block_size=block_size,
                           name=name)
-
-
-def refuse_dtensor_weight(module: nn.Module, name: str | None = None) -> None:
-    """Raises a RuntimeError naming the order that works where `module`'s weight is a DTensor (an FSDP2 shard, or
-    tensor parallelism), which quantizing cannot read whole (torch stopped with 'got mixed torch.Tensor and
-    DTensor')."""
-    dtensor = _dtensor_class()
-    w = module.weight
-    if dtensor is None or not isinstance(w, dtensor):
-        return
-    if getattr(module, "_is_fsdp_managed_module", False):
-        raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is an FSDP2 shard (a DTensor). Quantize "
-                           f"the model (quantize_model, convert_peft_model) before fully_shard, or before accelerate "
-                           f"or the Trainer prepare it (`dorafp8 run --quantize` quantizes it as it loads); see "
-                           f"docs/MULTI_GPU.md")
-    raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is a tensor-parallel DTensor (placements "
-                       f"{tuple(w.placements)}), and dorafp8's fp8 layers hold whole weights (torch's ColwiseParallel "
-                       f"and RowwiseParallel take nn.Linear only). Leave the layers to quantize out of the tensor-"
-                       f"parallel plan (parallelize_module / tp_plan), or shard them with FSDP2 (fully_shard) or "
-                       f"train with DDP instead (docs/MULTI_GPU.md)")
 
 
 def zero3_gathered(module: nn.Module, name: str | None = None):
