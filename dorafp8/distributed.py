@@ -137,28 +137,33 @@ def _wrap_broadcast_model(orig):
     def _broadcast_model(self, *args, **kwargs):
         # DeepSpeedEngine broadcasts rank 0's parameters (every stage but a model partitioned by zero.Init), not the
         # buffers: a dorafp8 layer's fp8 bytes would arrive without their scales, each rank pairing rank 0's weight
-        # with its own scale (a silently different model). Each layer's scales go where DeepSpeed sent its weight.
-        out = orig(self, *args, **kwargs)
-        if getattr(self, "dist_backend", None) is None:
-            return out
-        from deepspeed import comm as ds_dist
-        from deepspeed.moe.utils import is_moe_param
-        from deepspeed.utils import groups
+        # with its own scale (a silently different model). Each layer's scales go right after its weight, from the
+        # source and in the group DeepSpeed sent it with (the group changed across versions: data_parallel_group,
+        # seq_data_parallel_group from 0.10.2, MoE experts' own), and not at all where DeepSpeed skips the weight
+        # (partitioned by zero.Init, OptimizedLinear's per-rank shards).
+        import deepspeed.comm as ds_dist
 
-        with torch.no_grad():
-            for mod in self.module.modules():
-                w = getattr(mod, "weight", None)
-                # the weights DeepSpeed skips: partitioned (zero.Init), or OptimizedLinear's per-rank shards
-                if not isinstance(mod, FP8WeightModule) or hasattr(w, "ds_id") or hasattr(w, "ds_optim_param"):
-                    continue
-                if is_moe_param(w):
-                    src, group = groups._get_expert_broadcast_src_rank(w.group_name), \
-                        self.expert_data_parallel_group[w.group_name]
-                else:
-                    src, group = groups._get_broadcast_src_rank(), self.seq_data_parallel_group
-                for _, t in _scales(mod):  # fp8 block scales (e8m0: not an NCCL type) as bytes, in place
-                    ds_dist.broadcast(t.view(torch.uint8) if is_fp8(t) else t, src, group=group)
-        return out
+        layers = {}  # weight storage -> the dorafp8 layers holding it
+        for mod in self.module.modules():
+            w = getattr(mod, "weight", None)
+            if isinstance(mod, FP8WeightModule) and isinstance(w, torch.Tensor) and w.numel() and not w.is_meta:
+                layers.setdefault(w.data_ptr(), []).append(mod)
+        send = ds_dist.broadcast
+
+        def broadcast(tensor, src, *a, **k):
+            out = send(tensor, src, *a, **k)
+            group = k.get("group", a[0] if a else None)
+            for mod in layers.pop(tensor.data_ptr(), ()) if isinstance(tensor, torch.Tensor) else ():
+                with torch.no_grad():
+                    for _, t in _scales(mod):  # fp8 block scales (e8m0: not an NCCL type) as bytes, in place
+                        send(t.view(torch.uint8) if is_fp8(t) else t, src, group=group)
+            return out
+
+        ds_dist.broadcast = broadcast  # the engine calls deepspeed.comm.broadcast by that name
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            ds_dist.broadcast = send
 
     return _broadcast_model
 

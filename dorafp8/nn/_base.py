@@ -246,6 +246,11 @@ def refuse_sharded_base(layer: torch.nn.Module, base: torch.nn.Module) -> None:
                                                        numel=w.numel()))
 
 
+def fsdp_managed(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 manages any of `model`'s modules (fully_shard marks every module it manages)."""
+    return any(getattr(m, "_is_fsdp_managed_module", False) for m in model.modules())
+
+
 def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
     """Raises a RuntimeError naming the way to gather them where `model`'s parameters (or `named`, the (name,
     parameter) pairs `what` reads) are FSDP2 shards (DTensors) or DeepSpeed ZeRO-3 partitions, which `what` (a writer
@@ -254,6 +259,15 @@ def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
     tensor of 0 elements'."""
     dtensor = _dtensor_class()
     for name, p in model.named_parameters() if named is None else named:
+        if dtensor is not None and isinstance(p, dtensor) and not fsdp_managed(model):
+            # tensor parallelism (parallelize_module, transformers' tp_plan): FSDP's unshard() does not apply
+            raise RuntimeError(
+                f"{what} reads whole weights, and this model's parameters are DTensors that no FSDP2 unit manages "
+                f"(tensor parallelism: e.g. {name!r}, placements {tuple(p.placements)}), which it cannot read. Write "
+                f"an unsharded copy: gather the state dict on every rank (torch.distributed.checkpoint.state_dict's "
+                f"`sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                f"cpu_offload=True))`), then on rank 0 load it into the same model built without tensor parallelism "
+                f"(no parallelize_module / tp_plan; `plain.load_state_dict(sd)`) and write that one")
         if dtensor is not None and isinstance(p, dtensor):
             raise RuntimeError(
                 f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "
@@ -267,6 +281,26 @@ def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
                 f"{name!r}, {p.numel()} of its {getattr(p, 'ds_numel', '?')} elements here). Gather them on every rank "
                 f"and write on one (docs/MULTI_GPU.md): "
                 f"`with deepspeed.zero.GatheredParameters(list(model.parameters())): if dist.get_rank() == 0: ...`")
+
+
+def refuse_dtensor_weight(module: torch.nn.Module, name: str | None = None) -> None:
+    """Raises a RuntimeError naming the order that works where `module`'s weight is a DTensor (an FSDP2 shard, or
+    tensor parallelism), which quantizing cannot read whole (torch stopped with 'got mixed torch.Tensor and
+    DTensor')."""
+    dtensor = _dtensor_class()
+    w = module.weight
+    if dtensor is None or not isinstance(w, dtensor):
+        return
+    if getattr(module, "_is_fsdp_managed_module", False):
+        raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is an FSDP2 shard (a DTensor). Quantize "
+                           f"the model (quantize_model, convert_peft_model) before fully_shard, or before accelerate "
+                           f"or the Trainer prepare it (`dorafp8 run --quantize` quantizes it as it loads); see "
+                           f"docs/MULTI_GPU.md")
+    raise RuntimeError(f"dorafp8 cannot quantize {name!r}: its weight is a tensor-parallel DTensor (placements "
+                       f"{tuple(w.placements)}), and dorafp8's fp8 layers hold whole weights (torch's ColwiseParallel "
+                       f"and RowwiseParallel take nn.Linear only). Leave the layers to quantize out of the tensor-"
+                       f"parallel plan (parallelize_module / tp_plan), or shard them with FSDP2 (fully_shard) or "
+                       f"train with DDP instead (docs/MULTI_GPU.md)")
 
 
 _WARNED_RECAST = False

@@ -15,7 +15,7 @@ from torch import nn
 from .. import backends
 from ..backends import check_backend_name
 from ..quant import check_act_quant, check_quantizable, is_fp8
-from ._base import ZERO3_ORDER, FP8WeightModule, check_fp8_cast, zero3_init_active
+from ._base import ZERO3_ORDER, FP8WeightModule, check_fp8_cast, refuse_dtensor_weight, zero3_init_active
 from .conv import fp8_conv_class
 from .group_scales import collect_regrouped
 from .linear import FP8Linear, conv1d_class
@@ -50,6 +50,7 @@ def check_fp8_layer(module: nn.Module, *, per_row_scale: bool = False, block_siz
                             f"{type(module).__name__}; dorafp8 takes torchao fp8 weights of linear layers only")
         check_torchao_weight(module.weight, name)
         return
+    refuse_dtensor_weight(module, name)
     weight = module.weight.detach()
     if weight.is_meta:  # no values to check (a rank other than 0 under cpu_ram_efficient_loading): see FP8Linear
         return

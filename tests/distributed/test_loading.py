@@ -260,6 +260,79 @@ def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_th
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
+def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path):
+    """A model with tensor-parallel DTensors and no FSDP2 (torch's parallelize_module on lm_head; its ColwiseParallel
+    takes nn.Linear only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not
+    apply (no FSDPModule to unshard). The refusal now names the gather that works, and following it (a full state dict,
+    loaded into the model built without tensor parallelism) writes the single-process export. A group of one."""
+    import glob
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        pm = C.build_model(seed=0)
+        parallelize_module(pm.base_model.model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
+        says = r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict"
+        with pytest.raises(RuntimeError, match=says) as e:
+            dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
+        assert "unshard()" not in str(e.value)
+        sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        plain = C.build_model(seed=1)
+        plain.load_state_dict(sd)
+        dorafp8.export_merged(plain, str(tmp_path / "tp"), verbose=False)
+    finally:
+        dist.destroy_process_group()
+    dorafp8.export_merged(C.build_model(seed=0), str(tmp_path / "one"), verbose=False)
+    got, want = ({k: v for f in glob.glob(str(tmp_path / kind / "*.safetensors")) for k, v in load_file(f).items()}
+                 for kind in ("tp", "one"))
+    assert got.keys() == want.keys() and got and not glob.glob(str(tmp_path / "refused*"))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                             want[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_quantizing_a_sharded_or_tensor_parallel_model_is_refused_naming_the_order_that_works():
+    """quantize_model on a model whose linear weights are DTensors stopped inside torch ('aten.copy_.default got mixed
+    torch.Tensor and DTensor'), naming neither the layer nor the fix: after fully_shard (quantize first), and on a
+    tensor-parallel plan (parallelize_module's ColwiseParallel / RowwiseParallel; dorafp8's layers hold whole weights).
+    Each is now refused naming its fix, and nothing is swapped. A group of one, no spawn."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        tp = C.transformers.LlamaForCausalLM(C.llama_config())
+        for layer in tp.model.layers:
+            parallelize_module(layer.self_attn, init_device_mesh("cpu", (1,)),
+                               {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        fsdp = C.transformers.LlamaForCausalLM(C.llama_config())
+        for layer in fsdp.model.layers:
+            fully_shard(layer)
+        fully_shard(fsdp)
+        for model, says in ((tp, r"'model\.layers\.0\.self_attn\.q_proj'.*tensor-parallel DTensor.*out of the tensor-"),
+                            (fsdp, r"'model\.layers\.0\.self_attn\.q_proj'.*FSDP2 shard.*before fully_shard")):
+            with pytest.raises(RuntimeError, match=says):
+                dorafp8.quantize_model(model, C.TARGETS, backend="reference", verbose=False)
+            assert not any(isinstance(m, dorafp8.FP8Linear) for m in model.modules())
+    finally:
+        dist.destroy_process_group()
+
+
 _MICROSCALED_LOADER_JOB = """
 import os, sys, types, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -420,3 +493,74 @@ for dtype in (torch.bfloat16, torch.float16):
     assert r.returncode == 0, r.stderr[-4000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("True", "False"))]
     assert lines == ["True True True 5"] * 2, r.stdout  # 5 scales: per tensor, per row, MXFP8, NVFP4 and its global
+
+
+def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():
+    """DeepSpeedEngine._broadcast_model sends rank 0's parameters, not the buffers; dorafp8's wrap sends each layer's
+    scales right after its weight, from the same source and in the same group. The wrap used to read that group itself
+    (`self.seq_data_parallel_group`), which DeepSpeed before 0.10.2 does not have (it broadcast on
+    `data_parallel_group`): deepspeed.initialize stopped with an AttributeError there. Run, in a gloo group of one, on
+    DeepSpeed's own engine method and on one broadcasting as DeepSpeed before 0.10.2 did: per-tensor, MXFP8 and NVFP4
+    layers and a plain one."""
+    _needs("deepspeed", "the broadcast is DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO, _free_port
+
+    job = """
+import sys, types, torch, torch.distributed as dist
+sys.path.insert(0, "tests/distributed")
+from _cpu_stand_ins import emulate_nccl_fp8_transport
+emulate_nccl_fp8_transport()  # gloo has no fp8 types: fp8 goes as its bytes, as NCCL moves it
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
+import deepspeed, deepspeed.comm as ds_comm, dorafp8
+from deepspeed.runtime.engine import DeepSpeedEngine
+from dorafp8.distributed import _wrap_broadcast_model
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+deepspeed.init_distributed(dist_backend="gloo")
+lin = torch.nn.Linear(64, 64)
+w8, scale, g = quantize_nvfp4(lin.weight.detach())
+net = torch.nn.Sequential(dorafp8.FP8Linear.from_float(lin), dorafp8.FP8Linear.from_fp8(*quantize_mxfp8(
+    lin.weight.detach()), None), dorafp8.FP8Linear.from_fp8(w8, scale, None, global_scale=g), torch.nn.Linear(4, 4))
+names = {t.data_ptr(): n for n, t in list(net.named_parameters()) + list(net.named_buffers())}
+group = dist.new_group([0])
+sent, real = [], ds_comm.broadcast
+def record(tensor, src, *a, **k):
+    sent.append((names.get(tensor.data_ptr()), k.get("group", a[0] if a else None) is group))
+    return real(tensor, src, *a, **k)
+ds_comm.broadcast = record
+
+class Before0102:  # DeepSpeed 0.9 to 0.10.1: every parameter in data_parallel_group, no seq_data_parallel_group
+    def __init__(self, module):
+        self.module, self.data_parallel_group, self.dist_backend = module, group, "gloo"
+    @_wrap_broadcast_model
+    def _broadcast_model(self):
+        for p in self.module.parameters():
+            ds_comm.broadcast(p, 0, group=self.data_parallel_group)
+
+now = types.SimpleNamespace(module=net, dist_backend="gloo", seq_data_parallel_group=group)
+for engine, call in (("before 0.10.2", lambda: Before0102(net)._broadcast_model()),
+                     ("0.19", lambda: DeepSpeedEngine._broadcast_model(now))):
+    sent.clear()
+    call()
+    print(engine, sent)
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job, str(_free_port())], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    import ast
+
+    got = dict(line.split(" [", 1) for line in r.stdout.splitlines() if line.startswith(("before", "0.19")))
+    assert set(got) == {"before 0.10.2", "0.19"}, r.stdout
+    for engine, line in got.items():
+        sent = ast.literal_eval("[" + line)
+        names = [n for n, _ in sent]
+        assert all(same_group for _, same_group in sent), (engine, sent)
+        for layer, scales in (("0", ["scale"]), ("1", ["scale"]), ("2", ["scale", "global_scale"])):
+            i = names.index(f"{layer}.weight")  # each scale right after its weight, once
+            assert names[i + 1:i + 1 + len(scales)] == [f"{layer}.{s}" for s in scales], (engine, names)
+            assert all(names.count(f"{layer}.{s}") == 1 for s in scales), (engine, names)
+        assert "3.weight" in names and not any(n.startswith("3.") and n.endswith("scale") for n in names)
