@@ -411,6 +411,10 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
+    # PYTHONWARNINGS=error made any warning there an exception: a compiler's deprecation failed a correct kernel (a
+    # verdict kept), `import dorafp8`'s word on a misspelt variable killed the child before any. Its stderr is read
+    # only for a crash's last lines, so the warnings cost nothing under the default filters
+    env.pop("PYTHONWARNINGS", None)
     limit = TIMEOUT_S
     try:  # the limit and this process's id go with the spec: the child's watchdog ends it at either
         proc = subprocess.Popen(CHILD + [json.dumps(dict(spec, limit_s=limit)), str(os.getpid())],

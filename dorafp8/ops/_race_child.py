@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
 import torch
 
+from .. import backends
 from ..backends import race as _race
 from ..backends.race import ROOM, ROUNDS, TOL, W8A8_REL, plan
 from ..quant import E4M3, quantize_mxfp8, quantize_nvfp4, row_blocks
@@ -112,9 +114,32 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _parse(argv: list[str]) -> tuple[dict, str | None]:
+    """(the spec, None), or ({}, what is wrong with argv)."""
+    if len(argv) not in (1, 2) or (len(argv) == 2 and not argv[1].isdigit()):
+        return {}, f"expected SPEC and an optional parent process id, got {argv!r}"
+    try:
+        spec = json.loads(argv[0])
+    except ValueError as e:
+        return {}, f"SPEC is not JSON ({e}): {argv[0][:200]!r}"
+    # every key spec_of writes, and the candidates: what a Reproduce command holds
+    need = set(_race.spec_of("dora", torch.device("cpu"), N=1, K=1, M=1, cdt=torch.float32)) | {"cands"}
+    if not isinstance(spec, dict) or need - set(spec):
+        return {}, (f"SPEC must be a JSON object with the keys {sorted(need)}; "
+                    + (f"missing {sorted(need - set(spec))}" if isinstance(spec, dict) else f"got {argv[0][:200]!r}"))
+    bad = [c for c in spec["cands"] if c not in backends.BACKENDS] if isinstance(spec["cands"], list) else [None]
+    if bad or not spec["cands"]:
+        return {}, f"SPEC's cands must be a non-empty list of {list(backends.BACKENDS)}, got {spec['cands']!r}"
+    return spec, None
+
+
 def main(argv: list[str]) -> int:
-    """The child (the module docstring): checks, then times, spec's candidates."""
-    spec = json.loads(argv[0])
+    """The child (the module docstring): checks, then times, spec's candidates; 2 for arguments of another shape."""
+    spec, why = _parse(argv)
+    if why is not None:  # `dorafp8 check` by hand: a traceback from json.loads or from deep in the check before
+        print(f"dorafp8 check: {why}\nusage: dorafp8 check SPEC [PARENT_PID], SPEC the JSON object a race warning's "
+              "Reproduce command gives", file=sys.stderr)
+        return 2
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is not None:  # Triton launches on the current GPU, not its tensors':

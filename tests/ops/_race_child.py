@@ -1,11 +1,13 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/backends/race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
-its second forward with "crash-second"), slow (0.2 s more) or failing on a full disk ("nospace")."""
+its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or correct but warning
+("warn", a DeprecationWarning as a compiler's)."""
 
 import os
 import sys
 import time
+import warnings
 
 from dorafp8 import backends
 from dorafp8.ops import race_check
@@ -33,6 +35,8 @@ class Planted:
                 os._exit(7)
             if MODE == "nospace":  # the compiler's cache on a full disk
                 raise OSError(28, "No space left on device", "/home/u/.triton/cache/x.tmp")
+            if MODE == "warn":
+                warnings.warn("a deprecated option of the compiler", DeprecationWarning)
             if MODE == "slow":
                 time.sleep(0.2)
             out = fn(*args, **kw)

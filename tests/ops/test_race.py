@@ -276,6 +276,23 @@ def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch):
     assert children(race) == 1 and "native" in used
 
 
+@pytest.mark.parametrize("typo", [False, True])
+def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typo):
+    """PYTHONWARNINGS=error (a strict CI job, a test suite's setting), inherited by the child, made a warning there an
+    exception: one a kernel's compiler says (a deprecation) failed a correct candidate, a verdict kept for the key;
+    `import dorafp8` warning of a misspelt DORAFP8_* variable killed the child before any candidate, and every key
+    ran the reference. The child runs under the default filters: the kernel is checked, passes and is used."""
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    if typo:
+        monkeypatch.setenv("DORAFP8_BACKNED", "triton")
+    monkeypatch.setattr(_race, "CHILD", planted("warn"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of the race's in this process either
+        _step()
+    assert set(used) == {"native"}
+    assert all(v["native"]["ok"] for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
+
+
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
 
 
