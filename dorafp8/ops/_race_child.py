@@ -1,7 +1,8 @@
 """The child process of backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend against the fp32
 reference on random inputs of SPEC's key (y and every gradient), then the passing ones timed in interleaved rounds,
 at race.plan's shapes. It prints "dorafp8-race start C" before each run of C (so that the parent can blame a hang or
-crash) and "dorafp8-race result {C: verdict}" lines; a watchdog ends it at the limit or when its parent is gone."""
+crash; "start inputs" and "start reference" blame none) and "dorafp8-race result {C: verdict}" lines; a watchdog
+ends it at the limit or when its parent is gone."""
 
 from __future__ import annotations
 
@@ -154,6 +155,8 @@ def main(argv: list[str]) -> int:
     base = _peak(device)
     failed = {}
     for M in todo["check"]:  # one M's inputs, the reference's outputs and one candidate's at a time
+        # said before the inputs too: out of memory there (the user's job beside it) blamed the candidate run last
+        say("start", "inputs")
         t = _inputs(spec, M, todo["rows"], device)
         say("start", "reference")  # a hang or crash in it blames no candidate
         ref = _step(spec, t, "reference")
@@ -176,6 +179,7 @@ def main(argv: list[str]) -> int:
     if not passed:
         return 0
     times = {c: [] for c in passed}
+    say("start", "inputs")
     t = _inputs(spec, todo["time"], todo["rows"], device)
     try:
         for i in range(ROUNDS if len(passed) > 1 else 1):

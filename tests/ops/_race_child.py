@@ -2,13 +2,15 @@
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
 its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or correct but warning
-("warn", a DeprecationWarning as a compiler's)."""
+("warn", a DeprecationWarning as a compiler's); or, whatever VICTIM, the GPU out of memory for the child's second
+inputs ("inputs-oom": the user's job beside it holds the memory)."""
 
 import os
 import sys
 import time
 import warnings
 
+import torch
 from dorafp8 import backends
 from dorafp8.ops import race_check
 
@@ -46,5 +48,17 @@ class Planted:
         return planted
 
 
+if MODE == "inputs-oom":
+    from dorafp8.ops import _race_child
+
+    _real_inputs = _race_child._inputs
+
+    def _inputs(*args, **kw):
+        CALLS.append("inputs")
+        if CALLS.count("inputs") == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return _real_inputs(*args, **kw)
+
+    _race_child._inputs = _inputs
 backends.module = lambda name: Planted(_real(name)) if name == VICTIM else _real(name)
 sys.exit(race_check(sys.argv[3:]))

@@ -293,6 +293,20 @@ def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typ
     assert all(v["native"]["ok"] for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
 
 
+def test_a_child_dying_while_it_makes_inputs_blames_no_kernel(race, used, monkeypatch):
+    """The child makes each M's inputs after the previous M's candidates ran: out of memory there (the user's job
+    holds the GPU) ended the child with the last candidate of the previous M as the one started, which was blamed:
+    kept as unusable on this GPU, for every key, in every later process. It says nothing of a kernel now: not used
+    here, not kept, checked again by the next process."""
+    assert len(_race.plan(_race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16,
+                                        rdt=torch.float32))["check"]) == 2  # the second inputs come after native ran
+    monkeypatch.setattr(_race, "CHILD", planted("inputs-oom"))
+    with pytest.warns(RuntimeWarning, match=r"'native' is not checked, so not used .*out of memory"):
+        _step()
+    assert set(used) == {"reference"} and not _verdicts(race)["broken"]
+    assert all("native" not in v for v in _verdicts(race)["keys"].values())
+
+
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
 
 
