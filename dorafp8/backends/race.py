@@ -388,12 +388,14 @@ def check(spec: dict) -> tuple[dict, dict]:
                 results.update(_results(line[len("dorafp8-race result "):], todo))
         if failure is None and all(c in results for c in todo):
             break
-        if started not in todo or started in results or not blame:  # outside any candidate, or killed from outside
+        if started in todo and started not in results and blame:  # it hung or crashed the child
+            results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
+            broken[started] = failure or "the child gave no verdict"
+        elif not (started in results and blame):  # outside any candidate, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
             break
-        results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
-        broken[started] = failure or "the child gave no verdict"
+        # else its verdict given, it ended the child (a sticky CUDA error, _race_child.main): the rest in a new one
         todo = [c for c in todo if c not in results]
     return results, broken
 

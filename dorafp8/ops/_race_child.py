@@ -105,6 +105,20 @@ def _watchdog(limit: float, parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
 
 
+STICKY = 71  # the exit status after a candidate left the device unusable
+
+
+def _device_ok(device) -> bool:
+    """Whether the device still runs work: after a CUDA error such as an illegal address every call fails with it."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2
+    except Exception:
+        return False
+
+
 def _peak(device) -> int:
     """The CUDA allocator's peak so far on a GPU, in bytes; 0 elsewhere (tests/ops/test_race.py measures the CPU's)."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -174,6 +188,8 @@ def main(argv: list[str]) -> int:
             if verdict is not None:
                 failed[c] = verdict
                 say("result", json.dumps({c: verdict}))
+                if not _device_ok(device):  # an illegal address is sticky: every later call in this process fails,
+                    os._exit(STICKY)  # and failed the candidates after c for the key; the parent runs them anew
         del t, ref
     passed = [c for c in spec["cands"] if c not in failed]
     if not passed:

@@ -3,7 +3,8 @@
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
 its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or correct but warning
 ("warn", a DeprecationWarning as a compiler's); or, whatever VICTIM, the GPU out of memory for the child's second
-inputs ("inputs-oom": the user's job beside it holds the memory)."""
+inputs ("inputs-oom": the user's job beside it holds the memory), or raising a sticky CUDA error ("sticky": every call
+of any backend fails after it, as after an illegal address)."""
 
 import os
 import sys
@@ -30,6 +31,9 @@ class Planted:
     @staticmethod
     def _planted(fn, name):
         def planted(*args, **kw):
+            if MODE == "sticky":
+                CALLS.append("sticky")
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
             if MODE == "hang":
                 time.sleep(3600)
             CALLS.append(name)
@@ -60,5 +64,12 @@ if MODE == "inputs-oom":
         return _real_inputs(*args, **kw)
 
     _race_child._inputs = _inputs
+if MODE == "sticky":
+    from dorafp8.ops import _race_child
+
+    _race_child._device_ok = lambda device: "sticky" not in CALLS
+    _healthy = _real
+    _real = lambda name: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access was encountered")) \
+        if "sticky" in CALLS else _healthy(name)
 backends.module = lambda name: Planted(_real(name)) if name == VICTIM else _real(name)
 sys.exit(race_check(sys.argv[3:]))

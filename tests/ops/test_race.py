@@ -307,6 +307,21 @@ def test_a_child_dying_while_it_makes_inputs_blames_no_kernel(race, used, monkey
     assert all("native" not in v for v in _verdicts(race)["keys"].values())
 
 
+def test_a_kernel_that_breaks_the_device_fails_only_itself(race, used, monkeypatch):
+    """A candidate that leaves the CUDA context unusable (an illegal address is sticky: every later call in the
+    process fails with it) made every candidate after it fail too: cuBLAS's verdict 'failed' was kept for the key
+    beside the Triton kernel that broke the device, and the reference served. The child now ends after such a
+    verdict, and a new child checks the rest (on CPU the device's state is planted: tests/ops/_race_child.py)."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", planted("sticky", "native"))
+    with pytest.warns(RuntimeWarning, match=r"backend 'native' is not used .*illegal memory access") as w:
+        _step()
+    assert len(w) == 1, [str(x.message) for x in w]
+    (v,) = _verdicts(race)["keys"].values()
+    assert v["native"]["ok"] is False and v["reference"]["ok"] is True and not _verdicts(race)["broken"]
+    assert set(used) == {"reference"}
+
+
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
 
 
