@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             print(f"dorafp8 selftest takes no arguments, got {' '.join(rest)!r}\n{USAGE}", file=sys.stderr)
             return 2
-        print("\n".join(race_selftest()))
+        race_selftest(say=lambda line: print(line, flush=True))
         return 0
     if command in ("-h", "--help"):
         print(USAGE)

@@ -506,15 +506,26 @@ def race_report() -> list[str]:
     return lines
 
 
-def selftest(device: torch.device | None = None) -> list[str]:
-    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found."""
+_SELFTEST = (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise"))  # (scale, act_quant) of its keys
+
+
+def selftest(device: torch.device | None = None, say=lambda line: None) -> list[str]:
+    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found, each also handed to
+    `say` as it is found (a child per key, up to TIMEOUT_S each: the command printed nothing for minutes)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lines = []
+
+    def add(line):
+        lines.append(line)
+        say(line)
+
     if device.type not in RACERS:
-        name = backends.resolve("auto", device)
-        return [f"selftest: {device.type} runs {name} with backend='auto': nothing to check"]
+        add(f"selftest: {device.type} runs {backends.resolve('auto', device)} with backend='auto': nothing to check")
+        return lines
     path = cache_file(device)
-    lines = [f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}"]
-    for scale, act_quant in (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise")):
+    add(f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}; {len(_SELFTEST)} keys, a "
+        "child process each")
+    for scale, act_quant in _SELFTEST:
         spec = spec_of("dora", device, N=4096, K=4096, M=1024, r=16, scale=scale, cdt=torch.bfloat16,
                        rdt=torch.float32, act_quant=act_quant)
         what = describe(spec)
@@ -523,9 +534,9 @@ def selftest(device: torch.device | None = None) -> list[str]:
         needs = frozenset(f for f in ("block" if scale == "block" else "", act_quant) if f)
         cands = _candidates(device, needs, RACERS[device.type])
         if not cands:  # no kernel backend runs here (sm_80): what auto runs then, not the race's fallback
-            lines.append(f"  {what} -> {backends.resolve('auto', device, needs)}: no kernel backend runs on this GPU")
+            add(f"  {what} -> {backends.resolve('auto', device, needs)}: no kernel backend runs on this GPU")
             continue
         res = _resolve(path, device, what, dict(spec, cands=cands))
-        lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
+        add(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
             f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))
     return lines

@@ -578,6 +578,25 @@ def test_selftest_checks_headline_keys_now(race, monkeypatch):
     assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
 
 
+def test_selftest_says_each_key_as_it_is_checked(race, monkeypatch, capsys):
+    """`dorafp8 selftest` on a GPU starts a child per key (Triton's compiles: tens of seconds each, up to TIMEOUT_S)
+    and printed nothing until all were done: minutes of silence that read as a hang. Each line is printed as found:
+    when a key is checked, the lines before it are out."""
+    from dorafp8.__main__ import main
+
+    seen = []
+
+    def resolve(path, device, what, spec):
+        seen.append(capsys.readouterr().out)
+        return {c: {"ok": True, "ms": 1.0} for c in spec["cands"]}
+
+    monkeypatch.setattr(_race, "_resolve", resolve)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # selftest's device: the racing CPU
+    assert main(["selftest"]) == 0
+    assert len(seen) == 4 and seen[0].startswith("selftest on cpu") and all(" -> native: native ok" in out
+                                                                           for out in seen[1:]), seen
+
+
 def test_selftest_checks_only_what_auto_would_race(race, monkeypatch):
     """`dorafp8 selftest` checks each key's candidates as backend="auto" races them: the CUDA extension (no block
     scales, no W8A8) and cuBLAS (no W8A8) are not run on keys they cannot compute. Before, they were, and the selftest
