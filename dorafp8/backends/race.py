@@ -409,6 +409,12 @@ def _results(text: str, cands) -> dict:
     return {c: v for c, v in res.items() if c in cands and _verdict(v, True)} if isinstance(res, dict) else {}
 
 
+# The signals a kernel's fault raises in its own process. Any other came from outside, and blames no kernel: SIGKILL
+# from the OOM killer, a scheduler's SIGTERM (preemption) or SIGUSR1 (ahead of the time limit) sent to every process
+# of the job, where the trainer's handler lets the parent live on
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+
 def _child(spec: dict) -> tuple[str, str | None, bool]:
     """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
     env = dict(os.environ, DORAFP8_RACE="0")
@@ -436,7 +442,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
         return (out, f"the child process exited with {proc.returncode}: {tail}",
-                proc.returncode != -signal.SIGKILL)
+                proc.returncode > 0 or -proc.returncode in _CRASHES)
     return out, None, True
 
 

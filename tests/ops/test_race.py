@@ -11,6 +11,7 @@ tests/distributed/test_distributed.py, test_race_verdicts_are_shared and test_a_
 
 import json
 import shlex
+import signal
 import subprocess
 import os
 import sys
@@ -854,21 +855,24 @@ def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, 
     assert [p for p in os.listdir(race) if p.startswith(".race-")] == []
 
 
-def _killed_child(partial: str):
-    """A child that says it starts native, writes `partial` (a result line cut short) and is SIGKILLed from outside,
-    as the OOM killer would."""
+def _killed_child(partial: str, sig: str = "SIGKILL"):
+    """A child that says it starts native, writes `partial` (a result line cut short) and gets signal `sig` (SIGKILL
+    from outside, as the OOM killer would send it)."""
     code = ("import os, signal, sys\n"
             "sys.stdout.write('dorafp8-race start native\\n' + " + repr(partial) + "); sys.stdout.flush()\n"
-            "os.kill(os.getpid(), signal.SIGKILL)")
+            f"os.kill(os.getpid(), signal.{sig})")
     return [sys.executable, "-c", code]
 
 
-def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
-    """A SIGKILL the parent did not send (the OOM killer, an operator) says nothing of the kernel that ran: no verdict
-    is written, nothing is marked unusable, the step runs on the fallback, and the next process checks again. A
-    result line cut short by the kill is ignored, not parsed into the step's error."""
-    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr'))
-    with pytest.warns(RuntimeWarning, match="not checked, so not used .*exited with -9"):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGUSR1", "SIGHUP"])
+def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch, sig):
+    """A signal the parent did not send (the OOM killer's SIGKILL; a scheduler's SIGTERM at preemption or SIGUSR1
+    ahead of the time limit, sent to every process of the job, whose parent, a trainer with its own handler, lives on;
+    an operator's) says nothing of the kernel that ran: no verdict is written, nothing is marked unusable, the step
+    runs on the fallback, and the next process checks again. Before, only SIGKILL was told apart: a SIGTERM marked
+    the kernel running then unusable on this GPU for good. A result line cut short by the kill is ignored."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr', sig))
+    with pytest.warns(RuntimeWarning, match=f"not checked, so not used .*exited with -{int(getattr(signal, sig))}"):
         _step()
     assert set(used) == {"reference"}
     data = _verdicts(race)
@@ -878,6 +882,16 @@ def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
     used.clear()
     _step()
     assert children(race) == 1 and set(used) == {"native"}
+
+
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT"])
+def test_a_child_crashed_by_its_kernel_blames_it(race, used, monkeypatch, sig):
+    """What a kernel's own fault raises in its process (a segfault in a launcher, an abort from a failed check in C++)
+    blames the kernel that was running, as an exit status does."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child("", sig))
+    with pytest.warns(RuntimeWarning, match=f"'native' is not used .*exited with -{int(getattr(signal, sig))}"):
+        _step()
+    assert "native" in _verdicts(race)["broken"]
 
 
 def test_a_crash_in_the_reference_blames_no_candidate(race, used, monkeypatch):
