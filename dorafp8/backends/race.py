@@ -58,6 +58,7 @@ _LAYERS: dict[tuple, str] = {}  # in-process key without M -> the pick of every 
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
 _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
+_TOLD: list[str] = []  # the first key this process checked, once said
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -349,6 +350,11 @@ def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
     todo = [c for c in spec["cands"] if c not in known]
     if not todo:
         return known
+    if not _TOLD:  # the first step waited tens of seconds (a Python start, the kernels' compiles) saying nothing
+        _TOLD.append(what)
+        print(f"dorafp8: backend='auto' checks its kernels on this GPU in a child process at the first call of each "
+              f"new layer key, {what} first (seconds each, tens for the first; once per GPU and version: kept in "
+              f"{path}; DORAFP8_RACE=0 turns it off)", file=sys.stderr, flush=True)
     results, broken = check(dict(spec, cands=todo))
     _save(path, device, what, results, broken)
     info, vers = _device_info(device), _versions()
@@ -489,6 +495,7 @@ def forget() -> None:
     _FILES.clear()
     _BUILD.clear()
     _WARNED.clear()
+    _TOLD.clear()
 
 
 def race_report() -> list[str]:

@@ -104,6 +104,20 @@ def _verdicts(tmp_path):
     return json.loads((tmp_path / path).read_text())
 
 
+def test_the_first_check_says_what_the_step_waits_for(race, capsys):
+    """A first GPU step waits for a child per new key (a Python start and the kernels' compiles: tens of seconds for
+    the first) and printed nothing: it read as a hang. The first check of the process says so, once, on stderr;
+    keys read from the file start no child and say nothing."""
+    _step()
+    err = capsys.readouterr().err
+    assert err.count("dorafp8: backend='auto' checks its kernels") == 1 and "DORAFP8_RACE=0" in err, err
+    _step(300)  # another key, checked: nothing more said
+    assert children(race) == 2 and capsys.readouterr().err == ""
+    _race.forget()  # the next process: the file serves, nothing said
+    _step()
+    assert children(race) == 2 and capsys.readouterr().err == ""
+
+
 def test_a_key_that_cannot_be_checked_within_the_bound_runs_on_the_reference(race, used, monkeypatch):
     """Where even 16 rows at M = 1 would hold more than budget(spec) (a narrow layer whose adapters are most of its
     step), no child starts (the bound has no exception) and the reference serves the key, with no warning."""
