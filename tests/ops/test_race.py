@@ -299,7 +299,7 @@ def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typ
     ran the reference. The child runs under the default filters: the kernel is checked, passes and is used."""
     monkeypatch.setenv("PYTHONWARNINGS", "error")
     if typo:
-        monkeypatch.setenv("DORAFP8_BACKNED", "triton")
+        monkeypatch.setenv("DORAFP8_CUDA_ARCH", "90a")
     monkeypatch.setattr(_race, "CHILD", planted("warn"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning of the race's in this process either
