@@ -59,6 +59,7 @@ _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once an
 _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
 _TOLD: list[str] = []  # the first key this process checked, once said
+_UNSAVED: set = set()  # the verdict files this process could not write, once said
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -272,8 +273,12 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
-    except OSError as e:  # a read-only home: the verdicts still hold in this process
-        log.debug("dorafp8 race: could not write %s (%s)", path, e)
+    except OSError as e:  # a read-only home: the verdicts still hold in this process, and every next one checks again
+        said = path in _UNSAVED  # said once: a debug line, and each process paid the checks again unknowing
+        _UNSAVED.add(path)
+        (log.debug if said else log.warning)(
+            "dorafp8 race: could not write %s (%s): the verdicts hold in this process only, and the next process "
+            "checks every key again (seconds each); set DORAFP8_CACHE_DIR to a writable folder", path, e)
 
 
 def pick_of(results: dict, cands) -> str:
@@ -496,6 +501,7 @@ def forget() -> None:
     _BUILD.clear()
     _WARNED.clear()
     _TOLD.clear()
+    _UNSAVED.clear()
 
 
 def race_report() -> list[str]:

@@ -855,18 +855,24 @@ def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     assert _verdicts(race)["keys"][what]["native"]["ok"] is True and _verdicts(race)["broken"] == {}
 
 
-def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, monkeypatch):
-    """Writing the verdict file fails (a full disk, ENOSPC): the step runs, and the temporary file it was written to
-    is removed (before, every key checked left one more `.race-*.tmp` in the cache)."""
+def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, monkeypatch, caplog):
+    """Writing the verdict file fails (a full disk, ENOSPC): the step runs, the temporary file it was written to is
+    removed (before, every key checked left one more `.race-*.tmp` in the cache), and one warning says that the next
+    process checks again and how to give it a writable folder."""
     import errno
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_race.json, "dump", full)
-    _step()
-    assert children(race) == 1 and set(used) == {"native"}
+    with caplog.at_level("WARNING", logger="dorafp8.race"):
+        _step()
+        _step(300)  # a second key, unsaved too: said once
+    assert children(race) == 2 and set(used) == {"native"}
     assert [p for p in os.listdir(race) if p.startswith(".race-")] == []
+    # said: before, a debug line, and every process paid every check again without a word
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "No space left on device" in said[0] and "DORAFP8_CACHE_DIR" in said[0], said
 
 
 def _killed_child(partial: str, sig: str = "SIGKILL"):
