@@ -247,13 +247,18 @@ def run_command(command: str, smoke: bool) -> int:
     t0 = time.monotonic()
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGINT, _terminated)
+    try:
+        only, caps = knobs(command)
+    except ValueError as e:
+        print(f"first_contact: {e}", file=sys.stderr)
+        return 2
     out = os.path.abspath(os.environ.get("OUT") or os.path.join(ROOT, "bench_out", "first_contact"))
     os.makedirs(out, exist_ok=True)
     results = os.path.join(out, RESULTS[command])
     set_aside(results)
     work = tempfile.mkdtemp(prefix="first_contact-")  # the steps' race cache and pins: this run's alone, removed after
     try:
-        return _run_steps(command, smoke, t0, out, results, work)
+        return _run_steps(command, smoke, t0, out, results, work, only, caps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -274,9 +279,27 @@ def set_aside(results: str) -> str | None:
     return aside
 
 
-def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, work: str) -> int:
+def knobs(command: str) -> tuple[list[str], dict[str, float]]:
+    """FIRST_CONTACT_STEPS and FIRST_CONTACT_CAPS, checked before anything runs: a misspelt step name ran none of the
+    steps and said done, and a cap not STEP=SECONDS died with a traceback after the plan was written."""
+    names = [s.name for s in STEPS[command]]
     only = [s for s in os.environ.get("FIRST_CONTACT_STEPS", "").split(",") if s]
-    caps = dict(kv.split("=") for kv in os.environ.get("FIRST_CONTACT_CAPS", "").split(",") if kv)
+    caps = {}
+    for kv in filter(None, os.environ.get("FIRST_CONTACT_CAPS", "").split(",")):
+        name, _, seconds = kv.partition("=")
+        try:
+            caps[name] = float(seconds)
+        except ValueError:
+            raise ValueError(f"FIRST_CONTACT_CAPS: {kv!r} is not STEP=SECONDS (e.g. time=30)") from None
+    bad = [n for n in only + list(caps) if n not in names]
+    if bad:
+        raise ValueError(f"FIRST_CONTACT_STEPS / FIRST_CONTACT_CAPS name {bad}, not steps of command {command}: "
+                         f"{', '.join(names)}")
+    return only, caps
+
+
+def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, work: str, only: list[str],
+               caps: dict[str, float]) -> int:
     steps = [s for s in STEPS[command] if not only or s.name in only]
     deadline = t0 + COMMAND_S - SPARE_S if not smoke else float("inf")
     publish(results, "plan", None, {"command": command, "smoke": smoke, "commit": commit(), "shim": shim(),

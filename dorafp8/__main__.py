@@ -68,33 +68,45 @@ def refused_settings() -> list[str]:
     return out
 
 
+USAGE = ("usage: dorafp8             what this installation can run (dorafp8 --version: its version)\n"
+         "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
+         "       dorafp8 check SPEC    checks one key's candidates as backend='auto' does (its warnings print the "
+         "command)\n"
+         "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
+         "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "run":
+    command, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if command == "run":
         from .launcher import main as run
 
-        return run(argv[1:])
-    if argv and argv[0] in ("selftest", "check"):  # dorafp8/backends/race.py: check kernels on this GPU now
+        return run(rest)
+    if command in ("selftest", "check"):  # dorafp8/backends/race.py: check kernels on this GPU now
+        # `check --help` died on json.loads('--help'); `selftest --help` (or `selftest cuda:1`) ran the selftest
+        if rest[:1] in (["-h"], ["--help"]):
+            print(USAGE)
+            return 0
         from .ops import race_check, race_selftest
 
-        if argv[0] == "check":  # the child backend="auto" runs (and the command its warnings print)
-            return race_check(argv[1:])
-        print("\n".join(race_selftest()))
+        if command == "check":  # the child backend="auto" runs (and the command its warnings print)
+            return race_check(rest)
+        if rest:
+            print(f"dorafp8 selftest takes no arguments, got {' '.join(rest)!r}\n{USAGE}", file=sys.stderr)
+            return 2
+        race_selftest(say=lambda line: print(line, flush=True))
         return 0
-    usage = ("usage: dorafp8             what this installation can run (dorafp8 --version: its version)\n"
-             "       dorafp8 selftest      checks the kernels backend='auto' may run on this GPU now\n"
-             "       dorafp8 run [--quantize] [--include-conv] [--per-row-scale] [--w8a8] -- <the trainer's "
-             "command>\n                          runs it with dorafp8 installed (dorafp8 run --help)")
-    if argv and argv[0] in ("-h", "--help"):
-        print(usage)
+    if command in ("-h", "--help"):
+        print(USAGE)
         return 0
-    if argv and argv[0] in ("-V", "--version"):  # printed the report (which starts with it) before unknown commands
-        from . import __version__  # were refused; a script's `dorafp8 --version` then stopped with exit 2
+    if command in ("-V", "--version"):  # printed the report (which starts with it) before unknown commands were
+        from . import __version__  # refused; a script's `dorafp8 --version` then stopped with exit 2
 
         print(f"dorafp8 {__version__}")
         return 0
     if argv:  # `dorafp8 runn -- trl sft ...` printed the report, exit 0, and the trainer never ran
-        print(f"dorafp8: unknown command {argv[0]!r}\n{usage}", file=sys.stderr)
+        print(f"dorafp8: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
     print(report())
     return 0

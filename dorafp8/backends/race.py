@@ -58,6 +58,8 @@ _LAYERS: dict[tuple, str] = {}  # in-process key without M -> the pick of every 
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
 _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
+_TOLD: list[str] = []  # the first key this process checked, once said
+_UNSAVED: set = set()  # the verdict files this process could not write, once said
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -271,8 +273,12 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
-    except OSError as e:  # a read-only home: the verdicts still hold in this process
-        log.debug("dorafp8 race: could not write %s (%s)", path, e)
+    except OSError as e:  # a read-only home: the verdicts still hold in this process, and every next one checks again
+        said = path in _UNSAVED  # said once: a debug line, and each process paid the checks again unknowing
+        _UNSAVED.add(path)
+        (log.debug if said else log.warning)(
+            "dorafp8 race: could not write %s (%s): the verdicts hold in this process only, and the next process "
+            "checks every key again (seconds each); set DORAFP8_CACHE_DIR to a writable folder", path, e)
 
 
 def pick_of(results: dict, cands) -> str:
@@ -349,6 +355,11 @@ def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
     todo = [c for c in spec["cands"] if c not in known]
     if not todo:
         return known
+    if not _TOLD:  # the first step waited tens of seconds (a Python start, the kernels' compiles) saying nothing
+        _TOLD.append(what)
+        print(f"dorafp8: backend='auto' checks its kernels on this GPU in a child process at the first call of each "
+              f"new layer key, {what} first (seconds each, tens for the first; once per GPU and version: kept in "
+              f"{path}; DORAFP8_RACE=0 turns it off)", file=sys.stderr, flush=True)
     results, broken = check(dict(spec, cands=todo))
     _save(path, device, what, results, broken)
     info, vers = _device_info(device), _versions()
@@ -388,12 +399,14 @@ def check(spec: dict) -> tuple[dict, dict]:
                 results.update(_results(line[len("dorafp8-race result "):], todo))
         if failure is None and all(c in results for c in todo):
             break
-        if started not in todo or started in results or not blame:  # outside any candidate, or killed from outside
+        if started in todo and started not in results and blame:  # it hung or crashed the child
+            results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
+            broken[started] = failure or "the child gave no verdict"
+        elif not (started in results and blame):  # outside any candidate, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
             break
-        results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
-        broken[started] = failure or "the child gave no verdict"
+        # else its verdict given, it ended the child (a sticky CUDA error, _race_child.main): the rest in a new one
         todo = [c for c in todo if c not in results]
     return results, broken
 
@@ -407,10 +420,20 @@ def _results(text: str, cands) -> dict:
     return {c: v for c, v in res.items() if c in cands and _verdict(v, True)} if isinstance(res, dict) else {}
 
 
+# The signals a kernel's fault raises in its own process. Any other came from outside, and blames no kernel: SIGKILL
+# from the OOM killer, a scheduler's SIGTERM (preemption) or SIGUSR1 (ahead of the time limit) sent to every process
+# of the job, where the trainer's handler lets the parent live on
+_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+
 def _child(spec: dict) -> tuple[str, str | None, bool]:
     """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
+    # PYTHONWARNINGS=error made any warning there an exception: a compiler's deprecation failed a correct kernel (a
+    # verdict kept), `import dorafp8`'s word on a misspelt variable killed the child before any. Its stderr is read
+    # only for a crash's last lines, so the warnings cost nothing under the default filters
+    env.pop("PYTHONWARNINGS", None)
     limit = TIMEOUT_S
     try:  # the limit and this process's id go with the spec: the child's watchdog ends it at either
         proc = subprocess.Popen(CHILD + [json.dumps(dict(spec, limit_s=limit)), str(os.getpid())],
@@ -430,7 +453,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
         return (out, f"the child process exited with {proc.returncode}: {tail}",
-                proc.returncode != -signal.SIGKILL)
+                proc.returncode > 0 or -proc.returncode in _CRASHES)
     return out, None, True
 
 
@@ -477,6 +500,8 @@ def forget() -> None:
     _FILES.clear()
     _BUILD.clear()
     _WARNED.clear()
+    _TOLD.clear()
+    _UNSAVED.clear()
 
 
 def race_report() -> list[str]:
@@ -500,15 +525,26 @@ def race_report() -> list[str]:
     return lines
 
 
-def selftest(device: torch.device | None = None) -> list[str]:
-    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found."""
+_SELFTEST = (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise"))  # (scale, act_quant) of its keys
+
+
+def selftest(device: torch.device | None = None, say=lambda line: None) -> list[str]:
+    """`python -m dorafp8 selftest`: checks a few headline keys on `device` now; the lines found, each also handed to
+    `say` as it is found (a child per key, up to TIMEOUT_S each: the command printed nothing for minutes)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lines = []
+
+    def add(line):
+        lines.append(line)
+        say(line)
+
     if device.type not in RACERS:
-        name = backends.resolve("auto", device)
-        return [f"selftest: {device.type} runs {name} with backend='auto': nothing to check"]
+        add(f"selftest: {device.type} runs {backends.resolve('auto', device)} with backend='auto': nothing to check")
+        return lines
     path = cache_file(device)
-    lines = [f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}"]
-    for scale, act_quant in (("tensor", ""), ("row", ""), ("block", ""), ("tensor", "rowwise")):
+    add(f"selftest on {_device_info(device)['name']}, {_versions()}; verdicts in {path}; {len(_SELFTEST)} keys, a "
+        "child process each")
+    for scale, act_quant in _SELFTEST:
         spec = spec_of("dora", device, N=4096, K=4096, M=1024, r=16, scale=scale, cdt=torch.bfloat16,
                        rdt=torch.float32, act_quant=act_quant)
         what = describe(spec)
@@ -517,9 +553,9 @@ def selftest(device: torch.device | None = None) -> list[str]:
         needs = frozenset(f for f in ("block" if scale == "block" else "", act_quant) if f)
         cands = _candidates(device, needs, RACERS[device.type])
         if not cands:  # no kernel backend runs here (sm_80): what auto runs then, not the race's fallback
-            lines.append(f"  {what} -> {backends.resolve('auto', device, needs)}: no kernel backend runs on this GPU")
+            add(f"  {what} -> {backends.resolve('auto', device, needs)}: no kernel backend runs on this GPU")
             continue
         res = _resolve(path, device, what, dict(spec, cands=cands))
-        lines.append(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
+        add(f"  {what} -> {pick_of(res, cands)}: " + ", ".join(
             f"{c} ok {v['ms']:.3f} ms" if v.get("ok") else f"{c} FAILED: {v.get('error')}" for c, v in res.items()))
     return lines

@@ -1,17 +1,20 @@
 """The child process of backends/race.py, `python -m dorafp8 check SPEC`: each candidate backend against the fp32
 reference on random inputs of SPEC's key (y and every gradient), then the passing ones timed in interleaved rounds,
 at race.plan's shapes. It prints "dorafp8-race start C" before each run of C (so that the parent can blame a hang or
-crash) and "dorafp8-race result {C: verdict}" lines; a watchdog ends it at the limit or when its parent is gone."""
+crash; "start inputs" and "start reference" blame none) and "dorafp8-race result {C: verdict}" lines; a watchdog
+ends it at the limit or when its parent is gone."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
 import torch
 
+from .. import backends
 from ..backends import race as _race
 from ..backends.race import ROOM, ROUNDS, TOL, W8A8_REL, plan
 from ..quant import E4M3, quantize_mxfp8, quantize_nvfp4, row_blocks
@@ -102,6 +105,20 @@ def _watchdog(limit: float, parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
 
 
+STICKY = 71  # the exit status after a candidate left the device unusable
+
+
+def _device_ok(device) -> bool:
+    """Whether the device still runs work: after a CUDA error such as an illegal address every call fails with it."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2
+    except Exception:
+        return False
+
+
 def _peak(device) -> int:
     """The CUDA allocator's peak so far on a GPU, in bytes; 0 elsewhere (tests/ops/test_race.py measures the CPU's)."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -112,9 +129,32 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _parse(argv: list[str]) -> tuple[dict, str | None]:
+    """(the spec, None), or ({}, what is wrong with argv)."""
+    if len(argv) not in (1, 2) or (len(argv) == 2 and not argv[1].isdigit()):
+        return {}, f"expected SPEC and an optional parent process id, got {argv!r}"
+    try:
+        spec = json.loads(argv[0])
+    except ValueError as e:
+        return {}, f"SPEC is not JSON ({e}): {argv[0][:200]!r}"
+    # every key spec_of writes, and the candidates: what a Reproduce command holds
+    need = set(_race.spec_of("dora", torch.device("cpu"), N=1, K=1, M=1, cdt=torch.float32)) | {"cands"}
+    if not isinstance(spec, dict) or need - set(spec):
+        return {}, (f"SPEC must be a JSON object with the keys {sorted(need)}; "
+                    + (f"missing {sorted(need - set(spec))}" if isinstance(spec, dict) else f"got {argv[0][:200]!r}"))
+    bad = [c for c in spec["cands"] if c not in backends.BACKENDS] if isinstance(spec["cands"], list) else [None]
+    if bad or not spec["cands"]:
+        return {}, f"SPEC's cands must be a non-empty list of {list(backends.BACKENDS)}, got {spec['cands']!r}"
+    return spec, None
+
+
 def main(argv: list[str]) -> int:
-    """The child (the module docstring): checks, then times, spec's candidates."""
-    spec = json.loads(argv[0])
+    """The child (the module docstring): checks, then times, spec's candidates; 2 for arguments of another shape."""
+    spec, why = _parse(argv)
+    if why is not None:  # `dorafp8 check` by hand: a traceback from json.loads or from deep in the check before
+        print(f"dorafp8 check: {why}\nusage: dorafp8 check SPEC [PARENT_PID], SPEC the JSON object a race warning's "
+              "Reproduce command gives", file=sys.stderr)
+        return 2
     _watchdog(float(spec.get("limit_s", _race.TIMEOUT_S)), int(argv[1]) if len(argv) > 1 else os.getppid())
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is not None:  # Triton launches on the current GPU, not its tensors':
@@ -129,6 +169,8 @@ def main(argv: list[str]) -> int:
     base = _peak(device)
     failed = {}
     for M in todo["check"]:  # one M's inputs, the reference's outputs and one candidate's at a time
+        # said before the inputs too: out of memory there (the user's job beside it) blamed the candidate run last
+        say("start", "inputs")
         t = _inputs(spec, M, todo["rows"], device)
         say("start", "reference")  # a hang or crash in it blames no candidate
         ref = _step(spec, t, "reference")
@@ -146,11 +188,14 @@ def main(argv: list[str]) -> int:
             if verdict is not None:
                 failed[c] = verdict
                 say("result", json.dumps({c: verdict}))
+                if not _device_ok(device):  # an illegal address is sticky: every later call in this process fails,
+                    os._exit(STICKY)  # and failed the candidates after c for the key; the parent runs them anew
         del t, ref
     passed = [c for c in spec["cands"] if c not in failed]
     if not passed:
         return 0
     times = {c: [] for c in passed}
+    say("start", "inputs")
     t = _inputs(spec, todo["time"], todo["rows"], device)
     try:
         for i in range(ROUNDS if len(passed) > 1 else 1):

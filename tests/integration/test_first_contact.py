@@ -249,6 +249,21 @@ def _one_nan(y):
     return y
 
 
+@pytest.mark.parametrize("knobs,said", [
+    (dict(FIRST_CONTACT_STEPS="env,corect"), "name ['corect'], not steps of command first: env, pins, correct"),
+    (dict(FIRST_CONTACT_STEPS="build"), "name ['build'], not steps of command first"),
+    (dict(FIRST_CONTACT_CAPS="time:30"), "FIRST_CONTACT_CAPS: 'time:30' is not STEP=SECONDS"),
+    (dict(FIRST_CONTACT_CAPS="time=half"), "FIRST_CONTACT_CAPS: 'time=half' is not STEP=SECONDS"),
+])
+def test_a_misspelt_knob_is_refused_before_anything_runs(tmp_path, knobs, said):
+    """FIRST_CONTACT_STEPS=env,corect ran env alone and said done (exit 0); FIRST_CONTACT_CAPS=time:30 died with a
+    ValueError traceback after the plan was written. Refused by name, exit 2, nothing run or written."""
+    r = subprocess.run([sys.executable, SCRIPT, "--smoke"], env=_env(tmp_path, **knobs), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and said in r.stderr, r.stdout + r.stderr
+    assert not os.listdir(tmp_path)
+
+
 def test_a_failing_step_keeps_earlier_results_and_the_next_step_runs(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke"], env=_env(
         tmp_path, FIRST_CONTACT_STEPS="env,correct,time,race", FIRST_CONTACT_PROVIDERS="linear-bf16,bogus"),

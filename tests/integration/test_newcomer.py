@@ -3,6 +3,7 @@ warnings, the demo, and the messages for missing extras. Things that depend on a
 import order) run in subprocesses."""
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -260,6 +261,47 @@ def test_version_is_answered_not_refused(flag, capsys):
 
     assert main([flag]) == 0
     assert capsys.readouterr().out.strip() == f"dorafp8 {dorafp8.__version__}"
+
+
+@pytest.mark.parametrize("command", ["selftest", "check"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_subcommand_answers_help(command, flag, capsys):
+    """`dorafp8 check --help` died with a JSONDecodeError traceback; `dorafp8 selftest --help` ran the selftest (on a
+    GPU: minutes of checks) instead of saying what it does. Both print the usage, exit 0, and run nothing."""
+    from dorafp8.__main__ import main
+
+    assert main([command, flag]) == 0
+    out = capsys.readouterr().out
+    assert "dorafp8 selftest" in out and "dorafp8 check SPEC" in out and "selftest:" not in out, out
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["selftest", "cuda:1"], "selftest takes no arguments, got 'cuda:1'"),
+    (["check"], "expected SPEC and an optional parent process id, got []"),
+    (["check", "{'op': 'dora'}"], "SPEC is not JSON"),
+    (["check", "[]"], "SPEC must be a JSON object with the keys"),
+    (["check", '{"op": "dora"}'], "missing ['K', 'M', 'N'"),
+    (["check", "{}", "my-pid"], "an optional parent process id, got"),
+])
+def test_bad_arguments_are_refused_by_name(argv, said, capsys):
+    """`dorafp8 check` without a SPEC, or a SPEC hand-edited out of a warning's Reproduce command, died with an
+    IndexError, JSONDecodeError or KeyError traceback; `dorafp8 selftest cuda:1` ignored the argument and checked the
+    current GPU. Each is refused with what was expected, exit 2."""
+    from dorafp8.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "usage:" in err, err
+
+
+def test_a_hand_run_check_of_a_wrong_candidate_name_is_refused(capsys):
+    """A Reproduce command's candidate misspelt ("Triton") was a failed verdict printed as the kernel's own."""
+    from dorafp8.__main__ import main
+    from dorafp8.backends import race
+
+    spec = race.spec_of("dora", torch.device("cpu"), N=24, K=32, M=40, r=4, cdt=torch.bfloat16, rdt=torch.float32)
+    assert main(["check", json.dumps(dict(spec, cands=["Triton"]))]) == 2
+    assert "cands must be a non-empty list of ['reference', 'triton'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- all-linear

@@ -1,12 +1,17 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/backends/race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
-its second forward with "crash-second"), slow (0.2 s more) or failing on a full disk ("nospace")."""
+its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or correct but warning
+("warn", a DeprecationWarning as a compiler's); or, whatever VICTIM, the GPU out of memory for the child's second
+inputs ("inputs-oom": the user's job beside it holds the memory), or raising a sticky CUDA error ("sticky": every call
+of any backend fails after it, as after an illegal address)."""
 
 import os
 import sys
 import time
+import warnings
 
+import torch
 from dorafp8 import backends
 from dorafp8.ops import race_check
 
@@ -26,6 +31,9 @@ class Planted:
     @staticmethod
     def _planted(fn, name):
         def planted(*args, **kw):
+            if MODE == "sticky":
+                CALLS.append("sticky")
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
             if MODE == "hang":
                 time.sleep(3600)
             CALLS.append(name)
@@ -33,6 +41,8 @@ class Planted:
                 os._exit(7)
             if MODE == "nospace":  # the compiler's cache on a full disk
                 raise OSError(28, "No space left on device", "/home/u/.triton/cache/x.tmp")
+            if MODE == "warn":
+                warnings.warn("a deprecated option of the compiler", DeprecationWarning)
             if MODE == "slow":
                 time.sleep(0.2)
             out = fn(*args, **kw)
@@ -42,5 +52,24 @@ class Planted:
         return planted
 
 
+if MODE == "inputs-oom":
+    from dorafp8.ops import _race_child
+
+    _real_inputs = _race_child._inputs
+
+    def _inputs(*args, **kw):
+        CALLS.append("inputs")
+        if CALLS.count("inputs") == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return _real_inputs(*args, **kw)
+
+    _race_child._inputs = _inputs
+if MODE == "sticky":
+    from dorafp8.ops import _race_child
+
+    _race_child._device_ok = lambda device: "sticky" not in CALLS
+    _healthy = _real
+    _real = lambda name: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access was encountered")) \
+        if "sticky" in CALLS else _healthy(name)
 backends.module = lambda name: Planted(_real(name)) if name == VICTIM else _real(name)
 sys.exit(race_check(sys.argv[3:]))

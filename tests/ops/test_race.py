@@ -11,6 +11,7 @@ tests/distributed/test_distributed.py, test_race_verdicts_are_shared and test_a_
 
 import json
 import shlex
+import signal
 import subprocess
 import os
 import sys
@@ -101,6 +102,20 @@ def _step(M=40, p=0.0, **kw):
 def _verdicts(tmp_path):
     (path,) = [p for p in os.listdir(tmp_path) if p.startswith("race-")]
     return json.loads((tmp_path / path).read_text())
+
+
+def test_the_first_check_says_what_the_step_waits_for(race, capsys):
+    """A first GPU step waits for a child per new key (a Python start and the kernels' compiles: tens of seconds for
+    the first) and printed nothing: it read as a hang. The first check of the process says so, once, on stderr;
+    keys read from the file start no child and say nothing."""
+    _step()
+    err = capsys.readouterr().err
+    assert err.count("dorafp8: backend='auto' checks its kernels") == 1 and "DORAFP8_RACE=0" in err, err
+    _step(300)  # another key, checked: nothing more said
+    assert children(race) == 2 and capsys.readouterr().err == ""
+    _race.forget()  # the next process: the file serves, nothing said
+    _step()
+    assert children(race) == 2 and capsys.readouterr().err == ""
 
 
 def test_a_key_that_cannot_be_checked_within_the_bound_runs_on_the_reference(race, used, monkeypatch):
@@ -274,6 +289,52 @@ def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch):
     used.clear()
     _step()
     assert children(race) == 1 and "native" in used
+
+
+@pytest.mark.parametrize("typo", [False, True])
+def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typo):
+    """PYTHONWARNINGS=error (a strict CI job, a test suite's setting), inherited by the child, made a warning there an
+    exception: one a kernel's compiler says (a deprecation) failed a correct candidate, a verdict kept for the key;
+    `import dorafp8` warning of a misspelt DORAFP8_* variable killed the child before any candidate, and every key
+    ran the reference. The child runs under the default filters: the kernel is checked, passes and is used."""
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    if typo:
+        monkeypatch.setenv("DORAFP8_CUDA_ARCH", "90a")
+    monkeypatch.setattr(_race, "CHILD", planted("warn"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of the race's in this process either
+        _step()
+    assert set(used) == {"native"}
+    assert all(v["native"]["ok"] for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
+
+
+def test_a_child_dying_while_it_makes_inputs_blames_no_kernel(race, used, monkeypatch):
+    """The child makes each M's inputs after the previous M's candidates ran: out of memory there (the user's job
+    holds the GPU) ended the child with the last candidate of the previous M as the one started, which was blamed:
+    kept as unusable on this GPU, for every key, in every later process. It says nothing of a kernel now: not used
+    here, not kept, checked again by the next process."""
+    assert len(_race.plan(_race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16,
+                                        rdt=torch.float32))["check"]) == 2  # the second inputs come after native ran
+    monkeypatch.setattr(_race, "CHILD", planted("inputs-oom"))
+    with pytest.warns(RuntimeWarning, match=r"'native' is not checked, so not used .*out of memory"):
+        _step()
+    assert set(used) == {"reference"} and not _verdicts(race)["broken"]
+    assert all("native" not in v for v in _verdicts(race)["keys"].values())
+
+
+def test_a_kernel_that_breaks_the_device_fails_only_itself(race, used, monkeypatch):
+    """A candidate that leaves the CUDA context unusable (an illegal address is sticky: every later call in the
+    process fails with it) made every candidate after it fail too: cuBLAS's verdict 'failed' was kept for the key
+    beside the Triton kernel that broke the device, and the reference served. The child now ends after such a
+    verdict, and a new child checks the rest (on CPU the device's state is planted: tests/ops/_race_child.py)."""
+    monkeypatch.setitem(_race.RACERS, "cpu", ("native", "reference"))
+    monkeypatch.setattr(_race, "CHILD", planted("sticky", "native"))
+    with pytest.warns(RuntimeWarning, match=r"backend 'native' is not used .*illegal memory access") as w:
+        _step()
+    assert len(w) == 1, [str(x.message) for x in w]
+    (v,) = _verdicts(race)["keys"].values()
+    assert v["native"]["ok"] is False and v["reference"]["ok"] is True and not _verdicts(race)["broken"]
+    assert set(used) == {"reference"}
 
 
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
@@ -532,6 +593,25 @@ def test_selftest_checks_headline_keys_now(race, monkeypatch):
     assert main(["selftest"]) == 0  # no GPU here: nothing to check, says so
 
 
+def test_selftest_says_each_key_as_it_is_checked(race, monkeypatch, capsys):
+    """`dorafp8 selftest` on a GPU starts a child per key (Triton's compiles: tens of seconds each, up to TIMEOUT_S)
+    and printed nothing until all were done: minutes of silence that read as a hang. Each line is printed as found:
+    when a key is checked, the lines before it are out."""
+    from dorafp8.__main__ import main
+
+    seen = []
+
+    def resolve(path, device, what, spec):
+        seen.append(capsys.readouterr().out)
+        return {c: {"ok": True, "ms": 1.0} for c in spec["cands"]}
+
+    monkeypatch.setattr(_race, "_resolve", resolve)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # selftest's device: the racing CPU
+    assert main(["selftest"]) == 0
+    assert len(seen) == 4 and seen[0].startswith("selftest on cpu") and all(" -> native: native ok" in out
+                                                                           for out in seen[1:]), seen
+
+
 def test_selftest_checks_only_what_auto_would_race(race, monkeypatch):
     """`dorafp8 selftest` checks each key's candidates as backend="auto" races them: the CUDA extension (no block
     scales, no W8A8) and cuBLAS (no W8A8) are not run on keys they cannot compute. Before, they were, and the selftest
@@ -775,35 +855,44 @@ def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     assert _verdicts(race)["keys"][what]["native"]["ok"] is True and _verdicts(race)["broken"] == {}
 
 
-def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, monkeypatch):
-    """Writing the verdict file fails (a full disk, ENOSPC): the step runs, and the temporary file it was written to
-    is removed (before, every key checked left one more `.race-*.tmp` in the cache)."""
+def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, monkeypatch, caplog):
+    """Writing the verdict file fails (a full disk, ENOSPC): the step runs, the temporary file it was written to is
+    removed (before, every key checked left one more `.race-*.tmp` in the cache), and one warning says that the next
+    process checks again and how to give it a writable folder."""
     import errno
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_race.json, "dump", full)
-    _step()
-    assert children(race) == 1 and set(used) == {"native"}
+    with caplog.at_level("WARNING", logger="dorafp8.race"):
+        _step()
+        _step(300)  # a second key, unsaved too: said once
+    assert children(race) == 2 and set(used) == {"native"}
     assert [p for p in os.listdir(race) if p.startswith(".race-")] == []
+    # said: before, a debug line, and every process paid every check again without a word
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "No space left on device" in said[0] and "DORAFP8_CACHE_DIR" in said[0], said
 
 
-def _killed_child(partial: str):
-    """A child that says it starts native, writes `partial` (a result line cut short) and is SIGKILLed from outside,
-    as the OOM killer would."""
+def _killed_child(partial: str, sig: str = "SIGKILL"):
+    """A child that says it starts native, writes `partial` (a result line cut short) and gets signal `sig` (SIGKILL
+    from outside, as the OOM killer would send it)."""
     code = ("import os, signal, sys\n"
             "sys.stdout.write('dorafp8-race start native\\n' + " + repr(partial) + "); sys.stdout.flush()\n"
-            "os.kill(os.getpid(), signal.SIGKILL)")
+            f"os.kill(os.getpid(), signal.{sig})")
     return [sys.executable, "-c", code]
 
 
-def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
-    """A SIGKILL the parent did not send (the OOM killer, an operator) says nothing of the kernel that ran: no verdict
-    is written, nothing is marked unusable, the step runs on the fallback, and the next process checks again. A
-    result line cut short by the kill is ignored, not parsed into the step's error."""
-    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr'))
-    with pytest.warns(RuntimeWarning, match="not checked, so not used .*exited with -9"):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGUSR1", "SIGHUP"])
+def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch, sig):
+    """A signal the parent did not send (the OOM killer's SIGKILL; a scheduler's SIGTERM at preemption or SIGUSR1
+    ahead of the time limit, sent to every process of the job, whose parent, a trainer with its own handler, lives on;
+    an operator's) says nothing of the kernel that ran: no verdict is written, nothing is marked unusable, the step
+    runs on the fallback, and the next process checks again. Before, only SIGKILL was told apart: a SIGTERM marked
+    the kernel running then unusable on this GPU for good. A result line cut short by the kill is ignored."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child('dorafp8-race result {"native": {"ok": tr', sig))
+    with pytest.warns(RuntimeWarning, match=f"not checked, so not used .*exited with -{int(getattr(signal, sig))}"):
         _step()
     assert set(used) == {"reference"}
     data = _verdicts(race)
@@ -813,6 +902,16 @@ def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch):
     used.clear()
     _step()
     assert children(race) == 1 and set(used) == {"native"}
+
+
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT"])
+def test_a_child_crashed_by_its_kernel_blames_it(race, used, monkeypatch, sig):
+    """What a kernel's own fault raises in its process (a segfault in a launcher, an abort from a failed check in C++)
+    blames the kernel that was running, as an exit status does."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child("", sig))
+    with pytest.warns(RuntimeWarning, match=f"'native' is not used .*exited with -{int(getattr(signal, sig))}"):
+        _step()
+    assert "native" in _verdicts(race)["broken"]
 
 
 def test_a_crash_in_the_reference_blames_no_candidate(race, used, monkeypatch):
