@@ -178,19 +178,26 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
 
 
 def _modelopt_export(path) -> str | None:
-    """The quant_algo ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION", upper-cased as vLLM reads it) of a local
-    ModelOpt export folder (its hf_quant_config.json), else None: exports transformers, which has no ModelOpt
-    quantizer, would refuse or load without their scales (load_fp8_checkpoint refuses, naming it, what it cannot)."""
-    cfg = os.path.join(str(path), "hf_quant_config.json") if isinstance(path, (str, os.PathLike)) else ""
-    if not cfg or not os.path.isfile(cfg):
+    """The quant_algo ("NVFP4", "W4A16_NVFP4", "MXFP8", "FP8", "MIXED_PRECISION", ..., upper-cased as vLLM reads it)
+    of a local ModelOpt export folder (its hf_quant_config.json, else config.json's quantization_config with
+    quant_method "modelopt", as vLLM reads them), else None. Every one goes to load_fp8_checkpoint: transformers has
+    no ModelOpt quantizer ("Unknown quantization type ... we will skip the quantization"), and loads an FP8 export's
+    e4m3 weights as values without their scales (x 1 / scale, silently; only 'UNEXPECTED weight_scale' notes);
+    load_fp8_checkpoint refuses, naming it, what it cannot read."""
+    if not isinstance(path, (str, os.PathLike)):
         return None
     try:
-        with open(cfg) as f:
-            algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+        hq = os.path.join(str(path), "hf_quant_config.json")
+        if os.path.isfile(hq):
+            with open(hq) as f:
+                algo = (json.load(f).get("quantization") or {}).get("quant_algo")
+        else:
+            with open(os.path.join(str(path), "config.json")) as f:
+                qc = json.load(f).get("quantization_config") or {}
+            algo = qc.get("quant_algo") if str(qc.get("quant_method")).lower().startswith("modelopt") else None
     except (OSError, ValueError, AttributeError):
         return None
-    algo = str(algo).upper()
-    return algo if algo in ("NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION") else None
+    return str(algo).upper() if isinstance(algo, str) and algo else None
 
 
 def _modelopt_load(klass, args, kwargs):

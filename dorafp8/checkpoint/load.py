@@ -102,7 +102,7 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
         source_info = SourceInfo(format=fmt, strip=keys.strip, add=keys.add, block_size=cfg_block,
                                  metadata=source.metadata, dtypes=loader.src_dtypes,
                                  markers={k: info[k] for k in keys.marker_keys}, config=source.config,
-                                 kv_cache_quant_algo=source.modelopt_kv_cache_algo() if fmt == "modelopt" else None,
+                                 kv_cache_quant_algo=_kv_cache_algo(source, fmt, report),
                                  files=tuple(filter(None, (identity(s) for s in source.shards if s))))
         if keys.marker_keys:
             source_info.marker_tensors = dict(source.read(keys.marker_keys, "cpu"))
@@ -118,6 +118,16 @@ def load_fp8_checkpoint(model: nn.Module, path_or_state_dict, format: str = "aut
     if verbose:
         print(str(report), flush=True)
     return report
+
+
+def _kv_cache_algo(source, fmt: str, report: LoadReport) -> Optional[str]:
+    """The source's ModelOpt kv_cache_quant_algo, which the modelopt writer writes back, where every KV-cache scale
+    (k_scale / v_scale) of the source was kept: one dropped (strict=False, as beside a layer left dense) would be
+    missing from the export, and vLLM would run its fp8 KV cache with scale 1.0 where the source had calibrated ones;
+    without the algo it runs it in bf16, as computed."""
+    if fmt != "modelopt" or any(k.endswith(("k_scale", "v_scale")) for k in report.unexpected):
+        return None
+    return source.modelopt_kv_cache_algo()
 
 
 # ---- building and filling the layers ----------------------------------------------------------------------------

@@ -1114,3 +1114,39 @@ def test_save_pretrained_of_a_microscaled_model_names_save_fp8_checkpoint(tmp_pa
                                          r"dorafp8\.save_fp8_checkpoint\(model, path, format='modelopt'\).*'bf16'"):
         model.save_pretrained(out)
     assert not (out.exists() and any(out.iterdir()))
+
+
+def test_a_kv_cache_algo_whose_scales_were_dropped_is_not_written_back(tmp_path):
+    """ModelOpt's NVFP4 MLP-only recipe with an FP8 KV cache (hf_ptq's default kv_cache_qformat) leaves k_proj / v_proj
+    dense but exports their calibrated `k_proj.k_scale` / `v_proj.v_scale`; dorafp8 keeps KV-cache scales of fp8
+    layers only, so these fit nothing, and strict=False drops them. The export still said kv_cache_quant_algo FP8
+    (kept from the source) with no k_scale / v_scale in it: vLLM then runs an fp8 KV cache with scale 1.0 where the
+    source had calibrated ones, silently. Now the algo is written back only where every KV-cache scale was kept."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dorafp8 import save_fp8_checkpoint
+
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    sd, dense = read_all(src), original_model().state_dict()
+    for i in range(2):
+        for p in "kv":
+            lay = f"model.layers.{i}.self_attn.{p}_proj"
+            for s in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+                del sd[f"{lay}.{s}"]
+            sd.update({f"{lay}.weight": dense[f"{lay}.weight"], f"{lay}.{p}_scale": torch.tensor(0.02)})
+    save_file(sd, os.path.join(src, "model.safetensors"))
+    with open(os.path.join(src, "hf_quant_config.json")) as f:
+        hq = json.load(f)
+    hq["quantization"].update(kv_cache_quant_algo="FP8", exclude_modules=["lm_head", "*k_proj", "*v_proj"])
+    with open(os.path.join(src, "hf_quant_config.json"), "w") as f:
+        json.dump(hq, f)
+    model = meta_model()
+    report = load_fp8_checkpoint(model, src, verbose=False, strict=False)
+    assert sorted(report.unexpected) == sorted(k for k in sd if k.endswith(("k_scale", "v_scale")))
+    out = str(tmp_path / "out")
+    save_fp8_checkpoint(model, out, format="modelopt", verbose=False)
+    assert not [k for k in read_all(out) if k.endswith(("k_scale", "v_scale"))]
+    with open(os.path.join(out, "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["kv_cache_quant_algo"] is None

@@ -289,6 +289,48 @@ def test_the_launcher_loads_every_modelopt_export_dorafp8_reads(tmp_path, monkey
                                      for m in layers)
 
 
+@pytest.mark.parametrize("where", ["hf_quant_config.json", "config.json"])
+@pytest.mark.parametrize("algo", ["FP8", "fp8_per_channel_per_token"])
+def test_the_launcher_loads_a_modelopt_fp8_export_with_its_scales(tmp_path, monkeypatch, algo, where):
+    """A ModelOpt FP8 export (e4m3 `weight`, fp32 `weight_scale`, quant_algo FP8 in hf_quant_config.json, no
+    quantization_config in config.json, as ModelOpt's HF export writes it) went from `dorafp8 run`'s from_pretrained
+    hook to transformers, which has no ModelOpt quantizer: it loaded the e4m3 values as the weights without their
+    scales (x 1 / scale: hundreds where the model has 0.1), with only 'UNEXPECTED weight_scale' notes; one that says
+    so in config.json's quantization_config (quant_method "modelopt", no hf_quant_config.json) too, transformers
+    skipping the "Unknown quantization type". Now both load through load_fp8_checkpoint, each layer the file's e4m3
+    bytes and scale."""
+    from dorafp8 import FP8Linear, launcher, quant
+    from tests.checkpoint._ckpt_fixtures import LINEARS, _save_dir, original_model
+
+    model = original_model()
+    sd, per_row = {}, algo.upper() == "FP8_PER_CHANNEL_PER_TOKEN"
+    for k, v in model.state_dict().items():
+        if k.endswith(".weight") and k.split(".")[-2] in LINEARS:
+            w8, scale = quant.quantize_e4m3(v, per_row=per_row)
+            sd.update({k: w8, k + "_scale": scale})
+        else:
+            sd[k] = v
+    path = _save_dir(sd, str(tmp_path / "fp8"), model.config)
+    if where == "hf_quant_config.json":
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": algo}}, f)
+    else:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"]}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    for key in ("models", "quantized"):
+        monkeypatch.setitem(launcher._STATE, key, 0)
+    loaded = launcher._modelopt_load(transformers.LlamaForCausalLM, (path,), {})
+    assert loaded is not None
+    layers = {n: m for n, m in loaded.named_modules() if n.split(".")[-1] in LINEARS}
+    assert len(layers) == 14 and all(isinstance(m, FP8Linear) for m in layers.values())
+    for n, m in layers.items():
+        assert torch.equal(m.weight.view(torch.uint8), sd[n + ".weight"].view(torch.uint8)), n
+        assert torch.equal(m.scale.float().reshape(-1), sd[n + ".weight_scale"].float().reshape(-1)), n
+
+
 def test_quantize_leaves_a_classifier_head_dense_for_peft_to_train(monkeypatch):
     """--quantize on a sequence classifier (TRL's reward trainer loads one): its `score` head, which PEFT trains in full
     for task_type="SEQ_CLS", stays dense; in fp8 get_peft_model refuses it (before: it stayed at its random init)."""
