@@ -96,8 +96,10 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     if gl.dtype == torch.float16:
         # gl = g f / rl with rl = max|f| (|gl| <= |g|): below 1 (c = m / n small in every row), gl @ W0 is dx / rl and
         # overflows fp16 where dx does not. gl * min(rl, 1) keeps the product no larger than dx (g f itself where
-        # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales).
-        a = rl.clamp(max=1.0)
+        # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales). a is the power of two at
+        # most min(rl, 1) (fp16 holds it from 2^-24 on): gl * a rounds a (fp32) to fp16 first, so any other a left
+        # every element off the same way (a bias up to u) against rl / a, and rounded gl a second time.
+        a = torch.ldexp(torch.full_like(rl, 0.5), torch.frexp(rl.clamp(min=2.0 ** -24, max=1.0)).exponent)
         gl, rl = gl * a, rl / a
     t = gl @ w
     tb = gb @ w if dropout else None
