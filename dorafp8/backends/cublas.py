@@ -97,8 +97,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         # gl = g f / rl with rl = max|f| (|gl| <= |g|): below 1 (c = m / n small in every row), gl @ W0 is dx / rl and
         # overflows fp16 where dx does not. gl * min(rl, 1) keeps the product no larger than dx (g f itself where
         # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales). a is the power of two at
-        # most min(rl, 1) (fp16 holds it from 2^-24 on): gl * a rounds a (fp32) to fp16 first, so any other a left
-        # every element off the same way (a bias up to u) against rl / a, and rounded gl a second time.
+        # most min(rl, 1) (fp16 holds it from 2^-24 on), so gl * a is exact: any other a (fp32) is rounded to fp16
+        # before the product, or the product rounded again, off from rl / a the same way in every element (a bias).
         a = torch.ldexp(torch.full_like(rl, 0.5), torch.frexp(rl.clamp(min=2.0 ** -24, max=1.0)).exponent)
         gl, rl = gl * a, rl / a
     t = gl @ w

@@ -172,11 +172,11 @@ def test_fp16_dgrad_of_a_large_weight_with_small_c_stays_finite(scale):
 
 
 def test_fp16_dgrad_scales_gl_without_a_bias():
-    """cublas's fp16 dgrad scales gl by a = min(rl, 1) and rl by 1 / a. gl * a (a fp32 0-dim, gl fp16) rounded a to
-    fp16 (on a GPU; on CPU it rounded gl a second time, the error following a's) while rl / a used the exact a: the
-    base term came back off by up to u, every element the same way, a bias within one element's tolerance that no
-    sum averages out. Here max c = 0.5 + 2^-12 (less a little), u from a power of two, and a power-of-two weight
-    scale, so that W0 in fp16 is exact (its rounding, PEFT's too, biases the sum by itself). The least-squares ratio
+    """cublas's fp16 dgrad scales gl by a = min(rl, 1) and rl by 1 / a. gl * a (a fp32 0-dim, gl fp16) rounds a to
+    fp16 first (read for a GPU) or the product a second time (CPU, measured) while rl / a used the exact a: the base
+    term came back off by up to u, every element the same way, a bias within one element's tolerance that no sum
+    averages out. Here max c = 0.5 + 2^-12 (less a little), u from a power of two, and a power-of-two weight scale,
+    so that W0 in fp16 is exact (its rounding, PEFT's too, biases the sum by itself). The least-squares ratio
     of dx to fp64 over 64k outputs: 1 up to u / 16 (0.4 u off before)."""
     from tests._tolerance import assert_close, tol
     from tests.kernels._kernel_ref import S, d, dx_64
