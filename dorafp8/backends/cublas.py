@@ -99,7 +99,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales). a is the power of two at
         # most min(rl, 1) (fp16 holds it from 2^-24 on), so gl * a is exact: any other a (fp32) is rounded to fp16
         # before the product, or the product rounded again, off from rl / a the same way in every element (a bias).
-        a = torch.ldexp(torch.full_like(rl, 0.5), torch.frexp(rl.clamp(min=2.0 ** -24, max=1.0)).exponent)
+        a = rl.clamp(min=2.0 ** -24, max=1.0)
+        a = a / (2 * torch.frexp(a).mantissa)  # a = m 2^e, m in [0.5, 1): 2^(e - 1) exactly (IEEE division)
         gl, rl = gl * a, rl / a
     t = gl @ w
     tb = gb @ w if dropout else None
