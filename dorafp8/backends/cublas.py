@@ -96,8 +96,11 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     if gl.dtype == torch.float16:
         # gl = g f / rl with rl = max|f| (|gl| <= |g|): below 1 (c = m / n small in every row), gl @ W0 is dx / rl and
         # overflows fp16 where dx does not. gl * min(rl, 1) keeps the product no larger than dx (g f itself where
-        # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales).
-        a = rl.clamp(max=1.0)
+        # rl < 1, the operand PEFT multiplies); gb's rb is 1 here (no fp16 per-row scales). a is the power of two at
+        # most min(rl, 1) (fp16 holds it from 2^-24 on), so gl * a is exact: any other a (fp32) is rounded to fp16
+        # before the product, or the product rounded again, off from rl / a the same way in every element (a bias).
+        a = rl.clamp(min=2.0 ** -24, max=1.0)
+        a = a / (2 * torch.frexp(a).mantissa)  # a = m 2^e, m in [0.5, 1): 2^(e - 1) exactly (IEEE division)
         gl, rl = gl * a, rl / a
     t = gl @ w
     tb = gb @ w if dropout else None

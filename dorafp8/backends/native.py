@@ -192,8 +192,8 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
         if c is None:
             if sc is None and bias is None:
                 yb.copy_(bx)
-            elif bias is None:
-                torch.mul(bx, sc, out=yb)
+            elif bias is None:  # sc as a 1-dim view: a 0-dim tensor on a GPU is cast to bx's dtype before the
+                torch.mul(bx, sc.reshape(-1), out=yb)  # product (Loops.cuh), every output off by its rounding alike
             elif sc is None:
                 torch.add(_f32(bx), bias, out=yb)
             else:
@@ -309,7 +309,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     k = rl * st  # the base term's fp32 factor
     if v is None:
         for sl in _row_parts(M, K):
-            torch.mul(sl(t), k, out=sl(dx))
+            torch.mul(sl(t), k.reshape(-1), out=sl(dx))  # k in fp32 on a GPU too: see forward's torch.mul
         return dx
     inv = 1.0 / (1.0 - p) if mask is not None else 1.0
     As = _f32(A) * (s * inv)  # s A (/ (1 - p) with dropout)

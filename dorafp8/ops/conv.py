@@ -218,8 +218,10 @@ class DoRAFP8ConvFunction(torch.autograd.Function):
         if need_dm:
             dm = _as((_sum_but_channels(g32 * z) / n).reshape(ctx.m_shape), ctx.m_dtype)
         # g * c in the compute dtype, the output gradient of the lora path (times s) and, without dropout, of the base
-        # conv; fp16: scaled by 1 / max|c| so that it cannot overflow where g does not (scaled back in fp32).
-        rc = c.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) if cdt == torch.float16 else None
+        # conv; fp16: scaled by 1 / max(max|c|, 1) (scaled back in fp32), so that it cannot overflow where g does not
+        # and its product with W0 cannot where dx does not (by 1 / max|c| alone, c below 1 everywhere made that
+        # product dx / max|c|: inf with a weight near fp16's range). Below 1 it is g c itself, PEFT's operand.
+        rc = c.abs().amax().clamp_min(1.0) if cdt == torch.float16 else None
         gc = torch.empty(gy.shape, dtype=cdt, device=gy.device)
         torch.mul(g32, cv if rc is None else cv / rc, out=gc)
         dx_lora = None

@@ -255,3 +255,42 @@ def test_dropout_in_project_has_no_bias(dtype, p):
     u = torch.finfo(dtype).eps / 2
     assert abs((out * ref).sum() / (ref * ref).sum() - 1) <= u / 16
     assert_close(out, ref, tol(dtype), "project vs fp64")
+
+
+class _NarrowedFactors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the elementwise ops that multiply a 16-bit tensor by a 0-dim fp32 tensor in the 16-bit dtype: on a GPU
+    such a factor is cast to the other operand's dtype before the product (ATen's Loops.cuh: a 0-dim tensor is a
+    scalar only on the CPU), so every element comes back off by the factor's rounding, the same way."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ts = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_, torch.ops.aten.div, torch.ops.aten.div_):
+            ins = ts[:2]
+            if (len(ins) == 2 and any(t.dim() == 0 and t.dtype == torch.float32 for t in ins)
+                    and torch.result_type(*ins) in (torch.float16, torch.bfloat16)):
+                self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_factors_multiply_in_fp32(dtype, monkeypatch):
+    """The plain forward's y = (x W8^T) * scale (no bias) and the plain dgrad's dx = t * rl * st multiplied the
+    16-bit product by a 0-dim fp32 tensor: on a GPU (what runs native: an A100, a 3090, a T4) the factor was rounded
+    to bf16 / fp16 first, every output of the layer off the same way (up to 2^-9 in bf16), a bias no tolerance on
+    one element catches. Every call, each scale kind and mode, now multiplies by such a factor in fp32 (tensors on
+    the CPU here, where a 0-dim tensor is a scalar: the dtype each multiply computes in is what is checked)."""
+    _fp16_native_on_cpu(monkeypatch)
+    for scale in ("tensor", "row", "block"):
+        p = make_problem(23, 40, 50, 3, dtype, "cpu", scale, True)
+        for mode, has_bias in itertools.product(("plain", "nodrop", "dropout"), (False, True)):
+            narrowed = _NarrowedFactors()
+            with narrowed:
+                check_forward(nb.forward, p, mode, has_bias=has_bias)
+                check_dgrad(nb.dgrad, p, mode)
+                check_backward_pass(nb.backward_pass, p, mode)
+            assert narrowed.seen == [], (scale, mode, has_bias)

@@ -564,3 +564,36 @@ def test_conv_lora_input_rounds_dropout_once(dtype):
     mask = torch.rand(x.shape, generator=gen) >= 0.1
     want = (x.double() * mask / 0.9).to(dtype)
     assert torch.equal(_lora_input(x, mask, 0.1, dtype), want)
+
+
+def test_fp16_conv_dgrad_of_a_large_weight_with_small_c_stays_finite():
+    """The conv op's fp16 dx: with a weight whose largest value is near fp16's (6e4) and c = m / n of 0.002, dx =
+    conv_input(g c, W0) + lora path lies inside fp16, but its product of g c / max|c| (|.| <= |g|) with W0 is
+    dx / max|c| = 500 dx and came back inf, the overflow a29ff6c / fd91475 took from the linear op's backends
+    (those backends now multiply g c itself there, as PEFT does). Against fp64 autograd of the conv formula."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 27, generator=gen)
+    w8, sc = dorafp8.quantize_e4m3(W * (6e4 / W.abs().max()))
+    w8 = w8.reshape(6, 3, 3, 3)
+    A = (torch.randn(2, 3, 3, 3, generator=gen) * 0.1).half()
+    B = (torch.randn(6, 2, 1, 1, generator=gen) * 0.1).half()
+    s = 0.5
+    W0, A64, B64 = w8.double() * sc.double(), A.double(), B.double()
+    n = torch.linalg.vector_norm((W0 + s * (B64.flatten(1) @ A64.flatten(1)).reshape(W0.shape)).flatten(1), dim=1)
+    m = (n * (0.001 + 0.002 * torch.rand(6, generator=gen, dtype=torch.float64))).float()
+    c = (m.double() / n)[:, None, None]
+    x = torch.randn(2, 3, 8, 8, generator=gen).half()
+
+    def dx_64(gy):
+        x64 = x.double().requires_grad_()
+        y = c * (F.conv2d(x64, W0, padding=1) + s * F.conv2d(F.conv2d(x64, A64, padding=1), B64))
+        return torch.autograd.grad(y, x64, gy.double())[0]
+
+    gy = torch.randn(2, 6, 8, 8, generator=gen, dtype=torch.float64)
+    gy = (gy * (2e4 / dx_64(gy).abs().max())).half()
+    ref = dx_64(gy)
+    xl = x.clone().requires_grad_()
+    dorafp8.dora_fp8_conv(xl, w8, sc, A, B, m, s, padding=1).backward(gy)
+    assert_close(xl.grad, ref, tol(torch.float16), "fp16 conv dx vs fp64")
