@@ -472,6 +472,16 @@ def test_error_fp8_tensors_that_are_no_weight_are_not_called_unquantized():
     assert "unquantized" not in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_error_integer_weights_are_not_called_unquantized(dtype):
+    """A GGUF file converted to safetensors keeps its quantized blocks as integer '<layer>.weight's: detect_format
+    called it "not an fp8 checkpoint ... an unquantized checkpoint loads the usual way", a wrong lead."""
+    sd = {"lin.weight": torch.zeros(4, 34, dtype=dtype), "norm.weight": torch.ones(4)}
+    with pytest.raises(CheckpointFormatError, match=rf"{dtype} weights \(e\.g\. 'lin\.weight'") as e:
+        dorafp8.detect_format(sd)
+    assert "unquantized" not in str(e.value)
+
+
 @pytest.mark.parametrize("extra,match", [("weight_scale_2", "NVFP4"), ("weight_packed", "packed int4")])
 def test_error_unknown_layout_names_what_it_saw(ckpt, extra, match):
     sd = _sd(ckpt, "fp8-cast")
