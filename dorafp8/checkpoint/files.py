@@ -32,6 +32,9 @@ MAX_TENSORS = 300_000  # per safetensors file: a header of more is refused befor
 MAX_METADATA = 10_000  # entries of a safetensors header's __metadata__ (string to string)
 MAX_QUOTES = 2 * (5 * MAX_TENSORS + 2 * MAX_METADATA + 1)  # '"'s in a header of that many tensors and entries
 MAX_JSON_BYTES = 64 * 2**20  # an index or config.json (an index of 100,000 tensors is about 10 MB)
+# a path ending so is one safetensors file (.sft: Black Forest Labs' name for Flux's, flux1-dev.sft), read and
+# written as one; any other path is a folder
+FILE_SUFFIXES = (".safetensors", ".sft")
 DAMAGED = "the file is damaged or incomplete (an interrupted download?): download it again"
 
 

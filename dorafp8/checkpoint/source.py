@@ -11,8 +11,8 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from ..quant import E4M3, E8M0
-from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, open_safetensors, read_json, regular_file,
-                    safetensors_keys, sha256_key, some)
+from .files import (CHECKED_JSON, DAMAGED, FILE_SUFFIXES, allowed_roots, file_in, open_safetensors, read_json,
+                    regular_file, safetensors_keys, sha256_key, some)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
 SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -49,8 +49,7 @@ class CheckpointSource:
             self._read_folder(path)
         else:
             regular_file(path, "path_or_state_dict")
-            # .sft: Black Forest Labs' name for the safetensors files of Flux
-            if not path.endswith((".safetensors", ".sft")):
+            if not path.endswith(FILE_SUFFIXES):
                 raise CheckpointFormatError(f"{path} is not a .safetensors file; load it yourself (torch.load) and "
                                             f"pass the state dict")
             self.shards = [path]
@@ -278,6 +277,13 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
                 f"optimum-quanto's '<layer>.weight._data' with '._scale' are such), a layout dorafp8 does not read "
                 f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. Load the model's bf16 checkpoint and "
                 f"dorafp8.quantize_model it")
+        ints = [k for k in keys if k.endswith(".weight") and isinstance(info[k][0], torch.dtype)
+                and not info[k][0].is_floating_point]
+        if ints:  # integer weights are packed codes (a GGUF file converted to safetensors, ...), not unquantized ones
+            raise CheckpointFormatError(
+                f"{source.name}: {info[ints[0]][0]} weights (e.g. {ints[0]!r}; a GGUF file converted to safetensors "
+                f"keeps its quantized blocks so), a quantized layout dorafp8 does not read (layouts: "
+                f"{', '.join(LAYOUTS)}). Saw {what}. Load the model's bf16 checkpoint and dorafp8.quantize_model it")
         raise CheckpointFormatError(
             f"{source.name}: no float8_e4m3fn weight, so this is not an fp8 checkpoint dorafp8 knows "
             f"(layouts: {', '.join(LAYOUTS)}). Saw {what}. An unquantized checkpoint loads the usual way "

@@ -20,9 +20,9 @@ from ..nn import FP8Linear, refuse_sharded_model
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
-from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
-                    loaded_from, locked, previous_export, replace, sha256, sha256_key, staging, weight_files,
-                    write_error)
+from .files import (CHECKED_JSON, FILE_SUFFIXES, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file,
+                    killed_stages, loaded_from, locked, previous_export, replace, sha256, sha256_key, staging,
+                    weight_files, write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -117,7 +117,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     orig = originals(model)
     report = ExportReport(t.fmt, path)
     emit_args = dict(merge=merge, adapter_names=adapter_names)
-    if path.endswith(".safetensors"):  # one file, written whole or not at all (files.save_file_atomic)
+    if path.endswith(FILE_SUFFIXES):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
         refuse_original(path, orig)

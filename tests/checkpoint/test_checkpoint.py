@@ -441,6 +441,26 @@ def test_a_safetensors_file_named_sft_loads(ckpt, tmp_path):
     assert sorted(sa) == sorted(sb) and all(torch.equal(_u8(sa[k]), _u8(sb[k])) for k in sa)
 
 
+def test_an_export_to_a_path_named_sft_is_one_file(ckpt, tmp_path):
+    """An export to flux1-dev-dora.sft was written as a folder of that name (shards, config.json), which nothing
+    reads as the single file the name promises; it is one safetensors file now, which loads back, and the .sft the
+    model was loaded from is refused as a destination like a .safetensors one (nothing written over it)."""
+    sft = tmp_path / "flux1-dev-fp8.sft"
+    sft.write_bytes(open(ckpt("comfyui"), "rb").read())
+    model, _ = _load(str(sft))
+    out = tmp_path / "export.sft"
+    dorafp8.save_fp8_checkpoint(model, str(out), verbose=False)
+    assert out.is_file()
+    back, report = _load(str(out))
+    assert report.format == "comfyui"
+    sa, sb = model.state_dict(), back.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(_u8(sa[k]), _u8(sb[k])) for k in sa)
+    before = sft.read_bytes()
+    with pytest.raises(FileExistsError, match="is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, str(sft), verbose=False)
+    assert sft.read_bytes() == before
+
+
 def test_error_fp8_tensors_that_are_no_weight_are_not_called_unquantized():
     """optimum-quanto's qfloat8 files keep a layer's e4m3 values under '<layer>.weight._data' (its scale under
     '._scale'): detect_format called that "not an fp8 checkpoint ... an unquantized checkpoint loads the usual way";
@@ -448,6 +468,16 @@ def test_error_fp8_tensors_that_are_no_weight_are_not_called_unquantized():
     sd = {"lin.weight._data": torch.ones(4, 4).to(torch.float8_e4m3fn), "lin.weight._scale": torch.ones(4, 1),
           "lin.bias": torch.zeros(4)}
     with pytest.raises(CheckpointFormatError, match=r"float8_e4m3fn tensors under keys .*'lin\.weight\._data'") as e:
+        dorafp8.detect_format(sd)
+    assert "unquantized" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_error_integer_weights_are_not_called_unquantized(dtype):
+    """A GGUF file converted to safetensors keeps its quantized blocks as integer '<layer>.weight's: detect_format
+    called it "not an fp8 checkpoint ... an unquantized checkpoint loads the usual way", a wrong lead."""
+    sd = {"lin.weight": torch.zeros(4, 34, dtype=dtype), "norm.weight": torch.ones(4)}
+    with pytest.raises(CheckpointFormatError, match=rf"{dtype} weights \(e\.g\. 'lin\.weight'") as e:
         dorafp8.detect_format(sd)
     assert "unquantized" not in str(e.value)
 

@@ -623,27 +623,38 @@ def test_export_onto_a_near_copy_of_the_file_is_refused(change, tmp_path):
     dorafp8.save_single_file_dora(pm, str(out), dict(sd))  # the file it was loaded from: written
 
 
-def test_export_of_a_layer_dequantized_into_a_bf16_model_checks_it_exactly(tmp_path):
+@pytest.mark.parametrize("loaded, cast", [(torch.bfloat16, None), (torch.bfloat16, torch.float16),
+                                           (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+def test_export_of_a_layer_dequantized_into_a_bf16_model_checks_it_exactly(loaded, cast, tmp_path):
     """An e4m3 weight load_single_file dequantizes into a dense layer (Wan's time embedder, which the model keeps in
     precision) holds scale x e4m3 rounded to that layer's dtype: in a bf16 model the exact base check refused the
     file the model was loaded from ("its base weight is not rows of ..."). It compares with the file's values rounded
-    the same way now: the file is written, a near copy of it is still refused."""
+    the same way now, also where the model was cast after the load (bf16, then model.to(torch.float16): the layer
+    holds the bf16 rounding in fp16, which the layer's own dtype rounding is not): the file is written, a near copy
+    of it (another scale, or one element one e4m3 step away) is still refused."""
     from accelerate import init_empty_weights
 
     sd, ref, _, _ = _own_case("wan")
     with init_empty_weights():
-        model = type(ref).from_config(ref.config).to(torch.bfloat16)
+        model = type(ref).from_config(ref.config).to(loaded)
     load_single_file(model, dict(sd), verbose=False)
+    if cast is not None:
+        model.to(cast)
     dense = model.condition_embedder.time_embedder.linear_1
-    assert type(dense) is torch.nn.Linear and dense.weight.dtype == torch.bfloat16
+    assert type(dense) is torch.nn.Linear and dense.weight.dtype == (cast or loaded)
     pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True,
                                                     target_modules=["to_q", "time_embedder.linear_1"]))
     key = layouts.COMFY_PREFIX + "time_embedding.0."
-    other = dict(sd)
-    other[key + "scale_weight"] = other[key + "scale_weight"] * 1.03
+    rescaled, stepped = dict(sd), dict(sd)
+    rescaled[key + "scale_weight"] = sd[key + "scale_weight"] * 1.03
+    w8 = sd[key + "weight"].clone()
+    i = int(w8.float().abs().argmax())  # a normal value, whose next e4m3 code (toward zero) is one step away
+    w8.view(torch.uint8).view(-1)[i] -= 1
+    stepped[key + "weight"] = w8
     out = tmp_path / "dora.safetensors"
-    with pytest.raises(ValueError, match=r"time_embedder\.linear_1: its base weight is not rows of"):
-        dorafp8.save_single_file_dora(pm, str(out), other)
+    for other in (rescaled, stepped):
+        with pytest.raises(ValueError, match=r"time_embedder\.linear_1: its base weight is not rows of"):
+            dorafp8.save_single_file_dora(pm, str(out), other)
     written = dorafp8.save_single_file_dora(pm, str(out), dict(sd))
     assert written[key + "weight"] == ["condition_embedder.time_embedder.linear_1"]
 
