@@ -135,11 +135,15 @@ def sha256_key(name: str) -> str:
 def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict:
     """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file. sha256_is: the
     digest its bytes must have (a CHECKED_JSON file, as the index of the weights beside it records it)."""
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise CheckpointFormatError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads for "
-                                    f"{expected}; {DAMAGED}")
-    with open(path, "rb") as f:
+    # opened without waiting and measured open: a FIFO there (weight_files reads every index beside a model the user
+    # loaded, which transformers, reading model.safetensors, never opened) blocked its reader for ever
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: not a regular file (a FIFO, a device?); expected {expected}")
+        if st.st_size > MAX_JSON_BYTES:
+            raise CheckpointFormatError(f"{path}: {st.st_size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads "
+                                        f"for {expected}; {DAMAGED}")
         data = f.read()
     if sha256_is is not None and hashlib.sha256(data).hexdigest() != sha256_is:
         raise CheckpointFormatError(f"{path}: not the file exported with the weights beside it (their index records "
