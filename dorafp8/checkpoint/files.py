@@ -511,7 +511,7 @@ def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
         raise write_error(path, e) from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # 0: some FUSE file systems say no count
             raise OSError(f"writing {path}: the file staged for it ({tmp}) was replaced by another while the export "
                           f"ran (someone else writes into that folder); nothing was published")
         if like is not None:
@@ -559,7 +559,7 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:
                 os.fchmod(fd, mode)
         finally:
             os.close(fd)
