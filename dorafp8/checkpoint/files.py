@@ -138,11 +138,15 @@ def sha256_key(name: str) -> str:
 def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict:
     """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file. sha256_is: the
     digest its bytes must have (a CHECKED_JSON file, as the index of the weights beside it records it)."""
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise CheckpointFormatError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads for "
-                                    f"{expected}; {DAMAGED}")
-    with open(path, "rb") as f:
+    # opened without waiting and measured open: a FIFO there (weight_files reads every index beside a model the user
+    # loaded, which transformers, reading model.safetensors, never opened) blocked its reader for ever
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: not a regular file (a FIFO, a device?); expected {expected}")
+        if st.st_size > MAX_JSON_BYTES:
+            raise CheckpointFormatError(f"{path}: {st.st_size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads "
+                                        f"for {expected}; {DAMAGED}")
         data = f.read()
     if sha256_is is not None and hashlib.sha256(data).hexdigest() != sha256_is:
         raise CheckpointFormatError(f"{path}: not the file exported with the weights beside it (their index records "
@@ -468,10 +472,17 @@ def fsync_file(path: str, name: Optional[str] = None) -> None:
     here) raised naming `name` (the file the user asked for) or `path`; none where the file system has no fsync."""
     try:
         with open(path, "rb") as f:
-            os.fsync(f.fileno())
+            _fsync(f.fileno(), name or path)
+    except OSError as e:
+        raise write_error(name or path, e) from e
+
+
+def _fsync(fd: int, name: str) -> None:
+    try:
+        os.fsync(fd)
     except OSError as e:
         if e.errno not in _NO_FSYNC:
-            raise write_error(name or path, e) from e
+            raise write_error(name, e) from e
 
 
 def fsync_dir(folder: str) -> None:
@@ -491,20 +502,33 @@ def fsync_dir(folder: str) -> None:
 def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
     """Moves the complete file `tmp` to `path` durably: its data fsynced first, then the rename, then the folder.
     like: the stat of the file replaced, whose owner, group and mode (who may read it) `tmp` gets, as a write into it
-    would keep them (root in a container replacing a user's 0o600 file left it unreadable to that user). Given after
-    the fsync, which opens `tmp`: a mode without the owner's read bit (0o200, 0o000) would refuse that to all but
-    root. Best effort: only root gives a file to another user (else the group, where the writer is in it), and vfat /
-    NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM)."""
-    fsync_file(tmp, path)
-    if like is not None:
-        chown = getattr(os, "chown", None)  # not on Windows
-        try:
-            chown and chown(tmp, like.st_uid, like.st_gid)
-        except OSError:
-            with contextlib.suppress(OSError):
-                chown(tmp, -1, like.st_gid)
-        with contextlib.suppress(OSError):
-            os.chmod(tmp, stat.S_IMODE(like.st_mode))  # after chown, which may clear set-id bits
+    would keep them (root in a container replacing a user's 0o600 file left it unreadable to that user). Given to the
+    file opened here, links not followed (fchown, fchmod), before its fsync, which makes them durable with the data:
+    chown / chmod by path followed a link planted in the stage's place (the folder's owner renames our stage away and
+    puts a link to /etc/shadow there), so root gave that file to them; and a hard-linked or swapped file is refused.
+    Best effort: only root gives a file to another user (else the group, where the writer is in it), and vfat / NTFS
+    mounts and some NFS / CIFS ones refuse chmod (EPERM)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise write_error(path, e) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # 0: some FUSE file systems say no count
+            raise OSError(f"writing {path}: the file staged for it ({tmp}) was replaced by another while the export "
+                          f"ran (someone else writes into that folder); nothing was published")
+        if like is not None:
+            if hasattr(os, "fchown"):  # not on Windows
+                try:
+                    os.fchown(fd, like.st_uid, like.st_gid)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.fchown(fd, -1, like.st_gid)
+            with contextlib.suppress(OSError, AttributeError):  # after chown, which may clear set-id bits
+                os.fchmod(fd, stat.S_IMODE(like.st_mode))
+        _fsync(fd, path)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -532,9 +556,16 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict], name: O
     except (SafetensorError, OSError) as e:
         raise write_error(name or path, e) from e
     # a courtesy, not the write: vfat / NTFS mounts and some NFS / CIFS ones refuse chmod (EPERM), and the file
-    # written there is whole
-    with contextlib.suppress(OSError):
-        os.chmod(path, mode)
+    # written there is whole. On the file opened without following links, and not on a hard link (a file swapped
+    # into a stage the folder's owner renamed away, as in replace())
+    with contextlib.suppress(OSError, AttributeError):  # no os.fchmod on Windows before Python 3.13
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None:

@@ -251,6 +251,52 @@ def test_a_file_root_replaces_stays_its_owners(tmp_path):
     assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, oct(0o644))
 
 
+@pytest.mark.skipif(os.name != "posix", reason="owners and links")
+@pytest.mark.parametrize("swap", ["symlink", "hardlink"])
+@pytest.mark.parametrize("when", ["staged", "written"])
+def test_a_file_swapped_into_the_stage_is_not_given_the_replaced_files_owner(tmp_path, monkeypatch, swap, when):
+    """Root exporting over a file of the folder's owner (a user's folder) gives the export that owner and mode. The
+    chown and chmod went by the staged file's path, following links: the folder's owner, who may rename root's stage
+    folder away and put their own in its place, swapped the staged file for a link to root's secret file, and root
+    gave that file to them, mode 0o666, and published the link as the export; swapped as soon as safetensors had
+    written it (when="written"), the chmod giving a new file its umask's mode (0o644) did so to the secret. Now both
+    act on the file opened without following links, and a swapped one (a link, a hard link to another file) fails
+    the export, the secret untouched."""
+    import safetensors.torch
+
+    import dorafp8.checkpoint.files as files
+
+    home = tmp_path / "home"  # the user's folder, and their file in it
+    home.mkdir()
+    os.chown(home, 12345, 23456)
+    single = home / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    os.chown(single, 12345, 23456)
+    single.chmod(0o666)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's")
+    secret.chmod(0o600)
+    where, name = (files, "save_safetensors") if when == "staged" else (safetensors.torch, "save_file")
+    real = getattr(where, name)
+
+    def swapped(tensors, path, *args, **kwargs):  # what the folder's owner does once root's file is staged
+        real(tensors, path, *args, **kwargs)
+        os.remove(path)
+        (os.symlink if swap == "symlink" else os.link)(secret, path)
+
+    monkeypatch.setattr(where, name, swapped)
+    old = os.umask(0o022)
+    try:
+        with pytest.raises(OSError, match="one.safetensors"):
+            _export(_net(1), single, SINGLE)
+    finally:
+        os.umask(old)
+    monkeypatch.undo()
+    st = secret.stat()
+    assert (st.st_uid, oct(st.st_mode & 0o777), secret.read_bytes()) == (0, oct(0o600), b"root's")
+    assert not single.is_symlink() and single.stat().st_ino != st.st_ino
+
+
 @pytest.mark.skipif(os.name != "posix", reason="permission bits")
 @pytest.mark.parametrize("mode", [0o200, 0o000])
 def test_a_file_replaced_whose_mode_denies_its_owner_reading_is_replaced(tmp_path, monkeypatch, mode):

@@ -438,6 +438,35 @@ def test_a_dense_model_quantized_after_from_pretrained_is_not_written_over_its_f
     dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
 
 
+def test_a_fifo_beside_a_dense_model_does_not_block_its_writers(tmp_path):
+    """A FIFO named model.safetensors.index.json beside a dense model.safetensors (planted, or in a folder of that
+    name under another working directory): transformers loads model.safetensors and never opens it, but every
+    dorafp8 writer, and save_pretrained, read each index there for the model's original files (write.originals) and
+    blocked for ever in its open. Now it is passed over: the original is still refused, another path written. A
+    helper frees every blocked reader after 3 s, and says so (a file), so that the old behaviour fails this test
+    instead of hanging it."""
+    src = tmp_path / "dense"
+    F.original_model(torch.bfloat16).save_pretrained(src)
+    fifo = src / "model.safetensors.index.json"
+    os.mkfifo(fifo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    opened = tmp_path / "opened"
+    helper = subprocess.Popen(["sh", "-c", f"sleep 3; while :; do printf x > '{fifo}'; touch '{opened}'; done"])
+    try:
+        with pytest.raises(FileExistsError, match="is the file the model was loaded from"):
+            dorafp8.save_fp8_checkpoint(model, src / "model.safetensors", verbose=False)
+        with pytest.raises(FileExistsError, match="holds 'model.safetensors', which is the file the model was"):
+            model.save_pretrained(src)
+        dorafp8.save_fp8_checkpoint(model, tmp_path / "out.safetensors", verbose=False)
+        assert not opened.exists()  # nothing opened the FIFO
+    finally:
+        helper.kill()
+        helper.wait()
+
+
 def test_dorafp8config_errors(dense_dir, tmp_path):
     with pytest.raises(ValueError, match="granularity must be one of"):
         dorafp8.DoRAFP8Config("channel")
