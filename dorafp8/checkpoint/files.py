@@ -524,8 +524,10 @@ def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
                 except OSError:
                     with contextlib.suppress(OSError):
                         os.fchown(fd, -1, like.st_gid)
-            with contextlib.suppress(OSError, AttributeError):  # after chown, which may clear set-id bits
-                os.fchmod(fd, stat.S_IMODE(like.st_mode))
+            # after chown; the permission bits only: a set-id bit copied where that chown failed (a uid unmapped in a
+            # user namespace) made a root-owned export set-uid
+            with contextlib.suppress(OSError, AttributeError):
+                os.fchmod(fd, stat.S_IMODE(like.st_mode) & 0o777)
         _fsync(fd, path)
     finally:
         os.close(fd)

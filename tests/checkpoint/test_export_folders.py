@@ -9,6 +9,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 
 import pytest
 import torch
@@ -249,6 +250,18 @@ def test_a_file_root_replaces_stays_its_owners(tmp_path):
         os.umask(old)
     st = planted.stat()
     assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, oct(0o644))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="set-id bits")
+def test_a_replaced_files_set_id_bits_are_not_copied(tmp_path, monkeypatch):
+    """The mode of a file replaced is kept, its permission bits only: with its owner not given back (a uid unmapped
+    in a user namespace: fchown fails), a stranger's 0o6777 became a set-uid, set-gid export owned by the writer."""
+    single = tmp_path / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    single.chmod(0o6775)
+    monkeypatch.setattr(os, "fchown", lambda *a: (_ for _ in ()).throw(PermissionError(1, "unmapped uid")))
+    _export(_net(1), single, SINGLE)
+    assert oct(stat.S_IMODE(single.stat().st_mode)) == oct(0o775)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="owners and links")
