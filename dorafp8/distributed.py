@@ -8,6 +8,7 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
 import warnings
 
 import torch
@@ -132,6 +133,28 @@ def uninstall_ddp_support() -> None:
 DEEPSPEED_ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
+# Per thread: weight storage -> the dorafp8 layers whose scales follow that weight's broadcast, while an engine's
+# _broadcast_model runs. Not a swap of deepspeed.comm.broadcast per call: two engines starting in two threads (a policy
+# and a reference model) put back each other's swaps, leaving one in place for good.
+_DS_SENDING = threading.local()
+
+
+def _wrap_ds_broadcast(send):
+    @functools.wraps(send)
+    def broadcast(tensor, src, *a, **k):
+        out = send(tensor, src, *a, **k)
+        layers = getattr(_DS_SENDING, "layers", None)
+        if layers and isinstance(tensor, torch.Tensor):
+            group = k.get("group", a[0] if a else None)
+            for mod in layers.pop(tensor.data_ptr(), ()):
+                with torch.no_grad():
+                    for _, t in _scales(mod):  # fp8 block scales (e8m0: not an NCCL type) as bytes, in place
+                        send(t.view(torch.uint8) if is_fp8(t) else t, src, group=group)
+        return out
+
+    return broadcast
+
+
 def _wrap_broadcast_model(orig):
     @functools.wraps(orig)
     def _broadcast_model(self, *args, **kwargs):
@@ -148,22 +171,14 @@ def _wrap_broadcast_model(orig):
             w = getattr(mod, "weight", None)
             if isinstance(mod, FP8WeightModule) and isinstance(w, torch.Tensor) and w.numel() and not w.is_meta:
                 layers.setdefault(w.data_ptr(), []).append(mod)
-        send = ds_dist.broadcast
-
-        def broadcast(tensor, src, *a, **k):
-            out = send(tensor, src, *a, **k)
-            group = k.get("group", a[0] if a else None)
-            for mod in layers.pop(tensor.data_ptr(), ()) if isinstance(tensor, torch.Tensor) else ():
-                with torch.no_grad():
-                    for _, t in _scales(mod):  # fp8 block scales (e8m0: not an NCCL type) as bytes, in place
-                        send(t.view(torch.uint8) if is_fp8(t) else t, src, group=group)
-            return out
-
-        ds_dist.broadcast = broadcast  # the engine calls deepspeed.comm.broadcast by that name
+        # the engine calls deepspeed.comm.broadcast by that name; wrapped once, it passes through outside this call
+        _wrap_once(ds_dist, "broadcast", _wrap_ds_broadcast)
+        outer = getattr(_DS_SENDING, "layers", None)
+        _DS_SENDING.layers = layers
         try:
             return orig(self, *args, **kwargs)
         finally:
-            ds_dist.broadcast = send
+            _DS_SENDING.layers = outer
 
     return _broadcast_model
 

@@ -564,3 +564,68 @@ for engine, call in (("before 0.10.2", lambda: Before0102(net)._broadcast_model(
             assert names[i + 1:i + 1 + len(scales)] == [f"{layer}.{s}" for s in scales], (engine, names)
             assert all(names.count(f"{layer}.{s}") == 1 for s in scales), (engine, names)
         assert "3.weight" in names and not any(n.startswith("3.") and n.endswith("scale") for n in names)
+
+
+def test_deepspeed_broadcast_wrap_of_two_engines_in_two_threads_leaves_deepspeeds_broadcast():
+    """The wrap used to swap the process-wide deepspeed.comm.broadcast while an engine's _broadcast_model ran and put
+    back what it had found: two engines starting in two threads (a policy and a reference model), the first finishing
+    first, left the first's swap in place for good (the second put back what it had found), holding that model's
+    layers, and sending a stale layer's scales after any later broadcast whose tensor reused a freed weight's address
+    (on one rank only: a hang or a wrong model). DeepSpeed's broadcast stands in for a recorder here; the engines'
+    methods are DeepSpeed's, interleaved with events."""
+    _needs("deepspeed", "the broadcast is DeepSpeed's")
+    import threading
+
+    import deepspeed.comm as ds_comm
+
+    import dorafp8
+    from dorafp8.distributed import _wrap_broadcast_model
+
+    sent, lock = [], threading.Lock()
+
+    def record(tensor, src, *a, **k):
+        with lock:
+            sent.append(tensor.data_ptr())
+
+    entered_b, done_a = threading.Event(), threading.Event()
+
+    class Engine:
+        def __init__(self, module, before=None, after=None):
+            self.module, self.before, self.after = module, before, after
+
+        @_wrap_broadcast_model
+        def _broadcast_model(self):
+            if self.before:
+                self.before()
+            for p in self.module.parameters():
+                ds_comm.broadcast(p.data.view(torch.uint8), 0, group=None)
+            if self.after:
+                self.after()
+
+    nets = [dorafp8.FP8Linear.from_float(torch.nn.Linear(16, 16)) for _ in range(2)]
+    a = Engine(nets[0], before=lambda: entered_b.wait(10))
+    b = Engine(nets[1], before=entered_b.set, after=lambda: done_a.wait(10))
+    real = ds_comm.broadcast
+    ds_comm.broadcast = record
+    try:
+        ta = threading.Thread(target=lambda: (a._broadcast_model(), done_a.set()))
+        tb = threading.Thread(target=b._broadcast_model)
+        ta.start(), tb.start()
+        ta.join(20), tb.join(20)
+        for net in nets:  # each layer's scale right after its weight, once
+            i = sent.index(net.weight.data_ptr())
+            assert sent[i + 1] == net.scale.data_ptr() and sent.count(net.scale.data_ptr()) == 1, sent
+        # a later broadcast (another engine, zero.Init) of a tensor at a layer's address sends that tensor only
+        fresh = torch.nn.Linear(16, 16)
+        fresh_net = dorafp8.FP8Linear.from_float(fresh)
+        Engine(fresh_net)._broadcast_model()
+        sent.clear()
+        for net in nets + [fresh_net]:
+            ds_comm.broadcast(net.weight.data.view(torch.uint8), 0, group=None)
+        assert sent == [net.weight.data_ptr() for net in nets + [fresh_net]], sent
+        current = ds_comm.broadcast
+        while current is not record and hasattr(current, "_dorafp8_orig"):
+            current = current._dorafp8_orig
+        assert current is record, ds_comm.broadcast
+    finally:
+        ds_comm.broadcast = real
