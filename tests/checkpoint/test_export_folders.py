@@ -222,6 +222,18 @@ def test_what_an_export_writes_can_be_read_by_whom_the_umask_says(tmp_path):
         os.umask(old)
 
 
+def _users_file(tmp_path, mode):
+    """An export in a folder of user 12345's (group 23456), theirs, of `mode`."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 12345, 23456)
+    single = home / "one.safetensors"
+    _export(_net(0), single, SINGLE)
+    os.chown(single, 12345, 23456)
+    single.chmod(mode)
+    return single
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="giving a file to another user takes root")
 def test_a_file_root_replaces_stays_its_owners(tmp_path):
     """Root (a training container on a bind mount) replacing a user's 0o640 file gave the new one to root:root with
@@ -229,13 +241,7 @@ def test_a_file_root_replaces_stays_its_owners(tmp_path):
     (a write into it would have kept both). Now it keeps its owner and group as well as its mode. Not a stranger's
     file planted in a folder of someone else's (/tmp): its mode (0o666) was kept, so its owner could rewrite the
     export; that one gets the mode and owner of a new file."""
-    home = tmp_path / "home"
-    home.mkdir()
-    os.chown(home, 12345, 23456)
-    single = home / "one.safetensors"
-    _export(_net(0), single, SINGLE)
-    os.chown(single, 12345, 23456)
-    single.chmod(0o640)
+    single = _users_file(tmp_path, 0o640)
     _export(_net(1), single, SINGLE)
     st = single.stat()
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (12345, 23456, oct(0o640))
@@ -279,13 +285,7 @@ def test_a_file_swapped_into_the_stage_is_not_given_the_replaced_files_owner(tmp
 
     import dorafp8.checkpoint.files as files
 
-    home = tmp_path / "home"  # the user's folder, and their file in it
-    home.mkdir()
-    os.chown(home, 12345, 23456)
-    single = home / "one.safetensors"
-    _export(_net(0), single, SINGLE)
-    os.chown(single, 12345, 23456)
-    single.chmod(0o666)
+    single = _users_file(tmp_path, 0o666)
     secret = tmp_path / "secret"
     secret.write_bytes(b"root's")
     secret.chmod(0o600)
