@@ -257,7 +257,8 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
     keep = {c: v for c, v in results.items() if v.get("ok") is not None}
     mine = _file(path)
     mine["keys"].setdefault(what, {}).update(keep)
-    mine["broken"].update(broken)
+    mine["broken"].update(broken)  # a hang too: not run again in this process, for any key
+    broken = {c: why for c, why in broken.items() if c in keep}  # not a hang: kept
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read(path)
@@ -400,8 +401,10 @@ def check(spec: dict) -> tuple[dict, dict]:
         if failure is None and all(c in results for c in todo):
             break
         if started in todo and started not in results and blame:  # it hung or crashed the child
-            results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
-            broken[started] = failure or "the child gave no verdict"
+            # a hang is this process's only (a cold compile on a busy machine past the limit banned the backend on
+            # this GPU for good): the next process checks it again
+            why = failure or "the child gave no verdict"
+            results[started], broken[started] = {"ok": None if blame == "hang" else False, "error": why}, why
         elif not (started in results and blame):  # outside any candidate, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
@@ -426,8 +429,9 @@ def _results(text: str, cands) -> dict:
 _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
-def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
+def _child(spec: dict) -> tuple[str, str | None, bool | str]:
+    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame: "hang"
+    where the child ran past the limit)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     # PYTHONWARNINGS=error made any warning there an exception: a compiler's deprecation failed a correct kernel (a
@@ -446,7 +450,7 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (backends/race.py, TIMEOUT_S) and was killed", True
+        return out, f"it did not finish within {limit:g} s (backends/race.py, TIMEOUT_S) and was killed", "hang"
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise
