@@ -60,6 +60,7 @@ _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
 _TOLD: list[str] = []  # the first key this process checked, once said
 _UNSAVED: set = set()  # the verdict files this process could not write, once said
+_STOPPED: list[str] = []  # why this process starts no more children
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -390,6 +391,8 @@ def reproduce(spec: dict) -> str:
 def check(spec: dict) -> tuple[dict, dict]:
     """Runs the child on spec's candidates: (verdicts, {candidate: error} for those that hung or crashed it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
+    if _STOPPED:  # the job is being stopped: no more children (each new key's delayed the shutdown by seconds)
+        return {c: {"ok": None, "error": _STOPPED[0]} for c in todo}, broken
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))
         started = None
@@ -456,6 +459,10 @@ def _child(spec: dict) -> tuple[str, str | None, bool | str]:
         raise
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
+        if proc.returncode < 0 and -proc.returncode not in _CRASHES | {signal.SIGKILL} and not _STOPPED:
+            # SIGTERM, SIGINT, SIGHUP, SIGUSR1: the job's shutdown (a scheduler signals all its processes; the
+            # trainer's handler lets this one finish its step and save), not the OOM killer's SIGKILL
+            _STOPPED.append(f"a child was stopped by signal {-proc.returncode}: no more checks in this process")
         return (out, f"the child process exited with {proc.returncode}: {tail}",
                 proc.returncode > 0 or -proc.returncode in _CRASHES)
     return out, None, True
@@ -506,6 +513,7 @@ def forget() -> None:
     _WARNED.clear()
     _TOLD.clear()
     _UNSAVED.clear()
+    _STOPPED.clear()
 
 
 def race_report() -> list[str]:

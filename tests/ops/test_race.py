@@ -938,6 +938,27 @@ def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch, s
     assert children(race) == 1 and set(used) == {"native"}
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_a_job_being_stopped_starts_no_more_children(race, used, monkeypatch, sig):
+    """A scheduler stopping the job signals its every process (SIGTERM at preemption, SIGUSR1 ahead of the time limit);
+    the trainer's handler lets the parent finish its step and save. Each new key of that first step started a child
+    again (seconds to tens each) while the grace period ran out. After a child stopped so, this process starts none:
+    the keys left run the fallback, unchecked and unwritten. The OOM killer's SIGKILL stops nothing."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child("", sig))
+    with pytest.warns(RuntimeWarning, match="not checked, so not used"):
+        _step()
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step(300)  # another key
+    stopped = sig != "SIGKILL"
+    assert children(race) == (0 if stopped else 1) and set(used) == ({"reference"} if stopped else {"native"})
+    assert any(_verdicts(race)["keys"].values()) is not stopped  # nothing written while stopping
+    _race.forget()  # the next process checks
+    used.clear()
+    _step(300)
+    assert set(used) == {"native"}
+
+
 @pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT"])
 def test_a_child_crashed_by_its_kernel_blames_it(race, used, monkeypatch, sig):
     """What a kernel's own fault raises in its process (a segfault in a launcher, an abort from a failed check in C++)
