@@ -60,6 +60,7 @@ _BUILD: list[str] = []
 _WARNED: set = set()  # (device, candidate, verdict) warned about in this process
 _TOLD: list[str] = []  # the first key this process checked, once said
 _UNSAVED: set = set()  # the verdict files this process could not write, once said
+_STOPPED: list[str] = []  # why this process starts no more children
 
 
 def racing(backend: str | None, device: torch.device) -> bool:
@@ -257,7 +258,8 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
     keep = {c: v for c, v in results.items() if v.get("ok") is not None}
     mine = _file(path)
     mine["keys"].setdefault(what, {}).update(keep)
-    mine["broken"].update(broken)
+    mine["broken"].update(broken)  # a hang too: not run again in this process, for any key
+    broken = {c: why for c, why in broken.items() if c in keep}  # not a hang: kept
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read(path)
@@ -389,6 +391,8 @@ def reproduce(spec: dict) -> str:
 def check(spec: dict) -> tuple[dict, dict]:
     """Runs the child on spec's candidates: (verdicts, {candidate: error} for those that hung or crashed it)."""
     results, broken, todo = {}, {}, list(spec["cands"])
+    if _STOPPED:  # the job is being stopped: no more children (each new key's delayed the shutdown by seconds)
+        return {c: {"ok": None, "error": _STOPPED[0]} for c in todo}, broken
     while todo:
         out, failure, blame = _child(dict(spec, cands=todo))
         started = None
@@ -400,8 +404,10 @@ def check(spec: dict) -> tuple[dict, dict]:
         if failure is None and all(c in results for c in todo):
             break
         if started in todo and started not in results and blame:  # it hung or crashed the child
-            results[started] = {"ok": False, "error": failure or "the child gave no verdict"}
-            broken[started] = failure or "the child gave no verdict"
+            # a hang is this process's only (a cold compile on a busy machine past the limit banned the backend on
+            # this GPU for good): the next process checks it again
+            why = failure or "the child gave no verdict"
+            results[started], broken[started] = {"ok": None if blame == "hang" else False, "error": why}, why
         elif not (started in results and blame):  # outside any candidate, or killed from outside
             results.update({c: {"ok": None, "error": failure or "the child gave no verdict"} for c in todo
                             if c not in results})
@@ -426,8 +432,9 @@ def _results(text: str, cands) -> dict:
 _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
-def _child(spec: dict) -> tuple[str, str | None, bool]:
-    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame)."""
+def _child(spec: dict) -> tuple[str, str | None, bool | str]:
+    """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame: "hang"
+    where the child ran past the limit)."""
     env = dict(os.environ, DORAFP8_RACE="0")
     env.pop("DORAFP8_BACKEND", None)
     # PYTHONWARNINGS=error made any warning there an exception: a compiler's deprecation failed a correct kernel (a
@@ -446,12 +453,16 @@ def _child(spec: dict) -> tuple[str, str | None, bool]:
     except subprocess.TimeoutExpired:
         _kill(proc)
         out, err = proc.communicate()
-        return out, f"it did not finish within {limit:g} s (backends/race.py, TIMEOUT_S) and was killed", True
+        return out, f"it did not finish within {limit:g} s (backends/race.py, TIMEOUT_S) and was killed", "hang"
     except BaseException:  # Ctrl-C, SystemExit: the child (in a session of its own) must not outlive the wait
         _kill(proc)
         raise
     if proc.returncode != 0:
         tail = " | ".join(err.strip().splitlines()[-3:])[-600:]
+        if proc.returncode < 0 and -proc.returncode not in _CRASHES | {signal.SIGKILL} and not _STOPPED:
+            # SIGTERM, SIGINT, SIGHUP, SIGUSR1: the job's shutdown (a scheduler signals all its processes; the
+            # trainer's handler lets this one finish its step and save), not the OOM killer's SIGKILL
+            _STOPPED.append(f"a child was stopped by signal {-proc.returncode}: no more checks in this process")
         return (out, f"the child process exited with {proc.returncode}: {tail}",
                 proc.returncode > 0 or -proc.returncode in _CRASHES)
     return out, None, True
@@ -502,6 +513,7 @@ def forget() -> None:
     _WARNED.clear()
     _TOLD.clear()
     _UNSAVED.clear()
+    _STOPPED.clear()
 
 
 def race_report() -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -105,6 +106,13 @@ def _watchdog(limit: float, parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="dorafp8-race-watchdog").start()
 
 
+def _toolchain(e: Exception) -> bool:
+    """Whether e is the machine's, not the kernel's: an OSError (a full disk under the compiler's cache), a tool the
+    compiler ran failing (subprocess's errors: gcc without Python.h), Triton's missing C compiler or failed ptxas."""
+    return (isinstance(e, (OSError, subprocess.SubprocessError)) or type(e).__name__ == "PTXASError"
+            or str(e).startswith("Failed to find C"))
+
+
 STICKY = 71  # the exit status after a candidate left the device unusable
 
 
@@ -162,8 +170,9 @@ def main(argv: list[str]) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     torch.backends.cudnn.allow_tf32 = False
 
-    def say(kind, what):
-        print(f"dorafp8-race {kind} {what}", flush=True)
+    def say(kind, what):  # on a line of its own: a kernel's or compiler's output without a newline (device printf,
+        # ptxas) glued the next line to it, and the parent, missing that start or result, blamed the kernel before
+        print(f"\ndorafp8-race {kind} {what}", flush=True)
 
     todo = plan(spec)
     base = _peak(device)
@@ -181,10 +190,10 @@ def main(argv: list[str]) -> int:
                 verdict = None if why is None else {"ok": False, "error": why}
             except torch.OutOfMemoryError as e:
                 verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
-            except OSError as e:  # the compiler's cache on a full disk or unwritable: nothing said of the kernel
-                verdict = {"ok": None, "error": f"{type(e).__name__} while checking: {e}"[:600]}
             except Exception as e:
-                verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+                # the compiler's cache on a full disk, no C compiler, gcc without Python.h, a failing ptxas: nothing
+                # said of the kernel, not kept (kept, it outlived the user's fix of the toolchain)
+                verdict = {"ok": None if _toolchain(e) else False, "error": f"{type(e).__name__}: {e}"[:600]}
             if verdict is not None:
                 failed[c] = verdict
                 say("result", json.dumps({c: verdict}))

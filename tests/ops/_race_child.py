@@ -1,12 +1,14 @@
 """A stand-in for `python -m dorafp8 check SPEC` (dorafp8/backends/race.py's child) that plants a bad kernel:
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
-its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or correct but warning
-("warn", a DeprecationWarning as a compiler's); or, whatever VICTIM, the GPU out of memory for the child's second
+its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or on the machine's
+compiler ("nocc", "gcc", "ptxas"), correct but warning ("warn", a DeprecationWarning as a compiler's) or printing
+without a newline ("chatty"); or, whatever VICTIM, the GPU out of memory for the child's second
 inputs ("inputs-oom": the user's job beside it holds the memory), or raising a sticky CUDA error ("sticky": every call
 of any backend fails after it, as after an illegal address)."""
 
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -16,6 +18,15 @@ from dorafp8 import backends
 from dorafp8.ops import race_check
 
 MODE, VICTIM = sys.argv[1], sys.argv[2]
+
+
+class PTXASError(Exception):  # triton.runtime.errors' name
+    pass
+
+
+TOOLCHAIN = {"nocc": RuntimeError("Failed to find C compiler. Please specify via CC environment variable."),
+             "gcc": subprocess.CalledProcessError(1, ["gcc", "main.c"]),  # fatal error: Python.h: No such file
+             "ptxas": PTXASError("PTXAS error: `ptxas` failed with error code 255")}
 CALLS = []
 _real = backends.module
 
@@ -41,6 +52,10 @@ class Planted:
                 os._exit(7)
             if MODE == "nospace":  # the compiler's cache on a full disk
                 raise OSError(28, "No space left on device", "/home/u/.triton/cache/x.tmp")
+            if MODE in TOOLCHAIN:  # the machine's compiler, as Triton 3.x raises its failures
+                raise TOOLCHAIN[MODE]
+            if MODE == "chatty":  # output without a newline, at the C level (a device printf, a compiler's note)
+                os.write(1, b"ptxas info    : Used 128 registers")
             if MODE == "warn":
                 warnings.warn("a deprecated option of the compiler", DeprecationWarning)
             if MODE == "slow":

@@ -275,12 +275,15 @@ def test_a_wrong_kernel_is_never_picked(race, used, monkeypatch):
     assert set(used) == {"reference"} and len(_verdicts(race)["keys"]) == 2
 
 
-def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch):
-    """A candidate failing with an OSError (Triton's cache on a full disk or an unwritable TRITON_CACHE_DIR) says
-    nothing of its kernel: not used in this process (the reference serves), not kept, checked again by the next
-    process. Before, it was a verdict kept in the file: the backend was never used for the key again, disk freed."""
-    monkeypatch.setattr(_race, "CHILD", planted("nospace"))
-    with pytest.warns(RuntimeWarning, match=r"'native' is not checked, so not used .*No space left on device"):
+@pytest.mark.parametrize("mode,error", [("nospace", "No space left on device"), ("nocc", "Failed to find C compiler"),
+                                        ("gcc", "CalledProcessError"), ("ptxas", "PTXASError")])
+def test_a_full_disk_is_no_verdict_on_the_kernel(race, used, monkeypatch, mode, error):
+    """A candidate failing with an OSError (Triton's cache on a full disk or an unwritable TRITON_CACHE_DIR) or on the
+    machine's compiler (no C compiler, gcc without Python.h, a failing ptxas) says nothing of its kernel: not used in
+    this process (the reference serves), not kept, checked again by the next process. Before, it was a verdict kept in
+    the file: the backend was never used for the key again, disk freed or gcc installed."""
+    monkeypatch.setattr(_race, "CHILD", planted(mode))
+    with pytest.warns(RuntimeWarning, match=f"'native' is not checked, so not used .*{error}"):
         _step()
     assert set(used) == {"reference"}
     assert all("native" not in v for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
@@ -337,11 +340,27 @@ def test_a_kernel_that_breaks_the_device_fails_only_itself(race, used, monkeypat
     assert set(used) == {"reference"}
 
 
+def test_a_kernel_printing_without_a_newline_is_not_mistaken(race, used, monkeypatch):
+    """A candidate's own output without a newline (a device printf, a compiler's note, written at the C level) was
+    glued to the child's next protocol line: its result line lost, the child "gave no verdict" and the correct kernel
+    that ran last was kept as unusable on this GPU for every key. The protocol's lines start lines of their own."""
+    monkeypatch.setattr(_race, "CHILD", planted("chatty"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step()
+    assert set(used) == {"native"}
+    data = _verdicts(race)
+    assert data["broken"] == {} and all(v["native"]["ok"] for v in data["keys"].values())
+
+
 LIMIT_S = 45  # the child's start (import torch) takes 10-20 s on a loaded 2-core CI machine: it must reach the kernel
 
 
 @pytest.mark.parametrize("mode,error", [("hang", f"did not finish within {LIMIT_S} s"), ("crash", "exited with 7")])
 def test_a_hanging_or_crashing_kernel_warns_once_and_is_not_tried_again(race, used, monkeypatch, mode, error):
+    """A crash is the kernel's: kept, not tried again on this GPU. A hang may be the machine's (a cold compile on a busy
+    one past the limit banned the backend on that GPU for good): not tried again in this process, for any key, but
+    not kept: the next process checks it again."""
     monkeypatch.setattr(_race, "CHILD", planted(mode))
     monkeypatch.setattr(_race, "TIMEOUT_S", LIMIT_S)
     t0 = time.monotonic()
@@ -349,6 +368,21 @@ def test_a_hanging_or_crashing_kernel_warns_once_and_is_not_tried_again(race, us
         _step()
     assert len(w) == 1 and time.monotonic() - t0 < LIMIT_S + 15
     assert set(used) == {"reference"}
+    monkeypatch.setattr(_race, "CHILD", ["false"])
+    used.clear()
+    with warnings.catch_warnings():  # this process, another key: not checked again, no warning, the fallback
+        warnings.simplefilter("error")
+        _step(300)
+    assert set(used) == {"reference"}
+    if mode == "hang":
+        data = _verdicts(race)
+        assert data["broken"] == {} and not any(data["keys"].values())  # nothing kept
+        _race.forget()  # the next process checks again: the kernel is used
+        monkeypatch.setattr(_race, "CHILD", fake_child())
+        used.clear()
+        _step()
+        assert set(used) == {"native"}
+        return
     assert error in _verdicts(race)["broken"]["native"]
     # the next process, at another key: not checked again (a child would fail), no warning, the fallback
     _race.forget()
@@ -902,6 +936,27 @@ def test_a_child_killed_from_outside_blames_no_kernel(race, used, monkeypatch, s
     used.clear()
     _step()
     assert children(race) == 1 and set(used) == {"native"}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_a_job_being_stopped_starts_no_more_children(race, used, monkeypatch, sig):
+    """A scheduler stopping the job signals its every process (SIGTERM at preemption, SIGUSR1 ahead of the time limit);
+    the trainer's handler lets the parent finish its step and save. Each new key of that first step started a child
+    again (seconds to tens each) while the grace period ran out. After a child stopped so, this process starts none:
+    the keys left run the fallback, unchecked and unwritten. The OOM killer's SIGKILL stops nothing."""
+    monkeypatch.setattr(_race, "CHILD", _killed_child("", sig))
+    with pytest.warns(RuntimeWarning, match="not checked, so not used"):
+        _step()
+    monkeypatch.setattr(_race, "CHILD", fake_child())
+    used.clear()
+    _step(300)  # another key
+    stopped = sig != "SIGKILL"
+    assert children(race) == (0 if stopped else 1) and set(used) == ({"reference"} if stopped else {"native"})
+    assert any(_verdicts(race)["keys"].values()) is not stopped  # nothing written while stopping
+    _race.forget()  # the next process checks
+    used.clear()
+    _step(300)
+    assert set(used) == {"native"}
 
 
 @pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT"])
