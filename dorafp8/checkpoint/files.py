@@ -135,12 +135,18 @@ def sha256_key(name: str) -> str:
     return f"dorafp8_{name[:-len('.json')]}_sha256"  # "dorafp8_config_sha256", as exports before hf_quant_config
 
 
+# a file read by os.open (not open(), which waits on a FIFO): without O_BINARY Windows opens it as text, whose
+# reads turn CRLF into LF (a config.json written on Windows then failed its sha256 check) and stop at a Ctrl-Z
+def _read_flags() -> int:
+    return os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
 def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict:
     """The JSON object in the regular file `path` (at most MAX_JSON_BYTES); errors name the file. sha256_is: the
     digest its bytes must have (a CHECKED_JSON file, as the index of the weights beside it records it)."""
     # opened without waiting and measured open: a FIFO there (weight_files reads every index beside a model the user
     # loaded, which transformers, reading model.safetensors, never opened) blocked its reader for ever
-    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+    with os.fdopen(os.open(path, _read_flags()), "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointFormatError(f"{path}: not a regular file (a FIFO, a device?); expected {expected}")
@@ -515,8 +521,10 @@ def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # 0: some FUSE file systems say no count
-            raise OSError(f"writing {path}: the file staged for it ({tmp}) was replaced by another while the export "
-                          f"ran (someone else writes into that folder); nothing was published")
+            why = (f"has {st.st_nlink} names: another was linked to it (a backup or sync tool in that folder, "
+                   f"someone else writing there?)" if stat.S_ISREG(st.st_mode) else "was replaced by another")
+            raise OSError(f"writing {path}: the file staged for it ({tmp}) {why} while the export ran; nothing was "
+                          f"published ({path} is as it was): export again")
         if like is not None:
             if hasattr(os, "fchown"):  # not on Windows
                 try:
@@ -611,7 +619,7 @@ def export_metadata(folder: str, index_name: str) -> dict:
     """The "metadata" object of the index `folder/index_name` ({} where there is none, or it is a link, not a regular
     file, too large or malformed): what an earlier export there recorded (its files, its JSON files' sha256)."""
     try:
-        fd = os.open(os.path.join(folder, index_name), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(os.path.join(folder, index_name), _read_flags() | _NOFOLLOW)
     except OSError:
         return {}
     try:

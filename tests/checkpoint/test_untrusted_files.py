@@ -409,3 +409,22 @@ def test_a_nan_fp8_weight_value_is_refused_naming_the_tensor(sharded, tmp_path, 
     bad = tmp_path / "bad.safetensors"
     st.save_file(tensors, bad, metadata={"format": "pt"})
     _refused(bad, names=[key], says=[f"1 of {w.numel()} float8_e4m3fn values are NaN"])
+
+
+def test_a_json_file_is_read_as_bytes_where_os_open_defaults_to_text(tmp_path, monkeypatch):
+    """read_json opens with os.open (a FIFO must not block it), which on Windows opens a file as text unless given
+    os.O_BINARY: its reads turned CRLF into LF, so a config.json written there (CRLF) failed the sha256 its export's
+    index recorded of its bytes. Emulated here: an O_BINARY flag, and os.open giving a text reading without it."""
+    import hashlib
+
+    from dorafp8.checkpoint import files
+
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{\r\n  "model_type": "llama"\r\n}\r\n')
+    text = tmp_path / "as_text"
+    text.write_bytes(cfg.read_bytes().replace(b"\r\n", b"\n"))
+    binary, real = 0o10000000, os.open  # a bit no open flag of Linux uses
+    monkeypatch.setattr(os, "O_BINARY", binary, raising=False)
+    monkeypatch.setattr(os, "open", lambda p, flags, *a: real(p if flags & binary else text, flags & ~binary, *a))
+    digest = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    assert files.read_json(str(cfg), "a config", digest) == {"model_type": "llama"}
