@@ -540,3 +540,25 @@ def test_an_index_no_export_wrote_is_never_replaced(tmp_path):
     with pytest.raises(FileExistsError, match=r"holds 'model.safetensors.index.json', which no dorafp8 export wrote"):
         _export(_net(0), dest)
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+
+
+@pytest.mark.skipif(os.name != "posix", reason="hard links")
+def test_a_staged_file_hard_linked_meanwhile_is_refused_saying_so(tmp_path, monkeypatch):
+    """A staged file with a second name (a backup or sync tool linking the folder's files) is not published (its
+    owner and mode would go to that name too); the error said the staged file 'was replaced by another', which sent
+    the user looking for a second writer. It says now that it has 2 names, and the old file is kept whole."""
+    import dorafp8.checkpoint.files as files
+
+    single = tmp_path / "one.safetensors"
+    files.save_file_atomic({"a": torch.ones(2)}, str(single), None)
+    before = single.read_bytes()
+    real = files.save_safetensors
+
+    def linked(tensors, path, *args):  # a backup tool's hard link to the staged file
+        real(tensors, path, *args)
+        os.link(path, tmp_path / "backup")
+
+    monkeypatch.setattr(files, "save_safetensors", linked)
+    with pytest.raises(OSError, match=r"one\.safetensors.* has 2 names.*nothing was published"):
+        files.save_file_atomic({"a": torch.zeros(2)}, str(single), None)
+    assert single.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["backup", "one.safetensors"]
