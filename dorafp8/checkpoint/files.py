@@ -315,7 +315,8 @@ def locked(folder: str, what: str):
                            f"to finish, or write elsewhere")
     fd = None
     try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        if fcntl is not None:  # without (Windows) nothing locks, and a folder cannot be opened (PermissionError)
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         why = _wait_for_lock(fd, **wait)
         if why is not None:
             # NFS takes flock as a POSIX lock, which needs a descriptor open for writing (flock(2)), and a folder
@@ -444,7 +445,8 @@ def staging(folder: str, name: str):
                       stacklevel=4)
     stage = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.partial")
     os.mkdir(stage)
-    fds = [os.open(stage, os.O_RDONLY)]
+    # Windows opens no folder (PermissionError), and locks nothing: only where fcntl is
+    fds = [os.open(stage, os.O_RDONLY) if fcntl is not None else None]
     _LIVE.add(stage)
     try:
         # tell other writers' _leftovers that this stage is live: the folder locked, or, where a folder cannot be
@@ -465,7 +467,8 @@ def staging(folder: str, name: str):
             os.close(fd)
         shutil.rmtree(stage, ignore_errors=True)
         _LIVE.discard(stage)
-        os.close(fds[0])
+        if fds[0] is not None:
+            os.close(fds[0])
 
 
 # what fsync says on a file system that has no fsync (VirtualBox's vboxsf, some FUSE ones): the data are written,
@@ -477,10 +480,20 @@ def fsync_file(path: str, name: Optional[str] = None) -> None:
     """`path`'s data made durable; an error (ENOSPC, EDQUOT, EIO: NFS and delayed allocation report a full disk only
     here) raised naming `name` (the file the user asked for) or `path`; none where the file system has no fsync."""
     try:
-        with open(path, "rb") as f:
-            _fsync(f.fileno(), name or path)
+        fd = os.open(path, _sync_flags())
+        try:
+            _fsync(fd, name or path)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise write_error(name or path, e) from e
+
+
+def _sync_flags() -> int:
+    # Windows (the one os with O_BINARY): its fsync (FlushFileBuffers) needs a file open for writing (EBADF on a
+    # read-only one, so every export failed there); POSIX syncs any, and a staged file a umask made read-only (0o444)
+    # opens only so
+    return os.O_RDWR | os.O_BINARY if hasattr(os, "O_BINARY") else os.O_RDONLY
 
 
 def _fsync(fd: int, name: str) -> None:
@@ -515,7 +528,7 @@ def replace(tmp: str, path: str, like: Optional[os.stat_result] = None) -> None:
     Best effort: only root gives a file to another user (else the group, where the writer is in it), and vfat / NTFS
     mounts and some NFS / CIFS ones refuse chmod (EPERM)."""
     try:
-        fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(tmp, _sync_flags() | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise write_error(path, e) from e
     try:

@@ -562,3 +562,40 @@ def test_a_staged_file_hard_linked_meanwhile_is_refused_saying_so(tmp_path, monk
     with pytest.raises(OSError, match=r"one\.safetensors.* has 2 names.*nothing was published"):
         files.save_file_atomic({"a": torch.zeros(2)}, str(single), None)
     assert single.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["backup", "one.safetensors"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="Windows emulated on POSIX")
+@pytest.mark.parametrize("size", ["single", "sharded"])
+def test_an_export_is_written_where_windows_rules_hold(tmp_path, monkeypatch, size):
+    """On Windows every export failed: staging opened its folder (os.open of a folder: PermissionError there), and
+    fsync_file / replace fsynced a file opened read-only (FlushFileBuffers needs one open for writing: EBADF).
+    Emulated: an os.O_BINARY (Windows' alone), no fcntl, both refusals; the export is written and reads back."""
+    import fcntl as posix_fcntl
+    import stat
+    import sys
+
+    import dorafp8.checkpoint.files as files
+
+    real_open, real_fsync, binary = os.open, os.fsync, 0o10000000  # a bit no open flag of Linux's uses
+
+    def win_open(path, flags, *args, **kwargs):  # shutil.rmtree opens folders only on POSIX
+        if os.path.isdir(path) and sys._getframe(1).f_globals["__name__"] != "shutil":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags & ~binary, *args, **kwargs)
+
+    def win_fsync(fd):
+        if posix_fcntl.fcntl(fd, posix_fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(9, "Bad file descriptor")
+        return real_fsync(fd)
+
+    dest = tmp_path / ("one.safetensors" if size == "single" else "folder")
+    net = _net(0)
+    monkeypatch.setattr(files, "fcntl", None)
+    monkeypatch.setattr(os, "open", win_open)
+    monkeypatch.setattr(os, "fsync", win_fsync)
+    monkeypatch.setattr(os, "O_BINARY", binary, raising=False)
+    _export(net, dest, SINGLE if size == "single" else SHARDED)
+    monkeypatch.undo()
+    assert stat.S_ISREG(dest.stat().st_mode) == (size == "single")
+    assert not [n for n in os.listdir(tmp_path if size == "single" else dest) if n.endswith(".partial")]
+    assert torch.equal(_output_of(dest), net(X))
