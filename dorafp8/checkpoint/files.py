@@ -146,10 +146,13 @@ def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict
     digest its bytes must have (a CHECKED_JSON file, as the index of the weights beside it records it)."""
     # opened without waiting and measured open: a FIFO there (weight_files reads every index beside a model the user
     # loaded, which transformers, reading model.safetensors, never opened) blocked its reader for ever
-    with os.fdopen(os.open(path, _read_flags()), "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointFormatError(f"{path}: not a regular file (a FIFO, a device?); expected {expected}")
+    fd = os.open(path, _read_flags())
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder naming the descriptor, not the file
+        os.close(fd)
+        raise CheckpointFormatError(f"{path}: " + ("a folder" if stat.S_ISDIR(st.st_mode) else
+                                                   "not a regular file (a FIFO, a device?)") + f"; expected {expected}")
+    with os.fdopen(fd, "rb") as f:
         if st.st_size > MAX_JSON_BYTES:
             raise CheckpointFormatError(f"{path}: {st.st_size} bytes, more than the {MAX_JSON_BYTES} dorafp8 reads "
                                         f"for {expected}; {DAMAGED}")
@@ -241,7 +244,7 @@ def safetensors_keys(path: str, where: str) -> tuple[dict, dict]:
 
 # ---- writing -----------------------------------------------------------------------------------------------------
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 on Windows: a link there is followed (making one needs developer mode)
 LOCK_TIMEOUT = 600.0  # seconds a second writer to the same folder waits before it gives up, naming the folder
 
 

@@ -428,3 +428,13 @@ def test_a_json_file_is_read_as_bytes_where_os_open_defaults_to_text(tmp_path, m
     monkeypatch.setattr(os, "open", lambda p, flags, *a: real(p if flags & binary else text, flags & ~binary, *a))
     digest = hashlib.sha256(cfg.read_bytes()).hexdigest()
     assert files.read_json(str(cfg), "a config", digest) == {"model_type": "llama"}
+
+
+def test_a_folder_named_like_a_json_file_is_refused_naming_it(tmp_path):
+    """read_json (os.open since 279ece1) opened a folder config.json and os.fdopen refused it naming the descriptor
+    ('[Errno 21] Is a directory: 3'), not the file; it names the path now."""
+    from dorafp8.checkpoint import files
+
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(CheckpointFormatError, match=re.escape(f"{tmp_path / 'config.json'}: a folder; expected")):
+        files.read_json(str(tmp_path / "config.json"), "a model config")
