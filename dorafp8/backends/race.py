@@ -210,7 +210,9 @@ def _versions() -> dict:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return None
-    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id()}
+    # the ptxas Triton runs, where not its own: a kernel's PTXASError is a verdict kept (_race_child._toolchain)
+    ptxas = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_PTXAS")}
+    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id(), "ptxas": ptxas}
 
 
 def cache_file(device: torch.device) -> str:
