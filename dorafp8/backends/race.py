@@ -513,8 +513,9 @@ def _shared(path: str, what: str, resolve):
         results = {}
         try:
             results = resolve()
-        finally:
-            store.set(name, json.dumps(results))  # even empty: the others must not wait for nothing
+        finally:  # even empty: the others must not wait for nothing. A child stopped by the job's signal stops
+            # theirs too (the scheduler signalled them all): the ranks run the same static picks, not the reference
+            store.set(name, json.dumps(dict(results, **({"stopped": _STOPPED[0]} if _STOPPED else {}))))
         return results
     try:
         store.wait([name], datetime.timedelta(seconds=TIMEOUT_S * (len(RACERS.get("cuda", ())) + 1) + 60))
@@ -522,6 +523,8 @@ def _shared(path: str, what: str, resolve):
     except Exception as e:  # the claiming rank died: resolve alone
         log.debug("dorafp8 race: no verdict from the store for %s (%s)", what, e)
         return resolve()
+    if "stopped" in results and not _STOPPED:
+        _STOPPED.append(results.pop("stopped"))
     return results if results else resolve()
 
 

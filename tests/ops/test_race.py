@@ -9,6 +9,7 @@ capture no child starts; the child's peak memory (measured) is within _race.budg
 a 2-process job, and a first step under DDP and FSDP2 the same as with DORAFP8_RACE=0:
 tests/distributed/test_distributed.py, test_race_verdicts_are_shared and test_a_first_step_under_ddp_and_fsdp2_..."""
 
+import hashlib
 import json
 import shlex
 import signal
@@ -1034,3 +1035,32 @@ def test_selftest_says_what_auto_runs_where_no_kernel_backend_runs(race, monkeyp
     keys = lines[1:]
     assert len(keys) == 4 and all(" -> native: " in line for line in keys), lines
     assert children(race) == 0
+
+
+@pytest.mark.parametrize("claimer", [True, False])
+def test_under_ddp_a_stopped_check_stops_every_rank(race, used, monkeypatch, claimer):
+    """Under torch.distributed the first rank to meet a key checks it and shares the verdicts in the store. Its child
+    stopped by the job's signal, the other ranks read verdicts of none and kept the fp32 reference for that key for
+    the rest of the run, while the stopped rank ran the static order: ranks on different backends, one several times
+    slower. The claimer says it was stopped in the store, and a rank reading that stops too (the scheduler signalled
+    every process): every rank runs the static pick."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+    what = _race.describe(_race.spec_of("dora", CPU, N=N, K=K, M=40, r=r, cdt=torch.bfloat16, rdt=torch.float32))
+    name = "dorafp8/race/" + hashlib.sha256((os.path.basename(_race.cache_file(CPU)) + what).encode()).hexdigest()[:24]
+    if claimer:
+        monkeypatch.setattr(_race, "CHILD", _killed_child("", "SIGTERM"))
+        _step()
+        assert "stopped" in json.loads(store.get(name))
+    else:  # the other rank: the claimer's stopped verdicts already in the store
+        store.add(name + "/claim", 1)
+        store.set(name, json.dumps({"native": {"ok": None, "error": "the child process exited with -15: "},
+                                    "stopped": "a child was stopped by signal 15: no more checks in this process"}))
+        monkeypatch.setattr(_race, "CHILD", fake_child())
+        _step()
+    assert set(used) == {"native"}
+    used.clear()
+    _step(300)  # another key: no child, the static pick
+    assert children(race) == 0 and set(used) == {"native"}
