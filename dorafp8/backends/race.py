@@ -210,7 +210,9 @@ def _versions() -> dict:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return None
-    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id()}
+    # the ptxas Triton runs, where not its own: a kernel's PTXASError is a verdict kept (_race_child._toolchain)
+    ptxas = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_PTXAS")}
+    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id(), "ptxas": ptxas}
 
 
 def cache_file(device: torch.device) -> str:
@@ -317,13 +319,26 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     if not plan(spec)["fits"]:  # checking would hold more than the layer's own step: not checked, the reference serves
         log.info("dorafp8 race: %s: a check would exceed its memory bound; the reference backend serves it", what)
         return _keep(key, spec, FALLBACK)
-    if _capturing():  # a CUDA graph being captured: no child inside it; the file's verdicts, else the static order
-        known = _file(path)["keys"].get(what, {})
-        return pick_of(known, cands) if all(c in known for c in cands) else static
-    results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
+    if _capturing():  # a CUDA graph being captured: no child inside it
+        return _unchecked(path, what, cands, static)
+    if not _STOPPED:
+        results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
+    if _STOPPED:  # the job's signal stopped a child (now or before): no more children, and not the fp32 reference
+        # (several times slower) for the rest of a job that goes on (SLURM's --signal=USR1@90 to checkpoint), but
+        # what DORAFP8_RACE=0 runs
+        return _keep(key, spec, _unchecked(path, what, cands, static))
     pick = _keep(key, spec, pick_of(results, cands))
     log.debug("dorafp8 race: %s -> %s (%s)", what, pick, results)
     return pick
+
+
+def _unchecked(path: str, what: str, cands: list, static: str) -> str:
+    """A pick without a child: the file's verdicts where they cover every candidate, else the static order's (the
+    reference where the file says that one is broken here)."""
+    known = _file(path)["keys"].get(what, {})
+    if all(c in known for c in cands):
+        return pick_of(known, cands)
+    return FALLBACK if static in _file(path)["broken"] else static
 
 
 def _keep(key: tuple, spec: dict, pick: str) -> str:
@@ -364,6 +379,8 @@ def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
               f"{path}; DORAFP8_RACE=0 turns it off)", file=sys.stderr, flush=True)
     results, broken = check(dict(spec, cands=todo))
     _save(path, device, what, results, broken)
+    if _STOPPED:  # said once, in _child; no warning per candidate (the key runs the static order, choose())
+        return dict(known, **results)
     info, vers = _device_info(device), _versions()
     for c, v in results.items():
         if (v.get("peak_mb") or 0) > (v.get("budget_mb") or float("inf")):  # the cost model fell short on this GPU
@@ -463,6 +480,10 @@ def _child(spec: dict) -> tuple[str, str | None, bool | str]:
             # SIGTERM, SIGINT, SIGHUP, SIGUSR1: the job's shutdown (a scheduler signals all its processes; the
             # trainer's handler lets this one finish its step and save), not the OOM killer's SIGKILL
             _STOPPED.append(f"a child was stopped by signal {-proc.returncode}: no more checks in this process")
+            print(f"dorafp8: a race check's child was stopped by signal {-proc.returncode} (the job being stopped?): "
+                  "backend='auto' starts no more checks in this process and runs the static order (what "
+                  "DORAFP8_RACE=0 runs) for keys not checked yet; the next process checks them", file=sys.stderr,
+                  flush=True)
         return (out, f"the child process exited with {proc.returncode}: {tail}",
                 proc.returncode > 0 or -proc.returncode in _CRASHES)
     return out, None, True
@@ -492,8 +513,9 @@ def _shared(path: str, what: str, resolve):
         results = {}
         try:
             results = resolve()
-        finally:
-            store.set(name, json.dumps(results))  # even empty: the others must not wait for nothing
+        finally:  # even empty: the others must not wait for nothing. A child stopped by the job's signal stops
+            # theirs too (the scheduler signalled them all): the ranks run the same static picks, not the reference
+            store.set(name, json.dumps(dict(results, **({"stopped": _STOPPED[0]} if _STOPPED else {}))))
         return results
     try:
         store.wait([name], datetime.timedelta(seconds=TIMEOUT_S * (len(RACERS.get("cuda", ())) + 1) + 60))
@@ -501,6 +523,8 @@ def _shared(path: str, what: str, resolve):
     except Exception as e:  # the claiming rank died: resolve alone
         log.debug("dorafp8 race: no verdict from the store for %s (%s)", what, e)
         return resolve()
+    if "stopped" in results and not _STOPPED:
+        _STOPPED.append(results.pop("stopped"))
     return results if results else resolve()
 
 

@@ -108,9 +108,11 @@ def _watchdog(limit: float, parent: int) -> None:
 
 def _toolchain(e: Exception) -> bool:
     """Whether e is the machine's, not the kernel's: an OSError (a full disk under the compiler's cache), a tool the
-    compiler ran failing (subprocess's errors: gcc without Python.h), Triton's missing C compiler or failed ptxas."""
-    return (isinstance(e, (OSError, subprocess.SubprocessError)) or type(e).__name__ == "PTXASError"
-            or str(e).startswith("Failed to find C"))
+    compiler ran failing (subprocess's errors: gcc without Python.h), Triton's missing C compiler. Not Triton's
+    PTXASError: ptxas rejecting the PTX Triton made of a kernel ("Internal Triton PTX codegen error", a ptxas
+    SIGSEGV) is that kernel's on this GPU and Triton, and ptxas is Triton's own or TRITON_PTXAS_PATH's, both in
+    the verdict file's name (race._versions); not kept, it was checked again by every process, seconds a key."""
+    return isinstance(e, (OSError, subprocess.SubprocessError)) or str(e).startswith("Failed to find C")
 
 
 STICKY = 71  # the exit status after a candidate left the device unusable
@@ -191,7 +193,7 @@ def main(argv: list[str]) -> int:
             except torch.OutOfMemoryError as e:
                 verdict = {"ok": None, "error": f"out of memory while checking ({e})"[:300]}
             except Exception as e:
-                # the compiler's cache on a full disk, no C compiler, gcc without Python.h, a failing ptxas: nothing
+                # the compiler's cache on a full disk, no C compiler, gcc without Python.h: nothing
                 # said of the kernel, not kept (kept, it outlived the user's fix of the toolchain)
                 verdict = {"ok": None if _toolchain(e) else False, "error": f"{type(e).__name__}: {e}"[:600]}
             if verdict is not None:

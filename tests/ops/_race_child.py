@@ -2,8 +2,8 @@
 `_race_child.py MODE VICTIM SPEC` runs the real child with backend VICTIM's forward made wrong (y * 1.25), its
 weight_norm made wrong ("wrong-norm": n * 1.25), either hanging (sleeps an hour), crashing the process (exit 7; at
 its second forward with "crash-second"), slow (0.2 s more), failing on a full disk ("nospace") or on the machine's
-compiler ("nocc", "gcc", "ptxas"), correct but warning ("warn", a DeprecationWarning as a compiler's) or printing
-without a newline ("chatty"); or, whatever VICTIM, the GPU out of memory for the child's second
+compiler ("nocc", "gcc"), its PTX refused by ptxas ("ptxas"), correct but warning ("warn", a DeprecationWarning
+as a compiler's) or printing without a newline ("chatty"); or, whatever VICTIM, the GPU out of memory for the child's second
 inputs ("inputs-oom": the user's job beside it holds the memory), or raising a sticky CUDA error ("sticky": every call
 of any backend fails after it, as after an illegal address)."""
 
@@ -26,7 +26,7 @@ class PTXASError(Exception):  # triton.runtime.errors' name
 
 TOOLCHAIN = {"nocc": RuntimeError("Failed to find C compiler. Please specify via CC environment variable."),
              "gcc": subprocess.CalledProcessError(1, ["gcc", "main.c"]),  # fatal error: Python.h: No such file
-             "ptxas": PTXASError("PTXAS error: `ptxas` failed with error code 255")}
+             "ptxas": PTXASError("Internal Triton PTX codegen error\n`ptxas` stderr:\nptxas fatal")}
 CALLS = []
 _real = backends.module
 
