@@ -930,8 +930,10 @@ def test_a_full_disk_while_saving_verdicts_leaves_no_temporary_file(race, used, 
 
 def _killed_child(partial: str, sig: str = "SIGKILL"):
     """A child that says it starts native, writes `partial` (a result line cut short) and gets signal `sig` (SIGKILL
-    from outside, as the OOM killer would send it)."""
-    code = ("import os, signal, sys\n"
+    from outside, as the OOM killer would send it). Its handler reset first: under nohup (a CI job's launcher) SIGHUP
+    is ignored, inherited, and the child would live on."""
+    reset = "" if sig == "SIGKILL" else f"signal.signal(signal.{sig}, signal.SIG_DFL)\n"
+    code = ("import os, signal, sys\n" + reset +
             "sys.stdout.write('dorafp8-race start native\\n' + " + repr(partial) + "); sys.stdout.flush()\n"
             f"os.kill(os.getpid(), signal.{sig})")
     return [sys.executable, "-c", code]
