@@ -220,7 +220,8 @@ def kernels_md(first: dict) -> str:
 
 
 def race_md(first: dict) -> str:
-    rows = [(M, v["key"], v["pick"], v["static"], ", ".join(f"{c} {t:.3f}" for c, t in sorted(v["ms"].items())),
+    rows = [(M, v["key"], v["pick"], v["static"], ", ".join(f"{c} {t:.3f}" if t is not None else f"{c} refused: {v['verdicts'][c].get('error', '?')}"
+                        for c, t in sorted(v["ms"].items())),
              f"{v['race_cost_s']:.3f}") for M, v in first.get("race", {}).items()]
     return ("# backend=\"auto\": the race (dorafp8/backends/race.py)\n\n"
             + _table(("call", "key", "pick", "static order", "ms per forward + backward", "cost of racing, s"), rows)
