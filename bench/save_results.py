@@ -104,6 +104,11 @@ def merge(sources, commit: str | None) -> dict[str, dict]:
         if dev:
             merged.setdefault(dev, dict(meta=dict(data["env"], runs=[]), records=[], autotuned=[], commands={}))
             merged[dev]["commands"][command] = data
+            # a time is only worth its results: the fp64 checks that failed travel with the records (perf_table)
+            merged[dev]["meta"]["failed_checks"] = [
+                f"{k} ({v['backend']}{', act_quant=' + v['act_quant'] if v.get('act_quant') else ''})"
+                for k, v in data.get("correct", {}).items() if not v.get("pass")] + \
+                merged[dev]["meta"].get("failed_checks", [])
     return merged
 
 
@@ -143,6 +148,9 @@ def perf_table(results: dict) -> str:
         lines.append(f"| {M} | " + " | ".join(cells + ratios) + " |")
     if len(lines) == 4:
         lines.append("| _no first-contact record_ |" + " |" * (len(COLUMNS) + len(RATIOS)))
+    if meta.get("failed_checks"):
+        lines += ["", "**These fp64 checks failed on this GPU before the timing, so the times of what they check are "
+                  "times of wrong results:** " + "; ".join(meta["failed_checks"]) + "."]
     return "\n".join(lines)
 
 

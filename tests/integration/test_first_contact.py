@@ -427,7 +427,13 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     first = {"plan": {"command": "first"}, "env": meta, "steps": {},
              "timing": {"meta": meta, "records": [_record(c, ms[c.provider, c.tokens]) for c in C.FIRST_CASES]},
              "correct": {"w8a16 M=1024": {"backend": "triton", "act_quant": None, "M": 1024, "N": 4096, "K": 4096,
-                                          "r": 16, "pass": True, "tensors": {"y": {"used": 0.25}}}},
+                                          "r": 16, "pass": True, "tensors": {"y": {"used": 0.25}}},
+                         "w8a8 M=1000": {"backend": "triton", "act_quant": "rowwise", "M": 1000, "N": 4096,
+                                         "K": 4096, "r": 16, "pass": False, "tensors": {"y": {"used": None}}}},
+             # a candidate the race refused has no time (the first H200 run: save_results died on it)
+             "race": {"M=8192": {"key": "dora ...", "pick": "cublas", "static": "triton",
+                                 "ms": {"cublas": 2.5, "triton": None},
+                                 "verdicts": {"triton": {"ok": False, "error": "y differs"}}, "race_cost_s": 1.0}},
              "model": {"device": "model GPU", "linear_us": 785.0, "pins": {"forward/w8a16": "BLOCK_M=128,w8,s4"},
                        "layers": {"W8A16": {"kernels": [{"name": "triton:dora_fwd_kernel", "predicted_us": 400.0},
                                                         {"name": "triton:project_kernel", "predicted_us": 20.0}]}}},
@@ -459,6 +465,10 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     assert text[:text.index(b)] == before[:before.index(b)] and text[text.index(e):] == before[before.index(e):]
     block = text[text.index(b):text.index(e)]
     assert "Stand-in GPU" in block and "CPU" not in block  # the smoke run makes no speed claims
+    # a time is only worth its results: the failed fp64 check is named under the table, the passed one is not
+    assert "times of wrong results:** w8a8 M=1000 (triton, act_quant=rowwise)." in block
+    assert "w8a16 M=1024" not in block
+    assert "triton refused: y differs" in (dest / "race.md").read_text()
     assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
     for M in C.FIRST_TOKENS:
         row = next(line for line in block.splitlines() if line.startswith(f"| {M} |"))
