@@ -65,3 +65,30 @@ def test_fp8_linear_step_reads_no_device_value(backend, kind):
         with LaunchRecorder() as rec:
             layer(x).float().sum().backward()
         assert rec.syncs == [], rec.syncs
+
+
+@pytest.mark.backends("native", "cublas", "triton", "cuda")
+def test_peft_dora_module_step_reads_no_device_value(backend, monkeypatch):
+    """PEFT's DoRA layer on an FP8Linear (DoRAFP8Linear, what get_peft_model builds on a quantized model) under
+    autocast, backward and an optimizer step: no host sync. The norm cache runs as on a GPU outside
+    reuse_weight_norms (the norm made every call): its CPU-only proof compares the adapters' values. (SGD: Adam's
+    step counter lives on the CPU, also on a GPU, and its .item() is read on the CPU there, not a sync.)"""
+    peft = pytest.importorskip("peft")
+    from dorafp8.norm_cache import WeightNormCache
+
+    monkeypatch.setattr(WeightNormCache, "norm", lambda self, adapter, compute, *a, **k: compute())
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48))
+    dorafp8.quantize_model(model, backend=backend)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True,
+                                                       lora_dropout=0.1))
+    assert type(model.base_model.model[0]).__name__ == "DoRAFP8Linear"
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
+    x = torch.randn(6, 32)
+    for _ in range(2):
+        with LaunchRecorder() as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert rec.syncs == [], rec.syncs
