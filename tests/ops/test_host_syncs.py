@@ -92,3 +92,23 @@ def test_peft_dora_module_step_reads_no_device_value(backend, monkeypatch):
             opt.step()
             opt.zero_grad()
         assert rec.syncs == [], rec.syncs
+
+
+def test_custom_ops_fast_path_leaves_tensor_subclasses_to_the_dispatcher():
+    """The eager fast path (ops/_custom_ops.py) calls an op's implementation directly only on plain arguments: a
+    tensor subclass (DTensor, torchao's, FakeTensor) reaches torch.library's op, which it may need to see."""
+    from dorafp8.ops import _custom_ops as O
+
+    seen = []
+
+    class Watched(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    a, b = torch.randn(8, 16), torch.randn(4, 16)
+    O.project_op(a, b, out_dtype=torch.float32, mask=None, p=0.0, backend="native")
+    assert not any("dorafp8" in f for f in seen)
+    O.project_op(a.as_subclass(Watched), b, out_dtype=torch.float32, mask=None, p=0.0, backend="native")
+    assert any("dorafp8.project" in f for f in seen), seen
