@@ -106,8 +106,9 @@ def weight_norm(w8: torch.Tensor, scale: torch.Tensor, block_size: int, A: torch
         return n
     dot_dt, ieee = dot_dtype(A.dtype, B.dtype)
     br = weight_norm_block_r(r, ieee)
-    configs = weight_norm_configs(w8.device, fp32=ieee)
-    kernel = autotuned(dora_weight_norm_kernel, ("wn", ieee), configs, ["N", "K", "R"], ["n_ptr"], pin="weight_norm")
+    # configs as a function: made once per (ieee, arch), not a list of triton.Configs built and keyed per call
+    kernel = autotuned(dora_weight_norm_kernel, ("wn", ieee), lambda: weight_norm_configs(w8.device, fp32=ieee),
+                       ["N", "K", "R"], ["n_ptr"], w8.device, pin="weight_norm")
     grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)
     launch(kernel, grid)(
         w8, scale, A, B, n,
