@@ -139,8 +139,8 @@ def pins() -> int:
                                            "the launchers autotune"})
             return 0
     from dorafp8.kernel_report import run as report
-    from dorafp8.kernel_report.predict import HEADLINE, HEADLINE_VARIANTS, STRATEGIES, headline, launches_subprocess
-    from dorafp8.kernel_report.predict import layer_table, linear_seconds
+    from dorafp8.kernel_report.predict import HEADLINE, HEADLINE_VARIANTS, STRATEGIES, dry_run_device, headline
+    from dorafp8.kernel_report.predict import launches_subprocess, linear_seconds
     from dorafp8.triton_kernels._common import weight_norm_configs_for
     from dorafp8.triton_kernels._pins import config_name
 
@@ -171,14 +171,39 @@ def pins() -> int:
              "linear_us": linear_seconds(HEADLINE["M"], HEADLINE["N"], HEADLINE["K"]) * 1e6,
              "gemms": [dict(r, us_lo=r["lo"]["seconds"] * 1e6, us_hi=r["hi"]["seconds"] * 1e6) for r in rows]}
     put("model", None, model)
-    # every launch of each strategy at its modelled bytes (an interpreter dry run), the layer at both ends
+    print(f"pins: {picks}; {len(records)} compiles in {model['compile_s']} s", flush=True)
+    # every launch of each strategy at its modelled bytes (a dry run), the layer at both ends
     # the fp8 strategies only: the pins are theirs, and the microscaled bases' compiles and dry runs would lengthen
     # the GPU's first step (`python -m dorafp8.kernel_report --predict` models those)
     strategies = ["W8A16"] if SMOKE else [n for n, v in STRATEGIES.items() if len(v) == 3] + ["PEFT DoRA"]
-    model["layers"] = layer_table(records, launches_subprocess(strategies))
+    try:  # the pins (what the later steps run) are kept and the step is not failed for want of the predictions
+        model["dry_runs_on"] = dry_run_device()
+        model["layers"] = layer_predictions(records, launches_subprocess(strategies))
+    except Exception as e:
+        model["layers_error"] = f"{type(e).__name__}: {e}"[-2000:]
+        print(f"pins: no layer predictions: {model['layers_error']}", flush=True)
     put("model", None, model)
-    print(f"pins: {picks}; {len(records)} compiles in {model['compile_s']} s")
     return 0
+
+
+def layer_predictions(records: list[dict], launches: dict[str, list]) -> dict:
+    """{strategy: its layer_table row, with "kernels": [{name, calls, predicted_us, predicted_us_hi}]}: each kernel
+    name's launches summed at the fast and the slow end (the fused GEMMs at their predictions), what kernels.md
+    (save_results.py) sets beside the profile's."""
+    from dorafp8.kernel_report.predict import GEMM_KERNELS, launch_seconds, layer_table
+
+    out = {}
+    for row in layer_table(records, launches):
+        kernels: dict = {}
+        for lc in launches[row["name"]]:
+            k = kernels.setdefault(lc["name"], {"name": lc["name"], "calls": 0, "predicted_us": 0.0,
+                                                "predicted_us_hi": 0.0})
+            k["calls"] += 1
+            for end, key in (("lo", "predicted_us"), ("hi", "predicted_us_hi")):
+                gemm = row.get("gemms", {}).get(GEMM_KERNELS.get(lc["name"]))
+                k[key] += 1e6 * (gemm[end]["seconds"] if gemm else launch_seconds(lc, end))
+        out[row["name"]] = dict(row, kernels=list(kernels.values()))
+    return out
 
 
 def correct(job: str) -> int:

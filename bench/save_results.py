@@ -210,15 +210,25 @@ def kernels_md(first: dict) -> str:
                 f"on {model['device']}, cuBLAS bf16 Linear forward + dgrad {model['linear_us']:.1f} us.", ""]
     else:
         out += [f"No model for this GPU: {model.get('skipped', 'the pins step did not run')}.", ""]
+    if "layers_error" in model:
+        out += [f"No predicted times per kernel: the headline's dry runs failed ({model['layers_error']}).", ""]
     for prov, mode in (("dorafp8-triton", "W8A16"), ("dorafp8-triton-w8a8", "W8A8")):
         prof = first.get("profile", {}).get(prov)
         if prof is None:
             continue
-        pred = {k["name"].split(":", 1)[-1]: k["predicted_us"] for k in model.get("layers", {}).get(mode, {})
-                .get("kernels", [])}
-        rows = [(k["name"][:60], f"{k['calls']:g}", f"{k['us']:.1f}", f"{pred[k['name']]:.1f}" if k["name"] in pred
-                 else "-", f"{k['us'] / pred[k['name']]:.2f}x" if k["name"] in pred else "-") for k in prof["kernels"]]
-        rows += [(f"{n} (not seen)", "-", "-", f"{us:.1f}", "-") for n, us in pred.items()
+        # the fast and the slow end of each prediction (one number where a file holds one)
+        pred = {k["name"].split(":", 1)[-1]: (k["predicted_us"], k.get("predicted_us_hi", k["predicted_us"]))
+                for k in model.get("layers", {}).get(mode, {}).get("kernels", [])}
+
+        def us(lo, hi):
+            return f"{lo:.1f}" if hi == lo else f"{lo:.1f}-{hi:.1f}"
+
+        def ratio(t, lo, hi):
+            return f"{t / lo:.2f}x" if hi == lo else f"{t / hi:.2f}-{t / lo:.2f}x"
+
+        rows = [(k["name"][:60], f"{k['calls']:g}", f"{k['us']:.1f}", us(*pred[k["name"]]) if k["name"] in pred
+                 else "-", ratio(k["us"], *pred[k["name"]]) if k["name"] in pred else "-") for k in prof["kernels"]]
+        rows += [(f"{n} (not seen)", "-", "-", us(*p), "-") for n, p in pred.items()
                  if not any(k["name"] == n for k in prof["kernels"])]
         out += [f"## {mode} ({prov}), M {prof['M']}, N = K = {prof['K']}, r {prof['r']}: one forward + backward, "
                 f"norm cached, mean of {prof['iters']}", "", _table(("kernel", "calls", "measured us", "predicted us",

@@ -296,22 +296,26 @@ def layer_seconds(gemms: dict[str, float], launches: list[dict], end: str = "lo"
                 launches=len(launches), other_launches=len(other), bytes=sum(lc["nbytes"] for lc in launches))
 
 
-def _headline_weight(kind: str | None, N: int, K: int):
+def _headline_weight(kind: str | None, N: int, K: int, device: str = "cpu"):
     """(weight, scale, global scale) of the headline's base, e4m3 or NVFP4 / MXFP8 (zeros: dry runs read none)."""
     import torch
 
     from dorafp8 import quant
 
     if kind == "nvfp4":
-        return (torch.zeros(N, K // 2, dtype=torch.uint8), torch.ones(N, K // 16).to(quant.E4M3), torch.ones(()))
-    if kind == "mxfp8":
-        return (torch.zeros(N, K, dtype=quant.E4M3), torch.full((N, K // 32), 127, dtype=torch.uint8).view(quant.E8M0),
-                None)
-    return torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.ones(()), None
+        w = (torch.zeros(N, K // 2, dtype=torch.uint8), torch.ones(N, K // 16).to(quant.E4M3), torch.ones(()))
+    elif kind == "mxfp8":
+        w = (torch.zeros(N, K, dtype=quant.E4M3), torch.full((N, K // 32), 127, dtype=torch.uint8).view(quant.E8M0),
+             None)
+    else:
+        w = torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.ones(()), None
+    return tuple(t if t is None else t.to(device) for t in w)
 
 
-def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None, kind: str | None = None):
-    """[(name, nbytes, flops, shapes)] of a dry-run headline step on `backend` (at M tokens, on a `kind` base)."""
+def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None, kind: str | None = None,
+                     device: str = "cpu"):
+    """[(name, nbytes, flops, shapes)] of a dry-run headline step on `backend` (at M tokens, on a `kind` base), its
+    tensors on `device` (dry_run_device)."""
     import torch
 
     import dorafp8
@@ -319,14 +323,14 @@ def _headline_leaves(act_quant, hopper: bool, backend: str, M: int | None = None
 
     N, K, r = (HEADLINE[k] for k in ("N", "K", "r"))
     M = M or HEADLINE["M"]
-    w8, scale, g = _headline_weight(kind, N, K)
+    w8, scale, g = _headline_weight(kind, N, K, device)
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
-    x, A, B, m = (t.requires_grad_() for t in leaves)
-    n = torch.ones(N)
+    x, A, B, m = (t.to(device).requires_grad_() for t in leaves)
+    n = torch.ones(N, device=device)
     with LaunchRecorder() as rec, dry_run(rec, SMS, 2):
         y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend=backend, weight_norm=n, act_quant=act_quant,
                                     global_scale=g)
-        y.backward(torch.empty(M, N, dtype=torch.bfloat16))
+        y.backward(torch.empty(M, N, dtype=torch.bfloat16, device=device))
     return rec
 
 
@@ -367,21 +371,41 @@ STRATEGIES = {  # name -> (backend, act_quant, Hopper loop[, the base's microsca
 SMALL_MS = (1024, 256)
 
 
-def strategy_launches(name: str, M: int | None = None) -> list[dict]:
-    """The launches of a strategy's headline step (at M tokens); needs Triton importable, "PEFT DoRA" peft."""
+def strategy_launches(name: str, M: int | None = None, device: str = "cpu") -> list[dict]:
+    """The launches of a strategy's headline step (at M tokens, recorded on `device`: "cpu" under TRITON_INTERPRET=1,
+    or "cuda"); needs Triton importable, "PEFT DoRA" peft (on meta tensors wherever)."""
     if name == "PEFT DoRA":
         rec = _peft_dora()
     else:
         backend, act_quant, hopper, *kind = STRATEGIES[name]
         os.environ["DORAFP8_HOPPER_GEMM"] = "1" if hopper else "0"
-        rec = _headline_leaves(act_quant, hopper, backend, M, *kind)
+        rec = _headline_leaves(act_quant, hopper, backend, M, *(kind or [None]), device=device)
     return [dict(name=lc.name, nbytes=lc.nbytes, flops=lc.flops, shapes=[(list(s), str(d)) for s, d in lc.shapes])
             for lc in rec.launches]
 
 
+def dry_run_device() -> str:
+    """Where the headline's dry runs record their launches (no kernel runs in either): "cpu" under Triton's
+    interpreter; where that interpreter cannot run (Triton 3.6 under NumPy 2.4 or newer: the first GPU run's machine,
+    whose pins step lost every layer prediction to it) an sm_90 GPU, whose launchers plan as the model's H100 does;
+    else a RuntimeError saying why neither."""
+    from ..triton_kernels import _interpreter_problem
+
+    why = _interpreter_problem()
+    if why is None:
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        return "cuda"
+    raise RuntimeError(f"the headline dry runs need Triton's interpreter or an sm_90 GPU, and there is no such GPU "
+                       f"here: {why}")
+
+
 def launches_subprocess(names=None, small=()) -> dict[str, list]:
-    """{strategy: strategy_launches(strategy)} from a fresh interpreter with TRITON_INTERPRET=1 (which the report's own
-    processes must not set); PEFT's DoRA where peft is installed. small: (strategy, M) pairs, keyed "strategy @ M"."""
+    """{strategy: strategy_launches(strategy)} from a fresh interpreter, on dry_run_device(): with TRITON_INTERPRET=1
+    (which the report's own processes must not set) on CPU, without it on a GPU; PEFT's DoRA where peft is installed.
+    small: (strategy, M) pairs, keyed "strategy @ M"."""
     import importlib.util
     import subprocess
     import sys
@@ -389,10 +413,13 @@ def launches_subprocess(names=None, small=()) -> dict[str, list]:
     names = list(names or [*STRATEGIES, "PEFT DoRA"])
     if "PEFT DoRA" in names and importlib.util.find_spec("peft") is None:
         names.remove("PEFT DoRA")
+    dev = dry_run_device()
     code = ("import json, sys; from dorafp8.kernel_report.predict import strategy_launches as s; "
-            f"d = {{n: s(n) for n in {names!r}}}; d.update({{f'{{n}} @ {{m}}': s(n, m) for n, m in {list(small)!r}}}); "
-            "print(json.dumps(d))")
+            f"d = {{n: s(n, None, {dev!r}) for n in {names!r}}}; "
+            f"d.update({{f'{{n}} @ {{m}}': s(n, m, {dev!r}) for n, m in {list(small)!r}}}); print(json.dumps(d))")
     env = dict(os.environ, TRITON_INTERPRET="1")
+    if dev != "cpu":
+        env.pop("TRITON_INTERPRET")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"the headline dry runs failed:\n{done.stderr[-3000:]}")

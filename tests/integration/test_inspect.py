@@ -888,6 +888,43 @@ def test_layer_prediction_adds_every_other_launch():
     assert len(new) == len(old) + 3
 
 
+REFUSED = ("Triton 3.6.0's interpreter does not run under NumPy 2.5.2 (2.4 or newer): pip install 'numpy<2.4', or "
+           "triton>=3.7")
+
+
+@pytest.mark.parametrize("gpu", [(9, 0), None])
+def test_headline_dry_runs_where_the_interpreter_refuses(monkeypatch, gpu):
+    """The first GPU run (H200, Triton 3.6, NumPy 2.5.2): the dry runs' child ran the Triton backend on CPU tensors
+    under the interpreter, which refused, and the pins step lost every layer prediction. Where the interpreter cannot
+    run, an sm_90 GPU records the launches (the child without TRITON_INTERPRET, its tensors on cuda); with none, a
+    RuntimeError says why, before any child. Failed on the old code: the child got TRITON_INTERPRET=1 and CPU tensors,
+    and no GPU was asked for."""
+    import torch
+
+    import dorafp8.triton_kernels as tk
+    from dorafp8.kernel_report import predict as pr
+
+    monkeypatch.setattr(tk, "_interpreter_problem", lambda: REFUSED)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as the tests' own: not handed to a child that records on a GPU
+    children = []
+
+    def child(argv, env, **kwargs):
+        children.append((argv, env))
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps({"W8A16": []}) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", child)
+    if gpu is None:
+        with pytest.raises(RuntimeError, match=r"interpreter or an sm_90 GPU.*NumPy 2\.5\.2"):
+            pr.launches_subprocess(["W8A16"])
+        assert children == []
+        return
+    assert pr.launches_subprocess(["W8A16"]) == {"W8A16": []}
+    (argv, env), = children
+    assert "TRITON_INTERPRET" not in env and "s(n, None, 'cuda')" in argv[-1]
+
+
 def test_microscaled_headline_rows():
     """The NVFP4 / MXFP8 bases' headline rows (issue 54): their variants in the cp.async loop, their only one (named
     without a suffix: a ",tma-ws" record is not taken), the weight's bytes (0.5625 a weight NVFP4, 1.03125 MXFP8) in

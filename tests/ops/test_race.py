@@ -795,6 +795,66 @@ def test_the_childs_extra_peak_memory_is_capped(monkeypatch):
     assert 0 < _child_peak(monkeypatch, spec) <= _race.CAP
 
 
+class FakeCudaMemory:
+    """torch.cuda's allocator counters, kept by hand: alloc / free bytes."""
+
+    def __init__(self):
+        self.cur = self.peak = 0
+
+    def alloc(self, n):
+        self.cur += n
+        self.peak = max(self.peak, self.cur)
+
+    def free(self, n):
+        self.cur -= n
+
+    def memory_allocated(self):
+        return self.cur
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.cur
+
+
+@pytest.mark.parametrize("peak_first", [True, False])
+def test_the_childs_gpu_peak_counts_its_tensors_not_cublas_or_triton_autotuning(monkeypatch, peak_first):
+    """The first GPU run's race warned "held 290.6 MiB, more than its bound of 17.0 MiB (please report)": the CUDA
+    allocator's peak counted cuBLAS's workspace (32 MiB on sm_90) and the 256 MiB that Triton's autotuner makes and
+    zeroes before timing each config, neither the layer's. Now the workspace is in the baseline, one bench buffer
+    serves every config and is taken out of the peak; the child's own tensors count, whether their peak comes before
+    the first autotuning (the reference's) or during it. Failed on the old code (no Held: the child subtracted the
+    allocator's first peak from its last, 256 MiB more here)."""
+    import triton
+
+    from dorafp8.ops import _race_child
+
+    MiB, mem = 2 ** 20, FakeCudaMemory()
+    made = []
+
+    class Driver:  # Triton's driver: a fresh buffer for each config timed
+        def get_empty_cache_for_benchmark(self):
+            made.append(1)
+            mem.alloc(256 * MiB)
+            return torch.empty(256 * MiB // 4, dtype=torch.int32, device="meta")
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
+    mem.alloc(32 * MiB)  # cuBLAS's workspace, made before the baseline
+    held = _race_child.Held(mem)
+    _race_child._one_bench_buffer(held)
+    held.start()
+    mem.alloc(10 * MiB)  # the inputs
+    mem.alloc(40 * MiB if peak_first else 5 * MiB)  # the reference's step, then freed
+    mem.free(40 * MiB if peak_first else 5 * MiB)
+    for _ in range(3):  # a candidate's first call autotunes three configs, its step holding 20 MiB
+        triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    mem.alloc(20 * MiB)
+    mem.free(20 * MiB)
+    assert len(made) == 1 and mem.cur == (32 + 10 + 256) * MiB
+    assert held.extra() == (50 if peak_first else 30) * MiB
+
+
 def test_the_plan_the_guide_states():
     """docs/GUIDE.md, Backends, gives what the child runs for N = K = 4096 in bf16 (r = 16) at M = 4096 and 16."""
     gpu = torch.device("cuda")
