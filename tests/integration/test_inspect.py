@@ -966,8 +966,9 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
 
     ws = dict(config="BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w4,s4", ws=2, producer=_mix(utmaldg=3, instrs=60),
               mma=4, instrs=120)
-    records = [dict(_gemm_rec(f"{pr.HEADLINE_VARIANTS['W8A16']}", kernel=k, **ws), arch="sm_90a", backend="triton",
-                    error=None, dtype="bf16") for k in GEMMS]
+    # the Hopper loop's records, named as the report names them (",tma-ws" unless DORAFP8_HOPPER_GEMM=1)
+    records = [dict(_gemm_rec(pr.HEADLINE_VARIANTS["W8A16"] + pr._suffix("tma-ws"), kernel=k, **ws), arch="sm_90a",
+                    backend="triton", error=None, dtype="bf16") for k in GEMMS]
     gemms = [dict(name="triton:dora_fwd_kernel", nbytes=1), dict(name="triton:dora_dgrad_kernel", nbytes=1)]
     monkeypatch.setattr(cli, "launches_subprocess", lambda small=(): {"W8A16": gemms})
     out = cli.format_prediction(records, str(tmp_path))
