@@ -22,11 +22,12 @@ CAP_S = float(os.environ.get("FIRST_CONTACT_CAP_S", "60"))  # this step's cap: a
 # (K, N), r, M of the correctness checks, M of the timing; the timing's providers
 SIZE = dict(shape=(64, 96), rank=4, check=(32, 30), time=(32, 16), race=(40,), profile=32) if SMOKE else \
     dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192,), profile=8192)
-# "-cp": the same Triton GEMMs in the cp.async main loop (DORAFP8_HOPPER_GEMM=0), which an H100 otherwise runs only
-# with dropout: both loops are checked before anything is timed
+# "-ws": the same Triton GEMMs in the Hopper "tma-ws" main loop, which only DORAFP8_HOPPER_GEMM=1 runs (it failed
+# these checks on the first GPU run, H200 + Triton 3.6): both loops are checked on an H100 / H200; the default jobs,
+# which the timing and the profile then time, run the cp.async loop (triton_kernels/hopper.py, main_loop_for)
 CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE else \
     {"w8a16": ("triton", None), "w8a8": ("triton", "rowwise"), "cublas": ("cublas", None),
-     "w8a16-cp": ("triton", None), "w8a8-cp": ("triton", "rowwise")}
+     "w8a16-ws": ("triton", None), "w8a8-ws": ("triton", "rowwise")}
 SMOKE_PROVIDERS = ("dorafp8-reference", "linear-bf16", "linear-fp8-dequant", "peft-dora", "peft-lora",
                    "dorafp8-lora-reference")
 PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8")
@@ -118,18 +119,20 @@ def _out(argv) -> str:
 
 def pins_from(rows: list[dict], norm_config: str) -> dict:
     """The pins file (first_contact.py --pins: _pins.pin_configs in each step's process) from the model's picks
-    (kernel_report.predict.headline's rows): per GEMM and mode the config of each main loop (a launcher keeps the one
-    in its list: triton_kernels/_pins.py), the weight norm (not modelled: its list's first config)."""
+    (kernel_report.predict.headline's rows): per GEMM, mode and main loop its config (a pin names its loop, so a
+    config picked for one loop never narrows the other's list: triton_kernels/_pins.py), the weight norm (not
+    modelled: its list's first config). Rows of other modes (the microscaled bases) pin nothing."""
     pins: dict = {"weight_norm": norm_config}
     for r in rows:
-        pins.setdefault(f"{r['kernel']}/{r['mode'].lower()}", []).append(r["config"])
+        if r["mode"] in ("W8A16", "W8A8"):
+            pins[f"{r['kernel']}/{r['mode'].lower()}/{r['loop']}"] = r["config"]
     return pins
 
 
 def pins() -> int:
     """The kernel report's model picks one config per GEMM (compiled ahead of time for sm_90a: no GPU needed) and
     predicts every launch of the headline layer. --smoke: one config per kernel and variant, the W8A16 GEMMs in the
-    Hopper loop (two compiles), so that CI runs every line of this step."""
+    launchers' loop (two compiles), so that CI runs every line of this step."""
     import torch
 
     if not SMOKE:
@@ -174,8 +177,8 @@ def pins() -> int:
     print(f"pins: {picks}; {len(records)} compiles in {model['compile_s']} s", flush=True)
     # every launch of each strategy at its modelled bytes (a dry run), the layer at both ends
     # the fp8 strategies only: the pins are theirs, and the microscaled bases' compiles and dry runs would lengthen
-    # the GPU's first step (`python -m dorafp8.kernel_report --predict` models those)
-    strategies = ["W8A16"] if SMOKE else [n for n, v in STRATEGIES.items() if len(v) == 3] + ["PEFT DoRA"]
+    # the GPU's first step (`python -m dorafp8.kernel_report --predict` models those); the smoke run: the default loop's
+    strategies = ["W8A16, cp.async loop"] if SMOKE else [n for n, v in STRATEGIES.items() if len(v) == 3] + ["PEFT DoRA"]
     try:  # the pins (what the later steps run) are kept and the step is not failed for want of the predictions
         model["dry_runs_on"] = dry_run_device()
         model["layers"] = layer_predictions(records, launches_subprocess(strategies))
@@ -209,8 +212,14 @@ def layer_predictions(records: list[dict], launches: dict[str, list]) -> dict:
 def correct(job: str) -> int:
     """y, dx, dA, dB, dm of DoRA (and y, dx of the plain fp8 linear under LoRA) against fp64 at each M."""
     backend, act_quant = CHECKS[job]
-    if job.endswith("-cp"):
-        os.environ["DORAFP8_HOPPER_GEMM"] = "0"  # read at each launch (triton_kernels/hopper.py)
+    if job.endswith("-ws"):  # the opt-in loop, sm_90 only (hopper.main_loop_for); read at each launch
+        import torch
+
+        if torch.cuda.get_device_capability()[0] != 9:
+            print(f"correct {job}: skipped, the tma-ws loop runs on sm_90 only")
+            return 0
+        os.environ["DORAFP8_HOPPER_GEMM"] = "1"
+    # the default jobs keep the command's environment: the loop the time, race and profile steps then run
     M, ragged = SIZE["check"]
     # M first (its compiles are the timing's: M a multiple of 16), the plain linear's too, then the ragged M
     checks = ((f"{job} M={M}", check_dora, M), (f"{job} fp8_linear M={M}", check_linear, M),

@@ -71,7 +71,8 @@ STEPS = {
                       "of time, 16 processes: about 4-5 s each)"),
         Step("correct", 110, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
                              "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; the Triton GEMMs in both main "
-                             "loops (Hopper's and the cp.async one, DORAFP8_HOPPER_GEMM=0); five processes",
+                             "loops (the default cp.async one, and on sm_90 the opt-in tma-ws one, "
+                             "DORAFP8_HOPPER_GEMM=1); five processes",
              compiles="about 10 per Triton job (pinned: one config per launcher and variant), 4 for cuBLAS's"),
         Step("time", 45, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
              grows=True, compiles="none new (the correct step's kernels, Triton's disk cache)"),
@@ -327,7 +328,7 @@ def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, wor
             cap = min(cap, deadline - time.monotonic() - later)
         print(f"== {step.name} (cap {cap:.0f} s)", file=log, flush=True)
         env = dict(child_env(work, results, smoke, step), FIRST_CONTACT_CAP_S=str(round(cap)))
-        jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas", "w8a16-cp", "w8a8-cp")) if step.name == "correct" \
+        jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas", "w8a16-ws", "w8a8-ws")) if step.name == "correct" \
             else (None,)
         procs = [start(step, job, env, log) for job in jobs]
         if step.background:

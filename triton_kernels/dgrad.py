@@ -14,6 +14,7 @@ import triton.language as tl
 from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket,
                       scale_block_size, w8_via_f32)
+from ._pins import gemm_pin
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
 from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
@@ -294,7 +295,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     # W8A8's lists differ: quant in the tag
     tag = ("dgrad", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
     kernel = autotuned(dora_dgrad_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["dx_ptr"], gl.device,
-                       pin="dgrad/w8a8" if quant else "dgrad/w8a16")
+                       pin=gemm_pin("dgrad", quant, main_loop))
     launch_gemm(
         kernel, gemm_grid(main_loop, M, K, "BLOCK_K", gl.device), main_loop, gl.device,
         gl, gb, sgl, sgb, rl, rb, w, scale, g, v_k, A_k, mask, dx,

@@ -14,6 +14,7 @@ import triton.language as tl
 from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, launch, m_bucket, magnitude_scale,
                       scale_block_size, vector, w8_via_f32)
+from ._pins import gemm_pin
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .gemm import MICRO, STRIDED, scale_tag, w8_gemm_loop, w8_gemm_loop_tma, weight_args
 from .hopper import (gemm_grid, gemm_main_loop, launch_gemm, rank_pieces, tma_ready, ws_configs_for, ws_plan,
@@ -338,7 +339,7 @@ def forward(x, w8, scale, block_size, bias, m, n, u, B, s, xm, p, need_z, z_dtyp
     # W8A8's lists differ: quant in the tag
     tag = ("fwd", has_adapter, has_dropout, M <= 64, fp32_tiles, scale_tag(kind, block_size), quant, main_loop)
     kernel = autotuned(dora_fwd_kernel, tag, configs, ["M_BUCKET", "N", "K", "R"], ["y_ptr", "z_ptr"], x.device,
-                       pin="forward/w8a8" if quant else "forward/w8a16")
+                       pin=gemm_pin("forward", quant, main_loop))
     launch_gemm(
         kernel, gemm_grid(main_loop, M, N, "BLOCK_N", x.device), main_loop, x.device,
         x, xm, sx, sxm, w8, scale, g, bias_t, m, n, u_k, B_k, y, z,

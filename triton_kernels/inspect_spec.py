@@ -113,8 +113,9 @@ def _weight_norm_variants(arch: str) -> list[Variant]:
     return out
 
 
-# The headline variants also compiled with the main loop the launchers do not pick on sm_90a (the cp.async loop), for
-# the report to set side by side; the small-M one compiles the cp.async loop's small-M lists there.
+# The headline variants also compiled with the main loop the launchers do not pick on sm_90a (hopper.main_loop_for:
+# "tma-ws" unless DORAFP8_HOPPER_GEMM=1 makes it the launchers'), for the report to set side by side; the small-M one
+# compiles the other loop's small-M lists there.
 COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8a8,M>64,fp32-rank,r=16",
             "adapter,tensor-scale,M<=64,fp32-rank,r=16")
 
@@ -122,7 +123,8 @@ COMPARED = ("adapter,tensor-scale,M>64,fp32-rank,r=16", "adapter,tensor-scale,w8
 def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: bool) -> list[Variant]:
     """The variants of a main GEMM kernel (forward: out BLOCK_N, reduction BLOCK_K; dgrad: the reverse). kernel_args(dt,
     act, m, r, adapter, dropout, kind, quant, rank dtype, main loop) -> (runtime args, extra constexprs); a variant
-    whose main loop is not the launchers' (hopper.gemm_main_loop) is named with it (",async-copy")."""
+    whose main loop is not the launchers' (hopper.gemm_main_loop) is named with it (",tma-ws", or ",async-copy" under
+    DORAFP8_HOPPER_GEMM=1)."""
     out = []
     for (dt_name, kind, quant), (adapter, dropout, mode), m in itertools.product(
             _gemm_modes(), _adapter_modes(), (LARGE_M, SMALL_M)):

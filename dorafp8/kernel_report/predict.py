@@ -227,7 +227,7 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
     """`loop`'s variant-name suffix on sm_90a: "" if the launchers pick it, else ",<loop>"; None if `mode` lacks it."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
-    picked = "async-copy" if flag("DORAFP8_HOPPER_GEMM", None) is False else "tma-ws"
+    picked = "tma-ws" if flag("DORAFP8_HOPPER_GEMM", False) else "async-copy"  # hopper.main_loop_for("sm90")
     return "" if loop == picked else f",{loop}"
 
 

@@ -119,10 +119,12 @@ def test_pins_from_the_model_picks():
 
     rows = [dict(mode="W8A16", loop="tma-ws", kernel="forward", config="BLOCK_M=128,w8,s4"),
             dict(mode="W8A16", loop="async-copy", kernel="forward", config="BLOCK_M=64,w4,s4"),
-            dict(mode="W8A8", loop="tma-ws", kernel="dgrad", config="BLOCK_M=64,w4,s3")]
-    # one config per main loop: each launcher keeps the one in its list (triton_kernels/_pins.py)
-    assert S.pins_from(rows, "BLOCK_N=32,w4,s3") == {"forward/w8a16": ["BLOCK_M=128,w8,s4", "BLOCK_M=64,w4,s4"],
-                                                     "dgrad/w8a8": ["BLOCK_M=64,w4,s3"],
+            dict(mode="W8A8", loop="tma-ws", kernel="dgrad", config="BLOCK_M=64,w4,s3"),
+            dict(mode="NVFP4 W4A16", loop="async-copy", kernel="forward", config="BLOCK_M=32,w4,s3")]
+    # one config per GEMM, mode and main loop (triton_kernels/_pins.py); the microscaled bases have no pin
+    assert S.pins_from(rows, "BLOCK_N=32,w4,s3") == {"forward/w8a16/tma-ws": "BLOCK_M=128,w8,s4",
+                                                     "forward/w8a16/async-copy": "BLOCK_M=64,w4,s4",
+                                                     "dgrad/w8a8/tma-ws": "BLOCK_M=64,w4,s3",
                                                      "weight_norm": "BLOCK_N=32,w4,s3"}
 
 
@@ -185,6 +187,28 @@ def test_pins_step_predictions_reach_kernels_md(monkeypatch, tmp_path):
     assert f"| rank_pieces_kernel | 2 | 9.0 | {pieces[0]:.1f} | {9.0 / pieces[0]:.2f}x |" in text, text
 
 
+def test_a_pin_for_one_main_loop_never_narrows_the_others_list(monkeypatch):
+    """The pins file held a config per GEMM and mode for both main loops ({"forward/w8a16": [tma-ws pick, cp.async
+    pick]}), each launcher keeping the names its list held: where a config of the tma-ws pick's name was also in the
+    cp.async list, the cp.async launch tuned over the Hopper loop's pick too (or ran it alone where the cp.async pick
+    was not in its list). Each launch now takes its own loop's pin only (_pins.gemm_pin)."""
+    from dorafp8.triton_kernels import _common, _pins as Pins
+    from dorafp8.triton_kernels.hopper import ws_configs_for
+
+    import _first_steps as S
+
+    cp = _common.gemm_configs_for("sm90", "BLOCK_N", "BLOCK_K", False, 8192, False)
+    ws = ws_configs_for("sm90", "BLOCK_N", "BLOCK_K", 8192)
+    cp_list = cp + ws[:1]  # a cp.async list that also holds the tma-ws pick's name (none does today)
+    rows = [dict(mode="W8A16", loop="tma-ws", kernel="forward", config=Pins.config_name(ws[0])),
+            dict(mode="W8A16", loop="async-copy", kernel="forward", config=Pins.config_name(cp[1]))]
+    monkeypatch.setattr(Pins, "_PINS", {})
+    Pins.pin_configs(S.pins_from(rows, "BLOCK_N=32,w4,s3"))
+    assert Pins.pinned(Pins.gemm_pin("forward", False, "async-copy"), cp_list) == [cp[1]]
+    assert Pins.pinned(Pins.gemm_pin("forward", False, "tma-ws"), ws) == ws[:1]
+    assert Pins.pinned(Pins.gemm_pin("forward", True, "async-copy"), cp_list) == cp_list  # W8A8: none pinned
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The first command at tiny shapes
 
@@ -222,7 +246,7 @@ def test_smoke_steps_and_files(smoke):
     if _interpreter_problem() is None:
         model = res["model"]
         assert "layers_error" not in model and model["dry_runs_on"] == "cpu", model.get("layers_error")
-        names = [k["name"] for k in model["layers"]["W8A16"]["kernels"]]
+        names = [k["name"] for k in model["layers"]["W8A16, cp.async loop"]["kernels"]]
         assert "triton:dora_fwd_kernel" in names and "triton:dora_dgrad_kernel" in names, names
 
 

@@ -31,6 +31,7 @@ import time
 import pytest
 
 import dorafp8.kernel_report as insp
+from dorafp8.triton_kernels.hopper import main_loop_for as _main_loop_for
 
 pytestmark = pytest.mark.skipif(
     bool(insp.cuda_unavailable_reason() or insp.triton_unavailable_reason()),
@@ -48,6 +49,9 @@ if set(_ONLY) - set(insp.ARCHS):
     raise ValueError(f"DORAFP8_INSPECT_ARCHS names {sorted(set(_ONLY) - set(insp.ARCHS))}; the targets: {insp.ARCHS}")
 ARCHS = tuple(a for a in insp.ARCHS if not _ONLY or a in _ONLY)
 
+# The sm_90a main loop the launchers do not run, as inspect_spec suffixes its compared variants: the Hopper "tma-ws"
+# loop, opt-in (DORAFP8_HOPPER_GEMM=1, which makes "async-copy" the compared one: hopper.main_loop_for)
+_OTHER_LOOP = ",tma-ws" if _main_loop_for("sm90") == "async-copy" else ",async-copy"
 # (kernel, dtype, variant, archs): see the module docstring. Each variant gets all the configs its list has.
 BOTH = ARCHS  # every target inspected here
 SUBSET = [
@@ -81,11 +85,11 @@ SUBSET = [
     ("transpose_w8", "fp8", "W8 -> W8^T", BOTH),
     *[("rank_pieces", "bf16", v, BOTH) for v in ("B, u", "A, v")],
     # the headline variants (PEFT's fp32 adapters, no dropout) in the loop the launchers run on sm_90a and in the
-    # cp.async loop they ran before (",async-copy"; predict.py sets them side by side)
+    # other one (_OTHER_LOOP; predict.py sets them side by side)
     *[(k, "bf16", f"adapter,tensor-scale,{q}M>64,fp32-rank,r=16{loop}", ("sm_90a",)) for k in GEMMS
-      for q in ("", "w8a8,") for loop in ("", ",async-copy")],
-    # and the cp.async loop's small-M lists, which sm_90a falls back to where TMA cannot address the tensors
-    *[(k, "bf16", "adapter,tensor-scale,M<=64,fp32-rank,r=16,async-copy", ("sm_90a",)) for k in GEMMS],
+      for q in ("", "w8a8,") for loop in ("", _OTHER_LOOP)],
+    # and the other loop's small-M lists on sm_90a (the Hopper loop's, or the cp.async fallback's where it runs)
+    *[(k, "bf16", f"adapter,tensor-scale,M<=64,fp32-rank,r=16{_OTHER_LOOP}", ("sm_90a",)) for k in GEMMS],
     # the cuBLAS strategy's epilogues under PEFT's fp32 adapters: exact fp32 rank-r dots on CUDA cores, their heaviest,
     # and the forward's without dropout (MAY_SPILL says why it spills)
     *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
@@ -239,15 +243,24 @@ def test_sm90_wgmma_not_serialized(records):
         pytest.xfail(f"known serialized wgmma (KNOWN_SERIALIZED):{_rows(serialized)}")
 
 
-def _hopper_loop(r):
-    """Whether a record is a GEMM in the warp-specialized Hopper loop: sm_90a, the launchers' loop there
-    (hopper.main_loop_for; DORAFP8_HOPPER_GEMM=0 keeps the old one), not a compared loop, and not what ws_plan keeps on
-    the cp.async loop (dropout, fp32 compute)."""
-    from dorafp8.triton_kernels.hopper import main_loop_for
+def _loop_of(r):
+    """The main loop a sm_90a GEMM record was compiled in, as inspect_spec names it: a compared loop's suffix, else the
+    launchers' (hopper.main_loop_for: "tma-ws" only under DORAFP8_HOPPER_GEMM=1), where ws_plan lets it run."""
+    from dorafp8.triton_kernels.hopper import MAIN_LOOPS, main_loop_for
 
-    return (r["backend"] == "triton" and r["kernel"] in GEMMS and r["arch"] == "sm_90a" and r["dtype"] != "fp32"
-            and main_loop_for("sm90") == "tma-ws" and "dropout" not in r["variant"]
-            and not r["variant"].endswith(",async-copy") and not _micro(r))
+    named = [lp for lp in MAIN_LOOPS if r["variant"].endswith("," + lp)]
+    if named:
+        return named[0]
+    if "dropout" in r["variant"] or r["dtype"] == "fp32" or _micro(r):
+        return "async-copy"
+    return main_loop_for("sm90")
+
+
+def _hopper_loop(r):
+    """Whether a record is a GEMM in the warp-specialized Hopper loop: sm_90a, the "tma-ws" loop (the compared one, or
+    the launchers' under DORAFP8_HOPPER_GEMM=1), and not what ws_plan keeps on the cp.async loop (dropout, fp32
+    compute, the microscaled bases)."""
+    return (r["backend"] == "triton" and r["kernel"] in GEMMS and r["arch"] == "sm_90a" and _loop_of(r) == "tma-ws")
 
 
 def _micro(r):
@@ -285,12 +298,15 @@ def test_sm90_gemms_run_the_hopper_main_loop(records):
 
 
 def test_sm90_old_loop_is_what_issue_42_read(records):
-    """The cp.async loop the Hopper loop replaced, compiled beside it (the ",async-copy" headline variants): its
-    CTA-wide barriers every step, no TMA, and the dgrad's one-byte loads of W8. What the new loop removes, read here
-    rather than assumed."""
+    """The cp.async loop (the launchers' default on sm_90a too: the headline variants, or ",async-copy" under
+    DORAFP8_HOPPER_GEMM=1): its CTA-wide barriers every step, no TMA, and the dgrad's one-byte loads of W8. What the
+    Hopper loop removes, read here rather than assumed."""
     if "sm_90a" not in ARCHS:
         pytest.skip("sm_90a is not inspected here")
-    old = [r for r in records if r["arch"] == "sm_90a" and r["variant"].endswith(",async-copy")]
+    from dorafp8.triton_kernels.inspect_spec import COMPARED
+
+    old = [r for r in records if r["backend"] == "triton" and r["kernel"] in GEMMS and r["arch"] == "sm_90a"
+           and r["variant"].split(",async-copy")[0].split(",tma-ws")[0] in COMPARED and _loop_of(r) == "async-copy"]
     assert {r["kernel"] for r in old} == set(GEMMS)
     _none_of([r for r in old if not (r["main_loop"]["bar_cta"] > 0 and r["main_loop"]["utmaldg"] == 0
                                      and not r["ws_consumers"] and not r["tile_loop"])],
@@ -462,7 +478,7 @@ def _listed_configs(table: str) -> dict[str, set[str]]:
 
     out = {"forward": set(), "dgrad": set(),
            "weight_norm": {insp.config_str(c) for c in weight_norm_configs_for(table)}}
-    if main_loop_for(table) == "tma-ws":  # the Hopper loop's lists (hopper.py), one accumulator
+    if table == "sm90":  # the Hopper loop's lists (hopper.py), one accumulator: DORAFP8_HOPPER_GEMM=1 runs them
         for kernel, (o, red) in (("forward", ("BLOCK_N", "BLOCK_K")), ("dgrad", ("BLOCK_K", "BLOCK_N"))):
             out[kernel] |= {insp.config_str(c) for m in (32, 4096) for fp8 in (False, True)
                             for c in ws_configs_for(table, o, red, m, fp8)}
@@ -987,8 +1003,9 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
 
     ws = dict(config="BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w4,s4", ws=2, producer=_mix(utmaldg=3, instrs=60),
               mma=4, instrs=120)
-    records = [dict(_gemm_rec(f"{pr.HEADLINE_VARIANTS['W8A16']}", kernel=k, **ws), arch="sm_90a", backend="triton",
-                    error=None, dtype="bf16") for k in GEMMS]
+    # the Hopper loop's records, named as the report names them (",tma-ws" unless DORAFP8_HOPPER_GEMM=1)
+    records = [dict(_gemm_rec(pr.HEADLINE_VARIANTS["W8A16"] + pr._suffix("tma-ws"), kernel=k, **ws), arch="sm_90a",
+                    backend="triton", error=None, dtype="bf16") for k in GEMMS]
     gemms = [dict(name="triton:dora_fwd_kernel", nbytes=1), dict(name="triton:dora_dgrad_kernel", nbytes=1)]
     monkeypatch.setattr(cli, "launches_subprocess", lambda small=(): {"W8A16": gemms})
     out = cli.format_prediction(records, str(tmp_path))

@@ -151,7 +151,8 @@ def test_two_accumulator_lists_under_triton_3_8(monkeypatch):
 def test_pinned_configs(monkeypatch):
     """_pins.pin_configs (bench/first_contact.py): a launcher whose list holds its pin tunes over that config alone;
     a list without it, or a launcher without a pin, keeps its list; configs are named as the kernel report names
-    them; pins that are not a dict of names are refused."""
+    them; pins that are not a dict of names are refused, and so is a pin no launcher has (one without its main loop,
+    "forward/w8a16", which pinned both loops' launches before)."""
     from dorafp8.kernel_report.parsers import config_str
     from dorafp8.triton_kernels import _pins as Pins
 
@@ -160,25 +161,48 @@ def test_pinned_configs(monkeypatch):
     assert [Pins.config_name(c) for c in big + small] == [config_str(c) for c in big + small]
     assert Pins.config_name(big[0]) not in {Pins.config_name(c) for c in small}
     monkeypatch.setattr(Pins, "_PINS", {})
-    assert Pins.pinned("forward/w8a16", big) == big  # nothing pinned
-    Pins.pin_configs({"forward/w8a16": Pins.config_name(big[0])})
-    assert Pins.pinned("forward/w8a16", big) == [big[0]]
-    assert Pins.pinned("forward/w8a16", small) == small and Pins.pinned("dgrad/w8a16", big) == big
+    pin = "forward/w8a16/async-copy"
+    assert Pins.pinned(pin, big) == big  # nothing pinned
+    Pins.pin_configs({pin: Pins.config_name(big[0])})
+    assert Pins.pinned(pin, big) == [big[0]]
+    assert Pins.pinned(pin, small) == small and Pins.pinned("dgrad/w8a16/async-copy", big) == big
     assert Pins.pinned(None, big) == big
     with pytest.raises(TypeError, match="pins must be a dict"):
-        Pins.pin_configs(["forward/w8a16"])
+        Pins.pin_configs([pin])
+    with pytest.raises(ValueError, match=r"\['forward/w8a16'\], which no launcher has; the pins: .*forward/w8a16/"):
+        Pins.pin_configs({"forward/w8a16": Pins.config_name(big[0])})
     Pins.pin_configs({})
-    assert Pins.pinned("forward/w8a16", big) == big
+    assert Pins.pinned(pin, big) == big
+
+
+@pytest.mark.parametrize("env,sm90,interp", [(None, "async-copy", "async-copy"), ("0", "async-copy", "async-copy"),
+                                             ("1", "tma-ws", "tma-ws")])
+def test_the_hopper_loop_is_opt_in(monkeypatch, env, sm90, interp):
+    """The first GPU run (H200, Triton 3.6: bench/results/nvidia-h200/correctness.md) found the "tma-ws" loop's y, dx
+    and dm NaN where the cp.async loop passed every fp64 check: sm_90 runs "async-copy" unless DORAFP8_HOPPER_GEMM=1
+    asks for the Hopper loop (it ran "tma-ws" with the variable unset before); every other GPU runs "async-copy" in
+    any case, and the kernel report names its variants after the same pick."""
+    from dorafp8.kernel_report import predict
+    from dorafp8.triton_kernels.hopper import main_loop_for
+
+    if env is None:
+        monkeypatch.delenv("DORAFP8_HOPPER_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("DORAFP8_HOPPER_GEMM", env)
+    assert main_loop_for("sm90") == sm90 and main_loop_for("interp") == interp
+    assert {main_loop_for(t) for t in ("sm89", "sm100", "sm120")} == {"async-copy"}
+    assert predict._suffix(sm90) == "" and predict._suffix("tma-ws" if sm90 == "async-copy" else "async-copy") != ""
 
 
 def test_the_launchers_name_their_pins(monkeypatch):
-    """Each autotuned launcher passes its pin: the GEMMs by kernel and mode, the norm as weight_norm."""
+    """Each autotuned launcher passes its pin: the GEMMs by kernel, mode and main loop, the norm as weight_norm."""
     import importlib
 
     import dorafp8
 
     if dorafp8.backends.unavailable_reason("triton", torch.device("cpu")):
         pytest.skip("the Triton backend does not run here")
+    monkeypatch.delenv("DORAFP8_HOPPER_GEMM", raising=False)
     seen = set()
     for name in ("forward", "dgrad", "weight_norm"):
         mod = importlib.import_module(f"dorafp8.triton_kernels.{name}")
@@ -195,7 +219,9 @@ def test_the_launchers_name_their_pins(monkeypatch):
                   (torch.rand(32) + 0.5).requires_grad_()]
         x = torch.randn(20, 32).requires_grad_()
         dorafp8.dora_fp8_linear(x, w8, scale, *leaves, 0.5, backend="triton", act_quant=act_quant).sum().backward()
-    assert seen == {"forward/w8a16", "forward/w8a8", "dgrad/w8a16", "dgrad/w8a8", "weight_norm"}
+    # under the interpreter the default loop: "async-copy" (test_the_hopper_loop_is_opt_in)
+    assert seen == {"forward/w8a16/async-copy", "forward/w8a8/async-copy", "dgrad/w8a16/async-copy",
+                    "dgrad/w8a8/async-copy", "weight_norm"}
 
 
 def test_fp32_compute_is_refused_where_triton_runs_it_on_tf32(monkeypatch):

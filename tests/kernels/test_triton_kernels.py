@@ -376,7 +376,8 @@ def test_w8_conversion_keeps_e4m3_nan(device, dtype, via_f32):
 # The Hopper main loop (triton_kernels/hopper.py): tensor descriptors (TMA), the persistent tile loop, warp
 # specialization, W8^T for the dgrad, and rank_pieces' bf16 operands for fp32 adapters. Under the interpreter the same
 # program runs (descriptors and the tile loop as plain code: 3 programs loop over the tiles, warp_specialize is a hint)
-# where DORAFP8_HOPPER_GEMM=1 asks for it; on an H100 it is the compiled path, and the cp.async one is run beside it.
+# where DORAFP8_HOPPER_GEMM=1 asks for it; on an H100 it is the compiled path under the same opt-in (the default runs
+# the cp.async one there too: hopper.main_loop_for), and the cp.async one is run beside it.
 # The shapes are ones TMA can address (K, N multiples of 16; the fp32 adapters' rows 16-byte aligned); r = 20 takes
 # rank_pieces' 60 columns in four chunks of 16; M = 37 and 70 leave partial tiles. Dropout, fp32 outputs and 16-bit
 # adapters whose rows TMA cannot address keep the cp.async loop (hopper.ws_plan), which the observed MAIN_LOOP shows.
