@@ -345,6 +345,17 @@ def test_fp32_compute_uses_no_tensor_cores(records):
              "compute fp32 exactly where the backend refuses fp32 compute (fp32_dots_exact_for): lift the refusal")
 
 
+def test_fp32_adapters_on_bf16_use_tensor_cores(records):
+    """PEFT's fp32 adapters on a bf16 model: the rank-r GEMMs (project, project_grad) and the backward pass's dots run
+    on bf16 tensor cores with the fp32 operand split in three (_common.split_dtype). Their fp32 FMA dots took these
+    kernels 5-20x past their byte floors on an H200 (issue 52: project_kernel 331 us, dora_bwd_pass_kernel 366 us at
+    M 8192, N = K = 4096, r 16)."""
+    recs = [r for r in _select(records, "triton", ("project", "project_grad", "backward_pass"), dtypes=("bf16",))
+            if "fp32-rank" in r["variant"] and not r["variant"].startswith("plain,row-scale")]
+    assert {r["kernel"] for r in recs} == {"project", "project_grad", "backward_pass"}
+    _none_of([r for r in recs if r["mma"] in ("fma", "none")], "multiply fp32 adapters on CUDA cores")
+
+
 def test_w8a16_main_loops_convert_the_weight_without_f2f(records):
     """The W8 tile becomes bf16 / fp16 in the main loop without F2F, the conversion pipe (16 per clock per SM on
     Hopper), which Triton's e4m3 -> bf16 (through fp16) takes once per element: triton_kernels/gemm.py w8_to. The
