@@ -199,13 +199,14 @@ def dora_bwd_finish_kernel(
                     tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
 
 
-def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
+def bwd_pass_blocks(r: int, ieee: bool, split: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
-    values (2K with fp32 operands), 8 warps from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
+    values (2K with fp32 operands, or with c B split in three: split_dtype; 8K spilled on sm_120 at r = 128), 8 warps
+    from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
-    bn = max(16, min(128, 8192 // br))
+    bn = max(16, min(128, (2048 if split else 8192) // br))
     return 32, bn, br, 4 if bn * br < 2048 else 8, 2
 
 
@@ -249,7 +250,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     if interpreting():
         bm, bn, br, warps, stages = 16, 32, max(16, next_pow2(r)), 4, 1
     else:
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee, adapter and v_split)
     if adapter:
         m, n = vector(m), vector(n, torch.float32)
         if need_dm:

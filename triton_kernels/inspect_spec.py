@@ -277,7 +277,7 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         if rdt_name == "fp32" and dt == torch.float32:
             continue
         v_dt, v_ieee, split = split_dtype(dt, rdt)
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee, adapter and split)
         args = dict(
             g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=dt, gb_ptr=dt,
             rs_ptr=F32, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,

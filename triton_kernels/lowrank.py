@@ -20,12 +20,11 @@ from .quant import quant_rows
 
 def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, BLOCK_R, num_stages) on a GPU, for both kernels: fp32 operands (ieee) take smaller tiles, a
-    rank chunk of at most 32 and two stages (64 x 128 x 64 spilled and overflowed Ada's shared memory); a split fp32
-    operand (split_dtype) BLOCK_K 64: its tile is fp32 and split in three in registers (64 x 128 x 64 spilled)."""
-    if ieee:
-        return 32, 64, min(block_r(R), 32), 2
-    if split:
-        return 64, 64, block_r(R), 3
+    rank chunk of at most 32 and two stages (64 x 128 x 64 spilled and overflowed Ada's shared memory); so does a
+    split fp32 operand (split_dtype), with three stages: its fp32 tile is split in three in registers, and 64 x 64 x 64
+    or 64 x 64 x 32 spilled on sm_120 (kernel report)."""
+    if ieee or split:
+        return 32, 64, min(block_r(R), 32), 2 if ieee else 3
     return 64, 128, block_r(R), 3
 
 
