@@ -417,6 +417,10 @@ def profile() -> int:
         dy = torch.randn(M, N, dtype=torch.bfloat16, device=dev)
 
         def fn():
+            # fresh gradients, as run.py's timing takes them: else autograd adds each call's dx into x.grad, an [M, K]
+            # add (44 us of the H200's 1.98 ms at M 8192, issue 52) that the layer never runs
+            for t in [x, *layer.params]:
+                t.grad = None
             layer.forward_cached(x).backward(dy)
 
         for _ in range(2):  # compiles, allocator warm

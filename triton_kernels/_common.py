@@ -111,6 +111,16 @@ def dot_dtype(*dtypes: torch.dtype):
     return _TL_DTYPES[dt], False
 
 
+def split_dtype(act_dtype: torch.dtype, rank_dtype: torch.dtype):
+    """(DOT_DT, IEEE, SPLIT) of a dot between 16-bit activations and a rank-path operand. bf16 activations with fp32
+    adapters SPLIT the fp32 operand into three bf16 parts (dot3): every product is then exact, as in the fp32 FMA dot,
+    but runs on tensor cores (the FMA dot took project_kernel and the backward pass 5-20x past their byte floors on an
+    H200: issue 52). Under the interpreter the parts are multiplied as fp32 (its bf16 tl.dot: triton #11584)."""
+    if act_dtype == torch.bfloat16 and rank_dtype == torch.float32:
+        return (tl.float32, True, True) if interpreting() else (tl.bfloat16, False, True)
+    return (*dot_dtype(act_dtype, rank_dtype), False)
+
+
 def block_r(r: int, ieee: bool = False) -> int:
     """Rank chunk of the epilogues' rank-r dots: fp32 (ieee) dots take 16 (64 spilled up to 18 KB a thread, sm_90a)."""
     cap = _MAX_BLOCK_R_INTERP if interpreting() else _MAX_BLOCK_R_IEEE if ieee else _MAX_BLOCK_R_GPU
@@ -146,6 +156,35 @@ def dot(a, b, acc, IEEE: tl.constexpr):
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def split3(x):
+    """x (fp32) = hi + mid + lo exactly, each bf16 (8 significant bits a part, 24 in all; each residual is exact)."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def dot3(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr, SPLIT_A: tl.constexpr):
+    """acc + a @ b where one operand holds bf16 values (any float dtype) and the other (a if SPLIT_A, else b) is fp32,
+    split by split3: three 16-bit dots of exact products accumulated in fp32 (split_dtype). Smallest parts first."""
+    if SPLIT_A:
+        hi, mid, lo = split3(a.to(tl.float32))
+        o = b.to(DOT_DT)
+        acc = dot(lo.to(DOT_DT), o, acc, IEEE)
+        acc = dot(mid.to(DOT_DT), o, acc, IEEE)
+        acc = dot(hi.to(DOT_DT), o, acc, IEEE)
+    else:
+        hi, mid, lo = split3(b.to(tl.float32))
+        o = a.to(DOT_DT)
+        acc = dot(o, lo.to(DOT_DT), acc, IEEE)
+        acc = dot(o, mid.to(DOT_DT), acc, IEEE)
+        acc = dot(o, hi.to(DOT_DT), acc, IEEE)
     return acc
 
 

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (alloc, cdiv, check_activation, dot_dtype, interpreting, launch, magnitude_scale, next_pow2,
-                      norm_divisor, sum_parts, vector)
+from ._common import (alloc, cdiv, check_activation, dot, dot3, dot_dtype, interpreting, launch, magnitude_scale,
+                      next_pow2, norm_divisor, split3, split_dtype, sum_parts, vector)
 from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
@@ -34,7 +34,9 @@ def dora_bwd_pass_kernel(
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
+    V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g (c B) with c B split in three bf16 parts (split_dtype)
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
+    DB_SPLIT: tl.constexpr,  # bf16 g, fp32 u: g^T u with u split (dot3)
     BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,7 +92,12 @@ def dora_bwd_pass_kernel(
             else:
                 f = c
             b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
-                             mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(V_DT)
+                             mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            if V_SPLIT:  # split once per column block; g's bf16 values times each part are exact products
+                cb_hi, cb_mid, cb_lo = split3(b_tile.to(tl.float32) * c[:, None])
+                cb_hi, cb_mid, cb_lo = cb_hi.to(V_DT), cb_mid.to(V_DT), cb_lo.to(V_DT)
+            else:
+                b_tile = b_tile.to(V_DT)
         fb = tl.full((BLOCK_N,), 1.0, tl.float32)
         if HAS_SROW:
             sr = tl.load(srow_ptr + offs_n, mask=mask_n, other=0.0)
@@ -106,7 +113,8 @@ def dora_bwd_pass_kernel(
             mask_m = offs_m < M
             rows = offs_m.to(tl.int64)
             tile = mask_m[:, None] & mask_n[None, :]
-            g = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0).to(tl.float32)
+            g_in = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0)
+            g = g_in.to(tl.float32)
             db_acc += tl.sum(g, axis=0)
             if NORM_L:
                 tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :],
@@ -116,11 +124,14 @@ def dora_bwd_pass_kernel(
                          (g * fb[None, :]).to(gb_ptr.dtype.element_ty), mask=tile)
             if HAS_ADAPTER:
                 v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                if V_IEEE:
-                    v = tl.dot((g * cn).to(V_DT), b_tile, v, input_precision="ieee")
+                if V_SPLIT:
+                    gq = g_in.to(V_DT)
+                    v = dot(gq, cb_lo, v, V_IEEE)
+                    v = dot(gq, cb_mid, v, V_IEEE)
+                    v = dot(gq, cb_hi, v, V_IEEE)
                 else:
-                    v = tl.dot((g * cn).to(V_DT), b_tile, v)
-                v = v * rho_c
+                    v = dot((g * cn).to(V_DT), b_tile, v, V_IEEE)
+                    v = v * rho_c
                 # This program's slice of the column group's v partial; rows past M are masked.
                 vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
                 vmask = mask_m[:, None] & mask_r[None, :]
@@ -132,11 +143,11 @@ def dora_bwd_pass_kernel(
                     dm_acc += tl.sum(g * z.to(tl.float32), axis=0)
                 if NEED_DBB:
                     u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
-                                mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(DB_DT)
-                    if DB_IEEE:
-                        dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc, input_precision="ieee")
+                                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                    if DB_SPLIT:
+                        dB_acc = dot3(tl.trans(g_in), u, dB_acc, DB_DT, DB_IEEE, False)
                     else:
-                        dB_acc = tl.dot(tl.trans(g.to(DB_DT)), u, dB_acc)
+                        dB_acc = dot(tl.trans(g.to(DB_DT)), u.to(DB_DT), dB_acc, DB_IEEE)
         part = pid_m.to(tl.int64) * N + offs_n
         tl.store(dbpart_ptr + part, db_acc, mask=mask_n)
         if HAS_ADAPTER:
@@ -188,13 +199,14 @@ def dora_bwd_finish_kernel(
                     tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
 
 
-def bwd_pass_blocks(r: int, ieee: bool) -> tuple[int, int, int, int, int]:
+def bwd_pass_blocks(r: int, ieee: bool, split: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
-    values (2K with fp32 operands), 8 warps from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
+    values (2K with fp32 operands, or with c B split in three: split_dtype; 8K spilled on sm_120 at r = 128), 8 warps
+    from 2K for 16-bit ones, two stages (larger spilled; kernel report)."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
-    bn = max(16, min(128, 8192 // br))
+    bn = max(16, min(128, (2048 if split else 8192) // br))
     return 32, bn, br, 4 if bn * br < 2048 else 8, 2
 
 
@@ -230,14 +242,15 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     gl = alloc((M, N), cdt, dev) if write_gl else g
     gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
     rs = alloc((2,), torch.float32, dev)  # (rl, rb), written by the pass (1 where they are 1)
-    v_dt, v_ieee = dot_dtype(cdt, B.dtype) if adapter else dot_dtype(torch.float32)
-    db_dt, db_ieee = dot_dtype(cdt, u.dtype) if need_dB else dot_dtype(torch.float32)
+    no_dot = (*dot_dtype(torch.float32), False)
+    v_dt, v_ieee, v_split = split_dtype(cdt, B.dtype) if adapter else no_dot
+    db_dt, db_ieee, db_split = split_dtype(cdt, u.dtype) if need_dB else no_dot
     # fp32 (ieee) dots pick smaller tiles; a plain pass (no adapter, no dot) streams g only
     ieee = (adapter and v_ieee) or (need_dB and db_ieee)
     if interpreting():
         bm, bn, br, warps, stages = 16, 32, max(16, next_pow2(r)), 4, 1
     else:
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, ieee, adapter and v_split)
     if adapter:
         m, n = vector(m), vector(n, torch.float32)
         if need_dm:
@@ -245,7 +258,8 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     ph = rs  # placeholder for pointers a variant never reads
     srow = vector(srow, torch.float32) if has_srow else ph
     consts = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=bool(dropout), HAS_SROW=has_srow, NEED_DM=need_dm,
-                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=db_dt, DB_IEEE=db_ieee, BLOCK_R=br, BLOCK_M=bm,
+                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=v_split, DB_DT=db_dt, DB_IEEE=db_ieee,
+                  DB_SPLIT=db_split, BLOCK_R=br, BLOCK_M=bm,
                   BLOCK_N=bn, SCAN=SCAN_N, num_warps=warps, num_stages=stages)
 
     def args(steps, csteps, vpart, dmpart, dbpart, dBpart):

@@ -13,7 +13,7 @@ import torch
 
 import triton
 
-from ._common import (dot_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
+from ._common import (dot_dtype, split_dtype, fit_reduction_block, gemm_configs_for, m_bucket, scale_block_size,
                       fp8_promote_for, w8_via_f32_for, weight_norm_configs_for)
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
@@ -278,8 +278,8 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
         rdt = dt if rdt_name == "same" else torch.float32
         if rdt_name == "fp32" and dt == torch.float32:
             continue
-        v_dt, v_ieee = dot_dtype(dt, rdt)
-        bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee)
+        v_dt, v_ieee, split = split_dtype(dt, rdt)
+        bm, bn, br, warps, stages = bwd_pass_blocks(r, adapter and v_ieee, adapter and split)
         args = dict(
             g_ptr=dt, z_ptr=dt, m_ptr=F32, n_ptr=F32, srow_ptr=F32, b_ptr=rdt, u_ptr=rdt, gl_ptr=dt, gb_ptr=dt,
             rs_ptr=F32, vpart_ptr=F32, dmpart_ptr=F32, dbpart_ptr=F32, dBpart_ptr=F32,
@@ -288,7 +288,8 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
             stride_gb_m=N,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_SROW=srow, NEED_DM=adapter,
-                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, DB_DT=v_dt, DB_IEEE=v_ieee,
+                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=split, DB_DT=v_dt,
+                          DB_IEEE=v_ieee, DB_SPLIT=split,
                           BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn, SCAN=SCAN_N)
         name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
         out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))
@@ -304,12 +305,12 @@ def _rank_gemm_variants(kernel_args, **extra_constexprs):
             rdt = dt if rdt_name == "same" else torch.float32
             if rdt_name == "fp32" and dt == torch.float32:
                 continue
-            dot_dt, ieee = dot_dtype(dt, rdt)
-            bm, bk, br, stages = launch_blocks(ieee, RANK)
+            dot_dt, ieee, split = split_dtype(dt, rdt)
+            bm, bk, br, stages = launch_blocks(ieee, RANK, split)
             args = dict(kernel_args(dt, rdt, mask), M=LARGE_M, K=K, R=RANK, stride_mask_m=K if mask else 0,
                         inv_keep=1.0 / 0.9 if mask else 1.0)
             name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
-            out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee, **extra_constexprs),
+            out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, **extra_constexprs),
                                _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_stages=stages)))
         return out
     return variants

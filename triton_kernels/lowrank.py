@@ -3,8 +3,8 @@
     project(a, b)       a [M, K] @ b [r, K]^T -> [M, r]     u = xd A^T in the forward (W8A8: also x's quantization)
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
-A dropout mask is applied as a is loaded; fp32 adapters on 16-bit activations compute in fp32 from the exact values,
-as PEFT does. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
+A dropout mask is applied as a is loaded; fp32 adapters on 16-bit activations compute from the exact values, as PEFT
+does: on bf16 tensor cores with the fp32 operand split in three (bf16 activations, _common.split_dtype), else in fp32. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, alloc, block_r, cdiv, check_activation, dot_dtype, interpreting, last_dim_unit, launch,
-                      sum_parts)
+from ._common import (dot, dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
+                      split_dtype, sum_parts)
 from .occupancy import sm_props
 from .quant import quant_rows
 
 
-def launch_blocks(ieee: bool, R: int) -> tuple[int, int, int, int]:
+def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, BLOCK_R, num_stages) on a GPU, for both kernels: fp32 operands (ieee) take smaller tiles, a
-    rank chunk of at most 32 and two stages (64 x 128 x 64 spilled and overflowed Ada's shared memory)."""
-    if ieee:
-        return 32, 64, min(block_r(R), 32), 2
+    rank chunk of at most 32 and two stages (64 x 128 x 64 spilled and overflowed Ada's shared memory); so does a
+    split fp32 operand (split_dtype), with three stages: its fp32 tile is split in three in registers, and 64 x 64 x 64
+    or 64 x 64 x 32 spilled on sm_120 (kernel report)."""
+    if ieee or split:
+        return 32, 64, min(block_r(R), 32), 2 if ieee else 3
     return 64, 128, block_r(R), 3
 
 
@@ -33,6 +35,7 @@ def project_kernel(
     stride_a_m, stride_b_r, stride_b_k, stride_out_m, stride_mask_m, stride_q_m,
     inv_keep,
     HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,  # b fp32, a bf16: dot3 (the mask's 1 / (1 - p) then scales the sum, keeping a's values bf16)
     QUANT: tl.constexpr,  # also quantize a (unmasked) per row to e4m3 (W8A8): q, and its row scales sq
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -55,11 +58,18 @@ def project_kernel(
         if HAS_MASK:
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + k0 + offs_k[None, :],
                            mask=mask_m[:, None] & k_ok[None, :], other=0)
-            a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
-        a = a.to(DOT_DT)
+            if SPLIT:
+                a = tl.where(keep != 0, a, 0.0)
+            else:
+                a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
-                     mask=k_ok[:, None] & mask_r[None, :], other=0.0).to(DOT_DT)
-        acc = dot(a, bt, acc, IEEE)
+                     mask=k_ok[:, None] & mask_r[None, :], other=0.0)
+        if SPLIT:
+            acc = dot3(a, bt, acc, DOT_DT, IEEE, False)
+        else:
+            acc = dot(a.to(DOT_DT), bt.to(DOT_DT), acc, IEEE)
+    if SPLIT and HAS_MASK:
+        acc = acc * inv_keep
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_r[None, :])
     if QUANT:
@@ -73,7 +83,7 @@ def project_grad_kernel(
     M, K, R, ROWS_PER_SPLIT,
     stride_v_m, stride_v_r, stride_a_m, stride_mask_m,
     inv_keep, s,
-    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr, FINAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_DT: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, FINAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """FINAL (one split): part_ptr is dA itself, written as s * acc in its dtype; else fp32 partials [splits, R, K]."""
@@ -89,14 +99,22 @@ def project_grad_kernel(
         mask_m = offs_m < M
         rows = offs_m.to(tl.int64)
         vt = tl.load(v_ptr + rows[None, :] * stride_v_m + offs_r[:, None] * stride_v_r,
-                     mask=mask_r[:, None] & mask_m[None, :], other=0.0).to(DOT_DT)
+                     mask=mask_r[:, None] & mask_m[None, :], other=0.0)
         a = tl.load(a_ptr + rows[:, None] * stride_a_m + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
         if HAS_MASK:
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + offs_k[None, :],
                            mask=mask_m[:, None] & mask_k[None, :], other=0)
-            a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
-        acc = dot(vt, a.to(DOT_DT), acc, IEEE)
+            if SPLIT:  # a stays bf16; 1 / (1 - p) scales the sum
+                a = tl.where(keep != 0, a, 0.0)
+            else:
+                a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+        if SPLIT:
+            acc = dot3(vt, a, acc, DOT_DT, IEEE, True)
+        else:
+            acc = dot(vt.to(DOT_DT), a.to(DOT_DT), acc, IEEE)
+    if SPLIT and HAS_MASK:
+        acc = acc * inv_keep
     part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
     if FINAL:
         tl.store(part, (acc * s).to(part_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_k[None, :])
@@ -134,11 +152,11 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
     if M == 0 or (R == 0 and not quant):
         return (out, q, sq) if quant else out
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
-    dot_dt, ieee = dot_dtype(a.dtype, b.dtype)
-    bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R)
+    dot_dt, ieee, split = split_dtype(a.dtype, b.dtype)
+    bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R, split)
     launch(project_kernel, (cdiv(M, bm), max(cdiv(R, br), int(quant))))(  # quant: every row block, even at r = 0
         a, b, out, mk, q, sq, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, q.stride(0),
-        inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, QUANT=quant, INTERPRET=interpreting(),
+        inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, QUANT=quant, INTERPRET=interpreting(),
         BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4, num_stages=stages)
     return (out, q, sq) if quant else out
 
@@ -152,11 +170,11 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s:
     if M == 0:
         return torch.zeros(R, K, dtype=out_dtype, device=a.device)
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
-    dot_dt, ieee = dot_dtype(a.dtype, v.dtype)
+    dot_dt, ieee, split = split_dtype(a.dtype, v.dtype)
     if interpreting():
         bm, bk, br, stages, splits = 16, 32, block_r(R), 1, 2
     else:
-        bm, bk, br, stages = launch_blocks(ieee, R)
+        bm, bk, br, stages = launch_blocks(ieee, R, split)
         programs = cdiv(K, bk) * cdiv(R, br)
         target = 4 * sm_props(a.device)[0]
         splits = max(1, min(cdiv(M, bm * 4), cdiv(target, programs)))
@@ -166,7 +184,7 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s:
     part = out if splits == 1 else torch.empty(splits, R, K, dtype=torch.float32, device=a.device)
     launch(project_grad_kernel, (cdiv(K, bk), cdiv(R, br), splits))(
         v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep, float(s),
-        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, FINAL=splits == 1, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+        HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, FINAL=splits == 1, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
         num_warps=4, num_stages=stages)
     if splits > 1:
         block = 64 if interpreting() else 1024

@@ -84,6 +84,43 @@ def test_project(device, shape, dtype, rank_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "dropout"])
+def test_fp32_adapters_on_bf16_keep_exact_products(device, masked):
+    """bf16 activations with fp32 adapters multiply on bf16 tensor cores with the fp32 operand split in three parts
+    (_common.split_dtype, issue 52): each product stays exact, as in the fp32 FMA dot, so u, dA, v and dB are within a
+    few fp32 roundings of fp64 over these short sums (a lost part: 2^-16 of the terms, far outside this bound)."""
+    gen = torch.Generator().manual_seed(52)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    M, K, r = 9, 3, 5  # short sums: K for u and v, M for dA and dB
+    x, A = rnd(M, K).to(torch.bfloat16), rnd(r, K).float()  # A with all 24 significand bits
+
+    def check(out, exact, bound, what):
+        out = out.double().cpu()
+        err = (out - exact).abs()
+        assert not out.isnan().any() and (err <= 16 * 2.0 ** -24 * bound).all(), f"{what}: {err.max().item():.3g}"
+
+    keep = (rnd(M, K) > -0.5) if masked else None
+    pk = 0.25 if masked else 0.0
+    xd = x.double() * (keep.double() / (1 - pk) if masked else 1.0)
+    mask = keep.to(device) if masked else None
+    u = tk.project(x.to(device), A.to(device), torch.float32, mask, pk)
+    check(u, xd @ A.double().T, xd.abs() @ A.double().abs().T, "project")
+    v = rnd(M, r).float()
+    dA = tk.project_grad(v.to(device), x.to(device), mask, pk, 1.0, torch.float32)
+    check(dA, v.double().T @ xd, v.double().abs().T @ xd.abs(), "project_grad")
+    # the backward pass: v = (g c) B over N = K columns, dB = s c (g^T u) over M rows
+    g, B, u = x, A.T.contiguous(), rnd(M, r).float()
+    m, n = (rnd(K).abs() + 0.5).float(), (rnd(K).abs() + 0.5).float()
+    c = m.double() / n.double()
+    out = tk.backward_pass(*(t.to(device) for t in (g, g, m, n)), None, B.to(device), u.to(device), 1.0, masked,
+                           True, True)
+    gc = g.double() * c
+    check(out[3], gc @ B.double(), gc.abs() @ B.double().abs(), "backward_pass v")
+    check(out[6], (g.double().T @ u.double()) * c[:, None], (g.double().abs().T @ u.double().abs()) * c[:, None],
+          "backward_pass dB")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
