@@ -407,6 +407,7 @@ def profile() -> int:
     from torch.profiler import ProfilerActivity
 
     import _providers as P
+    import run as R
 
     iters, dev = 5, device()
     (K, N), r, M = SIZE["shape"], SIZE["rank"], SIZE["profile"]
@@ -438,7 +439,10 @@ def profile() -> int:
                 rows.append({"name": e.key, "calls": e.count / iters, "us": us})
         rows.sort(key=lambda row: -row["us"])
         put("profile", prov, {"M": M, "N": N, "K": K, "r": r, "iters": iters, "what": "CPU operators" if SMOKE else
-                              "GPU kernels", "kernels": rows, "total_us": sum(row["us"] for row in rows)})
+                              "GPU kernels", "kernels": rows, "total_us": sum(row["us"] for row in rows),
+                              # kernels.md sets this main loop's predictions beside it (on CPU, where no Triton
+                              # GEMM runs, the launchers' default: the smoke run's one)
+                              "main_loop": R.main_loop(torch.device(dev)) or "async-copy"})
         print(f"profile {prov}: " + ", ".join(f"{row['name'][:40]} {row['us']:.1f} us" for row in rows[:8]))
     return 0
 

@@ -153,11 +153,25 @@ def environment(device: torch.device) -> dict:
         timing=timing,
         speed_claims=device.type == "cuda",
         triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+        main_loop=main_loop(device),
         l2_bytes=l2,
     )
 
 
 device_slug = C.device_slug
+
+
+def main_loop(device) -> str | None:
+    """The Triton fp8 GEMMs' main loop on `device` (hopper.main_loop_for: DORAFP8_HOPPER_GEMM decides it on sm_90), or
+    None off CUDA: a record names it, so that the kernel report sets a time beside the loop that made it."""
+    if device.type != "cuda":
+        return None
+    try:
+        from dorafp8.triton_kernels import _common, hopper
+    except ImportError:  # no Triton: no Triton layer is timed
+        return None
+
+    return hopper.main_loop_for(_common.arch_of(device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,6 +302,7 @@ class Runner:
             timing=self.env["timing"],
             note=note,
             wall_s=round(time.perf_counter() - self._t_case, 3),  # measuring this case, warm-up included
+            main_loop=self.env.get("main_loop"),
         )
         rec.update(more)
         self.records.append(rec)

@@ -217,8 +217,13 @@ def kernels_md(first: dict) -> str:
         if prof is None:
             continue
         # the fast and the slow end of each prediction (one number where a file holds one)
+        strategy = mode
+        if model.get("layers"):  # the predictions of the main loop the profile ran (the pins step imported dorafp8)
+            from dorafp8.kernel_report.predict import measured_strategy
+
+            strategy = measured_strategy(mode, prof.get("main_loop"))
         pred = {k["name"].split(":", 1)[-1]: (k["predicted_us"], k.get("predicted_us_hi", k["predicted_us"]))
-                for k in model.get("layers", {}).get(mode, {}).get("kernels", [])}
+                for k in model.get("layers", {}).get(strategy, {}).get("kernels", [])}
 
         def us(lo, hi):
             return f"{lo:.1f}" if hi == lo else f"{lo:.1f}-{hi:.1f}"

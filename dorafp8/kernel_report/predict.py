@@ -449,15 +449,25 @@ def layer_table(records: list[dict], launches: dict[str, list]) -> list[dict]:
 
 # --- measurements, where a GPU run left them (bench/results/<device>/) ----------------------------------------------
 
-# The benchmark's providers and modes of the headline (bench/_cases.py DECISIVE_CASES) -> the strategies above
+# The benchmark's providers and modes of the headline (bench/_cases.py DECISIVE_CASES) -> the strategies above (the
+# Triton fp8 ones then named with the main loop they ran: measured_strategy)
 MEASURED_AS = {("dorafp8-triton", "fwd+bwd-cachednorm"): "W8A16", ("dorafp8-triton-w8a8", "fwd+bwd-cachednorm"): "W8A8",
                ("dorafp8-cublas", "fwd+bwd-cachednorm"): "dequantize + cuBLAS", ("peft-dora", "fwd+bwd"): "PEFT DoRA",
                ("linear-bf16", "fwd+bwd"): "cuBLAS bf16 Linear"}
 
 
+def measured_strategy(mode: str, main_loop: str | None) -> str:
+    """The strategy a measured Triton fp8 layer of `mode` ("W8A16", "W8A8") ran: its launchers' main loop, which the
+    measurement names (bench/run.py's records, the profile's and ncu_kernels.json's "main_loop": the default is the
+    cp.async loop since the first GPU run, DORAFP8_HOPPER_GEMM=1 the Hopper one); one that names none predates the
+    name: the first GPU run's (H200), whose launchers took the Hopper loop."""
+    return mode if (main_loop or "tma-ws") == "tma-ws" else f"{mode}, cp.async loop"
+
+
 def measured(results_dir: str) -> dict:
     """What GPU runs measured at the headline: {"layers": {strategy: [(ms, device, commit)]}, "kernels": {kernel name:
-    [(us, device)]}} from bench/results/*/results.json and ncu_kernels.json; empty where none has run."""
+    [(us, device, main loop)]}} from bench/results/*/results.json and ncu_kernels.json; empty where none has run.
+    The Triton layers are named with the main loop they ran (measured_strategy)."""
     M, N, K, r = (HEADLINE[k] for k in ("M", "N", "K", "r"))
     layers, kernels = {}, {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*", "results.json"))):
@@ -465,6 +475,8 @@ def measured(results_dir: str) -> dict:
             data = json.load(f)
         for rec in data.get("records", data) if isinstance(data, dict) else data:
             name = MEASURED_AS.get((rec.get("provider"), rec.get("mode")))
+            if name in ("W8A16", "W8A8"):
+                name = measured_strategy(name, rec.get("main_loop"))
             if (name and rec.get("status") == "ok" and rec.get("ms") and rec.get("tokens") == M
                     and rec.get("in_features") == K and rec.get("out_features") == N and rec.get("rank") == r
                     and rec.get("dtype") == "bf16" and not rec.get("dropout")):
@@ -473,6 +485,7 @@ def measured(results_dir: str) -> dict:
         with open(path) as f:
             data = json.load(f)
         for k in data.get("kernels", []):
-            kernels.setdefault(re.sub(r"\W.*$", "", k["name"]), []).append((k["us"] / max(1, k.get("count", 1)),
-                                                                            os.path.basename(os.path.dirname(path))))
+            kernels.setdefault(re.sub(r"\W.*$", "", k["name"]), []).append((
+                k["us"] / max(1, k.get("count", 1)), os.path.basename(os.path.dirname(path)),
+                k.get("main_loop", data.get("main_loop")) or "tma-ws"))
     return dict(layers=layers, kernels=kernels)

@@ -187,6 +187,23 @@ def test_pins_step_predictions_reach_kernels_md(monkeypatch, tmp_path):
     assert f"| rank_pieces_kernel | 2 | 9.0 | {pieces[0]:.1f} | {9.0 / pieces[0]:.2f}x |" in text, text
 
 
+def test_kernels_md_predictions_are_the_profiled_main_loops():
+    """The profile runs the launchers' main loop (the cp.async one unless DORAFP8_HOPPER_GEMM=1): kernels.md sets its
+    kernels beside that loop's predictions. Failed on the old code: the "W8A16" (tma-ws) strategy's, whichever loop
+    ran; a profile from before "main_loop" was written is the first GPU run's, the Hopper loop's."""
+    import save_results as SR
+
+    kernel = lambda us: {"kernels": [dict(name="triton:dora_fwd_kernel", calls=1, predicted_us=us)]}  # noqa: E731
+    model = {"pins": {}, "device": "H100", "linear_us": 1.0,
+             "layers": {"W8A16": kernel(100.0), "W8A16, cp.async loop": kernel(200.0)}}
+    prof = {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 400.0,
+            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 400.0}]}
+    for loop, predicted in (("async-copy", "200.0"), ("tma-ws", "100.0"), (None, "100.0")):
+        text = SR.kernels_md({"model": model, "profile": {"dorafp8-triton": dict(prof, main_loop=loop) if loop
+                                                          else prof}})
+        assert f"| dora_fwd_kernel | 1 | 400.0 | {predicted} |" in text, (loop, text)
+
+
 def test_a_pin_for_one_main_loop_never_narrows_the_others_list(monkeypatch):
     """The pins file held a config per GEMM and mode for both main loops ({"forward/w8a16": [tma-ws pick, cp.async
     pick]}), each launcher keeping the names its list held: where a config of the tma-ws pick's name was also in the

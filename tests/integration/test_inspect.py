@@ -951,6 +951,38 @@ def test_headline_dry_runs_where_the_interpreter_refuses(monkeypatch, gpu):
     assert "TRITON_INTERPRET" not in env and "s(n, None, 'cuda')" in argv[-1]
 
 
+def test_a_measurement_sits_beside_the_main_loop_it_ran(tmp_path, monkeypatch):
+    """The cp.async loop is the launchers' default since the first GPU run, the Hopper loop opt-in: a measured Triton
+    layer or GEMM kernel is set beside its own loop's prediction (the record's and the kernel file's "main_loop",
+    bench/run.py's), never the other's. Failed on the old code: every dorafp8-triton time was paired with the
+    "W8A16" (tma-ws) strategy and GEMM row, whichever loop made it."""
+    from dorafp8.kernel_report import cli, predict as pr
+
+    dev = tmp_path / "nvidia-h200"
+    dev.mkdir()
+    base = dict(tokens=8192, in_features=4096, out_features=4096, rank=16, dtype="bf16", dropout=0.0, status="ok",
+                device="NVIDIA H200", commit="c0ffee", provider="dorafp8-triton", mode="fwd+bwd-cachednorm")
+    recs = [dict(base, ms=1.5, main_loop="async-copy"), dict(base, ms=2.5, main_loop="tma-ws"),
+            dict(base, provider="dorafp8-triton-w8a8", ms=1.25, main_loop="async-copy")]
+    (dev / "results.json").write_text(json.dumps(dict(meta={}, records=recs)))
+    (dev / "ncu_kernels.json").write_text(json.dumps(dict(main_loop="async-copy", kernels=[
+        dict(us=300.0, count=1, name="dora_fwd_kernel", dorafp8=True)])))
+    got = pr.measured(str(tmp_path))
+    assert got["layers"] == {"W8A16, cp.async loop": [(1.5, "NVIDIA H200", "c0ffee")],
+                             "W8A16": [(2.5, "NVIDIA H200", "c0ffee")],
+                             "W8A8, cp.async loop": [(1.25, "NVIDIA H200", "c0ffee")]}
+    ws = dict(config="BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w4,s4", ws=2, producer=_mix(utmaldg=3, instrs=60),
+              mma=4, instrs=120)
+    records = [dict(_gemm_rec(pr.HEADLINE_VARIANTS["W8A16"] + pr._suffix(loop), kernel=k,
+                              **(ws if loop == "tma-ws" else dict(mma=4, instrs=120))),
+                    arch="sm_90a", backend="triton", error=None, dtype="bf16") for k in GEMMS for loop in pr.LOOPS]
+    monkeypatch.setattr(cli, "launches_subprocess", lambda small=(): {})
+    out = cli.format_prediction(records, str(tmp_path)).splitlines()
+    fwd = {loop: next(line for line in out if "W8A16" in line and f" {loop} " in line and "forward " in line)
+           for loop in pr.LOOPS}
+    assert "measured 0.300 ms" in fwd["async-copy"] and "measured" not in fwd["tma-ws"], fwd
+
+
 def test_microscaled_headline_rows():
     """The NVFP4 / MXFP8 bases' headline rows (issue 54): their variants in the cp.async loop, their only one (named
     without a suffix: a ",tma-ws" record is not taken), the weight's bytes (0.5625 a weight NVFP4, 1.03125 MXFP8) in
@@ -1008,7 +1040,8 @@ def test_predict_prints_measurements_beside_the_predictions(tmp_path, monkeypatc
     assert got["layers"] == {"W8A16": [(0.987, "NVIDIA H100 80GB HBM3", "abc123")],
                              "cuBLAS bf16 Linear": [(0.701, "NVIDIA H100 80GB HBM3", "abc123")],
                              "PEFT DoRA": [(3.21, "NVIDIA H100 80GB HBM3", "abc123")]}
-    assert got["kernels"]["dora_dgrad_kernel"] == [(415.0, dev.name)]
+    # a record and a kernel file without "main_loop" are the first GPU run's: the Hopper loop, then the default
+    assert got["kernels"]["dora_dgrad_kernel"] == [(415.0, dev.name, "tma-ws")]
     assert pr.measured(str(tmp_path / "none")) == dict(layers={}, kernels={})
 
     ws = dict(config="BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,GROUP_M=8,w4,s4", ws=2, producer=_mix(utmaldg=3, instrs=60),
