@@ -94,7 +94,10 @@ def spec_of(op: str, device: torch.device, *, N, K, M, r=0, bias=False, scale="t
             "r": 1 << max(0, (r - 1).bit_length()) if op in RANKED else 0, "bias": bool(bias), "scale": scale,
             "block": block if scale == "block" else 0, "cdt": name(cdt), "rdt": name(rdt or cdt) if op in RANKED
             else "", "p": float(p), "act_quant": act_quant,
-            "env": {k: os.environ[k] for k in SWITCHES if os.environ.get(k)}, "at": M}
+            # each switch as flag() reads it: unset and "0" run the same kernels (one key, raced once), and a value
+            # flag() refuses is refused here, naming it, not handed to the child (whose Triton candidate, raising on
+            # it, was recorded as a failed kernel)
+            "env": {k: "1" for k in SWITCHES if flag(k, False)}, "at": M}
 
 
 CAP = 256 * 2 ** 20  # the fixed cap on the child's extra peak memory, whatever the layer

@@ -422,10 +422,19 @@ def test_the_key_separates_what_changes_a_kernel(monkeypatch):
     keys = [key(), key(r=16), key(bias=True), key(scale="row"), key(scale="block"), key(scale="block", block=64),
             key(rdt=torch.float32), key(p=0.1), key(act_quant="rowwise"), key(M=1000), key(N=96),
             key(cdt=torch.float16)]
-    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "0")
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")  # the Hopper loop, opt-in
     keys.append(key())
     assert len(set(keys)) == len(keys), keys
+    # "0" runs what unset runs (the cp.async loop): one key, not a second race. Failed on the old code (the raw value
+    # was keyed), as did the typo: handed to the child, where the Triton candidate raised on it and was recorded as a
+    # failed kernel; now refused here, naming the variable
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "0")
+    zero = key()
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "yes")
+    with pytest.raises(ValueError, match="DORAFP8_HOPPER_GEMM must be 0"):
+        key()
     monkeypatch.delenv("DORAFP8_HOPPER_GEMM")
+    assert zero == key()
     assert key(M=128) == key() and key(r=3) == key()  # buckets: M 65..128, r 3..4
     assert key(block=64) == key()  # the block size matters only with block scales
     # weight_norm alone: the rank and the adapters' dtype (its operands), not M (it has none)
