@@ -106,7 +106,8 @@ def merge(sources, commit: str | None) -> dict[str, dict]:
             merged[dev]["commands"][command] = data
             # a time is only worth its results: the fp64 checks that failed travel with the records (perf_table)
             merged[dev]["meta"]["failed_checks"] = [
-                f"{k} ({v['backend']}{', act_quant=' + v['act_quant'] if v.get('act_quant') else ''})"
+                f"{k} ({v['backend']}{', act_quant=' + v['act_quant'] if v.get('act_quant') else ''}"
+                f"{', ' + v['main_loop'] + ' loop' if v.get('main_loop') else ''})"
                 for k, v in data.get("correct", {}).items() if not v.get("pass")] + \
                 merged[dev]["meta"].get("failed_checks", [])
     return merged
@@ -150,7 +151,8 @@ def perf_table(results: dict) -> str:
         lines.append("| _no first-contact record_ |" + " |" * (len(COLUMNS) + len(RATIOS)))
     if meta.get("failed_checks"):
         lines += ["", "**These fp64 checks failed on this GPU before the timing, so the times of what they check are "
-                  "times of wrong results:** " + "; ".join(meta["failed_checks"]) + "."]
+                  "times of wrong results:** " + "; ".join(meta["failed_checks"]) + ". (A Triton check names its main "
+                  "loop: it says nothing of times another loop made; results.json's records name theirs.)"]
     return "\n".join(lines)
 
 

@@ -537,7 +537,11 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
              "correct": {"w8a16 M=1024": {"backend": "triton", "act_quant": None, "M": 1024, "N": 4096, "K": 4096,
                                           "r": 16, "pass": True, "tensors": {"y": {"used": 0.25}}},
                          "w8a8 M=1000": {"backend": "triton", "act_quant": "rowwise", "M": 1000, "N": 4096,
-                                         "K": 4096, "r": 16, "pass": False, "tensors": {"y": {"used": None}}}},
+                                         "K": 4096, "r": 16, "pass": False, "tensors": {"y": {"used": None}}},
+                         # the opt-in Hopper loop's check names its loop: the times (the default loop's) are not it
+                         "w8a16-ws M=1024": {"backend": "triton", "act_quant": None, "M": 1024, "N": 4096,
+                                             "K": 4096, "r": 16, "pass": False, "tensors": {"y": {"used": None}},
+                                             "main_loop": "tma-ws"}},
              # a candidate the race refused has no time (the first H200 run: save_results died on it)
              "race": {"M=8192": {"key": "dora ...", "pick": "cublas", "static": "triton",
                                  "ms": {"cublas": 2.5, "triton": None},
@@ -574,7 +578,8 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     block = text[text.index(b):text.index(e)]
     assert "Stand-in GPU" in block and "CPU" not in block  # the smoke run makes no speed claims
     # a time is only worth its results: the failed fp64 check is named under the table, the passed one is not
-    assert "times of wrong results:** w8a8 M=1000 (triton, act_quant=rowwise)." in block
+    assert "times of wrong results:** w8a8 M=1000 (triton, act_quant=rowwise); w8a16-ws M=1024 (triton, tma-ws loop)." \
+        in block and "times another loop made" in block
     assert "w8a16 M=1024" not in block
     assert "triton refused: y differs" in (dest / "race.md").read_text()
     assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
