@@ -179,7 +179,7 @@ def child_env(work: str, results: str, smoke: bool, step: Step) -> dict:
                PYTHONUNBUFFERED="1", MPLBACKEND="Agg", FIRST_CONTACT_WORK=work, FIRST_CONTACT_RESULTS=results,
                FIRST_CONTACT_SMOKE="1" if smoke else "0", DORAFP8_RACE="0", DORAFP8_COMMIT=commit())
     env.pop("DORAFP8_BACKEND", None)  # every provider names its backend
-    if smoke and step.name == "host":  # its dorafp8-triton under Triton's interpreter: CI runs the Triton launch timer
+    if smoke and step.name == "host":  # its Triton providers under the interpreter: CI runs the Triton launch clock
         env["TRITON_INTERPRET"] = "1"
     return env
 
