@@ -244,6 +244,7 @@ def host_md(first: dict) -> str:
     rows = [(r["provider"], r["M"], f"{r['wall_us']:.0f}", f"{r['enqueue_us']:.0f}", f"{r['gpu_us']:.0f}",
              f"{r['launches']:g}", "host" if r["enqueue_us"] > r["gpu_us"] else "GPU", f"{r['triton_launches']:g}",
              f"{r['triton_us']:.0f}", f"{r['triton_jit_us']:.0f}", f"{r['host_timed_us'] - r['triton_us']:.0f}")
+            if "error" not in r else (r["provider"], r["M"], f"**failed**: {r['error']}") + ("",) * 8
             for r in host.get("rows", [])]
     warn = ("**A CPU smoke run: it exercises the code, and measures nothing about a GPU.**\n\n" if host.get("smoke")
             else "")

@@ -570,7 +570,8 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
                  dict(provider="dorafp8-triton", M=256, wall_us=1600.0, enqueue_us=1500.0, gpu_us=120.0, launches=25,
                       host_timed_us=1550.0, triton_us=900.0, triton_jit_us=700.0, triton_launches=14),
                  dict(provider="linear-bf16", M=8192, wall_us=900.0, enqueue_us=60.0, gpu_us=850.0, launches=2,
-                      host_timed_us=62.0, triton_us=0.0, triton_jit_us=0.0, triton_launches=0)]}}
+                      host_timed_us=62.0, triton_us=0.0, triton_jit_us=0.0, triton_launches=0),
+                 dict(provider="peft-dora", M=8192, error="OutOfMemoryError: CUDA out of memory")]}}
     src = tmp_path / "out"
     src.mkdir()
     (src / "first_contact.json").write_text(json.dumps(first))
@@ -605,6 +606,7 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     assert "**Stand-in GPU**, 20 calls" in host and "smoke" not in host
     assert "| dorafp8-triton | 256 | 1600 | 1500 | 120 | 25 | host | 14 | 900 | 700 | 650 |" in host
     assert "| linear-bf16 | 8192 | 900 | 60 | 850 | 2 | GPU | 0 | 0 | 0 | 62 |" in host
+    assert "| peft-dora | 8192 | **failed**: OutOfMemoryError: CUDA out of memory |" in host
     assert "A CPU smoke run" in (tmp_path / "results" / "cpu" / "host.md").read_text()
     assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
     for M in C.FIRST_TOKENS:
