@@ -22,6 +22,7 @@ CAP_S = float(os.environ.get("FIRST_CONTACT_CAP_S", "60"))  # this step's cap: a
 # (K, N), r, M of the correctness checks, M of the timing; the timing's providers
 SIZE = dict(shape=(64, 96), rank=4, check=(32, 30), time=(32, 16), race=(40,), profile=32) if SMOKE else \
     dict(shape=(4096, 4096), rank=16, check=(1024, 1000), time=(8192, 1024, 256), race=(8192,), profile=8192)
+SIZE["host"] = (16,) if SMOKE else (256, 8192)  # M of the host step: where the first run was flat in M, and the top
 # "-ws": the same Triton GEMMs in the Hopper "tma-ws" main loop, which only DORAFP8_HOPPER_GEMM=1 runs (it failed
 # these checks on the first GPU run, H200 + Triton 3.6): both loops are checked on an H100 / H200; the default jobs,
 # which the timing and the profile then time, run the cp.async loop (triton_kernels/hopper.py, main_loop_for)
@@ -31,6 +32,9 @@ CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE 
 SMOKE_PROVIDERS = ("dorafp8-reference", "linear-bf16", "linear-fp8-dequant", "peft-dora", "peft-lora",
                    "dorafp8-lora-reference")
 PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8")
+# the host step's providers, --smoke's too: its dorafp8 ones under Triton's interpreter (first_contact.child_env), so
+# that CI runs the Triton launch clock
+HOST_PROVIDERS = ("dorafp8-triton", "dorafp8-cublas", "peft-dora", "linear-bf16")
 # compute-sanitizer's selections: one ragged, strided fp16 shape; the Triton file's ids end in the device
 SANITIZE = (("triton", "tests/kernels/test_triton_kernels.py",
              "cuda and M37-K50-N70-r3 and float16 and not bfloat16 and tensor and (not w8a8 or nodrop)"),
@@ -437,13 +441,7 @@ def profile() -> int:
             for _ in range(iters):
                 fn()
             sync()
-        rows = []
-        for e in prof.key_averages():
-            on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")  # a kernel (a GPU event has no children)
-            us = (getattr(e, "device_time_total", 0) if on_gpu else 0 if not SMOKE else e.self_cpu_time_total) / iters
-            if us > 0:
-                rows.append({"name": e.key, "calls": e.count / iters, "us": us})
-        rows.sort(key=lambda row: -row["us"])
+        rows = _per_call(prof, iters, cpu=SMOKE)
         put("profile", prov, {"M": M, "N": N, "K": K, "r": r, "iters": iters, "what": "CPU operators" if SMOKE else
                               "GPU kernels", "kernels": rows, "total_us": sum(row["us"] for row in rows),
                               # kernels.md sets this main loop's predictions beside it (on CPU, where no Triton
@@ -451,6 +449,132 @@ def profile() -> int:
                               "main_loop": R.main_loop(torch.device(dev)) or "async-copy"})
         print(f"profile {prov}: " + ", ".join(f"{row['name'][:40]} {row['us']:.1f} us" for row in rows[:8]))
     return 0
+
+
+def _per_call(prof, iters, cpu=False) -> list[dict]:
+    """[{name, calls, us}] per call, slowest first: each GPU activity (kernel, memcpy, memset: a GPU event has no
+    children) from a torch.profiler run of `iters` calls; cpu=True: the operators' own CPU time instead."""
+    rows = []
+    for e in prof.key_averages():
+        on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+        us = (getattr(e, "device_time_total", 0) if on_gpu else e.self_cpu_time_total if cpu else 0) / iters
+        if us > 0:
+            rows.append({"name": e.key, "calls": e.count / iters, "us": us})
+    return sorted(rows, key=lambda row: -row["us"])
+
+
+class _TritonClock:
+    """Host time inside Triton's launch path, for the host step only: Triton's `run` methods wrapped while it is
+    entered. `us`: from the outermost run (the Autotuner / Heuristics wrappers, JITFunction.run's argument binding,
+    the driver's launch); `jit_us`: JITFunction.run (InterpretedFunction.run under the interpreter) alone; `launches`:
+    the outermost runs. The autograd engine's thread runs the backward while the caller waits: never two at once."""
+
+    def __init__(self):
+        from triton.runtime import autotuner, interpreter, jit
+
+        self.inner = (jit.JITFunction, interpreter.InterpretedFunction)
+        self.classes = self.inner + (autotuner.Autotuner, autotuner.Heuristics)
+        self.us = self.jit_us = 0.0
+        self.launches = self.depth = 0
+
+    def _wrap(self, cls, run):
+        def timed(kernel, *args, **kwargs):
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                return run(kernel, *args, **kwargs)
+            finally:
+                dt, self.depth = (time.perf_counter() - t0) * 1e6, self.depth - 1
+                self.jit_us += dt if cls in self.inner else 0.0
+                if self.depth == 0:
+                    self.us, self.launches = self.us + dt, self.launches + 1
+        return timed
+
+    def __enter__(self):
+        self.saved = {cls: cls.__dict__["run"] for cls in self.classes if "run" in cls.__dict__}
+        for cls, run in self.saved.items():
+            cls.run = self._wrap(cls, run)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, run in self.saved.items():
+            cls.run = run
+
+
+def host() -> int:
+    """Where a call's time goes: for each provider and M, (a) the wall time of a call with a sync after each, (b) the
+    host's time to enqueue one (N calls timed, then one sync), (c) the GPU's time (torch.profiler: its activities'
+    sum) and (d) its launches, (e) the host's time inside Triton's launch path (_TritonClock, a loop of its own) and the
+    rest (dorafp8's Python, torch's operators, autograd). Host-bound where (b) exceeds (c). A provider that fails is
+    written down with its error, and the next one runs."""
+    import run as R
+
+    n = 2 if SMOKE else 20  # the smoke's two calls under the interpreter: ~0.5 s each on a busy 2-core machine
+    out = {"device": R.environment(device())["device"], "smoke": SMOKE, "calls": n, "rows": []}
+    for M in SIZE["host"]:
+        for prov in HOST_PROVIDERS:
+            try:
+                row = dict(provider=prov, M=M, **_host_row(prov, M, n))
+            except Exception as e:
+                traceback.print_exc()
+                row = dict(provider=prov, M=M, error=f"{type(e).__name__}: {e}"[:500])
+            out["rows"].append(row)
+            put("host", None, out)
+            print(f"host {prov} M={M}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in list(row.items())[2:]), flush=True)
+    return 0
+
+
+def _host_row(prov: str, M: int, n: int) -> dict:
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    import _cases as C
+    import _providers as P
+
+    dev, (K, N), r = device(), SIZE["shape"], SIZE["rank"]
+    layer = P.build_layer(prov, K, N, r, "bf16", 0.0, dev)
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=dev).requires_grad_()
+    dy = torch.randn(M, N, dtype=torch.bfloat16, device=dev)
+    forward = layer.forward_cached if C.first_mode(prov).endswith("cachednorm") else layer.forward
+
+    def fn():
+        for t in [x, *layer.params]:  # fresh gradients, as the timing and the profile take them
+            t.grad = None
+        forward(x).backward(dy)
+
+    for _ in range(1 if SMOKE else 3):  # compiles, allocator warm
+        fn()
+    sync()
+    walls = []
+    for _ in range(n):  # (a)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n):  # (b)
+        fn()
+    enqueue = time.perf_counter() - t0
+    sync()
+    acts = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
+    with torch.profiler.profile(activities=acts) as prof:  # (c), (d)
+        for _ in range(n):
+            fn()
+        sync()
+    gpu = _per_call(prof, n)
+    with _TritonClock() as clock:  # (e)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        timed = time.perf_counter() - t0
+    sync()
+    return {"wall_us": statistics.median(walls) * 1e6, "enqueue_us": enqueue / n * 1e6,
+            "gpu_us": sum(k["us"] for k in gpu), "launches": sum(k["calls"] for k in gpu),
+            "host_timed_us": timed / n * 1e6, "triton_us": clock.us / n, "triton_jit_us": clock.jit_us / n,
+            "triton_launches": clock.launches / n}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -557,4 +681,4 @@ def grid() -> int:
 
 
 STEPS = {"env": env, "pins": pins, "correct": correct, "time": timing, "race": race, "profile": profile,
-         "build": build, "tests": tests, "tests-cuda": tests_cuda, "sanitizer": sanitizer, "grid": grid}
+         "host": host, "build": build, "tests": tests, "tests-cuda": tests_cuda, "sanitizer": sanitizer, "grid": grid}

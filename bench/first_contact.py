@@ -69,7 +69,8 @@ STEPS = {
                          "(sm_90a compiles, 16 processes); the launchers run those configs alone",
              compiles="the headline forward and dgrad GEMMs' configs, W8A16 and W8A8, both main loops (sm_90a, ahead "
                       "of time, 16 processes: about 4-5 s each)"),
-        Step("correct", 110, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
+        # 85 s: the first GPU run's took 19.4 s (five processes, its pins step failed: the launchers autotuned)
+        Step("correct", 85, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
                              "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; the Triton GEMMs in both main "
                              "loops (the default cp.async one, and on sm_90 the opt-in tma-ws one, "
                              "DORAFP8_HOPPER_GEMM=1); five processes",
@@ -80,6 +81,10 @@ STEPS = {
                          "process (dorafp8/backends/race.py); the verdicts, the pick and what that first call cost",
              compiles="the child's: the correct step's kernels again at M 8192 and 37 (Triton's disk cache)"),
         Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192",
+             compiles="none new"),
+        Step("host", 25, "where a call's time goes, at M 256 and 8192: wall time synced each call, the host's "
+                         "enqueue time, the GPU's (torch.profiler) and its launches, the host's time in Triton's "
+                         "launch path; dorafp8-triton, dorafp8-cublas, PEFT DoRA, the bf16 Linear",
              compiles="none new"),
     ),
     "more": (
@@ -174,6 +179,8 @@ def child_env(work: str, results: str, smoke: bool, step: Step) -> dict:
                PYTHONUNBUFFERED="1", MPLBACKEND="Agg", FIRST_CONTACT_WORK=work, FIRST_CONTACT_RESULTS=results,
                FIRST_CONTACT_SMOKE="1" if smoke else "0", DORAFP8_RACE="0", DORAFP8_COMMIT=commit())
     env.pop("DORAFP8_BACKEND", None)  # every provider names its backend
+    if smoke and step.name == "host":  # its Triton providers under the interpreter: CI runs the Triton launch clock
+        env["TRITON_INTERPRET"] = "1"
     return env
 
 

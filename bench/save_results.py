@@ -8,7 +8,8 @@
 Writes bench/results/<device-slug>/: results.json (the timed records of both commands, merged: meta, records, and
 the autotuned re-timings apart) with results.md and the PNGs (plot.py); correctness.md (each fp64 check: how much of
 its allowed error the worst element used); kernels.md (torch.profiler's per-kernel times beside the kernel report's
-prediction of each, and the pinned configs); race.md (backend="auto"'s picks); tests.md (the GPU tests and
+prediction of each, and the pinned configs); race.md (backend="auto"'s picks); host.md (host or GPU: each call's
+enqueue, GPU and Triton launch-path times); tests.md (the GPU tests and
 compute-sanitizer); the two JSON files as they came; logs/ (each log's last 200 KB); a README.md listing them; an
 earlier run's files of these names that this run did not write again are removed (nothing else there). Then
 README.md's performance table (between its perf-table markers) from every bench/results/*/results.json measured on a
@@ -244,6 +245,28 @@ def kernels_md(first: dict) -> str:
     return "\n".join(out)
 
 
+def host_md(first: dict) -> str:
+    """The host step: where each call's time goes, host or GPU, and how much of the host's is Triton's launch path."""
+    host = first.get("host", {})
+    rows = [(r["provider"], r["M"], f"{r['wall_us']:.0f}", f"{r['enqueue_us']:.0f}", f"{r['gpu_us']:.0f}",
+             f"{r['launches']:g}", "host" if r["enqueue_us"] > r["gpu_us"] else "GPU", f"{r['triton_launches']:g}",
+             f"{r['triton_us']:.0f}", f"{r['triton_jit_us']:.0f}", f"{r['host_timed_us'] - r['triton_us']:.0f}")
+            if "error" not in r else (r["provider"], r["M"], f"**failed**: {r['error']}") + ("",) * 8
+            for r in host.get("rows", [])]
+    warn = ("**A CPU smoke run: it exercises the code, and measures nothing about a GPU.**\n\n" if host.get("smoke")
+            else "")
+    return (f"# Host or GPU: where a forward + backward's time goes\n\nMeasured on **{host.get('device', '?')}**, "
+            f"{host.get('calls', '?')} calls per column (bench/_first_steps.py, host): the wall time per call with a "
+            "sync after each (median); the host's time to enqueue a call (the calls timed, then one sync); the GPU's "
+            "time (torch.profiler: its kernels, copies and fills summed) and their number; host-bound where the "
+            "enqueue time exceeds the GPU's. Then a loop of its own with Triton's `run` methods timed: Triton's "
+            "launches, the host's time inside them (the Autotuner / Heuristics wrappers, JITFunction.run's argument "
+            "binding, the driver's launch), of it JITFunction.run's, and the rest of that loop's host time "
+            "(dorafp8's Python, torch's operators, autograd). Times in us per call.\n\n" + warn
+            + _table(("provider", "M", "wall, synced", "host enqueue", "GPU", "GPU launches", "bound",
+                      "Triton launches", "in Triton's run", "of it JITFunction.run", "host rest"), rows) + "\n")
+
+
 def race_md(first: dict) -> str:
     rows = [(M, v["key"], v["pick"], v["static"], ", ".join(f"{c} {t:.3f}" if t is not None else f"{c} refused: {v['verdicts'][c].get('error', '?')}"
                         for c, t in sorted(v["ms"].items())),
@@ -273,7 +296,7 @@ def _tail(src: str, dst: str) -> None:
 
 
 PAGES = {"correctness.md": (correctness_md, "first"), "kernels.md": (kernels_md, "first"),
-         "race.md": (race_md, "first"), "tests.md": (tests_md, "more")}
+         "race.md": (race_md, "first"), "host.md": (host_md, "first"), "tests.md": (tests_md, "more")}
 # what write_device writes into a device folder besides results.json, results.md and README.md: the only files it
 # removes there, when this run did not write them again (plot.py's PNGs are named by mode and dropout)
 OWNED = [*PAGES, *(f"{c}.json" for c in NAMES.values()), *(f"logs/log-{c}.txt" for c in NAMES.values()),

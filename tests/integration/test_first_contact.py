@@ -70,6 +70,7 @@ def test_plan_fits_the_session():
     order = [s.name for s, _, _ in FC.plan("first")]
     assert order.index("correct") < order.index("time") < order.index("profile")  # fp64 first, then the clock
     assert order.index("pins") < order.index("correct")  # the checks compile the configs the timing runs
+    assert order.index("correct") < order.index("host")  # and the host step's
     # each background step has something to run beside, and what waits for it comes after it
     more = FC.plan("more")
     for s, start, end in more:
@@ -254,7 +255,8 @@ def test_smoke_steps_and_files(smoke):
     out, res, _ = smoke
     assert sorted(p.name for p in out.iterdir()) == ["first_contact.json", "log.txt"]  # within the tool's 8
     steps = res["steps"]
-    assert all(steps[s]["status"] == "ok" for s in ("env", "pins", "correct", "time", "race", "profile")), steps
+    assert all(steps[s]["status"] == "ok" for s in ("env", "pins", "correct", "time", "race", "profile", "host")), \
+        steps
     assert res["env"]["dorafp8_file"].startswith(os.path.join(ROOT, "dorafp8"))
     assert res["plan"]["smoke"] is True and not res.get("errors")
     # the pins step's layer predictions (a failure there no longer fails the step: looked at here)
@@ -302,6 +304,40 @@ def test_smoke_timing_race_profile(smoke):
     assert race["ms"][race["pick"]] <= min(race["ms"].values()) * 1.05 or race["pick"] == "native"
     prof = res["profile"]["dorafp8-reference"]
     assert prof["kernels"] and prof["total_us"] > 0 and prof["what"] == "CPU operators"
+
+
+def test_smoke_host(smoke):
+    """The host step on a CPU: every provider at each M, labelled as the CPU smoke it is; dorafp8-triton (the
+    interpreter) and dorafp8-cublas (its Triton parts) the ones whose launches went through Triton's `run`."""
+    _, res, _ = smoke
+    import _first_steps as S
+
+    host = res["host"]
+    assert host["smoke"] is True and host["device"].startswith("CPU")
+    assert [(r["provider"], r["M"]) for r in host["rows"]] == [(p, 16) for p in S.HOST_PROVIDERS]
+    for r in host["rows"]:
+        assert r["wall_us"] > 0 and r["enqueue_us"] > 0 and r["host_timed_us"] > 0, r
+        assert r["gpu_us"] == r["launches"] == 0, r  # a CPU has no GPU activities
+        through_triton = r["provider"].startswith("dorafp8-")
+        assert (r["triton_launches"] > 0) == through_triton and (r["triton_us"] > 0) == through_triton, r
+        assert 0 <= r["triton_jit_us"] <= r["triton_us"] <= r["host_timed_us"], r
+
+
+def test_the_triton_clock_counts_the_outermost_run_and_lets_go(monkeypatch):
+    """An Autotuner's run that runs its JITFunction's: one launch (not two), the JITFunction's time within it; the
+    classes' own run methods back after the clock."""
+    import _first_steps as S
+    from triton.runtime import autotuner, jit
+
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **k: "launched")  # stand-ins: no kernel, no GPU
+    monkeypatch.setattr(autotuner.Autotuner, "run", lambda self, *a, **k: self.fn.run(*a, **k))
+    before = {c: c.__dict__["run"] for c in (jit.JITFunction, autotuner.Autotuner)}
+    tuner = autotuner.Autotuner.__new__(autotuner.Autotuner)
+    tuner.fn = jit.JITFunction.__new__(jit.JITFunction)
+    with S._TritonClock() as clock:
+        assert [tuner.run(grid=(1,)), tuner.fn.run(grid=(1,))] == ["launched"] * 2
+    assert clock.launches == 2 and clock.depth == 0 and 0 <= clock.jit_us <= clock.us
+    assert all(c.__dict__["run"] is r for c, r in before.items())
 
 
 def test_more_smoke(tmp_path):
@@ -550,7 +586,13 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
                        "layers": {"W8A16": {"kernels": [{"name": "triton:dora_fwd_kernel", "predicted_us": 400.0},
                                                         {"name": "triton:project_kernel", "predicted_us": 20.0}]}}},
              "profile": {"dorafp8-triton": {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 500.0,
-                                            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 500.0}]}}}
+                                            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 500.0}]}},
+             "host": {"device": "Stand-in GPU", "smoke": False, "calls": 20, "rows": [
+                 dict(provider="dorafp8-triton", M=256, wall_us=1600.0, enqueue_us=1500.0, gpu_us=120.0, launches=25,
+                      host_timed_us=1550.0, triton_us=900.0, triton_jit_us=700.0, triton_launches=14),
+                 dict(provider="linear-bf16", M=8192, wall_us=900.0, enqueue_us=60.0, gpu_us=850.0, launches=2,
+                      host_timed_us=62.0, triton_us=0.0, triton_jit_us=0.0, triton_launches=0),
+                 dict(provider="peft-dora", M=8192, error="OutOfMemoryError: CUDA out of memory")]}}
     src = tmp_path / "out"
     src.mkdir()
     (src / "first_contact.json").write_text(json.dumps(first))
@@ -565,7 +607,7 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     dest = tmp_path / "results" / "stand-in-gpu"
     res = json.loads((dest / "results.json").read_text())
     assert len(res["records"]) == len(C.FIRST_CASES) and {r["commit"] for r in res["records"]} == {"abc123"}
-    for name in ("results.md", "correctness.md", "kernels.md", "race.md", "first.json", "logs/log-first.txt",
+    for name in ("results.md", "correctness.md", "kernels.md", "race.md", "host.md", "first.json", "logs/log-first.txt",
                  "README.md"):
         assert (dest / name).is_file(), name
     assert "| dora_fwd_kernel | 1 | 500.0 | 400.0 | 1.25x |" in (dest / "kernels.md").read_text()
@@ -582,6 +624,12 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
         in block and "times another loop made" in block
     assert "w8a16 M=1024" not in block
     assert "triton refused: y differs" in (dest / "race.md").read_text()
+    host = (dest / "host.md").read_text()
+    assert "**Stand-in GPU**, 20 calls" in host and "smoke" not in host
+    assert "| dorafp8-triton | 256 | 1600 | 1500 | 120 | 25 | host | 14 | 900 | 700 | 650 |" in host
+    assert "| linear-bf16 | 8192 | 900 | 60 | 850 | 2 | GPU | 0 | 0 | 0 | 62 |" in host
+    assert "| peft-dora | 8192 | **failed**: OutOfMemoryError: CUDA out of memory |" in host
+    assert "A CPU smoke run" in (tmp_path / "results" / "cpu" / "host.md").read_text()
     assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
     for M in C.FIRST_TOKENS:
         row = next(line for line in block.splitlines() if line.startswith(f"| {M} |"))
