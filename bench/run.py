@@ -121,6 +121,19 @@ def _driver_version() -> str | None:
         return None
 
 
+def main_loop(device: torch.device) -> str | None:
+    """The main loop the Triton fp8 GEMMs run on `device` (triton_kernels/hopper.py main_loop_for; None off CUDA or
+    without Triton): each record names it, and `python -m dorafp8.kernel_report --predict` prints a fused provider's
+    time beside that loop's prediction."""
+    if device.type != "cuda":
+        return None
+    try:
+        from dorafp8.triton_kernels import _common, hopper
+    except ImportError:
+        return None
+    return hopper.main_loop_for(_common.arch_of(device))
+
+
 def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -149,6 +162,7 @@ def environment(device: torch.device) -> dict:
         transformers=_version("transformers"),
         dorafp8=_version("dorafp8"),
         commit=_git_commit(),
+        main_loop=main_loop(device),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         timing=timing,
         speed_claims=device.type == "cuda",
@@ -259,6 +273,7 @@ class Runner:
             torch=self.env["torch"],
             triton=self.env["triton"],
             commit=self.env["commit"],
+            main_loop=self.env.get("main_loop"),
             date=self.env["date"],
             provider=case.provider,
             mode=case.mode,

@@ -234,7 +234,7 @@ def format_prediction(records: list[dict], results_dir: str | None = None) -> st
              "  GEMM kernels (the fastest config at the fast end; per step: cycles of one CTA's step at the fast end)"]
     kernels = {"forward": "dora_fwd_kernel", "dgrad": "dora_dgrad_kernel"}
     for p in headline(records):
-        got = seen["kernels"].get(kernels[p["kernel"]]) if (p["mode"], p["loop"]) == ("W8A16", "tma-ws") else None
+        got = seen["kernels"].get((kernels[p["kernel"]], p["loop"])) if p["mode"] == "W8A16" else None
         meas = f"  measured {got[0][0] / 1e3:.3f} ms ({got[0][1]})" if got else ""
         lines.append(f"  {p['mode']:11}  {p['loop']:10}  {p['kernel']:7}  {_ms(p['lo']['seconds'], p['hi']['seconds'])}"
                      f" ms  bound by {p['lo']['bound']}/{p['hi']['bound']}, {p['lo']['step_cycles']:.0f} cycles a "
