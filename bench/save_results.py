@@ -217,8 +217,11 @@ def kernels_md(first: dict) -> str:
         if prof is None:
             continue
         # the fast and the slow end of each prediction (one number where a file holds one)
+        # the model's row of the main loop the profile ran (a profile that does not name it: the Hopper loop, as
+        # kernel_report.predict.UNNAMED_LOOP says); the cp.async loop's row has no W8^T copy and no rank_pieces
+        row = mode if prof.get("main_loop", "tma-ws") == "tma-ws" else f"{mode}, cp.async loop"
         pred = {k["name"].split(":", 1)[-1]: (k["predicted_us"], k.get("predicted_us_hi", k["predicted_us"]))
-                for k in model.get("layers", {}).get(mode, {}).get("kernels", [])}
+                for k in model.get("layers", {}).get(row, {}).get("kernels", [])}
 
         def us(lo, hi):
             return f"{lo:.1f}" if hi == lo else f"{lo:.1f}-{hi:.1f}"
@@ -230,7 +233,7 @@ def kernels_md(first: dict) -> str:
                  else "-", ratio(k["us"], *pred[k["name"]]) if k["name"] in pred else "-") for k in prof["kernels"]]
         rows += [(f"{n} (not seen)", "-", "-", us(*p), "-") for n, p in pred.items()
                  if not any(k["name"] == n for k in prof["kernels"])]
-        out += [f"## {mode} ({prov}), M {prof['M']}, N = K = {prof['K']}, r {prof['r']}: one forward + backward, "
+        out += [f"## {row} ({prov}), M {prof['M']}, N = K = {prof['K']}, r {prof['r']}: one forward + backward, "
                 f"norm cached, mean of {prof['iters']}", "", _table(("kernel", "calls", "measured us", "predicted us",
                                                                      "measured / predicted"), rows),
                 "", f"Total measured {prof['total_us']:.1f} us", ""]
