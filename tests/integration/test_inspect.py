@@ -319,6 +319,8 @@ def test_sm100_gemms_use_tcgen05_with_w8_from_tensor_memory(records):
     # (one store per K step, which wgmma's register operand needs not), while act^T streams to shared memory as on
     # Hopper. But the NVFP4 / MXFP8 dgrad's unpacked tile reaches tcgen05 from shared memory under Triton 3.8 (why is
     # not read yet): found when they joined the subset (issue 54), left open; tcgen05 on their dtype is still checked.
+    if "sm_100a" not in ARCHS:
+        pytest.skip("sm_100a is not inspected here (DORAFP8_INSPECT_ARCHS)")
     recs = _w8a16(_select(records, "triton", GEMMS, "sm_100a", MMA_TYPES))
     assert recs
     micro_dgrad = [r for r in recs if _micro(r) and r["kernel"] == "dgrad"]
