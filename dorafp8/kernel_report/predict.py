@@ -45,7 +45,7 @@ RATES = {
     "alu": Rate(128, 128, "documented: 128 fp32 lanes (FADD, FFMA)"),
     "fp32_flops": Rate(256 * 0.8, 256 * 0.5, "documented 256 fp32 FLOP a clock (128 FMA); an fp32 matrix product "
                                              "reaches 80 to 50% of it: assumed (the rank-r kernels' fp32 FMA dots, "
-                                             "which it used to time, reached about 5% on the H200: project_kernel, "
+                                             "which it used to time, reached 5 to 23% on the H200: project_kernel "
                                              "1.07 GFLOP in 331 us; at the headline they are bf16 products now)"),
     "smem": Rate(128, 128, "documented: 32 banks x 4 bytes a clock"),
     "mma_smem": Rate(0.0, 1.0, "assumed: whether wgmma's shared-memory operand reads take the same 128 bytes a clock "
