@@ -104,7 +104,11 @@ def cmd_find(args):
     for t, n, name, mine in rows[:25]:
         print(f"  {t:10.1f} us  x{n:<3d} {'dorafp8 ' if mine else '        '}{name[:110]}")
     slowest = next((_base(name) for t, n, name, mine in rows if mine), None)  # what ncu --kernel-name matches
-    out = {"slowest": slowest, "kernels": [dict(us=t, count=n, name=name, dorafp8=mine) for t, n, name, mine in rows]}
+    from dorafp8.triton_kernels import _common, hopper
+
+    # main_loop: the fp8 GEMMs' (kernel_report --predict prints their times beside that loop's prediction)
+    out = {"slowest": slowest, "main_loop": hopper.main_loop_for(_common.arch_of(torch.device("cuda"))),
+           "kernels": [dict(us=t, count=n, name=name, dorafp8=mine) for t, n, name, mine in rows]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -238,7 +238,7 @@ def kernels_md(first: dict) -> str:
                  else "-", ratio(k["us"], *pred[k["name"]]) if k["name"] in pred else "-") for k in prof["kernels"]]
         rows += [(f"{n} (not seen)", "-", "-", us(*p), "-") for n, p in pred.items()
                  if not any(k["name"] == n for k in prof["kernels"])]
-        out += [f"## {mode} ({prov}), M {prof['M']}, N = K = {prof['K']}, r {prof['r']}: one forward + backward, "
+        out += [f"## {strategy} ({prov}), M {prof['M']}, N = K = {prof['K']}, r {prof['r']}: one forward + backward, "
                 f"norm cached, mean of {prof['iters']}", "", _table(("kernel", "calls", "measured us", "predicted us",
                                                                      "measured / predicted"), rows),
                 "", f"Total measured {prof['total_us']:.1f} us", ""]

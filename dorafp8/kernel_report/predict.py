@@ -43,8 +43,10 @@ RATES = {
     "f2fp": Rate(64, 16, "assumed 64 (the packed F2FP's rate is in no document) to 16, the guide's 'all other "
                          "conversions'"),
     "alu": Rate(128, 128, "documented: 128 fp32 lanes (FADD, FFMA)"),
-    "fp32_flops": Rate(256 * 0.8, 256 * 0.5, "documented 256 fp32 FLOP a clock (128 FMA); the rank-r kernels reach "
-                                             "80 to 50% of it: assumed"),
+    "fp32_flops": Rate(256 * 0.8, 256 * 0.5, "documented 256 fp32 FLOP a clock (128 FMA); an fp32 matrix product "
+                                             "reaches 80 to 50% of it: assumed (the rank-r kernels' fp32 FMA dots, "
+                                             "which it used to time, reached 5 to 23% on the H200: project_kernel "
+                                             "1.07 GFLOP in 331 us; at the headline they are bf16 products now)"),
     "smem": Rate(128, 128, "documented: 32 banks x 4 bytes a clock"),
     "mma_smem": Rate(0.0, 1.0, "assumed: whether wgmma's shared-memory operand reads take the same 128 bytes a clock "
                                "(not at all, to fully)"),
@@ -263,26 +265,28 @@ def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
 # --- the whole layer, and the strategies it is weighed against ------------------------------------------------------
 
 GEMM_KERNELS = {"triton:dora_fwd_kernel": "forward", "triton:dora_dgrad_kernel": "dgrad"}
-# The rank-r kernels' FLOPs at the headline (fp32 adapters: fp32 on CUDA cores): u = x A^T; v = (g c) B and
-# dB = (g c)^T u; dA = v^T x. The GEMMs' epilogues are in their own predictions.
-RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 2 * M * K * r,
-              "triton:dora_bwd_pass_kernel": lambda M, N, K, r: 4 * M * N * r,
-              "triton:project_grad_kernel": lambda M, N, K, r: 2 * M * K * r}
+# The rank-r kernels' FLOPs at the headline: u = x A^T; v = (g c) B and dB = (g c)^T u; dA = v^T x. Under the
+# headline's bf16 activations and fp32 adapters each product is three exact bf16 products on tensor cores, the fp32
+# operand split in three (triton_kernels/_common.py split_dtype): 3x the FLOPs, at the yardstick's rate, far below their
+# bytes' time (the FMA dots they replaced were charged on CUDA cores). The GEMMs' epilogues are in their own predictions.
+RANK_FLOPS = {"triton:project_kernel": lambda M, N, K, r: 3 * 2 * M * K * r,
+              "triton:dora_bwd_pass_kernel": lambda M, N, K, r: 3 * 4 * M * N * r,
+              "triton:project_grad_kernel": lambda M, N, K, r: 3 * 2 * M * K * r}
 
 
 def launch_seconds(launch: dict, end: str, shape: dict | None = None) -> float:
-    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (on CUDA cores, or at the
-    yardstick's rate for a 16-bit matrix product). shape: M, N, K, r (default the headline's)."""
+    """One launch other than the fused GEMMs: the longer of its bytes over HBM and its FLOPs (the rank-r kernels' split
+    products, or a 16-bit matrix product, at the yardstick's rate; an fp32 matrix product on CUDA cores). shape: M, N,
+    K, r (default the headline's; bf16 activations and fp32 adapters always)."""
     R = RATES
     t = launch["nbytes"] / R["hbm"].pick(end)
     flops = launch.get("flops") or 0
-    fp32_rate = SMS * CLOCK_HZ * R["fp32_flops"].pick(end)
     dims = [(shape or HEADLINE)[k] for k in ("M", "N", "K", "r")]
     if launch["name"] in RANK_FLOPS:
-        return max(t, RANK_FLOPS[launch["name"]](*dims) / fp32_rate)
+        return max(t, RANK_FLOPS[launch["name"]](*dims) / R["yardstick"].pick(end))
     if flops:
         fp32 = any("float32" in str(d) for _, d in launch.get("shapes", [])[:2])
-        return max(t, flops / (fp32_rate if fp32 else R["yardstick"].pick(end)))
+        return max(t, flops / (SMS * CLOCK_HZ * R["fp32_flops"].pick(end) if fp32 else R["yardstick"].pick(end)))
     return t
 
 
@@ -454,6 +458,10 @@ def layer_table(records: list[dict], launches: dict[str, list]) -> list[dict]:
 MEASURED_AS = {("dorafp8-triton", "fwd+bwd-cachednorm"): "W8A16", ("dorafp8-triton-w8a8", "fwd+bwd-cachednorm"): "W8A8",
                ("dorafp8-cublas", "fwd+bwd-cachednorm"): "dequantize + cuBLAS", ("peft-dora", "fwd+bwd"): "PEFT DoRA",
                ("linear-bf16", "fwd+bwd"): "cuBLAS bf16 Linear"}
+# The main loop of a measurement that does not name one (bench/run.py and ncu_profile.py record `main_loop` since the
+# cp.async loop became the default): the only GPU run before that (a516cbd, H200) ran the Hopper loop, sm_90's
+# default until then.
+UNNAMED_LOOP = "tma-ws"
 
 
 def measured_strategy(mode: str, main_loop: str | None) -> str:
@@ -461,7 +469,7 @@ def measured_strategy(mode: str, main_loop: str | None) -> str:
     measurement names (bench/run.py's records, the profile's and ncu_kernels.json's "main_loop": the default is the
     cp.async loop since the first GPU run, DORAFP8_HOPPER_GEMM=1 the Hopper one); one that names none predates the
     name: the first GPU run's (H200), whose launchers took the Hopper loop."""
-    return mode if (main_loop or "tma-ws") == "tma-ws" else f"{mode}, cp.async loop"
+    return mode if (main_loop or UNNAMED_LOOP) == "tma-ws" else f"{mode}, cp.async loop"
 
 
 def measured(results_dir: str) -> dict:
@@ -487,5 +495,5 @@ def measured(results_dir: str) -> dict:
         for k in data.get("kernels", []):
             kernels.setdefault(re.sub(r"\W.*$", "", k["name"]), []).append((
                 k["us"] / max(1, k.get("count", 1)), os.path.basename(os.path.dirname(path)),
-                k.get("main_loop", data.get("main_loop")) or "tma-ws"))
+                k.get("main_loop", data.get("main_loop")) or UNNAMED_LOOP))
     return dict(layers=layers, kernels=kernels)

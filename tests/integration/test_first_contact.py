@@ -205,6 +205,31 @@ def test_kernels_md_predictions_are_the_profiled_main_loops():
         assert f"| dora_fwd_kernel | 1 | 400.0 | {predicted} |" in text, (loop, text)
 
 
+def test_kernels_md_sets_a_profile_beside_the_loop_it_ran(monkeypatch, tmp_path):
+    """The profile runs the default cp.async loop (main_loop "async-copy", recorded since that default): kernels.md
+    sets it beside that loop's predicted kernels, not the Hopper loop's (W8^T's copy, rank_pieces); a profile that
+    names no loop is the Hopper loop's (the a516cbd H200 run). Failed on the old code: every dorafp8-triton profile
+    was set beside the "W8A16" row, the Hopper loop's, whose transpose_w8_kernel it listed as "not seen"."""
+    import save_results as SR
+
+    from dorafp8.kernel_report import predict as pr
+
+    lc = lambda name, nbytes: dict(name=name, nbytes=nbytes, flops=0, shapes=[])  # noqa: E731
+    launches = {"W8A16": [lc("triton:transpose_w8_kernel", 32 * 2**20)],
+                "W8A16, cp.async loop": [lc("triton:project_kernel", 64 * 2**20)]}
+    monkeypatch.setattr(pr, "layer_table", lambda records, lcs: [dict(name=n, gemms={}) for n in lcs])
+    first = _pins_step(monkeypatch, tmp_path, launches)
+    prof = {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 400.0,
+            "kernels": [{"name": "project_kernel", "calls": 1, "us": 40.0}]}
+    first["profile"] = {"dorafp8-triton": dict(prof, main_loop="async-copy")}
+    text = SR.kernels_md(first)
+    assert "## W8A16, cp.async loop (dorafp8-triton)" in text and "transpose_w8_kernel" not in text, text
+    assert "| project_kernel | 1 | 40.0 | - |" not in text, text  # its prediction is there
+    first["profile"] = {"dorafp8-triton": prof}  # no main_loop: the Hopper loop's row
+    text = SR.kernels_md(first)
+    assert "## W8A16 (dorafp8-triton)" in text and "transpose_w8_kernel (not seen)" in text, text
+
+
 def test_a_pin_for_one_main_loop_never_narrows_the_others_list(monkeypatch):
     """The pins file held a config per GEMM and mode for both main loops ({"forward/w8a16": [tma-ws pick, cp.async
     pick]}), each launcher keeping the names its list held: where a config of the tma-ws pick's name was also in the
