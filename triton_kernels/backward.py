@@ -34,7 +34,7 @@ def dora_bwd_pass_kernel(
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
-    V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g (c B) with c B split in three bf16 parts (split_dtype)
+    V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g ((c / max|c|) B) max|c|, that operand split in three (split_dtype)
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
     DB_SPLIT: tl.constexpr,  # bf16 g, fp32 u: g^T u with u split (dot3)
     BLOCK_R: tl.constexpr,
@@ -93,8 +93,9 @@ def dora_bwd_pass_kernel(
                 f = c
             b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
                              mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            if V_SPLIT:  # split once per column block; g's bf16 values times each part are exact products
-                cb_hi, cb_mid, cb_lo = split3(b_tile.to(tl.float32) * c[:, None])
+            if V_SPLIT:  # split once per column block; g's bf16 values times each part are exact products.
+                # c / max|c| as below: c B itself can overflow fp32 where g c B does not (c = m / n, n tiny).
+                cb_hi, cb_mid, cb_lo = split3(b_tile.to(tl.float32) * (c / rho_c)[:, None])
                 cb_hi, cb_mid, cb_lo = cb_hi.to(V_DT), cb_mid.to(V_DT), cb_lo.to(V_DT)
             else:
                 b_tile = b_tile.to(V_DT)
@@ -131,7 +132,7 @@ def dora_bwd_pass_kernel(
                     v = dot(gq, cb_hi, v, V_IEEE)
                 else:
                     v = dot((g * cn).to(V_DT), b_tile, v, V_IEEE)
-                    v = v * rho_c
+                v = v * rho_c
                 # This program's slice of the column group's v partial; rows past M are masked.
                 vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
                 vmask = mask_m[:, None] & mask_r[None, :]
