@@ -34,7 +34,7 @@ def dora_bwd_pass_kernel(
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
-    V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g (c B) with c B split in three bf16 parts (split_dtype)
+    V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g ((c / max|c|) B) max|c|, that operand split in three (split_dtype)
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
     DB_SPLIT: tl.constexpr,  # bf16 g, fp32 u: g^T u with u split (dot3)
     BLOCK_R: tl.constexpr,
@@ -86,15 +86,16 @@ def dora_bwd_pass_kernel(
         f = tl.full((BLOCK_N,), 1.0, tl.float32)
         if HAS_ADAPTER:
             c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)
-            cn = (c / rho_c)[None, :]  # |g * c / max|c|| <= |g|: the 16-bit dot operand cannot overflow
+            cn = c / rho_c  # |g * c / max|c|| <= |g|: the 16-bit dot operand cannot overflow
             if HAS_DROPOUT:
                 f = c - 1.0
             else:
                 f = c
             b_tile = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_b_n + offs_r[None, :] * stride_b_r,
                              mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            if V_SPLIT:  # split once per column block; g's bf16 values times each part are exact products
-                cb_hi, cb_mid, cb_lo = split3(b_tile.to(tl.float32) * c[:, None])
+            if V_SPLIT:  # split once per column block; g's bf16 values times each part are exact products.
+                # c / max|c| as below: c B itself can overflow fp32 where g c B does not (c = m / n, n tiny).
+                cb_hi, cb_mid, cb_lo = split3(b_tile.to(tl.float32) * cn[:, None])
                 cb_hi, cb_mid, cb_lo = cb_hi.to(V_DT), cb_mid.to(V_DT), cb_lo.to(V_DT)
             else:
                 b_tile = b_tile.to(V_DT)
@@ -130,8 +131,8 @@ def dora_bwd_pass_kernel(
                     v = dot(gq, cb_mid, v, V_IEEE)
                     v = dot(gq, cb_hi, v, V_IEEE)
                 else:
-                    v = dot((g * cn).to(V_DT), b_tile, v, V_IEEE)
-                    v = v * rho_c
+                    v = dot((g * cn[None, :]).to(V_DT), b_tile, v, V_IEEE)
+                v = v * rho_c
                 # This program's slice of the column group's v partial; rows past M are masked.
                 vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
                 vmask = mask_m[:, None] & mask_r[None, :]

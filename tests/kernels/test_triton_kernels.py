@@ -121,6 +121,25 @@ def test_fp32_adapters_on_bf16_keep_exact_products(device, masked):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp32_adapters_on_bf16_backward_pass_without_overflow(device):
+    """bf16 g with fp32 B: c B past fp32's max (c = m / n with a tiny norm n) while v = g c B is finite (g tiny). The
+    split fp32 operand must not be c B itself (the first split: inf, then inf - inf = NaN in all of v), but c / max|c|
+    times B, v rescaled by max|c| after the dot, as the 16-bit path's (g c / max|c|) B max|c| does."""
+    gen = torch.Generator().manual_seed(53)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    M, N, r = 9, 3, 5
+    g, B = (rnd(M, N) * 2.0 ** -100).to(torch.bfloat16), (rnd(N, r) * 1e10).float()
+    m, n = (rnd(N).abs() + 0.5).float(), ((rnd(N).abs() + 0.5) * 1e-30).float()  # c ~ 1e30
+    c = m.double() / n.double()
+    assert ((B.double() * c[:, None]).abs() > torch.finfo(torch.float32).max).any()
+    out = tk.backward_pass(*(t.to(device) for t in (g, g, m, n)), None, B.to(device), rnd(M, r).float().to(device),
+                           1.0, False, True, False)
+    v, gc = out[3].double().cpu(), g.double() * c
+    err = (v - gc @ B.double()).abs()
+    assert v.isfinite().all() and (err <= 16 * 2.0 ** -24 * (gc.abs() @ B.double().abs())).all(), f"v: {v}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
