@@ -29,6 +29,17 @@ def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, in
 
 
 @triton.jit
+def _dropped(a, keep, inv_keep, SPLIT: tl.constexpr):
+    """a with dropout's zeros; its kept values scaled by 1 / (1 - p) here, or with SPLIT (dot3) left bf16, exact, and
+    the kernel scales the finished sum instead."""
+    if SPLIT:
+        a = tl.where(keep != 0, a, 0.0)
+    else:
+        a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+    return a
+
+
+@triton.jit
 def project_kernel(
     a_ptr, b_ptr, out_ptr, mask_ptr, q_ptr, sq_ptr,
     M, K, R,
@@ -58,10 +69,7 @@ def project_kernel(
         if HAS_MASK:
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + k0 + offs_k[None, :],
                            mask=mask_m[:, None] & k_ok[None, :], other=0)
-            if SPLIT:
-                a = tl.where(keep != 0, a, 0.0)
-            else:
-                a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+            a = _dropped(a, keep, inv_keep, SPLIT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0)
         if SPLIT:
@@ -105,10 +113,7 @@ def project_grad_kernel(
         if HAS_MASK:
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + offs_k[None, :],
                            mask=mask_m[:, None] & mask_k[None, :], other=0)
-            if SPLIT:  # a stays bf16; 1 / (1 - p) scales the sum
-                a = tl.where(keep != 0, a, 0.0)
-            else:
-                a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
+            a = _dropped(a, keep, inv_keep, SPLIT)
         if SPLIT:
             acc = dot3(vt, a, acc, DOT_DT, IEEE, True)
         else:
