@@ -170,10 +170,13 @@ def split3(x):
 
 
 @triton.jit
-def dot3(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr, SPLIT_A: tl.constexpr):
+def dot3(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT: tl.constexpr):
     """acc + a @ b where one operand holds bf16 values (any float dtype) and the other (a if SPLIT_A, else b) is fp32,
-    split by split3: three 16-bit dots of exact products accumulated in fp32 (split_dtype). Smallest parts first."""
-    if SPLIT_A:
+    split by split3: three 16-bit dots of exact products accumulated in fp32 (split_dtype). Smallest parts first.
+    Without SPLIT, one dot of both operands in DOT_DT."""
+    if not SPLIT:
+        acc = dot(a.to(DOT_DT), b.to(DOT_DT), acc, IEEE)
+    elif SPLIT_A:
         hi, mid, lo = split3(a.to(tl.float32))
         o = b.to(DOT_DT)
         acc = dot(lo.to(DOT_DT), o, acc, IEEE)

@@ -146,7 +146,7 @@ def dora_bwd_pass_kernel(
                     u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
                                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
                     if DB_SPLIT:
-                        dB_acc = dot3(tl.trans(g_in), u, dB_acc, DB_DT, DB_IEEE, False)
+                        dB_acc = dot3(tl.trans(g_in), u, dB_acc, DB_DT, DB_IEEE, False, True)
                     else:
                         dB_acc = dot(tl.trans(g.to(DB_DT)), u.to(DB_DT), dB_acc, DB_IEEE)
         part = pid_m.to(tl.int64) * N + offs_n

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
+from ._common import (dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
                       split_dtype, sum_parts)
 from .occupancy import sm_props
 from .quant import quant_rows
@@ -72,10 +72,7 @@ def project_kernel(
             a = _dropped(a, keep, inv_keep, SPLIT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0)
-        if SPLIT:
-            acc = dot3(a, bt, acc, DOT_DT, IEEE, False)
-        else:
-            acc = dot(a.to(DOT_DT), bt.to(DOT_DT), acc, IEEE)
+        acc = dot3(a, bt, acc, DOT_DT, IEEE, False, SPLIT)
     if SPLIT and HAS_MASK:
         acc = acc * inv_keep
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -114,10 +111,7 @@ def project_grad_kernel(
             keep = tl.load(mask_ptr + rows[:, None] * stride_mask_m + offs_k[None, :],
                            mask=mask_m[:, None] & mask_k[None, :], other=0)
             a = _dropped(a, keep, inv_keep, SPLIT)
-        if SPLIT:
-            acc = dot3(vt, a, acc, DOT_DT, IEEE, True)
-        else:
-            acc = dot(vt.to(DOT_DT), a.to(DOT_DT), acc, IEEE)
+        acc = dot3(vt, a, acc, DOT_DT, IEEE, True, SPLIT)
     if SPLIT and HAS_MASK:
         acc = acc * inv_keep
     part = part_ptr + (pid_s.to(tl.int64) * R + offs_r[:, None]) * K + offs_k[None, :]
