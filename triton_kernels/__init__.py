@@ -45,7 +45,7 @@ def _version_problem() -> str | None:
     return untested_version("triton", triton.__version__)
 
 
-def _interpreter_problem() -> str | None:
+def interpreter_problem() -> str | None:
     """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.4 refuses (every kernel failed with
     "only 0-dimensional arrays can be converted to Python scalars"); 3.7 fixed it. Compiled kernels are unaffected."""
     import numpy
@@ -74,7 +74,7 @@ def unavailable_reason(device: torch.device) -> str | None:
         return None
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") == "1":
-            return _interpreter_problem()
+            return interpreter_problem()
         return "Triton kernels need a CUDA GPU; on CPU they run only under the interpreter (TRITON_INTERPRET=1)"
     return f"Triton kernels do not run on {device.type} devices"
 

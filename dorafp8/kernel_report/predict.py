@@ -393,9 +393,9 @@ def dry_run_device() -> str:
     interpreter; where that interpreter cannot run (Triton 3.6 under NumPy 2.4 or newer: the first GPU run's machine,
     whose pins step lost every layer prediction to it) an sm_90 GPU, whose launchers plan as the model's H100 does;
     else a RuntimeError saying why neither."""
-    from ..triton_kernels import _interpreter_problem
+    from ..triton_kernels import interpreter_problem
 
-    why = _interpreter_problem()
+    why = interpreter_problem()
     if why is None:
         return "cpu"
     import torch

@@ -933,7 +933,7 @@ def test_headline_dry_runs_where_the_interpreter_refuses(monkeypatch, gpu):
     import dorafp8.triton_kernels as tk
     from dorafp8.kernel_report import predict as pr
 
-    monkeypatch.setattr(tk, "_interpreter_problem", lambda: REFUSED)
+    monkeypatch.setattr(tk, "interpreter_problem", lambda: REFUSED)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as the tests' own: not handed to a child that records on a GPU
