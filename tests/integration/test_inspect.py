@@ -447,6 +447,10 @@ KNOWN_SPILLS: dict[str, set] = {
              "BLOCK_M=64,BLOCK_K=64,BLOCK_N=64,GROUP_M=8,w4,s4") for m in ("M>64", "M<=64")}
            | {("dgrad", "sm_100a", "bf16", "adapter+dropout,tensor-scale,w8a8,M>64",
                "BLOCK_M=128,BLOCK_K=64,BLOCK_N=64,GROUP_M=8,w4,s4")},
+    # Triton 3.7 on sm_100a, read when the rank-r kernels took the split fp32 operand (split_dtype): 16 bytes at 72
+    # registers in project_grad with dropout (bf16 x, fp32 adapters) on its 32 x 64 x 32 three-stage tile; 3.6 and 3.8
+    # spill nothing there (CI's matrix and the kernel report, this round)
+    "3.7": {("project_grad", "sm_100a", "bf16", "dropout,fp32-rank", "BLOCK_M=32,BLOCK_K=64,BLOCK_R=32,w4,s3")},
 }
 
 
