@@ -23,6 +23,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dorafp8.backends import base  # noqa: E402
+from dorafp8.triton_kernels._common import sum_parts  # noqa: E402
 from dorafp8.triton_kernels.epilogue_dot import split_dot  # noqa: E402
 from dorafp8.triton_kernels.gemm import w8_to  # noqa: E402
 
@@ -226,6 +227,37 @@ def test_split_dot_is_within_2_pow_minus_14(device):
     assert ((out.cpu().double() - exact).abs() <= bound).all()
     one_product = a.bfloat16().double() @ b.bfloat16().double()
     assert not ((one_product - exact).abs() <= bound).all()
+
+
+@triton.jit
+def _sum_parts_kernel(part_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < numel
+    tl.store(out_ptr + offs, sum_parts(part_ptr, n_parts, numel, offs, ok), mask=ok)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_parts_adds_in_order(device):
+    """sum_parts (the partials' fixed-order sums: the backward pass's v, db, dm, dB and project_grad's splits) for 1 to
+    10 parts, bit for bit the sum p = 0, 1, 2, ... one part at a time in fp32: every part counted once, in order (it
+    loads four at a time; a part past the count added, or the order changed, alters low bits of these magnitudes),
+    and -0.0 kept where every part is -0.0 (a masked load's 0.0 added would give +0.0). Elements past numel are not
+    written (NaN stays)."""
+    gen = torch.Generator().manual_seed(11)
+    numel, block = 37, 64
+    for n_parts in range(1, 11):
+        parts = torch.randn(n_parts + 3, numel, generator=gen) * 2.0 ** torch.randint(-12, 13, (n_parts + 3, numel),
+                                                                                      generator=gen)
+        parts[:, 0] = -0.0  # every part -0.0: the sum is -0.0
+        out = torch.full((block,), float("nan"), device=device)
+        _sum_parts_kernel[(1,)](parts.to(device), out, n_parts, numel, BLOCK=block)
+        want = parts[0].clone()
+        for p in range(1, n_parts):
+            want = want + parts[p]  # fp32, one part at a time
+        got = out.cpu()
+        assert torch.equal(got[:numel], want), f"{n_parts} parts"
+        assert torch.signbit(got[0]), f"{n_parts} parts: -0.0 became +0.0"
+        assert got[numel:].isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
