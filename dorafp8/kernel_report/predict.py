@@ -11,8 +11,6 @@ import os
 import re
 from dataclasses import dataclass
 
-from .._env import flag
-
 
 @dataclass(frozen=True)
 class Rate:
@@ -229,8 +227,9 @@ def _suffix(loop: str, mode: str = "W8A16") -> str:
     """`loop`'s variant-name suffix on sm_90a: "" if the launchers pick it, else ",<loop>"; None if `mode` lacks it."""
     if mode in MICRO_MODES:
         return "" if loop == "async-copy" else None
-    picked = "tma-ws" if flag("DORAFP8_HOPPER_GEMM", False) else "async-copy"  # hopper.main_loop_for("sm90")
-    return "" if loop == picked else f",{loop}"
+    from ..triton_kernels.hopper import main_loop_for  # the launchers' own rule (this module's top needs no torch)
+
+    return "" if loop == main_loop_for("sm90") else f",{loop}"
 
 
 def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: int, w_bytes: float = 1.0) -> float:

@@ -990,6 +990,18 @@ def test_a_measurement_sits_beside_the_main_loop_it_ran(tmp_path, monkeypatch):
     assert "measured 0.300 ms" in fwd["async-copy"] and "measured" not in fwd["tma-ws"], fwd
 
 
+def test_headline_names_the_loop_the_launchers_pick(monkeypatch):
+    """The report names the loop hopper.main_loop_for picks on sm_90 without a suffix, reading that rule, not a copy
+    of it (predict._suffix read DORAFP8_HOPPER_GEMM itself: fails there with the rule picking "tma-ws")."""
+    from dorafp8.kernel_report import predict as pr
+    from dorafp8.triton_kernels import hopper
+
+    for picked in hopper.MAIN_LOOPS:
+        monkeypatch.setattr(hopper, "main_loop_for", lambda arch, p=picked: p if arch == "sm90" else "async-copy")
+        assert {lp: pr._suffix(lp) for lp in pr.LOOPS} == {lp: "" if lp == picked else f",{lp}" for lp in pr.LOOPS}
+    assert pr._suffix("tma-ws", "NVFP4 W4A16") is None and pr._suffix("async-copy", "MXFP8 W8A16") == ""
+
+
 def test_microscaled_headline_rows():
     """The NVFP4 / MXFP8 bases' headline rows (issue 54): their variants in the cp.async loop, their only one (named
     without a suffix: a ",tma-ws" record is not taken), the weight's bytes (0.5625 a weight NVFP4, 1.03125 MXFP8) in

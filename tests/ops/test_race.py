@@ -827,6 +827,36 @@ class FakeCudaMemory:
         self.peak = self.cur
 
 
+def test_a_lone_candidates_time_is_not_its_first_call_at_the_timings_m(monkeypatch):
+    """A candidate checked alone (the one that hung the last process's child, a backend new since the file was
+    written) is weighed against the file's times of the others, medians of ROUNDS calls: its first call at the
+    timing's M, where Triton autotunes that M's bucket (each config timed, seconds), must not be its time. Failed on
+    the old code (a lone candidate timed once: that call). The clock is a stand-in: no timing here."""
+    import contextlib
+    import io
+    import types
+
+    from dorafp8.ops import _race_child
+
+    monkeypatch.setattr(_race_child, "_watchdog", lambda limit, parent: None)  # it would end this process at the limit
+    clock, seen, step = [0.0], set(), _race_child._step
+
+    def first_call_slow(spec, t, backend):
+        at = (backend, t["x"].shape[0])
+        clock[0] += 0.001 if at in seen else 100.0  # a candidate's first call at an M: its autotuning
+        seen.add(at)
+        return step(spec, t, backend)
+
+    monkeypatch.setattr(_race_child, "_step", first_call_slow)
+    monkeypatch.setattr(_race_child, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    spec = _race.spec_of("dora", CPU, N=256, K=256, M=2048, r=4, cdt=torch.bfloat16, rdt=torch.float32)
+    assert _race.plan(spec)["time"] not in _race.plan(spec)["check"]  # the timing's M is new to the candidate
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert _race_child.main([json.dumps(dict(spec, cands=["native"]))]) == 0
+    line = [x for x in out.getvalue().splitlines() if x.startswith("dorafp8-race result ")][-1]
+    assert json.loads(line[len("dorafp8-race result "):])["native"]["ms"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("peak_first", [True, False])
 def test_the_childs_gpu_peak_counts_its_tensors_not_cublas_or_triton_autotuning(monkeypatch, peak_first):
     """The first GPU run's race warned "held 290.6 MiB, more than its bound of 17.0 MiB (please report)": the CUDA
