@@ -198,7 +198,7 @@ MAY_SPILL = {("dgrad", "sm_89", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-
 # pressure (72 to 96 registers) but the correctly rounded c = m / n (div_rn), whose slow path is a subroutine CALL
 # across which ptxas keeps predicate masks on the stack, stored once per thread before the rank-r loop and loaded
 # after it; no loop touches them. Computing c before the rank-r term moves the spills to the fp32-activation variants
-# (8 and 16 bytes on sm_90a, 3.9). That strategy is opt-in (backend="cublas"; "auto" never picks it).
+# (8 and 16 bytes on sm_90a, 3.9). "auto" picks that strategy where its check and time win (the H200 run did: race.md).
 MAY_SPILL |= {("forward_epilogue", arch, "bf16", f"{mode},fp32-rank,r={r}", "BLOCK_M=16,BLOCK_N=64,w4,s3")
               for arch in insp.ARCHS for mode in ("adapter", "adapter+dropout") for r in (16, 64)}
 # project_grad with dropout (bf16 x, fp32 adapters split in three bf16 parts: split_dtype) on its 32 x 64 x 32
