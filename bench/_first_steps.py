@@ -31,7 +31,8 @@ CHECKS = {"w8a16": ("native", None), "w8a8": ("reference", "rowwise")} if SMOKE 
      "w8a16-ws": ("triton", None), "w8a8-ws": ("triton", "rowwise")}
 SMOKE_PROVIDERS = ("dorafp8-reference", "linear-bf16", "linear-fp8-dequant", "peft-dora", "peft-lora",
                    "dorafp8-lora-reference")
-PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8")
+# the cuBLAS strategy too: backend="auto" picked it on the first GPU run, and issue 52's headline is its time
+PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-triton-w8a8", "dorafp8-cublas")
 # the host step's providers, --smoke's too: its dorafp8 ones under Triton's interpreter (first_contact.child_env), so
 # that CI runs the Triton launch clock
 HOST_PROVIDERS = ("dorafp8-triton", "dorafp8-cublas", "peft-dora", "linear-bf16")

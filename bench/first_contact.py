@@ -80,7 +80,8 @@ STEPS = {
         Step("race", 40, "backend='auto' at M 8192: its first call checks and times the candidates in a child "
                          "process (dorafp8/backends/race.py); the verdicts, the pick and what that first call cost",
              compiles="the child's: the correct step's kernels again at M 8192 and 37 (Triton's disk cache)"),
-        Step("profile", 20, "torch.profiler per kernel: W8A16 and W8A8 forward + backward at M 8192",
+        Step("profile", 25, "torch.profiler per kernel: W8A16, W8A8 and the cuBLAS strategy, forward + backward at "
+                            "M 8192",
              compiles="none new"),
         Step("host", 25, "where a call's time goes, at M 256 and 8192: wall time synced each call, the host's "
                          "enqueue time, the GPU's (torch.profiler) and its launches, the host's time in Triton's "

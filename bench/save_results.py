@@ -215,13 +215,14 @@ def kernels_md(first: dict) -> str:
         out += [f"No model for this GPU: {model.get('skipped', 'the pins step did not run')}.", ""]
     if "layers_error" in model:
         out += [f"No predicted times per kernel: the headline's dry runs failed ({model['layers_error']}).", ""]
-    for prov, mode in (("dorafp8-triton", "W8A16"), ("dorafp8-triton-w8a8", "W8A8")):
+    for prov, mode in (("dorafp8-triton", "W8A16"), ("dorafp8-triton-w8a8", "W8A8"),
+                       ("dorafp8-cublas", "dequantize + cuBLAS")):
         prof = first.get("profile", {}).get(prov)
         if prof is None:
             continue
         # the fast and the slow end of each prediction (one number where a file holds one)
         strategy = mode
-        if model.get("layers"):  # the predictions of the main loop the profile ran (the pins step imported dorafp8)
+        if model.get("layers") and prov != "dorafp8-cublas":  # a Triton GEMM's: the main loop the profile ran
             from dorafp8.kernel_report.predict import measured_strategy
 
             strategy = measured_strategy(mode, prof.get("main_loop"))

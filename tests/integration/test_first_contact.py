@@ -612,7 +612,10 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
                        "layers": {"W8A16": {"kernels": [{"name": "triton:dora_fwd_kernel", "predicted_us": 400.0},
                                                         {"name": "triton:project_kernel", "predicted_us": 20.0}]}}},
              "profile": {"dorafp8-triton": {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 500.0,
-                                            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 500.0}]}},
+                                            "kernels": [{"name": "dora_fwd_kernel", "calls": 1, "us": 500.0}]},
+                         # the strategy backend="auto" picked on the first GPU run: profiled since
+                         "dorafp8-cublas": {"M": 8192, "K": 4096, "r": 16, "iters": 5, "total_us": 30.0,
+                                            "kernels": [{"name": "fwd_epilogue_kernel", "calls": 1, "us": 30.0}]}},
              "host": {"device": "Stand-in GPU", "smoke": False, "calls": 20, "rows": [
                  dict(provider="dorafp8-triton", M=256, wall_us=1600.0, enqueue_us=1500.0, gpu_us=120.0, launches=25,
                       host_timed_us=1550.0, triton_us=900.0, triton_jit_us=700.0, triton_launches=14),
@@ -638,6 +641,8 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
         assert (dest / name).is_file(), name
     assert "| dora_fwd_kernel | 1 | 500.0 | 400.0 | 1.25x |" in (dest / "kernels.md").read_text()
     assert "| project_kernel (not seen) | - | - | 20.0 | - |" in (dest / "kernels.md").read_text()
+    assert "## dequantize + cuBLAS (dorafp8-cublas), M 8192" in (dest / "kernels.md").read_text()
+    assert "| fwd_epilogue_kernel | 1 | 30.0 | - | - |" in (dest / "kernels.md").read_text()
     assert (tmp_path / "results" / "cpu" / "correctness.md").is_file()  # the smoke run: a device folder of its own
     # README: only the block between the markers changed; one row per M, its cells the stand-in times
     text = readme.read_text()
