@@ -167,7 +167,9 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
         # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
         outer = not _LOADING
         with _LOADING.on():
-            out = _modelopt_load(klass, args, kwargs) if outer else None
+            # ModelOpt exports: transformers' only (diffusers has a ModelOpt quantizer of its own, and a hub id would
+            # cost it requests for files it never asks for)
+            out = _modelopt_load(klass, args, kwargs) if outer and cls_name == "PreTrainedModel" else None
             out = orig(klass, *args, **kwargs) if out is None else out
         if outer:
             _on_load(out[0] if isinstance(out, tuple) else out)

@@ -106,6 +106,16 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
     assert launcher._STATE["models"] == 1
 
 
+def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state):
+    """from_pretrained(folder, subfolder="llm") of a local export: the hook looked in the folder itself (no
+    hf_quant_config.json there) and left it to transformers, codes without scales."""
+    sd = _fp8_export(str(tmp_path / "repo" / "llm"))
+    model = launcher._modelopt_load(transformers.LlamaForCausalLM, (str(tmp_path / "repo"),), {"subfolder": "llm"})
+    assert model is not None, "the hub id went to transformers"
+    _assert_fp8(model, sd)
+    assert launcher._STATE["models"] == 1
+
+
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
     """revision="fp8" (a branch holding the export; main holds the bf16 model) is that branch's snapshot: handed
     over; main's (a dense model) goes to transformers, untouched."""
@@ -200,3 +210,23 @@ def test_dorafp8_run_loads_a_hub_export_offline(tmp_path):
     assert "ModelOpt FP8 export held by dorafp8" in r.stderr
     code_max = float(sd["model.layers.0.self_attn.q_proj.weight"].float().abs().max())
     assert float(lines["fp8"].split()[1]) == code_max  # the file's codes, held with their scale
+
+
+def test_a_diffusers_load_is_not_handed_over(tmp_path, monkeypatch):
+    """Under --quantize the hook wraps diffusers' from_pretrained too, and asked every load whether it was a ModelOpt
+    export for transformers' loader (AutoConfig on a diffusers config): diffusers has its own ModelOpt quantizer, and
+    for a hub id that would cost requests diffusers never makes. Now only transformers' loads are asked."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.modeling_utils import ModelMixin
+
+    from tests.integration._tiny_diffusers import unet
+
+    model, _ = unet()
+    model.save_pretrained(str(tmp_path / "unet"))
+    monkeypatch.setattr(ModelMixin, "from_pretrained", ModelMixin.__dict__["from_pretrained"])
+    monkeypatch.setitem(launcher._STATE, "options", {})
+    asked = []
+    monkeypatch.setattr(launcher, "_modelopt_load", lambda *a: asked.append(a))
+    launcher._quantize_on_load("diffusers.models.modeling_utils", "ModelMixin")
+    type(model).from_pretrained(str(tmp_path / "unet"))
+    assert asked == []
