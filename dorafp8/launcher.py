@@ -188,7 +188,7 @@ def _modelopt_load(klass, args, kwargs):
     if found is None:
         return None
     algo, folder = found
-    hub.fetch_weights(path, kwargs, folder)
+    hub.fetch_weights(path, kwargs)
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig

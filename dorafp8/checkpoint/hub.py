@@ -129,17 +129,26 @@ def _not_cached(path, kwargs, fetch, config) -> None:
           f"online")
 
 
-def fetch_weights(path, kwargs, folder: str) -> None:
-    """The weight files of a hub checkpoint into its cached `folder`, as from_pretrained would fetch them:
-    model.safetensors, else the shards its index names (load_fp8_checkpoint reads the folder, refusing what is
-    missing)."""
+def fetch_weights(path, kwargs) -> None:
+    """The weight files of hub checkpoint `path` into the cache, as from_pretrained would fetch them: model.safetensors,
+    else the shards its index names (load_fp8_checkpoint then reads the snapshot folder, refusing what is missing).
+    Offline, a file the cache knows nothing of (a snapshot `hf download` made records no .no_exist) is no answer."""
     if os.path.isdir(os.fspath(path)):
         return
     fetch = checkpoint_files(path, kwargs)
-    if fetch("model.safetensors") is None:
-        index = fetch("model.safetensors.index.json")
-        if index is not None:
-            with open(index) as f:
+    unknown = None
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        try:
+            found = fetch(name)
+        except NotCached as e:
+            unknown = unknown or e
+            continue
+        if found is not None and name.endswith(".json"):
+            with open(found) as f:
                 weight_map = json.load(f).get("weight_map")
             for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
                 fetch(shard)
+        if found is not None:
+            return
+    if unknown is not None:
+        raise unknown

@@ -116,6 +116,29 @@ def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state
     assert launcher._STATE["models"] == 1
 
 
+def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path, state):
+    """A sharded export in a cache `hf download` filled (every file, no .no_exist record of the model.safetensors it
+    lacks), offline: the hook asked for model.safetensors first and refused, as not cached, what it had whole."""
+    from safetensors.torch import load_file, save_file
+
+    sd = _fp8_export(str(tmp_path / "export"))
+    single = os.path.join(tmp_path, "export", "model.safetensors")
+    tensors = load_file(single)
+    os.remove(single)
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(tmp_path, "export", shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(tmp_path, "export", "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    kw = {"cache_dir": cache, "local_files_only": True}
+    _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
+
+
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
     """revision="fp8" (a branch holding the export; main holds the bf16 model) is that branch's snapshot: handed
     over; main's (a dense model) goes to transformers, untouched."""
