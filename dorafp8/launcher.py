@@ -185,6 +185,12 @@ def _modelopt_load(klass, args, kwargs):
 
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     found = hub.modelopt_export(path, kwargs)
+    base = hub.adapter_base(path, kwargs) if found is None else None
+    if base is not None and hub.modelopt_export(base, kwargs) is not None:  # transformers would load it, no scales
+        raise ValueError(f"from_pretrained({path!r}) is a PEFT adapter whose base model {base!r} is a ModelOpt "
+                         f"export, which transformers loads without its scales; load the base first, held by dorafp8 "
+                         f"(model = from_pretrained({base!r})), then the adapter: PeftModel.from_pretrained(model, "
+                         f"{path!r})")
     if found is None:
         return None
     algo, folder = found

@@ -89,6 +89,25 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
     return str(algo).upper(), os.path.dirname(hq or config)
 
 
+def adapter_base(path, kwargs) -> str | None:
+    """The base_model_name_or_path of a PEFT adapter from_pretrained(path, **kwargs) loads its base model from, as
+    transformers reads it (with peft installed: an adapter_config.json, unless `path` is a local folder with a
+    config.json of its own), else None."""
+    import importlib.util
+
+    fetch = checkpoint_files(path, kwargs)
+    if fetch is None or importlib.util.find_spec("peft") is None:
+        return None
+    if os.path.isdir(os.fspath(path)) and os.path.exists(os.path.join(os.fspath(path), "config.json")):
+        return None
+    try:
+        with open(fetch("adapter_config.json") or os.devnull) as f:
+            base = json.loads(f.read() or "{}").get("base_model_name_or_path")
+    except (NotCached, OSError, ValueError, AttributeError):
+        return None
+    return base if isinstance(base, str) and base else None
+
+
 def _not_cached(path, kwargs, fetch, config) -> None:
     """hf_quant_config.json of hub checkpoint `path` is not in the cache and cannot be fetched: None (not an export)
     where its config.json has a quantization_config (transformers' quantizer, or a ModelOpt one read from it) or its

@@ -139,6 +139,25 @@ def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path
     _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
 
 
+@pytest.mark.parametrize("where", ["local", "hub"])
+def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, where):
+    """from_pretrained(adapter) (a PEFT adapter: transformers loads its base_model_name_or_path, then the adapter)
+    whose base is a ModelOpt export: the hook saw only the adapter's path, no config.json there, and transformers
+    loaded the base's codes without their scales. Now refused, naming the two-step load."""
+    _fp8_export(str(tmp_path / "export"))
+    (tmp_path / "adapter").mkdir()
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    base = str(tmp_path / "export") if where == "local" else "org/model-FP8"
+    with open(tmp_path / "adapter" / "adapter_config.json", "w") as f:
+        json.dump({"peft_type": "LORA", "base_model_name_or_path": base, "r": 4, "use_dora": True}, f)
+    _cache(cache, "org/adapter", MAIN, str(tmp_path / "adapter"))
+    path = str(tmp_path / "adapter") if where == "local" else "org/adapter"
+    with pytest.raises(ValueError, match=r"is a PEFT adapter whose base model .* is a ModelOpt export.*"
+                                         r"PeftModel\.from_pretrained"):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, (path,), {"cache_dir": cache, "local_files_only": True})
+
+
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
     """revision="fp8" (a branch holding the export; main holds the bf16 model) is that branch's snapshot: handed
     over; main's (a dense model) goes to transformers, untouched."""
@@ -176,9 +195,10 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
 
 
 def test_a_dense_hub_model_costs_no_request_transformers_would_not_make(tmp_path, state, monkeypatch):
-    """Online, a dense hub model: the hook asks huggingface_hub for config.json (which transformers asks for too) and
-    for hf_quant_config.json only while the cache does not know the revision lacks it (.no_exist, which the hub's 404
-    leaves); a local folder asks nothing."""
+    """Online, a dense hub model: the hook asks huggingface_hub for config.json (which transformers asks for too), and
+    for hf_quant_config.json and adapter_config.json (transformers asks for this one too, peft installed) only while
+    the cache does not know the revision lacks them (.no_exist, which the hub's 404 leaves); a local folder asks
+    nothing."""
     _dense(str(tmp_path / "dense"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/dense", MAIN, str(tmp_path / "dense"))
@@ -194,7 +214,7 @@ def test_a_dense_hub_model_costs_no_request_transformers_would_not_make(tmp_path
             raise huggingface_hub.utils.EntryNotFoundError(filename) from None
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    for expected in (["config.json", "hf_quant_config.json"], ["config.json"]):
+    for expected in (["config.json", "hf_quant_config.json", "adapter_config.json"], ["config.json"]):
         asked.clear()
         assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/dense",), {"cache_dir": cache}) is None
         assert asked == expected
