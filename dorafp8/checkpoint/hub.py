@@ -111,41 +111,48 @@ def adapter_base(path, kwargs) -> str | None:
 def _not_cached(path, kwargs, fetch, config) -> None:
     """hf_quant_config.json of hub checkpoint `path` is not in the cache and cannot be fetched: None (not an export)
     where its config.json has a quantization_config (transformers' quantizer, or a ModelOpt one read from it) or its
-    cached weights have no `weight_scale`, as a dense model's; else refused: transformers would load the e4m3 codes of
-    a ModelOpt FP8 export without their scales."""
+    cached weights hold no codes with scales (_scaled_codes), as a dense model's; else refused: transformers would load
+    the e4m3 codes of a ModelOpt FP8 export without their scales."""
     try:
         with open(config) as f:
             if json.load(f).get("quantization_config"):
                 return None
-        keys = []  # no weights to read either: transformers cannot load it, and says why
-        for name in ("model.safetensors", "model.safetensors.index.json"):  # transformers' order
-            try:
-                found = fetch(name)
-            except NotCached:
-                continue
-            if found is not None and name.endswith(".json"):
-                with open(found) as f:
-                    keys = list(json.load(f).get("weight_map") or ())
-            elif found is not None:
-                from .files import safetensors_keys
-
-                keys = list(safetensors_keys(found, found)[1])
-            if found is not None:
-                break
-    except (OSError, TypeError, ValueError, AttributeError):
-        keys = []
-    if not any(str(k).endswith("weight_scale") for k in keys):
+        if not _scaled_codes(fetch):
+            return None
+    except (OSError, TypeError, ValueError, AttributeError):  # nor weights to read: transformers fails, saying why
         return None
     rev = kwargs.get("revision") or "main"
     raise OSError(
         f"from_pretrained({os.fspath(path)!r}, revision={rev!r}"
         + (f", subfolder={kwargs['subfolder']!r}" if kwargs.get("subfolder") else "")
-        + f"): its cached weights hold scales (weight_scale) with no quantization_config in config.json, as a "
-          f"ModelOpt export, but its hf_quant_config.json (what says how to read them) is not in the Hugging Face "
-          f"cache ({kwargs.get('cache_dir') or 'HF_HUB_CACHE'}) and cannot be fetched (HF_HUB_OFFLINE=1, "
-          f"local_files_only=True, or no connection). transformers would load the fp8 codes as weights without "
-          f"their scales; fetch it (`hf download {os.fspath(path)} hf_quant_config.json --revision {rev}`) or go "
-          f"online")
+        + f"): its cached weights are fp8 codes with scales (weight_scale) and config.json has no quantization_config, "
+          f"as a ModelOpt export, but its hf_quant_config.json (what says how to read them) is not in the Hugging "
+          f"Face cache ({kwargs.get('cache_dir') or 'HF_HUB_CACHE'}) and cannot be fetched (HF_HUB_OFFLINE=1, "
+          f"local_files_only=True, or no connection). transformers would load the codes as weights without their "
+          f"scales; fetch it (`hf download {os.fspath(path)} hf_quant_config.json --revision {rev}`) or go online")
+
+
+def _scaled_codes(fetch) -> bool:
+    """Whether the cached weights (model.safetensors, else the index and the shard of its first scaled weight) hold a
+    `weight` of codes (not F32 / BF16 / F16) beside its `weight_scale`, from the headers alone."""
+    from .files import safetensors_keys
+
+    for name in ("model.safetensors", "model.safetensors.index.json"):  # transformers' order
+        try:
+            found = fetch(name)
+            if found is not None and name.endswith(".json"):
+                with open(found) as f:
+                    weight_map = json.load(f).get("weight_map") or {}
+                scaled = next((k[:-len("_scale")] for k in weight_map
+                               if str(k).endswith(".weight_scale") and k[:-len("_scale")] in weight_map), None)
+                found = fetch(weight_map[scaled]) if scaled is not None else None
+        except NotCached:
+            continue
+        if found is not None:
+            keys = safetensors_keys(found, found)[1]
+            return any(k.endswith(".weight_scale") and keys.get(k[:-len("_scale")], ("F32",))[0]
+                       not in ("F32", "F16", "BF16") for k in keys)
+    return False
 
 
 def fetch_weights(path, kwargs) -> None:

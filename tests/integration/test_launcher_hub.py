@@ -76,6 +76,23 @@ def _no_exist(cache, repo: str, commit: str, name: str) -> None:
     open(p, "w").close()
 
 
+def _shard(folder: str) -> None:
+    """The folder's model.safetensors split in two shards and an index, as a sharded checkpoint is."""
+    from safetensors.torch import load_file, save_file
+
+    single = os.path.join(folder, "model.safetensors")
+    tensors = load_file(single)
+    os.remove(single)
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(folder, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
 @pytest.fixture
 def state(monkeypatch):
     for key in ("models", "quantized"):
@@ -119,20 +136,8 @@ def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state
 def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path, state):
     """A sharded export in a cache `hf download` filled (every file, no .no_exist record of the model.safetensors it
     lacks), offline: the hook asked for model.safetensors first and refused, as not cached, what it had whole."""
-    from safetensors.torch import load_file, save_file
-
     sd = _fp8_export(str(tmp_path / "export"))
-    single = os.path.join(tmp_path, "export", "model.safetensors")
-    tensors = load_file(single)
-    os.remove(single)
-    names = sorted(tensors)
-    weight_map = {}
-    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
-        shard = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file({k: tensors[k] for k in part}, os.path.join(tmp_path, "export", shard), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, shard))
-    with open(os.path.join(tmp_path, "export", "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    _shard(str(tmp_path / "export"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
     kw = {"cache_dir": cache, "local_files_only": True}
@@ -185,10 +190,21 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"), leave_out=("hf_quant_config.json",))
     _cache(cache, "org/dense", MAIN, str(tmp_path / "dense"))
     kw = {"cache_dir": cache, "local_files_only": True}
-    with pytest.raises(OSError, match=r"hf_quant_config\.json.*not in the Hugging Face cache.*hf download "
-                                      r"org/model-FP8 hf_quant_config\.json --revision main"):
-        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw)
+    _fp8_export(str(tmp_path / "sharded"))
+    _shard(str(tmp_path / "sharded"))
+    _cache(cache, "org/sharded-FP8", FP8, str(tmp_path / "sharded"), leave_out=("hf_quant_config.json",))
+    for repo in ("org/model-FP8", "org/sharded-FP8"):
+        with pytest.raises(OSError, match=r"hf_quant_config\.json.*not in the Hugging Face cache.*hf download "
+                                          rf"{repo} hf_quant_config\.json --revision main"):
+            launcher._modelopt_load(transformers.LlamaForCausalLM, (repo,), kw)
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/dense",), kw) is None
+    # a dense model whose float weights have a `weight_scale` of their own (no codes): transformers', as before
+    model = original_model()
+    sd = dict(model.state_dict())
+    sd["model.layers.0.mlp.up_proj.weight_scale"] = torch.ones(())
+    _save_dir(sd, str(tmp_path / "scaled"), model.config)
+    _cache(cache, "org/scaled", MAIN, str(tmp_path / "scaled"))
+    assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/scaled",), kw) is None
     # not in the cache at all: transformers fails on it itself, saying so
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/absent",), kw) is None
     assert launcher._STATE["models"] == 0
