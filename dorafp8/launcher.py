@@ -167,7 +167,9 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
         # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
         outer = not _LOADING
         with _LOADING.on():
-            out = _modelopt_load(klass, args, kwargs) if outer else None
+            # ModelOpt exports: transformers' only (diffusers has a ModelOpt quantizer of its own, and a hub id would
+            # cost it requests for files it never asks for)
+            out = _modelopt_load(klass, args, kwargs) if outer and cls_name == "PreTrainedModel" else None
             out = orig(klass, *args, **kwargs) if out is None else out
         if outer:
             _on_load(out[0] if isinstance(out, tuple) else out)
@@ -177,49 +179,36 @@ def _quantize_on_load(module: str, cls_name: str) -> None:
     cls.from_pretrained = classmethod(from_pretrained)
 
 
-def _modelopt_export(path) -> str | None:
-    """The quant_algo ("NVFP4", "W4A16_NVFP4", "MXFP8", "FP8", "MIXED_PRECISION", ..., upper-cased as vLLM reads it)
-    of a local ModelOpt export folder (its hf_quant_config.json, else config.json's quantization_config with
-    quant_method "modelopt", as vLLM reads them), else None. Every one goes to load_fp8_checkpoint: transformers has
-    no ModelOpt quantizer ("Unknown quantization type ... we will skip the quantization"), and loads an FP8 export's
-    e4m3 weights as values without their scales (x 1 / scale, silently; only 'UNEXPECTED weight_scale' notes);
-    load_fp8_checkpoint refuses, naming it, what it cannot read."""
-    if not isinstance(path, (str, os.PathLike)):
-        return None
-    try:
-        hq = os.path.join(str(path), "hf_quant_config.json")
-        if os.path.isfile(hq):
-            with open(hq) as f:
-                algo = (json.load(f).get("quantization") or {}).get("quant_algo")
-        else:
-            with open(os.path.join(str(path), "config.json")) as f:
-                qc = json.load(f).get("quantization_config") or {}
-            algo = qc.get("quant_algo") if str(qc.get("quant_method")).lower().startswith("modelopt") else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    return str(algo).upper() if isinstance(algo, str) and algo else None
-
-
 def _modelopt_load(klass, args, kwargs):
-    """A transformers model from a ModelOpt NVFP4 / MXFP8 export via load_fp8_checkpoint; else None."""
+    """A transformers model from a ModelOpt export (a local folder or a hub id) via load_fp8_checkpoint; else None."""
+    from .checkpoint import hub
+
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    algo = _modelopt_export(path)
-    if algo is None:
+    found = hub.modelopt_export(path, kwargs)
+    base = hub.adapter_base(path, kwargs) if found is None else None
+    if base is not None and hub.modelopt_export(base, kwargs) is not None:  # transformers would load it, no scales
+        raise ValueError(f"from_pretrained({path!r}) is a PEFT adapter whose base model {base!r} is a ModelOpt "
+                         f"export, which transformers loads without its scales; load the base first, held by dorafp8 "
+                         f"(model = from_pretrained({base!r})), then the adapter: PeftModel.from_pretrained(model, "
+                         f"{path!r})")
+    if found is None:
         return None
+    algo, folder = found
+    hub.fetch_weights(path, kwargs)
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     import dorafp8
 
-    config = kwargs.get("config") or AutoConfig.from_pretrained(path)
+    config = kwargs.get("config") or AutoConfig.from_pretrained(folder)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with init_empty_weights():
         model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
-    report = dorafp8.load_fp8_checkpoint(model, str(path), dtype=dtype, verbose=False)
+    report = dorafp8.load_fp8_checkpoint(model, folder, dtype=dtype, verbose=False)
     _loaded(klass.__name__, len(report.fp8_layers),
             f"of its ModelOpt {algo} export held by dorafp8 (load_fp8_checkpoint)")
     return model.eval()
