@@ -551,6 +551,18 @@ def _assert_png(path: Path, min_size=(300, 400)):
     assert h >= min_size[0] and w >= min_size[1], (path, h, w)
 
 
+@pytest.mark.parametrize("steps", ["0", "2"])
+def test_demo_refuses_too_few_steps_naming_the_option(steps, capsys):
+    """--steps below 3 is refused naming the option and its minimum (it was raised to 3 without a word)."""
+    from dorafp8 import demo
+
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--steps", steps, "--no-plot", "--no-layer"])
+    assert exc.value.code == 2
+    assert f"--steps must be at least 3 (step 1 measures the memory, the others the time per step), got {steps}" \
+        in capsys.readouterr().err
+
+
 def test_demo_writes_its_pictures(tmp_path):
     """By default the demo draws the loss curves and the measured memory next to each other in the current
     directory, and says where."""
