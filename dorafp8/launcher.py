@@ -248,8 +248,9 @@ def _quantize(model) -> None:
 
     opts = _STATE["options"]
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
+    heads = [h for h in TRAINED_HEADS if any(n.rsplit(".", 1)[-1] == h for n, _ in model.named_modules())]
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
-                           per_row_scale=opts.get("per_row_scale", False), exclude_modules=TRAINED_HEADS,
+                           per_row_scale=opts.get("per_row_scale", False), exclude_modules=heads,
                            act_quant="rowwise" if opts.get("w8a8") else None)
     n = sum(isinstance(m, FP8WeightModule) for m in model.modules()) - before
     _loaded(type(model).__name__, n, "in fp8" + (" (W8A8)" if opts.get("w8a8") else ""))

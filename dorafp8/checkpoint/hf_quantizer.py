@@ -78,7 +78,8 @@ class DoRAFP8HfQuantizer(HfQuantizer):
         if offloaded:
             raise ValueError(f"DoRAFP8Config quantizes the loaded weights in place, but {len(offloaded)} are not in "
                              f"memory (e.g. {offloaded[0]!r}: offloaded by device_map?); load without offloading")
-        exclude = list(q.modules_to_not_convert or []) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        # the model's _keep_in_fp32_modules stay dense by quantize_model's own rule (kept_in_precision)
+        exclude = list(q.modules_to_not_convert or [])
         quantize_model(model, q.target_modules, per_row_scale=q.granularity == "row",
                        block_size=q.block_size if q.granularity == "block" else None, backend=q.backend,
                        act_quant=q.act_quant, exclude_modules=exclude)

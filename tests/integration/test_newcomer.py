@@ -517,6 +517,18 @@ def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
     assert 1e-3 < rel["original"] < 1e-1 and agree["original"] > 0.8, (rel, agree)
 
 
+def test_quantize_model_refuses_an_exclude_that_names_no_module():
+    """exclude_modules=['down_projs'] (a typo) left down_proj in fp8 without a word: refused naming the stray name,
+    before any layer changes; a name that is there keeps its layers dense."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"exclude_modules: \['down_projs'\] matched no module of the model"):
+        dorafp8.quantize_model(model, exclude_modules=["down_proj", "down_projs"], verbose=False)
+    assert n_fp8(model) == 0
+    dorafp8.quantize_model(model, exclude_modules=["down_proj"], verbose=False)
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear and n_fp8(model) == 6
+
+
 def test_demo_prints_what_a_user_decides_on():
     out = _run_python("import dorafp8.demo as d; d.main(['--steps', '3', '--no-plot'])")
     assert "backends on cpu: auto -> native" in out
@@ -549,6 +561,18 @@ def _assert_png(path: Path, min_size=(300, 400)):
 
     h, w = matplotlib.image.imread(path).shape[:2]
     assert h >= min_size[0] and w >= min_size[1], (path, h, w)
+
+
+@pytest.mark.parametrize("steps", ["0", "2"])
+def test_demo_refuses_too_few_steps_naming_the_option(steps, capsys):
+    """--steps below 3 is refused naming the option and its minimum (it was raised to 3 without a word)."""
+    from dorafp8 import demo
+
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--steps", steps, "--no-plot", "--no-layer"])
+    assert exc.value.code == 2
+    assert f"--steps must be at least 3 (step 1 measures the memory, the others the time per step), got {steps}" \
+        in capsys.readouterr().err
 
 
 def test_demo_writes_its_pictures(tmp_path):

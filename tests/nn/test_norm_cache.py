@@ -61,8 +61,11 @@ OPTIMIZERS = {
     "adamw-fused": _torch("AdamW", lr=1e-2, fused=True),  # the HF Trainer's default (adamw_torch_fused)
     "sgd-momentum-fused": _torch("SGD", lr=0.2, momentum=0.9, fused=True),
     "sgd-momentum-foreach": _torch("SGD", lr=0.2, momentum=0.9, foreach=True),
-    "bnb-adamw8bit": _optional("bitsandbytes", lambda bnb, p: bnb.optim.AdamW8bit(p, lr=1e-2)),
-    "bnb-paged-adamw8bit": _optional("bitsandbytes", lambda bnb, p: bnb.optim.PagedAdamW8bit(p, lr=1e-2)),
+    # min_8bit_size=1: bitsandbytes keeps fp32 states for tensors under 4096 elements (its default), which is every
+    # adapter of the tiny LLaMA (896 at most), so without it the 8-bit states were never what updated them
+    "bnb-adamw8bit": _optional("bitsandbytes", lambda bnb, p: bnb.optim.AdamW8bit(p, lr=1e-2, min_8bit_size=1)),
+    "bnb-paged-adamw8bit": _optional("bitsandbytes",
+                                     lambda bnb, p: bnb.optim.PagedAdamW8bit(p, lr=1e-2, min_8bit_size=1)),
     "prodigy": _optional("prodigyopt", lambda m, p: m.Prodigy(p, lr=1.0)),
     "schedule-free": _optional("schedulefree", _schedule_free),
     "lion": _optional("lion_pytorch", lambda m, p: m.Lion(p, lr=1e-3)),
