@@ -162,9 +162,9 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
         `model`, so that `model = quantize_model(model)` chains into get_peft_model.
 
     Raises:
-        ValueError: explicit target_modules that match no layer (or only PEFT adapter layers), an exclude_modules
-            name that matches no module; an unknown backend
-            or act_quant; a layer it cannot quantize (the error names the layer and why).
+        ValueError: explicit target_modules that match no layer (or only PEFT adapter layers); an unknown backend
+            or act_quant; a layer it cannot quantize (the error names the layer and why). An exclude_modules name
+            that matches no module is a warning (UserWarning), as PEFT's.
         TypeError: a torchao weight layout it does not read.
         RuntimeError: called inside DeepSpeed's deepspeed.zero.Init.
 
@@ -211,13 +211,15 @@ def quantize_model(model: nn.Module, target_modules: Optional[Iterable[str]] = N
             kept.append(name)
             continue
         (skipped if name in inside_tuner else swaps).append(name)
-    # An exclude that names no module is a typo that left the layer it meant in fp8 (PEFT warns of its own)
+    # An exclude that names no module is a typo that leaves the layer it meant in fp8: said, as PEFT says it of its
+    # own exclude_modules (a warning, not an error: one exclude list shared by several models names heads some lack)
     names = [n for n, _ in model.named_modules()]
     stray = [e for e in excluded if not any(_matches(n, [e]) for n in names)]
     if stray:
         shown = ", ".join(repr(n) for n in candidates[:8]) + (", ..." if len(candidates) > 8 else "")
-        raise ValueError(f"exclude_modules: {stray!r} matched no module of the model (a name or a name's last parts, "
-                         f"as target_modules); its linear and conv layers are: {shown or 'none'}")
+        warnings.warn(f"exclude_modules: {stray!r} matched no module of the model (a name or a name's last parts, "
+                      f"as target_modules), so it keeps nothing dense; its linear and conv layers are: "
+                      f"{shown or 'none'}", stacklevel=2)
     if left_dense:  # said with or without target_modules: a user who asked for the whole model expects it all in fp8
         warnings.warn(f"quantize_model left {len(left_dense)} layers dense (e.g. {left_dense[0]!r}): they are the "
                       f"out_proj of an nn.MultiheadAttention, whose forward reads out_proj.weight directly instead of "

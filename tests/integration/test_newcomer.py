@@ -517,15 +517,20 @@ def test_adapter_trained_on_fp8_loads_onto_original_and_dequantized_base():
     assert 1e-3 < rel["original"] < 1e-1 and agree["original"] > 0.8, (rel, agree)
 
 
-def test_quantize_model_refuses_an_exclude_that_names_no_module():
-    """exclude_modules=['down_projs'] (a typo) left down_proj in fp8 without a word: refused naming the stray name,
-    before any layer changes; a name that is there keeps its layers dense."""
+def test_quantize_model_warns_of_an_exclude_that_names_no_module():
+    """exclude_modules=['down_projs'] (a typo) left down_proj in fp8 without a word: a warning names the stray name
+    (as PEFT warns of its own exclude_modules; an error would break one exclude list shared by several models); a
+    name that is there keeps its layers dense, and no warning is given for it."""
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(ValueError, match=r"exclude_modules: \['down_projs'\] matched no module of the model"):
+    with pytest.warns(UserWarning, match=r"exclude_modules: \['down_projs'\] matched no module of the model"):
         dorafp8.quantize_model(model, exclude_modules=["down_proj", "down_projs"], verbose=False)
-    assert n_fp8(model) == 0
-    dorafp8.quantize_model(model, exclude_modules=["down_proj"], verbose=False)
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear and n_fp8(model) == 6
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dorafp8.quantize_model(model, exclude_modules=["down_proj"], verbose=False)
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear and n_fp8(model) == 6
 
 
