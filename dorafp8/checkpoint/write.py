@@ -227,12 +227,18 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
 
 def originals(model: nn.Module) -> tuple:
     """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): those its
-    loader recorded (load_fp8_checkpoint, load_single_file, from_pretrained with a quantization_config), else the weight
-    files of the local folder its config names (from_pretrained without one, then quantize_model: the
-    original-precision weights, the only copy the user has)."""
+    loader recorded (load_fp8_checkpoint, load_single_file), else those transformers' or diffusers' from_pretrained
+    read (save_hooks records them at load time: the files it read with a quantization config, else the weight files
+    of the local folder, `subfolder=` joined; a dense model then quantize_model'd has its only original-precision
+    copy there), else (a model loaded before dorafp8 was imported) the weight files of the local folder its config
+    names, resolved against the working directory now."""
     files = source_of(model).files
     if files:
         return files
+    for m in (model, base_model(model)):
+        files = getattr(m, "_dorafp8_checkpoint_files", None)
+        if files is not None:
+            return files
     return weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
