@@ -129,25 +129,28 @@ def _record_checkpoint_files(orig):
 
 
 LOADED_ATTR = "_dorafp8_checkpoint_files"  # files.identity()s of the files from_pretrained read, kept on the model
+LOADED_FOLDER_ATTR = "_dorafp8_loaded_folder"  # the absolute local folder it read them from (None: the Hub)
 
 
 def _record_loaded_folder(orig):
-    """transformers' and diffusers' from_pretrained (a classmethod's function): the weight files of the local folder
-    it reads, `subfolder=` joined, stat'ed now, kept on the model (write.originals), also without a quantization
-    config (the quantizer hook above does not run then): the config's _name_or_path names the root without the
-    subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none)."""
+    """transformers' and diffusers' from_pretrained (a classmethod's function): the local folder it reads, `subfolder=`
+    joined, made absolute now, and its weight files' identities, kept on the model (write.originals), also without a
+    quantization config (the quantizer hook above does not run then): the config's _name_or_path names the root
+    without the subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none)."""
     @functools.wraps(orig)
     def from_pretrained(cls, *args, **kwargs):
         where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         sub = kwargs.get("subfolder") or ""
         folder = None
-        if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)):
+        if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
+                os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
             folder = os.path.abspath(os.path.join(where, sub))
-        files = weight_files(folder) if folder is not None else ()  # () for a Hub id: nothing of the user's to keep
+        files = weight_files(folder)
         out = orig(cls, *args, **kwargs)
         model = out[0] if isinstance(out, tuple) else out  # output_loading_info=True
-        if isinstance(model, nn.Module) and getattr(model, LOADED_ATTR, None) is None:
-            model.__dict__[LOADED_ATTR] = files
+        if isinstance(model, nn.Module) and LOADED_FOLDER_ATTR not in model.__dict__:
+            model.__dict__[LOADED_FOLDER_ATTR] = folder
+            model.__dict__.setdefault(LOADED_ATTR, files)  # the quantizer hook's, the files it read, where it ran
         return out
 
     from_pretrained._dorafp8 = True

@@ -507,6 +507,27 @@ def test_a_relative_model_path_does_not_protect_a_same_named_folder_elsewhere(tm
     dorafp8.save_fp8_checkpoint(model, Path("dense") / "model.safetensors", verbose=False)
 
 
+@pytest.mark.parametrize("change", ["touched", "moved"])
+def test_the_originals_stay_protected_when_touched_or_moved_after_loading(change, tmp_path):
+    """The files from_pretrained read are recorded when it loads (identity: inode, size, mtime): a touch (rsync, a
+    backup tool) of model.safetensors after that left it unprotected, as the load-time record alone; the folder's
+    files as they are at save time count too. A folder moved after loading: its files are still the ones read."""
+    src = tmp_path / "dense"
+    F.original_model(torch.bfloat16).save_pretrained(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    if change == "touched":
+        os.utime(src / "model.safetensors", ns=(1, 1))
+    else:
+        src = src.rename(tmp_path / "moved")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    with pytest.raises(FileExistsError, match="holds 'model.safetensors', which is the file the model was loaded"):
+        model.save_pretrained(src)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 def test_a_fifo_beside_a_dense_model_does_not_block_its_writers(tmp_path):
     """A FIFO named model.safetensors.index.json beside a dense model.safetensors (planted, or in a folder of that
     name under another working directory): transformers loads model.safetensors and never opens it, but every
