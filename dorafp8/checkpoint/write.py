@@ -227,19 +227,18 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
 
 def originals(model: nn.Module) -> tuple:
     """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): those its
-    loader recorded (load_fp8_checkpoint, load_single_file), else those transformers' or diffusers' from_pretrained
-    read (save_hooks: the files it read with a quantization config, else those of the local folder, `subfolder=`
-    joined, as they were at load time and as that folder holds them now: a dense model then quantize_model'd has its
-    only original-precision copy there, which a touch or a copy back must not unprotect), else (a model loaded before
-    dorafp8 was imported) the weight files of the local folder its config names, looked up now."""
-    files = source_of(model).files
-    if files:
-        return files
+    loader recorded (load_fp8_checkpoint, load_single_file, from_pretrained with a quantization config), and, for
+    transformers' or diffusers' from_pretrained, the weight files of the local folder it read (save_hooks: `subfolder=`
+    joined and made absolute at load time), as they were then and as that folder holds them now (a dense model then
+    quantize_model'd has its only original-precision copy there, which a touch or a copy back must not unprotect);
+    for a model loaded before dorafp8 was imported, the weight files of the local folder its config names, looked up
+    now."""
+    files = tuple(source_of(model).files or ())
     for m in (model, base_model(model)):
         if "_dorafp8_loaded_folder" in vars(m) or "_dorafp8_checkpoint_files" in vars(m):
-            return (*(vars(m).get("_dorafp8_checkpoint_files") or ()),
+            return (*files, *(vars(m).get("_dorafp8_checkpoint_files") or ()),
                     *weight_files(vars(m).get("_dorafp8_loaded_folder")))
-    return weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
+    return files or weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:

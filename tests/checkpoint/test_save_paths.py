@@ -508,16 +508,21 @@ def test_a_relative_model_path_does_not_protect_a_same_named_folder_elsewhere(tm
 
 
 @pytest.mark.parametrize("change", ["touched", "moved"])
-def test_the_originals_stay_protected_when_touched_or_moved_after_loading(change, tmp_path):
+@pytest.mark.parametrize("how", ["quantize_model", "DoRAFP8Config"])
+def test_the_originals_stay_protected_when_touched_or_moved_after_loading(how, change, tmp_path):
     """The files from_pretrained read are recorded when it loads (identity: inode, size, mtime): a touch (rsync, a
-    backup tool) of model.safetensors after that left it unprotected, as the load-time record alone; the folder's
-    files as they are at save time count too. A folder moved after loading: its files are still the ones read."""
+    backup tool) of model.safetensors after that left it unprotected, as the load-time record alone (DoRAFP8Config's
+    too); the folder's files as they are at save time count now. A folder moved after loading: its files are still
+    the ones read."""
     src = tmp_path / "dense"
     F.original_model(torch.bfloat16).save_pretrained(src)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    dorafp8.quantize_model(model, verbose=False)
+        if how == "quantize_model":
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+            dorafp8.quantize_model(model, verbose=False)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, quantization_config=dorafp8.DoRAFP8Config())
     if change == "touched":
         os.utime(src / "model.safetensors", ns=(1, 1))
     else:
