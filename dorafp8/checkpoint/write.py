@@ -226,13 +226,9 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
 
 
 def originals(model: nn.Module) -> tuple:
-    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): those its
-    loader recorded (load_fp8_checkpoint, load_single_file, from_pretrained with a quantization config), and, for
-    transformers' or diffusers' from_pretrained, the weight files of the local folder it read (save_hooks: `subfolder=`
-    joined and made absolute at load time), as they were then and as that folder holds them now (a dense model then
-    quantize_model'd has its only original-precision copy there, which a touch or a copy back must not unprotect);
-    for a model loaded before dorafp8 was imported, the weight files of the local folder its config names, looked up
-    now."""
+    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): its loader's,
+    and those of the local folder from_pretrained read (save_hooks), as they are now too (a touch must not unprotect
+    a dense model's only copy); else (loaded before dorafp8 was imported) those of the folder its config names."""
     files = tuple(source_of(model).files or ())
     for m in (model, base_model(model)):
         if "_dorafp8_loaded_folder" in vars(m) or "_dorafp8_checkpoint_files" in vars(m):
