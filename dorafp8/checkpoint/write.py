@@ -230,10 +230,10 @@ def originals(model: nn.Module) -> tuple:
     and those of the local folder from_pretrained read (save_hooks), as they are now too (a touch must not unprotect
     a dense model's only copy); else (loaded before dorafp8 was imported) those of the folder its config names."""
     files = tuple(source_of(model).files or ())
-    for m in (model, base_model(model)):
-        if "_dorafp8_loaded_folder" in vars(m) or "_dorafp8_checkpoint_files" in vars(m):
-            return (*files, *(vars(m).get("_dorafp8_checkpoint_files") or ()),
-                    *weight_files(vars(m).get("_dorafp8_loaded_folder")))
+    for m in (model, base_model(model)):  # getattr: a PeftModel or torch.compile's wrapper forwards it
+        if hasattr(m, "_dorafp8_loaded_folder") or hasattr(m, "_dorafp8_checkpoint_files"):
+            return (*files, *(getattr(m, "_dorafp8_checkpoint_files", None) or ()),
+                    *weight_files(getattr(m, "_dorafp8_loaded_folder", None)))
     return files or weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
