@@ -2,10 +2,10 @@
 _after_import.py); DORAFP8_NO_PATCHES=1 changes none of it. How and why: docs/ARCHITECTURE.md, "Import hooks".
 
 - torch DDP: fp8 weights broadcast as bytes. FSDP2: fp8 weights stay fp8 under a MixedPrecisionPolicy; FSDP1 refused.
-- accelerate: its FSDP2 loader (cpu_ram_efficient_loading) sends MXFP8's e8m0 scales as bytes.
-- DeepSpeed: its engine's broadcast of rank 0's parameters sends each fp8 weight's scales with it.
+- accelerate's FSDP2 loader sends MXFP8's e8m0 scales as bytes; DeepSpeed's broadcast sends fp8 weights' scales.
 - PEFT: get_peft_model(..., use_dora=True) builds DoRAFP8Linear on fp8 layers (too old a PEFT refused, naming why).
-- transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers.
+- transformers: save_pretrained of fp8 models writes their scales; DoRAFP8Config joins its quantizers. Its and
+  diffusers' from_pretrained note the local weight files read, which no writer replaces (checkpoint/write.originals).
 - diffusers: save_pretrained of fp8 models and from_single_file of fp8_scaled files refuse, naming dorafp8's calls.
 - LyCORIS and OneTrainer: their DoRA modules on fp8 layers compute through the fused ops."""
 

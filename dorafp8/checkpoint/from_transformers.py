@@ -17,9 +17,10 @@ from ..nn import FP8Linear
 from ..nn.save_warning import warn_if_save_pretrained_loses_scales
 from ..quant import (DEFAULT_BLOCK, E4M3, E8M0, check_act_quant, check_fp8_weight, check_micro_scale_values,
                      check_scale, check_weight)
-from .files import read_json, weight_files
+from .files import read_json
 from .modules import ModelState, swap_module
 from .plan import LayerSource, SourceInfo, fp32_bits
+from .write import originals
 
 
 def _make(mod: nn.Module, w8: torch.Tensor, scale: torch.Tensor, block_size: int, fmt: str, extras: dict, backend,
@@ -166,10 +167,9 @@ def from_transformers_fp8(model: nn.Module, *, backend: str = "auto", act_quant:
             src.format = swaps[0][1]._dorafp8_source.format
             src.config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
             src.strip = src.add = ""
-            # the weights from_pretrained read (save_hooks recorded them; else those of its local folder): the
+            # the weights from_pretrained read (write.originals: save_hooks recorded them at load time): the
             # writers refuse to replace them (write.refuse_original), as they do those load_fp8_checkpoint read
-            src.files = (getattr(model, "_dorafp8_checkpoint_files", None)
-                         or weight_files(getattr(cfg, "_name_or_path", None)))
+            src.files = originals(model)
             model._dorafp8_source = src
             # compressed-tensors decompresses every quantized module on the first forward pass: not wanted any more
             # (last: the record puts modules and tensors back, not hooks)

@@ -13,7 +13,7 @@ import warnings
 from torch import nn
 
 from .configs import DIFFUSERS_LOAD_HINT
-from .files import identity, loaded_from
+from .files import identity, loaded_from, weight_files
 from .modules import fp8_modules
 from .write import save_pretrained_state
 
@@ -121,11 +121,46 @@ def _record_checkpoint_files(orig):
     def preprocess_model(self, model, *args, **kwargs):
         files = kwargs.get("checkpoint_files")
         if files:
-            model._dorafp8_checkpoint_files = tuple(filter(None, (identity(f) for f in files if isinstance(f, str))))
+            model.__dict__[LOADED_ATTR] = tuple(filter(None, (identity(f) for f in files if isinstance(f, str))))
         return orig(self, model, *args, **kwargs)
 
     preprocess_model._dorafp8 = True
     return preprocess_model
+
+
+LOADED_ATTR = "_dorafp8_checkpoint_files"  # files.identity()s of the files from_pretrained read, kept on the model
+LOADED_FOLDER_ATTR = "_dorafp8_loaded_folder"  # the absolute local folder it read them from (None: the Hub)
+
+
+def _record_loaded_folder(orig):
+    """transformers' and diffusers' from_pretrained (a classmethod's function): the local folder it reads, `subfolder=`
+    joined, made absolute now, and its weight files' identities, kept on the model (write.originals), also without a
+    quantization config (the quantizer hook above does not run then): the config's _name_or_path names the root
+    without the subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none)."""
+    @functools.wraps(orig)
+    def from_pretrained(cls, *args, **kwargs):
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        sub = kwargs.get("subfolder") or ""
+        folder = None
+        if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
+                os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
+            folder = os.path.abspath(os.path.join(where, sub))
+        files = weight_files(folder)
+        out = orig(cls, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out  # output_loading_info=True
+        if isinstance(model, nn.Module) and LOADED_FOLDER_ATTR not in model.__dict__:
+            model.__dict__[LOADED_FOLDER_ATTR] = folder
+            model.__dict__.setdefault(LOADED_ATTR, files)  # the quantizer hook's, the files it read, where it ran
+        return out
+
+    from_pretrained._dorafp8 = True
+    return from_pretrained
+
+
+def _wrap_from_pretrained(cls) -> None:
+    method = cls.__dict__.get("from_pretrained")
+    if isinstance(method, classmethod) and not getattr(method.__func__, "_dorafp8", False):
+        cls.from_pretrained = classmethod(_record_loaded_folder(method.__func__))
 
 
 def patch_transformers() -> None:
@@ -133,6 +168,7 @@ def patch_transformers() -> None:
     from transformers.quantizers.base import HfQuantizer  # from transformers 4.37 on; pyproject requires 4.50
 
     _wrap(PreTrainedModel, _transformers_save_pretrained)
+    _wrap_from_pretrained(PreTrainedModel)
     if callable(getattr(HfQuantizer, "preprocess_model", None)) and \
             not getattr(HfQuantizer.preprocess_model, "_dorafp8", False):
         HfQuantizer.preprocess_model = _record_checkpoint_files(HfQuantizer.preprocess_model)
@@ -152,6 +188,7 @@ def patch_diffusers() -> None:
     from diffusers.models.modeling_utils import ModelMixin
 
     _wrap(ModelMixin, _diffusers_save_pretrained)
+    _wrap_from_pretrained(ModelMixin)
     try:  # diffusers has no public registry: its own "Unknown quantization type" error stands where this is missing
         from diffusers.quantizers import auto
     except ImportError:

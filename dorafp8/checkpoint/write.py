@@ -226,14 +226,15 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
 
 
 def originals(model: nn.Module) -> tuple:
-    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): those its
-    loader recorded (load_fp8_checkpoint, load_single_file, from_pretrained with a quantization_config), else the weight
-    files of the local folder its config names (from_pretrained without one, then quantize_model: the
-    original-precision weights, the only copy the user has)."""
-    files = source_of(model).files
-    if files:
-        return files
-    return weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
+    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): its loader's,
+    and those of the local folder from_pretrained read (save_hooks), as they are now too (a touch must not unprotect
+    a dense model's only copy); else (loaded before dorafp8 was imported) those of the folder its config names."""
+    files = tuple(source_of(model).files or ())
+    for m in (model, base_model(model)):  # getattr: a PeftModel or torch.compile's wrapper forwards it
+        if hasattr(m, "_dorafp8_loaded_folder") or hasattr(m, "_dorafp8_checkpoint_files"):
+            return (*files, *(getattr(m, "_dorafp8_checkpoint_files", None) or ()),
+                    *weight_files(getattr(m, "_dorafp8_loaded_folder", None)))
+    return files or weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:

@@ -438,6 +438,103 @@ def test_a_dense_model_quantized_after_from_pretrained_is_not_written_over_its_f
     dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
 
 
+@pytest.mark.parametrize("sub", ["text_encoder", Path("text_encoder")], ids=["str", "Path"])
+def test_a_dense_model_from_a_subfolder_quantized_after_from_pretrained_is_not_written_over_its_files(sub, tmp_path):
+    """from_pretrained(root, subfolder="text_encoder") of a dense model without a quantization config, then
+    quantize_model: the config's _name_or_path is `root`, which holds no weights, so nothing was recorded and
+    save_pretrained into root/text_encoder (or save_fp8_checkpoint / export_merged onto its shard) replaced the only
+    bf16 copy with fp8. from_pretrained records the subfolder's files at load time now: refused, naming the file and
+    what to do, every file as it was; a fresh folder is written."""
+    root = tmp_path / "pipeline"
+    folder = root / "text_encoder"
+    F.original_model(torch.bfloat16).save_pretrained(folder, max_shard_size="50KB")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    shard = sorted(n for n in before if n.endswith(".safetensors"))[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(root, subfolder=sub, dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    with pytest.raises(FileExistsError, match=r"holds 'model-00001-of-.*', which is the file the model was loaded "
+                                              r"from .*text_encoder.*save to another folder"):
+        model.save_pretrained(folder)
+    model.save_pretrained(tmp_path / "fresh")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    # torch.compile's wrapper forwards the attributes the load recorded (write.originals reads them by getattr)
+    for write, m in ((dorafp8.save_fp8_checkpoint, model), (dorafp8.export_merged, pm),
+                     (dorafp8.save_fp8_checkpoint, torch.compile(model))):
+        with pytest.raises(FileExistsError, match=rf"path=.*{shard}.* is the file the model was loaded from .*"
+                                                  r"write to another path"):
+            write(m, folder / shard, verbose=False)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    dorafp8.export_merged(pm, tmp_path / "merged", verbose=False)
+    assert (tmp_path / "fresh" / "model.safetensors").exists() and (tmp_path / "merged" / "config.json").exists()
+
+
+def _loaded_relative_then_chdir(tmp_path, monkeypatch):
+    """A dense model saved as a/dense and another as b/dense; from_pretrained("dense") in a, quantize_model, then
+    os.chdir(b)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    F.original_model(torch.bfloat16).save_pretrained(tmp_path / "a" / "dense")
+    F.original_model(torch.bfloat16, seed=1).save_pretrained(tmp_path / "b" / "dense")  # another model, same name
+    monkeypatch.chdir(tmp_path / "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained("dense", dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    monkeypatch.chdir(tmp_path / "b")
+    return model
+
+
+def test_a_relative_model_path_is_resolved_where_it_was_loaded(tmp_path, monkeypatch):
+    """from_pretrained("dense") (relative), quantize_model, then os.chdir elsewhere: the config's "dense" was looked up
+    under the new working directory at save time, so save_pretrained into the real folder replaced the original
+    bf16 weights (nothing was found there). The folder is resolved when from_pretrained reads it now: refused."""
+    model = _loaded_relative_then_chdir(tmp_path, monkeypatch)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "a" / "dense").iterdir()}
+    with pytest.raises(FileExistsError, match=r"holds 'model.safetensors', which is the file the model was loaded "
+                                              rf"from \('{tmp_path / 'a' / 'dense' / 'model.safetensors'}'\)"):
+        model.save_pretrained(tmp_path / "a" / "dense")
+    with pytest.raises(FileExistsError, match="is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, tmp_path / "a" / "dense" / "model.safetensors", verbose=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "a" / "dense").iterdir()} == before
+
+
+def test_a_relative_model_path_does_not_protect_a_same_named_folder_elsewhere(tmp_path, monkeypatch):
+    """The same, saved into the "dense" of the new working directory (another model's folder, no file of this one):
+    refused as "the file the model was loaded from" before. Written now."""
+    model = _loaded_relative_then_chdir(tmp_path, monkeypatch)
+    model.save_pretrained("dense")
+    dorafp8.save_fp8_checkpoint(model, Path("dense") / "other.safetensors", verbose=False)
+    dorafp8.save_fp8_checkpoint(model, Path("dense") / "model.safetensors", verbose=False)
+
+
+@pytest.mark.parametrize("change", ["touched", "moved"])
+@pytest.mark.parametrize("how", ["quantize_model", "DoRAFP8Config"])
+def test_the_originals_stay_protected_when_touched_or_moved_after_loading(how, change, tmp_path):
+    """The files from_pretrained read are recorded when it loads (identity: inode, size, mtime): a touch (rsync, a
+    backup tool) of model.safetensors after that left it unprotected, as the load-time record alone (DoRAFP8Config's
+    too); the folder's files as they are at save time count now. A folder moved after loading: its files are still
+    the ones read."""
+    src = tmp_path / "dense"
+    F.original_model(torch.bfloat16).save_pretrained(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how == "quantize_model":
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+            dorafp8.quantize_model(model, verbose=False)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(src, quantization_config=dorafp8.DoRAFP8Config())
+    if change == "touched":
+        os.utime(src / "model.safetensors", ns=(1, 1))
+    else:
+        src = src.rename(tmp_path / "moved")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    with pytest.raises(FileExistsError, match="holds 'model.safetensors', which is the file the model was loaded"):
+        model.save_pretrained(src)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 def test_a_fifo_beside_a_dense_model_does_not_block_its_writers(tmp_path):
     """A FIFO named model.safetensors.index.json beside a dense model.safetensors (planted, or in a folder of that
     name under another working directory): transformers loads model.safetensors and never opens it, but every
@@ -525,6 +622,23 @@ def test_a_dense_unet_quantized_after_from_pretrained_is_not_written_over_its_fi
     with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
         dorafp8.save_fp8_checkpoint(model, original, verbose=False)
     assert original.read_bytes() == before
+
+
+def test_a_dense_unet_from_a_subfolder_quantized_after_from_pretrained_is_not_written_over_its_file(tmp_path):
+    """diffusers' from_pretrained(root, subfolder="unet") of a dense UNet, then quantize_model: _name_or_path is
+    `root`, so nothing was recorded and save_fp8_checkpoint onto root/unet/diffusion_pytorch_model.safetensors
+    replaced the only original-precision copy. Refused now, naming the file; another path is written."""
+    src = tmp_path / "pipeline" / "unet"
+    small_unet().save_pretrained(src)
+    original = src / "diffusion_pytorch_model.safetensors"
+    before = original.read_bytes()
+    model = diffusers.UNet2DConditionModel.from_pretrained(tmp_path / "pipeline", subfolder="unet")
+    dorafp8.quantize_model(model, verbose=False)
+    with pytest.raises(FileExistsError, match=r"diffusion_pytorch_model.safetensors.* is the file the model was "
+                                              r"loaded from .*write to another path"):
+        dorafp8.save_fp8_checkpoint(model, original, verbose=False)
+    assert original.read_bytes() == before
+    dorafp8.save_fp8_checkpoint(model, tmp_path / "out", verbose=False)
 
 
 def test_unet_save_pretrained_refuses(unet, tmp_path):
