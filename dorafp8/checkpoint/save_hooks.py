@@ -139,18 +139,21 @@ def _record_loaded_folder(orig):
     without the subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none)."""
     @functools.wraps(orig)
     def from_pretrained(cls, *args, **kwargs):
-        where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        sub = kwargs.get("subfolder") or ""
-        folder = None
-        if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
-                os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
-            folder = os.path.abspath(os.path.join(where, sub))
-        files = weight_files(folder)
         out = orig(cls, *args, **kwargs)
         model = out[0] if isinstance(out, tuple) else out  # output_loading_info=True
         if isinstance(model, nn.Module) and LOADED_FOLDER_ATTR not in model.__dict__:
+            # transformers' name_or_path: the base model it loaded, also where the path given is a PEFT adapter's
+            # folder (whose adapter_config.json names the base), whose weights are not the model's
+            where = getattr(model, "name_or_path", None) or (args[0] if args else
+                                                             kwargs.get("pretrained_model_name_or_path"))
+            sub = kwargs.get("subfolder") or ""
+            folder = None
+            if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
+                    os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
+                folder = os.path.abspath(os.path.join(where, sub))
             model.__dict__[LOADED_FOLDER_ATTR] = folder
-            model.__dict__.setdefault(LOADED_ATTR, files)  # the quantizer hook's, the files it read, where it ran
+            # the quantizer hook's, the files it read, where it ran
+            model.__dict__.setdefault(LOADED_ATTR, weight_files(folder))
         return out
 
     from_pretrained._dorafp8 = True

@@ -470,6 +470,27 @@ def test_a_dense_model_from_a_subfolder_quantized_after_from_pretrained_is_not_w
     assert (tmp_path / "fresh" / "model.safetensors").exists() and (tmp_path / "merged" / "config.json").exists()
 
 
+def test_a_dense_model_loaded_through_its_adapters_folder_is_not_written_over_its_base_files(tmp_path):
+    """from_pretrained(adapter_folder): transformers reads adapter_config.json there and loads the base model it names
+    (then the adapter). The load hook recorded the adapter's folder, which holds no base weights, and that record
+    hid the base folder the config names: save_fp8_checkpoint onto the base's model.safetensors, after
+    quantize_model, replaced its only bf16 copy with fp8. The folder transformers loaded is recorded now: refused."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    F.original_model(torch.bfloat16).save_pretrained(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                            peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(adapter)
+        model = transformers.LlamaForCausalLM.from_pretrained(adapter, dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    with pytest.raises(FileExistsError, match=rf"path='{base / 'model.safetensors'}', which the export would replace, "
+                                              r"is the file the model was loaded from"):
+        dorafp8.save_fp8_checkpoint(model, base / "model.safetensors", verbose=False)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    dorafp8.save_fp8_checkpoint(model, tmp_path / "fresh.safetensors", verbose=False)
+
+
 def _loaded_relative_then_chdir(tmp_path, monkeypatch):
     """A dense model saved as a/dense and another as b/dense; from_pretrained("dense") in a, quantize_model, then
     os.chdir(b)."""
