@@ -230,11 +230,14 @@ def originals(model: nn.Module) -> tuple:
     and those of the local folder from_pretrained read (save_hooks), as they are now too (a touch must not unprotect
     a dense model's only copy); else (loaded before dorafp8 was imported) those of the folder its config names."""
     files = tuple(source_of(model).files or ())
-    for m in (model, base_model(model)):  # getattr: a PeftModel or torch.compile's wrapper forwards it
-        if hasattr(m, "_dorafp8_loaded_folder") or hasattr(m, "_dorafp8_checkpoint_files"):
-            return (*files, *(getattr(m, "_dorafp8_checkpoint_files", None) or ()),
-                    *weight_files(getattr(m, "_dorafp8_loaded_folder", None)))
-    return files or weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
+    # every module's record: a PeftModel's or torch.compile's model is one of them, and so is each model loaded apart
+    # and joined into this one (EncoderDecoderModel.from_encoder_decoder_pretrained: the composite records nothing)
+    loaded = [m.__dict__ for m in model.modules()
+              if "_dorafp8_loaded_folder" in m.__dict__ or "_dorafp8_checkpoint_files" in m.__dict__]
+    for rec in loaded:
+        files += (*(rec.get("_dorafp8_checkpoint_files") or ()), *weight_files(rec.get("_dorafp8_loaded_folder")))
+    return files if files or loaded else \
+        weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:

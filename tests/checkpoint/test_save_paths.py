@@ -491,6 +491,30 @@ def test_a_dense_model_loaded_through_its_adapters_folder_is_not_written_over_it
     dorafp8.save_fp8_checkpoint(model, tmp_path / "fresh.safetensors", verbose=False)
 
 
+def test_a_model_joined_from_models_loaded_apart_is_not_written_over_their_files(tmp_path):
+    """EncoderDecoderModel.from_encoder_decoder_pretrained(enc, dec) loads each part with from_pretrained and joins
+    them: the load hook recorded each part's folder on the part, and the composite, which write.originals looked at
+    (with its PEFT base), recorded nothing; quantize_model, then save_pretrained into the encoder's folder replaced
+    its only bf16 model.safetensors. Every module's record counts now: refused, naming it; a fresh folder works."""
+    cfg = dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(**cfg)).to(torch.bfloat16).save_pretrained(tmp_path / "enc")
+    transformers.BertLMHeadModel(transformers.BertConfig(**cfg, is_decoder=True, add_cross_attention=True)).to(
+        torch.bfloat16).save_pretrained(tmp_path / "dec")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "enc", tmp_path / "dec",
+                                                                                 dtype=torch.bfloat16)
+    dorafp8.quantize_model(model, verbose=False)
+    for part in ("enc", "dec"):
+        before = {p.name: p.read_bytes() for p in (tmp_path / part).iterdir()}
+        with pytest.raises(FileExistsError, match=r"holds 'model.safetensors', which is the file the model was loaded "
+                                                  rf"from \('{tmp_path / part / 'model.safetensors'}'\)"):
+            model.save_pretrained(tmp_path / part)
+        assert {p.name: p.read_bytes() for p in (tmp_path / part).iterdir()} == before
+    model.save_pretrained(tmp_path / "fresh")
+
+
 def _loaded_relative_then_chdir(tmp_path, monkeypatch):
     """A dense model saved as a/dense and another as b/dense; from_pretrained("dense") in a, quantize_model, then
     os.chdir(b)."""
