@@ -248,7 +248,9 @@ def _quantize(model) -> None:
 
     opts = _STATE["options"]
     before = sum(isinstance(m, FP8WeightModule) for m in model.modules())
-    heads = [h for h in TRAINED_HEADS if any(n.rsplit(".", 1)[-1] == h for n, _ in model.named_modules())]
+    # every module in a head, by its full name: PEFT trains a head module whole, and RoBERTa's `classifier` is a
+    # container (dense, out_proj) whose layers' own names are not the head's
+    heads = [n for n, _ in model.named_modules() if any(part in TRAINED_HEADS for part in n.split("."))]
     dorafp8.quantize_model(model, include_conv=opts.get("include_conv", False),
                            per_row_scale=opts.get("per_row_scale", False), exclude_modules=heads,
                            act_quant="rowwise" if opts.get("w8a8") else None)

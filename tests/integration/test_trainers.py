@@ -350,3 +350,25 @@ def test_quantize_leaves_a_classifier_head_dense_for_peft_to_train(monkeypatch):
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules="all-linear", task_type="SEQ_CLS"))
     pm(input_ids=torch.tensor([[1, 4, 5, 6]]), labels=torch.tensor([2])).loss.backward()
     assert pm.base_model.model.score.modules_to_save["default"].weight.grad is not None
+
+
+def test_quantize_leaves_a_container_head_dense_for_peft_to_train(monkeypatch):
+    """RoBERTa's `classifier` is a module of two linears (dense, out_proj) that PEFT trains whole for SEQ_CLS: --quantize
+    put both in fp8 (the head's name is not theirs) and get_peft_model refused them. Now the head stays dense whole."""
+    from peft import LoraConfig, get_peft_model
+
+    from dorafp8 import launcher
+
+    monkeypatch.setitem(launcher._STATE, "options", {"quantize": True})
+    monkeypatch.setitem(launcher._STATE, "models", 0)
+    monkeypatch.setitem(launcher._STATE, "quantized", 0)
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_labels=3, max_position_embeddings=40)
+    model = transformers.RobertaForSequenceClassification(cfg)
+    launcher._quantize(model)
+    assert type(model.classifier.dense) is torch.nn.Linear and type(model.classifier.out_proj) is torch.nn.Linear
+    assert launcher._STATE["quantized"] == 6  # the encoder layer's q, k, v, attention output, intermediate, output
+    pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    pm(input_ids=torch.tensor([[1, 4, 5, 6]]), labels=torch.tensor([2])).loss.backward()
+    assert pm.base_model.model.classifier.modules_to_save["default"].out_proj.weight.grad is not None
