@@ -185,14 +185,20 @@ def _modelopt_load(klass, args, kwargs):
 
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     found = hub.modelopt_export(path, kwargs)
-    base = hub.adapter_base(path, kwargs) if found is None else None
-    if base is not None and hub.modelopt_export(base, kwargs) is not None:  # transformers would load it, no scales
-        raise ValueError(f"from_pretrained({path!r}) is a PEFT adapter whose base model {base!r} is a ModelOpt "
-                         f"export, which transformers loads without its scales; load the base first, held by dorafp8 "
-                         f"(model = from_pretrained({base!r})), then the adapter: PeftModel.from_pretrained(model, "
-                         f"{path!r})")
+    # A PEFT adapter whose base is an export: transformers loads the base, then the adapter, in this call: a concrete
+    # class given the adapter's path; an Auto class, which found the adapter, gives the base's and the adapter in
+    # adapter_kwargs. Neither the export (transformers, no scales) nor the adapter (here) would load right.
+    adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
     if found is None:
-        return None
+        base = hub.adapter_base(path, kwargs)
+        if base is None or hub.modelopt_export(base, kwargs) is None:
+            return None
+        adapter, path = path, base
+    if adapter is not None:
+        raise ValueError(f"from_pretrained({adapter!r}) is a PEFT adapter whose base model {path!r} is a ModelOpt "
+                         f"export, which dorafp8 run loads without the adapter, and transformers without its scales; "
+                         f"load the base first, held by dorafp8 (model = from_pretrained({path!r})), then the "
+                         f"adapter: PeftModel.from_pretrained(model, {adapter!r})")
     algo, folder = found
     hub.fetch_weights(path, kwargs)
     import torch

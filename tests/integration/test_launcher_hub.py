@@ -144,11 +144,23 @@ def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path
     _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
 
 
+def _hooked(monkeypatch):
+    """transformers' from_pretrained wrapped by the hook, as `dorafp8 run` wraps it (undone after the test)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"])
+    monkeypatch.setitem(launcher._STATE, "options", {})
+    launcher._quantize_on_load("transformers.modeling_utils", "PreTrainedModel")
+
+
+@pytest.mark.parametrize("cls", ["LlamaForCausalLM", "AutoModelForCausalLM"])
 @pytest.mark.parametrize("where", ["local", "hub"])
-def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, where):
+def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, monkeypatch, where, cls):
     """from_pretrained(adapter) (a PEFT adapter: transformers loads its base_model_name_or_path, then the adapter)
     whose base is a ModelOpt export: the hook saw only the adapter's path, no config.json there, and transformers
-    loaded the base's codes without their scales. Now refused, naming the two-step load."""
+    loaded the base's codes without their scales. Now refused, naming the two-step load. An Auto class finds the
+    adapter itself and gives the hook the base's path (and the adapter in adapter_kwargs): the hook loaded the
+    export and returned it without the adapter, silently."""
     _fp8_export(str(tmp_path / "export"))
     (tmp_path / "adapter").mkdir()
     cache = str(tmp_path / "hub")
@@ -158,9 +170,12 @@ def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, where):
         json.dump({"peft_type": "LORA", "base_model_name_or_path": base, "r": 4, "use_dora": True}, f)
     _cache(cache, "org/adapter", MAIN, str(tmp_path / "adapter"))
     path = str(tmp_path / "adapter") if where == "local" else "org/adapter"
+    _hooked(monkeypatch)
     with pytest.raises(ValueError, match=r"is a PEFT adapter whose base model .* is a ModelOpt export.*"
                                          r"PeftModel\.from_pretrained"):
-        launcher._modelopt_load(transformers.LlamaForCausalLM, (path,), {"cache_dir": cache, "local_files_only": True})
+        # (an Auto class looks for the adapter in adapter_kwargs' cache_dir only)
+        getattr(transformers, cls).from_pretrained(path, cache_dir=cache, local_files_only=True,
+                                                   adapter_kwargs={"cache_dir": cache})
 
 
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
