@@ -225,6 +225,20 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
     assert launcher._STATE["models"] == 0
 
 
+@pytest.mark.parametrize("text", ["", "{\"quantization\": {\"quant_algo\": \"FP8\"", "[]"])
+def test_an_unreadable_quant_config_in_the_cache_is_refused(tmp_path, state, text):
+    """An export whose cached hf_quant_config.json is empty, cut short or not an object: the hook read it as "not an
+    export" and left the checkpoint to transformers, which loaded the codes without their scales. Now refused, naming
+    the file."""
+    _fp8_export(str(tmp_path / "export"))
+    (tmp_path / "export" / "hf_quant_config.json").write_text(text)
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    with pytest.raises(ValueError, match=r"snapshots.*hf_quant_config\.json.*expected ModelOpt's quantization config"):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",),
+                                {"cache_dir": cache, "local_files_only": True})
+
+
 def test_a_dense_hub_model_costs_no_request_transformers_would_not_make(tmp_path, state, monkeypatch):
     """Online, a dense hub model: the hook asks huggingface_hub for config.json (which transformers asks for too), and
     for hf_quant_config.json and adapter_config.json (transformers asks for this one too, peft installed) only while
