@@ -200,6 +200,10 @@ def _modelopt_load(klass, args, kwargs):
                          f"load the base first, held by dorafp8 (model = from_pretrained({path!r})), then the "
                          f"adapter: PeftModel.from_pretrained(model, {adapter!r})")
     algo, folder = found
+    if kwargs.get("variant"):  # transformers would read model.<variant>.safetensors; load_fp8_checkpoint reads others
+        raise ValueError(f"from_pretrained({path!r}, variant={kwargs['variant']!r}) of a ModelOpt {algo} export: "
+                         f"dorafp8 run loads its model.safetensors (or the shards of its index), not a variant's; "
+                         f"drop variant=")
     hub.fetch_weights(path, kwargs)
     import torch
     from accelerate import init_empty_weights

@@ -65,7 +65,7 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
     files cannot be told (offline, not in the cache) that may be an export (_not_cached)."""
     kwargs = kwargs or {}
     fetch = checkpoint_files(path, kwargs)
-    if fetch is None:
+    if fetch is None or kwargs.get("gguf_file"):  # transformers reads that GGUF file (its config too), nothing else
         return None
     try:
         config = fetch("config.json", latest=True)  # as transformers asks for it (a hub id's refs/ updated)

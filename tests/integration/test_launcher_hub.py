@@ -239,6 +239,23 @@ def test_an_unreadable_quant_config_in_the_cache_is_refused(tmp_path, state, tex
                                 {"cache_dir": cache, "local_files_only": True})
 
 
+def test_a_gguf_load_is_left_to_transformers_and_a_variant_of_an_export_refused(tmp_path, state):
+    """gguf_file= (transformers reads the model, config included, from that file) of a repo that also holds an export:
+    the hook asked for its config.json and hf_quant_config.json and loaded the export instead. variant= (transformers
+    reads model.<variant>.safetensors): the hook loaded model.safetensors. Now the first is transformers', the second
+    refused."""
+    _fp8_export(str(tmp_path / "export"))
+    (tmp_path / "export" / "model.gguf").write_bytes(b"GGUF")
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    kw = {"cache_dir": cache, "local_files_only": True}
+    gguf = {**kw, "gguf_file": "model.gguf"}
+    assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), gguf) is None
+    with pytest.raises(ValueError, match=r"variant='fp8'.* not a variant's; drop variant="):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), {**kw, "variant": "fp8"})
+    assert launcher._STATE["models"] == 0
+
+
 def test_a_dense_hub_model_costs_no_request_transformers_would_not_make(tmp_path, state, monkeypatch):
     """Online, a dense hub model: the hook asks huggingface_hub for config.json (which transformers asks for too), and
     for hf_quant_config.json and adapter_config.json (transformers asks for this one too, peft installed) only while
