@@ -124,15 +124,16 @@ def _not_cached(path, kwargs, fetch, config) -> None:
             return None
     except (OSError, TypeError, ValueError, AttributeError):  # nor weights to read: transformers fails, saying why
         return None
-    rev = kwargs.get("revision") or "main"
+    rev, sub = kwargs.get("revision") or "main", kwargs.get("subfolder") or ""
     raise OSError(
         f"from_pretrained({os.fspath(path)!r}, revision={rev!r}"
-        + (f", subfolder={kwargs['subfolder']!r}" if kwargs.get("subfolder") else "")
+        + (f", subfolder={sub!r}" if sub else "")
         + f"): its cached weights are fp8 codes with scales (weight_scale) and config.json has no quantization_config, "
           f"as a ModelOpt export, but its hf_quant_config.json (what says how to read them) is not in the Hugging "
           f"Face cache ({kwargs.get('cache_dir') or 'HF_HUB_CACHE'}) and cannot be fetched (HF_HUB_OFFLINE=1, "
           f"local_files_only=True, or no connection). transformers would load the codes as weights without their "
-          f"scales; fetch it (`hf download {os.fspath(path)} hf_quant_config.json --revision {rev}`) or go online")
+          f"scales; fetch it (`hf download {os.fspath(path)} {sub.strip('/') + '/' if sub else ''}hf_quant_config.json "
+          f"--revision {rev}`) or go online")
 
 
 def _scaled_codes(fetch) -> bool:

@@ -212,6 +212,10 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
         with pytest.raises(OSError, match=r"hf_quant_config\.json.*not in the Hugging Face cache.*hf download "
                                           rf"{repo} hf_quant_config\.json --revision main"):
             launcher._modelopt_load(transformers.LlamaForCausalLM, (repo,), kw)
+    # in a subfolder: the command names the file there (it named the repo's top-level one, which it lacks)
+    _cache(cache, "org/sub-FP8", FP8, str(tmp_path / "export"), under="llm", leave_out=("hf_quant_config.json",))
+    with pytest.raises(OSError, match=r"subfolder='llm'.*hf download org/sub-FP8 llm/hf_quant_config\.json "):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/sub-FP8",), {**kw, "subfolder": "llm"})
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/dense",), kw) is None
     # a dense model whose float weights have a `weight_scale` of their own (no codes): transformers', as before
     model = original_model()
