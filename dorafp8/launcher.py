@@ -207,11 +207,12 @@ def _modelopt_load(klass, args, kwargs):
     hub.fetch_weights(path, kwargs)
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     import dorafp8
 
-    config = kwargs.get("config") or AutoConfig.from_pretrained(folder)
+    config = kwargs.get("config")  # a config, a path to one (as transformers takes it), else the export's
+    config = config if isinstance(config, PretrainedConfig) else AutoConfig.from_pretrained(config or folder)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -120,7 +120,11 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
     model = launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw)
     assert model is not None, "the hub id went to transformers"
     _assert_fp8(model, sd)
-    assert launcher._STATE["models"] == 1
+    # config= a path to one, as transformers takes it (the hook gave the string to _from_config: AttributeError)
+    config = os.path.join(hub.modelopt_export("org/model-FP8", kw)[1], "config.json")
+    kw["config"] = config
+    _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
+    assert launcher._STATE["models"] == 2
 
 
 def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state):
