@@ -212,13 +212,18 @@ def _modelopt_load(klass, args, kwargs):
     import dorafp8
 
     config = kwargs.get("config")  # a config, a path to one (as transformers takes it), else the export's
-    config = config if isinstance(config, PretrainedConfig) else AutoConfig.from_pretrained(config or folder)
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config or folder)
+        for k, v in kwargs.items():  # config values given to from_pretrained (use_cache=False, ...), as transformers
+            if hasattr(config, k) and k not in ("dtype", "torch_dtype"):
+                setattr(config, k, v)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with init_empty_weights():
-        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}),
+                                   **{k: kwargs[k] for k in ("attn_implementation",) if k in kwargs})
     report = dorafp8.load_fp8_checkpoint(model, folder, dtype=dtype, verbose=False)
     _loaded(klass.__name__, len(report.fp8_layers),
             f"of its ModelOpt {algo} export held by dorafp8 (load_fp8_checkpoint)")

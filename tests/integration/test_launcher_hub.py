@@ -124,7 +124,12 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
     config = os.path.join(hub.modelopt_export("org/model-FP8", kw)[1], "config.json")
     kw["config"] = config
     _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
-    assert launcher._STATE["models"] == 2
+    # what from_pretrained's other kwargs set on the config (the hook dropped them: use_cache on, sdpa attention)
+    del kw["config"]
+    kw.update(use_cache=False, attn_implementation="eager")
+    model = launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw)
+    assert (model.config.use_cache, model.config._attn_implementation) == (False, "eager")
+    assert launcher._STATE["models"] == 3
 
 
 def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state):
