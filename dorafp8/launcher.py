@@ -185,29 +185,45 @@ def _modelopt_load(klass, args, kwargs):
 
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     found = hub.modelopt_export(path, kwargs)
-    base = hub.adapter_base(path, kwargs) if found is None else None
-    if base is not None and hub.modelopt_export(base, kwargs) is not None:  # transformers would load it, no scales
-        raise ValueError(f"from_pretrained({path!r}) is a PEFT adapter whose base model {base!r} is a ModelOpt "
-                         f"export, which transformers loads without its scales; load the base first, held by dorafp8 "
-                         f"(model = from_pretrained({base!r})), then the adapter: PeftModel.from_pretrained(model, "
-                         f"{path!r})")
+    # A PEFT adapter whose base is an export: transformers loads the base, then the adapter, in this call: a concrete
+    # class given the adapter's path; an Auto class, which found the adapter, gives the base's and the adapter in
+    # adapter_kwargs. Neither the export (transformers, no scales) nor the adapter (here) would load right.
+    adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
     if found is None:
-        return None
+        base = hub.adapter_base(path, kwargs)
+        if base is None or hub.modelopt_export(base, kwargs) is None:
+            return None
+        adapter, path = path, base
+    if adapter is not None:
+        raise ValueError(f"from_pretrained({adapter!r}) is a PEFT adapter whose base model {path!r} is a ModelOpt "
+                         f"export, which dorafp8 run loads without the adapter, and transformers without its scales; "
+                         f"load the base first, held by dorafp8 (model = from_pretrained({path!r})), then the "
+                         f"adapter: PeftModel.from_pretrained(model, {adapter!r})")
     algo, folder = found
+    if kwargs.get("variant"):  # transformers would read model.<variant>.safetensors; load_fp8_checkpoint reads others
+        raise ValueError(f"from_pretrained({path!r}, variant={kwargs['variant']!r}) of a ModelOpt {algo} export: "
+                         f"dorafp8 run loads its model.safetensors (or the shards of its index), not a variant's; "
+                         f"drop variant=")
     hub.fetch_weights(path, kwargs)
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     import dorafp8
 
-    config = kwargs.get("config") or AutoConfig.from_pretrained(folder)
+    config = kwargs.get("config")  # a config, a path to one (as transformers takes it), else the export's
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config or folder)
+        for k, v in kwargs.items():  # config values given to from_pretrained (use_cache=False, ...), as transformers
+            if hasattr(config, k) and k not in ("dtype", "torch_dtype"):
+                setattr(config, k, v)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with init_empty_weights():
-        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}),
+                                   **{k: kwargs[k] for k in ("attn_implementation",) if k in kwargs})
     report = dorafp8.load_fp8_checkpoint(model, folder, dtype=dtype, verbose=False)
     _loaded(klass.__name__, len(report.fp8_layers),
             f"of its ModelOpt {algo} export held by dorafp8 (load_fp8_checkpoint)")

@@ -60,11 +60,12 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
     "modelopt", as vLLM reads them; folder: the local one holding its files. Else None. Every one goes to
     load_fp8_checkpoint: transformers has no ModelOpt quantizer ("Unknown quantization type ... we will skip the
     quantization"), and loads an FP8 export's e4m3 weights as values without their scales (x 1 / scale, silently;
-    only 'UNEXPECTED weight_scale' notes); load_fp8_checkpoint refuses, naming it, what it cannot read. A hub
-    checkpoint whose files cannot be told (offline, not in the cache) that may be one is refused (_not_cached)."""
+    only 'UNEXPECTED weight_scale' notes); load_fp8_checkpoint refuses, naming it, what it cannot read. An
+    hf_quant_config.json that is not a JSON object is refused (CheckpointFormatError), and so is a hub checkpoint whose
+    files cannot be told (offline, not in the cache) that may be an export (_not_cached)."""
     kwargs = kwargs or {}
     fetch = checkpoint_files(path, kwargs)
-    if fetch is None:
+    if fetch is None or kwargs.get("gguf_file"):  # transformers reads that GGUF file (its config too), nothing else
         return None
     try:
         config = fetch("config.json", latest=True)  # as transformers asks for it (a hub id's refs/ updated)
@@ -74,16 +75,18 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
         hq = fetch("hf_quant_config.json")
     except NotCached:
         hq = _not_cached(path, kwargs, fetch, config)
-    try:
-        if hq is not None:
-            with open(hq) as f:
-                algo = (json.load(f).get("quantization") or {}).get("quant_algo")
-        else:
+    if hq is not None:  # one that cannot be read is refused, naming it: transformers would load codes without scales
+        from .files import read_json
+
+        q = read_json(hq, "ModelOpt's quantization config (a JSON object)").get("quantization")
+        algo = q.get("quant_algo") if isinstance(q, dict) else None
+    else:
+        try:
             with open(config) as f:
                 qc = json.load(f).get("quantization_config") or {}
             algo = qc.get("quant_algo") if str(qc.get("quant_method")).lower().startswith("modelopt") else None
-    except (OSError, TypeError, ValueError, AttributeError):
-        return None
+        except (OSError, TypeError, ValueError, AttributeError):  # transformers cannot load it either, and says why
+            return None
     if not (isinstance(algo, str) and algo):
         return None
     return str(algo).upper(), os.path.dirname(hq or config)
@@ -121,15 +124,16 @@ def _not_cached(path, kwargs, fetch, config) -> None:
             return None
     except (OSError, TypeError, ValueError, AttributeError):  # nor weights to read: transformers fails, saying why
         return None
-    rev = kwargs.get("revision") or "main"
+    rev, sub = kwargs.get("revision") or "main", kwargs.get("subfolder") or ""
     raise OSError(
         f"from_pretrained({os.fspath(path)!r}, revision={rev!r}"
-        + (f", subfolder={kwargs['subfolder']!r}" if kwargs.get("subfolder") else "")
+        + (f", subfolder={sub!r}" if sub else "")
         + f"): its cached weights are fp8 codes with scales (weight_scale) and config.json has no quantization_config, "
           f"as a ModelOpt export, but its hf_quant_config.json (what says how to read them) is not in the Hugging "
           f"Face cache ({kwargs.get('cache_dir') or 'HF_HUB_CACHE'}) and cannot be fetched (HF_HUB_OFFLINE=1, "
           f"local_files_only=True, or no connection). transformers would load the codes as weights without their "
-          f"scales; fetch it (`hf download {os.fspath(path)} hf_quant_config.json --revision {rev}`) or go online")
+          f"scales; fetch it (`hf download {os.fspath(path)} {sub.strip('/') + '/' if sub else ''}hf_quant_config.json "
+          f"--revision {rev}`) or go online")
 
 
 def _scaled_codes(fetch) -> bool:

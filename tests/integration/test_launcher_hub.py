@@ -120,7 +120,16 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
     model = launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw)
     assert model is not None, "the hub id went to transformers"
     _assert_fp8(model, sd)
-    assert launcher._STATE["models"] == 1
+    # config= a path to one, as transformers takes it (the hook gave the string to _from_config: AttributeError)
+    config = os.path.join(hub.modelopt_export("org/model-FP8", kw)[1], "config.json")
+    kw["config"] = config
+    _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
+    # what from_pretrained's other kwargs set on the config (the hook dropped them: use_cache on, sdpa attention)
+    del kw["config"]
+    kw.update(use_cache=False, attn_implementation="eager")
+    model = launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw)
+    assert (model.config.use_cache, model.config._attn_implementation) == (False, "eager")
+    assert launcher._STATE["models"] == 3
 
 
 def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state):
@@ -144,11 +153,23 @@ def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path
     _assert_fp8(launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), kw), sd)
 
 
+def _hooked(monkeypatch):
+    """transformers' from_pretrained wrapped by the hook, as `dorafp8 run` wraps it (undone after the test)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"])
+    monkeypatch.setitem(launcher._STATE, "options", {})
+    launcher._quantize_on_load("transformers.modeling_utils", "PreTrainedModel")
+
+
+@pytest.mark.parametrize("cls", ["LlamaForCausalLM", "AutoModelForCausalLM"])
 @pytest.mark.parametrize("where", ["local", "hub"])
-def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, where):
+def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, monkeypatch, where, cls):
     """from_pretrained(adapter) (a PEFT adapter: transformers loads its base_model_name_or_path, then the adapter)
     whose base is a ModelOpt export: the hook saw only the adapter's path, no config.json there, and transformers
-    loaded the base's codes without their scales. Now refused, naming the two-step load."""
+    loaded the base's codes without their scales. Now refused, naming the two-step load. An Auto class finds the
+    adapter itself and gives the hook the base's path (and the adapter in adapter_kwargs): the hook loaded the
+    export and returned it without the adapter, silently."""
     _fp8_export(str(tmp_path / "export"))
     (tmp_path / "adapter").mkdir()
     cache = str(tmp_path / "hub")
@@ -158,9 +179,12 @@ def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, where):
         json.dump({"peft_type": "LORA", "base_model_name_or_path": base, "r": 4, "use_dora": True}, f)
     _cache(cache, "org/adapter", MAIN, str(tmp_path / "adapter"))
     path = str(tmp_path / "adapter") if where == "local" else "org/adapter"
+    _hooked(monkeypatch)
     with pytest.raises(ValueError, match=r"is a PEFT adapter whose base model .* is a ModelOpt export.*"
                                          r"PeftModel\.from_pretrained"):
-        launcher._modelopt_load(transformers.LlamaForCausalLM, (path,), {"cache_dir": cache, "local_files_only": True})
+        # (an Auto class looks for the adapter in adapter_kwargs' cache_dir only)
+        getattr(transformers, cls).from_pretrained(path, cache_dir=cache, local_files_only=True,
+                                                   adapter_kwargs={"cache_dir": cache})
 
 
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
@@ -197,6 +221,10 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
         with pytest.raises(OSError, match=r"hf_quant_config\.json.*not in the Hugging Face cache.*hf download "
                                           rf"{repo} hf_quant_config\.json --revision main"):
             launcher._modelopt_load(transformers.LlamaForCausalLM, (repo,), kw)
+    # in a subfolder: the command names the file there (it named the repo's top-level one, which it lacks)
+    _cache(cache, "org/sub-FP8", FP8, str(tmp_path / "export"), under="llm", leave_out=("hf_quant_config.json",))
+    with pytest.raises(OSError, match=r"subfolder='llm'.*hf download org/sub-FP8 llm/hf_quant_config\.json "):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/sub-FP8",), {**kw, "subfolder": "llm"})
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/dense",), kw) is None
     # a dense model whose float weights have a `weight_scale` of their own (no codes): transformers', as before
     model = original_model()
@@ -207,6 +235,37 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/scaled",), kw) is None
     # not in the cache at all: transformers fails on it itself, saying so
     assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/absent",), kw) is None
+    assert launcher._STATE["models"] == 0
+
+
+@pytest.mark.parametrize("text", ["", "{\"quantization\": {\"quant_algo\": \"FP8\"", "[]"])
+def test_an_unreadable_quant_config_in_the_cache_is_refused(tmp_path, state, text):
+    """An export whose cached hf_quant_config.json is empty, cut short or not an object: the hook read it as "not an
+    export" and left the checkpoint to transformers, which loaded the codes without their scales. Now refused, naming
+    the file."""
+    _fp8_export(str(tmp_path / "export"))
+    (tmp_path / "export" / "hf_quant_config.json").write_text(text)
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    with pytest.raises(ValueError, match=r"snapshots.*hf_quant_config\.json.*expected ModelOpt's quantization config"):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",),
+                                {"cache_dir": cache, "local_files_only": True})
+
+
+def test_a_gguf_load_is_left_to_transformers_and_a_variant_of_an_export_refused(tmp_path, state):
+    """gguf_file= (transformers reads the model, config included, from that file) of a repo that also holds an export:
+    the hook asked for its config.json and hf_quant_config.json and loaded the export instead. variant= (transformers
+    reads model.<variant>.safetensors): the hook loaded model.safetensors. Now the first is transformers', the second
+    refused."""
+    _fp8_export(str(tmp_path / "export"))
+    (tmp_path / "export" / "model.gguf").write_bytes(b"GGUF")
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
+    kw = {"cache_dir": cache, "local_files_only": True}
+    gguf = {**kw, "gguf_file": "model.gguf"}
+    assert launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), gguf) is None
+    with pytest.raises(ValueError, match=r"variant='fp8'.* not a variant's; drop variant="):
+        launcher._modelopt_load(transformers.LlamaForCausalLM, ("org/model-FP8",), {**kw, "variant": "fp8"})
     assert launcher._STATE["models"] == 0
 
 
