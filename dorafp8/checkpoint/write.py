@@ -196,8 +196,7 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
         for name in rec.get("dorafp8_files") or {}:
             if isinstance(name, str) and shard_pattern(t.stem).fullmatch(name):
                 refuse_original(os.path.join(real, name), orig, path)
-    # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever stem the model has: a
-    # diffusers model's export beside an old `model.safetensors` would load as that
+    # load_fp8_checkpoint reads the first of these a folder holds (source.py), whatever the model's stem (diffusers')
     for other in (*SINGLE_NAMES, *(n for n in INDEX_NAMES if n != index)):
         if os.path.lexists(os.path.join(real, other)):
             raise FileExistsError(f"path={path!r} holds {other!r}, which load_fp8_checkpoint (and transformers or "
@@ -207,12 +206,11 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
     # the export being replaced wrote it (its index records it): removed with that export (_publish), as its shards are
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")) and \
             not _recorded(real, "hf_quant_config.json", records):
-        raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config, "
-                              f"which the index there does not record: ModelOpt's own, copied in, edited since?), "
-                              f"which load_fp8_checkpoint and ModelOpt's readers take as the layout of the weights "
-                              f"beside it, so this {t.fmt} export would load as ModelOpt's, or not at all; it is not "
-                              f"removed (an export removes only the files of the export it replaces): move it away "
-                              f"(or delete it), or export to another folder")
+        raise FileExistsError(f"path={path!r} holds 'hf_quant_config.json' (NVIDIA ModelOpt's quantization config) "
+                              f"that the index there does not record (ModelOpt's own, copied in, edited since?): read "
+                              f"as the weights' layout, this {t.fmt} export would load as ModelOpt's, or not at all. "
+                              f"It is not removed (an export removes only the files of the export it replaces): move "
+                              f"it away (or delete it), or export to another folder")
     for name in (index, "config.json"):
         if os.path.isdir(os.path.join(real, name)):
             raise IsADirectoryError(f"path={path!r}: {name!r} there is a folder, where the export writes a file; "
@@ -226,18 +224,17 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
 
 
 def originals(model: nn.Module) -> tuple:
-    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): its loader's,
-    and those of the local folder from_pretrained read (save_hooks), as they are now too (a touch must not unprotect
-    a dense model's only copy); else (loaded before dorafp8 was imported) those of the folder its config names."""
+    """files.identity()s of the files `model` was loaded from, which no writer replaces (refuse_original): its loader's
+    and the local folder's from_pretrained read (save_hooks; as they are now too: a touch must not unprotect a dense
+    model's only copy); else (loaded before dorafp8 was imported) the weight files of the folder its config names."""
     files = tuple(source_of(model).files or ())
-    # every module's record: a PeftModel's or torch.compile's model is one of them, and so is each model loaded apart
-    # and joined into this one (EncoderDecoderModel.from_encoder_decoder_pretrained: the composite records nothing)
+    # every module's record: a PeftModel's or torch.compile's model is one; so is each model loaded apart and joined
     loaded = [m.__dict__ for m in model.modules()
-              if "_dorafp8_loaded_folder" in m.__dict__ or "_dorafp8_checkpoint_files" in m.__dict__]
+              if {"_dorafp8_loaded_folder", "_dorafp8_checkpoint_files"} & m.__dict__.keys()]
     for rec in loaded:
         files += (*(rec.get("_dorafp8_checkpoint_files") or ()), *weight_files(rec.get("_dorafp8_loaded_folder")))
-    return files if files or loaded else \
-        weight_files(getattr(getattr(base_model(model), "config", None), "_name_or_path", None))
+    config = getattr(base_model(model), "config", None)
+    return files if files or loaded else weight_files(getattr(config, "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:
