@@ -70,6 +70,27 @@ def _save_dir(sd: dict, path: str, config, metadata=None) -> str:
     return path
 
 
+def write_modelopt_fp8(folder: str) -> dict:
+    """A ModelOpt FP8 export of original_model(), as ModelOpt's HF export writes one: e4m3 `weight`, fp32
+    `weight_scale`, quant_algo FP8 in hf_quant_config.json, no quantization_config in config.json. Its state dict."""
+    import json
+
+    from dorafp8 import quant
+
+    model = original_model()
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(".weight") and k.split(".")[-2] in LINEARS:
+            w8, scale = quant.quantize_e4m3(v)
+            sd.update({k: w8, k + "_scale": scale})
+        else:
+            sd[k] = v
+    _save_dir(sd, folder, model.config)
+    with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}, f)
+    return sd
+
+
 def write_compressed_tensors(model, path: str, preset: str = "FP8_DYNAMIC", block=None) -> str:
     """preset: FP8 (per-tensor weights + static per-tensor input scales), FP8_DYNAMIC (per-channel), FP8_BLOCK
     (block, block_structure [block, block])."""

@@ -839,22 +839,11 @@ def test_from_pretrained_then_from_transformers_fp8(tmp_path, preset):
 def test_modelopt_fp8_export_still_loads_as_before(tmp_path):
     """A ModelOpt FP8 export (e4m3 `weight`, fp32 `weight_scale`, quant_algo FP8 in hf_quant_config.json) is not one
     of the microscaled layouts: it still reads as compressed-tensors' per-tensor fp8, as before."""
-    import json
-
     from dorafp8.checkpoint import detect_format
-    from tests.checkpoint._ckpt_fixtures import _save_dir
+    from tests.checkpoint._ckpt_fixtures import write_modelopt_fp8
 
-    model = original_model()
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k.endswith(".weight") and k.split(".")[-2] in LINEARS:
-            w8, scale = quant.quantize_e4m3(v)
-            sd.update({k: w8, k + "_scale": scale})
-        else:
-            sd[k] = v
-    path = _save_dir(sd, str(tmp_path / "fp8"), model.config)
-    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
-        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}, f)
+    path = str(tmp_path / "fp8")
+    write_modelopt_fp8(path)
     assert detect_format(path)[0] == "compressed-tensors"
     target = meta_model()
     load_fp8_checkpoint(target, path, verbose=False)

@@ -18,29 +18,12 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-from dorafp8 import FP8Linear, launcher, quant  # noqa: E402
+from dorafp8 import FP8Linear, launcher  # noqa: E402
 from dorafp8.checkpoint import hub  # noqa: E402
-from tests.checkpoint._ckpt_fixtures import LINEARS, _save_dir, original_model  # noqa: E402
+from tests.checkpoint._ckpt_fixtures import LINEARS, _save_dir, original_model, write_modelopt_fp8  # noqa: E402
 from tests.integration.test_trainers import TIMEOUT_S, _env  # noqa: E402
 
 MAIN, FP8 = "a" * 40, "b" * 40  # the commits of branch main (a bf16 model) and of branch "fp8" (its ModelOpt export)
-
-
-def _fp8_export(folder: str) -> dict:
-    """A ModelOpt FP8 export, as ModelOpt's HF export writes one: e4m3 `weight`, fp32 `weight_scale`, quant_algo FP8
-    in hf_quant_config.json, no quantization_config in config.json. Returns its state dict."""
-    model = original_model()
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k.endswith(".weight") and k.split(".")[-2] in LINEARS:
-            w8, scale = quant.quantize_e4m3(v)
-            sd.update({k: w8, k + "_scale": scale})
-        else:
-            sd[k] = v
-    _save_dir(sd, folder, model.config)
-    with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
-        json.dump({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}, f)
-    return sd
 
 
 def _dense(folder: str) -> None:
@@ -113,7 +96,7 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
     the hook to transformers, which loaded its e4m3 codes as the weights without their scales (|w| up to 448), with
     only 'UNEXPECTED weight_scale' notes: the hook handed over local folders only (it looked for <hub id>/config.json
     on disk). Now the hub id is resolved in huggingface_hub's cache, subfolder= too, and handed over."""
-    sd = _fp8_export(str(tmp_path / "export"))
+    sd = write_modelopt_fp8(str(tmp_path / "export"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"), under=under)
     kw = {"cache_dir": cache, "local_files_only": True, **({"subfolder": under} if under else {})}
@@ -135,7 +118,7 @@ def test_a_modelopt_fp8_export_on_the_hub_is_loaded_with_its_scales(tmp_path, st
 def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state):
     """from_pretrained(folder, subfolder="llm") of a local export: the hook looked in the folder itself (no
     hf_quant_config.json there) and left it to transformers, codes without scales."""
-    sd = _fp8_export(str(tmp_path / "repo" / "llm"))
+    sd = write_modelopt_fp8(str(tmp_path / "repo" / "llm"))
     model = launcher._modelopt_load(transformers.LlamaForCausalLM, (str(tmp_path / "repo"),), {"subfolder": "llm"})
     assert model is not None, "the hub id went to transformers"
     _assert_fp8(model, sd)
@@ -145,7 +128,7 @@ def test_a_local_export_in_a_subfolder_is_loaded_with_its_scales(tmp_path, state
 def test_a_sharded_export_cached_without_no_exist_records_loads_offline(tmp_path, state):
     """A sharded export in a cache `hf download` filled (every file, no .no_exist record of the model.safetensors it
     lacks), offline: the hook asked for model.safetensors first and refused, as not cached, what it had whole."""
-    sd = _fp8_export(str(tmp_path / "export"))
+    sd = write_modelopt_fp8(str(tmp_path / "export"))
     _shard(str(tmp_path / "export"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
@@ -170,7 +153,7 @@ def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, monkeypa
     loaded the base's codes without their scales. Now refused, naming the two-step load. An Auto class finds the
     adapter itself and gives the hook the base's path (and the adapter in adapter_kwargs): the hook loaded the
     export and returned it without the adapter, silently."""
-    _fp8_export(str(tmp_path / "export"))
+    write_modelopt_fp8(str(tmp_path / "export"))
     (tmp_path / "adapter").mkdir()
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
@@ -190,7 +173,7 @@ def test_an_adapter_whose_base_is_an_export_is_refused(tmp_path, state, monkeypa
 def test_a_revision_is_resolved_as_transformers_resolves_it(tmp_path, state):
     """revision="fp8" (a branch holding the export; main holds the bf16 model) is that branch's snapshot: handed
     over; main's (a dense model) goes to transformers, untouched."""
-    sd = _fp8_export(str(tmp_path / "export"))
+    sd = write_modelopt_fp8(str(tmp_path / "export"))
     _dense(str(tmp_path / "dense"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model", MAIN, str(tmp_path / "dense"), branch="main")
@@ -208,13 +191,13 @@ def test_an_export_whose_quant_config_cannot_be_fetched_is_refused(tmp_path, sta
     hf_quant_config.json (transformers, which cached them, never asks for it): it went to transformers, codes without
     scales. Now refused, naming the file and how to fetch it. A dense model cached the same way (no hf_quant_config.json
     known either way) still goes to transformers."""
-    _fp8_export(str(tmp_path / "export"))
+    write_modelopt_fp8(str(tmp_path / "export"))
     _dense(str(tmp_path / "dense"))
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"), leave_out=("hf_quant_config.json",))
     _cache(cache, "org/dense", MAIN, str(tmp_path / "dense"))
     kw = {"cache_dir": cache, "local_files_only": True}
-    _fp8_export(str(tmp_path / "sharded"))
+    write_modelopt_fp8(str(tmp_path / "sharded"))
     _shard(str(tmp_path / "sharded"))
     _cache(cache, "org/sharded-FP8", FP8, str(tmp_path / "sharded"), leave_out=("hf_quant_config.json",))
     for repo in ("org/model-FP8", "org/sharded-FP8"):
@@ -243,7 +226,7 @@ def test_an_unreadable_quant_config_in_the_cache_is_refused(tmp_path, state, tex
     """An export whose cached hf_quant_config.json is empty, cut short or not an object: the hook read it as "not an
     export" and left the checkpoint to transformers, which loaded the codes without their scales. Now refused, naming
     the file."""
-    _fp8_export(str(tmp_path / "export"))
+    write_modelopt_fp8(str(tmp_path / "export"))
     (tmp_path / "export" / "hf_quant_config.json").write_text(text)
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
@@ -257,7 +240,7 @@ def test_a_gguf_load_is_left_to_transformers_and_a_variant_of_an_export_refused(
     the hook asked for its config.json and hf_quant_config.json and loaded the export instead. variant= (transformers
     reads model.<variant>.safetensors): the hook loaded model.safetensors. Now the first is transformers', the second
     refused."""
-    _fp8_export(str(tmp_path / "export"))
+    write_modelopt_fp8(str(tmp_path / "export"))
     (tmp_path / "export" / "model.gguf").write_bytes(b"GGUF")
     cache = str(tmp_path / "hub")
     _cache(cache, "org/model-FP8", FP8, str(tmp_path / "export"))
@@ -311,7 +294,7 @@ def test_dorafp8_run_loads_a_hub_export_offline(tmp_path):
     """The whole path, as a user runs it: `HF_HUB_OFFLINE=1 dorafp8 run -- python train.py` whose from_pretrained
     names a hub id. Branch "fp8" (a ModelOpt FP8 export) is held by dorafp8's layers (transformers loaded it as a
     Linear of e4m3 codes, |w| in the hundreds); main (dense) stays transformers' Linear."""
-    sd = _fp8_export(str(tmp_path / "export"))
+    sd = write_modelopt_fp8(str(tmp_path / "export"))
     _dense(str(tmp_path / "dense"))
     home = tmp_path / "home"
     cache = str(home / "hub")
