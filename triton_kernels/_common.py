@@ -212,24 +212,10 @@ def magnitude_scale(m_ptr, n_ptr, offs, mask):
 @triton.jit
 def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
     """sum_p part[p * stride_part + offs] in fp32, p in order: the fixed-order second stage of the reductions that
-    programs write as partials (no atomics: the same result run to run).
-
-    Four parts are loaded before they are added (the loads do not depend on the sum): one DRAM latency per four parts,
-    where a load per iteration waited one latency per part (the H200 run's dora_bwd_finish_kernel: 30 us for 24 parts
-    in three sums, kernels.md). The adds keep the order p = 0, 1, 2, ...: the same bits as one part at a time (a part
-    past n_parts is not added: where, not + 0.0, which would turn a sum of -0.0 into +0.0). ptxas issues the four loads
-    together only while they fit its register budget: 4 fp32 values a thread per part (the callers' blocks; kernel
-    report's SASS)."""
+    programs write as partials (no atomics: the same result run to run)."""
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)  # n_parts >= 1
-    for p in range(1, n_parts, 4):
-        a = tl.load(part_ptr + p * stride_part + offs, mask=mask, other=0.0)
-        b = tl.load(part_ptr + (p + 1) * stride_part + offs, mask=mask & (p + 1 < n_parts), other=0.0)
-        c = tl.load(part_ptr + (p + 2) * stride_part + offs, mask=mask & (p + 2 < n_parts), other=0.0)
-        d = tl.load(part_ptr + (p + 3) * stride_part + offs, mask=mask & (p + 3 < n_parts), other=0.0)
-        acc += a
-        acc = tl.where(p + 1 < n_parts, acc + b, acc)
-        acc = tl.where(p + 2 < n_parts, acc + c, acc)
-        acc = tl.where(p + 3 < n_parts, acc + d, acc)
+    for p in range(1, n_parts):
+        acc += tl.load(part_ptr + p * stride_part + offs, mask=mask, other=0.0)
     return acc
 
 

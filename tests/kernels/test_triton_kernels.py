@@ -239,10 +239,10 @@ def _sum_parts_kernel(part_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("device", DEVICES)
 def test_sum_parts_adds_in_order(device):
     """sum_parts (the partials' fixed-order sums: the backward pass's v, db, dm, dB and project_grad's splits) for 1 to
-    10 parts, bit for bit the sum p = 0, 1, 2, ... one part at a time in fp32: every part counted once, in order (it
-    loads four at a time; a part past the count added, or the order changed, alters low bits of these magnitudes),
-    and -0.0 kept where every part is -0.0 (a masked load's 0.0 added would give +0.0). Elements past numel are not
-    written (NaN stays)."""
+    10 parts, bit for bit the sum p = 0, 1, 2, ... one part at a time in fp32: every part counted once, in order (a
+    part past the count added, or the order changed, alters low bits of these magnitudes), and -0.0 kept where every
+    part is -0.0 (an unrolled version's masked load of 0.0 added would give +0.0). Elements past numel are not written
+    (NaN stays)."""
     gen = torch.Generator().manual_seed(11)
     numel, block = 37, 64
     for n_parts in range(1, 11):
