@@ -16,7 +16,11 @@ in OneTrainer's own layout, so that dorafp8's import hooks meet it as they meet 
   `.data` of every non-quantized float buffer, so `scale` (and with it `_scale`) becomes the train dtype (bf16/fp16)
   before quantize() writes the scale into it;
 - modules/module/LoRAModule.py: PeftBase (linear and conv2d branches), LoRAModule (which hands a LinearSVD layer to
-  its forward_with_lora), DoRAModule (dense fp32 recomposition on either branch) and LoRAModuleWrapper.
+  its forward_with_lora), DoRAModule (dense fp32 recomposition on either branch) and LoRAModuleWrapper (with its
+  q/k/v fusion: `fusion_spec`, `fuse`; partial groups are not refused here);
+- modules/module/FusedModule.py: _FusedLinear (an nn.Linear over the split leaves with a 0-size weight, its outputs,
+  bias and unquantized weight theirs side by side) and FusedModuleGroup (one adapter on it; each leaf returns its
+  slice of the adapter's whole output, DoRA having no delta term), as the fused LoRA output formats build them.
 
 tests/integration/test_onetrainer.py writes these files to a folder and puts it on sys.path; with ONETRAINER_DIR set
 it uses that checkout instead, through the same names.
@@ -299,6 +303,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modules.module.FusedModule import FusedModuleGroup
 from modules.module.quantized.LinearSVD import BaseLinearSVD
 from modules.util.quantization_util import get_unquantized_weight, get_weight_shape
 
@@ -402,7 +407,26 @@ class DoRAModule(LoRAModule):
         return self.op(self.dropout(x), self.dora_scale * (WP / norm), self.orig_module.bias, **self.layer_kwargs)
 
 
-class LoRAModuleWrapper:  # the unfused case: a module per selected Linear / Conv2d, named by its path
+def _matches(pattern, key):  # a "{...}" segment of the pattern stands for any one segment of the name
+    p, k = pattern.split("."), key.split(".")
+    return len(p) == len(k) and all(a == b or a.startswith("{") for a, b in zip(p, k))
+
+
+def fused_groups(fusion_spec, selected):
+    """(fused name, leaf names) of every group whose leaves are all selected and read the same input."""
+    groups, taken = [], set()
+    for pattern, leaves, fused_suffix, _ in fusion_spec or []:
+        keys = [{n[: -len(leaf) - 1] for n in selected if n.endswith("." + leaf)
+                 and _matches(pattern, n[: -len(leaf) - 1])} for leaf in leaves]
+        for key in sorted(set.intersection(*keys)):
+            names = [f"{key}.{leaf}" for leaf in leaves]
+            if taken.isdisjoint(names) and len({selected[n].in_features for n in names}) == 1:
+                groups.append((f"{key}.{fused_suffix}", names))
+                taken.update(names)
+    return groups
+
+
+class LoRAModuleWrapper:  # a module per selected Linear / Conv2d named by its path, or per fused q/k/v group
     def __init__(self, orig_module, prefix, config, module_filter=None, fusion_spec=None, fuse=None):
         self.prefix = prefix
         if config.lora_decompose:
@@ -411,10 +435,16 @@ class LoRAModuleWrapper:  # the unfused case: a module per selected Linear / Con
                                          "train_device": torch.device(config.train_device)}
         else:
             klass, kwargs = LoRAModule, {}
-        self.lora_modules = {
-            name: klass(f"{prefix}.{name}" if prefix else name, m, config.lora_rank, config.lora_alpha, **kwargs)
-            for name, m in orig_module.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-            and (not module_filter or any(f in name for f in module_filter))}
+        name_of = (lambda name: f"{prefix}.{name}" if prefix else name)
+        selected = {name: m for name, m in orig_module.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                    and (not module_filter or any(f in name for f in module_filter))}
+        self.lora_modules = {}
+        if (fusion_spec is not None) if fuse is None else fuse:
+            for fused, names in fused_groups(fusion_spec, selected):
+                self.lora_modules[fused] = FusedModuleGroup(name_of(fused), [selected.pop(n) for n in names], klass,
+                                                            [config.lora_rank, config.lora_alpha], kwargs)
+        self.lora_modules |= {name: klass(name_of(name), m, config.lora_rank, config.lora_alpha, **kwargs)
+                              for name, m in selected.items()}
 
     def parameters(self):
         return [p for m in self.lora_modules.values() for p in m.parameters()]
@@ -433,6 +463,80 @@ class LoRAModuleWrapper:  # the unfused case: a module per selected Linear / Con
     def hook_to_module(self):
         for m in self.lora_modules.values():
             m.hook_to_module()
+'''
+
+FILES["modules/module/FusedModule.py"] = '''
+import itertools
+
+import torch
+from torch import nn
+
+from modules.module.quantized.mixin.QuantizedLinearMixin import QuantizedLinearMixin
+from modules.util.quantization_util import get_unquantized_weight
+
+
+class _FusedLinear(nn.Linear, QuantizedLinearMixin):
+    def __init__(self, leaves):
+        super().__init__(leaves[0].in_features, sum(leaf.out_features for leaf in leaves), bias=False, device="meta")
+        self._leaves = leaves
+        self._leaf_forwards = [leaf.forward for leaf in leaves]  # taken before the leaves are hooked
+        self.weight = nn.Parameter(torch.empty(0, device=leaves[0].weight.device), requires_grad=False)
+
+    def reset_parameters(self):
+        pass
+
+    def forward(self, x, *args, **kwargs):
+        return torch.cat([f(x) for f in self._leaf_forwards], dim=-1)
+
+    @property
+    def bias(self):  # the leaves' biases side by side (zeros for a leaf without one), None if none has one
+        biases = [leaf.bias for leaf in self._leaves]
+        ref = next((b for b in biases if b is not None), None)
+        if ref is None:
+            return None
+        return torch.cat([b if b is not None else ref.new_zeros(leaf.out_features)
+                          for leaf, b in zip(self._leaves, biases)])
+
+    def original_weight_shape(self):
+        return (self.out_features, self.in_features)
+
+    def unquantized_weight(self, dtype, device):
+        return torch.cat([get_unquantized_weight(leaf, dtype, device) for leaf in self._leaves], dim=0)
+
+
+class FusedModuleGroup:
+    def __init__(self, prefix, leaves, klass, additional_args, additional_kwargs):
+        self.leaves = leaves
+        self.synthetic = _FusedLinear(leaves)
+        self.module = klass(prefix, self.synthetic, *additional_args, **additional_kwargs)
+        self.module.orig_forward = self.synthetic.forward
+        self.module.is_applied = True
+        self.prefix = self.module.prefix
+        ends = list(itertools.accumulate(leaf.out_features for leaf in leaves))
+        self.slices = list(zip([0] + ends[:-1], ends))
+
+    def _leaf_forward(self, start, end):
+        def forward(x, *args, **kwargs):
+            return self.module.forward(x)[..., start:end]  # DoRA: the whole fused forward, for every leaf
+        return forward
+
+    def hook_to_module(self):
+        for leaf, (start, end) in zip(self.leaves, self.slices):
+            leaf.forward = self._leaf_forward(start, end)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def state_dict(self, prefix=""):
+        return self.module.state_dict(prefix=prefix)
+
+    def to(self, device=None, dtype=None):
+        self.module.to(device, dtype)
+        return self
+
+    @property
+    def dropout(self):
+        return self.module.dropout
 '''
 
 FILES["modules/util/enum/ModelType.py"] = '''

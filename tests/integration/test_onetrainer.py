@@ -88,10 +88,10 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _model(ot, kind, train="FLOAT_32"):
-    """Net as OneTrainer's loader and setup make it: its dtype conversion, then quantize_layers."""
+def _model(ot, kind, train="FLOAT_32", make=Net):
+    """make() (Net) as OneTrainer's loader and setup make it: its dtype conversion, then quantize_layers."""
     torch.manual_seed(0)
-    net = Net()
+    net = make()
     DT = ot.DataType
     svd = types.SimpleNamespace(svd_dtype=DT.BFLOAT_16, svd_rank=4, cache_dir=None, layer_filter="",
                                 layer_filter_regex=False)
@@ -100,7 +100,8 @@ def _model(ot, kind, train="FLOAT_32"):
     ot.Loader()._convert_diffusers_sub_module_to_dtype(net, dtype, DT[train], quantization)
     ot.quant.quantize_layers(net, TRAIN_DEVICE, DT[train], None)
     if kind != "dense":
-        assert type(net.fc1).__name__ == kind and net.fc1.weight.dtype == torch.float8_e4m3fn
+        first = next(m for m in net.modules() if isinstance(m, nn.Linear))
+        assert type(first).__name__ == kind and first.weight.dtype == torch.float8_e4m3fn
     return net
 
 
@@ -111,13 +112,14 @@ def _config(ot, output_axis, norm_epsilon, rank=4, alpha=8.0):
                                  debug_mode=False)
 
 
-def _adapt(ot, net, output_axis=False, norm_epsilon=False, p=0.0):
+def _adapt(ot, net, output_axis=False, norm_epsilon=False, p=0.0, **fusion):
     """OneTrainer's DoRA on every layer of `net` (LoRAModuleWrapper, then hook_to_module), with adapters set to
     values of their own (one seed: the same for every model of the same shapes)."""
     torch.manual_seed(1)
-    wrapper = ot.LoRAModuleWrapper(net, "lora_unet", _config(ot, output_axis, norm_epsilon))
+    wrapper = ot.LoRAModuleWrapper(net, "lora_unet", _config(ot, output_axis, norm_epsilon), **fusion)
     g = torch.Generator().manual_seed(2)
     for m in wrapper.lora_modules.values():
+        m = getattr(m, "module", m)  # a fused q/k/v group's one adapter
         m.dropout.p = p
         with torch.no_grad():  # OneTrainer's lora_up starts at 0: give it (and dora_scale) other values
             m.lora_up.weight.copy_(torch.randn(m.lora_up.weight.shape, generator=g) * 0.3)
@@ -263,6 +265,48 @@ def test_svd_quant_layer_is_left_to_onetrainer(ot, calls, monkeypatch):
         assert_close(a, b, 0.0, f"gradient {i} against OneTrainer's own")
     assert n == 2  # OneTrainer dequantized both layers (with their SVD terms)
     assert fp8_parts(net.fc1) is None and fp8_parts(net.fc2) is None
+
+
+class Qkv(nn.Module):  # q/k/v leaves of one block, as the fusion specs of Flux, SD3, Chroma, ... name them
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Module()])
+        attn = self.blocks[0].attn = nn.Module()
+        attn.to_q, attn.to_k, attn.to_v = nn.Linear(24, 16), nn.Linear(24, 16, bias=False), nn.Linear(24, 8)
+        self.out = nn.Linear(40, 16)
+
+    def forward(self, x):
+        attn = self.blocks[0].attn
+        return self.out(torch.cat([attn.to_q(x), attn.to_k(x), attn.to_v(x)], dim=-1))
+
+
+QKV_SPEC = [("blocks.{i}", ["attn.to_q", "attn.to_k", "attn.to_v"], "attn.qkv", "qkv")]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fused_qkv_groups_are_left_to_onetrainer(ot, calls, monkeypatch, fuse):
+    """OneTrainer's fused LoRA output formats (KOHYA_LORA, ORIGINAL_LORA, COMFY_LORA: fuse=True) build one adapter
+    per q/k/v group on a _FusedLinear over the fp8 leaves, whose own weight is a 0-size stand-in: the fused path must
+    leave it to OneTrainer's own forward, which gives OneTrainer's result to the bit (docs/TRAINERS.md says so). Split
+    (fuse=False), dorafp8 runs every layer: OneTrainer dequantizes nothing."""
+    x = torch.randn(3, 24)
+    runs = []
+    for own in (False, True):
+        if own:
+            monkeypatch.setattr(ot.DoRAModule, "forward", _own_forward(ot))
+        net = _model(ot, "LinearFp8", make=Qkv)
+        wrapper = _adapt(ot, net, fusion_spec=QKV_SPEC, fuse=fuse)
+        assert ("blocks.0.attn.qkv" in wrapper.lora_modules) == fuse
+        with torch.no_grad():
+            v = net.blocks[0].attn.to_v(x)
+        runs.append((*_run(net, wrapper, x, calls), v))
+    (y, grads, n, v), (y_own, grads_own, n_own, v_own) = runs
+    assert n_own == (3 + 1 if fuse else 4)  # OneTrainer's own: the group once per leaf, then `out`
+    assert n == (3 if fuse else 0)  # through dorafp8: the group stays OneTrainer's, `out` does not
+    assert_close(v, v_own, 0.0 if fuse else tol(torch.float32), "to_v's output against OneTrainer's own")
+    assert_close(y, y_own, tol(torch.float32), "outputs against OneTrainer's own")
+    for i, (a, b) in enumerate(zip(grads, grads_own)):
+        assert_close(a, b, 2 * tol(torch.float32), f"gradient {i} against OneTrainer's own")
 
 
 @pytest.mark.parametrize("train", ["BFLOAT_16", "FLOAT_16"])
