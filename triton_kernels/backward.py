@@ -16,8 +16,8 @@ from .occupancy import programs_that_fit
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny: the floor of rl, rb and max|c|
 SCAN_N = 512  # columns per step of the maxima's scan over N
-# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 48-64 registers, no spills (larger and some smaller
-# chunks of dB spilled; kernel report).
+# (BLOCK_E, BLOCK_C, BLOCK_R) of the finishing kernel on a GPU: 40-44 registers, no spills on the four archs (Triton
+# 3.8; kernel report).
 FINISH_BLOCKS = (1024, 128, 16)
 
 
@@ -167,37 +167,52 @@ def dora_bwd_finish_kernel(
     # Pointers: the pass's partials, the magnitude and norm, the outputs
     vpart_ptr, dmpart_ptr, dbpart_ptr, dBpart_ptr, m_ptr, n_ptr, v_ptr, dm_ptr, db_ptr, dB_ptr,
     # Sizes: PN column groups (partial copies of v), PM row groups (of dm, db, dB); the first V_PROGRAMS programs
-    # finish v, the others blocks of BLOCK_C columns
+    # finish v, the others one sum each for a block of BLOCK_C columns (finish_grid)
     M, N, R, PN, PM, V_PROGRAMS,
     s,
     HAS_ADAPTER: tl.constexpr, NEED_DM: tl.constexpr, NEED_DBB: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # (The two branches name their values apart: a compiled if/else must give a shared name one type.)
+    # (The branches name their values apart: a compiled if/else must give a shared name one type.)
     if pid < V_PROGRAMS:  # v = sum of the column groups' partials, in B's dtype
         offs_e = pid.to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
         ok_e = offs_e < M * R
         v = sum_parts(vpart_ptr, PN, M * R, offs_e, ok_e)
         tl.store(v_ptr + offs_e, v.to(v_ptr.dtype.element_ty), mask=ok_e)
     else:
-        cols = (pid - V_PROGRAMS) * BLOCK_C + tl.arange(0, BLOCK_C)
+        # One sum a program (db, dm, or one BLOCK_R chunk of dB), not all of a column block's in one program: each
+        # sum waits a DRAM latency per few of its PM parts, and in one program those waits added up (the H200 run's
+        # finishing kernel: 30 us for 13 MB, kernels.md).
+        blocks = (N + BLOCK_C - 1) // BLOCK_C
+        job = (pid - V_PROGRAMS) // blocks
+        cols = ((pid - V_PROGRAMS) % blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < N
-        db = sum_parts(dbpart_ptr, PM, N, cols, ok)
-        tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=ok)
-        if HAS_ADAPTER:
-            if NEED_DM:
+        if job == 0:
+            db = sum_parts(dbpart_ptr, PM, N, cols, ok)
+            tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=ok)
+        elif job == 1:
+            if HAS_ADAPTER and NEED_DM:
                 n = tl.load(n_ptr + cols, mask=ok, other=1.0)
                 dm = tl.math.div_rn(sum_parts(dmpart_ptr, PM, N, cols, ok), norm_divisor(n))
                 tl.store(dm_ptr + cols, dm.to(dm_ptr.dtype.element_ty), mask=ok)
-            if NEED_DBB:
-                sc = (s * magnitude_scale(m_ptr, n_ptr, cols, ok))[:, None]
-                offs_r = tl.arange(0, BLOCK_R)
-                for r0 in range(0, R, BLOCK_R):
-                    e = cols.to(tl.int64)[:, None] * R + r0 + offs_r[None, :]
-                    e_ok = ok[:, None] & (r0 + offs_r[None, :] < R)
-                    dB = sum_parts(dBpart_ptr, PM, N * R, e, e_ok) * sc
-                    tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
+        elif HAS_ADAPTER and NEED_DBB:  # job 2, 3, ...: dB's columns r0 .. r0 + BLOCK_R
+            sc = (s * magnitude_scale(m_ptr, n_ptr, cols, ok))[:, None]
+            r0 = (job - 2) * BLOCK_R
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            e = cols.to(tl.int64)[:, None] * R + offs_r[None, :]
+            e_ok = ok[:, None] & (offs_r[None, :] < R)
+            dB = sum_parts(dBpart_ptr, PM, N * R, e, e_ok) * sc
+            tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
+
+
+def finish_grid(M: int, N: int, r: int, adapter: bool, need_dm: bool, need_dB: bool, blocks: tuple) -> tuple:
+    """(V_PROGRAMS, programs) of dora_bwd_finish_kernel for its (BLOCK_E, BLOCK_C, BLOCK_R): v's programs, then for
+    each column block db's, dm's (idle without it) and one for each BLOCK_R columns of dB."""
+    block_e, block_c, block_r = blocks
+    v_programs = cdiv(M * r, block_e) if adapter else 0
+    sums = 1 + (1 + (cdiv(r, block_r) if need_dB else 0) if adapter else 0)
+    return v_programs, v_programs + cdiv(N, block_c) * sums
 
 
 def bwd_pass_blocks(r: int, ieee: bool, split: bool = False) -> tuple[int, int, int, int, int]:
@@ -289,12 +304,13 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     dB = alloc((N, r), B.dtype, dev) if need_dB else None
     db = alloc((N,), cdt, dev)
     block_e, block_c, block_rc = (64, 32, 16) if interpreting() else FINISH_BLOCKS
-    v_programs = cdiv(M * r, block_e) if adapter else 0
-    launch(dora_bwd_finish_kernel, (v_programs + cdiv(N, block_c),))(
+    block_r = min(br, block_rc)
+    v_programs, programs = finish_grid(M, N, r, adapter, need_dm, need_dB, (block_e, block_c, block_r))
+    launch(dora_bwd_finish_kernel, (programs,))(
         vpart, dmpart, dbpart, dBpart, m if adapter else ph, n if adapter else ph, v if adapter else ph,
         dm if need_dm else ph, db, dB if need_dB else ph,
         M, N, r, pn, pm, v_programs, float(s),
         HAS_ADAPTER=adapter, NEED_DM=need_dm, NEED_DBB=need_dB, BLOCK_E=block_e, BLOCK_C=block_c,
-        BLOCK_R=min(br, block_rc), num_warps=4, num_stages=1,
+        BLOCK_R=block_r, num_warps=4, num_stages=1,
     )
     return gl, rs, gb, v, dm, db, dB
