@@ -619,8 +619,10 @@ def _check_layer(name, mod_name, parts, base):
             if not bool(torch.isfinite(ds.float()).all()):
                 problems.append(f"{name}.dora_scale: has non-finite values")
         elif ds.dim() >= 2 and ds.shape[0] == 1 and ds.shape[1] == in_f and ds.numel() == in_f:
-            problems.append(f"{name}.dora_scale {tuple(ds.shape)}: an input-axis magnitude (LyCORIS wd_on_out=False),"
-                            f" one per input column; PEFT's DoRA keeps one per output row, with no exact conversion")
+            problems.append(f"{name}.dora_scale {tuple(ds.shape)}: an input-axis magnitude, one per input column "
+                            f"(OneTrainer's DoRA unless 'decompose on output axis' is set, LyCORIS wd_on_out=False); "
+                            f"PEFT's DoRA keeps one per output row, with no exact conversion: train with the output "
+                            f"axis to load the file here")
         else:
             problems.append(f"{name}.dora_scale {tuple(ds.shape)}: expected ({out_f}, 1{', 1' * len(kernel)}), one "
                             f"magnitude per output row of {mod_name}")

@@ -490,7 +490,8 @@ def _same(model, snap):
     (lambda sd: sd.update({"lycoris_lin1.lora_mid.weight": torch.zeros(1)}), "Tucker"),
     (lambda sd: sd.update({"lycoris_lin1.hada_w1_a": torch.zeros(1)}), "LoHa"),
     (lambda sd: sd.update({"lycoris_nothere.lora_down.weight": torch.zeros(2, 2)}), "lycoris_nothere"),
-    (lambda sd: sd.update({"lycoris_lin1.dora_scale": torch.ones(1, 8)}), "input-axis"),
+    # OneTrainer's default axis (its users meet this refusal first): the message names it and its option
+    (lambda sd: sd.update({"lycoris_lin1.dora_scale": torch.ones(1, 8)}), "input-axis magnitude.*OneTrainer.*output axis"),
     (lambda sd: sd.update({"lycoris_head.lora_up.weight": torch.ones(5, 3)}), "lycoris_head: lora_down"),
     (lambda sd: sd.update({"lycoris_conv2.alpha": torch.tensor(float("nan"))}), "alpha"),
     (lambda sd: sd.pop("lycoris_conv1.dora_scale"), "mixes DoRA layers"),
