@@ -401,13 +401,16 @@ def race() -> int:
 
         first, later = call(), min(call() for _ in range(3))
         keys = _race._read(_race.cache_file(dev))["keys"]
-        what = next(k for k in keys if k.startswith("dora ") and f" M<={_race.bucket(M)} " in k)
-        cands = [c for c in _race.RACERS[dev.type] if c in keys[what]]
-        pick = _race.pick_of(keys[what], cands)
-        put("race", f"M={M}", dict(key=what, pick=pick, verdicts=keys[what], static=backends.resolve("auto", dev),
-                                   ms={c: v.get("ms") for c, v in keys[what].items()}, first_call_s=first,
+        static = backends.resolve("auto", dev)
+        # no key where no child ran: no candidate runs on this GPU (an A100: native), or a check would not fit
+        what = next((k for k in keys if k.startswith("dora ") and f" M<={_race.bucket(M)} " in k), None)
+        verdicts = keys.get(what, {})
+        pick = _race.pick_of(verdicts, [c for c in _race.RACERS[dev.type] if c in verdicts]) if what else static
+        put("race", f"M={M}", dict(key=what, pick=pick, verdicts=verdicts, static=static,
+                                   ms={c: v.get("ms") for c, v in verdicts.items()}, first_call_s=first,
                                    later_call_s=later, race_cost_s=first - later))
-        print(f"race M={M}: {what} -> {pick} {keys[what]}; the first call cost {first - later:.3f} s more")
+        print(f"race M={M}: {what or 'nothing checked'} -> {pick} {verdicts}; the first call cost {first - later:.3f} "
+              "s more")
     return 0
 
 

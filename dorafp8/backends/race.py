@@ -175,12 +175,26 @@ def describe(spec: dict) -> str:
 def _device_info(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"name": device.type}
-    try:
-        driver = torch._C._cuda_getDriverVersion()
-    except Exception:
-        driver = None
     return {"name": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device)),
-            "driver": driver}
+            "driver": driver_version()}
+
+
+def driver_version() -> int | None:
+    """The CUDA driver's version (cuDriverGetVersion, e.g. 12080), None where it cannot be read. Not torch's: the
+    torch._C._cuda_getDriverVersion this read is in no torch the project supports, so every driver shared a file."""
+    import ctypes
+
+    for name in ("libcuda.so.1", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        v = ctypes.c_int(0)
+        try:
+            return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else None
+        except AttributeError:
+            return None
+    return None
 
 
 def build_id() -> str:

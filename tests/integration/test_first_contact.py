@@ -669,3 +669,28 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
         assert cells[9] == f"{ms['linear-bf16', M]:.3f}" and cells[8] == f"{ms['linear-fp8-dequant', M]:.3f}"
         assert cells[10] == f"{ms['dorafp8-triton', M] / ms['linear-bf16', M]:.2f}x"
         assert cells[12] == f"{ms['dorafp8-triton', M] / ms['dorafp8-lora-triton', M]:.2f}x"
+
+
+def test_race_step_where_no_candidate_runs(monkeypatch, tmp_path):
+    """On a GPU no kernel backend runs on (an A100: backend="auto" runs native, no child checks anything) the race step
+    records the static pick and no verdicts. It died with StopIteration looking for the key no child had written."""
+    from dorafp8.backends import race as _race
+
+    monkeypatch.setenv("FIRST_CONTACT_SMOKE", "1")
+    monkeypatch.setenv("DORAFP8_RACE", "1")
+    monkeypatch.setenv("DORAFP8_CACHE_DIR", str(tmp_path / "race"))
+    monkeypatch.setitem(_race.RACERS, "cpu", ())
+    monkeypatch.setattr(_race, "_candidates", lambda *a: [])
+    import importlib
+
+    import _first_steps as S
+
+    S = importlib.reload(S)
+    monkeypatch.setattr(S, "RESULTS", str(tmp_path / "first_contact.json"))
+    _race.forget()
+    try:
+        assert S.race() == 0
+    finally:
+        _race.forget()
+    got = _results(tmp_path)["race"]["M=40"]
+    assert got["pick"] == got["static"] == "native" and got["verdicts"] == {} and got["key"] is None

@@ -1169,3 +1169,31 @@ def test_under_ddp_a_stopped_check_stops_every_rank(race, used, monkeypatch, cla
     used.clear()
     _step(300)  # another key: no child, the static pick
     assert children(race) == 0 and set(used) == {"native"}
+
+
+def test_the_verdict_file_is_the_drivers(monkeypatch):
+    """The verdict file is named after the driver too (docs/ARCHITECTURE.md): a driver update checks every key again.
+    It was read by torch._C._cuda_getDriverVersion, which no supported torch has: every driver got driver None and
+    shared one file. Here cuDriverGetVersion answers through a planted libcuda, on a GPU that is not there."""
+    import ctypes
+
+    driver = {"v": 12080}
+
+    class LibCuda:
+        def cuDriverGetVersion(self, out):
+            out._obj.value = driver["v"]
+            return 0
+
+    def cdll(name, *a, **k):
+        if name in ("libcuda.so.1", "nvcuda.dll"):
+            return LibCuda()
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
+    gpu = torch.device("cuda", 0)
+    assert _race._device_info(gpu)["driver"] == 12080
+    before = _race.cache_file(gpu)
+    driver["v"] = 13000
+    assert _race._device_info(gpu)["driver"] == 13000 and _race.cache_file(gpu) != before
