@@ -260,17 +260,21 @@ def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_th
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path):
-    """A model with tensor-parallel DTensors and no FSDP2 (torch's parallelize_module on lm_head; its ColwiseParallel
-    takes nn.Linear only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not
-    apply (no FSDPModule to unshard). The refusal now names the gather that works, and following it (a full state dict,
-    loaded into the model built without tensor parallelism) writes the single-process export. A group of one."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "fsdp2_on_tp"])
+def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path, fsdp):
+    """A model with tensor-parallel DTensors (torch's parallelize_module on lm_head; its ColwiseParallel takes nn.Linear
+    only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not apply: with no
+    FSDP2 there is no FSDPModule to unshard, and with FSDP2 on top (a 2-D mesh, dp x tp) unshard() leaves lm_head a
+    DTensor, so the refusal after it gave the same unshard() advice again, and again. The refusal now names the gather
+    that works, before and after unshard(), and following it (a full state dict, loaded into the model built without
+    tensor parallelism or FSDP2) writes the single-process export. A group of one."""
     import glob
 
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from tests.distributed.test_distributed import _free_port
@@ -280,11 +284,21 @@ def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         pm = C.build_model(seed=0)
-        parallelize_module(pm.base_model.model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
-        says = r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict"
-        with pytest.raises(RuntimeError, match=says) as e:
-            dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
-        assert "unshard()" not in str(e.value)
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        parallelize_module(pm.base_model.model, mesh["tp"], {"lm_head": ColwiseParallel()})
+        if fsdp:
+            for layer in pm.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(pm, mesh=mesh["dp"])
+        units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == (3 if fsdp else 0)
+        says = r"tensor-parallel DTensors \(e\.g\. 'base_model\.model\.lm_head\.weight'.*get_model_state_dict"
+        for unsharded in (False, True) if fsdp else (False,):
+            [u.unshard() for u in units if unsharded]
+            with pytest.raises(RuntimeError, match=says) as e:
+                dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
+            assert "unshard()" not in str(e.value).split("FSDP2's unshard() does not gather")[1]
+        [u.reshard() for u in units]
         sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         plain = C.build_model(seed=1)
         plain.load_state_dict(sd)
