@@ -166,6 +166,13 @@ class FP8WeightModule(nn.Module):
         ([N, 1] -> [N], [1] -> []); a microscaled kind's scale (e8m0, e4m3) is checked and kept as it is."""
         w = self.weight if weight is None else weight
         N, K = w.shape[0], math.prod(w.shape[1:]) * (2 if w.dtype == torch.uint8 else 1)
+        own = self.scale
+        if isinstance(scale, torch.Tensor) and own.dtype in MICRO_SCALE_DTYPES and scale.is_floating_point() \
+                and scale.dtype not in MICRO_SCALE_DTYPES and scale.shape == own.shape:
+            # this layer's e8m0 / e4m3 block scales widened on the way (DeepSpeed's zero_to_fp32 and
+            # load_state_dict_from_zero_checkpoint turn every floating buffer to fp32): back, where that is exact
+            back = scale.to(own.dtype)
+            scale = back if torch.equal(back.to(scale.dtype), scale) else scale
         if isinstance(scale, torch.Tensor) and scale.dtype in MICRO_SCALE_DTYPES:
             check_micro_scale(scale, "nvfp4" if scale.dtype == E4M3 else "mxfp8", N, K, name)
             return scale

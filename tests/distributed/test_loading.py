@@ -509,6 +509,53 @@ for dtype in (torch.bfloat16, torch.float16):
     assert lines == ["True True True 5"] * 2, r.stdout  # 5 scales: per tensor, per row, MXFP8, NVFP4 and its global
 
 
+def test_deepspeed_zero_checkpoint_loads_microscaled_scales_back(tmp_path):
+    """DeepSpeed's own way back from a ZeRO checkpoint, load_state_dict_from_zero_checkpoint (zero_to_fp32), casts
+    every floating buffer to fp32 (parse_model_states: `v.float() if v.is_floating_point()`): an MXFP8 layer's e8m0
+    and an NVFP4 layer's e4m3 block scales came back as fp32, and load_state_dict refused them ('scale must have one
+    element (per tensor), shape [64] (per row) or [1, 1] ...'), so the checkpoint could not be resumed. They now load
+    back as their own dtypes where the cast back is exact. ZeRO-2 in a gloo group of one (DeepSpeed's CPU accelerator):
+    save_checkpoint, then its loader into a model built from another seed, which then computes as the saved one."""
+    _needs("deepspeed", "the checkpoint and its loader are DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO, _free_port
+
+    job = """
+import sys, torch, dorafp8, deepspeed
+from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+def model(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    w8, sc = quantize_mxfp8(m[0].weight.detach())
+    m[0] = dorafp8.FP8Linear.from_fp8(w8, sc, m[0].bias.detach().clone(), backend="reference")
+    w8, sc, g = quantize_nvfp4(m[1].weight.detach())
+    m[1] = dorafp8.FP8Linear.from_fp8(w8, sc, m[1].bias.detach().clone(), backend="reference", global_scale=g)
+    m[0].bias.requires_grad_(False), m[1].bias.requires_grad_(False)
+    return m
+deepspeed.init_distributed("gloo")
+m = model(0)
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+       "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+engine, *_ = deepspeed.initialize(model=m, model_parameters=list(m[2].parameters()), config=cfg)
+engine.save_checkpoint(sys.argv[1])
+fresh = model(1)
+load_state_dict_from_zero_checkpoint(fresh, sys.argv[1])
+x = torch.randn(3, 64)
+print("RESULT", fresh[0].scale.dtype, fresh[1].scale.dtype, torch.equal(fresh(x), model(0)(x)))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job, str(tmp_path / "ckpt")], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [
+        "RESULT torch.float8_e8m0fnu torch.float8_e4m3fn True"], r.stdout
+
+
 def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():
     """DeepSpeedEngine._broadcast_model sends rank 0's parameters, not the buffers; dorafp8's wrap sends each layer's
     scales right after its weight, from the same source and in the same group. The wrap used to read that group itself
