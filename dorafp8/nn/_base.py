@@ -166,6 +166,13 @@ class FP8WeightModule(nn.Module):
         ([N, 1] -> [N], [1] -> []); a microscaled kind's scale (e8m0, e4m3) is checked and kept as it is."""
         w = self.weight if weight is None else weight
         N, K = w.shape[0], math.prod(w.shape[1:]) * (2 if w.dtype == torch.uint8 else 1)
+        own = self.scale
+        if isinstance(scale, torch.Tensor) and own.dtype in MICRO_SCALE_DTYPES and scale.is_floating_point() \
+                and scale.dtype not in MICRO_SCALE_DTYPES and scale.shape == own.shape:
+            # this layer's e8m0 / e4m3 block scales widened on the way (DeepSpeed's zero_to_fp32 and
+            # load_state_dict_from_zero_checkpoint turn every floating buffer to fp32): back, where that is exact
+            back = scale.to(own.dtype)
+            scale = back if torch.equal(back.to(scale.dtype), scale) else scale
         if isinstance(scale, torch.Tensor) and scale.dtype in MICRO_SCALE_DTYPES:
             check_micro_scale(scale, "nvfp4" if scale.dtype == E4M3 else "mxfp8", N, K, name)
             return scale
@@ -251,30 +258,48 @@ def fsdp_managed(model: torch.nn.Module) -> bool:
     return any(getattr(m, "_is_fsdp_managed_module", False) for m in model.modules())
 
 
+def _tensor_parallel(model: torch.nn.Module) -> set[int]:
+    """ids of `model`'s parameters that are DTensors of their own (tensor or expert parallelism) under its FSDP2 units,
+    sharded or unsharded: FSDP2's unshard() leaves them DTensors (FSDPParam.is_dtensor, read where torch has it)."""
+    ids = set()
+    for m in model.modules():
+        group = getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", ()):
+            info = getattr(fp, "_module_info", None)
+            if getattr(fp, "is_dtensor", False) and info is not None:
+                ids.add(id(getattr(info.module, info.param_name, None)))
+    return ids
+
+
 def refuse_sharded_model(model: torch.nn.Module, what: str, named=None) -> None:
     """Raises a RuntimeError naming the way to gather them where `model`'s parameters (or `named`, the (name,
-    parameter) pairs `what` reads) are FSDP2 shards (DTensors) or DeepSpeed ZeRO-3 partitions, which `what` (a writer
-    reading whole weights on one rank) cannot read: torch stopped with 'got mixed torch.Tensor and DTensor' or
-    'Attempted to access the data pointer on an invalid python storage', and a ZeRO-3 model with 'cannot reshape
-    tensor of 0 elements'."""
+    parameter) pairs `what` reads) are FSDP2 shards (DTensors), tensor-parallel DTensors (with FSDP2 or without) or
+    DeepSpeed ZeRO-3 partitions, which `what` (a writer reading whole weights on one rank) cannot read: torch stopped
+    with 'got mixed torch.Tensor and DTensor' or 'Attempted to access the data pointer on an invalid python storage',
+    and a ZeRO-3 model with 'cannot reshape tensor of 0 elements'."""
     dtensor = _dtensor_class()
-    for name, p in model.named_parameters() if named is None else named:
-        if dtensor is not None and isinstance(p, dtensor) and not fsdp_managed(model):
-            # tensor parallelism (parallelize_module, transformers' tp_plan): FSDP's unshard() does not apply
-            raise RuntimeError(
-                f"{what} reads whole weights, and this model's parameters are DTensors that no FSDP2 unit manages "
-                f"(tensor parallelism: e.g. {name!r}, placements {tuple(p.placements)}), which it cannot read. Write "
-                f"an unsharded copy: gather the state dict on every rank (torch.distributed.checkpoint.state_dict's "
-                f"`sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
-                f"cpu_offload=True))`), then on rank 0 load it into the same model built without tensor parallelism "
-                f"(no parallelize_module / tp_plan; `plain.load_state_dict(sd)`) and write that one")
-        if dtensor is not None and isinstance(p, dtensor):
-            raise RuntimeError(
-                f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. {name!r}). "
-                f"Gather them on every rank first, write on one, then shard again (docs/MULTI_GPU.md): "
-                f"`units = [m for m in model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]; "
-                f"[u.unshard() for u in units]`, then the write on rank 0 only (`if dist.get_rank() == 0: ...`), "
-                f"then `[u.reshard() for u in units]`")
+    named = list(model.named_parameters() if named is None else named)
+    sharded = [(n, p) for n, p in named if dtensor is not None and isinstance(p, dtensor)]
+    tp = _tensor_parallel(model) if fsdp_managed(model) else {id(p) for _, p in sharded}
+    name, p = next(((n, p) for n, p in sharded if id(p) in tp), (None, None))
+    if name is not None:  # tensor parallelism (parallelize_module, tp_plan), FSDP2 on top or not: unshard() leaves it
+        raise RuntimeError(
+            f"{what} reads whole weights, and this model's parameters include tensor-parallel DTensors (e.g. "
+            f"{name!r}, placements {tuple(p.placements)}), which it cannot read and FSDP2's unshard() does not "
+            f"gather. Write an unsharded copy: gather the state dict on every rank "
+            f"(torch.distributed.checkpoint.state_dict's `sd = get_model_state_dict(model, "
+            f"options=StateDictOptions(full_state_dict=True, cpu_offload=True))`), then on rank 0 load it into the "
+            f"same model built without tensor parallelism or FSDP2 (no parallelize_module / tp_plan, no fully_shard; "
+            f"`plain.load_state_dict(sd)`) and write that one")
+    if sharded:
+        raise RuntimeError(
+            f"{what} reads whole weights, and this model's parameters are FSDP2 shards (DTensors, e.g. "
+            f"{sharded[0][0]!r}). "
+            f"Gather them on every rank first, write on one, then shard again (docs/MULTI_GPU.md): "
+            f"`units = [m for m in model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]; "
+            f"[u.unshard() for u in units]`, then the write on rank 0 only (`if dist.get_rank() == 0: ...`), "
+            f"then `[u.reshard() for u in units]`")
+    for name, p in named:
         if getattr(getattr(p, "ds_status", None), "name", None) == "NOT_AVAILABLE":  # ZeroParamStatus, not imported
             raise RuntimeError(
                 f"{what} reads whole weights, and this model's parameters are DeepSpeed ZeRO-3 partitions (e.g. "

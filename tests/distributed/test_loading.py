@@ -260,17 +260,21 @@ def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_th
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path):
-    """A model with tensor-parallel DTensors and no FSDP2 (torch's parallelize_module on lm_head; its ColwiseParallel
-    takes nn.Linear only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not
-    apply (no FSDPModule to unshard). The refusal now names the gather that works, and following it (a full state dict,
-    loaded into the model built without tensor parallelism) writes the single-process export. A group of one."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "fsdp2_on_tp"])
+def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works(tmp_path, fsdp):
+    """A model with tensor-parallel DTensors (torch's parallelize_module on lm_head; its ColwiseParallel takes nn.Linear
+    only, so dorafp8's layers stay whole) was refused with FSDP2's unshard() advice, which does not apply: with no
+    FSDP2 there is no FSDPModule to unshard, and with FSDP2 on top (a 2-D mesh, dp x tp) unshard() leaves lm_head a
+    DTensor, so the refusal after it gave the same unshard() advice again, and again. The refusal now names the gather
+    that works, before and after unshard(), and following it (a full state dict, loaded into the model built without
+    tensor parallelism or FSDP2) writes the single-process export. A group of one."""
     import glob
 
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from tests.distributed.test_distributed import _free_port
@@ -280,11 +284,21 @@ def test_writing_a_tensor_parallel_model_is_refused_naming_the_gather_that_works
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         pm = C.build_model(seed=0)
-        parallelize_module(pm.base_model.model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
-        says = r"no FSDP2 unit manages \(tensor parallelism.*get_model_state_dict"
-        with pytest.raises(RuntimeError, match=says) as e:
-            dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
-        assert "unshard()" not in str(e.value)
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        parallelize_module(pm.base_model.model, mesh["tp"], {"lm_head": ColwiseParallel()})
+        if fsdp:
+            for layer in pm.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(pm, mesh=mesh["dp"])
+        units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == (3 if fsdp else 0)
+        says = r"tensor-parallel DTensors \(e\.g\. 'base_model\.model\.lm_head\.weight'.*get_model_state_dict"
+        for unsharded in (False, True) if fsdp else (False,):
+            [u.unshard() for u in units if unsharded]
+            with pytest.raises(RuntimeError, match=says) as e:
+                dorafp8.export_merged(pm, str(tmp_path / "refused"), verbose=False)
+            assert "unshard()" not in str(e.value).split("FSDP2's unshard() does not gather")[1]
+        [u.reshard() for u in units]
         sd = get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         plain = C.build_model(seed=1)
         plain.load_state_dict(sd)
@@ -493,6 +507,53 @@ for dtype in (torch.bfloat16, torch.float16):
     assert r.returncode == 0, r.stderr[-4000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("True", "False"))]
     assert lines == ["True True True 5"] * 2, r.stdout  # 5 scales: per tensor, per row, MXFP8, NVFP4 and its global
+
+
+def test_deepspeed_zero_checkpoint_loads_microscaled_scales_back(tmp_path):
+    """DeepSpeed's own way back from a ZeRO checkpoint, load_state_dict_from_zero_checkpoint (zero_to_fp32), casts
+    every floating buffer to fp32 (parse_model_states: `v.float() if v.is_floating_point()`): an MXFP8 layer's e8m0
+    and an NVFP4 layer's e4m3 block scales came back as fp32, and load_state_dict refused them ('scale must have one
+    element (per tensor), shape [64] (per row) or [1, 1] ...'), so the checkpoint could not be resumed. They now load
+    back as their own dtypes where the cast back is exact. ZeRO-2 in a gloo group of one (DeepSpeed's CPU accelerator):
+    save_checkpoint, then its loader into a model built from another seed, which then computes as the saved one."""
+    _needs("deepspeed", "the checkpoint and its loader are DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO, _free_port
+
+    job = """
+import sys, torch, dorafp8, deepspeed
+from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+def model(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    w8, sc = quantize_mxfp8(m[0].weight.detach())
+    m[0] = dorafp8.FP8Linear.from_fp8(w8, sc, m[0].bias.detach().clone(), backend="reference")
+    w8, sc, g = quantize_nvfp4(m[1].weight.detach())
+    m[1] = dorafp8.FP8Linear.from_fp8(w8, sc, m[1].bias.detach().clone(), backend="reference", global_scale=g)
+    m[0].bias.requires_grad_(False), m[1].bias.requires_grad_(False)
+    return m
+deepspeed.init_distributed("gloo")
+m = model(0)
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+       "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+engine, *_ = deepspeed.initialize(model=m, model_parameters=list(m[2].parameters()), config=cfg)
+engine.save_checkpoint(sys.argv[1])
+fresh = model(1)
+load_state_dict_from_zero_checkpoint(fresh, sys.argv[1])
+x = torch.randn(3, 64)
+print("RESULT", fresh[0].scale.dtype, fresh[1].scale.dtype, torch.equal(fresh(x), model(0)(x)))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job, str(tmp_path / "ckpt")], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [
+        "RESULT torch.float8_e8m0fnu torch.float8_e4m3fn True"], r.stdout
 
 
 def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():
