@@ -43,6 +43,7 @@ if __import__("importlib").util.find_spec("compressed_tensors") is None:
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear  # noqa: E402
 from dorafp8.checkpoint import DENSE_FORMATS, FORMATS, TRANSFORMERS_FORMATS  # noqa: E402
+from dorafp8.checkpoint.write import originals  # noqa: E402
 from dorafp8.ops import NORM_EPS  # noqa: E402
 
 from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
@@ -463,6 +464,8 @@ def test_a_dense_model_loaded_from_legacy_bin_files_is_not_written_over(sharded,
         warnings.simplefilter("ignore")
         loaded = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     dorafp8.quantize_model(loaded, verbose=False)
+    # each file once (the folder's record and the load's both listed them: harmless to a refusal, confusing to read)
+    assert sorted(f[-1] for f in originals(loaded)) == sorted(str(src / n) for n in parts)
     first = sorted(parts)[0]
     with pytest.raises(FileExistsError, match=rf"holds '{first}', which is the file the model was loaded from"):
         loaded.save_pretrained(src)
