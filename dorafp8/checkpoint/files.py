@@ -224,7 +224,7 @@ def open_safetensors(path: str, where: str, device: str = "cpu"):
     """safetensors' safe_open of `path`, header measured first; errors name `where` and what to do."""
     from safetensors import SafetensorError, safe_open
 
-    _check_header(path, where)
+    _check_header(regular_file(path, where), where)  # a FIFO (planted in a Hugging Face cache) blocked the open
     try:
         with safe_open(path, framework="pt", device=device) as f:
             yield f

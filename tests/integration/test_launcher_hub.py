@@ -337,13 +337,14 @@ def test_a_diffusers_load_is_not_handed_over(tmp_path, monkeypatch):
     ("config.json", (), "modelopt_export"),
     ("adapter_config.json", (), "adapter_base"),
     ("model.safetensors.index.json", ("model.safetensors",), "modelopt_export"),  # _scaled_codes, offline
+    ("model.safetensors", (), "modelopt_export"),  # _scaled_codes reads its header (files.open_safetensors)
     ("model.safetensors.index.json", ("model.safetensors",), "fetch_weights"),
 ])
 def test_a_fifo_in_the_cache_blocks_no_reader(tmp_path, fifo, left_out, call):
     """A FIFO planted in a cached snapshot (huggingface_hub's offline download returns any path that exists there):
-    hub.py opened config.json, adapter_config.json and the weight index with a plain open(), which blocked `dorafp8
-    run` for ever. Now files.read_json refuses it unopened: fetch_weights names it, the others take the checkpoint
-    for no ModelOpt export (or no adapter). A helper frees a blocked reader after 3 s and says so (a file), so that
+    hub.py opened config.json, adapter_config.json and the weight index with a plain open(), and files.open_safetensors
+    the weights' header, which blocked `dorafp8 run` for ever. Now read_json and open_safetensors refuse it unopened:
+    fetch_weights names it, the others take the checkpoint for no ModelOpt export (or no adapter). A helper frees a blocked reader after 3 s and says so (a file), so that
     the old code fails here instead of hanging."""
     _dense(str(tmp_path / "dense"))
     cache = str(tmp_path / "hub")
