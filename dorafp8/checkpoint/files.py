@@ -224,7 +224,7 @@ def open_safetensors(path: str, where: str, device: str = "cpu"):
     """safetensors' safe_open of `path`, header measured first; errors name `where` and what to do."""
     from safetensors import SafetensorError, safe_open
 
-    _check_header(path, where)
+    _check_header(regular_file(path, where), where)  # a FIFO (planted in a Hugging Face cache) blocked the open
     try:
         with safe_open(path, framework="pt", device=device) as f:
             yield f
@@ -268,18 +268,19 @@ def loaded_from(path: str, originals) -> Optional[str]:
 
 def weight_files(folder) -> tuple:
     """identity()s of the weight files from_pretrained may have read from a local `folder`: model.safetensors (or
-    diffusers' diffusion_pytorch_model.safetensors) and its variants (model.fp16.safetensors, from_pretrained(
-    variant=)), and the shards each of their indexes (model.safetensors.index*.json) names; not every .safetensors
-    file there (a stray one, an export of something else, is no original of this model)."""
+    diffusers' diffusion_pytorch_model.safetensors), the legacy pytorch_model.bin (diffusion_pytorch_model.bin), their
+    variants (model.fp16.safetensors, from_pretrained(variant=)), and the shards each of their indexes
+    (model.safetensors.index*.json, pytorch_model.bin.index*.json) names; not every weight file there (a stray one,
+    an export of something else, is no original of this model)."""
     if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):  # diffusers keeps a Path as given
         return ()
     folder = os.fspath(folder)
-    stems = ("model", "diffusion_pytorch_model")
     names = set()
-    for stem in stems:
-        names.update(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), f"{stem}*.safetensors"))
-                     if re.fullmatch(rf"{stem}(\.[^.]+)?\.safetensors", os.path.basename(p)))
-        for index in glob.glob(os.path.join(glob.escape(folder), f"{stem}.safetensors.index*.json")):
+    for stem, ext in (("model", "safetensors"), ("diffusion_pytorch_model", "safetensors"), ("pytorch_model", "bin"),
+                      ("diffusion_pytorch_model", "bin")):
+        names.update(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(folder), f"{stem}*.{ext}"))
+                     if re.fullmatch(rf"{stem}(\.[^.]+)?\.{ext}", os.path.basename(p)))
+        for index in glob.glob(os.path.join(glob.escape(folder), f"{stem}.{ext}.index*.json")):
             try:
                 weight_map = read_json(index, "a safetensors index").get("weight_map")
             except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names

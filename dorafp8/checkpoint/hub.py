@@ -4,8 +4,12 @@ load_fp8_checkpoint (dorafp8/launcher.py): transformers has no ModelOpt quantize
 
 from __future__ import annotations
 
-import json
 import os
+
+from .files import read_json
+
+CONFIG = "a model's config.json (a JSON object)"
+INDEX = "a safetensors index (a JSON object)"
 
 
 class NotCached(OSError):
@@ -76,14 +80,11 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
     except NotCached:
         hq = _not_cached(path, kwargs, fetch, config)
     if hq is not None:  # one that cannot be read is refused, naming it: transformers would load codes without scales
-        from .files import read_json
-
         q = read_json(hq, "ModelOpt's quantization config (a JSON object)").get("quantization")
         algo = q.get("quant_algo") if isinstance(q, dict) else None
     else:
         try:
-            with open(config) as f:
-                qc = json.load(f).get("quantization_config") or {}
+            qc = read_json(config, CONFIG).get("quantization_config") or {}  # not opened where a FIFO: it blocked
             algo = qc.get("quant_algo") if str(qc.get("quant_method")).lower().startswith("modelopt") else None
         except (OSError, TypeError, ValueError, AttributeError):  # transformers cannot load it either, and says why
             return None
@@ -104,8 +105,9 @@ def adapter_base(path, kwargs) -> str | None:
     if os.path.isdir(os.fspath(path)) and os.path.exists(os.path.join(os.fspath(path), "config.json")):
         return None
     try:
-        with open(fetch("adapter_config.json") or os.devnull) as f:
-            base = json.loads(f.read() or "{}").get("base_model_name_or_path")
+        found = fetch("adapter_config.json")
+        base = read_json(found, "a PEFT adapter_config.json (a JSON object)").get("base_model_name_or_path") \
+            if found else None
     except (NotCached, OSError, ValueError, AttributeError):
         return None
     return base if isinstance(base, str) and base else None
@@ -117,9 +119,8 @@ def _not_cached(path, kwargs, fetch, config) -> None:
     cached weights hold no codes with scales (_scaled_codes), as a dense model's; else refused: transformers would load
     the e4m3 codes of a ModelOpt FP8 export without their scales."""
     try:
-        with open(config) as f:
-            if json.load(f).get("quantization_config"):
-                return None
+        if read_json(config, CONFIG).get("quantization_config"):
+            return None
         if not _scaled_codes(fetch):
             return None
     except (OSError, TypeError, ValueError, AttributeError):  # nor weights to read: transformers fails, saying why
@@ -145,8 +146,7 @@ def _scaled_codes(fetch) -> bool:
         try:
             found = fetch(name)
             if found is not None and name.endswith(".json"):
-                with open(found) as f:
-                    weight_map = json.load(f).get("weight_map") or {}
+                weight_map = read_json(found, INDEX).get("weight_map") or {}
                 scaled = next((k[:-len("_scale")] for k in weight_map
                                if str(k).endswith(".weight_scale") and k[:-len("_scale")] in weight_map), None)
                 found = fetch(weight_map[scaled]) if scaled is not None else None
@@ -174,8 +174,7 @@ def fetch_weights(path, kwargs) -> None:
             unknown = unknown or e
             continue
         if found is not None and name.endswith(".json"):
-            with open(found) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json(found, INDEX).get("weight_map")
             for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
                 fetch(shard)
         if found is not None:

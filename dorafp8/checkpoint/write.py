@@ -234,7 +234,7 @@ def originals(model: nn.Module) -> tuple:
     for rec in loaded:
         files += (*(rec.get("_dorafp8_checkpoint_files") or ()), *weight_files(rec.get("_dorafp8_loaded_folder")))
     config = getattr(base_model(model), "config", None)
-    return files if files or loaded else weight_files(getattr(config, "_name_or_path", None))
+    return tuple(dict.fromkeys(files)) if files or loaded else weight_files(getattr(config, "_name_or_path", None))
 
 
 def refuse_original(path: str, originals, folder: Optional[str] = None) -> None:

@@ -43,6 +43,7 @@ if __import__("importlib").util.find_spec("compressed_tensors") is None:
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear  # noqa: E402
 from dorafp8.checkpoint import DENSE_FORMATS, FORMATS, TRANSFORMERS_FORMATS  # noqa: E402
+from dorafp8.checkpoint.write import originals  # noqa: E402
 from dorafp8.ops import NORM_EPS  # noqa: E402
 
 from tests.checkpoint import _ckpt_fixtures as F  # noqa: E402
@@ -436,6 +437,43 @@ def test_a_dense_model_quantized_after_from_pretrained_is_not_written_over_its_f
         dorafp8.save_kohya_dora(pm, src / weights[0])
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     dorafp8.export_merged(pm, tmp_path / "merged.safetensors", verbose=False)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_a_dense_model_loaded_from_legacy_bin_files_is_not_written_over(sharded, tmp_path):
+    """A dense model from pytorch_model.bin (or pytorch_model-0000x-of-00002.bin and pytorch_model.bin.index.json),
+    quantized after from_pretrained: write.originals knew .safetensors files only, so save_pretrained into its folder
+    replaced its config.json (generation_config.json too) with one saying compressed-tensors and put a
+    model.safetensors beside the .bin files, which transformers then loads instead: the dense model no longer there;
+    save_kohya_dora onto pytorch_model.bin overwrote the only copy. Refused now, every file as it was."""
+    src = tmp_path / "dense"
+    model = F.original_model(torch.bfloat16)
+    model.save_pretrained(src)
+    (src / "model.safetensors").unlink()  # transformers 5 writes no .bin: the legacy files made by hand
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(sd)
+    parts = {"pytorch_model-00001-of-00002.bin": keys[:10], "pytorch_model-00002-of-00002.bin": keys[10:]} \
+        if sharded else {"pytorch_model.bin": keys}
+    for name, part in parts.items():
+        torch.save({k: sd[k] for k in part}, src / name)
+    if sharded:
+        (src / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: n for n, part in parts.items() for k in part}}))
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    dorafp8.quantize_model(loaded, verbose=False)
+    # each file once (the folder's record and the load's both listed them: harmless to a refusal, confusing to read)
+    assert sorted(f[-1] for f in originals(loaded)) == sorted(str(src / n) for n in parts)
+    first = sorted(parts)[0]
+    with pytest.raises(FileExistsError, match=rf"holds '{first}', which is the file the model was loaded from"):
+        loaded.save_pretrained(src)
+    pm = peft.get_peft_model(loaded, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    with pytest.raises(FileExistsError, match=r"is the file the model was loaded from"):
+        dorafp8.save_kohya_dora(pm, src / first)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    dorafp8.save_kohya_dora(pm, tmp_path / "adapter.safetensors")
 
 
 @pytest.mark.parametrize("sub", ["text_encoder", Path("text_encoder")], ids=["str", "Path"])

@@ -331,3 +331,36 @@ def test_a_diffusers_load_is_not_handed_over(tmp_path, monkeypatch):
     launcher._quantize_on_load("diffusers.models.modeling_utils", "ModelMixin")
     type(model).from_pretrained(str(tmp_path / "unet"))
     assert asked == []
+
+
+@pytest.mark.parametrize("fifo, left_out, call", [
+    ("config.json", (), "modelopt_export"),
+    ("adapter_config.json", (), "adapter_base"),
+    ("model.safetensors.index.json", ("model.safetensors",), "modelopt_export"),  # _scaled_codes, offline
+    ("model.safetensors", (), "modelopt_export"),  # _scaled_codes reads its header (files.open_safetensors)
+    ("model.safetensors.index.json", ("model.safetensors",), "fetch_weights"),
+])
+def test_a_fifo_in_the_cache_blocks_no_reader(tmp_path, fifo, left_out, call):
+    """A FIFO planted in a cached snapshot (huggingface_hub's offline download returns any path that exists there):
+    hub.py opened config.json, adapter_config.json and the weight index with a plain open(), and files.open_safetensors
+    the weights' header, which blocked `dorafp8 run` for ever. Now read_json and open_safetensors refuse it unopened:
+    fetch_weights names it, the others take the checkpoint for no ModelOpt export (or no adapter). A helper frees a blocked reader after 3 s and says so (a file), so that
+    the old code fails here instead of hanging."""
+    _dense(str(tmp_path / "dense"))
+    cache = str(tmp_path / "hub")
+    _cache(cache, "org/model", MAIN, str(tmp_path / "dense"), leave_out=(fifo, *left_out))
+    planted = os.path.join(cache, "models--org--model", "snapshots", MAIN, fifo)
+    os.mkfifo(planted)
+    opened = tmp_path / "opened"
+    helper = subprocess.Popen(["sh", "-c", f"sleep 3; while :; do printf x > '{planted}'; touch '{opened}'; done"])
+    kw = {"cache_dir": cache, "local_files_only": True}
+    try:
+        if call == "fetch_weights":
+            with pytest.raises(ValueError, match=rf"{fifo}: not a regular file \(a FIFO"):
+                hub.fetch_weights("org/model", kw)
+        else:
+            assert getattr(hub, call)("org/model", kw) is None
+        assert not opened.exists(), f"{call} opened the FIFO {fifo}"
+    finally:
+        helper.kill()
+        helper.wait()
