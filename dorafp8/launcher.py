@@ -18,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 
-from ._env import ThreadSwitch, flag
+from ._env import flag
 
 ENV = "DORAFP8_RUN"
-_LOADERS = {"transformers.modeling_utils": "PreTrainedModel", "diffusers.models.modeling_utils": "ModelMixin"}
 # Heads PEFT trains in full (modules_to_save) for task_type="SEQ_CLS" (TRL's reward trainer, a classifier): in fp8 they
 # could not train, and get_peft_model refuses them (dorafp8/peft/register.py), so --quantize leaves them dense.
 TRAINED_HEADS = ("classifier", "score")
@@ -90,7 +89,6 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
 # ---- what runs in every process ------------------------------------------------------------------------------------
 
 _STATE = {"options": None, "quantized": 0, "models": 0, "calls": {}, "own": {}}
-_LOADING = ThreadSwitch()  # a from_pretrained open in this thread
 
 
 def install(options: dict) -> None:
@@ -112,12 +110,7 @@ def install(options: dict) -> None:
 
     _count_calls(onetrainer, "fused_forward")  # OneTrainer's DoRAModule calls it per fused forward (module first)
     _count_calls(onetrainer, "own_forward", "own")  # and this on the layers it leaves to OneTrainer
-    # transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load); diffusers' under
-    # --quantize
-    for module, cls in _LOADERS.items():
-        if options.get("quantize") or cls == "PreTrainedModel":
-            _install.watch(module, functools.partial(_quantize_on_load, module, cls),
-                           f"dorafp8 run does not see the models {cls}.from_pretrained loads")
+    _hook_loads(options.get("quantize"))
     _install.watch(DEEPSPEED_MULTINODE, _refuse_deepspeed_multinode,
                    "dorafp8 run does not refuse DeepSpeed's multi-node launch, whose workers it cannot reach")
     atexit.register(_report)
@@ -156,27 +149,15 @@ def install_from_env() -> None:
         install(json.loads(raw))
 
 
-def _quantize_on_load(module: str, cls_name: str) -> None:
-    cls = getattr(sys.modules[module], cls_name)
-    orig = cls.__dict__["from_pretrained"].__func__
-    if hasattr(orig, "_dorafp8_orig"):
-        return
+def _hook_loads(quantize: bool) -> None:
+    """transformers' loads always (a quantized checkpoint is held by dorafp8's layers: _on_load), ModelOpt exports by
+    load_fp8_checkpoint (diffusers has a ModelOpt quantizer of its own, and a hub id would cost it requests for files
+    it never asks for); diffusers' under --quantize. save_hooks' from_pretrained wrapper calls them."""
+    from .checkpoint import save_hooks
 
-    @functools.wraps(orig)
-    def from_pretrained(klass, *args, **kwargs):
-        # Only the outermost load: a model whose from_pretrained loads sub-models is quantized once, whole.
-        outer = not _LOADING
-        with _LOADING.on():
-            # ModelOpt exports: transformers' only (diffusers has a ModelOpt quantizer of its own, and a hub id would
-            # cost it requests for files it never asks for)
-            out = _modelopt_load(klass, args, kwargs) if outer and cls_name == "PreTrainedModel" else None
-            out = orig(klass, *args, **kwargs) if out is None else out
-        if outer:
-            _on_load(out[0] if isinstance(out, tuple) else out)
-        return out
-
-    from_pretrained._dorafp8_orig = orig
-    cls.from_pretrained = classmethod(from_pretrained)
+    save_hooks.LOAD_HOOKS["PreTrainedModel"] = (_modelopt_load, _on_load)
+    if quantize:
+        save_hooks.LOAD_HOOKS["ModelMixin"] = (None, _on_load)
 
 
 def _modelopt_load(klass, args, kwargs):

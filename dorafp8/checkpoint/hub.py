@@ -59,14 +59,13 @@ def checkpoint_files(path, kwargs):
 
 def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
     """(quant_algo, folder) of a ModelOpt export from_pretrained(path, **kwargs) loads, a local folder or a hub id
-    (checkpoint_files): quant_algo ("NVFP4", "W4A16_NVFP4", "MXFP8", "FP8", "MIXED_PRECISION", ..., upper-cased as
-    vLLM reads it) from its hf_quant_config.json, else config.json's quantization_config with quant_method
-    "modelopt", as vLLM reads them; folder: the local one holding its files. Else None. Every one goes to
-    load_fp8_checkpoint: transformers has no ModelOpt quantizer ("Unknown quantization type ... we will skip the
-    quantization"), and loads an FP8 export's e4m3 weights as values without their scales (x 1 / scale, silently;
-    only 'UNEXPECTED weight_scale' notes); load_fp8_checkpoint refuses, naming it, what it cannot read. An
-    hf_quant_config.json that is not a JSON object is refused (CheckpointFormatError), and so is a hub checkpoint whose
-    files cannot be told (offline, not in the cache) that may be an export (_not_cached)."""
+    (checkpoint_files): quant_algo ("NVFP4", "MXFP8", "FP8", "MIXED_PRECISION", ...) as source.modelopt_algo reads
+    it; folder: the local one holding its files. Else None. Every one goes to load_fp8_checkpoint: transformers has
+    no ModelOpt quantizer ("Unknown quantization type ... we will skip the quantization"), and loads an FP8 export's
+    e4m3 weights as values without their scales (x 1 / scale, silently; only 'UNEXPECTED weight_scale' notes);
+    load_fp8_checkpoint refuses, naming it, what it cannot read. An hf_quant_config.json that is not a JSON object
+    is refused (CheckpointFormatError), and so is a hub checkpoint whose files cannot be told (offline, not in the
+    cache) that may be an export (_not_cached)."""
     kwargs = kwargs or {}
     fetch = checkpoint_files(path, kwargs)
     if fetch is None or kwargs.get("gguf_file"):  # transformers reads that GGUF file (its config too), nothing else
@@ -79,18 +78,15 @@ def modelopt_export(path, kwargs=None) -> tuple[str, str] | None:
         hq = fetch("hf_quant_config.json")
     except NotCached:
         hq = _not_cached(path, kwargs, fetch, config)
-    if hq is not None:  # one that cannot be read is refused, naming it: transformers would load codes without scales
-        q = read_json(hq, "ModelOpt's quantization config (a JSON object)").get("quantization")
-        algo = q.get("quant_algo") if isinstance(q, dict) else None
-    else:
-        try:
-            qc = read_json(config, CONFIG).get("quantization_config") or {}  # not opened where a FIFO: it blocked
-            algo = qc.get("quant_algo") if str(qc.get("quant_method")).lower().startswith("modelopt") else None
-        except (OSError, TypeError, ValueError, AttributeError):  # transformers cannot load it either, and says why
-            return None
-    if not (isinstance(algo, str) and algo):
+    from .source import modelopt_algo
+
+    # an hf_quant_config.json that cannot be read is refused, naming it: transformers would load codes without scales
+    hq_config = read_json(hq, "ModelOpt's quantization config (a JSON object)") if hq is not None else None
+    try:  # config.json may be missing where config= is given: hf_quant_config.json alone says. read_json: a FIFO
+        algo = modelopt_algo(hq_config, read_json(config, CONFIG) if config else None)  # planted there blocked open()
+    except (OSError, TypeError, ValueError, AttributeError):  # transformers cannot load it either, and says why
         return None
-    return str(algo).upper(), os.path.dirname(hq or config)
+    return (algo, os.path.dirname(hq or config)) if algo else None
 
 
 def adapter_base(path, kwargs) -> str | None:

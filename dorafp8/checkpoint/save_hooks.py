@@ -12,6 +12,7 @@ import warnings
 
 from torch import nn
 
+from .._env import ThreadSwitch
 from .configs import DIFFUSERS_LOAD_HINT
 from .files import identity, loaded_from, weight_files
 from .modules import fp8_modules
@@ -132,38 +133,54 @@ LOADED_ATTR = "_dorafp8_checkpoint_files"  # files.identity()s of the files from
 LOADED_FOLDER_ATTR = "_dorafp8_loaded_folder"  # the absolute local folder it read them from (None: the Hub)
 
 
-def _record_loaded_folder(orig):
+# dorafp8 run's (launcher.install), by the class whose from_pretrained it watches ("PreTrainedModel", "ModelMixin"):
+# (load(cls, args, kwargs) -> the model, or None for the class's own load; loaded(model)), for the outermost load only
+LOAD_HOOKS: dict = {}
+_LOADING = ThreadSwitch()  # a from_pretrained open in this thread
+
+
+def _record_loaded_folder(orig, owner: str):
     """transformers' and diffusers' from_pretrained (a classmethod's function): the local folder it reads, `subfolder=`
     joined, made absolute now, and its weight files' identities, kept on the model (write.originals), also without a
     quantization config (the quantizer hook above does not run then): the config's _name_or_path names the root
-    without the subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none)."""
+    without the subfolder, and a relative one, read at save time after an os.chdir, named another folder (or none).
+    Then, for the outermost load (a model loading sub-models is one load), LOAD_HOOKS[owner]."""
     @functools.wraps(orig)
     def from_pretrained(cls, *args, **kwargs):
-        out = orig(cls, *args, **kwargs)
-        model = out[0] if isinstance(out, tuple) else out  # output_loading_info=True
-        if isinstance(model, nn.Module) and LOADED_FOLDER_ATTR not in model.__dict__:
-            # transformers' name_or_path: the base model it loaded, also where the path given is a PEFT adapter's
-            # folder (whose adapter_config.json names the base), whose weights are not the model's
-            where = getattr(model, "name_or_path", None) or (args[0] if args else
-                                                             kwargs.get("pretrained_model_name_or_path"))
-            sub = kwargs.get("subfolder") or ""
-            folder = None
-            if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
-                    os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
-                folder = os.path.abspath(os.path.join(where, sub))
-            model.__dict__[LOADED_FOLDER_ATTR] = folder
-            # the quantizer hook's, the files it read, where it ran
-            model.__dict__.setdefault(LOADED_ATTR, weight_files(folder))
+        load, loaded = (None, None) if _LOADING else LOAD_HOOKS.get(owner, (None, None))
+        with _LOADING.on():
+            out = load(cls, args, kwargs) if load else None
+            if out is None:
+                out = orig(cls, *args, **kwargs)
+                _record(out[0] if isinstance(out, tuple) else out, args, kwargs)  # output_loading_info=True
+        if loaded:
+            loaded(out[0] if isinstance(out, tuple) else out)
         return out
 
     from_pretrained._dorafp8 = True
     return from_pretrained
 
 
+def _record(model, args, kwargs) -> None:
+    if isinstance(model, nn.Module) and LOADED_FOLDER_ATTR not in model.__dict__:
+        # transformers' name_or_path: the base model it loaded, also where the path given is a PEFT adapter's
+        # folder (whose adapter_config.json names the base), whose weights are not the model's
+        where = getattr(model, "name_or_path", None) or (args[0] if args else
+                                                         kwargs.get("pretrained_model_name_or_path"))
+        sub = kwargs.get("subfolder") or ""
+        folder = None
+        if isinstance(where, (str, os.PathLike)) and isinstance(sub, (str, os.PathLike)) and \
+                os.path.isdir(os.path.join(where, sub)):  # else a Hub id: nothing of the user's to keep
+            folder = os.path.abspath(os.path.join(where, sub))
+        model.__dict__[LOADED_FOLDER_ATTR] = folder
+        # the quantizer hook's, the files it read, where it ran
+        model.__dict__.setdefault(LOADED_ATTR, weight_files(folder))
+
+
 def _wrap_from_pretrained(cls) -> None:
     method = cls.__dict__.get("from_pretrained")
     if isinstance(method, classmethod) and not getattr(method.__func__, "_dorafp8", False):
-        cls.from_pretrained = classmethod(_record_loaded_folder(method.__func__))
+        cls.from_pretrained = classmethod(_record_loaded_folder(method.__func__, cls.__name__))
 
 
 def patch_transformers() -> None:

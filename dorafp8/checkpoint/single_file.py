@@ -39,9 +39,9 @@ def refuse_scaled_fp8(checkpoint, what: str) -> None:
             f"{what}: this checkpoint is a ComfyUI-style fp8_scaled file (fp8 weights with their scales under keys "
             f"such as {keys[0]!r}, {len(keys)} in all); diffusers' from_single_file does not read these scales and "
             f"would load the raw fp8 values unscaled (NaN outputs, no error). Load it in place with dorafp8 instead, "
-            f"keeping its fp8 bytes and scales: model = <ModelClass>.from_config(config) (on the meta device: "
-            f"`with torch.device('meta'):`), then dorafp8.load_single_file(model, path) (docs/CHECKPOINTS.md, "
-            f"\"Diffusion models\")")
+            f"keeping its fp8 bytes and scales: model = <ModelClass>.from_config(config) on the meta device, under "
+            f"`with accelerate.init_empty_weights():` (which keeps buffers such as Wan's rotary tables real), then "
+            f"dorafp8.load_single_file(model, path) (docs/CHECKPOINTS.md, \"Diffusion models\")")
 
 
 def patch_from_single_file() -> None:

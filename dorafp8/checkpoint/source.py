@@ -19,6 +19,18 @@ SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
 INDEX_NAMES = tuple(f"{n}.index.json" for n in SINGLE_NAMES)
 
 
+def modelopt_algo(hf_quant_config, config) -> Optional[str]:
+    """ModelOpt's quant_algo ("NVFP4", "MXFP8", "FP8", ...) from hf_quant_config.json's object, else from config.json's
+    quantization_config whose quant_method is "modelopt" in any case; upper-cased (ModelOpt's writer may write
+    "mxfp4"), as vLLM reads them. Else None."""
+    hq = (hf_quant_config or {}).get("quantization")
+    if isinstance(hq, dict) and hq.get("quant_algo"):
+        return str(hq["quant_algo"]).upper()
+    qc = (config.get("quantization_config") if isinstance(config, dict) else None) or {}
+    ok = isinstance(qc, dict) and str(qc.get("quant_method")).lower() == "modelopt" and qc.get("quant_algo")
+    return str(qc["quant_algo"]).upper() if ok else None
+
+
 class CheckpointSource:
     """Keys, dtypes and shapes of a checkpoint without reading its data; then the data, one shard at a time."""
 
@@ -118,14 +130,6 @@ class CheckpointSource:
 
     def quant_config(self) -> dict:
         return (self.config or {}).get("quantization_config") or {}
-
-    def modelopt_algo(self) -> Optional[str]:
-        """ModelOpt's quant_algo ("NVFP4", "MXFP8", ...) from hf_quant_config.json or config.json, else None."""
-        hq = (self.hf_quant_config or {}).get("quantization")
-        if isinstance(hq, dict) and hq.get("quant_algo"):  # upper-cased, as vLLM reads it (ModelOpt may write "nvfp4")
-            return str(hq["quant_algo"]).upper()
-        qc = self.quant_config()
-        return str(qc["quant_algo"]).upper() if qc.get("quant_method") == "modelopt" and qc.get("quant_algo") else None
 
     def modelopt_kv_cache_algo(self) -> Optional[str]:
         """ModelOpt's kv_cache_quant_algo ("FP8", ...) from hf_quant_config.json or config.json, else None."""
@@ -249,7 +253,7 @@ def detect(source: CheckpointSource) -> tuple[str, str]:
         signals["comfyui"] = "'scaled_fp8' / '<layer>.scale_weight'"
     if suffix.get("weight_scale_inv"):
         signals["fine-grained"] = "'<layer>.weight_scale_inv'"
-    algo = source.modelopt_algo()
+    algo = modelopt_algo(source.hf_quant_config, source.config)
     _refuse_stale_hf_quant_config(source, algo, nvfp4)
     # ModelOpt's own layout for its NVFP4 / MXFP8 exports; its FP8 export reads as compressed-tensors', as before
     if suffix.get("weight_scale_2") or algo in ("NVFP4", "MXFP8"):

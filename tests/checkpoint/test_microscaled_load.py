@@ -83,6 +83,29 @@ def test_loads_in_place_bit_exactly(tmp_path, writer):
     assert all(v.startswith({"nvfp4": "NVFP4", "mxfp8": "MXFP8"}[kind]) for v in report.fp8_layers.values())
 
 
+@pytest.mark.parametrize("method,export", [("modelopt", True), ("ModelOpt", True), ("modelopt_fp4", False),
+                                           ("compressed-tensors", False)])
+def test_dorafp8_run_and_the_loader_read_quant_method_alike(tmp_path, method, export):
+    """An MXFP8 export saying so in config.json's quantization_config only: ModelOpt's writer (convert_hf_config.py)
+    writes quant_method "modelopt", which vLLM reads in any case, nothing else. `dorafp8 run` (hub.modelopt_export)
+    read any case and any "modelopt..." prefix, the loader (CheckpointSource.modelopt_algo) "modelopt" exactly: a
+    "ModelOpt" export went to load_fp8_checkpoint, which read it as compressed-tensors (its E8M0 scales too)."""
+    from dorafp8.checkpoint import hub
+
+    path = write_modelopt(original_model(), str(tmp_path / "mo"), "MXFP8")
+    os.remove(os.path.join(path, "hf_quant_config.json"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": method, "quant_algo": "mxfp8"}  # lower case, as ModelOpt may write
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert hub.modelopt_export(path) == (("MXFP8", path) if export else None)
+    if export:
+        model = meta_model()
+        assert load_fp8_checkpoint(model, path, verbose=False).format == "modelopt"
+        assert all(quant.scale_kind(m.scale) == "mxfp8" for m in _linears(model).values())
+
+
 @pytest.mark.parametrize("algo,per_weight,per_layer", [("NVFP4", 0.5625, 4), ("MXFP8", 1.03125, 0)])
 def test_resident_bytes_a_weight(tmp_path, algo, per_weight, per_layer):
     """Resident bytes of a loaded layer, measured on its tensors: NVFP4 holds the packed weight (0.5 a weight), its

@@ -345,6 +345,26 @@ def test_wan22_t2v_experts_load_as_two_models():
         assert not torch.equal(_out(models[0], inputs), _out(models[1], inputs))  # two experts, not one file twice
 
 
+def test_from_single_file_refusal_names_a_build_that_loads_wan():
+    """The refusal's advice, followed: under torch.device('meta') (its old advice) Wan's rotary buffers are left on
+    meta and load_single_file refuses them; under init_empty_weights, which it now names, the file loads."""
+    src, _ = tiny.wan()
+    sd = layouts.comfy_encode(layouts.fuse(src.state_dict(), layouts.wan_key))
+    with pytest.raises(ValueError, match="fp8_scaled") as refused:
+        type(src).from_single_file(dict(sd))
+    assert "init_empty_weights()" in str(refused.value) and "torch.device('meta')" not in str(refused.value)
+    with torch.device("meta"):
+        on_meta = type(src).from_config(src.config)
+    with pytest.raises(CheckpointFormatError, match="rope.freqs_cos"):
+        load_single_file(on_meta, dict(sd), verbose=False)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = type(src).from_config(src.config)
+    load_single_file(model, dict(sd), verbose=False)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
 def test_wan_flf2v_position_embedding_is_refused_naming_key_and_model():
     """Wan 2.1 FLF2V's img_emb.emb_pos: diffusers' converter (0.42) passes it through unrenamed, so it fits nothing
     in the model (its condition_embedder.image_embedder.pos_embed): refused naming the file's key and the model,
