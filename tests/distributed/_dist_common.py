@@ -27,13 +27,19 @@ def llama_config():
                                     max_position_embeddings=64, tie_word_embeddings=False)
 
 
-def build_model(seed: int = 0):
-    """quantize_model + get_peft_model(use_dora=True), every tensor drawn from `seed` (init_lora_weights=False gives
-    B != 0, so that every adapter tensor gets a gradient from the first step)."""
+def build_fp8_base(seed: int = 0):
+    """The base model drawn from `seed` with its TARGETS quantized (quantize_model, the reference backend)."""
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(llama_config()).float()
     dorafp8.quantize_model(model, TARGETS, backend="reference", verbose=False)
     assert sum(isinstance(m, dorafp8.FP8Linear) for m in model.modules()) == 14
+    return model
+
+
+def build_model(seed: int = 0):
+    """build_fp8_base + get_peft_model(use_dora=True), every tensor drawn from `seed` (init_lora_weights=False gives
+    B != 0, so that every adapter tensor gets a gradient from the first step)."""
+    model = build_fp8_base(seed)
     cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
     return get_peft_model(model, cfg)
 
