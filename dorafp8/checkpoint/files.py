@@ -289,6 +289,36 @@ def weight_files(folder) -> tuple:
     return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
 
 
+# the weight files transformers' and diffusers' from_pretrained(folder) choose among, each library in its order: a file
+# of one of these names beside another of its set is read in that one's place, or never read (a variant's likewise)
+_LOADED_TOGETHER = (("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                     "pytorch_model.bin.index.json"),
+                    ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
+                     "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json"))
+
+
+def _with_variant(name: str, variant: Optional[str]) -> str:  # transformers' and diffusers' _add_variant
+    return name if variant is None else "{0}.{2}.{1}".format(*name.rsplit(".", 1), variant)
+
+
+def refuse_shadowing(folder: str, name: str, path: str) -> None:
+    """Refuses to write `folder/name` where from_pretrained(folder) would choose between it and another weight file
+    there (model.safetensors beside pytorch_model.bin: the export read in place of the user's legacy weights, which
+    then never load, without a word); `path`: the path the user gave, named in the error."""
+    for names in _LOADED_TOGETHER:
+        for variant in (None, *name.split(".")):
+            group = [_with_variant(n, variant) for n in names]
+            if name in group:
+                there = [n for n in group if n != name and os.path.lexists(os.path.join(folder, n))]
+                if there:
+                    raise FileExistsError(
+                        f"path={path!r}: {folder} holds {some(there)}, and from_pretrained({folder!r}) (transformers, "
+                        f"diffusers) reads one of those or {name!r}, never both: written there, the export would "
+                        f"silently load in place of those files, or never load. Nothing was written: export to "
+                        f"another folder or file name, or move {some(there)} away first")
+                return
+
+
 def destination(path: str) -> str:
     """`path` with its symlinks resolved; a dangling link is refused naming it."""
     if os.path.islink(path) and not os.path.exists(path):
@@ -610,6 +640,7 @@ def save_file_atomic(tensors: dict, path: str, metadata: Optional[dict]) -> None
                                 f"file: move the folder away, or give the file another name")
     folder, name = os.path.split(real)
     with locked(folder, f"path={path!r}"), staging(folder, name) as stage:
+        refuse_shadowing(folder, name, path)
         save_safetensors(tensors, os.path.join(stage, name), metadata, path)
         try:  # a file replaced keeps its owner and mode (who may read it), as a write into it would; not one planted
             # by a stranger (another user's 0o666 file in a shared folder: /tmp), whose owner and mode would let them

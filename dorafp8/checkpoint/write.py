@@ -21,8 +21,8 @@ from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
 from .files import (CHECKED_JSON, FILE_SUFFIXES, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file,
-                    killed_stages, loaded_from, locked, previous_export, replace, sha256, sha256_key, staging,
-                    weight_files, write_error)
+                    killed_stages, loaded_from, locked, previous_export, refuse_shadowing, replace, sha256, sha256_key,
+                    staging, weight_files, write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
@@ -115,8 +115,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     check_destination(t, path, defaulted=fmt is None)
     real = destination(path)
     orig = originals(model)
-    report = ExportReport(t.fmt, path)
-    emit_args = dict(merge=merge, adapter_names=adapter_names)
+    report, emit_args = ExportReport(t.fmt, path), dict(merge=merge, adapter_names=adapter_names)
     if path.endswith(FILE_SUFFIXES):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
@@ -203,6 +202,7 @@ def _check_folder(real: str, path: str, t: WriteTarget, orig: tuple) -> None:
                                   f"diffusers) would read instead of this export's {index!r}, so the new export "
                                   f"would not be what loads; it is not a file this writer can prove an export wrote, "
                                   f"so it is not removed: move it away (or delete it), or export to another folder")
+    refuse_shadowing(real, index, path)  # pytorch_model.bin there: read no more once the index is beside it
     # the export being replaced wrote it (its index records it): removed with that export (_publish), as its shards are
     if t.fmt != "modelopt" and os.path.lexists(os.path.join(real, "hf_quant_config.json")) and \
             not _recorded(real, "hf_quant_config.json", records):

@@ -599,3 +599,22 @@ def test_an_export_is_written_where_windows_rules_hold(tmp_path, monkeypatch, si
     assert stat.S_ISREG(dest.stat().st_mode) == (size == "single")
     assert not [n for n in os.listdir(tmp_path if size == "single" else dest) if n.endswith(".partial")]
     assert torch.equal(_output_of(dest), net(X))
+
+
+@pytest.mark.parametrize("name, there", [
+    ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"),
+    ("diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors.index.fp16.json"),
+    ("model.fp16.safetensors", "pytorch_model.fp16.bin")])
+def test_a_single_file_is_not_written_where_from_pretrained_would_choose_between_it_and_another(name, there, tmp_path):
+    """diffusers' and transformers' from_pretrained(folder) (variant= too) read one of a folder's weight files and
+    never the other: a single-file export beside the user's legacy .bin (or an index) silently took its place.
+    Refused, the folder as it was; a file of another variant, or another name, is written."""
+    dest = _user_folder(tmp_path, {there: b"the user's weights"})
+    with pytest.raises(FileExistsError, match=rf"holds {there!r}, and from_pretrained"):
+        _export(_net(0), dest / name, SINGLE)
+    _user_files_intact(dest, {there: b"the user's weights"})
+    assert sorted(os.listdir(dest)) == [there]
+    other = name.replace(".fp16", "") if ".fp16" in name else "merged.safetensors"
+    _export(_net(0), dest / other, SINGLE)
+    assert sorted(os.listdir(dest)) == sorted([there, other])
+

@@ -21,6 +21,8 @@ import ast
 import copy
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -39,6 +41,8 @@ diffusers = pytest.importorskip("diffusers")
 if __import__("importlib").util.find_spec("compressed_tensors") is None:
     pytest.skip("transformers reads compressed-tensors checkpoints through the compressed-tensors package",
                 allow_module_level=True)
+
+import safetensors.torch  # noqa: E402
 
 import dorafp8  # noqa: E402
 from dorafp8 import FP8Conv1d, FP8Conv2d, FP8Conv3d, FP8Linear  # noqa: E402
@@ -474,6 +478,54 @@ def test_a_dense_model_loaded_from_legacy_bin_files_is_not_written_over(sharded,
         dorafp8.save_kohya_dora(pm, src / first)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     dorafp8.save_kohya_dora(pm, tmp_path / "adapter.safetensors")
+
+
+@pytest.mark.parametrize("legacy", ["pytorch_model.bin", "pytorch_model.bin.index.json", "model.safetensors.index.json"])
+def test_an_export_is_not_put_where_transformers_would_load_it_instead_of_the_folders_weights(legacy, tmp_path):
+    """A folder of legacy weights (pytorch_model.bin, or shards with pytorch_model.bin.index.json; or safetensors
+    shards with their index): a single-file export to folder/model.safetensors replaced nothing, but transformers'
+    from_pretrained(folder) prefers model.safetensors, so the user silently loaded the export instead of the model
+    (a folder export's index did the same to the .bin files). Refused now, before anything is computed, naming the
+    file; every file as it was, and from_pretrained(folder) still loads the original; another name works."""
+    src = tmp_path / "dense"
+    model = F.original_model(torch.bfloat16)
+    model.save_pretrained(src)
+    (src / "model.safetensors").unlink()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(sd)
+    parts = {"model-00001-of-00002.safetensors": keys[:10], "model-00002-of-00002.safetensors": keys[10:]}
+    if legacy == "pytorch_model.bin":
+        torch.save(sd, src / legacy)
+    else:
+        parts = {n.replace("model", "pytorch_model").replace(".safetensors", ".bin") if "bin" in legacy else n: part
+                 for n, part in parts.items()}
+        for name, part in parts.items():
+            part = {k: sd[k] for k in part}
+            torch.save(part, src / name) if name.endswith(".bin") else safetensors.torch.save_file(part, src / name)
+        (src / legacy).write_text(json.dumps({"metadata": {}, "weight_map": {k: n for n, p in parts.items() for k in p}}))
+    (src / "config.json").rename(tmp_path / "config.json")  # no config.json there to refuse the folder export for
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    dorafp8.quantize_model(model, verbose=False)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules="all-linear"))
+    calls = []
+    emit = dorafp8.checkpoint.write.emit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dorafp8.checkpoint.write, "emit", lambda *a, **k: calls.append(1) or emit(*a, **k))
+        for write, m, path in ((dorafp8.save_fp8_checkpoint, model, src / "model.safetensors"),
+                               (dorafp8.export_merged, pm, str(src / "model.safetensors")),
+                               (dorafp8.export_merged, pm, src)):
+            with pytest.raises(FileExistsError, match=rf"holds '{re.escape(legacy)}', (and from_pretrained|which no)"):
+                write(m, path, format="bf16", verbose=False)  # (an index of that name: not replaced either)
+    assert calls == [], "refused after the merge was computed"
+    with pytest.raises(FileExistsError, match=rf"holds '{re.escape(legacy)}', and from_pretrained"):
+        dorafp8.save_kohya_dora(pm, src / "model.safetensors")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    shutil.copy(tmp_path / "config.json", src / "config.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    assert all(torch.equal(v, sd[k]) for k, v in reloaded.state_dict().items())
+    dorafp8.export_merged(pm, src / "model-merged.safetensors", format="bf16", verbose=False)
 
 
 @pytest.mark.parametrize("sub", ["text_encoder", Path("text_encoder")], ids=["str", "Path"])
