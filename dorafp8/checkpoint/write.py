@@ -120,7 +120,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
         refuse_original(path, orig)
-        writer = ShardWriter(path, t.stem, max_bytes, t.metadata)
+        writer = ShardWriter(os.path.join(os.getcwd(), path), t.stem, max_bytes, t.metadata)  # not moved by chdir
         with _made(os.path.dirname(real)):
             out = emit(t, writer, report, **emit_args)
             writer.close()

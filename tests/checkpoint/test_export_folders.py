@@ -618,3 +618,19 @@ def test_a_single_file_is_not_written_where_from_pretrained_would_choose_between
     _export(_net(0), dest / other, SINGLE)
     assert sorted(os.listdir(dest)) == sorted([there, other])
 
+
+def test_a_relative_file_path_is_written_where_it_pointed_when_the_export_began(tmp_path, monkeypatch):
+    """save_fp8_checkpoint(net, "out/net.safetensors") resolved the path again when it wrote the file, after the
+    tensors were computed (minutes for a model): an os.chdir meanwhile (another thread's: a UI, a notebook) put the
+    export into the other folder, over a file there that none of the checks made at the start had looked at."""
+    for d in ("a", "b"):
+        (tmp_path / d / "out").mkdir(parents=True)
+    (tmp_path / "b" / "out" / "net.safetensors").write_bytes(b"someone else's")
+    monkeypatch.chdir(tmp_path / "a")
+    emit = W.emit
+    monkeypatch.setattr(W, "emit", lambda *a, **k: (emit(*a, **k), os.chdir(tmp_path / "b"))[0])
+    report = dorafp8.save_fp8_checkpoint(_net(0), "out/net.safetensors", format="dorafp8", verbose=False)
+    assert (tmp_path / "b" / "out" / "net.safetensors").read_bytes() == b"someone else's"
+    assert report.files == ["out/net.safetensors"]
+    with torch.no_grad():
+        torch.testing.assert_close(_output_of(tmp_path / "a" / "out" / "net.safetensors"), _net(0)(X))
