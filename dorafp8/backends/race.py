@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import glob
 import hashlib
 import importlib.metadata
@@ -179,9 +180,11 @@ def _device_info(device: torch.device) -> dict:
             "driver": driver_version()}
 
 
+@functools.cache
 def driver_version() -> int | None:
-    """The CUDA driver's version (cuDriverGetVersion, e.g. 12080), None where it cannot be read. Not torch's: the
-    torch._C._cuda_getDriverVersion this read is in no torch the project supports, so every driver shared a file."""
+    """The CUDA driver's version (cuDriverGetVersion, e.g. 12080), None where it cannot be read; read once a process
+    (it was a dlopen of libcuda per new key). Not torch's: the torch._C._cuda_getDriverVersion this read is in no torch
+    the project supports, so every driver shared a file."""
     import ctypes
 
     for name in ("libcuda.so.1", "nvcuda.dll"):
@@ -260,6 +263,8 @@ def _read(path: str) -> dict:
             data["keys"] = {k: {c: v for c, v in res.items() if _verdict(v)} for k, res in data["keys"].items()
                             if isinstance(res, dict)}
             data["broken"] = {c: why for c, why in data["broken"].items() if isinstance(why, str)}
+            if not isinstance(data.get("device"), dict):  # `python -m dorafp8` read its name: a string there raised
+                data.pop("device", None)
             return data
     except (OSError, ValueError, AttributeError):
         pass
@@ -555,6 +560,7 @@ def forget() -> None:
     _TOLD.clear()
     _UNSAVED.clear()
     _STOPPED.clear()
+    driver_version.cache_clear()
 
 
 def race_report() -> list[str]:

@@ -1193,7 +1193,43 @@ def test_the_verdict_file_is_the_drivers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
     gpu = torch.device("cuda", 0)
+    _race.forget()
     assert _race._device_info(gpu)["driver"] == 12080
     before = _race.cache_file(gpu)
     driver["v"] = 13000
+    _race.forget()  # the next process: the driver is read once a process
     assert _race._device_info(gpu)["driver"] == 13000 and _race.cache_file(gpu) != before
+    _race.forget()
+
+
+def test_the_driver_is_read_once_a_process(race, monkeypatch):
+    """driver_version() dlopened libcuda at each new key (every layer shape and token bucket of a first step): it
+    is read once a process now. A planted libcuda counts the opens."""
+    import ctypes
+
+    opened = []
+
+    class LibCuda:
+        def cuDriverGetVersion(self, out):
+            out._obj.value = 12080
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: opened.append(name) or LibCuda())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    paths = {_race.cache_file(gpu) for _ in range(5)}
+    assert len(paths) == 1 and _race._device_info(gpu)["driver"] == 12080 and opened == ["libcuda.so.1"], opened
+
+
+def test_python_m_dorafp8_reads_a_damaged_verdict_file(race):
+    """A verdict file whose "device" is not an object (a hand edit, another tool's JSON) made `python -m dorafp8`, the
+    first thing a user runs, die with an AttributeError in race_report; its keys are still listed."""
+    what = "dora N=24 K=32 M<=64 bfloat16/float32 w8a16 tensor r<=4"
+    for name, device in (("race-a.json", "H100"), ("race-b.json", ["x"]), ("race-c.json", None)):
+        (race / name).write_text(json.dumps({"keys": {what: {"native": {"ok": True, "ms": 1.5}}}, "broken": {},
+                                             "device": device}))
+    lines = _race.race_report()
+    assert lines[0].count("3 cache files") == 1 and sum(f"{what} -> native" in ln for ln in lines) == 3, lines
+    out = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0 and f"{what} -> native" in out.stdout, out.stderr[-2000:]
