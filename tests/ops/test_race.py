@@ -330,6 +330,26 @@ def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typ
     assert all(v["native"]["ok"] for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
 
 
+def test_the_users_tf32_override_bans_no_kernel(race, used, monkeypatch):
+    """NVIDIA_TF32_OVERRIDE=1 (a launcher's or the user's shell's: every fp32 cuBLAS product on tf32 tensor cores,
+    whatever torch's flags say) was inherited by the child, whose fp32 reference it rounds to tf32: an exact fp32
+    kernel then failed its check, a verdict kept in a file no variable names. The child runs with it at 0. The
+    stand-in child fails the kernel where cuBLAS would round its reference."""
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")
+    code = ("import json, os, sys\n"
+            "spec = json.loads(sys.argv[1])\n"
+            "exact = os.environ.get('NVIDIA_TF32_OVERRIDE', '0') == '0'\n"
+            "v = {'ok': True, 'ms': 1.0} if exact else {'ok': False, 'error': 'dx differs'}\n"
+            "res = {c: v for c in spec['cands']}\n"
+            "print('dorafp8-race result ' + json.dumps(res))")
+    monkeypatch.setattr(_race, "CHILD", [sys.executable, "-c", code])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not used" warning
+        _step()
+    assert set(used) == {"native"} and all(v["native"]["ok"] for v in _verdicts(race)["keys"].values())
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "1"  # the user's own process keeps it
+
+
 def test_a_child_dying_while_it_makes_inputs_blames_no_kernel(race, used, monkeypatch):
     """The child makes each M's inputs after the previous M's candidates ran: out of memory there (the user's job
     holds the GPU) ended the child with the last candidate of the previous M as the one started, which was blamed:
