@@ -28,6 +28,7 @@ import torch
 
 from .. import backends
 from .._env import flag
+from . import cuda_build
 from .cuda_build import cache_dir
 
 log = logging.getLogger("dorafp8.race")
@@ -204,7 +205,10 @@ def build_id() -> str:
     """A hash of the sources and binaries that make the kernels: a new build of them is checked again."""
     if not _BUILD:
         pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        roots = [os.path.join(pkg, "backends"), os.path.join(pkg, "ops"), os.path.join(os.path.dirname(pkg), "csrc")]
+        # the CUDA sources where a build reads them: a wheel's dorafp8/csrc/ (the checkout's csrc/ beside the package
+        # was a folder no wheel has: a release that changed only kernels kept the verdicts on the old ones)
+        src = cuda_build.source_dir()
+        roots = [os.path.join(pkg, "backends"), os.path.join(pkg, "ops")] + ([str(src)] if src else [])
         try:
             spec = importlib.util.find_spec("dorafp8.triton_kernels")
             roots += list(spec.submodule_search_locations or []) if spec else []

@@ -475,6 +475,21 @@ def test_a_new_build_is_checked_again(race, monkeypatch):
     assert children(race) == 2 and len([p for p in os.listdir(race) if p.startswith("race-")]) == 2
 
 
+def test_the_build_id_holds_the_cuda_sources_a_wheel_ships(monkeypatch, tmp_path):
+    """A wheel ships csrc/ as dorafp8/csrc/ (cuda_build.source_dir's first place); build_id hashed the folder beside
+    the package, a checkout's, so in an installed dorafp8 a release that changed only the CUDA kernels kept the old
+    verdicts. The sources where a build reads them, here a planted dorafp8/csrc/, are in the id."""
+    from dorafp8.backends import cuda_build
+
+    (tmp_path / "forward.cu").write_text("// v1")
+    monkeypatch.setattr(cuda_build, "source_dir", lambda: tmp_path)
+    monkeypatch.setattr(_race, "_BUILD", [])
+    before = _race.build_id()
+    (tmp_path / "forward.cu").write_text("// v2")
+    _race._BUILD.clear()
+    assert _race.build_id() != before
+
+
 def _reentrant(f, x):
     return ckpt.checkpoint(f, x, use_reentrant=True)
 
