@@ -12,7 +12,6 @@ import datetime
 import functools
 import glob
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -27,6 +26,7 @@ import warnings
 import torch
 
 from .. import backends
+from .._deps import triton_version
 from .._env import flag
 from . import cuda_build
 from .cuda_build import cache_dir
@@ -229,14 +229,9 @@ def build_id() -> str:
 
 
 def _versions() -> dict:
-    def dist(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
     # the ptxas Triton runs, where not its own: a kernel's PTXASError is a verdict kept (_race_child._toolchain)
     ptxas = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_PTXAS")}
-    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id(), "ptxas": ptxas}
+    return {"torch": torch.__version__, "triton": triton_version(), "build": build_id(), "ptxas": ptxas}
 
 
 def cache_file(device: torch.device) -> str:

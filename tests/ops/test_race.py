@@ -490,6 +490,30 @@ def test_the_build_id_holds_the_cuda_sources_a_wheel_ships(monkeypatch, tmp_path
     assert _race.build_id() != before
 
 
+@pytest.mark.parametrize("dist", ["pytorch-triton", "triton-windows"])
+def test_the_verdict_file_is_the_tritons_whatever_installed_it(monkeypatch, dist):
+    """Nightly torch installs Triton as pytorch-triton, Windows users as triton-windows: the version was read of the
+    "triton" distribution alone, None there, so every Triton such an install upgraded to reused the verdicts of the
+    one before (and `python -m dorafp8` said "triton not installed" beside a Triton backend that ran)."""
+    import importlib.metadata as md
+
+    from dorafp8.__main__ import report
+
+    installed = {dist: "3.9.0+git1234abcd"}
+
+    def version(name):
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(md, "version", version)
+    assert _race._versions()["triton"] == "3.9.0+git1234abcd"
+    before = _race.cache_file(CPU)
+    installed[dist] = "3.9.0+git5678ef01"
+    assert _race.cache_file(CPU) != before
+    assert "triton 3.9.0+git5678ef01," in report().splitlines()[0]
+
+
 def _reentrant(f, x):
     return ckpt.checkpoint(f, x, use_reentrant=True)
 
