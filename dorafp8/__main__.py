@@ -20,10 +20,12 @@ def _version(dist: str) -> str:
 def report() -> str:
     import dorafp8
     from dorafp8 import backends
+    from dorafp8._deps import triton_version
     from dorafp8.backends import cuda as cuda_backend
 
     lines = [f"dorafp8 {dorafp8.__version__} (python {platform.python_version()}, torch {torch.__version__}, "
-             f"triton {_version('triton')}, peft {_version('peft')}, transformers {_version('transformers')})"]
+             f"triton {triton_version() or 'not installed'}, peft {_version('peft')}, "
+             f"transformers {_version('transformers')})"]
     devices = ["cpu"]
     if torch.cuda.is_available():
         devices.append("cuda")

@@ -45,6 +45,20 @@ def untested_version(dist: str, version: str) -> str | None:
             f"pip install '{dist}>={oldest}'")
 
 
+# The distributions that install the `triton` module: PyPI's; the one nightly torch pins; the Windows build
+TRITON_DISTS = ("triton", "pytorch-triton", "triton-windows")
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version, whichever distribution installed it (without importing it); None if none."""
+    for name in TRITON_DISTS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def peft_too_old() -> str | None:
     """None if peft is missing or not older than the oldest tested, else untested_version's sentence."""
     try:

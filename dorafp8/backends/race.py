@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import glob
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -26,7 +26,9 @@ import warnings
 import torch
 
 from .. import backends
+from .._deps import triton_version
 from .._env import flag
+from . import cuda_build
 from .cuda_build import cache_dir
 
 log = logging.getLogger("dorafp8.race")
@@ -179,9 +181,11 @@ def _device_info(device: torch.device) -> dict:
             "driver": driver_version()}
 
 
+@functools.cache
 def driver_version() -> int | None:
-    """The CUDA driver's version (cuDriverGetVersion, e.g. 12080), None where it cannot be read. Not torch's: the
-    torch._C._cuda_getDriverVersion this read is in no torch the project supports, so every driver shared a file."""
+    """The CUDA driver's version (cuDriverGetVersion, e.g. 12080), None where it cannot be read; read once a process
+    (it was a dlopen of libcuda per new key). Not torch's: the torch._C._cuda_getDriverVersion this read is in no torch
+    the project supports, so every driver shared a file."""
     import ctypes
 
     for name in ("libcuda.so.1", "nvcuda.dll"):
@@ -201,7 +205,10 @@ def build_id() -> str:
     """A hash of the sources and binaries that make the kernels: a new build of them is checked again."""
     if not _BUILD:
         pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        roots = [os.path.join(pkg, "backends"), os.path.join(pkg, "ops"), os.path.join(os.path.dirname(pkg), "csrc")]
+        # the CUDA sources where a build reads them: a wheel's dorafp8/csrc/ (the checkout's csrc/ beside the package
+        # was a folder no wheel has: a release that changed only kernels kept the verdicts on the old ones)
+        src = cuda_build.source_dir()
+        roots = [os.path.join(pkg, "backends"), os.path.join(pkg, "ops")] + ([str(src)] if src else [])
         try:
             spec = importlib.util.find_spec("dorafp8.triton_kernels")
             roots += list(spec.submodule_search_locations or []) if spec else []
@@ -222,14 +229,9 @@ def build_id() -> str:
 
 
 def _versions() -> dict:
-    def dist(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
     # the ptxas Triton runs, where not its own: a kernel's PTXASError is a verdict kept (_race_child._toolchain)
     ptxas = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_PTXAS")}
-    return {"torch": torch.__version__, "triton": dist("triton"), "build": build_id(), "ptxas": ptxas}
+    return {"torch": torch.__version__, "triton": triton_version(), "build": build_id(), "ptxas": ptxas}
 
 
 def cache_file(device: torch.device) -> str:
@@ -260,6 +262,8 @@ def _read(path: str) -> dict:
             data["keys"] = {k: {c: v for c, v in res.items() if _verdict(v)} for k, res in data["keys"].items()
                             if isinstance(res, dict)}
             data["broken"] = {c: why for c, why in data["broken"].items() if isinstance(why, str)}
+            if not isinstance(data.get("device"), dict):  # `python -m dorafp8` read its name: a string there raised
+                data.pop("device", None)
             return data
     except (OSError, ValueError, AttributeError):
         pass
@@ -469,7 +473,9 @@ _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.
 def _child(spec: dict) -> tuple[str, str | None, bool | str]:
     """(stdout, None, _) if the child ended well, else (its output, why not, whether its kernel is to blame: "hang"
     where the child ran past the limit)."""
-    env = dict(os.environ, DORAFP8_RACE="0")
+    # NVIDIA_TF32_OVERRIDE=1 rounds every fp32 cuBLAS product to tf32, whatever the child's torch flags say: the fp32
+    # reference too, against which exact fp32 kernels failed, verdicts kept (no variable names the file)
+    env = dict(os.environ, DORAFP8_RACE="0", NVIDIA_TF32_OVERRIDE="0")
     env.pop("DORAFP8_BACKEND", None)
     # PYTHONWARNINGS=error made any warning there an exception: a compiler's deprecation failed a correct kernel (a
     # verdict kept), `import dorafp8`'s word on a misspelt variable killed the child before any. Its stderr is read
@@ -555,6 +561,7 @@ def forget() -> None:
     _TOLD.clear()
     _UNSAVED.clear()
     _STOPPED.clear()
+    driver_version.cache_clear()
 
 
 def race_report() -> list[str]:

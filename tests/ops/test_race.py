@@ -330,6 +330,26 @@ def test_the_users_warnings_as_errors_ban_no_kernel(race, used, monkeypatch, typ
     assert all(v["native"]["ok"] for v in _verdicts(race)["keys"].values()) and not _verdicts(race)["broken"]
 
 
+def test_the_users_tf32_override_bans_no_kernel(race, used, monkeypatch):
+    """NVIDIA_TF32_OVERRIDE=1 (a launcher's or the user's shell's: every fp32 cuBLAS product on tf32 tensor cores,
+    whatever torch's flags say) was inherited by the child, whose fp32 reference it rounds to tf32: an exact fp32
+    kernel then failed its check, a verdict kept in a file no variable names. The child runs with it at 0. The
+    stand-in child fails the kernel where cuBLAS would round its reference."""
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")
+    code = ("import json, os, sys\n"
+            "spec = json.loads(sys.argv[1])\n"
+            "exact = os.environ.get('NVIDIA_TF32_OVERRIDE', '0') == '0'\n"
+            "v = {'ok': True, 'ms': 1.0} if exact else {'ok': False, 'error': 'dx differs'}\n"
+            "res = {c: v for c in spec['cands']}\n"
+            "print('dorafp8-race result ' + json.dumps(res))")
+    monkeypatch.setattr(_race, "CHILD", [sys.executable, "-c", code])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not used" warning
+        _step()
+    assert set(used) == {"native"} and all(v["native"]["ok"] for v in _verdicts(race)["keys"].values())
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "1"  # the user's own process keeps it
+
+
 def test_a_child_dying_while_it_makes_inputs_blames_no_kernel(race, used, monkeypatch):
     """The child makes each M's inputs after the previous M's candidates ran: out of memory there (the user's job
     holds the GPU) ended the child with the last candidate of the previous M as the one started, which was blamed:
@@ -453,6 +473,45 @@ def test_a_new_build_is_checked_again(race, monkeypatch):
     monkeypatch.setattr(_race, "_BUILD", ["another build"])
     _step()
     assert children(race) == 2 and len([p for p in os.listdir(race) if p.startswith("race-")]) == 2
+
+
+def test_the_build_id_holds_the_cuda_sources_a_wheel_ships(monkeypatch, tmp_path):
+    """A wheel ships csrc/ as dorafp8/csrc/ (cuda_build.source_dir's first place); build_id hashed the folder beside
+    the package, a checkout's, so in an installed dorafp8 a release that changed only the CUDA kernels kept the old
+    verdicts. The sources where a build reads them, here a planted dorafp8/csrc/, are in the id."""
+    from dorafp8.backends import cuda_build
+
+    (tmp_path / "forward.cu").write_text("// v1")
+    monkeypatch.setattr(cuda_build, "source_dir", lambda: tmp_path)
+    monkeypatch.setattr(_race, "_BUILD", [])
+    before = _race.build_id()
+    (tmp_path / "forward.cu").write_text("// v2")
+    _race._BUILD.clear()
+    assert _race.build_id() != before
+
+
+@pytest.mark.parametrize("dist", ["pytorch-triton", "triton-windows"])
+def test_the_verdict_file_is_the_tritons_whatever_installed_it(monkeypatch, dist):
+    """Nightly torch installs Triton as pytorch-triton, Windows users as triton-windows: the version was read of the
+    "triton" distribution alone, None there, so every Triton such an install upgraded to reused the verdicts of the
+    one before (and `python -m dorafp8` said "triton not installed" beside a Triton backend that ran)."""
+    import importlib.metadata as md
+
+    from dorafp8.__main__ import report
+
+    installed = {dist: "3.9.0+git1234abcd"}
+
+    def version(name):
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(md, "version", version)
+    assert _race._versions()["triton"] == "3.9.0+git1234abcd"
+    before = _race.cache_file(CPU)
+    installed[dist] = "3.9.0+git5678ef01"
+    assert _race.cache_file(CPU) != before
+    assert "triton 3.9.0+git5678ef01," in report().splitlines()[0]
 
 
 def _reentrant(f, x):
@@ -1193,7 +1252,43 @@ def test_the_verdict_file_is_the_drivers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
     gpu = torch.device("cuda", 0)
+    _race.forget()
     assert _race._device_info(gpu)["driver"] == 12080
     before = _race.cache_file(gpu)
     driver["v"] = 13000
+    _race.forget()  # the next process: the driver is read once a process
     assert _race._device_info(gpu)["driver"] == 13000 and _race.cache_file(gpu) != before
+    _race.forget()
+
+
+def test_the_driver_is_read_once_a_process(race, monkeypatch):
+    """driver_version() dlopened libcuda at each new key (every layer shape and token bucket of a first step): it
+    is read once a process now. A planted libcuda counts the opens."""
+    import ctypes
+
+    opened = []
+
+    class LibCuda:
+        def cuDriverGetVersion(self, out):
+            out._obj.value = 12080
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: opened.append(name) or LibCuda())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    paths = {_race.cache_file(gpu) for _ in range(5)}
+    assert len(paths) == 1 and _race._device_info(gpu)["driver"] == 12080 and opened == ["libcuda.so.1"], opened
+
+
+def test_python_m_dorafp8_reads_a_damaged_verdict_file(race):
+    """A verdict file whose "device" is not an object (a hand edit, another tool's JSON) made `python -m dorafp8`, the
+    first thing a user runs, die with an AttributeError in race_report; its keys are still listed."""
+    what = "dora N=24 K=32 M<=64 bfloat16/float32 w8a16 tensor r<=4"
+    for name, device in (("race-a.json", "H100"), ("race-b.json", ["x"]), ("race-c.json", None)):
+        (race / name).write_text(json.dumps({"keys": {what: {"native": {"ok": True, "ms": 1.5}}}, "broken": {},
+                                             "device": device}))
+    lines = _race.race_report()
+    assert lines[0].count("3 cache files") == 1 and sum(f"{what} -> native" in ln for ln in lines) == 3, lines
+    out = subprocess.run([sys.executable, "-m", "dorafp8"], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0 and f"{what} -> native" in out.stdout, out.stderr[-2000:]
