@@ -33,8 +33,8 @@ __all__ = [
     "register_with_lycoris",
 ]
 
-_PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft")
-_PEFT_CONV_NAMES = ("DoRAFP8Conv1d", "DoRAFP8Conv2d", "DoRAFP8Conv3d")
+_PEFT_NAMES = ("DoRAFP8Linear", "convert_peft_model", "register_with_peft", "DoRAFP8Conv1d", "DoRAFP8Conv2d",
+               "DoRAFP8Conv3d")
 _TRANSFORMERS_NAMES = ("DoRAFP8Config",)
 _KOHYA_NAMES = ("save_kohya_dora", "load_kohya_dora", "save_single_file_dora")
 _LYCORIS_NAMES = ("register_with_lycoris",)
@@ -43,7 +43,7 @@ _LYCORIS_NAMES = ("register_with_lycoris",)
 def __getattr__(name):
     from ._deps import require
 
-    if name in _PEFT_NAMES + _PEFT_CONV_NAMES:
+    if name in _PEFT_NAMES:
         require("peft", "transformers", what=f"dorafp8.{name}")
         from . import peft
 
@@ -68,8 +68,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PEFT_NAMES) | set(_PEFT_CONV_NAMES) | set(_TRANSFORMERS_NAMES)
-                  | set(_KOHYA_NAMES) | set(_LYCORIS_NAMES))
+    return sorted({*globals(), *_PEFT_NAMES, *_TRANSFORMERS_NAMES, *_KOHYA_NAMES, *_LYCORIS_NAMES})
 
 
 _install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers, FSDP2 learn of fp8 layers (opt-out inside)

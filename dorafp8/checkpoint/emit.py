@@ -15,7 +15,7 @@ from ..merge import adapter_terms, merged_rows, requantize, requantize_micro, we
 from ..quant import E4M3, nvfp4_global_scale, scale_kind, w0_rows, weight_dims
 from .layouts import E5M2, Layout, cpu_fine_grained_read, granularity_name
 from .modules import FP8_CONV_TYPES, FP8_LAYER_TYPES, base_layer, tuner_layer_class
-from .plan import LayerSource, WriteTarget, Written, fp32_bits, layer_source_of
+from .plan import LayerSource, WriteTarget, Written, fp32_bits
 from .reports import ExportReport
 from .sink import TensorSink
 
@@ -158,7 +158,7 @@ def _fused_nvfp4_globals(t: WriteTarget, tuner_type, merge: bool, adapter_names)
         for name, obj, fp8 in members:
             tuner = obj if (tuner_type is not None and isinstance(obj, tuner_type)) else None
             names_ = _to_merge(name, tuner, merge, adapter_names)
-            src = layer_source_of(fp8)
+            src = getattr(fp8, "_dorafp8_source", None)
             changed |= bool(names_) or src is None or src.global_bits != fp32_bits(fp8.global_scale)
             if names_:
                 terms = adapter_terms(tuner, names_)
@@ -228,7 +228,7 @@ def _emit_fp8_layer(t: WriteTarget, sink: TensorSink, report: ExportReport, out:
         return merged_rows(_w8, _s, _layer_block_size, _t, j0, j1, _g)
     cur = scale_kind(scale)
     entry = {"adapters": [term[4] for term in terms]}
-    fmeta = layer_source_of(fp8)
+    fmeta = getattr(fp8, "_dorafp8_source", None)
     if dense_dtype is not None:
         W, _, st = requantize(rows, N, K, "row", dense_dtype=dense_dtype)
         entry.update(action="merged" if terms else "dequantized", granularity=str(dense_dtype).replace(
@@ -300,7 +300,7 @@ def _emit_bias_and_extras(t: WriteTarget, sink: TensorSink, name: str, fp8: nn.M
         if sd is not None and sd != bt.dtype and torch.equal(bt.to(sd).to(bt.dtype), bt):
             bt = bt.to(sd)
         sink.add(t.key_of(f"{name}.bias"), bt)
-    fmeta = layer_source_of(fp8)
+    fmeta = getattr(fp8, "_dorafp8_source", None)
     extras = dict(fmeta.extras) if fmeta is not None and fmeta.format == t.fmt else {}
     for ek, ev in extras.items():
         sink.add(t.key_of(f"{name}.{ek}"), ev)

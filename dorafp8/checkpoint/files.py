@@ -166,6 +166,12 @@ def read_json(path: str, expected: str, sha256_is: Optional[str] = None) -> dict
     return parse_json(data, path, expected)
 
 
+def index_weight_map(path: str) -> dict:
+    """The "weight_map" of the safetensors index `path` ({tensor name: shard file}); {} where it has no such object."""
+    weight_map = read_json(path, "a safetensors index (a JSON object)").get("weight_map")
+    return weight_map if isinstance(weight_map, dict) else {}
+
+
 def _check_header(path: str, where: str) -> None:
     """Refuses a safetensors header of more than MAX_HEADER_BYTES, MAX_TENSORS tensors or MAX_METADATA metadata
     entries, longer than its file, or naming a key twice. Counted before parsing, in bounded memory: each tensor entry
@@ -282,10 +288,9 @@ def weight_files(folder) -> tuple:
                      if re.fullmatch(rf"{stem}(\.[^.]+)?\.{ext}", os.path.basename(p)))
         for index in glob.glob(os.path.join(glob.escape(folder), f"{stem}.{ext}.index*.json")):
             try:
-                weight_map = read_json(index, "a safetensors index").get("weight_map")
+                names.update(map(str, index_weight_map(index).values()))
             except (OSError, ValueError):  # unreadable now: from_pretrained read no shard it names
-                weight_map = None
-            names.update(map(str, weight_map.values()) if isinstance(weight_map, dict) else ())
+                pass
     return tuple(filter(None, (identity(os.path.join(folder, n)) for n in sorted(names))))
 
 

@@ -87,9 +87,9 @@ class DoRAFP8HfQuantizer(HfQuantizer):
         # (write.refuse_original), the original precision being gone for good
         files = getattr(model, "_dorafp8_checkpoint_files", None)
         if files:
-            from .plan import SOURCE_ATTR, SourceInfo
+            from .plan import SourceInfo
 
-            model.__dict__.setdefault(SOURCE_ATTR, SourceInfo()).files = files
+            model.__dict__.setdefault("_dorafp8_source", SourceInfo()).files = files
         return model
 
     def is_serializable(self, *args, **kwargs):

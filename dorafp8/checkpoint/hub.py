@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 
-from .files import read_json
+from .files import index_weight_map, read_json
 
 CONFIG = "a model's config.json (a JSON object)"
-INDEX = "a safetensors index (a JSON object)"
 
 
 class NotCached(OSError):
@@ -142,7 +141,7 @@ def _scaled_codes(fetch) -> bool:
         try:
             found = fetch(name)
             if found is not None and name.endswith(".json"):
-                weight_map = read_json(found, INDEX).get("weight_map") or {}
+                weight_map = index_weight_map(found)
                 scaled = next((k[:-len("_scale")] for k in weight_map
                                if str(k).endswith(".weight_scale") and k[:-len("_scale")] in weight_map), None)
                 found = fetch(weight_map[scaled]) if scaled is not None else None
@@ -170,8 +169,7 @@ def fetch_weights(path, kwargs) -> None:
             unknown = unknown or e
             continue
         if found is not None and name.endswith(".json"):
-            weight_map = read_json(found, INDEX).get("weight_map")
-            for shard in sorted(set(weight_map.values()) if isinstance(weight_map, dict) else ()):
+            for shard in sorted(set(index_weight_map(found).values())):
                 fetch(shard)
         if found is not None:
             return

@@ -12,8 +12,6 @@ from torch import nn
 from .layouts import Layout
 from .modules import base_model
 
-SOURCE_ATTR = "_dorafp8_source"  # the attribute of a model / fp8 layer holding its SourceInfo / LayerSource
-
 
 @dataclass
 class SourceInfo:
@@ -44,14 +42,10 @@ class LayerSource:
 def source_of(model: nn.Module) -> SourceInfo:
     """The SourceInfo of the model (or of the base model of a PEFT model); an empty one if it has none."""
     for m in (model, base_model(model)):
-        src = getattr(m, SOURCE_ATTR, None)
+        src = getattr(m, "_dorafp8_source", None)
         if src:
             return src
     return SourceInfo()
-
-
-def layer_source_of(layer: nn.Module) -> Optional[LayerSource]:
-    return getattr(layer, SOURCE_ATTR, None)
 
 
 def fp32_bits(g: torch.Tensor) -> int:

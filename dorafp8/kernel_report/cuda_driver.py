@@ -77,13 +77,13 @@ def demangler() -> str | None:
 
 def cuda_unavailable_reason() -> str | None:
     """None if the CUDA kernels can be compiled and read here, else why not."""
+    if why := cuda_dir_missing_reason():  # first: cuda_home() reads build_spec.py from there
+        return why
     home = cuda_home()
     if home is None:
         return "nvcc not found (set CUDA_HOME)"
     if not (home / "bin" / "ptxas").exists():
         return f"ptxas not found in {home / 'bin'}"
-    if why := cuda_dir_missing_reason():
-        return why
     if missing := [f for f in cuda_sources() if not (cuda_dir() / f).exists()]:
         return f"{cuda_dir()} lacks {missing}, which build_spec.py's CUDA_SOURCES lists"
     if demangler() is None:

@@ -240,7 +240,7 @@ def gemm_hbm_bytes(kernel: str, M: int, N: int, K: int, fp8_act: bool, z_bytes: 
     return M * N * act + N * K * w_bytes + M * K * 2
 
 
-def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
+def headline(records: list[dict]) -> list[dict]:
     """For each mode, main loop and GEMM kernel: the config the autotuner would pick if the model were right (the
     fastest at the fast end), with its prediction at both ends; records of sm_90a from the kernel report."""
     M, N, K = (HEADLINE[k] for k in ("M", "N", "K"))
@@ -252,7 +252,7 @@ def headline(records: list[dict], z_bytes: int = 2) -> list[dict]:
             for kernel, (o, red) in (("forward", (N, K)), ("dgrad", (K, N))):
                 recs = [x for x in records if x["kernel"] == kernel and x["variant"] == variant + _suffix(loop, mode)
                         and x["arch"] == "sm_90a" and x["backend"] == "triton" and not x["error"] and x["main_loop"]]
-                hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", z_bytes, weight_bytes(variant))
+                hbm = gemm_hbm_bytes(kernel, M, N, K, mode == "W8A8", 2, weight_bytes(variant))  # z in bf16
                 preds = [({end: predict_gemm(x, M, o, red, hbm, end, HEADLINE["r"]) for end in ENDS}, x)
                          for x in recs]
                 if preds:

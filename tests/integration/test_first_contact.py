@@ -39,7 +39,6 @@ COMMAND_S = 300  # the issue: each command at most five minutes (the device tool
 SESSION_S = 900  # a session's device time: machine starts, commands and idle time together
 MIN_START_S = 60  # "a call that finds no warm machine spends a minute or more starting one"
 IDLE_S = 30  # a machine stays warm (and counts) this long after a call
-MAX_FILES = 8  # files that come back from $OUT
 SMOKE_JOBS = ("w8a16", "w8a8")  # --smoke's checks: native (W8A16) and reference (W8A8)
 
 

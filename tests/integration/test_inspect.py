@@ -773,6 +773,7 @@ def test_missing_cuda_sources_say_where_they_were_looked_for(tmp_path, monkeypat
     assert "pip install -e ." in why
     with pytest.raises(FileNotFoundError, match="installed package data"):
         cuda_driver.cuda_dir()
+    assert cuda_driver.cuda_unavailable_reason() == why  # the report's skip reason, not a FileNotFoundError
 
 
 # Two loops as MLIR prints them: the second (the rank-r epilogue's) reuses the first's value names once the first has

@@ -176,10 +176,6 @@ def test_an_op_reaches_every_kernel_by_plain_imports(op):
     assert any(isinstance(n, ast.Import) and any(a.name == "dorafp8._C" for a in n.names) for n in ast.walk(cuda))
 
 
-def _package_of(name: str) -> str:
-    return name if _is_package(name) else name.rpartition(".")[0]
-
-
 def test_no_private_names_across_modules():
     bad = []
     for m in MODULES:

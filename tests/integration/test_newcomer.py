@@ -130,6 +130,14 @@ for f in (lambda: dorafp8.DoRAFP8Linear, lambda: dorafp8.DoRAFP8Config, lambda: 
     assert "the demo" in lines[2] and "pip install 'dorafp8[peft]'" in lines[2]
 
 
+def test_every_public_name_is_in_dir_and_loads():
+    """Each name of __all__, the ones loaded on first use (PEFT's, transformers', kohya's, LyCORIS's) too, is in
+    dir(dorafp8) and resolves."""
+    out = _run_python("import dorafp8; print([n for n in dorafp8.__all__ if n not in dir(dorafp8) "
+                      "or getattr(dorafp8, n, None) is None])")
+    assert out.strip() == "[]", out
+
+
 def test_untested_torch_warns_at_import():
     """A torch older than the oldest CI tests (dorafp8/_deps.py OLDEST_TESTED) gets one warning naming it and the fix;
     a tested one none."""
