@@ -8,8 +8,10 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 import warnings
 
+import torch
 from torch import nn
 
 from .._env import ThreadSwitch
@@ -60,6 +62,49 @@ def _refuse_originals(model: nn.Module, folder) -> None:
                                   f"gone; save to another folder")
 
 
+def _model_holding(model: nn.Module, state_dict: dict) -> nn.Module:
+    """A copy of `model`'s module tree (modules shallow-copied, `model` unchanged) whose parameters and persistent
+    buffers are `state_dict`'s tensors, each checked against the model's own dtype and whole shape (FSDP2 shards,
+    ZeRO-3 partitions): what save_pretrained(state_dict=...) writes. Missing or unexpected keys: ValueError."""
+    taken, memo, bad = {}, {}, []
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+
+    def take(key, t):
+        if id(t) not in taken:
+            v = state_dict.get(key)
+            shape = tuple(getattr(t, "ds_shape", t.shape))
+            if not isinstance(v, torch.Tensor) or v.dtype != t.dtype or tuple(v.shape) != shape:
+                got = "missing" if v is None else f"{getattr(v, 'dtype', type(v).__name__)} {tuple(v.shape)}"
+                bad.append(f"{key!r} ({got}, expected {t.dtype} {shape})")
+            taken[id(t)] = v
+        taken.setdefault(key, True)
+        return taken[id(t)]
+
+    def clone(mod, prefix):
+        if id(mod) in memo:
+            return memo[id(mod)]
+        cls = type(mod)
+        if fsdp is not None and issubclass(cls, fsdp):  # fully_shard's FSDP<cls>: cls again, as the writers tell
+            cls = cls.__mro__[cls._orig_cls_mro_index]  # nn.Linear by its type (an FSDPLinear lm_head was quantized)
+        new = memo[id(mod)] = object.__new__(cls)  # not copy.copy: FSDP2's class __new__ calls __init__
+        new.__dict__.update(mod.__dict__)
+        new._parameters = {n: None if p is None else take(prefix + n, p) for n, p in mod._parameters.items()}
+        new._buffers = {n: b if b is None or n in mod._non_persistent_buffers_set else take(prefix + n, b)
+                        for n, b in mod._buffers.items()}
+        new._modules = {n: None if c is None else clone(c, f"{prefix}{n}.") for n, c in mod._modules.items()}
+        new.__dict__.pop("_is_fsdp_managed_module", None)  # its tensors are whole now
+        return new
+
+    out = clone(model, "")
+    bad += [f"{k!r} (unexpected)" for k in state_dict if k not in taken]
+    if bad:
+        raise ValueError(f"{type(model).__name__}.save_pretrained(state_dict=...): the model holds dorafp8 fp8 layers, "
+                         f"written from state_dict, which must be the model's whole state dict (model.state_dict() "
+                         f"keys, dtypes and unsharded shapes), or be left out; {len(bad)} keys are not: "
+                         f"{', '.join(bad[:5])}")
+    return out
+
+
 def _transformers_save_pretrained(orig):
     signature = inspect.signature(orig)
 
@@ -70,14 +115,13 @@ def _transformers_save_pretrained(orig):
         if not fp8 or getattr(self, "_hf_peft_config_loaded", False):
             return orig(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("state_dict") is not None:
-            raise ValueError(f"{type(self).__name__}.save_pretrained(state_dict=...): the model holds {len(fp8)} "
-                             f"dorafp8 fp8 layers (e.g. {fp8[0]!r}), and a state dict of it has their raw e4m3 "
-                             f"weights with dorafp8's '<layer>.scale' keys, which from_pretrained loads without the "
-                             f"scales. Call save_pretrained without state_dict (dorafp8 then writes the fp8 layers "
-                             f"as compressed-tensors or fine-grained FP8), or dorafp8.save_fp8_checkpoint(model, path)")
+        given = bound.arguments.get("state_dict")
+        if given is not None and not given:  # the Trainer's ZeRO-3 save without gathered weights: config only
+            return orig(*bound.args, **bound.kwargs)
         _refuse_originals(self, bound.arguments.get("save_directory"))
-        state_dict, quantization_config, report = save_pretrained_state(self)
+        # the Trainer's save under FSDP FULL_STATE_DICT or ZeRO-3 hands the state dict it gathered from the shards
+        state_dict, quantization_config, report = save_pretrained_state(
+            self if given is None else _model_holding(self, given))
         requantized = report.errors("requantized")
         if requantized:
             worst = max(requantized.items(), key=lambda kv: kv[1])

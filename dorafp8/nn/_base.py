@@ -178,6 +178,21 @@ class FP8WeightModule(nn.Module):
             return scale
         return check_scale(scale, N, K, self.block_size, name=name)
 
+    def _widened_weight_back(self, w, scale, prefix: str):
+        """A state_dict's e4m3 weight widened to fp32/bf16/fp16 (DeepSpeed's zero_to_fp32 casts every floating tensor
+        to its dtype=, float32 by default), cast back where exact and its fp32 scale came with it; else the error."""
+        exact = w.dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.equal(w.to(E4M3).to(w.dtype), w)
+        if not exact or scale is None:
+            return (f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its '{prefix}scale', "
+                    f"got {w.dtype}; {self._float_weight_hint}")
+        own = self.scale.dtype
+        if scale.dtype == torch.float32 or scale.dtype in MICRO_SCALE_DTYPES or (
+                own in MICRO_SCALE_DTYPES and torch.equal(scale.to(own).to(scale.dtype), scale)):
+            return w.to(E4M3)
+        return (f"{prefix}scale: {scale.dtype}, beside a float8_e4m3fn weight widened to {w.dtype}: the checkpoint was "
+                f"converted with a 16-bit dtype (DeepSpeed's zero_to_fp32 / convert_zero_checkpoint_to_state_dict "
+                f"dtype=...), which rounded the fp32 scale; convert it again with dtype=torch.float32 (the default)")
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         dtensor = _dtensor_class()
@@ -193,9 +208,11 @@ class FP8WeightModule(nn.Module):
             g = state_dict.get(prefix + "global_scale")
             self.global_scale = None if g is None else torch.empty((), dtype=torch.float32, device=self.weight.device)
         elif w is not None and w.dtype != E4M3:
-            error_msgs.append(f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its "
-                              f"'{prefix}scale', got {w.dtype}; {self._float_weight_hint}")
-            return
+            w = self._widened_weight_back(w, state_dict.get(prefix + "scale"), prefix)
+            if isinstance(w, str):
+                error_msgs.append(w)
+                return
+            state_dict[prefix + "weight"] = w
         sc = state_dict.get(prefix + "scale")
         if sc is not None:
             try:

@@ -221,8 +221,14 @@ def test_save_pretrained_refuses_what_it_cannot_write(dora, tmp_path):
     with pytest.raises(ValueError, match=r"not merged.*merge_and_unload.*dorafp8\.export_merged"):
         dora.base_model.model.save_pretrained(tmp_path / "a")
     model = _llama()
-    with pytest.raises(ValueError, match=r"without state_dict.*dorafp8\.save_fp8_checkpoint"):
-        model.save_pretrained(tmp_path / "b", state_dict=model.state_dict())
+    # a state_dict= (the Trainer's under FSDP / ZeRO-3) is the model's whole state dict, else refused, naming the key
+    sd = model.state_dict()
+    sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].float()
+    key = r"'model\.layers\.0\.mlp\.up_proj\.weight' \(torch\.float32"
+    with pytest.raises(ValueError, match=r"whole state dict.*" + key):
+        model.save_pretrained(tmp_path / "b", state_dict=sd)
+    with pytest.raises(ValueError, match=r"whole state dict.*'lm_head\.weight' \(missing"):
+        model.save_pretrained(tmp_path / "b", state_dict={k: v for k, v in sd.items() if "lm_" not in k})
     # blocks that do not divide a layer: compressed-tensors reads whole blocks only
     with pytest.raises(ValueError, match=r"block size 48.*save_fp8_checkpoint\(model, 'path\.safetensors'\)"):
         _llama(block_size=48).save_pretrained(tmp_path / "c")
@@ -231,6 +237,25 @@ def test_save_pretrained_refuses_what_it_cannot_write(dora, tmp_path):
     with pytest.raises(ValueError, match=r"fp8 conv layers.*'model\.conv'.*save_fp8_checkpoint"):
         model.save_pretrained(tmp_path / "d")
     assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abcd")
+
+
+def test_save_pretrained_writes_the_state_dict_it_is_given(tmp_path):
+    """The HF Trainer under FSDP FULL_STATE_DICT or ZeRO-3 saves with save_pretrained(state_dict=<gathered>), which
+    dorafp8 refused ('Call save_pretrained without state_dict'): that state dict is written as the model would be (its
+    tensors, not the model's: tests/distributed/test_trainer_fsdp2.py), and an empty one (the Trainer's ZeRO-3 save
+    without gathered weights, which it deletes) writes the config alone."""
+    model = _llama()
+    model.save_pretrained(tmp_path / "own")
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # the model's own tensor: not what is written
+    model.save_pretrained(tmp_path / "given", state_dict=sd)
+    a, b = F.read_all(str(tmp_path / "own")), F.read_all(str(tmp_path / "given"))
+    assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k].float(), b[k].float())
+                                          for k in a)
+    assert (tmp_path / "own" / "config.json").read_text() == (tmp_path / "given" / "config.json").read_text()
+    model.save_pretrained(tmp_path / "empty", state_dict={})
+    assert "config.json" in os.listdir(tmp_path / "empty")
 
 
 # what each format does with a per-row fp8 LLaMA (save_fp8_checkpoint) or a DoRA model on one (export_merged):

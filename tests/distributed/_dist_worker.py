@@ -930,6 +930,34 @@ def run_trainer_fsdp2_ac(out):
     return _run_trainer_fsdp2(out, None, fsdp_extra={"activation_checkpointing": True})
 
 
+def _run_trainer_full_model(out, **kwargs):
+    """The HF Trainer on a quantized model without PEFT (its non-fp8 tensors trained: embeddings, norms, lm_head),
+    a checkpoint during training and save_model, each a save_pretrained(state_dict=<the full state dict it gathered>).
+    Rank 0 writes that state dict (gathered again) to OUT/full.pt, for the test to compare the reloaded folder with."""
+    from transformers import Trainer
+
+    emulate_nccl_fp8_transport()
+    args = _trainer_args(out, save_strategy="steps", save_steps=C.STEPS, **kwargs)
+    trainer = Trainer(model=C.build_fp8_base(seed=0), args=args, train_dataset=_trainer_rows())
+    trainer.train()
+    trainer.save_model(os.path.join(out, "saved"))
+    full = trainer.accelerator.get_state_dict(trainer.deepspeed or trainer.model)
+    if RANK == 0:
+        torch.save(full, os.path.join(out, "full.pt"))
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{C.STEPS}")
+    return {"checkpoint_files": sorted(os.listdir(ckpt)) if RANK == 0 else None}
+
+
+def run_trainer_fsdp2_full_model(out):
+    allow_fsdp_on_cpu()
+    return _run_trainer_full_model(out, fsdp=True, fsdp_config={"version": 2,
+                                                                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+
+
+def run_trainer_zero3_full_model(out):
+    return _run_trainer_full_model(out, deepspeed=DS_Z3_CONFIG)
+
+
 def main():
     engine, out = sys.argv[1], sys.argv[2]
     res = {"engine": engine, "rank": RANK, "world": WORLD, "dorafp8_file": dorafp8.__file__}

@@ -515,7 +515,10 @@ def test_deepspeed_zero_checkpoint_loads_microscaled_scales_back(tmp_path):
     and an NVFP4 layer's e4m3 block scales came back as fp32, and load_state_dict refused them ('scale must have one
     element (per tensor), shape [64] (per row) or [1, 1] ...'), so the checkpoint could not be resumed. They now load
     back as their own dtypes where the cast back is exact. ZeRO-2 in a gloo group of one (DeepSpeed's CPU accelerator):
-    save_checkpoint, then its loader into a model built from another seed, which then computes as the saved one."""
+    save_checkpoint, then its loader into a model built from another seed, which then computes as the saved one.
+    zero_to_fp32's file (convert_zero_checkpoint_to_state_dict, dtype=float32 by default) also widens the frozen e4m3
+    weights: load_state_dict refused them ('quantize it with dorafp8.quantize_e4m3'); they load back where exact and
+    the scales are fp32. dtype=torch.bfloat16 rounds the per-tensor fp32 scale: refused, naming dtype=torch.float32."""
     _needs("deepspeed", "the checkpoint and its loader are DeepSpeed's")
     import subprocess
     import sys
@@ -533,6 +536,7 @@ def model(seed):
     m[0] = dorafp8.FP8Linear.from_fp8(w8, sc, m[0].bias.detach().clone(), backend="reference")
     w8, sc, g = quantize_nvfp4(m[1].weight.detach())
     m[1] = dorafp8.FP8Linear.from_fp8(w8, sc, m[1].bias.detach().clone(), backend="reference", global_scale=g)
+    m.append(dorafp8.FP8Linear.from_fp8(*dorafp8.quantize_e4m3(torch.randn(64, 64)), None, backend="reference"))
     m[0].bias.requires_grad_(False), m[1].bias.requires_grad_(False)
     return m
 deepspeed.init_distributed("gloo")
@@ -545,6 +549,18 @@ fresh = model(1)
 load_state_dict_from_zero_checkpoint(fresh, sys.argv[1])
 x = torch.randn(3, 64)
 print("RESULT", fresh[0].scale.dtype, fresh[1].scale.dtype, torch.equal(fresh(x), model(0)(x)))
+from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+from safetensors.torch import load_file
+for dtype in (torch.float32, torch.bfloat16):
+    out = sys.argv[1] + "_" + str(dtype)
+    convert_zero_checkpoint_to_state_dict(sys.argv[1], out, dtype=dtype, safe_serialization=True)
+    sd = load_file(out + "/model.safetensors")
+    fresh = model(2)
+    try:
+        fresh.load_state_dict(sd)
+        print("RESULT", sd["3.weight"].dtype, fresh[3].weight.dtype, torch.equal(fresh(x), model(0)(x)))
+    except RuntimeError as e:
+        print("RESULT", sd["3.weight"].dtype, "3.scale: torch.bfloat16" in str(e), "dtype=torch.float32" in str(e))
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -553,7 +569,8 @@ print("RESULT", fresh[0].scale.dtype, fresh[1].scale.dtype, torch.equal(fresh(x)
                        cwd=REPO, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [
-        "RESULT torch.float8_e8m0fnu torch.float8_e4m3fn True"], r.stdout
+        "RESULT torch.float8_e8m0fnu torch.float8_e4m3fn True",
+        "RESULT torch.float32 torch.float8_e4m3fn True", "RESULT torch.bfloat16 True True"], r.stdout
 
 
 def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():

@@ -110,3 +110,42 @@ def test_trainer_fsdp2_activation_checkpointing_trains_and_resumes_but_peft_save
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
     assert (get_peft_model_state_dict(pm, state_dict=sd) == {}) == (res[0]["adapter"] == {})  # PEFT's, either way
+
+
+def _check_full_model_save(tmp_path, res):
+    """save_model's folder, reloaded with from_pretrained (compressed-tensors), holds the trained model: every tensor
+    of the state dict the Trainer gathered (fp8 bytes, scales, trained embeddings, norms, lm_head) and its logits."""
+    from tests.distributed import _dist_common as C
+
+    assert {"model.safetensors", "config.json"} <= set(res[0]["checkpoint_files"])  # the checkpoint was written too
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert not torch.equal(full["lm_head.weight"], C.build_fp8_base(0).lm_head.weight)  # trained
+    loaded = C.transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    w = loaded.model.layers[0].self_attn.q_proj.weight
+    assert w.dtype == torch.float8_e4m3fn  # loaded as fp8, not dequantized
+    # compressed-tensors' names: '<layer>.weight_scale' [1] for dorafp8's '<layer>.scale' []
+    got = {k.replace(".weight_scale", ".scale"): v.reshape(full[k.replace(".weight_scale", ".scale")].shape)
+           if k.endswith(".weight_scale") else v for k, v in loaded.state_dict().items()}
+    assert got.keys() >= full.keys()
+    for k, v in full.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].float(), v.float()), k
+    trained = C.build_fp8_base(0)
+    trained.load_state_dict(full)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=C.probe_ids()).logits, trained(input_ids=C.probe_ids()).logits)
+
+
+def test_trainer_fsdp2_full_state_dict_saves_a_quantized_model_without_peft(tmp_path):
+    """A quantized model trained without PEFT: under FULL_STATE_DICT the Trainer's checkpoint and save_model call
+    save_pretrained(state_dict=<the full state dict gathered from the shards>), which dorafp8's save_pretrained
+    refused ('Call save_pretrained without state_dict', which the Trainer does not offer) at the first checkpoint,
+    killing the run. It now writes that state dict's fp8 layers as compressed-tensors."""
+    _check_full_model_save(tmp_path, _launch("trainer_fsdp2_full_model", tmp_path))
+
+
+def test_trainer_zero3_saves_a_quantized_model_without_peft(tmp_path):
+    """The same under ZeRO-3 (TrainingArguments(deepspeed=...), stage3_gather_16bit_weights_on_model_save): the
+    Trainer's save hands save_pretrained the consolidated state dict, which dorafp8 refused the same way."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: the job trains under ZeRO-3")
+    _check_full_model_save(tmp_path, _launch("trainer_zero3_full_model", tmp_path, env={"DS_ACCELERATOR": "cpu"}))
