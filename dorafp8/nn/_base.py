@@ -189,9 +189,7 @@ class FP8WeightModule(nn.Module):
         if scale.dtype == torch.float32 or scale.dtype in MICRO_SCALE_DTYPES or (
                 own in MICRO_SCALE_DTYPES and torch.equal(scale.to(own).to(scale.dtype), scale)):
             return w.to(E4M3)
-        return (f"{prefix}scale: {scale.dtype}, beside a float8_e4m3fn weight widened to {w.dtype}: the checkpoint was "
-                f"converted with a 16-bit dtype (DeepSpeed's zero_to_fp32 / convert_zero_checkpoint_to_state_dict "
-                f"dtype=...), which rounded the fp32 scale; convert it again with dtype=torch.float32 (the default)")
+        return _rounded(f"{prefix}scale", scale.dtype, f"beside a float8_e4m3fn weight widened to {w.dtype}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -206,6 +204,9 @@ class FP8WeightModule(nn.Module):
         if w is not None and w.dtype == torch.uint8 and hasattr(self, "global_scale"):  # a packed NVFP4 weight
             self.weight = nn.Parameter(torch.empty_like(w, device=self.weight.device), requires_grad=False)
             g = state_dict.get(prefix + "global_scale")
+            if g is not None and g.dtype != torch.float32:  # the uint8 weight is never widened: only this tells
+                error_msgs.append(_rounded(f"{prefix}global_scale", g.dtype, "beside a packed NVFP4 (uint8) weight"))
+                return
             self.global_scale = None if g is None else torch.empty((), dtype=torch.float32, device=self.weight.device)
         elif w is not None and w.dtype != E4M3:
             w = self._widened_weight_back(w, state_dict.get(prefix + "scale"), prefix)
@@ -226,6 +227,13 @@ class FP8WeightModule(nn.Module):
                                          torch.float32, device=self.scale.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def _rounded(key: str, dtype: torch.dtype, where: str) -> str:
+    """The load error for an fp32 scale `key` that came as `dtype` (rounded by a 16-bit conversion)."""
+    return (f"{key}: {dtype}, {where}, expected torch.float32: the checkpoint was converted with a 16-bit dtype "
+            f"(DeepSpeed's zero_to_fp32 / convert_zero_checkpoint_to_state_dict dtype=...), which rounded the fp32 "
+            f"scale; convert it again with dtype=torch.float32 (the default)")
 
 
 # While on (in this thread: `with scales_e8m0_as_bytes(): ...`), state_dict() lists an MXFP8 layer's e8m0 `scale` as

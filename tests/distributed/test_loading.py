@@ -573,6 +573,44 @@ for dtype in (torch.float32, torch.bfloat16):
         "RESULT torch.float32 torch.float8_e4m3fn True", "RESULT torch.bfloat16 True True"], r.stdout
 
 
+def test_zero_to_fp32_bf16_refuses_an_nvfp4_layers_rounded_global_scale():
+    """zero_to_fp32 with dtype=torch.bfloat16 (its to_torch_tensor, which convert_zero_checkpoint_to_state_dict runs on
+    every shard) casts every floating tensor: an NVFP4 layer's packed uint8 weight is left as it is, so the widened-
+    weight refusal never fired, and its fp32 global_scale, rounded to bf16 (up to 2**-9 off, every weight of the
+    layer with it), loaded silently. Now refused, naming dtype=torch.float32; the fp32 conversion loads exactly."""
+    _needs("deepspeed", "the conversion is DeepSpeed's")
+    import subprocess
+    import sys
+
+    from tests.distributed.test_distributed import JOB_TIMEOUT_S, REPO
+
+    job = """
+import torch, dorafp8
+from deepspeed.utils.zero_to_fp32 import to_torch_tensor
+from dorafp8.quant import quantize_nvfp4
+def layer(seed):
+    torch.manual_seed(seed)
+    w8, sc, g = quantize_nvfp4(torch.randn(64, 64))
+    return dorafp8.FP8Linear.from_fp8(w8, sc, None, backend="reference", global_scale=g)
+saved = layer(0)
+for dtype in (torch.float32, torch.bfloat16):
+    sd, fresh = to_torch_tensor(saved.state_dict(), dtype=dtype), layer(1)
+    try:
+        fresh.load_state_dict(sd)
+        print("RESULT", sd["global_scale"].dtype, torch.equal(fresh.global_scale, saved.global_scale))
+    except RuntimeError as e:
+        print("RESULT", sd["global_scale"].dtype, "global_scale: torch.bfloat16" in str(e),
+              "dtype=torch.float32" in str(e))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=JOB_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [
+        "RESULT torch.float32 True", "RESULT torch.bfloat16 True True"], r.stdout
+
+
 def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():
     """DeepSpeedEngine._broadcast_model sends rank 0's parameters, not the buffers; dorafp8's wrap sends each layer's
     scales right after its weight, from the same source and in the same group. The wrap used to read that group itself
