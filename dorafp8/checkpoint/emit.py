@@ -37,7 +37,7 @@ def walk_model(mod: nn.Module, prefix: str, tuner_cls):
             mod, "disable_adapters", False)) else mod.original_module
         yield from walk_model(inner, prefix, tuner_cls)
         return
-    if type(mod) is nn.Linear:
+    if isinstance(mod, nn.Linear):  # by class, not type: fully_shard's FSDPLinear (an FSDP2 lm_head) is one too
         yield "linear", prefix[:-1], mod
     for n, p in mod._parameters.items():
         if p is not None:

@@ -236,6 +236,40 @@ def test_writing_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works
         assert not glob.glob(str(tmp_path / "refused_*"))
 
 
+def test_an_fsdp2_lm_head_written_after_unshard_is_listed_dense_in_the_config(tmp_path):
+    """fully_shard(model.lm_head) (torchtitan shards its output layer so) makes the head an FSDPLinear; the writers
+    told a dense layer by `type(m) is nn.Linear`, so save_fp8_checkpoint after the unshard the refusal names left it
+    out of config.json's quantization_config ("ignore": [], modules_to_not_convert None): the config said the bf16
+    head was fp8. Both configs now equal the unsharded model's. One process (a group of one), no spawn."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from tests.distributed.test_distributed import _free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            m = dorafp8.quantize_model(C.transformers.LlamaForCausalLM(C.llama_config()), verbose=False)
+            if sharded:
+                for unit in (m.lm_head, *m.model.layers, m):
+                    fully_shard(unit)
+                [u.unshard() for u in m.modules() if isinstance(u, FSDPModule)]
+                assert type(m.lm_head).__name__ == "FSDPLinear"
+            for fmt in ("compressed-tensors", "fine-grained"):
+                dorafp8.save_fp8_checkpoint(m, str(tmp_path / f"{fmt}_{sharded}"), fmt, verbose=False)
+    finally:
+        dist.destroy_process_group()
+    for fmt, key in (("compressed-tensors", "ignore"), ("fine-grained", "modules_to_not_convert")):
+        plain, fsdp = (json.loads((tmp_path / f"{fmt}_{s}" / "config.json").read_text())["quantization_config"]
+                       for s in (False, True))
+        assert plain[key] == ["lm_head"] and fsdp == plain, (fmt, fsdp)
+
+
 def test_kohya_export_of_an_fsdp2_sharded_model_is_refused_naming_the_unshard_that_works(tmp_path):
     """save_kohya_dora (and save_single_file_dora, which shares its first step) on an FSDP2-sharded model stopped
     inside safetensors ('Attempted to access the data pointer on an invalid python storage'); refused now, naming
