@@ -11,7 +11,7 @@ from typing import Optional
 from torch import nn
 
 from ..quant import MXFP8_BLOCK, scale_kind
-from .files import FILE_SUFFIXES
+from .files import names_a_file
 from .layouts import TRANSFORMERS_FORMATS, cpu_fine_grained_read
 from .modules import FP8_CONV_TYPES, fp8_modules
 from .plan import WriteTarget, Written
@@ -55,7 +55,7 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
     """Refuses, before anything is written, a directory with a transformers config.json that it would load wrong, and
     a diffusers model's single file in ComfyUI's layouts, which ComfyUI would load wrong."""
     how = f"format=None writes the layout the model was loaded from, {t.fmt}" if defaulted else f"format={t.fmt!r}"
-    if path.endswith(FILE_SUFFIXES) and t.config_kind == "diffusers" and t.fmt in ("comfyui", "comfyui-quant"):
+    if names_a_file(path) and t.config_kind == "diffusers" and t.fmt in ("comfyui", "comfyui-quant"):
         # ComfyUI reads a diffusion model's scaled fp8 keys only under its original (ldm, BFL, ...) names; a file in
         # diffusers' names it converts for the weights alone (comfy/model_detection.py convert_diffusers_mmdit,
         # comfy/utils.py unet_to_diffusers), dropping the scales: the raw e4m3 values would run unscaled, silently
@@ -66,7 +66,7 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
                          f"converts), or the adapter alone onto the original file (save_single_file_dora for a model "
                          f"from load_single_file, save_kohya_dora); to reload with dorafp8 write format='dorafp8' or "
                          f"'compressed-tensors', or a folder")
-    if t.fmt == "modelopt" and not path.endswith(FILE_SUFFIXES):
+    if t.fmt == "modelopt" and not names_a_file(path):
         # a folder gets hf_quant_config.json, which ModelOpt and vLLM read: ModelOpt's export asserts whole MXFP8
         # blocks (MXFP8QTensor: in_dim % 32) and vLLM's ModelOptMxFp8LinearMethod refuses any other input size, so
         # the partial last block (ceil) dorafp8 holds and writes would be a folder they refuse
@@ -78,7 +78,7 @@ def check_destination(t: WriteTarget, path: str, defaulted: bool) -> None:
                              f"{MXFP8_BLOCK} (e.g. {ragged[0][0]!r}, {ragged[0][1]}), whose last block ModelOpt "
                              f"and vLLM's ModelOpt MXFP8 loader refuse. Write a single file (a path ending in "
                              f".safetensors, which load_fp8_checkpoint reads back) or a dense format (bf16)")
-    if path.endswith(FILE_SUFFIXES) or t.config_kind != "transformers" or t.layout is None:
+    if names_a_file(path) or t.config_kind != "transformers" or t.layout is None:
         return
     if t.fmt == "modelopt":  # ModelOpt's own export layout, hf_quant_config.json beside it (modelopt_config)
         return

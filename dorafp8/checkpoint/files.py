@@ -35,6 +35,12 @@ MAX_JSON_BYTES = 64 * 2**20  # an index or config.json (an index of 100,000 tens
 # a path ending so is one safetensors file (.sft: Black Forest Labs' name for Flux's, flux1-dev.sft), read and
 # written as one; any other path is a folder
 FILE_SUFFIXES = (".safetensors", ".sft")
+
+
+def names_a_file(path: str) -> bool:
+    """Whether `path` ends in one of FILE_SUFFIXES, in any case, as ComfyUI reads them (comfy/utils.py
+    load_torch_file): 'Flux.SafeTensors' was written as a folder of that name, and refused when read."""
+    return path.lower().endswith(FILE_SUFFIXES)
 DAMAGED = "the file is damaged or incomplete (an interrupted download?): download it again"
 
 

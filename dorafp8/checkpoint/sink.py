@@ -9,7 +9,7 @@ import uuid
 
 import torch
 
-from .files import FILE_SUFFIXES, destination, refuse_shadowing, save_file_atomic, save_safetensors
+from .files import destination, names_a_file, refuse_shadowing, save_file_atomic, save_safetensors
 
 
 def parse_size(size) -> int:
@@ -51,7 +51,7 @@ class ShardWriter(TensorSink):
 
     def __init__(self, path: str, stem: str, max_bytes: int, metadata: dict):
         super().__init__()
-        self.single = path.endswith(FILE_SUFFIXES)
+        self.single = names_a_file(path)
         if self.single:  # before the tensors are computed (save_file_atomic checks again, under the folder's lock)
             refuse_shadowing(*os.path.split(destination(path)), path)
         self.path, self.stem, self.max, self.metadata = path, stem, max_bytes, metadata

@@ -11,8 +11,8 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from ..quant import E4M3, E8M0
-from .files import (CHECKED_JSON, DAMAGED, FILE_SUFFIXES, allowed_roots, file_in, open_safetensors, read_json,
-                    regular_file, safetensors_keys, sha256_key, some)
+from .files import (CHECKED_JSON, DAMAGED, allowed_roots, file_in, names_a_file, open_safetensors,
+                    read_json, regular_file, safetensors_keys, sha256_key, some)
 from .layouts import E5M2, LAYOUTS, SAFETENSORS_DTYPES, CheckpointFormatError
 
 SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
@@ -61,7 +61,7 @@ class CheckpointSource:
             self._read_folder(path)
         else:
             regular_file(path, "path_or_state_dict")
-            if not path.endswith(FILE_SUFFIXES):
+            if not names_a_file(path):
                 raise CheckpointFormatError(f"{path} is not a .safetensors file; load it yourself (torch.load) and "
                                             f"pass the state dict")
             self.shards = [path]

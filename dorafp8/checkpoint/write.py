@@ -20,8 +20,8 @@ from ..nn import FP8Linear, refuse_sharded_model
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
 from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
 from .emit import emit
-from .files import (CHECKED_JSON, FILE_SUFFIXES, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file,
-                    killed_stages, loaded_from, locked, previous_export, refuse_shadowing, replace, sha256, sha256_key,
+from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
+                    loaded_from, locked, names_a_file, previous_export, refuse_shadowing, replace, sha256, sha256_key,
                     staging, weight_files, write_error)
 from .layouts import ALIASES, DENSE_FORMATS, FORMATS, GRANULARITY_NAMES, LAYOUTS, canonical_format
 from .modules import base_model, fp8_modules, tuner_layer_class
@@ -116,7 +116,7 @@ def _write(model: nn.Module, path, fmt: Optional[str], *, merge: bool, adapter_n
     real = destination(path)
     orig = originals(model)
     report, emit_args = ExportReport(t.fmt, path), dict(merge=merge, adapter_names=adapter_names)
-    if path.endswith(FILE_SUFFIXES):  # one file, written whole or not at all (files.save_file_atomic)
+    if names_a_file(path):  # one file, written whole or not at all (files.save_file_atomic)
         if os.path.isdir(real):
             raise IsADirectoryError(f"path={path!r} is a folder; a path ending in .safetensors is written as one file")
         refuse_original(path, orig)

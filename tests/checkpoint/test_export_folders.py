@@ -634,3 +634,18 @@ def test_a_relative_file_path_is_written_where_it_pointed_when_the_export_began(
     assert report.files == ["out/net.safetensors"]
     with torch.no_grad():
         torch.testing.assert_close(_output_of(tmp_path / "a" / "out" / "net.safetensors"), _net(0)(X))
+
+
+@pytest.mark.parametrize("name", ["Flux.SafeTensors", "flux1-dev-fp8.SFT"])
+def test_a_file_suffix_in_upper_case_is_written_and_read_as_one_file(name, tmp_path):
+    """ComfyUI reads '.safetensors' and '.sft' in any case (comfy/utils.py load_torch_file: ckpt.lower().endswith);
+    dorafp8 wrote 'Flux.SafeTensors' as a folder of that name, and refused such a file when loading it ('not a
+    .safetensors file; load it yourself (torch.load)'). Now one file, which loads back to the same outputs."""
+    from safetensors.torch import load_file
+
+    net, dest = _net(0), str(tmp_path / name)
+    _export(net, dest)
+    assert os.path.isfile(dest) and os.listdir(tmp_path) == [name]
+    assert load_file(dest).keys() == net.state_dict().keys()
+    with torch.no_grad():
+        assert torch.equal(_output_of(dest), net(X))
