@@ -172,7 +172,11 @@ class FP8WeightModule(nn.Module):
             # this layer's e8m0 / e4m3 block scales widened on the way (DeepSpeed's zero_to_fp32 and
             # load_state_dict_from_zero_checkpoint turn every floating buffer to fp32): back, where that is exact
             back = scale.to(own.dtype)
-            scale = back if torch.equal(back.to(scale.dtype), scale) else scale
+            # compared in fp32, which holds every e8m0 / e4m3 value: fp16 flushes an e8m0 scale under 2**-24 to 0,
+            # which e8m0 (it has no 0) took as 2**-127, back in fp16 the same 0: that block's weights loaded as zeros
+            if not torch.equal(back.float(), scale.float()):
+                raise ValueError(_rounded(name, scale.dtype, f"where this layer's {own.dtype} scales were widened"))
+            scale = back
         if isinstance(scale, torch.Tensor) and scale.dtype in MICRO_SCALE_DTYPES:
             check_micro_scale(scale, "nvfp4" if scale.dtype == E4M3 else "mxfp8", N, K, name)
             return scale
@@ -185,9 +189,9 @@ class FP8WeightModule(nn.Module):
         if not exact or scale is None:
             return (f"{prefix}weight: {type(self).__name__} expects a float8_e4m3fn weight with its '{prefix}scale', "
                     f"got {w.dtype}; {self._float_weight_hint}")
-        own = self.scale.dtype
+        own = self.scale.dtype  # compared in fp32, as in _check_loaded_scale
         if scale.dtype == torch.float32 or scale.dtype in MICRO_SCALE_DTYPES or (
-                own in MICRO_SCALE_DTYPES and torch.equal(scale.to(own).to(scale.dtype), scale)):
+                own in MICRO_SCALE_DTYPES and torch.equal(scale.to(own).float(), scale.float())):
             return w.to(E4M3)
         return _rounded(f"{prefix}scale", scale.dtype, f"beside a float8_e4m3fn weight widened to {w.dtype}")
 
@@ -205,7 +209,8 @@ class FP8WeightModule(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(w, device=self.weight.device), requires_grad=False)
             g = state_dict.get(prefix + "global_scale")
             if g is not None and g.dtype != torch.float32:  # the uint8 weight is never widened: only this tells
-                error_msgs.append(_rounded(f"{prefix}global_scale", g.dtype, "beside a packed NVFP4 (uint8) weight"))
+                error_msgs.append(_rounded(f"{prefix}global_scale", g.dtype,
+                                           "beside a packed NVFP4 (uint8) weight, expected torch.float32"))
                 return
             self.global_scale = None if g is None else torch.empty((), dtype=torch.float32, device=self.weight.device)
         elif w is not None and w.dtype != E4M3:
@@ -230,10 +235,10 @@ class FP8WeightModule(nn.Module):
 
 
 def _rounded(key: str, dtype: torch.dtype, where: str) -> str:
-    """The load error for an fp32 scale `key` that came as `dtype` (rounded by a 16-bit conversion)."""
-    return (f"{key}: {dtype}, {where}, expected torch.float32: the checkpoint was converted with a 16-bit dtype "
-            f"(DeepSpeed's zero_to_fp32 / convert_zero_checkpoint_to_state_dict dtype=...), which rounded the fp32 "
-            f"scale; convert it again with dtype=torch.float32 (the default)")
+    """The load error for a scale `key` that came as `dtype`, rounded by a 16-bit conversion."""
+    return (f"{key}: {dtype}, {where}: the checkpoint was converted with a 16-bit dtype (DeepSpeed's zero_to_fp32 "
+            f"/ convert_zero_checkpoint_to_state_dict dtype=...), which rounded the scale; convert it again with "
+            f"dtype=torch.float32 (the default)")
 
 
 # While on (in this thread: `with scales_e8m0_as_bytes(): ...`), state_dict() lists an MXFP8 layer's e8m0 `scale` as

@@ -607,11 +607,13 @@ for dtype in (torch.float32, torch.bfloat16):
         "RESULT torch.float32 torch.float8_e4m3fn True", "RESULT torch.bfloat16 True True"], r.stdout
 
 
-def test_zero_to_fp32_bf16_refuses_an_nvfp4_layers_rounded_global_scale():
-    """zero_to_fp32 with dtype=torch.bfloat16 (its to_torch_tensor, which convert_zero_checkpoint_to_state_dict runs on
-    every shard) casts every floating tensor: an NVFP4 layer's packed uint8 weight is left as it is, so the widened-
-    weight refusal never fired, and its fp32 global_scale, rounded to bf16 (up to 2**-9 off, every weight of the
-    layer with it), loaded silently. Now refused, naming dtype=torch.float32; the fp32 conversion loads exactly."""
+def test_zero_to_fp32_16_bit_refuses_rounded_microscaled_scales():
+    """zero_to_fp32 with a 16-bit dtype (its to_torch_tensor, which convert_zero_checkpoint_to_state_dict runs on every
+    shard) casts every floating tensor. NVFP4: the packed uint8 weight is left as it is, so the widened-weight
+    refusal never fired, and the fp32 global_scale, rounded (bf16: up to 2**-9 off, every weight of the layer with
+    it), loaded silently. MXFP8 in fp16: an e8m0 block scale under 2**-24 flushed to 0, which e8m0 (it has no 0)
+    took as 2**-127, the same 0 back in fp16: the block loaded as zeros. Both refused now, naming dtype=torch.float32;
+    what bf16 holds exactly (e8m0) and the fp32 conversion load bit for bit."""
     _needs("deepspeed", "the conversion is DeepSpeed's")
     import subprocess
     import sys
@@ -621,20 +623,27 @@ def test_zero_to_fp32_bf16_refuses_an_nvfp4_layers_rounded_global_scale():
     job = """
 import torch, dorafp8
 from deepspeed.utils.zero_to_fp32 import to_torch_tensor
-from dorafp8.quant import quantize_nvfp4
-def layer(seed):
+from dorafp8.quant import quantize_mxfp8, quantize_nvfp4
+def layer(kind, seed):
     torch.manual_seed(seed)
-    w8, sc, g = quantize_nvfp4(torch.randn(64, 64))
-    return dorafp8.FP8Linear.from_fp8(w8, sc, None, backend="reference", global_scale=g)
-saved = layer(0)
-for dtype in (torch.float32, torch.bfloat16):
-    sd, fresh = to_torch_tensor(saved.state_dict(), dtype=dtype), layer(1)
-    try:
-        fresh.load_state_dict(sd)
-        print("RESULT", sd["global_scale"].dtype, torch.equal(fresh.global_scale, saved.global_scale))
-    except RuntimeError as e:
-        print("RESULT", sd["global_scale"].dtype, "global_scale: torch.bfloat16" in str(e),
-              "dtype=torch.float32" in str(e))
+    w = torch.randn(64, 64)
+    w[:8] *= 1e-7  # MXFP8 blocks whose e8m0 scale is under fp16's smallest subnormal (2**-24)
+    if kind == "nvfp4":
+        w8, sc, g = quantize_nvfp4(w)
+        return dorafp8.FP8Linear.from_fp8(w8, sc, None, backend="reference", global_scale=g)
+    return dorafp8.FP8Linear.from_fp8(*quantize_mxfp8(w), None, backend="reference")
+def same(a, b):
+    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+               for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+for kind in ("nvfp4", "mxfp8"):
+    saved = layer(kind, 0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        sd, fresh = to_torch_tensor(saved.state_dict(), dtype=dtype), layer(kind, 1)
+        try:
+            fresh.load_state_dict(sd)
+            print("RESULT", kind, dtype, "loaded", same(fresh, saved))
+        except RuntimeError as e:
+            print("RESULT", kind, dtype, "refused", str(dtype) in str(e) and "dtype=torch.float32" in str(e))
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
@@ -642,7 +651,9 @@ for dtype in (torch.float32, torch.bfloat16):
                        timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [
-        "RESULT torch.float32 True", "RESULT torch.bfloat16 True True"], r.stdout
+        "RESULT nvfp4 torch.float32 loaded True", "RESULT nvfp4 torch.bfloat16 refused True",
+        "RESULT nvfp4 torch.float16 refused True", "RESULT mxfp8 torch.float32 loaded True",
+        "RESULT mxfp8 torch.bfloat16 loaded True", "RESULT mxfp8 torch.float16 refused True"], r.stdout
 
 
 def test_deepspeed_broadcast_sends_each_layers_scales_where_it_sends_the_weight():
