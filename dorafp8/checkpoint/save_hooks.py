@@ -85,7 +85,7 @@ def _model_holding(model: nn.Module, state_dict: dict) -> nn.Module:
             return memo[id(mod)]
         cls = type(mod)
         if fsdp is not None and issubclass(cls, fsdp):  # fully_shard's FSDP<cls>: cls again, as the writers tell
-            cls = cls.__mro__[cls._orig_cls_mro_index]  # nn.Linear by its type (an FSDPLinear lm_head was quantized)
+            cls = cls.__mro__[cls._orig_cls_mro_index]  # a plain module (emit.walk_model tells nn.Linear by isinstance)
         new = memo[id(mod)] = object.__new__(cls)  # not copy.copy: FSDP2's class __new__ calls __init__
         new.__dict__.update(mod.__dict__)
         new._parameters = {n: None if p is None else take(prefix + n, p) for n, p in mod._parameters.items()}
