@@ -299,6 +299,10 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read(path)
+        # no lock: a writer between this process's writes may have dropped a key of ours, written back here (else every
+        # later process checked it again: two processes writing 200 keys each in a loop lost a third of them)
+        for k, res in mine["keys"].items():
+            data["keys"].setdefault(k, res)
         data["keys"].setdefault(what, {}).update(keep)
         data["broken"].update(broken)
         data.update(device=_device_info(device), versions=_versions())

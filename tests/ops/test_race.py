@@ -1083,6 +1083,26 @@ def test_a_compiled_step_is_not_recompiled_for_every_token_count(race, used, mon
     assert set(used) == {"reference"}
 
 
+def test_a_key_another_writer_dropped_is_written_back(race):
+    """The file has no lock: another process that read it before this one's write, and wrote after, dropped this
+    one's key, and every later process checked it again. This process's next write puts it back. Failed on the old
+    code (the first key stayed lost)."""
+    _step(40)
+    path = _race.cache_file(CPU)
+    (first,) = _verdicts(race)["keys"]
+    other = json.loads(open(path).read())
+    other["keys"] = {"another process's key": {"native": {"ok": True, "ms": 2.0}}}
+    with open(path, "w") as f:  # the other writer's file, read before this process wrote
+        json.dump(other, f)
+    _step(300)  # another key: written with what the file now holds
+    keys = _verdicts(race)["keys"]
+    assert first in keys and "another process's key" in keys and len(keys) == 3
+    _race.forget()  # the next process: both keys read, no child
+    _step(40)
+    _step(300)
+    assert children(race) == 2
+
+
 def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     """Entries of another shape in the verdict file (a hand edit, a damaged write, another tool's JSON) are dropped on
     reading: their key is checked again, and the step runs (before, a verdict that was not a dict raised in it)."""
