@@ -675,23 +675,9 @@ def test_race_step_where_no_candidate_runs(monkeypatch, tmp_path):
     records the static pick and no verdicts. It died with StopIteration looking for the key no child had written."""
     from dorafp8.backends import race as _race
 
-    monkeypatch.setenv("FIRST_CONTACT_SMOKE", "1")
-    monkeypatch.setenv("DORAFP8_RACE", "1")
-    monkeypatch.setenv("DORAFP8_CACHE_DIR", str(tmp_path / "race"))
-    monkeypatch.setitem(_race.RACERS, "cpu", ())
+    S = _step_module(monkeypatch, tmp_path)
     monkeypatch.setattr(_race, "_candidates", lambda *a: [])
-    import importlib
-
-    import _first_steps as S
-
-    S = importlib.reload(S)
-    monkeypatch.setattr(S, "RESULTS", str(tmp_path / "first_contact.json"))
-    _race.forget()
-    try:
-        assert S.race() == 0
-    finally:
-        _race.forget()
-    got = _results(tmp_path)["race"]["M=40"]
+    got = _race_step(S, tmp_path)
     assert got["pick"] == got["static"] == "native" and got["verdicts"] == {} and got["key"] is None
 
 
@@ -713,6 +699,18 @@ def _step_module(monkeypatch, tmp_path):
     return S
 
 
+def _race_step(S, tmp_path) -> dict:
+    """The race step's record of M=40, run in this process."""
+    from dorafp8.backends import race as _race
+
+    _race.forget()
+    try:
+        assert S.race() == 0
+    finally:
+        _race.forget()
+    return _results(tmp_path)["race"]["M=40"]
+
+
 def test_race_step_names_the_backend_the_call_ran_on_a_near_tie(monkeypatch, tmp_path):
     """Candidates within MARGIN: choose() takes the static pick first (cublas for a microscaled key on a GPU); the race
     step worked the pick out again from the verdicts in the racers' order, and named the other backend than the one
@@ -729,12 +727,7 @@ def test_race_step_names_the_backend_the_call_ran_on_a_near_tie(monkeypatch, tmp
                         if name in (None, "auto") and device.type == "cpu" else real(name, device, needs))
     ran, module = [], backends.module
     monkeypatch.setattr(backends, "module", lambda name: ran.append(name) or module(name))
-    _race.forget()
-    try:
-        assert S.race() == 0
-    finally:
-        _race.forget()
-    got = _results(tmp_path)["race"]["M=40"]
+    got = _race_step(S, tmp_path)
     assert set(got["verdicts"]) == {"native", "reference"} and set(ran) == {"reference"}
     assert got["pick"] == "reference"
 
