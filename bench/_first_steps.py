@@ -405,7 +405,9 @@ def race() -> int:
         # no key where no child ran: no candidate runs on this GPU (an A100: native), or a check would not fit
         what = next((k for k in keys if k.startswith("dora ") and f" M<={_race.bucket(M)} " in k), None)
         verdicts = keys.get(what, {})
-        pick = _race.pick_of(verdicts, [c for c in _race.RACERS[dev.type] if c in verdicts]) if what else static
+        # what this process ran, not the verdicts' pick again in the racers' order: choose() puts the static pick first,
+        # and on a near tie (within MARGIN) that order decides
+        pick = _race._PICKS.get((str(dev), what), static)
         put("race", f"M={M}", dict(key=what, pick=pick, verdicts=verdicts, static=static,
                                    ms={c: v.get("ms") for c, v in verdicts.items()}, first_call_s=first,
                                    later_call_s=later, race_cost_s=first - later))
@@ -427,6 +429,12 @@ def profile() -> int:
     (K, N), r, M = SIZE["shape"], SIZE["rank"], SIZE["profile"]
     acts = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
     for prov in PROFILED:
+        try:
+            P.check(prov, dev)
+        except P.Skip as e:  # an A100: no Triton, so none of them; the step went on to fail whole at the first
+            put("profile", prov, {"skipped": str(e)})
+            print(f"profile {prov}: skipped: {e}")
+            continue
         layer = P.build_layer(prov, K, N, r, "bf16", 0.0, dev)
         x = torch.randn(M, K, dtype=torch.bfloat16, device=dev).requires_grad_()
         dy = torch.randn(M, N, dtype=torch.bfloat16, device=dev)

@@ -220,6 +220,9 @@ def kernels_md(first: dict) -> str:
         prof = first.get("profile", {}).get(prov)
         if prof is None:
             continue
+        if "skipped" in prof:
+            out += [f"## {mode} ({prov}): not profiled: {prof['skipped']}", ""]
+            continue
         # the fast and the slow end of each prediction (one number where a file holds one)
         strategy = mode
         if model.get("layers") and prov != "dorafp8-cublas":  # a Triton GEMM's: the main loop the profile ran

@@ -8,6 +8,17 @@ import os
 
 import torch
 
+
+def _from_triton(e: BaseException) -> bool:
+    """Whether Triton raised `e`: a frame of its traceback in the triton package, or a name a triton module lacks."""
+    if getattr(getattr(e, "obj", None), "__name__", "").split(".")[0] == "triton":
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] != "triton":
+        tb = tb.tb_next
+    return tb is not None
+
+
 try:
     from ._common import arch_of, fp32_dots_exact_for, launch_observers, planning_for_gpu
     from .backward import backward_pass
@@ -17,7 +28,11 @@ try:
     from .weight_norm import weight_norm
 
     _IMPORT_ERROR = None
-except ImportError as e:  # triton missing or too old
+except Exception as e:  # triton missing or too old, or one whose import raises something else (a future Triton's
+    # AttributeError): the backend is then unavailable, saying why, and `import dorafp8` and its other backends run.
+    # An error of these modules' own code, that Triton played no part in, is raised as it is
+    if not isinstance(e, ImportError) and not _from_triton(e):
+        raise
     _IMPORT_ERROR = f"triton could not be imported ({type(e).__name__}: {e}); pip install 'triton>=3.6'"
 
     def _missing(*args, **kwargs):

@@ -3,7 +3,7 @@
 A key's verdicts come from a file per device and versions, else from a child process that checks every candidate
 against the reference and times those that pass; DORAFP8_RACE=0 turns it off. The protocol, its memory bound and
 its failure cases: docs/ARCHITECTURE.md, "dorafp8/backends/race.py".
-Long because the protocol is one unit: keys, the child's memory bound, the shared file and its locks, the picks."""
+Long because the protocol is one unit: keys, the child's memory bound, the shared file (no lock), the picks."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ ROOM = 4  # times tol: the tests allow 2 between a backend and the reference (do
 W8A8_REL = 2.0 ** -5
 
 _PICKS: dict[tuple, str] = {}  # in-process key -> pick
+_FAST: dict[tuple, tuple] = {}  # select()'s op, device, needs, M's bucket, switches, other arguments -> its _PICKS key
 _LAYERS: dict[tuple, str] = {}  # in-process key without M -> the pick of every M checked, or "" where they differ
 _FILES: dict[str, dict] = {}  # cache file path -> its contents, as read once and merged since
 _BUILD: list[str] = []
@@ -72,9 +73,21 @@ def racing(backend: str | None, device: torch.device) -> bool:
 
 
 def select(op: str, backend: str | None, device: torch.device, needs: frozenset, **call) -> str:
-    """The backend one call of `op` runs: `backend` / $DORAFP8_BACKEND, else racing()'s pick, else the static order."""
-    static = backends.resolve(backend, device, needs)
-    return choose(op, static, device, needs, **call) if racing(backend, device) else static
+    """The backend one call of `op` runs: `backend` / $DORAFP8_BACKEND, else racing()'s pick, else the static order.
+    A decided key's pick is found from the call's own arguments (_FAST): building its key and the static order took
+    ~45 us a call, a step's every layer and op (the static order asked for the GPU's capability each time)."""
+    if not racing(backend, device):
+        return backends.resolve(backend, device, needs)
+    if torch.compiler.is_compiling() or not call["M"]:  # as choose() takes them
+        return choose(op, backends.resolve(backend, device, needs), device, needs, **call)
+    fast = (op, device, needs, bucket(call["M"]), tuple(os.environ.get(k) for k in SWITCHES),
+            *(kv for kv in call.items() if kv[0] != "M"))
+    pick = _PICKS.get(_FAST.get(fast))
+    if pick is None:
+        pick = choose(op, backends.resolve(backend, device, needs), device, needs, **call)
+        if (key := (str(device), describe(spec_of(op, device, **call)))) in _PICKS:
+            _FAST[fast] = key
+    return pick
 
 
 TIMEOUT_S = 300.0  # what a child may take: a kernel that hangs is dropped on this GPU after it
@@ -286,6 +299,10 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read(path)
+        # no lock: a writer between this process's writes may have dropped a key of ours, written back here (else every
+        # later process checked it again: two processes writing 200 keys each in a loop lost a third of them)
+        for k, res in mine["keys"].items():
+            data["keys"].setdefault(k, res)
         data["keys"].setdefault(what, {}).update(keep)
         data["broken"].update(broken)
         data.update(device=_device_info(device), versions=_versions())
@@ -554,6 +571,7 @@ def _shared(path: str, what: str, resolve):
 def forget() -> None:
     """Drops the picks this process holds and the cache files it read (the files stay)."""
     _PICKS.clear()
+    _FAST.clear()
     _LAYERS.clear()
     _FILES.clear()
     _BUILD.clear()

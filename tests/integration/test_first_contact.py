@@ -675,21 +675,74 @@ def test_race_step_where_no_candidate_runs(monkeypatch, tmp_path):
     records the static pick and no verdicts. It died with StopIteration looking for the key no child had written."""
     from dorafp8.backends import race as _race
 
-    monkeypatch.setenv("FIRST_CONTACT_SMOKE", "1")
-    monkeypatch.setenv("DORAFP8_RACE", "1")
-    monkeypatch.setenv("DORAFP8_CACHE_DIR", str(tmp_path / "race"))
-    monkeypatch.setitem(_race.RACERS, "cpu", ())
+    S = _step_module(monkeypatch, tmp_path)
     monkeypatch.setattr(_race, "_candidates", lambda *a: [])
+    got = _race_step(S, tmp_path)
+    assert got["pick"] == got["static"] == "native" and got["verdicts"] == {} and got["key"] is None
+
+
+def _step_module(monkeypatch, tmp_path):
     import importlib
 
+    monkeypatch.setenv("FIRST_CONTACT_SMOKE", "1")
+    monkeypatch.setenv("FIRST_CONTACT_WORK", str(tmp_path))
+    from dorafp8.backends import race as _race
+
+    # what the race step sets, restored after the test
+    monkeypatch.setitem(_race.RACERS, "cpu", ())
+    for k in ("DORAFP8_RACE", "DORAFP8_CACHE_DIR"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
     import _first_steps as S
 
     S = importlib.reload(S)
     monkeypatch.setattr(S, "RESULTS", str(tmp_path / "first_contact.json"))
+    return S
+
+
+def _race_step(S, tmp_path) -> dict:
+    """The race step's record of M=40, run in this process."""
+    from dorafp8.backends import race as _race
+
     _race.forget()
     try:
         assert S.race() == 0
     finally:
         _race.forget()
-    got = _results(tmp_path)["race"]["M=40"]
-    assert got["pick"] == got["static"] == "native" and got["verdicts"] == {} and got["key"] is None
+    return _results(tmp_path)["race"]["M=40"]
+
+
+def test_race_step_names_the_backend_the_call_ran_on_a_near_tie(monkeypatch, tmp_path):
+    """Candidates within MARGIN: choose() takes the static pick first (cublas for a microscaled key on a GPU); the race
+    step worked the pick out again from the verdicts in the racers' order, and named the other backend than the one
+    the call ran. Now it reads the process's own pick. Failed on the old code (it said native)."""
+    from dorafp8 import backends
+    from dorafp8.backends import race as _race
+
+    S = _step_module(monkeypatch, tmp_path)
+    code = ("import json, sys; spec = json.loads(sys.argv[1]); ms = {'native': 1.0, 'reference': 1.02}; "
+            "print('dorafp8-race result ' + json.dumps({c: {'ok': True, 'ms': ms[c]} for c in spec['cands']}))")
+    monkeypatch.setattr(_race, "CHILD", [sys.executable, "-c", code])
+    real = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda name, device, needs=frozenset(): "reference"
+                        if name in (None, "auto") and device.type == "cpu" else real(name, device, needs))
+    ran, module = [], backends.module
+    monkeypatch.setattr(backends, "module", lambda name: ran.append(name) or module(name))
+    got = _race_step(S, tmp_path)
+    assert set(got["verdicts"]) == {"native", "reference"} and set(ran) == {"reference"}
+    assert got["pick"] == "reference"
+
+
+def test_profile_step_skips_a_backend_this_gpu_lacks_and_profiles_the_rest(monkeypatch, tmp_path):
+    """An A100 runs no Triton kernel: the profile step failed whole at its first layer (a Skip out of build_layer), the
+    ones after it not profiled. Now each such layer is recorded as skipped, with why, kernels.md says so, and the next
+    runs. Failed on the old code (the step raised)."""
+    import save_results as SR
+
+    S = _step_module(monkeypatch, tmp_path)
+    monkeypatch.setattr(S, "PROFILED", ("dorafp8-cuda", "dorafp8-reference"))  # the CPU lacks the CUDA backend
+    assert S.profile() == 0
+    got = _results(tmp_path)
+    assert "CUDA devices only" in got["profile"]["dorafp8-cuda"]["skipped"]
+    assert got["profile"]["dorafp8-reference"]["kernels"]
+    first = dict(got, profile={"dorafp8-cublas": got["profile"]["dorafp8-cuda"]})
+    assert "dorafp8-cublas): not profiled: " in SR.kernels_md(first)

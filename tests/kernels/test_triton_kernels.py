@@ -651,3 +651,38 @@ def test_a_launch_runs_on_its_tensors_gpu(monkeypatch):
     for first in (on1, on0, torch.empty(4)):
         _common.launch(Kernel(), (1,))(first, 3, on0, BLOCK=16)
     assert seen == [1, 0, 0] and current[0] == 0
+
+
+def test_a_triton_whose_import_raises_no_import_error_leaves_dorafp8_importable(tmp_path):
+    """A Triton whose import raises something else (a future one's AttributeError): the backend is unavailable, saying
+    it, and dorafp8 imports, with its kernels module and the launch counter; before, the AttributeError went through
+    `import dorafp8.triton_kernels`: first_contact's env step stopped with "cannot import dorafp8"."""
+    import subprocess
+    import sys
+
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text(
+        "__version__ = '9.0.0'\nraise AttributeError(\"module 'triton.backends' has no attribute 'compiler'\")\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import torch, dorafp8, dorafp8._launches, dorafp8.triton_kernels as tk; from dorafp8 import backends; "
+            "print(tk.unavailable_reason(torch.device('cuda'))); print(backends.resolve('auto', torch.device('cpu')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    why, auto = proc.stdout.strip().splitlines()[-2:]
+    assert why.startswith("triton could not be imported (AttributeError: module 'triton.backends' has no attribute")
+    assert auto == "native"
+
+
+def test_an_error_of_the_kernels_own_code_is_not_taken_for_a_missing_triton():
+    """Only what Triton raised makes the backend unavailable: a bug of these modules' own code is raised as it is."""
+    def raised(fn):
+        try:
+            fn()
+        except Exception as e:
+            return e
+
+    assert tk._from_triton(AttributeError("no", name="x", obj=tl))  # a name a triton module lacks
+    assert tk._from_triton(raised(lambda: triton.cdiv("a", 1)))  # raised in Triton's own code
+    assert not tk._from_triton(raised(lambda: sum_parts.no_such_name))
+    assert not tk._from_triton(raised(lambda: 1 // 0))

@@ -193,6 +193,37 @@ def test_ties_go_to_the_static_pick(race, monkeypatch, static):
     assert _race.choose("dora", static, CPU, frozenset({"nvfp4"}), **call) == static
 
 
+def test_a_decided_key_is_found_from_the_calls_arguments(race, monkeypatch):
+    """A decided key's call builds neither its key nor the static order (~45 us a call, each layer's every op, the
+    static order asking for the GPU's capability each time): before, every call did both. What changes the pick
+    still does: another M bucket, a switch, DORAFP8_RACE=0, $DORAFP8_BACKEND, a switch's typo (refused)."""
+    call = dict(N=N, K=K, M=40, r=r, bias=False, scale="tensor", block=128, cdt=torch.bfloat16, rdt=torch.bfloat16,
+                p=0.0, act_quant="")
+    select = lambda **kw: _race.select("dora", None, CPU, frozenset(), **dict(call, **kw))  # noqa: E731
+    assert select() == "native" and children(race) == 1
+    made, real_resolve, real_spec = [], backends.resolve, _race.spec_of
+    monkeypatch.setattr(backends, "resolve", lambda *a, **k: made.append("resolve") or real_resolve(*a, **k))
+    monkeypatch.setattr(_race, "spec_of", lambda *a, **k: made.append("spec") or real_spec(*a, **k))
+    assert [select(M=m) for m in (40, 33, 64)] == ["native"] * 3 and made == [] and children(race) == 1
+    _race._PICKS[("cpu", _race.describe(real_spec("dora", CPU, **call)))] = "reference"  # the pick itself is read
+    assert select() == "reference"
+    assert select(M=65) == "native" and children(race) == 2 and made  # a new bucket: checked
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "1")
+    assert select() == "native" and children(race) == 3  # a switch: another key
+    monkeypatch.setenv("DORAFP8_HOPPER_GEMM", "yes")
+    with pytest.raises(ValueError, match="DORAFP8_HOPPER_GEMM must be 0"):
+        select()
+    monkeypatch.delenv("DORAFP8_HOPPER_GEMM")
+    monkeypatch.setenv("DORAFP8_BACKEND", "reference")
+    assert select() == "reference"
+    monkeypatch.delenv("DORAFP8_BACKEND")
+    monkeypatch.setenv("DORAFP8_RACE", "0")
+    assert select() == "native"  # the static order (the CPU's), not the key's planted pick
+    monkeypatch.setenv("DORAFP8_RACE", "1")
+    _race.forget()  # the picks dropped: read from the file again, not from what select() found before
+    assert select() == "native" and children(race) == 3
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
 def test_the_child_builds_inputs_of_the_keys_kind(kind):
     """The child's inputs for a microscaled key are of that kind (its recipe's bytes, scales and global scale): with a
@@ -1050,6 +1081,26 @@ def test_a_compiled_step_is_not_recompiled_for_every_token_count(race, used, mon
         step(torch.randn(tokens, K)).backward()
     assert 1 <= len(frames) <= 2 and children(race) == 2, f"{len(frames)} compilations for 10 token counts"
     assert set(used) == {"reference"}
+
+
+def test_a_key_another_writer_dropped_is_written_back(race):
+    """The file has no lock: another process that read it before this one's write, and wrote after, dropped this
+    one's key, and every later process checked it again. This process's next write puts it back. Failed on the old
+    code (the first key stayed lost)."""
+    _step(40)
+    path = _race.cache_file(CPU)
+    (first,) = _verdicts(race)["keys"]
+    other = json.loads(open(path).read())
+    other["keys"] = {"another process's key": {"native": {"ok": True, "ms": 2.0}}}
+    with open(path, "w") as f:  # the other writer's file, read before this process wrote
+        json.dump(other, f)
+    _step(300)  # another key: written with what the file now holds
+    keys = _verdicts(race)["keys"]
+    assert first in keys and "another process's key" in keys and len(keys) == 3
+    _race.forget()  # the next process: both keys read, no child
+    _step(40)
+    _step(300)
+    assert children(race) == 2
 
 
 def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
