@@ -376,8 +376,9 @@ def test_quantize_leaves_a_container_head_dense_for_peft_to_train(monkeypatch):
 
 _DEQUANTIZED_LOAD = """
 import sys, transformers
+as_llamafactory = transformers.FineGrainedFP8Config(dequantize=True)
 m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], ignore_mismatched_sizes=True,
-                                                      quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
+                                                      quantization_config=as_llamafactory)
 print("q_proj:", type(m.model.layers[0].self_attn.q_proj).__name__)
 """
 
