@@ -155,9 +155,24 @@ def _hook_loads(quantize: bool) -> None:
     it never asks for); diffusers' under --quantize. save_hooks' from_pretrained wrapper calls them."""
     from .checkpoint import save_hooks
 
-    save_hooks.LOAD_HOOKS["PreTrainedModel"] = (_modelopt_load, _on_load)
+    save_hooks.LOAD_HOOKS["PreTrainedModel"] = (_before_load, _on_load)
     if quantize:
         save_hooks.LOAD_HOOKS["ModelMixin"] = (None, _on_load)
+
+
+def _before_load(klass, args, kwargs):
+    """Says when the caller asks transformers to dequantize a quantized checkpoint (LLaMA-Factory does for every fp8
+    one: FineGrainedFP8Config(dequantize=True)), which leaves dorafp8 nothing to hold; then _modelopt_load."""
+    qc = kwargs.get("quantization_config")
+    qd = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else {})
+    if qd.get("dequantize"):
+        then = ("--quantize puts the dense weights in fp8 again, one scale per tensor: not the file's bytes and "
+                "scales" if _STATE["options"].get("quantize") else "the model stays dense")
+        print(f"dorafp8 run: {klass.__name__}.from_pretrained(quantization_config=... quant_method="
+              f"{qd.get('quant_method')!r}, dequantize=True): transformers dequantizes the checkpoint while it "
+              f"loads, so dorafp8 cannot hold its fp8 weights; {then}. To keep them, build the model on the meta "
+              f"device and call dorafp8.load_fp8_checkpoint (docs/TRAINERS.md)", file=sys.stderr)
+    return _modelopt_load(klass, args, kwargs)
 
 
 def _modelopt_load(klass, args, kwargs):

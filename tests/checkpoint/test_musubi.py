@@ -10,8 +10,9 @@ code). What it writes, per targeted `<layer>.weight`:
     a 0-dim tensor in "tensor" mode and for weights that are not 2-D ([1] in versions before its block mode);
   - scale = amax / 448 over what it covers, clamped to >= 1e-8, computed in fp32; weight = (w / scale), NaN -> 0,
     clamped to +-448, cast to e4m3.
-No `scaled_fp8` marker (that is ComfyUI's). The dequantized weight (fp8_linear_forward_patch) is
-weight.to(scale.dtype) * scale, the scale broadcast over its block.
+No `scaled_fp8` marker (that is ComfyUI's). musubi's forward (fp8_linear_forward_patch) computes with
+weight.to(scale.dtype) * scale, the scale broadcast over its block, in the scale's dtype: a bf16 file's product is
+rounded to bf16 there (musubi_forward_weight). dorafp8 holds the exact product (file_values) in fp32.
 """
 
 import os
@@ -80,12 +81,21 @@ def optimize_state_dict_with_fp8(state_dict, target_layer_keys=None, exclude_lay
 
 
 def musubi_dequantized(w8, scale):
-    """fp8_linear_forward_patch's weight, in fp64 (exact: e4m3 times a bf16/fp32 scale)."""
+    """The file's values: e4m3 times its bf16/fp32 scale, exact in fp64. Not musubi's forward weight, which rounds
+    this product to the scale's dtype (musubi_forward_weight)."""
     w = w8.double()
     if scale.dim() < 3:
         return w * scale.double()
     n, blocks, _ = scale.shape
     return (w.view(n, blocks, -1) * scale.double()).view(w8.shape)
+
+
+def musubi_forward_weight(w8, scale):
+    """fp8_linear_forward_patch's dequantized weight (musubi 30c658c, use_scaled_mm False), line for line."""
+    if scale.ndim < 3:
+        return w8.to(scale.dtype) * scale
+    out_features, num_blocks, _ = scale.shape
+    return (w8.to(scale.dtype).contiguous().view(out_features, num_blocks, -1) * scale).view(w8.shape)
 
 
 # ---- a small DiT-like model ----------------------------------------------------------------------------------------
@@ -191,9 +201,26 @@ def test_loads_musubi_bytes_and_scales(tmp_path):
     assert type(model.embed) is nn.Linear and torch.equal(model.embed.weight, sd["embed.weight"])
 
 
+def test_kept_layers_hold_the_exact_product_that_musubi_rounds_to_bf16(tmp_path):
+    """musubi computes a bf16 file's layer with e4m3 * scale rounded to bf16 (its fp8_linear_forward_patch); dorafp8
+    holds that product exactly (fp32), and in bf16 it is musubi's weight bit for bit. The two differ by at most half
+    a bf16 step per element: what "load exactly" means for a musubi file is the file's values, not musubi's."""
+    p = str(tmp_path / "m.safetensors")
+    sd = write_musubi(p)
+    model, _, _ = _load(p, backend="reference")
+    for name in EXACT:
+        w8, s = sd[name + ".weight"], sd[name + ".scale_weight"]
+        theirs, exact = musubi_forward_weight(w8, s), musubi_dequantized(w8, s)
+        assert theirs.dtype == torch.bfloat16 and not torch.equal(theirs.double(), exact), name  # musubi rounds
+        layer = model.get_submodule(name)
+        assert torch.equal(layer.dequantize(torch.float32).double(), exact), name
+        assert torch.equal(layer.dequantize(torch.bfloat16), theirs), name
+        assert bool(((theirs.double() - exact).abs() <= exact.abs() * 2 ** -8).all()), name  # bf16: 8 bits
+
+
 def test_layer_outputs_are_musubis_dequantized_weights(tmp_path):
-    """A layer kept as it is computes musubi's dequantized weight's product; one re-quantized computes its per-row
-    weight's (fp32 reference backend, against fp64)."""
+    """A layer kept as it is computes with the file's exact values (musubi_dequantized); one re-quantized computes
+    its per-row weight's (fp32 reference backend, against fp64)."""
     p = str(tmp_path / "m.safetensors")
     sd = write_musubi(p)
     model, _, _ = _load(p, backend="reference", dtype=torch.float32)

@@ -372,3 +372,31 @@ def test_quantize_leaves_a_container_head_dense_for_peft_to_train(monkeypatch):
     pm = get_peft_model(model, LoraConfig(r=4, use_dora=True, target_modules=["query", "value"], task_type="SEQ_CLS"))
     pm(input_ids=torch.tensor([[1, 4, 5, 6]]), labels=torch.tensor([2])).loss.backward()
     assert pm.base_model.model.classifier.modules_to_save["default"].out_proj.weight.grad is not None
+
+
+_DEQUANTIZED_LOAD = """
+import sys, transformers
+as_llamafactory = transformers.FineGrainedFP8Config(dequantize=True)
+m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], ignore_mismatched_sizes=True,
+                                                      quantization_config=as_llamafactory)
+print("q_proj:", type(m.model.layers[0].self_attn.q_proj).__name__)
+"""
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_the_launcher_says_when_a_load_dequantizes_an_fp8_checkpoint(tmp_path, quantize):
+    """LLaMA-Factory loads every fp8 checkpoint with FineGrainedFP8Config(dequantize=True) (0.9.5, model_utils/
+    quantization.py): transformers dequantizes it, and `dorafp8 run --quantize` silently put the dense weights back in
+    fp8 one scale per tensor (2.2% from the file's block-scaled weights here), or, without --quantize, the model
+    trained dense without a word. Now the run says so on that load, naming load_fp8_checkpoint."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    dorafp8.quantize_model(model, block_size=128, verbose=False)
+    dorafp8.save_fp8_checkpoint(model, str(tmp_path / "fg"), format="fine-grained", verbose=False)
+    out = _run([sys.executable, "-m", "dorafp8", "run", *(["--quantize"] if quantize else []), "--", "python", "-c",
+                _DEQUANTIZED_LOAD, str(tmp_path / "fg")], str(tmp_path))
+    assert ("q_proj: FP8Linear" if quantize else "q_proj: Linear") in out, out
+    said = [x for x in out.splitlines() if "dequantize=True" in x]
+    assert len(said) == 1 and "LlamaForCausalLM.from_pretrained" in said[0] and "load_fp8_checkpoint" in said[0], out
+    assert ("one scale per tensor" if quantize else "the model stays dense") in said[0], said
