@@ -70,36 +70,48 @@ STEPS = {
                          "(sm_90a compiles, 16 processes); the launchers run those configs alone",
              compiles="the headline forward and dgrad GEMMs' configs, W8A16 and W8A8, both main loops (sm_90a, ahead "
                       "of time, 16 processes: about 4-5 s each)"),
-        # 65 s: the first GPU run's took 19.4 s (five processes, its pins step failed: the launchers autotuned)
-        Step("correct", 65, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
+        # 45 s: the H200's took 26.1 s (five processes, pinned), the first GPU run's 19.4 s (its launchers autotuned)
+        Step("correct", 45, "y, dx, dA, dB, dm against fp64 on the GPU: W8A16, W8A8, the cuBLAS strategy, "
                              "N = K = 4096, M 1024 and 1000, bf16 x, fp32 adapters; the Triton GEMMs in both main "
                              "loops (the default cp.async one, and on sm_90 the opt-in tma-ws one, "
                              "DORAFP8_HOPPER_GEMM=1); five processes",
              compiles="about 10 per Triton job (pinned: one config per launcher and variant), 4 for cuBLAS's"),
         Step("time", 45, "forward + backward, M 8192, 1024, then 256 while time is left (_cases.FIRST_CASES)",
              grows=True, compiles="none new (the correct step's kernels, Triton's disk cache)"),
-        Step("race", 40, "backend='auto' at M 8192: its first call checks and times the candidates in a child "
+        # 50 s: the H200's first call (two keys' checks in children) was past its 40 s cap; the rest of the first
+        # call's cost is written per key as each ends
+        Step("race", 50, "backend='auto' at M 8192: its first call checks and times the candidates in a child "
                          "process (dorafp8/backends/race.py); the verdicts, the pick and what that first call cost",
              compiles="the child's: the correct step's kernels again at M 8192 and 37 (Triton's disk cache)"),
         Step("profile", 25, "torch.profiler per kernel: W8A16, W8A8 and the cuBLAS strategy, forward + backward at "
                             "M 8192",
              compiles="none new"),
-        Step("host", 25, "where a call's time goes, at M 256 and 8192: wall time synced each call, the host's "
+        # 35 s: the H200's had written its 8 rows within its 25 s cap and was killed there while exiting (now out at
+        # once: first_contact.main); the rows took about 24 s of it
+        Step("host", 35, "where a call's time goes, at M 256 and 8192: wall time synced each call, the host's "
                          "enqueue time, the GPU's (torch.profiler) and its launches, the host's time in Triton's "
                          "launch path; dorafp8-triton, dorafp8-cublas, PEFT DoRA, the bf16 Linear",
              compiles="none new"),
     ),
     "more": (
-        Step("env", 40, "as in command 1"),
+        # 30 s: this command's took 23.2 s on the H200 (a whole record lets the steps go on past the cap)
+        Step("env", 30, "as in command 1"),
+        # 150 s: the H200's took 134.3 s beside the tests' 12 processes
         Step("build", 150, "the CUDA extension for this GPU (setup.py build_ext --inplace)", background=True, gpu=True,
              compiles="nvcc: the extension's translation units for this GPU's arch"),
+        # 150 s: the whole of tests/kernels takes ~430 s (H200, 16 processes): the files in an order of value
+        # (_first_steps.KERNEL_TESTS), each failure recorded as it comes
         Step("tests", 150, "pytest tests/kernels on the GPU (but test_cuda.py and the CPU emulator's), 12 processes",
              compiles="every kernel variant the tests meet, pinned configs"),
-        Step("tests-cuda", 35, "pytest tests/kernels/test_cuda.py, DORAFP8_REQUIRE_CUDA_EXT=1", after="build",
+        # 45 s: the H200's (8 processes importing torch and the extension) was past its cap of 35
+        Step("tests-cuda", 45, "pytest tests/kernels/test_cuda.py, DORAFP8_REQUIRE_CUDA_EXT=1", after="build",
              gpu=True),
-        Step("sanitizer", 40, "compute-sanitizer memcheck on a ragged fp16 shape of the Triton and CUDA kernels",
+        # 50 s: the H200's halves were past their 10 s shares of 40 (the CUDA one by its exit, the Triton one at
+        # its second test): the CUDA one first with at most 15 s, the Triton one the rest
+        Step("sanitizer", 50, "compute-sanitizer memcheck on a ragged fp16 shape of the Triton and CUDA kernels",
              gpu=True, compiles="the ragged fp16 variants under the sanitizer"),
-        Step("grid", 20, "the rest: dropout, the autotuned configs, the CUDA backend", grows=True,
+        # 10 s: it takes what is left (48.7 s on the H200, cut in the autotuning all the same)
+        Step("grid", 10, "the rest: dropout, the autotuned configs, the CUDA backend", grows=True,
              compiles="the autotuned lists (no pins): the most of any step; it stops at its cap"),
     ),
 }
@@ -249,7 +261,13 @@ def main(argv=None) -> int:
 
             with open(args.pins) as f:
                 pin_configs(json.load(f))
-        return _first_steps.run(args.step, args.job)
+        rc = _first_steps.run(args.step, args.job)
+        # Out at once, its results written: the H200's host step had printed all its rows and was killed at its cap
+        # while the interpreter exited (rc -2: SIGINT after Python's handler was gone, in CUDA's and the profiler's
+        # teardown), and a cold H200's env step likewise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     return run_command("more" if args.more else "first", args.smoke)
 
 
@@ -336,7 +354,8 @@ def _run_steps(command: str, smoke: bool, t0: float, out: str, results: str, wor
                 note["waited_for"] = f"{step.after}: stopped, past its cap or this step's start"
             cap = min(cap, deadline - time.monotonic() - later)
         print(f"== {step.name} (cap {cap:.0f} s)", file=log, flush=True)
-        env = dict(child_env(work, results, smoke, step), FIRST_CONTACT_CAP_S=str(round(cap)))
+        env = dict(child_env(work, results, smoke, step), FIRST_CONTACT_CAP_S=str(round(cap)),
+                   FIRST_CONTACT_STARTED=f"{time.time():.3f}")
         jobs = ("w8a16", "w8a8") + (() if smoke else ("cublas", "w8a16-ws", "w8a8-ws")) if step.name == "correct" \
             else (None,)
         procs = [start(step, job, env, log) for job in jobs]

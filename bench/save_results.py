@@ -215,6 +215,8 @@ def kernels_md(first: dict) -> str:
         out += [f"No model for this GPU: {model.get('skipped', 'the pins step did not run')}.", ""]
     if "layers_error" in model:
         out += [f"No predicted times per kernel: the headline's dry runs failed ({model['layers_error']}).", ""]
+    if "layers_cut" in model:
+        out += [f"Not predicted: {model['layers_cut']}.", ""]
     for prov, mode in (("dorafp8-triton", "W8A16"), ("dorafp8-triton-w8a8", "W8A8"),
                        ("dorafp8-cublas", "dequantize + cuBLAS")):
         prof = first.get("profile", {}).get(prov)

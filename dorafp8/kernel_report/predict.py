@@ -405,10 +405,11 @@ def dry_run_device() -> str:
                        f"here: {why}")
 
 
-def launches_subprocess(names=None, small=()) -> dict[str, list]:
+def launches_subprocess(names=None, small=(), timeout=None) -> dict[str, list]:
     """{strategy: strategy_launches(strategy)} from a fresh interpreter, on dry_run_device(): with TRITON_INTERPRET=1
     (which the report's own processes must not set) on CPU, without it on a GPU; PEFT's DoRA where peft is installed.
-    small: (strategy, M) pairs, keyed "strategy @ M"."""
+    small: (strategy, M) pairs, keyed "strategy @ M". The child prints each strategy's line as it finishes: past
+    `timeout` seconds it is killed and the strategies it finished are returned (the caller sees which are missing)."""
     import importlib.util
     import subprocess
     import sys
@@ -417,16 +418,32 @@ def launches_subprocess(names=None, small=()) -> dict[str, list]:
     if "PEFT DoRA" in names and importlib.util.find_spec("peft") is None:
         names.remove("PEFT DoRA")
     dev = dry_run_device()
-    code = ("import json, sys; from dorafp8.kernel_report.predict import strategy_launches as s; "
-            f"d = {{n: s(n, None, {dev!r}) for n in {names!r}}}; "
-            f"d.update({{f'{{n}} @ {{m}}': s(n, m, {dev!r}) for n, m in {list(small)!r}}}); print(json.dumps(d))")
+    code = ("import json, sys; from dorafp8.kernel_report.predict import strategy_launches as s\n"
+            f"for n in {names!r}: print(json.dumps({{n: s(n, None, {dev!r})}}), flush=True)\n"
+            f"for n, m in {list(small)!r}: print(json.dumps({{f'{{n}} @ {{m}}': s(n, m, {dev!r})}}), flush=True)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     if dev != "cpu":
         env.pop("TRITON_INTERPRET")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # POSIX: what it printed before the kill, as bytes
+        out = e.stdout or b""
+        return _launch_lines(out.decode(errors="replace") if isinstance(out, bytes) else out)
     if done.returncode:
         raise RuntimeError(f"the headline dry runs failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _launch_lines(done.stdout)
+
+
+def _launch_lines(stdout: str) -> dict[str, list]:
+    """launches_subprocess's child's lines, one JSON object each, merged (other lines, a library's prints, skipped)."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                out.update(json.loads(line))
+            except ValueError:  # a line cut by the kill
+                pass
+    return out
 
 
 def layer_table(records: list[dict], launches: dict[str, list]) -> list[dict]:

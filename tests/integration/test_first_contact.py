@@ -136,7 +136,7 @@ def _pins_step(monkeypatch, tmp_path, launches):
     import dorafp8.kernel_report as kr
     from dorafp8.kernel_report import predict as pr
 
-    def dry_runs(names=None, small=()):
+    def dry_runs(names=None, small=(), timeout=None):
         if isinstance(launches, Exception):
             raise launches
         return launches
@@ -185,6 +185,50 @@ def test_pins_step_predictions_reach_kernels_md(monkeypatch, tmp_path):
     assert "| dora_fwd_kernel | 1 | 500.0 | 400.0-500.0 | 1.00-1.25x |" in text, text
     assert pieces[0] == pieces[1]  # bytes at HBM's one rate: one number, the two launches summed
     assert f"| rank_pieces_kernel | 2 | 9.0 | {pieces[0]:.1f} | {9.0 / pieces[0]:.2f}x |" in text, text
+
+
+def test_pins_step_keeps_the_dry_runs_that_finished(monkeypatch, tmp_path):
+    """The H200's pins step: its compiles took 23.8 s of its 45 s cap, its dry runs' child ran past the cap and every
+    layer prediction was lost with them. Now the child has the cap's rest, and what it finished is kept, the rest
+    named. Failed on the old code (no timeout given, nothing said of what was cut)."""
+    import save_results as SR
+
+    import _first_steps as S
+    from dorafp8.kernel_report import predict as pr
+
+    monkeypatch.setattr(S, "CAP_S", 45.0)
+    monkeypatch.setattr(S, "STARTED", time.time() - 30)  # 15 s of the cap left
+    asked = {}
+    monkeypatch.setattr(pr, "layer_table", lambda records, lcs: [dict(name=n) for n in lcs])
+    first = _pins_step(monkeypatch, tmp_path, {})  # the child killed before its first strategy's line
+    assert "layers_error" not in first["model"] and first["model"]["layers"] == {}
+    assert "W8A16, cp.async loop" in first["model"]["layers_cut"] and "of the step's 45 s cap" in \
+        first["model"]["layers_cut"]
+    assert "Not predicted: ['W8A16, cp.async loop']" in SR.kernels_md(first)
+
+    def dry_runs(names=None, small=(), timeout=None):
+        asked["timeout"] = timeout
+        return {}
+
+    monkeypatch.setattr(pr, "launches_subprocess", dry_runs)
+    S.pins()
+    assert 0 < asked["timeout"] <= 15
+
+
+def test_dry_runs_past_their_timeout_give_the_strategies_they_finished(monkeypatch):
+    """launches_subprocess(timeout=): the child prints a line per strategy as it ends; killed at the timeout, the
+    ones before the kill are returned. Failed on the old code (no timeout; one line printed at the end)."""
+    from dorafp8.kernel_report import predict as pr
+
+    calls = []
+
+    def child(argv, **kwargs):
+        calls.append(kwargs.get("timeout"))
+        raise subprocess.TimeoutExpired(argv, kwargs["timeout"], output=b'{"W8A16": []}\n{"W8A8": [{"na')
+
+    monkeypatch.setattr(pr, "dry_run_device", lambda: "cpu")
+    monkeypatch.setattr(subprocess, "run", child)
+    assert pr.launches_subprocess(["W8A16", "W8A8"], timeout=7.5) == {"W8A16": []} and calls == [7.5]
 
 
 def test_kernels_md_predictions_are_the_profiled_main_loops():
@@ -730,6 +774,76 @@ def test_race_step_names_the_backend_the_call_ran_on_a_near_tie(monkeypatch, tmp
     got = _race_step(S, tmp_path)
     assert set(got["verdicts"]) == {"native", "reference"} and set(ran) == {"reference"}
     assert got["pick"] == "reference"
+
+
+def test_race_step_cut_in_the_layers_first_call_keeps_what_the_norms_cost(monkeypatch, tmp_path):
+    """The H200's race step was stopped at its cap (SIGINT: KeyboardInterrupt in the step) within the first call and
+    recorded nothing. Now the norm's first call (its key's check) is written as it ends, and the cut says where and
+    after how long. Failed on the old code (no race record)."""
+    import dorafp8
+
+    S = _step_module(monkeypatch, tmp_path)
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dorafp8, "dora_fp8_linear", cut)
+    from dorafp8.backends import race as _race
+
+    _race.forget()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            S.race()
+    finally:
+        _race.forget()
+    got = _results(tmp_path)["race"]["M=40"]
+    norm = got["first_call_parts"]["norm"]
+    assert norm["seconds"] > 0 and [k.split()[0] for k in norm["keys"]] == ["norm"], norm
+    assert "layer" not in got["first_call_parts"] and got["cut"].startswith("in the layer's first call, after ")
+
+
+def test_a_pytest_killed_at_its_cap_keeps_the_failures_it_had_shown(monkeypatch, tmp_path):
+    """The H200's tests step: pytest -q -n 12 killed at its cap (SIGINT, then SIGKILL: no summary) showed ~40
+    failures as 'F' alone and the step recorded none. Now each failure is named as its line comes. Failed on the
+    old code (failures [], counts {})."""
+    S = _step_module(monkeypatch, tmp_path)
+    (tmp_path / "test_cut.py").write_text(
+        "import signal, time\n"
+        "def test_a(): assert False\n"
+        "def test_b(): pass\n"
+        "def test_c(): assert 1 == 2\n"
+        "def test_d():\n"
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as xdist's workers: no summary before the SIGKILL\n"
+        "    time.sleep(120)\n")
+    t0 = time.monotonic()
+    monkeypatch.setattr(S, "CAP_S", 28.0)  # about 20 s for pytest, then SIGINT and, 5 s later, SIGKILL
+    monkeypatch.setattr(S, "STARTED", time.time(), raising=False)  # the old code timed from its call
+    rc = S._pytest("cut", [str(tmp_path / "test_cut.py")])
+    assert rc == -signal.SIGKILL and time.monotonic() - t0 < 60
+    got = _results(tmp_path)["tests"]["cut"]
+    assert got["failures"] == [f"{tmp_path / 'test_cut.py'}::test_a", f"{tmp_path / 'test_cut.py'}::test_c"] or \
+        [f.split("::")[1] for f in got["failures"]] == ["test_a", "test_c"], got
+    assert got["counts"] == {"failed": 2, "passed": 1} and got["cut"] is True, got
+
+
+def test_the_tests_step_runs_every_kernel_file_but_the_cuda_ones():
+    import _first_steps as S
+
+    files = {f for f in os.listdir(os.path.join(ROOT, "tests", "kernels")) if re.fullmatch(r"test_.*\.py", f)}
+    assert sorted(S.KERNEL_TESTS) == sorted(files - {"test_cuda.py", "test_cuda_emulated.py"})
+    assert len(set(S.KERNEL_TESTS)) == len(S.KERNEL_TESTS)
+
+
+def test_a_step_child_leaves_without_the_interpreters_teardown(tmp_path):
+    """The H200's host step had written all its rows and was killed at its cap while exiting (rc -2: CUDA's and the
+    profiler's teardown). A step's child now leaves at once once its results are written: here an exit handler that
+    would take a minute is not run. Failed on the old code (the child returned into the interpreter's exit)."""
+    code = ("import atexit, sys, time; sys.path.insert(0, sys.argv[1]); atexit.register(time.sleep, 60); "
+            "import _first_steps as S, first_contact as FC; S.STEPS['quick'] = lambda: 3; "
+            "sys.exit(FC.main(['--step', 'quick']))")
+    r = subprocess.run([sys.executable, "-c", code, BENCH], env=_env(tmp_path, FIRST_CONTACT_RESULTS=str(
+        tmp_path / "r.json")), capture_output=True, text=True, timeout=45)
+    assert r.returncode == 3, r.stderr
 
 
 def test_profile_step_skips_a_backend_this_gpu_lacks_and_profiles_the_rest(monkeypatch, tmp_path):
