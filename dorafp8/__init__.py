@@ -71,4 +71,9 @@ def __dir__():
     return sorted({*globals(), *_PEFT_NAMES, *_TRANSFORMERS_NAMES, *_KOHYA_NAMES, *_LYCORIS_NAMES})
 
 
+try:  # DORAFP8_NO_PATCHES=2 is refused here: the `dorafp8` command says so in one line, a script's import raises
+    _env.flag("DORAFP8_NO_PATCHES")
+except ValueError as _refused:
+    _env.exit_if_command(_refused)
+    raise
 _install.install()  # DDP's fp8 broadcast; PEFT, transformers, diffusers, FSDP2 learn of fp8 layers (opt-out inside)

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         if rest[:1] in (["-h"], ["--help"]):
             print(USAGE)
             return 0
+        if refused := refused_settings():  # DORAFP8_BACKEND=Triton: one line, not the traceback of its reader
+            print("\n".join(f"dorafp8: {why}" for why in refused), file=sys.stderr)
+            return 2
         from .ops import race_check, race_selftest
 
         if command == "check":  # the child backend="auto" runs (and the command its warnings print)

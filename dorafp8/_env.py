@@ -33,6 +33,19 @@ def flag(name: str, default: Optional[bool] = False) -> Optional[bool]:
     return value == "1"
 
 
+def exit_if_command(error: ValueError) -> None:
+    """Says `error` (a refused value) in one line and exits 2 when this import is the `dorafp8` command's own:
+    `python -m dorafp8` (runpy imports the package with sys.argv[0] "-m") or pip's `dorafp8` script. A script's
+    `import dorafp8` still raises it: this returns."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", ()))
+    module = sys.argv[:1] == ["-m"] and "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "dorafp8"
+    if module or os.path.basename(sys.argv[0] if sys.argv else "") == "dorafp8":
+        print(f"dorafp8: {error}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def unknown() -> Optional[str]:
     """What to say of the DORAFP8_* variables set here that dorafp8 does not read (each with the name it likely
     misspells), or None."""

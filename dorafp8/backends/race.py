@@ -300,8 +300,9 @@ def _save(path: str, device: torch.device, what: str, results: dict, broken: dic
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read(path)
         # no lock: a writer between this process's writes may have dropped a key of ours, written back here (else every
-        # later process checked it again: two processes writing 200 keys each in a loop lost a third of them)
-        for k, res in mine["keys"].items():
+        # later process checked it again: two processes writing 200 keys each in a loop lost a third of them). Not
+        # where the file is gone: deleted (a writer replaces it, never removes it), so that every key is checked again
+        for k, res in mine["keys"].items() if os.path.exists(path) else ():
             data["keys"].setdefault(k, res)
         data["keys"].setdefault(what, {}).update(keep)
         data["broken"].update(broken)

@@ -138,6 +138,8 @@ class CheckpointSource:
         algo, scheme = qc.get("kv_cache_quant_algo"), qc.get("kv_cache_scheme")  # the latter: config.json's form
         if not algo and isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
             algo = "FP8"  # as vLLM's ModelOptQuantConfigBase.from_config reads it
+        if not algo and self.hf_quant_config is None:  # a single file dorafp8 wrote
+            algo = self.metadata.get(KV_CACHE_ALGO_KEY)
         return str(algo) if algo else None
 
     def read(self, keys: Iterable[str], device) -> Iterable[tuple[str, torch.Tensor]]:
@@ -382,6 +384,8 @@ def detect_format(path_or_state_dict) -> tuple[str, str]:
 # the safetensors metadata entry in which dorafp8's writers record the block size of the block scales they write: the
 # scale's shape alone does not say it (a [2, 2] grid over [192, 192] is 96 x 96 blocks as well as 128 x 128 ones)
 BLOCK_SIZE_KEY = "dorafp8_block_size"
+# and ModelOpt's kv_cache_quant_algo, in a modelopt file: a single file has no hf_quant_config.json to say it
+KV_CACHE_ALGO_KEY = "dorafp8_kv_cache_quant_algo"
 
 
 def config_block_size(source: CheckpointSource, fmt: str) -> Optional[int]:

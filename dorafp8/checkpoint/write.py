@@ -28,7 +28,7 @@ from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
-from .source import BLOCK_SIZE_KEY, INDEX_NAMES, SINGLE_NAMES
+from .source import BLOCK_SIZE_KEY, INDEX_NAMES, KV_CACHE_ALGO_KEY, SINGLE_NAMES
 
 logger = logging.getLogger("dorafp8")
 
@@ -466,6 +466,9 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
         config_kind = None
     meta_out = dict(src.metadata or {}) if same else {"format": "pt"}
     meta_out.pop(BLOCK_SIZE_KEY, None)  # the source's: said again below where this write has block scales
+    meta_out.pop(KV_CACHE_ALGO_KEY, None)  # likewise: what hf_quant_config.json says (configs.write_config)
+    if fmt == "modelopt" and same and src.kv_cache_quant_algo:
+        meta_out[KV_CACHE_ALGO_KEY] = src.kv_cache_quant_algo
     meta_out.update(metadata or {})
     t = WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
                     "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)

@@ -833,6 +833,38 @@ def test_modelopt_fp8_kv_cache_scales_load_and_are_written_back(tmp_path, algo):
         assert json.load(f)["quantization"]["kv_cache_quant_algo"] == "FP8"
 
 
+def test_modelopt_kv_cache_algo_survives_a_single_file(tmp_path):
+    """A single-file modelopt export (no hf_quant_config.json) kept k_scale / v_scale but not the source's
+    kv_cache_quant_algo: a folder export from it then said null, and vLLM ran the KV cache in bf16 beside the kept
+    scales. The single file's metadata records it now, read back where no hf_quant_config.json says."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dorafp8 import save_fp8_checkpoint
+
+    src = write_modelopt(original_model(), str(tmp_path / "mo"), "NVFP4")
+    kv = {f"model.layers.{i}.self_attn.{p}_proj.{p}_scale": torch.tensor(0.01 * (i + 1)) for i in range(2)
+          for p in "kv"}
+    save_file({**read_all(src), **kv}, os.path.join(src, "model.safetensors"))
+    with open(os.path.join(src, "hf_quant_config.json")) as f:
+        hq = json.load(f)
+    hq["quantization"]["kv_cache_quant_algo"] = "FP8"
+    with open(os.path.join(src, "hf_quant_config.json"), "w") as f:
+        json.dump(hq, f)
+    model = meta_model()
+    load_fp8_checkpoint(model, src, verbose=False)
+    single = str(tmp_path / "one.safetensors")
+    save_fp8_checkpoint(model, single, format="modelopt", verbose=False)
+    model = meta_model()
+    load_fp8_checkpoint(model, single, verbose=False)
+    save_fp8_checkpoint(model, str(tmp_path / "out"), format="modelopt", verbose=False)
+    back = read_all(str(tmp_path / "out"))
+    assert all(torch.equal(back[k], v) for k, v in kv.items())
+    with open(os.path.join(str(tmp_path / "out"), "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["kv_cache_quant_algo"] == "FP8"
+
+
 @pytest.mark.parametrize("preset", ["NVFP4A16", "MXFP8A16"])
 def test_from_pretrained_then_from_transformers_fp8(tmp_path, preset):
     """transformers' from_pretrained of a compressed-tensors NVFP4 or MXFP8 checkpoint leaves its modules compressed

@@ -1103,6 +1103,25 @@ def test_a_key_another_writer_dropped_is_written_back(race):
     assert children(race) == 2
 
 
+def test_a_deleted_verdict_file_is_not_written_back(race):
+    """A user deletes the verdict file while a job runs, so that the next processes check again: the job's next write
+    put back every key it knew, those it had read from the file and those it had written before, and the deletion was
+    undone. Only the key just checked is written now (the put-back is for a file another writer replaced)."""
+    _step(40)
+    path = _race.cache_file(CPU)
+    other = json.loads(open(path).read())
+    other["keys"]["another process's key"] = {"native": {"ok": True, "ms": 2.0}}
+    with open(path, "w") as f:
+        json.dump(other, f)
+    _race.forget()  # this job: both keys read from the file
+    _step(40)
+    _step(300)  # one key of its own, written
+    assert len(_verdicts(race)["keys"]) == 3 and children(race) == 2
+    os.remove(path)
+    _step(2000)
+    assert len(_verdicts(race)["keys"]) == 1 and children(race) == 3
+
+
 def test_a_damaged_or_planted_cache_file_costs_a_check_not_a_step(race, used):
     """Entries of another shape in the verdict file (a hand edit, a damaged write, another tool's JSON) are dropped on
     reading: their key is checked again, and the step runs (before, a verdict that was not a dict raised in it)."""
