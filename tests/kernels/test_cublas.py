@@ -51,7 +51,8 @@ def test_refuses_w8a8():
 
 
 # The bytes the speed predictions rest on (dorafp8/kernel_report/predict.py, from dorafp8/_launches.py's recorder): a
-# dry run of one forward + backward (nothing runs; the launchers plan for an H100), each launch's bytes checked
+# dry run of one forward + backward (no Triton kernel runs, nor a matmul; the launchers plan for an H100; on DEVICE, a
+# GPU's tensors where there is one), each launch's bytes checked
 # against the sizes of the tensors it was handed, and the strategy's launches against the plan of the module
 # docstring, so that neither can drift without this failing.
 # At this shape (M >= 2 N K / (N + K)) the forward's W is kept for the dgrad (ops/_policy.py keeps_weight): one
@@ -67,11 +68,11 @@ def test_dry_run_bytes_are_the_tensors_sizes(kind, monkeypatch):
     from dorafp8._launches import LaunchRecorder, dry_run
 
     M, N, K, r = 1024, 512, 768, 16
-    w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
-    scale = torch.ones(()) if kind == "tensor" else torch.ones(N)
+    w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=DEVICE)
+    scale = torch.ones((), device=DEVICE) if kind == "tensor" else torch.ones(N, device=DEVICE)
     leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
-    x, A, B, m = (t.requires_grad_() for t in leaves)
-    n, gy = torch.ones(N), torch.empty(M, N, dtype=torch.bfloat16)
+    x, A, B, m = (t.to(DEVICE).requires_grad_() for t in leaves)
+    n, gy = torch.ones(N, device=DEVICE), torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
     monkeypatch.setattr(base, "POISON_OUTPUTS", False)  # a GPU run's launches: no NaN fills
     with LaunchRecorder() as rec, dry_run(rec, 132, 2):
         dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n).backward(gy)
@@ -107,7 +108,7 @@ def test_kept_weight_matches_fp64(kind, dtype, dropout, monkeypatch):
     monkeypatch.setattr(linear, "keeps_weight", lambda M, N, K: True)
     with LaunchRecorder() as rec:  # (the norm by the reference: cuBLAS's dequantizes a microscaled weight's rows)
         check_dora_end_to_end(*make_weight(kind, 40, 64, seed=3), dtype, dropout, "cublas", M=9, r=3, weight_norm=True,
-                              block_size=16)
+                              device=DEVICE, block_size=16)
     dequants = [n for n in rec.names() if n.startswith("triton:dequant")]
     assert len(dequants) == 1, rec.table()  # the forward's: the dgrad took its W
 
@@ -138,8 +139,10 @@ def test_kept_weight_under_activation_checkpointing(reentrant, monkeypatch):
     w8, scale = dorafp8.quantize_e4m3(torch.randn(N, K, generator=gen) * 0.05, per_row=True)
     A, B = torch.randn(r, K, generator=gen) / 8, torch.randn(N, r, generator=gen) / 8
     m = torch.rand(N, generator=gen) + 0.5
+    x = torch.randn(M, K, generator=gen)
+    w8, scale, A, B, m, x = (t.to(DEVICE) for t in (w8, scale, A, B, m, x))
     n = dorafp8.weight_norm(w8, scale, A, B, 2.0, backend="reference")
-    x = torch.randn(M, K, generator=gen, requires_grad=True)
+    x.requires_grad_()
 
     def layer(t):
         return dorafp8.dora_fp8_linear(t, w8, scale, A, B, m, 2.0, backend="cublas", weight_norm=n)

@@ -15,8 +15,11 @@ from dorafp8._memory import MiB, PeakTemporaries
 from dorafp8.backends.base import magnitude_scale
 from tests._ref import dora_fp64
 from tests._tolerance import assert_close, tol
-from tests.kernels._kernel_ref import act
+from tests.kernels._kernel_ref import act, d
 
+# The backends run on the GPU where there is one (the Triton kernels and the cuBLAS strategy compiled), else on CPU
+# (Triton's under its interpreter, tests/conftest.py); the fp64 references are on CPU either way.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("nvfp4", "mxfp8")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -139,21 +142,22 @@ def test_dequantize_matches_the_bit_level_decoding(kind, N, K):
 @pytest.mark.parametrize("chosen", ["reference", "auto", "native", "cublas", "triton"])
 def test_dora_matches_fp64_on_the_dequantized_weight(kind, dtype, dropout, chosen, monkeypatch):
     """cublas: the GPU strategy (tests/kernels/test_dequant_micro.py); triton: the fused kernels, the weight unpacked
-    in the main loop (triton_kernels/gemm.py); both on CPU under Triton's interpreter. native: its fp16 code too (a
+    in the main loop (triton_kernels/gemm.py); both on the GPU, or on CPU under Triton's interpreter. native: its fp16 code too (a
     GPU's; on CPU fp16 runs the reference's)."""
     monkeypatch.setattr(backends.module("native"), "FP16_REFERENCE_DEVICES", frozenset())
-    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
-        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device(DEVICE)):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device(DEVICE)))
     M, N, r = 7, 33, 3
     K = 48 if kind == "nvfp4" else 70  # MXFP8: a partial last block of 6
     w, scale, g = make_weight(kind, N, K)
     check_dora_end_to_end(w, scale, g, dtype, dropout, chosen, M, r, W0=dequant_64(w, scale, g))
 
 
-def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0=None, weight_norm=False, **kw):
-    """dora_fp8_linear's y and gradients on `backend` against fp64 on the dequantized weight W0 (default: the
-    package's dequantize_weight); weight_norm: the norm computed first by the reference backend and passed (so that
-    the backend under test launches no norm); kw: to dora_fp8_linear."""
+def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0=None, weight_norm=False,
+                          device=DEVICE, **kw):
+    """dora_fp8_linear's y and gradients on `backend` on `device` against fp64 on CPU on the dequantized weight W0
+    (default: the package's dequantize_weight); weight_norm: the norm computed first by the reference backend and
+    passed (so that the backend under test launches no norm); kw: to dora_fp8_linear."""
     if W0 is None:
         W0 = quant.dequantize_weight(w, scale, torch.float64, global_scale=g, **kw)
     N, K = W0.shape
@@ -163,18 +167,20 @@ def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0
     B = torch.randn(N, r, generator=gen) * 0.1
     m = torch.rand(N, generator=gen) + 0.5
     b = (torch.randn(N, generator=gen) * 0.1).to(dtype)
-    xl, Al, Bl, ml = (t.clone().requires_grad_() for t in (x, A, B, m))
+    w, scale, g, bd = (None if t is None else t.to(device) for t in (w, scale, g, b))
+    xl, Al, Bl, ml = (t.to(device, copy=True).requires_grad_() for t in (x, A, B, m))
     if weight_norm:
-        kw["weight_norm"] = dorafp8.weight_norm(w, scale, A, B, s, backend="reference", global_scale=g,
+        kw["weight_norm"] = dorafp8.weight_norm(w, scale, Al.detach(), Bl.detach(), s, backend="reference",
+                                                global_scale=g,
                                                 block_size=kw.get("block_size", quant.DEFAULT_BLOCK))
     torch.manual_seed(5)
-    y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, b, dropout_p=dropout, training=True, backend=backend,
+    y = dorafp8.dora_fp8_linear(xl, w, scale, Al, Bl, ml, s, bd, dropout_p=dropout, training=True, backend=backend,
                                 global_scale=g, **kw)
-    assert y.dtype == dtype
+    assert y.dtype == dtype and y.device == xl.device
     gy = torch.randn(y.shape, generator=gen).to(dtype)
-    y.backward(gy)
-    torch.manual_seed(5)
-    keep = ops.dropout_mask(x, dropout) if dropout else None
+    y.backward(gy.to(device))
+    torch.manual_seed(5)  # the layer's mask, drawn again on its device (CUDA's dropout draws differently from CPU's)
+    keep = ops.dropout_mask(xl.detach(), dropout).cpu() if dropout else None
     yr, leaves = dora_fp64(x, W0, A, B, m, s, b, xd=None if keep is None else (keep, dropout))
     yr.backward(gy.double())
     rel = tol(dtype)
@@ -187,18 +193,19 @@ def check_dora_end_to_end(w, scale, g, dtype, dropout, backend, M, r, s=1.75, W0
 @pytest.mark.parametrize("chosen", ["auto", "triton"])
 def test_plain_linear_and_weight_norm_match_fp64(kind, chosen):
     """The plain linear (no adapter: the kernels' other epilogue) and the weight norm; triton: its fused GEMMs."""
-    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device("cpu")):
-        pytest.skip(backends.unavailable_reason(chosen, torch.device("cpu")))
+    if backends.unavailable_reason(chosen if chosen != "auto" else "reference", torch.device(DEVICE)):
+        pytest.skip(backends.unavailable_reason(chosen, torch.device(DEVICE)))
     N, K = 17, 64
     w, scale, g = make_weight(kind, N, K, seed=3)
     W0 = dequant_64(w, scale, g)
-    x = torch.randn(5, K, dtype=torch.float32, requires_grad=True)
+    w, scale, g = w.to(DEVICE), scale.to(DEVICE), g.to(DEVICE) if g is not None else None
+    x = torch.randn(5, K, dtype=torch.float32).to(DEVICE).requires_grad_()
     y = dorafp8.fp8_linear(x, w, scale, global_scale=g, backend=chosen)
     y.backward(torch.ones_like(y))
-    assert_close(y, x.detach().double() @ W0.T, tol(torch.float32), "y")
+    assert_close(y, d(x) @ W0.T, tol(torch.float32), "y")
     assert_close(x.grad, torch.ones(5, N, dtype=torch.float64) @ W0, tol(torch.float32), "dx")
     A, B = torch.randn(2, K), torch.randn(N, 2)
-    n = dorafp8.weight_norm(w, scale, A, B, 0.5, global_scale=g, backend=chosen)
+    n = dorafp8.weight_norm(w, scale, A.to(DEVICE), B.to(DEVICE), 0.5, global_scale=g, backend=chosen)
     assert_close(n, (W0 + 0.5 * B.double() @ A.double()).norm(dim=1), tol(torch.float32), "n")
 
 
@@ -207,44 +214,46 @@ def test_plain_linear_and_weight_norm_match_fp64(kind, chosen):
 @pytest.mark.parametrize("name,K", [("reference", 64), ("native", 48), ("native", 80), ("triton", 48), ("triton", 80)])
 def test_backend_functions_on_nan_bordered_inputs(kind, dtype, name, K, monkeypatch):
     """The forward and dgrad (with and without dropout) of the reference and of the Triton kernels (the weight
-    unpacked in their main loop, in the interpreter) on strided activations whose rows sit in NaN-filled buffers,
+    unpacked in their main loop; on CPU in the interpreter) on strided activations whose rows sit in NaN-filled buffers,
     into NaN-filled outputs (the tests' poisoning): a read past a row or a tile left unwritten makes a NaN, which
     assert_close always fails. Odd M and N; K = 48 and 80 split the interpreter's reduction blocks unevenly (MXFP8: 80
     ends in a partial block of 16)."""
-    if backends.unavailable_reason(name, torch.device("cpu")):
-        pytest.skip(backends.unavailable_reason(name, torch.device("cpu")))
+    if backends.unavailable_reason(name, torch.device(DEVICE)):
+        pytest.skip(backends.unavailable_reason(name, torch.device(DEVICE)))
     be = backends.module(name)
     monkeypatch.setattr(backends.module("native"), "FP16_REFERENCE_DEVICES", frozenset())  # its GPU fp16 code
     M, N, r, s, p = 5, 19, 2, 0.5, 0.25
     w, scale, g = make_weight(kind, N, K, seed=4)
     W0 = dequant_64(w, scale, g)
+    w, scale, g = w.to(DEVICE), scale.to(DEVICE), g.to(DEVICE) if g is not None else None
     gen = torch.Generator().manual_seed(2)
-    x = act(torch.randn(M, K, generator=gen), dtype, "cpu", True)
+    x = act(torch.randn(M, K, generator=gen), dtype, DEVICE, True)
     mask = torch.rand(M, K, generator=gen) >= p
-    xm = act(x.float() * mask, dtype, "cpu", True)
+    xm = act(d(x).float() * mask, dtype, DEVICE, True)
     A, B = torch.randn(r, K, generator=gen) / 8, torch.randn(N, r, generator=gen) / 8
     m, n = torch.rand(N, generator=gen) + 0.5, torch.rand(N, generator=gen) + 0.5
     c = magnitude_scale(m, n).double()
-    u = act(xm.double() / (1 - p) @ A.double().T, torch.float32, "cpu", True)
+    u = act(d(xm) / (1 - p) @ A.double().T, torch.float32, DEVICE, True)
+    A, B, m, n, mask = (t.to(DEVICE) for t in (A, B, m, n, mask))
     y, z = be.forward(x=x, w8=w, scale=scale, block_size=128, bias=None, m=m, n=n, u=u, B=B, s=s, xm=xm, p=p,
                       need_z=True, z_dtype=dtype, act_quant="", global_scale=g)
-    zr = xm.double() @ W0.T / (1 - p) + s * u.double() @ B.double().T
+    zr = d(xm) @ W0.T / (1 - p) + s * d(u) @ d(B).T
     assert_close(z, zr, tol(dtype), "z")
-    lora = s * u.double() @ B.double().T
-    assert_close(y, x.double() @ W0.T + (c - 1) * (zr - lora) + c * lora, tol(dtype), "y")
-    gl = act(torch.randn(M, N, generator=gen), dtype, "cpu", True)
-    v = torch.randn(M, r, generator=gen)
-    one = torch.ones((), dtype=torch.float32)
+    lora = s * d(u) @ d(B).T
+    assert_close(y, d(x) @ W0.T + (c - 1) * (zr - lora) + c * lora, tol(dtype), "y")
+    gl = act(torch.randn(M, N, generator=gen), dtype, DEVICE, True)
+    v = torch.randn(M, r, generator=gen).to(DEVICE)
+    one = torch.ones((), dtype=torch.float32, device=DEVICE)
     dx = be.dgrad(gl=gl, rl=one, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=None, p=0.0, gb=None,
                   rb=None, act_quant="", global_scale=g)
-    assert_close(dx, gl.double() @ W0 + s * v.double() @ A.double(), tol(dtype), "dx")
+    assert_close(dx, d(gl) @ W0 + s * d(v) @ d(A), tol(dtype), "dx")
     # dropout: dx = rb (gb W0) + mask / (1 - p) (rl (gl W0) + s v A), rl and rb not 1
-    gb = act(torch.randn(M, N, generator=gen), dtype, "cpu", True)
-    rl, rb = torch.tensor(0.75), torch.tensor(1.25)
+    gb = act(torch.randn(M, N, generator=gen), dtype, DEVICE, True)
+    rl, rb = torch.tensor(0.75, device=DEVICE), torch.tensor(1.25, device=DEVICE)
     dx = be.dgrad(gl=gl, rl=rl, w8=w, scale=scale, block_size=128, v=v, A=A, s=s, mask=mask, p=p, gb=gb, rb=rb,
                   act_quant="", global_scale=g)
-    inner = 0.75 * gl.double() @ W0 + s * v.double() @ A.double()
-    assert_close(dx, 1.25 * gb.double() @ W0 + mask.double() / (1 - p) * inner, tol(dtype), "dx (dropout)")
+    inner = 0.75 * d(gl) @ W0 + s * d(v) @ d(A)
+    assert_close(dx, 1.25 * d(gb) @ W0 + d(mask) / (1 - p) * inner, tol(dtype), "dx (dropout)")
 
 
 # ---- which backend computes them -------------------------------------------------------------------------------------
