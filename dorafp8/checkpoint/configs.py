@@ -16,6 +16,7 @@ from .layouts import TRANSFORMERS_FORMATS, cpu_fine_grained_read
 from .modules import FP8_CONV_TYPES, fp8_modules
 from .plan import WriteTarget, Written
 from .reports import ExportReport
+from .source import BLOCK_SIZE_KEY, KV_CACHE_ALGO_KEY
 
 
 def writes_block(t: WriteTarget, m: nn.Module) -> bool:
@@ -140,6 +141,18 @@ def diffusers_guard(fmt: str) -> dict:
     return {"quant_method": "dorafp8", "layout": fmt,
             "note": f"fp8 weights in the {fmt} layout, written by dorafp8; diffusers' from_pretrained cannot read "
                     f"their scales: {DIFFUSERS_LOAD_HINT}"}
+
+
+def file_metadata(src, fmt: str, same: bool) -> dict:
+    """The safetensors metadata of a write: the source's where it keeps its format, less its block size (the writer
+    says its own); in a modelopt file the source's kv_cache_quant_algo, which a single file (no hf_quant_config.json)
+    would lose, and a folder export from it then said null (vLLM ran the KV cache in bf16): source.py reads it."""
+    meta = dict(src.metadata or {}) if same else {"format": "pt"}
+    meta.pop(BLOCK_SIZE_KEY, None)
+    meta.pop(KV_CACHE_ALGO_KEY, None)
+    if fmt == "modelopt" and same and src.kv_cache_quant_algo:
+        meta[KV_CACHE_ALGO_KEY] = src.kv_cache_quant_algo
+    return meta
 
 
 def modelopt_config(out: Written, kv_cache_quant_algo: Optional[str] = None) -> dict:

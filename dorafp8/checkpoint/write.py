@@ -18,7 +18,8 @@ from torch import nn
 
 from ..nn import FP8Linear, refuse_sharded_model
 from ..quant import DEFAULT_BLOCK, MICRO_KINDS, check_scale_kind, scale_kind
-from .configs import check_destination, quantization_config, transformers_problem, write_config, writes_block
+from .configs import (check_destination, file_metadata, quantization_config, transformers_problem, write_config,
+                      writes_block)
 from .emit import emit
 from .files import (CHECKED_JSON, LOCK_FILE, destination, export_metadata, fsync_dir, fsync_file, killed_stages,
                     loaded_from, locked, names_a_file, previous_export, refuse_shadowing, replace, sha256, sha256_key,
@@ -28,7 +29,7 @@ from .modules import base_model, fp8_modules, tuner_layer_class
 from .plan import WriteTarget, source_of
 from .reports import ExportReport
 from .sink import ShardWriter, TensorSink, parse_size, shard_names, shard_pattern
-from .source import BLOCK_SIZE_KEY, INDEX_NAMES, KV_CACHE_ALGO_KEY, SINGLE_NAMES
+from .source import BLOCK_SIZE_KEY, INDEX_NAMES, SINGLE_NAMES
 
 logger = logging.getLogger("dorafp8")
 
@@ -464,11 +465,7 @@ def resolve_target(model: nn.Module, fmt: Optional[str], granularity, block_size
         config_kind = "transformers"
     else:
         config_kind = None
-    meta_out = dict(src.metadata or {}) if same else {"format": "pt"}
-    meta_out.pop(BLOCK_SIZE_KEY, None)  # the source's: said again below where this write has block scales
-    meta_out.pop(KV_CACHE_ALGO_KEY, None)  # likewise: what hf_quant_config.json says (configs.write_config)
-    if fmt == "modelopt" and same and src.kv_cache_quant_algo:
-        meta_out[KV_CACHE_ALGO_KEY] = src.kv_cache_quant_algo
+    meta_out = file_metadata(src, fmt, same)
     meta_out.update(metadata or {})
     t = WriteTarget(fmt, layout, dense_dtype, granularity, block_size or DEFAULT_BLOCK, strip, add, src, same, base,
                     "diffusion_pytorch_model" if is_diffusers else "model", config_kind, meta_out)
