@@ -79,16 +79,18 @@ def launch(kernel, grid):
     GPU 1's pointers, unordered with GPU 1's stream. The CUDA extension guards its device itself (csrc/binding.cpp)."""
 
     def run(*args, **kwargs):
-        handled = False
-        for observe in LAUNCH_OBSERVERS:
-            handled = bool(observe(kernel, grid, args, kwargs)) or handled
-        if handled:
-            return None
+        if LAUNCH_OBSERVERS:
+            handled = False
+            for observe in LAUNCH_OBSERVERS:
+                handled = bool(observe(kernel, grid, args, kwargs)) or handled
+            if handled:
+                return None
         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        # kernel.run as kernel[grid] calls it, without the lambda that __getitem__ makes at every launch
         if dev is None or dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
-            return kernel[grid](*args, **kwargs)
+            return kernel.run(*args, grid=grid, warmup=False, **kwargs)
         with torch.cuda.device(dev.index):
-            return kernel[grid](*args, **kwargs)
+            return kernel.run(*args, grid=grid, warmup=False, **kwargs)
 
     return run
 
@@ -222,11 +224,23 @@ def sum_parts(part_ptr, n_parts, stride_part, offs, mask):
 # Autotune configs: rows are (BLOCK_M, B_OUT, B_RED, stages, warps), B_OUT the output-column block (forward BLOCK_N,
 # dgrad BLOCK_K) and B_RED the reduction block. Each arch's list fits its shared memory (test_inspect.py checks).
 
+_ARCHS: dict = {}  # (device index, the capability function asked) -> arch: a device's capability never changes
+
+
 def arch_of(device: torch.device) -> str:
-    """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA."""
+    """The config tables' key of `device` (arch_of_capability's), or "interp" under the interpreter and off CUDA. Read
+    once per device index: torch.cuda.get_device_capability took microseconds, ten times a DoRA step. Keyed by that
+    function too, which the tests replace to play other GPUs; an index-less device (the current one) is asked anew."""
     if interpreting() or device.type != "cuda":
         return "interp"
-    return arch_of_capability(*torch.cuda.get_device_capability(device))
+    capability = torch.cuda.get_device_capability
+    if device.index is None:
+        return arch_of_capability(*capability(device))
+    key = (device.index, capability)
+    arch = _ARCHS.get(key)
+    if arch is None:
+        arch = _ARCHS[key] = arch_of_capability(*capability(device))
+    return arch
 
 
 def arch_of_capability(major: int, minor: int) -> str:

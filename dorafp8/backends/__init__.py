@@ -114,7 +114,7 @@ def _resolved(name: str, device: torch.device, needs: frozenset) -> str:
         reason = unavailable_reason(name, device)
         if reason is not None:
             raise RuntimeError(f"dorafp8 backend {name!r} cannot run on {device}: {reason}")
-        missing = sorted(needs - supports(name, device))
+        missing = sorted(needs - supports(name, device)) if needs else []  # nothing asked: nothing to refuse
         if missing:
             raise base.not_supported(name, missing[0], _why_not(name, missing[0], device), alternatives=tuple(
                 b for b in BACKENDS if unavailable_reason(b, device) is None and missing[0] in supports(b, device)))

@@ -15,8 +15,8 @@ from .. import backends
 from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
-from ._policy import (as_result, backend_needs, check_device, check_float, check_scaling_dropout, compute_dtype,
-                      dropout_mask, keeps_weight, rank_dtype, reused_norm, row_scale, rows)
+from ._policy import (as_result, autocast_off, backend_needs, check_device, check_float, check_scaling_dropout,
+                      compute_dtype, dropout_mask, keeps_weight, rank_dtype, reused_norm, row_scale, rows)
 
 
 class DoRAFP8Function(torch.autograd.Function):
@@ -29,7 +29,7 @@ class DoRAFP8Function(torch.autograd.Function):
         M, N = x.shape[0], w8.shape[0]
         dropout = p > 0.0
         need_z = ctx.needs_input_grad[6]
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             # The kept part of x, unscaled: exact in the compute dtype; the kernels apply 1 / (1 - p) in fp32.
             mask = dropout_mask(x, p) if dropout else None
             xm = x * mask if dropout else None
@@ -74,7 +74,7 @@ class DoRAFP8Function(torch.autograd.Function):
                     zeros(A) if need_dA else None, zeros(B) if need_dB else None,
                     zeros(m) if need_dm else None, None, None, None, None, None, None, None)
         srow = row_scale(scale)
-        with torch.autocast(g.device.type, enabled=False):
+        with autocast_off(g.device.type):
             # dm, dB, db come back final (scaled, in their parameters' dtypes); rs = (rl, rb) stays on the device.
             gl, rs, gb, v, dm, db, dB = _ops.backward_pass_op(
                 g, srow, backend=ctx.backend, z=z if need_dm else None, m=m, n=n, B=B, u=u if need_dB else None,

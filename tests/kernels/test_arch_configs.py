@@ -293,3 +293,26 @@ def test_the_triton_backend_needs_sm_89(monkeypatch):
             assert "sm_89 or newer" in why and f"sm_{cap[0]}{cap[1]}" in why, why
             assert "sm_89" in backends.unavailable_reason("cublas", dev)
             assert backends.resolve("auto", dev) not in ("triton", "cublas")
+
+
+def test_arch_of_asks_a_device_once_and_what_changes_it_anew(monkeypatch):
+    # arch_of is asked about ten times a DoRA step: the capability is read once per device index (it never changes),
+    # anew for another index, another capability function (how these tests play other GPUs), an index-less device
+    # (the current one, which may change), and never under the interpreter or a dry run's CPU tensors.
+    monkeypatch.setattr(C, "_INTERPRET", False)
+    monkeypatch.setattr(C, "_ARCHS", {})
+    asked = []
+
+    def capability(device=None):
+        asked.append(device)
+        return {0: (9, 0), 1: (8, 9)}.get(getattr(device, "index", None), (12, 0))
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert [C.arch_of(torch.device("cuda", 0)) for _ in range(3)] == ["sm90"] * 3
+    assert len(asked) == 1
+    assert C.arch_of(torch.device("cuda", 1)) == "sm89" and len(asked) == 2
+    assert [C.arch_of(torch.device("cuda")) for _ in range(2)] == ["sm120"] * 2 and len(asked) == 4
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert C.arch_of(torch.device("cuda", 0)) == "sm100"
+    monkeypatch.setattr(C, "_INTERPRET", True)
+    assert C.arch_of(torch.device("cuda", 0)) == "interp"

@@ -1,6 +1,7 @@
 """dora_fp8_linear / fp8_linear / weight_norm end to end (autograd included) against fp64, every backend here (a test
 that takes `device` and `backend` runs on every pair that can run here: tests/conftest.py)."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -597,3 +598,41 @@ def test_fp16_conv_dgrad_of_a_large_weight_with_small_c_stays_finite():
     xl = x.clone().requires_grad_()
     dorafp8.dora_fp8_conv(xl, w8, sc, A, B, m, s, padding=1).backward(gy)
     assert_close(xl.grad, ref, tol(torch.float16), "fp16 conv dx vs fp64")
+
+
+class _CountingAutocast(torch.autocast):
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_dora_step_turns_autocast_off_only_where_on(monkeypatch, outer):
+    """The ops compute in their own dtypes (docs/DORA_MATH.md): where autocast is on, the forward and the backward turn
+    it off inside, with the same results as the backward run outside it; where it is off they enter no torch.autocast
+    (4 to 12 us each on a CPU, twice a step: bench/glue_cpu.py)."""
+    _CountingAutocast.entered = 0
+    x, w8, scale, A, B, m, b = _problem(9, 48, 24, 4)
+    xb = x.to(torch.bfloat16)
+    grads = []
+    for inside in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (xb, A, B, m)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):
+            y = dorafp8.dora_fp8_linear(leaves[0], w8, scale, *leaves[1:], 0.5, b, backend="reference")
+            if inside:  # the backward's ops under the caller's autocast
+                monkeypatch.setattr(torch, "autocast", _CountingAutocast)
+                y.float().sum().backward()
+                monkeypatch.undo()
+        if not inside:
+            y.float().sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert _CountingAutocast.entered == (1 if outer else 0)  # the backward's own, under the caller's autocast only
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
+    _CountingAutocast.entered = 0
+    monkeypatch.setattr(torch, "autocast", _CountingAutocast)
+    with contextlib.nullcontext() if not outer else torch.amp.autocast("cpu", dtype=torch.bfloat16):
+        dorafp8.dora_fp8_linear(xb.clone().requires_grad_(), w8, scale, A, B, m, 0.5, b, backend="reference")
+    assert _CountingAutocast.entered == (1 if outer else 0)  # the forward's
