@@ -79,18 +79,16 @@ def launch(kernel, grid):
     GPU 1's pointers, unordered with GPU 1's stream. The CUDA extension guards its device itself (csrc/binding.cpp)."""
 
     def run(*args, **kwargs):
-        if LAUNCH_OBSERVERS:
-            handled = False
-            for observe in LAUNCH_OBSERVERS:
-                handled = bool(observe(kernel, grid, args, kwargs)) or handled
-            if handled:
-                return None
+        handled = False
+        for observe in LAUNCH_OBSERVERS:
+            handled = bool(observe(kernel, grid, args, kwargs)) or handled
+        if handled:
+            return None
         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        # kernel.run as kernel[grid] calls it, without the lambda that __getitem__ makes at every launch
         if dev is None or dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
-            return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            return kernel[grid](*args, **kwargs)
         with torch.cuda.device(dev.index):
-            return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            return kernel[grid](*args, **kwargs)
 
     return run
 
