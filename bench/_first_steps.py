@@ -673,8 +673,8 @@ _SUMMARY = re.compile(r"^=+ (FAILURES|ERRORS|short test summary info|warnings su
 
 # The tests step's files, in this order (pytest and xdist's workers take them in it): the whole of tests/kernels took
 # ~430 s on the H200 with 16 processes, and its 150 s cap stopped it at 35 %. So a cut run has run the first ones:
-# the cuBLAS strategy's (backend="auto"'s pick there; likely the file of that run's failures at 3-11 %, the one after
-# test_arch_configs.py's 36 tests), the fused Triton kernels',
+# the cuBLAS strategy's (backend="auto"'s pick there; the file of that run's early failures, 32 of its tests built CPU
+# tensors: logs/tests-kernels-failed.txt), the fused Triton kernels',
 # W8A8's contract, the zero rows, the microscaled bases; last the ones that mostly check on CPU what CI checks too.
 KERNEL_TESTS = ("test_cublas.py", "test_triton_kernels.py", "test_w8a8.py", "test_zero_rows.py", "test_microscaled.py",
                 "test_dequant.py", "test_dequant_micro.py", "test_native_backend.py", "test_arch_configs.py")
