@@ -41,7 +41,8 @@ def _step_ops(backend, dropout, x_dims=2):
 # pass's (rl, rb) that the dgrad takes (the backend contract), and the backward pass op's placeholder for the gb it
 # does not make (a custom op returns no None).
 _FRONT_NEEDS = {("aten.empty_like.default", "ops/_policy.py:dropout_mask"),
-                ("aten.bernoulli_.float", "ops/_policy.py:dropout_mask"), ("aten.ne.Scalar", "ops/_policy.py:dropout_mask"),
+                ("aten.bernoulli_.float", "ops/_policy.py:dropout_mask"),
+                ("aten.ne.Scalar", "ops/_policy.py:dropout_mask"),
                 ("aten.mul.Tensor", "ops/linear.py:forward"), ("aten.select.int", "ops/linear.py:backward"),
                 ("aten.new_empty.default", "ops/_custom_ops.py:<genexpr>")}
 
