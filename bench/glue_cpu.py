@@ -1,6 +1,7 @@
 """CPU time of the Python between the kernels of one DoRA forward + backward on the Triton backend ("the glue").
 
     python bench/glue_cpu.py [--tokens 256] [--features 4096] [--rank 16] [--dropout 0.1] [--calls 200]
+                             [--backend triton|cublas] [--ops]
 
 Runs dora_fp8_linear forward + backward under Triton's interpreter on CPU tensors with every Triton kernel launch
 replaced by a no-op (the interpreter's InterpretedFunction.run), so what is timed is everything around the kernels:
@@ -11,6 +12,8 @@ per launch), which depends on the Triton version, not on dorafp8. A GPU does the
 thread too, so at small M, where the kernels are short, this time is the floor of a layer's step. It is a
 MEASUREMENT of this machine's CPU (print the machine with the figure), not a GPU prediction.
 
+--ops also lists every PyTorch op one step issues outside the launches, views and allocations included
+(dorafp8._launches.LaunchRecorder's ops), by origin: each costs some microseconds of enqueue on a GPU host.
 Works on any checkout of dorafp8 (it patches Triton, not dorafp8), so a before/after comparison runs the same script.
 """
 
@@ -36,6 +39,8 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--backend", default="triton", help="triton, or cublas (the cuBLAS strategy: its matmuls run)")
+    ap.add_argument("--ops", action="store_true", help="list the PyTorch ops of one step (not on old checkouts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     M, N, r = args.tokens, args.features, args.rank
@@ -50,13 +55,23 @@ def main():
 
     def step():
         y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, dropout_p=args.dropout, training=True,
-                                    backend="triton", weight_norm=n)
+                                    backend=args.backend, weight_norm=n)
         y.backward(g)
         x.grad = A.grad = B.grad = m.grad = None
 
     interp.InterpretedFunction.run = lambda self, *a, **k: None  # every Triton launch: a no-op
     for _ in range(10):
         step()
+    if args.ops:
+        from collections import Counter
+
+        from dorafp8._launches import LaunchRecorder
+
+        with LaunchRecorder() as rec:
+            step()
+        for (op, origin), count in sorted(Counter(rec.ops).items(), key=lambda kv: kv[0][1]):
+            print(f"{count:3d}  {op:40s} {origin}")
+        print(f"{len(rec.ops)} PyTorch ops per forward + backward outside the launches")
     times = []
     for _ in range(args.calls):
         t0 = time.perf_counter()
@@ -64,7 +79,7 @@ def main():
         times.append(time.perf_counter() - t0)
     med = statistics.median(times) * 1e3
     print(f"glue CPU time per forward + backward: median {med:.3f} ms over {args.calls} calls "
-          f"(M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
+          f"({args.backend}, M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
           f"{torch.__version__}, 1 thread)")
 
 

@@ -81,18 +81,20 @@ USAGE = ("usage: dorafp8             what this installation can run (dorafp8 --v
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command, rest = (argv[0], argv[1:]) if argv else (None, [])
+    helped = rest[:1] in (["-h"], ["--help"])
+    # DORAFP8_BACKEND=Triton: one line, not the traceback of its reader (for `run`, not the trainer's first GPU step)
+    if command in ("run", "selftest", "check") and not helped and (refused := refused_settings()):
+        print("\n".join(f"dorafp8: {why}" for why in refused), file=sys.stderr)
+        return 2
     if command == "run":
         from .launcher import main as run
 
         return run(rest)
     if command in ("selftest", "check"):  # dorafp8/backends/race.py: check kernels on this GPU now
         # `check --help` died on json.loads('--help'); `selftest --help` (or `selftest cuda:1`) ran the selftest
-        if rest[:1] in (["-h"], ["--help"]):
+        if helped:
             print(USAGE)
             return 0
-        if refused := refused_settings():  # DORAFP8_BACKEND=Triton: one line, not the traceback of its reader
-            print("\n".join(f"dorafp8: {why}" for why in refused), file=sys.stderr)
-            return 2
         from .ops import race_check, race_selftest
 
         if command == "check":  # the child backend="auto" runs (and the command its warnings print)

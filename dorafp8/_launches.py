@@ -4,6 +4,8 @@ and bench/glue_cpu.py): `LaunchRecorder` and `dry_run`. The bytes are a model (d
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -48,13 +50,27 @@ def _matmul_flops(name, args) -> int:
     return 2 * a.numel() * b.shape[-1]
 
 
+def _origin() -> str:
+    """The innermost dorafp8 frame of the caller (file:function, the path from dorafp8/ on), or "torch"."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/dorafp8/" in path and not path.endswith("/_launches.py"):
+            return f"{path.rsplit('/dorafp8/', 1)[1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch"
+
+
 class LaunchRecorder(TorchDispatchMode):
-    """`with LaunchRecorder() as rec: ...`, then rec.launches, rec.syncs (host syncs), rec.nbytes, rec.names()."""
+    """`with LaunchRecorder() as rec: ...`, then rec.launches, rec.syncs (host syncs), rec.nbytes, rec.names(), and
+    rec.ops: every aten op outside the Triton launches, views and allocations too (each costs a GPU's host some
+    microseconds of enqueue), as (op, origin): the innermost dorafp8 frame (file:function), or "torch" (autograd's)."""
 
     def __init__(self):
         super().__init__()
         self.launches: list[Launch] = []
         self.syncs: list[str] = []
+        self.ops: list[tuple[str, str]] = []
         self._skip = False
         self._depth = 0  # the mode is re-entered to open dorafp8's custom ops: observe launches once
 
@@ -95,6 +111,7 @@ class LaunchRecorder(TorchDispatchMode):
             out = torch.empty(meta.shape, dtype=meta.dtype, device=args[0].device)
         else:
             out = func(*args, **(kwargs or {}))
+        self.ops.append((str(func), _origin()))
         if name in _SYNCS:
             self.syncs.append(str(func))
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]

@@ -261,7 +261,7 @@ def check_scale(scale, n_rows: int, n_cols: int, block_size: int, name: str = "s
                 if got == torch.uint8 else "")
         raise TypeError(f"{name} must be a floating-point tensor (fp32 expected), got {got}{hint}")
     if scale.numel() == 1 and not (scale.dim() == 2 and n_rows > block_size):
-        return scale.reshape(()).float()
+        return (scale if scale.dim() == 0 else scale.reshape(())).float()  # a reshape is an op, every call
     if scale.dim() == 1 and scale.shape[0] == n_rows:
         return scale.float()
     if scale.dim() == 2 and tuple(scale.shape) == (n_rows, 1):

@@ -494,8 +494,8 @@ def check_activation(t: torch.Tensor, name: str, width: int) -> torch.Tensor:
 
 def vector(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A per-column vector ([N], or any shape with N elements) as the kernels read it: flat and contiguous, in `dtype`
-    if given (else its own: the kernels convert what they load). A view, no copy, in the usual case."""
-    t = t.reshape(-1)
+    if given (else its own: the kernels convert what they load). A view, no copy, in the usual case; t itself if 1-D."""
+    t = t if t.dim() == 1 else t.reshape(-1)  # a reshape is an op even where it changes nothing
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t if t.is_contiguous() else t.contiguous()

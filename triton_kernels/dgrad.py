@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._common import (alloc, arch_of, autotuned, cdiv, check_activation, check_weight, dot_dtype,
                       fit_reduction_block, fp8_promote, gemm_configs, grouped_tile, last_dim_unit, launch, m_bucket,
-                      scale_block_size, w8_via_f32)
+                      scale_block_size, vector, w8_via_f32)
 from ._pins import gemm_pin
 from .epilogue_dot import rank_dot, rank_dot_into, rank_fma_for
 from .forward import epilogue_blocks
@@ -234,11 +234,12 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
             mask = last_dim_unit(mask).view(torch.uint8)
             inv_keep = 1.0 / (1.0 - p) if p < 1.0 else 0.0  # p = 1 keeps nothing: mask is all False
     else:
-        r, v, A = 1, rl.reshape(1, 1), rl.reshape(1, 1)  # placeholders, never read
+        r, v = 1, rl.reshape(1, 1)  # placeholders, never read (2-D: the launch passes their strides)
+        A = v
     if not has_dropout:
-        mask, rb = rl.reshape(1, 1), rl
+        mask, rb = rl, rl  # placeholders (mask: the launch passes its row stride only)
     dx = alloc((M, K), cdt, device)
-    return r, v, A, mask, inv_keep, rb.reshape(1).float(), dx
+    return r, v, A, mask, inv_keep, (rl if rb is rl else vector(rb, torch.float32)), dx
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
@@ -250,9 +251,9 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
     quant = bool(act_quant)
+    rl = vector(rl, torch.float32)  # [1]: also the placeholder of what the launch does not read
     r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, gl.device, v, A, mask, p, gb, rb, rl)
     gb = check_activation(gb, "gb", N) if has_dropout else gl
-    rl = rl.reshape(1).float()
     if M == 0 or K == 0:
         return dx
 
@@ -316,8 +317,8 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     M, K = t.shape
     has_adapter = v is not None
     has_dropout = has_adapter and mask is not None
+    rl = vector(rl, torch.float32)  # as in dgrad
     r, v, A, mask, inv_keep, rb, dx = _epilogue_args(M, K, cdt, t.device, v, A, mask, p, tb, rb, rl)
-    rl = rl.reshape(1).float()
     if M == 0 or K == 0:
         return dx
     tb = tb if has_dropout else t

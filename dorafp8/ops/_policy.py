@@ -21,8 +21,15 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def as_result(y: Tensor, shape) -> Tensor:
     """An op's fresh result `y` in `shape` as a tensor of its own, not a view (FSDP2 warns on views), without a copy:
-    aten._unsafe_view, as aten's own ops reshape results (y is neither returned nor saved)."""
+    aten._unsafe_view, as aten's own ops reshape results (y is neither returned nor saved); y itself if it has it."""
+    if y.dim() == len(shape) and y.shape == shape:  # 2-D x: no op (nor its view in the backward)
+        return y
     return torch.ops.aten._unsafe_view(y, shape)
+
+
+def as_rows(x: Tensor, K: int) -> Tensor:
+    """x [..., K] as [M, K] (x itself if 2-D: a reshape is an op, and another in the backward)."""
+    return x if x.dim() == 2 else x.reshape(-1, K)
 
 
 def check_float(t, name: str, *, wider_ok: bool = False) -> None:
@@ -54,7 +61,7 @@ def reused_norm(n: Tensor, x: Tensor) -> Tensor:
     check_device(x, weight_norm=n)
     if not n.is_floating_point():  # an integer "norm" would be taken as it is, truncated
         raise TypeError(f"weight_norm must be a float tensor (fp32, as dorafp8.weight_norm returns it), got {n.dtype}")
-    n = n.detach().float()
+    n = (n.detach() if n.requires_grad else n).float()  # detach is an op; n without history needs none
     if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not n.is_inference():
         return n
     return n.clone()

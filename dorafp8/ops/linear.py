@@ -15,8 +15,9 @@ from .. import backends
 from ..backends import race
 from ..quant import DEFAULT_BLOCK, check_act_quant, check_block_size, check_weight, scale_kind, weight_dims
 from . import _custom_ops as _ops
-from ._policy import (as_result, autocast_off, backend_needs, check_device, check_float, check_scaling_dropout,
-                      compute_dtype, dropout_mask, keeps_weight, rank_dtype, reused_norm, row_scale, rows)
+from ._policy import (as_result, as_rows, autocast_off, backend_needs, check_device, check_float,
+                      check_scaling_dropout, compute_dtype, dropout_mask, keeps_weight, rank_dtype, reused_norm,
+                      row_scale, rows)
 
 
 class DoRAFP8Function(torch.autograd.Function):
@@ -226,7 +227,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Optional[Tensor] = No
     name = race.select("linear", backend, x.device, backend_needs(scale, mode, cdt), N=N, K=K,
                        M=math.prod(x.shape[:-1]), bias=bias is not None, scale=scale_kind(scale), block=block_size,
                        cdt=cdt, act_quant=mode)
-    x2d = rows(x.reshape(-1, K).to(cdt))
+    x2d = rows(as_rows(x, K).to(cdt))
     b = None if bias is None else bias.to(cdt)
     y = FP8LinearFunction.apply(x2d, w8, scale, b, block_size, mode, name, global_scale)
     return as_result(y, (*x.shape[:-1], N))  # not a view of y (FSDP2 warns on views)
@@ -289,7 +290,7 @@ def dora_fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, lora_A: Tensor, lora_B
     name = race.select("dora", backend, x.device, backend_needs(scale, mode, cdt), N=N, K=K,
                        M=math.prod(x.shape[:-1]), r=r, bias=bias is not None, scale=scale_kind(scale),
                        block=block_size, cdt=cdt, rdt=rdt, p=p, act_quant=mode)
-    x2d = rows(x.reshape(-1, K).to(cdt))
+    x2d = rows(as_rows(x, K).to(cdt))
     b, A, B, s = None if bias is None else bias.to(cdt), lora_A.to(rdt), lora_B.to(rdt), float(scaling)
     if weight_norm is None:
         n = _ops.weight_norm_op(w8, scale, lora_A.detach(), lora_B.detach(), s, block_size=block_size, backend=name,

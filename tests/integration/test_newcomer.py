@@ -252,19 +252,22 @@ def test_the_report_names_refused_settings():
 
 def test_a_refused_setting_stops_the_command_in_one_line(tmp_path):
     """DORAFP8_NO_PATCHES=2 made `python -m dorafp8` (and the `dorafp8` script) die with the traceback of the import,
-    and DORAFP8_BACKEND=Triton `dorafp8 selftest` with that of the call reading it. One line naming the variable now,
-    exit 2; `import dorafp8` in a script still raises."""
+    and DORAFP8_BACKEND=Triton `dorafp8 selftest` with that of the call reading it; DORAFP8_RACE=yes `dorafp8 run --
+    cmd` started the trainer, which failed at its first GPU step. One line naming the variable now, exit 2 (the
+    trainer not started); `import dorafp8` in a script still raises."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DORAFP8_")}
     script = tmp_path / "dorafp8"  # as pip writes the console script
     script.write_text("import sys\nfrom dorafp8.__main__ import main\nsys.exit(main())\n")
     for argv, bad in (([sys.executable, "-m", "dorafp8"], {"DORAFP8_NO_PATCHES": "2"}),
                       ([sys.executable, str(script), "selftest"], {"DORAFP8_NO_PATCHES": "yes"}),
                       ([sys.executable, "-m", "dorafp8", "selftest"], {"DORAFP8_BACKEND": "Triton"}),
-                      ([sys.executable, "-m", "dorafp8", "check", "{}"], {"DORAFP8_RACE": "true"})):
+                      ([sys.executable, "-m", "dorafp8", "check", "{}"], {"DORAFP8_RACE": "true"}),
+                      ([sys.executable, str(script), "run", "--", sys.executable, "-c", "print('trainer ran')"],
+                       {"DORAFP8_RACE": "yes"})):
         r = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT,
                            env=dict(env, PYTHONPATH=str(ROOT), **bad))
         name, value = next(iter(bad.items()))
-        assert r.returncode == 2 and r.stderr.count("\n") == 1, (argv, bad, r.stderr)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "trainer ran" not in r.stdout, (argv, bad, r)
         assert r.stderr.startswith(f"dorafp8: {name} must be") and f"got {value!r}" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", "import dorafp8"], capture_output=True, text=True, timeout=240,
                        cwd=ROOT, env=dict(env, DORAFP8_NO_PATCHES="2"))

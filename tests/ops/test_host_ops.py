@@ -1,0 +1,85 @@
+"""The PyTorch ops a DoRA training step issues outside its kernel launches (issue 52: on an H200 host each one costs
+microseconds of enqueue, views and allocations included). dorafp8._launches.LaunchRecorder lists them by origin,
+inside dorafp8's custom ops too; bench/glue_cpu.py --ops prints the list. These tests keep out the ones that do
+nothing: a reshape to the shape a tensor has, a detach of a tensor with no history, placeholders made per call."""
+
+import pytest
+import torch
+
+import dorafp8
+from dorafp8._launches import LaunchRecorder
+from dorafp8.backends import base
+from dorafp8.triton_kernels._common import vector
+
+
+@pytest.fixture(autouse=True)
+def _no_poison(monkeypatch):
+    monkeypatch.setattr(base, "POISON_OUTPUTS", False)  # the tests' NaN fill is not what a user's step runs
+
+
+def _step_ops(backend, dropout, x_dims=2):
+    """The ops of the headline layer's step (bf16 x, fp32 adapters, a cached fp32 norm, per-tensor scale), the second
+    of two (every once-per-process choice made), as (op, origin)."""
+    gen = torch.Generator().manual_seed(0)
+    N = K = 64
+    w8, scale = dorafp8.quantize_e4m3(torch.randn(N, K, generator=gen))
+    A = (torch.randn(4, K, generator=gen) / K ** 0.5).requires_grad_()
+    B = (torch.randn(N, 4, generator=gen) * 0.02).requires_grad_()
+    n = dorafp8.weight_norm(w8, scale, A, B, 2.0, backend="reference")
+    m = n.clone().requires_grad_()
+    x = torch.randn(*([2] * (x_dims - 2)), 16, K, generator=gen).bfloat16().requires_grad_()
+    for _ in range(2):
+        with LaunchRecorder() as rec:
+            y = dorafp8.dora_fp8_linear(x, w8, scale, A, B, m, 2.0, dropout_p=dropout, training=True, backend=backend,
+                                        weight_norm=n)
+            y.backward(torch.ones_like(y))
+    assert rec.launches
+    return rec.ops
+
+
+# The ops the front end (ops/, quant.py) issues for a reason: dropout's mask and xm, the backward's 0-dim views of the
+# pass's (rl, rb) that the dgrad takes (the backend contract), and the backward pass op's placeholder for the gb it
+# does not make (a custom op returns no None).
+_FRONT_NEEDS = {("aten.empty_like.default", "ops/_policy.py:dropout_mask"),
+                ("aten.bernoulli_.float", "ops/_policy.py:dropout_mask"),
+                ("aten.ne.Scalar", "ops/_policy.py:dropout_mask"),
+                ("aten.mul.Tensor", "ops/linear.py:forward"), ("aten.select.int", "ops/linear.py:backward"),
+                ("aten.new_empty.default", "ops/_custom_ops.py:<genexpr>")}
+
+
+@pytest.mark.backends("triton", "cublas")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_front_end_issues_no_op_that_does_nothing(backend, dropout):
+    """A 2-D x, a per-tensor scale and a norm without history: no reshape of x or of the result (and of their
+    gradients in the backward), no view of the 0-dim scale, no detach of the norm (each was an op every call)."""
+    ops = _step_ops(backend, dropout)
+    front = [(op, origin) for op, origin in ops if origin.startswith(("ops/", "quant.py"))]
+    assert set(front) <= _FRONT_NEEDS, front
+    assert ("aten.view.default", "torch") not in ops, ops  # autograd's backward of a reshape
+
+
+def test_a_3d_x_is_still_reshaped_and_its_result_a_tensor_of_its_own():
+    """What the 2-D shortcut leaves to the other shapes: [2, 16, K] in, [2, 16, N] out, not a view (FSDP2)."""
+    ops = _step_ops("triton", 0.0, x_dims=3)
+    assert ("aten._unsafe_view.default", "ops/_policy.py:as_result") in ops, ops
+    assert any(op == "aten.view.default" and origin.startswith("ops/") for op, origin in ops), ops
+
+
+@pytest.mark.backends("triton", "cublas")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_dgrad_makes_no_placeholder_per_call(backend, dropout):
+    """The dgrad (and the cuBLAS strategy's dgrad epilogue) reshape rl once, as the kernel reads it, and take it as the
+    placeholder of what the launch does not read: it made three to five views of rl (and rb) a call."""
+    ops = _step_ops(backend, dropout)
+    dgrad = [o for o in ops if o[1].startswith("triton_kernels/dgrad.py")]
+    assert dgrad == ([("aten.view.dtype", "triton_kernels/dgrad.py:_epilogue_args")] if dropout else []), dgrad
+    assert sum(o[1] == "triton_kernels/_common.py:vector" for o in ops) <= 2, ops  # rl, and rb with dropout
+
+
+def test_vector_takes_a_flat_vector_as_it_is():
+    """The per-column vectors (m, n, srow: 1-D, contiguous) reached the kernels through a reshape(-1) each, an op."""
+    t = torch.ones(5)
+    assert vector(t) is t and vector(t, torch.float32) is t
+    assert vector(torch.ones(5, 1)).shape == (5,) and vector(torch.ones(5), torch.bfloat16).dtype == torch.bfloat16
+    strided = torch.ones(10)[::2]
+    assert vector(strided).is_contiguous() and torch.equal(vector(strided), strided)
