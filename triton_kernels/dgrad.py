@@ -322,7 +322,7 @@ def dgrad_epilogue(t, tb, rl, w8, scale, block_size, v, A, s, mask, p, rb, cdt):
     if M == 0 or K == 0:
         return dx
     tb = tb if has_dropout else t
-    rk = rank_dot((cdt,), r, v.dtype, A.dtype, split=False)
+    rk = rank_dot((cdt,), r, v.dtype, A.dtype)
     bm, bk = epilogue_blocks(rk["LORA_IEEE"])
     grid = (cdiv(M, bm), cdiv(K, bk))
     launch(dgrad_epilogue_kernel, grid)(

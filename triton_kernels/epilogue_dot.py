@@ -16,14 +16,15 @@ from ._common import block_r, dot, dot_dtype, triton_version
 LORA_PIECES = 3
 
 
-def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, split: bool = True, fma: bool = False) -> dict:
+def rank_dot(outs: tuple, r: int, *rank_dtypes: torch.dtype, fma: bool = False) -> dict:
     """The constexprs of an epilogue's rank-r dot (LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R): rank-side operands (u, B or
     v, A) in rank_dtypes, the term landing in outputs of the dtypes `outs` (y and z, or dx). 16-bit rank operands of one
     dtype: tensor cores in that dtype. Otherwise fp32 operands: 16-bit outputs get split_dot (error within 2^-14 of the
-    products' magnitudes), an fp32 output exact fp32 products on CUDA cores (ieee). split=False (the memory-bound cuBLAS
-    strategy's epilogues) and fma=True (rank_fma_for) take exact fp32 products whatever the outputs."""
+    products' magnitudes), an fp32 output exact fp32 products on CUDA cores (ieee). fma=True (rank_fma_for) takes exact
+    fp32 products whatever the outputs. The cuBLAS strategy's stand-alone epilogues split too (issue 52)."""
+    split = not fma
     if fma:  # the rank operands taken in fp32 and never split: exact fp32 products
-        rank_dtypes, split = (torch.float32,), False
+        rank_dtypes = (torch.float32,)
     lora_dt, ieee = dot_dtype(*rank_dtypes)
     # fp32 rank operands take chunks of 16 either way: split into four bf16 tiles, chunks of 64 spilled up to 744 bytes
     # on sm_90a at r = 64 (python -m dorafp8.kernel_report --variant fp32-rank)

@@ -221,12 +221,12 @@ def _fixed(num_warps=4, num_stages=3, **blocks):
 
 def _epilogue_rank_modes(dt_name, dt, adapter):
     """(rank dtype, r, name suffix, rank_dot's constexprs) of the cuBLAS strategy's epilogue kernels for _rank_modes'
-    adapters: those epilogues keep fp32 rank products exact (rank_dot(split=False)), so fp32 adapters make their dots
-    fp32 (LORA_IEEE) and their tiles epilogue_blocks' smaller ones, as the launchers choose."""
+    adapters, as the launchers choose: fp32 adapters into 16-bit outputs take split_dot on tensor cores (as the GEMMs'
+    epilogues do); into fp32 outputs exact fp32 dots (LORA_IEEE) on epilogue_blocks' smaller tiles."""
     out = []
     for rank_dt, r, rank_name in _rank_modes(dt_name, "tensor", adapter):
         rdt = F32 if rank_dt == "fp32" else dt
-        rk = rank_dot((dt,), r, rdt, split=False)
+        rk = rank_dot((dt,), r, rdt)
         out.append((rdt, r, rank_name, rk))
     return out
 

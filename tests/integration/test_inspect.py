@@ -89,8 +89,8 @@ SUBSET = [
       for q in ("", "w8a8,") for loop in ("", _OTHER_LOOP)],
     # and the other loop's small-M lists on sm_90a (the Hopper loop's, or the cp.async fallback's where it runs)
     *[(k, "bf16", f"adapter,tensor-scale,M<=64,fp32-rank,r=16{_OTHER_LOOP}", ("sm_90a",)) for k in GEMMS],
-    # the cuBLAS strategy's epilogues under PEFT's fp32 adapters: exact fp32 rank-r dots on CUDA cores, their heaviest,
-    # and the forward's without dropout (MAY_SPILL says why it spills)
+    # the cuBLAS strategy's epilogues under PEFT's fp32 adapters: split_dot's bf16 rank-r products on tensor cores
+    # (issue 52: exact fp32 FMAs before), their heaviest, and the forward's without dropout
     *[(k, "bf16", "adapter+dropout,fp32-rank,r=64", BOTH) for k in ("forward_epilogue", "dgrad_epilogue")],
     ("forward_epilogue", "bf16", "adapter,fp32-rank,r=16", BOTH),
     # its one-pass dequantize: block scales gather a scale per weight; per row it scans the scales for kappa
@@ -192,14 +192,6 @@ KNOWN_SERIALIZED = {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>
                      "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4")}
 MAY_SPILL = {("dgrad", "sm_89", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
               "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")}
-# The cuBLAS strategy's forward epilogue with fp32 adapters (8 to 20 bytes, which variant depends on the Triton: without
-# dropout on sm_90a, sm_100a and sm_120 under 3.9, with dropout on sm_90a under 3.6, none under 3.7): not register
-# pressure (72 to 96 registers) but the correctly rounded c = m / n (div_rn), whose slow path is a subroutine CALL
-# across which ptxas keeps predicate masks on the stack, stored once per thread before the rank-r loop and loaded
-# after it; no loop touches them. Computing c before the rank-r term moves the spills to the fp32-activation variants
-# (8 and 16 bytes on sm_90a, 3.9). "auto" picks that strategy where its check and time win (the H200 run did: race.md).
-MAY_SPILL |= {("forward_epilogue", arch, "bf16", f"{mode},fp32-rank,r={r}", "BLOCK_M=16,BLOCK_N=64,w4,s3")
-              for arch in insp.ARCHS for mode in ("adapter", "adapter+dropout") for r in (16, 64)}
 # project_grad with dropout (bf16 x, fp32 adapters split in three bf16 parts: split_dtype) on its 32 x 64 x 32
 # three-stage tile on sm_100a: 16 bytes at 72 registers under Triton 3.7 and 3.9, none under 3.6 and 3.8 (CI's matrix,
 # read when the rank-r kernels took the split operand). A spill on B200 only, in a rank-r kernel bound by its bytes.
@@ -367,12 +359,14 @@ def test_fp32_compute_uses_no_tensor_cores(records):
 
 def test_fp32_adapters_on_bf16_use_tensor_cores(records):
     """PEFT's fp32 adapters on a bf16 model: the rank-r GEMMs (project, project_grad) and the backward pass's dots run
-    on bf16 tensor cores with the fp32 operand split in three (_common.split_dtype). Their fp32 FMA dots took these
-    kernels 5-20x past their byte floors on an H200 (issue 52: project_kernel 331 us, dora_bwd_pass_kernel 366 us at
-    M 8192, N = K = 4096, r 16)."""
-    recs = [r for r in _select(records, "triton", ("project", "project_grad", "backward_pass"), dtypes=("bf16",))
+    on bf16 tensor cores with the fp32 operand split in three (_common.split_dtype), the cuBLAS strategy's epilogues
+    likewise (epilogue_dot.split_dot). Their fp32 FMA dots took these kernels 5-20x past their byte floors on an H200
+    (issue 52: project_kernel 331 us, dora_bwd_pass_kernel 366 us, the epilogues 4.8x and 6.5x at M 8192, N = K = 4096,
+    r 16)."""
+    kernels = {"project", "project_grad", "backward_pass", "forward_epilogue", "dgrad_epilogue"}
+    recs = [r for r in _select(records, "triton", tuple(kernels), dtypes=("bf16",))
             if "fp32-rank" in r["variant"] and not r["variant"].startswith("plain,row-scale")]
-    assert {r["kernel"] for r in recs} == {"project", "project_grad", "backward_pass"}
+    assert {r["kernel"] for r in recs} == kernels
     _none_of([r for r in recs if r["mma"] in ("fma", "none")], "multiply fp32 adapters on CUDA cores")
 
 

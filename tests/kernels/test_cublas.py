@@ -50,6 +50,54 @@ def test_refuses_w8a8():
         check_forward(cb.forward, p, "nodrop", has_bias=False, act_quant="rowwise")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout"])
+def test_fp32_adapters_on_16bit(dtype, mode):
+    """PEFT's fp32 adapters on a 16-bit model: the epilogues' rank-r term is split_dot's three bf16 products (the
+    outputs are 16-bit; an fp32 z would keep exact fp32 products, but cuBLAS's base product is already rounded to the
+    compute dtype, so it cannot meet fp32's tolerance here); r = 20 crosses a rank chunk. Against fp64."""
+    p = make_problem(37, 50, 70, 20, dtype, DEVICE, "row" if dtype == torch.bfloat16 else "tensor", True,
+                     rank_dtype=torch.float32)
+    p["z_dtype"] = dtype
+    check_forward(cb.forward, p, mode, has_bias=True)
+    check_dgrad(cb.dgrad, p, mode)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_epilogues_take_the_rank_term_on_tensor_cores(dropout, monkeypatch):
+    """Issue 52: with bf16 activations and fp32 adapters (the H200 headline) the two epilogues multiplied u B^T and v A
+    as fp32 FMAs on CUDA cores (128-165 FFMA a thread on 16 x 64 tiles); a dry run planning for a GPU now launches them
+    with the three-piece bf16 split on tensor cores and the larger tiles that allows."""
+    import dorafp8
+    import dorafp8.triton_kernels as tk
+    from dorafp8._launches import LaunchRecorder, dry_run
+
+    seen = {}
+
+    def observe(kernel, grid, args, kwargs):
+        seen[getattr(kernel, "__name__", None) or kernel.fn.__name__] = dict(kwargs)
+        return False
+
+    M, N, K, r = 256, 128, 192, 16
+    w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=DEVICE)
+    leaves = [torch.empty(M, K, dtype=torch.bfloat16), torch.empty(r, K), torch.empty(N, r), torch.ones(N)]
+    x, A, B, m = (t.to(DEVICE).requires_grad_() for t in leaves)
+    gy = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setattr(base, "POISON_OUTPUTS", False)
+    tk.launch_observers().append(observe)
+    try:
+        with LaunchRecorder() as rec, dry_run(rec, 132, 2):
+            dorafp8.dora_fp8_linear(x, w8, torch.ones((), device=DEVICE), A, B, m, 2.0, backend="cublas",
+                                    weight_norm=torch.ones(N, device=DEVICE), dropout_p=dropout,
+                                    training=True).backward(gy)
+    finally:
+        tk.launch_observers().remove(observe)
+    for name, tile in (("fwd_epilogue_kernel", "BLOCK_N"), ("dgrad_epilogue_kernel", "BLOCK_K")):
+        kw = seen[name]
+        assert kw["LORA_SPLIT"] and not kw["LORA_IEEE"], f"{name}: {kw}"
+        assert kw["BLOCK_M"] * kw[tile] > 16 * 64, f"{name}: {kw}"
+
+
 # The bytes the speed predictions rest on (dorafp8/kernel_report/predict.py, from dorafp8/_launches.py's recorder): a
 # dry run of one forward + backward (no Triton kernel runs, nor a matmul; the launchers plan for an H100; on DEVICE, a
 # GPU's tensors where there is one), each launch's bytes checked
