@@ -310,7 +310,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         v_k.stride(1), A_k.stride(0), A_k.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
-        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, W8_T=w8t, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
+        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, W8_T=w8t, HAS_LORA=float(s) != 0.0,
+        DOT_DT=dot_dt,
         IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), MAIN_LOOP=main_loop, **rk,
     )
     return dx

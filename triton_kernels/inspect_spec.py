@@ -148,7 +148,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                 r_k, rk = ws_rank_dot(rank_mode, r, rk)
                 if rank_mode == "pieces":  # rank_pieces' bf16 operands over 3 r (hopper.py; r % 8 == 0: no padding)
                     rdt = torch.bfloat16
-                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop, arch)
+                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop,
+                                          arch)
                 constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                                   SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                                   HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant,

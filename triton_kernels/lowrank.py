@@ -29,8 +29,9 @@ def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, in
 
 
 def quant_block_k(bm: int) -> int:
-    """QUANT's sweep width on a GPU: a step of QUANT_STEP elements (the main loop's 32 x 64 tile kept 4 KiB in flight
-    per program, 256 programs at M 8192: W8A8's project ran at 6.5x its floor on an H200; wider spilled at 64 rows)."""
+    """QUANT's sweep width on a GPU: a step of QUANT_STEP elements. The main loop's 32 x 64 tile kept 4 KiB in flight
+    per program, 256 programs at M 8192, and W8A8's project ran at 6.5x its floor on an H200; 4x that in flight is a
+    PREDICTION of the mend (bench/results/nvidia-h200/NOTES.md); 64 x 512 spilled (kernel report)."""
     return max(QUANT_STEP // bm, 16)
 
 
