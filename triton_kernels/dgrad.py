@@ -87,7 +87,8 @@ def dora_dgrad_kernel(
     SCALE_KIND: tl.constexpr,   # "tensor" / "row" (already in gl) / "block" (inside the N loop): see check_weight;
                                 # "nvfp4" / "mxfp8" (microscaled: in the W tile, W8A16 only; g_ptr NVFP4's global)
     SCALE_BLOCK_SIZE: tl.constexpr,  # b of the b x b block scales (1 for the other kinds); BLOCK_N divides it
-    ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb and w_ptr is W8^T [K, N] (W8A8)
+    ACT_QUANT: tl.constexpr,    # gl, gb are e4m3 with row scales sgl, sgb (W8A8)
+    W8_T: tl.constexpr,         # w_ptr is W8^T [K, N] (reads_w8t), else W8 [N, K]
     HAS_LORA: tl.constexpr,     # s != 0
     DOT_DT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -126,7 +127,7 @@ def dora_dgrad_kernel(
                     gl_ptr, gb_ptr, sgl_ptr, sgb_ptr, rl_ptr, rb_ptr, w_ptr, scale_ptr, g_ptr, v_ptr, a_ptr,
                     mask_ptr, dx_ptr, M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m,
                     stride_v_r, stride_a_r, stride_a_k, stride_mask_m, stride_dx_m, s, inv_keep,
-                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, HAS_LORA, DOT_DT, IEEE,
+                    HAS_ADAPTER, HAS_DROPOUT, SCALE_KIND, SCALE_BLOCK_SIZE, ACT_QUANT, W8_T, HAS_LORA, DOT_DT, IEEE,
                     W8_VIA_F32, FP8_PROMOTE, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_K, BLOCK_N,
                     MAIN_LOOP)
 
@@ -138,7 +139,8 @@ def _dgrad_tile(
     M, N, K, R, stride_gl_m, stride_gb_m, stride_w, stride_scale_n, stride_v_m, stride_v_r, stride_a_r, stride_a_k,
     stride_mask_m, stride_dx_m, s, inv_keep,
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCALE_KIND: tl.constexpr,
-    SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, DOT_DT: tl.constexpr,
+    SCALE_BLOCK_SIZE: tl.constexpr, ACT_QUANT: tl.constexpr, W8_T: tl.constexpr, HAS_LORA: tl.constexpr,
+    DOT_DT: tl.constexpr,
     IEEE: tl.constexpr, W8_VIA_F32: tl.constexpr, FP8_PROMOTE: tl.constexpr, LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MAIN_LOOP: tl.constexpr,
@@ -166,10 +168,10 @@ def _dgrad_tile(
                                       W8_VIA_F32, FP8_PROMOTE, BLOCK_K, BLOCK_M, BLOCK_N,
                                       w_ptr, offs_n, pid_k * BLOCK_K, K, stride_w, g_ptr, True)
         else:
-            if ACT_QUANT:  # W8^T [K, N]: the reduction dim N is contiguous (K-major for fp8 MMA)
+            if W8_T:  # W8^T [K, N]: the reduction dim N is contiguous (K-major, as mma.sync's fp8 wants it)
                 w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
                 stride_w_red = 1
-            else:  # W8 [N, K]
+            else:  # W8 [N, K]; under W8A8 (wgmma, tcgen05) the fp8 tile is transposed in registers (reads_w8t)
                 w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
                 stride_w_red = stride_w
             acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n,
@@ -242,6 +244,14 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, (rl if rb is rl else vector(rb, torch.float32)), dx
 
 
+def reads_w8t(arch: str, quant: bool, main_loop: str) -> bool:
+    """Whether the dgrad reads W8^T [K, N] (hopper.transpose_w8, for the call: 2 N K bytes, a launch) over W8 [N, K]:
+    the Hopper loop always (TMA: hopper.py), W8A8's cp.async loop where fp8 MMA is mma.sync (sm89, sm120), which
+    would read W8's fp8 tile, transposed, back from shared memory a byte at a time (LDS.U8; kernel report). wgmma and
+    tcgen05 (sm90, sm100; and the interpreter) take that tile transposed in registers (PRMT) instead."""
+    return main_loop != "async-copy" or (quant and arch in ("sm89", "sm120"))
+
+
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
     """dx [M, K]; see dorafp8/backends/base.py. gl, gb [M, N], v [M, r] may have any row stride. A microscaled weight
     (NVFP4 with its global_scale, MXFP8) is unpacked in the main loop's registers, read transposed (_dgrad_tile)."""
@@ -277,12 +287,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         rk = rank_dot((cdt,), r, v.dtype, A.dtype, fma=rank_fma_for(arch_of(gl.device), True, has_dropout))
     v_k, A_k = rank_pieces(v, A, True) if rank_mode == "pieces" else (v, A)  # the rank operands as the kernel reads
     r_k, rk = ws_rank_dot(rank_mode, r, rk)
-    if main_loop != "async-copy":
-        w = transpose_w8(w8)  # W8^T [K, N]: transient, this call only (see the module docstring)
-    elif quant:
-        w = w8.t().contiguous()  # likewise
-    else:
-        w = w8
+    w8t = reads_w8t(arch_of(gl.device), quant, main_loop)
+    w = transpose_w8(w8) if w8t else w8  # W8^T [K, N]: transient, this call only (see the module docstring)
 
     def configs():  # made once per tag and arch: see autotuned
         if main_loop == "async-copy":
@@ -305,7 +311,8 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         v_k.stride(1), A_k.stride(0), A_k.stride(1), mask.stride(0), dx.stride(0),
         float(s), float(inv_keep),
         HAS_ADAPTER=has_adapter, HAS_DROPOUT=has_dropout, SCALE_KIND=kind,
-        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, HAS_LORA=float(s) != 0.0, DOT_DT=dot_dt,
+        SCALE_BLOCK_SIZE=scale_block_size(kind, block_size), ACT_QUANT=quant, W8_T=w8t, HAS_LORA=float(s) != 0.0,
+        DOT_DT=dot_dt,
         IEEE=ieee, W8_VIA_F32=w8_via_f32(gl.device), FP8_PROMOTE=fp8_promote(gl.device), MAIN_LOOP=main_loop, **rk,
     )
     return dx

@@ -18,13 +18,13 @@ from ._common import (dot_dtype, split_dtype, fit_reduction_block, gemm_configs_
 from .backward import FINISH_BLOCKS, SCAN_N, bwd_pass_blocks, dora_bwd_finish_kernel, dora_bwd_pass_kernel
 from .dequant import DEQUANT_BLOCKS, SCAN, dequant_w8_kernel
 from .dequant_micro import dequant_micro_kernel, micro_blocks
-from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel
+from .dgrad import dgrad_epilogue_kernel, dora_dgrad_kernel, reads_w8t
 from .epilogue_dot import rank_dot, rank_fma_for
 from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
 from .gemm import MICRO
 from .hopper import (MAIN_LOOPS, PIECES_BLOCKS, TRANSPOSE_BLOCK, main_loop_for, rank_pieces_kernel, transpose_w8_kernel,
                      ws_configs_for, ws_plan, ws_rank_dot)
-from .lowrank import launch_blocks, project_grad_kernel, project_kernel, sum_splits_kernel
+from .lowrank import launch_blocks, project_grad_kernel, project_kernel, quant_block_k, sum_splits_kernel
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
@@ -148,7 +148,8 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                 r_k, rk = ws_rank_dot(rank_mode, r, rk)
                 if rank_mode == "pieces":  # rank_pieces' bf16 operands over 3 r (hopper.py; r % 8 == 0: no padding)
                     rdt = torch.bfloat16
-                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop)
+                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop,
+                                          arch)
                 constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                                   SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                                   HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant,
@@ -174,7 +175,7 @@ def _weight_args(kind):
     return (FP8, F32, F32), K, K // SCALE_BLOCK_SIZE if kind == "block" else 0
 
 
-def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
+def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop, arch):
     # z in the compute dtype, as the custom op asks for it (z_dtype=x.dtype)
     (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
@@ -189,9 +190,8 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     return args, dict(HAS_BIAS=True, NEED_Z=adapter)
 
 
-def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
-    # W8A8 and the Hopper loops read W8^T [K, N] (dgrad.py, hopper.py), the cp.async W8A16 loop W8 [N, K]
-    w8t = quant or loop != "async-copy"
+def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop, arch):
+    w8t = reads_w8t(arch, quant, loop)  # W8^T [K, N] or W8 [N, K], as the launcher
     (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
         gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=w,
@@ -203,7 +203,7 @@ def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
         stride_mask_m=K if dropout else 1, stride_dx_m=K,
         s=0.5, inv_keep=1.0 / 0.9 if dropout else 1.0,
     )
-    return args, {}
+    return args, dict(W8_T=w8t)
 
 
 def _forward_variants(arch: str) -> list[Variant]:
@@ -318,15 +318,16 @@ def _rank_gemm_variants(kernel_args, **extra_constexprs):
 
 _project_plain = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt, q_ptr=dt, sq_ptr=dt, stride_a_m=K, stride_b_r=K,
-    stride_b_k=1, stride_out_m=RANK, stride_q_m=K), QUANT=False, INTERPRET=False)
+    stride_b_k=1, stride_out_m=RANK, stride_q_m=K), QUANT=False, INTERPRET=False, QUANT_BLOCK_K=16)
 
 
 def _project_variants(arch: str) -> list[Variant]:
     """project's variants, and for bf16 activations the same with W8A8's quantization of x (QUANT: ",w8a8")."""
     out = _project_plain(arch)
     for v in [v for v in out if v.dtype == "bf16"]:
+        qbk = quant_block_k(v.configs[0].kwargs["BLOCK_M"])
         out.append(Variant(f"{v.name},w8a8", v.dtype, dict(v.args, q_ptr=FP8, sq_ptr=F32),
-                           dict(v.constexprs, QUANT=True), v.configs))
+                           dict(v.constexprs, QUANT=True, QUANT_BLOCK_K=qbk), v.configs))
     return out
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from ._common import (dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
                       split_dtype, sum_parts)
 from .occupancy import sm_props
-from .quant import quant_rows
+from .quant import QUANT_STEP, quant_rows
 
 
 def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, int, int]:
@@ -26,6 +26,13 @@ def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, in
     if ieee or split:
         return 32, 64, min(block_r(R), 32), 2 if ieee else 3
     return 64, 128, block_r(R), 3
+
+
+def quant_block_k(bm: int) -> int:
+    """QUANT's sweep width on a GPU: a step of QUANT_STEP elements. The main loop's 32 x 64 tile kept 4 KiB in flight
+    per program, 256 programs at M 8192, and W8A8's project ran at 6.5x its floor on an H200; 4x that in flight is a
+    PREDICTION of the mend (bench/results/nvidia-h200/NOTES.md); 64 x 512 spilled (kernel report)."""
+    return max(QUANT_STEP // bm, 16)
 
 
 @triton.jit
@@ -50,6 +57,7 @@ def project_kernel(
     QUANT: tl.constexpr,  # also quantize a (unmasked) per row to e4m3 (W8A8): q, and its row scales sq
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    QUANT_BLOCK_K: tl.constexpr,  # QUANT: the quantizing sweep's width (quant_block_k)
 ):
     pid_m, pid_r = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,7 +87,8 @@ def project_kernel(
              mask=mask_m[:, None] & mask_r[None, :])
     if QUANT:
         if pid_r == 0:  # with several rank chunks, the first quantizes
-            quant_rows(a_ptr, q_ptr, sq_ptr, rows, mask_m, amax, K, stride_a_m, stride_q_m, BLOCK_K, INTERPRET)
+            quant_rows(a_ptr, q_ptr, sq_ptr, rows, mask_m, amax, K, stride_a_m, stride_q_m, QUANT_BLOCK_K,
+                       INTERPRET)
 
 
 @triton.jit
@@ -153,10 +162,11 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee, split = split_dtype(a.dtype, b.dtype)
     bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R, split)
+    qbk = 2 * bk if interpreting() else quant_block_k(bm)  # a width of its own in the tests too
     launch(project_kernel, (cdiv(M, bm), max(cdiv(R, br), int(quant))))(  # quant: every row block, even at r = 0
         a, b, out, mk, q, sq, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, q.stride(0),
         inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, QUANT=quant, INTERPRET=interpreting(),
-        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=4, num_stages=stages)
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, QUANT_BLOCK_K=qbk, num_warps=4, num_stages=stages)
     return (out, q, sq) if quant else out
 
 

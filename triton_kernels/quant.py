@@ -14,6 +14,7 @@ from ._common import alloc, cdiv, interpreting, launch
 
 E4M3_MAX = tl.constexpr(448.0)  # a constexpr: the only kind of global a compiled kernel may read
 QUANT_BLOCKS = (8, 512)  # (BLOCK_M, BLOCK_K) on a GPU
+QUANT_STEP = 8192  # elements lowrank.project_kernel's QUANT sweep takes a step (16 KiB of bf16; quant_block_k)
 
 
 @triton.jit
