@@ -171,7 +171,7 @@ def _dgrad_tile(
             if W8_T:  # W8^T [K, N]: the reduction dim N is contiguous (K-major, as mma.sync's fp8 wants it)
                 w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
                 stride_w_red = 1
-            else:  # W8 [N, K]; under W8A8 (wgmma, tcgen05) the fp8 tile is transposed in registers (reads_w8t)
+            else:  # W8 [N, K] (under W8A8 the fp8 tile would be transposed in registers: reads_w8t)
                 w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
                 stride_w_red = stride_w
             acc, acc_b = w8_gemm_loop(w_ptrs, stride_w_red, glt_ptrs, gbt_ptrs, scale_ptr, s_offs, stride_scale_n,
@@ -244,12 +244,13 @@ def _epilogue_args(M, K, cdt, device, v, A, mask, p, gb, rb, rl):
     return r, v, A, mask, inv_keep, (rl if rb is rl else vector(rb, torch.float32)), dx
 
 
-def reads_w8t(arch: str, quant: bool, main_loop: str) -> bool:
+def reads_w8t(quant: bool, main_loop: str) -> bool:
     """Whether the dgrad reads W8^T [K, N] (hopper.transpose_w8, for the call: 2 N K bytes, a launch) over W8 [N, K]:
-    the Hopper loop always (TMA: hopper.py), W8A8's cp.async loop where fp8 MMA is mma.sync (sm89, sm120), which
-    would read W8's fp8 tile, transposed, back from shared memory a byte at a time (LDS.U8; kernel report). wgmma and
-    tcgen05 (sm90, sm100; and the interpreter) take that tile transposed in registers (PRMT) instead."""
-    return main_loop != "async-copy" or (quant and arch in ("sm89", "sm120"))
+    the Hopper loop (TMA) and W8A8 (fp8 MMA wants the reduction dim N contiguous). On wgmma and tcgen05 W8A8 could read
+    W8 itself, its fp8 tile transposed in registers (64 PRMT a step, 172 -> 298 instructions: kernel report, sm_90a),
+    and mma.sync would read it back a byte at a time (LDS.U8); no GPU has timed that trade, so every GPU keeps W8^T
+    (the kernel keeps both addressings: tests/kernels/test_triton_kernels.py checks the direct one)."""
+    return main_loop != "async-copy" or quant
 
 
 def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, global_scale=None):
@@ -287,7 +288,7 @@ def dgrad(gl, rl, w8, scale, block_size, v, A, s, mask, p, gb, rb, act_quant, gl
         rk = rank_dot((cdt,), r, v.dtype, A.dtype, fma=rank_fma_for(arch_of(gl.device), True, has_dropout))
     v_k, A_k = rank_pieces(v, A, True) if rank_mode == "pieces" else (v, A)  # the rank operands as the kernel reads
     r_k, rk = ws_rank_dot(rank_mode, r, rk)
-    w8t = reads_w8t(arch_of(gl.device), quant, main_loop)
+    w8t = reads_w8t(quant, main_loop)
     w = transpose_w8(w8) if w8t else w8  # W8^T [K, N]: transient, this call only (see the module docstring)
 
     def configs():  # made once per tag and arch: see autotuned

@@ -148,8 +148,7 @@ def _gemm_variants(arch: str, out_name: str, red_name: str, kernel_args, dgrad: 
                 r_k, rk = ws_rank_dot(rank_mode, r, rk)
                 if rank_mode == "pieces":  # rank_pieces' bf16 operands over 3 r (hopper.py; r % 8 == 0: no padding)
                     rdt = torch.bfloat16
-                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop,
-                                          arch)
+                args, extra = kernel_args(dt, FP8 if quant else dt, m, r_k, adapter, dropout, kind, quant, rdt, loop)
                 constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, **extra, SCALE_KIND=kind,
                                   SCALE_BLOCK_SIZE=scale_block_size(kind, SCALE_BLOCK_SIZE), ACT_QUANT=quant,
                                   HAS_LORA=True, DOT_DT=dot_dt, IEEE=ieee and not quant,
@@ -175,7 +174,7 @@ def _weight_args(kind):
     return (FP8, F32, F32), K, K // SCALE_BLOCK_SIZE if kind == "block" else 0
 
 
-def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop, arch):
+def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
     # z in the compute dtype, as the custom op asks for it (z_dtype=x.dtype)
     (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
@@ -190,8 +189,8 @@ def _forward_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop, arch)
     return args, dict(HAS_BIAS=True, NEED_Z=adapter)
 
 
-def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop, arch):
-    w8t = reads_w8t(arch, quant, loop)  # W8^T [K, N] or W8 [N, K], as the launcher
+def _dgrad_args(dt, act, m, r, adapter, dropout, kind, quant, rdt, loop):
+    w8t = reads_w8t(quant, loop)  # W8^T [K, N] or W8 [N, K], as the launcher
     (w, sc, g), stride_w, stride_s = _weight_args(kind)
     args = dict(
         gl_ptr=act, gb_ptr=act, sgl_ptr=F32, sgb_ptr=F32, rl_ptr=F32, rb_ptr=F32, w_ptr=w,
