@@ -74,6 +74,7 @@ SUBSET = [
     ("weight_norm", "bf16", "row-scale,r=128", BOTH),  # each arch's own list (16-bit A, B)
     # the kernels around the GEMMs, in their heaviest variant: one launch config each
     ("backward_pass", "bf16", "adapter+dropout,row-scale,r=128,fp32-rank", BOTH),
+    ("backward_pass", "bf16", "adapter+dropout,r=16,fp32-rank", ("sm_90a",)),  # the headline's (issue 52)
     ("backward_finish", "bf16", "adapter,r=128,fp32-rank", BOTH),
     ("sum_splits", "bf16", "-> bf16", BOTH),
     ("project", "bf16", "dropout,fp32-rank", BOTH),
@@ -368,6 +369,23 @@ def test_fp32_adapters_on_bf16_use_tensor_cores(records):
             if "fp32-rank" in r["variant"] and not r["variant"].startswith("plain,row-scale")]
     assert {r["kernel"] for r in recs} == kernels
     _none_of([r for r in recs if r["mma"] in ("fma", "none")], "multiply fp32 adapters on CUDA cores")
+
+
+def test_backward_pass_headline_holds_two_programs_an_sm(records):
+    """The headline backward pass (bf16 g, fp32 adapters, r 16) keeps two programs on each Hopper SM, so that two
+    programs' loads are in flight at once. At 210 registers x 8 warps one fit (issue 52: 350 us on an H200 for 205 MiB,
+    6.9x its floor at the copy rate). The occupancy rule is the launcher's own (occupancy.resident_blocks)."""
+    from dorafp8.triton_kernels.occupancy import resident_blocks
+
+    recs = [r for r in _select(records, "triton", ("backward_pass",), arch="sm_90a", dtypes=("bf16",))
+            if r["variant"] == "adapter+dropout,r=16,fp32-rank"]
+    assert recs
+    hopper = (132, 65536, 2048, 228 * 1024)  # SMs, registers, threads, shared-memory bytes per SM
+
+    def blocks(r):
+        return resident_blocks(r["regs"], r["smem_bytes"], int(re.search(r"\bw(\d+)\b", r["config"]).group(1)),
+                               hopper)
+    _none_of([r for r in recs if blocks(r) < 2], "hold one program per sm_90a SM")
 
 
 def test_w8a16_main_loops_convert_the_weight_without_f2f(records):
