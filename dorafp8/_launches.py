@@ -51,12 +51,16 @@ def _matmul_flops(name, args) -> int:
 
 
 def _origin() -> str:
-    """The innermost dorafp8 frame of the caller (file:function, the path from dorafp8/ on), or "torch"."""
+    """The innermost dorafp8 frame of the caller as file:function, the file named from its module (triton_kernels/
+    installs as dorafp8.triton_kernels: its path on disk need not hold "dorafp8/"), or "torch"."""
     frame = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename.replace(os.sep, "/")
-        if "/dorafp8/" in path and not path.endswith("/_launches.py"):
-            return f"{path.rsplit('/dorafp8/', 1)[1]}:{frame.f_code.co_name}"
+        module = frame.f_globals.get("__name__", "")
+        if (module == "dorafp8" or module.startswith("dorafp8.")) and module != __name__:
+            path = module.partition(".")[2].replace(".", "/")
+            if os.path.basename(frame.f_code.co_filename) == "__init__.py":
+                path = f"{path}/__init__" if path else "__init__"
+            return f"{path}.py:{frame.f_code.co_name}"
         frame = frame.f_back
     return "torch"
 

@@ -61,7 +61,9 @@ def reused_norm(n: Tensor, x: Tensor) -> Tensor:
     check_device(x, weight_norm=n)
     if not n.is_floating_point():  # an integer "norm" would be taken as it is, truncated
         raise TypeError(f"weight_norm must be a float tensor (fp32, as dorafp8.weight_norm returns it), got {n.dtype}")
-    n = (n.detach() if n.requires_grad else n).float()  # detach is an op; n without history needs none
+    # Always a new tensor, even for an fp32 n without history: the caller may pass the same tensor as the magnitude
+    # (OneTrainer's fused path), and torch.compile refuses an autograd.Function given one tensor twice.
+    n = n.detach().float()
     if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not n.is_inference():
         return n
     return n.clone()
