@@ -294,12 +294,37 @@ def _traceback(e: BaseException) -> str:
 
 
 def _sh(command: str, cwd: Path, env: dict) -> str:
-    proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + command], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=COMMAND_TIMEOUT, check=False)
-    out = proc.stdout + proc.stderr
+    # A session of its own, so that a command that hangs goes with all it started, and what it printed so far is in
+    # the failure. SIGTERM first: torchrun's workers run in sessions of their own, and torchrun stops them on SIGTERM
+    # (a SIGKILL to torchrun leaves them running on the CI machine's 2 cores).
+    proc = subprocess.Popen(["bash", "-c", "set -eo pipefail\n" + command], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out = "".join(proc.communicate(timeout=COMMAND_TIMEOUT))
+    except BaseException as e:
+        got = _stop(proc)
+        if isinstance(e, subprocess.TimeoutExpired):  # both streams' ends: a stop's tracebacks fill stderr's
+            ends = "\n".join(f"{name}:\n{text[-3000:]}" for name, text in zip(("stdout", "stderr"), got))
+            raise CommandFailed(f"timed out after {COMMAND_TIMEOUT} s (stopped with all it started): {command}\n{ends}")
+        raise
     if proc.returncode:
         raise CommandFailed(f"exit {proc.returncode}: {command}\n{out[-6000:]}")
     return out
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM to the command's process group, SIGKILL 60 s later if it is still there; what it printed (nothing if
+    a process of another session still holds its output 10 s after that)."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return "", ""
 
 
 # A decimal number as a figure prints it: digits, a point, digits, maybe an exponent (integers are not matched: a

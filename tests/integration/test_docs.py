@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,3 +136,32 @@ def test_a_slow_block_fails_by_its_limit_and_a_dead_runner_keeps_what_ran(tmp_pa
                           env=dict(os.environ, TMPDIR=str(tmp_path)))  # its temp folder dies with it, not in /tmp
     assert proc.returncode == -signal.SIGKILL
     assert [r["status"] for r in json.loads(out.read_text()).values()] == ["passed"]
+
+
+def test_a_command_past_its_limit_goes_with_every_process_it_started(tmp_path, monkeypatch):
+    """A bash block past COMMAND_TIMEOUT fails with what it printed so far, and torchrun's workers (in sessions of
+    their own) go with it: before, subprocess's timeout killed bash only, and a hung job kept the CI cores busy."""
+    monkeypatch.setattr(doc_runner, "COMMAND_TIMEOUT", 45)
+    doc = tmp_path / "hang.md"
+    doc.write_text("<!-- session: s -->\n<!-- file: w.py -->\n```python\nimport os, time\n"
+                   "open(f\"pid{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n"
+                   "print('worker', os.environ['RANK'], 'up', flush=True)\ntime.sleep(900)\n```\n\n"
+                   "<!-- session: s -->\n```bash\ntorchrun --nproc_per_node 2 w.py\n```\n")
+    res = doc_runner.run_doc(str(doc), tmp_path / "work")
+    bash = res[max(res, key=lambda k: int(k.rsplit(":", 1)[1]))]
+    assert bash["status"] == "failed" and "timed out after 45 s" in bash["error"], res
+    assert "worker 0 up" in bash["error"] and "worker 1 up" in bash["error"], bash["error"]
+    pids = [int(p.read_text()) for p in sorted((tmp_path / "work").rglob("pid[01]"))]
+    assert len(pids) == 2, pids
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in pids), f"torchrun's workers outlived the timeout: {pids}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
