@@ -33,6 +33,7 @@ def dora_bwd_pass_kernel(
     HAS_SROW: tl.constexpr,     # per-row weight scales srow [N]
     NEED_DM: tl.constexpr,
     NEED_DBB: tl.constexpr,
+    NEED_DB: tl.constexpr,  # the bias gradient db (else no column sum of g, no db partial)
     V_DT: tl.constexpr, V_IEEE: tl.constexpr,  # tl.dot operand dtype of (g * c) B
     V_SPLIT: tl.constexpr,  # bf16 g, fp32 B: v = g ((c / max|c|) B) max|c|, that operand split in three (split_dtype)
     DB_DT: tl.constexpr, DB_IEEE: tl.constexpr,  # tl.dot operand dtype of g^T u
@@ -116,7 +117,8 @@ def dora_bwd_pass_kernel(
             tile = mask_m[:, None] & mask_n[None, :]
             g_in = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0)
             g = g_in.to(tl.float32)
-            db_acc += tl.sum(g, axis=0)
+            if NEED_DB:
+                db_acc += tl.sum(g, axis=0)
             if NORM_L:
                 tl.store(gl_ptr + rows[:, None] * stride_gl_m + offs_n[None, :],
                          (g * fl[None, :]).to(gl_ptr.dtype.element_ty), mask=tile)
@@ -150,7 +152,8 @@ def dora_bwd_pass_kernel(
                     else:
                         dB_acc = dot(tl.trans(g.to(DB_DT)), u.to(DB_DT), dB_acc, DB_IEEE)
         part = pid_m.to(tl.int64) * N + offs_n
-        tl.store(dbpart_ptr + part, db_acc, mask=mask_n)
+        if NEED_DB:
+            tl.store(dbpart_ptr + part, db_acc, mask=mask_n)
         if HAS_ADAPTER:
             if NEED_DM:
                 tl.store(dmpart_ptr + part, dm_acc, mask=mask_n)
@@ -170,7 +173,7 @@ def dora_bwd_finish_kernel(
     # finish v, the others one sum each for a block of BLOCK_C columns (finish_grid)
     M, N, R, PN, PM, V_PROGRAMS,
     s,
-    HAS_ADAPTER: tl.constexpr, NEED_DM: tl.constexpr, NEED_DBB: tl.constexpr,
+    HAS_ADAPTER: tl.constexpr, NEED_DM: tl.constexpr, NEED_DBB: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -185,10 +188,10 @@ def dora_bwd_finish_kernel(
         # sum waits a DRAM latency per few of its PM parts, and in one program those waits added up (the H200 run's
         # finishing kernel: 30 us for 13 MB, kernels.md).
         blocks = (N + BLOCK_C - 1) // BLOCK_C
-        job = (pid - V_PROGRAMS) // blocks
+        job = (pid - V_PROGRAMS) // blocks + (0 if NEED_DB else 1)  # without db, no programs for it
         cols = ((pid - V_PROGRAMS) % blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < N
-        if job == 0:
+        if NEED_DB and job == 0:
             db = sum_parts(dbpart_ptr, PM, N, cols, ok)
             tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=ok)
         elif job == 1:
@@ -206,12 +209,13 @@ def dora_bwd_finish_kernel(
             tl.store(dB_ptr + e, dB.to(dB_ptr.dtype.element_ty), mask=e_ok)
 
 
-def finish_grid(M: int, N: int, r: int, adapter: bool, need_dm: bool, need_dB: bool, blocks: tuple) -> tuple:
+def finish_grid(M: int, N: int, r: int, adapter: bool, need_dm: bool, need_dB: bool, blocks: tuple,
+                need_db: bool = True) -> tuple:
     """(V_PROGRAMS, programs) of dora_bwd_finish_kernel for its (BLOCK_E, BLOCK_C, BLOCK_R): v's programs, then for
-    each column block db's, dm's (idle without it) and one for each BLOCK_R columns of dB."""
+    each column block db's (none without need_db), dm's (idle without it) and one for each BLOCK_R columns of dB."""
     block_e, block_c, block_r = blocks
     v_programs = cdiv(M * r, block_e) if adapter else 0
-    sums = 1 + (1 + (cdiv(r, block_r) if need_dB else 0) if adapter else 0)
+    sums = int(need_db) + (1 + (cdiv(r, block_r) if need_dB else 0) if adapter else 0)
     return v_programs, v_programs + cdiv(N, block_c) * sums
 
 
@@ -246,7 +250,7 @@ def _grid_shape(M: int, N: int, bm: int, bn: int, programs: int) -> tuple[int, i
     return steps, csteps, cdiv(tiles_m, steps), cdiv(tiles_n, csteps)
 
 
-def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, need_db=True):
     """See backends/base.py. g [M, N] (any row stride), z [M, N] and m [N] (any float dtype), n, srow [N] fp32."""
     N = g.shape[1]
     g = check_activation(g, "g", N)
@@ -258,6 +262,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     write_gb = adapter and dropout and has_srow
     need_dm = adapter and need_dm
     need_dB = adapter and need_dB
+    need_db = bool(need_db)
     r = B.shape[1] if adapter else 1
     gl = alloc((M, N), cdt, dev) if write_gl else g
     gb = alloc((M, N), cdt, dev) if write_gb else (g if (adapter and dropout) else None)
@@ -278,8 +283,8 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     ph = rs  # placeholder for pointers a variant never reads
     srow = vector(srow, torch.float32) if has_srow else ph
     consts = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=bool(dropout), HAS_SROW=has_srow, NEED_DM=need_dm,
-                  NEED_DBB=need_dB, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=v_split, DB_DT=db_dt, DB_IEEE=db_ieee,
-                  DB_SPLIT=db_split, BLOCK_R=br, BLOCK_M=bm,
+                  NEED_DBB=need_dB, NEED_DB=need_db, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=v_split, DB_DT=db_dt,
+                  DB_IEEE=db_ieee, DB_SPLIT=db_split, BLOCK_R=br, BLOCK_M=bm,
                   BLOCK_N=bn, SCAN=SCAN_N, num_warps=warps, num_stages=stages)
 
     def args(steps, csteps, vpart, dmpart, dbpart, dBpart):
@@ -298,7 +303,7 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
         programs = programs_that_fit(dora_bwd_pass_kernel, key, args(1, 1, ph, ph, ph, ph), consts, dev)
     steps, csteps, pm, pn = _grid_shape(M, N, bm, bn, programs)
     vpart = torch.empty(pn, M, r, **f32) if adapter else ph
-    dbpart = torch.empty(pm, N, **f32)
+    dbpart = torch.empty(pm, N, **f32) if need_db else ph
     dmpart = torch.empty(pm, N, **f32) if need_dm else ph
     dBpart = torch.empty(pm, N, r, **f32) if need_dB else ph
     launch(dora_bwd_pass_kernel, (pm, pn))(*args(steps, csteps, vpart, dmpart, dbpart, dBpart), **consts)
@@ -306,15 +311,17 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     v = alloc((M, r), B.dtype, dev) if adapter else None
     dm = alloc((N,), m.dtype, dev) if need_dm else None
     dB = alloc((N, r), B.dtype, dev) if need_dB else None
-    db = alloc((N,), cdt, dev)
+    db = alloc((N,), cdt, dev) if need_db else None
     block_e, block_c, block_rc = (64, 32, 16) if interpreting() else FINISH_BLOCKS
     block_r = min(br, block_rc)
-    v_programs, programs = finish_grid(M, N, r, adapter, need_dm, need_dB, (block_e, block_c, block_r))
+    v_programs, programs = finish_grid(M, N, r, adapter, need_dm, need_dB, (block_e, block_c, block_r), need_db)
+    if programs == 0:  # a plain pass (no adapter) without db: nothing to finish
+        return gl, rs, gb, v, dm, db, dB
     launch(dora_bwd_finish_kernel, (programs,))(
         vpart, dmpart, dbpart, dBpart, m if adapter else ph, n if adapter else ph, v if adapter else ph,
-        dm if need_dm else ph, db, dB if need_dB else ph,
+        dm if need_dm else ph, db if need_db else ph, dB if need_dB else ph,
         M, N, r, pn, pm, v_programs, float(s),
-        HAS_ADAPTER=adapter, NEED_DM=need_dm, NEED_DBB=need_dB, BLOCK_E=block_e, BLOCK_C=block_c,
+        HAS_ADAPTER=adapter, NEED_DM=need_dm, NEED_DBB=need_dB, NEED_DB=need_db, BLOCK_E=block_e, BLOCK_C=block_c,
         BLOCK_R=block_r, num_warps=4, num_stages=1,
     )
     return gl, rs, gb, v, dm, db, dB

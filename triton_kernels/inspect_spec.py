@@ -287,11 +287,14 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
             stride_gb_m=N,
         )
         constexprs = dict(HAS_ADAPTER=adapter, HAS_DROPOUT=dropout, HAS_SROW=srow, NEED_DM=adapter,
-                          NEED_DBB=adapter, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=split, DB_DT=v_dt,
+                          NEED_DBB=adapter, NEED_DB=True, V_DT=v_dt, V_IEEE=v_ieee, V_SPLIT=split, DB_DT=v_dt,
                           DB_IEEE=v_ieee, DB_SPLIT=split,
                           BLOCK_R=br, BLOCK_M=bm, BLOCK_N=bn, SCAN=SCAN_N)
         name = f"{mode},r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}"
         out.append(Variant(name, dt_name, args, constexprs, _fixed(num_warps=warps, num_stages=stages)))
+        if adapter:  # a layer without a bias (most LLM Linears): no db
+            out.append(Variant(name + ",no-bias", dt_name, args, {**constexprs, "NEED_DB": False},
+                               _fixed(num_warps=warps, num_stages=stages)))
     return out
 
 
@@ -346,7 +349,7 @@ def _bwd_finish_variants(arch: str) -> list[Variant]:
                     dm_ptr=rdt, db_ptr=dt, dB_ptr=rdt, M=LARGE_M, N=N, R=r, PN=12, PM=22,
                     V_PROGRAMS=LARGE_M * r // FINISH_BLOCKS[0], s=0.5)
         be, bc, brc = FINISH_BLOCKS
-        constexprs = dict(HAS_ADAPTER=True, NEED_DM=True, NEED_DBB=True, BLOCK_E=be, BLOCK_C=bc,
+        constexprs = dict(HAS_ADAPTER=True, NEED_DM=True, NEED_DBB=True, NEED_DB=True, BLOCK_E=be, BLOCK_C=bc,
                           BLOCK_R=min(brc, max(16, r)))
         out.append(Variant(f"adapter,r={r}{',fp32-rank' if rdt_name == 'fp32' else ''}", dt_name, args, constexprs,
                            _fixed(num_warps=4, num_stages=1)))

@@ -96,9 +96,9 @@ class Backend(Protocol):
 
     def backward_pass(self, g: Tensor, z: Optional[Tensor], m: Optional[Tensor], n: Optional[Tensor],
                       srow: Optional[Tensor], B: Optional[Tensor], u: Optional[Tensor], s: float, dropout: bool,
-                      need_dm: bool, need_dB: bool
-                      ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Tensor,
-                                 Optional[Tensor]]:
+                      need_dm: bool, need_dB: bool, need_db: bool = True
+                      ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor],
+                                 Optional[Tensor], Optional[Tensor]]:
         """(gl, rs, gb, v, dm, db, dB): one pass over g [M, N] (and z) that prepares everything the backward
         needs from them, computed in fp32, with c = magnitude_scale(m, n) (m, n as in forward):
           gl: the dgrad's left operand, gl = g * f / rl in cdt with f = c * srow (no dropout) or (c - 1) * srow
@@ -112,10 +112,10 @@ class Backend(Protocol):
               caller take 0-dim views of it, with no copy).
           v  = (g * c) B                          [M, r] rdt (fp32 products)
           dm = sum_i g[i, :] * z[i, :] / norm_divisor(n)   [N] in m's dtype (None unless need_dm)
-          db = sum_i g[i, :]                      [N] in g's dtype
+          db = sum_i g[i, :]                      [N] in g's dtype (None unless need_db: a layer without a bias)
           dB = s * c * (g^T u)                    [N, r] in B's dtype (None unless need_dB)
         the sums in fp32, each result rounded once. m is None (a plain FP8Linear): only gl, rs (f = srow; gl = g
-        and rl = 1 when srow is None) and db."""
+        and rl = 1 when srow is None) and db (if need_db)."""
 
     def dgrad(self, gl: Tensor, rl: Tensor, w8: Tensor, scale: Tensor, block_size: int, v: Optional[Tensor],
               A: Optional[Tensor], s: float, mask: Optional[Tensor], p: float, gb: Optional[Tensor],

@@ -226,8 +226,8 @@ class CudaBackend:
     def project_grad(self, v, a, mask, p, s, out_dtype):
         return rank_ops(a.device).project_grad(v, a, mask, p, s, out_dtype)
 
-    def backward_pass(self, g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
-        return rank_ops(g.device).backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB)
+    def backward_pass(self, g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, need_db=True):
+        return rank_ops(g.device).backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, need_db)
 
     def weight_norm(self, w8: Tensor, scale: Tensor, block_size: int, A: Tensor, B: Tensor, s: float) -> Tensor:
         sc = _weight_scale(scale)

@@ -231,7 +231,7 @@ def _add_scaled(acc, t, sc):
         acc.addcmul_(t, sc)
 
 
-def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, need_db=True):
     """The reference's backward_pass (same outputs, fp32 throughout), with fewer passes over g: (g c) B as g (c B),
     the scaled copies of g written straight into their dtype, no accumulators when one block covers g."""
     M, N = g.shape
@@ -251,10 +251,11 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
         v = _out((M, B.shape[1]), B.dtype, g.device) if adapter else None
         dm = torch.zeros(N, **f32) if (adapter and need_dm) else None
         dB = torch.zeros(N, B.shape[1], **f32) if (adapter and need_dB) else None
-        db = torch.zeros(N, **f32)
+        db = torch.zeros(N, **f32) if need_db else None
     for sl in parts:
         g32 = _f32(sl(g))
-        db = g32.sum(0) if one else db.add_(g32.sum(0))
+        if need_db:
+            db = g32.sum(0) if one else db.add_(g32.sum(0))
         if fl is not None:
             torch.mul(g32, fl, out=sl(gl))
         if fb is not None:

@@ -127,7 +127,7 @@ def grad_factors(c, srow, dropout, device):
     return fl, rl, fb, rb
 
 
-def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
+def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB, need_db=True):
     M, N = g.shape
     cdt = g.dtype
     adapter = m is not None
@@ -138,11 +138,12 @@ def backward_pass(g, z, m, n, srow, B, u, s, dropout, need_dm, need_dB):
     v = torch.empty(M, B.shape[1], dtype=B.dtype, device=g.device) if adapter else None
     dm = torch.zeros(N, dtype=torch.float32, device=g.device) if (adapter and need_dm) else None
     dB = torch.zeros(N, B.shape[1], dtype=torch.float32, device=g.device) if (adapter and need_dB) else None
-    db = torch.zeros(N, dtype=torch.float32, device=g.device)
+    db = torch.zeros(N, dtype=torch.float32, device=g.device) if need_db else None
     B32 = B.float() if adapter else None
     for i0, i1 in row_blocks(M, N):
         g32 = g[i0:i1].float()
-        db += g32.sum(0)
+        if db is not None:
+            db += g32.sum(0)
         if fl is not None:
             gl[i0:i1] = (g32 * fl).to(cdt)
         if fb is not None:
@@ -168,7 +169,7 @@ def finish_sums(dm, db, dB, m, n, c, s, cdt, B):
         dm = (dm / norm_divisor(n.float())).to(m.dtype)
     if dB is not None:
         dB = (dB * (s * c)[:, None]).to(B.dtype)
-    return dm, db.to(cdt), dB
+    return dm, (None if db is None else db.to(cdt)), dB
 
 
 def _dgrad_gemm(t, w8, scale, block_size, act_quant, global_scale=None):

@@ -116,18 +116,19 @@ def _(x, w8, scale, bias, block_size, act_quant, backend, m=None, n=None, u=None
 def backward_pass_op(g: Tensor, srow: Optional[Tensor], backend: str, z: Optional[Tensor] = None,
                      m: Optional[Tensor] = None, n: Optional[Tensor] = None, B: Optional[Tensor] = None,
                      u: Optional[Tensor] = None, s: float = 0.0, dropout: bool = False, need_dm: bool = False,
-                     need_dB: bool = False
+                     need_dB: bool = False, need_db: bool = True
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The plain FP8 linear leaves the DoRA arguments (z, m, n, B, u, s, dropout, need_dm, need_dB) at their
-    defaults. Returns (gl, rs, gb, v, dm, db, dB), absent ones as empty placeholders."""
+    defaults. Returns (gl, rs, gb, v, dm, db, dB), absent ones (db without need_db) as empty placeholders."""
     out = backends.module(backend).backward_pass(g=g, z=z, m=m, n=n, srow=srow, B=B, u=u, s=s, dropout=dropout,
-                                                 need_dm=need_dm, need_dB=need_dB)
+                                                 need_dm=need_dm, need_dB=need_dB, need_db=need_db)
     # gl / gb may be g itself (nothing to scale): returned as placeholders, the caller substitutes g.
     return tuple(g.new_empty(0) if (t is None or t is g) else t for t in out)
 
 
 @backward_pass_op.register_fake
-def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=False, need_dm=False, need_dB=False):
+def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=False, need_dm=False, need_dB=False,
+      need_db=True):
     M, N = g.shape
     adapter = m is not None
     gl = g.new_empty(M, N) if (adapter or srow is not None) else g.new_empty(0)
@@ -135,7 +136,7 @@ def _(g, srow, backend, z=None, m=None, n=None, B=None, u=None, s=0.0, dropout=F
     v = g.new_empty(M, B.shape[1], dtype=B.dtype) if adapter else g.new_empty(0)
     dm = g.new_empty(N, dtype=m.dtype) if (adapter and need_dm) else g.new_empty(0)
     dB = g.new_empty(N, B.shape[1], dtype=B.dtype) if (adapter and need_dB) else g.new_empty(0)
-    return gl, g.new_empty(2, dtype=torch.float32), gb, v, dm, g.new_empty(N), dB
+    return gl, g.new_empty(2, dtype=torch.float32), gb, v, dm, g.new_empty(N if need_db else 0), dB
 
 
 @torch.library.custom_op("dorafp8::dgrad", mutates_args=())

@@ -79,7 +79,7 @@ class DoRAFP8Function(torch.autograd.Function):
             # dm, dB, db come back final (scaled, in their parameters' dtypes); rs = (rl, rb) stays on the device.
             gl, rs, gb, v, dm, db, dB = _ops.backward_pass_op(
                 g, srow, backend=ctx.backend, z=z if need_dm else None, m=m, n=n, B=B, u=u if need_dB else None,
-                s=s, dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB))
+                s=s, dropout=mask is not None, need_dm=bool(need_dm), need_dB=bool(need_dB), need_db=bool(need_db))
             if need_dx:
                 rl, rb = rs[0], rs[1]  # 0-dim views: no copy
                 if mask is None:
@@ -123,9 +123,10 @@ class FP8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 db = g.sum(0, dtype=torch.float32).to(g.dtype)
         else:
-            gl, rs, _, _, _, db, _ = _ops.backward_pass_op(g, srow, backend=ctx.backend)
+            need_db = bool(ctx.needs_input_grad[3])
+            gl, rs, _, _, _, db, _ = _ops.backward_pass_op(g, srow, backend=ctx.backend, need_db=need_db)
             rl = rs[0]
-            if not ctx.needs_input_grad[3]:
+            if not need_db:
                 db = None
         if ctx.needs_input_grad[0]:
             dx = _ops.dgrad_op(gl, rl, w8, scale, block_size=ctx.block_size, act_quant=ctx.act_quant,

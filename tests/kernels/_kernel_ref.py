@@ -218,10 +218,23 @@ def _row_scale(p):
     return p["sigma"] if p["sigma"].dim() == 1 else None
 
 
-def check_backward_pass(backward_pass, p, mode):
-    """backward_pass(...) in `mode`: "plain" (a plain FP8Linear: m is None), "nodrop" or "dropout"."""
+def check_backward_pass(backward_pass, p, mode, need_db=True):
+    """backward_pass(...) in `mode`: "plain" (a plain FP8Linear: m is None), "nodrop" or "dropout"; without need_db
+    (a layer without a bias), db is None and every other output is the one with db, bit for bit."""
     dtype, g, c = p["dtype"], p["g"], p["c"]
     srow = _row_scale(p)
+    if not need_db:
+        z = act(torch.randn(g.shape, generator=torch.Generator().manual_seed(5)), p["z_dtype"], g.device, False)
+        args = ((g, None, None, None, srow, None, None, S, False, False, False) if mode == "plain" else
+                (g, z, p["m"], p["n"], srow, p["B"], p["u" if mode == "dropout" else "u_nodrop"], S, mode == "dropout",
+                 True, True))
+        out, ref = backward_pass(*args, need_db=False), backward_pass(*args, need_db=True)
+        assert out[5] is None and ref[5] is not None
+        for i, (a, b) in enumerate(zip(out, ref)):
+            if i != 5:
+                assert (a is None) == (b is None) and (a is g) == (b is g), i
+                assert a is None or torch.equal(a, b), f"backward_pass[{mode}, need_db=False] output {i} differs"
+        return
     if mode == "plain":
         gl, rs, gb, v, dm, db, dB = backward_pass(g, None, None, None, srow, None, None, S, False, False, False)
         f = d(srow) if srow is not None else torch.ones(g.shape[1], dtype=torch.float64)

@@ -33,6 +33,8 @@ def test_forward_backward_pass_dgrad(device, shape, dtype, mode, scale, monkeypa
     check_forward(nb.forward, p, mode, has_bias=mode != "plain")
     check_forward(nb.forward, p, mode, has_bias=mode == "plain")
     check_backward_pass(nb.backward_pass, p, mode)
+    check_backward_pass(nb.backward_pass, p, mode, need_db=False)  # a layer without a bias: db None, the rest same
+    check_backward_pass(reference.backward_pass, p, mode, need_db=False)
     check_dgrad(nb.dgrad, p, mode)
 
 
@@ -57,6 +59,7 @@ def test_weights_spanning_several_blocks(monkeypatch):
             check_forward(nb.forward, p, mode, has_bias=True)
             check_dgrad(nb.dgrad, p, mode)
             check_backward_pass(nb.backward_pass, p, mode)
+            check_backward_pass(nb.backward_pass, p, mode, need_db=False)
 
 
 class _ReferenceProductsRefused:

@@ -297,6 +297,20 @@ def test_backward_pass(device, shape, dtype, rank_dtype, mode, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,rank_dtype", [(torch.float16, None), (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])
+@pytest.mark.parametrize("scale", ["tensor", "row"])
+def test_backward_pass_without_db(device, dtype, rank_dtype, mode, scale):
+    """Issue 52: a layer without a bias asks for no db (NEED_DB off: no column sum of g, no partial, no finishing
+    programs for it; a plain pass then launches no finishing kernel). db is None, the rest is the same bit for bit, and
+    the run with db still matches fp64 (check_backward_pass; outputs NaN-poisoned)."""
+    M, K, N, r, strided = SHAPES[1]  # ragged, strided
+    p = make_problem(M, K, N, r, dtype, device, scale, strided, rank_dtype=rank_dtype)
+    check_backward_pass(tk.backward_pass, p, mode, need_db=False)
+    check_backward_pass(tk.backward_pass, p, mode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["nodrop", "dropout", "plain"])

@@ -200,6 +200,36 @@ def test_headline_bytes_within_1_4x_the_linear():
     assert rec.nbytes <= 1.4 * _linear_bytes(h["M"], h["K"], h["N"]), rec.table()
 
 
+def _bias_step(bias):
+    """The headline dry run with `bias` (None, or [N] bf16): the backward pass's and its finishing kernel's launches."""
+    h = HEADLINE
+    layer = _layer(h["M"], h["K"], h["N"], h["r"], real=False)
+    (xl, Al, Bl, ml), gy = _leaves(layer)
+    _, w8, scale, _, _, _, n = layer
+    with LaunchRecorder() as rec, dry_run(rec, H100_SMS, BLOCKS_PER_SM):
+        y = dorafp8.dora_fp8_linear(xl, w8, scale, Al, Bl, ml, 2.0, bias, training=True, backend="triton",
+                                    weight_norm=n, block_size=128)
+        y.backward(gy)
+    return [launch for launch in rec.launches if launch.name.startswith("triton:dora_bwd_")]
+
+
+def test_headline_without_a_bias_gradient_has_no_db():
+    """Issue 52: the backward pass summed g's columns into a db partial [pm, N] fp32 (written by the pass, read by the
+    finishing kernel, which wrote db [N]) for every layer, bias or not. Without a bias, or with one that wants no
+    gradient, that partial and db are gone: 2 pm N 4 + 2 N bytes fewer (0.76 MiB at the headline), same launches."""
+    N = HEADLINE["N"]
+    with_db = _bias_step(torch.zeros(N, dtype=torch.bfloat16, requires_grad=True))
+    for bias in (None, torch.zeros(N, dtype=torch.bfloat16)):
+        without = _bias_step(bias)
+        assert [launch.name for launch in without] == [launch.name for launch in with_db]
+        (pm,) = {s[0] for s, d in with_db[0].shapes if tuple(s[1:]) == (N,) and d == torch.float32}
+        parts = [s for s, d in without[0].shapes if tuple(s) == (pm, N)]
+        assert len(parts) == 1, without[0].shapes  # dm's only
+        assert ((N,), torch.bfloat16) not in without[1].shapes, without[1].shapes  # no db written
+        saved = sum(launch.nbytes for launch in with_db) - sum(launch.nbytes for launch in without)
+        assert saved == 2 * pm * N * 4 + 2 * N - 8, (saved, pm)  # less the finishing kernel's placeholder, rs [2]
+
+
 def test_linear_yardstick_is_x_w_y_g_w_dx():
     h = HEADLINE
     M, K, N = h["M"], h["K"], h["N"]
@@ -220,7 +250,7 @@ def test_backward_pass_partials_are_bounded(r):
     (bwd,) = [launch for launch in rec.launches if launch.name == "triton:dora_bwd_pass_kernel"]
     outputs = {(M, r), (N,), (N, r)}
     parts = [(s, d) for s, d in bwd.shapes if len(s) >= 2 and tuple(s[1:]) in outputs and d == torch.float32]
-    assert len(parts) == 4, bwd.shapes  # v's, dm's, db's, dB's
+    assert len(parts) == 3, bwd.shapes  # v's, dm's, dB's (no bias: no db partial)
     programs = H100_SMS * BLOCKS_PER_SM
     ratio = max(M, N) / min(M, N)
     for s, _ in parts:

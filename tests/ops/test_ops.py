@@ -45,6 +45,32 @@ def test_dora_forward_backward_fp32(device, backend, shape, per_row, bias):
         assert_close(got, ref.grad, rel, name)
 
 
+def test_bias_gradient_only_when_wanted(device, backend, monkeypatch):
+    """Issue 52: backward_pass sums g's columns for db only when the bias wants a gradient (need_db); a bias with
+    requires_grad False (or none) gets no db and no .grad. Both layers (per-row scales: the plain one's backward runs
+    the pass too); with a gradient, db matches fp64."""
+    from dorafp8 import backends
+
+    mod, seen = backends.module(backend), []
+    orig = mod.backward_pass
+    monkeypatch.setattr(mod, "backward_pass", lambda *a, **k: (seen.append(k["need_db"]), orig(*a, **k))[1])
+    x, w8, scale, A, B, m, bias = _problem(37, 50, 70, 3, device=device, per_row=True)
+    for want in (True, False):
+        b = bias.clone().requires_grad_(want)
+        for layer in (lambda xl: dorafp8.dora_fp8_linear(xl, w8, scale, A, B, m.clone().requires_grad_(), 0.75, b,
+                                                         backend=backend),
+                      lambda xl: dorafp8.fp8_linear(xl, w8, scale, b, backend=backend)):
+            b.grad = None
+            y = layer(x.clone().requires_grad_())
+            gy = torch.randn_like(y)
+            y.backward(gy)
+            if want:
+                assert_close(b.grad, gy.double().sum(0), tol(torch.float32), "db")
+            else:
+                assert b.grad is None
+    assert seen == [True, True, False, False]
+
+
 def test_dora_dropout_matches_peft_semantics(device, backend):
     M, K, N, r, p, s = 24, 40, 30, 4, 0.3, 2.0
     x, w8, scale, A, B, m, b = _problem(M, K, N, r, device=device)
