@@ -17,6 +17,7 @@ from ..backends.base import NORM_EPS, norm_divisor  # noqa: F401 (the ops' names
 from ..quant import MICRO_KINDS, is_fp8, scale_kind
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REALS = (float, int)  # the exact types check_scaling_dropout takes without asking the numbers.Real ABC
 
 
 def as_result(y: Tensor, shape) -> Tensor:
@@ -49,9 +50,10 @@ def check_float(t, name: str, *, wider_ok: bool = False) -> None:
 
 
 def check_device(ref: Tensor, **tensors) -> None:
+    device = ref.device  # once: each .device read makes a new torch.device
     for name, t in tensors.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all inputs must be on one device")
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but x is on {device}; all inputs must be on one device")
 
 
 def reused_norm(n: Tensor, x: Tensor) -> Tensor:
@@ -70,9 +72,10 @@ def reused_norm(n: Tensor, x: Tensor) -> Tensor:
 
 
 def check_scaling_dropout(scaling, dropout_p) -> None:
-    if not isinstance(scaling, numbers.Real):
+    # float and int first: an isinstance of the numbers.Real ABC costs a microsecond or two, twice a call
+    if type(scaling) not in _REALS and not isinstance(scaling, numbers.Real):
         raise TypeError(f"scaling must be a real number (lora_alpha / r), got {type(scaling).__name__}")
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+    if (type(dropout_p) not in _REALS and not isinstance(dropout_p, numbers.Real)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
@@ -109,7 +112,9 @@ def rank_dtype(x: Tensor, A: Tensor, B: Tensor) -> torch.dtype:
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
-    rdt = torch.promote_types(A.dtype, B.dtype)
+    rdt = A.dtype
+    if B.dtype != rdt:  # torch.promote_types only for mixed adapters: it costs a few microseconds a call
+        rdt = torch.promote_types(rdt, B.dtype)
     if rdt not in ACT_DTYPES:
         raise TypeError(f"lora_A / lora_B must be float32, bfloat16 or float16, got {A.dtype} / {B.dtype}")
     return rdt
@@ -121,8 +126,21 @@ def row_scale(scale: Tensor) -> Optional[Tensor]:
 
 def backend_needs(scale: Tensor, act_quant: str, cdt: torch.dtype | None = None) -> frozenset:
     """What a call asks of its backend beyond W8A16 in a 16-bit compute dtype with a per-tensor or per-row scale
-    (backends.FEATURES); cdt: the compute dtype of its base GEMMs (None: a call without them, the weight norm)."""
-    kind = scale_kind(scale)
+    (backends.FEATURES); cdt: the compute dtype of its base GEMMs (None: a call without them, the weight norm). Made
+    once per (kind, act_quant, cdt): building its four frozensets took ~3 us a call."""
+    key = (scale_kind(scale), act_quant, cdt)
+    needs = _NEEDS.get(key)
+    if needs is None:
+        needs = _needs(*key)
+        if not torch.compiler.is_compiling():  # no side effect in a traced (maybe checkpointed) region
+            _NEEDS[key] = needs
+    return needs
+
+
+_NEEDS: dict[tuple, frozenset] = {}  # backend_needs' answers (a few keys a process)
+
+
+def _needs(kind: str, act_quant: str, cdt) -> frozenset:
     return (frozenset({kind} if kind in ("block", *MICRO_KINDS) else ()) | frozenset({act_quant} if act_quant else ())
             | frozenset({"fp32"} if cdt == torch.float32 else ())
             | frozenset({"fp16-row"} if cdt == torch.float16 and kind == "row" else ()))

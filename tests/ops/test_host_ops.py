@@ -86,3 +86,81 @@ def test_vector_takes_a_flat_vector_as_it_is():
     assert vector(torch.ones(5, 1)).shape == (5,) and vector(torch.ones(5), torch.bfloat16).dtype == torch.bfloat16
     strided = torch.ones(10)[::2]
     assert vector(strided).is_contiguous() and torch.equal(vector(strided), strided)
+
+
+# The Python of a step (issue 52: ~2 ms of the H200 host's enqueue is outside Triton's launch path). Each check below
+# was a few microseconds a call, every call; the answers and the errors stay as they were.
+
+
+def test_backend_needs_is_made_once_per_kind_act_quant_and_dtype():
+    """backend_needs built four frozensets a call: now one per (scale kind, act_quant, compute dtype), and a changed
+    dtype or kind still gets its own answer."""
+    from dorafp8.ops._policy import backend_needs
+
+    t, row = torch.ones(()), torch.ones(8)
+    assert backend_needs(t, "", torch.bfloat16) is backend_needs(torch.ones(()), "", torch.bfloat16)
+    assert backend_needs(t, "", torch.bfloat16) == frozenset()
+    assert backend_needs(t, "", torch.float32) == {"fp32"}
+    assert backend_needs(row, "", torch.float16) == {"fp16-row"}
+    assert backend_needs(t, "", torch.float16) == frozenset()
+    assert backend_needs(torch.ones(2, 2), "rowwise", torch.bfloat16) == {"block", "rowwise"}
+    assert backend_needs(t, "", None) == frozenset()
+
+
+def test_rank_dtype_promotes_only_mixed_adapters(monkeypatch):
+    """torch.promote_types (a few microseconds) only where lora_A and lora_B differ; the answers as before."""
+    from dorafp8.ops._policy import rank_dtype
+
+    calls = []
+    real = torch.promote_types
+    monkeypatch.setattr(torch, "promote_types", lambda a, b: calls.append((a, b)) or real(a, b))
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    f32, bf16 = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.bfloat16)
+    assert rank_dtype(x, f32, f32) == torch.float32 and rank_dtype(x, bf16, bf16) == torch.bfloat16
+    assert calls == []
+    assert rank_dtype(x, bf16, f32) == torch.float32 and len(calls) == 1
+    with pytest.raises(TypeError, match="lora_A / lora_B must be"):
+        rank_dtype(x, torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+
+
+def test_scaling_and_dropout_of_builtin_types_skip_the_abc_check(monkeypatch):
+    """A float or int scaling / dropout_p is taken without numbers.Real's ABC check (a microsecond or two each);
+    other real numbers still pass through it, and what is not one is still refused."""
+    import fractions
+    import numbers
+
+    from dorafp8.ops import _policy
+
+    asked = []
+
+    class Counted(type):  # numbers.Real, counting the checks made against it
+        def __instancecheck__(cls, obj):
+            asked.append(obj)
+            return isinstance(obj, numbers.Real)
+
+    monkeypatch.setattr(_policy, "numbers", type("numbers", (), {"Real": Counted("Real", (), {})}))
+    _policy.check_scaling_dropout(2.0, 0.1)
+    _policy.check_scaling_dropout(2, 0)
+    assert asked == []
+    _policy.check_scaling_dropout(fractions.Fraction(1, 2), 0.1)
+    assert len(asked) == 1
+    with pytest.raises(TypeError, match="scaling must be a real number"):
+        _policy.check_scaling_dropout("2", 0.0)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        _policy.check_scaling_dropout(2.0, 1.0)
+
+
+def test_a_named_backend_reads_no_race_variable(monkeypatch):
+    """race.racing answers a named backend before it reads DORAFP8_RACE (an environment read, every call); "auto" still
+    reads it, and still refuses a mistyped value (tests/ops/test_race.py)."""
+    from dorafp8 import _env
+    from dorafp8.backends import race
+
+    read = []
+    monkeypatch.setattr(race, "flag", lambda name, default=False: read.append(name) or _env.flag(name, default))
+    cuda = torch.device("cuda")
+    assert not race.racing("triton", cuda) and not race.racing("cublas", torch.device("cpu"))
+    assert read == []
+    monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
+    monkeypatch.delenv("DORAFP8_RACE", raising=False)
+    assert race.racing("auto", cuda) and read == ["DORAFP8_RACE"]
