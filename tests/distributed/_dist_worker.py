@@ -311,6 +311,7 @@ def _doc_train_py_save(model, path) -> str:
         doc = f.read()
     block = doc.split("<!-- file: train.py -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     code = block[block.index("acc.wait_for_everyone()"):].replace('"out/adapter"', repr(path))
+    code = code.split("acc.end_training()", 1)[0]  # the script's last line destroys the group this job goes on with
     scope = {"model": model, "acc": Accelerator(cpu=True), "get_model_state_dict": get_model_state_dict,
              "StateDictOptions": StateDictOptions}
     try:
