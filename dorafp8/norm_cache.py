@@ -4,6 +4,7 @@ only inside `reuse_weight_norms()`. Why: docs/ARCHITECTURE.md; docs/DORA_MATH.md
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -13,6 +14,10 @@ from ._env import ThreadSwitch
 _optimizer_steps = 0
 _step_hooks = None
 _REUSE = ThreadSwitch()  # reuse_weight_norms() open in this thread
+_CAPTURE_WARNED: list = []  # the capture warning, once a process
+CAPTURE_WARNING = ("dorafp8: reuse_weight_norms() is open during a CUDA graph capture: the weight norm is computed "
+                   "inside the graph (each replay recomputes it from the adapters' current values) and none is reused "
+                   "or cached; a reused norm would be baked into the graph and stale after the next optimizer step")
 
 
 def _count_step(optimizer, args, kwargs) -> None:
@@ -35,9 +40,17 @@ def reuse_weight_norms():
 
     Inside it a layer recomputes its norm only after an optimizer step or an in-place op on its tensors; a write neither
     sees (`p.data.copy_(...)`, an EMA swap through `.data`, a custom kernel) must not happen while it is open. Use it
-    around the micro-batches of a gradient-accumulation step or around generation. Nests; per thread."""
+    around the micro-batches of a gradient-accumulation step or around generation. Nests; per thread. During a CUDA
+    graph capture nothing is reused or cached (the graph computes the norm on each replay; a warning says so once)."""
     with _REUSE.on():
         yield
+
+
+def _capturing() -> bool:
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # no CUDA here
+        return False
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -66,6 +79,11 @@ class WeightNormCache:
             return compute()  # activation-checkpointed region; an entry left here is proved by the next eager call
         if sharded or not (on_cpu or _REUSE):
             self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
+            return compute()
+        if not on_cpu and _capturing():  # a graph replays without Python: no proof of a cached norm could run then
+            if not _CAPTURE_WARNED:
+                _CAPTURE_WARNED.append(True)
+                warnings.warn(CAPTURE_WARNING, stacklevel=3)
             return compute()
         _watch_optimizer_steps()
         key = (_optimizer_steps, extra) + tuple(_identity(t) for t in (A, B, weight, scale))

@@ -301,3 +301,29 @@ def test_training_after_an_inference_mode_evaluation_equals_peft():
     assert len(grads["peft"]) == len(grads["dorafp8"]) > 0
     for got, ref in zip(grads["dorafp8"], grads["peft"]):
         torch.testing.assert_close(got, ref, rtol=REL_TOL, atol=REL_TOL * ref.abs().max().item())
+
+
+def test_a_cuda_graph_capture_neither_reuses_nor_caches_a_norm(monkeypatch):
+    """Inside reuse_weight_norms() a capture must not bake the cached norm into the graph (its replays, run without
+    Python, would use it after every optimizer step) nor cache the graph's own norm: it computes the norm inside the
+    graph each time and warns once. torch.cuda.is_current_stream_capturing made True; meta tensors stand in for a GPU."""
+    import dorafp8.norm_cache as nc
+
+    monkeypatch.setattr(nc, "_CAPTURE_WARNED", [], raising=False)
+    cache, calls = WeightNormCache(), []
+    A, B = torch.empty(2, 3, device="meta"), torch.empty(4, 2, device="meta")
+    args = (A, B, torch.empty(4, 3, device="meta"), torch.empty((), device="meta"))
+    with reuse_weight_norms():
+        cache.norm("a", _meta_norm(calls), *args)  # eager, before the capture: cached
+        assert len(calls) == 1 and len(cache) == 1
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.warns(UserWarning, match="CUDA graph capture"):
+            n = cache.norm("a", _meta_norm(calls), *args)
+        assert len(calls) == 2 and n is not cache._entries["a"][1]  # computed in the graph, not the cached one
+        cache.clear()
+        cache.norm("a", _meta_norm(calls), *args)
+        assert len(calls) == 3 and len(cache) == 0  # nothing cached from inside the capture
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        cache.norm("a", _meta_norm(calls), *args)
+        cache.norm("a", _meta_norm(calls), *args)
+        assert len(calls) == 4 and len(cache) == 1  # eager again: reused as before
