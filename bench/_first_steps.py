@@ -37,6 +37,10 @@ PROFILED = ("dorafp8-reference",) if SMOKE else ("dorafp8-triton", "dorafp8-trit
 # the host step's providers, --smoke's too: its dorafp8 ones under Triton's interpreter (first_contact.child_env), so
 # that CI runs the Triton launch clock
 HOST_PROVIDERS = ("dorafp8-triton", "dorafp8-cublas", "peft-dora", "linear-bf16")
+# the host step's CUDA-graph rows (bench/_graph.py): the same step captured, checked against an eager call, replayed;
+# the bf16 Linear's too, for a fair comparison (--smoke: a stand-in graph that reruns the step eagerly)
+GRAPH_PROVIDERS = ("dorafp8-triton", "linear-bf16")
+GRAPH_MIN_S = 3  # a graph row starts only with this much of the step's cap left (each took well under it: PREDICTION)
 # compute-sanitizer's selections: one ragged, strided fp16 shape; the Triton file's ids end in the device
 SANITIZE = (("triton", "tests/kernels/test_triton_kernels.py",
              "cuda and M37-K50-N70-r3 and float16 and not bfloat16 and tensor and (not w8a8 or nodrop)"),
@@ -576,6 +580,7 @@ def host() -> int:
 
     n = 2 if SMOKE else 20  # the smoke's two calls under the interpreter: ~0.5 s each on a busy 2-core machine
     out = {"device": R.environment(device())["device"], "smoke": SMOKE, "calls": n, "rows": []}
+    graphed = {"device": out["device"], "smoke": SMOKE, "replays": n, "rows": []}
     for M in SIZE["host"]:
         for prov in HOST_PROVIDERS:
             try:
@@ -587,7 +592,36 @@ def host() -> int:
             put("host", None, out)
             print(f"host {prov} M={M}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in list(row.items())[2:]), flush=True)
-    return 0
+        for prov in GRAPH_PROVIDERS:
+            graphed["rows"].append(dict(provider=prov, M=M, **_graph_row(prov, M, n)))
+            put("graph", None, graphed)
+            print(f"graph {prov} M={M}: {graphed['rows'][-1]}", flush=True)
+    return 1 if any("error" in r for r in graphed["rows"]) else 0  # a graph that failed its check fails the step
+
+
+def _graph_row(prov: str, M: int, n: int) -> dict:
+    """One provider's forward + backward captured in a CUDA graph (bench/_graph.py): checked against an eager call,
+    then n replays timed; or why not (out of time, an error, a replay that differs: GraphMismatch's message)."""
+    if left() < GRAPH_MIN_S:
+        return {"skipped": f"{left():.1f} s of the step's cap left (< {GRAPH_MIN_S} s)"}
+    try:
+        import torch
+
+        import _cases as C
+        import _graph as G
+        import _providers as P
+
+        dev, (K, N), r = device(), SIZE["shape"], SIZE["rank"]
+        layer = P.build_layer(prov, K, N, r, "bf16", 0.0, dev)
+        forward = layer.forward_cached if C.first_mode(prov).endswith("cachednorm") else layer.forward
+        x = torch.randn(M, K, dtype=torch.bfloat16, device=dev)
+        dy = torch.randn(M, N, dtype=torch.bfloat16, device=dev)
+        replay, capture_s = G.captured(forward, layer.params, x, dy, graph=G.EagerGraph() if SMOKE else None,
+                                       warmup=1 if SMOKE else 3)
+        return dict(check="ok", capture_ms=capture_s * 1e3, **G.time_replays(replay, n, dev))
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"[:800]}
 
 
 def _host_row(prov: str, M: int, n: int) -> dict:

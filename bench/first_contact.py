@@ -90,7 +90,9 @@ STEPS = {
         # once: first_contact.main); the rows took about 24 s of it
         Step("host", 35, "where a call's time goes, at M 256 and 8192: wall time synced each call, the host's "
                          "enqueue time, the GPU's (torch.profiler) and its launches, the host's time in Triton's "
-                         "launch path; dorafp8-triton, dorafp8-cublas, PEFT DoRA, the bf16 Linear",
+                         "launch path; dorafp8-triton, dorafp8-cublas, PEFT DoRA, the bf16 Linear; then "
+                         "dorafp8-triton and the bf16 Linear captured in a CUDA graph (bench/_graph.py: the replay "
+                         "checked against an eager call first) and replayed",
              compiles="none new"),
     ),
     "more": (

@@ -272,7 +272,26 @@ def host_md(first: dict) -> str | None:
             "binding, the driver's launch), of it JITFunction.run's, and the rest of that loop's host time "
             "(dorafp8's Python, torch's operators, autograd). Times in us per call.\n\n" + warn
             + _table(("provider", "M", "wall, synced", "host enqueue", "GPU", "GPU launches", "bound",
-                      "Triton launches", "in Triton's run", "of it JITFunction.run", "host rest"), rows) + "\n")
+                      "Triton launches", "in Triton's run", "of it JITFunction.run", "host rest"), rows) + "\n"
+            + graph_md(first.get("graph"), host.get("rows", [])))
+
+
+def graph_md(graph: dict | None, host_rows: list) -> str:
+    """The host step's CUDA-graph rows (bench/_graph.py): a replay per step against the eager call's wall time."""
+    if not graph:
+        return ""
+    eager = {(r["provider"], r["M"]): r["wall_us"] for r in host_rows if "wall_us" in r}
+    rows = [(r["provider"], r["M"], "ok", f"{r['replay_us']:.0f}", f"{r['replay_enqueue_us']:.0f}",
+             f"{r['capture_ms']:.1f}", f"{eager[r['provider'], r['M']]:.0f}" if (r["provider"], r["M"]) in eager
+             else "-") if "replay_us" in r else
+            (r["provider"], r["M"], f"**{'skipped' if 'skipped' in r else 'failed'}**: "
+             f"{r.get('skipped') or r.get('error')}") + ("",) * 4 for r in graph.get("rows", [])]
+    return ("\n## The same step captured in a CUDA graph\n\nEach provider's forward + backward captured once after an "
+            "eager warm-up, its replay checked against an eager call on new inputs (y, dx, every parameter's gradient "
+            f"within the dtype's tolerance) before timing, then {graph.get('replays', '?')} replays back to back and "
+            "one sync. Times in us per step; the eager wall time from the table above.\n\n"
+            + _table(("provider", "M", "check", "replay", "replay enqueue", "capture ms", "eager wall, synced"), rows)
+            + "\n")
 
 
 def race_md(first: dict) -> str:

@@ -352,3 +352,61 @@ def test_cpu_step_bench_runs():
     lines = [line for line in out.splitlines() if "dorafp8 / PEFT" in line]
     assert [line.split()[0] for line in lines] == ["fp32", "bf16"], out
     assert "backend on cpu: native" in out, out
+
+
+def _graph_case(provider):
+    import torch
+
+    import _graph as G
+    import _providers as P
+
+    layer = P.build_layer(provider, 32, 48, 4, "bf16", 0.0, torch.device("cpu"))
+    forward = layer.forward_cached if C.first_mode(provider).endswith("cachednorm") else layer.forward
+    x, dy = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(8, 48, dtype=torch.bfloat16)
+    return G, layer, forward, x, dy
+
+
+@pytest.mark.parametrize("provider", ["dorafp8-reference", "linear-bf16"])
+def test_graphed_step_checks_then_times(provider):
+    """bench/_graph.py with its CPU stand-in graph: the step is captured, the replay checked against an eager call on
+    new inputs, then timed; the replay's outputs are the eager step's on those inputs."""
+    G, layer, forward, x, dy = _graph_case(provider)
+    replay, capture_s = G.captured(forward, layer.params, x, dy, graph=G.EagerGraph(), warmup=1)
+    times = G.time_replays(replay, 2, x.device)
+    assert capture_s > 0 and times["replay_us"] >= times["replay_enqueue_us"] > 0
+
+
+@pytest.mark.parametrize("provider", ["dorafp8-reference", "linear-bf16"])
+def test_a_stale_graph_is_refused_naming_what_differs(provider):
+    """A graph whose replay changes nothing (its inputs baked in at capture) fails the check before any timing, the
+    message naming y, dx and each parameter's gradient."""
+    G, layer, forward, x, dy = _graph_case(provider)
+    with pytest.raises(G.GraphMismatch) as e:
+        G.captured(forward, layer.params, x, dy, graph=G.EagerGraph(stale=True), warmup=1)
+    names = ["y", "dx"] + [f"grad of parameter {i}" for i in range(len(layer.params))]
+    assert all(f"{n}" in str(e.value) for n in names) and "not timed" in str(e.value), e.value
+    assert len(layer.params) == (3 if provider.startswith("dorafp8") else 0)
+
+
+def test_the_cuda_graph_lines_run_against_torch_cuda_names(monkeypatch):
+    """The CUDA-only class (CudaGraph) on a CPU with torch.cuda's graph and stream calls replaced by recorders: every
+    line runs (a misspelt name fails here, not on the GPU's first command); its replay, a no-op here, fails the check."""
+    import contextlib
+
+    import torch
+
+    G, layer, forward, x, dy = _graph_case("linear-bf16")
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append("wait")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: type("Graph", (), {"replay": lambda s: calls.append("replay")})())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: calls.append("capture") or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    with pytest.raises(G.GraphMismatch, match="y: max"):
+        G.captured(forward, layer.params, x, dy, warmup=1)
+    assert calls == ["wait", "wait", "capture", "replay"], calls

@@ -389,6 +389,12 @@ def test_smoke_host(smoke):
         through_triton = r["provider"].startswith("dorafp8-")
         assert (r["triton_launches"] > 0) == through_triton and (r["triton_us"] > 0) == through_triton, r
         assert 0 <= r["triton_jit_us"] <= r["triton_us"] <= r["host_timed_us"], r
+    # the CUDA-graph rows (a stand-in graph on the CPU): captured, checked against an eager call, replays timed
+    graph = res["graph"]
+    assert graph["smoke"] is True and [(r["provider"], r["M"]) for r in graph["rows"]] == \
+        [(p, 16) for p in S.GRAPH_PROVIDERS]
+    for r in graph["rows"]:
+        assert r["check"] == "ok" and r["replay_us"] > 0 and r["replay_enqueue_us"] > 0 and r["capture_ms"] > 0, r
 
 
 def test_the_triton_clock_counts_the_outermost_run_and_lets_go(monkeypatch):
@@ -664,7 +670,12 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
                       host_timed_us=1550.0, triton_us=900.0, triton_jit_us=700.0, triton_launches=14),
                  dict(provider="linear-bf16", M=8192, wall_us=900.0, enqueue_us=60.0, gpu_us=850.0, launches=2,
                       host_timed_us=62.0, triton_us=0.0, triton_jit_us=0.0, triton_launches=0),
-                 dict(provider="peft-dora", M=8192, error="OutOfMemoryError: CUDA out of memory")]}}
+                 dict(provider="peft-dora", M=8192, error="OutOfMemoryError: CUDA out of memory")]},
+             "graph": {"device": "Stand-in GPU", "smoke": False, "replays": 20, "rows": [
+                 dict(provider="dorafp8-triton", M=256, check="ok", capture_ms=12.5, replay_us=170.0,
+                      replay_enqueue_us=9.0),
+                 dict(provider="linear-bf16", M=256, error="GraphMismatch: ... y: max |replay - eager| ..."),
+                 dict(provider="dorafp8-triton", M=8192, skipped="2.0 s of the step's cap left (< 3 s)")]}}
     src = tmp_path / "out"
     src.mkdir()
     (src / "first_contact.json").write_text(json.dumps(first))
@@ -704,6 +715,11 @@ def test_save_results_writes_the_device_folder_and_readme(tmp_path, smoke):
     assert "| linear-bf16 | 8192 | 900 | 60 | 850 | 2 | GPU | 0 | 0 | 0 | 62 |" in host
     assert "| peft-dora | 8192 | **failed**: OutOfMemoryError: CUDA out of memory |" in host
     assert "A CPU smoke run" in (tmp_path / "results" / "cpu" / "host.md").read_text()
+    assert "## The same step captured in a CUDA graph" in host and "20 replays" in host
+    assert "| dorafp8-triton | 256 | ok | 170 | 9 | 12.5 | 1600 |" in host  # beside the eager call's wall time
+    assert "| linear-bf16 | 256 | **failed**: GraphMismatch: ... y: max |replay - eager| ... |" in host
+    assert "| dorafp8-triton | 8192 | **skipped**: 2.0 s of the step's cap left (< 3 s) |" in host
+    assert "| dorafp8-triton | 16 | ok |" in (tmp_path / "results" / "cpu" / "host.md").read_text()  # the smoke's
     assert "`results/stand-in-gpu/README.md`" in block and re.findall(r"\]\(([^)\s]*)\)", block) == []  # no link
     for M in C.FIRST_TOKENS:
         row = next(line for line in block.splitlines() if line.startswith(f"| {M} |"))
