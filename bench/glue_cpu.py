@@ -95,7 +95,8 @@ def main():
         times.append(time.perf_counter() - t0)
     med = statistics.median(times) * 1e3
     print(f"glue CPU time per forward + backward: median {med:.3f} ms over {args.calls} calls "
-          f"({args.backend}{', layer' if args.layer else ''}, M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
+          f"({args.backend}{', layer' if args.layer else ''}, "
+          f"M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
           f"{torch.__version__}, 1 thread)")
 
 

@@ -1,6 +1,7 @@
 """Pieces shared by the Triton kernels: the dot helper, launch-time choices, the argument checks and the autotune
 configs per arch and Triton version (why each table holds what it does: docs/ARCHITECTURE.md). The Hopper main
-loop's own choices are in hopper.py."""
+loop's own choices are in hopper.py. Long because the launch glue every launcher shares (launch, OneConfig) sits
+with the tables it launches."""
 
 from __future__ import annotations
 
