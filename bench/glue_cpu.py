@@ -1,7 +1,7 @@
 """CPU time of the Python between the kernels of one DoRA forward + backward on the Triton backend ("the glue").
 
     python bench/glue_cpu.py [--tokens 256] [--features 4096] [--rank 16] [--dropout 0.1] [--calls 200]
-                             [--backend triton|cublas] [--ops]
+                             [--backend triton|cublas] [--ops] [--layer]
 
 Runs dora_fp8_linear forward + backward under Triton's interpreter on CPU tensors with every Triton kernel launch
 replaced by a no-op (the interpreter's InterpretedFunction.run), so what is timed is everything around the kernels:
@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--backend", default="triton", help="triton, or cublas (the cuBLAS strategy: its matmuls run)")
     ap.add_argument("--ops", action="store_true", help="list the PyTorch ops of one step (not on old checkouts)")
+    ap.add_argument("--layer", action="store_true", help="through PEFT's layer (a DoRAFP8Linear), not the function")
     args = ap.parse_args()
     torch.set_num_threads(1)
     M, N, r = args.tokens, args.features, args.rank
@@ -58,6 +59,21 @@ def main():
                                     backend=args.backend, weight_norm=n)
         y.backward(g)
         x.grad = A.grad = B.grad = m.grad = None
+
+    if args.layer:  # the same step through the layer a PEFT model holds (its forward, its cached norm)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(torch.nn.Sequential(dorafp8.FP8Linear.from_fp8(w8, scale, backend=args.backend)),
+                               LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0"], use_dora=True,
+                                          lora_dropout=args.dropout))
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step():
+            y = model(x)
+            y.backward(g)
+            x.grad = None
+            for p in params:
+                p.grad = None
 
     interp.InterpretedFunction.run = lambda self, *a, **k: None  # every Triton launch: a no-op
     for _ in range(10):
@@ -79,7 +95,8 @@ def main():
         times.append(time.perf_counter() - t0)
     med = statistics.median(times) * 1e3
     print(f"glue CPU time per forward + backward: median {med:.3f} ms over {args.calls} calls "
-          f"({args.backend}, M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
+          f"({args.backend}{', layer' if args.layer else ''}, "
+          f"M={M}, N=K={N}, r={r}, dropout={args.dropout}, bf16 activations, fp32 adapters; torch "
           f"{torch.__version__}, 1 thread)")
 
 

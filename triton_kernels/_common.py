@@ -1,6 +1,7 @@
 """Pieces shared by the Triton kernels: the dot helper, launch-time choices, the argument checks and the autotune
 configs per arch and Triton version (why each table holds what it does: docs/ARCHITECTURE.md). The Hopper main
-loop's own choices are in hopper.py."""
+loop's own choices are in hopper.py. Long because the launch glue every launcher shares (launch, OneConfig) sits
+with the tables it launches."""
 
 from __future__ import annotations
 
@@ -79,12 +80,16 @@ def launch(kernel, grid):
     GPU 1's pointers, unordered with GPU 1's stream. The CUDA extension guards its device itself (csrc/binding.cpp)."""
 
     def run(*args, **kwargs):
-        handled = False
-        for observe in LAUNCH_OBSERVERS:
-            handled = bool(observe(kernel, grid, args, kwargs)) or handled
-        if handled:
-            return None
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if LAUNCH_OBSERVERS:  # none outside the tests and the benches: no loop
+            handled = False
+            for observe in LAUNCH_OBSERVERS:
+                handled = bool(observe(kernel, grid, args, kwargs)) or handled
+            if handled:
+                return None
+        # Every launcher passes a tensor first: its device, without a generator over the arguments
+        first = args[0] if args else None
+        dev = first.device if isinstance(first, torch.Tensor) else next(
+            (a.device for a in args if isinstance(a, torch.Tensor)), None)
         if dev is None or dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
             return kernel[grid](*args, **kwargs)
         with torch.cuda.device(dev.index):
@@ -104,7 +109,7 @@ def dot_dtype(*dtypes: torch.dtype):
     """(DOT_DT, IEEE): the dtype tl.dot operands are converted to, and whether it is fp32 (input_precision "ieee").
     Mixed or non-16-bit dtypes compute in fp32; so do bf16 tiles in the interpreter (its bf16 tl.dot: triton #11584)."""
     dt = dtypes[0]
-    if any(d != dt for d in dtypes) or dt not in (torch.float16, torch.bfloat16):
+    if dtypes.count(dt) != len(dtypes) or dt not in (torch.float16, torch.bfloat16):  # count: no generator
         return tl.float32, True
     if dt == torch.bfloat16 and interpreting():
         return tl.float32, True
@@ -413,9 +418,26 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     tuner = _TUNERS.get(k)
     if tuner is None:
         configs = pinned(pin, configs() if callable(configs) else configs)
-        tuner = triton.autotune(configs=configs, key=key, restore_value=list(outputs) if poison else None)(kernel)
+        if len(configs) == 1 and configs[0].pre_hook is None:
+            tuner = OneConfig(kernel, configs[0])
+        else:
+            tuner = triton.autotune(configs=configs, key=key, restore_value=list(outputs) if poison else None)(kernel)
         _TUNERS[k] = tuner
     return tuner
+
+
+class OneConfig:
+    """What triton.autotune does with a single config (the interpreter's, a pinned one), without its wrapper: its run
+    built a dict of the arguments and merged the config's kwargs each launch. Nothing is benchmarked with one config,
+    so its pre_hook / restore_value (the tests' NaN fill) never ran there either: kernel[grid](*args, **config)."""
+
+    def __init__(self, fn, config):
+        self.fn, self.configs, self.best_config = fn, [config], config  # as an Autotuner names them
+        self._kwargs = config.all_kwargs()
+
+    def __getitem__(self, grid):
+        fn, kw = self.fn, self._kwargs
+        return lambda *args, **kwargs: fn.run(*args, grid=grid, warmup=False, **kwargs, **kw)
 
 
 def check_weight(w8: torch.Tensor, scale: torch.Tensor, block_size: int = 128,

@@ -164,3 +164,44 @@ def test_a_named_backend_reads_no_race_variable(monkeypatch):
     monkeypatch.delenv("DORAFP8_BACKEND", raising=False)
     monkeypatch.delenv("DORAFP8_RACE", raising=False)
     assert race.racing("auto", cuda) and read == ["DORAFP8_RACE"]
+
+
+def test_a_one_config_launch_runs_no_autotuner(monkeypatch):
+    """A launcher whose list is one config (the interpreter's; a pinned one on a GPU) calls its JITFunction with that
+    config (triton_kernels/_common.OneConfig): Autotuner.run rebuilt an argument dict a launch, two GEMMs a step."""
+    from triton.runtime import autotuner
+
+    runs = []
+    real = autotuner.Autotuner.run
+    monkeypatch.setattr(autotuner.Autotuner, "run", lambda self, *a, **k: runs.append(self) or real(self, *a, **k))
+    assert _step_ops("triton", 0.0) and runs == []
+
+
+def test_one_config_passes_what_the_autotuner_passed(monkeypatch):
+    """OneConfig hands the JITFunction the arguments, grid, warmup and the config's kwargs, as Autotuner.run does with
+    one config; a list of several (a GPU's) still gets the Autotuner, restoring the outputs under the NaN fill."""
+    import triton
+
+    from dorafp8.triton_kernels import _common
+
+    class Fn:  # what the wrappers need of a JITFunction: its argument names and run
+        arg_names = ["a", "b", "out"]
+
+        def __init__(self):
+            self.calls, self.fn = [], lambda a, b, out: None
+
+        def run(self, *args, **kwargs):
+            self.calls.append((args, kwargs))
+
+    cfg = triton.Config({"BLOCK_M": 16, "GROUP_M": 2}, num_warps=4, num_stages=1)
+    ours, theirs = Fn(), Fn()
+    grid = (3,)
+    monkeypatch.setattr(_common, "_TUNERS", {})
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
+    one = _common.autotuned(ours, "t", [cfg], ["b"], ["out"])
+    assert isinstance(one, _common.OneConfig) and one.configs == [cfg]
+    one[grid](1, 2, out=None, X=5)
+    triton.autotune(configs=[cfg], key=["b"], restore_value=["out"])(theirs)[grid](1, 2, out=None, X=5)
+    assert ours.calls == theirs.calls and ours.calls[0][1]["BLOCK_M"] == 16
+    two = _common.autotuned(ours, "t", [cfg, triton.Config({"BLOCK_M": 32, "GROUP_M": 2})], ["b"], ["out"])
+    assert isinstance(two, triton.runtime.autotuner.Autotuner) and two.restore_value == ["out"]
