@@ -243,14 +243,15 @@ def bwd_pass_blocks(r: int, ieee: bool, split: bool = False) -> tuple[int, int, 
     values (2K with fp32 operands, or with c B split in three: split_dtype; 8K spilled on sm_120 at r = 128), 8 warps
     from 2K for 16-bit ones, two stages (larger spilled; kernel report). Split at r <= 16 (fp32 adapters on bf16):
     4 warps and one stage, 216 registers on sm_90a (202 without db), two programs an SM for twice the loads in flight
-    (8 warps: 210, one; ARCHITECTURE.md "Bytes in flight"; the speed-up is a PREDICTION)."""
+    (8 warps: 210, one; ARCHITECTURE.md "Bytes in flight"; the speed-up is a PREDICTION). 16-bit operands take one
+    stage too: at two, g's cp.async for the next step went out after the step's stores and was waited on first."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
     if split and br == 16:
         return 32, 128, 16, 4, 1
     bn = max(16, min(128, (2048 if split else 8192) // br))
-    return 32, bn, br, 4 if bn * br < 2048 else 8, 2
+    return 32, bn, br, 4 if bn * br < 2048 else 8, 1
 
 
 # Under the interpreter: two programs in all, so that the tests' small shapes still cross both loops (several row
