@@ -45,6 +45,9 @@ def dora_bwd_pass_kernel(
 ):
     NORM_L: tl.constexpr = HAS_ADAPTER or HAS_SROW  # gl = g * f / rl (else gl is g)
     NORM_B: tl.constexpr = HAS_ADAPTER and HAS_DROPOUT and HAS_SROW  # gb = g * srow / rb (else g, or none)
+    # Loads hoisted above the step's stores (which Triton may not move them past: the pointers could alias) on the
+    # 16-bit-operand variants; the fp32 (ieee) ones spilled with them (ARCHITECTURE.md "Bytes in flight").
+    EARLY: tl.constexpr = not (V_IEEE or DB_IEEE)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
 
     # The maxima over all N (see the module docstring), elementwise first, reduced once at the end.
@@ -116,6 +119,16 @@ def dora_bwd_pass_kernel(
             rows = offs_m.to(tl.int64)
             tile = mask_m[:, None] & mask_n[None, :]
             g_in = tl.load(g_ptr + rows[:, None] * stride_g_m + offs_n[None, :], mask=tile, other=0.0)
+            if EARLY:  # every load of the step before its first store: one round trip a step, not three or four
+                if HAS_ADAPTER:
+                    vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
+                    vmask = mask_m[:, None] & mask_r[None, :]
+                    if NEED_DM:
+                        z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
+                    if NEED_DBB:
+                        u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
+                                    mask=vmask, other=0.0)
+                    v_old = tl.load(vp, mask=vmask & (cs > 0), other=0.0)  # added only where cs > 0
             g = g_in.to(tl.float32)
             if NEED_DB:
                 db_acc += tl.sum(g, axis=0)
@@ -136,17 +149,23 @@ def dora_bwd_pass_kernel(
                     v = dot((g * cn[None, :]).to(V_DT), b_tile, v, V_IEEE)
                 v = v * rho_c
                 # This program's slice of the column group's v partial; rows past M are masked.
-                vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
-                vmask = mask_m[:, None] & mask_r[None, :]
+                if not EARLY:  # (computed here: at the top of the step they cost the fp32 variants 40 registers)
+                    vp = vpart_ptr + (pid_n.to(tl.int64) * M + rows[:, None]) * R + offs_r[None, :]
+                    vmask = mask_m[:, None] & mask_r[None, :]
                 if cs > 0:
-                    v += tl.load(vp, mask=vmask, other=0.0)
+                    if EARLY:
+                        v += v_old
+                    else:
+                        v += tl.load(vp, mask=vmask, other=0.0)
                 tl.store(vp, v, mask=vmask)
                 if NEED_DM:
-                    z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
+                    if not EARLY:
+                        z = tl.load(z_ptr + rows[:, None] * stride_z_m + offs_n[None, :], mask=tile, other=0.0)
                     dm_acc += tl.sum(g * z.to(tl.float32), axis=0)
                 if NEED_DBB:
-                    u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
-                                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                    if not EARLY:
+                        u = tl.load(u_ptr + rows[:, None] * stride_u_m + offs_r[None, :] * stride_u_r,
+                                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
                     if DB_SPLIT:
                         dB_acc = dot3(tl.trans(g_in), u, dB_acc, DB_DT, DB_IEEE, False, True)
                     else:
@@ -223,15 +242,16 @@ def bwd_pass_blocks(r: int, ieee: bool, split: bool = False) -> tuple[int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_R, num_warps, num_stages) on a GPU: all of r at once, the fp32 dB accumulator at most 8K
     values (2K with fp32 operands, or with c B split in three: split_dtype; 8K spilled on sm_120 at r = 128), 8 warps
     from 2K for 16-bit ones, two stages (larger spilled; kernel report). Split at r <= 16 (fp32 adapters on bf16):
-    4 warps and one stage, 218 registers on sm_90a, two programs an SM for twice the loads in flight (8 warps: 210,
-    one; ARCHITECTURE.md "Bytes in flight"; the speed-up is a PREDICTION)."""
+    4 warps and one stage, 216 registers on sm_90a (202 without db), two programs an SM for twice the loads in flight
+    (8 warps: 210, one; ARCHITECTURE.md "Bytes in flight"; the speed-up is a PREDICTION). 16-bit operands take one
+    stage too: at two, g's cp.async for the next step went out after the step's stores and was waited on first."""
     br = max(16, next_pow2(r))
     if ieee:
         return 16, max(16, min(128, 2048 // br)), br, 4, 2
     if split and br == 16:
         return 32, 128, 16, 4, 1
     bn = max(16, min(128, (2048 if split else 8192) // br))
-    return 32, bn, br, 4 if bn * br < 2048 else 8, 2
+    return 32, bn, br, 4 if bn * br < 2048 else 8, 1
 
 
 # Under the interpreter: two programs in all, so that the tests' small shapes still cross both loops (several row

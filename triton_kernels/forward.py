@@ -55,11 +55,12 @@ def _fwd_epilogue(
     HAS_ADAPTER: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_Z: tl.constexpr,
     SCALE_KIND: tl.constexpr, ACT_QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LORA_DT: tl.constexpr,
     LORA_IEEE: tl.constexpr, LORA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, u_desc=None, b_desc=None, off_m=0, off_n=0,
+    BLOCK_N: tl.constexpr, u_desc=None, b_desc=None, off_m=0, off_n=0, bias=None, c=None,
 ):
     """Everything after the base GEMM, in fp32, on the TRANSPOSED tile [BLOCK_N, BLOCK_M]: per-output-column vectors
     (scale, c, bias) index its rows, per-token vectors (W8A8's row scales) its columns. u_desc, b_desc: the rank-r
-    operands by TMA (_lora_into), for the tile at rows off_m of x and off_n of W8.
+    operands by TMA (_lora_into), for the tile at rows off_m of x and off_n of W8. bias, c: the bias and c = m / n
+    as [BLOCK_N, 1] fp32, loaded already by the caller (else loaded here, late: after z's store for the bias).
 
     The rank-r term is accumulated into the base accumulator itself, as t = base / s + u B^T, then times s (HAS_LORA:
     s != 0; with s == 0 the term vanishes): one fp32 tile of registers, not two. With dropout both accumulators get it
@@ -83,7 +84,8 @@ def _fwd_epilogue(
         if HAS_LORA:
             t = _lora_into(t, offs_m, offs_n, mask_m, mask_n, u_ptr, b_ptr, R, stride_u_m, stride_u_r, stride_b_n,
                            stride_b_r, LORA_DT, LORA_IEEE, LORA_SPLIT, BLOCK_R, u_desc, b_desc, off_m, off_n)
-        c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
+        if c is None:
+            c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
         if HAS_DROPOUT:
             t_d = acc_d * (sc * inv_keep / s_mul)  # xd W0^T = (xm W0^T) / (1 - p)
             if ACT_QUANT:
@@ -105,7 +107,9 @@ def _fwd_epilogue(
         if ACT_QUANT:
             y = y * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[None, :]
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if bias is None:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        y += bias
     y_ptrs = y_ptr + rows_m[None, :] * stride_y_m + offs_n[:, None]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
@@ -243,11 +247,19 @@ def fwd_epilogue_kernel(
     if HAS_DROPOUT:
         acc_d = tl.load(based_ptr + rows_m[None, :] * stride_based_m + offs_n[:, None], mask=tile,
                         other=0.0).to(tl.float32)
+    # The per-column vectors now, with the tiles: loaded in _fwd_epilogue they waited a round trip of their own
+    # after the rank-r dot (c) and after z's store (the bias; a load is not moved past a store).
+    bias = None
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    c = None
+    if HAS_ADAPTER:
+        c = magnitude_scale(m_ptr, n_ptr, offs_n, mask_n)[:, None]
     _fwd_epilogue(acc, acc_d, offs_m, offs_n, mask_m, mask_n,
                   scale_ptr, scale_ptr, scale_ptr, bias_ptr, m_ptr, n_ptr, u_ptr, b_ptr, y_ptr, z_ptr,
                   R, stride_u_m, stride_u_r, stride_b_n, stride_b_r, stride_y_m, stride_z_m, s, inv_keep,
                   HAS_ADAPTER, HAS_DROPOUT, HAS_BIAS, NEED_Z, SCALE_KIND, False, HAS_LORA, LORA_DT, LORA_IEEE,
-                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N)
+                  LORA_SPLIT, BLOCK_R, BLOCK_M, BLOCK_N, bias=bias, c=c)
 
 
 def epilogue_blocks(ieee: bool) -> tuple[int, int]:

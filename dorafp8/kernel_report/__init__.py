@@ -8,12 +8,13 @@ from .cuda_driver import (cuda_dir, cuda_sources, cuda_spec_by_source, cuda_unav
 from .parsers import check_variant, classify_mma, config_str, parse_ptxas_log, ptx_functions, ttgir_dots, w8_operand
 from .pool import cuda_jobs, plan, run
 from .records import ARCHS, BACKENDS, FIELDS, SMEM_LIMIT, SpecError, kernel_matches, new_record
-from .triton_driver import SPEC_MODULE, triton_unavailable_reason
+from .sass import loads_after_first_store
+from .triton_driver import SPEC_MODULE, job_sass, list_jobs, triton_unavailable_reason
 
 __all__ = [
     "ARCHS", "BACKENDS", "FIELDS", "SMEM_LIMIT", "SPEC_MODULE", "SpecError", "check_variant", "classify_mma",
     "config_str", "cuda_dir", "cuda_jobs", "cuda_sources", "cuda_spec_by_source", "cuda_unavailable_reason",
-    "format_table", "kernel_matches", "load_cuda_spec", "main", "match_cuda_kernels", "new_record", "nvcc_flags",
-    "parse_ptxas_log", "plan", "problems_of", "ptx_functions", "run", "triton_unavailable_reason", "ttgir_dots",
-    "w8_operand",
+    "format_table", "job_sass", "kernel_matches", "list_jobs", "load_cuda_spec", "loads_after_first_store", "main",
+    "match_cuda_kernels", "new_record", "nvcc_flags", "parse_ptxas_log", "plan", "problems_of", "ptx_functions", "run",
+    "triton_unavailable_reason", "ttgir_dots", "w8_operand",
 ]

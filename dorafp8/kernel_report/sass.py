@@ -123,6 +123,19 @@ def main_loop_mix(text: str) -> dict | None:
     return mix(instrs[found[0][0]:found[0][1] + 1]) if found else None
 
 
+def loads_after_first_store(text: str, in_main_loop: bool = False) -> int:
+    """Global loads (LDG, LDGSTS) that stand after the first global store (STG) of the kernel, or of its main loop
+    (main_loop_mix's): a load is not moved past a store (the pointers might alias), so each is a round trip of its own
+    after the store's, where a streaming pass wants every load of a step issued before it waits on any."""
+    instrs = parse_sass(text)
+    if in_main_loop:
+        found = _holding(instrs, loops(instrs), _is_mma)
+        instrs = instrs[found[0][0]:found[0][1] + 1] if found else []
+    ops = [e["op"] for e in instrs if "op" in e]
+    first = ops.index("STG") if "STG" in ops else len(ops)
+    return sum(op in ("LDG", "LDGSTS") for op in ops[first:])
+
+
 def pipeline(text: str) -> dict:
     """What the SASS says of the main loop's pipeline beyond the mix: whether it lies inside a persistent kernel's tile
     loop, the producer's loop mix under warp specialization (None without), kernel_instrs (every instruction: what lies

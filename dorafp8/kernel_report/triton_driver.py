@@ -158,8 +158,9 @@ def sass_text(cubin: bytes) -> str:
     return done.stdout
 
 
-def compile_job(job: dict) -> dict:
-    """Compiles one (kernel, variant, config, arch) the way the launcher's JIT call would and reads the result."""
+def _compile(job: dict, printed: io.StringIO):
+    """(spec, compiled kernel, backend, options, capability) of one job, compiled as the launcher's JIT call would;
+    ptxas's log of the compile goes to printed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -170,22 +171,32 @@ def compile_job(job: dict) -> dict:
     variant = next(v for v in spec.variants(table) if (v.name, v.dtype) == (job["variant"], job["dtype"]))
     cfg = next(c for c, _ in variant_configs(mod, spec, job["arch"], variant, job["all_configs"])
                if config_str(c) == job["config"])
+    fn = spec.fn
+    target = GPUTarget("cuda", cap, 32)
+    backend = make_backend(target)
+    # What triton.autotune and JITFunction.run pass: the config's kwargs and options plus the run-time options.
+    kwargs = {**variant.constexprs, **cfg.all_kwargs()}
+    kwargs.update(launch_options(fn, backend))
+    options, signature, constexprs, attrs = bind(fn, backend, variant.args, kwargs)
+    with ptxas_log_printed(printed):
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return spec, compiled, backend, options, cap
+
+
+def job_sass(job: dict) -> str:
+    """nvdisasm's text of one job's kernel (a list_jobs entry), compiled as compile_job compiles it."""
+    return sass_text(_compile(job, io.StringIO())[1].asm["cubin"])
+
+
+def compile_job(job: dict) -> dict:
+    """Compiles one (kernel, variant, config, arch) the way the launcher's JIT call would and reads the result."""
     rec = new_record(backend="triton", kernel=job["kernel"], variant=job["variant"], dtype=job["dtype"],
                      arch=job["arch"], config=job["config"], autotune_pick=job["autotune_pick"],
                      smem_limit=SMEM_LIMIT[job["arch"]])
     t0 = time.time()
     try:
-        fn = spec.fn
-        target = GPUTarget("cuda", cap, 32)
-        backend = make_backend(target)
-        # What triton.autotune and JITFunction.run pass: the config's kwargs and options plus the run-time options.
-        kwargs = {**variant.constexprs, **cfg.all_kwargs()}
-        kwargs.update(launch_options(fn, backend))
-        options, signature, constexprs, attrs = bind(fn, backend, variant.args, kwargs)
         printed = io.StringIO()
-        with ptxas_log_printed(printed):
-            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+        spec, compiled, backend, options, cap = _compile(job, printed)
         ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
         # The log of the compile itself (ptxas run twice was a sixth of a cold inspection's time), or where Triton
         # read the kernel from its cache, a second ptxas run's.
