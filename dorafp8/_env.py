@@ -1,5 +1,5 @@
-"""dorafp8's on/off switches: the environment's (README's table), one reading of them all, and the per-thread ones
-that a context turns on (ThreadSwitch)."""
+"""dorafp8's on/off switches: the environment's (README's table), one reading of them all, the per-thread ones
+that a context turns on (ThreadSwitch), and torch's own: whether a CUDA graph is being captured (capturing())."""
 
 from __future__ import annotations
 
@@ -88,3 +88,13 @@ class ThreadSwitch:
 
     def __bool__(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA). torch is imported here, not above:
+    setup.py runs this file before torch may be installed."""
+    try:
+        import torch
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # no CUDA here
+        return False

@@ -9,7 +9,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from ._env import ThreadSwitch
+from ._env import ThreadSwitch, capturing
 
 _optimizer_steps = 0
 _step_hooks = None
@@ -46,13 +46,6 @@ def reuse_weight_norms():
         yield
 
 
-def _capturing() -> bool:
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:  # no CUDA here
-        return False
-
-
 def _identity(t: torch.Tensor) -> tuple:
     return t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape)
 
@@ -80,7 +73,7 @@ class WeightNormCache:
         if sharded or not (on_cpu or _REUSE):
             self._entries.pop(adapter, None)  # never keep a norm that no later call could prove current
             return compute()
-        if not on_cpu and _capturing():  # a graph replays without Python: no proof of a cached norm could run then
+        if not on_cpu and capturing():  # a graph replays without Python: no proof of a cached norm could run then
             if not _CAPTURE_WARNED:
                 _CAPTURE_WARNED.append(True)
                 warnings.warn(CAPTURE_WARNING, stacklevel=3)

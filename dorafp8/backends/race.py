@@ -27,7 +27,7 @@ import torch
 
 from .. import backends
 from .._deps import triton_version
-from .._env import flag
+from .._env import capturing, flag
 from . import cuda_build
 from .cuda_build import cache_dir
 
@@ -359,8 +359,8 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     if not plan(spec)["fits"]:  # checking would hold more than the layer's own step: not checked, the reference serves
         log.info("dorafp8 race: %s: a check would exceed its memory bound; the reference backend serves it", what)
         return _keep(key, spec, FALLBACK)
-    if _capturing():  # a CUDA graph being captured: no child inside it
-        return _unchecked(path, what, cands, static)
+    if capturing():  # a CUDA graph being captured: no child inside it
+        return _unchecked(path, what, cands, static, captured=True)
     if not _STOPPED:
         results = _shared(path, what, lambda: _resolve(path, device, what, dict(spec, cands=cands)))
     if _STOPPED:  # the job's signal stopped a child (now or before): no more children, and not the fp32 reference
@@ -372,13 +372,20 @@ def choose(op: str, static: str, device: torch.device, needs: frozenset, **call)
     return pick
 
 
-def _unchecked(path: str, what: str, cands: list, static: str) -> str:
+def _unchecked(path: str, what: str, cands: list, static: str, captured: bool = False) -> str:
     """A pick without a child: the file's verdicts where they cover every candidate, else the static order's (the
-    reference where the file says that one is broken here)."""
+    reference where the file says that one is broken here). captured: inside a CUDA graph capture, where the static
+    pick is kept by the graph for good (one warning a process)."""
     known = _file(path)["keys"].get(what, {})
     if all(c in known for c in cands):
         return pick_of(known, cands)
-    return FALLBACK if static in _file(path)["broken"] else static
+    pick = FALLBACK if static in _file(path)["broken"] else static
+    if captured and ("capture",) not in _WARNED:  # the graph keeps this pick for every replay, unchecked
+        _WARNED.add(("capture",))
+        warnings.warn(f"dorafp8 race: a CUDA graph captured {what} before an eager call checked its backends on this "
+                      f"GPU; the graph runs the static pick {pick!r} (what DORAFP8_RACE=0 runs). Run one eager step "
+                      "before capturing (a warm-up) to have them checked.", stacklevel=2)
+    return pick
 
 
 def _keep(key: tuple, spec: dict, pick: str) -> str:
@@ -397,13 +404,6 @@ def _candidates(device: torch.device, needs: frozenset, order) -> list[str]:
     """The backends of `order` that run on `device` and compute what the call `needs` (block scales, W8A8)."""
     return [c for c in order
             if backends.unavailable_reason(c, device) is None and needs <= backends.supports(c, device)]
-
-
-def _capturing() -> bool:
-    try:
-        return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:  # no CUDA here
-        return False
 
 
 def _resolve(path: str, device: torch.device, what: str, spec: dict) -> dict:
