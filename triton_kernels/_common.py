@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..backends import base as _base
 from ..backends.base import NORM_EPS as _NORM_EPS
-from ._pins import pinned
+from ._pins import pin_of, pinned
 
 # Rank chunk of the rank-r epilogues (u B^T, v A, B A): 16 under the interpreter, so that the tests cross a chunk with
 # r = 20; 64 on a GPU keeps the rank tiles in registers (r = 256 loops 4 times).
@@ -411,10 +411,11 @@ def autotuned(kernel, tag, configs, key, outputs, device=None, pin=None):
     fill the outputs are restored after each benchmarked config, so a config that skips a tile cannot hide behind one
     that wrote it. `configs` may be a function, called once per (tag, device arch); pin: _pins.pinned's name."""
     poison = _base.POISON_OUTPUTS
+    # the pin's names in the key: pin_configs after a first launch (or {} after a pin) gives the launcher a new tuner
     if callable(configs):
-        k = (id(kernel), tag, arch_of(device), poison)
+        k = (id(kernel), tag, arch_of(device), poison, pin_of(pin))
     else:
-        k = (id(kernel), tag, tuple(str(c) for c in configs), poison)
+        k = (id(kernel), tag, tuple(str(c) for c in configs), poison, pin_of(pin))
     tuner = _TUNERS.get(k)
     if tuner is None:
         configs = pinned(pin, configs() if callable(configs) else configs)

@@ -33,6 +33,13 @@ def pin_configs(pins: dict) -> None:
     _PINS.update(pins)
 
 
+def pin_of(pin: str | None):
+    """What pin_configs pinned for `pin` (a name or a tuple of names), or None: part of a tuner's cache key
+    (_common.autotuned), so that a pin set or dropped after a launcher's first launch reaches its next one."""
+    want = _PINS.get(pin) if pin is not None else None
+    return tuple(want) if isinstance(want, list) else want
+
+
 def pinned(pin: str | None, configs: list) -> list:
     """The configs a launcher tunes over: `configs`, or the ones pin_configs pinned for `pin` that the list holds."""
     want = _PINS.get(pin) if pin is not None else None

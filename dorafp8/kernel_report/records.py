@@ -23,7 +23,7 @@ FIELDS = (
     "tcgen05_a_tmem", "tcgen05_a_smem",
     "regs", "spill_stores", "spill_loads", "spill_bytes", "stack_bytes", "smem_bytes", "smem_static", "smem_limit",
     "ptxas_notes", "main_loop", "ws_consumers", "tile_loop", "producer_loop", "kernel_instrs", "tile_instrs",
-    "compile_s", "error",
+    "loads_after_store", "loop_loads_after_store", "compile_s", "error",
 )
 
 

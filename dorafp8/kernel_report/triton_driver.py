@@ -13,7 +13,7 @@ import time
 from .parsers import (check_variant, classify_mma, config_str, parse_ptxas_log, tcgen05_types, ttgir_dots,
                       w8_operand, ws_consumers)
 from .records import SMEM_LIMIT, SpecError, new_record
-from .sass import main_loop_mix, pipeline
+from .sass import loads_after_first_store, main_loop_mix, pipeline
 
 SPEC_MODULE = "dorafp8.triton_kernels.inspect_spec"
 KERNEL_PACKAGE = "dorafp8.triton_kernels"
@@ -221,8 +221,10 @@ def compile_job(job: dict) -> dict:
             raise RuntimeError("TTGIR says the W8 tile feeds tcgen05.mma from tensor memory but no tcgen05.mma in the "
                                "PTX takes A from tensor memory: the reader is out of date with this Triton")
         sass = sass_text(compiled.asm["cubin"])
-        rec.update(mma, **w8, **usage, main_loop=main_loop_mix(sass), ws_consumers=ws_consumers(ttgir),
-                   **pipeline(sass),
+        loop = main_loop_mix(sass)
+        rec.update(mma, **w8, **usage, main_loop=loop, ws_consumers=ws_consumers(ttgir), **pipeline(sass),
+                   loads_after_store=loads_after_first_store(sass),
+                   loop_loads_after_store=None if loop is None else loads_after_first_store(sass, in_main_loop=True),
                    spill_bytes=usage["spill_stores"] + usage["spill_loads"],
                    smem_bytes=compiled.metadata.shared + usage["smem_static"])
     except Exception as e:  # one config that does not compile is data, not the end of the run

@@ -175,6 +175,46 @@ def test_pinned_configs(monkeypatch):
     assert Pins.pinned(pin, big) == big
 
 
+@pytest.mark.parametrize("configs_as", ["list", "function"])
+def test_a_pin_after_the_first_launch_reaches_the_next(monkeypatch, configs_as):
+    """autotuned caches a launcher's tuner: a pin set after its first launch must still narrow its next launch to the
+    pinned config, and pin_configs({}) after that give it its list back (the cache key held no pin, so the first
+    tuner served every later launch: pinned never re-pinned, unpinned kept the pin)."""
+    import triton
+
+    from dorafp8.triton_kernels import _pins as Pins
+
+    class Fn:  # a JITFunction as the tuners see it: its argument names and run
+        arg_names = ["a", "out"]
+
+        def __init__(self):
+            self.calls, self.fn = [], lambda a, out: None
+
+        def run(self, *args, **kwargs):
+            self.calls.append(kwargs)
+
+    big, small = triton.Config({"BLOCK_M": 64}, num_warps=4), triton.Config({"BLOCK_M": 16}, num_warps=4)
+    fn, pin = Fn(), "weight_norm"
+    configs = [big, small] if configs_as == "list" else (lambda: [big, small])
+    monkeypatch.setattr(C, "_TUNERS", {})
+    monkeypatch.setattr(Pins, "_PINS", {})
+
+    def launched():  # the tuner this launch gets, and BLOCK_M of its run where it has one config (nothing to tune)
+        tuner = C.autotuned(fn, "t", configs, ["a"], ["out"], torch.device("cpu"), pin=pin)
+        if len(tuner.configs) > 1:
+            return [Pins.config_name(c) for c in tuner.configs]
+        tuner[(1,)](1, out=None)
+        return fn.calls[-1]["BLOCK_M"]
+
+    assert launched() == [Pins.config_name(big), Pins.config_name(small)]  # the first launch: the whole list
+    Pins.pin_configs({pin: Pins.config_name(small)})
+    assert launched() == 16  # pinned after the first launch
+    Pins.pin_configs({pin: [Pins.config_name(big)]})
+    assert launched() == 64  # re-pinned (a list of names)
+    Pins.pin_configs({})
+    assert launched() == [Pins.config_name(big), Pins.config_name(small)]  # unpinned: the list again
+
+
 @pytest.mark.parametrize("env,sm90,interp", [(None, "async-copy", "async-copy"), ("0", "async-copy", "async-copy"),
                                              ("1", "tma-ws", "tma-ws")])
 def test_the_hopper_loop_is_opt_in(monkeypatch, env, sm90, interp):
