@@ -90,15 +90,15 @@ class _DoRAFP8ConvMixin(DoRAFP8Layer):
             return None
         return a
 
-    def _fused_call(self, x: torch.Tensor, a: str, p: float) -> torch.Tensor:
-        base = self._fp8_base()
+    def _fused_call(self, x: torch.Tensor, a: str, p: float, base: FP8ConvNd) -> torch.Tensor:
         lora_A = self.lora_A[a]
+        A, B = lora_A.weight, self.lora_B[a].weight  # each read once a call
         return dora_fp8_conv(
-            x, base.fp8_weight(), base.scale, lora_A.weight, self.lora_B[a].weight,
+            x, base.fp8_weight(), base.scale, A, B,
             self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias, base.stride, base.conv_padding(),
             base.dilation, base.groups, lora_stride=lora_A.stride, lora_padding=_lora_padding(lora_A),
             lora_dilation=lora_A.dilation, dropout_p=p, training=self.training, backend=base.backend,
-            weight_norm=self.dora_weight_norm(a), block_size=base.block_size)
+            weight_norm=self._norm_of(base, a, A, B), block_size=base.block_size)
 
     @classmethod
     def check_peft_layer(cls, layer: lora_layer._ConvNd, *, per_row_scale: bool = False, name: str | None = None):

@@ -69,13 +69,13 @@ class DoRAFP8Linear(DoRAFP8Layer, lora_layer.Linear):
         return fp8_linear(x, base.fp8_weight(), base.scale, None, backend=base.backend, block_size=base.block_size,
                           act_quant=base.act_quant, global_scale=base.global_scale)
 
-    def _fused_call(self, x: torch.Tensor, a: str, p: float) -> torch.Tensor:
-        base = self.get_base_layer()
+    def _fused_call(self, x: torch.Tensor, a: str, p: float, base: FP8Linear) -> torch.Tensor:
+        A, B, g = self.lora_A[a].weight, self.lora_B[a].weight, base.global_scale  # each read once a call
         return dora_fp8_linear(
-            x, base.fp8_weight(), base.scale, self.lora_A[a].weight, self.lora_B[a].weight,
-            self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
-            dropout_p=p, training=self.training, backend=base.backend, weight_norm=self.dora_weight_norm(a),
-            block_size=base.block_size, act_quant=base.act_quant, global_scale=base.global_scale)
+            x, base.fp8_weight(), base.scale, A, B, self.lora_magnitude_vector[a].weight, self.scaling[a], base.bias,
+            dropout_p=p, training=self.training, backend=base.backend, weight_norm=self._norm_of(base, a, A, B,
+                                                                                                global_scale=g),
+            block_size=base.block_size, act_quant=base.act_quant, global_scale=g)
 
     @classmethod
     def check_peft_layer(cls, layer: lora_layer.Linear, *, per_row_scale: bool = False, name: str | None = None):
