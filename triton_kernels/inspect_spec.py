@@ -24,7 +24,8 @@ from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
 from .gemm import MICRO
 from .hopper import (MAIN_LOOPS, PIECES_BLOCKS, TRANSPOSE_BLOCK, main_loop_for, rank_pieces_kernel, transpose_w8_kernel,
                      ws_configs_for, ws_plan, ws_rank_dot)
-from .lowrank import launch_blocks, project_grad_kernel, project_kernel, quant_block_k, sum_splits_kernel
+from .lowrank import (launch_blocks, project_grad_kernel, project_kernel, project_launch, quant_block_k,
+                      sum_splits_kernel)
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
 
@@ -298,9 +299,11 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
     return out
 
 
-def _rank_gemm_variants(kernel_args, **extra_constexprs):
+def _rank_gemm_variants(kernel_args, blocks=lambda ieee, r, split: (*launch_blocks(ieee, r, split), 4),
+                        **extra_constexprs):
     """Variants of the rank-r GEMMs (project, project_grad): activations in each dtype, the rank path in the same dtype
-    or fp32, with and without the dropout mask; `kernel_args(dt, rdt, mask)` gives the runtime arguments."""
+    or fp32, with and without the dropout mask; `kernel_args(dt, rdt, mask)` gives the runtime arguments, `blocks`
+    the launcher's (BLOCK_M, BLOCK_K, BLOCK_R, stages, warps)."""
     def variants(arch: str) -> list[Variant]:
         out = []
         for (dt_name, dt), rdt_name, mask in itertools.product(DTYPES.items(), ("same", "fp32"), (False, True)):
@@ -308,28 +311,31 @@ def _rank_gemm_variants(kernel_args, **extra_constexprs):
             if rdt_name == "fp32" and dt == torch.float32:
                 continue
             dot_dt, ieee, split = split_dtype(dt, rdt)
-            bm, bk, br, stages = launch_blocks(ieee, RANK, split)
+            bm, bk, br, stages, warps = blocks(ieee, RANK, split)
             args = dict(kernel_args(dt, rdt, mask), M=LARGE_M, K=K, R=RANK, stride_mask_m=K if mask else 0,
                         inv_keep=1.0 / 0.9 if mask else 1.0)
             name = f"{'dropout' if mask else 'plain'}{',fp32-rank' if rdt_name == 'fp32' else ''}"
             out.append(Variant(name, dt_name, args, dict(HAS_MASK=mask, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, **extra_constexprs),
-                               _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_stages=stages)))
+                               _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=warps, num_stages=stages)))
         return out
     return variants
 
 
 _project_plain = _rank_gemm_variants(lambda dt, rdt, mask: dict(
     a_ptr=dt, b_ptr=rdt, out_ptr=rdt, mask_ptr=U8 if mask else dt, q_ptr=dt, sq_ptr=dt, stride_a_m=K, stride_b_r=K,
-    stride_b_k=1, stride_out_m=RANK, stride_q_m=K), QUANT=False, INTERPRET=False, QUANT_BLOCK_K=16)
+    stride_b_k=1, stride_out_m=RANK, stride_q_m=K),
+    lambda ieee, r, split: project_launch(ieee, r, split, False), QUANT=False, INTERPRET=False, QUANT_BLOCK_K=16)
 
 
 def _project_variants(arch: str) -> list[Variant]:
     """project's variants, and for bf16 activations the same with W8A8's quantization of x (QUANT: ",w8a8")."""
     out = _project_plain(arch)
     for v in [v for v in out if v.dtype == "bf16"]:
-        qbk = quant_block_k(v.configs[0].kwargs["BLOCK_M"])
+        c = v.constexprs
+        bm, bk, br, stages, warps = project_launch(c["IEEE"], RANK, c["SPLIT"], True)
         out.append(Variant(f"{v.name},w8a8", v.dtype, dict(v.args, q_ptr=FP8, sq_ptr=F32),
-                           dict(v.constexprs, QUANT=True, QUANT_BLOCK_K=qbk), v.configs))
+                           dict(c, QUANT=True, QUANT_BLOCK_K=quant_block_k(bm)),
+                           _fixed(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, num_warps=warps, num_stages=stages)))
     return out
 
 

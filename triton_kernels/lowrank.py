@@ -4,7 +4,8 @@
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
 A dropout mask is applied as a is loaded; fp32 adapters on 16-bit activations compute from the exact values, as PEFT
-does: on bf16 tensor cores with the fp32 operand split in three (bf16 activations, _common.split_dtype), else in fp32. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
+does: on bf16 tensor cores with the fp32 operand split in three (bf16 activations, _common.split_dtype; project by bit
+masks, _dot3_bits), else in fp32. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
+from ._common import (dot, dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
                       split_dtype, sum_parts)
 from .occupancy import sm_props
 from .quant import QUANT_STEP, quant_rows
@@ -26,6 +27,16 @@ def launch_blocks(ieee: bool, R: int, split: bool = False) -> tuple[int, int, in
     if ieee or split:
         return 32, 64, min(block_r(R), 32), 2 if ieee else 3
     return 64, 128, block_r(R), 3
+
+
+def project_launch(ieee: bool, R: int, split: bool, quant: bool) -> tuple[int, int, int, int, int]:
+    """project's (BLOCK_M, BLOCK_K, BLOCK_R, num_stages, num_warps) on a GPU. A split fp32 A (issue 52): 2 warps, one
+    per 16 rows of the mma.sync tile (4 warps on 32 rows held two copies each: twice the MMAs and A's split, kernel
+    report), and four stages; QUANT keeps 4 warps, for its 32 x 256 quantizing sweep's registers."""
+    bm, bk, br, stages = launch_blocks(ieee, R, split)
+    if split and not quant:
+        return bm, bk, br, 4, bm // 16
+    return bm, bk, br, stages, 4
 
 
 def quant_block_k(bm: int) -> int:
@@ -44,6 +55,29 @@ def _dropped(a, keep, inv_keep, SPLIT: tl.constexpr):
     else:
         a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
     return a
+
+
+@triton.jit
+def _top_bf16(x):
+    """(x's bf16 truncation, as bf16 and as fp32): x's upper 16 bits, by bit operations, not a conversion."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot3_bits(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr):
+    """dot3(a, b, acc, .., SPLIT_A=False, SPLIT=True) with b (fp32) split by truncation: hi, mid and lo are each b's
+    residual's upper 16 bits, so every residual is exact and lo, 8 significant bits at most, is exact in bf16 as well.
+    Bit masks and shifts run on the integer pipe: split3's conversions (F2F, 16 a clock an SM on sm_90) set
+    project_kernel's issue floor (kernel report). Smallest parts first, as dot3."""
+    o = a.to(DOT_DT)
+    hi, hi32 = _top_bf16(b.to(tl.float32))
+    rest = b.to(tl.float32) - hi32
+    mid, mid32 = _top_bf16(rest)
+    lo, _ = _top_bf16(rest - mid32)
+    acc = dot(o, lo.to(DOT_DT), acc, IEEE)
+    acc = dot(o, mid.to(DOT_DT), acc, IEEE)
+    return dot(o, hi.to(DOT_DT), acc, IEEE)
 
 
 @triton.jit
@@ -80,7 +114,10 @@ def project_kernel(
             a = _dropped(a, keep, inv_keep, SPLIT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0)
-        acc = dot3(a, bt, acc, DOT_DT, IEEE, False, SPLIT)
+        if SPLIT:
+            acc = _dot3_bits(a, bt, acc, DOT_DT, IEEE)
+        else:
+            acc = dot3(a, bt, acc, DOT_DT, IEEE, False, False)
     if SPLIT and HAS_MASK:
         acc = acc * inv_keep
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -161,12 +198,15 @@ def project(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, mask=None,
         return (out, q, sq) if quant else out
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee, split = split_dtype(a.dtype, b.dtype)
-    bm, bk, br, stages = (16, 32, block_r(R), 1) if interpreting() else launch_blocks(ieee, R, split)
+    if interpreting():
+        bm, bk, br, stages, warps = 16, 32, block_r(R), 1, 4
+    else:
+        bm, bk, br, stages, warps = project_launch(ieee, R, split, quant)
     qbk = 2 * bk if interpreting() else quant_block_k(bm)  # a width of its own in the tests too
     launch(project_kernel, (cdiv(M, bm), max(cdiv(R, br), int(quant))))(  # quant: every row block, even at r = 0
         a, b, out, mk, q, sq, M, K, R, a.stride(0), b.stride(0), b.stride(1), out.stride(0), stride_mk, q.stride(0),
         inv_keep, HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, QUANT=quant, INTERPRET=interpreting(),
-        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, QUANT_BLOCK_K=qbk, num_warps=4, num_stages=stages)
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, QUANT_BLOCK_K=qbk, num_warps=warps, num_stages=stages)
     return (out, q, sq) if quant else out
 
 

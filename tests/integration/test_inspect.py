@@ -378,6 +378,22 @@ def test_fp32_adapters_on_bf16_use_tensor_cores(records):
     _none_of([r for r in recs if r["mma"] in ("fma", "none")], "multiply fp32 adapters on CUDA cores")
 
 
+def test_project_splits_fp32_adapters_once_a_warp_without_conversions(records):
+    """project_kernel with bf16 x and fp32 A (issue 52): each warp's MMAs in a main-loop step are its own (the 32-row
+    tile ran 4 warps on mma.sync's 16-row tiles: two repeated the other two's MMAs and A's split), and A's split takes
+    no F2F (split3 converted each element 2.25 times on the 16-a-clock conversion pipe: with 8 warps an SM at M 8192,
+    an issue floor near 37 us on an H200, over twice the 16 us read of x)."""
+    recs = [r for r in _select(records, "triton", ("project",), dtypes=("bf16",)) if "fp32-rank" in r["variant"]]
+    assert recs
+
+    def wasted(r):
+        kw = dict(re.findall(r"(BLOCK_[MKR])=(\d+)", r["config"]))
+        need = int(kw["BLOCK_M"]) // 16 * (int(kw["BLOCK_R"]) // 8) * (int(kw["BLOCK_K"]) // 16) * 3  # m16n8k16
+        warps = int(re.search(r"\bw(\d+)\b", r["config"]).group(1))
+        return r["main_loop"] is None or r["main_loop"]["f2f"] or r["main_loop"]["mma"] * warps != need
+    _none_of([r for r in recs if wasted(r)], "repeat MMAs across warps or split A with F2F in the main loop")
+
+
 def test_backward_pass_headline_holds_two_programs_an_sm(records):
     """The headline backward pass (bf16 g, fp32 adapters, r 16) keeps two programs on each Hopper SM, so that two
     programs' loads are in flight at once. At 210 registers x 8 warps one fit (issue 52: 350 us on an H200 for 205 MiB,

@@ -155,6 +155,22 @@ class _ConstexprRecorder(LaunchRecorder):
         return super()._observe(kernel, grid, args, kwargs)
 
 
+def test_project_runs_one_warp_per_mma_row_tile():
+    """Issue 52: u = x A^T at the headline (bf16 x, fp32 A, r 16) ran 32 x 64 tiles in 4 warps on mma.sync's 16-row
+    tiles, so two warps of four repeated the other two's MMAs and A's split (kernel report: warpsPerCTA [4, 1]). Now
+    one warp per 16 rows, in one launch (test_inspect.py reads the SASS)."""
+    from dorafp8 import triton_kernels as tk
+
+    h = HEADLINE
+    x = torch.empty(h["M"], h["K"], dtype=torch.bfloat16, device="meta")
+    A = torch.empty(h["r"], h["K"], dtype=torch.float32, device="meta")
+    with _ConstexprRecorder() as rec, dry_run(rec, H100_SMS, BLOCKS_PER_SM):
+        tk.project(x, A, torch.float32)
+    assert rec.names() == ["triton:project_kernel"], rec.table()
+    (kw,) = rec.kwargs
+    assert kw["SPLIT"] and kw["num_warps"] * 16 == kw["BLOCK_M"], kw
+
+
 def test_headline_w8a8_has_no_copy_and_quantizes_x_in_wide_steps():
     """Issue 52, on the H200: W8A8's step ran an aten copy of W8^T (92 us for 32 MiB, 11x its floor) and its
     project_kernel, which also quantizes x, took 157 us against W8A16's 65. Now, in the dry run at the headline
