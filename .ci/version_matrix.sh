@@ -26,8 +26,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # resolves with no cap (the machine's constraint file lifted for that leg only: PIP_CONSTRAINT=/dev/null).
 # CI runs LEGS; a leg of OPT_IN runs only when named. torch 2.13 + Triton 3.7 left CI's run when CI neared its
 # 90-minute limit (80.6 minutes at stop 68, on a slow machine): it sits between the oldest and 3.8, both tested.
-LEGS=(torch2.11-triton3.6 torch2.14-triton3.8 newest)
-OPT_IN=(torch2.13-triton3.7)
+# newest left it at stop 77: a fresh-clone .ci/run took 6316 s there (the limit is 5400), the newest leg (torch 2.15.0 +
+# Triton 3.9.0, 319 passed) 1000 s of it. Where README's install resolves the newest, the suite runs on it anyway.
+LEGS=(torch2.11-triton3.6 torch2.14-triton3.8)
+OPT_IN=(torch2.13-triton3.7 newest)
 declare -A REQS=(
     [torch2.11-triton3.6]="torch==2.11.0 triton==3.6.0 numpy<2.4"
     [torch2.13-triton3.7]="torch==2.13.0 triton==3.7.1 numpy"
