@@ -42,6 +42,6 @@ def pin_of(pin: str | None):
 
 def pinned(pin: str | None, configs: list) -> list:
     """The configs a launcher tunes over: `configs`, or the ones pin_configs pinned for `pin` that the list holds."""
-    want = _PINS.get(pin) if pin is not None else None
+    want = pin_of(pin)
     want = [want] if isinstance(want, str) else list(want or ())
     return [c for c in configs if config_name(c) in want] or configs

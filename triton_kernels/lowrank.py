@@ -71,8 +71,9 @@ def _dot3_bits(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr):
     Bit masks and shifts run on the integer pipe: split3's conversions (F2F, 16 a clock an SM on sm_90) set
     project_kernel's issue floor (kernel report). Smallest parts first, as dot3."""
     o = a.to(DOT_DT)
-    hi, hi32 = _top_bf16(b.to(tl.float32))
-    rest = b.to(tl.float32) - hi32
+    b = b.to(tl.float32)
+    hi, hi32 = _top_bf16(b)
+    rest = b - hi32
     mid, mid32 = _top_bf16(rest)
     lo, _ = _top_bf16(rest - mid32)
     acc = dot(o, lo.to(DOT_DT), acc, IEEE)
