@@ -25,12 +25,18 @@ class PeakTemporaries(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
+        self.live, self._count, self.peak, self.largest = {}, 0, 0, 0
+
+    @property
+    def cur(self) -> int:
+        """Bytes of the storages made inside and alive now."""
+        self._sweep()
+        return self._count
 
     def _sweep(self) -> None:
         dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
         for key in dead:
-            self.cur -= self.live.pop(key)[1]
+            self._count -= self.live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "dorafp8":
@@ -40,7 +46,6 @@ class PeakTemporaries(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                 if isinstance(t, torch.Tensor)}
-        swept = False
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
@@ -48,14 +53,18 @@ class PeakTemporaries(TorchDispatchMode):
             key = st.data_ptr()
             if key in seen or st.nbytes() == 0:
                 continue
-            if not swept:  # a dead storage's address may be handed out again: forget the dead ones first
-                self._sweep()
-                swept = True
             if key in self.live:
-                continue
+                if not self.live[key][0].expired():
+                    continue  # the same storage, already counted
+                self._count -= self.live.pop(key)[1]  # a dead storage's address handed out again
+            # Dead storages are swept only when the count (which still holds them, so is never below the true one)
+            # would pass the peak: a sweep per op made a training step quadratic in its live storages (minutes for
+            # a small UNet), and a peak is only ever set after one, so the figures are those of a sweep per op.
+            if self._count + st.nbytes() > self.peak:
+                self._sweep()
             self.live[key] = (StorageWeakRef(st), st.nbytes())
-            self.cur += st.nbytes()
-            self.peak = max(self.peak, self.cur)
+            self._count += st.nbytes()
+            self.peak = max(self.peak, self._count)
             self.largest = max(self.largest, st.nbytes())
         return out
 

@@ -50,6 +50,44 @@ def test_tracker_counts_a_storage_until_its_last_view_dies():
     assert live_without_y < 2 * MiB, f"{live_without_y / MiB:.2f} MiB live after y died"
 
 
+class _SweepEveryOp(PeakTemporaries):
+    """The tracker as it was: every dead storage forgotten before each op (exact, and quadratic in live storages)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_tracker_peak_equals_a_sweep_before_every_op():
+    """The tracker sweeps only when its count would pass the peak; the peak must be the one a sweep per op gives, on a
+    hand-made sequence (a freed buffer must not count towards the next one's peak) and on a DoRA training step."""
+    def freed_then_larger():
+        a = torch.empty(256 * 1024)  # 1 MiB
+        del a
+        b = torch.empty(512 * 1024)  # 2 MiB, with a dead
+        c = b + 1  # 2 MiB more, b alive
+        del b, c
+        torch.empty(1024 * 1024)  # 4 MiB alone: the peak is 4 MiB, not 1 + 2 + 2 + 4
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(dorafp8.quantize_model(torch.nn.Sequential(
+        torch.nn.Linear(96, 80), torch.nn.GELU(), torch.nn.Linear(80, 64)), verbose=False),
+        peft.LoraConfig(r=4, use_dora=True, target_modules=["0", "2"], lora_dropout=0.1))
+    x = torch.randn(33, 96)
+
+    def step():
+        model(x).square().mean().backward()
+    step()  # gradients allocated once
+    for fn, expect in ((freed_then_larger, 4 * MiB), (step, None)):
+        with PeakTemporaries() as lazy:
+            fn()
+        with _SweepEveryOp() as every:
+            fn()
+        assert lazy.peak == every.peak and lazy.largest == every.largest
+        assert expect is None or lazy.peak == expect, lazy.peak / MiB
+        assert lazy.peak > 0
+
+
 def test_weight_norm_peak_memory_8192():
     w8, scale, A, B = _big()
     dense_fp32 = w8.numel() * 4  # 256 MiB: what one dense [N, K] fp32 temporary would cost
