@@ -145,7 +145,8 @@ def test_a_command_past_its_limit_goes_with_every_process_it_started(tmp_path, m
     doc = tmp_path / "hang.md"
     doc.write_text("<!-- session: s -->\n<!-- file: w.py -->\n```python\nimport os, time\n"
                    "open(f\"pid{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n"
-                   "print('worker', os.environ['RANK'], 'up', flush=True)\ntime.sleep(900)\n```\n\n"
+                   # one write(2) of a short line to a pipe is atomic: print's pieces from two ranks interleaved
+                   "os.write(1, f\"worker {os.environ['RANK']} up\\n\".encode())\ntime.sleep(900)\n```\n\n"
                    "<!-- session: s -->\n```bash\ntorchrun --nproc_per_node 2 w.py\n```\n")
     res = doc_runner.run_doc(str(doc), tmp_path / "work")
     bash = res[max(res, key=lambda k: int(k.rsplit(":", 1)[1]))]
