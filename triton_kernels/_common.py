@@ -165,12 +165,22 @@ def dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _top_bf16(x):
+    """(x's bf16 truncation, as bf16 and as fp32): x's upper 16 bits, by bit operations, not a conversion."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def split3(x):
-    """x (fp32) = hi + mid + lo exactly, each bf16 (8 significant bits a part, 24 in all; each residual is exact)."""
-    hi = x.to(tl.bfloat16)
-    rest = x - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    """x (fp32) = hi + mid + lo exactly, each bf16: each part is the residual's upper 16 bits (8 significant bits),
+    so every residual is exact and lo, the last 8 bits at most, exact in bf16 as well. Bit masks and shifts run on the
+    integer pipe; conversions (F2F, 16 a clock an SM on sm_90) set the issue floor of the kernels that split a tile
+    every step (kernel report). Triton's interpreter converts fp32 to bf16 by truncation too: the same parts."""
+    hi, hi32 = _top_bf16(x)
+    rest = x - hi32
+    mid, mid32 = _top_bf16(rest)
+    lo, _ = _top_bf16(rest - mid32)
     return hi, mid, lo
 
 

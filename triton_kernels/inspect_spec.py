@@ -24,7 +24,7 @@ from .forward import dora_fwd_kernel, fwd_epilogue_kernel, epilogue_blocks
 from .gemm import MICRO
 from .hopper import (MAIN_LOOPS, PIECES_BLOCKS, TRANSPOSE_BLOCK, main_loop_for, rank_pieces_kernel, transpose_w8_kernel,
                      ws_configs_for, ws_plan, ws_rank_dot)
-from .lowrank import (launch_blocks, project_grad_kernel, project_kernel, project_launch, quant_block_k,
+from .lowrank import (project_grad_kernel, project_grad_launch, project_kernel, project_launch, quant_block_k,
                       sum_splits_kernel)
 from .quant import QUANT_BLOCKS, rowwise_quant_kernel
 from .weight_norm import dora_weight_norm_kernel, weight_norm_block_r
@@ -299,8 +299,7 @@ def _bwd_pass_variants(arch: str) -> list[Variant]:
     return out
 
 
-def _rank_gemm_variants(kernel_args, blocks=lambda ieee, r, split: (*launch_blocks(ieee, r, split), 4),
-                        **extra_constexprs):
+def _rank_gemm_variants(kernel_args, blocks=project_grad_launch, **extra_constexprs):
     """Variants of the rank-r GEMMs (project, project_grad): activations in each dtype, the rank path in the same dtype
     or fp32, with and without the dropout mask; `kernel_args(dt, rdt, mask)` gives the runtime arguments, `blocks`
     the launcher's (BLOCK_M, BLOCK_K, BLOCK_R, stages, warps)."""

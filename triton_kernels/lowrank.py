@@ -4,8 +4,8 @@
     project_grad(v, a)  s * v [M, r]^T @ a [M, K] -> [r, K] dA in the backward (in A's dtype)
 
 A dropout mask is applied as a is loaded; fp32 adapters on 16-bit activations compute from the exact values, as PEFT
-does: on bf16 tensor cores with the fp32 operand split in three (bf16 activations, _common.split_dtype; project by bit
-masks, _dot3_bits), else in fp32. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
+does: on bf16 tensor cores with the fp32 operand split in three (bf16 activations, _common.split_dtype; split by bit
+masks, _common.split3), else in fp32. project_grad sums its fp32 M-partials in a fixed order. Details: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (dot, dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
+from ._common import (dot3, alloc, block_r, cdiv, check_activation, interpreting, last_dim_unit, launch,
                       split_dtype, sum_parts)
 from .occupancy import sm_props
 from .quant import QUANT_STEP, quant_rows
@@ -39,6 +39,15 @@ def project_launch(ieee: bool, R: int, split: bool, quant: bool) -> tuple[int, i
     return bm, bk, br, stages, 4
 
 
+def project_grad_launch(ieee: bool, R: int, split: bool) -> tuple[int, int, int, int, int]:
+    """project_grad's (BLOCK_M, BLOCK_K, BLOCK_R, num_stages, num_warps) on a GPU. A split fp32 v: 2 warps, not 4.
+    Each warp splits the 16-row mma.sync tiles of v^T it multiplies: 4 warps split each in 2 warps (r 64) or 4 (r 16),
+    2 warps in 1 or 2; and with split3's bit masks the dropout variant spilled 24-28 bytes on sm_120 at 4 warps. 2
+    warps: no spill, 15-26% fewer instructions a tile (kernel report)."""
+    bm, bk, br, stages = launch_blocks(ieee, R, split)
+    return bm, bk, br, stages, 2 if split else 4
+
+
 def quant_block_k(bm: int) -> int:
     """QUANT's sweep width on a GPU: a step of QUANT_STEP elements. The main loop's 32 x 64 tile kept 4 KiB in flight
     per program, 256 programs at M 8192, and W8A8's project ran at 6.5x its floor on an H200; 4x that in flight is a
@@ -55,30 +64,6 @@ def _dropped(a, keep, inv_keep, SPLIT: tl.constexpr):
     else:
         a = tl.where(keep != 0, a.to(tl.float32) * inv_keep, 0.0)
     return a
-
-
-@triton.jit
-def _top_bf16(x):
-    """(x's bf16 truncation, as bf16 and as fp32): x's upper 16 bits, by bit operations, not a conversion."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot3_bits(a, b, acc, DOT_DT: tl.constexpr, IEEE: tl.constexpr):
-    """dot3(a, b, acc, .., SPLIT_A=False, SPLIT=True) with b (fp32) split by truncation: hi, mid and lo are each b's
-    residual's upper 16 bits, so every residual is exact and lo, 8 significant bits at most, is exact in bf16 as well.
-    Bit masks and shifts run on the integer pipe: split3's conversions (F2F, 16 a clock an SM on sm_90) set
-    project_kernel's issue floor (kernel report). Smallest parts first, as dot3."""
-    o = a.to(DOT_DT)
-    b = b.to(tl.float32)
-    hi, hi32 = _top_bf16(b)
-    rest = b - hi32
-    mid, mid32 = _top_bf16(rest)
-    lo, _ = _top_bf16(rest - mid32)
-    acc = dot(o, lo.to(DOT_DT), acc, IEEE)
-    acc = dot(o, mid.to(DOT_DT), acc, IEEE)
-    return dot(o, hi.to(DOT_DT), acc, IEEE)
 
 
 @triton.jit
@@ -115,10 +100,7 @@ def project_kernel(
             a = _dropped(a, keep, inv_keep, SPLIT)
         bt = tl.load(b_ptr + offs_r[None, :] * stride_b_r + (k0 + offs_k[:, None]).to(tl.int64) * stride_b_k,
                      mask=k_ok[:, None] & mask_r[None, :], other=0.0)
-        if SPLIT:
-            acc = _dot3_bits(a, bt, acc, DOT_DT, IEEE)
-        else:
-            acc = dot3(a, bt, acc, DOT_DT, IEEE, False, False)
+        acc = dot3(a, bt, acc, DOT_DT, IEEE, False, SPLIT)
     if SPLIT and HAS_MASK:
         acc = acc * inv_keep
     tl.store(out_ptr + rows[:, None] * stride_out_m + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -222,9 +204,9 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s:
     mk, stride_mk, inv_keep = _mask_args(mask, p, a)
     dot_dt, ieee, split = split_dtype(a.dtype, v.dtype)
     if interpreting():
-        bm, bk, br, stages, splits = 16, 32, block_r(R), 1, 2
+        bm, bk, br, stages, warps, splits = 16, 32, block_r(R), 1, 4, 2
     else:
-        bm, bk, br, stages = launch_blocks(ieee, R, split)
+        bm, bk, br, stages, warps = project_grad_launch(ieee, R, split)
         programs = cdiv(K, bk) * cdiv(R, br)
         target = 4 * sm_props(a.device)[0]
         splits = max(1, min(cdiv(M, bm * 4), cdiv(target, programs)))
@@ -235,7 +217,7 @@ def project_grad(v: torch.Tensor, a: torch.Tensor, mask=None, p: float = 0.0, s:
     launch(project_grad_kernel, (cdiv(K, bk), cdiv(R, br), splits))(
         v, a, part, mk, M, K, R, rows, v.stride(0), v.stride(1), a.stride(0), stride_mk, inv_keep, float(s),
         HAS_MASK=mask is not None, DOT_DT=dot_dt, IEEE=ieee, SPLIT=split, FINAL=splits == 1, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
-        num_warps=4, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         block = 64 if interpreting() else 1024
         launch(sum_splits_kernel, (cdiv(R * K, block),))(part, out, splits, R * K, float(s), BLOCK=block,

@@ -200,10 +200,6 @@ KNOWN_SERIALIZED = {("dgrad", "sm_90a", "bf16", "adapter+dropout,tensor-scale,M>
                      "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s4")}
 MAY_SPILL = {("dgrad", "sm_89", "bf16", "adapter+dropout,tensor-scale,M>64,fp32-rank,r=64",
               "BLOCK_M=64,BLOCK_K=128,BLOCK_N=64,GROUP_M=8,w8,s3")}
-# project_grad with dropout (bf16 x, fp32 adapters split in three bf16 parts: split_dtype) on its 32 x 64 x 32
-# three-stage tile on sm_100a: 16 bytes at 72 registers under Triton 3.7 and 3.9, none under 3.6 and 3.8 (CI's matrix,
-# read when the rank-r kernels took the split operand). A spill on B200 only, in a rank-r kernel bound by its bytes.
-MAY_SPILL |= {("project_grad", "sm_100a", "bf16", "dropout,fp32-rank", "BLOCK_M=32,BLOCK_K=64,BLOCK_R=32,w4,s3")}
 
 
 # Serialized under one Triton version only, as KNOWN_SPILLS below: Triton 3.8 serializes the sm_90a dgrad with dropout and
@@ -378,20 +374,23 @@ def test_fp32_adapters_on_bf16_use_tensor_cores(records):
     _none_of([r for r in recs if r["mma"] in ("fma", "none")], "multiply fp32 adapters on CUDA cores")
 
 
-def test_project_splits_fp32_adapters_once_a_warp_without_conversions(records):
-    """project_kernel with bf16 x and fp32 A (issue 52): each warp's MMAs in a main-loop step are its own (the 32-row
-    tile ran 4 warps on mma.sync's 16-row tiles: two repeated the other two's MMAs and A's split), and A's split takes
-    no F2F (split3 converted each element 2.25 times on the 16-a-clock conversion pipe: with 8 warps an SM at M 8192,
-    an issue floor near 37 us on an H200, over twice the 16 us read of x)."""
-    recs = [r for r in _select(records, "triton", ("project",), dtypes=("bf16",)) if "fp32-rank" in r["variant"]]
-    assert recs
+def test_rank_gemms_split_fp32_adapters_once_a_warp_without_conversions(records):
+    """project and project_grad with bf16 x and fp32 A or v (issue 52): each warp's MMAs in a main-loop step are its
+    own (project's 32-row tile ran 4 warps on mma.sync's 16-row tiles: two repeated the other two's MMAs and A's split),
+    and the split takes no F2F (split3's conversions took 2.25 F2F an element on the 16-a-clock conversion pipe: with 8
+    warps an SM at M 8192, an issue floor near 37 us on an H200 for project, over twice the 16 us read of x)."""
+    recs = [r for r in _select(records, "triton", ("project", "project_grad"), dtypes=("bf16",))
+            if "fp32-rank" in r["variant"]]
+    assert {r["kernel"] for r in recs} == {"project", "project_grad"}
 
     def wasted(r):
-        kw = dict(re.findall(r"(BLOCK_[MKR])=(\d+)", r["config"]))
-        need = int(kw["BLOCK_M"]) // 16 * (int(kw["BLOCK_R"]) // 8) * (int(kw["BLOCK_K"]) // 16) * 3  # m16n8k16
+        kw = {k: int(v) for k, v in re.findall(r"(BLOCK_[MKR])=(\d+)", r["config"])}
+        rows, cols = (kw["BLOCK_M"], kw["BLOCK_R"]) if r["kernel"] == "project" else (kw["BLOCK_R"], kw["BLOCK_K"])
+        depth = kw["BLOCK_K"] if r["kernel"] == "project" else kw["BLOCK_M"]
+        need = rows // 16 * (cols // 8) * (depth // 16) * 3  # m16n8k16, three parts
         warps = int(re.search(r"\bw(\d+)\b", r["config"]).group(1))
         return r["main_loop"] is None or r["main_loop"]["f2f"] or r["main_loop"]["mma"] * warps != need
-    _none_of([r for r in recs if wasted(r)], "repeat MMAs across warps or split A with F2F in the main loop")
+    _none_of([r for r in recs if wasted(r)], "repeat MMAs across warps or split with F2F in the main loop")
 
 
 def test_backward_pass_headline_holds_two_programs_an_sm(records):
