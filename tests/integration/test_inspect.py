@@ -1173,3 +1173,16 @@ def test_measurements_sit_beside_the_main_loop_they_ran(tmp_path, monkeypatch):
     assert next(x for x in lines if x.startswith("    W8A16 ")).rstrip().endswith("2.151 (NVIDIA H200)")
     assert next(x for x in lines if x.startswith("    W8A16, cp.async loop ")).rstrip().endswith("1.234 (NVIDIA H200)")
 
+
+
+@pytest.mark.skipif(_triton_minor() != "3.8", reason="docs/INSPECT.md quotes --predict under Triton 3.8: other "
+                    "versions' ptxas give other SASS, so other figures")
+def test_inspect_md_quotes_predict_as_it_prints():
+    """docs/INSPECT.md's --predict block (README and GUIDE quote its ratios) is what the command prints: it had drifted
+    by a MiB and by a GPU run (its measured column named the H200's first run after bench/results held the second)."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "INSPECT.md")).read()
+    block = doc.split("```text\nPREDICTED, not measured", 1)[1].split("\n```", 1)[0]
+    block = ("PREDICTED, not measured" + block).splitlines()
+    out = subprocess.run([sys.executable, "-m", "dorafp8.kernel_report", "--predict", "--jobs", "2"], check=True,
+                         capture_output=True, text=True, timeout=900).stdout.splitlines()
+    assert out[:len(block)] == block
